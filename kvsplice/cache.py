@@ -1,0 +1,168 @@
+"""Decode caches behind one small interface.
+
+Every cache in the project (full K/V, MLA latent, KVSplice compressed latent, and the post-training
+coefficient / chunk / token-subset caches) is a :class:`DecodeCache`. A cache holds, per layer, a few named
+*streams*. A stream stores one tensor of shape ``(B, *lead, T, D)`` — time is always the second-to-last dim —
+so full K/V is ``{"k": (H, hs), "v": (H, hs)}`` → ``(B, H, T, hs)`` and an MLA latent is ``{"c": (d_latent,)}``
+→ ``(B, T, d_latent)``.
+
+Storage is preallocated and grows geometrically, so appending one token copies only that token (no
+``torch.cat`` of the whole cache per step). Pass ``capacity`` when the final length is known (``generate`` and the
+memory tools do) and the storage is exactly the logical size, so measured bytes equal the formula.
+
+The interface:
+
+* ``append(layer, **new)`` — write a layer's new entries (each ``(B, *lead, T_new, D)``) and return views of the
+  whole stream ``(B, *lead, T, D)`` after the append;
+* ``seq_len`` — tokens held (the same for every layer between forward calls);
+* ``nbytes()`` — bytes of what the cache holds (sum of the live views' sizes);
+* ``storage_nbytes()`` — bytes of the allocated buffers (== ``nbytes()`` when ``capacity`` was exact);
+* ``tensors()`` — the live views, for independent measurement;
+* ``reset()`` — forget all tokens, keep the buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Mapping, Sequence
+
+import torch
+
+StreamSpec = Mapping[str, Sequence[int]]
+"""name -> per-token shape ``(*lead, D)``; stored as ``(B, *lead, T, D)``."""
+
+
+class DecodeCache:
+    """Per-layer named streams with amortised O(1) appends along the time axis (dim -2)."""
+
+    kind: str = "generic"
+
+    def __init__(
+        self,
+        specs: Sequence[StreamSpec],
+        batch_size: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        capacity: int | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if capacity is not None and capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.specs = [{name: tuple(int(s) for s in shape) for name, shape in spec.items()} for spec in specs]
+        self.batch_size = int(batch_size)
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._initial_capacity = capacity
+        self._buffers: list[dict[str, torch.Tensor]] = [
+            {name: self._alloc(shape, capacity or 0) for name, shape in spec.items()} for spec in self.specs
+        ]
+        self._lengths = [0] * len(self.specs)
+
+    # ----------------------------------------------------------------------------------------------- storage
+    def _alloc(self, shape: tuple[int, ...], capacity: int) -> torch.Tensor:
+        *lead, d = shape
+        return torch.empty(self.batch_size, *lead, capacity, d, dtype=self.dtype, device=self.device)
+
+    def _ensure(self, layer: int, needed: int) -> None:
+        bufs = self._buffers[layer]
+        cap = next(iter(bufs.values())).shape[-2] if bufs else 0
+        if needed <= cap:
+            return
+        new_cap = max(needed, 2 * cap, 16)
+        n = self._lengths[layer]
+        for name, buf in bufs.items():
+            grown = self._alloc(self.specs[layer][name], new_cap)
+            grown[..., :n, :] = buf[..., :n, :]
+            bufs[name] = grown
+
+    # --------------------------------------------------------------------------------------------- interface
+    @property
+    def n_layer(self) -> int:
+        return len(self.specs)
+
+    @property
+    def seq_len(self) -> int:
+        return min(self._lengths) if self._lengths else 0
+
+    def layer_len(self, layer: int) -> int:
+        return self._lengths[layer]
+
+    def append(self, layer: int, **new: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Append ``new[name]`` of shape ``(B, *lead, T_new, D)`` to every stream of ``layer``; return full views."""
+        spec = self.specs[layer]
+        if set(new) != set(spec):
+            raise KeyError(f"layer {layer} holds streams {sorted(spec)}, got {sorted(new)}")
+        t_new = {t.shape[-2] for t in new.values()}
+        if len(t_new) != 1:
+            raise ValueError(f"all streams must append the same number of tokens, got {sorted(t_new)}")
+        (t_new,) = t_new
+        n = self._lengths[layer]
+        self._ensure(layer, n + t_new)
+        out = {}
+        for name, x in new.items():
+            expect = (self.batch_size, *spec[name][:-1], t_new, spec[name][-1])
+            if tuple(x.shape) != expect:
+                raise ValueError(f"stream {name!r} of layer {layer}: expected shape {expect}, got {tuple(x.shape)}")
+            buf = self._buffers[layer][name]
+            buf[..., n : n + t_new, :] = x
+            out[name] = buf[..., : n + t_new, :]
+        self._lengths[layer] = n + t_new
+        return out
+
+    def get(self, layer: int) -> dict[str, torch.Tensor]:
+        """Views of everything ``layer`` holds, ``(B, *lead, T, D)`` per stream."""
+        n = self._lengths[layer]
+        return {name: buf[..., :n, :] for name, buf in self._buffers[layer].items()}
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        for layer in range(self.n_layer):
+            yield from self.get(layer).values()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def storage_nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for bufs in self._buffers for b in bufs.values())
+
+    def elements_per_token(self) -> int:
+        """Elements stored per token per sequence, summed over layers and streams."""
+        return sum(math.prod(shape) for spec in self.specs for shape in spec.values())
+
+    def reset(self) -> None:
+        self._lengths = [0] * len(self.specs)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(layers={self.n_layer}, batch={self.batch_size}, seq_len={self.seq_len}, "
+            f"dtype={self.dtype}, nbytes={self.nbytes()})"
+        )
+
+
+class KVCache(DecodeCache):
+    """Full keys and values (standard multi-head attention): ``k, v`` as ``(B, H, T, hs)`` per layer."""
+
+    kind = "kv"
+
+    def __init__(self, n_layer: int, n_head: int, head_size: int, batch_size: int, **kw) -> None:
+        spec = {"k": (n_head, head_size), "v": (n_head, head_size)}
+        super().__init__([spec] * n_layer, batch_size, **kw)
+
+
+class LatentCache(DecodeCache):
+    """MLA: one shared latent ``c`` per token per layer, ``(B, T, d_latent)``; K and V are derived from it."""
+
+    kind = "latent"
+
+    def __init__(self, n_layer: int, d_latent: int, batch_size: int, **kw) -> None:
+        super().__init__([{"c": (d_latent,)}] * n_layer, batch_size, **kw)
+
+
+class CompressedLatentCache(LatentCache):
+    """MLA + KVSplice: the compressed latent ``s = C c`` per token per layer, ``(B, T, d_compressed)``.
+
+    Stored under the same stream name ``"c"`` as :class:`LatentCache` so the attention code reads either.
+    """
+
+    kind = "compressed_latent"

@@ -1,0 +1,128 @@
+"""One typed config for every GPT-2 variant (MHA, MLA, MLA + KVSplice), plus named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+Attention = Literal["mha", "mla"]
+AttnBackend = Literal["auto", "flash", "sdpa"]
+MLAImpl = Literal["absorb", "naive"]
+
+ATTENTIONS = ("mha", "mla")
+ATTN_BACKENDS = ("auto", "flash", "sdpa")
+MLA_IMPLS = ("absorb", "naive")
+
+
+@dataclass
+class GPTConfig:
+    """Shapes and options of a GPT-2-style decoder.
+
+    ``attention="mha"`` is standard GPT-2. ``attention="mla"`` caches one shared latent of ``d_latent`` numbers per
+    token per layer and up-projects K and V from it. With ``kvsplice_ratio`` set, a learned compress/expand pair
+    shrinks that latent to ``d_compressed = round(d_latent * kvsplice_ratio)`` numbers (0.5/0.3/0.1 of 256 →
+    128/77/26), and only the compressed latent is cached.
+    """
+
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 12
+    d_model: int = 768
+    block_size: int = 1024
+    dropout: float = 0.0
+    bias: bool = True
+    attention: Attention = "mha"
+    d_latent: int = 256
+    kvsplice_ratio: Optional[float] = None
+    kvsplice_orthogonal: bool = False
+    attn_backend: AttnBackend = "auto"
+    mla_impl: MLAImpl = "absorb"
+    """How MLA attends over cached latents: ``absorb`` folds w_uk / w_uv (and expand) into the query and output and
+    attends in latent space; ``naive`` re-expands every cached latent into full K/V first (reference path)."""
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, field: str, allowed: str, value) -> None:
+            if not cond:
+                raise ValueError(f"GPTConfig.{field} must be {allowed}, got {value!r}")
+
+        for f in ("vocab_size", "n_layer", "n_head", "d_model", "block_size", "d_latent"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f, "an integer >= 1", v)
+        need(self.d_model % self.n_head == 0, "d_model", f"divisible by n_head={self.n_head}", self.d_model)
+        need(isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0, "dropout", "in [0, 1)",
+             self.dropout)
+        need(self.attention in ATTENTIONS, "attention", f"one of {ATTENTIONS}", self.attention)
+        need(self.attn_backend in ATTN_BACKENDS, "attn_backend", f"one of {ATTN_BACKENDS}", self.attn_backend)
+        need(self.mla_impl in MLA_IMPLS, "mla_impl", f"one of {MLA_IMPLS}", self.mla_impl)
+        if self.kvsplice_ratio is not None:
+            r = self.kvsplice_ratio
+            need(isinstance(r, (int, float)) and not isinstance(r, bool) and 0.0 < r < 1.0, "kvsplice_ratio",
+                 "None or a number with 0 < ratio < 1", r)
+            need(self.attention == "mla", "kvsplice_ratio", "None unless attention='mla' (KVSplice compresses the "
+                 "MLA latent)", r)
+            need(round(self.d_latent * r) >= 1, "kvsplice_ratio", f"large enough that round(d_latent * ratio) >= 1 "
+                 f"(d_latent={self.d_latent})", r)
+
+    # ------------------------------------------------------------------------------------------------ derived
+    @property
+    def head_size(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def d_compressed(self) -> Optional[int]:
+        return None if self.kvsplice_ratio is None else int(round(self.d_latent * self.kvsplice_ratio))
+
+    @property
+    def variant(self) -> str:
+        """Short name: ``mha``, ``mla`` or ``mla_kvsplice_<compression %>``."""
+        if self.attention == "mha":
+            return "mha"
+        if self.kvsplice_ratio is None:
+            return "mla"
+        return f"mla_kvsplice_{round(100 * (1 - self.kvsplice_ratio))}"
+
+    @property
+    def cache_dim(self) -> int:
+        """Elements cached per token per layer: ``2·d_model`` (MHA), ``d_latent`` (MLA), ``d_compressed``."""
+        if self.attention == "mha":
+            return 2 * self.d_model
+        return self.d_compressed if self.d_compressed is not None else self.d_latent
+
+    def replace(self, **changes) -> "GPTConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"GPTConfig got unknown fields {unknown}; known fields: {sorted(names)}")
+        return cls(**d)
+
+
+def _gpt2_124m(**kw) -> GPTConfig:
+    base = dict(vocab_size=50304, n_layer=12, n_head=12, d_model=768, block_size=1024, d_latent=256)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+PRESETS = {
+    "gpt2": lambda: _gpt2_124m(attention="mha"),
+    "mla": lambda: _gpt2_124m(attention="mla"),
+    "mla_kvsplice_50": lambda: _gpt2_124m(attention="mla", kvsplice_ratio=0.5),
+    "mla_kvsplice_70": lambda: _gpt2_124m(attention="mla", kvsplice_ratio=0.3),
+    "mla_kvsplice_90": lambda: _gpt2_124m(attention="mla", kvsplice_ratio=0.1),
+}
+"""GPT-2 124M shapes (12 layers, 12 heads, d_model 768, block 1024, d_latent 256) for each variant."""
+
+
+def preset(name: str, **overrides) -> GPTConfig:
+    """A named 124M preset (``gpt2``, ``mla``, ``mla_kvsplice_50/70/90``) with optional field overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    cfg = PRESETS[name]()
+    return cfg.replace(**overrides) if overrides else cfg

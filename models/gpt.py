@@ -1,0 +1,218 @@
+"""GPT: embeddings, blocks, tied head; cached decode (``new_cache`` / ``generate``) and HF GPT-2 weight import."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvsplice.cache import CompressedLatentCache, DecodeCache, KVCache, LatentCache
+from kvsplice.splice import LearnedKVSplice
+from models.attention import CausalSelfAttention, MultiHeadLatentAttention
+from models.config import GPTConfig
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=cfg.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
+        self.c_proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg) if cfg.attention == "mha" else MultiHeadLatentAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cache: Optional[DecodeCache] = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache=cache, layer=layer)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2 decoder with MHA, MLA or MLA + KVSplice attention.
+
+    ``model(idx)`` → logits ``(B, T, V)``; ``model(idx_chunk, cache=cache)`` appends the chunk (one token or
+    several) to the cache and returns the chunk's logits.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.vocab_size, cfg.d_model),
+            wpe=nn.Embedding(cfg.block_size, cfg.d_model),
+            drop=nn.Dropout(cfg.dropout),
+            h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+            ln_f=nn.LayerNorm(cfg.d_model, bias=cfg.bias),
+        ))
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied embeddings
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------------------------------------ init
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, 0.02), zero biases, residual projections scaled by 1/sqrt(2·n_layer).
+
+        KVSplice modules are skipped and then get their own orthogonal init, so it is never overwritten.
+        """
+        splice_parts = {id(m) for s in self.modules() if isinstance(s, LearnedKVSplice) for m in s.modules()}
+        for m in self.modules():
+            if id(m) in splice_parts:
+                continue
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
+        for m in self.modules():
+            if isinstance(m, LearnedKVSplice):
+                m.reset_parameters()
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    # ------------------------------------------------------------------------------------------------ forward
+    def forward(self, idx: torch.Tensor, cache: Optional[DecodeCache] = None) -> torch.Tensor:
+        b, t = idx.shape
+        start = cache.seq_len if cache is not None else 0
+        if start + t > self.cfg.block_size:
+            raise ValueError(
+                f"sequence of {start + t} tokens ({start} cached + {t} new) exceeds block_size="
+                f"{self.cfg.block_size}; shorten the prompt/generation or use a model with a larger block_size")
+        if cache is not None and cache.batch_size != b:
+            raise ValueError(f"cache was built for batch size {cache.batch_size}, got a batch of {b}")
+        pos = torch.arange(start, start + t, device=idx.device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, d_model)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, cache=cache, layer=i)
+        return self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
+
+    # ------------------------------------------------------------------------------------------------ decode
+    def new_cache(self, batch_size: int, capacity: Optional[int] = None, *, dtype: Optional[torch.dtype] = None,
+                  device: Optional[Union[torch.device, str]] = None) -> DecodeCache:
+        """An empty decode cache for this model (dtype/device default to the model's).
+
+        ``capacity`` preallocates that many tokens (exact bytes); without it the cache grows geometrically.
+        """
+        p = self.transformer.wte.weight
+        kw = dict(dtype=dtype or p.dtype, device=device or p.device, capacity=capacity)
+        cfg = self.cfg
+        if cfg.attention == "mha":
+            return KVCache(cfg.n_layer, cfg.n_head, cfg.head_size, batch_size, **kw)
+        if cfg.d_compressed is not None:
+            return CompressedLatentCache(cfg.n_layer, cfg.d_compressed, batch_size, **kw)
+        return LatentCache(cfg.n_layer, cfg.d_latent, batch_size, **kw)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Prefill ``idx`` (B, T) into a fresh cache, then decode ``max_new_tokens`` one at a time from the cache.
+
+        ``temperature=0`` is greedy. Returns ``(B, T + max_new_tokens)``.
+        """
+        b, t = idx.shape
+        if t > self.cfg.block_size:
+            raise ValueError(f"prompt of {t} tokens is longer than block_size={self.cfg.block_size}")
+        if t + max_new_tokens > self.cfg.block_size:
+            raise ValueError(f"prompt ({t}) + max_new_tokens ({max_new_tokens}) exceeds block_size="
+                             f"{self.cfg.block_size}")
+        if max_new_tokens <= 0:
+            return idx
+        cache = self.new_cache(b, capacity=t + max_new_tokens - 1)
+        logits = self(idx, cache=cache)[:, -1, :]  # (B, V)
+        out = [idx]
+        for step in range(max_new_tokens):
+            nxt = sample_next(logits, temperature, top_k, generator)  # (B, 1)
+            out.append(nxt)
+            if step + 1 < max_new_tokens:
+                logits = self(nxt, cache=cache)[:, -1, :]
+        return torch.cat(out, dim=1)
+
+    # ------------------------------------------------------------------------------------------- HF import
+    @classmethod
+    def from_hf(cls, source: Any, *, n_head: Optional[int] = None, **overrides) -> "GPT":
+        """Import GPT-2 weights from ``transformers``: a ``GPT2LMHeadModel``, its ``state_dict()`` (pass ``n_head``),
+        or a directory / hub id for ``GPT2LMHeadModel.from_pretrained``. ``overrides`` set other GPTConfig fields
+        (e.g. ``attn_backend``)."""
+        if isinstance(source, (str,)) or hasattr(source, "__fspath__"):
+            from transformers import GPT2LMHeadModel
+
+            source = GPT2LMHeadModel.from_pretrained(str(source))
+        if isinstance(source, Mapping):
+            sd = dict(source)
+            if n_head is None:
+                raise ValueError("from_hf(state_dict) needs n_head= (it cannot be read from the weights)")
+            n_layer = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("transformer.h."))
+            vocab, d_model = sd["transformer.wte.weight"].shape
+            cfg = GPTConfig(vocab_size=vocab, n_layer=n_layer, n_head=n_head, d_model=d_model,
+                            block_size=sd["transformer.wpe.weight"].shape[0], bias=True, attention="mha",
+                            **overrides)
+        else:
+            hf = source.config
+            if getattr(hf, "model_type", None) != "gpt2":
+                raise ValueError(f"from_hf supports GPT-2 models, got model_type={getattr(hf, 'model_type', None)!r}")
+            if hf.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+                raise ValueError(f"unsupported GPT-2 activation {hf.activation_function!r} (expected gelu_new)")
+            if abs(hf.layer_norm_epsilon - 1e-5) > 1e-12:
+                raise ValueError(f"unsupported layer_norm_epsilon {hf.layer_norm_epsilon} (expected 1e-5)")
+            cfg = GPTConfig(vocab_size=hf.vocab_size, n_layer=hf.n_layer, n_head=hf.n_head, d_model=hf.n_embd,
+                            block_size=hf.n_positions, bias=True, attention="mha", **overrides)
+            sd = source.state_dict()
+        model = cls(cfg)
+        model.load_state_dict(_hf_gpt2_to_ours(sd, model.state_dict()))
+        return model
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
+                generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Next tokens ``(B, 1)`` from last-position logits ``(B, V)``; ``temperature=0`` → argmax."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
+
+
+_HF_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def _hf_gpt2_to_ours(sd: Mapping[str, torch.Tensor], ours: Mapping[str, torch.Tensor]) -> dict:
+    """Map an HF GPT-2 state dict onto ours: same names, Conv1D weights transposed, buffers dropped."""
+    out = {}
+    for name, target in ours.items():
+        src = name
+        if name == "lm_head.weight":
+            src = "lm_head.weight" if "lm_head.weight" in sd else "transformer.wte.weight"
+        if src not in sd:
+            raise KeyError(f"HF GPT-2 state dict has no {src!r}")
+        w = sd[src]
+        if name.endswith(_HF_CONV1D):
+            w = w.t()
+        if tuple(w.shape) != tuple(target.shape):
+            raise ValueError(f"{name}: HF shape {tuple(w.shape)} does not match {tuple(target.shape)}")
+        out[name] = w.detach().clone()
+    return out

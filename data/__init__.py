@@ -1,0 +1,22 @@
+"""Data for the kvsplice language models: TinyStories (Hub or local files) or embedded synthetic stories.
+
+Main entry point: :class:`TinyStoriesDataModule`. Offline default: ``TinyStoriesDataModule(synthetic=True)``.
+"""
+
+from data.datamodule import TinyStoriesDataModule
+from data.errors import DataUnavailableError
+from data.shards import unigram_entropy
+from data.stories import generate_stories, iter_stories
+from data.tokenizer import EOT_TOKEN, TextTokenizer, load_tokenizer, train_bpe_tokenizer
+
+__all__ = [
+    "EOT_TOKEN",
+    "DataUnavailableError",
+    "TextTokenizer",
+    "TinyStoriesDataModule",
+    "generate_stories",
+    "iter_stories",
+    "load_tokenizer",
+    "train_bpe_tokenizer",
+    "unigram_entropy",
+]

@@ -18,7 +18,8 @@ The interface:
 * ``nbytes()`` — bytes of what the cache holds (sum of the live views' sizes);
 * ``storage_nbytes()`` — bytes of the allocated buffers (== ``nbytes()`` when ``capacity`` was exact);
 * ``tensors()`` — the live views, for independent measurement;
-* ``reset()`` — forget all tokens, keep the buffers.
+* ``reset()`` — forget all tokens, keep the buffers;
+* ``truncate(n)`` — keep only the first ``n`` tokens of every layer, keep the buffers (roll back a decode step).
 """
 
 from __future__ import annotations
@@ -132,6 +133,18 @@ class DecodeCache:
 
     def reset(self) -> None:
         self._lengths = [0] * len(self.specs)
+
+    def truncate(self, n: int) -> None:
+        """Keep only the first ``n`` tokens of every layer (buffers are kept; later appends overwrite the rest).
+
+        ``truncate(seq_len - k)`` undoes the last ``k`` appended tokens, e.g. to time decode steps at a fixed
+        context length, or to roll back speculative tokens. ``truncate(0)`` is ``reset()``.
+        """
+        n = int(n)
+        if n < 0 or any(n > length for length in self._lengths):
+            raise ValueError(f"truncate({n}): must be between 0 and the tokens held by every layer "
+                             f"({min(self._lengths) if self._lengths else 0})")
+        self._lengths = [n] * len(self.specs)
 
     def __repr__(self) -> str:
         return (

@@ -80,17 +80,21 @@ def causal_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, backend: str = "sdpa",
-           dropout_p: float = 0.0) -> torch.Tensor:
+           dropout_p: float = 0.0, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of ``Tq`` new queries over ``Tk >= Tq`` keys whose last ``Tq`` are the queries' own.
 
     q (B, Hq, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv), Hq % Hkv == 0 → (B, Hq, Tq, Dv).
     Query head h reads key/value head ``h // (Hq // Hkv)`` (the grouped-query convention of HF ``repeat_kv``).
+    ``bias`` (B, Hkv, Tk), optional, is added to every score of a key (per-token log-weights of a token-subset
+    cache: ``softmax(q·kᵀ·scale + bias)``); it needs the SDPA backend.
     """
     b, hq, t_q, d = q.shape
     hkv, t_k = k.shape[1], k.shape[2]
     if hq % hkv != 0 or t_k < t_q:
         raise ValueError(f"attend: bad shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
     if backend == "flash":
+        if bias is not None:
+            raise ValueError("attend: flash-attn takes no additive bias; use backend='sdpa'")
         flash_attn_func = flash_attn_func_or_none()
         # flash-attn >= 2.1 aligns its causal mask bottom-right and supports Hkv | Hq natively.
         y = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, T, H, D)
@@ -100,7 +104,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
     if g > 1:
         # Fold the g query heads that share a KV head into the query-row axis: no copy of K/V.
         q = q.reshape(b, hkv, g * t_q, d)  # (B, Hkv, g*Tq, D), rows ordered (head in group, query)
-    if t_q == 1:
+    if bias is not None:
+        if tuple(bias.shape) != (b, hkv, t_k):
+            raise ValueError(f"attend: bias must be (B, Hkv, Tk) = {(b, hkv, t_k)}, got {tuple(bias.shape)}")
+        mask, is_causal = bias.to(q.dtype)[:, :, None, :], False  # (B, Hkv, 1, Tk), broadcast over query rows
+        if t_q > 1:
+            allowed = causal_mask(t_q, t_k, q.device).repeat(g, 1)  # (g*Tq, Tk)
+            mask = mask.masked_fill(~allowed, float("-inf"))  # (B, Hkv, g*Tq, Tk)
+    elif t_q == 1:
         mask, is_causal = None, False  # one new query sees every key
     elif t_q == t_k and g == 1:
         mask, is_causal = None, True  # square: SDPA's top-left alignment is right

@@ -278,3 +278,16 @@ def test_from_hf_matches_transformers():
         cache = ours.new_cache(2)
         steps = [ours(idx[:, :10], cache=cache)] + [ours(idx[:, i : i + 1], cache=cache) for i in range(10, 30)]
         torch.testing.assert_close(torch.cat(steps, 1), ref, atol=1e-5, rtol=0)
+
+
+def test_attend_additive_bias_matches_explicit_softmax():
+    torch.manual_seed(6)
+    b, hkv, g, t_q, t_k, d = 2, 2, 2, 3, 7, 4
+    q, k, v = torch.randn(b, hkv * g, t_q, d), torch.randn(b, hkv, t_k, d), torch.randn(b, hkv, t_k, d)
+    bias = torch.randn(b, hkv, t_k)
+    got = attend(q, k, v, scale=0.5, bias=bias)
+    s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * 0.5 + bias.repeat_interleave(g, 1)[:, :, None, :]
+    s = s.masked_fill(~causal_mask(t_q, t_k, q.device), float("-inf"))
+    torch.testing.assert_close(got, torch.softmax(s, -1) @ v.repeat_interleave(g, 1), atol=1e-6, rtol=0)
+    torch.testing.assert_close(attend(q, k, v, scale=0.5, bias=torch.zeros(b, hkv, t_k)),
+                               attend(q, k, v, scale=0.5), atol=1e-6, rtol=0)

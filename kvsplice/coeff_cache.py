@@ -1,0 +1,117 @@
+"""The coefficient cache: post-training low-rank bases, only the coefficients are cached.
+
+Per layer and KV head ``j`` the cache holds ``T × R_k[j]`` key coefficients ``a = k @ k_enc`` and ``T × R_v[j]``
+value coefficients ``b = v @ v_enc`` (see :mod:`kvsplice.bases`). Ranks may differ per head and per layer
+(energy-chosen ranks), so the stream layout is chosen per layer:
+
+* the layer's KV heads share their ranks (all ``R_k`` equal and all ``R_v`` equal) → one stream per kind,
+  ``"k": (B, Hkv, T, R_k)`` and ``"v": (B, Hkv, T, R_v)`` — one append and one attention call for the layer;
+* otherwise → one stream per head and kind, ``"k{j}": (B, T, R_k[j])`` and ``"v{j}": (B, T, R_v[j])``.
+
+Either way the cache holds exactly ``Σ_layers Σ_heads (R_k + R_v) · T · B`` numbers
+(:meth:`CoefficientCache.bytes_formula`), which ``nbytes()`` and :func:`kvsplice.memory.measure_cache` measure from
+the live tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvsplice.cache import DecodeCache
+
+__all__ = ["CoefficientCache"]
+
+
+def _check_ranks(ranks_k: Sequence[Sequence[int]], ranks_v: Sequence[Sequence[int]]) -> tuple[list, list]:
+    rk = [[int(r) for r in layer] for layer in ranks_k]
+    rv = [[int(r) for r in layer] for layer in ranks_v]
+    if not rk or len(rk) != len(rv):
+        raise ValueError(f"ranks_k and ranks_v need the same (non-zero) number of layers, got {len(rk)} and {len(rv)}")
+    for l, (lk, lv) in enumerate(zip(rk, rv)):
+        if not lk or len(lk) != len(lv):
+            raise ValueError(f"layer {l}: ranks_k has {len(lk)} heads, ranks_v {len(lv)} (need the same, >= 1)")
+        if min(lk + lv) < 1:
+            raise ValueError(f"layer {l}: every rank must be >= 1, got k {lk}, v {lv}")
+    return rk, rv
+
+
+class CoefficientCache(DecodeCache):
+    """Key/value coefficients per layer and KV head; see the module docstring for the stream layout.
+
+    ``ranks_k[l][j]`` / ``ranks_v[l][j]``: the ranks of KV head ``j`` of layer ``l``. Build it from bases with
+    :meth:`from_bases`; the decoder (:class:`kvsplice.apply.CoefficientDecoder`) fills it with
+    :meth:`append_coeffs`.
+    """
+
+    kind = "coefficients"
+
+    def __init__(self, ranks_k: Sequence[Sequence[int]], ranks_v: Sequence[Sequence[int]], batch_size: int,
+                 **kw) -> None:
+        self.ranks_k, self.ranks_v = _check_ranks(ranks_k, ranks_v)
+        self._grouped = [len(set(lk)) == 1 and len(set(lv)) == 1 for lk, lv in zip(self.ranks_k, self.ranks_v)]
+        specs = []
+        for lk, lv, grouped in zip(self.ranks_k, self.ranks_v, self._grouped):
+            if grouped:
+                specs.append({"k": (len(lk), lk[0]), "v": (len(lv), lv[0])})  # (B, Hkv, T, R)
+            else:
+                spec = {f"k{j}": (r,) for j, r in enumerate(lk)}  # (B, T, R_k[j])
+                spec.update({f"v{j}": (r,) for j, r in enumerate(lv)})  # (B, T, R_v[j])
+                specs.append(spec)
+        super().__init__(specs, batch_size, **kw)
+
+    @classmethod
+    def from_bases(cls, bases, batch_size: int, **kw) -> "CoefficientCache":
+        """An empty cache for :class:`kvsplice.bases.KVBases` ``bases`` (its per-head ranks)."""
+        r = bases.ranks()
+        return cls(r["k"], r["v"], batch_size, **kw)
+
+    # ------------------------------------------------------------------------------------------------ layout
+    def grouped(self, layer: int) -> bool:
+        """True when ``layer`` stores one ``(B, Hkv, T, R)`` stream per kind (its heads share their ranks)."""
+        return self._grouped[layer]
+
+    def n_kv_head(self, layer: int) -> int:
+        return len(self.ranks_k[layer])
+
+    def append_coeffs(self, layer: int, a: Sequence[torch.Tensor] | torch.Tensor,
+                      b: Sequence[torch.Tensor] | torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Append new key coefficients ``a`` and value coefficients ``b`` of ``layer``; return the full views.
+
+        Grouped layer: ``a (B, Hkv, T_new, R_k)``, ``b (B, Hkv, T_new, R_v)`` (or one-element lists of them) →
+        ``([A (B, Hkv, T, R_k)], [B (B, Hkv, T, R_v)])``. Per-head layer: lists of ``(B, T_new, R[j])`` (or
+        ``(B, 1, T_new, R[j])``) per head → lists of per-head views ``(B, 1, T, R[j])`` (``attend``'s layout with one
+        KV head; views, no copies).
+        """
+        if self._grouped[layer]:
+            a = a[0] if isinstance(a, (list, tuple)) else a
+            b = b[0] if isinstance(b, (list, tuple)) else b
+            out = self.append(layer, k=a, v=b)
+            return [out["k"]], [out["v"]]
+        n = self.n_kv_head(layer)
+        if len(a) != n or len(b) != n:
+            raise ValueError(f"layer {layer} stores {n} heads separately; got {len(a)} key and {len(b)} value "
+                             f"coefficient tensors")
+        new = {f"k{j}": (x[:, 0] if x.dim() == 4 else x) for j, x in enumerate(a)}
+        new.update({f"v{j}": (x[:, 0] if x.dim() == 4 else x) for j, x in enumerate(b)})
+        out = self.append(layer, **new)
+        return [out[f"k{j}"][:, None] for j in range(n)], [out[f"v{j}"][:, None] for j in range(n)]
+
+    def coeffs(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The current coefficients of ``layer`` in the layout :meth:`append_coeffs` returns."""
+        views = self.get(layer)
+        if self._grouped[layer]:
+            return [views["k"]], [views["v"]]
+        n = self.n_kv_head(layer)
+        return [views[f"k{j}"][:, None] for j in range(n)], [views[f"v{j}"][:, None] for j in range(n)]
+
+    # ------------------------------------------------------------------------------------------------ bytes
+    def elements_per_token(self) -> int:
+        """``Σ_layers Σ_kv-heads (R_k + R_v)`` numbers per token per sequence."""
+        return sum(sum(lk) + sum(lv) for lk, lv in zip(self.ranks_k, self.ranks_v))
+
+    def bytes_formula(self, seq_len: int | None = None) -> int:
+        """``Σ_layers Σ_heads (R_k + R_v) · T · B · bytes`` (``T`` defaults to the tokens held)."""
+        t = self.seq_len if seq_len is None else int(seq_len)
+        return self.elements_per_token() * t * self.batch_size * torch.empty((), dtype=self.dtype).element_size()

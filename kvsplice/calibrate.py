@@ -1,0 +1,502 @@
+"""Calibration statistics for post-training low-rank KV bases: streamed d×d Gram matrices, never activations.
+
+Run a model over calibration batches with forward hooks and accumulate, per layer, in float64:
+
+* ``kk``   ``(L, Hkv, d, d)``  ``Σ_t k_t k_tᵀ`` per KV head (``KᵀK``);
+* ``qq``   ``(L, Hq, d, d)``   ``Σ_t q_t q_tᵀ`` per *query* head (``Q_hᵀQ_h``); the group's Gram ``Σ_{h∈j} Q_hᵀQ_h``
+  (GQA "concat" objective) is a sum of these;
+* ``qsum`` ``(L, Hkv, d, d)``  Gram of the group-summed queries ``(Σ_{h∈j} Q_h)ᵀ(Σ_{h∈j} Q_h)`` (GQA "sum"
+  objective; it needs the cross terms, so it is accumulated separately; equals ``qq`` for MHA);
+* ``vv``   ``(L, Hkv, d, d)``  ``Σ_t v_t v_tᵀ`` per KV head;
+* ``wo``   ``(L, Hq, d_model, d)`` the output projection's slice per query head, stored once (not accumulated):
+  the layer output is ``y = Σ_h o_h @ wo[h]ᵀ`` (``wo[h] = W_O[:, h·d:(h+1)·d]`` in ``nn.Linear`` layout).
+
+Query head ``h`` reads KV head ``h // g`` with ``g = Hq / Hkv`` (HF ``repeat_kv`` convention). Queries are the raw
+projections (after RoPE in ``post`` mode) *without* the softmax scale ``1/√d``: a scalar on a Gram changes none of
+the attention-aware fits (it matters only for ``eigen``'s joint Gram, which documents this choice).
+
+Memory is ``O(L·H·d²)`` whatever the number of calibration tokens: each hook turns its activations into Gram
+updates and drops them.
+
+RoPE: ``rope="post"`` (default for rotary models) records keys/queries after the rotary embedding — the cache then
+stores coefficients of rotated keys, so calibrate over the whole position range you will decode at; ``"pre"``
+records the projections before RoPE (the apply path must rebuild ``k̂`` and rotate it). Models without RoPE
+(GPT-2) always record ``"none"``.
+
+Supported models: ``transformers`` ``LlamaForCausalLM`` / ``LlamaModel`` (GQA + RoPE), ``GPT2LMHeadModel`` /
+``GPT2Model``, and this project's ``models.GPT`` with ``attention="mha"``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Literal, Optional
+
+import torch
+from torch import nn
+
+RopeMode = Literal["post", "pre", "none"]
+FAMILIES = ("llama", "gpt2", "gpt")
+STATS_FORMAT_VERSION = 1
+
+__all__ = [
+    "CalibrationStats",
+    "ModelInfo",
+    "calibrate",
+    "calibration_batches",
+    "extract_qkv",
+    "iter_token_batches",
+    "model_fingerprint",
+    "model_info",
+]
+
+
+# ------------------------------------------------------------------------------------------------- model info
+@dataclass(frozen=True)
+class ModelInfo:
+    """Attention shapes of a supported model. ``family`` is ``llama`` (HF), ``gpt2`` (HF) or ``gpt`` (ours)."""
+
+    family: str
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    d_model: int
+    has_rope: bool
+
+    @property
+    def group_size(self) -> int:
+        return self.n_head // self.n_kv_head
+
+
+def _unsupported(model: Any, why: str = "") -> ValueError:
+    name = type(model).__name__
+    mt = getattr(getattr(model, "config", None), "model_type", None)
+    return ValueError(
+        f"unsupported model {name}{f' (model_type={mt!r})' if mt else ''}{': ' + why if why else ''}; calibration "
+        f"supports transformers LlamaForCausalLM/LlamaModel, GPT2LMHeadModel/GPT2Model and models.GPT with "
+        f"attention='mha'")
+
+
+def _family(model: Any) -> str:
+    cfg = getattr(model, "config", None)
+    mt = getattr(cfg, "model_type", None)
+    if mt == "llama" and (hasattr(model, "layers") or hasattr(getattr(model, "model", None), "layers")):
+        return "llama"
+    if mt == "gpt2" and (hasattr(model, "h") or hasattr(getattr(model, "transformer", None), "h")):
+        return "gpt2"
+    ours = getattr(model, "cfg", None)
+    if ours is not None and type(ours).__name__ == "GPTConfig" and hasattr(model, "transformer"):
+        if ours.attention != "mha":
+            raise _unsupported(model, f"attention={ours.attention!r} (MLA already caches a shared latent; "
+                                      f"post-training bases need attention='mha')")
+        return "gpt"
+    raise _unsupported(model)
+
+
+def _llama_base(model: nn.Module) -> nn.Module:
+    return model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
+
+
+def _gpt2_base(model: nn.Module) -> nn.Module:
+    return model.transformer if hasattr(model, "transformer") else model
+
+
+def model_info(model: nn.Module) -> ModelInfo:
+    """Family and attention shapes of ``model`` (raises ``ValueError`` for unsupported models)."""
+    family = _family(model)
+    if family == "llama":
+        c = model.config
+        n_head = c.num_attention_heads
+        n_kv = getattr(c, "num_key_value_heads", None) or n_head
+        hd = getattr(c, "head_dim", None) or c.hidden_size // n_head
+        return ModelInfo("llama", c.num_hidden_layers, n_head, n_kv, hd, c.hidden_size, True)
+    if family == "gpt2":
+        c = model.config
+        if getattr(c, "add_cross_attention", False):
+            raise _unsupported(model, "cross-attention GPT-2")
+        return ModelInfo("gpt2", c.n_layer, c.n_head, c.n_head, c.n_embd // c.n_head, c.n_embd, False)
+    c = model.cfg
+    return ModelInfo("gpt", c.n_layer, c.n_head, c.n_head, c.head_size, c.d_model, False)
+
+
+def _attn_weights(model: nn.Module, info: ModelInfo) -> list[dict[str, torch.Tensor]]:
+    """Per layer the q/k/v/o projection weights in ``nn.Linear`` layout ``(out, in)`` (for the fingerprint)."""
+    out = []
+    if info.family == "llama":
+        for layer in _llama_base(model).layers:
+            a = layer.self_attn
+            out.append({"q": a.q_proj.weight, "k": a.k_proj.weight, "v": a.v_proj.weight, "o": a.o_proj.weight})
+    elif info.family == "gpt2":
+        for block in _gpt2_base(model).h:
+            w = block.attn.c_attn.weight.T  # Conv1D stores (in, out)
+            q, k, v = w.split(info.d_model, dim=0)
+            out.append({"q": q, "k": k, "v": v, "o": block.attn.c_proj.weight.T})
+    else:
+        for block in model.transformer.h:
+            q, k, v = block.attn.c_attn.weight.split(info.d_model, dim=0)
+            out.append({"q": q, "k": k, "v": v, "o": block.attn.c_proj.weight})
+    return out
+
+
+def _output_slices(model: nn.Module, info: ModelInfo) -> torch.Tensor:
+    """``(L, Hq, d_model, d)`` float64: ``W_O[:, h·d:(h+1)·d]`` per layer and query head."""
+    d = info.head_dim
+    slices = []
+    for w in _attn_weights(model, info):
+        wo = w["o"].detach().to("cpu", torch.float64)  # (d_model, Hq·d)
+        slices.append(wo.view(wo.shape[0], info.n_head, d).permute(1, 0, 2).contiguous())  # (Hq, d_model, d)
+    return torch.stack(slices)
+
+
+_ARCH_KEYS = ("vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_layer", "num_attention_heads",
+              "n_head", "num_key_value_heads", "head_dim", "max_position_embeddings", "n_positions",
+              "rope_parameters", "rope_theta", "rope_scaling", "attention_bias", "partial_rotary_factor")
+
+
+def _sample_bytes(t: torch.Tensor, n: int = 1024) -> bytes:
+    flat = t.detach().reshape(-1)
+    step = max(1, flat.numel() // n)
+    # float16 bytes: the same weights cast to fp16 (e.g. for GPU inference) keep their fingerprint
+    return flat[::step][:n].to("cpu", torch.float16).numpy().tobytes()
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A short hash identifying ``model``'s architecture and weights, stored in the bases metadata.
+
+    Hashes the family, the attention shapes, the architecture/RoPE config fields, and strided samples (≤1024
+    values) of the token embedding and every layer's q/k/v/o weights rounded to float16 — so a float32 model and
+    its float16 cast share a fingerprint, while a different checkpoint (or different RoPE settings) does not.
+    """
+    info = model_info(model)
+    arch: dict[str, Any] = {f.name: getattr(info, f.name) for f in fields(info)}
+    if info.family in ("llama", "gpt2"):
+        cfg = model.config.to_dict()
+        arch.update({k: cfg[k] for k in _ARCH_KEYS if k in cfg})
+    else:
+        cfg = model.cfg.to_dict()
+        arch.update({k: v for k, v in cfg.items() if k not in ("attn_backend", "mla_impl", "dropout")})
+    h = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode())
+    if info.family == "llama":
+        emb = _llama_base(model).embed_tokens.weight
+    elif info.family == "gpt2":
+        emb = _gpt2_base(model).wte.weight
+    else:
+        emb = model.transformer.wte.weight
+    h.update(_sample_bytes(emb))
+    for layer in _attn_weights(model, info):
+        for name in ("q", "k", "v", "o"):
+            h.update(_sample_bytes(layer[name]))
+    return f"{info.family}-{h.hexdigest()[:16]}"
+
+
+# ------------------------------------------------------------------------------------------------- the stats
+@dataclass
+class CalibrationStats:
+    """Streamed second moments of one model's keys, queries and values (all float64, raw sums over tokens).
+
+    Shapes (``L`` layers, ``Hq`` query heads, ``Hkv`` KV heads, head dim ``d``):
+    ``kk (L, Hkv, d, d)``, ``qq (L, Hq, d, d)``, ``qsum (L, Hkv, d, d)``, ``vv (L, Hkv, d, d)``,
+    ``wo (L, Hq, d_model, d)``. ``n_tokens`` tokens were seen (every Gram sums over the same tokens; divide by it
+    for per-token second moments). See the module docstring for definitions.
+    """
+
+    kk: torch.Tensor
+    qq: torch.Tensor
+    qsum: torch.Tensor
+    vv: torch.Tensor
+    wo: torch.Tensor
+    n_tokens: int
+    rope: RopeMode
+    family: str
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    fingerprint: Optional[str] = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    _TENSORS = ("kk", "qq", "qsum", "vv", "wo")
+
+    @classmethod
+    def zeros(cls, info: ModelInfo, rope: RopeMode, wo: torch.Tensor, fingerprint: Optional[str] = None
+              ) -> "CalibrationStats":
+        L, hq, hkv, d = info.n_layer, info.n_head, info.n_kv_head, info.head_dim
+        z = lambda h: torch.zeros(L, h, d, d, dtype=torch.float64)  # noqa: E731
+        return cls(z(hkv), z(hq), z(hkv), z(hkv), wo, 0, rope, info.family, hq, hkv, d, fingerprint)
+
+    # ------------------------------------------------------------------------------------------ derived
+    @property
+    def n_layer(self) -> int:
+        return self.kk.shape[0]
+
+    @property
+    def group_size(self) -> int:
+        return self.n_head // self.n_kv_head
+
+    @property
+    def d_model(self) -> int:
+        return self.wo.shape[2]
+
+    def group(self, j: int) -> range:
+        """The query heads served by KV head ``j``."""
+        g = self.group_size
+        return range(j * g, (j + 1) * g)
+
+    def key_gram(self, layer: int, j: int, normalize: bool = False) -> torch.Tensor:
+        """``KᵀK`` of KV head ``j`` (divided by ``n_tokens`` if ``normalize``)."""
+        return self.kk[layer, j] / self._n(normalize)
+
+    def value_gram(self, layer: int, j: int, normalize: bool = False) -> torch.Tensor:
+        return self.vv[layer, j] / self._n(normalize)
+
+    def query_gram(self, layer: int, j: int, gqa: Literal["concat", "sum"] = "concat",
+                   normalize: bool = False) -> torch.Tensor:
+        """Query Gram of KV head ``j``'s group: ``Σ_h Q_hᵀQ_h`` (``concat``) or ``(Σ_h Q_h)ᵀ(Σ_h Q_h)`` (``sum``)."""
+        if gqa == "concat":
+            g = self.qq[layer, self.group(j)].sum(0)
+        elif gqa == "sum":
+            g = self.qsum[layer, j]
+        else:
+            raise ValueError(f"gqa must be 'concat' or 'sum', got {gqa!r}")
+        return g / self._n(normalize)
+
+    def output_slices(self, layer: int, j: int) -> torch.Tensor:
+        """``(g, d_model, d)``: the W_O slices of the query heads that read KV head ``j``."""
+        return self.wo[layer, self.group(j)]
+
+    def output_gram(self, layer: int, j: int) -> torch.Tensor:
+        """``Σ_{h∈group(j)} W_O[h]ᵀ W_O[h]`` ``(d, d)``: the value side's "query" Gram."""
+        w = self.output_slices(layer, j)
+        return torch.einsum("gmd,gme->de", w, w)
+
+    def _n(self, normalize: bool) -> float:
+        return float(max(self.n_tokens, 1)) if normalize else 1.0
+
+    def nbytes(self) -> int:
+        """Bytes held by the statistics' tensors (constant in the number of calibration tokens)."""
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self._TENSORS)
+
+    # ------------------------------------------------------------------------------------------ I/O
+    def save(self, path: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"format_version": str(STATS_FORMAT_VERSION), "n_tokens": str(self.n_tokens), "rope": self.rope,
+                "family": self.family, "n_head": str(self.n_head), "n_kv_head": str(self.n_kv_head),
+                "head_dim": str(self.head_dim), "fingerprint": self.fingerprint or "",
+                "meta": json.dumps(self.meta, default=str)}
+        save_file({n: getattr(self, n).contiguous() for n in self._TENSORS}, str(path), metadata=meta)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CalibrationStats":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            m = f.metadata() or {}
+            if m.get("format_version") != str(STATS_FORMAT_VERSION):
+                raise ValueError(f"{path} is not a kvsplice calibration-stats file")
+            t = {n: f.get_tensor(n) for n in cls._TENSORS}
+        return cls(**t, n_tokens=int(m["n_tokens"]), rope=m["rope"], family=m["family"], n_head=int(m["n_head"]),
+                   n_kv_head=int(m["n_kv_head"]), head_dim=int(m["head_dim"]), fingerprint=m["fingerprint"] or None,
+                   meta=json.loads(m.get("meta", "{}")))
+
+
+# ------------------------------------------------------------------------------------------------- hooks
+Sink = Callable[[int, str, torch.Tensor], None]
+"""``sink(layer, kind, x)`` with kind ``q`` (x ``(B, T, Hq, d)``), ``k`` or ``v`` (``(B, T, Hkv, d)``)."""
+
+
+def _attach_llama(model: nn.Module, info: ModelInfo, rope: RopeMode, sink: Sink) -> list:
+    from transformers.models.llama import modeling_llama
+
+    handles, pos_emb = [], {}
+    d = info.head_dim
+    for i, layer in enumerate(_llama_base(model).layers):
+        attn = layer.self_attn
+
+        def pre(mod, args, kwargs, i=i):
+            pe = kwargs.get("position_embeddings")
+            if pe is None and len(args) > 1:
+                pe = args[1]
+            pos_emb[i] = pe
+
+        def tap(kind, i=i):
+            def hook(mod, inp, out):
+                x = out.view(*out.shape[:-1], -1, d)  # (B, T, H, d)
+                if rope == "post" and kind in ("q", "k"):
+                    if pos_emb.get(i) is None:
+                        raise RuntimeError("post-RoPE calibration needs the position embeddings passed to "
+                                           "self_attn; this transformers version does not pass them")
+                    cos, sin = pos_emb[i]  # (B, T, d)
+                    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (B, T, 1, d)
+                    # HF's apply_rotary_pos_emb, for one tensor (it rotates q and k the same way)
+                    x = x * cos + modeling_llama.rotate_half(x) * sin
+                sink(i, kind, x)
+            return hook
+
+        handles.append(attn.register_forward_pre_hook(pre, with_kwargs=True))
+        handles += [attn.q_proj.register_forward_hook(tap("q")), attn.k_proj.register_forward_hook(tap("k")),
+                    attn.v_proj.register_forward_hook(tap("v"))]
+    return handles
+
+
+def _attach_fused(blocks: Iterable[nn.Module], info: ModelInfo, sink: Sink) -> list:
+    handles = []
+    for i, block in enumerate(blocks):
+        def hook(mod, inp, out, i=i):
+            q, k, v = out.split(info.d_model, dim=-1)  # 3 × (B, T, d_model)
+            for kind, x in (("q", q), ("k", k), ("v", v)):
+                sink(i, kind, x.reshape(*x.shape[:-1], -1, info.head_dim))
+        handles.append(block.attn.c_attn.register_forward_hook(hook))
+    return handles
+
+
+def _resolve_rope(info: ModelInfo, rope: Optional[str]) -> RopeMode:
+    if not info.has_rope:
+        return "none"  # no rotary embedding: pre == post
+    rope = rope or "post"
+    if rope not in ("post", "pre"):
+        raise ValueError(f"rope must be 'post' or 'pre' for a rotary model ({info.family}), got {rope!r}")
+    return rope  # type: ignore[return-value]
+
+
+def _run(model: nn.Module, info: ModelInfo, rope: RopeMode, sink: Sink, batches: Iterable[torch.Tensor],
+         progress: bool, total: Optional[int], desc: str) -> int:
+    """Forward every batch with the hooks attached; returns the number of tokens seen."""
+    from tqdm.auto import tqdm
+
+    if info.family == "llama":
+        handles = _attach_llama(model, info, rope, sink)
+        base = _llama_base(model)
+        fwd = lambda x: base(input_ids=x, use_cache=False)  # noqa: E731  (no lm_head)
+    elif info.family == "gpt2":
+        base = _gpt2_base(model)
+        handles = _attach_fused(base.h, info, sink)
+        fwd = lambda x: base(input_ids=x, use_cache=False)  # noqa: E731
+    else:
+        handles = _attach_fused(model.transformer.h, info, sink)
+        fwd = model
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    n_tokens = 0
+    if total is None and hasattr(batches, "__len__"):
+        total = len(batches)  # type: ignore[arg-type]
+    try:
+        with torch.no_grad():
+            for batch in tqdm(batches, total=total, desc=desc, unit="batch", disable=not progress):
+                batch = torch.as_tensor(batch)
+                if batch.dim() == 1:
+                    batch = batch[None]
+                if batch.dim() != 2 or batch.dtype not in (torch.int64, torch.int32):
+                    raise ValueError(f"calibration batches must be integer token ids (B, T), got "
+                                     f"{tuple(batch.shape)} {batch.dtype}")
+                fwd(batch.to(device=device, dtype=torch.long))
+                n_tokens += batch.numel()
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return n_tokens
+
+
+def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], *, rope: Optional[RopeMode] = None,
+              progress: bool = True, total: Optional[int] = None) -> CalibrationStats:
+    """Stream ``batches`` (LongTensor ``(B, T)`` token ids) through ``model`` and return the Grams.
+
+    ``rope``: ``"post"`` (default for RoPE models: keys/queries after the rotary embedding, as the attention sees
+    them) or ``"pre"`` (the q/k projections before RoPE); ignored for models without RoPE (recorded as ``"none"``).
+    Each batch is run as full sequences at positions ``0..T-1`` (no padding). The model is put in eval mode for
+    the pass (and restored), runs under ``torch.no_grad()``, and every hook is removed afterwards.
+    """
+    info = model_info(model)
+    rope_mode = _resolve_rope(info, rope)
+    stats = CalibrationStats.zeros(info, rope_mode, _output_slices(model, info), model_fingerprint(model))
+    g = info.group_size
+
+    def gram_into(acc: torch.Tensor, x: torch.Tensor) -> None:
+        # acc (H, d, d) += Σ_t x_t x_tᵀ for x (B, T, H, d)
+        x = x.detach().to(torch.float64).reshape(-1, x.shape[-2], x.shape[-1]).transpose(0, 1)  # (H, N, d)
+        acc += (x.transpose(1, 2) @ x).cpu()
+
+    def sink(layer: int, kind: str, x: torch.Tensor) -> None:
+        if kind == "k":
+            gram_into(stats.kk[layer], x)
+        elif kind == "v":
+            gram_into(stats.vv[layer], x)
+        else:
+            gram_into(stats.qq[layer], x)
+            xs = x.reshape(*x.shape[:-2], info.n_kv_head, g, info.head_dim).sum(-2) if g > 1 else x
+            gram_into(stats.qsum[layer], xs)
+
+    stats.n_tokens = _run(model, info, rope_mode, sink, batches, progress, total, desc=f"calibrate ({rope_mode})")
+    return stats
+
+
+def extract_qkv(model: nn.Module, input_ids: torch.Tensor, *, rope: Optional[RopeMode] = None
+                ) -> list[dict[str, torch.Tensor]]:
+    """The per-layer queries, keys and values the calibration hooks see for one batch ``input_ids (B, T)``:
+    ``[{"q": (B, T, Hq, d), "k": (B, T, Hkv, d), "v": (B, T, Hkv, d)}, ...]`` (for tests and evaluation on
+    held-out text; this keeps activations, :func:`calibrate` does not)."""
+    info = model_info(model)
+    rope_mode = _resolve_rope(info, rope)
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(info.n_layer)]
+
+    def sink(layer: int, kind: str, x: torch.Tensor) -> None:
+        out[layer][kind] = x.detach().clone()
+
+    _run(model, info, rope_mode, sink, [input_ids], progress=False, total=1, desc="extract")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- batching
+def calibration_batches(token_ids: torch.Tensor, seq_len: int, batch_size: int = 8,
+                        max_tokens: Optional[int] = None) -> list[torch.Tensor]:
+    """Cut a 1-D token stream into non-overlapping windows of ``seq_len`` and group them into batches.
+
+    Returns a list of ``(≤batch_size, seq_len)`` LongTensors (views of ``token_ids``, no copy); the trailing
+    partial window is dropped and at most ``max_tokens // seq_len`` windows are used. Use the model's context
+    length as ``seq_len`` for post-RoPE bases so every position is calibrated.
+    """
+    token_ids = torch.as_tensor(token_ids, dtype=torch.long)
+    if token_ids.dim() != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
+    n = token_ids.numel() // seq_len
+    if max_tokens is not None:
+        n = min(n, max_tokens // seq_len)
+    if n < 1:
+        raise ValueError(f"need at least seq_len={seq_len} tokens (and max_tokens >= seq_len), got "
+                         f"{token_ids.numel()} tokens, max_tokens={max_tokens}")
+    windows = token_ids[: n * seq_len].view(n, seq_len)
+    return list(windows.split(batch_size))
+
+
+def iter_token_batches(texts: Iterable[str], encode: Callable[[str], list[int]], seq_len: int,
+                       batch_size: int = 8, max_tokens: Optional[int] = None) -> Iterator[torch.Tensor]:
+    """Stream-tokenise ``texts`` and yield ``(batch_size, seq_len)`` batches without materialising the corpus
+    (for calibration sets too large to tokenise up front). Stops after ``max_tokens`` tokens."""
+    buf: list[int] = []
+    rows: list[list[int]] = []
+    seen = 0
+    for text in texts:
+        buf.extend(encode(text))
+        while len(buf) >= seq_len:
+            if max_tokens is not None and seen + seq_len > max_tokens:
+                break
+            rows.append(buf[:seq_len])
+            del buf[:seq_len]
+            seen += seq_len
+            if len(rows) == batch_size:
+                yield torch.tensor(rows, dtype=torch.long)
+                rows = []
+        if max_tokens is not None and seen + seq_len > max_tokens:
+            break
+    if rows:
+        yield torch.tensor(rows, dtype=torch.long)

@@ -1,0 +1,379 @@
+"""SVD-family low-rank KV bases fitted from calibration Grams (no activations needed).
+
+Notation for one KV head (head dim ``d``): ``K (N, d)`` keys, ``Q (N', d)`` the queries that read them (one head,
+the group's heads concatenated, or their sum — see GQA below), ``V (N, d)`` values, ``W (m, d)`` the output
+projection slice(s) that read the values. Only the Grams ``G_K = KᵀK``, ``G_Q = QᵀQ``, ``G_V = VᵀV`` and
+``G_W = WᵀW`` are used. Bases follow :mod:`kvsplice.bases`: cached ``a = k @ k_enc``, projected query
+``q̃ = q @ k_dec``, score ``q̃·a = q k_dec k_encᵀ kᵀ``; cached ``b = v @ v_enc``, ``v̂ = b @ v_decᵀ``.
+
+Methods (``R`` = rank):
+
+* ``ksvd`` — K-only SVD (Palu / LoRC): ``P`` = top-R eigenvectors of ``G_K``, ``k_enc = k_dec = P``; minimises
+  ``‖K − K P Pᵀ‖_F`` (Eckart–Young). Values likewise from ``G_V``.
+* ``eigen`` — joint SVD of ``[K; Q]``: ``P`` = top-R eigenvectors of ``G_K + G_Q`` (``G_Q`` = the group's summed
+  query Grams ``Σ_h Q_hᵀQ_h``, raw queries without the softmax scale), ``k_enc = k_dec = P``; minimises
+  ``‖[K; Q] − [K; Q] P Pᵀ‖_F``. Values: V-only SVD (as ``ksvd``).
+* ``kq`` — attention-aware (Lesens et al.): best rank-R approximation of the score matrix ``K Qᵀ`` with an oblique
+  pair (:func:`oblique_basis`). Values: :func:`fit_values_wo` (best rank-R approximation of ``V Wᵀ``).
+* ``gqa-sum`` — ``kq`` with the Gram of the group-summed queries ``(Σ_h Q_h)ᵀ(Σ_h Q_h)``: minimises the error of
+  the summed scores ``‖Σ_h K Q_hᵀ − Σ_h K A Bᵀ Q_hᵀ‖_F`` (seed 001's closed form).
+* ``gqa-concat`` — ``kq`` with ``Σ_h Q_hᵀQ_h``: minimises the per-head objective ``Σ_h ‖K Q_hᵀ − K A Bᵀ Q_hᵀ‖²``
+  (queries concatenated). Allowing a separate decoder ``B_h`` per query head gives the same optimum (for a fixed
+  cached subspace the best ``B_h`` is the projection, ``B_h = V_K Σ_K U_R`` for every h), so one ``k_dec`` per
+  KV head loses nothing. For MHA (g = 1) ``gqa-sum`` = ``gqa-concat`` = ``kq``.
+
+Values for ``kq``/``gqa-*`` always use the concatenated W_O slices of the group (each query head mixes the values
+with its own attention weights, so the per-head contributions ``V W_hᵀ`` are the natural targets).
+
+Scale: fits invariant to scaling of ``G_Q``/``G_W``; scaling ``G_K`` by ``c`` scales ``k_enc`` by ``1/√c`` and
+``k_dec`` by ``√c`` (the product is invariant). :func:`fit_bases` uses per-token Grams (``Σ/N``), which makes the
+attention-aware coefficients whitened: ``E[a aᵀ] = I`` over the calibration tokens — good for fp16 caches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import torch
+
+from kvsplice.bases import HeadBases, KVBases
+from kvsplice.calibrate import CalibrationStats
+
+Method = Literal["ksvd", "eigen", "kq", "gqa-sum", "gqa-concat"]
+METHODS = ("ksvd", "eigen", "kq", "gqa-sum", "gqa-concat")
+RCOND = 1e-6
+"""Relative cutoff on σ_K: directions with ``σ_K,i ≤ RCOND·σ_K,max`` are treated as absent (pseudo-inverse)."""
+
+__all__ = [
+    "Basis", "METHODS", "RCOND", "select_rank", "ksvd_basis", "joint_basis", "oblique_basis",
+    "fit_ksvd", "fit_eigen", "fit_kq", "fit_gqa_sum", "fit_gqa_concat", "fit_values_wo", "fit_bases",
+    "lesens_terms", "lesens_gap", "lesens_gaps", "score_error", "value_error", "reconstruction_error",
+    "bases_errors",
+]
+
+
+# ------------------------------------------------------------------------------------------------ primitives
+@dataclass
+class Basis:
+    """An encoder/decoder pair ``(d, R)`` with the spectrum of the fit's objective (descending) and the retained
+    fraction ``Σ_{i≤R} s_i / Σ s_i`` of that spectrum (``s_i`` = squared singular values)."""
+
+    enc: torch.Tensor
+    dec: torch.Tensor
+    spectrum: torch.Tensor
+    rank: int
+
+    @property
+    def retained(self) -> float:
+        tot = float(self.spectrum.sum())
+        return float(self.spectrum[: self.rank].sum()) / tot if tot > 0 else 1.0
+
+
+def _sym(g: torch.Tensor) -> torch.Tensor:
+    if g.dim() != 2 or g.shape[0] != g.shape[1]:
+        raise ValueError(f"expected a square Gram matrix, got shape {tuple(g.shape)}")
+    return 0.5 * (g + g.T)
+
+
+def _eigh_desc(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues (descending, clamped ≥ 0) and eigenvectors of a PSD matrix."""
+    lam, vec = torch.linalg.eigh(_sym(g))
+    return lam.flip(0).clamp_min(0), vec.flip(1)
+
+
+def select_rank(spectrum: torch.Tensor, rank: Optional[int] = None, energy: Optional[float] = None) -> int:
+    """``rank`` as given (1 ≤ rank ≤ d), or the smallest R with ``Σ_{i≤R} s_i / Σ s_i ≥ energy`` for a descending
+    spectrum of squared singular values ``s`` (exactly one of ``rank`` / ``energy``)."""
+    d = spectrum.numel()
+    if (rank is None) == (energy is None):
+        raise ValueError(f"give exactly one of rank / energy, got rank={rank}, energy={energy}")
+    if rank is not None:
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= d:
+            raise ValueError(f"rank must be an integer in [1, {d}] (head dim), got {rank!r}")
+        return rank
+    if not 0.0 < float(energy) <= 1.0:
+        raise ValueError(f"energy must be in (0, 1], got {energy!r}")
+    s = spectrum.double().clamp_min(0)
+    tot = float(s.sum())
+    if tot <= 0:
+        return 1
+    frac = torch.cumsum(s, 0) / tot
+    # tolerance: a cumulative sum that equals E up to rounding counts as reaching it
+    ok = (frac >= float(energy) - 1e-12).nonzero()
+    return int(ok[0]) + 1 if ok.numel() else d
+
+
+def ksvd_basis(gram: torch.Tensor, rank: Optional[int] = None, energy: Optional[float] = None) -> Basis:
+    """Top-R eigenvectors ``P`` of ``gram = XᵀX``: ``enc = dec = P`` minimises ``‖X − X P Pᵀ‖_F`` over rank-R
+    projections (Eckart–Young). Spectrum: the eigenvalues of ``gram`` (= σ_i(X)²)."""
+    lam, vec = _eigh_desc(gram)
+    r = select_rank(lam, rank, energy)
+    p = vec[:, :r].contiguous()
+    return Basis(p, p.clone(), lam, r)
+
+
+def joint_basis(gk: torch.Tensor, gq: torch.Tensor, rank: Optional[int] = None,
+                energy: Optional[float] = None) -> Basis:
+    """Eigen method: top-R eigenvectors of ``G_K + G_Q`` (joint SVD of ``[K; Q]``), ``enc = dec = P``."""
+    return ksvd_basis(_sym(gk) + _sym(gq), rank, energy)
+
+
+def _oblique_parts(gk: torch.Tensor, gq: torch.Tensor, rcond: float):
+    """``V_K``, truncated ``σ_K``, its pseudo-inverse, and ``C = M Mᵀ = Σ_K V_Kᵀ G_Q V_K Σ_K`` (all in V_K basis)."""
+    lam, vk = _eigh_desc(gk)
+    sk = lam.sqrt()
+    keep = sk > rcond * sk.max() if float(sk.max()) > 0 else torch.zeros_like(sk, dtype=torch.bool)
+    sk = torch.where(keep, sk, torch.zeros_like(sk))
+    sk_inv = torch.where(keep, 1.0 / torch.where(keep, sk, torch.ones_like(sk)), torch.zeros_like(sk))
+    c = sk[:, None] * (vk.T @ _sym(gq) @ vk) * sk[None, :]  # (d, d) = M Mᵀ
+    return vk, sk, sk_inv, _sym(c)
+
+
+def oblique_basis(gk: torch.Tensor, gq: torch.Tensor, rank: Optional[int] = None, energy: Optional[float] = None,
+                  rcond: float = RCOND) -> Basis:
+    """Attention-aware oblique pair: ``K A Bᵀ Qᵀ`` = the best rank-R approximation of ``K Qᵀ``.
+
+    With ``G_K = V_K Σ_K² V_Kᵀ`` (so ``K = U_K Σ_K V_Kᵀ``), ``Q = U_Q Σ_Q V_Qᵀ`` and
+    ``M = Σ_K V_Kᵀ V_Q Σ_Q = U Σ Wᵀ`` we have ``K Qᵀ = U_K M U_Qᵀ = (U_K U) Σ (U_Q W)ᵀ``, an SVD. Take
+
+        ``A = enc = V_K Σ_K⁻¹ U_R``   (so ``K A = U_K U_R``: orthonormal columns / whitened coefficients),
+        ``B = dec = V_K Σ_K U_R``     (so ``Bᵀ Qᵀ = U_Rᵀ Σ_K V_Kᵀ Qᵀ = U_Rᵀ M U_Qᵀ``),
+
+    then ``K A Bᵀ Qᵀ = U_K U_R U_Rᵀ M U_Qᵀ`` — the rank-R truncation. ``U`` and ``Σ²`` come from the symmetric
+    ``M Mᵀ = Σ_K V_Kᵀ G_Q V_K Σ_K``, so ``G_Q`` is never factored and a rank-deficient ``Q`` needs no care.
+    ``Σ_K⁻¹`` is a pseudo-inverse: directions with ``σ_K,i ≤ rcond·σ_K,max`` are dropped from both ``A`` and
+    ``B`` (they carry at most a relative ``rcond`` of ``K``). Spectrum: ``σ_i(M)² = σ_i(K Qᵀ)²``.
+    """
+    vk, sk, sk_inv, c = _oblique_parts(gk, gq, rcond)
+    s2, u = _eigh_desc(c)
+    r = select_rank(s2, rank, energy)
+    ur = u[:, :r]
+    enc = vk @ (sk_inv[:, None] * ur)
+    dec = vk @ (sk[:, None] * ur)
+    return Basis(enc.contiguous(), dec.contiguous(), s2, r)
+
+
+# ------------------------------------------------------------------------------------------------ head fits
+def _wo_gram(wo: torch.Tensor) -> torch.Tensor:
+    """``Σ_h W_hᵀ W_h`` for slices ``(g, d_model, d)`` or one slice ``(d_model, d)``; a ``(d, d)`` Gram passes."""
+    if wo.dim() == 3:
+        return torch.einsum("gmd,gme->de", wo, wo)
+    if wo.dim() == 2 and wo.shape[0] != wo.shape[1]:
+        return wo.T @ wo
+    return wo  # already a (d, d) Gram (a square slice d_model == d is ambiguous: pass it as (1, d_model, d))
+
+
+def _vspec(rank, energy, rank_v, energy_v):
+    return (rank_v, energy_v) if (rank_v is not None or energy_v is not None) else (rank, energy)
+
+
+def _head(kb: Basis, vb: Basis) -> HeadBases:
+    return HeadBases(kb.enc, kb.dec, vb.enc, vb.dec)
+
+
+def fit_values_wo(vv: torch.Tensor, wo: torch.Tensor, rank: Optional[int] = None, energy: Optional[float] = None,
+                  rcond: float = RCOND) -> Basis:
+    """Value bases aware of the output projection: ``V E Dᵀ Wᵀ`` = best rank-R approximation of ``V Wᵀ``.
+
+    ``W`` is the stack of the W_O slices ``(d_model, d)`` of the query heads reading this KV head (``wo``: slices
+    ``(g, d_model, d)``, one slice, or the Gram ``Σ_h W_hᵀW_h``), so the objective is ``Σ_h ‖V W_hᵀ −
+    V E Dᵀ W_hᵀ‖_F²`` — each head's contribution to the layer output. The oblique construction of
+    :func:`oblique_basis` with ``K → V``, ``Q → W``: ``v_enc = E = V_V Σ_V⁻¹ U_R``, ``v_dec = D = V_V Σ_V U_R``
+    with ``U`` from ``Σ_V V_Vᵀ G_W V_V Σ_V``. The apply path folds ``v_decᵀ W_hᵀ`` into the output projection.
+    """
+    return oblique_basis(vv, _wo_gram(wo), rank, energy, rcond)
+
+
+def fit_ksvd(kk: torch.Tensor, vv: torch.Tensor, *, rank: Optional[int] = None, energy: Optional[float] = None,
+             rank_v: Optional[int] = None, energy_v: Optional[float] = None) -> HeadBases:
+    """K-only / V-only SVD: ``k_enc = k_dec`` = top-R eigenvectors of ``KᵀK`` (min ``‖K − K P Pᵀ‖_F``),
+    ``v_enc = v_dec`` = top-R_v eigenvectors of ``VᵀV`` (min ``‖V − V P Pᵀ‖_F``)."""
+    return _head(ksvd_basis(kk, rank, energy), ksvd_basis(vv, *_vspec(rank, energy, rank_v, energy_v)))
+
+
+def fit_eigen(kk: torch.Tensor, qq: torch.Tensor, vv: torch.Tensor, *, rank: Optional[int] = None,
+              energy: Optional[float] = None, rank_v: Optional[int] = None,
+              energy_v: Optional[float] = None) -> HeadBases:
+    """Joint SVD of ``[K; Q]``: ``k_enc = k_dec`` = top-R eigenvectors of ``KᵀK + QᵀQ`` (min
+    ``‖[K; Q] − [K; Q] P Pᵀ‖_F``; ``qq`` = ``Σ_h Q_hᵀQ_h`` of the group). Values: V-only SVD."""
+    return _head(joint_basis(kk, qq, rank, energy), ksvd_basis(vv, *_vspec(rank, energy, rank_v, energy_v)))
+
+
+def fit_kq(kk: torch.Tensor, qq: torch.Tensor, vv: torch.Tensor, wo: torch.Tensor, *, rank: Optional[int] = None,
+           energy: Optional[float] = None, rank_v: Optional[int] = None, energy_v: Optional[float] = None,
+           rcond: float = RCOND) -> HeadBases:
+    """Attention-aware: keys min ``‖K Qᵀ − K A Bᵀ Qᵀ‖_F`` (:func:`oblique_basis` with ``G_Q = qq``), values min
+    ``‖V Wᵀ − V E Dᵀ Wᵀ‖_F`` (:func:`fit_values_wo`)."""
+    kb = oblique_basis(kk, qq, rank, energy, rcond)
+    vb = fit_values_wo(vv, wo, *_vspec(rank, energy, rank_v, energy_v), rcond=rcond)
+    return _head(kb, vb)
+
+
+def fit_gqa_sum(kk: torch.Tensor, qsum: torch.Tensor, vv: torch.Tensor, wo: torch.Tensor, **spec) -> HeadBases:
+    """GQA, summed scores: min ``‖Σ_h K Q_hᵀ − Σ_h K A Bᵀ Q_hᵀ‖_F = ‖K Q_Σᵀ − K A Bᵀ Q_Σᵀ‖_F`` with
+    ``Q_Σ = Σ_h Q_h``; ``qsum = Q_Σᵀ Q_Σ``. Values as :func:`fit_values_wo` (concatenated W_O slices)."""
+    return fit_kq(kk, qsum, vv, wo, **spec)
+
+
+def fit_gqa_concat(kk: torch.Tensor, qq_heads: torch.Tensor, vv: torch.Tensor, wo: torch.Tensor,
+                   **spec) -> HeadBases:
+    """GQA, per-head scores: min ``Σ_h ‖K Q_hᵀ − K A Bᵀ Q_hᵀ‖_F² = ‖K Q_catᵀ − K A Bᵀ Q_catᵀ‖_F²`` with
+    ``Q_cat = [Q_1; …; Q_g]``, whose Gram is ``Σ_h Q_hᵀQ_h`` (``qq_heads``: the g per-head Grams ``(g, d, d)``, or
+    their sum ``(d, d)``). Values as :func:`fit_values_wo`."""
+    qq = qq_heads.sum(0) if qq_heads.dim() == 3 else qq_heads
+    return fit_kq(kk, qq, vv, wo, **spec)
+
+
+# ------------------------------------------------------------------------------------------------ model fit
+def _fit_head(stats: CalibrationStats, method: str, layer: int, j: int, kspec, vspec, rcond: float
+              ) -> tuple[Basis, Basis]:
+    kk = stats.key_gram(layer, j, normalize=True)
+    vv = stats.value_gram(layer, j, normalize=True)
+    if method == "ksvd":
+        return ksvd_basis(kk, *kspec), ksvd_basis(vv, *vspec)
+    if method == "eigen":
+        return joint_basis(kk, stats.query_gram(layer, j, "concat", normalize=True), *kspec), ksvd_basis(vv, *vspec)
+    gqa = "sum" if method == "gqa-sum" else "concat"  # kq == gqa-concat; for MHA all three coincide
+    kb = oblique_basis(kk, stats.query_gram(layer, j, gqa, normalize=True), *kspec, rcond=rcond)
+    vb = oblique_basis(vv, stats.output_gram(layer, j), *vspec, rcond=rcond)
+    return kb, vb
+
+
+def fit_bases(stats: CalibrationStats, method: Method, rank: Optional[int] = None, energy: Optional[float] = None,
+              rank_v: Optional[int] = None, energy_v: Optional[float] = None, *, uniform_ranks: bool = False,
+              rcond: float = RCOND, dtype: torch.dtype = torch.float32) -> KVBases:
+    """Fit bases for every layer and KV head of a calibrated model.
+
+    Keys use ``rank`` or ``energy``; values use ``rank_v`` / ``energy_v`` if either is given, else the key spec.
+    With ``energy`` each head gets the smallest rank retaining that fraction of its objective's spectrum (ranks may
+    differ per head); ``uniform_ranks=True`` then raises every head of a layer to the layer's largest rank.
+    ``kq`` uses the per-head (``concat``) query Gram — identical to ``gqa-concat``; for GQA models compare it with
+    ``gqa-sum``. Fits run in float64 on per-token Grams; the bases are returned in ``dtype``. Metadata: method,
+    RoPE mode, ranks, retained energy per head, calibration tokens, model fingerprint and shapes.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    if stats.n_tokens <= 0:
+        raise ValueError("calibration stats are empty (n_tokens == 0)")
+    kspec, vspec = (rank, energy), _vspec(rank, energy, rank_v, energy_v)
+    for name, (r, e) in (("keys", kspec), ("values", vspec)):
+        if (r is None) == (e is None):
+            raise ValueError(f"{name}: give exactly one of rank / energy (got rank={r}, energy={e})")
+
+    fitted = [[_fit_head(stats, method, l, j, kspec, vspec, rcond) for j in range(stats.n_kv_head)]
+              for l in range(stats.n_layer)]
+    if uniform_ranks:
+        for l, row in enumerate(fitted):
+            rk, rv = max(kb.rank for kb, _ in row), max(vb.rank for _, vb in row)
+            fitted[l] = [_fit_head(stats, method, l, j, (rk, None), (rv, None), rcond) for j in range(len(row))]
+
+    layers = [[HeadBases(kb.enc.to(dtype), kb.dec.to(dtype), vb.enc.to(dtype), vb.dec.to(dtype)) for kb, vb in row]
+              for row in fitted]
+    meta: dict[str, Any] = {
+        "method": method, "rope": stats.rope, "calibration_tokens": stats.n_tokens,
+        "model_family": stats.family, "n_head": stats.n_head, "n_kv_head": stats.n_kv_head,
+        "head_dim": stats.head_dim, "rank": rank, "energy": energy, "rank_v": vspec[0], "energy_v": vspec[1],
+        "uniform_ranks": uniform_ranks,
+        "values": "v-svd" if method in ("ksvd", "eigen") else "wo-aware",
+        "query_gram": {"ksvd": None, "eigen": "concat", "kq": "concat", "gqa-sum": "sum",
+                       "gqa-concat": "concat"}[method],
+        "retained_k": [[round(kb.retained, 6) for kb, _ in row] for row in fitted],
+        "retained_v": [[round(vb.retained, 6) for _, vb in row] for row in fitted],
+    }
+    if stats.fingerprint:
+        meta["model_fingerprint"] = stats.fingerprint
+    return KVBases(layers, method, stats.rope, meta)
+
+
+# ------------------------------------------------------------------------------------------------ diagnostics
+def _tr_err(g: torch.Tensor, gq: torch.Tensor, enc: torch.Tensor, dec: torch.Tensor) -> tuple[float, float]:
+    """``(‖X (I − enc decᵀ) Yᵀ‖_F², ‖X Yᵀ‖_F²)`` from ``G_X = g``, ``G_Y = gq``: ``‖X Z Yᵀ‖² = tr(Zᵀ G_X Z G_Y)``."""
+    g, gq = _sym(g).double(), _sym(gq).double()
+    z = torch.eye(g.shape[0], dtype=torch.float64) - enc.double() @ dec.double().T
+    num = float(torch.trace(z.T @ g @ z @ gq))
+    den = float(torch.trace(g @ gq))
+    return max(num, 0.0), den
+
+
+def _rel(num: float, den: float) -> float:
+    return math.sqrt(num / den) if den > 0 else 0.0
+
+
+def score_error(kk: torch.Tensor, qq: torch.Tensor, k_enc: torch.Tensor, k_dec: torch.Tensor) -> float:
+    """Relative attention-score error ``‖K Qᵀ − K A Bᵀ Qᵀ‖_F / ‖K Qᵀ‖_F`` from the Grams alone
+    (``‖K X Qᵀ‖_F² = tr(Xᵀ KᵀK X QᵀQ)``). Pass the concat or sum query Gram for the GQA objective of choice."""
+    return _rel(*_tr_err(kk, qq, k_enc, k_dec))
+
+
+def value_error(vv: torch.Tensor, wo: torch.Tensor, v_enc: torch.Tensor, v_dec: torch.Tensor) -> float:
+    """Relative output error ``‖V Wᵀ − V E Dᵀ Wᵀ‖_F / ‖V Wᵀ‖_F`` (``wo``: slices or their Gram, as in
+    :func:`fit_values_wo`)."""
+    return _rel(*_tr_err(vv, _wo_gram(wo), v_enc, v_dec))
+
+
+def reconstruction_error(gram: torch.Tensor, enc: torch.Tensor, dec: torch.Tensor) -> float:
+    """Relative reconstruction error ``‖X − X enc decᵀ‖_F / ‖X‖_F`` (e.g. rebuilt pre-RoPE keys ``k̂ = a k_decᵀ``)."""
+    eye = torch.eye(gram.shape[0], dtype=torch.float64)
+    return _rel(*_tr_err(gram, eye, enc, dec))
+
+
+def lesens_terms(kk: torch.Tensor, qq: torch.Tensor, rank: int, rcond: float = RCOND) -> dict[str, float]:
+    """Squared score errors at rank R from the Grams: ``total = ‖KQᵀ‖²``, ``err_kq = Σ_{i>R} σ_i(M)²`` (optimal,
+    attention-aware), ``err_konly = ‖KQᵀ − K P Pᵀ Qᵀ‖²`` with ``P = V_K[:, :R]`` (K-only SVD), and Lesens' gap
+    ``gap = err_konly − err_kq = Σ_{i≤R} σ_i(M)² − ‖Σ_K[:R] V_K[:, :R]ᵀ V_Q Σ_Q‖_F² ≥ 0`` (the second term is the
+    squared norm of the first R rows of ``M``, i.e. ``Σ_{i≤R} (M Mᵀ)_ii`` in the V_K basis)."""
+    _, _, _, c = _oblique_parts(_sym(kk).double(), _sym(qq).double(), rcond)
+    s2, _ = _eigh_desc(c)
+    total = float(torch.trace(c))
+    top = float(s2[:rank].sum())
+    rows = float(torch.diagonal(c)[:rank].sum())
+    return {"total": total, "err_kq": max(total - top, 0.0), "err_konly": max(total - rows, 0.0),
+            "gap": max(top - rows, 0.0)}
+
+
+def lesens_gap(kk: torch.Tensor, qq: torch.Tensor, rank: int) -> float:
+    """Lesens' gap ``ε = err_K-only − err_KQᵀ ≥ 0`` (squared Frobenius, in the units of the Grams)."""
+    return lesens_terms(kk, qq, rank)["gap"]
+
+
+def lesens_gaps(stats: CalibrationStats, rank: int, gqa: Literal["concat", "sum"] = "concat"
+                ) -> list[list[float]]:
+    """Relative gap ``ε / ‖KQᵀ‖_F²`` per layer and KV head at rank R (the score-error energy K-only SVD gives up)."""
+    out = []
+    for l in range(stats.n_layer):
+        row = []
+        for j in range(stats.n_kv_head):
+            t = lesens_terms(stats.key_gram(l, j, True), stats.query_gram(l, j, gqa, True), rank)
+            row.append(t["gap"] / t["total"] if t["total"] > 0 else 0.0)
+        out.append(row)
+    return out
+
+
+def bases_errors(stats: CalibrationStats, bases: KVBases) -> dict[str, list[list[float]]]:
+    """Relative errors of ``bases`` per layer and KV head, from the (held-out or calibration) Grams in ``stats``:
+
+    * ``scores``      ``‖K Q_catᵀ − K A Bᵀ Q_catᵀ‖/‖K Q_catᵀ‖`` (per-query-head scores, the group concatenated);
+    * ``scores_sum``  the same for the summed group queries (GQA sum objective; = ``scores`` for MHA);
+    * ``keys``        ``‖K − K A Bᵀ‖/‖K‖`` (rebuilt keys; what matters for pre-RoPE application);
+    * ``values``      ``‖V Wᵀ − V E Dᵀ Wᵀ‖/‖V Wᵀ‖`` (the heads' contribution to the layer output);
+    * ``values_plain`` ``‖V − V E Dᵀ‖/‖V‖``.
+    """
+    if bases.n_layer != stats.n_layer or bases.n_kv_head != stats.n_kv_head:
+        raise ValueError(f"bases ({bases.n_layer} layers × {bases.n_kv_head} KV heads) do not match the stats "
+                         f"({stats.n_layer} × {stats.n_kv_head})")
+    out: dict[str, list[list[float]]] = {k: [] for k in ("scores", "scores_sum", "keys", "values", "values_plain")}
+    for l in range(stats.n_layer):
+        rows: dict[str, list[float]] = {k: [] for k in out}
+        for j in range(stats.n_kv_head):
+            h = bases.layers[l][j]
+            kk, vv = stats.key_gram(l, j, True), stats.value_gram(l, j, True)
+            rows["scores"].append(score_error(kk, stats.query_gram(l, j, "concat", True), h.k_enc, h.k_dec))
+            rows["scores_sum"].append(score_error(kk, stats.query_gram(l, j, "sum", True), h.k_enc, h.k_dec))
+            rows["keys"].append(reconstruction_error(kk, h.k_enc, h.k_dec))
+            rows["values"].append(value_error(vv, stats.output_gram(l, j), h.v_enc, h.v_dec))
+            rows["values_plain"].append(reconstruction_error(vv, h.v_enc, h.v_dec))
+        for k in out:
+            out[k].append(rows[k])
+    return out

@@ -250,6 +250,9 @@ def _family(model: nn.Module) -> _Family:
                      f"{', '.join(SUPPORTED_FAMILIES)}")
 
 
+family_adapter = _family  # public alias: the per-family adapter (used by kvsplice.token_driver)
+
+
 # ================================================================================================== plans
 @dataclass
 class _Group:

@@ -322,6 +322,125 @@ METHOD_OPTIONS: dict[str, Callable[[argparse.ArgumentParser], None]] = {}
 """Method name → a function adding that method's options to the parser."""
 
 
+# ---------------------------------------------------------------------- BEGIN fd-online + §3.5 diagnostics (issue 6)
+# ``--method fd-online``: online frequent-directions bases per chunk (kvsplice.online.OnlineDecoder over a
+# kvsplice.chunked.ChunkedCache; no calibration, no --bases). For every method, each result also gets per-layer
+# error diagnostics vs the §3.5 bounds on the first --err-windows windows, teacher-forced (exact q/k/v of the model):
+# kvsplice.online.bases_diagnostics (saved bases) / online_qkv_diagnostics (fd-online); printed by print_diagnostics.
+# With --max-chunks (merges re-project old tokens) use --chunk-size 1 for true online semantics; without merges the
+# result does not depend on the chunk size.
+def _add_fd_online_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("--method fd-online (online FD bases per chunk, no calibration; kvsplice.online)")
+    g.add_argument("--rank", type=_pos_int, default=4, help="key rank r_k per chunk (default 4)")
+    g.add_argument("--rank-v", type=_pos_int, help="value rank r_v (default: --rank)")
+    g.add_argument("--ell", type=_pos_int, help="FD sketch size ℓ (default 2·max rank)")
+    g.add_argument("--tau-k", type=float, help="close the chunk when a key's residual norm exceeds τ_k (default: "
+                   "no residual closes)")
+    g.add_argument("--tau-v", type=float, help="the same for values (default: none)")
+    g.add_argument("--relative", action="store_true", help="τ relative to ‖k‖ / ‖v‖ instead of absolute")
+    g.add_argument("--max-chunk-len", type=_pos_int, default=256, help="max tokens per chunk L (default 256)")
+    g.add_argument("--max-chunks", type=_pos_int, help="merge cap J_max (default: never merge)")
+    g.add_argument("--min-chunk-len", type=_pos_int, default=1, help="no residual close below this length")
+    g.add_argument("--warmup", type=int, default=16, help="warm-up tokens kept at full dimension (default 16)")
+    g.add_argument("--fd-decay", type=float, default=1.0, help="forgetting factor γ of the sketches (default 1)")
+
+
+def _fd_online_kw(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(rank_k=args.rank, rank_v=args.rank_v or args.rank, ell=args.ell, tau_k=args.tau_k,
+                tau_v=args.tau_v, relative=args.relative, max_chunk_len=args.max_chunk_len,
+                max_chunks=args.max_chunks, min_chunk_len=args.min_chunk_len, warmup=args.warmup,
+                fd_decay=args.fd_decay)
+
+
+def _eval_fd_online(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--method fd-online``: perplexity through a :class:`ChunkedCache`, its bytes (coefficients + bases +
+    sketches, split per sequence), chunk counts J and the diagnostics."""
+    from kvsplice.online import OnlineDecoder, online_qkv_diagnostics
+
+    info = ctx.info
+    kw = _fd_online_kw(args)
+    if max(kw["rank_k"], kw["rank_v"]) > info.head_dim:
+        raise EvalError(f"--rank / --rank-v must be <= the model's head_dim {info.head_dim}")
+    dec = OnlineDecoder(ctx.model, **kw)
+    full = ctx.full()
+    res = ctx.decode(dec, desc="fd-online")
+    c = res["cache"]
+    c["formula_bytes"] = c["nbytes"]  # no closed form: chunk count depends on the data; nbytes = Σ tensors
+    c["bytes_match"] = c["measured_live_bytes"] == c["nbytes"]
+    c["full_kv_formula_bytes"] = ctx.full_kv_formula(c["batch_size"], c["seq_len"], c["element_size"])
+    c["compression"] = c["full_kv_formula_bytes"] / c["measured_live_bytes"]
+    one = dec.new_cache(1)  # one window again (the cache's final state does not depend on the call sizes)
+    dec(ctx.windows[:1], one)
+    c["per_sequence_breakdown"] = one.nbytes_breakdown()
+    diag = online_qkv_diagnostics(ctx.model, ctx.windows[: ctx.err_windows], **kw)
+    ranks_k = [[kw["rank_k"]] * info.n_kv_head for _ in range(info.n_layer)]
+    ranks_v = [[kw["rank_v"]] * info.n_kv_head for _ in range(info.n_layer)]
+    short = {"ell": "ℓ", "tau_k": "τk", "tau_v": "τv", "max_chunk_len": "L", "max_chunks": "Jmax",
+             "min_chunk_len": "m", "warmup": "W", "fd_decay": "γ"}
+    default = {"max_chunk_len": 256, "min_chunk_len": 1, "warmup": 16, "fd_decay": 1.0}
+    label = f"fd-online r={kw['rank_k']}/{kw['rank_v']}" + "".join(
+        f" {short[k]}={v}" for k, v in kw.items() if k in short and v is not None and v != default.get(k)) + (
+        " rel" if kw["relative"] else "")
+    res.update({"label": label, "method": "fd-online", "rope": "post" if info.has_rope else "none",
+                "config": kw, "ranks_k": ranks_k, "ranks_v": ranks_v,
+                "elements_per_token": round(one.elements_per_token(), 2), "ppl_ratio": res["ppl"] / full["ppl"],
+                "chunks": [one.num_chunks(l) for l in range(info.n_layer)], "diagnostics": diag})
+    return [res]
+
+
+def _with_diagnostics(fn: Evaluator) -> Evaluator:
+    """Wrap an evaluator of saved bases: attach :func:`kvsplice.online.bases_diagnostics` to each result."""
+
+    def run(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str, Any]]:
+        from kvsplice.online import bases_diagnostics
+
+        results = fn(ctx, args)
+        for r in results:
+            if "diagnostics" not in r and r.get("bases_file"):
+                bases = KVBases.load(r["bases_file"])
+                r["diagnostics"] = bases_diagnostics(ctx.model, bases, ctx.windows[: ctx.err_windows])
+        return results
+
+    run.__doc__ = fn.__doc__
+    return run
+
+
+def print_diagnostics(results: list[dict[str, Any]], console=None) -> None:
+    """Per result with ``diagnostics``: a table of observed errors vs bounds per layer (max over queries/heads)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=max(Console().width, 132))
+    cols = [("logit_err", "ε obs"), ("logit_bound", "ε ≤ s‖q‖maxρ"), ("softmax_l1", "‖Δα‖₁ obs"),
+            ("softmax_bound", "2tanh(δ̄/4)"), ("softmax_bound_sinh", "2sinh(δ̄/2)"), ("output_err", "‖Δo‖ obs"),
+            ("output_bound", "‖Δo‖ bound"), ("logit_slack", "slack ε"), ("softmax_slack", "slack α"),
+            ("output_slack", "slack o"), ("holds", "holds"), ("chunks_max", "J")]
+    for r in results:
+        diag = r.get("diagnostics")
+        if not diag:
+            continue
+        t = Table(title=f"{r['label']}: observed attention errors vs §3.5 bounds per layer (teacher-forced, "
+                        f"max over queries/heads; slack = max bound / max observed)")
+        use = [(k, h) for k, h in cols if k in diag[0]]
+        t.add_column("layer", justify="right")
+        for _, h in use:
+            t.add_column(h, justify="right")
+        for l, d in enumerate(diag):
+            cells = []
+            for k, _ in use:
+                v = d[k]
+                cells.append(("yes" if v else "NO") if isinstance(v, bool) else
+                             str(v) if isinstance(v, int) else "inf" if v == math.inf else f"{v:.3g}")
+            t.add_row(str(l), *cells)
+        console.print(t)
+
+
+EVALUATORS["static"] = _with_diagnostics(EVALUATORS["static"])
+EVALUATORS["fd-online"] = _eval_fd_online
+METHOD_OPTIONS["fd-online"] = _add_fd_online_options
+# ------------------------------------------------------------------------ END fd-online + §3.5 diagnostics (issue 6)
+
+
 # ================================================================================================ CLI
 def _pos_int(s: str) -> int:
     v = int(s)
@@ -423,7 +542,7 @@ def print_results(ctx: EvalContext, results: list[dict[str, Any]], console=None,
                   f"Σ_layers Σ_heads (R_k + R_v)·T·B·bytes (full: 2·L·H_kv·d·T·B·bytes)", soft_wrap=True)
     if not per_layer:
         return
-    for r in results:
+    for r in (x for x in results if "layers" in x):  # fd-online rows have no Gram-based errors (issue 6)
         lt = Table(title=f"{r['label']}: per-layer errors on the held-out text (relative; Lesens at each head's "
                          f"key rank, oracle fits on this text)")
         for col in ("layer", "score err", "score err (Σq)", "key err", "value err (W_O)", "attn-out err",
@@ -453,6 +572,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ctx = make_context(args)
         results = EVALUATORS[args.method](ctx, args)
         print_results(ctx, results)
+        print_diagnostics(results)  # fd-online + §3.5 diagnostics (issue 6)
         if args.json:
             report = {"model": ctx.loaded.describe(), "model_fingerprint": ctx.fingerprint,
                       "data": ctx.data_info, "chunk_size": ctx.chunk_size, "batch_size": ctx.batch_size,

@@ -14,13 +14,6 @@ from kvsplice.token_select import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors, many small ops: one thread avoids oversubscription on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def low_dim(h, n, d=4, dv=4, key_scale=0.5, seed=0):

@@ -34,12 +34,6 @@ FIT_SMALL = ["--calib", str(CALIB), "--calib-tokens", "4096", "--seq-len", "256"
 EVAL_SMALL = ["--data", str(EVAL), "--tokens", "2048", "--seq-len", "256", "--no-progress"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def run(cli, args, capsys) -> tuple[int, str, str]:

@@ -22,12 +22,6 @@ needs_data = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file() or n
                                 reason=f"shared data folder absent ({DATA})")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ------------------------------------------------------------------------------------------------ unit

@@ -8,13 +8,6 @@ from kvsplice.blockwise import (Chunk, blockwise_attention, chunk_state, finaliz
 LENGTHS = (1, 5, 1, 17, 3, 9)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on a shared CPU (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def reference(logits: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,6 @@
 
 import math
 
-import pytest
 import torch
 
 from kvsplice.bounds import (attention_error_report, logit_error, logit_error_bound, logit_oscillation,
@@ -10,13 +9,6 @@ from kvsplice.bounds import (attention_error_report, logit_error, logit_error_bo
 from models.attention import causal_mask
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on a shared CPU (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_softmax_bound_holds_many_trials():

@@ -31,13 +31,6 @@ STORIES = DATA / "stories260K"
 VAL_TXT = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small linear algebra: one intra-op thread is faster, and far faster on a shared, busy CPU (restored after)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def gram(x: torch.Tensor) -> torch.Tensor:

@@ -15,13 +15,6 @@ B, HKV, HQ, D = 2, 2, 4, 8
 SIZES = (5, 3, 1, 7, 2, 11, 1, 1, 9)  # prefill, then multi-token chunks and single-token decode steps
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on a shared CPU (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def low_rank_stream(t: int, d: int, rank: int, noise: float, seed: int, drift: bool = True):

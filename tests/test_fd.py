@@ -6,13 +6,6 @@ import torch
 from kvsplice.fd import FrequentDirections, best_rank_k_residual, fd_bound
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on a shared CPU (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def low_rank_plus_noise(n: int, d: int, rank: int, noise: float, gen: torch.Generator) -> torch.Tensor:

@@ -1,13 +1,11 @@
 """Core package: cached decode ≡ full forward, absorbed ≡ naive, bytes ≡ formula, HF import ≡ transformers."""
 
-import math
 
 import pytest
 import torch
 
 from kvsplice.cache import CompressedLatentCache, KVCache, LatentCache
 from kvsplice.memory import cache_bytes_formula, measure_cache
-from kvsplice.splice import LearnedKVSplice
 from models import GPT, GPTConfig, preset
 from models.attention import attend, causal_mask, select_backend
 

@@ -28,13 +28,6 @@ VAL_TXT = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.tx
 TRAIN_TXT = DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors on a shared CPU: intra-op threads only add contention (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ------------------------------------------------------------------------------------------------ models

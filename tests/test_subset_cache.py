@@ -12,12 +12,6 @@ from models import GPT, GPTConfig
 from models.attention import attend
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def selectors():

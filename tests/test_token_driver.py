@@ -17,12 +17,6 @@ from models import GPT, GPTConfig
 V = 61
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _sharpen(model):

@@ -50,3 +50,27 @@ def measure_cache(cache) -> CacheMeasurement:
         storages[st.data_ptr()] = st.nbytes()
     dtypes = tuple(sorted({str(t.dtype).replace("torch.", "") for t in tensors}))
     return CacheMeasurement(live, sum(storages.values()), dtypes, len(tensors))
+
+
+# ------------------------------------------------------------------------------------- reporting helpers
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """``fp32`` / ``fp16`` / ``bf16`` for a dtype or its short name."""
+    dt = parse_dtype(dtype)
+    return next(name for name, d in DTYPES.items() if d == dt)
+
+
+def mha_cache_bytes(cfg, seq_len: int, dtype: str | torch.dtype, batch_size: int = 1) -> int:
+    """Bytes a standard-MHA cache of the same shapes (``2·n_layer·d_model`` per token) would take: the baseline of
+    every "compression vs MHA" figure."""
+    return batch_size * seq_len * 2 * cfg.n_layer * cfg.d_model * bytes_per_element(dtype)
+
+
+def sequences_in_budget(budget_bytes: int, bytes_per_sequence: int) -> int:
+    """How many caches of ``bytes_per_sequence`` fit in ``budget_bytes`` (``floor``; 0 when one does not fit)."""
+    if bytes_per_sequence <= 0:
+        raise ValueError(f"bytes_per_sequence must be > 0, got {bytes_per_sequence}")
+    return int(budget_bytes // bytes_per_sequence)
+
+
+CUDA_ALLOC_GRANULE = 512
+"""PyTorch's CUDA caching allocator rounds every allocation up to a multiple of 512 bytes."""

@@ -1,0 +1,384 @@
+"""Per-token decode step time at a fixed context length: MHA vs MLA (naive / absorbed) vs MLA + KVSplice.
+
+    python -m kvsplice.bench_decode --ctx 512 2048 8192 --batch 8 --json results/bench_decode.json
+    python -m kvsplice.bench_decode --config gpt2 mla:naive mla_kvsplice_90 --ctx 1024 4096 --threads 1
+
+Each variant is built at its config's shapes (default: the 124M presets, random weights, eval mode) with
+``block_size`` raised to the largest context + 1. For every context ``T`` a cache with ``capacity=T+1`` is filled
+with ``T`` tokens by ``cache.append(layer, ...)`` of random values — **timing only**: no real prefill, and every
+layer holds the same random block (the values do not change the amount of work). Then single-token steps
+``model(tok, cache=cache)`` are timed (each attends over ``T + 1`` keys) and ``cache.truncate(T)`` rolls the step
+back so the context stays fixed. Reported: the median step time over ``--repeats`` timed steps (after
+``--warmup``), and each variant's speed-up over MHA measured in the same run.
+
+Noise control on a shared machine: the timed steps of every (variant, context) are split over ``--rounds``
+rounds; every round visits every context (direction alternating) and every variant (order rotated), so all cells
+sample the same stretches of background load, and both the ratios to MHA and each variant's growth with context
+compare like with like. Only one cache is alive at a time (the MHA cache at 8192 tokens, batch 8, fp32 is 4.8 GB).
+On a busy machine ``--threads 1`` gives steadier numbers: with several threads every op waits at an OpenMP
+barrier for whichever thread the OS descheduled, which inflates small ops by orders of magnitude.
+
+Variants: ``--config NAME[:naive|:absorb]`` (preset or LightningCLI YAML, as for ``verify_memory``); MLA configs
+use ``cfg.mla_impl`` unless a suffix says otherwise. Without an MHA variant an MHA baseline with the first config's
+shapes is added. Default: ``gpt2 mla:naive mla mla_kvsplice_50 mla_kvsplice_70 mla_kvsplice_90``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from kvsplice.memory import DTYPES, cache_bytes_formula, dtype_name, parse_dtype
+from kvsplice.verify_memory import UsageError, pick_device, resolve_config
+from models.config import GPTConfig
+
+DEFAULT_CONFIGS = ("gpt2", "mla:naive", "mla", "mla_kvsplice_50", "mla_kvsplice_70", "mla_kvsplice_90")
+
+
+@dataclass
+class BenchVariant:
+    label: str
+    cfg: GPTConfig
+
+
+def parse_variant(spec: str, max_ctx: int) -> BenchVariant:
+    name, impl = spec, None
+    if ":" in spec and spec.rsplit(":", 1)[1] in ("naive", "absorb"):
+        name, impl = spec.rsplit(":", 1)
+    label, cfg, _ = resolve_config(name)
+    if impl is not None and cfg.attention != "mla":
+        raise UsageError(f"{spec}: ':{impl}' applies only to MLA configs")
+    cfg = cfg.replace(block_size=max(cfg.block_size, max_ctx + 1), dropout=0.0,
+                      **({"mla_impl": impl} if impl else {}))
+    if cfg.attention == "mla":
+        suffix = "naive" if cfg.mla_impl == "naive" else "absorb"
+        if label == "mla" or impl is not None or cfg.mla_impl == "naive":
+            label = f"{label}_{suffix}"
+    return BenchVariant(label, cfg)
+
+
+def variants_from_specs(specs: Sequence[str], max_ctx: int) -> tuple[list[BenchVariant], list[str]]:
+    variants = [parse_variant(s, max_ctx) for s in specs]
+    notes = []
+    labels = [v.label for v in variants]
+    if len(set(labels)) != len(labels):
+        raise UsageError(f"duplicate variants {labels}")
+    if not any(v.cfg.attention == "mha" for v in variants):
+        base = variants[0].cfg.replace(attention="mha", kvsplice_ratio=None)
+        variants.insert(0, BenchVariant("mha", base))
+        notes.append(f"added an MHA baseline with the shapes of {variants[1].label} (n_layer={base.n_layer}, "
+                     f"d_model={base.d_model})")
+    return variants, notes
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def filled_cache(model, batch: int, ctx: int, generator: torch.Generator):
+    """A cache of ``capacity=ctx+1`` holding ``ctx`` random tokens per layer (one random block, appended to every
+    layer through ``cache.append``): timing only."""
+    cache = model.new_cache(batch, capacity=ctx + 1)
+    p = next(model.parameters())
+    for name, shape in cache.specs[0].items():
+        assert all(spec[name] == shape for spec in cache.specs)
+    block = {name: torch.randn(batch, *shape[:-1], ctx, shape[-1], generator=generator).to(p.device, p.dtype)
+             for name, shape in cache.specs[0].items()}
+    for layer in range(cache.n_layer):
+        cache.append(layer, **block)
+    del block
+    return cache
+
+
+@torch.inference_mode()
+def time_steps(model, cache, ctx: int, tok: torch.Tensor, warmup: int, repeats: int,
+               max_seconds: Optional[float] = None) -> list[float]:
+    """Seconds of ``repeats`` single-token steps at context ``ctx`` (after ``warmup`` untimed ones). With
+    ``max_seconds``, stop early once warm-up + timed steps have taken that long (at least one timed step)."""
+    cuda = tok.device.type == "cuda"
+    out: list[float] = []
+    spent = 0.0
+    for i in range(warmup + repeats):
+        if cuda:
+            torch.cuda.synchronize(tok.device)
+        t0 = time.perf_counter()
+        logits = model(tok, cache=cache)
+        if cuda:
+            torch.cuda.synchronize(tok.device)
+        dt = time.perf_counter() - t0
+        spent += dt
+        cache.truncate(ctx)
+        if i >= warmup:
+            out.append(dt)
+        if max_seconds is not None and spent >= max_seconds and out:
+            break
+    if not torch.isfinite(logits).all():
+        raise RuntimeError("non-finite logits in the benchmark step")
+    return out
+
+
+COPY_OPS = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy", "aten::cat", "aten::stack")
+
+
+def _numel(shape) -> int:
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) for d in shape):
+        return 0
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@torch.inference_mode()
+def profile_step(model, cache, ctx: int, tok: torch.Tensor, steps: int = 2, top: int = 8) -> dict:
+    """``torch.profiler`` over ``steps`` decode steps at context ``ctx``: the top ops by self CPU time per step, and
+    the largest tensor any copy / concatenation op touched (to check that no step copies the cache)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            model(tok, cache=cache)
+            cache.truncate(ctx)
+    by_shape = prof.key_averages(group_by_input_shape=True)
+    ops = sorted(by_shape, key=lambda e: e.self_cpu_time_total, reverse=True)
+    total_us = sum(e.self_cpu_time_total for e in by_shape)
+    top_ops = [dict(op=e.key, input_shapes=str(e.input_shapes)[:120], calls_per_step=e.count / steps,
+                    self_ms_per_step=e.self_cpu_time_total / 1e3 / steps,
+                    share=e.self_cpu_time_total / total_us if total_us else 0.0) for e in ops[:top]]
+    copies = [(max((_numel(s) for s in (e.input_shapes or [])), default=0), e.key, str(e.input_shapes)[:120])
+              for e in by_shape if e.key in COPY_OPS]
+    biggest = max(copies, default=(0, None, None))
+    per_layer = sum(_numel(t.shape) for t in cache.get(0).values())  # cache elements of one layer at ctx
+    return dict(ctx=ctx, steps=steps, total_ms_per_step=total_us / 1e3 / steps, top_ops=top_ops,
+                largest_copy_elems=biggest[0], largest_copy_op=biggest[1], largest_copy_shapes=biggest[2],
+                cache_elems_per_layer=per_layer, copies_cache=biggest[0] >= per_layer)
+
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo, hi = int(pos), min(int(pos) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def run(variants: Sequence[BenchVariant], ctxs: Sequence[int], *, batch: int, dtype: torch.dtype,
+        repeats: int, warmup: int, rounds: int, device: torch.device, progress: bool = True,
+        seed: int = 0, profile: Optional[dict] = None, max_seconds: Optional[float] = None) -> list[dict]:
+    """Timed rows, one per (variant, context). With ``profile`` (a dict), :func:`profile_step` at the largest
+    context is stored in it per variant (after the timed steps of round 0, so the code paths are warm).
+    ``max_seconds`` caps the time spent per (variant, context), split evenly over the rounds."""
+    from models.gpt import GPT
+    from tqdm.auto import tqdm
+
+    models = {}
+    for v in variants:  # same seed per variant: identical weights where shapes agree (mla naive == absorbed)
+        torch.manual_seed(seed)
+        models[v.label] = GPT(v.cfg).to(device=device, dtype=dtype).eval()
+    per_round = [repeats // rounds + (1 if r < repeats % rounds else 0) for r in range(rounds)]
+    times: dict[tuple[str, int], list[float]] = {(v.label, c): [] for v in variants for c in ctxs}
+    gen = torch.Generator().manual_seed(seed)
+    total = len(ctxs) * sum(1 for n in per_round if n) * len(variants)
+    with tqdm(total=total, desc="bench_decode", unit="run", file=sys.stderr, disable=not progress,
+              dynamic_ncols=True) as bar:
+        for r, n in enumerate(per_round):
+            if n == 0:
+                continue
+            # every round visits every context and variant (contexts alternate direction, variants rotate), so
+            # slow drifts of the background load hit all (variant, context) cells alike
+            for ctx in (ctxs if r % 2 == 0 else ctxs[::-1]):
+                order = list(variants[r % len(variants):]) + list(variants[: r % len(variants)])
+                for v in order:
+                    bar.set_postfix_str(f"round {r + 1} ctx={ctx} {v.label}")
+                    model = models[v.label]
+                    cache = filled_cache(model, batch, ctx, gen)
+                    tok = torch.randint(0, v.cfg.vocab_size, (batch, 1), generator=gen).to(device)
+                    times[(v.label, ctx)] += time_steps(model, cache, ctx, tok, warmup, n,
+                                                          None if max_seconds is None else max_seconds / rounds)
+                    if profile is not None and ctx == max(ctxs) and r == 0:
+                        profile[v.label] = profile_step(model, cache, ctx, tok)
+                    del cache
+                    gc.collect()
+                    bar.update(1)
+    rows = []
+    for v in variants:
+        for ctx in ctxs:
+            ts = [t * 1e3 for t in times[(v.label, ctx)]]
+            rows.append(dict(
+                variant=v.label, attention=v.cfg.attention, mla_impl=v.cfg.mla_impl if v.cfg.attention == "mla"
+                else None, cache_dim=v.cfg.cache_dim, ctx=ctx, batch=batch, n=len(ts),
+                median_ms=statistics.median(ts), p25_ms=_quantile(ts, 0.25), p75_ms=_quantile(ts, 0.75),
+                min_ms=min(ts), times_ms=[round(t, 4) for t in ts],
+                cache_bytes=cache_bytes_formula(v.cfg, ctx, dtype, batch),
+            ))
+    base = next(v.label for v in variants if v.cfg.attention == "mha")
+    mha = {r["ctx"]: r["median_ms"] for r in rows if r["variant"] == base}
+    for r in rows:
+        r["baseline"] = base
+        r["speedup_vs_mha"] = mha[r["ctx"]] / r["median_ms"]
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ output
+def title(report: dict) -> str:
+    return (f"Decode step time — {report['dtype']}, batch {report['batch']}, {report['device']}, "
+            f"{report['threads']} thread{'s' if report['threads'] != 1 else ''}, median of "
+            f"{'<=' if report.get('max_seconds') else ''}{report['repeats']} steps")
+
+
+def growth(rows: Sequence[dict]) -> dict[str, float]:
+    """Per variant: median step time at the largest context / at the smallest."""
+    out = {}
+    for v in dict.fromkeys(r["variant"] for r in rows):
+        rs = sorted((r for r in rows if r["variant"] == v), key=lambda r: r["ctx"])
+        out[v] = rs[-1]["median_ms"] / rs[0]["median_ms"]
+    return out
+
+
+def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
+    rows, ctxs = report["results"], report["ctx"]
+    head = ["variant", "cached/token/layer"] + [f"ctx {c}: ms/step (× vs MHA)" for c in ctxs]
+    if len(ctxs) > 1:
+        head.append(f"growth {ctxs[0]}→{ctxs[-1]}")
+    body = []
+    g = report["growth"]
+    for v in dict.fromkeys(r["variant"] for r in rows):
+        by_ctx = {r["ctx"]: r for r in rows if r["variant"] == v}
+        cells = [v, str(by_ctx[ctxs[0]]["cache_dim"])]
+        for c in ctxs:
+            r = by_ctx[c]
+            cells.append(f"{r['median_ms']:.1f} ({r['speedup_vs_mha']:.2f}×)")
+        if len(ctxs) > 1:
+            cells.append(f"{g[v]:.2f}×")
+        body.append(cells)
+    return head, body
+
+
+def to_markdown(report: dict) -> str:
+    head, body = table_rows(report)
+    lines = [f"**{title(report)}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def print_table(report: dict, markdown: bool = False) -> None:
+    if markdown:
+        print(to_markdown(report))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    head, body = table_rows(report)
+    t = Table(title=title(report), caption=report["note"])
+    for i, h in enumerate(head):
+        t.add_column(h, justify="left" if i == 0 else "right")
+    for row in body:
+        t.add_row(*row)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 160))
+    console.print(t)
+
+
+def print_profiles(profiles: dict) -> None:
+    for label, p in profiles.items():
+        print(f"\nprofile {label} @ ctx {p['ctx']}: {p['total_ms_per_step']:.1f} ms/step of op self time; largest "
+              f"copy/cat {p['largest_copy_elems']:,} elements ({p['largest_copy_op']} {p['largest_copy_shapes']}) "
+              f"vs {p['cache_elems_per_layer']:,} cached elements per layer -> "
+              f"{'a cache-sized copy per step' if p['copies_cache'] else 'no cache-sized copy'}")
+        for o in p["top_ops"]:
+            print(f"  {o['self_ms_per_step']:8.2f} ms {100 * o['share']:5.1f}%  x{o['calls_per_step']:<5g} {o['op']} "
+                  f"{o['input_shapes']}")
+
+
+# -------------------------------------------------------------------------------------------------- CLI
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m kvsplice.bench_decode", description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", nargs="+", metavar="NAME[:IMPL]", default=list(DEFAULT_CONFIGS),
+                   help="presets or YAML configs; MLA ones may end in :naive or :absorb")
+    p.add_argument("--ctx", nargs="+", type=int, default=[512, 2048, 8192], metavar="T")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=12, help="timed steps per (variant, context), in all rounds")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per (variant, context, round)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds the repeats are split over")
+    p.add_argument("--max-seconds", type=float, default=None, help="cap on the seconds spent per (variant, "
+                   "context): slow variants (naive MLA at long contexts) then get fewer timed steps (>= 1 per round)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="default fp32 (bf16 is slow on CPU)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--json", metavar="FILE", help="write results as JSON (and a plot FILE.png next to it)")
+    p.add_argument("--plot", metavar="PNG", help="plot path (default: next to --json)")
+    p.add_argument("--markdown", action="store_true", help="print a markdown table instead of a rich table")
+    p.add_argument("--profile", action="store_true", help="also run torch.profiler over 3 steps of each variant at "
+                   "the largest context: top ops, and the largest copy/cat (must be far below one layer's cache)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if any(c < 1 for c in args.ctx) or args.batch < 1 or args.repeats < 1 or args.warmup < 0 \
+                or args.rounds < 1 or (args.threads is not None and args.threads < 1):
+            raise UsageError("--ctx, --batch, --repeats, --rounds, --threads must be >= 1 and --warmup >= 0")
+        ctxs = sorted(set(args.ctx))
+        variants, notes = variants_from_specs(args.config, max(ctxs))
+        device = pick_device(args.device)
+    except UsageError as e:
+        print(f"bench_decode: error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = parse_dtype(args.dtype)
+    rounds = min(args.rounds, args.repeats)
+    profiles: Optional[dict] = {} if args.profile else None
+    rows = run(variants, ctxs, batch=args.batch, dtype=dtype, repeats=args.repeats, warmup=args.warmup,
+               rounds=rounds, device=device, progress=not args.no_progress, seed=args.seed, profile=profiles,
+               max_seconds=args.max_seconds)
+    report = dict(
+        tool="kvsplice.bench_decode", dtype=dtype_name(dtype), batch=args.batch, device=str(device),
+        threads=torch.get_num_threads(), repeats=args.repeats, warmup=args.warmup, rounds=rounds, ctx=ctxs,
+        max_seconds=args.max_seconds,
+        torch=torch.__version__, python=platform.python_version(), cpu=platform.processor() or platform.machine(),
+        note="cache filled with random values via cache.append (timing only); each timed step attends over ctx+1 "
+             "keys and is rolled back with cache.truncate(ctx); speedup = MHA median / variant median, same run",
+        notes=notes, variants=[dict(label=v.label, config=v.cfg.to_dict()) for v in variants],
+        results=rows, growth=growth(rows),
+    )
+    if profiles is not None:
+        report["profile"] = profiles
+    print_table(report, markdown=args.markdown)
+    if profiles:
+        print_profiles(profiles)
+    png = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {out}", file=sys.stderr)
+    if png:
+        from kvsplice.plots import plot_decode_times
+
+        print(f"wrote {plot_decode_times(rows, png, title=title(report))}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

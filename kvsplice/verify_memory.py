@@ -1,0 +1,388 @@
+"""Measure the decode cache of each variant after a real prefill + token-by-token decode and check it against the
+byte formula.
+
+    python -m kvsplice.verify_memory                                   # the five 124M presets, fp16, 256/512/1024
+    python -m kvsplice.verify_memory --dtype fp16 --seq-lens 256 512 1024 --json results/memory_fp16.json
+    python -m kvsplice.verify_memory --config mla configs/my_run.yaml --seq-lens 2048   # block_size auto-raised
+    python -m kvsplice.verify_memory --ckpt checkpoints/mla/last.ckpt --dtype bf16
+
+For every variant and length ``L`` the model (random weights unless ``--ckpt``; eval mode; CUDA if available) is
+cast to ``--dtype``, a cache with ``capacity=L`` is created with ``model.new_cache``, ``L - k`` tokens are
+prefilled and the last ``k`` (``--decode-steps``, default 8) are decoded one at a time through the real cache.
+Then the cache is measured from its own tensors (:func:`kvsplice.memory.measure_cache`: live views and allocated
+storage; on CUDA also the caching allocator's delta) and compared with :func:`kvsplice.memory.cache_bytes_formula`
+at the same dtype. The exit status is 1 if any measurement differs from the formula, 2 on bad arguments.
+A JSON report (``--json``) gets a plot of cache MiB vs length next to it (same name, ``.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from kvsplice.memory import (CUDA_ALLOC_GRANULE, DTYPES, cache_bytes_formula, dtype_name, measure_cache,
+                             mha_cache_bytes, parse_dtype, sequences_in_budget)
+from models.config import PRESETS, GPTConfig, preset
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIGS = ("gpt2", "mla", "mla_kvsplice_50", "mla_kvsplice_70", "mla_kvsplice_90")
+MIB = 2**20
+GIB = 2**30
+
+
+class UsageError(Exception):
+    """A bad argument: reported as one line on stderr, exit status 2."""
+
+
+# ------------------------------------------------------------------------------------------ config loading
+def config_from_yaml(path: str | Path) -> GPTConfig:
+    """A GPTConfig from the ``model:`` section of a LightningCLI YAML (other sections and non-GPTConfig keys, e.g.
+    optimizer settings, are ignored). ``model: {class_path, init_args: {...}}`` and a nested dict of GPTConfig
+    fields (``model: {config: {...}}``) are accepted too, and so is ``preset: NAME`` plus field overrides.
+    Missing fields take GPTConfig's defaults (``vocab_size`` 50304)."""
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise UsageError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict):
+        raise UsageError(f"{path}: no 'model:' section with GPTConfig fields")
+    if isinstance(model.get("init_args"), dict):
+        model = model["init_args"]
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    picked = {k: v for k, v in model.items() if k in fields}
+    if not picked:  # e.g. model: {config: {n_layer: ..., ...}}
+        for v in model.values():
+            v = v.get("init_args", v) if isinstance(v, dict) else v
+            if isinstance(v, dict) and set(v) & fields:
+                model, picked = v, {k: x for k, x in v.items() if k in fields}
+                break
+    base = model.get("preset")
+    if not picked and not isinstance(base, str):
+        raise UsageError(f"{path}: the 'model:' section has no GPTConfig fields (known: {sorted(fields)})")
+    try:
+        if isinstance(base, str):
+            return preset(base, **picked)
+        return GPTConfig(**picked)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"{path}: {e}") from None
+
+
+def available_yaml_configs() -> list[str]:
+    d = REPO_ROOT / "configs"
+    return sorted(p.stem for p in d.glob("*.y*ml")) if d.is_dir() else []
+
+
+def resolve_config(spec: str) -> tuple[str, GPTConfig, str]:
+    """``(label, cfg, source)`` for a preset name, a YAML path, or the stem of a YAML under ``configs/``."""
+    if spec in PRESETS:
+        return spec, preset(spec), f"preset:{spec}"
+    p = Path(spec)
+    candidates = [p] if (p.suffix in (".yaml", ".yml") or p.exists()) else []
+    candidates += [REPO_ROOT / "configs" / f"{spec}.yaml", REPO_ROOT / "configs" / f"{spec}.yml"]
+    for c in candidates:
+        if c.is_file():
+            return c.stem, config_from_yaml(c), f"yaml:{c}"
+    if p.suffix in (".yaml", ".yml"):
+        raise UsageError(f"config file not found: {spec}")
+    raise UsageError(f"unknown config {spec!r}: not a preset ({', '.join(sorted(PRESETS))}) nor a YAML file "
+                     f"(configs/: {', '.join(available_yaml_configs()) or 'none'})")
+
+
+def load_checkpoint(path: str | Path):
+    """``(label, model, cfg, meta)`` from ``training.checkpoint.load_model`` (imported lazily)."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"checkpoint not found: {path}")
+    try:
+        from training.checkpoint import load_model  # type: ignore[import-not-found]
+    except ImportError as e:
+        raise UsageError(f"--ckpt needs training.checkpoint.load_model, which cannot be imported ({e})") from None
+    try:
+        model, cfg, meta = load_model(str(p))
+    except Exception as e:  # training.checkpoint.CheckpointError and friends: one line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"cannot load checkpoint {path}: {first}") from None
+    meta = meta or {}
+    label = meta.get("run_name") or meta.get("name") or (f"{p.parent.name}/{p.stem}" if p.parent.name else p.stem)
+    return str(label), model, cfg, meta
+
+
+# ---------------------------------------------------------------------------------------------- variants
+@dataclass
+class Variant:
+    label: str
+    cfg: GPTConfig
+    source: str
+    build: Callable[[], torch.nn.Module]  # the model (fp32 or as loaded); cast and moved by the caller
+
+
+def preset_variants(specs: Sequence[str], max_len: int, notes: list[str]) -> list[Variant]:
+    from models.gpt import GPT
+
+    out = []
+    for spec in specs:
+        label, cfg, source = resolve_config(spec)
+        if max_len > cfg.block_size:
+            notes.append(f"{label}: block_size raised {cfg.block_size} -> {max_len} for the longest sequence "
+                         f"(random weights, so only the position table grows)")
+            cfg = cfg.replace(block_size=max_len)
+        cfg = cfg.replace(dropout=0.0)
+        out.append(Variant(label, cfg, source, lambda cfg=cfg: GPT(cfg)))
+    return out
+
+
+def checkpoint_variants(paths: Sequence[str], max_len: int) -> list[Variant]:
+    out = []
+    for path in paths:
+        label, model, cfg, _ = load_checkpoint(path)
+        if max_len > cfg.block_size:
+            raise UsageError(f"--seq-lens {max_len} exceeds block_size={cfg.block_size} of checkpoint {path} "
+                             f"(trained position table; cannot be raised)")
+        out.append(Variant(label, cfg, f"ckpt:{path}", lambda model=model: model))
+    return out
+
+
+def pick_device(name: Optional[str] = None) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# -------------------------------------------------------------------------------------------- measurement
+@torch.inference_mode()
+def measure_variant_at(model, cfg: GPTConfig, seq_len: int, *, dtype: torch.dtype, batch: int, decode_steps: int,
+                       device: torch.device, budget_bytes: int, generator: torch.Generator) -> dict:
+    """Prefill ``seq_len - k`` tokens and decode ``k`` one at a time into a ``capacity=seq_len`` cache; measure it."""
+    k = min(decode_steps, seq_len - 1)
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=generator).to(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    cache = model.new_cache(batch, capacity=seq_len)
+    if cuda:
+        torch.cuda.synchronize(device)
+        alloc_delta = torch.cuda.memory_allocated(device) - base
+        peak_delta = torch.cuda.max_memory_allocated(device) - base
+    logits = model(idx[:, : seq_len - k], cache=cache)
+    for i in range(seq_len - k, seq_len):
+        logits = model(idx[:, i : i + 1], cache=cache)
+    finite = bool(torch.isfinite(logits).all())
+    del logits
+    if cuda:
+        torch.cuda.synchronize(device)
+        resident_delta = torch.cuda.memory_allocated(device) - base
+
+    m = measure_cache(cache)
+    formula = cache_bytes_formula(cfg, seq_len, dtype, batch)
+    mha = mha_cache_bytes(cfg, seq_len, dtype, batch)
+    problems = []
+    if cache.seq_len != seq_len:
+        problems.append(f"cache holds {cache.seq_len} tokens, expected {seq_len}")
+    if m.live_bytes != formula:
+        problems.append(f"live bytes {m.live_bytes} != formula {formula}")
+    if m.storage_bytes != formula:
+        problems.append(f"storage bytes {m.storage_bytes} != formula {formula}")
+    if cache.nbytes() != formula:
+        problems.append(f"cache.nbytes() {cache.nbytes()} != formula {formula}")
+    if m.dtypes != (str(dtype).replace("torch.", ""),):
+        problems.append(f"cache dtypes {m.dtypes} != {dtype}")
+    row = dict(
+        seq_len=seq_len, batch=batch, prefill_tokens=seq_len - k, decode_steps=k,
+        measured_bytes=m.live_bytes, storage_bytes=m.storage_bytes, nbytes_reported=cache.nbytes(),
+        formula_bytes=formula, measured_over_formula=m.live_bytes / formula, mha_bytes=mha,
+        compression_vs_mha=mha / m.live_bytes, bytes_per_token=formula // (batch * seq_len),
+        bytes_per_sequence=m.live_bytes // batch,
+        fits_in_budget=sequences_in_budget(budget_bytes, m.live_bytes // batch),
+        n_tensors=m.n_tensors, cache_dtypes=list(m.dtypes), logits_finite=finite,
+    )
+    if cuda:
+        slack = CUDA_ALLOC_GRANULE * m.n_tensors  # each buffer rounded up to 512 B
+        row.update(cuda_alloc_delta=alloc_delta, cuda_peak_delta=peak_delta, cuda_resident_delta=resident_delta)
+        if not formula <= alloc_delta <= formula + slack:
+            problems.append(f"CUDA allocator delta {alloc_delta} outside [{formula}, {formula + slack}]")
+        if peak_delta != alloc_delta or resident_delta != alloc_delta:
+            problems.append(f"CUDA cache memory changed during decode: alloc {alloc_delta}, peak {peak_delta}, "
+                            f"resident after decode {resident_delta}")
+    row["ok"] = not problems
+    row["problems"] = problems
+    del cache
+    return row
+
+
+def run(variants: Sequence[Variant], seq_lens: Sequence[int], *, dtype: torch.dtype, batch: int,
+        budget_bytes: int, decode_steps: int = 8, device: Optional[torch.device] = None, progress: bool = True,
+        seed: int = 0) -> list[dict]:
+    """Measure every variant at every length; one row (dict) per (variant, length)."""
+    from tqdm.auto import tqdm
+
+    device = device or pick_device()
+    rows = []
+    gen = torch.Generator().manual_seed(seed)
+    with tqdm(total=len(variants) * len(seq_lens), desc="verify_memory", unit="run", file=sys.stderr,
+              disable=not progress, dynamic_ncols=True) as bar:
+        for v in variants:
+            torch.manual_seed(seed)
+            model = v.build().to(device=device, dtype=dtype).eval()
+            for L in seq_lens:
+                bar.set_postfix_str(f"{v.label} L={L}")
+                row = measure_variant_at(model, v.cfg, L, dtype=dtype, batch=batch, decode_steps=decode_steps,
+                                         device=device, budget_bytes=budget_bytes, generator=gen)
+                rows.append(dict(variant=v.label, source=v.source, attention=v.cfg.attention,
+                                 kind=v.cfg.variant, n_layer=v.cfg.n_layer, cache_dim=v.cfg.cache_dim, **row))
+                bar.update(1)
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ output
+def _mib(b: float) -> str:
+    return f"{b / MIB:.4g}"
+
+
+def _fmt_x(x: float) -> str:
+    return f"{x:.1f}×" if x < 100 else f"{x:.0f}×"
+
+
+def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
+    budget = report["budget_gib"]
+    cuda = report["device"].startswith("cuda")
+    head = ["variant", "tokens", "measured bytes", "formula bytes", "measured MiB", "measured/formula", "vs MHA",
+            f"seqs in {budget:g} GiB"] + (["CUDA alloc Δ bytes"] if cuda else []) + ["ok"]
+    body = []
+    for r in report["rows"]:
+        body.append([r["variant"], str(r["seq_len"]), f"{r['measured_bytes']:,}", f"{r['formula_bytes']:,}",
+                     _mib(r["measured_bytes"]), f"{r['measured_over_formula']:.4f}", _fmt_x(r["compression_vs_mha"]),
+                     f"{r['fits_in_budget']:,}"]
+                    + ([f"{r['cuda_alloc_delta']:,}"] if cuda else []) + ["yes" if r["ok"] else "NO"])
+    return head, body
+
+
+def title(report: dict) -> str:
+    return (f"KV cache after prefill + decode — dtype {report['dtype']}, batch {report['batch']}, "
+            f"device {report['device']}, budget {report['budget_gib']:g} GiB")
+
+
+def to_markdown(report: dict) -> str:
+    head, body = table_rows(report)
+    lines = [f"**{title(report)}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def print_table(report: dict, markdown: bool = False) -> None:
+    if markdown:
+        print(to_markdown(report))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    head, body = table_rows(report)
+    t = Table(title=title(report))
+    for i, h in enumerate(head):
+        t.add_column(h, justify="left" if i == 0 else "right")
+    for row in body:
+        t.add_row(*row, style=None if row[-1] == "yes" else "bold red")
+    console = Console()
+    if not console.is_terminal:  # piped / captured: do not squeeze the table into 80 columns
+        console = Console(width=max(console.width, 160))
+    console.print(t)
+
+
+# -------------------------------------------------------------------------------------------------- CLI
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line on stderr, exit 2 (argparse would also print the usage)
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m kvsplice.verify_memory", description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", nargs="+", metavar="NAME",
+                     help=f"presets ({', '.join(PRESETS)}) or LightningCLI YAML files (a path, or the stem of "
+                          f"a file under configs/); default: the five 124M presets")
+    src.add_argument("--ckpt", nargs="+", metavar="PATH", help="training checkpoints (training.checkpoint)")
+    p.add_argument("--seq-lens", nargs="+", type=int, default=[256, 512, 1024], metavar="L")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--budget-gb", type=float, default=24.0, help="memory budget in GiB (2^30 bytes) for the "
+                   "'sequences that fit' column (default 24)")
+    p.add_argument("--decode-steps", type=int, default=8, help="tokens decoded one at a time after the prefill")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--json", metavar="FILE", help="write the report as JSON (and a plot FILE.png next to it)")
+    p.add_argument("--markdown", action="store_true", help="print a markdown table instead of a rich table")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if any(L < 1 for L in args.seq_lens):
+            raise UsageError(f"--seq-lens must be >= 1, got {args.seq_lens}")
+        if args.batch < 1 or args.decode_steps < 0 or args.budget_gb <= 0:
+            raise UsageError("--batch must be >= 1, --decode-steps >= 0 and --budget-gb > 0")
+        seq_lens = sorted(set(args.seq_lens))
+        notes: list[str] = []
+        if args.ckpt:
+            variants = checkpoint_variants(args.ckpt, max(seq_lens))
+        else:
+            variants = preset_variants(args.config or DEFAULT_CONFIGS, max(seq_lens), notes)
+        device = pick_device(args.device)
+    except UsageError as e:
+        print(f"verify_memory: error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
+
+    dtype = parse_dtype(args.dtype)
+    budget_bytes = int(args.budget_gb * GIB)
+    rows = run(variants, seq_lens, dtype=dtype, batch=args.batch, budget_bytes=budget_bytes,
+               decode_steps=args.decode_steps, device=device, progress=not args.no_progress, seed=args.seed)
+    report = dict(
+        tool="kvsplice.verify_memory", dtype=dtype_name(dtype), batch=args.batch, device=str(device),
+        budget_gib=args.budget_gb, budget_bytes=budget_bytes, decode_steps=args.decode_steps, seq_lens=seq_lens,
+        torch=torch.__version__, python=platform.python_version(), notes=notes,
+        ok=all(r["ok"] for r in rows), rows=rows,
+    )
+    print_table(report, markdown=args.markdown)
+    for r in rows:
+        for prob in r["problems"]:
+            print(f"MISMATCH {r['variant']} L={r['seq_len']}: {prob}", file=sys.stderr)
+    if args.json:
+        from kvsplice.plots import plot_cache_vs_seqlen
+
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        png = plot_cache_vs_seqlen(rows, out.with_suffix(".png"), title=title(report))
+        print(f"wrote {out} and {png}", file=sys.stderr)
+    if not report["ok"]:
+        print("verify_memory: measured cache bytes differ from the formula", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""LitGPT: the Lightning training wrapper around :class:`models.GPT`.
+
+Its constructor arguments are :class:`models.GPTConfig`'s fields plus the optimiser's, flat, so the CLI reads
+``--model.kvsplice_ratio 0.3`` or ``--model.learning_rate 3e-4`` and checkpoints store only primitives (they load
+with ``torch.load(..., weights_only=True)``).
+
+* loss: next-token cross-entropy (fp32 logits).
+* optimiser: AdamW; weight decay on 2-D weights (incl. embeddings, like nanoGPT), none on biases, norms and
+  KVSplice's orthogonally parametrised matrices.
+* schedule: linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio * learning_rate`` at the
+  trainer's ``max_steps`` (optimizer steps).
+* logged: ``train_loss`` and ``tokens_per_sec`` (smoothed; both in the progress bar), ``lr``, ``tokens`` (seen so far, all
+  devices), ``train_time_s`` (wall time of training steps, validation excluded), ``val_loss`` (mean loss over every
+  validation token) and ``val_ppl = exp(val_loss)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Literal, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+
+from models.config import GPTConfig
+from models.gpt import GPT
+
+__all__ = ["LitGPT", "TrainingConfigError", "lr_factor", "param_groups"]
+
+
+class TrainingConfigError(ValueError):
+    """A training setting is invalid (e.g. ``warmup_steps >= max_steps``); the message names the option."""
+
+
+def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the peak learning rate at optimizer step ``step`` (0-based).
+
+    Linear warmup ``(step + 1) / warmup_steps`` for ``step < warmup_steps``, then cosine decay from 1 to
+    ``min_lr_ratio`` reached at ``max_steps`` (and kept after it).
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: ``decay`` = 2-D weights (linear, embeddings); ``no_decay`` = biases, norms and parametrised
+    (orthogonal) KVSplice matrices, whose decay would fight the constraint."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():  # tied lm_head/wte appears once
+        if not p.requires_grad:
+            continue
+        if p.dim() >= 2 and ".parametrizations." not in name:
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
+
+
+_GPT_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig))
+_ARCH_FIELDS = ("vocab_size", "n_layer", "n_head", "d_model", "block_size", "bias", "attention", "d_latent",
+                "kvsplice_ratio", "kvsplice_orthogonal")
+"""GPTConfig fields a resumed run must share with its checkpoint (dropout, kernels and decode path may change)."""
+
+
+class LitGPT(L.LightningModule):
+    """GPT-2 / MLA / MLA+KVSplice language model for Lightning.
+
+    Args:
+        vocab_size ... mla_impl: the :class:`models.GPTConfig` fields (same meaning and defaults). With the CLI,
+            ``vocab_size`` comes from the data module's tokenizer.
+        vocab_multiple: round ``vocab_size`` up to a multiple of this (64 gives GPT-2's 50304: faster matmuls);
+            the extra logits are never targets and learn to stay low.
+        learning_rate: peak AdamW learning rate.
+        weight_decay: AdamW weight decay of the 2-D weights.
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        warmup_steps: linear warmup optimizer steps; must be < ``trainer.max_steps``.
+        min_lr_ratio: the cosine decays to ``min_lr_ratio * learning_rate`` at ``trainer.max_steps``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 50304,
+        n_layer: int = 12,
+        n_head: int = 12,
+        d_model: int = 768,
+        block_size: int = 1024,
+        dropout: float = 0.0,
+        bias: bool = True,
+        attention: Literal["mha", "mla"] = "mha",
+        d_latent: int = 256,
+        kvsplice_ratio: Optional[float] = None,
+        kvsplice_orthogonal: bool = False,
+        attn_backend: Literal["auto", "flash", "sdpa"] = "auto",
+        mla_impl: Literal["absorb", "naive"] = "absorb",
+        vocab_multiple: int = 1,
+        learning_rate: float = 6e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        warmup_steps: int = 1000,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if vocab_multiple < 1:
+            raise TrainingConfigError(f"model.vocab_multiple must be >= 1, got {vocab_multiple}")
+        if learning_rate <= 0:
+            raise TrainingConfigError(f"model.learning_rate must be > 0, got {learning_rate}")
+        if weight_decay < 0:
+            raise TrainingConfigError(f"model.weight_decay must be >= 0, got {weight_decay}")
+        if warmup_steps < 0:
+            raise TrainingConfigError(f"model.warmup_steps must be >= 0, got {warmup_steps}")
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise TrainingConfigError(f"model.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise TrainingConfigError(f"model.betas must be two numbers in [0, 1), got {betas}")
+        padded = int(math.ceil(vocab_size / vocab_multiple) * vocab_multiple)
+        values = dict(locals())
+        fields = {f: values[f] for f in _GPT_FIELDS}
+        fields["vocab_size"] = padded
+        try:
+            self.config = GPTConfig(**fields)
+        except ValueError as e:  # "GPTConfig.kvsplice_ratio must be ..." -> name the CLI option
+            raise TrainingConfigError(str(e).replace("GPTConfig.", "model.", 1)) from None
+        self.model = GPT(self.config)
+        self.val_loss_mean = MeanMetric()
+        # throughput bookkeeping (restored on resume)
+        self._tokens_seen = 0.0
+        self._train_time = 0.0
+        self._t_last: Optional[float] = None
+        self._rate_ema: Optional[float] = None
+
+    # ------------------------------------------------------------------------------------------------ forward
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def _loss(self, batch: Any) -> tuple[torch.Tensor, int]:
+        x, y = batch  # (B, T) inputs and next-token targets
+        logits = self.model(x)  # (B, T, V)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+        return loss, y.numel()
+
+    # ------------------------------------------------------------------------------------------------ train
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss, _ = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False)
+        return loss
+
+    def on_train_start(self) -> None:
+        self._t_last = time.perf_counter()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        now = time.perf_counter()
+        dt = now - (self._t_last if self._t_last is not None else now)
+        self._t_last = now
+        tokens = float(batch[0].numel() * self.trainer.world_size)
+        self._tokens_seen += tokens
+        self._train_time += dt
+        if dt > 0:  # smoothed over ~10 steps for the progress bar; exact average = tokens / train_time_s
+            rate = tokens / dt
+            self._rate_ema = rate if self._rate_ema is None else 0.9 * self._rate_ema + 0.1 * rate
+            self.log("tokens_per_sec", self._rate_ema, prog_bar=True, on_step=True, on_epoch=False)
+        self.log("tokens", self._tokens_seen, on_step=True, on_epoch=False)
+        self.log("train_time_s", self._train_time, on_step=True, on_epoch=False)
+        opt = self.trainer.optimizers[0] if self.trainer.optimizers else None
+        if opt is not None:
+            self.log("lr", opt.param_groups[0]["lr"], on_step=True, on_epoch=False)
+
+    # ------------------------------------------------------------------------------------------------ validation
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        loss, n = self._loss(batch)
+        self.val_loss_mean.update(loss.detach(), weight=n)  # token-weighted: the mean over all val tokens
+
+    def on_validation_epoch_end(self) -> None:
+        val_loss = self.val_loss_mean.compute()  # synced across devices
+        self.val_loss_mean.reset()
+        # already reduced over all devices by the metric; sync_dist only averages identical values
+        self.log("val_loss", val_loss, prog_bar=True, sync_dist=True)
+        self.log("val_ppl", torch.exp(val_loss), sync_dist=True)
+
+    def on_validation_end(self) -> None:
+        # validation (and the checkpoint written after it) does not count as training time
+        if self._t_last is not None:
+            self._t_last = time.perf_counter()
+
+    # ------------------------------------------------------------------------------------------------ optimiser
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        max_steps = int(self.trainer.max_steps) if self.trainer is not None else -1
+        check_schedule(hp.warmup_steps, max_steps)
+        fused = self.device.type == "cuda"
+        opt = torch.optim.AdamW(param_groups(self.model, hp.weight_decay), lr=hp.learning_rate,
+                                betas=tuple(hp.betas), eps=hp.eps, fused=fused)
+        warmup, min_ratio = int(hp.warmup_steps), float(hp.min_lr_ratio)
+
+        def schedule(step: int) -> float:  # a plain function: not stored in checkpoints, always today's max_steps
+            return lr_factor(step, warmup, max_steps, min_ratio)
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        from training.checkpoint import CKPT_FORMAT, CKPT_FORMAT_KEY, GPT_CONFIG_KEY
+
+        checkpoint[CKPT_FORMAT_KEY] = CKPT_FORMAT
+        checkpoint[GPT_CONFIG_KEY] = self.config.to_dict()
+        checkpoint["kvsplice_train_stats"] = {"tokens": float(self._tokens_seen), "train_time_s": float(self._train_time)}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        from training.checkpoint import CKPT_FORMAT, CKPT_FORMAT_KEY, GPT_CONFIG_KEY, CheckpointError
+
+        fmt = checkpoint.get(CKPT_FORMAT_KEY)
+        if fmt != CKPT_FORMAT:
+            raise CheckpointError(f"cannot resume: checkpoint format {fmt!r}, this version writes {CKPT_FORMAT}")
+        stored = checkpoint.get(GPT_CONFIG_KEY)
+        ours = self.config.to_dict()
+        if not isinstance(stored, dict):
+            raise CheckpointError(f"cannot resume: the checkpoint has no {GPT_CONFIG_KEY!r} dict")
+        diff = {k: (stored.get(k), ours[k]) for k in _ARCH_FIELDS if stored.get(k) != ours[k]}
+        if diff:
+            raise CheckpointError(
+                f"cannot resume: the checkpoint's model differs from the configured one (field: (checkpoint, "
+                f"config)) {diff}")
+        stats = checkpoint.get("kvsplice_train_stats") or {}
+        self._tokens_seen = float(stats.get("tokens", 0.0))
+        self._train_time = float(stats.get("train_time_s", 0.0))
+
+
+def check_schedule(warmup_steps: int, max_steps: int) -> None:
+    """Raise :class:`TrainingConfigError` unless ``0 <= warmup_steps < max_steps`` and ``max_steps`` is set."""
+    if max_steps is None or max_steps < 1:
+        raise TrainingConfigError(
+            f"trainer.max_steps must be set to a positive number of optimizer steps (got {max_steps}); the cosine "
+            f"learning-rate schedule is defined on it (e.g. --trainer.max_steps 2000)")
+    if warmup_steps >= max_steps:
+        raise TrainingConfigError(
+            f"model.warmup_steps ({warmup_steps}) must be smaller than trainer.max_steps ({max_steps})")

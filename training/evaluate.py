@@ -1,0 +1,245 @@
+"""Evaluate training checkpoints side by side: ``python -m training.evaluate --ckpt PATH [--ckpt PATH ...]``.
+
+For each checkpoint (loaded with ``weights_only=True``, see :mod:`training.checkpoint`):
+
+* validation loss and perplexity over a stated number of tokens of the validation split the checkpoint was trained
+  with (``--data.path`` / ``--data.tokenizer_path`` / ``--data.synthetic`` override it);
+* KV-cache bytes per token, measured on the real cache after a real prefill + decode, checked against the formula,
+  and at ``--context`` tokens; the compression vs an MHA model of the same shapes at the same dtype;
+* decode tokens/s with the cache (median of ``--repeats``);
+* sample generations from fixed prompts through the (compressed) cache.
+
+Several checkpoints → one markdown table on stdout (``--json FILE`` writes everything, and the plots
+``quality_vs_cache.png`` and ``val_loss.png`` next to it). A missing, corrupt, unsafe or foreign checkpoint gives one
+``error: ...`` line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from kvsplice.memory import cache_bytes_formula, measure_cache, parse_dtype
+from training.checkpoint import CheckpointError, load_model
+
+EXIT_ERROR = 2
+PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "The dog was sad because")
+
+
+class EvalError(RuntimeError):
+    """Bad input for the evaluation (a reason to stop with one clear line)."""
+
+
+def _datamodule(meta: dict, overrides: dict, block_size: int, tokens: int, batch_size: int):
+    from data import TinyStoriesDataModule
+
+    params = set(inspect.signature(TinyStoriesDataModule.__init__).parameters) - {"self"}
+    hp = {k: v for k, v in (meta.get("data_hparams") or {}).items() if k in params}
+    for k, v in overrides.items():
+        if v is not None:
+            hp[k] = v
+    if overrides.get("path"):
+        hp["synthetic"] = False
+    if overrides.get("synthetic"):
+        hp.pop("path", None)
+        hp.pop("val_path", None)
+    hp["block_size"] = block_size
+    hp["batch_size"] = batch_size
+    hp["val_batches"] = max(1, math.ceil(tokens / (batch_size * block_size)))
+    dm = TinyStoriesDataModule(**hp)
+    dm.prepare_data()
+    dm.setup("validate")
+    return dm
+
+
+@torch.no_grad()
+def validation_loss(model, dm, max_tokens: int) -> tuple[float, int]:
+    """Mean next-token cross-entropy over all tokens of the first validation blocks (up to ``max_tokens``)."""
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for x, y in dm.val_dataloader():
+        x, y = x.to(device), y.to(device)  # (B, T)
+        logits = model(x)  # (B, T, V)
+        total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum").item()
+        count += y.numel()
+        if count >= max_tokens:
+            break
+    return total / count, count
+
+
+@torch.no_grad()
+def measure_cache_per_token(model, cfg, n_tokens: int, dtype: torch.dtype) -> dict[str, Any]:
+    """Real prefill + token-by-token decode into a fresh cache; measured bytes vs the formula."""
+    device = next(model.parameters()).device
+    n_tokens = min(n_tokens, cfg.block_size)
+    n_decode = min(8, n_tokens - 1)
+    idx = torch.randint(0, cfg.vocab_size, (1, n_tokens), device=device)
+    m = model.to(dtype)
+    cache = m.new_cache(1, capacity=n_tokens)
+    m(idx[:, : n_tokens - n_decode], cache=cache)
+    for i in range(n_tokens - n_decode, n_tokens):
+        m(idx[:, i : i + 1], cache=cache)
+    model.float()
+    meas = measure_cache(cache)
+    formula = cache_bytes_formula(cfg, n_tokens, dtype)
+    return {"tokens": n_tokens, "measured_bytes": meas.live_bytes, "storage_bytes": meas.storage_bytes,
+            "formula_bytes": formula, "bytes_per_token": meas.live_bytes / n_tokens, "cache": type(cache).__name__}
+
+
+@torch.no_grad()
+def decode_speed(model, cfg, prompt_len: int, new_tokens: int, repeats: int) -> float:
+    """Tokens/s of ``model.generate`` (prefill excluded): median over ``repeats`` runs, after one warm-up."""
+    device = next(model.parameters()).device
+    prompt_len = max(1, min(prompt_len, cfg.block_size - new_tokens - 1))
+    idx = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=device)
+    times = []
+    for r in range(repeats + 1):
+        cache = model.new_cache(1, capacity=prompt_len + new_tokens)
+        logits = model(idx, cache=cache)[:, -1]
+        t0 = time.perf_counter()
+        for _ in range(new_tokens):
+            nxt = logits.argmax(-1, keepdim=True)  # (B, 1)
+            logits = model(nxt, cache=cache)[:, -1]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if r:  # the first run warms up
+            times.append(time.perf_counter() - t0)
+    return new_tokens / statistics.median(times)
+
+
+@torch.no_grad()
+def samples(model, tokenizer, n_new: int, seed: int) -> list[dict[str, str]]:
+    out = []
+    device = next(model.parameters()).device
+    for prompt in PROMPTS:
+        ids = torch.tensor([tokenizer.encode(prompt)], device=device)
+        n = max(0, min(n_new, model.cfg.block_size - ids.shape[1]))
+        g = torch.Generator(device=device).manual_seed(seed)
+        gen = model.generate(ids, n, temperature=0.8, top_k=40, generator=g)
+        out.append({"prompt": prompt, "text": tokenizer.decode(gen[0].tolist())})
+    return out
+
+
+def evaluate_checkpoint(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    model, cfg, meta = load_model(path)
+    device = torch.device(args.device)
+    model.to(device).eval()
+    overrides = {"path": args.data_path, "tokenizer_path": args.data_tokenizer_path, "synthetic": args.data_synthetic,
+                 "cache_dir": args.data_cache_dir}
+    dm = _datamodule(meta, overrides, cfg.block_size, args.tokens, args.batch_size)
+    if dm.vocab_size > cfg.vocab_size:
+        raise EvalError(f"{path}: the data's tokenizer has {dm.vocab_size} tokens but the model only "
+                        f"{cfg.vocab_size}; pass the --data.* settings the checkpoint was trained with")
+    loss, n_tok = validation_loss(model, dm, args.tokens)
+    dtype = parse_dtype(args.dtype)
+    cache = measure_cache_per_token(model, cfg, args.cache_tokens, dtype)
+    mha_per_token = cache_bytes_formula(cfg.replace(attention="mha", kvsplice_ratio=None), 1, dtype)
+    row = {
+        "checkpoint": str(path),
+        "variant": cfg.variant,
+        "steps": meta.get("global_step"),
+        "val_loss": loss,
+        "ppl": math.exp(loss),
+        "val_tokens": n_tok,
+        "dtype": args.dtype,
+        "cache_bytes_per_token": cache["bytes_per_token"],
+        "cache_bytes_at_context": cache["bytes_per_token"] * args.context,
+        "context": args.context,
+        "compression_vs_mha": mha_per_token / cache["bytes_per_token"],
+        "cache_matches_formula": cache["measured_bytes"] == cache["formula_bytes"],
+        "cache_check": cache,
+        "decode_tokens_per_s": decode_speed(model, cfg, args.prompt_len, args.decode_tokens, args.repeats),
+        "samples": samples(model, dm.tokenizer, args.sample_tokens, args.seed),
+        "run_dir": str(Path(path).resolve().parent),
+    }
+    if not row["cache_matches_formula"]:
+        raise EvalError(f"{path}: measured cache bytes {cache['measured_bytes']} != formula {cache['formula_bytes']}")
+    return row
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], dtype: str, device: str) -> str:
+    head = (f"| variant | steps | val loss | ppl | cache bytes/token ({dtype}) | compression vs MHA ({dtype}) "
+            f"| decode tokens/s ({device}) |\n|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['steps']} | {r['val_loss']:.4f} | {r['ppl']:.2f} | "
+                     f"{r['cache_bytes_per_token']:.0f} | {r['compression_vs_mha']:.1f}× | "
+                     f"{r['decode_tokens_per_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m training.evaluate", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--ckpt", action="append", required=True, help="checkpoint file (repeat for a comparison)")
+    p.add_argument("--tokens", type=int, default=16384, help="validation tokens to average the loss over")
+    p.add_argument("--batch-size", type=int, default=8, help="validation batch size")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="cache dtype for byte counts")
+    p.add_argument("--context", type=int, default=1024, help="context length for the cache-bytes column")
+    p.add_argument("--cache-tokens", type=int, default=64, help="tokens prefilled+decoded to measure the cache")
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens before timing decode")
+    p.add_argument("--decode-tokens", type=int, default=64, help="decoded tokens per timing run")
+    p.add_argument("--repeats", type=int, default=3, help="timing repeats (median reported)")
+    p.add_argument("--sample-tokens", type=int, default=48, help="tokens generated per sample prompt")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--data.path", dest="data_path", default=None, help="override the validation text")
+    p.add_argument("--data.tokenizer_path", dest="data_tokenizer_path", default=None)
+    p.add_argument("--data.synthetic", dest="data_synthetic", default=None, type=lambda s: s.lower() == "true",
+                   help="true: the embedded offline stories")
+    p.add_argument("--data.cache_dir", dest="data_cache_dir", default=None)
+    p.add_argument("--json", default=None, help="write all results (and plots next to it)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("tokens", "batch_size", "context", "cache_tokens", "decode_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return EXIT_ERROR
+    if args.json and Path(args.json).is_dir():
+        print(f"error: --json {args.json} is a directory; give a file name", file=sys.stderr)
+        return EXIT_ERROR
+    from data import DataUnavailableError
+
+    rows = []
+    try:
+        for path in args.ckpt:
+            print(f"evaluating {path} ...", file=sys.stderr)
+            rows.append(evaluate_checkpoint(path, args))
+    except (CheckpointError, EvalError, DataUnavailableError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    print(markdown_table(rows, args.dtype, args.device))
+    for r in rows:
+        print(f"\n{r['variant']} samples ({Path(r['checkpoint']).name}):")
+        for s in r["samples"]:
+            print(f"  {s['text']!r}")
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"dtype": args.dtype, "device": args.device, "rows": rows}, indent=2))
+        from kvsplice.plots import plot_quality_vs_cache, plot_val_loss
+
+        plot_quality_vs_cache(rows, out.with_name(out.stem + "_quality_vs_cache.png"))
+        csvs = [Path(r["run_dir"]) / "metrics.csv" for r in rows]
+        csvs = [c for c in dict.fromkeys(csvs) if c.is_file()]
+        if csvs:
+            plot_val_loss(csvs, out.with_name(out.stem + "_val_loss.png"))
+        print(f"\nwrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -428,6 +428,8 @@ def test_hub_path_with_in_memory_dataset(
 
 @pytest.mark.parametrize("env", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"])
 def test_offline_without_data_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: str) -> None:
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)  # CI itself runs offline: test one variable at a time
     monkeypatch.setenv(env, "1")
     dm = TinyStoriesDataModule(cache_dir=str(tmp_path))
     for action in (dm.prepare_data, lambda: dm.vocab_size, lambda: dm.setup("fit")):

@@ -40,6 +40,7 @@ import torch
 
 from kvsplice.memory import DTYPES, cache_bytes_formula, dtype_name, parse_dtype
 from kvsplice.verify_memory import UsageError, pick_device, resolve_config
+from kvsplice.report import markdown_table, print_rich_table
 from models.config import GPTConfig
 
 DEFAULT_CONFIGS = ("gpt2", "mla:naive", "mla", "mla_kvsplice_50", "mla_kvsplice_70", "mla_kvsplice_90")
@@ -261,29 +262,14 @@ def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def to_markdown(report: dict) -> str:
-    head, body = table_rows(report)
-    lines = [f"**{title(report)}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(row) + " |" for row in body]
-    return "\n".join(lines)
+    return markdown_table(title(report), *table_rows(report))
 
 
 def print_table(report: dict, markdown: bool = False) -> None:
     if markdown:
         print(to_markdown(report))
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    head, body = table_rows(report)
-    t = Table(title=title(report), caption=report["note"])
-    for i, h in enumerate(head):
-        t.add_column(h, justify="left" if i == 0 else "right")
-    for row in body:
-        t.add_row(*row)
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=max(console.width, 160))
-    console.print(t)
+    print_rich_table(title(report), *table_rows(report), caption=report["note"])
 
 
 def print_profiles(profiles: dict) -> None:

@@ -30,6 +30,7 @@ import torch
 
 from kvsplice.memory import (CUDA_ALLOC_GRANULE, DTYPES, cache_bytes_formula, dtype_name, measure_cache,
                              mha_cache_bytes, parse_dtype, sequences_in_budget)
+from kvsplice.report import markdown_table, print_rich_table
 from models.config import PRESETS, GPTConfig, preset
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -281,29 +282,14 @@ def title(report: dict) -> str:
 
 
 def to_markdown(report: dict) -> str:
-    head, body = table_rows(report)
-    lines = [f"**{title(report)}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(row) + " |" for row in body]
-    return "\n".join(lines)
+    return markdown_table(title(report), *table_rows(report))
 
 
 def print_table(report: dict, markdown: bool = False) -> None:
     if markdown:
         print(to_markdown(report))
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    head, body = table_rows(report)
-    t = Table(title=title(report))
-    for i, h in enumerate(head):
-        t.add_column(h, justify="left" if i == 0 else "right")
-    for row in body:
-        t.add_row(*row, style=None if row[-1] == "yes" else "bold red")
-    console = Console()
-    if not console.is_terminal:  # piped / captured: do not squeeze the table into 80 columns
-        console = Console(width=max(console.width, 160))
-    console.print(t)
+    print_rich_table(title(report), *table_rows(report), row_style=lambda row: None if row[-1] == "yes" else "bold red")
 
 
 # -------------------------------------------------------------------------------------------------- CLI

@@ -177,6 +177,9 @@ class ChunkedCache(DecodeCache):
     ``shared_value_basis`` [False] or ``value_bases`` (one ``(Hkv, d_v, r_v)`` tensor per layer); ``fd_decay`` γ
     [1.0]; ``fit_first_token`` [False]; ``granularity`` ["head"]; ``dtype`` of coefficients and bases [float32]
     (the sketches are float32). Residual maxima are exact up to the rounding of the stored numbers.
+    ``record_residuals`` [False]: log every token's criterion ``ρ_k``/``ρ_v`` (relative if ``relative``) against the
+    bases of the chunk it is stored in (warm-up/identity chunks excluded; a chunk's first token against its fresh
+    bases), read with :meth:`recorded_residuals` (used by :func:`kvsplice.online.calibrate_thresholds`).
     """
 
     kind = "chunked"
@@ -188,7 +191,8 @@ class ChunkedCache(DecodeCache):
                  max_chunks: Optional[int] = None, shared_value_basis: bool = False,
                  value_bases: Optional[Sequence[torch.Tensor]] = None, fd_decay: float = 1.0,
                  fit_first_token: bool = False, granularity: Granularity = "head",
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 record_residuals: bool = False) -> None:
         super().__init__([{} for _ in range(n_layer)], batch_size, dtype=dtype, device=device)
         self.n_kv_head, self.head_size = int(n_kv_head), int(head_size)
         self.value_head_size = int(value_head_size or head_size)
@@ -210,6 +214,7 @@ class ChunkedCache(DecodeCache):
         self.max_chunk_len, self.warmup, self.max_chunks = int(max_chunk_len), int(warmup), max_chunks
         self.min_chunk_len = int(min_chunk_len)
         self.fit_first_token = bool(fit_first_token)
+        self.record_residuals = bool(record_residuals)
         self.tau_k = math.inf if tau_k is None else float(tau_k)
         self.tau_v = math.inf if tau_v is None or shared_value_basis else float(tau_v)
         self.relative, self.granularity = bool(relative), granularity
@@ -245,6 +250,7 @@ class ChunkedCache(DecodeCache):
 
     def reset(self) -> None:
         self._lengths = [0] * self.n_layer
+        self._res_log: list[tuple[list, list]] = [([], []) for _ in range(self.n_layer)]
         for fd in self.fd_k + self.fd_v:
             fd.reset()
         self._streams = [self._make_streams() for _ in range(self.n_layer)]
@@ -342,13 +348,19 @@ class ChunkedCache(DecodeCache):
         first = int(hit.nonzero()[0, 0]) if bool(hit.any()) else end - i
         return i + first if first < end - i else end
 
-    def _push(self, s: _Stream, kx: torch.Tensor, vx: torch.Tensor, i: int, j: int) -> None:
+    def _push(self, s: _Stream, kx: torch.Tensor, vx: torch.Tensor, i: int, j: int, layer: int = 0) -> None:
         if j <= i:
             return
         act = s.active
-        a, rk, _ = self._project(kx[s.sel][..., i:j, :], act.bk, math.inf)
-        b, rv, _ = self._project(vx[s.sel][..., i:j, :], act.be, math.inf)
+        kx, vx = kx[s.sel][..., i:j, :], vx[s.sel][..., i:j, :]
+        a, rk, _ = self._project(kx, act.bk, math.inf)
+        b, rv, _ = self._project(vx, act.be, math.inf)
         act.push(a.to(self.dtype), b.to(self.dtype), rk, rv)
+        if self.record_residuals and act.bk is not None:  # the closing criterion, as _project computes it
+            log_k, log_v = self._res_log[layer]
+            for log, res, x in ((log_k, rk, kx), (log_v, rv, vx)):
+                crit = res / x.norm(dim=-1).clamp_min(1e-30) if self.relative else res
+                log.append(crit.detach().reshape(-1).float().cpu())
 
     def _open(self, layer: int, s: _Stream, start: int, k_first: torch.Tensor, v_first: torch.Tensor) -> None:
         """Open a chunk at ``start`` seeded from the sketches; ``k_first``/``v_first`` ``(*bs, d)``: its first token."""
@@ -435,16 +447,16 @@ class ChunkedCache(DecodeCache):
             for i, s in enumerate(streams):
                 if cand[i] != t:
                     continue
-                self._push(s, kx, vx, cursor[i], t)
+                self._push(s, kx, vx, cursor[i], t, layer)
                 self._close(layer, s)
                 self._open(layer, s, base + t, kx[s.sel][..., t, :], vx[s.sel][..., t, :])
-                self._push(s, kx, vx, t, t + 1)  # the closing token starts the new chunk unconditionally
+                self._push(s, kx, vx, t, t + 1, layer)  # the closing token starts the new chunk unconditionally
                 cursor[i] = t + 1
                 cand[i] = self._next_close(s, kx, vx, t + 1)
         fd_k.update(kx[..., fed:, :])
         fd_v.update(vx[..., fed:, :])
         for i, s in enumerate(streams):
-            self._push(s, kx, vx, cursor[i], n)
+            self._push(s, kx, vx, cursor[i], n, layer)
         self._lengths[layer] = base + n
 
     # ------------------------------------------------------------------------------------------------ attention
@@ -497,6 +509,16 @@ class ChunkedCache(DecodeCache):
                 rk[s.sel] = torch.maximum(rk[s.sel], c.res_k.float())
                 rv[s.sel] = torch.maximum(rv[s.sel], c.res_v.float())
         return rk, rv
+
+    def recorded_residuals(self, layer: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token criteria logged with ``record_residuals=True`` (1-D float32 ``ρ_k``, ``ρ_v``; every
+        sequence and KV head, in no particular order), for ``layer`` or (``None``) all layers; empty when off."""
+        logs = self._res_log if layer is None else [self._res_log[layer]]
+        out = []
+        for i in (0, 1):
+            parts = [x for log in logs for x in log[i]]
+            out.append(torch.cat(parts) if parts else torch.zeros(0))
+        return out[0], out[1]
 
     # ------------------------------------------------------------------------------------------------ bytes
     def _groups(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -343,6 +343,11 @@ def _add_fd_online_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-chunk-len", type=_pos_int, default=1, help="no residual close below this length")
     g.add_argument("--warmup", type=int, default=16, help="warm-up tokens kept at full dimension (default 16)")
     g.add_argument("--fd-decay", type=float, default=1.0, help="forgetting factor γ of the sketches (default 1)")
+    g.add_argument("--tau-percentile", type=float, metavar="P", help="set τ_k/τ_v to the P-th percentile "
+                   "(0-100) of the per-token residuals on --tau-calib text, decoded with thresholds off (one "
+                   "scalar each, pooled over layers; kvsplice.online.calibrate_thresholds)")
+    g.add_argument("--tau-calib", metavar="PATH", help="calibration text for --tau-percentile (required with it; "
+                   "never the --data text); --tokens and --seq-len as for --data")
 
 
 def _fd_online_kw(args: argparse.Namespace) -> dict[str, Any]:
@@ -352,15 +357,58 @@ def _fd_online_kw(args: argparse.Namespace) -> dict[str, Any]:
                 fd_decay=args.fd_decay)
 
 
+def _check_tau_options(args: argparse.Namespace) -> None:
+    p, calib = getattr(args, "tau_percentile", None), getattr(args, "tau_calib", None)
+    if p is None:
+        if calib is not None:
+            raise EvalError("--tau-calib needs --tau-percentile P")
+        return
+    if calib is None:
+        raise EvalError("--tau-percentile needs --tau-calib PATH (calibration text, not the --data text)")
+    if not 0 <= p <= 100:
+        raise EvalError(f"--tau-percentile must be in [0, 100], got {p}")
+    if Path(calib).expanduser().resolve() == Path(args.data).expanduser().resolve():
+        raise EvalError("--tau-calib must not be the --data text (calibrate τ on other text)")
+    if args.tau_k is not None or args.tau_v is not None:
+        raise EvalError("give either --tau-percentile or --tau-k / --tau-v, not both")
+
+
+def _calibrate_tau(ctx: EvalContext, args: argparse.Namespace, kw: dict[str, Any]) -> dict[str, Any]:
+    """``--tau-percentile``: τ_k/τ_v from :func:`kvsplice.online.calibrate_thresholds` on ``--tau-calib`` windows."""
+    from kvsplice.loading import iter_texts, token_stream
+    from kvsplice.online import calibrate_thresholds
+
+    seq_len = ctx.windows.shape[1]
+    ids, _ = token_stream(iter_texts(args.tau_calib, option="tau-calib", split="train"), ctx.loaded.tokenizer,
+                          args.tokens, progress=ctx.progress, desc="tokenize tau-calib")
+    n = ids.numel() // seq_len
+    if n < 1:
+        raise EvalError(f"--tau-calib {args.tau_calib}: only {ids.numel()} tokens, fewer than --seq-len {seq_len}")
+    windows = ids[: n * seq_len].view(n, seq_len)
+    cal = calibrate_thresholds(ctx.model, windows.split(ctx.batch_size), percentile=args.tau_percentile, **kw)
+    cal["source"] = str(args.tau_calib)
+    tv = "—" if cal["tau_v"] is None else f"{cal['tau_v']:.6g}"
+    print(f"fd-online: τ from the {cal['percentile']:g}th percentile of {cal['n_residuals']:,} per-token "
+          f"{'relative ' if kw['relative'] else ''}residuals ({cal['n_tokens']:,} tokens of {args.tau_calib}, "
+          f"thresholds off): τ_k = {cal['tau_k']:.6g}, τ_v = {tv}")
+    return cal
+
+
 def _eval_fd_online(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str, Any]]:
     """``--method fd-online``: perplexity through a :class:`ChunkedCache`, its bytes (coefficients + bases +
-    sketches, split per sequence), chunk counts J and the diagnostics."""
+    sketches, split per sequence), chunk counts J and the diagnostics. With ``--tau-percentile`` τ_k/τ_v are first
+    calibrated on ``--tau-calib`` (:func:`_calibrate_tau`)."""
     from kvsplice.online import OnlineDecoder, online_qkv_diagnostics
 
     info = ctx.info
+    _check_tau_options(args)
     kw = _fd_online_kw(args)
     if max(kw["rank_k"], kw["rank_v"]) > info.head_dim:
         raise EvalError(f"--rank / --rank-v must be <= the model's head_dim {info.head_dim}")
+    tau_cal = None
+    if getattr(args, "tau_percentile", None) is not None:
+        tau_cal = _calibrate_tau(ctx, args, kw)
+        kw["tau_k"], kw["tau_v"] = tau_cal["tau_k"], tau_cal["tau_v"]
     dec = OnlineDecoder(ctx.model, **kw)
     full = ctx.full()
     res = ctx.decode(dec, desc="fd-online")
@@ -379,12 +427,15 @@ def _eval_fd_online(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str
              "min_chunk_len": "m", "warmup": "W", "fd_decay": "γ"}
     default = {"max_chunk_len": 256, "min_chunk_len": 1, "warmup": 16, "fd_decay": 1.0}
     label = f"fd-online r={kw['rank_k']}/{kw['rank_v']}" + "".join(
-        f" {short[k]}={v}" for k, v in kw.items() if k in short and v is not None and v != default.get(k)) + (
+        f" {short[k]}={f'{v:.4g}' if isinstance(v, float) else v}" for k, v in kw.items() if k in short and v is not None and v != default.get(k)) + (
         " rel" if kw["relative"] else "")
     res.update({"label": label, "method": "fd-online", "rope": "post" if info.has_rope else "none",
                 "config": kw, "ranks_k": ranks_k, "ranks_v": ranks_v,
                 "elements_per_token": round(one.elements_per_token(), 2), "ppl_ratio": res["ppl"] / full["ppl"],
                 "chunks": [one.num_chunks(l) for l in range(info.n_layer)], "diagnostics": diag})
+    if tau_cal is not None:
+        res["label"] += f" τ@p{tau_cal['percentile']:g}"
+        res["tau_calibration"] = tau_cal
     return [res]
 
 

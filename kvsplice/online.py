@@ -14,6 +14,8 @@ softmax over chunks, values reconstructed per chunk as ``(Σ_t p_t b_t) E_jᵀ``
     logits = dec(next_ids, cache)                      # decode (B, 1, V)
     ppl = dec.perplexity(ids, chunk_size=1)            # token by token, every token over the compressed cache
     logits, diag = dec.diagnose(ids)                   # one prefill + per-layer observed errors vs bounds
+    tau = calibrate_thresholds(model, calib_ids, percentile=99, rank_k=4, ell=8, max_chunk_len=64)
+    dec = OnlineDecoder(model, rank_k=4, ell=8, max_chunk_len=64, tau_k=tau["tau_k"], tau_v=tau["tau_v"])
 
 **Diagnostics** (:mod:`kvsplice.bounds`): per layer, with exact ``q, k, v`` and approximate ``k̂, v̂`` (causal),
 the observed logit error ``ε = ‖ℓ − ℓ̂‖∞``, softmax L1 error ``‖α − α̂‖₁`` and head-output error ``‖o − ô‖``
@@ -50,8 +52,8 @@ from kvsplice.bounds import logit_error_bound, logit_oscillation, output_error_b
 from kvsplice.chunked import ChunkedCache
 from models.attention import causal_mask
 
-__all__ = ["OnlineDecoder", "attention_diagnostics", "bases_diagnostics", "format_diagnostics",
-           "online_qkv_diagnostics"]
+__all__ = ["OnlineDecoder", "attention_diagnostics", "bases_diagnostics", "calibrate_thresholds",
+           "format_diagnostics", "online_qkv_diagnostics"]
 
 
 # ============================================================================================== decoder
@@ -170,6 +172,49 @@ class OnlineDecoder:
     def __repr__(self) -> str:
         kw = ", ".join(f"{k}={v}" for k, v in self.cache_kw.items() if v is not None)
         return f"OnlineDecoder({self.family}, {kw})"
+
+
+@torch.no_grad()
+def calibrate_thresholds(model: nn.Module, batches_or_ids, *, percentile: float, rank_k: int,
+                         rank_v: Optional[int] = None, ell: Optional[int] = None, relative: bool = False,
+                         **cache_options) -> dict:
+    """``τ_k``, ``τ_v`` from residual percentiles on calibration tokens (issue 6).
+
+    ``batches_or_ids``: token ids ``(B, T)`` or an iterable of such batches; each is prefilled into a fresh cache
+    of an :class:`OnlineDecoder` with the given options and **thresholds disabled** (``tau_k``/``tau_v`` in
+    ``cache_options`` are ignored: chunks close only at ``max_chunk_len``), recording every token's criterion
+    ``ρ_k``, ``ρ_v`` (relative to ``‖k‖``/``‖v‖`` if ``relative``) against the bases of its chunk
+    (``ChunkedCache(record_residuals=True)``; warm-up tokens excluded; a chunk's first token against its own fresh
+    bases). ``τ = percentile``-th percentile (linear interpolation; 100 = the maximum) of the recorded values.
+
+    :class:`ChunkedCache` takes one τ for all layers, so the thresholds are **single scalars**, pooled over layers,
+    sequences and KV heads. Returns ``{"tau_k": float, "tau_v": float | None (None with a shared value basis,
+    which ignores τ_v), "percentile": p, "n_tokens": calibration tokens fed, "n_residuals": recorded per kind}``.
+    """
+    import numpy as np
+
+    p = float(percentile)
+    if not 0.0 <= p <= 100.0:
+        raise ValueError(f"percentile must be in [0, 100], got {percentile}")
+    opts = {k: v for k, v in cache_options.items() if k not in ("tau_k", "tau_v")}
+    dec = OnlineDecoder(model, rank_k=rank_k, rank_v=rank_v, ell=ell, relative=relative, record_residuals=True,
+                        **opts)
+    batches = [batches_or_ids] if isinstance(batches_or_ids, torch.Tensor) else list(batches_or_ids)
+    rk, rv, n_tokens = [], [], 0
+    for ids in batches:
+        ids = ids[None] if ids.dim() == 1 else ids
+        cache = dec.new_cache(ids.shape[0])
+        dec(ids.to(dec.device), cache, last_only=True)
+        k, v = cache.recorded_residuals()
+        rk.append(k), rv.append(v)
+        n_tokens += ids.numel()
+    rk, rv = torch.cat(rk) if rk else torch.zeros(0), torch.cat(rv) if rv else torch.zeros(0)
+    if rk.numel() == 0:
+        raise ValueError(f"no residuals recorded from {n_tokens} calibration tokens: every token fell in the "
+                         f"warm-up (use longer calibration sequences or a smaller warmup)")
+    tau_k = float(np.percentile(rk.double().numpy(), p))
+    tau_v = None if dec.new_cache(1).shared_value_basis else float(np.percentile(rv.double().numpy(), p))
+    return {"tau_k": tau_k, "tau_v": tau_v, "percentile": p, "n_tokens": n_tokens, "n_residuals": int(rk.numel())}
 
 
 # ============================================================================================== diagnostics

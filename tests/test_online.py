@@ -17,8 +17,8 @@ from kvsplice.bases import HeadBases, KVBases
 from kvsplice.calibrate import calibrate, extract_qkv
 from kvsplice.chunked import ChunkedCache
 from kvsplice.fits import fit_bases
-from kvsplice.online import (OnlineDecoder, attention_diagnostics, bases_diagnostics, format_diagnostics,
-                             online_qkv_diagnostics)
+from kvsplice.online import (OnlineDecoder, attention_diagnostics, bases_diagnostics, calibrate_thresholds,
+                             format_diagnostics, online_qkv_diagnostics)
 from models import GPT, GPTConfig
 
 V, T = 61, 24
@@ -333,3 +333,96 @@ def test_eval_bases_cli_fd_online_and_diagnostics(stories, tmp_path, capsys):
     assert len(r["diagnostics"]) == 5 and all(d["holds"] for d in r["diagnostics"])
     assert eval_bases.main(common + ["--method", "fd-online", "--rank", "9"]) == 1
     assert "head_dim 8" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ τ calibration
+TAU_OPTS = dict(rank_k=2, rank_v=2, ell=4, max_chunk_len=8, warmup=4)
+
+
+def test_chunked_cache_records_no_residuals_by_default():
+    k, v = torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
+    off = ChunkedCache(1, 2, 8, 1, rank_k=2, max_chunk_len=8, warmup=4)
+    on = ChunkedCache(1, 2, 8, 1, rank_k=2, max_chunk_len=8, warmup=4, record_residuals=True)
+    for c in (off, on):
+        c.append(0, k=k, v=v)
+    assert all(x.numel() == 0 for x in off.recorded_residuals())
+    rk, rv = on.recorded_residuals(0)
+    assert rk.numel() == rv.numel() == 2 * 16  # 2 KV heads × the 16 tokens after the warm-up
+    assert torch.equal(off.reconstruct(0)[0], on.reconstruct(0)[0])  # recording changes nothing
+    assert torch.allclose(rk.max(), on.residual_maxima(0)[0].max())
+
+
+@pytest.mark.parametrize("relative", [False, True])
+def test_calibrate_thresholds_percentile_100_is_the_max_and_closes_only_at_L(models, relative):
+    model, ids = models["llama"], _ids(b=2, t=60, seed=3)
+    cal = calibrate_thresholds(model, ids, percentile=100, relative=relative, tau_k=0.0, **TAU_OPTS)
+    assert cal["percentile"] == 100 and cal["n_tokens"] == 120 and cal["n_residuals"] > 0
+    rec = OnlineDecoder(model, relative=relative, record_residuals=True, **TAU_OPTS)
+    cache = rec.new_cache(2)
+    rec(ids, cache)
+    rk, rv = cache.recorded_residuals()
+    assert cal["tau_k"] == float(rk.max()) and cal["tau_v"] == float(rv.max())
+    assert rk.numel() == cal["n_residuals"] == 2 * 2 * 2 * (60 - 4)  # layers × batch × KV heads × tokens after W
+    dec = OnlineDecoder(model, relative=relative, tau_k=cal["tau_k"], tau_v=cal["tau_v"], **TAU_OPTS)
+    cache = dec.new_cache(2)
+    dec(ids, cache)
+    for l in range(2):  # warm-up chunk, then only max_chunk_len closes: no τ close on the calibration text
+        assert all(lens == [4] + [8] * 7 for lens in cache.chunk_lengths(l))
+
+
+def test_calibrate_thresholds_lower_percentile_more_chunks(models):
+    model, ids = models["llama"], _ids(b=2, t=60, seed=3)
+    cals = {p: calibrate_thresholds(model, [ids[:1], ids[1:]], percentile=p, **TAU_OPTS) for p in (100, 50)}
+    assert cals[50]["tau_k"] < cals[100]["tau_k"] and cals[50]["tau_v"] < cals[100]["tau_v"]
+    assert cals[50]["n_tokens"] == 120
+
+    def n_chunks(cal):
+        dec = OnlineDecoder(model, tau_k=cal["tau_k"], tau_v=cal["tau_v"], **TAU_OPTS)
+        cache = dec.new_cache(2)
+        dec(ids, cache)
+        return sum(sum(cache.num_chunks(l)) for l in range(2))
+
+    assert n_chunks(cals[50]) > n_chunks(cals[100]) == 2 * 2 * 2 * 8
+    with pytest.raises(ValueError, match="warm-up"):
+        calibrate_thresholds(model, ids[:, :4], percentile=90, **TAU_OPTS)
+    with pytest.raises(ValueError, match="percentile"):
+        calibrate_thresholds(model, ids, percentile=101, **TAU_OPTS)
+
+
+def test_eval_bases_cli_tau_percentile(tmp_path, capsys):
+    """``--method fd-online --tau-percentile P --tau-calib PATH`` on a tiny saved random Llama: τ calibrated,
+    printed and used; a clear one-line error without ``--tau-calib``."""
+    tok_bin = STORIES / "tok512.bin"
+    if not tok_bin.is_file():
+        pytest.skip(f"{tok_bin} not found")
+    from kvsplice import convert_llama2c as conv
+    from kvsplice import eval_bases
+
+    torch.manual_seed(0)
+    model = _sharpen(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256)))
+    d = tmp_path / "llama"
+    model.save_pretrained(d)
+    conv.build_tokenizer(*conv.read_llama2c_tokenizer(tok_bin)[:2]).save_pretrained(d)
+    g = torch.Generator().manual_seed(0)
+    words = "the cat dog sun ran saw big little happy tree park ball friend day mom said played jumped".split()
+    for name in ("data", "calib"):
+        stories = [" ".join(words[i] for i in torch.randint(0, len(words), (80,), generator=g)) + "."
+                   for _ in range(12)]
+        (tmp_path / f"{name}.txt").write_text("\n\n".join(stories), encoding="utf-8")
+    common = ["--model", str(d), "--data", str(tmp_path / "data.txt"), "--tokens", "256", "--seq-len", "64",
+              "--batch-size", "2", "--err-windows", "1", "--no-progress", "--method", "fd-online", "--rank", "2",
+              "--max-chunk-len", "8", "--warmup", "4", "--tau-percentile", "90"]
+    capsys.readouterr()
+    rc = eval_bases.main(common + ["--tau-calib", str(tmp_path / "calib.txt"), "--json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "90th percentile" in out and "τ_k = " in out and "τ@p90" in out
+    r = json.loads((tmp_path / "r.json").read_text())["results"][0]
+    cal = r["tau_calibration"]
+    assert cal["percentile"] == 90 and cal["n_tokens"] == 256 and cal["source"].endswith("calib.txt")
+    assert r["config"]["tau_k"] == cal["tau_k"] > 0 and r["config"]["tau_v"] == cal["tau_v"] > 0
+    assert max(max(j) for j in r["chunks"]) > 1 + 64 // 8  # τ closes on top of the max_chunk_len ones
+    assert eval_bases.main(common) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "--tau-percentile needs --tau-calib" in err

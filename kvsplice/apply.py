@@ -99,6 +99,16 @@ class _Family:
     head_dim: int
     max_positions: Optional[int] = None
 
+    def check_room(self, cache_batch: int, held: int, b: int, t: int) -> None:
+        """A batch of ``b`` sequences of ``t`` new tokens may go into a cache for ``cache_batch`` sequences that has
+        seen ``held`` tokens: same batch size, and within the model's positions."""
+        if cache_batch != b:
+            raise ValueError(f"cache was built for batch size {cache_batch}, got a batch of {b}")
+        mp = self.max_positions
+        if mp is not None and held + t > mp:
+            raise ValueError(f"sequence of {held + t} tokens ({held} cached + {t} new) exceeds the model's {mp} "
+                             f"positions")
+
     def param(self) -> torch.Tensor:
         raise NotImplementedError
 
@@ -188,6 +198,7 @@ class _Llama(_Family):
         self.n_layer = cfg.num_hidden_layers
         self.n_head, self.n_kv_head = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = attn.head_dim
+        self.max_positions = getattr(cfg, "max_position_embeddings", None)
         mod = sys.modules[type(attn).__module__]
         self._apply_rope, self._rotate_half = mod.apply_rotary_pos_emb, mod.rotate_half
 
@@ -431,12 +442,7 @@ class CoefficientDecoder:
             if not isinstance(cache, CoefficientCache) or cache.ranks_k != r["k"] or cache.ranks_v != r["v"]:
                 raise TypeError("this decoder needs a CoefficientCache with its bases' ranks; use "
                                 "decoder.new_cache()")
-        if cache.batch_size != b:
-            raise ValueError(f"cache was built for batch size {cache.batch_size}, got a batch of {b}")
-        mp = self.fam.max_positions
-        if mp is not None and cache.seq_len + t > mp:
-            raise ValueError(f"sequence of {cache.seq_len + t} tokens ({cache.seq_len} cached + {t} new) exceeds "
-                             f"the model's {mp} positions")
+        self.fam.check_room(cache.batch_size, cache.seq_len, b, t)
 
     # ------------------------------------------------------------------------------------------- forward
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l: int) -> torch.Tensor:

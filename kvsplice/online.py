@@ -95,12 +95,7 @@ class OnlineDecoder:
         if not isinstance(cache, ChunkedCache) or cache.n_layer != self.fam.n_layer \
                 or cache.n_kv_head != self.fam.n_kv_head or cache.head_size != self.fam.head_dim:
             raise TypeError("this decoder needs a ChunkedCache with the model's shapes; use decoder.new_cache()")
-        if cache.batch_size != b:
-            raise ValueError(f"cache was built for batch size {cache.batch_size}, got a batch of {b}")
-        mp = self.fam.max_positions
-        if mp is not None and cache.seq_len + t > mp:
-            raise ValueError(f"sequence of {cache.seq_len + t} tokens ({cache.seq_len} cached + {t} new) exceeds "
-                             f"the model's {mp} positions")
+        self.fam.check_room(cache.batch_size, cache.seq_len, b, t)
 
     # ------------------------------------------------------------------------------------------- forward
     def _qkv(self, l: int, h: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -36,24 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvsplice.apply import family_adapter
+from kvsplice.apply import _heads, _merge, family_adapter
 from kvsplice.subset_cache import SubsetCache, TokenSelectionResult, weighted_attend
 from kvsplice.token_select import TokenSelector
 from models.attention import attend
 
 __all__ = ["TokenSelectionDecoder", "run_token_selection"]
-
-
-def _heads(x: torch.Tensor, h: int) -> torch.Tensor:
-    """(B, T, h·D) → (B, h, T, D)."""
-    b, t, _ = x.shape
-    return x.view(b, t, h, -1).transpose(1, 2)
-
-
-def _merge(z: torch.Tensor) -> torch.Tensor:
-    """(B, h, T, D) → (B, T, h·D)."""
-    b, h, t, d = z.shape
-    return z.transpose(1, 2).reshape(b, t, h * d)
 
 
 class TokenSelectionDecoder:
@@ -76,8 +64,6 @@ class TokenSelectionDecoder:
         self.scales = [self.fam.scale(l) for l in range(self.fam.n_layer)]
         self.n_layer, self.n_head, self.n_kv_head = self.fam.n_layer, self.fam.n_head, self.fam.n_kv_head
         self.head_dim = self.fam.head_dim
-        self.max_positions = self.fam.max_positions or getattr(getattr(model, "config", None),
-                                                               "max_position_embeddings", None)
 
     # ------------------------------------------------------------------------------------------------ cache
     def new_cache(self, batch_size: int, capacity: Optional[int] = None, *,
@@ -97,12 +83,7 @@ class TokenSelectionDecoder:
         if not isinstance(cache, SubsetCache):
             raise TypeError(f"TokenSelectionDecoder needs a SubsetCache from new_cache(), got {type(cache).__name__}")
         b, t = ids.shape
-        if cache.batch_size != b:
-            raise ValueError(f"cache was built for batch size {cache.batch_size}, got a batch of {b}")
-        mp = self.max_positions
-        if mp is not None and cache.n_seen + t > mp:
-            raise ValueError(f"sequence of {cache.n_seen + t} tokens ({cache.n_seen} seen + {t} new) exceeds the "
-                             f"model's {mp} positions")
+        self.fam.check_room(cache.batch_size, cache.n_seen, b, t)  # positions continue from n_seen
         return b, t
 
     def _rope(self, x: torch.Tensor, start: int, t: int):

@@ -48,6 +48,18 @@ def _group(rows: Iterable[Mapping], key: str) -> dict[str, list[Mapping]]:
     return {k: sorted(v, key=lambda r: r[key]) for k, v in groups.items()}
 
 
+def _log_log_axes(ax, xticks: Sequence[int], xlabel: str, ylabel: str, title: str) -> None:
+    """log2 x axis with the measured points as ticks, log y axis, grid, legend outside on the right."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xticks, [str(x) for x in xticks])
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+
+
 def plot_cache_vs_seqlen(rows: Sequence[Mapping], out_png: str | Path, title: Optional[str] = None) -> Path:
     """Cache MiB (``measured_bytes``, else ``formula_bytes``) vs ``seq_len`` per ``variant``, log-scale y."""
     fig = _new_figure()
@@ -58,15 +70,8 @@ def plot_cache_vs_seqlen(rows: Sequence[Mapping], out_png: str | Path, title: Op
         ax.plot(xs, ys, marker="o", label=variant)
         ax.annotate(f"{ys[-1]:.3g}", (xs[-1], ys[-1]), textcoords="offset points", xytext=(4, 0), fontsize=7,
                     va="center")
-    ax.set_yscale("log")
-    ax.set_xscale("log", base=2)
-    seq = sorted({r["seq_len"] for r in rows})
-    ax.set_xticks(seq, [str(x) for x in seq])
-    ax.set_xlabel("sequence length (tokens)")
-    ax.set_ylabel("KV cache (MiB, log scale)")
-    ax.set_title(title or "KV cache size vs sequence length", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    _log_log_axes(ax, sorted({r["seq_len"] for r in rows}), "sequence length (tokens)", "KV cache (MiB, log scale)",
+                  title or "KV cache size vs sequence length")
     return _save(fig, out_png)
 
 
@@ -82,15 +87,8 @@ def plot_decode_times(rows: Sequence[Mapping], out_png: str | Path, title: Optio
         if all("p25_ms" in r and "p75_ms" in r for r in rs):
             ax.fill_between(xs, [r["p25_ms"] for r in rs], [r["p75_ms"] for r in rs], color=line.get_color(),
                             alpha=0.15, linewidth=0)
-    ax.set_xscale("log", base=2)
-    ctx = sorted({r["ctx"] for r in rows})
-    ax.set_xticks(ctx, [str(x) for x in ctx])
-    ax.set_yscale("log")
-    ax.set_xlabel("context length (cached tokens)")
-    ax.set_ylabel("decode step time (ms, median, log scale)")
-    ax.set_title(title or "Per-token decode step time vs context", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    _log_log_axes(ax, sorted({r["ctx"] for r in rows}), "context length (cached tokens)",
+                  "decode step time (ms, median, log scale)", title or "Per-token decode step time vs context")
     return _save(fig, out_png)
 
 

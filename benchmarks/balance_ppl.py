@@ -5,10 +5,10 @@
         [--ratios 2 4 8] [--seeds 3] [--json results/balance_ppl.json]
 
 For every window of ``prompt + cont`` tokens of real text (the model's tokenizer, stories BOS/EOS-separated by
-:mod:`kvsplice.loading`): the prompt is prefilled exactly (full attention), every layer's K/V (post-RoPE keys for
+:mod:`kvsplice.io.loading`): the prompt is prefilled exactly (full attention), every layer's K/V (post-RoPE keys for
 Llama) is compressed per KV head to ``budget = prompt // ratio`` tokens by the method, and the continuation is decoded
 teacher-forced over that cache with weighted attention (decoded tokens kept exactly; positions continue from the
-tokens seen) — :func:`kvsplice.token_driver.run_token_selection`. Scored: every continuation token (the first is
+tokens seen) — :func:`kvsplice.select.driver.run_token_selection`. Scored: every continuation token (the first is
 predicted by the exact prefill). Perplexity = exp(total NLL / tokens) over all windows; random methods are repeated
 over ``--seeds`` and reported as mean ± std.
 
@@ -38,9 +38,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvsplice.loading import LoadError, first_line, iter_texts, load_model, token_stream  # noqa: E402
-from kvsplice.token_driver import run_token_selection  # noqa: E402
-from kvsplice.token_select import (BalanceKVSelector, StreamingLLMSelector, UniformSelector,  # noqa: E402
+from kvsplice.io.loading import LoadError, first_line, iter_texts, load_model, token_stream  # noqa: E402
+from kvsplice.select.driver import run_token_selection  # noqa: E402
+from kvsplice.select.selectors import (BalanceKVSelector, StreamingLLMSelector, UniformSelector,  # noqa: E402
                                    balance_plan)
 
 DATA = REPO.parent / "shared" / "data"
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     try:
         spec = a.model
         if spec is None:
-            from kvsplice.convert_llama2c import convert_llama2c
+            from kvsplice.convert.llama2c import convert_llama2c
 
             if not (STORIES / "stories260K.bin").is_file():
                 raise LoadError(f"stories260K not found under {STORIES}; pass --model")

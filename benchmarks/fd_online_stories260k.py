@@ -3,16 +3,16 @@
     python benchmarks/fd_online_stories260k.py     # → results/fd_online_stories260k.json + .md (≈ 5–8 min, 1 CPU)
 
 * Model: ``../shared/data/stories260K`` (llama2.c; 5 layers, 8 query / 4 KV heads, head_dim 8, RoPE), converted to
-  a temporary HF Llama directory and loaded with :func:`kvsplice.loading.load_model`.
+  a temporary HF Llama directory and loaded with :func:`kvsplice.io.loading.load_model`.
 * Eval text: the TinyStories **validation** sample (``yuninxia_moe-routing-bench__tinystories_val.txt``), story by
   story with BOS, first ``--windows`` × 512 tokens (the model's context) — the same windows as
   ``benchmarks/stories260k_bases.py`` uses (its first ones).
 * Global bases: calibrated (post-RoPE Grams) on the TinyStories **train** sample
-  (``gusjengis_toy-RNN__tinystories_sample.txt``, first ``--calib-tokens``), fitted with :func:`kvsplice.fits
+  (``gusjengis_toy-RNN__tinystories_sample.txt``, first ``--calib-tokens``), fitted with :func:`kvsplice.lowrank.fits
   .fit_bases` for ``kq`` and ``gqa-sum`` (the attention-aware methods) at rank R = 2/4/6 (value rank = key rank);
   ``ksvd`` post and ``kq`` pre-RoPE at the same ranks for reference. Decoded with
-  :class:`kvsplice.apply.CoefficientDecoder` (exact for any call size).
-* fd-online: :class:`kvsplice.online.OnlineDecoder` (no calibration), a handful of configurations per budget, all
+  :class:`kvsplice.lowrank.apply.CoefficientDecoder` (exact for any call size).
+* fd-online: :class:`kvsplice.online.decoder.OnlineDecoder` (no calibration), a handful of configurations per budget, all
   listed. Bytes per sequence = coefficients + every basis the cache holds (warm-up tokens at full dimension)
   measured from the cache's tensors after decoding a whole window (:meth:`ChunkedCache.nbytes_breakdown`); the FD
   sketches (fixed ``2·2ℓ·(d + d_v)`` floats per layer and KV head) are reported separately. A configuration is
@@ -23,7 +23,7 @@
 * Attention error (teacher-forced, no propagation: the exact model's q/k/v of the first window on every layer, for
   every method alike): ``rel_out`` = ``(Σ‖o − ô‖²/Σ‖o‖²)^½`` of the head outputs, mean over layers; the largest
   logit error ``ε``; whether every §3.5 bound held on every layer, and the slack (bound / observed, the largest
-  bound over the largest observation, worst layer) — :mod:`kvsplice.online`.
+  bound over the largest observation, worst layer) — :mod:`kvsplice.online.decoder`.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvsplice.apply import CoefficientDecoder, perplexity  # noqa: E402
-from kvsplice.calibrate import calibrate, calibration_batches  # noqa: E402
-from kvsplice.convert_llama2c import convert_llama2c  # noqa: E402
-from kvsplice.fits import fit_bases  # noqa: E402
-from kvsplice.loading import iter_texts, load_model, token_stream  # noqa: E402
-from kvsplice.online import (OnlineDecoder, bases_diagnostics, format_diagnostics,  # noqa: E402
+from kvsplice.lowrank.apply import CoefficientDecoder, perplexity  # noqa: E402
+from kvsplice.lowrank.calibrate import calibrate, calibration_batches  # noqa: E402
+from kvsplice.convert.llama2c import convert_llama2c  # noqa: E402
+from kvsplice.lowrank.fits import fit_bases  # noqa: E402
+from kvsplice.io.loading import iter_texts, load_model, token_stream  # noqa: E402
+from kvsplice.online.decoder import (OnlineDecoder, bases_diagnostics, format_diagnostics,  # noqa: E402
                              online_qkv_diagnostics)
 
 DATA = REPO.parent / "shared" / "data"

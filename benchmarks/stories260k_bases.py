@@ -5,7 +5,7 @@
 Steps (all through the CLIs' own code: :mod:`kvsplice.fit_bases` / :mod:`kvsplice.eval_bases`):
 
 1. convert ``../shared/data/stories260K/stories260K.bin`` + ``tok512.bin`` into a temporary HF Llama directory
-   (``python -m kvsplice.convert_llama2c``) and load it with :func:`kvsplice.loading.load_model`;
+   (``python -m kvsplice.convert_llama2c``) and load it with :func:`kvsplice.io.loading.load_model`;
 2. calibrate on the TinyStories **train** sample (``gusjengis_toy-RNN__tinystories_sample.txt``, first
    ``--calib-tokens``, windows of 512 = the model's context), once per RoPE mode (post, pre), timing one plain
    forward pass over the same windows;
@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from kvsplice.eval_bases import EvalContext, evaluate_bases, load_windows  # noqa: E402
 from kvsplice.fit_bases import build_parser as fit_parser, fit_from_args, write_json  # noqa: E402
-from kvsplice.fits import METHODS, score_error  # noqa: E402
+from kvsplice.lowrank.fits import METHODS, score_error  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
 STORIES = DATA / "stories260K"
@@ -78,7 +78,7 @@ def compare_scores(stats, fits: dict, rank: int, rope: str, where: str) -> tuple
 @torch.no_grad()
 def chunk_check(ctx: EvalContext, bases, n_windows: int = 2) -> dict:
     """Perplexity of the first windows decoded in chunks of ctx.chunk_size vs token by token (chunk 1)."""
-    from kvsplice.apply import CoefficientDecoder
+    from kvsplice.lowrank.apply import CoefficientDecoder
 
     sub = EvalContext(ctx.loaded, ctx.windows[:n_windows], batch_size=n_windows, chunk_size=ctx.chunk_size)
     dec = CoefficientDecoder(ctx.model, bases)
@@ -167,9 +167,9 @@ def main(argv=None) -> int:
             return 1
     if "ksvd" not in a.methods:
         a.methods = ["ksvd"] + a.methods
-    from kvsplice.calibrate import calibrate, calibration_batches
-    from kvsplice.convert_llama2c import convert_llama2c
-    from kvsplice.loading import iter_texts, load_model, token_stream
+    from kvsplice.lowrank.calibrate import calibrate, calibration_batches
+    from kvsplice.convert.llama2c import convert_llama2c
+    from kvsplice.io.loading import iter_texts, load_model, token_stream
 
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

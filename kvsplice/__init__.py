@@ -1,6 +1,6 @@
 """KV-cache compression: the shared decode caches, KVSplice, byte accounting, and post-training bases."""
 
-from kvsplice.cache import CompressedLatentCache, DecodeCache, KVCache, LatentCache
-from kvsplice.splice import LearnedKVSplice
+from models.cache import CompressedLatentCache, DecodeCache, KVCache, LatentCache
+from models.splice import LearnedKVSplice
 
 __all__ = ["CompressedLatentCache", "DecodeCache", "KVCache", "LatentCache", "LearnedKVSplice"]

@@ -7,24 +7,24 @@ Usage::
         [--c-scale 1.0] [--kernel-temp 1.0] [--methods balancekv uniform coinflip] [--tokenizer PATH]
         [--json FILE] [--markdown]
 
-``--model`` is anything :func:`kvsplice.loading.load_model` loads: an HF model directory (config.json + tokenizer;
+``--model`` is anything :func:`kvsplice.io.loading.load_model` loads: an HF model directory (config.json + tokenizer;
 e.g. stories260K converted by ``python -m kvsplice.convert_llama2c``) or a ``training.fit`` ``.ckpt``.
 
 What is measured, per layer ``l`` and per ``T``:
 
-* The model runs over ``--windows`` windows of ``--context`` tokens of real text (``kvsplice.loading``: the
+* The model runs over ``--windows`` windows of ``--context`` tokens of real text (``kvsplice.io.loading``: the
   stories of ``--data`` tokenised with the model's tokenizer, BOS/EOS-separated). Per layer the keys (post-RoPE for
-  Llama) / values / queries are taken (:func:`kvsplice.calibrate.extract_qkv`).
+  Llama) / values / queries are taken (:func:`kvsplice.lowrank.calibrate.extract_qkv`).
 * The **context** to compress is the first ``C = context - n_queries`` tokens; the **queries** are the last
   ``n_queries`` positions. Exact attention ``Attn(q) = softmax(q·K_Cᵀ·s)·V_C`` of every query head over the context
   (the context precedes every query: no mask), and its estimate ``z(q) = softmax(q·K_Sᵀ·s + logw_S)·V_S`` over the
-  kept subset ``S`` with its log-weights (the same :func:`~kvsplice.subset_cache.weighted_attend` the cache uses).
+  kept subset ``S`` with its log-weights (the same :func:`~kvsplice.select.cache.weighted_attend` the cache uses).
 * **What is kept** at ``T``: the first ``n_sink`` tokens and the last ``n_recent + ((C - n_sink - n_recent) mod
   2^Tmax)`` context tokens intact (weight 1; ``Tmax`` = the largest ``T`` of the run, so the intact tokens are the
   same at every ``T``); the middle ``m = C - n_sink - n_recent`` rounded down to a multiple of ``2^Tmax`` is
   compressed ``2^T``× to ``m / 2^T`` tokens, each with weight ``2^T`` (BalanceKV: ``T`` block-parallel
-  halvings, :class:`~kvsplice.token_select.BalanceKVSelector` with ``n_halvings=T``; uniform:
-  :class:`~kvsplice.token_select.UniformSelector`, ``m / 2^T`` middle tokens sampled without replacement, weight
+  halvings, :class:`~kvsplice.select.selectors.BalanceKVSelector` with ``n_halvings=T``; uniform:
+  :class:`~kvsplice.select.selectors.UniformSelector`, ``m / 2^T`` middle tokens sampled without replacement, weight
   ``2^T``). Both keep exactly the same budget and the same intact tokens; ``T = 0`` keeps everything (error 0).
   One independent selection per (window, KV head); GQA query heads share their KV head's selection.
 * ``coinflip`` (ablation) is BalanceKV's block-parallel halving with ``c_scale = inf``: every step a fair
@@ -33,7 +33,7 @@ What is measured, per layer ``l`` and per ``T``:
 * Error per seed: ``‖Z − A‖_F / ‖A‖_F`` over all windows × query heads × queries × value dims (``rel``),
   and the mean over (window, head, query) of ``‖z − a‖ / ‖a‖`` (``rel_q``). Reported: mean ± std over seeds.
 
-The walk's threshold is the practical rule of :func:`kvsplice.balance.block_balance`: ``c = c_scale ·
+The walk's threshold is the practical rule of :func:`kvsplice.select.balance.block_balance`: ``c = c_scale ·
 median_i κ(x_i, x_i)`` per block (clamped greedy steps beyond it), kernel ``exp(⟨k,k'⟩·s)·(⟨v,v'⟩ + mean‖v‖²)`` on
 block-centred keys — not the paper's worst-case ``c = 30·log(n/δ)·max κ``, under which the signs are
 indistinguishable from coin flips at these sizes (that regime is what ``coinflip`` measures).
@@ -54,8 +54,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvsplice.subset_cache import weighted_attend
-from kvsplice.token_select import BalanceKVSelector, TokenSelector, UniformSelector
+from kvsplice.select.cache import weighted_attend
+from kvsplice.select.selectors import BalanceKVSelector, TokenSelector, UniformSelector
 
 METHODS = ("balancekv", "uniform", "coinflip")
 THRESHOLD_RULE = ("median: c = c_scale * median_i kappa(x_i, x_i) per block of block_size tokens, clamped greedy "
@@ -151,9 +151,9 @@ def run_bench(model, tokenizer, data: str, *, layers: Optional[Sequence[int]] = 
               kernel_temp: float = 1.0, methods: Sequence[str] = METHODS, max_positions: Optional[int] = None,
               progress: bool = True) -> dict:
     """Run the experiment; returns the JSON-able report (``rows``: one per layer × T × method)."""
-    from kvsplice.apply import family_adapter
-    from kvsplice.calibrate import extract_qkv, model_info
-    from kvsplice.loading import iter_texts, token_stream
+    from kvsplice.lowrank.apply import family_adapter
+    from kvsplice.lowrank.calibrate import extract_qkv, model_info
+    from kvsplice.io.loading import iter_texts, token_stream
 
     info = model_info(model)
     fam = family_adapter(model)
@@ -341,7 +341,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kvsplice.bench_balance",
                                 description="Single-layer attention approximation: BalanceKV vs uniform sampling.")
     p.add_argument("--model", required=True, help="HF model directory (config.json + tokenizer) or a .ckpt")
-    p.add_argument("--tokenizer", default=None, help="tokenizer override (see kvsplice.loading)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer override (see kvsplice.io.loading)")
     p.add_argument("--data", required=True, help="text: .txt/.json/.jsonl file or folder of stories")
     p.add_argument("--layers", type=int, nargs="+", default=None, help="layers (default: all)")
     p.add_argument("--T", type=int, nargs="+", default=[1, 2, 3, 4], help="halvings (compression 2^T of the middle)")
@@ -365,7 +365,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     torch.set_num_threads(max(1, args.threads))
-    from kvsplice.loading import LoadError, first_line, iter_texts, load_model
+    from kvsplice.io.loading import LoadError, first_line, iter_texts, load_model
 
     try:
         if args.seeds < 1 or args.windows < 1:

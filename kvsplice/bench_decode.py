@@ -38,9 +38,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvsplice.memory import DTYPES, cache_bytes_formula, dtype_name, parse_dtype
+from kvsplice.report.memory import DTYPES, cache_bytes_formula, dtype_name, parse_dtype
 from kvsplice.verify_memory import UsageError, pick_device, resolve_config
-from kvsplice.report import markdown_table, print_rich_table
+from kvsplice.report.tables import markdown_table, print_rich_table
 from models.config import GPTConfig
 
 DEFAULT_CONFIGS = ("gpt2", "mla:naive", "mla", "mla_kvsplice_50", "mla_kvsplice_70", "mla_kvsplice_90")
@@ -360,7 +360,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {out}", file=sys.stderr)
     if png:
-        from kvsplice.plots import plot_decode_times
+        from kvsplice.report.plots import plot_decode_times
 
         print(f"wrote {plot_decode_times(rows, png, title=title(report))}", file=sys.stderr)
     return 0

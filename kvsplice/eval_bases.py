@@ -8,28 +8,28 @@ What is measured (``--data`` must be held-out text, not the calibration text; a 
 
 * **Perplexity.** The text is tokenised story by story (BOS/EOS between stories, as the tokenizer does), cut to
   ``--tokens`` and into ``--seq-len`` windows (default: the model's context, <= 1024). Each window is fed through a
-  fresh cache of a :class:`~kvsplice.apply.CoefficientDecoder` in chunks of ``--chunk-size`` tokens (default 64;
+  fresh cache of a :class:`~kvsplice.lowrank.apply.CoefficientDecoder` in chunks of ``--chunk-size`` tokens (default 64;
   ``1`` = token by token): every chunk is appended to the cache first and its queries attend over the *cached*
   representation, so with bases every token (the first chunk included) attends over compressed keys and values.
   The chunk size changes only speed, not the numbers (up to float rounding). The full-cache reference is the same
   driver with ``bases=None`` (a plain K/V cache); the model's own forward perplexity is printed as a sanity check.
   Perplexity = ``exp(Σ NLL / #predicted)`` over all windows (``T − 1`` predictions per window).
-* **Per-layer errors on the held-out text**, from Grams of its keys/queries/values (:func:`kvsplice.calibrate
-  .calibrate` in the bases' RoPE mode; :func:`kvsplice.fits.bases_errors`), aggregated over a layer's KV heads as
+* **Per-layer errors on the held-out text**, from Grams of its keys/queries/values (:func:`kvsplice.lowrank.calibrate
+  .calibrate` in the bases' RoPE mode; :func:`kvsplice.lowrank.fits.bases_errors`), aggregated over a layer's KV heads as
   ``sqrt(Σ_j num_j / Σ_j den_j)``: attention-score error ``‖KQᵀ − K A Bᵀ Qᵀ‖/‖KQᵀ‖`` (queries of each group
   concatenated; also the group-summed form), key reconstruction error, value error through ``W_O``
   ``‖V W_Oᵀ − V̂ W_Oᵀ‖/‖V W_Oᵀ‖``.
 * **Attention-output error**, measured directly on the first ``--err-windows`` windows: per layer, the exact
-  ``q, k, v`` of the model (:func:`kvsplice.calibrate.extract_qkv`, teacher-forced: no error propagation between
+  ``q, k, v`` of the model (:func:`kvsplice.lowrank.calibrate.extract_qkv`, teacher-forced: no error propagation between
   layers) vs ``k̂ = k k_enc k_decᵀ`` (pre-RoPE: rebuilt before RoPE, then rotated) and ``v̂ = v v_enc v_decᵀ``;
   causal attention, then ``W_O``: ``‖Y − Ŷ‖_F/‖Y‖_F``.
 * **Lesens' gap** at each head's key rank on the held-out Grams: ``ε = err_K-only − err_KQᵀ ≥ 0`` relative to
   ``‖KQᵀ‖²``, with the two errors (oracle fits on this text: what K-only SVD gives up vs the attention-aware optimum).
 * **Cache bytes** of the first batch's cache after decoding: measured from its tensors
-  (:func:`kvsplice.memory.measure_cache`), vs the formula ``Σ_layers Σ_heads (R_k + R_v) · T · B · bytes``, vs the
+  (:func:`kvsplice.report.memory.measure_cache`), vs the formula ``Σ_layers Σ_heads (R_k + R_v) · T · B · bytes``, vs the
   full K/V cache of the same batch at the same dtype (measured, and ``2·L·H_kv·d·T·B·bytes``).
 
-Bases fitted for another model fail with one line (:class:`kvsplice.bases.BasesMismatchError`), exit status 1.
+Bases fitted for another model fail with one line (:class:`kvsplice.lowrank.bases.BasesMismatchError`), exit status 1.
 
 Methods: ``--method`` selects an evaluator from :data:`EVALUATORS` (``static``: saved bases files, the default).
 New methods register ``EVALUATORS[name] = fn(ctx: EvalContext, args) -> list[dict]`` (and may add their own
@@ -49,7 +49,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from kvsplice.bases import BasesMismatchError, KVBases
+from kvsplice.lowrank.bases import BasesMismatchError, KVBases
 
 __all__ = ["EVALUATORS", "METHOD_OPTIONS", "EvalContext", "attention_output_errors", "build_parser",
            "evaluate_bases", "layer_errors", "main", "print_results"]
@@ -68,7 +68,7 @@ class EvalContext:
 
     def __init__(self, loaded, windows: torch.Tensor, *, batch_size: int = 8, chunk_size: int = 64,
                  err_windows: int = 2, progress: bool = False, data_info: Optional[dict] = None) -> None:
-        from kvsplice.calibrate import model_fingerprint, model_info
+        from kvsplice.lowrank.calibrate import model_fingerprint, model_info
 
         self.loaded, self.model = loaded, loaded.model
         self.info = model_info(self.model)
@@ -90,7 +90,7 @@ class EvalContext:
         perplexity, and the first batch's cache measured after its last token."""
         from tqdm.auto import tqdm
 
-        from kvsplice.memory import measure_cache
+        from kvsplice.report.memory import measure_cache
 
         n_win, t = self.windows.shape
         total, n_pred, measured = 0.0, 0, None
@@ -126,7 +126,7 @@ class EvalContext:
         """Perplexity with the full K/V cache (``CoefficientDecoder(model, None)``), the model's own forward
         perplexity, and the full cache's bytes — computed once."""
         if self._full is None:
-            from kvsplice.apply import CoefficientDecoder
+            from kvsplice.lowrank.apply import CoefficientDecoder
 
             self._full_decoder = CoefficientDecoder(self.model, None)
             res = self.decode(self._full_decoder, desc="full cache")
@@ -155,7 +155,7 @@ class EvalContext:
 
     def stats(self, rope: str):
         """Held-out Grams (all windows) in RoPE mode ``rope``."""
-        from kvsplice.calibrate import calibrate
+        from kvsplice.lowrank.calibrate import calibrate
 
         key = self.rope_arg(rope) or "none"
         if key not in self._stats:
@@ -165,7 +165,7 @@ class EvalContext:
 
     def qkv(self, rope: str) -> list[dict[str, torch.Tensor]]:
         """Exact q/k/v of the first ``err_windows`` windows in RoPE mode ``rope``."""
-        from kvsplice.calibrate import extract_qkv
+        from kvsplice.lowrank.calibrate import extract_qkv
 
         key = self.rope_arg(rope) or "none"
         if key not in self._qkv:
@@ -173,7 +173,7 @@ class EvalContext:
         return self._qkv[key]
 
     def family(self):
-        from kvsplice.apply import CoefficientDecoder
+        from kvsplice.lowrank.apply import CoefficientDecoder
 
         if self._full_decoder is None:
             self._full_decoder = CoefficientDecoder(self.model, None)
@@ -190,7 +190,7 @@ def _agg(rel: list[float], den: list[float]) -> float:
 def layer_errors(stats, bases: KVBases) -> dict[str, Any]:
     """Per layer (aggregated over KV heads) and per head: score/key/value errors of ``bases`` and Lesens' terms at
     each head's key rank, all on the Grams in ``stats``."""
-    from kvsplice.fits import bases_errors, lesens_terms
+    from kvsplice.lowrank.fits import bases_errors, lesens_terms
 
     per_head = bases_errors(stats, bases)
     layers = []
@@ -264,7 +264,7 @@ def attention_output_errors(ctx: EvalContext, bases: KVBases) -> list[float]:
 def evaluate_bases(ctx: EvalContext, bases: KVBases, label: str = "bases", path: Optional[str] = None
                    ) -> dict[str, Any]:
     """Every measurement of the module docstring for one set of bases (checked against the model first)."""
-    from kvsplice.apply import CoefficientDecoder
+    from kvsplice.lowrank.apply import CoefficientDecoder
 
     bases.check_model(ctx.fingerprint)
     decoder = CoefficientDecoder(ctx.model, bases)  # shape checks raise BasesMismatchError
@@ -323,14 +323,14 @@ METHOD_OPTIONS: dict[str, Callable[[argparse.ArgumentParser], None]] = {}
 
 
 # ---------------------------------------------------------------------- BEGIN fd-online + §3.5 diagnostics (issue 6)
-# ``--method fd-online``: online frequent-directions bases per chunk (kvsplice.online.OnlineDecoder over a
-# kvsplice.chunked.ChunkedCache; no calibration, no --bases). For every method, each result also gets per-layer
+# ``--method fd-online``: online frequent-directions bases per chunk (kvsplice.online.decoder.OnlineDecoder over a
+# kvsplice.online.chunked.ChunkedCache; no calibration, no --bases). For every method, each result also gets per-layer
 # error diagnostics vs the §3.5 bounds on the first --err-windows windows, teacher-forced (exact q/k/v of the model):
-# kvsplice.online.bases_diagnostics (saved bases) / online_qkv_diagnostics (fd-online); printed by print_diagnostics.
+# kvsplice.online.decoder.bases_diagnostics (saved bases) / online_qkv_diagnostics (fd-online); printed by print_diagnostics.
 # With --max-chunks (merges re-project old tokens) use --chunk-size 1 for true online semantics; without merges the
 # result does not depend on the chunk size.
 def _add_fd_online_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("--method fd-online (online FD bases per chunk, no calibration; kvsplice.online)")
+    g = p.add_argument_group("--method fd-online (online FD bases per chunk, no calibration; kvsplice.online.decoder)")
     g.add_argument("--rank", type=_pos_int, default=4, help="key rank r_k per chunk (default 4)")
     g.add_argument("--rank-v", type=_pos_int, help="value rank r_v (default: --rank)")
     g.add_argument("--ell", type=_pos_int, help="FD sketch size ℓ (default 2·max rank)")
@@ -345,7 +345,7 @@ def _add_fd_online_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fd-decay", type=float, default=1.0, help="forgetting factor γ of the sketches (default 1)")
     g.add_argument("--tau-percentile", type=float, metavar="P", help="set τ_k/τ_v to the P-th percentile "
                    "(0-100) of the per-token residuals on --tau-calib text, decoded with thresholds off (one "
-                   "scalar each, pooled over layers; kvsplice.online.calibrate_thresholds)")
+                   "scalar each, pooled over layers; kvsplice.online.decoder.calibrate_thresholds)")
     g.add_argument("--tau-calib", metavar="PATH", help="calibration text for --tau-percentile (required with it; "
                    "never the --data text); --tokens and --seq-len as for --data")
 
@@ -374,9 +374,9 @@ def _check_tau_options(args: argparse.Namespace) -> None:
 
 
 def _calibrate_tau(ctx: EvalContext, args: argparse.Namespace, kw: dict[str, Any]) -> dict[str, Any]:
-    """``--tau-percentile``: τ_k/τ_v from :func:`kvsplice.online.calibrate_thresholds` on ``--tau-calib`` windows."""
-    from kvsplice.loading import iter_texts, token_stream
-    from kvsplice.online import calibrate_thresholds
+    """``--tau-percentile``: τ_k/τ_v from :func:`kvsplice.online.decoder.calibrate_thresholds` on ``--tau-calib`` windows."""
+    from kvsplice.io.loading import iter_texts, token_stream
+    from kvsplice.online.decoder import calibrate_thresholds
 
     seq_len = ctx.windows.shape[1]
     ids, _ = token_stream(iter_texts(args.tau_calib, option="tau-calib", split="train"), ctx.loaded.tokenizer,
@@ -398,7 +398,7 @@ def _eval_fd_online(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str
     """``--method fd-online``: perplexity through a :class:`ChunkedCache`, its bytes (coefficients + bases +
     sketches, split per sequence), chunk counts J and the diagnostics. With ``--tau-percentile`` τ_k/τ_v are first
     calibrated on ``--tau-calib`` (:func:`_calibrate_tau`)."""
-    from kvsplice.online import OnlineDecoder, online_qkv_diagnostics
+    from kvsplice.online.decoder import OnlineDecoder, online_qkv_diagnostics
 
     info = ctx.info
     _check_tau_options(args)
@@ -440,10 +440,10 @@ def _eval_fd_online(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str
 
 
 def _with_diagnostics(fn: Evaluator) -> Evaluator:
-    """Wrap an evaluator of saved bases: attach :func:`kvsplice.online.bases_diagnostics` to each result."""
+    """Wrap an evaluator of saved bases: attach :func:`kvsplice.online.decoder.bases_diagnostics` to each result."""
 
     def run(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str, Any]]:
-        from kvsplice.online import bases_diagnostics
+        from kvsplice.online.decoder import bases_diagnostics
 
         results = fn(ctx, args)
         for r in results:
@@ -528,7 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_windows(loaded, spec: str, n_tokens: int, seq_len: int, progress: bool = False
                  ) -> tuple[torch.Tensor, dict[str, Any]]:
-    from kvsplice.loading import iter_texts, token_stream
+    from kvsplice.io.loading import iter_texts, token_stream
 
     ids, n_stories = token_stream(iter_texts(spec, option="data", split="validation"), loaded.tokenizer, n_tokens,
                                   progress=progress, desc="tokenize data")
@@ -544,7 +544,7 @@ def load_windows(loaded, spec: str, n_tokens: int, seq_len: int, progress: bool 
 
 def make_context(args: argparse.Namespace, loaded=None) -> EvalContext:
     from kvsplice.fit_bases import default_seq_len
-    from kvsplice.loading import load_model
+    from kvsplice.io.loading import load_model
 
     if loaded is None:
         loaded = load_model(args.model, tokenizer=getattr(args, "tokenizer", None))
@@ -608,7 +608,7 @@ def print_results(ctx: EvalContext, results: list[dict[str, Any]], console=None,
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from kvsplice.fit_bases import write_json
-    from kvsplice.loading import LoadError, first_line
+    from kvsplice.io.loading import LoadError, first_line
 
     args = build_parser().parse_args(argv)
     if args.threads:

@@ -4,12 +4,12 @@
         (--rank R | --energy E) [--rank-v RV | --energy-v EV] [--rope post|pre] --calib PATH \\
         [--calib-tokens N] [--seq-len T] [--batch-size B] --out FILE.safetensors [--force] [--json REPORT.json]
 
-Steps: load the model and its tokenizer (:mod:`kvsplice.loading`); tokenise the calibration text story by story
+Steps: load the model and its tokenizer (:mod:`kvsplice.io.loading`); tokenise the calibration text story by story
 (BOS / EOS between stories, as the tokenizer does) up to ``--calib-tokens``; cut it into ``--seq-len`` windows
 (default: the model's context, at most 1024 — post-RoPE bases should see every position they will decode at); time
 one plain forward pass of the model over those windows (logits, no hooks); stream the windows through
-:func:`kvsplice.calibrate.calibrate` (d×d Grams, never activations); fit with :func:`kvsplice.fits.fit_bases`;
-save with :meth:`kvsplice.bases.KVBases.save` (metadata: model fingerprint, method, RoPE mode, ranks, retained
+:func:`kvsplice.lowrank.calibrate.calibrate` (d×d Grams, never activations); fit with :func:`kvsplice.lowrank.fits.fit_bases`;
+save with :meth:`kvsplice.lowrank.bases.KVBases.save` (metadata: model fingerprint, method, RoPE mode, ranks, retained
 energy, calibration tokens and source, timings).
 
 Printed: the ranks per layer and KV head (they differ per head with ``--energy``) with the retained fraction of
@@ -34,8 +34,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from kvsplice.bases import BasesMismatchError, KVBases
-from kvsplice.fits import METHODS
+from kvsplice.lowrank.bases import BasesMismatchError, KVBases
+from kvsplice.lowrank.fits import METHODS
 
 __all__ = ["FitError", "build_parser", "default_seq_len", "fit_from_args", "main", "time_forward"]
 
@@ -151,8 +151,8 @@ def save_atomic(bases: KVBases, path: Path) -> Path:
 
 
 def _load_calib(loaded, spec: str, n_tokens: int, seq_len: int, batch_size: int, progress: bool):
-    from kvsplice.calibrate import calibration_batches
-    from kvsplice.loading import iter_texts, token_stream
+    from kvsplice.lowrank.calibrate import calibration_batches
+    from kvsplice.io.loading import iter_texts, token_stream
 
     ids, n_stories = token_stream(iter_texts(spec, option="calib", split="train"), loaded.tokenizer, n_tokens,
                                   progress=progress, desc="tokenize calib")
@@ -166,12 +166,12 @@ def _load_calib(loaded, spec: str, n_tokens: int, seq_len: int, batch_size: int,
 def fit_from_args(args: argparse.Namespace, loaded=None, calib_cache: Optional[dict] = None
                   ) -> tuple[KVBases, dict[str, Any]]:
     """Everything but the saving: returns the bases and a JSON-friendly report. ``loaded``: an already loaded
-    :class:`kvsplice.loading.LoadedModel`; ``calib_cache``: a dict that keeps the calibration run (tokens, Grams,
+    :class:`kvsplice.io.loading.LoadedModel`; ``calib_cache``: a dict that keeps the calibration run (tokens, Grams,
     timings) per (text, tokens, seq_len, batch size, RoPE mode) — to fit several bases from one calibration, e.g. in
     benchmarks (the report then repeats that calibration's times)."""
-    from kvsplice.calibrate import calibrate, model_info
-    from kvsplice.fits import fit_bases
-    from kvsplice.loading import load_model
+    from kvsplice.lowrank.calibrate import calibrate, model_info
+    from kvsplice.lowrank.fits import fit_bases
+    from kvsplice.io.loading import load_model
 
     progress = not getattr(args, "no_progress", False)
     t0 = time.perf_counter()
@@ -303,7 +303,7 @@ def write_json(obj: Any, path: str | os.PathLike) -> Path:
 
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from kvsplice.loading import LoadError
+    from kvsplice.io.loading import LoadError
 
     args = build_parser().parse_args(argv)
     if args.threads:
@@ -323,7 +323,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"fit_bases: error: {e}", file=sys.stderr)
         return 1
     except (ValueError, OSError) as e:
-        from kvsplice.loading import first_line
+        from kvsplice.io.loading import first_line
 
         print(f"fit_bases: error: {first_line(e)}", file=sys.stderr)
         return 1

@@ -9,8 +9,8 @@ byte formula.
 For every variant and length ``L`` the model (random weights unless ``--ckpt``; eval mode; CUDA if available) is
 cast to ``--dtype``, a cache with ``capacity=L`` is created with ``model.new_cache``, ``L - k`` tokens are
 prefilled and the last ``k`` (``--decode-steps``, default 8) are decoded one at a time through the real cache.
-Then the cache is measured from its own tensors (:func:`kvsplice.memory.measure_cache`: live views and allocated
-storage; on CUDA also the caching allocator's delta) and compared with :func:`kvsplice.memory.cache_bytes_formula`
+Then the cache is measured from its own tensors (:func:`kvsplice.report.memory.measure_cache`: live views and allocated
+storage; on CUDA also the caching allocator's delta) and compared with :func:`kvsplice.report.memory.cache_bytes_formula`
 at the same dtype. The exit status is 1 if any measurement differs from the formula, 2 on bad arguments.
 A JSON report (``--json``) gets a plot of cache MiB vs length next to it (same name, ``.png``).
 """
@@ -28,9 +28,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from kvsplice.memory import (CUDA_ALLOC_GRANULE, DTYPES, cache_bytes_formula, dtype_name, measure_cache,
+from kvsplice.report.memory import (CUDA_ALLOC_GRANULE, DTYPES, cache_bytes_formula, dtype_name, measure_cache,
                              mha_cache_bytes, parse_dtype, sequences_in_budget)
-from kvsplice.report import markdown_table, print_rich_table
+from kvsplice.report.tables import markdown_table, print_rich_table
 from models.config import PRESETS, GPTConfig, preset
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -104,17 +104,15 @@ def resolve_config(spec: str) -> tuple[str, GPTConfig, str]:
 
 
 def load_checkpoint(path: str | Path):
-    """``(label, model, cfg, meta)`` from ``training.checkpoint.load_model`` (imported lazily)."""
+    """``(label, model, cfg, meta)`` from :func:`models.checkpoint.load_model`."""
+    from models.checkpoint import load_model
+
     p = Path(path)
     if not p.exists():
         raise UsageError(f"checkpoint not found: {path}")
     try:
-        from training.checkpoint import load_model  # type: ignore[import-not-found]
-    except ImportError as e:
-        raise UsageError(f"--ckpt needs training.checkpoint.load_model, which cannot be imported ({e})") from None
-    try:
         model, cfg, meta = load_model(str(p))
-    except Exception as e:  # training.checkpoint.CheckpointError and friends: one line
+    except Exception as e:  # models.checkpoint.CheckpointError and friends: one line
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UsageError(f"cannot load checkpoint {path}: {first}") from None
     meta = meta or {}
@@ -305,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--config", nargs="+", metavar="NAME",
                      help=f"presets ({', '.join(PRESETS)}) or LightningCLI YAML files (a path, or the stem of "
                           f"a file under configs/); default: the five 124M presets")
-    src.add_argument("--ckpt", nargs="+", metavar="PATH", help="training checkpoints (training.checkpoint)")
+    src.add_argument("--ckpt", nargs="+", metavar="PATH", help="training checkpoints (python -m training.fit)")
     p.add_argument("--seq-lens", nargs="+", type=int, default=[256, 512, 1024], metavar="L")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     p.add_argument("--batch", type=int, default=1)
@@ -357,7 +355,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for prob in r["problems"]:
             print(f"MISMATCH {r['variant']} L={r['seq_len']}: {prob}", file=sys.stderr)
     if args.json:
-        from kvsplice.plots import plot_cache_vs_seqlen
+        from kvsplice.report.plots import plot_cache_vs_seqlen
 
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)

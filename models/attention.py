@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvsplice.cache import DecodeCache
-from kvsplice.splice import LearnedKVSplice
+from models.cache import DecodeCache
+from models.splice import LearnedKVSplice
 from models.config import GPTConfig
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)

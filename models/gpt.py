@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvsplice.cache import CompressedLatentCache, DecodeCache, KVCache, LatentCache
-from kvsplice.splice import LearnedKVSplice
+from models.cache import CompressedLatentCache, DecodeCache, KVCache, LatentCache
+from models.splice import LearnedKVSplice
 from models.attention import CausalSelfAttention, MultiHeadLatentAttention
 from models.config import GPTConfig
 

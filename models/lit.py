@@ -211,14 +211,14 @@ class LitGPT(L.LightningModule):
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        from training.checkpoint import CKPT_FORMAT, CKPT_FORMAT_KEY, GPT_CONFIG_KEY
+        from models.checkpoint import CKPT_FORMAT, CKPT_FORMAT_KEY, GPT_CONFIG_KEY
 
         checkpoint[CKPT_FORMAT_KEY] = CKPT_FORMAT
         checkpoint[GPT_CONFIG_KEY] = self.config.to_dict()
         checkpoint["kvsplice_train_stats"] = {"tokens": float(self._tokens_seen), "train_time_s": float(self._train_time)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        from training.checkpoint import CKPT_FORMAT, CKPT_FORMAT_KEY, GPT_CONFIG_KEY, CheckpointError
+        from models.checkpoint import CKPT_FORMAT, CKPT_FORMAT_KEY, GPT_CONFIG_KEY, CheckpointError
 
         fmt = checkpoint.get(CKPT_FORMAT_KEY)
         if fmt != CKPT_FORMAT:

@@ -9,11 +9,11 @@ import pytest
 import torch
 import transformers
 
-from kvsplice.apply import CoefficientDecoder, apply_bases, generate, perplexity, sequence_nll
-from kvsplice.bases import BasesMismatchError, HeadBases, KVBases
-from kvsplice.cache import KVCache
-from kvsplice.coeff_cache import CoefficientCache
-from kvsplice.memory import measure_cache
+from kvsplice.lowrank.apply import CoefficientDecoder, apply_bases, generate, perplexity, sequence_nll
+from kvsplice.lowrank.bases import BasesMismatchError, HeadBases, KVBases
+from models.cache import KVCache
+from kvsplice.lowrank.cache import CoefficientCache
+from kvsplice.report.memory import measure_cache
 from models import GPT, GPTConfig
 
 V, T, B = 61, 14, 2
@@ -290,8 +290,8 @@ def test_mismatched_bases_raise(family):
 def test_calibrated_kq_fit_on_llama(rope):
     """Calibrate a tiny GQA Llama on random tokens and fit ``kq``: full rank reproduces the logits; an energy-chosen
     (per-head) rank decodes with absorbed ≡ naive; bases of another model are refused by fingerprint."""
-    calibrate = pytest.importorskip("kvsplice.calibrate")
-    fits = pytest.importorskip("kvsplice.fits")
+    calibrate = pytest.importorskip("kvsplice.lowrank.calibrate")
+    fits = pytest.importorskip("kvsplice.lowrank.fits")
     model = llama_model()
     _, _, hkv, d = SHAPES["llama"]
     tokens = torch.randint(0, V, (4, 32), generator=torch.Generator().manual_seed(6))
@@ -328,9 +328,9 @@ STORIES = __import__("pathlib").Path(__file__).resolve().parents[1].parent / "sh
 def test_stories260k_full_rank_kq_greedy_equals_hf_generate():
     """The real GQA + RoPE model: a full-rank ``kq`` fit (post- and pre-RoPE) decodes from the coefficient cache to
     exactly HF's own greedy ``generate``; a rank-4 fit stays finite and keeps 8/16 of the cached numbers."""
-    conv = pytest.importorskip("kvsplice.convert_llama2c")
-    calibrate = pytest.importorskip("kvsplice.calibrate")
-    fits = pytest.importorskip("kvsplice.fits")
+    conv = pytest.importorskip("kvsplice.convert.llama2c")
+    calibrate = pytest.importorskip("kvsplice.lowrank.calibrate")
+    fits = pytest.importorskip("kvsplice.lowrank.fits")
     cfg, sd = conv.read_llama2c(STORIES / "stories260K.bin")
     model = transformers.LlamaForCausalLM(conv.make_llama_config(cfg))
     model.load_state_dict(conv.llama2c_to_hf_state_dict(cfg, sd), strict=False)

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from kvsplice.balance import (
+from kvsplice.select.balance import (
     LN2, MergeAndReduce, WalkFailure, balance_kv, block_balance, discrepancy, halving_counts, kernel_diag,
     merge_and_reduce, softmax_balance, value_norm_buckets,
 )
-from kvsplice.token_select import (
+from kvsplice.select.selectors import (
     BalanceKVSelector, StreamingLLMSelector, UniformSelector, balance_plan, make_selector,
 )
 

@@ -16,8 +16,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from kvsplice import eval_bases, fit_bases  # noqa: E402
-from kvsplice.bases import KVBases  # noqa: E402
-from kvsplice.calibrate import model_fingerprint  # noqa: E402
+from kvsplice.lowrank.bases import KVBases  # noqa: E402
+from kvsplice.lowrank.calibrate import model_fingerprint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
@@ -54,7 +54,7 @@ def one_error(err: str, prog: str) -> str:
 # ------------------------------------------------------------------------------------------------ models
 @pytest.fixture(scope="module")
 def s260k(tmp_path_factory) -> Path:
-    from kvsplice.convert_llama2c import convert_llama2c
+    from kvsplice.convert.llama2c import convert_llama2c
 
     return convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", tmp_path_factory.mktemp("s260k"))
 
@@ -196,8 +196,8 @@ def test_eval_full_rank_matches_low_rank_worse(s260k, s260k_bases, tmp_path, cap
 
 
 def test_chunked_decode_equals_token_by_token(s260k, s260k_bases):
-    from kvsplice.apply import CoefficientDecoder
-    from kvsplice.loading import load_model
+    from kvsplice.lowrank.apply import CoefficientDecoder
+    from kvsplice.io.loading import load_model
 
     loaded = load_model(s260k)
     windows, _ = eval_bases.load_windows(loaded, str(EVAL), 128, 64)

@@ -87,7 +87,7 @@ def test_layer_errors_is_the_weighted_estimator_and_zero_without_compression():
 def stories_dir(tmp_path_factory):
     if not (STORIES / "stories260K.bin").is_file():
         pytest.skip(f"shared data folder absent ({DATA})")
-    from kvsplice.convert_llama2c import convert_llama2c
+    from kvsplice.convert.llama2c import convert_llama2c
 
     return convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin",
                            tmp_path_factory.mktemp("bb") / "stories260K-hf")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvsplice.blockwise import (Chunk, blockwise_attention, chunk_state, finalize, init_state, merge, update)
+from kvsplice.online.blockwise import (Chunk, blockwise_attention, chunk_state, finalize, init_state, merge, update)
 
 LENGTHS = (1, 5, 1, 17, 3, 9)
 

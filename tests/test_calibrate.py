@@ -1,4 +1,4 @@
-"""Calibration statistics (kvsplice.calibrate): Grams from hooks equal Grams of explicitly computed K/Q/V, RoPE
+"""Calibration statistics (kvsplice.lowrank.calibrate): Grams from hooks equal Grams of explicitly computed K/Q/V, RoPE
 modes, flat memory, model coverage, and a real pretrained GQA + RoPE model (stories260K) when its data is present."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvsplice.calibrate import (
+from kvsplice.lowrank.calibrate import (
     CalibrationStats,
     calibrate,
     calibration_batches,
@@ -287,7 +287,7 @@ def _stories_model(tmp_path_factory):
     if not (STORIES / "stories260K.bin").is_file() or not VAL_TXT.is_file():
         pytest.skip(f"stories260K / TinyStories reference data not found under {DATA}")
     try:
-        from kvsplice.convert_llama2c import convert_llama2c
+        from kvsplice.convert.llama2c import convert_llama2c
     except Exception as e:  # pragma: no cover - the converter is developed in parallel
         pytest.skip(f"kvsplice.convert_llama2c is not importable: {e}")
     out = convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", tmp_path_factory.mktemp("s260k"))
@@ -308,7 +308,7 @@ def stories(tmp_path_factory):
 def test_stories260k_attention_aware_beats_k_only(stories):
     """On a real pretrained GQA + RoPE model, every layer and KV head: attention-aware score error ≤ K-only's,
     and each GQA closed form is best on its own objective."""
-    from kvsplice.fits import fit_bases, lesens_gaps, score_error
+    from kvsplice.lowrank.fits import fit_bases, lesens_gaps, score_error
 
     model, stats = stories
     assert (stats.n_layer, stats.n_head, stats.n_kv_head, stats.head_dim) == (5, 8, 4, 8)

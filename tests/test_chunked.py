@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from kvsplice.bounds import attention_error_report
-from kvsplice.chunked import ChunkedCache
-from kvsplice.memory import measure_cache
+from kvsplice.online.bounds import attention_error_report
+from kvsplice.online.chunked import ChunkedCache
+from kvsplice.report.memory import measure_cache
 from models.attention import attend, causal_mask
 
 B, HKV, HQ, D = 2, 2, 4, 8

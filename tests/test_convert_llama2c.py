@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvsplice.convert_llama2c import (
+from kvsplice.convert.llama2c import (
     Llama2cFormatError,
     convert_llama2c,
-    main,
     read_llama2c,
     read_llama2c_tokenizer,
 )
+from kvsplice.convert_llama2c import main
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"

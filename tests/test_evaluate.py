@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from kvsplice.memory import cache_bytes_formula
+from kvsplice.report.memory import cache_bytes_formula
 from models import GPT, GPTConfig
 from training import evaluate
 from training.checkpoint import CKPT_FORMAT, CKPT_FORMAT_KEY, GPT_CONFIG_KEY

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvsplice.fd import FrequentDirections, best_rank_k_residual, fd_bound
+from kvsplice.online.fd import FrequentDirections, best_rank_k_residual, fd_bound
 
 
 

@@ -1,13 +1,13 @@
-"""SVD-family fits (kvsplice.fits) against brute-force optima of their own objectives, on small random problems."""
+"""SVD-family fits (kvsplice.lowrank.fits) against brute-force optima of their own objectives, on small random problems."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvsplice.bases import HeadBases, KVBases
-from kvsplice.calibrate import CalibrationStats
-from kvsplice.fits import (
+from kvsplice.lowrank.bases import HeadBases, KVBases
+from kvsplice.lowrank.calibrate import CalibrationStats
+from kvsplice.lowrank.fits import (
     fit_bases,
     fit_eigen,
     fit_gqa_concat,

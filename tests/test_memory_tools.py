@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvsplice import bench_decode, verify_memory
-from kvsplice.memory import cache_bytes_formula, mha_cache_bytes, sequences_in_budget
-from kvsplice.plots import plot_quality_vs_cache, plot_val_loss, read_metric_csv
+from kvsplice.report.memory import cache_bytes_formula, mha_cache_bytes, sequences_in_budget
+from kvsplice.report.plots import plot_quality_vs_cache, plot_val_loss, read_metric_csv
 from models import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-from kvsplice.cache import CompressedLatentCache, KVCache, LatentCache
-from kvsplice.memory import cache_bytes_formula, measure_cache
+from models.cache import CompressedLatentCache, KVCache, LatentCache
+from kvsplice.report.memory import cache_bytes_formula, measure_cache
 from models import GPT, GPTConfig, preset
 from models.attention import attend, causal_mask, select_backend
 

@@ -1,4 +1,4 @@
-"""Online frequent-directions decoding (kvsplice.online): with τ = 0 and full rank it reproduces HF Llama (GQA +
+"""Online frequent-directions decoding (kvsplice.online.decoder): with τ = 0 and full rank it reproduces HF Llama (GQA +
 RoPE), HF GPT-2 and our MHA GPT; at low rank the §3.5 bounds hold on every layer — for online decoding (in-run and
 teacher-forced) and for global bases — on tiny random models, a tiny *trained* GPT and the real stories260K."""
 
@@ -12,12 +12,12 @@ import pytest
 import torch
 import transformers
 
-from kvsplice.apply import CoefficientDecoder
-from kvsplice.bases import HeadBases, KVBases
-from kvsplice.calibrate import calibrate, extract_qkv
-from kvsplice.chunked import ChunkedCache
-from kvsplice.fits import fit_bases
-from kvsplice.online import (OnlineDecoder, attention_diagnostics, bases_diagnostics, calibrate_thresholds,
+from kvsplice.lowrank.apply import CoefficientDecoder
+from kvsplice.lowrank.bases import HeadBases, KVBases
+from kvsplice.lowrank.calibrate import calibrate, extract_qkv
+from kvsplice.online.chunked import ChunkedCache
+from kvsplice.lowrank.fits import fit_bases
+from kvsplice.online.decoder import (OnlineDecoder, attention_diagnostics, bases_diagnostics, calibrate_thresholds,
                              format_diagnostics, online_qkv_diagnostics)
 from models import GPT, GPTConfig
 
@@ -270,7 +270,7 @@ def test_bounds_hold_on_a_trained_gpt(trained_gpt):
 def stories():
     if not (STORIES / "stories260K.bin").is_file() or not VAL_TXT.is_file() or not TRAIN_TXT.is_file():
         pytest.skip(f"stories260K / TinyStories reference data not found under {DATA}")
-    from kvsplice import convert_llama2c as conv
+    from kvsplice.convert import llama2c as conv
 
     cfg, sd = conv.read_llama2c(STORIES / "stories260K.bin")
     model = transformers.LlamaForCausalLM(conv.make_llama_config(cfg))
@@ -311,7 +311,7 @@ def test_eval_bases_cli_fd_online_and_diagnostics(stories, tmp_path, capsys):
     eval_bases = pytest.importorskip("kvsplice.eval_bases")
     if "fd-online" not in eval_bases.EVALUATORS:
         pytest.skip("eval_bases has no fd-online method")
-    from kvsplice import convert_llama2c as conv
+    from kvsplice.convert import llama2c as conv
 
     model, _, calib = stories
     out = conv.convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", tmp_path / "s260k")
@@ -395,7 +395,7 @@ def test_eval_bases_cli_tau_percentile(tmp_path, capsys):
     tok_bin = STORIES / "tok512.bin"
     if not tok_bin.is_file():
         pytest.skip(f"{tok_bin} not found")
-    from kvsplice import convert_llama2c as conv
+    from kvsplice.convert import llama2c as conv
     from kvsplice import eval_bases
 
     torch.manual_seed(0)

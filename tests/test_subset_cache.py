@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from kvsplice.memory import measure_cache
-from kvsplice.subset_cache import SubsetCache, run_with_token_selection, weighted_attend
-from kvsplice.token_select import BalanceKVSelector, StreamingLLMSelector, UniformSelector
+from kvsplice.report.memory import measure_cache
+from kvsplice.select.cache import SubsetCache, run_with_token_selection, weighted_attend
+from kvsplice.select.selectors import BalanceKVSelector, StreamingLLMSelector, UniformSelector
 from models import GPT, GPTConfig
 from models.attention import attend
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 import transformers
 
-from kvsplice.memory import measure_cache
-from kvsplice.subset_cache import SubsetCache, run_with_token_selection
-from kvsplice.token_driver import TokenSelectionDecoder, run_token_selection
-from kvsplice.token_select import BalanceKVSelector, StreamingLLMSelector, UniformSelector
+from kvsplice.report.memory import measure_cache
+from kvsplice.select.cache import SubsetCache, run_with_token_selection
+from kvsplice.select.driver import TokenSelectionDecoder, run_token_selection
+from kvsplice.select.selectors import BalanceKVSelector, StreamingLLMSelector, UniformSelector
 from models import GPT, GPTConfig
 
 V = 61

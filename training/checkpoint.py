@@ -1,138 +1,19 @@
-"""Safe checkpoint loading: ``weights_only=True`` everywhere, one clear error for anything else.
+"""Lightning's side of safe checkpoint loading: resumes (``--ckpt_path``) go through :mod:`models.checkpoint`.
 
-A checkpoint written by ``python -m training.fit`` holds only tensors, plain containers and primitives (the model's
-hyper-parameters are stored flat, never as a dataclass), so it loads with ``torch.load(..., weights_only=True)``:
-PyTorch's restricted unpickler that cannot run code or build arbitrary objects. A file that needs more than that — a
-pickled callable such as ``os.system`` or an instance of some class — is refused with :class:`CheckpointError` before
-anything in it runs.
-
-* :func:`load_checkpoint` — the raw checkpoint dict.
-* :func:`load_model` — ``(GPT, GPTConfig, meta)`` rebuilt from a checkpoint's stored config and weights.
-* :func:`safe_checkpoint_io` — Lightning's checkpoint IO with ``weights_only=True`` forced, used for ``--ckpt_path``
-  resumes.
+The loader itself (``weights_only=True``, one clear :class:`~models.checkpoint.CheckpointError`) lives in
+:mod:`models.checkpoint` so that evaluation and post-training tools can load checkpoints without Lightning; it is
+re-exported here.
 """
 
 from __future__ import annotations
 
-import os
-import pickle
-import re
-import zipfile
-from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
-import torch
+from models.checkpoint import (CKPT_FORMAT, CKPT_FORMAT_KEY, GPT_CONFIG_KEY, CheckpointError, PathLike,
+                               load_checkpoint, load_model)
 
-__all__ = ["CKPT_FORMAT", "CKPT_FORMAT_KEY", "CheckpointError", "load_checkpoint", "load_model",
+__all__ = ["CKPT_FORMAT", "CKPT_FORMAT_KEY", "GPT_CONFIG_KEY", "CheckpointError", "load_checkpoint", "load_model",
            "safe_checkpoint_io"]
-
-CKPT_FORMAT_KEY = "kvsplice_format"
-"""Key of the format version that :class:`models.lit.LitGPT` writes into every checkpoint."""
-CKPT_FORMAT = 1
-"""Current checkpoint format: ``gpt_config`` (a plain dict of :class:`models.GPTConfig` fields) + ``state_dict`` with
-the GPT's weights under the ``model.`` prefix."""
-GPT_CONFIG_KEY = "gpt_config"
-
-PathLike = Union[str, "os.PathLike[str]"]
-_GLOBAL = re.compile(r"(?:unsupported GLOBAL|Unsupported global: GLOBAL) ([\w.]+)")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used: missing, corrupt, unsafe (pickled code/objects) or from another format/config."""
-
-
-def _first_line(e: BaseException) -> str:
-    """The first sentence of the exception's message (torch's errors run on for several lines)."""
-    text = " ".join(str(e).split())
-    if not text:
-        return type(e).__name__
-    return text.split(". ")[0].rstrip(".")
-
-
-def load_checkpoint(path: PathLike, map_location: Any = "cpu") -> dict:
-    """``torch.load(path, map_location, weights_only=True)`` with clear errors.
-
-    Raises:
-        CheckpointError: the file does not exist, is not a PyTorch checkpoint (corrupt/truncated), or contains
-            pickled code or objects other than tensors, plain containers and primitives ("refusing to load ...").
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist (or is not a file)")
-    try:
-        obj = torch.load(p, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        text = " ".join(str(e).split())
-        found = _GLOBAL.search(text)
-        if found is None and not zipfile.is_zipfile(p):  # not even a pickle of globals: random bytes
-            raise CheckpointError(
-                f"cannot read checkpoint {str(path)!r}: not a valid PyTorch checkpoint (not a torch.save zip file)"
-            ) from None
-        what = f"it references {found.group(1)}" if found else "it holds data outside the safe subset"
-        raise CheckpointError(
-            f"refusing to load {str(path)!r}: it contains pickled code or objects that are not plain tensors/"
-            f"containers ({what}; checkpoints are loaded with torch.load(weights_only=True) only)"
-        ) from None
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError, AttributeError) as e:
-        raise CheckpointError(
-            f"cannot read checkpoint {str(path)!r}: not a valid PyTorch checkpoint ({type(e).__name__}: "
-            f"{_first_line(e)[:300]})"
-        ) from None
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"checkpoint {str(path)!r} holds a {type(obj).__name__}, expected a dict")
-    return obj
-
-
-def load_model(path: PathLike, map_location: Any = "cpu", strict: bool = True):
-    """Rebuild the GPT stored in a ``training.fit`` checkpoint.
-
-    Returns:
-        ``(model, config, meta)``: the :class:`models.GPT` in eval mode with the checkpoint's weights, its
-        :class:`models.GPTConfig`, and ``meta`` — a dict with ``global_step``, ``epoch``, ``hparams`` (the
-        LightningModule's flat hyper-parameters), ``data_hparams``, ``variant`` and ``path``.
-
-    Raises:
-        CheckpointError: unsafe/corrupt file, a checkpoint of another format or program, or weights that do not
-            match the stored config.
-    """
-    from models import GPT, GPTConfig  # local: keep this module importable without building models
-
-    ckpt = load_checkpoint(path, map_location=map_location)
-    fmt = ckpt.get(CKPT_FORMAT_KEY)
-    if fmt is None or GPT_CONFIG_KEY not in ckpt or "state_dict" not in ckpt:
-        raise CheckpointError(
-            f"{str(path)!r} is not a kvsplice training checkpoint (no {CKPT_FORMAT_KEY!r}/{GPT_CONFIG_KEY!r}/"
-            f"'state_dict' entries); expected a file written by python -m training.fit"
-        )
-    if fmt != CKPT_FORMAT:
-        raise CheckpointError(
-            f"{str(path)!r} has checkpoint format {fmt!r}, this version reads format {CKPT_FORMAT}"
-        )
-    try:
-        cfg = GPTConfig.from_dict(dict(ckpt[GPT_CONFIG_KEY]))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{str(path)!r}: stored model config is not valid for this version: {e}") from None
-    prefix = "model."
-    sd = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
-    model = GPT(cfg)
-    try:
-        model.load_state_dict(sd, strict=strict)
-    except RuntimeError as e:
-        msg = " ".join(str(e).split())
-        raise CheckpointError(
-            f"{str(path)!r}: weights do not match the stored config ({cfg.variant}): {msg[:300]}"
-        ) from None
-    model.eval()
-    meta = {
-        "path": str(path),
-        "global_step": ckpt.get("global_step"),
-        "epoch": ckpt.get("epoch"),
-        "hparams": dict(ckpt.get("hyper_parameters", {}) or {}),
-        "data_hparams": dict(ckpt.get("datamodule_hyper_parameters", {}) or {}),
-        "variant": cfg.variant,
-        "train_stats": dict(ckpt.get("kvsplice_train_stats", {}) or {}),
-    }
-    return model, cfg, meta
 
 
 def safe_checkpoint_io():

@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from kvsplice.memory import cache_bytes_formula, measure_cache, parse_dtype
+from kvsplice.report.memory import cache_bytes_formula, measure_cache, parse_dtype
 from training.checkpoint import CheckpointError, load_model
 
 EXIT_ERROR = 2
@@ -230,7 +230,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"dtype": args.dtype, "device": args.device, "rows": rows}, indent=2))
-        from kvsplice.plots import plot_quality_vs_cache, plot_val_loss
+        from kvsplice.report.plots import plot_quality_vs_cache, plot_val_loss
 
         plot_quality_vs_cache(rows, out.with_name(out.stem + "_quality_vs_cache.png"))
         csvs = [Path(r["run_dir"]) / "metrics.csv" for r in rows]

@@ -3,7 +3,7 @@
 Notation for one KV head (head dim ``d``): ``K (N, d)`` keys, ``Q (N', d)`` the queries that read them (one head,
 the group's heads concatenated, or their sum — see GQA below), ``V (N, d)`` values, ``W (m, d)`` the output
 projection slice(s) that read the values. Only the Grams ``G_K = KᵀK``, ``G_Q = QᵀQ``, ``G_V = VᵀV`` and
-``G_W = WᵀW`` are used. Bases follow :mod:`kvsplice.bases`: cached ``a = k @ k_enc``, projected query
+``G_W = WᵀW`` are used. Bases follow :mod:`kvsplice.lowrank.bases`: cached ``a = k @ k_enc``, projected query
 ``q̃ = q @ k_dec``, score ``q̃·a = q k_dec k_encᵀ kᵀ``; cached ``b = v @ v_enc``, ``v̂ = b @ v_decᵀ``.
 
 Methods (``R`` = rank):
@@ -38,8 +38,8 @@ from typing import Any, Literal, Optional
 
 import torch
 
-from kvsplice.bases import HeadBases, KVBases
-from kvsplice.calibrate import CalibrationStats
+from kvsplice.lowrank.bases import HeadBases, KVBases
+from kvsplice.lowrank.calibrate import CalibrationStats
 
 Method = Literal["ksvd", "eigen", "kq", "gqa-sum", "gqa-concat"]
 METHODS = ("ksvd", "eigen", "kq", "gqa-sum", "gqa-concat")

@@ -1,6 +1,6 @@
 """Token selection on pretrained models: exact prefill, per-KV-head compression into a subset cache, weighted decode.
 
-:class:`TokenSelectionDecoder` drives any model :func:`kvsplice.apply.family_adapter` supports — HF
+:class:`TokenSelectionDecoder` drives any model :func:`kvsplice.lowrank.apply.family_adapter` supports — HF
 ``GPT2LMHeadModel``, HF ``LlamaForCausalLM`` (GQA + RoPE) and our ``models.GPT`` (MHA) — through its own submodules
 (embeddings, norms, MLPs, rotary tables, LM head) and does the attention itself with
 :func:`models.attention.attend`::
@@ -15,9 +15,9 @@
 * Prefill is exact: the prompt's own queries see every prompt key (the model's logits for the prompt are the
   model's). Each layer's keys — **post-RoPE** for Llama, i.e. rotated at their true positions — and values are then
   handed to the selector, one independent selection per (sequence, KV head) (GQA: the ``g`` query heads of a KV head
-  share its selection), and stored with their log-weights in a :class:`~kvsplice.subset_cache.SubsetCache`.
+  share its selection), and stored with their log-weights in a :class:`~kvsplice.select.cache.SubsetCache`.
 * Decode: new tokens are appended exactly (log-weight 0) and attend with ``softmax(q·Kᵀ·s + logw)·V``
-  (:func:`~kvsplice.subset_cache.weighted_attend`, i.e. ``attend(..., bias=logw)``) over kept + new tokens.
+  (:func:`~kvsplice.select.cache.weighted_attend`, i.e. ``attend(..., bias=logw)``) over kept + new tokens.
 * Positions: a token decoded after a compressed prefill sits at absolute position ``cache.n_seen`` (tokens the
   sequence has), **not** ``cache.seq_len`` (tokens held). RoPE angles and GPT-2's learned position embeddings both
   use ``n_seen``; the kept keys were rotated at their original positions before compression, so relative positions
@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvsplice.apply import _heads, _merge, family_adapter
-from kvsplice.subset_cache import SubsetCache, TokenSelectionResult, weighted_attend
-from kvsplice.token_select import TokenSelector
+from kvsplice.lowrank.apply import _heads, _merge, family_adapter
+from kvsplice.select.cache import SubsetCache, TokenSelectionResult, weighted_attend
+from kvsplice.select.selectors import TokenSelector
 from models.attention import attend
 
 __all__ = ["TokenSelectionDecoder", "run_token_selection"]
@@ -47,7 +47,7 @@ __all__ = ["TokenSelectionDecoder", "run_token_selection"]
 class TokenSelectionDecoder:
     """Exact prefill + compressed K/V (one selection per sequence and KV head) + weighted-attention decode.
 
-    ``selector`` is a :class:`~kvsplice.token_select.TokenSelector`; ``budget`` the prefill tokens kept per KV head
+    ``selector`` is a :class:`~kvsplice.select.selectors.TokenSelector`; ``budget`` the prefill tokens kept per KV head
     (``min(budget, prompt length)``). Inference only (no dropout, no gradients); attention runs on SDPA (the
     additive log-weights need it).
     """
@@ -171,7 +171,7 @@ def run_token_selection(model: nn.Module, idx: torch.Tensor, selector: TokenSele
     ``idx[:, prompt_len:-1]`` teacher-forced (chunks of ``decode_chunk``; default all at once — identical to one at a
     time since decoded tokens are kept exactly and the mask is bottom-right) and score ``idx[:, prompt_len:]``.
     The first continuation token is predicted by the exact prefill. ``prompt_len`` defaults to half the sequence.
-    Same result type as :func:`kvsplice.subset_cache.run_with_token_selection` (which drives our MHA GPT only)."""
+    Same result type as :func:`kvsplice.select.cache.run_with_token_selection` (which drives our MHA GPT only)."""
     b, t = idx.shape
     p = t // 2 if prompt_len is None else int(prompt_len)
     if not 1 <= p < t:

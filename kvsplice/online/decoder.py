@@ -1,9 +1,9 @@
 """Online decoding with frequent-directions bases (no calibration), and the §3.5 error diagnostics for any bases.
 
 :class:`OnlineDecoder` decodes HF ``GPT2LMHeadModel``, HF ``LlamaForCausalLM`` (GQA, RoPE) and our MHA
-``models.GPT`` layer by layer through the family adapter of :mod:`kvsplice.apply` (embeddings, norms, MLPs, RoPE,
+``models.GPT`` layer by layer through the family adapter of :mod:`kvsplice.lowrank.apply` (embeddings, norms, MLPs, RoPE,
 LM head are the model's own modules). Each layer's **post-RoPE** keys and its values go into a
-:class:`~kvsplice.chunked.ChunkedCache` (online FD-seeded bases per chunk, thresholds ``τ_k``/``τ_v``, max chunk
+:class:`~kvsplice.online.chunked.ChunkedCache` (online FD-seeded bases per chunk, thresholds ``τ_k``/``τ_v``, max chunk
 length ``L``, merge cap ``J_max``, warm-up ``W``); attention is :meth:`ChunkedCache.attend_chunked` (blockwise
 softmax over chunks, values reconstructed per chunk as ``(Σ_t p_t b_t) E_jᵀ``), then the model's ``o_proj`` /
 ``c_proj``::
@@ -17,7 +17,7 @@ softmax over chunks, values reconstructed per chunk as ``(Σ_t p_t b_t) E_jᵀ``
     tau = calibrate_thresholds(model, calib_ids, percentile=99, rank_k=4, ell=8, max_chunk_len=64)
     dec = OnlineDecoder(model, rank_k=4, ell=8, max_chunk_len=64, tau_k=tau["tau_k"], tau_v=tau["tau_v"])
 
-**Diagnostics** (:mod:`kvsplice.bounds`): per layer, with exact ``q, k, v`` and approximate ``k̂, v̂`` (causal),
+**Diagnostics** (:mod:`kvsplice.online.bounds`): per layer, with exact ``q, k, v`` and approximate ``k̂, v̂`` (causal),
 the observed logit error ``ε = ‖ℓ − ℓ̂‖∞``, softmax L1 error ``‖α − α̂‖₁`` and head-output error ``‖o − ô‖``
 next to their bounds: ``ε ≤ s‖q‖ max_t ‖k_t − k̂_t‖``; ``‖α − α̂‖₁ ≤ 2 tanh(δ̄/4)`` (tight) ``≤ 2 sinh(δ̄/2)``
 (the issue's form) with ``δ̄ = 2 × logit bound``; ``‖o − ô‖ ≤ ‖α − α̂‖₁ max‖v‖ + max‖v − v̂‖``. Reported as
@@ -29,7 +29,7 @@ tightest per-query ratio ``*_tightest``, which is ≥ 1 exactly when the bound h
   (``τ`` guarantee) and the FD residual bound ``‖K − K V_r V_rᵀ‖_F ≤ (‖K‖_F² − ‖S_r‖_F²)^½`` of each stream's
   final sketch basis.
 * :func:`online_qkv_diagnostics` — teacher-forced: the *exact* model's ``q, k, v``
-  (:func:`kvsplice.calibrate.extract_qkv`) fed into a fresh chunked cache, layer by layer (no error propagation):
+  (:func:`kvsplice.lowrank.calibrate.extract_qkv`) fed into a fresh chunked cache, layer by layer (no error propagation):
   apples to apples with :func:`bases_diagnostics`.
 * :func:`bases_diagnostics` — global bases: ``k̂ = k k_enc k_decᵀ`` (what the coefficient logits
   ``(q k_dec)·(k k_enc)`` compute, oblique bases included) and ``v̂ = v v_enc v_decᵀ``; pre-RoPE bases rebuild
@@ -46,10 +46,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvsplice.apply import _heads, _merge, family_adapter, perplexity as _perplexity
-from kvsplice.bases import KVBases
-from kvsplice.bounds import logit_error_bound, logit_oscillation, output_error_bound, softmax_l1_bound
-from kvsplice.chunked import ChunkedCache
+from kvsplice.lowrank.apply import _heads, _merge, family_adapter, perplexity as _perplexity
+from kvsplice.lowrank.bases import KVBases
+from kvsplice.online.bounds import logit_error_bound, logit_oscillation, output_error_bound, softmax_l1_bound
+from kvsplice.online.chunked import ChunkedCache
 from models.attention import causal_mask
 
 __all__ = ["OnlineDecoder", "attention_diagnostics", "bases_diagnostics", "calibrate_thresholds",
@@ -346,7 +346,7 @@ def _fd_report(cache: ChunkedCache, layer: int, k: torch.Tensor, v: torch.Tensor
 
 def _exact_qkv(model: nn.Module, input_ids: torch.Tensor, rope: Optional[str]) -> list[dict[str, torch.Tensor]]:
     """The exact model's per-layer q, k, v as ``(B, H, T, d)`` (post-RoPE unless ``rope="pre"``)."""
-    from kvsplice.calibrate import extract_qkv
+    from kvsplice.lowrank.calibrate import extract_qkv
 
     qkv = extract_qkv(model, input_ids, rope=rope)
     return [{n: x.transpose(1, 2).contiguous() for n, x in layer.items()} for layer in qkv]
@@ -377,7 +377,7 @@ def online_qkv_diagnostics(model: nn.Module, input_ids: torch.Tensor, **cache_kw
 @torch.no_grad()
 def bases_diagnostics(model: nn.Module, bases: KVBases, input_ids: torch.Tensor) -> list[dict]:
     """Diagnostics of global bases on ``input_ids``: exact ``q, k, v`` from
-    :func:`~kvsplice.calibrate.extract_qkv` (in the bases' RoPE mode), ``k̂ = k k_enc k_decᵀ`` (exactly the
+    :func:`~kvsplice.lowrank.calibrate.extract_qkv` (in the bases' RoPE mode), ``k̂ = k k_enc k_decᵀ`` (exactly the
     coefficient logits ``(q k_dec)·(k k_enc)`` for oblique pairs too), ``v̂ = v v_enc v_decᵀ``; for pre-RoPE bases
     ``q``, ``k`` and ``k̂`` are rotated after the rebuild. Returns one :func:`attention_diagnostics` dict per layer."""
     fam = family_adapter(model)

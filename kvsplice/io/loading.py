@@ -4,9 +4,9 @@ calibration / evaluation text as one token stream.
 Models (:func:`load_model`), by what ``spec`` is:
 
 * a directory with ``config.json`` → ``transformers.AutoModelForCausalLM.from_pretrained`` + ``AutoTokenizer``
-  (GPT-2 and Llama families; anything else fails with :func:`kvsplice.calibrate.model_info`'s "unsupported" error).
+  (GPT-2 and Llama families; anything else fails with :func:`kvsplice.lowrank.calibrate.model_info`'s "unsupported" error).
   ``python -m kvsplice.convert_llama2c`` makes such a directory from a llama2.c checkpoint (e.g. stories260K);
-* a file (``.ckpt``) → this project's MHA GPT via ``training.checkpoint.load_model``; its tokenizer is the one its
+* a file (``.ckpt``) → this project's MHA GPT via ``models.checkpoint.load_model``; its tokenizer is the one its
   training data used (rebuilt from the checkpoint's data settings with :class:`data.TinyStoriesDataModule`), or
   ``tokenizer=`` (a GPT-2 BPE folder / ``tokenizer.json``, or an HF tokenizer directory);
 * anything else → a Hugging Face Hub id (the local HF cache first; offline this fails with one line saying to pass
@@ -162,7 +162,7 @@ def _max_positions(model: nn.Module) -> Optional[int]:
 
 
 def _check_supported(model: nn.Module) -> None:
-    from kvsplice.calibrate import model_info
+    from kvsplice.lowrank.calibrate import model_info
 
     try:
         model_info(model)
@@ -213,7 +213,7 @@ def load_model(spec: str | os.PathLike, *, tokenizer: Optional[str] = None, dtyp
             raise LoadError(f"cannot load the model in {spec}: {first_line(e)}") from None
         kind = "hf-dir"
     elif p.is_file():
-        from training.checkpoint import CheckpointError, load_model as load_ckpt
+        from models.checkpoint import CheckpointError, load_model as load_ckpt
 
         try:
             model, _, meta = load_ckpt(p)

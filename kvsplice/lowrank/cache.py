@@ -1,7 +1,7 @@
 """The coefficient cache: post-training low-rank bases, only the coefficients are cached.
 
 Per layer and KV head ``j`` the cache holds ``T × R_k[j]`` key coefficients ``a = k @ k_enc`` and ``T × R_v[j]``
-value coefficients ``b = v @ v_enc`` (see :mod:`kvsplice.bases`). Ranks may differ per head and per layer
+value coefficients ``b = v @ v_enc`` (see :mod:`kvsplice.lowrank.bases`). Ranks may differ per head and per layer
 (energy-chosen ranks), so the stream layout is chosen per layer:
 
 * the layer's KV heads share their ranks (all ``R_k`` equal and all ``R_v`` equal) → one stream per kind,
@@ -9,7 +9,7 @@ value coefficients ``b = v @ v_enc`` (see :mod:`kvsplice.bases`). Ranks may diff
 * otherwise → one stream per head and kind, ``"k{j}": (B, T, R_k[j])`` and ``"v{j}": (B, T, R_v[j])``.
 
 Either way the cache holds exactly ``Σ_layers Σ_heads (R_k + R_v) · T · B`` numbers
-(:meth:`CoefficientCache.bytes_formula`), which ``nbytes()`` and :func:`kvsplice.memory.measure_cache` measure from
+(:meth:`CoefficientCache.bytes_formula`), which ``nbytes()`` and :func:`kvsplice.report.memory.measure_cache` measure from
 the live tensors.
 """
 
@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from kvsplice.cache import DecodeCache
+from models.cache import DecodeCache
 
 __all__ = ["CoefficientCache"]
 
@@ -41,7 +41,7 @@ class CoefficientCache(DecodeCache):
     """Key/value coefficients per layer and KV head; see the module docstring for the stream layout.
 
     ``ranks_k[l][j]`` / ``ranks_v[l][j]``: the ranks of KV head ``j`` of layer ``l``. Build it from bases with
-    :meth:`from_bases`; the decoder (:class:`kvsplice.apply.CoefficientDecoder`) fills it with
+    :meth:`from_bases`; the decoder (:class:`kvsplice.lowrank.apply.CoefficientDecoder`) fills it with
     :meth:`append_coeffs`.
     """
 
@@ -63,7 +63,7 @@ class CoefficientCache(DecodeCache):
 
     @classmethod
     def from_bases(cls, bases, batch_size: int, **kw) -> "CoefficientCache":
-        """An empty cache for :class:`kvsplice.bases.KVBases` ``bases`` (its per-head ranks)."""
+        """An empty cache for :class:`kvsplice.lowrank.bases.KVBases` ``bases`` (its per-head ranks)."""
         r = bases.ranks()
         return cls(r["k"], r["v"], batch_size, **kw)
 

@@ -3,7 +3,7 @@
 Per layer and KV head the cache holds a list of *closed chunks* plus one *active chunk*. Chunk ``j`` covers a
 contiguous run of ``n_j`` tokens and stores their key coefficients ``a = k B_j`` ``(n_j, r_k)``, value coefficients
 ``b = v E_j`` ``(n_j, r_v)`` and its own orthonormal bases ``B_j (d, r_k)``, ``E_j (d_v, r_v)``. Attention runs chunk
-by chunk with the blockwise softmax (:mod:`kvsplice.blockwise`): logits ``scale · (q B_j) · a_t``, output
+by chunk with the blockwise softmax (:mod:`kvsplice.online.blockwise`): logits ``scale · (q B_j) · a_t``, output
 ``Σ_j (Σ_{t∈j} p_t b_t) E_jᵀ`` — no cached token is ever expanded back to ``d`` numbers.
 
 **The online rule** (per layer; per KV head and sequence with ``granularity="head"``, the default):
@@ -11,7 +11,7 @@ by chunk with the blockwise softmax (:mod:`kvsplice.blockwise`): logits ``scale 
 1. *Warm-up.* The first ``warmup`` (W, default 16) tokens go into chunk 0 at full dimension (identity bases,
    ``r = d``; no basis is stored). With ``warmup=0`` the first chunk is seeded at token 0 from a sketch holding
    just that token.
-2. Two Frequent Directions sketches per layer (:class:`kvsplice.fd.FrequentDirections`, ``ℓ = ell``, batched over
+2. Two Frequent Directions sketches per layer (:class:`kvsplice.online.fd.FrequentDirections`, ``ℓ = ell``, batched over
    (batch, KV heads)) are fed **every raw key and value**, in order.
 3. Each new token ``t`` gets residual norms ``ρ_k = ‖k_t − B Bᵀ k_t‖`` and ``ρ_v = ‖v_t − E Eᵀ v_t‖`` against the
    active chunk's bases (absolute by default; with ``relative=True`` they are divided by ``‖k_t‖``, ``‖v_t‖``).
@@ -31,7 +31,7 @@ by chunk with the blockwise softmax (:mod:`kvsplice.blockwise`): logits ``scale 
    *Caveat, measured:* the sketch weighs the whole history, so after the keys' subspace drifts its top-``r``
    directions can stay mixed (old + new) for a long time; with a tight τ every token then closes its chunk (chunks
    of length 1, each carrying its own bases). ``fd_decay = γ < 1`` (a forgetting sketch, see
-   :class:`~kvsplice.fd.FrequentDirections`) makes the seeds follow the drift; ``min_chunk_len`` bounds the cost.
+   :class:`~kvsplice.online.fd.FrequentDirections`) makes the seeds follow the drift; ``min_chunk_len`` bounds the cost.
 5. Old tokens are never re-projected — except by the optional amortised merge: with ``max_chunks = J_max``, when
    the number of closed non-warm-up chunks exceeds ``J_max``, the oldest ``⌊J_max/2⌋ + 2`` of them are re-projected
    onto the current sketch bases (``a* = (a_j B_jᵀ) B*``) and become one chunk, leaving ``⌈J_max/2⌉``.
@@ -57,9 +57,9 @@ from typing import Iterator, Literal, Optional, Sequence
 
 import torch
 
-from kvsplice.blockwise import Chunk, blockwise_attention
-from kvsplice.cache import DecodeCache
-from kvsplice.fd import FrequentDirections
+from kvsplice.online.blockwise import Chunk, blockwise_attention
+from models.cache import DecodeCache
+from kvsplice.online.fd import FrequentDirections
 
 __all__ = ["ChunkedCache"]
 
@@ -179,7 +179,7 @@ class ChunkedCache(DecodeCache):
     (the sketches are float32). Residual maxima are exact up to the rounding of the stored numbers.
     ``record_residuals`` [False]: log every token's criterion ``ρ_k``/``ρ_v`` (relative if ``relative``) against the
     bases of the chunk it is stored in (warm-up/identity chunks excluded; a chunk's first token against its fresh
-    bases), read with :meth:`recorded_residuals` (used by :func:`kvsplice.online.calibrate_thresholds`).
+    bases), read with :meth:`recorded_residuals` (used by :func:`kvsplice.online.decoder.calibrate_thresholds`).
     """
 
     kind = "chunked"

@@ -3,10 +3,10 @@
 A :class:`TokenSelector` looks at one sequence's prefill keys/values of every KV head and returns, per head, which
 tokens to keep and a log-weight for each. Attention over the kept set with the log-weights added to the logits,
 ``softmax(q·Kᵀ·s + logw)·V``, is the selector's estimate of full attention (see
-:func:`kvsplice.subset_cache.weighted_attend`): a token that stands for ``w`` tokens gets ``log w``.
+:func:`kvsplice.select.cache.weighted_attend`): a token that stands for ``w`` tokens gets ``log w``.
 
 * :class:`BalanceKVSelector` — first ``n_sink`` tokens and the most recent ones intact (log-weight 0), the middle
-  halved by :func:`kvsplice.balance.block_balance` (a token that survived ``l`` halvings gets ``l·ln 2``). The middle
+  halved by :func:`kvsplice.select.balance.block_balance` (a token that survived ``l`` halvings gets ``l·ln 2``). The middle
   is a run of segments halved ``T, T-1, ..., 1`` times (oldest most), sized by :func:`balance_plan` so the kept
   count is exactly the budget; whatever is left after them stays intact.
 * :class:`UniformSelector` — same sinks and recent window, the rest of the budget sampled uniformly without
@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from kvsplice.balance import LN2, block_balance
+from kvsplice.select.balance import LN2, block_balance
 
 
 class TokenSelector:
@@ -173,7 +173,7 @@ def balance_plan(t: int, budget: int, n_sink: int, n_recent: int,
 
 class BalanceKVSelector(TokenSelector):
     """BalanceKV, the practical block-parallel variant: sinks + recent intact, the middle halved ``T`` times in
-    blocks of ``block_size`` by the self-balancing walk (:func:`kvsplice.balance.block_balance`).
+    blocks of ``block_size`` by the self-balancing walk (:func:`kvsplice.select.balance.block_balance`).
 
     ``T`` (``n_halvings``) defaults to the fewest halvings that reach the budget; the intact recent window is at
     least ``n_recent`` and grows to use the budget exactly (:func:`balance_plan`). The walk's kernel is

@@ -1,8 +1,8 @@
 """Token-subset cache: a per-head subset of the prefill tokens with per-token log-weights, plus exact new tokens.
 
-:class:`SubsetCache` is a :class:`~kvsplice.cache.DecodeCache` with three streams per layer — ``k (B, Hkv, T, d)``,
+:class:`SubsetCache` is a :class:`~models.cache.DecodeCache` with three streams per layer — ``k (B, Hkv, T, d)``,
 ``v (B, Hkv, T, dv)`` and the log-weights ``w (B, Hkv, T, 1)``. Prefill is compressed once
-(:meth:`SubsetCache.compress_prefill`: a :class:`~kvsplice.token_select.TokenSelector` picks per KV head on the
+(:meth:`SubsetCache.compress_prefill`: a :class:`~kvsplice.select.selectors.TokenSelector` picks per KV head on the
 prefill keys/values); tokens appended afterwards are kept exactly with log-weight 0. ``nbytes()`` counts all three
 streams: ``L·B·Hkv·n·(d + dv + 1)·bytes``.
 
@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from kvsplice.cache import DecodeCache
-from kvsplice.token_select import TokenSelector
+from models.cache import DecodeCache
+from kvsplice.select.selectors import TokenSelector
 from models.attention import attend
 
 

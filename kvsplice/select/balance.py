@@ -26,7 +26,7 @@ Pieces, following the paper:
   cache uses): the tokens are cut into blocks of ``b`` consecutive tokens, every block of every head is halved
   at once by a walk with the *joint* kernel ``exp(⟨k,k'⟩s)(⟨v,v'⟩+λ)`` (numerator and denominator balanced by one
   signing), the survivors are re-blocked and halved again, ``T`` times. One index set per head plus a per-token
-  log-weight ``l·ln 2`` — exactly what :class:`kvsplice.subset_cache.SubsetCache` stores.
+  log-weight ``l·ln 2`` — exactly what :class:`kvsplice.select.cache.SubsetCache` stores.
 
 Thresholds. The paper's analysis uses ``c = 30·log(n/δ)·max_i ‖φ(x_i)‖²`` (``‖φ(x_i)‖² = κ(x_i, x_i)``), under which
 the walk fails with probability ≤ δ. That constant is a worst-case one: at n ≤ a few thousand the drift

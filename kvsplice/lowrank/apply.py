@@ -2,7 +2,7 @@
 
 :class:`CoefficientDecoder` is a small decode driver. It runs the model's own submodules (embeddings, norms,
 MLPs, rotary embedding, LM head) layer by layer and does the attention itself, through
-:func:`models.attention.attend`, over a :class:`~kvsplice.coeff_cache.CoefficientCache`::
+:func:`models.attention.attend`, over a :class:`~kvsplice.lowrank.cache.CoefficientCache`::
 
     dec = CoefficientDecoder(model, bases)             # or apply_bases(model, bases); bases=None → full K/V cache
     cache = dec.new_cache(batch_size=1)
@@ -15,7 +15,7 @@ Supported: ``transformers.GPT2LMHeadModel``, ``transformers.LlamaForCausalLM`` (
 ``models.GPT`` with ``attention="mha"``; anything else raises ``ValueError`` naming the supported families.
 
 How a layer attends (``impl="absorb"``, the default), per KV head ``j`` with bases ``k_enc, k_dec, v_enc, v_dec``
-(:mod:`kvsplice.bases`) and ``g`` query heads per KV head:
+(:mod:`kvsplice.lowrank.bases`) and ``g`` query heads per KV head:
 
 * values never exist: ``v_enc`` is folded into the value projection (``b = x (W_v v_enc) + b_v v_enc``, the new
   tokens' coefficients straight from the hidden state), attention runs over the cached coefficients
@@ -42,7 +42,7 @@ How a layer attends (``impl="absorb"``, the default), per KV head ``j`` with bas
 ``impl="naive"`` is the reference: it computes full ``q, k, v`` with the original weights, caches the same
 coefficients, then rebuilds ``K̂ = A k_decᵀ`` (rotated for pre-RoPE) and ``V̂ = B v_decᵀ`` for every cached
 token and runs plain attention with the original output projection. ``bases=None`` is the full-cache reference
-(:class:`~kvsplice.cache.KVCache` of post-RoPE keys and values), for "full cache vs compressed cache" comparisons.
+(:class:`~models.cache.KVCache` of post-RoPE keys and values), for "full cache vs compressed cache" comparisons.
 
 The folded weights are computed (in float64, then cast to the model's dtype) when the decoder is built: build a
 new decoder after changing the model's weights. The driver is inference-only: no dropout, no gradients.
@@ -59,9 +59,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvsplice.bases import BasesMismatchError, HeadBases, KVBases
-from kvsplice.cache import DecodeCache, KVCache
-from kvsplice.coeff_cache import CoefficientCache
+from kvsplice.lowrank.bases import BasesMismatchError, HeadBases, KVBases
+from models.cache import DecodeCache, KVCache
+from kvsplice.lowrank.cache import CoefficientCache
 from models.attention import attend, select_backend
 
 __all__ = ["CoefficientDecoder", "SUPPORTED_FAMILIES", "apply_bases", "generate", "perplexity", "sequence_nll"]
@@ -261,7 +261,7 @@ def _family(model: nn.Module) -> _Family:
                      f"{', '.join(SUPPORTED_FAMILIES)}")
 
 
-family_adapter = _family  # public alias: the per-family adapter (used by kvsplice.token_driver)
+family_adapter = _family  # public alias: the per-family adapter (used by kvsplice.select.driver)
 
 
 # ================================================================================================== plans
@@ -355,11 +355,11 @@ class CoefficientDecoder:
     def _check_bases(self, bases: KVBases) -> None:
         f = self.fam
         if not isinstance(bases, KVBases):
-            raise TypeError(f"bases must be a kvsplice.bases.KVBases, got {type(bases).__name__}")
+            raise TypeError(f"bases must be a kvsplice.lowrank.bases.KVBases, got {type(bases).__name__}")
         fp = bases.meta.get("model_fingerprint")
         if fp is not None:
             try:  # the calibration code owns the fingerprint; check it where it is available
-                from kvsplice.calibrate import model_fingerprint  # type: ignore[attr-defined]
+                from kvsplice.lowrank.calibrate import model_fingerprint  # type: ignore[attr-defined]
             except Exception:
                 model_fingerprint = None
             if model_fingerprint is not None:

@@ -8,7 +8,7 @@ For every window of ``prompt + cont`` tokens of real text (the model's tokenizer
 :mod:`kvsplice.io.loading`): the prompt is prefilled exactly (full attention), every layer's K/V (post-RoPE keys for
 Llama) is compressed per KV head to ``budget = prompt // ratio`` tokens by the method, and the continuation is decoded
 teacher-forced over that cache with weighted attention (decoded tokens kept exactly; positions continue from the
-tokens seen) — :func:`kvsplice.select.driver.run_token_selection`. Scored: every continuation token (the first is
+tokens seen) — :func:`kvsplice.select.method.run_token_selection`. Scored: every continuation token (the first is
 predicted by the exact prefill). Perplexity = exp(total NLL / tokens) over all windows; random methods are repeated
 over ``--seeds`` and reported as mean ± std.
 
@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kvsplice.io.loading import LoadError, first_line, iter_texts, load_model, token_stream  # noqa: E402
-from kvsplice.select.driver import run_token_selection  # noqa: E402
+from kvsplice.select.method import run_token_selection  # noqa: E402
 from kvsplice.select.selectors import (BalanceKVSelector, StreamingLLMSelector, UniformSelector,  # noqa: E402
                                    balance_plan)
 

@@ -11,8 +11,8 @@
   (``gusjengis_toy-RNN__tinystories_sample.txt``, first ``--calib-tokens``), fitted with :func:`kvsplice.lowrank.fits
   .fit_bases` for ``kq`` and ``gqa-sum`` (the attention-aware methods) at rank R = 2/4/6 (value rank = key rank);
   ``ksvd`` post and ``kq`` pre-RoPE at the same ranks for reference. Decoded with
-  :class:`kvsplice.lowrank.apply.CoefficientDecoder` (exact for any call size).
-* fd-online: :class:`kvsplice.online.decoder.OnlineDecoder` (no calibration), a handful of configurations per budget, all
+  :class:`kvsplice.lowrank.method.CoefficientDecoder` (exact for any call size).
+* fd-online: :class:`kvsplice.online.method.OnlineDecoder` (no calibration), a handful of configurations per budget, all
   listed. Bytes per sequence = coefficients + every basis the cache holds (warm-up tokens at full dimension)
   measured from the cache's tensors after decoding a whole window (:meth:`ChunkedCache.nbytes_breakdown`); the FD
   sketches (fixed ``2·2ℓ·(d + d_v)`` floats per layer and KV head) are reported separately. A configuration is
@@ -23,7 +23,7 @@
 * Attention error (teacher-forced, no propagation: the exact model's q/k/v of the first window on every layer, for
   every method alike): ``rel_out`` = ``(Σ‖o − ô‖²/Σ‖o‖²)^½`` of the head outputs, mean over layers; the largest
   logit error ``ε``; whether every §3.5 bound held on every layer, and the slack (bound / observed, the largest
-  bound over the largest observation, worst layer) — :mod:`kvsplice.online.decoder`.
+  bound over the largest observation, worst layer) — :mod:`kvsplice.online.diagnostics`.
 """
 
 from __future__ import annotations
@@ -41,13 +41,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvsplice.lowrank.apply import CoefficientDecoder, perplexity  # noqa: E402
+from kvsplice.decode import perplexity
+from kvsplice.lowrank.method import CoefficientDecoder  # noqa: E402
 from kvsplice.lowrank.calibrate import calibrate, calibration_batches  # noqa: E402
 from kvsplice.convert.llama2c import convert_llama2c  # noqa: E402
 from kvsplice.lowrank.fits import fit_bases  # noqa: E402
 from kvsplice.io.loading import iter_texts, load_model, token_stream  # noqa: E402
-from kvsplice.online.decoder import (OnlineDecoder, bases_diagnostics, format_diagnostics,  # noqa: E402
-                             online_qkv_diagnostics)
+from kvsplice.online.diagnostics import bases_diagnostics, format_diagnostics, online_qkv_diagnostics  # noqa: E402
+from kvsplice.online.method import OnlineDecoder  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
 STORIES = DATA / "stories260K"

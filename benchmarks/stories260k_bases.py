@@ -34,8 +34,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvsplice.eval_bases import EvalContext, evaluate_bases, load_windows  # noqa: E402
-from kvsplice.fit_bases import build_parser as fit_parser, fit_from_args, write_json  # noqa: E402
+from kvsplice.lowrank.evaluate import EvalContext, evaluate_bases, load_windows  # noqa: E402
+from kvsplice.fit_bases import build_parser as fit_parser, fit_from_args  # noqa: E402
+from kvsplice.io.cli import write_json  # noqa: E402
 from kvsplice.lowrank.fits import METHODS, score_error  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
@@ -78,7 +79,7 @@ def compare_scores(stats, fits: dict, rank: int, rope: str, where: str) -> tuple
 @torch.no_grad()
 def chunk_check(ctx: EvalContext, bases, n_windows: int = 2) -> dict:
     """Perplexity of the first windows decoded in chunks of ctx.chunk_size vs token by token (chunk 1)."""
-    from kvsplice.lowrank.apply import CoefficientDecoder
+    from kvsplice.lowrank.method import CoefficientDecoder
 
     sub = EvalContext(ctx.loaded, ctx.windows[:n_windows], batch_size=n_windows, chunk_size=ctx.chunk_size)
     dec = CoefficientDecoder(ctx.model, bases)
@@ -133,14 +134,14 @@ def fmt_md(report: dict) -> str:
               f"{c['bytes']['all_match']} (e.g. R=4: {c['bytes']['example_r4']:,} B vs full K/V "
               f"{c['bytes']['full']:,} B for {c['bytes']['batch']} × {c['bytes']['seq_len']} tokens, fp32).",
               f"* Full rank (R=8) reproduces the full cache: max |ppl/ppl_full − 1| = {c['full_rank_max_rel']:.1e}.",
-              f"* Chunked (64) vs token-by-token decode: " + ", ".join(
+              "* Chunked (64) vs token-by-token decode: " + ", ".join(
                   f"{k} rel. diff {v['rel_diff']:.1e}" for k, v in c["chunk_vs_token"].items()) + ".",
               f"* Calibration + fit time / one plain forward pass over the same {report['calibration']['tokens']:,} "
               f"tokens: " + ", ".join(f"{rope}: calibration {t['calibrate_s']:.2f} s, forward {t['forward_s']:.2f} s, "
                                       f"fit {t['fit_s_min'] * 1e3:.0f}–{t['fit_s_max'] * 1e3:.0f} ms → ratio "
                                       f"{t['ratio_min']:.2f}–{t['ratio_max']:.2f}"
                                       for rope, t in report["timing"].items()) + ".",
-              f"* Calibration statistics with the calibration text doubled: "
+              "* Calibration statistics with the calibration text doubled: "
               + ", ".join(f"{int(k):,} tokens → {v:,} bytes" for k, v in report["memory"]["stats_nbytes"].items())
               + " (flat: the Grams are d×d per head).", ""]
     return "\n".join(lines)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import platform
 import statistics
 import sys
@@ -39,7 +38,8 @@ from typing import Optional, Sequence
 import torch
 
 from kvsplice.report.memory import DTYPES, cache_bytes_formula, dtype_name, parse_dtype
-from kvsplice.verify_memory import UsageError, pick_device, resolve_config
+from kvsplice.io.cli import UsageError, check_out_path, pick_device, write_json
+from kvsplice.io.configs import resolve_config
 from kvsplice.report.tables import markdown_table, print_rich_table
 from models.config import GPTConfig
 
@@ -305,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--json", metavar="FILE", help="write results as JSON (and a plot FILE.png next to it)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
     p.add_argument("--plot", metavar="PNG", help="plot path (default: next to --json)")
     p.add_argument("--markdown", action="store_true", help="print a markdown table instead of a rich table")
     p.add_argument("--profile", action="store_true", help="also run torch.profiler over 3 steps of each variant at "
@@ -323,6 +324,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ctxs = sorted(set(args.ctx))
         variants, notes = variants_from_specs(args.config, max(ctxs))
         device = pick_device(args.device)
+        if args.json:
+            check_out_path(args.json, args.force, option="--json")
     except UsageError as e:
         print(f"bench_decode: error: {e}", file=sys.stderr)
         return 2
@@ -348,6 +351,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         notes=notes, variants=[dict(label=v.label, config=v.cfg.to_dict()) for v in variants],
         results=rows, growth=growth(rows),
     )
+    report["title"] = title(report)  # plots read it from the JSON
     if profiles is not None:
         report["profile"] = profiles
     print_table(report, markdown=args.markdown)
@@ -355,14 +359,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print_profiles(profiles)
     png = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {out}", file=sys.stderr)
+        print(f"wrote {write_json(report, args.json)}", file=sys.stderr)
     if png:
         from kvsplice.report.plots import plot_decode_times
 
-        print(f"wrote {plot_decode_times(rows, png, title=title(report))}", file=sys.stderr)
+        print(f"wrote {plot_decode_times(rows, png, title=report['title'])}", file=sys.stderr)
     return 0
 
 

@@ -23,8 +23,6 @@ Errors (missing files, unsupported models, offline hub ids, bad ranks) are one l
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 import tempfile
@@ -34,10 +32,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from kvsplice.io.cli import UsageError, check_out_path, default_seq_len, pos_int, write_json
 from kvsplice.lowrank.bases import BasesMismatchError, KVBases
 from kvsplice.lowrank.fits import METHODS
 
-__all__ = ["FitError", "build_parser", "default_seq_len", "fit_from_args", "main", "time_forward"]
+__all__ = ["FitError", "build_parser", "fit_from_args", "main", "time_forward"]
 
 PROG = "python -m kvsplice.fit_bases"
 
@@ -47,13 +46,6 @@ class FitError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------------ parser
-def _pos_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {s}")
-    return v
-
-
 def _energy(s: str) -> float:
     v = float(s)
     if not 0.0 < v <= 1.0:
@@ -72,11 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "of [K;Q]; kq / gqa-concat: attention-aware (per-head scores), gqa-sum: attention-aware on "
                    "the group-summed queries; kq/gqa-* values are W_O-aware")
     spec = p.add_mutually_exclusive_group(required=True)
-    spec.add_argument("--rank", type=_pos_int, help="key rank per KV head (<= head_dim)")
+    spec.add_argument("--rank", type=pos_int, help="key rank per KV head (<= head_dim)")
     spec.add_argument("--energy", type=_energy, help="per head, the smallest key rank retaining this fraction of "
                       "the fit's spectrum (e.g. 0.9)")
     vspec = p.add_mutually_exclusive_group()
-    vspec.add_argument("--rank-v", type=_pos_int, help="value rank (default: the key spec)")
+    vspec.add_argument("--rank-v", type=pos_int, help="value rank (default: the key spec)")
     vspec.add_argument("--energy-v", type=_energy, help="value energy (default: the key spec)")
     p.add_argument("--uniform-ranks", action="store_true", help="with --energy: raise every head of a layer to "
                    "the layer's largest rank (one cache stream per layer)")
@@ -84,24 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "(post, default) or before (pre) the rotary embedding; ignored for models without RoPE")
     p.add_argument("--calib", required=True, help="calibration text: .txt (<|endoftext|> or blank-line "
                    "separated stories), .json, .jsonl, a folder of them, or a Hugging Face dataset ID[:SPLIT]")
-    p.add_argument("--calib-tokens", type=_pos_int, default=65536, help="calibration tokens (default 65536)")
-    p.add_argument("--seq-len", type=_pos_int, help="window length (default: the model's context, <= 1024)")
-    p.add_argument("--batch-size", type=_pos_int, default=8, help="windows per forward (default 8)")
+    p.add_argument("--calib-tokens", type=pos_int, default=65536, help="calibration tokens (default 65536)")
+    p.add_argument("--seq-len", type=pos_int, help="window length (default: the model's context, <= 1024)")
+    p.add_argument("--batch-size", type=pos_int, default=8, help="windows per forward (default 8)")
     p.add_argument("--out", required=True, help="output .safetensors file")
     p.add_argument("--force", action="store_true", help="overwrite --out")
     p.add_argument("--json", help="also write the report as JSON here")
     p.add_argument("--dtype", choices=("fp32", "fp64"), default="fp32", help="dtype of the saved bases")
-    p.add_argument("--threads", type=_pos_int, help="torch intra-op threads (1 is fastest on a busy CPU)")
+    p.add_argument("--threads", type=pos_int, help="torch intra-op threads (1 is fastest on a busy CPU)")
     p.add_argument("--no-forward-timing", action="store_true", help="skip the plain forward pass timing")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def default_seq_len(max_positions: Optional[int], cap: int = 1024) -> int:
-    return min(max_positions or 512, cap)
-
-
 @torch.no_grad()
 def time_forward(model: torch.nn.Module, batches: Sequence[torch.Tensor]) -> float:
     """Seconds of one plain forward pass (logits, no hooks, no KV cache) over ``batches`` (after a warm-up on a
@@ -127,22 +115,17 @@ def time_forward(model: torch.nn.Module, batches: Sequence[torch.Tensor]) -> flo
         model.train(was)
 
 
-def check_out_path(out: str | os.PathLike, force: bool) -> Path:
-    path = Path(out)
-    if path.exists() and not force:
-        raise FitError(f"{path} already exists (use --force to overwrite)")
-    if path.exists() and path.is_dir():
-        raise FitError(f"--out {path} is a directory")
-    return path
-
-
 def save_atomic(bases: KVBases, path: Path) -> Path:
-    """Write to a temporary file next to ``path``, then rename: an error leaves ``path`` untouched."""
+    """Write to a temporary file next to ``path``, then rename: an error leaves ``path`` untouched. The file gets
+    the usual permissions (``0666`` less the umask), not ``mkstemp``'s private ``0600``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         bases.save(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -288,19 +271,6 @@ def print_report(report: dict[str, Any], console=None) -> None:
     console.print(line, soft_wrap=True)
 
 
-def _json_default(o: Any) -> Any:
-    if isinstance(o, float) and (math.isnan(o) or math.isinf(o)):
-        return None
-    return str(o)
-
-
-def write_json(obj: Any, path: str | os.PathLike) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2, default=_json_default) + "\n")
-    return path
-
-
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from kvsplice.io.loading import LoadError
@@ -311,7 +281,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         out = check_out_path(args.out, args.force)
         if args.json:
-            check_out_path(args.json, args.force)
+            check_out_path(args.json, args.force, option="--json")
         bases, report = fit_from_args(args)
         save_atomic(bases, out)
         report["out"] = str(out)
@@ -319,7 +289,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"saved {out}")
         if args.json:
             write_json(report, args.json)
-    except (FitError, LoadError, BasesMismatchError, FileNotFoundError, FileExistsError) as e:
+    except (FitError, UsageError, LoadError, BasesMismatchError, FileNotFoundError, FileExistsError) as e:
         print(f"fit_bases: error: {e}", file=sys.stderr)
         return 1
     except (ValueError, OSError) as e:

@@ -18,8 +18,6 @@ A JSON report (``--json``) gets a plot of cache MiB vs length next to it (same n
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import platform
 import sys
 from dataclasses import dataclass
@@ -30,77 +28,14 @@ import torch
 
 from kvsplice.report.memory import (CUDA_ALLOC_GRANULE, DTYPES, cache_bytes_formula, dtype_name, measure_cache,
                              mha_cache_bytes, parse_dtype, sequences_in_budget)
+from kvsplice.io.cli import UsageError, check_out_path, pick_device, write_json
+from kvsplice.io.configs import resolve_config
 from kvsplice.report.tables import markdown_table, print_rich_table
-from models.config import PRESETS, GPTConfig, preset
+from models.config import PRESETS, GPTConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIGS = ("gpt2", "mla", "mla_kvsplice_50", "mla_kvsplice_70", "mla_kvsplice_90")
 MIB = 2**20
 GIB = 2**30
-
-
-class UsageError(Exception):
-    """A bad argument: reported as one line on stderr, exit status 2."""
-
-
-# ------------------------------------------------------------------------------------------ config loading
-def config_from_yaml(path: str | Path) -> GPTConfig:
-    """A GPTConfig from the ``model:`` section of a LightningCLI YAML (other sections and non-GPTConfig keys, e.g.
-    optimizer settings, are ignored). ``model: {class_path, init_args: {...}}`` and a nested dict of GPTConfig
-    fields (``model: {config: {...}}``) are accepted too, and so is ``preset: NAME`` plus field overrides.
-    Missing fields take GPTConfig's defaults (``vocab_size`` 50304)."""
-    import yaml
-
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"config file not found: {path}") from None
-    except yaml.YAMLError as e:
-        raise UsageError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    model = data.get("model") if isinstance(data, dict) else None
-    if not isinstance(model, dict):
-        raise UsageError(f"{path}: no 'model:' section with GPTConfig fields")
-    if isinstance(model.get("init_args"), dict):
-        model = model["init_args"]
-    fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    picked = {k: v for k, v in model.items() if k in fields}
-    if not picked:  # e.g. model: {config: {n_layer: ..., ...}}
-        for v in model.values():
-            v = v.get("init_args", v) if isinstance(v, dict) else v
-            if isinstance(v, dict) and set(v) & fields:
-                model, picked = v, {k: x for k, x in v.items() if k in fields}
-                break
-    base = model.get("preset")
-    if not picked and not isinstance(base, str):
-        raise UsageError(f"{path}: the 'model:' section has no GPTConfig fields (known: {sorted(fields)})")
-    try:
-        if isinstance(base, str):
-            return preset(base, **picked)
-        return GPTConfig(**picked)
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"{path}: {e}") from None
-
-
-def available_yaml_configs() -> list[str]:
-    d = REPO_ROOT / "configs"
-    return sorted(p.stem for p in d.glob("*.y*ml")) if d.is_dir() else []
-
-
-def resolve_config(spec: str) -> tuple[str, GPTConfig, str]:
-    """``(label, cfg, source)`` for a preset name, a YAML path, or the stem of a YAML under ``configs/``."""
-    if spec in PRESETS:
-        return spec, preset(spec), f"preset:{spec}"
-    p = Path(spec)
-    candidates = [p] if (p.suffix in (".yaml", ".yml") or p.exists()) else []
-    candidates += [REPO_ROOT / "configs" / f"{spec}.yaml", REPO_ROOT / "configs" / f"{spec}.yml"]
-    for c in candidates:
-        if c.is_file():
-            return c.stem, config_from_yaml(c), f"yaml:{c}"
-    if p.suffix in (".yaml", ".yml"):
-        raise UsageError(f"config file not found: {spec}")
-    raise UsageError(f"unknown config {spec!r}: not a preset ({', '.join(sorted(PRESETS))}) nor a YAML file "
-                     f"(configs/: {', '.join(available_yaml_configs()) or 'none'})")
 
 
 def load_checkpoint(path: str | Path):
@@ -153,12 +88,6 @@ def checkpoint_variants(paths: Sequence[str], max_len: int) -> list[Variant]:
                              f"(trained position table; cannot be raised)")
         out.append(Variant(label, cfg, f"ckpt:{path}", lambda model=model: model))
     return out
-
-
-def pick_device(name: Optional[str] = None) -> torch.device:
-    if name:
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 # -------------------------------------------------------------------------------------------- measurement
@@ -312,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=8, help="tokens decoded one at a time after the prefill")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON (and a plot FILE.png next to it)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
     p.add_argument("--markdown", action="store_true", help="print a markdown table instead of a rich table")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -332,6 +262,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             variants = preset_variants(args.config or DEFAULT_CONFIGS, max(seq_lens), notes)
         device = pick_device(args.device)
+        if args.json:
+            check_out_path(args.json, args.force, option="--json")
     except UsageError as e:
         print(f"verify_memory: error: {e}", file=sys.stderr)
         return 2
@@ -350,6 +282,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         torch=torch.__version__, python=platform.python_version(), notes=notes,
         ok=all(r["ok"] for r in rows), rows=rows,
     )
+    report["title"] = title(report)  # plots read it from the JSON
     print_table(report, markdown=args.markdown)
     for r in rows:
         for prob in r["problems"]:
@@ -357,10 +290,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         from kvsplice.report.plots import plot_cache_vs_seqlen
 
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        png = plot_cache_vs_seqlen(rows, out.with_suffix(".png"), title=title(report))
+        out = write_json(report, args.json)
+        png = plot_cache_vs_seqlen(rows, out.with_suffix(".png"), title=report["title"])
         print(f"wrote {out} and {png}", file=sys.stderr)
     if not report["ok"]:
         print("verify_memory: measured cache bytes differ from the formula", file=sys.stderr)

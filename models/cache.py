@@ -15,6 +15,9 @@ The interface:
 * ``append(layer, **new)`` — write a layer's new entries (each ``(B, *lead, T_new, D)``) and return views of the
   whole stream ``(B, *lead, T, D)`` after the append;
 * ``seq_len`` — tokens held (the same for every layer between forward calls);
+* ``position`` — the absolute position of the next token: tokens the sequence has seen. Every decode path
+  (``GPT.forward`` included) takes positions from it. It equals ``seq_len`` unless a method drops tokens (token
+  selection keeps a subset of the prompt, its ``position`` stays the prompt length);
 * ``nbytes()`` — bytes of what the cache holds (sum of the live views' sizes);
 * ``storage_nbytes()`` — bytes of the allocated buffers (== ``nbytes()`` when ``capacity`` was exact);
 * ``tensors()`` — the live views, for independent measurement;
@@ -33,7 +36,57 @@ StreamSpec = Mapping[str, Sequence[int]]
 """name -> per-token shape ``(*lead, D)``; stored as ``(B, *lead, T, D)``."""
 
 
-class DecodeCache:
+class Cache:
+    """The decode-cache interface every cache implements (see the module docstring).
+
+    :class:`DecodeCache` implements it with preallocated named streams; a cache with another layout (the online
+    method's chunks) implements it directly. ``append`` may return views of what the layer holds (stream caches
+    do) or ``None``.
+    """
+
+    kind: str = "cache"
+    batch_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def n_layer(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens held per layer."""
+        raise NotImplementedError
+
+    @property
+    def position(self) -> int:
+        """Absolute position of the next token (tokens the sequence has seen)."""
+        raise NotImplementedError
+
+    def append(self, layer: int, **new: torch.Tensor):
+        raise NotImplementedError
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor the cache holds (the live views), for independent measurement."""
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def storage_nbytes(self) -> int:
+        raise NotImplementedError
+
+    def elements_per_token(self) -> float:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def truncate(self, n: int) -> None:
+        raise NotImplementedError
+
+
+class DecodeCache(Cache):
     """Per-layer named streams with amortised O(1) appends along the time axis (dim -2)."""
 
     kind: str = "generic"
@@ -60,6 +113,7 @@ class DecodeCache:
             {name: self._alloc(shape, capacity or 0) for name, shape in spec.items()} for spec in self.specs
         ]
         self._lengths = [0] * len(self.specs)
+        self._seen = [0] * len(self.specs)
 
     # ----------------------------------------------------------------------------------------------- storage
     def _alloc(self, shape: tuple[int, ...], capacity: int) -> torch.Tensor:
@@ -87,6 +141,15 @@ class DecodeCache:
     def seq_len(self) -> int:
         return min(self._lengths) if self._lengths else 0
 
+    @property
+    def position(self) -> int:
+        """Absolute position of the next token (tokens seen, the same for every layer between forward calls)."""
+        return min(self._seen) if self._seen else 0
+
+    def advance(self, layer: int, n: int) -> None:
+        """Count ``n`` tokens as seen by ``layer`` without storing them (a method that drops tokens)."""
+        self._seen[layer] += int(n)
+
     def layer_len(self, layer: int) -> int:
         return self._lengths[layer]
 
@@ -110,6 +173,7 @@ class DecodeCache:
             buf[..., n : n + t_new, :] = x
             out[name] = buf[..., : n + t_new, :]
         self._lengths[layer] = n + t_new
+        self._seen[layer] += t_new
         return out
 
     def get(self, layer: int) -> dict[str, torch.Tensor]:
@@ -121,9 +185,6 @@ class DecodeCache:
         for layer in range(self.n_layer):
             yield from self.get(layer).values()
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
     def storage_nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for bufs in self._buffers for b in bufs.values())
 
@@ -133,22 +194,27 @@ class DecodeCache:
 
     def reset(self) -> None:
         self._lengths = [0] * len(self.specs)
+        self._seen = [0] * len(self.specs)
 
     def truncate(self, n: int) -> None:
         """Keep only the first ``n`` tokens of every layer (buffers are kept; later appends overwrite the rest).
 
-        ``truncate(seq_len - k)`` undoes the last ``k`` appended tokens, e.g. to time decode steps at a fixed
-        context length, or to roll back speculative tokens. ``truncate(0)`` is ``reset()``.
+        ``truncate(seq_len - k)`` undoes the last ``k`` appended tokens (``position`` goes back by ``k`` too), e.g. to
+        time decode steps at a fixed context length, or to roll back speculative tokens. ``truncate(0)`` is
+        ``reset()``.
         """
         n = int(n)
         if n < 0 or any(n > length for length in self._lengths):
             raise ValueError(f"truncate({n}): must be between 0 and the tokens held by every layer "
                              f"({min(self._lengths) if self._lengths else 0})")
+        dropped = min(self._lengths) - n
         self._lengths = [n] * len(self.specs)
+        self._seen = [s - dropped for s in self._seen]
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(layers={self.n_layer}, batch={self.batch_size}, seq_len={self.seq_len}, "
+            f"position={self.position}, "
             f"dtype={self.dtype}, nbytes={self.nbytes()})"
         )
 

@@ -6,13 +6,15 @@ import math
 from typing import Any, Mapping, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from models.cache import CompressedLatentCache, DecodeCache, KVCache, LatentCache
-from models.splice import LearnedKVSplice
 from models.attention import CausalSelfAttention, MultiHeadLatentAttention
+from models.cache import CompressedLatentCache, DecodeCache, KVCache, LatentCache
 from models.config import GPTConfig
+from models.generate import check_prompt, check_sampling, generate_tokens, sample_next
+from models.splice import LearnedKVSplice
+
+__all__ = ["GPT", "sample_next"]
 
 
 class MLP(nn.Module):
@@ -96,13 +98,16 @@ class GPT(nn.Module):
     # ------------------------------------------------------------------------------------------------ forward
     def forward(self, idx: torch.Tensor, cache: Optional[DecodeCache] = None) -> torch.Tensor:
         b, t = idx.shape
-        start = cache.seq_len if cache is not None else 0
+        start = cache.position if cache is not None else 0  # absolute position of the first new token
         if start + t > self.cfg.block_size:
             raise ValueError(
                 f"sequence of {start + t} tokens ({start} cached + {t} new) exceeds block_size="
                 f"{self.cfg.block_size}; shorten the prompt/generation or use a model with a larger block_size")
         if cache is not None and cache.batch_size != b:
             raise ValueError(f"cache was built for batch size {cache.batch_size}, got a batch of {b}")
+        if cache is not None and cache.dtype != self.transformer.wte.weight.dtype:
+            raise ValueError(f"cache holds {cache.dtype} but the model computes in {self.transformer.wte.weight.dtype};"
+                             f" build the cache with model.new_cache() after casting the model")
         pos = torch.arange(start, start + t, device=idx.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, d_model)
         for i, block in enumerate(self.transformer.h):
@@ -128,27 +133,20 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """Prefill ``idx`` (B, T) into a fresh cache, then decode ``max_new_tokens`` one at a time from the cache.
-
-        ``temperature=0`` is greedy. Returns ``(B, T + max_new_tokens)``.
+        """Prefill ``idx`` (B, T) into a fresh cache, then decode ``max_new_tokens`` one at a time from the cache
+        (:func:`models.generate.generate_tokens`). ``temperature=0`` is greedy. Returns ``(B, T + max_new_tokens)``.
         """
+        check_sampling(max_new_tokens, temperature, top_k)
+        check_prompt(idx, self.cfg.vocab_size)
         b, t = idx.shape
         if t > self.cfg.block_size:
             raise ValueError(f"prompt of {t} tokens is longer than block_size={self.cfg.block_size}")
         if t + max_new_tokens > self.cfg.block_size:
             raise ValueError(f"prompt ({t}) + max_new_tokens ({max_new_tokens}) exceeds block_size="
                              f"{self.cfg.block_size}")
-        if max_new_tokens <= 0:
-            return idx
-        cache = self.new_cache(b, capacity=t + max_new_tokens - 1)
-        logits = self(idx, cache=cache)[:, -1, :]  # (B, V)
-        out = [idx]
-        for step in range(max_new_tokens):
-            nxt = sample_next(logits, temperature, top_k, generator)  # (B, 1)
-            out.append(nxt)
-            if step + 1 < max_new_tokens:
-                logits = self(nxt, cache=cache)[:, -1, :]
-        return torch.cat(out, dim=1)
+        cache = self.new_cache(b, capacity=t + max(max_new_tokens, 1) - 1)
+        return generate_tokens(lambda ids, c: self(ids, cache=c), cache, idx, max_new_tokens, temperature, top_k,
+                               generator)
 
     # ------------------------------------------------------------------------------------------- HF import
     @classmethod
@@ -183,18 +181,6 @@ class GPT(nn.Module):
         model = cls(cfg)
         model.load_state_dict(_hf_gpt2_to_ours(sd, model.state_dict()))
         return model
-
-
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
-                generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Next tokens ``(B, 1)`` from last-position logits ``(B, V)``; ``temperature=0`` → argmax."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-        logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
 
 
 _HF_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

@@ -9,7 +9,8 @@ import pytest
 import torch
 import transformers
 
-from kvsplice.lowrank.apply import CoefficientDecoder, apply_bases, generate, perplexity, sequence_nll
+from kvsplice.decode import perplexity, sequence_nll
+from kvsplice.lowrank.method import CoefficientDecoder, apply_bases
 from kvsplice.lowrank.bases import BasesMismatchError, HeadBases, KVBases
 from models.cache import KVCache
 from kvsplice.lowrank.cache import CoefficientCache
@@ -143,9 +144,9 @@ def test_generate_and_perplexity_full_rank_match_full_cache():
     dec_full = apply_bases(model)
     dec_id = apply_bases(model, full_rank_bases("oblique", 2, 4, 8))
     prompt = torch.randint(0, V, (B, 4), generator=torch.Generator().manual_seed(2))
-    out = generate(dec_id, prompt, max_new_tokens=8)
+    out = dec_id.generate(prompt, max_new_tokens=8)
     assert out.shape == (B, 12)
-    assert torch.equal(out, generate(dec_full, prompt, max_new_tokens=8))
+    assert torch.equal(out, dec_full.generate(prompt, max_new_tokens=8))
     assert torch.equal(out, model.generate(prompt, max_new_tokens=8, temperature=0))
     ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(3))
     logits = reference_logits(model, ids)
@@ -337,12 +338,12 @@ def test_stories260k_full_rank_kq_greedy_equals_hf_generate():
     model.eval()
     bos = torch.tensor([[1]])
     want = model.generate(bos, max_new_tokens=24, do_sample=False)
-    calib = generate(CoefficientDecoder(model), torch.ones(2, 1, dtype=torch.long), 63, temperature=1.0,
+    calib = CoefficientDecoder(model).generate(torch.ones(2, 1, dtype=torch.long), 63, temperature=1.0,
                      generator=torch.Generator().manual_seed(0))
     for rope in ("post", "pre"):
         stats = calibrate.calibrate(model, [calib], rope=rope, progress=False)
         d = stats.head_dim
-        assert torch.equal(generate(CoefficientDecoder(model, fits.fit_bases(stats, "kq", rank=d)), bos, 24), want)
+        assert torch.equal(CoefficientDecoder(model, fits.fit_bases(stats, "kq", rank=d)).generate(bos, 24), want)
         low = CoefficientDecoder(model, fits.fit_bases(stats, "kq", rank=d // 2))
         cache = low.new_cache(1)
         assert torch.isfinite(low(want, cache)).all()

@@ -34,9 +34,9 @@ VAL_TXT = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.tx
 
 
 def gram(x: torch.Tensor) -> torch.Tensor:
-    """(B, T, H, d) → (H, d, d) float64 Σ_t x xᵀ."""
-    x = x.double().reshape(-1, x.shape[-2], x.shape[-1])
-    return torch.einsum("nhd,nhe->hde", x, x)
+    """(B, H, T, d) → (H, d, d) float64 Σ_t x xᵀ."""
+    x = x.double()
+    return torch.einsum("bhtd,bhte->hde", x, x)
 
 
 def all_hooks(model: torch.nn.Module) -> list:
@@ -80,11 +80,11 @@ def llama_manual(model, ids: torch.Tensor, rope: bool) -> list[dict[str, torch.T
             b, t, _ = h.shape
             q = a.q_proj(h).view(b, t, -1, 8).transpose(1, 2)  # (B, H, T, d)
             k = a.k_proj(h).view(b, t, -1, 8).transpose(1, 2)
-            v = a.v_proj(h).view(b, t, -1, 8)
+            v = a.v_proj(h).view(b, t, -1, 8).transpose(1, 2)
             if rope:
                 cos, sin = base.rotary_emb(h, pos)
                 q, k = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
-            res.append({"q": q.transpose(1, 2), "k": k.transpose(1, 2), "v": v})
+            res.append({"q": q, "k": k, "v": v})  # (B, H, T, d): the attention layout
     return res
 
 
@@ -110,7 +110,7 @@ def test_llama_grams_match_explicit_kqv(llama, batches, rope):
         for b in batches:
             m = llama_manual(llama, b, rope=rope == "post")[l]
             kk, qq, vv = kk + gram(m["k"]), qq + gram(m["q"]), vv + gram(m["v"])
-            qs = qs + gram(m["q"].reshape(*m["q"].shape[:2], 2, 2, 8).sum(3))  # heads (0,1) → kv 0, (2,3) → kv 1
+            qs = qs + gram(m["q"].reshape(m["q"].shape[0], 2, 2, -1, 8).sum(2))  # heads (0,1) → kv 0, (2,3) → kv 1
         for name, want in (("kk", kk), ("qq", qq), ("vv", vv), ("qsum", qs)):
             torch.testing.assert_close(getattr(stats, name)[l], want, rtol=1e-6, atol=1e-8, msg=name)
         wo = llama.model.layers[l].self_attn.o_proj.weight.double()
@@ -130,15 +130,15 @@ def test_llama_post_rope_keys_reproduce_the_models_attention(llama, batches):
     t = ids.shape[1]
     mask = torch.ones(t, t, dtype=torch.bool).tril()
     for l in range(2):
-        q, k = qkv[l]["q"], qkv[l]["k"]  # (B, T, H, d)
-        k = k.repeat_interleave(2, dim=2)  # query head h reads KV head h // 2
-        s = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(8)
+        q, k = qkv[l]["q"], qkv[l]["k"]  # (B, H, T, d)
+        k = k.repeat_interleave(2, dim=1)  # query head h reads KV head h // 2
+        s = torch.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(8)
         p = s.masked_fill(~mask, float("-inf")).softmax(-1)
         torch.testing.assert_close(p, att[l], rtol=1e-5, atol=1e-6)
     # pre-RoPE keys, rotated by hand, are the post-RoPE keys; the Grams of the two modes differ
     pre = extract_qkv(llama, ids, rope="pre")
     cos, sin = llama.model.rotary_emb(pre[0]["k"], torch.arange(t)[None])
-    _, k_rot = modeling_llama.apply_rotary_pos_emb(pre[0]["q"], pre[0]["k"], cos, sin, unsqueeze_dim=2)
+    _, k_rot = modeling_llama.apply_rotary_pos_emb(pre[0]["q"], pre[0]["k"], cos, sin)
     torch.testing.assert_close(k_rot, qkv[0]["k"], rtol=1e-5, atol=1e-6)
     assert not torch.allclose(pre[0]["k"], qkv[0]["k"], atol=1e-3)
     torch.testing.assert_close(pre[0]["v"], qkv[0]["v"])
@@ -170,7 +170,7 @@ def test_gpt_mha_grams_match_explicit_kqv(gpt, batches):
             for l, block in enumerate(tr.h):
                 q, k, v = block.attn.c_attn(block.ln_1(x)).split(16, dim=-1)
                 for n, z in (("q", q), ("k", k), ("v", v)):
-                    want[n][l] += gram(z.view(*z.shape[:2], 2, 8))
+                    want[n][l] += gram(z.view(*z.shape[:2], 2, 8).transpose(1, 2))  # (B, H, T, d)
                 x = block(x)
     torch.testing.assert_close(stats.kk, want["k"], rtol=1e-6, atol=1e-8)
     torch.testing.assert_close(stats.qq, want["q"], rtol=1e-6, atol=1e-8)

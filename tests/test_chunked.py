@@ -8,6 +8,7 @@ import torch
 
 from kvsplice.online.bounds import attention_error_report
 from kvsplice.online.chunked import ChunkedCache
+from kvsplice.online.attention import chunked_attention
 from kvsplice.report.memory import measure_cache
 from models.attention import attend, causal_mask
 
@@ -31,14 +32,14 @@ def low_rank_stream(t: int, d: int, rank: int, noise: float, seed: int, drift: b
 
 
 def run(cache, k, v, q, sizes=SIZES, scale=0.4, reference="raw"):
-    """Append ``k, v`` in ``sizes`` steps; after each compare attend_chunked with attend() over raw or K̂/V̂."""
+    """Append ``k, v`` in ``sizes`` steps; after each compare chunked_attention with attend() over raw or K̂/V̂."""
     start, worst = 0, 0.0
     for n in sizes:
         cache.append(0, k=k[:, :, start : start + n], v=v[:, :, start : start + n])
         start += n
         assert cache.seq_len == start
         qs = q[:, :, start - n : start]
-        out = cache.attend_chunked(0, qs, scale)
+        out = chunked_attention(cache, 0, qs, scale)
         if reference == "raw":
             ref = attend(qs.double(), k[:, :, :start].double(), v[:, :, :start].double(), scale=scale)
         else:
@@ -208,7 +209,7 @@ def test_given_shared_value_basis_and_low_precision():
         c16 = ChunkedCache(1, HKV, D, B, dtype=dtype, **kw)
         worst = run(c16, k.to(dtype), v.to(dtype), q.to(dtype), reference="reconstruction")
         assert worst <= tol
-        o16 = c16.attend_chunked(0, q[:, :, -3:].to(dtype), 0.4)
+        o16 = chunked_attention(c16, 0, q[:, :, -3:].to(dtype), 0.4)
         assert torch.isfinite(o16).all()
 
 
@@ -225,7 +226,7 @@ def test_errors_match_bounds_on_the_cache():
     assert (rep["logit_err"] <= rep["logit_bound"] + 1e-6).all()
     assert (rep["softmax_l1"] <= rep["softmax_bound"] + 1e-6).all()
     assert (rep["output_err"] <= rep["output_bound"] + 1e-6).all()
-    out = cache.attend_chunked(0, q, 0.4).double()
+    out = chunked_attention(cache, 0, q, 0.4).double()
     exact = attend(q.double(), k.double(), v.double(), scale=0.4)
     assert ((out - exact).norm(dim=-1).view(B, HKV, g * 5) <= rep["output_bound"] + 1e-5).all()
 
@@ -240,7 +241,7 @@ def test_bad_shapes():
         ChunkedCache(1, HKV, D, B, rank_k=D + 1)
     cache.append(0, k=torch.zeros(B, HKV, 2, D), v=torch.zeros(B, HKV, 2, D))
     with pytest.raises(ValueError):
-        cache.attend_chunked(0, torch.zeros(B, HQ, 3, D), 1.0)  # more queries than cached tokens
+        chunked_attention(cache, 0, torch.zeros(B, HQ, 3, D), 1.0)  # more queries than cached tokens
     assert cache.seq_len == 0 and cache.layer_len(0) == 2  # layer 1 is still empty
     assert math.isfinite(cache.elements_per_token())
 
@@ -304,7 +305,7 @@ def run_from(cache, k, v, q, start, sizes, reference):
         cache.append(0, k=k[:, :, start : start + n], v=v[:, :, start : start + n])
         start += n
         qs = q[:, :, start - n : start]
-        out = cache.attend_chunked(0, qs, 0.4).double()
+        out = chunked_attention(cache, 0, qs, 0.4).double()
         kk, vv = (k[:, :, :start], v[:, :, :start]) if reference == "raw" else cache.reconstruct(0)
         worst = max(worst, (out - attend(qs.double(), kk.double(), vv.double(), scale=0.4)).abs().max().item())
     return worst

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvsplice import bench_decode, verify_memory
+from kvsplice.io import configs as io_configs
 from kvsplice.report.memory import cache_bytes_formula, mha_cache_bytes, sequences_in_budget
 from kvsplice.report.plots import plot_quality_vs_cache, plot_val_loss, read_metric_csv
 from models import GPT, GPTConfig
@@ -83,14 +84,14 @@ def test_memory_helpers():
 
 # ------------------------------------------------------------------------------------------ verify_memory
 def test_config_from_yaml_ignores_non_model_keys(tmp_path):
-    cfg = verify_memory.config_from_yaml(write_tiny(tmp_path, "a", ratio=0.25))
+    cfg = io_configs.config_from_yaml(write_tiny(tmp_path, "a", ratio=0.25))
     assert (cfg.n_layer, cfg.d_model, cfg.kvsplice_ratio, cfg.vocab_size) == (2, 32, 0.25, 50304)
     p = tmp_path / "b.yaml"  # LightningCLI class_path / init_args form
     p.write_text("model:\n  class_path: models.lit.LitGPT\n  init_args:\n    n_layer: 3\n    attention: mla\n"
                  "    lr: 0.1\noptimizer:\n  lr: 1\n")
-    cfg = verify_memory.config_from_yaml(p)
+    cfg = io_configs.config_from_yaml(p)
     assert (cfg.n_layer, cfg.attention) == (3, "mla")
-    assert verify_memory.resolve_config("mla_kvsplice_90")[1].cache_dim == 26
+    assert io_configs.resolve_config("mla_kvsplice_90")[1].cache_dim == 26
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])

@@ -1,4 +1,4 @@
-"""Online frequent-directions decoding (kvsplice.online.decoder): with τ = 0 and full rank it reproduces HF Llama (GQA +
+"""Online frequent-directions decoding (kvsplice.online.method): with τ = 0 and full rank it reproduces HF Llama (GQA +
 RoPE), HF GPT-2 and our MHA GPT; at low rank the §3.5 bounds hold on every layer — for online decoding (in-run and
 teacher-forced) and for global bases — on tiny random models, a tiny *trained* GPT and the real stories260K."""
 
@@ -12,13 +12,14 @@ import pytest
 import torch
 import transformers
 
-from kvsplice.lowrank.apply import CoefficientDecoder
+from kvsplice.lowrank.method import CoefficientDecoder
 from kvsplice.lowrank.bases import HeadBases, KVBases
 from kvsplice.lowrank.calibrate import calibrate, extract_qkv
 from kvsplice.online.chunked import ChunkedCache
 from kvsplice.lowrank.fits import fit_bases
-from kvsplice.online.decoder import (OnlineDecoder, attention_diagnostics, bases_diagnostics, calibrate_thresholds,
-                             format_diagnostics, online_qkv_diagnostics)
+from kvsplice.online.diagnostics import (attention_diagnostics, bases_diagnostics, format_diagnostics,
+                                         online_qkv_diagnostics)
+from kvsplice.online.method import OnlineDecoder, calibrate_thresholds
 from models import GPT, GPTConfig
 
 V, T = 61, 24
@@ -184,8 +185,8 @@ def test_bases_diagnostics_conventions(models):
         assert d["logit_err"] < 1e-9 and d["output_err"] < 1e-9
     bases = _oblique_bases(2, 2, 8, 3, "post")
     diag = bases_diagnostics(model, bases, ids)
-    x = extract_qkv(model, ids)[0]  # (B, T, H, d), post-RoPE
-    q, k = x["q"][0].double(), x["k"][0].double()  # (T, Hq, d), (T, Hkv, d)
+    x = extract_qkv(model, ids)[0]  # (B, H, T, d), post-RoPE
+    q, k = x["q"][0].transpose(0, 1).double(), x["k"][0].transpose(0, 1).double()  # (T, Hq, d), (T, Hkv, d)
     scale = model.model.layers[0].self_attn.scaling
     worst = 0.0
     for h in range(4):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvsplice.report.memory import measure_cache
-from kvsplice.select.cache import SubsetCache, run_with_token_selection, weighted_attend
+from kvsplice.select.cache import SubsetCache, weighted_attend
+from kvsplice.select.method import run_token_selection
 from kvsplice.select.selectors import BalanceKVSelector, StreamingLLMSelector, UniformSelector
 from models import GPT, GPTConfig
 from models.attention import attend
@@ -118,7 +119,7 @@ def test_full_budget_reproduces_the_model_for_every_selector():
         full = model(idx)
     p = 24
     for sel in selectors():
-        res = run_with_token_selection(model, idx, sel, budget=p, prompt_len=p, return_logits=True)
+        res = run_token_selection(model, idx, sel, budget=p, prompt_len=p, return_logits=True)
         torch.testing.assert_close(res.logits, full[:, p - 1:-1], atol=1e-5, rtol=0)
         nll = torch.nn.functional.cross_entropy(full[:, p - 1:-1].reshape(-1, 61), idx[:, p:].reshape(-1))
         assert abs(res.nll - nll.item()) < 1e-5 and res.n_scored == 2 * (40 - p)
@@ -132,10 +133,10 @@ def test_compressed_decode_runs_end_to_end_and_chunking_is_exact():
     p, budget = 32, 12
     for sel in selectors():
         sel.reseed(0)
-        whole = run_with_token_selection(model, idx, sel, budget=budget, prompt_len=p, return_logits=True)
+        whole = run_token_selection(model, idx, sel, budget=budget, prompt_len=p, return_logits=True)
         sel.reseed(0)
-        steps = run_with_token_selection(model, idx, sel, budget=budget, prompt_len=p, return_logits=True,
-                                         decode_chunk=1)
+        steps = run_token_selection(model, idx, sel, budget=budget, prompt_len=p, return_logits=True,
+                                    decode_chunk=1)
         assert math.isfinite(whole.ppl) and whole.n_keep == budget
         torch.testing.assert_close(whole.logits, steps.logits, atol=1e-5, rtol=0)
         # the first continuation token comes from the exact prefill
@@ -145,5 +146,5 @@ def test_compressed_decode_runs_end_to_end_and_chunking_is_exact():
         assert whole.cache.seq_len == held
         assert whole.cache_nbytes == SubsetCache.bytes_formula(2, 2, 2, 8, 8, held) < whole.full_nbytes
     with pytest.raises(ValueError, match="MHA"):
-        run_with_token_selection(GPT(GPTConfig(vocab_size=61, n_layer=1, n_head=2, d_model=16, block_size=64,
-                                               attention="mla", d_latent=8)), idx, selectors()[0], budget)
+        run_token_selection(GPT(GPTConfig(vocab_size=61, n_layer=1, n_head=2, d_model=16, block_size=64,
+                                          attention="mla", d_latent=8)), idx, selectors()[0], budget)

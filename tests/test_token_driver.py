@@ -9,8 +9,9 @@ import torch
 import transformers
 
 from kvsplice.report.memory import measure_cache
-from kvsplice.select.cache import SubsetCache, run_with_token_selection
-from kvsplice.select.driver import TokenSelectionDecoder, run_token_selection
+from kvsplice.select.cache import SubsetCache
+from kvsplice.select.method import TokenSelectionDecoder, run_token_selection
+from reference_token_selection import run_with_token_selection
 from kvsplice.select.selectors import BalanceKVSelector, StreamingLLMSelector, UniformSelector
 from models import GPT, GPTConfig
 

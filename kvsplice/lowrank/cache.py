@@ -41,7 +41,7 @@ class CoefficientCache(DecodeCache):
     """Key/value coefficients per layer and KV head; see the module docstring for the stream layout.
 
     ``ranks_k[l][j]`` / ``ranks_v[l][j]``: the ranks of KV head ``j`` of layer ``l``. Build it from bases with
-    :meth:`from_bases`; the decoder (:class:`kvsplice.lowrank.apply.CoefficientDecoder`) fills it with
+    :meth:`from_bases`; the decoder (:class:`kvsplice.lowrank.method.CoefficientDecoder`) fills it with
     :meth:`append_coeffs`.
     """
 

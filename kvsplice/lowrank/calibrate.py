@@ -29,17 +29,18 @@ Supported models: ``transformers`` ``LlamaForCausalLM`` / ``LlamaModel`` (GQA + 
 
 from __future__ import annotations
 
-import hashlib
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, Optional
 
 import torch
 from torch import nn
 
+from kvsplice.adapters import FamilyAdapter, ModelInfo, adapter_for, model_fingerprint, model_info
+from kvsplice.adapters.base import Sink
+
 RopeMode = Literal["post", "pre", "none"]
-FAMILIES = ("llama", "gpt2", "gpt")
 STATS_FORMAT_VERSION = 1
 
 __all__ = [
@@ -54,143 +55,13 @@ __all__ = [
 ]
 
 
-# ------------------------------------------------------------------------------------------------- model info
-@dataclass(frozen=True)
-class ModelInfo:
-    """Attention shapes of a supported model. ``family`` is ``llama`` (HF), ``gpt2`` (HF) or ``gpt`` (ours)."""
-
-    family: str
-    n_layer: int
-    n_head: int
-    n_kv_head: int
-    head_dim: int
-    d_model: int
-    has_rope: bool
-
-    @property
-    def group_size(self) -> int:
-        return self.n_head // self.n_kv_head
-
-
-def _unsupported(model: Any, why: str = "") -> ValueError:
-    name = type(model).__name__
-    mt = getattr(getattr(model, "config", None), "model_type", None)
-    return ValueError(
-        f"unsupported model {name}{f' (model_type={mt!r})' if mt else ''}{': ' + why if why else ''}; calibration "
-        f"supports transformers LlamaForCausalLM/LlamaModel, GPT2LMHeadModel/GPT2Model and models.GPT with "
-        f"attention='mha'")
-
-
-def _family(model: Any) -> str:
-    cfg = getattr(model, "config", None)
-    mt = getattr(cfg, "model_type", None)
-    if mt == "llama" and (hasattr(model, "layers") or hasattr(getattr(model, "model", None), "layers")):
-        return "llama"
-    if mt == "gpt2" and (hasattr(model, "h") or hasattr(getattr(model, "transformer", None), "h")):
-        return "gpt2"
-    ours = getattr(model, "cfg", None)
-    if ours is not None and type(ours).__name__ == "GPTConfig" and hasattr(model, "transformer"):
-        if ours.attention != "mha":
-            raise _unsupported(model, f"attention={ours.attention!r} (MLA already caches a shared latent; "
-                                      f"post-training bases need attention='mha')")
-        return "gpt"
-    raise _unsupported(model)
-
-
-def _llama_base(model: nn.Module) -> nn.Module:
-    return model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
-
-
-def _gpt2_base(model: nn.Module) -> nn.Module:
-    return model.transformer if hasattr(model, "transformer") else model
-
-
-def model_info(model: nn.Module) -> ModelInfo:
-    """Family and attention shapes of ``model`` (raises ``ValueError`` for unsupported models)."""
-    family = _family(model)
-    if family == "llama":
-        c = model.config
-        n_head = c.num_attention_heads
-        n_kv = getattr(c, "num_key_value_heads", None) or n_head
-        hd = getattr(c, "head_dim", None) or c.hidden_size // n_head
-        return ModelInfo("llama", c.num_hidden_layers, n_head, n_kv, hd, c.hidden_size, True)
-    if family == "gpt2":
-        c = model.config
-        if getattr(c, "add_cross_attention", False):
-            raise _unsupported(model, "cross-attention GPT-2")
-        return ModelInfo("gpt2", c.n_layer, c.n_head, c.n_head, c.n_embd // c.n_head, c.n_embd, False)
-    c = model.cfg
-    return ModelInfo("gpt", c.n_layer, c.n_head, c.n_head, c.head_size, c.d_model, False)
-
-
-def _attn_weights(model: nn.Module, info: ModelInfo) -> list[dict[str, torch.Tensor]]:
-    """Per layer the q/k/v/o projection weights in ``nn.Linear`` layout ``(out, in)`` (for the fingerprint)."""
-    out = []
-    if info.family == "llama":
-        for layer in _llama_base(model).layers:
-            a = layer.self_attn
-            out.append({"q": a.q_proj.weight, "k": a.k_proj.weight, "v": a.v_proj.weight, "o": a.o_proj.weight})
-    elif info.family == "gpt2":
-        for block in _gpt2_base(model).h:
-            w = block.attn.c_attn.weight.T  # Conv1D stores (in, out)
-            q, k, v = w.split(info.d_model, dim=0)
-            out.append({"q": q, "k": k, "v": v, "o": block.attn.c_proj.weight.T})
-    else:
-        for block in model.transformer.h:
-            q, k, v = block.attn.c_attn.weight.split(info.d_model, dim=0)
-            out.append({"q": q, "k": k, "v": v, "o": block.attn.c_proj.weight})
-    return out
-
-
-def _output_slices(model: nn.Module, info: ModelInfo) -> torch.Tensor:
+def _output_slices(adapter: FamilyAdapter) -> torch.Tensor:
     """``(L, Hq, d_model, d)`` float64: ``W_O[:, h·d:(h+1)·d]`` per layer and query head."""
-    d = info.head_dim
     slices = []
-    for w in _attn_weights(model, info):
-        wo = w["o"].detach().to("cpu", torch.float64)  # (d_model, Hq·d)
-        slices.append(wo.view(wo.shape[0], info.n_head, d).permute(1, 0, 2).contiguous())  # (Hq, d_model, d)
-    return torch.stack(slices)
-
-
-_ARCH_KEYS = ("vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_layer", "num_attention_heads",
-              "n_head", "num_key_value_heads", "head_dim", "max_position_embeddings", "n_positions",
-              "rope_parameters", "rope_theta", "rope_scaling", "attention_bias", "partial_rotary_factor")
-
-
-def _sample_bytes(t: torch.Tensor, n: int = 1024) -> bytes:
-    flat = t.detach().reshape(-1)
-    step = max(1, flat.numel() // n)
-    # float16 bytes: the same weights cast to fp16 (e.g. for GPU inference) keep their fingerprint
-    return flat[::step][:n].to("cpu", torch.float16).numpy().tobytes()
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """A short hash identifying ``model``'s architecture and weights, stored in the bases metadata.
-
-    Hashes the family, the attention shapes, the architecture/RoPE config fields, and strided samples (≤1024
-    values) of the token embedding and every layer's q/k/v/o weights rounded to float16 — so a float32 model and
-    its float16 cast share a fingerprint, while a different checkpoint (or different RoPE settings) does not.
-    """
-    info = model_info(model)
-    arch: dict[str, Any] = {f.name: getattr(info, f.name) for f in fields(info)}
-    if info.family in ("llama", "gpt2"):
-        cfg = model.config.to_dict()
-        arch.update({k: cfg[k] for k in _ARCH_KEYS if k in cfg})
-    else:
-        cfg = model.cfg.to_dict()
-        arch.update({k: v for k, v in cfg.items() if k not in ("attn_backend", "mla_impl", "dropout")})
-    h = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode())
-    if info.family == "llama":
-        emb = _llama_base(model).embed_tokens.weight
-    elif info.family == "gpt2":
-        emb = _gpt2_base(model).wte.weight
-    else:
-        emb = model.transformer.wte.weight
-    h.update(_sample_bytes(emb))
-    for layer in _attn_weights(model, info):
-        for name in ("q", "k", "v", "o"):
-            h.update(_sample_bytes(layer[name]))
-    return f"{info.family}-{h.hexdigest()[:16]}"
+    for layer in range(adapter.n_layer):
+        wo = adapter.proj(layer).wo.detach().to("cpu", torch.float64)  # (d_model, Hq·d)
+        slices.append(wo.view(wo.shape[0], adapter.n_head, adapter.head_dim).permute(1, 0, 2).contiguous())
+    return torch.stack(slices)  # (L, Hq, d_model, d)
 
 
 # ------------------------------------------------------------------------------------------------- the stats
@@ -307,55 +178,6 @@ class CalibrationStats:
 
 
 # ------------------------------------------------------------------------------------------------- hooks
-Sink = Callable[[int, str, torch.Tensor], None]
-"""``sink(layer, kind, x)`` with kind ``q`` (x ``(B, T, Hq, d)``), ``k`` or ``v`` (``(B, T, Hkv, d)``)."""
-
-
-def _attach_llama(model: nn.Module, info: ModelInfo, rope: RopeMode, sink: Sink) -> list:
-    from transformers.models.llama import modeling_llama
-
-    handles, pos_emb = [], {}
-    d = info.head_dim
-    for i, layer in enumerate(_llama_base(model).layers):
-        attn = layer.self_attn
-
-        def pre(mod, args, kwargs, i=i):
-            pe = kwargs.get("position_embeddings")
-            if pe is None and len(args) > 1:
-                pe = args[1]
-            pos_emb[i] = pe
-
-        def tap(kind, i=i):
-            def hook(mod, inp, out):
-                x = out.view(*out.shape[:-1], -1, d)  # (B, T, H, d)
-                if rope == "post" and kind in ("q", "k"):
-                    if pos_emb.get(i) is None:
-                        raise RuntimeError("post-RoPE calibration needs the position embeddings passed to "
-                                           "self_attn; this transformers version does not pass them")
-                    cos, sin = pos_emb[i]  # (B, T, d)
-                    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (B, T, 1, d)
-                    # HF's apply_rotary_pos_emb, for one tensor (it rotates q and k the same way)
-                    x = x * cos + modeling_llama.rotate_half(x) * sin
-                sink(i, kind, x)
-            return hook
-
-        handles.append(attn.register_forward_pre_hook(pre, with_kwargs=True))
-        handles += [attn.q_proj.register_forward_hook(tap("q")), attn.k_proj.register_forward_hook(tap("k")),
-                    attn.v_proj.register_forward_hook(tap("v"))]
-    return handles
-
-
-def _attach_fused(blocks: Iterable[nn.Module], info: ModelInfo, sink: Sink) -> list:
-    handles = []
-    for i, block in enumerate(blocks):
-        def hook(mod, inp, out, i=i):
-            q, k, v = out.split(info.d_model, dim=-1)  # 3 × (B, T, d_model)
-            for kind, x in (("q", q), ("k", k), ("v", v)):
-                sink(i, kind, x.reshape(*x.shape[:-1], -1, info.head_dim))
-        handles.append(block.attn.c_attn.register_forward_hook(hook))
-    return handles
-
-
 def _resolve_rope(info: ModelInfo, rope: Optional[str]) -> RopeMode:
     if not info.has_rope:
         return "none"  # no rotary embedding: pre == post
@@ -365,22 +187,13 @@ def _resolve_rope(info: ModelInfo, rope: Optional[str]) -> RopeMode:
     return rope  # type: ignore[return-value]
 
 
-def _run(model: nn.Module, info: ModelInfo, rope: RopeMode, sink: Sink, batches: Iterable[torch.Tensor],
+def _run(model: nn.Module, adapter: FamilyAdapter, rope: RopeMode, sink: Sink, batches: Iterable[torch.Tensor],
          progress: bool, total: Optional[int], desc: str) -> int:
-    """Forward every batch with the hooks attached; returns the number of tokens seen."""
+    """Forward every batch with the adapter's q/k/v hooks attached; returns the number of tokens seen."""
     from tqdm.auto import tqdm
 
-    if info.family == "llama":
-        handles = _attach_llama(model, info, rope, sink)
-        base = _llama_base(model)
-        fwd = lambda x: base(input_ids=x, use_cache=False)  # noqa: E731  (no lm_head)
-    elif info.family == "gpt2":
-        base = _gpt2_base(model)
-        handles = _attach_fused(base.h, info, sink)
-        fwd = lambda x: base(input_ids=x, use_cache=False)  # noqa: E731
-    else:
-        handles = _attach_fused(model.transformer.h, info, sink)
-        fwd = model
+    handles = adapter.attach_qkv_hooks(sink, rope)
+    fwd = adapter.base_forward  # the model's own forward (no LM head for HF models)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -414,14 +227,16 @@ def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], *, rope: Option
     Each batch is run as full sequences at positions ``0..T-1`` (no padding). The model is put in eval mode for
     the pass (and restored), runs under ``torch.no_grad()``, and every hook is removed afterwards.
     """
-    info = model_info(model)
+    adapter = adapter_for(model)
+    adapter.require_projections()
+    info = adapter.info()
     rope_mode = _resolve_rope(info, rope)
-    stats = CalibrationStats.zeros(info, rope_mode, _output_slices(model, info), model_fingerprint(model))
+    stats = CalibrationStats.zeros(info, rope_mode, _output_slices(adapter), model_fingerprint(model))
     g = info.group_size
 
     def gram_into(acc: torch.Tensor, x: torch.Tensor) -> None:
-        # acc (H, d, d) += Σ_t x_t x_tᵀ for x (B, T, H, d)
-        x = x.detach().to(torch.float64).reshape(-1, x.shape[-2], x.shape[-1]).transpose(0, 1)  # (H, N, d)
+        # acc (H, d, d) += Σ_t x_t x_tᵀ for x (B, H, T, d)
+        x = x.detach().to(torch.float64).transpose(0, 1).reshape(x.shape[1], -1, x.shape[-1])  # (H, B·T, d)
         acc += (x.transpose(1, 2) @ x).cpu()
 
     def sink(layer: int, kind: str, x: torch.Tensor) -> None:
@@ -431,26 +246,30 @@ def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], *, rope: Option
             gram_into(stats.vv[layer], x)
         else:
             gram_into(stats.qq[layer], x)
-            xs = x.reshape(*x.shape[:-2], info.n_kv_head, g, info.head_dim).sum(-2) if g > 1 else x
+            b, _, n, d = x.shape  # (B, Hq, T, d): query heads of a KV head are contiguous
+            xs = x.reshape(b, info.n_kv_head, g, n, d).sum(2) if g > 1 else x  # (B, Hkv, T, d)
             gram_into(stats.qsum[layer], xs)
 
-    stats.n_tokens = _run(model, info, rope_mode, sink, batches, progress, total, desc=f"calibrate ({rope_mode})")
+    stats.n_tokens = _run(model, adapter, rope_mode, sink, batches, progress, total,
+                          desc=f"calibrate ({rope_mode})")
     return stats
 
 
 def extract_qkv(model: nn.Module, input_ids: torch.Tensor, *, rope: Optional[RopeMode] = None
                 ) -> list[dict[str, torch.Tensor]]:
-    """The per-layer queries, keys and values the calibration hooks see for one batch ``input_ids (B, T)``:
-    ``[{"q": (B, T, Hq, d), "k": (B, T, Hkv, d), "v": (B, T, Hkv, d)}, ...]`` (for tests and evaluation on
-    held-out text; this keeps activations, :func:`calibrate` does not)."""
-    info = model_info(model)
+    """The per-layer queries, keys and values the calibration hooks see for one batch ``input_ids (B, T)``, in the
+    attention layout: ``[{"q": (B, Hq, T, d), "k": (B, Hkv, T, d), "v": (B, Hkv, T, d)}, ...]`` (for tests and
+    evaluation on held-out text; this keeps activations, :func:`calibrate` does not)."""
+    adapter = adapter_for(model)
+    adapter.require_projections()
+    info = adapter.info()
     rope_mode = _resolve_rope(info, rope)
     out: list[dict[str, torch.Tensor]] = [{} for _ in range(info.n_layer)]
 
     def sink(layer: int, kind: str, x: torch.Tensor) -> None:
         out[layer][kind] = x.detach().clone()
 
-    _run(model, info, rope_mode, sink, [input_ids], progress=False, total=1, desc="extract")
+    _run(model, adapter, rope_mode, sink, [input_ids], progress=False, total=1, desc="extract")
     return out
 
 

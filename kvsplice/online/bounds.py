@@ -100,6 +100,18 @@ def output_error_bound(softmax_l1: torch.Tensor | float, v_norm_max: torch.Tenso
     return torch.as_tensor(first + dv_max)
 
 
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float64 reference every error measurement compares against: ``logits = scale·q kᵀ`` (``-inf`` where
+    ``mask (Tq, T)`` is False), ``α = softmax(logits)``, ``o = α v``; ``q (..., Tq, d)``, ``k (..., T, d)``,
+    ``v (..., T, d_v)`` (broadcast over the leading dims) → ``(logits, α, o)``."""
+    logits = scale * q.double() @ k.double().transpose(-1, -2)  # (..., Tq, T)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, -math.inf)
+    alpha = torch.softmax(logits, -1)
+    return logits, alpha, alpha @ v.double()
+
+
 def attention_error_report(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_hat: torch.Tensor,
                            v_hat: torch.Tensor, scale: float, mask: Optional[torch.Tensor] = None) -> dict:
     """Observed errors and bounds for ``q (..., Tq, d)`` over ``k, k_hat (..., T, d)``, ``v, v_hat (..., T, d_v)``.
@@ -110,13 +122,8 @@ def attention_error_report(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     (2 tanh(δ/4) from the observed δ) and ``output_bound`` (from softmax_bound).
     """
     q, k, v, k_hat, v_hat = (x.double() for x in (q, k, v, k_hat, v_hat))
-    logits = scale * q @ k.transpose(-1, -2)
-    logits_hat = scale * q @ k_hat.transpose(-1, -2)
-    if mask is not None:
-        logits = logits.masked_fill(~mask, -math.inf)
-        logits_hat = logits_hat.masked_fill(~mask, -math.inf)
-    alpha, alpha_hat = torch.softmax(logits, -1), torch.softmax(logits_hat, -1)
-    out, out_hat = alpha @ v, alpha_hat @ v_hat
+    logits, alpha, out = reference_attention(q, k, v, scale, mask)
+    logits_hat, alpha_hat, out_hat = reference_attention(q, k_hat, v_hat, scale, mask)
     vis = torch.ones_like(logits, dtype=torch.bool) if mask is None else mask.expand_as(logits)
     rho_k = (k - k_hat).norm(dim=-1)[..., None, :].expand_as(logits)  # (..., Tq, T)
     rho_k = torch.where(vis, rho_k, torch.zeros_like(rho_k))

@@ -57,9 +57,8 @@ from typing import Iterator, Literal, Optional, Sequence
 
 import torch
 
-from kvsplice.online.blockwise import Chunk, blockwise_attention
-from models.cache import DecodeCache
 from kvsplice.online.fd import FrequentDirections
+from models.cache import Cache
 
 __all__ = ["ChunkedCache"]
 
@@ -164,12 +163,12 @@ def _with_token(basis: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, last[..., None]], -1).to(dt)
 
 
-class ChunkedCache(DecodeCache):
+class ChunkedCache(Cache):
     """Chunked low-rank K/V cache with online FD bases, in the shared cache interface; see the module docstring.
 
-    Shapes: ``append(layer, k=(B, Hkv, T_new, d), v=(B, Hkv, T_new, d_v))``; attention with
-    :meth:`attend_chunked` ``(layer, q (B, Hq, Tq, d), scale)`` after appending the queries' own tokens.
-    ``append`` returns an empty dict: the raw K/V are not kept (use :meth:`reconstruct` for the approximate ones).
+    Shapes: ``append(layer, k=(B, Hkv, T_new, d), v=(B, Hkv, T_new, d_v))`` (returns nothing: the raw K/V are not
+    kept; :meth:`reconstruct` gives the approximate ones). Attention over the chunks is
+    :func:`kvsplice.online.attention.chunked_attention`, which reads :meth:`streams`.
 
     Options (defaults in brackets): ``rank_k``, ``rank_v`` [rank_k]; ``ell`` FD sketch size [2·max rank];
     ``max_chunk_len`` L [256]; ``min_chunk_len`` [1 = off]; ``tau_k``, ``tau_v`` [None = no residual closes];
@@ -179,7 +178,7 @@ class ChunkedCache(DecodeCache):
     (the sketches are float32). Residual maxima are exact up to the rounding of the stored numbers.
     ``record_residuals`` [False]: log every token's criterion ``ρ_k``/``ρ_v`` (relative if ``relative``) against the
     bases of the chunk it is stored in (warm-up/identity chunks excluded; a chunk's first token against its fresh
-    bases), read with :meth:`recorded_residuals` (used by :func:`kvsplice.online.decoder.calibrate_thresholds`).
+    bases), read with :meth:`recorded_residuals` (used by :func:`kvsplice.online.method.calibrate_thresholds`).
     """
 
     kind = "chunked"
@@ -193,7 +192,10 @@ class ChunkedCache(DecodeCache):
                  fit_first_token: bool = False, granularity: Granularity = "head",
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  record_residuals: bool = False) -> None:
-        super().__init__([{} for _ in range(n_layer)], batch_size, dtype=dtype, device=device)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size, self.dtype = int(batch_size), dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.n_kv_head, self.head_size = int(n_kv_head), int(head_size)
         self.value_head_size = int(value_head_size or head_size)
         self.rank_k = int(rank_k)
@@ -239,6 +241,17 @@ class ChunkedCache(DecodeCache):
     @property
     def n_layer(self) -> int:
         return len(self.fd_k)
+
+    @property
+    def seq_len(self) -> int:
+        return min(self._lengths) if self._lengths else 0
+
+    @property
+    def position(self) -> int:
+        return self.seq_len  # every token is kept (in some chunk): the next position is the count
+
+    def layer_len(self, layer: int) -> int:
+        return self._lengths[layer]
 
     def _make_streams(self) -> list[_Stream]:
         if self.granularity == "layer":
@@ -415,7 +428,7 @@ class ChunkedCache(DecodeCache):
         s.closed[first : first + m] = [merged]
 
     # ------------------------------------------------------------------------------------------------ interface
-    def append(self, layer: int, **new: torch.Tensor) -> dict[str, torch.Tensor]:
+    def append(self, layer: int, **new: torch.Tensor) -> None:
         """Append ``k (B, Hkv, T_new, d)`` and ``v (B, Hkv, T_new, d_v)`` to ``layer`` by the online rule."""
         if set(new) != {"k", "v"}:
             raise KeyError(f"ChunkedCache.append takes k and v, got {sorted(new)}")
@@ -426,7 +439,6 @@ class ChunkedCache(DecodeCache):
         if tuple(v.shape) != (bsz, h, k.shape[2], self.value_head_size):
             raise ValueError(f"v must be ({bsz}, {h}, {k.shape[2]}, {self.value_head_size}), got {tuple(v.shape)}")
         self._ingest(layer, k, v)
-        return {}
 
     def _ingest(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         n, base = k.shape[2], self._lengths[layer]
@@ -459,34 +471,7 @@ class ChunkedCache(DecodeCache):
             self._push(s, kx, vx, cursor[i], n, layer)
         self._lengths[layer] = base + n
 
-    # ------------------------------------------------------------------------------------------------ attention
-    def attend_chunked(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """Causal attention of ``q (B, Hq, Tq, d)`` over every chunk of ``layer`` → ``(B, Hq, Tq, d_v)``.
-
-        The last ``Tq`` cached tokens are the queries' own (bottom-right alignment: query ``i`` sits at position
-        ``T − Tq + i``); query head ``h`` reads KV head ``h // (Hq // Hkv)``. Blockwise softmax in float32.
-        """
-        b, hq, tq, d = q.shape
-        h = self.n_kv_head
-        t = self._lengths[layer]
-        if b != self.batch_size or hq % h or d != self.head_size or not 1 <= tq <= t:
-            raise ValueError(f"attend_chunked: q {tuple(q.shape)} does not fit batch {self.batch_size}, {h} KV heads, "
-                             f"head size {self.head_size}, {t} cached tokens")
-        g = hq // h
-        q5 = q.reshape(b, h, g * tq, d)  # rows ordered (head in group, query), as in attend()
-        q_pos = torch.arange(t - tq, t, device=q.device)
-        out = torch.empty(b, h, g * tq, self.value_head_size, dtype=q.dtype, device=q.device)
-        for s in self._streams[layer]:
-            chunks = []
-            for c in s.chunks():
-                mask = None
-                if c.start + c.n - 1 > t - tq:  # some key lies after the first query
-                    mask = (torch.arange(c.start, c.start + c.n, device=q.device)[None, :] <= q_pos[:, None])
-                    mask = mask.repeat(g, 1)  # (g*Tq, n)
-                chunks.append(Chunk(c.a, c.b, c.bk, c.be, mask))
-            out[s.sel] = blockwise_attention(q5[s.sel], chunks, scale=scale)
-        return out.reshape(b, hq, tq, self.value_head_size)
-
+    # ------------------------------------------------------------------------------------------------ reading
     def reconstruct(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The approximate ``K̂ (B, Hkv, T, d)``, ``V̂ (B, Hkv, T, d_v)`` in float32: ``a_t B_jᵀ``, ``b_t E_jᵀ``."""
         t = self._lengths[layer]
@@ -567,6 +552,6 @@ class ChunkedCache(DecodeCache):
         numel = sum(x.numel() for name, x in self._groups() if name.endswith("coefficients"))
         return numel / (t * self.batch_size)
 
-    def get(self, layer: int) -> dict[str, torch.Tensor]:
-        kh, vh = self.reconstruct(layer)
-        return {"k": kh, "v": vh}
+    def __repr__(self) -> str:
+        return (f"ChunkedCache(layers={self.n_layer}, batch={self.batch_size}, seq_len={self.seq_len}, "
+                f"rank_k={self.rank_k}, rank_v={self.rank_v}, nbytes={self.nbytes()})")

@@ -1,0 +1,184 @@
+"""What every compression method needs from a model, once: :class:`FamilyAdapter`.
+
+An adapter runs a supported model's own submodules (embeddings, norms, MLPs, rotary tables, LM head) so that a
+decoder can do the attention itself, layer by layer, and hands out each layer's attention projections in
+``nn.Linear`` layout. Tensors a method sees are in the attention layout ``(B, H, T, d)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_FAMILIES = ("transformers.GPT2LMHeadModel / GPT2Model (model_type 'gpt2')",
+                      "transformers.LlamaForCausalLM / LlamaModel (model_type 'llama')",
+                      "models.GPT (attention='mha' for post-training methods)")
+
+Sink = Callable[[int, str, torch.Tensor], None]
+"""``sink(layer, kind, x)`` with kind ``q`` (x ``(B, Hq, T, d)``), ``k`` or ``v`` (``(B, Hkv, T, d)``)."""
+
+
+def unsupported(model: object, why: str = "") -> ValueError:
+    """The one error for a model no adapter (or no post-training method) supports."""
+    name = type(model).__name__
+    mt = getattr(getattr(model, "config", None), "model_type", None)
+    return ValueError(f"unsupported model {name}{f' (model_type={mt!r})' if mt else ''} (unsupported model family"
+                      f"{': ' + why if why else ''}); supported: {', '.join(SUPPORTED_FAMILIES)}")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Attention shapes of a supported model. ``family`` is ``llama`` (HF), ``gpt2`` (HF) or ``gpt`` (ours)."""
+
+    family: str
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    d_model: int
+    has_rope: bool
+
+    @property
+    def group_size(self) -> int:
+        return self.n_head // self.n_kv_head
+
+
+@dataclass
+class Projections:
+    """A layer's attention projections in ``nn.Linear`` convention (``y = x Wᵀ + b``); views of the model's."""
+
+    wq: torch.Tensor  # (Hq·D, d_model)
+    bq: Optional[torch.Tensor]
+    wk: torch.Tensor  # (Hkv·D, d_model)
+    bk: Optional[torch.Tensor]
+    wv: torch.Tensor  # (Hkv·D, d_model)
+    bv: Optional[torch.Tensor]
+    wo: torch.Tensor  # (d_model, Hq·D)
+    bo: Optional[torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+def split_heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
+    """(B, T, H·D) → (B, H, T, D)."""
+    b, t, _ = x.shape
+    return x.view(b, t, n_head, -1).transpose(1, 2)  # (B, H, T, D)
+
+
+def merge_heads(z: torch.Tensor) -> torch.Tensor:
+    """(B, H, T, R) → (B, T, H·R), head-major."""
+    b, h, t, r = z.shape
+    return z.transpose(1, 2).reshape(b, t, h * r)  # (B, T, H·R)
+
+
+# ------------------------------------------------------------------------------------------------- RoPE
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[-x₂, x₁]`` of the two halves of the last dim (the Llama / GPT-NeoX rotary convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x (B, H, T, D)`` at the positions of ``cos, sin (1 or B, T, D)``."""
+    cos, sin = cos[:, None], sin[:, None]  # (·, 1, T, D): broadcast over heads
+    return x * cos + rotate_half(x) * sin
+
+
+# ---------------------------------------------------------------------------------------------- adapter
+class FamilyAdapter:
+    """Shapes, the non-attention submodules, projections and RoPE of one model family.
+
+    Decoding: ``embed`` → per layer ``attn_in`` → (the method's attention) → ``after_attn`` → ``head``.
+    Calibration: ``attach_qkv_hooks`` + ``base_forward`` (the model's own forward, no LM head).
+    """
+
+    name: str
+    has_rope: bool = False
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    d_model: int
+    max_positions: Optional[int] = None
+    model: nn.Module
+
+    # ------------------------------------------------------------------------------------------- shapes
+    def info(self) -> ModelInfo:
+        return ModelInfo(self.name, self.n_layer, self.n_head, self.n_kv_head, self.head_dim, self.d_model,
+                         self.has_rope)
+
+    def param(self) -> torch.Tensor:
+        """A parameter that tells the model's dtype and device (the token embedding)."""
+        raise NotImplementedError
+
+    def check_room(self, cache_batch: int, position: int, b: int, t: int) -> None:
+        """``b`` sequences of ``t`` new tokens may go into a cache for ``cache_batch`` sequences whose next
+        position is ``position``: same batch size, and within the model's positions."""
+        if cache_batch != b:
+            raise ValueError(f"cache was built for batch size {cache_batch}, got a batch of {b}")
+        mp = self.max_positions
+        if mp is not None and position + t > mp:
+            raise ValueError(f"sequence of {position + t} tokens ({position} cached + {t} new) exceeds the model's "
+                             f"{mp} positions")
+
+    def require_projections(self) -> None:
+        """Raise unless per-layer q/k/v/o projections exist (post-training methods need them)."""
+
+    # ---------------------------------------------------------------------------------------- submodules
+    def embed(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def attn_in(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def attention_module(self, layer: int) -> nn.Module:
+        raise NotImplementedError
+
+    def after_attn(self, layer: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def proj(self, layer: int) -> Projections:
+        raise NotImplementedError
+
+    def scale(self, layer: int) -> float:
+        raise NotImplementedError
+
+    def rope(self, x: torch.Tensor, start: int, t: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """``cos, sin (1, t, D)`` for positions ``start .. start + t - 1``; ``None`` without RoPE."""
+        return None
+
+    # ------------------------------------------------------------------------------------------- shared
+    def qkv(self, layer: int, h: torch.Tensor, rope=None, *, rotate_k: bool = True
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q (B, Hq, T, D)``, ``k, v (B, Hkv, T, D)`` from the original weights; with ``rope`` tables ``q`` is
+        rotated, and ``k`` too unless ``rotate_k=False`` (pre-RoPE keys)."""
+        P = self.proj(layer)
+        q = split_heads(F.linear(h, P.wq, P.bq), self.n_head)  # (B, Hq, T, D)
+        k = split_heads(F.linear(h, P.wk, P.bk), self.n_kv_head)  # (B, Hkv, T, D)
+        v = split_heads(F.linear(h, P.wv, P.bv), self.n_kv_head)  # (B, Hkv, T, D)
+        if rope is not None:
+            q = apply_rope(q, *rope)
+            if rotate_k:
+                k = apply_rope(k, *rope)
+        return q, k, v
+
+    def out(self, layer: int, z: torch.Tensor) -> torch.Tensor:
+        """Head outputs ``z (B, Hq, T, D)`` → the attention block's output ``(B, T, d_model)``."""
+        P = self.proj(layer)
+        return F.linear(merge_heads(z), P.wo, P.bo)
+
+    # -------------------------------------------------------------------------------------- calibration
+    def base_forward(self, ids: torch.Tensor) -> None:
+        """The model's own forward over ``ids`` without the LM head (hooks see every layer's q/k/v)."""
+        raise NotImplementedError
+
+    def attach_qkv_hooks(self, sink: Sink, rope: str) -> list:
+        """Forward hooks that hand each layer's ``q, k, v`` (attention layout, ``rope``: ``post`` rotated,
+        ``pre``/``none`` not) to ``sink``; returns the handles (remove them afterwards)."""
+        raise NotImplementedError

@@ -1,0 +1,131 @@
+"""The one layer-wise decoder every compression method plugs into.
+
+::
+
+    dec = Decoder(model, LowRank(bases))               # HF GPT-2, HF Llama (GQA + RoPE) or models.GPT
+    cache = dec.new_cache(batch_size=1)
+    logits = dec(prompt_ids, cache)                    # prefill (B, T, V): appends T tokens
+    logits = dec(next_ids, cache)                      # decode one token (or a chunk of several)
+    out = dec.generate(prompt_ids, max_new_tokens=20)  # greedy by default (models.generate.generate_tokens)
+    ppl = perplexity(dec, ids)                         # every token attends over the (compressed) cache
+
+Per call the decoder embeds the new tokens at ``cache.position`` (the next absolute position, also after a method
+dropped tokens), builds the RoPE tables once, and per layer runs the model's norm, the method's
+:meth:`~kvsplice.decode.method.CompressionMethod.attention` and the model's residual + MLP; then the LM head.
+Inference only: no dropout, no gradients. ``method=None`` is the model's own cache: ``ModelAttention`` for
+``models.GPT`` (MHA / MLA / KVSplice), ``DenseKV`` (full K/V) for HF models.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvsplice.adapters.registry import adapter_for
+from kvsplice.decode.dense import DenseKV
+from kvsplice.decode.method import CompressionMethod, Step
+from kvsplice.decode.native import ModelAttention
+from models.cache import DecodeCache
+from models.generate import check_prompt, check_sampling, generate_tokens
+
+__all__ = ["Decoder", "perplexity", "sequence_nll"]
+
+BACKENDS = ("auto", "flash", "sdpa")
+
+
+class Decoder:
+    """Prefill / decode ``model`` with ``method``; ``dec(input_ids (B, T), cache) -> logits (B, T, V)``
+    (``last_only=True``: only the last position's, ``(B, 1, V)``)."""
+
+    def __init__(self, model: nn.Module, method: Optional[CompressionMethod] = None, *,
+                 attn_backend: str = "auto") -> None:
+        if attn_backend not in BACKENDS:
+            raise ValueError(f"attn_backend must be one of {BACKENDS}, got {attn_backend!r}")
+        self.model = model
+        self.adapter = adapter_for(model)
+        if method is None:
+            method = ModelAttention() if self.adapter.name == "gpt" else DenseKV()
+        if not isinstance(method, CompressionMethod):
+            raise TypeError(f"method must be a kvsplice.decode.CompressionMethod, got {type(method).__name__}")
+        self.method = method
+        self.attn_backend = attn_backend
+        p = self.adapter.param()
+        self.dtype, self.device = p.dtype, p.device
+        self.scales = [self.adapter.scale(l) for l in range(self.adapter.n_layer)] \
+            if method.needs_projections else []
+        with torch.no_grad():
+            method.bind(self.adapter, dtype=self.dtype, device=self.device)
+
+    @property
+    def family(self) -> str:
+        return self.adapter.name
+
+    # ---------------------------------------------------------------------------------------------- cache
+    def new_cache(self, batch_size: int, capacity: Optional[int] = None, *, dtype: Optional[torch.dtype] = None,
+                  device=None) -> DecodeCache:
+        """An empty cache of the method; dtype / device default to the model's, ``capacity`` preallocates."""
+        return self.method.new_cache(self.adapter, batch_size, capacity, dtype=dtype or self.dtype,
+                                     device=device or self.device)
+
+    # -------------------------------------------------------------------------------------------- forward
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, cache: DecodeCache, *, last_only: bool = False) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1:
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be (B, T) with T >= 1, got shape {shape}")
+        b, t = input_ids.shape
+        self.method.check_cache(cache)
+        a = self.adapter
+        start = cache.position  # absolute position of the first new token
+        a.check_room(cache.batch_size, start, b, t)
+        x = a.embed(input_ids, start)  # (B, T, d_model)
+        step = Step(a, start, t, x, self.scales, self.attn_backend, a.rope(x, start, t) if a.has_rope else None)
+        for layer in range(a.n_layer):
+            x = a.after_attn(layer, x, self.method.attention(layer, a.attn_in(layer, x), cache, step))
+        return a.head(x[:, -1:] if last_only else x)
+
+    forward = __call__
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Prefill ``idx (B, T)`` into a fresh cache, then decode ``max_new_tokens`` one at a time from it
+        (``temperature=0``: greedy). Returns ``(B, T + max_new_tokens)``."""
+        check_sampling(max_new_tokens, temperature, top_k)
+        check_prompt(idx, self.adapter.param().shape[0])
+        cache = self.new_cache(idx.shape[0], capacity=self.method.capacity(idx.shape[1], max_new_tokens))
+        step = lambda ids, c: Decoder.__call__(self, ids, c, last_only=True)  # noqa: E731  (prefill, then decode)
+        return generate_tokens(step, cache, idx, max_new_tokens, temperature, top_k, generator)
+
+    def __repr__(self) -> str:
+        return f"Decoder({self.family}, {self.method!r})"
+
+
+@torch.no_grad()
+def sequence_nll(decoder: Decoder, input_ids: torch.Tensor, chunk_size: Optional[int] = None
+                 ) -> tuple[float, int]:
+    """Summed next-token NLL of ``input_ids (B, T)`` and the number of predicted tokens, feeding the sequence
+    through a fresh cache of the decoder in chunks of ``chunk_size`` (None: one prefill call; 1: token by token).
+    Every token attends over the decoder's cache (compressed or full), so full vs compressed is apples to apples."""
+    b, t = input_ids.shape
+    cache = decoder.new_cache(b, capacity=t)
+    step = t if chunk_size is None else int(chunk_size)
+    if step < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    total = 0.0
+    for s in range(0, t, step):
+        logits = decoder(input_ids[:, s:s + step], cache).float()  # (B, c, V)
+        tgt = input_ids[:, s + 1:s + step + 1]  # next tokens (the last chunk predicts one fewer)
+        logits = logits[:, :tgt.shape[1]]
+        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum").item()
+    return total, b * (t - 1)
+
+
+def perplexity(decoder: Decoder, input_ids: torch.Tensor, chunk_size: Optional[int] = None) -> float:
+    """``exp`` of the mean next-token NLL (see :func:`sequence_nll`)."""
+    total, n = sequence_nll(decoder, input_ids, chunk_size)
+    return math.exp(total / max(n, 1))

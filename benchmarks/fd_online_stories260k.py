@@ -47,7 +47,8 @@ from kvsplice.lowrank.calibrate import calibrate, calibration_batches  # noqa: E
 from kvsplice.convert.llama2c import convert_llama2c  # noqa: E402
 from kvsplice.lowrank.fits import fit_bases  # noqa: E402
 from kvsplice.io.loading import iter_texts, load_model, token_stream  # noqa: E402
-from kvsplice.online.diagnostics import bases_diagnostics, format_diagnostics, online_qkv_diagnostics  # noqa: E402
+from kvsplice.lowrank.diagnostics import bases_diagnostics  # noqa: E402
+from kvsplice.online.diagnostics import format_diagnostics, online_qkv_diagnostics  # noqa: E402
 from kvsplice.online.method import OnlineDecoder  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"

@@ -34,7 +34,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvsplice.lowrank.evaluate import EvalContext, evaluate_bases, load_windows  # noqa: E402
+from kvsplice.evaluation.context import EvalContext, load_windows  # noqa: E402
+from kvsplice.evaluation.lowrank import evaluate_bases  # noqa: E402
 from kvsplice.fit_bases import build_parser as fit_parser, fit_from_args  # noqa: E402
 from kvsplice.io.cli import write_json  # noqa: E402
 from kvsplice.lowrank.fits import METHODS, score_error  # noqa: E402

@@ -14,7 +14,7 @@ What is measured, per layer ``l`` and per ``T``:
 
 * The model runs over ``--windows`` windows of ``--context`` tokens of real text (``kvsplice.io.loading``: the
   stories of ``--data`` tokenised with the model's tokenizer, BOS/EOS-separated). Per layer the keys (post-RoPE for
-  Llama) / values / queries are taken (:func:`kvsplice.lowrank.calibrate.extract_qkv`).
+  Llama) / values / queries are taken (:func:`kvsplice.adapters.capture.extract_qkv`).
 * The **context** to compress is the first ``C = context - n_queries`` tokens; the **queries** are the last
   ``n_queries`` positions. Exact attention ``Attn(q) = softmax(q·K_Cᵀ·s)·V_C`` of every query head over the context
   (the context precedes every query: no mask), and its estimate ``z(q) = softmax(q·K_Sᵀ·s + logw_S)·V_S`` over the

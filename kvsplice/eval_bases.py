@@ -20,7 +20,7 @@ What is measured (``--data`` must be held-out text, not the calibration text; a 
   concatenated; also the group-summed form), key reconstruction error, value error through ``W_O``
   ``‖V W_Oᵀ − V̂ W_Oᵀ‖/‖V W_Oᵀ‖``.
 * **Attention-output error**, measured directly on the first ``--err-windows`` windows: per layer, the exact
-  ``q, k, v`` of the model (:func:`kvsplice.lowrank.calibrate.extract_qkv`, teacher-forced: no error propagation between
+  ``q, k, v`` of the model (:func:`kvsplice.adapters.capture.extract_qkv`, teacher-forced: no error propagation between
   layers) vs ``k̂ = k k_enc k_decᵀ`` (pre-RoPE: rebuilt before RoPE, then rotated) and ``v̂ = v v_enc v_decᵀ``;
   causal attention, then ``W_O``: ``‖Y − Ŷ‖_F/‖Y‖_F``.
 * **Lesens' gap** at each head's key rank on the held-out Grams: ``ε = err_K-only − err_KQᵀ ≥ 0`` relative to
@@ -32,9 +32,9 @@ What is measured (``--data`` must be held-out text, not the calibration text; a 
 Bases fitted for another model fail with one line (:class:`kvsplice.lowrank.bases.BasesMismatchError`), exit status 1.
 
 Methods: ``--method`` selects an evaluator from :data:`EVALUATORS` (``static``: saved bases files, the default;
-``fd-online``: :mod:`kvsplice.online.evaluate`). New methods register ``EVALUATORS[name] = fn(ctx: EvalContext,
+``fd-online``: :mod:`kvsplice.evaluation.online`). New methods register ``EVALUATORS[name] = fn(ctx: EvalContext,
 args) -> list[dict]`` (and may add their own options through :data:`METHOD_OPTIONS`); :meth:`EvalContext.decode`
-works with any :class:`kvsplice.decode.Decoder`. The logic lives in :mod:`kvsplice.lowrank.evaluate`.
+works with any :class:`kvsplice.decode.Decoder`. The logic lives in :mod:`kvsplice.evaluation`.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ import torch
 
 from kvsplice.io.cli import UsageError, check_out_path, default_seq_len, pos_int, write_json
 from kvsplice.lowrank.bases import BasesMismatchError
-from kvsplice.lowrank.evaluate import EvalContext, EvalError, eval_static, load_windows
-from kvsplice.online.evaluate import add_fd_online_options, eval_fd_online, print_diagnostics
+from kvsplice.evaluation.context import EvalContext, EvalError, load_windows
+from kvsplice.evaluation.lowrank import eval_static
+from kvsplice.evaluation.online import add_fd_online_options, eval_fd_online, print_diagnostics
 
 __all__ = ["EVALUATORS", "METHOD_OPTIONS", "build_parser", "main", "make_context", "print_results"]
 
@@ -139,7 +140,7 @@ def print_results(ctx: EvalContext, results: list[dict[str, Any]], console=None,
                   f"Σ_layers Σ_heads (R_k + R_v)·T·B·bytes (full: 2·L·H_kv·d·T·B·bytes)", soft_wrap=True)
     if not per_layer:
         return
-    for r in (x for x in results if "layers" in x):  # fd-online rows have no Gram-based errors (issue 6)
+    for r in (x for x in results if "layers" in x):  # fd-online rows have no Gram-based errors
         lt = Table(title=f"{r['label']}: per-layer errors on the held-out text (relative; Lesens at each head's "
                          f"key rank, oracle fits on this text)")
         for col in ("layer", "score err", "score err (Σq)", "key err", "value err (W_O)", "attn-out err",

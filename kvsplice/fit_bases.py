@@ -152,7 +152,8 @@ def fit_from_args(args: argparse.Namespace, loaded=None, calib_cache: Optional[d
     :class:`kvsplice.io.loading.LoadedModel`; ``calib_cache``: a dict that keeps the calibration run (tokens, Grams,
     timings) per (text, tokens, seq_len, batch size, RoPE mode) — to fit several bases from one calibration, e.g. in
     benchmarks (the report then repeats that calibration's times)."""
-    from kvsplice.lowrank.calibrate import calibrate, model_info
+    from kvsplice.adapters import model_info
+    from kvsplice.lowrank.calibrate import calibrate
     from kvsplice.lowrank.fits import fit_bases
     from kvsplice.io.loading import load_model
 

@@ -4,7 +4,7 @@
 grouped-query layout ``q (B, Hq, Tq, D)``, ``k (B, Hkv, Tk, D)``, ``v (B, Hkv, Tk, Dv)`` with ``Hq % Hkv == 0``, and
 aligns the causal mask bottom-right: with ``Tq`` new queries over ``Tk`` keys (cached + new), query ``i`` sits at
 absolute position ``Tk - Tq + i``. (SDPA's ``is_causal=True`` aligns top-left, which is only right when
-``Tq == Tk`` — the public prototype's bug: with one decode query it saw only key 0.)
+``Tq == Tk``: with one decode query it would see only key 0.)
 
 MLA's absorbed path is the same call with ``Hkv = 1``: every query head attends over the one shared latent.
 """

@@ -16,11 +16,9 @@ class LearnedKVSplice(nn.Module):
     training by ``torch.nn.utils.parametrizations.orthogonal`` (each one separately, so both still learn); otherwise
     they train freely from the orthogonal init.
 
-    The model-wide ``_init_weights`` of :class:`models.gpt.GPT` skips this module (``_skip_global_init``) and the
-    model calls :meth:`reset_parameters` after its own init, so the orthogonal init is never overwritten.
+    :meth:`models.gpt.GPT.reset_parameters` skips this module's layers in its GPT-2 init and calls
+    :meth:`reset_parameters` afterwards, so the orthogonal init is never overwritten.
     """
-
-    _skip_global_init = True
 
     def __init__(self, d_in: int, d_compressed: int, *, orthogonal: bool = False) -> None:
         super().__init__()

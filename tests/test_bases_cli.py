@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvsplice import eval_bases, fit_bases  # noqa: E402
 from kvsplice.lowrank.bases import KVBases  # noqa: E402
-from kvsplice.lowrank.calibrate import model_fingerprint  # noqa: E402
+from kvsplice.adapters import model_fingerprint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
@@ -196,7 +196,7 @@ def test_eval_full_rank_matches_low_rank_worse(s260k, s260k_bases, tmp_path, cap
 
 
 def test_chunked_decode_equals_token_by_token(s260k, s260k_bases):
-    from kvsplice.lowrank.apply import CoefficientDecoder
+    from kvsplice.lowrank.method import CoefficientDecoder
     from kvsplice.io.loading import load_model
 
     loaded = load_model(s260k)

@@ -10,15 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvsplice.lowrank.calibrate import (
-    CalibrationStats,
-    calibrate,
-    calibration_batches,
-    extract_qkv,
-    iter_token_batches,
-    model_fingerprint,
-    model_info,
-)
+from kvsplice.adapters import model_fingerprint, model_info
+from kvsplice.adapters.capture import extract_qkv
+from kvsplice.lowrank.calibrate import CalibrationStats, calibrate, calibration_batches, iter_token_batches
 from models import GPT
 from models.config import GPTConfig
 

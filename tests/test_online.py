@@ -14,10 +14,12 @@ import transformers
 
 from kvsplice.lowrank.method import CoefficientDecoder
 from kvsplice.lowrank.bases import HeadBases, KVBases
-from kvsplice.lowrank.calibrate import calibrate, extract_qkv
+from kvsplice.adapters.capture import extract_qkv
+from kvsplice.lowrank.calibrate import calibrate
 from kvsplice.online.chunked import ChunkedCache
 from kvsplice.lowrank.fits import fit_bases
-from kvsplice.online.diagnostics import (attention_diagnostics, bases_diagnostics, format_diagnostics,
+from kvsplice.lowrank.diagnostics import bases_diagnostics
+from kvsplice.online.diagnostics import (attention_diagnostics, format_diagnostics,
                                          online_qkv_diagnostics)
 from kvsplice.online.method import OnlineDecoder, calibrate_thresholds
 from models import GPT, GPTConfig

@@ -14,7 +14,7 @@ class ModelAttention(CompressionMethod):
     needs_projections = False
 
     def bind(self, adapter, *, dtype, device):
-        if not hasattr(adapter.model, "new_cache") or adapter.name != "gpt":
+        if adapter.name != "gpt":
             raise ValueError("ModelAttention decodes models.GPT with its own attention modules; for HF models use "
                              "DenseKV or a compression method")
         self._model = adapter.model

@@ -4,7 +4,7 @@ calibration / evaluation text as one token stream.
 Models (:func:`load_model`), by what ``spec`` is:
 
 * a directory with ``config.json`` → ``transformers.AutoModelForCausalLM.from_pretrained`` + ``AutoTokenizer``
-  (GPT-2 and Llama families; anything else fails with :func:`kvsplice.lowrank.calibrate.model_info`'s "unsupported" error).
+  (GPT-2 and Llama families; anything else fails with :func:`kvsplice.adapters.model_info`'s "unsupported" error).
   ``python -m kvsplice.convert_llama2c`` makes such a directory from a llama2.c checkpoint (e.g. stories260K);
 * a file (``.ckpt``) → this project's MHA GPT via ``models.checkpoint.load_model``; its tokenizer is the one its
   training data used (rebuilt from the checkpoint's data settings with :class:`data.TinyStoriesDataModule`), or
@@ -162,7 +162,7 @@ def _max_positions(model: nn.Module) -> Optional[int]:
 
 
 def _check_supported(model: nn.Module) -> None:
-    from kvsplice.lowrank.calibrate import model_info
+    from kvsplice.adapters import model_info
 
     try:
         model_info(model)

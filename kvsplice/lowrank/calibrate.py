@@ -37,22 +37,12 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Optional
 import torch
 from torch import nn
 
-from kvsplice.adapters import FamilyAdapter, ModelInfo, adapter_for, model_fingerprint, model_info
-from kvsplice.adapters.base import Sink
+from kvsplice.adapters import FamilyAdapter, ModelInfo, adapter_for, model_fingerprint
+from kvsplice.adapters.capture import RopeMode, resolve_rope, run_with_qkv_hooks
 
-RopeMode = Literal["post", "pre", "none"]
 STATS_FORMAT_VERSION = 1
 
-__all__ = [
-    "CalibrationStats",
-    "ModelInfo",
-    "calibrate",
-    "calibration_batches",
-    "extract_qkv",
-    "iter_token_batches",
-    "model_fingerprint",
-    "model_info",
-]
+__all__ = ["CalibrationStats", "calibrate", "calibration_batches", "iter_token_batches"]
 
 
 def _output_slices(adapter: FamilyAdapter) -> torch.Tensor:
@@ -177,47 +167,6 @@ class CalibrationStats:
                    meta=json.loads(m.get("meta", "{}")))
 
 
-# ------------------------------------------------------------------------------------------------- hooks
-def _resolve_rope(info: ModelInfo, rope: Optional[str]) -> RopeMode:
-    if not info.has_rope:
-        return "none"  # no rotary embedding: pre == post
-    rope = rope or "post"
-    if rope not in ("post", "pre"):
-        raise ValueError(f"rope must be 'post' or 'pre' for a rotary model ({info.family}), got {rope!r}")
-    return rope  # type: ignore[return-value]
-
-
-def _run(model: nn.Module, adapter: FamilyAdapter, rope: RopeMode, sink: Sink, batches: Iterable[torch.Tensor],
-         progress: bool, total: Optional[int], desc: str) -> int:
-    """Forward every batch with the adapter's q/k/v hooks attached; returns the number of tokens seen."""
-    from tqdm.auto import tqdm
-
-    handles = adapter.attach_qkv_hooks(sink, rope)
-    fwd = adapter.base_forward  # the model's own forward (no LM head for HF models)
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    n_tokens = 0
-    if total is None and hasattr(batches, "__len__"):
-        total = len(batches)  # type: ignore[arg-type]
-    try:
-        with torch.no_grad():
-            for batch in tqdm(batches, total=total, desc=desc, unit="batch", disable=not progress):
-                batch = torch.as_tensor(batch)
-                if batch.dim() == 1:
-                    batch = batch[None]
-                if batch.dim() != 2 or batch.dtype not in (torch.int64, torch.int32):
-                    raise ValueError(f"calibration batches must be integer token ids (B, T), got "
-                                     f"{tuple(batch.shape)} {batch.dtype}")
-                fwd(batch.to(device=device, dtype=torch.long))
-                n_tokens += batch.numel()
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
-    return n_tokens
-
-
 def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], *, rope: Optional[RopeMode] = None,
               progress: bool = True, total: Optional[int] = None) -> CalibrationStats:
     """Stream ``batches`` (LongTensor ``(B, T)`` token ids) through ``model`` and return the Grams.
@@ -230,7 +179,7 @@ def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], *, rope: Option
     adapter = adapter_for(model)
     adapter.require_projections()
     info = adapter.info()
-    rope_mode = _resolve_rope(info, rope)
+    rope_mode = resolve_rope(info, rope)
     stats = CalibrationStats.zeros(info, rope_mode, _output_slices(adapter), model_fingerprint(model))
     g = info.group_size
 
@@ -250,27 +199,9 @@ def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], *, rope: Option
             xs = x.reshape(b, info.n_kv_head, g, n, d).sum(2) if g > 1 else x  # (B, Hkv, T, d)
             gram_into(stats.qsum[layer], xs)
 
-    stats.n_tokens = _run(model, adapter, rope_mode, sink, batches, progress, total,
+    stats.n_tokens = run_with_qkv_hooks(model, adapter, rope_mode, sink, batches, progress, total,
                           desc=f"calibrate ({rope_mode})")
     return stats
-
-
-def extract_qkv(model: nn.Module, input_ids: torch.Tensor, *, rope: Optional[RopeMode] = None
-                ) -> list[dict[str, torch.Tensor]]:
-    """The per-layer queries, keys and values the calibration hooks see for one batch ``input_ids (B, T)``, in the
-    attention layout: ``[{"q": (B, Hq, T, d), "k": (B, Hkv, T, d), "v": (B, Hkv, T, d)}, ...]`` (for tests and
-    evaluation on held-out text; this keeps activations, :func:`calibrate` does not)."""
-    adapter = adapter_for(model)
-    adapter.require_projections()
-    info = adapter.info()
-    rope_mode = _resolve_rope(info, rope)
-    out: list[dict[str, torch.Tensor]] = [{} for _ in range(info.n_layer)]
-
-    def sink(layer: int, kind: str, x: torch.Tensor) -> None:
-        out[layer][kind] = x.detach().clone()
-
-    _run(model, adapter, rope_mode, sink, [input_ids], progress=False, total=1, desc="extract")
-    return out
 
 
 # ------------------------------------------------------------------------------------------------- batching

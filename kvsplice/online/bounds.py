@@ -15,7 +15,7 @@ Notation per query: exact logits ``ℓ_t = s · q·k_t`` and approximate ``ℓ̂
    ``f(p) = 2p(1−p)(R−1)/(1 + p(R−1))``, ``R = e^δ``, is maximal at ``p = 1/(√R + 1)`` where
    ``f = 2(√R − 1)/(√R + 1) = 2 tanh(δ/4)``. Two tokens with ``α = (1/(1+e^{δ/2}), e^{δ/2}/(1+e^{δ/2}))`` (in
    the right order) attain it. Consequently ``‖α − α̂‖₁ ≤ 2 tanh(ε/2) ≤ ε``.
-   The issue's ``2 sinh(δ/2)`` is also a valid bound (``tanh(δ/4) ≤ δ/4 ≤ sinh(δ/2)``) but looser: about
+   The looser ``2 sinh(δ/2)`` is also a valid bound (``tanh(δ/4) ≤ δ/4 ≤ sinh(δ/2)``) but looser: about
    ``2×`` for small ``δ`` and unbounded (past the trivial 2) for large ``δ``; :func:`softmax_l1_bound` computes
    either (``kind="tanh"`` by default).
 3. **Output.** ``o − ô = Σ_t (α_t − α̂_t) v_t + Σ_t α̂_t (v_t − v̂_t)``, so
@@ -82,7 +82,7 @@ def logit_error_bound(q: torch.Tensor, key_residual_max: torch.Tensor | float, s
 def softmax_l1_bound(delta: torch.Tensor | float, kind: str = "tanh") -> torch.Tensor:
     """Bound on ``‖α − α̂‖₁`` from the logit-error oscillation ``δ`` (use ``δ ≤ 2ε`` from an ``ε`` bound).
 
-    ``kind="tanh"``: ``2 tanh(δ/4)`` (tight); ``kind="sinh"``: ``2 sinh(δ/2)`` (the issue's form; valid, looser).
+    ``kind="tanh"``: ``2 tanh(δ/4)`` (tight); ``kind="sinh"``: ``2 sinh(δ/2)`` (the common form; valid, looser).
     """
     delta = delta if isinstance(delta, torch.Tensor) else torch.tensor(delta, dtype=torch.float64)
     if kind == "tanh":

@@ -52,115 +52,17 @@ per layer, KV head and sequence); :meth:`nbytes_breakdown` splits them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Iterator, Literal, Optional, Sequence
 
 import torch
 
+from kvsplice.online.chunks import Active, StoredChunk, Stream, with_token
 from kvsplice.online.fd import FrequentDirections
 from models.cache import Cache
 
 __all__ = ["ChunkedCache"]
 
 Granularity = Literal["head", "layer"]
-
-
-@dataclass
-class _Chunk:
-    """Tokens ``start .. start+n-1`` of one stream. ``a (*bs, n, r_k)``, ``b (*bs, n, r_v)``; bases None = identity.
-
-    ``res_k`` / ``res_v`` ``(*bs,)``: an upper bound on ``max_t ‖k_t − k̂_t‖`` (``‖v_t − v̂_t‖``) over the chunk.
-    """
-
-    a: torch.Tensor
-    b: torch.Tensor
-    bk: Optional[torch.Tensor]
-    be: Optional[torch.Tensor]
-    start: int
-    res_k: torch.Tensor
-    res_v: torch.Tensor
-    warmup: bool = False
-
-    @property
-    def n(self) -> int:
-        return self.a.shape[-2]
-
-
-class _Active:
-    """The open chunk: geometrically grown coefficient buffers up to ``cap`` tokens."""
-
-    def __init__(self, bs, rk, rv, bk, be, start, cap, dtype, device, warmup=False) -> None:
-        self.bk, self.be, self.start, self.cap, self.warmup = bk, be, start, cap, warmup
-        self.n = 0
-        alloc = min(cap, 16)
-        self.a_buf = torch.empty(*bs, alloc, rk, dtype=dtype, device=device)
-        self.b_buf = torch.empty(*bs, alloc, rv, dtype=dtype, device=device)
-        self.res_k = torch.zeros(bs, dtype=torch.float32, device=device)
-        self.res_v = torch.zeros(bs, dtype=torch.float32, device=device)
-
-    def push(self, a: torch.Tensor, b: torch.Tensor, rk: torch.Tensor, rv: torch.Tensor) -> None:
-        m = a.shape[-2]
-        need = self.n + m
-        if need > self.a_buf.shape[-2]:
-            size = min(max(need, 2 * self.a_buf.shape[-2]), max(self.cap, need))
-            for name in ("a_buf", "b_buf"):
-                old = getattr(self, name)
-                new = old.new_empty(*old.shape[:-2], size, old.shape[-1])
-                new[..., : self.n, :] = old[..., : self.n, :]
-                setattr(self, name, new)
-        self.a_buf[..., self.n : need, :] = a
-        self.b_buf[..., self.n : need, :] = b
-        if m and rk is not None:
-            self.res_k = torch.maximum(self.res_k, rk.amax(-1).float())
-            self.res_v = torch.maximum(self.res_v, rv.amax(-1).float())
-        self.n = need
-
-    @classmethod
-    def reopen(cls, c: _Chunk, cap: int) -> "_Active":
-        """An active chunk holding (a copy of) the tokens of ``c``, to keep appending to it."""
-        act = cls(tuple(c.res_k.shape), c.a.shape[-1], c.b.shape[-1], c.bk, c.be, c.start, max(cap, c.n),
-                  c.a.dtype, c.a.device, warmup=c.warmup)
-        act.push(c.a, c.b, None, None)
-        act.res_k, act.res_v = c.res_k.clone(), c.res_v.clone()
-        return act
-
-    def view(self) -> _Chunk:
-        return _Chunk(self.a_buf[..., : self.n, :], self.b_buf[..., : self.n, :], self.bk, self.be, self.start,
-                      self.res_k, self.res_v, self.warmup)
-
-    def close(self) -> _Chunk:
-        """The closed chunk, trimmed to its length (a copy unless the buffer is exactly full)."""
-        c = self.view()
-        if self.a_buf.shape[-2] != self.n:
-            c.a, c.b = c.a.clone(), c.b.clone()
-        return c
-
-
-class _Stream:
-    """One independently chunked stream: a (batch, KV head) pair (``sel = (b, h)``) or a whole layer (``sel = ()``)."""
-
-    def __init__(self, sel: tuple) -> None:
-        self.sel = sel
-        self.closed: list[_Chunk] = []
-        self.active: Optional[_Active] = None
-        self.shared_e: Optional[torch.Tensor] = None
-
-    def chunks(self) -> list[_Chunk]:
-        return self.closed + ([self.active.view()] if self.active is not None and self.active.n else [])
-
-
-def _with_token(basis: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``basis (*bs, d, r)`` with its last column replaced by the direction of ``x (*bs, d)`` off the first ``r − 1``
-    columns (kept when ``x`` lies in their span): ``x`` is then represented exactly, columns stay orthonormal."""
-    dt = basis.dtype
-    head, x = basis[..., :-1].double(), x.double()
-    u = x
-    for _ in range(2):  # Gram–Schmidt twice: orthogonal to working precision even when x nearly lies in the span
-        u = u - (head @ (head.transpose(-1, -2) @ u[..., None]))[..., 0]
-    norm = u.norm(dim=-1, keepdim=True)
-    ok = norm > 1e-6 * x.norm(dim=-1, keepdim=True).clamp_min(1e-30)
-    last = torch.where(ok, u / norm.clamp_min(1e-300), basis[..., -1].double())
-    return torch.cat([head, last[..., None]], -1).to(dt)
 
 
 class ChunkedCache(Cache):
@@ -253,12 +155,12 @@ class ChunkedCache(Cache):
     def layer_len(self, layer: int) -> int:
         return self._lengths[layer]
 
-    def _make_streams(self) -> list[_Stream]:
+    def _make_streams(self) -> list[Stream]:
         if self.granularity == "layer":
-            return [_Stream(())]
-        return [_Stream((b, h)) for b in range(self.batch_size) for h in range(self.n_kv_head)]
+            return [Stream(())]
+        return [Stream((b, h)) for b in range(self.batch_size) for h in range(self.n_kv_head)]
 
-    def _bs(self, s: _Stream) -> tuple[int, ...]:
+    def _bs(self, s: Stream) -> tuple[int, ...]:
         return () if s.sel else (self.batch_size, self.n_kv_head)
 
     def reset(self) -> None:
@@ -274,7 +176,7 @@ class ChunkedCache(Cache):
                     s.shared_e = self._given_value_bases[layer][s.sel[1:]].clone() if s.sel else \
                         self._given_value_bases[layer].expand(self.batch_size, -1, -1, -1).clone()
                 if self.warmup:
-                    s.active = _Active(self._bs(s), self.head_size, self.value_head_size, None, None, 0,
+                    s.active = Active(self._bs(s), self.head_size, self.value_head_size, None, None, 0,
                                        self.warmup, self.dtype, self.device, warmup=True)
 
     def truncate(self, n: int) -> None:
@@ -299,14 +201,14 @@ class ChunkedCache(Cache):
                         break
                     if c.start + c.n > n:
                         m = n - c.start
-                        c = _Chunk(c.a[..., :m, :], c.b[..., :m, :], c.bk, c.be, c.start, c.res_k, c.res_v, c.warmup)
+                        c = StoredChunk(c.a[..., :m, :], c.b[..., :m, :], c.bk, c.be, c.start, c.res_k, c.res_v, c.warmup)
                     kept.append(c)
                 last = kept.pop()
                 s.closed = kept
-                s.active = _Active.reopen(last, self.warmup if last.warmup else self.max_chunk_len)
+                s.active = Active.reopen(last, self.warmup if last.warmup else self.max_chunk_len)
             self._lengths[layer] = n
 
-    def streams(self, layer: int) -> list[_Stream]:
+    def streams(self, layer: int) -> list[Stream]:
         return self._streams[layer]
 
     def chunk_lengths(self, layer: int) -> list[list[int]]:
@@ -325,7 +227,7 @@ class ChunkedCache(Cache):
             self._bases_at[layer] = (key, self.fd_k[layer].basis(self.rank_k), ev)
         return self._bases_at[layer][1], self._bases_at[layer][2]
 
-    def _pick(self, s: _Stream, x: torch.Tensor) -> torch.Tensor:
+    def _pick(self, s: Stream, x: torch.Tensor) -> torch.Tensor:
         """Stream ``s``'s part of a ``(B, Hkv, ...)`` tensor, as its own storage."""
         return x[s.sel].to(self.dtype).clone()
 
@@ -341,7 +243,7 @@ class ChunkedCache(Cache):
         crit = res / x.norm(dim=-1).clamp_min(1e-30) if self.relative else res
         return coef, res, crit > tau
 
-    def _next_close(self, s: _Stream, kx: torch.Tensor, vx: torch.Tensor, i: int) -> int:
+    def _next_close(self, s: Stream, kx: torch.Tensor, vx: torch.Tensor, i: int) -> int:
         """Index in the block of the first token at or after ``i`` that closes ``s``'s active chunk (``n``: none)."""
         n = kx.shape[-2]
         if i >= n:
@@ -361,7 +263,7 @@ class ChunkedCache(Cache):
         first = int(hit.nonzero()[0, 0]) if bool(hit.any()) else end - i
         return i + first if first < end - i else end
 
-    def _push(self, s: _Stream, kx: torch.Tensor, vx: torch.Tensor, i: int, j: int, layer: int = 0) -> None:
+    def _push(self, s: Stream, kx: torch.Tensor, vx: torch.Tensor, i: int, j: int, layer: int = 0) -> None:
         if j <= i:
             return
         act = s.active
@@ -375,29 +277,29 @@ class ChunkedCache(Cache):
                 crit = res / x.norm(dim=-1).clamp_min(1e-30) if self.relative else res
                 log.append(crit.detach().reshape(-1).float().cpu())
 
-    def _open(self, layer: int, s: _Stream, start: int, k_first: torch.Tensor, v_first: torch.Tensor) -> None:
+    def _open(self, layer: int, s: Stream, start: int, k_first: torch.Tensor, v_first: torch.Tensor) -> None:
         """Open a chunk at ``start`` seeded from the sketches; ``k_first``/``v_first`` ``(*bs, d)``: its first token."""
         ek_all, ev_all = self._fresh_bases(layer)
         bk = ek_all[s.sel]
         if self.fit_first_token:
-            bk = _with_token(bk, k_first)
+            bk = with_token(bk, k_first)
         if self.shared_value_basis and s.shared_e is None:
             s.shared_e = self._pick(s, self.fd_v[layer].basis(self.rank_v))
         if self.shared_value_basis:
             be = s.shared_e
         else:
             be = ev_all[s.sel]
-            be = (_with_token(be, v_first) if self.fit_first_token else be).to(self.dtype).clone()
-        s.active = _Active(self._bs(s), self.rank_k, self.rank_v, bk.to(self.dtype).clone(), be, start,
+            be = (with_token(be, v_first) if self.fit_first_token else be).to(self.dtype).clone()
+        s.active = Active(self._bs(s), self.rank_k, self.rank_v, bk.to(self.dtype).clone(), be, start,
                            self.max_chunk_len, self.dtype, self.device)
 
-    def _close(self, layer: int, s: _Stream) -> None:
+    def _close(self, layer: int, s: Stream) -> None:
         if s.active is not None and s.active.n:
             s.closed.append(s.active.close())
             self._maybe_merge(layer, s)
         s.active = None
 
-    def _maybe_merge(self, layer: int, s: _Stream) -> None:
+    def _maybe_merge(self, layer: int, s: Stream) -> None:
         if self.max_chunks is None:
             return
         first = 1 if s.closed and s.closed[0].warmup else 0
@@ -423,7 +325,7 @@ class ChunkedCache(Cache):
             else:
                 b, rv = reproject(c.b, c.be, be, c.res_v)
             parts_a.append(a), parts_b.append(b), res_k.append(rk), res_v.append(rv)
-        merged = _Chunk(torch.cat(parts_a, -2), torch.cat(parts_b, -2), bk, be, old[0].start,
+        merged = StoredChunk(torch.cat(parts_a, -2), torch.cat(parts_b, -2), bk, be, old[0].start,
                         torch.stack(res_k).amax(0), torch.stack(res_v).amax(0))
         s.closed[first : first + m] = [merged]
 

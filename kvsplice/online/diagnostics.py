@@ -8,9 +8,9 @@ over queries, heads and sequences, plus the *slack* ``bound / observed``.
 
 * :meth:`kvsplice.online.method.OnlineDecoder.diagnose` — in-run (the decoder's own q, k, v and output).
 * :func:`online_qkv_diagnostics` — teacher-forced: the *exact* model's ``q, k, v``
-  (:func:`kvsplice.lowrank.calibrate.extract_qkv`) fed into a fresh chunked cache, layer by layer.
-* :func:`bases_diagnostics` — global bases: ``k̂ = k k_enc k_decᵀ`` and ``v̂ = v v_enc v_decᵀ``; pre-RoPE bases
-  rebuild ``k̂`` before RoPE and rotate it.
+  (:func:`kvsplice.adapters.capture.extract_qkv`) fed into a fresh chunked cache, layer by layer.
+* :func:`kvsplice.lowrank.diagnostics.bases_diagnostics` — global bases: ``k̂ = k k_enc k_decᵀ`` and
+  ``v̂ = v v_enc v_decᵀ``; pre-RoPE bases rebuild ``k̂`` before RoPE and rotate it.
 * :func:`attention_diagnostics` — the generic per-layer function on ``(B, H, T, d)`` tensors.
 """
 
@@ -22,17 +22,15 @@ from typing import Optional
 import torch
 from torch import nn
 
-from kvsplice.adapters import adapter_for, apply_rope
-from kvsplice.lowrank.bases import KVBases
-from kvsplice.lowrank.calibrate import extract_qkv
+from kvsplice.adapters import adapter_for
+from kvsplice.adapters.capture import extract_qkv
 from kvsplice.online.attention import chunked_attention
 from kvsplice.online.bounds import (logit_error_bound, logit_oscillation, output_error_bound, reference_attention,
                                     softmax_l1_bound)
 from kvsplice.online.chunked import ChunkedCache
 from models.attention import causal_mask
 
-__all__ = ["attention_diagnostics", "bases_diagnostics", "chunk_report", "fd_report", "format_diagnostics",
-           "online_qkv_diagnostics"]
+__all__ = ["attention_diagnostics", "chunk_report", "fd_report", "format_diagnostics", "online_qkv_diagnostics"]
 
 
 def _cummax(x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +165,7 @@ def online_qkv_diagnostics(model: nn.Module, input_ids: torch.Tensor, **cache_kw
     """Teacher-forced online diagnostics: the exact model's post-RoPE ``q, k, v`` on ``input_ids`` are appended
     to a fresh :class:`ChunkedCache` (options as :class:`~kvsplice.online.method.OnlineFD`'s) layer by layer, and each layer's
     chunked attention is compared with the exact one (:func:`attention_diagnostics`, plus ``J`` and the FD
-    residual bound). Every layer sees exact inputs, so this matches :func:`bases_diagnostics`."""
+    residual bound). Every layer sees exact inputs, so this matches :func:`kvsplice.lowrank.diagnostics.bases_diagnostics`."""
     adapter = adapter_for(model)
     adapter.require_projections()
     p = adapter.param()
@@ -185,34 +183,6 @@ def online_qkv_diagnostics(model: nn.Module, input_ids: torch.Tensor, **cache_kw
         d.update(chunk_report(cache, l))
         d.update(fd_report(cache, l, x["k"], x["v"]))
         out.append(d)
-    return out
-
-
-@torch.no_grad()
-def bases_diagnostics(model: nn.Module, bases: KVBases, input_ids: torch.Tensor) -> list[dict]:
-    """Diagnostics of global bases on ``input_ids``: exact ``q, k, v`` from
-    :func:`~kvsplice.lowrank.calibrate.extract_qkv` (in the bases' RoPE mode), ``k̂ = k k_enc k_decᵀ`` (exactly the
-    coefficient logits ``(q k_dec)·(k k_enc)`` for oblique pairs too), ``v̂ = v v_enc v_decᵀ``; for pre-RoPE bases
-    ``q``, ``k`` and ``k̂`` are rotated after the rebuild. Returns one :func:`attention_diagnostics` dict per layer."""
-    fam = adapter_for(model)
-    if bases.n_layer != fam.n_layer or bases.n_kv_head != fam.n_kv_head:
-        raise ValueError(f"bases ({bases.n_layer} layers × {bases.n_kv_head} KV heads) do not fit the model "
-                         f"({fam.n_layer} × {fam.n_kv_head})")
-    mode = bases.rope if fam.has_rope else "none"
-    qkv = extract_qkv(model, input_ids, rope="pre" if mode == "pre" else ("post" if fam.has_rope else None))
-    rope = None
-    if mode == "pre":
-        rope = fam.rope(qkv[0]["q"], 0, input_ids.shape[1])  # cos, sin (1, T, D)
-    out = []
-    for l, x in enumerate(qkv):
-        heads = bases.layers[l]
-        k, v, q = x["k"].double(), x["v"].double(), x["q"].double()
-        k_hat = torch.stack([k[:, j] @ (h.k_enc.double() @ h.k_dec.double().T) for j, h in enumerate(heads)], 1)
-        v_hat = torch.stack([v[:, j] @ (h.v_enc.double() @ h.v_dec.double().T) for j, h in enumerate(heads)], 1)
-        if rope is not None:
-            cos, sin = (r.double() for r in rope)
-            q, k, k_hat = (apply_rope(y, cos, sin) for y in (q, k, k_hat))
-        out.append(attention_diagnostics(q, k, v, k_hat, v_hat, fam.scale(l)))
     return out
 
 

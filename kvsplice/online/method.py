@@ -132,7 +132,7 @@ class OnlineDecoder(Decoder):
 def calibrate_thresholds(model: nn.Module, batches_or_ids, *, percentile: float, rank_k: int,
                          rank_v: Optional[int] = None, ell: Optional[int] = None, relative: bool = False,
                          **cache_options) -> dict:
-    """``τ_k``, ``τ_v`` from residual percentiles on calibration tokens (issue 6).
+    """``τ_k``, ``τ_v`` from residual percentiles on calibration tokens.
 
     ``batches_or_ids``: token ids ``(B, T)`` or an iterable of such batches; each is prefilled into a fresh cache
     of an :class:`OnlineDecoder` with the given options and **thresholds disabled** (``tau_k``/``tau_v`` in

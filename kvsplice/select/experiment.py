@@ -14,7 +14,7 @@ import torch
 
 from kvsplice.adapters import adapter_for, model_info
 from kvsplice.io.loading import iter_texts, token_stream
-from kvsplice.lowrank.calibrate import extract_qkv
+from kvsplice.adapters.capture import extract_qkv
 from kvsplice.online.bounds import reference_attention
 from kvsplice.select.cache import weighted_attend
 from kvsplice.select.selectors import BalanceKVSelector, TokenSelector, UniformSelector

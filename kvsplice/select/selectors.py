@@ -27,6 +27,10 @@ import torch
 from kvsplice.select.balance import LN2, block_balance
 
 
+SELECTORS: dict[str, type["TokenSelector"]] = {}
+"""Selector name → class: every subclass of :class:`TokenSelector` that sets ``name`` registers itself."""
+
+
 class TokenSelector:
     """``select(k (Hkv, T, d), v (Hkv, T, dv), budget) -> (indices (Hkv, n_keep), log_weights (Hkv, n_keep))``.
 
@@ -35,6 +39,11 @@ class TokenSelector:
     """
 
     name = "base"
+
+    def __init_subclass__(cls, **kw) -> None:
+        super().__init_subclass__(**kw)
+        if cls.name != "base" and "name" in cls.__dict__:
+            SELECTORS[cls.name] = cls
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
@@ -212,10 +221,8 @@ class BalanceKVSelector(TokenSelector):
         return torch.cat(idx, dim=1), torch.cat(logw, dim=1)
 
 
-SELECTORS = {c.name: c for c in (BalanceKVSelector, UniformSelector, StreamingLLMSelector)}
-
-
 def make_selector(name: str, **kw) -> TokenSelector:
+    """A selector by its ``name`` (:data:`SELECTORS`)."""
     if name not in SELECTORS:
         raise ValueError(f"selector must be one of {sorted(SELECTORS)}, got {name!r}")
     return SELECTORS[name](**kw)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsplice.io.cli import pos_int
-from kvsplice.lowrank.evaluate import EvalContext, EvalError
+from kvsplice.evaluation.context import EvalContext, EvalError
 from kvsplice.online.diagnostics import online_qkv_diagnostics
 from kvsplice.online.method import OnlineDecoder, calibrate_thresholds
 

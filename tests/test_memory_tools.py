@@ -12,6 +12,7 @@ import torch
 
 from kvsplice import bench_decode, verify_memory
 from kvsplice.io import configs as io_configs
+from kvsplice.report import decode_timing, memory_check
 from kvsplice.report.memory import cache_bytes_formula, mha_cache_bytes, sequences_in_budget
 from kvsplice.report.plots import plot_quality_vs_cache, plot_val_loss, read_metric_csv
 from models import GPT, GPTConfig
@@ -119,8 +120,8 @@ def test_verify_memory_tiny_measured_equals_formula(tmp_path, tiny_configs, dtyp
 
 
 def test_verify_memory_exits_nonzero_on_mismatch(tmp_path, monkeypatch, capsys):
-    real = verify_memory.cache_bytes_formula
-    monkeypatch.setattr(verify_memory, "cache_bytes_formula", lambda *a, **k: real(*a, **k) + 1)
+    real = memory_check.cache_bytes_formula
+    monkeypatch.setattr(memory_check, "cache_bytes_formula", lambda *a, **k: real(*a, **k) + 1)
     rc = verify_memory.main(["--config", write_tiny(tmp_path, "x"), "--seq-lens", "8", "--dtype", "fp32",
                              "--no-progress"])
     assert rc == 1
@@ -204,11 +205,11 @@ def test_bench_decode_bad_args(capsys):
 def test_filled_cache_and_fixed_context():
     cfg = GPTConfig(vocab_size=50, n_layer=2, n_head=2, d_model=16, block_size=64, attention="mha")
     model = GPT(cfg).eval()
-    cache = bench_decode.filled_cache(model, 3, 20, torch.Generator().manual_seed(0))
+    cache = decode_timing.filled_cache(model, 3, 20, torch.Generator().manual_seed(0))
     assert cache.seq_len == 20 and cache.storage_nbytes() == cache_bytes_formula(cfg, 21, "fp32", 3)
-    ts = bench_decode.time_steps(model, cache, 20, torch.zeros(3, 1, dtype=torch.long), warmup=1, repeats=2)
+    ts = decode_timing.time_steps(model, cache, 20, torch.zeros(3, 1, dtype=torch.long), warmup=1, repeats=2)
     assert len(ts) == 2 and cache.seq_len == 20
-    ts = bench_decode.time_steps(model, cache, 20, torch.zeros(3, 1, dtype=torch.long), warmup=1, repeats=5,
+    ts = decode_timing.time_steps(model, cache, 20, torch.zeros(3, 1, dtype=torch.long), warmup=1, repeats=5,
                                  max_seconds=0.0)
     assert len(ts) == 1 and cache.seq_len == 20  # time cap: stop after the first timed step
 

@@ -18,7 +18,7 @@ _ARCH_KEYS = ("vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_lay
 
 
 def _sample_bytes(t: torch.Tensor, n: int = 1024) -> bytes:
-    flat = t.detach().reshape(-1)
+    flat = t.detach().reshape(-1)  # (numel,)
     step = max(1, flat.numel() // n)
     # float16 bytes: the same weights cast to fp16 (e.g. for GPU inference) keep their fingerprint
     return flat[::step][:n].to("cpu", torch.float16).numpy().tobytes()

@@ -60,6 +60,7 @@ __all__ = [
 
 def _permute_rope(w: torch.Tensor, n_heads: int, dim1: int, dim2: int) -> torch.Tensor:
     """Reorder q/k rows from llama2.c's interleaved RoPE pairs to HF's rotate-half layout (llama2.c hf_export)."""
+    # (H, dim1/H/2, 2, dim2) → (H, 2, dim1/H/2, dim2) → (dim1, dim2)
     return w.view(n_heads, dim1 // n_heads // 2, 2, dim2).transpose(1, 2).reshape(dim1, dim2)
 
 

@@ -128,7 +128,7 @@ class _Cursor:
         n = _numel(shape)
         arr = np.frombuffer(self.buf, dtype="<f4", count=n, offset=self.offset)
         self.offset += 4 * n
-        return torch.from_numpy(arr.astype(np.float32)).reshape(shape)
+        return torch.from_numpy(arr.astype(np.float32)).reshape(shape)  # (*shape)
 
     def i8(self, n: int) -> np.ndarray:
         arr = np.frombuffer(self.buf, dtype=np.int8, count=n, offset=self.offset)
@@ -206,10 +206,10 @@ def read_llama2c(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, tor
 
         def deq(shape: tuple) -> torch.Tensor:
             n = _numel(shape)
-            q = c.i8(n).astype(np.float32).reshape(-1, gs)
+            q = c.i8(n).astype(np.float32).reshape(-1, gs)  # (n/gs, gs): one row per quantisation group
             scale = np.frombuffer(buf, dtype="<f4", count=n // gs, offset=c.offset).astype(np.float32)
             c.offset += 4 * (n // gs)
-            return torch.from_numpy((q * scale[:, None]).reshape(shape))
+            return torch.from_numpy((q * scale[:, None]).reshape(shape))  # (*shape)
 
         t["tok_embeddings"] = deq(s["tok_embeddings"])
         for k in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"):

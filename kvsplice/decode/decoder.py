@@ -121,6 +121,7 @@ def sequence_nll(decoder: Decoder, input_ids: torch.Tensor, chunk_size: Optional
         logits = decoder(input_ids[:, s:s + step], cache).float()  # (B, c, V)
         tgt = input_ids[:, s + 1:s + step + 1]  # next tokens (the last chunk predicts one fewer)
         logits = logits[:, :tgt.shape[1]]
+        # (B·c, V) logits vs (B·c,) targets
         total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum").item()
     return total, b * (t - 1)
 

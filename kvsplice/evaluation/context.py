@@ -60,6 +60,7 @@ class EvalContext:
                 tgt = ids[:, s + 1:s + self.chunk_size + 1]
                 logits = logits[:, :tgt.shape[1]]
                 if tgt.numel():
+                    # (B·c, V) logits vs (B·c,) targets
                     total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
                                              reduction="sum").item()
             n_pred += ids.shape[0] * (t - 1)
@@ -98,6 +99,7 @@ class EvalContext:
         for ids in self.windows.split(self.batch_size):
             out = self.model(input_ids=ids, use_cache=False) if hasattr(self.model, "config") else self.model(ids)
             logits = (out if isinstance(out, torch.Tensor) else out.logits).float()
+            # (B·(T-1), V) logits vs (B·(T-1),) targets
             total += F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                                      reduction="sum").item()
             n += ids.shape[0] * (ids.shape[1] - 1)
@@ -138,7 +140,7 @@ def load_windows(loaded, spec: str, n_tokens: int, seq_len: int, progress: bool 
     n = ids.numel() // seq_len
     if n < 1:
         raise EvalError(f"--data {spec}: only {ids.numel()} tokens, fewer than --seq-len {seq_len}")
-    windows = ids[: n * seq_len].view(n, seq_len)
+    windows = ids[: n * seq_len].view(n, seq_len)  # (N, T)
     info = {"source": str(spec), "tokens": n * seq_len, "windows": n, "seq_len": seq_len, "stories": n_stories}
     if n * seq_len < n_tokens:
         info["note"] = f"asked for {n_tokens} tokens, used {n * seq_len} ({n} full windows of {seq_len})"

@@ -74,7 +74,7 @@ def _calibrate_tau(ctx: EvalContext, args: argparse.Namespace, kw: dict[str, Any
     n = ids.numel() // seq_len
     if n < 1:
         raise EvalError(f"--tau-calib {args.tau_calib}: only {ids.numel()} tokens, fewer than --seq-len {seq_len}")
-    windows = ids[: n * seq_len].view(n, seq_len)
+    windows = ids[: n * seq_len].view(n, seq_len)  # (N, T)
     cal = calibrate_thresholds(ctx.model, windows.split(ctx.batch_size), percentile=args.tau_percentile, **kw)
     cal["source"] = str(args.tau_calib)
     tv = "—" if cal["tau_v"] is None else f"{cal['tau_v']:.6g}"

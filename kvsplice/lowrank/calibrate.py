@@ -50,6 +50,7 @@ def _output_slices(adapter: FamilyAdapter) -> torch.Tensor:
     slices = []
     for layer in range(adapter.n_layer):
         wo = adapter.proj(layer).wo.detach().to("cpu", torch.float64)  # (d_model, Hq·d)
+        # (Hq, d_model, d)
         slices.append(wo.view(wo.shape[0], adapter.n_head, adapter.head_dim).permute(1, 0, 2).contiguous())
     return torch.stack(slices)  # (L, Hq, d_model, d)
 
@@ -186,7 +187,7 @@ def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], *, rope: Option
     def gram_into(acc: torch.Tensor, x: torch.Tensor) -> None:
         # acc (H, d, d) += Σ_t x_t x_tᵀ for x (B, H, T, d)
         x = x.detach().to(torch.float64).transpose(0, 1).reshape(x.shape[1], -1, x.shape[-1])  # (H, B·T, d)
-        acc += (x.transpose(1, 2) @ x).cpu()
+        acc += (x.transpose(1, 2) @ x).cpu()  # (H, d, d)
 
     def sink(layer: int, kind: str, x: torch.Tensor) -> None:
         if kind == "k":
@@ -224,7 +225,7 @@ def calibration_batches(token_ids: torch.Tensor, seq_len: int, batch_size: int =
     if n < 1:
         raise ValueError(f"need at least seq_len={seq_len} tokens (and max_tokens >= seq_len), got "
                          f"{token_ids.numel()} tokens, max_tokens={max_tokens}")
-    windows = token_ids[: n * seq_len].view(n, seq_len)
+    windows = token_ids[: n * seq_len].view(n, seq_len)  # (N, T)
     return list(windows.split(batch_size))
 
 

@@ -39,4 +39,4 @@ def chunked_attention(cache: ChunkedCache, layer: int, q: torch.Tensor, scale: f
                 mask = mask.repeat(g, 1)  # (g*Tq, n)
             chunks.append(Chunk(c.a, c.b, c.bk, c.be, mask))
         out[s.sel] = blockwise_attention(q5[s.sel], chunks, scale=scale)
-    return out.reshape(b, hq, tq, cache.value_head_size)
+    return out.reshape(b, hq, tq, cache.value_head_size)  # (B, Hq, Tq, d_v)

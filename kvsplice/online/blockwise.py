@@ -122,7 +122,7 @@ def chunk_logits(q: torch.Tensor, chunk: Chunk, scale: float, dt: torch.dtype) -
     qt = q.to(dt)
     if chunk.key_basis is not None:
         qt = qt @ chunk.key_basis.to(dt)  # (..., Tq, r_k): the query in the chunk's key space, once per chunk
-    logits = (qt @ chunk.keys.to(dt).transpose(-1, -2)) * scale
+    logits = (qt @ chunk.keys.to(dt).transpose(-1, -2)) * scale  # (..., Tq, n)
     if chunk.mask is not None:
         logits = logits.masked_fill(~chunk.mask, float("-inf"))
     return logits
@@ -153,9 +153,10 @@ def blockwise_attention(q: torch.Tensor, chunks: Sequence[Chunk], *, scale: floa
             shared[key] = (c.value_basis, st if key not in shared else merge(shared[key][1], st))
             continue
         if c.value_basis is not None:
+            # S (..., Tq, r_v) → (..., Tq, d_v)
             st = map_values(st, lambda s, e=c.value_basis: s @ e.to(dt).transpose(-1, -2))
         dense = st if dense is None else merge(dense, st)
     for basis, st in shared.values():
-        st = map_values(st, lambda s, e=basis: s @ e.to(dt).transpose(-1, -2))
+        st = map_values(st, lambda s, e=basis: s @ e.to(dt).transpose(-1, -2))  # S (..., Tq, r_v) → (..., Tq, d_v)
         dense = st if dense is None else merge(dense, st)
     return finalize(dense).to(out_dtype or q.dtype)

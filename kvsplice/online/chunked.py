@@ -239,7 +239,7 @@ class ChunkedCache(Cache):
             return x, zeros, torch.zeros_like(zeros, dtype=torch.bool)
         p = basis.to(x.dtype)
         coef = x @ p
-        res = (x - coef @ p.transpose(-1, -2)).norm(dim=-1)
+        res = (x - coef @ p.transpose(-1, -2)).norm(dim=-1)  # (*bs, m)
         crit = res / x.norm(dim=-1).clamp_min(1e-30) if self.relative else res
         return coef, res, crit > tau
 
@@ -275,7 +275,7 @@ class ChunkedCache(Cache):
             log_k, log_v = self._res_log[layer]
             for log, res, x in ((log_k, rk, kx), (log_v, rv, vx)):
                 crit = res / x.norm(dim=-1).clamp_min(1e-30) if self.relative else res
-                log.append(crit.detach().reshape(-1).float().cpu())
+                log.append(crit.detach().reshape(-1).float().cpu())  # (∏bs·m,): one criterion per token
 
     def _open(self, layer: int, s: Stream, start: int, k_first: torch.Tensor, v_first: torch.Tensor) -> None:
         """Open a chunk at ``start`` seeded from the sketches; ``k_first``/``v_first`` ``(*bs, d)``: its first token."""
@@ -314,6 +314,7 @@ class ChunkedCache(Cache):
         def reproject(coef, basis, new_basis, res):
             x = coef.float() @ basis.float().transpose(-1, -2)  # the stored approximation, rebuilt
             c = x @ new_basis.float()
+            # (*bs,): max over the chunk's tokens
             extra = (x - c @ new_basis.float().transpose(-1, -2)).norm(dim=-1).amax(-1)
             return c.to(self.dtype), res + extra  # ‖k − P* k̂‖ ≤ ‖k − k̂‖ + ‖k̂ − P* k̂‖
 
@@ -381,8 +382,8 @@ class ChunkedCache(Cache):
         vh = torch.zeros(self.batch_size, self.n_kv_head, t, self.value_head_size, device=self.device)
         for s in self._streams[layer]:
             for c in s.chunks():
-                ka = c.a.float() if c.bk is None else c.a.float() @ c.bk.float().transpose(-1, -2)
-                vb = c.b.float() if c.be is None else c.b.float() @ c.be.float().transpose(-1, -2)
+                ka = c.a.float() if c.bk is None else c.a.float() @ c.bk.float().transpose(-1, -2)  # (*bs, n, d)
+                vb = c.b.float() if c.be is None else c.b.float() @ c.be.float().transpose(-1, -2)  # (*bs, n, d_v)
                 kh[s.sel][..., c.start : c.start + c.n, :] = ka
                 vh[s.sel][..., c.start : c.start + c.n, :] = vb
         return kh, vh

@@ -73,7 +73,7 @@ class Active:
 
     def close(self) -> StoredChunk:
         """The closed chunk, trimmed to its length (a copy unless the buffer is exactly full)."""
-        c = self.view()
+        c = self.view()  # StoredChunk: a (*bs, n, r_k), b (*bs, n, r_v)
         if self.a_buf.shape[-2] != self.n:
             c.a, c.b = c.a.clone(), c.b.clone()
         return c
@@ -89,6 +89,7 @@ class Stream:
         self.shared_e: Optional[torch.Tensor] = None
 
     def chunks(self) -> list[StoredChunk]:
+        # StoredChunks in token order: a (*bs, n_j, r_k), b (*bs, n_j, r_v)
         return self.closed + ([self.active.view()] if self.active is not None and self.active.n else [])
 
 
@@ -99,7 +100,7 @@ def with_token(basis: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     head, x = basis[..., :-1].double(), x.double()
     u = x
     for _ in range(2):  # Gram–Schmidt twice: orthogonal to working precision even when x nearly lies in the span
-        u = u - (head @ (head.transpose(-1, -2) @ u[..., None]))[..., 0]
+        u = u - (head @ (head.transpose(-1, -2) @ u[..., None]))[..., 0]  # (*bs, d): u minus its projection on head
     norm = u.norm(dim=-1, keepdim=True)
     ok = norm > 1e-6 * x.norm(dim=-1, keepdim=True).clamp_min(1e-30)
     last = torch.where(ok, u / norm.clamp_min(1e-300), basis[..., -1].double())

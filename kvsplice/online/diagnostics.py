@@ -64,7 +64,7 @@ def attention_diagnostics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_h
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, k_hat {tuple(k_hat.shape)}, "
                          f"v {tuple(v.shape)}, v_hat {tuple(v_hat.shape)}")
     g = hq // hkv
-    q5 = q.double().reshape(b, hkv, g, tq, d)
+    q5 = q.double().reshape(b, hkv, g, tq, d)  # (B, Hkv, g, Tq, d): the g query heads of each KV head
     k, k_hat, v, v_hat = (x.double()[:, :, None] for x in (k, k_hat, v, v_hat))  # (B, Hkv, 1, T, ·)
     mask = causal_mask(tq, t, q.device) if causal else None
     logits, alpha, o = reference_attention(q5, k, v, scale, mask)  # (B, Hkv, g, Tq, T), ..., (B, Hkv, g, Tq, d_v)
@@ -118,7 +118,7 @@ def attention_diagnostics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_h
         rep[f"{name}_slack"] = slack(bound, obs)
         rep[f"{name}_tightest"] = tightest(bound, obs)
     if key_residual_recorded is not None:
-        rk = key_residual_recorded.double().reshape(b, hkv, 1, 1)
+        rk = key_residual_recorded.double().reshape(b, hkv, 1, 1)  # (B, Hkv, 1, 1)
         rep["key_residual_recorded"] = mx(rk)
         rec_b = logit_error_bound(q5, rk, scale)  # a-priori: from the cache's own residual maxima
         rep["logit_bound_recorded"] = mx(rec_b)
@@ -127,7 +127,7 @@ def attention_diagnostics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_h
     if value_residual_recorded is not None:
         rep["value_residual_recorded"] = mx(value_residual_recorded.double())
     if out_hat is not None:
-        oh = out_hat.double().reshape(b, hkv, g, tq, -1)
+        oh = out_hat.double().reshape(b, hkv, g, tq, -1)  # (B, Hkv, g, Tq, d_v)
         rep["attend_matches"] = mx((oh - o_hat).abs())
     return rep
 
@@ -150,7 +150,7 @@ def fd_report(cache: ChunkedCache, layer: int, k: torch.Tensor, v: torch.Tensor)
             continue
         x = x.double()
         basis = fd.basis(r).double()  # (B, Hkv, d, r)
-        obs = (x - x @ basis @ basis.transpose(-1, -2)).norm(dim=(-2, -1))
+        obs = (x - x @ basis @ basis.transpose(-1, -2)).norm(dim=(-2, -1))  # (B, Hkv)
         bound = fd.residual_bound(r).sqrt()
         best = torch.linalg.svdvals(x)[..., r:].pow(2).sum(-1).sqrt()
         out[f"fd_residual_{name}"] = float(obs.max())

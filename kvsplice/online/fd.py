@@ -145,7 +145,7 @@ class FrequentDirections:
             raise ValueError(f"basis rank must be in [1, {self.dim}], got {r}")
         full = r > min(2 * self.ell, self.dim)
         _, _, vh = torch.linalg.svd(self.buffer, full_matrices=full)
-        return vh[..., :r, :].transpose(-1, -2).contiguous()
+        return vh[..., :r, :].transpose(-1, -2).contiguous()  # (*batch, dim, r)
 
     def covariance_error_bound(self) -> torch.Tensor:
         """``Δ = Σ δ`` ≥ ``‖AᵀA − SᵀS‖₂`` (a-posteriori; ``≤ ‖A − A_k‖_F²/(ℓ − k)``)."""

@@ -326,8 +326,8 @@ def block_balance(k: torch.Tensor, v: torch.Tensor, T: int, block_size: int = 64
         for a, b, bs in spans:
             pos = cur[:, a:b]  # (H, nb*bs)
             nb = (b - a) // bs
-            kb = torch.gather(kk, 1, pos[..., None].expand(-1, -1, d)).view(h, nb, bs, d)
-            vb = torch.gather(vv, 1, pos[..., None].expand(-1, -1, vv.shape[-1])).view(h, nb, bs, -1)
+            kb = torch.gather(kk, 1, pos[..., None].expand(-1, -1, d)).view(h, nb, bs, d)  # (H, nb, bs, d)
+            vb = torch.gather(vv, 1, pos[..., None].expand(-1, -1, vv.shape[-1])).view(h, nb, bs, -1)  # (H, nb, bs, dv)
             if center:
                 kb = kb - kb.mean(-2, keepdim=True)
             lam_b = lam[:, None].expand(h, nb)
@@ -337,7 +337,7 @@ def block_balance(k: torch.Tensor, v: torch.Tensor, T: int, block_size: int = 64
                                       exact_half=True, chunk=bs, dtype=dtype, device=k.device)
             side = torch.where(uniform_draws((h, nb, 1), generator, dtype, k.device) < 0.5, 1.0, -1.0).to(signs)
             keep = (signs == side).view(h, nb * bs)  # exactly bs/2 per block
-            kept.append(pos[keep].view(h, -1))
+            kept.append(pos[keep].view(h, -1))  # (H, nb·bs/2)
         cur = torch.cat(kept, dim=1) if len(kept) > 1 else kept[0]
         cur = torch.sort(cur, dim=1).values
     done_idx.append(cur)

@@ -91,8 +91,9 @@ class SubsetCache(DecodeCache):
         idx, logw = selector.select(k.reshape(b * h, t, -1), v.reshape(b * h, t, -1), budget)  # (B·Hkv, n_keep)
         n_keep = idx.shape[-1]
         idx = idx.to(k.device)
-        kk = torch.gather(k.reshape(b * h, t, -1), 1, idx[..., None].expand(-1, -1, k.shape[-1]))
-        vv = torch.gather(v.reshape(b * h, t, -1), 1, idx[..., None].expand(-1, -1, v.shape[-1]))
+        kk = torch.gather(k.reshape(b * h, t, -1), 1, idx[..., None].expand(-1, -1, k.shape[-1]))  # (B·Hkv, n_keep, d)
+        vv = torch.gather(v.reshape(b * h, t, -1), 1, idx[..., None].expand(-1, -1, v.shape[-1]))  # (B·Hkv, n_keep, dv)
+        # k (B, Hkv, n_keep, d), v (B, Hkv, n_keep, dv), w (B, Hkv, n_keep, 1)
         out = super().append(layer, k=kk.reshape(b, h, n_keep, -1), v=vv.reshape(b, h, n_keep, -1),
                              w=logw.reshape(b, h, n_keep, 1).to(dtype=self.dtype, device=k.device))
         self.advance(layer, t - n_keep)  # the dropped prompt tokens still count as seen: positions continue

@@ -82,15 +82,18 @@ def layer_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     b, hkv, c, d = k.shape
     n = q.shape[2]
     a = _exact(q, k, v, scale)
-    idx, logw = selector.select(k.reshape(b * hkv, c, d), v.reshape(b * hkv, c, -1), budget)
+    idx, logw = selector.select(k.reshape(b * hkv, c, d), v.reshape(b * hkv, c, -1), budget)  # (B·Hkv, n_keep) each
+    # (B, Hkv, n_keep, d)
     kk = torch.gather(k.reshape(b * hkv, c, d), 1, idx[..., None].expand(-1, -1, d)).view(b, hkv, -1, d)
+    # (B, Hkv, n_keep, dv)
     vv = torch.gather(v.reshape(b * hkv, c, -1), 1, idx[..., None].expand(-1, -1, v.shape[-1])).view(b, hkv, -1,
                                                                                                        v.shape[-1])
     # every query sees every kept key: fold the queries into the head axis (Tq = 1, no causal mask), keeping the
     # grouped layout (query head h, query i) -> KV head h // g
-    qf = q.double().reshape(b, q.shape[1] * n, 1, d)
+    qf = q.double().reshape(b, q.shape[1] * n, 1, d)  # (B, Hq·n, 1, d): one query per row, Tq = 1
+    # logw (B, Hkv, n_keep) → z (B, Hq·n, 1, dv)
     z = weighted_attend(qf, kk.double(), vv.double(), logw.view(b, hkv, -1).double(), scale=scale)
-    z = z.reshape(b, q.shape[1], n, -1)
+    z = z.reshape(b, q.shape[1], n, -1)  # (B, Hq, n, dv)
     err = z - a
     rel = (err.norm() / a.norm()).item()
     rel_q = (err.norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-30)).mean().item()
@@ -102,7 +105,7 @@ def _windows(ids: torch.Tensor, context: int, n_windows: int) -> torch.Tensor:
     n = ids.numel() // context
     if n < 1:
         raise BenchError(f"the text has {ids.numel()} tokens, fewer than one context of {context}")
-    return ids[: min(n, n_windows) * context].view(-1, context)
+    return ids[: min(n, n_windows) * context].view(-1, context)  # (N, C): N windows of C tokens
 
 
 def run_bench(model, tokenizer, data: str, *, layers: Optional[Sequence[int]] = None,

@@ -131,6 +131,7 @@ def run_token_selection(model: nn.Module, idx: torch.Tensor, selector: TokenSele
     finally:
         model.train(was_training)
     logits = torch.cat(logits, dim=1)  # (B, t - p, V)
+    # (B·(t-p), V) logits vs (B·(t-p),) targets
     nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), idx[:, p:].reshape(-1)).item()
     el = torch.empty((), dtype=cache.dtype).element_size()
     a = dec.adapter

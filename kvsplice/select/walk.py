@@ -28,11 +28,11 @@ def kernel_rows(k: torch.Tensor, v: Optional[torch.Tensor], scale: float, value_
     ``κ = exp(⟨k_i,k_j⟩·scale) · (⟨v_i,v_j⟩ + value_offset)``; ``v=None`` is the plain exponential kernel.
     ``value_offset`` may be a tensor broadcasting over the leading dims (one λ per instance).
     """
-    g = torch.exp((k[..., a:b, :] @ k[..., :b, :].transpose(-1, -2)) * scale)
+    g = torch.exp((k[..., a:b, :] @ k[..., :b, :].transpose(-1, -2)) * scale)  # (..., b-a, b)
     if v is None:
         return g
     off = value_offset if not torch.is_tensor(value_offset) else value_offset[..., None, None]
-    return g * ((v[..., a:b, :] @ v[..., :b, :].transpose(-1, -2)) + off)
+    return g * ((v[..., a:b, :] @ v[..., :b, :].transpose(-1, -2)) + off)  # (..., b-a, b)
 
 
 def kernel_diag(k: torch.Tensor, v: Optional[torch.Tensor], scale: float,
@@ -61,7 +61,7 @@ def discrepancy(k: torch.Tensor, v: Optional[torch.Tensor], signs: torch.Tensor,
         b = min(n, a + chunk)
         g = torch.exp((k[..., a:b, :] @ k.transpose(-1, -2)) * scale)  # (..., b-a, n)
         if v is not None:
-            g = g * ((v[..., a:b, :] @ v.transpose(-1, -2)) + value_offset)
+            g = g * ((v[..., a:b, :] @ v.transpose(-1, -2)) + value_offset)  # (..., b-a, n)
         total = total + (e[..., a:b, None] * g * e[..., None, :]).sum((-1, -2))
     return total.clamp_min(0).sqrt()
 
@@ -130,7 +130,7 @@ class WalkResult:
         """Kept indices: a 1-D tensor for one instance, else a list (halves differ in size across instances)."""
         if self.keep.dim() == 1:
             return self.keep.nonzero().squeeze(-1)
-        flat = self.keep.reshape(-1, self.keep.shape[-1])
+        flat = self.keep.reshape(-1, self.keep.shape[-1])  # (∏batch, n): one row per instance
         return [row.nonzero().squeeze(-1) for row in flat]
 
 

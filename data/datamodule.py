@@ -20,8 +20,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from data import stories as story_gen
-from data.errors import OFFLINE_HINT, DataUnavailableError, hub_offline_reason
-from data.shards import EpochSampler, FixedBlocks, RandomBlocks, build_shards, split_tail, write_split
+from data.errors import OFFLINE_HINT, DataConfigError, DataUnavailableError, hub_offline_reason
+from data.shards import (EpochSampler, FixedBlocks, RandomBlocks, ResumableDataLoader, build_shards, split_tail,
+                         write_split)
 from data.sources import file_fingerprint, is_validation_file, iter_stories_from_file, list_story_files
 from data.tokenizer import TextTokenizer, load_gpt2_from_hub, load_tokenizer, train_bpe_tokenizer
 
@@ -95,20 +96,26 @@ class TinyStoriesDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         if synthetic and (path or val_path):
-            raise ValueError("data.synthetic=true and data.path/data.val_path are mutually exclusive")
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
+            raise DataConfigError("data.synthetic=true and data.path/data.val_path are mutually exclusive")
+        for name, value in (("val_fraction", val_fraction),):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+                raise DataConfigError(f"data.{name} must be in (0, 1), got {value!r}")
         for name, value in (
             ("block_size", block_size),
             ("batch_size", batch_size),
             ("synthetic_stories", synthetic_stories),
             ("train_batches_per_epoch", train_batches_per_epoch),
             ("val_batches", val_batches),
+            ("num_workers", num_workers),
+            ("synthetic_vocab_size", synthetic_vocab_size),
+            ("seed", seed),
         ):
-            if value < 1:
-                raise ValueError(f"data.{name} must be >= 1, got {value}")
-        if num_workers < 0:
-            raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
+            low = {"num_workers": 0, "seed": 0, "synthetic_vocab_size": 258}.get(name, 1)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                hint = " (python -m training.fit sets it from --model.block_size)" if name == "block_size" else ""
+                if name == "synthetic_vocab_size":
+                    hint = " (256 bytes + <|endoftext|> + at least one merge)"
+                raise DataConfigError(f"data.{name} must be an integer >= {low}, got {value!r}{hint}")
         self.save_hyperparameters()
         self.path = path
         self.val_path = val_path
@@ -350,20 +357,30 @@ class TinyStoriesDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         """Open the shards (preparing them first if needed) and build the train/validation block datasets."""
-        self._require_meta()
+        meta = self._require_meta()
         assert self.shard_dir is not None
-        self.train_set = RandomBlocks(
-            self.shard_dir / "train.bin", self.block_size, self.train_batches_per_epoch * self.batch_size, self.seed
-        )
-        self.val_set = FixedBlocks(self.shard_dir / "val.bin", self.block_size, self.val_batches * self.batch_size)
+        for split in ("train", "validation"):
+            if not meta["splits"][split]["stories"]:
+                where = {"synthetic": "the synthetic stories", "hub": f"the Hub dataset {self.dataset!r}"}.get(
+                    self.source, f"data.{'val_path' if split == 'validation' and self.val_path else 'path'}="
+                                 f"{self.val_path if split == 'validation' and self.val_path else self.path!r}")
+                raise DataUnavailableError(f"{where}: no {split} stories found (empty stories list or file)")
+        try:
+            self.train_set = RandomBlocks(
+                self.shard_dir / "train.bin", self.block_size, self.train_batches_per_epoch * self.batch_size,
+                self.seed
+            )
+            self.val_set = FixedBlocks(self.shard_dir / "val.bin", self.block_size, self.val_batches * self.batch_size)
+        except DataConfigError as e:
+            raise DataConfigError(f"{e} (model.block_size / data.block_size = {self.block_size})") from None
 
     # ----------------------------------------------------------------------------------------------------------------
     # Loaders
     # ----------------------------------------------------------------------------------------------------------------
-    def _loader(self, dataset: Any, sampler: Any = None) -> DataLoader:
+    def _loader(self, dataset: Any, sampler: Any = None, cls: type[DataLoader] = DataLoader) -> DataLoader:
         if self.num_workers > 0:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no fork warning from the tokenizers library
-        return DataLoader(
+        return cls(
             dataset,
             batch_size=self.batch_size,
             sampler=sampler,
@@ -374,12 +391,22 @@ class TinyStoriesDataModule(L.LightningDataModule):
             drop_last=False,
         )
 
-    def train_dataloader(self) -> DataLoader:
-        """``train_batches_per_epoch`` batches of random blocks, fresh ones each epoch; yields ``(x, y)`` (B, T)."""
+    def train_dataloader(self) -> ResumableDataLoader:
+        """``train_batches_per_epoch`` batches of random blocks, fresh ones each epoch; yields ``(x, y)`` (B, T).
+
+        The loader is resumable (Lightning's stateful-dataloader protocol, see
+        :class:`~data.shards.ResumableDataLoader`): a checkpoint stores how far into the epoch training got and a
+        resumed run continues with exactly the batches the uninterrupted run would have seen. With several devices
+        the sampler splits each epoch's draws between the ranks itself (an :class:`~data.shards.EpochSampler` is a
+        ``DistributedSampler``, so Lightning does not wrap it).
+        """
         if self.train_set is None:
             self.setup("fit")
         assert self.train_set is not None
-        return self._loader(self.train_set, EpochSampler(len(self.train_set)))
+        trainer = self.trainer
+        world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        sampler = EpochSampler(len(self.train_set), num_replicas=world, rank=rank)
+        return self._loader(self.train_set, sampler, cls=ResumableDataLoader)  # type: ignore[return-value]
 
     def val_dataloader(self) -> DataLoader:
         """``val_batches`` batches of fixed, evenly spaced validation blocks; yields ``(x, y)`` (B, T)."""

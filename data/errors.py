@@ -6,7 +6,7 @@ import os
 import socket
 from urllib.parse import urlparse
 
-__all__ = ["OFFLINE_HINT", "DataUnavailableError", "hub_offline_reason"]
+__all__ = ["OFFLINE_HINT", "BadTextError", "DataConfigError", "DataUnavailableError", "hub_offline_reason"]
 
 #: How to train without any download; appended to "no data" errors.
 OFFLINE_HINT = (
@@ -31,6 +31,16 @@ class DataUnavailableError(RuntimeError):
     def __init__(self, message: str, reason: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class BadTextError(DataUnavailableError):
+    """A text file that cannot be training/calibration text: empty, or binary/garbage bytes (see
+    :func:`data.sources.check_text_file`). A :class:`DataUnavailableError`, so existing handlers catch it."""
+
+
+class DataConfigError(ValueError):
+    """An invalid data setting (``data.batch_size 0``, ``data.block_size`` longer than the data, ...). The one-line
+    message names the option; a ``ValueError`` as before, so callers catching that keep working."""
 
 
 def hub_offline_reason(timeout: float = 3.0) -> str | None:

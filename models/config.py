@@ -1,10 +1,17 @@
-"""One typed config for every GPT-2 variant (MHA, MLA, MLA + KVSplice), plus named presets."""
+"""One typed config for every GPT-2 variant (MHA, MLA, MLA + KVSplice), plus named presets.
+
+Training configs (``configs/NAME.yaml``) are found relative to the package, not the current directory
+(:data:`CONFIG_DIR`, :func:`config_path`); :meth:`GPTConfig.from_name` / :meth:`GPTConfig.from_file` read their
+``model:`` section.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
-from typing import Literal, Optional
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
 
 Attention = Literal["mha", "mla"]
 AttnBackend = Literal["auto", "flash", "sdpa"]
@@ -13,6 +20,38 @@ MLAImpl = Literal["absorb", "naive"]
 ATTENTIONS = ("mha", "mla")
 ATTN_BACKENDS = ("auto", "flash", "sdpa")
 MLA_IMPLS = ("absorb", "naive")
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+"""The project's training configs (``configs/`` next to the ``models`` package, whatever the current directory)."""
+
+
+class ConfigNotFoundError(ValueError):
+    """A config name or path that names no file; the one-line message lists the available names."""
+
+
+def available_configs(config_dir: Path = CONFIG_DIR) -> list[str]:
+    """Names (file stems) of the ``*.yaml`` configs in ``config_dir``, sorted."""
+    return sorted(p.stem for p in config_dir.glob("*.yaml")) if config_dir.is_dir() else []
+
+
+def config_path(name: Union[str, "os.PathLike[str]"], config_dir: Path = CONFIG_DIR) -> Path:
+    """The config file for ``name``: an existing file path as given, else ``config_dir/NAME`` or
+    ``config_dir/NAME.yaml`` (``config_dir`` defaults to the package's ``configs/``, so any working directory works).
+
+    Raises:
+        ConfigNotFoundError: nothing matches; the message lists the available names.
+    """
+    value = str(name)
+    p = Path(value).expanduser()
+    if p.is_file():
+        return p
+    if not p.is_absolute():
+        for cand in (config_dir / value, config_dir / f"{value}.yaml"):
+            if cand.is_file():
+                return cand
+    available = ", ".join(available_configs(config_dir)) or "none"
+    raise ConfigNotFoundError(f"config {value!r}: no such file and no {config_dir}/{p.stem}.yaml "
+                              f"(available: {available})")
 
 
 @dataclass
@@ -63,6 +102,9 @@ class GPTConfig:
                  "MLA latent)", r)
             need(round(self.d_latent * r) >= 1, "kvsplice_ratio", f"large enough that round(d_latent * ratio) >= 1 "
                  f"(d_latent={self.d_latent})", r)
+        if self.attention == "mla":  # last: the checks above name the field the user actually got wrong
+            need(self.d_latent <= self.d_model, "d_latent", f"<= d_model={self.d_model} for attention='mla' (the "
+                 f"latent compresses K/V; a larger one would cache more than it saves)", self.d_latent)
 
     # ------------------------------------------------------------------------------------------------ derived
     @property
@@ -102,6 +144,52 @@ class GPTConfig:
         if unknown:
             raise ValueError(f"GPTConfig got unknown fields {unknown}; known fields: {sorted(names)}")
         return cls(**d)
+
+    @classmethod
+    def from_file(cls, path: Union[str, "os.PathLike[str]"], **overrides: Any) -> "GPTConfig":
+        """The ``model:`` section of a training YAML (``configs/*.yaml`` or a run's ``config.yaml``) as a config.
+
+        Keys that are not GPTConfig fields (``learning_rate``, ``warmup_steps``, ``vocab_multiple``...) are ignored;
+        a LightningCLI ``model: {class_path: ..., init_args: {...}}`` section is read from its ``init_args``.
+        ``vocab_size`` is usually not in a training YAML (the CLI links it from the tokenizer): it then keeps the
+        default unless given in ``overrides``, which replace any field.
+
+        Raises:
+            ValueError: the file is missing, is not YAML, has no ``model:`` mapping, or the values are invalid
+                (the message names the file and the field).
+        """
+        import yaml
+
+        p = Path(path).expanduser()
+        try:
+            data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise ValueError(f"{p}: cannot read config ({e.strerror or type(e).__name__})") from None
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ValueError(f"{p}: not a valid YAML file ({str(e).splitlines()[0]})") from None
+        model = data.get("model") if isinstance(data, dict) else None
+        if isinstance(model, dict) and isinstance(model.get("init_args"), dict):
+            model = model["init_args"]
+        if not isinstance(model, dict):
+            raise ValueError(f"{p}: no 'model:' section with GPTConfig fields")
+        names = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in model.items() if k in names}
+        fields.update(overrides)
+        try:
+            return cls.from_dict(fields)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{p}: {e}") from None
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> "GPTConfig":
+        """:meth:`from_file` of ``configs/NAME.yaml`` in the package's config folder (:data:`CONFIG_DIR`, found from
+        the package location, not the current directory); a path to a YAML file works too.
+
+        Raises:
+            ConfigNotFoundError: no such config (the message lists the available names).
+            ValueError: the file's ``model:`` section is invalid.
+        """
+        return cls.from_file(config_path(name), **overrides)
 
 
 def _gpt2_124m(**kw) -> GPTConfig:

@@ -114,9 +114,9 @@ class LitGPT(L.LightningModule):
         self.save_hyperparameters()
         if vocab_multiple < 1:
             raise TrainingConfigError(f"model.vocab_multiple must be >= 1, got {vocab_multiple}")
-        if learning_rate <= 0:
-            raise TrainingConfigError(f"model.learning_rate must be > 0, got {learning_rate}")
-        if weight_decay < 0:
+        if not learning_rate > 0 or not math.isfinite(learning_rate):
+            raise TrainingConfigError(f"model.learning_rate must be a finite number > 0, got {learning_rate}")
+        if not weight_decay >= 0:
             raise TrainingConfigError(f"model.weight_decay must be >= 0, got {weight_decay}")
         if warmup_steps < 0:
             raise TrainingConfigError(f"model.warmup_steps must be >= 0, got {warmup_steps}")
@@ -124,6 +124,8 @@ class LitGPT(L.LightningModule):
             raise TrainingConfigError(f"model.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
             raise TrainingConfigError(f"model.betas must be two numbers in [0, 1), got {betas}")
+        if not eps > 0:
+            raise TrainingConfigError(f"model.eps must be > 0, got {eps}")
         padded = int(math.ceil(vocab_size / vocab_multiple) * vocab_multiple)
         values = dict(locals())
         fields = {f: values[f] for f in _GPT_FIELDS}

@@ -1,24 +1,102 @@
-"""Lightning's side of safe checkpoint loading: resumes (``--ckpt_path``) go through :mod:`models.checkpoint`.
+"""Lightning's side of safe checkpoints: resumes (``--ckpt_path``) load through :mod:`models.checkpoint`, saves are
+atomic with their temporary file next to the checkpoint.
 
 The loader itself (``weights_only=True``, one clear :class:`~models.checkpoint.CheckpointError`) lives in
 :mod:`models.checkpoint` so that evaluation and post-training tools can load checkpoints without Lightning; it is
 re-exported here.
+
+Saving: :func:`atomic_save` writes ``.<name>.<pid>.tmp`` in the checkpoint's own folder, fsyncs it and renames it
+over ``<name>`` (``os.replace``: atomic on one filesystem). A process killed mid-write leaves the previous checkpoint
+intact and at most that temporary file, which :func:`remove_stale_temp_files` deletes when the run is started or
+resumed again. (Lightning's default writer stages the file in the system temp folder, where a killed write is never
+cleaned up, and copies it across filesystems.)
 """
 
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
 from typing import Any, Callable, Optional
+
+import torch
 
 from models.checkpoint import (CKPT_FORMAT, CKPT_FORMAT_KEY, GPT_CONFIG_KEY, CheckpointError, PathLike,
                                load_checkpoint, load_model)
 
-__all__ = ["CKPT_FORMAT", "CKPT_FORMAT_KEY", "GPT_CONFIG_KEY", "CheckpointError", "load_checkpoint", "load_model",
-           "safe_checkpoint_io"]
+__all__ = ["CKPT_FORMAT", "CKPT_FORMAT_KEY", "GPT_CONFIG_KEY", "CheckpointError", "atomic_save", "load_checkpoint",
+           "load_model", "remove_stale_temp_files", "safe_checkpoint_io"]
+
+_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.tmp$")
+
+
+def _temp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def atomic_save(obj: Any, path: PathLike) -> None:
+    """``torch.save(obj, path)`` atomically: write ``.<name>.<pid>.tmp`` beside ``path``, fsync, rename over it.
+
+    Readers (and a resumed run) see either the old file or the complete new one, never a partial file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # an exception (not a kill) leaves nothing behind
+        raise
+    try:  # make the rename itself durable
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether another live process has this pid (our own pid counts as dead: a container restart reuses pids, and
+    this is only called before this process writes any checkpoint)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists but not ours (EPERM)
+        return True
+    return True
+
+
+def remove_stale_temp_files(folder: PathLike) -> list[Path]:
+    """Delete the temporary files that killed :func:`atomic_save` calls left in ``folder`` (``.<name>.<pid>.tmp``
+    whose process is gone); returns what was removed. Files of another live process are left alone. Call it before
+    this process saves into ``folder`` (a run's start or resume)."""
+    folder = Path(folder)
+    removed: list[Path] = []
+    if not folder.is_dir():
+        return removed
+    for f in folder.iterdir():
+        m = _TEMP.match(f.name)
+        if m and f.is_file() and not _pid_alive(int(m["pid"])):
+            f.unlink(missing_ok=True)
+            removed.append(f)
+    return removed
 
 
 def safe_checkpoint_io():
-    """A Lightning ``CheckpointIO`` that always loads with ``weights_only=True`` and raises :class:`CheckpointError`
-    (Lightning is imported only here, so ``load_model`` stays light for evaluation tools)."""
+    """A Lightning ``CheckpointIO`` that always loads with ``weights_only=True`` and raises :class:`CheckpointError`,
+    and saves with :func:`atomic_save` (Lightning is imported only here, so ``load_model`` stays light for
+    evaluation tools)."""
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
     class SafeCheckpointIO(TorchCheckpointIO):
@@ -29,5 +107,12 @@ def safe_checkpoint_io():
             weights_only: Optional[bool] = None,
         ) -> dict[str, Any]:
             return load_checkpoint(path, map_location=map_location)  # weights_only=True whatever is asked
+
+        def save_checkpoint(  # type: ignore[override]
+            self, checkpoint: dict[str, Any], path: PathLike, storage_options: Optional[Any] = None
+        ) -> None:
+            if storage_options is not None:
+                raise TypeError(f"SafeCheckpointIO.save_checkpoint takes no storage_options, got {storage_options}")
+            atomic_save(checkpoint, path)
 
     return SafeCheckpointIO()

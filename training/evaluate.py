@@ -10,8 +10,9 @@ For each checkpoint (loaded with ``weights_only=True``, see :mod:`training.check
 * sample generations from fixed prompts through the (compressed) cache.
 
 Several checkpoints → one markdown table on stdout (``--json FILE`` writes everything, and the plots
-``quality_vs_cache.png`` and ``val_loss.png`` next to it). A missing, corrupt, unsafe or foreign checkpoint gives one
-``error: ...`` line and exit status 2.
+``quality_vs_cache.png`` and ``val_loss.png`` next to it; an existing ``FILE`` is only replaced with ``--force``).
+Bad input — a malformed option, a missing, corrupt, unsafe or foreign checkpoint, data that is not text — gives one
+``error: ...`` line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -38,6 +39,24 @@ PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "The dog was
 
 class EvalError(RuntimeError):
     """Bad input for the evaluation (a reason to stop with one clear line)."""
+
+
+class _UsageError(Exception):
+    """A malformed command line (argparse's message, printed as one ``error:`` line)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _UsageError(message)
+
+
+def _bool(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("true", "1", "yes", "on"):
+        return True
+    if v in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
 def _datamodule(meta: dict, overrides: dict, block_size: int, tokens: int, batch_size: int):
@@ -179,8 +198,8 @@ def markdown_table(rows: Sequence[dict[str, Any]], dtype: str, device: str) -> s
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m training.evaluate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = _Parser(prog="python -m training.evaluate", description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ckpt", action="append", required=True, help="checkpoint file (repeat for a comparison)")
     p.add_argument("--tokens", type=int, default=16384, help="validation tokens to average the loss over")
     p.add_argument("--batch-size", type=int, default=8, help="validation batch size")
@@ -195,23 +214,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--data.path", dest="data_path", default=None, help="override the validation text")
     p.add_argument("--data.tokenizer_path", dest="data_tokenizer_path", default=None)
-    p.add_argument("--data.synthetic", dest="data_synthetic", default=None, type=lambda s: s.lower() == "true",
+    p.add_argument("--data.synthetic", dest="data_synthetic", default=None, type=_bool,
                    help="true: the embedded offline stories")
     p.add_argument("--data.cache_dir", dest="data_cache_dir", default=None)
     p.add_argument("--json", default=None, help="write all results (and plots next to it)")
+    p.add_argument("--force", action="store_true", help="replace an existing --json file (and its plots)")
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    for name in ("tokens", "batch_size", "context", "cache_tokens", "decode_tokens", "repeats"):
+def _check_args(args: argparse.Namespace) -> None:
+    """Option values the parser cannot check (raises :class:`EvalError` naming the option)."""
+    for name in ("tokens", "batch_size", "context", "cache_tokens", "decode_tokens", "repeats", "prompt_len"):
         if getattr(args, name) < 1:
-            print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return EXIT_ERROR
-    if args.json and Path(args.json).is_dir():
-        print(f"error: --json {args.json} is a directory; give a file name", file=sys.stderr)
-        return EXIT_ERROR
+            raise EvalError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.sample_tokens < 0:
+        raise EvalError(f"--sample-tokens must be >= 0, got {args.sample_tokens}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        raise EvalError(f"--device {args.device!r}: {str(e).splitlines()[0]}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EvalError(f"--device {args.device}: CUDA is not available on this machine (use --device cpu)")
+    if args.json:
+        out = Path(args.json)
+        if out.is_dir():
+            raise EvalError(f"--json {args.json} is a directory; give a file name")
+        if out.exists() and not args.force:
+            raise EvalError(f"--json {args.json} already exists (use --force to overwrite)")
+        if out.parent.exists() and not out.parent.is_dir():
+            raise EvalError(f"--json {args.json}: {out.parent} is not a directory")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Evaluate the checkpoints of ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     from data import DataUnavailableError
+
+    try:
+        args = build_parser().parse_args(argv)
+        _check_args(args)
+    except (_UsageError, EvalError) as e:
+        print(f"error: {' '.join(str(e).split())} (python -m training.evaluate --help lists the options)"
+              if isinstance(e, _UsageError) else f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_ERROR
 
     rows = []
     try:
@@ -219,7 +263,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"evaluating {path} ...", file=sys.stderr)
             rows.append(evaluate_checkpoint(path, args))
     except (CheckpointError, EvalError, DataUnavailableError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_ERROR
     print(markdown_table(rows, args.dtype, args.device))
     for r in rows:
@@ -228,8 +272,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"  {s['text']!r}")
     if args.json:
         out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"dtype": args.dtype, "device": args.device, "rows": rows}, indent=2))
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_name(f".{out.name}.tmp")
+            tmp.write_text(json.dumps({"dtype": args.dtype, "device": args.device, "rows": rows}, indent=2))
+            tmp.replace(out)
+        except OSError as e:
+            print(f"error: --json {args.json}: cannot write ({e.strerror or type(e).__name__})", file=sys.stderr)
+            return EXIT_ERROR
         from kvsplice.report.plots import plot_quality_vs_cache, plot_val_loss
 
         plot_quality_vs_cache(rows, out.with_name(out.stem + "_quality_vs_cache.png"))

@@ -1,0 +1,301 @@
+"""The Lightning side of ``python -m training.fit``: :class:`KVSpliceCLI` (a ``LightningCLI``) and its callbacks.
+
+* :class:`KVSpliceCLI` — :class:`models.lit.LitGPT` + :class:`data.TinyStoriesDataModule`, always fitting; adds
+  ``--run_name``, ``--runs_dir``, ``--ckpt_path``, ``--overwrite``, ``--wandb.*`` and ``--torch_threads``; places the run
+  with :func:`training.rundir.plan_run` (never into an earlier run's directory); shortens the warmup (and the
+  validation interval) of short smoke runs; logs to W&B (offline by default) + ``metrics.csv``; checkpoints
+  atomically to the run directory.
+* :class:`RunFiles` — the run directory's files: removes stale temporary files (and, with ``--overwrite``, the
+  earlier run's files) when training is about to start, writes ``config.yaml`` / ``wandb_id.txt`` when it starts
+  (never for a resume that fails), trims ``metrics.csv`` to the resumed step, flushes it at every checkpoint.
+
+Lightning is imported at module import; :mod:`training.fit` imports this module only after the argv checks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+
+from data import TinyStoriesDataModule
+from models.lit import LitGPT, check_schedule
+from training.checkpoint import remove_stale_temp_files, safe_checkpoint_io
+from training.loggers import RunCSVLogger
+from training.rundir import WANDB_ID_FILE, CLIConfigError, RunPlan, clear_run_files, plan_run
+
+__all__ = ["KVSpliceCLI", "RunFiles", "WandbSettings", "shorten_schedule"]
+
+#: Keys of the CLI's own options that never go into a saved config (re-running a config is a new run).
+_NOT_SAVED = {"ckpt_path": None, "overwrite": False}
+_BEST_STEP = re.compile(r"^best-step=(\d+)")
+
+
+def note(message: str) -> None:
+    """One ``note: ...`` line on stderr (rank 0 only under DDP)."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0:
+        print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class WandbSettings:
+    """Weights & Biases logging. ``offline`` (default) writes the run under ``<run dir>/wandb/`` without an account or
+    network (upload later with ``wandb sync <run dir>/wandb/offline-run-*``); ``online`` streams to wandb.ai (run
+    ``wandb login`` first); ``disabled`` skips W&B (CSV metrics are still written). A resumed run continues the same
+    W&B run (its id is kept in ``<run dir>/wandb_id.txt``)."""
+
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "kvsplice"
+    entity: Optional[str] = None
+
+
+def _new_wandb_id() -> str:
+    """A new W&B run id: 8 random lowercase letters/digits (W&B's own format)."""
+    import secrets
+    import string
+
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))
+
+
+def shorten_schedule(warmup_steps: int, max_steps: int, warmup_explicit: bool) -> tuple[int, Optional[str]]:
+    """``(warmup_steps, note)`` for a run of ``max_steps``: a configured warmup that does not fit a shortened run
+    (``warmup_steps >= max_steps``) becomes 10 % of ``max_steps`` with a note, unless the user set it explicitly
+    (then :func:`models.lit.check_schedule` reports the conflict)."""
+    if warmup_explicit or max_steps is None or max_steps < 1 or warmup_steps < max_steps:
+        return warmup_steps, None
+    new = max_steps // 10
+    return new, (f"model.warmup_steps {warmup_steps} does not fit trainer.max_steps {max_steps}: using "
+                 f"warmup_steps {new} (10% of max_steps); set --model.warmup_steps to choose")
+
+
+class RunFiles(SaveConfigCallback):
+    """Writes the run directory's own files at the right moments (rank 0). See the module docstring.
+
+    Args:
+        parser, config: from LightningCLI (the resolved config, saved as ``config.yaml``).
+        plan: where and how this run writes (:func:`training.rundir.plan_run`).
+        wandb_id: the W&B run id to record (``None`` without W&B).
+    """
+
+    def __init__(self, parser: LightningArgumentParser, config: Any, plan: Optional[RunPlan] = None,
+                 wandb_id: Optional[str] = None, **kwargs: Any) -> None:
+        kwargs.pop("save_to_log_dir", None)
+        kwargs.pop("overwrite", None)
+        super().__init__(parser, config, save_to_log_dir=False, overwrite=True, **kwargs)
+        self.plan = plan if plan is not None else RunPlan(Path("."))
+        self.wandb_id = wandb_id
+
+    # --------------------------------------------------------------------------------------------- helpers
+    @property
+    def run_dir(self) -> Path:
+        return self.plan.run_dir
+
+    def _config_to_save(self) -> Any:
+        cfg = self.config.clone()
+        for key, value in _NOT_SAVED.items():
+            if key in cfg:
+                cfg[key] = value
+        cfg["run_name"] = self.plan.run_name
+        return cfg
+
+    def _write_config(self, path: Path, cfg: Any) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        self.parser.save(cfg, str(tmp), overwrite=True, multifile=False)
+        os.replace(tmp, path)
+
+    def save_config(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Unused: the config is written by :meth:`on_train_start`, once any checkpoint has loaded."""
+
+    # --------------------------------------------------------------------------------------------- hooks
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Data and model are built and checked: prepare the directory (nothing of the new run is written yet)."""
+        if stage != "fit" or not trainer.is_global_zero:
+            return
+        if self.plan.clear:
+            clear_run_files(self.run_dir)
+        remove_stale_temp_files(self.run_dir)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Any checkpoint has loaded: write the config and W&B id, trim ``metrics.csv`` to the resumed step."""
+        step = int(trainer.global_step)
+        for logger in trainer.loggers:
+            if isinstance(logger, RunCSVLogger):
+                logger.resume_at(step)
+        if not trainer.is_global_zero:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg = self._config_to_save()
+        saved = self.run_dir / self.config_filename
+        if not self.plan.resume or not saved.is_file():
+            self._write_config(saved, cfg)
+        else:  # keep the run's config; record changed options of this resume next to it
+            old = yaml.safe_load(saved.read_text()) or {}
+            new = yaml.safe_load(self.parser.dump(cfg)) or {}
+            if {k: v for k, v in old.items() if k != "run_name"} != {k: v for k, v in new.items() if k != "run_name"}:
+                self._write_config(self.run_dir / f"config.resume-{step}.yaml", cfg)
+        if self.wandb_id is not None:
+            id_file = self.run_dir / WANDB_ID_FILE
+            if not id_file.is_file() or id_file.read_text().strip() != self.wandb_id:
+                id_file.write_text(self.wandb_id + "\n")
+        if self.plan.resume:  # best checkpoints a killed run saved after the one resumed from are stale
+            for f in self.run_dir.glob("best-*.ckpt"):
+                m = _BEST_STEP.match(f.name)
+                if m and int(m.group(1)) > step:
+                    f.unlink(missing_ok=True)
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """Rows logged up to this checkpoint reach ``metrics.csv`` before the checkpoint file does."""
+        for logger in trainer.loggers:
+            if isinstance(logger, RunCSVLogger):
+                logger.save()
+
+
+class KVSpliceCLI(LightningCLI):
+    """LightningCLI for :class:`models.lit.LitGPT` + :class:`data.TinyStoriesDataModule`, always fitting.
+
+    Adds ``--run_name``, ``--runs_dir``, ``--ckpt_path``, ``--overwrite``, ``--torch_threads`` and ``--wandb.*``; links
+    ``data.vocab_size`` → ``model.vocab_size`` (at instantiation) and ``model.block_size`` → ``data.block_size``; by
+    default logs to W&B (offline) + CSV and checkpoints to the run directory.
+
+    Args:
+        args: the command line (``--config`` already resolved to paths, see :func:`training.fit.prepare_args`).
+        default_run_name: run name when ``--run_name`` is not given (the config file's name).
+    """
+
+    def __init__(self, args: list[str], default_run_name: Optional[str]) -> None:
+        self._default_run_name = default_run_name or "run"
+        self._args = list(args)
+        self.plan: Optional[RunPlan] = None
+        self.wandb_id: Optional[str] = None
+        super().__init__(
+            LitGPT,
+            TinyStoriesDataModule,
+            args=args,
+            run=False,
+            save_config_callback=RunFiles,
+            seed_everything_default=1337,
+            auto_configure_optimizers=False,
+            parser_kwargs={
+                "prog": "python -m training.fit",
+                "exit_on_error": False,  # parse errors raise -> main prints one "error: ..." line
+                "description": "Train GPT-2 / MLA / MLA+KVSplice: python -m training.fit --config NAME "
+                               "[--section.option VALUE ...]",
+            },
+        )
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        self.config = parser.parse_args(args)  # no "args and sys.argv both given" warning: argv is rewritten
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--run_name", type=Optional[str], default=self._default_run_name,
+                            help="run directory name under --runs_dir (default: the config file's name); if it holds "
+                                 "an earlier run, a new run goes to NAME-v1, NAME-v2, ...")
+        parser.add_argument("--runs_dir", type=str, default="checkpoints",
+                            help="parent folder of run directories (checkpoints, config.yaml, metrics.csv, wandb)")
+        parser.add_argument("--ckpt_path", type=Optional[str], default=None,
+                            help="resume from 'last' (this run's last.ckpt), 'best' (its best-*.ckpt) or a "
+                                 "checkpoint path; the run directory is continued (its config.yaml is kept)")
+        parser.add_argument("--overwrite", type=bool, default=False,
+                            help="replace the earlier run in the run directory instead of starting NAME-vN")
+        parser.add_argument("--wandb", type=WandbSettings, default=WandbSettings())
+        parser.add_argument("--torch_threads", type=Optional[int], default=None,
+                            help="torch.set_num_threads for CPU training (default: PyTorch's choice, one per "
+                                 "core); 1 is often faster on a machine busy with other work")
+        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+        parser.link_arguments("model.block_size", "data.block_size")
+
+    # ------------------------------------------------------------------------------------------ checks
+    def _given(self, option: str) -> bool:
+        """Whether ``option`` (e.g. ``--model.warmup_steps``) is on the command line itself."""
+        return any(a == option or a.startswith(option + "=") for a in self._args)
+
+    def before_instantiate_classes(self) -> None:
+        """Validate the CLI options and place the run before anything is built or written."""
+        cfg = self.config
+        run_name = self._get(cfg, "run_name") or self._default_run_name
+        self.plan = plan_run(self._get(cfg, "runs_dir"), run_name, self._get(cfg, "ckpt_path"),
+                             bool(self._get(cfg, "overwrite")))
+        threads = self._get(cfg, "torch_threads")
+        if threads is not None and threads < 1:
+            raise CLIConfigError(f"--torch_threads must be >= 1, got {threads}")
+
+        model, trainer = self._get(cfg, "model"), self._get(cfg, "trainer")
+        max_steps = trainer.max_steps
+        warmup, msg = shorten_schedule(int(model.warmup_steps), max_steps,
+                                       self._given("--model.warmup_steps"))
+        if msg:
+            model.warmup_steps = warmup
+        check_schedule(int(model.warmup_steps), int(max_steps))
+        notes = list(self.plan.notes) + ([msg] if msg else [])
+        interval, accumulate = trainer.val_check_interval, trainer.accumulate_grad_batches or 1
+        if (isinstance(interval, int) and not isinstance(interval, bool) and trainer.check_val_every_n_epoch is None
+                and interval > max_steps * accumulate and not self._given("--trainer.val_check_interval")):
+            trainer.val_check_interval = max_steps * accumulate
+            notes.append(f"trainer.val_check_interval {interval} is beyond this run's {max_steps * accumulate} "
+                         f"training batches: validating (and checkpointing) at its end instead")
+        for line in notes:
+            note(line)
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+
+    # ------------------------------------------------------------------------------------------ trainer
+    def _default_loggers(self, run_dir: Path) -> list[Any]:
+        loggers: list[Any] = []
+        wb: WandbSettings = self._get(self.config_init, "wandb")
+        if wb.mode != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
+            if wb.mode == "offline":
+                os.environ["WANDB_MODE"] = "offline"
+            from lightning.pytorch.loggers import WandbLogger
+
+            assert self.plan is not None
+            id_file = run_dir / WANDB_ID_FILE
+            stored = id_file.read_text().strip() if self.plan.resume and id_file.is_file() else ""
+            self.wandb_id = stored or _new_wandb_id()
+            loggers.append(WandbLogger(name=self.plan.run_name, project=wb.project, entity=wb.entity,
+                                       save_dir=str(run_dir), offline=wb.mode == "offline", log_model=False,
+                                       id=self.wandb_id, resume="allow"))
+        loggers.append(RunCSVLogger(str(run_dir)))
+        return loggers
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        assert self.plan is not None
+        run_dir = self.plan.run_dir
+        trainer_cfg = self._get(self.config_init, "trainer", default={})
+        if trainer_cfg.get("logger") is None:
+            kwargs["logger"] = self._default_loggers(run_dir)
+        if trainer_cfg.get("default_root_dir") is None:
+            kwargs["default_root_dir"] = str(run_dir)
+        user_cbs = trainer_cfg.get("callbacks") or []
+        user_cbs = user_cbs if isinstance(user_cbs, list) else [user_cbs]
+        extra = []
+        if not any(isinstance(cb, ModelCheckpoint) for cb in user_cbs):
+            extra.append(ModelCheckpoint(dirpath=str(run_dir), filename="best-{step}-{val_loss:.4f}",
+                                         monitor="val_loss", mode="min", save_top_k=1, save_last=True))
+        self.trainer_defaults["callbacks"] = extra
+        self.save_config_kwargs.update(plan=self.plan, wandb_id=self.wandb_id)
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except (MisconfigurationException, ValueError, TypeError) as e:  # Lightning's checks of --trainer.* values
+            raise CLIConfigError(f"trainer: {e}") from None
+        trainer.strategy.checkpoint_io = safe_checkpoint_io()  # loads with weights_only=True, saves atomically
+        return trainer
+
+    # ------------------------------------------------------------------------------------------ fit
+    def fit(self) -> None:
+        assert self.plan is not None
+        check_schedule(int(self.model.hparams.warmup_steps), int(self.trainer.max_steps))
+        self.trainer.fit(self.model, datamodule=self.datamodule, ckpt_path=self.plan.ckpt_path, weights_only=True)

@@ -1,5 +1,6 @@
 """Model configs for the tools: a :class:`~models.config.GPTConfig` from a preset name, a training YAML, or the
-stem of a YAML under the package's ``configs/`` directory."""
+stem of a YAML under the package's ``configs/`` directory (:data:`models.config.CONFIG_DIR`). Besides what
+:meth:`GPTConfig.from_file` reads, a YAML may name a ``preset:`` plus field overrides or nest the fields one level."""
 
 from __future__ import annotations
 
@@ -7,12 +8,9 @@ import dataclasses
 from pathlib import Path
 
 from kvsplice.io.cli import UsageError
-from models.config import PRESETS, GPTConfig, preset
+from models.config import CONFIG_DIR, PRESETS, GPTConfig, available_configs, preset
 
-__all__ = ["CONFIG_DIR", "available_yaml_configs", "config_from_yaml", "resolve_config"]
-
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-"""``configs/`` next to the packages (found from this file, not from the current directory)."""
+__all__ = ["config_from_yaml", "resolve_config"]
 
 
 def config_from_yaml(path: str | Path) -> GPTConfig:
@@ -53,10 +51,6 @@ def config_from_yaml(path: str | Path) -> GPTConfig:
         raise UsageError(f"{path}: {e}") from None
 
 
-def available_yaml_configs() -> list[str]:
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.y*ml")) if CONFIG_DIR.is_dir() else []
-
-
 def resolve_config(spec: str) -> tuple[str, GPTConfig, str]:
     """``(label, cfg, source)`` for a preset name, a YAML path, or the stem of a YAML under ``configs/``."""
     if spec in PRESETS:
@@ -70,4 +64,4 @@ def resolve_config(spec: str) -> tuple[str, GPTConfig, str]:
     if p.suffix in (".yaml", ".yml"):
         raise UsageError(f"config file not found: {spec}")
     raise UsageError(f"unknown config {spec!r}: not a preset ({', '.join(sorted(PRESETS))}) nor a YAML file "
-                     f"(configs/: {', '.join(available_yaml_configs()) or 'none'})")
+                     f"(configs/: {', '.join(available_configs()) or 'none'})")

@@ -163,6 +163,9 @@ class TinyStoriesDataModule(L.LightningDataModule):
             DataUnavailableError: it needs the Hub and the Hub is unreachable (or files are missing).
         """
         if self._tokenizer is None:
+            if self.path:
+                self._local_files()  # missing, empty or garbage data is named before any tokenizer problem
+            self._check_cache_dir()
             if self.tokenizer_path:
                 self._tokenizer = load_tokenizer(self.tokenizer_path)
             elif self.synthetic:
@@ -175,6 +178,18 @@ class TinyStoriesDataModule(L.LightningDataModule):
                         raise self._hub_unavailable(e.reason or str(e)) from None
                     raise
         return self._tokenizer
+
+    def _check_cache_dir(self) -> None:
+        """``cache_dir`` must be (or become) a writable folder: one clear error instead of an OSError later."""
+        d = self.cache_dir
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DataUnavailableError(f"data.cache_dir={str(d)!r} cannot be created ({e.strerror or type(e).__name__}"
+                                       f"): set --data.cache_dir to a writable folder") from None
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise DataUnavailableError(f"data.cache_dir={str(d)!r} is not writable: set --data.cache_dir to a "
+                                       f"writable folder")
 
     def _synthetic_tokenizer(self) -> TextTokenizer:
         """Byte-level BPE trained on the first (up to) ``SYNTHETIC_TOKENIZER_STORIES`` synthetic training stories,
@@ -288,8 +303,14 @@ class TinyStoriesDataModule(L.LightningDataModule):
                 yield from iter_stories_from_file(f)
 
         stats = {"train": write_split(stream(train), tmp / "train.bin", tok, f"tokenizing {self.path}")}
+        if not stats["train"]["stories"]:
+            raise DataUnavailableError(f"data.path={str(self.path)!r}: no stories found (an empty stories list or "
+                                       f"file): give TinyStories .txt/.json/.jsonl text")
         if val:
             stats["validation"] = write_split(stream(val), tmp / "val.bin", tok, "tokenizing validation files")
+            if not stats["validation"]["stories"]:
+                where = f"data.val_path={str(self.val_path)!r}" if self.val_path else f"validation files {val}"
+                raise DataUnavailableError(f"{where}: no stories found (an empty stories list or file)")
         else:
             stats["train"], stats["validation"] = split_tail(
                 tmp / "train.bin", tmp / "val.bin", self.val_fraction, tok.eot_id
@@ -344,6 +365,7 @@ class TinyStoriesDataModule(L.LightningDataModule):
             DataUnavailableError: data or tokenizer unavailable (offline Hub, missing path, unreadable files).
         """
         prefix, spec = self._shard_spec()
+        self._check_cache_dir()
         folder = self.cache_dir / f"{prefix}-{_key(spec)}"
         write = {"synthetic": self._write_synthetic, "local": self._write_local, "hub": self._write_hub}[self.source]
         self.meta = build_shards(folder, self.tokenizer, write, spec)
@@ -372,7 +394,9 @@ class TinyStoriesDataModule(L.LightningDataModule):
             )
             self.val_set = FixedBlocks(self.shard_dir / "val.bin", self.block_size, self.val_batches * self.batch_size)
         except DataConfigError as e:
-            raise DataConfigError(f"{e} (model.block_size / data.block_size = {self.block_size})") from None
+            raise DataConfigError(f"block_size {self.block_size} is too long for the data: {e}; lower "
+                                  f"--model.block_size (python -m training.fit) / data.block_size, or use more "
+                                  f"data") from None
 
     # ----------------------------------------------------------------------------------------------------------------
     # Loaders

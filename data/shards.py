@@ -234,8 +234,7 @@ class _Shard:
         self.num_tokens = self.path.stat().st_size // np.dtype(SHARD_DTYPE).itemsize
         if self.num_tokens < block_size + 1:
             raise DataConfigError(
-                f"{self.path} holds {self.num_tokens} tokens, fewer than block_size + 1 = {block_size + 1}: "
-                f"lower --data.block_size or use more data"
+                f"{self.path} holds {self.num_tokens} tokens, fewer than block_size + 1 = {block_size + 1}"
             )
         self._tokens: np.memmap | None = None
 

@@ -158,6 +158,20 @@ class LitGPT(L.LightningModule):
         self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         return loss
 
+    def on_fit_start(self) -> None:
+        """Refuse ``attn_backend='flash'`` where it cannot run (CPU, fp32, not installed) before any step, with one
+        message naming the option instead of an error deep inside the first forward pass."""
+        if self.hparams.attn_backend != "flash":
+            return
+        from models.attention import flash_unsupported_reason
+
+        precision = str(getattr(self.trainer, "precision", "32")) if self._trainer is not None else "32"
+        dtype = torch.bfloat16 if "bf16" in precision else torch.float16 if "16" in precision else torch.float32
+        reason = flash_unsupported_reason(self.device, dtype, self.config.head_size)
+        if reason is not None:
+            raise TrainingConfigError(f"model.attn_backend=flash cannot run here: {reason}; use --model.attn_backend "
+                                      f"auto or sdpa")
+
     def on_train_start(self) -> None:
         self._t_last = time.perf_counter()
 

@@ -388,8 +388,7 @@ def test_cli_errors_subprocess(tmp_path, data_cache):
     ("missing config", ["--config", "no_such_config"], "no_such_config"),
     ("missing data path", ["--data.synthetic", "false", "--data.path", "/nonexistent/stories.txt",
                            "--data.tokenizer_path", "TOKENIZER"], "data.path='/nonexistent/stories.txt'"),
-    ("hub offline, no tokenizer", ["--data.synthetic", "false", "--data.path", "/nonexistent/stories.txt"],
-     "data.tokenizer_path"),
+    ("hub offline, no tokenizer", ["--data.synthetic", "false", "--data.path", "STORIES"], "data.tokenizer_path"),
     ("corrupt checkpoint", ["--ckpt_path", "CORRUPT"], "not a valid PyTorch checkpoint"),
     ("missing checkpoint", ["--ckpt_path", "/nonexistent/x.ckpt"], "does not exist"),
 ])
@@ -404,6 +403,10 @@ def test_cli_errors_in_process(name, extra, expect, tmp_path, data_cache, capsys
         corrupt = tmp_path / "corrupt.ckpt"
         corrupt.write_bytes(b"\x00garbage")
         extra = [str(corrupt) if a == "CORRUPT" else a for a in extra]
+    if "STORIES" in extra:
+        stories = tmp_path / "stories.txt"
+        stories.write_text("Once upon a time there was a cat.\n\nThe cat sat on a mat.")
+        extra = [str(stories) if a == "STORIES" else a for a in extra]
     if "TOKENIZER" in extra:
         from data import train_bpe_tokenizer
 

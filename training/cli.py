@@ -78,6 +78,39 @@ def shorten_schedule(warmup_steps: int, max_steps: int, warmup_explicit: bool) -
                  f"warmup_steps {new} (10% of max_steps); set --model.warmup_steps to choose")
 
 
+_SEED_MAX = 2**32 - 1
+
+
+def check_values(cfg: Any) -> None:
+    """Option values the types alone do not exclude and Lightning would only trip over later (a ZeroDivisionError,
+    gradients flipped by a negative clip value, numpy's seed bounds). Raises :class:`CLIConfigError`."""
+    seed = cfg.get("seed_everything")
+    if not isinstance(seed, bool) and seed is not None and not 0 <= int(seed) <= _SEED_MAX:
+        raise CLIConfigError(f"--seed_everything must be true, false or an integer in [0, {_SEED_MAX}], got {seed}")
+    t = cfg.get("trainer")
+    if t is None:
+        return
+
+    def bad(option: str, value: Any, allowed: str) -> CLIConfigError:
+        return CLIConfigError(f"--trainer.{option} must be {allowed}, got {value!r}")
+
+    v = t.get("val_check_interval")
+    if v is not None and not isinstance(v, bool) and isinstance(v, (int, float)) and not v > 0:
+        raise bad("val_check_interval", v, "an integer number of batches >= 1 or a fraction of an epoch in (0, 1]")
+    v = t.get("accumulate_grad_batches")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise bad("accumulate_grad_batches", v, "an integer >= 1")
+    v = t.get("check_val_every_n_epoch")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise bad("check_val_every_n_epoch", v, "null or an integer >= 1")
+    v = t.get("gradient_clip_val")
+    if v is not None and not v >= 0:
+        raise bad("gradient_clip_val", v, "null or a number >= 0 (0 disables clipping)")
+    v = t.get("log_every_n_steps")
+    if v is not None and v < 0:
+        raise bad("log_every_n_steps", v, "an integer >= 0")
+
+
 class RunFiles(SaveConfigCallback):
     """Writes the run directory's own files at the right moments (rank 0). See the module docstring.
 
@@ -154,6 +187,12 @@ class RunFiles(SaveConfigCallback):
                 if m and int(m.group(1)) > step:
                     f.unlink(missing_ok=True)
 
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """A run that fails before writing anything leaves no empty run directory behind."""
+        d = self.run_dir
+        if trainer.is_global_zero and not self.plan.resume and d.is_dir() and not any(d.iterdir()):
+            d.rmdir()
+
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         """Rows logged up to this checkpoint reach ``metrics.csv`` before the checkpoint file does."""
         for logger in trainer.loggers:
@@ -196,6 +235,7 @@ class KVSpliceCLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self.config = parser.parse_args(args)  # no "args and sys.argv both given" warning: argv is rewritten
+        check_values(self.config)  # before LightningCLI seeds with it (runs before before_instantiate_classes)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--run_name", type=Optional[str], default=self._default_run_name,
@@ -298,4 +338,12 @@ class KVSpliceCLI(LightningCLI):
     def fit(self) -> None:
         assert self.plan is not None
         check_schedule(int(self.model.hparams.warmup_steps), int(self.trainer.max_steps))
-        self.trainer.fit(self.model, datamodule=self.datamodule, ckpt_path=self.plan.ckpt_path, weights_only=True)
+        try:
+            self.trainer.fit(self.model, datamodule=self.datamodule, ckpt_path=self.plan.ckpt_path,
+                             weights_only=True)
+        finally:  # close this run's W&B run, so a later run in the same process starts its own
+            for logger in self.trainer.loggers:
+                if type(logger).__name__ == "WandbLogger" and getattr(logger, "_experiment", None) is not None:
+                    import wandb
+
+                    wandb.finish(exit_code=0 if self.trainer.state.status == "finished" else 1)

@@ -142,6 +142,7 @@ def samples(model, tokenizer, n_new: int, seed: int) -> list[dict[str, str]]:
     device = next(model.parameters()).device
     for prompt in PROMPTS:
         ids = torch.tensor([tokenizer.encode(prompt)], device=device)
+        ids = ids[:, -max(1, model.cfg.block_size - n_new):]  # a prompt longer than the context keeps its end
         n = max(0, min(n_new, model.cfg.block_size - ids.shape[1]))
         g = torch.Generator(device=device).manual_seed(seed)
         gen = model.generate(ids, n, temperature=0.8, top_k=40, generator=g)

@@ -50,6 +50,24 @@ def resolve_config(value: str) -> Path:
         raise CLIConfigError(f"--{e}") from None
 
 
+def check_config_file(path: Path) -> Path:
+    """A ``--config`` file must be a UTF-8 YAML mapping (one clear error instead of a decoder traceback)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise CLIConfigError(f"--config {path}: not a text (UTF-8 YAML) file") from None
+    except yaml.YAMLError as e:
+        raise CLIConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    except OSError as e:
+        raise CLIConfigError(f"--config {path}: cannot read it ({e.strerror or type(e).__name__})") from None
+    if not isinstance(data, dict):
+        what = "empty" if data is None else f"a YAML {type(data).__name__}"
+        raise CLIConfigError(f"--config {path}: {what}, expected a mapping of sections (trainer:, model:, data:)")
+    return path
+
+
 def prepare_args(argv: Sequence[str]) -> tuple[list[str], Optional[str]]:
     """Rewrite every ``--config NAME`` / ``--config=NAME`` / ``-c NAME`` to a real path.
 
@@ -75,7 +93,7 @@ def prepare_args(argv: Sequence[str]) -> tuple[list[str], Optional[str]]:
             out.append(a)
             i += 1
             continue
-        path = resolve_config(value)
+        path = check_config_file(resolve_config(value))
         if stem is None:
             stem = path.stem
         out += ["--config", str(path)]

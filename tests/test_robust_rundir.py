@@ -1,0 +1,171 @@
+"""Issue 14, item 1: re-using a run name never destroys an earlier run.
+
+A new run with an existing run name goes to ``NAME-v1`` (``-v2``...), ``--overwrite`` replaces the earlier run, a resume
+(``--ckpt_path``) continues the directory without rewriting its ``config.yaml``, no config ever records ``ckpt_path``,
+and a failed resume writes nothing. Runs are in-process (``training.fit.main``) with tiny shapes and a few steps.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+from pathlib import Path
+
+import lightning.pytorch  # noqa: F401  (Lightning's log handler binds to the session's stderr, not one test's capture)
+import pytest
+import yaml
+
+from training.fit import main
+from training.rundir import CLIConfigError, clear_run_files, next_free_run_dir, plan_run
+
+TINY = [
+    "--model.n_layer", "2", "--model.n_head", "2", "--model.d_model", "64", "--model.d_latent", "32",
+    "--model.block_size", "64", "--data.batch_size", "8", "--data.val_batches", "4",
+    "--data.synthetic_stories", "2000", "--data.synthetic_vocab_size", "512",
+    "--trainer.enable_progress_bar", "false", "--trainer.log_every_n_steps", "1",
+]
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One synthetic-data cache for every test_robust_* module (the BPE tokenizer is trained once)."""
+    d = tmp_path_factory.getbasetemp() / "robust_data_cache"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file under ``folder``."""
+    return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def steps(run: Path, key: str) -> list[int]:
+    with open(run / "metrics.csv", newline="") as f:
+        return [int(r["step"]) for r in csv.DictReader(f) if r.get(key)]
+
+
+def quick_start(runs: Path, cache: Path, *extra: str) -> list[str]:
+    """The README's quick start (``--config tiny_mla_kvsplice_90``) on tiny shapes, 4 steps."""
+    return ["--config", "tiny_mla_kvsplice_90", *TINY, "--runs_dir", str(runs), "--data.cache_dir", str(cache),
+            "--wandb.mode", "disabled", "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", *extra]
+
+
+def test_quick_start_twice_keeps_both_runs_and_overwrite_replaces(tmp_path, data_cache, offline, capsys):
+    runs = tmp_path / "checkpoints"
+    assert main(quick_start(runs, data_cache)) == 0
+    first_dir = runs / "tiny_mla_kvsplice_90"
+    first = snapshot(first_dir)
+    assert {"config.yaml", "metrics.csv", "last.ckpt"} <= set(first)
+    assert steps(first_dir, "val_loss") == [1, 3]
+    capsys.readouterr()
+
+    assert main(quick_start(runs, data_cache)) == 0  # the same command again
+    err = capsys.readouterr().err
+    second_dir = runs / "tiny_mla_kvsplice_90-v1"
+    assert f"this run writes to {second_dir}" in err and "--overwrite" in err
+    assert snapshot(first_dir) == first, "the first run's files changed"
+    assert steps(second_dir, "val_loss") == [1, 3]
+    assert yaml.safe_load((second_dir / "config.yaml").read_text())["run_name"] == "tiny_mla_kvsplice_90-v1"
+
+    # re-running the second run's saved config is a new run again (NAME-v2, not NAME-v1-v1)
+    assert main(["--config", str(second_dir / "config.yaml"), "--data.cache_dir", str(data_cache)]) == 0
+    assert (runs / "tiny_mla_kvsplice_90-v2" / "last.ckpt").is_file()
+    second = snapshot(second_dir)
+
+    # --overwrite replaces the first run (and only it)
+    assert main(quick_start(runs, data_cache, "--overwrite", "true", "--trainer.max_steps", "2")) == 0
+    assert "--overwrite: replacing the earlier run" in capsys.readouterr().err
+    saved = yaml.safe_load((first_dir / "config.yaml").read_text())
+    assert saved["trainer"]["max_steps"] == 2 and saved["overwrite"] is False and "ckpt_path" not in saved
+    assert steps(first_dir, "val_loss") == [1]
+    assert snapshot(second_dir) == second
+    assert sorted(p.name for p in runs.iterdir()) == ["tiny_mla_kvsplice_90", "tiny_mla_kvsplice_90-v1",
+                                                     "tiny_mla_kvsplice_90-v2"]
+
+
+def test_resume_keeps_config_and_failed_resume_writes_nothing(tmp_path, data_cache, offline, capsys):
+    runs = tmp_path / "runs"
+    run = runs / "tiny_mla_kvsplice_90"
+    assert main(quick_start(runs, data_cache)) == 0
+    config_before = (run / "config.yaml").read_bytes()
+    assert "ckpt_path" not in yaml.safe_load(config_before)  # never recorded (null values are not written)
+
+    # a failing resume (the checkpoint's model differs from the configured one): nothing is written
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main(quick_start(runs, data_cache, "--ckpt_path", "last", "--model.n_layer", "3")) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("error: cannot resume") and "Traceback" not in err
+    assert snapshot(run) == before
+    corrupt = run / "broken.ckpt"
+    corrupt.write_bytes(b"\x00 not a checkpoint")
+    before = snapshot(run)
+    assert main(quick_start(runs, data_cache, "--ckpt_path", str(corrupt))) == 2
+    assert snapshot(run) == before
+    corrupt.unlink()
+
+    # a successful resume with a longer schedule: config.yaml untouched, the change recorded beside it
+    assert main(quick_start(runs, data_cache, "--ckpt_path", "last", "--trainer.max_steps", "6")) == 0
+    assert (run / "config.yaml").read_bytes() == config_before
+    resumed = yaml.safe_load((run / "config.resume-4.yaml").read_text())
+    assert resumed["trainer"]["max_steps"] == 6 and "ckpt_path" not in resumed
+    assert steps(run, "val_loss") == [1, 3, 5]
+    assert steps(run, "train_loss") == [0, 1, 2, 3, 4, 5]  # every step once
+    # resuming again with the same options records nothing new
+    assert main(quick_start(runs, data_cache, "--ckpt_path", "last", "--trainer.max_steps", "6")) == 0
+    assert sorted(p.name for p in run.glob("config*.yaml")) == ["config.resume-4.yaml", "config.yaml"]
+
+
+def test_plan_run_rules(tmp_path):
+    runs = tmp_path / "runs"
+    plan = plan_run(runs, "exp", None, overwrite=False)
+    assert plan.run_dir == runs / "exp" and not plan.resume and plan.ckpt_path is None
+    (runs / "exp").mkdir(parents=True)
+    assert plan_run(runs, "exp", None, overwrite=False).run_dir == runs / "exp"  # empty folder: used as is
+    (runs / "exp" / "metrics.csv").write_text("step\n")
+    assert plan_run(runs, "exp", None, overwrite=False).run_dir == runs / "exp-v1"
+    (runs / "exp-v1").mkdir()
+    (runs / "exp-v1" / "config.yaml").write_text("x: 1\n")
+    assert next_free_run_dir(runs, "exp") == runs / "exp-v2"
+    assert next_free_run_dir(runs, "exp-v1") == runs / "exp-v2"
+    over = plan_run(runs, "exp", None, overwrite=True)
+    assert over.run_dir == runs / "exp" and over.clear
+
+    # --ckpt_path last without a checkpoint starts from scratch in that folder (auto-resume loops)
+    fresh = plan_run(runs, "exp", "last", overwrite=False)
+    assert fresh.run_dir == runs / "exp" and fresh.ckpt_path is None and "from scratch" in fresh.notes[0]
+    (runs / "exp" / "best-step=3-val_loss=1.0000.ckpt").write_bytes(b"x")
+    with pytest.raises(CLIConfigError, match="no last.ckpt"):
+        plan_run(runs, "exp", "last", overwrite=False)
+    best = plan_run(runs, "exp", "best", overwrite=False)
+    assert best.resume and best.ckpt_path.endswith("best-step=3-val_loss=1.0000.ckpt")
+    (runs / "exp" / "last.ckpt").write_bytes(b"x")
+    last = plan_run(runs, "exp", "last", overwrite=False)
+    assert last.resume and last.run_dir == runs / "exp" and last.ckpt_path.endswith("last.ckpt")
+    # a checkpoint of another run starts a new run from it
+    other = plan_run(runs, "exp", str(tmp_path / "elsewhere" / "last.ckpt"), overwrite=False)
+    assert not other.resume and other.run_dir == runs / "exp-v2"
+    with pytest.raises(CLIConfigError, match="give only one"):
+        plan_run(runs, "exp", "last", overwrite=True)
+    with pytest.raises(CLIConfigError, match="no best"):
+        plan_run(runs, "new", "best", overwrite=False)
+    with pytest.raises(CLIConfigError, match="--run_name"):
+        plan_run(runs, "../up", None, overwrite=False)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CLIConfigError, match="--runs_dir"):
+        plan_run(tmp_path / "file", "exp", None, overwrite=False)
+
+    # --overwrite removes exactly the run's own files
+    d = runs / "exp"
+    (d / "wandb").mkdir()
+    (d / "notes.txt").write_text("mine")
+    clear_run_files(d)
+    assert sorted(p.name for p in d.iterdir()) == ["notes.txt"]

@@ -198,6 +198,7 @@ def test_resume_continues_the_wandb_run(tmp_path, data_cache, monkeypatch):
 # ------------------------------------------------------------------------------------------------ SIGKILL, slow
 _KILL_DRIVER = r"""
 import os, signal, sys
+sys.path.insert(0, os.getcwd())  # the repository (the tests run it from there)
 import torch
 mode, step = sys.argv[1], int(sys.argv[2])
 from models.lit import LitGPT
@@ -206,12 +207,12 @@ import training.checkpoint as ckpt
 def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
-if mode == "step":  # right after optimizer step `step`
+if mode in ("step", "group"):  # right after optimizer step `step` (group: every DDP process at once)
     orig = LitGPT.on_train_batch_end
     def hook(self, *a):
         orig(self, *a)
         if self.trainer.global_step == step:
-            die()
+            os.killpg(0, signal.SIGKILL) if mode == "group" else die()
     LitGPT.on_train_batch_end = hook
 else:  # during the checkpoint write at `step`: mid torch.save ("write") or before the rename ("rename")
     real_save, real_replace = torch.save, os.replace
@@ -244,8 +245,11 @@ def test_five_sigkills_then_resume_equals_uninterrupted(tmp_path, data_cache):
               str(data_cache), "--wandb.mode", "disabled", "--trainer.max_steps", "40",
               "--trainer.val_check_interval", "4", "--model.warmup_steps", "4", "--torch_threads", "1"]
 
+    driver = tmp_path / "kill_driver.py"
+    driver.write_text(_KILL_DRIVER)
+
     def fit(*args: str, kill: tuple[str, int] | None = None) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-c", _KILL_DRIVER, *(map(str, kill) if kill else ("none", "0")), *common, *args]
+        cmd = [sys.executable, str(driver), *(map(str, kill) if kill else ("none", "0")), *common, *args]
         return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
     done = fit("--run_name", "full")
@@ -267,3 +271,31 @@ def test_five_sigkills_then_resume_equals_uninterrupted(tmp_path, data_cache):
     assert abs(a[-1][1] - b[-1][1]) <= 1e-6, (a[-1], b[-1])
     assert read_rows(cut) == read_rows(full)
     assert not [p for p in cut.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_resume_exactly(tmp_path, data_cache):
+    """Two CPU processes (DDP, gloo): the sampler shards each epoch between the ranks itself and every rank resumes at
+    its own position, so a run killed (all processes) at step 10 and resumed equals the uninterrupted one."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
+    runs = tmp_path / "runs"
+    common = ["--config", "tiny_mla_kvsplice_90", *TINY, "--runs_dir", str(runs), "--data.cache_dir",
+              str(data_cache), "--wandb.mode", "disabled", "--trainer.max_steps", "12",
+              "--trainer.val_check_interval", "4", "--model.warmup_steps", "2", "--torch_threads", "1",
+              "--trainer.devices", "2", "--trainer.strategy", "ddp"]
+
+    driver = tmp_path / "kill_driver.py"  # a file: Lightning starts rank 1 by re-running the script
+    driver.write_text(_KILL_DRIVER)
+
+    def fit(*args: str, kill: int = 0) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, str(driver), "group" if kill else "none", str(kill), *common, *args]
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                              start_new_session=True)  # its own process group: killpg takes both ranks only
+
+    assert fit("--run_name", "full").returncode == 0
+    assert fit("--run_name", "cut", kill=10).returncode == -9
+    proc = fit("--run_name", "cut", "--ckpt_path", "last")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_rows(runs / "cut") == read_rows(runs / "full")
+    assert [s for s, _ in val_losses(runs / "cut")] == [3, 7, 11]

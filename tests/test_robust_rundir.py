@@ -81,7 +81,7 @@ def test_quick_start_twice_keeps_both_runs_and_overwrite_replaces(tmp_path, data
     second = snapshot(second_dir)
 
     # --overwrite replaces the first run (and only it)
-    assert main(quick_start(runs, data_cache, "--overwrite", "true", "--trainer.max_steps", "2")) == 0
+    assert main(quick_start(runs, data_cache, "--overwrite", "--trainer.max_steps", "2")) == 0
     assert "--overwrite: replacing the earlier run" in capsys.readouterr().err
     saved = yaml.safe_load((first_dir / "config.yaml").read_text())
     assert saved["trainer"]["max_steps"] == 2 and saved["overwrite"] is False and "ckpt_path" not in saved

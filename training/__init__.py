@@ -1,4 +1,6 @@
-"""Training: the ``python -m training.fit`` LightningCLI and safe checkpoint loading (:mod:`training.checkpoint`)."""
+"""Training: ``python -m training.fit`` (entry point; the LightningCLI and its callbacks in :mod:`training.cli`, the
+run-directory rules in :mod:`training.rundir`, ``metrics.csv`` in :mod:`training.loggers`), safe checkpoint loading and
+atomic saving (:mod:`training.checkpoint`), and ``python -m training.evaluate``."""
 
 from training.checkpoint import CheckpointError, load_checkpoint, load_model
 

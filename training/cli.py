@@ -246,8 +246,9 @@ class KVSpliceCLI(LightningCLI):
         parser.add_argument("--ckpt_path", type=Optional[str], default=None,
                             help="resume from 'last' (this run's last.ckpt), 'best' (its best-*.ckpt) or a "
                                  "checkpoint path; the run directory is continued (its config.yaml is kept)")
-        parser.add_argument("--overwrite", type=bool, default=False,
-                            help="replace the earlier run in the run directory instead of starting NAME-vN")
+        parser.add_argument("--overwrite", type=bool, nargs="?", const=True, default=False,
+                            help="replace the earlier run in the run directory instead of starting NAME-vN "
+                                 "(--overwrite or --overwrite true)")
         parser.add_argument("--wandb", type=WandbSettings, default=WandbSettings())
         parser.add_argument("--torch_threads", type=Optional[int], default=None,
                             help="torch.set_num_threads for CPU training (default: PyTorch's choice, one per "

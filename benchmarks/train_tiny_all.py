@@ -4,7 +4,7 @@
     python benchmarks/train_tiny_all.py --runs_dir /tmp/tiny  # elsewhere than checkpoints/
     python benchmarks/train_tiny_all.py -- --trainer.max_steps 100   # extra flags go to every run
 
-Each run is ``python -m training.fit --config tiny_<variant> --runs_dir <runs_dir>`` (fp32, CPU, offline synthetic
+Each run is ``python -m training.fit --config tiny_<variant> --runs_dir <runs_dir> --overwrite`` (fp32, CPU, offline synthetic
 data). Reported per run, from its ``metrics.csv``: the last ``val_loss`` and ``val_ppl``, and throughput = training
 tokens / training wall time (validation excluded), also relative to tiny_gpt2. The unigram entropy of the synthetic
 training tokens (the loss of the best context-free predictor) is the reference a language model must beat. The
@@ -100,8 +100,8 @@ def main() -> int:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     results = []
     for name in a.variants:
-        cmd = [sys.executable, "-m", "training.fit", "--config", name, "--runs_dir", str(runs_dir),
-               "--trainer.enable_progress_bar", "false", *a.extra]
+        cmd = [sys.executable, "-m", "training.fit", "--config", name, "--runs_dir", str(runs_dir), "--overwrite",
+               "--trainer.enable_progress_bar", "false", *a.extra]  # --overwrite: the table reads <name>/metrics.csv
         load_before = os.getloadavg()[0]
         t0 = time.perf_counter()
         print(f"== {' '.join(cmd[1:])}", flush=True)

@@ -273,14 +273,12 @@ def iter_texts(spec: str | os.PathLike, *, option: str = "data", split: str = "t
     p = Path(spec).expanduser()
     if p.exists() or spec.startswith((".", "/", "~")) or p.suffix.lower() in (".txt", ".json", ".jsonl"):
         from data.errors import DataUnavailableError
-        from data.sources import check_text_file, iter_stories_from_file, list_story_files
+        from data.sources import iter_stories_from_file, list_story_files
 
         if not p.exists():
             raise LoadError(f"--{option} {spec}: file not found")
         try:
-            files = list_story_files(p, option=option)
-            for f in files:  # binary / empty files are refused before any story is read
-                check_text_file(f, option=f"--{option}")
+            files = list_story_files(p, option=option)  # checks each file: binary / empty text is refused here
         except DataUnavailableError as e:
             raise LoadError(first_line(e)) from None
 

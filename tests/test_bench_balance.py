@@ -140,6 +140,7 @@ def test_cli_on_a_tiny_gpt2(tmp_path):
     assert rep["config"]["family"] == "gpt2"
 
 
+@needs_data  # the model check comes after the --data check: needs a real text file
 def test_bad_paths_fail_with_one_line(tmp_path, capsys):
     rc = main(["--model", str(tmp_path / "nope"), "--data", str(TEXT)])
     err = capsys.readouterr().err.strip()

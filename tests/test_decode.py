@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import transformers
+from tiny_models import sharpen as _sharpen
 
 from kvsplice.decode import CompressionMethod, Decoder, DenseKV, ModelAttention, perplexity
 from kvsplice.lowrank.bases import HeadBases, KVBases
@@ -20,18 +21,6 @@ from models import GPT, GPTConfig
 V = 61
 
 
-def _sharpen(model):
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if ("norm" in name or "ln_" in name) and name.endswith("weight"):
-                p.copy_(1.0 + 0.1 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * noise)
-            else:
-                p.copy_(0.25 * noise)
-    return model.eval()
 
 
 def llama():

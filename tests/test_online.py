@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from tiny_models import sharpen as _sharpen
 
 from kvsplice.lowrank.method import CoefficientDecoder
 from kvsplice.lowrank.bases import HeadBases, KVBases
@@ -34,19 +35,6 @@ TRAIN_TXT = DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"
 
 
 # ------------------------------------------------------------------------------------------------ models
-def _sharpen(model, std=0.25):
-    """Weights larger than the default init so attention is peaked and logits spread (errors show up)."""
-    g = torch.Generator().manual_seed(123)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if ("norm" in name or "ln_" in name) and name.endswith("weight"):
-                p.copy_(1.0 + 0.1 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * noise)
-            else:
-                p.copy_(std * noise)
-    return model.eval()
 
 
 def llama_model():

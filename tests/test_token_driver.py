@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import transformers
+from tiny_models import sharpen as _sharpen
 
 from kvsplice.report.memory import measure_cache
 from kvsplice.select.cache import SubsetCache
@@ -20,19 +21,6 @@ V = 61
 
 
 
-def _sharpen(model):
-    """Weights larger than the default init, so attention is far from uniform and any error shows above 1e-4."""
-    g = torch.Generator().manual_seed(123)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if ("norm" in name or "ln_" in name) and name.endswith("weight"):
-                p.copy_(1.0 + 0.1 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * noise)
-            else:
-                p.copy_(0.25 * noise)
-    return model.eval()
 
 
 def llama():

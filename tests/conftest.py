@@ -1,5 +1,7 @@
 """Shared test setup."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,3 +14,19 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One synthetic-data cache for every training test module (the BPE tokenizer is trained once)."""
+    d = tmp_path_factory.getbasetemp() / "robust_data_cache"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No hub access and W&B disabled for the test."""
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setenv("WANDB_MODE", "disabled")

@@ -23,13 +23,6 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFO
        "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
 
 
-@pytest.fixture(scope="session")
-def data_cache(tmp_path_factory) -> Path:
-    d = tmp_path_factory.getbasetemp() / "robust_data_cache"
-    d.mkdir(exist_ok=True)
-    return d
-
-
 # ------------------------------------------------------------------------------------------------ config lookup
 def test_gptconfig_from_name_and_file_from_any_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no configs/ here

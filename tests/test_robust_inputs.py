@@ -26,22 +26,10 @@ from models import GPT, GPTConfig
 from training import evaluate
 from training.checkpoint import CKPT_FORMAT, CKPT_FORMAT_KEY, GPT_CONFIG_KEY
 from training.fit import main as fit_main
+from tiny_models import TINY_FIT_ARGS as TINY
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_TS = REPO.parent / "shared" / "data" / "tinystories"
-TINY = [
-    "--model.n_layer", "2", "--model.n_head", "2", "--model.d_model", "64", "--model.d_latent", "32",
-    "--model.block_size", "64", "--data.batch_size", "8", "--data.val_batches", "4",
-    "--data.synthetic_stories", "2000", "--data.synthetic_vocab_size", "512",
-    "--trainer.enable_progress_bar", "false", "--trainer.log_every_n_steps", "1",
-]
-
-
-@pytest.fixture(scope="session")
-def data_cache(tmp_path_factory) -> Path:
-    d = tmp_path_factory.getbasetemp() / "robust_data_cache"
-    d.mkdir(exist_ok=True)
-    return d
 
 
 def _offline(monkeypatch) -> None:

@@ -25,30 +25,11 @@ from data.shards import EpochSampler, ResumableDataLoader
 from models.lit import LitGPT
 from training.checkpoint import atomic_save, load_checkpoint, remove_stale_temp_files
 from training.fit import main
+from tiny_models import TINY_FIT_ARGS as TINY
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = [
-    "--model.n_layer", "2", "--model.n_head", "2", "--model.d_model", "64", "--model.d_latent", "32",
-    "--model.block_size", "64", "--data.batch_size", "8", "--data.val_batches", "4",
-    "--data.synthetic_stories", "2000", "--data.synthetic_vocab_size", "512",
-    "--trainer.enable_progress_bar", "false", "--trainer.log_every_n_steps", "1",
-]
 #: Columns that depend on wall time, not on the computation.
 TIMING = {"tokens_per_sec", "train_time_s"}
-
-
-@pytest.fixture(scope="session")
-def data_cache(tmp_path_factory) -> Path:
-    d = tmp_path_factory.getbasetemp() / "robust_data_cache"
-    d.mkdir(exist_ok=True)
-    return d
-
-
-@pytest.fixture
-def offline(monkeypatch):
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        monkeypatch.setenv(var, "1")
-    monkeypatch.setenv("WANDB_MODE", "disabled")
 
 
 def read_rows(run: Path) -> list[dict[str, str]]:

@@ -17,28 +17,8 @@ import yaml
 
 from training.fit import main
 from training.rundir import CLIConfigError, clear_run_files, next_free_run_dir, plan_run
+from tiny_models import TINY_FIT_ARGS as TINY
 
-TINY = [
-    "--model.n_layer", "2", "--model.n_head", "2", "--model.d_model", "64", "--model.d_latent", "32",
-    "--model.block_size", "64", "--data.batch_size", "8", "--data.val_batches", "4",
-    "--data.synthetic_stories", "2000", "--data.synthetic_vocab_size", "512",
-    "--trainer.enable_progress_bar", "false", "--trainer.log_every_n_steps", "1",
-]
-
-
-@pytest.fixture(scope="session")
-def data_cache(tmp_path_factory) -> Path:
-    """One synthetic-data cache for every test_robust_* module (the BPE tokenizer is trained once)."""
-    d = tmp_path_factory.getbasetemp() / "robust_data_cache"
-    d.mkdir(exist_ok=True)
-    return d
-
-
-@pytest.fixture
-def offline(monkeypatch):
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        monkeypatch.setenv(var, "1")
-    monkeypatch.setenv("WANDB_MODE", "disabled")
 
 
 def snapshot(folder: Path) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Helpers shared by the decode tests: tiny models with weights large enough that attention is peaked."""
+"""Helpers shared by the tests: tiny decode-test models with peaked attention, and the tiny training options."""
 
 from __future__ import annotations
 
@@ -19,3 +19,12 @@ def sharpen(model: torch.nn.Module, std: float = 0.25, seed: int = 123) -> torch
             else:
                 p.copy_(std * noise)
     return model.eval()
+
+
+TINY_FIT_ARGS = [
+    "--model.n_layer", "2", "--model.n_head", "2", "--model.d_model", "64", "--model.d_latent", "32",
+    "--model.block_size", "64", "--data.batch_size", "8", "--data.val_batches", "4",
+    "--data.synthetic_stories", "2000", "--data.synthetic_vocab_size", "512",
+    "--trainer.enable_progress_bar", "false", "--trainer.log_every_n_steps", "1",
+]
+"""``python -m training.fit`` options for a seconds-long run on the embedded synthetic stories."""

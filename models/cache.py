@@ -35,6 +35,26 @@ import torch
 StreamSpec = Mapping[str, Sequence[int]]
 """name -> per-token shape ``(*lead, D)``; stored as ``(B, *lead, T, D)``."""
 
+QUANT_MODES = (None, "int8")
+"""``quant`` of a :class:`DecodeCache`: ``None`` stores the streams at ``dtype``; ``"int8"`` stores each token's row
+as int8 with one fp16 absmax scale per row (per token, per layer, per stream and leading index such as the head)."""
+SCALE = ".scale"
+"""Suffix of the scale buffer of a quantised stream (``"k.scale"``: ``(B, *lead, T, 1)`` fp16)."""
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax int8 per row of the last dim: ``x (..., D)`` → ``q (..., D)`` int8 in [-127, 127] and
+    ``scale (..., 1)`` fp16 with ``x ≈ q · scale`` (the fp16-rounded scale is the one used to round)."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1, keepdim=True) / 127.0).clamp(2.0**-14, 65504.0).to(torch.float16)  # (..., 1)
+    q = torch.round(xf / scale.float()).clamp_(-127, 127).to(torch.int8)  # (..., D)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q · scale`` at ``dtype`` (a transient tensor for the attention call; never stored)."""
+    return q.to(dtype) * scale.to(dtype)
+
 
 class Cache:
     """The decode-cache interface every cache implements (see the module docstring).
@@ -99,26 +119,42 @@ class DecodeCache(Cache):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         capacity: int | None = None,
+        quant: str | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if quant not in QUANT_MODES:
+            raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
         if capacity is not None and capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.specs = [{name: tuple(int(s) for s in shape) for name, shape in spec.items()} for spec in specs]
         self.batch_size = int(batch_size)
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.quant = quant
         self._initial_capacity = capacity
+        self._layouts = [self._layout(spec) for spec in self.specs]
         self._buffers: list[dict[str, torch.Tensor]] = [
-            {name: self._alloc(shape, capacity or 0) for name, shape in spec.items()} for spec in self.specs
+            {name: self._alloc(shape, dt, capacity or 0) for name, (shape, dt) in layout.items()}
+            for layout in self._layouts
         ]
         self._lengths = [0] * len(self.specs)
         self._seen = [0] * len(self.specs)
 
     # ----------------------------------------------------------------------------------------------- storage
-    def _alloc(self, shape: tuple[int, ...], capacity: int) -> torch.Tensor:
+    def _layout(self, spec: dict[str, tuple[int, ...]]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Storage buffers of one layer: name -> (per-token shape, dtype); a quantised stream adds its scales."""
+        if self.quant is None:
+            return {name: (shape, self.dtype) for name, shape in spec.items()}
+        out = {}
+        for name, shape in spec.items():
+            out[name] = (shape, torch.int8)
+            out[name + SCALE] = ((*shape[:-1], 1), torch.float16)
+        return out
+
+    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, capacity: int) -> torch.Tensor:
         *lead, d = shape
-        return torch.empty(self.batch_size, *lead, capacity, d, dtype=self.dtype, device=self.device)
+        return torch.empty(self.batch_size, *lead, capacity, d, dtype=dtype, device=self.device)
 
     def _ensure(self, layer: int, needed: int) -> None:
         bufs = self._buffers[layer]
@@ -128,7 +164,8 @@ class DecodeCache(Cache):
         new_cap = max(needed, 2 * cap, 16)
         n = self._lengths[layer]
         for name, buf in bufs.items():
-            grown = self._alloc(self.specs[layer][name], new_cap)
+            shape, dt = self._layouts[layer][name]
+            grown = self._alloc(shape, dt, new_cap)
             grown[..., :n, :] = buf[..., :n, :]
             bufs[name] = grown
 
@@ -170,27 +207,46 @@ class DecodeCache(Cache):
             if tuple(x.shape) != expect:
                 raise ValueError(f"stream {name!r} of layer {layer}: expected shape {expect}, got {tuple(x.shape)}")
             buf = self._buffers[layer][name]
-            buf[..., n : n + t_new, :] = x
-            out[name] = buf[..., : n + t_new, :]
+            if self.quant is None:
+                buf[..., n : n + t_new, :] = x
+                out[name] = buf[..., : n + t_new, :]
+            else:  # int8 rows + fp16 scales; the attention call gets a transient dequantised tensor
+                sbuf = self._buffers[layer][name + SCALE]
+                buf[..., n : n + t_new, :], sbuf[..., n : n + t_new, :] = quantize_int8(x)
+                out[name] = dequantize(buf[..., : n + t_new, :], sbuf[..., : n + t_new, :], self.dtype)
         self._lengths[layer] = n + t_new
         self._seen[layer] += t_new
         return out
 
     def get(self, layer: int) -> dict[str, torch.Tensor]:
-        """Views of everything ``layer`` holds, ``(B, *lead, T, D)`` per stream."""
+        """What ``layer`` holds, ``(B, *lead, T, D)`` per stream at ``dtype``: views, or transient dequantised
+        tensors for a quantised cache."""
+        raw = self.stored(layer)
+        if self.quant is None:
+            return raw
+        return {name: dequantize(raw[name], raw[name + SCALE], self.dtype) for name in self.specs[layer]}
+
+    def stored(self, layer: int) -> dict[str, torch.Tensor]:
+        """Views of the storage of ``layer`` (int8 values and fp16 ``name.scale`` rows when quantised)."""
         n = self._lengths[layer]
         return {name: buf[..., :n, :] for name, buf in self._buffers[layer].items()}
 
     def tensors(self) -> Iterator[torch.Tensor]:
         for layer in range(self.n_layer):
-            yield from self.get(layer).values()
+            yield from self.stored(layer).values()
 
     def storage_nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for bufs in self._buffers for b in bufs.values())
 
     def elements_per_token(self) -> int:
-        """Elements stored per token per sequence, summed over layers and streams."""
+        """Elements stored per token per sequence, summed over layers and streams (scales not counted)."""
         return sum(math.prod(shape) for spec in self.specs for shape in spec.values())
+
+    def bytes_per_token(self) -> int:
+        """Bytes stored per token per sequence over layers and streams: ``D·element size`` per row, and with
+        ``quant="int8"`` one byte per number plus a 2-byte scale per row."""
+        return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
+                   for layout in self._layouts for shape, dt in layout.values())
 
     def reset(self) -> None:
         self._lengths = [0] * len(self.specs)
@@ -214,7 +270,7 @@ class DecodeCache(Cache):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(layers={self.n_layer}, batch={self.batch_size}, seq_len={self.seq_len}, "
-            f"position={self.position}, "
+            f"position={self.position}, quant={self.quant}, "
             f"dtype={self.dtype}, nbytes={self.nbytes()})"
         )
 

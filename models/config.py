@@ -20,6 +20,7 @@ MLAImpl = Literal["absorb", "naive"]
 ATTENTIONS = ("mha", "mla")
 ATTN_BACKENDS = ("auto", "flash", "sdpa")
 MLA_IMPLS = ("absorb", "naive")
+CACHE_QUANTS = (None, "int8")
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 """The project's training configs (``configs/`` next to the ``models`` package, whatever the current directory)."""
@@ -79,6 +80,10 @@ class GPTConfig:
     mla_impl: MLAImpl = "absorb"
     """How MLA attends over cached latents: ``absorb`` folds w_uk / w_uv (and expand) into the query and output and
     attends in latent space; ``naive`` re-expands every cached latent into full K/V first (reference path)."""
+    cache_quant: Optional[str] = None
+    """``None``: the decode cache holds the model's dtype; ``"int8"``: every cached row (K/V per head, or the
+    latent) is stored as int8 with one fp16 absmax scale, dequantised inside the attention call. Decode only: the
+    full forward (training) is unchanged."""
 
     def __post_init__(self) -> None:
         def need(cond: bool, field: str, allowed: str, value) -> None:
@@ -94,6 +99,7 @@ class GPTConfig:
         need(self.attention in ATTENTIONS, "attention", f"one of {ATTENTIONS}", self.attention)
         need(self.attn_backend in ATTN_BACKENDS, "attn_backend", f"one of {ATTN_BACKENDS}", self.attn_backend)
         need(self.mla_impl in MLA_IMPLS, "mla_impl", f"one of {MLA_IMPLS}", self.mla_impl)
+        need(self.cache_quant in CACHE_QUANTS, "cache_quant", f"one of {CACHE_QUANTS}", self.cache_quant)
         if self.kvsplice_ratio is not None:
             r = self.kvsplice_ratio
             need(isinstance(r, (int, float)) and not isinstance(r, bool) and 0.0 < r < 1.0, "kvsplice_ratio",

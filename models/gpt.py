@@ -120,9 +120,11 @@ class GPT(nn.Module):
         """An empty decode cache for this model (dtype/device default to the model's).
 
         ``capacity`` preallocates that many tokens (exact bytes); without it the cache grows geometrically.
+        ``cfg.cache_quant="int8"`` stores int8 rows + fp16 scales (``dataclasses.replace(model.cfg, ...)`` or
+        ``model.cfg.cache_quant = "int8"`` switches a trained model: the weights do not change).
         """
         p = self.transformer.wte.weight
-        kw = dict(dtype=dtype or p.dtype, device=device or p.device, capacity=capacity)
+        kw = dict(dtype=dtype or p.dtype, device=device or p.device, capacity=capacity, quant=self.cfg.cache_quant)
         cfg = self.cfg
         if cfg.attention == "mha":
             return KVCache(cfg.n_layer, cfg.n_head, cfg.head_size, batch_size, **kw)

@@ -10,12 +10,18 @@ __all__ = ["DenseKV"]
 
 
 class DenseKV(CompressionMethod):
+    """Full keys and values; ``cache_quant="int8"`` stores them as int8 rows with fp16 scales (the baseline of
+    quantisation on its own)."""
+
     name = "dense"
     cache_type = KVCache
 
+    def __init__(self, *, cache_quant: str | None = None) -> None:
+        self.cache_quant = cache_quant
+
     def new_cache(self, adapter, batch_size, capacity=None, *, dtype, device):
         return KVCache(adapter.n_layer, adapter.n_kv_head, adapter.head_dim, batch_size, dtype=dtype, device=device,
-                       capacity=capacity)
+                       capacity=capacity, quant=self.cache_quant)
 
     def attention(self, layer, h, cache, step):
         q, k, v = step.adapter.qkv(layer, h, step.rope)  # (B, Hq, T, D), (B, Hkv, T, D) × 2, post-RoPE

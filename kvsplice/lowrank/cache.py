@@ -112,6 +112,10 @@ class CoefficientCache(DecodeCache):
         return sum(sum(lk) + sum(lv) for lk, lv in zip(self.ranks_k, self.ranks_v))
 
     def bytes_formula(self, seq_len: int | None = None) -> int:
-        """``Σ_layers Σ_heads (R_k + R_v) · T · B · bytes`` (``T`` defaults to the tokens held)."""
+        """``Σ_layers Σ_heads (R_k + R_v) · T · B · bytes`` (``T`` defaults to the tokens held); with
+        ``quant="int8"``: 1 byte per coefficient plus a 2-byte scale per KV head, kind (key/value), layer and token."""
         t = self.seq_len if seq_len is None else int(seq_len)
+        if self.quant == "int8":
+            rows = sum(2 * len(lk) for lk in self.ranks_k)  # one key and one value row per KV head and layer
+            return (self.elements_per_token() + 2 * rows) * t * self.batch_size
         return self.elements_per_token() * t * self.batch_size * torch.empty((), dtype=self.dtype).element_size()

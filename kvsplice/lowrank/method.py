@@ -61,12 +61,12 @@ class LowRank(CompressionMethod):
     name = "lowrank"
     cache_type = CoefficientCache
 
-    def __init__(self, bases: KVBases, *, impl: Impl = "absorb") -> None:
+    def __init__(self, bases: KVBases, *, impl: Impl = "absorb", cache_quant: Optional[str] = None) -> None:
         if not isinstance(bases, KVBases):
             raise TypeError(f"bases must be a kvsplice.lowrank.bases.KVBases, got {type(bases).__name__}")
         if impl not in ("absorb", "naive"):
             raise ValueError(f"impl must be 'absorb' or 'naive', got {impl!r}")
-        self.bases, self.impl = bases, impl
+        self.bases, self.impl, self.cache_quant = bases, impl, cache_quant
         self.key_mode: Optional[str] = None
 
     # ------------------------------------------------------------------------------------------- binding
@@ -108,11 +108,13 @@ class LowRank(CompressionMethod):
 
     # --------------------------------------------------------------------------------------------- cache
     def new_cache(self, adapter, batch_size, capacity=None, *, dtype, device):
-        return CoefficientCache.from_bases(self.bases, batch_size, dtype=dtype, device=device, capacity=capacity)
+        return CoefficientCache.from_bases(self.bases, batch_size, dtype=dtype, device=device, capacity=capacity,
+                                           quant=self.cache_quant)
 
     def check_cache(self, cache):
         r = self.bases.ranks()
-        if not isinstance(cache, CoefficientCache) or cache.ranks_k != r["k"] or cache.ranks_v != r["v"]:
+        if not isinstance(cache, CoefficientCache) or cache.ranks_k != r["k"] or cache.ranks_v != r["v"] \
+                or cache.quant != self.cache_quant:
             raise TypeError("this decoder needs a CoefficientCache with its bases' ranks; use decoder.new_cache()")
 
     # ----------------------------------------------------------------------------------------- attention
@@ -190,13 +192,15 @@ class LowRank(CompressionMethod):
 
 
 class CoefficientDecoder(Decoder):
-    """``Decoder(model, LowRank(bases, impl=impl))``; ``bases=None`` is the full K/V cache reference (``DenseKV``)."""
+    """``Decoder(model, LowRank(bases, impl=impl))``; ``bases=None`` is the full K/V cache reference (``DenseKV``);
+    ``cache_quant="int8"`` stores the cached numbers as int8 rows with fp16 scales."""
 
     def __init__(self, model: nn.Module, bases: Optional[KVBases] = None, *, impl: Impl = "absorb",
-                 attn_backend: str = "auto") -> None:
+                 attn_backend: str = "auto", cache_quant: Optional[str] = None) -> None:
         if impl not in ("absorb", "naive"):
             raise ValueError(f"impl must be 'absorb' or 'naive', got {impl!r}")
-        method = DenseKV() if bases is None else LowRank(bases, impl=impl)
+        method = DenseKV(cache_quant=cache_quant) if bases is None else LowRank(bases, impl=impl,
+                                                                                 cache_quant=cache_quant)
         super().__init__(model, method, attn_backend=attn_backend)
         self.impl = impl
 

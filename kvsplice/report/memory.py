@@ -27,9 +27,21 @@ def cache_elements_per_token(cfg) -> int:
     return cfg.n_layer * cfg.cache_dim
 
 
+def cache_rows_per_token(cfg) -> int:
+    """Rows (vectors along the last dim) cached per token per sequence over all layers: MHA ``2·L·n_head`` (K and V
+    per head), MLA / KVSplice ``L`` — each row carries one scale when the cache is quantised."""
+    return cfg.n_layer * (2 * cfg.n_head if cfg.attention == "mha" else 1)
+
+
 def cache_bytes_formula(cfg, seq_len: int, dtype: str | torch.dtype, batch_size: int = 1) -> int:
-    """Theoretical cache bytes for ``batch_size`` sequences of ``seq_len`` tokens at ``dtype``."""
-    return batch_size * seq_len * cache_elements_per_token(cfg) * bytes_per_element(dtype)
+    """Theoretical cache bytes for ``batch_size`` sequences of ``seq_len`` tokens: at ``dtype``, or, when
+    ``cfg.cache_quant == "int8"``, one byte per number plus a 2-byte fp16 scale per row
+    (:func:`cache_rows_per_token`)."""
+    if getattr(cfg, "cache_quant", None) == "int8":
+        per_token = cache_elements_per_token(cfg) + 2 * cache_rows_per_token(cfg)
+    else:
+        per_token = cache_elements_per_token(cfg) * bytes_per_element(dtype)
+    return batch_size * seq_len * per_token
 
 
 @dataclass(frozen=True)

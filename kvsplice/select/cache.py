@@ -55,6 +55,8 @@ class SubsetCache(DecodeCache):
 
     def __init__(self, n_layer: int, n_kv_head: int, head_size: int, batch_size: int, *,
                  v_head_size: Optional[int] = None, **kw) -> None:
+        if kw.get("quant") is not None:
+            raise ValueError("SubsetCache does not quantise (its log-weights need full precision); quant must be None")
         dv = head_size if v_head_size is None else v_head_size
         spec = {"k": (n_kv_head, head_size), "v": (n_kv_head, dv), "w": (n_kv_head, 1)}
         super().__init__([spec] * n_layer, batch_size, **kw)

@@ -1,0 +1,100 @@
+"""int8 caches: symmetric per-row absmax quantisation with fp16 scales for every stream kind (full K/V, MLA latent,
+KVSplice latent, low-rank coefficients); measured bytes == formula == tensors; decode stays close to unquantised."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import transformers
+
+from kvsplice.decode import Decoder, DenseKV, sequence_nll
+from kvsplice.lowrank.bases import HeadBases, KVBases
+from kvsplice.lowrank.method import CoefficientDecoder, LowRank
+from kvsplice.report.memory import cache_bytes_formula, measure_cache
+from kvsplice.select.cache import SubsetCache
+from models import GPT, GPTConfig, preset
+from models.cache import KVCache, LatentCache, dequantize, quantize_int8
+from tiny_models import sharpen
+
+V = 61
+
+
+def test_quantize_roundtrip_is_within_half_a_step():
+    x = torch.randn(3, 5, 7, 16) * torch.logspace(-3, 3, 7)[None, None, :, None]  # rows of very different scales
+    q, s = quantize_int8(x)
+    assert q.dtype == torch.int8 and s.dtype == torch.float16 and s.shape == (3, 5, 7, 1)
+    assert int(q.abs().max()) <= 127
+    err = (dequantize(q, s, torch.float32) - x).abs()
+    assert bool((err <= 0.5 * s.float() + 1e-7).all())  # rounding to the nearest step of the fp16 scale
+    zero_q, zero_s = quantize_int8(torch.zeros(2, 4))
+    assert torch.equal(dequantize(zero_q, zero_s, torch.float32), torch.zeros(2, 4))
+
+
+@pytest.mark.parametrize("attention,kw", [("mha", {}), ("mla", {"d_latent": 16}),
+                                          ("mla", {"d_latent": 16, "kvsplice_ratio": 0.5})])
+def test_int8_cache_bytes_and_decode(attention, kw):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=V, n_layer=2, n_head=4, d_model=32, block_size=64, attention=attention, **kw)
+    model = sharpen(GPT(cfg), std=0.1)
+    q_model = GPT(dataclasses.replace(cfg, cache_quant="int8")).eval()
+    q_model.load_state_dict(model.state_dict())
+    ids = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(1))
+    cache = q_model.new_cache(2, capacity=24)
+    assert cache.quant == "int8"
+    got = torch.cat([q_model(ids[:, :16], cache=cache), q_model(ids[:, 16:], cache=cache)], dim=1)
+    # bytes: measured tensors == nbytes == allocated storage == the formula (int8 rows + one fp16 scale per row)
+    m = measure_cache(cache)
+    formula = cache_bytes_formula(q_model.cfg, 24, "fp32", batch_size=2)
+    assert m.live_bytes == cache.nbytes() == m.storage_bytes == formula == 2 * 24 * cache.bytes_per_token()
+    assert set(m.dtypes) == {"int8", "float16"}
+    full = cache_bytes_formula(cfg, 24, "fp32", batch_size=2)
+    assert formula < full / 3  # 1 byte instead of 4, plus the scales
+    # quality: close to the unquantised model, and not identical (the cache really is int8)
+    want = model(ids)
+    assert not torch.equal(got, want)
+    torch.testing.assert_close(got.softmax(-1), want.softmax(-1), atol=2e-2, rtol=0)
+
+
+def test_kvsplice90_int8_is_over_100x_smaller_than_mha_fp16():
+    mha = cache_bytes_formula(preset("gpt2"), 1024, "fp16")
+    q = cache_bytes_formula(dataclasses.replace(preset("mla_kvsplice_90"), cache_quant="int8"), 1024, "fp16")
+    assert q == 1024 * 12 * (26 + 2) and mha == 1024 * 36864
+    assert mha / q > 100  # 109.7×
+
+
+def test_lowrank_and_dense_int8_on_llama():
+    torch.manual_seed(0)
+    model = sharpen(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128)), std=0.1)
+    ids = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(2))
+    eye = torch.eye(8)
+    bases = KVBases([[HeadBases(eye[:, :6], eye[:, :6], eye, eye) for _ in range(2)] for _ in range(2)], "t", "post")
+    for method, q_method in ((DenseKV(), DenseKV(cache_quant="int8")),
+                             (LowRank(bases), LowRank(bases, cache_quant="int8"))):
+        ref, n = sequence_nll(Decoder(model, method), ids, chunk_size=8)
+        dec = Decoder(model, q_method)
+        got, _ = sequence_nll(dec, ids, chunk_size=8)
+        assert abs(got - ref) / ref < 0.01 and got != ref
+        cache = dec.new_cache(2, capacity=40)
+        dec(ids, cache)
+        assert cache.nbytes() == measure_cache(cache).live_bytes
+        if isinstance(q_method, LowRank):
+            assert cache.nbytes() == cache.bytes_formula() == 40 * 2 * 2 * 2 * ((6 + 8) + 2 * 2)
+    dec = CoefficientDecoder(model, bases, cache_quant="int8")
+    with pytest.raises(TypeError, match="CoefficientCache"):
+        dec(ids, CoefficientDecoder(model, bases).new_cache(2))  # an unquantised cache for an int8 decoder
+
+
+def test_bad_quant_options():
+    with pytest.raises(ValueError, match="quant"):
+        KVCache(1, 2, 4, 1, quant="int4")
+    with pytest.raises(ValueError, match="GPTConfig.cache_quant"):
+        GPTConfig(cache_quant="fp8")
+    with pytest.raises(ValueError, match="SubsetCache does not quantise"):
+        SubsetCache(1, 2, 4, 1, quant="int8")
+    c = LatentCache(1, 8, 1, quant="int8")
+    c.append(0, c=torch.randn(1, 3, 8))
+    assert c.get(0)["c"].dtype == torch.float32 and c.stored(0)["c"].dtype == torch.int8
+    assert math.isclose(c.bytes_per_token(), 8 + 2)

@@ -24,7 +24,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvsplice.report.memory_check import (DEFAULT_CONFIGS, GIB, checkpoint_variants, preset_variants, print_table, run, title)
+from kvsplice.report.memory_check import (DEFAULT_CONFIGS, GIB, checkpoint_variants, preset_variants, print_table,
+                                          quantised_variants, run, title)
 from kvsplice.io.cli import UsageError, check_out_path, pick_device, write_json
 from kvsplice.report.memory import DTYPES, dtype_name, parse_dtype
 from models.config import PRESETS
@@ -46,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--ckpt", nargs="+", metavar="PATH", help="training checkpoints (python -m training.fit)")
     p.add_argument("--seq-lens", nargs="+", type=int, default=[256, 512, 1024], metavar="L")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
+    p.add_argument("--cache-quant", choices=["int8"], default=None, help="also measure every variant with an int8 "
+                   "cache (int8 rows + one fp16 scale per row); vs MHA stays MHA's unquantised cache at --dtype")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--budget-gb", type=float, default=24.0, help="memory budget in GiB (2^30 bytes) for the "
                    "'sequences that fit' column (default 24)")
@@ -72,6 +75,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             variants = checkpoint_variants(args.ckpt, max(seq_lens))
         else:
             variants = preset_variants(args.config or DEFAULT_CONFIGS, max(seq_lens), notes)
+        if args.cache_quant:
+            variants = variants + quantised_variants(variants, args.cache_quant)
         device = pick_device(args.device)
         if args.json:
             check_out_path(args.json, args.force, option="--json")
@@ -89,7 +94,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                decode_steps=args.decode_steps, device=device, progress=not args.no_progress, seed=args.seed)
     report = dict(
         tool="kvsplice.verify_memory", dtype=dtype_name(dtype), batch=args.batch, device=str(device),
-        budget_gib=args.budget_gb, budget_bytes=budget_bytes, decode_steps=args.decode_steps, seq_lens=seq_lens,
+        cache_quant=args.cache_quant, budget_gib=args.budget_gb, budget_bytes=budget_bytes, decode_steps=args.decode_steps, seq_lens=seq_lens,
         torch=torch.__version__, python=platform.python_version(), notes=notes,
         ok=all(r["ok"] for r in rows), rows=rows,
     )

@@ -235,3 +235,17 @@ def test_plot_quality_vs_cache(tmp_path):
            dict(variant="mla", val_loss=3.2, cache_bytes_per_token=6144),
            dict(variant="broken", val_loss=float("nan"), cache_bytes_per_token=1)]
     assert plot_quality_vs_cache(pts, tmp_path / "q.png").stat().st_size > 1000
+
+
+def test_verify_memory_int8_rows(tiny_configs, tmp_path, capsys):
+    out = tmp_path / "q.json"
+    rc = verify_memory.main(["--config", *tiny_configs, "--seq-lens", "8", "16", "--dtype", "fp16", "--cache-quant",
+                             "int8", "--no-progress", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    rows = json.loads(out.read_text())["rows"]
+    quant = [r for r in rows if r["variant"].endswith("+int8")]
+    assert len(quant) == len(rows) - len(quant) == 6 and all(r["ok"] for r in rows)  # 3 configs × 2 lengths
+    for r in quant:
+        base = next(p for p in rows if p["variant"] == r["variant"][:-5] and p["seq_len"] == r["seq_len"])
+        assert r["measured_bytes"] == r["formula_bytes"] < base["measured_bytes"]
+        assert r["compression_vs_mha"] > base["compression_vs_mha"]  # same fp16 MHA reference

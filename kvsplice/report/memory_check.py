@@ -74,6 +74,21 @@ def checkpoint_variants(paths: Sequence[str], max_len: int) -> list[Variant]:
     return out
 
 
+def quantised_variants(variants: Sequence[Variant], quant: str) -> list[Variant]:
+    """Each variant again with ``cfg.cache_quant = quant`` (label ``NAME+int8``): same weights, int8 cache."""
+    out = []
+    for v in variants:
+        cfg = v.cfg.replace(cache_quant=quant)
+
+        def build(v=v, cfg=cfg):
+            model = v.build()
+            model.cfg = cfg  # GPT.new_cache reads cfg.cache_quant; the weights are the same
+            return model
+
+        out.append(Variant(f"{v.label}+{quant}", cfg, v.source, build))
+    return out
+
+
 # -------------------------------------------------------------------------------------------- measurement
 @torch.inference_mode()
 def measure_variant_at(model, cfg: GPTConfig, seq_len: int, *, dtype: torch.dtype, batch: int, decode_steps: int,
@@ -112,8 +127,9 @@ def measure_variant_at(model, cfg: GPTConfig, seq_len: int, *, dtype: torch.dtyp
         problems.append(f"storage bytes {m.storage_bytes} != formula {formula}")
     if cache.nbytes() != formula:
         problems.append(f"cache.nbytes() {cache.nbytes()} != formula {formula}")
-    if m.dtypes != (str(dtype).replace("torch.", ""),):
-        problems.append(f"cache dtypes {m.dtypes} != {dtype}")
+    want_dtypes = ("float16", "int8") if cfg.cache_quant == "int8" else (str(dtype).replace("torch.", ""),)
+    if m.dtypes != want_dtypes:
+        problems.append(f"cache dtypes {m.dtypes} != {want_dtypes}")
     row = dict(
         seq_len=seq_len, batch=batch, prefill_tokens=seq_len - k, decode_steps=k,
         measured_bytes=m.live_bytes, storage_bytes=m.storage_bytes, nbytes_reported=cache.nbytes(),

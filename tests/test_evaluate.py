@@ -84,3 +84,18 @@ def test_corrupt_and_missing_checkpoints_fail_clearly(ckpts, tmp_path, capsys):
     torch.save({"state_dict": {}, "hyper_parameters": {}}, foreign)
     assert evaluate.main(["--ckpt", str(foreign), *ARGS]) == 2
     assert "not a kvsplice training checkpoint" in capsys.readouterr().err
+
+
+def test_cache_quant_reports_loss_through_both_caches(ckpts, tmp_path, capsys):
+    out = tmp_path / "q.json"
+    rc = evaluate.main(["--ckpt", str(ckpts["mha"][0]), "--ckpt", str(ckpts["kvsplice"][0]), *ARGS,
+                        "--cache-quant", "int8", "--cache-chunk", "8", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    assert "| variant | val loss (cache) | val loss (int8 cache) | change |" in capsys.readouterr().out
+    for r, (_, cfg) in zip(json.loads(out.read_text())["rows"], (ckpts["mha"], ckpts["kvsplice"])):
+        # through the unquantised cache (chunks of 8 appended, then attended) == the full forward
+        assert r["val_loss_cached"] == pytest.approx(r["val_loss"], abs=1e-4)
+        assert r["val_loss_quant"] != r["val_loss_cached"] and abs(r["val_loss_change"]) < 0.005
+        q = cfg.replace(cache_quant="int8")
+        assert r["quant_bytes_per_token"] == cache_bytes_formula(q, 1, "fp32") < r["cache_bytes_per_token"]
+        assert r["quant_cache_matches_formula"]

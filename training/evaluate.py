@@ -97,6 +97,39 @@ def validation_loss(model, dm, max_tokens: int) -> tuple[float, int]:
 
 
 @torch.no_grad()
+def cached_validation_loss(model, dm, max_tokens: int, chunk: int) -> tuple[float, int]:
+    """:func:`validation_loss` with every token attending over the model's decode cache: each validation block is
+    fed through a fresh ``model.new_cache()`` in chunks of ``chunk`` tokens (appended, then attended), so a
+    quantised cache (``cfg.cache_quant``) is what every query reads, its own chunk included."""
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for x, y in dm.val_dataloader():
+        x, y = x.to(device), y.to(device)  # (B, T)
+        cache = model.new_cache(x.shape[0], capacity=x.shape[1])
+        logits = torch.cat([model(x[:, s:s + chunk], cache=cache) for s in range(0, x.shape[1], chunk)], dim=1)
+        total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum").item()
+        count += y.numel()
+        if count >= max_tokens:
+            break
+    return total / count, count
+
+
+def quantised_loss(model, cfg, dm, args: argparse.Namespace) -> dict[str, Any]:
+    """Validation loss through the unquantised and the ``--cache-quant`` cache (same model, same tokens), the
+    relative change, and the quantised cache's bytes per token (measured == formula)."""
+    plain, _ = cached_validation_loss(model, dm, args.tokens, args.cache_chunk)
+    model.cfg = cfg.replace(cache_quant=args.cache_quant)
+    try:
+        quant, _ = cached_validation_loss(model, dm, args.tokens, args.cache_chunk)
+        measured = measure_cache_per_token(model, model.cfg, args.cache_tokens, parse_dtype(args.dtype))
+    finally:
+        model.cfg = cfg
+    return {"cache_quant": args.cache_quant, "val_loss_cached": plain, "val_loss_quant": quant,
+            "val_loss_change": quant / plain - 1.0, "quant_bytes_per_token": measured["bytes_per_token"],
+            "quant_cache_matches_formula": measured["measured_bytes"] == measured["formula_bytes"]}
+
+
+@torch.no_grad()
 def measure_cache_per_token(model, cfg, n_tokens: int, dtype: torch.dtype) -> dict[str, Any]:
     """Real prefill + token-by-token decode into a fresh cache; measured bytes vs the formula."""
     device = next(model.parameters()).device
@@ -182,6 +215,9 @@ def evaluate_checkpoint(path: str, args: argparse.Namespace) -> dict[str, Any]:
         "samples": samples(model, dm.tokenizer, args.sample_tokens, args.seed),
         "run_dir": str(Path(path).resolve().parent),
     }
+    if args.cache_quant:
+        row.update(quantised_loss(model, cfg, dm, args))
+        row["quant_compression_vs_mha"] = mha_per_token / row["quant_bytes_per_token"]
     if not row["cache_matches_formula"]:
         raise EvalError(f"{path}: measured cache bytes {cache['measured_bytes']} != formula {cache['formula_bytes']}")
     return row
@@ -218,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data.synthetic", dest="data_synthetic", default=None, type=_bool,
                    help="true: the embedded offline stories")
     p.add_argument("--data.cache_dir", dest="data_cache_dir", default=None)
+    p.add_argument("--cache-quant", default=None, choices=["int8"], help="also report the validation loss with every "
+                   "token attending over an int8 cache (and over the unquantised cache, for the same tokens)")
+    p.add_argument("--cache-chunk", type=int, default=64, help="tokens appended per call for --cache-quant")
     p.add_argument("--json", default=None, help="write all results (and plots next to it)")
     p.add_argument("--force", action="store_true", help="replace an existing --json file (and its plots)")
     return p
@@ -225,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(args: argparse.Namespace) -> None:
     """Option values the parser cannot check (raises :class:`EvalError` naming the option)."""
-    for name in ("tokens", "batch_size", "context", "cache_tokens", "decode_tokens", "repeats", "prompt_len"):
+    for name in ("tokens", "batch_size", "context", "cache_tokens", "decode_tokens", "repeats", "prompt_len",
+                 "cache_chunk"):
         if getattr(args, name) < 1:
             raise EvalError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.sample_tokens < 0:
@@ -267,6 +307,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_ERROR
     print(markdown_table(rows, args.dtype, args.device))
+    if args.cache_quant:
+        print(f"\n| variant | val loss (cache) | val loss ({args.cache_quant} cache) | change | {args.cache_quant} cache "
+              f"bytes/token | vs MHA ({args.dtype}) |\n|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['variant']} | {r['val_loss_cached']:.4f} | {r['val_loss_quant']:.4f} | "
+                  f"{100 * r['val_loss_change']:+.3f} % | {r['quant_bytes_per_token']:.0f} | "
+                  f"{r['quant_compression_vs_mha']:.1f}× |")
     for r in rows:
         print(f"\n{r['variant']} samples ({Path(r['checkpoint']).name}):")
         for s in r["samples"]:

@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 64; 1 = token by token; the result does not depend on it)")
     p.add_argument("--err-windows", type=pos_int, default=2, help="windows for the direct attention-output "
                    "error (default 2)")
+    p.add_argument("--cache-quant", choices=["int8"], help="also decode every --bases file (and the full K/V cache) "
+                   "with the cache stored as int8 rows + fp16 scales: perplexity and measured bytes")
     p.add_argument("--json", help="write the full report (per-layer and per-head numbers) as JSON")
     p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
     p.add_argument("--threads", type=pos_int, help="torch intra-op threads")

@@ -270,3 +270,23 @@ def test_cli_process_exit_codes(tmp_path):
                        cwd=REPO, env=env, timeout=120)
     assert p.returncode == 1 and p.stderr.strip() == \
         f"eval_bases: error: bases file not found: {tmp_path / 'missing.safetensors'}"
+
+
+def test_eval_cache_quant_int8(s260k, s260k_bases, tmp_path, capsys):
+    """--cache-quant int8: every bases file decoded again with int8 rows + fp16 scales, plus the full K/V cache
+    quantised; measured bytes == formula; perplexity within 1 % of the unquantised cache on real text."""
+    out = tmp_path / "q.json"
+    rc, _, err = run(eval_bases, ["--model", s260k, "--bases", s260k_bases["low_post"], s260k_bases["low_pre"],
+                                  *EVAL_SMALL, "--cache-quant", "int8", "--json", out], capsys)
+    assert rc == 0, err
+    res = {r["label"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(res) == {"low_post", "low_post+int8", "low_pre", "low_pre+int8", "full K/V+int8"}
+    for name in ("low_post", "low_pre"):
+        q, plain = res[f"{name}+int8"], res[name]
+        assert q["cache"]["bytes_match"] and q["cache"]["kind"] == "CoefficientCache"
+        rows = 2 * 5 * 4  # key + value rows per token: 5 layers × 4 KV heads
+        assert q["cache"]["measured_live_bytes"] == (plain["elements_per_token"] + 2 * rows) * 256 * 8
+        assert 0 < abs(q["ppl_change_from_quant"]) < 0.01
+    full = res["full K/V+int8"]
+    assert full["cache"]["bytes_match"] and full["cache"]["measured_live_bytes"] == 2 * 5 * 4 * (8 + 2) * 256 * 8
+    assert abs(full["ppl_ratio"] - 1) < 0.01

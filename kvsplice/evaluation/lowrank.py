@@ -20,7 +20,7 @@ from kvsplice.lowrank.fits import bases_errors, lesens_terms
 from kvsplice.lowrank.method import CoefficientDecoder
 from models.attention import attend
 
-__all__ = ["attention_output_errors", "eval_static", "evaluate_bases", "layer_errors"]
+__all__ = ["attention_output_errors", "eval_static", "evaluate_bases", "evaluate_quantised", "layer_errors"]
 
 
 def _agg(rel: list[float], den: list[float]) -> float:
@@ -132,6 +132,28 @@ def evaluate_bases(ctx: EvalContext, bases: KVBases, label: str = "bases", path:
     return res
 
 
+def evaluate_quantised(ctx: EvalContext, bases: Optional[KVBases], quant: str, unquantised: dict[str, Any],
+                       label: str) -> dict[str, Any]:
+    """Perplexity and measured bytes with the cache of ``unquantised``'s decoder stored as ``quant`` (int8 rows +
+    fp16 scales): the same bases (``None``: the full K/V cache), the same windows."""
+    decoder = CoefficientDecoder(ctx.model, bases, cache_quant=quant)
+    res = ctx.decode(decoder, desc=label)
+    c = res["cache"]
+    full = ctx.full()
+    c["formula_bytes"] = c.get("cache_bytes_formula")
+    if c["formula_bytes"] is None:  # the full K/V cache: 2·L·Hkv rows of d int8 numbers + a 2-byte scale each
+        i = ctx.info
+        c["formula_bytes"] = 2 * i.n_layer * i.n_kv_head * (i.head_dim + 2) * c["seq_len"] * c["batch_size"]
+    c["bytes_match"] = c["measured_live_bytes"] == c["formula_bytes"] == c["nbytes"]
+    c["full_kv_formula_bytes"] = ctx.full_kv_formula(c["batch_size"], c["seq_len"], c["element_size"])
+    c["compression"] = c["full_kv_formula_bytes"] / c["measured_live_bytes"]
+    res.update({k: unquantised[k] for k in ("method", "rope", "ranks_k", "ranks_v", "elements_per_token")
+                if k in unquantised})
+    res.update({"label": label, "cache_quant": quant, "ppl_ratio": res["ppl"] / full["ppl"],
+                "ppl_change_from_quant": res["ppl"] / unquantised["ppl"] - 1.0})
+    return res
+
+
 def eval_static(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str, Any]]:
     """``--method static``: each ``--bases`` file, with :func:`~kvsplice.lowrank.diagnostics.bases_diagnostics`."""
     if not args.bases:
@@ -147,4 +169,10 @@ def eval_static(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str, An
         res = evaluate_bases(ctx, bases, label=Path(path).stem, path=str(path))
         res["diagnostics"] = bases_diagnostics(ctx.model, bases, ctx.windows[: ctx.err_windows])
         out.append(res)
+        if getattr(args, "cache_quant", None):
+            out.append(evaluate_quantised(ctx, bases, args.cache_quant, res, f"{res['label']}+{args.cache_quant}"))
+    if getattr(args, "cache_quant", None):  # the full K/V cache quantised alone, for reference
+        full = dict(ctx.full(), method="—", rope="—", ranks_k=[["—"]], ranks_v=[["—"]],
+                    elements_per_token=ctx.full()["elements_per_token"])
+        out.append(evaluate_quantised(ctx, None, args.cache_quant, full, f"full K/V+{args.cache_quant}"))
     return out

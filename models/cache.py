@@ -132,6 +132,7 @@ class DecodeCache(Cache):
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.quant = quant
+        self._ws: dict[str, torch.Tensor] = {}
         self._initial_capacity = capacity
         self._layouts = [self._layout(spec) for spec in self.specs]
         self._buffers: list[dict[str, torch.Tensor]] = [
@@ -210,13 +211,30 @@ class DecodeCache(Cache):
             if self.quant is None:
                 buf[..., n : n + t_new, :] = x
                 out[name] = buf[..., : n + t_new, :]
-            else:  # int8 rows + fp16 scales; the attention call gets a transient dequantised tensor
+            else:  # int8 rows + fp16 scales; the attention call reads them dequantised into the workspace
                 sbuf = self._buffers[layer][name + SCALE]
                 buf[..., n : n + t_new, :], sbuf[..., n : n + t_new, :] = quantize_int8(x)
-                out[name] = dequantize(buf[..., : n + t_new, :], sbuf[..., : n + t_new, :], self.dtype)
+                ws = self._workspace(name, buf)[..., : n + t_new, :]
+                ws.copy_(buf[..., : n + t_new, :]).mul_(sbuf[..., : n + t_new, :])
+                out[name] = ws
         self._lengths[layer] = n + t_new
         self._seen[layer] += t_new
         return out
+
+    def _workspace(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The scratch a quantised stream is dequantised into for one attention call: one buffer per stream name,
+        shared by all layers (each layer's call overwrites it), so the views ``append`` returns are valid until the
+        next ``append`` of that stream. Reusing it avoids allocating (and page-faulting) a full-size tensor per
+        layer per step; it holds one layer's rows at ``dtype`` and is not part of the cache (:meth:`workspace_nbytes`)."""
+        ws = self._ws.get(name)
+        if ws is None or ws.shape != like.shape:
+            ws = torch.empty(like.shape, dtype=self.dtype, device=self.device)
+            self._ws[name] = ws
+        return ws
+
+    def workspace_nbytes(self) -> int:
+        """Bytes of the dequantisation scratch (0 unless quantised): transient, one layer's streams at ``dtype``."""
+        return sum(w.numel() * w.element_size() for w in self._ws.values())
 
     def get(self, layer: int) -> dict[str, torch.Tensor]:
         """What ``layer`` holds, ``(B, *lead, T, D)`` per stream at ``dtype``: views, or transient dequantised

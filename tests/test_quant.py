@@ -98,3 +98,16 @@ def test_bad_quant_options():
     c.append(0, c=torch.randn(1, 3, 8))
     assert c.get(0)["c"].dtype == torch.float32 and c.stored(0)["c"].dtype == torch.int8
     assert math.isclose(c.bytes_per_token(), 8 + 2)
+
+
+def test_dequantised_views_live_in_one_reused_workspace():
+    c = KVCache(3, 2, 8, 2, quant="int8", capacity=10)
+    for layer in range(3):
+        k, v = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8)
+        out = c.append(layer, k=k, v=v)
+        raw = c.stored(layer)
+        assert torch.equal(out["k"], dequantize(raw["k"], raw["k.scale"], torch.float32))
+        assert torch.equal(out["v"], c.get(layer)["v"])
+    # one k and one v scratch for all layers (one layer's rows at fp32), not counted as cache bytes
+    assert c.workspace_nbytes() == 2 * (2 * 2 * 10 * 8 * 4)
+    assert c.nbytes() == measure_cache(c).live_bytes == 3 * 2 * 2 * 2 * 4 * (8 + 2)

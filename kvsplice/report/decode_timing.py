@@ -28,9 +28,12 @@ class BenchVariant:
 
 
 def parse_variant(spec: str, max_ctx: int) -> BenchVariant:
-    name, impl = spec, None
-    if ":" in spec and spec.rsplit(":", 1)[1] in ("naive", "absorb"):
-        name, impl = spec.rsplit(":", 1)
+    """``NAME[:naive|:absorb][:int8]`` → a variant (``:int8``: the same model with an int8 cache)."""
+    name, impl, quant = spec, None, None
+    if name.endswith(":int8"):
+        name, quant = name[: -len(":int8")], "int8"
+    if ":" in name and name.rsplit(":", 1)[1] in ("naive", "absorb"):
+        name, impl = name.rsplit(":", 1)
     label, cfg, _ = resolve_config(name)
     if impl is not None and cfg.attention != "mla":
         raise UsageError(f"{spec}: ':{impl}' applies only to MLA configs")
@@ -40,6 +43,9 @@ def parse_variant(spec: str, max_ctx: int) -> BenchVariant:
         suffix = "naive" if cfg.mla_impl == "naive" else "absorb"
         if label == "mla" or impl is not None or cfg.mla_impl == "naive":
             label = f"{label}_{suffix}"
+    if quant:
+        cfg = cfg.replace(cache_quant=quant)
+        label = f"{label}+{quant}"
     return BenchVariant(label, cfg)
 
 
@@ -195,9 +201,13 @@ def run(variants: Sequence[BenchVariant], ctxs: Sequence[int], *, batch: int, dt
             ))
     base = next(v.label for v in variants if v.cfg.attention == "mha")
     mha = {r["ctx"]: r["median_ms"] for r in rows if r["variant"] == base}
+    med = {(r["variant"], r["ctx"]): r["median_ms"] for r in rows}
     for r in rows:
         r["baseline"] = base
         r["speedup_vs_mha"] = mha[r["ctx"]] / r["median_ms"]
+        plain = r["variant"].rsplit("+", 1)[0] if "+" in r["variant"] else None
+        if plain is not None and (plain, r["ctx"]) in med:  # an int8 variant next to its unquantised twin
+            r["time_vs_unquantised"] = r["median_ms"] / med[(plain, r["ctx"])]
     return rows
 
 
@@ -229,7 +239,8 @@ def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
         cells = [v, str(by_ctx[ctxs[0]]["cache_dim"])]
         for c in ctxs:
             r = by_ctx[c]
-            cells.append(f"{r['median_ms']:.1f} ({r['speedup_vs_mha']:.2f}×)")
+            cells.append(f"{r['median_ms']:.1f} ({r['speedup_vs_mha']:.2f}×)"
+                         + (f", {r['time_vs_unquantised']:.2f}× unquant." if "time_vs_unquantised" in r else ""))
         if len(ctxs) > 1:
             cells.append(f"{g[v]:.2f}×")
         body.append(cells)

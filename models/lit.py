@@ -75,7 +75,7 @@ class LitGPT(L.LightningModule):
     """GPT-2 / MLA / MLA+KVSplice language model for Lightning.
 
     Args:
-        vocab_size ... mla_impl: the :class:`models.GPTConfig` fields (same meaning and defaults). With the CLI,
+        vocab_size ... cache_quant: the :class:`models.GPTConfig` fields (same meaning and defaults). With the CLI,
             ``vocab_size`` comes from the data module's tokenizer.
         vocab_multiple: round ``vocab_size`` up to a multiple of this (64 gives GPT-2's 50304: faster matmuls);
             the extra logits are never targets and learn to stay low.
@@ -102,6 +102,7 @@ class LitGPT(L.LightningModule):
         kvsplice_orthogonal: bool = False,
         attn_backend: Literal["auto", "flash", "sdpa"] = "auto",
         mla_impl: Literal["absorb", "naive"] = "absorb",
+        cache_quant: Optional[Literal["int8"]] = None,
         vocab_multiple: int = 1,
         learning_rate: float = 6e-4,
         weight_decay: float = 0.1,

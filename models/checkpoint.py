@@ -19,7 +19,7 @@ import pickle
 import re
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Union
 
 import torch
 

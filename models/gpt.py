@@ -116,15 +116,16 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------------------------------------ decode
     def new_cache(self, batch_size: int, capacity: Optional[int] = None, *, dtype: Optional[torch.dtype] = None,
-                  device: Optional[Union[torch.device, str]] = None) -> DecodeCache:
+                  device: Optional[Union[torch.device, str]] = None, quant: Any = ...) -> DecodeCache:
         """An empty decode cache for this model (dtype/device default to the model's).
 
         ``capacity`` preallocates that many tokens (exact bytes); without it the cache grows geometrically.
-        ``cfg.cache_quant="int8"`` stores int8 rows + fp16 scales (``dataclasses.replace(model.cfg, ...)`` or
-        ``model.cfg.cache_quant = "int8"`` switches a trained model: the weights do not change).
+        ``quant``: ``None`` or ``"int8"`` (int8 rows + fp16 scales); default ``cfg.cache_quant``. The weights do not
+        depend on it, so a trained model decodes with an int8 cache by passing ``quant="int8"``.
         """
         p = self.transformer.wte.weight
-        kw = dict(dtype=dtype or p.dtype, device=device or p.device, capacity=capacity, quant=self.cfg.cache_quant)
+        quant = self.cfg.cache_quant if quant is ... else quant
+        kw = dict(dtype=dtype or p.dtype, device=device or p.device, capacity=capacity, quant=quant)
         cfg = self.cfg
         if cfg.attention == "mha":
             return KVCache(cfg.n_layer, cfg.n_head, cfg.head_size, batch_size, **kw)

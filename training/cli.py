@@ -23,7 +23,6 @@ from typing import Any, Literal, Optional
 
 import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 

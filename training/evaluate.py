@@ -97,15 +97,16 @@ def validation_loss(model, dm, max_tokens: int) -> tuple[float, int]:
 
 
 @torch.no_grad()
-def cached_validation_loss(model, dm, max_tokens: int, chunk: int) -> tuple[float, int]:
+def cached_validation_loss(model, dm, max_tokens: int, chunk: int, quant: Optional[str] = None
+                           ) -> tuple[float, int]:
     """:func:`validation_loss` with every token attending over the model's decode cache: each validation block is
-    fed through a fresh ``model.new_cache()`` in chunks of ``chunk`` tokens (appended, then attended), so a
-    quantised cache (``cfg.cache_quant``) is what every query reads, its own chunk included."""
+    fed through a fresh ``model.new_cache(quant=quant)`` in chunks of ``chunk`` tokens (appended, then attended), so
+    a quantised cache is what every query reads, its own chunk included."""
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for x, y in dm.val_dataloader():
         x, y = x.to(device), y.to(device)  # (B, T)
-        cache = model.new_cache(x.shape[0], capacity=x.shape[1])
+        cache = model.new_cache(x.shape[0], capacity=x.shape[1], quant=quant)
         logits = torch.cat([model(x[:, s:s + chunk], cache=cache) for s in range(0, x.shape[1], chunk)], dim=1)
         total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum").item()
         count += y.numel()
@@ -118,12 +119,9 @@ def quantised_loss(model, cfg, dm, args: argparse.Namespace) -> dict[str, Any]:
     """Validation loss through the unquantised and the ``--cache-quant`` cache (same model, same tokens), the
     relative change, and the quantised cache's bytes per token (measured == formula)."""
     plain, _ = cached_validation_loss(model, dm, args.tokens, args.cache_chunk)
-    model.cfg = cfg.replace(cache_quant=args.cache_quant)
-    try:
-        quant, _ = cached_validation_loss(model, dm, args.tokens, args.cache_chunk)
-        measured = measure_cache_per_token(model, model.cfg, args.cache_tokens, parse_dtype(args.dtype))
-    finally:
-        model.cfg = cfg
+    quant, _ = cached_validation_loss(model, dm, args.tokens, args.cache_chunk, args.cache_quant)
+    measured = measure_cache_per_token(model, cfg.replace(cache_quant=args.cache_quant), args.cache_tokens,
+                                       parse_dtype(args.dtype))
     return {"cache_quant": args.cache_quant, "val_loss_cached": plain, "val_loss_quant": quant,
             "val_loss_change": quant / plain - 1.0, "quant_bytes_per_token": measured["bytes_per_token"],
             "quant_cache_matches_formula": measured["measured_bytes"] == measured["formula_bytes"]}
@@ -137,7 +135,7 @@ def measure_cache_per_token(model, cfg, n_tokens: int, dtype: torch.dtype) -> di
     n_decode = min(8, n_tokens - 1)
     idx = torch.randint(0, cfg.vocab_size, (1, n_tokens), device=device)
     m = model.to(dtype)
-    cache = m.new_cache(1, capacity=n_tokens)
+    cache = m.new_cache(1, capacity=n_tokens, quant=cfg.cache_quant)
     m(idx[:, : n_tokens - n_decode], cache=cache)
     for i in range(n_tokens - n_decode, n_tokens):
         m(idx[:, i : i + 1], cache=cache)

@@ -83,7 +83,7 @@ class Decoder:
         start = cache.position  # absolute position of the first new token
         a.check_room(cache.batch_size, start, b, t)
         x = a.embed(input_ids, start)  # (B, T, d_model)
-        step = Step(a, start, t, x, self.scales, self.attn_backend, a.rope(x, start, t) if a.has_rope else None)
+        step = Step(a, start, t, x, self.scales, self.attn_backend, a.rope(x, start, t))  # rope: None without RoPE
         for layer in range(a.n_layer):
             x = a.after_attn(layer, x, self.method.attention(layer, a.attn_in(layer, x), cache, step))
         return a.head(x[:, -1:] if last_only else x)

@@ -87,12 +87,6 @@ class OnlineDecoder(Decoder):
         super().__init__(model, OnlineFD(**options), attn_backend=attn_backend)
         self.cache_kw = self.method.cache_kw
 
-    def new_cache(self, batch_size: int, capacity: Optional[int] = None, *, dtype: Optional[torch.dtype] = None,
-                  device=None) -> ChunkedCache:
-        return self.method.new_cache(self.adapter, batch_size, capacity,
-                                     dtype=dtype or torch.promote_types(self.dtype, torch.float32),
-                                     device=device or self.device)
-
     def perplexity(self, input_ids: torch.Tensor, chunk_size: Optional[int] = 1) -> float:
         """``exp`` of the mean next-token NLL of ``input_ids (B, T)`` fed through a fresh cache in chunks of
         ``chunk_size`` tokens (default 1: true online decoding; ``None``: one prefill call — identical unless

@@ -15,7 +15,7 @@ import torch
 from kvsplice.report.memory import cache_bytes_formula
 from kvsplice.io.cli import UsageError
 from kvsplice.io.configs import resolve_config
-from kvsplice.report.tables import markdown_table, print_rich_table
+from kvsplice.report.tables import show_table
 from models.config import GPTConfig
 
 DEFAULT_CONFIGS = ("gpt2", "mla:naive", "mla", "mla_kvsplice_50", "mla_kvsplice_70", "mla_kvsplice_90")
@@ -247,15 +247,8 @@ def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
     return head, body
 
 
-def to_markdown(report: dict) -> str:
-    return markdown_table(title(report), *table_rows(report))
-
-
 def print_table(report: dict, markdown: bool = False) -> None:
-    if markdown:
-        print(to_markdown(report))
-        return
-    print_rich_table(title(report), *table_rows(report), caption=report["note"])
+    show_table(title(report), *table_rows(report), markdown=markdown, caption=report["note"])
 
 
 def print_profiles(profiles: dict) -> None:

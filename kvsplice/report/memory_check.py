@@ -14,7 +14,7 @@ from kvsplice.report.memory import (CUDA_ALLOC_GRANULE, cache_bytes_formula, mea
                              mha_cache_bytes, sequences_in_budget)
 from kvsplice.io.cli import UsageError, pick_device
 from kvsplice.io.configs import resolve_config
-from kvsplice.report.tables import markdown_table, print_rich_table
+from kvsplice.report.tables import show_table
 from models.config import GPTConfig
 
 DEFAULT_CONFIGS = ("gpt2", "mla", "mla_kvsplice_50", "mla_kvsplice_70", "mla_kvsplice_90")
@@ -75,18 +75,9 @@ def checkpoint_variants(paths: Sequence[str], max_len: int) -> list[Variant]:
 
 
 def quantised_variants(variants: Sequence[Variant], quant: str) -> list[Variant]:
-    """Each variant again with ``cfg.cache_quant = quant`` (label ``NAME+int8``): same weights, int8 cache."""
-    out = []
-    for v in variants:
-        cfg = v.cfg.replace(cache_quant=quant)
-
-        def build(v=v, cfg=cfg):
-            model = v.build()
-            model.cfg = cfg  # GPT.new_cache reads cfg.cache_quant; the weights are the same
-            return model
-
-        out.append(Variant(f"{v.label}+{quant}", cfg, v.source, build))
-    return out
+    """Each variant again with ``cfg.cache_quant = quant`` (label ``NAME+int8``): same weights, int8 cache (the
+    measurement builds its cache with ``quant=cfg.cache_quant``)."""
+    return [Variant(f"{v.label}+{quant}", v.cfg.replace(cache_quant=quant), v.source, v.build) for v in variants]
 
 
 # -------------------------------------------------------------------------------------------- measurement
@@ -101,7 +92,7 @@ def measure_variant_at(model, cfg: GPTConfig, seq_len: int, *, dtype: torch.dtyp
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-    cache = model.new_cache(batch, capacity=seq_len)
+    cache = model.new_cache(batch, capacity=seq_len, quant=cfg.cache_quant)
     if cuda:
         torch.cuda.synchronize(device)
         alloc_delta = torch.cuda.memory_allocated(device) - base
@@ -208,12 +199,6 @@ def title(report: dict) -> str:
             f"device {report['device']}, budget {report['budget_gib']:g} GiB")
 
 
-def to_markdown(report: dict) -> str:
-    return markdown_table(title(report), *table_rows(report))
-
-
 def print_table(report: dict, markdown: bool = False) -> None:
-    if markdown:
-        print(to_markdown(report))
-        return
-    print_rich_table(title(report), *table_rows(report), row_style=lambda row: None if row[-1] == "yes" else "bold red")
+    show_table(title(report), *table_rows(report), markdown=markdown,
+               row_style=lambda row: None if row[-1] == "yes" else "bold red")

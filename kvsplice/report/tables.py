@@ -11,6 +11,15 @@ def markdown_table(title: str, head: Sequence[str], body: Sequence[Sequence[str]
     return "\n".join(lines)
 
 
+def show_table(title: str, head: Sequence[str], body: Sequence[Sequence[str]], *, markdown: bool = False,
+               **rich_kw) -> None:
+    """The table as markdown (``markdown=True``) or as a rich table (``rich_kw``: ``caption``, ``row_style``)."""
+    if markdown:
+        print(markdown_table(title, head, body))
+    else:
+        print_rich_table(title, head, body, **rich_kw)
+
+
 def print_rich_table(title: str, head: Sequence[str], body: Sequence[Sequence[str]], *, caption: Optional[str] = None,
                      row_style: Optional[Callable[[Sequence[str]], Optional[str]]] = None) -> None:
     """A rich table; first column left-aligned, the rest right-aligned. Piped or captured output is not squeezed

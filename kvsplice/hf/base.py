@@ -1,0 +1,149 @@
+"""What every kvsplice cache inside HF ``generate()`` shares: :class:`KVSpliceHFCache`, a ``transformers.Cache``.
+
+The cache is built for one model (``LlamaForCausalLM`` with GQA + RoPE, or ``GPT2LMHeadModel``; see
+:mod:`kvsplice.adapters`) and switches that model to the ``"kvsplice"`` attention implementation
+(:mod:`kvsplice.hf.attention`). Its per-layer objects are ``transformers`` ``CacheLayerMixin`` layers that only
+forward to the cache; the numbers live in one of the package's own :class:`models.cache.DecodeCache` stores
+(built at the first ``update``, when batch size, dtype and device are known), so bytes are measured from the
+store's tensors (:meth:`tensors`, :func:`kvsplice.report.memory.measure_cache`) and compared with its formula.
+
+``get_seq_length()`` is the number of tokens the sequences have *seen* (the next position), also for caches that
+hold fewer (token selection): transformers derives positions and mask sizes from it. Beam search (reordering),
+cropping (assisted decoding) and ``torch.compile`` are not supported and say so.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvsplice.adapters.registry import adapter_for
+from kvsplice.hf.attention import ATTN_IMPL, tag, use_kvsplice_attention
+
+__all__ = ["KVSpliceHFCache"]
+
+
+class _Layer(CacheLayerMixin):
+    """One layer's view of a :class:`KVSpliceHFCache` (transformers' per-layer interface)."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, owner: "KVSpliceHFCache", layer: int) -> None:
+        super().__init__()
+        self.owner, self.layer = owner, layer
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.is_initialized = True
+        return self.owner.update_layer(self.layer, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.owner.reset()
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError(f"{type(self.owner).__name__} does not support beam search (num_beams > 1)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(f"{type(self.owner).__name__} does not support cropping (assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise NotImplementedError(f"{type(self.owner).__name__}: pass one row per sequence "
+                                      f"(num_return_sequences / beams > 1 are not supported)")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError(f"{type(self.owner).__name__} does not support selecting batch rows")
+
+
+class KVSpliceHFCache(Cache):
+    """Base of the kvsplice ``transformers.Cache`` subclasses (see the module docstring).
+
+    Subclasses build ``self.store`` in :meth:`_build_store` and implement :meth:`attend` (called by the
+    ``"kvsplice"`` attention function with the new ``k, v`` that ``update`` tagged).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, capacity: Optional[int] = None) -> None:
+        self.adapter = adapter_for(model)
+        if self.adapter.name == "gpt":
+            raise ValueError("kvsplice HF caches run inside transformers models (LlamaForCausalLM, GPT2LMHeadModel); "
+                             "models.GPT decodes with its own cache (model.new_cache / kvsplice.decode.Decoder)")
+        self.adapter.require_projections()
+        super().__init__(layers=[_Layer(self, i) for i in range(self.adapter.n_layer)])
+        self.model = model
+        self.capacity = capacity
+        self.store = None
+        use_kvsplice_attention(model)
+
+    # ---------------------------------------------------------------------------------------- subclass API
+    def _build_store(self, batch_size: int, dtype: torch.dtype, device: torch.device):
+        raise NotImplementedError
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        """Compress and store the new ``k, v (B, Hkv, Tq, D)`` of ``layer``, attend ``q (B, Hq, Tq, D)`` over
+        the cache → ``(B, Hq, Tq, D)``."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------- transformers API
+    def update_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if self.model.config._attn_implementation != ATTN_IMPL:
+            raise RuntimeError(f"{type(self).__name__} needs the model's attention implementation {ATTN_IMPL!r} "
+                               f"(it was changed to {self.model.config._attn_implementation!r} after the cache was built)")
+        if self.store is None:
+            self._build_store(k.shape[0], k.dtype, k.device)
+        elif self.store.batch_size != k.shape[0]:
+            raise ValueError(f"{type(self).__name__} holds {self.store.batch_size} sequences, got a batch of "
+                             f"{k.shape[0]}; build a new cache per generate() call")
+        return tag(k, self, layer), v
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.store is None else self.store.position
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.store is None else self.store.batch_size
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        if self.store is not None:
+            self.store.reset()
+
+    # ------------------------------------------------------------------------------------------------- bytes
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """The live tensors the cache holds (for :func:`kvsplice.report.memory.measure_cache`)."""
+        return iter(()) if self.store is None else self.store.tensors()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens held per layer (token selection holds fewer than it has seen)."""
+        return 0 if self.store is None else self.store.seq_len
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(store={self.store!r})"

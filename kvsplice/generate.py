@@ -1,0 +1,215 @@
+"""Generate text through a compressed KV cache: ``python -m kvsplice.generate``.
+
+::
+
+    python -m kvsplice.generate --model /tmp/stories260K --prompt "Once upon a time" --max-new-tokens 40
+    python -m kvsplice.generate --model /tmp/stories260K --bases r4_post.safetensors --prompt "..." --json out.json
+    python -m kvsplice.generate --model /tmp/stories260K --select balancekv --budget 64 --temperature 0.8 --top-k 40
+
+HF models (a directory with ``config.json``, or a Hub id) run transformers' ``generate()`` with a kvsplice cache
+(:mod:`kvsplice.hf`): ``--bases`` (a ``fit_bases`` file) caches low-rank key/value coefficients, ``--select``
+keeps ``--budget`` prompt tokens per KV head; neither → transformers' own full ``DynamicCache``. A ``.ckpt`` from
+``python -m training.fit`` (not a transformers model) runs the package's own decoder with the same options.
+``--temperature 0`` (the default) is greedy; generation stops at the tokenizer's EOS.
+
+Prints the text; ``--json OUT`` writes the generated ``tokens`` (ids, prompt excluded), ``text``,
+``prompt_tokens`` and the measured ``cache_bytes`` (the cache's tensors after generation) with the formula and the
+full cache's bytes. Bad input is one ``generate: error: ...`` line and exit status 2, with nothing written
+(an existing ``--json`` file is replaced only with ``--force``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from kvsplice.io.cli import UsageError, check_out_path, pos_int, write_json
+from kvsplice.select.selectors import SELECTORS
+
+EXIT_ERROR = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def _temperature(s: str) -> float:
+    v = float(s)
+    if math.isnan(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {s}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m kvsplice.generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="HF model directory / Hub id, or a training .ckpt")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--bases", default=None, help="low-rank bases file from python -m kvsplice.fit_bases")
+    g.add_argument("--select", default=None, choices=sorted(SELECTORS), help="token selection method")
+    p.add_argument("--budget", type=pos_int, default=None, help="prompt tokens kept per KV head (with --select)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=pos_int, required=True)
+    p.add_argument("--temperature", type=_temperature, default=0.0, help="0 (default): greedy")
+    p.add_argument("--top-k", type=pos_int, default=None, help="sample from the k most likely tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write tokens, text and cache bytes here")
+    p.add_argument("--force", action="store_true", help="replace an existing --json file")
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.select and args.budget is None:
+        raise UsageError("--select needs --budget N (prompt tokens kept per KV head)")
+    if args.budget is not None and not args.select:
+        raise UsageError("--budget is only used with --select METHOD")
+    if args.top_k is not None and args.temperature == 0:
+        raise UsageError("--top-k samples: give --temperature > 0 too (temperature 0 is greedy)")
+    if not args.prompt.strip():
+        raise UsageError("--prompt is empty")
+    if args.bases and not Path(args.bases).is_file():
+        raise UsageError(f"--bases file not found: {args.bases}")
+    if args.json:
+        check_out_path(args.json, args.force, option="--json")
+
+
+def _prompt_ids(tok, prompt: str) -> list[int]:
+    ids = tok.encode(prompt)
+    return [tok.bos_id] + ids if tok.sep == "bos" and tok.bos_id is not None else ids
+
+
+def _decode(tok, ids: list[int]) -> str:
+    return tok.backend.decode(ids, skip_special_tokens=True) if hasattr(tok.backend, "convert_ids_to_tokens") \
+        else tok.backend.decode(ids)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsplice.io.loading import load_model
+    from kvsplice.lowrank.bases import KVBases
+
+    loaded = load_model(args.model, tokenizer=args.tokenizer)
+    model, tok = loaded.model, loaded.tokenizer
+    prompt = _prompt_ids(tok, args.prompt)
+    mp = loaded.max_positions
+    if mp is not None and len(prompt) + args.max_new_tokens > mp:
+        raise UsageError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the "
+                         f"model's {mp} positions")
+    bases = KVBases.load(args.bases) if args.bases else None
+    selector = None
+    if args.select:
+        from kvsplice.select.selectors import make_selector
+
+        selector = make_selector(args.select, seed=args.seed)
+    ids = torch.tensor([prompt], device=next(model.parameters()).device)
+    torch.manual_seed(args.seed)
+    if loaded.kind == "ckpt":
+        new, cache, formula, full, engine = _generate_ours(model, ids, bases, selector, args)
+    else:
+        new, cache, formula, full, engine = _generate_hf(model, ids, bases, selector, args, tok)
+    from kvsplice.report.memory import measure_cache
+
+    measured = measure_cache(cache).live_bytes
+    if formula is not None and measured != formula:
+        raise RuntimeError(f"measured cache bytes {measured} != formula {formula}")
+    return {"model": loaded.describe(), "engine": engine, "prompt": args.prompt, "prompt_tokens": prompt,
+            "tokens": new, "text": _decode(tok, new),
+            "cache": "bases" if bases is not None else (f"select:{args.select}" if selector else "full"),
+            "bases": args.bases, "budget": args.budget, "temperature": args.temperature, "top_k": args.top_k,
+            "seed": args.seed, "cache_tokens_held": cache.seq_len, "cache_bytes": measured,
+            "cache_bytes_formula": formula, "full_cache_bytes": full}
+
+
+class _DynamicBytes:
+    """Measurement view of transformers' ``DynamicCache`` (the full-cache baseline)."""
+
+    def __init__(self, cache) -> None:
+        self.c = cache
+
+    def tensors(self):
+        for layer in self.c.layers:
+            if getattr(layer, "keys", None) is not None:
+                yield layer.keys
+                yield layer.values
+
+    @property
+    def seq_len(self) -> int:
+        return self.c.get_seq_length()
+
+
+def _generate_hf(model, ids, bases, selector, args, tok):
+    import transformers
+
+    from kvsplice.hf import CoefficientHFCache, SubsetHFCache
+
+    if bases is not None:
+        cache = CoefficientHFCache(model, bases)
+    elif selector is not None:
+        cache = SubsetHFCache(model, selector, args.budget)
+    else:
+        cache = transformers.DynamicCache(config=model.config)
+    sample = args.temperature > 0
+    # sampling: temperature and top-k as given (no top-k: 0, not transformers' default of 50), no top-p
+    kw = dict(do_sample=True, temperature=args.temperature, top_k=args.top_k or 0, top_p=1.0) if sample \
+        else dict(do_sample=False)
+    eos = tok.eos_id if tok.eos_id is not None else model.generation_config.eos_token_id
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                             max_new_tokens=args.max_new_tokens, eos_token_id=eos,
+                             pad_token_id=model.generation_config.pad_token_id or eos or 0, **kw)
+    new = out[0, ids.shape[1]:].tolist()
+    if isinstance(cache, transformers.DynamicCache):
+        view = _DynamicBytes(cache)
+        full = sum(t.numel() * t.element_size() for t in view.tensors())
+        return new, view, full, full, "transformers.generate"
+    return new, cache, cache.bytes_formula(), cache.full_bytes() if bases is not None else None, \
+        "transformers.generate"
+
+
+def _generate_ours(model, ids, bases, selector, args):
+    from kvsplice.decode import Decoder
+    from kvsplice.lowrank.method import LowRank
+    from kvsplice.select.method import TokenSelection
+    from models.generate import generate_tokens
+
+    method = LowRank(bases) if bases is not None else (TokenSelection(selector, args.budget) if selector else None)
+    dec = Decoder(model, method)
+    n = args.max_new_tokens
+    cap = dec.method.capacity(ids.shape[1], n) if hasattr(dec.method, "capacity") else None
+    cache = dec.new_cache(1, capacity=cap)
+    step = lambda x, c: dec(x, c, last_only=True)  # noqa: E731
+    out = generate_tokens(step, cache, ids, n, args.temperature, args.top_k, None)
+    formula = cache.bytes_formula() if hasattr(cache, "bytes_formula") else None
+    return out[0, ids.shape[1]:].tolist(), cache, formula, None, "kvsplice.decode.Decoder"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from kvsplice.io.loading import LoadError, first_line
+    from kvsplice.lowrank.bases import BasesMismatchError
+
+    try:
+        args = build_parser().parse_args(argv)
+        _check(args)
+        report = run(args)
+    except (UsageError, LoadError, BasesMismatchError) as e:
+        print(f"generate: error: {first_line(e)}", file=sys.stderr)
+        return EXIT_ERROR
+    except (ValueError, TypeError, OSError) as e:
+        print(f"generate: error: {first_line(e)}", file=sys.stderr)
+        return EXIT_ERROR
+    print(report["text"])
+    print(f"[{len(report['tokens'])} tokens, cache: {report['cache']}, {report['cache_tokens_held']} tokens held, "
+          f"{report['cache_bytes']:,} bytes measured]", file=sys.stderr)
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

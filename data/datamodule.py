@@ -65,6 +65,10 @@ class TinyStoriesDataModule(L.LightningDataModule):
             an independent random stream).
         synthetic_vocab_size: vocabulary size of the BPE tokenizer trained on the synthetic stories (incl.
             ``<|endoftext|>``).
+        bpe_vocab_size: with ``path``: train a byte-level BPE of this many entries (incl. ``<|endoftext|>``) on the
+            training files' stories (never on ``val_path``/validation files) instead of using GPT-2's 50,257-entry
+            vocabulary, cached under ``cache_dir`` by the files' fingerprints (a small vocabulary keeps small models'
+            embeddings and softmax cheap, as llama2.c's custom tokenizers do). Not with ``tokenizer_path``.
         block_size: T, tokens per training example (each example reads ``block_size + 1`` tokens).
         batch_size: examples per batch (per device).
         num_workers: DataLoader worker processes.
@@ -85,6 +89,7 @@ class TinyStoriesDataModule(L.LightningDataModule):
         synthetic: bool = False,
         synthetic_stories: int = 20000,
         synthetic_vocab_size: int = 2048,
+        bpe_vocab_size: int | None = None,
         block_size: int = 1024,
         batch_size: int = 8,
         num_workers: int = 0,
@@ -116,8 +121,20 @@ class TinyStoriesDataModule(L.LightningDataModule):
                 if name == "synthetic_vocab_size":
                     hint = " (256 bytes + <|endoftext|> + at least one merge)"
                 raise DataConfigError(f"data.{name} must be an integer >= {low}, got {value!r}{hint}")
+        if bpe_vocab_size is not None:
+            if isinstance(bpe_vocab_size, bool) or not isinstance(bpe_vocab_size, int) or not 258 <= bpe_vocab_size \
+                    <= 65536:
+                raise DataConfigError(f"data.bpe_vocab_size must be an integer in [258, 65536] (256 bytes + "
+                                      f"<|endoftext|> + merges; uint16 shards), got {bpe_vocab_size!r}")
+            if not path:
+                raise DataConfigError("data.bpe_vocab_size trains a tokenizer on local files: set data.path too (the "
+                                      "synthetic stories have data.synthetic_vocab_size; the Hub path uses GPT-2's)")
+            if tokenizer_path:
+                raise DataConfigError("data.bpe_vocab_size and data.tokenizer_path are mutually exclusive: train a "
+                                      "vocabulary or load one")
         self.save_hyperparameters()
         self.path = path
+        self.bpe_vocab_size = bpe_vocab_size
         self.val_path = val_path
         self.tokenizer_path = tokenizer_path
         self.dataset = dataset
@@ -170,6 +187,8 @@ class TinyStoriesDataModule(L.LightningDataModule):
                 self._tokenizer = load_tokenizer(self.tokenizer_path)
             elif self.synthetic:
                 self._tokenizer = self._synthetic_tokenizer()
+            elif self.bpe_vocab_size is not None:
+                self._tokenizer = self._local_bpe_tokenizer()
             else:
                 try:
                     self._tokenizer = load_gpt2_from_hub(self.cache_dir)
@@ -209,6 +228,23 @@ class TinyStoriesDataModule(L.LightningDataModule):
         texts = story_gen.generate_stories(n_fit, self.seed, "train")  # a prefix of the training stories
         tok = train_bpe_tokenizer(texts, vocab_size=self.synthetic_vocab_size)
         tok.save(file)
+        return tok
+
+    def _local_bpe_tokenizer(self) -> TextTokenizer:
+        """Byte-level BPE of ``bpe_vocab_size`` entries trained on the training files' stories, cached under
+        ``cache_dir/tokenizers`` keyed by the files' fingerprints (path, size, mtime) and the size."""
+        train, _ = self._local_files()
+        n = self.bpe_vocab_size
+        spec = {"train": [file_fingerprint(f) for f in train], "vocab_size": n}
+        file = self.cache_dir / "tokenizers" / f"local-bpe{n}-{_key(spec)}.json"
+        name = f"local-bpe-{n}"
+        if file.is_file():
+            tok = load_tokenizer(file)
+        else:
+            texts = (story for f in train for story in iter_stories_from_file(f))
+            tok = train_bpe_tokenizer(texts, vocab_size=n)
+            tok.save(file)
+        tok.name = name
         return tok
 
     @property

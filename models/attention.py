@@ -148,26 +148,30 @@ class _Attention(nn.Module):
 
 
 class CausalSelfAttention(_Attention):
-    """Standard GPT-2 multi-head attention; caches full K and V ``(B, H, T, hs)`` per layer."""
+    """GPT-2 multi-head attention, or grouped-query / multi-query attention with ``cfg.n_kv_head`` KV heads; caches
+    K and V ``(B, Hkv, T, hs)`` per layer. ``c_attn`` outputs ``[q (d_model) | k (Hkv·hs) | v (Hkv·hs)]``."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__(cfg)
-        self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.n_kv_head = cfg.kv_heads
+        self.c_attn = nn.Linear(cfg.d_model, cfg.d_model + 2 * self.n_kv_head * cfg.head_size, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, cache: Optional[DecodeCache] = None, layer: int = 0) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.c_attn(x).split(c, dim=2)  # 3 × (B, T, d_model)
-        q, k, v = (z.view(b, t, self.n_head, self.head_size).transpose(1, 2) for z in (q, k, v))  # (B, H, T, hs)
+        d_kv = self.n_kv_head * self.head_size
+        q, k, v = self.c_attn(x).split([c, d_kv, d_kv], dim=2)  # (B, T, d_model), 2 × (B, T, Hkv·hs)
+        q = q.view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, T, hs)
+        k, v = (z.view(b, t, self.n_kv_head, self.head_size).transpose(1, 2) for z in (k, v))  # (B, Hkv, T, hs)
         if cache is not None:
             kv = cache.append(layer, k=k, v=v)
-            k, v = kv["k"], kv["v"]  # (B, H, Tk, hs)
+            k, v = kv["k"], kv["v"]  # (B, Hkv, Tk, hs)
         return self._out(self._attend(q, k, v))
 
 
 class MultiHeadLatentAttention(_Attention):
     """DeepSeek-style MLA without RoPE (GPT-2 keeps learned absolute positions), optionally with KVSplice.
 
-    Per token ``c = w_dkv x`` (d_latent); with KVSplice ``s = C c`` (d_compressed) is what gets cached and
+    Per token ``c = w_dkv x`` (d_latent; ``c = RMSNorm(w_dkv x)`` with ``cfg.latent_norm``); with KVSplice ``s = C c`` (d_compressed) is what gets cached and
     ``ĉ = E s`` replaces ``c``. Per head ``k_h = w_uk[h] ĉ``, ``v_h = w_uv[h] ĉ``.
 
     * naive: expand every cached latent into K, V ``(B, H, Tk, hs)`` and attend (reference; also the training path).
@@ -184,19 +188,20 @@ class MultiHeadLatentAttention(_Attention):
         self.w_dkv = nn.Linear(cfg.d_model, cfg.d_latent, bias=cfg.bias)
         self.w_uk = nn.Linear(cfg.d_latent, cfg.d_model, bias=cfg.bias)
         self.w_uv = nn.Linear(cfg.d_latent, cfg.d_model, bias=cfg.bias)
+        self.kv_norm = nn.RMSNorm(cfg.d_latent, eps=1e-6) if cfg.latent_norm else None
         self.splice = (LearnedKVSplice(cfg.d_latent, cfg.d_compressed, orthogonal=cfg.kvsplice_orthogonal)
                        if cfg.d_compressed is not None else None)
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """What the cache stores for ``x``: ``c`` (B, T, d_latent) or ``s = C c`` (B, T, d_compressed)."""
-        c = self.w_dkv(x)  # (B, T, d_latent)
+        c = self._c(x)  # (B, T, d_latent)
         return self.splice.compress(c) if self.splice is not None else c
 
     def forward(self, x: torch.Tensor, cache: Optional[DecodeCache] = None, layer: int = 0) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.w_q(x).view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, T, hs)
         if cache is None:
-            c = self.w_dkv(x)  # (B, T, d_latent)
+            c = self._c(x)  # (B, T, d_latent)
             if self.splice is not None:
                 c = self.splice(c)  # E C c: both compress and expand are in the training graph
             return self._out(self._attend(q, *self._expand(c)))
@@ -205,6 +210,11 @@ class MultiHeadLatentAttention(_Attention):
             c = self.splice.expand(s) if self.splice is not None else s  # (B, Tk, d_latent), re-expanded per call
             return self._out(self._attend(q, *self._expand(c)))
         return self._out(self._absorbed(q, s))
+
+    def _c(self, x: torch.Tensor) -> torch.Tensor:
+        """The latent ``c = w_dkv x`` (B, T, d_latent), RMS-normalised per token with ``cfg.latent_norm``."""
+        c = self.w_dkv(x)  # (B, T, d_latent)
+        return self.kv_norm(c) if self.kv_norm is not None else c
 
     def _expand(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, _ = c.shape

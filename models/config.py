@@ -80,6 +80,13 @@ class GPTConfig:
     mla_impl: MLAImpl = "absorb"
     """How MLA attends over cached latents: ``absorb`` folds w_uk / w_uv (and expand) into the query and output and
     attends in latent space; ``naive`` re-expands every cached latent into full K/V first (reference path)."""
+    n_kv_head: Optional[int] = None
+    """MHA only: key/value heads for grouped-query attention (``n_head`` / ``None``: standard MHA; 1: multi-query).
+    Query head ``h`` reads KV head ``h // (n_head // n_kv_head)``; the cache holds ``2·n_kv_head·head_size`` numbers
+    per token per layer."""
+    latent_norm: bool = False
+    """MLA only: RMSNorm on the latent ``c = w_dkv x`` before it is cached (and before KVSplice's compress), as
+    DeepSeek-V2's ``kv_a_layernorm``. Per token, so absorbed decode stays exact."""
     cache_quant: Optional[str] = None
     """``None``: the decode cache holds the model's dtype; ``"int8"``: every cached row (K/V per head, or the
     latent) is stored as int8 with one fp16 absmax scale, dequantised inside the attention call. Decode only: the
@@ -100,6 +107,15 @@ class GPTConfig:
         need(self.attn_backend in ATTN_BACKENDS, "attn_backend", f"one of {ATTN_BACKENDS}", self.attn_backend)
         need(self.mla_impl in MLA_IMPLS, "mla_impl", f"one of {MLA_IMPLS}", self.mla_impl)
         need(self.cache_quant in CACHE_QUANTS, "cache_quant", f"one of {CACHE_QUANTS}", self.cache_quant)
+        if self.n_kv_head is not None:
+            kv = self.n_kv_head
+            need(isinstance(kv, int) and not isinstance(kv, bool) and kv >= 1 and self.n_head % kv == 0,
+                 "n_kv_head", f"None or an integer >= 1 dividing n_head={self.n_head}", kv)
+            need(self.attention == "mha", "n_kv_head", "None unless attention='mha' (MLA shares one latent across "
+                 "heads already)", kv)
+        need(isinstance(self.latent_norm, bool), "latent_norm", "true or false", self.latent_norm)
+        need(not self.latent_norm or self.attention == "mla", "latent_norm", "false unless attention='mla'",
+             self.latent_norm)
         if self.kvsplice_ratio is not None:
             r = self.kvsplice_ratio
             need(isinstance(r, (int, float)) and not isinstance(r, bool) and 0.0 < r < 1.0, "kvsplice_ratio",
@@ -118,23 +134,30 @@ class GPTConfig:
         return self.d_model // self.n_head
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads of the MHA model: ``n_kv_head`` or ``n_head``."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
     def d_compressed(self) -> Optional[int]:
         return None if self.kvsplice_ratio is None else int(round(self.d_latent * self.kvsplice_ratio))
 
     @property
     def variant(self) -> str:
-        """Short name: ``mha``, ``mla`` or ``mla_kvsplice_<compression %>``."""
+        """Short name: ``mha``, ``gqa<n_kv_head>``, ``mqa``, ``mla`` or ``mla_kvsplice_<compression %>``."""
         if self.attention == "mha":
-            return "mha"
+            kv = self.kv_heads
+            return "mha" if kv == self.n_head else "mqa" if kv == 1 else f"gqa{kv}"
         if self.kvsplice_ratio is None:
             return "mla"
         return f"mla_kvsplice_{round(100 * (1 - self.kvsplice_ratio))}"
 
     @property
     def cache_dim(self) -> int:
-        """Elements cached per token per layer: ``2·d_model`` (MHA), ``d_latent`` (MLA), ``d_compressed``."""
+        """Elements cached per token per layer: ``2·kv_heads·head_size`` (MHA/GQA/MQA; ``2·d_model`` for MHA),
+        ``d_latent`` (MLA), ``d_compressed`` (KVSplice)."""
         if self.attention == "mha":
-            return 2 * self.d_model
+            return 2 * self.kv_heads * self.head_size
         return self.d_compressed if self.d_compressed is not None else self.d_latent
 
     def replace(self, **changes) -> "GPTConfig":
@@ -206,16 +229,20 @@ def _gpt2_124m(**kw) -> GPTConfig:
 
 PRESETS = {
     "gpt2": lambda: _gpt2_124m(attention="mha"),
+    "gpt2_gqa4": lambda: _gpt2_124m(attention="mha", n_kv_head=4),
+    "gpt2_mqa": lambda: _gpt2_124m(attention="mha", n_kv_head=1),
     "mla": lambda: _gpt2_124m(attention="mla"),
     "mla_kvsplice_50": lambda: _gpt2_124m(attention="mla", kvsplice_ratio=0.5),
     "mla_kvsplice_70": lambda: _gpt2_124m(attention="mla", kvsplice_ratio=0.3),
     "mla_kvsplice_90": lambda: _gpt2_124m(attention="mla", kvsplice_ratio=0.1),
 }
-"""GPT-2 124M shapes (12 layers, 12 heads, d_model 768, block 1024, d_latent 256) for each variant."""
+"""GPT-2 124M shapes (12 layers, 12 heads, d_model 768, block 1024, d_latent 256) for each variant (GQA with 4 KV
+heads and MQA as the baselines with a smaller standard cache)."""
 
 
 def preset(name: str, **overrides) -> GPTConfig:
-    """A named 124M preset (``gpt2``, ``mla``, ``mla_kvsplice_50/70/90``) with optional field overrides."""
+    """A named 124M preset (``gpt2``, ``gpt2_gqa4``, ``gpt2_mqa``, ``mla``, ``mla_kvsplice_50/70/90``) with optional
+    field overrides."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     cfg = PRESETS[name]()

@@ -80,9 +80,9 @@ class GPT(nn.Module):
                     nn.init.zeros_(m.bias)
             elif isinstance(m, nn.Embedding):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            elif isinstance(m, nn.LayerNorm):
+            elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
                 nn.init.ones_(m.weight)
-                if m.bias is not None:
+                if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -128,7 +128,7 @@ class GPT(nn.Module):
         kw = dict(dtype=dtype or p.dtype, device=device or p.device, capacity=capacity, quant=quant)
         cfg = self.cfg
         if cfg.attention == "mha":
-            return KVCache(cfg.n_layer, cfg.n_head, cfg.head_size, batch_size, **kw)
+            return KVCache(cfg.n_layer, cfg.kv_heads, cfg.head_size, batch_size, **kw)
         if cfg.d_compressed is not None:
             return CompressedLatentCache(cfg.n_layer, cfg.d_compressed, batch_size, **kw)
         return LatentCache(cfg.n_layer, cfg.d_latent, batch_size, **kw)

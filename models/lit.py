@@ -67,7 +67,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
 
 _GPT_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig))
 _ARCH_FIELDS = ("vocab_size", "n_layer", "n_head", "d_model", "block_size", "bias", "attention", "d_latent",
-                "kvsplice_ratio", "kvsplice_orthogonal")
+                "kvsplice_ratio", "kvsplice_orthogonal", "n_kv_head", "latent_norm")
 """GPTConfig fields a resumed run must share with its checkpoint (dropout, kernels and decode path may change)."""
 
 
@@ -102,6 +102,8 @@ class LitGPT(L.LightningModule):
         kvsplice_orthogonal: bool = False,
         attn_backend: Literal["auto", "flash", "sdpa"] = "auto",
         mla_impl: Literal["absorb", "naive"] = "absorb",
+        n_kv_head: Optional[int] = None,
+        latent_norm: bool = False,
         cache_quant: Optional[Literal["int8"]] = None,
         vocab_multiple: int = 1,
         learning_rate: float = 6e-4,

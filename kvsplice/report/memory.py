@@ -22,15 +22,15 @@ def bytes_per_element(dtype: str | torch.dtype) -> int:
 
 
 def cache_elements_per_token(cfg) -> int:
-    """Elements cached per token per sequence over all layers: MHA ``2·L·d_model``, MLA ``L·d_latent``,
-    KVSplice ``L·d_compressed``."""
+    """Elements cached per token per sequence over all layers: MHA ``2·L·d_model`` (GQA/MQA ``2·L·n_kv_head·hs``),
+    MLA ``L·d_latent``, KVSplice ``L·d_compressed``."""
     return cfg.n_layer * cfg.cache_dim
 
 
 def cache_rows_per_token(cfg) -> int:
-    """Rows (vectors along the last dim) cached per token per sequence over all layers: MHA ``2·L·n_head`` (K and V
-    per head), MLA / KVSplice ``L`` — each row carries one scale when the cache is quantised."""
-    return cfg.n_layer * (2 * cfg.n_head if cfg.attention == "mha" else 1)
+    """Rows (vectors along the last dim) cached per token per sequence over all layers: MHA ``2·L·n_kv_head`` (K and
+    V per KV head), MLA / KVSplice ``L`` — each row carries one scale when the cache is quantised."""
+    return cfg.n_layer * (2 * cfg.kv_heads if cfg.attention == "mha" else 1)
 
 
 def cache_bytes_formula(cfg, seq_len: int, dtype: str | torch.dtype, batch_size: int = 1) -> int:

@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from kvsplice.adapters.base import apply_rope
+from kvsplice.adapters.base import apply_rope, rotate_half
 from kvsplice.hf.attention import masked_attend
 from kvsplice.hf.base import KVSpliceHFCache
 from kvsplice.lowrank.bases import KVBases
@@ -54,6 +54,14 @@ class _Group:
     k_dec: torch.Tensor
     v_enc: torch.Tensor
     v_dec_t: torch.Tensor  # (n, R_v, D): v_decᵀ
+
+    @property
+    def k_dec_both(self) -> torch.Tensor:
+        """``[k_decᵀ | rot(k_dec)ᵀ]`` (n, R_k, 2D) with ``rot`` = RoPE's rotate_half applied to each key row."""
+        kt = self.k_dec.transpose(1, 2)  # (n, R_k, D)
+        if getattr(self, "_both", None) is None or self._both.dtype != kt.dtype:
+            self._both = torch.cat([kt, rotate_half(kt)], dim=-1).contiguous()
+        return self._both
 
 
 class CoefficientHFCache(KVSpliceHFCache):
@@ -135,7 +143,10 @@ class CoefficientHFCache(KVSpliceHFCache):
         for gr, Ag, Bg in zip(groups, A, Bc):
             qg = q[:, gr.kv0 * g:(gr.kv0 + gr.n) * g].to(Ag.dtype)  # (B, n·g, Tq, D)
             if self.mode == "pre":
-                keys = apply_rope(Ag @ gr.k_dec.transpose(1, 2), cos, sin)  # transient K̂ (B, n, Tk, D)
+                # transient K̂ rotated at its positions, rope(A k_decᵀ) = (A k_decᵀ)·cos + (A rot(k_dec)ᵀ)·sin:
+                # one matmul against [k_decᵀ | rot(k_dec)ᵀ] (precomputed), no rotate_half pass over the keys
+                kk = Ag @ gr.k_dec_both  # (B, n, Tk, 2D)
+                keys = torch.addcmul(kk[..., :d] * cos[:, None], kk[..., d:], sin[:, None])  # (B, n, Tk, D)
             else:
                 qg = (qg.reshape(b, gr.n, g, t_q, d) @ gr.k_dec[:, None]).reshape(b, gr.n * g, t_q, -1)  # q̃ (B, n·g, Tq, R_k)
                 keys = Ag  # scores q̃·a on the cached coefficients

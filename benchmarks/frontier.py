@@ -66,7 +66,8 @@ TRAIN_FILES = ("gusjengis_toy-RNN__tinystories_sample.txt", "maxme1_tiny-stories
 
 # ---------------------------------------------------------------------------------------------------- one run
 def last_val(metrics: Path) -> tuple[int, float, float, float]:
-    """(step, val_loss, tokens, train_time_s) of the last validation in a run's metrics.csv."""
+    """(step, val_loss, tokens, train_time_s) of the last validation in a run's metrics.csv (``step`` counts from 0:
+    the validation after N optimizer steps is logged at step N - 1)."""
     rows = list(csv.DictReader(metrics.open()))
     vals = [r for r in rows if r.get("val_loss")]
     if not vals:
@@ -82,7 +83,7 @@ def measure_cache(ckpt: Path, tokens: int) -> dict:
 
     from models.checkpoint import load_model
 
-    model = load_model(ckpt).eval()
+    model = load_model(ckpt)[0]
     out = {"cache_dim": model.cfg.cache_dim, "params": model.num_params(), "variant_name": model.cfg.variant}
     ids = torch.randint(0, model.cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     for dtype, key in ((torch.float16, "cache_bytes_per_token"), (torch.float32, "cache_bytes_per_token_fp32")):
@@ -96,6 +97,13 @@ def measure_cache(ckpt: Path, tokens: int) -> dict:
 
 def run_one(variant: str, config: str, extra: list[str], seed: int, args, runs_dir: Path) -> dict:
     name = f"{variant}-s{seed}"
+    run = runs_dir / name
+    if (run / "last.ckpt").is_file() and (run / "metrics.csv").is_file():  # trained before the results were written
+        try:
+            if last_val(run / "metrics.csv")[0] + 1 == args.steps:  # metrics.csv counts steps from 0
+                return _row(variant, config, extra, seed, run, args, wall=None)
+        except RuntimeError:
+            pass
     cmd = [sys.executable, "-m", "training.fit", "--config", config, "--runs_dir", str(runs_dir), "--run_name", name,
            "--overwrite", "--seed_everything", str(seed), "--torch_threads", str(args.threads),
            "--trainer.max_steps", str(args.steps), "--trainer.val_check_interval", str(args.steps),
@@ -107,11 +115,14 @@ def run_one(variant: str, config: str, extra: list[str], seed: int, args, runs_d
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise RuntimeError(f"{name} failed (exit {proc.returncode}): {' | '.join(tail)}")
-    run = runs_dir / name
+    return _row(variant, config, extra, seed, run, args, wall)
+
+
+def _row(variant: str, config: str, extra: list[str], seed: int, run: Path, args, wall) -> dict:
     step, val_loss, tokens, train_time = last_val(run / "metrics.csv")
-    return {"variant": variant, "config": config, "overrides": extra, "seed": seed, "steps": step,
+    return {"variant": variant, "config": config, "overrides": extra, "seed": seed, "steps": step + 1,
             "tokens": int(tokens), "val_loss": val_loss, **measure_cache(run / "last.ckpt", args.cache_tokens),
-            "wall_s": round(wall, 1), "train_time_s": round(train_time, 1),
+            "wall_s": None if wall is None else round(wall, 1), "train_time_s": round(train_time, 1),
             "tokens_per_s": round(tokens / train_time, 1) if train_time else None}
 
 
@@ -217,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         os.replace(tmp, out)
 
+    failed: list = []
     if not args.plot_only and todo:
         from tqdm import tqdm
 
@@ -231,13 +243,20 @@ def main(argv: list[str] | None = None) -> int:
                 save()
                 bar.update(1)
                 bar.write(f"{v} seed {s}: val_loss {row['val_loss']:.4f}, {row['cache_bytes_per_token']:.0f} B/token,"
-                          f" {row['tokens_per_s']:.0f} tok/s, {row['wall_s']:.0f} s")
+                          f" {row['tokens_per_s']:.0f} tok/s")
             return row
 
         with ThreadPoolExecutor(args.jobs) as pool:
-            for f in [pool.submit(job, vs) for vs in todo]:
-                f.result()
+            futures = {pool.submit(job, vs): vs for vs in todo}
+            for f, vs in futures.items():
+                try:
+                    f.result()
+                except Exception as e:  # noqa: BLE001 - one failed run must not stop the study
+                    failed.append(vs)
+                    bar.write(f"error: {vs[0]} seed {vs[1]}: {e}")
         bar.close()
+        if failed:
+            print(f"{len(failed)} runs failed: {failed}; re-run the same command to retry them", file=sys.stderr)
     if not rows:
         print("no results yet", file=sys.stderr)
         return 1
@@ -249,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
              f"seeds {sorted({r['seed'] for r in rows})}")
     out.with_suffix(".md").write_text(f"{title}\n\n{md}\n")
     plot(summary, rows, out.with_suffix(".png"), title)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ anything in it runs.
 
 * :func:`load_checkpoint` — the raw checkpoint dict.
 * :func:`load_model` — ``(GPT, GPTConfig, meta)`` rebuilt from a checkpoint's stored config and weights.
+* :func:`save_model` — write a GPT (e.g. a converted one, :mod:`kvsplice.to_mla`) in the same format.
 
 :func:`training.checkpoint.safe_checkpoint_io` puts the same loader behind Lightning's checkpoint IO (resumes).
 """
@@ -23,7 +24,8 @@ from typing import Any, Union
 
 import torch
 
-__all__ = ["CKPT_FORMAT", "CKPT_FORMAT_KEY", "GPT_CONFIG_KEY", "CheckpointError", "load_checkpoint", "load_model"]
+__all__ = ["CKPT_FORMAT", "CKPT_FORMAT_KEY", "GPT_CONFIG_KEY", "CheckpointError", "load_checkpoint", "load_model",
+           "save_model"]
 
 CKPT_FORMAT_KEY = "kvsplice_format"
 """Key of the format version that :class:`models.lit.LitGPT` writes into every checkpoint."""
@@ -133,3 +135,31 @@ def load_model(path: PathLike, map_location: Any = "cpu", strict: bool = True):
         "train_stats": dict(ckpt.get("kvsplice_train_stats", {}) or {}),
     }
     return model, cfg, meta
+
+
+def save_model(model, path: PathLike, *, hparams: dict | None = None, data_hparams: dict | None = None,
+               extra: dict | None = None) -> Path:
+    """Write ``model`` (a :class:`models.GPT`) as a checkpoint that :func:`load_model`, ``training.evaluate`` and
+    ``training.fit --model.init_from`` read: format version, ``gpt_config``, ``state_dict`` under ``model.``, the
+    LightningModule hyper-parameters (``hparams``, updated with the model's config fields) and the data module's
+    (``data_hparams``, so the tokenizer and validation text can be rebuilt). ``extra`` entries are stored as given
+    (plain containers only). Written to a temporary file and renamed into place (atomic)."""
+    import torch
+
+    p = Path(path)
+    cfg = model.cfg.to_dict()
+    ckpt = {
+        CKPT_FORMAT_KEY: CKPT_FORMAT,
+        GPT_CONFIG_KEY: cfg,
+        "state_dict": {f"model.{k}": v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "hyper_parameters": {**(hparams or {}), **cfg},
+        "datamodule_hyper_parameters": dict(data_hparams or {}),
+        "global_step": 0,
+        "epoch": 0,
+        **(extra or {}),
+    }
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    torch.save(ckpt, tmp)
+    os.replace(tmp, p)
+    return p

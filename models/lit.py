@@ -85,6 +85,9 @@ class LitGPT(L.LightningModule):
         eps: AdamW epsilon.
         warmup_steps: linear warmup optimizer steps; must be < ``trainer.max_steps``.
         min_lr_ratio: the cosine decays to ``min_lr_ratio * learning_rate`` at ``trainer.max_steps``.
+        init_from: a checkpoint (``training.fit`` or ``python -m kvsplice.to_mla``) whose weights start the run:
+            fine-tuning with a fresh optimizer, schedule and step count (unlike ``--ckpt_path``, which resumes). Its
+            model must have this config's architecture (the error lists the fields that differ).
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class LitGPT(L.LightningModule):
         eps: float = 1e-8,
         warmup_steps: int = 1000,
         min_lr_ratio: float = 0.1,
+        init_from: Optional[str] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -138,12 +142,29 @@ class LitGPT(L.LightningModule):
         except ValueError as e:  # "GPTConfig.kvsplice_ratio must be ..." -> name the CLI option
             raise TrainingConfigError(str(e).replace("GPTConfig.", "model.", 1)) from None
         self.model = GPT(self.config)
+        if init_from:
+            self._init_from(init_from)
         self.val_loss_mean = MeanMetric()
         # throughput bookkeeping (restored on resume)
         self._tokens_seen = 0.0
         self._train_time = 0.0
         self._t_last: Optional[float] = None
         self._rate_ema: Optional[float] = None
+
+    def _init_from(self, path: str) -> None:
+        from models.checkpoint import CheckpointError, load_model
+
+        try:
+            model, cfg, _ = load_model(path)
+        except CheckpointError as e:
+            raise TrainingConfigError(f"model.init_from: {e}") from None
+        ours = self.config.to_dict()
+        diff = {k: (getattr(cfg, k), ours[k]) for k in _ARCH_FIELDS if getattr(cfg, k) != ours[k]}
+        if diff:
+            flags = " ".join(f"--model.{k} {'null' if v[0] is None else v[0]}" for k, v in diff.items())
+            raise TrainingConfigError(f"model.init_from={path!r}: its model differs from the configured one (field: "
+                                      f"(checkpoint, config)) {diff}; match it, e.g. {flags}")
+        self.model.load_state_dict(model.state_dict())
 
     # ------------------------------------------------------------------------------------------------ forward
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

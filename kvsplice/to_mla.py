@@ -1,0 +1,178 @@
+"""Convert a trained MHA model into MLA (and/or insert KVSplice into an MLA model): a checkpoint of our GPT.
+
+    python -m kvsplice.to_mla --model M --d-latent R [--kvsplice-ratio r] [--calib TEXT --calib-tokens N] \\
+        --out OUT.ckpt [--force] [--json REPORT.json]
+
+``M``: a ``training.fit`` checkpoint (MHA/GQA, or MLA for ``--kvsplice-ratio`` alone) or an HF GPT-2 directory / Hub
+id (imported with ``GPT.from_hf``). MHA → MLA factorises each layer's stacked key/value projection into
+``w_dkv`` / ``w_uk`` / ``w_uv`` (:mod:`kvsplice.convert.mla`): from the weights alone, or — with ``--calib`` —
+minimising the key/value error on the calibration text's attention inputs (streamed Grams). ``--kvsplice-ratio``
+then inserts KVSplice, ``compress`` initialised from the top principal directions of the calibration latents
+(``--kvsplice-init pca``, needs ``--calib``) or randomly orthogonal (``--kvsplice-init random``).
+
+The output is a checkpoint that ``training.evaluate``, ``kvsplice.verify_memory --ckpt`` and
+``training.fit --config ... --model.init_from OUT.ckpt`` (fine-tuning with a fresh optimizer and schedule) accept;
+it keeps the source's data settings, so the tokenizer and validation text follow. Printed: the relative error of
+the keys/values on the calibration text and the cache per token before and after.
+
+Errors are one line on stderr, exit status 1 (2 for malformed arguments); ``--out`` is never overwritten without
+``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from kvsplice.io.cli import UsageError, check_out_path, default_seq_len, pos_int, write_json
+
+__all__ = ["build_parser", "convert_from_args", "main"]
+
+PROG = "python -m kvsplice.to_mla"
+
+
+def _ratio(s: str) -> float:
+    v = float(s)
+    if not 0.0 < v < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1) (kept fraction of the latent), got {s}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Convert a trained MHA GPT into MLA / MLA + KVSplice.")
+    p.add_argument("--model", required=True, help="training .ckpt (MHA, GQA or MLA) or an HF GPT-2 directory")
+    p.add_argument("--d-latent", type=pos_int, default=None, help="latent size R of the MLA model (MHA input)")
+    p.add_argument("--kvsplice-ratio", type=_ratio, default=None,
+                   help="insert KVSplice keeping round(R·ratio) numbers per token (0.5/0.3/0.1 = 50/70/90 %%)")
+    p.add_argument("--kvsplice-init", choices=("pca", "random"), default="pca",
+                   help="compress init: top principal directions of the calibration latents, or random orthogonal")
+    p.add_argument("--calib", default=None, help="calibration text (.txt/.json/.jsonl or folder): activation-aware "
+                   "conversion and the KVSplice PCA init")
+    p.add_argument("--calib-tokens", type=pos_int, default=65536, help="calibration tokens (default 65536)")
+    p.add_argument("--seq-len", type=pos_int, default=None, help="calibration window (default: the model's context,"
+                   " at most 1024)")
+    p.add_argument("--batch-size", type=pos_int, default=8)
+    p.add_argument("--seed", type=int, default=0, help="seed of a random KVSplice init")
+    p.add_argument("--tokenizer", default=None, help="tokenizer files when the model does not bring its own")
+    p.add_argument("--out", required=True, help="output checkpoint (.ckpt)")
+    p.add_argument("--json", default=None, help="also write the report as JSON")
+    p.add_argument("--force", action="store_true", help="overwrite --out / --json")
+    p.add_argument("--threads", type=pos_int, default=None, help="torch threads")
+    return p
+
+
+@torch.no_grad()
+def _rel_kv_error(src, dst, grams: list[torch.Tensor]) -> list[float]:
+    """Per layer ``Σ_x ‖(W − W_R) x‖² / Σ_x ‖W x‖²`` of the stacked key/value map on the calibration inputs."""
+    from kvsplice.convert.mla import kv_rows
+
+    out = []
+    for g, a, b in zip(grams, src.transformer.h, dst.transformer.h):
+        _, wk, wv, *_ = kv_rows(a.attn, src.cfg)
+        w = torch.cat([wk, wv])  # (2d, d)
+        up = torch.cat([b.attn.w_uk.weight, b.attn.w_uv.weight]).to(torch.float64)  # (2d, R)
+        err = w - up @ b.attn.w_dkv.weight.to(torch.float64)
+        out.append(float(torch.trace(err @ g @ err.T) / torch.trace(w @ g @ w.T)))
+    return out
+
+
+def convert_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], dict]:
+    """Load, calibrate and convert; returns ``(model, report, meta)`` (``meta``: the source's hparams)."""
+    from kvsplice.convert.mla import attention_input_grams, insert_kvsplice, latent_grams, mha_to_mla
+    from kvsplice.io.loading import iter_texts, load_model, token_stream
+    from kvsplice.lowrank.calibrate import calibration_batches
+    from models.checkpoint import load_model as load_ckpt
+    from models.gpt import GPT
+
+    t0 = time.perf_counter()
+    loaded = load_model(args.model, tokenizer=args.tokenizer)
+    if loaded.kind == "ckpt":
+        model, _, meta = load_ckpt(args.model)
+    else:
+        if getattr(loaded.model.config, "model_type", None) != "gpt2":
+            raise UsageError(f"--model {args.model}: a {type(loaded.model).__name__}; to_mla converts our GPT "
+                             f"checkpoints and HF GPT-2 models")
+        model, meta = GPT.from_hf(loaded.model).eval(), {}
+    cfg = model.cfg
+    if cfg.attention == "mha" and args.d_latent is None:
+        raise UsageError(f"--model is an MHA model ({cfg.variant}): give --d-latent R (1..{cfg.d_model})")
+    if cfg.attention == "mla":
+        if cfg.kvsplice_ratio is not None:
+            raise UsageError(f"--model already has KVSplice ({cfg.variant}); convert its MLA parent instead")
+        if args.kvsplice_ratio is None:
+            raise UsageError("--model is already MLA: give --kvsplice-ratio to insert KVSplice")
+        if args.d_latent not in (None, cfg.d_latent):
+            raise UsageError(f"--d-latent {args.d_latent}: the MLA model's latent is {cfg.d_latent} (leave it out)")
+    if args.d_latent is not None and args.d_latent > cfg.d_model:
+        raise UsageError(f"--d-latent {args.d_latent} is larger than d_model={cfg.d_model}")
+    if args.kvsplice_ratio is not None and args.kvsplice_init == "pca" and not args.calib:
+        raise UsageError("--kvsplice-init pca needs --calib TEXT (the latents' principal directions), or use "
+                         "--kvsplice-init random")
+    batches, n_tokens = None, 0
+    if args.calib:
+        seq_len = args.seq_len or default_seq_len(cfg.block_size)
+        if seq_len > cfg.block_size:
+            raise UsageError(f"--seq-len {seq_len} exceeds the model's block_size {cfg.block_size}")
+        ids, _ = token_stream(iter_texts(args.calib, option="calib"), loaded.tokenizer, args.calib_tokens)
+        if ids.numel() < seq_len:
+            raise UsageError(f"--calib {args.calib}: only {ids.numel()} tokens, fewer than --seq-len {seq_len}")
+        batches = calibration_batches(ids, seq_len, args.batch_size, max_tokens=args.calib_tokens)
+        n_tokens = sum(b.numel() for b in batches)
+    report: dict[str, Any] = {"source": str(args.model), "source_variant": cfg.variant,
+                              "source_cache_dim": cfg.cache_dim, "calibration_tokens": n_tokens,
+                              "calibration_source": args.calib}
+    out = model
+    if cfg.attention == "mha":
+        grams = attention_input_grams(model, batches, progress=True)[0] if batches is not None else None
+        out = mha_to_mla(model, args.d_latent, grams)
+        report["method"] = "activation-aware" if grams is not None else "weights-only"
+        if grams is not None:
+            report["kv_relative_error"] = _rel_kv_error(model, out, grams)
+    if args.kvsplice_ratio is not None:
+        lat = latent_grams(out, batches, progress=True)[0] if args.kvsplice_init == "pca" else None
+        out = insert_kvsplice(out, args.kvsplice_ratio, lat, seed=args.seed)
+        report["kvsplice_init"] = args.kvsplice_init
+    report.update(variant=out.cfg.variant, d_latent=out.cfg.d_latent, cache_dim=out.cfg.cache_dim,
+                  compression_vs_source=cfg.cache_dim / out.cfg.cache_dim, seconds=time.perf_counter() - t0)
+    return out, report, meta
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from kvsplice.io.loading import LoadError, first_line
+    from models.checkpoint import CheckpointError, save_model
+
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        out_path = check_out_path(args.out, args.force)
+        if args.json:
+            check_out_path(args.json, args.force, option="--json")
+        model, report, meta = convert_from_args(args)
+        save_model(model, out_path, hparams=meta.get("hparams"), data_hparams=meta.get("data_hparams"),
+                   extra={"kvsplice_conversion": {k: v for k, v in report.items() if k != "seconds"}})
+    except (UsageError, LoadError, CheckpointError) as e:
+        print(f"to_mla: error: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as e:
+        print(f"to_mla: error: {first_line(e)}", file=sys.stderr)
+        return 1
+    err = report.get("kv_relative_error")
+    print(f"{report['source_variant']} ({report['source_cache_dim']} numbers/token/layer) -> {report['variant']} "
+          f"({report['cache_dim']}; {report['compression_vs_source']:.2f}x smaller), "
+          f"{report.get('method', 'MLA kept')}" + (f", KVSplice init {report['kvsplice_init']}"
+                                                    if "kvsplice_init" in report else ""))
+    if err:
+        print("relative K/V error on the calibration inputs per layer: " + ", ".join(f"{e:.4f}" for e in err))
+    print(f"saved {out_path} ({report['seconds']:.1f} s)")
+    if args.json:
+        write_json({**report, "out": str(out_path)}, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

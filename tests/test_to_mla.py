@@ -1,0 +1,183 @@
+"""MHA → MLA conversion, KVSplice PCA init, ``python -m kvsplice.to_mla`` and fine-tuning with
+``--model.init_from``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvsplice.convert.mla import attention_input_grams, insert_kvsplice, kv_rows, latent_grams, mha_to_mla
+from kvsplice.to_mla import _rel_kv_error, main as to_mla
+from models.checkpoint import load_model, save_model
+from models.config import GPTConfig
+from models.gpt import GPT
+from tiny_models import TINY_FIT_ARGS as TINY, sharpen
+
+
+def _mha(n_kv_head=None, seed=0) -> GPT:
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab_size=67, n_layer=2, n_head=4, d_model=32, block_size=48, n_kv_head=n_kv_head)
+    return sharpen(GPT(cfg), std=0.15, seed=seed)
+
+
+def _ids(seed: int, b: int = 4, t: int = 40) -> torch.Tensor:
+    return torch.randint(0, 67, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("n_kv_head", [None, 2, 1])
+def test_full_rank_conversion_reproduces_the_model(n_kv_head) -> None:
+    """R = d_model: weights-only and activation-aware conversions give the MHA/GQA/MQA model's logits (1e-4)."""
+    mha = _mha(n_kv_head)
+    ids = _ids(1)
+    ref = mha(ids)
+    grams = attention_input_grams(mha, [_ids(2)])[0]
+    for g in (None, grams):
+        mla = mha_to_mla(mha, 32, g)
+        assert mla.cfg.attention == "mla" and mla.cfg.d_latent == 32 and mla.cfg.n_kv_head is None
+        assert (mla(ids) - ref).abs().max() < 1e-4
+        cache = mla.new_cache(4)  # and its cached (absorbed) decode is the same model
+        out = torch.cat([mla(ids[:, :30], cache=cache)] + [mla(ids[:, i:i + 1], cache=cache) for i in range(30, 40)], 1)
+        assert (out - ref).abs().max() < 1e-4
+
+
+def test_activation_aware_beats_weights_only_on_the_calibration_inputs() -> None:
+    mha = _mha()
+    grams = attention_input_grams(mha, [_ids(3, 8)])[0]
+    for r in (4, 8, 16):
+        w_only = _rel_kv_error(mha, mha_to_mla(mha, r), grams)
+        aware = _rel_kv_error(mha, mha_to_mla(mha, r, grams), grams)
+        assert all(a <= w + 1e-12 for a, w in zip(aware, w_only)), (r, aware, w_only)
+        assert sum(aware) < sum(w_only)
+    # the weights-only error is the SVD tail: sum of the discarded squared singular values (for an identity Gram)
+    eye = [torch.eye(32, dtype=torch.float64)] * 2
+    _, wk, wv, *_ = kv_rows(mha.transformer.h[0].attn, mha.cfg)
+    s = torch.linalg.svdvals(torch.cat([wk, wv]))
+    want = float((s[8:] ** 2).sum() / (s ** 2).sum())
+    assert abs(_rel_kv_error(mha, mha_to_mla(mha, 8), eye)[0] - want) < 1e-9
+
+
+def test_biases_carried_and_shared_weights_copied() -> None:
+    mha = _mha()
+    mla = mha_to_mla(mha, 8)
+    a, m = mha.transformer.h[1].attn, mla.transformer.h[1].attn
+    assert torch.equal(m.w_q.weight, a.c_attn.weight[:32]) and torch.equal(m.w_uk.bias, a.c_attn.bias[32:64])
+    assert torch.equal(m.w_uv.bias, a.c_attn.bias[64:]) and not m.w_dkv.bias.any()
+    assert torch.equal(mla.transformer.h[1].mlp.c_fc.weight, mha.transformer.h[1].mlp.c_fc.weight)
+    assert torch.equal(mla.transformer.wte.weight, mha.transformer.wte.weight)
+
+
+def test_kvsplice_pca_init_is_the_best_projection_of_the_latents() -> None:
+    mla = mha_to_mla(_mha(), 16)
+    ids = _ids(4, 8)
+    grams = latent_grams(mla, [ids])[0]
+    pca = insert_kvsplice(mla, 0.5, grams)
+    rand = insert_kvsplice(mla, 0.5, seed=3)
+    assert pca.cfg.d_compressed == 8 and pca.cfg.variant == "mla_kvsplice_50"
+    for g, bp, br in zip(grams, pca.transformer.h, rand.transformer.h):
+        for block in (bp, br):
+            c, e = block.attn.splice.compress.weight.double(), block.attn.splice.expand.weight.double()
+            assert torch.allclose(c @ c.T, torch.eye(8, dtype=torch.float64), atol=1e-5)  # orthonormal rows
+            assert torch.allclose(e, c.T)
+        def residual(block) -> float:  # Σ ‖c − E C c‖² over the calibration latents
+            c = block.attn.splice.compress.weight.double()
+            p = torch.eye(16, dtype=torch.float64) - c.T @ c
+            return float(torch.trace(p @ g @ p))
+        assert residual(bp) <= residual(br) + 1e-9
+        evals = torch.linalg.eigvalsh(g)
+        assert abs(residual(bp) - float(evals[:8].sum())) < 1e-6 * float(evals.sum())  # Eckart-Young optimum
+    ref = mla(ids)
+    assert (pca(ids) - ref).abs().mean() < (rand(ids) - ref).abs().mean()
+    full = insert_kvsplice(mla, 0.999, grams)  # round(16 · 0.999) = 16: a full-rank splice is exact
+    assert (full(ids) - ref).abs().max() < 1e-4
+
+
+def test_insert_kvsplice_refuses_non_mla() -> None:
+    with pytest.raises(ValueError, match="needs an MLA model"):
+        insert_kvsplice(_mha(), 0.5)
+    with pytest.raises(ValueError, match="needs an MHA/GQA model"):
+        mha_to_mla(mha_to_mla(_mha(), 8), 4)
+    with pytest.raises(ValueError, match="d_latent must be in"):
+        mha_to_mla(_mha(), 33)
+
+
+# ------------------------------------------------------------------------------------------------ CLI + fine-tune
+@pytest.fixture(scope="module")
+def mha_ckpt(tmp_path_factory, data_cache: Path) -> Path:
+    """A short real training run of a tiny MHA model (synthetic data), its last checkpoint."""
+    from training.fit import main as fit
+
+    runs = tmp_path_factory.mktemp("to_mla") / "runs"
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            mp.setenv(var, "1")
+        mp.setenv("WANDB_MODE", "disabled")
+        assert fit(["--config", "tiny_gpt2", *TINY, "--runs_dir", str(runs), "--run_name", "mha", "--data.cache_dir",
+                    str(data_cache), "--wandb.mode", "disabled", "--trainer.max_steps", "30",
+                    "--trainer.val_check_interval", "30", "--model.warmup_steps", "3"]) == 0
+    return runs / "mha" / "last.ckpt"
+
+
+def test_cli_convert_and_finetune(tmp_path: Path, mha_ckpt: Path, data_cache: Path, offline, capsys) -> None:
+    from training.fit import main as fit
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n<|endoftext|>\n".join(f"Once upon a time Lily saw {i} red balls and ran home." for i in
+                                               range(300)), encoding="utf-8")
+    out = tmp_path / "mla.ckpt"
+    assert to_mla(["--model", str(mha_ckpt), "--d-latent", "16", "--calib", str(calib), "--calib-tokens", "2048",
+                   "--kvsplice-ratio", "0.5", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "activation-aware" in printed and "KVSplice init pca" in printed and "relative K/V error" in printed
+    model, cfg, meta = load_model(out)
+    assert cfg.variant == "mla_kvsplice_50" and cfg.d_latent == 16 and cfg.cache_dim == 8
+    assert meta["data_hparams"]["synthetic"] is True  # the source's data settings travel with the checkpoint
+    # an existing --out is never overwritten without --force
+    before = out.stat().st_mtime_ns
+    assert to_mla(["--model", str(mha_ckpt), "--d-latent", "16", "--out", str(out)]) == 1
+    assert "already exists" in capsys.readouterr().err and out.stat().st_mtime_ns == before
+    # full rank through the CLI (weights only): the same logits as the source
+    exact = tmp_path / "exact.ckpt"
+    assert to_mla(["--model", str(mha_ckpt), "--d-latent", "64", "--out", str(exact)]) == 0
+    src = load_model(mha_ckpt)[0]
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    assert (load_model(exact)[0](ids) - src(ids)).abs().max() < 1e-4
+    # fine-tune from the converted weights: a fresh run (step 0, new optimizer) that trains
+    runs = tmp_path / "ft"
+    args = ["--config", "tiny_mla_kvsplice_50", *TINY, "--model.d_latent", "16", "--runs_dir", str(runs),
+            "--run_name", "ft", "--data.cache_dir", str(data_cache), "--wandb.mode", "disabled",
+            "--trainer.max_steps", "6", "--trainer.val_check_interval", "6", "--model.warmup_steps", "2",
+            "--model.init_from", str(out)]
+    assert fit(args) == 0
+    tuned, _, tmeta = load_model(runs / "ft" / "last.ckpt")
+    assert tmeta["global_step"] == 6
+    start = model.state_dict()
+    changed = [k for k, v in tuned.state_dict().items() if not torch.equal(v, start[k])]
+    assert changed and "transformer.h.0.attn.splice.compress.weight" in changed
+    # a mismatched architecture is one clear error naming the fields
+    bad = [a if a != "tiny_mla_kvsplice_50" else "tiny_mla" for a in args]
+    assert fit([*bad, "--run_name", "bad"]) == 2
+    err = capsys.readouterr().err
+    assert "model.init_from" in err and "kvsplice_ratio" in err and "--model.kvsplice_ratio 0.5" in err
+
+
+@pytest.mark.parametrize("args, msg", [
+    ([], "give --d-latent R"),
+    (["--d-latent", "8", "--kvsplice-ratio", "0.5"], "--kvsplice-init pca needs --calib"),
+    (["--d-latent", "999"], "larger than d_model"),
+])
+def test_cli_errors(tmp_path: Path, mha_ckpt: Path, capsys, args, msg) -> None:
+    out = tmp_path / "o.ckpt"
+    assert to_mla(["--model", str(mha_ckpt), *args, "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert msg in err and len(err.splitlines()) == 1 and not out.exists()
+
+
+def test_save_model_roundtrip(tmp_path: Path) -> None:
+    mla = mha_to_mla(_mha(), 8)
+    p = save_model(mla, tmp_path / "m.ckpt", hparams={"learning_rate": 1e-3}, extra={"note": "x"})
+    model, cfg, meta = load_model(p)
+    assert cfg == mla.cfg and meta["hparams"]["learning_rate"] == 1e-3 and meta["hparams"]["d_latent"] == 8
+    ids = _ids(5)
+    assert torch.equal(model(ids), mla(ids))

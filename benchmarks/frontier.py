@@ -126,6 +126,33 @@ def _row(variant: str, config: str, extra: list[str], seed: int, run: Path, args
             "tokens_per_s": round(tokens / train_time, 1) if train_time else None}
 
 
+def init_kv_rms() -> dict:
+    """RMS of layer 0's queries, keys and values at initialisation for unit-RMS inputs (what ``ln_1`` gives): MLA's
+    keys/values are a product of two N(0, 0.02) maps, so they start several times smaller than MHA's unless the
+    latent is normalised."""
+    import torch
+
+    from models.config import GPTConfig
+    from models.gpt import GPT
+
+    out = {}
+    for label, name, kw in (("mha", "small_mha", {}), ("mla_64", "small_mla_64", {}),
+                            ("mla_64+latent_norm", "small_mla_64", {"latent_norm": True}),
+                            ("mla_128", "small_mla", {}), ("mla_128+latent_norm", "small_mla", {"latent_norm": True})):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.from_name(name, vocab_size=4096, latent_norm=kw.get("latent_norm", False)))
+        attn = model.transformer.h[0].attn
+        x = torch.randn(4, 64, model.cfg.d_model, generator=torch.Generator().manual_seed(1))  # (B, T, d), RMS 1
+        with torch.no_grad():
+            if model.cfg.attention == "mha":
+                q, k, v = attn.c_attn(x).split(model.cfg.d_model, -1)
+            else:
+                c = attn._c(x)  # (B, T, d_latent)
+                q, k, v = attn.w_q(x), attn.w_uk(c), attn.w_uv(c)
+        out[label] = {n: round(float(t.pow(2).mean().sqrt()), 4) for n, t in (("q", q), ("k", k), ("v", v))}
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------- report
 def summarise(rows: list[dict]) -> list[dict]:
     """Per variant: mean and std (sample, n-1) of val_loss over seeds, cache bytes, and Pareto membership."""
@@ -215,12 +242,17 @@ def main(argv: list[str] | None = None) -> int:
         args.data_args = ["--data.path", str(DATA)]
 
     rows = json.loads(out.read_text())["rows"] if out.is_file() else []
+    if args.study == "ablation":
+        meta_extra = {"init_kv_rms": init_kv_rms()}
+        print("q/k/v RMS at init (layer 0, unit-RMS inputs):", json.dumps(meta_extra["init_kv_rms"]))
+    else:
+        meta_extra = {}
     done = {(r["variant"], r["seed"]) for r in rows}
     todo = [(v, s) for s in seeds for v in variants if (v, s) not in done]
     lock = threading.Lock()
     meta = {"study": args.study, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
             "python": platform.python_version(), "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
-            "dtype_train": "fp32", "threads_per_run": args.threads, "jobs": args.jobs}
+            "dtype_train": "fp32", "threads_per_run": args.threads, "jobs": args.jobs, **meta_extra}
 
     def save() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,268 @@
+"""Trained MHA → MLA conversion and KVSplice insertion into trained MLA, before and after a short fine-tune.
+
+    python benchmarks/convert_mla.py                 # after benchmarks/frontier.py (uses its small_* checkpoints)
+    python benchmarks/convert_mla.py --seeds 1       # one source model per experiment instead of three
+
+Sources: the frontier study's trained ``small_mha`` and ``small_mla`` (d_latent 128) checkpoints of each seed
+(``checkpoints/frontier/frontier/{mha,mla_128}-s<seed>/last.ckpt``, 500 steps = 1,024,000 tokens of real TinyStories
+text); a missing one is trained here with the same command the study uses. For every source seed:
+
+1. MHA → MLA at R = 32 / 64 / 128 (8× / 4× / 2× smaller cache than MHA), weights-only and activation-aware
+   (``python -m kvsplice.to_mla``, 65,536 calibration tokens from the training text), validation loss before any
+   fine-tuning;
+2. the R = 32 conversions fine-tuned with ``training.fit --config small_mla_32 --model.init_from ...`` for 1 %, 5 %
+   and 10 % of the source's training tokens (5 / 25 / 50 steps; fresh AdamW, peak LR 1e-3 = half the pre-training
+   peak, 10 % warmup, cosine to 10 %: fixed in advance, not tuned on these numbers);
+3. KVSplice 50 % and 90 % inserted into the trained MLA-128 with PCA vs random-orthogonal init, before and after
+   50 steps (10 %) of the same fine-tune.
+
+References from ``results/frontier.json``: the MHA model itself, and MLA-32 / KVSplice trained from scratch on
+1,024,000 tokens (the converted models have seen 1,024,000 + the fine-tune's tokens). Validation loss is always the
+mean over the same 48 × 8 × 256 = 98,304 tokens of the real validation text as in the study.
+
+Writes ``results/convert_mla.json`` (rows), ``results/convert_mla.md`` (tables) and ``results/convert_mla.png``.
+Resumable: rows already in the JSON are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data" / "tinystories"
+CALIB = DATA / "gusjengis_toy-RNN__tinystories_sample.txt"  # training text
+STEPS_SOURCE = 500
+TOKENS_PER_STEP = 8 * 256
+FT_FRACTIONS = (0.01, 0.05, 0.10)
+FT_LR = "1e-3"
+
+
+def sh(cmd: list[str], threads: int) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO))
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}): {' | '.join(tail)}")
+
+
+def val_loss(ckpt: Path) -> float:
+    """Mean next-token loss over the study's validation blocks (configs/small_mha.yaml's data section)."""
+    import torch
+    import torch.nn.functional as F
+    import yaml
+
+    from data import TinyStoriesDataModule
+    from models.checkpoint import load_model
+
+    data = yaml.safe_load((REPO / "configs" / "small_mha.yaml").read_text())["data"]
+    dm = TinyStoriesDataModule(**{**data, "path": str(DATA), "block_size": 256})
+    dm.setup()
+    model = load_model(ckpt)[0]
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for x, y in dm.val_dataloader():
+            logits = model(x)  # (B, T, V)
+            total += float(F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"))
+            n += y.numel()
+    return total / n
+
+
+def source(variant: str, config: str, seed: int, runs: Path, threads: int) -> Path:
+    ckpt = runs / f"{variant}-s{seed}" / "last.ckpt"
+    if not ckpt.is_file():
+        sh([sys.executable, "-m", "training.fit", "--config", config, "--runs_dir", str(runs), "--run_name",
+            f"{variant}-s{seed}", "--overwrite", "--seed_everything", str(seed), "--torch_threads", str(threads),
+            "--trainer.max_steps", str(STEPS_SOURCE), "--trainer.val_check_interval", str(STEPS_SOURCE),
+            "--wandb.mode", "disabled", "--data.path", str(DATA)], threads)
+    return ckpt
+
+
+def finetune(init: Path, config: str, steps: int, name: str, seed: int, work: Path, threads: int,
+             extra: list[str]) -> float:
+    run = work / "ft" / name
+    sh([sys.executable, "-m", "training.fit", "--config", config, "--runs_dir", str(work / "ft"), "--run_name", name,
+        "--overwrite", "--seed_everything", str(seed), "--torch_threads", str(threads), "--model.init_from",
+        str(init), "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps),
+        "--model.warmup_steps", str(max(1, steps // 10)), "--model.learning_rate", FT_LR, "--wandb.mode", "disabled",
+        "--data.path", str(DATA), *extra], threads)
+    rows = [r for r in csv.DictReader((run / "metrics.csv").open()) if r.get("val_loss")]
+    return float(rows[-1]["val_loss"])
+
+
+def to_mla(src: Path, out: Path, args: list[str], threads: int) -> Path:
+    if not out.is_file():
+        sh([sys.executable, "-m", "kvsplice.to_mla", "--model", str(src), *args, "--out", str(out), "--force",
+            "--threads", str(threads)], threads)
+    return out
+
+
+def experiments(seed: int, runs: Path, work: Path, threads: int, done: set, emit) -> None:
+    mha = source("mha", "small_mha", seed, runs, threads)
+    key = ("mha", seed)
+    if key not in done:
+        emit({"experiment": "mha", "seed": seed, "val_loss": val_loss(mha), "ft_tokens": 0})
+    calib = ["--calib", str(CALIB), "--calib-tokens", "65536"]
+    for r in (32, 64, 128):
+        for method, extra in (("weights-only", []), ("activation-aware", calib)):
+            conv = to_mla(mha, work / f"mha-s{seed}-r{r}-{method}.ckpt", ["--d-latent", str(r), *extra], threads)
+            if (f"convert r{r} {method}", seed, 0) not in done:
+                emit({"experiment": f"convert r{r} {method}", "seed": seed, "d_latent": r, "method": method,
+                      "ft_tokens": 0, "val_loss": val_loss(conv)})
+            if r != 32:
+                continue
+            for frac in FT_FRACTIONS:
+                steps = round(frac * STEPS_SOURCE)
+                if (f"convert r{r} {method}", seed, steps * TOKENS_PER_STEP) in done:
+                    continue
+                loss = finetune(conv, "small_mla_32", steps, f"mha-s{seed}-r{r}-{method}-ft{steps}", seed, work,
+                                threads, ["--model.latent_norm", "false"])
+                emit({"experiment": f"convert r{r} {method}", "seed": seed, "d_latent": r, "method": method,
+                      "ft_steps": steps, "ft_tokens": steps * TOKENS_PER_STEP, "ft_fraction": frac, "val_loss": loss})
+    mla = source("mla_128", "small_mla", seed, runs, threads)
+    if ("mla_128", seed, 0) not in done:
+        emit({"experiment": "mla_128", "seed": seed, "val_loss": val_loss(mla), "ft_tokens": 0})
+    for pct, ratio in ((50, "0.5"), (90, "0.1")):
+        for init, extra in (("pca", calib), ("random", ["--kvsplice-init", "random", "--seed", str(seed)])):
+            name = f"kvsplice{pct} {init}"
+            conv = to_mla(mla, work / f"mla-s{seed}-ks{pct}-{init}.ckpt", ["--kvsplice-ratio", ratio, *extra], threads)
+            if (name, seed, 0) not in done:
+                emit({"experiment": name, "seed": seed, "kvsplice": pct, "init": init, "ft_tokens": 0,
+                      "val_loss": val_loss(conv)})
+            steps = round(0.10 * STEPS_SOURCE)
+            if (name, seed, steps * TOKENS_PER_STEP) not in done:
+                loss = finetune(conv, f"small_mla_kvsplice_{pct}", steps, f"mla-s{seed}-ks{pct}-{init}-ft{steps}",
+                                seed, work, threads, [])
+                emit({"experiment": name, "seed": seed, "kvsplice": pct, "init": init, "ft_steps": steps,
+                      "ft_tokens": steps * TOKENS_PER_STEP, "ft_fraction": 0.10, "val_loss": loss})
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def stats(rows: list[dict], experiment: str, ft_tokens: int) -> tuple[float, float, int]:
+    v = [r["val_loss"] for r in rows if r["experiment"] == experiment and r["ft_tokens"] == ft_tokens]
+    if not v:
+        return float("nan"), float("nan"), 0
+    return statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v)
+
+
+def frontier_ref(variant: str) -> tuple[float, float, int]:
+    f = REPO / "results" / "frontier.json"
+    rows = json.loads(f.read_text())["rows"] if f.is_file() else []
+    v = [r["val_loss"] for r in rows if r["variant"] == variant]
+    return (statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v)) if v else (float("nan"),) * 2 + (0,)
+
+
+def report(rows: list[dict], out: Path) -> str:
+    mha, mha_sd, n = stats(rows, "mha", 0)
+    fmt = lambda m, s, k: f"{m:.4f} ± {s:.4f} ({k})"  # noqa: E731
+    lines = [f"MHA source: {fmt(mha, mha_sd, n)} (mean ± std over source seeds (n))", "",
+             "| model | cache vs MHA | fine-tune tokens | val loss | vs MHA |", "|---|---|---|---|---|"]
+    for r in (32, 64, 128):
+        for method in ("weights-only", "activation-aware"):
+            tok = sorted({x["ft_tokens"] for x in rows if x["experiment"] == f"convert r{r} {method}"})
+            for t in tok:
+                m, s, k = stats(rows, f"convert r{r} {method}", t)
+                lines.append(f"| MLA-{r} {method} | {256 // r}× smaller | {t:,} ({t / (STEPS_SOURCE * TOKENS_PER_STEP):.0%})"
+                             f" | {fmt(m, s, k)} | {m / mha:.4f}× |")
+    for variant, label in (("mla_32", "MLA-32 from scratch (frontier)"), ("mla_128", "MLA-128 from scratch (frontier)")):
+        m, s, k = frontier_ref(variant)
+        lines.append(f"| {label} | {256 // int(variant.split('_')[1])}× smaller | 0 | {fmt(m, s, k)} | {m / mha:.4f}× |")
+    mla, mla_sd, n = stats(rows, "mla_128", 0)
+    lines += ["", f"MLA-128 source: {fmt(mla, mla_sd, n)}", "",
+              "| KVSplice into trained MLA-128 | init | fine-tune tokens | val loss | vs MLA-128 |", "|---|---|---|---|---|"]
+    for pct in (50, 90):
+        for init in ("pca", "random"):
+            for t in sorted({x["ft_tokens"] for x in rows if x["experiment"] == f"kvsplice{pct} {init}"}):
+                m, s, k = stats(rows, f"kvsplice{pct} {init}", t)
+                lines.append(f"| KVSplice-{pct} | {init} | {t:,} | {fmt(m, s, k)} | {m / mla:.4f}× |")
+        m, s, k = frontier_ref(f"mla_128_kvsplice_{pct}")
+        lines.append(f"| KVSplice-{pct} from scratch (frontier) | — | 0 | {fmt(m, s, k)} | {m / mla:.4f}× |")
+    md = "\n".join(lines)
+    out.with_suffix(".md").write_text(md + "\n")
+    plot(rows, mha, out.with_suffix(".png"))
+    return md
+
+
+def plot(rows: list[dict], mha: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax = axes[0]
+    for method, c in (("weights-only", "C0"), ("activation-aware", "C1")):
+        exp = f"convert r32 {method}"
+        tok = sorted({x["ft_tokens"] for x in rows if x["experiment"] == exp})
+        pts = [stats(rows, exp, t) for t in tok]
+        ax.errorbar([t / (STEPS_SOURCE * TOKENS_PER_STEP) * 100 for t in tok], [p[0] for p in pts],
+                    yerr=[p[1] for p in pts], marker="o", color=c, capsize=3, label=f"MHA→MLA-32 {method}")
+    ax.axhline(mha, color="k", ls="--", lw=0.8, label="MHA source")
+    ax.axhline(1.03 * mha, color="k", ls=":", lw=0.8, label="1.03 × MHA")
+    m, _, k = frontier_ref("mla_32")
+    if k:
+        ax.axhline(m, color="C2", ls="-.", lw=0.8, label="MLA-32 from scratch")
+    ax.set_xlabel("fine-tune tokens (% of the source's training tokens)")
+    ax.set_ylabel("validation loss")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    for pct, ls in ((50, "-"), (90, "--")):
+        for init, c in (("pca", "C1"), ("random", "C0")):
+            exp = f"kvsplice{pct} {init}"
+            tok = sorted({x["ft_tokens"] for x in rows if x["experiment"] == exp})
+            pts = [stats(rows, exp, t) for t in tok]
+            ax.errorbar([t / (STEPS_SOURCE * TOKENS_PER_STEP) * 100 for t in tok], [p[0] for p in pts],
+                        yerr=[p[1] for p in pts], marker="o", ls=ls, color=c, capsize=3, label=f"KVSplice-{pct} {init}")
+    ax.set_xlabel("fine-tune tokens (% of the source's training tokens)")
+    ax.set_ylabel("validation loss")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.suptitle("Converting trained small_* models (real TinyStories text; mean ± std over source seeds)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="source model seeds")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--runs-dir", type=Path, default=REPO / "checkpoints" / "frontier" / "frontier")
+    p.add_argument("--work", type=Path, default=REPO / "checkpoints" / "convert_mla")
+    p.add_argument("--out", type=Path, default=REPO / "results" / "convert_mla.json")
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args(argv)
+    if not DATA.is_dir():
+        p.error(f"{DATA} not found: the benchmark reads the local TinyStories text from ../shared/data/tinystories")
+    rows = json.loads(args.out.read_text())["rows"] if args.out.is_file() else []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"meta": {"command": "python " + " ".join(sys.argv), "ft_lr": FT_LR,
+                                            "source_tokens": STEPS_SOURCE * TOKENS_PER_STEP}, "rows": rows}, indent=1))
+        os.replace(tmp, args.out)
+        print(f"{row['experiment']} seed {row['seed']} ft {row['ft_tokens']:,}: val_loss {row['val_loss']:.4f}",
+              flush=True)
+
+    if not args.report_only:
+        from tqdm import tqdm
+
+        args.work.mkdir(parents=True, exist_ok=True)
+        for seed in tqdm(args.seeds, desc="source seeds", unit="seed"):
+            done = {(r["experiment"], r["seed"], r["ft_tokens"]) for r in rows}
+            done |= {(r["experiment"], r["seed"]) for r in rows if r["experiment"] == "mha"}
+            experiments(seed, args.runs_dir, args.work, args.threads, done, emit)
+    print(report(rows, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -56,9 +56,9 @@ ABLATION = {  # MLA options, on the tuning split
     "mha": ("small_mha", []),
     "mla_64": ("small_mla_64", ["--model.latent_norm", "false"]),
     "mla_64+latent_norm": ("small_mla_64", ["--model.latent_norm", "true"]),
-    "mla_64@lr1e-3": ("small_mla_64", ["--model.latent_norm", "false", "--model.learning_rate", "1e-3"]),
-    "mla_64@lr4e-3": ("small_mla_64", ["--model.latent_norm", "false", "--model.learning_rate", "4e-3"]),
-    "mla_64+latent_norm@lr4e-3": ("small_mla_64", ["--model.latent_norm", "true", "--model.learning_rate", "4e-3"]),
+    "mla_64_lr1e-3": ("small_mla_64", ["--model.latent_norm", "false", "--model.learning_rate", "1e-3"]),
+    "mla_64_lr4e-3": ("small_mla_64", ["--model.latent_norm", "false", "--model.learning_rate", "4e-3"]),
+    "mla_64+latent_norm_lr4e-3": ("small_mla_64", ["--model.latent_norm", "true", "--model.learning_rate", "4e-3"]),
 }
 TRAIN_FILES = ("gusjengis_toy-RNN__tinystories_sample.txt", "maxme1_tiny-stories__tiny-stories.json",
                "mines-opt-ml_decoding-gpt__tinystories_10k.txt")

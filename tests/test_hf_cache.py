@@ -207,3 +207,33 @@ def test_stories260k_rank4_bytes_are_half_and_tokens_match_the_decoder(s260k, ro
     for i in range(2):
         row = ids[i][mask[i].bool()][None]
         assert torch.equal(dec.generate(row, n)[0, row.shape[1]:], out[i, ids.shape[1]:]), i
+
+
+@pytest.mark.parametrize("rope", ["post", "pre"])
+def test_decode_fast_path_equals_the_general_path(rope, monkeypatch):
+    """The one-token decode path (in-place append, folded scale / inverse rotation) == the general path (the one
+    prefill, int8 and per-head groups take), batched with left padding; int8 still measures bytes == formula."""
+    model = tiny_llama()
+    ids, mask = left_pad(prompts(3))
+    bases = random_bases(model, 4, rope, seed=5)
+
+    def logits(cache):
+        m, out = mask.clone(), []
+        with torch.no_grad():
+            o = model(ids, attention_mask=m, past_key_values=cache)
+            for _ in range(6):
+                out.append(o.logits[:, -1])
+                nxt = o.logits[:, -1].argmax(-1, keepdim=True)
+                m = torch.cat([m, torch.ones_like(nxt)], 1)
+                o = model(nxt, attention_mask=m, past_key_values=cache)
+        return torch.stack(out)
+
+    fast = logits(CoefficientHFCache(model, bases))
+    general = CoefficientHFCache.attend
+    monkeypatch.setattr(CoefficientHFCache, "attend",
+                        lambda self, layer, *a: self._attend_general(layer, self.groups[layer], *a))
+    torch.testing.assert_close(fast, logits(CoefficientHFCache(model, bases)), atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(CoefficientHFCache, "attend", general)
+    q8 = CoefficientHFCache(model, bases, cache_quant="int8")
+    greedy(model, ids, q8, mask, n=4)
+    assert q8.nbytes() == q8.bytes_formula() == measure_cache(q8).live_bytes > 0

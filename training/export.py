@@ -138,10 +138,10 @@ def save_tokenizer(meta: dict, ckpt: Path, out: Path) -> Optional[dict[str, Any]
     """Save the run's tokenizer into ``out``; ``None`` (and a note on stderr) when it cannot be rebuilt here."""
     from transformers import PreTrainedTokenizerFast
 
-    from kvsplice.io.loading import LoadError, _checkpoint_tokenizer
+    from kvsplice.io.loading import LoadError, checkpoint_tokenizer
 
     try:
-        tok = _checkpoint_tokenizer(meta, ckpt).backend  # data.TextTokenizer
+        tok = checkpoint_tokenizer(meta, ckpt).backend  # data.TextTokenizer
     except LoadError as e:
         print(f"export: note: no tokenizer exported ({e})", file=sys.stderr)
         return None

@@ -101,7 +101,8 @@ class KVSpliceHFCache(Cache):
 
     # ------------------------------------------------------------------------------------- transformers API
     def update_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        if self.model.config._attn_implementation != ATTN_IMPL:
+        # once per forward call (every call passes layer 0 first): the config lookup is slow next to a decode step
+        if layer == 0 and self.model.config._attn_implementation != ATTN_IMPL:
             raise RuntimeError(f"{type(self).__name__} needs the model's attention implementation {ATTN_IMPL!r} "
                                f"(it was changed to {self.model.config._attn_implementation!r} after the cache was built)")
         if self.store is None:

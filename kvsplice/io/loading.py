@@ -32,8 +32,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
-__all__ = ["LoadError", "LoadedModel", "Tokenizer", "iter_texts", "load_model", "load_tokenizer", "token_stream",
-           "first_line"]
+__all__ = ["LoadError", "LoadedModel", "Tokenizer", "checkpoint_tokenizer", "iter_texts", "load_model", "load_tokenizer",
+           "token_stream", "first_line"]
 
 CONVERT_HINT = ("pass a local model directory instead, e.g. one made by `python -m kvsplice.convert_llama2c "
                 "MODEL.bin --tokenizer TOK.bin --out DIR` or saved with save_pretrained()")
@@ -121,7 +121,7 @@ def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
         raise LoadError(f"cannot load a tokenizer from {spec}: {first_line(e)}") from None
 
 
-def _checkpoint_tokenizer(meta: dict, path: Path) -> Tokenizer:
+def checkpoint_tokenizer(meta: dict, path: Path) -> Tokenizer:
     """The tokenizer a training checkpoint's data module used (its ``data_hparams``)."""
     from data import DataUnavailableError, TinyStoriesDataModule
 
@@ -135,6 +135,9 @@ def _checkpoint_tokenizer(meta: dict, path: Path) -> Tokenizer:
     except (DataUnavailableError, ValueError, OSError) as e:
         raise LoadError(f"cannot rebuild the tokenizer of {path} from its data settings ({first_line(e)}); "
                         f"pass --tokenizer") from None
+
+
+_checkpoint_tokenizer = checkpoint_tokenizer  # the former private name, kept for existing callers
 
 
 # ================================================================================================ models
@@ -220,7 +223,7 @@ def load_model(spec: str | os.PathLike, *, tokenizer: Optional[str] = None, dtyp
         except CheckpointError as e:
             raise LoadError(first_line(e)) from None
         _check_supported(model)
-        tok = load_tokenizer(tokenizer) if tokenizer is not None else _checkpoint_tokenizer(meta, p)
+        tok = load_tokenizer(tokenizer) if tokenizer is not None else checkpoint_tokenizer(meta, p)
         if dtype is not None:
             model = model.to(dtype)
         kind = "ckpt"

@@ -59,6 +59,7 @@ ABLATION = {  # MLA options, on the tuning split
     "mla_64_lr1e-3": ("small_mla_64", ["--model.latent_norm", "false", "--model.learning_rate", "1e-3"]),
     "mla_64_lr4e-3": ("small_mla_64", ["--model.latent_norm", "false", "--model.learning_rate", "4e-3"]),
     "mla_64+latent_norm_lr4e-3": ("small_mla_64", ["--model.latent_norm", "true", "--model.learning_rate", "4e-3"]),
+    "mha_lr4e-3": ("small_mha", ["--model.learning_rate", "4e-3"]),
 }
 TRAIN_FILES = ("gusjengis_toy-RNN__tinystories_sample.txt", "maxme1_tiny-stories__tiny-stories.json",
                "mines-opt-ml_decoding-gpt__tinystories_10k.txt")

@@ -137,7 +137,6 @@ def checkpoint_tokenizer(meta: dict, path: Path) -> Tokenizer:
                         f"pass --tokenizer") from None
 
 
-_checkpoint_tokenizer = checkpoint_tokenizer  # the former private name, kept for existing callers
 
 
 # ================================================================================================ models

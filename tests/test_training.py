@@ -209,7 +209,10 @@ def test_configs_differ_only_in_attention(prefix):
     stripped = []
     for cfg in loaded.values():
         cfg = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
-        cfg["model"].pop("attention"), cfg["model"].pop("kvsplice_ratio")
+        attention = cfg["model"].pop("attention")
+        cfg["model"].pop("kvsplice_ratio")
+        # the 124M MLA configs normalise the latent (the frontier study's default); the tiny ones keep the recorded run
+        assert cfg["model"].pop("latent_norm", False) is (attention == "mla" and prefix == "")
         stripped.append(cfg)
     assert all(s == stripped[0] for s in stripped[1:])
     if prefix == "tiny_":
@@ -218,6 +221,26 @@ def test_configs_differ_only_in_attention(prefix):
         m = stripped[0]["model"]
         assert (m["n_layer"], m["n_head"], m["d_model"], m["block_size"], m["d_latent"]) == (12, 12, 768, 1024, 256)
         assert stripped[0]["trainer"]["precision"] == "bf16-mixed"
+
+
+SMALL = {"small_mha": ("mha", None, None, 128), "small_gqa2": ("mha", 2, None, 128), "small_mqa": ("mha", 1, None, 128),
+         "small_mla": ("mla", None, None, 128), "small_mla_64": ("mla", None, None, 64),
+         "small_mla_32": ("mla", None, None, 32), "small_mla_kvsplice_50": ("mla", None, 0.5, 128),
+         "small_mla_kvsplice_70": ("mla", None, 0.3, 128), "small_mla_kvsplice_90": ("mla", None, 0.1, 128)}
+
+
+def test_small_configs_differ_only_in_attention():
+    """The frontier study's configs: equal data, schedule and shapes; only the attention fields differ."""
+    stripped = []
+    for name, (attention, kv, ratio, latent) in SMALL.items():
+        cfg = yaml.safe_load((CONFIG_DIR / f"{name}.yaml").read_text())
+        m = cfg["model"]
+        got = (m.pop("attention"), m.pop("n_kv_head", None), m.pop("kvsplice_ratio", None), m.pop("d_latent"))
+        assert got == (attention, kv, ratio, latent), name
+        assert m.pop("latent_norm") is (attention == "mla")
+        stripped.append(cfg)
+    assert all(s == stripped[0] for s in stripped[1:])
+    assert stripped[0]["data"]["bpe_vocab_size"] == 4096 and stripped[0]["trainer"]["precision"] == "32-true"
 
 
 @pytest.mark.parametrize("name", sorted(c.stem for c in CONFIG_DIR.glob("*.yaml")))

@@ -19,7 +19,7 @@ picks for MLA is not tuned on the data the frontier reports.
 
 Outputs: ``results/frontier.json`` (rows: ``variant``, ``config``, ``seed``, ``steps``, ``tokens``, ``val_loss``,
 ``cache_bytes_per_token`` (fp16, measured, all layers), ``cache_bytes_per_token_fp32``, ``cache_dim``, params,
-wall time, tokens/s), ``results/frontier.png`` (validation loss vs cache bytes per token, log x, mean ± std per
+wall time, tokens/s, the logged training-loss curve), ``results/frontier.png`` (validation loss vs cache bytes per token, log x, mean ± std per
 variant, Pareto front marked) and a Markdown table on stdout and in ``results/frontier.md``.
 """
 
@@ -78,6 +78,12 @@ def last_val(metrics: Path) -> tuple[int, float, float, float]:
         float(train[-1]["train_time_s"])
 
 
+def train_curve(metrics: Path) -> list[list[float]]:
+    """``[[step, train_loss], ...]`` as logged (every ``log_every_n_steps``), steps counted from 1."""
+    rows = csv.DictReader(metrics.open())
+    return [[int(r["step"]) + 1, round(float(r["train_loss"]), 4)] for r in rows if r.get("train_loss")]
+
+
 def measure_cache(ckpt: Path, tokens: int) -> dict:
     """Prefill ``tokens`` random ids through the checkpoint's model and its real decode cache (fp16 and fp32)."""
     import torch
@@ -124,7 +130,8 @@ def _row(variant: str, config: str, extra: list[str], seed: int, run: Path, args
     return {"variant": variant, "config": config, "overrides": extra, "seed": seed, "steps": step + 1,
             "tokens": int(tokens), "val_loss": val_loss, **measure_cache(run / "last.ckpt", args.cache_tokens),
             "wall_s": None if wall is None else round(wall, 1), "train_time_s": round(train_time, 1),
-            "tokens_per_s": round(tokens / train_time, 1) if train_time else None}
+            "tokens_per_s": round(tokens / train_time, 1) if train_time else None,
+            "train_loss_curve": train_curve(run / "metrics.csv")}
 
 
 def init_kv_rms() -> dict:
@@ -155,15 +162,29 @@ def init_kv_rms() -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- report
+def late_drop(curve: list[list[float]]) -> float | None:
+    """Mean training loss over the 4th fifth of the steps minus the mean over the last fifth: how much the loss
+    still fell at the end of the schedule (0 = flat)."""
+    if not curve:
+        return None
+    n = curve[-1][0]
+    fourth = [l for s, l in curve if 0.6 * n < s <= 0.8 * n]
+    last = [l for s, l in curve if s > 0.8 * n]
+    return statistics.fmean(fourth) - statistics.fmean(last) if fourth and last else None
+
+
 def summarise(rows: list[dict]) -> list[dict]:
-    """Per variant: mean and std (sample, n-1) of val_loss over seeds, cache bytes, and Pareto membership."""
+    """Per variant: mean and std (sample, n-1) of val_loss over seeds, cache bytes, the late training-loss drop, and
+    Pareto membership."""
     out = []
     for v in dict.fromkeys(r["variant"] for r in rows):
         rs = [r for r in rows if r["variant"] == v]
         losses = [r["val_loss"] for r in rs]
+        drops = [d for d in (late_drop(r.get("train_loss_curve") or []) for r in rs) if d is not None]
         out.append({"variant": v, "n": len(rs), "val_loss": statistics.fmean(losses),
                     "std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
-                    "bytes": rs[0]["cache_bytes_per_token"], "tokens": rs[0]["tokens"]})
+                    "bytes": rs[0]["cache_bytes_per_token"], "tokens": rs[0]["tokens"],
+                    "late_drop": statistics.fmean(drops) if drops else None})
     for s in out:  # on the front: no other variant has fewer-or-equal bytes and a lower mean loss
         s["pareto"] = not any(o is not s and o["bytes"] <= s["bytes"] and o["val_loss"] < s["val_loss"] for o in out)
     return sorted(out, key=lambda s: -s["bytes"])
@@ -172,11 +193,13 @@ def summarise(rows: list[dict]) -> list[dict]:
 def table(summary: list[dict], ref: str = "mha") -> str:
     base = next((s for s in summary if s["variant"] == ref), summary[0])
     lines = [f"| variant | cache B/token (fp16) | vs {base['variant']} | val loss (mean ± std) | seeds | "
-             f"loss vs {base['variant']} | Pareto |", "|---|---|---|---|---|---|---|"]
+             f"loss vs {base['variant']} | train-loss drop, last 20 % of steps | Pareto |",
+             "|---|---|---|---|---|---|---|---|"]
     for s in summary:
+        drop = "" if s["late_drop"] is None else f"{s['late_drop']:.3f}"
         lines.append(f"| {s['variant']} | {s['bytes']:.0f} | {s['bytes'] / base['bytes']:.3f}× | "
-                     f"{s['val_loss']:.4f} ± {s['std']:.4f} | {s['n']} | {s['val_loss'] / base['val_loss']:.3f}× | "
-                     f"{'yes' if s['pareto'] else ''} |")
+                     f"{s['val_loss']:.4f} ± {s['std']:.4f} | {s['n']} | {s['val_loss'] / base['val_loss']:.4f}× | "
+                     f"{drop} | {'yes' if s['pareto'] else ''} |")
     return "\n".join(lines)
 
 

@@ -237,3 +237,30 @@ def test_decode_fast_path_equals_the_general_path(rope, monkeypatch):
     q8 = CoefficientHFCache(model, bases, cache_quant="int8")
     greedy(model, ids, q8, mask, n=4)
     assert q8.nbytes() == q8.bytes_formula() == measure_cache(q8).live_bytes > 0
+
+
+@needs_stories
+@pytest.mark.parametrize("method, kw", [("streaming_llm", {"n_sink": 4}), ("uniform", {}), ("balancekv", {})])
+def test_stories260k_token_subsets_bytes_and_tokens_match_the_decoder(s260k, method, kw):
+    """Token subsets inside generate() on the real GQA + RoPE model: a full budget gives the default cache's tokens;
+    budget 8 holds 8 + generated tokens per KV head (bytes == formula, measured) and decodes as the package's own
+    Decoder(TokenSelection) does for an unpadded row."""
+    from kvsplice.decode import Decoder
+    from kvsplice.select.method import TokenSelection
+
+    model, tok = s260k
+    texts = ["Once upon a time, there was a little girl named Lily. She", "The dog was sad because the ball"]
+    ids, mask = left_pad([torch.tensor(tok.encode(t)) for t in texts])
+    n = 12
+    ref = greedy(model, ids, transformers.DynamicCache(config=model.config), mask, n=n)
+    full = SubsetHFCache(model, make_selector(method, **kw), budget=1000)
+    assert torch.equal(greedy(model, ids, full, mask, n=n), ref)
+    cache = SubsetHFCache(model, make_selector(method, **kw), budget=8)
+    out = greedy(model, ids, cache, mask, n=n)
+    held = 8 + n - 1  # the kept prompt tokens + the generated tokens fed back
+    assert cache.seq_len == held
+    assert measure_cache(cache).live_bytes == cache.nbytes() == cache.bytes_formula() \
+        == 5 * 2 * 4 * held * (8 + 8 + 1) * 4  # layers · batch · KV heads · tokens · (k + v + log-weight) · fp32
+    dec = Decoder(model, TokenSelection(make_selector(method, **kw), 8))
+    row = ids[0][mask[0].bool()][None]  # the longer prompt (no padding)
+    assert torch.equal(dec.generate(row, n)[0, row.shape[1]:], out[0, ids.shape[1]:])

@@ -11,10 +11,10 @@ text); a missing one is trained here with the same command the study uses. For e
    (``python -m kvsplice.to_mla``, 65,536 calibration tokens from the training text), validation loss before any
    fine-tuning;
 2. the R = 32 conversions fine-tuned with ``training.fit --config small_mla_32 --model.init_from ...`` for 1 %, 5 %
-   and 10 % of the source's training tokens (5 / 25 / 50 steps; fresh AdamW, peak LR 1e-3 = half the pre-training
-   peak, 10 % warmup, cosine to 10 %: fixed in advance, not tuned on these numbers);
+   and 10 % of the source's training tokens (5 / 25 / 50 steps; fresh AdamW, 10 % warmup, cosine to 10 %) at two
+   peak learning rates (:data:`FT_LRS`: the one fixed in advance, and the source's final one);
 3. KVSplice 50 % and 90 % inserted into the trained MLA-128 with PCA vs random-orthogonal init, before and after
-   50 steps (10 %) of the same fine-tune.
+   50 steps (10 %) of the same fine-tune (both learning rates).
 
 References from ``results/frontier.json``: the MHA model itself, and MLA-32 / KVSplice trained from scratch on
 1,024,000 tokens (the converted models have seen 1,024,000 + the fine-tune's tokens). Validation loss is always the
@@ -41,7 +41,10 @@ CALIB = DATA / "gusjengis_toy-RNN__tinystories_sample.txt"  # training text
 STEPS_SOURCE = 500
 TOKENS_PER_STEP = 8 * 256
 FT_FRACTIONS = (0.01, 0.05, 0.10)
-FT_LR = "1e-3"
+FT_LRS = ("1e-3", "2e-4")
+"""Fine-tune peak learning rates: 1e-3 (half the pre-training peak) was fixed before any run; it made short
+fine-tunes of the already-good conversions worse, so 2e-4 — the source schedule's final learning rate
+(min_lr_ratio 0.1 × 2e-3), i.e. continuing where pre-training ended — is reported next to it."""
 
 
 def sh(cmd: list[str], threads: int) -> None:
@@ -85,12 +88,12 @@ def source(variant: str, config: str, seed: int, runs: Path, threads: int) -> Pa
 
 
 def finetune(init: Path, config: str, steps: int, name: str, seed: int, work: Path, threads: int,
-             extra: list[str]) -> float:
+             extra: list[str], lr: str) -> float:
     run = work / "ft" / name
     sh([sys.executable, "-m", "training.fit", "--config", config, "--runs_dir", str(work / "ft"), "--run_name", name,
         "--overwrite", "--seed_everything", str(seed), "--torch_threads", str(threads), "--model.init_from",
         str(init), "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps),
-        "--model.warmup_steps", str(max(1, steps // 10)), "--model.learning_rate", FT_LR, "--wandb.mode", "disabled",
+        "--model.warmup_steps", str(max(1, steps // 10)), "--model.learning_rate", lr, "--wandb.mode", "disabled",
         "--data.path", str(DATA), *extra], threads)
     rows = [r for r in csv.DictReader((run / "metrics.csv").open()) if r.get("val_loss")]
     return float(rows[-1]["val_loss"])
@@ -117,14 +120,16 @@ def experiments(seed: int, runs: Path, work: Path, threads: int, done: set, emit
                       "ft_tokens": 0, "val_loss": val_loss(conv)})
             if r != 32:
                 continue
-            for frac in FT_FRACTIONS:
-                steps = round(frac * STEPS_SOURCE)
-                if (f"convert r{r} {method}", seed, steps * TOKENS_PER_STEP) in done:
-                    continue
-                loss = finetune(conv, "small_mla_32", steps, f"mha-s{seed}-r{r}-{method}-ft{steps}", seed, work,
-                                threads, ["--model.latent_norm", "false"])
-                emit({"experiment": f"convert r{r} {method}", "seed": seed, "d_latent": r, "method": method,
-                      "ft_steps": steps, "ft_tokens": steps * TOKENS_PER_STEP, "ft_fraction": frac, "val_loss": loss})
+            for lr in FT_LRS:
+                for frac in FT_FRACTIONS:
+                    steps = round(frac * STEPS_SOURCE)
+                    if (f"convert r{r} {method}", seed, steps * TOKENS_PER_STEP, lr) in done:
+                        continue
+                    loss = finetune(conv, "small_mla_32", steps, f"mha-s{seed}-r{r}-{method}-ft{steps}-lr{lr}", seed,
+                                    work, threads, ["--model.latent_norm", "false"], lr)
+                    emit({"experiment": f"convert r{r} {method}", "seed": seed, "d_latent": r, "method": method,
+                          "ft_steps": steps, "ft_tokens": steps * TOKENS_PER_STEP, "ft_fraction": frac, "ft_lr": lr,
+                          "val_loss": loss})
     mla = source("mla_128", "small_mla", seed, runs, threads)
     if ("mla_128", seed, 0) not in done:
         emit({"experiment": "mla_128", "seed": seed, "val_loss": val_loss(mla), "ft_tokens": 0})
@@ -136,16 +141,19 @@ def experiments(seed: int, runs: Path, work: Path, threads: int, done: set, emit
                 emit({"experiment": name, "seed": seed, "kvsplice": pct, "init": init, "ft_tokens": 0,
                       "val_loss": val_loss(conv)})
             steps = round(0.10 * STEPS_SOURCE)
-            if (name, seed, steps * TOKENS_PER_STEP) not in done:
-                loss = finetune(conv, f"small_mla_kvsplice_{pct}", steps, f"mla-s{seed}-ks{pct}-{init}-ft{steps}",
-                                seed, work, threads, [])
+            for lr in FT_LRS:
+                if (name, seed, steps * TOKENS_PER_STEP, lr) in done:
+                    continue
+                loss = finetune(conv, f"small_mla_kvsplice_{pct}", steps, f"mla-s{seed}-ks{pct}-{init}-ft{steps}-lr{lr}",
+                                seed, work, threads, [], lr)
                 emit({"experiment": name, "seed": seed, "kvsplice": pct, "init": init, "ft_steps": steps,
-                      "ft_tokens": steps * TOKENS_PER_STEP, "ft_fraction": 0.10, "val_loss": loss})
+                      "ft_tokens": steps * TOKENS_PER_STEP, "ft_fraction": 0.10, "ft_lr": lr, "val_loss": loss})
 
 
 # ---------------------------------------------------------------------------------------------------- report
-def stats(rows: list[dict], experiment: str, ft_tokens: int) -> tuple[float, float, int]:
-    v = [r["val_loss"] for r in rows if r["experiment"] == experiment and r["ft_tokens"] == ft_tokens]
+def stats(rows: list[dict], experiment: str, ft_tokens: int, lr: str | None = None) -> tuple[float, float, int]:
+    v = [r["val_loss"] for r in rows if r["experiment"] == experiment and r["ft_tokens"] == ft_tokens
+         and (ft_tokens == 0 or r.get("ft_lr") == lr)]
     if not v:
         return float("nan"), float("nan"), 0
     return statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v)
@@ -161,28 +169,41 @@ def frontier_ref(variant: str) -> tuple[float, float, int]:
 def report(rows: list[dict], out: Path) -> str:
     mha, mha_sd, n = stats(rows, "mha", 0)
     fmt = lambda m, s, k: f"{m:.4f} ± {s:.4f} ({k})"  # noqa: E731
+    src_tokens = STEPS_SOURCE * TOKENS_PER_STEP
     lines = [f"MHA source: {fmt(mha, mha_sd, n)} (mean ± std over source seeds (n))", "",
-             "| model | cache vs MHA | fine-tune tokens | val loss | vs MHA |", "|---|---|---|---|---|"]
+             "| model | cache vs MHA | fine-tune tokens | fine-tune LR | val loss | vs MHA |", "|---|---|---|---|---|---|"]
     for r in (32, 64, 128):
         for method in ("weights-only", "activation-aware"):
-            tok = sorted({x["ft_tokens"] for x in rows if x["experiment"] == f"convert r{r} {method}"})
-            for t in tok:
-                m, s, k = stats(rows, f"convert r{r} {method}", t)
-                lines.append(f"| MLA-{r} {method} | {256 // r}× smaller | {t:,} ({t / (STEPS_SOURCE * TOKENS_PER_STEP):.0%})"
-                             f" | {fmt(m, s, k)} | {m / mha:.4f}× |")
+            exp = f"convert r{r} {method}"
+            m, s, k = stats(rows, exp, 0)
+            if k:
+                lines.append(f"| MLA-{r} {method} | {256 // r}× smaller | 0 | — | {fmt(m, s, k)} | {m / mha:.4f}× |")
+            for lr in FT_LRS:
+                for t in sorted({x["ft_tokens"] for x in rows if x["experiment"] == exp and x["ft_tokens"]}):
+                    m, s, k = stats(rows, exp, t, lr)
+                    if k:
+                        lines.append(f"| MLA-{r} {method} | {256 // r}× smaller | {t:,} ({t / src_tokens:.0%}) | {lr} | "
+                                     f"{fmt(m, s, k)} | {m / mha:.4f}× |")
     for variant, label in (("mla_32", "MLA-32 from scratch (frontier)"), ("mla_128", "MLA-128 from scratch (frontier)")):
         m, s, k = frontier_ref(variant)
         lines.append(f"| {label} | {256 // int(variant.split('_')[1])}× smaller | 0 | {fmt(m, s, k)} | {m / mha:.4f}× |")
     mla, mla_sd, n = stats(rows, "mla_128", 0)
     lines += ["", f"MLA-128 source: {fmt(mla, mla_sd, n)}", "",
-              "| KVSplice into trained MLA-128 | init | fine-tune tokens | val loss | vs MLA-128 |", "|---|---|---|---|---|"]
+              "| KVSplice into trained MLA-128 | init | fine-tune tokens | fine-tune LR | val loss | vs MLA-128 |",
+              "|---|---|---|---|---|---|"]
     for pct in (50, 90):
         for init in ("pca", "random"):
-            for t in sorted({x["ft_tokens"] for x in rows if x["experiment"] == f"kvsplice{pct} {init}"}):
-                m, s, k = stats(rows, f"kvsplice{pct} {init}", t)
-                lines.append(f"| KVSplice-{pct} | {init} | {t:,} | {fmt(m, s, k)} | {m / mla:.4f}× |")
+            exp = f"kvsplice{pct} {init}"
+            m, s, k = stats(rows, exp, 0)
+            if k:
+                lines.append(f"| KVSplice-{pct} | {init} | 0 | — | {fmt(m, s, k)} | {m / mla:.4f}× |")
+            for lr in FT_LRS:
+                for t in sorted({x["ft_tokens"] for x in rows if x["experiment"] == exp and x["ft_tokens"]}):
+                    m, s, k = stats(rows, exp, t, lr)
+                    if k:
+                        lines.append(f"| KVSplice-{pct} | {init} | {t:,} | {lr} | {fmt(m, s, k)} | {m / mla:.4f}× |")
         m, s, k = frontier_ref(f"mla_128_kvsplice_{pct}")
-        lines.append(f"| KVSplice-{pct} from scratch (frontier) | — | 0 | {fmt(m, s, k)} | {m / mla:.4f}× |")
+        lines.append(f"| KVSplice-{pct} from scratch (frontier) | — | 0 | — | {fmt(m, s, k)} | {m / mla:.4f}× |")
     md = "\n".join(lines)
     out.with_suffix(".md").write_text(md + "\n")
     plot(rows, mha, out.with_suffix(".png"))
@@ -199,10 +220,12 @@ def plot(rows: list[dict], mha: float, path: Path) -> None:
     ax = axes[0]
     for method, c in (("weights-only", "C0"), ("activation-aware", "C1")):
         exp = f"convert r32 {method}"
-        tok = sorted({x["ft_tokens"] for x in rows if x["experiment"] == exp})
-        pts = [stats(rows, exp, t) for t in tok]
-        ax.errorbar([t / (STEPS_SOURCE * TOKENS_PER_STEP) * 100 for t in tok], [p[0] for p in pts],
-                    yerr=[p[1] for p in pts], marker="o", color=c, capsize=3, label=f"MHA→MLA-32 {method}")
+        for lr, ls in zip(FT_LRS, ("-", "--")):
+            tok = sorted({x["ft_tokens"] for x in rows if x["experiment"] == exp})
+            pts = [stats(rows, exp, t, lr) for t in tok]
+            ax.errorbar([t / (STEPS_SOURCE * TOKENS_PER_STEP) * 100 for t in tok], [p[0] for p in pts],
+                        yerr=[p[1] for p in pts], marker="o", ls=ls, color=c, capsize=3,
+                        label=f"MHA→MLA-32 {method}, LR {lr}")
     ax.axhline(mha, color="k", ls="--", lw=0.8, label="MHA source")
     ax.axhline(1.03 * mha, color="k", ls=":", lw=0.8, label="1.03 × MHA")
     m, _, k = frontier_ref("mla_32")
@@ -213,13 +236,15 @@ def plot(rows: list[dict], mha: float, path: Path) -> None:
     ax.set_yscale("log")
     ax.legend(fontsize=7)
     ax = axes[1]
-    for pct, ls in ((50, "-"), (90, "--")):
+    for pct, marker in ((50, "o"), (90, "s")):
         for init, c in (("pca", "C1"), ("random", "C0")):
             exp = f"kvsplice{pct} {init}"
-            tok = sorted({x["ft_tokens"] for x in rows if x["experiment"] == exp})
-            pts = [stats(rows, exp, t) for t in tok]
-            ax.errorbar([t / (STEPS_SOURCE * TOKENS_PER_STEP) * 100 for t in tok], [p[0] for p in pts],
-                        yerr=[p[1] for p in pts], marker="o", ls=ls, color=c, capsize=3, label=f"KVSplice-{pct} {init}")
+            for lr, ls in zip(FT_LRS, ("-", "--")):
+                tok = sorted({x["ft_tokens"] for x in rows if x["experiment"] == exp})
+                pts = [stats(rows, exp, t, lr) for t in tok]
+                ax.errorbar([t / (STEPS_SOURCE * TOKENS_PER_STEP) * 100 for t in tok], [p[0] for p in pts],
+                            yerr=[p[1] for p in pts], marker=marker, ls=ls, color=c, capsize=3,
+                            label=f"KVSplice-{pct} {init}, LR {lr}")
     ax.set_xlabel("fine-tune tokens (% of the source's training tokens)")
     ax.set_ylabel("validation loss")
     ax.set_yscale("log")
@@ -246,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"meta": {"command": "python " + " ".join(sys.argv), "ft_lr": FT_LR,
+        tmp.write_text(json.dumps({"meta": {"command": "python " + " ".join(sys.argv), "ft_lrs": FT_LRS,
                                             "source_tokens": STEPS_SOURCE * TOKENS_PER_STEP}, "rows": rows}, indent=1))
         os.replace(tmp, args.out)
         print(f"{row['experiment']} seed {row['seed']} ft {row['ft_tokens']:,}: val_loss {row['val_loss']:.4f}",
@@ -258,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         args.work.mkdir(parents=True, exist_ok=True)
         for seed in tqdm(args.seeds, desc="source seeds", unit="seed"):
             done = {(r["experiment"], r["seed"], r["ft_tokens"]) for r in rows}
+            done |= {(r["experiment"], r["seed"], r["ft_tokens"], r.get("ft_lr")) for r in rows if r["ft_tokens"]}
             done |= {(r["experiment"], r["seed"]) for r in rows if r["experiment"] == "mha"}
             experiments(seed, args.runs_dir, args.work, args.threads, done, emit)
     print(report(rows, args.out))

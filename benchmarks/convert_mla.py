@@ -7,7 +7,7 @@ Sources: the frontier study's trained ``small_mha`` and ``small_mla`` (d_latent 
 (``checkpoints/frontier/frontier/{mha,mla_128}-s<seed>/last.ckpt``, 500 steps = 1,024,000 tokens of real TinyStories
 text); a missing one is trained here with the same command the study uses. For every source seed:
 
-1. MHA → MLA at R = 32 / 64 / 128 (8× / 4× / 2× smaller cache than MHA), weights-only and activation-aware
+1. MHA → MLA at R = 8 / 16 / 32 / 64 / 128 (32× ... 2× smaller cache than MHA), weights-only and activation-aware
    (``python -m kvsplice.to_mla``, 65,536 calibration tokens from the training text), validation loss before any
    fine-tuning;
 2. the R = 32 conversions fine-tuned with ``training.fit --config small_mla_32 --model.init_from ...`` for 1 %, 5 %
@@ -41,6 +41,7 @@ CALIB = DATA / "gusjengis_toy-RNN__tinystories_sample.txt"  # training text
 STEPS_SOURCE = 500
 TOKENS_PER_STEP = 8 * 256
 FT_FRACTIONS = (0.01, 0.05, 0.10)
+CONVERT_RANKS = (8, 16, 32, 64, 128)  # 32x ... 2x smaller caches than MHA's 256 numbers per token per layer
 FT_LRS = ("1e-3", "2e-4")
 """Fine-tune peak learning rates: 1e-3 (half the pre-training peak) was fixed before any run; it made short
 fine-tunes of the already-good conversions worse, so 2e-4 — the source schedule's final learning rate
@@ -112,7 +113,7 @@ def experiments(seed: int, runs: Path, work: Path, threads: int, done: set, emit
     if key not in done:
         emit({"experiment": "mha", "seed": seed, "val_loss": val_loss(mha), "ft_tokens": 0})
     calib = ["--calib", str(CALIB), "--calib-tokens", "65536"]
-    for r in (32, 64, 128):
+    for r in CONVERT_RANKS:
         for method, extra in (("weights-only", []), ("activation-aware", calib)):
             conv = to_mla(mha, work / f"mha-s{seed}-r{r}-{method}.ckpt", ["--d-latent", str(r), *extra], threads)
             if (f"convert r{r} {method}", seed, 0) not in done:
@@ -172,7 +173,7 @@ def report(rows: list[dict], out: Path) -> str:
     src_tokens = STEPS_SOURCE * TOKENS_PER_STEP
     lines = [f"MHA source: {fmt(mha, mha_sd, n)} (mean ± std over source seeds (n))", "",
              "| model | cache vs MHA | fine-tune tokens | fine-tune LR | val loss | vs MHA |", "|---|---|---|---|---|---|"]
-    for r in (32, 64, 128):
+    for r in CONVERT_RANKS:
         for method in ("weights-only", "activation-aware"):
             exp = f"convert r{r} {method}"
             m, s, k = stats(rows, exp, 0)

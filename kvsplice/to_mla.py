@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
@@ -83,20 +84,21 @@ def _rel_kv_error(src, dst, grams: list[torch.Tensor]) -> list[float]:
 def convert_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], dict]:
     """Load, calibrate and convert; returns ``(model, report, meta)`` (``meta``: the source's hparams)."""
     from kvsplice.convert.mla import attention_input_grams, insert_kvsplice, latent_grams, mha_to_mla
-    from kvsplice.io.loading import iter_texts, load_model, token_stream
+    from kvsplice.io.loading import checkpoint_tokenizer, iter_texts, load_model, load_tokenizer, token_stream
     from kvsplice.lowrank.calibrate import calibration_batches
     from models.checkpoint import load_model as load_ckpt
     from models.gpt import GPT
 
     t0 = time.perf_counter()
-    loaded = load_model(args.model, tokenizer=args.tokenizer)
-    if loaded.kind == "ckpt":
+    if Path(args.model).expanduser().is_file():  # our checkpoint: MHA, GQA or (for --kvsplice-ratio) MLA
         model, _, meta = load_ckpt(args.model)
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else checkpoint_tokenizer(meta, Path(args.model))
     else:
+        loaded = load_model(args.model, tokenizer=args.tokenizer)
         if getattr(loaded.model.config, "model_type", None) != "gpt2":
             raise UsageError(f"--model {args.model}: a {type(loaded.model).__name__}; to_mla converts our GPT "
                              f"checkpoints and HF GPT-2 models")
-        model, meta = GPT.from_hf(loaded.model).eval(), {}
+        model, meta, tokenizer = GPT.from_hf(loaded.model).eval(), {}, loaded.tokenizer
     cfg = model.cfg
     if cfg.attention == "mha" and args.d_latent is None:
         raise UsageError(f"--model is an MHA model ({cfg.variant}): give --d-latent R (1..{cfg.d_model})")
@@ -117,7 +119,7 @@ def convert_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], di
         seq_len = args.seq_len or default_seq_len(cfg.block_size)
         if seq_len > cfg.block_size:
             raise UsageError(f"--seq-len {seq_len} exceeds the model's block_size {cfg.block_size}")
-        ids, _ = token_stream(iter_texts(args.calib, option="calib"), loaded.tokenizer, args.calib_tokens)
+        ids, _ = token_stream(iter_texts(args.calib, option="calib"), tokenizer, args.calib_tokens)
         if ids.numel() < seq_len:
             raise UsageError(f"--calib {args.calib}: only {ids.numel()} tokens, fewer than --seq-len {seq_len}")
         batches = calibration_batches(ids, seq_len, args.batch_size, max_tokens=args.calib_tokens)

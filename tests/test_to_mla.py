@@ -143,6 +143,15 @@ def test_cli_convert_and_finetune(tmp_path: Path, mha_ckpt: Path, data_cache: Pa
     src = load_model(mha_ckpt)[0]
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     assert (load_model(exact)[0](ids) - src(ids)).abs().max() < 1e-4
+    # two steps: MHA -> MLA, then KVSplice into that MLA checkpoint (an MLA model as --model)
+    mla_only = tmp_path / "mla_only.ckpt"
+    assert to_mla(["--model", str(mha_ckpt), "--d-latent", "16", "--out", str(mla_only)]) == 0
+    spliced = tmp_path / "spliced.ckpt"
+    assert to_mla(["--model", str(mla_only), "--kvsplice-ratio", "0.5", "--calib", str(calib), "--calib-tokens",
+                   "2048", "--out", str(spliced)]) == 0
+    assert load_model(spliced)[1].variant == "mla_kvsplice_50"
+    assert to_mla(["--model", str(mla_only), "--out", str(tmp_path / "x.ckpt")]) == 1
+    assert "give --kvsplice-ratio" in capsys.readouterr().err
     # fine-tune from the converted weights: a fresh run (step 0, new optimizer) that trains
     runs = tmp_path / "ft"
     args = ["--config", "tiny_mla_kvsplice_50", *TINY, "--model.d_latent", "16", "--runs_dir", str(runs),

@@ -211,16 +211,21 @@ def plot(summary: list[dict], rows: list[dict], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     colors = {"mha": "C0", "gqa": "C0", "mqa": "C0", "mla": "C1"}
+    offsets = {}  # variants sharing a byte count get their labels stacked instead of overprinted
     for s in summary:
         c = "C2" if "kvsplice" in s["variant"] else colors.get(s["variant"][:3], "C3")
+        k = offsets[s["bytes"]] = offsets.get(s["bytes"], -1) + 1
         seeds = [r["val_loss"] for r in rows if r["variant"] == s["variant"]]
         ax.scatter([s["bytes"]] * len(seeds), seeds, color=c, alpha=0.3, s=12)
         ax.errorbar(s["bytes"], s["val_loss"], yerr=s["std"], fmt="o", color=c, capsize=3,
                     markeredgecolor="k" if s["pareto"] else c)
-        ax.annotate(s["variant"], (s["bytes"], s["val_loss"]), textcoords="offset points", xytext=(5, 4), fontsize=7)
+        ax.annotate(s["variant"], (s["bytes"], s["val_loss"]), textcoords="offset points", xytext=(6, 4 - 10 * k),
+                    fontsize=7)
     front = sorted((s for s in summary if s["pareto"]), key=lambda s: s["bytes"])
     ax.step([s["bytes"] for s in front], [s["val_loss"] for s in front], where="post", color="k", lw=0.8, ls="--",
             label="Pareto front")
+    for label, c in (("MHA / GQA / MQA", "C0"), ("MLA", "C1"), ("MLA-128 + KVSplice", "C2")):
+        ax.scatter([], [], color=c, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("decode cache bytes per token (fp16, all layers, measured)")
     ax.set_ylabel("validation loss (nats)")

@@ -234,7 +234,6 @@ def plot(rows: list[dict], mha: float, path: Path) -> None:
         ax.axhline(m, color="C2", ls="-.", lw=0.8, label="MLA-32 from scratch")
     ax.set_xlabel("fine-tune tokens (% of the source's training tokens)")
     ax.set_ylabel("validation loss")
-    ax.set_yscale("log")
     ax.legend(fontsize=7)
     ax = axes[1]
     for pct, marker in ((50, "o"), (90, "s")):
@@ -248,7 +247,6 @@ def plot(rows: list[dict], mha: float, path: Path) -> None:
                             label=f"KVSplice-{pct} {init}, LR {lr}")
     ax.set_xlabel("fine-tune tokens (% of the source's training tokens)")
     ax.set_ylabel("validation loss")
-    ax.set_yscale("log")
     ax.legend(fontsize=7)
     fig.suptitle("Converting trained small_* models (real TinyStories text; mean ± std over source seeds)", fontsize=9)
     fig.tight_layout()

@@ -167,44 +167,45 @@ def frontier_ref(variant: str) -> tuple[float, float, int]:
     return (statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v)) if v else (float("nan"),) * 2 + (0,)
 
 
+def _fmt(m: float, s: float, k: int) -> str:
+    return f"{m:.4f} ± {s:.4f} ({k})"
+
+
+def _lines(rows: list[dict], exp: str, label: str, ref: float) -> list[str]:
+    """Table rows of one experiment: before fine-tuning, then each fine-tune LR and length."""
+    src_tokens = STEPS_SOURCE * TOKENS_PER_STEP
+    out = []
+    m, s, k = stats(rows, exp, 0)
+    if k:
+        out.append(f"| {label} | 0 | — | {_fmt(m, s, k)} | {m / ref:.4f}× |")
+    for lr in FT_LRS:
+        for t in sorted({x["ft_tokens"] for x in rows if x["experiment"] == exp and x["ft_tokens"]}):
+            m, s, k = stats(rows, exp, t, lr)
+            if k:
+                out.append(f"| {label} | {t:,} ({t / src_tokens:.0%}) | {lr} | {_fmt(m, s, k)} | {m / ref:.4f}× |")
+    return out
+
+
 def report(rows: list[dict], out: Path) -> str:
     mha, mha_sd, n = stats(rows, "mha", 0)
-    fmt = lambda m, s, k: f"{m:.4f} ± {s:.4f} ({k})"  # noqa: E731
-    src_tokens = STEPS_SOURCE * TOKENS_PER_STEP
-    lines = [f"MHA source: {fmt(mha, mha_sd, n)} (mean ± std over source seeds (n))", "",
+    lines = [f"MHA source: {_fmt(mha, mha_sd, n)} (mean ± std over source seeds (n))", "",
              "| model | cache vs MHA | fine-tune tokens | fine-tune LR | val loss | vs MHA |", "|---|---|---|---|---|---|"]
     for r in CONVERT_RANKS:
         for method in ("weights-only", "activation-aware"):
-            exp = f"convert r{r} {method}"
-            m, s, k = stats(rows, exp, 0)
-            if k:
-                lines.append(f"| MLA-{r} {method} | {256 // r}× smaller | 0 | — | {fmt(m, s, k)} | {m / mha:.4f}× |")
-            for lr in FT_LRS:
-                for t in sorted({x["ft_tokens"] for x in rows if x["experiment"] == exp and x["ft_tokens"]}):
-                    m, s, k = stats(rows, exp, t, lr)
-                    if k:
-                        lines.append(f"| MLA-{r} {method} | {256 // r}× smaller | {t:,} ({t / src_tokens:.0%}) | {lr} | "
-                                     f"{fmt(m, s, k)} | {m / mha:.4f}× |")
+            lines += _lines(rows, f"convert r{r} {method}", f"MLA-{r} {method} | {256 // r}× smaller", mha)
     for variant, label in (("mla_32", "MLA-32 from scratch (frontier)"), ("mla_128", "MLA-128 from scratch (frontier)")):
         m, s, k = frontier_ref(variant)
-        lines.append(f"| {label} | {256 // int(variant.split('_')[1])}× smaller | 0 | {fmt(m, s, k)} | {m / mha:.4f}× |")
+        lines.append(f"| {label} | {256 // int(variant.split('_')[1])}× smaller | 0 | — | {_fmt(m, s, k)} | "
+                     f"{m / mha:.4f}× |")
     mla, mla_sd, n = stats(rows, "mla_128", 0)
-    lines += ["", f"MLA-128 source: {fmt(mla, mla_sd, n)}", "",
+    lines += ["", f"MLA-128 source: {_fmt(mla, mla_sd, n)}", "",
               "| KVSplice into trained MLA-128 | init | fine-tune tokens | fine-tune LR | val loss | vs MLA-128 |",
               "|---|---|---|---|---|---|"]
     for pct in (50, 90):
         for init in ("pca", "random"):
-            exp = f"kvsplice{pct} {init}"
-            m, s, k = stats(rows, exp, 0)
-            if k:
-                lines.append(f"| KVSplice-{pct} | {init} | 0 | — | {fmt(m, s, k)} | {m / mla:.4f}× |")
-            for lr in FT_LRS:
-                for t in sorted({x["ft_tokens"] for x in rows if x["experiment"] == exp and x["ft_tokens"]}):
-                    m, s, k = stats(rows, exp, t, lr)
-                    if k:
-                        lines.append(f"| KVSplice-{pct} | {init} | {t:,} | {lr} | {fmt(m, s, k)} | {m / mla:.4f}× |")
+            lines += _lines(rows, f"kvsplice{pct} {init}", f"KVSplice-{pct} | {init}", mla)
         m, s, k = frontier_ref(f"mla_128_kvsplice_{pct}")
-        lines.append(f"| KVSplice-{pct} from scratch (frontier) | — | 0 | — | {fmt(m, s, k)} | {m / mla:.4f}× |")
+        lines.append(f"| KVSplice-{pct} from scratch (frontier) | — | 0 | — | {_fmt(m, s, k)} | {m / mla:.4f}× |")
     md = "\n".join(lines)
     out.with_suffix(".md").write_text(md + "\n")
     plot(rows, mha, out.with_suffix(".png"))

@@ -14,7 +14,6 @@ backend that needs no extra package). Bytes: measured from each cache's tensors 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time

@@ -8,7 +8,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from models.checkpoint import save_model
 from models.config import GPTConfig

@@ -79,6 +79,26 @@ def causal_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor:
     return torch.arange(t_k, device=device)[None, :] <= q_pos  # (Tq, Tk)
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mask: Optional[torch.Tensor] = None,
+         is_causal: bool = False, dropout_p: float = 0.0) -> torch.Tensor:
+    """``softmax(q·kᵀ·scale + mask)·v`` on matching head layouts: ``F.scaled_dot_product_attention``, except when the
+    key and value head sizes differ (low-rank pre-RoPE keys vs value coefficients), where SDPA falls back to its slow
+    generic kernel and the same math in three ops is faster. ``mask``: boolean (True = attend) or additive; a query
+    row that may see no key gets zeros, not NaN."""
+    if q.shape[-1] == v.shape[-1] or dropout_p > 0.0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout_p,
+                                              scale=scale)
+    s = (q @ k.transpose(-1, -2)) * scale  # (B, H, Tq, Tk)
+    if is_causal:
+        mask = causal_mask(q.shape[-2], k.shape[-2], q.device)  # (Tq, Tk)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    p = torch.softmax(s, dim=-1)
+    if mask is not None:
+        p = p.nan_to_num(0.0)
+    return p @ v  # (B, H, Tq, Dv)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, backend: str = "sdpa",
            dropout_p: float = 0.0, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of ``Tq`` new queries over ``Tk >= Tq`` keys whose last ``Tq`` are the queries' own.
@@ -117,8 +137,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
         mask, is_causal = None, True  # square: SDPA's top-left alignment is right
     else:
         mask, is_causal = causal_mask(t_q, t_k, q.device).repeat(g, 1), False  # (g*Tq, Tk)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout_p,
-                                       scale=scale)  # (B, Hkv, g*Tq, Dv)
+    y = sdpa(q, k, v, mask=mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale)  # (B, Hkv, g*Tq, Dv)
     return y.reshape(b, hq, t_q, v.shape[-1])  # (B, Hq, Tq, Dv)
 
 

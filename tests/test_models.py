@@ -289,3 +289,28 @@ def test_attend_additive_bias_matches_explicit_softmax():
     torch.testing.assert_close(got, torch.softmax(s, -1) @ v.repeat_interleave(g, 1), atol=1e-6, rtol=0)
     torch.testing.assert_close(attend(q, k, v, scale=0.5, bias=torch.zeros(b, hkv, t_k)),
                                attend(q, k, v, scale=0.5), atol=1e-6, rtol=0)
+
+
+def test_sdpa_explicit_path_for_unequal_head_sizes_matches_sdpa():
+    """models.attention.sdpa computes d != dv (low-rank keys vs value coefficients) in three ops; it must equal
+    torch's SDPA on the same inputs (causal, boolean and additive masks) and give zeros for a query seeing no key."""
+    import torch.nn.functional as F
+
+    from models.attention import causal_mask, sdpa
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 3, 7, 8, generator=g), torch.randn(2, 3, 7, 4,
+                                                                                                    generator=g)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(5, 7, q.device), scale=0.3)
+    assert torch.allclose(sdpa(q, k, v, mask=causal_mask(5, 7, q.device), scale=0.3), want, atol=1e-6)
+    sq = F.scaled_dot_product_attention(q, k[:, :, :5], v[:, :, :5], is_causal=True, scale=0.3)
+    assert torch.allclose(sdpa(q, k[:, :, :5], v[:, :, :5], is_causal=True, scale=0.3), sq, atol=1e-6)
+    bias = torch.randn(2, 1, 5, 7, generator=g)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.3)
+    assert torch.allclose(sdpa(q, k, v, mask=bias, scale=0.3), want, atol=1e-6)
+    none = torch.ones(2, 1, 5, 7, dtype=torch.bool)
+    none[:, :, 0] = False  # the first query may see no key
+    out = sdpa(q, k, v, mask=none, scale=0.3)
+    assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
+    want = F.scaled_dot_product_attention(q[:, :, 1:], k, v, attn_mask=none[:, :, 1:], scale=0.3)
+    assert torch.allclose(out[:, :, 1:], want, atol=1e-6)

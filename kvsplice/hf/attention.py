@@ -18,12 +18,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from models.attention import attend
+from models.attention import attend, sdpa
 
 __all__ = ["ATTN_IMPL", "TAG", "kvsplice_attention", "masked_attend", "register", "tag", "use_kvsplice_attention"]
 
@@ -58,26 +57,16 @@ def masked_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optio
     """Attention with transformers' mask: ``q (B, Hq, Tq, d)``, ``k (B, Hkv, Tk, d)``, ``v (B, Hkv, Tk, dv)``,
     ``mask`` boolean ``(B or 1, 1, Tq, Tk)`` or ``None`` (causal, bottom-right: :func:`models.attention.attend`)
     → ``(B, Hq, Tq, dv)``. The ``g = Hq / Hkv`` query heads of a KV head are folded into query rows (no K/V copy)."""
-    b, hq, t_q, d = q.shape
-    if mask is None and (t_q > 1 or d == v.shape[-1]):
+    if mask is None:
         return attend(q, k, v, scale=scale)
+    b, hq, t_q, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     qf = q.reshape(b, hkv, g * t_q, d)  # (B, Hkv, g·Tq, d): rows ordered (head in group, query)
-    if mask is not None:
-        if mask.dtype != torch.bool:  # an additive float mask (0 / large negative)
-            mask = mask > torch.finfo(mask.dtype).min / 2
-        mask = mask.repeat(1, 1, g, 1) if g > 1 else mask  # (B, 1, g·Tq, Tk)
-    if d != v.shape[-1]:
-        # key and value head sizes differ (pre-RoPE keys d, value coefficients R_v): SDPA would take its slow
-        # generic path; the same math in three ops is faster here
-        s = (qf @ k.transpose(-1, -2)) * scale  # (B, Hkv, g·Tq, Tk)
-        p = torch.softmax(s if mask is None else s.masked_fill(~mask, float("-inf")), dim=-1)
-        if mask is not None:  # a padding query sees no key: zeros, not NaN (as SDPA returns)
-            p = p.nan_to_num(0.0)
-        y = p @ v  # (B, Hkv, g·Tq, dv)
-    else:
-        y = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)  # (B, Hkv, g·Tq, dv)
+    if mask.dtype != torch.bool:  # an additive float mask (0 / large negative)
+        mask = mask > torch.finfo(mask.dtype).min / 2
+    mask = mask.repeat(1, 1, g, 1) if g > 1 else mask  # (B, 1, g·Tq, Tk)
+    y = sdpa(qf, k, v, mask=mask, scale=scale)  # (B, Hkv, g·Tq, dv)
     return y.reshape(b, hq, t_q, v.shape[-1])  # (B, Hq, Tq, dv)
 
 

@@ -25,6 +25,8 @@ from models.config import GPTConfig
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
+LATENT_NORM_EPS = 1e-6
+"""eps of MLA's latent RMSNorm (``cfg.latent_norm``)."""
 
 
 # ------------------------------------------------------------------------------------------ kernel selection
@@ -207,7 +209,7 @@ class MultiHeadLatentAttention(_Attention):
         self.w_dkv = nn.Linear(cfg.d_model, cfg.d_latent, bias=cfg.bias)
         self.w_uk = nn.Linear(cfg.d_latent, cfg.d_model, bias=cfg.bias)
         self.w_uv = nn.Linear(cfg.d_latent, cfg.d_model, bias=cfg.bias)
-        self.kv_norm = nn.RMSNorm(cfg.d_latent, eps=1e-6) if cfg.latent_norm else None
+        self.kv_norm = nn.RMSNorm(cfg.d_latent, eps=LATENT_NORM_EPS) if cfg.latent_norm else None
         self.splice = (LearnedKVSplice(cfg.d_latent, cfg.d_compressed, orthogonal=cfg.kvsplice_orthogonal)
                        if cfg.d_compressed is not None else None)
 

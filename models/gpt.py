@@ -186,7 +186,8 @@ class GPT(nn.Module):
         return model
 
 
-_HF_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+HF_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+"""Weights HF GPT-2 stores as ``Conv1D`` (in, out): transposed against our ``nn.Linear`` (out, in)."""
 
 
 def _hf_gpt2_to_ours(sd: Mapping[str, torch.Tensor], ours: Mapping[str, torch.Tensor]) -> dict:
@@ -199,7 +200,7 @@ def _hf_gpt2_to_ours(sd: Mapping[str, torch.Tensor], ours: Mapping[str, torch.Te
         if src not in sd:
             raise KeyError(f"HF GPT-2 state dict has no {src!r}")
         w = sd[src]
-        if name.endswith(_HF_CONV1D):
+        if name.endswith(HF_CONV1D):
             w = w.t()
         if tuple(w.shape) != tuple(target.shape):
             raise ValueError(f"{name}: HF shape {tuple(w.shape)} does not match {tuple(target.shape)}")

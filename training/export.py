@@ -29,25 +29,22 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from models.attention import LATENT_NORM_EPS
+from models.gpt import HF_CONV1D
 from training.checkpoint import CheckpointError, load_model
 
 EXIT_ERROR = 2
 REMOTE_DIR = Path(__file__).resolve().parent / "hf_remote"
 REMOTE_FILES = ("configuration_kvsplice_gpt.py", "modeling_kvsplice_gpt.py")
-_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 class ExportError(RuntimeError):
     """Bad input for the export (one line)."""
 
 
-def _kv_heads(cfg) -> int:
-    return getattr(cfg, "n_kv_head", None) or cfg.n_head
-
-
 def export_kind(cfg) -> str:
     """``"gpt2"`` (plain GPT2LMHeadModel) or ``"remote"`` (trust_remote_code directory)."""
-    return "gpt2" if cfg.attention == "mha" and _kv_heads(cfg) == cfg.n_head else "remote"
+    return "gpt2" if cfg.attention == "mha" and cfg.kv_heads == cfg.n_head else "remote"
 
 
 # ------------------------------------------------------------------------------------------------- GPT-2
@@ -67,7 +64,7 @@ def to_gpt2(model, cfg):
             continue  # tied to transformer.wte.weight
         if name in ours:
             w = ours[name]
-            w = w.t() if name.endswith(_CONV1D) else w  # nn.Linear (out, in) → Conv1D (in, out)
+            w = w.t() if name.endswith(HF_CONV1D) else w  # nn.Linear (out, in) → Conv1D (in, out)
         elif name.endswith(".bias"):
             w = torch.zeros_like(target)  # bias=False model: zero biases compute the same function
         else:
@@ -94,12 +91,11 @@ def _load_template_config():
 
 def remote_config(cfg):
     """The remote-code config (``KVSpliceGPTConfig``) of a ``GPTConfig``."""
-    kv_norm_eps = 1e-6
     Config = _load_template_config()
     out = Config(vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head, d_model=cfg.d_model,
                  block_size=cfg.block_size, bias=cfg.bias, attention=cfg.attention,
-                 n_kv_head=getattr(cfg, "n_kv_head", None), d_latent=cfg.d_latent, d_compressed=cfg.d_compressed,
-                 latent_norm=bool(getattr(cfg, "latent_norm", False)), latent_norm_eps=kv_norm_eps,
+                 n_kv_head=cfg.n_kv_head, d_latent=cfg.d_latent, d_compressed=cfg.d_compressed,
+                 latent_norm=cfg.latent_norm, latent_norm_eps=LATENT_NORM_EPS,
                  tie_word_embeddings=False)
     out.architectures = ["KVSpliceGPTForCausalLM"]
     out.auto_map = {"AutoConfig": "configuration_kvsplice_gpt.KVSpliceGPTConfig",
@@ -116,9 +112,6 @@ def remote_state_dict(model) -> dict[str, torch.Tensor]:
         if splice is not None:
             sd[f"transformer.h.{i}.attn.splice.compress.weight"] = splice.compress_weight()
             sd[f"transformer.h.{i}.attn.splice.expand.weight"] = splice.expand_weight()
-        norm = getattr(block.attn, "kv_norm", None)
-        if norm is not None and getattr(norm, "eps", 1e-6) not in (None, 1e-6):
-            raise ExportError(f"layer {i}: kv_norm eps {norm.eps} is not the exported 1e-6")
     sd["lm_head.weight"] = model.lm_head.weight
     return {k: v.detach().contiguous().clone() for k, v in sd.items()}
 
@@ -163,7 +156,7 @@ def export(ckpt: str | Path, out: str | Path, *, force: bool = False, tokenizer:
         model, cfg, meta = load_model(ckpt)
     except CheckpointError as e:
         raise ExportError(str(e)) from None
-    if getattr(cfg, "cache_quant", None):
+    if cfg.cache_quant:
         print(f"export: note: cache_quant={cfg.cache_quant!r} is a decode option of the package; the exported "
               f"model caches at its dtype", file=sys.stderr)
     kind = export_kind(cfg)
@@ -188,7 +181,7 @@ def export(ckpt: str | Path, out: str | Path, *, force: bool = False, tokenizer:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {"ckpt": str(ckpt), "out": str(out), "kind": "GPT2LMHeadModel" if kind == "gpt2" else "remote-code",
-            "variant": cfg.variant, "n_kv_head": _kv_heads(cfg), "cache_numbers_per_token_per_layer": cfg.cache_dim,
+            "variant": cfg.variant, "n_kv_head": cfg.kv_heads, "cache_numbers_per_token_per_layer": cfg.cache_dim,
             "tokenizer": tok, "files": sorted(p.name for p in out.iterdir())}
 
 

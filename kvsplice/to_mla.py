@@ -66,24 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-@torch.no_grad()
-def _rel_kv_error(src, dst, grams: list[torch.Tensor]) -> list[float]:
-    """Per layer ``Σ_x ‖(W − W_R) x‖² / Σ_x ‖W x‖²`` of the stacked key/value map on the calibration inputs."""
-    from kvsplice.convert.mla import kv_rows
-
-    out = []
-    for g, a, b in zip(grams, src.transformer.h, dst.transformer.h):
-        _, wk, wv, *_ = kv_rows(a.attn, src.cfg)
-        w = torch.cat([wk, wv])  # (2d, d)
-        up = torch.cat([b.attn.w_uk.weight, b.attn.w_uv.weight]).to(torch.float64)  # (2d, R)
-        err = w - up @ b.attn.w_dkv.weight.to(torch.float64)
-        out.append(float(torch.trace(err @ g @ err.T) / torch.trace(w @ g @ w.T)))
-    return out
-
-
 def convert_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], dict]:
     """Load, calibrate and convert; returns ``(model, report, meta)`` (``meta``: the source's hparams)."""
-    from kvsplice.convert.mla import attention_input_grams, insert_kvsplice, latent_grams, mha_to_mla
+    from kvsplice.convert.mla import (attention_input_grams, insert_kvsplice, kv_relative_error, latent_grams,
+                                      mha_to_mla)
     from kvsplice.io.loading import checkpoint_tokenizer, iter_texts, load_model, load_tokenizer, token_stream
     from kvsplice.lowrank.calibrate import calibration_batches
     from models.checkpoint import load_model as load_ckpt
@@ -133,7 +119,7 @@ def convert_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], di
         out = mha_to_mla(model, args.d_latent, grams)
         report["method"] = "activation-aware" if grams is not None else "weights-only"
         if grams is not None:
-            report["kv_relative_error"] = _rel_kv_error(model, out, grams)
+            report["kv_relative_error"] = kv_relative_error(model, out, grams)
     if args.kvsplice_ratio is not None:
         lat = latent_grams(out, batches, progress=True)[0] if args.kvsplice_init == "pca" else None
         out = insert_kvsplice(out, args.kvsplice_ratio, lat, seed=args.seed)

@@ -158,13 +158,17 @@ class LitGPT(L.LightningModule):
             model, cfg, _ = load_model(path)
         except CheckpointError as e:
             raise TrainingConfigError(f"model.init_from: {e}") from None
-        ours = self.config.to_dict()
-        diff = {k: (getattr(cfg, k), ours[k]) for k in _ARCH_FIELDS if getattr(cfg, k) != ours[k]}
+        diff = self._arch_diff(cfg.to_dict())
         if diff:
             flags = " ".join(f"--model.{k} {'null' if v[0] is None else v[0]}" for k, v in diff.items())
             raise TrainingConfigError(f"model.init_from={path!r}: its model differs from the configured one (field: "
                                       f"(checkpoint, config)) {diff}; match it, e.g. {flags}")
         self.model.load_state_dict(model.state_dict())
+
+    def _arch_diff(self, stored: dict) -> dict:
+        """``{field: (stored, configured)}`` for the architecture fields where a stored config differs from ours."""
+        ours = self.config.to_dict()
+        return {k: (stored.get(k), ours[k]) for k in _ARCH_FIELDS if stored.get(k) != ours[k]}
 
     # ------------------------------------------------------------------------------------------------ forward
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -264,10 +268,9 @@ class LitGPT(L.LightningModule):
         if fmt != CKPT_FORMAT:
             raise CheckpointError(f"cannot resume: checkpoint format {fmt!r}, this version writes {CKPT_FORMAT}")
         stored = checkpoint.get(GPT_CONFIG_KEY)
-        ours = self.config.to_dict()
         if not isinstance(stored, dict):
             raise CheckpointError(f"cannot resume: the checkpoint has no {GPT_CONFIG_KEY!r} dict")
-        diff = {k: (stored.get(k), ours[k]) for k in _ARCH_FIELDS if stored.get(k) != ours[k]}
+        diff = self._arch_diff(stored)
         if diff:
             raise CheckpointError(
                 f"cannot resume: the checkpoint's model differs from the configured one (field: (checkpoint, "

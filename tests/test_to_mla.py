@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvsplice.convert.mla import attention_input_grams, insert_kvsplice, kv_rows, latent_grams, mha_to_mla
-from kvsplice.to_mla import _rel_kv_error, main as to_mla
+from kvsplice.convert.mla import (attention_input_grams, insert_kvsplice, kv_relative_error, kv_rows, latent_grams,
+                                  mha_to_mla)
+from kvsplice.to_mla import main as to_mla
 from models.checkpoint import load_model, save_model
 from models.config import GPTConfig
 from models.gpt import GPT
@@ -46,16 +47,16 @@ def test_activation_aware_beats_weights_only_on_the_calibration_inputs() -> None
     mha = _mha()
     grams = attention_input_grams(mha, [_ids(3, 8)])[0]
     for r in (4, 8, 16):
-        w_only = _rel_kv_error(mha, mha_to_mla(mha, r), grams)
-        aware = _rel_kv_error(mha, mha_to_mla(mha, r, grams), grams)
+        w_only = kv_relative_error(mha, mha_to_mla(mha, r), grams)
+        aware = kv_relative_error(mha, mha_to_mla(mha, r, grams), grams)
         assert all(a <= w + 1e-12 for a, w in zip(aware, w_only)), (r, aware, w_only)
         assert sum(aware) < sum(w_only)
     # the weights-only error is the SVD tail: sum of the discarded squared singular values (for an identity Gram)
     eye = [torch.eye(32, dtype=torch.float64)] * 2
-    _, wk, wv, *_ = kv_rows(mha.transformer.h[0].attn, mha.cfg)
+    _, wk, wv, *_ = kv_rows(mha, 0)
     s = torch.linalg.svdvals(torch.cat([wk, wv]))
     want = float((s[8:] ** 2).sum() / (s ** 2).sum())
-    assert abs(_rel_kv_error(mha, mha_to_mla(mha, 8), eye)[0] - want) < 1e-9
+    assert abs(kv_relative_error(mha, mha_to_mla(mha, 8), eye)[0] - want) < 1e-9
 
 
 def test_biases_carried_and_shared_weights_copied() -> None:

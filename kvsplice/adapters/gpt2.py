@@ -30,6 +30,7 @@ class GPT2Adapter(FamilyAdapter):
             self.d_model, self.head_dim, self.max_positions = cfg.d_model, cfg.head_size, cfg.block_size
             self.attention = cfg.attention
             self.n_kv_head = cfg.kv_heads  # grouped-query / multi-query models.GPT
+        self.qkv_sizes = [self.d_model] + [self.n_kv_head * self.head_dim] * 2  # c_attn's q | k | v rows
 
     def require_projections(self) -> None:
         if self.attention != "mha":
@@ -66,9 +67,8 @@ class GPT2Adapter(FamilyAdapter):
         wo, bo = attn.c_proj.weight, attn.c_proj.bias
         if self.hf:  # Conv1D stores (in, out)
             w, wo = w.T, wo.T
-        sizes = [self.d_model] + [self.n_kv_head * self.head_dim] * 2  # q | k | v rows
-        wq, wk, wv = w.split(sizes, dim=0)  # (d_model, d_model), 2 × (Hkv·d, d_model)
-        bq, bk, bv = b.split(sizes) if b is not None else (None, None, None)
+        wq, wk, wv = w.split(self.qkv_sizes, dim=0)  # (d_model, d_model), 2 × (Hkv·d, d_model)
+        bq, bk, bv = b.split(self.qkv_sizes) if b is not None else (None, None, None)
         return Projections(wq, bq, wk, bk, wv, bv, wo, bo)
 
     def scale(self, layer):
@@ -86,7 +86,7 @@ class GPT2Adapter(FamilyAdapter):
         handles = []
         for i, block in enumerate(self.t.h):
             def hook(mod, inp, out, i=i):
-                q, k, v = out.split([self.d_model] + [self.n_kv_head * self.head_dim] * 2, dim=-1)  # (B, T, ·)
+                q, k, v = out.split(self.qkv_sizes, dim=-1)  # (B, T, d_model), 2 × (B, T, Hkv·d)
                 for kind, x in (("q", q), ("k", k), ("v", v)):
                     sink(i, kind, x.view(*x.shape[:-1], -1, self.head_dim).transpose(1, 2))  # (B, H or Hkv, T, d)
             handles.append(block.attn.c_attn.register_forward_hook(hook))

@@ -27,10 +27,10 @@ import torch
 from torch.nn.utils import parametrize
 from tqdm.auto import tqdm
 
-from models.config import GPTConfig
+from kvsplice.adapters.registry import adapter_for
 from models.gpt import GPT
 
-__all__ = ["attention_input_grams", "insert_kvsplice", "kv_rows", "latent_grams", "mha_to_mla"]
+__all__ = ["attention_input_grams", "insert_kvsplice", "kv_relative_error", "kv_rows", "latent_grams", "mha_to_mla"]
 
 
 # ------------------------------------------------------------------------------------------------ calibration
@@ -95,19 +95,23 @@ def _low_rank(w: torch.Tensor, rank: int, gram: Optional[torch.Tensor]) -> tuple
     return u[:, :rank] * root, root[:, None] * vh[:rank]  # (m, R), (R, n)
 
 
-def kv_rows(attn, cfg: GPTConfig) -> tuple[torch.Tensor, ...]:
-    """``(w_q, w_k, w_v, b_q, b_k, b_v)`` of an MHA/GQA layer with the KV heads repeated to all ``n_head`` heads."""
-    d, hs, kv = cfg.d_model, cfg.head_size, cfg.kv_heads
+def kv_rows(model: GPT, layer: int) -> tuple[torch.Tensor, ...]:
+    """``(w_q, w_k, w_v, b_q, b_k, b_v)`` (float64) of an MHA/GQA layer, from the family adapter's projections, with
+    the KV heads repeated to all ``n_head`` heads (query head ``h`` reads KV head ``h // g``); zero biases when the
+    model has none."""
+    cfg = model.cfg
+    p = adapter_for(model).proj(layer)
+    hs, kv = cfg.head_size, cfg.kv_heads
     g = cfg.n_head // kv
-    sizes = [d, kv * hs, kv * hs]
-    w = attn.c_attn.weight.detach().to(torch.float64)  # (d + 2·kv·hs, d)
-    b = attn.c_attn.bias.detach().to(torch.float64) if attn.c_attn.bias is not None else torch.zeros(sum(sizes),
-                                                                                                      dtype=torch.float64)
-    wq, wk, wv = w.split(sizes, dim=0)
-    bq, bk, bv = b.split(sizes)
-    if g > 1:  # query head h reads KV head h // g
-        wk, wv = (z.unflatten(0, (kv, hs)).repeat_interleave(g, 0).flatten(0, 1) for z in (wk, wv))  # (d, d)
-        bk, bv = (z.unflatten(0, (kv, hs)).repeat_interleave(g, 0).flatten(0, 1) for z in (bk, bv))  # (d,)
+
+    def f64(w: Optional[torch.Tensor], rows: int) -> torch.Tensor:
+        return torch.zeros(rows, dtype=torch.float64) if w is None else w.detach().to(torch.float64)
+
+    wq, wk, wv = (f64(w, 0) for w in (p.wq, p.wk, p.wv))  # (d, d), 2 × (kv·hs, d)
+    bq, bk, bv = f64(p.bq, cfg.d_model), f64(p.bk, kv * hs), f64(p.bv, kv * hs)
+    if g > 1:
+        wk, wv, bk, bv = (z.unflatten(0, (kv, hs)).repeat_interleave(g, 0).flatten(0, 1)
+                          for z in (wk, wv, bk, bv))  # (d, d) and (d,)
     return wq, wk, wv, bq, bk, bv
 
 
@@ -138,7 +142,7 @@ def mha_to_mla(model: GPT, d_latent: int, grams: Optional[list[torch.Tensor]] = 
     _copy_shared(model, out)
     d = cfg.d_model
     for i, (src, dst) in enumerate(zip(model.transformer.h, out.transformer.h)):
-        wq, wk, wv, bq, bk, bv = kv_rows(src.attn, cfg)
+        wq, wk, wv, bq, bk, bv = kv_rows(model, i)
         up, down = _low_rank(torch.cat([wk, wv]), d_latent, None if grams is None else grams[i])  # (2d, R), (R, d)
         a = dst.attn
         a.w_q.weight.copy_(wq)
@@ -151,6 +155,20 @@ def mha_to_mla(model: GPT, d_latent: int, grams: Optional[list[torch.Tensor]] = 
         a.w_uv.bias.copy_(bv)
         a.c_proj.load_state_dict(src.attn.c_proj.state_dict())
     return out.eval()
+
+
+@torch.no_grad()
+def kv_relative_error(src: GPT, dst: GPT, grams: list[torch.Tensor]) -> list[float]:
+    """Per layer ``Σ_x ‖(W − W_R) x‖² / Σ_x ‖W x‖²``: the error of ``dst``'s stacked key/value map
+    ``[w_uk; w_uv] w_dkv`` against ``src``'s ``[W_k; W_v]`` on the inputs whose Grams are ``grams``."""
+    out = []
+    for i, (g, b) in enumerate(zip(grams, dst.transformer.h)):
+        _, wk, wv, *_ = kv_rows(src, i)
+        w = torch.cat([wk, wv])  # (2d, d)
+        up = torch.cat([b.attn.w_uk.weight, b.attn.w_uv.weight]).to(torch.float64)  # (2d, R)
+        err = w - up @ b.attn.w_dkv.weight.to(torch.float64)  # (2d, d)
+        out.append(float(torch.trace(err @ g @ err.T) / torch.trace(w @ g @ w.T)))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ KVSplice
@@ -170,8 +188,9 @@ def insert_kvsplice(model: GPT, ratio: float, grams: Optional[list[torch.Tensor]
     cfg = model.cfg
     if cfg.attention != "mla" or cfg.kvsplice_ratio is not None:
         raise ValueError(f"insert_kvsplice needs an MLA model without KVSplice, got {cfg.variant}")
-    torch.manual_seed(seed)  # the random orthogonal init of the new compress/expand pair
-    out = GPT(cfg.replace(kvsplice_ratio=ratio, kvsplice_orthogonal=orthogonal)).to(model.transformer.wte.weight)
+    with torch.random.fork_rng(devices=[]):  # seeded init of the new pair; the caller's RNG stream is untouched
+        torch.manual_seed(seed)
+        out = GPT(cfg.replace(kvsplice_ratio=ratio, kvsplice_orthogonal=orthogonal)).to(model.transformer.wte.weight)
     _copy_shared(model, out)
     if grams is not None:
         r = out.cfg.d_compressed

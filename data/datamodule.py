@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,42 +210,35 @@ class TinyStoriesDataModule(L.LightningDataModule):
             raise DataUnavailableError(f"data.cache_dir={str(d)!r} is not writable: set --data.cache_dir to a "
                                        f"writable folder")
 
-    def _synthetic_tokenizer(self) -> TextTokenizer:
-        """Byte-level BPE trained on the first (up to) ``SYNTHETIC_TOKENIZER_STORIES`` synthetic training stories,
-        cached under ``cache_dir``. (More stories give the same vocabulary: the generator's word set is small.)"""
-        n_fit = min(self.synthetic_stories, SYNTHETIC_TOKENIZER_STORIES)
-        spec = {
-            "generator": story_gen.GENERATOR_VERSION,
-            "seed": self.seed,
-            "stories": n_fit,
-            "vocab_size": self.synthetic_vocab_size,
-        }
-        file = self.cache_dir / "tokenizers" / f"synthetic-bpe{self.synthetic_vocab_size}-{_key(spec)}.json"
-        if file.is_file():
-            tok = load_tokenizer(file)
-            tok.name = f"synthetic-bpe-{self.synthetic_vocab_size}"
-            return tok
-        texts = story_gen.generate_stories(n_fit, self.seed, "train")  # a prefix of the training stories
-        tok = train_bpe_tokenizer(texts, vocab_size=self.synthetic_vocab_size)
-        tok.save(file)
-        return tok
-
-    def _local_bpe_tokenizer(self) -> TextTokenizer:
-        """Byte-level BPE of ``bpe_vocab_size`` entries trained on the training files' stories, cached under
-        ``cache_dir/tokenizers`` keyed by the files' fingerprints (path, size, mtime) and the size."""
-        train, _ = self._local_files()
-        n = self.bpe_vocab_size
-        spec = {"train": [file_fingerprint(f) for f in train], "vocab_size": n}
-        file = self.cache_dir / "tokenizers" / f"local-bpe{n}-{_key(spec)}.json"
-        name = f"local-bpe-{n}"
+    def _cached_bpe(self, kind: str, vocab_size: int, spec: dict[str, Any],
+                    texts: Callable[[], Iterable[str]]) -> TextTokenizer:
+        """A byte-level BPE of ``vocab_size`` named ``<kind>-bpe-<N>``, loaded from ``cache_dir/tokenizers`` when a
+        file for ``spec`` exists, else trained on ``texts()`` and saved there."""
+        file = self.cache_dir / "tokenizers" / f"{kind}-bpe{vocab_size}-{_key(spec)}.json"
         if file.is_file():
             tok = load_tokenizer(file)
         else:
-            texts = (story for f in train for story in iter_stories_from_file(f))
-            tok = train_bpe_tokenizer(texts, vocab_size=n)
+            tok = train_bpe_tokenizer(texts(), vocab_size=vocab_size)
             tok.save(file)
-        tok.name = name
+        tok.name = f"{kind}-bpe-{vocab_size}"
         return tok
+
+    def _synthetic_tokenizer(self) -> TextTokenizer:
+        """Byte-level BPE trained on the first (up to) ``SYNTHETIC_TOKENIZER_STORIES`` synthetic training stories (a
+        prefix of the training stories; more give the same vocabulary: the generator's word set is small)."""
+        n_fit = min(self.synthetic_stories, SYNTHETIC_TOKENIZER_STORIES)
+        spec = {"generator": story_gen.GENERATOR_VERSION, "seed": self.seed, "stories": n_fit,
+                "vocab_size": self.synthetic_vocab_size}
+        return self._cached_bpe("synthetic", self.synthetic_vocab_size, spec,
+                                lambda: story_gen.generate_stories(n_fit, self.seed, "train"))
+
+    def _local_bpe_tokenizer(self) -> TextTokenizer:
+        """Byte-level BPE of ``bpe_vocab_size`` entries trained on the training files' stories, cached keyed by the
+        files' fingerprints (path, size, mtime) and the size."""
+        train, _ = self._local_files()
+        spec = {"train": [file_fingerprint(f) for f in train], "vocab_size": self.bpe_vocab_size}
+        return self._cached_bpe("local", self.bpe_vocab_size, spec,
+                                lambda: (story for f in train for story in iter_stories_from_file(f)))
 
     @property
     def vocab_size(self) -> int:

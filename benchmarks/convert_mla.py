@@ -27,16 +27,14 @@ Resumable: rows already in the JSON are skipped.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data" / "tinystories"
+from frontier import DATA, REPO, last_val, run_module, train  # benchmarks/frontier.py: the study's run helpers
+
 CALIB = DATA / "gusjengis_toy-RNN__tinystories_sample.txt"  # training text
 STEPS_SOURCE = 500
 TOKENS_PER_STEP = 8 * 256
@@ -48,62 +46,39 @@ fine-tunes of the already-good conversions worse, so 2e-4 — the source schedul
 (min_lr_ratio 0.1 × 2e-3), i.e. continuing where pre-training ended — is reported next to it."""
 
 
-def sh(cmd: list[str], threads: int) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}): {' | '.join(tail)}")
-
-
 def val_loss(ckpt: Path) -> float:
-    """Mean next-token loss over the study's validation blocks (configs/small_mha.yaml's data section)."""
-    import torch
-    import torch.nn.functional as F
+    """Mean next-token loss over the study's validation blocks (configs/small_mha.yaml's data section, all 48)."""
     import yaml
 
     from data import TinyStoriesDataModule
     from models.checkpoint import load_model
+    from training.evaluate import validation_loss
 
     data = yaml.safe_load((REPO / "configs" / "small_mha.yaml").read_text())["data"]
     dm = TinyStoriesDataModule(**{**data, "path": str(DATA), "block_size": 256})
     dm.setup()
-    model = load_model(ckpt)[0]
-    total, n = 0.0, 0
-    with torch.no_grad():
-        for x, y in dm.val_dataloader():
-            logits = model(x)  # (B, T, V)
-            total += float(F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"))
-            n += y.numel()
-    return total / n
+    return validation_loss(load_model(ckpt)[0], dm, max_tokens=len(dm.val_set) * 256)[0]
 
 
 def source(variant: str, config: str, seed: int, runs: Path, threads: int) -> Path:
     ckpt = runs / f"{variant}-s{seed}" / "last.ckpt"
     if not ckpt.is_file():
-        sh([sys.executable, "-m", "training.fit", "--config", config, "--runs_dir", str(runs), "--run_name",
-            f"{variant}-s{seed}", "--overwrite", "--seed_everything", str(seed), "--torch_threads", str(threads),
-            "--trainer.max_steps", str(STEPS_SOURCE), "--trainer.val_check_interval", str(STEPS_SOURCE),
-            "--wandb.mode", "disabled", "--data.path", str(DATA)], threads)
+        train(config, runs, f"{variant}-s{seed}", seed, STEPS_SOURCE, threads, ["--data.path", str(DATA)])
     return ckpt
 
 
 def finetune(init: Path, config: str, steps: int, name: str, seed: int, work: Path, threads: int,
              extra: list[str], lr: str) -> float:
-    run = work / "ft" / name
-    sh([sys.executable, "-m", "training.fit", "--config", config, "--runs_dir", str(work / "ft"), "--run_name", name,
-        "--overwrite", "--seed_everything", str(seed), "--torch_threads", str(threads), "--model.init_from",
-        str(init), "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps),
-        "--model.warmup_steps", str(max(1, steps // 10)), "--model.learning_rate", lr, "--wandb.mode", "disabled",
-        "--data.path", str(DATA), *extra], threads)
-    rows = [r for r in csv.DictReader((run / "metrics.csv").open()) if r.get("val_loss")]
-    return float(rows[-1]["val_loss"])
+    train(config, work / "ft", name, seed, steps, threads,
+          ["--model.init_from", str(init), "--model.warmup_steps", str(max(1, steps // 10)), "--model.learning_rate",
+           lr, "--data.path", str(DATA), *extra])
+    return last_val(work / "ft" / name / "metrics.csv")[1]
 
 
 def to_mla(src: Path, out: Path, args: list[str], threads: int) -> Path:
     if not out.is_file():
-        sh([sys.executable, "-m", "kvsplice.to_mla", "--model", str(src), *args, "--out", str(out), "--force",
-            "--threads", str(threads)], threads)
+        run_module("kvsplice.to_mla", ["--model", str(src), *args, "--out", str(out), "--force", "--threads",
+                                       str(threads)], threads)
     return out
 
 
@@ -212,43 +187,36 @@ def report(rows: list[dict], out: Path) -> str:
     return md
 
 
+def _curves(ax, rows: list[dict], exp: str, label: str, color: str, marker: str = "o") -> None:
+    """Mean ± std validation loss of ``exp`` against fine-tune tokens (% of the source's), one line per LR."""
+    tok = sorted({x["ft_tokens"] for x in rows if x["experiment"] == exp})
+    for lr, ls in zip(FT_LRS, ("-", "--")):
+        pts = [stats(rows, exp, t, lr) for t in tok]
+        ax.errorbar([t / (STEPS_SOURCE * TOKENS_PER_STEP) * 100 for t in tok], [p[0] for p in pts],
+                    yerr=[p[1] for p in pts], marker=marker, ls=ls, color=color, capsize=3, label=f"{label}, LR {lr}")
+    ax.set_xlabel("fine-tune tokens (% of the source's training tokens)")
+    ax.set_ylabel("validation loss")
+
+
 def plot(rows: list[dict], mha: float, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    ax = axes[0]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for method, c in (("weights-only", "C0"), ("activation-aware", "C1")):
-        exp = f"convert r32 {method}"
-        for lr, ls in zip(FT_LRS, ("-", "--")):
-            tok = sorted({x["ft_tokens"] for x in rows if x["experiment"] == exp})
-            pts = [stats(rows, exp, t, lr) for t in tok]
-            ax.errorbar([t / (STEPS_SOURCE * TOKENS_PER_STEP) * 100 for t in tok], [p[0] for p in pts],
-                        yerr=[p[1] for p in pts], marker="o", ls=ls, color=c, capsize=3,
-                        label=f"MHA→MLA-32 {method}, LR {lr}")
-    ax.axhline(mha, color="k", ls="--", lw=0.8, label="MHA source")
-    ax.axhline(1.03 * mha, color="k", ls=":", lw=0.8, label="1.03 × MHA")
+        _curves(left, rows, f"convert r32 {method}", f"MHA→MLA-32 {method}", c)
+    left.axhline(mha, color="k", ls="--", lw=0.8, label="MHA source")
+    left.axhline(1.03 * mha, color="k", ls=":", lw=0.8, label="1.03 × MHA")
     m, _, k = frontier_ref("mla_32")
     if k:
-        ax.axhline(m, color="C2", ls="-.", lw=0.8, label="MLA-32 from scratch")
-    ax.set_xlabel("fine-tune tokens (% of the source's training tokens)")
-    ax.set_ylabel("validation loss")
-    ax.legend(fontsize=7)
-    ax = axes[1]
+        left.axhline(m, color="C2", ls="-.", lw=0.8, label="MLA-32 from scratch")
     for pct, marker in ((50, "o"), (90, "s")):
         for init, c in (("pca", "C1"), ("random", "C0")):
-            exp = f"kvsplice{pct} {init}"
-            for lr, ls in zip(FT_LRS, ("-", "--")):
-                tok = sorted({x["ft_tokens"] for x in rows if x["experiment"] == exp})
-                pts = [stats(rows, exp, t, lr) for t in tok]
-                ax.errorbar([t / (STEPS_SOURCE * TOKENS_PER_STEP) * 100 for t in tok], [p[0] for p in pts],
-                            yerr=[p[1] for p in pts], marker=marker, ls=ls, color=c, capsize=3,
-                            label=f"KVSplice-{pct} {init}, LR {lr}")
-    ax.set_xlabel("fine-tune tokens (% of the source's training tokens)")
-    ax.set_ylabel("validation loss")
-    ax.legend(fontsize=7)
+            _curves(right, rows, f"kvsplice{pct} {init}", f"KVSplice-{pct} {init}", c, marker)
+    for ax in (left, right):
+        ax.legend(fontsize=7)
     fig.suptitle("Converting trained small_* models (real TinyStories text; mean ± std over source seeds)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=130)

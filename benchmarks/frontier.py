@@ -66,16 +66,17 @@ TRAIN_FILES = ("gusjengis_toy-RNN__tinystories_sample.txt", "maxme1_tiny-stories
 
 
 # ---------------------------------------------------------------------------------------------------- one run
-def last_val(metrics: Path) -> tuple[int, float, float, float]:
+def last_val(metrics: Path) -> tuple[int, float, float | None, float | None]:
     """(step, val_loss, tokens, train_time_s) of the last validation in a run's metrics.csv (``step`` counts from 0:
-    the validation after N optimizer steps is logged at step N - 1)."""
+    the validation after N optimizer steps is logged at step N - 1). ``tokens`` / ``train_time_s`` are None for a
+    run shorter than the logging interval."""
     rows = list(csv.DictReader(metrics.open()))
     vals = [r for r in rows if r.get("val_loss")]
     if not vals:
         raise RuntimeError(f"{metrics}: no val_loss")
     train = [r for r in rows if r.get("tokens")]
-    return int(vals[-1]["step"]), float(vals[-1]["val_loss"]), float(train[-1]["tokens"]), \
-        float(train[-1]["train_time_s"])
+    tokens, seconds = (float(train[-1]["tokens"]), float(train[-1]["train_time_s"])) if train else (None, None)
+    return int(vals[-1]["step"]), float(vals[-1]["val_loss"]), tokens, seconds
 
 
 def train_curve(metrics: Path) -> list[list[float]]:
@@ -84,7 +85,7 @@ def train_curve(metrics: Path) -> list[list[float]]:
     return [[int(r["step"]) + 1, round(float(r["train_loss"]), 4)] for r in rows if r.get("train_loss")]
 
 
-def measure_cache(ckpt: Path, tokens: int) -> dict:
+def cache_bytes(ckpt: Path, tokens: int) -> dict:
     """Prefill ``tokens`` random ids through the checkpoint's model and its real decode cache (fp16 and fp32)."""
     import torch
 
@@ -102,6 +103,31 @@ def measure_cache(ckpt: Path, tokens: int) -> dict:
     return out
 
 
+def run_module(module: str, argv: list[str], threads: int) -> float:
+    """``python -m MODULE ARGV`` in the repository with ``threads`` torch threads; returns the wall seconds.
+
+    Raises:
+        RuntimeError: non-zero exit, with the last lines of its output.
+    """
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO))
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", module, *argv], cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise RuntimeError(f"python -m {module} {' '.join(argv[:4])} ... failed (exit {proc.returncode}): "
+                           f"{' | '.join(tail)}")
+    return time.perf_counter() - t0
+
+
+def train(config: str, runs_dir: Path, name: str, seed: int, steps: int, threads: int, extra: list[str]) -> float:
+    """One ``training.fit`` run of ``steps`` optimizer steps into ``runs_dir/name`` (replacing an earlier one), one
+    validation at the end, W&B off; returns the wall seconds."""
+    return run_module("training.fit", ["--config", config, "--runs_dir", str(runs_dir), "--run_name", name,
+                                       "--overwrite", "--seed_everything", str(seed), "--torch_threads", str(threads),
+                                       "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps),
+                                       "--wandb.mode", "disabled", *extra], threads)
+
+
 def run_one(variant: str, config: str, extra: list[str], seed: int, args, runs_dir: Path) -> dict:
     name = f"{variant}-s{seed}"
     run = runs_dir / name
@@ -111,25 +137,15 @@ def run_one(variant: str, config: str, extra: list[str], seed: int, args, runs_d
                 return _row(variant, config, extra, seed, run, args, wall=None)
         except RuntimeError:
             pass
-    cmd = [sys.executable, "-m", "training.fit", "--config", config, "--runs_dir", str(runs_dir), "--run_name", name,
-           "--overwrite", "--seed_everything", str(seed), "--torch_threads", str(args.threads),
-           "--trainer.max_steps", str(args.steps), "--trainer.val_check_interval", str(args.steps),
-           "--wandb.mode", "disabled", *extra, *args.data_args]
-    t0 = time.perf_counter()
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(REPO))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(f"{name} failed (exit {proc.returncode}): {' | '.join(tail)}")
+    wall = train(config, runs_dir, name, seed, args.steps, args.threads, [*extra, *args.data_args])
     return _row(variant, config, extra, seed, run, args, wall)
 
 
 def _row(variant: str, config: str, extra: list[str], seed: int, run: Path, args, wall) -> dict:
     step, val_loss, tokens, train_time = last_val(run / "metrics.csv")
     return {"variant": variant, "config": config, "overrides": extra, "seed": seed, "steps": step + 1,
-            "tokens": int(tokens), "val_loss": val_loss, **measure_cache(run / "last.ckpt", args.cache_tokens),
-            "wall_s": None if wall is None else round(wall, 1), "train_time_s": round(train_time, 1),
+            "tokens": None if tokens is None else int(tokens), "val_loss": val_loss, **cache_bytes(run / "last.ckpt", args.cache_tokens),
+            "wall_s": None if wall is None else round(wall, 1), "train_time_s": None if train_time is None else round(train_time, 1),
             "tokens_per_s": round(tokens / train_time, 1) if train_time else None,
             "train_loss_curve": train_curve(run / "metrics.csv")}
 

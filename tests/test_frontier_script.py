@@ -27,10 +27,10 @@ def frontier():
 @pytest.mark.parametrize("kw, per_layer", [(dict(), 2 * 32), (dict(n_kv_head=1), 2 * 8),
                                            (dict(attention="mla", d_latent=12), 12),
                                            (dict(attention="mla", d_latent=12, kvsplice_ratio=0.5), 6)])
-def test_measure_cache_from_a_checkpoint(tmp_path: Path, frontier, kw, per_layer) -> None:
+def test_cache_bytes_from_a_checkpoint(tmp_path: Path, frontier, kw, per_layer) -> None:
     model = GPT(GPTConfig(vocab_size=50, n_layer=3, n_head=4, d_model=32, block_size=64, **kw))
     ckpt = save_model(model, tmp_path / "m.ckpt")
-    got = frontier.measure_cache(ckpt, 40)
+    got = frontier.cache_bytes(ckpt, 40)
     assert got["cache_bytes_per_token"] == 3 * per_layer * 2  # fp16, all layers
     assert got["cache_bytes_per_token_fp32"] == 3 * per_layer * 4
     assert got["cache_dim"] == per_layer
@@ -59,3 +59,13 @@ def test_summary_pareto_and_spread(frontier) -> None:
 def test_late_drop_flat_and_short_curves(frontier) -> None:
     assert frontier.late_drop([[s, 2.0] for s in range(10, 101, 10)]) == 0.0
     assert frontier.late_drop([]) is None and frontier.late_drop([[100, 2.0]]) is None
+
+
+def test_last_val_and_curve_from_metrics(tmp_path: Path, frontier) -> None:
+    m = tmp_path / "metrics.csv"
+    m.write_text("epoch,lr,step,tokens,tokens_per_sec,train_loss,train_time_s,val_loss,val_ppl\n"
+                 "0,0.1,19,40960.0,5000,6.1,8.0,,\n0,0.1,39,81920.0,5000,5.5,16.0,,\n0,,39,,,,,5.2,181.3\n")
+    assert frontier.last_val(m) == (39, 5.2, 81920.0, 16.0)
+    assert frontier.train_curve(m) == [[20, 6.1], [40, 5.5]]
+    m.write_text("epoch,lr,step,tokens,tokens_per_sec,train_loss,train_time_s,val_loss,val_ppl\n0,,4,,,,,6.7,812.0\n")
+    assert frontier.last_val(m) == (4, 6.7, None, None)  # shorter than the logging interval (short fine-tunes)

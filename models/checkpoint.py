@@ -25,7 +25,7 @@ from typing import Any, Union
 import torch
 
 __all__ = ["CKPT_FORMAT", "CKPT_FORMAT_KEY", "GPT_CONFIG_KEY", "CheckpointError", "load_checkpoint", "load_model",
-           "save_model"]
+           "atomic_save", "save_model"]
 
 CKPT_FORMAT_KEY = "kvsplice_format"
 """Key of the format version that :class:`models.lit.LitGPT` writes into every checkpoint."""
@@ -137,15 +137,46 @@ def load_model(path: PathLike, map_location: Any = "cpu", strict: bool = True):
     return model, cfg, meta
 
 
+def _temp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def atomic_save(obj: Any, path: PathLike) -> None:
+    """``torch.save(obj, path)`` atomically: write ``.<name>.<pid>.tmp`` beside ``path``, fsync, rename over it.
+
+    Readers (and a resumed run) see either the old file or the complete new one, never a partial file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # an exception (not a kill) leaves nothing behind
+        raise
+    try:  # make the rename itself durable
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def save_model(model, path: PathLike, *, hparams: dict | None = None, data_hparams: dict | None = None,
                extra: dict | None = None) -> Path:
     """Write ``model`` (a :class:`models.GPT`) as a checkpoint that :func:`load_model`, ``training.evaluate`` and
     ``training.fit --model.init_from`` read: format version, ``gpt_config``, ``state_dict`` under ``model.``, the
     LightningModule hyper-parameters (``hparams``, updated with the model's config fields) and the data module's
     (``data_hparams``, so the tokenizer and validation text can be rebuilt). ``extra`` entries are stored as given
-    (plain containers only). Written to a temporary file and renamed into place (atomic)."""
-    import torch
-
+    (plain containers only). Written atomically (:func:`atomic_save`)."""
     p = Path(path)
     cfg = model.cfg.to_dict()
     ckpt = {
@@ -158,8 +189,5 @@ def save_model(model, path: PathLike, *, hparams: dict | None = None, data_hpara
         "epoch": 0,
         **(extra or {}),
     }
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    torch.save(ckpt, tmp)
-    os.replace(tmp, p)
+    atomic_save(ckpt, p)
     return p

@@ -1,9 +1,9 @@
 """Lightning's side of safe checkpoints: resumes (``--ckpt_path``) load through :mod:`models.checkpoint`, saves are
 atomic with their temporary file next to the checkpoint.
 
-The loader itself (``weights_only=True``, one clear :class:`~models.checkpoint.CheckpointError`) lives in
-:mod:`models.checkpoint` so that evaluation and post-training tools can load checkpoints without Lightning; it is
-re-exported here.
+The loader itself (``weights_only=True``, one clear :class:`~models.checkpoint.CheckpointError`) and the atomic
+writer live in :mod:`models.checkpoint` so that evaluation and post-training tools (``kvsplice.to_mla``) can load
+and write checkpoints without Lightning; they are re-exported here.
 
 Saving: :func:`atomic_save` writes ``.<name>.<pid>.tmp`` in the checkpoint's own folder, fsyncs it and renames it
 over ``<name>`` (``os.replace``: atomic on one filesystem). A process killed mid-write leaves the previous checkpoint
@@ -19,48 +19,13 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
-
-from models.checkpoint import (CKPT_FORMAT, CKPT_FORMAT_KEY, GPT_CONFIG_KEY, CheckpointError, PathLike,
+from models.checkpoint import (CKPT_FORMAT, CKPT_FORMAT_KEY, GPT_CONFIG_KEY, CheckpointError, PathLike, atomic_save,
                                load_checkpoint, load_model)
 
 __all__ = ["CKPT_FORMAT", "CKPT_FORMAT_KEY", "GPT_CONFIG_KEY", "CheckpointError", "atomic_save", "load_checkpoint",
            "load_model", "remove_stale_temp_files", "safe_checkpoint_io"]
 
 _TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.tmp$")
-
-
-def _temp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
-def atomic_save(obj: Any, path: PathLike) -> None:
-    """``torch.save(obj, path)`` atomically: write ``.<name>.<pid>.tmp`` beside ``path``, fsync, rename over it.
-
-    Readers (and a resumed run) see either the old file or the complete new one, never a partial file.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # an exception (not a kill) leaves nothing behind
-        raise
-    try:  # make the rename itself durable
-        fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -221,6 +221,20 @@ class DecodeCache(Cache):
         self._seen[layer] += t_new
         return out
 
+    def reserve(self, layer: int, t_new: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """An append without a temporary (unquantised caches): make room for ``t_new`` more tokens of ``layer``, count
+        them as held and seen, and return ``(t0, buffers)`` — the length before and the layer's whole storage per
+        stream, ``(B, *lead, capacity, D)``. The caller writes ``[..., t0:t0 + t_new, :]`` (e.g. as the ``out=`` of
+        its projection) before it reads ``[..., :t0 + t_new, :]``; bytes and :meth:`tensors` are those of
+        :meth:`append` (same buffers, same lengths). The buffers are replaced when the cache grows."""
+        if self.quant is not None:
+            raise ValueError("reserve() writes rows in place; a quantised cache appends with append()")
+        t0 = self._lengths[layer]
+        self._ensure(layer, t0 + t_new)  # grows geometrically (a no-op when there is room)
+        self._lengths[layer] = t0 + t_new
+        self._seen[layer] += t_new
+        return t0, self._buffers[layer]
+
     def _workspace(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The scratch a quantised stream is dequantised into for one attention call: one buffer per stream name,
         shared by all layers (each layer's call overwrites it), so the views ``append`` returns are valid until the

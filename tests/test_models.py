@@ -314,3 +314,23 @@ def test_sdpa_explicit_path_for_unequal_head_sizes_matches_sdpa():
     assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
     want = F.scaled_dot_product_attention(q[:, :, 1:], k, v, attn_mask=none[:, :, 1:], scale=0.3)
     assert torch.allclose(out[:, :, 1:], want, atol=1e-6)
+
+
+def test_decode_cache_reserve_equals_append():
+    """DecodeCache.reserve (write in place) holds exactly what append holds: same views, lengths, position, bytes,
+    also across a growth of the storage; a quantised cache refuses it."""
+    from models.cache import KVCache
+
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(2, 3, t, 4, generator=g) for t in (5, 1, 20)]  # (B, H, T_new, hs)
+    a, r = KVCache(1, 3, 4, 2), KVCache(1, 3, 4, 2)
+    for x in rows:
+        a.append(0, k=x, v=2 * x)
+        t0, bufs = r.reserve(0, x.shape[2])
+        bufs["k"][:, :, t0:t0 + x.shape[2]] = x
+        bufs["v"][:, :, t0:t0 + x.shape[2]] = 2 * x
+    assert r.seq_len == a.seq_len == 26 and r.position == a.position == 26 and r.nbytes() == a.nbytes()
+    for x, y in zip(a.tensors(), r.tensors()):
+        assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="quantised cache appends"):
+        KVCache(1, 3, 4, 2, quant="int8").reserve(0, 1)

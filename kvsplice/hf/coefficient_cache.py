@@ -32,7 +32,7 @@ head and token; bases from :mod:`kvsplice.lowrank.bases`). Per layer and step, w
 
 Layers whose KV heads share their ranks run as one group (one append, one attention call); otherwise each KV
 head is its own group. Unquantised caches write the new coefficients straight into the cache's storage
-(:meth:`kvsplice.lowrank.cache.CoefficientCache.reserve`, the ``out=`` of the encoding matmul); one-token decode
+(:meth:`kvsplice.lowrank.cache.CoefficientCache.reserve_coeffs`, the ``out=`` of the encoding matmul); one-token decode
 steps run the attention as three batched matmuls over ``B·Hkv`` (scores, ``Σ_t p_t b_t``, ``v_decᵀ``) with the
 bases repeated per sequence once per cache, prefill / multi-token calls through :func:`masked_attend`.
 Full-rank orthonormal bases reproduce the model (tested against ``DynamicCache``).
@@ -64,7 +64,7 @@ def _rot_rows(m: torch.Tensor) -> torch.Tensor:
 class _Group:
     """KV heads ``[kv0, kv0 + n)`` of a layer sharing ranks: stacked bases ``(n, D, R)`` and the per-cache operands
     :meth:`prepare` derives from them (heads repeated ``B`` times: batch index ``b·n + j``, as the flattened storage
-    of :meth:`CoefficientCache.reserve`)."""
+    of :meth:`CoefficientCache.reserve_coeffs`)."""
 
     kv0: int
     n: int
@@ -231,7 +231,7 @@ class CoefficientHFCache(KVSpliceHFCache):
         math with ``Tq = 1`` and the group / dtype / layout branches taken once, not per step."""
         b, _, _, d = q.shape
         n, g = gr.n, self.g
-        t0, K, V = self.store.reserve(layer, 1)
+        t0, K, V = self.store.reserve_coeffs(layer, 1)
         t_k = t0 + 1
         Kg, Vg = K[0], V[0]  # (B·n, capacity, R)
         if self.mode == "pre":
@@ -266,7 +266,7 @@ class CoefficientHFCache(KVSpliceHFCache):
         single = len(groups) == 1
         flat = lambda x, gr: (x if single else x[:, gr.kv0:gr.kv0 + gr.n]).reshape(b * gr.n, t_q, x.shape[-1])  # noqa: E731  (B·n, Tq, ·)
         if st.quant is None:  # encode straight into the storage
-            t0, K, V = st.reserve(layer, t_q)  # per group (B·n, capacity, R)
+            t0, K, V = st.reserve_coeffs(layer, t_q)  # per group (B·n, capacity, R)
             for gr, Kg, Vg in zip(groups, K, V):
                 torch.bmm(flat(k, gr), gr.enc_k, out=Kg[:, t0:t_k])  # (B·n, Tq, R_k)
                 torch.bmm(flat(v, gr), gr.enc_v, out=Vg[:, t0:t_k])  # (B·n, Tq, R_v)

@@ -60,7 +60,7 @@ class CoefficientCache(DecodeCache):
                 spec.update({f"v{j}": (r,) for j, r in enumerate(lv)})  # (B, T, R_v[j])
                 specs.append(spec)
         super().__init__(specs, batch_size, **kw)
-        self._flat: dict[int, tuple] = {}  # layer -> (first buffer, flattened key views, value views, its name): reserve()
+        self._flat: dict[int, tuple] = {}  # layer -> (first key buffer, flattened key views, value views): reserve_coeffs
 
     @classmethod
     def from_bases(cls, bases, batch_size: int, **kw) -> "CoefficientCache":
@@ -99,21 +99,15 @@ class CoefficientCache(DecodeCache):
         out = self.append(layer, **new)
         return [out[f"k{j}"][:, None] for j in range(n)], [out[f"v{j}"][:, None] for j in range(n)]
 
-    def reserve(self, layer: int, t_new: int) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
-        """An append without a temporary (unquantised caches): make room for ``t_new`` more tokens of ``layer``, count
-        them as held and return ``(t0, K, V)`` — the length before, and per group of KV heads (one group for a grouped
-        layer, one per head otherwise, as :meth:`append_coeffs`) the whole key / value storage flattened to
-        ``(B·n_heads, capacity, R)``. The caller writes the new coefficients into ``[:, t0:t0 + t_new]`` (e.g. as the
-        ``out=`` of its projection) before it reads ``[:, :t0 + t_new]``; bytes and :meth:`tensors` are those of
-        :meth:`append_coeffs` (the same buffers, the same lengths)."""
-        if self.quant is not None:
-            raise ValueError("reserve() writes coefficients in place; a quantised cache appends with append_coeffs()")
-        t0 = self._lengths[layer]
-        bufs = self._buffers[layer]
+    def reserve_coeffs(self, layer: int, t_new: int) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`~models.cache.DecodeCache.reserve` in the coefficient layout: ``(t0, K, V)`` with, per group of KV
+        heads (one group for a grouped layer, one per head otherwise, as :meth:`append_coeffs`), the whole key /
+        value storage flattened to ``(B·n_heads, capacity, R)``; the flattened views are kept until the cache grows."""
+        t0, bufs = self.reserve(layer, t_new)
+        key = "k" if self._grouped[layer] else "k0"
         memo = self._flat.get(layer)
-        if memo is None or memo[0] is not bufs[memo[3]] or t0 + t_new > memo[1][0].shape[1]:
-            self._ensure(layer, t0 + t_new)  # grows geometrically (a no-op when there is room)
-            b, key = self.batch_size, ("k" if self._grouped[layer] else "k0")
+        if memo is None or memo[0] is not bufs[key]:  # first call, or the storage grew
+            b = self.batch_size
             if self._grouped[layer]:
                 kb, vb = bufs["k"], bufs["v"]  # (B, Hkv, cap, R)
                 ks = [kb.view(b * kb.shape[1], kb.shape[2], kb.shape[3])]  # (B·Hkv, cap, R_k)
@@ -122,9 +116,7 @@ class CoefficientCache(DecodeCache):
                 n = self.n_kv_head(layer)
                 ks = [bufs[f"k{j}"] for j in range(n)]  # (B, cap, R_k[j]) == (B·1, cap, R)
                 vs = [bufs[f"v{j}"] for j in range(n)]
-            memo = self._flat[layer] = (bufs[key], ks, vs, key)
-        self._lengths[layer] = t0 + t_new
-        self._seen[layer] += t_new
+            memo = self._flat[layer] = (bufs[key], ks, vs)
         return t0, memo[1], memo[2]
 
     def coeffs(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -17,9 +17,16 @@ on them. ``--study ablation`` never looks at that validation text: it trains on 
 folder of symlinks under ``--runs-dir``, no copies) and validates on a held-out 5 % tail of them, so the option it
 picks for MLA is not tuned on the data the frontier reports.
 
+On a GPU (``--device cuda``): the same runs with ``--trainer.accelerator gpu``, ``--batch`` sequences per step and
+``--jobs`` runs side by side on the one GPU; results go to ``results/frontier_gpu.json`` (``.md`` / ``.png``). The
+GPU study of the README: ``python benchmarks/frontier.py --device cuda --batch 64 --steps 2000 --jobs 9`` (32.8M tokens
+per run). A finished run is reused only for the same variant, seed, steps, batch and device (its resume key); a
+killed study ends its ``training.fit`` children with it.
+
 Outputs: ``results/frontier.json`` (rows: ``variant``, ``config``, ``seed``, ``steps``, ``tokens``, ``val_loss``,
 ``cache_bytes_per_token`` (fp16, measured, all layers), ``cache_bytes_per_token_fp32``, ``cache_dim``, params,
-wall time, tokens/s, the logged training-loss curve), ``results/frontier.png`` (validation loss vs cache bytes per token, log x, mean ± std per
+wall time, tokens/s, the logged training-loss curve, the final training loss and the train/validation gap),
+``results/frontier.png`` (validation loss vs cache bytes per token, log x, mean ± std per
 variant, Pareto front marked) and a Markdown table on stdout and in ``results/frontier.md``.
 """
 
@@ -30,6 +37,7 @@ import csv
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -103,17 +111,55 @@ def cache_bytes(ckpt: Path, tokens: int) -> dict:
     return out
 
 
+_CHILDREN: set[subprocess.Popen] = set()
+_CHILDREN_LOCK = threading.Lock()
+
+
+def _die_with_parent() -> None:  # runs in the child before exec (Linux): SIGTERM when the study process dies
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def end_children() -> None:
+    """Terminate every ``training.fit`` child still running (the study was interrupted)."""
+    with _CHILDREN_LOCK:
+        procs = list(_CHILDREN)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def run_module(module: str, argv: list[str], threads: int) -> float:
-    """``python -m MODULE ARGV`` in the repository with ``threads`` torch threads; returns the wall seconds.
+    """``python -m MODULE ARGV`` in the repository with ``threads`` torch threads; returns the wall seconds. The child
+    ends with the study: on Linux it gets SIGTERM when this process dies (even by SIGKILL), and :func:`end_children`
+    terminates it on an interrupt.
 
     Raises:
         RuntimeError: non-zero exit, with the last lines of its output.
     """
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO))
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", module, *argv], cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", module, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    with _CHILDREN_LOCK:
+        _CHILDREN.add(proc)
+    try:
+        stdout, stderr = proc.communicate()
+    finally:
+        with _CHILDREN_LOCK:
+            _CHILDREN.discard(proc)
     if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        tail = (stderr or stdout).strip().splitlines()[-3:]
         raise RuntimeError(f"python -m {module} {' '.join(argv[:4])} ... failed (exit {proc.returncode}): "
                            f"{' | '.join(tail)}")
     return time.perf_counter() - t0
@@ -128,26 +174,65 @@ def train(config: str, runs_dir: Path, name: str, seed: int, steps: int, threads
                                        "--wandb.mode", "disabled", *extra], threads)
 
 
+def resume_key(row: dict) -> tuple:
+    """What makes two runs the same: variant, seed, optimizer steps, batch and device (rows written before batch /
+    device were recorded are the CPU study's: batch 8, CPU)."""
+    return row["variant"], row["seed"], row["steps"], row.get("batch", 8), row.get("device", "cpu")
+
+
+def run_args(args, steps: int | None = None) -> list[str]:
+    """The ``training.fit`` options every run of this study shares: data, batch, device (an epoch = the run's
+    ``steps``, default ``args.steps``)."""
+    out = [*args.data_args, "--data.batch_size", str(args.batch), "--data.train_batches_per_epoch",
+           str(steps or args.steps)]
+    if args.device == "cuda":
+        out += ["--trainer.accelerator", "gpu", "--data.num_workers", "0"]
+    return out
+
+
 def run_one(variant: str, config: str, extra: list[str], seed: int, args, runs_dir: Path) -> dict:
     name = f"{variant}-s{seed}"
     run = runs_dir / name
-    if (run / "last.ckpt").is_file() and (run / "metrics.csv").is_file():  # trained before the results were written
-        try:
-            if last_val(run / "metrics.csv")[0] + 1 == args.steps:  # metrics.csv counts steps from 0
+    if (run / "last.ckpt").is_file() and (run / "metrics.csv").is_file() and (run / RUN_KEY).is_file():
+        try:  # trained before the results were written, with the same resume key
+            if json.loads((run / RUN_KEY).read_text()) == list(_key(variant, seed, args)):
                 return _row(variant, config, extra, seed, run, args, wall=None)
-        except RuntimeError:
+        except (RuntimeError, ValueError):
             pass
-    wall = train(config, runs_dir, name, seed, args.steps, args.threads, [*extra, *args.data_args])
+    wall = train(config, runs_dir, name, seed, args.steps, args.threads, [*extra, *run_args(args)])
+    (run / RUN_KEY).write_text(json.dumps(list(_key(variant, seed, args))) + "\n")
     return _row(variant, config, extra, seed, run, args, wall)
+
+
+RUN_KEY = "frontier_key.json"
+"""Written into a finished run's folder: the resume key it was trained with."""
+
+
+def _key(variant: str, seed: int, args) -> tuple:
+    return variant, seed, args.steps, args.batch, args.device
+
+
+def final_train_loss(curve: list[list[float]], frac: float = 0.05) -> float | None:
+    """Mean logged training loss over the last ``frac`` of the steps (at least the last logged value)."""
+    if not curve:
+        return None
+    n = curve[-1][0]
+    tail = [l for s, l in curve if s > (1 - frac) * n] or [curve[-1][1]]
+    return statistics.fmean(tail)
 
 
 def _row(variant: str, config: str, extra: list[str], seed: int, run: Path, args, wall) -> dict:
     step, val_loss, tokens, train_time = last_val(run / "metrics.csv")
+    curve = train_curve(run / "metrics.csv")
+    train_final = final_train_loss(curve)
     return {"variant": variant, "config": config, "overrides": extra, "seed": seed, "steps": step + 1,
+            "batch": args.batch, "device": args.device,
             "tokens": None if tokens is None else int(tokens), "val_loss": val_loss, **cache_bytes(run / "last.ckpt", args.cache_tokens),
             "wall_s": None if wall is None else round(wall, 1), "train_time_s": None if train_time is None else round(train_time, 1),
             "tokens_per_s": round(tokens / train_time, 1) if train_time else None,
-            "train_loss_curve": train_curve(run / "metrics.csv")}
+            "train_loss_final": None if train_final is None else round(train_final, 4),
+            "train_val_gap": None if train_final is None else round(val_loss - train_final, 4),
+            "train_loss_curve": curve}
 
 
 def init_kv_rms() -> dict:
@@ -197,10 +282,12 @@ def summarise(rows: list[dict]) -> list[dict]:
         rs = [r for r in rows if r["variant"] == v]
         losses = [r["val_loss"] for r in rs]
         drops = [d for d in (late_drop(r.get("train_loss_curve") or []) for r in rs) if d is not None]
+        gaps = [r["train_val_gap"] for r in rs if r.get("train_val_gap") is not None]
         out.append({"variant": v, "n": len(rs), "val_loss": statistics.fmean(losses),
                     "std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
                     "bytes": rs[0]["cache_bytes_per_token"], "tokens": rs[0]["tokens"],
-                    "late_drop": statistics.fmean(drops) if drops else None})
+                    "late_drop": statistics.fmean(drops) if drops else None,
+                    "gap": statistics.fmean(gaps) if gaps else None})
     for s in out:  # on the front: no other variant has fewer-or-equal bytes and a lower mean loss
         s["pareto"] = not any(o is not s and o["bytes"] <= s["bytes"] and o["val_loss"] < s["val_loss"] for o in out)
     return sorted(out, key=lambda s: -s["bytes"])
@@ -208,14 +295,51 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 def table(summary: list[dict], ref: str = "mha") -> str:
     base = next((s for s in summary if s["variant"] == ref), summary[0])
+    gap = any(s.get("gap") is not None for s in summary)
     lines = [f"| variant | cache B/token (fp16) | vs {base['variant']} | val loss (mean ± std) | seeds | "
-             f"loss vs {base['variant']} | train-loss drop, last 20 % of steps | Pareto |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"loss vs {base['variant']} | train-loss drop, last 20 % of steps |"
+             + (" val − train loss |" if gap else "") + " Pareto |",
+             "|---|---|---|---|---|---|---|" + ("---|" if gap else "") + "---|"]
     for s in summary:
         drop = "" if s["late_drop"] is None else f"{s['late_drop']:.3f}"
+        g = ("" if s.get("gap") is None else f" {s['gap']:.3f} |") if gap else ""
         lines.append(f"| {s['variant']} | {s['bytes']:.0f} | {s['bytes'] / base['bytes']:.3f}× | "
                      f"{s['val_loss']:.4f} ± {s['std']:.4f} | {s['n']} | {s['val_loss'] / base['val_loss']:.4f}× | "
-                     f"{drop} | {'yes' if s['pareto'] else ''} |")
+                     f"{drop} |{g} {'yes' if s['pareto'] else ''} |")
+    return "\n".join(lines)
+
+
+def compare(a: dict, b: dict) -> dict:
+    """Mean val-loss difference ``a − b`` of two summaries with its standard error ``sqrt(sa²/na + sb²/nb)``;
+    ``verdict``: ``tie`` when ``|d| < 2 SE``, else which is better (lower loss)."""
+    d = a["val_loss"] - b["val_loss"]
+    se = (a["std"] ** 2 / a["n"] + b["std"] ** 2 / b["n"]) ** 0.5
+    if se == 0:  # one seed each: no spread to judge by
+        verdict = "no SE (one seed each)"
+    else:
+        verdict = "tie" if abs(d) < 2 * se else f"{a['variant'] if d < 0 else b['variant']} better"
+    return {"a": a["variant"], "b": b["variant"], "diff": d, "se": se, "z": d / se if se else None,
+            "verdict": verdict}
+
+
+def comparisons(summary: list[dict], ref: str = "mha") -> list[dict]:
+    """Every pair of variants with the same cache bytes, and every variant against ``ref``."""
+    out = []
+    by = {s["variant"]: s for s in summary}
+    for i, a in enumerate(summary):
+        for b in summary[i + 1:]:
+            if a["bytes"] == b["bytes"]:
+                out.append(compare(b, a))
+    if ref in by:
+        out += [compare(s, by[ref]) for s in summary if s["variant"] != ref]
+    return out
+
+
+def comparison_table(cmps: list[dict]) -> str:
+    lines = ["| a | b | a − b (val loss) | SE | a − b / SE | verdict (tie if < 2 SE) |", "|---|---|---|---|---|---|"]
+    for c in cmps:
+        z = "" if c["z"] is None else f"{c['z']:+.1f}"
+        lines.append(f"| {c['a']} | {c['b']} | {c['diff']:+.4f} | {c['se']:.4f} | {z} | {c['verdict']} |")
     return "\n".join(lines)
 
 
@@ -257,34 +381,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--study", choices=("frontier", "ablation"), default="frontier")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 1 2 3 (frontier), 0 (ablation)")
     p.add_argument("--variants", nargs="+", default=None, help="a subset of the study's variants")
-    p.add_argument("--steps", type=int, default=500, help="optimizer steps per run (batch 8 x 256 tokens)")
+    p.add_argument("--steps", type=int, default=500, help="optimizer steps per run")
+    p.add_argument("--batch", type=int, default=8, help="sequences of 256 tokens per optimizer step")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: every run on the one GPU")
     p.add_argument("--jobs", type=int, default=2, help="runs side by side")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--cache-tokens", type=int, default=256, help="tokens prefilled to measure the cache")
-    p.add_argument("--runs-dir", type=Path, default=REPO / "checkpoints" / "frontier")
-    p.add_argument("--out", type=Path, default=None, help="default results/frontier.json (frontier_ablation.json)")
+    p.add_argument("--data", type=Path, default=DATA, help="the TinyStories folder (a *val* file + training files)")
+    p.add_argument("--runs-dir", type=Path, default=None, help="default checkpoints/frontier (frontier_gpu on cuda)")
+    p.add_argument("--out", type=Path, default=None, help="default results/frontier.json (frontier_ablation.json; "
+                   "_gpu before .json on cuda)")
     p.add_argument("--plot-only", action="store_true")
     args = p.parse_args(argv)
+    if args.steps < 1 or args.batch < 1 or args.jobs < 1 or args.threads < 1 or args.cache_tokens < 1:
+        p.error("--steps, --batch, --jobs, --threads and --cache-tokens must be >= 1")
     study = FRONTIER if args.study == "frontier" else ABLATION
     seeds = args.seeds or ([1, 2, 3] if args.study == "frontier" else [0])
-    out = args.out or REPO / "results" / ("frontier.json" if args.study == "frontier" else "frontier_ablation.json")
+    gpu = "_gpu" if args.device == "cuda" else ""
+    out = args.out or REPO / "results" / (f"frontier{gpu}.json" if args.study == "frontier"
+                                          else f"frontier_ablation{gpu}.json")
     variants = args.variants or list(study)
     unknown = sorted(set(variants) - set(study))
     if unknown:
         p.error(f"unknown variants {unknown}; choose from {list(study)}")
-    if not DATA.is_dir() and not args.plot_only:
-        p.error(f"{DATA} not found: the study reads the local TinyStories text from ../shared/data/tinystories")
-    runs_dir = args.runs_dir / args.study
+    if not args.data.is_dir() and not args.plot_only:
+        p.error(f"{args.data} not found: the study reads the local TinyStories text (default ../shared/data/"
+                f"tinystories; --data to name another folder)")
+    if args.device == "cuda" and not args.plot_only:
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error("--device cuda: no CUDA device here")
+    runs_dir = (args.runs_dir or REPO / "checkpoints" / f"frontier{gpu}") / args.study
     args.data_args = []
     if args.study == "ablation":  # tuning split: the training files only, 5 % tail held out (never the val file)
         tune = runs_dir / "tune_data"
         tune.mkdir(parents=True, exist_ok=True)
         for f in TRAIN_FILES:
             if not (tune / f).exists():
-                (tune / f).symlink_to(DATA / f)
+                (tune / f).symlink_to((args.data / f).resolve())
         args.data_args = ["--data.path", str(tune)]
     else:
-        args.data_args = ["--data.path", str(DATA)]
+        args.data_args = ["--data.path", str(args.data)]
 
     rows = json.loads(out.read_text())["rows"] if out.is_file() else []
     if args.study == "ablation":
@@ -292,12 +430,18 @@ def main(argv: list[str] | None = None) -> int:
         print("q/k/v RMS at init (layer 0, unit-RMS inputs):", json.dumps(meta_extra["init_kv_rms"]))
     else:
         meta_extra = {}
-    done = {(r["variant"], r["seed"]) for r in rows}
-    todo = [(v, s) for s in seeds for v in variants if (v, s) not in done]
+    done = {resume_key(r) for r in rows}
+    todo = [(v, s) for s in seeds for v in variants if _key(v, s, args) not in done]
     lock = threading.Lock()
-    meta = {"study": args.study, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    if args.device == "cuda":
+        import torch
+
+        machine += f", {torch.cuda.get_device_name()}"
+    meta = {"study": args.study, "machine": machine, "device": args.device,
             "python": platform.python_version(), "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
-            "dtype_train": "fp32", "threads_per_run": args.threads, "jobs": args.jobs, **meta_extra}
+            "dtype_train": "fp32", "batch": args.batch, "threads_per_run": args.threads, "jobs": args.jobs,
+            **meta_extra}
 
     def save() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -319,32 +463,52 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 save()
                 bar.update(1)
+                rate = "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:.0f}"
                 bar.write(f"{v} seed {s}: val_loss {row['val_loss']:.4f}, {row['cache_bytes_per_token']:.0f} B/token,"
-                          f" {row['tokens_per_s']:.0f} tok/s")
+                          f" {rate} tok/s")
             return row
 
-        with ThreadPoolExecutor(args.jobs) as pool:
-            futures = {pool.submit(job, vs): vs for vs in todo}
-            for f, vs in futures.items():
-                try:
-                    f.result()
-                except Exception as e:  # noqa: BLE001 - one failed run must not stop the study
-                    failed.append(vs)
-                    bar.write(f"error: {vs[0]} seed {vs[1]}: {e}")
-        bar.close()
+        def stop(signum, frame):  # SIGTERM: end the children, then leave like Ctrl-C
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGTERM, stop)
+        try:
+            with ThreadPoolExecutor(args.jobs) as pool:
+                futures = {pool.submit(job, vs): vs for vs in todo}
+                for f, vs in futures.items():
+                    try:
+                        f.result()
+                    except Exception as e:  # noqa: BLE001 - one failed run must not stop the study
+                        failed.append(vs)
+                        bar.write(f"error: {vs[0]} seed {vs[1]}: {e}")
+        except KeyboardInterrupt:
+            for f in futures:
+                f.cancel()
+            end_children()
+            print("interrupted: finished runs are in the JSON; re-run the same command to continue", file=sys.stderr)
+            return 130
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            bar.close()
         if failed:
             print(f"{len(failed)} runs failed: {failed}; re-run the same command to retry them", file=sys.stderr)
-    if not rows:
+    key = (args.steps, args.batch, args.device)
+    rows_now = [r for r in rows if resume_key(r)[2:] == key] or rows
+    if not rows_now:
         print("no results yet", file=sys.stderr)
         return 1
-    summary = summarise(rows)
+    summary = summarise(rows_now)
     md = table(summary)
+    cmp_md = comparison_table(comparisons(summary))
     print(md)
-    tokens = sorted({r["tokens"] for r in rows})
+    print()
+    print(cmp_md)
+    tokens = sorted({r["tokens"] for r in rows_now if r["tokens"] is not None})
     title = (f"{args.study}: small_* (4L, d128, BPE-4096), {', '.join(f'{t:,}' for t in tokens)} tokens/run, "
-             f"seeds {sorted({r['seed'] for r in rows})}")
-    out.with_suffix(".md").write_text(f"{title}\n\n{md}\n")
-    plot(summary, rows, out.with_suffix(".png"), title)
+             f"seeds {sorted({r['seed'] for r in rows_now})}, {meta['machine']}")
+    out.with_suffix(".md").write_text(f"{title}\n\n{md}\n\nDifferences at equal cache bytes, and against MHA "
+                                      f"(SE of the difference of seed means):\n\n{cmp_md}\n")
+    plot(summary, rows_now, out.with_suffix(".png"), title)
     return 1 if failed else 0
 
 

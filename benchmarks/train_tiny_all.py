@@ -58,7 +58,7 @@ def interleaved_step_ms(configs: list[Path], vocab_size: int, rounds: int, threa
     sys.path.insert(0, str(REPO))
     import torch
 
-    from models.lit import LitGPT
+    from training.lit import LitGPT
 
     if threads:
         torch.set_num_threads(threads)

@@ -18,8 +18,11 @@ compare like with like. Only one cache is alive at a time (the MHA cache at 8192
 On a busy machine ``--threads 1`` gives steadier numbers: with several threads every op waits at an OpenMP
 barrier for whichever thread the OS descheduled, which inflates small ops by orders of magnitude.
 
-Variants: ``--config NAME[:naive|:absorb]`` (preset or LightningCLI YAML, as for ``verify_memory``); MLA configs
-use ``cfg.mla_impl`` unless a suffix says otherwise. Without an MHA variant an MHA baseline with the first config's
+Variants: ``--config NAME[:naive|:absorb][:int8][:graph]`` (preset or LightningCLI YAML, as for ``verify_memory``);
+MLA configs use ``cfg.mla_impl`` unless a suffix says otherwise; ``:int8`` decodes with an int8 cache; ``:graph``
+(CUDA) replays each step from a captured CUDA graph over a fixed-capacity view of the cache
+(:class:`models.graph_decode.GraphDecoder`), reported next to its eager twin. On CUDA every step is timed with CUDA
+events from an idle GPU. Without an MHA variant an MHA baseline with the first config's
 shapes is added. Default: ``gpt2 mla:naive mla mla_kvsplice_50 mla_kvsplice_70 mla_kvsplice_90``.
 """
 
@@ -47,8 +50,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m kvsplice.bench_decode", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", nargs="+", metavar="NAME[:IMPL]", default=list(DEFAULT_CONFIGS),
-                   help="presets or YAML configs; MLA ones may end in :naive or :absorb")
+    p.add_argument("--config", nargs="+", metavar="NAME[:IMPL][:int8][:graph]", default=list(DEFAULT_CONFIGS),
+                   help="presets or YAML configs; MLA ones may end in :naive or :absorb; :int8 for an int8 cache, "
+                        ":graph for CUDA-graph steps")
     p.add_argument("--ctx", nargs="+", type=int, default=[512, 2048, 8192], metavar="T")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=12, help="timed steps per (variant, context), in all rounds")
@@ -79,6 +83,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ctxs = sorted(set(args.ctx))
         variants, notes = variants_from_specs(args.config, max(ctxs))
         device = pick_device(args.device)
+        if device.type != "cuda" and any(v.graph for v in variants):
+            raise UsageError(f"':graph' variants replay CUDA graphs and need a CUDA device, got {device}")
         if args.json:
             check_out_path(args.json, args.force, option="--json")
     except UsageError as e:

@@ -12,12 +12,15 @@ MLA's absorbed path is the same call with ``Hkv = 1``: every query head attends 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.cache import DecodeCache
 from models.splice import LearnedKVSplice
@@ -30,23 +33,53 @@ LATENT_NORM_EPS = 1e-6
 
 
 # ------------------------------------------------------------------------------------------ kernel selection
+@dataclass(frozen=True)
+class FlashImpl:
+    """An installed FlashAttention: ``name`` (``"flash-attn-2"`` or ``"flash-attn-4"``), its ``flash_attn_func`` and
+    the lowest CUDA compute capability it runs on (FlashAttention-4 is written for Hopper and Blackwell)."""
+
+    name: str
+    fn: Callable
+    min_capability: tuple[int, int]
+    returns_lse: bool  # FlashAttention-4's flash_attn_func returns (out, lse)
+
+
 @lru_cache(maxsize=1)
-def flash_attn_func_or_none():
-    """``flash_attn.flash_attn_func`` if the optional ``flash`` extra is installed and importable, else None."""
+def flash_impl() -> Optional[FlashImpl]:
+    """The FlashAttention the ``flash`` extra installed: flash-attn 2 (``flash_attn.flash_attn_func``) if importable,
+    else FlashAttention-4 (``flash-attn-4``: ``flash_attn.cute.flash_attn_func``), else None. Resolved once per
+    process; modules read it at construction, never inside ``forward`` (so ``torch.compile`` traces no import)."""
     try:
         from flash_attn import flash_attn_func  # type: ignore[import-not-found]
+
+        return FlashImpl("flash-attn-2", flash_attn_func, (8, 0), returns_lse=False)
     except Exception:  # ImportError, or a broken CUDA build
+        pass
+    try:
+        from flash_attn.cute import flash_attn_func  # type: ignore[import-not-found]
+
+        return FlashImpl("flash-attn-4", flash_attn_func, (9, 0), returns_lse=True)
+    except Exception:
         return None
-    return flash_attn_func
+
+
+def flash_attn_func_or_none():
+    """``flash_attn_func`` of the installed FlashAttention (:func:`flash_impl`), or None."""
+    impl = flash_impl()
+    return None if impl is None else impl.fn
 
 
 def flash_unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int, dv: Optional[int] = None,
-                             *, installed: Optional[bool] = None) -> Optional[str]:
-    """Why flash-attn cannot run this call, or None when it can."""
+                             *, installed: Optional[bool] = None,
+                             impl: Optional[FlashImpl] = None) -> Optional[str]:
+    """Why flash-attn cannot run this call, or None when it can. ``installed`` overrides the import check (tests);
+    ``impl`` is the FlashAttention to judge (default: :func:`flash_impl`)."""
     if installed is None:
-        installed = flash_attn_func_or_none() is not None
+        impl = impl if impl is not None else flash_impl()
+        installed = impl is not None
     if not installed:
-        return "flash-attn is not installed (pip install -e '.[flash]' on a CUDA machine)"
+        return ("flash-attn is not installed (pip install -e '.[flash]' on a CUDA machine: flash-attn 2, or "
+                "'.[flash4]' for FlashAttention-4 on Hopper/Blackwell)")
     if device.type != "cuda":
         return f"flash-attn needs a CUDA device, got {device.type}"
     if dtype not in FLASH_DTYPES:
@@ -55,16 +88,28 @@ def flash_unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim:
         return f"flash-attn needs equal q/k and v head dims, got {head_dim} and {dv}"
     if head_dim % 8 != 0 or head_dim > FLASH_MAX_HEAD_DIM:
         return f"flash-attn needs a head dim that is a multiple of 8 and <= {FLASH_MAX_HEAD_DIM}, got {head_dim}"
+    if impl is not None and not gpu_supports(impl, device):
+        need = ".".join(map(str, impl.min_capability))
+        cap = torch.cuda.get_device_capability(device)
+        return f"{impl.name} needs compute capability >= {need}, got {cap[0]}.{cap[1]}"
     return None
 
 
+def gpu_supports(impl: FlashImpl, device: Optional[torch.device] = None) -> bool:
+    """Whether ``impl`` runs on ``device`` (default: the current CUDA device); False without CUDA."""
+    if not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= impl.min_capability
+
+
 def select_backend(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-                   dv: Optional[int] = None, *, installed: Optional[bool] = None) -> str:
+                   dv: Optional[int] = None, *, installed: Optional[bool] = None,
+                   impl: Optional[FlashImpl] = None) -> str:
     """``"flash"`` or ``"sdpa"`` for this call. ``"auto"`` prefers flash where it can run; ``"flash"`` raises a
     ``RuntimeError`` saying why when it cannot (never a silent fallback); ``"sdpa"`` always gives SDPA."""
     if requested == "sdpa":
         return "sdpa"
-    reason = flash_unsupported_reason(device, dtype, head_dim, dv, installed=installed)
+    reason = flash_unsupported_reason(device, dtype, head_dim, dv, installed=installed, impl=impl)
     if requested == "flash":
         if reason is not None:
             raise RuntimeError(f"attn_backend='flash' cannot run here: {reason}; use attn_backend='auto' or 'sdpa'")
@@ -72,6 +117,56 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype, hea
     if requested == "auto":
         return "sdpa" if reason is not None else "flash"
     raise ValueError(f"attn_backend must be one of ('auto', 'flash', 'sdpa'), got {requested!r}")
+
+
+# SDPA's own kernel choice on CUDA. Left to itself, PyTorch may pick a kernel that plans per shape (cuDNN): a decode
+# step attends over one more key than the last, so every step pays a new plan (60 ms per call seen on an H100 with
+# torch 2.11 at 1,024 keys, against 0.04-0.06 ms for a named kernel). The order below is fixed instead: FlashAttention
+# for long key sequences, the memory-efficient kernel for short ones (one query over few keys: its lower launch cost
+# wins) and wherever a mask or bias is given (flash takes none), math last. Measured per GPU by
+# ``benchmarks/gpu.py`` (``sdpa`` section); DECODE_FLASH_MIN_KEYS is the crossover seen on an H100.
+DECODE_FLASH_MIN_KEYS = 2048
+_LONG_ORDER = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+               SDPBackend.MATH)
+_SHORT_ORDER = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                SDPBackend.MATH)
+
+
+_FIXED_MASKED_ORDER = (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                       SDPBackend.MATH)
+
+
+def sdpa_order(t_q: int, t_k: int, fixed_masked: bool = False) -> tuple[SDPBackend, ...]:
+    """SDPA kernel priority on CUDA for ``t_q`` queries over ``t_k`` keys (see :data:`DECODE_FLASH_MIN_KEYS`).
+    ``fixed_masked``: a masked call whose shapes never change (a CUDA-graph step over a fixed-capacity cache): cuDNN,
+    which takes the mask at flash-like speed and plans once per shape, then the memory-efficient kernel."""
+    if fixed_masked:
+        return _FIXED_MASKED_ORDER
+    return _SHORT_ORDER if t_q * 8 <= t_k < DECODE_FLASH_MIN_KEYS else _LONG_ORDER
+
+
+@contextmanager
+def _sdpa_priority(order: tuple[SDPBackend, ...]) -> Iterator[None]:
+    """Run SDPA with ``order`` as its kernel priority (every kernel stays enabled). Eager: two C calls (~1 µs;
+    ``torch.nn.attention.sdpa_kernel`` costs ~60 µs a call, too much for a decode step of many layers); under
+    ``torch.compile`` the public ``sdpa_kernel``, which dynamo traces."""
+    if torch.compiler.is_compiling():
+        with sdpa_kernel(list(order), set_priority=True):
+            yield
+        return
+    previous = torch._C._get_sdp_priority_order()
+    first = [int(b) for b in order]
+    torch._C._set_sdp_priority_order(first + [b for b in previous if b not in first])
+    try:
+        yield
+    finally:
+        torch._C._set_sdp_priority_order(previous)
+
+
+def dropout(p: float) -> nn.Module:
+    """``nn.Dropout(p)``, or ``nn.Identity`` for ``p == 0``: a zero-rate dropout still launches a kernel (and its
+    mask) per call in training mode, 25 times per forward in a 12-layer model, for nothing."""
+    return nn.Dropout(p) if p > 0 else nn.Identity()
 
 
 # -------------------------------------------------------------------------------------------- the math, once
@@ -82,14 +177,18 @@ def causal_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor:
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mask: Optional[torch.Tensor] = None,
-         is_causal: bool = False, dropout_p: float = 0.0) -> torch.Tensor:
+         is_causal: bool = False, dropout_p: float = 0.0, fixed_shape: bool = False) -> torch.Tensor:
     """``softmax(q·kᵀ·scale + mask)·v`` on matching head layouts: ``F.scaled_dot_product_attention``, except when the
     key and value head sizes differ (low-rank pre-RoPE keys vs value coefficients), where SDPA falls back to its slow
     generic kernel and the same math in three ops is faster. ``mask``: boolean (True = attend) or additive; a query
     row that may see no key gets zeros, not NaN."""
     if q.shape[-1] == v.shape[-1] or dropout_p > 0.0:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout_p,
-                                              scale=scale)
+        if q.device.type != "cuda":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout_p,
+                                                  scale=scale)
+        with _sdpa_priority(sdpa_order(q.shape[-2], k.shape[-2], fixed_shape and mask is not None)):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout_p,
+                                                  scale=scale)
     s = (q @ k.transpose(-1, -2)) * scale  # (B, H, Tq, Tk)
     if is_causal:
         mask = causal_mask(q.shape[-2], k.shape[-2], q.device)  # (Tq, Tk)
@@ -102,13 +201,17 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mas
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, backend: str = "sdpa",
-           dropout_p: float = 0.0, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+           dropout_p: float = 0.0, bias: Optional[torch.Tensor] = None,
+           flash: Optional[FlashImpl] = None, fixed_shape: bool = False) -> torch.Tensor:
     """Causal attention of ``Tq`` new queries over ``Tk >= Tq`` keys whose last ``Tq`` are the queries' own.
 
     q (B, Hq, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv), Hq % Hkv == 0 → (B, Hq, Tq, Dv).
     Query head h reads key/value head ``h // (Hq // Hkv)`` (the grouped-query convention of HF ``repeat_kv``).
-    ``bias`` (B, Hkv, Tk), optional, is added to every score of a key (per-token log-weights of a token-subset
-    cache: ``softmax(q·kᵀ·scale + bias)``); it needs the SDPA backend.
+    ``bias`` (B or 1, Hkv or 1, Tk), optional, is added to every score of a key (per-token log-weights of a
+    token-subset cache: ``softmax(q·kᵀ·scale + bias)``; ``-inf`` for the unwritten rows of a fixed-capacity cache);
+    it needs the SDPA backend. ``flash``: the FlashAttention to run with ``backend="flash"`` (default
+    :func:`flash_impl`). ``fixed_shape``: the call's shapes never change (a CUDA-graph step), which lets SDPA use a
+    kernel that plans per shape (:func:`sdpa_order`).
     """
     b, hq, t_q, d = q.shape
     hkv, t_k = k.shape[1], k.shape[2]
@@ -117,34 +220,42 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
     if backend == "flash":
         if bias is not None:
             raise ValueError("attend: flash-attn takes no additive bias; use backend='sdpa'")
-        flash_attn_func = flash_attn_func_or_none()
-        # flash-attn >= 2.1 aligns its causal mask bottom-right and supports Hkv | Hq natively.
-        y = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, T, H, D)
-                            dropout_p=dropout_p, softmax_scale=scale, causal=True)
+        impl = flash if flash is not None else flash_impl()
+        # flash-attn >= 2.1 and FlashAttention-4 align the causal mask bottom-right and take Hkv | Hq natively.
+        kw = {} if dropout_p == 0.0 else {"dropout_p": dropout_p}  # FlashAttention-4 has no dropout argument
+        y = impl.fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, T, H, D)
+                    softmax_scale=scale, causal=True, **kw)
+        if impl.returns_lse:
+            y = y[0]
         return y.transpose(1, 2)  # (B, Hq, Tq, Dv)
     g = hq // hkv
     if g > 1:
         # Fold the g query heads that share a KV head into the query-row axis: no copy of K/V.
         q = q.reshape(b, hkv, g * t_q, d)  # (B, Hkv, g*Tq, D), rows ordered (head in group, query)
     if bias is not None:
-        if tuple(bias.shape) != (b, hkv, t_k):
-            raise ValueError(f"attend: bias must be (B, Hkv, Tk) = {(b, hkv, t_k)}, got {tuple(bias.shape)}")
-        mask, is_causal = bias.to(q.dtype)[:, :, None, :], False  # (B, Hkv, 1, Tk), broadcast over query rows
+        if bias.dim() != 3 or bias.shape[0] not in (1, b) or bias.shape[1] not in (1, hkv) or bias.shape[2] != t_k:
+            raise ValueError(f"attend: bias must be (B, Hkv, Tk) = {(b, hkv, t_k)} (or 1 for B / Hkv), got "
+                             f"{tuple(bias.shape)}")
+        mask, is_causal = bias.to(q.dtype)[:, :, None, :], False  # (B|1, Hkv|1, 1, Tk), broadcast over query rows
         if t_q > 1:
             allowed = causal_mask(t_q, t_k, q.device).repeat(g, 1)  # (g*Tq, Tk)
-            mask = mask.masked_fill(~allowed, float("-inf"))  # (B, Hkv, g*Tq, Tk)
+            mask = mask.masked_fill(~allowed, float("-inf"))  # (B|1, Hkv|1, g*Tq, Tk)
     elif t_q == 1:
         mask, is_causal = None, False  # one new query sees every key
     elif t_q == t_k and g == 1:
         mask, is_causal = None, True  # square: SDPA's top-left alignment is right
     else:
         mask, is_causal = causal_mask(t_q, t_k, q.device).repeat(g, 1), False  # (g*Tq, Tk)
-    y = sdpa(q, k, v, mask=mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale)  # (B, Hkv, g*Tq, Dv)
+    y = sdpa(q, k, v, mask=mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
+             fixed_shape=fixed_shape)  # (B, Hkv, g*Tq, Dv)
     return y.reshape(b, hq, t_q, v.shape[-1])  # (B, Hq, Tq, Dv)
 
 
 class _Attention(nn.Module):
-    """What MHA and MLA share: config, output projection, dropout and the kernel choice for each call."""
+    """What MHA and MLA share: config, output projection, dropout and the kernel choice for each call.
+
+    Which FlashAttention is installed is resolved here, at construction: ``forward`` only compares the call's
+    device, dtype and head sizes with it (plain Python that ``torch.compile`` traces without a graph break)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -153,14 +264,22 @@ class _Attention(nn.Module):
         self.head_size = cfg.head_size
         self.scale = 1.0 / math.sqrt(cfg.head_size)
         self.c_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.resid_dropout = dropout(cfg.dropout)
+        impl = flash_impl() if cfg.attn_backend != "sdpa" else None
+        # an installed FlashAttention this machine's GPU cannot run (FlashAttention-4 before Hopper) counts as absent
+        self.flash = impl if impl is not None and (not torch.cuda.is_available() or gpu_supports(impl)) else None
         self.last_backend: Optional[str] = None  # which kernel the last call ran ("flash" or "sdpa")
 
-    def _attend(self, q, k, v) -> torch.Tensor:
-        backend = select_backend(self.cfg.attn_backend, q.device, q.dtype, q.shape[-1], v.shape[-1])
-        self.last_backend = backend
-        return attend(q, k, v, scale=self.scale, backend=backend,
-                      dropout_p=self.cfg.dropout if self.training else 0.0)
+    def _attend(self, q, k, v, bias: Optional[torch.Tensor] = None, fixed_shape: bool = False) -> torch.Tensor:
+        if bias is not None:  # a per-key bias (fixed-capacity cache): SDPA only
+            backend = "sdpa"
+        else:
+            backend = select_backend(self.cfg.attn_backend, q.device, q.dtype, q.shape[-1], v.shape[-1],
+                                     installed=self.flash is not None)
+        if not torch.compiler.is_compiling():
+            self.last_backend = backend
+        return attend(q, k, v, scale=self.scale, backend=backend, bias=bias, flash=self.flash,
+                      dropout_p=self.cfg.dropout if self.training else 0.0, fixed_shape=fixed_shape)
 
     def _out(self, y: torch.Tensor) -> torch.Tensor:
         b, h, t, hs = y.shape
@@ -183,10 +302,12 @@ class CausalSelfAttention(_Attention):
         q, k, v = self.c_attn(x).split([c, d_kv, d_kv], dim=2)  # (B, T, d_model), 2 × (B, T, Hkv·hs)
         q = q.view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, T, hs)
         k, v = (z.view(b, t, self.n_kv_head, self.head_size).transpose(1, 2) for z in (k, v))  # (B, Hkv, T, hs)
+        bias = None
         if cache is not None:
             kv = cache.append(layer, k=k, v=v)
             k, v = kv["k"], kv["v"]  # (B, Hkv, Tk, hs)
-        return self._out(self._attend(q, k, v))
+            bias = cache.key_bias()  # (1, 1, Tk) for a fixed-capacity view, else None
+        return self._out(self._attend(q, k, v, bias, cache is not None and cache.fixed_shape))
 
 
 class MultiHeadLatentAttention(_Attention):
@@ -212,25 +333,31 @@ class MultiHeadLatentAttention(_Attention):
         self.kv_norm = nn.RMSNorm(cfg.d_latent, eps=LATENT_NORM_EPS) if cfg.latent_norm else None
         self.splice = (LearnedKVSplice(cfg.d_latent, cfg.d_compressed, orthogonal=cfg.kvsplice_orthogonal)
                        if cfg.d_compressed is not None else None)
+        self.splice_norm = nn.RMSNorm(cfg.d_compressed, eps=LATENT_NORM_EPS) if cfg.kvsplice_norm else None
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """What the cache stores for ``x``: ``c`` (B, T, d_latent) or ``s = C c`` (B, T, d_compressed)."""
         c = self._c(x)  # (B, T, d_latent)
-        return self.splice.compress(c) if self.splice is not None else c
+        if self.splice is None:
+            return c
+        s = self.splice.compress(c)  # (B, T, d_compressed)
+        return self.splice_norm(s) if self.splice_norm is not None else s
 
     def forward(self, x: torch.Tensor, cache: Optional[DecodeCache] = None, layer: int = 0) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.w_q(x).view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, T, hs)
         if cache is None:
-            c = self._c(x)  # (B, T, d_latent)
             if self.splice is not None:
-                c = self.splice(c)  # E C c: both compress and expand are in the training graph
+                c = self.splice.expand(self.latent(x))  # E (norm) C c: compress and expand are in the training graph
+            else:
+                c = self._c(x)  # (B, T, d_latent)
             return self._out(self._attend(q, *self._expand(c)))
         s = cache.append(layer, c=self.latent(x))["c"]  # (B, Tk, r)
+        bias, fixed = cache.key_bias(), cache.fixed_shape  # (1, 1, Tk) for a fixed-capacity view, else None
         if self.cfg.mla_impl == "naive":
             c = self.splice.expand(s) if self.splice is not None else s  # (B, Tk, d_latent), re-expanded per call
-            return self._out(self._attend(q, *self._expand(c)))
-        return self._out(self._absorbed(q, s))
+            return self._out(self._attend(q, *self._expand(c), bias, fixed))
+        return self._out(self._absorbed(q, s, bias, fixed))
 
     def _c(self, x: torch.Tensor) -> torch.Tensor:
         """The latent ``c = w_dkv x`` (B, T, d_latent), RMS-normalised per token with ``cfg.latent_norm``."""
@@ -243,7 +370,8 @@ class MultiHeadLatentAttention(_Attention):
         v = self.w_uv(c).view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, Tk, hs)
         return k, v
 
-    def _absorbed(self, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    def _absorbed(self, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  fixed_shape: bool = False) -> torch.Tensor:
         """q (B, H, Tq, hs), cached latents s (B, Tk, r) → per-head outputs (B, H, Tq, hs)."""
         h, hs = self.n_head, self.head_size
         w_uk = self.w_uk.weight.view(h, hs, -1)  # (H, hs, d_latent)
@@ -251,7 +379,7 @@ class MultiHeadLatentAttention(_Attention):
         q_lat = torch.einsum("bhtd,hdl->bhtl", q, w_uk)  # (B, H, Tq, d_latent)
         if self.splice is not None:
             q_lat = q_lat @ self.splice.expand_weight()  # (B, H, Tq, r): (w_uk[h] E)ᵀ q_h
-        z = self._attend(q_lat, s[:, None], s[:, None])  # (B, H, Tq, r): Σ_t p_t s_t
+        z = self._attend(q_lat, s[:, None], s[:, None], bias, fixed_shape)  # (B, H, Tq, r): Σ_t p_t s_t
         if self.splice is not None:
             z = z @ self.splice.expand_weight().T  # (B, H, Tq, d_latent)
         y = torch.einsum("bhtl,hdl->bhtd", z, w_uv)  # (B, H, Tq, hs)

@@ -65,6 +65,8 @@ class Cache:
     """
 
     kind: str = "cache"
+    fixed_shape: bool = False
+    """Every step sees the same shapes (a fixed-capacity view for CUDA graphs): kernels that plan per shape pay once."""
     batch_size: int
     dtype: torch.dtype
     device: torch.device
@@ -85,6 +87,16 @@ class Cache:
 
     def append(self, layer: int, **new: torch.Tensor):
         raise NotImplementedError
+
+    def positions(self, t: int, device: torch.device) -> torch.Tensor:
+        """Absolute positions ``(t,)`` of the next ``t`` tokens (a fixed-capacity view reads them from the device)."""
+        return torch.arange(self.position, self.position + t, device=device)
+
+    def key_bias(self) -> torch.Tensor | None:
+        """An additive per-key bias ``(1, 1, Tk)`` every attention over what :meth:`append` returned must add, or
+        None: a fixed-capacity view (:class:`models.static_cache.StaticCacheView`) returns its whole storage and
+        masks the rows not written yet with ``-inf``."""
+        return None
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor the cache holds (the live views), for independent measurement."""
@@ -190,6 +202,16 @@ class DecodeCache(Cache):
 
     def layer_len(self, layer: int) -> int:
         return self._lengths[layer]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens every layer's storage holds before it must grow."""
+        return min(next(iter(b.values())).shape[-2] for b in self._buffers) if self._buffers else 0
+
+    def storage(self, layer: int) -> dict[str, torch.Tensor]:
+        """The whole storage of ``layer`` per buffer, ``(B, *lead, capacity, D)``, rows past :meth:`layer_len`
+        included (a fixed-capacity view writes and reads it in place)."""
+        return self._buffers[layer]
 
     def append(self, layer: int, **new: torch.Tensor) -> dict[str, torch.Tensor]:
         """Append ``new[name]`` of shape ``(B, *lead, T_new, D)`` to every stream of ``layer``; return full views."""

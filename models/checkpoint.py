@@ -28,7 +28,7 @@ __all__ = ["CKPT_FORMAT", "CKPT_FORMAT_KEY", "GPT_CONFIG_KEY", "CheckpointError"
            "atomic_save", "save_model"]
 
 CKPT_FORMAT_KEY = "kvsplice_format"
-"""Key of the format version that :class:`models.lit.LitGPT` writes into every checkpoint."""
+"""Key of the format version that :class:`training.lit.LitGPT` writes into every checkpoint."""
 CKPT_FORMAT = 1
 """Current checkpoint format: ``gpt_config`` (a plain dict of :class:`models.GPTConfig` fields) + ``state_dict`` with
 the GPT's weights under the ``model.`` prefix."""

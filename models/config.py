@@ -87,6 +87,9 @@ class GPTConfig:
     latent_norm: bool = False
     """MLA only: RMSNorm on the latent ``c = w_dkv x`` before it is cached (and before KVSplice's compress), as
     DeepSeek-V2's ``kv_a_layernorm``. Per token, so absorbed decode stays exact."""
+    kvsplice_norm: bool = False
+    """MLA + KVSplice only: RMSNorm on the compressed latent ``s = C c`` (after the compress, before caching): the
+    cached vector is normalised as an MLA latent of that size would be. Per token, so absorbed decode stays exact."""
     cache_quant: Optional[str] = None
     """``None``: the decode cache holds the model's dtype; ``"int8"``: every cached row (K/V per head, or the
     latent) is stored as int8 with one fp16 absmax scale, dequantised inside the attention call. Decode only: the
@@ -116,6 +119,9 @@ class GPTConfig:
         need(isinstance(self.latent_norm, bool), "latent_norm", "true or false", self.latent_norm)
         need(not self.latent_norm or self.attention == "mla", "latent_norm", "false unless attention='mla'",
              self.latent_norm)
+        need(isinstance(self.kvsplice_norm, bool), "kvsplice_norm", "true or false", self.kvsplice_norm)
+        need(not self.kvsplice_norm or self.kvsplice_ratio is not None, "kvsplice_norm",
+             "false unless kvsplice_ratio is set", self.kvsplice_norm)
         if self.kvsplice_ratio is not None:
             r = self.kvsplice_ratio
             need(isinstance(r, (int, float)) and not isinstance(r, bool) and 0.0 < r < 1.0, "kvsplice_ratio",
@@ -221,29 +227,16 @@ class GPTConfig:
         return cls.from_file(config_path(name), **overrides)
 
 
-def _gpt2_124m(**kw) -> GPTConfig:
-    base = dict(vocab_size=50304, n_layer=12, n_head=12, d_model=768, block_size=1024, d_latent=256)
-    base.update(kw)
-    return GPTConfig(**base)
-
-
-PRESETS = {
-    "gpt2": lambda: _gpt2_124m(attention="mha"),
-    "gpt2_gqa4": lambda: _gpt2_124m(attention="mha", n_kv_head=4),
-    "gpt2_mqa": lambda: _gpt2_124m(attention="mha", n_kv_head=1),
-    "mla": lambda: _gpt2_124m(attention="mla"),
-    "mla_kvsplice_50": lambda: _gpt2_124m(attention="mla", kvsplice_ratio=0.5),
-    "mla_kvsplice_70": lambda: _gpt2_124m(attention="mla", kvsplice_ratio=0.3),
-    "mla_kvsplice_90": lambda: _gpt2_124m(attention="mla", kvsplice_ratio=0.1),
-}
-"""GPT-2 124M shapes (12 layers, 12 heads, d_model 768, block 1024, d_latent 256) for each variant (GQA with 4 KV
-heads and MQA as the baselines with a smaller standard cache)."""
+PRESETS = ("gpt2", "gpt2_gqa4", "gpt2_mqa", "mla", "mla_kvsplice_50", "mla_kvsplice_70", "mla_kvsplice_90")
+"""The GPT-2 124M configs (12 layers, 12 heads, d_model 768, block 1024, d_latent 256): MHA, GQA with 4 KV heads and
+MQA (the baselines with a smaller standard cache), MLA and MLA + KVSplice 50/70/90. A preset *is* its training YAML
+(``configs/NAME.yaml``): the tools (``verify_memory``, ``bench_decode``) measure exactly the model
+``python -m training.fit --config NAME`` trains."""
 
 
 def preset(name: str, **overrides) -> GPTConfig:
-    """A named 124M preset (``gpt2``, ``gpt2_gqa4``, ``gpt2_mqa``, ``mla``, ``mla_kvsplice_50/70/90``) with optional
-    field overrides."""
+    """The ``model:`` section of ``configs/NAME.yaml`` for a 124M preset (:data:`PRESETS`), with optional field
+    overrides; ``vocab_size`` is the padded GPT-2 vocabulary (50304) the training run links from its tokenizer."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    cfg = PRESETS[name]()
-    return cfg.replace(**overrides) if overrides else cfg
+    return GPTConfig.from_name(name, **overrides)

@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from models.attention import CausalSelfAttention, MultiHeadLatentAttention
+from models.attention import CausalSelfAttention, MultiHeadLatentAttention, dropout
 from models.cache import CompressedLatentCache, DecodeCache, KVCache, LatentCache
 from models.config import GPTConfig
 from models.generate import check_prompt, check_sampling, generate_tokens, sample_next
@@ -23,7 +23,7 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=cfg.bias)
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
         self.c_proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
@@ -55,7 +55,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(cfg.vocab_size, cfg.d_model),
             wpe=nn.Embedding(cfg.block_size, cfg.d_model),
-            drop=nn.Dropout(cfg.dropout),
+            drop=dropout(cfg.dropout),
             h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
             ln_f=nn.LayerNorm(cfg.d_model, bias=cfg.bias),
         ))
@@ -108,7 +108,7 @@ class GPT(nn.Module):
         if cache is not None and cache.dtype != self.transformer.wte.weight.dtype:
             raise ValueError(f"cache holds {cache.dtype} but the model computes in {self.transformer.wte.weight.dtype};"
                              f" build the cache with model.new_cache() after casting the model")
-        pos = torch.arange(start, start + t, device=idx.device)  # (T,)
+        pos = cache.positions(t, idx.device) if cache is not None else torch.arange(t, device=idx.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, d_model)
         for i, block in enumerate(self.transformer.h):
             x = block(x, cache=cache, layer=i)
@@ -135,9 +135,12 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                 top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                 cuda_graph: bool = False) -> torch.Tensor:
         """Prefill ``idx`` (B, T) into a fresh cache, then decode ``max_new_tokens`` one at a time from the cache
         (:func:`models.generate.generate_tokens`). ``temperature=0`` is greedy. Returns ``(B, T + max_new_tokens)``.
+        ``cuda_graph=True`` (CUDA, unquantised cache) replays each decode step from a captured CUDA graph
+        (:class:`models.graph_decode.GraphDecoder`): the same tokens, fewer kernel launches.
         """
         check_sampling(max_new_tokens, temperature, top_k)
         check_prompt(idx, self.cfg.vocab_size)
@@ -148,8 +151,21 @@ class GPT(nn.Module):
             raise ValueError(f"prompt ({t}) + max_new_tokens ({max_new_tokens}) exceeds block_size="
                              f"{self.cfg.block_size}")
         cache = self.new_cache(b, capacity=t + max(max_new_tokens, 1) - 1)
-        return generate_tokens(lambda ids, c: self(ids, cache=c), cache, idx, max_new_tokens, temperature, top_k,
-                               generator)
+        if not cuda_graph:
+            return generate_tokens(lambda ids, c: self(ids, cache=c), cache, idx, max_new_tokens, temperature, top_k,
+                                   generator)
+        from models.graph_decode import GraphDecoder
+
+        graphs: list[GraphDecoder] = []  # captured at the first decode step, after the prefill
+
+        def step(ids: torch.Tensor, c: DecodeCache) -> torch.Tensor:
+            if c.seq_len == 0:
+                return self(ids, cache=c)  # prefill: eager (variable length)
+            if not graphs:
+                graphs.append(GraphDecoder(self, c))
+            return graphs[0].step(ids)[:, None]  # (B, 1, V)
+
+        return generate_tokens(step, cache, idx, max_new_tokens, temperature, top_k, generator)
 
     # ------------------------------------------------------------------------------------------- HF import
     @classmethod

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from kvsplice import bench_decode, verify_memory
 from kvsplice.io import configs as io_configs
@@ -84,15 +85,31 @@ def test_memory_helpers():
 
 
 # ------------------------------------------------------------------------------------------ verify_memory
-def test_config_from_yaml_ignores_non_model_keys(tmp_path):
-    cfg = io_configs.config_from_yaml(write_tiny(tmp_path, "a", ratio=0.25))
+def test_resolve_config_ignores_non_model_keys(tmp_path):
+    cfg = io_configs.resolve_config(str(write_tiny(tmp_path, "a", ratio=0.25)))[1]
     assert (cfg.n_layer, cfg.d_model, cfg.kvsplice_ratio, cfg.vocab_size) == (2, 32, 0.25, 50304)
     p = tmp_path / "b.yaml"  # LightningCLI class_path / init_args form
-    p.write_text("model:\n  class_path: models.lit.LitGPT\n  init_args:\n    n_layer: 3\n    attention: mla\n"
+    p.write_text("model:\n  class_path: training.lit.LitGPT\n  init_args:\n    n_layer: 3\n    attention: mla\n"
                  "    lr: 0.1\noptimizer:\n  lr: 1\n")
-    cfg = io_configs.config_from_yaml(p)
+    cfg = io_configs.resolve_config(str(p))[1]
     assert (cfg.n_layer, cfg.attention) == (3, "mla")
     assert io_configs.resolve_config("mla_kvsplice_90")[1].cache_dim == 26
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt2_gqa4", "gpt2_mqa", "mla", "mla_kvsplice_50", "mla_kvsplice_70",
+                                  "mla_kvsplice_90"])
+def test_tools_measure_the_model_training_trains(name):
+    """A preset is its training YAML: what verify_memory / bench_decode build for NAME is the GPTConfig that
+    ``training.fit --config NAME`` constructs (same fields, latent_norm included), vocab padded as the CLI pads it."""
+    from models import preset
+    from models.config import config_path
+    from training.lit import LitGPT
+
+    data = yaml.safe_load(config_path(name).read_text())["model"]
+    lit = LitGPT(vocab_size=50257, **{k: v for k, v in data.items()})
+    assert io_configs.resolve_config(name)[1] == lit.config == preset(name)
+    if name.startswith("mla"):
+        assert lit.config.latent_norm
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
@@ -170,7 +187,7 @@ def test_bench_decode_tiny(tmp_path, tiny_configs, capsys):
     mla = tiny_configs[1]
     rc = bench_decode.main(["--config", mla, f"{mla}:naive", tiny_configs[2], "--ctx", "8", "300", "--batch", "2",
                             "--repeats", "3", "--warmup", "1", "--rounds", "2", "--json", str(out), "--no-progress",
-                            "--profile"])
+                            "--profile", "--device", "cpu"])  # the profile's copy check reads CPU ops
     assert rc == 0
     assert "added an MHA baseline" in capsys.readouterr().err
     report = json.loads(out.read_text())

@@ -35,11 +35,11 @@ def test_gptconfig_from_name_and_file_from_any_cwd(tmp_path, monkeypatch):
     assert (big.n_layer, big.d_model, big.d_latent, big.kvsplice_ratio) == (12, 768, 256, 0.3)
     assert config_path("tiny_gpt2") == CONFIG_DIR / "tiny_gpt2.yaml" and "tiny_gpt2" in available_configs()
     assert resolve_config("tiny_gpt2") == CONFIG_DIR / "tiny_gpt2.yaml"
-    with pytest.raises(ConfigNotFoundError, match=r"no_such.*available: gpt2, mla, .*tiny_mla_kvsplice_90\)"):
+    with pytest.raises(ConfigNotFoundError, match=r"no_such.*available: gpt2, gpt2_gqa4, gpt2_mqa, mla, .*tiny_mla_kvsplice_90\)"):
         GPTConfig.from_name("no_such")
 
     own = tmp_path / "mine.yaml"  # a path works; a LightningCLI class_path/init_args section too
-    own.write_text("model:\n  class_path: models.lit.LitGPT\n  init_args:\n    n_layer: 3\n    d_model: 96\n"
+    own.write_text("model:\n  class_path: training.lit.LitGPT\n  init_args:\n    n_layer: 3\n    d_model: 96\n"
                    "    n_head: 4\n    learning_rate: 0.1\n")
     assert (GPTConfig.from_file(own).n_layer, GPTConfig.from_name(str(own)).d_model) == (3, 96)
     (tmp_path / "configs").mkdir()  # a configs/ folder in the cwd does not shadow the package's
@@ -63,7 +63,7 @@ def test_fit_config_names_resolve_from_another_directory(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: --config 'nope'") and "available: gpt2, mla," in line
+    assert line.startswith("error: --config 'nope'") and "available: gpt2, gpt2_gqa4, gpt2_mqa, mla," in line
 
 
 def test_fit_is_a_thin_entry_point():

@@ -1,6 +1,6 @@
 """The Lightning side of ``python -m training.fit``: :class:`KVSpliceCLI` (a ``LightningCLI``) and its callbacks.
 
-* :class:`KVSpliceCLI` — :class:`models.lit.LitGPT` + :class:`data.TinyStoriesDataModule`, always fitting; adds
+* :class:`KVSpliceCLI` — :class:`training.lit.LitGPT` + :class:`data.TinyStoriesDataModule`, always fitting; adds
   ``--run_name``, ``--runs_dir``, ``--ckpt_path``, ``--overwrite``, ``--wandb.*`` and ``--torch_threads``; places the run
   with :func:`training.rundir.plan_run` (never into an earlier run's directory); shortens the warmup (and the
   validation interval) of short smoke runs; logs to W&B (offline by default) + ``metrics.csv``; checkpoints
@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from data import TinyStoriesDataModule
-from models.lit import LitGPT, check_schedule
+from training.lit import LitGPT, check_schedule
 from training.checkpoint import remove_stale_temp_files, safe_checkpoint_io
 from training.loggers import RunCSVLogger
 from training.rundir import WANDB_ID_FILE, CLIConfigError, RunPlan, clear_run_files, plan_run
@@ -69,7 +69,7 @@ def _new_wandb_id() -> str:
 def shorten_schedule(warmup_steps: int, max_steps: int, warmup_explicit: bool) -> tuple[int, Optional[str]]:
     """``(warmup_steps, note)`` for a run of ``max_steps``: a configured warmup that does not fit a shortened run
     (``warmup_steps >= max_steps``) becomes 10 % of ``max_steps`` with a note, unless the user set it explicitly
-    (then :func:`models.lit.check_schedule` reports the conflict)."""
+    (then :func:`training.lit.check_schedule` reports the conflict)."""
     if warmup_explicit or max_steps is None or max_steps < 1 or warmup_steps < max_steps:
         return warmup_steps, None
     new = max_steps // 10
@@ -200,7 +200,7 @@ class RunFiles(SaveConfigCallback):
 
 
 class KVSpliceCLI(LightningCLI):
-    """LightningCLI for :class:`models.lit.LitGPT` + :class:`data.TinyStoriesDataModule`, always fitting.
+    """LightningCLI for :class:`training.lit.LitGPT` + :class:`data.TinyStoriesDataModule`, always fitting.
 
     Adds ``--run_name``, ``--runs_dir``, ``--ckpt_path``, ``--overwrite``, ``--torch_threads`` and ``--wandb.*``; links
     ``data.vocab_size`` → ``model.vocab_size`` (at instantiation) and ``model.block_size`` → ``data.block_size``; by

@@ -113,7 +113,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     from data.errors import DataConfigError, DataUnavailableError
-    from models.lit import TrainingConfigError
+    from training.lit import TrainingConfigError
     from training.checkpoint import CheckpointError
 
     return (CLIConfigError, ArgumentError, DataUnavailableError, DataConfigError, TrainingConfigError,

@@ -25,11 +25,16 @@ DEFAULT_CONFIGS = ("gpt2", "mla:naive", "mla", "mla_kvsplice_50", "mla_kvsplice_
 class BenchVariant:
     label: str
     cfg: GPTConfig
+    graph: bool = False
+    """Replay each step from a captured CUDA graph (:class:`models.graph_decode.GraphDecoder`)."""
 
 
 def parse_variant(spec: str, max_ctx: int) -> BenchVariant:
-    """``NAME[:naive|:absorb][:int8]`` → a variant (``:int8``: the same model with an int8 cache)."""
-    name, impl, quant = spec, None, None
+    """``NAME[:naive|:absorb][:int8][:graph]`` → a variant (``:int8``: the same model with an int8 cache;
+    ``:graph``: steps replayed from a CUDA graph)."""
+    name, impl, quant, graph = spec, None, None, False
+    if name.endswith(":graph"):
+        name, graph = name[: -len(":graph")], True
     if name.endswith(":int8"):
         name, quant = name[: -len(":int8")], "int8"
     if ":" in name and name.rsplit(":", 1)[1] in ("naive", "absorb"):
@@ -46,7 +51,9 @@ def parse_variant(spec: str, max_ctx: int) -> BenchVariant:
     if quant:
         cfg = cfg.replace(cache_quant=quant)
         label = f"{label}+{quant}"
-    return BenchVariant(label, cfg)
+    if graph and quant:
+        raise UsageError(f"{spec}: ':graph' needs an unquantised cache")
+    return BenchVariant(label + ("+graph" if graph else ""), cfg, graph)
 
 
 def variants_from_specs(specs: Sequence[str], max_ctx: int) -> tuple[list[BenchVariant], list[str]]:
@@ -55,7 +62,7 @@ def variants_from_specs(specs: Sequence[str], max_ctx: int) -> tuple[list[BenchV
     labels = [v.label for v in variants]
     if len(set(labels)) != len(labels):
         raise UsageError(f"duplicate variants {labels}")
-    if not any(v.cfg.attention == "mha" for v in variants):
+    if not any(v.cfg.attention == "mha" and not v.graph for v in variants):
         base = variants[0].cfg.replace(attention="mha", kvsplice_ratio=None)
         variants.insert(0, BenchVariant("mha", base))
         notes.append(f"added an MHA baseline with the shapes of {variants[1].label} (n_layer={base.n_layer}, "
@@ -81,21 +88,37 @@ def filled_cache(model, batch: int, ctx: int, generator: torch.Generator):
 
 @torch.inference_mode()
 def time_steps(model, cache, ctx: int, tok: torch.Tensor, warmup: int, repeats: int,
-               max_seconds: Optional[float] = None) -> list[float]:
+               max_seconds: Optional[float] = None, graph: bool = False) -> list[float]:
     """Seconds of ``repeats`` single-token steps at context ``ctx`` (after ``warmup`` untimed ones). With
-    ``max_seconds``, stop early once warm-up + timed steps have taken that long (at least one timed step)."""
+    ``max_seconds``, stop early once warm-up + timed steps have taken that long (at least one timed step).
+
+    On CUDA each step starts on an idle GPU (synchronised) and is timed by CUDA events around it: the time from
+    the step's first launch to its last kernel's end, launch gaps included. ``graph``: the steps replay a CUDA graph
+    captured over a fixed-capacity view of the cache (:class:`models.graph_decode.GraphDecoder`)."""
     cuda = tok.device.type == "cuda"
+    if graph:
+        from models.graph_decode import GraphDecoder
+
+        decoder = GraphDecoder(model, cache)
+        step = decoder.step
+    else:
+        step = lambda t: model(t, cache=cache)  # noqa: E731
     out: list[float] = []
     spent = 0.0
+    start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
     for i in range(warmup + repeats):
         if cuda:
             torch.cuda.synchronize(tok.device)
+            start.record()
         t0 = time.perf_counter()
-        logits = model(tok, cache=cache)
+        logits = step(tok)
         if cuda:
-            torch.cuda.synchronize(tok.device)
-        dt = time.perf_counter() - t0
-        spent += dt
+            end.record()
+            end.synchronize()
+            dt = start.elapsed_time(end) / 1e3
+        else:
+            dt = time.perf_counter() - t0
+        spent += time.perf_counter() - t0
         cache.truncate(ctx)
         if i >= warmup:
             out.append(dt)
@@ -182,7 +205,8 @@ def run(variants: Sequence[BenchVariant], ctxs: Sequence[int], *, batch: int, dt
                     cache = filled_cache(model, batch, ctx, gen)
                     tok = torch.randint(0, v.cfg.vocab_size, (batch, 1), generator=gen).to(device)
                     times[(v.label, ctx)] += time_steps(model, cache, ctx, tok, warmup, n,
-                                                          None if max_seconds is None else max_seconds / rounds)
+                                                          None if max_seconds is None else max_seconds / rounds,
+                                                          graph=v.graph)
                     if profile is not None and ctx == max(ctxs) and r == 0:
                         profile[v.label] = profile_step(model, cache, ctx, tok)
                     del cache
@@ -194,20 +218,22 @@ def run(variants: Sequence[BenchVariant], ctxs: Sequence[int], *, batch: int, dt
             ts = [t * 1e3 for t in times[(v.label, ctx)]]
             rows.append(dict(
                 variant=v.label, attention=v.cfg.attention, mla_impl=v.cfg.mla_impl if v.cfg.attention == "mla"
-                else None, cache_dim=v.cfg.cache_dim, ctx=ctx, batch=batch, n=len(ts),
+                else None, cuda_graph=v.graph, cache_dim=v.cfg.cache_dim, ctx=ctx, batch=batch, n=len(ts),
                 median_ms=statistics.median(ts), p25_ms=_quantile(ts, 0.25), p75_ms=_quantile(ts, 0.75),
                 min_ms=min(ts), times_ms=[round(t, 4) for t in ts],
                 cache_bytes=cache_bytes_formula(v.cfg, ctx, dtype, batch),
             ))
-    base = next(v.label for v in variants if v.cfg.attention == "mha")
+    base = next(v.label for v in variants if v.cfg.attention == "mha" and not v.graph)
     mha = {r["ctx"]: r["median_ms"] for r in rows if r["variant"] == base}
     med = {(r["variant"], r["ctx"]): r["median_ms"] for r in rows}
     for r in rows:
         r["baseline"] = base
         r["speedup_vs_mha"] = mha[r["ctx"]] / r["median_ms"]
-        plain = r["variant"].rsplit("+", 1)[0] if "+" in r["variant"] else None
-        if plain is not None and (plain, r["ctx"]) in med:  # an int8 variant next to its unquantised twin
-            r["time_vs_unquantised"] = r["median_ms"] / med[(plain, r["ctx"])]
+        name = r["variant"]
+        if name.endswith("+int8") and (name[: -len("+int8")], r["ctx"]) in med:  # next to its unquantised twin
+            r["time_vs_unquantised"] = r["median_ms"] / med[(name[: -len("+int8")], r["ctx"])]
+        if name.endswith("+graph") and (name[: -len("+graph")], r["ctx"]) in med:  # next to its eager twin
+            r["time_vs_eager"] = r["median_ms"] / med[(name[: -len("+graph")], r["ctx"])]
     return rows
 
 
@@ -239,8 +265,9 @@ def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
         cells = [v, str(by_ctx[ctxs[0]]["cache_dim"])]
         for c in ctxs:
             r = by_ctx[c]
-            cells.append(f"{r['median_ms']:.1f} ({r['speedup_vs_mha']:.2f}×)"
-                         + (f", {r['time_vs_unquantised']:.2f}× unquant." if "time_vs_unquantised" in r else ""))
+            cells.append(f"{r['median_ms']:.{3 if r['median_ms'] < 1 else 1}f} ({r['speedup_vs_mha']:.2f}×)"
+                         + (f", {r['time_vs_unquantised']:.2f}× unquant." if "time_vs_unquantised" in r else "")
+                         + (f", {r['time_vs_eager']:.2f}× eager" if "time_vs_eager" in r else ""))
         if len(ctxs) > 1:
             cells.append(f"{g[v]:.2f}×")
         body.append(cells)

@@ -83,6 +83,3 @@ def sequences_in_budget(budget_bytes: int, bytes_per_sequence: int) -> int:
         raise ValueError(f"bytes_per_sequence must be > 0, got {bytes_per_sequence}")
     return int(budget_bytes // bytes_per_sequence)
 
-
-CUDA_ALLOC_GRANULE = 512
-"""PyTorch's CUDA caching allocator rounds every allocation up to a multiple of 512 bytes."""

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
-from models.config import GPTConfig
+from models.config import Attention, AttnBackend, GPTConfig, MLAImpl
 from models.gpt import GPT
 
 __all__ = ["LitGPT", "TrainingConfigError", "lr_factor", "param_groups"]
@@ -48,26 +48,32 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float)
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def param_groups(model: torch.nn.Module, weight_decay: float,
+                 splice_lr: Optional[float] = None) -> list[dict[str, Any]]:
     """AdamW groups: ``decay`` = 2-D weights (linear, embeddings); ``no_decay`` = biases, norms and parametrised
-    (orthogonal) KVSplice matrices, whose decay would fight the constraint."""
-    decay, no_decay = [], []
+    (orthogonal) KVSplice matrices, whose decay would fight the constraint. With ``splice_lr``, KVSplice's
+    compress/expand matrices form their own groups (``splice_decay`` / ``splice_no_decay``) at that learning rate."""
+    groups: dict[str, list] = {"decay": [], "no_decay": [], "splice_decay": [], "splice_no_decay": []}
     for name, p in model.named_parameters():  # tied lm_head/wte appears once
         if not p.requires_grad:
             continue
-        if p.dim() >= 2 and ".parametrizations." not in name:
-            decay.append(p)
-        else:
-            no_decay.append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
-        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
-    ]
+        kind = "decay" if p.dim() >= 2 and ".parametrizations." not in name else "no_decay"
+        if splice_lr is not None and ".splice." in name:
+            kind = "splice_" + kind
+        groups[kind].append(p)
+    out = [{"params": groups["decay"], "weight_decay": weight_decay, "name": "decay"},
+           {"params": groups["no_decay"], "weight_decay": 0.0, "name": "no_decay"}]
+    for kind, wd in (("splice_decay", weight_decay), ("splice_no_decay", 0.0)):
+        if groups[kind]:
+            out.append({"params": groups[kind], "weight_decay": wd, "lr": splice_lr, "name": kind})
+    return out
 
 
 _GPT_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig))
+_D = GPTConfig()
+"""GPTConfig's defaults: the model arguments of :class:`LitGPT` default to them (stated once, in the dataclass)."""
 _ARCH_FIELDS = ("vocab_size", "n_layer", "n_head", "d_model", "block_size", "bias", "attention", "d_latent",
-                "kvsplice_ratio", "kvsplice_orthogonal", "n_kv_head", "latent_norm")
+                "kvsplice_ratio", "kvsplice_orthogonal", "n_kv_head", "latent_norm", "kvsplice_norm")
 """GPTConfig fields a resumed run must share with its checkpoint (dropout, kernels and decode path may change)."""
 
 
@@ -88,26 +94,34 @@ class LitGPT(L.LightningModule):
         init_from: a checkpoint (``training.fit`` or ``python -m kvsplice.to_mla``) whose weights start the run:
             fine-tuning with a fresh optimizer, schedule and step count (unlike ``--ckpt_path``, which resumes). Its
             model must have this config's architecture (the error lists the fields that differ).
+        optimizer_impl: AdamW's implementation: ``fused`` (one kernel for all parameters), ``foreach`` (grouped
+            kernels), or ``auto`` (fused on CUDA, foreach elsewhere). Gradient clipping works with each: Lightning's
+            mixed-precision plugin refuses to clip for an optimizer that unscales inside its step (fused AdamW), so
+            :meth:`configure_gradient_clipping` unscales (fp16) and clips itself.
+        splice_lr_mult: learning-rate multiplier of KVSplice's compress/expand matrices (1: the model's).
+        compile: ``torch.compile`` the model (in place: parameter names and checkpoints are unchanged); the first
+            steps of training and of validation pay the compilation.
     """
 
     def __init__(
         self,
-        vocab_size: int = 50304,
-        n_layer: int = 12,
-        n_head: int = 12,
-        d_model: int = 768,
-        block_size: int = 1024,
-        dropout: float = 0.0,
-        bias: bool = True,
-        attention: Literal["mha", "mla"] = "mha",
-        d_latent: int = 256,
-        kvsplice_ratio: Optional[float] = None,
-        kvsplice_orthogonal: bool = False,
-        attn_backend: Literal["auto", "flash", "sdpa"] = "auto",
-        mla_impl: Literal["absorb", "naive"] = "absorb",
-        n_kv_head: Optional[int] = None,
-        latent_norm: bool = False,
-        cache_quant: Optional[Literal["int8"]] = None,
+        vocab_size: int = _D.vocab_size,
+        n_layer: int = _D.n_layer,
+        n_head: int = _D.n_head,
+        d_model: int = _D.d_model,
+        block_size: int = _D.block_size,
+        dropout: float = _D.dropout,
+        bias: bool = _D.bias,
+        attention: Attention = _D.attention,
+        d_latent: int = _D.d_latent,
+        kvsplice_ratio: Optional[float] = _D.kvsplice_ratio,
+        kvsplice_orthogonal: bool = _D.kvsplice_orthogonal,
+        attn_backend: AttnBackend = _D.attn_backend,
+        mla_impl: MLAImpl = _D.mla_impl,
+        n_kv_head: Optional[int] = _D.n_kv_head,
+        latent_norm: bool = _D.latent_norm,
+        kvsplice_norm: bool = _D.kvsplice_norm,
+        cache_quant: Optional[Literal["int8"]] = _D.cache_quant,
         vocab_multiple: int = 1,
         learning_rate: float = 6e-4,
         weight_decay: float = 0.1,
@@ -116,6 +130,9 @@ class LitGPT(L.LightningModule):
         warmup_steps: int = 1000,
         min_lr_ratio: float = 0.1,
         init_from: Optional[str] = None,
+        optimizer_impl: Literal["auto", "fused", "foreach"] = "auto",
+        compile: bool = False,
+        splice_lr_mult: float = 1.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -141,6 +158,10 @@ class LitGPT(L.LightningModule):
             self.config = GPTConfig(**fields)
         except ValueError as e:  # "GPTConfig.kvsplice_ratio must be ..." -> name the CLI option
             raise TrainingConfigError(str(e).replace("GPTConfig.", "model.", 1)) from None
+        if not splice_lr_mult > 0 or not math.isfinite(splice_lr_mult):
+            raise TrainingConfigError(f"model.splice_lr_mult must be a finite number > 0, got {splice_lr_mult}")
+        if optimizer_impl not in ("auto", "fused", "foreach"):
+            raise TrainingConfigError(f"model.optimizer_impl must be auto, fused or foreach, got {optimizer_impl!r}")
         self.model = GPT(self.config)
         if init_from:
             self._init_from(init_from)
@@ -150,6 +171,12 @@ class LitGPT(L.LightningModule):
         self._train_time = 0.0
         self._t_last: Optional[float] = None
         self._rate_ema: Optional[float] = None
+
+    @classmethod
+    def from_config(cls, config: GPTConfig, **training: Any) -> "LitGPT":
+        """A LitGPT for a :class:`GPTConfig` (its fields become the model arguments; ``training`` sets the others,
+        e.g. ``learning_rate``)."""
+        return cls(**config.to_dict(), **training)
 
     def _init_from(self, path: str) -> None:
         from models.checkpoint import CheckpointError, load_model
@@ -168,7 +195,8 @@ class LitGPT(L.LightningModule):
     def _arch_diff(self, stored: dict) -> dict:
         """``{field: (stored, configured)}`` for the architecture fields where a stored config differs from ours."""
         ours = self.config.to_dict()
-        return {k: (stored.get(k), ours[k]) for k in _ARCH_FIELDS if stored.get(k) != ours[k]}
+        default = _D.to_dict()  # a field newer than the checkpoint has its default there
+        return {k: (stored.get(k, default[k]), ours[k]) for k in _ARCH_FIELDS if stored.get(k, default[k]) != ours[k]}
 
     # ------------------------------------------------------------------------------------------------ forward
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -199,6 +227,11 @@ class LitGPT(L.LightningModule):
         if reason is not None:
             raise TrainingConfigError(f"model.attn_backend=flash cannot run here: {reason}; use --model.attn_backend "
                                       f"auto or sdpa")
+
+    def configure_model(self) -> None:
+        if self.hparams.compile and not getattr(self, "_compiled", False):
+            self.model.compile()  # in place: state_dict keys unchanged
+            self._compiled = True
 
     def on_train_start(self) -> None:
         self._t_last = time.perf_counter()
@@ -242,9 +275,12 @@ class LitGPT(L.LightningModule):
         hp = self.hparams
         max_steps = int(self.trainer.max_steps) if self.trainer is not None else -1
         check_schedule(hp.warmup_steps, max_steps)
-        fused = self.device.type == "cuda"
-        opt = torch.optim.AdamW(param_groups(self.model, hp.weight_decay), lr=hp.learning_rate,
-                                betas=tuple(hp.betas), eps=hp.eps, fused=fused)
+        impl = hp.get("optimizer_impl", "auto")
+        fused = impl == "fused" or (impl == "auto" and self.device.type == "cuda")
+        mult = hp.get("splice_lr_mult", 1.0)
+        groups = param_groups(self.model, hp.weight_decay, splice_lr=hp.learning_rate * mult if mult != 1.0 else None)
+        opt = torch.optim.AdamW(groups, lr=hp.learning_rate,
+                                betas=tuple(hp.betas), eps=hp.eps, fused=fused, foreach=None if fused else True)
         warmup, min_ratio = int(hp.warmup_steps), float(hp.min_lr_ratio)
 
         def schedule(step: int) -> float:  # a plain function: not stored in checkpoints, always today's max_steps
@@ -252,6 +288,25 @@ class LitGPT(L.LightningModule):
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Clip as configured (``trainer.gradient_clip_val`` / ``_algorithm``), also for fused AdamW under mixed
+        precision, which Lightning's plugin refuses ("performs unscaling of gradients internally"): with an fp16
+        grad scaler the gradients are unscaled first (the scaler then steps the optimizer without unscaling again);
+        bf16 and fp32 have none, so the gradients are already true."""
+        if not gradient_clip_val:
+            return
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)  # Lightning's own path
+            return
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val, foreach=True)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val, foreach=True)
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -1,0 +1,170 @@
+"""KVSplice at 512 B/token: what can make a KVSplice-50 of the 128-dim MLA latent match MLA-64 (same cached bytes)?
+
+    python benchmarks/kvsplice_recipe.py --study ablation --device cuda --batch 64 --steps 2000 --jobs 8
+    python benchmarks/kvsplice_recipe.py --study recipe --device cuda --batch 64 --steps 2000 --jobs 3
+
+Every variant trains the small_* shapes for the same ``--steps`` x ``--batch`` x 256 tokens as the frontier study
+(``benchmarks/frontier.py``, whose helpers run each ``training.fit``).
+
+* ``--study ablation`` — seed 0 on a **tuning split** (the training files only, a 5 % tail of them held out; never the
+  validation text the frontier reports): MLA-64 and KVSplice-50 from scratch as references, then KVSplice-50 with
+  the splice kept orthogonal (``kvsplice_orthogonal``), with a 10x learning rate for the splice
+  (``splice_lr_mult``), with the latent norm after the compress instead of before it (``kvsplice_norm``), and the
+  two-stage recipe ``insert``: MLA-128 for half the steps, KVSplice-50 inserted with PCA initialisation
+  (``python -m kvsplice.to_mla --kvsplice-ratio 0.5``, 65,536 calibration tokens of training text), fine-tuned for
+  the other half (fresh AdamW, 5 % warmup).
+* ``--study recipe`` — the two-stage ``insert`` recipe on the real validation text, seeds 1 2 3, next to the
+  frontier's MLA-64 and KVSplice-50 rows (``results/frontier_gpu.json``) at equal total tokens.
+
+Writes ``results/kvsplice_recipe_<study>[_gpu].json`` (+ ``.md``). Resumable like the frontier study.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from frontier import (DATA, REPO, TRAIN_FILES, cache_bytes, comparison_table, compare, end_children,  # noqa: E402
+                      final_train_loss, last_val, run_args, run_module, summarise, train, train_curve)
+
+ABLATION = {  # variant -> (config, overrides); "insert" is the two-stage recipe
+    "mla_64": ("small_mla_64", []),
+    "ks50": ("small_mla_kvsplice_50", []),
+    "ks50_orthogonal": ("small_mla_kvsplice_50", ["--model.kvsplice_orthogonal", "true"]),
+    "ks50_splice_lr10": ("small_mla_kvsplice_50", ["--model.splice_lr_mult", "10"]),
+    "ks50_norm_after": ("small_mla_kvsplice_50", ["--model.latent_norm", "false", "--model.kvsplice_norm", "true"]),
+    "insert": ("small_mla_kvsplice_50", []),
+}
+RECIPE = {"insert": ABLATION["insert"]}
+
+
+def insert_recipe(seed: int, args, runs_dir: Path) -> Path:
+    """MLA-128 for steps/2, KVSplice-50 inserted (PCA), fine-tuned steps/2; returns the final run folder."""
+    half = args.steps // 2
+    stage1 = runs_dir / f"insert-s{seed}-mla128"
+    stage_args = run_args(args, half)
+    if not (stage1 / "last.ckpt").is_file():
+        train("small_mla", runs_dir, stage1.name, seed, half, args.threads, stage_args)
+    inserted = runs_dir / f"insert-s{seed}-ks50.ckpt"
+    if not inserted.is_file():
+        calib = args.data / TRAIN_FILES[0]
+        run_module("kvsplice.to_mla", ["--model", str(stage1 / "last.ckpt"), "--kvsplice-ratio", "0.5", "--calib",
+                                       str(calib), "--calib-tokens", "65536", "--out", str(inserted), "--force",
+                                       "--threads", str(args.threads)], args.threads)
+    name = f"insert-s{seed}"
+    train("small_mla_kvsplice_50", runs_dir, name, seed, half, args.threads,
+          ["--model.init_from", str(inserted), "--model.warmup_steps", str(max(1, half // 20)), *stage_args])
+    return runs_dir / name
+
+
+def run_variant(variant: str, seed: int, args, runs_dir: Path) -> dict:
+    config, extra = ABLATION[variant]
+    if variant == "insert":
+        run = insert_recipe(seed, args, runs_dir)
+        stage1_val = last_val(runs_dir / f"insert-s{seed}-mla128" / "metrics.csv")[1]
+    else:
+        run = runs_dir / f"{variant}-s{seed}"
+        train(config, runs_dir, run.name, seed, args.steps, args.threads, [*extra, *run_args(args)])
+        stage1_val = None
+    step, val_loss, tokens, _ = last_val(run / "metrics.csv")
+    curve = train_curve(run / "metrics.csv")
+    final = final_train_loss(curve)
+    return {"variant": variant, "config": config, "overrides": extra, "seed": seed, "steps": args.steps,
+            "batch": args.batch, "device": args.device, "tokens": args.steps * args.batch * 256,
+            "val_loss": val_loss, "stage1_val_loss": stage1_val, **cache_bytes(run / "last.ckpt", 256),
+            "train_loss_final": final, "train_val_gap": None if final is None else val_loss - final,
+            "train_loss_curve": curve}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--study", choices=("ablation", "recipe"), default="ablation")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 (ablation), 1 2 3 (recipe)")
+    p.add_argument("--variants", nargs="+", default=None)
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--data", type=Path, default=DATA)
+    p.add_argument("--runs-dir", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.steps < 2 or args.batch < 1 or args.jobs < 1:
+        p.error("--steps must be >= 2, --batch and --jobs >= 1")
+    if not args.data.is_dir():
+        p.error(f"{args.data} not found (--data: the TinyStories folder)")
+    study = ABLATION if args.study == "ablation" else RECIPE
+    variants = args.variants or list(study)
+    unknown = sorted(set(variants) - set(study))
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {list(study)}")
+    seeds = args.seeds or ([0] if args.study == "ablation" else [1, 2, 3])
+    gpu = "_gpu" if args.device == "cuda" else ""
+    out = args.out or REPO / "results" / f"kvsplice_recipe_{args.study}{gpu}.json"
+    runs_dir = (args.runs_dir or REPO / "checkpoints" / f"kvsplice_recipe{gpu}") / args.study
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    if args.study == "ablation":  # tuning split: the training files only (the data module holds out a 5 % tail)
+        tune = runs_dir / "tune_data"
+        tune.mkdir(exist_ok=True)
+        for f in TRAIN_FILES:
+            if not (tune / f).exists():
+                (tune / f).symlink_to((args.data / f).resolve())
+        args.data_args = ["--data.path", str(tune)]
+    else:
+        args.data_args = ["--data.path", str(args.data)]
+    rows = json.loads(out.read_text())["rows"] if out.is_file() else []
+    done = {(r["variant"], r["seed"], r["steps"], r["batch"], r["device"]) for r in rows}
+    todo = [(v, s) for s in seeds for v in variants if (v, s, args.steps, args.batch, args.device) not in done]
+    meta = {"study": args.study, "device": args.device, "batch": args.batch, "steps": args.steps,
+            "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}
+    lock = threading.Lock()
+
+    def save() -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        os.replace(tmp, out)
+
+    def job(vs):
+        row = run_variant(vs[0], vs[1], args, runs_dir)
+        with lock:
+            rows.append(row)
+            save()
+            print(f"{vs[0]} seed {vs[1]}: val_loss {row['val_loss']:.4f}", flush=True)
+
+    failed = []
+    try:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            futures = {pool.submit(job, vs): vs for vs in todo}
+            for f, vs in futures.items():
+                try:
+                    f.result()
+                except Exception as e:  # noqa: BLE001
+                    failed.append(vs)
+                    print(f"error: {vs}: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        end_children()
+        return 130
+    if not rows:
+        return 1
+    summary = summarise(rows)
+    by = {s["variant"]: s for s in summary}
+    lines = ["| variant | seeds | val loss (mean ± std) | cache B/token (fp16) | val − train loss |", "|---|---|---|---|---|"]
+    for s in summary:
+        gap = "" if s.get("gap") is None else f"{s['gap']:.3f}"
+        lines.append(f"| {s['variant']} | {s['n']} | {s['val_loss']:.4f} ± {s['std']:.4f} | {s['bytes']:.0f} | {gap} |")
+    cmps = [compare(by[v], by[ref]) for ref in ("mla_64", "ks50") if ref in by for v in by if v != ref]
+    md = "\n".join(lines) + ("\n\n" + comparison_table(cmps) if cmps else "")
+    print(md)
+    out.with_suffix(".md").write_text(f"{meta['command']}\n\n{md}\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -146,7 +146,8 @@ def run_module(module: str, argv: list[str], threads: int) -> float:
     Raises:
         RuntimeError: non-zero exit, with the last lines of its output.
     """
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO))
+    path = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO) + (os.pathsep + path if path else ""))
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", module, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
@@ -424,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args.data_args = ["--data.path", str(args.data)]
 
-    rows = json.loads(out.read_text())["rows"] if out.is_file() else []
+    stored = json.loads(out.read_text()) if out.is_file() else {}
+    rows = stored.get("rows", [])
     if args.study == "ablation":
         meta_extra = {"init_kv_rms": init_kv_rms()}
         print("q/k/v RMS at init (layer 0, unit-RMS inputs):", json.dumps(meta_extra["init_kv_rms"]))
@@ -434,10 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     todo = [(v, s) for s in seeds for v in variants if _key(v, s, args) not in done]
     lock = threading.Lock()
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    if args.device == "cuda":
+    if args.device == "cuda" and not args.plot_only:
         import torch
 
         machine += f", {torch.cuda.get_device_name()}"
+    if args.plot_only and stored.get("meta", {}).get("machine"):
+        machine = stored["meta"]["machine"]  # redrawing: the machine that ran the study
     meta = {"study": args.study, "machine": machine, "device": args.device,
             "python": platform.python_version(), "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
             "dtype_train": "fp32", "batch": args.batch, "threads_per_run": args.threads, "jobs": args.jobs,

@@ -94,10 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", type=Path, default=DATA)
     p.add_argument("--runs-dir", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--report-only", action="store_true", help="rewrite the table from the JSON; train nothing")
     args = p.parse_args(argv)
     if args.steps < 2 or args.batch < 1 or args.jobs < 1:
         p.error("--steps must be >= 2, --batch and --jobs >= 1")
-    if not args.data.is_dir():
+    if not args.data.is_dir() and not args.report_only:
         p.error(f"{args.data} not found (--data: the TinyStories folder)")
     study = ABLATION if args.study == "ablation" else RECIPE
     variants = args.variants or list(study)
@@ -109,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or REPO / "results" / f"kvsplice_recipe_{args.study}{gpu}.json"
     runs_dir = (args.runs_dir or REPO / "checkpoints" / f"kvsplice_recipe{gpu}") / args.study
     runs_dir.mkdir(parents=True, exist_ok=True)
-    if args.study == "ablation":  # tuning split: the training files only (the data module holds out a 5 % tail)
+    if args.report_only:
+        args.data_args = []
+    elif args.study == "ablation":  # tuning split: the training files only (the data module holds out a 5 % tail)
         tune = runs_dir / "tune_data"
         tune.mkdir(exist_ok=True)
         for f in TRAIN_FILES:
@@ -118,11 +121,14 @@ def main(argv: list[str] | None = None) -> int:
         args.data_args = ["--data.path", str(tune)]
     else:
         args.data_args = ["--data.path", str(args.data)]
-    rows = json.loads(out.read_text())["rows"] if out.is_file() else []
+    stored = json.loads(out.read_text()) if out.is_file() else {}
+    rows = stored.get("rows", [])
     done = {(r["variant"], r["seed"], r["steps"], r["batch"], r["device"]) for r in rows}
-    todo = [(v, s) for s in seeds for v in variants if (v, s, args.steps, args.batch, args.device) not in done]
-    meta = {"study": args.study, "device": args.device, "batch": args.batch, "steps": args.steps,
-            "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}
+    todo = [] if args.report_only else [(v, s) for s in seeds for v in variants
+                                        if (v, s, args.steps, args.batch, args.device) not in done]
+    meta = stored.get("meta") if args.report_only and stored.get("meta") else {
+        "study": args.study, "device": args.device, "batch": args.batch, "steps": args.steps,
+        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}
     lock = threading.Lock()
 
     def save() -> None:

@@ -128,6 +128,8 @@ class RunPlan:
             (self.run_dir / LOCK_FILE).unlink(missing_ok=True)  # still holding the lock: no other taker races this
             os.close(self.lock_fd)
             self.lock_fd = None
+            if os.environ.get(RUN_DIR_ENV) == str(self.run_dir):
+                del os.environ[RUN_DIR_ENV]
         for d in self.created:  # deepest first
             try:
                 d.rmdir()

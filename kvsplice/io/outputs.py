@@ -149,9 +149,9 @@ def output_dir(value: PathArg, *, force: bool, option: str = "--out", inputs: In
 def write_dir(path: Path, fill: Callable[[Path], None], owned: Optional[Collection[str]] = None) -> list[str]:
     """Write a folder output checked by :func:`output_dir`: ``fill(tmp)`` writes every file into a temporary folder,
     which becomes ``path`` in one rename when ``path`` does not exist; into an existing ``path`` each file is moved
-    with ``os.replace`` (an existing folder, even ``.``, is never removed), then files of ``owned`` that this output
-    no longer has (an earlier output of another kind) are removed. An error leaves ``path`` as it was. Returns the
-    names written."""
+    with ``os.replace`` (an existing folder, even ``.``, is never removed, nor a sub-folder in the way), then files of
+    ``owned`` that this output no longer has (an earlier output of another kind) are removed. An error leaves
+    ``path`` as it was. Returns the names written."""
     fresh = not path.exists()
     tmp = temp_path(path) if fresh else temp_path(path, folder=path)
     tmp.mkdir(parents=True)
@@ -161,11 +161,11 @@ def write_dir(path: Path, fill: Callable[[Path], None], owned: Optional[Collecti
         if fresh:
             os.rename(tmp, path)
             return names
+        folders = [n for n in names if (path / n).is_dir() and not (path / n).is_symlink()]
+        if folders:  # never removed to make room
+            raise UsageError(f"{path} holds a folder named like an output file ({', '.join(folders)}); move it away")
         for name in names:
-            dest = path / name
-            if dest.is_dir() and not dest.is_symlink():
-                shutil.rmtree(dest)
-            os.replace(tmp / name, dest)
+            os.replace(tmp / name, path / name)
         for name in set(owned or ()) - set(names):
             if (path / name).is_file() or (path / name).is_symlink():
                 (path / name).unlink()

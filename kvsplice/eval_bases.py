@@ -159,32 +159,33 @@ def print_results(ctx: EvalContext, results: list[dict[str, Any]], console=None,
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from kvsplice.io.loading import LoadError
 
-    def body() -> int:
-        args = build_parser().parse_args(argv)
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        if args.json:
-            args.json = output_file(args.json, force=args.force, option="--json",
-                                    inputs={"--model": args.model, "--tokenizer": args.tokenizer,
-                                            "--bases": args.bases, "--data": args.data})
-        if args.method == "static":
-            if not args.bases:
-                raise EvalError("--bases FILE is required (saved bases from python -m kvsplice.fit_bases)")
-            for b in args.bases:  # fail fast, before loading the model: missing, unreadable, NaN/int/misshapen
-                KVBases.load(b)
-        ctx = make_context(args)
-        results = EVALUATORS[args.method](ctx, args)
-        print_results(ctx, results)
-        print_diagnostics(results)  # observed errors vs the §3.5 bounds
-        if args.json:
-            report = {"model": ctx.loaded.describe(), "model_fingerprint": ctx.fingerprint,
-                      "data": ctx.data_info, "chunk_size": ctx.chunk_size, "batch_size": ctx.batch_size,
-                      "full": ctx.full(), "results": results}
-            write_json(report, args.json)
-            print(f"wrote {args.json}")
-        return 0
+    return run_cli(PROG, lambda: _main(argv), (EvalError, LoadError, BasesMismatchError))
 
-    return run_cli(PROG, body, (EvalError, LoadError, BasesMismatchError))
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.json:
+        args.json = output_file(args.json, force=args.force, option="--json",
+                                inputs={"--model": args.model, "--tokenizer": args.tokenizer,
+                                        "--bases": args.bases, "--data": args.data})
+    if args.method == "static":
+        if not args.bases:
+            raise EvalError("--bases FILE is required (saved bases from python -m kvsplice.fit_bases)")
+        for b in args.bases:  # fail fast, before loading the model: missing, unreadable, NaN/int/misshapen
+            KVBases.load(b)
+    ctx = make_context(args)
+    results = EVALUATORS[args.method](ctx, args)
+    print_results(ctx, results)
+    print_diagnostics(results)  # observed errors vs the §3.5 bounds
+    if args.json:
+        report = {"model": ctx.loaded.describe(), "model_fingerprint": ctx.fingerprint,
+                  "data": ctx.data_info, "chunk_size": ctx.chunk_size, "batch_size": ctx.batch_size,
+                  "full": ctx.full(), "results": results}
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from kvsplice.io.cli import Parser, default_seq_len, pos_int, run_cli
-from kvsplice.io.outputs import output_file, write_json
+from kvsplice.io.outputs import out_and_json, write_json
 from kvsplice.lowrank.bases import BasesMismatchError, KVBases
 from kvsplice.lowrank.fits import METHODS
 from models.checkpoint import atomic_write
@@ -258,24 +258,24 @@ def print_report(report: dict[str, Any], console=None) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from kvsplice.io.loading import LoadError
 
-    def body() -> int:
-        args = build_parser().parse_args(argv)
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--calib": args.calib}
-        out = output_file(args.out, force=args.force, inputs=inputs)
-        json_path = output_file(args.json, force=args.force, option="--json", inputs=inputs,
-                                outputs={"--out": out}) if args.json else None
-        bases, report = fit_from_args(args)
-        atomic_write(out, bases.save)  # a temporary sibling renamed into place
-        report["out"] = str(out)
-        print_report(report)
-        print(f"saved {out}")
-        if json_path is not None:
-            write_json(report, json_path)
-        return 0
+    return run_cli(PROG, lambda: _main(argv), (FitError, LoadError, BasesMismatchError))
 
-    return run_cli(PROG, body, (FitError, LoadError, BasesMismatchError))
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out, json_path = out_and_json(args.out, args.json, force=args.force,
+                                  inputs={"--model": args.model, "--tokenizer": args.tokenizer,
+                                          "--calib": args.calib})
+    bases, report = fit_from_args(args)
+    atomic_write(out, bases.save)  # a temporary sibling renamed into place
+    report["out"] = str(out)
+    print_report(report)
+    print(f"saved {out}")
+    if json_path is not None:
+        write_json(report, json_path)
+    return 0
 
 
 if __name__ == "__main__":

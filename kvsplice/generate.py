@@ -193,19 +193,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from kvsplice.io.loading import LoadError
     from kvsplice.lowrank.bases import BasesMismatchError
 
-    def body() -> int:
-        args = build_parser().parse_args(argv)
-        _check(args)
-        report = run(args)
-        print(report["text"])
-        print(f"[{len(report['tokens'])} tokens, cache: {report['cache']}, {report['cache_tokens_held']} tokens "
-              f"held, {report['cache_bytes']:,} bytes measured]", file=sys.stderr)
-        if args.json:
-            write_json(report, args.json)
-            print(f"wrote {args.json}", file=sys.stderr)
-        return 0
+    return run_cli(PROG, lambda: _main(argv), (LoadError, BasesMismatchError, TypeError))
 
-    return run_cli(PROG, body, (LoadError, BasesMismatchError, TypeError))
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    args = build_parser().parse_args(argv)
+    _check(args)
+    report = run(args)
+    print(report["text"])
+    print(f"[{len(report['tokens'])} tokens, cache: {report['cache']}, {report['cache_tokens_held']} tokens "
+          f"held, {report['cache_bytes']:,} bytes measured]", file=sys.stderr)
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from kvsplice.io.cli import Parser, UsageError, default_seq_len, pos_int, run_cli
-from kvsplice.io.outputs import output_file, write_json
+from kvsplice.io.outputs import out_and_json, write_json
 
 __all__ = ["build_parser", "convert_from_args", "main"]
 
@@ -133,32 +133,34 @@ def convert_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], di
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from kvsplice.io.loading import LoadError
-    from models.checkpoint import CheckpointError, save_model
+    from models.checkpoint import CheckpointError
 
-    def body() -> int:
-        args = build_parser().parse_args(argv)
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        inputs = {"--model": args.model, "--calib": args.calib, "--tokenizer": args.tokenizer}
-        out_path = output_file(args.out, force=args.force, inputs=inputs)
-        json_path = output_file(args.json, force=args.force, option="--json", inputs=inputs,
-                                outputs={"--out": out_path}) if args.json else None
-        model, report, meta = convert_from_args(args)
-        save_model(model, out_path, hparams=meta.get("hparams"), data_hparams=meta.get("data_hparams"),
-                   extra={"kvsplice_conversion": {k: v for k, v in report.items() if k != "seconds"}})
-        err = report.get("kv_relative_error")
-        print(f"{report['source_variant']} ({report['source_cache_dim']} numbers/token/layer) -> {report['variant']} "
-              f"({report['cache_dim']}; {report['compression_vs_source']:.2f}x smaller), "
-              f"{report.get('method', 'MLA kept')}" + (f", KVSplice init {report['kvsplice_init']}"
-                                                        if "kvsplice_init" in report else ""))
-        if err:
-            print("relative K/V error on the calibration inputs per layer: " + ", ".join(f"{e:.4f}" for e in err))
-        print(f"saved {out_path} ({report['seconds']:.1f} s)")
-        if json_path is not None:
-            write_json({**report, "out": str(out_path)}, json_path)
-        return 0
+    return run_cli(PROG, lambda: _main(argv), (LoadError, CheckpointError))
 
-    return run_cli(PROG, body, (LoadError, CheckpointError))
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    from models.checkpoint import save_model
+
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out_path, json_path = out_and_json(args.out, args.json, force=args.force,
+                                       inputs={"--model": args.model, "--calib": args.calib,
+                                               "--tokenizer": args.tokenizer})
+    model, report, meta = convert_from_args(args)
+    save_model(model, out_path, hparams=meta.get("hparams"), data_hparams=meta.get("data_hparams"),
+               extra={"kvsplice_conversion": {k: v for k, v in report.items() if k != "seconds"}})
+    err = report.get("kv_relative_error")
+    print(f"{report['source_variant']} ({report['source_cache_dim']} numbers/token/layer) -> {report['variant']} "
+          f"({report['cache_dim']}; {report['compression_vs_source']:.2f}x smaller), "
+          f"{report.get('method', 'MLA kept')}" + (f", KVSplice init {report['kvsplice_init']}"
+                                                    if "kvsplice_init" in report else ""))
+    if err:
+        print("relative K/V error on the calibration inputs per layer: " + ", ".join(f"{e:.4f}" for e in err))
+    print(f"saved {out_path} ({report['seconds']:.1f} s)")
+    if json_path is not None:
+        write_json({**report, "out": str(out_path)}, json_path)
+    return 0
 
 
 if __name__ == "__main__":

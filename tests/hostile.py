@@ -88,3 +88,16 @@ def edit_ckpt(src: Path, dst: Path, name: str, value: torch.Tensor) -> Path:
     ckpt["state_dict"][name] = value
     torch.save(ckpt, dst)
     return dst
+
+
+def tiny_hf_with_bases(folder: Path, cache_dir: Path) -> tuple[Path, Path]:
+    """``(hf, bases)``: a tiny GPT-2 folder with its tokenizer (a ``training.export`` of :func:`tiny_ckpt`) and
+    valid rank-4 post-RoPE bases for it."""
+    import transformers
+
+    from test_hf_cache import random_bases
+    from training.export import export
+
+    export(tiny_ckpt(folder / "mha.ckpt", cache_dir), folder / "hf")
+    bases = random_bases(transformers.GPT2LMHeadModel.from_pretrained(folder / "hf"), 4, "post", seed=1)
+    return folder / "hf", bases.save(folder / "r4.safetensors")

@@ -10,15 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from hostile import dead_pid, one_error, readonly_dir, snapshot, tiny_ckpt  # noqa: F401
+from hostile import dead_pid, one_error, readonly_dir, snapshot, tiny_hf_with_bases  # noqa: F401
 from kvsplice import eval_bases, fit_bases
 from kvsplice.lowrank.bases import BasesMismatchError, KVBases
-from test_hf_cache import random_bases
-from training.export import export
 
 STORY = "Once upon a time there was a little cat. The cat liked to play in the sun with a red ball."
 
@@ -27,11 +24,9 @@ STORY = "Once upon a time there was a little cat. The cat liked to play in the s
 def env(tmp_path_factory, data_cache):
     """A tiny GPT-2 folder with its tokenizer, valid rank-4 bases for it and a small text."""
     d = tmp_path_factory.mktemp("bases")
-    export(tiny_ckpt(d / "mha.ckpt", data_cache), d / "hf")
-    bases = random_bases(transformers.GPT2LMHeadModel.from_pretrained(d / "hf"), 4, "post", seed=1)
     text = d / "text.txt"
     text.write_text("\n\n".join(f"{STORY} Day {i}." for i in range(60)))
-    return d / "hf", bases.save(d / "r4.safetensors"), text
+    return (*tiny_hf_with_bases(d, data_cache), text)
 
 
 def rewrite(src: Path, dst: Path, tensors=None, meta=None, drop=()) -> Path:

@@ -12,14 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from hostile import one_error, readonly_dir, tiny_ckpt  # noqa: F401
+from hostile import one_error, readonly_dir, tiny_ckpt, tiny_hf_with_bases  # noqa: F401
 from kvsplice import generate as cli
 from models.generate import check_sampling, sample_next
-from test_hf_cache import random_bases
 from training.export import export
 
 T = "layers.1.heads.0.k_dec"
@@ -27,11 +25,7 @@ T = "layers.1.heads.0.k_dec"
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory, data_cache):
-    """A tiny GPT-2 folder with its tokenizer (a training.export of a tiny MHA checkpoint) and valid rank-4 bases."""
-    d = tmp_path_factory.mktemp("gen")
-    export(tiny_ckpt(d / "mha.ckpt", data_cache), d / "hf")
-    bases = random_bases(transformers.GPT2LMHeadModel.from_pretrained(d / "hf"), 4, "post", seed=1)
-    return d / "hf", bases.save(d / "r4.safetensors")
+    return tiny_hf_with_bases(tmp_path_factory.mktemp("gen"), data_cache)
 
 
 def edit_bases(src: Path, dst: Path, name: str, value: torch.Tensor) -> Path:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Optional, Union
 from kvsplice.io.cli import UsageError
 from models.checkpoint import atomic_write, remove_stale_temp_files, temp_path
 
-__all__ = ["output_dir", "output_file", "write_dir", "write_json"]
+__all__ = ["output_dir", "output_file", "out_and_json", "write_dir", "write_json"]
 
 PathArg = Union[str, "os.PathLike[str]"]
 Inputs = Optional[Mapping[str, Union[None, PathArg, Iterable[PathArg]]]]
@@ -114,6 +114,16 @@ def output_file(value: PathArg, *, force: bool, option: str = "--out", inputs: I
     _check_writable(path.parent, option, value)
     remove_stale_temp_files(path.parent, path.name)
     return path
+
+
+def out_and_json(out: PathArg, json_report: Optional[PathArg], *, force: bool,
+                 inputs: Inputs = None) -> tuple[Path, Optional[Path]]:
+    """``--out`` and the optional ``--json`` report of a tool that writes one file (:func:`output_file` each, never
+    the same file)."""
+    path = output_file(out, force=force, inputs=inputs)
+    if json_report is None:
+        return path, None
+    return path, output_file(json_report, force=force, option="--json", inputs=inputs, outputs={"--out": path})
 
 
 def output_dir(value: PathArg, *, force: bool, option: str = "--out", inputs: Inputs = None,

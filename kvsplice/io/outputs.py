@@ -22,7 +22,6 @@ Every refusal is a :class:`kvsplice.io.cli.UsageError` with one line naming the 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -144,13 +143,13 @@ def output_dir(value: PathArg, *, force: bool, option: str = "--out", inputs: In
     if path.is_dir():
         remove_stale_temp_files(path, path.name)
         entries = sorted(e.name for e in path.iterdir() if not e.name.startswith(f".{path.name}."))
-        if entries and not force:
-            raise UsageError(f"{option} {value} is not empty (use --force to replace its files)")
         foreign = [e for e in entries if owned is not None and e not in owned]
         if foreign:
             more = ", ..." if len(foreign) > 3 else ""
             raise UsageError(f"{option} {value} holds files {writer} does not write ({', '.join(foreign[:3])}{more}): "
                              f"--force replaces only an earlier output of {writer}; choose a new or empty folder")
+        if entries and not force:
+            raise UsageError(f"{option} {value} is not empty (use --force to replace its files)")
     _check_writable(path if path.is_dir() else path.parent, option, value)
     remove_stale_temp_files(path.parent, path.name)
     return path
@@ -184,13 +183,8 @@ def write_dir(path: Path, fill: Callable[[Path], None], owned: Optional[Collecti
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _json_default(o: Any) -> Any:
-    if isinstance(o, float) and (math.isnan(o) or math.isinf(o)):
-        return None
-    return str(o)
-
-
 def write_json(obj: Any, path: PathArg) -> Path:
-    """Write ``obj`` as indented JSON (NaN/inf → null) atomically (:func:`models.checkpoint.atomic_write`)."""
-    text = json.dumps(obj, indent=2, default=_json_default) + "\n"
+    """Write ``obj`` as indented JSON (objects JSON does not know as their ``str``) atomically
+    (:func:`models.checkpoint.atomic_write`)."""
+    text = json.dumps(obj, indent=2, default=str) + "\n"
     return atomic_write(Path(path), lambda tmp: tmp.write_text(text))

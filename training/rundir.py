@@ -217,14 +217,14 @@ def take_run_dir(runs_dir: str | Path, run_name: str, ckpt_path: Optional[str], 
         plan = plan_run(runs_dir, run_name, ckpt_path, overwrite)
         keep = plan.resume or plan.clear or ckpt_path == "last"  # continues or replaces what the folder holds
         d = plan.run_dir
-        missing = [p for p in (d, *d.parents) if not p.exists()]
+        plan.created = [p for p in (d, *d.parents) if not p.exists()]  # deepest first
         try:
             d.mkdir(parents=True, exist_ok=True)
             plan.lock_fd = _lock(d)
         except OSError as e:
+            plan.release()
             raise CLIConfigError(f"cannot write the run directory {d} ({e.strerror or type(e).__name__}); "
                                  f"choose a writable --runs_dir") from None
-        plan.created = missing
         if plan.lock_fd is not None and (keep or not _holds_files(d)):
             return plan
         plan.release()

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from hostile import REPO, dead_pid, one_error, snapshot
+import torch
+
+from hostile import REPO, dead_pid, edit_ckpt, one_error, snapshot, tiny_ckpt
 
 CLIS = {  # module: prefix of its error line
     "kvsplice.generate": "generate", "kvsplice.to_mla": "to_mla", "kvsplice.fit_bases": "fit_bases",
@@ -58,6 +60,20 @@ def test_verify_memory_never_replaces_a_plot_without_force(tmp_path, capsys):
     rc = main(["--config", "gpt2", "--seq-lens", "8", "--json", str(tmp_path / "m.json"), "--no-progress"])
     one_error(rc, capsys.readouterr().err, "verify_memory", "m.png already exists (use --force")
     assert sorted(os.listdir(tmp_path)) == ["m.png"]
+
+
+def test_evaluate_and_verify_memory_never_touch_a_checkpoint(tmp_path, data_cache, capsys):
+    from kvsplice.verify_memory import main as verify_memory
+    from training.evaluate import main as evaluate
+
+    ckpt = tiny_ckpt(tmp_path / "ok.ckpt", data_cache)
+    before = snapshot(tmp_path)
+    rc = evaluate(["--ckpt", str(ckpt), "--json", str(ckpt), "--force"])  # was: replaced by the JSON report
+    one_error(rc, capsys.readouterr().err, "", "is the input --ckpt")
+    assert snapshot(tmp_path) == before
+    bad = edit_ckpt(ckpt, tmp_path / "nan.ckpt", "model.transformer.wte.weight", torch.full((300, 32), float("nan")))
+    rc = verify_memory(["--ckpt", str(bad), "--seq-lens", "8", "--no-progress"])
+    one_error(rc, capsys.readouterr().err, "verify_memory", "tensor model.transformer.wte.weight holds 9600 NaN/inf")
 
 
 def test_json_outputs_are_atomic_and_clean_up_after_killed_runs(tmp_path):

@@ -103,6 +103,11 @@ def test_refused_runs_write_nothing(tmp_path, data_cache, readonly_dir, offline,
     rc = fit([*base, "--runs_dir", str(runs), "--data.val_fraction", "1.5"])  # refused after the folder was taken
     one_error(rc, capsys.readouterr().err, "", "data.val_fraction")
     assert not runs.exists()
+    (tmp_path / "noise.txt").write_bytes(os.urandom(4096))  # refused inside trainer.fit (data setup)
+    rc = fit([*base, "--runs_dir", str(runs), "--data.synthetic", "false", "--data.path", str(tmp_path / "noise.txt"),
+              "--data.tokenizer_path", str(tmp_path / "noise.txt")])
+    one_error(rc, capsys.readouterr().err, "", "noise.txt")
+    assert not runs.exists()
 
 
 @pytest.mark.parametrize("name, value, expect", [

@@ -231,7 +231,8 @@ class KVSpliceCLI(LightningCLI):
             raise
 
     def release(self) -> None:
-        """Give the run folder back (:meth:`training.rundir.RunPlan.release`)."""
+        """Give the run folder back at the end of the run (:meth:`training.rundir.RunPlan.release`; the entry point
+        calls it)."""
         if self.plan is not None:
             self.plan.release()
 
@@ -350,4 +351,3 @@ class KVSpliceCLI(LightningCLI):
                     import wandb
 
                     wandb.finish(exit_code=0 if self.trainer.state.status == "finished" else 1)
-            self.release()

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvsplice.hf import CoefficientHFCache  # noqa: E402
-from kvsplice.io.cli import check_out_path, write_json  # noqa: E402
+from kvsplice.io.outputs import output_file, write_json  # noqa: E402
 from kvsplice.lowrank.bases import KVBases  # noqa: E402
 
 DEFAULT_TEXT = ROOT.parent / "shared" / "data" / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true")
     args = p.parse_args(argv)
     if args.json:
-        check_out_path(args.json, args.force, option="--json")
+        output_file(args.json, force=args.force, option="--json")
     torch.set_num_threads(1)
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
     base = transformers.AutoModelForCausalLM.from_pretrained(args.model).eval()  # default attention (sdpa)

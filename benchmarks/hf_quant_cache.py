@@ -25,7 +25,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvsplice.io.cli import write_json  # noqa: E402
+from kvsplice.io.outputs import write_json  # noqa: E402
 from kvsplice.io.loading import iter_texts, load_model, token_stream  # noqa: E402
 from kvsplice.lowrank.method import CoefficientDecoder  # noqa: E402
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 from kvsplice.evaluation.context import EvalContext, load_windows  # noqa: E402
 from kvsplice.evaluation.lowrank import evaluate_bases  # noqa: E402
 from kvsplice.fit_bases import build_parser as fit_parser, fit_from_args  # noqa: E402
-from kvsplice.io.cli import write_json  # noqa: E402
+from kvsplice.io.outputs import write_json  # noqa: E402
 from kvsplice.lowrank.fits import METHODS, score_error  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"

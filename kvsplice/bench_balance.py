@@ -50,8 +50,9 @@ from typing import Optional
 
 import torch
 
-from kvsplice.io.cli import UsageError, check_out_path, write_json
-from kvsplice.io.loading import LoadError, first_line, iter_texts, load_model
+from kvsplice.io.cli import Parser, run_cli
+from kvsplice.io.loading import LoadError, iter_texts, load_model
+from kvsplice.io.outputs import output_file, write_json
 from kvsplice.select.experiment import (METHODS, BenchError, keep_plan, layer_errors, make_method, plot,
                                         print_table, run_bench)
 
@@ -60,7 +61,7 @@ __all__ = ["METHODS", "keep_plan", "layer_errors", "main", "make_method"]
 
 # ------------------------------------------------------------------------------------------------- CLI
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvsplice.bench_balance",
+    p = Parser(prog="python -m kvsplice.bench_balance",
                                 description="Single-layer attention approximation: BalanceKV vs uniform sampling.")
     p.add_argument("--model", required=True, help="HF model directory (config.json + tokenizer) or a .ckpt")
     p.add_argument("--tokenizer", default=None, help="tokenizer override (see kvsplice.io.loading)")
@@ -86,33 +87,36 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    return run_cli("bench_balance", lambda: _main(argv), (BenchError, LoadError))
+
+
+def _main(argv: Optional[list[str]]) -> int:
     args = _parser().parse_args(argv)
     torch.set_num_threads(max(1, args.threads))
+    if args.json:
+        inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--data": args.data}
+        args.json = output_file(args.json, force=args.force, option="--json", inputs=inputs)
+        output_file(args.json.with_suffix(".png"), force=args.force, option="--json's plot", inputs=inputs,
+                    outputs={"--json": args.json})
+    if args.seeds < 1 or args.windows < 1:
+        raise BenchError("--seeds and --windows must be >= 1")
+    if args.block_size < 2 or args.block_size % 2:
+        raise BenchError(f"--block-size must be an even number >= 2, got {args.block_size}")
+    iter_texts(args.data)  # a missing / unreadable --data fails here, before the model loads
     try:
-        if args.json:
-            check_out_path(args.json, args.force, option="--json")
-        if args.seeds < 1 or args.windows < 1:
-            raise BenchError("--seeds and --windows must be >= 1")
-        if args.block_size < 2 or args.block_size % 2:
-            raise BenchError(f"--block-size must be an even number >= 2, got {args.block_size}")
-        iter_texts(args.data)  # a missing / unreadable --data fails here, before the model loads
-        try:
-            from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging
 
-            hf_logging.disable_progress_bar()  # keep stderr to our own lines
-        except Exception:  # noqa: BLE001
-            pass
-        loaded = load_model(args.model, tokenizer=args.tokenizer)
-        with torch.no_grad():
-            report = run_bench(loaded.model, loaded.tokenizer, args.data, layers=args.layers, Ts=args.T,
-                               seeds=args.seeds, n_queries=args.n_queries, context=args.context,
-                               windows=args.windows, n_sink=args.n_sink, n_recent=args.n_recent,
-                               block_size=args.block_size, c_scale=args.c_scale,
-                               kernel_temp=args.kernel_temp, methods=args.methods,
-                               max_positions=loaded.max_positions)
-    except (BenchError, UsageError, LoadError) as e:
-        print(f"bench_balance: error: {first_line(e)}", file=sys.stderr)
-        return 2
+        hf_logging.disable_progress_bar()  # keep stderr to our own lines
+    except Exception:  # noqa: BLE001
+        pass
+    loaded = load_model(args.model, tokenizer=args.tokenizer)
+    with torch.no_grad():
+        report = run_bench(loaded.model, loaded.tokenizer, args.data, layers=args.layers, Ts=args.T,
+                           seeds=args.seeds, n_queries=args.n_queries, context=args.context,
+                           windows=args.windows, n_sink=args.n_sink, n_recent=args.n_recent,
+                           block_size=args.block_size, c_scale=args.c_scale,
+                           kernel_temp=args.kernel_temp, methods=args.methods,
+                           max_positions=loaded.max_positions)
     report["config"]["model"] = args.model
     report["command"] = "python -m kvsplice.bench_balance " + " ".join(argv if argv is not None else sys.argv[1:])
     print_table(report, markdown=args.markdown)

@@ -37,18 +37,14 @@ from typing import Optional, Sequence
 import torch
 
 from kvsplice.report.decode_timing import (DEFAULT_CONFIGS, growth, print_profiles, print_table, run, title, variants_from_specs)
-from kvsplice.io.cli import UsageError, check_out_path, pick_device, write_json
+from kvsplice.io.cli import Parser, UsageError, pick_device, run_cli
+from kvsplice.io.outputs import output_file, write_json
 from kvsplice.report.memory import DTYPES, dtype_name, parse_dtype
 
 
 # -------------------------------------------------------------------------------------------------- CLI
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m kvsplice.bench_decode", description=__doc__.split("\n\n")[0],
+    p = Parser(prog="python -m kvsplice.bench_decode", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", nargs="+", metavar="NAME[:IMPL][:int8][:graph]", default=list(DEFAULT_CONFIGS),
                    help="presets or YAML configs; MLA ones may end in :naive or :absorb; :int8 for an int8 cache, "
@@ -75,23 +71,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        if any(c < 1 for c in args.ctx) or args.batch < 1 or args.repeats < 1 or args.warmup < 0 \
-                or args.rounds < 1 or (args.threads is not None and args.threads < 1):
-            raise UsageError("--ctx, --batch, --repeats, --rounds, --threads must be >= 1 and --warmup >= 0")
-        ctxs = sorted(set(args.ctx))
-        variants, notes = variants_from_specs(args.config, max(ctxs))
-        device = pick_device(args.device)
-        if device.type != "cuda" and any(v.graph for v in variants):
-            raise UsageError(f"':graph' variants replay CUDA graphs and need a CUDA device, got {device}")
-        if args.json:
-            check_out_path(args.json, args.force, option="--json")
-    except UsageError as e:
-        print(f"bench_decode: error: {e}", file=sys.stderr)
-        return 2
-    except SystemExit as e:  # --help
-        return int(e.code or 0)
+    return run_cli("bench_decode", lambda: _main(argv))
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    args = build_parser().parse_args(argv)
+    if any(c < 1 for c in args.ctx) or args.batch < 1 or args.repeats < 1 or args.warmup < 0 \
+            or args.rounds < 1 or (args.threads is not None and args.threads < 1):
+        raise UsageError("--ctx, --batch, --repeats, --rounds, --threads must be >= 1 and --warmup >= 0")
+    ctxs = sorted(set(args.ctx))
+    variants, notes = variants_from_specs(args.config, max(ctxs))
+    device = pick_device(args.device)
+    if device.type != "cuda" and any(v.graph for v in variants):
+        raise UsageError(f"':graph' variants replay CUDA graphs and need a CUDA device, got {device}")
+    if args.json:
+        args.json = output_file(args.json, force=args.force, option="--json")
+    png = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if png:
+        png = output_file(png, force=args.force, option="--plot",
+                          outputs={"--json": args.json} if args.json else None)
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
     if args.threads:
@@ -118,7 +116,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print_table(report, markdown=args.markdown)
     if profiles:
         print_profiles(profiles)
-    png = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     if args.json:
         print(f"wrote {write_json(report, args.json)}", file=sys.stderr)
     if png:

@@ -29,7 +29,8 @@ What is measured (``--data`` must be held-out text, not the calibration text; a 
   (:func:`kvsplice.report.memory.measure_cache`), vs the formula ``Σ_layers Σ_heads (R_k + R_v) · T · B · bytes``, vs the
   full K/V cache of the same batch at the same dtype (measured, and ``2·L·H_kv·d·T·B·bytes``).
 
-Bases fitted for another model fail with one line (:class:`kvsplice.lowrank.bases.BasesMismatchError`), exit status 1.
+Bases fitted for another model, or a bases file with NaN/inf, integer or misshapen tensors, fail with one line
+(:class:`kvsplice.lowrank.bases.BasesMismatchError`) before the model loads; every error exits with status 2.
 
 Methods: ``--method`` selects an evaluator from :data:`EVALUATORS` (``static``: saved bases files, the default;
 ``fd-online``: :mod:`kvsplice.evaluation.online`). New methods register ``EVALUATORS[name] = fn(ctx: EvalContext,
@@ -41,20 +42,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kvsplice.io.cli import UsageError, check_out_path, default_seq_len, pos_int, write_json
-from kvsplice.lowrank.bases import BasesMismatchError
+from kvsplice.io.cli import Parser, default_seq_len, pos_int, run_cli
+from kvsplice.io.outputs import output_file, write_json
+from kvsplice.lowrank.bases import BasesMismatchError, KVBases
 from kvsplice.evaluation.context import EvalContext, EvalError, load_windows
 from kvsplice.evaluation.lowrank import eval_static
 from kvsplice.evaluation.online import add_fd_online_options, eval_fd_online, print_diagnostics
 
 __all__ = ["EVALUATORS", "METHOD_OPTIONS", "build_parser", "main", "make_context", "print_results"]
 
-PROG = "python -m kvsplice.eval_bases"
+PROG = "eval_bases"
 
 Evaluator = Callable[[EvalContext, argparse.Namespace], list]
 EVALUATORS: dict[str, Evaluator] = {"static": eval_static, "fd-online": eval_fd_online}
@@ -64,7 +65,7 @@ METHOD_OPTIONS: dict[str, Callable[[argparse.ArgumentParser], None]] = {"fd-onli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Evaluate post-training KV bases on held-out text: "
+    p = Parser(prog="python -m kvsplice.eval_bases", description="Evaluate post-training KV bases on held-out text: "
                                 "perplexity full vs compressed cache, per-layer errors, Lesens' gap, cache bytes.")
     p.add_argument("--model", required=True, help="model directory, training .ckpt or Hugging Face Hub id "
                    "(the model the bases were fitted for)")
@@ -156,36 +157,34 @@ def print_results(ctx: EvalContext, results: list[dict[str, Any]], console=None,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from kvsplice.io.loading import LoadError, first_line
+    from kvsplice.io.loading import LoadError
 
+    return run_cli(PROG, lambda: _main(argv), (EvalError, LoadError, BasesMismatchError))
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        if args.json:
-            check_out_path(args.json, args.force, option="--json")
-        if args.method == "static":
-            if not args.bases:
-                raise EvalError("--bases FILE is required (saved bases from python -m kvsplice.fit_bases)")
-            for b in args.bases:  # fail fast, before loading the model
-                if not Path(b).is_file():
-                    raise FileNotFoundError(f"bases file not found: {b}")
-        ctx = make_context(args)
-        results = EVALUATORS[args.method](ctx, args)
-        print_results(ctx, results)
-        print_diagnostics(results)  # observed errors vs the §3.5 bounds
-        if args.json:
-            report = {"model": ctx.loaded.describe(), "model_fingerprint": ctx.fingerprint,
-                      "data": ctx.data_info, "chunk_size": ctx.chunk_size, "batch_size": ctx.batch_size,
-                      "full": ctx.full(), "results": results}
-            write_json(report, args.json)
-            print(f"wrote {args.json}")
-    except (EvalError, UsageError, LoadError, BasesMismatchError, FileNotFoundError) as e:
-        print(f"eval_bases: error: {e}", file=sys.stderr)
-        return 1
-    except (ValueError, OSError) as e:
-        print(f"eval_bases: error: {first_line(e)}", file=sys.stderr)
-        return 1
+    if args.json:
+        args.json = output_file(args.json, force=args.force, option="--json",
+                                inputs={"--model": args.model, "--tokenizer": args.tokenizer,
+                                        "--bases": args.bases, "--data": args.data})
+    if args.method == "static":
+        if not args.bases:
+            raise EvalError("--bases FILE is required (saved bases from python -m kvsplice.fit_bases)")
+        for b in args.bases:  # fail fast, before loading the model: missing, unreadable, NaN/int/misshapen
+            KVBases.load(b)
+    ctx = make_context(args)
+    results = EVALUATORS[args.method](ctx, args)
+    print_results(ctx, results)
+    print_diagnostics(results)  # observed errors vs the §3.5 bounds
+    if args.json:
+        report = {"model": ctx.loaded.describe(), "model_fingerprint": ctx.fingerprint,
+                  "data": ctx.data_info, "chunk_size": ctx.chunk_size, "batch_size": ctx.batch_size,
+                  "full": ctx.full(), "results": results}
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
     return 0
 
 

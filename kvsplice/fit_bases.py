@@ -16,29 +16,29 @@ Printed: the ranks per layer and KV head (they differ per head with ``--energy``
 each fit's objective spectrum, the cached numbers per token vs the full K/V cache, and the times —
 ``(calibration + fit) / plain forward`` is the cost of fitting relative to one forward pass over the same text.
 
-Errors (missing files, unsupported models, offline hub ids, bad ranks) are one line on stderr with exit status 1
-(2 for malformed arguments); ``--out`` is never overwritten without ``--force`` and is written atomically.
+Errors (missing files, unsupported models, offline hub ids, bad ranks, a read-only destination) are one line on
+stderr with exit status 2; ``--out`` is never overwritten without ``--force``, never an input, and is written
+atomically.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
-from kvsplice.io.cli import UsageError, check_out_path, default_seq_len, pos_int, write_json
+from kvsplice.io.cli import Parser, default_seq_len, pos_int, run_cli
+from kvsplice.io.outputs import out_and_json, write_json
 from kvsplice.lowrank.bases import BasesMismatchError, KVBases
 from kvsplice.lowrank.fits import METHODS
+from models.checkpoint import atomic_write
 
 __all__ = ["FitError", "build_parser", "fit_from_args", "main", "time_forward"]
 
-PROG = "python -m kvsplice.fit_bases"
+PROG = "fit_bases"
 
 
 class FitError(RuntimeError):
@@ -54,7 +54,7 @@ def _energy(s: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Fit post-training low-rank KV bases (SVD family) for a "
+    p = Parser(prog="python -m kvsplice.fit_bases", description="Fit post-training low-rank KV bases (SVD family) for a "
                                 "GPT-2 / Llama / kvsplice-MHA model from calibration text.")
     p.add_argument("--model", required=True, help="model directory with config.json (e.g. made by python -m "
                    "kvsplice.convert_llama2c), a training .ckpt, or a Hugging Face Hub id")
@@ -113,24 +113,6 @@ def time_forward(model: torch.nn.Module, batches: Sequence[torch.Tensor]) -> flo
         return time.perf_counter() - t0
     finally:
         model.train(was)
-
-
-def save_atomic(bases: KVBases, path: Path) -> Path:
-    """Write to a temporary file next to ``path``, then rename: an error leaves ``path`` untouched. The file gets
-    the usual permissions (``0666`` less the umask), not ``mkstemp``'s private ``0600``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        bases.save(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
 
 
 def _load_calib(loaded, spec: str, n_tokens: int, seq_len: int, batch_size: int, progress: bool):
@@ -276,28 +258,23 @@ def print_report(report: dict[str, Any], console=None) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from kvsplice.io.loading import LoadError
 
+    return run_cli(PROG, lambda: _main(argv), (FitError, LoadError, BasesMismatchError))
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        out = check_out_path(args.out, args.force)
-        if args.json:
-            check_out_path(args.json, args.force, option="--json")
-        bases, report = fit_from_args(args)
-        save_atomic(bases, out)
-        report["out"] = str(out)
-        print_report(report)
-        print(f"saved {out}")
-        if args.json:
-            write_json(report, args.json)
-    except (FitError, UsageError, LoadError, BasesMismatchError, FileNotFoundError, FileExistsError) as e:
-        print(f"fit_bases: error: {e}", file=sys.stderr)
-        return 1
-    except (ValueError, OSError) as e:
-        from kvsplice.io.loading import first_line
-
-        print(f"fit_bases: error: {first_line(e)}", file=sys.stderr)
-        return 1
+    out, json_path = out_and_json(args.out, args.json, force=args.force,
+                                  inputs={"--model": args.model, "--tokenizer": args.tokenizer,
+                                          "--calib": args.calib})
+    bases, report = fit_from_args(args)
+    atomic_write(out, bases.save)  # a temporary sibling renamed into place
+    report["out"] = str(out)
+    print_report(report)
+    print(f"saved {out}")
+    if json_path is not None:
+        write_json(report, json_path)
     return 0
 
 

@@ -21,33 +21,29 @@ full cache's bytes. Bad input is one ``generate: error: ...`` line and exit stat
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
-from kvsplice.io.cli import UsageError, check_out_path, pos_int, write_json
+from kvsplice.io.cli import Parser, UsageError, pos_int, run_cli
+from kvsplice.io.outputs import output_file, write_json
 from kvsplice.select.selectors import SELECTORS
+from models.generate import check_temperature
 
-EXIT_ERROR = 2
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(message)
+PROG = "generate"
 
 
 def _temperature(s: str) -> float:
-    v = float(s)
-    if math.isnan(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {s}")
-    return v
+    try:
+        return check_temperature(float(s))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m kvsplice.generate", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m kvsplice.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="HF model directory / Hub id, or a training .ckpt")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g = p.add_mutually_exclusive_group()
@@ -73,10 +69,15 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError("--top-k samples: give --temperature > 0 too (temperature 0 is greedy)")
     if not args.prompt.strip():
         raise UsageError("--prompt is empty")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as lone surrogates in sys.argv
+        raise UsageError("--prompt is not valid UTF-8 text") from None
     if args.bases and not Path(args.bases).is_file():
         raise UsageError(f"--bases file not found: {args.bases}")
     if args.json:
-        check_out_path(args.json, args.force, option="--json")
+        args.json = output_file(args.json, force=args.force, option="--json",
+                                inputs={"--model": args.model, "--tokenizer": args.tokenizer, "--bases": args.bases})
 
 
 def _prompt_ids(tok, prompt: str) -> list[int]:
@@ -93,6 +94,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvsplice.io.loading import load_model
     from kvsplice.lowrank.bases import KVBases
 
+    bases = KVBases.load(args.bases) if args.bases else None  # checked before the model loads
     loaded = load_model(args.model, tokenizer=args.tokenizer)
     model, tok = loaded.model, loaded.tokenizer
     prompt = _prompt_ids(tok, args.prompt)
@@ -100,7 +102,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if mp is not None and len(prompt) + args.max_new_tokens > mp:
         raise UsageError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the "
                          f"model's {mp} positions")
-    bases = KVBases.load(args.bases) if args.bases else None
     selector = None
     if args.select:
         from kvsplice.select.selectors import make_selector
@@ -189,22 +190,19 @@ def _generate_ours(model, ids, bases, selector, args):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from kvsplice.io.loading import LoadError, first_line
+    from kvsplice.io.loading import LoadError
     from kvsplice.lowrank.bases import BasesMismatchError
 
-    try:
-        args = build_parser().parse_args(argv)
-        _check(args)
-        report = run(args)
-    except (UsageError, LoadError, BasesMismatchError) as e:
-        print(f"generate: error: {first_line(e)}", file=sys.stderr)
-        return EXIT_ERROR
-    except (ValueError, TypeError, OSError) as e:
-        print(f"generate: error: {first_line(e)}", file=sys.stderr)
-        return EXIT_ERROR
+    return run_cli(PROG, lambda: _main(argv), (LoadError, BasesMismatchError, TypeError))
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    args = build_parser().parse_args(argv)
+    _check(args)
+    report = run(args)
     print(report["text"])
-    print(f"[{len(report['tokens'])} tokens, cache: {report['cache']}, {report['cache_tokens_held']} tokens held, "
-          f"{report['cache_bytes']:,} bytes measured]", file=sys.stderr)
+    print(f"[{len(report['tokens'])} tokens, cache: {report['cache']}, {report['cache_tokens_held']} tokens "
+          f"held, {report['cache_bytes']:,} bytes measured]", file=sys.stderr)
     if args.json:
         write_json(report, args.json)
         print(f"wrote {args.json}", file=sys.stderr)

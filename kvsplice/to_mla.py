@@ -15,8 +15,9 @@ The output is a checkpoint that ``training.evaluate``, ``kvsplice.verify_memory 
 it keeps the source's data settings, so the tokenizer and validation text follow. Printed: the relative error of
 the keys/values on the calibration text and the cache per token before and after.
 
-Errors are one line on stderr, exit status 1 (2 for malformed arguments); ``--out`` is never overwritten without
-``--force``.
+Errors are one line on stderr, exit status 2; ``--out`` is never overwritten without ``--force`` and never an input
+(``--model``, ``--calib``, ``--tokenizer``), and is written atomically (a killed run's temporary file is removed by
+the next run).
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from kvsplice.io.cli import UsageError, check_out_path, default_seq_len, pos_int, write_json
+from kvsplice.io.cli import Parser, UsageError, default_seq_len, pos_int, run_cli
+from kvsplice.io.outputs import out_and_json, write_json
 
 __all__ = ["build_parser", "convert_from_args", "main"]
 
-PROG = "python -m kvsplice.to_mla"
+PROG = "to_mla"
 
 
 def _ratio(s: str) -> float:
@@ -44,7 +46,7 @@ def _ratio(s: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Convert a trained MHA GPT into MLA / MLA + KVSplice.")
+    p = Parser(prog="python -m kvsplice.to_mla", description="Convert a trained MHA GPT into MLA / MLA + KVSplice.")
     p.add_argument("--model", required=True, help="training .ckpt (MHA, GQA or MLA) or an HF GPT-2 directory")
     p.add_argument("--d-latent", type=pos_int, default=None, help="latent size R of the MLA model (MHA input)")
     p.add_argument("--kvsplice-ratio", type=_ratio, default=None,
@@ -130,25 +132,24 @@ def convert_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], di
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from kvsplice.io.loading import LoadError, first_line
-    from models.checkpoint import CheckpointError, save_model
+    from kvsplice.io.loading import LoadError
+    from models.checkpoint import CheckpointError
+
+    return run_cli(PROG, lambda: _main(argv), (LoadError, CheckpointError))
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    from models.checkpoint import save_model
 
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        out_path = check_out_path(args.out, args.force)
-        if args.json:
-            check_out_path(args.json, args.force, option="--json")
-        model, report, meta = convert_from_args(args)
-        save_model(model, out_path, hparams=meta.get("hparams"), data_hparams=meta.get("data_hparams"),
-                   extra={"kvsplice_conversion": {k: v for k, v in report.items() if k != "seconds"}})
-    except (UsageError, LoadError, CheckpointError) as e:
-        print(f"to_mla: error: {e}", file=sys.stderr)
-        return 1
-    except (ValueError, OSError) as e:
-        print(f"to_mla: error: {first_line(e)}", file=sys.stderr)
-        return 1
+    out_path, json_path = out_and_json(args.out, args.json, force=args.force,
+                                       inputs={"--model": args.model, "--calib": args.calib,
+                                               "--tokenizer": args.tokenizer})
+    model, report, meta = convert_from_args(args)
+    save_model(model, out_path, hparams=meta.get("hparams"), data_hparams=meta.get("data_hparams"),
+               extra={"kvsplice_conversion": {k: v for k, v in report.items() if k != "seconds"}})
     err = report.get("kv_relative_error")
     print(f"{report['source_variant']} ({report['source_cache_dim']} numbers/token/layer) -> {report['variant']} "
           f"({report['cache_dim']}; {report['compression_vs_source']:.2f}x smaller), "
@@ -157,8 +158,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if err:
         print("relative K/V error on the calibration inputs per layer: " + ", ".join(f"{e:.4f}" for e in err))
     print(f"saved {out_path} ({report['seconds']:.1f} s)")
-    if args.json:
-        write_json({**report, "out": str(out_path)}, args.json)
+    if json_path is not None:
+        write_json({**report, "out": str(out_path)}, json_path)
     return 0
 
 

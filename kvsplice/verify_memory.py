@@ -26,19 +26,15 @@ import torch
 
 from kvsplice.report.memory_check import (DEFAULT_CONFIGS, GIB, checkpoint_variants, preset_variants, print_table,
                                           quantised_variants, run, title)
-from kvsplice.io.cli import UsageError, check_out_path, pick_device, write_json
+from kvsplice.io.cli import Parser, UsageError, pick_device, run_cli
+from kvsplice.io.outputs import output_file, write_json
 from kvsplice.report.memory import DTYPES, dtype_name, parse_dtype
 from models.config import PRESETS
 
 
 # -------------------------------------------------------------------------------------------------- CLI
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line on stderr, exit 2 (argparse would also print the usage)
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m kvsplice.verify_memory", description=__doc__.split("\n\n")[0],
+    p = Parser(prog="python -m kvsplice.verify_memory", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--config", nargs="+", metavar="NAME",
@@ -63,28 +59,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        if any(L < 1 for L in args.seq_lens):
-            raise UsageError(f"--seq-lens must be >= 1, got {args.seq_lens}")
-        if args.batch < 1 or args.decode_steps < 0 or args.budget_gb <= 0:
-            raise UsageError("--batch must be >= 1, --decode-steps >= 0 and --budget-gb > 0")
-        seq_lens = sorted(set(args.seq_lens))
-        notes: list[str] = []
-        if args.ckpt:
-            variants = checkpoint_variants(args.ckpt, max(seq_lens))
-        else:
-            variants = preset_variants(args.config or DEFAULT_CONFIGS, max(seq_lens), notes)
-        if args.cache_quant:
-            variants = variants + quantised_variants(variants, args.cache_quant)
-        device = pick_device(args.device)
-        if args.json:
-            check_out_path(args.json, args.force, option="--json")
-    except UsageError as e:
-        print(f"verify_memory: error: {e}", file=sys.stderr)
-        return 2
-    except SystemExit as e:  # --help
-        return int(e.code or 0)
+    return run_cli("verify_memory", lambda: _main(argv))
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    args = build_parser().parse_args(argv)
+    if any(L < 1 for L in args.seq_lens):
+        raise UsageError(f"--seq-lens must be >= 1, got {args.seq_lens}")
+    if args.batch < 1 or args.decode_steps < 0 or args.budget_gb <= 0:
+        raise UsageError("--batch must be >= 1, --decode-steps >= 0 and --budget-gb > 0")
+    seq_lens = sorted(set(args.seq_lens))
+    notes: list[str] = []
+    if args.ckpt:
+        variants = checkpoint_variants(args.ckpt, max(seq_lens))
+    else:
+        variants = preset_variants(args.config or DEFAULT_CONFIGS, max(seq_lens), notes)
+    if args.cache_quant:
+        variants = variants + quantised_variants(variants, args.cache_quant)
+    device = pick_device(args.device)
+    if args.json:
+        inputs = {"--ckpt": args.ckpt, "--config": args.config}
+        args.json = output_file(args.json, force=args.force, option="--json", inputs=inputs)
+        output_file(args.json.with_suffix(".png"), force=args.force, option="--json's plot", inputs=inputs,
+                    outputs={"--json": args.json})
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
 

@@ -9,6 +9,10 @@ anything in it runs.
 * :func:`load_checkpoint` — the raw checkpoint dict.
 * :func:`load_model` — ``(GPT, GPTConfig, meta)`` rebuilt from a checkpoint's stored config and weights.
 * :func:`save_model` — write a GPT (e.g. a converted one, :mod:`kvsplice.to_mla`) in the same format.
+* :func:`atomic_write` / :func:`atomic_save` — every file the package writes goes through a temporary sibling
+  ``.<name>.<pid>.tmp`` renamed into place; :func:`remove_stale_temp_files` deletes those a killed process left.
+* :func:`check_tensor` — a tensor a user handed in (a checkpoint's weight, a bases matrix) is a finite floating
+  tensor of the expected shape, or one error line naming the file and the tensor.
 
 :func:`training.checkpoint.safe_checkpoint_io` puts the same loader behind Lightning's checkpoint IO (resumes).
 """
@@ -18,14 +22,15 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import shutil
 import zipfile
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
-__all__ = ["CKPT_FORMAT", "CKPT_FORMAT_KEY", "GPT_CONFIG_KEY", "CheckpointError", "load_checkpoint", "load_model",
-           "atomic_save", "save_model"]
+__all__ = ["CKPT_FORMAT", "CKPT_FORMAT_KEY", "GPT_CONFIG_KEY", "CheckpointError", "atomic_save", "atomic_write",
+           "check_tensor", "load_checkpoint", "load_model", "remove_stale_temp_files", "save_model", "temp_path"]
 
 CKPT_FORMAT_KEY = "kvsplice_format"
 """Key of the format version that :class:`training.lit.LitGPT` writes into every checkpoint."""
@@ -115,8 +120,20 @@ def load_model(path: PathLike, map_location: Any = "cpu", strict: bool = True):
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{str(path)!r}: stored model config is not valid for this version: {e}") from None
     prefix = "model."
+    if not isinstance(ckpt["state_dict"], dict):
+        raise CheckpointError(f"{str(path)!r}: 'state_dict' is a {type(ckpt['state_dict']).__name__}, expected a dict")
     sd = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
     model = GPT(cfg)
+    expected = model.state_dict()
+    for name, value in sd.items():
+        want = expected.get(name)
+        if want is None:
+            continue  # an unexpected key: load_state_dict names it below
+        try:
+            check_tensor(value, f"{str(path)!r}", f"model.{name}", shape=tuple(want.shape),
+                         floating=want.is_floating_point())
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
     try:
         model.load_state_dict(sd, strict=strict)
     except RuntimeError as e:
@@ -137,29 +154,76 @@ def load_model(path: PathLike, map_location: Any = "cpu", strict: bool = True):
     return model, cfg, meta
 
 
-def _temp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+def check_tensor(t: Any, source: str, name: str, *, shape: Optional[tuple[int, ...]] = None,
+                 floating: bool = True) -> torch.Tensor:
+    """A tensor read from a user's file: a ``torch.Tensor``, floating point when ``floating`` (never an integer or
+    boolean tensor that a copy would silently cast), of ``shape`` when given, with only finite values.
 
-
-def atomic_save(obj: Any, path: PathLike) -> None:
-    """``torch.save(obj, path)`` atomically: write ``.<name>.<pid>.tmp`` beside ``path``, fsync, rename over it.
-
-    Readers (and a resumed run) see either the old file or the complete new one, never a partial file.
+    Raises:
+        ValueError: one line naming ``source`` (the file) and ``name`` (the tensor).
     """
+    where = f"{source}: tensor {name}"
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{where} is a {type(t).__name__}, not a tensor")
+    if floating and not t.is_floating_point():
+        raise ValueError(f"{where} has dtype {str(t.dtype).replace('torch.', '')}, expected a floating-point tensor")
+    if not floating and t.is_floating_point():
+        raise ValueError(f"{where} has dtype {str(t.dtype).replace('torch.', '')}, expected an integer/bool tensor")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{where} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise ValueError(f"{where} holds {bad} NaN/inf value{'s' if bad != 1 else ''}")
+    return t
+
+
+# ------------------------------------------------------------------------------------------------ atomic writes
+_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.tmp$")
+
+
+def temp_path(path: PathLike, folder: Optional[PathLike] = None) -> Path:
+    """``.<name>.<pid>.tmp`` in ``folder`` (default: beside ``path``): where this process writes ``path`` first."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_path(path)
+    return Path(folder if folder is not None else path.parent) / f".{path.name}.{os.getpid()}.tmp"
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether another live process has this pid (our own pid counts as dead: a container restart reuses pids, and
+    this is only called before this process writes)."""
+    if pid == os.getpid():
+        return False
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # an exception (not a kill) leaves nothing behind
-        raise
-    try:  # make the rename itself durable
-        fd = os.open(path.parent, os.O_RDONLY)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists but not ours (EPERM)
+        return True
+    return True
+
+
+def remove_stale_temp_files(folder: PathLike, name: Optional[str] = None) -> list[Path]:
+    """Delete the temporaries (``.<name>.<pid>.tmp`` files or folders) that killed writers left in ``folder``, only
+    those of ``name`` when given; returns what was removed. A live process's temporaries are left alone. Call it
+    before this process writes into ``folder``."""
+    folder = Path(folder)
+    removed: list[Path] = []
+    if not folder.is_dir():
+        return removed
+    for f in folder.iterdir():
+        m = _TEMP.match(f.name)
+        if not m or (name is not None and m["name"] != name) or _pid_alive(int(m["pid"])):
+            continue
+        if f.is_dir() and not f.is_symlink():
+            shutil.rmtree(f, ignore_errors=True)
+        else:
+            f.unlink(missing_ok=True)
+        removed.append(f)
+    return removed
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:  # make a rename durable
+        fd = os.open(folder, os.O_RDONLY)
     except OSError:
         return
     try:
@@ -168,6 +232,36 @@ def atomic_save(obj: Any, path: PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def atomic_write(path: PathLike, write: Callable[[Path], None]) -> Path:
+    """Write ``path`` atomically: ``write(tmp)`` fills ``.<name>.<pid>.tmp`` beside it, which is fsynced, given the
+    usual permissions (``0666`` less the umask) and renamed over ``path`` (``os.replace``).
+
+    Readers see either the old file or the complete new one, never a partial file; an exception leaves nothing
+    behind, a kill at most the temporary file (:func:`remove_stale_temp_files`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def atomic_save(obj: Any, path: PathLike) -> None:
+    """``torch.save(obj, path)`` through :func:`atomic_write`: a resumed run reads the old or the complete new
+    checkpoint, never a partial one."""
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 def save_model(model, path: PathLike, *, hparams: dict | None = None, data_hparams: dict | None = None,

@@ -19,13 +19,19 @@ Step = Callable[[torch.Tensor, DecodeCache], torch.Tensor]
 """``step(ids (B, T), cache) -> logits (B, T', V)``: appends ``ids`` to ``cache``; the last row predicts next."""
 
 
+def check_temperature(temperature: float) -> float:
+    """A sampling temperature is a finite number >= 0 (0 = greedy); NaN or inf would sample noise."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    return temperature
+
+
 def check_sampling(max_new_tokens: int, temperature: float, top_k: Optional[int]) -> None:
     """One ``ValueError`` line for arguments no sampler can use."""
     if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if not isinstance(temperature, (int, float)) or math.isnan(temperature) or math.isinf(temperature) \
-            or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    check_temperature(temperature)
     if top_k is not None and (isinstance(top_k, bool) or int(top_k) != top_k or top_k < 1):
         raise ValueError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
 
@@ -46,8 +52,9 @@ def check_prompt(idx: torch.Tensor, vocab_size: Optional[int] = None) -> None:
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Next tokens ``(B, 1)`` from last-position logits ``(B, V)``; ``temperature=0`` → argmax."""
-    if temperature == 0:
+    """Next tokens ``(B, 1)`` from last-position logits ``(B, V)``; ``temperature=0`` → argmax. A non-finite or
+    negative temperature is a ``ValueError``."""
+    if check_temperature(temperature) == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float() / temperature
     if top_k is not None:

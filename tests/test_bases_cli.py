@@ -108,11 +108,11 @@ def test_refuses_to_overwrite(s260k, tmp_path, capsys):
     args = ["--model", s260k, "--method", "ksvd", "--rank", 2, *FIT_SMALL, "--out", out]
     rc, _, err = run(fit_bases, args, capsys)
     line = one_error(err, "fit_bases")
-    assert rc == 1 and "already exists" in line and "--force" in line
+    assert rc == 2 and "already exists" in line and "--force" in line
     assert out.read_bytes() == b"precious"
     bad = [a if a != str(CALIB) else str(tmp_path / "missing.txt") for a in FIT_SMALL]
     rc, _, err = run(fit_bases, args[:6] + bad + ["--out", out, "--force"], capsys)  # a failing --force run
-    assert rc == 1 and "not found" in one_error(err, "fit_bases")
+    assert rc == 2 and "not found" in one_error(err, "fit_bases")
     assert out.read_bytes() == b"precious"  # nothing is written before the fit succeeded
     rc, _, err = run(fit_bases, args + ["--force"], capsys)
     assert rc == 0, err
@@ -133,7 +133,7 @@ def test_fit_errors_are_one_line(s260k, tmp_path, capsys, monkeypatch):
                   "convert_llama2c"))
     for args, needle in cases:
         rc, _, err = run(fit_bases, args, capsys)
-        assert rc == 1 and needle in one_error(err, "fit_bases"), (args, err)
+        assert rc == 2 and needle in one_error(err, "fit_bases"), (args, err)
         assert not out.exists()
 
 
@@ -145,7 +145,7 @@ def test_unsupported_model_family(s260k, tmp_path_factory, capsys):
     transformers.OPTForCausalLM(cfg).save_pretrained(d)
     rc, _, err = run(fit_bases, ["--model", d, "--method", "kq", "--rank", 2, *FIT_SMALL, "--out",
                                  d / "b.safetensors"], capsys)
-    assert rc == 1 and "unsupported model" in one_error(err, "fit_bases")
+    assert rc == 2 and "unsupported model" in one_error(err, "fit_bases")
 
 
 # ------------------------------------------------------------------------------------------------ eval
@@ -213,13 +213,13 @@ def test_bases_from_another_model(s260k, tiny_dirs, tmp_path, capsys):
     assert fit_bases.main([str(a) for a in ["--model", tiny_dirs["llama"], "--method", "gqa-concat", "--rank", 4,
                                             *FIT_SMALL, "--out", other]]) == 0
     rc, _, err = run(eval_bases, ["--model", s260k, "--bases", other, *EVAL_SMALL], capsys)
-    assert rc == 1 and "fitted for model" in one_error(err, "eval_bases")
+    assert rc == 2 and "fitted for model" in one_error(err, "eval_bases")
 
 
 def test_eval_missing_data(s260k, s260k_bases, tmp_path, capsys):
     rc, _, err = run(eval_bases, ["--model", s260k, "--bases", s260k_bases["low_post"], "--data",
                                   tmp_path / "missing.txt", "--no-progress"], capsys)
-    assert rc == 1 and "not found" in one_error(err, "eval_bases")
+    assert rc == 2 and "not found" in one_error(err, "eval_bases")
 
 
 def test_gpt2_full_rank_and_rope_none(tiny_dirs, tmp_path, capsys):
@@ -263,12 +263,12 @@ def test_training_checkpoint(tmp_path, capsys):
 
 
 def test_cli_process_exit_codes(tmp_path):
-    """The real entry points: a missing bases file fails before any model is loaded, with status 1."""
+    """The real entry points: a missing bases file fails before any model is loaded, with status 2."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     p = subprocess.run([sys.executable, "-m", "kvsplice.eval_bases", "--model", str(tmp_path), "--bases",
                         str(tmp_path / "missing.safetensors"), "--data", str(EVAL)], capture_output=True, text=True,
                        cwd=REPO, env=env, timeout=120)
-    assert p.returncode == 1 and p.stderr.strip() == \
+    assert p.returncode == 2 and p.stderr.strip() == \
         f"eval_bases: error: bases file not found: {tmp_path / 'missing.safetensors'}"
 
 

@@ -138,5 +138,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, capsys):
         assert rc == 2 and len(err) == 1 and err[0].startswith("export: error: "), (name, err)
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
-    assert ex.main(["--ckpt", str(ckpt), "--out", str(busy), "--force", "--no-tokenizer"]) == 0
-    assert not (busy / "keep.txt").exists() and (busy / "model.safetensors").is_file()
+    # --force replaces an earlier export only, never a folder holding other files
+    assert ex.main(["--ckpt", str(ckpt), "--out", str(busy), "--force", "--no-tokenizer"]) == 2
+    assert "holds files export does not write (keep.txt)" in capsys.readouterr().err
+    assert [p.name for p in busy.iterdir()] == ["keep.txt"]

@@ -118,12 +118,18 @@ def test_bad_input_with_a_model(tool, prog, args, expect, files, s260k, capsys):
     if tool is fit_bases:
         base = ["--model", str(s260k), "--method", "kq", "--rank", "2", "--calib-tokens", "512", "--no-progress",
                 "--out", str(files / "new.safetensors")]
-    else:
-        base = ["--model", str(s260k), "--bases", str(files / "bases.safetensors"), "--tokens", "512",
-                "--no-progress"]
+    else:  # valid bases (checked before the model loads), so the error is the one under test
+        bases = files / "valid.safetensors"
+        if not bases.is_file():
+            import transformers
+            from test_hf_cache import random_bases
+
+            random_bases(transformers.AutoModelForCausalLM.from_pretrained(s260k), 2, "post").save(bases)
+            capsys.readouterr()  # the loading progress bar
+        base = ["--model", str(s260k), "--bases", str(bases), "--tokens", "512", "--no-progress"]
         if "--method" in args:
             base.remove("--bases")
-            base.remove(str(files / "bases.safetensors"))
+            base.remove(str(bases))
     rc = tool.main(base + fmt(args, files))
     check_one_line(capsys, rc, prog, expect)
     assert not (files / "new.safetensors").exists()

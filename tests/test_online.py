@@ -322,7 +322,7 @@ def test_eval_bases_cli_fd_online_and_diagnostics(stories, tmp_path, capsys):
     assert eval_bases.main(common + ["--bases", str(path), "--json", str(tmp_path / "kq.json")]) == 0
     r = json.loads((tmp_path / "kq.json").read_text())["results"][0]
     assert len(r["diagnostics"]) == 5 and all(d["holds"] for d in r["diagnostics"])
-    assert eval_bases.main(common + ["--method", "fd-online", "--rank", "9"]) == 1
+    assert eval_bases.main(common + ["--method", "fd-online", "--rank", "9"]) == 2
     assert "head_dim 8" in capsys.readouterr().err
 
 
@@ -414,6 +414,6 @@ def test_eval_bases_cli_tau_percentile(tmp_path, capsys):
     assert cal["percentile"] == 90 and cal["n_tokens"] == 256 and cal["source"].endswith("calib.txt")
     assert r["config"]["tau_k"] == cal["tau_k"] > 0 and r["config"]["tau_v"] == cal["tau_v"] > 0
     assert max(max(j) for j in r["chunks"]) > 1 + 64 // 8  # τ closes on top of the max_chunk_len ones
-    assert eval_bases.main(common) == 1
+    assert eval_bases.main(common) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "--tau-percentile needs --tau-calib" in err

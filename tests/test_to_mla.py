@@ -136,7 +136,7 @@ def test_cli_convert_and_finetune(tmp_path: Path, mha_ckpt: Path, data_cache: Pa
     assert meta["data_hparams"]["synthetic"] is True  # the source's data settings travel with the checkpoint
     # an existing --out is never overwritten without --force
     before = out.stat().st_mtime_ns
-    assert to_mla(["--model", str(mha_ckpt), "--d-latent", "16", "--out", str(out)]) == 1
+    assert to_mla(["--model", str(mha_ckpt), "--d-latent", "16", "--out", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err and out.stat().st_mtime_ns == before
     # full rank through the CLI (weights only): the same logits as the source
     exact = tmp_path / "exact.ckpt"
@@ -151,7 +151,7 @@ def test_cli_convert_and_finetune(tmp_path: Path, mha_ckpt: Path, data_cache: Pa
     assert to_mla(["--model", str(mla_only), "--kvsplice-ratio", "0.5", "--calib", str(calib), "--calib-tokens",
                    "2048", "--out", str(spliced)]) == 0
     assert load_model(spliced)[1].variant == "mla_kvsplice_50"
-    assert to_mla(["--model", str(mla_only), "--out", str(tmp_path / "x.ckpt")]) == 1
+    assert to_mla(["--model", str(mla_only), "--out", str(tmp_path / "x.ckpt")]) == 2
     assert "give --kvsplice-ratio" in capsys.readouterr().err
     # fine-tune from the converted weights: a fresh run (step 0, new optimizer) that trains
     runs = tmp_path / "ft"
@@ -179,7 +179,7 @@ def test_cli_convert_and_finetune(tmp_path: Path, mha_ckpt: Path, data_cache: Pa
 ])
 def test_cli_errors(tmp_path: Path, mha_ckpt: Path, capsys, args, msg) -> None:
     out = tmp_path / "o.ckpt"
-    assert to_mla(["--model", str(mha_ckpt), *args, "--out", str(out)]) == 1
+    assert to_mla(["--model", str(mha_ckpt), *args, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert msg in err and len(err.splitlines()) == 1 and not out.exists()
 

@@ -323,6 +323,7 @@ def test_fit_ddp_two_processes_on_cpu(tmp_path, data_cache):
                    "--wandb.mode", "disabled")
     assert_ok(proc)
     assert "Starting with 2 processes" in proc.stdout + proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["ddp"]  # rank 1 used the folder rank 0 took (no ddp-v1)
     ckpt = load_checkpoint(tmp_path / "ddp" / "last.ckpt")
     assert ckpt["global_step"] == 4
 

@@ -14,48 +14,13 @@ cleaned up, and copies it across filesystems.)
 
 from __future__ import annotations
 
-import os
-import re
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from models.checkpoint import (CKPT_FORMAT, CKPT_FORMAT_KEY, GPT_CONFIG_KEY, CheckpointError, PathLike, atomic_save,
-                               load_checkpoint, load_model)
+                               load_checkpoint, load_model, remove_stale_temp_files)
 
 __all__ = ["CKPT_FORMAT", "CKPT_FORMAT_KEY", "GPT_CONFIG_KEY", "CheckpointError", "atomic_save", "load_checkpoint",
            "load_model", "remove_stale_temp_files", "safe_checkpoint_io"]
-
-_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.tmp$")
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether another live process has this pid (our own pid counts as dead: a container restart reuses pids, and
-    this is only called before this process writes any checkpoint)."""
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists but not ours (EPERM)
-        return True
-    return True
-
-
-def remove_stale_temp_files(folder: PathLike) -> list[Path]:
-    """Delete the temporary files that killed :func:`atomic_save` calls left in ``folder`` (``.<name>.<pid>.tmp``
-    whose process is gone); returns what was removed. Files of another live process are left alone. Call it before
-    this process saves into ``folder`` (a run's start or resume)."""
-    folder = Path(folder)
-    removed: list[Path] = []
-    if not folder.is_dir():
-        return removed
-    for f in folder.iterdir():
-        m = _TEMP.match(f.name)
-        if m and f.is_file() and not _pid_alive(int(m["pid"])):
-            f.unlink(missing_ok=True)
-            removed.append(f)
-    return removed
 
 
 def safe_checkpoint_io():

@@ -30,7 +30,7 @@ from data import TinyStoriesDataModule
 from training.lit import LitGPT, check_schedule
 from training.checkpoint import remove_stale_temp_files, safe_checkpoint_io
 from training.loggers import RunCSVLogger
-from training.rundir import WANDB_ID_FILE, CLIConfigError, RunPlan, clear_run_files, plan_run
+from training.rundir import WANDB_ID_FILE, CLIConfigError, RunPlan, clear_run_files, place_run
 
 __all__ = ["KVSpliceCLI", "RunFiles", "WandbSettings", "shorten_schedule"]
 
@@ -186,12 +186,6 @@ class RunFiles(SaveConfigCallback):
                 if m and int(m.group(1)) > step:
                     f.unlink(missing_ok=True)
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        """A run that fails before writing anything leaves no empty run directory behind."""
-        d = self.run_dir
-        if trainer.is_global_zero and not self.plan.resume and d.is_dir() and not any(d.iterdir()):
-            d.rmdir()
-
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         """Rows logged up to this checkpoint reach ``metrics.csv`` before the checkpoint file does."""
         for logger in trainer.loggers:
@@ -216,21 +210,31 @@ class KVSpliceCLI(LightningCLI):
         self._args = list(args)
         self.plan: Optional[RunPlan] = None
         self.wandb_id: Optional[str] = None
-        super().__init__(
-            LitGPT,
-            TinyStoriesDataModule,
-            args=args,
-            run=False,
-            save_config_callback=RunFiles,
-            seed_everything_default=1337,
-            auto_configure_optimizers=False,
-            parser_kwargs={
-                "prog": "python -m training.fit",
-                "exit_on_error": False,  # parse errors raise -> main prints one "error: ..." line
-                "description": "Train GPT-2 / MLA / MLA+KVSplice: python -m training.fit --config NAME "
-                               "[--section.option VALUE ...]",
-            },
-        )
+        try:
+            super().__init__(
+                LitGPT,
+                TinyStoriesDataModule,
+                args=args,
+                run=False,
+                save_config_callback=RunFiles,
+                seed_everything_default=1337,
+                auto_configure_optimizers=False,
+                parser_kwargs={
+                    "prog": "python -m training.fit",
+                    "exit_on_error": False,  # parse errors raise -> main prints one "error: ..." line
+                    "description": "Train GPT-2 / MLA / MLA+KVSplice: python -m training.fit --config NAME "
+                                   "[--section.option VALUE ...]",
+                },
+            )
+        except BaseException:
+            self.release()  # a run refused while being built leaves no folder or lock behind
+            raise
+
+    def release(self) -> None:
+        """Give the run folder back at the end of the run (:meth:`training.rundir.RunPlan.release`; the entry point
+        calls it)."""
+        if self.plan is not None:
+            self.plan.release()
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self.config = parser.parse_args(args)  # no "args and sys.argv both given" warning: argv is rewritten
@@ -264,8 +268,8 @@ class KVSpliceCLI(LightningCLI):
         """Validate the CLI options and place the run before anything is built or written."""
         cfg = self.config
         run_name = self._get(cfg, "run_name") or self._default_run_name
-        self.plan = plan_run(self._get(cfg, "runs_dir"), run_name, self._get(cfg, "ckpt_path"),
-                             bool(self._get(cfg, "overwrite")))
+        self.plan = place_run(self._get(cfg, "runs_dir"), run_name, self._get(cfg, "ckpt_path"),
+                              bool(self._get(cfg, "overwrite")))
         threads = self._get(cfg, "torch_threads")
         if threads is not None and threads < 1:
             raise CLIConfigError(f"--torch_threads must be >= 1, got {threads}")

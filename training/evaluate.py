@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import math
 import statistics
 import sys
@@ -30,6 +29,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from kvsplice.io.cli import Parser, UsageError
+from kvsplice.io.outputs import output_file, write_json
 from kvsplice.report.memory import cache_bytes_formula, measure_cache, parse_dtype
 from training.checkpoint import CheckpointError, load_model
 
@@ -39,15 +40,6 @@ PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "The dog was
 
 class EvalError(RuntimeError):
     """Bad input for the evaluation (a reason to stop with one clear line)."""
-
-
-class _UsageError(Exception):
-    """A malformed command line (argparse's message, printed as one ``error:`` line)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise _UsageError(message)
 
 
 def _bool(value: str) -> bool:
@@ -233,7 +225,7 @@ def markdown_table(rows: Sequence[dict[str, Any]], dtype: str, device: str) -> s
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m training.evaluate", description=__doc__.split("\n\n")[0],
+    p = Parser(prog="python -m training.evaluate", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ckpt", action="append", required=True, help="checkpoint file (repeat for a comparison)")
     p.add_argument("--tokens", type=int, default=16384, help="validation tokens to average the loss over")
@@ -274,14 +266,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise EvalError(f"--device {args.device!r}: {str(e).splitlines()[0]}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise EvalError(f"--device {args.device}: CUDA is not available on this machine (use --device cpu)")
-    if args.json:
-        out = Path(args.json)
-        if out.is_dir():
-            raise EvalError(f"--json {args.json} is a directory; give a file name")
-        if out.exists() and not args.force:
-            raise EvalError(f"--json {args.json} already exists (use --force to overwrite)")
-        if out.parent.exists() and not out.parent.is_dir():
-            raise EvalError(f"--json {args.json}: {out.parent} is not a directory")
+    if args.json:  # never a --ckpt, never replaced without --force, a writable folder
+        args.json = output_file(args.json, force=args.force, option="--json", inputs={"--ckpt": args.ckpt})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -290,10 +276,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         args = build_parser().parse_args(argv)
+    except UsageError as e:
+        print(f"error: {' '.join(str(e).split())} (python -m training.evaluate --help lists the options)",
+              file=sys.stderr)
+        return EXIT_ERROR
+    try:
         _check_args(args)
-    except (_UsageError, EvalError) as e:
-        print(f"error: {' '.join(str(e).split())} (python -m training.evaluate --help lists the options)"
-              if isinstance(e, _UsageError) else f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    except (UsageError, EvalError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_ERROR
 
     rows = []
@@ -317,12 +307,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for s in r["samples"]:
             print(f"  {s['text']!r}")
     if args.json:
-        out = Path(args.json)
+        out = args.json
         try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_name(f".{out.name}.tmp")
-            tmp.write_text(json.dumps({"dtype": args.dtype, "device": args.device, "rows": rows}, indent=2))
-            tmp.replace(out)
+            write_json({"dtype": args.dtype, "device": args.device, "rows": rows}, out)
         except OSError as e:
             print(f"error: --json {args.json}: cannot write ({e.strerror or type(e).__name__})", file=sys.stderr)
             return EXIT_ERROR

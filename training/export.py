@@ -13,14 +13,16 @@
   BPE) is saved as a ``PreTrainedTokenizerFast`` with ``<|endoftext|>`` as EOS/BOS/pad; if it cannot be rebuilt
   (data not available here), the export goes on without it and says so.
 
-Weights are read with ``torch.load(weights_only=True)`` (:mod:`training.checkpoint`) and written as safetensors.
-An existing non-empty ``--out`` is replaced only with ``--force``. Bad input is one ``export: error: ...`` line,
-exit status 2, nothing written.
+Weights are read with ``torch.load(weights_only=True)`` (:mod:`training.checkpoint`; every tensor checked: finite,
+floating point, the shapes of the stored config) and written as safetensors. The files are written into a temporary
+folder and moved into ``--out`` (:mod:`kvsplice.io.outputs`): a non-empty ``--out`` is replaced only with
+``--force`` and only when it holds nothing but an earlier export's files (:data:`EXPORT_FILES`) — never a folder
+with other files (a run folder, ``.``, ``some/dir/..``) or the folder of ``--ckpt``. Bad input (including a
+read-only destination) is one ``export: error: ...`` line, exit status 2, nothing written.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -29,13 +31,17 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from kvsplice.io.cli import Parser, run_cli
+from kvsplice.io.outputs import output_dir, write_dir
 from models.attention import LATENT_NORM_EPS
 from models.gpt import HF_CONV1D
 from training.checkpoint import CheckpointError, load_model
 
-EXIT_ERROR = 2
 REMOTE_DIR = Path(__file__).resolve().parent / "hf_remote"
 REMOTE_FILES = ("configuration_kvsplice_gpt.py", "modeling_kvsplice_gpt.py")
+EXPORT_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                          "tokenizer_config.json", "special_tokens_map.json", *REMOTE_FILES})
+"""Every file an export writes: ``--force`` replaces a folder that holds nothing else."""
 
 
 class ExportError(RuntimeError):
@@ -48,14 +54,15 @@ def export_kind(cfg) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- GPT-2
-def to_gpt2(model, cfg):
-    """Our MHA ``models.GPT`` as a ``transformers.GPT2LMHeadModel`` with the same weights."""
+def to_gpt2(model, cfg, eot_id: Optional[int] = None):
+    """Our MHA ``models.GPT`` as a ``transformers.GPT2LMHeadModel`` with the same weights; its BOS/EOS id is the
+    run's end-of-text token ``eot_id`` (``None`` when unknown: never GPT-2's 50256 for another vocabulary)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     hf_cfg = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.d_model,
                         n_layer=cfg.n_layer, n_head=cfg.n_head, activation_function="gelu_new",
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
-                        tie_word_embeddings=True)
+                        tie_word_embeddings=True, bos_token_id=eot_id, eos_token_id=eot_id)
     hf = GPT2LMHeadModel(hf_cfg).eval()
     ours = model.state_dict()
     sd = {}
@@ -89,14 +96,14 @@ def _load_template_config():
     return mod.KVSpliceGPTConfig
 
 
-def remote_config(cfg):
-    """The remote-code config (``KVSpliceGPTConfig``) of a ``GPTConfig``."""
+def remote_config(cfg, eot_id: Optional[int] = None):
+    """The remote-code config (``KVSpliceGPTConfig``) of a ``GPTConfig``, BOS/EOS = ``eot_id``."""
     Config = _load_template_config()
     out = Config(vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head, d_model=cfg.d_model,
                  block_size=cfg.block_size, bias=cfg.bias, attention=cfg.attention,
                  n_kv_head=cfg.n_kv_head, d_latent=cfg.d_latent, d_compressed=cfg.d_compressed,
                  latent_norm=cfg.latent_norm, latent_norm_eps=LATENT_NORM_EPS,
-                 tie_word_embeddings=False)
+                 tie_word_embeddings=False, bos_token_id=eot_id, eos_token_id=eot_id)
     out.architectures = ["KVSpliceGPTForCausalLM"]
     out.auto_map = {"AutoConfig": "configuration_kvsplice_gpt.KVSpliceGPTConfig",
                     "AutoModelForCausalLM": "modeling_kvsplice_gpt.KVSpliceGPTForCausalLM"}
@@ -116,10 +123,10 @@ def remote_state_dict(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().clone() for k, v in sd.items()}
 
 
-def write_remote(model, cfg, out: Path) -> None:
+def write_remote(model, cfg, out: Path, eot_id: Optional[int] = None) -> None:
     from safetensors.torch import save_file
 
-    rc = remote_config(cfg)
+    rc = remote_config(cfg, eot_id)
     rc.save_pretrained(out)
     for name in REMOTE_FILES:
         shutil.copyfile(REMOTE_DIR / name, out / name)
@@ -127,31 +134,40 @@ def write_remote(model, cfg, out: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- tokenizer
-def save_tokenizer(meta: dict, ckpt: Path, out: Path) -> Optional[dict[str, Any]]:
-    """Save the run's tokenizer into ``out``; ``None`` (and a note on stderr) when it cannot be rebuilt here."""
-    from transformers import PreTrainedTokenizerFast
-
+def run_tokenizer(meta: dict, ckpt: Path):
+    """The run's tokenizer (a :class:`data.TextTokenizer`), or ``None`` (and a note on stderr) when it cannot be
+    rebuilt here."""
     from kvsplice.io.loading import LoadError, checkpoint_tokenizer
 
     try:
-        tok = checkpoint_tokenizer(meta, ckpt).backend  # data.TextTokenizer
+        return checkpoint_tokenizer(meta, ckpt).backend
     except LoadError as e:
         print(f"export: note: no tokenizer exported ({e})", file=sys.stderr)
         return None
+
+
+def save_tokenizer(tok, out: Path) -> None:
+    """Save ``tok`` as a ``PreTrainedTokenizerFast`` with ``<|endoftext|>`` as EOS/BOS/pad, and the matching
+    ``generation_config.json``, into ``out``."""
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
     fast = PreTrainedTokenizerFast(tokenizer_object=tok.backend, eos_token=tok.eot_token, bos_token=tok.eot_token,
                                    pad_token=tok.eot_token)
     fast.save_pretrained(out)
-    return {"name": tok.name, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id}
+    eot = tok.eot_id
+    GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot).save_pretrained(out)
 
 
 # ---------------------------------------------------------------------------------------------------- main
 def export(ckpt: str | Path, out: str | Path, *, force: bool = False, tokenizer: bool = True) -> dict[str, Any]:
-    """Export ``ckpt`` into the directory ``out``; returns a summary (kind, variant, files, cache numbers)."""
-    ckpt, out = Path(ckpt), Path(out)
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ExportError(f"--out {out} is not empty (use --force to replace its files)")
+    """Export ``ckpt`` into the directory ``out``; returns a summary (kind, variant, files, cache numbers).
+
+    Raises:
+        kvsplice.io.cli.UsageError: ``out`` is refused (see the module docstring).
+        ExportError: the checkpoint cannot be loaded or exported.
+    """
+    out = output_dir(out, force=force, inputs={"--ckpt": ckpt}, owned=EXPORT_FILES, writer="export")
+    ckpt = Path(ckpt)
     try:
         model, cfg, meta = load_model(ckpt)
     except CheckpointError as e:
@@ -160,48 +176,38 @@ def export(ckpt: str | Path, out: str | Path, *, force: bool = False, tokenizer:
         print(f"export: note: cache_quant={cfg.cache_quant!r} is a decode option of the package; the exported "
               f"model caches at its dtype", file=sys.stderr)
     kind = export_kind(cfg)
-    hf = to_gpt2(model, cfg) if kind == "gpt2" else None  # before touching out: shape errors write nothing
-    tmp = out.with_name(f".{out.name}.export-tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    tok = run_tokenizer(meta, ckpt) if tokenizer else None
+    eot = tok.eot_id if tok is not None and 0 <= tok.eot_id < cfg.vocab_size else None
+    hf = to_gpt2(model, cfg, eot) if kind == "gpt2" else None  # before touching out: shape errors write nothing
+
+    def fill(tmp: Path) -> None:
         if hf is not None:
             hf.save_pretrained(tmp)
         else:
-            write_remote(model, cfg, tmp)
-        tok = save_tokenizer(meta, ckpt, tmp) if tokenizer else None
+            write_remote(model, cfg, tmp, eot)
         if tok is not None:
-            from transformers import GenerationConfig
+            save_tokenizer(tok, tmp)
 
-            eot = tok["eot_id"]
-            GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot).save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    files = write_dir(out, fill, owned=EXPORT_FILES)
     return {"ckpt": str(ckpt), "out": str(out), "kind": "GPT2LMHeadModel" if kind == "gpt2" else "remote-code",
             "variant": cfg.variant, "n_kv_head": cfg.kv_heads, "cache_numbers_per_token_per_layer": cfg.cache_dim,
-            "tokenizer": tok, "files": sorted(p.name for p in out.iterdir())}
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ExportError(message)
+            "tokenizer": None if tok is None else {"name": tok.name, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id},
+            "files": files}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = _Parser(prog="python -m training.export", description=__doc__.split("\n\n")[0])
+    return run_cli("export", lambda: _main(argv), (ExportError,))
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    p = Parser(prog="python -m training.export", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True, help="a checkpoint written by python -m training.fit")
-    p.add_argument("--out", required=True, help="the output directory")
-    p.add_argument("--force", action="store_true", help="replace the files of a non-empty --out")
+    p.add_argument("--out", required=True, help="the output directory (new or empty; --force: an earlier export)")
+    p.add_argument("--force", action="store_true", help="replace the files of an earlier export in --out (a folder "
+                   "holding any other file is refused)")
     p.add_argument("--no-tokenizer", action="store_true", help="do not export the run's tokenizer")
-    try:
-        args = p.parse_args(argv)
-        summary = export(args.ckpt, args.out, force=args.force, tokenizer=not args.no_tokenizer)
-    except (ExportError, OSError) as e:
-        print(f"export: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return EXIT_ERROR
+    args = p.parse_args(argv)
+    summary = export(args.ckpt, args.out, force=args.force, tokenizer=not args.no_tokenizer)
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -144,15 +144,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")  # TF32 for the fp32 parts of mixed precision
     expected = _expected_errors()
+    cli = None
     try:
         from training.cli import KVSpliceCLI
 
-        cli = KVSpliceCLI(args, default_run_name=stem)
+        cli = KVSpliceCLI(args, default_run_name=stem)  # takes the run folder (released by itself if refused)
         cli.fit()
     except expected as e:
         hint = " (python -m training.fit --help lists the options)" if type(e).__name__ == "ArgumentError" else ""
         print(f"error: {_one_line(e)}{hint}", file=sys.stderr)
         return EXIT_ERROR
+    finally:
+        if cli is not None:
+            cli.release()  # the run folder's lock; the folder too if this run wrote nothing into it
     return 0
 
 

@@ -34,8 +34,6 @@ byte fallback whose merges are derived from the pieces ranked by score (Sentence
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -148,20 +146,19 @@ def convert_llama2c(model_path: str | os.PathLike, tokenizer_path: str | os.Path
                     out_dir: str | os.PathLike, force: bool = False) -> Path:
     """Convert ``model_path`` (+ ``tokenizer_path``; ``None`` skips the tokenizer) into an HF directory ``out_dir``.
 
-    Everything is read and validated before anything is written; files are written to a temporary directory next
-    to ``out_dir`` and then moved in. Refuses a non-empty ``out_dir`` unless ``force`` (then same-named files are
-    overwritten, other files are left alone). Returns ``out_dir`` as a Path.
+    Everything is read and validated before anything is written; files are written to a temporary directory and
+    then moved in (:func:`kvsplice.io.outputs.write_dir`). Refuses a non-empty ``out_dir`` unless ``force`` (then
+    same-named files are overwritten, other files are left alone) and an ``out_dir`` holding an input
+    (:class:`kvsplice.io.cli.UsageError`). Returns ``out_dir`` resolved.
     """
     return _convert(model_path, tokenizer_path, out_dir, force)[0]
 
 
 def _convert(model_path, tokenizer_path, out_dir, force):
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"output path exists and is not a directory: {out}")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise FileExistsError(f"output directory {out} exists and is not empty (use --force to overwrite)")
+    from kvsplice.io.outputs import output_dir, write_dir
 
+    out = output_dir(out_dir, force=force, inputs={"model": model_path, "--tokenizer": tokenizer_path},
+                     writer="convert_llama2c")
     cfg, sd = read_llama2c(model_path)
     tokenizer = None
     if tokenizer_path is not None:
@@ -173,22 +170,10 @@ def _convert(model_path, tokenizer_path, out_dir, force):
         tokenizer = build_tokenizer(pieces, scores, model_max_length=cfg["max_seq_len"], path=tokenizer_path)
     model = _build_hf_model(cfg, sd)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    def fill(tmp: Path) -> None:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        out.mkdir(exist_ok=True)
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in sorted(tmp.iterdir()):
-            if f.is_file():
-                f.chmod(0o666 & ~umask)  # some writers create 0600 temp files
-            dest = out / f.name
-            if dest.is_dir() and not dest.is_symlink():
-                shutil.rmtree(dest)
-            os.replace(f, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    write_dir(out, fill)
     return out, cfg, _count_params(model)

@@ -1,22 +1,56 @@
-"""Helpers every command-line tool of ``kvsplice`` shares: argument types, one-line usage errors, output paths
-that are never overwritten silently, JSON writing and the device choice."""
+"""Helpers every command-line tool of ``kvsplice`` shares: the argument parser whose errors are one line, the exit
+status of user errors, argument types and the device choice. Output paths and their writing: :mod:`kvsplice.io.outputs`.
+
+Every tool's ``main`` is ``run_cli(PROG, body, errors)``: a user error — a bad argument, a missing or unreadable
+input, a read-only destination, a refused input file — is one ``PROG: error: ...`` line on stderr and exit status 2,
+never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
-from pathlib import Path
-from typing import Any, Optional
+import sys
+from typing import Callable, Optional
 
 import torch
 
-__all__ = ["UsageError", "check_out_path", "default_seq_len", "pick_device", "pos_int", "write_json"]
+__all__ = ["EXIT_USAGE", "Parser", "UsageError", "default_seq_len", "first_line", "pick_device", "pos_int", "run_cli"]
+
+EXIT_USAGE = 2
+"""Exit status of every user error (as argparse's own)."""
 
 
 class UsageError(Exception):
-    """A bad argument: reported as one line on stderr, non-zero exit status."""
+    """A bad argument or input: reported as one line on stderr, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose errors raise :class:`UsageError` (one line, exit 2 through :func:`run_cli`)
+    instead of printing the usage and exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message, whitespace collapsed, at most ``limit`` characters."""
+    text = " ".join(str(e).strip().split("\n")[0].split()) if str(e).strip() else type(e).__name__
+    return text[:limit]
+
+
+def run_cli(prog: str, body: Callable[[], int], errors: tuple[type[BaseException], ...] = ()) -> int:
+    """Run a tool's ``body`` and return its exit status; :class:`UsageError`, ``OSError`` (a missing input, a
+    read-only destination), ``ValueError`` and the tool's own ``errors`` become one ``PROG: error: ...`` line on
+    stderr and :data:`EXIT_USAGE`."""
+    try:
+        return body()
+    except SystemExit as e:  # --help / --version
+        if e.code in (None, 0):
+            return 0
+        raise
+    except (UsageError, OSError, ValueError, *errors) as e:
+        print(f"{prog}: error: {first_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def pos_int(s: str) -> int:
@@ -36,29 +70,3 @@ def pick_device(name: Optional[str] = None) -> torch.device:
     if name:
         return torch.device(name)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def check_out_path(out: str | os.PathLike, force: bool, option: str = "--out") -> Path:
-    """``out`` as a Path; :class:`UsageError` if it is a directory, or exists and ``force`` is not set."""
-    path = Path(out)
-    if path.is_dir():
-        raise UsageError(f"{option} {path} is a directory")
-    if path.exists() and not force:
-        raise UsageError(f"{option} {path} already exists (use --force to overwrite)")
-    return path
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, float) and (math.isnan(o) or math.isinf(o)):
-        return None
-    return str(o)
-
-
-def write_json(obj: Any, path: str | os.PathLike) -> Path:
-    """Write ``obj`` as indented JSON (NaN/inf → null), through a temporary file renamed into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=_json_default) + "\n")
-    os.replace(tmp, path)
-    return path

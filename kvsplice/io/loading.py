@@ -32,6 +32,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
+from kvsplice.io.cli import first_line
+
 __all__ = ["LoadError", "LoadedModel", "Tokenizer", "checkpoint_tokenizer", "iter_texts", "load_model", "load_tokenizer",
            "token_stream", "first_line"]
 
@@ -41,11 +43,6 @@ CONVERT_HINT = ("pass a local model directory instead, e.g. one made by `python 
 
 class LoadError(RuntimeError):
     """A model, tokenizer or text cannot be loaded; the message is one line."""
-
-
-def first_line(e: BaseException, limit: int = 300) -> str:
-    text = " ".join(str(e).strip().split("\n")[0].split()) if str(e).strip() else type(e).__name__
-    return text[:limit]
 
 
 # ================================================================================================ tokenizer
@@ -172,11 +169,24 @@ def _check_supported(model: nn.Module) -> None:
         raise LoadError(first_line(e)) from None
 
 
+def _check_weights(model: nn.Module, source: str) -> None:
+    """Every weight of a loaded transformers model is a finite floating-point tensor (a training ``.ckpt`` is
+    checked tensor by tensor against its config by :func:`models.checkpoint.load_model`)."""
+    from models.checkpoint import check_tensor
+
+    for name, p in model.named_parameters():
+        try:
+            check_tensor(p.detach(), source, name)
+        except ValueError as e:
+            raise LoadError(str(e)) from None
+
+
 def _load_hf(name: str, *, local_only: bool, tokenizer: Optional[str], dtype: Optional[torch.dtype]):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    kw: dict[str, Any] = {"local_files_only": local_only}
+    kw: dict[str, Any] = {"local_files_only": local_only, "trust_remote_code": False}  # never run or ask about a
+    # repository's own code (transformers would otherwise stop at an interactive [y/N] prompt)
     if dtype is not None:
         kw["dtype"] = dtype
     bars = hf_logging.is_progress_bar_enabled()
@@ -187,15 +197,32 @@ def _load_hf(name: str, *, local_only: bool, tokenizer: Optional[str], dtype: Op
         if bars:
             hf_logging.enable_progress_bar()
     _check_supported(model)
+    _check_weights(model, name)
     if tokenizer is not None:
         tok = load_tokenizer(tokenizer)
     else:
         try:
-            tok = _from_hf_tokenizer(AutoTokenizer.from_pretrained(name, local_files_only=local_only), name)
+            tok = _from_hf_tokenizer(AutoTokenizer.from_pretrained(name, local_files_only=local_only,
+                                                                   trust_remote_code=False), name)
         except Exception as e:  # noqa: BLE001
             raise LoadError(f"{name}: the model loaded but its tokenizer did not ({first_line(e)}); pass "
                             f"--tokenizer") from None
     return model, tok
+
+
+def _refuse_remote_code(folder: Path) -> None:
+    """A model folder whose ``config.json`` maps to its own Python code (``auto_map``, e.g. a ``training.export`` of
+    an MLA model) is refused with one line: the tools never run a repository's code."""
+    import json
+
+    try:
+        auto_map = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("auto_map")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise LoadError(f"{folder}/config.json is not a JSON object ({first_line(e)})") from None
+    if auto_map:
+        raise LoadError(f"{folder} holds custom model code (config.json auto_map), which the kvsplice tools do not "
+                        f"run; pass the training .ckpt it was exported from, or load it yourself with "
+                        f"AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)")
 
 
 def load_model(spec: str | os.PathLike, *, tokenizer: Optional[str] = None, dtype: Optional[torch.dtype] = None,
@@ -207,6 +234,7 @@ def load_model(spec: str | os.PathLike, *, tokenizer: Optional[str] = None, dtyp
         if not (p / "config.json").is_file():
             raise LoadError(f"{spec} is a directory without config.json: not a transformers model directory "
                             f"(e.g. make one with python -m kvsplice.convert_llama2c)")
+        _refuse_remote_code(p)
         try:
             model, tok = _load_hf(str(p), local_only=True, tokenizer=tokenizer, dtype=dtype)
         except LoadError:

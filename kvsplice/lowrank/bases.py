@@ -113,6 +113,9 @@ class KVBases:
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu") -> "KVBases":
+        """Read a file written by :meth:`save`. Every tensor is checked (:func:`check_file_tensors`): a file of another
+        format, with NaN/inf values, integer tensors or inconsistent shapes raises :class:`BasesMismatchError`
+        naming the file and the tensor."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"bases file not found: {path}")
@@ -123,13 +126,42 @@ class KVBases:
                     raise BasesMismatchError(f"{path} is not a kvsplice bases file (format_version="
                                              f"{meta.get('format_version')!r}, expected {FORMAT_VERSION})")
                 n_layer, n_kv = int(meta["n_layer"]), int(meta["n_kv_head"])
-                layers = [[HeadBases(*(f.get_tensor(f"layers.{l}.heads.{j}.{n}")
-                                       for n in ("k_enc", "k_dec", "v_enc", "v_dec")))
-                           for j in range(n_kv)] for l in range(n_layer)]
-        except (OSError, KeyError, json.JSONDecodeError) as e:
+                if n_layer < 1 or n_kv < 1:
+                    raise BasesMismatchError(f"{path}: n_layer={n_layer}, n_kv_head={n_kv} in its metadata")
+                tensors = [[{n: f.get_tensor(f"layers.{l}.heads.{j}.{n}") for n in _NAMES} for j in range(n_kv)]
+                           for l in range(n_layer)]
+                bases = cls([[HeadBases(**check_file_tensors(path, l, j, head)) for j, head in enumerate(layer)]
+                             for l, layer in enumerate(tensors)],
+                            meta["method"], meta["rope"], json.loads(meta.get("meta", "{}")))
+        except BasesMismatchError:
+            raise
+        except (OSError, KeyError, ValueError) as e:
             raise BasesMismatchError(f"cannot read bases from {path}: {e}") from None
         except Exception as e:  # safetensors raises its own error type for corrupt headers
-            if isinstance(e, BasesMismatchError):
-                raise
             raise BasesMismatchError(f"cannot read bases from {path}: {e}") from None
-        return cls(layers, meta["method"], meta["rope"], json.loads(meta.get("meta", "{}")))
+        head_dims = {(h.k_enc.shape[0], h.v_enc.shape[0]) for layer in bases.layers for h in layer}
+        if len(head_dims) > 1:
+            raise BasesMismatchError(f"{path}: the heads' key/value dims differ ({sorted(head_dims)})")
+        return bases
+
+
+_NAMES = ("k_enc", "k_dec", "v_enc", "v_dec")
+
+
+def check_file_tensors(path: Path, layer: int, head: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One head's tensors from a bases file: finite floating-point matrices ``(d, R)`` with ``1 <= R <= d``, the
+    encoder and decoder of keys (values) of one shape. Raises :class:`BasesMismatchError` naming file and tensor."""
+    from models.checkpoint import check_tensor
+
+    prefix = f"layers.{layer}.heads.{head}."
+    for n in _NAMES:
+        t = tensors[n]
+        name = prefix + n
+        try:
+            check_tensor(t, str(path), name, shape=tensors[n[0] + "_enc"].shape if n.endswith("dec") else None)
+        except ValueError as e:
+            raise BasesMismatchError(str(e)) from None
+        if t.dim() != 2 or not 1 <= t.shape[1] <= t.shape[0]:
+            raise BasesMismatchError(f"{path}: tensor {name} has shape {tuple(t.shape)}, expected (head_dim, rank) "
+                                     f"with 1 <= rank <= head_dim")
+    return tensors

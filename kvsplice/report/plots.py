@@ -34,11 +34,10 @@ def _new_figure(figsize=(8.0, 4.5)) -> Figure:
 
 
 def _save(fig: Figure, out_png: str | Path) -> Path:
-    out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    from models.checkpoint import atomic_write
+
     fig.tight_layout()
-    fig.savefig(out, format="png")
-    return out
+    return atomic_write(Path(out_png), lambda tmp: fig.savefig(tmp, format="png"))
 
 
 def _group(rows: Iterable[Mapping], key: str) -> dict[str, list[Mapping]]:

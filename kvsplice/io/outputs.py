@@ -1,0 +1,190 @@
+"""What a command writes, checked before any work and written so that nothing a user owns is lost.
+
+Every tool that writes a file (``--out``, ``--json``) or a folder (``training.export``, ``convert_llama2c``) goes
+through :func:`output_file` / :func:`output_dir` first and writes with :func:`write_json`,
+:func:`models.checkpoint.atomic_write` or :func:`write_dir`:
+
+* the path is resolved first (``~``, ``.``, ``..``, symlinks): ``--out some/dir/..`` *is* ``some``;
+* an output is never an input of the same command: not the same file (``--out X.ckpt`` with ``--model X.ckpt``, also
+  through a symlink, a hard link or another spelling), not an existing file of an input folder, not a folder that
+  holds an input; two outputs of one command are never the same file;
+* an existing file is replaced only with ``--force``; a non-empty folder only with ``--force`` and, for a command
+  that names the files it writes (``owned``), only when it holds nothing else (an earlier output of that command):
+  ``--force`` replaces what the command writes, never a folder holding other files;
+* the destination must be writable: a read-only folder is a user error before any work is done;
+* files are written to a temporary sibling ``.<name>.<pid>.tmp`` and renamed into place; a new folder is filled
+  as a temporary sibling and renamed into place in one step; temporaries a killed run of the command left behind
+  are removed first (:func:`models.checkpoint.remove_stale_temp_files`).
+
+Every refusal is a :class:`kvsplice.io.cli.UsageError` with one line naming the option and the path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Collection, Iterable, Mapping, Optional, Union
+
+from kvsplice.io.cli import UsageError
+from models.checkpoint import atomic_write, remove_stale_temp_files, temp_path
+
+__all__ = ["output_dir", "output_file", "out_and_json", "write_dir", "write_json"]
+
+PathArg = Union[str, "os.PathLike[str]"]
+Inputs = Optional[Mapping[str, Union[None, PathArg, Iterable[PathArg]]]]
+"""``{option: path or paths}`` of a command's inputs, e.g. ``{"--model": args.model, "--bases": args.bases}``;
+``None`` values and names that are no local path (Hub ids) are skipped."""
+
+
+def _resolve(value: PathArg, option: str) -> Path:
+    if not str(value).strip():
+        raise UsageError(f"{option} is empty")
+    return Path(value).expanduser().resolve()
+
+
+def _inputs(inputs: Inputs) -> list[tuple[str, Path]]:
+    out = []
+    for option, values in (inputs or {}).items():
+        if values is None:
+            continue
+        for v in [values] if isinstance(values, (str, os.PathLike)) else values:
+            p = Path(v).expanduser()
+            if str(v).strip() and p.exists():
+                out.append((f"{option} {v}", p.resolve()))
+    return out
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)  # hard links too
+    except OSError:
+        return a == b
+
+
+def _within(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def _check_writable(folder: Path, option: str, value: PathArg) -> None:
+    """The nearest existing folder of ``folder`` accepts a new file (probed: permission bits say nothing to root
+    on a read-only mount or a pseudo file system)."""
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{option} {value}: {existing} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise UsageError(f"{option} {value}: cannot write in {existing} ({e.strerror or type(e).__name__})") from None
+
+
+def output_file(value: PathArg, *, force: bool, option: str = "--out", inputs: Inputs = None,
+                outputs: Optional[Mapping[str, Path]] = None) -> Path:
+    """The resolved path of a file output (see the module docstring); removes this name's stale temporaries.
+
+    Args:
+        value: the path as given.
+        force: replace an existing file.
+        option: the option's name for messages.
+        inputs: the command's inputs (never written).
+        outputs: ``{option: resolved path}`` of the command's other outputs (never the same file).
+    """
+    path = _resolve(value, option)
+    if path.is_dir():
+        raise UsageError(f"{option} {value} is a directory")
+    sources = _inputs(inputs)
+    for what, src in sources:
+        if _same_file(path, src):
+            raise UsageError(f"{option} {value} is the input {what}: writing it would replace the input; choose "
+                             f"another file")
+    for other, p in (outputs or {}).items():
+        if _same_file(path, p):
+            raise UsageError(f"{option} {value} is also {other}: give them different files")
+    if path.exists() and not force:
+        raise UsageError(f"{option} {value} already exists (use --force to overwrite)")
+    for what, src in sources:
+        if path.exists() and src.is_dir() and _within(path, src):
+            raise UsageError(f"{option} {value} is a file of the input {what}; choose another file")
+    _check_writable(path.parent, option, value)
+    remove_stale_temp_files(path.parent, path.name)
+    return path
+
+
+def out_and_json(out: PathArg, json_report: Optional[PathArg], *, force: bool,
+                 inputs: Inputs = None) -> tuple[Path, Optional[Path]]:
+    """``--out`` and the optional ``--json`` report of a tool that writes one file (:func:`output_file` each, never
+    the same file)."""
+    path = output_file(out, force=force, inputs=inputs)
+    if json_report is None:
+        return path, None
+    return path, output_file(json_report, force=force, option="--json", inputs=inputs, outputs={"--out": path})
+
+
+def output_dir(value: PathArg, *, force: bool, option: str = "--out", inputs: Inputs = None,
+               owned: Optional[Collection[str]] = None, writer: str = "this command") -> Path:
+    """The resolved path of a folder output (see the module docstring); removes this name's stale temporaries.
+
+    Args:
+        owned: the names of every file the command may write into the folder: a non-empty folder holding anything
+            else is refused even with ``force``. ``None``: the command writes its files beside others (kept).
+        writer: the command's name for messages.
+    """
+    path = _resolve(value, option)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{option} {value} exists and is not a directory")
+    for what, src in _inputs(inputs):
+        if _within(src, path):
+            raise UsageError(f"{option} {value} contains the input {what}; choose another folder")
+    if path.is_dir():
+        remove_stale_temp_files(path, path.name)
+        entries = sorted(e.name for e in path.iterdir() if not e.name.startswith(f".{path.name}."))
+        foreign = [e for e in entries if owned is not None and e not in owned]
+        if foreign:
+            more = ", ..." if len(foreign) > 3 else ""
+            raise UsageError(f"{option} {value} holds files {writer} does not write ({', '.join(foreign[:3])}{more}): "
+                             f"--force replaces only an earlier output of {writer}; choose a new or empty folder")
+        if entries and not force:
+            raise UsageError(f"{option} {value} is not empty (use --force to replace its files)")
+    _check_writable(path if path.is_dir() else path.parent, option, value)
+    remove_stale_temp_files(path.parent, path.name)
+    return path
+
+
+def write_dir(path: Path, fill: Callable[[Path], None], owned: Optional[Collection[str]] = None) -> list[str]:
+    """Write a folder output checked by :func:`output_dir`: ``fill(tmp)`` writes every file into a temporary folder,
+    which becomes ``path`` in one rename when ``path`` does not exist; into an existing ``path`` each file is moved
+    with ``os.replace`` (an existing folder, even ``.``, is never removed, nor a sub-folder in the way), then files of
+    ``owned`` that this output no longer has (an earlier output of another kind) are removed. An error leaves
+    ``path`` as it was. Returns the names written."""
+    fresh = not path.exists()
+    tmp = temp_path(path) if fresh else temp_path(path, folder=path)
+    tmp.mkdir(parents=True)
+    try:
+        fill(tmp)
+        names = sorted(f.name for f in tmp.iterdir())
+        if fresh:
+            os.rename(tmp, path)
+            return names
+        folders = [n for n in names if (path / n).is_dir() and not (path / n).is_symlink()]
+        if folders:  # never removed to make room
+            raise UsageError(f"{path} holds a folder named like an output file ({', '.join(folders)}); move it away")
+        for name in names:
+            os.replace(tmp / name, path / name)
+        for name in set(owned or ()) - set(names):
+            if (path / name).is_file() or (path / name).is_symlink():
+                (path / name).unlink()
+        return names
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_json(obj: Any, path: PathArg) -> Path:
+    """Write ``obj`` as indented JSON (objects JSON does not know as their ``str``) atomically
+    (:func:`models.checkpoint.atomic_write`)."""
+    text = json.dumps(obj, indent=2, default=str) + "\n"
+    return atomic_write(Path(path), lambda tmp: tmp.write_text(text))

@@ -1,0 +1,103 @@
+"""Helpers of the hostile-input tests (``test_hostile_*.py``): the one-line error check, folder snapshots, a pid
+that is surely dead, a destination no process can write, and tiny checkpoints with a real (synthetic) tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from models import GPT
+from models.checkpoint import save_model
+from models.config import GPTConfig
+from tiny_models import sharpen
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def one_error(rc: int, err: str, prog: str, expect: str = "") -> str:
+    """The command exited 2 with exactly one ``PROG: error: ...`` line (``error: ...`` for ``prog=""``, as
+    ``training.fit`` prints) and no traceback, containing ``expect``; ``note:`` lines are allowed."""
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip() and "warning" not in ln.lower() and not ln.startswith("note:")]
+    prefix = f"{prog}: error: " if prog else "error: "
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith(prefix), (rc, err)
+    assert expect in lines[0], (expect, lines[0])
+    return lines[0]
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file under ``folder`` (hidden ones included)."""
+    return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _writable(folder: Path) -> bool:
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def readonly_dir(tmp_path) -> Path:
+    """A folder where creating a file fails: a ``chmod 555`` folder, or — for root, whom permission bits do not
+    stop — sysfs's root (checked, else the test is skipped)."""
+    d = tmp_path / "readonly"
+    d.mkdir()
+    d.chmod(0o555)
+    try:
+        if not _writable(d):
+            yield d
+        elif Path("/sys").is_dir() and not _writable(Path("/sys")):
+            yield Path("/sys")
+        else:
+            pytest.skip("no read-only folder available")
+    finally:
+        d.chmod(0o755)
+
+
+def tiny_data(cache_dir: Path) -> dict[str, Any]:
+    """Data settings of the embedded synthetic stories with a 300-token BPE (built once per cache folder)."""
+    return dict(synthetic=True, synthetic_stories=300, synthetic_vocab_size=300, cache_dir=str(cache_dir))
+
+
+def tiny_ckpt(path: Path, cache_dir: Path, seed: int = 0, **cfg: Any) -> Path:
+    """A tiny GPT checkpoint (MHA unless ``cfg`` says otherwise) whose data settings rebuild a real tokenizer."""
+    torch.manual_seed(seed)
+    config = GPTConfig(**{**dict(vocab_size=300, n_layer=2, n_head=2, d_model=32, block_size=64, d_latent=16), **cfg})
+    return save_model(sharpen(GPT(config), std=0.2, seed=seed), path, data_hparams=tiny_data(cache_dir))
+
+
+def edit_ckpt(src: Path, dst: Path, name: str, value: torch.Tensor) -> Path:
+    """A copy of checkpoint ``src`` with ``state_dict[name]`` replaced by ``value``."""
+    ckpt = torch.load(src, weights_only=True)
+    ckpt["state_dict"][name] = value
+    torch.save(ckpt, dst)
+    return dst
+
+
+def tiny_hf_with_bases(folder: Path, cache_dir: Path) -> tuple[Path, Path]:
+    """``(hf, bases)``: a tiny GPT-2 folder with its tokenizer (a ``training.export`` of :func:`tiny_ckpt`) and
+    valid rank-4 post-RoPE bases for it."""
+    import transformers
+
+    from test_hf_cache import random_bases
+    from training.export import export
+
+    export(tiny_ckpt(folder / "mha.ckpt", cache_dir), folder / "hf")
+    bases = random_bases(transformers.GPT2LMHeadModel.from_pretrained(folder / "hf"), 4, "post", seed=1)
+    return folder / "hf", bases.save(folder / "r4.safetensors")

@@ -120,8 +120,10 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype, hea
 
 
 # SDPA's own kernel choice on CUDA. Left to itself, PyTorch may pick a kernel that plans per shape (cuDNN): a decode
-# step attends over one more key than the last, so every step pays a new plan (60 ms per call seen on an H100 with
-# torch 2.11 at 1,024 keys, against 0.04-0.06 ms for a named kernel). The order below is fixed instead: FlashAttention
+# step attends over one more key than the last, so every step pays a new plan (40-64 ms per call seen on an H100 with
+# torch 2.11, against 0.04-0.15 ms for a named kernel). Calls whose shapes repeat — the full forward of training, a
+# CUDA-graph step — keep a planning kernel's advantage: unmasked ones are left to torch's default choice (what plain
+# PyTorch code such as nanoGPT runs), masked ones prefer cuDNN. The order below is fixed instead: FlashAttention
 # for long key sequences, the memory-efficient kernel for short ones (one query over few keys: its lower launch cost
 # wins) and wherever a mask or bias is given (flash takes none), math last. Measured per GPU by
 # ``benchmarks/gpu.py`` (``sdpa`` section); DECODE_FLASH_MIN_KEYS is the crossover seen on an H100.
@@ -184,6 +186,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mas
     row that may see no key gets zeros, not NaN."""
     if q.shape[-1] == v.shape[-1] or dropout_p > 0.0:
         if q.device.type != "cuda":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout_p,
+                                                  scale=scale)
+        if fixed_shape and mask is None:  # shapes that repeat (training): torch's own choice, as plain PyTorch
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout_p,
                                                   scale=scale)
         with _sdpa_priority(sdpa_order(q.shape[-2], k.shape[-2], fixed_shape and mask is not None)):
@@ -307,7 +312,7 @@ class CausalSelfAttention(_Attention):
             kv = cache.append(layer, k=k, v=v)
             k, v = kv["k"], kv["v"]  # (B, Hkv, Tk, hs)
             bias = cache.key_bias()  # (1, 1, Tk) for a fixed-capacity view, else None
-        return self._out(self._attend(q, k, v, bias, cache is not None and cache.fixed_shape))
+        return self._out(self._attend(q, k, v, bias, cache is None or cache.fixed_shape))
 
 
 class MultiHeadLatentAttention(_Attention):
@@ -351,7 +356,7 @@ class MultiHeadLatentAttention(_Attention):
                 c = self.splice.expand(self.latent(x))  # E (norm) C c: compress and expand are in the training graph
             else:
                 c = self._c(x)  # (B, T, d_latent)
-            return self._out(self._attend(q, *self._expand(c)))
+            return self._out(self._attend(q, *self._expand(c), fixed_shape=True))
         s = cache.append(layer, c=self.latent(x))["c"]  # (B, Tk, r)
         bias, fixed = cache.key_bias(), cache.fixed_shape  # (1, 1, Tk) for a fixed-capacity view, else None
         if self.cfg.mla_impl == "naive":

@@ -123,3 +123,22 @@ def test_kvsplice_norm_after_compress_cached_equals_full_forward():
         torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
         s = cache.get(0)["c"]  # (B, T, 8): unit RMS per token (norm weight 1 at init)
         torch.testing.assert_close(s.pow(2).mean(-1), torch.ones(2, 12), rtol=1e-3, atol=1e-3)
+
+
+def test_decode_kernel_order_and_its_switch_restores_torch_state():
+    """The SDPA kernel order a decode call asks for on CUDA (measured on an H100: benchmarks/gpu.py ``sdpa``):
+    memory-efficient first for one query over short keys, FlashAttention first for long ones and for prefill, cuDNN
+    first for a masked fixed-shape (CUDA-graph) step; the switch restores torch's own order afterwards."""
+    from torch.nn.attention import SDPBackend
+
+    from models.attention import DECODE_FLASH_MIN_KEYS, _sdpa_priority, sdpa_order
+
+    assert sdpa_order(1, DECODE_FLASH_MIN_KEYS - 1)[0] == SDPBackend.EFFICIENT_ATTENTION
+    assert sdpa_order(1, DECODE_FLASH_MIN_KEYS)[0] == SDPBackend.FLASH_ATTENTION
+    assert sdpa_order(256, 256)[0] == SDPBackend.FLASH_ATTENTION  # a prefill chunk
+    assert sdpa_order(1, 100, fixed_masked=True)[0] == SDPBackend.CUDNN_ATTENTION
+    before = torch._C._get_sdp_priority_order()
+    with _sdpa_priority(sdpa_order(1, 100)):
+        inside = torch._C._get_sdp_priority_order()
+    assert inside[0] == int(SDPBackend.EFFICIENT_ATTENTION) and sorted(inside) == sorted(before)
+    assert torch._C._get_sdp_priority_order() == before

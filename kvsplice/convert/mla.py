@@ -30,7 +30,8 @@ from tqdm.auto import tqdm
 from kvsplice.adapters.registry import adapter_for
 from models.gpt import GPT
 
-__all__ = ["attention_input_grams", "insert_kvsplice", "kv_relative_error", "kv_rows", "latent_grams", "mha_to_mla"]
+__all__ = ["attention_input_grams", "insert_kvsplice", "kv_relative_error", "kv_rows", "kvsplice_as_mla", "latent_grams",
+           "mha_to_mla"]
 
 
 # ------------------------------------------------------------------------------------------------ calibration
@@ -199,4 +200,40 @@ def insert_kvsplice(model: GPT, ratio: float, grams: Optional[list[torch.Tensor]
             c = evecs[:, -r:].flip(-1).T  # (r, d_latent), orthonormal rows, largest variance first
             _set_weight(block.attn.splice.compress, c)
             _set_weight(block.attn.splice.expand, c.T)
+    return out.eval()
+
+
+@torch.no_grad()
+def kvsplice_as_mla(model: GPT) -> GPT:
+    """The plain MLA model a KVSplice model *is* when no norm sits between ``w_dkv`` and the compress
+    (``latent_norm=False``): ``s = C (W x + b)`` is one affine map of ``d_compressed`` outputs and ``w_uk E`` /
+    ``w_uv E`` are ordinary up-projections of ``s``. So ``w_dkv' = C W`` (``b' = C b``), ``w_uk' = w_uk E``,
+    ``w_uv' = w_uv E``, and ``kvsplice_norm`` (RMSNorm after the compress) becomes the MLA ``latent_norm``. The result
+    has the same logits (to round-off) and the same cache bytes: KVSplice of a ``d_latent`` latent spans no more than
+    MLA with a ``d_compressed`` latent; it only factorises the same maps (and trains them differently)."""
+    cfg = model.cfg
+    if cfg.attention != "mla" or cfg.kvsplice_ratio is None:
+        raise ValueError(f"kvsplice_as_mla needs an MLA + KVSplice model, got {cfg.variant}")
+    if cfg.latent_norm:
+        raise ValueError("with latent_norm the RMSNorm of the d_latent latent sits between w_dkv and the compress: "
+                         "the pair is not one affine map (train with latent_norm false, kvsplice_norm true)")
+    r = cfg.d_compressed
+    new_cfg = cfg.replace(d_latent=r, kvsplice_ratio=None, kvsplice_orthogonal=False, kvsplice_norm=False,
+                          latent_norm=cfg.kvsplice_norm)
+    out = GPT(new_cfg).to(model.transformer.wte.weight)
+    _copy_shared(model, out)
+    for src, dst in zip(model.transformer.h, out.transformer.h):
+        a, b = src.attn, dst.attn
+        c, e = a.splice.compress_weight(), a.splice.expand_weight()  # (r, d_latent), (d_latent, r)
+        b.w_q.load_state_dict(a.w_q.state_dict())
+        b.w_dkv.weight.copy_(c @ a.w_dkv.weight)  # (r, d_model)
+        if a.w_dkv.bias is not None:
+            b.w_dkv.bias.copy_(c @ a.w_dkv.bias)
+        for name in ("w_uk", "w_uv"):
+            src_lin, dst_lin = getattr(a, name), getattr(b, name)
+            dst_lin.weight.copy_(src_lin.weight @ e)  # (d_model, r)
+            if src_lin.bias is not None:
+                dst_lin.bias.copy_(src_lin.bias)
+        if a.splice_norm is not None:
+            b.kv_norm.load_state_dict(a.splice_norm.state_dict())
     return out.eval()

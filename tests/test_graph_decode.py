@@ -142,3 +142,27 @@ def test_decode_kernel_order_and_its_switch_restores_torch_state():
         inside = torch._C._get_sdp_priority_order()
     assert inside[0] == int(SDPBackend.EFFICIENT_ATTENTION) and sorted(inside) == sorted(before)
     assert torch._C._get_sdp_priority_order() == before
+
+
+def test_flash_dispatch_for_both_flashattention_packages():
+    """``backend="flash"`` calls flash-attn 2's ``(out)`` or FlashAttention-4's ``(out, lse)`` ``flash_attn_func``
+    in (B, T, H, D) layout with a bottom-right causal mask; checked with stand-ins that compute the same math."""
+    from models.attention import FlashImpl, attend
+
+    def reference(q, k, v, softmax_scale, causal, **kw):  # (B, T, H, D) in and out, GQA by repeat
+        qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, T, D)
+        g = qh.shape[1] // kh.shape[1]
+        kh, vh = kh.repeat_interleave(g, 1), vh.repeat_interleave(g, 1)
+        s = qh @ kh.transpose(-1, -2) * softmax_scale
+        tq, tk = s.shape[-2:]
+        allowed = torch.arange(tk)[None, :] <= torch.arange(tk - tq, tk)[:, None]
+        y = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ vh
+        return y.transpose(1, 2)
+
+    q = torch.randn(2, 4, 3, 8)
+    k, v = torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    ref = attend(q, k, v, scale=0.3)
+    fa2 = FlashImpl("flash-attn-2", reference, (8, 0), returns_lse=False)
+    fa4 = FlashImpl("flash-attn-4", lambda *a, **kw: (reference(*a, **kw), None), (9, 0), returns_lse=True)
+    for impl in (fa2, fa4):
+        torch.testing.assert_close(attend(q, k, v, scale=0.3, backend="flash", flash=impl), ref)

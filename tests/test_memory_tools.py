@@ -85,15 +85,15 @@ def test_memory_helpers():
 
 
 # ------------------------------------------------------------------------------------------ verify_memory
-def test_resolve_config_ignores_non_model_keys(tmp_path):
-    cfg = io_configs.resolve_config(str(write_tiny(tmp_path, "a", ratio=0.25)))[1]
+def test_named_config_ignores_non_model_keys(tmp_path):
+    cfg = io_configs.named_config(str(write_tiny(tmp_path, "a", ratio=0.25)))[1]
     assert (cfg.n_layer, cfg.d_model, cfg.kvsplice_ratio, cfg.vocab_size) == (2, 32, 0.25, 50304)
     p = tmp_path / "b.yaml"  # LightningCLI class_path / init_args form
     p.write_text("model:\n  class_path: training.lit.LitGPT\n  init_args:\n    n_layer: 3\n    attention: mla\n"
                  "    lr: 0.1\noptimizer:\n  lr: 1\n")
-    cfg = io_configs.resolve_config(str(p))[1]
+    cfg = io_configs.named_config(str(p))[1]
     assert (cfg.n_layer, cfg.attention) == (3, "mla")
-    assert io_configs.resolve_config("mla_kvsplice_90")[1].cache_dim == 26
+    assert io_configs.named_config("mla_kvsplice_90")[1].cache_dim == 26
 
 
 @pytest.mark.parametrize("name", ["gpt2", "gpt2_gqa4", "gpt2_mqa", "mla", "mla_kvsplice_50", "mla_kvsplice_70",
@@ -107,7 +107,7 @@ def test_tools_measure_the_model_training_trains(name):
 
     data = yaml.safe_load(config_path(name).read_text())["model"]
     lit = LitGPT(vocab_size=50257, **{k: v for k, v in data.items()})
-    assert io_configs.resolve_config(name)[1] == lit.config == preset(name)
+    assert io_configs.named_config(name)[1] == lit.config == preset(name)
     if name.startswith("mla"):
         assert lit.config.latent_norm
 

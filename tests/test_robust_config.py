@@ -16,7 +16,7 @@ import yaml
 from models.config import CONFIG_DIR, ConfigNotFoundError, GPTConfig, available_configs, config_path
 from training.checkpoint import load_checkpoint
 from training.cli import shorten_schedule
-from training.fit import main, resolve_config
+from training.fit import main, config_file
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -34,7 +34,7 @@ def test_gptconfig_from_name_and_file_from_any_cwd(tmp_path, monkeypatch):
     big = GPTConfig.from_name("mla_kvsplice_70")  # learning_rate, warmup_steps, vocab_multiple... are ignored
     assert (big.n_layer, big.d_model, big.d_latent, big.kvsplice_ratio) == (12, 768, 256, 0.3)
     assert config_path("tiny_gpt2") == CONFIG_DIR / "tiny_gpt2.yaml" and "tiny_gpt2" in available_configs()
-    assert resolve_config("tiny_gpt2") == CONFIG_DIR / "tiny_gpt2.yaml"
+    assert config_file("tiny_gpt2") == CONFIG_DIR / "tiny_gpt2.yaml"
     with pytest.raises(ConfigNotFoundError, match=r"no_such.*available: gpt2, gpt2_gqa4, gpt2_mqa, mla, .*tiny_mla_kvsplice_90\)"):
         GPTConfig.from_name("no_such")
 

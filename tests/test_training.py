@@ -23,7 +23,7 @@ import yaml
 from models import GPTConfig
 from training.lit import LitGPT, TrainingConfigError, check_schedule, lr_factor, param_groups
 from training.checkpoint import CheckpointError, load_checkpoint, load_model
-from training.fit import CONFIG_DIR, CLIConfigError, prepare_args, resolve_config
+from training.fit import CONFIG_DIR, CLIConfigError, prepare_args, config_file
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
@@ -184,17 +184,17 @@ def test_val_loss_is_token_weighted_mean_and_ppl():
 
 # ------------------------------------------------------------------------------------------------------ configs
 def test_config_name_resolution(tmp_path):
-    assert resolve_config("tiny_gpt2") == CONFIG_DIR / "tiny_gpt2.yaml"
-    assert resolve_config("tiny_gpt2.yaml") == CONFIG_DIR / "tiny_gpt2.yaml"
+    assert config_file("tiny_gpt2") == CONFIG_DIR / "tiny_gpt2.yaml"
+    assert config_file("tiny_gpt2.yaml") == CONFIG_DIR / "tiny_gpt2.yaml"
     own = tmp_path / "mine.yaml"
     own.write_text("trainer:\n  max_steps: 3\n")
-    assert resolve_config(str(own)) == own
+    assert config_file(str(own)) == own
     args, stem = prepare_args(["fit", "--config=mla_kvsplice_90", "--trainer.max_steps", "200", "-c", str(own)])
     assert args == ["--config", str(CONFIG_DIR / "mla_kvsplice_90.yaml"), "--trainer.max_steps", "200",
                     "--config", str(own)]
     assert stem == "mla_kvsplice_90"
     with pytest.raises(CLIConfigError, match="no such file"):
-        resolve_config("no_such_config")
+        config_file("no_such_config")
 
 
 FULL = ["gpt2", "mla", "mla_kvsplice_50", "mla_kvsplice_70", "mla_kvsplice_90"]

@@ -38,7 +38,7 @@ EXIT_ERROR = 2
 PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "The dog was sad because")
 
 
-class EvalError(RuntimeError):
+class EvaluateError(RuntimeError):
     """Bad input for the evaluation (a reason to stop with one clear line)."""
 
 
@@ -181,7 +181,7 @@ def evaluate_checkpoint(path: str, args: argparse.Namespace) -> dict[str, Any]:
                  "cache_dir": args.data_cache_dir}
     dm = _datamodule(meta, overrides, cfg.block_size, args.tokens, args.batch_size)
     if dm.vocab_size > cfg.vocab_size:
-        raise EvalError(f"{path}: the data's tokenizer has {dm.vocab_size} tokens but the model only "
+        raise EvaluateError(f"{path}: the data's tokenizer has {dm.vocab_size} tokens but the model only "
                         f"{cfg.vocab_size}; pass the --data.* settings the checkpoint was trained with")
     loss, n_tok = validation_loss(model, dm, args.tokens)
     dtype = parse_dtype(args.dtype)
@@ -209,11 +209,11 @@ def evaluate_checkpoint(path: str, args: argparse.Namespace) -> dict[str, Any]:
         row.update(quantised_loss(model, cfg, dm, args))
         row["quant_compression_vs_mha"] = mha_per_token / row["quant_bytes_per_token"]
     if not row["cache_matches_formula"]:
-        raise EvalError(f"{path}: measured cache bytes {cache['measured_bytes']} != formula {cache['formula_bytes']}")
+        raise EvaluateError(f"{path}: measured cache bytes {cache['measured_bytes']} != formula {cache['formula_bytes']}")
     return row
 
 
-def markdown_table(rows: Sequence[dict[str, Any]], dtype: str, device: str) -> str:
+def results_markdown(rows: Sequence[dict[str, Any]], dtype: str, device: str) -> str:
     head = (f"| variant | steps | val loss | ppl | cache bytes/token ({dtype}) | compression vs MHA ({dtype}) "
             f"| decode tokens/s ({device}) |\n|---|---|---|---|---|---|---|")
     lines = [head]
@@ -253,19 +253,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    """Option values the parser cannot check (raises :class:`EvalError` naming the option)."""
+    """Option values the parser cannot check (raises :class:`EvaluateError` naming the option)."""
     for name in ("tokens", "batch_size", "context", "cache_tokens", "decode_tokens", "repeats", "prompt_len",
                  "cache_chunk"):
         if getattr(args, name) < 1:
-            raise EvalError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise EvaluateError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.sample_tokens < 0:
-        raise EvalError(f"--sample-tokens must be >= 0, got {args.sample_tokens}")
+        raise EvaluateError(f"--sample-tokens must be >= 0, got {args.sample_tokens}")
     try:
         device = torch.device(args.device)
     except RuntimeError as e:
-        raise EvalError(f"--device {args.device!r}: {str(e).splitlines()[0]}") from None
+        raise EvaluateError(f"--device {args.device!r}: {str(e).splitlines()[0]}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise EvalError(f"--device {args.device}: CUDA is not available on this machine (use --device cpu)")
+        raise EvaluateError(f"--device {args.device}: CUDA is not available on this machine (use --device cpu)")
     if args.json:  # never a --ckpt, never replaced without --force, a writable folder
         args.json = output_file(args.json, force=args.force, option="--json", inputs={"--ckpt": args.ckpt})
 
@@ -282,7 +282,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_ERROR
     try:
         _check_args(args)
-    except (UsageError, EvalError) as e:
+    except (UsageError, EvaluateError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_ERROR
 
@@ -291,10 +291,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for path in args.ckpt:
             print(f"evaluating {path} ...", file=sys.stderr)
             rows.append(evaluate_checkpoint(path, args))
-    except (CheckpointError, EvalError, DataUnavailableError, ValueError) as e:
+    except (CheckpointError, EvaluateError, DataUnavailableError, ValueError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_ERROR
-    print(markdown_table(rows, args.dtype, args.device))
+    print(results_markdown(rows, args.dtype, args.device))
     if args.cache_quant:
         print(f"\n| variant | val loss (cache) | val loss ({args.cache_quant} cache) | change | {args.cache_quant} cache "
               f"bytes/token | vs MHA ({args.dtype}) |\n|---|---|---|---|---|---|")

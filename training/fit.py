@@ -38,10 +38,10 @@ from training.rundir import CLIConfigError
 
 EXIT_ERROR = 2
 
-__all__ = ["CONFIG_DIR", "CLIConfigError", "main", "prepare_args", "resolve_config"]
+__all__ = ["CONFIG_DIR", "CLIConfigError", "main", "prepare_args", "config_file"]
 
 
-def resolve_config(value: str) -> Path:
+def config_file(value: str) -> Path:
     """``value`` as a config path: an existing file, else ``configs/<value>`` or ``configs/<value>.yaml`` in the
     package's config folder (not the current directory)."""
     try:
@@ -93,7 +93,7 @@ def prepare_args(argv: Sequence[str]) -> tuple[list[str], Optional[str]]:
             out.append(a)
             i += 1
             continue
-        path = check_config_file(resolve_config(value))
+        path = check_config_file(config_file(value))
         if stem is None:
             stem = path.stem
         out += ["--config", str(path)]

@@ -9,10 +9,10 @@ from pathlib import Path
 from kvsplice.io.cli import UsageError
 from models.config import ConfigNotFoundError, GPTConfig, config_path
 
-__all__ = ["resolve_config"]
+__all__ = ["named_config"]
 
 
-def resolve_config(spec: str) -> tuple[str, GPTConfig, str]:
+def named_config(spec: str) -> tuple[str, GPTConfig, str]:
     """``(label, cfg, source)`` for a config name (``gpt2``, ``mla_kvsplice_90``, ``small_mla``...) or a YAML path:
     the ``model:`` section exactly as ``python -m training.fit --config SPEC`` reads it (``vocab_size`` 50304 unless
     the file sets it: a training run links it from its tokenizer)."""

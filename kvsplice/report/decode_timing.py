@@ -14,7 +14,7 @@ import torch
 
 from kvsplice.report.memory import cache_bytes_formula
 from kvsplice.io.cli import UsageError
-from kvsplice.io.configs import resolve_config
+from kvsplice.io.configs import named_config
 from kvsplice.report.tables import show_table
 from models.config import GPTConfig
 
@@ -39,7 +39,7 @@ def parse_variant(spec: str, max_ctx: int) -> BenchVariant:
         name, quant = name[: -len(":int8")], "int8"
     if ":" in name and name.rsplit(":", 1)[1] in ("naive", "absorb"):
         name, impl = name.rsplit(":", 1)
-    label, cfg, _ = resolve_config(name)
+    label, cfg, _ = named_config(name)
     if impl is not None and cfg.attention != "mla":
         raise UsageError(f"{spec}: ':{impl}' applies only to MLA configs")
     cfg = cfg.replace(block_size=max(cfg.block_size, max_ctx + 1), dropout=0.0,

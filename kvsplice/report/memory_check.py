@@ -12,7 +12,7 @@ import torch
 
 from kvsplice.report.memory import cache_bytes_formula, measure_cache, mha_cache_bytes, sequences_in_budget
 from kvsplice.io.cli import UsageError, pick_device
-from kvsplice.io.configs import resolve_config
+from kvsplice.io.configs import named_config
 from kvsplice.report.tables import show_table
 from models.config import GPTConfig
 
@@ -21,7 +21,7 @@ MIB = 2**20
 GIB = 2**30
 
 
-def load_checkpoint(path: str | Path):
+def load_labelled_model(path: str | Path):
     """``(label, model, cfg, meta)`` from :func:`models.checkpoint.load_model`."""
     from models.checkpoint import load_model
 
@@ -52,7 +52,7 @@ def preset_variants(specs: Sequence[str], max_len: int, notes: list[str]) -> lis
 
     out = []
     for spec in specs:
-        label, cfg, source = resolve_config(spec)
+        label, cfg, source = named_config(spec)
         if max_len > cfg.block_size:
             notes.append(f"{label}: block_size raised {cfg.block_size} -> {max_len} for the longest sequence "
                          f"(random weights, so only the position table grows)")
@@ -65,7 +65,7 @@ def preset_variants(specs: Sequence[str], max_len: int, notes: list[str]) -> lis
 def checkpoint_variants(paths: Sequence[str], max_len: int) -> list[Variant]:
     out = []
     for path in paths:
-        label, model, cfg, _ = load_checkpoint(path)
+        label, model, cfg, _ = load_labelled_model(path)
         if max_len > cfg.block_size:
             raise UsageError(f"--seq-lens {max_len} exceeds block_size={cfg.block_size} of checkpoint {path} "
                              f"(trained position table; cannot be raised)")

@@ -17,7 +17,8 @@ from kvsplice.evaluation.context import EvalContext, EvalError
 from kvsplice.lowrank.bases import KVBases
 from kvsplice.lowrank.diagnostics import bases_diagnostics
 from kvsplice.lowrank.fits import bases_errors, lesens_terms
-from kvsplice.lowrank.method import CoefficientDecoder
+from kvsplice.decode import Decoder, DenseKV
+from kvsplice.lowrank.method import LowRank
 from models.attention import attend
 
 __all__ = ["attention_output_errors", "eval_static", "evaluate_bases", "evaluate_quantised", "layer_errors"]
@@ -101,7 +102,7 @@ def evaluate_bases(ctx: EvalContext, bases: KVBases, label: str = "bases", path:
                    ) -> dict[str, Any]:
     """Every measurement of the module docstring for one set of bases (checked against the model first)."""
     bases.check_model(ctx.fingerprint)
-    decoder = CoefficientDecoder(ctx.model, bases)  # shape checks raise BasesMismatchError
+    decoder = Decoder(ctx.model, LowRank(bases))  # shape checks raise BasesMismatchError
     full = ctx.full()
     res = ctx.decode(decoder, desc=label)
     c = res["cache"]
@@ -136,7 +137,7 @@ def evaluate_quantised(ctx: EvalContext, bases: Optional[KVBases], quant: str, u
                        label: str) -> dict[str, Any]:
     """Perplexity and measured bytes with the cache of ``unquantised``'s decoder stored as ``quant`` (int8 rows +
     fp16 scales): the same bases (``None``: the full K/V cache), the same windows."""
-    decoder = CoefficientDecoder(ctx.model, bases, cache_quant=quant)
+    decoder = Decoder(ctx.model, LowRank(bases, cache_quant=quant))
     res = ctx.decode(decoder, desc=label)
     c = res["cache"]
     full = ctx.full()

@@ -46,11 +46,16 @@ class RopeTables:
         seen = keys_seen(mask)
         return None if seen is None else (seen.long().cumsum(-1) - 1).clamp_min(0)  # (B, Tk)
 
-    def cos_sin(self, mask: Optional[torch.Tensor], t_k: int, like: torch.Tensor
+    def cos_sin(self, step, mask: Optional[torch.Tensor], t_k: int, like: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin (B or 1, Tk, D)`` of the keys' positions (the reference path's tables, not memoised)."""
-        pos = self.positions(mask, t_k)
-        return self.rotary(like, torch.arange(t_k, device=like.device)[None] if pos is None else pos)
+        """``cos, sin (B or 1, Tk, D)`` of the keys' positions (the reference path's tables), memoised on ``step``."""
+        key = ("cos_sin", id(self), t_k, None if mask is None else id(mask))
+        hit = step.memo.get(key)
+        if hit is None:
+            pos = self.positions(mask, t_k)
+            hit = step.memo[key] = self.rotary(like, torch.arange(t_k, device=like.device)[None] if pos is None
+                                               else pos)
+        return hit
 
     def _derive(self, cos: torch.Tensor, sin: torch.Tensor, scale: float):
         """``cos, sin (B or 1, T, D)`` → ``(cosᵀ·scale, sinᵀ·scale (B or 1, 1, D, T), un (B or 1, T, 2, D))``."""

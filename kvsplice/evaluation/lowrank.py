@@ -137,7 +137,7 @@ def evaluate_quantised(ctx: EvalContext, bases: Optional[KVBases], quant: str, u
                        label: str) -> dict[str, Any]:
     """Perplexity and measured bytes with the cache of ``unquantised``'s decoder stored as ``quant`` (int8 rows +
     fp16 scales): the same bases (``None``: the full K/V cache), the same windows."""
-    decoder = Decoder(ctx.model, LowRank(bases, cache_quant=quant))
+    decoder = Decoder(ctx.model, DenseKV(cache_quant=quant) if bases is None else LowRank(bases, cache_quant=quant))
     res = ctx.decode(decoder, desc=label)
     c = res["cache"]
     full = ctx.full()

@@ -140,7 +140,7 @@ class LowRank(CompressionMethod):
         out_dtype = q.dtype
         q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
         if self.key_mode == "pre":  # undo the rotation of the new keys: k = (k_rot⊙cos − rot(k_rot)⊙sin)/σ²
-            cos, sin = self.rope.cos_sin(mask, cache.layer_len(l) + q.shape[2], k)  # (B or 1, Tk, D)
+            cos, sin = self.rope.cos_sin(step, mask, cache.layer_len(l) + q.shape[2], k)  # (B or 1, Tk, D)
             c, s = cos[:, None, -q.shape[2]:], sin[:, None, -q.shape[2]:]  # (B or 1, 1, Tq, D)
             k = (k * c - rotate_half(k) * s) / self.rope.sigma2
         ka = [k[:, j] @ hb.k_enc for j, hb in enumerate(heads)]  # (B, T, R_k[j])

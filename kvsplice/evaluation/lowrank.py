@@ -21,7 +21,7 @@ from kvsplice.decode import Decoder, DenseKV
 from kvsplice.lowrank.method import LowRank
 from models.attention import attend
 
-__all__ = ["attention_output_errors", "eval_static", "evaluate_bases", "evaluate_quantised", "layer_errors"]
+__all__ = ["attention_output_errors", "eval_static", "evaluate_bases", "evaluate_quantised", "bases_layer_errors"]
 
 
 def _agg(rel: list[float], den: list[float]) -> float:
@@ -30,7 +30,7 @@ def _agg(rel: list[float], den: list[float]) -> float:
     return math.sqrt(sum(r * r * d for r, d in zip(rel, den)) / tot) if tot > 0 else 0.0
 
 
-def layer_errors(stats, bases: KVBases) -> dict[str, Any]:
+def bases_layer_errors(stats, bases: KVBases) -> dict[str, Any]:
     """Per layer (aggregated over KV heads) and per head: score/key/value errors of ``bases`` and Lesens' terms at
     each head's key rank, all on the Grams in ``stats``."""
     per_head = bases_errors(stats, bases)
@@ -113,7 +113,7 @@ def evaluate_bases(ctx: EvalContext, bases: KVBases, label: str = "bases", path:
     c["bytes_match"] = c["measured_live_bytes"] == c["formula_bytes"] == c.get("cache_bytes_formula") == c["nbytes"]
     c["compression"] = c["full_kv_formula_bytes"] / c["measured_live_bytes"]
     rope = bases.rope if ctx.info.has_rope else "none"
-    errs = layer_errors(ctx.stats(rope), bases)
+    errs = bases_layer_errors(ctx.stats(rope), bases)
     attn = attention_output_errors(ctx, bases)
     for row, e in zip(errs["layers"], attn):
         row["attn_out"] = e

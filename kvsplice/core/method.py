@@ -4,20 +4,23 @@ A :class:`CompressionMethod` is bound to a model (:meth:`~CompressionMethod.bind
 method itself is never changed, so one instance serves any number of models), makes the cache
 (:meth:`~CompressionMethod.new_cache`) and, per layer and forward call, **attends**:
 :meth:`~CompressionMethod.attend` gets the layer's projected ``q (B, Hq, Tq, D)``, ``k, v (B, Hkv, Tq, D)`` —
-queries and keys **post-RoPE**, exactly what transformers' attention modules hand to an attention function — stores
-what the method keeps of the new ``k, v`` in its cache and returns the head outputs ``(B, Hq, Tq, Dv)`` over the
-cache. It is the one function of the method; the two doors only call it:
+queries **post-RoPE**, keys post-RoPE or pre-RoPE as the method declares (``key_rope``) and the door can give
+(``step.k_rotated``) — stores what the method keeps of the new ``k, v`` in its cache and returns the head outputs
+``(B, Hq, Tq, Dv)`` over the cache. It is the one function of the method; the two doors only call it:
 
 * :class:`kvsplice.decode.Decoder` (the package's layer-wise decoder) projects ``q, k, v`` with the model's weights,
-  rotates them, calls ``attend`` and applies the output projection (:meth:`~CompressionMethod.block`);
+  rotates ``q`` and — unless the method keeps pre-RoPE keys — ``k``, calls ``attend`` and applies the output
+  projection (:meth:`~CompressionMethod.block`);
 * :class:`kvsplice.hf.KVSpliceHFCache` (a ``transformers.Cache`` + the ``"kvsplice"`` attention function) hands over
-  what the model's own attention module computed, with transformers' ``mask``, and returns ``attend``'s output.
+  what the model's own attention module computed — keys always rotated (``step.k_rotated``) — with transformers'
+  ``mask``, and returns ``attend``'s output.
 
 ``mask`` is transformers' (boolean ``(B or 1, 1, Tq, Tk)`` over the absolute positions ``0 .. Tk-1`` of the tokens
 seen, True = attend; ``None`` = causal without padding — always ``None`` from the ``Decoder``). ``logw``
 ``(B, Hkv, Tk)``, optional, are per-token log-weights added to the scores of the held tokens (a token subset
 stored by another method: :class:`kvsplice.select.method.TokenSelection` with ``store=``). A method that keeps
-pre-RoPE numbers undoes the rotation itself (:class:`kvsplice.core.rope.RopeTables`).
+pre-RoPE numbers (``key_rope = "pre"``) undoes the rotation of keys that arrive rotated itself
+(:class:`kvsplice.core.rope.RopeTables`).
 
 A **storage** method (one that can hold the tokens a selection keeps: ``DenseKV``, ``LowRank``) also implements
 :meth:`~CompressionMethod.append` — store without attending — and accepts ``logw`` in ``attend``.
@@ -45,8 +48,9 @@ class Step:
 
     ``scales[l]``: layer ``l``'s softmax scale; ``backend``: the dense attention kernel (``auto`` / ``flash`` /
     ``sdpa``); ``rope``: ``cos, sin (1, t, D)`` of the new positions (the ``Decoder``'s, to rotate ``q, k``;
-    ``None`` without RoPE or in the HF door); ``memo``: what a method computes once per call and shares between
-    layers (RoPE tables, the decode mask).
+    ``None`` without RoPE or in the HF door); ``k_rotated``: the keys ``attend`` gets are rotated (always in the HF
+    door; in the ``Decoder`` unless the method's ``key_rope`` is ``"pre"``); ``memo``: what a method computes once
+    per call and shares between layers (RoPE tables, the decode mask).
     """
 
     adapter: FamilyAdapter
@@ -55,6 +59,7 @@ class Step:
     scales: list[float]
     backend: str = "auto"
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    k_rotated: bool = True
     memo: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -69,14 +74,15 @@ class CompressionMethod:
     Subclasses implement :meth:`new_cache` and :meth:`attend` (and :meth:`append` for a storage method); a method
     with settings to check against the model or operands to precompute overrides :meth:`_prepare`, which runs on
     the copy :meth:`bind` returns. ``needs_projections`` (default True): the method needs the layer's q/k/v/o
-    projections (post-training methods; models whose cache is already a latent are refused). ``needs_positions``:
-    the method needs the keys' positions in its cache (pre-RoPE numbers), so it cannot hold a reordered subset.
+    projections (post-training methods; models whose cache is already a latent are refused). ``key_rope``:
+    ``"pre"`` for a method that keeps keys in the un-rotated space (it needs their positions in its cache, so it
+    cannot hold a reordered subset; the ``Decoder`` hands it un-rotated keys), else ``"post"``.
     ``is_storage``: the method implements :meth:`append` and ``logw`` (it can hold a token selection's subset).
     """
 
     name: str = "method"
     needs_projections: bool = True
-    needs_positions: bool = False
+    key_rope: str = "post"
     is_storage: bool = False
     cache_type: type = Cache
     adapter: Optional[FamilyAdapter] = None  # set on the bound copy
@@ -117,9 +123,10 @@ class CompressionMethod:
         """Tokens the cache holds at the end of ``generate`` (exact preallocation)."""
         return prompt_len + max(max_new_tokens, 1) - 1
 
-    def bytes_formula(self, batch_size: int, n_held: int, dtype: torch.dtype) -> int:
-        """Bytes the method's cache holds for ``n_held`` tokens per layer of ``batch_size`` sequences at ``dtype``."""
-        raise NotImplementedError(f"{type(self).__name__} has no closed-form byte count")
+    def bytes_formula(self, batch_size: int, n_held: int, dtype: torch.dtype) -> Optional[int]:
+        """Bytes the method's cache holds for ``n_held`` tokens per layer of ``batch_size`` sequences at ``dtype``;
+        ``None`` for a method without a closed form (the online method's chunks)."""
+        return None
 
     # ---------------------------------------------------------------------------------------------- attention
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Cache, step: Step,
@@ -134,10 +141,11 @@ class CompressionMethod:
         raise NotImplementedError(f"{type(self).__name__} is not a storage method (it cannot hold a token subset)")
 
     def block(self, layer: int, h: torch.Tensor, cache: Cache, step: Step) -> torch.Tensor:
-        """The ``Decoder``'s attention block for the normalised hidden states ``h (B, T, d_model)``: project and
-        rotate ``q, k, v`` with the model's weights, :meth:`attend`, output projection → ``(B, T, d_model)``."""
+        """The ``Decoder``'s attention block for the normalised hidden states ``h (B, T, d_model)``: project ``q, k,
+        v`` with the model's weights, rotate ``q`` (and ``k`` if ``step.k_rotated``), :meth:`attend`, output
+        projection → ``(B, T, d_model)``."""
         a = step.adapter
-        q, k, v = a.qkv(layer, h, step.rope)  # (B, Hq, T, D), (B, Hkv, T, D) × 2, post-RoPE
+        q, k, v = a.qkv(layer, h, step.rope, rotate_k=step.k_rotated)  # (B, Hq, T, D), (B, Hkv, T, D) × 2
         return a.out(layer, self.attend(layer, q, k, v, cache, step))
 
     def __repr__(self) -> str:

@@ -83,7 +83,8 @@ class Decoder:
         start = cache.position  # absolute position of the first new token
         a.check_room(cache.batch_size, start, b, t)
         x = a.embed(input_ids, start)  # (B, T, d_model)
-        step = Step(a, start, t, self.scales, self.attn_backend, a.rope(x, start, t))  # rope: None without RoPE
+        step = Step(a, start, t, self.scales, self.attn_backend, a.rope(x, start, t),  # rope: None without RoPE
+                    k_rotated=self.method.key_rope != "pre")  # pre-RoPE storage gets its keys un-rotated
         for layer in range(a.n_layer):
             x = a.after_attn(layer, x, self.method.block(layer, a.attn_in(layer, x), cache, step))
         return a.head(x[:, -1:] if last_only else x)

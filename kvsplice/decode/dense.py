@@ -39,7 +39,9 @@ class DenseKV(CompressionMethod):
         cache.append(layer, k=k, v=v)
 
     def attend(self, layer, q, k, v, cache, step, mask=None, logw=None):
-        kv = cache.append(layer, k=k.to(cache.dtype), v=v.to(cache.dtype))  # (B, Hkv, Tk, D) each
+        if k.dtype != cache.dtype:
+            k, v = k.to(cache.dtype), v.to(cache.dtype)
+        kv = cache.append(layer, k=k, v=v)  # (B, Hkv, Tk, D) each
         return step.attend(layer, q, kv["k"], kv["v"], mask=mask, logw=logw)  # (B, Hq, Tq, D)
 
     def __repr__(self) -> str:

@@ -141,10 +141,7 @@ def evaluate_quantised(ctx: EvalContext, bases: Optional[KVBases], quant: str, u
     res = ctx.decode(decoder, desc=label)
     c = res["cache"]
     full = ctx.full()
-    c["formula_bytes"] = c.get("cache_bytes_formula")
-    if c["formula_bytes"] is None:  # the full K/V cache: 2·L·Hkv rows of d int8 numbers + a 2-byte scale each
-        i = ctx.info
-        c["formula_bytes"] = 2 * i.n_layer * i.n_kv_head * (i.head_dim + 2) * c["seq_len"] * c["batch_size"]
+    c["formula_bytes"] = c["cache_bytes_formula"]  # the method's: full K/V or coefficients, int8 rows + scales
     c["bytes_match"] = c["measured_live_bytes"] == c["formula_bytes"] == c["nbytes"]
     c["full_kv_formula_bytes"] = ctx.full_kv_formula(c["batch_size"], c["seq_len"], c["element_size"])
     c["compression"] = c["full_kv_formula_bytes"] / c["measured_live_bytes"]

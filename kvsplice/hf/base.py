@@ -151,8 +151,9 @@ class KVSpliceHFCache(Cache):
             self.store.reset()
 
     # ------------------------------------------------------------------------------------------------- bytes
-    def bytes_formula(self, seq_len: Optional[int] = None) -> int:
-        """The method's bytes for the tokens held (or ``seq_len``) at the store's batch size and dtype."""
+    def bytes_formula(self, seq_len: Optional[int] = None) -> Optional[int]:
+        """The method's bytes for the tokens held (or ``seq_len``) at the store's batch size and dtype (``None``:
+        the method has no closed form)."""
         if self.store is None:
             return 0
         s = self.store

@@ -10,7 +10,8 @@ Per layer and call, with ``g`` query heads per KV head and bases ``k_enc, k_dec,
 * keys, ``post``-RoPE (and models without RoPE, mode ``none``): the new keys' coefficients ``a = k k_enc`` are cached
   and the key basis (times the softmax scale) is folded into the query, ``q̃ = q k_dec · scale`` (``R_k`` numbers per
   query head): scores ``q̃·a`` run straight on the cached coefficients, no key is rebuilt;
-* keys, ``pre``-RoPE: the new keys arrive rotated; the inverse rotation is folded into the encoder,
+* keys, ``pre``-RoPE: the ``Decoder`` hands over un-rotated keys, ``a = k k_enc``; the HF door's keys arrive
+  rotated (mode ``pre-rotated``) and the inverse rotation is folded into the encoder,
   ``a = R(-θ) k k_enc = [k⊙cos | k⊙sin] [k_enc ; rot(k_enc)]`` (one matmul; ``rot`` = RoPE's rotate_half applied to
   the basis rows, exact because RoPE's ``sin`` repeats over the two halves). RoPE does not commute with the basis, so
   the layer's keys are rebuilt and rotated for the attention call, transposed and scaled:
@@ -64,12 +65,12 @@ class Group:
         cv = lambda t: t.to(dtype=dtype, device=device)  # noqa: E731
         rep = lambda t: t.repeat(batch, 1, 1).contiguous()  # noqa: E731  (n, ·, ·) → (B·n, ·, ·)
         k_enc, k_dec = cv(self.k_enc), cv(self.k_dec)
+        enc_k, enc_k_rot, dec_k = rep(k_enc), None, None  # (B·n, D, R_k); post: k_dec·scale is folded per scale
         if mode == "pre":
-            enc_k = rep(torch.cat([k_enc, _rot_rows(k_enc)], dim=1))  # [k_enc ; rot(k_enc)] (B·n, 2D, R_k)
+            enc_k_rot = rep(torch.cat([k_enc, _rot_rows(k_enc)], dim=1))  # [k_enc ; rot(k_enc)] (B·n, 2D, R_k)
             dec_k = rep(torch.cat([k_dec, _rot_rows(k_dec)], dim=1))  # [k_dec ; rot(k_dec)] (B·n, 2D, R_k)
-        else:
-            enc_k, dec_k = rep(k_enc), None  # (B·n, D, R_k); post: k_dec·scale is folded per scale
-        return Operands(self.kv0, self.n, batch, k_dec, enc_k, dec_k, rep(cv(self.v_enc)), rep(cv(self.v_dec_t)))
+        return Operands(self.kv0, self.n, batch, k_dec, enc_k, enc_k_rot, dec_k, rep(cv(self.v_enc)),
+                        rep(cv(self.v_dec_t)))
 
 
 @dataclass
@@ -80,7 +81,8 @@ class Operands:
     n: int
     batch: int
     k_dec: torch.Tensor  # (n, D, R_k)
-    enc_k: torch.Tensor  # post: k_enc (B·n, D, R_k); pre: [k_enc ; rot(k_enc)] (B·n, 2D, R_k)
+    enc_k: torch.Tensor  # k_enc (B·n, D, R_k)
+    enc_k_rot: Optional[torch.Tensor]  # pre: [k_enc ; rot(k_enc)] (B·n, 2D, R_k), for keys that arrive rotated
     dec_k: Optional[torch.Tensor]  # pre: [k_dec ; rot(k_dec)] (B·n, 2D, R_k); post: k_dec·scale (scaled_dec_k)
     enc_v: torch.Tensor  # (B·n, D, R_v)
     dec_v: torch.Tensor  # v_decᵀ (B·n, R_v, D)
@@ -113,10 +115,12 @@ def _flat(x: torch.Tensor, op: Operands, single: bool) -> torch.Tensor:
 def encode(ops: list[Operands], k: torch.Tensor, v: torch.Tensor
            ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Coefficients of new keys/values per group: ``a (B, n, T, R_k)``, ``b (B, n, T, R_v)``. ``k (B, Hkv, T, ·)``
-    is the plain key (D) or, pre-RoPE, ``[k⊙cos | k⊙sin]/σ²`` (2D) for the folded inverse rotation."""
-    b, _, t, _ = k.shape
+    is the plain key (D) or, for rotated keys of pre-RoPE bases, ``[k⊙cos | k⊙sin]/σ²`` (2D: the folded inverse
+    rotation)."""
+    b, _, t, c = k.shape
     single = len(ops) == 1
-    a = [torch.bmm(_flat(k, op, single), op.enc_k).view(b, op.n, t, -1) for op in ops]  # (B, n, T, R_k)
+    a = [torch.bmm(_flat(k, op, single), op.enc_k if c == op.enc_k.shape[1] else op.enc_k_rot).view(b, op.n, t, -1)
+         for op in ops]  # (B, n, T, R_k)
     bv = [torch.bmm(_flat(v, op, single), op.enc_v).view(b, op.n, t, -1) for op in ops]  # (B, n, T, R_v)
     return a, bv
 
@@ -153,9 +157,12 @@ def decode_step(ops: Operands, layer: int, q, k, v, cache: CoefficientCache, ste
     t0, K, V = cache.reserve_coeffs(layer, 1)
     t_k = t0 + 1
     Kg, Vg = K[0], V[0]  # (B·n, capacity, R)
-    if mode == "pre":
+    if mode != "post" and mode != "none":  # pre-RoPE coefficients
         cos_t, sin_t, un = tables(t_k, 1)
-        torch.bmm((k.reshape(b, n, 1, 1, d) * un).reshape(b * n, 1, 2 * d), ops.enc_k, out=Kg[:, t0:t_k])  # a = R(-θ)k k_enc (B·n, 1, R_k)
+        if mode == "pre-rotated":
+            torch.bmm((k.reshape(b, n, 1, 1, d) * un).reshape(b * n, 1, 2 * d), ops.enc_k_rot, out=Kg[:, t0:t_k])  # a = R(-θ)k k_enc (B·n, 1, R_k)
+        else:
+            torch.bmm(k.reshape(b * n, 1, d), ops.enc_k, out=Kg[:, t0:t_k])  # a = k k_enc (B·n, 1, R_k)
         kk = torch.bmm(ops.dec_k, Kg[:, :t_k].transpose(1, 2)).view(b, n, 2 * d, t_k)  # [k_dec ; rot(k_dec)] Aᵀ (B, n, 2D, Tk)
         keys_t = kk[:, :, :d]
         keys_t.mul_(cos_t).addcmul_(kk[:, :, d:], sin_t)  # K̂ᵀ·scale, in place in the transient kk (B, n, D, Tk)
@@ -173,7 +180,8 @@ def decode_step(ops: Operands, layer: int, q, k, v, cache: CoefficientCache, ste
 def coefficient_attend(ops: list[Operands], layer: int, q, k, v, cache: CoefficientCache, step, mode: str,
                        scale: float, mask, logw, tables) -> torch.Tensor:
     """Encode and store the new ``k, v (B, Hkv, Tq, D)`` of ``layer``, attend ``q (B, Hq, Tq, D)`` over the cached
-    coefficients → ``(B, Hq, Tq, D)``. ``tables(t_k, t_q)``: the RoPE tables of the call (pre-RoPE); ``logw``:
+    coefficients → ``(B, Hq, Tq, D)``. ``mode``: ``post`` / ``none`` / ``pre`` (un-rotated keys) / ``pre-rotated``
+    (pre-RoPE bases, rotated keys). ``tables(t_k, t_q)``: the RoPE tables of the call (pre-RoPE); ``logw``:
     ``(B, Hkv, Tk)`` log-weights or None. One-token steps of one unquantised group take :func:`decode_step`,
     everything else :func:`general_attend` (the same math; tested equal)."""
     if q.shape[2] == 1 and len(ops) == 1 and cache.quant is None and q.dtype == cache.dtype:
@@ -185,19 +193,21 @@ def general_attend(ops: list[Operands], layer: int, q, k, v, cache: CoefficientC
                    scale: float, mask, logw, tables) -> torch.Tensor:
     """:func:`coefficient_attend` for any call: several queries, several groups, int8, another dtype."""
     b, hq, t_q, d = q.shape
-    hkv, pre, out_dtype = k.shape[1], mode == "pre", q.dtype
+    hkv, pre, out_dtype = k.shape[1], mode not in ("post", "none"), q.dtype
     g = hq // hkv
     if q.dtype != cache.dtype:
         q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
     t_k = cache.layer_len(layer) + t_q
     if pre:
         cos_t, sin_t, un = tables(t_k, t_q)
-        k = (k.reshape(b, hkv, t_q, 1, d) * un).reshape(b, hkv, t_q, 2 * d)  # [k⊙cos | k⊙sin]/σ² (B, Hkv, Tq, 2D)
+        if mode == "pre-rotated":
+            k = (k.reshape(b, hkv, t_q, 1, d) * un).reshape(b, hkv, t_q, 2 * d)  # [k⊙cos | k⊙sin]/σ² (B, Hkv, Tq, 2D)
     single = len(ops) == 1
     if cache.quant is None:  # encode straight into the storage
         t0, K, V = cache.reserve_coeffs(layer, t_q)  # per group (B·n, capacity, R)
         for op, Kg, Vg in zip(ops, K, V):
-            torch.bmm(_flat(k, op, single), op.enc_k, out=Kg[:, t0:t_k])  # (B·n, Tq, R_k)
+            enc = op.enc_k_rot if mode == "pre-rotated" else op.enc_k
+            torch.bmm(_flat(k, op, single), enc, out=Kg[:, t0:t_k])  # (B·n, Tq, R_k)
             torch.bmm(_flat(v, op, single), op.enc_v, out=Vg[:, t0:t_k])  # (B·n, Tq, R_v)
         A, Bc = [x[:, :t_k] for x in K], [x[:, :t_k] for x in V]  # (B·n, Tk, R)
     else:

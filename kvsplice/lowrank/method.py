@@ -62,7 +62,7 @@ class LowRank(CompressionMethod):
         super()._prepare(adapter, dtype=dtype, device=device)
         self._check_bases(adapter)
         self.key_mode = self.bases.rope if adapter.has_rope else "none"
-        self.needs_positions = self.key_mode == "pre"
+        self.key_rope = "pre" if self.key_mode == "pre" else "post"
         self.bases = self.bases.to(device=device, dtype=dtype)
         self.groups = [layer_groups(heads) for heads in self.bases.layers]
         self.rope = RopeTables(adapter.rotary_embedding()) if self.key_mode == "pre" else None
@@ -124,12 +124,13 @@ class LowRank(CompressionMethod):
         scale = step.scales[layer]
         tables = None if self.rope is None else \
             (lambda t_k, t_q: self.rope.tables(step, mask, t_k, t_q, scale, k))  # noqa: E731
-        return coefficient_attend(self._ops(layer, cache), layer, q, k, v, cache, step, self.key_mode, scale,
-                                  mask, logw, tables)
+        mode = "pre-rotated" if self.key_mode == "pre" and step.k_rotated else self.key_mode
+        return coefficient_attend(self._ops(layer, cache), layer, q, k, v, cache, step, mode, scale, mask, logw,
+                                  tables)
 
     def append(self, layer, k, v, cache, step):
         """Store post-RoPE ``k, v (B, Hkv, T, D)`` as coefficients without attending (a kept token subset)."""
-        if self.needs_positions:
+        if self.key_rope == "pre":
             raise ValueError("pre-RoPE coefficients need their keys' positions; store a token subset with "
                              "post-RoPE bases")
         cache.append_coeffs(layer, *encode(self._ops(layer, cache), k.to(cache.dtype), v.to(cache.dtype)))
@@ -139,10 +140,11 @@ class LowRank(CompressionMethod):
         heads = self.bases.layers[l]
         out_dtype = q.dtype
         q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
-        if self.key_mode == "pre":  # undo the rotation of the new keys: k = (k_rot⊙cos − rot(k_rot)⊙sin)/σ²
+        if self.key_mode == "pre":
             cos, sin = self.rope.cos_sin(step, mask, cache.layer_len(l) + q.shape[2], k)  # (B or 1, Tk, D)
-            c, s = cos[:, None, -q.shape[2]:], sin[:, None, -q.shape[2]:]  # (B or 1, 1, Tq, D)
-            k = (k * c - rotate_half(k) * s) / self.rope.sigma2
+            if step.k_rotated:  # undo the rotation of the new keys: k = (k_rot⊙cos − rot(k_rot)⊙sin)/σ²
+                c, s = cos[:, None, -q.shape[2]:], sin[:, None, -q.shape[2]:]  # (B or 1, 1, Tq, D)
+                k = (k * c - rotate_half(k) * s) / self.rope.sigma2
         ka = [k[:, j] @ hb.k_enc for j, hb in enumerate(heads)]  # (B, T, R_k[j])
         vb = [v[:, j] @ hb.v_enc for j, hb in enumerate(heads)]  # (B, T, R_v[j])
         if cache.grouped(l):

@@ -68,7 +68,7 @@ class TokenSelection(CompressionMethod):
     def _prepare(self, adapter, *, dtype, device):
         super()._prepare(adapter, dtype=dtype, device=device)
         self.store = self.store.bind(adapter, dtype=dtype, device=device)
-        if self.store.needs_positions:
+        if self.store.key_rope == "pre":
             raise ValueError(f"{self.store!r} keeps pre-RoPE numbers and needs its keys' positions; a token subset "
                              f"is held out of order: use post-RoPE bases")
 

@@ -105,7 +105,8 @@ def fmt_md(rep: dict) -> str:
     res = {r["name"]: r for r in rep["results"]}
     full = res["full"]["ppl"]
     c = rep["config"]
-    lines = [f"stories260K (5 layers, 8 query / 4 KV heads, head_dim 8), {c['windows']} TinyStories validation "
+    lines = [f"<!-- made by: {rep['command']} -->",
+             f"stories260K (5 layers, 8 query / 4 KV heads, head_dim 8), {c['windows']} TinyStories validation "
              f"windows: prompt {c['prompt']} tokens prefilled, the next {c['cont']} scored (teacher-forced, one "
              f"call). Bases: gqa-concat post-RoPE, calibrated on {rep['calibration']['tokens']:,} train-sample "
              f"tokens. Stack = `TokenSelection({c['selector']}, budget, store=LowRank(bases, cache_quant=\"int8\"))`. "

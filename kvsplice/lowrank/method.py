@@ -139,7 +139,8 @@ class LowRank(CompressionMethod):
         """Reference: cache the same coefficients, rebuild K̂ and V̂ for every cached token, plain attention."""
         heads = self.bases.layers[l]
         out_dtype = q.dtype
-        q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
+        if q.dtype != cache.dtype:
+            q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
         if self.key_mode == "pre":
             cos, sin = self.rope.cos_sin(step, mask, cache.layer_len(l) + q.shape[2], k)  # (B or 1, Tk, D)
             if step.k_rotated:  # undo the rotation of the new keys: k = (k_rot⊙cos − rot(k_rot)⊙sin)/σ²
@@ -157,7 +158,8 @@ class LowRank(CompressionMethod):
         v_hat = torch.stack([Bj @ hb.v_dec.T for Bj, hb in zip(Bc, heads)], 1)  # (B, Hkv, Tk, D)
         if self.key_mode == "pre":
             k_hat = apply_rope(k_hat, cos, sin)  # rotated at the keys' positions
-        return step.attend(l, q, k_hat, v_hat, mask=mask, logw=logw).to(out_dtype)
+        y = step.attend(l, q, k_hat, v_hat, mask=mask, logw=logw)  # (B, Hq, Tq, D)
+        return y if y.dtype == out_dtype else y.to(out_dtype)
 
     def __repr__(self) -> str:
         q = f", cache_quant={self.cache_quant!r}" if self.cache_quant else ""

@@ -3,7 +3,7 @@
 A :class:`TokenSelector` looks at one sequence's prefill keys/values of every KV head and returns, per head, which
 tokens to keep and a log-weight for each. Attention over the kept set with the log-weights added to the logits,
 ``softmax(q·Kᵀ·s + logw)·V``, is the selector's estimate of full attention (see
-:func:`kvsplice.select.cache.weighted_attend`): a token that stands for ``w`` tokens gets ``log w``.
+:func:`kvsplice.core.attention.weighted_attend`): a token that stands for ``w`` tokens gets ``log w``.
 
 * :class:`BalanceKVSelector` — first ``n_sink`` tokens and the most recent ones intact (log-weight 0), the middle
   halved by :func:`kvsplice.select.balance.block_balance` (a token that survived ``l`` halvings gets ``l·ln 2``). The middle

@@ -10,7 +10,9 @@ accounting and post-training bases.
     Decoder(model, method).generate(ids, 32)                               # the package's decoder
     model.generate(ids, past_key_values=KVSpliceHFCache(model, method))    # transformers' generate()
 
-Names are imported on first use (``import kvsplice`` stays light; the HF door imports transformers).
+Names are imported on first use (``import kvsplice`` stays light; the HF door imports transformers). The
+top-level modules are the command-line tools (``kvsplice.fit_bases``, ``kvsplice.generate``, ...): calibration and
+fits are ``kvsplice.lowrank.calibrate`` / ``kvsplice.lowrank.fit_bases``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ _EXPORTS = {
     "perplexity": "kvsplice.decode", "sequence_nll": "kvsplice.decode", "score_continuation": "kvsplice.decode",
     # methods
     "LowRank": "kvsplice.lowrank", "KVBases": "kvsplice.lowrank", "HeadBases": "kvsplice.lowrank",
-    "BasesMismatchError": "kvsplice.lowrank", "calibrate": "kvsplice.lowrank", "fit_bases": "kvsplice.lowrank",
+    "BasesMismatchError": "kvsplice.lowrank",  # calibrate / fit_bases: kvsplice.lowrank (kvsplice.fit_bases is the CLI)
     "TokenSelection": "kvsplice.select", "TokenSelector": "kvsplice.select", "make_selector": "kvsplice.select",
     "run_token_selection": "kvsplice.select",
     "OnlineFD": "kvsplice.online", "OnlineDecoder": "kvsplice.online",

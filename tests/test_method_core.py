@@ -11,14 +11,14 @@ import transformers
 from kvsplice.core.method import CompressionMethod
 from kvsplice.decode import Decoder, DenseKV
 from kvsplice.hf import KVSpliceHFCache
-from kvsplice.lowrank.bases import HeadBases, KVBases
+from kvsplice.lowrank.bases import KVBases
 from kvsplice.lowrank.method import LowRank
 from kvsplice.online.chunked import ChunkedCache
 from kvsplice.online.method import OnlineFD
 from kvsplice.select.method import TokenSelection
 from kvsplice.select.selectors import StreamingLLMSelector, TokenSelector, make_selector
 from models.cache import Cache
-from tiny_models import sharpen
+from tiny_models import orthonormal_bases, sharpen
 
 V = 53
 
@@ -31,17 +31,8 @@ def tiny_llama(seed: int = 0):
     return sharpen(transformers.LlamaForCausalLM(cfg), seed=123 + seed)
 
 
-def bases(rank: int, rope: str, seed: int = 0, n_layer: int = 2, n_kv: int = 2, d: int = 8) -> KVBases:
-    g = torch.Generator().manual_seed(seed)
-    layers = []
-    for _ in range(n_layer):
-        heads = []
-        for _ in range(n_kv):
-            qk = torch.linalg.qr(torch.randn(d, d, generator=g))[0][:, :rank]
-            qv = torch.linalg.qr(torch.randn(d, d, generator=g))[0][:, :rank]
-            heads.append(HeadBases(qk, qk.clone(), qv, qv.clone()))
-        layers.append(heads)
-    return KVBases(layers, "random", rope)
+def bases(rank: int, rope: str, seed: int = 0) -> KVBases:
+    return orthonormal_bases(2, 2, 8, rank, rope, seed=seed)
 
 
 def methods() -> dict[str, CompressionMethod]:

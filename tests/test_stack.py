@@ -13,12 +13,12 @@ import transformers
 
 from kvsplice.decode import Decoder, DenseKV
 from kvsplice.hf import KVSpliceHFCache
-from kvsplice.lowrank.bases import HeadBases, KVBases
+from kvsplice.lowrank.bases import KVBases
 from kvsplice.lowrank.method import LowRank
 from kvsplice.report.memory import measure_cache
 from kvsplice.select.method import TokenSelection
 from kvsplice.select.selectors import make_selector
-from tiny_models import sharpen
+from tiny_models import orthonormal_bases, sharpen
 
 V = 59
 STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "stories260K"
@@ -39,17 +39,9 @@ def tiny(family: str):
 
 def make_bases(model, rank: int, kind: str = "orthonormal", seed: int = 0) -> KVBases:
     cfg = model.config
-    n_layer = cfg.num_hidden_layers
     n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    d = cfg.hidden_size // cfg.num_attention_heads
-    g = torch.Generator().manual_seed(seed)
-
-    def pair():
-        q = torch.eye(d) if kind == "identity" else torch.linalg.qr(torch.randn(d, d, generator=g))[0]
-        return q[:, :rank].contiguous(), q[:, :rank].clone()
-
-    return KVBases([[HeadBases(*pair(), *pair()) for _ in range(n_kv)] for _ in range(n_layer)], kind,
-                   "post" if cfg.model_type == "llama" else "none")
+    return orthonormal_bases(cfg.num_hidden_layers, n_kv, cfg.hidden_size // cfg.num_attention_heads, rank,
+                             "post" if cfg.model_type == "llama" else "none", seed=seed, identity=kind == "identity")
 
 
 def stack(selector: str, budget: int, bases: KVBases, quant="int8", **sel_kw) -> TokenSelection:

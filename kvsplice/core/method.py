@@ -131,8 +131,9 @@ class CompressionMethod:
     # ---------------------------------------------------------------------------------------------- attention
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Cache, step: Step,
                mask: Optional[torch.Tensor] = None, logw: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Store the new post-RoPE ``k, v (B, Hkv, Tq, D)`` of ``layer`` in ``cache`` and attend ``q (B, Hq, Tq, D)``
-        over everything the layer holds → ``(B, Hq, Tq, Dv)``. See the module docstring for ``mask`` / ``logw``."""
+        """Store the new ``k, v (B, Hkv, Tq, D)`` of ``layer`` in ``cache`` (keys rotated unless ``step.k_rotated``
+        is False) and attend the post-RoPE ``q (B, Hq, Tq, D)`` over everything the layer holds →
+        ``(B, Hq, Tq, Dv)``. See the module docstring for ``mask`` / ``logw``."""
         raise NotImplementedError(f"{type(self).__name__} does not define attend")
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, cache: Cache, step: Step) -> None:

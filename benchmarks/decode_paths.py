@@ -3,9 +3,10 @@ ms per decode step at a fixed context (the cache rolled back after each step; fd
 
     python benchmarks/decode_paths.py MODEL_DIR [CTX [REPEATS]]      # MODEL_DIR from python -m kvsplice.convert_llama2c
 
-Used to check that the one-decoder refactor kept every path's speed: run it alternately in two checkouts
-(``PYTHONPATH=<checkout> python ...`` with the package not installed) and compare medians; the script also runs on
-the pre-refactor API (commit 8e9582c), which it detects.
+Used to check that a refactor kept every path's speed: run it alternately in two checkouts
+(``PYTHONPATH=<checkout> python ...``) and compare medians; the script also runs on the earlier APIs — the
+``CoefficientDecoder`` one (before the method core, commit 9721567) and the pre-decoder one (commit 8e9582c) — which
+it detects.
 """
 import json
 import statistics
@@ -16,15 +17,29 @@ import torch
 torch.set_num_threads(1)
 import transformers
 model = transformers.LlamaForCausalLM.from_pretrained(sys.argv[1]).eval()
-try:
-    from kvsplice.lowrank.method import CoefficientDecoder
+import importlib.util
+
+if importlib.util.find_spec("kvsplice.core") is not None:  # the method core
+    from kvsplice.decode import Decoder, DenseKV
     from kvsplice.lowrank.calibrate import calibrate
     from kvsplice.lowrank.fits import fit_bases
+    from kvsplice.lowrank.method import LowRank
+    from kvsplice.online.method import OnlineDecoder
+    from kvsplice.select.method import TokenSelectionDecoder
+    from kvsplice.select.selectors import UniformSelector
+
+    def CoefficientDecoder(model, bases=None, impl="absorb"):  # noqa: N802  (the earlier APIs' name)
+        return Decoder(model, DenseKV() if bases is None else LowRank(bases, impl=impl))
+    api = "core"
+elif importlib.util.find_spec("kvsplice.lowrank") is not None:  # one decoder, before the method core
+    from kvsplice.lowrank.calibrate import calibrate
+    from kvsplice.lowrank.fits import fit_bases
+    from kvsplice.lowrank.method import CoefficientDecoder
     from kvsplice.online.method import OnlineDecoder
     from kvsplice.select.method import TokenSelectionDecoder
     from kvsplice.select.selectors import UniformSelector
     api = "new"
-except ImportError:
+else:  # three drivers
     from kvsplice.apply import CoefficientDecoder
     from kvsplice.calibrate import calibrate
     from kvsplice.fits import fit_bases

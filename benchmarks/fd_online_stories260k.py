@@ -11,7 +11,7 @@
   (``gusjengis_toy-RNN__tinystories_sample.txt``, first ``--calib-tokens``), fitted with :func:`kvsplice.lowrank.fits
   .fit_bases` for ``kq`` and ``gqa-sum`` (the attention-aware methods) at rank R = 2/4/6 (value rank = key rank);
   ``ksvd`` post and ``kq`` pre-RoPE at the same ranks for reference. Decoded with
-  :class:`kvsplice.lowrank.method.CoefficientDecoder` (exact for any call size).
+  ``Decoder(model, LowRank(bases))`` (exact for any call size).
 * fd-online: :class:`kvsplice.online.method.OnlineDecoder` (no calibration), a handful of configurations per budget, all
   listed. Bytes per sequence = coefficients + every basis the cache holds (warm-up tokens at full dimension)
   measured from the cache's tensors after decoding a whole window (:meth:`ChunkedCache.nbytes_breakdown`); the FD
@@ -41,14 +41,15 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvsplice.decode import perplexity
-from kvsplice.lowrank.method import CoefficientDecoder  # noqa: E402
+from kvsplice.decode import Decoder, DenseKV, perplexity
+from kvsplice.lowrank.method import LowRank  # noqa: E402
 from kvsplice.lowrank.calibrate import calibrate, calibration_batches  # noqa: E402
 from kvsplice.convert.llama2c import convert_llama2c  # noqa: E402
 from kvsplice.lowrank.fits import fit_bases  # noqa: E402
 from kvsplice.io.loading import iter_texts, load_model, token_stream  # noqa: E402
 from kvsplice.lowrank.diagnostics import bases_diagnostics  # noqa: E402
-from kvsplice.online.diagnostics import format_diagnostics, online_qkv_diagnostics  # noqa: E402
+from kvsplice.core.diagnostics import format_diagnostics  # noqa: E402
+from kvsplice.online.diagnostics import online_qkv_diagnostics  # noqa: E402
 from kvsplice.online.method import OnlineDecoder  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
     print(f"stories260K: {L} layers, {cfg.num_attention_heads}/{hkv} heads, d={d}; eval {n_win}×{t} tokens, "
           f"calibration {cal.numel()} tokens", flush=True)
 
-    full_ppl = perplexity(CoefficientDecoder(model), windows)
+    full_ppl = perplexity(Decoder(model, DenseKV()), windows)
     rows: list[dict] = []
 
     # ---- global bases
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
         for method, rope in (("kq", "post"), ("gqa-sum", "post"), ("ksvd", "post"), ("kq", "pre")):
             bases = fit_bases(stats[rope], method, rank=r)
             t0 = time.perf_counter()
-            ppl = perplexity(CoefficientDecoder(model, bases), windows)
+            ppl = perplexity(Decoder(model, LowRank(bases)), windows)
             diag = bases_diagnostics(model, bases, diag_ids)
             row = {"budget_rank": r, "kind": "global", "method": f"{method} ({rope}-RoPE)", "rope": rope,
                    "config": {"method": method, "rank": r}, "ppl": ppl,

@@ -5,7 +5,7 @@
 Each window of real validation text: the prompt is prefilled, then the continuation is decoded token by token
 (teacher-forced) and scored (continuation perplexity: the first continuation token is predicted by the prefill).
 Caches: the full fp32 K/V cache (ours and HF's ``DynamicCache``, which must agree), our int8 cache (int8 rows + one
-fp16 scale per token and head, ``CoefficientDecoder(model, None, cache_quant="int8")``), and the installed
+fp16 scale per token and head, ``Decoder(model, DenseKV(cache_quant="int8"))``), and the installed
 transformers' ``QuantizedCache(backend="fp8")`` (float8 e4m3, one per-tensor scale frozen at the prefill; the only
 backend that needs no extra package). Bytes: measured from each cache's tensors after the last token. Writes
 ``results/hf_quant_cache.json``.
@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from kvsplice.io.outputs import write_json  # noqa: E402
 from kvsplice.io.loading import iter_texts, load_model, token_stream  # noqa: E402
-from kvsplice.lowrank.method import CoefficientDecoder  # noqa: E402
+from kvsplice.decode import Decoder, DenseKV  # noqa: E402
 
 EVAL = REPO.parent / "shared" / "data" / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
 
@@ -61,7 +61,7 @@ def score_hf(model, windows, prompt: int, make_cache) -> tuple[float, int]:
 
 @torch.no_grad()
 def score_ours(model, windows, prompt: int, cache_quant) -> tuple[float, int]:
-    dec = CoefficientDecoder(model, None, cache_quant=cache_quant)
+    dec = Decoder(model, DenseKV(cache_quant=cache_quant))
     cache = dec.new_cache(windows.shape[0], capacity=windows.shape[1] - 1)
     logits = [dec(windows[:, :prompt], cache, last_only=True)]
     for i in range(prompt, windows.shape[1] - 1):

@@ -80,10 +80,11 @@ def compare_scores(stats, fits: dict, rank: int, rope: str, where: str) -> tuple
 @torch.no_grad()
 def chunk_check(ctx: EvalContext, bases, n_windows: int = 2) -> dict:
     """Perplexity of the first windows decoded in chunks of ctx.chunk_size vs token by token (chunk 1)."""
-    from kvsplice.lowrank.method import CoefficientDecoder
+    from kvsplice.decode import Decoder
+    from kvsplice.lowrank.method import LowRank
 
     sub = EvalContext(ctx.loaded, ctx.windows[:n_windows], batch_size=n_windows, chunk_size=ctx.chunk_size)
-    dec = CoefficientDecoder(ctx.model, bases)
+    dec = Decoder(ctx.model, LowRank(bases))
     a = sub.decode(dec)["ppl"]
     sub.chunk_size = 1
     b = sub.decode(dec)["ppl"]

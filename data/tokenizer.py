@@ -22,7 +22,6 @@ __all__ = [
     "find_gpt2_files",
     "load_gpt2_from_hub",
     "load_tokenizer",
-    "tokenizer_summary",
     "train_bpe_tokenizer",
 ]
 
@@ -193,8 +192,3 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048, min_freque
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return TextTokenizer(tok, name=f"synthetic-bpe-{vocab_size}")
-
-
-def tokenizer_summary(tok: TextTokenizer) -> dict[str, object]:
-    """JSON-friendly description of ``tok`` (stored in shard metadata)."""
-    return {"name": tok.name, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "fingerprint": tok.fingerprint}

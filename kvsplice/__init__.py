@@ -1,6 +1,54 @@
-"""KV-cache compression: the shared decode caches, KVSplice, byte accounting, and post-training bases."""
+"""KV-cache compression: compression methods behind one interface, run by two doors — the package's layer-wise
+``Decoder`` and a ``transformers.Cache`` inside HF ``generate()`` — plus the shared decode caches, KVSplice, byte
+accounting and post-training bases.
 
-from models.cache import CompressedLatentCache, DecodeCache, KVCache, LatentCache
-from models.splice import LearnedKVSplice
+::
 
-__all__ = ["CompressedLatentCache", "DecodeCache", "KVCache", "LatentCache", "LearnedKVSplice"]
+    from kvsplice import Decoder, KVSpliceHFCache, LowRank, TokenSelection, make_selector, KVBases
+    method = TokenSelection(make_selector("balancekv"), 64, store=LowRank(KVBases.load("r4.safetensors"),
+                                                                          cache_quant="int8"))
+    Decoder(model, method).generate(ids, 32)                               # the package's decoder
+    model.generate(ids, past_key_values=KVSpliceHFCache(model, method))    # transformers' generate()
+
+Names are imported on first use (``import kvsplice`` stays light; the HF door imports transformers). The
+top-level modules are the command-line tools (``kvsplice.fit_bases``, ``kvsplice.generate``, ...): calibration and
+fits are ``kvsplice.lowrank.calibrate`` / ``kvsplice.lowrank.fit_bases``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    # the method core and the package's door
+    "CompressionMethod": "kvsplice.core.method", "Step": "kvsplice.core.method",
+    "Decoder": "kvsplice.decode", "DenseKV": "kvsplice.decode", "ModelAttention": "kvsplice.decode",
+    "perplexity": "kvsplice.decode", "sequence_nll": "kvsplice.decode", "score_continuation": "kvsplice.decode",
+    # methods
+    "LowRank": "kvsplice.lowrank", "KVBases": "kvsplice.lowrank", "HeadBases": "kvsplice.lowrank",
+    "BasesMismatchError": "kvsplice.lowrank",  # calibrate / fit_bases: kvsplice.lowrank (kvsplice.fit_bases is the CLI)
+    "TokenSelection": "kvsplice.select", "TokenSelector": "kvsplice.select", "make_selector": "kvsplice.select",
+    "run_token_selection": "kvsplice.select",
+    "OnlineFD": "kvsplice.online", "OnlineDecoder": "kvsplice.online",
+    # the HF door
+    "KVSpliceHFCache": "kvsplice.hf", "CoefficientHFCache": "kvsplice.hf", "SubsetHFCache": "kvsplice.hf",
+    # caches and KVSplice
+    "Cache": "models.cache", "DecodeCache": "models.cache", "KVCache": "models.cache", "LatentCache": "models.cache",
+    "CompressedLatentCache": "models.cache", "CoefficientCache": "kvsplice.lowrank", "SubsetCache": "kvsplice.select",
+    "ChunkedCache": "kvsplice.online", "LearnedKVSplice": "models.splice",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvsplice' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -18,7 +18,7 @@ What is measured, per layer ``l`` and per ``T``:
 * The **context** to compress is the first ``C = context - n_queries`` tokens; the **queries** are the last
   ``n_queries`` positions. Exact attention ``Attn(q) = softmax(q·K_Cᵀ·s)·V_C`` of every query head over the context
   (the context precedes every query: no mask), and its estimate ``z(q) = softmax(q·K_Sᵀ·s + logw_S)·V_S`` over the
-  kept subset ``S`` with its log-weights (the same :func:`~kvsplice.select.cache.weighted_attend` the cache uses).
+  kept subset ``S`` with its log-weights (the same :func:`~kvsplice.core.attention.weighted_attend` the cache uses).
 * **What is kept** at ``T``: the first ``n_sink`` tokens and the last ``n_recent + ((C - n_sink - n_recent) mod
   2^Tmax)`` context tokens intact (weight 1; ``Tmax`` = the largest ``T`` of the run, so the intact tokens are the
   same at every ``T``); the middle ``m = C - n_sink - n_recent`` rounded down to a multiple of ``2^Tmax`` is

@@ -8,7 +8,7 @@ What is measured (``--data`` must be held-out text, not the calibration text; a 
 
 * **Perplexity.** The text is tokenised story by story (BOS/EOS between stories, as the tokenizer does), cut to
   ``--tokens`` and into ``--seq-len`` windows (default: the model's context, <= 1024). Each window is fed through a
-  fresh cache of a :class:`~kvsplice.lowrank.method.CoefficientDecoder` in chunks of ``--chunk-size`` tokens (default 64;
+  fresh cache of a ``Decoder(model, LowRank(bases))`` in chunks of ``--chunk-size`` tokens (default 64;
   ``1`` = token by token): every chunk is appended to the cache first and its queries attend over the *cached*
   representation, so with bases every token (the first chunk included) attends over compressed keys and values.
   The chunk size changes only speed, not the numbers (up to float rounding). The full-cache reference is the same

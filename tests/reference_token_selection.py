@@ -10,7 +10,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from kvsplice.select.cache import SubsetCache, TokenSelectionResult, weighted_attend
+from kvsplice.core.attention import weighted_attend
+from kvsplice.select.cache import SubsetCache, TokenSelectionResult
 from kvsplice.select.selectors import TokenSelector
 
 

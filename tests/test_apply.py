@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers
 
-from kvsplice.decode import perplexity, sequence_nll
-from kvsplice.lowrank.method import CoefficientDecoder, apply_bases
+from kvsplice.decode import Decoder, DenseKV, perplexity, sequence_nll
+from kvsplice.lowrank.method import LowRank
 from kvsplice.lowrank.bases import BasesMismatchError, HeadBases, KVBases
 from models.cache import KVCache
 from kvsplice.lowrank.cache import CoefficientCache
@@ -127,11 +127,11 @@ def test_full_rank_reproduces_model(family, rope):
     ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
     ref = reference_logits(model, ids)
     assert ref.std() > 0.5  # the tolerance below is meaningful
-    decoders = {"full-cache": CoefficientDecoder(model)}
+    decoders = {"full-cache": Decoder(model, DenseKV())}
     for kind in ("identity", "orthogonal", "oblique"):
         bases = full_rank_bases(kind, n_layer, hkv, d, rope=rope)
-        decoders[kind] = CoefficientDecoder(model, bases)
-    decoders["oblique-naive"] = CoefficientDecoder(model, bases, impl="naive")
+        decoders[kind] = Decoder(model, LowRank(bases))
+    decoders["oblique-naive"] = Decoder(model, LowRank(bases, impl="naive"))
     for name, dec in decoders.items():
         for sched, sizes in SCHEDULES.items():
             got, cache = run_schedule(dec, ids, sizes)
@@ -141,8 +141,8 @@ def test_full_rank_reproduces_model(family, rope):
 
 def test_generate_and_perplexity_full_rank_match_full_cache():
     model = our_model()
-    dec_full = apply_bases(model)
-    dec_id = apply_bases(model, full_rank_bases("oblique", 2, 4, 8))
+    dec_full = Decoder(model, DenseKV())
+    dec_id = Decoder(model, LowRank(full_rank_bases("oblique", 2, 4, 8)))
     prompt = torch.randint(0, V, (B, 4), generator=torch.Generator().manual_seed(2))
     out = dec_id.generate(prompt, max_new_tokens=8)
     assert out.shape == (B, 12)
@@ -177,7 +177,7 @@ def test_low_rank_cache_bytes_and_absorbed_equals_naive(family, rope, uniform):
     rk, rv = _ranks(family, uniform)
     bases = low_rank_bases(rk, rv, d, rope=rope)
     ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(4))
-    absorb, naive = CoefficientDecoder(model, bases), CoefficientDecoder(model, bases, impl="naive")
+    absorb, naive = Decoder(model, LowRank(bases)), Decoder(model, LowRank(bases, impl="naive"))
     ref = reference_logits(model, ids)
     for sched, sizes in SCHEDULES.items():
         got, cache = run_schedule(absorb, ids, sizes)
@@ -237,7 +237,7 @@ def test_low_rank_matches_hf_forward_with_reconstructed_kv(family, rope):
     bases = low_rank_bases(rk, rv, d, rope=rope, seed=7)
     ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(5))
     want = reference_logits(_hf_reconstructing_copy(model, bases), ids)
-    got, _ = run_schedule(CoefficientDecoder(model, bases), ids, SCHEDULES["prefill+tokens"])
+    got, _ = run_schedule(Decoder(model, LowRank(bases)), ids, SCHEDULES["prefill+tokens"])
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
@@ -263,7 +263,7 @@ def test_unsupported_family_is_a_clear_error():
     for model in (mistral, torch.nn.Linear(2, 2),
                   GPT(GPTConfig(vocab_size=V, n_layer=1, n_head=2, d_model=16, attention="mla", d_latent=8))):
         with pytest.raises(ValueError, match="unsupported model family.*supported: .*GPT2LMHeadModel.*Llama"):
-            CoefficientDecoder(model)
+            Decoder(model, DenseKV())
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -271,17 +271,17 @@ def test_mismatched_bases_raise(family):
     model = MODELS[family]()
     n_layer, _, hkv, d = SHAPES[family]
     with pytest.raises(BasesMismatchError, match="layers"):
-        CoefficientDecoder(model, full_rank_bases("identity", n_layer + 1, hkv, d))
+        Decoder(model, LowRank(full_rank_bases("identity", n_layer + 1, hkv, d)))
     with pytest.raises(BasesMismatchError, match="KV heads"):
-        CoefficientDecoder(model, full_rank_bases("identity", n_layer, hkv + 1, d))
+        Decoder(model, LowRank(full_rank_bases("identity", n_layer, hkv + 1, d)))
     with pytest.raises(BasesMismatchError, match="head dim"):
-        CoefficientDecoder(model, full_rank_bases("identity", n_layer, hkv, d + 2))
+        Decoder(model, LowRank(full_rank_bases("identity", n_layer, hkv, d + 2)))
     if family == "llama":
         with pytest.raises(BasesMismatchError, match="RoPE"):
-            CoefficientDecoder(model, full_rank_bases("identity", n_layer, hkv, d, rope="none"))
-    dec = CoefficientDecoder(model, full_rank_bases("identity", n_layer, hkv, d))
+            Decoder(model, LowRank(full_rank_bases("identity", n_layer, hkv, d, rope="none")))
+    dec = Decoder(model, LowRank(full_rank_bases("identity", n_layer, hkv, d)))
     with pytest.raises(TypeError, match="CoefficientCache"):
-        dec(torch.zeros(1, 2, dtype=torch.long), CoefficientDecoder(model).new_cache(1))
+        dec(torch.zeros(1, 2, dtype=torch.long), Decoder(model, DenseKV()).new_cache(1))
     with pytest.raises(ValueError, match="batch size"):
         dec(torch.zeros(2, 2, dtype=torch.long), dec.new_cache(1))
 
@@ -302,23 +302,23 @@ def test_calibrated_kq_fit_on_llama(rope):
 
     bases = fits.fit_bases(stats, "kq", rank=d)
     assert bases.rope == rope and bases.meta.get("model_fingerprint")
-    got, _ = run_schedule(CoefficientDecoder(model, bases), ids, SCHEDULES["prefill+tokens"])
+    got, _ = run_schedule(Decoder(model, LowRank(bases)), ids, SCHEDULES["prefill+tokens"])
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
 
     low = fits.fit_bases(stats, "kq", energy=0.9)
-    got, cache = run_schedule(CoefficientDecoder(model, low), ids, SCHEDULES["chunks"])
-    want, _ = run_schedule(CoefficientDecoder(model, low, impl="naive"), ids, SCHEDULES["chunks"])
+    got, cache = run_schedule(Decoder(model, LowRank(low)), ids, SCHEDULES["chunks"])
+    want, _ = run_schedule(Decoder(model, LowRank(low, impl="naive")), ids, SCHEDULES["chunks"])
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     assert cache.nbytes() == low.elements_per_token() * T * B * 4 == measure_cache(cache).live_bytes
-    full = CoefficientDecoder(model)
-    assert math.isfinite(perplexity(CoefficientDecoder(model, low), ids)) and perplexity(full, ids) > 1
+    full = Decoder(model, DenseKV())
+    assert math.isfinite(perplexity(Decoder(model, LowRank(low)), ids)) and perplexity(full, ids) > 1
 
     other = llama_model(num_hidden_layers=2)
     with torch.no_grad():
         other.lm_head.weight.add_(1.0)
         other.model.layers[0].self_attn.q_proj.weight.mul_(2.0)
     with pytest.raises(BasesMismatchError, match="fitted for model"):
-        CoefficientDecoder(other, bases)
+        Decoder(other, LowRank(bases))
 
 
 # ------------------------------------------------------------------------------------- real model (optional)
@@ -338,13 +338,13 @@ def test_stories260k_full_rank_kq_greedy_equals_hf_generate():
     model.eval()
     bos = torch.tensor([[1]])
     want = model.generate(bos, max_new_tokens=24, do_sample=False)
-    calib = CoefficientDecoder(model).generate(torch.ones(2, 1, dtype=torch.long), 63, temperature=1.0,
+    calib = Decoder(model, DenseKV()).generate(torch.ones(2, 1, dtype=torch.long), 63, temperature=1.0,
                      generator=torch.Generator().manual_seed(0))
     for rope in ("post", "pre"):
         stats = calibrate.calibrate(model, [calib], rope=rope, progress=False)
         d = stats.head_dim
-        assert torch.equal(CoefficientDecoder(model, fits.fit_bases(stats, "kq", rank=d)).generate(bos, 24), want)
-        low = CoefficientDecoder(model, fits.fit_bases(stats, "kq", rank=d // 2))
+        assert torch.equal(Decoder(model, LowRank(fits.fit_bases(stats, "kq", rank=d))).generate(bos, 24), want)
+        low = Decoder(model, LowRank(fits.fit_bases(stats, "kq", rank=d // 2)))
         cache = low.new_cache(1)
         assert torch.isfinite(low(want, cache)).all()
         per_token = cfg["n_layers"] * cfg["n_kv_heads"] * (d // 2 + d // 2)  # half of full K/V's 2·d per head

@@ -196,13 +196,14 @@ def test_eval_full_rank_matches_low_rank_worse(s260k, s260k_bases, tmp_path, cap
 
 
 def test_chunked_decode_equals_token_by_token(s260k, s260k_bases):
-    from kvsplice.lowrank.method import CoefficientDecoder
+    from kvsplice.decode import Decoder
+    from kvsplice.lowrank.method import LowRank
     from kvsplice.io.loading import load_model
 
     loaded = load_model(s260k)
     windows, _ = eval_bases.load_windows(loaded, str(EVAL), 128, 64)
     ctx = eval_bases.EvalContext(loaded, windows, batch_size=2, chunk_size=64)
-    dec = CoefficientDecoder(loaded.model, KVBases.load(s260k_bases["low_pre"]))
+    dec = Decoder(loaded.model, LowRank(KVBases.load(s260k_bases["low_pre"])))
     a = ctx.decode(dec)["ppl"]
     ctx.chunk_size = 1
     assert abs(ctx.decode(dec)["ppl"] / a - 1) < 1e-5

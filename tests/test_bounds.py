@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from kvsplice.online.bounds import (attention_error_report, logit_error, logit_error_bound, logit_oscillation,
+from kvsplice.core.bounds import (attention_error_report, logit_error, logit_error_bound, logit_oscillation,
                              output_error, output_error_bound, softmax_l1_bound, softmax_l1_error)
 from models.attention import causal_mask
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from kvsplice.online.bounds import attention_error_report
+from kvsplice.core.bounds import attention_error_report
 from kvsplice.online.chunked import ChunkedCache
 from kvsplice.online.attention import chunked_attention
 from kvsplice.report.memory import measure_cache

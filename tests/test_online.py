@@ -13,15 +13,15 @@ import torch
 import transformers
 from tiny_models import sharpen as _sharpen
 
-from kvsplice.lowrank.method import CoefficientDecoder
 from kvsplice.lowrank.bases import HeadBases, KVBases
 from kvsplice.adapters.capture import extract_qkv
 from kvsplice.lowrank.calibrate import calibrate
 from kvsplice.online.chunked import ChunkedCache
 from kvsplice.lowrank.fits import fit_bases
 from kvsplice.lowrank.diagnostics import bases_diagnostics
-from kvsplice.online.diagnostics import (attention_diagnostics, format_diagnostics,
-                                         online_qkv_diagnostics)
+from kvsplice.core.diagnostics import attention_diagnostics, format_diagnostics
+from kvsplice.online.diagnostics import online_qkv_diagnostics
+from kvsplice.decode import Decoder, DenseKV
 from kvsplice.online.method import OnlineDecoder, calibrate_thresholds
 from models import GPT, GPTConfig
 
@@ -134,7 +134,7 @@ def test_low_rank_stores_coefficients_and_prefill_equals_decode(models):
     assert cache.elements_per_token() == pytest.approx(2 * 2 * per_head / T)  # per sequence: 2 layers × 2 KV heads
     assert dec.perplexity(ids, chunk_size=None) == pytest.approx(dec.perplexity(ids, chunk_size=1), rel=1e-5)
     with pytest.raises(TypeError, match="ChunkedCache"):
-        dec(ids, CoefficientDecoder(model).new_cache(2))
+        dec(ids, Decoder(model, DenseKV()).new_cache(2))
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -10,7 +10,7 @@ import transformers
 
 from kvsplice.decode import Decoder, DenseKV, sequence_nll
 from kvsplice.lowrank.bases import HeadBases, KVBases
-from kvsplice.lowrank.method import CoefficientDecoder, LowRank
+from kvsplice.lowrank.method import LowRank
 from kvsplice.report.memory import cache_bytes_formula, measure_cache
 from kvsplice.select.cache import SubsetCache
 from models import GPT, GPTConfig, preset
@@ -82,9 +82,9 @@ def test_lowrank_and_dense_int8_on_llama():
         assert cache.nbytes() == measure_cache(cache).live_bytes
         if isinstance(q_method, LowRank):
             assert cache.nbytes() == cache.bytes_formula() == 40 * 2 * 2 * 2 * ((6 + 8) + 2 * 2)
-    dec = CoefficientDecoder(model, bases, cache_quant="int8")
+    dec = Decoder(model, LowRank(bases, cache_quant="int8"))
     with pytest.raises(TypeError, match="CoefficientCache"):
-        dec(ids, CoefficientDecoder(model, bases).new_cache(2))  # an unquantised cache for an int8 decoder
+        dec(ids, Decoder(model, LowRank(bases)).new_cache(2))  # an unquantised cache for an int8 decoder
 
 
 def test_bad_quant_options():

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvsplice.report.memory import measure_cache
-from kvsplice.select.cache import SubsetCache, weighted_attend
+from kvsplice.core.attention import weighted_attend
+from kvsplice.select.cache import SubsetCache
 from kvsplice.select.method import run_token_selection
 from kvsplice.select.selectors import BalanceKVSelector, StreamingLLMSelector, UniformSelector
 from models import GPT, GPTConfig

@@ -28,3 +28,19 @@ TINY_FIT_ARGS = [
     "--trainer.enable_progress_bar", "false", "--trainer.log_every_n_steps", "1",
 ]
 """``python -m training.fit`` options for a seconds-long run on the embedded synthetic stories."""
+
+
+def orthonormal_bases(n_layer: int, n_kv_head: int, head_dim: int, rank: int, rope: str, *, seed: int = 0,
+                      identity: bool = False):
+    """``KVBases`` whose every KV head has orthonormal bases (``k_enc = k_dec``, ``v_enc = v_dec``: the first
+    ``rank`` columns of a random orthogonal matrix, or of the identity); full rank reconstructs exactly."""
+    from kvsplice.lowrank.bases import HeadBases, KVBases
+
+    g = torch.Generator().manual_seed(seed)
+
+    def pair():
+        q = torch.eye(head_dim) if identity else torch.linalg.qr(torch.randn(head_dim, head_dim, generator=g))[0]
+        return q[:, :rank].contiguous(), q[:, :rank].clone()
+
+    layers = [[HeadBases(*pair(), *pair()) for _ in range(n_kv_head)] for _ in range(n_layer)]
+    return KVBases(layers, "identity" if identity else "random", rope)

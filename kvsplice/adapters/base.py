@@ -153,6 +153,11 @@ class FamilyAdapter:
         """``cos, sin (1, t, D)`` for positions ``start .. start + t - 1``; ``None`` without RoPE."""
         return None
 
+    def rotary_embedding(self) -> Optional[nn.Module]:
+        """The model's rotary module, ``rotary(x, positions (B or 1, T)) -> cos, sin (B or 1, T, D)`` (methods
+        that keep pre-RoPE numbers build their tables from it); ``None`` without RoPE."""
+        return None
+
     # ------------------------------------------------------------------------------------------- shared
     def qkv(self, layer: int, h: torch.Tensor, rope=None, *, rotate_k: bool = True
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -57,6 +57,9 @@ class LlamaAdapter(FamilyAdapter):
         pos = torch.arange(start, start + t, device=x.device)
         return self.m.rotary_emb(x, pos[None])  # cos, sin (1, T, D)
 
+    def rotary_embedding(self):
+        return self.m.rotary_emb
+
     def base_forward(self, ids):
         self.m(input_ids=ids, use_cache=False)
 

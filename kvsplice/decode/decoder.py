@@ -10,10 +10,13 @@
     ppl = perplexity(dec, ids)                         # every token attends over the (compressed) cache
 
 Per call the decoder embeds the new tokens at ``cache.position`` (the next absolute position, also after a method
-dropped tokens), builds the RoPE tables once, and per layer runs the model's norm, the method's
-:meth:`~kvsplice.decode.method.CompressionMethod.attention` and the model's residual + MLP; then the LM head.
-Inference only: no dropout, no gradients. ``method=None`` is the model's own cache: ``ModelAttention`` for
-``models.GPT`` (MHA / MLA / KVSplice), ``DenseKV`` (full K/V) for HF models.
+dropped tokens), builds the RoPE tables once, and per layer runs the model's norm, the method's attention block
+(:meth:`~kvsplice.core.method.CompressionMethod.block`: the layer's q/k/v projected and rotated with the model's
+weights, the method's :meth:`~kvsplice.core.method.CompressionMethod.attend` — the same function the HF door calls —
+and the output projection) and the model's residual + MLP; then the LM head. Inference only: no dropout, no
+gradients. ``method=None`` is the model's own cache: ``ModelAttention`` for ``models.GPT`` (MHA / MLA / KVSplice),
+``DenseKV`` (full K/V) for HF models. The decoder holds ``method.bind(...)``, a copy prepared for this model: the
+method passed in stays unbound and can serve other models.
 """
 
 from __future__ import annotations
@@ -26,13 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvsplice.adapters.registry import adapter_for
+from kvsplice.core.method import CompressionMethod, Step
 from kvsplice.decode.dense import DenseKV
-from kvsplice.decode.method import CompressionMethod, Step
 from kvsplice.decode.native import ModelAttention
-from models.cache import DecodeCache
+from models.cache import Cache
 from models.generate import check_prompt, check_sampling, generate_tokens
 
-__all__ = ["Decoder", "perplexity", "sequence_nll"]
+__all__ = ["Decoder", "perplexity", "score_continuation", "sequence_nll"]
 
 BACKENDS = ("auto", "flash", "sdpa")
 
@@ -51,14 +54,12 @@ class Decoder:
             method = ModelAttention() if self.adapter.name == "gpt" else DenseKV()
         if not isinstance(method, CompressionMethod):
             raise TypeError(f"method must be a kvsplice.decode.CompressionMethod, got {type(method).__name__}")
-        self.method = method
         self.attn_backend = attn_backend
         p = self.adapter.param()
         self.dtype, self.device = p.dtype, p.device
+        self.method = method.bind(self.adapter, dtype=self.dtype, device=self.device)  # a prepared copy
         self.scales = [self.adapter.scale(l) for l in range(self.adapter.n_layer)] \
             if method.needs_projections else []
-        with torch.no_grad():
-            method.bind(self.adapter, dtype=self.dtype, device=self.device)
 
     @property
     def family(self) -> str:
@@ -66,14 +67,13 @@ class Decoder:
 
     # ---------------------------------------------------------------------------------------------- cache
     def new_cache(self, batch_size: int, capacity: Optional[int] = None, *, dtype: Optional[torch.dtype] = None,
-                  device=None) -> DecodeCache:
+                  device=None) -> Cache:
         """An empty cache of the method; dtype / device default to the model's, ``capacity`` preallocates."""
-        return self.method.new_cache(self.adapter, batch_size, capacity, dtype=dtype or self.dtype,
-                                     device=device or self.device)
+        return self.method.new_cache(batch_size, capacity, dtype=dtype or self.dtype, device=device or self.device)
 
     # -------------------------------------------------------------------------------------------- forward
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, cache: DecodeCache, *, last_only: bool = False) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, cache: Cache, *, last_only: bool = False) -> torch.Tensor:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise ValueError(f"input_ids must be (B, T) with T >= 1, got shape {shape}")
@@ -83,9 +83,10 @@ class Decoder:
         start = cache.position  # absolute position of the first new token
         a.check_room(cache.batch_size, start, b, t)
         x = a.embed(input_ids, start)  # (B, T, d_model)
-        step = Step(a, start, t, x, self.scales, self.attn_backend, a.rope(x, start, t))  # rope: None without RoPE
+        step = Step(a, start, t, self.scales, self.attn_backend, a.rope(x, start, t),  # rope: None without RoPE
+                    k_rotated=self.method.key_rope != "pre")  # pre-RoPE storage gets its keys un-rotated
         for layer in range(a.n_layer):
-            x = a.after_attn(layer, x, self.method.attention(layer, a.attn_in(layer, x), cache, step))
+            x = a.after_attn(layer, x, self.method.block(layer, a.attn_in(layer, x), cache, step))
         return a.head(x[:, -1:] if last_only else x)
 
     forward = __call__
@@ -130,3 +131,32 @@ def perplexity(decoder: Decoder, input_ids: torch.Tensor, chunk_size: Optional[i
     """``exp`` of the mean next-token NLL (see :func:`sequence_nll`)."""
     total, n = sequence_nll(decoder, input_ids, chunk_size)
     return math.exp(total / max(n, 1))
+
+
+@torch.no_grad()
+def score_continuation(decoder: Decoder, idx: torch.Tensor, prompt_len: int, *, decode_chunk: Optional[int] = None,
+                       cache_dtype: Optional[torch.dtype] = None) -> tuple[float, torch.Tensor, Cache]:
+    """Prefill ``idx[:, :prompt_len]`` into a fresh cache (exact for a token selection, which compresses it then),
+    decode ``idx[:, prompt_len:-1]`` teacher-forced in chunks of ``decode_chunk`` (default: all at once) and score
+    ``idx[:, prompt_len:]``: the first continuation token is predicted by the prefill's last position.
+
+    Returns ``(mean NLL, logits (B, T - prompt_len, V), cache)``; the model is in eval mode for the call."""
+    b, t = idx.shape
+    p = int(prompt_len)
+    if not 1 <= p < t:
+        raise ValueError(f"prompt_len must be in [1, {t - 1}], got {prompt_len}")
+    method, model = decoder.method, decoder.model
+    cache = decoder.new_cache(b, capacity=method.capacity(p, t - p), dtype=cache_dtype)
+    was_training = model.training
+    model.eval()
+    try:
+        logits = [Decoder.__call__(decoder, idx[:, :p], cache, last_only=True)]
+        step = decode_chunk or max(1, t - 1 - p)
+        for s0 in range(p, t - 1, step):
+            logits.append(Decoder.__call__(decoder, idx[:, s0:min(t - 1, s0 + step)], cache))
+    finally:
+        model.train(was_training)
+    out = torch.cat(logits, dim=1)  # (B, t - p, V)
+    # (B·(t-p), V) logits vs (B·(t-p),) targets
+    nll = F.cross_entropy(out.float().reshape(-1, out.shape[-1]), idx[:, p:].reshape(-1)).item()
+    return nll, out, cache

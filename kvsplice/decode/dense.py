@@ -1,9 +1,11 @@
 """``DenseKV``: the full K/V cache (post-RoPE keys and values) — the uncompressed reference every method is
-compared against."""
+compared against, and the plain storage under a token selection."""
 
 from __future__ import annotations
 
-from kvsplice.decode.method import CompressionMethod
+import torch
+
+from kvsplice.core.method import CompressionMethod
 from models.cache import KVCache
 
 __all__ = ["DenseKV"]
@@ -15,15 +17,32 @@ class DenseKV(CompressionMethod):
 
     name = "dense"
     cache_type = KVCache
+    is_storage = True
 
     def __init__(self, *, cache_quant: str | None = None) -> None:
         self.cache_quant = cache_quant
 
-    def new_cache(self, adapter, batch_size, capacity=None, *, dtype, device):
-        return KVCache(adapter.n_layer, adapter.n_kv_head, adapter.head_dim, batch_size, dtype=dtype, device=device,
+    def new_cache(self, batch_size, capacity=None, *, dtype, device):
+        a = self._bound()
+        return KVCache(a.n_layer, a.n_kv_head, a.head_dim, batch_size, dtype=dtype, device=device,
                        capacity=capacity, quant=self.cache_quant)
 
-    def attention(self, layer, h, cache, step):
-        q, k, v = step.adapter.qkv(layer, h, step.rope)  # (B, Hq, T, D), (B, Hkv, T, D) × 2, post-RoPE
+    def bytes_formula(self, batch_size, n_held, dtype):
+        """``2 · L · Hkv · D · T · B · bytes``; int8: 1 byte per number + a 2-byte scale per row (token, head, k/v)."""
+        a = self._bound()
+        rows = 2 * a.n_layer * a.n_kv_head * n_held * batch_size  # one key and one value row per head and token
+        if self.cache_quant == "int8":
+            return rows * (a.head_dim + 2)
+        return rows * a.head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def append(self, layer, k, v, cache, step):
+        cache.append(layer, k=k, v=v)
+
+    def attend(self, layer, q, k, v, cache, step, mask=None, logw=None):
+        if k.dtype != cache.dtype:
+            k, v = k.to(cache.dtype), v.to(cache.dtype)
         kv = cache.append(layer, k=k, v=v)  # (B, Hkv, Tk, D) each
-        return step.adapter.out(layer, step.attend(layer, q, kv["k"], kv["v"]))
+        return step.attend(layer, q, kv["k"], kv["v"], mask=mask, logw=logw)  # (B, Hq, Tq, D)
+
+    def __repr__(self) -> str:
+        return f"DenseKV(cache_quant={self.cache_quant!r})" if self.cache_quant else "DenseKV()"

@@ -1,9 +1,14 @@
 """``ModelAttention``: decode with the model's own attention modules — for ``models.GPT`` that is MHA (full K/V),
-MLA (the latent) or MLA + KVSplice (the compressed latent), naive or absorbed as the model is configured."""
+MLA (the latent) or MLA + KVSplice (the compressed latent), naive or absorbed as the model is configured.
+
+It replaces the whole attention block (:meth:`~kvsplice.core.method.CompressionMethod.block`), not ``attend``: the
+model's module projects and caches its own latent, so it has no q/k/v to hand over and no HF door (``models.GPT`` is
+not a transformers model).
+"""
 
 from __future__ import annotations
 
-from kvsplice.decode.method import CompressionMethod
+from kvsplice.core.method import CompressionMethod
 from models.cache import DecodeCache
 
 __all__ = ["ModelAttention"]
@@ -13,19 +18,18 @@ class ModelAttention(CompressionMethod):
     name = "model"
     needs_projections = False
 
-    def bind(self, adapter, *, dtype, device):
+    def _prepare(self, adapter, *, dtype, device):
         if adapter.name != "gpt":
             raise ValueError("ModelAttention decodes models.GPT with its own attention modules; for HF models use "
                              "DenseKV or a compression method")
-        self._model = adapter.model
 
-    def new_cache(self, adapter, batch_size, capacity=None, *, dtype, device):
-        return self._model.new_cache(batch_size, capacity, dtype=dtype, device=device)
+    def new_cache(self, batch_size, capacity=None, *, dtype, device):
+        return self._bound().model.new_cache(batch_size, capacity, dtype=dtype, device=device)
 
     def check_cache(self, cache):
-        if not isinstance(cache, DecodeCache) or cache.n_layer != self._model.cfg.n_layer:
+        if not isinstance(cache, DecodeCache) or cache.n_layer != self._bound().model.cfg.n_layer:
             raise TypeError(f"ModelAttention needs the model's own cache (model.new_cache()), got "
                             f"{type(cache).__name__}")
 
-    def attention(self, layer, h, cache, step):
+    def block(self, layer, h, cache, step):
         return step.adapter.attention_module(layer)(h, cache=cache, layer=layer)  # (B, T, d_model)

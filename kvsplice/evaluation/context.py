@@ -70,8 +70,9 @@ class EvalContext:
                             .replace("torch.", ""), "element_size": torch.empty((), dtype=cache.dtype).element_size(),
                             "measured_live_bytes": m.live_bytes, "measured_storage_bytes": m.storage_bytes,
                             "nbytes": cache.nbytes(), "n_tensors": m.n_tensors, "kind": type(cache).__name__}
-                if hasattr(cache, "bytes_formula"):
-                    measured["cache_bytes_formula"] = cache.bytes_formula()
+                formula = decoder.method.bytes_formula(ids.shape[0], cache.seq_len, cache.dtype)
+                if formula is not None:
+                    measured["cache_bytes_formula"] = formula
         nll = total / max(n_pred, 1)
         return {"nll_per_token": nll, "ppl": math.exp(nll), "predicted_tokens": n_pred,
                 "decode_s": time.perf_counter() - t0, "cache": measured}

@@ -17,10 +17,11 @@ from kvsplice.evaluation.context import EvalContext, EvalError
 from kvsplice.lowrank.bases import KVBases
 from kvsplice.lowrank.diagnostics import bases_diagnostics
 from kvsplice.lowrank.fits import bases_errors, lesens_terms
-from kvsplice.lowrank.method import CoefficientDecoder
+from kvsplice.decode import Decoder, DenseKV
+from kvsplice.lowrank.method import LowRank
 from models.attention import attend
 
-__all__ = ["attention_output_errors", "eval_static", "evaluate_bases", "evaluate_quantised", "layer_errors"]
+__all__ = ["attention_output_errors", "eval_static", "evaluate_bases", "evaluate_quantised", "bases_layer_errors"]
 
 
 def _agg(rel: list[float], den: list[float]) -> float:
@@ -29,7 +30,7 @@ def _agg(rel: list[float], den: list[float]) -> float:
     return math.sqrt(sum(r * r * d for r, d in zip(rel, den)) / tot) if tot > 0 else 0.0
 
 
-def layer_errors(stats, bases: KVBases) -> dict[str, Any]:
+def bases_layer_errors(stats, bases: KVBases) -> dict[str, Any]:
     """Per layer (aggregated over KV heads) and per head: score/key/value errors of ``bases`` and Lesens' terms at
     each head's key rank, all on the Grams in ``stats``."""
     per_head = bases_errors(stats, bases)
@@ -101,7 +102,7 @@ def evaluate_bases(ctx: EvalContext, bases: KVBases, label: str = "bases", path:
                    ) -> dict[str, Any]:
     """Every measurement of the module docstring for one set of bases (checked against the model first)."""
     bases.check_model(ctx.fingerprint)
-    decoder = CoefficientDecoder(ctx.model, bases)  # shape checks raise BasesMismatchError
+    decoder = Decoder(ctx.model, LowRank(bases))  # shape checks raise BasesMismatchError
     full = ctx.full()
     res = ctx.decode(decoder, desc=label)
     c = res["cache"]
@@ -112,7 +113,7 @@ def evaluate_bases(ctx: EvalContext, bases: KVBases, label: str = "bases", path:
     c["bytes_match"] = c["measured_live_bytes"] == c["formula_bytes"] == c.get("cache_bytes_formula") == c["nbytes"]
     c["compression"] = c["full_kv_formula_bytes"] / c["measured_live_bytes"]
     rope = bases.rope if ctx.info.has_rope else "none"
-    errs = layer_errors(ctx.stats(rope), bases)
+    errs = bases_layer_errors(ctx.stats(rope), bases)
     attn = attention_output_errors(ctx, bases)
     for row, e in zip(errs["layers"], attn):
         row["attn_out"] = e
@@ -136,14 +137,11 @@ def evaluate_quantised(ctx: EvalContext, bases: Optional[KVBases], quant: str, u
                        label: str) -> dict[str, Any]:
     """Perplexity and measured bytes with the cache of ``unquantised``'s decoder stored as ``quant`` (int8 rows +
     fp16 scales): the same bases (``None``: the full K/V cache), the same windows."""
-    decoder = CoefficientDecoder(ctx.model, bases, cache_quant=quant)
+    decoder = Decoder(ctx.model, DenseKV(cache_quant=quant) if bases is None else LowRank(bases, cache_quant=quant))
     res = ctx.decode(decoder, desc=label)
     c = res["cache"]
     full = ctx.full()
-    c["formula_bytes"] = c.get("cache_bytes_formula")
-    if c["formula_bytes"] is None:  # the full K/V cache: 2·L·Hkv rows of d int8 numbers + a 2-byte scale each
-        i = ctx.info
-        c["formula_bytes"] = 2 * i.n_layer * i.n_kv_head * (i.head_dim + 2) * c["seq_len"] * c["batch_size"]
+    c["formula_bytes"] = c["cache_bytes_formula"]  # the method's: full K/V or coefficients, int8 rows + scales
     c["bytes_match"] = c["measured_live_bytes"] == c["formula_bytes"] == c["nbytes"]
     c["full_kv_formula_bytes"] = ctx.full_kv_formula(c["batch_size"], c["seq_len"], c["element_size"])
     c["compression"] = c["full_kv_formula_bytes"] / c["measured_live_bytes"]

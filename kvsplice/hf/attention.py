@@ -2,15 +2,16 @@
 
 An HF attention module (``LlamaAttention``, ``GPT2Attention``) computes ``q, k, v`` (keys rotated for Llama), calls
 ``past_key_values.update(k, v, layer_idx)`` and hands what ``update`` returned to the attention function named by
-``config._attn_implementation``. A kvsplice cache (:mod:`kvsplice.hf.coefficient_cache`,
-:mod:`kvsplice.hf.subset_cache`) does not rebuild full keys/values in ``update``: it returns the new ``k, v`` tagged
-with ``(cache, layer)`` and :func:`kvsplice_attention` lets the cache compress, store and attend
-(``cache.attend(layer, q, k_new, v_new, mask, scale)``). Untagged calls (another cache, no cache) run transformers'
+``config._attn_implementation``. A kvsplice cache (:class:`kvsplice.hf.base.KVSpliceHFCache`) does not rebuild
+full keys/values in ``update``: it returns the new ``k, v`` tagged with ``(cache, layer)`` and
+:func:`kvsplice_attention` lets the cache's method compress, store and attend
+(``cache.attend(layer, q, k_new, v_new, mask, scale)`` → the method's
+:meth:`~kvsplice.core.method.CompressionMethod.attend`). Untagged calls (another cache, no cache) run transformers'
 own SDPA attention, so a model switched to ``"kvsplice"`` still works with ``DynamicCache``.
 
 Masks: ``"kvsplice"`` is registered with transformers' ``AttentionMaskInterface`` as ``sdpa_mask`` — a boolean
 ``(B, 1, Tq, Tk)`` mask (True = attend) over the absolute positions ``0 .. Tk-1``, or ``None`` when the pattern is
-purely causal (no padding); :func:`masked_attend` takes either.
+purely causal (no padding); every method takes either.
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from models.attention import attend, sdpa
-
-__all__ = ["ATTN_IMPL", "TAG", "kvsplice_attention", "masked_attend", "register", "tag", "use_kvsplice_attention"]
+__all__ = ["ATTN_IMPL", "TAG", "kvsplice_attention", "register", "tag", "use_kvsplice_attention"]
 
 ATTN_IMPL = "kvsplice"
 TAG = "_kvsplice_ctx"
@@ -50,24 +49,6 @@ def kvsplice_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     y = cache.attend(layer, query, key, value, attention_mask, scale)  # (B, Hq, Tq, D)
     return y.transpose(1, 2), None  # (B, Tq, Hq, D), as transformers' attention functions return
-
-
-def masked_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], *,
-                  scale: float) -> torch.Tensor:
-    """Attention with transformers' mask: ``q (B, Hq, Tq, d)``, ``k (B, Hkv, Tk, d)``, ``v (B, Hkv, Tk, dv)``,
-    ``mask`` boolean ``(B or 1, 1, Tq, Tk)`` or ``None`` (causal, bottom-right: :func:`models.attention.attend`)
-    → ``(B, Hq, Tq, dv)``. The ``g = Hq / Hkv`` query heads of a KV head are folded into query rows (no K/V copy)."""
-    if mask is None:
-        return attend(q, k, v, scale=scale)
-    b, hq, t_q, d = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    qf = q.reshape(b, hkv, g * t_q, d)  # (B, Hkv, g·Tq, d): rows ordered (head in group, query)
-    if mask.dtype != torch.bool:  # an additive float mask (0 / large negative)
-        mask = mask > torch.finfo(mask.dtype).min / 2
-    mask = mask.repeat(1, 1, g, 1) if g > 1 else mask  # (B, 1, g·Tq, Tk)
-    y = sdpa(qf, k, v, mask=mask, scale=scale)  # (B, Hkv, g·Tq, dv)
-    return y.reshape(b, hq, t_q, v.shape[-1])  # (B, Hq, Tq, dv)
 
 
 _registered = False

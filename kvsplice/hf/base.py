@@ -1,11 +1,24 @@
-"""What every kvsplice cache inside HF ``generate()`` shares: :class:`KVSpliceHFCache`, a ``transformers.Cache``.
+"""The HF door: :class:`KVSpliceHFCache`, a ``transformers.Cache`` that runs any compression method inside
+transformers' own forward and ``generate()``.
+
+::
+
+    cache = KVSpliceHFCache(model, LowRank(bases))          # or DenseKV(cache_quant="int8"), TokenSelection(...), ...
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=32)
+    cache.nbytes() == cache.bytes_formula() == measure_cache(cache).live_bytes
 
 The cache is built for one model (``LlamaForCausalLM`` with GQA + RoPE, or ``GPT2LMHeadModel``; see
-:mod:`kvsplice.adapters`) and switches that model to the ``"kvsplice"`` attention implementation
-(:mod:`kvsplice.hf.attention`). Its per-layer objects are ``transformers`` ``CacheLayerMixin`` layers that only
-forward to the cache; the numbers live in one of the package's own :class:`models.cache.DecodeCache` stores
-(built at the first ``update``, when batch size, dtype and device are known), so bytes are measured from the
-store's tensors (:meth:`tensors`, :func:`kvsplice.report.memory.measure_cache`) and compared with its formula.
+:mod:`kvsplice.adapters`), binds the method to it (:meth:`~kvsplice.core.method.CompressionMethod.bind`) and
+switches the model to the ``"kvsplice"`` attention implementation (:mod:`kvsplice.hf.attention`). The model's
+attention modules project and rotate ``q, k, v`` as usual; ``update`` tags the new ``k, v`` and the ``"kvsplice"``
+attention function hands them, with transformers' mask, to the method's
+:meth:`~kvsplice.core.method.CompressionMethod.attend` — the same function the package's ``Decoder`` calls. This
+door adds only transformers' bookkeeping (layers, sequence length, mask sizes) and the mask itself.
+
+Its per-layer objects are ``transformers`` ``CacheLayerMixin`` layers that only forward to the cache; the numbers
+live in the method's own cache (``store``, built at the first ``update``, when batch size, dtype and device are
+known), so bytes are measured from the store's tensors (:meth:`tensors`, :func:`kvsplice.report.memory.measure_cache`)
+and compared with the method's formula.
 
 ``get_seq_length()`` is the number of tokens the sequences have *seen* (the next position), also for caches that
 hold fewer (token selection): transformers derives positions and mask sizes from it. Beam search (reordering),
@@ -20,6 +33,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvsplice.adapters.registry import adapter_for
+from kvsplice.core.method import CompressionMethod, Step
 from kvsplice.hf.attention import ATTN_IMPL, tag, use_kvsplice_attention
 
 __all__ = ["KVSpliceHFCache"]
@@ -71,33 +85,34 @@ class _Layer(CacheLayerMixin):
 
 
 class KVSpliceHFCache(Cache):
-    """Base of the kvsplice ``transformers.Cache`` subclasses (see the module docstring).
+    """A ``transformers.Cache`` running ``method`` (any :class:`~kvsplice.core.method.CompressionMethod`) inside
+    ``model``'s forward; see the module docstring. ``capacity`` preallocates that many tokens (storage == live
+    bytes); otherwise storage grows geometrically."""
 
-    Subclasses build ``self.store`` in :meth:`_build_store` and implement :meth:`attend` (called by the
-    ``"kvsplice"`` attention function with the new ``k, v`` that ``update`` tagged).
-    """
-
-    def __init__(self, model: torch.nn.Module, *, capacity: Optional[int] = None) -> None:
+    def __init__(self, model: torch.nn.Module, method: CompressionMethod, *, capacity: Optional[int] = None) -> None:
         self.adapter = adapter_for(model)
         if self.adapter.name == "gpt":
             raise ValueError("kvsplice HF caches run inside transformers models (LlamaForCausalLM, GPT2LMHeadModel); "
                              "models.GPT decodes with its own cache (model.new_cache / kvsplice.decode.Decoder)")
+        if not isinstance(method, CompressionMethod):
+            raise TypeError(f"method must be a kvsplice.core.CompressionMethod, got {type(method).__name__}")
         self.adapter.require_projections()
+        p = self.adapter.param()
+        self.method = method.bind(self.adapter, dtype=p.dtype, device=p.device)  # its checks: model, shapes
         super().__init__(layers=[_Layer(self, i) for i in range(self.adapter.n_layer)])
         self.model = model
         self.capacity = capacity
         self.store = None
+        self.scales = [self.adapter.scale(l) for l in range(self.adapter.n_layer)]  # refreshed by each call
+        self.step: Optional[Step] = None
         use_kvsplice_attention(model)
-
-    # ---------------------------------------------------------------------------------------- subclass API
-    def _build_store(self, batch_size: int, dtype: torch.dtype, device: torch.device):
-        raise NotImplementedError
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-        """Compress and store the new ``k, v (B, Hkv, Tq, D)`` of ``layer``, attend ``q (B, Hq, Tq, D)`` over
-        the cache → ``(B, Hq, Tq, D)``."""
-        raise NotImplementedError
+        """Called by the ``"kvsplice"`` attention function with the new ``k, v (B, Hkv, Tq, D)`` that ``update``
+        tagged: the method stores them and attends ``q (B, Hq, Tq, D)`` over its cache → ``(B, Hq, Tq, D)``."""
+        self.scales[layer] = scale
+        return self.method.attend(layer, q, k, v, self.store, self.step, mask=mask)
 
     # ------------------------------------------------------------------------------------- transformers API
     def update_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor):
@@ -106,10 +121,12 @@ class KVSpliceHFCache(Cache):
             raise RuntimeError(f"{type(self).__name__} needs the model's attention implementation {ATTN_IMPL!r} "
                                f"(it was changed to {self.model.config._attn_implementation!r} after the cache was built)")
         if self.store is None:
-            self._build_store(k.shape[0], k.dtype, k.device)
+            self.store = self.method.new_cache(k.shape[0], self.capacity, dtype=k.dtype, device=k.device)
         elif self.store.batch_size != k.shape[0]:
             raise ValueError(f"{type(self).__name__} holds {self.store.batch_size} sequences, got a batch of "
                              f"{k.shape[0]}; build a new cache per generate() call")
+        if layer == 0:  # a new forward call: its tokens start at the next position
+            self.step = Step(self.adapter, self.store.position, k.shape[2], self.scales, backend="sdpa")
         return tag(k, self, layer), v
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -134,6 +151,22 @@ class KVSpliceHFCache(Cache):
             self.store.reset()
 
     # ------------------------------------------------------------------------------------------------- bytes
+    def bytes_formula(self, seq_len: Optional[int] = None) -> Optional[int]:
+        """The method's bytes for the tokens held (or ``seq_len``) at the store's batch size and dtype (``None``:
+        the method has no closed form)."""
+        if self.store is None:
+            return 0
+        s = self.store
+        return self.method.bytes_formula(s.batch_size, s.seq_len if seq_len is None else int(seq_len), s.dtype)
+
+    def full_bytes(self, seq_len: Optional[int] = None) -> int:
+        """Bytes of the full K/V cache of the same tokens: ``2 · L · Hkv · head_dim · T · B · bytes``."""
+        if self.store is None:
+            return 0
+        a, s = self.adapter, self.store
+        t = s.seq_len if seq_len is None else int(seq_len)
+        return 2 * a.n_layer * a.n_kv_head * a.head_dim * t * s.batch_size * torch.empty((), dtype=s.dtype).element_size()
+
     def tensors(self) -> Iterator[torch.Tensor]:
         """The live tensors the cache holds (for :func:`kvsplice.report.memory.measure_cache`)."""
         return iter(()) if self.store is None else self.store.tensors()

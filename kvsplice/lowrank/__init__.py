@@ -1,2 +1,12 @@
-"""Post-training low-rank bases: calibration Grams (``calibrate``), fits (``fits``), the bases container
-(``bases``), the coefficient cache (``cache``) and the ``LowRank`` decode method (``method``, ``fold``)."""
+"""Post-training low-rank bases: calibration Grams (``calibrate``), per-head fits (``fits``), the bases container
+(``bases``), the coefficient cache (``cache``), attention in coefficient space (``attention``) and the ``LowRank``
+compression method (``method``), plus error diagnostics of fitted bases (``diagnostics``)."""
+
+from kvsplice.lowrank.bases import BasesMismatchError, HeadBases, KVBases
+from kvsplice.lowrank.cache import CoefficientCache
+from kvsplice.lowrank.calibrate import CalibrationStats, calibrate, calibration_batches
+from kvsplice.lowrank.fits import METHODS, fit_bases
+from kvsplice.lowrank.method import LowRank
+
+__all__ = ["BasesMismatchError", "CalibrationStats", "CoefficientCache", "HeadBases", "KVBases", "LowRank", "METHODS",
+           "calibrate", "calibration_batches", "fit_bases"]

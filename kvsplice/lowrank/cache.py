@@ -21,7 +21,7 @@ import torch
 
 from models.cache import DecodeCache
 
-__all__ = ["CoefficientCache"]
+__all__ = ["CoefficientCache", "coefficient_bytes"]
 
 
 def _check_ranks(ranks_k: Sequence[Sequence[int]], ranks_v: Sequence[Sequence[int]]) -> tuple[list, list]:
@@ -41,8 +41,8 @@ class CoefficientCache(DecodeCache):
     """Key/value coefficients per layer and KV head; see the module docstring for the stream layout.
 
     ``ranks_k[l][j]`` / ``ranks_v[l][j]``: the ranks of KV head ``j`` of layer ``l``. Build it from bases with
-    :meth:`from_bases`; the decoder (:class:`kvsplice.lowrank.method.CoefficientDecoder`) fills it with
-    :meth:`append_coeffs`.
+    :meth:`from_bases`; :class:`kvsplice.lowrank.method.LowRank` fills it with :meth:`append_coeffs` /
+    :meth:`reserve_coeffs`.
     """
 
     kind = "coefficients"
@@ -119,24 +119,23 @@ class CoefficientCache(DecodeCache):
             memo = self._flat[layer] = (bufs[key], ks, vs)
         return t0, memo[1], memo[2]
 
-    def coeffs(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The current coefficients of ``layer`` in the layout :meth:`append_coeffs` returns."""
-        views = self.get(layer)
-        if self._grouped[layer]:
-            return [views["k"]], [views["v"]]
-        n = self.n_kv_head(layer)
-        return [views[f"k{j}"][:, None] for j in range(n)], [views[f"v{j}"][:, None] for j in range(n)]
-
     # ------------------------------------------------------------------------------------------------ bytes
     def elements_per_token(self) -> int:
         """``Σ_layers Σ_kv-heads (R_k + R_v)`` numbers per token per sequence."""
         return sum(sum(lk) + sum(lv) for lk, lv in zip(self.ranks_k, self.ranks_v))
 
     def bytes_formula(self, seq_len: int | None = None) -> int:
-        """``Σ_layers Σ_heads (R_k + R_v) · T · B · bytes`` (``T`` defaults to the tokens held); with
-        ``quant="int8"``: 1 byte per coefficient plus a 2-byte scale per KV head, kind (key/value), layer and token."""
+        """:func:`coefficient_bytes` of the tokens held (or ``seq_len``)."""
         t = self.seq_len if seq_len is None else int(seq_len)
-        if self.quant == "int8":
-            rows = sum(2 * len(lk) for lk in self.ranks_k)  # one key and one value row per KV head and layer
-            return (self.elements_per_token() + 2 * rows) * t * self.batch_size
-        return self.elements_per_token() * t * self.batch_size * torch.empty((), dtype=self.dtype).element_size()
+        return coefficient_bytes(self.ranks_k, self.ranks_v, self.batch_size, t, self.dtype, self.quant)
+
+
+def coefficient_bytes(ranks_k: Sequence[Sequence[int]], ranks_v: Sequence[Sequence[int]], batch_size: int,
+                      seq_len: int, dtype: torch.dtype, quant: str | None = None) -> int:
+    """``Σ_layers Σ_heads (R_k + R_v) · T · B · bytes``; with ``quant="int8"``: 1 byte per coefficient plus a
+    2-byte scale per KV head, kind (key/value), layer and token."""
+    elements = sum(sum(lk) + sum(lv) for lk, lv in zip(ranks_k, ranks_v))  # per token per sequence
+    if quant == "int8":
+        rows = sum(2 * len(lk) for lk in ranks_k)  # one key and one value row per KV head and layer
+        return (elements + 2 * rows) * seq_len * batch_size
+    return elements * seq_len * batch_size * torch.empty((), dtype=dtype).element_size()

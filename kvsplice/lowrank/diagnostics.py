@@ -1,5 +1,5 @@
 """Error diagnostics of global low-rank bases against the §3.5 bounds
-(:func:`kvsplice.online.diagnostics.attention_diagnostics` per layer, on the exact model's q/k/v)."""
+(:func:`kvsplice.core.diagnostics.attention_diagnostics` per layer, on the exact model's q/k/v)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 from kvsplice.adapters import adapter_for, apply_rope
 from kvsplice.adapters.capture import extract_qkv
 from kvsplice.lowrank.bases import KVBases
-from kvsplice.online.diagnostics import attention_diagnostics
+from kvsplice.core.diagnostics import attention_diagnostics
 
 __all__ = ["bases_diagnostics"]
 

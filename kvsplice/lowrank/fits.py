@@ -47,7 +47,7 @@ RCOND = 1e-6
 """Relative cutoff on σ_K: directions with ``σ_K,i ≤ RCOND·σ_K,max`` are treated as absent (pseudo-inverse)."""
 
 __all__ = [
-    "Basis", "METHODS", "RCOND", "select_rank", "ksvd_basis", "joint_basis", "oblique_basis",
+    "Basis", "HeadFit", "METHODS", "RCOND", "select_rank", "ksvd_basis", "joint_basis", "oblique_basis",
     "fit_ksvd", "fit_eigen", "fit_kq", "fit_gqa_sum", "fit_gqa_concat", "fit_values_wo", "fit_bases",
     "lesens_terms", "lesens_gap", "lesens_gaps", "score_error", "value_error", "reconstruction_error",
     "bases_errors",
@@ -169,8 +169,17 @@ def _vspec(rank, energy, rank_v, energy_v):
     return (rank_v, energy_v) if (rank_v is not None or energy_v is not None) else (rank, energy)
 
 
-def _head(kb: Basis, vb: Basis) -> HeadBases:
-    return HeadBases(kb.enc, kb.dec, vb.enc, vb.dec)
+@dataclass
+class HeadFit(HeadBases):
+    """:class:`HeadBases` of one fitted KV head with the retained fraction of each fit's spectrum
+    (:attr:`Basis.retained`), which :func:`fit_bases` records in the bases' metadata."""
+
+    retained_k: float = 1.0
+    retained_v: float = 1.0
+
+
+def _head(kb: Basis, vb: Basis) -> HeadFit:
+    return HeadFit(kb.enc, kb.dec, vb.enc, vb.dec, kb.retained, vb.retained)
 
 
 def fit_values_wo(vv: torch.Tensor, wo: torch.Tensor, rank: Optional[int] = None, energy: Optional[float] = None,
@@ -187,7 +196,7 @@ def fit_values_wo(vv: torch.Tensor, wo: torch.Tensor, rank: Optional[int] = None
 
 
 def fit_ksvd(kk: torch.Tensor, vv: torch.Tensor, *, rank: Optional[int] = None, energy: Optional[float] = None,
-             rank_v: Optional[int] = None, energy_v: Optional[float] = None) -> HeadBases:
+             rank_v: Optional[int] = None, energy_v: Optional[float] = None) -> HeadFit:
     """K-only / V-only SVD: ``k_enc = k_dec`` = top-R eigenvectors of ``KᵀK`` (min ``‖K − K P Pᵀ‖_F``),
     ``v_enc = v_dec`` = top-R_v eigenvectors of ``VᵀV`` (min ``‖V − V P Pᵀ‖_F``)."""
     return _head(ksvd_basis(kk, rank, energy), ksvd_basis(vv, *_vspec(rank, energy, rank_v, energy_v)))
@@ -195,7 +204,7 @@ def fit_ksvd(kk: torch.Tensor, vv: torch.Tensor, *, rank: Optional[int] = None, 
 
 def fit_eigen(kk: torch.Tensor, qq: torch.Tensor, vv: torch.Tensor, *, rank: Optional[int] = None,
               energy: Optional[float] = None, rank_v: Optional[int] = None,
-              energy_v: Optional[float] = None) -> HeadBases:
+              energy_v: Optional[float] = None) -> HeadFit:
     """Joint SVD of ``[K; Q]``: ``k_enc = k_dec`` = top-R eigenvectors of ``KᵀK + QᵀQ`` (min
     ``‖[K; Q] − [K; Q] P Pᵀ‖_F``; ``qq`` = ``Σ_h Q_hᵀQ_h`` of the group). Values: V-only SVD."""
     return _head(joint_basis(kk, qq, rank, energy), ksvd_basis(vv, *_vspec(rank, energy, rank_v, energy_v)))
@@ -203,7 +212,7 @@ def fit_eigen(kk: torch.Tensor, qq: torch.Tensor, vv: torch.Tensor, *, rank: Opt
 
 def fit_kq(kk: torch.Tensor, qq: torch.Tensor, vv: torch.Tensor, wo: torch.Tensor, *, rank: Optional[int] = None,
            energy: Optional[float] = None, rank_v: Optional[int] = None, energy_v: Optional[float] = None,
-           rcond: float = RCOND) -> HeadBases:
+           rcond: float = RCOND) -> HeadFit:
     """Attention-aware: keys min ``‖K Qᵀ − K A Bᵀ Qᵀ‖_F`` (:func:`oblique_basis` with ``G_Q = qq``), values min
     ``‖V Wᵀ − V E Dᵀ Wᵀ‖_F`` (:func:`fit_values_wo`)."""
     kb = oblique_basis(kk, qq, rank, energy, rcond)
@@ -211,14 +220,14 @@ def fit_kq(kk: torch.Tensor, qq: torch.Tensor, vv: torch.Tensor, wo: torch.Tenso
     return _head(kb, vb)
 
 
-def fit_gqa_sum(kk: torch.Tensor, qsum: torch.Tensor, vv: torch.Tensor, wo: torch.Tensor, **spec) -> HeadBases:
+def fit_gqa_sum(kk: torch.Tensor, qsum: torch.Tensor, vv: torch.Tensor, wo: torch.Tensor, **spec) -> HeadFit:
     """GQA, summed scores: min ``‖Σ_h K Q_hᵀ − Σ_h K A Bᵀ Q_hᵀ‖_F = ‖K Q_Σᵀ − K A Bᵀ Q_Σᵀ‖_F`` with
     ``Q_Σ = Σ_h Q_h``; ``qsum = Q_Σᵀ Q_Σ``. Values as :func:`fit_values_wo` (concatenated W_O slices)."""
     return fit_kq(kk, qsum, vv, wo, **spec)
 
 
 def fit_gqa_concat(kk: torch.Tensor, qq_heads: torch.Tensor, vv: torch.Tensor, wo: torch.Tensor,
-                   **spec) -> HeadBases:
+                   **spec) -> HeadFit:
     """GQA, per-head scores: min ``Σ_h ‖K Q_hᵀ − K A Bᵀ Q_hᵀ‖_F² = ‖K Q_catᵀ − K A Bᵀ Q_catᵀ‖_F²`` with
     ``Q_cat = [Q_1; …; Q_g]``, whose Gram is ``Σ_h Q_hᵀQ_h`` (``qq_heads``: the g per-head Grams ``(g, d, d)``, or
     their sum ``(d, d)``). Values as :func:`fit_values_wo`."""
@@ -227,18 +236,20 @@ def fit_gqa_concat(kk: torch.Tensor, qq_heads: torch.Tensor, vv: torch.Tensor, w
 
 
 # ------------------------------------------------------------------------------------------------ model fit
-def _fit_head(stats: CalibrationStats, method: str, layer: int, j: int, kspec, vspec, rcond: float
-              ) -> tuple[Basis, Basis]:
+def _fit_head(stats: CalibrationStats, method: str, layer: int, j: int, kspec, vspec, rcond: float) -> HeadFit:
+    """Head ``j`` of ``layer`` by ``method``'s head fit, on the per-token Grams of ``stats``."""
     kk = stats.key_gram(layer, j, normalize=True)
     vv = stats.value_gram(layer, j, normalize=True)
+    spec = dict(rank=kspec[0], energy=kspec[1], rank_v=vspec[0], energy_v=vspec[1])
     if method == "ksvd":
-        return ksvd_basis(kk, *kspec), ksvd_basis(vv, *vspec)
+        return fit_ksvd(kk, vv, **spec)
     if method == "eigen":
-        return joint_basis(kk, stats.query_gram(layer, j, "concat", normalize=True), *kspec), ksvd_basis(vv, *vspec)
-    gqa = "sum" if method == "gqa-sum" else "concat"  # kq == gqa-concat; for MHA all three coincide
-    kb = oblique_basis(kk, stats.query_gram(layer, j, gqa, normalize=True), *kspec, rcond=rcond)
-    vb = oblique_basis(vv, stats.output_gram(layer, j), *vspec, rcond=rcond)
-    return kb, vb
+        return fit_eigen(kk, stats.query_gram(layer, j, "concat", normalize=True), vv, **spec)
+    wo = stats.output_gram(layer, j)
+    if method == "gqa-sum":
+        return fit_gqa_sum(kk, stats.query_gram(layer, j, "sum", normalize=True), vv, wo, rcond=rcond, **spec)
+    fit = fit_kq if method == "kq" else fit_gqa_concat  # kq == gqa-concat; for MHA all three coincide
+    return fit(kk, stats.query_gram(layer, j, "concat", normalize=True), vv, wo, rcond=rcond, **spec)
 
 
 def fit_bases(stats: CalibrationStats, method: Method, rank: Optional[int] = None, energy: Optional[float] = None,
@@ -266,11 +277,10 @@ def fit_bases(stats: CalibrationStats, method: Method, rank: Optional[int] = Non
               for l in range(stats.n_layer)]
     if uniform_ranks:
         for l, row in enumerate(fitted):
-            rk, rv = max(kb.rank for kb, _ in row), max(vb.rank for _, vb in row)
+            rk, rv = max(h.rank_k for h in row), max(h.rank_v for h in row)
             fitted[l] = [_fit_head(stats, method, l, j, (rk, None), (rv, None), rcond) for j in range(len(row))]
 
-    layers = [[HeadBases(kb.enc.to(dtype), kb.dec.to(dtype), vb.enc.to(dtype), vb.dec.to(dtype)) for kb, vb in row]
-              for row in fitted]
+    layers = [[HeadBases(*(t.to(dtype) for t in (h.k_enc, h.k_dec, h.v_enc, h.v_dec))) for h in row] for row in fitted]
     meta: dict[str, Any] = {
         "method": method, "rope": stats.rope, "calibration_tokens": stats.n_tokens,
         "model_family": stats.family, "n_head": stats.n_head, "n_kv_head": stats.n_kv_head,
@@ -279,8 +289,8 @@ def fit_bases(stats: CalibrationStats, method: Method, rank: Optional[int] = Non
         "values": "v-svd" if method in ("ksvd", "eigen") else "wo-aware",
         "query_gram": {"ksvd": None, "eigen": "concat", "kq": "concat", "gqa-sum": "sum",
                        "gqa-concat": "concat"}[method],
-        "retained_k": [[round(kb.retained, 6) for kb, _ in row] for row in fitted],
-        "retained_v": [[round(vb.retained, 6) for _, vb in row] for row in fitted],
+        "retained_k": [[round(h.retained_k, 6) for h in row] for row in fitted],
+        "retained_v": [[round(h.retained_v, 6) for h in row] for row in fitted],
     }
     if stats.fingerprint:
         meta["model_fingerprint"] = stats.fingerprint

@@ -1,3 +1,9 @@
 """Online frequent-directions bases: the FD sketch (``fd``), blockwise softmax (``blockwise``), the chunked cache
-(``chunked``) and attention over it (``attention``), error bounds (``bounds``) and diagnostics (``diagnostics``),
-and the ``OnlineFD`` decode method (``method``)."""
+(``chunks``, ``chunked``) and attention over it (``attention``), chunk / FD diagnostics (``diagnostics``), and the
+``OnlineFD`` compression method (``method``). The §3.5 bounds live in :mod:`kvsplice.core.bounds`."""
+
+from kvsplice.online.chunked import ChunkedCache
+from kvsplice.online.fd import FrequentDirections
+from kvsplice.online.method import OnlineDecoder, OnlineFD, calibrate_thresholds
+
+__all__ = ["ChunkedCache", "FrequentDirections", "OnlineDecoder", "OnlineFD", "calibrate_thresholds"]

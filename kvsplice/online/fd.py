@@ -147,10 +147,6 @@ class FrequentDirections:
         _, _, vh = torch.linalg.svd(self.buffer, full_matrices=full)
         return vh[..., :r, :].transpose(-1, -2).contiguous()  # (*batch, dim, r)
 
-    def covariance_error_bound(self) -> torch.Tensor:
-        """``Δ = Σ δ`` ≥ ``‖AᵀA − SᵀS‖₂`` (a-posteriori; ``≤ ‖A − A_k‖_F²/(ℓ − k)``)."""
-        return self.shrinkage.clone()
-
     def residual_bound(self, r: int) -> torch.Tensor:
         """``‖A‖_F² − ‖S_r‖_F²`` ≥ ``‖A − A V_r V_rᵀ‖_F²``: the squared residual of every row seen so far projected on
         :meth:`basis` ``(r)`` (``‖AV_r‖_F² ≥ ‖SV_r‖_F² = ‖S_r‖_F²``). It is also ``≤ ‖A − A_r‖_F² + rΔ``."""

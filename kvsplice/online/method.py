@@ -22,11 +22,13 @@ from typing import Optional
 import torch
 from torch import nn
 
+from kvsplice.core.attention import keys_seen
+from kvsplice.core.diagnostics import attention_diagnostics
+from kvsplice.core.method import CompressionMethod
 from kvsplice.decode.decoder import Decoder, perplexity as _perplexity
-from kvsplice.decode.method import CompressionMethod
 from kvsplice.online.attention import chunked_attention
 from kvsplice.online.chunked import ChunkedCache
-from kvsplice.online.diagnostics import attention_diagnostics, chunk_report, fd_report
+from kvsplice.online.diagnostics import chunk_report, fd_report
 
 __all__ = ["OnlineDecoder", "OnlineFD", "calibrate_thresholds"]
 
@@ -49,30 +51,34 @@ class OnlineFD(CompressionMethod):
                              shared_value_basis=shared_value_basis, **cache_kw)
         self.record: Optional[list] = None  # set to a list to keep every layer's q, k, v and output (diagnose)
 
-    def bind(self, adapter, *, dtype, device):
-        super().bind(adapter, dtype=dtype, device=device)
+    def _prepare(self, adapter, *, dtype, device):
+        super()._prepare(adapter, dtype=dtype, device=device)
         self._shape = (adapter.n_layer, adapter.n_kv_head, adapter.head_dim)
-        self.new_cache(adapter, 1, dtype=torch.promote_types(dtype, torch.float32), device=device)  # check options
+        self._new(adapter, 1, torch.promote_types(dtype, torch.float32), device)  # check the options
 
-    def new_cache(self, adapter, batch_size, capacity=None, *, dtype, device):
-        """An empty :class:`ChunkedCache` (chunks grow on their own: ``capacity`` does not apply). Coefficients are
-        stored in at least float32 unless the options say otherwise."""
+    def _new(self, adapter, batch_size, dtype, device) -> ChunkedCache:
         kw = dict(self.cache_kw)
         kw.setdefault("dtype", torch.promote_types(dtype, torch.float32))
         return ChunkedCache(adapter.n_layer, adapter.n_kv_head, adapter.head_dim, batch_size, device=device, **kw)
+
+    def new_cache(self, batch_size, capacity=None, *, dtype, device):
+        """An empty :class:`ChunkedCache` (chunks grow on their own: ``capacity`` does not apply). Coefficients are
+        stored in at least float32 unless the options say otherwise."""
+        return self._new(self._bound(), batch_size, dtype, device)
 
     def check_cache(self, cache):
         if not isinstance(cache, ChunkedCache) or (cache.n_layer, cache.n_kv_head, cache.head_size) != self._shape:
             raise TypeError("this decoder needs a ChunkedCache with the model's shapes; use decoder.new_cache()")
 
-    def attention(self, layer, h, cache, step):
-        a = step.adapter
-        q, k, v = a.qkv(layer, h, step.rope)  # (B, Hq, T, D), (B, Hkv, T, D) × 2, post-RoPE
+    def attend(self, layer, q, k, v, cache, step, mask=None, logw=None):
+        if logw is not None or (mask is not None and not bool(keys_seen(mask).all())):
+            raise NotImplementedError("OnlineFD attends causally over whole sequences: no padding (left-padded "
+                                      "batches) and no token-subset log-weights")
         cache.append(layer, k=k, v=v)
         z = chunked_attention(cache, layer, q, step.scales[layer])  # (B, Hq, T, D): values rebuilt per chunk
         if self.record is not None:
             self.record.append({"q": q, "k": k, "v": v, "z": z})
-        return a.out(layer, z)
+        return z
 
     def __repr__(self) -> str:
         kw = ", ".join(f"{k}={v}" for k, v in self.cache_kw.items() if v is not None)

@@ -1,5 +1,13 @@
 """Token selection: BalanceKV (``balance``), the selectors behind one interface (``selectors``, ``knorm``), the
-token-subset cache (``cache``), the ``TokenSelection`` decode method (``method``) and the BalanceKV paper's
+token-subset cache (``cache``), the ``TokenSelection`` compression method (``method``) and the BalanceKV paper's
 single-layer experiment (``experiment``)."""
 
-from kvsplice.select import knorm  # noqa: E402,F401  (registers the "knorm" selector for make_selector)
+from kvsplice.select.cache import SubsetCache, TokenSelectionResult
+from kvsplice.select.knorm import KnormSelector  # importing it registers the "knorm" selector for make_selector
+from kvsplice.select.method import TokenSelection, TokenSelectionDecoder, run_token_selection
+from kvsplice.select.selectors import (SELECTORS, BalanceKVSelector, StreamingLLMSelector, TokenSelector,
+                                       UniformSelector, make_selector)
+
+__all__ = ["BalanceKVSelector", "KnormSelector", "SELECTORS", "StreamingLLMSelector", "SubsetCache", "TokenSelection",
+           "TokenSelectionDecoder", "TokenSelectionResult", "TokenSelector", "UniformSelector", "make_selector",
+           "run_token_selection"]

@@ -15,8 +15,7 @@ import torch
 from kvsplice.adapters import adapter_for, model_info
 from kvsplice.io.loading import iter_texts, token_stream
 from kvsplice.adapters.capture import extract_qkv
-from kvsplice.online.bounds import reference_attention
-from kvsplice.select.cache import weighted_attend
+from kvsplice.core.attention import reference_attention, weighted_attend
 from kvsplice.select.selectors import BalanceKVSelector, TokenSelector, UniformSelector
 
 METHODS = ("balancekv", "uniform", "coinflip")

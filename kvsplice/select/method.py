@@ -1,26 +1,32 @@
-"""``TokenSelection``: exact prefill, then a weighted subset of each layer's prompt tokens per KV head.
+"""``TokenSelection``: exact prefill, then a weighted subset of each layer's prompt tokens per KV head, held by any
+storage method (full keys/values by default; low-rank coefficients, int8, ... — a stack).
 
 ::
 
-    dec = TokenSelectionDecoder(model, make_selector("balancekv"), budget=256)   # Decoder(model, TokenSelection(...))
-    cache = dec.new_cache(batch_size=B)
-    logits = dec.prefill(prompt_ids, cache)       # (B, P, V): exact full causal attention over the prompt, then
-                                                  # every layer's K/V compressed to `budget` tokens per KV head
-    logits = dec(next_ids, cache)                 # decode one or more tokens over the compressed cache
+    dec = Decoder(model, TokenSelection(make_selector("balancekv"), budget=256))
+    cache = dec.new_cache(batch_size=B)                 # a SubsetCache
+    logits = dec(prompt_ids, cache)                     # (B, P, V): exact full causal attention over the prompt, then
+                                                        # every layer's K/V compressed to `budget` tokens per KV head
+    logits = dec(next_ids, cache)                       # decode one or more tokens over the compressed cache
     res = run_token_selection(model, ids, selector, budget, prompt_len=P)   # perplexity of ids[:, P:]
+    stack = TokenSelection(selector, 64, store=LowRank(bases, cache_quant="int8"))   # subset → coefficients → int8
+    hf_cache = KVSpliceHFCache(model, stack)            # the same method inside transformers' generate()
 
 * Prefill is exact: the prompt's own queries see every prompt key (the model's logits for the prompt are the
   model's). Each layer's keys — **post-RoPE** for Llama, i.e. rotated at their true positions — and values are then
   handed to the selector, one independent selection per (sequence, KV head) (GQA: the ``g`` query heads of a KV head
-  share its selection), and stored with their log-weights in a :class:`~kvsplice.select.cache.SubsetCache`.
-* Decode: new tokens are appended exactly (log-weight 0) and attend with ``softmax(q·Kᵀ·s + logw)·V``
-  (:func:`~kvsplice.select.cache.weighted_attend`, i.e. ``attend(..., bias=logw)``) over kept + new tokens.
+  share its selection; left padding under transformers' mask is excluded, :func:`~kvsplice.select.cache.choose_tokens`),
+  and the kept tokens go to the storage method (:meth:`~kvsplice.core.method.CompressionMethod.append`) with their
+  log-weights beside them in a :class:`~kvsplice.select.cache.SubsetCache`.
+* Decode: new tokens are stored exactly (log-weight 0) and attend with ``softmax(q·Kᵀ·s + logw)·V`` — the storage
+  method's own :meth:`~kvsplice.core.method.CompressionMethod.attend` with ``logw``.
 * Positions: a token decoded after a compressed prefill sits at absolute position ``cache.position`` (tokens the
-  sequence has seen), not ``cache.seq_len`` (tokens held) — the decoder takes positions from ``position`` for every
-  method, so RoPE angles and GPT-2's learned position embeddings are those of the uncompressed sequence.
+  sequence has seen), not ``cache.seq_len`` (tokens held) — both doors take positions from ``position``, so RoPE
+  angles and GPT-2's learned position embeddings are those of the uncompressed sequence.
 
 With ``budget >= prompt length`` every selector keeps every token with log-weight 0 and the decoder reproduces the
-model's own logits (tested to 1e-4 against HF for tiny random GPT-2 and GQA Llama).
+storage method's logits (the model's own for full keys/values; tested to 1e-4 against HF for tiny random GPT-2 and
+GQA Llama). Storage that needs positions (pre-RoPE coefficients) cannot hold a subset and is refused.
 """
 
 from __future__ import annotations
@@ -29,66 +35,91 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kvsplice.decode.decoder import Decoder
-from kvsplice.decode.method import CompressionMethod
-from kvsplice.select.cache import SubsetCache, TokenSelectionResult, weighted_attend
+from kvsplice.core.attention import keys_seen
+from kvsplice.core.method import CompressionMethod
+from kvsplice.decode.decoder import Decoder, score_continuation
+from kvsplice.decode.dense import DenseKV
+from kvsplice.select.cache import SubsetCache, TokenSelectionResult
 from kvsplice.select.selectors import TokenSelector
 
 __all__ = ["TokenSelection", "TokenSelectionDecoder", "run_token_selection"]
 
 
 class TokenSelection(CompressionMethod):
-    """Keep ``budget`` prompt tokens per (sequence, KV head), chosen by ``selector``, with their log-weights."""
+    """Keep ``budget`` prompt tokens per (sequence, KV head), chosen by ``selector``, with their log-weights, held by
+    the storage method ``store`` (default :class:`~kvsplice.decode.dense.DenseKV`: full keys and values)."""
 
     name = "select"
     cache_type = SubsetCache
 
-    def __init__(self, selector: TokenSelector, budget: int) -> None:
+    def __init__(self, selector: TokenSelector, budget: int, *, store: Optional[CompressionMethod] = None) -> None:
         if not isinstance(selector, TokenSelector):
             raise TypeError(f"selector must be a kvsplice.select.selectors.TokenSelector, got "
                             f"{type(selector).__name__}")
-        if budget < 1:
-            raise ValueError(f"budget must be >= 1, got {budget}")
-        self.selector, self.budget = selector, int(budget)
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+        store = DenseKV() if store is None else store
+        if not isinstance(store, CompressionMethod) or not store.is_storage:
+            raise TypeError(f"store must be a storage method (DenseKV, LowRank, ...), got {type(store).__name__}")
+        self.selector, self.budget, self.store = selector, budget, store
 
-    def new_cache(self, adapter, batch_size, capacity=None, *, dtype, device):
-        return SubsetCache(adapter.n_layer, adapter.n_kv_head, adapter.head_dim, batch_size, dtype=dtype,
-                           device=device, capacity=capacity)
+    def _prepare(self, adapter, *, dtype, device):
+        super()._prepare(adapter, dtype=dtype, device=device)
+        self.store = self.store.bind(adapter, dtype=dtype, device=device)
+        if self.store.key_rope == "pre":
+            raise ValueError(f"{self.store!r} keeps pre-RoPE numbers and needs its keys' positions; a token subset "
+                             f"is held out of order: use post-RoPE bases")
+
+    def new_cache(self, batch_size, capacity=None, *, dtype, device):
+        kept = self.store.new_cache(batch_size, capacity, dtype=dtype, device=device)
+        return SubsetCache.over(kept, self._bound().n_kv_head, capacity)
+
+    def check_cache(self, cache):
+        super().check_cache(cache)
+        self.store.check_cache(cache.kept)
 
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         return min(self.budget, prompt_len) + max(max_new_tokens, 1) - 1
 
-    def attention(self, layer, h, cache, step):
-        a = step.adapter
-        q, k, v = a.qkv(layer, h, step.rope)  # post-RoPE: keys rotated at their true positions
-        k, v = k.to(cache.dtype), v.to(cache.dtype)
-        if step.start == 0:  # prefill: exact attention over the prompt, then keep a weighted subset per KV head
-            y = step.attend(layer, q, k, v)  # (B, Hq, T, D)
-            cache.compress_prefill(layer, k, v, self.selector, self.budget)
-        else:
-            kv = cache.append(layer, k=k, v=v)  # new tokens kept exactly, log-weight 0
-            y = weighted_attend(q, kv["k"], kv["v"], kv["w"], scale=step.scales[layer]).to(h.dtype)
-        return a.out(layer, y)
+    def bytes_formula(self, batch_size, n_held, dtype):
+        """The storage method's bytes of ``n_held`` tokens + their log-weights ``L·B·Hkv·n_held·bytes``."""
+        a = self._bound()
+        weights = a.n_layer * batch_size * a.n_kv_head * n_held * torch.empty((), dtype=dtype).element_size()
+        return self.store.bytes_formula(batch_size, n_held, dtype) + weights
+
+    def attend(self, layer, q, k, v, cache, step, mask=None, logw=None):
+        if logw is not None:
+            raise ValueError("a token selection does not hold another selection's log-weights")
+        if cache.layer_len(layer) == 0:  # prefill: exact attention over the prompt, then keep a weighted subset
+            k, v = k.to(cache.dtype), v.to(cache.dtype)
+            y = step.attend(layer, q, k.to(q.dtype), v.to(q.dtype), mask=mask)  # (B, Hq, T, D)
+            cache.compress_prefill(layer, k, v, self.selector, self.budget, real=keys_seen(mask), q=q,
+                                   scale=step.scales[layer],
+                                   store=lambda kk, vv: self.store.append(layer, kk, vv, cache.kept, step))
+            return y
+        # decode: new tokens kept exactly (log-weight 0); padding was folded into the log-weights at prefill
+        b, h, t = k.shape[:3]
+        w = cache.weights.append(layer, w=torch.zeros(b, h, t, 1, dtype=cache.dtype, device=k.device))["w"]
+        return self.store.attend(layer, q, k, v, cache.kept, step, logw=w[..., 0])  # (B, Hq, Tq, Dv)
 
     def __repr__(self) -> str:
-        return f"TokenSelection({self.selector!r}, budget={self.budget})"
+        store = "" if isinstance(self.store, DenseKV) and self.store.cache_quant is None else f", store={self.store!r}"
+        return f"TokenSelection({self.selector!r}, budget={self.budget}{store})"
 
 
 class TokenSelectionDecoder(Decoder):
     """``Decoder(model, TokenSelection(selector, budget))`` with an explicit :meth:`prefill` (on an empty cache)
     and decode calls (on a prefilled one)."""
 
-    def __init__(self, model: nn.Module, selector: TokenSelector, budget: int) -> None:
-        super().__init__(model, TokenSelection(selector, budget))
+    def __init__(self, model: nn.Module, selector: TokenSelector, budget: int, *,
+                 store: Optional[CompressionMethod] = None) -> None:
+        super().__init__(model, TokenSelection(selector, budget, store=store))
         self.selector, self.budget = selector, int(budget)
 
     def bytes_formula(self, batch_size: int, n_held: int, dtype: Optional[torch.dtype] = None) -> int:
-        a = self.adapter
-        return SubsetCache.bytes_formula(a.n_layer, batch_size, a.n_kv_head, a.head_dim, a.head_dim, n_held,
-                                         dtype or self.dtype)
+        return self.method.bytes_formula(batch_size, n_held, dtype or self.dtype)
 
     def prefill(self, input_ids: torch.Tensor, cache: SubsetCache, *, last_only: bool = False) -> torch.Tensor:
         """Exact causal forward of the prompt; every layer's K/V compressed into the (empty) ``cache``."""
@@ -105,37 +136,24 @@ class TokenSelectionDecoder(Decoder):
     decode = __call__
 
 
-@torch.no_grad()
 def run_token_selection(model: nn.Module, idx: torch.Tensor, selector: TokenSelector, budget: int, *,
                         prompt_len: Optional[int] = None, decode_chunk: Optional[int] = None,
-                        return_logits: bool = False,
-                        cache_dtype: Optional[torch.dtype] = None) -> TokenSelectionResult:
+                        return_logits: bool = False, cache_dtype: Optional[torch.dtype] = None,
+                        store: Optional[CompressionMethod] = None) -> TokenSelectionResult:
     """Prefill ``idx[:, :prompt_len]`` exactly, compress every layer's K/V to ``budget`` tokens per KV head, decode
     ``idx[:, prompt_len:-1]`` teacher-forced (chunks of ``decode_chunk``; default all at once — identical to one at a
-    time since decoded tokens are kept exactly and the mask is bottom-right) and score ``idx[:, prompt_len:]``.
-    The first continuation token is predicted by the exact prefill. ``prompt_len`` defaults to half the sequence."""
+    time since decoded tokens are kept exactly and the mask is bottom-right) and score ``idx[:, prompt_len:]``
+    (:func:`kvsplice.decode.score_continuation`). ``prompt_len`` defaults to half the sequence; ``store``: the
+    storage method of the kept tokens (default full keys/values)."""
     b, t = idx.shape
     p = t // 2 if prompt_len is None else int(prompt_len)
     if not 1 <= p < t:
         raise ValueError(f"prompt_len must be in [1, {t - 1}], got {p}")
-    dec = TokenSelectionDecoder(model, selector, budget)
-    n_keep = min(budget, p)
-    cache = dec.new_cache(b, capacity=n_keep + (t - 1 - p), dtype=cache_dtype)
-    was_training = model.training
-    model.eval()
-    try:
-        logits = [dec.prefill(idx[:, :p], cache, last_only=True)]
-        step = decode_chunk or max(1, t - 1 - p)
-        for s0 in range(p, t - 1, step):
-            logits.append(dec(idx[:, s0:min(t - 1, s0 + step)], cache))
-    finally:
-        model.train(was_training)
-    logits = torch.cat(logits, dim=1)  # (B, t - p, V)
-    # (B·(t-p), V) logits vs (B·(t-p),) targets
-    nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), idx[:, p:].reshape(-1)).item()
+    dec = TokenSelectionDecoder(model, selector, budget, store=store)
+    nll, logits, cache = score_continuation(dec, idx, p, decode_chunk=decode_chunk, cache_dtype=cache_dtype)
     el = torch.empty((), dtype=cache.dtype).element_size()
     a = dec.adapter
     full = 2 * a.n_layer * b * a.n_kv_head * (t - 1) * a.head_dim * el
     return TokenSelectionResult(nll=nll, ppl=math.exp(nll), n_scored=b * (t - p), prompt_len=p, budget=budget,
-                                n_keep=n_keep, cache_nbytes=cache.nbytes(), full_nbytes=full, cache=cache,
+                                n_keep=min(budget, p), cache_nbytes=cache.nbytes(), full_nbytes=full, cache=cache,
                                 logits=logits if return_logits else None)

@@ -3,7 +3,7 @@
 A :class:`TokenSelector` looks at one sequence's prefill keys/values of every KV head and returns, per head, which
 tokens to keep and a log-weight for each. Attention over the kept set with the log-weights added to the logits,
 ``softmax(q·Kᵀ·s + logw)·V``, is the selector's estimate of full attention (see
-:func:`kvsplice.select.cache.weighted_attend`): a token that stands for ``w`` tokens gets ``log w``.
+:func:`kvsplice.core.attention.weighted_attend`): a token that stands for ``w`` tokens gets ``log w``.
 
 * :class:`BalanceKVSelector` — first ``n_sink`` tokens and the most recent ones intact (log-weight 0), the middle
   halved by :func:`kvsplice.select.balance.block_balance` (a token that survived ``l`` halvings gets ``l·ln 2``). The middle
@@ -36,9 +36,16 @@ class TokenSelector:
 
     Indices are sorted per head; ``n_keep == min(budget, T)``. Rows are independent instances (nothing is shared
     across heads), so a caller may fold a batch into the head axis: ``select(k.reshape(B·Hkv, T, d), ...)``.
+
+    A new selector is one subclass with a ``name`` (registered for :func:`make_selector`) and
+    ``_select(k, v, budget)`` for ``budget < T``. A selector that scores tokens by attention sets
+    ``needs_queries = True`` and implements ``_select(k, v, budget, q=q, scale=scale)``: ``q (Hkv, g·T, d)`` are
+    the post-RoPE prefill queries of each row's KV head (its ``g`` query heads, each over positions ``0 .. T-1``),
+    ``scale`` the layer's softmax scale; both doors pass them (:func:`kvsplice.select.cache.choose_tokens`).
     """
 
     name = "base"
+    needs_queries = False
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)
@@ -53,11 +60,18 @@ class TokenSelector:
         self.generator = torch.Generator().manual_seed(self.seed if seed is None else seed)
         return self
 
-    def select(self, k: torch.Tensor, v: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(self, k: torch.Tensor, v: torch.Tensor, budget: int, *, q: Optional[torch.Tensor] = None,
+               scale: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
         h, t = self._check(k, v, budget)
         if budget >= t:
             return _keep_all(h, t, k)
-        idx, logw = self._select(k, v, budget)
+        if self.needs_queries:
+            if q is None or q.shape[0] != h or q.shape[-1] != k.shape[-1] or q.shape[1] % t:
+                raise ValueError(f"{type(self).__name__} needs the queries q (Hkv, g·T, d) = ({h}, g·{t}, "
+                                 f"{k.shape[-1]}), got {None if q is None else tuple(q.shape)}")
+            idx, logw = self._select(k, v, budget, q=q, scale=scale)
+        else:
+            idx, logw = self._select(k, v, budget)
         assert idx.shape == (h, budget) and logw.shape == (h, budget), (idx.shape, logw.shape)
         return idx, logw
 

@@ -33,6 +33,8 @@ from typing import Optional
 
 import torch
 
+from kvsplice.core.attention import reference_attention
+
 __all__ = ["attention_error_report", "logit_error", "logit_error_bound", "logit_oscillation", "output_error",
            "output_error_bound", "softmax_l1_bound", "softmax_l1_error"]
 
@@ -98,18 +100,6 @@ def output_error_bound(softmax_l1: torch.Tensor | float, v_norm_max: torch.Tenso
     the first term becomes ``½ ‖α − α̂‖₁ · v_diameter`` (never larger, since diam ≤ 2 max‖v‖)."""
     first = softmax_l1 * (v_norm_max if v_diameter is None else 0.5 * v_diameter)
     return torch.as_tensor(first + dv_max)
-
-
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                        mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The float64 reference every error measurement compares against: ``logits = scale·q kᵀ`` (``-inf`` where
-    ``mask (Tq, T)`` is False), ``α = softmax(logits)``, ``o = α v``; ``q (..., Tq, d)``, ``k (..., T, d)``,
-    ``v (..., T, d_v)`` (broadcast over the leading dims) → ``(logits, α, o)``."""
-    logits = scale * q.double() @ k.double().transpose(-1, -2)  # (..., Tq, T)
-    if mask is not None:
-        logits = logits.masked_fill(~mask, -math.inf)
-    alpha = torch.softmax(logits, -1)
-    return logits, alpha, alpha @ v.double()
 
 
 def attention_error_report(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_hat: torch.Tensor,

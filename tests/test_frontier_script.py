@@ -4,7 +4,12 @@ the late-loss-drop figure (the long study itself runs outside the test suite).""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,3 +74,75 @@ def test_last_val_and_curve_from_metrics(tmp_path: Path, frontier) -> None:
     assert frontier.train_curve(m) == [[20, 6.1], [40, 5.5]]
     m.write_text("epoch,lr,step,tokens,tokens_per_sec,train_loss,train_time_s,val_loss,val_ppl\n0,,4,,,,,6.7,812.0\n")
     assert frontier.last_val(m) == (4, 6.7, None, None)  # shorter than the logging interval (short fine-tunes)
+
+
+def test_resume_key_includes_steps_batch_and_device(frontier) -> None:
+    """A finished row is reused only for the same variant, seed, steps, batch and device (it was reused for another
+    --steps); rows written before batch/device were recorded belong to the CPU study (batch 8)."""
+    row = {"variant": "mha", "seed": 1, "steps": 500}
+    assert frontier.resume_key(row) == ("mha", 1, 500, 8, "cpu")
+    args = type("A", (), {"steps": 500, "batch": 8, "device": "cpu"})()
+    assert frontier._key("mha", 1, args) == frontier.resume_key(row)
+    for change in ({"steps": 2}, {"batch": 64}, {"device": "cuda"}):
+        other = type("A", (), {"steps": 500, "batch": 8, "device": "cpu", **change})()
+        assert frontier._key("mha", 1, other) != frontier.resume_key(row)
+
+
+def test_compare_standard_error_and_tie(frontier) -> None:
+    a = {"variant": "a", "val_loss": 3.00, "std": 0.02, "n": 3}
+    b = {"variant": "b", "val_loss": 3.05, "std": 0.02, "n": 3}
+    c = frontier.compare(a, b)
+    assert math.isclose(c["se"], (2 * 0.02**2 / 3) ** 0.5) and c["verdict"] == "a better"  # 3.1 SE
+    assert frontier.compare(a, {**b, "val_loss": 3.02})["verdict"] == "tie"
+    assert frontier.compare({**a, "std": 0.0, "n": 1}, {**b, "std": 0.0, "n": 1})["verdict"].startswith("no SE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_a_killed_study_takes_its_training_child_with_it(tmp_path: Path) -> None:
+    """Killing frontier.py (even with SIGKILL) ends the ``python -m ...`` child it was waiting on."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        "import importlib.util, sys, threading, time\n"
+        f"spec = importlib.util.spec_from_file_location('f', {str(SCRIPT)!r})\n"
+        "f = importlib.util.module_from_spec(spec); spec.loader.exec_module(f)\n"
+        "def report():\n"
+        "    while not f._CHILDREN: time.sleep(0.05)\n"
+        "    print(next(iter(f._CHILDREN)).pid, flush=True)\n"
+        "threading.Thread(target=report, daemon=True).start()\n"
+        "f.run_module('timeit', ['-n', '1', 'import time; time.sleep(120)'], 1)\n")
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline())
+    os.kill(child, 0)  # running
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        try:  # reap it if it became ours (it is the driver's child; init reaps it otherwise)
+            os.waitpid(child, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+    else:
+        os.kill(child, 9)
+        raise AssertionError("the training child outlived the killed study")
+
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories"
+
+
+@pytest.mark.skipif(not DATA.is_dir(), reason="needs ../shared/data/tinystories")
+def test_a_run_shorter_than_the_log_interval_reports_and_resumes(tmp_path: Path, frontier, capsys) -> None:
+    """``--steps 2`` crashed on ``tokens_per_s`` None in a format string, and the run was then reported failed on
+    every later call. Now it reports, and the second call reuses the finished run."""
+    argv = ["--steps", "2", "--variants", "mqa", "--seeds", "1", "--out", str(tmp_path / "f.json"), "--runs-dir",
+            str(tmp_path / "runs"), "--cache-tokens", "16"]
+    assert frontier.main(argv) == 0
+    first = json.loads((tmp_path / "f.json").read_text())["rows"]
+    assert len(first) == 1 and first[0]["steps"] == 2 and first[0]["tokens_per_s"] is None
+    assert frontier.main(argv) == 0  # nothing left to run: the row is kept, nothing fails
+    assert json.loads((tmp_path / "f.json").read_text())["rows"] == first
+    assert "failed" not in capsys.readouterr().err

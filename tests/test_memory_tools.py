@@ -266,3 +266,24 @@ def test_verify_memory_int8_rows(tiny_configs, tmp_path, capsys):
         base = next(p for p in rows if p["variant"] == r["variant"][:-5] and p["seq_len"] == r["seq_len"])
         assert r["measured_bytes"] == r["formula_bytes"] < base["measured_bytes"]
         assert r["compression_vs_mha"] > base["compression_vs_mha"]  # same fp16 MHA reference
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_bench_decode_with_graphs_and_verify_memory(tmp_path, tiny_configs, dtype, capsys):
+    """On CUDA: bench_decode times eager and CUDA-graph steps side by side (CUDA events), and verify_memory's
+    allocator check (bytes requested by new_cache == formula, nothing left behind by prefill + decode) passes."""
+    out = tmp_path / "b.json"
+    mha, mla, ks = tiny_configs
+    rc = bench_decode.main(["--config", mha, f"{mha}:graph", mla, f"{mla}:graph", ks, f"{ks}:graph", "--ctx", "8",
+                            "64", "--batch", "2", "--repeats", "4", "--rounds", "2", "--dtype", dtype, "--device",
+                            "cuda", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {r["variant"] for r in rows} == {"t_mha", "t_mha+graph", "t_mla", "t_mla+graph", "t_ks", "t_ks+graph"}
+    assert all(r["median_ms"] > 0 for r in rows)
+    assert all("time_vs_eager" in r for r in rows if r["cuda_graph"])
+    rc = verify_memory.main(["--config", *tiny_configs, "--seq-lens", "16", "64", "--dtype", dtype, "--device",
+                             "cuda", "--cache-quant", "int8", "--no-progress"])
+    assert rc == 0, capsys.readouterr().err

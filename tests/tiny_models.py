@@ -51,16 +51,16 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 
 
 def tiny_family(family: str, *, window: int | None = None, seed: int = 0, partial_rotary: float = 1.0,
-                n_layer: int = 3) -> torch.nn.Module:
+                n_layer: int = 3, vocab_size: int = 96) -> torch.nn.Module:
     """A tiny random-weight ``*ForCausalLM`` of ``family`` from its transformers config (no download), fp32, eval,
-    :func:`sharpen`-ed: 3 layers, 4 query / 2 KV heads of 16, vocab 96. ``window``: the sliding window — every layer
+    :func:`sharpen`-ed: 3 layers, 4 query / 2 KV heads of 16, vocab 96 (``vocab_size``). ``window``: the sliding window — every layer
     for Mistral / Phi-3, layers 1.. for Qwen2/3 (``max_window_layers=1``), layers 0 and 2 for Gemma-3 (layer 1
-    full); ``None`` = none. Gemma-3 also gets ``query_pre_attn_scalar`` 24, a local RoPE base of 100 and a final
+    full); ``None`` = none. ``vocab_size`` 512 fits stories260K's tokenizer. Gemma-3 also gets ``query_pre_attn_scalar`` 24, a local RoPE base of 100 and a final
     logit soft-cap of 30; Qwen2 q/k/v biases; Phi-3 ``partial_rotary``."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=n_layer,
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=n_layer,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     if family == "llama":

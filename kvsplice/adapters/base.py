@@ -14,22 +14,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED_FAMILIES = ("transformers GPT-2 (model_type 'gpt2')",
-                      "Llama ('llama')", "Mistral ('mistral')", "Qwen2 ('qwen2')", "Qwen3 ('qwen3')", "Phi-3 ('phi3')",
-                      "Gemma-3 text ('gemma3_text')",
-                      "models.GPT (attention='mha' for post-training methods)")
-"""What :func:`unsupported` names: HF causal LMs (``*ForCausalLM`` or the bare ``*Model``) by ``config.model_type``."""
+SUPPORTED_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+"""The ``config.model_type`` of the transformers causal LMs (``*ForCausalLM``, or the bare ``*Model``) every
+post-training method supports; besides them, ``models.GPT`` with ``attention='mha'``."""
 
 Sink = Callable[[int, str, torch.Tensor], None]
 """``sink(layer, kind, x)`` with kind ``q`` (x ``(B, Hq, T, d)``), ``k`` or ``v`` (``(B, Hkv, T, d)``)."""
 
 
 def unsupported(model: object, why: str = "") -> ValueError:
-    """The one error for a model no adapter (or no post-training method) supports."""
+    """The one error for a model no adapter (or no post-training method) supports: one line (it fits the CLIs'
+    300-character error lines) naming the supported families."""
     name = type(model).__name__
     mt = getattr(getattr(model, "config", None), "model_type", None)
     return ValueError(f"unsupported model {name}{f' (model_type={mt!r})' if mt else ''} (unsupported model family"
-                      f"{': ' + why if why else ''}); supported: {', '.join(SUPPORTED_FAMILIES)}")
+                      f"{': ' + why if why else ''}); supported: transformers model_type {', '.join(SUPPORTED_FAMILIES)}; "
+                      f"models.GPT (attention='mha')")
 
 
 @dataclass(frozen=True)

@@ -51,9 +51,9 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 
 
 def tiny_family(family: str, *, window: int | None = None, seed: int = 0, partial_rotary: float = 1.0,
-                n_layer: int = 3, vocab_size: int = 96) -> torch.nn.Module:
+                n_layer: int = 3, vocab_size: int = 96, std: float = 0.12) -> torch.nn.Module:
     """A tiny random-weight ``*ForCausalLM`` of ``family`` from its transformers config (no download), fp32, eval,
-    :func:`sharpen`-ed: 3 layers, 4 query / 2 KV heads of 16, vocab 96 (``vocab_size``). ``window``: the sliding window — every layer
+    :func:`sharpen`-ed (``std``): 3 layers, 4 query / 2 KV heads of 16, vocab 96 (``vocab_size``). ``window``: the sliding window — every layer
     for Mistral / Phi-3, layers 1.. for Qwen2/3 (``max_window_layers=1``), layers 0 and 2 for Gemma-3 (layer 1
     full); ``None`` = none. ``vocab_size`` 512 fits stories260K's tokenizer. Gemma-3 also gets ``query_pre_attn_scalar`` 24, a local RoPE base of 100 and a final
     logit soft-cap of 30; Qwen2 q/k/v biases; Phi-3 ``partial_rotary``."""
@@ -79,5 +79,10 @@ def tiny_family(family: str, *, window: int | None = None, seed: int = 0, partia
     else:
         raise ValueError(f"unknown family {family!r}")
     cfg._attn_implementation = "sdpa"
-    model = tf.AutoModelForCausalLM.from_config(cfg)
-    return sharpen(model.float(), seed=seed)
+    model = sharpen(tf.AutoModelForCausalLM.from_config(cfg).float(), std=std, seed=seed)
+    if family == "gemma3_text":  # Gemma's RMSNorms scale by 1 + weight: centre them on 1 like the others
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.sub_(1.0)
+    return model

@@ -73,7 +73,13 @@ class GPT2Adapter(FamilyAdapter):
 
     def scale(self, layer):
         attn = self.t.h[layer].attn
-        return float(attn.scaling) if self.hf else float(attn.scale)
+        if not self.hf:
+            return float(attn.scale)
+        if hasattr(attn, "scaling"):
+            return float(attn.scaling)
+        # transformers < 5.3 keeps no ``scaling``: GPT-2's definition (its eager attention)
+        s = self.head_dim ** -0.5 if attn.scale_attn_weights else 1.0
+        return s / (attn.layer_idx + 1) if attn.scale_attn_by_inverse_layer_idx else s
 
     def base_forward(self, ids):
         if self.hf:

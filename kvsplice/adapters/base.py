@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+SUPPORTED_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3")
 """The ``config.model_type`` of the transformers causal LMs (``*ForCausalLM``, or the bare ``*Model``) every
 post-training method supports; besides them, ``models.GPT`` with ``attention='mha'``."""
 

@@ -6,7 +6,9 @@
   ``rope_theta`` (transformers 5: one rotary module taking the layer type; 4.x: ``rotary_emb`` / ``rotary_emb_local``);
 * sliding-window layers per ``config.layer_types`` (each module's ``sliding_window``);
 * four norms per block (``post_attention_layernorm`` on the attention output, ``pre_`` / ``post_feedforward_layernorm``
-  around the MLP), a scaled embedding (the model's ``embed_tokens``) and ``final_logit_softcapping`` of the logits.
+  around the MLP), a scaled embedding (the model's ``embed_tokens``) and ``final_logit_softcapping`` of the logits
+  (as transformers: in ``Gemma3ForCausalLM``, not in the multimodal ``Gemma3ForConditionalGeneration``, model_type
+  ``gemma3``, whose language model this adapter runs for text prompts).
 
 ``attn_logit_softcapping`` is not applied: transformers' Gemma-3 attention does not pass it to its attention
 functions (4.57 – 5.23), so the model attends without it and so do we.
@@ -43,6 +45,8 @@ class Gemma3Adapter(LlamaAdapter):
         else:
             rot = {t: LayerTypeRotary(self.m.rotary_emb, t) for t in set(types)}
         self.rotaries = [rot[t] for t in types]  # one object per layer type: layers of a type share their tables
+        self.softcap = getattr(self.config, "final_logit_softcapping", None) \
+            if model.config.model_type == "gemma3_text" else None  # transformers caps only in Gemma3ForCausalLM
 
     def rotary_embedding(self, layer=0):
         return self.rotaries[layer]
@@ -58,5 +62,4 @@ class Gemma3Adapter(LlamaAdapter):
 
     def head(self, x):
         logits = super().head(x)
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap

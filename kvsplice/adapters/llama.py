@@ -18,9 +18,11 @@ class LlamaAdapter(FamilyAdapter):
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.m = model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
+        inner = getattr(model, "model", None)
+        self.m = inner.language_model if hasattr(inner, "language_model") else \
+            inner if hasattr(inner, "layers") else model  # the decoder (of a multimodal model: its language model)
         cfg = self.config = getattr(self.m, "config", model.config)
-        self.name = cfg.model_type
+        self.name = model.config.model_type  # the wrapper's (gemma3), not its language model's
         self.n_layer = cfg.num_hidden_layers
         self.n_head = cfg.num_attention_heads
         self.n_kv_head = getattr(cfg, "num_key_value_heads", None) or self.n_head

@@ -12,8 +12,10 @@ from kvsplice.adapters.phi3 import Phi3Adapter
 from kvsplice.adapters.qwen3 import Qwen3Adapter
 
 FAMILIES: dict[str, type[LlamaAdapter]] = {"llama": LlamaAdapter, "mistral": LlamaAdapter, "qwen2": LlamaAdapter,
-                                           "qwen3": Qwen3Adapter, "phi3": Phi3Adapter, "gemma3_text": Gemma3Adapter}
-"""``config.model_type`` → adapter of the HF decoder families laid out as Llama (``model.layers[i].self_attn``)."""
+                                           "qwen3": Qwen3Adapter, "phi3": Phi3Adapter, "gemma3_text": Gemma3Adapter,
+                                           "gemma3": Gemma3Adapter}
+"""``config.model_type`` → adapter of the HF decoder families laid out as Llama (``model.layers[i].self_attn``;
+``gemma3``: ``Gemma3ForConditionalGeneration``, whose ``model.language_model`` is that decoder — text prompts)."""
 
 
 def adapter_for(model: nn.Module) -> FamilyAdapter:
@@ -24,7 +26,8 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
     if isinstance(model, GPT):
         return GPT2Adapter(model, hf=False)
     mt = getattr(getattr(model, "config", None), "model_type", None)
-    if mt in FAMILIES and (hasattr(model, "layers") or hasattr(getattr(model, "model", None), "layers")):
+    inner = getattr(model, "model", None)
+    if mt in FAMILIES and (hasattr(model, "layers") or hasattr(inner, "layers") or hasattr(inner, "language_model")):
         return FAMILIES[mt](model)
     if mt == "gpt2" and (hasattr(model, "h") or hasattr(getattr(model, "transformer", None), "h")):
         return GPT2Adapter(model, hf=True)

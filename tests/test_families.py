@@ -23,6 +23,7 @@ from kvsplice.adapters import LlamaAdapter, adapter_for
 from kvsplice.decode import Decoder, DenseKV
 from kvsplice.hf import KVSpliceHFCache
 from kvsplice.hf.attention import kvsplice_attention, tag
+from kvsplice.lowrank.calibrate import calibrate
 from kvsplice.lowrank.method import LowRank
 from kvsplice.report.memory import measure_cache
 from kvsplice.select.method import TokenSelection
@@ -191,6 +192,8 @@ def test_phi3_partial_rotary_post_is_exact_and_pre_is_refused():
         assert (dec(ids, dec.new_cache(1)) - ref).abs().max() <= TOL
     with pytest.raises(ValueError, match="partial"):
         Decoder(model, LowRank(orthonormal_bases(L, HKV, D, D, "pre")))
+    with pytest.raises(ValueError, match="partial"):  # refused before calibrating, too
+        calibrate(model, [ids], rope="pre", progress=False)
 
 
 def test_soft_capped_attention_is_refused(models):

@@ -262,7 +262,8 @@ def test_unsupported_family_is_a_clear_error():
         num_key_value_heads=1))
     for model in (olmo, torch.nn.Linear(2, 2),
                   GPT(GPTConfig(vocab_size=V, n_layer=1, n_head=2, d_model=16, attention="mla", d_latent=8))):
-        with pytest.raises(ValueError, match="unsupported model family.*supported: .*gpt2, llama, mistral, qwen2, qwen3, phi3, gemma3_text"):
+        with pytest.raises(ValueError, match="unsupported model family.*supported: .*gpt2, llama, mistral, qwen2, "
+                                             "qwen3, phi3, gemma3_text"):
             Decoder(model, DenseKV())
 
 

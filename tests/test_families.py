@@ -28,7 +28,7 @@ from kvsplice.lowrank.method import LowRank
 from kvsplice.report.memory import measure_cache
 from kvsplice.select.method import TokenSelection
 from kvsplice.select.selectors import make_selector
-from tiny_models import orthonormal_bases, tiny_family
+from tiny_models import orthonormal_bases, save_model_dirs, tiny_family
 
 FAMS = ["mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3"]
 W = 5  # sliding window: every prompt below is longer
@@ -50,6 +50,7 @@ def lossless(rope_pre: bool = True):
                                                    store=LowRank(orthonormal_bases(L, HKV, D, D, "post", seed=1)))}
     if rope_pre:
         out["rank-full-pre"] = LowRank(orthonormal_bases(L, HKV, D, D, "pre", seed=2))
+        out["rank-full-pre-naive"] = LowRank(orthonormal_bases(L, HKV, D, D, "pre", seed=2), impl="naive")
     return out
 
 
@@ -230,13 +231,7 @@ def family_dirs(tmp_path_factory):
     models["olmo"] = transformers.OlmoForCausalLM(transformers.OlmoConfig(
         vocab_size=520, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
         max_position_embeddings=128))
-    out = {}
-    for name, model in models.items():
-        d = tmp_path_factory.mktemp(name)
-        model.save_pretrained(d)
-        tok.save_pretrained(d)
-        out[name] = d
-    return out
+    return save_model_dirs(models, tok, tmp_path_factory)
 
 
 def run(cli, args, capsys):
@@ -293,7 +288,8 @@ def test_unsupported_family_is_one_line_exit_2_everywhere(family_dirs, tmp_path,
     orthonormal_bases(1, 2, 16, 4, "post").save(bases)
     for prog, cli, args in (
             ("generate", generate, ["--prompt", "hi", "--max-new-tokens", 2]),
-            ("fit_bases", fit_bases, ["--method", "ksvd", "--rank", 2, "--calib", CALIB, "--out", bases.with_suffix(".x")]),
+            ("fit_bases", fit_bases, ["--method", "ksvd", "--rank", 2, "--calib", CALIB, "--out",
+                                      bases.with_suffix(".x")]),
             ("eval_bases", eval_bases, ["--bases", bases, "--data", EVAL]),
             ("bench_balance", bench_balance, ["--data", EVAL])):
         rc, _, err = run(cli, ["--model", d, *args], capsys)

@@ -46,6 +46,18 @@ def orthonormal_bases(n_layer: int, n_kv_head: int, head_dim: int, rank: int, ro
     return KVBases(layers, "identity" if identity else "random", rope)
 
 
+def save_model_dirs(models: dict, tokenizer, tmp_path_factory) -> dict:
+    """``{name: folder}``: each model saved with ``save_pretrained`` beside ``tokenizer`` (a model directory the
+    command-line tools load)."""
+    out = {}
+    for name, model in models.items():
+        d = tmp_path_factory.mktemp(name)
+        model.save_pretrained(d)
+        tokenizer.save_pretrained(d)
+        out[name] = d
+    return out
+
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3")
 """The HF decoder families the post-training methods support, as ``config.model_type``."""
 
@@ -53,11 +65,12 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3
 def tiny_family(family: str, *, window: int | None = None, seed: int = 0, partial_rotary: float = 1.0,
                 n_layer: int = 3, vocab_size: int = 96, std: float = 0.12) -> torch.nn.Module:
     """A tiny random-weight ``*ForCausalLM`` of ``family`` from its transformers config (no download), fp32, eval,
-    :func:`sharpen`-ed (``std``): 3 layers, 4 query / 2 KV heads of 16, vocab 96 (``vocab_size``). ``window``: the sliding window — every layer
-    for Mistral / Phi-3, layers 1.. for Qwen2/3 (``max_window_layers=1``), layers 0 and 2 for Gemma-3 (layer 1
-    full); ``None`` = none. ``vocab_size`` 512 fits stories260K's tokenizer. Gemma-3 also gets ``query_pre_attn_scalar`` 24, a local RoPE base of 100 and a final
-    logit soft-cap of 30 (``gemma3``: that text model inside the multimodal ``Gemma3ForConditionalGeneration``, the
-    last 3 token ids reserved for images); Qwen2 q/k/v biases; Phi-3 ``partial_rotary``."""
+    :func:`sharpen`-ed (``std``): 3 layers, 4 query / 2 KV heads of 16, vocab 96 (``vocab_size``; 520 fits
+    stories260K's tokenizer). ``window``: the sliding window — every layer for Mistral / Phi-3, layers 1.. for Qwen2/3
+    (``max_window_layers=1``), layers 0 and 2 for Gemma-3 (layer 1 full); ``None`` = none. Gemma-3 also gets
+    ``query_pre_attn_scalar`` 24, a local RoPE base of 100 and a final logit soft-cap of 30 (``gemma3``: that text
+    model inside the multimodal ``Gemma3ForConditionalGeneration``, the last 3 token ids reserved for images); Qwen2
+    q/k/v biases; Phi-3 ``partial_rotary``."""
     import transformers as tf
 
     torch.manual_seed(seed)

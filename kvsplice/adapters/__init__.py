@@ -1,5 +1,5 @@
-"""One family adapter per supported model family (HF GPT-2; HF Llama, Mistral, Qwen2 — one Llama-layout adapter; Qwen3,
-Phi-3, Gemma-3 — a small subclass each; our GPT), used by every method.
+"""One family adapter per supported model family (HF GPT-2; HF Llama, Mistral, Qwen2 — one Llama-layout adapter;
+Qwen3, Phi-3, Gemma-3 — a small subclass each; our GPT), used by every method.
 
 ``adapter_for(model)`` picks the adapter; ``model_info`` / ``model_fingerprint`` describe a model for bases files.
 """

@@ -28,8 +28,8 @@ def unsupported(model: object, why: str = "") -> ValueError:
     name = type(model).__name__
     mt = getattr(getattr(model, "config", None), "model_type", None)
     return ValueError(f"unsupported model {name}{f' (model_type={mt!r})' if mt else ''} (unsupported model family"
-                      f"{': ' + why if why else ''}); supported: transformers model_type {', '.join(SUPPORTED_FAMILIES)}; "
-                      f"models.GPT (attention='mha')")
+                      f"{': ' + why if why else ''}); supported: transformers model_type "
+                      f"{', '.join(SUPPORTED_FAMILIES)}; models.GPT (attention='mha')")
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ class GPT2Adapter(FamilyAdapter):
             return float(attn.scale)
         if hasattr(attn, "scaling"):
             return float(attn.scaling)
-        # transformers < 5.3 keeps no ``scaling``: GPT-2's definition (its eager attention)
+        # older transformers (4.56 – 5.2) keep no ``scaling``: GPT-2's definition (its eager attention)
         s = self.head_dim ** -0.5 if attn.scale_attn_weights else 1.0
         return s / (attn.layer_idx + 1) if attn.scale_attn_by_inverse_layer_idx else s
 

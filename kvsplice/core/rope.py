@@ -70,9 +70,9 @@ class RopeTables:
                   pads: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """``(B or 1, Tk)`` positions of the ``Tk`` held keys, the first at column ``offset`` of the tokens seen (see
         the module docstring), under transformers' ``mask`` (left padding: each row's real tokens numbered from 0;
-        ``pads (B,)`` its padding columns), or ``None`` for ``0 .. Tk-1``."""
+        ``pads (B,)`` its padding columns), or ``None`` without a mask: ``offset .. offset + Tk - 1``."""
         if mask is None:
-            return None if offset == 0 else offset + torch.arange(t_k)[None]  # (1, Tk)
+            return None
         pos = seen_by_any(mask).long().cumsum(-1) - 1  # (B or 1, Tk)
         if offset:  # + the real tokens the window dropped
             dropped = torch.full((pos.shape[0],), offset, device=pos.device)
@@ -92,7 +92,7 @@ class RopeTables:
         hit = step.memo.get(key)
         if hit is None:
             pos = self.positions(mask, t_k, off, step.pads)
-            pos = torch.arange(t_k)[None] if pos is None else pos
+            pos = torch.arange(off, off + t_k)[None] if pos is None else pos  # (B or 1, Tk)
             hit = step.memo[key] = self._check(self.rotary(like, pos.to(like.device)), like)
         return hit
 
@@ -126,13 +126,13 @@ class RopeTables:
         if pos is not None:
             pos = pos.to(like.device)
         if not self.static:  # frequencies depend on the length: this call's positions only
-            cos, sin = self._check(self.rotary(like, torch.arange(t_k, device=like.device)[None] if pos is None
-                                               else pos), like)
+            cos, sin = self._check(self.rotary(like, torch.arange(off, off + t_k, device=like.device)[None]
+                                               if pos is None else pos), like)
             cos_t, sin_t, un = self._derive(cos, sin, scale)  # (B or 1, 1, D, Tk), (B or 1, Tk, 2, D)
             tables = (cos_t, sin_t, un[:, None, t_k - t_q:])  # un (B or 1, 1, Tq, 2, D)
         else:
             full = self._full
-            need = off + t_k if pos is None else int(pos.max()) + 1  # positions the table must cover
+            need = off + t_k  # columns seen: no position is larger (padding only lowers them)
             if (full is None or full[0] != scale or full[1] < need or full[2].dtype != like.dtype
                     or full[2].device != like.device):
                 n = max(need, 2 * full[1] if full is not None else 0, 64)

@@ -57,7 +57,10 @@ def check_evictable(cache: Cache, windows: Sequence[Optional[int]]) -> None:
 
 def evict(cache: Cache, layer: int, keep: int) -> None:
     """Keep only the newest ``keep`` tokens of ``layer`` (in place; the tokens seen and the buffers stay)."""
-    for c in _streams(cache) or ():
+    streams = _streams(cache)
+    if streams is None:
+        raise ValueError(f"{type(cache).__name__} cannot drop the tokens that leave layer {layer}'s sliding window")
+    for c in streams:
         n = c.layer_len(layer)
         if n <= keep:
             continue

@@ -15,10 +15,9 @@ dropped tokens), builds the RoPE tables once, and per layer runs the model's nor
 weights, the method's :meth:`~kvsplice.core.method.CompressionMethod.attend` — the same function the HF door calls —
 and the output projection) and the model's residual + MLP; then the LM head. A sliding-window layer runs the
 method's ``for_window`` variant with a window mask and keeps only its last ``window - 1`` tokens
-(:mod:`kvsplice.core.window`). Inference only: no dropout, no
-gradients. ``method=None`` is the model's own cache: ``ModelAttention`` for ``models.GPT`` (MHA / MLA / KVSplice),
-``DenseKV`` (full K/V) for HF models. The decoder holds ``method.bind(...)``, a copy prepared for this model: the
-method passed in stays unbound and can serve other models.
+(:mod:`kvsplice.core.window`). Inference only: no dropout, no gradients. ``method=None`` is the model's own cache:
+``ModelAttention`` for ``models.GPT`` (MHA / MLA / KVSplice), ``DenseKV`` (full K/V) for HF models. The decoder holds
+``method.bind(...)``, a copy prepared for this model: the method passed in stays unbound and can serve other models.
 """
 
 from __future__ import annotations

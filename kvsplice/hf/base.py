@@ -29,8 +29,8 @@ sized like transformers' own ``DynamicSlidingWindowLayer``: they hold their last
 mask transformers builds over ``(held + new, offset = seen - held)`` is the window's over exactly what the method
 holds; the layer runs the method's ``for_window`` variant and, once it attended, keeps its last ``window - 1`` tokens.
 
-Works with transformers 4.56 – 5.23 (``get_mask_sizes`` takes the query length or, before 5.3, ``cache_position``;
-``get_max_cache_shape`` / ``get_max_length`` are both answered).
+Works with transformers 4.56 – 5.23 (verified on 4.56.0, 4.57.6, 5.2.0, 5.23.0): ``get_mask_sizes`` takes the query
+length (5.23) or ``cache_position`` (4.56 – 5.2); both ``get_max_length`` and ``get_max_cache_shape`` are answered.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class _Layer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of transformers' mask: all tokens seen, or for a sliding-window layer the ones
-        it holds (its last tokens). ``query_length``: an int, or ``cache_position`` before transformers 5.3."""
+        it holds (its last tokens). ``query_length``: an int, or ``cache_position`` (transformers 4.56 – 5.2)."""
         q = int(query_length.shape[0]) if isinstance(query_length, torch.Tensor) else int(query_length)
         seen = self.owner.get_seq_length()
         if not self.is_sliding or self.owner.store is None:
@@ -83,7 +83,7 @@ class _Layer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    get_max_cache_shape = get_max_length  # its name before transformers 5.3
+    get_max_cache_shape = get_max_length  # its name in transformers 4.56 – 5.2
 
     def reset(self) -> None:
         self.owner.reset()

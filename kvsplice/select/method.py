@@ -165,7 +165,8 @@ def run_token_selection(model: nn.Module, idx: torch.Tensor, selector: TokenSele
     nll, logits, cache = score_continuation(dec, idx, p, decode_chunk=decode_chunk, cache_dtype=cache_dtype)
     el = torch.empty((), dtype=cache.dtype).element_size()
     a = dec.adapter
-    full = 2 * a.n_layer * b * a.n_kv_head * (t - 1) * a.head_dim * el
+    held = [min(t - 1, w - 1) if w else t - 1 for w in dec.windows]  # a full cache's tokens per layer (windows)
+    full = 2 * sum(held) * b * a.n_kv_head * a.head_dim * el
     return TokenSelectionResult(nll=nll, ppl=math.exp(nll), n_scored=b * (t - p), prompt_len=p, budget=budget,
                                 n_keep=min(budget, p), cache_nbytes=cache.nbytes(), full_nbytes=full, cache=cache,
                                 logits=logits if return_logits else None)

@@ -77,7 +77,10 @@ class GPT2Adapter(FamilyAdapter):
             return float(attn.scale)
         if hasattr(attn, "scaling"):
             return float(attn.scaling)
-        # older transformers (4.56 – 5.2) keep no ``scaling``: GPT-2's definition (its eager attention)
+        # transformers 4.56 – 5.2 keep no ``scaling``: only their eager attention applies scale_attn_weights and
+        # scale_attn_by_inverse_layer_idx; every other attention function gets the default 1/sqrt(head_dim)
+        if self.model.config._attn_implementation != "eager":
+            return self.head_dim ** -0.5
         s = self.head_dim ** -0.5 if attn.scale_attn_weights else 1.0
         return s / (attn.layer_idx + 1) if attn.scale_attn_by_inverse_layer_idx else s
 

@@ -257,12 +257,13 @@ def test_coefficient_cache_layout_and_errors():
 
 # ------------------------------------------------------------------------------------------- 3. errors
 def test_unsupported_family_is_a_clear_error():
-    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
+    olmo = transformers.OlmoForCausalLM(transformers.OlmoConfig(
         vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1))
-    for model in (mistral, torch.nn.Linear(2, 2),
+    for model in (olmo, torch.nn.Linear(2, 2),
                   GPT(GPTConfig(vocab_size=V, n_layer=1, n_head=2, d_model=16, attention="mla", d_latent=8))):
-        with pytest.raises(ValueError, match="unsupported model family.*supported: .*GPT2LMHeadModel.*Llama"):
+        with pytest.raises(ValueError, match="unsupported model family.*supported: .*gpt2, llama, mistral, qwen2, "
+                                             "qwen3, phi3, gemma3_text"):
             Decoder(model, DenseKV())
 
 

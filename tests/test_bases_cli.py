@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from kvsplice import eval_bases, fit_bases  # noqa: E402
 from kvsplice.lowrank.bases import KVBases  # noqa: E402
 from kvsplice.adapters import model_fingerprint  # noqa: E402
+from tiny_models import save_model_dirs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
@@ -64,19 +65,13 @@ def tiny_dirs(s260k, tmp_path_factory) -> dict[str, Path]:
     """A tiny random GQA Llama and a tiny random GPT-2, saved with save_pretrained plus a tokenizer (stories260K's
     512-token one: small and fast to load)."""
     tok = transformers.AutoTokenizer.from_pretrained(s260k)
-    out = {}
     torch.manual_seed(0)
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, max_position_embeddings=256))
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=512, n_positions=256, n_embd=32,
                                                                 n_layer=2, n_head=4))
-    for name, model in (("llama", llama), ("gpt2", gpt2)):
-        d = tmp_path_factory.mktemp(name)
-        model.save_pretrained(d)
-        tok.save_pretrained(d)
-        out[name] = d
-    return out
+    return save_model_dirs({"llama": llama, "gpt2": gpt2}, tok, tmp_path_factory)
 
 
 # ------------------------------------------------------------------------------------------------ fit

@@ -44,3 +44,65 @@ def orthonormal_bases(n_layer: int, n_kv_head: int, head_dim: int, rank: int, ro
 
     layers = [[HeadBases(*pair(), *pair()) for _ in range(n_kv_head)] for _ in range(n_layer)]
     return KVBases(layers, "identity" if identity else "random", rope)
+
+
+def save_model_dirs(models: dict, tokenizer, tmp_path_factory) -> dict:
+    """``{name: folder}``: each model saved with ``save_pretrained`` beside ``tokenizer`` (a model directory the
+    command-line tools load)."""
+    out = {}
+    for name, model in models.items():
+        d = tmp_path_factory.mktemp(name)
+        model.save_pretrained(d)
+        tokenizer.save_pretrained(d)
+        out[name] = d
+    return out
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3")
+"""The HF decoder families the post-training methods support, as ``config.model_type``."""
+
+
+def tiny_family(family: str, *, window: int | None = None, seed: int = 0, partial_rotary: float = 1.0,
+                n_layer: int = 3, vocab_size: int = 96, std: float = 0.12) -> torch.nn.Module:
+    """A tiny random-weight ``*ForCausalLM`` of ``family`` from its transformers config (no download), fp32, eval,
+    :func:`sharpen`-ed (``std``): 3 layers, 4 query / 2 KV heads of 16, vocab 96 (``vocab_size``; 520 fits
+    stories260K's tokenizer). ``window``: the sliding window — every layer for Mistral / Phi-3, layers 1.. for Qwen2/3
+    (``max_window_layers=1``), layers 0 and 2 for Gemma-3 (layer 1 full); ``None`` = none. Gemma-3 also gets
+    ``query_pre_attn_scalar`` 24, a local RoPE base of 100 and a final logit soft-cap of 30 (``gemma3``: that text
+    model inside the multimodal ``Gemma3ForConditionalGeneration``, the last 3 token ids reserved for images); Qwen2
+    q/k/v biases; Phi-3 ``partial_rotary``."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=n_layer,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    if family == "llama":
+        cfg = tf.LlamaConfig(**common)
+    elif family == "mistral":
+        cfg = tf.MistralConfig(**common, sliding_window=window)
+    elif family in ("qwen2", "qwen3"):
+        cls = tf.Qwen2Config if family == "qwen2" else tf.Qwen3Config
+        cfg = cls(**common, use_sliding_window=window is not None, sliding_window=window, max_window_layers=1)
+    elif family == "phi3":
+        cfg = tf.Phi3Config(**common, sliding_window=window, partial_rotary_factor=partial_rotary)
+    elif family in ("gemma3_text", "gemma3"):
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layer)]
+        cfg = tf.Gemma3TextConfig(**common, sliding_window=window or 4096, layer_types=types,
+                                  query_pre_attn_scalar=24, rope_local_base_freq=100.0, final_logit_softcapping=30.0)
+        if family == "gemma3":  # the multimodal Gemma3ForConditionalGeneration around it: a 1-layer vision tower
+            vision = tf.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=28, patch_size=14)
+            cfg = tf.Gemma3Config(text_config=cfg, vision_config=vision, mm_tokens_per_image=4,
+                                  image_token_index=vocab_size - 1, boi_token_index=vocab_size - 3,
+                                  eoi_token_index=vocab_size - 2)
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    cfg._attn_implementation = "sdpa"
+    model = sharpen(tf.AutoModelForCausalLM.from_config(cfg).float(), std=std, seed=seed)
+    if family.startswith("gemma3"):  # Gemma's RMSNorms scale by 1 + weight: centre them on 1 like the others
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name and "vision" not in name:
+                    p.sub_(1.0)
+    return model

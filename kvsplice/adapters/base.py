@@ -14,20 +14,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED_FAMILIES = ("transformers.GPT2LMHeadModel / GPT2Model (model_type 'gpt2')",
-                      "transformers.LlamaForCausalLM / LlamaModel (model_type 'llama')",
-                      "models.GPT (attention='mha' for post-training methods)")
+SUPPORTED_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3")
+"""The ``config.model_type`` of the transformers causal LMs (``*ForCausalLM``, or the bare ``*Model``) every
+post-training method supports; besides them, ``models.GPT`` with ``attention='mha'``."""
 
 Sink = Callable[[int, str, torch.Tensor], None]
 """``sink(layer, kind, x)`` with kind ``q`` (x ``(B, Hq, T, d)``), ``k`` or ``v`` (``(B, Hkv, T, d)``)."""
 
 
 def unsupported(model: object, why: str = "") -> ValueError:
-    """The one error for a model no adapter (or no post-training method) supports."""
+    """The one error for a model no adapter (or no post-training method) supports: one line (it fits the CLIs'
+    300-character error lines) naming the supported families."""
     name = type(model).__name__
     mt = getattr(getattr(model, "config", None), "model_type", None)
     return ValueError(f"unsupported model {name}{f' (model_type={mt!r})' if mt else ''} (unsupported model family"
-                      f"{': ' + why if why else ''}); supported: {', '.join(SUPPORTED_FAMILIES)}")
+                      f"{': ' + why if why else ''}); supported: transformers model_type "
+                      f"{', '.join(SUPPORTED_FAMILIES)}; models.GPT (attention='mha')")
 
 
 @dataclass(frozen=True)
@@ -82,9 +84,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x (B, H, T, D)`` at the positions of ``cos, sin (1 or B, T, D)``."""
-    cos, sin = cos[:, None], sin[:, None]  # (·, 1, T, D): broadcast over heads
-    return x * cos + rotate_half(x) * sin
+    """Rotate ``x (B, H, T, D)`` at the positions of ``cos, sin (1 or B, T, r)``; ``r < D`` (partial rotary, e.g.
+    Phi-3 with ``partial_rotary_factor < 1``) rotates the first ``r`` dims and passes the rest through."""
+    cos, sin = cos[:, None], sin[:, None]  # (·, 1, T, r): broadcast over heads
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot = x[..., :r]
+    return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x[..., r:]], dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------- adapter
@@ -149,25 +156,62 @@ class FamilyAdapter:
     def scale(self, layer: int) -> float:
         raise NotImplementedError
 
-    def rope(self, x: torch.Tensor, start: int, t: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """``cos, sin (1, t, D)`` for positions ``start .. start + t - 1``; ``None`` without RoPE."""
+    def window(self, layer: int) -> Optional[int]:
+        """The sliding window of ``layer`` (transformers' convention: a query sees itself and the ``window - 1``
+        tokens before it), or ``None`` for full causal attention."""
         return None
 
-    def rotary_embedding(self) -> Optional[nn.Module]:
-        """The model's rotary module, ``rotary(x, positions (B or 1, T)) -> cos, sin (B or 1, T, D)`` (methods
-        that keep pre-RoPE numbers build their tables from it); ``None`` without RoPE."""
+    def rotary_embedding(self, layer: int = 0) -> Optional[Callable]:
+        """``layer``'s rotary module, ``rotary(x, positions (B or 1, T)) -> cos, sin (B or 1, T, r)`` (methods that
+        keep pre-RoPE numbers build their tables from it; layers that share RoPE share the object); ``None``
+        without RoPE."""
         return None
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of a head the rotary embedding rotates (``head_dim`` unless partial rotary)."""
+        return self.head_dim
+
+    def rope(self, x: torch.Tensor, start: int, t: int, layer: Optional[int] = None):
+        """RoPE tables of positions ``start .. start + t - 1``: with ``layer``, that layer's ``cos, sin (1, t, r)``;
+        without, the tables of every layer for :meth:`qkv` (one ``(cos, sin)`` when all layers share them, else a
+        list per layer, computed once per distinct rotary). ``None`` without RoPE."""
+        if not self.has_rope:
+            return None
+        pos = torch.arange(start, start + t, device=x.device)[None]  # (1, t)
+        if layer is not None:
+            return self.rotary_embedding(layer)(x, pos)
+        rots = [self.rotary_embedding(l) for l in range(self.n_layer)]
+        if all(r is rots[0] for r in rots):
+            return rots[0](x, pos)
+        tables: dict[int, tuple] = {}
+        for r in rots:
+            if id(r) not in tables:
+                tables[id(r)] = r(x, pos)
+        return [tables[id(r)] for r in rots]
+
+    @staticmethod
+    def layer_rope(layer: int, tables):
+        """``layer``'s ``(cos, sin)`` from what :meth:`rope` returned for every layer."""
+        return tables[layer] if isinstance(tables, list) else tables
+
+    def head_norm(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
+        """The per-head norm a family applies to projected ``q`` / ``k`` ``(B, H, T, D)`` before RoPE (Qwen3,
+        Gemma-3: RMSNorm over the head dim); identity here."""
+        return x
 
     # ------------------------------------------------------------------------------------------- shared
     def qkv(self, layer: int, h: torch.Tensor, rope=None, *, rotate_k: bool = True
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``q (B, Hq, T, D)``, ``k, v (B, Hkv, T, D)`` from the original weights; with ``rope`` tables ``q`` is
-        rotated, and ``k`` too unless ``rotate_k=False`` (pre-RoPE keys)."""
+        """``q (B, Hq, T, D)``, ``k, v (B, Hkv, T, D)`` from the original weights (and the family's per-head norms);
+        with ``rope`` (what :meth:`rope` returned) ``q`` is rotated, and ``k`` too unless ``rotate_k=False``
+        (pre-RoPE keys)."""
         P = self.proj(layer)
-        q = split_heads(F.linear(h, P.wq, P.bq), self.n_head)  # (B, Hq, T, D)
-        k = split_heads(F.linear(h, P.wk, P.bk), self.n_kv_head)  # (B, Hkv, T, D)
+        q = self.head_norm(layer, "q", split_heads(F.linear(h, P.wq, P.bq), self.n_head))  # (B, Hq, T, D)
+        k = self.head_norm(layer, "k", split_heads(F.linear(h, P.wk, P.bk), self.n_kv_head))  # (B, Hkv, T, D)
         v = split_heads(F.linear(h, P.wv, P.bv), self.n_kv_head)  # (B, Hkv, T, D)
         if rope is not None:
+            rope = self.layer_rope(layer, rope)
             q = apply_rope(q, *rope)
             if rotate_k:
                 k = apply_rope(k, *rope)

@@ -30,6 +30,9 @@ def run_with_qkv_hooks(model: nn.Module, adapter: FamilyAdapter, rope: RopeMode,
          progress: bool, total: Optional[int], desc: str) -> int:
     """Forward every batch with the adapter's q/k/v hooks attached (``sink`` gets every layer's tensors); returns the
     number of tokens seen. Eval mode and ``no_grad`` for the pass; every hook is removed afterwards."""
+    if rope == "pre" and adapter.rotary_dim != adapter.head_dim:
+        raise ValueError(f"pre-RoPE bases need a rotary over the whole head: this {adapter.name} model rotates "
+                         f"{adapter.rotary_dim} of {adapter.head_dim} dims (partial_rotary_factor); use --rope post")
     handles = adapter.attach_qkv_hooks(sink, rope)
     fwd = adapter.base_forward  # the model's own forward (no LM head for HF models)
     device = next(model.parameters()).device

@@ -14,7 +14,8 @@ from kvsplice.adapters.registry import adapter_for
 
 _ARCH_KEYS = ("vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_layer", "num_attention_heads",
               "n_head", "num_key_value_heads", "head_dim", "max_position_embeddings", "n_positions",
-              "rope_parameters", "rope_theta", "rope_scaling", "attention_bias", "partial_rotary_factor")
+              "rope_parameters", "rope_theta", "rope_scaling", "attention_bias", "partial_rotary_factor",
+              "layer_types", "sliding_window", "query_pre_attn_scalar", "rope_local_base_freq")
 
 
 def _sample_bytes(t: torch.Tensor, n: int = 1024) -> bytes:
@@ -35,8 +36,8 @@ def model_fingerprint(model: nn.Module) -> str:
     adapter.require_projections()
     info = adapter.info()
     arch: dict[str, Any] = {f.name: getattr(info, f.name) for f in fields(info)}
-    if info.family in ("llama", "gpt2"):
-        cfg = model.config.to_dict()
+    if info.family != "gpt":  # a transformers model
+        cfg = adapter.config.to_dict() if hasattr(adapter, "config") else model.config.to_dict()
         arch.update({k: cfg[k] for k in _ARCH_KEYS if k in cfg})
     else:
         cfg = model.cfg.to_dict()

@@ -73,7 +73,16 @@ class GPT2Adapter(FamilyAdapter):
 
     def scale(self, layer):
         attn = self.t.h[layer].attn
-        return float(attn.scaling) if self.hf else float(attn.scale)
+        if not self.hf:
+            return float(attn.scale)
+        if hasattr(attn, "scaling"):
+            return float(attn.scaling)
+        # transformers 4.56 – 5.2 keep no ``scaling``: only their eager attention applies scale_attn_weights and
+        # scale_attn_by_inverse_layer_idx; every other attention function gets the default 1/sqrt(head_dim)
+        if self.model.config._attn_implementation != "eager":
+            return self.head_dim ** -0.5
+        s = self.head_dim ** -0.5 if attn.scale_attn_weights else 1.0
+        return s / (attn.layer_idx + 1) if attn.scale_attn_by_inverse_layer_idx else s
 
     def base_forward(self, ids):
         if self.hf:

@@ -69,7 +69,7 @@ def build_tokenizer(pieces: list[bytes], scores: list[float], model_max_length: 
     * byte fallback to ``<0xNN>`` for characters outside the vocab; BOS is prepended on encode;
     * decoder: "▁" -> " ", byte fallback, fuse, strip one leading space.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, normalizers
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
 
@@ -116,6 +116,9 @@ def build_tokenizer(pieces: list[bytes], scores: list[float], model_max_length: 
         decoders.Strip(content=" ", left=1, right=0),
     ])
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+    # BOS before every text in the tokenizer itself: transformers 4.x's PreTrainedTokenizerFast ignores add_bos_token
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", vocab["<s>"])])
     kwargs = {}
     if model_max_length:
         kwargs["model_max_length"] = int(model_max_length)

@@ -16,7 +16,8 @@ queries **post-RoPE**, keys post-RoPE or pre-RoPE as the method declares (``key_
   ``mask``, and returns ``attend``'s output.
 
 ``mask`` is transformers' (boolean ``(B or 1, 1, Tq, Tk)`` over the absolute positions ``0 .. Tk-1`` of the tokens
-seen, True = attend; ``None`` = causal without padding — always ``None`` from the ``Decoder``). ``logw``
+seen, True = attend; ``None`` = causal without padding — from the ``Decoder`` only a sliding window's
+(:func:`kvsplice.core.window.window_mask`), over the tokens the layer holds). ``logw``
 ``(B, Hkv, Tk)``, optional, are per-token log-weights added to the scores of the held tokens (a token subset
 stored by another method: :class:`kvsplice.select.method.TokenSelection` with ``store=``). A method that keeps
 pre-RoPE numbers (``key_rope = "pre"``) undoes the rotation of keys that arrive rotated itself
@@ -24,13 +25,17 @@ pre-RoPE numbers (``key_rope = "pre"``) undoes the rotation of keys that arrive 
 
 A **storage** method (one that can hold the tokens a selection keeps: ``DenseKV``, ``LowRank``) also implements
 :meth:`~CompressionMethod.append` — store without attending — and accepts ``logw`` in ``attend``.
+
+Sliding-window layers (:mod:`kvsplice.core.window`): both doors run :meth:`~CompressionMethod.for_window` of the
+method on them, hand it a mask that hides what lies outside the window and evict the tokens that leave it; their
+``bytes_formula`` gets the tokens held per layer.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -38,7 +43,16 @@ from kvsplice.adapters.base import FamilyAdapter
 from kvsplice.core.attention import dense_attend
 from models.cache import Cache
 
-__all__ = ["CompressionMethod", "Step"]
+__all__ = ["CompressionMethod", "Step", "layer_tokens"]
+
+
+def layer_tokens(n_held: int | Sequence[int], n_layer: int) -> int:
+    """Tokens held summed over layers: ``n_held · n_layer``, or the sum of a per-layer list."""
+    if isinstance(n_held, int):
+        return n_held * n_layer
+    if len(n_held) != n_layer:
+        raise ValueError(f"n_held has {len(n_held)} layers, the model has {n_layer}")
+    return sum(int(n) for n in n_held)
 
 
 @dataclass
@@ -47,10 +61,12 @@ class Step:
     ``start .. start + t - 1``.
 
     ``scales[l]``: layer ``l``'s softmax scale; ``backend``: the dense attention kernel (``auto`` / ``flash`` /
-    ``sdpa``); ``rope``: ``cos, sin (1, t, D)`` of the new positions (the ``Decoder``'s, to rotate ``q, k``;
-    ``None`` without RoPE or in the HF door); ``k_rotated``: the keys ``attend`` gets are rotated (always in the HF
-    door; in the ``Decoder`` unless the method's ``key_rope`` is ``"pre"``); ``memo``: what a method computes once
-    per call and shares between layers (RoPE tables, the decode mask).
+    ``sdpa``); ``rope``: the RoPE tables of the new positions (the ``Decoder``'s, to rotate ``q, k``: what
+    :meth:`~kvsplice.adapters.base.FamilyAdapter.rope` returns; ``None`` without RoPE or in the HF door);
+    ``k_rotated``: the keys ``attend`` gets are rotated (always in the HF door; in the ``Decoder`` unless the
+    method's ``key_rope`` is ``"pre"``); ``pads``: ``(B,)`` left-padding columns per sequence (HF door, from the first
+    call's mask; ``None``: none) — with the tokens seen, the positions of held keys once a sliding window dropped
+    some; ``memo``: what a method computes once per call and shares between layers (RoPE tables, the decode mask).
     """
 
     adapter: FamilyAdapter
@@ -60,6 +76,7 @@ class Step:
     backend: str = "auto"
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     k_rotated: bool = True
+    pads: Optional[torch.Tensor] = None
     memo: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -123,10 +140,17 @@ class CompressionMethod:
         """Tokens the cache holds at the end of ``generate`` (exact preallocation)."""
         return prompt_len + max(max_new_tokens, 1) - 1
 
-    def bytes_formula(self, batch_size: int, n_held: int, dtype: torch.dtype) -> Optional[int]:
-        """Bytes the method's cache holds for ``n_held`` tokens per layer of ``batch_size`` sequences at ``dtype``;
-        ``None`` for a method without a closed form (the online method's chunks)."""
+    def bytes_formula(self, batch_size: int, n_held: int | Sequence[int], dtype: torch.dtype) -> Optional[int]:
+        """Bytes the method's cache holds for ``n_held`` tokens per layer (or a list: the tokens each layer holds,
+        for models with sliding-window layers) of ``batch_size`` sequences at ``dtype``; ``None`` for a method
+        without a closed form (the online method's chunks)."""
         return None
+
+    def for_window(self, window: int) -> "CompressionMethod":
+        """The method for a layer that sees only its last ``window`` tokens (the doors evict the rest and mask what
+        lies outside the window): ``self`` for methods that keep a layer's tokens in order; a token selection
+        keeps the window's most recent tokens instead of a subset."""
+        return self
 
     # ---------------------------------------------------------------------------------------------- attention
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Cache, step: Step,
@@ -141,13 +165,14 @@ class CompressionMethod:
         keeps, in any order per KV head)."""
         raise NotImplementedError(f"{type(self).__name__} is not a storage method (it cannot hold a token subset)")
 
-    def block(self, layer: int, h: torch.Tensor, cache: Cache, step: Step) -> torch.Tensor:
+    def block(self, layer: int, h: torch.Tensor, cache: Cache, step: Step,
+              mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The ``Decoder``'s attention block for the normalised hidden states ``h (B, T, d_model)``: project ``q, k,
-        v`` with the model's weights, rotate ``q`` (and ``k`` if ``step.k_rotated``), :meth:`attend`, output
-        projection → ``(B, T, d_model)``."""
+        v`` with the model's weights, rotate ``q`` (and ``k`` if ``step.k_rotated``), :meth:`attend` (``mask``: a
+        sliding window's, else ``None``), output projection → ``(B, T, d_model)``."""
         a = step.adapter
         q, k, v = a.qkv(layer, h, step.rope, rotate_k=step.k_rotated)  # (B, Hq, T, D), (B, Hkv, T, D) × 2
-        return a.out(layer, self.attend(layer, q, k, v, cache, step))
+        return a.out(layer, self.attend(layer, q, k, v, cache, step, mask=mask))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -13,10 +13,11 @@ Per call the decoder embeds the new tokens at ``cache.position`` (the next absol
 dropped tokens), builds the RoPE tables once, and per layer runs the model's norm, the method's attention block
 (:meth:`~kvsplice.core.method.CompressionMethod.block`: the layer's q/k/v projected and rotated with the model's
 weights, the method's :meth:`~kvsplice.core.method.CompressionMethod.attend` — the same function the HF door calls —
-and the output projection) and the model's residual + MLP; then the LM head. Inference only: no dropout, no
-gradients. ``method=None`` is the model's own cache: ``ModelAttention`` for ``models.GPT`` (MHA / MLA / KVSplice),
-``DenseKV`` (full K/V) for HF models. The decoder holds ``method.bind(...)``, a copy prepared for this model: the
-method passed in stays unbound and can serve other models.
+and the output projection) and the model's residual + MLP; then the LM head. A sliding-window layer runs the
+method's ``for_window`` variant with a window mask and keeps only its last ``window - 1`` tokens
+(:mod:`kvsplice.core.window`). Inference only: no dropout, no gradients. ``method=None`` is the model's own cache:
+``ModelAttention`` for ``models.GPT`` (MHA / MLA / KVSplice), ``DenseKV`` (full K/V) for HF models. The decoder holds
+``method.bind(...)``, a copy prepared for this model: the method passed in stays unbound and can serve other models.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 
 from kvsplice.adapters.registry import adapter_for
 from kvsplice.core.method import CompressionMethod, Step
+from kvsplice.core.window import check_evictable, evict, held_per_layer, window_mask
 from kvsplice.decode.dense import DenseKV
 from kvsplice.decode.native import ModelAttention
 from models.cache import Cache
@@ -58,6 +60,8 @@ class Decoder:
         p = self.adapter.param()
         self.dtype, self.device = p.dtype, p.device
         self.method = method.bind(self.adapter, dtype=self.dtype, device=self.device)  # a prepared copy
+        self.windows = [self.adapter.window(l) for l in range(self.adapter.n_layer)]
+        self.layer_methods = [self.method.for_window(w) if w else self.method for w in self.windows]
         self.scales = [self.adapter.scale(l) for l in range(self.adapter.n_layer)] \
             if method.needs_projections else []
 
@@ -69,7 +73,18 @@ class Decoder:
     def new_cache(self, batch_size: int, capacity: Optional[int] = None, *, dtype: Optional[torch.dtype] = None,
                   device=None) -> Cache:
         """An empty cache of the method; dtype / device default to the model's, ``capacity`` preallocates."""
-        return self.method.new_cache(batch_size, capacity, dtype=dtype or self.dtype, device=device or self.device)
+        cache = self.method.new_cache(batch_size, capacity, dtype=dtype or self.dtype, device=device or self.device)
+        check_evictable(cache, self.windows)
+        return cache
+
+    def held(self, cache: Cache):
+        """Tokens ``cache`` holds per layer as ``bytes_formula`` takes them: ``seq_len``, or a list per layer for a
+        model with sliding-window layers."""
+        return held_per_layer(cache) if any(self.windows) else cache.seq_len
+
+    def bytes_formula(self, cache: Cache) -> Optional[int]:
+        """The method's bytes for what ``cache`` holds (``None``: no closed form)."""
+        return self.method.bytes_formula(cache.batch_size, self.held(cache), cache.dtype)
 
     # -------------------------------------------------------------------------------------------- forward
     @torch.no_grad()
@@ -85,8 +100,11 @@ class Decoder:
         x = a.embed(input_ids, start)  # (B, T, d_model)
         step = Step(a, start, t, self.scales, self.attn_backend, a.rope(x, start, t),  # rope: None without RoPE
                     k_rotated=self.method.key_rope != "pre")  # pre-RoPE storage gets its keys un-rotated
-        for layer in range(a.n_layer):
-            x = a.after_attn(layer, x, self.method.block(layer, a.attn_in(layer, x), cache, step))
+        for layer, (method, w) in enumerate(zip(self.layer_methods, self.windows)):
+            mask = None if w is None else window_mask(start, t, cache.layer_len(layer) + t, w, x.device)
+            x = a.after_attn(layer, x, method.block(layer, a.attn_in(layer, x), cache, step, mask=mask))
+            if w is not None:
+                evict(cache, layer, w - 1)  # the next token sees only the last w - 1 of them
         return a.head(x[:, -1:] if last_only else x)
 
     forward = __call__

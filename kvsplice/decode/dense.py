@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvsplice.core.method import CompressionMethod
+from kvsplice.core.method import CompressionMethod, layer_tokens
 from models.cache import KVCache
 
 __all__ = ["DenseKV"]
@@ -30,7 +30,7 @@ class DenseKV(CompressionMethod):
     def bytes_formula(self, batch_size, n_held, dtype):
         """``2 · L · Hkv · D · T · B · bytes``; int8: 1 byte per number + a 2-byte scale per row (token, head, k/v)."""
         a = self._bound()
-        rows = 2 * a.n_layer * a.n_kv_head * n_held * batch_size  # one key and one value row per head and token
+        rows = 2 * a.n_kv_head * layer_tokens(n_held, a.n_layer) * batch_size  # a key and a value row per head, token
         if self.cache_quant == "int8":
             return rows * (a.head_dim + 2)
         return rows * a.head_dim * torch.empty((), dtype=dtype).element_size()

@@ -31,5 +31,5 @@ class ModelAttention(CompressionMethod):
             raise TypeError(f"ModelAttention needs the model's own cache (model.new_cache()), got "
                             f"{type(cache).__name__}")
 
-    def block(self, layer, h, cache, step):
+    def block(self, layer, h, cache, step, mask=None):  # models.GPT has no sliding windows: mask is None
         return step.adapter.attention_module(layer)(h, cache=cache, layer=layer)  # (B, T, d_model)

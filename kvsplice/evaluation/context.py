@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from kvsplice.adapters import model_fingerprint, model_info
 from kvsplice.adapters.capture import extract_qkv
+from kvsplice.core.method import layer_tokens
 from kvsplice.decode import Decoder, DenseKV
 from kvsplice.lowrank.calibrate import calibrate
 from kvsplice.report.memory import measure_cache
@@ -66,20 +67,22 @@ class EvalContext:
             n_pred += ids.shape[0] * (t - 1)
             if bi == 0:
                 m = measure_cache(cache)
-                measured = {"batch_size": ids.shape[0], "seq_len": cache.seq_len, "dtype": str(cache.dtype)
+                measured = {"batch_size": ids.shape[0], "seq_len": cache.seq_len, "held": decoder.held(cache),
+                            "dtype": str(cache.dtype)
                             .replace("torch.", ""), "element_size": torch.empty((), dtype=cache.dtype).element_size(),
                             "measured_live_bytes": m.live_bytes, "measured_storage_bytes": m.storage_bytes,
                             "nbytes": cache.nbytes(), "n_tensors": m.n_tensors, "kind": type(cache).__name__}
-                formula = decoder.method.bytes_formula(ids.shape[0], cache.seq_len, cache.dtype)
+                formula = decoder.bytes_formula(cache)
                 if formula is not None:
                     measured["cache_bytes_formula"] = formula
         nll = total / max(n_pred, 1)
         return {"nll_per_token": nll, "ppl": math.exp(nll), "predicted_tokens": n_pred,
                 "decode_s": time.perf_counter() - t0, "cache": measured}
 
-    def full_kv_formula(self, batch_size: int, seq_len: int, element_size: int) -> int:
+    def full_kv_formula(self, batch_size: int, held, element_size: int) -> int:
+        """``2·L·H_kv·d·T·B·bytes``; ``held``: ``T``, or the tokens each layer holds (sliding windows)."""
         i = self.info
-        return 2 * i.n_layer * i.n_kv_head * i.head_dim * seq_len * batch_size * element_size
+        return 2 * i.n_kv_head * i.head_dim * layer_tokens(held, i.n_layer) * batch_size * element_size
 
     def full(self) -> dict[str, Any]:
         """Perplexity with the full K/V cache (``Decoder(model, DenseKV())``), the model's own forward perplexity,
@@ -87,7 +90,7 @@ class EvalContext:
         if self._full is None:
             res = self.decode(self.family(), desc="full cache")
             c = res["cache"]
-            c["formula_bytes"] = self.full_kv_formula(c["batch_size"], c["seq_len"], c["element_size"])
+            c["formula_bytes"] = self.full_kv_formula(c["batch_size"], c["held"], c["element_size"])
             c["bytes_match"] = c["measured_live_bytes"] == c["formula_bytes"] == c["nbytes"]
             res["model_forward_ppl"] = self._forward_ppl()
             res["elements_per_token"] = 2 * self.info.n_layer * self.info.n_kv_head * self.info.head_dim

@@ -19,7 +19,8 @@ from kvsplice.lowrank.diagnostics import bases_diagnostics
 from kvsplice.lowrank.fits import bases_errors, lesens_terms
 from kvsplice.decode import Decoder, DenseKV
 from kvsplice.lowrank.method import LowRank
-from models.attention import attend
+from kvsplice.core.attention import dense_attend
+from kvsplice.core.window import window_mask
 
 __all__ = ["attention_output_errors", "eval_static", "evaluate_bases", "evaluate_quantised", "bases_layer_errors"]
 
@@ -85,11 +86,12 @@ def attention_output_errors(ctx: EvalContext, bases: KVBases) -> list[float]:
         k_hat = torch.stack([kp[:, j] @ h.k_enc.double() @ h.k_dec.double().T for j, h in enumerate(heads)], 1)
         v_hat = torch.stack([v[:, j] @ h.v_enc.double() @ h.v_dec.double().T for j, h in enumerate(heads)], 1)
         if mode == "pre":
-            cos, sin = dec.adapter.rope(k_hat.float(), 0, k.shape[2])  # (1, T, d)
+            cos, sin = dec.adapter.rope(k_hat.float(), 0, k.shape[2], layer=l)  # (1, T, d)
             k_hat = apply_rope(k_hat, cos.double(), sin.double())
-        scale = dec.scales[l]
-        o = attend(q, k, v, scale=scale, backend="sdpa")  # (B, Hq, T, d)
-        o_hat = attend(q, k_hat, v_hat, scale=scale, backend="sdpa")
+        scale, w = dec.scales[l], dec.windows[l]
+        mask = None if w is None else window_mask(0, k.shape[2], k.shape[2], w, k.device)  # a sliding window's
+        o = dense_attend(q, k, v, scale=scale, mask=mask, backend="sdpa")  # (B, Hq, T, d)
+        o_hat = dense_attend(q, k_hat, v_hat, scale=scale, mask=mask, backend="sdpa")
         w = wo[l].to(o.dtype)
         y = torch.einsum("bhtd,hmd->btm", o, w)
         y_hat = torch.einsum("bhtd,hmd->btm", o_hat, w)
@@ -106,10 +108,12 @@ def evaluate_bases(ctx: EvalContext, bases: KVBases, label: str = "bases", path:
     full = ctx.full()
     res = ctx.decode(decoder, desc=label)
     c = res["cache"]
-    c["formula_bytes"] = bases.elements_per_token() * c["seq_len"] * c["batch_size"] * c["element_size"]
+    held = [c["held"]] * bases.n_layer if isinstance(c["held"], int) else c["held"]  # tokens per layer
+    numbers = sum(sum(h.rank_k + h.rank_v for h in heads) * t for heads, t in zip(bases.layers, held))
+    c["formula_bytes"] = numbers * c["batch_size"] * c["element_size"]
     c["full_kv_measured_bytes"] = full["cache"]["measured_live_bytes"] if (
         full["cache"]["batch_size"], full["cache"]["seq_len"]) == (c["batch_size"], c["seq_len"]) else None
-    c["full_kv_formula_bytes"] = ctx.full_kv_formula(c["batch_size"], c["seq_len"], c["element_size"])
+    c["full_kv_formula_bytes"] = ctx.full_kv_formula(c["batch_size"], c["held"], c["element_size"])
     c["bytes_match"] = c["measured_live_bytes"] == c["formula_bytes"] == c.get("cache_bytes_formula") == c["nbytes"]
     c["compression"] = c["full_kv_formula_bytes"] / c["measured_live_bytes"]
     rope = bases.rope if ctx.info.has_rope else "none"
@@ -143,7 +147,7 @@ def evaluate_quantised(ctx: EvalContext, bases: Optional[KVBases], quant: str, u
     full = ctx.full()
     c["formula_bytes"] = c["cache_bytes_formula"]  # the method's: full K/V or coefficients, int8 rows + scales
     c["bytes_match"] = c["measured_live_bytes"] == c["formula_bytes"] == c["nbytes"]
-    c["full_kv_formula_bytes"] = ctx.full_kv_formula(c["batch_size"], c["seq_len"], c["element_size"])
+    c["full_kv_formula_bytes"] = ctx.full_kv_formula(c["batch_size"], c["held"], c["element_size"])
     c["compression"] = c["full_kv_formula_bytes"] / c["measured_live_bytes"]
     res.update({k: unquantised[k] for k in ("method", "rope", "ranks_k", "ranks_v", "elements_per_token")
                 if k in unquantised})

@@ -46,6 +46,9 @@ def kvsplice_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     cache, layer = ctx
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"attention logit soft-capping (softcap={kwargs['softcap']}) is not supported by kvsplice "
+                         f"caches: no method computes capped scores")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     y = cache.attend(layer, query, key, value, attention_mask, scale)  # (B, Hq, Tq, D)
     return y.transpose(1, 2), None  # (B, Tq, Hq, D), as transformers' attention functions return

@@ -23,6 +23,14 @@ and compared with the method's formula.
 ``get_seq_length()`` is the number of tokens the sequences have *seen* (the next position), also for caches that
 hold fewer (token selection): transformers derives positions and mask sizes from it. Beam search (reordering),
 cropping (assisted decoding) and ``torch.compile`` are not supported and say so.
+
+Sliding-window layers (Mistral, Qwen2/3, Phi-3, Gemma-3; :mod:`kvsplice.core.window`) are ``is_sliding`` layers
+sized like transformers' own ``DynamicSlidingWindowLayer``: they hold their last tokens in order of position, so the
+mask transformers builds over ``(held + new, offset = seen - held)`` is the window's over exactly what the method
+holds; the layer runs the method's ``for_window`` variant and, once it attended, keeps its last ``window - 1`` tokens.
+
+Works with transformers 4.56 – 5.23 (verified on 4.56.0, 4.57.6, 5.2.0, 5.23.0): ``get_mask_sizes`` takes the query
+length (5.23) or ``cache_position`` (4.56 – 5.2); both ``get_max_length`` and ``get_max_cache_shape`` are answered.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvsplice.adapters.registry import adapter_for
 from kvsplice.core.method import CompressionMethod, Step
+from kvsplice.core.rope import seen_by_any
+from kvsplice.core.window import check_evictable, evict, held_per_layer
 from kvsplice.hf.attention import ATTN_IMPL, tag, use_kvsplice_attention
 
 __all__ = ["KVSpliceHFCache"]
@@ -43,28 +53,37 @@ class _Layer(CacheLayerMixin):
     """One layer's view of a :class:`KVSpliceHFCache` (transformers' per-layer interface)."""
 
     is_compileable = False
-    is_sliding = False
     is_croppable = False
 
-    def __init__(self, owner: "KVSpliceHFCache", layer: int) -> None:
+    def __init__(self, owner: "KVSpliceHFCache", layer: int, window: Optional[int]) -> None:
         super().__init__()
-        self.owner, self.layer = owner, layer
+        self.owner, self.layer, self.window = owner, layer, window
+        self.is_sliding = window is not None
 
-    def lazy_initialization(self, key_states, value_states) -> None:
+    def lazy_initialization(self, key_states, value_states=None) -> None:
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         self.is_initialized = True
         return self.owner.update_layer(self.layer, key_states, value_states)
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.get_seq_length() + query_length, 0
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of transformers' mask: all tokens seen, or for a sliding-window layer the ones
+        it holds (its last tokens). ``query_length``: an int, or ``cache_position`` (transformers 4.56 – 5.2)."""
+        q = int(query_length.shape[0]) if isinstance(query_length, torch.Tensor) else int(query_length)
+        seen = self.owner.get_seq_length()
+        if not self.is_sliding or self.owner.store is None:
+            return seen + q, 0
+        held = self.owner.store.layer_len(self.layer)
+        return held + q, seen - held
 
     def get_seq_length(self) -> int:
         return self.owner.get_seq_length()
 
     def get_max_length(self) -> int:
         return -1
+
+    get_max_cache_shape = get_max_length  # its name in transformers 4.56 – 5.2
 
     def reset(self) -> None:
         self.owner.reset()
@@ -99,10 +118,13 @@ class KVSpliceHFCache(Cache):
         self.adapter.require_projections()
         p = self.adapter.param()
         self.method = method.bind(self.adapter, dtype=p.dtype, device=p.device)  # its checks: model, shapes
-        super().__init__(layers=[_Layer(self, i) for i in range(self.adapter.n_layer)])
+        self.windows = [self.adapter.window(l) for l in range(self.adapter.n_layer)]
+        self.layer_methods = [self.method.for_window(w) if w else self.method for w in self.windows]
+        super().__init__(layers=[_Layer(self, i, w) for i, w in enumerate(self.windows)])
         self.model = model
         self.capacity = capacity
         self.store = None
+        self.pads: Optional[torch.Tensor] = None  # (B,) left-padding columns, from the first call's mask
         self.scales = [self.adapter.scale(l) for l in range(self.adapter.n_layer)]  # refreshed by each call
         self.step: Optional[Step] = None
         use_kvsplice_attention(model)
@@ -112,7 +134,14 @@ class KVSpliceHFCache(Cache):
         """Called by the ``"kvsplice"`` attention function with the new ``k, v (B, Hkv, Tq, D)`` that ``update``
         tagged: the method stores them and attends ``q (B, Hq, Tq, D)`` over its cache → ``(B, Hq, Tq, D)``."""
         self.scales[layer] = scale
-        return self.method.attend(layer, q, k, v, self.store, self.step, mask=mask)
+        step = self.step
+        if step.start == 0 and layer == 0 and mask is not None:  # the first call: padding is what no query sees
+            self.pads = step.pads = (~seen_by_any(mask)).sum(-1)  # (B or 1,)
+        y = self.layer_methods[layer].attend(layer, q, k, v, self.store, step, mask=mask)
+        w = self.windows[layer]
+        if w is not None:
+            evict(self.store, layer, w - 1)  # the next token sees only the last w - 1 of them
+        return y
 
     # ------------------------------------------------------------------------------------- transformers API
     def update_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor):
@@ -122,11 +151,13 @@ class KVSpliceHFCache(Cache):
                                f"(it was changed to {self.model.config._attn_implementation!r} after the cache was built)")
         if self.store is None:
             self.store = self.method.new_cache(k.shape[0], self.capacity, dtype=k.dtype, device=k.device)
+            check_evictable(self.store, self.windows)
         elif self.store.batch_size != k.shape[0]:
             raise ValueError(f"{type(self).__name__} holds {self.store.batch_size} sequences, got a batch of "
                              f"{k.shape[0]}; build a new cache per generate() call")
         if layer == 0:  # a new forward call: its tokens start at the next position
-            self.step = Step(self.adapter, self.store.position, k.shape[2], self.scales, backend="sdpa")
+            self.step = Step(self.adapter, self.store.position, k.shape[2], self.scales, backend="sdpa",
+                             pads=self.pads)
         return tag(k, self, layer), v
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -135,8 +166,14 @@ class KVSpliceHFCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0 if self.store is None else self.store.position
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layers[layer_idx].get_mask_sizes(query_length)
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return -1
 
     @property
     def batch_size(self) -> int:
@@ -149,6 +186,11 @@ class KVSpliceHFCache(Cache):
     def reset(self) -> None:
         if self.store is not None:
             self.store.reset()
+        self.pads = None
+
+    def held(self):
+        """Tokens the store holds per layer as ``bytes_formula`` takes them (a list when layers differ)."""
+        return held_per_layer(self.store) if any(self.windows) else self.store.seq_len
 
     # ------------------------------------------------------------------------------------------------- bytes
     def bytes_formula(self, seq_len: Optional[int] = None) -> Optional[int]:
@@ -157,15 +199,17 @@ class KVSpliceHFCache(Cache):
         if self.store is None:
             return 0
         s = self.store
-        return self.method.bytes_formula(s.batch_size, s.seq_len if seq_len is None else int(seq_len), s.dtype)
+        return self.method.bytes_formula(s.batch_size, self.held() if seq_len is None else int(seq_len), s.dtype)
 
     def full_bytes(self, seq_len: Optional[int] = None) -> int:
-        """Bytes of the full K/V cache of the same tokens: ``2 · L · Hkv · head_dim · T · B · bytes``."""
+        """Bytes of the full K/V cache of the same tokens: ``2 · Hkv · head_dim · B · bytes`` per token held, summed
+        over layers (``seq_len``: that many per layer)."""
         if self.store is None:
             return 0
         a, s = self.adapter, self.store
-        t = s.seq_len if seq_len is None else int(seq_len)
-        return 2 * a.n_layer * a.n_kv_head * a.head_dim * t * s.batch_size * torch.empty((), dtype=s.dtype).element_size()
+        held = self.held() if seq_len is None else int(seq_len)
+        tokens = held * a.n_layer if isinstance(held, int) else sum(held)
+        return 2 * a.n_kv_head * a.head_dim * tokens * s.batch_size * torch.empty((), dtype=s.dtype).element_size()
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """The live tensors the cache holds (for :func:`kvsplice.report.memory.measure_cache`)."""

@@ -36,5 +36,5 @@ class CoefficientHFCache(KVSpliceHFCache):
 
     def rope_table_nbytes(self) -> int:
         """Bytes of the pre-RoPE cos / sin tables (per position, not per sequence; not cache state, 0 for post)."""
-        rope = self.method.rope
-        return 0 if rope is None else rope.nbytes()
+        rope = self.method.rope  # per layer, shared by the layers of one rotary
+        return 0 if rope is None else sum(r.nbytes() for r in {id(r): r for r in rope}.values())

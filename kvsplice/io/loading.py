@@ -4,7 +4,8 @@ calibration / evaluation text as one token stream.
 Models (:func:`load_model`), by what ``spec`` is:
 
 * a directory with ``config.json`` → ``transformers.AutoModelForCausalLM.from_pretrained`` + ``AutoTokenizer``
-  (GPT-2 and Llama families; anything else fails with :func:`kvsplice.adapters.model_info`'s "unsupported" error).
+  (the families of :data:`kvsplice.adapters.SUPPORTED_FAMILIES`: GPT-2, Llama, Mistral, Qwen2/3, Phi-3, Gemma-3;
+  anything else fails with :func:`kvsplice.adapters.model_info`'s one-line "unsupported" error naming them).
   ``python -m kvsplice.convert_llama2c`` makes such a directory from a llama2.c checkpoint (e.g. stories260K);
 * a file (``.ckpt``) → this project's MHA GPT via ``models.checkpoint.load_model``; its tokenizer is the one its
   training data used (rebuilt from the checkpoint's data settings with :class:`data.TinyStoriesDataModule`), or

@@ -131,11 +131,14 @@ class CoefficientCache(DecodeCache):
 
 
 def coefficient_bytes(ranks_k: Sequence[Sequence[int]], ranks_v: Sequence[Sequence[int]], batch_size: int,
-                      seq_len: int, dtype: torch.dtype, quant: str | None = None) -> int:
-    """``Σ_layers Σ_heads (R_k + R_v) · T · B · bytes``; with ``quant="int8"``: 1 byte per coefficient plus a
-    2-byte scale per KV head, kind (key/value), layer and token."""
-    elements = sum(sum(lk) + sum(lv) for lk, lv in zip(ranks_k, ranks_v))  # per token per sequence
+                      seq_len: int | Sequence[int], dtype: torch.dtype, quant: str | None = None) -> int:
+    """``Σ_layers Σ_heads (R_k + R_v) · T · B · bytes`` (``seq_len``: ``T``, or a list of each layer's tokens);
+    with ``quant="int8"``: 1 byte per coefficient plus a 2-byte scale per KV head, kind (key/value), layer and
+    token."""
+    lens = [int(seq_len)] * len(ranks_k) if isinstance(seq_len, int) else [int(t) for t in seq_len]
+    # numbers and rows (one key and one value row per KV head) held per sequence, summed over layers
+    elements = sum((sum(lk) + sum(lv)) * t for lk, lv, t in zip(ranks_k, ranks_v, lens))
     if quant == "int8":
-        rows = sum(2 * len(lk) for lk in ranks_k)  # one key and one value row per KV head and layer
-        return (elements + 2 * rows) * seq_len * batch_size
-    return elements * seq_len * batch_size * torch.empty((), dtype=dtype).element_size()
+        rows = sum(2 * len(lk) * t for lk, t in zip(ranks_k, lens))
+        return (elements + 2 * rows) * batch_size
+    return elements * batch_size * torch.empty((), dtype=dtype).element_size()

@@ -26,17 +26,14 @@ def bases_diagnostics(model: nn.Module, bases: KVBases, input_ids: torch.Tensor)
                          f"({fam.n_layer} × {fam.n_kv_head})")
     mode = bases.rope if fam.has_rope else "none"
     qkv = extract_qkv(model, input_ids, rope="pre" if mode == "pre" else ("post" if fam.has_rope else None))
-    rope = None
-    if mode == "pre":
-        rope = fam.rope(qkv[0]["q"], 0, input_ids.shape[1])  # cos, sin (1, T, D)
     out = []
     for l, x in enumerate(qkv):
         heads = bases.layers[l]
         k, v, q = x["k"].double(), x["v"].double(), x["q"].double()
         k_hat = torch.stack([k[:, j] @ (h.k_enc.double() @ h.k_dec.double().T) for j, h in enumerate(heads)], 1)
         v_hat = torch.stack([v[:, j] @ (h.v_enc.double() @ h.v_dec.double().T) for j, h in enumerate(heads)], 1)
-        if rope is not None:
-            cos, sin = (r.double() for r in rope)
+        if mode == "pre":
+            cos, sin = (r.double() for r in fam.rope(q, 0, input_ids.shape[1], layer=l))  # (1, T, D): layer l's
             q, k, k_hat = (apply_rope(y, cos, sin) for y in (q, k, k_hat))
         out.append(attention_diagnostics(q, k, v, k_hat, v_hat, fam.scale(l)))
     return out

@@ -31,7 +31,7 @@ import torch
 from kvsplice.adapters.base import apply_rope, rotate_half
 from kvsplice.adapters.fingerprint import model_fingerprint
 from kvsplice.core.method import CompressionMethod
-from kvsplice.core.rope import RopeTables
+from kvsplice.core.rope import rope_tables
 from kvsplice.lowrank.attention import coefficient_attend, encode, layer_groups
 from kvsplice.lowrank.bases import BasesMismatchError, KVBases
 from kvsplice.lowrank.cache import CoefficientCache, coefficient_bytes
@@ -65,7 +65,7 @@ class LowRank(CompressionMethod):
         self.key_rope = "pre" if self.key_mode == "pre" else "post"
         self.bases = self.bases.to(device=device, dtype=dtype)
         self.groups = [layer_groups(heads) for heads in self.bases.layers]
-        self.rope = RopeTables(adapter.rotary_embedding()) if self.key_mode == "pre" else None
+        self.rope = rope_tables(adapter) if self.key_mode == "pre" else None  # per layer (shared per rotary)
         self._operands: dict[tuple, list] = {}  # (batch, dtype, device) -> per layer, per group Operands
 
     def _check_bases(self, a) -> None:
@@ -123,7 +123,7 @@ class LowRank(CompressionMethod):
             return self._naive(layer, q, k, v, cache, step, mask, logw)
         scale = step.scales[layer]
         tables = None if self.rope is None else \
-            (lambda t_k, t_q: self.rope.tables(step, mask, t_k, t_q, scale, k))  # noqa: E731
+            (lambda t_k, t_q: self.rope[layer].tables(step, mask, t_k, t_q, scale, k))  # noqa: E731
         mode = "pre-rotated" if self.key_mode == "pre" and step.k_rotated else self.key_mode
         return coefficient_attend(self._ops(layer, cache), layer, q, k, v, cache, step, mode, scale, mask, logw,
                                   tables)
@@ -142,10 +142,10 @@ class LowRank(CompressionMethod):
         if q.dtype != cache.dtype:
             q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
         if self.key_mode == "pre":
-            cos, sin = self.rope.cos_sin(step, mask, cache.layer_len(l) + q.shape[2], k)  # (B or 1, Tk, D)
+            cos, sin = self.rope[l].cos_sin(step, mask, cache.layer_len(l) + q.shape[2], k)  # (B or 1, Tk, D)
             if step.k_rotated:  # undo the rotation of the new keys: k = (k_rot⊙cos − rot(k_rot)⊙sin)/σ²
                 c, s = cos[:, None, -q.shape[2]:], sin[:, None, -q.shape[2]:]  # (B or 1, 1, Tq, D)
-                k = (k * c - rotate_half(k) * s) / self.rope.sigma2
+                k = (k * c - rotate_half(k) * s) / self.rope[l].sigma2
         ka = [k[:, j] @ hb.k_enc for j, hb in enumerate(heads)]  # (B, T, R_k[j])
         vb = [v[:, j] @ hb.v_enc for j, hb in enumerate(heads)]  # (B, T, R_v[j])
         if cache.grouped(l):

@@ -121,10 +121,18 @@ def run_bench(model, tokenizer, data: str, *, layers: Optional[Sequence[int]] = 
         raise BenchError(f"--context {ctx} exceeds the model's {max_positions} positions")
     if not 1 <= n_queries < ctx:
         raise BenchError(f"--n-queries must be in [1, {ctx - 1}], got {n_queries}")
-    layers = list(range(info.n_layer)) if not layers else list(layers)
+    windowed = [l for l in range(info.n_layer) if (adapter.window(l) or ctx) < ctx]  # a window cuts the context
+    asked = bool(layers)
+    layers = [l for l in range(info.n_layer) if l not in windowed] if not layers else list(layers)
     bad = [l for l in layers if not 0 <= l < info.n_layer]
     if bad:
         raise BenchError(f"--layers {bad} out of range: the model has {info.n_layer} layers")
+    cut = [l for l in layers if l in windowed] if asked else ([] if layers else windowed)
+    if cut:
+        full = [l for l in range(info.n_layer) if l not in windowed]
+        raise BenchError(f"layers {cut} attend only their last {adapter.window(cut[0])} tokens (sliding window), "
+                         f"fewer than --context {ctx}: use --context <= {adapter.window(cut[0])}"
+                         + (f" or the full-attention --layers {' '.join(map(str, full))}" if full else ""))
     for m in methods:
         if m not in METHODS:
             raise BenchError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")

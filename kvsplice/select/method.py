@@ -31,6 +31,7 @@ GQA Llama). Storage that needs positions (pre-RoPE coefficients) cannot hold a s
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Optional
 
@@ -38,11 +39,11 @@ import torch
 from torch import nn
 
 from kvsplice.core.attention import keys_seen
-from kvsplice.core.method import CompressionMethod
+from kvsplice.core.method import CompressionMethod, layer_tokens
 from kvsplice.decode.decoder import Decoder, score_continuation
 from kvsplice.decode.dense import DenseKV
 from kvsplice.select.cache import SubsetCache, TokenSelectionResult
-from kvsplice.select.selectors import TokenSelector
+from kvsplice.select.selectors import StreamingLLMSelector, TokenSelector
 
 __all__ = ["TokenSelection", "TokenSelectionDecoder", "run_token_selection"]
 
@@ -53,6 +54,7 @@ class TokenSelection(CompressionMethod):
 
     name = "select"
     cache_type = SubsetCache
+    window: Optional[int] = None  # set on the variant for a sliding-window layer (for_window)
 
     def __init__(self, selector: TokenSelector, budget: int, *, store: Optional[CompressionMethod] = None) -> None:
         if not isinstance(selector, TokenSelector):
@@ -72,6 +74,14 @@ class TokenSelection(CompressionMethod):
             raise ValueError(f"{self.store!r} keeps pre-RoPE numbers and needs its keys' positions; a token subset "
                              f"is held out of order: use post-RoPE bases")
 
+    def for_window(self, window):
+        """A sliding-window layer keeps the most recent ``min(budget, window - 1)`` prompt tokens (with log-weight 0,
+        exact when the budget covers the window): any other subset would leave the window token by token as
+        decoding moves on. Decode calls attend through the window's mask (the doors evict what leaves it)."""
+        w = copy.copy(self)
+        w.selector, w.budget, w.window = StreamingLLMSelector(n_sink=0), min(self.budget, window - 1), window
+        return w
+
     def new_cache(self, batch_size, capacity=None, *, dtype, device):
         kept = self.store.new_cache(batch_size, capacity, dtype=dtype, device=device)
         return SubsetCache.over(kept, self._bound().n_kv_head, capacity)
@@ -86,7 +96,8 @@ class TokenSelection(CompressionMethod):
     def bytes_formula(self, batch_size, n_held, dtype):
         """The storage method's bytes of ``n_held`` tokens + their log-weights ``L·B·Hkv·n_held·bytes``."""
         a = self._bound()
-        weights = a.n_layer * batch_size * a.n_kv_head * n_held * torch.empty((), dtype=dtype).element_size()
+        el = torch.empty((), dtype=dtype).element_size()
+        weights = layer_tokens(n_held, a.n_layer) * batch_size * a.n_kv_head * el
         return self.store.bytes_formula(batch_size, n_held, dtype) + weights
 
     def attend(self, layer, q, k, v, cache, step, mask=None, logw=None):
@@ -102,7 +113,8 @@ class TokenSelection(CompressionMethod):
         # decode: new tokens kept exactly (log-weight 0); padding was folded into the log-weights at prefill
         b, h, t = k.shape[:3]
         w = cache.weights.append(layer, w=torch.zeros(b, h, t, 1, dtype=cache.dtype, device=k.device))["w"]
-        return self.store.attend(layer, q, k, v, cache.kept, step, logw=w[..., 0])  # (B, Hq, Tq, Dv)
+        return self.store.attend(layer, q, k, v, cache.kept, step, mask=mask if self.window else None,
+                                 logw=w[..., 0])  # (B, Hq, Tq, Dv)
 
     def __repr__(self) -> str:
         store = "" if isinstance(self.store, DenseKV) and self.store.cache_quant is None else f", store={self.store!r}"
@@ -153,7 +165,8 @@ def run_token_selection(model: nn.Module, idx: torch.Tensor, selector: TokenSele
     nll, logits, cache = score_continuation(dec, idx, p, decode_chunk=decode_chunk, cache_dtype=cache_dtype)
     el = torch.empty((), dtype=cache.dtype).element_size()
     a = dec.adapter
-    full = 2 * a.n_layer * b * a.n_kv_head * (t - 1) * a.head_dim * el
+    held = [min(t - 1, w - 1) if w else t - 1 for w in dec.windows]  # a full cache's tokens per layer (windows)
+    full = 2 * sum(held) * b * a.n_kv_head * a.head_dim * el
     return TokenSelectionResult(nll=nll, ppl=math.exp(nll), n_scored=b * (t - p), prompt_len=p, budget=budget,
                                 n_keep=min(budget, p), cache_nbytes=cache.nbytes(), full_nbytes=full, cache=cache,
                                 logits=logits if return_logits else None)

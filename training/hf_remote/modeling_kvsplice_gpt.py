@@ -53,11 +53,14 @@ class _CacheLayer(CacheLayerMixin):
     def get_seq_length(self):
         return 0 if self.states is None else self.states[0].shape[-2]
 
-    def get_mask_sizes(self, query_length):
-        return self.get_seq_length() + query_length, 0
+    def get_mask_sizes(self, query_length):  # transformers 4.56 – 5.2 pass cache_position
+        q = query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length
+        return self.get_seq_length() + q, 0
 
     def get_max_length(self):
         return -1
+
+    get_max_cache_shape = get_max_length  # its name in transformers 4.56 – 5.2
 
     def reset(self):
         self.states = None

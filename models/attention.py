@@ -172,6 +172,10 @@ def dropout(p: float) -> nn.Module:
 
 
 # -------------------------------------------------------------------------------------------- the math, once
+FUSED_HEAD_MULTIPLE = 8
+"""Head sizes SDPA's fused CUDA kernels take are multiples of this; :func:`sdpa` pads others up to one."""
+
+
 def causal_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor:
     """Bottom-right aligned causal mask ``(Tq, Tk)``: True where query i (position Tk-Tq+i) may see key j."""
     q_pos = torch.arange(t_k - t_q, t_k, device=device)[:, None]  # (Tq, 1)
@@ -179,11 +183,25 @@ def causal_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor:
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mask: Optional[torch.Tensor] = None,
-         is_causal: bool = False, dropout_p: float = 0.0, fixed_shape: bool = False) -> torch.Tensor:
+         is_causal: bool = False, dropout_p: float = 0.0, fixed_shape: bool = False,
+         pad_to: Optional[int] = None) -> torch.Tensor:
     """``softmax(q·kᵀ·scale + mask)·v`` on matching head layouts: ``F.scaled_dot_product_attention``, except when the
     key and value head sizes differ (low-rank pre-RoPE keys vs value coefficients), where SDPA falls back to its slow
     generic kernel and the same math in three ops is faster. ``mask``: boolean (True = attend) or additive; a query
-    row that may see no key gets zeros, not NaN."""
+    row that may see no key gets zeros, not NaN.
+
+    ``pad_to`` (default :data:`FUSED_HEAD_MULTIPLE` on CUDA, none elsewhere): a shared head size that is not a
+    multiple of it (a KVSplice latent of 26 or 77 dims) is zero-padded to one for the call and the output sliced
+    back — zeros change no score and no output column, and the fused kernels (flash, cuDNN) take only multiples of 8;
+    without them SDPA runs its memory-efficient kernel with one block per sequence, 15x slower over 16k keys."""
+    d = q.shape[-1]
+    if pad_to is None:
+        pad_to = FUSED_HEAD_MULTIPLE if q.device.type == "cuda" else 1
+    if d % pad_to and d == k.shape[-1] == v.shape[-1] and dropout_p == 0.0:
+        extra = (0, pad_to - d % pad_to)
+        y = sdpa(F.pad(q, extra), F.pad(k, extra), F.pad(v, extra), scale=scale, mask=mask, is_causal=is_causal,
+                 fixed_shape=fixed_shape, pad_to=1)  # (..., Tq, d + pad)
+        return y[..., :d]
     if q.shape[-1] == v.shape[-1] or dropout_p > 0.0:
         if q.device.type != "cuda":
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout_p,

@@ -334,3 +334,23 @@ def test_decode_cache_reserve_equals_append():
         assert torch.equal(x, y)
     with pytest.raises(ValueError, match="quantised cache appends"):
         KVCache(1, 3, 4, 2, quant="int8").reserve(0, 1)
+
+
+def test_sdpa_zero_pads_odd_head_sizes_exactly():
+    """A shared head size that is no multiple of 8 (a KVSplice latent of 26 dims) is zero-padded for the call on
+    CUDA so the fused kernels take it; the padded call must equal the unpadded one (no mask, causal, boolean and
+    additive masks), return the original head size, and leave multiples of 8 and unequal sizes untouched."""
+    from models.attention import causal_mask, sdpa
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 1, 12, 26, generator=g), torch.randn(2, 1, 40, 26, generator=g),
+               torch.randn(2, 1, 40, 26, generator=g))
+    for kw in ({}, {"mask": causal_mask(12, 40, q.device)}, {"mask": torch.randn(2, 1, 12, 40, generator=g)}):
+        got = sdpa(q, k, v, scale=0.2, pad_to=8, **kw)
+        assert got.shape == (2, 1, 12, 26)
+        torch.testing.assert_close(got, sdpa(q, k, v, scale=0.2, pad_to=1, **kw), atol=1e-6, rtol=0)
+    got = sdpa(q, k[:, :, :12], v[:, :, :12], scale=0.2, is_causal=True, pad_to=8)
+    torch.testing.assert_close(got, sdpa(q, k[:, :, :12], v[:, :, :12], scale=0.2, is_causal=True, pad_to=1),
+                               atol=1e-6, rtol=0)
+    with pytest.raises(AssertionError):  # the test can fail: a wrong scale is visible
+        torch.testing.assert_close(sdpa(q, k, v, scale=0.3, pad_to=8), sdpa(q, k, v, scale=0.2), atol=1e-6, rtol=0)

@@ -50,7 +50,7 @@ from kvsplice.io.cli import Parser, add_device_dtype, default_seq_len, device_dt
 from kvsplice.io.outputs import output_file, write_json
 from kvsplice.lowrank.bases import BasesMismatchError, KVBases
 from kvsplice.evaluation.context import EvalContext, EvalError, load_windows
-from kvsplice.evaluation.lowrank import eval_plan, eval_static
+from kvsplice.evaluation.lowrank import eval_static
 from kvsplice.evaluation.online import add_fd_online_options, eval_fd_online, print_diagnostics
 
 __all__ = ["EVALUATORS", "METHOD_OPTIONS", "build_parser", "main", "make_context", "print_results"]
@@ -204,6 +204,28 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         write_json(report, args.json)
         print(f"wrote {args.json}")
     return 0
+
+
+def eval_plan(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--plan``: the plan's stack (:mod:`kvsplice.planning`) on the windows by the protocol of
+    :func:`kvsplice.evaluation.protocol.evaluate` — ``--prompt-len`` tokens compressed, the rest scored (0: every
+    token over the compressed cache) — next to the full cache by the same protocol."""
+    from kvsplice.adapters import model_fingerprint
+    from kvsplice.evaluation.protocol import evaluate
+    from kvsplice.planning.spec import Plan
+
+    plan = Plan.load(args.plan)
+    plan.check_model(model_fingerprint(ctx.model))
+    t = ctx.windows.shape[1]
+    p = args.prompt_len if args.prompt_len is not None else (0 if plan.stack.selector is None else (3 * t) // 4)
+    if p and not 1 <= p < t:
+        raise EvalError(f"--prompt-len must be 0 or in [1, {t - 1}] (below --seq-len), got {p}")
+    kw = dict(prompt_len=p, batch_size=ctx.batch_size, decode_chunk=ctx.chunk_size)
+    full = evaluate(ctx.model, None, ctx.windows, **kw)
+    res = evaluate(ctx.model, plan.method(p or t), ctx.windows, **kw)
+    res.update({"label": f"plan: {plan.stack.label()}", "plan": str(args.plan), "stack": plan.stack.to_dict(),
+                "full_ppl_same_protocol": full["ppl"], "ppl_ratio": res["ppl"] / full["ppl"]})
+    return [res]
 
 
 def _main_plan(args: argparse.Namespace) -> int:

@@ -21,8 +21,7 @@ from kvsplice.decode import Decoder, DenseKV
 from kvsplice.lowrank.method import LowRank
 from models.attention import attend
 
-__all__ = ["attention_output_errors", "eval_plan", "eval_static", "evaluate_bases", "evaluate_quantised",
-           "bases_layer_errors"]
+__all__ = ["attention_output_errors", "eval_static", "evaluate_bases", "evaluate_quantised", "bases_layer_errors"]
 
 
 def _agg(rel: list[float], den: list[float]) -> float:
@@ -181,24 +180,3 @@ def eval_static(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str, An
         out.append(evaluate_quantised(ctx, None, args.cache_quant, full, f"full K/V+{args.cache_quant}"))
     return out
 
-
-def eval_plan(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """``--plan``: the plan's stack (:mod:`kvsplice.planning`) on the windows by the protocol of
-    :func:`kvsplice.evaluation.protocol.evaluate` — ``--prompt-len`` tokens compressed, the rest scored (0: every
-    token over the compressed cache) — next to the full cache by the same protocol."""
-    from kvsplice.adapters import model_fingerprint
-    from kvsplice.evaluation.protocol import evaluate
-    from kvsplice.planning.spec import Plan
-
-    plan = Plan.load(args.plan)
-    plan.check_model(model_fingerprint(ctx.model))
-    t = ctx.windows.shape[1]
-    p = args.prompt_len if args.prompt_len is not None else (0 if plan.stack.selector is None else (3 * t) // 4)
-    if p and not 1 <= p < t:
-        raise EvalError(f"--prompt-len must be 0 or in [1, {t - 1}] (below --seq-len), got {p}")
-    kw = dict(prompt_len=p, batch_size=ctx.batch_size, decode_chunk=ctx.chunk_size)
-    full = evaluate(ctx.model, None, ctx.windows, **kw)
-    res = evaluate(ctx.model, plan.method(p or t), ctx.windows, **kw)
-    res.update({"label": f"plan: {plan.stack.label()}", "plan": str(args.plan), "stack": plan.stack.to_dict(),
-                "full_ppl_same_protocol": full["ppl"], "ppl_ratio": res["ppl"] / full["ppl"]})
-    return [res]

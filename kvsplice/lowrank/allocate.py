@@ -20,7 +20,7 @@ import torch
 from kvsplice.lowrank.calibrate import CalibrationStats
 from kvsplice.lowrank.fits import RCOND, _fit_head, _tr_err
 
-__all__ = ["Allocation", "allocate_ranks", "cost_curves"]
+__all__ = ["Allocation", "allocate_ranks", "cost_curves", "greedy_ranks"]
 
 
 @dataclass
@@ -60,24 +60,21 @@ def cost_curves(stats: CalibrationStats, method: str, rcond: float = RCOND) -> d
     return out
 
 
-def allocate_ranks(stats: CalibrationStats, numbers_per_token: int, method: str = "fisher", *, min_rank: int = 1,
-                   curves: Optional[dict] = None) -> Allocation:
-    """Ranks for every layer, KV head and kind with ``Σ ranks == numbers_per_token`` (at most ``2·L·Hkv·d``, at least
-    ``min_rank`` per group) spent greedily on the largest predicted-NLL reduction per number."""
-    curves = curves or cost_curves(stats, method)
-    d = stats.head_dim
+def greedy_ranks(curves: dict, numbers: int, max_rank: int, min_rank: int = 1) -> dict:
+    """Group → rank with ``Σ ranks == numbers`` (``min_rank ≤ rank ≤ max_rank``), spent greedily on the largest
+    cost reduction per number of the groups' curves ``[c(0), …, c(max_rank)]`` (look-ahead over flat stretches)."""
     groups = sorted(curves)
-    lo, hi = min_rank * len(groups), d * len(groups)
-    if not lo <= numbers_per_token <= hi:
-        raise ValueError(f"numbers_per_token must be in [{lo}, {hi}] ({len(groups)} groups of rank {min_rank}..{d}), "
-                         f"got {numbers_per_token}")
+    lo, hi = min_rank * len(groups), max_rank * len(groups)
+    if not lo <= numbers <= hi:
+        raise ValueError(f"numbers_per_token must be in [{lo}, {hi}] ({len(groups)} groups of rank {min_rank}.."
+                         f"{max_rank}), got {numbers}")
     rank = {g: min_rank for g in groups}
-    left = numbers_per_token - lo
+    left = numbers - lo
 
     def best_step(g):
-        """(−gain per number, step) of the best look-ahead step from the group's current rank."""
+        """(gain per number, step) of the best look-ahead step from the group's current rank."""
         c, r = curves[g], rank[g]
-        steps = [((c[r] - c[r + s]) / s, s) for s in range(1, d - r + 1)]
+        steps = [((c[r] - c[r + s]) / s, s) for s in range(1, max_rank - r + 1)]
         return max(steps) if steps else None
 
     heap = []
@@ -86,14 +83,22 @@ def allocate_ranks(stats: CalibrationStats, numbers_per_token: int, method: str 
         if b is not None:
             heapq.heappush(heap, (-b[0], b[1], g))
     while left > 0 and heap:
-        neg, s, g = heapq.heappop(heap)
+        _, s, g = heapq.heappop(heap)
         s = min(s, left)
         rank[g] += s
         left -= s
         b = best_step(g)
         if b is not None:
             heapq.heappush(heap, (-b[0], b[1], g))
+    return rank
+
+
+def allocate_ranks(stats: CalibrationStats, numbers_per_token: int, method: str = "fisher", *, min_rank: int = 1,
+                   curves: Optional[dict] = None) -> Allocation:
+    """Ranks for every layer, KV head and kind with ``Σ ranks == numbers_per_token`` (at most ``2·L·Hkv·d``, at least
+    ``min_rank`` per group) spent greedily on the largest predicted-NLL reduction per number."""
+    curves = curves or cost_curves(stats, method)
+    rank = greedy_ranks(curves, numbers_per_token, stats.head_dim, min_rank)
     ranks = {kind: [[rank[(l, j, kind)] for j in range(stats.n_kv_head)] for l in range(stats.n_layer)]
              for kind in ("k", "v")}
-    predicted = sum(curves[g][rank[g]] for g in groups)
-    return Allocation(ranks, sum(rank.values()), predicted, method)
+    return Allocation(ranks, sum(rank.values()), sum(curves[g][rank[g]] for g in rank), method)

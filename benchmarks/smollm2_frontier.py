@@ -58,7 +58,10 @@ def stack_rows() -> list[tuple[str, str, dict]]:
              ("lr_fisher_pre_x2_int8", "P", {"store": "lowrank", "alloc": 2.0, "rope": "pre", "cache_quant": "int8"}),
              ("lr_fisher_pre_x1.5", "P", {"store": "lowrank", "alloc": 1.5, "rope": "pre"}),
              ("lr_fisher_pre_x4", "P", {"store": "lowrank", "alloc": 4.0, "rope": "pre"}),
-             ("lr_kqalloc_pre_x2", "P", {"store": "lowrank", "alloc": 2.0, "rope": "pre", "method": "gqa-concat"})]
+             ("lr_kqalloc_pre_x2", "P", {"store": "lowrank", "alloc": 2.0, "rope": "pre", "method": "gqa-concat"}),
+             ("joint_fisher_pre_x2", "P", {"store": "joint", "alloc": 2.0, "rope": "pre"}),
+             ("joint_fisher_pre_x1.5", "P", {"store": "joint", "alloc": 1.5, "rope": "pre"}),
+             ("joint_kq_pre_x2", "P", {"store": "joint", "alloc": 2.0, "rope": "pre", "method": "kq"})]
     sels = ("snapkv", "observed_attention", "streaming_llm", "uniform", "knorm")
     rows += [(f"{s}_x8", "P", {"selector": s, "x": 8}) for s in sels]
     rows += [("S_full", "S", {})] + [(f"S_{s}_x8", "S", {"selector": s, "x": 8}) for s in sels]
@@ -74,6 +77,7 @@ def stack_rows() -> list[tuple[str, str, dict]]:
              ("W_lr_kq_pre_r32", "W", {"store": "lowrank", "method": "gqa-concat", "rank": 32, "rope": "pre"}),
              ("W_lr_kq_post_r32", "W", {"store": "lowrank", "method": "gqa-concat", "rank": 32, "rope": "post"}),
              ("W_lr_fisher_pre_x2", "W", {"store": "lowrank", "alloc": 2.0, "rope": "pre"}),
+             ("W_joint_fisher_pre_x2", "W", {"store": "joint", "alloc": 2.0, "rope": "pre"}),
              ("W_lr_kq_pre_r8", "W", {"store": "lowrank", "method": "gqa-concat", "rank": 8, "rope": "pre"}),
              ("W_lr_kq_post_r8", "W", {"store": "lowrank", "method": "gqa-concat", "rank": 8, "rope": "post"})]
     return rows
@@ -133,6 +137,23 @@ class Bench:
 
     def run(self, rid: str, proto: str, spec: dict) -> dict:
         extra: dict = {}
+        if spec.get("store") == "joint":  # grouped-head joint latents: a method of its own, not a planner store
+            from kvsplice.lowrank.joint import JointLowRank, allocate_joint
+
+            s = self.stats[spec.get("rope", "pre")]
+            n = round(2 * s.n_layer * s.n_kv_head * s.head_dim / spec["alloc"])
+            jb = allocate_joint(s, n, spec.get("method", "fisher"))
+            windows = self.eval
+            prompt = 0 if proto == "W" else PROMPT
+            res = evaluate(self.model, JointLowRank(jb), windows, prompt_len=prompt, batch_size=4)
+            r = jb.ranks()
+            res.update({"id": rid, "protocol": proto, "spec": spec,
+                        "label": f"joint {spec.get('method', 'fisher')} {spec.get('rope', 'pre')}-RoPE allocated "
+                                 f"×{spec['alloc']:g}",
+                        "ranks": {"mean_k": sum(r["k"]) / len(r["k"]) / s.n_kv_head,
+                                  "mean_v": sum(r["v"]) / len(r["v"]) / s.n_kv_head, "k": r["k"], "v": r["v"],
+                                  "note": "per layer, all KV heads jointly; mean_k/v per KV head"}})
+            return res
         if "plan" in spec:
             st, bases, extra = self.plan(spec["plan"])
         elif not spec:

@@ -72,6 +72,8 @@ def stack_rows() -> list[tuple[str, str, dict]]:
              ("snapkv_x2_int8", "P", {"selector": "snapkv", "x": 2, "store": "int8"}),
              ("snapkv_x2_lr_fisher_post_x2_int8", "P", {"selector": "snapkv", "x": 2, "store": "lowrank",
                                                         "alloc": 2.0, "rope": "post", "cache_quant": "int8"})]
+    rows += [(f"hf_quanto_int{b}", "P", {"hf_quant": "quanto", "nbits": b}) for b in (4, 2)]
+    rows += [("hf_fp8", "P", {"hf_quant": "fp8", "nbits": 8})]
     rows += [("W_full", "W", {}), ("W_int8", "W", {"store": "int8"}),
              ("W_kivi4_r128", "W", {"store": "kivi", "bits": 4, "residual": 128}),
              ("W_lr_kq_pre_r32", "W", {"store": "lowrank", "method": "gqa-concat", "rank": 32, "rope": "pre"}),
@@ -135,7 +137,39 @@ class Bench:
         return found["best"], found["bases"], {"candidates": found["candidates"], "selector": found["selector"],
                                                "tuning_full_ppl": found["full"]["tuning_ppl"]}
 
+    @torch.no_grad()
+    def hf_quantized(self, rid: str, spec: dict) -> dict:
+        """transformers' own ``QuantizedCache`` (its defaults: group 64, residual 128, axis 0) in the model's
+        forward on protocol P: prefill the prompt, decode the continuation one token at a time, score it. Bytes:
+        measured from the cache's tensors (quanto's packed data, scales and shifts) right after the prefill."""
+        import torch.nn.functional as F
+        from transformers.cache_utils import QuantizedCache
+
+        t0 = time.perf_counter()
+        total, n, held_bytes = 0.0, 0, 0
+        for ids in self.eval.split(4):
+            kw = {} if spec["hf_quant"] == "fp8" else {"nbits": spec["nbits"]}  # fp8: per tensor, no nbits
+            cache = QuantizedCache(spec["hf_quant"], config=self.model.config, **kw)
+            out = self.model(ids[:, :PROMPT], past_key_values=cache, use_cache=True)
+            held_bytes += _tensor_bytes(cache)
+            logits = [out.logits[:, -1:]]
+            for i in range(PROMPT, ids.shape[1] - 1):
+                logits.append(self.model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits)
+            lg = torch.cat(logits, 1).float()  # (B, 256, V) vs the 256 continuation tokens
+            total += F.cross_entropy(lg.reshape(-1, lg.shape[-1]), ids[:, PROMPT:].reshape(-1), reduction="sum").item()
+            n += ids.shape[0] * (ids.shape[1] - PROMPT)
+        bpt = held_bytes / (self.eval.shape[0] * PROMPT)
+        import math
+
+        return {"id": rid, "protocol": "P", "spec": spec, "ppl": math.exp(total / n), "bytes_per_token": bpt,
+                "ratio_vs_fp16_full": 23040 / bpt, "seconds": time.perf_counter() - t0,
+                "label": f"transformers QuantizedCache({spec['hf_quant']}, {spec['nbits']}-bit; measured, fp32 "
+                         f"scales)", "note": "bytes measured from the cache's tensors after the prefill; its scales "
+                                             "and any full-precision states are at the model's fp32"}
+
     def run(self, rid: str, proto: str, spec: dict) -> dict:
+        if "hf_quant" in spec:
+            return self.hf_quantized(rid, spec)
         extra: dict = {}
         if spec.get("store") == "joint":  # grouped-head joint latents: a method of its own, not a planner store
             from kvsplice.lowrank.joint import JointLowRank, allocate_joint
@@ -178,6 +212,24 @@ class Bench:
             v = [x for row in r["v"] for x in row]
             res["ranks"] = {"mean_k": sum(k) / len(k), "mean_v": sum(v) / len(v), "k": r["k"], "v": r["v"]}
         return res
+
+
+def _tensor_bytes(cache) -> int:
+    """Bytes of every tensor an HF cache's layers hold, tensor subclasses (quanto's packed ``QBitsTensor``)
+    counted through their inner tensors."""
+    def size(t) -> int:
+        if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
+            names, _ = t.__tensor_flatten__()
+            return sum(size(getattr(t, nm)) for nm in names)
+        return t.numel() * t.element_size()
+
+    total = 0
+    for layer in cache.layers:
+        for v in vars(layer).values():
+            for t in (v if isinstance(v, (list, tuple)) else [v]):
+                if isinstance(t, torch.Tensor):
+                    total += size(t)
+    return total
 
 
 def main() -> int:

@@ -84,3 +84,17 @@ def test_kivi_holds_a_token_selection_in_both_doors(selector):
     dense = both_doors(model, TokenSelection(make_selector(selector, **kw), 12, store=DenseKV()), ids[:, :24],
                        [ids[:, 24:25], ids[:, 25:30]])
     assert cache.nbytes() < dense["hf"][1].nbytes()
+
+
+def test_truncate_drops_only_full_precision_tokens():
+    model = tiny("llama")
+    dec = Decoder(model, KIVI(bits=4, group=8, residual=8))
+    cache = dec.new_cache(1)
+    ids = ids_of(1, 30, 5)
+    dec(ids[:, :20], cache)  # 8 quantised, 12 at full precision
+    before = dec(ids[:, 20:21], cache)
+    cache.truncate(20)
+    assert cache.seq_len == cache.position == 20
+    torch.testing.assert_close(dec(ids[:, 20:21], cache), before)
+    with pytest.raises(ValueError, match="full-precision"):
+        cache.truncate(4)

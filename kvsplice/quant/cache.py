@@ -169,7 +169,16 @@ class KIVICache(Cache):
         self._seen = [0] * self.n_layer
 
     def truncate(self, n: int) -> None:
-        raise NotImplementedError("a KIVI cache cannot drop quantised tokens (their groups are shared)")
+        """Keep the first ``n`` tokens of every layer: only full-precision (residual) tokens can go — quantised
+        tokens share their groups' statistics (``ValueError`` otherwise)."""
+        for layer in range(self.n_layer):
+            nq = self.codes.layer_len(layer)
+            if not nq <= n <= self.layer_len(layer):
+                raise ValueError(f"truncate({n}): a KIVI cache can drop only its {self.layer_len(layer) - nq} "
+                                 f"full-precision tokens (layer {layer} holds {self.layer_len(layer)})")
+            dropped = self.layer_len(layer) - n
+            self.res_k[layer], self.res_v[layer] = self.res_k[layer][:, :, :n - nq], self.res_v[layer][:, :, :n - nq]
+            self._seen[layer] -= dropped
 
     def __repr__(self) -> str:
         return (f"KIVICache(bits={self.bits}, group={self.group}, residual={self.residual}, layers={self.n_layer}, "

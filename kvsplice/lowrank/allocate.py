@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from kvsplice.lowrank.calibrate import CalibrationStats
-from kvsplice.lowrank.fits import RCOND, _fit_head, _tr_err
+from kvsplice.lowrank.fits import RCOND, _fit_head, _tr_err, oblique_basis
 
 __all__ = ["Allocation", "allocate_ranks", "cost_curves", "greedy_ranks"]
 
@@ -48,6 +48,16 @@ def cost_curves(stats: CalibrationStats, method: str, rcond: float = RCOND) -> d
                          "or fit_bases --calib-stats made with them)")
     d = stats.head_dim
     out = {}
+    if method == "fisher":  # the fit minimises this very cost with nested bases: c(r) = ½ Σ_{i>r} σ_i² of its spectrum
+        for l in range(stats.n_layer):
+            for j in range(stats.n_kv_head):
+                for kind, gram in (("k", stats.key_gram(l, j, True)), ("v", stats.value_gram(l, j, True))):
+                    f = stats.grad_gram(kind, l, j)
+                    s2 = oblique_basis(gram, f, d, rcond=rcond).spectrum.double()  # (d,) descending
+                    tail = s2.flip(0).cumsum(0).flip(0)  # tail[r] = Σ_{i≥r} σ_i²
+                    total = 0.5 * float(torch.trace(gram.double() @ f.double()))
+                    out[(l, j, kind)] = [total] + [0.5 * float(tail[r]) if r < d else 0.0 for r in range(1, d + 1)]
+        return out
     for l in range(stats.n_layer):
         for j in range(stats.n_kv_head):
             full = _fit_head(stats, method, l, j, (d, None), (d, None), rcond)

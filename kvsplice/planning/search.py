@@ -42,10 +42,17 @@ def lowrank_bases(stats: dict, ratio: float, rope: str, cache: Optional[dict] = 
     key = (round(ratio, 6), rope)
     if cache is not None and key in cache:
         return cache[key]
+    from kvsplice.lowrank.allocate import cost_curves
+
     s = stats[rope]
     groups = 2 * s.n_layer * s.n_kv_head
     n = max(groups, min(groups * s.head_dim, round(groups * s.head_dim / ratio)))
-    alloc = allocate_ranks(s, n, "fisher")
+    curves = None if cache is None else cache.get(("curves", rope))
+    if curves is None:
+        curves = cost_curves(s, "fisher")
+        if cache is not None:
+            cache[("curves", rope)] = curves
+    alloc = allocate_ranks(s, n, "fisher", curves=curves)
     bases = fit_bases(s, "fisher", ranks=alloc.ranks)
     bases.meta.update({"alloc_ratio": ratio, "alloc_predicted_nll": alloc.predicted_nll, **alloc.split()})
     if cache is not None:

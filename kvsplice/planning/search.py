@@ -8,8 +8,8 @@ that fits the byte budget, measured on tuning text — the best measured stack w
 2. **Tokens** (:func:`fit_budget`): the exact bytes of each store per prompt token at fp16 (the methods'
    closed forms, measured == formula in every evaluation); where the store alone is over budget a token selection
    keeps the most prompt tokens that fit (its log-weights counted).
-3. **Measure** (:func:`search`): the selector is chosen first — every ``selectors`` entry on the candidate keeping
-   the most tokens — then every candidate is measured with it on the tuning windows
+3. **Measure** (:func:`search`): the selector is chosen first — every ``selectors`` entry on the selection over
+   int8 K/V (else the candidate keeping the most tokens) — then every candidate is measured with it on the tuning windows
    (:func:`kvsplice.evaluation.protocol.evaluate`: compressed prompt, scored continuation). Nothing is measured on
    evaluation text: the caller passes tuning windows (the planner takes them from the calibration text, after the
    calibration tokens).
@@ -139,8 +139,10 @@ def search(model, stats: dict, windows: torch.Tensor, *, prompt_len: int, budget
         raise ValueError(f"no stack fits {budget:.1f} bytes per token (the smallest keeps 1/64 of the prompt)")
     rows = []
     chosen_sel = selectors[0]
-    with_sel = sorted((s for s in fits if s.selector is not None), key=lambda s: -s.keep)
-    if with_sel and len(selectors) > 1:  # the selector, on the candidate that keeps the most tokens
+    # the selector is chosen on the selection over int8 K/V (nearly lossless storage: the selection's own loss),
+    # else on the candidate that keeps the most tokens
+    with_sel = sorted((s for s in fits if s.selector is not None), key=lambda s: (s.store != "int8", -s.keep))
+    if with_sel and len(selectors) > 1:
         trial = [measure(replace(with_sel[0], selector=name)) for name in selectors]
         rows += trial
         chosen_sel = min(zip(trial, selectors), key=lambda x: x[0]["tuning_ppl"])[1]

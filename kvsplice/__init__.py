@@ -30,6 +30,11 @@ _EXPORTS = {
     "TokenSelection": "kvsplice.select", "TokenSelector": "kvsplice.select", "make_selector": "kvsplice.select",
     "run_token_selection": "kvsplice.select",
     "OnlineFD": "kvsplice.online", "OnlineDecoder": "kvsplice.online",
+    "KIVI": "kvsplice.quant", "SnapKVSelector": "kvsplice.select", "ObservedAttentionSelector": "kvsplice.select",
+    "JointLowRank": "kvsplice.lowrank.joint", "JointBases": "kvsplice.lowrank.joint",
+    "allocate_ranks": "kvsplice.lowrank.allocate", "calibrate_all": "kvsplice.lowrank.sensitivity",
+    # the budget planner's plans (python -m kvsplice.plan writes them)
+    "Plan": "kvsplice.planning", "Stack": "kvsplice.planning",
     # the HF door
     "KVSpliceHFCache": "kvsplice.hf", "CoefficientHFCache": "kvsplice.hf", "SubsetHFCache": "kvsplice.hf",
     # caches and KVSplice

@@ -46,7 +46,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kvsplice.io.cli import Parser, default_seq_len, pos_int, run_cli
+from kvsplice.io.cli import Parser, add_device_dtype, default_seq_len, device_dtype, pos_int, run_cli
 from kvsplice.io.outputs import output_file, write_json
 from kvsplice.lowrank.bases import BasesMismatchError, KVBases
 from kvsplice.evaluation.context import EvalContext, EvalError, load_windows
@@ -84,10 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "error (default 2)")
     p.add_argument("--cache-quant", choices=["int8"], help="also decode every --bases file (and the full K/V cache) "
                    "with the cache stored as int8 rows + fp16 scales: perplexity and measured bytes")
+    p.add_argument("--diagnostics", action="store_true", help="also the per-layer errors on held-out Grams, the "
+                   "float64 attention-output errors and the §3.5 bound diagnostics (slow: off by default)")
+    p.add_argument("--plan", help="evaluate a plan from python -m kvsplice.plan (instead of --bases)")
+    p.add_argument("--prompt-len", type=int, help="with --plan: prompt tokens compressed per window, the rest "
+                   "scored (default: 3/4 of the window for a plan with token selection, else 0 = every token "
+                   "over the compressed cache)")
     p.add_argument("--json", help="write the full report (per-layer and per-head numbers) as JSON")
     p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
     p.add_argument("--threads", type=pos_int, help="torch intra-op threads")
     p.add_argument("--no-progress", action="store_true")
+    add_device_dtype(p)
     for add in METHOD_OPTIONS.values():
         add(p)
     return p
@@ -97,7 +104,8 @@ def make_context(args: argparse.Namespace, loaded=None) -> EvalContext:
     from kvsplice.io.loading import load_model
 
     if loaded is None:
-        loaded = load_model(args.model, tokenizer=getattr(args, "tokenizer", None))
+        device, dtype = device_dtype(args)
+        loaded = load_model(args.model, tokenizer=getattr(args, "tokenizer", None), dtype=dtype, device=device)
     seq_len = args.seq_len or default_seq_len(loaded.max_positions)
     if loaded.max_positions is not None and seq_len > loaded.max_positions:
         raise EvalError(f"--seq-len {seq_len} exceeds the model's {loaded.max_positions} positions")
@@ -159,7 +167,9 @@ def print_results(ctx: EvalContext, results: list[dict[str, Any]], console=None,
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from kvsplice.io.loading import LoadError
 
-    return run_cli(PROG, lambda: _main(argv), (EvalError, LoadError, BasesMismatchError))
+    from kvsplice.planning.spec import PlanError
+
+    return run_cli(PROG, lambda: _main(argv), (EvalError, LoadError, BasesMismatchError, PlanError))
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
@@ -169,7 +179,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if args.json:
         args.json = output_file(args.json, force=args.force, option="--json",
                                 inputs={"--model": args.model, "--tokenizer": args.tokenizer,
-                                        "--bases": args.bases, "--data": args.data})
+                                        "--bases": args.bases, "--data": args.data, "--plan": args.plan})
+    if args.plan:
+        return _main_plan(args)
     if args.method == "static":
         if not args.bases:
             raise EvalError("--bases FILE is required (saved bases from python -m kvsplice.fit_bases)")
@@ -177,13 +189,61 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             KVBases.load(b)
     ctx = make_context(args)
     results = EVALUATORS[args.method](ctx, args)
-    print_results(ctx, results)
-    print_diagnostics(results)  # observed errors vs the §3.5 bounds
+    print_results(ctx, results, per_layer=args.diagnostics)
+    if args.diagnostics:
+        print_diagnostics(results)  # observed errors vs the §3.5 bounds
+    full = ctx.full()
+    for r in results:
+        if r.get("decode_over_forward") is not None:
+            print(f"{r['label']}: decode {r['decode_s']:.1f} s = {r['decode_over_forward']:.2f}× the model's plain "
+                  f"forward over the same tokens ({full['forward_s']:.1f} s)")
     if args.json:
         report = {"model": ctx.loaded.describe(), "model_fingerprint": ctx.fingerprint,
                   "data": ctx.data_info, "chunk_size": ctx.chunk_size, "batch_size": ctx.batch_size,
                   "full": ctx.full(), "results": results}
         write_json(report, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def eval_plan(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--plan``: the plan's stack (:mod:`kvsplice.planning`) on the windows by the protocol of
+    :func:`kvsplice.evaluation.protocol.evaluate` — ``--prompt-len`` tokens compressed, the rest scored (0: every
+    token over the compressed cache) — next to the full cache by the same protocol."""
+    from kvsplice.adapters import model_fingerprint
+    from kvsplice.evaluation.protocol import evaluate
+    from kvsplice.planning.spec import Plan
+
+    plan = Plan.load(args.plan)
+    plan.check_model(model_fingerprint(ctx.model))
+    t = ctx.windows.shape[1]
+    p = args.prompt_len if args.prompt_len is not None else (0 if plan.stack.selector is None else (3 * t) // 4)
+    if p and not 1 <= p < t:
+        raise EvalError(f"--prompt-len must be 0 or in [1, {t - 1}] (below --seq-len), got {p}")
+    kw = dict(prompt_len=p, batch_size=ctx.batch_size, decode_chunk=ctx.chunk_size)
+    full = evaluate(ctx.model, None, ctx.windows, **kw)
+    res = evaluate(ctx.model, plan.method(p or t), ctx.windows, **kw)
+    res.update({"label": f"plan: {plan.stack.label()}", "plan": str(args.plan), "stack": plan.stack.to_dict(),
+                "full_ppl_same_protocol": full["ppl"], "ppl_ratio": res["ppl"] / full["ppl"]})
+    return [res]
+
+
+def _main_plan(args: argparse.Namespace) -> int:
+    from kvsplice.planning.spec import Plan
+
+    if args.bases:
+        raise EvalError("give --plan or --bases, not both")
+    Plan.load(args.plan)  # fail fast, before the model loads
+    ctx = make_context(args)
+    (r,) = eval_plan(ctx, args)
+    proto = f"prompt {r['prompt_len']} compressed, {r['window'] - r['prompt_len']} scored" if r["prompt_len"] \
+        else "every token over the compressed cache"
+    print(f"{r['label']} on {r['windows']} windows of {r['window']} ({proto}): ppl {r['ppl']:.4f} vs full cache "
+          f"{r['full_ppl_same_protocol']:.4f} ({100 * (r['ppl_ratio'] - 1):+.2f} %); {r['bytes_per_token']:.1f} bytes "
+          f"per token at fp16 ({r['ratio_vs_fp16_full']:.2f}x smaller than the full cache); measured bytes == "
+          f"formula in every batch")
+    if args.json:
+        write_json({"model": ctx.loaded.describe(), "data": ctx.data_info, "results": [r]}, args.json)
         print(f"wrote {args.json}")
     return 0
 

@@ -5,10 +5,13 @@
     python -m kvsplice.generate --model /tmp/stories260K --prompt "Once upon a time" --max-new-tokens 40
     python -m kvsplice.generate --model /tmp/stories260K --bases r4_post.safetensors --prompt "..." --json out.json
     python -m kvsplice.generate --model /tmp/stories260K --select balancekv --budget 64 --temperature 0.8 --top-k 40
+    python -m kvsplice.generate --model ../shared/data/smollm2-135m-instruct --plan plan.json --prompt "..." \
+        --max-new-tokens 64 --device cuda --dtype bf16
 
 HF models (a directory with ``config.json``, or a Hub id) run transformers' ``generate()`` with a kvsplice cache
 (:mod:`kvsplice.hf`): ``--bases`` (a ``fit_bases`` file) caches low-rank key/value coefficients, ``--select``
-keeps ``--budget`` prompt tokens per KV head; neither → transformers' own full ``DynamicCache``. A ``.ckpt`` from
+keeps ``--budget`` prompt tokens per KV head, ``--plan`` (from ``python -m kvsplice.plan``) runs the plan's stack
+(its selection keeps the plan's fraction of this prompt); none → transformers' own full ``DynamicCache``. A ``.ckpt`` from
 ``python -m training.fit`` (not a transformers model) runs the package's own decoder with the same options.
 ``--temperature 0`` (the default) is greedy; generation stops at the tokenizer's EOS.
 
@@ -27,7 +30,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from kvsplice.io.cli import Parser, UsageError, pos_int, run_cli
+from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
 from kvsplice.io.outputs import output_file, write_json
 from kvsplice.select.selectors import SELECTORS
 from models.generate import check_temperature
@@ -49,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--bases", default=None, help="low-rank bases file from python -m kvsplice.fit_bases")
     g.add_argument("--select", default=None, choices=sorted(SELECTORS), help="token selection method")
+    g.add_argument("--plan", default=None, help="a plan from python -m kvsplice.plan (its stack: token selection, "
+                   "low rank, int8 / KIVI; its bases file beside it)")
     p.add_argument("--budget", type=pos_int, default=None, help="prompt tokens kept per KV head (with --select)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=pos_int, required=True)
@@ -57,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write tokens, text and cache bytes here")
     p.add_argument("--force", action="store_true", help="replace an existing --json file")
+    add_device_dtype(p)
     return p
 
 
@@ -75,9 +81,12 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError("--prompt is not valid UTF-8 text") from None
     if args.bases and not Path(args.bases).is_file():
         raise UsageError(f"--bases file not found: {args.bases}")
+    if args.plan and not Path(args.plan).is_file():
+        raise UsageError(f"--plan file not found: {args.plan}")
     if args.json:
         args.json = output_file(args.json, force=args.force, option="--json",
-                                inputs={"--model": args.model, "--tokenizer": args.tokenizer, "--bases": args.bases})
+                                inputs={"--model": args.model, "--tokenizer": args.tokenizer, "--bases": args.bases,
+                                        "--plan": args.plan})
 
 
 def _prompt_ids(tok, prompt: str) -> list[int]:
@@ -93,36 +102,50 @@ def _decode(tok, ids: list[int]) -> str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvsplice.io.loading import load_model
     from kvsplice.lowrank.bases import KVBases
+    from kvsplice.planning.spec import Plan
 
     bases = KVBases.load(args.bases) if args.bases else None  # checked before the model loads
-    loaded = load_model(args.model, tokenizer=args.tokenizer)
+    plan = Plan.load(args.plan) if args.plan else None
+    device, dtype = device_dtype(args)
+    loaded = load_model(args.model, tokenizer=args.tokenizer, dtype=dtype, device=device)
     model, tok = loaded.model, loaded.tokenizer
     prompt = _prompt_ids(tok, args.prompt)
     mp = loaded.max_positions
     if mp is not None and len(prompt) + args.max_new_tokens > mp:
         raise UsageError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the "
                          f"model's {mp} positions")
-    selector = None
-    if args.select:
+    method = None  # the full cache
+    if bases is not None:
+        from kvsplice.lowrank.method import LowRank
+
+        method = LowRank(bases)
+    elif args.select:
+        from kvsplice.select.method import TokenSelection
         from kvsplice.select.selectors import make_selector
 
-        selector = make_selector(args.select, seed=args.seed)
+        method = TokenSelection(make_selector(args.select, seed=args.seed), args.budget)
+    elif plan is not None:
+        from kvsplice.adapters import model_fingerprint
+
+        plan.check_model(model_fingerprint(model))
+        method = plan.method(prompt_len=len(prompt))
     ids = torch.tensor([prompt], device=next(model.parameters()).device)
     torch.manual_seed(args.seed)
     if loaded.kind == "ckpt":
-        new, cache, formula, full, engine = _generate_ours(model, ids, bases, selector, args)
+        new, cache, formula, full, engine = _generate_ours(model, ids, method, args)
     else:
-        new, cache, formula, full, engine = _generate_hf(model, ids, bases, selector, args, tok)
+        new, cache, formula, full, engine = _generate_hf(model, ids, method, args, tok)
     from kvsplice.report.memory import measure_cache
 
     measured = measure_cache(cache).live_bytes
     if formula is not None and measured != formula:
         raise RuntimeError(f"measured cache bytes {measured} != formula {formula}")
+    kind = "bases" if bases is not None else (f"select:{args.select}" if args.select else
+                                              (f"plan:{plan.stack.label()}" if plan is not None else "full"))
     return {"model": loaded.describe(), "engine": engine, "prompt": args.prompt, "prompt_tokens": prompt,
-            "tokens": new, "text": _decode(tok, new),
-            "cache": "bases" if bases is not None else (f"select:{args.select}" if selector else "full"),
-            "bases": args.bases, "budget": args.budget, "temperature": args.temperature, "top_k": args.top_k,
-            "seed": args.seed, "cache_tokens_held": cache.seq_len, "cache_bytes": measured,
+            "tokens": new, "text": _decode(tok, new), "cache": kind, "method": repr(method),
+            "bases": args.bases, "plan": args.plan, "budget": args.budget, "temperature": args.temperature,
+            "top_k": args.top_k, "seed": args.seed, "cache_tokens_held": cache.seq_len, "cache_bytes": measured,
             "cache_bytes_formula": formula, "full_cache_bytes": full}
 
 
@@ -143,17 +166,12 @@ class _DynamicBytes:
         return self.c.get_seq_length()
 
 
-def _generate_hf(model, ids, bases, selector, args, tok):
+def _generate_hf(model, ids, method, args, tok):
     import transformers
 
-    from kvsplice.hf import CoefficientHFCache, SubsetHFCache
+    from kvsplice.hf import KVSpliceHFCache
 
-    if bases is not None:
-        cache = CoefficientHFCache(model, bases)
-    elif selector is not None:
-        cache = SubsetHFCache(model, selector, args.budget)
-    else:
-        cache = transformers.DynamicCache(config=model.config)
+    cache = transformers.DynamicCache(config=model.config) if method is None else KVSpliceHFCache(model, method)
     sample = args.temperature > 0
     # sampling: temperature and top-k as given (no top-k: 0, not transformers' default of 50), no top-p
     kw = dict(do_sample=True, temperature=args.temperature, top_k=args.top_k or 0, top_p=1.0) if sample \
@@ -168,24 +186,20 @@ def _generate_hf(model, ids, bases, selector, args, tok):
         view = _DynamicBytes(cache)
         full = sum(t.numel() * t.element_size() for t in view.tensors())
         return new, view, full, full, "transformers.generate"
-    return new, cache, cache.bytes_formula(), cache.full_bytes() if bases is not None else None, \
-        "transformers.generate"
+    return new, cache, cache.bytes_formula(), cache.full_bytes(), "transformers.generate"
 
 
-def _generate_ours(model, ids, bases, selector, args):
+def _generate_ours(model, ids, method, args):
     from kvsplice.decode import Decoder
-    from kvsplice.lowrank.method import LowRank
-    from kvsplice.select.method import TokenSelection
     from models.generate import generate_tokens
 
-    method = LowRank(bases) if bases is not None else (TokenSelection(selector, args.budget) if selector else None)
     dec = Decoder(model, method)
     n = args.max_new_tokens
-    cap = dec.method.capacity(ids.shape[1], n) if hasattr(dec.method, "capacity") else None
-    cache = dec.new_cache(1, capacity=cap)
+    cache = dec.new_cache(1, capacity=dec.method.capacity(ids.shape[1], n))
     step = lambda x, c: dec(x, c, last_only=True)  # noqa: E731
     out = generate_tokens(step, cache, ids, n, args.temperature, args.top_k, None)
-    formula = cache.bytes_formula() if hasattr(cache, "bytes_formula") else None
+    # the bound method's closed form (a subset cache's own bytes_formula is a static helper of other arguments)
+    formula = dec.method.bytes_formula(1, cache.seq_len, cache.dtype)
     return out[0, ids.shape[1]:].tolist(), cache, formula, None, "kvsplice.decode.Decoder"
 
 
@@ -193,7 +207,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from kvsplice.io.loading import LoadError
     from kvsplice.lowrank.bases import BasesMismatchError
 
-    return run_cli(PROG, lambda: _main(argv), (LoadError, BasesMismatchError, TypeError))
+    from kvsplice.planning.spec import PlanError
+
+    return run_cli(PROG, lambda: _main(argv), (LoadError, BasesMismatchError, PlanError, TypeError))
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:

@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from kvsplice.io.cli import Parser, UsageError, default_seq_len, pos_int, run_cli
+from kvsplice.io.cli import Parser, UsageError, add_device_dtype, default_seq_len, device_dtype, pos_int, run_cli
 from kvsplice.io.outputs import out_and_json, write_json
 
 __all__ = ["build_parser", "convert_from_args", "main"]
@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="also write the report as JSON")
     p.add_argument("--force", action="store_true", help="overwrite --out / --json")
     p.add_argument("--threads", type=pos_int, default=None, help="torch threads")
+    add_device_dtype(p, dtype=False)  # the converted checkpoint keeps the source's dtype (fp32 training weights)
     return p
 
 
@@ -87,6 +88,8 @@ def convert_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], di
             raise UsageError(f"--model {args.model}: a {type(loaded.model).__name__}; to_mla converts our GPT "
                              f"checkpoints and HF GPT-2 models")
         model, meta, tokenizer = GPT.from_hf(loaded.model).eval(), {}, loaded.tokenizer
+    device, _ = device_dtype(args)
+    model = model.to(device)  # calibration and conversion run there; the checkpoint is saved from CPU copies
     cfg = model.cfg
     if cfg.attention == "mha" and args.d_latent is None:
         raise UsageError(f"--model is an MHA model ({cfg.variant}): give --d-latent R (1..{cfg.d_model})")

@@ -161,7 +161,7 @@ def s260k_bases(s260k, tmp_path_factory):
 def test_eval_full_rank_matches_low_rank_worse(s260k, s260k_bases, tmp_path, capsys):
     rep_path = tmp_path / "eval.json"
     files = [s260k_bases[k] for k in ("full_pre", "full_post", "low_post", "low_pre")]
-    rc, stdout, err = run(eval_bases, ["--model", s260k, "--bases", *files, *EVAL_SMALL, "--json", rep_path],
+    rc, stdout, err = run(eval_bases, ["--model", s260k, "--bases", *files, *EVAL_SMALL, "--json", rep_path, "--diagnostics"],
                           capsys)
     assert rc == 0, err
     rep = json.loads(rep_path.read_text())

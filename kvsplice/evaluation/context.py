@@ -92,7 +92,9 @@ class EvalContext:
             c = res["cache"]
             c["formula_bytes"] = self.full_kv_formula(c["batch_size"], c["held"], c["element_size"])
             c["bytes_match"] = c["measured_live_bytes"] == c["formula_bytes"] == c["nbytes"]
+            t0 = time.perf_counter()
             res["model_forward_ppl"] = self._forward_ppl()
+            res["forward_s"] = time.perf_counter() - t0  # the plain forward every decode is timed against
             res["elements_per_token"] = 2 * self.info.n_layer * self.info.n_kv_head * self.info.head_dim
             self._full = res
         return self._full

@@ -100,9 +100,10 @@ def attention_output_errors(ctx: EvalContext, bases: KVBases) -> list[float]:
     return out
 
 
-def evaluate_bases(ctx: EvalContext, bases: KVBases, label: str = "bases", path: Optional[str] = None
-                   ) -> dict[str, Any]:
-    """Every measurement of the module docstring for one set of bases (checked against the model first)."""
+def evaluate_bases(ctx: EvalContext, bases: KVBases, label: str = "bases", path: Optional[str] = None,
+                   diagnostics: bool = True) -> dict[str, Any]:
+    """Every measurement of the module docstring for one set of bases (checked against the model first);
+    ``diagnostics=False``: perplexity and bytes only (no held-out Grams, no float64 attention-output errors)."""
     bases.check_model(ctx.fingerprint)
     decoder = Decoder(ctx.model, LowRank(bases))  # shape checks raise BasesMismatchError
     full = ctx.full()
@@ -117,10 +118,10 @@ def evaluate_bases(ctx: EvalContext, bases: KVBases, label: str = "bases", path:
     c["bytes_match"] = c["measured_live_bytes"] == c["formula_bytes"] == c.get("cache_bytes_formula") == c["nbytes"]
     c["compression"] = c["full_kv_formula_bytes"] / c["measured_live_bytes"]
     rope = bases.rope if ctx.info.has_rope else "none"
-    errs = bases_layer_errors(ctx.stats(rope), bases)
-    attn = attention_output_errors(ctx, bases)
-    for row, e in zip(errs["layers"], attn):
-        row["attn_out"] = e
+    if diagnostics:
+        errs = bases_layer_errors(ctx.stats(rope), bases)
+        for row, e in zip(errs["layers"], attention_output_errors(ctx, bases)):
+            row["attn_out"] = e
     ranks = bases.ranks()
     flat_k = [r for layer in ranks["k"] for r in layer]
     flat_v = [r for layer in ranks["v"] for r in layer]
@@ -132,8 +133,10 @@ def evaluate_bases(ctx: EvalContext, bases: KVBases, label: str = "bases", path:
         "ppl_ratio": res["ppl"] / full["ppl"],
         "calibration_tokens": bases.meta.get("calibration_tokens"),
         "calibration_source": bases.meta.get("calibration_source"),
-        "layers": errs["layers"], "per_head": errs["per_head"],
+        "decode_over_forward": res["decode_s"] / full["forward_s"] if full.get("forward_s") else None,
     })
+    if diagnostics:
+        res.update({"layers": errs["layers"], "per_head": errs["per_head"]})
     return res
 
 
@@ -168,8 +171,10 @@ def eval_static(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str, An
                 Path(src).resolve() == Path(args.data).resolve():
             print(f"eval_bases: warning: {path} was calibrated on {src}, the same text as --data "
                   f"(not held out)", file=sys.stderr)
-        res = evaluate_bases(ctx, bases, label=Path(path).stem, path=str(path))
-        res["diagnostics"] = bases_diagnostics(ctx.model, bases, ctx.windows[: ctx.err_windows])
+        diag = getattr(args, "diagnostics", True)
+        res = evaluate_bases(ctx, bases, label=Path(path).stem, path=str(path), diagnostics=diag)
+        if diag:
+            res["diagnostics"] = bases_diagnostics(ctx.model, bases, ctx.windows[: ctx.err_windows])
         out.append(res)
         if getattr(args, "cache_quant", None):
             out.append(evaluate_quantised(ctx, bases, args.cache_quant, res, f"{res['label']}+{args.cache_quant}"))
@@ -178,3 +183,4 @@ def eval_static(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str, An
                     elements_per_token=ctx.full()["elements_per_token"])
         out.append(evaluate_quantised(ctx, None, args.cache_quant, full, f"full K/V+{args.cache_quant}"))
     return out
+

@@ -108,7 +108,8 @@ def eval_fd_online(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str,
     one = dec.new_cache(1)  # one window again (the cache's final state does not depend on the call sizes)
     dec(ctx.windows[:1], one)
     c["per_sequence_breakdown"] = one.nbytes_breakdown()
-    diag = online_qkv_diagnostics(ctx.model, ctx.windows[: ctx.err_windows], **kw)
+    diag = online_qkv_diagnostics(ctx.model, ctx.windows[: ctx.err_windows], **kw) \
+        if getattr(args, "diagnostics", True) else None
     ranks_k = [[kw["rank_k"]] * info.n_kv_head for _ in range(info.n_layer)]
     ranks_v = [[kw["rank_v"]] * info.n_kv_head for _ in range(info.n_layer)]
     short = {"ell": "ℓ", "tau_k": "τk", "tau_v": "τv", "max_chunk_len": "L", "max_chunks": "Jmax",

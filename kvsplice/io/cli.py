@@ -14,7 +14,8 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["EXIT_USAGE", "Parser", "UsageError", "default_seq_len", "first_line", "pick_device", "pos_int", "run_cli"]
+__all__ = ["DTYPES", "EXIT_USAGE", "Parser", "UsageError", "add_device_dtype", "default_seq_len", "device_dtype",
+           "first_line", "pick_device", "pos_int", "run_cli"]
 
 EXIT_USAGE = 2
 """Exit status of every user error (as argparse's own)."""
@@ -70,3 +71,28 @@ def pick_device(name: Optional[str] = None) -> torch.device:
     if name:
         return torch.device(name)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""``--dtype`` names of the model's compute dtype (the caches follow it)."""
+
+
+def add_device_dtype(p: argparse.ArgumentParser, *, dtype: bool = True, default_dtype: str = "fp32") -> None:
+    """``--device`` (``cpu``, ``cuda``, ``cuda:1``, ...; default: CUDA when available) and ``--dtype`` (the model's
+    weights and compute: fp32 / bf16 / fp16)."""
+    p.add_argument("--device", help="torch device for the model and caches (default: cuda if available, else cpu)")
+    if dtype:
+        p.add_argument("--dtype", choices=sorted(DTYPES), default=default_dtype,
+                       help=f"the model's dtype (default {default_dtype}); fp16/bf16 halve its memory and the caches'")
+
+
+def device_dtype(args: argparse.Namespace) -> tuple[torch.device, Optional[torch.dtype]]:
+    """The device and dtype of :func:`add_device_dtype`'s options; a device that is not there is a
+    :class:`UsageError` (one line)."""
+    try:
+        dev = pick_device(getattr(args, "device", None))
+        torch.empty(0, device=dev)  # "cuda" without CUDA, "cuda:3" on a 1-GPU box, "xpu" without support
+    except (RuntimeError, AssertionError, ValueError) as e:
+        raise UsageError(f"--device {args.device}: {first_line(e)}") from None
+    name = getattr(args, "dtype", None)
+    return dev, DTYPES.get(name) if isinstance(name, str) else None

@@ -10,6 +10,8 @@ Models (:func:`load_model`), by what ``spec`` is:
 * a file (``.ckpt``) → this project's MHA GPT via ``models.checkpoint.load_model``; its tokenizer is the one its
   training data used (rebuilt from the checkpoint's data settings with :class:`data.TinyStoriesDataModule`), or
   ``tokenizer=`` (a GPT-2 BPE folder / ``tokenizer.json``, or an HF tokenizer directory);
+* a ``.gguf`` file, or a folder holding one and no ``config.json`` → :mod:`kvsplice.io.gguf` (dequantised to fp32,
+  a plain transformers model; needs the ``gguf`` package);
 * anything else → a Hugging Face Hub id (the local HF cache first; offline this fails with one line saying to pass
   a local directory).
 
@@ -142,7 +144,7 @@ def checkpoint_tokenizer(meta: dict, path: Path) -> Tokenizer:
 class LoadedModel:
     model: nn.Module
     tokenizer: Tokenizer
-    kind: str  # "hf-dir" | "hub" | "ckpt"
+    kind: str  # "hf-dir" | "hub" | "ckpt" | "gguf"
     source: str
     max_positions: Optional[int]
 
@@ -211,6 +213,19 @@ def _load_hf(name: str, *, local_only: bool, tokenizer: Optional[str], dtype: Op
     return model, tok
 
 
+def _load_gguf(p: Path, *, tokenizer: Optional[str], dtype: Optional[torch.dtype]):
+    from kvsplice.io.gguf import load_gguf
+
+    try:
+        model, hf_tok = load_gguf(p, dtype=dtype)
+    except Exception as e:  # noqa: BLE001 - a missing gguf package, a corrupt or unsupported file
+        raise LoadError(f"cannot load the GGUF model {p}: {first_line(e)}") from None
+    _check_supported(model)
+    _check_weights(model, str(p))
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else _from_hf_tokenizer(hf_tok, str(p))
+    return model, tok
+
+
 def _refuse_remote_code(folder: Path) -> None:
     """A model folder whose ``config.json`` maps to its own Python code (``auto_map``, e.g. a ``training.export`` of
     an MLA model) is refused with one line: the tools never run a repository's code."""
@@ -231,7 +246,12 @@ def load_model(spec: str | os.PathLike, *, tokenizer: Optional[str] = None, dtyp
     """Load ``spec`` (a model directory, a ``.ckpt`` file or a Hub id; see the module docstring) in eval mode."""
     spec = str(spec)
     p = Path(spec).expanduser()
-    if p.is_dir():
+    from kvsplice.io.gguf import find_gguf
+
+    if find_gguf(p) is not None:  # a .gguf file (or a folder holding one): kvsplice.io.gguf
+        model, tok = _load_gguf(p, tokenizer=tokenizer, dtype=dtype)
+        kind = "gguf"
+    elif p.is_dir():
         if not (p / "config.json").is_file():
             raise LoadError(f"{spec} is a directory without config.json: not a transformers model directory "
                             f"(e.g. make one with python -m kvsplice.convert_llama2c)")

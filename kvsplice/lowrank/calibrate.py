@@ -42,7 +42,7 @@ from kvsplice.adapters.capture import RopeMode, resolve_rope, run_with_qkv_hooks
 
 STATS_FORMAT_VERSION = 1
 
-__all__ = ["CalibrationStats", "calibrate", "calibration_batches", "iter_token_batches"]
+__all__ = ["CalibrationStats", "calibrate", "calibration_batches", "iter_token_batches", "load_stats", "save_stats"]
 
 
 def _output_slices(adapter: FamilyAdapter) -> torch.Tensor:
@@ -79,8 +79,17 @@ class CalibrationStats:
     head_dim: int
     fingerprint: Optional[str] = None
     meta: dict[str, Any] = field(default_factory=dict)
+    # optional (kvsplice.lowrank.sensitivity.calibrate_all): the layer's KV heads jointly, and loss sensitivities
+    kk_joint: Optional[torch.Tensor] = None  # (L, Hkv·d, Hkv·d) Σ_t [k_t,0; …; k_t,Hkv−1] [...]ᵀ
+    vv_joint: Optional[torch.Tensor] = None  # (L, Hkv·d, Hkv·d)
+    gk: Optional[torch.Tensor] = None  # (L, Hkv, d, d) Σ_t g_t g_tᵀ, g_t = ∂(Σ NLL)/∂k_t (keys in this RoPE mode)
+    gv: Optional[torch.Tensor] = None  # (L, Hkv, d, d) the same for the values
+    gk_joint: Optional[torch.Tensor] = None  # (L, Hkv·d, Hkv·d)
+    gv_joint: Optional[torch.Tensor] = None  # (L, Hkv·d, Hkv·d)
+    n_grad_tokens: int = 0  # tokens the gradient Grams sum over
 
     _TENSORS = ("kk", "qq", "qsum", "vv", "wo")
+    _OPTIONAL = ("kk_joint", "vv_joint", "gk", "gv", "gk_joint", "gv_joint")
 
     @classmethod
     def zeros(cls, info: ModelInfo, rope: RopeMode, wo: torch.Tensor, fingerprint: Optional[str] = None
@@ -139,33 +148,87 @@ class CalibrationStats:
 
     def nbytes(self) -> int:
         """Bytes held by the statistics' tensors (constant in the number of calibration tokens)."""
-        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self._TENSORS)
+        return sum(t.numel() * t.element_size() for t in self._tensors().values())
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        out = {n: getattr(self, n) for n in self._TENSORS}
+        out.update({n: getattr(self, n) for n in self._OPTIONAL if getattr(self, n) is not None})
+        return out
+
+    @property
+    def has_sensitivity(self) -> bool:
+        """The loss-gradient Grams (``gk``, ``gv``) are present: fisher fits and rank allocation can use them."""
+        return self.gk is not None and self.gv is not None and self.n_grad_tokens > 0
+
+    def grad_gram(self, kind: str, layer: int, j: int, normalize: bool = True) -> torch.Tensor:
+        """``Σ_t g_t g_tᵀ`` of KV head ``j``'s keys (``kind="k"``) or values (``"v"``), per gradient token if
+        ``normalize``."""
+        g = self.gk if kind == "k" else self.gv
+        if g is None:
+            raise ValueError("these calibration stats hold no loss gradients (calibrate with sensitivity=True)")
+        return g[layer, j] / (float(max(self.n_grad_tokens, 1)) if normalize else 1.0)
 
     # ------------------------------------------------------------------------------------------ I/O
-    def save(self, path: str | Path) -> Path:
-        from safetensors.torch import save_file
+    def _header(self) -> dict[str, Any]:
+        return {"n_tokens": self.n_tokens, "rope": self.rope, "family": self.family, "n_head": self.n_head,
+                "n_kv_head": self.n_kv_head, "head_dim": self.head_dim, "fingerprint": self.fingerprint or "",
+                "n_grad_tokens": self.n_grad_tokens, "meta": self.meta}
 
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"format_version": str(STATS_FORMAT_VERSION), "n_tokens": str(self.n_tokens), "rope": self.rope,
-                "family": self.family, "n_head": str(self.n_head), "n_kv_head": str(self.n_kv_head),
-                "head_dim": str(self.head_dim), "fingerprint": self.fingerprint or "",
-                "meta": json.dumps(self.meta, default=str)}
-        save_file({n: getattr(self, n).contiguous() for n in self._TENSORS}, str(path), metadata=meta)
-        return path
+    def save(self, path: str | Path) -> Path:
+        """One set of statistics in a safetensors file (:func:`save_stats` holds several RoPE modes in one)."""
+        return save_stats(path, {self.rope: self})
 
     @classmethod
-    def load(cls, path: str | Path) -> "CalibrationStats":
-        from safetensors import safe_open
+    def load(cls, path: str | Path, rope: Optional[str] = None) -> "CalibrationStats":
+        """The statistics of RoPE mode ``rope`` (default: the file's only mode) from :meth:`save` /
+        :func:`save_stats`."""
+        sets = load_stats(path)
+        if rope is None and len(sets) == 1:
+            return next(iter(sets.values()))
+        if rope not in sets:
+            raise ValueError(f"{path} holds calibration stats for RoPE modes {sorted(sets)}, not {rope!r}")
+        return sets[rope]
 
+
+def save_stats(path: str | Path, sets: dict[str, CalibrationStats]) -> Path:
+    """Several :class:`CalibrationStats` of one model (one per RoPE mode) in one safetensors file: tensors
+    ``{mode}.{name}``, the headers as JSON metadata. Written to ``path`` directly (callers write atomically)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {f"{mode}.{n}": t.contiguous().clone() for mode, s in sets.items() for n, t in s._tensors().items()}
+    meta = {"format_version": str(STATS_FORMAT_VERSION), "kind": "kvsplice-calibration-stats",
+            "sets": json.dumps({mode: s._header() for mode, s in sets.items()}, default=str)}
+    save_file(tensors, str(path), metadata=meta)
+    return path
+
+
+def load_stats(path: str | Path) -> dict[str, CalibrationStats]:
+    """RoPE mode → :class:`CalibrationStats` from :func:`save_stats`; ``ValueError`` (one line) for another file."""
+    from safetensors import safe_open
+
+    try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             m = f.metadata() or {}
-            if m.get("format_version") != str(STATS_FORMAT_VERSION):
+            if m.get("format_version") != str(STATS_FORMAT_VERSION) or "sets" not in m:
                 raise ValueError(f"{path} is not a kvsplice calibration-stats file")
-            t = {n: f.get_tensor(n) for n in cls._TENSORS}
-        return cls(**t, n_tokens=int(m["n_tokens"]), rope=m["rope"], family=m["family"], n_head=int(m["n_head"]),
-                   n_kv_head=int(m["n_kv_head"]), head_dim=int(m["head_dim"]), fingerprint=m["fingerprint"] or None,
-                   meta=json.loads(m.get("meta", "{}")))
+            names = set(f.keys())
+            out = {}
+            for mode, h in json.loads(m["sets"]).items():
+                t = {n: f.get_tensor(f"{mode}.{n}") for n in CalibrationStats._TENSORS}
+                t.update({n: f.get_tensor(f"{mode}.{n}") for n in CalibrationStats._OPTIONAL
+                          if f"{mode}.{n}" in names})
+                out[mode] = CalibrationStats(**t, n_tokens=int(h["n_tokens"]), rope=h["rope"], family=h["family"],
+                                             n_head=int(h["n_head"]), n_kv_head=int(h["n_kv_head"]),
+                                             head_dim=int(h["head_dim"]), fingerprint=h["fingerprint"] or None,
+                                             meta=h.get("meta", {}), n_grad_tokens=int(h.get("n_grad_tokens", 0)))
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors' own errors for a file of another kind
+        raise ValueError(f"cannot read calibration stats from {path}: {str(e).splitlines()[0] if str(e) else e}") \
+            from None
+    return out
 
 
 def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], *, rope: Optional[RopeMode] = None,

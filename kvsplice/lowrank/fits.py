@@ -22,6 +22,10 @@ Methods (``R`` = rank):
   cached subspace the best ``B_h`` is the projection, ``B_h = V_K Σ_K U_R`` for every h), so one ``k_dec`` per
   KV head loses nothing. For MHA (g = 1) ``gqa-sum`` = ``gqa-concat`` = ``kq``.
 
+* ``fisher`` — loss-aware: keys min ``tr(Zᵀ G_K Z G_F)`` with ``G_F`` the Gram of the loss gradients ``∂NLL/∂k``
+  (the predicted NLL increase, :mod:`kvsplice.lowrank.sensitivity`), values likewise with ``∂NLL/∂v``: the
+  oblique construction with the gradient Gram in place of the query / W_O Gram. Needs stats with sensitivities.
+
 Values for ``kq``/``gqa-*`` always use the concatenated W_O slices of the group (each query head mixes the values
 with its own attention weights, so the per-head contributions ``V W_hᵀ`` are the natural targets).
 
@@ -41,8 +45,8 @@ import torch
 from kvsplice.lowrank.bases import HeadBases, KVBases
 from kvsplice.lowrank.calibrate import CalibrationStats
 
-Method = Literal["ksvd", "eigen", "kq", "gqa-sum", "gqa-concat"]
-METHODS = ("ksvd", "eigen", "kq", "gqa-sum", "gqa-concat")
+Method = Literal["ksvd", "eigen", "kq", "gqa-sum", "gqa-concat", "fisher"]
+METHODS = ("ksvd", "eigen", "kq", "gqa-sum", "gqa-concat", "fisher")
 RCOND = 1e-6
 """Relative cutoff on σ_K: directions with ``σ_K,i ≤ RCOND·σ_K,max`` are treated as absent (pseudo-inverse)."""
 
@@ -245,6 +249,8 @@ def _fit_head(stats: CalibrationStats, method: str, layer: int, j: int, kspec, v
         return fit_ksvd(kk, vv, **spec)
     if method == "eigen":
         return fit_eigen(kk, stats.query_gram(layer, j, "concat", normalize=True), vv, **spec)
+    if method == "fisher":  # loss-aware: min ½ tr(Zᵀ G_K Z G_F), G_F the loss-gradient Gram (sensitivity.py)
+        return fit_kq(kk, stats.grad_gram("k", layer, j), vv, stats.grad_gram("v", layer, j), rcond=rcond, **spec)
     wo = stats.output_gram(layer, j)
     if method == "gqa-sum":
         return fit_gqa_sum(kk, stats.query_gram(layer, j, "sum", normalize=True), vv, wo, rcond=rcond, **spec)
@@ -254,7 +260,8 @@ def _fit_head(stats: CalibrationStats, method: str, layer: int, j: int, kspec, v
 
 def fit_bases(stats: CalibrationStats, method: Method, rank: Optional[int] = None, energy: Optional[float] = None,
               rank_v: Optional[int] = None, energy_v: Optional[float] = None, *, uniform_ranks: bool = False,
-              rcond: float = RCOND, dtype: torch.dtype = torch.float32) -> KVBases:
+              rcond: float = RCOND, dtype: torch.dtype = torch.float32,
+              ranks: Optional[dict[str, list[list[int]]]] = None) -> KVBases:
     """Fit bases for every layer and KV head of a calibrated model.
 
     Keys use ``rank`` or ``energy``; values use ``rank_v`` / ``energy_v`` if either is given, else the key spec.
@@ -268,13 +275,19 @@ def fit_bases(stats: CalibrationStats, method: Method, rank: Optional[int] = Non
         raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
     if stats.n_tokens <= 0:
         raise ValueError("calibration stats are empty (n_tokens == 0)")
+    if method == "fisher" and not stats.has_sensitivity:
+        raise ValueError("the fisher fit needs loss-gradient statistics (kvsplice.lowrank.sensitivity.calibrate_all)")
     kspec, vspec = (rank, energy), _vspec(rank, energy, rank_v, energy_v)
-    for name, (r, e) in (("keys", kspec), ("values", vspec)):
-        if (r is None) == (e is None):
-            raise ValueError(f"{name}: give exactly one of rank / energy (got rank={r}, energy={e})")
-
-    fitted = [[_fit_head(stats, method, l, j, kspec, vspec, rcond) for j in range(stats.n_kv_head)]
-              for l in range(stats.n_layer)]
+    if ranks is not None:  # explicit per-layer, per-head ranks (kvsplice.lowrank.allocate)
+        fitted = [[_fit_head(stats, method, l, j, (ranks["k"][l][j], None), (ranks["v"][l][j], None), rcond)
+                   for j in range(stats.n_kv_head)] for l in range(stats.n_layer)]
+        kspec = vspec = (None, None)
+    else:
+        for name, (r, e) in (("keys", kspec), ("values", vspec)):
+            if (r is None) == (e is None):
+                raise ValueError(f"{name}: give exactly one of rank / energy (got rank={r}, energy={e})")
+        fitted = [[_fit_head(stats, method, l, j, kspec, vspec, rcond) for j in range(stats.n_kv_head)]
+                  for l in range(stats.n_layer)]
     if uniform_ranks:
         for l, row in enumerate(fitted):
             rk, rv = max(h.rank_k for h in row), max(h.rank_v for h in row)
@@ -286,9 +299,10 @@ def fit_bases(stats: CalibrationStats, method: Method, rank: Optional[int] = Non
         "model_family": stats.family, "n_head": stats.n_head, "n_kv_head": stats.n_kv_head,
         "head_dim": stats.head_dim, "rank": rank, "energy": energy, "rank_v": vspec[0], "energy_v": vspec[1],
         "uniform_ranks": uniform_ranks,
-        "values": "v-svd" if method in ("ksvd", "eigen") else "wo-aware",
+        "values": {"ksvd": "v-svd", "eigen": "v-svd", "fisher": "loss-gradient"}.get(method, "wo-aware"),
         "query_gram": {"ksvd": None, "eigen": "concat", "kq": "concat", "gqa-sum": "sum",
-                       "gqa-concat": "concat"}[method],
+                       "gqa-concat": "concat", "fisher": "loss-gradient"}[method],
+        "allocated": ranks is not None,
         "retained_k": [[round(h.retained_k, 6) for h in row] for row in fitted],
         "retained_v": [[round(h.retained_v, 6) for h in row] for row in fitted],
     }

@@ -1,0 +1,143 @@
+"""results/smollm2_frontier.{json,md,png} from the rows of ``benchmarks/smollm2_frontier.py``: the frontier table
+(Pareto front marked), the goals, the planner's stacks, the paper's claims, the kvpress comparison."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def energy_claims(stats_path: Path) -> dict:
+    """90 %-energy ranks (K-only / V-only spectra) of pre- and post-RoPE keys and of values, from the calibration
+    stats: mean over layers and KV heads, and the share of heads at or below d/4."""
+    from kvsplice.lowrank.calibrate import load_stats
+    from kvsplice.lowrank.fits import ksvd_basis
+
+    if not stats_path.is_file():
+        return {}
+    sets = load_stats(stats_path)
+    out = {}
+    for name, mode, gram in (("keys_pre", "pre", "kk"), ("keys_post", "post", "kk"), ("values", "pre", "vv")):
+        s = sets[mode]
+        ranks = [ksvd_basis(getattr(s, gram)[l, j], energy=0.9).rank for l in range(s.n_layer)
+                 for j in range(s.n_kv_head)]
+        out[name] = {"mean_rank_90": sum(ranks) / len(ranks), "share_le_d4": sum(r <= s.head_dim // 4 for r in ranks)
+                     / len(ranks), "head_dim": s.head_dim}
+    return out
+
+
+def pareto(rows: list[dict]) -> set[str]:
+    """Ids of the rows no other row beats on both bytes per token (≤) and perplexity (<)."""
+    front = set()
+    for r in rows:
+        if not any(o is not r and o["bytes_per_token"] <= r["bytes_per_token"] and o["ppl"] < r["ppl"]
+                   for o in rows):
+            front.add(r["id"])
+    return front
+
+
+def _pct(ppl: float, base: float) -> float:
+    return 100 * (ppl / base - 1)
+
+
+def write_report(done: dict, out_dir: Path, kvpress: dict, issue: dict, claims: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    by = {p: [r for r in done.values() if r.get("protocol") == p] for p in "PSW"}
+    base = {p: next((r["ppl"] for r in rows if r["id"] in ("full", "S_full", "W_full")), None) for p, rows in by.items()}
+    md = ["# SmolLM2-135M-Instruct: perplexity vs KV-cache bytes, every method family", "",
+          "Made by `python benchmarks/smollm2_frontier.py` (protocols and text in its docstring). Bytes per token: "
+          "each method's closed form at fp16 storage for the tokens held after the 768-token prompt, per prompt "
+          "token; measured == formula in every batch of every row. Ratio: vs the fp16 full K/V cache (23,040 B per "
+          "token). Δ: vs the full cache on the same windows and protocol. ★ = on the Pareto front (no other row is "
+          "both smaller and better).", ""]
+    if by["P"]:
+        front = pareto(by["P"])
+        md += [f"## Protocol P: 4 windows × 1,024 of the validation text, 768-token prompt compressed, 256 tokens "
+               f"scored (full cache ppl {base['P']:.4f})", "",
+               "| | method / stack | ppl | Δ % | bytes / token | × smaller than fp16 full |", "|---|---|---|---|---|---|"]
+        for r in sorted(by["P"], key=lambda r: -r["bytes_per_token"]):
+            md.append(f"| {'★' if r['id'] in front else ''} | {r['label']} | {r['ppl']:.4f} | "
+                      f"{_pct(r['ppl'], base['P']):+.2f} | {r['bytes_per_token']:,.0f} | {r['ratio_vs_fp16_full']:.2f} |")
+        md.append("")
+    if by["W"]:
+        md += [f"## Protocol W (the issue's low-rank protocol): every token of the 4 windows over the compressed "
+               f"cache (full cache ppl {base['W']:.4f}; the issue measured {issue['full_W']})", "",
+               "| method | ppl | Δ % | × smaller than fp16 full | mean R_k / R_v |", "|---|---|---|---|---|"]
+        for r in sorted(by["W"], key=lambda r: -r["bytes_per_token"]):
+            rk = r.get("ranks")
+            md.append(f"| {r['label']} | {r['ppl']:.4f} | {_pct(r['ppl'], base['W']):+.2f} | "
+                      f"{r['ratio_vs_fp16_full']:.2f} | {_ranks(rk)} |")
+        md.append("")
+    if by["S"]:
+        md += [f"## Protocol S (the issue's kvpress protocol): 5 windows of 832, 768-token prompt compressed 2/4/8×, "
+               f"64 tokens scored (full cache ppl {base['S']:.4f})", "",
+               "| selector | ratio | ppl | Δ % | kvpress's best press at this ratio (quoted from the issue) |",
+               "|---|---|---|---|---|"]
+        best_kv = {x: (n, v) for (n, x), v in kvpress.items()}
+        for r in sorted(by["S"], key=lambda r: (r["spec"].get("x", 1), r["ppl"])):
+            x = r["spec"].get("x")
+            kv = best_kv.get(x)
+            md.append(f"| {r['spec'].get('selector', 'full K/V')} | {x or 1}× | {r['ppl']:.4f} | "
+                      f"{_pct(r['ppl'], base['S']):+.2f} | {'' if kv is None else f'{kv[0]} {kv[1]:+.1f} %'} |")
+        md.append("")
+    plans = [r for r in by["P"] if r["id"].startswith("plan_")]
+    if plans:
+        md += ["## The planner's stacks (chosen on the tuning slice, then measured here)", "",
+               "| budget | chosen stack | tuning Δ % | eval ppl | eval Δ % | × smaller | candidates measured |",
+               "|---|---|---|---|---|---|---|"]
+        for r in sorted(plans, key=lambda r: r["spec"]["plan"]):
+            best = min(r["candidates"], key=lambda c: c["tuning_ppl"])
+            md.append(f"| {r['spec']['plan']}× | {r['label']} | {best['delta_pct']:+.2f} | {r['ppl']:.4f} | "
+                      f"{_pct(r['ppl'], base['P']):+.2f} | {r['ratio_vs_fp16_full']:.2f} | {len(r['candidates'])} |")
+        md.append("")
+    if claims:
+        md += ["## Energy ranks (90 % of the K-only / V-only spectrum, calibration Grams)", "",
+               "| stream | mean rank of 64 | heads with rank ≤ d/4 = 16 |", "|---|---|---|"]
+        for k, v in claims.items():
+            md.append(f"| {k} | {v['mean_rank_90']:.1f} | {100 * v['share_le_d4']:.0f} % |")
+        md.append("")
+    (out_dir / "smollm2_frontier.md").write_text("\n".join(md) + "\n")
+    slim = {k: {kk: vv for kk, vv in v.items() if kk != "measured"} for k, v in done.items()}
+    (out_dir / "smollm2_frontier.json").write_text(json.dumps({"rows": slim, "claims": claims, "kvpress_quoted":
+                                                               {f"{n} {x}x": v for (n, x), v in kvpress.items()},
+                                                               "issue": issue}, indent=1, default=str) + "\n")
+    _plot(by["P"], base["P"], out_dir / "smollm2_frontier.png")
+
+
+def _plot(rows: list[dict], base: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not rows:
+        return
+    front = pareto(rows)
+    fam = lambda r: ("plan" if r["id"].startswith("plan") else "low rank" if "lr_" in r["id"] else  # noqa: E731
+                     "stack" if "_x" in r["id"] and any(s in r["id"] for s in ("kivi", "int8", "lr")) else
+                     "selection" if "_x" in r["id"] else "quantisation" if r["id"] != "full" else "full")
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for name, marker in (("full", "s"), ("quantisation", "o"), ("low rank", "^"), ("selection", "v"),
+                         ("stack", "D"), ("plan", "*")):
+        pts = [r for r in rows if fam(r) == name]
+        if pts:
+            ax.scatter([r["bytes_per_token"] for r in pts], [_pct(r["ppl"], base) for r in pts], marker=marker,
+                       s=90 if name == "plan" else 40, label=name)
+    fr = sorted((r for r in rows if r["id"] in front), key=lambda r: r["bytes_per_token"])
+    ax.plot([r["bytes_per_token"] for r in fr], [_pct(r["ppl"], base) for r in fr], "k--", lw=1, label="Pareto front")
+    ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=1)
+    ax.set_xlabel("cache bytes per token (fp16 storage; full K/V = 23,040)")
+    ax.set_ylabel("perplexity increase vs full cache (%)")
+    ax.set_title("SmolLM2-135M-Instruct: 768-token prompt compressed, 256 tokens scored (4 windows)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _ranks(rk) -> str:
+    return "" if rk is None else f"{rk['mean_k']:.1f} / {rk['mean_v']:.1f}"

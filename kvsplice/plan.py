@@ -1,0 +1,162 @@
+"""The budget planner: find the compression stack (tokens × rank × bits) that fits a cache budget and loses the least
+on calibration text, and write it as a plan the other tools take directly.
+
+    python -m kvsplice.plan --model DIR|GGUF|CKPT --calib TEXT (--budget-bytes-per-token N | --ratio R) \\
+        [--calib-tokens 32768] [--calib-stats STATS.safetensors] [--tune-tokens 2048] [--prompt-len P] \\
+        [--seq-len T] [--selectors snapkv observed_attention] [--device DEV] [--dtype fp32|bf16|fp16] \\
+        --out plan.json [--force] [--json REPORT.json]
+
+    python -m kvsplice.generate --model M --plan plan.json --prompt "..." --max-new-tokens 64
+    python -m kvsplice.eval_bases --model M --plan plan.json --data VAL.txt
+    KVSpliceHFCache(model, Plan.load("plan.json", model).method(prompt_len))
+
+Steps: load the model; calibrate once (every RoPE mode, loss gradients; reused from ``--calib-stats``); take the
+tuning windows from the calibration text *after* the calibration tokens (``--tune-tokens``, windows of
+``--seq-len``: the first ``--prompt-len`` tokens of each are the compressed prompt, the rest are scored); search
+(:mod:`kvsplice.planning.search`); write ``--out`` (JSON: the stack, the budget, every candidate's measurement) and,
+when the stack has low rank, its bases beside it (``<out>.bases.safetensors``). The budget is bytes per prompt
+token at fp16 (``--ratio R``: the fp16 full K/V cache's ``2·L·Hkv·d·2`` bytes divided by R). Errors: one line,
+exit status 2; ``--out`` is never overwritten without ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
+from kvsplice.io.outputs import output_file, write_json
+
+PROG = "plan"
+
+
+def _pos_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvsplice.select.selectors import SELECTORS
+
+    p = Parser(prog="python -m kvsplice.plan", description="Search the compression stack (token selection × low "
+               "rank × bits) that fits a KV-cache budget with the least loss on calibration text; write a plan.")
+    p.add_argument("--model", required=True, help="model directory, .gguf file, training .ckpt or Hub id")
+    p.add_argument("--tokenizer", help="override the model's tokenizer")
+    p.add_argument("--calib", required=True, help="calibration text (.txt/.json/.jsonl, folder, or dataset id)")
+    b = p.add_mutually_exclusive_group(required=True)
+    b.add_argument("--budget-bytes-per-token", type=_pos_float, help="cache bytes per prompt token (fp16 storage)")
+    b.add_argument("--ratio", type=_pos_float, help="times smaller than the fp16 full K/V cache")
+    p.add_argument("--calib-tokens", type=pos_int, default=32768, help="calibration tokens (default 32768)")
+    p.add_argument("--calib-stats", help="calibration statistics: reused when the file exists, written otherwise")
+    p.add_argument("--tune-tokens", type=pos_int, default=2048, help="tuning tokens after the calibration tokens "
+                   "(default 2048)")
+    p.add_argument("--seq-len", type=pos_int, default=1024, help="calibration and tuning window (default 1024)")
+    p.add_argument("--prompt-len", type=pos_int, help="compressed prompt per tuning window (default 3/4 of it)")
+    p.add_argument("--selectors", nargs="+", default=["snapkv", "observed_attention"], choices=sorted(SELECTORS),
+                   help="token selectors to try (default snapkv observed_attention)")
+    p.add_argument("--batch-size", type=pos_int, default=2, help="windows per forward (default 2)")
+    p.add_argument("--out", required=True, help="the plan (.json); low-rank bases go beside it")
+    p.add_argument("--json", help="also write the search report here")
+    p.add_argument("--force", action="store_true", help="overwrite --out / --json (and recompute --calib-stats "
+                   "that lacks something)")
+    p.add_argument("--threads", type=pos_int)
+    p.add_argument("--no-progress", action="store_true")
+    add_device_dtype(p)
+    return p
+
+
+def run(args: argparse.Namespace) -> tuple[object, dict]:
+    from kvsplice.adapters import adapter_for, model_fingerprint
+    from kvsplice.evaluation.protocol import full_bytes_per_token
+    from kvsplice.io.loading import iter_texts, load_model, token_stream
+    from kvsplice.lowrank.calibrate import calibration_batches
+    from kvsplice.lowrank.sensitivity import stats_for
+    from kvsplice.planning.search import search
+    from kvsplice.planning.spec import Plan
+
+    progress = not args.no_progress
+    device, dtype = device_dtype(args)
+    loaded = load_model(args.model, tokenizer=args.tokenizer, dtype=dtype, device=device)
+    model, seq = loaded.model, args.seq_len
+    if loaded.max_positions is not None and seq > loaded.max_positions:
+        raise UsageError(f"--seq-len {seq} exceeds the model's {loaded.max_positions} positions")
+    prompt_len = args.prompt_len or (3 * seq) // 4
+    if not 1 <= prompt_len < seq:
+        raise UsageError(f"--prompt-len must be in [1, {seq - 1}] (below --seq-len), got {prompt_len}")
+    need = args.calib_tokens + args.tune_tokens
+    ids, _ = token_stream(iter_texts(args.calib, option="calib", split="train"), loaded.tokenizer, need,
+                          progress=progress, desc="tokenize calib")
+    n_cal = min(args.calib_tokens, ids.numel() - args.tune_tokens)
+    if n_cal < seq or ids.numel() - n_cal < seq:
+        raise UsageError(f"--calib {args.calib}: {ids.numel()} tokens, too few for {args.calib_tokens} calibration + "
+                         f"{args.tune_tokens} tuning tokens in windows of {seq}")
+    tune = ids[n_cal:n_cal + args.tune_tokens]
+    tune = tune[: (tune.numel() // seq) * seq].view(-1, seq)  # (N, T) tuning windows
+    t0 = time.perf_counter()
+    stats, reused = stats_for(model, lambda: calibration_batches(ids[:n_cal], seq, args.batch_size),
+                              path=args.calib_stats, ropes=("pre", "post"), source={
+                                  "calibration_source": str(args.calib), "calibration_tokens": n_cal,
+                                  "seq_len": seq}, progress=progress, replace=args.force)
+    calib_s = time.perf_counter() - t0
+    adapter = adapter_for(model)
+    full_bpt = full_bytes_per_token(adapter)
+    budget = args.budget_bytes_per_token or full_bpt / args.ratio
+    log = print if progress else (lambda s: None)
+    found = search(model, stats, tune, prompt_len=prompt_len, budget=budget, selectors=args.selectors,
+                   batch_size=args.batch_size, log=log)
+    best = found["best"]
+    chosen = min(found["candidates"], key=lambda r: r["tuning_ppl"])
+    info = {"budget": {"bytes_per_token": budget, "ratio_vs_fp16_full": full_bpt / budget,
+                       "full_fp16_bytes_per_token": full_bpt, "storage": "fp16"},
+            "prompt_len": prompt_len, "seq_len": seq,
+            "tuning": {"source": str(args.calib), "after_calibration_tokens": n_cal, "windows": tune.shape[0],
+                       "full_cache_ppl": found["full"]["tuning_ppl"]},
+            "calibration": {"tokens": n_cal, "stats_file": args.calib_stats, "reused": reused,
+                            "seconds": calib_s},
+            "chosen": chosen, "selector": found["selector"], "candidates": found["candidates"]}
+    plan = Plan(best, model_fingerprint(model), found["bases"], None, info)
+    return plan, info
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from kvsplice.io.loading import LoadError
+    from kvsplice.planning.spec import PlanError
+
+    return run_cli(PROG, lambda: _main(argv), (LoadError, PlanError))
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--calib": args.calib}
+    out = output_file(args.out, force=args.force, inputs=inputs)
+    bases_out = out.with_name(out.stem + ".bases.safetensors")
+    json_path = None if args.json is None else output_file(args.json, force=args.force, option="--json",
+                                                           inputs=inputs, outputs={"--out": out,
+                                                                                   "bases": bases_out})
+    if args.calib_stats and not Path(args.calib_stats).exists():
+        output_file(args.calib_stats, force=False, option="--calib-stats", inputs=inputs)
+    plan, info = run(args)
+    if plan.bases is not None:
+        output_file(bases_out, force=args.force, option="the plan's bases", inputs=inputs)
+    plan.save(out)
+    c = info["chosen"]
+    print(f"plan: {c['label']} — {c['bytes_per_token']:.1f} bytes per token, {c['ratio_vs_fp16_full']:.2f}x smaller "
+          f"than the fp16 full cache; tuning ppl {c['tuning_ppl']:.4f} ({c['delta_pct']:+.2f} % vs the full cache "
+          f"{info['tuning']['full_cache_ppl']:.4f})")
+    print(f"wrote {out}" + (f" and {bases_out}" if plan.bases is not None else ""))
+    if json_path is not None:
+        write_json(info, json_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

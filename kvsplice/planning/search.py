@@ -1,0 +1,159 @@
+"""The budget planner's search: every storage method that can hold the cache, each with the largest token selection
+that fits the byte budget, measured on tuning text — the best measured stack wins.
+
+1. **Stores** (:func:`candidate_stores`): full K/V at fp16 and int8, KIVI at 4 and 2 bits (group 32, full-precision
+   windows of 32 and 128 tokens), and low-rank bases with ranks allocated by the predicted calibration loss
+   (:mod:`kvsplice.lowrank.allocate`, the ``fisher`` fit) at a few rank ratios, int8 coefficients — post-RoPE (they
+   can hold a selection) and pre-RoPE (alone).
+2. **Tokens** (:func:`fit_budget`): the exact bytes of each store per prompt token at fp16 (the methods'
+   closed forms, measured == formula in every evaluation); where the store alone is over budget a token selection
+   keeps the most prompt tokens that fit (its log-weights counted).
+3. **Measure** (:func:`search`): the selector is chosen first — every ``selectors`` entry on the selection over
+   int8 K/V (else the candidate keeping the most tokens) — then every candidate is measured with it on the tuning windows
+   (:func:`kvsplice.evaluation.protocol.evaluate`: compressed prompt, scored continuation). Nothing is measured on
+   evaluation text: the caller passes tuning windows (the planner takes them from the calibration text, after the
+   calibration tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from kvsplice.adapters import adapter_for
+from kvsplice.evaluation.protocol import evaluate, full_bytes_per_token
+from kvsplice.planning.spec import Stack
+
+__all__ = ["DEFAULT_SELECTORS", "LOWRANK_RATIOS", "bytes_per_token", "candidate_stores", "fit_budget",
+           "lowrank_bases", "search"]
+
+DEFAULT_SELECTORS = ("snapkv", "observed_attention")
+LOWRANK_RATIOS = (1.5, 2.0, 3.0)
+
+
+def lowrank_bases(stats: dict, ratio: float, rope: str, cache: Optional[dict] = None):
+    """Fisher bases of ``stats[rope]`` with ranks allocated under ``2·L·Hkv·d / ratio`` numbers per token."""
+    from kvsplice.lowrank.allocate import allocate_ranks
+    from kvsplice.lowrank.fits import fit_bases
+
+    key = (round(ratio, 6), rope)
+    if cache is not None and key in cache:
+        return cache[key]
+    from kvsplice.lowrank.allocate import cost_curves
+
+    s = stats[rope]
+    groups = 2 * s.n_layer * s.n_kv_head
+    n = max(groups, min(groups * s.head_dim, round(groups * s.head_dim / ratio)))
+    curves = None if cache is None else cache.get(("curves", rope))
+    if curves is None:
+        curves = cost_curves(s, "fisher")
+        if cache is not None:
+            cache[("curves", rope)] = curves
+    alloc = allocate_ranks(s, n, "fisher", curves=curves)
+    bases = fit_bases(s, "fisher", ranks=alloc.ranks)
+    bases.meta.update({"alloc_ratio": ratio, "alloc_predicted_nll": alloc.predicted_nll, **alloc.split()})
+    if cache is not None:
+        cache[key] = bases
+    return bases
+
+
+def candidate_stores(has_rope: bool, head_dim: int, lowrank_ratios: Sequence[float] = LOWRANK_RATIOS) -> list[Stack]:
+    """The storage methods the planner tries (see the module docstring); KIVI groups of ``min(32, head_dim)``."""
+    stores = [Stack("dense"), Stack("int8")]
+    g = min(32, head_dim)
+    if head_dim % g == 0:
+        stores += [Stack("kivi", bits=b, group=g, residual=r) for b in (4, 2) for r in (128, 32)]
+    for ratio in lowrank_ratios:
+        stores.append(Stack("lowrank", lowrank_ratio=ratio, rope="post" if has_rope else "none", cache_quant="int8"))
+        if has_rope:
+            stores.append(Stack("lowrank", lowrank_ratio=ratio, rope="pre", cache_quant="int8"))
+    return stores
+
+
+def bytes_per_token(method, adapter, prompt_len: int, held: int, dtype: torch.dtype = torch.float16) -> float:
+    """Bytes per prompt token of ``method`` holding ``held`` tokens per layer after a ``prompt_len`` prefill, stored
+    at ``dtype`` (the method's closed form)."""
+    p = adapter.param()
+    bound = method.bind(adapter, dtype=p.dtype, device=p.device)
+    return bound.bytes_formula(1, held, dtype) / prompt_len
+
+
+def fit_budget(store: Stack, adapter, prompt_len: int, budget: float, *, selector: str, bases=None,
+               min_keep: float = 1 / 64) -> Optional[Stack]:
+    """``store`` alone if it fits ``budget`` bytes per prompt token, else under ``selector`` keeping the most prompt
+    tokens that fit (``None`` when even ``min_keep`` of them does not)."""
+    if bytes_per_token(store.method(prompt_len, bases), adapter, prompt_len, prompt_len) <= budget:
+        return store
+    if store.store == "lowrank" and store.rope == "pre":
+        return None  # pre-RoPE coefficients cannot hold a selection
+    sel = replace(store, selector=selector, keep=1.0)
+    method = sel.method(prompt_len, bases)
+    lo, hi = 0, prompt_len - 1  # the largest n with bytes(n) <= budget (bytes grow with n)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if bytes_per_token(method, adapter, prompt_len, mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo < max(1, math.ceil(min_keep * prompt_len)):
+        return None
+    return replace(sel, keep=lo / prompt_len)
+
+
+def search(model, stats: dict, windows: torch.Tensor, *, prompt_len: int, budget: float,
+           selectors: Sequence[str] = DEFAULT_SELECTORS, lowrank_ratios: Sequence[float] = LOWRANK_RATIOS,
+           batch_size: int = 4, log: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+    """Search the stacks that fit ``budget`` bytes per prompt token (at fp16) on the tuning ``windows``; returns
+    ``{"best": Stack, "bases": KVBases or None, "full": the full cache's tuning result, "candidates": [...]}``
+    (each candidate: its stack, label, bytes per token, ratio vs the fp16 full cache, tuning perplexity)."""
+    log = log or (lambda s: None)
+    adapter = adapter_for(model)
+    full_bpt = full_bytes_per_token(adapter)
+    bases_cache: dict = {}
+
+    def bases_of(st: Stack):
+        return lowrank_bases(stats, st.lowrank_ratio, st.rope, bases_cache) if st.store == "lowrank" else None
+
+    def measure(st: Stack) -> dict[str, Any]:
+        res = evaluate(model, st.method(prompt_len, bases_of(st)), windows, prompt_len=prompt_len,
+                       batch_size=batch_size)
+        row = {"label": st.label(), "stack": st.to_dict(), "bytes_per_token": res["bytes_per_token"],
+               "ratio_vs_fp16_full": res["ratio_vs_fp16_full"], "tuning_ppl": res["ppl"],
+               "delta_pct": 100 * (res["ppl"] / full["ppl"] - 1), "seconds": res["seconds"]}
+        log(f"  {row['label']:<48} {row['ratio_vs_fp16_full']:6.2f}x  tuning ppl {row['tuning_ppl']:.4f} "
+            f"({row['delta_pct']:+.2f} %)")
+        return row
+
+    full = evaluate(model, None, windows, prompt_len=prompt_len, batch_size=batch_size)
+    log(f"full cache: tuning ppl {full['ppl']:.4f}; budget {budget:.1f} bytes per token "
+        f"({full_bpt / budget:.2f}x smaller than the fp16 full cache, {full_bpt} B)")
+    fits = []
+    for store in candidate_stores(adapter.has_rope, adapter.head_dim, lowrank_ratios):
+        st = fit_budget(store, adapter, prompt_len, budget, selector=selectors[0], bases=bases_of(store))
+        if st is not None:
+            fits.append(st)
+    if not fits:
+        raise ValueError(f"no stack fits {budget:.1f} bytes per token (the smallest keeps 1/64 of the prompt)")
+    rows = []
+    chosen_sel = selectors[0]
+    # the selector is chosen on the selection over int8 K/V (nearly lossless storage: the selection's own loss),
+    # else on the candidate that keeps the most tokens
+    with_sel = sorted((s for s in fits if s.selector is not None), key=lambda s: (s.store != "int8", -s.keep))
+    if with_sel and len(selectors) > 1:
+        trial = [measure(replace(with_sel[0], selector=name)) for name in selectors]
+        rows += trial
+        chosen_sel = min(zip(trial, selectors), key=lambda x: x[0]["tuning_ppl"])[1]
+        log(f"selector: {chosen_sel}")
+    done = {r["label"] for r in rows}
+    for st in fits:
+        st = replace(st, selector=chosen_sel) if st.selector is not None else st
+        if st.label() not in done:
+            rows.append(measure(st))
+            done.add(st.label())
+    best_row = min(rows, key=lambda r: r["tuning_ppl"])
+    best = Stack(**best_row["stack"])
+    return {"best": best, "bases": bases_of(best), "full": {"tuning_ppl": full["ppl"], "bytes_per_token": full_bpt},
+            "candidates": rows, "selector": chosen_sel}

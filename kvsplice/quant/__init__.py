@@ -1,0 +1,9 @@
+"""Low-bit KV storage: KIVI-style asymmetric quantisation (keys per channel, values per token, groups of ``group``
+numbers with an fp16 scale and minimum each, the most recent ``residual`` tokens kept at full precision) as one
+storage method, :class:`~kvsplice.quant.method.KIVI` — alone, or holding a token selection's subset."""
+
+from kvsplice.quant.cache import KIVICache, kivi_bytes
+from kvsplice.quant.groups import dequantize, pack_codes, quantize, unpack_codes
+from kvsplice.quant.method import KIVI
+
+__all__ = ["KIVI", "KIVICache", "dequantize", "kivi_bytes", "pack_codes", "quantize", "unpack_codes"]

@@ -1,0 +1,95 @@
+"""Attention-score token selectors: keep the prompt tokens the prompt's own queries attend to most (kvpress's
+``SnapKVPress`` and ``ObservedAttentionPress``; H2O's heavy hitters at prefill). Both get the post-RoPE prefill
+queries of each KV head (``needs_queries``) and keep their tokens with log-weight 0 (evicted tokens are not
+re-weighted, as in the presses).
+
+* :class:`SnapKVSelector` (Li et al. 2024) — the last ``window`` prompt queries vote: their softmax attention over
+  the prompt, summed over the window and the KV head's query heads, smoothed along tokens by a ``kernel``-wide
+  average pool; the window itself is always kept, the rest of the budget goes to the highest votes.
+* :class:`ObservedAttentionSelector` — every prompt query votes: the causal softmax attention summed over all
+  queries and the KV head's query heads, divided by the number of queries that can see each token (so late tokens,
+  seen by few queries, are not penalised), as ``ObservedAttentionPress``.
+
+Scores are formed in float32 from ``q (Hkv, g·T, d)`` — rows ordered (query head in group, position) — and the
+keys ``k (Hkv, T, d)`` (:class:`~kvsplice.select.selectors.TokenSelector`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvsplice.select.selectors import TokenSelector
+
+__all__ = ["ObservedAttentionSelector", "SnapKVSelector", "causal_attention_weights"]
+
+
+def causal_attention_weights(q: torch.Tensor, k: torch.Tensor, scale: float, first: int = 0) -> torch.Tensor:
+    """Softmax attention of the queries at positions ``first .. T-1`` over the keys they see (causal):
+    ``q (H, g·T, d)``, ``k (H, T, d)`` → ``(H, g, T - first, T)`` float32 (zero above the diagonal)."""
+    h, t, d = k.shape
+    g = q.shape[1] // t
+    qw = q.reshape(h, g, t, d)[:, :, first:].float()  # (H, g, Tw, d)
+    logits = torch.einsum("hgqd,hkd->hgqk", qw, k.float()) * scale  # (H, g, Tw, T)
+    pos = torch.arange(first, t, device=k.device)[:, None]  # (Tw, 1) absolute query positions
+    logits = logits.masked_fill(torch.arange(t, device=k.device)[None, :] > pos, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def _top(scores: torch.Tensor, budget: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Sorted indices of the ``budget`` highest ``scores (H, T)``, the tokens in ``keep (T,)`` bool first."""
+    if keep is not None:
+        scores = scores.masked_fill(keep, float("inf"))
+    return scores.topk(budget, dim=-1).indices.sort(dim=-1).values
+
+
+class SnapKVSelector(TokenSelector):
+    """SnapKV: votes of the last ``window`` prompt queries, average-pooled over ``kernel`` tokens; the window kept."""
+
+    name = "snapkv"
+    needs_queries = True
+    _fields = ("window", "kernel")
+
+    def __init__(self, window: int = 64, kernel: int = 5, seed: int = 0) -> None:
+        super().__init__(seed)
+        if window < 1 or kernel < 1 or kernel % 2 == 0:
+            raise ValueError(f"window must be >= 1 and kernel an odd number >= 1, got {window}, {kernel}")
+        self.window, self.kernel = window, kernel
+
+    def _select(self, k, v, budget, *, q, scale):
+        h, t = k.shape[:2]
+        w = min(self.window, budget, t)
+        votes = causal_attention_weights(q, k, scale, first=t - w).sum(dim=(1, 2))  # (H, T)
+        if self.kernel > 1:
+            votes = F.avg_pool1d(votes[:, None], self.kernel, stride=1, padding=self.kernel // 2,
+                                 count_include_pad=False)[:, 0]  # (H, T)
+        keep = torch.zeros(t, dtype=torch.bool, device=k.device)
+        keep[t - w:] = True
+        idx = _top(votes, budget, keep)
+        return idx, torch.zeros(idx.shape, dtype=torch.float32, device=k.device)
+
+
+class ObservedAttentionSelector(TokenSelector):
+    """ObservedAttention (H2O at prefill): mean attention each token receives from the prompt queries that see it."""
+
+    name = "observed_attention"
+    needs_queries = True
+    _fields = ("normalize",)
+
+    def __init__(self, normalize: bool = True, chunk: int = 256, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.normalize, self.chunk = normalize, chunk
+
+    def _select(self, k, v, budget, *, q, scale):
+        h, t, d = k.shape
+        g = q.shape[1] // t
+        qg = q.reshape(h, g, t, d)
+        votes = torch.zeros(h, t, dtype=torch.float32, device=k.device)
+        for s in range(0, t, self.chunk):  # queries in chunks: (H, g, chunk, T) at a time
+            e = min(t, s + self.chunk)  # queries s .. e-1 see keys 0 .. e-1
+            a = causal_attention_weights(qg[:, :, :e].reshape(h, g * e, d), k[:, :e], scale, first=s)  # (H,g,e-s,e)
+            votes[:, :e] += a.sum(dim=(1, 2))
+        if self.normalize:  # token j is seen by the T - j queries at positions j .. T-1
+            votes = votes / torch.arange(t, 0, -1, device=k.device, dtype=torch.float32)
+        idx = _top(votes, budget)
+        return idx, torch.zeros(idx.shape, dtype=torch.float32, device=k.device)

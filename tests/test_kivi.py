@@ -1,0 +1,100 @@
+"""KIVI-style low-bit storage (``kvsplice.quant``): the packing is exact, the rounding error is at most half a step,
+a window covering every token is lossless, measured bytes == formula at every length, both doors agree — alone
+and holding a token selection — and fewer bits cost more error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsplice.decode import Decoder, DenseKV
+from kvsplice.quant import KIVI, dequantize, kivi_bytes, pack_codes, quantize, unpack_codes
+from kvsplice.report.memory import measure_cache
+from kvsplice.select.method import TokenSelection
+from kvsplice.select.selectors import make_selector
+from test_stack import assert_same, both_doors, ids_of, tiny
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_packing_round_trips_and_rounding_is_half_a_step(bits):
+    x = torch.randn(2, 3, 4, 8, 16) * torch.linspace(0.1, 5, 16)  # groups of 8 along dim 3, channels of any scale
+    c, s, m = quantize(x, 3, bits)
+    assert c.dtype == torch.uint8 and int(c.max()) <= 2 ** bits - 1
+    flat = c.reshape(2, 3, 32, 16)
+    assert torch.equal(unpack_codes(pack_codes(flat, bits), bits), flat)
+    assert pack_codes(flat, bits).shape[-1] == 16 * bits // 8
+    err = (dequantize(c, s, m, torch.float32) - x).abs()
+    assert bool((err <= s.float() / 2 + 1e-3 * s.float() + 1e-6).all())
+
+
+def test_a_window_over_every_token_is_lossless_in_both_doors():
+    model = tiny("llama")
+    ids = ids_of(2, 14, 1)
+    runs = both_doors(model, KIVI(bits=2, group=8, residual=64), ids[:, :10], [ids[:, 10:11], ids[:, 11:14]])
+    with torch.no_grad():
+        want = model(ids).logits
+    for door, (logits, _) in runs.items():
+        torch.testing.assert_close(torch.cat(logits, 1), want, atol=1e-4, rtol=0, msg=lambda m: door + m)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_bytes_are_the_formula_at_every_length_and_the_doors_agree(family):
+    model = tiny(family)
+    ids = ids_of(2, 40, 2)
+    method = KIVI(bits=4, group=8, residual=4)  # head_dim 8: one group per row of values
+    steps = [ids[:, t:t + 1] for t in range(19, 27)] + [ids[:, 27:40]]
+    runs = both_doors(model, method, ids[:, :19], steps)
+    assert_same(runs["decoder"][0], runs["hf"][0], atol=1e-4, what="decoder vs hf")
+    for door, (_, cache) in runs.items():
+        store = cache.store if door == "hf" else cache
+        assert store.seq_len == 40
+        formula = cache.bytes_formula() if door == "hf" else store.bytes_formula()
+        assert measure_cache(cache).live_bytes == cache.nbytes() == formula
+    a = Decoder(model, method).method.adapter
+    nq = 32  # 8·⌊(40 − 4)/8⌋ quantised tokens, 8 at full precision
+    per_head = 2 * nq * 8 * 4 // 8 + 2 * (nq // 8) * 8 * 2 + 2 * nq * 1 * 2 + 2 * 8 * 8 * 4
+    assert kivi_bytes(a.n_layer, a.n_kv_head, 8, 2, 40, bits=4, group=8, residual=4, dtype=torch.float32) \
+        == a.n_layer * a.n_kv_head * 2 * per_head
+
+
+def test_fewer_bits_cost_more_and_eight_bits_are_close():
+    model = tiny("llama")
+    ids = ids_of(1, 48, 3)
+    with torch.no_grad():
+        want = model(ids).logits
+    errs = {}
+    for bits in (2, 4, 8):
+        dec = Decoder(model, KIVI(bits=bits, group=8, residual=0))
+        cache = dec.new_cache(1)
+        got = torch.cat([dec(ids[:, s:s + 8], cache) for s in range(0, 48, 8)], 1)
+        errs[bits] = float((got - want).abs().max())
+    assert errs[8] < errs[4] < errs[2] and errs[8] < 0.05 * errs[2], errs
+
+
+@pytest.mark.parametrize("selector", ["knorm", "snapkv", "observed_attention"])
+def test_kivi_holds_a_token_selection_in_both_doors(selector):
+    model = tiny("llama")
+    ids = ids_of(2, 30, 4)
+    kw = {"snapkv": dict(window=4, kernel=3)}.get(selector, {})
+    method = TokenSelection(make_selector(selector, **kw), 12, store=KIVI(bits=4, group=8, residual=2))
+    runs = both_doors(model, method, ids[:, :24], [ids[:, 24:25], ids[:, 25:30]])
+    assert_same(runs["decoder"][0], runs["hf"][0], atol=1e-4, what="decoder vs hf")
+    _, cache = runs["hf"]
+    assert cache.seq_len == 12 + 6 and measure_cache(cache).live_bytes == cache.bytes_formula()
+    dense = both_doors(model, TokenSelection(make_selector(selector, **kw), 12, store=DenseKV()), ids[:, :24],
+                       [ids[:, 24:25], ids[:, 25:30]])
+    assert cache.nbytes() < dense["hf"][1].nbytes()
+
+
+def test_truncate_drops_only_full_precision_tokens():
+    model = tiny("llama")
+    dec = Decoder(model, KIVI(bits=4, group=8, residual=8))
+    cache = dec.new_cache(1)
+    ids = ids_of(1, 30, 5)
+    dec(ids[:, :20], cache)  # 8 quantised, 12 at full precision
+    before = dec(ids[:, 20:21], cache)
+    cache.truncate(20)
+    assert cache.seq_len == cache.position == 20
+    torch.testing.assert_close(dec(ids[:, 20:21], cache), before)
+    with pytest.raises(ValueError, match="full-precision"):
+        cache.truncate(4)

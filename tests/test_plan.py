@@ -1,0 +1,104 @@
+"""The budget planner end to end on stories260K (a real GQA + RoPE model): ``python -m kvsplice.plan`` writes a
+plan within the budget whose every candidate was measured on tuning text, ``generate`` / ``eval_bases`` / the HF
+cache take it directly, calibration statistics are reused, and bad inputs are one line with exit status 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvsplice import eval_bases, generate, plan as plan_cli
+from kvsplice.planning.spec import Plan, PlanError, Stack
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+STORIES = DATA / "stories260K"
+CALIB = DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"
+EVAL = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
+pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file() or not CALIB.is_file(),
+                                reason=f"stories260K / TinyStories not found under {DATA}")
+SMALL = ["--calib", str(CALIB), "--calib-tokens", "2048", "--tune-tokens", "512", "--seq-len", "256",
+         "--no-progress", "--batch-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def s260k(tmp_path_factory) -> Path:
+    from kvsplice.convert.llama2c import convert_llama2c
+
+    return convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", tmp_path_factory.mktemp("s260k"))
+
+
+@pytest.fixture(scope="module")
+def planned(s260k, tmp_path_factory):
+    d = tmp_path_factory.mktemp("plan")
+    rc = plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats", str(d / "stats.safetensors"),
+                        "--out", str(d / "plan.json"), "--json", str(d / "report.json")])
+    assert rc == 0
+    return d
+
+
+def test_the_plan_fits_the_budget_and_every_candidate_was_measured(planned):
+    doc = json.loads((planned / "plan.json").read_text())
+    budget = doc["budget"]["bytes_per_token"]
+    assert doc["budget"]["full_fp16_bytes_per_token"] == 2 * 5 * 4 * 8 * 2  # stories260K: 5 layers, 4 KV heads, d 8
+    assert budget == pytest.approx(640 / 3)
+    cands = doc["candidates"]
+    assert len(cands) >= 4 and all(c["bytes_per_token"] <= budget + 1e-9 for c in cands)
+    assert {Stack(**c["stack"]).store for c in cands} >= {"int8", "kivi", "lowrank"}
+    best = min(cands, key=lambda c: c["tuning_ppl"])
+    assert doc["stack"] == best["stack"] and doc["chosen"]["label"] == best["label"]
+    assert (planned / "report.json").is_file() and (planned / "stats.safetensors").is_file()
+    plan = Plan.load(planned / "plan.json")
+    assert (plan.bases is not None) == (plan.stack.store == "lowrank")
+
+
+def test_generate_eval_and_the_hf_cache_take_the_plan(s260k, planned, tmp_path, capsys):
+    from kvsplice.hf import KVSpliceHFCache
+    from kvsplice.io.loading import load_model
+
+    out = tmp_path / "g.json"
+    assert generate.main(["--model", str(s260k), "--plan", str(planned / "plan.json"), "--prompt",
+                          "Once upon a time there was a little girl who loved to play in the park with her dog",
+                          "--max-new-tokens", "12", "--json", str(out)]) == 0
+    g = json.loads(out.read_text())
+    assert g["cache"].startswith("plan:") and g["cache_bytes"] == g["cache_bytes_formula"] and len(g["tokens"]) > 0
+    rep = tmp_path / "e.json"
+    assert eval_bases.main(["--model", str(s260k), "--plan", str(planned / "plan.json"), "--data", str(EVAL),
+                            "--tokens", "512", "--seq-len", "256", "--no-progress", "--json", str(rep)]) == 0
+    r = json.loads(rep.read_text())["results"][0]
+    assert r["ppl"] > 0 and r["ratio_vs_fp16_full"] >= 3 - 1e-9
+    model = load_model(str(s260k)).model
+    plan = Plan.load(planned / "plan.json", model)
+    ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = model.generate(ids, past_key_values=KVSpliceHFCache(model, plan.method(40)), max_new_tokens=5,
+                           do_sample=False)
+    assert a.shape == (1, 45)
+
+
+def test_stats_are_reused_and_bad_inputs_are_one_line(s260k, planned, tmp_path, capsys):
+    stats = planned / "stats.safetensors"
+    before = stats.stat().st_mtime_ns
+    assert plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "6", "--calib-stats", str(stats),
+                          "--out", str(tmp_path / "p6.json")]) == 0
+    assert stats.stat().st_mtime_ns == before  # reused, not rewritten
+    doc = json.loads((tmp_path / "p6.json").read_text())
+    assert doc["calibration"]["reused"] and doc["chosen"]["ratio_vs_fp16_full"] >= 6 - 1e-9
+    capsys.readouterr()
+    for args, needle in (
+            ([*SMALL, "--ratio", "3", "--out", str(planned / "plan.json")], "already exists"),
+            ([*SMALL, "--ratio", "100000", "--out", str(tmp_path / "x.json")], "no stack fits"),
+            ([*SMALL, "--ratio", "0", "--out", str(tmp_path / "y.json")], "must be > 0"),
+            ([*SMALL, "--ratio", "3", "--prompt-len", "256", "--out", str(tmp_path / "z.json")], "--prompt-len")):
+        assert plan_cli.main(["--model", str(s260k), *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("plan: error:") and needle in err[0], err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert generate.main(["--model", str(s260k), "--plan", str(bad), "--prompt", "Hi", "--max-new-tokens", "2"]) == 2
+    assert "not a kvsplice plan" in capsys.readouterr().err
+    with pytest.raises(PlanError, match="pre-RoPE"):
+        Stack("lowrank", rope="pre", selector="snapkv", keep=0.5)

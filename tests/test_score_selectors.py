@@ -1,0 +1,70 @@
+"""Attention-score selectors (SnapKV, ObservedAttention) against a direct per-head reference written from the
+papers' definitions, and through the one decoder on left-padded batches."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvsplice.select.scores import ObservedAttentionSelector, SnapKVSelector
+from kvsplice.select.method import TokenSelection
+from kvsplice.decode import Decoder
+from test_stack import ids_of, tiny
+
+
+def _qk(h=2, g=3, t=20, d=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(h, g * t, d, generator=gen), torch.randn(h, t, d, generator=gen), torch.randn(h, t, d)
+
+
+def _attention(q, k, scale):
+    """Per KV head, query head and position: the causal softmax row (written with loops)."""
+    h, t, _ = k.shape
+    g = q.shape[1] // t
+    a = torch.zeros(h, g, t, t)
+    for j in range(h):
+        for r in range(g):
+            for i in range(t):
+                s = torch.tensor([float(q[j, r * t + i] @ k[j, c]) * scale for c in range(i + 1)])
+                a[j, r, i, :i + 1] = torch.softmax(s, 0)
+    return a
+
+
+def test_observed_attention_keeps_the_most_attended_tokens_per_query_that_sees_them():
+    q, k, v = _qk()
+    scale = 1 / math.sqrt(8)
+    a = _attention(q, k, scale)
+    want = a.sum(dim=(1, 2)) / torch.arange(20, 0, -1)
+    idx, logw = ObservedAttentionSelector(chunk=7).select(k, v, 6, q=q, scale=scale)
+    assert torch.equal(idx, want.topk(6, -1).indices.sort(-1).values) and not logw.any()
+
+
+def test_snapkv_keeps_its_window_and_the_pooled_votes():
+    q, k, v = _qk(seed=1)
+    scale = 0.5
+    votes = _attention(q, k, scale)[:, :, -4:].sum(dim=(1, 2))  # (H, T): the last 4 queries vote
+    pooled = torch.stack([torch.stack([votes[j, max(0, c - 1):c + 2].mean() for c in range(20)]) for j in range(2)])
+    idx, _ = SnapKVSelector(window=4, kernel=3).select(k, v, 9, q=q, scale=scale)
+    for j in range(2):
+        rest = pooled[j, :16].topk(5).indices
+        assert idx[j].tolist() == sorted(rest.tolist() + [16, 17, 18, 19])
+
+
+def test_score_selectors_decode_padded_rows_as_alone():
+    model = tiny("llama")
+    seqs = [ids_of(1, t, 20 + t)[0] for t in (16, 11)]
+    for sel in (SnapKVSelector(window=3, kernel=3), ObservedAttentionSelector()):
+        method = TokenSelection(sel, 6)
+        kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        from kvsplice.hf import KVSpliceHFCache
+
+        ids = torch.zeros(2, 16, dtype=torch.long)
+        mask = torch.zeros(2, 16, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, 16 - len(s):], mask[i, 16 - len(s):] = s, 1
+        with torch.no_grad():
+            batched = model.generate(ids, attention_mask=mask, past_key_values=KVSpliceHFCache(model, method), **kw)
+        for i, s in enumerate(seqs):
+            alone = Decoder(model, method).generate(s[None], 4)[0, len(s):]
+            assert torch.equal(batched[i, 16:], alone), (sel, i)

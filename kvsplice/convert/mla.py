@@ -89,6 +89,7 @@ def _low_rank(w: torch.Tensor, rank: int, gram: Optional[torch.Tensor]) -> tuple
     """Factors ``(B (m × R), A (R × n))`` of the rank-``R`` approximation of ``w`` (m × n, float64): truncated SVD,
     or with ``gram`` the one minimising ``tr((w − BA) G (w − BA)ᵀ)``; split evenly as ``U S^½`` and ``S^½ Vᵀ``."""
     if gram is not None:
+        gram = gram.to(w)  # the Grams are streamed to the CPU; the weights may sit on a GPU
         p = torch.linalg.svd(w @ _sqrt_psd(gram), full_matrices=False)[0][:, :rank]  # (m, R) output directions
         w = p @ (p.T @ w)  # (m, n), rank <= R
     u, s, vh = torch.linalg.svd(w, full_matrices=False)
@@ -168,6 +169,7 @@ def kv_relative_error(src: GPT, dst: GPT, grams: list[torch.Tensor]) -> list[flo
         w = torch.cat([wk, wv])  # (2d, d)
         up = torch.cat([b.attn.w_uk.weight, b.attn.w_uv.weight]).to(torch.float64)  # (2d, R)
         err = w - up @ b.attn.w_dkv.weight.to(torch.float64)  # (2d, d)
+        g = g.to(w)
         out.append(float(torch.trace(err @ g @ err.T) / torch.trace(w @ g @ w.T)))
     return out
 
@@ -175,7 +177,7 @@ def kv_relative_error(src: GPT, dst: GPT, grams: list[torch.Tensor]) -> list[flo
 # ------------------------------------------------------------------------------------------------ KVSplice
 def _set_weight(lin: torch.nn.Linear, w: torch.Tensor) -> None:
     if parametrize.is_parametrized(lin, "weight"):
-        lin.weight = w.to(lin.weight.dtype)  # through the parametrisation's right_inverse
+        lin.weight = w.to(lin.weight)  # through the parametrisation's right_inverse (device and dtype of the layer)
     else:
         lin.weight.copy_(w)
 

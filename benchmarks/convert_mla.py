@@ -51,13 +51,13 @@ def val_loss(ckpt: Path) -> float:
     import yaml
 
     from data import TinyStoriesDataModule
-    from models.checkpoint import load_model
+    from models.checkpoint import load_gpt_checkpoint
     from training.evaluate import validation_loss
 
     data = yaml.safe_load((REPO / "configs" / "small_mha.yaml").read_text())["data"]
     dm = TinyStoriesDataModule(**{**data, "path": str(DATA), "block_size": 256})
     dm.setup()
-    return validation_loss(load_model(ckpt)[0], dm, max_tokens=len(dm.val_set) * 256)[0]
+    return validation_loss(load_gpt_checkpoint(ckpt)[0], dm, max_tokens=len(dm.val_set) * 256)[0]
 
 
 def source(variant: str, config: str, seed: int, runs: Path, threads: int) -> Path:

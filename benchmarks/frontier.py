@@ -97,9 +97,9 @@ def cache_bytes(ckpt: Path, tokens: int) -> dict:
     """Prefill ``tokens`` random ids through the checkpoint's model and its real decode cache (fp16 and fp32)."""
     import torch
 
-    from models.checkpoint import load_model
+    from models.checkpoint import load_gpt_checkpoint
 
-    model = load_model(ckpt)[0]
+    model = load_gpt_checkpoint(ckpt)[0]
     out = {"cache_dim": model.cfg.cache_dim, "params": model.num_params(), "variant_name": model.cfg.variant}
     ids = torch.randint(0, model.cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     for dtype, key in ((torch.float16, "cache_bytes_per_token"), (torch.float32, "cache_bytes_per_token_fp32")):

@@ -8,7 +8,7 @@ from data.errors import BadTextError, DataConfigError, DataUnavailableError
 from data.shards import unigram_entropy
 from data.sources import check_text_file
 from data.stories import generate_stories, iter_stories
-from data.tokenizer import EOT_TOKEN, TextTokenizer, load_tokenizer, train_bpe_tokenizer
+from data.tokenizer import EOT_TOKEN, TextTokenizer, load_bpe_tokenizer, train_bpe_tokenizer
 
 __all__ = [
     "EOT_TOKEN",
@@ -20,7 +20,7 @@ __all__ = [
     "check_text_file",
     "generate_stories",
     "iter_stories",
-    "load_tokenizer",
+    "load_bpe_tokenizer",
     "train_bpe_tokenizer",
     "unigram_entropy",
 ]

@@ -24,7 +24,7 @@ from data.errors import OFFLINE_HINT, DataConfigError, DataUnavailableError, hub
 from data.shards import (EpochSampler, FixedBlocks, RandomBlocks, ResumableDataLoader, build_shards, split_tail,
                          write_split)
 from data.sources import file_fingerprint, is_validation_file, iter_stories_from_file, list_story_files
-from data.tokenizer import TextTokenizer, load_gpt2_from_hub, load_tokenizer, train_bpe_tokenizer
+from data.tokenizer import TextTokenizer, load_gpt2_from_hub, load_bpe_tokenizer, train_bpe_tokenizer
 
 __all__ = ["TinyStoriesDataModule"]
 
@@ -184,7 +184,7 @@ class TinyStoriesDataModule(L.LightningDataModule):
                 self._local_files()  # missing, empty or garbage data is named before any tokenizer problem
             self._check_cache_dir()
             if self.tokenizer_path:
-                self._tokenizer = load_tokenizer(self.tokenizer_path)
+                self._tokenizer = load_bpe_tokenizer(self.tokenizer_path)
             elif self.synthetic:
                 self._tokenizer = self._synthetic_tokenizer()
             elif self.bpe_vocab_size is not None:
@@ -216,7 +216,7 @@ class TinyStoriesDataModule(L.LightningDataModule):
         file for ``spec`` exists, else trained on ``texts()`` and saved there."""
         file = self.cache_dir / "tokenizers" / f"{kind}-bpe{vocab_size}-{_key(spec)}.json"
         if file.is_file():
-            tok = load_tokenizer(file)
+            tok = load_bpe_tokenizer(file)
         else:
             tok = train_bpe_tokenizer(texts(), vocab_size=vocab_size)
             tok.save(file)

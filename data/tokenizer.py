@@ -21,7 +21,7 @@ __all__ = [
     "TextTokenizer",
     "find_gpt2_files",
     "load_gpt2_from_hub",
-    "load_tokenizer",
+    "load_bpe_tokenizer",
     "train_bpe_tokenizer",
 ]
 
@@ -134,7 +134,7 @@ def find_gpt2_files(path: str | os.PathLike[str]) -> tuple[Path, Path] | Path:
     )
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> TextTokenizer:
+def load_bpe_tokenizer(path: str | os.PathLike[str]) -> TextTokenizer:
     """Load a byte-level BPE tokenizer from local files (see :func:`find_gpt2_files` for what ``path`` may be)."""
     found = find_gpt2_files(path)
     if isinstance(found, Path):

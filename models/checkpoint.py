@@ -7,7 +7,7 @@ pickled callable such as ``os.system`` or an instance of some class — is refus
 anything in it runs.
 
 * :func:`load_checkpoint` — the raw checkpoint dict.
-* :func:`load_model` — ``(GPT, GPTConfig, meta)`` rebuilt from a checkpoint's stored config and weights.
+* :func:`load_gpt_checkpoint` — ``(GPT, GPTConfig, meta)`` rebuilt from a checkpoint's stored config and weights.
 * :func:`save_model` — write a GPT (e.g. a converted one, :mod:`kvsplice.to_mla`) in the same format.
 * :func:`atomic_write` / :func:`atomic_save` — every file the package writes goes through a temporary sibling
   ``.<name>.<pid>.tmp`` renamed into place; :func:`remove_stale_temp_files` deletes those a killed process left.
@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 __all__ = ["CKPT_FORMAT", "CKPT_FORMAT_KEY", "GPT_CONFIG_KEY", "CheckpointError", "atomic_save", "atomic_write",
-           "check_tensor", "load_checkpoint", "load_model", "remove_stale_temp_files", "save_model", "temp_path"]
+           "check_tensor", "load_checkpoint", "load_gpt_checkpoint", "remove_stale_temp_files", "save_model", "temp_path"]
 
 CKPT_FORMAT_KEY = "kvsplice_format"
 """Key of the format version that :class:`training.lit.LitGPT` writes into every checkpoint."""
@@ -89,7 +89,7 @@ def load_checkpoint(path: PathLike, map_location: Any = "cpu") -> dict:
     return obj
 
 
-def load_model(path: PathLike, map_location: Any = "cpu", strict: bool = True):
+def load_gpt_checkpoint(path: PathLike, map_location: Any = "cpu", strict: bool = True):
     """Rebuild the GPT stored in a ``training.fit`` checkpoint.
 
     Returns:
@@ -266,7 +266,7 @@ def atomic_save(obj: Any, path: PathLike) -> None:
 
 def save_model(model, path: PathLike, *, hparams: dict | None = None, data_hparams: dict | None = None,
                extra: dict | None = None) -> Path:
-    """Write ``model`` (a :class:`models.GPT`) as a checkpoint that :func:`load_model`, ``training.evaluate`` and
+    """Write ``model`` (a :class:`models.GPT`) as a checkpoint that :func:`load_gpt_checkpoint`, ``training.evaluate`` and
     ``training.fit --model.init_from`` read: format version, ``gpt_config``, ``state_dict`` under ``model.``, the
     LightningModule hyper-parameters (``hparams``, updated with the model's config fields) and the data module's
     (``data_hparams``, so the tokenizer and validation text can be rebuilt). ``extra`` entries are stored as given

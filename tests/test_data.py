@@ -17,7 +17,7 @@ from data import (
     DataUnavailableError,
     TinyStoriesDataModule,
     generate_stories,
-    load_tokenizer,
+    load_bpe_tokenizer,
     train_bpe_tokenizer,
     unigram_entropy,
 )
@@ -333,11 +333,11 @@ def test_local_formats_and_splits(tmp_path: Path, synth: TinyStoriesDataModule) 
 
 @needs_shared
 def test_gpt2_tokenizer_files() -> None:
-    tok = load_tokenizer(GPT2)
+    tok = load_bpe_tokenizer(GPT2)
     assert tok.vocab_size == 50257 and tok.eot_id == 50256
     assert tok.encode("Hello world") == [15496, 995]
     assert tok.encode("<|endoftext|>") == [50256]
-    assert load_tokenizer(GPT2 / "vocab.bpe").fingerprint == tok.fingerprint  # a file inside the folder works too
+    assert load_bpe_tokenizer(GPT2 / "vocab.bpe").fingerprint == tok.fingerprint  # a file inside the folder works too
 
 
 @needs_shared

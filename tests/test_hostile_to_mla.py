@@ -13,7 +13,7 @@ import torch
 
 from hostile import dead_pid, edit_ckpt, one_error, readonly_dir, snapshot, tiny_ckpt  # noqa: F401
 from kvsplice.to_mla import main as to_mla
-from models.checkpoint import load_model
+from models.checkpoint import load_gpt_checkpoint
 
 W = "model.transformer.h.1.attn.c_attn.weight"
 
@@ -94,4 +94,4 @@ def test_a_killed_runs_temporary_file_is_removed(src, tmp_path, capsys):
     rc, err = convert(["--model", src, "--d-latent", "8", "--out", out], capsys)
     assert rc == 0, err
     assert not stale.exists() and live.exists() and other.exists()
-    assert load_model(out)[1].d_latent == 8
+    assert load_gpt_checkpoint(out)[1].d_latent == 8

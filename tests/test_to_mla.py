@@ -11,7 +11,7 @@ import torch
 from kvsplice.convert.mla import (attention_input_grams, insert_kvsplice, kv_relative_error, kv_rows, latent_grams,
                                   mha_to_mla)
 from kvsplice.to_mla import main as to_mla
-from models.checkpoint import load_model, save_model
+from models.checkpoint import load_gpt_checkpoint, save_model
 from models.config import GPTConfig
 from models.gpt import GPT
 from tiny_models import TINY_FIT_ARGS as TINY, sharpen
@@ -131,7 +131,7 @@ def test_cli_convert_and_finetune(tmp_path: Path, mha_ckpt: Path, data_cache: Pa
                    "--kvsplice-ratio", "0.5", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "activation-aware" in printed and "KVSplice init pca" in printed and "relative K/V error" in printed
-    model, cfg, meta = load_model(out)
+    model, cfg, meta = load_gpt_checkpoint(out)
     assert cfg.variant == "mla_kvsplice_50" and cfg.d_latent == 16 and cfg.cache_dim == 8
     assert meta["data_hparams"]["synthetic"] is True  # the source's data settings travel with the checkpoint
     # an existing --out is never overwritten without --force
@@ -141,16 +141,16 @@ def test_cli_convert_and_finetune(tmp_path: Path, mha_ckpt: Path, data_cache: Pa
     # full rank through the CLI (weights only): the same logits as the source
     exact = tmp_path / "exact.ckpt"
     assert to_mla(["--model", str(mha_ckpt), "--d-latent", "64", "--out", str(exact)]) == 0
-    src = load_model(mha_ckpt)[0]
+    src = load_gpt_checkpoint(mha_ckpt)[0]
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
-    assert (load_model(exact)[0](ids) - src(ids)).abs().max() < 1e-4
+    assert (load_gpt_checkpoint(exact)[0](ids) - src(ids)).abs().max() < 1e-4
     # two steps: MHA -> MLA, then KVSplice into that MLA checkpoint (an MLA model as --model)
     mla_only = tmp_path / "mla_only.ckpt"
     assert to_mla(["--model", str(mha_ckpt), "--d-latent", "16", "--out", str(mla_only)]) == 0
     spliced = tmp_path / "spliced.ckpt"
     assert to_mla(["--model", str(mla_only), "--kvsplice-ratio", "0.5", "--calib", str(calib), "--calib-tokens",
                    "2048", "--out", str(spliced)]) == 0
-    assert load_model(spliced)[1].variant == "mla_kvsplice_50"
+    assert load_gpt_checkpoint(spliced)[1].variant == "mla_kvsplice_50"
     assert to_mla(["--model", str(mla_only), "--out", str(tmp_path / "x.ckpt")]) == 2
     assert "give --kvsplice-ratio" in capsys.readouterr().err
     # fine-tune from the converted weights: a fresh run (step 0, new optimizer) that trains
@@ -160,7 +160,7 @@ def test_cli_convert_and_finetune(tmp_path: Path, mha_ckpt: Path, data_cache: Pa
             "--trainer.max_steps", "6", "--trainer.val_check_interval", "6", "--model.warmup_steps", "2",
             "--model.init_from", str(out)]
     assert fit(args) == 0
-    tuned, _, tmeta = load_model(runs / "ft" / "last.ckpt")
+    tuned, _, tmeta = load_gpt_checkpoint(runs / "ft" / "last.ckpt")
     assert tmeta["global_step"] == 6
     start = model.state_dict()
     changed = [k for k, v in tuned.state_dict().items() if not torch.equal(v, start[k])]
@@ -187,7 +187,7 @@ def test_cli_errors(tmp_path: Path, mha_ckpt: Path, capsys, args, msg) -> None:
 def test_save_model_roundtrip(tmp_path: Path) -> None:
     mla = mha_to_mla(_mha(), 8)
     p = save_model(mla, tmp_path / "m.ckpt", hparams={"learning_rate": 1e-3}, extra={"note": "x"})
-    model, cfg, meta = load_model(p)
+    model, cfg, meta = load_gpt_checkpoint(p)
     assert cfg == mla.cfg and meta["hparams"]["learning_rate"] == 1e-3 and meta["hparams"]["d_latent"] == 8
     ids = _ids(5)
     assert torch.equal(model(ids), mla(ids))

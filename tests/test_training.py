@@ -22,7 +22,7 @@ import yaml
 
 from models import GPTConfig
 from training.lit import LitGPT, TrainingConfigError, check_schedule, lr_factor, param_groups
-from training.checkpoint import CheckpointError, load_checkpoint, load_model
+from training.checkpoint import CheckpointError, load_checkpoint, load_gpt_checkpoint
 from training.fit import CONFIG_DIR, CLIConfigError, prepare_args, config_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -287,7 +287,7 @@ def test_fit_resume_and_checkpoints(tmp_path, data_cache):
     assert ckpt["global_step"] == 30
     assert ckpt["optimizer_states"][0]["state"][0]["step"].item() == 30
     assert ckpt["lr_schedulers"][0]["last_epoch"] == 30
-    model, cfg, meta = load_model(run / "last.ckpt")
+    model, cfg, meta = load_gpt_checkpoint(run / "last.ckpt")
     assert cfg.variant == "mla_kvsplice_70" and cfg.d_compressed == round(32 * 0.3)
     assert meta["global_step"] == 30 and cfg.vocab_size <= 512  # the synthetic BPE's vocabulary, linked from data
     assert model.transformer.h[0].attn.splice is not None
@@ -310,7 +310,7 @@ def test_fit_on_real_tinystories_with_gpt2_tokenizer(tmp_path):
                    "--data.cache_dir", str(tmp_path / "cache"), "--trainer.max_steps", "4",
                    "--trainer.val_check_interval", "4", "--model.warmup_steps", "1", "--wandb.mode", "disabled")
     assert_ok(proc)
-    model, cfg, meta = load_model(tmp_path / "real" / "last.ckpt")
+    model, cfg, meta = load_gpt_checkpoint(tmp_path / "real" / "last.ckpt")
     assert cfg.vocab_size == 50257 and meta["global_step"] == 4
     val = column(read_metrics(tmp_path / "real"), "val_loss")
     assert val and math.isfinite(val[-1][1]) and val[-1][1] < math.log(50257)
@@ -351,7 +351,7 @@ def test_malicious_and_corrupt_checkpoints_refused_in_process(tmp_path):
     evil = tmp_path / "evil.ckpt"
     torch.save({"state_dict": {}, "payload": _Evil(marker)}, evil)
     assert not marker.exists()
-    for loader in (load_checkpoint, load_model):
+    for loader in (load_checkpoint, load_gpt_checkpoint):
         with pytest.raises(CheckpointError, match="refusing to load .*pickled code"):
             loader(evil)
     assert not marker.exists(), "the malicious checkpoint ran code"
@@ -362,13 +362,13 @@ def test_malicious_and_corrupt_checkpoints_refused_in_process(tmp_path):
     corrupt = tmp_path / "corrupt.ckpt"
     corrupt.write_bytes(b"not a checkpoint at all")
     with pytest.raises(CheckpointError, match="not a valid PyTorch checkpoint"):
-        load_model(corrupt)
+        load_gpt_checkpoint(corrupt)
     other = tmp_path / "other.ckpt"
     torch.save({"state_dict": {"w": torch.zeros(2)}}, other)
     with pytest.raises(CheckpointError, match="not a kvsplice training checkpoint"):
-        load_model(other)
+        load_gpt_checkpoint(other)
     with pytest.raises(CheckpointError, match="does not exist"):
-        load_model(tmp_path / "missing.ckpt")
+        load_gpt_checkpoint(tmp_path / "missing.ckpt")
 
 
 def _check_one_line_error(name: str, rc: int, err: str, expect: str) -> None:

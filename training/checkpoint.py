@@ -17,15 +17,15 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from models.checkpoint import (CKPT_FORMAT, CKPT_FORMAT_KEY, GPT_CONFIG_KEY, CheckpointError, PathLike, atomic_save,
-                               load_checkpoint, load_model, remove_stale_temp_files)
+                               load_checkpoint, load_gpt_checkpoint, remove_stale_temp_files)
 
 __all__ = ["CKPT_FORMAT", "CKPT_FORMAT_KEY", "GPT_CONFIG_KEY", "CheckpointError", "atomic_save", "load_checkpoint",
-           "load_model", "remove_stale_temp_files", "safe_checkpoint_io"]
+           "load_gpt_checkpoint", "remove_stale_temp_files", "safe_checkpoint_io"]
 
 
 def safe_checkpoint_io():
     """A Lightning ``CheckpointIO`` that always loads with ``weights_only=True`` and raises :class:`CheckpointError`,
-    and saves with :func:`atomic_save` (Lightning is imported only here, so ``load_model`` stays light for
+    and saves with :func:`atomic_save` (Lightning is imported only here, so ``load_gpt_checkpoint`` stays light for
     evaluation tools)."""
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from kvsplice.io.cli import Parser, UsageError
 from kvsplice.io.outputs import output_file, write_json
 from kvsplice.report.memory import cache_bytes_formula, measure_cache, parse_dtype
-from training.checkpoint import CheckpointError, load_model
+from training.checkpoint import CheckpointError, load_gpt_checkpoint
 
 EXIT_ERROR = 2
 PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "The dog was sad because")
@@ -174,7 +174,7 @@ def samples(model, tokenizer, n_new: int, seed: int) -> list[dict[str, str]]:
 
 
 def evaluate_checkpoint(path: str, args: argparse.Namespace) -> dict[str, Any]:
-    model, cfg, meta = load_model(path)
+    model, cfg, meta = load_gpt_checkpoint(path)
     device = torch.device(args.device)
     model.to(device).eval()
     overrides = {"path": args.data_path, "tokenizer_path": args.data_tokenizer_path, "synthetic": args.data_synthetic,

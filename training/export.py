@@ -35,7 +35,7 @@ from kvsplice.io.cli import Parser, run_cli
 from kvsplice.io.outputs import output_dir, write_dir
 from models.attention import LATENT_NORM_EPS
 from models.gpt import HF_CONV1D
-from training.checkpoint import CheckpointError, load_model
+from training.checkpoint import CheckpointError, load_gpt_checkpoint
 
 REMOTE_DIR = Path(__file__).resolve().parent / "hf_remote"
 REMOTE_FILES = ("configuration_kvsplice_gpt.py", "modeling_kvsplice_gpt.py")
@@ -169,7 +169,7 @@ def export(ckpt: str | Path, out: str | Path, *, force: bool = False, tokenizer:
     out = output_dir(out, force=force, inputs={"--ckpt": ckpt}, owned=EXPORT_FILES, writer="export")
     ckpt = Path(ckpt)
     try:
-        model, cfg, meta = load_model(ckpt)
+        model, cfg, meta = load_gpt_checkpoint(ckpt)
     except CheckpointError as e:
         raise ExportError(str(e)) from None
     if cfg.cache_quant:

@@ -179,10 +179,10 @@ class LitGPT(L.LightningModule):
         return cls(**config.to_dict(), **training)
 
     def _init_from(self, path: str) -> None:
-        from models.checkpoint import CheckpointError, load_model
+        from models.checkpoint import CheckpointError, load_gpt_checkpoint
 
         try:
-            model, cfg, _ = load_model(path)
+            model, cfg, _ = load_gpt_checkpoint(path)
         except CheckpointError as e:
             raise TrainingConfigError(f"model.init_from: {e}") from None
         diff = self._arch_diff(cfg.to_dict())

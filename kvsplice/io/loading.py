@@ -7,7 +7,7 @@ Models (:func:`load_model`), by what ``spec`` is:
   (the families of :data:`kvsplice.adapters.SUPPORTED_FAMILIES`: GPT-2, Llama, Mistral, Qwen2/3, Phi-3, Gemma-3;
   anything else fails with :func:`kvsplice.adapters.model_info`'s one-line "unsupported" error naming them).
   ``python -m kvsplice.convert_llama2c`` makes such a directory from a llama2.c checkpoint (e.g. stories260K);
-* a file (``.ckpt``) → this project's MHA GPT via ``models.checkpoint.load_model``; its tokenizer is the one its
+* a file (``.ckpt``) → this project's MHA GPT via ``models.checkpoint.load_gpt_checkpoint``; its tokenizer is the one its
   training data used (rebuilt from the checkpoint's data settings with :class:`data.TinyStoriesDataModule`), or
   ``tokenizer=`` (a GPT-2 BPE folder / ``tokenizer.json``, or an HF tokenizer directory);
 * a ``.gguf`` file, or a folder holding one and no ``config.json`` → :mod:`kvsplice.io.gguf` (dequantised to fp32,
@@ -113,7 +113,7 @@ def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
         except Exception as e:  # noqa: BLE001
             raise LoadError(f"cannot load the tokenizer in {p}: {first_line(e)}") from None
     from data.errors import DataUnavailableError
-    from data.tokenizer import load_tokenizer as load_bpe
+    from data.tokenizer import load_bpe_tokenizer as load_bpe
 
     try:
         return _from_text_tokenizer(load_bpe(p))
@@ -174,7 +174,7 @@ def _check_supported(model: nn.Module) -> None:
 
 def _check_weights(model: nn.Module, source: str) -> None:
     """Every weight of a loaded transformers model is a finite floating-point tensor (a training ``.ckpt`` is
-    checked tensor by tensor against its config by :func:`models.checkpoint.load_model`)."""
+    checked tensor by tensor against its config by :func:`models.checkpoint.load_gpt_checkpoint`)."""
     from models.checkpoint import check_tensor
 
     for name, p in model.named_parameters():
@@ -264,7 +264,7 @@ def load_model(spec: str | os.PathLike, *, tokenizer: Optional[str] = None, dtyp
             raise LoadError(f"cannot load the model in {spec}: {first_line(e)}") from None
         kind = "hf-dir"
     elif p.is_file():
-        from models.checkpoint import CheckpointError, load_model as load_ckpt
+        from models.checkpoint import CheckpointError, load_gpt_checkpoint as load_ckpt
 
         try:
             model, _, meta = load_ckpt(p)

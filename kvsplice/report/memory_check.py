@@ -22,14 +22,14 @@ GIB = 2**30
 
 
 def load_labelled_model(path: str | Path):
-    """``(label, model, cfg, meta)`` from :func:`models.checkpoint.load_model`."""
-    from models.checkpoint import load_model
+    """``(label, model, cfg, meta)`` from :func:`models.checkpoint.load_gpt_checkpoint`."""
+    from models.checkpoint import load_gpt_checkpoint
 
     p = Path(path)
     if not p.exists():
         raise UsageError(f"checkpoint not found: {path}")
     try:
-        model, cfg, meta = load_model(str(p))
+        model, cfg, meta = load_gpt_checkpoint(str(p))
     except Exception as e:  # models.checkpoint.CheckpointError and friends: one line
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UsageError(f"cannot load checkpoint {path}: {first}") from None

@@ -40,32 +40,49 @@ ABLATION = {  # variant -> (config, overrides); "insert" is the two-stage recipe
     "ks50_norm_after": ("small_mla_kvsplice_50", ["--model.latent_norm", "false", "--model.kvsplice_norm", "true"]),
     "insert": ("small_mla_kvsplice_50", []),
 }
-RECIPE = {"insert": ABLATION["insert"]}
+RECIPE = {"insert": ABLATION["insert"], "insert90": ("small_mla_kvsplice_90", [])}
+INSERT_RATIO = {"insert": 0.5, "insert90": 0.1}
+"""The two-stage recipes: the KVSplice ratio inserted (``insert90``: the same recipe at 90 %, 104 B/token; run on
+the validation text as chosen for 50 % on the tuning split, nothing re-tuned)."""
 
 
-def insert_recipe(seed: int, args, runs_dir: Path) -> Path:
-    """MLA-128 for steps/2, KVSplice-50 inserted (PCA), fine-tuned steps/2; returns the final run folder."""
+def insert_recipe(variant: str, seed: int, args, runs_dir: Path) -> Path:
+    """MLA-128 for steps/2, KVSplice inserted (PCA) at ``INSERT_RATIO[variant]``, fine-tuned steps/2; returns the
+    final run folder. The MLA-128 stage is shared by every ratio of a seed."""
     half = args.steps // 2
     stage1 = runs_dir / f"insert-s{seed}-mla128"
     stage_args = run_args(args, half)
-    if not (stage1 / "last.ckpt").is_file():
-        train("small_mla", runs_dir, stage1.name, seed, half, args.threads, stage_args)
-    inserted = runs_dir / f"insert-s{seed}-ks50.ckpt"
+    with _stage1_lock(stage1):
+        if not (stage1 / "last.ckpt").is_file():
+            train("small_mla", runs_dir, stage1.name, seed, half, args.threads, stage_args)
+    ratio = INSERT_RATIO[variant]
+    config = RECIPE[variant][0] if variant in RECIPE else ABLATION[variant][0]
+    inserted = runs_dir / f"{variant}-s{seed}-ks{round(100 * (1 - ratio))}.ckpt"  # ks50 / ks90
     if not inserted.is_file():
         calib = args.data / TRAIN_FILES[0]
-        run_module("kvsplice.to_mla", ["--model", str(stage1 / "last.ckpt"), "--kvsplice-ratio", "0.5", "--calib",
-                                       str(calib), "--calib-tokens", "65536", "--out", str(inserted), "--force",
-                                       "--threads", str(args.threads)], args.threads)
-    name = f"insert-s{seed}"
-    train("small_mla_kvsplice_50", runs_dir, name, seed, half, args.threads,
+        run_module("kvsplice.to_mla", ["--model", str(stage1 / "last.ckpt"), "--kvsplice-ratio", str(ratio),
+                                       "--calib", str(calib), "--calib-tokens", "65536", "--out", str(inserted),
+                                       "--force", "--threads", str(args.threads)], args.threads)
+    name = f"{variant}-s{seed}"
+    train(config, runs_dir, name, seed, half, args.threads,
           ["--model.init_from", str(inserted), "--model.warmup_steps", str(max(1, half // 20)), *stage_args])
     return runs_dir / name
 
 
+_LOCKS: dict[Path, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def _stage1_lock(stage1: Path) -> threading.Lock:
+    """One lock per shared MLA-128 stage: two ratios of one seed train it once."""
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(stage1, threading.Lock())
+
+
 def run_variant(variant: str, seed: int, args, runs_dir: Path) -> dict:
-    config, extra = ABLATION[variant]
-    if variant == "insert":
-        run = insert_recipe(seed, args, runs_dir)
+    config, extra = ABLATION[variant] if variant in ABLATION else RECIPE[variant]
+    if variant in INSERT_RATIO:
+        run = insert_recipe(variant, seed, args, runs_dir)
         stage1_val = last_val(runs_dir / f"insert-s{seed}-mla128" / "metrics.csv")[1]
     else:
         run = runs_dir / f"{variant}-s{seed}"

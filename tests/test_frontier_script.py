@@ -146,3 +146,26 @@ def test_a_run_shorter_than_the_log_interval_reports_and_resumes(tmp_path: Path,
     assert frontier.main(argv) == 0  # nothing left to run: the row is kept, nothing fails
     assert json.loads((tmp_path / "f.json").read_text())["rows"] == first
     assert "failed" not in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not DATA.is_dir(), reason="needs ../shared/data/tinystories")
+def test_recipe_study_inserts_each_ratio_into_one_shared_mla_stage(tmp_path: Path, frontier) -> None:
+    """``kvsplice_recipe.py --study recipe``: ``insert`` (KVSplice-50) and ``insert90`` (KVSplice-90) of one seed
+    share their MLA-128 stage (trained once), and each row holds the cache of the ratio it inserted."""
+    spec = importlib.util.spec_from_file_location("kvsplice_recipe", SCRIPT.parent / "kvsplice_recipe.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec.loader.exec_module(mod)
+        out, runs = tmp_path / "r.json", tmp_path / "runs"
+        assert mod.main(["--study", "recipe", "--steps", "4", "--batch", "2", "--seeds", "1", "--jobs", "2",
+                         "--out", str(out), "--runs-dir", str(runs), "--data", str(DATA)]) == 0
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"insert", "insert90"}
+    assert rows["insert"]["cache_bytes_per_token"] == 4 * 64 * 2  # 4 layers x 64 dims x fp16
+    assert rows["insert90"]["cache_bytes_per_token"] == 4 * 13 * 2  # round(128 x 0.1) = 13 dims
+    assert rows["insert"]["stage1_val_loss"] == rows["insert90"]["stage1_val_loss"]  # one shared MLA-128 stage
+    assert sorted(p.name for p in (runs / "recipe").iterdir() if p.name.startswith("insert-s1-mla128")) == \
+        ["insert-s1-mla128"]

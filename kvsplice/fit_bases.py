@@ -223,6 +223,19 @@ def calibration(args: argparse.Namespace, loaded, *, calib_cache: Optional[dict]
     return run
 
 
+def check_ranks(loaded, specs: Sequence[dict[str, Any]]) -> None:
+    """Every asked ``--rank`` / ``--rank-v`` fits the model's head_dim: checked before a calibration pass that may
+    take minutes."""
+    from kvsplice.adapters import model_info
+
+    d = model_info(loaded.model).head_dim
+    for spec in specs:
+        for name in ("rank", "rank_v"):
+            r = spec.get(name)
+            if r is not None and r > d:
+                raise FitError(f"--{name.replace('_', '-')} {r} exceeds the model's head_dim {d}")
+
+
 def fit_job(loaded, run: dict[str, Any], method: str, rope: str, spec: dict[str, Any], args: argparse.Namespace
             ) -> tuple[KVBases, dict[str, Any]]:
     """Fit one (method, rope, spec) from a :func:`calibration` run: the bases and a JSON-friendly report."""
@@ -232,10 +245,7 @@ def fit_job(loaded, run: dict[str, Any], method: str, rope: str, spec: dict[str,
 
     info = model_info(loaded.model)
     d = info.head_dim
-    for name in ("rank", "rank_v"):
-        r = spec.get(name)
-        if r is not None and r > d:
-            raise FitError(f"--{name.replace('_', '-')} {r} exceeds the model's head_dim {d}")
+    check_ranks(loaded, [spec])
     stats = run["stats"][rope if info.has_rope else "none"]
     full_per_token = 2 * info.n_layer * info.n_kv_head * d
     dtype = torch.float64 if getattr(args, "bases_dtype", "fp32") == "fp64" else torch.float32
@@ -387,6 +397,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         output_file(args.calib_stats, force=False, option="--calib-stats", inputs=inputs)
     t0 = time.perf_counter()
     loaded = _load(args)
+    check_ranks(loaded, [spec for _, _, spec in todo])
     run = calibration(args, loaded, force=args.force)
     run["load_s"] = time.perf_counter() - t0
     reports = []

@@ -274,6 +274,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
     return y.reshape(b, hq, t_q, v.shape[-1])  # (B, Hq, Tq, Dv)
 
 
+def _fused_linear(x: torch.Tensor, layers: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
+    """``tuple(layer(x) for layer in layers)`` as one matrix product over the stacked weights (one GEMM, not one per
+    layer: MLA's small latent projections use the GPU poorly alone). Same values to round-off."""
+    w = torch.cat([lin.weight for lin in layers])  # (Σ out, in)
+    bias = None if layers[0].bias is None else torch.cat([lin.bias for lin in layers])
+    return F.linear(x, w, bias).split([lin.out_features for lin in layers], dim=-1)
+
+
 class _Attention(nn.Module):
     """What MHA and MLA share: config, output projection, dropout and the kernel choice for each call.
 
@@ -368,13 +376,15 @@ class MultiHeadLatentAttention(_Attention):
 
     def forward(self, x: torch.Tensor, cache: Optional[DecodeCache] = None, layer: int = 0) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.w_q(x).view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, T, hs)
-        if cache is None:
-            if self.splice is not None:
-                c = self.splice.expand(self.latent(x))  # E (norm) C c: compress and expand are in the training graph
-            else:
-                c = self._c(x)  # (B, T, d_latent)
+        if cache is None:  # training / full forward: w_q and w_dkv as one matrix product
+            q, c = _fused_linear(x, (self.w_q, self.w_dkv))  # (B, T, d_model), (B, T, d_latent)
+            q = q.view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, T, hs)
+            c = self.kv_norm(c) if self.kv_norm is not None else c
+            if self.splice is not None:  # E (norm) C c: compress and expand are in the training graph
+                s = self.splice.compress(c)  # (B, T, d_compressed)
+                c = self.splice.expand(self.splice_norm(s) if self.splice_norm is not None else s)
             return self._out(self._attend(q, *self._expand(c), fixed_shape=True))
+        q = self.w_q(x).view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, T, hs)
         s = cache.append(layer, c=self.latent(x))["c"]  # (B, Tk, r)
         bias, fixed = cache.key_bias(), cache.fixed_shape  # (1, 1, Tk) for a fixed-capacity view, else None
         if self.cfg.mla_impl == "naive":
@@ -389,8 +399,9 @@ class MultiHeadLatentAttention(_Attention):
 
     def _expand(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, _ = c.shape
-        k = self.w_uk(c).view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, Tk, hs)
-        v = self.w_uv(c).view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, Tk, hs)
+        k, v = _fused_linear(c, (self.w_uk, self.w_uv))  # (B, Tk, d_model) each, one matrix product
+        k = k.view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, Tk, hs)
+        v = v.view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, Tk, hs)
         return k, v
 
     def _absorbed(self, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor] = None,

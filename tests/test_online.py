@@ -309,7 +309,7 @@ def test_eval_bases_cli_fd_online_and_diagnostics(stories, tmp_path, capsys):
     common = ["--model", str(out), "--data", str(VAL_TXT), "--tokens", "256", "--seq-len", "128", "--batch-size",
               "2", "--err-windows", "1", "--no-progress"]
     rc = eval_bases.main(common + ["--method", "fd-online", "--rank", "3", "--max-chunk-len", "16", "--fd-decay",
-                                   "0.9", "--json", str(tmp_path / "fd.json")])
+                                   "0.9", "--diagnostics", "--json", str(tmp_path / "fd.json")])
     text = capsys.readouterr().out
     assert rc == 0 and "fd-online r=3/3 L=16 γ=0.9" in text and "§3.5 bounds" in text
     r = json.loads((tmp_path / "fd.json").read_text())["results"][0]
@@ -319,9 +319,11 @@ def test_eval_bases_cli_fd_online_and_diagnostics(stories, tmp_path, capsys):
     assert len(r["diagnostics"]) == 5 and all(d["holds"] for d in r["diagnostics"])
     stats = calibrate(model, [calib[:2]], progress=False)
     path = fit_bases(stats, "kq", rank=4).save(tmp_path / "kq4.safetensors")
-    assert eval_bases.main(common + ["--bases", str(path), "--json", str(tmp_path / "kq.json")]) == 0
+    assert eval_bases.main(common + ["--bases", str(path), "--diagnostics", "--json", str(tmp_path / "kq.json")]) == 0
     r = json.loads((tmp_path / "kq.json").read_text())["results"][0]
     assert len(r["diagnostics"]) == 5 and all(d["holds"] for d in r["diagnostics"])
+    assert eval_bases.main(common + ["--bases", str(path), "--json", str(tmp_path / "plain.json")]) == 0
+    assert "diagnostics" not in json.loads((tmp_path / "plain.json").read_text())["results"][0]  # opt-in
     assert eval_bases.main(common + ["--method", "fd-online", "--rank", "9"]) == 2
     assert "head_dim 8" in capsys.readouterr().err
 

@@ -45,6 +45,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "tinystories"
@@ -196,12 +197,12 @@ def run_one(variant: str, config: str, extra: list[str], seed: int, args, runs_d
     run = runs_dir / name
     if (run / "last.ckpt").is_file() and (run / "metrics.csv").is_file() and (run / RUN_KEY).is_file():
         try:  # trained before the results were written, with the same resume key
-            if json.loads((run / RUN_KEY).read_text()) == list(_key(variant, seed, args)):
+            if json.loads((run / RUN_KEY).read_text()) == list(run_key(variant, seed, args)):
                 return _row(variant, config, extra, seed, run, args, wall=None)
         except (RuntimeError, ValueError):
             pass
     wall = train(config, runs_dir, name, seed, args.steps, args.threads, [*extra, *run_args(args)])
-    (run / RUN_KEY).write_text(json.dumps(list(_key(variant, seed, args))) + "\n")
+    (run / RUN_KEY).write_text(json.dumps(list(run_key(variant, seed, args))) + "\n")
     return _row(variant, config, extra, seed, run, args, wall)
 
 
@@ -209,7 +210,59 @@ RUN_KEY = "frontier_key.json"
 """Written into a finished run's folder: the resume key it was trained with."""
 
 
-def _key(variant: str, seed: int, args) -> tuple:
+def data_args(data: Path, runs_dir: Path, *, tuning: bool) -> list[str]:
+    """``training.fit``'s data option for a study: ``data`` itself, or with ``tuning`` a folder of links to its
+    training files only (the data module holds out a 5 % tail of them for validation: a tuning split that never
+    sees the validation text the studies report)."""
+    if not tuning:
+        return ["--data.path", str(data)]
+    tune = runs_dir / "tune_data"
+    tune.mkdir(parents=True, exist_ok=True)
+    for f in TRAIN_FILES:
+        if not (tune / f).exists():
+            (tune / f).symlink_to((data / f).resolve())
+    return ["--data.path", str(tune)]
+
+
+def save_study(out: Path, meta: dict, rows: list[dict]) -> None:
+    """Write a study's JSON through a temporary sibling (a killed study leaves the last complete file)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    os.replace(tmp, out)
+
+
+def run_jobs(todo: list, job: Callable, jobs: int, say: Callable[[str], None]) -> list | None:
+    """``job(item)`` for every ``(variant, seed)`` item, ``jobs`` side by side; a failed run is reported and the
+    others go on. Ctrl-C or SIGTERM cancels what has not started and ends the running ``training.fit`` children.
+    Returns the failed items, or None when interrupted."""
+    def stop(signum, frame):  # SIGTERM: end the children, then leave like Ctrl-C
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    failed: list = []
+    futures: dict = {}
+    try:
+        with ThreadPoolExecutor(jobs) as pool:
+            futures = {pool.submit(job, item): item for item in todo}
+            for f, item in futures.items():
+                try:
+                    f.result()
+                except Exception as e:  # noqa: BLE001 - one failed run must not stop the study
+                    failed.append(item)
+                    say(f"error: {item[0]} seed {item[1]}: {e}")
+    except KeyboardInterrupt:
+        for f in futures:
+            f.cancel()
+        end_children()
+        return None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return failed
+
+
+def run_key(variant: str, seed: int, args) -> tuple:
+    """The resume key (:func:`resume_key`) of a run this invocation would train."""
     return variant, seed, args.steps, args.batch, args.device
 
 
@@ -414,16 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             p.error("--device cuda: no CUDA device here")
     runs_dir = (args.runs_dir or REPO / "checkpoints" / f"frontier{gpu}") / args.study
-    args.data_args = []
-    if args.study == "ablation":  # tuning split: the training files only, 5 % tail held out (never the val file)
-        tune = runs_dir / "tune_data"
-        tune.mkdir(parents=True, exist_ok=True)
-        for f in TRAIN_FILES:
-            if not (tune / f).exists():
-                (tune / f).symlink_to((args.data / f).resolve())
-        args.data_args = ["--data.path", str(tune)]
-    else:
-        args.data_args = ["--data.path", str(args.data)]
+    args.data_args = data_args(args.data, runs_dir, tuning=args.study == "ablation")
 
     stored = json.loads(out.read_text()) if out.is_file() else {}
     rows = stored.get("rows", [])
@@ -433,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         meta_extra = {}
     done = {resume_key(r) for r in rows}
-    todo = [(v, s) for s in seeds for v in variants if _key(v, s, args) not in done]
+    todo = [(v, s) for s in seeds for v in variants if run_key(v, s, args) not in done]
     lock = threading.Lock()
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     if args.device == "cuda" and not args.plot_only:
@@ -447,12 +491,6 @@ def main(argv: list[str] | None = None) -> int:
             "dtype_train": "fp32", "batch": args.batch, "threads_per_run": args.threads, "jobs": args.jobs,
             **meta_extra}
 
-    def save() -> None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        os.replace(tmp, out)
-
     failed: list = []
     if not args.plot_only and todo:
         from tqdm import tqdm
@@ -465,35 +503,20 @@ def main(argv: list[str] | None = None) -> int:
             row = run_one(v, cfg, extra, s, args, runs_dir)
             with lock:
                 rows.append(row)
-                save()
+                save_study(out, meta, rows)
                 bar.update(1)
                 rate = "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:.0f}"
                 bar.write(f"{v} seed {s}: val_loss {row['val_loss']:.4f}, {row['cache_bytes_per_token']:.0f} B/token,"
                           f" {rate} tok/s")
             return row
 
-        def stop(signum, frame):  # SIGTERM: end the children, then leave like Ctrl-C
-            raise KeyboardInterrupt
-
-        previous = signal.signal(signal.SIGTERM, stop)
         try:
-            with ThreadPoolExecutor(args.jobs) as pool:
-                futures = {pool.submit(job, vs): vs for vs in todo}
-                for f, vs in futures.items():
-                    try:
-                        f.result()
-                    except Exception as e:  # noqa: BLE001 - one failed run must not stop the study
-                        failed.append(vs)
-                        bar.write(f"error: {vs[0]} seed {vs[1]}: {e}")
-        except KeyboardInterrupt:
-            for f in futures:
-                f.cancel()
-            end_children()
+            failed = run_jobs(todo, job, args.jobs, bar.write)
+        finally:
+            bar.close()
+        if failed is None:
             print("interrupted: finished runs are in the JSON; re-run the same command to continue", file=sys.stderr)
             return 130
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-            bar.close()
         if failed:
             print(f"{len(failed)} runs failed: {failed}; re-run the same command to retry them", file=sys.stderr)
     key = (args.steps, args.batch, args.device)

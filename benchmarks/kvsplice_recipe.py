@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections import defaultdict
 from pathlib import Path
 
-from frontier import (DATA, REPO, TRAIN_FILES, cache_bytes, comparison_table, compare, end_children,  # noqa: E402
-                      final_train_loss, last_val, run_args, run_module, summarise, train, train_curve)
+from frontier import (DATA, REPO, TRAIN_FILES, cache_bytes, comparison_table, compare, data_args,  # noqa: E402
+                      final_train_loss, last_val, resume_key, run_args, run_jobs, run_key, run_module, save_study,
+                      summarise, train, train_curve)
 
 ABLATION = {  # variant -> (config, overrides); "insert" is the two-stage recipe
     "mla_64": ("small_mla_64", []),
@@ -41,6 +41,7 @@ ABLATION = {  # variant -> (config, overrides); "insert" is the two-stage recipe
     "insert": ("small_mla_kvsplice_50", []),
 }
 RECIPE = {"insert": ABLATION["insert"], "insert90": ("small_mla_kvsplice_90", [])}
+VARIANTS = {**ABLATION, **RECIPE}
 INSERT_RATIO = {"insert": 0.5, "insert90": 0.1}
 """The two-stage recipes: the KVSplice ratio inserted (``insert90``: the same recipe at 90 %, 104 B/token; run on
 the validation text as chosen for 50 % on the tuning split, nothing re-tuned)."""
@@ -52,11 +53,11 @@ def insert_recipe(variant: str, seed: int, args, runs_dir: Path) -> Path:
     half = args.steps // 2
     stage1 = runs_dir / f"insert-s{seed}-mla128"
     stage_args = run_args(args, half)
-    with _stage1_lock(stage1):
+    with _STAGE1_LOCKS[stage1]:
         if not (stage1 / "last.ckpt").is_file():
             train("small_mla", runs_dir, stage1.name, seed, half, args.threads, stage_args)
     ratio = INSERT_RATIO[variant]
-    config = RECIPE[variant][0] if variant in RECIPE else ABLATION[variant][0]
+    config = VARIANTS[variant][0]
     inserted = runs_dir / f"{variant}-s{seed}-ks{round(100 * (1 - ratio))}.ckpt"  # ks50 / ks90
     if not inserted.is_file():
         calib = args.data / TRAIN_FILES[0]
@@ -69,18 +70,13 @@ def insert_recipe(variant: str, seed: int, args, runs_dir: Path) -> Path:
     return runs_dir / name
 
 
-_LOCKS: dict[Path, threading.Lock] = {}
-_LOCKS_GUARD = threading.Lock()
-
-
-def _stage1_lock(stage1: Path) -> threading.Lock:
-    """One lock per shared MLA-128 stage: two ratios of one seed train it once."""
-    with _LOCKS_GUARD:
-        return _LOCKS.setdefault(stage1, threading.Lock())
+_STAGE1_LOCKS: defaultdict[Path, threading.Lock] = defaultdict(threading.Lock)
+"""One lock per shared MLA-128 stage: two ratios of one seed train it once (``defaultdict`` inserts atomically under
+the GIL)."""
 
 
 def run_variant(variant: str, seed: int, args, runs_dir: Path) -> dict:
-    config, extra = ABLATION[variant] if variant in ABLATION else RECIPE[variant]
+    config, extra = VARIANTS[variant]
     if variant in INSERT_RATIO:
         run = insert_recipe(variant, seed, args, runs_dir)
         stage1_val = last_val(runs_dir / f"insert-s{seed}-mla128" / "metrics.csv")[1]
@@ -127,52 +123,25 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or REPO / "results" / f"kvsplice_recipe_{args.study}{gpu}.json"
     runs_dir = (args.runs_dir or REPO / "checkpoints" / f"kvsplice_recipe{gpu}") / args.study
     runs_dir.mkdir(parents=True, exist_ok=True)
-    if args.report_only:
-        args.data_args = []
-    elif args.study == "ablation":  # tuning split: the training files only (the data module holds out a 5 % tail)
-        tune = runs_dir / "tune_data"
-        tune.mkdir(exist_ok=True)
-        for f in TRAIN_FILES:
-            if not (tune / f).exists():
-                (tune / f).symlink_to((args.data / f).resolve())
-        args.data_args = ["--data.path", str(tune)]
-    else:
-        args.data_args = ["--data.path", str(args.data)]
+    args.data_args = [] if args.report_only else data_args(args.data, runs_dir, tuning=args.study == "ablation")
     stored = json.loads(out.read_text()) if out.is_file() else {}
     rows = stored.get("rows", [])
-    done = {(r["variant"], r["seed"], r["steps"], r["batch"], r["device"]) for r in rows}
-    todo = [] if args.report_only else [(v, s) for s in seeds for v in variants
-                                        if (v, s, args.steps, args.batch, args.device) not in done]
+    done = {resume_key(r) for r in rows}
+    todo = [] if args.report_only else [(v, s) for s in seeds for v in variants if run_key(v, s, args) not in done]
     meta = stored.get("meta") if args.report_only and stored.get("meta") else {
         "study": args.study, "device": args.device, "batch": args.batch, "steps": args.steps,
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}
     lock = threading.Lock()
 
-    def save() -> None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        os.replace(tmp, out)
-
     def job(vs):
         row = run_variant(vs[0], vs[1], args, runs_dir)
         with lock:
             rows.append(row)
-            save()
+            save_study(out, meta, rows)
             print(f"{vs[0]} seed {vs[1]}: val_loss {row['val_loss']:.4f}", flush=True)
 
-    failed = []
-    try:
-        with ThreadPoolExecutor(args.jobs) as pool:
-            futures = {pool.submit(job, vs): vs for vs in todo}
-            for f, vs in futures.items():
-                try:
-                    f.result()
-                except Exception as e:  # noqa: BLE001
-                    failed.append(vs)
-                    print(f"error: {vs}: {e}", file=sys.stderr)
-    except KeyboardInterrupt:
-        end_children()
+    failed = run_jobs(todo, job, args.jobs, lambda msg: print(msg, file=sys.stderr))
+    if failed is None:
         return 130
     if not rows:
         return 1

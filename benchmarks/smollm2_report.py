@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 
 
 def energy_claims(stats_path: Path) -> dict:

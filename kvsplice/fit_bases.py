@@ -238,14 +238,14 @@ def check_ranks(loaded, specs: Sequence[dict[str, Any]]) -> None:
 
 def fit_job(loaded, run: dict[str, Any], method: str, rope: str, spec: dict[str, Any], args: argparse.Namespace
             ) -> tuple[KVBases, dict[str, Any]]:
-    """Fit one (method, rope, spec) from a :func:`calibration` run: the bases and a JSON-friendly report."""
+    """Fit one (method, rope, spec) from a :func:`calibration` run: the bases and a JSON-friendly report (its ranks
+    checked by :func:`check_ranks` before the calibration)."""
     from kvsplice.adapters import model_info
     from kvsplice.lowrank.allocate import allocate_ranks
     from kvsplice.lowrank.fits import fit_bases
 
     info = model_info(loaded.model)
     d = info.head_dim
-    check_ranks(loaded, [spec])
     stats = run["stats"][rope if info.has_rope else "none"]
     full_per_token = 2 * info.n_layer * info.n_kv_head * d
     dtype = torch.float64 if getattr(args, "bases_dtype", "fp32") == "fp64" else torch.float32
@@ -314,9 +314,10 @@ def fit_from_args(args: argparse.Namespace, loaded=None, calib_cache: Optional[d
     t0 = time.perf_counter()
     loaded = loaded if loaded is not None else _load(args)
     load_s = time.perf_counter() - t0
+    method, rope, spec = jobs(args)[0]
+    check_ranks(loaded, [spec])
     run = calibration(args, loaded, calib_cache=calib_cache, force=getattr(args, "force", False))
     run.setdefault("load_s", load_s)
-    method, rope, spec = jobs(args)[0]
     return fit_job(loaded, run, method, rope, spec, args)
 
 

@@ -82,10 +82,10 @@ def test_resume_key_includes_steps_batch_and_device(frontier) -> None:
     row = {"variant": "mha", "seed": 1, "steps": 500}
     assert frontier.resume_key(row) == ("mha", 1, 500, 8, "cpu")
     args = type("A", (), {"steps": 500, "batch": 8, "device": "cpu"})()
-    assert frontier._key("mha", 1, args) == frontier.resume_key(row)
+    assert frontier.run_key("mha", 1, args) == frontier.resume_key(row)
     for change in ({"steps": 2}, {"batch": 64}, {"device": "cuda"}):
         other = type("A", (), {"steps": 500, "batch": 8, "device": "cpu", **change})()
-        assert frontier._key("mha", 1, other) != frontier.resume_key(row)
+        assert frontier.run_key("mha", 1, other) != frontier.resume_key(row)
 
 
 def test_compare_standard_error_and_tie(frontier) -> None:

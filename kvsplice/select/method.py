@@ -52,8 +52,9 @@ class TokenSelection(CompressionMethod):
     """Keep ``budget`` prompt tokens per (sequence, KV head), chosen by ``selector``, with their log-weights, held by
     the storage method ``store`` (default :class:`~kvsplice.decode.dense.DenseKV`: full keys and values)."""
 
-    name = "select"
+    name = "token_selection"
     cache_type = SubsetCache
+    spec_nested = {"selector": "selector", "store": "method"}
     window: Optional[int] = None  # set on the variant for a sliding-window layer (for_window)
 
     def __init__(self, selector: TokenSelector, budget: int, *, store: Optional[CompressionMethod] = None) -> None:

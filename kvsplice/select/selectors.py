@@ -24,11 +24,11 @@ from typing import Optional
 
 import torch
 
+from kvsplice.core.registry import SELECTORS, register, spec_of
 from kvsplice.select.balance import LN2, block_balance
 
-
-SELECTORS: dict[str, type["TokenSelector"]] = {}
-"""Selector name → class: every subclass of :class:`TokenSelector` that sets ``name`` registers itself."""
+# SELECTORS (kvsplice.core.registry): selector name → class; every subclass of TokenSelector that sets ``name``
+# registers itself (one name, one meaning across methods and selectors).
 
 
 class TokenSelector:
@@ -49,8 +49,12 @@ class TokenSelector:
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)
-        if cls.name != "base" and "name" in cls.__dict__:
-            SELECTORS[cls.name] = cls
+        if "name" in cls.__dict__:
+            register("selector", cls)
+
+    def spec(self) -> dict:
+        """``{"name": ..., **arguments that differ from their defaults}``: :func:`make_selector` rebuilds it."""
+        return spec_of(self)
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
@@ -238,7 +242,7 @@ class BalanceKVSelector(TokenSelector):
 def make_selector(name: str, **kw) -> TokenSelector:
     """A selector by its ``name`` (:data:`SELECTORS`)."""
     if name not in SELECTORS:
-        raise ValueError(f"selector must be one of {sorted(SELECTORS)}, got {name!r}")
+        raise ValueError(f"selector must be one of {', '.join(sorted(SELECTORS))}, got {name!r}")
     return SELECTORS[name](**kw)
 
 

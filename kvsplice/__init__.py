@@ -40,7 +40,7 @@ _EXPORTS = {
     "JointLowRank": "kvsplice.lowrank.joint", "JointBases": "kvsplice.lowrank.joint",
     "allocate_ranks": "kvsplice.lowrank.allocate", "calibrate_all": "kvsplice.lowrank.sensitivity",
     # the budget planner's plans (python -m kvsplice.plan writes them)
-    "Plan": "kvsplice.planning", "Stack": "kvsplice.planning",
+    "Plan": "kvsplice.planning",
     # the HF door
     "KVSpliceHFCache": "kvsplice.hf", "CoefficientHFCache": "kvsplice.hf", "SubsetHFCache": "kvsplice.hf",
     # caches and KVSplice

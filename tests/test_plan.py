@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvsplice import eval_bases, generate, plan as plan_cli
-from kvsplice.planning.spec import Plan, PlanError, Stack
+from kvsplice.planning.spec import PLAN_VERSION, Plan, PlanError
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -47,12 +47,16 @@ def test_the_plan_fits_the_budget_and_every_candidate_was_measured(planned):
     assert budget == pytest.approx(640 / 3)
     cands = doc["candidates"]
     assert len(cands) >= 4 and all(c["bytes_per_token"] <= budget + 1e-9 for c in cands)
-    assert {Stack(**c["stack"]).store for c in cands} >= {"int8", "kivi", "lowrank"}
+    stores = [c["spec"].get("store", c["spec"]) for c in cands]
+    assert {s["name"] + s.get("cache_quant", "") for s in stores} >= {"denseint8", "kivi", "lowrankint8"}
     best = min(cands, key=lambda c: c["tuning_ppl"])
-    assert doc["stack"] == best["stack"] and doc["chosen"]["label"] == best["label"]
+    assert doc["label"] == best["label"] == doc["chosen"]["label"] and doc["version"] == PLAN_VERSION
     assert (planned / "report.json").is_file() and (planned / "stats.safetensors").is_file()
     plan = Plan.load(planned / "plan.json")
-    assert (plan.bases is not None) == (plan.stack.store == "lowrank")
+    store = plan.spec.get("store", plan.spec)
+    assert (store["name"] == "lowrank") == (planned / "plan.bases.safetensors").is_file()
+    if store["name"] == "lowrank":
+        assert store["bases"] == "plan.bases.safetensors"  # beside the plan, relative to it
 
 
 def test_generate_eval_and_the_hf_cache_take_the_plan(s260k, planned, tmp_path, capsys):
@@ -100,5 +104,5 @@ def test_stats_are_reused_and_bad_inputs_are_one_line(s260k, planned, tmp_path, 
     bad.write_text("{}")
     assert generate.main(["--model", str(s260k), "--plan", str(bad), "--prompt", "Hi", "--max-new-tokens", "2"]) == 2
     assert "not a kvsplice plan" in capsys.readouterr().err
-    with pytest.raises(PlanError, match="pre-RoPE"):
-        Stack("lowrank", rope="pre", selector="snapkv", keep=0.5)
+    with pytest.raises(PlanError, match="prompt length"):
+        Plan({"name": "token_selection", "selector": "snapkv", "keep": 0.5}).method()

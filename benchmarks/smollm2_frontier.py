@@ -36,8 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import smollm2_common as C  # noqa: E402
+from kvsplice import build_method  # noqa: E402
 from kvsplice.evaluation.protocol import evaluate  # noqa: E402
-from kvsplice.planning.spec import Stack  # noqa: E402
+from kvsplice.planning.search import selection  # noqa: E402
+from kvsplice.planning.spec import spec_label  # noqa: E402
 
 RESULTS = C.ROOT / "results"
 ROWS = C.WORK / "rows.json"
@@ -120,14 +122,20 @@ class Bench:
                 self.bases[key] = fit_bases(self.stats[rope], method, rank=spec["rank"])
         return self.bases[key]
 
-    def stack(self, spec: dict) -> Stack:
+    def method_spec(self, spec: dict) -> dict:
+        """The method spec (:func:`kvsplice.build_method`) of a row's ``spec``: its store (dense / int8 / kivi /
+        lowrank with the row's bases), under its selector keeping ``1/x`` of the prompt."""
+        store = spec.get("store", "dense")
+        if store == "kivi":
+            ms = {"name": "kivi", "bits": spec.get("bits", 4), "residual": spec.get("residual", 128)}
+        elif store == "lowrank":
+            ms = {"name": "lowrank", "bases": self.lowrank_bases(spec), "cache_quant": spec.get("cache_quant")}
+        else:
+            ms = {"name": "dense", "cache_quant": "int8"} if store == "int8" else {"name": "dense"}
         x = spec.get("x")
-        return Stack(spec.get("store", "dense"), bits=spec.get("bits", 4), residual=spec.get("residual", 128),
-                     lowrank_ratio=spec.get("alloc", 1.0), rope=spec.get("rope", "post"),
-                     cache_quant=spec.get("cache_quant"), selector=spec.get("selector"),
-                     keep=1.0 if x is None else 1.0 / x)
+        return ms if spec.get("selector") is None else selection(ms, spec["selector"], 1.0 if x is None else 1 / x)
 
-    def plan(self, ratio: float) -> tuple[Stack, object, dict]:
+    def plan(self, ratio: float) -> tuple[dict, dict]:
         from kvsplice.evaluation.protocol import full_bytes_per_token
         from kvsplice.adapters import adapter_for
         from kvsplice.planning.search import search
@@ -135,8 +143,8 @@ class Bench:
         budget = full_bytes_per_token(adapter_for(self.model)) / ratio
         found = search(self.model, self.stats, self.tune, prompt_len=PROMPT, budget=budget, batch_size=2,
                        log=lambda s: print(s, flush=True))
-        return found["best"], found["bases"], {"candidates": found["candidates"], "selector": found["selector"],
-                                               "tuning_full_ppl": found["full"]["tuning_ppl"]}
+        return found["best"], {"candidates": found["candidates"], "selector": found["selector"],
+                                "tuning_full_ppl": found["full"]["tuning_ppl"]}
 
     @torch.no_grad()
     def hf_quantized(self, rid: str, spec: dict) -> dict:
@@ -190,23 +198,22 @@ class Bench:
                                   "note": "per layer, all KV heads jointly; mean_k/v per KV head"}})
             return res
         if "plan" in spec:
-            st, bases, extra = self.plan(spec["plan"])
-        elif not spec:
-            st, bases = None, None
+            ms, extra = self.plan(spec["plan"])
         else:
-            st = self.stack(spec)
-            bases = self.lowrank_bases(spec) if st.store == "lowrank" else None
+            ms = self.method_spec(spec) if spec else None
         windows = self.s_windows if proto == "S" else self.eval
         prompt = 0 if proto == "W" else PROMPT
-        method = None if st is None else st.method(prompt or windows.shape[1], bases)
+        method = None if ms is None else build_method(ms, prompt_len=prompt or windows.shape[1])
         res = evaluate(self.model, method, windows, prompt_len=prompt, batch_size=4 if proto != "S" else 5)
-        res.update({"id": rid, "protocol": proto, "spec": spec, "label": "full K/V" if st is None else st.label(),
+        res.update({"id": rid, "protocol": proto, "spec": spec, "label": "full K/V" if ms is None else spec_label(ms),
                     **extra})
-        if st is not None and st.store == "lowrank":
+        store = None if ms is None else ms.get("store", ms)
+        if spec.get("store") == "lowrank":
             what = f"r{spec['rank']}" if "rank" in spec else f"allocated ×{spec['alloc']:g}"
             lr = f"lowrank {spec.get('method', 'fisher')} {spec.get('rope', 'pre')}-RoPE {what}" + \
                 ("+int8" if spec.get("cache_quant") else "")
-            res["label"] = lr if st.selector is None else f"{st.selector}×{1 / st.keep:.3g} + {lr}"
+            res["label"] = lr if ms["name"] != "token_selection" else f"{spec['selector']}×{1 / ms['keep']:.3g} + {lr}"
+        bases = None if store is None else store.get("bases")
         if bases is not None:
             r = bases.ranks()
             k = [x for row in r["k"] for x in row]

@@ -204,7 +204,7 @@ def _generate_hf(model, ids, method, args, tok):
         view = _DynamicBytes(cache)
         full = sum(t.numel() * t.element_size() for t in view.tensors())
         return new, view, full, full, "transformers.generate"
-    return new, cache, cache.bytes_formula(), cache.full_bytes(), "transformers.generate"
+    return new, cache, cache.formula_nbytes(), cache.full_nbytes(), "transformers.generate"
 
 
 def _generate_ours(model, ids, method, args):

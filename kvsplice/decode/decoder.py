@@ -82,8 +82,9 @@ class Decoder:
         model with sliding-window layers."""
         return held_per_layer(cache) if any(self.windows) else cache.seq_len
 
-    def bytes_formula(self, cache: Cache) -> Optional[int]:
-        """The method's bytes for what ``cache`` holds (``None``: no closed form)."""
+    def formula_nbytes(self, cache: Cache) -> Optional[int]:
+        """The method's ``bytes_formula`` for what ``cache`` holds (``None``: no closed form) — equal to
+        ``cache.nbytes()``. (This door holds no cache of its own: it takes the one it runs.)"""
         return self.method.bytes_formula(cache.batch_size, self.held(cache), cache.dtype)
 
     # -------------------------------------------------------------------------------------------- forward

@@ -72,7 +72,7 @@ class EvalContext:
                             .replace("torch.", ""), "element_size": torch.empty((), dtype=cache.dtype).element_size(),
                             "measured_live_bytes": m.live_bytes, "measured_storage_bytes": m.storage_bytes,
                             "nbytes": cache.nbytes(), "n_tensors": m.n_tensors, "kind": type(cache).__name__}
-                formula = decoder.bytes_formula(cache)
+                formula = decoder.formula_nbytes(cache)
                 if formula is not None:
                     measured["cache_bytes_formula"] = formula
         nll = total / max(n_pred, 1)

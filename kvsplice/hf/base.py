@@ -5,7 +5,7 @@ transformers' own forward and ``generate()``.
 
     cache = KVSpliceHFCache(model, LowRank(bases))          # or DenseKV(cache_quant="int8"), TokenSelection(...), ...
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=32)
-    cache.nbytes() == cache.bytes_formula() == measure_cache(cache).live_bytes
+    cache.nbytes() == cache.formula_nbytes() == measure_cache(cache).live_bytes
 
 The cache is built for one model (``LlamaForCausalLM`` with GQA + RoPE, or ``GPT2LMHeadModel``; see
 :mod:`kvsplice.adapters`), binds the method to it (:meth:`~kvsplice.core.method.CompressionMethod.bind`) and
@@ -189,25 +189,25 @@ class KVSpliceHFCache(Cache):
         self.pads = None
 
     def held(self):
-        """Tokens the store holds per layer as ``bytes_formula`` takes them (a list when layers differ)."""
+        """Tokens the store holds per layer as a method's ``bytes_formula`` takes them (a list when layers differ)."""
         return held_per_layer(self.store) if any(self.windows) else self.store.seq_len
 
     # ------------------------------------------------------------------------------------------------- bytes
-    def bytes_formula(self, seq_len: Optional[int] = None) -> Optional[int]:
-        """The method's bytes for the tokens held (or ``seq_len``) at the store's batch size and dtype (``None``:
-        the method has no closed form)."""
+    def formula_nbytes(self) -> Optional[int]:
+        """The method's ``bytes_formula`` for the tokens held at the store's batch size and dtype (``None``: the
+        method has no closed form) — equal to :meth:`nbytes`."""
         if self.store is None:
             return 0
         s = self.store
-        return self.method.bytes_formula(s.batch_size, self.held() if seq_len is None else int(seq_len), s.dtype)
+        return self.method.bytes_formula(s.batch_size, self.held(), s.dtype)
 
-    def full_bytes(self, seq_len: Optional[int] = None) -> int:
+    def full_nbytes(self) -> int:
         """Bytes of the full K/V cache of the same tokens: ``2 · Hkv · head_dim · B · bytes`` per token held, summed
-        over layers (``seq_len``: that many per layer)."""
+        over layers."""
         if self.store is None:
             return 0
         a, s = self.adapter, self.store
-        held = self.held() if seq_len is None else int(seq_len)
+        held = self.held()
         tokens = held * a.n_layer if isinstance(held, int) else sum(held)
         return 2 * a.n_kv_head * a.head_dim * tokens * s.batch_size * torch.empty((), dtype=s.dtype).element_size()
 

@@ -60,26 +60,33 @@ def stack_to_spec(stack: dict[str, Any], bases_file: Optional[str]) -> dict[str,
             "keep": stack.get("keep", 1.0), "store": spec}
 
 
-def _describe(value: Any) -> Any:
-    """In-memory bases as the planner's fit of them (a label, not a file)."""
-    meta = getattr(value, "meta", None)
-    if isinstance(meta, dict) and "alloc_ratio" in meta:
-        return f"{getattr(value, 'method', 'bases')}×{meta['alloc_ratio']:g}({value.rope})"
-    return value
-
-
 def spec_label(spec: dict[str, Any]) -> str:
-    """A short label of a spec: its short form; a selection's ``keep`` as ``selector×ratio + store``; in-memory bases
-    by their fit (``fisher×1.5(post)``)."""
-    if spec.get("name") == "token_selection" and "keep" in spec:
+    """A short label of a spec, as the planner reports its candidates: ``fp``, ``int8``, ``kivi4(g32,r128)``,
+    ``lowrank×1.5(post+int8)`` (the planner's bases, by their fit), a selection keeping ``keep`` of the prompt as
+    ``selector×ratio + store``; any other spec by its short form (:func:`~kvsplice.core.registry.format_spec`)."""
+    name = spec.get("name")
+    if name == "token_selection" and "keep" in spec:
         sel = spec.get("selector", {})
         if isinstance(sel, dict):
             args = ",".join(f"{k}={v}" for k, v in sel.items() if k != "name")
             sel = sel.get("name", "?") + (f"({args})" if args else "")
         store = spec.get("store", {"name": "dense"})
         return f"{sel}×{1 / spec['keep']:.3g} + {spec_label(store) if isinstance(store, dict) else store}"
-    return format_spec({k: spec_label(v) if isinstance(v, dict) and k == "store" else _describe(v)
-                        for k, v in spec.items()})
+    rest = {k: v for k, v in spec.items() if k != "name"}
+    if name == "dense" and set(rest) <= {"cache_quant"}:
+        return {None: "fp", "int8": "int8"}.get(rest.get("cache_quant"), format_spec(spec))
+    if name == "kivi" and set(rest) <= {"bits", "group", "residual"}:
+        return f"kivi{rest.get('bits', 4)}(g{rest.get('group', 32)},r{rest.get('residual', 128)})"
+    bases = rest.get("bases")
+    meta = getattr(bases, "meta", None)
+    if isinstance(bases, dict) and "fit" in bases:  # the planner's fit, before it is made
+        meta = {"alloc_ratio": bases["ratio"]}
+        rope = bases["rope"]
+    else:
+        rope = getattr(bases, "rope", None)
+    if name == "lowrank" and isinstance(meta, dict) and "alloc_ratio" in meta:
+        return f"lowrank×{meta['alloc_ratio']:g}({rope}{'+int8' if rest.get('cache_quant') else ''})"
+    return format_spec(spec)
 
 
 @dataclass

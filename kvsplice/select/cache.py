@@ -25,7 +25,7 @@ import torch
 from kvsplice.select.selectors import TokenSelector
 from models.cache import Cache, DecodeCache
 
-__all__ = ["SubsetCache", "TokenSelectionResult", "choose_tokens", "gather_tokens"]
+__all__ = ["SubsetCache", "TokenSelectionResult", "choose_tokens", "gather_tokens", "subset_bytes"]
 
 
 # ---------------------------------------------------------------------------------------------- selection
@@ -75,6 +75,14 @@ def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------------------------------- cache
+def subset_bytes(n_layer: int, batch_size: int, n_kv_head: int, head_size: int, v_head_size: int, n_held: int,
+                 dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of ``n_held`` full keys/values + log-weights per layer: ``L·B·Hkv·n·(d + dv + 1)·element_size`` (a
+    selection over full K/V: ``TokenSelection(...).bytes_formula`` for ``DenseKV`` storage)."""
+    el = torch.empty((), dtype=dtype).element_size()
+    return n_layer * batch_size * n_kv_head * n_held * (head_size + v_head_size + 1) * el
+
+
 class SubsetCache(Cache):
     """A per-head token subset: ``kept`` (the storage method's cache of the kept tokens) + ``weights``
     (``w (B, Hkv, T, 1)`` log-weights). ``SubsetCache(n_layer, n_kv_head, head_size, batch_size)`` holds full keys
@@ -107,13 +115,6 @@ class SubsetCache(Cache):
         self.weights = DecodeCache([{"w": (self.n_kv_head, 1)}] * kept.n_layer, kept.batch_size, dtype=kept.dtype,
                                    device=kept.device, capacity=capacity)
         self.batch_size, self.dtype, self.device = kept.batch_size, kept.dtype, kept.device
-
-    @staticmethod
-    def bytes_formula(n_layer: int, batch_size: int, n_kv_head: int, head_size: int, v_head_size: int,
-                      n_held: int, dtype: torch.dtype = torch.float32) -> int:
-        """Bytes of ``n_held`` full keys/values + log-weights per layer: ``L·B·Hkv·n·(d + dv + 1)·element_size``."""
-        el = torch.empty((), dtype=dtype).element_size()
-        return n_layer * batch_size * n_kv_head * n_held * (head_size + v_head_size + 1) * el
 
     # ----------------------------------------------------------------------------------------- interface
     @property

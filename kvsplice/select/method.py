@@ -131,9 +131,6 @@ class TokenSelectionDecoder(Decoder):
         super().__init__(model, TokenSelection(selector, budget, store=store))
         self.selector, self.budget = selector, int(budget)
 
-    def bytes_formula(self, batch_size: int, n_held: int, dtype: Optional[torch.dtype] = None) -> int:
-        return self.method.bytes_formula(batch_size, n_held, dtype or self.dtype)
-
     def prefill(self, input_ids: torch.Tensor, cache: SubsetCache, *, last_only: bool = False) -> torch.Tensor:
         """Exact causal forward of the prompt; every layer's K/V compressed into the (empty) ``cache``."""
         if isinstance(cache, SubsetCache) and (cache.seq_len != 0 or cache.position != 0):

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
 
 from frontier import DATA, REPO, last_val, run_module, train  # benchmarks/frontier.py: the study's run helpers
+
+from models.checkpoint import atomic_write  # noqa: E402  (frontier put the repository on sys.path)
 
 CALIB = DATA / "gusjengis_toy-RNN__tinystories_sample.txt"  # training text
 STEPS_SOURCE = 500
@@ -237,11 +238,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def emit(row: dict) -> None:
         rows.append(row)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"meta": {"command": "python " + " ".join(sys.argv), "ft_lrs": FT_LRS,
-                                            "source_tokens": STEPS_SOURCE * TOKENS_PER_STEP}, "rows": rows}, indent=1))
-        os.replace(tmp, args.out)
+        meta = {"command": "python " + " ".join(sys.argv), "ft_lrs": FT_LRS,
+                "source_tokens": STEPS_SOURCE * TOKENS_PER_STEP}
+        atomic_write(args.out, lambda p: p.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1)))
         print(f"{row['experiment']} seed {row['seed']} ft {row['ft_tokens']:,}: val_loss {row['val_loss']:.4f}",
               flush=True)
 

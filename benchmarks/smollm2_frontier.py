@@ -40,6 +40,8 @@ from kvsplice import build_method  # noqa: E402
 from kvsplice.evaluation.protocol import evaluate  # noqa: E402
 from kvsplice.planning.search import selection  # noqa: E402
 from kvsplice.planning.spec import spec_label  # noqa: E402
+from kvsplice.hf.measure import cache_nbytes, continuation_logits  # noqa: E402
+from models.checkpoint import atomic_write  # noqa: E402
 
 RESULTS = C.ROOT / "results"
 ROWS = C.WORK / "rows.json"
@@ -159,12 +161,10 @@ class Bench:
         for ids in self.eval.split(4):
             kw = {} if spec["hf_quant"] == "fp8" else {"nbits": spec["nbits"]}  # fp8: per tensor, no nbits
             cache = QuantizedCache(spec["hf_quant"], config=self.model.config, **kw)
-            out = self.model(ids[:, :PROMPT], past_key_values=cache, use_cache=True)
-            held_bytes += _tensor_bytes(cache)
-            logits = [out.logits[:, -1:]]
-            for i in range(PROMPT, ids.shape[1] - 1):
-                logits.append(self.model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits)
-            lg = torch.cat(logits, 1).float()  # (B, 256, V) vs the 256 continuation tokens
+            held: list[int] = []  # the bytes right after the prefill
+            lg = continuation_logits(self.model, cache, ids, PROMPT, decode_chunk=1,
+                                     after_prefill=lambda: held.append(cache_nbytes(cache))).float()
+            held_bytes += held[0]  # lg: (B, 256, V) vs the 256 continuation tokens
             total += F.cross_entropy(lg.reshape(-1, lg.shape[-1]), ids[:, PROMPT:].reshape(-1), reduction="sum").item()
             n += ids.shape[0] * (ids.shape[1] - PROMPT)
         bpt = held_bytes / (self.eval.shape[0] * PROMPT)
@@ -222,24 +222,6 @@ class Bench:
         return res
 
 
-def _tensor_bytes(cache) -> int:
-    """Bytes of every tensor an HF cache's layers hold, tensor subclasses (quanto's packed ``QBitsTensor``)
-    counted through their inner tensors."""
-    def size(t) -> int:
-        if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
-            names, _ = t.__tensor_flatten__()
-            return sum(size(getattr(t, nm)) for nm in names)
-        return t.numel() * t.element_size()
-
-    total = 0
-    for layer in cache.layers:
-        for v in vars(layer).values():
-            for t in (v if isinstance(v, (list, tuple)) else [v]):
-                if isinstance(t, torch.Tensor):
-                    total += size(t)
-    return total
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="*", help="run rows whose id contains one of these")
@@ -264,10 +246,8 @@ def main() -> int:
                 print(f"{rid:<36} skipped: {str(e).splitlines()[0]}", flush=True)
                 continue
             done[rid] = res
-            C.WORK.mkdir(parents=True, exist_ok=True)
-            tmp = ROWS.with_suffix(".tmp")
-            tmp.write_text(json.dumps(done, indent=1, default=str))
-            tmp.replace(ROWS)  # resumable: every finished row is on disk
+            # resumable: every finished row is on disk
+            atomic_write(ROWS, lambda p: p.write_text(json.dumps(done, indent=1, default=str)))
             print(f"{rid:<36} {res['label']:<44} ppl {res['ppl']:.4f}  {res['bytes_per_token']:.0f} B/tok  "
                   f"{res['ratio_vs_fp16_full']:.2f}x  ({time.perf_counter() - t0:.0f} s)", flush=True)
     from smollm2_report import energy_claims, write_report

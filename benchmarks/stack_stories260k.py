@@ -40,6 +40,7 @@ from data.reference import CALIB, EVAL, STORIES  # noqa: E402  (the shared data 
 from kvsplice import build_method  # noqa: E402
 from kvsplice.decode import Decoder, score_continuation  # noqa: E402
 from kvsplice.hf import KVSpliceHFCache  # noqa: E402
+from kvsplice.hf.measure import continuation_logits  # noqa: E402
 from kvsplice.io.outputs import write_json  # noqa: E402
 from kvsplice.lowrank import calibrate, calibration_batches, fit_bases  # noqa: E402
 from kvsplice.report.memory import measure_cache  # noqa: E402
@@ -71,9 +72,7 @@ def methods(bases: dict[int, object], budgets: list[int], selector: str) -> dict
 def hf_continuation(model, method, ids: torch.Tensor, p: int) -> tuple[float, torch.Tensor, KVSpliceHFCache]:
     """:func:`score_continuation` through transformers' forward with the HF door."""
     cache = KVSpliceHFCache(model, method, capacity=method.capacity(p, ids.shape[1] - p))
-    first = model(ids[:, :p], past_key_values=cache).logits[:, -1:]  # (B, 1, V)
-    rest = model(ids[:, p:-1], past_key_values=cache).logits  # (B, T - p - 1, V)
-    logits = torch.cat([first, rest], 1)
+    logits = continuation_logits(model, cache, ids, p)  # (B, T - p, V)
     nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, p:].reshape(-1)).item()
     return nll, logits, cache
 

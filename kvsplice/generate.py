@@ -167,23 +167,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cache_bytes_formula": formula, "full_cache_bytes": full}
 
 
-class _DynamicBytes:
-    """Measurement view of transformers' ``DynamicCache`` (the full-cache baseline)."""
-
-    def __init__(self, cache) -> None:
-        self.c = cache
-
-    def tensors(self):
-        for layer in self.c.layers:
-            if getattr(layer, "keys", None) is not None:
-                yield layer.keys
-                yield layer.values
-
-    @property
-    def seq_len(self) -> int:
-        return self.c.get_seq_length()
-
-
 def _generate_hf(model, ids, method, args, tok):
     import transformers
 
@@ -201,9 +184,10 @@ def _generate_hf(model, ids, method, args, tok):
                              pad_token_id=model.generation_config.pad_token_id or eos or 0, **kw)
     new = out[0, ids.shape[1]:].tolist()
     if isinstance(cache, transformers.DynamicCache):
-        view = _DynamicBytes(cache)
-        full = sum(t.numel() * t.element_size() for t in view.tensors())
-        return new, view, full, full, "transformers.generate"
+        from kvsplice.hf.measure import TensorsView
+
+        view = TensorsView(cache)
+        return new, view, view.nbytes(), view.nbytes(), "transformers.generate"
     return new, cache, cache.formula_nbytes(), cache.full_nbytes(), "transformers.generate"
 
 

@@ -46,7 +46,7 @@ def test_bytes_are_the_formula_at_every_length_and_the_doors_agree(family):
     runs = both_doors(model, method, ids[:, :19], steps)
     assert_same(runs["decoder"][0], runs["hf"][0], atol=1e-4, what="decoder vs hf")
     for door, (_, cache) in runs.items():
-        store = cache.store if door == "hf" else cache
+        store = cache.method_cache if door == "hf" else cache
         assert store.seq_len == 40
         formula = cache.formula_nbytes() if door == "hf" else store.formula_nbytes()
         assert measure_cache(cache).live_bytes == cache.nbytes() == formula

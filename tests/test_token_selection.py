@@ -10,7 +10,7 @@ import transformers
 from tiny_models import sharpen as _sharpen
 
 from kvsplice.report.memory import measure_cache
-from kvsplice.select.cache import SubsetCache, subset_bytes
+from kvsplice.select.cache import subset_bytes
 from kvsplice.select.method import TokenSelectionDecoder, run_token_selection
 from reference_token_selection import run_with_token_selection
 from kvsplice.select.selectors import BalanceKVSelector, StreamingLLMSelector, UniformSelector

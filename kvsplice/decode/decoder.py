@@ -37,7 +37,7 @@ from kvsplice.decode.native import ModelAttention
 from models.cache import Cache
 from models.generate import check_prompt, check_sampling, generate_tokens
 
-__all__ = ["Decoder", "perplexity", "score_continuation", "sequence_nll"]
+__all__ = ["Decoder", "chunked_nll", "perplexity", "score_continuation", "sequence_nll"]
 
 BACKENDS = ("auto", "flash", "sdpa")
 
@@ -126,11 +126,9 @@ class Decoder:
 
 
 @torch.no_grad()
-def sequence_nll(decoder: Decoder, input_ids: torch.Tensor, chunk_size: Optional[int] = None
-                 ) -> tuple[float, int]:
-    """Summed next-token NLL of ``input_ids (B, T)`` and the number of predicted tokens, feeding the sequence
-    through a fresh cache of the decoder in chunks of ``chunk_size`` (None: one prefill call; 1: token by token).
-    Every token attends over the decoder's cache (compressed or full), so full vs compressed is apples to apples."""
+def chunked_nll(decoder: Decoder, input_ids: torch.Tensor, chunk_size: Optional[int] = None
+                ) -> tuple[float, int, Cache]:
+    """:func:`sequence_nll` and the cache it filled (to measure): the one chunked next-token NLL loop."""
     b, t = input_ids.shape
     cache = decoder.new_cache(b, capacity=t)
     step = t if chunk_size is None else int(chunk_size)
@@ -140,10 +138,20 @@ def sequence_nll(decoder: Decoder, input_ids: torch.Tensor, chunk_size: Optional
     for s in range(0, t, step):
         logits = decoder(input_ids[:, s:s + step], cache).float()  # (B, c, V)
         tgt = input_ids[:, s + 1:s + step + 1]  # next tokens (the last chunk predicts one fewer)
-        logits = logits[:, :tgt.shape[1]]
-        # (B·c, V) logits vs (B·c,) targets
-        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum").item()
-    return total, b * (t - 1)
+        if tgt.numel():
+            logits = logits[:, :tgt.shape[1]]
+            # (B·c, V) logits vs (B·c,) targets
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum").item()
+    return total, b * (t - 1), cache
+
+
+def sequence_nll(decoder: Decoder, input_ids: torch.Tensor, chunk_size: Optional[int] = None
+                 ) -> tuple[float, int]:
+    """Summed next-token NLL of ``input_ids (B, T)`` and the number of predicted tokens, feeding the sequence
+    through a fresh cache of the decoder in chunks of ``chunk_size`` (None: one prefill call; 1: token by token).
+    Every token attends over the decoder's cache (compressed or full), so full vs compressed is apples to apples."""
+    total, n, _ = chunked_nll(decoder, input_ids, chunk_size)
+    return total, n
 
 
 def perplexity(decoder: Decoder, input_ids: torch.Tensor, chunk_size: Optional[int] = None) -> float:

@@ -159,10 +159,10 @@ class SubsetCache(Cache):
     def compress_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor, selector: TokenSelector, budget: int,
                          *, real: Optional[torch.Tensor] = None, q: Optional[torch.Tensor] = None,
                          scale: Optional[float] = None,
-                         store: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None
+                         append_kept: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None
                          ) -> Optional[dict[str, torch.Tensor]]:
         """Keep :func:`choose_tokens` of the prefill ``k (B, Hkv, T, d)``, ``v (B, Hkv, T, dv)`` (``real``, ``q``,
-        ``scale`` as there) with their log-weights; the dropped tokens still count as seen. ``store(k_kept,
+        ``scale`` as there) with their log-weights; the dropped tokens still count as seen. ``append_kept(k_kept,
         v_kept)`` puts the kept tokens into :attr:`kept` (a storage method's ``append``); by default they are
         appended as they are, and the views after the append are returned. The layer must be empty."""
         if self.layer_len(layer) != 0:
@@ -170,13 +170,13 @@ class SubsetCache(Cache):
         t = k.shape[2]
         idx, logw = choose_tokens(selector, k, v, budget, real, q, scale)  # (B, Hkv, n_keep) each
         kk, vv = gather_tokens(k, idx), gather_tokens(v, idx)  # (B, Hkv, n_keep, d), (B, Hkv, n_keep, dv)
-        if store is None:
+        if append_kept is None:
             self.kept.append(layer, k=kk, v=vv)
         else:
-            store(kk, vv)
+            append_kept(kk, vv)
         self.weights.append(layer, w=logw[..., None].to(self.dtype))  # (B, Hkv, n_keep, 1)
         self.advance(layer, t - idx.shape[-1])  # the dropped prompt tokens still count as seen: positions continue
-        return self.get(layer) if store is None else None
+        return self.get(layer) if append_kept is None else None
 
     # ------------------------------------------------------------------------------------------------ bytes
     def tensors(self) -> Iterator[torch.Tensor]:

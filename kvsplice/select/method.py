@@ -109,7 +109,8 @@ class TokenSelection(CompressionMethod):
             y = step.attend(layer, q, k.to(q.dtype), v.to(q.dtype), mask=mask)  # (B, Hq, T, D)
             cache.compress_prefill(layer, k, v, self.selector, self.budget, real=keys_seen(mask), q=q,
                                    scale=step.scales[layer],
-                                   store=lambda kk, vv: self.store.append(layer, kk, vv, cache.kept, step))
+                                   append_kept=lambda kk, vv: self.store.append(layer, kk, vv,
+                                                                                     cache.kept, step))
             return y
         # decode: new tokens kept exactly (log-weight 0); padding was folded into the log-weights at prefill
         b, h, t = k.shape[:3]

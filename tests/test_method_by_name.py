@@ -82,9 +82,9 @@ def test_both_doors_run_it_by_name_with_measured_bytes_equal_to_the_formula(s260
     model = load_model(str(s260k)).model
     ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
     for spec, held in ((NAME, 24 + 6 - 1), (f"select:snapkv@8+{NAME}", 8 + 6 - 1)):
-        dec = Decoder(model, build_method(spec))
+        dec = Decoder(model, spec)  # the doors take a spec as well as a method
         out = dec.generate(ids, max_new_tokens=6)
-        cache = KVSpliceHFCache(model, build_method(spec))
+        cache = KVSpliceHFCache(model, spec)
         with torch.no_grad():
             hf = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=6,
                                 do_sample=False)

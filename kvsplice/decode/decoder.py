@@ -31,6 +31,7 @@ from torch import nn
 
 from kvsplice.adapters.registry import adapter_for
 from kvsplice.core.method import CompressionMethod, Step
+from kvsplice.core.registry import build_method
 from kvsplice.core.window import check_evictable, evict, held_per_layer, window_mask
 from kvsplice.decode.dense import DenseKV
 from kvsplice.decode.native import ModelAttention
@@ -46,7 +47,7 @@ class Decoder:
     """Prefill / decode ``model`` with ``method``; ``dec(input_ids (B, T), cache) -> logits (B, T, V)``
     (``last_only=True``: only the last position's, ``(B, 1, V)``)."""
 
-    def __init__(self, model: nn.Module, method: Optional[CompressionMethod] = None, *,
+    def __init__(self, model: nn.Module, method: Optional[CompressionMethod | str | dict] = None, *,
                  attn_backend: str = "auto") -> None:
         if attn_backend not in BACKENDS:
             raise ValueError(f"attn_backend must be one of {BACKENDS}, got {attn_backend!r}")
@@ -54,6 +55,8 @@ class Decoder:
         self.adapter = adapter_for(model)
         if method is None:
             method = ModelAttention() if self.adapter.name == "gpt" else DenseKV()
+        if isinstance(method, (str, dict)):  # a spec: kvsplice.core.registry
+            method = build_method(method)
         if not isinstance(method, CompressionMethod):
             raise TypeError(f"method must be a kvsplice.decode.CompressionMethod, got {type(method).__name__}")
         self.attn_backend = attn_backend

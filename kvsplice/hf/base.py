@@ -42,6 +42,7 @@ from transformers.cache_utils import Cache as HFCache, CacheLayerMixin
 
 from kvsplice.adapters.registry import adapter_for
 from kvsplice.core.method import CompressionMethod, Step
+from kvsplice.core.registry import build_method
 from kvsplice.core.rope import seen_by_any
 from kvsplice.core.window import check_evictable, evict, held_per_layer
 from kvsplice.hf.attention import ATTN_IMPL, tag, use_kvsplice_attention
@@ -104,15 +105,18 @@ class _Layer(CacheLayerMixin):
 
 
 class KVSpliceHFCache(HFCache):
-    """A ``transformers.Cache`` running ``method`` (any :class:`~kvsplice.core.method.CompressionMethod`) inside
-    ``model``'s forward; see the module docstring. ``capacity`` preallocates that many tokens (storage == live
-    bytes); otherwise storage grows geometrically."""
+    """A ``transformers.Cache`` running ``method`` (any :class:`~kvsplice.core.method.CompressionMethod`, or its spec:
+    ``"kivi4"``, :func:`kvsplice.build_method`) inside ``model``'s forward; see the module docstring. ``capacity``
+    preallocates that many tokens (storage == live bytes); otherwise storage grows geometrically."""
 
-    def __init__(self, model: torch.nn.Module, method: CompressionMethod, *, capacity: Optional[int] = None) -> None:
+    def __init__(self, model: torch.nn.Module, method: CompressionMethod | str | dict, *,
+                 capacity: Optional[int] = None) -> None:
         self.adapter = adapter_for(model)
         if self.adapter.name == "gpt":
             raise ValueError("kvsplice HF caches run inside transformers models (LlamaForCausalLM, GPT2LMHeadModel); "
                              "models.GPT decodes with its own cache (model.new_cache / kvsplice.decode.Decoder)")
+        if isinstance(method, (str, dict)):  # a spec: kvsplice.core.registry
+            method = build_method(method)
         if not isinstance(method, CompressionMethod):
             raise TypeError(f"method must be a kvsplice.core.CompressionMethod, got {type(method).__name__}")
         self.adapter.require_projections()

@@ -16,11 +16,8 @@ from kvsplice.core.method import CompressionMethod, layer_tokens
 from kvsplice.core.registry import build_method, method_names
 from models.cache import KVCache
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
-STORIES = DATA / "stories260K"
-TEXT = DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"
-EVAL = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
+from data.reference import CALIB as TEXT, DATA, EVAL, STORIES
+
 pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file() or not TEXT.is_file(),
                                 reason=f"stories260K / TinyStories not found under {DATA}")
 NAME = "test-fp16-kv"

@@ -13,11 +13,8 @@ import torch
 from kvsplice import eval_bases, generate, plan as plan_cli
 from kvsplice.planning.spec import PLAN_VERSION, Plan, PlanError
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
-STORIES = DATA / "stories260K"
-CALIB = DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"
-EVAL = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
+from data.reference import CALIB, DATA, EVAL, STORIES
+
 pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file() or not CALIB.is_file(),
                                 reason=f"stories260K / TinyStories not found under {DATA}")
 SMALL = ["--calib", str(CALIB), "--calib-tokens", "2048", "--tune-tokens", "512", "--seq-len", "256",

@@ -123,3 +123,20 @@ def test_one_name_one_meaning():
     Imposter.name = "int8"
     with pytest.raises(TypeError, match="alias"):
         register("method", Imposter)
+
+
+def test_every_method_module_of_the_package_is_loaded_by_name():
+    """A method or selector class anywhere in the package registers with ``build_method`` without its module being
+    imported first: its module is in ``BUILTIN_MODULES``."""
+    import importlib
+    from pathlib import Path
+
+    from kvsplice.core.registry import BUILTIN_MODULES
+
+    root = Path(__file__).resolve().parents[1]
+    for pkg in ("core", "decode", "lowrank", "select", "quant", "online", "hf", "planning", "evaluation"):
+        for path in sorted((root / "kvsplice" / pkg).glob("*.py")):
+            importlib.import_module(".".join(path.relative_to(root).with_suffix("").parts))
+    for cls in [*METHODS.values(), *SELECTORS.values()]:
+        if cls.__module__.startswith("kvsplice."):
+            assert cls.__module__ in BUILTIN_MODULES, f"add {cls.__module__} to BUILTIN_MODULES"

@@ -32,7 +32,8 @@ may not contain ``+ ( ) , @``: use the dict form (a JSON file: ``--method spec.j
 (:class:`MethodSpecError`, a ``ValueError``) naming the known names.
 
 The built-in method and selector modules are imported on first use (:data:`BUILTIN_MODULES`, by name: the registry
-sits below every method package); a method defined anywhere else registers when its module is imported.
+sits below every method package — a new method module of the package goes into that list, which
+``tests/test_registry.py`` checks); a method defined anywhere else registers when its module is imported.
 """
 
 from __future__ import annotations

@@ -257,11 +257,12 @@ def _main_plan(args: argparse.Namespace) -> int:
 
 
 def _main_spec(args: argparse.Namespace) -> int:
-    from kvsplice.core.registry import load_spec
+    from kvsplice.core.registry import check_spec, load_spec
 
     if args.bases:
         raise EvalError("give --method SPEC or --bases, not both (a spec names its bases: lowrank:FILE)")
-    spec, base_dir = load_spec(args.method)  # fail fast, before the model loads
+    spec, base_dir = load_spec(args.method)
+    check_spec(spec, base_dir=base_dir)  # fail fast, before the model loads
     return _report(args, lambda ctx: eval_spec(ctx, args, spec, base_dir))
 
 

@@ -98,10 +98,11 @@ def _check(args: argparse.Namespace) -> None:
 def _spec(args: argparse.Namespace) -> tuple[Optional[dict], Optional[Path]]:
     """The method spec of ``--method`` or of its aliases ``--bases`` / ``--select --budget`` (``None``: the full
     cache or ``--plan``), and the folder its files are read from."""
-    from kvsplice.core.registry import load_spec
+    from kvsplice.core.registry import check_spec, load_spec
 
     if args.method:
-        return load_spec(args.method)
+        spec, base_dir = load_spec(args.method)
+        return check_spec(spec, base_dir=base_dir), base_dir  # fail fast, before the model loads
     if args.bases:
         return {"name": "lowrank", "bases": str(Path(args.bases).resolve())}, None
     if args.select:

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
     from kvsplice.io.loading import iter_texts, load_model, token_stream
     from kvsplice.lowrank.calibrate import calibration_batches
     from kvsplice.lowrank.sensitivity import stats_for
-    from kvsplice.planning.search import search
+    from kvsplice.planning.search import candidate_stores, search
     from kvsplice.planning.spec import Plan
 
     progress = not args.no_progress
@@ -105,13 +105,15 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
     tune = ids[n_cal:n_cal + args.tune_tokens]
     tune = tune[: (tune.numel() // seq) * seq].view(-1, seq)  # (N, T) tuning windows
     adapter = adapter_for(model)
-    stores = _stores(args.stores, adapter)
+    stores = [s for x in _store_specs(args.stores) for s in
+              (candidate_stores(adapter.has_rope, adapter.head_dim) if x == "default" else [x])]
     t0 = time.perf_counter()
-    fitted = any(isinstance(s.get("bases"), dict) for s in stores)  # the planner's low-rank fits need statistics
-    stats, reused = (None, False) if not fitted else stats_for(model, lambda: calibration_batches(ids[:n_cal], seq, args.batch_size),
-                              path=args.calib_stats, ropes=("pre", "post"), source={
-                                  "calibration_source": str(args.calib), "calibration_tokens": n_cal,
-                                  "seq_len": seq}, progress=progress, replace=args.force)
+    stats, reused = None, False
+    if any(isinstance(s.get("bases"), dict) for s in stores):  # the planner's low-rank fits need statistics
+        stats, reused = stats_for(model, lambda: calibration_batches(ids[:n_cal], seq, args.batch_size),
+                                  path=args.calib_stats, ropes=("pre", "post"), source={
+                                      "calibration_source": str(args.calib), "calibration_tokens": n_cal,
+                                      "seq_len": seq}, progress=progress, replace=args.force)
     calib_s = time.perf_counter() - t0
     full_bpt = full_bytes_per_token(adapter)
     budget = args.budget_bytes_per_token or full_bpt / args.ratio
@@ -132,19 +134,18 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
     return plan, info
 
 
-def _stores(given: Optional[Sequence[str]], adapter) -> list[dict]:
-    """``--stores``: specs (``default`` = the built-in candidates), each a storage method (checked here)."""
-    from kvsplice.core.registry import METHODS, parse_spec
-    from kvsplice.planning.search import candidate_stores
+def _store_specs(given: Optional[Sequence[str]]) -> list:
+    """``--stores``: each a storage method's spec (checked: before the model loads) or ``"default"`` (the built-in
+    candidates, :func:`kvsplice.planning.search.candidate_stores`)."""
+    from kvsplice.core.registry import METHODS, check_spec, parse_spec
 
-    out = []
+    out: list = []
     for text in given or ["default"]:
         if text == "default":
-            out += candidate_stores(adapter.has_rope, adapter.head_dim)
+            out.append(text)
             continue
-        spec = parse_spec(text)
-        cls = METHODS.get(spec["name"])
-        if cls is not None and not cls.is_storage:
+        spec = check_spec(parse_spec(text))
+        if not METHODS[spec["name"]].is_storage:
             raise UsageError(f"--stores {text}: {spec['name']} is not a storage method (it cannot hold a token "
                              f"selection); storage methods: {', '.join(n for n, c in METHODS.items() if c.is_storage)}")
         out.append(spec)
@@ -168,6 +169,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     json_path = None if args.json is None else output_file(args.json, force=args.force, option="--json",
                                                            inputs=inputs, outputs={"--out": out,
                                                                                    "bases": bases_out})
+    _store_specs(args.stores)  # fail fast, before the model loads
     if args.calib_stats and not Path(args.calib_stats).exists():
         output_file(args.calib_stats, force=False, option="--calib-stats", inputs=inputs)
     plan, info = run(args)

@@ -140,3 +140,14 @@ def test_every_method_module_of_the_package_is_loaded_by_name():
     for cls in [*METHODS.values(), *SELECTORS.values()]:
         if cls.__module__.startswith("kvsplice."):
             assert cls.__module__ in BUILTIN_MODULES, f"add {cls.__module__} to BUILTIN_MODULES"
+
+
+def test_a_spec_is_checked_before_it_is_built(tmp_path):
+    from kvsplice.core.registry import check_spec
+
+    assert check_spec("select:snapkv@0.25+kivi4")["keep"] == 0.25  # no prompt length needed to check
+    for bad, match in (("select:nosuch@4", "unknown selector"), ("select:snapkv(windo=3)@4", "snapkv takes"),
+                       ("select:snapkv@4+kivi(bitz=2)", "kivi takes"), ("lowrank:nope.safetensors", "not found"),
+                       ("nosuch", "unknown method")):
+        with pytest.raises(MethodSpecError, match=match):
+            check_spec(bad, base_dir=tmp_path)

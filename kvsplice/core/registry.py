@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 __all__ = ["ALIASES", "BUILTIN_MODULES", "METHODS", "MethodSpecError", "SELECTORS", "build_method",
-           "build_selector", "format_spec", "load_spec", "method_names", "parse_spec", "register", "selector_names",
+           "build_selector", "check_spec", "format_spec", "load_spec", "method_names", "parse_spec", "register", "selector_names",
            "spec_of"]
 
 METHODS: dict[str, type] = {}
@@ -362,6 +362,37 @@ def build_method(spec: Spec, *, prompt_len: Optional[int] = None,
     if files:
         method._spec_files = files
     return method
+
+
+def check_spec(spec: Spec, *, base_dir: Optional[Union[str, Path]] = None) -> dict[str, Any]:
+    """Check a spec without building it (before a model loads): its names, argument names and files (a missing
+    one is a :class:`MethodSpecError`); the values are the constructors' to check. Returns the dict spec."""
+    kw = _as_dict(spec, "method")
+    cls = _lookup(kw.get("name"), spec)
+    args = {k: v for k, v in kw.items() if k != "name"}
+    for arg in getattr(cls, "spec_files", ()):
+        value = args.get(arg)
+        if isinstance(value, (str, Path)):
+            path = Path(value).expanduser()
+            path = Path(base_dir) / path if base_dir is not None and not path.is_absolute() else path
+            if not path.is_file():
+                raise MethodSpecError(f"{cls.name}'s {arg} file not found: {path}")
+    for arg, kind in getattr(cls, "spec_nested", {}).items():
+        value = args.get(arg)
+        if value is None or hasattr(value, "spec"):
+            continue
+        if kind == "selector":
+            sel = _as_dict(value, "selector") if not isinstance(value, str) else {"name": value.split("(")[0]}
+            _check_args(_lookup(sel["name"], spec, SELECTORS), {k: v for k, v in sel.items() if k != "name"}
+                        if not isinstance(value, str) else {}, spec)
+        else:
+            args[arg] = check_spec(value, base_dir=base_dir)
+    if "keep" in args and "keep" not in _params(cls):
+        if "budget" in args:
+            raise MethodSpecError(f"give keep (a fraction of the prompt) or budget (tokens), not both (in {spec!r})")
+        args["budget"] = args.pop("keep")
+    _check_args(cls, args, spec)
+    return kw
 
 
 def _keep_to_budget(kw: dict, prompt_len: Optional[int], text: Any) -> dict:

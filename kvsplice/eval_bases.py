@@ -34,8 +34,8 @@ Bases fitted for another model, or a bases file with NaN/inf, integer or misshap
 
 Methods: ``--method SPEC`` evaluates any registered method or stack by its spec (:mod:`kvsplice.core.registry`:
 ``kivi4``, ``select:snapkv@0.25+int8``, ``lowrank:r4.safetensors+int8``, a ``.json`` spec file) by the protocol of
-:func:`kvsplice.evaluation.protocol.evaluate` — ``--prompt-len`` tokens compressed, the rest scored — next to the full
-cache, measured bytes == formula (``--plan`` is the same for a plan's spec). Two names select a dedicated evaluator
+:func:`kvsplice.evaluation.protocol.evaluate` — ``--prompt-len`` tokens compressed, the rest scored — next to the
+full cache, measured bytes == formula (``--plan`` is the same for a plan's spec). Two names select a dedicated evaluator
 from :data:`EVALUATORS` instead: ``static`` (saved ``--bases`` files with the per-layer diagnostics, the default) and
 ``fd-online`` (:mod:`kvsplice.evaluation.online`, its options from :data:`METHOD_OPTIONS`).
 :meth:`EvalContext.decode` works with any :class:`kvsplice.decode.Decoder`. The logic lives in
@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--diagnostics", action="store_true", help="also the per-layer errors on held-out Grams, the "
                    "float64 attention-output errors and the §3.5 bound diagnostics (slow: off by default)")
     p.add_argument("--plan", help="evaluate a plan from python -m kvsplice.plan (instead of --bases)")
-    p.add_argument("--prompt-len", type=int, help="with --plan / --method SPEC: prompt tokens compressed per window, the rest "
-                   "scored (default: 3/4 of the window for a plan with token selection, else 0 = every token "
+    p.add_argument("--prompt-len", type=int, help="with --plan / --method SPEC: prompt tokens compressed per "
+                   "window, the rest scored (default: 3/4 of the window for a token selection, else 0 = every token "
                    "over the compressed cache)")
     p.add_argument("--json", help="write the full report (per-layer and per-head numbers) as JSON")
     p.add_argument("--force", action="store_true", help="overwrite an existing --json file")

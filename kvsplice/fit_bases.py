@@ -79,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "kvsplice.convert_llama2c), a training .ckpt, or a Hugging Face Hub id")
     p.add_argument("--tokenizer", help="override the model's tokenizer (HF tokenizer dir, GPT-2 BPE files or "
                    "tokenizer.json)")
-    p.add_argument("--fit", "--method", dest="fit", required=True, nargs="+", choices=FITS, help="the fit (--method is its old "
-                   "name): ksvd: K-only/V-only SVD; eigen: joint SVD "
+    p.add_argument("--fit", "--method", dest="fit", required=True, nargs="+", choices=FITS,
+                   help="the fit (--method is its old name): ksvd: K-only/V-only SVD; eigen: joint SVD "
                    "of [K;Q]; kq / gqa-concat: attention-aware (per-head scores), gqa-sum: attention-aware on "
                    "the group-summed queries; kq/gqa-* values are W_O-aware; fisher: loss-aware (calibration loss gradients)")
     spec = p.add_mutually_exclusive_group(required=True)

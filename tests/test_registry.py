@@ -151,3 +151,20 @@ def test_a_spec_is_checked_before_it_is_built(tmp_path):
                        ("nosuch", "unknown method")):
         with pytest.raises(MethodSpecError, match=match):
             check_spec(bad, base_dir=tmp_path)
+
+
+@pytest.mark.parametrize("tool, argv, needle", [
+    ("generate", ["--prompt", "hi", "--max-new-tokens", "2", "--method", "nosuch"], "unknown method 'nosuch'"),
+    ("eval_bases", ["--data", "x.txt", "--method", "select:snapkv(windo=2)@4"], "snapkv takes"),
+    ("plan", ["--calib", "x.txt", "--ratio", "2", "--out", "{tmp}/p.json", "--stores", "kivi4", "model"],
+     "model is not a storage method"),
+])
+def test_command_lines_check_a_spec_before_the_model_loads(tool, argv, needle, tmp_path, capsys):
+    import importlib
+
+    main = importlib.import_module(f"kvsplice.{tool}").main
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(["--model", str(tmp_path / "no-such-model"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"{tool}: error:") and needle in err[0], err
+    assert not (tmp_path / "p.json").exists()

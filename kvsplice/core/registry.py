@@ -26,10 +26,10 @@ A token selection takes ``budget`` (prompt tokens kept per KV head) or ``keep`` 
     method    := NAME [ ":" FILE ] [ "(" args ")" ] [ "+int8" ]    lowrank:r4.safetensors+int8, kivi(bits=2)
     args      := KEY "=" VALUE { "," KEY "=" VALUE }               ints, floats, true/false/none, else strings
 
-``:FILE`` is the class's first file argument (``bases``); ``+int8`` sets ``cache_quant="int8"``. Aliases (:data:`ALIASES`):
-``int8`` = dense int8, ``fp`` / ``full`` = dense, ``kivi2`` / ``kivi4`` / ``kivi8`` = KIVI at those bits. A FILE or VALUE
-may not contain ``+ ( ) , @``: use the dict form (a JSON file: ``--method spec.json``) for those. Errors are one line
-(:class:`MethodSpecError`, a ``ValueError``) naming the known names.
+``:FILE`` is the class's first file argument (``bases``); ``+int8`` sets ``cache_quant="int8"``. Aliases
+(:data:`ALIASES`): ``int8`` = dense int8, ``fp`` / ``full`` = dense, ``kivi2`` / ``kivi4`` / ``kivi8`` = KIVI at those
+bits. A FILE or VALUE may not contain ``+ ( ) , @``: use the dict form (a JSON file: ``--method spec.json``) for
+those. Errors are one line (:class:`MethodSpecError`, a ``ValueError``) naming the known names.
 
 The built-in method and selector modules are imported on first use (:data:`BUILTIN_MODULES`, by name: the registry
 sits below every method package — a new method module of the package goes into that list, which
@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 __all__ = ["ALIASES", "BUILTIN_MODULES", "METHODS", "MethodSpecError", "SELECTORS", "build_method",
-           "build_selector", "check_spec", "format_spec", "load_spec", "method_names", "parse_spec", "register", "selector_names",
-           "spec_of"]
+           "build_selector", "check_spec", "format_spec", "load_spec", "method_names", "parse_spec", "register",
+           "selector_names", "spec_of"]
 
 METHODS: dict[str, type] = {}
 """Method name → :class:`~kvsplice.core.method.CompressionMethod` subclass."""
@@ -289,13 +289,23 @@ def _known() -> list[str]:
     return method_names() + sorted(ALIASES)
 
 
+def _shown(text: Any) -> str:
+    """A spec as an error message shows it: its short form."""
+    if isinstance(text, dict):
+        try:
+            return repr(format_spec(text))
+        except Exception:  # noqa: BLE001  (a spec too broken to format)
+            return repr(text)
+    return repr(text)
+
+
 def _lookup(name: Any, text: Any, table: Optional[dict] = None) -> type:
     _load_builtins()
     table = METHODS if table is None else table
     cls = table.get(name) if isinstance(name, str) else None
     if cls is None:
         kind, known = ("method", _known()) if table is METHODS else ("selector", selector_names())
-        raise MethodSpecError(f"unknown {kind} {name!r} in {text!r}; known: {', '.join(known)}")
+        raise MethodSpecError(f"unknown {kind} {name!r} in {_shown(text)}; known: {', '.join(known)}")
     return cls
 
 
@@ -314,10 +324,10 @@ def _check_args(cls: type, kw: dict, text: Any) -> None:
     bad = [k for k in kw if k not in params and not takes_any]
     if bad:
         raise MethodSpecError(f"{cls.name} takes {', '.join(params) or 'no arguments'}; got {', '.join(bad)} "
-                              f"(in {text!r})")
+                              f"(in {_shown(text)})")
     missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in kw]
     if missing:
-        raise MethodSpecError(f"{cls.name} needs {', '.join(missing)} (in {text!r})")
+        raise MethodSpecError(f"{cls.name} needs {', '.join(missing)} (in {_shown(text)})")
 
 
 def build_selector(spec: Spec) -> Any:
@@ -398,11 +408,11 @@ def check_spec(spec: Spec, *, base_dir: Optional[Union[str, Path]] = None) -> di
 def _keep_to_budget(kw: dict, prompt_len: Optional[int], text: Any) -> dict:
     keep = kw.pop("keep")
     if "budget" in kw:
-        raise MethodSpecError(f"give keep (a fraction of the prompt) or budget (tokens), not both (in {text!r})")
+        raise MethodSpecError(f"give keep (a fraction of the prompt) or budget (tokens), not both (in {_shown(text)})")
     if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0.0 < keep <= 1.0:
-        raise MethodSpecError(f"keep must be a fraction of the prompt in (0, 1], got {keep!r} (in {text!r})")
+        raise MethodSpecError(f"keep must be a fraction of the prompt in (0, 1], got {keep!r} (in {_shown(text)})")
     if prompt_len is None:
-        raise MethodSpecError(f"{text!r} keeps a fraction of the prompt: build it with the prompt length "
+        raise MethodSpecError(f"{_shown(text)} keeps a fraction of the prompt: build it with the prompt length "
                               f"(prompt_len=), or give budget= tokens")
     kw["budget"] = max(1, math.ceil(keep * int(prompt_len) - 1e-9))
     return kw

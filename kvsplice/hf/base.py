@@ -193,7 +193,8 @@ class KVSpliceHFCache(HFCache):
         self.pads = None
 
     def held(self):
-        """Tokens the method's cache holds per layer as a method's ``bytes_formula`` takes them (a list when layers differ)."""
+        """Tokens the method's cache holds per layer as a method's ``bytes_formula`` takes them (a list when layers
+        differ)."""
         return held_per_layer(self.method_cache) if any(self.windows) else self.method_cache.seq_len
 
     # ------------------------------------------------------------------------------------------------- bytes

@@ -5,7 +5,7 @@
     bases = KVBases.load("s260k_r4_post.safetensors")             # python -m kvsplice.fit_bases
     cache = CoefficientHFCache(model, bases)                       # switches model to the "kvsplice" attention
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=32)
-    cache.nbytes() == cache.formula_nbytes()                        # Σ_layers Σ_kv-heads (R_k + R_v) · T · B · bytes
+    cache.nbytes() == cache.formula_nbytes()                       # Σ_layers Σ_kv-heads (R_k + R_v) · T · B · bytes
 
 ``KVSpliceHFCache(model, LowRank(bases, cache_quant=...))``: the numbers live in a
 :class:`kvsplice.lowrank.cache.CoefficientCache` and attention is :meth:`kvsplice.lowrank.method.LowRank.attend`

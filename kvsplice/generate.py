@@ -15,7 +15,8 @@ the short form, inline JSON or a ``.json`` spec file; a selection's ``keep`` app
 ``--bases F`` (= ``--method lowrank:F``: a ``fit_bases`` file) caches low-rank key/value coefficients,
 ``--select S --budget N`` (= ``--method select:S(seed=SEED)@N``) keeps ``N`` prompt tokens per KV head, ``--plan``
 (from ``python -m kvsplice.plan``) runs the plan's stack (its selection keeps the plan's fraction of this prompt);
-none → transformers' own full ``DynamicCache``. A ``.ckpt`` from ``python -m training.fit`` (not a transformers model) runs the package's own decoder with the same options.
+none → transformers' own full ``DynamicCache``. A ``.ckpt`` from ``python -m training.fit`` (not a transformers
+model) runs the package's own decoder with the same options.
 ``--temperature 0`` (the default) is greedy; generation stops at the tokenizer's EOS.
 
 Prints the text; ``--json OUT`` writes the generated ``tokens`` (ids, prompt excluded), ``text``,

@@ -32,9 +32,12 @@ import statistics
 import sys
 from pathlib import Path
 
-from frontier import DATA, REPO, last_val, run_module, train  # benchmarks/frontier.py: the study's run helpers
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-from models.checkpoint import atomic_write  # noqa: E402  (frontier put the repository on sys.path)
+from data.reference import TINYSTORIES as DATA  # noqa: E402
+from models.checkpoint import atomic_write  # noqa: E402
+from training.study import last_val, run_module, train  # noqa: E402  (the study runner)
 
 CALIB = DATA / "gusjengis_toy-RNN__tinystories_sample.txt"  # training text
 STEPS_SOURCE = 500

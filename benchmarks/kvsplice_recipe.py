@@ -28,9 +28,13 @@ import threading
 from collections import defaultdict
 from pathlib import Path
 
-from frontier import (DATA, REPO, TRAIN_FILES, cache_bytes, comparison_table, compare, data_args,  # noqa: E402
-                      final_train_loss, last_val, resume_key, run_args, run_jobs, run_key, run_module, save_study,
-                      summarise, train, train_curve)
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from data.reference import TINYSTORIES as DATA  # noqa: E402
+from training.study import (TRAIN_FILES, cache_bytes, comparison_table, compare, data_args,  # noqa: E402
+                            final_train_loss, last_val, resume_key, run_args, run_jobs, run_key, run_module,
+                            save_study, summarise, train, train_curve)
 
 ABLATION = {  # variant -> (config, overrides); "insert" is the two-stage recipe
     "mla_64": ("small_mla_64", []),

@@ -105,9 +105,10 @@ def test_a_killed_study_takes_its_training_child_with_it(tmp_path: Path) -> None
         "import importlib.util, sys, threading, time\n"
         f"spec = importlib.util.spec_from_file_location('f', {str(SCRIPT)!r})\n"
         "f = importlib.util.module_from_spec(spec); spec.loader.exec_module(f)\n"
+        "import training.study as study  # the runner frontier.py uses (it put the repository on sys.path)\n"
         "def report():\n"
-        "    while not f._CHILDREN: time.sleep(0.05)\n"
-        "    print(next(iter(f._CHILDREN)).pid, flush=True)\n"
+        "    while not study._CHILDREN: time.sleep(0.05)\n"
+        "    print(next(iter(study._CHILDREN)).pid, flush=True)\n"
         "threading.Thread(target=report, daemon=True).start()\n"
         "f.run_module('timeit', ['-n', '1', 'import time; time.sleep(120)'], 1)\n")
     proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)

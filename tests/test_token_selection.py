@@ -153,7 +153,7 @@ def test_generate_and_errors():
     assert torch.equal(full, ref)
     cache = dec.new_cache(1)
     with pytest.raises(ValueError, match="prefill"):
-        dec(ids_of(1, 2, 0), cache)
+        dec.decode(ids_of(1, 2, 0), cache)
     dec.prefill(ids_of(1, 20, 0), cache)
     with pytest.raises(ValueError, match="empty cache"):
         dec.prefill(ids_of(1, 20, 0), cache)

@@ -124,8 +124,9 @@ class TokenSelection(CompressionMethod):
 
 
 class TokenSelectionDecoder(Decoder):
-    """``Decoder(model, TokenSelection(selector, budget))`` with an explicit :meth:`prefill` (on an empty cache)
-    and decode calls (on a prefilled one)."""
+    """``Decoder(model, TokenSelection(selector, budget, store=store))`` — calling it means what calling any
+    ``Decoder`` means (the first call on an empty cache prefills) — with two checked steps: :meth:`prefill` (an empty
+    cache only) and :meth:`decode` (a prefilled one only)."""
 
     def __init__(self, model: nn.Module, selector: TokenSelector, budget: int, *,
                  store: Optional[CompressionMethod] = None) -> None:
@@ -138,13 +139,11 @@ class TokenSelectionDecoder(Decoder):
             raise ValueError("prefill needs an empty cache (use new_cache() or cache.reset())")
         return Decoder.__call__(self, input_ids, cache, last_only=last_only)
 
-    def __call__(self, input_ids: torch.Tensor, cache: SubsetCache, *, last_only: bool = False) -> torch.Tensor:
+    def decode(self, input_ids: torch.Tensor, cache: SubsetCache, *, last_only: bool = False) -> torch.Tensor:
         """Decode ``input_ids (B, T)`` (one token or a teacher-forced chunk) over the compressed cache."""
         if isinstance(cache, SubsetCache) and cache.position == 0:
             raise ValueError("decode needs a prefilled cache: call prefill() first")
         return Decoder.__call__(self, input_ids, cache, last_only=last_only)
-
-    decode = __call__
 
 
 def run_token_selection(model: nn.Module, idx: torch.Tensor, selector: TokenSelector, budget: int, *,

@@ -52,7 +52,12 @@ class OnlineFD(CompressionMethod):
         self.record: Optional[list] = None  # set to a list to keep every layer's q, k, v and output (diagnose)
 
     def spec(self):
-        return {"name": self.name, **{k: v for k, v in self.cache_kw.items() if v is not None}}
+        """Its name and the options that differ from the defaults (:meth:`CompressionMethod.spec`)."""
+        import inspect
+
+        defaults = {n: p.default for n, p in inspect.signature(OnlineFD.__init__).parameters.items()}
+        return {"name": self.name, **{k: v for k, v in self.cache_kw.items()
+                                      if k not in defaults or v != defaults[k]}}
 
     def _prepare(self, adapter, *, dtype, device):
         super()._prepare(adapter, dtype=dtype, device=device)

@@ -56,7 +56,8 @@ def _kv_outputs(module: nn.Module, kv_width: int):
         return [(module.c_attn, "qkv", kv_width)]
     if hasattr(module, "qkv_proj"):  # Phi-3: q | k | v along the last dim
         return [(module.qkv_proj, "qkv", kv_width)]
-    raise ValueError(f"loss sensitivities need k_proj / v_proj (Llama family), qkv_proj (Phi-3) or c_attn (GPT-2) attention, got "
+    raise ValueError(f"loss sensitivities need k_proj / v_proj (Llama family), qkv_proj (Phi-3) or c_attn (GPT-2) "
+                     f"attention, got "
                      f"{type(module).__name__}")
 
 
@@ -117,7 +118,8 @@ def calibrate_all(model: nn.Module, batches: Sequence[torch.Tensor], *, ropes: I
             for name, x in parts.items():
                 x = x.reshape(*x.shape[:-1], hkv, d).transpose(1, 2)  # (B, Hkv, T, d)
                 for mode, s in sets.items():
-                    y = apply_rope(x, *adapter.layer_rope(layer, rope)) if name == "k" and mode == "post" else x  # ∂L/∂k_rot = R_t ∂L/∂k
+                    rot = name == "k" and mode == "post"  # ∂L/∂k_rot = R_t ∂L/∂k, with the layer's own tables
+                    y = apply_rope(x, *adapter.layer_rope(layer, rope)) if rot else x
                     _gram((s.gk if name == "k" else s.gv)[layer], y)
                     _joint((s.gk_joint if name == "k" else s.gv_joint)[layer], y)
         grads.clear()

@@ -5,9 +5,15 @@ through :func:`output_file` / :func:`output_dir` first and writes with :func:`wr
 :func:`models.checkpoint.atomic_write` or :func:`write_dir`:
 
 * the path is resolved first (``~``, ``.``, ``..``, symlinks): ``--out some/dir/..`` *is* ``some``;
-* an output is never an input of the same command: not the same file (``--out X.ckpt`` with ``--model X.ckpt``, also
-  through a symlink, a hard link or another spelling), not an existing file of an input folder, not a folder that
-  holds an input; two outputs of one command are never the same file;
+* an output is never an input of the same command, even with ``--force``: not the same file (``--out X.ckpt`` with
+  ``--model X.ckpt``, also through a symlink, a hard link or another spelling), not an existing file of an input
+  folder, not a folder that holds an input; an input plan's bases file is an input too (:func:`input_files`), and so
+  is a statistics cache that exists (``--calib-stats``, :func:`cache_file`); two outputs of one command are never the
+  same file;
+* an output is claimed for the run (:func:`claim`): a second run writing the same file or folder while the first
+  one lives is refused; the claim (``.<name>.claim`` beside it, holding the pid) is released when the command ends
+  (:func:`release_claims`, called by :func:`kvsplice.io.cli.run_cli` and at exit) and a dead run's claim is taken
+  over;
 * an existing file is replaced only with ``--force``; a non-empty folder only with ``--force`` and, for a command
   that names the files it writes (``owned``), only when it holds nothing else (an earlier output of that command):
   ``--force`` replaces what the command writes, never a folder holding other files;
@@ -21,6 +27,7 @@ Every refusal is a :class:`kvsplice.io.cli.UsageError` with one line naming the 
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -28,10 +35,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Mapping, Optional, Union
 
-from kvsplice.io.cli import UsageError
-from models.checkpoint import atomic_write, remove_stale_temp_files, temp_path
+from kvsplice.io.cli import UsageError, at_command_end
+from models.checkpoint import _pid_alive, atomic_write, remove_stale_temp_files, temp_path
 
-__all__ = ["output_dir", "output_file", "out_and_json", "write_dir", "write_json"]
+__all__ = ["cache_file", "claim", "input_files", "output_dir", "output_file", "out_and_json", "release_claims",
+           "write_dir", "write_json"]
 
 PathArg = Union[str, "os.PathLike[str]"]
 Inputs = Optional[Mapping[str, Union[None, PathArg, Iterable[PathArg]]]]
@@ -45,16 +53,98 @@ def _resolve(value: PathArg, option: str) -> Path:
     return Path(value).expanduser().resolve()
 
 
+def _plan_bases(path: Path) -> Optional[Path]:
+    """The bases file a kvsplice plan (JSON, ``"format": "kvsplice-plan"``) names, resolved beside it; ``None`` for
+    any other file."""
+    if path.suffix.lower() != ".json" or not path.is_file() or path.stat().st_size > (1 << 24):
+        return None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if isinstance(doc, dict) and doc.get("format") == "kvsplice-plan" and isinstance(doc.get("bases"), str):
+        return (path.parent / doc["bases"]).resolve()
+    return None
+
+
+def input_files(option: str, value: PathArg) -> list[tuple[str, Path]]:
+    """``[(what, resolved path)]`` a command reads through one input option: the path itself when it exists, and
+    for a plan also the bases file it names."""
+    p = Path(value).expanduser()
+    if not str(value).strip() or not p.exists():
+        return []
+    out = [(f"{option} {value}", p.resolve())]
+    bases = _plan_bases(p)
+    if bases is not None and bases.exists():
+        out.append((f"{option} {value}'s bases file", bases))
+    return out
+
+
 def _inputs(inputs: Inputs) -> list[tuple[str, Path]]:
     out = []
     for option, values in (inputs or {}).items():
         if values is None:
             continue
         for v in [values] if isinstance(values, (str, os.PathLike)) else values:
-            p = Path(v).expanduser()
-            if str(v).strip() and p.exists():
-                out.append((f"{option} {v}", p.resolve()))
+            out += input_files(option, v)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ claims
+_CLAIMS: list[Path] = []  # claim files this process holds
+
+
+def _claim_path(path: Path) -> Path:
+    return path.parent / f".{path.name}.claim"
+
+
+def _claim_owner(claim_file: Path) -> Optional[int]:
+    try:
+        return int(claim_file.read_text().strip() or "0")
+    except (OSError, ValueError):
+        return None
+
+
+def claim(path: Path, option: str, value: PathArg) -> None:
+    """Claim ``path`` for this process until :func:`release_claims`: ``.<name>.claim`` holding the pid, created
+    atomically beside it; a live other process's claim is a :class:`UsageError`, a dead one's is taken over."""
+    mark = _claim_path(path)
+    me = os.getpid()
+    for _ in range(3):
+        owner = _claim_owner(mark) if mark.exists() else None
+        if owner == me:
+            return
+        if owner is not None and _pid_alive(owner):
+            raise UsageError(f"{option} {value} is being written by another run (pid {owner}); wait for it to end "
+                             f"or choose another file (a stale claim: remove {mark})")
+        if mark.exists():  # a dead run's claim
+            mark.unlink(missing_ok=True)
+        tmp = mark.with_name(f"{mark.name}.{me}")
+        try:
+            tmp.write_text(f"{me}\n")
+            os.link(tmp, mark)  # fails when another run claimed it meanwhile
+        except FileExistsError:
+            continue
+        except OSError:  # no folder yet, or a file system without hard links: claims are best effort there
+            return
+        finally:
+            tmp.unlink(missing_ok=True)
+        _CLAIMS.append(mark)
+        return
+    raise UsageError(f"{option} {value} is being claimed by another run; try again")
+
+
+def release_claims() -> None:
+    """Remove the claims this process holds (a command's end)."""
+    me = os.getpid()
+    while _CLAIMS:
+        mark = _CLAIMS.pop()
+        if _claim_owner(mark) == me:
+            mark.unlink(missing_ok=True)
+
+
+atexit.register(release_claims)
+at_command_end(release_claims)
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -111,8 +201,24 @@ def output_file(value: PathArg, *, force: bool, option: str = "--out", inputs: I
         if path.exists() and src.is_dir() and _within(path, src):
             raise UsageError(f"{option} {value} is a file of the input {what}; choose another file")
     _check_writable(path.parent, option, value)
+    claim(path, option, value)
     remove_stale_temp_files(path.parent, path.name)
     return path
+
+
+def cache_file(value: Optional[PathArg], *, option: str, inputs: Inputs = None,
+               outputs: Optional[Mapping[str, Path]] = None) -> Optional[Path]:
+    """A file a command reads when it exists and writes otherwise (``--calib-stats``): an existing one is an input
+    (give it in the command's ``inputs``: no output may replace it, even with ``--force``); a new one is an output
+    checked as :func:`output_file` (never one of the command's other ``outputs``). ``None`` when not given."""
+    if value is None:
+        return None
+    p = Path(value).expanduser()
+    if p.exists():
+        if p.is_dir():
+            raise UsageError(f"{option} {value} is a directory, not a statistics file")
+        return p.resolve()
+    return output_file(value, force=False, option=option, inputs=inputs, outputs=outputs)
 
 
 def out_and_json(out: PathArg, json_report: Optional[PathArg], *, force: bool,
@@ -151,6 +257,7 @@ def output_dir(value: PathArg, *, force: bool, option: str = "--out", inputs: In
         if entries and not force:
             raise UsageError(f"{option} {value} is not empty (use --force to replace its files)")
     _check_writable(path if path.is_dir() else path.parent, option, value)
+    claim(path, option, value)
     remove_stale_temp_files(path.parent, path.name)
     return path
 

@@ -262,17 +262,29 @@ def output_dir(value: PathArg, *, force: bool, option: str = "--out", inputs: In
     return path
 
 
+def _plain_modes(folder: Path) -> None:
+    """Every file under ``folder`` readable as the user's umask allows (``0666 & ~umask``): a library that writes
+    through ``mkstemp`` (transformers' ``save_pretrained``) leaves ``0600`` files beside ``0644`` ones."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in folder.rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            os.chmod(f, 0o666 & ~umask)
+
+
 def write_dir(path: Path, fill: Callable[[Path], None], owned: Optional[Collection[str]] = None) -> list[str]:
     """Write a folder output checked by :func:`output_dir`: ``fill(tmp)`` writes every file into a temporary folder,
     which becomes ``path`` in one rename when ``path`` does not exist; into an existing ``path`` each file is moved
     with ``os.replace`` (an existing folder, even ``.``, is never removed, nor a sub-folder in the way), then files of
-    ``owned`` that this output no longer has (an earlier output of another kind) are removed. An error leaves
+    ``owned`` that this output no longer has (an earlier output of another kind) are removed. Files get the modes
+the umask gives (:func:`_plain_modes`). An error leaves
     ``path`` as it was. Returns the names written."""
     fresh = not path.exists()
     tmp = temp_path(path) if fresh else temp_path(path, folder=path)
     tmp.mkdir(parents=True)
     try:
         fill(tmp)
+        _plain_modes(tmp)
         names = sorted(f.name for f in tmp.iterdir())
         if fresh:
             os.rename(tmp, path)

@@ -128,7 +128,8 @@ def test_a_real_sigint_during_fit_bases_is_one_line_and_leaves_nothing(tmp_path,
     out = tmp_path / "out"
     out.mkdir()
     code = ("import os, signal, sys; import kvsplice.fit_bases as f\n"
-            "def interrupt(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n    raise SystemExit('not interrupted')\n"
+            "def interrupt(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    raise SystemExit('not interrupted')\n"
             "f.time_forward = interrupt\n"
             f"sys.exit(f.main(['--model', {str(hf)!r}, '--method', 'ksvd', '--rank', '2', '--calib', {str(text)!r}, "
             f"'--calib-tokens', '128', '--seq-len', '32', '--no-progress', '--out', {str(out / 'b.safetensors')!r}, "

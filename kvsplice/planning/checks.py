@@ -82,8 +82,9 @@ def check_bases_name(name: Any) -> None:
 
 
 def check_plan_doc(doc: dict) -> None:
-    """Every check above on a plan's JSON object."""
-    check_stack_fields(doc.get("stack"))
+    """Every check above on a plan's JSON object (a plan without ``stack`` is the loader's to refuse)."""
+    if "stack" in doc:
+        check_stack_fields(doc["stack"])
     check_evidence(doc)
     check_bases_name(doc.get("bases"))
 

@@ -142,7 +142,8 @@ def test_a_real_sigint_during_fit_bases_is_one_line_and_leaves_nothing(tmp_path,
 # ------------------------------------------------------------------------------------------ claims (issue 31)
 def test_a_second_run_to_the_same_new_output_is_refused(tmp_path, capsys):
     """A live process that claimed ``--json`` (through the same output rules) makes a second run refuse in one
-    line, writing nothing; once it ends, its stale claim is taken over and the run succeeds and releases it."""
+    line, writing nothing; once it ends (killed: its claim file stays, its lock is gone) the run succeeds and
+    removes the claim file."""
     import subprocess
     import sys
 

@@ -11,9 +11,9 @@ through :func:`output_file` / :func:`output_dir` first and writes with :func:`wr
   is a statistics cache that exists (``--calib-stats``, :func:`cache_file`); two outputs of one command are never the
   same file;
 * an output is claimed for the run (:func:`claim`): a second run writing the same file or folder while the first
-  one lives is refused; the claim (``.<name>.claim`` beside it, holding the pid) is released when the command ends
-  (:func:`release_claims`, called by :func:`kvsplice.io.cli.run_cli` and at exit) and a dead run's claim is taken
-  over;
+  one lives is refused; the claim (an exclusive lock on ``.<name>.claim`` beside it, holding the pid) is released
+  when the command ends (:func:`release_claims`, called by :func:`kvsplice.io.cli.run_cli` and at exit), and a
+  killed run's lock dies with it;
 * an existing file is replaced only with ``--force``; a non-empty folder only with ``--force`` and, for a command
   that names the files it writes (``owned``), only when it holds nothing else (an earlier output of that command):
   ``--force`` replaces what the command writes, never a folder holding other files;
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Mapping, Optional, Union
 
 from kvsplice.io.cli import UsageError, at_command_end
-from models.checkpoint import _pid_alive, atomic_write, remove_stale_temp_files, temp_path
+from models.checkpoint import atomic_write, remove_stale_temp_files, temp_path
 
 __all__ = ["cache_file", "claim", "input_files", "output_dir", "output_file", "out_and_json", "release_claims",
            "write_dir", "write_json"]
@@ -91,56 +91,63 @@ def _inputs(inputs: Inputs) -> list[tuple[str, Path]]:
 
 
 # ------------------------------------------------------------------------------------------------ claims
-_CLAIMS: list[Path] = []  # claim files this process holds
+_CLAIMS: dict[Path, int] = {}  # claim file -> the open descriptor holding its lock, for this process
 
 
 def _claim_path(path: Path) -> Path:
     return path.parent / f".{path.name}.claim"
 
 
-def _claim_owner(claim_file: Path) -> Optional[int]:
-    try:
-        return int(claim_file.read_text().strip() or "0")
-    except (OSError, ValueError):
-        return None
-
-
 def claim(path: Path, option: str, value: PathArg) -> None:
-    """Claim ``path`` for this process until :func:`release_claims`: ``.<name>.claim`` holding the pid, created
-    atomically beside it; a live other process's claim is a :class:`UsageError`, a dead one's is taken over."""
-    mark = _claim_path(path)
-    me = os.getpid()
-    for _ in range(3):
-        owner = _claim_owner(mark) if mark.exists() else None
-        if owner == me:
-            return
-        if owner is not None and _pid_alive(owner):
-            raise UsageError(f"{option} {value} is being written by another run (pid {owner}); wait for it to end "
-                             f"or choose another file (a stale claim: remove {mark})")
-        if mark.exists():  # a dead run's claim
-            mark.unlink(missing_ok=True)
-        tmp = mark.with_name(f"{mark.name}.{me}")
-        try:
-            tmp.write_text(f"{me}\n")
-            os.link(tmp, mark)  # fails when another run claimed it meanwhile
-        except FileExistsError:
-            continue
-        except OSError:  # no folder yet, or a file system without hard links: claims are best effort there
-            return
-        finally:
-            tmp.unlink(missing_ok=True)
-        _CLAIMS.append(mark)
+    """Claim ``path`` for this process until :func:`release_claims`: an exclusive ``flock`` on ``.<name>.claim``
+    beside it (holding the pid, for the message). Another live run's claim is a :class:`UsageError`; a killed run's
+    lock died with it (the kernel releases it), so its leftover file is simply locked again."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): claims are best effort there
         return
-    raise UsageError(f"{option} {value} is being claimed by another run; try again")
+    mark = _claim_path(path)
+    if mark in _CLAIMS:
+        return
+    for _ in range(5):
+        try:
+            fd = os.open(mark, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # no folder yet: nothing to race for before it exists
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UsageError(f"{option} {value} is being written by another run (pid {owner}); wait for it to end "
+                             f"or choose another file") from None
+        except OSError:  # a file system without locks
+            os.close(fd)
+            return
+        try:
+            same = os.fstat(fd).st_ino == os.stat(mark).st_ino  # not a file its holder unlinked meanwhile
+        except FileNotFoundError:
+            same = False
+        if not same:
+            os.close(fd)
+            continue
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _CLAIMS[mark] = fd
+        return
+    raise UsageError(f"{option} {value} is being claimed by other runs; try again")
 
 
 def release_claims() -> None:
-    """Remove the claims this process holds (a command's end)."""
-    me = os.getpid()
+    """Remove the claims this process holds (a command's end): each file is unlinked while still locked."""
     while _CLAIMS:
-        mark = _CLAIMS.pop()
-        if _claim_owner(mark) == me:
-            mark.unlink(missing_ok=True)
+        mark, fd = _CLAIMS.popitem()
+        try:
+            if os.fstat(fd).st_ino == os.stat(mark).st_ino:
+                mark.unlink()
+        except OSError:
+            pass
+        os.close(fd)
 
 
 atexit.register(release_claims)

@@ -46,7 +46,8 @@ def run_cli(prog: str, body: Callable[[], int], errors: tuple[type[BaseException
     """Run a tool's ``body`` and return its exit status; :class:`UsageError`, ``OSError`` (a missing input, a
     read-only destination), ``ValueError``, ``RecursionError`` (a file nested too deep) and the tool's own
     ``errors`` become one ``PROG: error: ...`` line on stderr and :data:`EXIT_USAGE`; ``KeyboardInterrupt`` one
-    ``PROG: interrupted`` line and :data:`EXIT_INTERRUPTED`. The outputs it claimed are released either way (:func:`at_command_end`)."""
+    ``PROG: interrupted`` line and :data:`EXIT_INTERRUPTED`. The outputs it claimed are released either way
+    (:func:`at_command_end`)."""
     try:
         return body()
     except SystemExit as e:  # --help / --version

@@ -19,6 +19,7 @@ and the same number of tokens for every head (``n_keep = min(budget, T)``), so b
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Optional
 
@@ -253,8 +254,6 @@ def make_selector(name: str, **kw) -> TokenSelector:
     try:
         return cls(**kw)
     except TypeError as e:  # an argument it does not take
-        import inspect
-
         takes = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
         raise ValueError(f"selector {name} takes {', '.join(takes)}; got {sorted(map(str, kw))} ({e})") from None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -183,3 +184,15 @@ def test_convert_llama2c_writes_every_file_with_the_umasks_mode(tmp_path, capsys
         os.umask(umask)
     modes = {f.name: oct(f.stat().st_mode & 0o777) for f in (tmp_path / "m").iterdir()}
     assert "model.safetensors" in modes and set(modes.values()) == {"0o644"}, modes
+
+
+def test_bench_decode_never_writes_a_config_it_reads(tmp_path, capsys):
+    from kvsplice.bench_decode import main
+
+    yaml = tmp_path / "tiny.yaml"
+    shutil.copy(sorted((REPO / "configs").glob("*.yaml"))[0], yaml)
+    before = snapshot(tmp_path)
+    for opt in ("--json", "--plot"):
+        rc = main(["--config", str(yaml), "--ctx", "8", "--batch", "1", "--repeats", "1", opt, str(yaml), "--force"])
+        one_error(rc, capsys.readouterr().err, "bench_decode", f"is the input --config {yaml}")
+    assert snapshot(tmp_path) == before

@@ -78,7 +78,7 @@ def load_gguf(path: str | Path, *, dtype: Optional[torch.dtype] = None) -> tuple
     try:
         loaded, info = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype,
                                                             output_loading_info=True)
-        refuse_incomplete(info, str(f))
+        refuse_incomplete(info, f.name)  # the caller names the whole path
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
     finally:

@@ -185,6 +185,21 @@ def test_nan_weights_in_a_model_folder_are_refused(hf, tmp_path, capsys):
     assert out == ""
 
 
+@pytest.mark.parametrize("edit, expect", [
+    (lambda w: w.pop("transformer.h.1.attn.c_proj.weight"), "lacks weights of the model (transformer.h.1.attn.c_proj"),
+    (lambda w: w.update(extra=torch.zeros(3)), "holds unexpected weights of the model (extra)")])
+def test_a_model_folder_lacking_or_adding_weights_is_refused(hf, tmp_path, capsys, edit, expect):
+    """transformers initialised a missing weight at random (and warned, behind the hidden log): now one line."""
+    src, _ = hf
+    model = shutil.copytree(src, tmp_path / "cut")
+    w = load_file(str(model / "model.safetensors"))
+    edit(w)
+    save_file(w, str(model / "model.safetensors"), metadata={"format": "pt"})
+    rc, out, err = run(["--model", model, "--prompt", "Once", "--max-new-tokens", 2], capsys)
+    one_error(rc, err, "generate", expect)
+    assert out == ""
+
+
 @pytest.mark.parametrize("temperature", ["inf", "-inf", "1e999", "nan", "-0.5"])
 def test_non_finite_temperature_is_refused(hf, capsys, temperature):
     rc, out, err = run(["--model", hf[0], "--prompt", "Once", "--max-new-tokens", 2, f"--temperature={temperature}"],

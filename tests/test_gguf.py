@@ -20,12 +20,14 @@ SRC = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "smollm2-
 pytestmark = pytest.mark.skipif(not SRC.is_file(), reason=f"{SRC} not found")
 
 
-def gguf_subset(dst: Path, keep, overrides: dict) -> Path:
-    """A GGUF file with ``SRC``'s metadata (``overrides`` changed) and the tensors whose names ``keep`` accepts."""
+def gguf_subset(dst: Path, keep, overrides: dict, *, tokenizer: bool = True) -> Path:
+    """A GGUF file with ``SRC``'s metadata (``overrides`` changed; without its tokenizer unless ``tokenizer``) and
+    the tensors whose names ``keep`` accepts."""
     r = gguf.GGUFReader(str(SRC))
     w = gguf.GGUFWriter(str(dst), arch=r.fields["general.architecture"].contents())
     for name, f in r.fields.items():
-        if not name.startswith("GGUF.") and name != "general.architecture":
+        if not name.startswith("GGUF.") and name != "general.architecture" and (
+                tokenizer or not name.startswith("tokenizer.")):
             w.add_key_value(name, overrides.get(name, f.contents()), f.types[0],
                             sub_type=f.types[1] if len(f.types) > 1 else None)
     tensors = [t for t in r.tensors if keep(t.name)]
@@ -40,13 +42,14 @@ def gguf_subset(dst: Path, keep, overrides: dict) -> Path:
     return dst
 
 
+ONE_LAYER = {"llama.block_count": 1}
+
+
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gguf")
-    one_layer = {"llama.block_count": 1}
-    whole = gguf_subset(d / "one.gguf", lambda n: not n.startswith("blk.") or n.startswith("blk.0."), one_layer)
-    two = gguf_subset(d / "two.gguf", lambda n: n in ("blk.0.attn_norm.weight", "output_norm.weight"), one_layer)
-    return whole, two
+def cut(tmp_path_factory) -> Path:
+    """A one-layer file holding 2 of its model's tensors (two norms: small and quick to write)."""
+    return gguf_subset(tmp_path_factory.mktemp("gguf") / "two.gguf",
+                       lambda n: n in ("blk.0.attn_norm.weight", "output_norm.weight"), ONE_LAYER, tokenizer=False)
 
 
 def gen(model: Path, tmp_path: Path, capsys):
@@ -58,23 +61,25 @@ def gen(model: Path, tmp_path: Path, capsys):
 
 
 @pytest.mark.slow  # ~30 s: GGUF's tokenizer is rebuilt from 49k merges
-def test_a_whole_file_loads_and_generates_without_a_progress_bar(files, tmp_path, capsys):
-    rc, _, err = gen(files[0], tmp_path, capsys)
+def test_a_whole_file_loads_and_generates_without_a_progress_bar(tmp_path, capsys):
+    whole = gguf_subset(tmp_path / "one.gguf", lambda n: not n.startswith("blk.") or n.startswith("blk.0."), ONE_LAYER)
+    rc, _, err = gen(whole, tmp_path, capsys)
     assert rc == 0 and "quantizing" not in err and "it/s" not in err and "warn" not in err.lower(), err
     g = json.loads((tmp_path / "g.json").read_text())
     assert len(g["tokens"]) == 3 and g["cache_bytes"] == g["cache_bytes_formula"]
 
 
-def test_a_file_lacking_weights_is_refused_in_one_line(files, tmp_path, capsys):
-    rc, _, err = gen(files[1], tmp_path, capsys)
+def test_a_file_lacking_weights_is_refused_in_one_line(cut, tmp_path, capsys):
+    rc, _, err = gen(cut, tmp_path, capsys)
     line = one_error(rc, err, "generate", "lacks weights of the model (lm_head.weight, model.embed_tokens.weight")
     assert "(10 in all)" in line and not (tmp_path / "g.json").exists()
 
 
-def test_a_folder_of_two_gguf_files_says_so(files, tmp_path, capsys):
+def test_a_folder_of_two_gguf_files_says_so(cut, tmp_path, capsys):
     d = tmp_path / "models"
     d.mkdir()
-    for f in files:
-        shutil.copy(f, d / f.name)
+    for name in ("base.gguf", "instruct.gguf"):
+        shutil.copy(cut, d / name)
     rc, _, err = gen(d, tmp_path, capsys)
-    one_error(rc, err, "generate", f"holds 2 GGUF files (one.gguf, two.gguf): pass the one to load, e.g. --model")
+    one_error(rc, err, "generate", f"holds 2 GGUF files (base.gguf, instruct.gguf): pass the one to load, e.g. "
+                                   f"--model {d / 'base.gguf'}")

@@ -48,19 +48,19 @@ def test_force_never_deletes_the_run_folder_or_a_parent(run_dir, tmp_path, capsy
     (tmp_path / "link").symlink_to(run_dir)
     for name, (out, expect) in cases.items():
         rc, err = export(["--ckpt", ckpt, "--out", out, "--force"], capsys)
-        one_error(rc, err, "export", expect)
+        one_error(rc, err, ex.PROG, expect)
         assert snapshot(run_dir.parent) == before, name
     # some/dir/.. with the checkpoint elsewhere: `some` holds other files, so it is refused, not emptied
     some = tmp_path / "some"
     (some / "dir").mkdir(parents=True)
     (some / "notes.txt").write_text("mine")
     rc, err = export(["--ckpt", ckpt, "--out", some / "dir" / "..", "--force"], capsys)
-    one_error(rc, err, "export", "holds files export does not write (dir, notes.txt)")
+    one_error(rc, err, ex.PROG, "holds files export does not write (dir, notes.txt)")
     assert sorted(p.name for p in some.iterdir()) == ["dir", "notes.txt"]
     # --out . (item 9: was "PosixPath('.') has an empty name"): a non-empty cwd is refused in one line ...
     monkeypatch.chdir(some)
     rc, err = export(["--ckpt", ckpt, "--out", ".", "--force"], capsys)
-    one_error(rc, err, "export", "holds files export does not write")
+    one_error(rc, err, ex.PROG, "holds files export does not write")
     # ... and an empty cwd receives the export (the folder itself is kept: the shell may be in it)
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -73,11 +73,11 @@ def test_force_never_deletes_the_run_folder_or_a_parent(run_dir, tmp_path, capsy
 def test_read_only_or_impossible_destination_is_one_line(run_dir, tmp_path, readonly_dir, capsys):
     ckpt = run_dir / "last.ckpt"
     rc, err = export(["--ckpt", ckpt, "--out", readonly_dir / "hf"], capsys)
-    one_error(rc, err, "export", "cannot write in")
+    one_error(rc, err, ex.PROG, "cannot write in")
     rc, err = export(["--ckpt", ckpt, "--out", run_dir / "metrics.csv" / "hf"], capsys)
-    one_error(rc, err, "export", "is a file, not a folder")
+    one_error(rc, err, ex.PROG, "is a file, not a folder")
     rc, err = export(["--ckpt", ckpt, "--out", ""], capsys)
-    one_error(rc, err, "export", "--out is empty")
+    one_error(rc, err, ex.PROG, "--out is empty")
 
 
 @pytest.mark.parametrize("name, value, expect", [
@@ -90,7 +90,7 @@ def test_read_only_or_impossible_destination_is_one_line(run_dir, tmp_path, read
 def test_checkpoint_tensors_are_checked(run_dir, tmp_path, capsys, name, value, expect):
     bad = edit_ckpt(run_dir / "last.ckpt", tmp_path / f"{name}.ckpt", W, value)
     rc, err = export(["--ckpt", bad, "--out", tmp_path / "out"], capsys)
-    assert str(bad) in one_error(rc, err, "export", expect)
+    assert str(bad) in one_error(rc, err, ex.PROG, expect)
     assert not (tmp_path / "out").exists()
 
 
@@ -118,7 +118,7 @@ def test_force_replaces_exactly_an_earlier_export(run_dir, tmp_path, data_cache,
     remote = {p.name for p in out.iterdir()}
     assert "modeling_kvsplice_gpt.py" in remote and remote <= ex.EXPORT_FILES
     rc, err = export(["--ckpt", run_dir / "last.ckpt", "--out", out], capsys)
-    one_error(rc, err, "export", "is not empty (use --force")
+    one_error(rc, err, ex.PROG, "is not empty (use --force")
     rc, err = export(["--ckpt", run_dir / "last.ckpt", "--out", out, "--force"], capsys)
     assert rc == 0, err
     names = {p.name for p in out.iterdir()}  # the GPT-2 export, without the remote code of the earlier one
@@ -130,5 +130,5 @@ def test_force_replaces_exactly_an_earlier_export(run_dir, tmp_path, data_cache,
     (trap / "model.safetensors").mkdir(parents=True)
     (trap / "model.safetensors" / "mine.txt").write_text("mine")
     rc, err = export(["--ckpt", mla, "--out", trap, "--force", "--no-tokenizer"], capsys)
-    one_error(rc, err, "export", "holds a folder named like an output file (model.safetensors)")
+    one_error(rc, err, ex.PROG, "holds a folder named like an output file (model.safetensors)")
     assert (trap / "model.safetensors" / "mine.txt").read_text() == "mine" and os.listdir(trap) == ["model.safetensors"]

@@ -206,9 +206,9 @@ def _jsonl_stories(path: Path) -> Iterator[str]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
-                raise DataUnavailableError(f"{path}: line {lineno} is not valid JSON (column {e.colno}: {e.msg}); "
+                raise DataUnavailableError(f"{path}: line {lineno} is not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno}); "
                                            f"each line must be a JSON string or {{\"text\": ...}} object") from None
             try:
                 texts = _texts_from_json([obj], path)

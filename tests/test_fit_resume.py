@@ -359,6 +359,12 @@ def _renamed_weight(ckpt: dict) -> None:
     ckpt["state_dict"]["model.transformer.h.0.attn.c_attn.weight_old"] = ckpt["state_dict"].pop(W0)
 
 
+def _other_groups(ckpt: dict) -> None:  # as a run with --model.splice_lr_mult != 1 groups its parameters
+    groups = ckpt["optimizer_states"][0]["param_groups"]
+    groups.append({**groups[0], "params": groups[0]["params"][-2:], "name": "splice_decay"})
+    groups[0]["params"] = groups[0]["params"][:-2]
+
+
 def _int_weight(ckpt: dict) -> None:
     ckpt["state_dict"][W0] = ckpt["state_dict"][W0].to(torch.int32)
 
@@ -368,15 +374,17 @@ def _int_weight(ckpt: dict) -> None:
     (_nan_moment, "tensor optimizer_states[0].state[0].exp_avg_sq holds"),
     (_renamed_weight, f"weights are not this model's: it lacks {W0}"),
     (_int_weight, f"tensor {W0} has dtype int32"),
+    (_other_groups, "cannot resume: optimizer groups decay(8), no_decay(18), splice_decay(2) in the checkpoint, "
+                    "decay(10), no_decay(18) with these options (give the --model.splice_lr_mult it was trained with)"),
     ("truncated", "not a valid PyTorch checkpoint"),
     ("mla", "cannot resume: the checkpoint's model differs from the configured one"),
     ("weights-only", "holds no training state ('pytorch-lightning_version' missing"),
-], ids=["nan-weight", "nan-adam-moment", "renamed-weight", "int-weight", "truncated", "another-architecture",
-        "weights-only"])
+], ids=["nan-weight", "nan-adam-moment", "renamed-weight", "int-weight", "other-optimizer-groups", "truncated",
+        "another-architecture", "weights-only"])
 def test_a_bad_checkpoint_is_never_resumed(finished_run, tmp_path, data_cache, offline, capsys, edit, expect):
     """``--ckpt_path last`` of a checkpoint holding NaN trained on NaN and overwrote ``last.ckpt``; a checkpoint whose
-    weights are another model's was a Lightning traceback. Each is one line naming the file, exit 2, and the run
-    folder is unchanged (byte for byte)."""
+    weights are another model's, or whose optimizer groups differ, was a traceback. Each is one line naming the file,
+    exit 2, and the run folder is unchanged (byte for byte)."""
     import shutil
 
     run = tmp_path / "runs" / "tiny_gpt2"

@@ -279,15 +279,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return run_cli(PROG, lambda: _main(argv), (CheckpointError, EvaluateError, DataUnavailableError))
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
-
-
 def _main(argv: Optional[Sequence[str]]) -> int:
     try:
         args = build_parser().parse_args(argv)
     except UsageError as e:
-        raise UsageError(f"{_one_line(e)} ({PROG} --help lists the options)") from None
+        raise UsageError(f"{e} ({PROG} --help lists the options)") from None
     _check_args(args)
     rows = []
     for path in args.ckpt:

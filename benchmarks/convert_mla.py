@@ -28,16 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from data.reference import TINYSTORIES as DATA  # noqa: E402
-from models.checkpoint import atomic_write  # noqa: E402
-from training.study import last_val, run_module, train  # noqa: E402  (the study runner)
+from frontier import DATA, REPO, last_val, run_module, train  # benchmarks/frontier.py: the study's run helpers
 
 CALIB = DATA / "gusjengis_toy-RNN__tinystories_sample.txt"  # training text
 STEPS_SOURCE = 500
@@ -241,9 +237,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def emit(row: dict) -> None:
         rows.append(row)
-        meta = {"command": "python " + " ".join(sys.argv), "ft_lrs": FT_LRS,
-                "source_tokens": STEPS_SOURCE * TOKENS_PER_STEP}
-        atomic_write(args.out, lambda p: p.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1)))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"meta": {"command": "python " + " ".join(sys.argv), "ft_lrs": FT_LRS,
+                                            "source_tokens": STEPS_SOURCE * TOKENS_PER_STEP}, "rows": rows}, indent=1))
+        os.replace(tmp, args.out)
         print(f"{row['experiment']} seed {row['seed']} ft {row['ft_tokens']:,}: val_loss {row['val_loss']:.4f}",
               flush=True)
 

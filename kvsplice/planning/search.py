@@ -120,6 +120,18 @@ def fit_budget(store: dict[str, Any], adapter, prompt_len: int, budget: float, *
 INT8 = {"name": "dense", "cache_quant": "int8"}
 
 
+def runs_on(model, method) -> bool:
+    """Whether ``method`` can decode ``model``: a cache that cannot drop the tokens leaving a sliding window (KIVI's,
+    a selection over it) cannot run a model with sliding-window layers (Gemma-3, Mistral, ...)."""
+    from kvsplice.decode import Decoder
+
+    try:
+        Decoder(model, method).new_cache(1, capacity=1)
+    except ValueError:
+        return False
+    return True
+
+
 def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: int, budget: float,
            selectors: Sequence[str] = DEFAULT_SELECTORS, lowrank_ratios: Sequence[float] = LOWRANK_RATIOS,
            stores: Optional[Sequence[dict[str, Any]]] = None, batch_size: int = 4,
@@ -162,7 +174,9 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
         stores = candidate_stores(adapter.has_rope, adapter.head_dim, lowrank_ratios)
     for store in stores:
         st = fit_budget(store, adapter, prompt_len, budget, selector=selectors[0], realise=realise)
-        if st is not None:
+        if st is not None and not runs_on(model, build_method(realise(st), prompt_len=prompt_len)):
+            log(f"  {spec_label(st):<48} skipped: its cache cannot drop the tokens leaving a sliding window")
+        elif st is not None:
             fits.append(st)
     if not fits:
         raise ValueError(f"no stack fits {budget:.1f} bytes per token (the smallest keeps 1/64 of the prompt)")

@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 from kvsplice.core.method import CompressionMethod
 from kvsplice.core.registry import build_method, format_spec
+from kvsplice.planning.checks import check_arguments, check_bases_name, check_plan_doc
 
 __all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Plan", "PlanError", "spec_label", "stack_to_spec"]
 
@@ -154,10 +155,16 @@ class Plan:
         path = Path(path)
         try:
             doc = json.loads(path.read_text(encoding="utf-8"))
+        except RecursionError:
+            raise PlanError(f"cannot read the plan {path}: nested too deeply (not a plan)") from None
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise PlanError(f"cannot read the plan {path}: {str(e).splitlines()[0]}") from None
         if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT or doc.get("version") not in (1, 2):
             raise PlanError(f"{path} is not a kvsplice plan (python -m kvsplice.plan writes them)")
+        try:
+            check_plan_doc(doc)  # version 1: the stack's fields; both: the evidence, the bases name
+        except ValueError as e:
+            raise PlanError(f"{path}: {e}") from None
         if doc["version"] == 1:
             if not isinstance(doc.get("stack"), dict):
                 raise PlanError(f"{path}: bad stack")
@@ -168,9 +175,18 @@ class Plan:
             if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
                 raise PlanError(f"{path}: its spec is not a method spec (a dict with a \"name\")")
             drop = ("format", "version", "model_fingerprint", "spec", "label")
+        try:
+            for f in _file_args(spec):
+                check_bases_name(f)
+        except ValueError as e:
+            raise PlanError(f"{path}: {e}") from None
         for f in _file_args(spec):
             if not (path.parent / f).is_file():
                 raise PlanError(f"{path}: its bases file {path.parent / f} is missing")
+        try:
+            check_arguments(spec, base_dir=path.parent)
+        except ValueError as e:
+            raise PlanError(f"{path}: {e}") from None
         info = {k: v for k, v in doc.items() if k not in drop}
         plan = cls(spec, doc.get("model_fingerprint"), path.resolve().parent, info)
         if model is not None:

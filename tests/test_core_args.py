@@ -32,7 +32,9 @@ BAD = {  # selector -> [(arguments, words of the error)]
 
 
 def test_every_selector_has_hostile_cases():
-    assert set(BAD) == set(SELECTORS)
+    """Every selector the package ships (not those other test files register) has hostile cases here."""
+    shipped = {name for name, cls in SELECTORS.items() if cls.__module__.startswith("kvsplice.")}
+    assert set(BAD) == shipped
 
 
 @pytest.mark.parametrize("name,kw,words", [(n, kw, w) for n, cases in sorted(BAD.items()) for kw, w in cases])

@@ -259,6 +259,9 @@ class MLALlama(nn.Module):
             x = block(x, cache)
         return self.lm_head(self.norm(x))
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed
+
     def new_cache(self, batch_size: int, capacity: Optional[int] = None, *, dtype: Optional[torch.dtype] = None,
                   device=None, quant: Optional[str] = None) -> DecodeCache:
         """Per layer a latent stream ``c (B, T, R)`` and a RoPE-key stream ``kr (B, Hr, T, Dr)``."""

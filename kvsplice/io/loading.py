@@ -235,7 +235,14 @@ def _load_mla(p: Path, *, tokenizer: Optional[str], dtype: Optional[torch.dtype]
         model = load_mla_folder(p, dtype=dtype)
     except Exception as e:  # noqa: BLE001 - a corrupt folder: missing or mismatched weights, bad config
         raise LoadError(f"cannot load the converted MLA model in {p}: {first_line(e)}") from None
-    return model, load_tokenizer(tokenizer if tokenizer is not None else p)
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # AutoTokenizer reads config.json and warns about the unknown model_type
+    try:
+        return model, load_tokenizer(tokenizer if tokenizer is not None else p)
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _refuse_remote_code(folder: Path) -> None:

@@ -73,18 +73,19 @@ def run_llama(args: argparse.Namespace) -> int:
     inputs = {"--model": args.model, "--calib": args.calib, "--tokenizer": args.tokenizer}
     out = output_dir(args.out, force=args.force, inputs=inputs)
     json_path = output_file(args.json, force=args.force, option="--json", inputs=inputs) if args.json else None
-    if not args.calib:
-        raise UsageError("converting a Llama-family model needs --calib TEXT (the RoPE split and the latent come "
-                         "from calibration activations)")
     t0 = time.perf_counter()
     device, _ = device_dtype(args)
     loaded = load_model(args.model, tokenizer=args.tokenizer, device=device)
     model, tok = loaded.model, loaded.tokenizer
     converted = isinstance(model, MLALlama)
-    if converted and args.kvsplice_ratio is None:
+    if converted and args.kvsplice_ratio is None and args.format == "native":
         raise UsageError(f"--model {args.model} is already a converted MLA model: give --kvsplice-ratio to shrink "
-                         f"its latent")
-    batches = _calibration(args, tok, loaded.max_positions)
+                         f"its latent, or --format deepseek_v3 to export it")
+    export_only = converted and args.kvsplice_ratio is None
+    if not args.calib and not export_only:
+        raise UsageError("converting a Llama-family model needs --calib TEXT (the RoPE split and the latent come "
+                         "from calibration activations)")
+    batches = [] if export_only else _calibration(args, tok, loaded.max_positions)
     report: dict[str, Any] = {"source": str(args.model), "calibration_source": args.calib,
                               "calibration_tokens": sum(b.numel() for b in batches)}
     if converted:

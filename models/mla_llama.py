@@ -62,6 +62,7 @@ class MLALlamaConfig:
     tie_embeddings: bool = False
     windows: list = field(default_factory=list)  # per layer: sliding window (tokens a query sees) or None
     mla_impl: str = "naive"  # "naive" | "absorbed" (cached decode)
+    cache_quant: Optional[str] = None  # None | "int8": int8 rows + one fp16 scale per row (models.cache)
     source: dict = field(default_factory=dict)  # where it came from (model_type, path, conversion settings)
 
     def __post_init__(self) -> None:
@@ -263,16 +264,24 @@ class MLALlama(nn.Module):
         return self.embed
 
     def new_cache(self, batch_size: int, capacity: Optional[int] = None, *, dtype: Optional[torch.dtype] = None,
-                  device=None, quant: Optional[str] = None) -> DecodeCache:
-        """Per layer a latent stream ``c (B, T, R)`` and a RoPE-key stream ``kr (B, Hr, T, Dr)``."""
+                  device=None, quant: Any = ...) -> DecodeCache:
+        """Per layer a latent stream ``c (B, T, R)`` and a RoPE-key stream ``kr (B, Hr, T, Dr)``; ``quant``
+        defaults to ``cfg.cache_quant``."""
         cfg, p = self.cfg, self.embed.weight
+        quant = cfg.cache_quant if quant is ... else quant
         spec = {"c": (cfg.d_latent,), "kr": (cfg.rope_heads, cfg.rope_dims)}
         return DecodeCache([spec] * cfg.n_layer, batch_size, dtype=dtype or p.dtype, device=device or p.device,
                            capacity=capacity, quant=quant)
 
     def cache_bytes_formula(self, batch_size: int, n_tokens: int, dtype: torch.dtype) -> int:
-        """Bytes a cache of ``n_tokens`` per layer holds (unquantised): ``cache_dim`` numbers per token and layer."""
-        return batch_size * n_tokens * self.cfg.n_layer * self.cfg.cache_dim * torch.empty(0, dtype=dtype).element_size()
+        """Bytes a cache of ``n_tokens`` per layer holds: ``cache_dim`` numbers per token and layer at ``dtype``, or
+        with ``cache_quant='int8'`` one byte each plus an fp16 scale per latent row and per RoPE key."""
+        cfg = self.cfg
+        if cfg.cache_quant == "int8":
+            per_token = cfg.cache_dim + 2 * (1 + cfg.rope_heads)
+        else:
+            per_token = cfg.cache_dim * torch.empty(0, dtype=dtype).element_size()
+        return batch_size * n_tokens * cfg.n_layer * per_token
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -188,6 +188,12 @@ def test_cli_full_rank_stories260k_is_exact_and_loads_everywhere(s260k, tmp_path
     capsys.readouterr()
     assert generate.main(["--model", str(out), "--prompt", "Once upon a time", "--max-new-tokens", "5"]) == 0
     assert "bytes measured" in "".join(capsys.readouterr())
+    from kvsplice import eval_bases
+
+    assert eval_bases.main(["--model", str(out), "--data", str(CALIB), "--tokens", "512", "--seq-len", "128",
+                            "--prompt-len", "96", "--no-progress"]) == 0
+    assert "1.00x smaller" in capsys.readouterr().out  # the full-rank latent + RoPE keys = the K/V numbers
+    assert eval_bases.main(["--model", str(out), "--data", str(CALIB), "--bases", str(out / "x.safetensors")]) == 2
     rc, so, se = run(["--model", s260k, "--calib", CALIB, "--d-latent", "full", "--out", out, "--no-progress"], capsys)
     assert rc == 2 and "not empty" in se and len(se.strip().splitlines()) == 1  # nothing overwritten
 

@@ -81,10 +81,12 @@ def finetune(mla_dir: Path, src: str, steps: int, work: Path, seq: int, smoke: b
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ratios", type=float, nargs="+", default=[2.0, 4.0])
-    ap.add_argument("--layouts", nargs="+", default=["per-head", "shared"], choices=["per-head", "shared"])
+    ap.add_argument("--layouts", nargs="*", default=["per-head", "shared"], choices=["per-head", "shared"])
     ap.add_argument("--finetune-steps", type=int, default=0)
     ap.add_argument("--int8", action="store_true", help="also evaluate each conversion with int8 latents")
     ap.add_argument("--calib-tokens", type=int, default=None)
+    ap.add_argument("--split-rows", action="store_true", help="also each layout at the full latent (only the RoPE "
+                    "split's loss) and the shared layout with every frequency kept (--ratios' first ratio)")
     ap.add_argument("--out", default=str(ROOT / "results" / "convert_smollm2"))
     ap.add_argument("--smoke", action="store_true", help="stories260K and tiny token counts (tests)")
     args = ap.parse_args(argv)
@@ -114,25 +116,33 @@ def main(argv=None) -> int:
     rows = [{"variant": "source (full K/V)", "layout": None, "ratio_target": 1.0, "stage": "source",
              **evaluate_model(model, p_win, d_win, prompt)}]
     base = rows[0]
-    for layout in args.layouts:
-        for ratio in args.ratios:
-            r, dr = latent_for(ratio, n_kv, hd, layout)
-            mla = convert_llama(model, stats, d_latent=r, rope_dims=dr, layout=layout)
-            label = f"{layout} R={r}+{dr if layout == 'shared' else f'{n_kv}x{dr}'}"
-            common = {"layout": layout, "ratio_target": ratio, "d_latent": r, "rope_dims": dr}
-            rows.append({"variant": label, "stage": "training-free", **common,
+    jobs = [(layout, ratio, *latent_for(ratio, n_kv, hd, layout)) for layout in args.layouts for ratio in args.ratios]
+    if args.split_rows:
+        from kvsplice.convert.llama_mla import full_latent
+
+        ratio = args.ratios[0]
+        jobs += [(layout, None, full_latent(n_kv, hd, dr, layout, cfg.hidden_size), dr)
+                 for layout, dr in (("per-head", latent_for(2, n_kv, hd, "per-head")[1]),
+                                    ("shared", latent_for(2, n_kv, hd, "shared")[1]))]
+        jobs.append(("shared", ratio, round(2 * n_kv * hd / ratio) - hd, hd))  # every frequency in one RoPE key
+    for layout, ratio, r, dr in jobs:
+        ratio = ratio or 2 * n_kv * hd / (r + (n_kv if layout == "per-head" else 1) * dr)
+        mla = convert_llama(model, stats, d_latent=r, rope_dims=dr, layout=layout)
+        label = f"{layout} R={r}+{dr if layout == 'shared' else f'{n_kv}x{dr}'}"
+        common = {"layout": layout, "ratio_target": ratio, "d_latent": r, "rope_dims": dr}
+        rows.append({"variant": label, "stage": "training-free", **common,
+                     **evaluate_model(mla, p_win, d_win, prompt)})
+        if args.int8:
+            mla.cfg.cache_quant = "int8"
+            rows.append({"variant": label + " + int8", "stage": "training-free", **common,
                          **evaluate_model(mla, p_win, d_win, prompt)})
-            if args.int8:
-                mla.cfg.cache_quant = "int8"
-                rows.append({"variant": label + " + int8", "stage": "training-free", **common,
-                             **evaluate_model(mla, p_win, d_win, prompt)})
-                mla.cfg.cache_quant = None
-            if args.finetune_steps:
-                folder = work / f"{layout}-{ratio:g}x"
-                save_mla_folder(mla, folder, tok.backend)
-                tuned = load_model(finetune(folder, src, args.finetune_steps, work, min(seq, 256), args.smoke)).model
-                rows.append({"variant": label, "stage": f"KL fine-tune {args.finetune_steps} steps × "
-                             f"{4 * min(seq, 256)} tokens", **common, **evaluate_model(tuned, p_win, d_win, prompt)})
+            mla.cfg.cache_quant = None
+        if args.finetune_steps:
+            folder = work / f"{layout}-{ratio:g}x"
+            save_mla_folder(mla, folder, tok.backend)
+            tuned = load_model(finetune(folder, src, args.finetune_steps, work, min(seq, 256), args.smoke)).model
+            rows.append({"variant": label, "stage": f"KL fine-tune {args.finetune_steps} steps × "
+                         f"{4 * min(seq, 256)} tokens", **common, **evaluate_model(tuned, p_win, d_win, prompt)})
     for row in rows:
         row["ppl_P_delta_pct"] = 100 * (row["ppl_P"] / base["ppl_P"] - 1)
         row["ppl_docs_delta_pct"] = 100 * (row["ppl_docs"] / base["ppl_docs"] - 1)

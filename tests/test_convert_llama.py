@@ -138,10 +138,11 @@ def test_model_folder_round_trip_and_decoder(tiny, tmp_path):
         model_info(again)
 
 
-def test_deepseek_v3_export_is_our_shared_model_in_transformers(tiny, tmp_path):
+@pytest.mark.parametrize("rope_dims", [8, 16])  # the 4 highest frequencies (rope_theta θ^(8/16)), or all 8
+def test_deepseek_v3_export_is_our_shared_model_in_transformers(tiny, tmp_path, rope_dims):
     models, _, held = tiny
     src, stats = models["llama"]
-    mla = convert_llama(src, stats, d_latent=20, rope_dims=8, layout="shared", latent_norm=True)
+    mla = convert_llama(src, stats, d_latent=20, rope_dims=rope_dims, layout="shared", latent_norm=True)
     save_deepseek_v3(mla, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["model_type"] == "deepseek_v3" and cfg["q_lora_rank"] is None and cfg["kv_lora_rank"] == 20
@@ -152,7 +153,7 @@ def test_deepseek_v3_export_is_our_shared_model_in_transformers(tiny, tmp_path):
     cache = transformers.DynamicCache(config=ds.config)
     ds(held, past_key_values=cache, use_cache=True)
     # transformers 5.23 caches the normed latent and the rotated shared RoPE key (1 "head" each), not K/V
-    assert sum(t.numel() for l in cache.layers for t in (l.keys, l.values)) == 2 * 20 * 3 * (20 + 8)
+    assert sum(t.numel() for l in cache.layers for t in (l.keys, l.values)) == 2 * 20 * 3 * (20 + rope_dims)
     per_head = convert_llama(src, stats, d_latent=20, rope_dims=8, layout="per-head", latent_norm=True)
     with pytest.raises(ValueError, match="per-head layout"):
         check_exportable(per_head)

@@ -22,7 +22,6 @@ Writes ``OUT.json`` (every row, the commands), ``OUT.md`` (the table) and ``OUT.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile

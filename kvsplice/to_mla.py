@@ -157,7 +157,7 @@ def _gpt_latent(v: str) -> int:
     try:
         return pos_int(v)
     except (ValueError, argparse.ArgumentTypeError):
-        raise UsageError(f"--d-latent {v}: give a latent size >= 1 for a GPT model") from None
+        raise UsageError(f"--d-latent {v}: must be >= 1 (the latent size of the GPT model's MLA)") from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -185,6 +185,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         args.json = output_file(args.json, force=args.force, option="--json",
                                 inputs={"--model": args.model, "--tokenizer": args.tokenizer,
                                         "--bases": args.bases, "--data": args.data, "--plan": args.plan})
+    from kvsplice.io.mla_folder import is_mla_folder
+
+    if is_mla_folder(args.model):  # a converted MLA model: its own cache, no bases (kvsplice.evaluation.native)
+        return _main_native(args)
     if args.plan:
         return _main_plan(args)
     if args.method not in EVALUATORS:
@@ -278,6 +282,22 @@ def _report(args: argparse.Namespace, run: Callable[[EvalContext], list]) -> int
               else "no closed-form bytes"))
     if args.json:
         write_json({"model": ctx.loaded.describe(), "data": ctx.data_info, "results": [r]}, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _main_native(args: argparse.Namespace) -> int:
+    from kvsplice.evaluation.native import eval_native
+    from kvsplice.io.loading import load_model
+
+    device, dtype = device_dtype(args)
+    loaded = load_model(args.model, tokenizer=args.tokenizer, dtype=dtype, device=device)
+    r = eval_native(args, loaded)
+    print(f"{args.model} (own cache) on {r['windows']} windows of {r['window']}: ppl {r['ppl']:.4f}; "
+          f"{r['bytes_per_token']:.1f} bytes per token at fp16 ({r['ratio_vs_fp16_full']:.2f}x smaller than the "
+          f"source's full K/V cache); measured bytes == formula in every batch")
+    if args.json:
+        write_json({"model": loaded.describe(), "results": [r]}, args.json)
         print(f"wrote {args.json}")
     return 0
 

@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         method = plan.method(prompt_len=len(prompt))
     ids = torch.tensor([prompt], device=next(model.parameters()).device)
     torch.manual_seed(args.seed)
-    if loaded.kind == "ckpt":
+    if loaded.kind in ("ckpt", "mla"):  # our models: the package's Decoder
         new, cache, formula, full, engine = _generate_ours(model, ids, method, args)
     else:
         new, cache, formula, full, engine = _generate_hf(model, ids, method, args, tok)

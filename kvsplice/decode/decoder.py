@@ -34,7 +34,7 @@ from kvsplice.core.method import CompressionMethod, Step
 from kvsplice.core.registry import build_method
 from kvsplice.core.window import check_evictable, evict, held_per_layer, window_mask
 from kvsplice.decode.dense import DenseKV
-from kvsplice.decode.native import ModelAttention
+from kvsplice.decode.native import OWN_ATTENTION, ModelAttention
 from models.cache import Cache
 from models.generate import check_prompt, check_sampling, generate_tokens
 
@@ -54,7 +54,7 @@ class Decoder:
         self.model = model
         self.adapter = adapter_for(model)
         if method is None:
-            method = ModelAttention() if self.adapter.name == "gpt" else DenseKV()
+            method = ModelAttention() if self.adapter.name in OWN_ATTENTION else DenseKV()
         if isinstance(method, (str, dict)):  # a spec: kvsplice.core.registry
             method = build_method(method)
         if not isinstance(method, CompressionMethod):

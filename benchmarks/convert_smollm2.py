@@ -32,9 +32,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from smollm2_common import CALIB, DATA, MODEL, VAL  # noqa: E402
+from data.reference import CALIB, DATA, EVAL as VAL, SMOLLM2 as MODEL  # noqa: E402  (the shared data files)
 
 STORIES = DATA / "stories260K"
 

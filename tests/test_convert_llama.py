@@ -127,12 +127,12 @@ def test_model_folder_round_trip_and_decoder(tiny, tmp_path):
     dec = Decoder(again)
     cache = dec.new_cache(2, capacity=held.shape[1])
     assert (dec(held, cache) - mla(held)).abs().max() <= TOL
-    assert measure_cache(cache).live_bytes == dec.bytes_formula(cache) == 2 * 20 * 3 * (20 + 2 * 4) * 4
+    assert measure_cache(cache).live_bytes == dec.formula_nbytes(cache) == 2 * 20 * 3 * (20 + 2 * 4) * 4
     again.cfg.cache_quant = "int8"  # int8 latents and RoPE keys: 1 byte each + an fp16 scale per row
     dec = Decoder(again)
     cache = dec.new_cache(2, capacity=held.shape[1])
     assert (dec(held, cache) - mla(held)).abs().max() < 0.1
-    assert measure_cache(cache).live_bytes == dec.bytes_formula(cache) == 2 * 20 * 3 * ((20 + 2 * 4) + 2 * 3)
+    assert measure_cache(cache).live_bytes == dec.formula_nbytes(cache) == 2 * 20 * 3 * ((20 + 2 * 4) + 2 * 3)
     with pytest.raises(ValueError, match="converted MLA"):
         from kvsplice.adapters import model_info
         model_info(again)

@@ -98,6 +98,11 @@ class Cache:
         masks the rows not written yet with ``-inf``."""
         return None
 
+    def key_lengths(self) -> torch.Tensor | None:
+        """The keys held, ``(1,)`` on the device, when :meth:`append` returns more rows than that (a fixed-capacity
+        view, whose :meth:`key_bias` masks the rest): a kernel that takes lengths reads only these rows. Else None."""
+        return None
+
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor the cache holds (the live views), for independent measurement."""
         raise NotImplementedError

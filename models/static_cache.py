@@ -56,12 +56,14 @@ class StaticCacheView(Cache):
         self.pos = torch.full((), n, dtype=torch.long, device=self.device)  # row the next step writes
         self._keys = torch.arange(cap, device=self.device)  # (capacity,)
         self._bias = torch.zeros(1, 1, cap, dtype=self.dtype, device=self.device)  # (1, 1, capacity)
+        self._lengths = torch.full((1,), n + 1, dtype=torch.int32, device=self.device)  # rows <= pos: (1,)
 
     # ---------------------------------------------------------------------------------------- the step
     def begin_step(self) -> None:
         """Bias for the step about to run: 0 for rows ``<= pos`` (held + the new one), ``-inf`` after."""
         visible = (self._keys <= self.pos).view(1, 1, -1)  # (1, 1, capacity)
         self._bias.copy_(torch.where(visible, 0.0, float("-inf")))
+        self._lengths.copy_(self.pos + 1)  # the same rows as a length (kernels that read only those)
 
     def append(self, layer: int, **new: torch.Tensor) -> dict[str, torch.Tensor]:
         """Write one token's rows ``(B, *lead, 1, D)`` at :attr:`pos`; return the whole storage of ``layer``."""
@@ -74,6 +76,9 @@ class StaticCacheView(Cache):
 
     def key_bias(self) -> torch.Tensor:
         return self._bias  # (1, 1, capacity)
+
+    def key_lengths(self) -> torch.Tensor:
+        return self._lengths  # (1,) int32: pos + 1 rows held after this step's append
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         return self.pos.view(1) + torch.arange(t, device=device)  # (t,)

@@ -1,0 +1,75 @@
+"""The models' decode paths with the split-KV kernel forced on (``decode_kernel="triton"``; CPU: Triton's
+interpreter, tests/conftest.py) == the eager path (``decode_kernel="eager"``): MHA, GQA, MQA, MLA absorbed / naive,
+KVSplice, int8 caches, and the fixed-capacity view (the CUDA-graph step) reading the length from the device."""
+
+import pytest
+import torch
+
+from models import GPT
+from models.config import GPTConfig
+from models.kernels import triton_missing_reason
+from models.static_cache import StaticCacheView
+
+pytestmark = pytest.mark.skipif(triton_missing_reason() is not None, reason=str(triton_missing_reason()))
+
+VARIANTS = {
+    "mha": dict(attention="mha"),
+    "gqa2": dict(attention="mha", n_kv_head=2),
+    "mqa": dict(attention="mha", n_kv_head=1),
+    "mla_absorb": dict(attention="mla", d_latent=24),
+    "mla_naive": dict(attention="mla", d_latent=24, mla_impl="naive"),
+    "kvsplice": dict(attention="mla", d_latent=24, kvsplice_ratio=0.5, latent_norm=True),  # 12-dim rows
+}
+
+
+def tiny(kernel: str, **kw) -> GPT:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=97, n_layer=2, n_head=4, d_model=32, block_size=64, decode_kernel=kernel, **kw)
+    return GPT(cfg).eval()
+
+
+def _decode(model, ids, prompt, quant=None, view=False):
+    """Logits of the prompt's last token and of each later token decoded one at a time."""
+    cache = model.new_cache(ids.shape[0], capacity=ids.shape[1] + 1, quant=quant)
+    out = [model(ids[:, :prompt], cache=cache)[:, -1]]
+    step_cache = StaticCacheView(cache) if view else cache
+    for i in range(prompt, ids.shape[1]):
+        if view:
+            step_cache.sync()
+            step_cache.begin_step()
+        out.append(model(ids[:, i:i + 1], cache=step_cache)[:, -1])
+        if view:
+            step_cache.commit()
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_kernel_decode_equals_eager_decode(name, quant):
+    ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(1))
+    eager, kernel = tiny("eager", **VARIANTS[name]), tiny("triton", **VARIANTS[name])
+    with torch.no_grad():
+        want = _decode(eager, ids, 17, quant)
+        got = _decode(kernel, ids, 17, quant)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    attn = kernel.transformer.h[0].attn
+    assert attn.last_backend == "split_kv"
+
+
+@pytest.mark.parametrize("name", ["mha", "kvsplice"])
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_kernel_step_over_the_fixed_capacity_view_equals_eager(name, quant):
+    """The CUDA-graph step's path: the whole storage, the length read from the device (not the bias)."""
+    ids = torch.randint(0, 97, (2, 14), generator=torch.Generator().manual_seed(2))
+    eager, kernel = tiny("eager", **VARIANTS[name]), tiny("triton", **VARIANTS[name])
+    with torch.no_grad():
+        want = _decode(eager, ids, 10, quant)
+        got = _decode(kernel, ids, 10, quant, view=True)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_auto_keeps_the_eager_path_on_cpu():
+    model = tiny("auto", **VARIANTS["mla_absorb"])
+    with torch.no_grad():
+        _decode(model, torch.randint(0, 97, (1, 6)), 5)
+    assert model.transformer.h[0].attn.last_backend == "sdpa"

@@ -45,6 +45,7 @@ from kvsplice.core.method import CompressionMethod, Step
 from kvsplice.core.rope import seen_by_any
 from kvsplice.core.window import check_evictable, evict, held_per_layer
 from kvsplice.hf.attention import ATTN_IMPL, tag, use_kvsplice_attention
+from models.kernels import resolve_decode_kernel
 
 __all__ = ["KVSpliceHFCache"]
 
@@ -108,7 +109,9 @@ class KVSpliceHFCache(Cache):
     ``model``'s forward; see the module docstring. ``capacity`` preallocates that many tokens (storage == live
     bytes); otherwise storage grows geometrically."""
 
-    def __init__(self, model: torch.nn.Module, method: CompressionMethod, *, capacity: Optional[int] = None) -> None:
+    def __init__(self, model: torch.nn.Module, method: CompressionMethod, *, capacity: Optional[int] = None,
+                 decode_kernel: str = "auto") -> None:
+        self.decode_kernel, self.kernel_on = decode_kernel, resolve_decode_kernel(decode_kernel)  # once
         self.adapter = adapter_for(model)
         if self.adapter.name == "gpt":
             raise ValueError("kvsplice HF caches run inside transformers models (LlamaForCausalLM, GPT2LMHeadModel); "
@@ -157,7 +160,7 @@ class KVSpliceHFCache(Cache):
                              f"{k.shape[0]}; build a new cache per generate() call")
         if layer == 0:  # a new forward call: its tokens start at the next position
             self.step = Step(self.adapter, self.store.position, k.shape[2], self.scales, backend="sdpa",
-                             pads=self.pads)
+                             pads=self.pads, decode_kernel=self.decode_kernel, kernel_on=self.kernel_on)
         return tag(k, self, layer), v
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

@@ -60,7 +60,7 @@ def _split_kv_stage1(Q, K, V, KS, VS, BIAS, LENS, MID_O, MID_LSE,
     pid_bk = tl.program_id(0)  # b * H_KV + kv
     pid_h = tl.program_id(1)  # block of query heads within the group
     split = tl.program_id(2)
-    b = pid_bk // H_KV
+    b = (pid_bk // H_KV).to(tl.int64)  # 64-bit offsets: one layer of a large batch passes 2^31 elements
     kv = pid_bk % H_KV
     if HAS_LENS:
         length = tl.load(LENS + b * s_lb).to(tl.int32)
@@ -138,7 +138,7 @@ def _split_kv_stage2(MID_O, MID_LSE, OUT,
                      s_yb, s_yh, s_yd,
                      D_V: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
                      BLOCK_S: tl.constexpr):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = offs_s < NUM_SPLITS
@@ -228,5 +228,5 @@ def split_kv_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         HAS_LENS=lengths is not None, IEEE=q.dtype == torch.float32)
     _split_kv_stage2[(bsz, hq)](
         mid_o, mid_lse, out, *mid_o.stride(), *mid_lse.stride(), *out.stride(),
-        D_V=d_v, BLOCK_DV=_pow2(d_v, 1), NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits, 1))
+        D_V=d_v, BLOCK_DV=_pow2(d_v), NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits, 2))
     return out

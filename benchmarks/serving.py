@@ -42,6 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu import _f  # noqa: E402  (a table cell: "-" for None)
 from kvsplice.io.cli import EXIT_USAGE, Parser, UsageError  # noqa: E402
 from models import GPT, preset  # noqa: E402
 from models.attention import attend  # noqa: E402
@@ -235,10 +236,6 @@ def bench_kernel(args, device, dtype, bandwidth: float, progress) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------- report
-def _f(x, fmt="{:.3f}") -> str:
-    return "-" if x is None else fmt.format(x)
-
-
 def markdown(report: dict) -> str:
     out = [f"# Serving benchmark — {report['device']}", "",
            f"torch {report['torch']}, triton {report['triton']}; copy bandwidth {report['bandwidth_gbs']:.0f} GB/s "

@@ -36,6 +36,8 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 MIN_BLOCK = 16
 """``tl.dot`` needs every dimension >= 16 once compiled (the interpreter does not check; we respect it anyway)."""
+TILE_ELEMENTS = 4096
+"""Keys x row numbers of one stage-1 tile (see :func:`block_sizes`)."""
 MAX_SPLITS = 64
 KEYS_PER_SPLIT_MIN = 256
 """A split walks at least this many keys (a short split costs more in its launch and merge than it saves)."""
@@ -165,6 +167,17 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def block_sizes(group: int, d_k: int, d_v: int, shared: bool) -> dict[str, int]:
+    """Stage 1's tile sizes: ``BLOCK_H`` query heads (>= 16, at most 64 per program), rows padded to powers of two
+    (>= 16; a shared latent's value tile is its key tile), ``BLOCK_N`` keys per block: a row tile of at most
+    :data:`TILE_ELEMENTS` (64 keys of <= 64 numbers, 32 of 128, 16 of 256), so no case spills registers (the
+    compiled register counts: tests/split_kv_aot.py)."""
+    bdk = _pow2(d_k)
+    bdv = bdk if shared else _pow2(d_v)
+    block_n = max(MIN_BLOCK, min(64, TILE_ELEMENTS // max(bdk, bdv)))
+    return dict(BLOCK_H=_pow2(min(group, 64)), BLOCK_N=block_n, BLOCK_DK=bdk, BLOCK_DV=bdv)
+
+
 def choose_splits(n_keys: int, programs: int, sms: int, block_n: int) -> int:
     """Splits of the keys: enough programs for ~4 per SM (``programs`` = batch · streams · head blocks without a
     split), each split at least :data:`KEYS_PER_SPLIT_MIN` keys, at most :data:`MAX_SPLITS`. ``n_keys`` is the
@@ -188,15 +201,12 @@ def split_kv_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     if int8 != (v.dtype == torch.int8) or int8 != (k_scale is not None) or int8 != (v_scale is not None):
         raise ValueError("split_kv_decode: int8 rows need int8 k and v and both per-row scales")
     group = hq // hkv
-    block_h = _pow2(min(group, 64))
-    head_blocks = triton.cdiv(group, block_h)
-    bdk, bdv = _pow2(d_k), _pow2(d_v)
     shared = (k is v) or (k.data_ptr() == v.data_ptr() and k.stride() == v.stride() and k.shape == v.shape
                            and k_scale is v_scale)
-    if shared:
-        bdv = bdk
-    if block_n is None:
-        block_n = 64 if max(bdk, bdv) <= 128 else 32
+    blocks = block_sizes(group, d_k, d_v, shared)
+    block_h, bdk, bdv = blocks["BLOCK_H"], blocks["BLOCK_DK"], blocks["BLOCK_DV"]
+    block_n = blocks["BLOCK_N"] if block_n is None else block_n
+    head_blocks = triton.cdiv(group, block_h)
     if num_splits is None:
         sms = sm_count(q.device.index or 0) if q.device.type == "cuda" else 4
         num_splits = choose_splits(n_keys, bsz * hkv * head_blocks, sms, block_n)

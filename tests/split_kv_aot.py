@@ -22,19 +22,20 @@ from triton.compiler import ASTSource, compile as triton_compile  # noqa: E402
 
 from models.kernels.split_kv import _split_kv_stage1, _split_kv_stage2, block_sizes  # noqa: E402
 
-# (row dtype, query dtype, group, Dk, Dv, shared latent, bias, lengths): the shapes the model and method paths launch
+# (row dtype, query dtype, group, Dk, Dv, shared latent, bias, lengths, splits): the shapes the paths launch
 CASES = [
-    ("bf16", "bf16", 12, 26, 26, True, False, True),  # KVSplice-90 latent, CUDA-graph step (device length)
-    ("i8", "fp16", 12, 77, 77, True, False, True),  # KVSplice-70 latent, int8 rows
-    ("bf16", "bf16", 12, 256, 256, True, False, False),  # MLA latent
-    ("i8", "fp16", 3, 24, 40, False, True, False),  # low-rank coefficients R_k != R_v, int8, log-weights
-    ("fp32", "fp32", 1, 64, 64, False, True, True),  # MHA rows, fp32 (IEEE dots)
+    ("bf16", "bf16", 12, 26, 26, True, False, True, 8),  # KVSplice-90 latent, CUDA-graph step (device length)
+    ("i8", "fp16", 12, 77, 77, True, False, True, 8),  # KVSplice-70 latent, int8 rows
+    ("bf16", "bf16", 12, 256, 256, True, False, False, 1),  # MLA latent, one split: stage 1 writes the output
+    ("i8", "fp16", 3, 24, 40, False, True, False, 8),  # low-rank coefficients R_k != R_v, int8, log-weights
+    ("fp32", "fp32", 1, 64, 64, False, True, True, 8),  # MHA rows, fp32 (IEEE dots)
 ]
 
 
-def stage1(row: str, qdt: str, group: int, d_k: int, d_v: int, shared: bool, bias: bool, lens: bool) -> ASTSource:
+def stage1(row: str, qdt: str, group: int, d_k: int, d_v: int, shared: bool, bias: bool, lens: bool,
+           splits: int) -> ASTSource:
     ptr = {"Q": qdt, "K": row, "V": row, "KS": "fp16", "VS": "fp16", "BIAS": "fp32", "LENS": "i32",
-           "MID_O": "fp32", "MID_LSE": "fp32"}
+           "MID_O": "fp32" if splits > 1 else qdt, "MID_LSE": "fp32"}
     sig = {}
     for name in _split_kv_stage1.arg_names:
         if name in ptr:
@@ -45,7 +46,7 @@ def stage1(row: str, qdt: str, group: int, d_k: int, d_v: int, shared: bool, bia
             sig[name] = "i32"
         else:
             sig[name] = "constexpr"
-    const = dict(H_KV=2, GROUP=group, D_K=d_k, D_V=d_v, NUM_SPLITS=8, INT8=row == "i8", SHARED_KV=shared,
+    const = dict(H_KV=2, GROUP=group, D_K=d_k, D_V=d_v, NUM_SPLITS=splits, INT8=row == "i8", SHARED_KV=shared,
                  HAS_BIAS=bias, HAS_LENS=lens, IEEE=qdt == "fp32", **block_sizes(group, d_k, d_v, shared))
     return ASTSource(fn=_split_kv_stage1, signature=sig, constexprs=const)
 

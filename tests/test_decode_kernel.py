@@ -7,12 +7,15 @@ import torch
 
 from models.attention import attend
 from models.cache import DecodeCache, dequantize, quantize_int8
-from models.kernels import decode_attend, resolve_decode_kernel, triton_missing_reason, use_decode_kernel
+from models.kernels import (decode_attend, interpreting, resolve_decode_kernel, triton_missing_reason,
+                            use_decode_kernel)
 from models.static_cache import StaticCacheView
 
 pytestmark = pytest.mark.skipif(triton_missing_reason() is not None, reason=str(triton_missing_reason()))
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# CPU tensors run through Triton's interpreter only (tests/conftest.py turns it on where there is no CUDA); on a
+# CUDA machine the kernels are compiled and the CUDA cases run.
+DEVICES = (["cpu"] if interpreting() else []) + (["cuda"] if torch.cuda.is_available() else [])
 SIZES = [(26, 26), (77, 77), (128, 128), (256, 256), (64, 64), (24, 40)]  # (Dk, Dv): latents, MHA rows, R_k != R_v
 GROUPS = [(12, 1), (8, 2), (4, 4)]  # (Hq, Hkv): absorbed MLA / MQA, GQA, MHA
 

@@ -18,6 +18,7 @@ from tiny_models import sharpen
 pytestmark = pytest.mark.skipif(triton_missing_reason() is not None, reason=str(triton_missing_reason()))
 
 V = 61
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter; CUDA: compiled
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ def llama():
     torch.manual_seed(0)
     return sharpen(transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=128)), std=0.1).eval()
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128)), std=0.1).to(DEVICE).eval()
 
 
 def _bases(ranks_k=(6, 6), ranks_v=(7, 7)) -> KVBases:
@@ -66,7 +67,7 @@ METHODS = {
 
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_method_kernel_steps_equal_eager_steps(llama, name, kernel_calls):
-    ids = torch.randint(0, V, (2, 23), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, V, (2, 23), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     out, launches = {}, {}
     for kernel in ("eager", "triton"):
         dec = Decoder(llama, METHODS[name](), decode_kernel=kernel)
@@ -79,7 +80,7 @@ def test_method_kernel_steps_equal_eager_steps(llama, name, kernel_calls):
 
 
 def test_hf_door_kernel_with_a_padding_mask_equals_eager(llama, kernel_calls):
-    ids = torch.randint(1, V, (2, 12), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(1, V, (2, 12), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     mask = torch.ones_like(ids)
     ids[0, :4], mask[0, :4] = 0, 0  # left padding: the kernel gets it as a -inf key bias
     logits = {}

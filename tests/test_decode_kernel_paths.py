@@ -1,6 +1,7 @@
 """The models' decode paths with the split-KV kernel forced on (``decode_kernel="triton"``; CPU: Triton's
-interpreter, tests/conftest.py) == the eager path (``decode_kernel="eager"``): MHA, GQA, MQA, MLA absorbed / naive,
-KVSplice, int8 caches, and the fixed-capacity view (the CUDA-graph step) reading the length from the device."""
+interpreter, tests/conftest.py; CUDA when present: compiled) == the eager path (``decode_kernel="eager"``): MHA, GQA,
+MQA, MLA absorbed / naive, KVSplice, int8 caches, and the fixed-capacity view (the CUDA-graph step) reading the length
+from the device."""
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from models.static_cache import StaticCacheView
 
 pytestmark = pytest.mark.skipif(triton_missing_reason() is not None, reason=str(triton_missing_reason()))
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VARIANTS = {
     "mha": dict(attention="mha"),
     "gqa2": dict(attention="mha", n_kv_head=2),
@@ -25,7 +27,7 @@ VARIANTS = {
 def tiny(kernel: str, **kw) -> GPT:
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=97, n_layer=2, n_head=4, d_model=32, block_size=64, decode_kernel=kernel, **kw)
-    return GPT(cfg).eval()
+    return GPT(cfg).to(DEVICE).eval()
 
 
 def _decode(model, ids, prompt, quant=None, view=False):
@@ -45,7 +47,7 @@ def _decode(model, ids, prompt, quant=None, view=False):
 
 @pytest.mark.parametrize("name, quant", [(n, None) for n in sorted(VARIANTS)] + [("gqa2", "int8"), ("kvsplice", "int8")])
 def test_kernel_decode_equals_eager_decode(name, quant):
-    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     eager, kernel = tiny("eager", **VARIANTS[name]), tiny("triton", **VARIANTS[name])
     with torch.no_grad():
         want = _decode(eager, ids, 17, quant)
@@ -58,7 +60,7 @@ def test_kernel_decode_equals_eager_decode(name, quant):
 @pytest.mark.parametrize("name, quant", [("mha", "int8"), ("kvsplice", None)])
 def test_kernel_step_over_the_fixed_capacity_view_equals_eager(name, quant):
     """The CUDA-graph step's path: the whole storage, the length read from the device (not the bias)."""
-    ids = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     eager, kernel = tiny("eager", **VARIANTS[name]), tiny("triton", **VARIANTS[name])
     with torch.no_grad():
         want = _decode(eager, ids, 10, quant)
@@ -67,7 +69,7 @@ def test_kernel_step_over_the_fixed_capacity_view_equals_eager(name, quant):
 
 
 def test_auto_keeps_the_eager_path_on_cpu():
-    model = tiny("auto", **VARIANTS["mla_absorb"])
+    model = tiny("auto", **VARIANTS["mla_absorb"]).cpu()
     with torch.no_grad():
         _decode(model, torch.randint(0, 97, (1, 6)), 5)
     assert model.transformer.h[0].attn.last_backend == "sdpa"

@@ -18,7 +18,7 @@ Layouts (any strides; the time axis need not be contiguous, so a cache's whole s
 
 Stage 1, grid ``(B·Hkv, head blocks, splits)``: a program holds the ``BLOCK_H`` query heads of a stream (padded to
 16 for ``tl.dot``), walks its split of the keys in blocks of ``BLOCK_N`` rows with the online softmax, and writes
-``acc / l`` and ``lse = m + log l`` (base 2). Row sizes are padded to the next power of two in registers (masked
+``acc / l`` and ``lse = m + log l`` (base 2) — with one split, the output itself. Row sizes are padded to the next power of two in registers (masked
 loads), never in memory. Stage 2, grid ``(B, Hq)``: merges the splits by log-sum-exp. A query that sees no key gets
 zeros (as the eager path).
 """
@@ -128,9 +128,10 @@ def _split_kv_stage1(Q, K, V, KS, VS, BIAS, LENS, MID_O, MID_LSE,
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    tl.store(MID_O + b * s_ob + heads[:, None] * s_oh + split * s_os + offs_dv[None, :] * s_od, out,
-             mask=h_ok[:, None] & dv_ok[None, :])
-    tl.store(MID_LSE + b * s_lsb + heads * s_lsh + split * s_lss, lse, mask=h_ok)
+    tl.store(MID_O + b * s_ob + heads[:, None] * s_oh + split * s_os + offs_dv[None, :] * s_od,
+             out.to(MID_O.dtype.element_ty), mask=h_ok[:, None] & dv_ok[None, :])
+    if NUM_SPLITS > 1:  # one split: MID_O is the output itself and there is nothing to merge
+        tl.store(MID_LSE + b * s_lsb + heads * s_lsh + split * s_lss, lse, mask=h_ok)
 
 
 @triton.jit
@@ -211,9 +212,12 @@ def split_kv_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         sms = sm_count(q.device.index or 0) if q.device.type == "cuda" else 4
         num_splits = choose_splits(n_keys, bsz * hkv * head_blocks, sms, block_n)
     dev = q.device
-    mid_o = torch.empty(bsz, hq, num_splits, d_v, dtype=torch.float32, device=dev)
-    mid_lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=dev)
     out = torch.empty(bsz, hq, d_v, dtype=q.dtype, device=dev)
+    if num_splits == 1:  # stage 1 writes the output: no merge (one launch)
+        mid_o, mid_lse = out[:, :, None], torch.empty(1, 1, 1, dtype=torch.float32, device=dev)
+    else:
+        mid_o = torch.empty(bsz, hq, num_splits, d_v, dtype=torch.float32, device=dev)
+        mid_lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=dev)
     dummy = mid_lse  # an unused pointer argument (its constexpr switch is off)
     ks = k_scale.reshape(k_scale.shape[:3]) if int8 else dummy
     vs = v_scale.reshape(v_scale.shape[:3]) if int8 else dummy
@@ -236,6 +240,8 @@ def split_kv_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         H_KV=hkv, GROUP=group, D_K=d_k, D_V=d_v, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DK=bdk, BLOCK_DV=bdv,
         NUM_SPLITS=num_splits, INT8=int8, SHARED_KV=shared, HAS_BIAS=bias is not None,
         HAS_LENS=lengths is not None, IEEE=q.dtype == torch.float32)
+    if num_splits == 1:
+        return out
     _split_kv_stage2[(bsz, hq)](
         mid_o, mid_lse, out, *mid_o.stride(), *mid_lse.stride(), *out.stride(),
         D_V=d_v, BLOCK_DV=_pow2(d_v), NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits, 2))

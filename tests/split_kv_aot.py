@@ -29,11 +29,14 @@ CASES = [
     ("bf16", "bf16", 12, 256, 256, True, False, False, 1),  # MLA latent, one split: stage 1 writes the output
     ("i8", "fp16", 3, 24, 40, False, True, False, 8),  # low-rank coefficients R_k != R_v, int8, log-weights
     ("fp32", "fp32", 1, 64, 64, False, True, True, 8),  # MHA rows, fp32 (IEEE dots)
+    ("bf16", "bf16", 12, 26, 26, True, False, False, 1, ("n_keys", "s_qd", "s_kd", "s_vd")),  # one key held
 ]
 
 
 def stage1(row: str, qdt: str, group: int, d_k: int, d_v: int, shared: bool, bias: bool, lens: bool,
-           splits: int) -> ASTSource:
+           splits: int, specialized: tuple[str, ...] = ()) -> ASTSource:
+    """Stage 1 for one case; ``specialized``: integer arguments Triton turns into the constant 1 when they are 1 at
+    launch (one key, unit strides)."""
     ptr = {"Q": qdt, "K": row, "V": row, "KS": "fp16", "VS": "fp16", "BIAS": "fp32", "LENS": "i32",
            "MID_O": "fp32" if splits > 1 else qdt, "MID_LSE": "fp32"}
     sig = {}
@@ -42,12 +45,15 @@ def stage1(row: str, qdt: str, group: int, d_k: int, d_v: int, shared: bool, bia
             sig[name] = "*" + ptr[name]
         elif name == "sm_scale":
             sig[name] = "fp32"
+        elif name in specialized:
+            sig[name] = "constexpr"
         elif name.startswith("s_") or name == "n_keys":
             sig[name] = "i32"
         else:
             sig[name] = "constexpr"
     const = dict(H_KV=2, GROUP=group, D_K=d_k, D_V=d_v, NUM_SPLITS=splits, INT8=row == "i8", SHARED_KV=shared,
-                 HAS_BIAS=bias, HAS_LENS=lens, IEEE=qdt == "fp32", **block_sizes(group, d_k, d_v, shared))
+                 HAS_BIAS=bias, HAS_LENS=lens, IEEE=qdt == "fp32", **block_sizes(group, d_k, d_v, shared),
+                 **{name: 1 for name in specialized})
     return ASTSource(fn=_split_kv_stage1, signature=sig, constexprs=const)
 
 

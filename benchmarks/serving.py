@@ -151,10 +151,10 @@ def bench_capacity(args, device, dtype, bandwidth: float, progress) -> list[dict
     kernels = ["eager"] + (["triton"] if kernel_runs_here(device) is None else [])
     rows = []
     for name in progress(args.variants, "capacity"):
+        models = {k: build(name, k, max(args.ctx), args.smoke, device, dtype) for k in kernels}  # same weights
+        m = models["eager"]
         for ctx in args.ctx:
             for quant in (None, "int8"):
-                models = {k: build(name, k, ctx, args.smoke, device, dtype) for k in kernels}
-                m = models["eager"]
                 per_seq = seq_bytes(m, ctx, quant)
                 weights = sum(p.numel() * p.element_size() for p in m.parameters())
                 budget = args.budget_gb * 1e9
@@ -183,7 +183,7 @@ def bench_capacity(args, device, dtype, bandwidth: float, progress) -> list[dict
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                 rows.append(row)
-                del models, m
+        del models, m
     mha = {(r["ctx"], r["rows"]): r for r in rows if r["variant"] == "MHA"}
     for r in rows:
         base = mha.get((r["ctx"], r["rows"]))

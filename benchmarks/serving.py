@@ -216,7 +216,7 @@ def bench_kernel(args, device, dtype, bandwidth: float, progress) -> list[dict]:
         shared = hkv == 1  # a latent is key and value: read once
         v = k if shared else torch.randn_like(k)
         kq, ks = quantize_int8(k) if int8 else (k, None)
-        vq, vs = (kq, ks) if shared or not int8 else quantize_int8(v)
+        vq, vs = (kq, ks) if shared else quantize_int8(v) if int8 else (v, None)
         el = 1 if int8 else k.element_size()
         row_bytes = batch * hkv * keys * (d * el + (2 if int8 else 0)) * (1 if shared else 2)
         row = dict(case=label, batch=batch, keys=keys, bytes_read=row_bytes)
@@ -224,12 +224,17 @@ def bench_kernel(args, device, dtype, bandwidth: float, progress) -> list[dict]:
         vf = kf if shared else (vq.to(dtype) * vs.to(dtype) if int8 else v)
         calls = {"sdpa": lambda: attend(q, kf, vf, scale=d ** -0.5)}
         if run_kernel:
-            calls["split_kv"] = lambda: decode_attend(q, kq, vq, scale=d ** -0.5, k_scale=ks, v_scale=vs)
+            for n in [None, *args.kernel_splits]:  # None: the kernel's own choice (choose_splits)
+                calls["split_kv" if n is None else f"split_kv_s{n}"] = (
+                    lambda n=n: decode_attend(q, kq, vq, scale=d ** -0.5, k_scale=ks, v_scale=vs, num_splits=n))
+        outs = {}
         for name, fn in calls.items():
-            fn()
+            outs[name] = fn()
             ms = statistics.median(time_it(fn, args.steps))
             row.update({f"{name}_ms": ms, f"{name}_gbs": row_bytes / (ms / 1e3) / 1e9,
                         f"{name}_pct_bandwidth": 100 * row_bytes / (ms / 1e3) / bandwidth})
+        if "split_kv" in outs:  # a sanity check of the run: the kernel against the eager path, same rows
+            row["max_abs_diff"] = (outs["split_kv"].float() - outs["sdpa"].float()).abs().max().item()
         rows.append(row)
         del q, k, v, kq, vq, kf, vf
     return rows
@@ -262,12 +267,21 @@ def markdown(report: dict) -> str:
     if report.get("kernel"):
         k0 = report["kernel"][0]
         out += [f"## The attention call alone: batch {k0['batch']}, {k0['keys']:,} keys, one query per head", "",
-                "| rows | bytes read | SDPA ms | SDPA % bandwidth | split-KV ms | split-KV GB/s | split-KV % bandwidth |",
-                "|---|---|---|---|---|---|---|"]
+                "| rows | bytes read | SDPA ms | SDPA % bandwidth | split-KV ms | split-KV GB/s | split-KV % bandwidth | "
+                "max abs diff |", "|---|---|---|---|---|---|---|---|"]
         for r in report["kernel"]:
             out.append(f"| {r['case']} | {r['bytes_read']:,} | {_f(r.get('sdpa_ms'))} | "
                        f"{_f(r.get('sdpa_pct_bandwidth'), '{:.0f} %')} | {_f(r.get('split_kv_ms'))} | "
-                       f"{_f(r.get('split_kv_gbs'), '{:.0f}')} | {_f(r.get('split_kv_pct_bandwidth'), '{:.0f} %')} |")
+                       f"{_f(r.get('split_kv_gbs'), '{:.0f}')} | {_f(r.get('split_kv_pct_bandwidth'), '{:.0f} %')} | "
+                       f"{_f(r.get('max_abs_diff'), '{:.1e}')} |")
+        splits = report.get("kernel_splits") or []
+        if splits and "split_kv_ms" in k0:
+            out += ["", "Split count forced (`--kernel-splits`): ms per call", "",
+                    "| rows | auto | " + " | ".join(f"{n} splits" for n in splits) + " |",
+                    "|---|---|" + "---|" * len(splits)]
+            for r in report["kernel"]:
+                out.append(f"| {r['case']} | {_f(r.get('split_kv_ms'))} | "
+                           + " | ".join(_f(r.get(f"split_kv_s{n}_ms")) for n in splits) + " |")
         out.append("")
     return "\n".join(out)
 
@@ -282,6 +296,8 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--budget-gb", type=float, default=24.0, help="memory budget for the caches (GB, 1e9 bytes)")
     p.add_argument("--ctx", type=int, nargs="+", default=None, help="contexts (default 1024 4096 16384)")
     p.add_argument("--max-batch", type=int, default=16384, help="largest batch actually run")
+    p.add_argument("--kernel-splits", type=int, nargs="*", default=[], metavar="N",
+                   help="kernel section: also time the kernel at these forced split counts (tuning)")
     p.add_argument("--steps", type=int, default=None, help="timed steps / calls per case (default 20; smoke 2)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, eager steps: proves the script runs")
     p.add_argument("--out", type=Path, default=None, help="default results/serving_<device>.json (+ .md)")
@@ -296,8 +312,8 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     args.steps = args.steps or 20
     if any(c < 1 for c in args.ctx):
         raise UsageError(f"--ctx must be >= 1, got {args.ctx}")
-    if args.budget_gb <= 0 or args.max_batch < 1 or args.steps < 1:
-        raise UsageError("--budget-gb must be > 0, --max-batch and --steps >= 1")
+    if args.budget_gb <= 0 or args.max_batch < 1 or args.steps < 1 or any(n < 1 for n in args.kernel_splits):
+        raise UsageError("--budget-gb must be > 0, --max-batch, --steps and --kernel-splits >= 1")
     if not args.smoke and not torch.cuda.is_available():
         raise UsageError("no CUDA device: this benchmark measures a GPU (use --smoke for a CPU run)")
     if args.out is not None and args.out.suffix != ".json":
@@ -331,7 +347,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     bw = copy_bandwidth(device, 2**21 if args.smoke else 2**31)
     reason = kernel_runs_here(device)
     report = dict(device=name, torch=torch.__version__, triton=tv, smoke=args.smoke, budget_gb=args.budget_gb,
-                  max_batch=args.max_batch, bandwidth_gbs=bw / 1e9, dtype=str(dtype),
+                  max_batch=args.max_batch, kernel_splits=args.kernel_splits, bandwidth_gbs=bw / 1e9, dtype=str(dtype),
                   kernel_status="runs" if reason is None else f"not run ({reason})", claim=CLAIM,
                   command="python benchmarks/serving.py " + " ".join(argv if argv is not None else sys.argv[1:]))
 

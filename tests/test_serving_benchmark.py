@@ -25,7 +25,7 @@ def serving():
 def test_smoke_run_writes_the_capacity_and_kernel_tables(serving, tmp_path: Path):
     out = tmp_path / "s.json"
     assert serving.main(["--smoke", "--variants", "MHA", "KVSplice-90", "--ctx", "24", "--steps", "1", "--out",
-                         str(out), "--no-progress"]) == 0
+                         str(out), "--no-progress", "--kernel-splits", "2"]) == 0
     report = json.loads(out.read_text())
     cap = {(r["variant"], r["rows"]): r for r in report["capacity"]}
     assert set(cap) == {("MHA", "float32"), ("MHA", "int8"), ("KVSplice-90", "float32"), ("KVSplice-90", "int8")}
@@ -36,6 +36,8 @@ def test_smoke_run_writes_the_capacity_and_kernel_tables(serving, tmp_path: Path
     assert all(r["sdpa_ms"] > 0 and r["floor_ms"] > 0 for r in report["capacity"])
     kernel_runs = triton_missing_reason() is None
     assert all(("split_kv_ms" in r) == kernel_runs for r in report["capacity"] + report["kernel"])
+    if kernel_runs:  # the kernel agrees with the eager path inside the benchmark too (fp32 on CPU)
+        assert all(r["max_abs_diff"] < 1e-4 and r["split_kv_s2_ms"] > 0 for r in report["kernel"])
     md = out.with_suffix(".md").read_text()
     assert "11,700" in md and "Smoke run" in md and "latent 26 int8" in md
 

@@ -107,7 +107,8 @@ class _Layer(CacheLayerMixin):
 class KVSpliceHFCache(Cache):
     """A ``transformers.Cache`` running ``method`` (any :class:`~kvsplice.core.method.CompressionMethod`) inside
     ``model``'s forward; see the module docstring. ``capacity`` preallocates that many tokens (storage == live
-    bytes); otherwise storage grows geometrically."""
+    bytes); otherwise storage grows geometrically. ``decode_kernel``: one-token steps on the split-KV Triton kernel
+    (``auto``: on CUDA with triton installed; ``triton``; ``eager``), as :class:`kvsplice.decode.Decoder`'s."""
 
     def __init__(self, model: torch.nn.Module, method: CompressionMethod, *, capacity: Optional[int] = None,
                  decode_kernel: str = "auto") -> None:

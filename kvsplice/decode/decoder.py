@@ -35,8 +35,8 @@ from kvsplice.core.window import check_evictable, evict, held_per_layer, window_
 from kvsplice.decode.dense import DenseKV
 from kvsplice.decode.native import ModelAttention
 from models.cache import Cache
-from models.kernels import resolve_decode_kernel
 from models.generate import check_prompt, check_sampling, generate_tokens
+from models.kernels import resolve_decode_kernel
 
 __all__ = ["Decoder", "perplexity", "score_continuation", "sequence_nll"]
 

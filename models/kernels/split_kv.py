@@ -45,7 +45,7 @@ KEYS_PER_SPLIT_MIN = 256
 
 @triton.jit
 def _split_kv_stage1(Q, K, V, KS, VS, BIAS, LENS, MID_O, MID_LSE,
-                     sm_scale, n_keys,
+                     sm_scale, n_keys, num_splits,
                      s_qb, s_qh, s_qd,
                      s_kb, s_kh, s_kt, s_kd,
                      s_vb, s_vh, s_vt, s_vd,
@@ -57,7 +57,7 @@ def _split_kv_stage1(Q, K, V, KS, VS, BIAS, LENS, MID_O, MID_LSE,
                      s_lsb, s_lsh, s_lss,
                      H_KV: tl.constexpr, GROUP: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     NUM_SPLITS: tl.constexpr, INT8: tl.constexpr, SHARED_KV: tl.constexpr,
+                     DIRECT: tl.constexpr, INT8: tl.constexpr, SHARED_KV: tl.constexpr,
                      HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr, IEEE: tl.constexpr):
     pid_bk = tl.program_id(0)  # b * H_KV + kv
     pid_h = tl.program_id(1)  # block of query heads within the group
@@ -70,7 +70,7 @@ def _split_kv_stage1(Q, K, V, KS, VS, BIAS, LENS, MID_O, MID_LSE,
     else:
         length = n_keys
     # this split's keys: an equal share of the sequence's own length, rounded up to whole blocks
-    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, length)
 
@@ -130,31 +130,31 @@ def _split_kv_stage1(Q, K, V, KS, VS, BIAS, LENS, MID_O, MID_LSE,
     lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     tl.store(MID_O + b * s_ob + heads[:, None] * s_oh + split * s_os + offs_dv[None, :] * s_od,
              out.to(MID_O.dtype.element_ty), mask=h_ok[:, None] & dv_ok[None, :])
-    if NUM_SPLITS > 1:  # one split: MID_O is the output itself and there is nothing to merge
+    if not DIRECT:  # DIRECT (one split): MID_O is the output itself and there is nothing to merge
         tl.store(MID_LSE + b * s_lsb + heads * s_lsh + split * s_lss, lse, mask=h_ok)
 
 
 @triton.jit
-def _split_kv_stage2(MID_O, MID_LSE, OUT,
+def _split_kv_stage2(MID_O, MID_LSE, OUT, num_splits,
                      s_ob, s_oh, s_os, s_od,
                      s_lsb, s_lsh, s_lss,
                      s_yb, s_yh, s_yd,
-                     D_V: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                     BLOCK_S: tl.constexpr):
+                     D_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    s_ok = offs_s < NUM_SPLITS
     offs_d = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < D_V
-    lse = tl.load(MID_LSE + b * s_lsb + h * s_lsh + offs_s * s_lss, mask=s_ok, other=float("-inf"))  # (BLOCK_S,)
+    lse_base = MID_LSE + b * s_lsb + h * s_lsh
+    lse = tl.load(lse_base + offs_s * s_lss, mask=offs_s < num_splits, other=float("-inf"))  # (BLOCK_S,)
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)  # 0 for an empty split
-    o = tl.load(MID_O + b * s_ob + h * s_oh + offs_s[:, None] * s_os + offs_d[None, :] * s_od,
-                mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_S, BLOCK_DV)
-    total = tl.sum(w, 0)
-    y = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    total = tl.sum(tl.exp2(lse - m_safe), 0)  # an empty split weighs 0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for split in range(0, num_splits):  # one row of the splits at a time: no (splits x Dv) tile
+        w = tl.exp2(tl.load(lse_base + split * s_lss) - m_safe)
+        acc += w * tl.load(MID_O + b * s_ob + h * s_oh + split * s_os + offs_d * s_od, mask=d_ok, other=0.0)
+    y = acc / tl.where(total > 0.0, total, 1.0)
     tl.store(OUT + b * s_yb + h * s_yh + offs_d * s_yd, y.to(OUT.dtype.element_ty), mask=d_ok)
 
 
@@ -182,7 +182,9 @@ def block_sizes(group: int, d_k: int, d_v: int, shared: bool) -> dict[str, int]:
 def choose_splits(n_keys: int, programs: int, sms: int, block_n: int) -> int:
     """Splits of the keys: enough programs for ~4 per SM (``programs`` = batch · streams · head blocks without a
     split), each split at least :data:`KEYS_PER_SPLIT_MIN` keys, at most :data:`MAX_SPLITS`. ``n_keys`` is the
-    row count of the stream (a fixed-capacity cache's capacity: fixed, so one CUDA graph serves every step)."""
+    row count of the stream (a fixed-capacity cache's capacity: fixed, so one CUDA graph serves every step). The
+    count is a runtime argument of both kernels (only "one split or more" is compiled in), so an eager decode
+    whose keys grow step by step compiles no new variant as the count changes."""
     want = math.ceil(4 * sms / max(programs, 1))
     by_len = max(1, n_keys // max(KEYS_PER_SPLIT_MIN, block_n))
     return int(max(1, min(want, by_len, MAX_SPLITS)))
@@ -208,7 +210,7 @@ def split_kv_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     block_h, bdk, bdv = blocks["BLOCK_H"], blocks["BLOCK_DK"], blocks["BLOCK_DV"]
     block_n = blocks["BLOCK_N"] if block_n is None else block_n
     head_blocks = triton.cdiv(group, block_h)
-    if num_splits is None:
+    if num_splits is None:  # a runtime argument: a new count compiles nothing new
         sms = sm_count(q.device.index or 0) if q.device.type == "cuda" else 4
         num_splits = choose_splits(n_keys, bsz * hkv * head_blocks, sms, block_n)
     dev = q.device
@@ -234,15 +236,15 @@ def split_kv_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         l_st = 0 if lengths.numel() == 1 else lengths.stride(0)
     _split_kv_stage1[(bsz * hkv, head_blocks, num_splits)](
         q, k, v, ks, vs, bias if bias is not None else dummy, lengths if lengths is not None else dummy,
-        mid_o, mid_lse, float(scale), n_keys,
+        mid_o, mid_lse, float(scale), n_keys, num_splits,
         *q.stride(), *k.stride(), *v.stride(), *ks_st, *vs_st, *b_st, l_st if lengths is not None else 0,
         *mid_o.stride(), *mid_lse.stride(),
         H_KV=hkv, GROUP=group, D_K=d_k, D_V=d_v, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DK=bdk, BLOCK_DV=bdv,
-        NUM_SPLITS=num_splits, INT8=int8, SHARED_KV=shared, HAS_BIAS=bias is not None,
+        DIRECT=num_splits == 1, INT8=int8, SHARED_KV=shared, HAS_BIAS=bias is not None,
         HAS_LENS=lengths is not None, IEEE=q.dtype == torch.float32)
     if num_splits == 1:
         return out
     _split_kv_stage2[(bsz, hq)](
-        mid_o, mid_lse, out, *mid_o.stride(), *mid_lse.stride(), *out.stride(),
-        D_V=d_v, BLOCK_DV=_pow2(d_v), NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits, 2))
+        mid_o, mid_lse, out, num_splits, *mid_o.stride(), *mid_lse.stride(), *out.stride(),
+        D_V=d_v, BLOCK_DV=_pow2(d_v), BLOCK_S=MAX_SPLITS)
     return out

@@ -92,3 +92,18 @@ def test_hf_door_kernel_with_a_padding_mask_equals_eager(llama, kernel_calls):
         logits[kernel] = torch.stack(res.logits)
         assert (len(kernel_calls) > 0) == (kernel == "triton")
     torch.testing.assert_close(logits["triton"], logits["eager"], rtol=1e-4, atol=1e-4)
+
+
+def test_pre_rope_coefficients_keep_the_eager_path(llama, kernel_calls):
+    """Pre-RoPE coefficients rebuild and rotate their keys every step: no kernel there, the same logits."""
+    from tiny_models import orthonormal_bases
+
+    ids = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    out = {}
+    for kernel in ("eager", "triton"):
+        dec = Decoder(llama, LowRank(orthonormal_bases(2, 2, 8, 6, "pre")), decode_kernel=kernel)
+        cache = dec.new_cache(2, capacity=10)
+        out[kernel] = torch.cat([dec(ids[:, :8], cache, last_only=True), dec(ids[:, 8:9], cache),
+                                 dec(ids[:, 9:10], cache)], 1)
+    assert len(kernel_calls) == 0
+    torch.testing.assert_close(out["triton"], out["eager"], rtol=1e-5, atol=1e-5)

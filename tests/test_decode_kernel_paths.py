@@ -95,3 +95,14 @@ def test_cuda_graph_kernel_steps_equal_eager_steps(name, dtype, quant):
         got += [dec.step(ids[:, i:i + 1]).clone() for i in range(30, 40)]
     assert kernel.transformer.h[0].attn.last_backend == "split_kv"
     torch.testing.assert_close(torch.stack(got).float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_bench_decode_variants_name_the_decode_path():
+    """``bench_decode --config NAME:int8:sdpa:graph``: SDPA instead of the kernel, int8 rows, CUDA-graph steps (the
+    fixed-capacity view now takes int8 caches)."""
+    from kvsplice.report.decode_timing import parse_variant
+
+    v = parse_variant("mla_kvsplice_90:int8:sdpa:graph", 1024)
+    assert v.label == "mla_kvsplice_90+int8+sdpa+graph" and v.graph
+    assert v.cfg.decode_kernel == "eager" and v.cfg.cache_quant == "int8"
+    assert parse_variant("gpt2:graph", 1024).cfg.decode_kernel == "auto"

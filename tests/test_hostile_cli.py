@@ -21,7 +21,8 @@ CLIS = {  # module: prefix of its error line
     "kvsplice.generate": "generate", "kvsplice.to_mla": "to_mla", "kvsplice.fit_bases": "fit_bases",
     "kvsplice.eval_bases": "eval_bases", "kvsplice.verify_memory": "verify_memory",
     "kvsplice.bench_decode": "bench_decode", "kvsplice.bench_balance": "bench_balance",
-    "kvsplice.convert_llama2c": "convert_llama2c", "training.export": "export", "training.evaluate": "",
+    "kvsplice.convert_llama2c": "convert_llama2c", "training.export": "python -m training.export",
+    "training.evaluate": "python -m training.evaluate",
 }
 
 
@@ -69,7 +70,7 @@ def test_evaluate_and_verify_memory_never_touch_a_checkpoint(tmp_path, data_cach
     ckpt = tiny_ckpt(tmp_path / "ok.ckpt", data_cache)
     before = snapshot(tmp_path)
     rc = evaluate(["--ckpt", str(ckpt), "--json", str(ckpt), "--force"])  # was: replaced by the JSON report
-    one_error(rc, capsys.readouterr().err, "", "is the input --ckpt")
+    one_error(rc, capsys.readouterr().err, "python -m training.evaluate", "is the input --ckpt")
     assert snapshot(tmp_path) == before
     bad = edit_ckpt(ckpt, tmp_path / "nan.ckpt", "model.transformer.wte.weight", torch.full((300, 32), float("nan")))
     rc = verify_memory(["--ckpt", str(bad), "--seq-lens", "8", "--no-progress"])

@@ -3,7 +3,8 @@ on calibration text, and write it as a plan the other tools take directly.
 
     python -m kvsplice.plan --model DIR|GGUF|CKPT --calib TEXT (--budget-bytes-per-token N | --ratio R) \\
         [--calib-tokens 32768] [--calib-stats STATS.safetensors] [--tune-tokens 2048] [--prompt-len P] \\
-        [--seq-len T] [--selectors snapkv observed_attention] [--device DEV] [--dtype fp32|bf16|fp16] \\
+        [--seq-len T] [--selectors snapkv observed_attention] [--stores default SPEC ...] [--device DEV] \\
+        [--dtype fp32|bf16|fp16] \\
         --out plan.json [--force] [--json REPORT.json]
 
     python -m kvsplice.generate --model M --plan plan.json --prompt "..." --max-new-tokens 64
@@ -13,7 +14,8 @@ on calibration text, and write it as a plan the other tools take directly.
 Steps: load the model; calibrate once (every RoPE mode, loss gradients; reused from ``--calib-stats``); take the
 tuning windows from the calibration text *after* the calibration tokens (``--tune-tokens``, windows of
 ``--seq-len``: the first ``--prompt-len`` tokens of each are the compressed prompt, the rest are scored); search
-(:mod:`kvsplice.planning.search`); write ``--out`` (JSON: the stack, the budget, every candidate's measurement) and,
+(:mod:`kvsplice.planning.search`: over the ``--stores`` specs, default the built-in list, each alone or under a
+token selection); write ``--out`` (JSON: the method spec, the budget, every candidate's measurement) and,
 when the stack has low rank, its bases beside it (``<out>.bases.safetensors``). The budget is bytes per prompt
 token at fp16 (``--ratio R``: the fp16 full K/V cache's ``2·L·Hkv·d·2`` bytes divided by R). Errors: one line,
 exit status 2; ``--out`` is never overwritten without ``--force``.
@@ -22,23 +24,24 @@ exit status 2; ``--out`` is never overwritten without ``--force``.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
 from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
-from kvsplice.io.outputs import output_file, write_json
+from kvsplice.io.outputs import cache_file, output_file, write_json
 
 PROG = "plan"
 
 
 def _pos_float(s: str) -> float:
+    """argparse type: a finite number > 0 (``inf`` / ``nan`` are refused here, before any work)."""
     v = float(s)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be > 0 and finite, got {s}")
     return v
 
 
@@ -61,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=pos_int, help="compressed prompt per tuning window (default 3/4 of it)")
     p.add_argument("--selectors", nargs="+", default=["snapkv", "observed_attention"], choices=sorted(SELECTORS),
                    help="token selectors to try (default snapkv observed_attention)")
+    p.add_argument("--stores", nargs="+", metavar="SPEC", help="candidate storage methods as method specs (e.g. "
+                   "int8 kivi4 mine(x=1); 'default' = the built-in list: full K/V fp16/int8, KIVI 4/2-bit, fisher "
+                   "low rank at 1.5/2/3x, int8 coefficients); default: default")
     p.add_argument("--batch-size", type=pos_int, default=2, help="windows per forward (default 2)")
     p.add_argument("--out", required=True, help="the plan (.json); low-rank bases go beside it")
     p.add_argument("--json", help="also write the search report here")
@@ -78,7 +84,7 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
     from kvsplice.io.loading import iter_texts, load_model, token_stream
     from kvsplice.lowrank.calibrate import calibration_batches
     from kvsplice.lowrank.sensitivity import stats_for
-    from kvsplice.planning.search import search
+    from kvsplice.planning.search import candidate_stores, search
     from kvsplice.planning.spec import Plan
 
     progress = not args.no_progress
@@ -99,18 +105,22 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
                          f"{args.tune_tokens} tuning tokens in windows of {seq}")
     tune = ids[n_cal:n_cal + args.tune_tokens]
     tune = tune[: (tune.numel() // seq) * seq].view(-1, seq)  # (N, T) tuning windows
-    t0 = time.perf_counter()
-    stats, reused = stats_for(model, lambda: calibration_batches(ids[:n_cal], seq, args.batch_size),
-                              path=args.calib_stats, ropes=("pre", "post"), source={
-                                  "calibration_source": str(args.calib), "calibration_tokens": n_cal,
-                                  "seq_len": seq}, progress=progress, replace=args.force)
-    calib_s = time.perf_counter() - t0
     adapter = adapter_for(model)
+    stores = [s for x in _store_specs(args.stores) for s in
+              (candidate_stores(adapter.has_rope, adapter.head_dim) if x == "default" else [x])]
+    t0 = time.perf_counter()
+    stats, reused = None, False
+    if any(isinstance(s.get("bases"), dict) for s in stores):  # the planner's low-rank fits need statistics
+        stats, reused = stats_for(model, lambda: calibration_batches(ids[:n_cal], seq, args.batch_size),
+                                  path=args.calib_stats, ropes=("pre", "post"), source={
+                                      "calibration_source": str(args.calib), "calibration_tokens": n_cal,
+                                      "seq_len": seq}, progress=progress, replace=args.force)
+    calib_s = time.perf_counter() - t0
     full_bpt = full_bytes_per_token(adapter)
     budget = args.budget_bytes_per_token or full_bpt / args.ratio
     log = print if progress else (lambda s: None)
     found = search(model, stats, tune, prompt_len=prompt_len, budget=budget, selectors=args.selectors,
-                   batch_size=args.batch_size, log=log)
+                   stores=stores, batch_size=args.batch_size, log=log)
     best = found["best"]
     chosen = min(found["candidates"], key=lambda r: r["tuning_ppl"])
     info = {"budget": {"bytes_per_token": budget, "ratio_vs_fp16_full": full_bpt / budget,
@@ -121,8 +131,26 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
             "calibration": {"tokens": n_cal, "stats_file": args.calib_stats, "reused": reused,
                             "seconds": calib_s},
             "chosen": chosen, "selector": found["selector"], "candidates": found["candidates"]}
-    plan = Plan(best, model_fingerprint(model), found["bases"], None, info)
+    plan = Plan(best, model_fingerprint(model), None, info)
     return plan, info
+
+
+def _store_specs(given: Optional[Sequence[str]]) -> list:
+    """``--stores``: each a storage method's spec (checked: before the model loads) or ``"default"`` (the built-in
+    candidates, :func:`kvsplice.planning.search.candidate_stores`)."""
+    from kvsplice.core.registry import METHODS, check_spec, parse_spec
+
+    out: list = []
+    for text in given or ["default"]:
+        if text == "default":
+            out.append(text)
+            continue
+        spec = check_spec(parse_spec(text))
+        if not METHODS[spec["name"]].is_storage:
+            raise UsageError(f"--stores {text}: {spec['name']} is not a storage method (it cannot hold a token "
+                             f"selection); storage methods: {', '.join(n for n, c in METHODS.items() if c.is_storage)}")
+        out.append(spec)
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -136,23 +164,27 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--calib": args.calib}
+    inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--calib": args.calib,
+              "--calib-stats": args.calib_stats}  # an existing stats file is an input
+    _store_specs(args.stores)  # fail fast, before the model loads
     out = output_file(args.out, force=args.force, inputs=inputs)
     bases_out = out.with_name(out.stem + ".bases.safetensors")
+    # never an input, even with --force (whether it may replace an existing file is checked once the plan has bases)
+    output_file(bases_out, force=True, option="the plan's bases", inputs=inputs, outputs={"--out": out})
     json_path = None if args.json is None else output_file(args.json, force=args.force, option="--json",
                                                            inputs=inputs, outputs={"--out": out,
-                                                                                   "bases": bases_out})
-    if args.calib_stats and not Path(args.calib_stats).exists():
-        output_file(args.calib_stats, force=False, option="--calib-stats", inputs=inputs)
+                                                                                   "the plan's bases": bases_out})
+    cache_file(args.calib_stats, option="--calib-stats", inputs=inputs,
+               outputs={"--out": out, "the plan's bases": bases_out, **({"--json": json_path} if json_path else {})})
     plan, info = run(args)
-    if plan.bases is not None:
+    if plan.files():
         output_file(bases_out, force=args.force, option="the plan's bases", inputs=inputs)
     plan.save(out)
     c = info["chosen"]
     print(f"plan: {c['label']} — {c['bytes_per_token']:.1f} bytes per token, {c['ratio_vs_fp16_full']:.2f}x smaller "
           f"than the fp16 full cache; tuning ppl {c['tuning_ppl']:.4f} ({c['delta_pct']:+.2f} % vs the full cache "
           f"{info['tuning']['full_cache_ppl']:.4f})")
-    print(f"wrote {out}" + (f" and {bases_out}" if plan.bases is not None else ""))
+    print(f"wrote {out}" + (f" and {bases_out}" if plan.files() else ""))
     if json_path is not None:
         write_json(info, json_path)
     return 0

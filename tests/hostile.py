@@ -1,6 +1,6 @@
-"""Helpers of the hostile-input tests (``test_hostile_*.py``, ``test_fit_*.py``, ``test_export.py``): the one-line
-error check, folder snapshots, a pid that is surely dead, a destination no process can write, and tiny checkpoints
-with a real (synthetic) tokenizer."""
+"""Helpers of the tests that feed the tools hostile input (``test_cli.py``, ``test_bases_files.py``, ``test_fit_*.py``,
+``test_export.py``, the tools' own test files): the one-line error check, folder snapshots, a pid that is surely
+dead, a destination no process can write, and tiny checkpoints with a real (synthetic) tokenizer."""
 
 from __future__ import annotations
 

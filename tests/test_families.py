@@ -126,9 +126,9 @@ def test_hf_door_equals_transformers_with_left_padding(models, fam):
         seq, scores = hf_generate(model, ids, mask, cache)
         assert torch.equal(seq, ref_seq) and (scores - ref_scores).abs().max() <= TOL, (fam, name)
         w = windows_of(model)
-        held = [cache.store.layer_len(l) for l in range(L)]
+        held = [cache.method_cache.layer_len(l) for l in range(L)]
         assert held == [W - 1 if wl else 12 + 9 for wl in w], (fam, name, held)  # 12 prompt + 9 decoded, fed
-        assert measure_cache(cache).live_bytes == cache.nbytes() == cache.bytes_formula(), (fam, name)
+        assert measure_cache(cache).live_bytes == cache.nbytes() == cache.formula_nbytes(), (fam, name)
         model.set_attn_implementation("sdpa")
 
 
@@ -159,12 +159,12 @@ def test_lossy_settings_hold_their_window_and_bytes_match_the_formula(models, fa
                 expect = [min(W - 1, seen if budget is None else min(budget, W - 1) + seen - 10) if wl else full
                           for wl in w]
                 assert [cache.layer_len(l) for l in range(L)] == expect, (fam, name, t)
-                assert measure_cache(cache).live_bytes == cache.nbytes() == dec.bytes_formula(cache), (fam, name)
+                assert measure_cache(cache).live_bytes == cache.nbytes() == dec.formula_nbytes(cache), (fam, name)
             hf = KVSpliceHFCache(model, method)
             mask = torch.ones_like(ids)
             hf_generate(model, ids[:, :10], mask[:, :10], hf, n=5)
-            assert measure_cache(hf).live_bytes == hf.nbytes() == hf.bytes_formula(), (fam, name)
-            assert all(hf.store.layer_len(l) <= W - 1 for l in range(L) if w[l])
+            assert measure_cache(hf).live_bytes == hf.nbytes() == hf.formula_nbytes(), (fam, name)
+            assert all(hf.method_cache.layer_len(l) <= W - 1 for l in range(L) if w[l])
             model.set_attn_implementation("sdpa")
 
 
@@ -296,3 +296,30 @@ def test_unsupported_family_is_one_line_exit_2_everywhere(family_dirs, tmp_path,
         lines = err.strip().splitlines()
         assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"{prog}: error: unsupported model"), err
         assert "gpt2, llama, mistral, qwen2, qwen3, phi3, gemma3_text" in lines[0]
+
+
+@needs_data
+@pytest.mark.parametrize("fam", FAMS)
+def test_plan_and_loss_aware_bases_run_every_family(family_dirs, fam, tmp_path, capsys):
+    """``plan`` and ``fit_bases --method fisher`` (both RoPE modes, one loss-gradient pass: Gemma-3's per-layer RoPE
+    tables and Qwen3 / Gemma-3's key norms included), then the plan through ``eval_bases`` and ``generate``."""
+    from kvsplice import eval_bases, fit_bases, generate, plan
+
+    d = family_dirs[fam]
+    rc, _, err = run(fit_bases, ["--model", d, "--method", "fisher", "--rank", 4, "--rope", "pre", "post",
+                                 "--calib", CALIB, "--calib-tokens", 256, "--seq-len", 32, "--no-progress",
+                                 "--no-forward-timing", "--out", tmp_path / "f_{rope}.safetensors"], capsys)
+    assert rc == 0, err
+    assert (tmp_path / "f_pre.safetensors").is_file() and (tmp_path / "f_post.safetensors").is_file()
+    p = tmp_path / "plan.json"
+    rc, _, err = run(plan, ["--model", d, "--calib", CALIB, "--ratio", 4, "--calib-tokens", 256, "--tune-tokens", 64,
+                            "--seq-len", 32, "--selectors", "knorm", "--no-progress", "--out", p], capsys)
+    assert rc == 0, err
+    rc, _, err = run(eval_bases, ["--model", d, "--plan", p, "--data", EVAL, "--tokens", 128, "--seq-len", 32,
+                                  "--no-progress", "--json", tmp_path / "e.json"], capsys)
+    assert rc == 0, err
+    assert json.loads((tmp_path / "e.json").read_text())["results"][0]["ppl"] > 1
+    rc, _, err = run(generate, ["--model", d, "--plan", p, "--prompt", PROMPT, "--max-new-tokens", 4, "--json",
+                                tmp_path / "g.json"], capsys)
+    assert rc == 0, err
+    assert len(json.loads((tmp_path / "g.json").read_text())["tokens"]) == 4

@@ -5,19 +5,17 @@ cache take it directly, calibration statistics are reused, and bad inputs are on
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvsplice import eval_bases, generate, plan as plan_cli
-from kvsplice.planning.spec import Plan, PlanError, Stack
+from kvsplice.planning.spec import PLAN_VERSION, Plan, PlanError
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
-STORIES = DATA / "stories260K"
-CALIB = DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"
-EVAL = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
+from data.reference import CALIB, DATA, EVAL, STORIES
+
 pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file() or not CALIB.is_file(),
                                 reason=f"stories260K / TinyStories not found under {DATA}")
 SMALL = ["--calib", str(CALIB), "--calib-tokens", "2048", "--tune-tokens", "512", "--seq-len", "256",
@@ -47,12 +45,16 @@ def test_the_plan_fits_the_budget_and_every_candidate_was_measured(planned):
     assert budget == pytest.approx(640 / 3)
     cands = doc["candidates"]
     assert len(cands) >= 4 and all(c["bytes_per_token"] <= budget + 1e-9 for c in cands)
-    assert {Stack(**c["stack"]).store for c in cands} >= {"int8", "kivi", "lowrank"}
+    stores = [c["spec"].get("store", c["spec"]) for c in cands]
+    assert {s["name"] + s.get("cache_quant", "") for s in stores} >= {"denseint8", "kivi", "lowrankint8"}
     best = min(cands, key=lambda c: c["tuning_ppl"])
-    assert doc["stack"] == best["stack"] and doc["chosen"]["label"] == best["label"]
+    assert doc["label"] == best["label"] == doc["chosen"]["label"] and doc["version"] == PLAN_VERSION
     assert (planned / "report.json").is_file() and (planned / "stats.safetensors").is_file()
     plan = Plan.load(planned / "plan.json")
-    assert (plan.bases is not None) == (plan.stack.store == "lowrank")
+    store = plan.spec.get("store", plan.spec)
+    assert (store["name"] == "lowrank") == (planned / "plan.bases.safetensors").is_file()
+    if store["name"] == "lowrank":
+        assert store["bases"] == "plan.bases.safetensors"  # beside the plan, relative to it
 
 
 def test_generate_eval_and_the_hf_cache_take_the_plan(s260k, planned, tmp_path, capsys):
@@ -100,5 +102,133 @@ def test_stats_are_reused_and_bad_inputs_are_one_line(s260k, planned, tmp_path, 
     bad.write_text("{}")
     assert generate.main(["--model", str(s260k), "--plan", str(bad), "--prompt", "Hi", "--max-new-tokens", "2"]) == 2
     assert "not a kvsplice plan" in capsys.readouterr().err
-    with pytest.raises(PlanError, match="pre-RoPE"):
-        Stack("lowrank", rope="pre", selector="snapkv", keep=0.5)
+    with pytest.raises(PlanError, match="prompt length"):
+        Plan({"name": "token_selection", "selector": "snapkv", "keep": 0.5}).method()
+
+
+# ------------------------------------------------------------------------------------------ hostile plans (issue 31)
+def one_line(capsys, prog: str, needle: str = "") -> str:
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith(f"{prog}: error:") and needle in err[0], err
+    return err[0]
+
+
+def lowrank_plan(folder: Path, model_dir: Path) -> Path:
+    """A low-rank plan (rank 4 of stories260K's head_dim 8) with its bases file beside it."""
+    from kvsplice.adapters import model_fingerprint
+    from kvsplice.io.loading import load_model
+    from tiny_models import orthonormal_bases
+
+    fp = model_fingerprint(load_model(str(model_dir)).model)
+    bases = orthonormal_bases(5, 4, 8, 4, "post")
+    bases.meta["model_fingerprint"] = fp
+    return Plan({"name": "lowrank", "bases": bases}, fp).save(folder / "lr.json")
+
+
+def edited_plan(src: Path, dst: Path, edit) -> Path:
+    doc = json.loads(src.read_text())
+    edit(doc)
+    dst.write_text(json.dumps(doc))
+    return dst
+
+
+def _selector(name, **kw):
+    def edit(doc):
+        doc["spec"] = {"name": "token_selection", "selector": {"name": name, **kw}, "keep": 0.5,
+                       "store": {"name": "dense"}}
+    return edit
+
+
+def _spec(**fields):
+    def edit(doc):
+        doc["spec"] = {"name": "token_selection", "selector": {"name": "snapkv"}, "keep": 0.5,
+                       "store": {"name": "dense"}, **fields}
+    return edit
+
+
+HOSTILE_PLANS = {  # what a hand-edited plan holds -> the words of its one-line refusal
+    "halvings": (_selector("balancekv", n_halvings=1000000), "n_halvings must be in [1, 40]"),
+    "negative-sinks": (_selector("streaming_llm", n_sink=-100), "n_sink must be in [0,"),
+    "fractional-sinks": (_selector("uniform", n_sink=2.5), "n_sink must be an integer"),
+    "text-seed": (_selector("knorm", seed="abc"), "seed must be an integer"),
+    "unknown-argument": (_selector("snapkv", windw=8), "snapkv takes window, kernel, seed"),
+    "nan-budget": (lambda d: d["budget"].update(bytes_per_token=float("nan")), "budget.bytes_per_token"),
+    "negative-budget": (lambda d: d["budget"].update(bytes_per_token=-3), "budget.bytes_per_token must be > 0"),
+    "negative-prompt": (lambda d: d.update(prompt_len=-5), "prompt_len must be in [1,"),
+    "text-keep": (_spec(keep="half"), "keep must be a fraction of the prompt in (0, 1]"),
+    "nan-keep": (_spec(keep=float("nan")), "keep must be a fraction of the prompt in (0, 1]"),
+    "kivi-bits": (_spec(store={"name": "kivi", "bits": 3}), "bits must be one of 2, 4, 8"),
+    "absolute-bases": (lambda d: d.update(spec={"name": "lowrank", "bases": "/etc/passwd"}),
+                       "points outside the plan's folder"),
+    "dotdot-bases": (lambda d: d.update(spec={"name": "lowrank", "bases": "../plan/stats.safetensors"}),
+                     "points outside the plan's folder"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_PLANS))
+def test_hostile_plan_fields_are_refused_on_load(s260k, planned, tmp_path, capsys, name):
+    """Each was followed, hung (BalanceKV halving a million times) or a traceback: now one line from ``Plan.load``
+    and from ``generate`` before the model loads, exit status 2."""
+    edit, needle = HOSTILE_PLANS[name]
+    bad = edited_plan(planned / "plan.json", tmp_path / "bad.json", edit)
+    with pytest.raises(PlanError, match=re.escape(needle)):
+        Plan.load(bad)
+    capsys.readouterr()
+    assert generate.main(["--model", str(s260k), "--plan", str(bad), "--prompt", "Hi", "--max-new-tokens", "2"]) == 2
+    one_line(capsys, "generate", needle)
+
+
+def test_a_plan_nested_200000_levels_is_one_line(s260k, tmp_path, capsys):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    for prog, cli, extra in (("generate", generate, ["--prompt", "Hi", "--max-new-tokens", "2"]),
+                             ("eval_bases", eval_bases, ["--data", str(EVAL)])):
+        capsys.readouterr()
+        assert cli.main(["--model", str(s260k), "--plan", str(deep), *extra]) == 2
+        one_line(capsys, prog, "nested too deeply")
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "1e400"])
+def test_an_infinite_budget_is_refused_before_calibrating(s260k, tmp_path, capsys, monkeypatch, value):
+    import kvsplice.lowrank.sensitivity as sens
+
+    monkeypatch.setattr(sens, "stats_for", lambda *a, **k: pytest.fail("calibrated before checking the budget"))
+    for opt in ("--ratio", "--budget-bytes-per-token"):
+        capsys.readouterr()
+        assert plan_cli.main(["--model", str(s260k), *SMALL, opt, value, "--out", str(tmp_path / "p.json")]) == 2
+        one_line(capsys, "plan", f"argument {opt}: must be > 0 and finite")
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_statistics_and_a_plans_bases_are_never_written(s260k, planned, tmp_path, capsys):
+    """``--calib-stats`` is an input when it exists and an output otherwise; a plan's bases file is an input of
+    every command that reads the plan: none is replaced, even with ``--force`` (they were: the statistics by
+    ``plan --out``, the bases by ``generate`` / ``eval_bases --json``)."""
+    stats = planned / "stats.safetensors"
+    digest = stats.read_bytes()
+    for extra in ([], ["--force"]):
+        capsys.readouterr()
+        assert plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats", str(stats),
+                              "--out", str(stats), *extra]) == 2
+        one_line(capsys, "plan", "is the input --calib-stats")
+        assert plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats", str(stats),
+                              "--out", str(tmp_path / "q.json"), "--json", str(stats), *extra]) == 2
+        one_line(capsys, "plan", "is the input --calib-stats")
+    assert stats.read_bytes() == digest
+    new = tmp_path / "new.safetensors"
+    assert plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats", str(new),
+                          "--out", str(tmp_path / "p.json"), "--json", str(new)]) == 2
+    one_line(capsys, "plan", "--calib-stats")
+    assert not new.exists()
+    lr = lowrank_plan(tmp_path, s260k)
+    bases = lr.with_name("lr.bases.safetensors")
+    digest = bases.read_bytes()
+    assert Plan.load(lr).spec["bases"] == "lr.bases.safetensors"
+    capsys.readouterr()
+    assert generate.main(["--model", str(s260k), "--plan", str(lr), "--prompt", "Hi", "--max-new-tokens", "2",
+                          "--json", str(bases), "--force"]) == 2
+    one_line(capsys, "generate", "bases file")
+    assert eval_bases.main(["--model", str(s260k), "--plan", str(lr), "--data", str(EVAL), "--json", str(bases),
+                            "--force"]) == 2
+    one_line(capsys, "eval_bases", "bases file")
+    assert bases.read_bytes() == digest

@@ -7,6 +7,8 @@ Models (:func:`load_model`), by what ``spec`` is:
   (the families of :data:`kvsplice.adapters.SUPPORTED_FAMILIES`: GPT-2, Llama, Mistral, Qwen2/3, Phi-3, Gemma-3;
   anything else fails with :func:`kvsplice.adapters.model_info`'s one-line "unsupported" error naming them).
   ``python -m kvsplice.convert_llama2c`` makes such a directory from a llama2.c checkpoint (e.g. stories260K);
+* a directory whose ``config.json`` has ``model_type: kvsplice_mla_llama`` → a converted Llama-family MLA model
+  (:mod:`kvsplice.io.mla_folder`, made by ``python -m kvsplice.to_mla``) and the tokenizer saved beside it;
 * a file (``.ckpt``) → this project's MHA GPT via ``models.checkpoint.load_gpt_checkpoint``; its tokenizer is the one its
   training data used (rebuilt from the checkpoint's data settings with :class:`data.TinyStoriesDataModule`), or
   ``tokenizer=`` (a GPT-2 BPE folder / ``tokenizer.json``, or an HF tokenizer directory);
@@ -144,7 +146,7 @@ def checkpoint_tokenizer(meta: dict, path: Path) -> Tokenizer:
 class LoadedModel:
     model: nn.Module
     tokenizer: Tokenizer
-    kind: str  # "hf-dir" | "hub" | "ckpt" | "gguf"
+    kind: str  # "hf-dir" | "hub" | "ckpt" | "gguf" | "mla" (a converted MLA folder)
     source: str
     max_positions: Optional[int]
 
@@ -188,6 +190,8 @@ def _load_hf(name: str, *, local_only: bool, tokenizer: Optional[str], dtype: Op
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from kvsplice.io.gguf import refuse_incomplete
+
     kw: dict[str, Any] = {"local_files_only": local_only, "trust_remote_code": False}  # never run or ask about a
     # repository's own code (transformers would otherwise stop at an interactive [y/N] prompt)
     if dtype is not None:
@@ -195,10 +199,15 @@ def _load_hf(name: str, *, local_only: bool, tokenizer: Optional[str], dtype: Op
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no "Loading weights" bar: the CLIs' stderr stays one error line
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, **kw).eval()
+        model, info = AutoModelForCausalLM.from_pretrained(name, output_loading_info=True, **kw)
+        model.eval()
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+    try:
+        refuse_incomplete(info, name)  # weights transformers would initialise at random
+    except ValueError as e:
+        raise LoadError(str(e)) from None
     _check_supported(model)
     _check_weights(model, name)
     if tokenizer is not None:
@@ -226,6 +235,23 @@ def _load_gguf(p: Path, *, tokenizer: Optional[str], dtype: Optional[torch.dtype
     return model, tok
 
 
+def _load_mla(p: Path, *, tokenizer: Optional[str], dtype: Optional[torch.dtype]):
+    from kvsplice.io.mla_folder import load_mla_folder
+
+    try:
+        model = load_mla_folder(p, dtype=dtype)
+    except Exception as e:  # noqa: BLE001 - a corrupt folder: missing or mismatched weights, bad config
+        raise LoadError(f"cannot load the converted MLA model in {p}: {first_line(e)}") from None
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # AutoTokenizer reads config.json and warns about the unknown model_type
+    try:
+        return model, load_tokenizer(tokenizer if tokenizer is not None else p)
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def _refuse_remote_code(folder: Path) -> None:
     """A model folder whose ``config.json`` maps to its own Python code (``auto_map``, e.g. a ``training.export`` of
     an MLA model) is refused with one line: the tools never run a repository's code."""
@@ -246,23 +272,34 @@ def load_model(spec: str | os.PathLike, *, tokenizer: Optional[str] = None, dtyp
     """Load ``spec`` (a model directory, a ``.ckpt`` file or a Hub id; see the module docstring) in eval mode."""
     spec = str(spec)
     p = Path(spec).expanduser()
-    from kvsplice.io.gguf import find_gguf
+    from kvsplice.io.gguf import find_gguf, gguf_files
 
     if find_gguf(p) is not None:  # a .gguf file (or a folder holding one): kvsplice.io.gguf
         model, tok = _load_gguf(p, tokenizer=tokenizer, dtype=dtype)
         kind = "gguf"
     elif p.is_dir():
+        several = gguf_files(p)
+        if not (p / "config.json").is_file() and len(several) > 1:
+            raise LoadError(f"{spec} holds {len(several)} GGUF files ({', '.join(f.name for f in several[:3])}"
+                            f"{', ...' if len(several) > 3 else ''}): pass the one to load, e.g. --model "
+                            f"{several[0]}")
         if not (p / "config.json").is_file():
             raise LoadError(f"{spec} is a directory without config.json: not a transformers model directory "
                             f"(e.g. make one with python -m kvsplice.convert_llama2c)")
         _refuse_remote_code(p)
-        try:
-            model, tok = _load_hf(str(p), local_only=True, tokenizer=tokenizer, dtype=dtype)
-        except LoadError:
-            raise
-        except Exception as e:  # noqa: BLE001 - unknown model types, corrupt weights, ...
-            raise LoadError(f"cannot load the model in {spec}: {first_line(e)}") from None
-        kind = "hf-dir"
+        from kvsplice.io.mla_folder import is_mla_folder
+
+        if is_mla_folder(p):  # a converted Llama-family MLA model (python -m kvsplice.to_mla)
+            model, tok = _load_mla(p, tokenizer=tokenizer, dtype=dtype)
+            kind = "mla"
+        else:
+            try:
+                model, tok = _load_hf(str(p), local_only=True, tokenizer=tokenizer, dtype=dtype)
+            except LoadError:
+                raise
+            except Exception as e:  # noqa: BLE001 - unknown model types, corrupt weights, ...
+                raise LoadError(f"cannot load the model in {spec}: {first_line(e)}") from None
+            kind = "hf-dir"
     elif p.is_file():
         from models.checkpoint import CheckpointError, load_gpt_checkpoint as load_ckpt
 

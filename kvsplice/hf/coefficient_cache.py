@@ -31,5 +31,6 @@ class CoefficientHFCache(KVSpliceHFCache):
     low-rank ``bases`` (``cache_quant="int8"``: int8 rows with fp16 scales, dequantised for the attention call)."""
 
     def __init__(self, model: torch.nn.Module, bases: KVBases, *, cache_quant: Optional[str] = None,
-                 capacity: Optional[int] = None) -> None:
-        super().__init__(model, LowRank(bases, cache_quant=cache_quant), capacity=capacity)
+                 capacity: Optional[int] = None, decode_kernel: str = "auto") -> None:
+        super().__init__(model, LowRank(bases, cache_quant=cache_quant), capacity=capacity,
+                         decode_kernel=decode_kernel)

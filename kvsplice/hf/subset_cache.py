@@ -32,5 +32,7 @@ class SubsetHFCache(KVSpliceHFCache):
     prompt tokens per KV head + new tokens (``store``: the storage of the kept tokens, default full keys/values)."""
 
     def __init__(self, model: torch.nn.Module, selector: TokenSelector, budget: int, *,
-                 store: Optional[CompressionMethod] = None, capacity: Optional[int] = None) -> None:
-        super().__init__(model, TokenSelection(selector, budget, store=store), capacity=capacity)
+                 store: Optional[CompressionMethod] = None, capacity: Optional[int] = None,
+                 decode_kernel: str = "auto") -> None:
+        super().__init__(model, TokenSelection(selector, budget, store=store), capacity=capacity,
+                         decode_kernel=decode_kernel)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from models.kernels import DECODE_KERNELS
+from models.kernels import DECODE_KERNELS, DEFAULT_DECODE_KERNEL
 
 Attention = Literal["mha", "mla"]
 AttnBackend = Literal["auto", "flash", "sdpa"]
@@ -83,7 +83,7 @@ class GPTConfig:
     mla_impl: MLAImpl = "absorb"
     """How MLA attends over cached latents: ``absorb`` folds w_uk / w_uv (and expand) into the query and output and
     attends in latent space; ``naive`` re-expands every cached latent into full K/V first (reference path)."""
-    decode_kernel: DecodeKernel = "auto"
+    decode_kernel: DecodeKernel = DEFAULT_DECODE_KERNEL  # type: ignore[assignment]
     """One-token cached steps: ``auto`` runs the split-KV Triton kernel (:mod:`models.kernels`) on CUDA when triton
     is installed and the eager SDPA path elsewhere; ``triton`` forces the kernel (on CPU only under Triton's
     interpreter); ``eager`` never. Decode only: the full forward (training) is unchanged."""

@@ -8,7 +8,7 @@ import torch
 
 from models import GPT
 from models.config import GPTConfig
-from models.kernels import triton_missing_reason
+from models.kernels import DEFAULT_DECODE_KERNEL, triton_missing_reason
 from models.static_cache import StaticCacheView
 
 pytestmark = pytest.mark.skipif(triton_missing_reason() is not None, reason=str(triton_missing_reason()))
@@ -105,4 +105,6 @@ def test_bench_decode_variants_name_the_decode_path():
     v = parse_variant("mla_kvsplice_90:int8:sdpa:graph", 1024)
     assert v.label == "mla_kvsplice_90+int8+sdpa+graph" and v.graph
     assert v.cfg.decode_kernel == "eager" and v.cfg.cache_quant == "int8"
-    assert parse_variant("gpt2:graph", 1024).cfg.decode_kernel == "auto"
+    assert parse_variant("gpt2:graph", 1024).cfg.decode_kernel == DEFAULT_DECODE_KERNEL
+    k = parse_variant("mla_kvsplice_90:kernel:graph", 1024)
+    assert k.label == "mla_kvsplice_90+kernel+graph" and k.cfg.decode_kernel == "auto"

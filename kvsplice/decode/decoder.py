@@ -37,7 +37,7 @@ from kvsplice.decode.dense import DenseKV
 from kvsplice.decode.native import OWN_ATTENTION, ModelAttention
 from models.cache import Cache
 from models.generate import check_prompt, check_sampling, generate_tokens
-from models.kernels import resolve_decode_kernel
+from models.kernels import DEFAULT_DECODE_KERNEL, resolve_decode_kernel
 
 __all__ = ["Decoder", "chunked_nll", "perplexity", "score_continuation", "sequence_nll"]
 
@@ -54,7 +54,7 @@ class Decoder:
     ``eager`` never. Resolved once, here. A ``models.GPT`` decodes through its own attention (``cfg.decode_kernel``)."""
 
     def __init__(self, model: nn.Module, method: Optional[CompressionMethod | str | dict] = None, *,
-                 attn_backend: str = "auto", decode_kernel: str = "auto") -> None:
+                 attn_backend: str = "auto", decode_kernel: str = DEFAULT_DECODE_KERNEL) -> None:
         if attn_backend not in BACKENDS:
             raise ValueError(f"attn_backend must be one of {BACKENDS}, got {attn_backend!r}")
         self.decode_kernel, self.kernel_on = decode_kernel, resolve_decode_kernel(decode_kernel)  # once

@@ -46,7 +46,7 @@ from kvsplice.core.registry import build_method
 from kvsplice.core.rope import seen_by_any
 from kvsplice.core.window import check_evictable, evict, held_per_layer
 from kvsplice.hf.attention import ATTN_IMPL, tag, use_kvsplice_attention
-from models.kernels import resolve_decode_kernel
+from models.kernels import DEFAULT_DECODE_KERNEL, resolve_decode_kernel
 
 __all__ = ["KVSpliceHFCache"]
 
@@ -113,7 +113,7 @@ class KVSpliceHFCache(HFCache):
     as :class:`kvsplice.decode.Decoder`'s."""
 
     def __init__(self, model: torch.nn.Module, method: CompressionMethod | str | dict, *,
-                 capacity: Optional[int] = None, decode_kernel: str = "auto") -> None:
+                 capacity: Optional[int] = None, decode_kernel: str = DEFAULT_DECODE_KERNEL) -> None:
         self.decode_kernel, self.kernel_on = decode_kernel, resolve_decode_kernel(decode_kernel)  # once
         self.adapter = adapter_for(model)
         if self.adapter.name == "gpt":

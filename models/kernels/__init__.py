@@ -19,6 +19,10 @@ from typing import Optional
 import torch
 
 DECODE_KERNELS = ("auto", "triton", "eager")
+# The default of every decode path (GPTConfig, Decoder, the HF caches): "eager" until the compiled kernel has been
+# checked against the eager path on a GPU (`pytest -m gpu tests/test_decode_kernel*.py`; only the interpreter and
+# an ahead-of-time sm_90 compile have run so far) — then "auto". Opt in with decode_kernel="auto" / "triton".
+DEFAULT_DECODE_KERNEL = "eager"
 
 
 @lru_cache(maxsize=1)

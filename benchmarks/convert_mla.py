@@ -33,7 +33,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from frontier import DATA, REPO, last_val, run_module, train  # benchmarks/frontier.py: the study's run helpers
+from training.study import DATA, REPO, last_val, run_module, train  # the study's run helpers
 
 CALIB = DATA / "gusjengis_toy-RNN__tinystories_sample.txt"  # training text
 STEPS_SOURCE = 500

@@ -5,7 +5,7 @@ after a KL fine-tune, stacked with int8 latents, on protocol P and a second text
         [--int8] [--out results/convert_smollm2] [--smoke]
 
 * Model and text: the shared SmolLM2-135M-Instruct GGUF; calibration = the first ``--calib-tokens`` of the
-  TinyStories train sample (benchmarks/smollm2_common.py); protocol P (kvsplice/evaluation/protocol.py): the 4 × 1,024
+  TinyStories train sample (kvsplice/evaluation/windows.py); protocol P (kvsplice/evaluation/protocol.py): the 4 × 1,024
   validation windows, 768-token prompt in the cache, 256 tokens scored; bytes per token measured == formula in every
   batch (the protocol checks), ratio against the fp16 full K/V cache. Second domain: the project's own docs
   (README.md + docs/*.md: technical prose, no stories), whole windows of 512 tokens over the cache.

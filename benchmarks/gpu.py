@@ -12,7 +12,7 @@ Sections (``--sections``):
   dim 64, bf16) over a key length that grows by one per call, for torch's default kernel choice, each kernel put
   first in SDPA's priority, and the package's order (:func:`models.attention.sdpa_order`). Median ms per call.
 * ``train`` — one optimizer step of the 124M models (batch 16 x 1024, bf16 autocast, AdamW, clip 1.0): the reference
-  (:mod:`benchmarks.reference_gpt`), our MHA / MLA / KVSplice-90 (the ``gpt2`` / ``mla`` / ``mla_kvsplice_90``
+  (:mod:`models.reference_gpt`), our MHA / MLA / KVSplice-90 (the ``gpt2`` / ``mla`` / ``mla_kvsplice_90``
   training configs), eager and ``torch.compile``-d, fused AdamW (ours also foreach); with a FlashAttention package
   installed (flash-attn 2 or FlashAttention-4) our MHA runs it and ``ours mha sdpa`` is timed beside it. Median
   of interleaved rounds, CUDA events; MFU = (6·params + 12·L·d·T) · tokens / time / peak bf16 FLOP/s of the device.
@@ -41,12 +41,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from models import GPT, preset
+from models.attention import flash_impl, sdpa_order
+from models.reference_gpt import ReferenceGPT
 
-from benchmarks.reference_gpt import ReferenceGPT  # noqa: E402
-from models import GPT, preset  # noqa: E402
-from models.attention import flash_impl, sdpa_order  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}
 """Dense bf16 tensor-core peak FLOP/s by device family (datasheet), for MFU."""

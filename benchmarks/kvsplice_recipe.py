@@ -4,7 +4,7 @@
     python benchmarks/kvsplice_recipe.py --study recipe --device cuda --batch 64 --steps 2000 --jobs 3
 
 Every variant trains the small_* shapes for the same ``--steps`` x ``--batch`` x 256 tokens as the frontier study
-(``benchmarks/frontier.py``, whose helpers run each ``training.fit``).
+(``benchmarks/frontier.py``; ``training.study`` runs each ``training.fit``).
 
 * ``--study ablation`` — seed 0 on a **tuning split** (the training files only, a 5 % tail of them held out; never the
   validation text the frontier reports): MLA-64 and KVSplice-50 from scratch as references, then KVSplice-50 with
@@ -28,9 +28,9 @@ import threading
 from collections import defaultdict
 from pathlib import Path
 
-from frontier import (DATA, DATA_CACHE, REPO, TRAIN_FILES, cache_bytes, comparison_table, compare, data_args,  # noqa: E402
-                      final_train_loss, last_val, resume_key, run_args, run_jobs, run_key, run_module, save_study,
-                      summarise, train, train_curve)
+from training.study import (DATA, DATA_CACHE, REPO, TRAIN_FILES, cache_bytes, comparison_table, compare, data_args,
+                            final_train_loss, last_val, resume_key, run_args, run_jobs, run_key, run_module,
+                            save_study, summarise, train, train_curve)
 
 ABLATION = {  # variant -> (config, overrides); "insert" is the two-stage recipe
     "mla_64": ("small_mla_64", []),

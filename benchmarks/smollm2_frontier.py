@@ -4,7 +4,7 @@ evaluation windows; the Pareto front; the budget planner's stacks at 4x / 8x / 1
     python benchmarks/smollm2_frontier.py                 # resumable: finished rows are kept in WORK/rows.json
     python benchmarks/smollm2_frontier.py --only kivi4    # rows whose id contains a string; --list to see them
 
-Protocols (kvsplice.evaluation.protocol; ``benchmarks/smollm2_common.py`` for the text):
+Protocols (kvsplice.evaluation.protocol; ``kvsplice/evaluation/windows.py`` for the text):
 
 * ``P`` (the frontier): the 4 evaluation windows of 1,024 tokens; the first 768 of each are the prompt (a token
   selection compresses them at prefill; a storage method stores every token compressed), the last 256 are decoded
@@ -32,18 +32,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kvsplice.evaluation.windows as C
+from kvsplice import build_method
+from kvsplice.evaluation.protocol import evaluate
+from kvsplice.planning.search import selection
+from kvsplice.planning.spec import spec_label
+from kvsplice.hf.measure import cache_nbytes, continuation_logits
+from models.checkpoint import atomic_write
 
-import smollm2_common as C  # noqa: E402
-from kvsplice import build_method  # noqa: E402
-from kvsplice.evaluation.protocol import evaluate  # noqa: E402
-from kvsplice.planning.search import selection  # noqa: E402
-from kvsplice.planning.spec import spec_label  # noqa: E402
-from kvsplice.hf.measure import cache_nbytes, continuation_logits  # noqa: E402
-from models.checkpoint import atomic_write  # noqa: E402
-
-RESULTS = C.ROOT / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 ROWS = C.WORK / "rows.json"
 PROMPT = 768
 KVPRESS = {  # the issue's kvpress 0.5.5 numbers on protocol S (ppl increase vs the full cache, %): quoted
@@ -250,7 +247,7 @@ def main() -> int:
             atomic_write(ROWS, lambda p: p.write_text(json.dumps(done, indent=1, default=str)))
             print(f"{rid:<36} {res['label']:<44} ppl {res['ppl']:.4f}  {res['bytes_per_token']:.0f} B/tok  "
                   f"{res['ratio_vs_fp16_full']:.2f}x  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    from smollm2_report import energy_claims, write_report
+    from kvsplice.report.smollm2_frontier import energy_claims, write_report
 
     write_report(done, RESULTS, KVPRESS, ISSUE, energy_claims(C.WORK / "calib_stats.safetensors"))
     return 0

@@ -1,5 +1,6 @@
-"""benchmarks/frontier.py's bookkeeping: cache measurement from a checkpoint, the Pareto front, seed statistics and
-the late-loss-drop figure (the long study itself runs outside the test suite)."""
+"""The frontier studies' bookkeeping (training.study, used by benchmarks/frontier.py and kvsplice_recipe.py): cache
+measurement from a checkpoint, the Pareto front, seed statistics, the late-loss-drop figure, resume keys and the
+children of a killed study (the long studies themselves run outside the test suite)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from models.checkpoint import save_model
 from models.config import GPTConfig
 from models.gpt import GPT
+from training import study
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "frontier.py"
 
@@ -35,7 +37,7 @@ def frontier():
 def test_cache_bytes_from_a_checkpoint(tmp_path: Path, frontier, kw, per_layer) -> None:
     model = GPT(GPTConfig(vocab_size=50, n_layer=3, n_head=4, d_model=32, block_size=64, **kw))
     ckpt = save_model(model, tmp_path / "m.ckpt")
-    got = frontier.cache_bytes(ckpt, 40)
+    got = study.cache_bytes(ckpt, 40)
     assert got["cache_bytes_per_token"] == 3 * per_layer * 2  # fp16, all layers
     assert got["cache_bytes_per_token_fp32"] == 3 * per_layer * 4
     assert got["cache_dim"] == per_layer
@@ -52,7 +54,7 @@ def test_summary_pareto_and_spread(frontier) -> None:
     rows += [_row("mla", s, 3.05, 512) for s in (1, 2, 3)]
     rows += [_row("mqa", s, 3.3, 512) for s in (1, 2, 3)]  # same bytes as mla, higher loss: dominated
     rows += [_row("tiny", s, 3.5, 64) for s in (1, 2)]
-    summary = {s["variant"]: s for s in frontier.summarise(rows)}
+    summary = {s["variant"]: s for s in study.summarise(rows)}
     assert math.isclose(summary["mha"]["val_loss"], 3.2) and math.isclose(summary["mha"]["std"], 0.1)
     assert summary["mla"]["std"] == 0.0 and summary["tiny"]["n"] == 2
     assert [v for v, s in summary.items() if s["pareto"]] == ["mla", "tiny"]  # mha: mla is smaller and better
@@ -62,18 +64,18 @@ def test_summary_pareto_and_spread(frontier) -> None:
 
 
 def test_late_drop_flat_and_short_curves(frontier) -> None:
-    assert frontier.late_drop([[s, 2.0] for s in range(10, 101, 10)]) == 0.0
-    assert frontier.late_drop([]) is None and frontier.late_drop([[100, 2.0]]) is None
+    assert study.late_drop([[s, 2.0] for s in range(10, 101, 10)]) == 0.0
+    assert study.late_drop([]) is None and study.late_drop([[100, 2.0]]) is None
 
 
 def test_last_val_and_curve_from_metrics(tmp_path: Path, frontier) -> None:
     m = tmp_path / "metrics.csv"
     m.write_text("epoch,lr,step,tokens,tokens_per_sec,train_loss,train_time_s,val_loss,val_ppl\n"
                  "0,0.1,19,40960.0,5000,6.1,8.0,,\n0,0.1,39,81920.0,5000,5.5,16.0,,\n0,,39,,,,,5.2,181.3\n")
-    assert frontier.last_val(m) == (39, 5.2, 81920.0, 16.0)
-    assert frontier.train_curve(m) == [[20, 6.1], [40, 5.5]]
+    assert study.last_val(m) == (39, 5.2, 81920.0, 16.0)
+    assert study.train_curve(m) == [[20, 6.1], [40, 5.5]]
     m.write_text("epoch,lr,step,tokens,tokens_per_sec,train_loss,train_time_s,val_loss,val_ppl\n0,,4,,,,,6.7,812.0\n")
-    assert frontier.last_val(m) == (4, 6.7, None, None)  # shorter than the logging interval (short fine-tunes)
+    assert study.last_val(m) == (4, 6.7, None, None)  # shorter than the logging interval (short fine-tunes)
 
 
 def test_trained_tokens_count_every_step_not_the_logged_ones(tmp_path: Path, frontier, data_cache, offline) -> None:
@@ -85,8 +87,8 @@ def test_trained_tokens_count_every_step_not_the_logged_ones(tmp_path: Path, fro
                 str(tmp_path), "--run_name", "r", "--data.cache_dir", str(data_cache), "--wandb.mode", "disabled",
                 "--trainer.max_steps", "7", "--trainer.val_check_interval", "7", "--model.warmup_steps", "1"]) == 0
     per_step = 8 * 64  # --data.batch_size 8 of --model.block_size 64
-    step, _, logged, _ = frontier.last_val(tmp_path / "r" / "metrics.csv")
-    tokens, seconds = frontier.trained(tmp_path / "r" / "last.ckpt")
+    step, _, logged, _ = study.last_val(tmp_path / "r" / "metrics.csv")
+    tokens, seconds = study.trained(tmp_path / "r" / "last.ckpt")
     assert (step, logged) == (6, 5 * per_step)
     assert tokens == 7 * per_step and seconds > 0
 
@@ -95,37 +97,38 @@ def test_resume_key_includes_steps_batch_and_device(frontier) -> None:
     """A finished row is reused only for the same variant, seed, steps, batch and device (it was reused for another
     --steps); rows written before batch/device were recorded belong to the CPU study (batch 8)."""
     row = {"variant": "mha", "seed": 1, "steps": 500}
-    assert frontier.resume_key(row) == ("mha", 1, 500, 8, "cpu")
+    assert study.resume_key(row) == ("mha", 1, 500, 8, "cpu")
     args = type("A", (), {"steps": 500, "batch": 8, "device": "cpu"})()
-    assert frontier.run_key("mha", 1, args) == frontier.resume_key(row)
+    assert study.run_key("mha", 1, args) == study.resume_key(row)
     for change in ({"steps": 2}, {"batch": 64}, {"device": "cuda"}):
         other = type("A", (), {"steps": 500, "batch": 8, "device": "cpu", **change})()
-        assert frontier.run_key("mha", 1, other) != frontier.resume_key(row)
+        assert study.run_key("mha", 1, other) != study.resume_key(row)
 
 
 def test_compare_standard_error_and_tie(frontier) -> None:
     a = {"variant": "a", "val_loss": 3.00, "std": 0.02, "n": 3}
     b = {"variant": "b", "val_loss": 3.05, "std": 0.02, "n": 3}
-    c = frontier.compare(a, b)
+    c = study.compare(a, b)
     assert math.isclose(c["se"], (2 * 0.02**2 / 3) ** 0.5) and c["verdict"] == "a better"  # 3.1 SE
-    assert frontier.compare(a, {**b, "val_loss": 3.02})["verdict"] == "tie"
-    assert frontier.compare({**a, "std": 0.0, "n": 1}, {**b, "std": 0.0, "n": 1})["verdict"].startswith("no SE")
+    assert study.compare(a, {**b, "val_loss": 3.02})["verdict"] == "tie"
+    assert study.compare({**a, "std": 0.0, "n": 1}, {**b, "std": 0.0, "n": 1})["verdict"].startswith("no SE")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 def test_a_killed_study_takes_its_training_child_with_it(tmp_path: Path) -> None:
-    """Killing frontier.py (even with SIGKILL) ends the ``python -m ...`` child it was waiting on."""
+    """Killing a study (even with SIGKILL) ends the ``python -m ...`` child ``training.study.run_module`` waited on."""
     driver = tmp_path / "driver.py"
     driver.write_text(
-        "import importlib.util, sys, threading, time\n"
-        f"spec = importlib.util.spec_from_file_location('f', {str(SCRIPT)!r})\n"
-        "f = importlib.util.module_from_spec(spec); spec.loader.exec_module(f)\n"
+        "import threading, time\n"
+        "import training.study as f\n"
         "def report():\n"
         "    while not f._CHILDREN: time.sleep(0.05)\n"
         "    print(next(iter(f._CHILDREN)).pid, flush=True)\n"
         "threading.Thread(target=report, daemon=True).start()\n"
         "f.run_module('timeit', ['-n', '1', 'import time; time.sleep(120)'], 1)\n")
-    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
+    path = os.pathsep.join(p for p in (str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=path))
     child = int(proc.stdout.readline())
     os.kill(child, 0)  # running
     proc.kill()
@@ -178,15 +181,11 @@ def test_recipe_study_inserts_each_ratio_into_one_shared_mla_stage(tmp_path: Pat
     share their MLA-128 stage (trained once), and each row holds the cache of the ratio it inserted."""
     spec = importlib.util.spec_from_file_location("kvsplice_recipe", SCRIPT.parent / "kvsplice_recipe.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec.loader.exec_module(mod)
-        out, runs = tmp_path / "r.json", tmp_path / "runs"
-        assert mod.main(["--study", "recipe", "--steps", "4", "--batch", "2", "--seeds", "1", "--jobs", "2",
-                         "--out", str(out), "--runs-dir", str(runs), "--data", str(DATA),
-                         "--data-cache", str(study_cache)]) == 0
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    spec.loader.exec_module(mod)  # imports training.study, not benchmarks/frontier.py
+    out, runs = tmp_path / "r.json", tmp_path / "runs"
+    assert mod.main(["--study", "recipe", "--steps", "4", "--batch", "2", "--seeds", "1", "--jobs", "2",
+                     "--out", str(out), "--runs-dir", str(runs), "--data", str(DATA),
+                     "--data-cache", str(study_cache)]) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"insert", "insert90"}
     assert rows["insert"]["cache_bytes_per_token"] == 4 * 64 * 2  # 4 layers x 64 dims x fp16

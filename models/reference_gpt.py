@@ -1,7 +1,9 @@
 """A minimal GPT-2 written the way nanoGPT's ``model.py`` is (fused ``c_attn``, SDPA with ``is_causal``, tied head):
 the independent reference the training-step benchmark (``benchmarks/gpu.py``) compares the package's model with.
 
-It is this project's own code, kept deliberately plain: no cache, no variants, no kernel selection.
+It is this project's own code, kept deliberately plain: no cache, no variants, no kernel selection, and it imports
+nothing from the package's models (an independent reference). Given :class:`models.gpt.GPT`'s MHA weights it computes
+the same logits (tests/test_reference_gpt.py), so the benchmark times the same function.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+__all__ = ["ReferenceGPT"]
 
 
 class _Block(nn.Module):

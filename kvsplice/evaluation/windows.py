@@ -1,7 +1,9 @@
-"""SmolLM2-135M-Instruct, the package's standard real model: the shared GGUF file, the issue-21 protocol's text
+"""The text windows of the package's standard real-model protocol (SmolLM2-135M-Instruct, the shared GGUF file): the
+issue-21 protocol's text
 (calibration: the first 32,768 tokens of the TinyStories train sample; evaluation: the first 4,096 tokens of the
 validation sample, 4 windows of 1,024; a tuning slice of 4 windows after the calibration tokens for every choice a
-benchmark or the planner makes) and the calibration statistics, computed once and reused from ``WORK``."""
+benchmark or the planner makes) and the calibration statistics, computed once and reused from ``WORK``. Used by
+``benchmarks/smollm2_frontier.py``."""
 
 from __future__ import annotations
 
@@ -11,12 +13,17 @@ import torch
 
 from data.reference import CALIB, EVAL as VAL, SMOLLM2 as MODEL  # the shared data files
 
-ROOT = Path(__file__).resolve().parents[1]
+__all__ = ["CALIB", "CALIB_TOKENS", "EVAL_TOKENS", "MODEL", "SEQ", "VAL", "WORK", "eval_windows", "load", "stats",
+           "token_windows", "tune_windows"]
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository (the package is installed in editable mode from it)."""
 WORK = ROOT / "checkpoints" / "smollm2"
 CALIB_TOKENS, SEQ, EVAL_TOKENS = 32768, 1024, 4096
 
 
 def load():
+    """SmolLM2-135M-Instruct from the shared GGUF file (``kvsplice.io.loading``)."""
     from kvsplice.io.loading import load_model
 
     return load_model(str(MODEL))

@@ -1,4 +1,5 @@
-"""results/smollm2_frontier.{json,md,png} from the rows of ``benchmarks/smollm2_frontier.py``: the frontier table
+"""The SmolLM2 frontier report: results/smollm2_frontier.{json,md,png} from the rows of
+``benchmarks/smollm2_frontier.py``: the frontier table
 (Pareto front marked), the goals, the planner's stacks, the paper's claims, the kvpress comparison."""
 
 from __future__ import annotations
@@ -6,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+__all__ = ["energy_claims", "pareto", "write_report"]
 
 
 def energy_claims(stats_path: Path) -> dict:

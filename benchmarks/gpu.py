@@ -36,11 +36,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from kvsplice.report.cuda_timing import cuda_time
+from kvsplice.report.tables import cell
 from models import GPT, preset
 from models.attention import flash_impl, sdpa_order
 from models.reference_gpt import ReferenceGPT
@@ -62,20 +63,6 @@ def device_tag() -> str:
 def peak_flops() -> float | None:
     name = torch.cuda.get_device_name()
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
-
-
-def cuda_time(fn: Callable[[], object], n: int) -> list[float]:
-    """ms of each of ``n`` calls, each started on an idle GPU and timed by CUDA events."""
-    out = []
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(n):
-        torch.cuda.synchronize()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
 
 
 def copy_bandwidth() -> float:
@@ -342,10 +329,6 @@ def bench_decode(batches: list[int], ctxs: list[int], steps: int, rounds: int, q
 
 
 # ---------------------------------------------------------------------------------------------------- report
-def _f(x, fmt="{:.3f}") -> str:
-    return "-" if x is None else fmt.format(x)
-
-
 def markdown(report: dict) -> str:
     out = [f"# GPU benchmark — {report['device']}", "",
            f"torch {report['torch']}, CUDA {report['cuda']}, transformers {report.get('transformers')}, "
@@ -358,7 +341,7 @@ def markdown(report: dict) -> str:
                 "|---|" + "---|" * len(kernels)]
         for k in dict.fromkeys(r["keys"] for r in report["sdpa"]):
             cells = {r["kernel"]: r["median_ms"] for r in report["sdpa"] if r["keys"] == k}
-            out.append(f"| {k:,} | " + " | ".join(_f(cells.get(c)) for c in kernels) + " |")
+            out.append(f"| {k:,} | " + " | ".join(cell(cells.get(c)) for c in kernels) + " |")
         out.append("")
     if report.get("train"):
         out += ["## Training step, 124M, batch 16 x 1024, bf16 autocast, clip 1.0 (median ms of interleaved rounds)",
@@ -366,8 +349,8 @@ def markdown(report: dict) -> str:
                 "|---|---|---|---|---|---|---|---|"]
         for r in report["train"]:
             out.append(f"| {r['model']} | {r['mode']} | {r['optimizer']} | {r['median_ms']:.1f} | "
-                       f"{r['tokens_per_s']:,.0f} | {_f(r['mfu'], '{:.2f}')} | "
-                       f"{_f(r['vs_reference_same_mode'], '{:.2f}x')} | {_f(r['vs_ours_mha_same_mode'], '{:.2f}x')} |")
+                       f"{r['tokens_per_s']:,.0f} | {cell(r['mfu'], '{:.2f}')} | "
+                       f"{cell(r['vs_reference_same_mode'], '{:.2f}x')} | {cell(r['vs_ours_mha_same_mode'], '{:.2f}x')} |")
         out.append("")
     if report.get("decode"):
         out += ["## Decode step, 124M shapes, bf16, one token per sequence (median ms; floor = cache + weight bytes "
@@ -379,7 +362,7 @@ def markdown(report: dict) -> str:
                 out.append(f"| {r['batch']} | {r['ctx']:,} | {r['variant']} | {r.get('error', '-')} | | | | |")
                 continue
             out.append(f"| {r['batch']} | {r['ctx']:,} | {r['variant']} | {r['median_ms']:.3f} | "
-                       f"{_f(r.get('vs_ours_mha'), '{:.2f}x')} | {_f(r.get('vs_hf_static'), '{:.2f}x')} | "
+                       f"{cell(r.get('vs_ours_mha'), '{:.2f}x')} | {cell(r.get('vs_hf_static'), '{:.2f}x')} | "
                        f"{r['floor_ms']:.3f} | {r['vs_floor']:.1f} |")
         out.append("")
     return "\n".join(out)

@@ -39,16 +39,15 @@ from typing import Callable, Optional
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from kvsplice.io.cli import EXIT_USAGE, Parser, UsageError
+from kvsplice.report.tables import cell
+from models import GPT, preset
+from models.attention import attend
+from models.cache import SCALE, quantize_int8
+from models.checkpoint import atomic_write
+from models.kernels import decode_attend, interpreting, triton_missing_reason
 
-from benchmarks.gpu import _f  # noqa: E402  (a table cell: "-" for None)
-from kvsplice.io.cli import EXIT_USAGE, Parser, UsageError  # noqa: E402
-from models import GPT, preset  # noqa: E402
-from models.attention import attend  # noqa: E402
-from models.cache import SCALE, quantize_int8  # noqa: E402
-from models.checkpoint import atomic_write  # noqa: E402
-from models.kernels import decode_attend, interpreting, triton_missing_reason  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PROG = "serving.py"
 VARIANTS = {"MHA": "gpt2", "GQA-4": "gpt2_gqa4", "MQA": "gpt2_mqa", "MLA": "mla", "KVSplice-50": "mla_kvsplice_50",
@@ -64,7 +63,7 @@ RESERVE_BYTES = 4 * 2**30
 def timer(device: torch.device) -> Callable[[Callable[[], object], int], list[float]]:
     """``time(fn, n)``: ms of each of ``n`` calls (CUDA events on an idle GPU; wall clock on CPU)."""
     if device.type == "cuda":
-        from benchmarks.gpu import cuda_time
+        from kvsplice.report.cuda_timing import cuda_time
 
         return cuda_time
 
@@ -257,12 +256,12 @@ def markdown(report: dict) -> str:
         for r in report["capacity"]:
             out.append(
                 f"| {r['variant']} | {r['rows']} | {r['ctx']:,} | {r['bytes_per_seq']:,} | {r['max_batch']:,} | "
-                f"{_f(r.get('batch_vs_mha'), '{:.1f}x')} | {r['batch']:,} | "
-                f"{_f(r.get('sdpa_ms')) if 'sdpa_error' not in r else r['sdpa_error']} | "
-                f"{_f(r.get('sdpa_tokens_per_s'), '{:,.0f}')} | "
-                f"{_f(r.get('split_kv_ms')) if 'split_kv_error' not in r else r['split_kv_error']} | "
-                f"{_f(r.get('split_kv_tokens_per_s'), '{:,.0f}')} | {_f(r.get('split_kv_vs_mha_sdpa'), '{:.1f}x')} | "
-                f"{r['floor_ms']:.3f} | {_f(r.get('split_kv_pct_floor'), '{:.0f} %')} |")
+                f"{cell(r.get('batch_vs_mha'), '{:.1f}x')} | {r['batch']:,} | "
+                f"{cell(r.get('sdpa_ms')) if 'sdpa_error' not in r else r['sdpa_error']} | "
+                f"{cell(r.get('sdpa_tokens_per_s'), '{:,.0f}')} | "
+                f"{cell(r.get('split_kv_ms')) if 'split_kv_error' not in r else r['split_kv_error']} | "
+                f"{cell(r.get('split_kv_tokens_per_s'), '{:,.0f}')} | {cell(r.get('split_kv_vs_mha_sdpa'), '{:.1f}x')} | "
+                f"{r['floor_ms']:.3f} | {cell(r.get('split_kv_pct_floor'), '{:.0f} %')} |")
         out.append("")
     if report.get("kernel"):
         k0 = report["kernel"][0]
@@ -270,18 +269,18 @@ def markdown(report: dict) -> str:
                 "| rows | bytes read | SDPA ms | SDPA % bandwidth | split-KV ms | split-KV GB/s | split-KV % bandwidth | "
                 "max abs diff |", "|---|---|---|---|---|---|---|---|"]
         for r in report["kernel"]:
-            out.append(f"| {r['case']} | {r['bytes_read']:,} | {_f(r.get('sdpa_ms'))} | "
-                       f"{_f(r.get('sdpa_pct_bandwidth'), '{:.0f} %')} | {_f(r.get('split_kv_ms'))} | "
-                       f"{_f(r.get('split_kv_gbs'), '{:.0f}')} | {_f(r.get('split_kv_pct_bandwidth'), '{:.0f} %')} | "
-                       f"{_f(r.get('max_abs_diff'), '{:.1e}')} |")
+            out.append(f"| {r['case']} | {r['bytes_read']:,} | {cell(r.get('sdpa_ms'))} | "
+                       f"{cell(r.get('sdpa_pct_bandwidth'), '{:.0f} %')} | {cell(r.get('split_kv_ms'))} | "
+                       f"{cell(r.get('split_kv_gbs'), '{:.0f}')} | {cell(r.get('split_kv_pct_bandwidth'), '{:.0f} %')} | "
+                       f"{cell(r.get('max_abs_diff'), '{:.1e}')} |")
         splits = report.get("kernel_splits") or []
         if splits and "split_kv_ms" in k0:
             out += ["", "Split count forced (`--kernel-splits`): ms per call", "",
                     "| rows | auto | " + " | ".join(f"{n} splits" for n in splits) + " |",
                     "|---|---|" + "---|" * len(splits)]
             for r in report["kernel"]:
-                out.append(f"| {r['case']} | {_f(r.get('split_kv_ms'))} | "
-                           + " | ".join(_f(r.get(f"split_kv_s{n}_ms")) for n in splits) + " |")
+                out.append(f"| {r['case']} | {cell(r.get('split_kv_ms'))} | "
+                           + " | ".join(cell(r.get(f"split_kv_s{n}_ms")) for n in splits) + " |")
         out.append("")
     return "\n".join(out)
 

@@ -1,8 +1,13 @@
-"""Tables for the command-line tools: one markdown writer and one rich printer."""
+"""Tables for the command-line tools and benchmarks: one markdown writer, one rich printer, one cell format."""
 
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
+
+
+def cell(x, fmt: str = "{:.3f}") -> str:
+    """A table cell: ``x`` formatted with ``fmt``, or ``-`` for None (not measured)."""
+    return "-" if x is None else fmt.format(x)
 
 
 def markdown_table(title: str, head: Sequence[str], body: Sequence[Sequence[str]]) -> str:

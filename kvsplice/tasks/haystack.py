@@ -71,11 +71,11 @@ def n_tokens(tokenizer, text: str) -> int:
 
 
 def build_context(tokenizer, pieces: Iterator[str], budget: int,
-                  inserts: Sequence[tuple[float, str]] = ()) -> str:
-    """Haystack ``pieces`` joined until ``budget`` tokens (inserts included) would be passed, with each
-    ``(depth, sentence)`` of ``inserts`` placed between pieces at ``round(depth · n_pieces)`` (equal depths keep
-    their order)."""
-    room = budget - sum(n_tokens(tokenizer, s) for _, s in inserts)
+                  inserts: Sequence[tuple[float, str]] = (), head: str = "") -> str:
+    """``head`` (the task's instruction) + haystack ``pieces`` joined until ``budget`` tokens (head and inserts
+    included) would be passed, with each ``(depth, sentence)`` of ``inserts`` placed between pieces at
+    ``round(depth · n_pieces)`` (equal depths keep their order)."""
+    room = budget - sum(n_tokens(tokenizer, s) for _, s in inserts) - (len(tokenizer.encode(head)) if head else 0)
     body: list[str] = []
     used = 0
     for p in pieces:
@@ -84,6 +84,14 @@ def build_context(tokenizer, pieces: Iterator[str], budget: int,
             break
         body.append(p)
         used += c
+    while True:  # the joined text measured exactly: drop the last piece while it is over (a boundary token)
+        text = _assemble(body, inserts, head)
+        if len(tokenizer.encode(text)) <= budget or not body:
+            return text
+        body.pop()
+
+
+def _assemble(body: list[str], inserts: Sequence[tuple[float, str]], head: str) -> str:
     slots: dict[int, list[str]] = {}
     for depth, s in inserts:
         if not 0.0 <= depth <= 1.0:
@@ -94,4 +102,4 @@ def build_context(tokenizer, pieces: Iterator[str], budget: int,
         out.extend(slots.get(i, ()))
         if i < len(body):
             out.append(body[i])
-    return " ".join(out)
+    return head + " ".join(out)

@@ -26,6 +26,16 @@ _NOUN = {"number": "number", "word": "word", "uuid": "uuid"}
 _NEW = {"number": 12, "word": 8, "uuid": 32}  # tokens to generate per value
 
 
+PASSKEY_HEAD = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will "
+                "quiz you about the important information there.\n\n")
+
+
+def _head(kind: str) -> str:
+    """RULER's instruction before a needle haystack."""
+    return (f"Some special magic {_NOUN[kind]}s are hidden within the following text. Make sure to memorize them. "
+            f"I will quiz you about the {_NOUN[kind]}s afterwards.\n\n")
+
+
 def _needle(key: str, kind: str, value: str) -> str:
     return f"One of the special magic {_NOUN[kind]}s for {key} is: {value}."
 
@@ -47,7 +57,7 @@ def passkey(tokenizer, length: int, seed: int, rng: random.Random, **_) -> TaskI
     depth = rng.random()
     q = "\n\nWhat is the pass key? The pass key is"
     ctx = build_context(tokenizer, haystack_pieces("filler", rng), _budget(tokenizer, length, q),
-                        [(depth, f"The pass key is {v}. Remember it. {v} is the pass key.")])
+                        [(depth, f"The pass key is {v}. Remember it. {v} is the pass key.")], PASSKEY_HEAD)
     return TaskInstance("passkey", length, seed, ctx, q, (v,), 8, {"depth": depth, "haystack": "filler"})
 
 
@@ -56,7 +66,7 @@ def single(tokenizer, length: int, seed: int, rng: random.Random, *, task: str, 
     key, v, depth = random_key(rng), random_value(value, rng), rng.random()
     q = _ask([key], value, False)
     ctx = build_context(tokenizer, haystack_pieces(haystack, rng, stories), _budget(tokenizer, length, q),
-                        [(depth, _needle(key, value, v))])
+                        [(depth, _needle(key, value, v))], _head(value))
     return TaskInstance(task, length, seed, ctx, q, (v,), _NEW[value], {"depth": depth, "haystack": haystack})
 
 
@@ -70,7 +80,7 @@ def multikey(tokenizer, length: int, seed: int, rng: random.Random, *, task: str
     depths = [rng.random() for _ in keys]
     q = _ask([keys[0]], value, False)
     ctx = build_context(tokenizer, haystack_pieces(haystack, rng, stories), _budget(tokenizer, length, q),
-                        sorted(zip(depths, (_needle(k, value, v) for k, v in zip(keys, vals)))))
+                        sorted(zip(depths, (_needle(k, value, v) for k, v in zip(keys, vals)))), _head(value))
     return TaskInstance(task, length, seed, ctx, q, (vals[0],), _NEW[value],
                         {"depth": depths[0], "distractor_depths": depths[1:], "haystack": haystack})
 
@@ -84,7 +94,7 @@ def multivalue(tokenizer, length: int, seed: int, rng: random.Random, *, task: s
     depths = sorted(rng.random() for _ in vals)
     q = _ask([key], value, True)
     ctx = build_context(tokenizer, haystack_pieces(haystack, rng, stories), _budget(tokenizer, length, q),
-                        [(d, _needle(key, value, v)) for d, v in zip(depths, vals)])
+                        [(d, _needle(key, value, v)) for d, v in zip(depths, vals)], _head(value))
     return TaskInstance(task, length, seed, ctx, q, tuple(vals), _NEW[value] * n_values,
                         {"depths": depths, "haystack": haystack})
 
@@ -99,6 +109,6 @@ def multiquery(tokenizer, length: int, seed: int, rng: random.Random, *, task: s
     depths = [rng.random() for _ in keys]
     q = _ask(keys, value, True)
     ctx = build_context(tokenizer, haystack_pieces(haystack, rng, stories), _budget(tokenizer, length, q),
-                        sorted(zip(depths, (_needle(k, value, v) for k, v in zip(keys, vals)))))
+                        sorted(zip(depths, (_needle(k, value, v) for k, v in zip(keys, vals)))), _head(value))
     return TaskInstance(task, length, seed, ctx, q, tuple(vals), _NEW[value] * n_queries,
                         {"depths": depths, "haystack": haystack})

@@ -30,5 +30,6 @@ def story_qa(tokenizer, length: int, seed: int, rng: random.Random, *, task: str
     q = f"\n\nIn the first story, what was the name of the {who}? The {who} was named"
     budget = length - len(tokenizer.encode(q)) - (1 if tokenizer.sep == "bos" else 0)
     pieces = haystack_pieces("stories", rng, stories, keep=lambda p: " named " not in p and name not in p)
-    ctx = build_context(tokenizer, pieces, budget, [(0.0, story)])
+    ctx = build_context(tokenizer, pieces, budget, [(0.0, story)],
+                        "Read the following stories. I will ask you about the first one afterwards.\n\n")
     return TaskInstance(task, length, seed, ctx, q, (name,), 6, {"who": who, "haystack": "stories"})

@@ -42,6 +42,7 @@ def variable_tracking(tokenizer, length: int, seed: int, rng: random.Random, *, 
          f"chain of variable assignments in the text above, {n_hops + 1} variables are assigned the value "
          f"{values[0]}, they are:")
     budget = length - len(tokenizer.encode(q)) - (1 if tokenizer.sep == "bos" else 0)
-    ctx = build_context(tokenizer, haystack_pieces(haystack, rng, stories), budget, inserts)
+    ctx = build_context(tokenizer, haystack_pieces(haystack, rng, stories), budget, inserts,
+                        "Memorize and track the chain of variable assignments hidden in the following text.\n\n")
     return TaskInstance(task, length, seed, ctx, q, tuple(chains[0]), 8 * (n_hops + 1),
                         {"value": values[0], "haystack": haystack})

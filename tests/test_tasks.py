@@ -114,3 +114,21 @@ def test_answer_full_budget_selection_is_the_full_cache(tok, model) -> None:
     assert keep_all.tokens == full.tokens and keep_all.score == full.score
     with pytest.raises(ValueError, match="setting"):
         answer(model, tok, inst, lambda ids: None, setting="both")
+
+
+@pytest.mark.parametrize("setting", ["agnostic", "aware"])
+def test_answer_many_equals_answer(tok, model, setting) -> None:
+    from kvsplice.tasks.methods import parse_method
+    from kvsplice.tasks.shared import answer_many
+
+    inst = make_instance("multikey_facts", tok, 200, 2)
+    specs = {s: parse_method(s, tok) for s in ("full", "select:observed_attention@x4+int8", "kvzip@x2",
+                                                "kvzip@x4+int8", "int8", "select:snapkv@0.5")}
+    many = answer_many(model, tok, inst, {s: m.factory for s, m in specs.items()}, setting=setting)
+    assert list(many) == list(specs)
+    for s, m in specs.items():
+        one = answer(model, tok, inst, m.factory, setting=setting)
+        assert many[s].tokens == one.tokens, s
+        assert (many[s].cache_bytes, many[s].formula_bytes, many[s].fp16_bytes) == \
+            (one.cache_bytes, one.formula_bytes, one.fp16_bytes), s
+    assert many["kvzip@x2"].cache_bytes > many["kvzip@x4+int8"].cache_bytes

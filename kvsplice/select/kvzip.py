@@ -37,9 +37,8 @@ REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
 
 class ReconstructionScores(TokenSelector):
     """Keeps the ``budget`` tokens of the highest scores set by :class:`KVzipSelection` for the layer being
-    compressed (``scores (B·Hkv, T)``); log-weights 0."""
-
-    name = "kvzip"
+    compressed (``scores (B·Hkv, T)``); log-weights 0. Not registered with ``make_selector``: its scores come from
+    the reconstruction pass."""
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__(seed)
@@ -59,11 +58,12 @@ class KVzipSelection(TokenSelection):
     name = "kvzip"
 
     def __init__(self, budget: int, *, recon_ids: torch.Tensor, store: Optional[CompressionMethod] = None,
-                 chunk: int = 512) -> None:
+                 chunk: int = 512, shared_scores: Optional[dict] = None) -> None:
         super().__init__(ReconstructionScores(), budget, store=store)
         if not isinstance(recon_ids, torch.Tensor) or recon_ids.dim() != 2 or recon_ids.shape[1] < 1:
             raise ValueError("recon_ids must be token ids (B or 1, Tr) with Tr >= 1")
         self.recon_ids, self.chunk = recon_ids, int(chunk)
+        self.shared_scores = shared_scores  # {layer: scores} of a finished pass over the same context, reused
 
     def _prepare(self, adapter, *, dtype, device):
         super()._prepare(adapter, dtype=dtype, device=device)
@@ -74,7 +74,14 @@ class KVzipSelection(TokenSelection):
 
     def attend(self, layer, q, k, v, cache, step, mask=None, logw=None):
         if cache.layer_len(layer) == 0:
-            self.layer_scores[layer] = self._scores(layer, k, v, step)  # (B, Hkv, T)
+            shared = self.shared_scores
+            if shared is not None and len(shared) == self.adapter.n_layer and shared[layer].shape == (*k.shape[:2],
+                                                                                                       k.shape[2]):
+                self.layer_scores[layer] = shared[layer]  # the same context's pass, done once for every budget
+            else:
+                self.layer_scores[layer] = self._scores(layer, k, v, step)  # (B, Hkv, T)
+                if shared is not None and layer == self.adapter.n_layer - 1:
+                    shared.update(self.layer_scores)
             self.selector.scores = self.layer_scores[layer].reshape(-1, k.shape[2])  # (B·Hkv, T)
         return super().attend(layer, q, k, v, cache, step, mask=mask, logw=logw)
 

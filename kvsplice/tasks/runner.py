@@ -32,7 +32,7 @@ from torch import nn
 from kvsplice.core.method import CompressionMethod
 from kvsplice.tasks.instance import SETTINGS, TaskInstance, prompt_ids
 
-__all__ = ["DOORS", "MethodFactory", "Outcome", "answer", "decode_text"]
+__all__ = ["DOORS", "MethodFactory", "Outcome", "answer", "decode_text", "greedy"]
 
 DOORS = ("decoder", "hf")
 MethodFactory = Callable[[torch.Tensor], Optional[CompressionMethod]]
@@ -82,14 +82,20 @@ def _decoder_door(model, method, comp, rest, n_new, eos):
     nbytes = (cache.nbytes(), m.bytes_formula(1, held, cache.dtype), m.bytes_formula(1, held, torch.float16))
     if rest.shape[1]:
         logits = dec(rest, cache, last_only=True)  # the question over the compressed cache
+    return greedy(dec, cache, logits, n_new, eos), nbytes, dec.adapter
+
+
+def greedy(dec, cache, logits: torch.Tensor, n_new: int, eos: Optional[int]) -> list[int]:
+    """Up to ``n_new`` greedy tokens from the last ``logits (1, T, V)`` on, each fed to ``dec`` over ``cache``; stops
+    after ``eos`` (kept)."""
     out: list[int] = []
     for i in range(n_new):
         tok = int(logits[0, -1].argmax())
         out.append(tok)
         if tok == eos or i == n_new - 1:
             break
-        logits = dec(torch.tensor([[tok]], device=comp.device), cache, last_only=True)
-    return out, nbytes, dec.adapter
+        logits = dec(torch.tensor([[tok]], device=logits.device), cache, last_only=True)
+    return out
 
 
 class _AfterPrefill:

@@ -63,6 +63,7 @@ def make_instance(task: str, tokenizer, length: int, seed: int, *, stories: Opti
 
 def make_instances(tasks: Sequence[str], tokenizer, lengths: Sequence[int], n: int, *, seed0: int = 0,
                    stories: Optional[str] = None) -> list[TaskInstance]:
-    """``n`` instances (seeds ``seed0 .. seed0 + n - 1``) of every task at every length."""
-    return [make_instance(t, tokenizer, L, seed0 + i, stories=stories) for t in tasks for L in lengths
-            for i in range(n)]
+    """``n`` instances (seeds ``seed0 .. seed0 + n - 1``) of every task at every length, seed by seed (a run cut
+    short has every task at its first seeds)."""
+    return [make_instance(t, tokenizer, L, seed0 + i, stories=stories) for i in range(n) for t in tasks
+            for L in lengths]

@@ -222,7 +222,12 @@ def eval_plan(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str, Any]
         raise EvalError(f"--prompt-len must be 0 or in [1, {t - 1}] (below --seq-len), got {p}")
     kw = dict(prompt_len=p, batch_size=ctx.batch_size, decode_chunk=ctx.chunk_size)
     full = evaluate(ctx.model, None, ctx.windows, **kw)
-    res = evaluate(ctx.model, plan.method(p or t), ctx.windows, **kw)
+    if plan.stack.selector == "kvzip":  # KVzip re-reads each prompt: its method is built window by window
+        from kvsplice.evaluation.protocol import evaluate_each
+
+        res = evaluate_each(ctx.model, lambda ids: plan.method(p, ids), ctx.windows, **kw)
+    else:
+        res = evaluate(ctx.model, plan.method(p or t), ctx.windows, **kw)
     res.update({"label": f"plan: {plan.stack.label()}", "plan": str(args.plan), "stack": plan.stack.to_dict(),
                 "full_ppl_same_protocol": full["ppl"], "ppl_ratio": res["ppl"] / full["ppl"]})
     return [res]

@@ -128,8 +128,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from kvsplice.adapters import model_fingerprint
 
         plan.check_model(model_fingerprint(model))
-        method = plan.method(prompt_len=len(prompt))
     ids = torch.tensor([prompt], device=next(model.parameters()).device)
+    if plan is not None:
+        method = plan.method(prompt_len=len(prompt), ids=ids)  # KVzip re-reads the prompt
     torch.manual_seed(args.seed)
     if loaded.kind == "ckpt":
         new, cache, formula, full, engine = _generate_ours(model, ids, method, args)

@@ -8,7 +8,7 @@ on calibration text, and write it as a plan the other tools take directly.
 
     python -m kvsplice.generate --model M --plan plan.json --prompt "..." --max-new-tokens 64
     python -m kvsplice.eval_bases --model M --plan plan.json --data VAL.txt
-    KVSpliceHFCache(model, Plan.load("plan.json", model).method(prompt_len))
+    KVSpliceHFCache(model, Plan.load("plan.json", model).method(prompt_len, ids))   # ids: KVzip re-reads them
 
 Steps: load the model; calibrate once (every RoPE mode, loss gradients; reused from ``--calib-stats``); take the
 tuning windows from the calibration text *after* the calibration tokens (``--tune-tokens``, windows of
@@ -62,6 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--selectors", nargs="+", default=["snapkv", "observed_attention"], choices=sorted(SELECTORS),
                    help="token selectors to try (default snapkv observed_attention)")
     p.add_argument("--batch-size", type=pos_int, default=2, help="windows per forward (default 2)")
+    p.add_argument("--objective", choices=("ppl", "tasks", "mixed"), default="mixed", help="what the stack must "
+                   "keep: tuning perplexity, task accuracy on tuning instances (seeds >= 1,000,000, never reported), "
+                   "or mixed (default): the best perplexity among the candidates with the best task accuracy")
+    p.add_argument("--tune-tasks", nargs="+", default=["passkey", "niah_number_facts"], metavar="TASK",
+                   help="tasks of the accuracy objective (default passkey niah_number_facts; see eval_tasks)")
+    p.add_argument("--tune-n", type=pos_int, default=4, help="tuning instances per task (default 4)")
+    p.add_argument("--tune-length", type=pos_int, help="tuning instances' prompt tokens (default --seq-len)")
+    p.add_argument("--tune-setting", choices=("agnostic", "aware"), default="agnostic",
+                   help="the question after the compressed context (default) or inside it")
+    p.add_argument("--task-tolerance", type=float, default=0.0, help="mixed: accuracy points below the best a "
+                   "candidate may lose (default 0)")
+    p.add_argument("--stories", help="TinyStories text for --tune-tasks that need it")
+    p.add_argument("--no-kvzip", action="store_true", help="do not try KVzip in place of the selectors")
     p.add_argument("--out", required=True, help="the plan (.json); low-rank bases go beside it")
     p.add_argument("--json", help="also write the search report here")
     p.add_argument("--force", action="store_true", help="overwrite --out / --json (and recompute --calib-stats "
@@ -79,7 +92,7 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
     from kvsplice.lowrank.calibrate import calibration_batches
     from kvsplice.lowrank.sensitivity import stats_for
     from kvsplice.planning.search import search
-    from kvsplice.planning.spec import Plan
+    from kvsplice.planning.spec import Plan, Stack
 
     progress = not args.no_progress
     device, dtype = device_dtype(args)
@@ -109,10 +122,17 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
     full_bpt = full_bytes_per_token(adapter)
     budget = args.budget_bytes_per_token or full_bpt / args.ratio
     log = print if progress else (lambda s: None)
+    task_eval, tune_info = _task_eval(args, model, loaded.tokenizer, seq, progress)
+    repeat = None
+    if not args.no_kvzip:
+        from kvsplice.select.kvzip import REPEAT_PROMPT
+
+        repeat = loaded.tokenizer.encode(REPEAT_PROMPT)
     found = search(model, stats, tune, prompt_len=prompt_len, budget=budget, selectors=args.selectors,
-                   batch_size=args.batch_size, log=log)
+                   batch_size=args.batch_size, log=log, objective=args.objective, task_eval=task_eval,
+                   kvzip_repeat_ids=repeat, task_tolerance=args.task_tolerance)
     best = found["best"]
-    chosen = min(found["candidates"], key=lambda r: r["tuning_ppl"])
+    chosen = next(r for r in found["candidates"] if Stack(**r["stack"]) == best)
     info = {"budget": {"bytes_per_token": budget, "ratio_vs_fp16_full": full_bpt / budget,
                        "full_fp16_bytes_per_token": full_bpt, "storage": "fp16"},
             "prompt_len": prompt_len, "seq_len": seq,
@@ -120,9 +140,41 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
                        "full_cache_ppl": found["full"]["tuning_ppl"]},
             "calibration": {"tokens": n_cal, "stats_file": args.calib_stats, "reused": reused,
                             "seconds": calib_s},
-            "chosen": chosen, "selector": found["selector"], "candidates": found["candidates"]}
+            "chosen": chosen, "selector": found["selector"], "candidates": found["candidates"],
+            "objective": args.objective, "tasks": tune_info, "full": found["full"]}
     plan = Plan(best, model_fingerprint(model), found["bases"], None, info)
     return plan, info
+
+
+def _task_eval(args, model, tokenizer, seq: int, progress: bool):
+    """The accuracy objective's measure: every candidate on tuning task instances (seeds from
+    :data:`kvsplice.tasks.suite.TUNING_SEED0`, disjoint from any reported run), one shared prefill per instance."""
+    if args.objective == "ppl":
+        return None, None
+    from kvsplice.tasks.shared import answer_many
+    from kvsplice.tasks.suite import NEEDS_STORIES, TASKS, TUNING_SEED0, make_instances
+
+    bad = [t for t in args.tune_tasks if t not in TASKS]
+    if bad:
+        raise UsageError(f"--tune-tasks: unknown task {bad[0]!r}; tasks are {', '.join(TASKS)}")
+    if set(args.tune_tasks) & NEEDS_STORIES and not args.stories:
+        raise UsageError("--tune-tasks " + " ".join(sorted(set(args.tune_tasks) & NEEDS_STORIES)) + " need --stories")
+    length = args.tune_length or seq
+    insts = make_instances(args.tune_tasks, tokenizer, [length], args.tune_n, seed0=TUNING_SEED0,
+                           stories=args.stories)
+    info = {"tasks": args.tune_tasks, "length": length, "n": args.tune_n, "seed0": TUNING_SEED0,
+            "setting": args.tune_setting}
+
+    def task_eval(factories: dict) -> dict[str, float]:
+        from tqdm.auto import tqdm
+
+        scores: dict[str, float] = {k: 0.0 for k in factories}
+        for inst in tqdm(insts, desc="tuning tasks", disable=not progress, file=sys.stderr):
+            for k, o in answer_many(model, tokenizer, inst, factories, setting=args.tune_setting).items():
+                scores[k] += o.score
+        return {k: 100 * v / len(insts) for k, v in scores.items()}
+
+    return task_eval, info
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -149,9 +201,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         output_file(bases_out, force=args.force, option="the plan's bases", inputs=inputs)
     plan.save(out)
     c = info["chosen"]
+    acc = "" if "task_acc" not in c else (f"; tuning task accuracy {c['task_acc']:.1f} % (full cache "
+                                           f"{info['full']['task_acc']:.1f} %)")
     print(f"plan: {c['label']} — {c['bytes_per_token']:.1f} bytes per token, {c['ratio_vs_fp16_full']:.2f}x smaller "
           f"than the fp16 full cache; tuning ppl {c['tuning_ppl']:.4f} ({c['delta_pct']:+.2f} % vs the full cache "
-          f"{info['tuning']['full_cache_ppl']:.4f})")
+          f"{info['tuning']['full_cache_ppl']:.4f}){acc} [objective {args.objective}]")
     print(f"wrote {out}" + (f" and {bases_out}" if plan.bases is not None else ""))
     if json_path is not None:
         write_json(info, json_path)

@@ -21,7 +21,7 @@ EVAL = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
 pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file() or not CALIB.is_file(),
                                 reason=f"stories260K / TinyStories not found under {DATA}")
 SMALL = ["--calib", str(CALIB), "--calib-tokens", "2048", "--tune-tokens", "512", "--seq-len", "256",
-         "--no-progress", "--batch-size", "2"]
+         "--no-progress", "--batch-size", "2", "--objective", "ppl"]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_generate_eval_and_the_hf_cache_take_the_plan(s260k, planned, tmp_path, 
     plan = Plan.load(planned / "plan.json", model)
     ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        a = model.generate(ids, past_key_values=KVSpliceHFCache(model, plan.method(40)), max_new_tokens=5,
+        a = model.generate(ids, past_key_values=KVSpliceHFCache(model, plan.method(40, ids)), max_new_tokens=5,
                            do_sample=False)
     assert a.shape == (1, 45)
 
@@ -102,3 +102,22 @@ def test_stats_are_reused_and_bad_inputs_are_one_line(s260k, planned, tmp_path, 
     assert "not a kvsplice plan" in capsys.readouterr().err
     with pytest.raises(PlanError, match="pre-RoPE"):
         Stack("lowrank", rope="pre", selector="snapkv", keep=0.5)
+
+
+def test_the_mixed_objective_measures_tasks_and_never_trades_accuracy(s260k, planned, tmp_path):
+    """--objective mixed (the default): every candidate (KVzip among them) gets a task accuracy on tuning instances
+    (seeds >= 1,000,000) beside its perplexity; the chosen stack has the best accuracy, then the best perplexity."""
+    args = [a for a in SMALL if a not in ("--objective", "ppl")]
+    out = tmp_path / "pm.json"
+    assert plan_cli.main(["--model", str(s260k), *args, "--ratio", "3", "--calib-stats",
+                          str(planned / "stats.safetensors"), "--tune-tasks", "passkey", "--tune-n", "1",
+                          "--tune-length", "160", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["objective"] == "mixed" and doc["tasks"]["seed0"] == 1_000_000 and "task_acc" in doc["full"]
+    cands = doc["candidates"]
+    assert all("task_acc" in c and "tuning_ppl" in c for c in cands)
+    assert any(c["label"].startswith("kvzip") for c in cands)
+    best_acc = max(c["task_acc"] for c in cands)
+    top = [c for c in cands if c["task_acc"] >= best_acc]
+    assert doc["chosen"]["task_acc"] == best_acc
+    assert doc["chosen"]["tuning_ppl"] == min(c["tuning_ppl"] for c in top)

@@ -24,11 +24,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from kvsplice.adapters import adapter_for
-from kvsplice.evaluation.protocol import evaluate, full_bytes_per_token
+from kvsplice.evaluation.protocol import evaluate, evaluate_each, full_bytes_per_token
 from kvsplice.planning.spec import Stack
 
-__all__ = ["DEFAULT_SELECTORS", "LOWRANK_RATIOS", "bytes_per_token", "candidate_stores", "fit_budget",
-           "lowrank_bases", "search"]
+__all__ = ["DEFAULT_SELECTORS", "LOWRANK_RATIOS", "OBJECTIVES", "bytes_per_token", "candidate_stores", "fit_budget",
+           "lowrank_bases", "rank_key", "search"]
 
 DEFAULT_SELECTORS = ("snapkv", "observed_attention")
 LOWRANK_RATIOS = (1.5, 2.0, 3.0)
@@ -103,12 +103,41 @@ def fit_budget(store: Stack, adapter, prompt_len: int, budget: float, *, selecto
     return replace(sel, keep=lo / prompt_len)
 
 
+OBJECTIVES = ("ppl", "tasks", "mixed")
+"""What the planner optimises: tuning perplexity; task accuracy on tuning instances (ties: perplexity); or ``mixed``
+(the default of ``python -m kvsplice.plan``): the best perplexity among the candidates whose task accuracy is within
+``task_tolerance`` points of the best accuracy — it never trades retrieval for perplexity."""
+
+
+def rank_key(objective: str, best_acc: float = 100.0, tolerance: float = 0.0) -> Callable[[dict], tuple]:
+    """Sort key of candidate rows (smallest first) for ``objective`` (:data:`OBJECTIVES`)."""
+    if objective == "ppl":
+        return lambda r: (r["tuning_ppl"],)
+    if objective == "tasks":
+        return lambda r: (-r["task_acc"], r["tuning_ppl"])
+    if objective == "mixed":
+        return lambda r: (r["task_acc"] < best_acc - tolerance - 1e-9, r["tuning_ppl"])
+    raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+
+
 def search(model, stats: dict, windows: torch.Tensor, *, prompt_len: int, budget: float,
            selectors: Sequence[str] = DEFAULT_SELECTORS, lowrank_ratios: Sequence[float] = LOWRANK_RATIOS,
-           batch_size: int = 4, log: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+           batch_size: int = 4, log: Optional[Callable[[str], None]] = None, objective: str = "ppl",
+           task_eval: Optional[Callable[[dict[str, Callable]], dict[str, float]]] = None,
+           kvzip_repeat_ids: Optional[Sequence[int]] = None, task_tolerance: float = 0.0) -> dict[str, Any]:
     """Search the stacks that fit ``budget`` bytes per prompt token (at fp16) on the tuning ``windows``; returns
     ``{"best": Stack, "bases": KVBases or None, "full": the full cache's tuning result, "candidates": [...]}``
-    (each candidate: its stack, label, bytes per token, ratio vs the fp16 full cache, tuning perplexity)."""
+    (each candidate: its stack, label, bytes per token, ratio vs the fp16 full cache, tuning perplexity and, with
+    ``task_eval``, its task accuracy).
+
+    ``objective`` (:data:`OBJECTIVES`): with ``tasks`` / ``mixed``, ``task_eval({label: factory(ids) -> method})``
+    returns each candidate's accuracy (%) on tuning task instances (``factory`` builds the candidate's method for the
+    ids it compresses; the full cache is ``"full"``). ``kvzip_repeat_ids``: the token ids of KVzip's repeat prompt —
+    given, every selection candidate is also tried with KVzip in place of the selector."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if objective != "ppl" and task_eval is None:
+        raise ValueError(f"objective {objective!r} needs task_eval (task instances to measure accuracy on)")
     log = log or (lambda s: None)
     adapter = adapter_for(model)
     full_bpt = full_bytes_per_token(adapter)
@@ -118,14 +147,32 @@ def search(model, stats: dict, windows: torch.Tensor, *, prompt_len: int, budget
         return lowrank_bases(stats, st.lowrank_ratio, st.rope, bases_cache) if st.store == "lowrank" else None
 
     def measure(st: Stack) -> dict[str, Any]:
-        res = evaluate(model, st.method(prompt_len, bases_of(st)), windows, prompt_len=prompt_len,
-                       batch_size=batch_size)
+        if st.selector == "kvzip":
+            res = evaluate_each(model, lambda ids, st=st: st.method(prompt_len, bases_of(st), ids), windows,
+                                prompt_len=prompt_len)  # KVzip re-reads each prompt
+        else:
+            res = evaluate(model, st.method(prompt_len, bases_of(st)), windows, prompt_len=prompt_len,
+                           batch_size=batch_size)
         row = {"label": st.label(), "stack": st.to_dict(), "bytes_per_token": res["bytes_per_token"],
                "ratio_vs_fp16_full": res["ratio_vs_fp16_full"], "tuning_ppl": res["ppl"],
                "delta_pct": 100 * (res["ppl"] / full["ppl"] - 1), "seconds": res["seconds"]}
         log(f"  {row['label']:<48} {row['ratio_vs_fp16_full']:6.2f}x  tuning ppl {row['tuning_ppl']:.4f} "
             f"({row['delta_pct']:+.2f} %)")
         return row
+
+    def with_tasks(rows: list[dict], stacks: list[Stack]) -> None:
+        if task_eval is None:
+            return
+        todo = {r["label"]: (lambda ids, st=st: st.method(ids.shape[1], bases_of(st), ids))
+                for r, st in zip(rows, stacks) if "task_acc" not in r}
+        if not todo:
+            return
+        acc = task_eval({"full": lambda ids: None, **todo})
+        full["task_acc"] = acc["full"]
+        for r in rows:
+            if r["label"] in acc:
+                r["task_acc"] = acc[r["label"]]
+                log(f"  {r['label']:<48} task accuracy {r['task_acc']:.1f} % (full cache {acc['full']:.1f} %)")
 
     full = evaluate(model, None, windows, prompt_len=prompt_len, batch_size=batch_size)
     log(f"full cache: tuning ppl {full['ppl']:.4f}; budget {budget:.1f} bytes per token "
@@ -137,23 +184,37 @@ def search(model, stats: dict, windows: torch.Tensor, *, prompt_len: int, budget
             fits.append(st)
     if not fits:
         raise ValueError(f"no stack fits {budget:.1f} bytes per token (the smallest keeps 1/64 of the prompt)")
-    rows = []
+    rows, stacks = [], []
     chosen_sel = selectors[0]
     # the selector is chosen on the selection over int8 K/V (nearly lossless storage: the selection's own loss),
-    # else on the candidate that keeps the most tokens
+    # else on the candidate that keeps the most tokens; by the objective
     with_sel = sorted((s for s in fits if s.selector is not None), key=lambda s: (s.store != "int8", -s.keep))
-    if with_sel and len(selectors) > 1:
-        trial = [measure(replace(with_sel[0], selector=name)) for name in selectors]
+    trials = [replace(with_sel[0], selector=name) for name in selectors] if with_sel else []
+    if with_sel and kvzip_repeat_ids is not None:
+        trials.append(replace(with_sel[0], selector="kvzip", selector_kw={"repeat_ids": list(kvzip_repeat_ids)}))
+    if len(trials) > 1:
+        trial = [measure(st) for st in trials]
+        with_tasks(trial, trials)
         rows += trial
-        chosen_sel = min(zip(trial, selectors), key=lambda x: x[0]["tuning_ppl"])[1]
+        stacks += trials
+        best_acc = max((r.get("task_acc", 0.0) for r in trial), default=0.0)
+        pick = min(zip(trial, trials), key=lambda x: rank_key(objective, best_acc, task_tolerance)(x[0]))[1]
+        chosen_sel, chosen_kw = pick.selector, pick.selector_kw
         log(f"selector: {chosen_sel}")
+    else:
+        chosen_kw = {}
     done = {r["label"] for r in rows}
     for st in fits:
-        st = replace(st, selector=chosen_sel) if st.selector is not None else st
+        st = replace(st, selector=chosen_sel, selector_kw=chosen_kw) if st.selector is not None else st
         if st.label() not in done:
             rows.append(measure(st))
+            stacks.append(st)
             done.add(st.label())
-    best_row = min(rows, key=lambda r: r["tuning_ppl"])
+    with_tasks(rows, stacks)
+    best_acc = max((r.get("task_acc", 0.0) for r in rows), default=0.0)
+    best_row = min(rows, key=rank_key(objective, best_acc, task_tolerance))
     best = Stack(**best_row["stack"])
-    return {"best": best, "bases": bases_of(best), "full": {"tuning_ppl": full["ppl"], "bytes_per_token": full_bpt},
-            "candidates": rows, "selector": chosen_sel}
+    return {"best": best, "bases": bases_of(best), "full": {"tuning_ppl": full["ppl"], "bytes_per_token": full_bpt,
+                                                             **({"task_acc": full["task_acc"]} if "task_acc" in full
+                                                                else {})},
+            "candidates": rows, "selector": chosen_sel, "objective": objective}

@@ -87,17 +87,34 @@ class Stack:
             raise PlanError("a low-rank stack needs its bases (the plan's bases file)")
         return LowRank(bases, cache_quant=self.cache_quant)
 
-    def method(self, prompt_len: Optional[int] = None, bases=None) -> CompressionMethod:
-        """The stack as one method; a selection needs the ``prompt_len`` it compresses."""
+    def method(self, prompt_len: Optional[int] = None, bases=None, ids=None) -> CompressionMethod:
+        """The stack as one method; a selection needs the ``prompt_len`` it compresses, KVzip (``selector ==
+        "kvzip"``, its repeat prompt's token ids in ``selector_kw["repeat_ids"]``) the prompt's ``ids (B, P)``."""
         store = self.storage(bases)
         if self.selector is None:
             return store
         if prompt_len is None:
+            prompt_len = None if ids is None else ids.shape[1]
+        if prompt_len is None:
             raise PlanError(f"{self.label()} selects prompt tokens: give the prompt length")
+        if self.selector == "kvzip":
+            return self._kvzip(prompt_len, store, ids)
         from kvsplice.select.method import TokenSelection
         from kvsplice.select.selectors import make_selector
 
         return TokenSelection(make_selector(self.selector, **self.selector_kw), self.budget(prompt_len), store=store)
+
+    def _kvzip(self, prompt_len: int, store: CompressionMethod, ids) -> CompressionMethod:
+        import torch
+
+        from kvsplice.select.kvzip import KVzipSelection
+
+        if ids is None:
+            raise PlanError(f"{self.label()} re-reads the prompt (KVzip): give its token ids "
+                            f"(plan.method(prompt_len, ids))")
+        rep = torch.tensor([self.selector_kw.get("repeat_ids", [])], dtype=torch.long, device=ids.device)
+        recon = torch.cat([rep.expand(ids.shape[0], -1), ids], dim=1)  # (B, R + P): "repeat:" + the prompt
+        return KVzipSelection(self.budget(prompt_len), recon_ids=recon, store=store)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,8 +130,8 @@ class Plan:
     bases_file: Optional[str] = None
     info: dict = field(default_factory=dict)
 
-    def method(self, prompt_len: Optional[int] = None) -> CompressionMethod:
-        return self.stack.method(prompt_len, self.bases)
+    def method(self, prompt_len: Optional[int] = None, ids=None) -> CompressionMethod:
+        return self.stack.method(prompt_len, self.bases, ids)
 
     def check_model(self, fingerprint: str) -> None:
         if self.model_fingerprint is not None and fingerprint != self.model_fingerprint:

@@ -73,7 +73,8 @@ def parse_method(spec: str, tokenizer=None) -> MethodSpec:
         from kvsplice.planning.spec import Plan
 
         plan = Plan.load(spec[5:])
-        return MethodSpec(spec, f"plan {plan.stack.label()}", lambda ids: plan.method(ids.shape[1]), plan.stack.keep)
+        return MethodSpec(spec, f"plan {plan.stack.label()}", lambda ids: plan.method(ids.shape[1], ids),
+                          plan.stack.keep, plan.stack.selector == "kvzip")
     parts = spec.split("+")
     sel, store = None, Stack(store="dense")
     if parts[0].startswith(("select:", "kvzip@")):

@@ -94,6 +94,7 @@ def test_answer_doors_agree(tok, model, setting) -> None:
     methods = {"full": lambda ids: None,
                "obs+int8": _factory(Stack(store="int8", selector="observed_attention", keep=0.25)),
                "snapkv": _factory(Stack(selector="snapkv", keep=0.5)),
+               "expected_attention": _factory(Stack(selector="expected_attention", keep=0.5)),
                "kivi4": lambda ids: KIVI(bits=4, group=16, residual=16)}
     for name, f in methods.items():
         a = answer(model, tok, inst, f, setting=setting, door="decoder")

@@ -48,6 +48,16 @@ def _ask(keys: list[str], kind: str, many: bool) -> str:
             f"The special magic {noun} for {what} mentioned in the provided text {verb}")
 
 
+def _keys_values(rng: random.Random, n: int, value: str) -> tuple[list[str], list[str]]:
+    """``n`` distinct keys and ``n`` distinct values."""
+    keys: list[str] = []
+    vals: list[str] = []
+    for _ in range(n):
+        keys.append(random_key(rng, set(keys)))
+        vals.append(random_value(value, rng, set(vals)))
+    return keys, vals
+
+
 def _budget(tokenizer, length: int, question: str) -> int:
     return length - len(tokenizer.encode(question)) - (1 if tokenizer.sep == "bos" else 0)
 
@@ -72,11 +82,7 @@ def single(tokenizer, length: int, seed: int, rng: random.Random, *, task: str, 
 
 def multikey(tokenizer, length: int, seed: int, rng: random.Random, *, task: str, n_keys: int = 4,
              value: str = "number", haystack: str = "filler", stories: Optional[str] = None, **_) -> TaskInstance:
-    keys: list[str] = []
-    vals: list[str] = []
-    for _ in range(n_keys):
-        keys.append(random_key(rng, set(keys)))
-        vals.append(random_value(value, rng, set(vals)))
+    keys, vals = _keys_values(rng, n_keys, value)
     depths = [rng.random() for _ in keys]
     q = _ask([keys[0]], value, False)
     ctx = build_context(tokenizer, haystack_pieces(haystack, rng, stories), _budget(tokenizer, length, q),
@@ -101,11 +107,7 @@ def multivalue(tokenizer, length: int, seed: int, rng: random.Random, *, task: s
 
 def multiquery(tokenizer, length: int, seed: int, rng: random.Random, *, task: str, n_queries: int = 4,
                value: str = "number", haystack: str = "filler", stories: Optional[str] = None, **_) -> TaskInstance:
-    keys: list[str] = []
-    vals: list[str] = []
-    for _ in range(n_queries):
-        keys.append(random_key(rng, set(keys)))
-        vals.append(random_value(value, rng, set(vals)))
+    keys, vals = _keys_values(rng, n_queries, value)
     depths = [rng.random() for _ in keys]
     q = _ask(keys, value, True)
     ctx = build_context(tokenizer, haystack_pieces(haystack, rng, stories), _budget(tokenizer, length, q),

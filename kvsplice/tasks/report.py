@@ -22,7 +22,7 @@ def summarize(results: Mapping[str, Mapping[str, Mapping[str, dict]]], methods: 
         per: dict[str, Any] = {}
         for m in methods:
             cells: dict[str, list[float]] = defaultdict(list)
-            fp16, full, meas, secs = [], [], [], []
+            fp16, full, meas, secs, cpu = [], [], [], [], []
             for key, outs in by_inst.items():
                 o = outs.get(m)
                 if o is None:
@@ -33,13 +33,14 @@ def summarize(results: Mapping[str, Mapping[str, Mapping[str, dict]]], methods: 
                 full.append(o["full_fp16_bytes"] / o["n_compressed"])
                 meas.append(o["cache_bytes"])
                 secs.append(o["seconds"])
+                cpu.append(o.get("cpu_seconds", 0.0))
             n = sum(len(v) for v in cells.values())
             if not n:
                 continue
             per[m] = {"cells": {c: {"acc": 100 * sum(v) / len(v), "n": len(v)} for c, v in sorted(cells.items())},
                       "acc": 100 * sum(sum(v) for v in cells.values()) / n, "n": n,
                       "bytes_per_token_fp16": sum(fp16) / n, "ratio": sum(full) / max(sum(fp16), 1e-9),
-                      "cache_bytes": sum(meas) / n, "seconds": sum(secs) / n}
+                      "cache_bytes": sum(meas) / n, "seconds": sum(secs) / n, "cpu_seconds": sum(cpu) / n}
         out[setting] = per
     return out
 
@@ -63,6 +64,7 @@ def markdown(summary: Mapping[str, Any], labels: Mapping[str, str]) -> str:
         lines.append("| × smaller than fp16 full | " + " | ".join(f"{per[m]['ratio']:.2f}" for m in methods) + " |")
         lines.append("| bytes / token (fp16 storage) | " + " | ".join(f"{per[m]['bytes_per_token_fp16']:.0f}"
                                                                      for m in methods) + " |")
-        lines.append("| s / instance | " + " | ".join(f"{per[m]['seconds']:.1f}" for m in methods) + " |")
+        lines.append("| s / instance (wall; CPU) | " + " | ".join(f"{per[m]['seconds']:.1f}; {per[m]['cpu_seconds']:.1f}"
+                                                             for m in methods) + " |")
         lines.append("")
     return "\n".join(lines)

@@ -32,7 +32,7 @@ from torch import nn
 from kvsplice.core.method import CompressionMethod
 from kvsplice.tasks.instance import SETTINGS, TaskInstance, prompt_ids
 
-__all__ = ["DOORS", "MethodFactory", "Outcome", "answer", "decode_text", "greedy"]
+__all__ = ["DOORS", "MethodFactory", "Outcome", "answer", "decode_text", "greedy", "split_prompt"]
 
 DOORS = ("decoder", "hf")
 MethodFactory = Callable[[torch.Tensor], Optional[CompressionMethod]]
@@ -57,6 +57,7 @@ class Outcome:
     fp16_bytes: Optional[int]  # the closed form at fp16 storage
     full_fp16_bytes: int  # the full K/V cache of the same tokens at fp16
     seconds: float
+    cpu_seconds: float = 0.0  # CPU time of the process (all threads): what the work costs, contention aside
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -143,20 +144,27 @@ def _hf_door(model, method, comp, rest, n_new, eos):
     return out[0, ids.shape[1]:].tolist(), nbytes, cache.adapter
 
 
-def answer(model: nn.Module, tokenizer, inst: TaskInstance, method_for: MethodFactory, *, setting: str = "agnostic",
-           door: str = "decoder") -> Outcome:
-    """Answer ``inst`` with the method ``method_for`` builds, in ``setting`` (:data:`SETTINGS`) through ``door``
-    (:data:`DOORS`); greedy."""
+def split_prompt(model: nn.Module, tokenizer, inst: TaskInstance, setting: str):
+    """``(n_prompt, comp (1, P), rest (1, Q))``: the ids compressed at prefill (context, + the question when
+    ``aware``) and those fed after it (the question when ``agnostic``), on the model's device."""
     if setting not in SETTINGS:
         raise ValueError(f"setting must be one of {SETTINGS}, got {setting!r}")
-    if door not in DOORS:
-        raise ValueError(f"door must be one of {DOORS}, got {door!r}")
     ctx, q = prompt_ids(tokenizer, inst)
     comp_ids, rest_ids = (ctx + q, []) if setting == "aware" else (ctx, q)
     dev = next(model.parameters()).device
     comp = torch.tensor([comp_ids], device=dev)  # (1, P)
     rest = torch.tensor([rest_ids], dtype=torch.long, device=dev).reshape(1, -1)  # (1, Q)
-    t0 = time.perf_counter()
+    return len(ctx) + len(q), comp, rest
+
+
+def answer(model: nn.Module, tokenizer, inst: TaskInstance, method_for: MethodFactory, *, setting: str = "agnostic",
+           door: str = "decoder") -> Outcome:
+    """Answer ``inst`` with the method ``method_for`` builds, in ``setting`` (:data:`SETTINGS`) through ``door``
+    (:data:`DOORS`); greedy."""
+    if door not in DOORS:
+        raise ValueError(f"door must be one of {DOORS}, got {door!r}")
+    n_prompt, comp, rest = split_prompt(model, tokenizer, inst, setting)
+    t0, c0 = time.perf_counter(), time.process_time()
     method = method_for(comp)
     run = _decoder_door if door == "decoder" else _hf_door
     was = model.training
@@ -170,5 +178,5 @@ def answer(model: nn.Module, tokenizer, inst: TaskInstance, method_for: MethodFa
         tokens = tokens[:-1]
     text = decode_text(tokenizer, tokens)
     return Outcome(inst.key, inst.task, inst.length, setting, door, inst.score(text), text, tokens,
-                   len(ctx) + len(q), len(comp_ids), measured, formula, fp16, _full_fp16(adapter, len(comp_ids)),
-                   time.perf_counter() - t0)
+                   n_prompt, comp.shape[1], measured, formula, fp16, _full_fp16(adapter, comp.shape[1]),
+                   time.perf_counter() - t0, time.process_time() - c0)

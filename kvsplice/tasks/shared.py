@@ -22,8 +22,9 @@ from kvsplice.core.method import Step
 from kvsplice.decode.decoder import Decoder
 from kvsplice.decode.dense import DenseKV
 from kvsplice.select.method import TokenSelection
-from kvsplice.tasks.instance import SETTINGS, TaskInstance, prompt_ids
-from kvsplice.tasks.runner import Outcome, _full_fp16, answer, decode_text, greedy
+from kvsplice.adapters.registry import adapter_for
+from kvsplice.tasks.instance import TaskInstance
+from kvsplice.tasks.runner import Outcome, _full_fp16, answer, decode_text, greedy, split_prompt
 
 __all__ = ["answer_many"]
 
@@ -43,7 +44,8 @@ class _Keep(DenseKV):
 
 def _finish(dec, cache, logits, rest, n_new, eos, nbytes, seconds, inst, tokenizer, setting, n_prompt,
             n_comp) -> Outcome:
-    t0 = time.perf_counter()
+    """Feed the question, decode; ``seconds``: ``(wall, cpu)`` spent on this method before."""
+    t0, c0 = time.perf_counter(), time.process_time()
     if rest.shape[1]:
         logits = dec(rest, cache, last_only=True)
     tokens = greedy(dec, cache, logits, n_new, eos)
@@ -51,7 +53,8 @@ def _finish(dec, cache, logits, rest, n_new, eos, nbytes, seconds, inst, tokeniz
         tokens = tokens[:-1]
     text = decode_text(tokenizer, tokens)
     return Outcome(inst.key, inst.task, inst.length, setting, "decoder", inst.score(text), text, tokens, n_prompt,
-                   n_comp, *nbytes, _full_fp16(dec.adapter, n_comp), seconds + time.perf_counter() - t0)
+                   n_comp, *nbytes, _full_fp16(dec.adapter, n_comp), seconds[0] + time.perf_counter() - t0,
+                   seconds[1] + time.process_time() - c0)
 
 
 def _takes_shared(f) -> bool:
@@ -73,44 +76,40 @@ def answer_many(model, tokenizer, inst: TaskInstance, factories: Mapping[str, ob
     """``{name: Outcome}`` for every ``factories[name]`` (``factory(ids[, shared]) -> method | None``) on ``inst``
     in ``setting``, through the ``Decoder`` door, sharing the exact prefill between the full cache and every token
     selection. Each outcome's ``seconds`` is its own work (the shared prefill counted once, in the full cache's)."""
-    if setting not in SETTINGS:
-        raise ValueError(f"setting must be one of {SETTINGS}, got {setting!r}")
-    ctx, q = prompt_ids(tokenizer, inst)
-    comp_ids, rest_ids = (ctx + q, []) if setting == "aware" else (ctx, q)
-    dev = next(model.parameters()).device
-    comp = torch.tensor([comp_ids], device=dev)  # (1, P)
-    rest = torch.tensor([rest_ids], dtype=torch.long, device=dev).reshape(1, -1)  # (1, Q)
-    n_new, eos, n_prompt = inst.max_new_tokens, tokenizer.eos_id, len(ctx) + len(q)
+    n_prompt, comp, rest = split_prompt(model, tokenizer, inst, setting)
+    n_new, eos, n_comp = inst.max_new_tokens, tokenizer.eos_id, comp.shape[1]
     model.eval()
-    if Decoder(model).windows and any(Decoder(model).windows):  # the Decoder evicts as it goes: no replay
+    a = adapter_for(model)
+    if any(a.window(l) for l in range(a.n_layer)):  # the Decoder evicts as it goes: no replay
         return {name: answer(model, tokenizer, inst, f, setting=setting) for name, f in factories.items()}
     shared: dict = {}
     methods = {name: f(comp, shared=shared) if _takes_shared(f) else f(comp) for name, f in factories.items()}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     keep = _Keep()
     full = Decoder(model, keep)
     fcache = full.new_cache(1, capacity=comp.shape[1] + rest.shape[1] + n_new)
     logits0 = full(comp, fcache, last_only=True)  # (1, 1, V): exact
     kept = full.method.kept
     full_bytes = _bytes(full, fcache)
-    base_s = time.perf_counter() - t0
+    base_s = (time.perf_counter() - t0, time.process_time() - c0)
     out: dict[str, Outcome] = {}
     full_out = None
     for name, method in methods.items():
         if method is None:  # the full cache: the shared prefill's own answer
             if full_out is None:
                 full_out = _finish(full, fcache, logits0, rest, n_new, eos, full_bytes, base_s, inst, tokenizer,
-                                   setting, n_prompt, len(comp_ids))
+                                   setting, n_prompt, n_comp)
             out[name] = full_out
         elif not isinstance(method, TokenSelection):  # its own prefill (it attends over its lossy cache)
             out[name] = answer(model, tokenizer, inst, lambda ids, m=method: m, setting=setting)
         else:
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             dec = Decoder(model, method)
             cache = dec.new_cache(1, capacity=dec.method.capacity(comp.shape[1], rest.shape[1] + n_new))
             step = Step(dec.adapter, 0, comp.shape[1], dec.scales, dec.attn_backend)
             for layer, m in enumerate(dec.layer_methods):
                 m.attend(layer, *kept[layer], cache, step)  # exactly the Decoder's prefill of this method
             out[name] = _finish(dec, cache, logits0, rest, n_new, eos, _bytes(dec, cache),
-                                time.perf_counter() - t1, inst, tokenizer, setting, n_prompt, len(comp_ids))
+                                (time.perf_counter() - t1, time.process_time() - c1), inst, tokenizer, setting,
+                                n_prompt, n_comp)
     return out

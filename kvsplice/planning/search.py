@@ -66,6 +66,8 @@ def candidate_stores(has_rope: bool, head_dim: int, lowrank_ratios: Sequence[flo
     g = min(32, head_dim)
     if head_dim % g == 0:
         stores += [Stack("kivi", bits=b, group=g, residual=r) for b in (4, 2) for r in (128, 32)]
+        if head_dim & (head_dim - 1) == 0:  # Hadamard-rotated KIVI where plain KIVI loses most
+            stores += [Stack("kivi", bits=b, group=g, residual=32, rotate=True) for b in (4, 2)]
     for ratio in lowrank_ratios:
         stores.append(Stack("lowrank", lowrank_ratio=ratio, rope="post" if has_rope else "none", cache_quant="int8"))
         if has_rope:

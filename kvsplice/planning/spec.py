@@ -43,6 +43,7 @@ class Stack:
     bits: int = 4  # kivi
     group: int = 32  # kivi
     residual: int = 128  # kivi
+    rotate: bool = False  # kivi: over Hadamard-rotated keys and values (RotatedKIVI)
     lowrank_ratio: float = 1.0  # lowrank: 2·L·Hkv·d / Σ ranks
     rope: str = "post"  # lowrank bases' key space
     cache_quant: Optional[str] = None  # lowrank coefficients: None / "int8"
@@ -65,7 +66,7 @@ class Stack:
     def label(self) -> str:
         store = {"dense": "fp", "int8": "int8"}.get(self.store)
         if self.store == "kivi":
-            store = f"kivi{self.bits}(g{self.group},r{self.residual})"
+            store = f"kivi{self.bits}{'h' if self.rotate else ''}(g{self.group},r{self.residual})"
         elif self.store == "lowrank":
             store = f"lowrank×{self.lowrank_ratio:g}({self.rope}{'+int8' if self.cache_quant else ''})"
         return store if self.selector is None else f"{self.selector}×{1 / self.keep:.3g} + {store}"
@@ -79,8 +80,9 @@ class Stack:
             return DenseKV(cache_quant="int8")
         if self.store == "kivi":
             from kvsplice.quant.method import KIVI
+            from kvsplice.quant.rotated import RotatedKIVI
 
-            return KIVI(bits=self.bits, group=self.group, residual=self.residual)
+            return (RotatedKIVI if self.rotate else KIVI)(bits=self.bits, group=self.group, residual=self.residual)
         from kvsplice.lowrank.method import LowRank
 
         if bases is None:

@@ -4,6 +4,7 @@ Grammar (parts joined by ``+``: at most one selection, then at most one storage)
 
     full                                   the full K/V cache
     int8 | fp | kivi4 | kivi2 | kivi8 | kivi4/r32     storage alone (KIVI: bits, residual window; group 32)
+    kivi4h | kivi2h/r32                    KIVI over Hadamard-rotated keys and values (RotatedKIVI)
     select:NAME@KEEP                       a token selection (a registered selector) keeping KEEP of the prompt:
                                            a fraction (0.25) or a ratio (x4 = 1/4)
     kvzip@KEEP                             KVzip: kept by the attention of a reconstruction pass (query-agnostic)
@@ -57,9 +58,11 @@ def _storage(part: str, spec: str) -> Stack:
         return Stack(store="int8")
     if part.startswith("kivi"):
         bits, _, res = part[4:].partition("/r")
+        rotate = bits.endswith("h")
+        bits = bits.rstrip("h")
         if bits in ("2", "4", "8") and (not res or res.isdigit()):
-            return Stack(store="kivi", bits=int(bits), residual=int(res) if res else 128)
-    raise ValueError(f"method {spec!r}: unknown storage {part!r} (int8, fp, kivi2/4/8[/rN])")
+            return Stack(store="kivi", bits=int(bits), residual=int(res) if res else 128, rotate=rotate)
+    raise ValueError(f"method {spec!r}: unknown storage {part!r} (int8, fp, kivi2/4/8[h][/rN])")
 
 
 def parse_method(spec: str, tokenizer=None) -> MethodSpec:
@@ -104,6 +107,6 @@ def parse_method(spec: str, tokenizer=None) -> MethodSpec:
     name, _, keep_text = sel[7:].partition("@")
     if name not in SELECTORS or name == "kvzip":
         raise ValueError(f"method {spec!r}: selector must be one of {sorted(set(SELECTORS) - {'kvzip'})}, got {name!r}")
-    stack = Stack(store=store.store, bits=store.bits, residual=store.residual, selector=name,
+    stack = Stack(store=store.store, bits=store.bits, residual=store.residual, rotate=store.rotate, selector=name,
                   keep=_keep(keep_text, spec))
     return MethodSpec(spec, stack.label(), lambda ids, s=stack: s.method(ids.shape[1]), stack.keep)

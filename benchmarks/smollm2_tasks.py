@@ -32,12 +32,14 @@ WORK = ROOT / "checkpoints" / "smollm2_tasks"
 
 PLANNER = {"4x": "select:observed_attention@x2.09+int8", "8x": "select:observed_attention@x4.19+int8",
            "16x": "select:observed_attention@x8.38+int8"}
-REDUCED = {"methods": ["int8", "kivi4", PLANNER["4x"], PLANNER["8x"], "kvzip@x2.09+int8", "kvzip@x4.19+int8"],
-           "tasks": ["passkey", "niah_number_stories", "niah_word_facts"], "lengths": [1024], "n": 8}
+REDUCED = {"methods": ["int8", "kivi4", PLANNER["4x"], PLANNER["8x"], "kvzip@x2.09+int8", "kvzip@x4.19+int8",
+                       "select:expected_attention@x4.19+int8"],
+           "tasks": ["passkey", "niah_number_stories", "niah_word_facts"], "lengths": [1024], "n": 8,
+           "setting": "agnostic"}
 FULL = {"methods": ["int8", "kivi4", "kivi4/r32", "kivi2", *PLANNER.values(), "select:observed_attention@x1.55+kivi4/r32",
                     *(f"select:{s}@x8" for s in ("observed_attention", "snapkv", "streaming_llm", "knorm")),
                     "select:observed_attention@x4", "kvzip@x2.09+int8", "kvzip@x4.19+int8", "kvzip@x8.38+int8",
-                    "kvzip@x4", "kvzip@x8"],
+                    "kvzip@x4", "kvzip@x8", "select:expected_attention@x4.19+int8", "kivi4h/r32", "kivi2h/r32"],
         "tasks": ["passkey", "niah_number_stories", "niah_uuid_facts", "multikey_stories", "vartrack", "multivalue",
                   "story_qa"], "lengths": [1024, 2048, 4096], "n": 16}
 SMOKE = {"methods": ["int8", "select:observed_attention@x4+int8", "kvzip@x2"], "tasks": ["passkey", "vartrack"],
@@ -57,7 +59,8 @@ def _model(size: str) -> str:
 
 def _argv(size: str, cfg: dict, length: int, out: Path, threads: int, progress: bool) -> list[str]:
     return ["--model", _model(size), "--stories", str(STORIES), "--method", *cfg["methods"], "--tasks", *cfg["tasks"],
-            "--lengths", str(length), "--n", str(cfg["n"]), "--setting", "both", "--threads", str(threads),
+            "--lengths", str(length), "--n", str(cfg["n"]), "--setting", cfg.get("setting", "both"),
+            "--threads", str(threads),
             "--out", str(out)] + ([] if progress else ["--no-progress"])
 
 
@@ -68,7 +71,8 @@ def _plot(report: dict, out_png: Path) -> None:
     from models.checkpoint import atomic_write
 
     lengths = sorted(report["by_length"], key=int)
-    settings = ("agnostic", "aware")
+    settings = [s for s in ("agnostic", "aware") if any(s in report["by_length"][L]["summary"] for L in report[
+        "by_length"])]
     fig = Figure(figsize=(5.0 * len(settings), 3.8 * len(lengths)), dpi=110)
     FigureCanvasAgg(fig)
     for i, L in enumerate(lengths):
@@ -76,7 +80,7 @@ def _plot(report: dict, out_png: Path) -> None:
             ax = fig.add_subplot(len(lengths), len(settings), i * len(settings) + j + 1)
             per = report["by_length"][L]["summary"].get(s, {})
             for m, r in per.items():
-                label = report["labels"].get(m, m)
+                label = f"{report['labels'].get(m, m)} (n={r['n']})"
                 if m == "full":
                     ax.axhline(r["acc"], color="k", ls="--", lw=1, label=f"full cache ({r['acc']:.0f} %)")
                     continue
@@ -88,7 +92,7 @@ def _plot(report: dict, out_png: Path) -> None:
             ax.set_ylim(-5, 105)
             ax.set_title(f"SmolLM2-135M, {L} tokens, query-{s}", fontsize=9)
             ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=6, loc="lower left")
+            ax.legend(fontsize=6, loc="best")
     fig.tight_layout()
     atomic_write(out_png, lambda tmp: fig.savefig(tmp, format="png"))
 

@@ -16,6 +16,8 @@ from tiny_models import tiny_family  # noqa: E402
 
 from kvsplice.planning.spec import Stack  # noqa: E402
 from kvsplice.quant.method import KIVI  # noqa: E402
+from kvsplice.quant.rotated import RotatedKIVI  # noqa: E402
+from kvsplice.tasks.methods import parse_method  # noqa: E402
 from kvsplice.tasks.instance import match_score  # noqa: E402
 from kvsplice.tasks.runner import answer  # noqa: E402
 from kvsplice.tasks.suite import TASKS, make_instance, make_instances  # noqa: E402
@@ -95,7 +97,9 @@ def test_answer_doors_agree(tok, model, setting) -> None:
                "obs+int8": _factory(Stack(store="int8", selector="observed_attention", keep=0.25)),
                "snapkv": _factory(Stack(selector="snapkv", keep=0.5)),
                "expected_attention": _factory(Stack(selector="expected_attention", keep=0.5)),
-               "kivi4": lambda ids: KIVI(bits=4, group=16, residual=16)}
+               "kivi4": lambda ids: KIVI(bits=4, group=16, residual=16),
+               "kivi4h": lambda ids: RotatedKIVI(bits=4, group=16, residual=16),
+               "kvzip+int8": parse_method("kvzip@x4+int8", tok).factory}
     for name, f in methods.items():
         a = answer(model, tok, inst, f, setting=setting, door="decoder")
         b = answer(model, tok, inst, f, setting=setting, door="hf")
@@ -119,7 +123,6 @@ def test_answer_full_budget_selection_is_the_full_cache(tok, model) -> None:
 
 @pytest.mark.parametrize("setting", ["agnostic", "aware"])
 def test_answer_many_equals_answer(tok, model, setting) -> None:
-    from kvsplice.tasks.methods import parse_method
     from kvsplice.tasks.shared import answer_many
 
     inst = make_instance("multikey_facts", tok, 200, 2)

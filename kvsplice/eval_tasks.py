@@ -84,6 +84,7 @@ def _specs(args, tokenizer) -> dict:
 
 
 def _resume(path: Path, force: bool, header: dict) -> dict:
+    """The finished results of ``path`` (and, into ``header``, the labels of methods run before)."""
     if force or not path.exists():
         return {}
     try:
@@ -95,6 +96,7 @@ def _resume(path: Path, force: bool, header: dict) -> dict:
     if doc.get("model_fingerprint") != header["model_fingerprint"]:
         raise UsageError(f"--out {path} holds results of another model ({doc.get('model')}); use --force or "
                          f"another file")
+    header["methods"] = {**doc.get("methods", {}), **header["methods"]}
     return doc.get("results", {})
 
 

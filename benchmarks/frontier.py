@@ -49,6 +49,8 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "tinystories"
+DATA_CACHE = REPO / ".cache" / "data"
+"""Where the studies' runs cache token shards and tokenizers (shared by every run of a study)."""
 
 FRONTIER = {  # variant -> (config, overrides)
     "mha": ("small_mha", []),
@@ -77,8 +79,8 @@ TRAIN_FILES = ("gusjengis_toy-RNN__tinystories_sample.txt", "maxme1_tiny-stories
 # ---------------------------------------------------------------------------------------------------- one run
 def last_val(metrics: Path) -> tuple[int, float, float | None, float | None]:
     """(step, val_loss, tokens, train_time_s) of the last validation in a run's metrics.csv (``step`` counts from 0:
-    the validation after N optimizer steps is logged at step N - 1). ``tokens`` / ``train_time_s`` are None for a
-    run shorter than the logging interval."""
+    the validation after N optimizer steps is logged at step N - 1). ``tokens`` / ``train_time_s`` are those of the
+    last *logged* step (None for a run shorter than the logging interval): :func:`trained` has the run's totals."""
     rows = list(csv.DictReader(metrics.open()))
     vals = [r for r in rows if r.get("val_loss")]
     if not vals:
@@ -86,6 +88,17 @@ def last_val(metrics: Path) -> tuple[int, float, float | None, float | None]:
     train = [r for r in rows if r.get("tokens")]
     tokens, seconds = (float(train[-1]["tokens"]), float(train[-1]["train_time_s"])) if train else (None, None)
     return int(vals[-1]["step"]), float(vals[-1]["val_loss"]), tokens, seconds
+
+
+def trained(ckpt: Path) -> tuple[int, float]:
+    """(tokens, train_time_s) a run trained in all, as its final checkpoint records them (``kvsplice_train_stats``:
+    every optimizer step's tokens, not only the logged steps')."""
+    from models.checkpoint import load_checkpoint
+
+    stats = load_checkpoint(ckpt).get("kvsplice_train_stats") or {}
+    if "tokens" not in stats:
+        raise RuntimeError(f"{ckpt}: no kvsplice_train_stats (not a finished training.fit run)")
+    return int(stats["tokens"]), float(stats.get("train_time_s", 0.0))
 
 
 def train_curve(metrics: Path) -> list[list[float]]:
@@ -210,18 +223,19 @@ RUN_KEY = "frontier_key.json"
 """Written into a finished run's folder: the resume key it was trained with."""
 
 
-def data_args(data: Path, runs_dir: Path, *, tuning: bool) -> list[str]:
-    """``training.fit``'s data option for a study: ``data`` itself, or with ``tuning`` a folder of links to its
+def data_args(data: Path, runs_dir: Path, *, tuning: bool, cache: Path = DATA_CACHE) -> list[str]:
+    """``training.fit``'s data options for a study: ``data`` itself, or with ``tuning`` a folder of links to its
     training files only (the data module holds out a 5 % tail of them for validation: a tuning split that never
-    sees the validation text the studies report)."""
+    sees the validation text the studies report); the token shards and tokenizer are cached in ``cache``."""
+    cached = ["--data.cache_dir", str(cache)]
     if not tuning:
-        return ["--data.path", str(data)]
+        return ["--data.path", str(data), *cached]
     tune = runs_dir / "tune_data"
     tune.mkdir(parents=True, exist_ok=True)
     for f in TRAIN_FILES:
         if not (tune / f).exists():
             (tune / f).symlink_to((data / f).resolve())
-    return ["--data.path", str(tune)]
+    return ["--data.path", str(tune), *cached]
 
 
 def save_study(out: Path, meta: dict, rows: list[dict]) -> None:
@@ -276,13 +290,14 @@ def final_train_loss(curve: list[list[float]], frac: float = 0.05) -> float | No
 
 
 def _row(variant: str, config: str, extra: list[str], seed: int, run: Path, args, wall) -> dict:
-    step, val_loss, tokens, train_time = last_val(run / "metrics.csv")
+    step, val_loss, _, _ = last_val(run / "metrics.csv")
+    tokens, train_time = trained(run / "last.ckpt")
     curve = train_curve(run / "metrics.csv")
     train_final = final_train_loss(curve)
     return {"variant": variant, "config": config, "overrides": extra, "seed": seed, "steps": step + 1,
             "batch": args.batch, "device": args.device,
-            "tokens": None if tokens is None else int(tokens), "val_loss": val_loss, **cache_bytes(run / "last.ckpt", args.cache_tokens),
-            "wall_s": None if wall is None else round(wall, 1), "train_time_s": None if train_time is None else round(train_time, 1),
+            "tokens": tokens, "val_loss": val_loss, **cache_bytes(run / "last.ckpt", args.cache_tokens),
+            "wall_s": None if wall is None else round(wall, 1), "train_time_s": round(train_time, 1),
             "tokens_per_s": round(tokens / train_time, 1) if train_time else None,
             "train_loss_final": None if train_final is None else round(train_final, 4),
             "train_val_gap": None if train_final is None else round(val_loss - train_final, 4),
@@ -442,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--cache-tokens", type=int, default=256, help="tokens prefilled to measure the cache")
     p.add_argument("--data", type=Path, default=DATA, help="the TinyStories folder (a *val* file + training files)")
+    p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="where the runs cache token shards and the "
+                   "tokenizer (default: the repository's .cache/data)")
     p.add_argument("--runs-dir", type=Path, default=None, help="default checkpoints/frontier (frontier_gpu on cuda)")
     p.add_argument("--out", type=Path, default=None, help="default results/frontier.json (frontier_ablation.json; "
                    "_gpu before .json on cuda)")
@@ -467,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             p.error("--device cuda: no CUDA device here")
     runs_dir = (args.runs_dir or REPO / "checkpoints" / f"frontier{gpu}") / args.study
-    args.data_args = data_args(args.data, runs_dir, tuning=args.study == "ablation")
+    args.data_args = data_args(args.data, runs_dir, tuning=args.study == "ablation", cache=args.data_cache)
 
     stored = json.loads(out.read_text()) if out.is_file() else {}
     rows = stored.get("rows", [])

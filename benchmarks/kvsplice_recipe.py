@@ -28,7 +28,7 @@ import threading
 from collections import defaultdict
 from pathlib import Path
 
-from frontier import (DATA, REPO, TRAIN_FILES, cache_bytes, comparison_table, compare, data_args,  # noqa: E402
+from frontier import (DATA, DATA_CACHE, REPO, TRAIN_FILES, cache_bytes, comparison_table, compare, data_args,  # noqa: E402
                       final_train_loss, last_val, resume_key, run_args, run_jobs, run_key, run_module, save_study,
                       summarise, train, train_curve)
 
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--data", type=Path, default=DATA)
+    p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="token shards and tokenizer cache")
     p.add_argument("--runs-dir", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--report-only", action="store_true", help="rewrite the table from the JSON; train nothing")
@@ -123,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or REPO / "results" / f"kvsplice_recipe_{args.study}{gpu}.json"
     runs_dir = (args.runs_dir or REPO / "checkpoints" / f"kvsplice_recipe{gpu}") / args.study
     runs_dir.mkdir(parents=True, exist_ok=True)
-    args.data_args = [] if args.report_only else data_args(args.data, runs_dir, tuning=args.study == "ablation")
+    args.data_args = [] if args.report_only else data_args(args.data, runs_dir, tuning=args.study == "ablation",
+                                                                   cache=args.data_cache)
     stored = json.loads(out.read_text()) if out.is_file() else {}
     rows = stored.get("rows", [])
     done = {resume_key(r) for r in rows}

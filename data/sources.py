@@ -198,11 +198,38 @@ def _texts_from_json(obj: object, path: Path) -> list[str]:
     raise DataUnavailableError(f"{path}: expected a JSON list of stories or {{'texts': [...]}}")
 
 
+def _jsonl_stories(path: Path) -> Iterator[str]:
+    """The stories of a ``.jsonl`` file; a line that is not JSON, or not a story, is one error naming the file and
+    its line number (counted from 1, blank lines included)."""
+    with open(path, encoding="utf-8", errors="replace") as f:  # undecodable bytes: check_text_file bounds them
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as e:
+                raise DataUnavailableError(f"{path}: line {lineno} is not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno}); "
+                                           f"each line must be a JSON string or {{\"text\": ...}} object") from None
+            try:
+                texts = _texts_from_json([obj], path)
+            except DataUnavailableError:
+                raise DataUnavailableError(f"{path}: line {lineno} holds a JSON {type(obj).__name__}, expected a "
+                                           f"string or a {{\"text\": ...}} object") from None
+            for text in texts:
+                if text := text.strip():
+                    yield text
+
+
 def iter_stories_from_file(path: Path) -> Iterator[str]:
-    """Yield the (stripped, non-empty) stories of one file; see the module docstring for the formats."""
+    """Yield the (stripped, non-empty) stories of one file; see the module docstring for the formats.
+
+    Raises:
+        DataUnavailableError: a ``.json`` file that is not valid JSON or not a list of stories, a ``.jsonl`` line that
+            is not (the message names the file and the line).
+    """
     suffix = path.suffix.lower()
     if suffix == ".json":
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             try:
                 obj = json.load(f)
             except json.JSONDecodeError as e:
@@ -211,12 +238,7 @@ def iter_stories_from_file(path: Path) -> Iterator[str]:
             if text := text.strip():
                 yield text
     elif suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    for text in _texts_from_json([json.loads(line)], path):
-                        if text := text.strip():
-                            yield text
+        yield from _jsonl_stories(path)
     elif _file_contains(path, EOT_MARKER):
         yield from _split_stream(path, EOT_MARKER)
     else:

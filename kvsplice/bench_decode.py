@@ -84,11 +84,12 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     device = pick_device(args.device)
     if device.type != "cuda" and any(v.graph for v in variants):
         raise UsageError(f"':graph' variants replay CUDA graphs and need a CUDA device, got {device}")
+    inputs = {"--config": [c.split(":")[0] for c in args.config]}  # a YAML path is read: never written
     if args.json:
-        args.json = output_file(args.json, force=args.force, option="--json")
+        args.json = output_file(args.json, force=args.force, option="--json", inputs=inputs)
     png = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     if png:
-        png = output_file(png, force=args.force, option="--plot",
+        png = output_file(png, force=args.force, option="--plot", inputs=inputs,
                           outputs={"--json": args.json} if args.json else None)
     for n in notes:
         print(f"note: {n}", file=sys.stderr)

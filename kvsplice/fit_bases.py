@@ -43,7 +43,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from kvsplice.io.cli import Parser, add_device_dtype, default_seq_len, device_dtype, first_line, pos_int, run_cli
-from kvsplice.io.outputs import output_file, write_json
+from kvsplice.io.outputs import cache_file, output_file, write_json
 from kvsplice.lowrank.bases import BasesMismatchError, KVBases
 from kvsplice.lowrank.fits import METHODS
 from models.checkpoint import atomic_write
@@ -67,8 +67,8 @@ def _energy(s: str) -> float:
 
 def _ratio(s: str) -> float:
     v = float(s)
-    if not v >= 1.0:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {s}")
+    if not 1.0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, got {s}")
     return v
 
 
@@ -390,12 +390,14 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     todo = jobs(args)
-    inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--calib": args.calib}
+    inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--calib": args.calib,
+              "--calib-stats": args.calib_stats}  # an existing stats file is an input
     outs = [output_file(o, force=args.force, inputs=inputs) for o in _outputs(args, todo)]
+    written = {f"--out {o}": o for o in outs}
     json_path = None if args.json is None else output_file(
-        args.json, force=args.force, option="--json", inputs=inputs, outputs={"--out": o for o in outs})
-    if args.calib_stats and not Path(args.calib_stats).exists():
-        output_file(args.calib_stats, force=False, option="--calib-stats", inputs=inputs)
+        args.json, force=args.force, option="--json", inputs=inputs, outputs=written)
+    cache_file(args.calib_stats, option="--calib-stats", inputs=inputs,
+               outputs={**written, **({"--json": json_path} if json_path else {})})
     t0 = time.perf_counter()
     loaded = _load(args)
     check_ranks(loaded, [spec for _, _, spec in todo])

@@ -22,23 +22,24 @@ exit status 2; ``--out`` is never overwritten without ``--force``.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
 from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
-from kvsplice.io.outputs import output_file, write_json
+from kvsplice.io.outputs import cache_file, output_file, write_json
 
 PROG = "plan"
 
 
 def _pos_float(s: str) -> float:
+    """argparse type: a finite number > 0 (``inf`` / ``nan`` are refused here, before any work)."""
     v = float(s)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be > 0 and finite, got {s}")
     return v
 
 
@@ -188,14 +189,17 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--calib": args.calib}
+    inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--calib": args.calib,
+              "--calib-stats": args.calib_stats}  # an existing stats file is an input
     out = output_file(args.out, force=args.force, inputs=inputs)
     bases_out = out.with_name(out.stem + ".bases.safetensors")
+    # never an input, even with --force (whether it may replace an existing file is checked once the plan has bases)
+    output_file(bases_out, force=True, option="the plan's bases", inputs=inputs, outputs={"--out": out})
     json_path = None if args.json is None else output_file(args.json, force=args.force, option="--json",
                                                            inputs=inputs, outputs={"--out": out,
-                                                                                   "bases": bases_out})
-    if args.calib_stats and not Path(args.calib_stats).exists():
-        output_file(args.calib_stats, force=False, option="--calib-stats", inputs=inputs)
+                                                                                   "the plan's bases": bases_out})
+    cache_file(args.calib_stats, option="--calib-stats", inputs=inputs,
+               outputs={"--out": out, "the plan's bases": bases_out, **({"--json": json_path} if json_path else {})})
     plan, info = run(args)
     if plan.bases is not None:
         output_file(bases_out, force=args.force, option="the plan's bases", inputs=inputs)

@@ -1,5 +1,6 @@
-"""Helpers of the hostile-input tests (``test_hostile_*.py``): the one-line error check, folder snapshots, a pid
-that is surely dead, a destination no process can write, and tiny checkpoints with a real (synthetic) tokenizer."""
+"""Helpers of the tests that feed the tools hostile input (``test_cli.py``, ``test_bases_files.py``, ``test_fit_*.py``,
+``test_export.py``, the tools' own test files): the one-line error check, folder snapshots, a pid that is surely
+dead, a destination no process can write, and tiny checkpoints with a real (synthetic) tokenizer."""
 
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def one_error(rc: int, err: str, prog: str, expect: str = "") -> str:
-    """The command exited 2 with exactly one ``PROG: error: ...`` line (``error: ...`` for ``prog=""``, as
-    ``training.fit`` prints) and no traceback, containing ``expect``; ``note:`` lines are allowed."""
+    """The command exited 2 with exactly one ``PROG: error: ...`` line and no traceback, containing ``expect``;
+    ``note:`` lines are allowed. Lines are what a terminal shows (a progress bar overwritten through ``\\r`` is gone)."""
     assert "Traceback" not in err, err
-    lines = [ln for ln in err.splitlines() if ln.strip() and "warning" not in ln.lower() and not ln.startswith("note:")]
-    prefix = f"{prog}: error: " if prog else "error: "
+    shown = [ln.rsplit("\r", 1)[-1] for ln in err.split("\n")]  # what a terminal shows: a cleared progress bar is gone
+    lines = [ln for ln in shown if ln.strip() and "warning" not in ln.lower() and not ln.startswith("note:")]
+    prefix = f"{prog}: error: "
     assert rc == 2 and len(lines) == 1 and lines[0].startswith(prefix), (rc, err)
     assert expect in lines[0], (expect, lines[0])
     return lines[0]

@@ -271,6 +271,24 @@ def test_cli_signature() -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("bad, expect", [
+    ('{"text": "cut off', "line 5 is not valid JSON (Unterminated string starting at column 10)"),
+    ("42", "line 5 holds a JSON int, expected a string or a {\"text\": ...} object"),
+    ('{"title": "no text"}', "line 5 holds a JSON dict"),
+])
+def test_a_bad_jsonl_line_is_named_by_its_line_number(tmp_path: Path, bad: str, expect: str) -> None:
+    """``json.loads`` of one line said "line 1" whatever the line (and a story that is not one was named without
+    its line): the error names the file's own line, blank lines counted."""
+    lines = [json.dumps({"text": f"Story number {i}."}) for i in range(3)]
+    f = tmp_path / "s.jsonl"
+    f.write_text("\n".join([*lines[:2], "", "  ", bad, lines[2]]) + "\n")
+    with pytest.raises(DataUnavailableError) as err:
+        list(iter_stories_from_file(f))
+    assert str(err.value).startswith(f"{f}: {expect}"), str(err.value)
+    f.write_text("\n".join([*lines[:2], "", lines[2]]) + "\n")  # blank lines are skipped
+    assert list(iter_stories_from_file(f)) == ["Story number 0.", "Story number 1.", "Story number 2."]
+
+
 def test_local_formats_and_splits(tmp_path: Path, synth: TinyStoriesDataModule) -> None:
     stories = generate_stories(40, seed=5)
     with_blank = "First paragraph of a story.\n\nSecond paragraph after a blank line."

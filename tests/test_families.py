@@ -296,3 +296,30 @@ def test_unsupported_family_is_one_line_exit_2_everywhere(family_dirs, tmp_path,
         lines = err.strip().splitlines()
         assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"{prog}: error: unsupported model"), err
         assert "gpt2, llama, mistral, qwen2, qwen3, phi3, gemma3_text" in lines[0]
+
+
+@needs_data
+@pytest.mark.parametrize("fam", FAMS)
+def test_plan_and_loss_aware_bases_run_every_family(family_dirs, fam, tmp_path, capsys):
+    """``plan`` and ``fit_bases --method fisher`` (both RoPE modes, one loss-gradient pass: Gemma-3's per-layer RoPE
+    tables and Qwen3 / Gemma-3's key norms included), then the plan through ``eval_bases`` and ``generate``."""
+    from kvsplice import eval_bases, fit_bases, generate, plan
+
+    d = family_dirs[fam]
+    rc, _, err = run(fit_bases, ["--model", d, "--method", "fisher", "--rank", 4, "--rope", "pre", "post",
+                                 "--calib", CALIB, "--calib-tokens", 256, "--seq-len", 32, "--no-progress",
+                                 "--no-forward-timing", "--out", tmp_path / "f_{rope}.safetensors"], capsys)
+    assert rc == 0, err
+    assert (tmp_path / "f_pre.safetensors").is_file() and (tmp_path / "f_post.safetensors").is_file()
+    p = tmp_path / "plan.json"
+    rc, _, err = run(plan, ["--model", d, "--calib", CALIB, "--ratio", 4, "--calib-tokens", 256, "--tune-tokens", 64,
+                            "--seq-len", 32, "--selectors", "knorm", "--no-progress", "--out", p], capsys)
+    assert rc == 0, err
+    rc, _, err = run(eval_bases, ["--model", d, "--plan", p, "--data", EVAL, "--tokens", 128, "--seq-len", 32,
+                                  "--no-progress", "--json", tmp_path / "e.json"], capsys)
+    assert rc == 0, err
+    assert json.loads((tmp_path / "e.json").read_text())["results"][0]["ppl"] > 1
+    rc, _, err = run(generate, ["--model", d, "--plan", p, "--prompt", PROMPT, "--max-new-tokens", 4, "--json",
+                                tmp_path / "g.json"], capsys)
+    assert rc == 0, err
+    assert len(json.loads((tmp_path / "g.json").read_text())["tokens"]) == 4

@@ -76,6 +76,21 @@ def test_last_val_and_curve_from_metrics(tmp_path: Path, frontier) -> None:
     assert frontier.last_val(m) == (4, 6.7, None, None)  # shorter than the logging interval (short fine-tunes)
 
 
+def test_trained_tokens_count_every_step_not_the_logged_ones(tmp_path: Path, frontier, data_cache, offline) -> None:
+    """A 7-step run logging every 5 steps: its metrics' last ``tokens`` are 5 steps', the row's are all 7 steps'."""
+    from tiny_models import TINY_FIT_ARGS
+    from training.fit import main as fit
+
+    assert fit(["--config", "tiny_gpt2", *TINY_FIT_ARGS, "--trainer.log_every_n_steps", "5", "--runs_dir",
+                str(tmp_path), "--run_name", "r", "--data.cache_dir", str(data_cache), "--wandb.mode", "disabled",
+                "--trainer.max_steps", "7", "--trainer.val_check_interval", "7", "--model.warmup_steps", "1"]) == 0
+    per_step = 8 * 64  # --data.batch_size 8 of --model.block_size 64
+    step, _, logged, _ = frontier.last_val(tmp_path / "r" / "metrics.csv")
+    tokens, seconds = frontier.trained(tmp_path / "r" / "last.ckpt")
+    assert (step, logged) == (6, 5 * per_step)
+    assert tokens == 7 * per_step and seconds > 0
+
+
 def test_resume_key_includes_steps_batch_and_device(frontier) -> None:
     """A finished row is reused only for the same variant, seed, steps, batch and device (it was reused for another
     --steps); rows written before batch/device were recorded belong to the CPU study (batch 8)."""
@@ -134,22 +149,31 @@ def test_a_killed_study_takes_its_training_child_with_it(tmp_path: Path) -> None
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories"
 
 
+@pytest.fixture(scope="module")
+def study_cache(tmp_path_factory) -> Path:
+    """The studies' data cache for this module (token shards, the BPE-4096 tokenizer): never the repository's."""
+    return tmp_path_factory.mktemp("study_cache")
+
+
 @pytest.mark.skipif(not DATA.is_dir(), reason="needs ../shared/data/tinystories")
-def test_a_run_shorter_than_the_log_interval_reports_and_resumes(tmp_path: Path, frontier, capsys) -> None:
+def test_a_run_shorter_than_the_log_interval_reports_and_resumes(tmp_path: Path, frontier, study_cache,
+                                                                 capsys) -> None:
     """``--steps 2`` crashed on ``tokens_per_s`` None in a format string, and the run was then reported failed on
-    every later call. Now it reports, and the second call reuses the finished run."""
-    argv = ["--steps", "2", "--variants", "mqa", "--seeds", "1", "--out", str(tmp_path / "f.json"), "--runs-dir",
-            str(tmp_path / "runs"), "--cache-tokens", "16"]
+    every later call. Now it reports, and the second call reuses the finished run. Its ``tokens`` are the tokens it
+    trained (2 steps x batch 2 x 256), not those of the last logged step (none: it logs every 20 steps)."""
+    argv = ["--steps", "2", "--batch", "2", "--variants", "mqa", "--seeds", "1", "--out", str(tmp_path / "f.json"),
+            "--runs-dir", str(tmp_path / "runs"), "--cache-tokens", "16", "--data-cache", str(study_cache)]
     assert frontier.main(argv) == 0
     first = json.loads((tmp_path / "f.json").read_text())["rows"]
-    assert len(first) == 1 and first[0]["steps"] == 2 and first[0]["tokens_per_s"] is None
+    assert len(first) == 1 and first[0]["steps"] == 2 and first[0]["tokens"] == 2 * 2 * 256
+    assert first[0]["tokens_per_s"] > 0  # (train_time_s is rounded to 0.1 s: no ratio of it is checked)
     assert frontier.main(argv) == 0  # nothing left to run: the row is kept, nothing fails
     assert json.loads((tmp_path / "f.json").read_text())["rows"] == first
     assert "failed" not in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not DATA.is_dir(), reason="needs ../shared/data/tinystories")
-def test_recipe_study_inserts_each_ratio_into_one_shared_mla_stage(tmp_path: Path, frontier) -> None:
+def test_recipe_study_inserts_each_ratio_into_one_shared_mla_stage(tmp_path: Path, frontier, study_cache) -> None:
     """``kvsplice_recipe.py --study recipe``: ``insert`` (KVSplice-50) and ``insert90`` (KVSplice-90) of one seed
     share their MLA-128 stage (trained once), and each row holds the cache of the ratio it inserted."""
     spec = importlib.util.spec_from_file_location("kvsplice_recipe", SCRIPT.parent / "kvsplice_recipe.py")
@@ -159,7 +183,8 @@ def test_recipe_study_inserts_each_ratio_into_one_shared_mla_stage(tmp_path: Pat
         spec.loader.exec_module(mod)
         out, runs = tmp_path / "r.json", tmp_path / "runs"
         assert mod.main(["--study", "recipe", "--steps", "4", "--batch", "2", "--seeds", "1", "--jobs", "2",
-                         "--out", str(out), "--runs-dir", str(runs), "--data", str(DATA)]) == 0
+                         "--out", str(out), "--runs-dir", str(runs), "--data", str(DATA),
+                         "--data-cache", str(study_cache)]) == 0
     finally:
         sys.path.remove(str(SCRIPT.parent))
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}

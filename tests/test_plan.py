@@ -5,6 +5,7 @@ cache take it directly, calibration statistics are reused, and bad inputs are on
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,121 @@ def test_the_mixed_objective_measures_tasks_and_never_trades_accuracy(s260k, pla
     top = [c for c in cands if c["task_acc"] >= best_acc]
     assert doc["chosen"]["task_acc"] == best_acc
     assert doc["chosen"]["tuning_ppl"] == min(c["tuning_ppl"] for c in top)
+
+
+# ------------------------------------------------------------------------------------------ hostile plans (issue 31)
+def one_line(capsys, prog: str, needle: str = "") -> str:
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith(f"{prog}: error:") and needle in err[0], err
+    return err[0]
+
+
+def lowrank_plan(folder: Path, model_dir: Path) -> Path:
+    """A low-rank plan (rank 4 of stories260K's head_dim 8) with its bases file beside it."""
+    from kvsplice.adapters import model_fingerprint
+    from kvsplice.io.loading import load_model
+    from tiny_models import orthonormal_bases
+
+    fp = model_fingerprint(load_model(str(model_dir)).model)
+    bases = orthonormal_bases(5, 4, 8, 4, "post")
+    bases.meta["model_fingerprint"] = fp
+    return Plan(Stack("lowrank", lowrank_ratio=2.0), fp, bases).save(folder / "lr.json")
+
+
+def edited_plan(src: Path, dst: Path, edit) -> Path:
+    doc = json.loads(src.read_text())
+    edit(doc)
+    dst.write_text(json.dumps(doc))
+    return dst
+
+
+def _selector(name, **kw):
+    def edit(doc):
+        doc["stack"].update(selector=name, selector_kw=kw, keep=0.5, store="dense")
+    return edit
+
+
+HOSTILE_PLANS = {  # what a hand-edited plan holds -> the words of its one-line refusal
+    "halvings": (_selector("balancekv", n_halvings=1000000), "n_halvings must be in [1, 40]"),
+    "negative-sinks": (_selector("streaming_llm", n_sink=-100), "n_sink must be in [0,"),
+    "fractional-sinks": (_selector("uniform", n_sink=2.5), "n_sink must be an integer"),
+    "text-seed": (_selector("knorm", seed="abc"), "seed must be an integer"),
+    "unknown-argument": (_selector("snapkv", windw=8), "selector snapkv takes window, kernel, seed"),
+    "nan-budget": (lambda d: d["budget"].update(bytes_per_token=float("nan")), "budget.bytes_per_token"),
+    "negative-budget": (lambda d: d["budget"].update(bytes_per_token=-3), "budget.bytes_per_token must be > 0"),
+    "negative-prompt": (lambda d: d.update(prompt_len=-5), "prompt_len must be in [1,"),
+    "text-keep": (lambda d: d["stack"].update(keep="half"), "stack.keep must be a number"),
+    "nan-keep": (lambda d: d["stack"].update(keep=float("nan")), "stack.keep must be in (0, 1]"),
+    "kivi-bits": (lambda d: d["stack"].update(store="kivi", bits=3), "bits must be one of 2, 4, 8"),
+    "absolute-bases": (lambda d: d.update(bases="/etc/passwd"), "points outside the plan's folder"),
+    "dotdot-bases": (lambda d: d.update(bases="../plan/stats.safetensors"), "points outside the plan's folder"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_PLANS))
+def test_hostile_plan_fields_are_refused_on_load(s260k, planned, tmp_path, capsys, name):
+    """Each was followed, hung (BalanceKV halving a million times) or a traceback: now one line from ``Plan.load``
+    and from ``generate`` before the model loads, exit status 2."""
+    edit, needle = HOSTILE_PLANS[name]
+    bad = edited_plan(planned / "plan.json", tmp_path / "bad.json", edit)
+    with pytest.raises(PlanError, match=re.escape(needle)):
+        Plan.load(bad)
+    capsys.readouterr()
+    assert generate.main(["--model", str(s260k), "--plan", str(bad), "--prompt", "Hi", "--max-new-tokens", "2"]) == 2
+    one_line(capsys, "generate", needle)
+
+
+def test_a_plan_nested_200000_levels_is_one_line(s260k, tmp_path, capsys):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    for prog, cli, extra in (("generate", generate, ["--prompt", "Hi", "--max-new-tokens", "2"]),
+                             ("eval_bases", eval_bases, ["--data", str(EVAL)])):
+        capsys.readouterr()
+        assert cli.main(["--model", str(s260k), "--plan", str(deep), *extra]) == 2
+        one_line(capsys, prog, "nested too deeply")
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "1e400"])
+def test_an_infinite_budget_is_refused_before_calibrating(s260k, tmp_path, capsys, monkeypatch, value):
+    import kvsplice.lowrank.sensitivity as sens
+
+    monkeypatch.setattr(sens, "stats_for", lambda *a, **k: pytest.fail("calibrated before checking the budget"))
+    for opt in ("--ratio", "--budget-bytes-per-token"):
+        capsys.readouterr()
+        assert plan_cli.main(["--model", str(s260k), *SMALL, opt, value, "--out", str(tmp_path / "p.json")]) == 2
+        one_line(capsys, "plan", f"argument {opt}: must be > 0 and finite")
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_statistics_and_a_plans_bases_are_never_written(s260k, planned, tmp_path, capsys):
+    """``--calib-stats`` is an input when it exists and an output otherwise; a plan's bases file is an input of
+    every command that reads the plan: none is replaced, even with ``--force`` (they were: the statistics by
+    ``plan --out``, the bases by ``generate`` / ``eval_bases --json``)."""
+    stats = planned / "stats.safetensors"
+    digest = stats.read_bytes()
+    for extra in ([], ["--force"]):
+        capsys.readouterr()
+        assert plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats", str(stats),
+                              "--out", str(stats), *extra]) == 2
+        one_line(capsys, "plan", "is the input --calib-stats")
+        assert plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats", str(stats),
+                              "--out", str(tmp_path / "q.json"), "--json", str(stats), *extra]) == 2
+        one_line(capsys, "plan", "is the input --calib-stats")
+    assert stats.read_bytes() == digest
+    new = tmp_path / "new.safetensors"
+    assert plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats", str(new),
+                          "--out", str(tmp_path / "p.json"), "--json", str(new)]) == 2
+    one_line(capsys, "plan", "--calib-stats")
+    assert not new.exists()
+    lr = lowrank_plan(tmp_path, s260k)
+    bases = lr.with_name("lr.bases.safetensors")
+    digest = bases.read_bytes()
+    assert Plan.load(lr).bases is not None
+    capsys.readouterr()
+    assert generate.main(["--model", str(s260k), "--plan", str(lr), "--prompt", "Hi", "--max-new-tokens", "2",
+                          "--json", str(bases), "--force"]) == 2
+    one_line(capsys, "generate", "bases file")
+    assert eval_bases.main(["--model", str(s260k), "--plan", str(lr), "--data", str(EVAL), "--json", str(bases),
+                            "--force"]) == 2
+    one_line(capsys, "eval_bases", "bases file")
+    assert bases.read_bytes() == digest

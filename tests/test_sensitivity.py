@@ -107,3 +107,47 @@ def test_fisher_fit_minimises_the_predicted_loss_and_allocation_spends_the_budge
     assert bases.ranks() == alloc.ranks and bases.meta["allocated"]
     with pytest.raises(ValueError, match="numbers_per_token"):
         allocate_ranks(s, n_groups * d + 1, curves=curves)
+
+
+@pytest.mark.parametrize("fam", ["gemma3_text", "qwen3", "phi3"])
+def test_the_true_gradients_of_the_keys_rope_sees_in_every_family(fam):
+    """Gemma-3 (a RoPE table per layer type: the pass unpacked them as one table, a TypeError on the real
+    Gemma-3-270M), Qwen3 / Gemma-3 (keys normed per head before RoPE) and Phi-3 (one fused q|k|v projection): the
+    loss-gradient Grams of every layer equal the true gradients with respect to the keys the rotary embedding
+    receives, rotated by that layer's own tables for "post"."""
+    from tiny_models import tiny_family
+
+    model = tiny_family(fam, window=None)
+    a = adapter_for(model)
+    hkv, d = a.n_kv_head, a.head_dim
+    batches = [ids_of(2, 12, 1) % 90 + 3, ids_of(2, 12, 2) % 90 + 3]
+    sets = calibrate_all(model, batches, progress=False)
+    for layer in range(a.n_layer):
+        attn = a.attention_module(layer)
+        mod = getattr(attn, "k_norm", None) or getattr(attn, "k_proj", None) or attn.qkv_proj
+        grads = []
+        for ids in batches:
+            holder = {}
+
+            def hook(m, i, o):  # o: (B, T, Hkv, d) after k_norm, (B, T, width) after a projection
+                holder["delta"] = torch.zeros_like(o, requires_grad=True)
+                return o + holder["delta"]
+
+            h = mod.register_forward_hook(hook)
+            try:
+                logits = model(input_ids=ids).logits
+                F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                reduction="sum").backward()
+            finally:
+                h.remove()
+            g = holder["delta"].grad.reshape(*ids.shape, -1)  # (B, T, width)
+            if mod is getattr(attn, "qkv_proj", None):
+                g = g[..., a.n_head * d:a.n_head * d + hkv * d]  # (B, T, Hkv·d): the keys of q | k | v
+            grads.append(g.reshape(*ids.shape, hkv, d).transpose(1, 2))  # (B, Hkv, T, d)
+        g = torch.cat(grads).double()
+        cos, sin = a.rope(torch.zeros(1, 12, d), 0, 12, layer=layer)
+        for mode, x in (("pre", g), ("post", apply_rope(g, cos.double(), sin.double()))):
+            if mode in sets:
+                want = torch.einsum("bhti,bhtj->hij", x, x)
+                torch.testing.assert_close(sets[mode].gk[layer], want, rtol=1e-4, atol=1e-6)
+    model.zero_grad()

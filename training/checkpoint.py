@@ -23,6 +23,10 @@ __all__ = ["CKPT_FORMAT", "CKPT_FORMAT_KEY", "GPT_CONFIG_KEY", "CheckpointError"
            "load_gpt_checkpoint", "remove_stale_temp_files", "safe_checkpoint_io"]
 
 
+#: What a checkpoint needs to resume a Lightning run from (Lightning reads these without checking).
+_RESUME_KEYS = ("pytorch-lightning_version", "state_dict", "global_step", "loops")
+
+
 def safe_checkpoint_io():
     """A Lightning ``CheckpointIO`` that always loads with ``weights_only=True`` and raises :class:`CheckpointError`,
     and saves with :func:`atomic_save` (Lightning is imported only here, so ``load_gpt_checkpoint`` stays light for
@@ -36,7 +40,14 @@ def safe_checkpoint_io():
             map_location: Optional[Callable] = lambda storage, loc: storage,
             weights_only: Optional[bool] = None,
         ) -> dict[str, Any]:
-            return load_checkpoint(path, map_location=map_location)  # weights_only=True whatever is asked
+            ckpt = load_checkpoint(path, map_location=map_location)  # weights_only=True whatever is asked
+            missing = [k for k in _RESUME_KEYS if k not in ckpt]
+            if missing:  # e.g. models.checkpoint.save_model / kvsplice.to_mla output: weights, no training state
+                raise CheckpointError(
+                    f"cannot resume from {str(path)!r}: it holds no training state ({missing[0]!r} missing; not a "
+                    f"checkpoint python -m training.fit wrote); start a new run from its weights with "
+                    f"--model.init_from {path}")
+            return ckpt
 
         def save_checkpoint(  # type: ignore[override]
             self, checkpoint: dict[str, Any], path: PathLike, storage_options: Optional[Any] = None

@@ -28,7 +28,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 
 from data import TinyStoriesDataModule
 from training.lit import LitGPT, check_schedule
-from training.checkpoint import remove_stale_temp_files, safe_checkpoint_io
+from training.checkpoint import CheckpointError, remove_stale_temp_files, safe_checkpoint_io
 from training.loggers import RunCSVLogger
 from training.rundir import WANDB_ID_FILE, CLIConfigError, RunPlan, clear_run_files, place_run
 
@@ -221,7 +221,7 @@ class KVSpliceCLI(LightningCLI):
                 auto_configure_optimizers=False,
                 parser_kwargs={
                     "prog": "python -m training.fit",
-                    "exit_on_error": False,  # parse errors raise -> main prints one "error: ..." line
+                    "exit_on_error": False,  # parse errors raise -> main prints one "PROG: error: ..." line
                     "description": "Train GPT-2 / MLA / MLA+KVSplice: python -m training.fit --config NAME "
                                    "[--section.option VALUE ...]",
                 },
@@ -345,6 +345,10 @@ class KVSpliceCLI(LightningCLI):
         try:
             self.trainer.fit(self.model, datamodule=self.datamodule, ckpt_path=self.plan.ckpt_path,
                              weights_only=True)
+        except CheckpointError as e:  # LitGPT.on_load_checkpoint's refusals do not know the file: name it
+            if str(e).startswith("cannot resume") and self.plan.ckpt_path:
+                raise CheckpointError(f"--ckpt_path {self.plan.ckpt_path}: {e}") from None
+            raise
         finally:  # close this run's W&B run, so a later run in the same process starts its own
             for logger in self.trainer.loggers:
                 if type(logger).__name__ == "WandbLogger" and getattr(logger, "_experiment", None) is not None:

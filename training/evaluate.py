@@ -12,7 +12,7 @@ For each checkpoint (loaded with ``weights_only=True``, see :mod:`training.check
 Several checkpoints → one markdown table on stdout (``--json FILE`` writes everything, and the plots
 ``quality_vs_cache.png`` and ``val_loss.png`` next to it; an existing ``FILE`` is only replaced with ``--force``).
 Bad input — a malformed option, a missing, corrupt, unsafe or foreign checkpoint, data that is not text — gives one
-``error: ...`` line on stderr and exit status 2.
+``python -m training.evaluate: error: ...`` line on stderr and exit status 2 (:func:`kvsplice.io.cli.run_cli`).
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from kvsplice.io.cli import Parser, UsageError
+from kvsplice.io.cli import EXIT_USAGE, Parser, UsageError, run_cli
 from kvsplice.io.outputs import output_file, write_json
 from kvsplice.report.memory import cache_bytes_formula, measure_cache, parse_dtype
 from training.checkpoint import CheckpointError, load_gpt_checkpoint
 
-EXIT_ERROR = 2
+PROG = "python -m training.evaluate"
+EXIT_ERROR = EXIT_USAGE
 PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "The dog was sad because")
 
 
@@ -225,7 +226,7 @@ def results_markdown(rows: Sequence[dict[str, Any]], dtype: str, device: str) ->
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m training.evaluate", description=__doc__.split("\n\n")[0],
+    p = Parser(prog=PROG, description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ckpt", action="append", required=True, help="checkpoint file (repeat for a comparison)")
     p.add_argument("--tokens", type=int, default=16384, help="validation tokens to average the loss over")
@@ -271,29 +272,23 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Evaluate the checkpoints of ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    """Evaluate the checkpoints of ``argv`` (default ``sys.argv[1:]``); returns the exit status (0, or
+    :data:`EXIT_ERROR` after one ``python -m training.evaluate: error: ...`` line on stderr)."""
     from data import DataUnavailableError
 
+    return run_cli(PROG, lambda: _main(argv), (CheckpointError, EvaluateError, DataUnavailableError))
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     try:
         args = build_parser().parse_args(argv)
     except UsageError as e:
-        print(f"error: {' '.join(str(e).split())} (python -m training.evaluate --help lists the options)",
-              file=sys.stderr)
-        return EXIT_ERROR
-    try:
-        _check_args(args)
-    except (UsageError, EvaluateError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return EXIT_ERROR
-
+        raise UsageError(f"{e} ({PROG} --help lists the options)") from None
+    _check_args(args)
     rows = []
-    try:
-        for path in args.ckpt:
-            print(f"evaluating {path} ...", file=sys.stderr)
-            rows.append(evaluate_checkpoint(path, args))
-    except (CheckpointError, EvaluateError, DataUnavailableError, ValueError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return EXIT_ERROR
+    for path in args.ckpt:
+        print(f"evaluating {path} ...", file=sys.stderr)
+        rows.append(evaluate_checkpoint(path, args))
     print(results_markdown(rows, args.dtype, args.device))
     if args.cache_quant:
         print(f"\n| variant | val loss (cache) | val loss ({args.cache_quant} cache) | change | {args.cache_quant} cache "
@@ -311,8 +306,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             write_json({"dtype": args.dtype, "device": args.device, "rows": rows}, out)
         except OSError as e:
-            print(f"error: --json {args.json}: cannot write ({e.strerror or type(e).__name__})", file=sys.stderr)
-            return EXIT_ERROR
+            raise UsageError(f"--json {args.json}: cannot write ({e.strerror or type(e).__name__})") from None
         from kvsplice.report.plots import plot_quality_vs_cache, plot_val_loss
 
         plot_quality_vs_cache(rows, out.with_name(out.stem + "_quality_vs_cache.png"))

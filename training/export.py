@@ -18,7 +18,7 @@ floating point, the shapes of the stored config) and written as safetensors. The
 folder and moved into ``--out`` (:mod:`kvsplice.io.outputs`): a non-empty ``--out`` is replaced only with
 ``--force`` and only when it holds nothing but an earlier export's files (:data:`EXPORT_FILES`) — never a folder
 with other files (a run folder, ``.``, ``some/dir/..``) or the folder of ``--ckpt``. Bad input (including a
-read-only destination) is one ``export: error: ...`` line, exit status 2, nothing written.
+read-only destination) is one ``python -m training.export: error: ...`` line, exit status 2, nothing written.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from models.attention import LATENT_NORM_EPS
 from models.gpt import HF_CONV1D
 from training.checkpoint import CheckpointError, load_gpt_checkpoint
 
+PROG = "python -m training.export"
 REMOTE_DIR = Path(__file__).resolve().parent / "hf_remote"
 REMOTE_FILES = ("configuration_kvsplice_gpt.py", "modeling_kvsplice_gpt.py")
 EXPORT_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -196,11 +197,11 @@ def export(ckpt: str | Path, out: str | Path, *, force: bool = False, tokenizer:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return run_cli("export", lambda: _main(argv), (ExportError,))
+    return run_cli(PROG, lambda: _main(argv), (ExportError,))
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
-    p = Parser(prog="python -m training.export", description=__doc__.split("\n\n")[0])
+    p = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True, help="a checkpoint written by python -m training.fit")
     p.add_argument("--out", required=True, help="the output directory (new or empty; --force: an earlier export)")
     p.add_argument("--force", action="store_true", help="replace the files of an earlier export in --out (a folder "

@@ -20,8 +20,9 @@ as an uninterrupted one); checkpoints are loaded with ``torch.load(weights_only=
 A run shorter than the configured warmup (``--trainer.max_steps 200`` on a 500-step warmup) gets a warmup of 10 % of
 ``max_steps`` with a note, unless ``--model.warmup_steps`` is given.
 
-Expected failures (bad option or config, data unavailable offline or not text, unsafe/corrupt checkpoint) print one
-``error: ...`` line to stderr and exit with status 2.
+Expected failures (bad option or config, data unavailable offline or not text, unsafe/corrupt/non-finite checkpoint)
+print one ``python -m training.fit: error: ...`` line to stderr and exit with status 2
+(:func:`kvsplice.io.cli.run_cli`).
 
 The Lightning pieces live in :mod:`training.cli`; this module only resolves ``--config`` and maps errors to exit codes.
 """
@@ -33,10 +34,12 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from kvsplice.io.cli import EXIT_USAGE, UsageError, run_cli
 from models.config import CONFIG_DIR, ConfigNotFoundError, config_path
 from training.rundir import CLIConfigError
 
-EXIT_ERROR = 2
+PROG = "python -m training.fit"
+EXIT_ERROR = EXIT_USAGE
 
 __all__ = ["CONFIG_DIR", "CLIConfigError", "main", "prepare_args", "config_file"]
 
@@ -125,13 +128,17 @@ def _one_line(e: BaseException) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Parse ``argv`` (default ``sys.argv[1:]``), build everything and train. Returns the exit status."""
+    """Parse ``argv`` (default ``sys.argv[1:]``), build everything and train. Returns the exit status: 0, or
+    :data:`EXIT_ERROR` after one ``python -m training.fit: error: ...`` line on stderr."""
+    return run_cli(PROG, lambda: _main(argv))
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args, stem = prepare_args(argv)
     except CLIConfigError as e:
-        print(f"error: {_one_line(e)}", file=sys.stderr)
-        return EXIT_ERROR
+        raise UsageError(_one_line(e)) from None
     import warnings
 
     import torch
@@ -150,10 +157,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         cli = KVSpliceCLI(args, default_run_name=stem)  # takes the run folder (released by itself if refused)
         cli.fit()
-    except expected as e:
-        hint = " (python -m training.fit --help lists the options)" if type(e).__name__ == "ArgumentError" else ""
-        print(f"error: {_one_line(e)}{hint}", file=sys.stderr)
-        return EXIT_ERROR
+    except expected as e:  # one line (messages of jsonargparse/Lightning run over several)
+        hint = f" ({PROG} --help lists the options)" if type(e).__name__ == "ArgumentError" else ""
+        raise UsageError(f"{_one_line(e)}{hint}") from None
     finally:
         if cli is not None:
             cli.release()  # the run folder's lock; the folder too if this run wrote nothing into it

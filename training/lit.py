@@ -330,9 +330,53 @@ class LitGPT(L.LightningModule):
             raise CheckpointError(
                 f"cannot resume: the checkpoint's model differs from the configured one (field: (checkpoint, "
                 f"config)) {diff}")
+        self._check_resumed_tensors(checkpoint)
         stats = checkpoint.get("kvsplice_train_stats") or {}
         self._tokens_seen = float(stats.get("tokens", 0.0))
         self._train_time = float(stats.get("train_time_s", 0.0))
+
+    def _check_resumed_tensors(self, checkpoint: dict[str, Any]) -> None:
+        """Before Lightning loads anything: the checkpoint's weights are exactly this model's (names, shapes,
+        floating point, finite), its optimizer has the parameter groups this run builds, and its optimizer state is
+        finite — a NaN weight or moment would train on NaN and overwrite ``last.ckpt`` with it. Raises
+        :class:`~models.checkpoint.CheckpointError` (one line)."""
+        from models.checkpoint import CheckpointError, check_tensor
+
+        sd = checkpoint.get("state_dict")
+        if not isinstance(sd, dict):
+            raise CheckpointError(f"cannot resume: the checkpoint's 'state_dict' is a {type(sd).__name__}, "
+                                  f"expected a dict")
+        expected = {f"model.{k}": v for k, v in self.model.state_dict().items()}
+        missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
+        if missing or unexpected:
+            what = (f"lacks {missing[0]}" if missing else f"holds {unexpected[0]}, which this model does not have")
+            raise CheckpointError(f"cannot resume: the checkpoint's weights are not this model's: it {what} "
+                                  f"({len(missing)} missing, {len(unexpected)} unexpected)")
+        opts = checkpoint.get("optimizer_states") or []
+        if opts and isinstance(opts[0], dict):  # the groups configure_optimizers will build, by name and size
+            mult = self.hparams.get("splice_lr_mult", 1.0)
+            ours = [(g["name"], len(g["params"]))
+                    for g in param_groups(self.model, 0.0, splice_lr=1.0 if mult != 1.0 else None)]
+            stored = [(g.get("name"), len(g.get("params", []))) for g in opts[0].get("param_groups", [])]
+            if stored != ours:
+                def show(groups: list) -> str:
+                    return ", ".join(f"{n}({k})" for n, k in groups)
+
+                raise CheckpointError(
+                    f"cannot resume: optimizer groups {show(stored)} in the checkpoint, {show(ours)} with these "
+                    f"options (give the --model.splice_lr_mult it was trained with)")
+        try:
+            for name, want in expected.items():
+                check_tensor(sd[name], "cannot resume: the checkpoint", name, shape=tuple(want.shape),
+                             floating=want.is_floating_point())
+            for i, opt in enumerate(opts):
+                for pid, state in ((opt or {}).get("state") or {}).items():
+                    for key, t in (state or {}).items():
+                        if isinstance(t, torch.Tensor) and t.is_floating_point():
+                            check_tensor(t, "cannot resume: the checkpoint",
+                                         f"optimizer_states[{i}].state[{pid}].{key}")
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
 
 
 def check_schedule(warmup_steps: int, max_steps: int) -> None:

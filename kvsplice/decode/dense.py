@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kvsplice.core.args import choice_arg
 from kvsplice.core.method import CompressionMethod, layer_tokens
 from models.cache import KVCache
 
@@ -20,7 +21,7 @@ class DenseKV(CompressionMethod):
     is_storage = True
 
     def __init__(self, *, cache_quant: str | None = None) -> None:
-        self.cache_quant = cache_quant
+        self.cache_quant = choice_arg("cache_quant", cache_quant, (None, "int8"))
 
     def new_cache(self, batch_size, capacity=None, *, dtype, device):
         a = self._bound()

@@ -75,7 +75,7 @@ def evaluate(model, method: Optional[CompressionMethod], windows: torch.Tensor, 
             k = ids.shape[0] * (t - p)
             total, scored = total + nll * k, scored + k
         live = measure_cache(cache).live_bytes
-        formula = dec.method.bytes_formula(ids.shape[0], cache.seq_len, cache.dtype)
+        formula = dec.bytes_formula(cache)  # per layer on sliding-window models
         if formula is not None and live != formula:
             raise ProtocolError(f"{dec.method!r}: measured {live} bytes != formula {formula}")
         measured.append({"batch": ids.shape[0], "held": cache.seq_len, "seen": cache.position, "bytes": live,

@@ -3,7 +3,8 @@ status of user errors, argument types and the device choice. Output paths and th
 
 Every tool's ``main`` is ``run_cli(PROG, body, errors)``: a user error — a bad argument, a missing or unreadable
 input, a read-only destination, a refused input file — is one ``PROG: error: ...`` line on stderr and exit status 2,
-never a traceback.
+never a traceback; Ctrl-C is one ``PROG: interrupted`` line and exit status 130; the outputs the command claimed
+(:func:`kvsplice.io.outputs.claim`) are released when it ends.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["DTYPES", "EXIT_USAGE", "Parser", "UsageError", "add_device_dtype", "default_seq_len", "device_dtype",
-           "first_line", "pick_device", "pos_int", "run_cli"]
+__all__ = ["DTYPES", "EXIT_INTERRUPTED", "EXIT_USAGE", "Parser", "UsageError", "add_device_dtype", "at_command_end",
+           "default_seq_len", "device_dtype", "first_line", "pick_device", "pos_int", "run_cli"]
 
 EXIT_USAGE = 2
 """Exit status of every user error (as argparse's own)."""
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT, as a shell reports it)."""
 
 
 class UsageError(Exception):
@@ -41,17 +44,37 @@ def first_line(e: BaseException, limit: int = 300) -> str:
 
 def run_cli(prog: str, body: Callable[[], int], errors: tuple[type[BaseException], ...] = ()) -> int:
     """Run a tool's ``body`` and return its exit status; :class:`UsageError`, ``OSError`` (a missing input, a
-    read-only destination), ``ValueError`` and the tool's own ``errors`` become one ``PROG: error: ...`` line on
-    stderr and :data:`EXIT_USAGE`."""
+    read-only destination), ``ValueError``, ``RecursionError`` (a file nested too deep) and the tool's own
+    ``errors`` become one ``PROG: error: ...`` line on stderr and :data:`EXIT_USAGE`; ``KeyboardInterrupt`` one
+    ``PROG: interrupted`` line and :data:`EXIT_INTERRUPTED`. The outputs it claimed are released either way
+    (:func:`at_command_end`)."""
     try:
         return body()
     except SystemExit as e:  # --help / --version
         if e.code in (None, 0):
             return 0
         raise
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except RecursionError:
+        print(f"{prog}: error: an input is nested too deeply to read (a damaged or hostile file)", file=sys.stderr)
+        return EXIT_USAGE
     except (UsageError, OSError, ValueError, *errors) as e:
         print(f"{prog}: error: {first_line(e)}", file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        for fn in _AT_END:
+            fn()
+
+
+_AT_END: list[Callable[[], None]] = []
+
+
+def at_command_end(fn: Callable[[], None]) -> None:
+    """Call ``fn`` whenever :func:`run_cli` ends a command (:mod:`kvsplice.io.outputs` releases its claims)."""
+    if fn not in _AT_END:
+        _AT_END.append(fn)
 
 
 def pos_int(s: str) -> int:

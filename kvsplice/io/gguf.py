@@ -5,17 +5,36 @@ transformers reads the file with the ``gguf`` package (``pip install -e ".[gguf]
 ``dtype`` (fp32 by default); the model is then rebuilt from its config *without* the ``quantization_config``
 transformers attaches, so it is an ordinary ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``GPT2LMHeadModel``: its
 fingerprint, ``save_pretrained`` and every kvsplice tool treat it like a model directory. The tokenizer comes from
-the same file (``AutoTokenizer.from_pretrained(folder, gguf_file=...)``).
+the same file (``AutoTokenizer.from_pretrained(folder, gguf_file=...)``). A file that lacks some of the model's
+weights (truncated, damaged) is refused — transformers would fill them at random and only warn.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["find_gguf", "load_gguf"]
+__all__ = ["find_gguf", "gguf_files", "load_gguf", "refuse_incomplete"]
+
+
+def refuse_incomplete(info: dict, source: str) -> None:
+    """Raise ``ValueError`` when transformers' loading report (``output_loading_info=True``) lists weights the file
+    lacks (transformers would initialise them at random and only warn), holds in excess or with the wrong shape."""
+    for key, what in (("missing_keys", "lacks"), ("unexpected_keys", "holds unexpected"),
+                      ("mismatched_keys", "holds wrongly shaped")):
+        names = sorted(str(k[0] if isinstance(k, (tuple, list)) else k) for k in info.get(key) or ())
+        if names:
+            more = f", ... ({len(names)} in all)" if len(names) > 3 else ""
+            raise ValueError(f"{source} {what} weights of the model ({', '.join(names[:3])}{more}): a truncated or "
+                             f"damaged file; get it again")
+
+
+def gguf_files(folder: Path) -> list[Path]:
+    """The ``*.gguf`` files of ``folder``, sorted."""
+    return sorted(p for p in folder.glob("*.gguf") if p.is_file())
 
 
 def find_gguf(path: str | Path) -> Optional[Path]:
@@ -25,7 +44,7 @@ def find_gguf(path: str | Path) -> Optional[Path]:
     if p.is_file() and p.suffix.lower() == ".gguf":
         return p
     if p.is_dir() and not (p / "config.json").is_file():
-        files = sorted(p.glob("*.gguf"))
+        files = gguf_files(p)
         if len(files) == 1:
             return files[0]
     return None
@@ -46,18 +65,25 @@ def load_gguf(path: str | Path, *, dtype: Optional[torch.dtype] = None) -> tuple
     except ImportError:
         raise ImportError(f"{f.name} is a GGUF file: reading it needs the gguf package (pip install gguf, or "
                           f"pip install -e '.[gguf]')") from None
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
     dtype = dtype or torch.float32
     folder, name = str(f.parent), f.name
     bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # transformers' "de-quantizing" bar: the CLIs' stderr stays one error line
+    hf_logging.disable_progress_bar()  # transformers' "Loading weights" bar: the CLIs' stderr stays one error line
+    bar = gguf_utils.tqdm  # its "de-quantizing" bar is a plain tqdm, not behind the switch above
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+        loaded, info = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype,
+                                                            output_loading_info=True)
+        refuse_incomplete(info, f.name)  # the caller names the whole path
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
     finally:
         hf_logging.set_verbosity(verbosity)
+        gguf_utils.tqdm = bar
         if bars:
             hf_logging.enable_progress_bar()
     # a plain model: the same config without the GGUF quantization_config, the dequantised weights

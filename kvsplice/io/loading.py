@@ -188,6 +188,8 @@ def _load_hf(name: str, *, local_only: bool, tokenizer: Optional[str], dtype: Op
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from kvsplice.io.gguf import refuse_incomplete
+
     kw: dict[str, Any] = {"local_files_only": local_only, "trust_remote_code": False}  # never run or ask about a
     # repository's own code (transformers would otherwise stop at an interactive [y/N] prompt)
     if dtype is not None:
@@ -195,10 +197,15 @@ def _load_hf(name: str, *, local_only: bool, tokenizer: Optional[str], dtype: Op
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no "Loading weights" bar: the CLIs' stderr stays one error line
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, **kw).eval()
+        model, info = AutoModelForCausalLM.from_pretrained(name, output_loading_info=True, **kw)
+        model.eval()
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+    try:
+        refuse_incomplete(info, name)  # weights transformers would initialise at random
+    except ValueError as e:
+        raise LoadError(str(e)) from None
     _check_supported(model)
     _check_weights(model, name)
     if tokenizer is not None:
@@ -246,12 +253,17 @@ def load_model(spec: str | os.PathLike, *, tokenizer: Optional[str] = None, dtyp
     """Load ``spec`` (a model directory, a ``.ckpt`` file or a Hub id; see the module docstring) in eval mode."""
     spec = str(spec)
     p = Path(spec).expanduser()
-    from kvsplice.io.gguf import find_gguf
+    from kvsplice.io.gguf import find_gguf, gguf_files
 
     if find_gguf(p) is not None:  # a .gguf file (or a folder holding one): kvsplice.io.gguf
         model, tok = _load_gguf(p, tokenizer=tokenizer, dtype=dtype)
         kind = "gguf"
     elif p.is_dir():
+        several = gguf_files(p)
+        if not (p / "config.json").is_file() and len(several) > 1:
+            raise LoadError(f"{spec} holds {len(several)} GGUF files ({', '.join(f.name for f in several[:3])}"
+                            f"{', ...' if len(several) > 3 else ''}): pass the one to load, e.g. --model "
+                            f"{several[0]}")
         if not (p / "config.json").is_file():
             raise LoadError(f"{spec} is a directory without config.json: not a transformers model directory "
                             f"(e.g. make one with python -m kvsplice.convert_llama2c)")

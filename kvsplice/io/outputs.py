@@ -5,9 +5,15 @@ through :func:`output_file` / :func:`output_dir` first and writes with :func:`wr
 :func:`models.checkpoint.atomic_write` or :func:`write_dir`:
 
 * the path is resolved first (``~``, ``.``, ``..``, symlinks): ``--out some/dir/..`` *is* ``some``;
-* an output is never an input of the same command: not the same file (``--out X.ckpt`` with ``--model X.ckpt``, also
-  through a symlink, a hard link or another spelling), not an existing file of an input folder, not a folder that
-  holds an input; two outputs of one command are never the same file;
+* an output is never an input of the same command, even with ``--force``: not the same file (``--out X.ckpt`` with
+  ``--model X.ckpt``, also through a symlink, a hard link or another spelling), not an existing file of an input
+  folder, not a folder that holds an input; an input plan's bases file is an input too (:func:`input_files`), and so
+  is a statistics cache that exists (``--calib-stats``, :func:`cache_file`); two outputs of one command are never the
+  same file;
+* an output is claimed for the run (:func:`claim`): a second run writing the same file or folder while the first
+  one lives is refused; the claim (an exclusive lock on ``.<name>.claim`` beside it, holding the pid) is released
+  when the command ends (:func:`release_claims`, called by :func:`kvsplice.io.cli.run_cli` and at exit), and a
+  killed run's lock dies with it;
 * an existing file is replaced only with ``--force``; a non-empty folder only with ``--force`` and, for a command
   that names the files it writes (``owned``), only when it holds nothing else (an earlier output of that command):
   ``--force`` replaces what the command writes, never a folder holding other files;
@@ -21,6 +27,7 @@ Every refusal is a :class:`kvsplice.io.cli.UsageError` with one line naming the 
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -28,10 +35,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Mapping, Optional, Union
 
-from kvsplice.io.cli import UsageError
+from kvsplice.io.cli import UsageError, at_command_end
 from models.checkpoint import atomic_write, remove_stale_temp_files, temp_path
 
-__all__ = ["output_dir", "output_file", "out_and_json", "write_dir", "write_json"]
+__all__ = ["cache_file", "claim", "input_files", "output_dir", "output_file", "out_and_json", "release_claims",
+           "write_dir", "write_json"]
 
 PathArg = Union[str, "os.PathLike[str]"]
 Inputs = Optional[Mapping[str, Union[None, PathArg, Iterable[PathArg]]]]
@@ -45,16 +53,105 @@ def _resolve(value: PathArg, option: str) -> Path:
     return Path(value).expanduser().resolve()
 
 
+def _plan_bases(path: Path) -> Optional[Path]:
+    """The bases file a kvsplice plan (JSON, ``"format": "kvsplice-plan"``) names, resolved beside it; ``None`` for
+    any other file."""
+    if path.suffix.lower() != ".json" or not path.is_file() or path.stat().st_size > (1 << 24):
+        return None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if isinstance(doc, dict) and doc.get("format") == "kvsplice-plan" and isinstance(doc.get("bases"), str):
+        return (path.parent / doc["bases"]).resolve()
+    return None
+
+
+def input_files(option: str, value: PathArg) -> list[tuple[str, Path]]:
+    """``[(what, resolved path)]`` a command reads through one input option: the path itself when it exists, and
+    for a plan also the bases file it names."""
+    p = Path(value).expanduser()
+    if not str(value).strip() or not p.exists():
+        return []
+    out = [(f"{option} {value}", p.resolve())]
+    bases = _plan_bases(p)
+    if bases is not None and bases.exists():
+        out.append((f"{option} {value}'s bases file", bases))
+    return out
+
+
 def _inputs(inputs: Inputs) -> list[tuple[str, Path]]:
     out = []
     for option, values in (inputs or {}).items():
         if values is None:
             continue
         for v in [values] if isinstance(values, (str, os.PathLike)) else values:
-            p = Path(v).expanduser()
-            if str(v).strip() and p.exists():
-                out.append((f"{option} {v}", p.resolve()))
+            out += input_files(option, v)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ claims
+_CLAIMS: dict[Path, int] = {}  # claim file -> the open descriptor holding its lock, for this process
+
+
+def _claim_path(path: Path) -> Path:
+    return path.parent / f".{path.name}.claim"
+
+
+def claim(path: Path, option: str, value: PathArg) -> None:
+    """Claim ``path`` for this process until :func:`release_claims`: an exclusive ``flock`` on ``.<name>.claim``
+    beside it (holding the pid, for the message). Another live run's claim is a :class:`UsageError`; a killed run's
+    lock died with it (the kernel releases it), so its leftover file is simply locked again."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): claims are best effort there
+        return
+    mark = _claim_path(path)
+    if mark in _CLAIMS:
+        return
+    for _ in range(5):
+        try:
+            fd = os.open(mark, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # no folder yet: nothing to race for before it exists
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UsageError(f"{option} {value} is being written by another run (pid {owner}); wait for it to end "
+                             f"or choose another file") from None
+        except OSError:  # a file system without locks
+            os.close(fd)
+            return
+        try:
+            same = os.fstat(fd).st_ino == os.stat(mark).st_ino  # not a file its holder unlinked meanwhile
+        except FileNotFoundError:
+            same = False
+        if not same:
+            os.close(fd)
+            continue
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _CLAIMS[mark] = fd
+        return
+    raise UsageError(f"{option} {value} is being claimed by other runs; try again")
+
+
+def release_claims() -> None:
+    """Remove the claims this process holds (a command's end): each file is unlinked while still locked."""
+    while _CLAIMS:
+        mark, fd = _CLAIMS.popitem()
+        try:
+            if os.fstat(fd).st_ino == os.stat(mark).st_ino:
+                mark.unlink()
+        except OSError:
+            pass
+        os.close(fd)
+
+
+atexit.register(release_claims)
+at_command_end(release_claims)
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -111,8 +208,24 @@ def output_file(value: PathArg, *, force: bool, option: str = "--out", inputs: I
         if path.exists() and src.is_dir() and _within(path, src):
             raise UsageError(f"{option} {value} is a file of the input {what}; choose another file")
     _check_writable(path.parent, option, value)
+    claim(path, option, value)
     remove_stale_temp_files(path.parent, path.name)
     return path
+
+
+def cache_file(value: Optional[PathArg], *, option: str, inputs: Inputs = None,
+               outputs: Optional[Mapping[str, Path]] = None) -> Optional[Path]:
+    """A file a command reads when it exists and writes otherwise (``--calib-stats``): an existing one is an input
+    (give it in the command's ``inputs``: no output may replace it, even with ``--force``); a new one is an output
+    checked as :func:`output_file` (never one of the command's other ``outputs``). ``None`` when not given."""
+    if value is None:
+        return None
+    p = Path(value).expanduser()
+    if p.exists():
+        if p.is_dir():
+            raise UsageError(f"{option} {value} is a directory, not a statistics file")
+        return p.resolve()
+    return output_file(value, force=False, option=option, inputs=inputs, outputs=outputs)
 
 
 def out_and_json(out: PathArg, json_report: Optional[PathArg], *, force: bool,
@@ -151,21 +264,34 @@ def output_dir(value: PathArg, *, force: bool, option: str = "--out", inputs: In
         if entries and not force:
             raise UsageError(f"{option} {value} is not empty (use --force to replace its files)")
     _check_writable(path if path.is_dir() else path.parent, option, value)
+    claim(path, option, value)
     remove_stale_temp_files(path.parent, path.name)
     return path
+
+
+def _plain_modes(folder: Path) -> None:
+    """Every file under ``folder`` readable as the user's umask allows (``0666 & ~umask``): a library that writes
+    through ``mkstemp`` (transformers' ``save_pretrained``) leaves ``0600`` files beside ``0644`` ones."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in folder.rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            os.chmod(f, 0o666 & ~umask)
 
 
 def write_dir(path: Path, fill: Callable[[Path], None], owned: Optional[Collection[str]] = None) -> list[str]:
     """Write a folder output checked by :func:`output_dir`: ``fill(tmp)`` writes every file into a temporary folder,
     which becomes ``path`` in one rename when ``path`` does not exist; into an existing ``path`` each file is moved
     with ``os.replace`` (an existing folder, even ``.``, is never removed, nor a sub-folder in the way), then files of
-    ``owned`` that this output no longer has (an earlier output of another kind) are removed. An error leaves
+    ``owned`` that this output no longer has (an earlier output of another kind) are removed. Files get the modes
+the umask gives (:func:`_plain_modes`). An error leaves
     ``path`` as it was. Returns the names written."""
     fresh = not path.exists()
     tmp = temp_path(path) if fresh else temp_path(path, folder=path)
     tmp.mkdir(parents=True)
     try:
         fill(tmp)
+        _plain_modes(tmp)
         names = sorted(f.name for f in tmp.iterdir())
         if fresh:
             os.rename(tmp, path)

@@ -39,6 +39,7 @@ from torch import nn
 
 from kvsplice.adapters import FamilyAdapter, ModelInfo, adapter_for, model_fingerprint
 from kvsplice.adapters.capture import RopeMode, resolve_rope, run_with_qkv_hooks
+from models.checkpoint import check_tensor
 
 STATS_FORMAT_VERSION = 1
 
@@ -205,7 +206,8 @@ def save_stats(path: str | Path, sets: dict[str, CalibrationStats]) -> Path:
 
 
 def load_stats(path: str | Path) -> dict[str, CalibrationStats]:
-    """RoPE mode → :class:`CalibrationStats` from :func:`save_stats`; ``ValueError`` (one line) for another file."""
+    """RoPE mode → :class:`CalibrationStats` from :func:`save_stats`; ``ValueError`` (one line) for another file or
+    a tensor holding NaN / inf (a fit would fail on it, or silently fit garbage)."""
     from safetensors import safe_open
 
     try:
@@ -215,10 +217,13 @@ def load_stats(path: str | Path) -> dict[str, CalibrationStats]:
                 raise ValueError(f"{path} is not a kvsplice calibration-stats file")
             names = set(f.keys())
             out = {}
+
+            def tensor(name: str) -> torch.Tensor:  # floating point, finite: a NaN / inf never reaches a fit
+                return check_tensor(f.get_tensor(name), str(path), name)
+
             for mode, h in json.loads(m["sets"]).items():
-                t = {n: f.get_tensor(f"{mode}.{n}") for n in CalibrationStats._TENSORS}
-                t.update({n: f.get_tensor(f"{mode}.{n}") for n in CalibrationStats._OPTIONAL
-                          if f"{mode}.{n}" in names})
+                t = {n: tensor(f"{mode}.{n}") for n in CalibrationStats._TENSORS}
+                t.update({n: tensor(f"{mode}.{n}") for n in CalibrationStats._OPTIONAL if f"{mode}.{n}" in names})
                 out[mode] = CalibrationStats(**t, n_tokens=int(h["n_tokens"]), rope=h["rope"], family=h["family"],
                                              n_head=int(h["n_head"]), n_kv_head=int(h["n_kv_head"]),
                                              head_dim=int(h["head_dim"]), fingerprint=h["fingerprint"] or None,

@@ -30,6 +30,7 @@ import torch
 
 from kvsplice.adapters.base import apply_rope, rotate_half
 from kvsplice.adapters.fingerprint import model_fingerprint
+from kvsplice.core.args import choice_arg
 from kvsplice.core.method import CompressionMethod
 from kvsplice.core.rope import rope_tables
 from kvsplice.lowrank.attention import coefficient_attend, encode, layer_groups
@@ -54,7 +55,8 @@ class LowRank(CompressionMethod):
             raise TypeError(f"bases must be a kvsplice.lowrank.bases.KVBases, got {type(bases).__name__}")
         if impl not in ("absorb", "naive"):
             raise ValueError(f"impl must be 'absorb' or 'naive', got {impl!r}")
-        self.bases, self.impl, self.cache_quant = bases, impl, cache_quant
+        self.bases, self.impl = bases, impl
+        self.cache_quant = choice_arg("cache_quant", cache_quant, (None, "int8"))
         self.key_mode: Optional[str] = None  # post / pre / none, once bound
 
     # ------------------------------------------------------------------------------------------- binding

@@ -50,11 +50,14 @@ def _joint(acc: torch.Tensor, x: torch.Tensor) -> None:
 
 def _kv_outputs(module: nn.Module, kv_width: int):
     """The submodules whose outputs are the keys and values: ``[(module, slice_k, slice_v)]``."""
-    if hasattr(module, "k_proj") and hasattr(module, "v_proj"):
-        return [(module.k_proj, "k", None), (module.v_proj, "v", None)]
+    if hasattr(module, "k_proj") and hasattr(module, "v_proj"):  # Qwen3 / Gemma-3: the keys RoPE sees are k_norm's
+        return [(getattr(module, "k_norm", None) or module.k_proj, "k", None), (module.v_proj, "v", None)]
     if hasattr(module, "c_attn"):  # GPT-2: q | k | v along the last dim
         return [(module.c_attn, "qkv", kv_width)]
-    raise ValueError(f"loss sensitivities need k_proj / v_proj (Llama family) or c_attn (GPT-2) attention, got "
+    if hasattr(module, "qkv_proj"):  # Phi-3: q | k | v along the last dim
+        return [(module.qkv_proj, "qkv", kv_width)]
+    raise ValueError(f"loss sensitivities need k_proj / v_proj (Llama family), qkv_proj (Phi-3) or c_attn (GPT-2) "
+                     f"attention, got "
                      f"{type(module).__name__}")
 
 
@@ -109,12 +112,14 @@ def calibrate_all(model: nn.Module, batches: Sequence[torch.Tensor], *, ropes: I
     def accumulate(t: int, device) -> None:
         rope = adapter.rope(torch.zeros(1, t, d, device=device), 0, t) if info.has_rope else None  # (1, T, d)
         for layer, kind, gr in grads:
+            gr = gr.reshape(gr.shape[0], t, -1)  # (B, T, width): k_norm's output is (B, T, Hkv, d)
             parts = {"k": gr} if kind == "k" else {"v": gr} if kind == "v" else \
-                dict(zip("kv", gr[..., info.n_head * d:].split(hkv * d, dim=-1)))  # GPT-2: drop q, split k | v
+                dict(zip("kv", gr[..., info.n_head * d:].split(hkv * d, dim=-1)))  # GPT-2 / Phi-3: drop q, split k | v
             for name, x in parts.items():
                 x = x.reshape(*x.shape[:-1], hkv, d).transpose(1, 2)  # (B, Hkv, T, d)
                 for mode, s in sets.items():
-                    y = apply_rope(x, *rope) if name == "k" and mode == "post" else x  # ∂L/∂k_rot = R_t ∂L/∂k
+                    rot = name == "k" and mode == "post"  # ∂L/∂k_rot = R_t ∂L/∂k, with the layer's own tables
+                    y = apply_rope(x, *adapter.layer_rope(layer, rope)) if rot else x
                     _gram((s.gk if name == "k" else s.gv)[layer], y)
                     _joint((s.gk_joint if name == "k" else s.gv_joint)[layer], y)
         grads.clear()

@@ -122,6 +122,18 @@ def rank_key(objective: str, best_acc: float = 100.0, tolerance: float = 0.0) ->
     raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
 
 
+def runs_on(model, method) -> bool:
+    """Whether ``method`` can decode ``model``: a cache that cannot drop the tokens leaving a sliding window (KIVI's,
+    a selection over it) cannot run a model with sliding-window layers (Gemma-3, Mistral, ...)."""
+    from kvsplice.decode import Decoder
+
+    try:
+        Decoder(model, method).new_cache(1, capacity=1)
+    except ValueError:
+        return False
+    return True
+
+
 def search(model, stats: dict, windows: torch.Tensor, *, prompt_len: int, budget: float,
            selectors: Sequence[str] = DEFAULT_SELECTORS, lowrank_ratios: Sequence[float] = LOWRANK_RATIOS,
            batch_size: int = 4, log: Optional[Callable[[str], None]] = None, objective: str = "ppl",
@@ -182,7 +194,9 @@ def search(model, stats: dict, windows: torch.Tensor, *, prompt_len: int, budget
     fits = []
     for store in candidate_stores(adapter.has_rope, adapter.head_dim, lowrank_ratios):
         st = fit_budget(store, adapter, prompt_len, budget, selector=selectors[0], bases=bases_of(store))
-        if st is not None:
+        if st is not None and not runs_on(model, st.method(prompt_len, bases_of(st))):
+            log(f"  {st.label():<48} skipped: its cache cannot drop the tokens leaving a sliding window")
+        elif st is not None:
             fits.append(st)
     if not fits:
         raise ValueError(f"no stack fits {budget:.1f} bytes per token (the smallest keeps 1/64 of the prompt)")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kvsplice.core.method import CompressionMethod
+from kvsplice.planning.checks import check_arguments, check_plan_doc
 
 __all__ = ["PLAN_FORMAT", "Plan", "PlanError", "STORES", "Stack"]
 
@@ -159,14 +160,24 @@ class Plan:
         path = Path(path)
         try:
             doc = json.loads(path.read_text(encoding="utf-8"))
+        except RecursionError:
+            raise PlanError(f"cannot read the plan {path}: nested too deeply (not a plan)") from None
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise PlanError(f"cannot read the plan {path}: {str(e).splitlines()[0]}") from None
         if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT or doc.get("version") != PLAN_VERSION:
             raise PlanError(f"{path} is not a kvsplice plan (python -m kvsplice.plan writes them)")
         try:
+            check_plan_doc(doc)
+        except ValueError as e:
+            raise PlanError(f"{path}: {e}") from None
+        try:
             stack = Stack(**doc["stack"])
         except (TypeError, KeyError) as e:
             raise PlanError(f"{path}: bad stack ({e})") from None
+        try:
+            check_arguments(stack)
+        except ValueError as e:
+            raise PlanError(f"{path}: {e}") from None
         bases = None
         if doc.get("bases"):
             from kvsplice.lowrank.bases import KVBases

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kvsplice.core.args import choice_arg, int_arg
 from kvsplice.core.method import CompressionMethod
 from kvsplice.quant.cache import KIVICache, kivi_bytes
 from kvsplice.quant.groups import BITS
@@ -28,11 +29,8 @@ class KIVI(CompressionMethod):
     is_storage = True
 
     def __init__(self, bits: int = 4, group: int = 32, residual: int = 128) -> None:
-        if bits not in BITS:
-            raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
-        if group < 1 or residual < 0:
-            raise ValueError(f"group must be >= 1 and residual >= 0, got {group}, {residual}")
-        self.bits, self.group, self.residual = int(bits), int(group), int(residual)
+        self.bits = choice_arg("bits", bits, BITS)
+        self.group, self.residual = int_arg("group", group, 1, 1 << 16), int_arg("residual", residual)
 
     def _prepare(self, adapter, *, dtype, device):
         super()._prepare(adapter, dtype=dtype, device=device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kvsplice.core.args import int_arg
 from kvsplice.select.selectors import TokenSelector
 
 __all__ = ["KnormSelector"]
@@ -24,9 +25,7 @@ class KnormSelector(TokenSelector):
 
     def __init__(self, n_sink: int = 0, seed: int = 0) -> None:
         super().__init__(seed)
-        if n_sink < 0:
-            raise ValueError(f"n_sink must be >= 0, got {n_sink}")
-        self.n_sink = n_sink
+        self.n_sink = int_arg("n_sink", n_sink)
 
     def _select(self, k: torch.Tensor, v: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
         h, t = k.shape[:2]  # k (Hkv, T, d); budget < T here

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvsplice.core.args import bool_arg, int_arg
 from kvsplice.select.selectors import TokenSelector
 
 __all__ = ["ObservedAttentionSelector", "SnapKVSelector", "causal_attention_weights"]
@@ -52,8 +53,9 @@ class SnapKVSelector(TokenSelector):
 
     def __init__(self, window: int = 64, kernel: int = 5, seed: int = 0) -> None:
         super().__init__(seed)
-        if window < 1 or kernel < 1 or kernel % 2 == 0:
-            raise ValueError(f"window must be >= 1 and kernel an odd number >= 1, got {window}, {kernel}")
+        window, kernel = int_arg("window", window, 1), int_arg("kernel", kernel, 1, 1 << 16)
+        if kernel % 2 == 0:
+            raise ValueError(f"kernel must be an odd number >= 1, got {kernel}")
         self.window, self.kernel = window, kernel
 
     def _select(self, k, v, budget, *, q, scale):
@@ -78,7 +80,7 @@ class ObservedAttentionSelector(TokenSelector):
 
     def __init__(self, normalize: bool = True, chunk: int = 256, seed: int = 0) -> None:
         super().__init__(seed)
-        self.normalize, self.chunk = normalize, chunk
+        self.normalize, self.chunk = bool_arg("normalize", normalize), int_arg("chunk", chunk, 1)
 
     def _select(self, k, v, budget, *, q, scale):
         h, t, d = k.shape

@@ -19,13 +19,18 @@ and the same number of tokens for every head (``n_keep = min(budget, T)``), so b
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Optional
 
 import torch
 
+from kvsplice.core.args import bool_arg, float_arg, int_arg
 from kvsplice.select.balance import LN2, block_balance
 
+
+MAX_HALVINGS = 40
+"""BalanceKV halves at most 2^40 tokens' worth (more rounds than any prompt has tokens' bits)."""
 
 SELECTORS: dict[str, type["TokenSelector"]] = {}
 """Selector name → class: every subclass of :class:`TokenSelector` that sets ``name`` registers itself."""
@@ -53,7 +58,7 @@ class TokenSelector:
             SELECTORS[cls.name] = cls
 
     def __init__(self, seed: int = 0) -> None:
-        self.seed = seed
+        self.seed = int_arg("seed", seed, 0, 2 ** 63 - 1)
         self.generator = torch.Generator().manual_seed(seed)
 
     def reseed(self, seed: Optional[int] = None) -> "TokenSelector":
@@ -116,7 +121,7 @@ class StreamingLLMSelector(TokenSelector):
 
     def __init__(self, n_sink: int = 4, seed: int = 0) -> None:
         super().__init__(seed)
-        self.n_sink = n_sink
+        self.n_sink = int_arg("n_sink", n_sink)
 
     def _select(self, k, v, budget):
         h, t = k.shape[:2]
@@ -134,7 +139,7 @@ class UniformSelector(TokenSelector):
 
     def __init__(self, n_sink: int = 4, n_recent: int = 16, seed: int = 0) -> None:
         super().__init__(seed)
-        self.n_sink, self.n_recent = n_sink, n_recent
+        self.n_sink, self.n_recent = int_arg("n_sink", n_sink), int_arg("n_recent", n_recent)
 
     def _select(self, k, v, budget):
         h, t = k.shape[:2]
@@ -210,9 +215,14 @@ class BalanceKVSelector(TokenSelector):
     def __init__(self, n_sink: int = 4, n_recent: int = 16, block_size: int = 64, n_halvings: Optional[int] = None,
                  c_scale: float = 1.0, kernel_temp: float = 1.0, center: bool = True, seed: int = 0) -> None:
         super().__init__(seed)
-        self.n_sink, self.n_recent, self.block_size = n_sink, n_recent, block_size
-        self.n_halvings, self.c_scale, self.center = n_halvings, c_scale, center
-        self.kernel_temp = kernel_temp
+        self.n_sink, self.n_recent = int_arg("n_sink", n_sink), int_arg("n_recent", n_recent)
+        self.block_size = int_arg("block_size", block_size, 2)
+        if self.block_size % 2:
+            raise ValueError(f"block_size must be an even number >= 2, got {block_size}")
+        self.n_halvings = int_arg("n_halvings", n_halvings, 1, MAX_HALVINGS, optional=True)
+        self.c_scale = float_arg("c_scale", c_scale, inf_ok=True)  # inf: coin-flip halving (the ablation)
+        self.kernel_temp = float_arg("kernel_temp", kernel_temp)
+        self.center = bool_arg("center", center)
 
     def _select(self, k, v, budget):
         h, t = k.shape[:2]
@@ -236,10 +246,16 @@ class BalanceKVSelector(TokenSelector):
 
 
 def make_selector(name: str, **kw) -> TokenSelector:
-    """A selector by its ``name`` (:data:`SELECTORS`)."""
-    if name not in SELECTORS:
+    """A selector by its ``name`` (:data:`SELECTORS`); an unknown name or argument is a one-line ``ValueError``
+    (each selector checks its arguments' types and ranges itself)."""
+    if not isinstance(name, str) or name not in SELECTORS:
         raise ValueError(f"selector must be one of {sorted(SELECTORS)}, got {name!r}")
-    return SELECTORS[name](**kw)
+    cls = SELECTORS[name]
+    try:
+        return cls(**kw)
+    except TypeError as e:  # an argument it does not take
+        takes = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+        raise ValueError(f"selector {name} takes {', '.join(takes)}; got {sorted(map(str, kw))} ({e})") from None
 
 
 __all__ = ["BalanceKVSelector", "SELECTORS", "StreamingLLMSelector", "TokenSelector", "UniformSelector",

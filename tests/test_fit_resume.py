@@ -1,9 +1,14 @@
-"""Issue 14, item 2: exact resume.
+"""Resuming ``python -m training.fit`` (``--ckpt_path``) and starting it from weights (``--model.init_from``).
 
-The training loader follows Lightning's stateful-dataloader protocol (``state_dict`` / ``load_state_dict``, stored in
-every checkpoint), so an interrupted and resumed run trains on the same batches as an uninterrupted one: the final
-validation loss (and the weights) match bit for bit, ``metrics.csv`` has every step exactly once, killed checkpoint
-writes leave no temporary files, and the resumed run continues the same W&B run id.
+Issue 14, item 2: exact resume. The training loader follows Lightning's stateful-dataloader protocol
+(``state_dict`` / ``load_state_dict``, stored in every checkpoint), so an interrupted and resumed run trains on the same
+batches as an uninterrupted one: the final validation loss (and the weights) match bit for bit, ``metrics.csv`` has
+every step exactly once, killed checkpoint writes leave no temporary files, and the resumed run continues the same W&B
+run id (whatever second each part starts in).
+
+Issue 22 / 31 (hostile inputs): a checkpoint to resume from or to start from whose weights hold NaN, have the wrong
+dtype or names, of another architecture, or truncated, is refused with one line naming it, exit 2, nothing
+overwritten.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning.pytorch  # noqa: F401  (Lightning's log handler binds to the session's stderr, not one test's capture)
@@ -23,9 +29,10 @@ import torch
 from torch.utils.data import Dataset
 
 from data.shards import EpochSampler, ResumableDataLoader
+from hostile import edit_ckpt, one_error, snapshot, tiny_ckpt
 from training.lit import LitGPT
-from training.checkpoint import atomic_save, load_checkpoint, remove_stale_temp_files
-from training.fit import main
+from training.checkpoint import GPT_CONFIG_KEY, atomic_save, load_checkpoint, remove_stale_temp_files
+from training.fit import PROG, main
 from tiny_models import TINY_FIT_ARGS as TINY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,11 +165,29 @@ def test_interrupted_run_resumes_exactly(tmp_path, data_cache, offline, monkeypa
     assert not [p for p in cut.iterdir() if p.name.endswith(".tmp")]
 
 
+class _FrozenClock:
+    """``time`` for W&B's run start: every run starts at the same second (as a fast machine's first run and its
+    resume do), so W&B names the resume's folder ``offline-run-<time>-<id>-1``; everything else is the real module."""
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+    @staticmethod
+    def time() -> float:
+        return 1_700_000_000.0
+
+
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="needs wandb (a declared dependency)")
 def test_resume_continues_the_wandb_run(tmp_path, data_cache, monkeypatch):
+    """The resume logs to the same W&B run id: each offline run folder holds that run's ``run-<id>.wandb`` log,
+    whatever the folder is named (``offline-run-<start second>-<id>``, plus ``-1`` when two parts start within one
+    second: forced here, it happened on fast machines)."""
+    import wandb.sdk.wandb_init
+
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(var, "1")
     monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setattr(wandb.sdk.wandb_init, "time", _FrozenClock())
     runs = tmp_path / "runs"
     common = ["--config", "tiny_gpt2", *TINY, "--runs_dir", str(runs), "--data.cache_dir", str(data_cache),
               "--wandb.mode", "offline", "--trainer.val_check_interval", "2", "--model.warmup_steps", "1"]
@@ -173,9 +198,12 @@ def test_resume_continues_the_wandb_run(tmp_path, data_cache, monkeypatch):
     assert main([*common, "--trainer.max_steps", "4", "--ckpt_path", "last"]) == 0
     assert (run / "wandb_id.txt").read_text().strip() == run_id
     offline_runs = sorted((run / "wandb").glob("offline-run-*"))
-    assert len(offline_runs) == 2 and all(p.name.endswith(f"-{run_id}") for p in offline_runs)
+    assert len(offline_runs) == 2, offline_runs
+    assert all(sorted(f.name for f in p.glob("*.wandb")) == [f"run-{run_id}.wandb"] for p in offline_runs)
     assert main([*common, "--trainer.max_steps", "2"]) == 0  # a new run (NAME-v1) gets a new id
-    assert (runs / "tiny_gpt2-v1" / "wandb_id.txt").read_text().strip() != run_id
+    new_id = (runs / "tiny_gpt2-v1" / "wandb_id.txt").read_text().strip()
+    assert new_id != run_id
+    assert [f.name for f in (runs / "tiny_gpt2-v1" / "wandb").glob("offline-run-*/*.wandb")] == [f"run-{new_id}.wandb"]
 
 
 # ------------------------------------------------------------------------------------------------ SIGKILL, slow
@@ -185,7 +213,7 @@ sys.path.insert(0, os.getcwd())  # the repository (the tests run it from there)
 import torch
 mode, step = sys.argv[1], int(sys.argv[2])
 from training.lit import LitGPT
-import training.checkpoint as ckpt
+import models.checkpoint as ckpt  # where atomic_save (torch.save + os.replace) lives
 
 def die():
     os.kill(os.getpid(), signal.SIGKILL)
@@ -201,8 +229,9 @@ else:  # during the checkpoint write at `step`: mid torch.save ("write") or befo
     real_save, real_replace = torch.save, os.replace
     def save(obj, f, *a, **k):
         if isinstance(obj, dict) and obj.get("global_step") == step and mode == "write":
-            f.write(b"partial checkpoint bytes")
-            f.flush()
+            out = open(f, "wb") if isinstance(f, (str, os.PathLike)) else f  # atomic_save passes the temp path
+            out.write(b"partial checkpoint bytes")
+            out.flush()
             die()
         return real_save(obj, f, *a, **k)
     def replace(src, dst):
@@ -282,3 +311,102 @@ def test_ddp_two_processes_resume_exactly(tmp_path, data_cache):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert read_rows(runs / "cut") == read_rows(runs / "full")
     assert [s for s, _ in val_losses(runs / "cut")] == [3, 7, 11]
+
+
+@pytest.mark.parametrize("name, value, expect", [
+    ("nan", torch.full((96, 32), float("nan")), "holds 3072 NaN/inf values"),
+    ("int32", torch.ones(96, 32, dtype=torch.int32), "has dtype int32"),
+])
+def test_init_from_tensors_are_checked(tmp_path, data_cache, offline, capsys, name, value, expect):
+    src = tiny_ckpt(tmp_path / "src.ckpt", data_cache)  # refused while loading, before its shapes are compared
+    w = "model.transformer.h.0.attn.c_attn.weight"
+    bad = edit_ckpt(src, tmp_path / f"{name}.ckpt", w, value)
+    runs = tmp_path / "runs"
+    capsys.readouterr()
+    rc = main(["--config", "tiny_gpt2", *TINY, "--data.cache_dir", str(data_cache), "--wandb.mode", "disabled",
+              "--trainer.max_steps", "2", "--runs_dir", str(runs), "--model.init_from", str(bad)])
+    line = one_error(rc, capsys.readouterr().err, PROG, f"tensor {w} {expect}")
+    assert "model.init_from" in line and str(bad) in line
+    assert not runs.exists()
+
+
+# ------------------------------------------------------------------------------------------------ refused resumes
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, data_cache) -> Path:
+    """A finished 2-step tiny_gpt2 run folder (copied by each test that edits it)."""
+    runs = tmp_path_factory.mktemp("finished") / "runs"
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            mp.setenv(var, "1")
+        assert main(["--config", "tiny_gpt2", *TINY, "--runs_dir", str(runs), "--data.cache_dir", str(data_cache),
+                     "--wandb.mode", "disabled", "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
+                     "--model.warmup_steps", "1"]) == 0
+    return runs / "tiny_gpt2"
+
+
+W0 = "model.transformer.h.0.attn.c_attn.weight"
+
+
+def _nan_weight(ckpt: dict) -> None:
+    ckpt["state_dict"][W0] = torch.full_like(ckpt["state_dict"][W0], float("nan"))
+
+
+def _nan_moment(ckpt: dict) -> None:
+    state = ckpt["optimizer_states"][0]["state"][0]
+    state["exp_avg_sq"] = torch.full_like(state["exp_avg_sq"], float("nan"))
+
+
+def _renamed_weight(ckpt: dict) -> None:
+    ckpt["state_dict"]["model.transformer.h.0.attn.c_attn.weight_old"] = ckpt["state_dict"].pop(W0)
+
+
+def _other_groups(ckpt: dict) -> None:  # as a run with --model.splice_lr_mult != 1 groups its parameters
+    groups = ckpt["optimizer_states"][0]["param_groups"]
+    groups.append({**groups[0], "params": groups[0]["params"][-2:], "name": "splice_decay"})
+    groups[0]["params"] = groups[0]["params"][:-2]
+
+
+def _int_weight(ckpt: dict) -> None:
+    ckpt["state_dict"][W0] = ckpt["state_dict"][W0].to(torch.int32)
+
+
+@pytest.mark.parametrize("edit, expect", [
+    (_nan_weight, f"tensor {W0} holds 12288 NaN/inf values"),
+    (_nan_moment, "tensor optimizer_states[0].state[0].exp_avg_sq holds"),
+    (_renamed_weight, f"weights are not this model's: it lacks {W0}"),
+    (_int_weight, f"tensor {W0} has dtype int32"),
+    (_other_groups, "cannot resume: optimizer groups decay(8), no_decay(18), splice_decay(2) in the checkpoint, "
+                    "decay(10), no_decay(18) with these options (give the --model.splice_lr_mult it was trained with)"),
+    ("truncated", "not a valid PyTorch checkpoint"),
+    ("mla", "cannot resume: the checkpoint's model differs from the configured one"),
+    ("weights-only", "holds no training state ('pytorch-lightning_version' missing"),
+], ids=["nan-weight", "nan-adam-moment", "renamed-weight", "int-weight", "other-optimizer-groups", "truncated",
+        "another-architecture", "weights-only"])
+def test_a_bad_checkpoint_is_never_resumed(finished_run, tmp_path, data_cache, offline, capsys, edit, expect):
+    """``--ckpt_path last`` of a checkpoint holding NaN trained on NaN and overwrote ``last.ckpt``; a checkpoint whose
+    weights are another model's, or whose optimizer groups differ, was a traceback. Each is one line naming the file,
+    exit 2, and the run folder is unchanged (byte for byte)."""
+    import shutil
+
+    run = tmp_path / "runs" / "tiny_gpt2"
+    shutil.copytree(finished_run, run)
+    last = run / "last.ckpt"
+    if edit == "truncated":
+        last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    elif edit in ("mla", "weights-only"):  # an MLA model's weights + config in place of the GPT-2 ones
+        mla = load_checkpoint(tiny_ckpt(tmp_path / "mla.ckpt", data_cache, attention="mla"))
+        ck = load_checkpoint(last) if edit == "mla" else {}  # weights-only: as save_model / kvsplice.to_mla write
+        ck.update({k: v for k, v in mla.items() if k not in ck or k in ("state_dict", GPT_CONFIG_KEY)})
+        atomic_save(ck, last)
+    else:
+        ck = load_checkpoint(last)
+        edit(ck)
+        atomic_save(ck, last)
+    before = snapshot(run.parent)
+    capsys.readouterr()
+    rc = main(["--config", "tiny_gpt2", *TINY, "--runs_dir", str(run.parent), "--data.cache_dir", str(data_cache),
+               "--wandb.mode", "disabled", "--trainer.max_steps", "4", "--trainer.val_check_interval", "2",
+               "--model.warmup_steps", "1", "--ckpt_path", "last"])
+    line = one_error(rc, capsys.readouterr().err, PROG, expect)
+    assert str(last) in line
+    assert snapshot(run.parent) == before

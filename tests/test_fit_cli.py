@@ -63,7 +63,7 @@ def test_fit_config_names_resolve_from_another_directory(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: --config 'nope'") and "available: gpt2, gpt2_gqa4, gpt2_mqa, mla," in line
+    assert line.startswith("python -m training.fit: error: --config 'nope'") and "available: gpt2, gpt2_gqa4, gpt2_mqa, mla," in line
 
 
 def test_fit_is_a_thin_entry_point():
@@ -107,3 +107,40 @@ def test_readme_smoke_run_of_a_full_config(tmp_path, data_cache, monkeypatch, ca
     ckpt = load_checkpoint(tmp_path / "mla_kvsplice_90" / "last.ckpt")
     assert ckpt["global_step"] == 5 and ckpt["hyper_parameters"]["warmup_steps"] == 0
     assert yaml.safe_load((tmp_path / "mla_kvsplice_90" / "config.yaml").read_text())["model"]["warmup_steps"] == 0
+
+
+# ------------------------------------------------------------------------------------------------ one-line errors
+def test_a_bad_jsonl_line_is_one_line_naming_the_file_and_line(tmp_path, data_cache, capsys, monkeypatch):
+    """``--data.path X.jsonl`` with a broken line 4 was a 58-line JSONDecodeError traceback saying "line 1"."""
+    from hostile import one_error
+    from tiny_models import TINY_FIT_ARGS as TINY
+    from training.fit import PROG
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    stories = tmp_path / "stories.jsonl"
+    good = [f'{{"text": "Once upon a time a cat named Tom found {i} red balls."}}' for i in range(40)]
+    stories.write_text("\n".join([*good[:2], "", '{"text": "a story cut', *good[2:]]) + "\n")
+    from data import train_bpe_tokenizer
+
+    tok = tmp_path / "tok" / "tokenizer.json"
+    train_bpe_tokenizer(["once upon a time there was a cat"] * 20, vocab_size=300).save(tok)
+    runs = tmp_path / "runs"
+    capsys.readouterr()
+    rc = main(["--config", "tiny_gpt2", *TINY, "--runs_dir", str(runs), "--data.cache_dir", str(tmp_path / "cache"),
+               "--wandb.mode", "disabled", "--trainer.max_steps", "2", "--data.synthetic", "false",
+               "--data.path", str(stories), "--data.tokenizer_path", str(tok)])
+    one_error(rc, capsys.readouterr().err, PROG, f"{stories}: line 4 is not valid JSON")
+    assert not runs.exists()
+
+
+def test_every_training_tool_names_itself_in_its_error_line(capsys):
+    """``training.fit`` / ``training.evaluate`` printed ``error: ...`` without the program (kvsplice's tools print
+    ``PROG: error: ...``)."""
+    from hostile import one_error
+    from training import evaluate, export, fit
+
+    for module, argv in ((fit, ["--no-such-option", "1"]), (evaluate, ["--ckpt", "x.ckpt", "--tokens", "many"]),
+                         (export, ["--ckpt", "x.ckpt"])):
+        rc = module.main(argv)
+        one_error(rc, capsys.readouterr().err, f"python -m training.{module.__name__.split('.')[-1]}")

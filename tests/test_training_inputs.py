@@ -1,4 +1,4 @@
-"""Issue 14, items 3, 4 and 6: bad input of every kind gives one ``error:`` line, exit status 2, no traceback, and
+"""Issue 14, items 3, 4 and 6: bad input of every kind gives one ``PROG: error:`` line, exit status 2, no traceback, and
 overwrites nothing — for ``python -m training.fit`` (66 inputs) and ``python -m training.evaluate`` (20 inputs); garbage
 and empty text files are refused by :func:`data.sources.check_text_file` (used by the data module and by everything that
 lists story files).
@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,13 +45,17 @@ def snapshot(folder: Path) -> dict[str, str]:
             for f in sorted(folder.rglob("*"))}
 
 
+#: The error line of python -m training.fit / training.evaluate.
+ERROR_LINE = re.compile(r"python -m training\.(fit|evaluate): error: ")
+
+
 def check_one_line_error(rc: int, err: str, expect: str) -> None:
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    errors = [line for line in err.splitlines() if ERROR_LINE.match(line)]
     assert rc == 2, f"exit {rc}\n{err[-3000:]}"
     assert len(errors) == 1, err[-3000:]
     assert expect in errors[0], errors[0]
     assert "Traceback" not in err, err[-3000:]
-    assert err.rstrip().splitlines()[-1].startswith("error:"), err[-3000:]
+    assert ERROR_LINE.match(err.rstrip().splitlines()[-1]), err[-3000:]
 
 
 # ------------------------------------------------------------------------------------------------ the text check

@@ -1,7 +1,9 @@
-"""Hostile inputs to the bases tools (issue 22): :meth:`KVBases.load` refuses every malformed file naming the file
-and the tensor (NaN/inf values made ``eval_bases`` print a table of ``nan``, int32 tensors were cast and used);
-``fit_bases`` / ``eval_bases`` exit 2 on every user error (they exited 1); their outputs never replace an input, a
-read-only destination is one line, and a killed ``fit_bases``'s temporary file is removed by the next run."""
+"""The files the bases tools read and write (issues 22 and 31): :meth:`KVBases.load` refuses every malformed file
+naming the file and the tensor (NaN/inf values made ``eval_bases`` print a table of ``nan``, int32 tensors were cast
+and used); ``fit_bases`` / ``eval_bases`` exit 2 on every user error (they exited 1); their outputs never replace an
+input — the calibration statistics included, even with ``--force`` (``--out S --calib-stats S`` replaced them) —,
+statistics holding NaN / inf are refused (inf fitted bases anyway, NaN was a 43-line LinAlgError), a read-only
+destination is one line, and a killed ``fit_bases``'s temporary file is removed by the next run."""
 
 from __future__ import annotations
 
@@ -124,3 +126,41 @@ def test_a_killed_fit_bases_temporary_file_is_removed(env, tmp_path, capsys):
     assert rc == 0, err
     assert not stale.exists() and KVBases.load(out).ranks()["k"] == [[2, 2]] * 2
     assert sorted(os.listdir(tmp_path)) == ["b.safetensors"]
+
+
+def fit_args(env, *extra):
+    model, _, text = env
+    return ["--model", model, "--method", "ksvd", "--rank", 2, "--calib", text, "--calib-tokens", 256, "--seq-len",
+            32, "--no-progress", "--no-forward-timing", *extra]
+
+
+def test_the_calibration_statistics_are_never_replaced(env, tmp_path, capsys):
+    stats = tmp_path / "s.safetensors"
+    rc, _, err = run(fit_bases, fit_args(env, "--calib-stats", stats, "--out", stats), capsys)  # a new file: both
+    one_error(rc, err, "fit_bases", "--calib-stats")
+    assert not stats.exists()
+    rc, _, err = run(fit_bases, fit_args(env, "--calib-stats", stats, "--out", tmp_path / "b.safetensors"), capsys)
+    assert rc == 0, err
+    digest = stats.read_bytes()
+    for extra in (["--out", stats], ["--out", stats, "--force"], ["--out", tmp_path / "c.safetensors", "--json",
+                                                                  stats, "--force"]):
+        rc, _, err = run(fit_bases, fit_args(env, "--calib-stats", stats, *extra), capsys)
+        one_error(rc, err, "fit_bases", f"is the input --calib-stats {stats}")
+    assert stats.read_bytes() == digest and not (tmp_path / "c.safetensors").exists()
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_non_finite_calibration_statistics_are_refused(env, tmp_path, capsys, value):
+    stats = tmp_path / "s.safetensors"
+    rc, _, err = run(fit_bases, fit_args(env, "--calib-stats", stats, "--out", tmp_path / "b.safetensors"), capsys)
+    assert rc == 0, err
+    with safe_open(str(stats), framework="pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(stats))
+    name = sorted(n for n in tensors if n.endswith(".kk"))[0]
+    tensors[name][0, 0, 1, 1] = value
+    bad = tmp_path / "bad.safetensors"
+    save_file(tensors, str(bad), metadata=meta)
+    rc, _, err = run(fit_bases, fit_args(env, "--calib-stats", bad, "--out", tmp_path / "x.safetensors"), capsys)
+    one_error(rc, err, "fit_bases", f"tensor {name} holds 1 NaN/inf value")
+    assert not (tmp_path / "x.safetensors").exists()

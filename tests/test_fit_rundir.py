@@ -1,24 +1,32 @@
-"""Issue 14, item 1: re-using a run name never destroys an earlier run.
+"""The run folder of ``python -m training.fit`` (:mod:`training.rundir`).
 
-A new run with an existing run name goes to ``NAME-v1`` (``-v2``...), ``--overwrite`` replaces the earlier run, a resume
-(``--ckpt_path``) continues the directory without rewriting its ``config.yaml``, no config ever records ``ckpt_path``,
-and a failed resume writes nothing. Runs are in-process (``training.fit.main``) with tiny shapes and a few steps.
+Issue 14, item 1: re-using a run name never destroys an earlier run. A new run with an existing run name goes to
+``NAME-v1`` (``-v2``...), ``--overwrite`` replaces the earlier run, a resume (``--ckpt_path``) continues the directory
+without rewriting its ``config.yaml``, no config ever records ``ckpt_path``, and a failed resume writes nothing. Runs
+are in-process (``training.fit.main``) with tiny shapes and a few steps.
+
+Issue 22 (hostile inputs): two runs started together with the same ``--run_name`` get one folder each (they shared
+one: every ``metrics.csv`` row twice, ``last-v1.ckpt``), a resume or ``--overwrite`` of a folder in use is refused, a
+read-only ``--runs_dir`` is one line (was 36 lines of traceback), a refused run leaves no folder or lock behind.
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning.pytorch  # noqa: F401  (Lightning's log handler binds to the session's stderr, not one test's capture)
 import pytest
 import yaml
 
-from training.fit import main
+from hostile import REPO, one_error, readonly_dir  # noqa: F401
+from training.fit import PROG, main
 from training.rundir import CLIConfigError, clear_run_files, next_free_run_dir, plan_run
 from tiny_models import TINY_FIT_ARGS as TINY
-
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -82,8 +90,7 @@ def test_resume_keeps_config_and_failed_resume_writes_nothing(tmp_path, data_cac
     before = snapshot(run)
     capsys.readouterr()
     assert main(quick_start(runs, data_cache, "--ckpt_path", "last", "--model.n_layer", "3")) == 2
-    err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1].startswith("error: cannot resume") and "Traceback" not in err
+    one_error(2, capsys.readouterr().err, PROG, f"--ckpt_path {run / 'last.ckpt'}: cannot resume")
     assert snapshot(run) == before
     corrupt = run / "broken.ckpt"
     corrupt.write_bytes(b"\x00 not a checkpoint")
@@ -149,3 +156,86 @@ def test_plan_run_rules(tmp_path):
     (d / "notes.txt").write_text("mine")
     clear_run_files(d)
     assert sorted(p.name for p in d.iterdir()) == ["notes.txt"]
+
+
+def test_two_concurrent_runs_with_one_name_get_two_folders(tmp_path, data_cache):
+    """Item 3, with two real processes started together."""
+    from data import TinyStoriesDataModule
+
+    TinyStoriesDataModule(synthetic=True, synthetic_stories=2000, synthetic_vocab_size=512,  # built once, here
+                          cache_dir=str(data_cache)).tokenizer
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "training.fit", "--config", "tiny_gpt2", *TINY, "--runs_dir", str(runs),
+           "--run_name", "same", "--data.cache_dir", str(data_cache), "--wandb.mode", "disabled",
+           "--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--model.warmup_steps", "1",
+           "--torch_threads", "1"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore",
+           "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert sorted(p.name for p in runs.iterdir()) == ["same", "same-v1"]
+    for run in (runs / "same", runs / "same-v1"):
+        assert steps(run, "train_loss") == [0, 1, 2], run  # every step once
+        assert sorted(p.name for p in run.glob("last*.ckpt")) == ["last.ckpt"] and not (run / ".run.lock").exists()
+    assert sum(f"run directory: {runs / 'same'}" in e for e in errs) == 1
+    assert sum(f"this run writes to {runs / 'same-v1'}" in e for e in errs) == 1
+
+
+def test_a_folder_in_use_is_never_shared(tmp_path):
+    from training.rundir import LOCK_FILE, take_run_dir
+
+    runs = tmp_path / "runs"
+    first = take_run_dir(runs, "exp", None, overwrite=False)  # a run in progress, nothing written yet
+    assert first.run_dir == runs / "exp" and (runs / "exp" / LOCK_FILE).is_file()
+    second = take_run_dir(runs, "exp", None, overwrite=False)
+    assert second.run_dir == runs / "exp-v1"
+    for ckpt_path, overwrite in (("last", False), (None, True), (str(runs / "exp" / "last.ckpt"), False)):
+        with pytest.raises(CLIConfigError, match="is in use by another running training.fit"):
+            take_run_dir(runs, "exp", ckpt_path, overwrite=overwrite)
+    second.release()
+    first.release()
+    assert not runs.exists()  # the runs wrote nothing: their folders (and the runs/ first made) go with the locks
+    # a killed run's lock file (no process holds it) does not make a folder busy
+    (runs / "exp").mkdir(parents=True)
+    (runs / "exp" / LOCK_FILE).write_text("")
+    again = take_run_dir(runs, "exp", None, overwrite=False)
+    assert again.run_dir == runs / "exp"
+    (runs / "exp" / "metrics.csv").write_text("step\n")
+    again.release()
+    assert sorted(p.name for p in (runs / "exp").iterdir()) == ["metrics.csv"]
+
+
+def test_ddp_processes_use_the_folder_rank_0_took(tmp_path, monkeypatch):
+    from training.rundir import RUN_DIR_ENV, place_run
+
+    monkeypatch.delenv(RUN_DIR_ENV, raising=False)
+    runs = tmp_path / "runs"
+    rank0 = place_run(runs, "ddp", None, overwrite=False)
+    assert os.environ[RUN_DIR_ENV] == str(runs / "ddp")  # inherited by the processes Lightning launches
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    rank1 = place_run(runs, "ddp", None, overwrite=False)  # the folder is locked by rank 0: still the same one
+    assert rank1.run_dir == runs / "ddp" and rank1.lock_fd is None
+    rank0.release()
+    assert RUN_DIR_ENV not in os.environ
+
+
+def test_refused_runs_write_nothing(tmp_path, data_cache, readonly_dir, offline, capsys):
+    base = ["--config", "tiny_gpt2", *TINY, "--data.cache_dir", str(data_cache), "--wandb.mode", "disabled",
+            "--trainer.max_steps", "2"]
+    capsys.readouterr()
+    rc = main([*base, "--runs_dir", str(readonly_dir / "runs")])  # item 9
+    one_error(rc, capsys.readouterr().err, PROG, "choose a writable --runs_dir")
+    (tmp_path / "a_file").write_text("x")
+    rc = main([*base, "--runs_dir", str(tmp_path / "a_file" / "runs")])
+    one_error(rc, capsys.readouterr().err, PROG, "cannot write the run directory")
+    runs = tmp_path / "runs"
+    rc = main([*base, "--runs_dir", str(runs), "--data.val_fraction", "1.5"])  # refused after the folder was taken
+    one_error(rc, capsys.readouterr().err, PROG, "data.val_fraction")
+    assert not runs.exists()
+    (tmp_path / "noise.txt").write_bytes(os.urandom(4096))  # refused inside trainer.fit (data setup)
+    rc = main([*base, "--runs_dir", str(runs), "--data.synthetic", "false", "--data.path", str(tmp_path / "noise.txt"),
+              "--data.tokenizer_path", str(tmp_path / "noise.txt")])
+    one_error(rc, capsys.readouterr().err, PROG, "noise.txt")
+    assert not runs.exists()

@@ -240,10 +240,9 @@ def data_args(data: Path, runs_dir: Path, *, tuning: bool, cache: Path = DATA_CA
 
 def save_study(out: Path, meta: dict, rows: list[dict]) -> None:
     """Write a study's JSON through a temporary sibling (a killed study leaves the last complete file)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    os.replace(tmp, out)
+    from models.checkpoint import atomic_write
+
+    atomic_write(out, lambda p: p.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1)))
 
 
 def run_jobs(todo: list, job: Callable, jobs: int, say: Callable[[str], None]) -> list | None:

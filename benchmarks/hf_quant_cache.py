@@ -28,35 +28,16 @@ sys.path.insert(0, str(REPO))
 from kvsplice.io.outputs import write_json  # noqa: E402
 from kvsplice.io.loading import iter_texts, load_model, token_stream  # noqa: E402
 from kvsplice.decode import Decoder, DenseKV  # noqa: E402
-
-EVAL = REPO.parent / "shared" / "data" / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
-
-
-def hf_cache_bytes(cache) -> int:
-    """Bytes of every tensor an HF cache holds (quantised states, scales, any full-precision states)."""
-    total = 0
-    for layer in cache.layers:
-        for name in ("keys", "values"):
-            t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-        for name in ("_quantized_keys", "_quantized_values"):
-            for t in getattr(layer, name, None) or ():
-                if isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
-    return total
+from kvsplice.hf.measure import cache_nbytes, continuation_logits  # noqa: E402
+from data.reference import EVAL  # noqa: E402
 
 
 @torch.no_grad()
 def score_hf(model, windows, prompt: int, make_cache) -> tuple[float, int]:
     cache = make_cache()
-    out = model(windows[:, :prompt], past_key_values=cache, use_cache=True)
-    logits = [out.logits[:, -1:]]
-    for i in range(prompt, windows.shape[1] - 1):
-        logits.append(model(windows[:, i:i + 1], past_key_values=cache, use_cache=True).logits)
-    logits = torch.cat(logits, dim=1).float()  # (B, cont, V)
+    logits = continuation_logits(model, cache, windows, prompt, decode_chunk=1).float()  # (B, cont, V)
     nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, prompt:].reshape(-1)).item()
-    return nll, hf_cache_bytes(cache)
+    return nll, cache_nbytes(cache)
 
 
 @torch.no_grad()

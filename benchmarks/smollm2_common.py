@@ -9,11 +9,9 @@ from pathlib import Path
 
 import torch
 
+from data.reference import CALIB, EVAL as VAL, SMOLLM2 as MODEL  # the shared data files
+
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
-MODEL = DATA / "smollm2-135m-instruct"
-CALIB = DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"
-VAL = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
 WORK = ROOT / "checkpoints" / "smollm2"
 CALIB_TOKENS, SEQ, EVAL_TOKENS = 32768, 1024, 4096
 

@@ -36,8 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import smollm2_common as C  # noqa: E402
+from kvsplice import build_method  # noqa: E402
 from kvsplice.evaluation.protocol import evaluate  # noqa: E402
-from kvsplice.planning.spec import Stack  # noqa: E402
+from kvsplice.planning.search import selection  # noqa: E402
+from kvsplice.planning.spec import spec_label  # noqa: E402
+from kvsplice.hf.measure import cache_nbytes, continuation_logits  # noqa: E402
+from models.checkpoint import atomic_write  # noqa: E402
 
 RESULTS = C.ROOT / "results"
 ROWS = C.WORK / "rows.json"
@@ -120,14 +124,20 @@ class Bench:
                 self.bases[key] = fit_bases(self.stats[rope], method, rank=spec["rank"])
         return self.bases[key]
 
-    def stack(self, spec: dict) -> Stack:
+    def method_spec(self, spec: dict) -> dict:
+        """The method spec (:func:`kvsplice.build_method`) of a row's ``spec``: its store (dense / int8 / kivi /
+        lowrank with the row's bases), under its selector keeping ``1/x`` of the prompt."""
+        store = spec.get("store", "dense")
+        if store == "kivi":
+            ms = {"name": "kivi", "bits": spec.get("bits", 4), "residual": spec.get("residual", 128)}
+        elif store == "lowrank":
+            ms = {"name": "lowrank", "bases": self.lowrank_bases(spec), "cache_quant": spec.get("cache_quant")}
+        else:
+            ms = {"name": "dense", "cache_quant": "int8"} if store == "int8" else {"name": "dense"}
         x = spec.get("x")
-        return Stack(spec.get("store", "dense"), bits=spec.get("bits", 4), residual=spec.get("residual", 128),
-                     lowrank_ratio=spec.get("alloc", 1.0), rope=spec.get("rope", "post"),
-                     cache_quant=spec.get("cache_quant"), selector=spec.get("selector"),
-                     keep=1.0 if x is None else 1.0 / x)
+        return ms if spec.get("selector") is None else selection(ms, spec["selector"], 1.0 if x is None else 1 / x)
 
-    def plan(self, ratio: float) -> tuple[Stack, object, dict]:
+    def plan(self, ratio: float) -> tuple[dict, dict]:
         from kvsplice.evaluation.protocol import full_bytes_per_token
         from kvsplice.adapters import adapter_for
         from kvsplice.planning.search import search
@@ -135,8 +145,8 @@ class Bench:
         budget = full_bytes_per_token(adapter_for(self.model)) / ratio
         found = search(self.model, self.stats, self.tune, prompt_len=PROMPT, budget=budget, batch_size=2,
                        log=lambda s: print(s, flush=True))
-        return found["best"], found["bases"], {"candidates": found["candidates"], "selector": found["selector"],
-                                               "tuning_full_ppl": found["full"]["tuning_ppl"]}
+        return found["best"], {"candidates": found["candidates"], "selector": found["selector"],
+                                "tuning_full_ppl": found["full"]["tuning_ppl"]}
 
     @torch.no_grad()
     def hf_quantized(self, rid: str, spec: dict) -> dict:
@@ -151,12 +161,10 @@ class Bench:
         for ids in self.eval.split(4):
             kw = {} if spec["hf_quant"] == "fp8" else {"nbits": spec["nbits"]}  # fp8: per tensor, no nbits
             cache = QuantizedCache(spec["hf_quant"], config=self.model.config, **kw)
-            out = self.model(ids[:, :PROMPT], past_key_values=cache, use_cache=True)
-            held_bytes += _tensor_bytes(cache)
-            logits = [out.logits[:, -1:]]
-            for i in range(PROMPT, ids.shape[1] - 1):
-                logits.append(self.model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits)
-            lg = torch.cat(logits, 1).float()  # (B, 256, V) vs the 256 continuation tokens
+            held: list[int] = []  # the bytes right after the prefill
+            lg = continuation_logits(self.model, cache, ids, PROMPT, decode_chunk=1,
+                                     after_prefill=lambda: held.append(cache_nbytes(cache))).float()
+            held_bytes += held[0]  # lg: (B, 256, V) vs the 256 continuation tokens
             total += F.cross_entropy(lg.reshape(-1, lg.shape[-1]), ids[:, PROMPT:].reshape(-1), reduction="sum").item()
             n += ids.shape[0] * (ids.shape[1] - PROMPT)
         bpt = held_bytes / (self.eval.shape[0] * PROMPT)
@@ -190,47 +198,28 @@ class Bench:
                                   "note": "per layer, all KV heads jointly; mean_k/v per KV head"}})
             return res
         if "plan" in spec:
-            st, bases, extra = self.plan(spec["plan"])
-        elif not spec:
-            st, bases = None, None
+            ms, extra = self.plan(spec["plan"])
         else:
-            st = self.stack(spec)
-            bases = self.lowrank_bases(spec) if st.store == "lowrank" else None
+            ms = self.method_spec(spec) if spec else None
         windows = self.s_windows if proto == "S" else self.eval
         prompt = 0 if proto == "W" else PROMPT
-        method = None if st is None else st.method(prompt or windows.shape[1], bases)
+        method = None if ms is None else build_method(ms, prompt_len=prompt or windows.shape[1])
         res = evaluate(self.model, method, windows, prompt_len=prompt, batch_size=4 if proto != "S" else 5)
-        res.update({"id": rid, "protocol": proto, "spec": spec, "label": "full K/V" if st is None else st.label(),
+        res.update({"id": rid, "protocol": proto, "spec": spec, "label": "full K/V" if ms is None else spec_label(ms),
                     **extra})
-        if st is not None and st.store == "lowrank":
+        store = None if ms is None else ms.get("store", ms)
+        if spec.get("store") == "lowrank":
             what = f"r{spec['rank']}" if "rank" in spec else f"allocated ×{spec['alloc']:g}"
             lr = f"lowrank {spec.get('method', 'fisher')} {spec.get('rope', 'pre')}-RoPE {what}" + \
                 ("+int8" if spec.get("cache_quant") else "")
-            res["label"] = lr if st.selector is None else f"{st.selector}×{1 / st.keep:.3g} + {lr}"
+            res["label"] = lr if ms["name"] != "token_selection" else f"{spec['selector']}×{1 / ms['keep']:.3g} + {lr}"
+        bases = None if store is None else store.get("bases")
         if bases is not None:
             r = bases.ranks()
             k = [x for row in r["k"] for x in row]
             v = [x for row in r["v"] for x in row]
             res["ranks"] = {"mean_k": sum(k) / len(k), "mean_v": sum(v) / len(v), "k": r["k"], "v": r["v"]}
         return res
-
-
-def _tensor_bytes(cache) -> int:
-    """Bytes of every tensor an HF cache's layers hold, tensor subclasses (quanto's packed ``QBitsTensor``)
-    counted through their inner tensors."""
-    def size(t) -> int:
-        if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
-            names, _ = t.__tensor_flatten__()
-            return sum(size(getattr(t, nm)) for nm in names)
-        return t.numel() * t.element_size()
-
-    total = 0
-    for layer in cache.layers:
-        for v in vars(layer).values():
-            for t in (v if isinstance(v, (list, tuple)) else [v]):
-                if isinstance(t, torch.Tensor):
-                    total += size(t)
-    return total
 
 
 def main() -> int:
@@ -257,10 +246,8 @@ def main() -> int:
                 print(f"{rid:<36} skipped: {str(e).splitlines()[0]}", flush=True)
                 continue
             done[rid] = res
-            C.WORK.mkdir(parents=True, exist_ok=True)
-            tmp = ROWS.with_suffix(".tmp")
-            tmp.write_text(json.dumps(done, indent=1, default=str))
-            tmp.replace(ROWS)  # resumable: every finished row is on disk
+            # resumable: every finished row is on disk
+            atomic_write(ROWS, lambda p: p.write_text(json.dumps(done, indent=1, default=str)))
             print(f"{rid:<36} {res['label']:<44} ppl {res['ppl']:.4f}  {res['bytes_per_token']:.0f} B/tok  "
                   f"{res['ratio_vs_fp16_full']:.2f}x  ({time.perf_counter() - t0:.0f} s)", flush=True)
     from smollm2_report import energy_claims, write_report

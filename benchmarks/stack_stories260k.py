@@ -36,40 +36,43 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.stories260k_bases import CALIB, EVAL, STORIES  # noqa: E402  (the shared data files)
-from kvsplice.decode import Decoder, DenseKV, score_continuation  # noqa: E402
+from data.reference import CALIB, EVAL, STORIES  # noqa: E402  (the shared data files)
+from kvsplice import build_method  # noqa: E402
+from kvsplice.decode import Decoder, score_continuation  # noqa: E402
 from kvsplice.hf import KVSpliceHFCache  # noqa: E402
-from kvsplice.io.cli import write_json  # noqa: E402
-from kvsplice.lowrank import LowRank, calibrate, calibration_batches, fit_bases  # noqa: E402
+from kvsplice.hf.measure import continuation_logits  # noqa: E402
+from kvsplice.io.outputs import write_json  # noqa: E402
+from kvsplice.lowrank import calibrate, calibration_batches, fit_bases  # noqa: E402
 from kvsplice.report.memory import measure_cache  # noqa: E402
-from kvsplice.select import TokenSelection, make_selector  # noqa: E402
+from kvsplice.select import TokenSelection  # noqa: E402
 
 COMMAND = "python benchmarks/stack_stories260k.py"
 
 
 def methods(bases: dict[int, object], budgets: list[int], selector: str) -> dict[str, tuple[dict, object]]:
-    """name → (description, method) for every configuration of the study."""
-    sel = lambda: make_selector(selector)  # noqa: E731  (a fresh selector per method: its own random stream)
-    out = {"full": ({"kind": "full", "quant": None}, DenseKV()),
-           "full-int8": ({"kind": "full", "quant": "int8"}, DenseKV(cache_quant="int8"))}
+    """name → (description, method) for every configuration of the study, each built from its spec
+    (:func:`kvsplice.build_method`; a fresh selector per method: its own random stream)."""
+    lowrank = lambda b, quant=None: {"name": "lowrank", "bases": b, "cache_quant": quant}  # noqa: E731
+    select = lambda n, store: {"name": "token_selection", "selector": {"name": selector}, "budget": n,  # noqa: E731
+                               "store": store}
+    specs = {"full": ({"kind": "full", "quant": None}, "dense"),
+             "full-int8": ({"kind": "full", "quant": "int8"}, "int8")}
     for r, b in bases.items():
-        out[f"lowrank-r{r}"] = ({"kind": "lowrank", "rank": r, "quant": None}, LowRank(b))
-        out[f"lowrank-r{r}-int8"] = ({"kind": "lowrank", "rank": r, "quant": "int8"}, LowRank(b, cache_quant="int8"))
+        specs[f"lowrank-r{r}"] = ({"kind": "lowrank", "rank": r, "quant": None}, lowrank(b))
+        specs[f"lowrank-r{r}-int8"] = ({"kind": "lowrank", "rank": r, "quant": "int8"}, lowrank(b, "int8"))
     for n in budgets:
-        out[f"select-b{n}"] = ({"kind": "select", "budget": n, "quant": None}, TokenSelection(sel(), n))
+        specs[f"select-b{n}"] = ({"kind": "select", "budget": n, "quant": None}, select(n, "dense"))
         for r, b in bases.items():
-            out[f"stack-b{n}-r{r}-int8"] = ({"kind": "stack", "budget": n, "rank": r, "quant": "int8"},
-                                            TokenSelection(sel(), n, store=LowRank(b, cache_quant="int8")))
-    return out
+            specs[f"stack-b{n}-r{r}-int8"] = ({"kind": "stack", "budget": n, "rank": r, "quant": "int8"},
+                                              select(n, lowrank(b, "int8")))
+    return {name: (desc, build_method(spec)) for name, (desc, spec) in specs.items()}
 
 
 @torch.no_grad()
 def hf_continuation(model, method, ids: torch.Tensor, p: int) -> tuple[float, torch.Tensor, KVSpliceHFCache]:
     """:func:`score_continuation` through transformers' forward with the HF door."""
     cache = KVSpliceHFCache(model, method, capacity=method.capacity(p, ids.shape[1] - p))
-    first = model(ids[:, :p], past_key_values=cache).logits[:, -1:]  # (B, 1, V)
-    rest = model(ids[:, p:-1], past_key_values=cache).logits  # (B, T - p - 1, V)
-    logits = torch.cat([first, rest], 1)
+    logits = continuation_logits(model, cache, ids, p)  # (B, T - p, V)
     nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, p:].reshape(-1)).item()
     return nll, logits, cache
 

@@ -38,19 +38,16 @@ from kvsplice.evaluation.context import EvalContext, load_windows  # noqa: E402
 from kvsplice.evaluation.lowrank import evaluate_bases  # noqa: E402
 from kvsplice.fit_bases import build_parser as fit_parser, fit_from_args  # noqa: E402
 from kvsplice.io.outputs import write_json  # noqa: E402
-from kvsplice.lowrank.fits import METHODS, score_error  # noqa: E402
+from data.reference import CALIB, EVAL, STORIES  # noqa: E402
+from kvsplice.lowrank.fits import FITS, score_error  # noqa: E402
 
-DATA = REPO.parent / "shared" / "data"
-STORIES = DATA / "stories260K"
-CALIB = DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"
-EVAL = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
 TOL = 1e-6
 """Slack on the relative score errors: the bases are saved in fp32, so at full rank the attention-aware (oblique)
 pair reconstructs to ~3e-7 (sqrt of fp32 rounding) while K-only's orthogonal P gives ~0."""
 
 
 def _fit_args(method: str, rank: int, rope: str, a: argparse.Namespace) -> argparse.Namespace:
-    return fit_parser().parse_args(["--model", "stories260K", "--method", method, "--rank", str(rank), "--rope", rope,
+    return fit_parser().parse_args(["--model", "stories260K", "--fit", method, "--rank", str(rank), "--rope", rope,
                                     "--calib", str(CALIB), "--calib-tokens", str(a.calib_tokens), "--seq-len",
                                     str(a.seq_len), "--batch-size", str(a.batch_size), "--out", "unused",
                                     "--no-progress"])
@@ -157,7 +154,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 6, 8])
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--methods", nargs="+", default=list(FITS), choices=FITS)
     p.add_argument("--ropes", nargs="+", default=["post", "pre"], choices=["post", "pre"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=str(REPO / "results" / "stories260k_bases.json"))

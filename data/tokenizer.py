@@ -84,11 +84,9 @@ class TextTokenizer:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the tokenizer as a ``tokenizer.json`` file (atomically)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(self._tok.to_str(), encoding="utf-8")
-        os.replace(tmp, path)
+        from models.checkpoint import atomic_write
+
+        atomic_write(path, lambda tmp: tmp.write_text(self._tok.to_str(), encoding="utf-8"))
 
     def __repr__(self) -> str:
         return f"TextTokenizer(name={self.name!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"

@@ -4,9 +4,10 @@ accounting and post-training bases.
 
 ::
 
-    from kvsplice import Decoder, KVSpliceHFCache, LowRank, TokenSelection, make_selector, KVBases
+    from kvsplice import Decoder, KVSpliceHFCache, LowRank, TokenSelection, make_selector, KVBases, build_method
     method = TokenSelection(make_selector("balancekv"), 64, store=LowRank(KVBases.load("r4.safetensors"),
                                                                           cache_quant="int8"))
+    method = build_method("select:balancekv@64+lowrank:r4.safetensors+int8")      # the same, by name
     Decoder(model, method).generate(ids, 32)                               # the package's decoder
     model.generate(ids, past_key_values=KVSpliceHFCache(model, method))    # transformers' generate()
 
@@ -22,6 +23,11 @@ import importlib
 _EXPORTS = {
     # the method core and the package's door
     "CompressionMethod": "kvsplice.core.method", "Step": "kvsplice.core.method",
+    # methods by name: a spec (dict or short form) -> a method; every registered name
+    "build_method": "kvsplice.core.registry", "build_selector": "kvsplice.core.registry",
+    "parse_spec": "kvsplice.core.registry", "format_spec": "kvsplice.core.registry",
+    "method_names": "kvsplice.core.registry", "selector_names": "kvsplice.core.registry",
+    "MethodSpecError": "kvsplice.core.registry",
     "Decoder": "kvsplice.decode", "DenseKV": "kvsplice.decode", "ModelAttention": "kvsplice.decode",
     "perplexity": "kvsplice.decode", "sequence_nll": "kvsplice.decode", "score_continuation": "kvsplice.decode",
     # methods
@@ -36,7 +42,7 @@ _EXPORTS = {
     "JointLowRank": "kvsplice.lowrank.joint", "JointBases": "kvsplice.lowrank.joint",
     "allocate_ranks": "kvsplice.lowrank.allocate", "calibrate_all": "kvsplice.lowrank.sensitivity",
     # the budget planner's plans (python -m kvsplice.plan writes them)
-    "Plan": "kvsplice.planning", "Stack": "kvsplice.planning",
+    "Plan": "kvsplice.planning",
     # long-context tasks (python -m kvsplice.eval_tasks)
     "make_instance": "kvsplice.tasks.suite", "TASKS": "kvsplice.tasks.suite", "answer": "kvsplice.tasks.runner",
     "answer_many": "kvsplice.tasks.shared", "parse_method": "kvsplice.tasks.methods",

@@ -4,7 +4,7 @@ Usage::
 
     python -m kvsplice.bench_balance --model DIR|CKPT --data PATH [--layers 0 1 ...] [--T 1 2 3 4] [--seeds 10]
         [--n-queries 64] [--context N] [--windows 4] [--n-sink 4] [--n-recent 16] [--block-size 64]
-        [--c-scale 1.0] [--kernel-temp 1.0] [--methods balancekv uniform coinflip] [--tokenizer PATH]
+        [--c-scale 1.0] [--kernel-temp 1.0] [--arms balancekv uniform coinflip] [--tokenizer PATH]
         [--json FILE] [--markdown]
 
 ``--model`` is anything :func:`kvsplice.io.loading.load_model` loads: an HF model directory (config.json + tokenizer;
@@ -53,10 +53,10 @@ import torch
 from kvsplice.io.cli import Parser, run_cli
 from kvsplice.io.loading import LoadError, iter_texts, load_model
 from kvsplice.io.outputs import output_file, write_json
-from kvsplice.select.experiment import (METHODS, BenchError, keep_plan, layer_errors, make_method, plot,
+from kvsplice.select.experiment import (ARMS, BenchError, keep_plan, layer_errors, make_arm, plot,
                                         print_table, run_bench)
 
-__all__ = ["METHODS", "keep_plan", "layer_errors", "main", "make_method"]
+__all__ = ["ARMS", "keep_plan", "layer_errors", "main", "make_arm"]
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -78,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--c-scale", type=float, default=1.0, help="walk threshold c = c_scale * median kappa")
     p.add_argument("--kernel-temp", type=float, default=1.0,
                    help="walk kernel exp(kernel_temp * <k,k'> / sqrt(d)) (1 = the paper's)")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--arms", "--methods", dest="methods", nargs="+", default=list(ARMS), choices=ARMS,
+                   help="the selectors compared (--methods is the old name)")
     p.add_argument("--json", default=None, help="write the report here (and the plot next to it, .png)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
     p.add_argument("--markdown", action="store_true", help="print a markdown table instead of a rich table")

@@ -32,10 +32,14 @@ What is measured (``--data`` must be held-out text, not the calibration text; a 
 Bases fitted for another model, or a bases file with NaN/inf, integer or misshapen tensors, fail with one line
 (:class:`kvsplice.lowrank.bases.BasesMismatchError`) before the model loads; every error exits with status 2.
 
-Methods: ``--method`` selects an evaluator from :data:`EVALUATORS` (``static``: saved bases files, the default;
-``fd-online``: :mod:`kvsplice.evaluation.online`). New methods register ``EVALUATORS[name] = fn(ctx: EvalContext,
-args) -> list[dict]`` (and may add their own options through :data:`METHOD_OPTIONS`); :meth:`EvalContext.decode`
-works with any :class:`kvsplice.decode.Decoder`. The logic lives in :mod:`kvsplice.evaluation`.
+Methods: ``--method SPEC`` evaluates any registered method or stack by its spec (:mod:`kvsplice.core.registry`:
+``kivi4``, ``select:snapkv@0.25+int8``, ``lowrank:r4.safetensors+int8``, a ``.json`` spec file) by the protocol of
+:func:`kvsplice.evaluation.protocol.evaluate` — ``--prompt-len`` tokens compressed, the rest scored — next to the
+full cache, measured bytes == formula (``--plan`` is the same for a plan's spec). Two names select a dedicated evaluator
+from :data:`EVALUATORS` instead: ``static`` (saved ``--bases`` files with the per-layer diagnostics, the default) and
+``fd-online`` (:mod:`kvsplice.evaluation.online`, its options from :data:`METHOD_OPTIONS`).
+:meth:`EvalContext.decode` works with any :class:`kvsplice.decode.Decoder`. The logic lives in
+:mod:`kvsplice.evaluation`.
 """
 
 from __future__ import annotations
@@ -70,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model directory, training .ckpt or Hugging Face Hub id "
                    "(the model the bases were fitted for)")
     p.add_argument("--tokenizer", help="override the model's tokenizer")
-    p.add_argument("--method", choices=sorted(EVALUATORS), default="static", help="static: saved bases files "
-                   "(default)")
+    p.add_argument("--method", default="static", metavar="SPEC", help="a compression method by its spec (kivi4, "
+                   "select:snapkv@0.25+int8, lowrank:FILE+int8, a .json spec file), or an evaluator: static (the "
+                   "--bases files, default) / fd-online")
     p.add_argument("--bases", nargs="+", help="bases .safetensors file(s) from python -m kvsplice.fit_bases")
     p.add_argument("--data", required=True, help="held-out text: .txt/.json/.jsonl file or folder, or a Hugging "
                    "Face dataset ID[:SPLIT] (default split: validation)")
@@ -87,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--diagnostics", action="store_true", help="also the per-layer errors on held-out Grams, the "
                    "float64 attention-output errors and the §3.5 bound diagnostics (slow: off by default)")
     p.add_argument("--plan", help="evaluate a plan from python -m kvsplice.plan (instead of --bases)")
-    p.add_argument("--prompt-len", type=int, help="with --plan: prompt tokens compressed per window, the rest "
-                   "scored (default: 3/4 of the window for a plan with token selection, else 0 = every token "
+    p.add_argument("--prompt-len", type=int, help="with --plan / --method SPEC: prompt tokens compressed per "
+                   "window, the rest scored (default: 3/4 of the window for a token selection, else 0 = every token "
                    "over the compressed cache)")
     p.add_argument("--json", help="write the full report (per-layer and per-head numbers) as JSON")
     p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
@@ -169,7 +174,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from kvsplice.planning.spec import PlanError
 
-    return run_cli(PROG, lambda: _main(argv), (EvalError, LoadError, BasesMismatchError, PlanError))
+    return run_cli(PROG, lambda: _main(argv), (EvalError, LoadError, BasesMismatchError, PlanError, TypeError))
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
@@ -180,8 +185,14 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         args.json = output_file(args.json, force=args.force, option="--json",
                                 inputs={"--model": args.model, "--tokenizer": args.tokenizer,
                                         "--bases": args.bases, "--data": args.data, "--plan": args.plan})
+    from kvsplice.io.mla_folder import is_mla_folder
+
+    if is_mla_folder(args.model):  # a converted MLA model: its own cache, no bases (kvsplice.evaluation.native)
+        return _main_native(args)
     if args.plan:
         return _main_plan(args)
+    if args.method not in EVALUATORS:
+        return _main_spec(args)
     if args.method == "static":
         if not args.bases:
             raise EvalError("--bases FILE is required (saved bases from python -m kvsplice.fit_bases)")
@@ -206,30 +217,37 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     return 0
 
 
-def eval_plan(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """``--plan``: the plan's stack (:mod:`kvsplice.planning`) on the windows by the protocol of
-    :func:`kvsplice.evaluation.protocol.evaluate` — ``--prompt-len`` tokens compressed, the rest scored (0: every
-    token over the compressed cache) — next to the full cache by the same protocol."""
-    from kvsplice.adapters import model_fingerprint
+def eval_spec(ctx: EvalContext, args: argparse.Namespace, spec: dict, base_dir=None,
+              label: Optional[str] = None) -> list[dict[str, Any]]:
+    """A method spec on the windows by the protocol of :func:`kvsplice.evaluation.protocol.evaluate` —
+    ``--prompt-len`` tokens compressed, the rest scored (default 3/4 of the window for a token selection, else 0:
+    every token over the compressed cache) — next to the full cache by the same protocol."""
+    from kvsplice.core.registry import build_method, format_spec
     from kvsplice.evaluation.protocol import evaluate
-    from kvsplice.planning.spec import Plan
 
-    plan = Plan.load(args.plan)
-    plan.check_model(model_fingerprint(ctx.model))
     t = ctx.windows.shape[1]
-    p = args.prompt_len if args.prompt_len is not None else (0 if plan.stack.selector is None else (3 * t) // 4)
+    selects = spec.get("name") == "token_selection"
+    p = args.prompt_len if args.prompt_len is not None else ((3 * t) // 4 if selects else 0)
     if p and not 1 <= p < t:
         raise EvalError(f"--prompt-len must be 0 or in [1, {t - 1}] (below --seq-len), got {p}")
     kw = dict(prompt_len=p, batch_size=ctx.batch_size, decode_chunk=ctx.chunk_size)
     full = evaluate(ctx.model, None, ctx.windows, **kw)
-    if plan.stack.selector == "kvzip":  # KVzip re-reads each prompt: its method is built window by window
-        from kvsplice.evaluation.protocol import evaluate_each
-
-        res = evaluate_each(ctx.model, lambda ids: plan.method(p, ids), ctx.windows, **kw)
-    else:
-        res = evaluate(ctx.model, plan.method(p or t), ctx.windows, **kw)
-    res.update({"label": f"plan: {plan.stack.label()}", "plan": str(args.plan), "stack": plan.stack.to_dict(),
+    method = build_method(spec, prompt_len=p or t, base_dir=base_dir)
+    res = evaluate(ctx.model, method, ctx.windows, **kw)
+    res.update({"label": label or format_spec(method.spec()), "spec": method.spec(),
                 "full_ppl_same_protocol": full["ppl"], "ppl_ratio": res["ppl"] / full["ppl"]})
+    return [res]
+
+
+def eval_plan(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--plan``: the plan's spec (:mod:`kvsplice.planning`) by :func:`eval_spec`'s protocol."""
+    from kvsplice.adapters import model_fingerprint
+    from kvsplice.planning.spec import Plan
+
+    plan = Plan.load(args.plan)
+    plan.check_model(model_fingerprint(ctx.model))
+    (res,) = eval_spec(ctx, args, plan.spec, plan.base_dir, f"plan: {plan.label}")
+    res["plan"] = str(args.plan)
     return [res]
 
 
@@ -239,16 +257,47 @@ def _main_plan(args: argparse.Namespace) -> int:
     if args.bases:
         raise EvalError("give --plan or --bases, not both")
     Plan.load(args.plan)  # fail fast, before the model loads
+    return _report(args, lambda ctx: eval_plan(ctx, args))
+
+
+def _main_spec(args: argparse.Namespace) -> int:
+    from kvsplice.core.registry import check_spec, load_spec
+
+    if args.bases:
+        raise EvalError("give --method SPEC or --bases, not both (a spec names its bases: lowrank:FILE)")
+    spec, base_dir = load_spec(args.method)
+    check_spec(spec, base_dir=base_dir)  # fail fast, before the model loads
+    return _report(args, lambda ctx: eval_spec(ctx, args, spec, base_dir))
+
+
+def _report(args: argparse.Namespace, run: Callable[[EvalContext], list]) -> int:
     ctx = make_context(args)
-    (r,) = eval_plan(ctx, args)
+    (r,) = run(ctx)
     proto = f"prompt {r['prompt_len']} compressed, {r['window'] - r['prompt_len']} scored" if r["prompt_len"] \
         else "every token over the compressed cache"
     print(f"{r['label']} on {r['windows']} windows of {r['window']} ({proto}): ppl {r['ppl']:.4f} vs full cache "
-          f"{r['full_ppl_same_protocol']:.4f} ({100 * (r['ppl_ratio'] - 1):+.2f} %); {r['bytes_per_token']:.1f} bytes "
-          f"per token at fp16 ({r['ratio_vs_fp16_full']:.2f}x smaller than the full cache); measured bytes == "
-          f"formula in every batch")
+          f"{r['full_ppl_same_protocol']:.4f} ({100 * (r['ppl_ratio'] - 1):+.2f} %); " + (
+              f"{r['bytes_per_token']:.1f} bytes per token at fp16 ({r['ratio_vs_fp16_full']:.2f}x smaller than "
+              f"the full cache); measured bytes == formula in every batch" if r["bytes_per_token"] is not None
+              else "no closed-form bytes"))
     if args.json:
         write_json({"model": ctx.loaded.describe(), "data": ctx.data_info, "results": [r]}, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _main_native(args: argparse.Namespace) -> int:
+    from kvsplice.evaluation.native import eval_native
+    from kvsplice.io.loading import load_model
+
+    device, dtype = device_dtype(args)
+    loaded = load_model(args.model, tokenizer=args.tokenizer, dtype=dtype, device=device)
+    r = eval_native(args, loaded)
+    print(f"{args.model} (own cache) on {r['windows']} windows of {r['window']}: ppl {r['ppl']:.4f}; "
+          f"{r['bytes_per_token']:.1f} bytes per token at fp16 ({r['ratio_vs_fp16_full']:.2f}x smaller than the "
+          f"source's full K/V cache); measured bytes == formula in every batch")
+    if args.json:
+        write_json({"model": loaded.describe(), "results": [r]}, args.json)
         print(f"wrote {args.json}")
     return 0
 

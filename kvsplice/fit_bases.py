@@ -1,6 +1,6 @@
 """Fit post-training low-rank KV bases for a pretrained model from calibration text.
 
-    python -m kvsplice.fit_bases --model DIR|GGUF|HUB_ID|CKPT --method M [M ...] \\
+    python -m kvsplice.fit_bases --model DIR|GGUF|HUB_ID|CKPT --fit F [F ...] \\
         (--rank R [R ...] | --energy E | --alloc-ratio X [X ...]) [--rank-v RV | --energy-v EV] [--rope post pre] \\
         --calib PATH [--calib-tokens N] [--calib-stats STATS.safetensors] [--seq-len T] [--batch-size B] \\
         [--device DEV] [--dtype fp32|bf16|fp16] --out FILE.safetensors|'b_{method}_{rope}_r{rank}.safetensors' \\
@@ -45,7 +45,7 @@ import torch
 from kvsplice.io.cli import Parser, add_device_dtype, default_seq_len, device_dtype, first_line, pos_int, run_cli
 from kvsplice.io.outputs import cache_file, output_file, write_json
 from kvsplice.lowrank.bases import BasesMismatchError, KVBases
-from kvsplice.lowrank.fits import METHODS
+from kvsplice.lowrank.fits import FITS
 from models.checkpoint import atomic_write
 
 __all__ = ["FitError", "build_parser", "fit_from_args", "main", "time_forward"]
@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "kvsplice.convert_llama2c), a training .ckpt, or a Hugging Face Hub id")
     p.add_argument("--tokenizer", help="override the model's tokenizer (HF tokenizer dir, GPT-2 BPE files or "
                    "tokenizer.json)")
-    p.add_argument("--method", required=True, nargs="+", choices=METHODS, help="ksvd: K-only/V-only SVD; eigen: joint SVD "
+    p.add_argument("--fit", "--method", dest="fit", required=True, nargs="+", choices=FITS,
+                   help="the fit (--method is its old name): ksvd: K-only/V-only SVD; eigen: joint SVD "
                    "of [K;Q]; kq / gqa-concat: attention-aware (per-head scores), gqa-sum: attention-aware on "
                    "the group-summed queries; kq/gqa-* values are W_O-aware; fisher: loss-aware (calibration loss gradients)")
     spec = p.add_mutually_exclusive_group(required=True)
@@ -169,7 +170,7 @@ def jobs(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
         specs = [{"rank": r, "energy": None, **vs} for r in _as_list(args.rank)]
     else:
         specs = [{"rank": None, "energy": args.energy, **vs}]
-    return [(m, rope, spec) for m in _as_list(args.method) for rope in _as_list(args.rope) for spec in specs]
+    return [(m, rope, spec) for m in _as_list(args.fit) for rope in _as_list(args.rope) for spec in specs]
 
 
 def spec_label(spec: dict[str, Any]) -> str:
@@ -194,7 +195,7 @@ def calibration(args: argparse.Namespace, loaded, *, calib_cache: Optional[dict]
         raise FitError(f"--seq-len {seq_len} exceeds the model's {loaded.max_positions} positions")
     ropes = [r if info.has_rope else "none" for r in _as_list(args.rope)]
     sens = bool(getattr(args, "sensitivity", False) or getattr(args, "alloc_ratio", None)
-                or "fisher" in _as_list(args.method))
+                or "fisher" in _as_list(args.fit))
     key = (str(args.calib), args.calib_tokens, seq_len, args.batch_size, tuple(sorted(set(ropes))), sens)
     if calib_cache is not None and key in calib_cache:
         return calib_cache[key]
@@ -366,13 +367,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _outputs(args: argparse.Namespace, todo: list) -> list[Path]:
     """The output file of every job: ``--out`` itself for one, the pattern filled in for several."""
-    if len(todo) == 1 and not any(f in args.out for f in ("{method}", "{rope}", "{rank}")):
+    if len(todo) == 1 and not any(f in args.out for f in ("{fit}", "{method}", "{rope}", "{rank}")):
         return [Path(args.out)]
     if len(todo) > 1 and not all(f in args.out for f in _fields_needed(todo)):
         raise FitError(f"--out {args.out}: {len(todo)} bases (methods × RoPE modes × ranks) need a pattern with "
                        f"{', '.join(_fields_needed(todo))}, e.g. 'bases_{{method}}_{{rope}}_r{{rank}}.safetensors'")
     try:
-        outs = [Path(args.out.format(method=m, rope=rope, rank=spec_label(spec))) for m, rope, spec in todo]
+        outs = [Path(args.out.format(fit=m, method=m, rope=rope, rank=spec_label(spec))) for m, rope, spec in todo]
     except (KeyError, IndexError, ValueError) as e:
         raise FitError(f"--out {args.out}: not a pattern of {{method}}, {{rope}}, {{rank}} ({first_line(e)})") from None
     if len(set(outs)) != len(outs):

@@ -5,14 +5,18 @@
     python -m kvsplice.generate --model /tmp/stories260K --prompt "Once upon a time" --max-new-tokens 40
     python -m kvsplice.generate --model /tmp/stories260K --bases r4_post.safetensors --prompt "..." --json out.json
     python -m kvsplice.generate --model /tmp/stories260K --select balancekv --budget 64 --temperature 0.8 --top-k 40
+    python -m kvsplice.generate --model /tmp/stories260K --method "select:snapkv@0.25+kivi4" --prompt "..."
     python -m kvsplice.generate --model ../shared/data/smollm2-135m-instruct --plan plan.json --prompt "..." \
         --max-new-tokens 64 --device cuda --dtype bf16
 
 HF models (a directory with ``config.json``, or a Hub id) run transformers' ``generate()`` with a kvsplice cache
-(:mod:`kvsplice.hf`): ``--bases`` (a ``fit_bases`` file) caches low-rank key/value coefficients, ``--select``
-keeps ``--budget`` prompt tokens per KV head, ``--plan`` (from ``python -m kvsplice.plan``) runs the plan's stack
-(its selection keeps the plan's fraction of this prompt); none → transformers' own full ``DynamicCache``. A ``.ckpt`` from
-``python -m training.fit`` (not a transformers model) runs the package's own decoder with the same options.
+(:mod:`kvsplice.hf`): ``--method SPEC`` runs any registered method or stack by its spec (:mod:`kvsplice.core.registry`:
+the short form, inline JSON or a ``.json`` spec file; a selection's ``keep`` applies to this prompt); the aliases
+``--bases F`` (= ``--method lowrank:F``: a ``fit_bases`` file) caches low-rank key/value coefficients,
+``--select S --budget N`` (= ``--method select:S(seed=SEED)@N``) keeps ``N`` prompt tokens per KV head, ``--plan``
+(from ``python -m kvsplice.plan``) runs the plan's stack (its selection keeps the plan's fraction of this prompt);
+none → transformers' own full ``DynamicCache``. A ``.ckpt`` from ``python -m training.fit`` (not a transformers
+model) runs the package's own decoder with the same options.
 ``--temperature 0`` (the default) is greedy; generation stops at the tokenizer's EOS.
 
 Prints the text; ``--json OUT`` writes the generated ``tokens`` (ids, prompt excluded), ``text``,
@@ -50,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="HF model directory / Hub id, or a training .ckpt")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g = p.add_mutually_exclusive_group()
+    g.add_argument("--method", default=None, metavar="SPEC", help="a compression method by its spec, e.g. kivi4, "
+                   "int8, select:snapkv@0.25+int8, lowrank:r4.safetensors+int8, or a .json spec file")
     g.add_argument("--bases", default=None, help="low-rank bases file from python -m kvsplice.fit_bases")
     g.add_argument("--select", default=None, choices=sorted(SELECTORS), help="token selection method")
     g.add_argument("--plan", default=None, help="a plan from python -m kvsplice.plan (its stack: token selection, "
@@ -83,10 +89,27 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--bases file not found: {args.bases}")
     if args.plan and not Path(args.plan).is_file():
         raise UsageError(f"--plan file not found: {args.plan}")
+    args.spec, args.spec_dir = _spec(args)
     if args.json:
         args.json = output_file(args.json, force=args.force, option="--json",
                                 inputs={"--model": args.model, "--tokenizer": args.tokenizer, "--bases": args.bases,
                                         "--plan": args.plan})
+
+
+def _spec(args: argparse.Namespace) -> tuple[Optional[dict], Optional[Path]]:
+    """The method spec of ``--method`` or of its aliases ``--bases`` / ``--select --budget`` (``None``: the full
+    cache or ``--plan``), and the folder its files are read from."""
+    from kvsplice.core.registry import check_spec, load_spec
+
+    if args.method:
+        spec, base_dir = load_spec(args.method)
+        return check_spec(spec, base_dir=base_dir), base_dir  # fail fast, before the model loads
+    if args.bases:
+        return {"name": "lowrank", "bases": str(Path(args.bases).resolve())}, None
+    if args.select:
+        return {"name": "token_selection", "selector": {"name": args.select, "seed": args.seed},
+                "budget": args.budget}, None
+    return None, None
 
 
 def _prompt_ids(tok, prompt: str) -> list[int]:
@@ -100,11 +123,13 @@ def _decode(tok, ids: list[int]) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsplice.core.registry import build_method, format_spec
     from kvsplice.io.loading import load_model
     from kvsplice.lowrank.bases import KVBases
     from kvsplice.planning.spec import Plan
 
-    bases = KVBases.load(args.bases) if args.bases else None  # checked before the model loads
+    if args.bases:
+        KVBases.load(args.bases)  # checked before the model loads
     plan = Plan.load(args.plan) if args.plan else None
     device, dtype = device_dtype(args)
     loaded = load_model(args.model, tokenizer=args.tokenizer, dtype=dtype, device=device)
@@ -115,24 +140,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the "
                          f"model's {mp} positions")
     method = None  # the full cache
-    if bases is not None:
-        from kvsplice.lowrank.method import LowRank
-
-        method = LowRank(bases)
-    elif args.select:
-        from kvsplice.select.method import TokenSelection
-        from kvsplice.select.selectors import make_selector
-
-        method = TokenSelection(make_selector(args.select, seed=args.seed), args.budget)
+    if args.spec is not None:
+        method = build_method(args.spec, prompt_len=len(prompt), base_dir=args.spec_dir)
     elif plan is not None:
         from kvsplice.adapters import model_fingerprint
 
         plan.check_model(model_fingerprint(model))
+        method = plan.method(prompt_len=len(prompt))
     ids = torch.tensor([prompt], device=next(model.parameters()).device)
-    if plan is not None:
-        method = plan.method(prompt_len=len(prompt), ids=ids)  # KVzip re-reads the prompt
     torch.manual_seed(args.seed)
-    if loaded.kind == "ckpt":
+    if loaded.kind in ("ckpt", "mla"):  # our models: the package's Decoder
         new, cache, formula, full, engine = _generate_ours(model, ids, method, args)
     else:
         new, cache, formula, full, engine = _generate_hf(model, ids, method, args, tok)
@@ -141,30 +158,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     measured = measure_cache(cache).live_bytes
     if formula is not None and measured != formula:
         raise RuntimeError(f"measured cache bytes {measured} != formula {formula}")
-    kind = "bases" if bases is not None else (f"select:{args.select}" if args.select else
-                                              (f"plan:{plan.stack.label()}" if plan is not None else "full"))
+    kind = "bases" if args.bases else (f"select:{args.select}" if args.select else (
+        f"plan:{plan.label}" if plan is not None else (f"method:{format_spec(method.spec())}" if args.method
+                                                        else "full")))
     return {"model": loaded.describe(), "engine": engine, "prompt": args.prompt, "prompt_tokens": prompt,
             "tokens": new, "text": _decode(tok, new), "cache": kind, "method": repr(method),
-            "bases": args.bases, "plan": args.plan, "budget": args.budget, "temperature": args.temperature,
+            "spec": None if method is None else method.spec(), "bases": args.bases, "plan": args.plan,
+            "budget": args.budget, "temperature": args.temperature,
             "top_k": args.top_k, "seed": args.seed, "cache_tokens_held": cache.seq_len, "cache_bytes": measured,
             "cache_bytes_formula": formula, "full_cache_bytes": full}
-
-
-class _DynamicBytes:
-    """Measurement view of transformers' ``DynamicCache`` (the full-cache baseline)."""
-
-    def __init__(self, cache) -> None:
-        self.c = cache
-
-    def tensors(self):
-        for layer in self.c.layers:
-            if getattr(layer, "keys", None) is not None:
-                yield layer.keys
-                yield layer.values
-
-    @property
-    def seq_len(self) -> int:
-        return self.c.get_seq_length()
 
 
 def _generate_hf(model, ids, method, args, tok):
@@ -184,10 +186,11 @@ def _generate_hf(model, ids, method, args, tok):
                              pad_token_id=model.generation_config.pad_token_id or eos or 0, **kw)
     new = out[0, ids.shape[1]:].tolist()
     if isinstance(cache, transformers.DynamicCache):
-        view = _DynamicBytes(cache)
-        full = sum(t.numel() * t.element_size() for t in view.tensors())
-        return new, view, full, full, "transformers.generate"
-    return new, cache, cache.bytes_formula(), cache.full_bytes(), "transformers.generate"
+        from kvsplice.hf.measure import TensorsView
+
+        view = TensorsView(cache)
+        return new, view, view.nbytes(), view.nbytes(), "transformers.generate"
+    return new, cache, cache.formula_nbytes(), cache.full_nbytes(), "transformers.generate"
 
 
 def _generate_ours(model, ids, method, args):

@@ -3,17 +3,19 @@ on calibration text, and write it as a plan the other tools take directly.
 
     python -m kvsplice.plan --model DIR|GGUF|CKPT --calib TEXT (--budget-bytes-per-token N | --ratio R) \\
         [--calib-tokens 32768] [--calib-stats STATS.safetensors] [--tune-tokens 2048] [--prompt-len P] \\
-        [--seq-len T] [--selectors snapkv observed_attention] [--device DEV] [--dtype fp32|bf16|fp16] \\
+        [--seq-len T] [--selectors snapkv observed_attention] [--stores default SPEC ...] [--device DEV] \\
+        [--dtype fp32|bf16|fp16] \\
         --out plan.json [--force] [--json REPORT.json]
 
     python -m kvsplice.generate --model M --plan plan.json --prompt "..." --max-new-tokens 64
     python -m kvsplice.eval_bases --model M --plan plan.json --data VAL.txt
-    KVSpliceHFCache(model, Plan.load("plan.json", model).method(prompt_len, ids))   # ids: KVzip re-reads them
+    KVSpliceHFCache(model, Plan.load("plan.json", model).method(prompt_len))
 
 Steps: load the model; calibrate once (every RoPE mode, loss gradients; reused from ``--calib-stats``); take the
 tuning windows from the calibration text *after* the calibration tokens (``--tune-tokens``, windows of
 ``--seq-len``: the first ``--prompt-len`` tokens of each are the compressed prompt, the rest are scored); search
-(:mod:`kvsplice.planning.search`); write ``--out`` (JSON: the stack, the budget, every candidate's measurement) and,
+(:mod:`kvsplice.planning.search`: over the ``--stores`` specs, default the built-in list, each alone or under a
+token selection); write ``--out`` (JSON: the method spec, the budget, every candidate's measurement) and,
 when the stack has low rank, its bases beside it (``<out>.bases.safetensors``). The budget is bytes per prompt
 token at fp16 (``--ratio R``: the fp16 full K/V cache's ``2·L·Hkv·d·2`` bytes divided by R). Errors: one line,
 exit status 2; ``--out`` is never overwritten without ``--force``.
@@ -62,20 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=pos_int, help="compressed prompt per tuning window (default 3/4 of it)")
     p.add_argument("--selectors", nargs="+", default=["snapkv", "observed_attention"], choices=sorted(SELECTORS),
                    help="token selectors to try (default snapkv observed_attention)")
+    p.add_argument("--stores", nargs="+", metavar="SPEC", help="candidate storage methods as method specs (e.g. "
+                   "int8 kivi4 mine(x=1); 'default' = the built-in list: full K/V fp16/int8, KIVI 4/2-bit, fisher "
+                   "low rank at 1.5/2/3x, int8 coefficients); default: default")
     p.add_argument("--batch-size", type=pos_int, default=2, help="windows per forward (default 2)")
-    p.add_argument("--objective", choices=("ppl", "tasks", "mixed"), default="mixed", help="what the stack must "
-                   "keep: tuning perplexity, task accuracy on tuning instances (seeds >= 1,000,000, never reported), "
-                   "or mixed (default): the best perplexity among the candidates with the best task accuracy")
-    p.add_argument("--tune-tasks", nargs="+", default=["passkey", "niah_number_facts"], metavar="TASK",
-                   help="tasks of the accuracy objective (default passkey niah_number_facts; see eval_tasks)")
-    p.add_argument("--tune-n", type=pos_int, default=4, help="tuning instances per task (default 4)")
-    p.add_argument("--tune-length", type=pos_int, help="tuning instances' prompt tokens (default --seq-len)")
-    p.add_argument("--tune-setting", choices=("agnostic", "aware"), default="agnostic",
-                   help="the question after the compressed context (default) or inside it")
-    p.add_argument("--task-tolerance", type=float, default=0.0, help="mixed: accuracy points below the best a "
-                   "candidate may lose (default 0)")
-    p.add_argument("--stories", help="TinyStories text for --tune-tasks that need it")
-    p.add_argument("--no-kvzip", action="store_true", help="do not try KVzip in place of the selectors")
     p.add_argument("--out", required=True, help="the plan (.json); low-rank bases go beside it")
     p.add_argument("--json", help="also write the search report here")
     p.add_argument("--force", action="store_true", help="overwrite --out / --json (and recompute --calib-stats "
@@ -92,8 +84,8 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
     from kvsplice.io.loading import iter_texts, load_model, token_stream
     from kvsplice.lowrank.calibrate import calibration_batches
     from kvsplice.lowrank.sensitivity import stats_for
-    from kvsplice.planning.search import search
-    from kvsplice.planning.spec import Plan, Stack
+    from kvsplice.planning.search import candidate_stores, search
+    from kvsplice.planning.spec import Plan
 
     progress = not args.no_progress
     device, dtype = device_dtype(args)
@@ -113,27 +105,24 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
                          f"{args.tune_tokens} tuning tokens in windows of {seq}")
     tune = ids[n_cal:n_cal + args.tune_tokens]
     tune = tune[: (tune.numel() // seq) * seq].view(-1, seq)  # (N, T) tuning windows
-    t0 = time.perf_counter()
-    stats, reused = stats_for(model, lambda: calibration_batches(ids[:n_cal], seq, args.batch_size),
-                              path=args.calib_stats, ropes=("pre", "post"), source={
-                                  "calibration_source": str(args.calib), "calibration_tokens": n_cal,
-                                  "seq_len": seq}, progress=progress, replace=args.force)
-    calib_s = time.perf_counter() - t0
     adapter = adapter_for(model)
+    stores = [s for x in _store_specs(args.stores) for s in
+              (candidate_stores(adapter.has_rope, adapter.head_dim) if x == "default" else [x])]
+    t0 = time.perf_counter()
+    stats, reused = None, False
+    if any(isinstance(s.get("bases"), dict) for s in stores):  # the planner's low-rank fits need statistics
+        stats, reused = stats_for(model, lambda: calibration_batches(ids[:n_cal], seq, args.batch_size),
+                                  path=args.calib_stats, ropes=("pre", "post"), source={
+                                      "calibration_source": str(args.calib), "calibration_tokens": n_cal,
+                                      "seq_len": seq}, progress=progress, replace=args.force)
+    calib_s = time.perf_counter() - t0
     full_bpt = full_bytes_per_token(adapter)
     budget = args.budget_bytes_per_token or full_bpt / args.ratio
     log = print if progress else (lambda s: None)
-    task_eval, tune_info = _task_eval(args, model, loaded.tokenizer, seq, progress)
-    repeat = None
-    if not args.no_kvzip:
-        from kvsplice.select.kvzip import REPEAT_PROMPT
-
-        repeat = loaded.tokenizer.encode(REPEAT_PROMPT)
     found = search(model, stats, tune, prompt_len=prompt_len, budget=budget, selectors=args.selectors,
-                   batch_size=args.batch_size, log=log, objective=args.objective, task_eval=task_eval,
-                   kvzip_repeat_ids=repeat, task_tolerance=args.task_tolerance)
+                   stores=stores, batch_size=args.batch_size, log=log)
     best = found["best"]
-    chosen = next(r for r in found["candidates"] if Stack(**r["stack"]) == best)
+    chosen = min(found["candidates"], key=lambda r: r["tuning_ppl"])
     info = {"budget": {"bytes_per_token": budget, "ratio_vs_fp16_full": full_bpt / budget,
                        "full_fp16_bytes_per_token": full_bpt, "storage": "fp16"},
             "prompt_len": prompt_len, "seq_len": seq,
@@ -141,41 +130,27 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
                        "full_cache_ppl": found["full"]["tuning_ppl"]},
             "calibration": {"tokens": n_cal, "stats_file": args.calib_stats, "reused": reused,
                             "seconds": calib_s},
-            "chosen": chosen, "selector": found["selector"], "candidates": found["candidates"],
-            "objective": args.objective, "tasks": tune_info, "full": found["full"]}
-    plan = Plan(best, model_fingerprint(model), found["bases"], None, info)
+            "chosen": chosen, "selector": found["selector"], "candidates": found["candidates"]}
+    plan = Plan(best, model_fingerprint(model), None, info)
     return plan, info
 
 
-def _task_eval(args, model, tokenizer, seq: int, progress: bool):
-    """The accuracy objective's measure: every candidate on tuning task instances (seeds from
-    :data:`kvsplice.tasks.suite.TUNING_SEED0`, disjoint from any reported run), one shared prefill per instance."""
-    if args.objective == "ppl":
-        return None, None
-    from kvsplice.tasks.shared import answer_many
-    from kvsplice.tasks.suite import NEEDS_STORIES, TASKS, TUNING_SEED0, make_instances
+def _store_specs(given: Optional[Sequence[str]]) -> list:
+    """``--stores``: each a storage method's spec (checked: before the model loads) or ``"default"`` (the built-in
+    candidates, :func:`kvsplice.planning.search.candidate_stores`)."""
+    from kvsplice.core.registry import METHODS, check_spec, parse_spec
 
-    bad = [t for t in args.tune_tasks if t not in TASKS]
-    if bad:
-        raise UsageError(f"--tune-tasks: unknown task {bad[0]!r}; tasks are {', '.join(TASKS)}")
-    if set(args.tune_tasks) & NEEDS_STORIES and not args.stories:
-        raise UsageError("--tune-tasks " + " ".join(sorted(set(args.tune_tasks) & NEEDS_STORIES)) + " need --stories")
-    length = args.tune_length or seq
-    insts = make_instances(args.tune_tasks, tokenizer, [length], args.tune_n, seed0=TUNING_SEED0,
-                           stories=args.stories)
-    info = {"tasks": args.tune_tasks, "length": length, "n": args.tune_n, "seed0": TUNING_SEED0,
-            "setting": args.tune_setting}
-
-    def task_eval(factories: dict) -> dict[str, float]:
-        from tqdm.auto import tqdm
-
-        scores: dict[str, float] = {k: 0.0 for k in factories}
-        for inst in tqdm(insts, desc="tuning tasks", disable=not progress, file=sys.stderr):
-            for k, o in answer_many(model, tokenizer, inst, factories, setting=args.tune_setting).items():
-                scores[k] += o.score
-        return {k: 100 * v / len(insts) for k, v in scores.items()}
-
-    return task_eval, info
+    out: list = []
+    for text in given or ["default"]:
+        if text == "default":
+            out.append(text)
+            continue
+        spec = check_spec(parse_spec(text))
+        if not METHODS[spec["name"]].is_storage:
+            raise UsageError(f"--stores {text}: {spec['name']} is not a storage method (it cannot hold a token "
+                             f"selection); storage methods: {', '.join(n for n, c in METHODS.items() if c.is_storage)}")
+        out.append(spec)
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -191,6 +166,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         torch.set_num_threads(args.threads)
     inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--calib": args.calib,
               "--calib-stats": args.calib_stats}  # an existing stats file is an input
+    _store_specs(args.stores)  # fail fast, before the model loads
     out = output_file(args.out, force=args.force, inputs=inputs)
     bases_out = out.with_name(out.stem + ".bases.safetensors")
     # never an input, even with --force (whether it may replace an existing file is checked once the plan has bases)
@@ -201,16 +177,14 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     cache_file(args.calib_stats, option="--calib-stats", inputs=inputs,
                outputs={"--out": out, "the plan's bases": bases_out, **({"--json": json_path} if json_path else {})})
     plan, info = run(args)
-    if plan.bases is not None:
+    if plan.files():
         output_file(bases_out, force=args.force, option="the plan's bases", inputs=inputs)
     plan.save(out)
     c = info["chosen"]
-    acc = "" if "task_acc" not in c else (f"; tuning task accuracy {c['task_acc']:.1f} % (full cache "
-                                           f"{info['full']['task_acc']:.1f} %)")
     print(f"plan: {c['label']} — {c['bytes_per_token']:.1f} bytes per token, {c['ratio_vs_fp16_full']:.2f}x smaller "
           f"than the fp16 full cache; tuning ppl {c['tuning_ppl']:.4f} ({c['delta_pct']:+.2f} % vs the full cache "
-          f"{info['tuning']['full_cache_ppl']:.4f}){acc} [objective {args.objective}]")
-    print(f"wrote {out}" + (f" and {bases_out}" if plan.bases is not None else ""))
+          f"{info['tuning']['full_cache_ppl']:.4f})")
+    print(f"wrote {out}" + (f" and {bases_out}" if plan.files() else ""))
     if json_path is not None:
         write_json(info, json_path)
     return 0

@@ -1,4 +1,11 @@
-"""Convert a trained MHA model into MLA (and/or insert KVSplice into an MLA model): a checkpoint of our GPT.
+"""Convert a trained MHA model into MLA (and/or insert KVSplice into an MLA model): a checkpoint of our GPT, or a
+pretrained Llama-family model into a decoupled-RoPE MLA model folder.
+
+    python -m kvsplice.to_mla --model LLAMA_DIR_OR_GGUF --calib TEXT --d-latent R|full --rope-dims D|all \
+        --rope-layout per-head|shared [--latent-norm] [--kvsplice-ratio r] [--format native|deepseek_v3] --out DIR
+
+(Llama / Mistral / Qwen2 / Qwen3: :mod:`kvsplice.convert.llama_run`; ``--model`` a converted folder with
+``--kvsplice-ratio`` shrinks its latent; docs/conversion.md.) For our GPT:
 
     python -m kvsplice.to_mla --model M --d-latent R [--kvsplice-ratio r] [--calib TEXT --calib-tokens N] \\
         --out OUT.ckpt [--force] [--json REPORT.json]
@@ -47,8 +54,20 @@ def _ratio(s: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m kvsplice.to_mla", description="Convert a trained MHA GPT into MLA / MLA + KVSplice.")
-    p.add_argument("--model", required=True, help="training .ckpt (MHA, GQA or MLA) or an HF GPT-2 directory")
-    p.add_argument("--d-latent", type=pos_int, default=None, help="latent size R of the MLA model (MHA input)")
+    p.add_argument("--model", required=True, help="training .ckpt (MHA, GQA or MLA), an HF GPT-2 directory, a "
+                   "Llama / Mistral / Qwen2 / Qwen3 folder or GGUF file, or a converted MLA folder")
+    p.add_argument("--d-latent", default=None, help="latent size R of the MLA model (MHA input); Llama family: "
+                   "a number or 'full' (the rank at which the conversion is exact)")
+    p.add_argument("--rope-dims", default=None, help="Llama family: RoPE dims per RoPE key (even) or 'all' "
+                   "(default: head_dim/8 per-head, head_dim/2 shared)")
+    p.add_argument("--rope-layout", choices=("per-head", "shared"), default="per-head",
+                   help="Llama family: a RoPE key per KV head (MHA2MLA) or one shared per token (TransMLA/DeepSeek)")
+    p.add_argument("--latent-norm", action="store_true", help="Llama family: RMSNorm the latent (DeepSeek's "
+                   "kv_a_layernorm; not exact at any rank, implied by --format deepseek_v3)")
+    p.add_argument("--format", choices=("native", "deepseek_v3"), default="native",
+                   help="Llama family: the output folder's format (native: kvsplice loads it; deepseek_v3: "
+                   "transformers / vLLM / SGLang load it)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--kvsplice-ratio", type=_ratio, default=None,
                    help="insert KVSplice keeping round(R·ratio) numbers per token (0.5/0.3/0.1 = 50/70/90 %%)")
     p.add_argument("--kvsplice-init", choices=("pca", "random"), default="pca",
@@ -61,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=pos_int, default=8)
     p.add_argument("--seed", type=int, default=0, help="seed of a random KVSplice init")
     p.add_argument("--tokenizer", default=None, help="tokenizer files when the model does not bring its own")
-    p.add_argument("--out", required=True, help="output checkpoint (.ckpt)")
+    p.add_argument("--out", required=True, help="output checkpoint (.ckpt); Llama family: a model folder")
     p.add_argument("--json", default=None, help="also write the report as JSON")
     p.add_argument("--force", action="store_true", help="overwrite --out / --json")
     p.add_argument("--threads", type=pos_int, default=None, help="torch threads")
@@ -86,7 +105,7 @@ def convert_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], di
         loaded = load_model(args.model, tokenizer=args.tokenizer)
         if getattr(loaded.model.config, "model_type", None) != "gpt2":
             raise UsageError(f"--model {args.model}: a {type(loaded.model).__name__}; to_mla converts our GPT "
-                             f"checkpoints and HF GPT-2 models")
+                             f"checkpoints, HF GPT-2 and local Llama-family folders / GGUF files")
         model, meta, tokenizer = GPT.from_hf(loaded.model).eval(), {}, loaded.tokenizer
     device, _ = device_dtype(args)
     model = model.to(device)  # calibration and conversion run there; the checkpoint is saved from CPU copies
@@ -134,6 +153,13 @@ def convert_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], di
     return out, report, meta
 
 
+def _gpt_latent(v: str) -> int:
+    try:
+        return pos_int(v)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise UsageError(f"--d-latent {v}: must be >= 1 (the latent size of the GPT model's MLA)") from None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from kvsplice.io.loading import LoadError
     from models.checkpoint import CheckpointError
@@ -147,6 +173,17 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from kvsplice.convert.llama_run import is_llama_source, run_llama
+
+    if is_llama_source(args.model):  # Llama family -> decoupled-RoPE MLA (kvsplice.convert.llama_mla)
+        return run_llama(args)
+    for opt in ("rope_dims", "latent_norm"):
+        if getattr(args, opt):
+            raise UsageError(f"--{opt.replace('_', '-')} is for Llama-family models; --model {args.model} is not one")
+    if args.format != "native":
+        raise UsageError("--format deepseek_v3 is for Llama-family models (shared RoPE layout)")
+    if args.d_latent is not None:
+        args.d_latent = _gpt_latent(args.d_latent)
     out_path, json_path = out_and_json(args.out, args.json, force=args.force,
                                        inputs={"--model": args.model, "--calib": args.calib,
                                                "--tokenizer": args.tokenizer})

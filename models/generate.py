@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from models.cache import DecodeCache
 
-Step = Callable[[torch.Tensor, DecodeCache], torch.Tensor]
+DecodeStep = Callable[[torch.Tensor, DecodeCache], torch.Tensor]
 """``step(ids (B, T), cache) -> logits (B, T', V)``: appends ``ids`` to ``cache``; the last row predicts next."""
 
 
@@ -64,7 +64,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
 
 
 @torch.no_grad()
-def generate_tokens(step: Step, cache: DecodeCache, idx: torch.Tensor, max_new_tokens: int,
+def generate_tokens(step: DecodeStep, cache: DecodeCache, idx: torch.Tensor, max_new_tokens: int,
                     temperature: float = 0.0, top_k: Optional[int] = None,
                     generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Prefill ``idx (B, T)`` into the empty ``cache`` with ``step``, then decode ``max_new_tokens`` one at a time

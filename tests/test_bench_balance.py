@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from kvsplice.bench_balance import METHODS, keep_plan, layer_errors, main, make_method
+from kvsplice.bench_balance import ARMS, keep_plan, layer_errors, main, make_arm
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
@@ -35,8 +35,8 @@ def test_plan_keeps_the_same_intact_tokens_for_every_method(T):
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(3, c, 8, generator=g), torch.randn(3, c, 8, generator=g)
     intact = set(range(s)) | set(range(s + plan["middle"], c))
-    for name in METHODS:
-        idx, logw = make_method(name, plan, block_size=16, seed=1).select(k, v, plan["budget"])
+    for name in ARMS:
+        idx, logw = make_arm(name, plan, block_size=16, seed=1).select(k, v, plan["budget"])
         assert idx.shape == (3, plan["budget"])
         for h in range(3):
             kept = dict(zip(idx[h].tolist(), logw[h].tolist()))
@@ -59,9 +59,9 @@ def test_layer_errors_is_the_weighted_estimator_and_zero_without_compression():
     q = torch.randn(b, hkv * gq, n, d, generator=g)
     k, v = torch.randn(b, hkv, c, d, generator=g), torch.randn(b, hkv, c, d, generator=g)
     plan0 = keep_plan(c, 0, 2, 4)
-    assert layer_errors(q, k, v, 0.5, make_method("balancekv", plan0), plan0["budget"])[0] < 1e-12
+    assert layer_errors(q, k, v, 0.5, make_arm("balancekv", plan0), plan0["budget"])[0] < 1e-12
     plan = keep_plan(c, 2, 2, 4)
-    sel = make_method("uniform", plan, seed=3)
+    sel = make_arm("uniform", plan, seed=3)
     rel, rel_q = layer_errors(q, k, v, 0.5, sel, plan["budget"])
     sel.reseed(3)
     idx, logw = sel.select(k.reshape(b * hkv, c, d), v.reshape(b * hkv, c, d), plan["budget"])
@@ -99,7 +99,7 @@ def _check_report(path: Path, layers, Ts, seeds):
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert rep["config"]["layers"] == layers and rep["config"]["T"] == Ts and rep["config"]["seeds"] == seeds
     assert "median" in rep["config"]["threshold"]
-    assert len(rep["rows"]) == len(layers) * len(Ts) * len(METHODS)
+    assert len(rep["rows"]) == len(layers) * len(Ts) * len(ARMS)
     assert [p["T"] for p in rep["plans"]] == Ts
     for row in rep["rows"]:
         assert set(row) >= {"layer", "T", "method", "budget", "mean", "std", "rel_q_mean", "per_seed"}

@@ -204,7 +204,9 @@ def test_decoder_errors():
     with pytest.raises(ValueError, match="attn_backend"):
         Decoder(ours(), attn_backend="magic")
     with pytest.raises(TypeError, match="CompressionMethod"):
-        Decoder(ours(), method="dense")
+        Decoder(ours(), method=3)
+    with pytest.raises(ValueError, match="unknown method 'nosuch'"):  # a string is a method spec
+        Decoder(ours(), method="nosuch")
     dec = Decoder(llama(), DenseKV())
     with pytest.raises(TypeError, match="KVCache"):
         dec(ids_of(1, 3), Decoder(llama(), OnlineFD(rank_k=2)).new_cache(1))

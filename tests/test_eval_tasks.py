@@ -79,7 +79,7 @@ def test_eval_tasks_errors_are_one_line(s260k, tmp_path, capsys) -> None:
     other.write_text('{"something": 1}')
     cases = [
         (["--model", s260k, *ARGS, "--out", tmp_path / "a.json"], "--plan"),
-        (["--model", s260k, "--method", "kivi3", *ARGS, "--out", tmp_path / "a.json"], "unknown storage"),
+        (["--model", s260k, "--method", "kivi3", *ARGS, "--out", tmp_path / "a.json"], "unknown method 'kivi3'"),
         (["--model", s260k, "--method", "int8", *ARGS, "--out", other], "not an eval_tasks result"),
         (["--model", s260k, "--method", "int8", "--tasks", "story_qa", "--out", tmp_path / "a.json"], "--stories"),
         (["--model", s260k, "--method", "int8", *ARGS, "--lengths", "100000", "--out", tmp_path / "a.json"],

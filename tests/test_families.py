@@ -126,9 +126,9 @@ def test_hf_door_equals_transformers_with_left_padding(models, fam):
         seq, scores = hf_generate(model, ids, mask, cache)
         assert torch.equal(seq, ref_seq) and (scores - ref_scores).abs().max() <= TOL, (fam, name)
         w = windows_of(model)
-        held = [cache.store.layer_len(l) for l in range(L)]
+        held = [cache.method_cache.layer_len(l) for l in range(L)]
         assert held == [W - 1 if wl else 12 + 9 for wl in w], (fam, name, held)  # 12 prompt + 9 decoded, fed
-        assert measure_cache(cache).live_bytes == cache.nbytes() == cache.bytes_formula(), (fam, name)
+        assert measure_cache(cache).live_bytes == cache.nbytes() == cache.formula_nbytes(), (fam, name)
         model.set_attn_implementation("sdpa")
 
 
@@ -159,12 +159,12 @@ def test_lossy_settings_hold_their_window_and_bytes_match_the_formula(models, fa
                 expect = [min(W - 1, seen if budget is None else min(budget, W - 1) + seen - 10) if wl else full
                           for wl in w]
                 assert [cache.layer_len(l) for l in range(L)] == expect, (fam, name, t)
-                assert measure_cache(cache).live_bytes == cache.nbytes() == dec.bytes_formula(cache), (fam, name)
+                assert measure_cache(cache).live_bytes == cache.nbytes() == dec.formula_nbytes(cache), (fam, name)
             hf = KVSpliceHFCache(model, method)
             mask = torch.ones_like(ids)
             hf_generate(model, ids[:, :10], mask[:, :10], hf, n=5)
-            assert measure_cache(hf).live_bytes == hf.nbytes() == hf.bytes_formula(), (fam, name)
-            assert all(hf.store.layer_len(l) <= W - 1 for l in range(L) if w[l])
+            assert measure_cache(hf).live_bytes == hf.nbytes() == hf.formula_nbytes(), (fam, name)
+            assert all(hf.method_cache.layer_len(l) <= W - 1 for l in range(L) if w[l])
             model.set_attn_implementation("sdpa")
 
 

@@ -308,7 +308,7 @@ def test_fit_bases_method_ordering_and_energy(problem):
     for bad in (dict(), dict(rank=2, energy=0.5), dict(rank=11)):
         with pytest.raises(ValueError):
             fit_bases(stats, "kq", **bad)
-    with pytest.raises(ValueError, match="unknown method"):
+    with pytest.raises(ValueError, match="unknown fit"):
         fit_bases(stats, "svd", rank=2)
 
 

@@ -103,7 +103,7 @@ def test_lossless_caches_generate_the_default_cache_tokens(family):
         out = greedy(model, ids, cache)
         assert torch.equal(out, ref), name
         m = measure_cache(cache)
-        assert m.live_bytes == cache.nbytes() == cache.bytes_formula() > 0, name
+        assert m.live_bytes == cache.nbytes() == cache.formula_nbytes() > 0, name
 
 
 @pytest.mark.parametrize("family", MODELS)
@@ -141,7 +141,7 @@ def test_logits_match_the_package_decoder_at_rank_4_post_and_pre():
             ours = [dec(ids, c), dec(nxt, c)]
         for a, b in zip(hf, ours):
             torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
-        assert cache.nbytes() == c.nbytes() == cache.bytes_formula()
+        assert cache.nbytes() == c.nbytes() == cache.formula_nbytes()
 
 
 def test_sampling_eos_and_logits_processors():
@@ -198,8 +198,8 @@ def test_stories260k_rank4_bytes_are_half_and_tokens_match_the_decoder(s260k, ro
     t = ids.shape[1] + n - 1  # tokens held: prompt + generated tokens fed back
     el = 4
     assert cache.seq_len == t
-    assert measure_cache(cache).live_bytes == cache.nbytes() == cache.bytes_formula() \
-        == 5 * 4 * (4 + 4) * t * 2 * el == cache.full_bytes() // 2
+    assert measure_cache(cache).live_bytes == cache.nbytes() == cache.formula_nbytes() \
+        == 5 * 4 * (4 + 4) * t * 2 * el == cache.full_nbytes() // 2
     full = transformers.DynamicCache(config=model.config)
     greedy(model, ids, full, mask, n=n)
     full_bytes = sum(x.numel() * x.element_size() for layer in full.layers for x in (layer.keys, layer.values))
@@ -236,7 +236,7 @@ def test_decode_fast_path_equals_the_general_path(rope, monkeypatch):
         torch.testing.assert_close(fast, logits(CoefficientHFCache(model, bases)), atol=1e-5, rtol=1e-5)
     q8 = CoefficientHFCache(model, bases, cache_quant="int8")
     greedy(model, ids, q8, mask, n=4)
-    assert q8.nbytes() == q8.bytes_formula() == measure_cache(q8).live_bytes > 0
+    assert q8.nbytes() == q8.formula_nbytes() == measure_cache(q8).live_bytes > 0
 
 
 @needs_stories
@@ -259,7 +259,7 @@ def test_stories260k_token_subsets_bytes_and_tokens_match_the_decoder(s260k, met
     out = greedy(model, ids, cache, mask, n=n)
     held = 8 + n - 1  # the kept prompt tokens + the generated tokens fed back
     assert cache.seq_len == held
-    assert measure_cache(cache).live_bytes == cache.nbytes() == cache.bytes_formula() \
+    assert measure_cache(cache).live_bytes == cache.nbytes() == cache.formula_nbytes() \
         == 5 * 2 * 4 * held * (8 + 8 + 1) * 4  # layers · batch · KV heads · tokens · (k + v + log-weight) · fp32
     dec = Decoder(model, TokenSelection(make_selector(method, **kw), 8))
     row = ids[0][mask[0].bool()][None]  # the longer prompt (no padding)

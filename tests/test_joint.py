@@ -34,7 +34,7 @@ def test_full_rank_joint_latents_are_the_model_in_both_doors(calibrated, rope):
     for door, (logits, cache) in runs.items():
         torch.testing.assert_close(torch.cat(logits, 1), want, atol=2e-4, rtol=0, msg=lambda m: door + m)
     _, hf = runs["hf"]
-    assert measure_cache(hf).live_bytes == hf.bytes_formula() == 2 * 14 * (full + full) * 2 * 4
+    assert measure_cache(hf).live_bytes == hf.formula_nbytes() == 2 * 14 * (full + full) * 2 * 4
 
 
 def test_low_rank_joint_doors_agree_and_hold_a_selection(calibrated, tmp_path):

@@ -46,9 +46,9 @@ def test_bytes_are_the_formula_at_every_length_and_the_doors_agree(family):
     runs = both_doors(model, method, ids[:, :19], steps)
     assert_same(runs["decoder"][0], runs["hf"][0], atol=1e-4, what="decoder vs hf")
     for door, (_, cache) in runs.items():
-        store = cache.store if door == "hf" else cache
+        store = cache.method_cache if door == "hf" else cache
         assert store.seq_len == 40
-        formula = cache.bytes_formula() if door == "hf" else store.bytes_formula()
+        formula = cache.formula_nbytes() if door == "hf" else store.formula_nbytes()
         assert measure_cache(cache).live_bytes == cache.nbytes() == formula
     a = Decoder(model, method).method.adapter
     nq = 32  # 8·⌊(40 − 4)/8⌋ quantised tokens, 8 at full precision
@@ -80,7 +80,7 @@ def test_kivi_holds_a_token_selection_in_both_doors(selector):
     runs = both_doors(model, method, ids[:, :24], [ids[:, 24:25], ids[:, 25:30]])
     assert_same(runs["decoder"][0], runs["hf"][0], atol=1e-4, what="decoder vs hf")
     _, cache = runs["hf"]
-    assert cache.seq_len == 12 + 6 and measure_cache(cache).live_bytes == cache.bytes_formula()
+    assert cache.seq_len == 12 + 6 and measure_cache(cache).live_bytes == cache.formula_nbytes()
     dense = both_doors(model, TokenSelection(make_selector(selector, **kw), 12, store=DenseKV()), ids[:, :24],
                        [ids[:, 24:25], ids[:, 25:30]])
     assert cache.nbytes() < dense["hf"][1].nbytes()
@@ -120,7 +120,7 @@ def test_rotated_kivi_is_exact_unquantised_same_bytes_and_tames_an_outlier_chann
     dec = Decoder(model, RotatedKIVI(bits=4, group=8, residual=4))
     c = dec.new_cache(2)
     dec(ids, c)
-    assert c.nbytes() == dec.bytes_formula(c) == Decoder(model, plain).method.bytes_formula(2, 14, c.dtype)
+    assert c.nbytes() == dec.formula_nbytes(c) == Decoder(model, plain).method.bytes_formula(2, 14, c.dtype)
     # an outlier channel: per-token value groups lose the small channels at 2 bits; rotated, they hold
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 1, 64, 8, generator=g)

@@ -73,7 +73,7 @@ def test_kvzip_full_budget_is_lossless_and_budget_keeps_top_tokens(model) -> Non
     dec = Decoder(model, KVzipSelection(8, recon_ids=recon, store=DenseKV(cache_quant="int8")))
     c3 = dec.new_cache(1)
     dec(ctx, c3)
-    assert c3.seq_len == 8 and c3.nbytes() == dec.bytes_formula(c3)
+    assert c3.seq_len == 8 and c3.nbytes() == dec.formula_nbytes(c3)
     last = dec.method.layer_scores[len(dec.method.layer_scores) - 1][0]  # (Hkv, T): the last layer's scores
     idx, _ = dec.method.selector.select(torch.zeros(last.shape[0], 30, 4), torch.zeros(last.shape[0], 30, 4), 8)
     assert torch.equal(idx, last.topk(8, dim=-1).indices.sort(dim=-1).values)  # the top-scored tokens are kept

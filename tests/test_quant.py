@@ -81,7 +81,7 @@ def test_lowrank_and_dense_int8_on_llama():
         dec(ids, cache)
         assert cache.nbytes() == measure_cache(cache).live_bytes
         if isinstance(q_method, LowRank):
-            assert cache.nbytes() == cache.bytes_formula() == 40 * 2 * 2 * 2 * ((6 + 8) + 2 * 2)
+            assert cache.nbytes() == cache.formula_nbytes() == 40 * 2 * 2 * 2 * ((6 + 8) + 2 * 2)
     dec = Decoder(model, LowRank(bases, cache_quant="int8"))
     with pytest.raises(TypeError, match="CoefficientCache"):
         dec(ids, Decoder(model, LowRank(bases)).new_cache(2))  # an unquantised cache for an int8 decoder

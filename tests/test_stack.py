@@ -158,7 +158,7 @@ def test_stack_bytes_are_the_formula_and_padding_is_per_row(family):
     # int8: (R_k + R_v) bytes + one fp16 scale per key row and per value row; the log-weight in fp32
     formula = cfg.num_hidden_layers * 3 * n_kv * held * ((rk + rk + 2 * 2) + 4)
     assert cache.seq_len == held and cache.get_seq_length() == t_max + n_new - 1
-    assert measure_cache(cache).live_bytes == cache.nbytes() == cache.bytes_formula() == formula
+    assert measure_cache(cache).live_bytes == cache.nbytes() == cache.formula_nbytes() == formula
     assert formula < TokenSelection(make_selector("balancekv"), budget).bind(
         cache.adapter, dtype=torch.float32, device=torch.device("cpu")).bytes_formula(3, held, torch.float32)
     for i, s in enumerate(seqs):  # every padded row decodes as it does alone (HF door and Decoder alike)
@@ -184,6 +184,6 @@ def test_stories260k_stack_in_generate_matches_the_decoder(tmp_path):
     with torch.no_grad():
         out = model.generate(ids, past_key_values=cache, max_new_tokens=n, do_sample=False, pad_token_id=0)
     held = 8 + n - 1
-    assert measure_cache(cache).live_bytes == cache.nbytes() == cache.bytes_formula() == 5 * 4 * held * (4 + 4 + 4 + 4)
+    assert measure_cache(cache).live_bytes == cache.nbytes() == cache.formula_nbytes() == 5 * 4 * held * (4 + 4 + 4 + 4)
     method.selector.reseed()
     assert torch.equal(Decoder(model, method).generate(ids, n), out)

@@ -7,7 +7,7 @@ import torch
 
 from kvsplice.report.memory import measure_cache
 from kvsplice.core.attention import weighted_attend
-from kvsplice.select.cache import SubsetCache
+from kvsplice.select.cache import SubsetCache, subset_bytes
 from kvsplice.select.method import run_token_selection
 from kvsplice.select.selectors import BalanceKVSelector, StreamingLLMSelector, UniformSelector
 from models import GPT, GPTConfig
@@ -68,7 +68,7 @@ def test_subset_cache_holds_the_estimator_and_counts_its_bytes(dtype):
         assert out["k"].shape == (b, hkv, budget, d) and out["w"].shape == (b, hkv, budget, 1)
     assert cache.seq_len == budget and cache.n_seen == t
     el = torch.empty((), dtype=dtype).element_size()
-    assert cache.nbytes() == SubsetCache.bytes_formula(n_layer, b, hkv, d, d, budget, dtype)
+    assert cache.nbytes() == subset_bytes(n_layer, b, hkv, d, d, budget, dtype)
     assert cache.nbytes() == n_layer * b * hkv * budget * (2 * d + 1) * el
     # the cache's weighted attention (one decode query over the compressed prefill) is the selector's estimator
     q = torch.randn(b, hkv, 1, d)
@@ -88,7 +88,7 @@ def test_subset_cache_holds_the_estimator_and_counts_its_bytes(dtype):
             out = cache.append(layer, **new)
             assert bool((out["w"][..., budget:, :] == 0).all())
     assert cache.seq_len == budget + n_new and cache.n_seen == t + n_new
-    formula = SubsetCache.bytes_formula(n_layer, b, hkv, d, d, budget + n_new, dtype)
+    formula = subset_bytes(n_layer, b, hkv, d, d, budget + n_new, dtype)
     meas = measure_cache(cache)
     assert cache.nbytes() == formula == meas.live_bytes == meas.storage_bytes == cache.storage_nbytes()
     if hasattr(cache, "truncate"):  # rolling back decode tokens rolls back the positions too
@@ -125,7 +125,7 @@ def test_full_budget_reproduces_the_model_for_every_selector():
         nll = torch.nn.functional.cross_entropy(full[:, p - 1:-1].reshape(-1, 61), idx[:, p:].reshape(-1))
         assert abs(res.nll - nll.item()) < 1e-5 and res.n_scored == 2 * (40 - p)
         assert res.n_keep == p and res.cache.seq_len == 40 - 1 and res.cache.n_seen == 40 - 1
-        assert res.cache_nbytes == res.cache.nbytes() == SubsetCache.bytes_formula(2, 2, 2, 8, 8, 39)
+        assert res.cache_nbytes == res.cache.nbytes() == subset_bytes(2, 2, 2, 8, 8, 39)
 
 
 def test_compressed_decode_runs_end_to_end_and_chunking_is_exact():
@@ -145,7 +145,7 @@ def test_compressed_decode_runs_end_to_end_and_chunking_is_exact():
             torch.testing.assert_close(whole.logits[:, 0], model(idx[:, :p])[:, -1], atol=1e-5, rtol=0)
         held = budget + (48 - 1 - p)
         assert whole.cache.seq_len == held
-        assert whole.cache_nbytes == SubsetCache.bytes_formula(2, 2, 2, 8, 8, held) < whole.full_nbytes
+        assert whole.cache_nbytes == subset_bytes(2, 2, 2, 8, 8, held) < whole.full_nbytes
     with pytest.raises(ValueError, match="MHA"):
         run_token_selection(GPT(GPTConfig(vocab_size=61, n_layer=1, n_head=2, d_model=16, block_size=64,
                                           attention="mla", d_latent=8)), idx, selectors()[0], budget)

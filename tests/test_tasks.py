@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_models import tiny_family  # noqa: E402
 
-from kvsplice.planning.spec import Stack  # noqa: E402
+from kvsplice.core.registry import build_method  # noqa: E402
 from kvsplice.quant.method import KIVI  # noqa: E402
 from kvsplice.quant.rotated import RotatedKIVI  # noqa: E402
 from kvsplice.tasks.methods import parse_method  # noqa: E402
@@ -86,17 +86,17 @@ def test_match_score() -> None:
         match_score("x", [])
 
 
-def _factory(stack):
-    return (lambda ids: None) if stack is None else (lambda ids: stack.method(ids.shape[1]))
+def _factory(spec):
+    return lambda ids: build_method(spec, prompt_len=ids.shape[1])
 
 
 @pytest.mark.parametrize("setting", ["agnostic", "aware"])
 def test_answer_doors_agree(tok, model, setting) -> None:
     inst = make_instance("niah_number_stories", tok, 256, 0, stories=str(STORIES))
     methods = {"full": lambda ids: None,
-               "obs+int8": _factory(Stack(store="int8", selector="observed_attention", keep=0.25)),
-               "snapkv": _factory(Stack(selector="snapkv", keep=0.5)),
-               "expected_attention": _factory(Stack(selector="expected_attention", keep=0.5)),
+               "obs+int8": _factory("select:observed_attention@0.25+int8"),
+               "snapkv": _factory("select:snapkv@0.5"),
+               "expected_attention": _factory("select:expected_attention@0.5"),
                "kivi4": lambda ids: KIVI(bits=4, group=16, residual=16),
                "kivi4h": lambda ids: RotatedKIVI(bits=4, group=16, residual=16),
                "kvzip+int8": parse_method("kvzip@x4+int8", tok).factory}
@@ -115,7 +115,7 @@ def test_answer_doors_agree(tok, model, setting) -> None:
 def test_answer_full_budget_selection_is_the_full_cache(tok, model) -> None:
     inst = make_instance("vartrack", tok, 256, 1)
     full = answer(model, tok, inst, lambda ids: None, setting="agnostic")
-    keep_all = answer(model, tok, inst, _factory(Stack(selector="observed_attention", keep=1.0)), setting="agnostic")
+    keep_all = answer(model, tok, inst, _factory("select:observed_attention@1.0"), setting="agnostic")
     assert keep_all.tokens == full.tokens and keep_all.score == full.score
     with pytest.raises(ValueError, match="setting"):
         answer(model, tok, inst, lambda ids: None, setting="both")

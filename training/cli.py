@@ -141,10 +141,9 @@ class RunFiles(SaveConfigCallback):
         return cfg
 
     def _write_config(self, path: Path, cfg: Any) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        self.parser.save(cfg, str(tmp), overwrite=True, multifile=False)
-        os.replace(tmp, path)
+        from models.checkpoint import atomic_write
+
+        atomic_write(path, lambda tmp: self.parser.save(cfg, str(tmp), overwrite=True, multifile=False))
 
     def save_config(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Unused: the config is written by :meth:`on_train_start`, once any checkpoint has loaded."""

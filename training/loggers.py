@@ -51,12 +51,15 @@ class RunMetricsWriter(ExperimentWriter):
         self._keep_below = int(step)
 
     def _write_rows(self, rows: list[dict[str, Any]], keys: list[str]) -> None:
-        tmp = Path(self.metrics_file_path).with_name(f".metrics.csv.{os.getpid()}.tmp")
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(tmp, self.metrics_file_path)
+        from models.checkpoint import atomic_write
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=keys)
+                writer.writeheader()
+                writer.writerows(rows)
+
+        atomic_write(self.metrics_file_path, write)
 
     def _read_rows(self) -> tuple[list[dict[str, str]], list[str]]:
         with open(self.metrics_file_path, newline="") as f:

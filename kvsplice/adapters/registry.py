@@ -8,6 +8,7 @@ from kvsplice.adapters.base import FamilyAdapter, ModelInfo, unsupported
 from kvsplice.adapters.gemma3 import Gemma3Adapter
 from kvsplice.adapters.gpt2 import GPT2Adapter
 from kvsplice.adapters.llama import LlamaAdapter
+from kvsplice.adapters.mla_llama import MLALlamaAdapter
 from kvsplice.adapters.phi3 import Phi3Adapter
 from kvsplice.adapters.qwen3 import Qwen3Adapter
 
@@ -22,9 +23,12 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
     """The adapter of ``model``: HF GPT-2, an HF decoder of :data:`FAMILIES` (``*ForCausalLM`` or the bare
     ``*Model``), or ``models.GPT``; anything else raises ``ValueError`` naming the supported families."""
     from models.gpt import GPT
+    from models.mla_llama import MLALlama
 
     if isinstance(model, GPT):
         return GPT2Adapter(model, hf=False)
+    if isinstance(model, MLALlama):
+        return MLALlamaAdapter(model)
     mt = getattr(getattr(model, "config", None), "model_type", None)
     inner = getattr(model, "model", None)
     if mt in FAMILIES and (hasattr(model, "layers") or hasattr(inner, "layers") or hasattr(inner, "language_model")):

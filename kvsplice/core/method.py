@@ -41,6 +41,7 @@ import torch
 
 from kvsplice.adapters.base import FamilyAdapter
 from kvsplice.core.attention import dense_attend
+from kvsplice.core.registry import register, spec_of
 from models.cache import Cache
 
 __all__ = ["CompressionMethod", "Step", "layer_tokens"]
@@ -95,6 +96,11 @@ class CompressionMethod:
     ``"pre"`` for a method that keeps keys in the un-rotated space (it needs their positions in its cache, so it
     cannot hold a reordered subset; the ``Decoder`` hands it un-rotated keys), else ``"post"``.
     ``is_storage``: the method implements :meth:`append` and ``logw`` (it can hold a token selection's subset).
+
+    A subclass that sets ``name`` is registered under it (:mod:`kvsplice.core.registry`): ``build_method(spec)``
+    builds it by name from its constructor arguments and :meth:`spec` gives them back. ``spec_files``: constructor
+    arguments a spec may give as a file (read by :meth:`load_spec_file`); ``spec_nested``: arguments that are
+    themselves a ``"method"`` or a ``"selector"`` (nested specs).
     """
 
     name: str = "method"
@@ -103,6 +109,24 @@ class CompressionMethod:
     is_storage: bool = False
     cache_type: type = Cache
     adapter: Optional[FamilyAdapter] = None  # set on the bound copy
+    spec_files: tuple[str, ...] = ()
+    spec_nested: dict[str, str] = {}
+
+    def __init_subclass__(cls, **kw) -> None:
+        super().__init_subclass__(**kw)
+        if "name" in cls.__dict__:
+            register("method", cls)
+
+    # -------------------------------------------------------------------------------------------------- spec
+    def spec(self) -> dict[str, Any]:
+        """The dict spec that rebuilds this method with :func:`kvsplice.build_method` (its name and the constructor
+        arguments that differ from their defaults)."""
+        return spec_of(self)
+
+    @classmethod
+    def load_spec_file(cls, arg: str, path: Any) -> Any:
+        """The object a spec's file for the constructor argument ``arg`` (one of ``spec_files``) holds."""
+        raise NotImplementedError(f"{cls.__name__} reads no files")
 
     # ------------------------------------------------------------------------------------------------ binding
     def bind(self, adapter: FamilyAdapter, *, dtype: torch.dtype, device: torch.device) -> "CompressionMethod":

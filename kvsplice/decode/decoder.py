@@ -31,13 +31,14 @@ from torch import nn
 
 from kvsplice.adapters.registry import adapter_for
 from kvsplice.core.method import CompressionMethod, Step
+from kvsplice.core.registry import build_method
 from kvsplice.core.window import check_evictable, evict, held_per_layer, window_mask
 from kvsplice.decode.dense import DenseKV
-from kvsplice.decode.native import ModelAttention
+from kvsplice.decode.native import OWN_ATTENTION, ModelAttention
 from models.cache import Cache
 from models.generate import check_prompt, check_sampling, generate_tokens
 
-__all__ = ["Decoder", "perplexity", "score_continuation", "sequence_nll"]
+__all__ = ["Decoder", "chunked_nll", "perplexity", "score_continuation", "sequence_nll"]
 
 BACKENDS = ("auto", "flash", "sdpa")
 
@@ -46,14 +47,16 @@ class Decoder:
     """Prefill / decode ``model`` with ``method``; ``dec(input_ids (B, T), cache) -> logits (B, T, V)``
     (``last_only=True``: only the last position's, ``(B, 1, V)``)."""
 
-    def __init__(self, model: nn.Module, method: Optional[CompressionMethod] = None, *,
+    def __init__(self, model: nn.Module, method: Optional[CompressionMethod | str | dict] = None, *,
                  attn_backend: str = "auto") -> None:
         if attn_backend not in BACKENDS:
             raise ValueError(f"attn_backend must be one of {BACKENDS}, got {attn_backend!r}")
         self.model = model
         self.adapter = adapter_for(model)
         if method is None:
-            method = ModelAttention() if self.adapter.name == "gpt" else DenseKV()
+            method = ModelAttention() if self.adapter.name in OWN_ATTENTION else DenseKV()
+        if isinstance(method, (str, dict)):  # a spec: kvsplice.core.registry
+            method = build_method(method)
         if not isinstance(method, CompressionMethod):
             raise TypeError(f"method must be a kvsplice.decode.CompressionMethod, got {type(method).__name__}")
         self.attn_backend = attn_backend
@@ -82,8 +85,9 @@ class Decoder:
         model with sliding-window layers."""
         return held_per_layer(cache) if any(self.windows) else cache.seq_len
 
-    def bytes_formula(self, cache: Cache) -> Optional[int]:
-        """The method's bytes for what ``cache`` holds (``None``: no closed form)."""
+    def formula_nbytes(self, cache: Cache) -> Optional[int]:
+        """The method's ``bytes_formula`` for what ``cache`` holds (``None``: no closed form) — equal to
+        ``cache.nbytes()``. (This door holds no cache of its own: it takes the one it runs.)"""
         return self.method.bytes_formula(cache.batch_size, self.held(cache), cache.dtype)
 
     # -------------------------------------------------------------------------------------------- forward
@@ -125,11 +129,9 @@ class Decoder:
 
 
 @torch.no_grad()
-def sequence_nll(decoder: Decoder, input_ids: torch.Tensor, chunk_size: Optional[int] = None
-                 ) -> tuple[float, int]:
-    """Summed next-token NLL of ``input_ids (B, T)`` and the number of predicted tokens, feeding the sequence
-    through a fresh cache of the decoder in chunks of ``chunk_size`` (None: one prefill call; 1: token by token).
-    Every token attends over the decoder's cache (compressed or full), so full vs compressed is apples to apples."""
+def chunked_nll(decoder: Decoder, input_ids: torch.Tensor, chunk_size: Optional[int] = None
+                ) -> tuple[float, int, Cache]:
+    """:func:`sequence_nll` and the cache it filled (to measure): the one chunked next-token NLL loop."""
     b, t = input_ids.shape
     cache = decoder.new_cache(b, capacity=t)
     step = t if chunk_size is None else int(chunk_size)
@@ -139,10 +141,20 @@ def sequence_nll(decoder: Decoder, input_ids: torch.Tensor, chunk_size: Optional
     for s in range(0, t, step):
         logits = decoder(input_ids[:, s:s + step], cache).float()  # (B, c, V)
         tgt = input_ids[:, s + 1:s + step + 1]  # next tokens (the last chunk predicts one fewer)
-        logits = logits[:, :tgt.shape[1]]
-        # (B·c, V) logits vs (B·c,) targets
-        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum").item()
-    return total, b * (t - 1)
+        if tgt.numel():
+            logits = logits[:, :tgt.shape[1]]
+            # (B·c, V) logits vs (B·c,) targets
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum").item()
+    return total, b * (t - 1), cache
+
+
+def sequence_nll(decoder: Decoder, input_ids: torch.Tensor, chunk_size: Optional[int] = None
+                 ) -> tuple[float, int]:
+    """Summed next-token NLL of ``input_ids (B, T)`` and the number of predicted tokens, feeding the sequence
+    through a fresh cache of the decoder in chunks of ``chunk_size`` (None: one prefill call; 1: token by token).
+    Every token attends over the decoder's cache (compressed or full), so full vs compressed is apples to apples."""
+    total, n, _ = chunked_nll(decoder, input_ids, chunk_size)
+    return total, n
 
 
 def perplexity(decoder: Decoder, input_ids: torch.Tensor, chunk_size: Optional[int] = None) -> float:

@@ -16,6 +16,7 @@ from kvsplice.adapters import model_fingerprint, model_info
 from kvsplice.adapters.capture import extract_qkv
 from kvsplice.core.method import layer_tokens
 from kvsplice.decode import Decoder, DenseKV
+from kvsplice.decode.decoder import chunked_nll
 from kvsplice.lowrank.calibrate import calibrate
 from kvsplice.report.memory import measure_cache
 
@@ -55,16 +56,8 @@ class EvalContext:
         t0 = time.perf_counter()
         batches = self.windows.split(self.batch_size)
         for bi, ids in enumerate(tqdm(batches, desc=desc, unit="batch", disable=not self.progress, leave=False)):
-            cache = decoder.new_cache(ids.shape[0], capacity=t)
-            for s in range(0, t, self.chunk_size):
-                logits = decoder(ids[:, s:s + self.chunk_size], cache).float()
-                tgt = ids[:, s + 1:s + self.chunk_size + 1]
-                logits = logits[:, :tgt.shape[1]]
-                if tgt.numel():
-                    # (B·c, V) logits vs (B·c,) targets
-                    total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
-                                             reduction="sum").item()
-            n_pred += ids.shape[0] * (t - 1)
+            nll, n, cache = chunked_nll(decoder, ids, self.chunk_size)
+            total, n_pred = total + nll, n_pred + n
             if bi == 0:
                 m = measure_cache(cache)
                 measured = {"batch_size": ids.shape[0], "seq_len": cache.seq_len, "held": decoder.held(cache),
@@ -72,7 +65,7 @@ class EvalContext:
                             .replace("torch.", ""), "element_size": torch.empty((), dtype=cache.dtype).element_size(),
                             "measured_live_bytes": m.live_bytes, "measured_storage_bytes": m.storage_bytes,
                             "nbytes": cache.nbytes(), "n_tensors": m.n_tensors, "kind": type(cache).__name__}
-                formula = decoder.bytes_formula(cache)
+                formula = decoder.formula_nbytes(cache)
                 if formula is not None:
                     measured["cache_bytes_formula"] = formula
         nll = total / max(n_pred, 1)

@@ -22,10 +22,10 @@ import time
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
 from kvsplice.core.method import CompressionMethod
 from kvsplice.decode import Decoder, score_continuation
+from kvsplice.decode.decoder import chunked_nll
 from kvsplice.report.memory import measure_cache
 
 __all__ = ["ProtocolError", "evaluate", "full_bytes_per_token", "held_after_prefill"]
@@ -61,21 +61,15 @@ def evaluate(model, method: Optional[CompressionMethod], windows: torch.Tensor, 
     for ids in windows.split(batch_size):
         if hasattr(dec.method, "selector"):
             dec.method.selector.reseed()
-        if whole:  # every token over the cache, chunk by chunk (as sequence_nll, keeping the cache to measure)
-            cache = dec.new_cache(ids.shape[0], capacity=t)
-            for s in range(0, t, decode_chunk):
-                logits = dec(ids[:, s:s + decode_chunk], cache).float()  # (B, c, V)
-                tgt = ids[:, s + 1:s + decode_chunk + 1]
-                if tgt.numel():  # (B·c, V) logits vs (B·c,) next tokens
-                    total += F.cross_entropy(logits[:, :tgt.shape[1]].reshape(-1, logits.shape[-1]),
-                                             tgt.reshape(-1), reduction="sum").item()
-            scored += ids.shape[0] * (t - 1)
+        if whole:  # every token over the cache, chunk by chunk (keeping the cache to measure)
+            nll, n_pred, cache = chunked_nll(dec, ids, decode_chunk)
+            total, scored = total + nll, scored + n_pred
         else:
             nll, _, cache = score_continuation(dec, ids, p, decode_chunk=decode_chunk)
             k = ids.shape[0] * (t - p)
             total, scored = total + nll * k, scored + k
         live = measure_cache(cache).live_bytes
-        formula = dec.bytes_formula(cache)  # per layer on sliding-window models
+        formula = dec.formula_nbytes(cache)  # per layer on sliding-window models
         if formula is not None and live != formula:
             raise ProtocolError(f"{dec.method!r}: measured {live} bytes != formula {formula}")
         measured.append({"batch": ids.shape[0], "held": cache.seq_len, "seen": cache.position, "bytes": live,

@@ -5,7 +5,7 @@ transformers' own forward and ``generate()``.
 
     cache = KVSpliceHFCache(model, LowRank(bases))          # or DenseKV(cache_quant="int8"), TokenSelection(...), ...
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=32)
-    cache.nbytes() == cache.bytes_formula() == measure_cache(cache).live_bytes
+    cache.nbytes() == cache.formula_nbytes() == measure_cache(cache).live_bytes
 
 The cache is built for one model (``LlamaForCausalLM`` with GQA + RoPE, or ``GPT2LMHeadModel``; see
 :mod:`kvsplice.adapters`), binds the method to it (:meth:`~kvsplice.core.method.CompressionMethod.bind`) and
@@ -16,8 +16,8 @@ attention function hands them, with transformers' mask, to the method's
 door adds only transformers' bookkeeping (layers, sequence length, mask sizes) and the mask itself.
 
 Its per-layer objects are ``transformers`` ``CacheLayerMixin`` layers that only forward to the cache; the numbers
-live in the method's own cache (``store``, built at the first ``update``, when batch size, dtype and device are
-known), so bytes are measured from the store's tensors (:meth:`tensors`, :func:`kvsplice.report.memory.measure_cache`)
+live in the method's own cache (``method_cache``, built at the first ``update``, when batch size, dtype and device are
+known), so bytes are measured from its tensors (:meth:`tensors`, :func:`kvsplice.report.memory.measure_cache`)
 and compared with the method's formula.
 
 ``get_seq_length()`` is the number of tokens the sequences have *seen* (the next position), also for caches that
@@ -38,10 +38,11 @@ from __future__ import annotations
 from typing import Iterator, Optional
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache as HFCache, CacheLayerMixin
 
 from kvsplice.adapters.registry import adapter_for
 from kvsplice.core.method import CompressionMethod, Step
+from kvsplice.core.registry import build_method
 from kvsplice.core.rope import seen_by_any
 from kvsplice.core.window import check_evictable, evict, held_per_layer
 from kvsplice.hf.attention import ATTN_IMPL, tag, use_kvsplice_attention
@@ -72,9 +73,9 @@ class _Layer(CacheLayerMixin):
         it holds (its last tokens). ``query_length``: an int, or ``cache_position`` (transformers 4.56 – 5.2)."""
         q = int(query_length.shape[0]) if isinstance(query_length, torch.Tensor) else int(query_length)
         seen = self.owner.get_seq_length()
-        if not self.is_sliding or self.owner.store is None:
+        if not self.is_sliding or self.owner.method_cache is None:
             return seen + q, 0
-        held = self.owner.store.layer_len(self.layer)
+        held = self.owner.method_cache.layer_len(self.layer)
         return held + q, seen - held
 
     def get_seq_length(self) -> int:
@@ -103,16 +104,19 @@ class _Layer(CacheLayerMixin):
         raise NotImplementedError(f"{type(self.owner).__name__} does not support selecting batch rows")
 
 
-class KVSpliceHFCache(Cache):
-    """A ``transformers.Cache`` running ``method`` (any :class:`~kvsplice.core.method.CompressionMethod`) inside
-    ``model``'s forward; see the module docstring. ``capacity`` preallocates that many tokens (storage == live
-    bytes); otherwise storage grows geometrically."""
+class KVSpliceHFCache(HFCache):
+    """A ``transformers.Cache`` running ``method`` (any :class:`~kvsplice.core.method.CompressionMethod`, or its spec:
+    ``"kivi4"``, :func:`kvsplice.build_method`) inside ``model``'s forward; see the module docstring. ``capacity``
+    preallocates that many tokens (storage == live bytes); otherwise storage grows geometrically."""
 
-    def __init__(self, model: torch.nn.Module, method: CompressionMethod, *, capacity: Optional[int] = None) -> None:
+    def __init__(self, model: torch.nn.Module, method: CompressionMethod | str | dict, *,
+                 capacity: Optional[int] = None) -> None:
         self.adapter = adapter_for(model)
         if self.adapter.name == "gpt":
             raise ValueError("kvsplice HF caches run inside transformers models (LlamaForCausalLM, GPT2LMHeadModel); "
                              "models.GPT decodes with its own cache (model.new_cache / kvsplice.decode.Decoder)")
+        if isinstance(method, (str, dict)):  # a spec: kvsplice.core.registry
+            method = build_method(method)
         if not isinstance(method, CompressionMethod):
             raise TypeError(f"method must be a kvsplice.core.CompressionMethod, got {type(method).__name__}")
         self.adapter.require_projections()
@@ -123,7 +127,7 @@ class KVSpliceHFCache(Cache):
         super().__init__(layers=[_Layer(self, i, w) for i, w in enumerate(self.windows)])
         self.model = model
         self.capacity = capacity
-        self.store = None
+        self.method_cache = None
         self.pads: Optional[torch.Tensor] = None  # (B,) left-padding columns, from the first call's mask
         self.scales = [self.adapter.scale(l) for l in range(self.adapter.n_layer)]  # refreshed by each call
         self.step: Optional[Step] = None
@@ -137,10 +141,10 @@ class KVSpliceHFCache(Cache):
         step = self.step
         if step.start == 0 and layer == 0 and mask is not None:  # the first call: padding is what no query sees
             self.pads = step.pads = (~seen_by_any(mask)).sum(-1)  # (B or 1,)
-        y = self.layer_methods[layer].attend(layer, q, k, v, self.store, step, mask=mask)
+        y = self.layer_methods[layer].attend(layer, q, k, v, self.method_cache, step, mask=mask)
         w = self.windows[layer]
         if w is not None:
-            evict(self.store, layer, w - 1)  # the next token sees only the last w - 1 of them
+            evict(self.method_cache, layer, w - 1)  # the next token sees only the last w - 1 of them
         return y
 
     # ------------------------------------------------------------------------------------- transformers API
@@ -149,14 +153,14 @@ class KVSpliceHFCache(Cache):
         if layer == 0 and self.model.config._attn_implementation != ATTN_IMPL:
             raise RuntimeError(f"{type(self).__name__} needs the model's attention implementation {ATTN_IMPL!r} "
                                f"(it was changed to {self.model.config._attn_implementation!r} after the cache was built)")
-        if self.store is None:
-            self.store = self.method.new_cache(k.shape[0], self.capacity, dtype=k.dtype, device=k.device)
-            check_evictable(self.store, self.windows)
-        elif self.store.batch_size != k.shape[0]:
-            raise ValueError(f"{type(self).__name__} holds {self.store.batch_size} sequences, got a batch of "
+        if self.method_cache is None:
+            self.method_cache = self.method.new_cache(k.shape[0], self.capacity, dtype=k.dtype, device=k.device)
+            check_evictable(self.method_cache, self.windows)
+        elif self.method_cache.batch_size != k.shape[0]:
+            raise ValueError(f"{type(self).__name__} holds {self.method_cache.batch_size} sequences, got a batch of "
                              f"{k.shape[0]}; build a new cache per generate() call")
         if layer == 0:  # a new forward call: its tokens start at the next position
-            self.step = Step(self.adapter, self.store.position, k.shape[2], self.scales, backend="sdpa",
+            self.step = Step(self.adapter, self.method_cache.position, k.shape[2], self.scales, backend="sdpa",
                              pads=self.pads)
         return tag(k, self, layer), v
 
@@ -164,7 +168,7 @@ class KVSpliceHFCache(Cache):
         return self.layers[layer_idx].update(key_states, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.store is None else self.store.position
+        return 0 if self.method_cache is None else self.method_cache.position
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
         return self.layers[layer_idx].get_mask_sizes(query_length)
@@ -177,43 +181,44 @@ class KVSpliceHFCache(Cache):
 
     @property
     def batch_size(self) -> int:
-        return -1 if self.store is None else self.store.batch_size
+        return -1 if self.method_cache is None else self.method_cache.batch_size
 
     @property
     def is_compileable(self) -> bool:
         return False
 
     def reset(self) -> None:
-        if self.store is not None:
-            self.store.reset()
+        if self.method_cache is not None:
+            self.method_cache.reset()
         self.pads = None
 
     def held(self):
-        """Tokens the store holds per layer as ``bytes_formula`` takes them (a list when layers differ)."""
-        return held_per_layer(self.store) if any(self.windows) else self.store.seq_len
+        """Tokens the method's cache holds per layer as a method's ``bytes_formula`` takes them (a list when layers
+        differ)."""
+        return held_per_layer(self.method_cache) if any(self.windows) else self.method_cache.seq_len
 
     # ------------------------------------------------------------------------------------------------- bytes
-    def bytes_formula(self, seq_len: Optional[int] = None) -> Optional[int]:
-        """The method's bytes for the tokens held (or ``seq_len``) at the store's batch size and dtype (``None``:
-        the method has no closed form)."""
-        if self.store is None:
+    def formula_nbytes(self) -> Optional[int]:
+        """The method's ``bytes_formula`` for the tokens held at its batch size and dtype (``None``: the
+        method has no closed form) — equal to :meth:`nbytes`."""
+        if self.method_cache is None:
             return 0
-        s = self.store
-        return self.method.bytes_formula(s.batch_size, self.held() if seq_len is None else int(seq_len), s.dtype)
+        s = self.method_cache
+        return self.method.bytes_formula(s.batch_size, self.held(), s.dtype)
 
-    def full_bytes(self, seq_len: Optional[int] = None) -> int:
+    def full_nbytes(self) -> int:
         """Bytes of the full K/V cache of the same tokens: ``2 · Hkv · head_dim · B · bytes`` per token held, summed
-        over layers (``seq_len``: that many per layer)."""
-        if self.store is None:
+        over layers."""
+        if self.method_cache is None:
             return 0
-        a, s = self.adapter, self.store
-        held = self.held() if seq_len is None else int(seq_len)
+        a, s = self.adapter, self.method_cache
+        held = self.held()
         tokens = held * a.n_layer if isinstance(held, int) else sum(held)
         return 2 * a.n_kv_head * a.head_dim * tokens * s.batch_size * torch.empty((), dtype=s.dtype).element_size()
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """The live tensors the cache holds (for :func:`kvsplice.report.memory.measure_cache`)."""
-        return iter(()) if self.store is None else self.store.tensors()
+        return iter(()) if self.method_cache is None else self.method_cache.tensors()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -221,7 +226,7 @@ class KVSpliceHFCache(Cache):
     @property
     def seq_len(self) -> int:
         """Tokens held per layer (token selection holds fewer than it has seen)."""
-        return 0 if self.store is None else self.store.seq_len
+        return 0 if self.method_cache is None else self.method_cache.seq_len
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(store={self.store!r})"
+        return f"{type(self).__name__}(method_cache={self.method_cache!r})"

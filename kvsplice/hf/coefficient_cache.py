@@ -5,7 +5,7 @@
     bases = KVBases.load("s260k_r4_post.safetensors")             # python -m kvsplice.fit_bases
     cache = CoefficientHFCache(model, bases)                       # switches model to the "kvsplice" attention
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=32)
-    cache.nbytes() == cache.bytes_formula()                        # Σ_layers Σ_kv-heads (R_k + R_v) · T · B · bytes
+    cache.nbytes() == cache.formula_nbytes()                       # Σ_layers Σ_kv-heads (R_k + R_v) · T · B · bytes
 
 ``KVSpliceHFCache(model, LowRank(bases, cache_quant=...))``: the numbers live in a
 :class:`kvsplice.lowrank.cache.CoefficientCache` and attention is :meth:`kvsplice.lowrank.method.LowRank.attend`
@@ -33,8 +33,3 @@ class CoefficientHFCache(KVSpliceHFCache):
     def __init__(self, model: torch.nn.Module, bases: KVBases, *, cache_quant: Optional[str] = None,
                  capacity: Optional[int] = None) -> None:
         super().__init__(model, LowRank(bases, cache_quant=cache_quant), capacity=capacity)
-
-    def rope_table_nbytes(self) -> int:
-        """Bytes of the pre-RoPE cos / sin tables (per position, not per sequence; not cache state, 0 for post)."""
-        rope = self.method.rope  # per layer, shared by the layers of one rotary
-        return 0 if rope is None else sum(r.nbytes() for r in {id(r): r for r in rope}.values())

@@ -4,7 +4,7 @@
 
     cache = SubsetHFCache(model, make_selector("balancekv"), budget=128)
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=32)
-    cache.nbytes() == cache.bytes_formula()        # L · B · Hkv · n_held · (d + d + 1) · bytes
+    cache.nbytes() == cache.formula_nbytes()        # L · B · Hkv · n_held · (d + d + 1) · bytes
 
 ``KVSpliceHFCache(model, TokenSelection(selector, budget, store=store))``: exact prefill with transformers' mask,
 then ``budget`` tokens per (sequence, KV head) with their log-weights (left padding excluded: a padded row keeps

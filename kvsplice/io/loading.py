@@ -7,6 +7,8 @@ Models (:func:`load_model`), by what ``spec`` is:
   (the families of :data:`kvsplice.adapters.SUPPORTED_FAMILIES`: GPT-2, Llama, Mistral, Qwen2/3, Phi-3, Gemma-3;
   anything else fails with :func:`kvsplice.adapters.model_info`'s one-line "unsupported" error naming them).
   ``python -m kvsplice.convert_llama2c`` makes such a directory from a llama2.c checkpoint (e.g. stories260K);
+* a directory whose ``config.json`` has ``model_type: kvsplice_mla_llama`` → a converted Llama-family MLA model
+  (:mod:`kvsplice.io.mla_folder`, made by ``python -m kvsplice.to_mla``) and the tokenizer saved beside it;
 * a file (``.ckpt``) → this project's MHA GPT via ``models.checkpoint.load_gpt_checkpoint``; its tokenizer is the one its
   training data used (rebuilt from the checkpoint's data settings with :class:`data.TinyStoriesDataModule`), or
   ``tokenizer=`` (a GPT-2 BPE folder / ``tokenizer.json``, or an HF tokenizer directory);
@@ -144,7 +146,7 @@ def checkpoint_tokenizer(meta: dict, path: Path) -> Tokenizer:
 class LoadedModel:
     model: nn.Module
     tokenizer: Tokenizer
-    kind: str  # "hf-dir" | "hub" | "ckpt" | "gguf"
+    kind: str  # "hf-dir" | "hub" | "ckpt" | "gguf" | "mla" (a converted MLA folder)
     source: str
     max_positions: Optional[int]
 
@@ -233,6 +235,23 @@ def _load_gguf(p: Path, *, tokenizer: Optional[str], dtype: Optional[torch.dtype
     return model, tok
 
 
+def _load_mla(p: Path, *, tokenizer: Optional[str], dtype: Optional[torch.dtype]):
+    from kvsplice.io.mla_folder import load_mla_folder
+
+    try:
+        model = load_mla_folder(p, dtype=dtype)
+    except Exception as e:  # noqa: BLE001 - a corrupt folder: missing or mismatched weights, bad config
+        raise LoadError(f"cannot load the converted MLA model in {p}: {first_line(e)}") from None
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # AutoTokenizer reads config.json and warns about the unknown model_type
+    try:
+        return model, load_tokenizer(tokenizer if tokenizer is not None else p)
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def _refuse_remote_code(folder: Path) -> None:
     """A model folder whose ``config.json`` maps to its own Python code (``auto_map``, e.g. a ``training.export`` of
     an MLA model) is refused with one line: the tools never run a repository's code."""
@@ -268,13 +287,19 @@ def load_model(spec: str | os.PathLike, *, tokenizer: Optional[str] = None, dtyp
             raise LoadError(f"{spec} is a directory without config.json: not a transformers model directory "
                             f"(e.g. make one with python -m kvsplice.convert_llama2c)")
         _refuse_remote_code(p)
-        try:
-            model, tok = _load_hf(str(p), local_only=True, tokenizer=tokenizer, dtype=dtype)
-        except LoadError:
-            raise
-        except Exception as e:  # noqa: BLE001 - unknown model types, corrupt weights, ...
-            raise LoadError(f"cannot load the model in {spec}: {first_line(e)}") from None
-        kind = "hf-dir"
+        from kvsplice.io.mla_folder import is_mla_folder
+
+        if is_mla_folder(p):  # a converted Llama-family MLA model (python -m kvsplice.to_mla)
+            model, tok = _load_mla(p, tokenizer=tokenizer, dtype=dtype)
+            kind = "mla"
+        else:
+            try:
+                model, tok = _load_hf(str(p), local_only=True, tokenizer=tokenizer, dtype=dtype)
+            except LoadError:
+                raise
+            except Exception as e:  # noqa: BLE001 - unknown model types, corrupt weights, ...
+                raise LoadError(f"cannot load the model in {spec}: {first_line(e)}") from None
+            kind = "hf-dir"
     elif p.is_file():
         from models.checkpoint import CheckpointError, load_gpt_checkpoint as load_ckpt
 

@@ -62,8 +62,17 @@ def _plan_bases(path: Path) -> Optional[Path]:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None
-    if isinstance(doc, dict) and doc.get("format") == "kvsplice-plan" and isinstance(doc.get("bases"), str):
+    if not isinstance(doc, dict) or doc.get("format") != "kvsplice-plan":
+        return None
+    if isinstance(doc.get("bases"), str):  # a version-1 plan
         return (path.parent / doc["bases"]).resolve()
+    todo = [doc.get("spec")]  # a version-2 plan: its spec's (and its store's) bases file
+    while todo:
+        d = todo.pop()
+        if isinstance(d, dict):
+            if isinstance(d.get("bases"), str):
+                return (path.parent / d["bases"]).resolve()
+            todo += [d.get("store")]
     return None
 
 

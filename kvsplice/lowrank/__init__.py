@@ -7,8 +7,8 @@ grouped-head joint bases (``joint``)."""
 from kvsplice.lowrank.bases import BasesMismatchError, HeadBases, KVBases
 from kvsplice.lowrank.cache import CoefficientCache
 from kvsplice.lowrank.calibrate import CalibrationStats, calibrate, calibration_batches
-from kvsplice.lowrank.fits import METHODS, fit_bases
+from kvsplice.lowrank.fits import FITS, fit_bases
 from kvsplice.lowrank.method import LowRank
 
-__all__ = ["BasesMismatchError", "CalibrationStats", "CoefficientCache", "HeadBases", "KVBases", "LowRank", "METHODS",
+__all__ = ["BasesMismatchError", "CalibrationStats", "CoefficientCache", "HeadBases", "KVBases", "LowRank", "FITS",
            "calibrate", "calibration_batches", "fit_bases"]

@@ -124,10 +124,9 @@ class CoefficientCache(DecodeCache):
         """``Σ_layers Σ_kv-heads (R_k + R_v)`` numbers per token per sequence."""
         return sum(sum(lk) + sum(lv) for lk, lv in zip(self.ranks_k, self.ranks_v))
 
-    def bytes_formula(self, seq_len: int | None = None) -> int:
-        """:func:`coefficient_bytes` of the tokens held (or ``seq_len``)."""
-        t = self.seq_len if seq_len is None else int(seq_len)
-        return coefficient_bytes(self.ranks_k, self.ranks_v, self.batch_size, t, self.dtype, self.quant)
+    def formula_nbytes(self) -> int:
+        """:func:`coefficient_bytes` of the tokens held (== :meth:`nbytes`)."""
+        return coefficient_bytes(self.ranks_k, self.ranks_v, self.batch_size, self.seq_len, self.dtype, self.quant)
 
 
 def coefficient_bytes(ranks_k: Sequence[Sequence[int]], ranks_v: Sequence[Sequence[int]], batch_size: int,

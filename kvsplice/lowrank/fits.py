@@ -46,12 +46,13 @@ from kvsplice.lowrank.bases import HeadBases, KVBases
 from kvsplice.lowrank.calibrate import CalibrationStats
 
 Method = Literal["ksvd", "eigen", "kq", "gqa-sum", "gqa-concat", "fisher"]
-METHODS = ("ksvd", "eigen", "kq", "gqa-sum", "gqa-concat", "fisher")
+FITS = ("ksvd", "eigen", "kq", "gqa-sum", "gqa-concat", "fisher")
+"""The fits (``fit_bases(stats, fit)``): how bases are fitted to the calibration statistics."""
 RCOND = 1e-6
 """Relative cutoff on σ_K: directions with ``σ_K,i ≤ RCOND·σ_K,max`` are treated as absent (pseudo-inverse)."""
 
 __all__ = [
-    "Basis", "HeadFit", "METHODS", "RCOND", "select_rank", "ksvd_basis", "joint_basis", "oblique_basis",
+    "Basis", "FITS", "HeadFit", "RCOND", "select_rank", "ksvd_basis", "joint_basis", "oblique_basis",
     "fit_ksvd", "fit_eigen", "fit_kq", "fit_gqa_sum", "fit_gqa_concat", "fit_values_wo", "fit_bases",
     "lesens_terms", "lesens_gap", "lesens_gaps", "score_error", "value_error", "reconstruction_error",
     "bases_errors",
@@ -271,8 +272,8 @@ def fit_bases(stats: CalibrationStats, method: Method, rank: Optional[int] = Non
     ``gqa-sum``. Fits run in float64 on per-token Grams; the bases are returned in ``dtype``. Metadata: method,
     RoPE mode, ranks, retained energy per head, calibration tokens, model fingerprint and shapes.
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    if method not in FITS:
+        raise ValueError(f"unknown fit {method!r}; choose one of {FITS}")
     if stats.n_tokens <= 0:
         raise ValueError("calibration stats are empty (n_tokens == 0)")
     if method == "fisher" and not stats.has_sensitivity:

@@ -141,6 +141,11 @@ class JointLowRank(CompressionMethod):
     name = "joint-lowrank"
     cache_type = DecodeCache
     is_storage = True
+    spec_files = ("bases",)
+
+    @classmethod
+    def load_spec_file(cls, arg, path):
+        return JointBases.load(path)
 
     def __init__(self, bases: JointBases) -> None:
         if not isinstance(bases, JointBases):

@@ -49,6 +49,11 @@ class LowRank(CompressionMethod):
     name = "lowrank"
     cache_type = CoefficientCache
     is_storage = True
+    spec_files = ("bases",)
+
+    @classmethod
+    def load_spec_file(cls, arg, path):
+        return KVBases.load(path)
 
     def __init__(self, bases: KVBases, *, impl: Impl = "absorb", cache_quant: Optional[str] = None) -> None:
         if not isinstance(bases, KVBases):

@@ -51,6 +51,14 @@ class OnlineFD(CompressionMethod):
                              shared_value_basis=shared_value_basis, **cache_kw)
         self.record: Optional[list] = None  # set to a list to keep every layer's q, k, v and output (diagnose)
 
+    def spec(self):
+        """Its name and the options that differ from the defaults (:meth:`CompressionMethod.spec`)."""
+        import inspect
+
+        defaults = {n: p.default for n, p in inspect.signature(OnlineFD.__init__).parameters.items()}
+        return {"name": self.name, **{k: v for k, v in self.cache_kw.items()
+                                      if k not in defaults or v != defaults[k]}}
+
     def _prepare(self, adapter, *, dtype, device):
         super()._prepare(adapter, dtype=dtype, device=device)
         self._shape = (adapter.n_layer, adapter.n_kv_head, adapter.head_dim)

@@ -1,6 +1,7 @@
-"""The budget planner's parts: a compression stack as data and the plan file (``spec``), and the search over
-token selection × low rank × bits under a byte budget (``search``); ``python -m kvsplice.plan`` is the CLI."""
+"""The budget planner's parts: the plan file holding a method spec (``spec``), and the search over specs — token
+selection × storage (low rank, bits, any registered store) under a byte budget (``search``); ``python -m
+kvsplice.plan`` is the CLI."""
 
-from kvsplice.planning.spec import PLAN_FORMAT, Plan, PlanError, STORES, Stack
+from kvsplice.planning.spec import PLAN_FORMAT, PLAN_VERSION, Plan, PlanError, spec_label, stack_to_spec
 
-__all__ = ["PLAN_FORMAT", "Plan", "PlanError", "STORES", "Stack"]
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Plan", "PlanError", "spec_label", "stack_to_spec"]

@@ -20,14 +20,12 @@ from kvsplice.core.args import float_arg, int_arg
 
 __all__ = ["check_arguments", "check_bases_name", "check_evidence", "check_plan_doc", "check_stack_fields"]
 
-_NUMBER, _INT, _STR, _OPT_STR, _BOOL = "number", "integer", "string", "string or null", "boolean"
-STACK_TYPES = {"store": _STR, "bits": _INT, "group": _INT, "residual": _INT, "rotate": _BOOL, "lowrank_ratio": _NUMBER,
+_NUMBER, _INT, _STR, _OPT_STR = "number", "integer", "string", "string or null"
+STACK_TYPES = {"store": _STR, "bits": _INT, "group": _INT, "residual": _INT, "lowrank_ratio": _NUMBER,
                "rope": _STR, "cache_quant": _OPT_STR, "selector": _OPT_STR, "keep": _NUMBER}
 
 
 def _is(value: Any, kind: str) -> bool:
-    if kind == _BOOL:
-        return isinstance(value, bool)
     if kind == _INT:
         return isinstance(value, int) and not isinstance(value, bool)
     if kind == _NUMBER:
@@ -84,25 +82,31 @@ def check_bases_name(name: Any) -> None:
 
 
 def check_plan_doc(doc: dict) -> None:
-    """Every check above on a plan's JSON object (a plan without ``stack`` is the loader's to refuse)."""
+    """Every check above on a plan's JSON object (a version-1 plan's ``stack``; the spec of a version-2 plan is
+    :func:`check_arguments`')."""
     if "stack" in doc:
         check_stack_fields(doc["stack"])
     check_evidence(doc)
     check_bases_name(doc.get("bases"))
 
 
-def check_arguments(stack) -> None:
-    """The stack's selector and store built once (their constructors check every argument: a ``selector_kw`` of
-    ``{"n_halvings": 1000000}`` is refused here, at load, not after the model loads); a low-rank store is checked
-    with its bases."""
-    if stack.selector == "kvzip":  # KVzip: its repeat prompt's token ids, nothing else
-        ids = stack.selector_kw.get("repeat_ids", [])
-        if set(stack.selector_kw) - {"repeat_ids"} or not isinstance(ids, list) or not all(
-                _is(i, _INT) and i >= 0 for i in ids):
-            raise ValueError("a kvzip selection takes selector_kw {\"repeat_ids\": [token ids]} only")
-    elif stack.selector is not None:
-        from kvsplice.select.selectors import make_selector
+def check_arguments(spec: dict, base_dir=None) -> None:
+    """The plan's method spec checked before the model loads: its names and argument names
+    (:func:`kvsplice.core.registry.check_spec`), then its selector and every store that reads no file built once
+    (their constructors check every argument: a selector's ``{"n_halvings": 1000000}`` is refused here, at load)."""
+    from kvsplice.core.registry import METHODS, build_method, build_selector, check_spec
 
-        make_selector(stack.selector, **stack.selector_kw)
-    if stack.store != "lowrank":
-        stack.storage()
+    spec = check_spec(spec, base_dir=base_dir)
+    todo = [spec]
+    while todo:
+        d = todo.pop()
+        if d.get("name") == "token_selection" and d.get("selector") is not None:
+            keep = d.get("keep")
+            if "keep" in d and (isinstance(keep, bool) or not isinstance(keep, (int, float))
+                                or not 0.0 < keep <= 1.0):
+                raise ValueError(f"keep must be a fraction of the prompt in (0, 1], got {keep!r}")
+            build_selector(d["selector"])
+            if isinstance(d.get("store"), dict):
+                todo.append(d["store"])
+        elif not getattr(METHODS.get(d.get("name")), "spec_files", ()):
+            build_method(d, prompt_len=1)

@@ -1,6 +1,9 @@
 """The budget planner's search: every storage method that can hold the cache, each with the largest token selection
 that fits the byte budget, measured on tuning text — the best measured stack wins.
 
+The search is over method specs (:mod:`kvsplice.core.registry`): any registered storage method can be a candidate
+(``stores=``, ``python -m kvsplice.plan --stores SPEC ...``).
+
 1. **Stores** (:func:`candidate_stores`): full K/V at fp16 and int8, KIVI at 4 and 2 bits (group 32, full-precision
    windows of 32 and 128 tokens), and low-rank bases with ranks allocated by the predicted calibration loss
    (:mod:`kvsplice.lowrank.allocate`, the ``fisher`` fit) at a few rank ratios, int8 coefficients — post-RoPE (they
@@ -18,17 +21,17 @@ that fits the byte budget, measured on tuning text — the best measured stack w
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from kvsplice.adapters import adapter_for
-from kvsplice.evaluation.protocol import evaluate, evaluate_each, full_bytes_per_token
-from kvsplice.planning.spec import Stack
+from kvsplice.evaluation.protocol import evaluate, full_bytes_per_token
+from kvsplice.core.registry import build_method
+from kvsplice.planning.spec import spec_label
 
-__all__ = ["DEFAULT_SELECTORS", "LOWRANK_RATIOS", "OBJECTIVES", "bytes_per_token", "candidate_stores", "fit_budget",
-           "lowrank_bases", "rank_key", "search"]
+__all__ = ["DEFAULT_SELECTORS", "LOWRANK_RATIOS", "bytes_per_token", "candidate_stores", "fit_budget",
+           "lowrank_bases", "search", "selection"]
 
 DEFAULT_SELECTORS = ("snapkv", "observed_attention")
 LOWRANK_RATIOS = (1.5, 2.0, 3.0)
@@ -60,18 +63,19 @@ def lowrank_bases(stats: dict, ratio: float, rope: str, cache: Optional[dict] = 
     return bases
 
 
-def candidate_stores(has_rope: bool, head_dim: int, lowrank_ratios: Sequence[float] = LOWRANK_RATIOS) -> list[Stack]:
-    """The storage methods the planner tries (see the module docstring); KIVI groups of ``min(32, head_dim)``."""
-    stores = [Stack("dense"), Stack("int8")]
+def candidate_stores(has_rope: bool, head_dim: int,
+                     lowrank_ratios: Sequence[float] = LOWRANK_RATIOS) -> list[dict[str, Any]]:
+    """The storage methods the planner tries (see the module docstring) as specs; KIVI groups of
+    ``min(32, head_dim)``. A low-rank store's ``bases`` is the planner's fit of them
+    (``{"fit": "fisher", "ratio": r, "rope": mode}``), made from the calibration statistics when measured."""
+    stores: list[dict[str, Any]] = [{"name": "dense"}, {"name": "dense", "cache_quant": "int8"}]
     g = min(32, head_dim)
     if head_dim % g == 0:
-        stores += [Stack("kivi", bits=b, group=g, residual=r) for b in (4, 2) for r in (128, 32)]
-        if head_dim & (head_dim - 1) == 0:  # Hadamard-rotated KIVI where plain KIVI loses most
-            stores += [Stack("kivi", bits=b, group=g, residual=32, rotate=True) for b in (4, 2)]
+        stores += [{"name": "kivi", "bits": b, "group": g, "residual": r} for b in (4, 2) for r in (128, 32)]
     for ratio in lowrank_ratios:
-        stores.append(Stack("lowrank", lowrank_ratio=ratio, rope="post" if has_rope else "none", cache_quant="int8"))
-        if has_rope:
-            stores.append(Stack("lowrank", lowrank_ratio=ratio, rope="pre", cache_quant="int8"))
+        for rope in (("post", "pre") if has_rope else ("none",)):
+            stores.append({"name": "lowrank", "bases": {"fit": "fisher", "ratio": ratio, "rope": rope},
+                           "cache_quant": "int8"})
     return stores
 
 
@@ -83,16 +87,24 @@ def bytes_per_token(method, adapter, prompt_len: int, held: int, dtype: torch.dt
     return bound.bytes_formula(1, held, dtype) / prompt_len
 
 
-def fit_budget(store: Stack, adapter, prompt_len: int, budget: float, *, selector: str, bases=None,
-               min_keep: float = 1 / 64) -> Optional[Stack]:
+def selection(store: dict[str, Any], selector: str, keep: float = 1.0) -> dict[str, Any]:
+    """The spec of ``selector`` keeping ``keep`` of the prompt over the storage ``store``."""
+    return {"name": "token_selection", "selector": {"name": selector}, "keep": keep, "store": store}
+
+
+def fit_budget(store: dict[str, Any], adapter, prompt_len: int, budget: float, *, selector: str,
+               realise: Callable[[dict], dict] = lambda s: s, min_keep: float = 1 / 64) -> Optional[dict[str, Any]]:
     """``store`` alone if it fits ``budget`` bytes per prompt token, else under ``selector`` keeping the most prompt
-    tokens that fit (``None`` when even ``min_keep`` of them does not)."""
-    if bytes_per_token(store.method(prompt_len, bases), adapter, prompt_len, prompt_len) <= budget:
+    tokens that fit (``None`` when even ``min_keep`` of them does not, or the store cannot hold a selection — pre-RoPE
+    coefficients need their positions). ``realise``: the spec with the planner's bases made."""
+    if bytes_per_token(build_method(realise(store)), adapter, prompt_len, prompt_len) <= budget:
         return store
-    if store.store == "lowrank" and store.rope == "pre":
-        return None  # pre-RoPE coefficients cannot hold a selection
-    sel = replace(store, selector=selector, keep=1.0)
-    method = sel.method(prompt_len, bases)
+    sel = selection(store, selector)
+    try:
+        method = build_method(realise(sel), prompt_len=prompt_len)
+        bytes_per_token(method, adapter, prompt_len, 1)
+    except ValueError:  # a store that cannot hold a token subset
+        return None
     lo, hi = 0, prompt_len - 1  # the largest n with bytes(n) <= budget (bytes grow with n)
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -102,24 +114,10 @@ def fit_budget(store: Stack, adapter, prompt_len: int, budget: float, *, selecto
             hi = mid - 1
     if lo < max(1, math.ceil(min_keep * prompt_len)):
         return None
-    return replace(sel, keep=lo / prompt_len)
+    return selection(store, selector, lo / prompt_len)
 
 
-OBJECTIVES = ("ppl", "tasks", "mixed")
-"""What the planner optimises: tuning perplexity; task accuracy on tuning instances (ties: perplexity); or ``mixed``
-(the default of ``python -m kvsplice.plan``): the best perplexity among the candidates whose task accuracy is within
-``task_tolerance`` points of the best accuracy — it never trades retrieval for perplexity."""
-
-
-def rank_key(objective: str, best_acc: float = 100.0, tolerance: float = 0.0) -> Callable[[dict], tuple]:
-    """Sort key of candidate rows (smallest first) for ``objective`` (:data:`OBJECTIVES`)."""
-    if objective == "ppl":
-        return lambda r: (r["tuning_ppl"],)
-    if objective == "tasks":
-        return lambda r: (-r["task_acc"], r["tuning_ppl"])
-    if objective == "mixed":
-        return lambda r: (r["task_acc"] < best_acc - tolerance - 1e-9, r["tuning_ppl"])
-    raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+INT8 = {"name": "dense", "cache_quant": "int8"}
 
 
 def runs_on(model, method) -> bool:
@@ -134,103 +132,71 @@ def runs_on(model, method) -> bool:
     return True
 
 
-def search(model, stats: dict, windows: torch.Tensor, *, prompt_len: int, budget: float,
+def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: int, budget: float,
            selectors: Sequence[str] = DEFAULT_SELECTORS, lowrank_ratios: Sequence[float] = LOWRANK_RATIOS,
-           batch_size: int = 4, log: Optional[Callable[[str], None]] = None, objective: str = "ppl",
-           task_eval: Optional[Callable[[dict[str, Callable]], dict[str, float]]] = None,
-           kvzip_repeat_ids: Optional[Sequence[int]] = None, task_tolerance: float = 0.0) -> dict[str, Any]:
-    """Search the stacks that fit ``budget`` bytes per prompt token (at fp16) on the tuning ``windows``; returns
-    ``{"best": Stack, "bases": KVBases or None, "full": the full cache's tuning result, "candidates": [...]}``
-    (each candidate: its stack, label, bytes per token, ratio vs the fp16 full cache, tuning perplexity and, with
-    ``task_eval``, its task accuracy).
-
-    ``objective`` (:data:`OBJECTIVES`): with ``tasks`` / ``mixed``, ``task_eval({label: factory(ids) -> method})``
-    returns each candidate's accuracy (%) on tuning task instances (``factory`` builds the candidate's method for the
-    ids it compresses; the full cache is ``"full"``). ``kvzip_repeat_ids``: the token ids of KVzip's repeat prompt —
-    given, every selection candidate is also tried with KVzip in place of the selector."""
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if objective != "ppl" and task_eval is None:
-        raise ValueError(f"objective {objective!r} needs task_eval (task instances to measure accuracy on)")
+           stores: Optional[Sequence[dict[str, Any]]] = None, batch_size: int = 4,
+           log: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+    """Search the specs that fit ``budget`` bytes per prompt token (at fp16) on the tuning ``windows``; returns
+    ``{"best": spec (its bases in memory), "full": the full cache's tuning result, "candidates": [...]}`` (each
+    candidate: its spec — the planner's bases as their fit —, label, bytes per token, ratio vs the fp16 full cache,
+    tuning perplexity). ``stores``: the candidate storage specs (default :func:`candidate_stores`; any registered
+    storage method); ``stats``: the calibration statistics per RoPE mode the low-rank fits need."""
     log = log or (lambda s: None)
     adapter = adapter_for(model)
     full_bpt = full_bytes_per_token(adapter)
     bases_cache: dict = {}
 
-    def bases_of(st: Stack):
-        return lowrank_bases(stats, st.lowrank_ratio, st.rope, bases_cache) if st.store == "lowrank" else None
+    def realise(spec: dict) -> dict:
+        """``spec`` with the planner's bases fitted (``{"fit": ..}`` → KVBases)."""
+        out = {k: realise(v) if isinstance(v, dict) and k != "bases" else v for k, v in spec.items()}
+        b = spec.get("bases")
+        if isinstance(b, dict) and "fit" in b:
+            if stats is None:
+                raise ValueError("low-rank candidate stores need the calibration statistics")
+            out["bases"] = lowrank_bases(stats, b["ratio"], b["rope"], bases_cache)
+        return out
 
-    def measure(st: Stack) -> dict[str, Any]:
-        if st.selector == "kvzip":
-            res = evaluate_each(model, lambda ids, st=st: st.method(prompt_len, bases_of(st), ids), windows,
-                                prompt_len=prompt_len)  # KVzip re-reads each prompt
-        else:
-            res = evaluate(model, st.method(prompt_len, bases_of(st)), windows, prompt_len=prompt_len,
-                           batch_size=batch_size)
-        row = {"label": st.label(), "stack": st.to_dict(), "bytes_per_token": res["bytes_per_token"],
+    def measure(spec: dict) -> dict[str, Any]:
+        res = evaluate(model, build_method(realise(spec), prompt_len=prompt_len), windows, prompt_len=prompt_len,
+                       batch_size=batch_size)
+        row = {"label": spec_label(spec), "spec": spec, "bytes_per_token": res["bytes_per_token"],
                "ratio_vs_fp16_full": res["ratio_vs_fp16_full"], "tuning_ppl": res["ppl"],
                "delta_pct": 100 * (res["ppl"] / full["ppl"] - 1), "seconds": res["seconds"]}
         log(f"  {row['label']:<48} {row['ratio_vs_fp16_full']:6.2f}x  tuning ppl {row['tuning_ppl']:.4f} "
             f"({row['delta_pct']:+.2f} %)")
         return row
 
-    def with_tasks(rows: list[dict], stacks: list[Stack]) -> None:
-        if task_eval is None:
-            return
-        todo = {r["label"]: (lambda ids, st=st: st.method(ids.shape[1], bases_of(st), ids))
-                for r, st in zip(rows, stacks) if "task_acc" not in r}
-        if not todo:
-            return
-        acc = task_eval({"full": lambda ids: None, **todo})
-        full["task_acc"] = acc["full"]
-        for r in rows:
-            if r["label"] in acc:
-                r["task_acc"] = acc[r["label"]]
-                log(f"  {r['label']:<48} task accuracy {r['task_acc']:.1f} % (full cache {acc['full']:.1f} %)")
-
     full = evaluate(model, None, windows, prompt_len=prompt_len, batch_size=batch_size)
     log(f"full cache: tuning ppl {full['ppl']:.4f}; budget {budget:.1f} bytes per token "
         f"({full_bpt / budget:.2f}x smaller than the fp16 full cache, {full_bpt} B)")
     fits = []
-    for store in candidate_stores(adapter.has_rope, adapter.head_dim, lowrank_ratios):
-        st = fit_budget(store, adapter, prompt_len, budget, selector=selectors[0], bases=bases_of(store))
-        if st is not None and not runs_on(model, st.method(prompt_len, bases_of(st))):
-            log(f"  {st.label():<48} skipped: its cache cannot drop the tokens leaving a sliding window")
+    if stores is None:
+        stores = candidate_stores(adapter.has_rope, adapter.head_dim, lowrank_ratios)
+    for store in stores:
+        st = fit_budget(store, adapter, prompt_len, budget, selector=selectors[0], realise=realise)
+        if st is not None and not runs_on(model, build_method(realise(st), prompt_len=prompt_len)):
+            log(f"  {spec_label(st):<48} skipped: its cache cannot drop the tokens leaving a sliding window")
         elif st is not None:
             fits.append(st)
     if not fits:
         raise ValueError(f"no stack fits {budget:.1f} bytes per token (the smallest keeps 1/64 of the prompt)")
-    rows, stacks = [], []
+    rows = []
     chosen_sel = selectors[0]
     # the selector is chosen on the selection over int8 K/V (nearly lossless storage: the selection's own loss),
-    # else on the candidate that keeps the most tokens; by the objective
-    with_sel = sorted((s for s in fits if s.selector is not None), key=lambda s: (s.store != "int8", -s.keep))
-    trials = [replace(with_sel[0], selector=name) for name in selectors] if with_sel else []
-    if with_sel and kvzip_repeat_ids is not None:
-        trials.append(replace(with_sel[0], selector="kvzip", selector_kw={"repeat_ids": list(kvzip_repeat_ids)}))
-    if len(trials) > 1:
-        trial = [measure(st) for st in trials]
-        with_tasks(trial, trials)
+    # else on the candidate that keeps the most tokens
+    with_sel = sorted((s for s in fits if s["name"] == "token_selection"),
+                      key=lambda s: (s["store"] != INT8, -s["keep"]))
+    if with_sel and len(selectors) > 1:
+        trial = [measure(selection(with_sel[0]["store"], name, with_sel[0]["keep"])) for name in selectors]
         rows += trial
-        stacks += trials
-        best_acc = max((r.get("task_acc", 0.0) for r in trial), default=0.0)
-        pick = min(zip(trial, trials), key=lambda x: rank_key(objective, best_acc, task_tolerance)(x[0]))[1]
-        chosen_sel, chosen_kw = pick.selector, pick.selector_kw
+        chosen_sel = min(zip(trial, selectors), key=lambda x: x[0]["tuning_ppl"])[1]
         log(f"selector: {chosen_sel}")
-    else:
-        chosen_kw = {}
     done = {r["label"] for r in rows}
     for st in fits:
-        st = replace(st, selector=chosen_sel, selector_kw=chosen_kw) if st.selector is not None else st
-        if st.label() not in done:
+        st = selection(st["store"], chosen_sel, st["keep"]) if st["name"] == "token_selection" else st
+        if spec_label(st) not in done:
             rows.append(measure(st))
-            stacks.append(st)
-            done.add(st.label())
-    with_tasks(rows, stacks)
-    best_acc = max((r.get("task_acc", 0.0) for r in rows), default=0.0)
-    best_row = min(rows, key=rank_key(objective, best_acc, task_tolerance))
-    best = Stack(**best_row["stack"])
-    return {"best": best, "bases": bases_of(best), "full": {"tuning_ppl": full["ppl"], "bytes_per_token": full_bpt,
-                                                             **({"task_acc": full["task_acc"]} if "task_acc" in full
-                                                                else {})},
-            "candidates": rows, "selector": chosen_sel, "objective": objective}
+            done.add(spec_label(st))
+    best_row = min(rows, key=lambda r: r["tuning_ppl"])
+    return {"best": realise(best_row["spec"]), "full": {"tuning_ppl": full["ppl"], "bytes_per_token": full_bpt},
+            "candidates": rows, "selector": chosen_sel}

@@ -1,140 +1,132 @@
-"""A compression stack as data — ``tokens × rank × bits`` — and the plan file that carries it from the planner
-(``python -m kvsplice.plan``) to ``generate``, ``eval_bases`` and the HF cache.
+"""The plan file: a method spec (:mod:`kvsplice.core.registry`) found by the planner (``python -m kvsplice.plan``)
+for one model, carried to ``generate``, ``eval_bases`` and the HF cache.
 
-A :class:`Stack` is an optional token selection (``selector``, keeping a fraction ``keep`` of the prompt) over one
-storage method: ``dense`` (full K/V at the cache dtype), ``int8`` (full K/V, int8 rows + fp16 scales), ``kivi``
-(``bits``, ``group``, ``residual``) or ``lowrank`` (bases from the plan's bases file, ``rope``, ``cache_quant``).
-:meth:`Stack.method` builds the one :class:`~kvsplice.core.method.CompressionMethod` for a prompt length::
+A plan's ``spec`` is any method or stack — typically a token selection keeping a fraction ``keep`` of the prompt
+over a storage method (full K/V, int8, KIVI, low rank, or any registered store). :meth:`Plan.method` builds it for a
+prompt length::
 
-    plan = Plan.load("plan.json")                       # + plan.bases.safetensors beside it when it has low rank
-    method = plan.method(prompt_len=ids.shape[1])      # TokenSelection(SnapKV, budget, store=KIVI(4)) ...
+    plan = Plan.load("plan.json")                      # + plan.bases.safetensors beside it when it has low rank
+    method = plan.method(prompt_len=ids.shape[1])     # build_method(plan.spec, prompt_len=, base_dir=plan's folder)
     Decoder(model, method); KVSpliceHFCache(model, method)
 
-The plan file is JSON: ``format``, ``version``, the ``model_fingerprint`` it was searched for, the ``stack``, the
-``bases`` file (relative to the plan) and the search's evidence (``budget``, ``chosen`` and every ``candidate``'s
-tuning measurements). Loading checks the format and, given a model, the fingerprint.
+The plan file is JSON: ``format``, ``version`` (2), the ``model_fingerprint`` it was searched for, the ``spec`` (files
+it names — low-rank bases — relative to the plan's folder), its ``label`` and the search's evidence (``budget``,
+``chosen`` and every ``candidate``'s tuning measurements). Version 1 files (a ``stack`` and a ``bases`` file) are read
+and converted (:func:`stack_to_spec`). Loading checks the format, that the files the spec names exist and, given a
+model, the fingerprint.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from kvsplice.core.method import CompressionMethod
-from kvsplice.planning.checks import check_arguments, check_plan_doc
+from kvsplice.core.registry import build_method, format_spec
+from kvsplice.planning.checks import check_arguments, check_bases_name, check_plan_doc
 
-__all__ = ["PLAN_FORMAT", "Plan", "PlanError", "STORES", "Stack"]
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Plan", "PlanError", "spec_label", "stack_to_spec"]
 
-PLAN_FORMAT, PLAN_VERSION = "kvsplice-plan", 1
-STORES = ("dense", "int8", "kivi", "lowrank")
+PLAN_FORMAT, PLAN_VERSION = "kvsplice-plan", 2
 
 
 class PlanError(ValueError):
     """A plan file that cannot be used (another format, another model, a missing bases file); one line."""
 
 
-@dataclass(frozen=True)
-class Stack:
-    """``store`` ∈ :data:`STORES` with its settings, under an optional ``selector`` keeping ``keep`` of the prompt."""
-
-    store: str = "dense"
-    bits: int = 4  # kivi
-    group: int = 32  # kivi
-    residual: int = 128  # kivi
-    rotate: bool = False  # kivi: over Hadamard-rotated keys and values (RotatedKIVI)
-    lowrank_ratio: float = 1.0  # lowrank: 2·L·Hkv·d / Σ ranks
-    rope: str = "post"  # lowrank bases' key space
-    cache_quant: Optional[str] = None  # lowrank coefficients: None / "int8"
-    selector: Optional[str] = None
-    selector_kw: dict = field(default_factory=dict)
-    keep: float = 1.0  # fraction of the prompt's tokens a selection keeps
-
-    def __post_init__(self) -> None:
-        if self.store not in STORES:
-            raise PlanError(f"store must be one of {STORES}, got {self.store!r}")
-        if not 0.0 < self.keep <= 1.0:
-            raise PlanError(f"keep must be in (0, 1], got {self.keep}")
-        if self.selector is not None and self.store == "lowrank" and self.rope == "pre":
-            raise PlanError("a token selection cannot hold pre-RoPE low-rank coefficients (they need positions)")
-
-    def budget(self, prompt_len: int) -> int:
-        """Prompt tokens the selection keeps per KV head (``ceil(keep · prompt_len)``, at least 1)."""
-        return max(1, math.ceil(self.keep * prompt_len - 1e-9))
-
-    def label(self) -> str:
-        store = {"dense": "fp", "int8": "int8"}.get(self.store)
-        if self.store == "kivi":
-            store = f"kivi{self.bits}{'h' if self.rotate else ''}(g{self.group},r{self.residual})"
-        elif self.store == "lowrank":
-            store = f"lowrank×{self.lowrank_ratio:g}({self.rope}{'+int8' if self.cache_quant else ''})"
-        return store if self.selector is None else f"{self.selector}×{1 / self.keep:.3g} + {store}"
-
-    def storage(self, bases=None) -> CompressionMethod:
-        from kvsplice.decode.dense import DenseKV
-
-        if self.store == "dense":
-            return DenseKV()
-        if self.store == "int8":
-            return DenseKV(cache_quant="int8")
-        if self.store == "kivi":
-            from kvsplice.quant.method import KIVI
-            from kvsplice.quant.rotated import RotatedKIVI
-
-            return (RotatedKIVI if self.rotate else KIVI)(bits=self.bits, group=self.group, residual=self.residual)
-        from kvsplice.lowrank.method import LowRank
-
-        if bases is None:
+def stack_to_spec(stack: dict[str, Any], bases_file: Optional[str]) -> dict[str, Any]:
+    """The spec of a version-1 plan's ``stack`` (store ∈ dense / int8 / kivi / lowrank under an optional
+    ``selector`` keeping ``keep`` of the prompt) and its ``bases`` file name."""
+    store = stack.get("store", "dense")
+    if store == "dense":
+        spec: dict[str, Any] = {"name": "dense"}
+    elif store == "int8":
+        spec = {"name": "dense", "cache_quant": "int8"}
+    elif store == "kivi":
+        spec = {"name": "kivi", "bits": stack.get("bits", 4), "group": stack.get("group", 32),
+                "residual": stack.get("residual", 128)}
+    elif store == "lowrank":
+        if not bases_file:
             raise PlanError("a low-rank stack needs its bases (the plan's bases file)")
-        return LowRank(bases, cache_quant=self.cache_quant)
+        spec = {"name": "lowrank", "bases": bases_file}
+        if stack.get("cache_quant"):
+            spec["cache_quant"] = stack["cache_quant"]
+    else:
+        raise PlanError(f"store must be one of dense, int8, kivi, lowrank, got {store!r}")
+    if stack.get("selector") is None:
+        return spec
+    return {"name": "token_selection", "selector": {"name": stack["selector"], **stack.get("selector_kw", {})},
+            "keep": stack.get("keep", 1.0), "store": spec}
 
-    def method(self, prompt_len: Optional[int] = None, bases=None, ids=None) -> CompressionMethod:
-        """The stack as one method; a selection needs the ``prompt_len`` it compresses, KVzip (``selector ==
-        "kvzip"``, its repeat prompt's token ids in ``selector_kw["repeat_ids"]``) the prompt's ``ids (B, P)``."""
-        store = self.storage(bases)
-        if self.selector is None:
-            return store
-        if prompt_len is None:
-            prompt_len = None if ids is None else ids.shape[1]
-        if prompt_len is None:
-            raise PlanError(f"{self.label()} selects prompt tokens: give the prompt length")
-        if self.selector == "kvzip":
-            return self._kvzip(prompt_len, store, ids)
-        from kvsplice.select.method import TokenSelection
-        from kvsplice.select.selectors import make_selector
 
-        return TokenSelection(make_selector(self.selector, **self.selector_kw), self.budget(prompt_len), store=store)
-
-    def _kvzip(self, prompt_len: int, store: CompressionMethod, ids) -> CompressionMethod:
-        import torch
-
-        from kvsplice.select.kvzip import KVzipSelection
-
-        if ids is None:
-            raise PlanError(f"{self.label()} re-reads the prompt (KVzip): give its token ids "
-                            f"(plan.method(prompt_len, ids))")
-        rep = torch.tensor([self.selector_kw.get("repeat_ids", [])], dtype=torch.long, device=ids.device)
-        recon = torch.cat([rep.expand(ids.shape[0], -1), ids], dim=1)  # (B, R + P): "repeat:" + the prompt
-        return KVzipSelection(self.budget(prompt_len), recon_ids=recon, store=store)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+def spec_label(spec: dict[str, Any]) -> str:
+    """A short label of a spec, as the planner reports its candidates: ``fp``, ``int8``, ``kivi4(g32,r128)``,
+    ``lowrank×1.5(post+int8)`` (the planner's bases, by their fit), a selection keeping ``keep`` of the prompt as
+    ``selector×ratio + store``; any other spec by its short form (:func:`~kvsplice.core.registry.format_spec`)."""
+    name = spec.get("name")
+    if name == "token_selection" and "keep" in spec:
+        sel = spec.get("selector", {})
+        if isinstance(sel, dict):
+            args = ",".join(f"{k}={v}" for k, v in sel.items() if k != "name")
+            sel = sel.get("name", "?") + (f"({args})" if args else "")
+        store = spec.get("store", {"name": "dense"})
+        return f"{sel}×{1 / spec['keep']:.3g} + {spec_label(store) if isinstance(store, dict) else store}"
+    rest = {k: v for k, v in spec.items() if k != "name"}
+    if name == "dense" and set(rest) <= {"cache_quant"}:
+        return {None: "fp", "int8": "int8"}.get(rest.get("cache_quant"), format_spec(spec))
+    if name == "kivi" and set(rest) <= {"bits", "group", "residual"}:
+        return f"kivi{rest.get('bits', 4)}(g{rest.get('group', 32)},r{rest.get('residual', 128)})"
+    bases = rest.get("bases")
+    meta = getattr(bases, "meta", None)
+    if isinstance(bases, dict) and "fit" in bases:  # the planner's fit, before it is made
+        meta = {"alloc_ratio": bases["ratio"]}
+        rope = bases["rope"]
+    else:
+        rope = getattr(bases, "rope", None)
+    if name == "lowrank" and isinstance(meta, dict) and "alloc_ratio" in meta:
+        return f"lowrank×{meta['alloc_ratio']:g}({rope}{'+int8' if rest.get('cache_quant') else ''})"
+    return format_spec(spec)
 
 
 @dataclass
 class Plan:
-    """A :class:`Stack` for one model, its low-rank bases (if any) and the search's evidence (``info``)."""
+    """A method ``spec`` for one model (files it names relative to ``base_dir``) and the search's evidence
+    (``info``). In-memory objects in the spec (the planner's bases) are written beside the plan by :meth:`save`."""
 
-    stack: Stack
+    spec: dict[str, Any]
     model_fingerprint: Optional[str] = None
-    bases: Any = None  # KVBases
-    bases_file: Optional[str] = None
+    base_dir: Optional[Path] = None
     info: dict = field(default_factory=dict)
 
-    def method(self, prompt_len: Optional[int] = None, ids=None) -> CompressionMethod:
-        return self.stack.method(prompt_len, self.bases, ids)
+    def method(self, prompt_len: Optional[int] = None) -> CompressionMethod:
+        """The plan's method; a selection keeping a fraction of the prompt needs ``prompt_len``."""
+        try:
+            return build_method(self.spec, prompt_len=prompt_len, base_dir=self.base_dir)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+
+    @property
+    def label(self) -> str:
+        return spec_label(self.spec)
+
+    @property
+    def selects(self) -> bool:
+        """The plan's method is a token selection (it compresses a prompt)."""
+        return self.spec.get("name") == "token_selection"
+
+    def files(self) -> list[tuple[dict, str]]:
+        """``(the dict holding it, key)`` of every in-memory object of the spec a file must hold (bases)."""
+        out, todo = [], [self.spec]
+        while todo:
+            d = todo.pop()
+            for k, v in d.items():
+                if isinstance(v, dict):
+                    todo.append(v)
+                elif hasattr(v, "save") and k != "name":
+                    out.append((d, k))
+        return out
 
     def check_model(self, fingerprint: str) -> None:
         if self.model_fingerprint is not None and fingerprint != self.model_fingerprint:
@@ -142,16 +134,19 @@ class Plan:
                             f"python -m kvsplice.plan for this model")
 
     def save(self, path: str | Path) -> Path:
-        """Write the plan JSON (and the bases file beside it, ``<name>.bases.safetensors``) atomically."""
+        """Write the plan JSON atomically — and, for in-memory bases in the spec, the file beside it
+        (``<name>.bases.safetensors``) named in the written spec relative to the plan."""
         from models.checkpoint import atomic_write
 
         path = Path(path)
-        if self.bases is not None:
-            bpath = path.with_name(path.stem + ".bases.safetensors")
-            atomic_write(bpath, self.bases.save)
-            self.bases_file = bpath.name
+        spec = _copy(self.spec)
+        holders = Plan(spec).files()
+        for i, (d, k) in enumerate(holders):
+            name = path.stem + (".bases" if i == 0 else f".bases{i}") + ".safetensors"
+            atomic_write(path.with_name(name), d[k].save)
+            d[k] = name
         doc = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "model_fingerprint": self.model_fingerprint,
-               "stack": self.stack.to_dict(), "label": self.stack.label(), "bases": self.bases_file, **self.info}
+               "spec": spec, "label": self.label, **self.info}
         atomic_write(path, lambda p: p.write_text(json.dumps(doc, indent=2, default=str) + "\n"))
         return path
 
@@ -164,33 +159,59 @@ class Plan:
             raise PlanError(f"cannot read the plan {path}: nested too deeply (not a plan)") from None
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise PlanError(f"cannot read the plan {path}: {str(e).splitlines()[0]}") from None
-        if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT or doc.get("version") != PLAN_VERSION:
+        if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT or doc.get("version") not in (1, 2):
             raise PlanError(f"{path} is not a kvsplice plan (python -m kvsplice.plan writes them)")
         try:
-            check_plan_doc(doc)
+            check_plan_doc(doc)  # version 1: the stack's fields; both: the evidence, the bases name
         except ValueError as e:
             raise PlanError(f"{path}: {e}") from None
+        if doc["version"] == 1:
+            if not isinstance(doc.get("stack"), dict):
+                raise PlanError(f"{path}: bad stack")
+            spec = stack_to_spec(doc["stack"], doc.get("bases"))
+            drop = ("format", "version", "model_fingerprint", "stack", "bases", "label")
+        else:
+            spec = doc.get("spec")
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise PlanError(f"{path}: its spec is not a method spec (a dict with a \"name\")")
+            drop = ("format", "version", "model_fingerprint", "spec", "label")
         try:
-            stack = Stack(**doc["stack"])
-        except (TypeError, KeyError) as e:
-            raise PlanError(f"{path}: bad stack ({e})") from None
-        try:
-            check_arguments(stack)
+            for f in _file_args(spec):
+                check_bases_name(f)
         except ValueError as e:
             raise PlanError(f"{path}: {e}") from None
-        bases = None
-        if doc.get("bases"):
-            from kvsplice.lowrank.bases import KVBases
-
-            bpath = path.parent / doc["bases"]
-            if not bpath.is_file():
-                raise PlanError(f"{path}: its bases file {bpath} is missing")
-            bases = KVBases.load(bpath)
-        info = {k: v for k, v in doc.items() if k not in ("format", "version", "model_fingerprint", "stack", "bases",
-                                                           "label")}
-        plan = cls(stack, doc.get("model_fingerprint"), bases, doc.get("bases"), info)
+        for f in _file_args(spec):
+            if not (path.parent / f).is_file():
+                raise PlanError(f"{path}: its bases file {path.parent / f} is missing")
+        try:
+            check_arguments(spec, base_dir=path.parent)
+        except ValueError as e:
+            raise PlanError(f"{path}: {e}") from None
+        info = {k: v for k, v in doc.items() if k not in drop}
+        plan = cls(spec, doc.get("model_fingerprint"), path.resolve().parent, info)
         if model is not None:
             from kvsplice.adapters import model_fingerprint
 
             plan.check_model(model_fingerprint(model))
         return plan
+
+
+def _copy(spec: Any) -> Any:
+    return {k: _copy(v) for k, v in spec.items()} if isinstance(spec, dict) else spec
+
+
+def _file_args(spec: dict) -> list[str]:
+    """The file names a spec gives for its methods' file arguments (``bases``)."""
+    from kvsplice.core.registry import METHODS, method_names
+
+    method_names()  # the built-in methods registered
+    out, todo = [], [spec]
+    while todo:
+        d = todo.pop()
+        cls = METHODS.get(d.get("name"))
+        for k, v in d.items():
+            if isinstance(v, dict):
+                todo.append(v)
+            elif isinstance(v, str) and k in getattr(cls, "spec_files", ()):
+                out.append(v)
+    return out

@@ -155,10 +155,10 @@ class KIVICache(Cache):
     def elements_per_token(self) -> float:
         return 2 * self.n_layer * self.n_kv_head * self.head_dim
 
-    def bytes_formula(self, n_held: Optional[int] = None) -> int:
-        return kivi_bytes(self.n_layer, self.n_kv_head, self.head_dim, self.batch_size,
-                          self.seq_len if n_held is None else n_held, bits=self.bits, group=self.group,
-                          residual=self.residual, dtype=self.dtype)
+    def formula_nbytes(self) -> int:
+        """:func:`kivi_bytes` of the tokens held (== :meth:`nbytes`)."""
+        return kivi_bytes(self.n_layer, self.n_kv_head, self.head_dim, self.batch_size, self.seq_len, bits=self.bits,
+                          group=self.group, residual=self.residual, dtype=self.dtype)
 
     def reset(self) -> None:
         for c in (self.codes, self.kstat, self.vstat):

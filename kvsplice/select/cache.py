@@ -25,7 +25,7 @@ import torch
 from kvsplice.select.selectors import TokenSelector
 from models.cache import Cache, DecodeCache
 
-__all__ = ["SubsetCache", "TokenSelectionResult", "choose_tokens", "gather_tokens"]
+__all__ = ["SubsetCache", "TokenSelectionResult", "choose_tokens", "gather_tokens", "subset_bytes"]
 
 
 # ---------------------------------------------------------------------------------------------- selection
@@ -75,6 +75,14 @@ def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------------------------------- cache
+def subset_bytes(n_layer: int, batch_size: int, n_kv_head: int, head_size: int, v_head_size: int, n_held: int,
+                 dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of ``n_held`` full keys/values + log-weights per layer: ``L·B·Hkv·n·(d + dv + 1)·element_size`` (a
+    selection over full K/V: ``TokenSelection(...).bytes_formula`` for ``DenseKV`` storage)."""
+    el = torch.empty((), dtype=dtype).element_size()
+    return n_layer * batch_size * n_kv_head * n_held * (head_size + v_head_size + 1) * el
+
+
 class SubsetCache(Cache):
     """A per-head token subset: ``kept`` (the storage method's cache of the kept tokens) + ``weights``
     (``w (B, Hkv, T, 1)`` log-weights). ``SubsetCache(n_layer, n_kv_head, head_size, batch_size)`` holds full keys
@@ -107,13 +115,6 @@ class SubsetCache(Cache):
         self.weights = DecodeCache([{"w": (self.n_kv_head, 1)}] * kept.n_layer, kept.batch_size, dtype=kept.dtype,
                                    device=kept.device, capacity=capacity)
         self.batch_size, self.dtype, self.device = kept.batch_size, kept.dtype, kept.device
-
-    @staticmethod
-    def bytes_formula(n_layer: int, batch_size: int, n_kv_head: int, head_size: int, v_head_size: int,
-                      n_held: int, dtype: torch.dtype = torch.float32) -> int:
-        """Bytes of ``n_held`` full keys/values + log-weights per layer: ``L·B·Hkv·n·(d + dv + 1)·element_size``."""
-        el = torch.empty((), dtype=dtype).element_size()
-        return n_layer * batch_size * n_kv_head * n_held * (head_size + v_head_size + 1) * el
 
     # ----------------------------------------------------------------------------------------- interface
     @property
@@ -158,10 +159,10 @@ class SubsetCache(Cache):
     def compress_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor, selector: TokenSelector, budget: int,
                          *, real: Optional[torch.Tensor] = None, q: Optional[torch.Tensor] = None,
                          scale: Optional[float] = None,
-                         store: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None
+                         append_kept: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None
                          ) -> Optional[dict[str, torch.Tensor]]:
         """Keep :func:`choose_tokens` of the prefill ``k (B, Hkv, T, d)``, ``v (B, Hkv, T, dv)`` (``real``, ``q``,
-        ``scale`` as there) with their log-weights; the dropped tokens still count as seen. ``store(k_kept,
+        ``scale`` as there) with their log-weights; the dropped tokens still count as seen. ``append_kept(k_kept,
         v_kept)`` puts the kept tokens into :attr:`kept` (a storage method's ``append``); by default they are
         appended as they are, and the views after the append are returned. The layer must be empty."""
         if self.layer_len(layer) != 0:
@@ -169,13 +170,13 @@ class SubsetCache(Cache):
         t = k.shape[2]
         idx, logw = choose_tokens(selector, k, v, budget, real, q, scale)  # (B, Hkv, n_keep) each
         kk, vv = gather_tokens(k, idx), gather_tokens(v, idx)  # (B, Hkv, n_keep, d), (B, Hkv, n_keep, dv)
-        if store is None:
+        if append_kept is None:
             self.kept.append(layer, k=kk, v=vv)
         else:
-            store(kk, vv)
+            append_kept(kk, vv)
         self.weights.append(layer, w=logw[..., None].to(self.dtype))  # (B, Hkv, n_keep, 1)
         self.advance(layer, t - idx.shape[-1])  # the dropped prompt tokens still count as seen: positions continue
-        return self.get(layer) if store is None else None
+        return self.get(layer) if append_kept is None else None
 
     # ------------------------------------------------------------------------------------------------ bytes
     def tensors(self) -> Iterator[torch.Tensor]:

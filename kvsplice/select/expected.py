@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from kvsplice.core.args import bool_arg, int_arg
 from kvsplice.select.scores import _top
 from kvsplice.select.selectors import TokenSelector
 
@@ -29,9 +30,8 @@ class ExpectedAttentionSelector(TokenSelector):
 
     def __init__(self, window: int = 64, n_sink: int = 4, cov: bool = True, seed: int = 0) -> None:
         super().__init__(seed)
-        if window < 2 or n_sink < 0:
-            raise ValueError(f"window must be >= 2 and n_sink >= 0, got {window}, {n_sink}")
-        self.window, self.n_sink, self.cov = window, n_sink, cov
+        self.window, self.n_sink = int_arg("window", window, 2), int_arg("n_sink", n_sink)
+        self.cov = bool_arg("cov", cov)
 
     def scores(self, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
         """``(Hkv, T)`` expected attention × ‖v‖ of every token (float32)."""

@@ -18,11 +18,12 @@ from kvsplice.adapters.capture import extract_qkv
 from kvsplice.core.attention import reference_attention, weighted_attend
 from kvsplice.select.selectors import BalanceKVSelector, TokenSelector, UniformSelector
 
-METHODS = ("balancekv", "uniform", "coinflip")
+ARMS = ("balancekv", "uniform", "coinflip")
+"""The selectors the BalanceKV bench compares (its arms; ``coinflip``: BalanceKV with coin-flip halving)."""
 THRESHOLD_RULE = ("median: c = c_scale * median_i kappa(x_i, x_i) per block of block_size tokens, clamped greedy "
                   "steps beyond c; kernel exp(<k,k'>s)(<v,v'> + mean|v|^2) on block-centred keys")
 
-__all__ = ["METHODS", "BenchError", "keep_plan", "layer_errors", "make_method", "plot", "print_table", "run_bench",
+__all__ = ["ARMS", "BenchError", "keep_plan", "layer_errors", "make_arm", "plot", "print_table", "run_bench",
            "to_markdown"]
 
 
@@ -49,9 +50,9 @@ def keep_plan(c: int, T: int, n_sink: int, n_recent: int, t_max: Optional[int] =
             "compression_middle": 2 ** T, "compression_total": c / budget}
 
 
-def make_method(name: str, plan: dict, *, block_size: int = 64, c_scale: float = 1.0, kernel_temp: float = 1.0,
-                seed: int = 0) -> TokenSelector:
-    """The selector of ``name`` for ``plan`` (:func:`keep_plan`); identical intact tokens for all methods."""
+def make_arm(name: str, plan: dict, *, block_size: int = 64, c_scale: float = 1.0, kernel_temp: float = 1.0,
+             seed: int = 0) -> TokenSelector:
+    """The selector of ``name`` for ``plan`` (:func:`keep_plan`); identical intact tokens for every arm."""
     s, r = plan["sinks"], plan["recent_intact"]
     T = plan["T"]
     if name == "uniform":
@@ -61,7 +62,7 @@ def make_method(name: str, plan: dict, *, block_size: int = 64, c_scale: float =
         # n_recent is the planned intact window; plan fits exactly (middle % 2^T == 0), so one segment of T halvings
         return BalanceKVSelector(n_sink=s, n_recent=r, block_size=block_size, n_halvings=max(T, 1), c_scale=cs,
                                  kernel_temp=kernel_temp, seed=seed)
-    raise BenchError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    raise BenchError(f"unknown selector {name!r}; choose from {', '.join(ARMS)}")
 
 
 # ---------------------------------------------------------------------------------------------- measure
@@ -111,7 +112,7 @@ def run_bench(model, tokenizer, data: str, *, layers: Optional[Sequence[int]] = 
               Ts: Sequence[int] = (1, 2, 3, 4), seeds: int = 10, n_queries: int = 64,
               context: Optional[int] = None, windows: int = 4,
               n_sink: int = 4, n_recent: int = 16, block_size: int = 64, c_scale: float = 1.0,
-              kernel_temp: float = 1.0, methods: Sequence[str] = METHODS, max_positions: Optional[int] = None,
+              kernel_temp: float = 1.0, methods: Sequence[str] = ARMS, max_positions: Optional[int] = None,
               progress: bool = True) -> dict:
     """Run the experiment; returns the JSON-able report (``rows``: one per layer × T × method)."""
     info = model_info(model)
@@ -134,8 +135,8 @@ def run_bench(model, tokenizer, data: str, *, layers: Optional[Sequence[int]] = 
                          f"fewer than --context {ctx}: use --context <= {adapter.window(cut[0])}"
                          + (f" or the full-attention --layers {' '.join(map(str, full))}" if full else ""))
     for m in methods:
-        if m not in METHODS:
-            raise BenchError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+        if m not in ARMS:
+            raise BenchError(f"unknown selector {m!r}; choose from {', '.join(ARMS)}")
     ids, n_stories = token_stream(iter_texts(data), tokenizer, max_tokens=ctx * windows)
     batch = _windows(ids, ctx, windows)  # (W, ctx)
     c = ctx - n_queries
@@ -155,7 +156,7 @@ def run_bench(model, tokenizer, data: str, *, layers: Optional[Sequence[int]] = 
             for name in methods:
                 rel, rel_q = [], []
                 for seed in range(seeds):
-                    sel = make_method(name, plan, block_size=block_size, c_scale=c_scale, kernel_temp=kernel_temp,
+                    sel = make_arm(name, plan, block_size=block_size, c_scale=c_scale, kernel_temp=kernel_temp,
                                       seed=seed)
                     e, eq = layer_errors(q, k, v, scale, sel, plan["budget"])
                     rel.append(e)

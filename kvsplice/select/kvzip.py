@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from kvsplice.core.args import int_arg
 from kvsplice.core.method import CompressionMethod
 from kvsplice.select.method import TokenSelection
 from kvsplice.select.scores import _top
@@ -53,16 +54,16 @@ class ReconstructionScores(TokenSelector):
 
 class KVzipSelection(TokenSelection):
     """Keep ``budget`` prompt tokens per KV head, scored by the reconstruction pass of ``recon_ids (B or 1, Tr)``;
-    held by ``store`` (default full K/V). ``chunk``: reconstruction queries per score block."""
-
-    name = "kvzip"
+    held by ``store`` (default full K/V). ``chunk``: reconstruction queries per score block. Not registered with
+    :func:`kvsplice.build_method`: it holds the prompt's own token ids, so no spec rebuilds it (the task suite's
+    ``kvzip@KEEP`` builds one per prompt, :func:`kvsplice.tasks.methods.parse_method`)."""
 
     def __init__(self, budget: int, *, recon_ids: torch.Tensor, store: Optional[CompressionMethod] = None,
                  chunk: int = 512, shared_scores: Optional[dict] = None) -> None:
         super().__init__(ReconstructionScores(), budget, store=store)
         if not isinstance(recon_ids, torch.Tensor) or recon_ids.dim() != 2 or recon_ids.shape[1] < 1:
             raise ValueError("recon_ids must be token ids (B or 1, Tr) with Tr >= 1")
-        self.recon_ids, self.chunk = recon_ids, int(chunk)
+        self.recon_ids, self.chunk = recon_ids, int_arg("chunk", chunk, 1)
         self.shared_scores = shared_scores  # {layer: scores} of a finished pass over the same context, reused
 
     def _prepare(self, adapter, *, dtype, device):

@@ -52,8 +52,9 @@ class TokenSelection(CompressionMethod):
     """Keep ``budget`` prompt tokens per (sequence, KV head), chosen by ``selector``, with their log-weights, held by
     the storage method ``store`` (default :class:`~kvsplice.decode.dense.DenseKV`: full keys and values)."""
 
-    name = "select"
+    name = "token_selection"
     cache_type = SubsetCache
+    spec_nested = {"selector": "selector", "store": "method"}
     window: Optional[int] = None  # set on the variant for a sliding-window layer (for_window)
 
     def __init__(self, selector: TokenSelector, budget: int, *, store: Optional[CompressionMethod] = None) -> None:
@@ -108,7 +109,8 @@ class TokenSelection(CompressionMethod):
             y = step.attend(layer, q, k.to(q.dtype), v.to(q.dtype), mask=mask)  # (B, Hq, T, D)
             cache.compress_prefill(layer, k, v, self.selector, self.budget, real=keys_seen(mask), q=q,
                                    scale=step.scales[layer],
-                                   store=lambda kk, vv: self.store.append(layer, kk, vv, cache.kept, step))
+                                   append_kept=lambda kk, vv: self.store.append(layer, kk, vv,
+                                                                                     cache.kept, step))
             return y
         # decode: new tokens kept exactly (log-weight 0); padding was folded into the log-weights at prefill
         b, h, t = k.shape[:3]
@@ -122,16 +124,14 @@ class TokenSelection(CompressionMethod):
 
 
 class TokenSelectionDecoder(Decoder):
-    """``Decoder(model, TokenSelection(selector, budget))`` with an explicit :meth:`prefill` (on an empty cache)
-    and decode calls (on a prefilled one)."""
+    """``Decoder(model, TokenSelection(selector, budget, store=store))`` — calling it means what calling any
+    ``Decoder`` means (the first call on an empty cache prefills) — with two checked steps: :meth:`prefill` (an empty
+    cache only) and :meth:`decode` (a prefilled one only)."""
 
     def __init__(self, model: nn.Module, selector: TokenSelector, budget: int, *,
                  store: Optional[CompressionMethod] = None) -> None:
         super().__init__(model, TokenSelection(selector, budget, store=store))
         self.selector, self.budget = selector, int(budget)
-
-    def bytes_formula(self, batch_size: int, n_held: int, dtype: Optional[torch.dtype] = None) -> int:
-        return self.method.bytes_formula(batch_size, n_held, dtype or self.dtype)
 
     def prefill(self, input_ids: torch.Tensor, cache: SubsetCache, *, last_only: bool = False) -> torch.Tensor:
         """Exact causal forward of the prompt; every layer's K/V compressed into the (empty) ``cache``."""
@@ -139,13 +139,11 @@ class TokenSelectionDecoder(Decoder):
             raise ValueError("prefill needs an empty cache (use new_cache() or cache.reset())")
         return Decoder.__call__(self, input_ids, cache, last_only=last_only)
 
-    def __call__(self, input_ids: torch.Tensor, cache: SubsetCache, *, last_only: bool = False) -> torch.Tensor:
+    def decode(self, input_ids: torch.Tensor, cache: SubsetCache, *, last_only: bool = False) -> torch.Tensor:
         """Decode ``input_ids (B, T)`` (one token or a teacher-forced chunk) over the compressed cache."""
         if isinstance(cache, SubsetCache) and cache.position == 0:
             raise ValueError("decode needs a prefilled cache: call prefill() first")
         return Decoder.__call__(self, input_ids, cache, last_only=last_only)
-
-    decode = __call__
 
 
 def run_token_selection(model: nn.Module, idx: torch.Tensor, selector: TokenSelector, budget: int, *,

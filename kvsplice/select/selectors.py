@@ -26,14 +26,14 @@ from typing import Optional
 import torch
 
 from kvsplice.core.args import bool_arg, float_arg, int_arg
+from kvsplice.core.registry import SELECTORS, register, spec_of
 from kvsplice.select.balance import LN2, block_balance
 
+# SELECTORS (kvsplice.core.registry): selector name → class; every subclass of TokenSelector that sets ``name``
+# registers itself (one name, one meaning across methods and selectors).
 
 MAX_HALVINGS = 40
 """BalanceKV halves at most 2^40 tokens' worth (more rounds than any prompt has tokens' bits)."""
-
-SELECTORS: dict[str, type["TokenSelector"]] = {}
-"""Selector name → class: every subclass of :class:`TokenSelector` that sets ``name`` registers itself."""
 
 
 class TokenSelector:
@@ -54,8 +54,12 @@ class TokenSelector:
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)
-        if cls.name != "base" and "name" in cls.__dict__:
-            SELECTORS[cls.name] = cls
+        if "name" in cls.__dict__:
+            register("selector", cls)
+
+    def spec(self) -> dict:
+        """``{"name": ..., **arguments that differ from their defaults}``: :func:`make_selector` rebuilds it."""
+        return spec_of(self)
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = int_arg("seed", seed, 0, 2 ** 63 - 1)

@@ -1,30 +1,33 @@
-"""Method specs for the task evaluation: a short string → the factory that builds the method for a prompt.
+"""Method specs for the task evaluation: a string → the factory that builds the method for a prompt.
 
-Grammar (parts joined by ``+``: at most one selection, then at most one storage)::
+Every spec :func:`kvsplice.build_method` reads (``int8``, ``kivi4``, ``kivi_rotated(bits=2,residual=32)``,
+``select:observed_attention@0.25+int8``, ``lowrank:FILE+int8``, a ``.json`` spec file; see
+:mod:`kvsplice.core.registry`) is one, plus::
 
     full                                   the full K/V cache
-    int8 | fp | kivi4 | kivi2 | kivi8 | kivi4/r32     storage alone (KIVI: bits, residual window; group 32)
-    kivi4h | kivi2h/r32                    KIVI over Hadamard-rotated keys and values (RotatedKIVI)
-    select:NAME@KEEP                       a token selection (a registered selector) keeping KEEP of the prompt:
-                                           a fraction (0.25) or a ratio (x4 = 1/4)
-    kvzip@KEEP                             KVzip: kept by the attention of a reconstruction pass (query-agnostic)
+    ...@xR                                 a selection's amount as a ratio: keep 1/R of the prompt (select:snapkv@x4)
+    kivi4/r32 | kivi4h | kivi2h/r32        KIVI with residual window 32; the ``h`` forms KIVI over Hadamard-rotated
+                                           keys and values (kivi_rotated)
+    kvzip@KEEP[+STORE]                     KVzip: kept by the attention of a reconstruction pass (query-agnostic);
+                                           KEEP a fraction or xR; it holds the prompt's ids, so it is built here,
+                                           per prompt, not by build_method
     plan:PATH                              a plan from python -m kvsplice.plan
     e.g.  select:observed_attention@x4.19+int8,  kvzip@x4+int8,  kivi4/r32
 
-A selection keeps ``ceil(KEEP · P)`` of the ``P`` tokens it compresses (as a plan does). ``kvsplice.build_method``
-(the method registry, when the branch that builds it is merged) takes over this grammar.
+A selection keeps ``ceil(KEEP · P)`` of the ``P`` tokens it compresses (as a plan does).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from kvsplice.core.method import CompressionMethod
-from kvsplice.planning.spec import Stack
+from kvsplice.core.registry import build_method, check_spec, format_spec, load_spec
 
 __all__ = ["MethodSpec", "parse_method"]
 
@@ -44,31 +47,33 @@ class MethodSpec:
 def _keep(text: str, spec: str) -> float:
     try:
         v = 1.0 / float(text[1:]) if text.startswith("x") else float(text)
-    except ValueError:
+    except (ValueError, ZeroDivisionError):
         v = -1.0
     if not 0.0 < v <= 1.0:
         raise ValueError(f"method {spec!r}: KEEP must be a fraction in (0, 1] or a ratio xR with R >= 1, got {text!r}")
     return v
 
 
-def _storage(part: str, spec: str) -> Stack:
-    if part in ("fp", "dense"):
-        return Stack(store="dense")
-    if part == "int8":
-        return Stack(store="int8")
-    if part.startswith("kivi"):
-        bits, _, res = part[4:].partition("/r")
-        rotate = bits.endswith("h")
-        bits = bits.rstrip("h")
-        if bits in ("2", "4", "8") and (not res or res.isdigit()):
-            return Stack(store="kivi", bits=int(bits), residual=int(res) if res else 128, rotate=rotate)
-    raise ValueError(f"method {spec!r}: unknown storage {part!r} (int8, fp, kivi2/4/8[h][/rN])")
+_KIVI = re.compile(r"kivi(?P<bits>[248])(?P<rot>h?)(?:/r(?P<res>[0-9]+))?")
+
+
+def _short(text: str, spec: str) -> str:
+    """The task suite's short forms (``@xR``, ``kivi4h/r32``) → the registry's grammar."""
+    def kivi(m: re.Match) -> str:
+        args = [f"bits={m['bits']}"] + ([f"residual={m['res']}"] if m["res"] else [])
+        return f"{'kivi_rotated' if m['rot'] else 'kivi'}({','.join(args)})"
+
+    text = re.sub(r"@(x[^+]+)", lambda m: f"@{_keep(m[1], spec)!r}", text)
+    return re.sub(r"(?<![A-Za-z0-9_])" + _KIVI.pattern + r"(?![A-Za-z0-9_(])", kivi, text)
+
+
+def _named(spec: str, e: ValueError) -> str:
+    """The registry's one-line error, naming ``spec`` when it does not already."""
+    return str(e) if repr(spec) in str(e) else f"method {spec!r}: {e}"
 
 
 def parse_method(spec: str, tokenizer=None) -> MethodSpec:
     """``spec`` (see the module docstring) → :class:`MethodSpec`; ``tokenizer`` encodes KVzip's repeat prompt."""
-    from kvsplice.select.selectors import SELECTORS
-
     spec = spec.strip()
     if spec == "full":
         return MethodSpec(spec, "full", lambda ids: None)
@@ -76,37 +81,43 @@ def parse_method(spec: str, tokenizer=None) -> MethodSpec:
         from kvsplice.planning.spec import Plan
 
         plan = Plan.load(spec[5:])
-        return MethodSpec(spec, f"plan {plan.stack.label()}", lambda ids: plan.method(ids.shape[1], ids),
-                          plan.stack.keep, plan.stack.selector == "kvzip")
-    parts = spec.split("+")
-    sel, store = None, Stack(store="dense")
-    if parts[0].startswith(("select:", "kvzip@")):
-        sel = parts.pop(0)
-    if len(parts) > 1:
-        raise ValueError(f"method {spec!r}: one selection then one storage, joined by '+'")
-    if parts:
-        store = _storage(parts[0], spec)
-    if sel is None:
-        return MethodSpec(spec, store.label(), lambda ids, s=store: s.method(ids.shape[1]))
-    if sel.startswith("kvzip@"):
-        keep = _keep(sel[6:], spec)
-        if tokenizer is None:
-            raise ValueError(f"method {spec!r}: KVzip needs the tokenizer (its repeat prompt)")
-        from kvsplice.select.kvzip import REPEAT_PROMPT, KVzipSelection
+        keep = float(plan.spec.get("keep", 1.0)) if plan.selects else 1.0
+        return MethodSpec(spec, f"plan {plan.label}", lambda ids: plan.method(ids.shape[1]), keep)
+    if spec.startswith("kvzip@"):
+        return _kvzip(spec, tokenizer)
+    try:
+        d, base_dir = load_spec(_short(spec, spec))
+        d = check_spec(d, base_dir=base_dir)
+        build_method(d, prompt_len=1, base_dir=base_dir)  # the constructors check the values now, not per prompt
+    except ValueError as e:
+        raise ValueError(_named(spec, e)) from None
+    keep = float(d["keep"]) if "keep" in d else 1.0
+    return MethodSpec(spec, format_spec(d), lambda ids, d=d: build_method(d, prompt_len=ids.shape[1],
+                                                                           base_dir=base_dir), keep)
 
-        prefix = tokenizer.encode(REPEAT_PROMPT)
 
-        def kvzip(ids: torch.Tensor, shared: Optional[dict] = None, keep=keep, store=store) -> CompressionMethod:
-            recon = torch.cat([torch.tensor([prefix], device=ids.device), ids], dim=1)  # (1, Tr)
-            budget = max(1, math.ceil(keep * ids.shape[1] - 1e-9))
-            scores = None if shared is None else shared.setdefault("kvzip", {})  # one pass per context
-            return KVzipSelection(budget, recon_ids=recon, store=store.storage(), shared_scores=scores)
+def _kvzip(spec: str, tokenizer) -> MethodSpec:
+    from kvsplice.select.kvzip import REPEAT_PROMPT, KVzipSelection
 
-        store_label = "" if store.store == "dense" else f" + {store.label()}"
-        return MethodSpec(spec, f"kvzip×{1 / keep:.3g}{store_label}", kvzip, keep, kvzip=True)
-    name, _, keep_text = sel[7:].partition("@")
-    if name not in SELECTORS or name == "kvzip":
-        raise ValueError(f"method {spec!r}: selector must be one of {sorted(set(SELECTORS) - {'kvzip'})}, got {name!r}")
-    stack = Stack(store=store.store, bits=store.bits, residual=store.residual, rotate=store.rotate, selector=name,
-                  keep=_keep(keep_text, spec))
-    return MethodSpec(spec, stack.label(), lambda ids, s=stack: s.method(ids.shape[1]), stack.keep)
+    keep_text, _, store_text = spec[6:].partition("+")
+    keep = _keep(keep_text, spec)
+    if tokenizer is None:
+        raise ValueError(f"method {spec!r}: KVzip needs the tokenizer (its repeat prompt)")
+    store = None
+    if store_text:
+        try:
+            store = check_spec(load_spec(_short(store_text, spec))[0])
+            build_method(store, prompt_len=1)
+        except ValueError as e:
+            raise ValueError(_named(spec, e)) from None
+    prefix = tokenizer.encode(REPEAT_PROMPT)
+
+    def kvzip(ids: torch.Tensor, shared: Optional[dict] = None) -> CompressionMethod:
+        recon = torch.cat([torch.tensor([prefix], device=ids.device), ids], dim=1)  # (1, Tr)
+        budget = max(1, math.ceil(keep * ids.shape[1] - 1e-9))
+        scores = None if shared is None else shared.setdefault("kvzip", {})  # one pass per context
+        return KVzipSelection(budget, recon_ids=recon, store=None if store is None else build_method(store),
+                              shared_scores=scores)
+
+    store_label = "" if store is None or store == {"name": "dense"} else f" + {format_spec(store)}"
+    return MethodSpec(spec, f"kvzip×{1 / keep:.3g}{store_label}", kvzip, keep, kvzip=True)

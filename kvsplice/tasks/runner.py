@@ -116,7 +116,7 @@ class _AfterPrefill:
 
 def _hf_bytes(cache):
     held = cache.held()
-    return cache.nbytes(), cache.bytes_formula(), cache.method.bytes_formula(1, held, torch.float16)
+    return cache.nbytes(), cache.formula_nbytes(), cache.method.bytes_formula(1, held, torch.float16)
 
 
 def _hf_door(model, method, comp, rest, n_new, eos):

@@ -187,7 +187,7 @@ def test_low_rank_cache_bytes_and_absorbed_equals_naive(family, rope, uniform):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=lambda m: f"{sched}: {m}")
     # exactly R_k + R_v numbers per head per token: bytes == formula == measured tensors
     formula = sum(sum(a) + sum(b) for a, b in zip(rk, rv)) * T * B * 4
-    assert cache.nbytes() == formula == cache.bytes_formula() == measure_cache(cache).live_bytes
+    assert cache.nbytes() == formula == cache.formula_nbytes() == measure_cache(cache).live_bytes
     assert cache.elements_per_token() == bases.elements_per_token()
     for l in range(n_layer):
         views = cache.get(l)

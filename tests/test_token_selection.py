@@ -10,7 +10,7 @@ import transformers
 from tiny_models import sharpen as _sharpen
 
 from kvsplice.report.memory import measure_cache
-from kvsplice.select.cache import SubsetCache
+from kvsplice.select.cache import subset_bytes
 from kvsplice.select.method import TokenSelectionDecoder, run_token_selection
 from reference_token_selection import run_with_token_selection
 from kvsplice.select.selectors import BalanceKVSelector, StreamingLLMSelector, UniformSelector
@@ -79,7 +79,8 @@ def test_full_budget_reproduces_the_model(family):
         torch.testing.assert_close(out2, full[:, 29:], atol=1e-4, rtol=0)
         n_layer, hkv, d = SHAPES[family]
         assert cache.seq_len == cache.n_seen == 30
-        assert cache.nbytes() == SubsetCache.bytes_formula(n_layer, 2, hkv, d, d, 30) == dec.bytes_formula(2, 30)
+        assert cache.nbytes() == subset_bytes(n_layer, 2, hkv, d, d, 30) == \
+            dec.method.bytes_formula(2, 30, torch.float32) == dec.formula_nbytes(cache)
         res = run_token_selection(model, ids, sel, budget=p, prompt_len=p, return_logits=True)
         torch.testing.assert_close(res.logits, full[:, p - 1:-1], atol=1e-4, rtol=0)
         nll = torch.nn.functional.cross_entropy(full[:, p - 1:-1].reshape(-1, V), ids[:, p:].reshape(-1))
@@ -107,7 +108,7 @@ def test_compressed_cache_equals_the_model_under_the_equivalent_mask(family):
     n_layer, hkv, d = SHAPES[family]
     held = budget + (t - 1 - p)
     assert res.cache.seq_len == held and res.cache.n_seen == t - 1
-    assert res.cache_nbytes == SubsetCache.bytes_formula(n_layer, b, hkv, d, d, held) < res.full_nbytes
+    assert res.cache_nbytes == subset_bytes(n_layer, b, hkv, d, d, held) < res.full_nbytes
     meas = measure_cache(res.cache)
     assert meas.live_bytes == meas.storage_bytes == res.cache_nbytes  # exact capacity: storage is the formula
 
@@ -152,7 +153,7 @@ def test_generate_and_errors():
     assert torch.equal(full, ref)
     cache = dec.new_cache(1)
     with pytest.raises(ValueError, match="prefill"):
-        dec(ids_of(1, 2, 0), cache)
+        dec.decode(ids_of(1, 2, 0), cache)
     dec.prefill(ids_of(1, 20, 0), cache)
     with pytest.raises(ValueError, match="empty cache"):
         dec.prefill(ids_of(1, 20, 0), cache)

@@ -1,0 +1,150 @@
+"""``python -m kvsplice.to_mla`` for a pretrained Llama-family model (Llama, Mistral, Qwen2, Qwen3; an HF folder or a
+GGUF file), or for a converted MLA folder (``--kvsplice-ratio``): calibrate, convert
+(:mod:`kvsplice.convert.llama_mla`), and write a model folder (``--format native``, which every kvsplice command
+loads) or a DeepSeek-V3 folder (``--format deepseek_v3``, :mod:`kvsplice.convert.deepseek_v3`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from kvsplice.io.cli import UsageError, default_seq_len, device_dtype
+
+__all__ = ["is_llama_source", "run_llama"]
+
+
+def is_llama_source(spec: str) -> bool:
+    """``spec`` is a local Llama-family model (HF folder of a convertible family or a GGUF file) or a converted MLA
+    folder — not a training checkpoint nor GPT-2."""
+    from kvsplice.convert.llama_mla import CONVERTIBLE
+    from kvsplice.io.gguf import find_gguf
+    from models.mla_llama import MODEL_TYPE
+
+    p = Path(spec).expanduser()
+    if find_gguf(p) is not None:
+        return True
+    if p.is_dir() and (p / "config.json").is_file():
+        try:
+            mt = json.loads((p / "config.json").read_text(encoding="utf-8")).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            return False
+        return mt in CONVERTIBLE or mt == MODEL_TYPE
+    return False
+
+
+def _rope_dims(args: argparse.Namespace, head_dim: int) -> int:
+    v = args.rope_dims
+    if v is None:  # MHA2MLA: 4 of 32 pairs per head; TransMLA / DeepSeek: a RoPE head of half the head dim
+        return max(2, head_dim // 8) if args.rope_layout == "per-head" else head_dim // 2
+    if v == "all":
+        return head_dim
+    try:
+        n = int(v)
+    except ValueError:
+        raise UsageError(f"--rope-dims {v}: give an even number of dims or 'all'") from None
+    if n % 2 or not 2 <= n <= head_dim:
+        raise UsageError(f"--rope-dims {v}: must be even and in [2, head_dim={head_dim}], or 'all'")
+    return n
+
+
+def _calibration(args: argparse.Namespace, tokenizer, max_positions):
+    from kvsplice.io.loading import iter_texts, token_stream
+    from kvsplice.lowrank.calibrate import calibration_batches
+
+    seq_len = args.seq_len or default_seq_len(max_positions)
+    if max_positions and seq_len > max_positions:
+        raise UsageError(f"--seq-len {seq_len} exceeds the model's {max_positions} positions")
+    ids, _ = token_stream(iter_texts(args.calib, option="calib"), tokenizer, args.calib_tokens)
+    if ids.numel() < seq_len:
+        raise UsageError(f"--calib {args.calib}: only {ids.numel()} tokens, fewer than --seq-len {seq_len}")
+    return calibration_batches(ids, seq_len, args.batch_size, max_tokens=args.calib_tokens)
+
+
+def run_llama(args: argparse.Namespace) -> int:
+    from kvsplice.convert.llama_mla import calibrate_layers, convert_llama, full_latent, latent_gram, shrink_latent
+    from kvsplice.io.loading import load_model
+    from kvsplice.io.outputs import output_dir, output_file, write_dir, write_json
+    from models.mla_llama import MLALlama
+
+    progress = not args.no_progress
+    inputs = {"--model": args.model, "--calib": args.calib, "--tokenizer": args.tokenizer}
+    out = output_dir(args.out, force=args.force, inputs=inputs)
+    json_path = output_file(args.json, force=args.force, option="--json", inputs=inputs) if args.json else None
+    t0 = time.perf_counter()
+    device, _ = device_dtype(args)
+    loaded = load_model(args.model, tokenizer=args.tokenizer, device=device)
+    model, tok = loaded.model, loaded.tokenizer
+    converted = isinstance(model, MLALlama)
+    if converted and args.kvsplice_ratio is None and args.format == "native":
+        raise UsageError(f"--model {args.model} is already a converted MLA model: give --kvsplice-ratio to shrink "
+                         f"its latent, or --format deepseek_v3 to export it")
+    export_only = converted and args.kvsplice_ratio is None
+    if not args.calib and not export_only:
+        raise UsageError("converting a Llama-family model needs --calib TEXT (the RoPE split and the latent come "
+                         "from calibration activations)")
+    batches = [] if export_only else _calibration(args, tok, loaded.max_positions)
+    report: dict[str, Any] = {"source": str(args.model), "calibration_source": args.calib,
+                              "calibration_tokens": sum(b.numel() for b in batches)}
+    if converted:
+        mla = model
+        report["source_cache_dim"] = mla.cfg.cache_dim
+    else:
+        from kvsplice.convert.llama_mla import check_convertible
+
+        try:
+            a = check_convertible(model)
+        except ValueError as e:
+            raise UsageError(f"--model {args.model}: {e}") from None
+        rope_dims = _rope_dims(args, a.head_dim)
+        full = full_latent(a.n_kv_head, a.head_dim, rope_dims, args.rope_layout, a.d_model)
+        r = full if args.d_latent in (None, "full") else _latent(args.d_latent, full)
+        stats = calibrate_layers(model, batches, progress=progress)
+        mla = convert_llama(model, stats, d_latent=r, rope_dims=rope_dims, layout=args.rope_layout,
+                            latent_norm=args.latent_norm or args.format == "deepseek_v3",
+                            source={"path": str(args.model), "calib": str(args.calib),
+                                    "calibration_tokens": report["calibration_tokens"]})
+        report["source_cache_dim"] = 2 * a.n_kv_head * a.head_dim
+    if args.kvsplice_ratio is not None:
+        try:
+            mla = shrink_latent(mla, args.kvsplice_ratio, latent_gram(mla, batches, progress=progress))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    c = mla.cfg
+    report.update(rope_layout=c.rope_layout, rope_dims=c.rope_dims, rope_heads=c.rope_heads, d_latent=c.d_latent,
+                  latent_norm=c.latent_norm, cache_dim=c.cache_dim, format=args.format,
+                  compression_vs_source=report["source_cache_dim"] / c.cache_dim)
+    backend = getattr(tok, "backend", None)
+    if args.format == "deepseek_v3":
+        from kvsplice.convert.deepseek_v3 import check_exportable, save_deepseek_v3
+
+        try:
+            check_exportable(mla)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        write_dir(out, lambda tmp: save_deepseek_v3(mla.cpu(), tmp, backend))
+    else:
+        from kvsplice.io.mla_folder import save_mla_folder
+
+        write_dir(out, lambda tmp: save_mla_folder(mla.cpu(), tmp, backend))
+    report["seconds"] = time.perf_counter() - t0
+    print(f"{report['source_cache_dim']} numbers/token/layer -> {c.cache_dim} (latent {c.d_latent} + "
+          f"{c.rope_heads}x{c.rope_dims} RoPE, {c.rope_layout}; {report['compression_vs_source']:.2f}x smaller)"
+          + (f", KVSplice {args.kvsplice_ratio}" if args.kvsplice_ratio is not None else ""))
+    print(f"saved {out} ({args.format}, {report['seconds']:.1f} s)")
+    if json_path is not None:
+        write_json({**report, "out": str(out)}, json_path)
+    return 0
+
+
+def _latent(v: str, full: int) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise UsageError(f"--d-latent {v}: give a number of latent dims or 'full'") from None
+    if not 1 <= n <= full:
+        raise UsageError(f"--d-latent {v}: must be in [1, {full}] (the rank of the no-RoPE keys and values) or "
+                         f"'full'")
+    return n

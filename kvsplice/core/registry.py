@@ -1,0 +1,418 @@
+"""Methods and selectors by name: every :class:`~kvsplice.core.method.CompressionMethod` and every
+:class:`~kvsplice.select.selectors.TokenSelector` subclass that sets ``name`` registers itself here, and
+:func:`build_method` builds any method — or stack — from a **spec**.
+
+A spec is a dict: ``name`` plus the class's constructor arguments; an argument that is itself a method or a selector
+(``TokenSelection``'s ``store`` and ``selector``) is a nested spec (a dict, or a string in the short form below)::
+
+    build_method({"name": "token_selection", "selector": {"name": "observed_attention"}, "keep": 0.25,
+                  "store": {"name": "dense", "cache_quant": "int8"}}, prompt_len=512)
+    build_method("select:observed_attention@0.25+int8", prompt_len=512)     # the same, short form
+    build_method("kivi4"); build_method("lowrank:r4.safetensors+int8", base_dir="plans/")
+    method.spec()                                                            # a dict that rebuilds an equal method
+
+A token selection takes ``budget`` (prompt tokens kept per KV head) or ``keep`` (a fraction of the prompt,
+``budget = max(1, ceil(keep · prompt_len))``: it needs ``prompt_len`` when built). Files named by a spec (a
+``LowRank``'s ``bases``) are read relative to ``base_dir`` (the folder of the plan / spec file); an in-memory object
+(``KVBases``) may stand in their place. The constructors check the values.
+
+**Short form** (the command line's ``--method``)::
+
+    spec      := selection | method
+    selection := "select:" selector "@" amount [ "+" method ]      the store defaults to full K/V (dense)
+    selector  := NAME [ "(" args ")" ]                             select:snapkv(window=32)@64
+    amount    := INTEGER                                           budget: prompt tokens kept per KV head
+               | DECIMAL | PERCENT                                 keep: a fraction of the prompt (0.25, 25%)
+    method    := NAME [ ":" FILE ] [ "(" args ")" ] [ "+int8" ]    lowrank:r4.safetensors+int8, kivi(bits=2)
+    args      := KEY "=" VALUE { "," KEY "=" VALUE }               ints, floats, true/false/none, else strings
+
+``:FILE`` is the class's first file argument (``bases``); ``+int8`` sets ``cache_quant="int8"``. Aliases
+(:data:`ALIASES`): ``int8`` = dense int8, ``fp`` / ``full`` = dense, ``kivi2`` / ``kivi4`` / ``kivi8`` = KIVI at those
+bits. A FILE or VALUE may not contain ``+ ( ) , @``: use the dict form (a JSON file: ``--method spec.json``) for
+those. Errors are one line (:class:`MethodSpecError`, a ``ValueError``) naming the known names.
+
+The built-in method and selector modules are imported on first use (:data:`BUILTIN_MODULES`, by name: the registry
+sits below every method package — a new method module of the package goes into that list, which
+``tests/test_registry.py`` checks); a method defined anywhere else registers when its module is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Optional, Union
+
+__all__ = ["ALIASES", "BUILTIN_MODULES", "METHODS", "MethodSpecError", "SELECTORS", "build_method",
+           "build_selector", "check_spec", "format_spec", "load_spec", "method_names", "parse_spec", "register",
+           "selector_names", "spec_of"]
+
+METHODS: dict[str, type] = {}
+"""Method name → :class:`~kvsplice.core.method.CompressionMethod` subclass."""
+SELECTORS: dict[str, type] = {}
+"""Selector name → :class:`~kvsplice.select.selectors.TokenSelector` subclass."""
+
+BUILTIN_MODULES = ("kvsplice.decode.dense", "kvsplice.decode.native", "kvsplice.lowrank.method",
+                   "kvsplice.lowrank.joint", "kvsplice.select.method", "kvsplice.quant.method",
+                   "kvsplice.online.method", "kvsplice.select.selectors", "kvsplice.select.scores",
+                   "kvsplice.select.knorm", "kvsplice.select.expected", "kvsplice.quant.rotated")
+
+ALIASES: dict[str, dict[str, Any]] = {
+    "fp": {"name": "dense"}, "full": {"name": "dense"}, "int8": {"name": "dense", "cache_quant": "int8"},
+    **{f"kivi{b}": {"name": "kivi", "bits": b} for b in (2, 4, 8)},
+}
+"""Short-form names that stand for a spec (never a registered name)."""
+
+Spec = Union[str, dict]
+
+
+class MethodSpecError(ValueError):
+    """A spec that names no registered method, or gives it arguments it does not take; one line."""
+
+
+def register(kind: str, cls: type) -> None:
+    """Register ``cls`` under ``cls.name`` (``kind``: ``"method"`` or ``"selector"``). One name, one meaning: a
+    name taken by another class — of either kind, or an alias — is refused."""
+    name = cls.__dict__["name"]
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", name):
+        raise TypeError(f"{cls.__qualname__}.name must be a word (letters, digits, _ and -), got {name!r}")
+    for table in (METHODS, SELECTORS):
+        other = table.get(name)
+        if other is not None and (other.__module__, other.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise TypeError(f"{cls.__module__}.{cls.__qualname__} cannot register as {name!r}: "
+                            f"{other.__module__}.{other.__qualname__} has that name")
+    if name in ALIASES:
+        raise TypeError(f"{cls.__qualname__}.name {name!r} is a short-form alias")
+    (METHODS if kind == "method" else SELECTORS)[name] = cls
+
+
+def _load_builtins() -> None:
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+def method_names() -> list[str]:
+    _load_builtins()
+    return sorted(METHODS)
+
+
+def selector_names() -> list[str]:
+    _load_builtins()
+    return sorted(SELECTORS)
+
+
+# ---------------------------------------------------------------------------------------------------- spec_of
+def _params(cls: type) -> dict[str, inspect.Parameter]:
+    """The named constructor arguments of ``cls``."""
+    if cls.__init__ is object.__init__:
+        return {}
+    sig = inspect.signature(cls.__init__)
+    return {n: p for n, p in list(sig.parameters.items())[1:]
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def spec_of(obj: Any) -> dict[str, Any]:
+    """The spec of a method or selector: its ``name`` and every constructor argument whose value (the attribute of
+    the same name) differs from the default; methods and selectors inside are nested specs, files a spec named are
+    their resolved paths (``_spec_files``)."""
+    files = getattr(obj, "_spec_files", {})
+    out: dict[str, Any] = {"name": type(obj).name}
+    for n, p in _params(type(obj)).items():
+        if n in files:
+            out[n] = files[n]
+            continue
+        if not hasattr(obj, n):
+            raise TypeError(f"{type(obj).__name__} keeps no attribute {n!r} for its argument {n!r}: override spec()")
+        v = getattr(obj, n)
+        if hasattr(v, "spec") and callable(v.spec) and hasattr(type(v), "name"):
+            out[n] = v.spec()
+        elif p.default is inspect.Parameter.empty or not _same(v, p.default):
+            out[n] = v
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b) or (a is b)
+    except Exception:  # noqa: BLE001  (tensors and the like: not equal to a default)
+        return False
+
+
+# -------------------------------------------------------------------------------------------------- the grammar
+_METHOD = re.compile(r"(?P<name>[A-Za-z][A-Za-z0-9_-]*)(?::(?P<file>[^+()@,]+))?(?:\((?P<args>[^()]*)\))?"
+                     r"(?P<mods>(?:\+[A-Za-z0-9_]+)*)")
+_SELECT = re.compile(r"select:(?P<sel>[A-Za-z][A-Za-z0-9_-]*)(?:\((?P<args>[^()]*)\))?@(?P<amount>[0-9.eE]+%?)"
+                     r"(?:\+(?P<store>.+))?")
+
+
+def _value(s: str) -> Any:
+    low = s.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(s)
+        except ValueError:
+            pass
+    return s.strip()
+
+
+def _args(text: Optional[str], where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        key, eq, val = part.partition("=")
+        if not eq or not key.strip():
+            raise MethodSpecError(f"{where}: arguments are KEY=VALUE separated by commas, got {part!r}")
+        out[key.strip()] = _value(val)
+    return out
+
+
+def _amount(s: str, text: str) -> dict[str, Any]:
+    try:
+        if s.endswith("%"):
+            return {"keep": float(s[:-1]) / 100}
+        return {"budget": int(s)} if re.fullmatch(r"[0-9]+", s) else {"keep": float(s)}
+    except ValueError:
+        raise MethodSpecError(f"{text!r}: after @ give a token budget (64) or a fraction of the prompt (0.25 or "
+                              f"25%), got {s!r}") from None
+
+
+def parse_spec(text: str) -> dict[str, Any]:
+    """The dict spec of the short form ``text`` (see the module docstring); a string starting with ``{`` is JSON."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            spec = json.loads(text)
+        except ValueError as e:
+            raise MethodSpecError(f"the method spec is not valid JSON: {str(e).splitlines()[0]}") from None
+        if not isinstance(spec, dict):
+            raise MethodSpecError("a JSON method spec is an object with a \"name\"")
+        return spec
+    m = _SELECT.fullmatch(text)
+    if m:
+        spec = {"name": "token_selection", "selector": {"name": m["sel"], **_args(m["args"], text)},
+                **_amount(m["amount"], text)}
+        if m["store"]:
+            spec["store"] = _parse_method(m["store"], text)
+        return spec
+    if text.startswith("select:"):
+        raise MethodSpecError(f"{text!r}: a selection is select:SELECTOR@AMOUNT[+STORE], e.g. "
+                              f"select:snapkv@0.25+int8 (selectors: {', '.join(selector_names())})")
+    return _parse_method(text, text)
+
+
+def _parse_method(part: str, text: str) -> dict[str, Any]:
+    m = _METHOD.fullmatch(part.strip())
+    if not m:
+        raise MethodSpecError(f"{text!r} is not a method spec: NAME[:FILE][(KEY=VALUE,...)][+int8] or "
+                              f"select:SELECTOR@AMOUNT[+STORE] (methods: {', '.join(_known())})")
+    name = m["name"]
+    spec = dict(ALIASES[name]) if name in ALIASES else {"name": name}
+    if m["file"]:
+        files = getattr(METHODS.get(spec["name"]) or _lookup(spec["name"], text), "spec_files", ())
+        if not files:
+            raise MethodSpecError(f"{text!r}: {spec['name']} takes no file (NAME:FILE is for "
+                                  f"{', '.join(n for n, c in METHODS.items() if getattr(c, 'spec_files', ()))})")
+        spec[files[0]] = m["file"].strip()
+    spec.update(_args(m["args"], text))
+    for mod in filter(None, m["mods"].split("+")):
+        if mod != "int8":
+            raise MethodSpecError(f"{text!r}: the only modifier is +int8 (int8 storage), got +{mod}")
+        spec["cache_quant"] = "int8"
+    return spec
+
+
+def format_spec(spec: Spec) -> str:
+    """The short form of a spec (the inverse of :func:`parse_spec` where the values allow it; objects such as
+    in-memory bases print as ``<KVBases>``) — a label."""
+    spec = parse_spec(spec) if isinstance(spec, str) else dict(spec)
+    name = spec.pop("name", "?")
+    if name == "token_selection":
+        sel = spec.pop("selector", {})
+        sel = {"name": sel} if isinstance(sel, str) else dict(sel)
+        amount = spec.pop("budget", None)
+        amount = f"{spec.pop('keep'):g}" if amount is None and "keep" in spec else str(amount)
+        store = spec.pop("store", None)
+        sel_name = sel.pop("name", "?")
+        head = f"select:{sel_name}{_fmt_args(sel)}@{amount}"
+        if spec:
+            head += _fmt_args(spec)
+        return head if store is None else f"{head}+{format_spec(store)}"
+    cls = METHODS.get(name)
+    files = getattr(cls, "spec_files", ())
+    out = name
+    if files and files[0] in spec:
+        f = spec.pop(files[0])
+        out += f":{f}" if isinstance(f, (str, Path)) else f":<{type(f).__name__}>"
+    quant = spec.pop("cache_quant", None)
+    if name == "dense" and quant == "int8" and not spec:
+        return "int8"
+    out += _fmt_args(spec)
+    return out + ("+int8" if quant == "int8" else "" if quant is None else f"(cache_quant={quant})")
+
+
+def _fmt_args(args: dict) -> str:
+    def fmt(v):
+        if isinstance(v, dict):
+            return format_spec(v)
+        return {True: "true", False: "false", None: "none"}.get(v, v) if isinstance(v, (bool, type(None))) else v
+
+    return "" if not args else "(" + ",".join(f"{k}={fmt(v)}" for k, v in args.items()) + ")"
+
+
+def load_spec(arg: str) -> tuple[dict[str, Any], Optional[Path]]:
+    """A ``--method`` argument: a ``.json`` file holding a dict spec (its folder is returned as the ``base_dir`` of
+    the files it names) or the short form / inline JSON."""
+    path = Path(arg)
+    if arg.endswith(".json"):
+        if not path.is_file():
+            raise MethodSpecError(f"method spec file not found: {arg}")
+        try:
+            spec = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise MethodSpecError(f"cannot read the method spec {arg}: {str(e).splitlines()[0]}") from None
+        if isinstance(spec, dict) and isinstance(spec.get("spec"), dict):  # a document that carries a spec
+            spec = spec["spec"]
+        if not isinstance(spec, dict):
+            raise MethodSpecError(f"{arg}: a method spec file holds a JSON object with a \"name\"")
+        return spec, path.resolve().parent
+    return parse_spec(arg), None
+
+
+# ------------------------------------------------------------------------------------------------- building
+def _known() -> list[str]:
+    return method_names() + sorted(ALIASES)
+
+
+def _shown(text: Any) -> str:
+    """A spec as an error message shows it: its short form."""
+    if isinstance(text, dict):
+        try:
+            return repr(format_spec(text))
+        except Exception:  # noqa: BLE001  (a spec too broken to format)
+            return repr(text)
+    return repr(text)
+
+
+def _lookup(name: Any, text: Any, table: Optional[dict] = None) -> type:
+    _load_builtins()
+    table = METHODS if table is None else table
+    cls = table.get(name) if isinstance(name, str) else None
+    if cls is None:
+        kind, known = ("method", _known()) if table is METHODS else ("selector", selector_names())
+        raise MethodSpecError(f"unknown {kind} {name!r} in {_shown(text)}; known: {', '.join(known)}")
+    return cls
+
+
+def _as_dict(spec: Any, what: str) -> dict[str, Any]:
+    if isinstance(spec, str):
+        return parse_spec(spec)
+    if not isinstance(spec, dict) or "name" not in spec:
+        raise MethodSpecError(f"a {what} spec is a dict with a \"name\" or a short-form string, got {spec!r}")
+    return dict(spec)
+
+
+def _check_args(cls: type, kw: dict, text: Any) -> None:
+    params = _params(cls)
+    takes_any = cls.__init__ is not object.__init__ and \
+        any(p.kind == p.VAR_KEYWORD for p in inspect.signature(cls.__init__).parameters.values())
+    bad = [k for k in kw if k not in params and not takes_any]
+    if bad:
+        raise MethodSpecError(f"{cls.name} takes {', '.join(params) or 'no arguments'}; got {', '.join(bad)} "
+                              f"(in {_shown(text)})")
+    missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in kw]
+    if missing:
+        raise MethodSpecError(f"{cls.name} needs {', '.join(missing)} (in {_shown(text)})")
+
+
+def build_selector(spec: Spec) -> Any:
+    """A :class:`~kvsplice.select.selectors.TokenSelector` from its spec (a dict or ``NAME[(args)]``)."""
+    if isinstance(spec, str):
+        m = re.fullmatch(r"([A-Za-z][A-Za-z0-9_-]*)(?:\(([^()]*)\))?", spec.strip())
+        if not m:
+            raise MethodSpecError(f"a selector is NAME[(KEY=VALUE,...)], got {spec!r}")
+        spec = {"name": m[1], **_args(m[2], spec)}
+    text = format_spec({"name": "token_selection", "selector": spec, "budget": "N"}) if isinstance(spec, dict) \
+        and "name" in spec else spec
+    kw = _as_dict(spec, "selector")
+    cls = _lookup(kw.pop("name"), text, SELECTORS)
+    _check_args(cls, kw, text)
+    return cls(**kw)
+
+
+def build_method(spec: Spec, *, prompt_len: Optional[int] = None,
+                 base_dir: Optional[Union[str, Path]] = None) -> Any:
+    """The :class:`~kvsplice.core.method.CompressionMethod` of ``spec`` (a dict or the short form; see the module
+    docstring). ``prompt_len``: the prompt a ``keep`` fraction applies to; ``base_dir``: the folder relative file
+    names are read from (default: the working directory)."""
+    text = spec
+    kw = _as_dict(spec, "method")
+    cls = _lookup(kw.pop("name"), text)
+    files: dict[str, str] = {}
+    for arg in getattr(cls, "spec_files", ()):
+        value = kw.get(arg)
+        if isinstance(value, (str, Path)):
+            path = Path(value).expanduser()
+            path = (Path(base_dir) / path if base_dir is not None and not path.is_absolute() else path).resolve()
+            kw[arg] = cls.load_spec_file(arg, path)
+            files[arg] = str(path)
+    for arg, kind in getattr(cls, "spec_nested", {}).items():
+        if arg in kw and kw[arg] is not None and not hasattr(kw[arg], "spec"):
+            kw[arg] = build_selector(kw[arg]) if kind == "selector" else \
+                build_method(kw[arg], prompt_len=prompt_len, base_dir=base_dir)
+    if "keep" in kw and "keep" not in _params(cls):
+        kw = _keep_to_budget(kw, prompt_len, text)
+    _check_args(cls, kw, text)
+    method = cls(**kw)
+    if files:
+        method._spec_files = files
+    return method
+
+
+def check_spec(spec: Spec, *, base_dir: Optional[Union[str, Path]] = None) -> dict[str, Any]:
+    """Check a spec without building it (before a model loads): its names, argument names and files (a missing
+    one is a :class:`MethodSpecError`); the values are the constructors' to check. Returns the dict spec."""
+    kw = _as_dict(spec, "method")
+    cls = _lookup(kw.get("name"), spec)
+    args = {k: v for k, v in kw.items() if k != "name"}
+    for arg in getattr(cls, "spec_files", ()):
+        value = args.get(arg)
+        if isinstance(value, (str, Path)):
+            path = Path(value).expanduser()
+            path = Path(base_dir) / path if base_dir is not None and not path.is_absolute() else path
+            if not path.is_file():
+                raise MethodSpecError(f"{cls.name}'s {arg} file not found: {path}")
+    for arg, kind in getattr(cls, "spec_nested", {}).items():
+        value = args.get(arg)
+        if value is None or hasattr(value, "spec"):
+            continue
+        if kind == "selector":
+            sel = _as_dict(value, "selector") if not isinstance(value, str) else {"name": value.split("(")[0]}
+            _check_args(_lookup(sel["name"], spec, SELECTORS), {k: v for k, v in sel.items() if k != "name"}
+                        if not isinstance(value, str) else {}, spec)
+        else:
+            args[arg] = check_spec(value, base_dir=base_dir)
+    if "keep" in args and "keep" not in _params(cls):
+        if "budget" in args:
+            raise MethodSpecError(f"give keep (a fraction of the prompt) or budget (tokens), not both (in {spec!r})")
+        args["budget"] = args.pop("keep")
+    _check_args(cls, args, spec)
+    return kw
+
+
+def _keep_to_budget(kw: dict, prompt_len: Optional[int], text: Any) -> dict:
+    keep = kw.pop("keep")
+    if "budget" in kw:
+        raise MethodSpecError(f"give keep (a fraction of the prompt) or budget (tokens), not both (in {_shown(text)})")
+    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0.0 < keep <= 1.0:
+        raise MethodSpecError(f"keep must be a fraction of the prompt in (0, 1], got {keep!r} (in {_shown(text)})")
+    if prompt_len is None:
+        raise MethodSpecError(f"{_shown(text)} keeps a fraction of the prompt: build it with the prompt length "
+                              f"(prompt_len=), or give budget= tokens")
+    kw["budget"] = max(1, math.ceil(keep * int(prompt_len) - 1e-9))
+    return kw

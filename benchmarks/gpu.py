@@ -13,13 +13,16 @@ Sections (``--sections``):
   first in SDPA's priority, and the package's order (:func:`models.attention.sdpa_order`). Median ms per call.
 * ``train`` — one optimizer step of the 124M models (batch 16 x 1024, bf16 autocast, AdamW, clip 1.0): the reference
   (:mod:`benchmarks.reference_gpt`), our MHA / MLA / KVSplice-90 (the ``gpt2`` / ``mla`` / ``mla_kvsplice_90``
-  training configs), eager and ``torch.compile``-d, fused AdamW (ours also foreach). Median of interleaved rounds,
-  CUDA events; MFU = (6·params + 12·L·d·T) · tokens / time / peak bf16 FLOP/s of the device.
+  training configs), eager and ``torch.compile``-d, fused AdamW (ours also foreach); with a FlashAttention package
+  installed (flash-attn 2 or FlashAttention-4) our MHA runs it and ``ours mha sdpa`` is timed beside it. Median
+  of interleaved rounds, CUDA events; MFU = (6·params + 12·L·d·T) · tokens / time / peak bf16 FLOP/s of the device.
 * ``decode`` — one token per sequence per step at a fixed context (the step is rolled back), random weights at the
   124M shapes, bf16, caches filled with random values: ours eager and ``+graph``, transformers' GPT2LMHeadModel
   (sdpa attention) with DynamicCache (crop after each step) and StaticCache (``max_cache_len`` = context + 1, the
   step rewrites the same slot). Each step starts on an idle GPU and is timed with CUDA events. For each variant the
   memory-bandwidth floor (cache bytes + weight bytes read once per step / the device's copy bandwidth, measured).
+  With triton installed (CUDA builds of torch ship it) our one-token steps run the split-KV kernel
+  (``decode_kernel="auto"``, :mod:`models.kernels`); ``benchmarks/serving.py`` times it against SDPA side by side.
 """
 
 from __future__ import annotations
@@ -136,6 +139,8 @@ def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, qui
         "ours mla": lambda: GPT(preset("mla", **shapes, **latent)),
         "ours mla_kvsplice_90": lambda: GPT(preset("mla_kvsplice_90", **shapes, **latent)),
     }
+    if flash_impl() is not None:  # "ours mha" runs the installed FlashAttention (attn_backend auto): SDPA beside it
+        builders["ours mha sdpa"] = lambda: GPT(preset("gpt2", attn_backend="sdpa", **shapes))
     cases = []  # (label, model builder, compiled, optimizer impl)
     for label, build in builders.items():
         cases.append((label, build, False, "fused"))

@@ -18,10 +18,12 @@ compare like with like. Only one cache is alive at a time (the MHA cache at 8192
 On a busy machine ``--threads 1`` gives steadier numbers: with several threads every op waits at an OpenMP
 barrier for whichever thread the OS descheduled, which inflates small ops by orders of magnitude.
 
-Variants: ``--config NAME[:naive|:absorb][:int8][:graph]`` (preset or LightningCLI YAML, as for ``verify_memory``);
-MLA configs use ``cfg.mla_impl`` unless a suffix says otherwise; ``:int8`` decodes with an int8 cache; ``:graph``
-(CUDA) replays each step from a captured CUDA graph over a fixed-capacity view of the cache
-(:class:`models.graph_decode.GraphDecoder`), reported next to its eager twin. On CUDA every step is timed with CUDA
+Variants: ``--config NAME[:naive|:absorb][:int8][:sdpa|:kernel][:graph]`` (preset or LightningCLI YAML, as for
+``verify_memory``); MLA configs use ``cfg.mla_impl`` unless a suffix says otherwise; ``:int8`` decodes with an int8
+cache; ``:sdpa`` keeps one-token steps on SDPA where the split-KV Triton kernel would run (CUDA with triton:
+``decode_kernel="eager"``), ``:kernel`` puts them on it (``decode_kernel="auto"``; the default is
+:data:`models.kernels.DEFAULT_DECODE_KERNEL`); ``:graph`` (CUDA) replays each step from a captured CUDA graph over a fixed-capacity
+view of the cache (:class:`models.graph_decode.GraphDecoder`), reported next to its eager twin. On CUDA every step is timed with CUDA
 events from an idle GPU. Without an MHA variant an MHA baseline with the first config's
 shapes is added. Default: ``gpt2 mla:naive mla mla_kvsplice_50 mla_kvsplice_70 mla_kvsplice_90``.
 """
@@ -46,9 +48,9 @@ from kvsplice.report.memory import DTYPES, dtype_name, parse_dtype
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m kvsplice.bench_decode", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", nargs="+", metavar="NAME[:IMPL][:int8][:graph]", default=list(DEFAULT_CONFIGS),
+    p.add_argument("--config", nargs="+", metavar="NAME[:IMPL][:int8][:sdpa|:kernel][:graph]", default=list(DEFAULT_CONFIGS),
                    help="presets or YAML configs; MLA ones may end in :naive or :absorb; :int8 for an int8 cache, "
-                        ":graph for CUDA-graph steps")
+                        ":sdpa / :kernel for SDPA / the split-KV kernel, :graph for CUDA-graph steps")
     p.add_argument("--ctx", nargs="+", type=int, default=[512, 2048, 8192], metavar="T")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=12, help="timed steps per (variant, context), in all rounds")

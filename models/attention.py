@@ -7,6 +7,9 @@ absolute position ``Tk - Tq + i``. (SDPA's ``is_causal=True`` aligns top-left, w
 ``Tq == Tk``: with one decode query it would see only key 0.)
 
 MLA's absorbed path is the same call with ``Hkv = 1``: every query head attends over the one shared latent.
+One-token cached steps may run the split-KV Triton kernel instead of SDPA (``backend="split_kv"``,
+:mod:`models.kernels`; chosen once per module by ``cfg.decode_kernel``): the same math, one program per group of
+heads that share a row stream, the keys split across the GPU, int8 rows read as they are stored.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from models.cache import DecodeCache
+from models.cache import SCALE, Cache, DecodeCache
+from models.kernels import decode_attend, resolve_decode_kernel, use_decode_kernel
 from models.splice import LearnedKVSplice
 from models.config import GPTConfig
 
@@ -225,7 +229,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mas
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, backend: str = "sdpa",
            dropout_p: float = 0.0, bias: Optional[torch.Tensor] = None,
-           flash: Optional[FlashImpl] = None, fixed_shape: bool = False) -> torch.Tensor:
+           flash: Optional[FlashImpl] = None, fixed_shape: bool = False, lengths: Optional[torch.Tensor] = None,
+           k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of ``Tq`` new queries over ``Tk >= Tq`` keys whose last ``Tq`` are the queries' own.
 
     q (B, Hq, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv), Hq % Hkv == 0 → (B, Hq, Tq, Dv).
@@ -235,11 +240,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
     it needs the SDPA backend. ``flash``: the FlashAttention to run with ``backend="flash"`` (default
     :func:`flash_impl`). ``fixed_shape``: the call's shapes never change (a CUDA-graph step), which lets SDPA use a
     kernel that plans per shape (:func:`sdpa_order`).
+
+    ``backend="split_kv"`` (``Tq = 1`` only): the split-KV kernel (:func:`models.kernels.decode_attend`), which
+    also takes ``lengths (B|1,)`` (keys past ``lengths[b]`` are not read: a fixed-capacity view's length instead of
+    its bias) and int8 ``k``/``v`` with per-row scales ``k_scale``/``v_scale (B, Hkv, Tk, 1)``.
     """
     b, hq, t_q, d = q.shape
     hkv, t_k = k.shape[1], k.shape[2]
     if hq % hkv != 0 or t_k < t_q:
         raise ValueError(f"attend: bad shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
+    if backend == "split_kv":
+        if t_q != 1 or dropout_p > 0.0:
+            raise ValueError(f"attend: the split-KV kernel takes one query and no dropout, got Tq={t_q}")
+        return decode_attend(q, k, v, scale=scale, bias=bias, lengths=lengths, k_scale=k_scale, v_scale=v_scale)
+    if k.dtype == torch.int8 or lengths is not None:
+        raise ValueError("attend: int8 rows and lengths need backend='split_kv'")
     if backend == "flash":
         if bias is not None:
             raise ValueError("attend: flash-attn takes no additive bias; use backend='sdpa'")
@@ -299,9 +314,32 @@ class _Attention(nn.Module):
         impl = flash_impl() if cfg.attn_backend != "sdpa" else None
         # an installed FlashAttention this machine's GPU cannot run (FlashAttention-4 before Hopper) counts as absent
         self.flash = impl if impl is not None and (not torch.cuda.is_available() or gpu_supports(impl)) else None
-        self.last_backend: Optional[str] = None  # which kernel the last call ran ("flash" or "sdpa")
+        self.decode_kernel = resolve_decode_kernel(cfg.decode_kernel)  # once: may one-token steps run the kernel
+        self.last_backend: Optional[str] = None  # which kernel the last call ran ("flash", "sdpa" or "split_kv")
 
-    def _attend(self, q, k, v, bias: Optional[torch.Tensor] = None, fixed_shape: bool = False) -> torch.Tensor:
+    def _kernel(self, q: torch.Tensor) -> bool:
+        """This call runs the split-KV kernel (one query; see :func:`models.kernels.use_decode_kernel`)."""
+        return use_decode_kernel(self.decode_kernel, self.cfg.decode_kernel, q) and not (
+            self.training and self.cfg.dropout > 0)
+
+    def _append(self, q: torch.Tensor, cache: Cache, layer: int, **new: torch.Tensor
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Append the new rows; return the layer's rows per stream and, when the kernel reads an int8 cache as
+        stored, their fp16 scales (else ``{}``: the rows arrive dequantised)."""
+        if cache.quant is not None and self._kernel(q):
+            rows = cache.append_rows(layer, **new)
+            return {n: rows[n] for n in new}, {n: rows[n + SCALE] for n in new}
+        return cache.append(layer, **new), {}
+
+    def _attend(self, q, k, v, bias: Optional[torch.Tensor] = None, fixed_shape: bool = False,
+                cache: Optional[Cache] = None, k_scale: Optional[torch.Tensor] = None,
+                v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self._kernel(q):  # one-token step: the split-KV kernel; a fixed-capacity view's length replaces its bias
+            lengths = cache.key_lengths() if cache is not None else None
+            if not torch.compiler.is_compiling():
+                self.last_backend = "split_kv"
+            return attend(q, k, v, scale=self.scale, backend="split_kv", bias=None if lengths is not None else bias,
+                          lengths=lengths, k_scale=k_scale, v_scale=v_scale)
         if bias is not None:  # a per-key bias (fixed-capacity cache): SDPA only
             backend = "sdpa"
         else:
@@ -333,12 +371,11 @@ class CausalSelfAttention(_Attention):
         q, k, v = self.c_attn(x).split([c, d_kv, d_kv], dim=2)  # (B, T, d_model), 2 × (B, T, Hkv·hs)
         q = q.view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, T, hs)
         k, v = (z.view(b, t, self.n_kv_head, self.head_size).transpose(1, 2) for z in (k, v))  # (B, Hkv, T, hs)
-        bias = None
-        if cache is not None:
-            kv = cache.append(layer, k=k, v=v)
-            k, v = kv["k"], kv["v"]  # (B, Hkv, Tk, hs)
-            bias = cache.key_bias()  # (1, 1, Tk) for a fixed-capacity view, else None
-        return self._out(self._attend(q, k, v, bias, cache is None or cache.fixed_shape))
+        if cache is None:
+            return self._out(self._attend(q, k, v, None, True))
+        kv, sc = self._append(q, cache, layer, k=k, v=v)  # (B, Hkv, Tk, hs) each (int8 + scales (…, 1) for the kernel)
+        bias = cache.key_bias()  # (1, 1, Tk) for a fixed-capacity view, else None
+        return self._out(self._attend(q, kv["k"], kv["v"], bias, cache.fixed_shape, cache, sc.get("k"), sc.get("v")))
 
 
 class MultiHeadLatentAttention(_Attention):
@@ -385,12 +422,13 @@ class MultiHeadLatentAttention(_Attention):
                 c = self.splice.expand(self.splice_norm(s) if self.splice_norm is not None else s)
             return self._out(self._attend(q, *self._expand(c), fixed_shape=True))
         q = self.w_q(x).view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, T, hs)
-        s = cache.append(layer, c=self.latent(x))["c"]  # (B, Tk, r)
         bias, fixed = cache.key_bias(), cache.fixed_shape  # (1, 1, Tk) for a fixed-capacity view, else None
         if self.cfg.mla_impl == "naive":
+            s = cache.append(layer, c=self.latent(x))["c"]  # (B, Tk, r)
             c = self.splice.expand(s) if self.splice is not None else s  # (B, Tk, d_latent), re-expanded per call
-            return self._out(self._attend(q, *self._expand(c), bias, fixed))
-        return self._out(self._absorbed(q, s, bias, fixed))
+            return self._out(self._attend(q, *self._expand(c), bias, fixed, cache))
+        rows, sc = self._append(q, cache, layer, c=self.latent(x))  # (B, Tk, r) (int8 + scales for the kernel)
+        return self._out(self._absorbed(q, rows["c"], bias, fixed, cache, sc.get("c")))
 
     def _c(self, x: torch.Tensor) -> torch.Tensor:
         """The latent ``c = w_dkv x`` (B, T, d_latent), RMS-normalised per token with ``cfg.latent_norm``."""
@@ -405,15 +443,18 @@ class MultiHeadLatentAttention(_Attention):
         return k, v
 
     def _absorbed(self, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  fixed_shape: bool = False) -> torch.Tensor:
-        """q (B, H, Tq, hs), cached latents s (B, Tk, r) → per-head outputs (B, H, Tq, hs)."""
+                  fixed_shape: bool = False, cache: Optional[Cache] = None,
+                  s_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q (B, H, Tq, hs), cached latents s (B, Tk, r) (int8 with ``s_scale (B, Tk, 1)`` for the kernel) →
+        per-head outputs (B, H, Tq, hs)."""
         h, hs = self.n_head, self.head_size
         w_uk = self.w_uk.weight.view(h, hs, -1)  # (H, hs, d_latent)
         w_uv = self.w_uv.weight.view(h, hs, -1)  # (H, hs, d_latent)
         q_lat = torch.einsum("bhtd,hdl->bhtl", q, w_uk)  # (B, H, Tq, d_latent)
         if self.splice is not None:
             q_lat = q_lat @ self.splice.expand_weight()  # (B, H, Tq, r): (w_uk[h] E)ᵀ q_h
-        z = self._attend(q_lat, s[:, None], s[:, None], bias, fixed_shape)  # (B, H, Tq, r): Σ_t p_t s_t
+        sc = None if s_scale is None else s_scale[:, None]  # (B, 1, Tk, 1)
+        z = self._attend(q_lat, s[:, None], s[:, None], bias, fixed_shape, cache, sc, sc)  # (B, H, Tq, r): Σ_t p_t s_t
         if self.splice is not None:
             z = z @ self.splice.expand_weight().T  # (B, H, Tq, d_latent)
         y = torch.einsum("bhtl,hdl->bhtd", z, w_uv)  # (B, H, Tq, hs)

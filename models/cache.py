@@ -65,6 +65,7 @@ class Cache:
     """
 
     kind: str = "cache"
+    quant: str | None = None
     fixed_shape: bool = False
     """Every step sees the same shapes (a fixed-capacity view for CUDA graphs): kernels that plan per shape pay once."""
     batch_size: int
@@ -96,6 +97,11 @@ class Cache:
         """An additive per-key bias ``(1, 1, Tk)`` every attention over what :meth:`append` returned must add, or
         None: a fixed-capacity view (:class:`models.static_cache.StaticCacheView`) returns its whole storage and
         masks the rows not written yet with ``-inf``."""
+        return None
+
+    def key_lengths(self) -> torch.Tensor | None:
+        """The keys held, ``(1,)`` on the device, when :meth:`append` returns more rows than that (a fixed-capacity
+        view, whose :meth:`key_bias` masks the rest): a kernel that takes lengths reads only these rows. Else None."""
         return None
 
     def tensors(self) -> Iterator[torch.Tensor]:
@@ -215,6 +221,16 @@ class DecodeCache(Cache):
 
     def append(self, layer: int, **new: torch.Tensor) -> dict[str, torch.Tensor]:
         """Append ``new[name]`` of shape ``(B, *lead, T_new, D)`` to every stream of ``layer``; return full views."""
+        return self._append(layer, new, dequantized=True)
+
+    def append_rows(self, layer: int, **new: torch.Tensor) -> dict[str, torch.Tensor]:
+        """:meth:`append`, returning the stored rows as they are: for a quantised cache the int8 rows and their fp16
+        ``name.scale`` views (:meth:`stored`), with no dequantised copy — for a kernel that dequantises as it reads
+        (:mod:`models.kernels`)."""
+        self._append(layer, new, dequantized=False)
+        return self.stored(layer)
+
+    def _append(self, layer: int, new: dict[str, torch.Tensor], dequantized: bool) -> dict[str, torch.Tensor]:
         spec = self.specs[layer]
         if set(new) != set(spec):
             raise KeyError(f"layer {layer} holds streams {sorted(spec)}, got {sorted(new)}")
@@ -236,6 +252,8 @@ class DecodeCache(Cache):
             else:  # int8 rows + fp16 scales; the attention call reads them dequantised into the workspace
                 sbuf = self._buffers[layer][name + SCALE]
                 buf[..., n : n + t_new, :], sbuf[..., n : n + t_new, :] = quantize_int8(x)
+                if not dequantized:
+                    continue
                 ws = self._workspace(name, buf)[..., : n + t_new, :]
                 ws.copy_(buf[..., : n + t_new, :]).mul_(sbuf[..., : n + t_new, :])
                 out[name] = ws
@@ -243,13 +261,14 @@ class DecodeCache(Cache):
         self._seen[layer] += t_new
         return out
 
-    def reserve(self, layer: int, t_new: int) -> tuple[int, dict[str, torch.Tensor]]:
+    def reserve(self, layer: int, t_new: int, *, written: bool = False) -> tuple[int, dict[str, torch.Tensor]]:
         """An append without a temporary (unquantised caches): make room for ``t_new`` more tokens of ``layer``, count
         them as held and seen, and return ``(t0, buffers)`` — the length before and the layer's whole storage per
         stream, ``(B, *lead, capacity, D)``. The caller writes ``[..., t0:t0 + t_new, :]`` (e.g. as the ``out=`` of
         its projection) before it reads ``[..., :t0 + t_new, :]``; bytes and :meth:`tensors` are those of
-        :meth:`append` (same buffers, same lengths). The buffers are replaced when the cache grows."""
-        if self.quant is not None:
+        :meth:`append` (same buffers, same lengths). The buffers are replaced when the cache grows. ``written``: the
+        rows are in the storage already, int8 ones with their scales (a fixed-capacity view counts its step)."""
+        if self.quant is not None and not written:
             raise ValueError("reserve() writes rows in place; a quantised cache appends with append()")
         t0 = self._lengths[layer]
         self._ensure(layer, t0 + t_new)  # grows geometrically (a no-op when there is room)

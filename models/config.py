@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
+from models.kernels import DECODE_KERNELS, DEFAULT_DECODE_KERNEL
+
 Attention = Literal["mha", "mla"]
 AttnBackend = Literal["auto", "flash", "sdpa"]
 MLAImpl = Literal["absorb", "naive"]
+DecodeKernel = Literal["auto", "triton", "eager"]
 
 ATTENTIONS = ("mha", "mla")
 ATTN_BACKENDS = ("auto", "flash", "sdpa")
@@ -80,6 +83,10 @@ class GPTConfig:
     mla_impl: MLAImpl = "absorb"
     """How MLA attends over cached latents: ``absorb`` folds w_uk / w_uv (and expand) into the query and output and
     attends in latent space; ``naive`` re-expands every cached latent into full K/V first (reference path)."""
+    decode_kernel: DecodeKernel = DEFAULT_DECODE_KERNEL  # type: ignore[assignment]
+    """One-token cached steps: ``auto`` runs the split-KV Triton kernel (:mod:`models.kernels`) on CUDA when triton
+    is installed and the eager SDPA path elsewhere; ``triton`` forces the kernel (on CPU only under Triton's
+    interpreter); ``eager`` never. Decode only: the full forward (training) is unchanged."""
     n_kv_head: Optional[int] = None
     """MHA only: key/value heads for grouped-query attention (``n_head`` / ``None``: standard MHA; 1: multi-query).
     Query head ``h`` reads KV head ``h // (n_head // n_kv_head)``; the cache holds ``2·n_kv_head·head_size`` numbers
@@ -108,6 +115,7 @@ class GPTConfig:
              self.dropout)
         need(self.attention in ATTENTIONS, "attention", f"one of {ATTENTIONS}", self.attention)
         need(self.attn_backend in ATTN_BACKENDS, "attn_backend", f"one of {ATTN_BACKENDS}", self.attn_backend)
+        need(self.decode_kernel in DECODE_KERNELS, "decode_kernel", f"one of {DECODE_KERNELS}", self.decode_kernel)
         need(self.mla_impl in MLA_IMPLS, "mla_impl", f"one of {MLA_IMPLS}", self.mla_impl)
         need(self.cache_quant in CACHE_QUANTS, "cache_quant", f"one of {CACHE_QUANTS}", self.cache_quant)
         if self.n_kv_head is not None:

@@ -139,7 +139,7 @@ class GPT(nn.Module):
                  cuda_graph: bool = False) -> torch.Tensor:
         """Prefill ``idx`` (B, T) into a fresh cache, then decode ``max_new_tokens`` one at a time from the cache
         (:func:`models.generate.generate_tokens`). ``temperature=0`` is greedy. Returns ``(B, T + max_new_tokens)``.
-        ``cuda_graph=True`` (CUDA, unquantised cache) replays each decode step from a captured CUDA graph
+        ``cuda_graph=True`` (CUDA; int8 caches too) replays each decode step from a captured CUDA graph
         (:class:`models.graph_decode.GraphDecoder`): the same tokens, fewer kernel launches.
         """
         check_sampling(max_new_tokens, temperature, top_k)

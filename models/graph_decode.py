@@ -18,7 +18,7 @@ class GraphDecoder:
     """``decoder.step(tok (B, 1)) -> logits (B, V)``: append one token to ``cache`` and return its next-token logits,
     by replaying a CUDA graph of ``model``'s step (the logits tensor is reused: copy it to keep it).
 
-    ``cache`` must be an unquantised cache of ``model`` on a CUDA device whose capacity covers every token to decode
+    ``cache`` must be a cache of ``model`` (int8 rows included) on a CUDA device whose capacity covers every token to decode
     (``model.new_cache(batch, capacity=...)``); it may already hold a prefilled prompt. ``cache.truncate(n)`` between
     steps rolls it back as usual.
     """

@@ -6,7 +6,8 @@ step cannot be replayed from a graph, and on a GPU each new key length can even 
 instead hands the attention the whole preallocated storage ``(B, *lead, capacity, D)`` and a per-key bias ``(1, 1,
 capacity)`` of 0 for the rows held and ``-inf`` for the rest, and writes the new token's row at a position held in a
 device tensor. The step's work is that of attending over ``capacity`` keys (as transformers' ``StaticCache`` does over
-its maximum length); the bytes cached are the cache's own — the view allocates only the bias and two index tensors.
+its maximum length); the bytes cached are the cache's own — the view allocates only the bias, a length and two index tensors (and, for an int8 cache, a dequantisation
+workspace of one layer's storage when the eager attention reads it).
 
 Exactness: the masked rows get probability exactly 0, so the result equals the step over the ``T`` rows held
 (``tests/test_graph_decode.py``). Rows never written are zeroed when the view is made (uninitialised memory could
@@ -19,11 +20,12 @@ from typing import Iterator
 
 import torch
 
-from models.cache import Cache, DecodeCache
+from models.cache import SCALE, Cache, DecodeCache, quantize_int8
 
 
 class StaticCacheView(Cache):
-    """One-token steps over ``cache`` at fixed shapes (unquantised stream caches; every layer the same length).
+    """One-token steps over ``cache`` at fixed shapes (stream caches, int8 ones included; every layer the same
+    length).
 
     A step is ``view.sync()`` (Python: :attr:`pos` from the cache's length), then the part a CUDA graph captures —
     ``view.begin_step()`` (the bias for that length, computed on the device) and ``model(tok, cache=view)``, whose
@@ -36,14 +38,11 @@ class StaticCacheView(Cache):
     def __init__(self, cache: DecodeCache) -> None:
         if not isinstance(cache, DecodeCache):
             raise TypeError(f"a fixed-capacity view needs a DecodeCache, got {type(cache).__name__}")
-        if cache.quant is not None:
-            raise ValueError(f"a fixed-capacity view needs an unquantised cache (got quant={cache.quant!r}): int8 "
-                             f"rows are dequantised per step into a workspace sized by the length held")
         lengths = {cache.layer_len(i) for i in range(cache.n_layer)}
         if len(lengths) != 1:
             raise ValueError(f"every layer must hold the same number of tokens, got {sorted(lengths)}")
         self.inner = cache
-        self.batch_size, self.dtype, self.device = cache.batch_size, cache.dtype, cache.device
+        self.batch_size, self.dtype, self.device, self.quant = cache.batch_size, cache.dtype, cache.device, cache.quant
         cap = cache.capacity
         n = cache.seq_len
         if n >= cap:
@@ -56,24 +55,47 @@ class StaticCacheView(Cache):
         self.pos = torch.full((), n, dtype=torch.long, device=self.device)  # row the next step writes
         self._keys = torch.arange(cap, device=self.device)  # (capacity,)
         self._bias = torch.zeros(1, 1, cap, dtype=self.dtype, device=self.device)  # (1, 1, capacity)
+        self._lengths = torch.full((1,), n + 1, dtype=torch.int32, device=self.device)  # rows <= pos: (1,)
 
     # ---------------------------------------------------------------------------------------- the step
     def begin_step(self) -> None:
         """Bias for the step about to run: 0 for rows ``<= pos`` (held + the new one), ``-inf`` after."""
         visible = (self._keys <= self.pos).view(1, 1, -1)  # (1, 1, capacity)
         self._bias.copy_(torch.where(visible, 0.0, float("-inf")))
+        self._lengths.copy_(self.pos + 1)  # the same rows as a length (kernels that read only those)
 
     def append(self, layer: int, **new: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Write one token's rows ``(B, *lead, 1, D)`` at :attr:`pos`; return the whole storage of ``layer``."""
+        """Write one token's rows ``(B, *lead, 1, D)`` at :attr:`pos`; return the whole storage of ``layer`` (int8
+        rows dequantised into a capacity-sized workspace shared by the layers: fixed shapes)."""
+        bufs = self.append_rows(layer, **new)
+        if self.quant is None:
+            return {name: bufs[name] for name in new}
+        out = {}
+        for name in new:
+            ws = self.inner._workspace(name, bufs[name])  # (B, *lead, capacity, D) at dtype
+            out[name] = ws.copy_(bufs[name]).mul_(bufs[name + SCALE])
+        return out
+
+    def append_rows(self, layer: int, **new: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Write one token's rows at :attr:`pos`; return the whole stored rows of ``layer`` as they are (int8 rows
+        with their ``name.scale`` buffers when quantised: for a kernel that dequantises as it reads)."""
         bufs = self.inner.storage(layer)
         for name, x in new.items():
             if x.shape[-2] != 1:
                 raise ValueError(f"a fixed-capacity view appends one token per step, got {x.shape[-2]}")
-            bufs[name].index_copy_(-2, self.pos.view(1), x)  # (B, *lead, capacity, D), row pos written
-        return {name: bufs[name] for name in new}
+            if self.quant is None:
+                bufs[name].index_copy_(-2, self.pos.view(1), x)  # (B, *lead, capacity, D), row pos written
+            else:
+                rows, scale = quantize_int8(x)  # (B, *lead, 1, D) int8, (B, *lead, 1, 1) fp16
+                bufs[name].index_copy_(-2, self.pos.view(1), rows)
+                bufs[name + SCALE].index_copy_(-2, self.pos.view(1), scale)
+        return bufs
 
     def key_bias(self) -> torch.Tensor:
         return self._bias  # (1, 1, capacity)
+
+    def key_lengths(self) -> torch.Tensor:
+        return self._lengths  # (1,) int32: pos + 1 rows held after this step's append
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         return self.pos.view(1) + torch.arange(t, device=device)  # (t,)
@@ -90,7 +112,7 @@ class StaticCacheView(Cache):
     def commit(self) -> None:
         """Count the token the step wrote in the underlying cache (its lengths; the rows are written already)."""
         for layer in range(self.inner.n_layer):
-            self.inner.reserve(layer, 1)  # lengths += 1; sync() checked there is room, so nothing grows
+            self.inner.reserve(layer, 1, written=True)  # lengths += 1; sync() checked there is room, so nothing grows
 
     # ---------------------------------------------------------------------------------------- Cache interface
     @property

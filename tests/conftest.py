@@ -30,3 +30,11 @@ def offline(monkeypatch):
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(var, "1")
     monkeypatch.setenv("WANDB_MODE", "disabled")
+
+
+# Triton's interpreter runs the decode kernels (models.kernels) on CPU tensors; it must be on before triton is
+# imported, i.e. before any test module is: here. Without CUDA nothing else in the suite compiles Triton code.
+if not torch.cuda.is_available():
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")

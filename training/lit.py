@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
-from models.config import Attention, AttnBackend, GPTConfig, MLAImpl
+from models.config import Attention, AttnBackend, DecodeKernel, GPTConfig, MLAImpl
 from models.gpt import GPT
 
 __all__ = ["LitGPT", "TrainingConfigError", "lr_factor", "param_groups"]
@@ -118,6 +118,7 @@ class LitGPT(L.LightningModule):
         kvsplice_orthogonal: bool = _D.kvsplice_orthogonal,
         attn_backend: AttnBackend = _D.attn_backend,
         mla_impl: MLAImpl = _D.mla_impl,
+        decode_kernel: DecodeKernel = _D.decode_kernel,
         n_kv_head: Optional[int] = _D.n_kv_head,
         latent_norm: bool = _D.latent_norm,
         kvsplice_norm: bool = _D.kvsplice_norm,

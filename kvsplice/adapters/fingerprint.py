@@ -41,7 +41,7 @@ def model_fingerprint(model: nn.Module) -> str:
         arch.update({k: cfg[k] for k in _ARCH_KEYS if k in cfg})
     else:
         cfg = model.cfg.to_dict()
-        arch.update({k: v for k, v in cfg.items() if k not in ("attn_backend", "mla_impl", "dropout", "cache_quant")})
+        arch.update({k: v for k, v in cfg.items() if k not in ("attn_backend", "mla_impl", "dropout", "cache_quant", "decode_kernel")})
     h = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode())
     h.update(_sample_bytes(adapter.param()))  # the token embedding
     for layer in range(info.n_layer):

@@ -23,7 +23,7 @@ import torch
 
 from models.attention import attend, sdpa, select_backend
 
-__all__ = ["dense_attend", "keys_seen", "masked_attend", "reference_attention", "weighted_attend"]
+__all__ = ["dense_attend", "kernel_attend", "keys_seen", "masked_attend", "reference_attention", "weighted_attend"]
 
 
 def keys_seen(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -81,6 +81,21 @@ def dense_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
     if logw is not None:
         return weighted_attend(q, k, v, logw, scale=scale)
     return attend(q, k, v, scale=scale, backend=select_backend(backend, q.device, q.dtype, q.shape[-1], v.shape[-1]))
+
+
+def kernel_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                  mask: Optional[torch.Tensor] = None, logw: Optional[torch.Tensor] = None,
+                  k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`dense_attend` of one query per head by the split-KV kernel (``attend(..., backend="split_kv")``):
+    q (B, Hq, 1, d), k (B, Hkv, Tk, d), v (B, Hkv, Tk, dv), int8 rows with per-row scales ``(B, Hkv, Tk, 1)``
+    allowed. The keys the last row of ``mask`` hides and the log-weights ``logw (B, Hkv, Tk)`` become one additive
+    per-key bias; a query that sees no key gets zeros."""
+    seen = keys_seen(mask)  # (B|1, Tk) or None
+    bias = None if logw is None else logw.float()  # (B, Hkv, Tk)
+    if seen is not None:
+        hidden = torch.zeros(seen.shape, dtype=torch.float32, device=q.device).masked_fill(~seen, float("-inf"))
+        bias = hidden[:, None, :] if bias is None else bias + hidden[:, None, :]  # (B|1, 1|Hkv, Tk)
+    return attend(q, k, v, scale=scale, backend="split_kv", bias=bias, k_scale=k_scale, v_scale=v_scale)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

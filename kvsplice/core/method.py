@@ -40,9 +40,10 @@ from typing import Any, Optional, Sequence
 import torch
 
 from kvsplice.adapters.base import FamilyAdapter
-from kvsplice.core.attention import dense_attend
+from kvsplice.core.attention import dense_attend, kernel_attend
 from kvsplice.core.registry import register, spec_of
 from models.cache import Cache
+from models.kernels import use_decode_kernel
 
 __all__ = ["CompressionMethod", "Step", "layer_tokens"]
 
@@ -68,6 +69,8 @@ class Step:
     method's ``key_rope`` is ``"pre"``); ``pads``: ``(B,)`` left-padding columns per sequence (HF door, from the first
     call's mask; ``None``: none) — with the tokens seen, the positions of held keys once a sliding window dropped
     some; ``memo``: what a method computes once per call and shares between layers (RoPE tables, the decode mask).
+    ``decode_kernel`` / ``kernel_on``: the door's setting of the split-KV decode kernel and whether it resolved to
+    run (:func:`models.kernels.resolve_decode_kernel`, once per door); :meth:`kernel` says whether a call takes it.
     """
 
     adapter: FamilyAdapter
@@ -79,6 +82,21 @@ class Step:
     k_rotated: bool = True
     pads: Optional[torch.Tensor] = None
     memo: dict[Any, Any] = field(default_factory=dict, repr=False)
+    decode_kernel: str = "eager"
+    kernel_on: bool = False
+
+    def kernel(self, q: torch.Tensor) -> bool:
+        """This one-query call runs the split-KV kernel (:meth:`decode_attend`) instead of the dense attention."""
+        return use_decode_kernel(self.kernel_on, self.decode_kernel, q)
+
+    def decode_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: Optional[torch.Tensor] = None, logw: Optional[torch.Tensor] = None, *,
+                      scale: Optional[float] = None, k_scale: Optional[torch.Tensor] = None,
+                      v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """:meth:`attend` of one query by the split-KV kernel (:func:`kvsplice.core.attention.kernel_attend`):
+        ``k``/``v`` may be int8 rows with per-row scales; ``scale`` defaults to the layer's."""
+        return kernel_attend(q, k, v, scale=self.scales[layer] if scale is None else scale, mask=mask, logw=logw,
+                             k_scale=k_scale, v_scale=v_scale)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: Optional[torch.Tensor] = None, logw: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -37,6 +37,7 @@ from kvsplice.decode.dense import DenseKV
 from kvsplice.decode.native import OWN_ATTENTION, ModelAttention
 from models.cache import Cache
 from models.generate import check_prompt, check_sampling, generate_tokens
+from models.kernels import DEFAULT_DECODE_KERNEL, resolve_decode_kernel
 
 __all__ = ["Decoder", "chunked_nll", "perplexity", "score_continuation", "sequence_nll"]
 
@@ -45,12 +46,18 @@ BACKENDS = ("auto", "flash", "sdpa")
 
 class Decoder:
     """Prefill / decode ``model`` with ``method``; ``dec(input_ids (B, T), cache) -> logits (B, T, V)``
-    (``last_only=True``: only the last position's, ``(B, 1, V)``)."""
+    (``last_only=True``: only the last position's, ``(B, 1, V)``).
+
+    ``decode_kernel``: whether one-token steps of the methods that hold rows (``DenseKV``, ``LowRank``'s
+    coefficients, what a ``TokenSelection`` keeps, int8 included) run the split-KV Triton kernel
+    (:mod:`models.kernels`): ``auto`` on CUDA with triton installed, ``triton`` always (CPU: Triton's interpreter),
+    ``eager`` never. Resolved once, here. A ``models.GPT`` decodes through its own attention (``cfg.decode_kernel``)."""
 
     def __init__(self, model: nn.Module, method: Optional[CompressionMethod | str | dict] = None, *,
-                 attn_backend: str = "auto") -> None:
+                 attn_backend: str = "auto", decode_kernel: str = DEFAULT_DECODE_KERNEL) -> None:
         if attn_backend not in BACKENDS:
             raise ValueError(f"attn_backend must be one of {BACKENDS}, got {attn_backend!r}")
+        self.decode_kernel, self.kernel_on = decode_kernel, resolve_decode_kernel(decode_kernel)  # once
         self.model = model
         self.adapter = adapter_for(model)
         if method is None:
@@ -103,7 +110,8 @@ class Decoder:
         a.check_room(cache.batch_size, start, b, t)
         x = a.embed(input_ids, start)  # (B, T, d_model)
         step = Step(a, start, t, self.scales, self.attn_backend, a.rope(x, start, t),  # rope: None without RoPE
-                    k_rotated=self.method.key_rope != "pre")  # pre-RoPE storage gets its keys un-rotated
+                    k_rotated=self.method.key_rope != "pre", decode_kernel=self.decode_kernel,
+                    kernel_on=self.kernel_on)  # pre-RoPE storage gets its keys un-rotated
         for layer, (method, w) in enumerate(zip(self.layer_methods, self.windows)):
             mask = None if w is None else window_mask(start, t, cache.layer_len(layer) + t, w, x.device)
             x = a.after_attn(layer, x, method.block(layer, a.attn_in(layer, x), cache, step, mask=mask))

@@ -7,7 +7,7 @@ import torch
 
 from kvsplice.core.args import choice_arg
 from kvsplice.core.method import CompressionMethod, layer_tokens
-from models.cache import KVCache
+from models.cache import SCALE, KVCache
 
 __all__ = ["DenseKV"]
 
@@ -42,6 +42,10 @@ class DenseKV(CompressionMethod):
     def attend(self, layer, q, k, v, cache, step, mask=None, logw=None):
         if k.dtype != cache.dtype:
             k, v = k.to(cache.dtype), v.to(cache.dtype)
+        if step.kernel(q):  # one-token step: the split-KV kernel reads the rows as stored (int8 + scales)
+            rows = cache.append_rows(layer, k=k, v=v)  # (B, Hkv, Tk, D) each; "k.scale" (B, Hkv, Tk, 1) when int8
+            return step.decode_attend(layer, q, rows["k"], rows["v"], mask, logw, k_scale=rows.get("k" + SCALE),
+                                      v_scale=rows.get("v" + SCALE))  # (B, Hq, 1, D)
         kv = cache.append(layer, k=k, v=v)  # (B, Hkv, Tk, D) each
         return step.attend(layer, q, kv["k"], kv["v"], mask=mask, logw=logw)  # (B, Hq, Tq, D)
 

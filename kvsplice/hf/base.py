@@ -46,6 +46,7 @@ from kvsplice.core.registry import build_method
 from kvsplice.core.rope import seen_by_any
 from kvsplice.core.window import check_evictable, evict, held_per_layer
 from kvsplice.hf.attention import ATTN_IMPL, tag, use_kvsplice_attention
+from models.kernels import DEFAULT_DECODE_KERNEL, resolve_decode_kernel
 
 __all__ = ["KVSpliceHFCache"]
 
@@ -107,10 +108,13 @@ class _Layer(CacheLayerMixin):
 class KVSpliceHFCache(HFCache):
     """A ``transformers.Cache`` running ``method`` (any :class:`~kvsplice.core.method.CompressionMethod`, or its spec:
     ``"kivi4"``, :func:`kvsplice.build_method`) inside ``model``'s forward; see the module docstring. ``capacity``
-    preallocates that many tokens (storage == live bytes); otherwise storage grows geometrically."""
+    preallocates that many tokens (storage == live bytes); otherwise storage grows geometrically. ``decode_kernel``:
+    one-token steps on the split-KV Triton kernel (``auto``: on CUDA with triton installed; ``triton``; ``eager``),
+    as :class:`kvsplice.decode.Decoder`'s."""
 
     def __init__(self, model: torch.nn.Module, method: CompressionMethod | str | dict, *,
-                 capacity: Optional[int] = None) -> None:
+                 capacity: Optional[int] = None, decode_kernel: str = DEFAULT_DECODE_KERNEL) -> None:
+        self.decode_kernel, self.kernel_on = decode_kernel, resolve_decode_kernel(decode_kernel)  # once
         self.adapter = adapter_for(model)
         if self.adapter.name == "gpt":
             raise ValueError("kvsplice HF caches run inside transformers models (LlamaForCausalLM, GPT2LMHeadModel); "
@@ -161,7 +165,7 @@ class KVSpliceHFCache(HFCache):
                              f"{k.shape[0]}; build a new cache per generate() call")
         if layer == 0:  # a new forward call: its tokens start at the next position
             self.step = Step(self.adapter, self.method_cache.position, k.shape[2], self.scales, backend="sdpa",
-                             pads=self.pads)
+                             pads=self.pads, decode_kernel=self.decode_kernel, kernel_on=self.kernel_on)
         return tag(k, self, layer), v
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

@@ -22,6 +22,7 @@ import torch
 from kvsplice.hf.base import KVSpliceHFCache
 from kvsplice.lowrank.bases import KVBases
 from kvsplice.lowrank.method import LowRank
+from models.kernels import DEFAULT_DECODE_KERNEL
 
 __all__ = ["CoefficientHFCache"]
 
@@ -31,5 +32,6 @@ class CoefficientHFCache(KVSpliceHFCache):
     low-rank ``bases`` (``cache_quant="int8"``: int8 rows with fp16 scales, dequantised for the attention call)."""
 
     def __init__(self, model: torch.nn.Module, bases: KVBases, *, cache_quant: Optional[str] = None,
-                 capacity: Optional[int] = None) -> None:
-        super().__init__(model, LowRank(bases, cache_quant=cache_quant), capacity=capacity)
+                 capacity: Optional[int] = None, decode_kernel: str = DEFAULT_DECODE_KERNEL) -> None:
+        super().__init__(model, LowRank(bases, cache_quant=cache_quant), capacity=capacity,
+                         decode_kernel=decode_kernel)

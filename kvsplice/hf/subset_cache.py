@@ -23,6 +23,7 @@ from kvsplice.core.method import CompressionMethod
 from kvsplice.hf.base import KVSpliceHFCache
 from kvsplice.select.method import TokenSelection
 from kvsplice.select.selectors import TokenSelector
+from models.kernels import DEFAULT_DECODE_KERNEL
 
 __all__ = ["SubsetHFCache"]
 
@@ -32,5 +33,7 @@ class SubsetHFCache(KVSpliceHFCache):
     prompt tokens per KV head + new tokens (``store``: the storage of the kept tokens, default full keys/values)."""
 
     def __init__(self, model: torch.nn.Module, selector: TokenSelector, budget: int, *,
-                 store: Optional[CompressionMethod] = None, capacity: Optional[int] = None) -> None:
-        super().__init__(model, TokenSelection(selector, budget, store=store), capacity=capacity)
+                 store: Optional[CompressionMethod] = None, capacity: Optional[int] = None,
+                 decode_kernel: str = DEFAULT_DECODE_KERNEL) -> None:
+        super().__init__(model, TokenSelection(selector, budget, store=store), capacity=capacity,
+                         decode_kernel=decode_kernel)

@@ -40,7 +40,8 @@ from kvsplice.core.attention import dense_attend, keys_seen
 from kvsplice.lowrank.bases import HeadBases
 from kvsplice.lowrank.cache import CoefficientCache
 
-__all__ = ["Group", "Operands", "coefficient_attend", "decode_step", "encode", "general_attend", "layer_groups"]
+__all__ = ["Group", "Operands", "coefficient_attend", "decode_step", "encode", "general_attend", "kernel_step",
+           "layer_groups"]
 
 
 def _rot_rows(m: torch.Tensor) -> torch.Tensor:
@@ -183,10 +184,35 @@ def coefficient_attend(ops: list[Operands], layer: int, q, k, v, cache: Coeffici
     coefficients → ``(B, Hq, Tq, D)``. ``mode``: ``post`` / ``none`` / ``pre`` (un-rotated keys) / ``pre-rotated``
     (pre-RoPE bases, rotated keys). ``tables(t_k, t_q)``: the RoPE tables of the call (pre-RoPE); ``logw``:
     ``(B, Hkv, Tk)`` log-weights or None. One-token steps of one unquantised group take :func:`decode_step`,
-    everything else :func:`general_attend` (the same math; tested equal)."""
+    everything else :func:`general_attend` (the same math; tested equal); with the split-KV kernel on (the door's
+    ``decode_kernel``), one-token steps of post-RoPE / no-RoPE coefficients take :func:`kernel_step`."""
+    if q.shape[2] == 1 and mode in ("post", "none") and step.kernel(q):
+        return kernel_step(ops, layer, q, k, v, cache, step, scale, mask, logw)
     if q.shape[2] == 1 and len(ops) == 1 and cache.quant is None and q.dtype == cache.dtype:
         return decode_step(ops[0], layer, q, k, v, cache, step, mode, scale, mask, logw, tables)
     return general_attend(ops, layer, q, k, v, cache, step, mode, scale, mask, logw, tables)
+
+
+def kernel_step(ops: list[Operands], layer: int, q, k, v, cache: CoefficientCache, step, scale: float, mask,
+                logw) -> torch.Tensor:
+    """One new token, post-RoPE (or no-RoPE) coefficients, any groups, int8 included: the split-KV kernel
+    (:meth:`kvsplice.core.method.Step.decode_attend`) over the stored coefficient rows — scores ``q̃·a`` with
+    ``q̃ = q k_dec · scale``, ``Σ_t p_t b_t`` — then ``v_decᵀ`` once; the math of :func:`decode_step`."""
+    b, hq, _, d = q.shape
+    g, out_dtype = hq // k.shape[1], q.dtype
+    if q.dtype != cache.dtype:
+        q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
+    single = len(ops) == 1
+    ys = []
+    for op, (A, Bc, a_scale, b_scale) in zip(ops, cache.append_coeff_rows(layer, *encode(ops, k, v))):
+        n = op.n  # A (B, n, Tk, R_k), Bc (B, n, Tk, R_v): the stored rows (int8 + scales (B, n, Tk, 1))
+        qg = (q if single else q[:, op.kv0 * g:(op.kv0 + n) * g]).reshape(b * n, g, d)  # (B·n, g, D)
+        qt = torch.bmm(qg, op.scaled_dec_k(scale)).view(b, n * g, 1, -1)  # q̃ (B, n·g, 1, R_k), scaled
+        lw = None if logw is None else (logw if single else logw[:, op.kv0:op.kv0 + n])  # (B, n, Tk)
+        z = step.decode_attend(layer, qt, A, Bc, mask, lw, scale=1.0, k_scale=a_scale, v_scale=b_scale)  # (B, n·g, 1, R_v)
+        ys.append(torch.bmm(z.view(b * n, g, -1), op.dec_v).view(b, n * g, 1, d))  # (B, n·g, 1, D)
+    y = ys[0] if single else torch.cat(ys, dim=1)  # (B, Hq, 1, D)
+    return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
 def general_attend(ops: list[Operands], layer: int, q, k, v, cache: CoefficientCache, step, mode: str,

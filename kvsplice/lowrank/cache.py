@@ -15,11 +15,11 @@ the live tensors.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from models.cache import DecodeCache
+from models.cache import SCALE, DecodeCache
 
 __all__ = ["CoefficientCache", "coefficient_bytes"]
 
@@ -98,6 +98,22 @@ class CoefficientCache(DecodeCache):
         new.update({f"v{j}": (x[:, 0] if x.dim() == 4 else x) for j, x in enumerate(b)})
         out = self.append(layer, **new)
         return [out[f"k{j}"][:, None] for j in range(n)], [out[f"v{j}"][:, None] for j in range(n)]
+
+    def append_coeff_rows(self, layer: int, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]
+                          ) -> list[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]:
+        """:meth:`append_coeffs` (``a``, ``b``: per group ``(B, n, T_new, R)``), returning per group the stored rows
+        as they are — ``(A (B, n, T, R_k), B (B, n, T, R_v), A scales, B scales)``, the scales ``(B, n, T, 1)`` fp16
+        for an int8 cache, else None — for a kernel that dequantises as it reads (no dequantised copy)."""
+        if self._grouped[layer]:
+            rows = self.append_rows(layer, k=a[0], v=b[0])  # (B, Hkv, T, R)
+            names = [("k", "v")]
+        else:
+            n = self.n_kv_head(layer)
+            new = {f"k{j}": a[j].reshape(a[j].shape[0], -1, a[j].shape[-1]) for j in range(n)}  # (B, T_new, R_k[j])
+            new.update({f"v{j}": b[j].reshape(b[j].shape[0], -1, b[j].shape[-1]) for j in range(n)})
+            rows = {name: x[:, None] for name, x in self.append_rows(layer, **new).items()}  # (B, 1, T, R[j])
+            names = [(f"k{j}", f"v{j}") for j in range(n)]
+        return [(rows[kn], rows[vn], rows.get(kn + SCALE), rows.get(vn + SCALE)) for kn, vn in names]
 
     def reserve_coeffs(self, layer: int, t_new: int) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
         """:meth:`~models.cache.DecodeCache.reserve` in the coefficient layout: ``(t0, K, V)`` with, per group of KV

@@ -30,11 +30,17 @@ class BenchVariant:
 
 
 def parse_variant(spec: str, max_ctx: int) -> BenchVariant:
-    """``NAME[:naive|:absorb][:int8][:graph]`` → a variant (``:int8``: the same model with an int8 cache;
+    """``NAME[:naive|:absorb][:int8][:sdpa|:kernel][:graph]`` → a variant (``:int8``: the same model with an int8
+    cache; ``:sdpa``: one-token steps on SDPA — ``decode_kernel="eager"``; ``:kernel``: on the split-KV kernel where
+    it can run — ``decode_kernel="auto"``; neither: the default, :data:`models.kernels.DEFAULT_DECODE_KERNEL`;
     ``:graph``: steps replayed from a CUDA graph)."""
-    name, impl, quant, graph = spec, None, None, False
+    name, impl, quant, graph, sdpa, kernel = spec, None, None, False, False, False
     if name.endswith(":graph"):
         name, graph = name[: -len(":graph")], True
+    if name.endswith(":sdpa"):
+        name, sdpa = name[: -len(":sdpa")], True
+    elif name.endswith(":kernel"):
+        name, kernel = name[: -len(":kernel")], True
     if name.endswith(":int8"):
         name, quant = name[: -len(":int8")], "int8"
     if ":" in name and name.rsplit(":", 1)[1] in ("naive", "absorb"):
@@ -51,8 +57,12 @@ def parse_variant(spec: str, max_ctx: int) -> BenchVariant:
     if quant:
         cfg = cfg.replace(cache_quant=quant)
         label = f"{label}+{quant}"
-    if graph and quant:
-        raise UsageError(f"{spec}: ':graph' needs an unquantised cache")
+    if sdpa:
+        cfg = cfg.replace(decode_kernel="eager")
+        label = f"{label}+sdpa"
+    if kernel:
+        cfg = cfg.replace(decode_kernel="auto")
+        label = f"{label}+kernel"
     return BenchVariant(label + ("+graph" if graph else ""), cfg, graph)
 
 

@@ -37,10 +37,15 @@ _EXPORTS = {
     "run_token_selection": "kvsplice.select",
     "OnlineFD": "kvsplice.online", "OnlineDecoder": "kvsplice.online",
     "KIVI": "kvsplice.quant", "SnapKVSelector": "kvsplice.select", "ObservedAttentionSelector": "kvsplice.select",
+    "RotatedKIVI": "kvsplice.quant", "KVzipSelection": "kvsplice.select",
+    "ExpectedAttentionSelector": "kvsplice.select",
     "JointLowRank": "kvsplice.lowrank.joint", "JointBases": "kvsplice.lowrank.joint",
     "allocate_ranks": "kvsplice.lowrank.allocate", "calibrate_all": "kvsplice.lowrank.sensitivity",
     # the budget planner's plans (python -m kvsplice.plan writes them)
     "Plan": "kvsplice.planning",
+    # long-context tasks (python -m kvsplice.eval_tasks)
+    "make_instance": "kvsplice.tasks.suite", "TASKS": "kvsplice.tasks.suite", "answer": "kvsplice.tasks.runner",
+    "answer_many": "kvsplice.tasks.shared", "parse_method": "kvsplice.tasks.methods",
     # the HF door
     "KVSpliceHFCache": "kvsplice.hf", "CoefficientHFCache": "kvsplice.hf", "SubsetHFCache": "kvsplice.hf",
     # caches and KVSplice

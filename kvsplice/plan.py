@@ -4,6 +4,7 @@ on calibration text, and write it as a plan the other tools take directly.
     python -m kvsplice.plan --model DIR|GGUF|CKPT --calib TEXT (--budget-bytes-per-token N | --ratio R) \\
         [--calib-tokens 32768] [--calib-stats STATS.safetensors] [--tune-tokens 2048] [--prompt-len P] \\
         [--seq-len T] [--selectors snapkv observed_attention] [--stores default SPEC ...] [--device DEV] \\
+        [--objective ppl|tasks|mixed] [--tune-tasks passkey niah_number_facts] [--tune-n 4] [--stories TEXT] \\
         [--dtype fp32|bf16|fp16] \\
         --out plan.json [--force] [--json REPORT.json]
 
@@ -45,6 +46,14 @@ def _pos_float(s: str) -> float:
     return v
 
 
+def _nonneg_float(s: str) -> float:
+    """argparse type: a finite number >= 0."""
+    v = float(s)
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be >= 0 and finite, got {s}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvsplice.select.selectors import SELECTORS
 
@@ -68,6 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "int8 kivi4 mine(x=1); 'default' = the built-in list: full K/V fp16/int8, KIVI 4/2-bit, fisher "
                    "low rank at 1.5/2/3x, int8 coefficients); default: default")
     p.add_argument("--batch-size", type=pos_int, default=2, help="windows per forward (default 2)")
+    p.add_argument("--objective", choices=("ppl", "tasks", "mixed"), default="ppl", help="what the stack must "
+                   "keep: tuning perplexity (default), task accuracy on tuning instances (seeds >= 1,000,000, never "
+                   "reported; ties: perplexity), or mixed: the best perplexity among the candidates with the best "
+                   "task accuracy")
+    p.add_argument("--tune-tasks", nargs="+", default=["passkey", "niah_number_facts"], metavar="TASK",
+                   help="tasks of the accuracy objective (default passkey niah_number_facts; see eval_tasks)")
+    p.add_argument("--tune-n", type=pos_int, default=4, help="tuning instances per task (default 4)")
+    p.add_argument("--tune-length", type=pos_int, help="tuning instances' prompt tokens (default --seq-len)")
+    p.add_argument("--tune-setting", choices=("agnostic", "aware"), default="agnostic",
+                   help="the question after the compressed context (default) or inside it")
+    p.add_argument("--task-tolerance", type=_nonneg_float, default=0.0, help="mixed: accuracy points below the "
+                   "best a candidate may lose (default 0)")
+    p.add_argument("--stories", help="TinyStories text for --tune-tasks that need it")
     p.add_argument("--out", required=True, help="the plan (.json); low-rank bases go beside it")
     p.add_argument("--json", help="also write the search report here")
     p.add_argument("--force", action="store_true", help="overwrite --out / --json (and recompute --calib-stats "
@@ -119,10 +141,11 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
     full_bpt = full_bytes_per_token(adapter)
     budget = args.budget_bytes_per_token or full_bpt / args.ratio
     log = print if progress else (lambda s: None)
+    task_eval, tune_info = _task_eval(args, model, loaded.tokenizer, seq, progress)
     found = search(model, stats, tune, prompt_len=prompt_len, budget=budget, selectors=args.selectors,
-                   stores=stores, batch_size=args.batch_size, log=log)
-    best = found["best"]
-    chosen = min(found["candidates"], key=lambda r: r["tuning_ppl"])
+                   stores=stores, batch_size=args.batch_size, log=log, objective=args.objective,
+                   task_eval=task_eval, task_tolerance=args.task_tolerance)
+    best, chosen = found["best"], found["chosen"]
     info = {"budget": {"bytes_per_token": budget, "ratio_vs_fp16_full": full_bpt / budget,
                        "full_fp16_bytes_per_token": full_bpt, "storage": "fp16"},
             "prompt_len": prompt_len, "seq_len": seq,
@@ -130,9 +153,49 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
                        "full_cache_ppl": found["full"]["tuning_ppl"]},
             "calibration": {"tokens": n_cal, "stats_file": args.calib_stats, "reused": reused,
                             "seconds": calib_s},
-            "chosen": chosen, "selector": found["selector"], "candidates": found["candidates"]}
+            "chosen": chosen, "selector": found["selector"], "candidates": found["candidates"],
+            "objective": args.objective, "tasks": tune_info, "full": found["full"]}
     plan = Plan(best, model_fingerprint(model), None, info)
     return plan, info
+
+
+def _task_eval(args, model, tokenizer, seq: int, progress: bool):
+    """The accuracy objective's measure: every candidate on tuning task instances (seeds from
+    :data:`kvsplice.tasks.suite.TUNING_SEED0`, disjoint from any reported run), one shared prefill per instance."""
+    if args.objective == "ppl":
+        return None, None
+    from tqdm.auto import tqdm
+
+    from kvsplice.tasks.shared import answer_many
+    from kvsplice.tasks.suite import TUNING_SEED0, make_instances
+
+    length = args.tune_length or seq
+    insts = make_instances(args.tune_tasks, tokenizer, [length], args.tune_n, seed0=TUNING_SEED0,
+                           stories=args.stories)
+    info = {"tasks": args.tune_tasks, "length": length, "n": args.tune_n, "seed0": TUNING_SEED0,
+            "setting": args.tune_setting}
+
+    def task_eval(factories: dict) -> dict[str, float]:
+        scores: dict[str, float] = {k: 0.0 for k in factories}
+        for inst in tqdm(insts, desc="tuning tasks", disable=not progress, file=sys.stderr):
+            for k, o in answer_many(model, tokenizer, inst, factories, setting=args.tune_setting).items():
+                scores[k] += o.score
+        return {k: 100 * v / len(insts) for k, v in scores.items()}
+
+    return task_eval, info
+
+
+def _check_tune_tasks(args) -> None:
+    """``--tune-tasks`` known and given the text they need (before the model loads)."""
+    if args.objective == "ppl":
+        return
+    from kvsplice.tasks.suite import NEEDS_STORIES, TASKS
+
+    bad = [t for t in args.tune_tasks if t not in TASKS]
+    if bad:
+        raise UsageError(f"--tune-tasks: unknown task {bad[0]!r}; tasks are {', '.join(TASKS)}")
+    if set(args.tune_tasks) & NEEDS_STORIES and not args.stories:
+        raise UsageError("--tune-tasks " + " ".join(sorted(set(args.tune_tasks) & NEEDS_STORIES)) + " need --stories")
 
 
 def _store_specs(given: Optional[Sequence[str]]) -> list:
@@ -167,6 +230,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--calib": args.calib,
               "--calib-stats": args.calib_stats}  # an existing stats file is an input
     _store_specs(args.stores)  # fail fast, before the model loads
+    _check_tune_tasks(args)
     out = output_file(args.out, force=args.force, inputs=inputs)
     bases_out = out.with_name(out.stem + ".bases.safetensors")
     # never an input, even with --force (whether it may replace an existing file is checked once the plan has bases)
@@ -181,9 +245,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         output_file(bases_out, force=args.force, option="the plan's bases", inputs=inputs)
     plan.save(out)
     c = info["chosen"]
+    acc = "" if "task_acc" not in c else (f"; tuning task accuracy {c['task_acc']:.1f} % (full cache "
+                                           f"{info['full']['task_acc']:.1f} %)")
     print(f"plan: {c['label']} — {c['bytes_per_token']:.1f} bytes per token, {c['ratio_vs_fp16_full']:.2f}x smaller "
           f"than the fp16 full cache; tuning ppl {c['tuning_ppl']:.4f} ({c['delta_pct']:+.2f} % vs the full cache "
-          f"{info['tuning']['full_cache_ppl']:.4f})")
+          f"{info['tuning']['full_cache_ppl']:.4f}){acc} [objective {args.objective}]")
     print(f"wrote {out}" + (f" and {bases_out}" if plan.files() else ""))
     if json_path is not None:
         write_json(info, json_path)

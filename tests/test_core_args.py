@@ -14,6 +14,8 @@ import torch
 from kvsplice.decode import DenseKV
 from kvsplice.lowrank.method import LowRank
 from kvsplice.quant.method import KIVI
+from kvsplice.quant.rotated import RotatedKIVI
+from kvsplice.select.kvzip import KVzipSelection
 from kvsplice.select.selectors import SELECTORS, make_selector
 from tiny_models import orthonormal_bases
 
@@ -28,6 +30,9 @@ BAD = {  # selector -> [(arguments, words of the error)]
     "snapkv": [({"window": 0}, "window must be in [1,"), ({"kernel": 4}, "kernel must be an odd number"),
                ({"windw": 8}, "selector snapkv takes window, kernel, seed")],
     "observed_attention": [({"normalize": 1}, "normalize must be true or false"), ({"chunk": 0}, "chunk")],
+    "expected_attention": [({"window": 1}, "window must be in [2,"), ({"window": 2.5}, "window must be an integer"),
+                           ({"n_sink": -1}, "n_sink must be in [0,"), ({"cov": 1}, "cov must be true or false"),
+                           ({"seed": "abc"}, "seed must be an integer")],
 }
 
 
@@ -57,7 +62,9 @@ def test_the_largest_halving_count_still_selects_at_once():
     (lambda: KIVI(bits=3), "bits must be one of 2, 4, 8"), (lambda: KIVI(bits=True), "bits"),
     (lambda: KIVI(group=2.5), "group must be an integer"), (lambda: KIVI(residual=-1), "residual must be in [0,"),
     (lambda: DenseKV(cache_quant="int4"), "cache_quant must be one of None, 'int8'"),
-    (lambda: LowRank(orthonormal_bases(1, 1, 4, 2, "post"), cache_quant="fp8"), "cache_quant")])
+    (lambda: LowRank(orthonormal_bases(1, 1, 4, 2, "post"), cache_quant="fp8"), "cache_quant"),
+    (lambda: RotatedKIVI(bits=3), "bits must be one of 2, 4, 8"), (lambda: RotatedKIVI(residual=-1), "residual"),
+    (lambda: KVzipSelection(4, recon_ids=torch.tensor([[1, 2]]), chunk=0), "chunk must be in [1,")])
 def test_bad_storage_arguments_are_one_line(build, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         build()

@@ -106,6 +106,50 @@ def test_stats_are_reused_and_bad_inputs_are_one_line(s260k, planned, tmp_path, 
         Plan({"name": "token_selection", "selector": "snapkv", "keep": 0.5}).method()
 
 
+def test_the_mixed_objective_measures_tasks_and_never_trades_accuracy(s260k, planned, tmp_path):
+    """--objective mixed: every candidate spec gets a task accuracy on tuning instances (seeds >= 1,000,000) beside
+    its perplexity; the chosen spec has the best accuracy, then the best perplexity."""
+    out = tmp_path / "pm.json"
+    assert plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats",
+                          str(planned / "stats.safetensors"), "--objective", "mixed", "--tune-tasks", "passkey",
+                          "--tune-n", "1", "--tune-length", "160", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    info = doc  # the plan file carries the search's evidence beside its spec
+    assert info["objective"] == "mixed" and info["tasks"]["seed0"] == 1_000_000 and "task_acc" in info["full"]
+    cands = info["candidates"]
+    assert len(cands) > 1 and all("task_acc" in c and "tuning_ppl" in c for c in cands)
+    best_acc = max(c["task_acc"] for c in cands)
+    top = [c for c in cands if c["task_acc"] >= best_acc]
+    assert info["chosen"]["task_acc"] == best_acc
+    assert info["chosen"]["tuning_ppl"] == min(c["tuning_ppl"] for c in top)
+    assert Plan.load(out).label == info["chosen"]["label"]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--tune-tasks", "nosuch"], "--tune-tasks: unknown task 'nosuch'"),
+    (["--tune-tasks", "niah_number_stories"], "need --stories"),
+    (["--task-tolerance", "nan"], "--task-tolerance")])
+def test_the_task_objective_refuses_bad_input_before_the_model_loads(extra, needle, tmp_path, capsys):
+    argv = ["--model", str(tmp_path / "no-model"), "--calib", str(CALIB), "--ratio", "4", "--objective", "mixed",
+            *extra, "--out", str(tmp_path / "p.json")]
+    assert plan_cli.main(argv) == 2
+    one_line(capsys, "plan", needle)
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_rank_key_orders_by_the_objective():
+    from kvsplice.planning.search import rank_key
+
+    rows = [{"tuning_ppl": 2.0, "task_acc": 100.0}, {"tuning_ppl": 1.5, "task_acc": 50.0},
+            {"tuning_ppl": 1.8, "task_acc": 100.0}]
+    assert min(rows, key=rank_key("ppl")) is rows[1]
+    assert min(rows, key=rank_key("tasks")) is rows[2]
+    assert min(rows, key=rank_key("mixed", 100.0)) is rows[2]
+    assert min(rows, key=rank_key("mixed", 100.0, tolerance=50.0)) is rows[1]
+    with pytest.raises(ValueError, match="objective"):
+        rank_key("speed")
+
+
 # ------------------------------------------------------------------------------------------ hostile plans (issue 31)
 def one_line(capsys, prog: str, needle: str = "") -> str:
     err = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.strip()]

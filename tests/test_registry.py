@@ -24,6 +24,7 @@ def _instances(tmp_path) -> dict[str, object]:
         "dense": build_method("int8"),
         "model": build_method("model"),
         "kivi": build_method("kivi(bits=2,group=16,residual=32)"),
+        "kivi_rotated": build_method("kivi_rotated(bits=4,residual=16)"),
         "lowrank": build_method("lowrank:b.safetensors+int8", base_dir=tmp_path),
         "joint-lowrank": build_method({"name": "joint-lowrank", "bases": str(tmp_path / "j.safetensors")}),
         "fd-online": build_method("fd-online(rank_k=3,ell=8,max_chunk_len=32)"),

@@ -68,3 +68,27 @@ def test_score_selectors_decode_padded_rows_as_alone():
         for i, s in enumerate(seqs):
             alone = Decoder(model, method).generate(s[None], 4)[0, len(s):]
             assert torch.equal(batched[i, 16:], alone), (sel, i)
+
+
+def test_expected_attention_is_the_gaussian_expectation_and_keeps_sinks_window_and_top():
+    from kvsplice.select.expected import ExpectedAttentionSelector
+
+    q, k, v = _qk(h=2, g=3, t=30, d=4, seed=3)
+    scale = 0.5
+    sel = ExpectedAttentionSelector(window=10, n_sink=2)
+    got = sel.scores(k, v, q, scale)  # (H, T)
+    gen = torch.Generator().manual_seed(0)
+    for j in range(2):  # Monte Carlo: q ~ N(mean, cov) of the last 10 queries of the 3 heads -> E[exp(s q.k)]
+        last = q[j].reshape(3, 30, 4)[:, 20:].reshape(-1, 4).double()
+        mu, cov = last.mean(0), torch.cov(last.T)
+        z = torch.randn(400_000, 4, generator=gen, dtype=torch.float64)
+        samples = mu + z @ torch.linalg.cholesky(cov).T
+        e = torch.exp(scale * samples @ k[j].double().T).mean(0)  # (T,)
+        want = e / e.sum() * v[j].double().norm(dim=-1)
+        torch.testing.assert_close(got[j].double(), want, rtol=0.03, atol=1e-4)
+    idx, logw = sel.select(k, v, 15, q=q, scale=scale)
+    for j in range(2):
+        s = got[j].clone()
+        s[:2] = float("inf")
+        s[20:] = float("inf")  # sinks and the last 10 (the window) first, then the 3 highest of the rest
+        assert idx[j].tolist() == sorted(s.topk(15).indices.tolist()) and not logw.any()

@@ -58,7 +58,7 @@ SELECTORS: dict[str, type] = {}
 BUILTIN_MODULES = ("kvsplice.decode.dense", "kvsplice.decode.native", "kvsplice.lowrank.method",
                    "kvsplice.lowrank.joint", "kvsplice.select.method", "kvsplice.quant.method",
                    "kvsplice.online.method", "kvsplice.select.selectors", "kvsplice.select.scores",
-                   "kvsplice.select.knorm")
+                   "kvsplice.select.knorm", "kvsplice.select.expected", "kvsplice.quant.rotated")
 
 ALIASES: dict[str, dict[str, Any]] = {
     "fp": {"name": "dense"}, "full": {"name": "dense"}, "int8": {"name": "dense", "cache_quant": "int8"},

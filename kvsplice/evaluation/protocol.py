@@ -87,3 +87,17 @@ def evaluate(model, method: Optional[CompressionMethod], windows: torch.Tensor, 
             "ratio_vs_fp16_full": None if per_tok is None else full * p / per_tok,
             "storage_dtype": str(storage_dtype).replace("torch.", ""), "measured": measured,
             "seconds": time.perf_counter() - t0}
+
+
+def evaluate_each(model, method_for, windows: torch.Tensor, *, prompt_len: int, **kw) -> dict[str, Any]:
+    """:func:`evaluate` window by window with ``method_for(prompt ids (1, P))`` — for methods built from the prompt
+    itself (KVzip re-reads it) — the NLLs pooled over the windows (``prompt_len`` >= 1)."""
+    if not prompt_len:
+        raise ValueError("a method built from its prompt needs prompt_len >= 1")
+    kw.pop("batch_size", None)
+    rows = [evaluate(model, method_for(w[None, :prompt_len]), w[None], prompt_len=prompt_len, batch_size=1, **kw)
+            for w in windows]
+    n = sum(r["scored_tokens"] for r in rows)
+    nll = sum(r["nll"] * r["scored_tokens"] for r in rows) / n
+    return {**rows[0], "ppl": math.exp(nll), "nll": nll, "scored_tokens": n, "windows": len(rows),
+            "measured": [m for r in rows for m in r["measured"]], "seconds": sum(r["seconds"] for r in rows)}

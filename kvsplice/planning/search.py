@@ -15,7 +15,8 @@ The search is over method specs (:mod:`kvsplice.core.registry`): any registered 
    int8 K/V (else the candidate keeping the most tokens) — then every candidate is measured with it on the tuning windows
    (:func:`kvsplice.evaluation.protocol.evaluate`: compressed prompt, scored continuation). Nothing is measured on
    evaluation text: the caller passes tuning windows (the planner takes them from the calibration text, after the
-   calibration tokens).
+   calibration tokens). The pick (the selector's and the plan's) follows the ``objective`` (:data:`OBJECTIVES`):
+   tuning perplexity, or with task instances (``task_eval``) their accuracy too.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from kvsplice.evaluation.protocol import evaluate, full_bytes_per_token
 from kvsplice.core.registry import build_method
 from kvsplice.planning.spec import spec_label
 
-__all__ = ["DEFAULT_SELECTORS", "LOWRANK_RATIOS", "bytes_per_token", "candidate_stores", "fit_budget",
-           "lowrank_bases", "search", "selection"]
+__all__ = ["DEFAULT_SELECTORS", "LOWRANK_RATIOS", "OBJECTIVES", "bytes_per_token", "candidate_stores", "fit_budget",
+           "lowrank_bases", "rank_key", "search", "selection"]
 
 DEFAULT_SELECTORS = ("snapkv", "observed_attention")
 LOWRANK_RATIOS = (1.5, 2.0, 3.0)
@@ -132,15 +133,42 @@ def runs_on(model, method) -> bool:
     return True
 
 
+OBJECTIVES = ("ppl", "tasks", "mixed")
+"""What the planner optimises: tuning perplexity; task accuracy on tuning instances (ties: perplexity); or ``mixed``:
+the best perplexity among the candidates whose task accuracy is within ``task_tolerance`` points of the best
+accuracy — it never trades retrieval for perplexity."""
+
+
+def rank_key(objective: str, best_acc: float = 100.0, tolerance: float = 0.0) -> Callable[[dict], tuple]:
+    """Sort key of candidate rows (smallest first) for ``objective`` (:data:`OBJECTIVES`)."""
+    if objective == "ppl":
+        return lambda r: (r["tuning_ppl"],)
+    if objective == "tasks":
+        return lambda r: (-r["task_acc"], r["tuning_ppl"])
+    if objective == "mixed":
+        return lambda r: (r["task_acc"] < best_acc - tolerance - 1e-9, r["tuning_ppl"])
+    raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+
+
 def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: int, budget: float,
            selectors: Sequence[str] = DEFAULT_SELECTORS, lowrank_ratios: Sequence[float] = LOWRANK_RATIOS,
            stores: Optional[Sequence[dict[str, Any]]] = None, batch_size: int = 4,
-           log: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+           log: Optional[Callable[[str], None]] = None, objective: str = "ppl",
+           task_eval: Optional[Callable[[dict[str, Callable]], dict[str, float]]] = None,
+           task_tolerance: float = 0.0) -> dict[str, Any]:
     """Search the specs that fit ``budget`` bytes per prompt token (at fp16) on the tuning ``windows``; returns
     ``{"best": spec (its bases in memory), "full": the full cache's tuning result, "candidates": [...]}`` (each
     candidate: its spec — the planner's bases as their fit —, label, bytes per token, ratio vs the fp16 full cache,
     tuning perplexity). ``stores``: the candidate storage specs (default :func:`candidate_stores`; any registered
-    storage method); ``stats``: the calibration statistics per RoPE mode the low-rank fits need."""
+    storage method); ``stats``: the calibration statistics per RoPE mode the low-rank fits need.
+
+    ``objective`` (:data:`OBJECTIVES`): with ``tasks`` / ``mixed``, ``task_eval({label: factory(ids) -> method})``
+    returns each candidate's accuracy (%) on tuning task instances (``factory`` builds the candidate's method for the
+    ids it compresses; the full cache is ``"full"``); every candidate row then has a ``task_acc``."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if objective != "ppl" and task_eval is None:
+        raise ValueError(f"objective {objective!r} needs task_eval (task instances to measure accuracy on)")
     log = log or (lambda s: None)
     adapter = adapter_for(model)
     full_bpt = full_bytes_per_token(adapter)
@@ -166,6 +194,24 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
             f"({row['delta_pct']:+.2f} %)")
         return row
 
+    def with_tasks(rows: list[dict]) -> None:
+        if task_eval is None:
+            return
+        todo = {r["label"]: (lambda ids, spec=realise(r["spec"]): build_method(spec, prompt_len=ids.shape[1]))
+                for r in rows if "task_acc" not in r}
+        if not todo:
+            return
+        acc = task_eval({"full": lambda ids: None, **todo})
+        full["task_acc"] = acc["full"]
+        for r in rows:
+            if r["label"] in acc:
+                r["task_acc"] = acc[r["label"]]
+                log(f"  {r['label']:<48} task accuracy {r['task_acc']:.1f} % (full cache {acc['full']:.1f} %)")
+
+    def best_of(rows: list[dict]) -> dict:
+        best_acc = max((r.get("task_acc", 0.0) for r in rows), default=0.0)
+        return min(rows, key=rank_key(objective, best_acc, task_tolerance))
+
     full = evaluate(model, None, windows, prompt_len=prompt_len, batch_size=batch_size)
     log(f"full cache: tuning ppl {full['ppl']:.4f}; budget {budget:.1f} bytes per token "
         f"({full_bpt / budget:.2f}x smaller than the fp16 full cache, {full_bpt} B)")
@@ -183,13 +229,14 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
     rows = []
     chosen_sel = selectors[0]
     # the selector is chosen on the selection over int8 K/V (nearly lossless storage: the selection's own loss),
-    # else on the candidate that keeps the most tokens
+    # else on the candidate that keeps the most tokens; by the objective
     with_sel = sorted((s for s in fits if s["name"] == "token_selection"),
                       key=lambda s: (s["store"] != INT8, -s["keep"]))
     if with_sel and len(selectors) > 1:
         trial = [measure(selection(with_sel[0]["store"], name, with_sel[0]["keep"])) for name in selectors]
+        with_tasks(trial)
         rows += trial
-        chosen_sel = min(zip(trial, selectors), key=lambda x: x[0]["tuning_ppl"])[1]
+        chosen_sel = selectors[trial.index(best_of(trial))]
         log(f"selector: {chosen_sel}")
     done = {r["label"] for r in rows}
     for st in fits:
@@ -197,6 +244,9 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
         if spec_label(st) not in done:
             rows.append(measure(st))
             done.add(spec_label(st))
-    best_row = min(rows, key=lambda r: r["tuning_ppl"])
-    return {"best": realise(best_row["spec"]), "full": {"tuning_ppl": full["ppl"], "bytes_per_token": full_bpt},
-            "candidates": rows, "selector": chosen_sel}
+    with_tasks(rows)
+    best_row = best_of(rows)
+    return {"best": realise(best_row["spec"]), "chosen": best_row,
+            "full": {"tuning_ppl": full["ppl"], "bytes_per_token": full_bpt,
+                     **({"task_acc": full["task_acc"]} if "task_acc" in full else {})},
+            "candidates": rows, "selector": chosen_sel, "objective": objective}

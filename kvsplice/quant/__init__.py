@@ -5,5 +5,6 @@ storage method, :class:`~kvsplice.quant.method.KIVI` — alone, or holding a tok
 from kvsplice.quant.cache import KIVICache, kivi_bytes
 from kvsplice.quant.groups import dequantize, pack_codes, quantize, unpack_codes
 from kvsplice.quant.method import KIVI
+from kvsplice.quant.rotated import RotatedKIVI, hadamard
 
-__all__ = ["KIVI", "KIVICache", "dequantize", "kivi_bytes", "pack_codes", "quantize", "unpack_codes"]
+__all__ = ["KIVI", "KIVICache", "RotatedKIVI", "hadamard", "dequantize", "kivi_bytes", "pack_codes", "quantize", "unpack_codes"]

@@ -1,0 +1,151 @@
+"""SmolLM2-135M-Instruct on generated long-context tasks: accuracy vs cache bytes for every method family and stack of
+the perplexity frontier (results/smollm2_frontier.*), the planner's picks and KVzip, in both settings, beside the full
+cache's accuracy (the ceiling).
+
+    python benchmarks/smollm2_tasks.py                    # --size reduced (what was run; see docs/tasks.md)
+    python benchmarks/smollm2_tasks.py --size full        # every family and stack, 7 tasks, 1k/2k/4k, n = 16
+    python benchmarks/smollm2_tasks.py --size smoke       # stories260K, seconds: checks the script end to end
+    python benchmarks/smollm2_tasks.py --report-only      # write results/ from the finished instances
+
+Each length is one ``python -m kvsplice.eval_tasks`` run into ``checkpoints/smollm2_tasks/tasks_<L>.json`` (resumable:
+rerun the command and finished instances are kept); the report is ``results/smollm2_tasks.{json,md,png}``. Instances
+use seeds 0 .. n-1 (the planner tunes on seeds >= 1,000,000). The planner's stacks are rebuilt from the plans the
+frontier measured (ObservedAttention keeping 1/2.09, 1/4.19, 1/8.38 of the prompt + int8 rows = 4x / 8x / 16x at fp16
+storage); KVzip runs at the same bytes. Low-rank rows are cut in every size (off the perplexity frontier; their
+calibration pass alone is ~10 CPU minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+MODEL = DATA / "smollm2-135m-instruct"
+STORIES = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
+WORK = ROOT / "checkpoints" / "smollm2_tasks"
+
+PLANNER = {"4x": "select:observed_attention@x2.09+int8", "8x": "select:observed_attention@x4.19+int8",
+           "16x": "select:observed_attention@x8.38+int8"}
+REDUCED = {"methods": ["int8", "kivi4", PLANNER["4x"], PLANNER["8x"], "kvzip@x2.09+int8", "kvzip@x4.19+int8",
+                       "select:expected_attention@x4.19+int8"],
+           "tasks": ["passkey", "niah_number_stories", "niah_word_facts"], "lengths": [1024, 2048], "n": 8}
+FULL = {"methods": ["int8", "kivi4", "kivi4/r32", "kivi2", *PLANNER.values(), "select:observed_attention@x1.55+kivi4/r32",
+                    *(f"select:{s}@x8" for s in ("observed_attention", "snapkv", "streaming_llm", "knorm")),
+                    "select:observed_attention@x4", "kvzip@x2.09+int8", "kvzip@x4.19+int8", "kvzip@x8.38+int8",
+                    "kvzip@x4", "kvzip@x8", "select:expected_attention@x4.19+int8", "kivi4h/r32", "kivi2h/r32"],
+        "tasks": ["passkey", "niah_number_stories", "niah_uuid_facts", "multikey_stories", "vartrack", "multivalue",
+                  "story_qa"], "lengths": [1024, 2048, 4096], "n": 16}
+SMOKE = {"methods": ["int8", "select:observed_attention@x4+int8", "kvzip@x2"], "tasks": ["passkey", "vartrack"],
+         "lengths": [200], "n": 2}
+
+
+def _model(size: str) -> str:
+    if size != "smoke":
+        return str(MODEL)
+    d = WORK / "s260k"
+    if not (d / "config.json").is_file():
+        from kvsplice.convert.llama2c import convert_llama2c
+
+        convert_llama2c(DATA / "stories260K" / "stories260K.bin", DATA / "stories260K" / "tok512.bin", d)
+    return str(d)
+
+
+def _argv(size: str, cfg: dict, length: int, out: Path, threads: int, progress: bool) -> list[str]:
+    return ["--model", _model(size), "--stories", str(STORIES), "--method", *cfg["methods"], "--tasks", *cfg["tasks"],
+            "--lengths", str(length), "--n", str(cfg["n"]), "--setting", cfg.get("setting", "both"),
+            "--threads", str(threads),
+            "--out", str(out)] + ([] if progress else ["--no-progress"])
+
+
+def _plot(report: dict, out_png: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from models.checkpoint import atomic_write
+
+    lengths = sorted(report["by_length"], key=int)
+    settings = [s for s in ("agnostic", "aware") if any(s in report["by_length"][L]["summary"] for L in report[
+        "by_length"])]
+    fig = Figure(figsize=(5.0 * len(settings), 3.8 * len(lengths)), dpi=110)
+    FigureCanvasAgg(fig)
+    for i, L in enumerate(lengths):
+        for j, s in enumerate(settings):
+            ax = fig.add_subplot(len(lengths), len(settings), i * len(settings) + j + 1)
+            per = report["by_length"][L]["summary"].get(s, {})
+            for m, r in per.items():
+                label = f"{report['labels'].get(m, m)} (n={r['n']})"
+                if m == "full":
+                    ax.axhline(r["acc"], color="k", ls="--", lw=1, label=f"full cache ({r['acc']:.0f} %)")
+                    continue
+                marker = "s" if m.startswith("kvzip") else ("^" if m.startswith("select") else "o")
+                ax.scatter(r["ratio"], r["acc"], marker=marker, label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("× smaller than the fp16 full cache")
+            ax.set_ylabel("accuracy % (exact match)")
+            ax.set_ylim(-5, 105)
+            ax.set_title(f"SmolLM2-135M, {L} tokens, query-{s}", fontsize=9)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=6, loc="best")
+    fig.tight_layout()
+    atomic_write(out_png, lambda tmp: fig.savefig(tmp, format="png"))
+
+
+def write_report(size: str, cfg: dict, results_dir: Path) -> dict:
+    from kvsplice.tasks.report import markdown, summarize
+    from models.checkpoint import atomic_write
+
+    report = {"size": size, "config": cfg, "model": _model(size), "by_length": {}, "labels": {}}
+    md = [f"# Long-context tasks on {'stories260K (smoke)' if size == 'smoke' else 'SmolLM2-135M-Instruct'}", "",
+          f"`python benchmarks/smollm2_tasks.py --size {size}` — tasks {', '.join(cfg['tasks'])}; n = {cfg['n']} per "
+          f"task and length; greedy answers, exact match; fp32 on the CPU.", ""]
+    for L in cfg["lengths"]:
+        path = WORK / f"{size}_{L}.json"
+        if not path.is_file():
+            continue
+        doc = json.loads(path.read_text())
+        methods = ["full", *cfg["methods"]]
+        summary = summarize(doc["results"], methods)
+        report["labels"].update(doc["methods"])
+        report["by_length"][str(L)] = {"summary": summary, "command": "python -m kvsplice.eval_tasks " + " ".join(
+            _argv(size, cfg, L, path, 2, False))}
+        md += [f"## {L} tokens", "", markdown(summary, doc["methods"])]
+    results_dir.mkdir(parents=True, exist_ok=True)
+    stem = results_dir / ("smollm2_tasks" if size != "smoke" else "smollm2_tasks_smoke")
+    atomic_write(stem.with_suffix(".json"), lambda p: p.write_text(json.dumps(report, indent=1) + "\n"))
+    atomic_write(stem.with_suffix(".md"), lambda p: p.write_text("\n".join(md) + "\n"))
+    if report["by_length"]:
+        _plot(report, stem.with_suffix(".png"))
+    return report
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", choices=("smoke", "reduced", "full"), default="reduced")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--results", default=str(ROOT / "results"), help="folder of the report (default results/)")
+    ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--no-progress", action="store_true")
+    a = ap.parse_args()
+    cfg = {"smoke": SMOKE, "reduced": REDUCED, "full": FULL}[a.size]
+    if not a.report_only:
+        from kvsplice import eval_tasks
+
+        WORK.mkdir(parents=True, exist_ok=True)
+        for L in cfg["lengths"]:
+            rc = eval_tasks.main(_argv(a.size, cfg, L, WORK / f"{a.size}_{L}.json", a.threads, not a.no_progress))
+            if rc:
+                return rc
+    report = write_report(a.size, cfg, Path(a.results))
+    print(f"wrote {a.results}/smollm2_tasks{'_smoke' if a.size == 'smoke' else ''}.{{json,md,png}} "
+          f"({len(report['by_length'])} lengths)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""The task suite by name: every generator with its settings, and :func:`make_instance` / :func:`make_instances`.
+
+An instance is a function of ``(task, length, seed)``: its ``random.Random`` is seeded with that string, so the same
+seed gives the same text on any machine, and tuning (the planner: :data:`TUNING_SEED0` upwards) never shares an
+instance with a reported run (seeds from 0).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from typing import Callable, Optional, Sequence
+
+from kvsplice.tasks.common_words import common_words
+from kvsplice.tasks.haystack import HAYSTACKS
+from kvsplice.tasks.instance import TaskInstance, prompt_ids
+from kvsplice.tasks.needles import multikey, multiquery, multivalue, passkey, single
+from kvsplice.tasks.story_qa import story_qa
+from kvsplice.tasks.variables import variable_tracking
+
+__all__ = ["DEFAULT_TASKS", "NEEDS_STORIES", "TASKS", "TUNING_SEED0", "make_instance", "make_instances"]
+
+TUNING_SEED0 = 1_000_000
+"""Seeds at or above this are tuning instances (the planner's); reported runs use seeds below it."""
+
+
+def _grid() -> dict[str, Callable[..., TaskInstance]]:
+    tasks: dict[str, Callable[..., TaskInstance]] = {"passkey": passkey}
+    for value in ("number", "word", "uuid"):
+        for hay in HAYSTACKS:
+            tasks[f"niah_{value}_{hay}"] = functools.partial(single, value=value, haystack=hay)
+    for hay in HAYSTACKS:
+        tasks[f"multikey_{hay}"] = functools.partial(multikey, haystack=hay)
+    tasks["multivalue"] = functools.partial(multivalue, haystack="facts")
+    tasks["multiquery"] = functools.partial(multiquery, haystack="stories")
+    tasks["vartrack"] = variable_tracking
+    tasks["common_words"] = common_words
+    tasks["story_qa"] = story_qa
+    return tasks
+
+
+TASKS: dict[str, Callable[..., TaskInstance]] = _grid()
+"""Task name → generator ``(tokenizer, length, seed, rng, *, task, stories) -> TaskInstance``."""
+NEEDS_STORIES = frozenset(n for n in TASKS if "stories" in n or n in ("multiquery", "story_qa"))
+"""Tasks whose text comes from the TinyStories file (``stories=``)."""
+DEFAULT_TASKS = ("passkey", "niah_number_stories", "niah_uuid_facts", "multikey_stories", "multivalue", "multiquery",
+                 "vartrack", "common_words", "story_qa")
+
+
+def make_instance(task: str, tokenizer, length: int, seed: int, *, stories: Optional[str] = None) -> TaskInstance:
+    """Instance ``seed`` of ``task`` whose prompt is ``length`` tokens of ``tokenizer`` (at most; within a
+    haystack piece of it)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; tasks are {', '.join(TASKS)}")
+    if length < 64:
+        raise ValueError(f"length must be >= 64 tokens, got {length}")
+    rng = random.Random(f"{task}/{length}/{seed}")
+    inst = TASKS[task](tokenizer, length, seed, rng, task=task, stories=stories)
+    ctx, q = prompt_ids(tokenizer, inst)
+    inst.meta["n_tokens"] = len(ctx) + len(q)
+    return inst
+
+
+def make_instances(tasks: Sequence[str], tokenizer, lengths: Sequence[int], n: int, *, seed0: int = 0,
+                   stories: Optional[str] = None) -> list[TaskInstance]:
+    """``n`` instances (seeds ``seed0 .. seed0 + n - 1``) of every task at every length, seed by seed (a run cut
+    short has every task at its first seeds)."""
+    return [make_instance(t, tokenizer, L, seed0 + i, stories=stories) for i in range(n) for t in tasks
+            for L in lengths]

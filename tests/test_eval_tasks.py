@@ -1,0 +1,91 @@
+"""Tests for python -m kvsplice.eval_tasks on a real small model (stories260K, converted from llama2.c): the table and
+JSON, both settings, resuming a finished run without recomputing, the HF door's tokens == the Decoder door's, and
+one-line errors that leave files alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvsplice import eval_tasks
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+STORIES = DATA / "stories260K"
+
+pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file(),
+                                reason=f"stories260K not found under {DATA}")
+
+ARGS = ["--tasks", "passkey", "vartrack", "--lengths", "200", "--n", "2", "--no-progress"]
+METHODS = ["--method", "int8", "select:observed_attention@x4+int8", "kvzip@x2"]
+
+
+@pytest.fixture(scope="module")
+def s260k(tmp_path_factory) -> str:
+    from kvsplice.convert.llama2c import convert_llama2c
+
+    return str(convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", tmp_path_factory.mktemp("s")))
+
+
+def _run(argv, capsys):
+    rc = eval_tasks.main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def test_eval_tasks_table_json_and_resume(s260k, tmp_path, capsys, monkeypatch) -> None:
+    out = tmp_path / "r.json"
+    rc, stdout, err = _run(["--model", s260k, *METHODS, *ARGS, "--out", out, "--md", tmp_path / "r.md"], capsys)
+    assert rc == 0, err
+    doc = json.loads(out.read_text())
+    assert set(doc["results"]) == {"agnostic", "aware"}
+    for setting, by_inst in doc["results"].items():
+        assert len(by_inst) == 4  # 2 tasks × 2 seeds
+        for key, outs in by_inst.items():
+            assert set(outs) == {"full", "int8", "select:observed_attention@x4+int8", "kvzip@x2"}
+            for o in outs.values():
+                assert o["cache_bytes"] == o["formula_bytes"] and 0 <= o["score"] <= 1
+            assert outs["full"]["fp16_bytes"] == outs["full"]["full_fp16_bytes"]
+            assert outs["kvzip@x2"]["fp16_bytes"] < outs["full"]["fp16_bytes"]
+    s = doc["summary"]["agnostic"]
+    assert s["full"]["n"] == 4 and s["full"]["ratio"] == pytest.approx(1.0)
+    assert s["select:observed_attention@x4+int8"]["ratio"] > 4
+    assert "| passkey/200 |" in stdout and "**agnostic**" in stdout and (tmp_path / "r.md").is_file()
+
+    def refuse(*a, **k):
+        raise AssertionError("a finished instance was recomputed")
+
+    monkeypatch.setattr("kvsplice.tasks.shared.answer_many", refuse)
+    rc, stdout, err = _run(["--model", s260k, *METHODS, *ARGS, "--out", out], capsys)
+    assert rc == 0, err
+    assert json.loads(out.read_text())["results"] == doc["results"]
+
+
+def test_eval_tasks_hf_door_matches_decoder(s260k, tmp_path, capsys) -> None:
+    common = ["--model", s260k, "--method", "select:snapkv@0.5", "--tasks", "passkey", "--lengths", "160", "--n", "1",
+              "--setting", "agnostic", "--no-progress"]
+    assert _run([*common, "--out", tmp_path / "d.json"], capsys)[0] == 0
+    assert _run([*common, "--door", "hf", "--out", tmp_path / "h.json"], capsys)[0] == 0
+    d = json.loads((tmp_path / "d.json").read_text())["results"]["agnostic"]
+    h = json.loads((tmp_path / "h.json").read_text())["results"]["agnostic"]
+    for key in d:
+        for m in d[key]:
+            assert d[key][m]["tokens"] == h[key][m]["tokens"] and d[key][m]["cache_bytes"] == h[key][m]["cache_bytes"]
+
+
+def test_eval_tasks_errors_are_one_line(s260k, tmp_path, capsys) -> None:
+    other = tmp_path / "other.json"
+    other.write_text('{"something": 1}')
+    cases = [
+        (["--model", s260k, *ARGS, "--out", tmp_path / "a.json"], "--plan"),
+        (["--model", s260k, "--method", "kivi3", *ARGS, "--out", tmp_path / "a.json"], "unknown method 'kivi3'"),
+        (["--model", s260k, "--method", "int8", *ARGS, "--out", other], "not an eval_tasks result"),
+        (["--model", s260k, "--method", "int8", "--tasks", "story_qa", "--out", tmp_path / "a.json"], "--stories"),
+        (["--model", s260k, "--method", "int8", *ARGS, "--lengths", "100000", "--out", tmp_path / "a.json"],
+         "positions"),
+    ]
+    for argv, words in cases:
+        rc, stdout, err = _run(argv, capsys)
+        assert rc == 2 and err.count("\n") == 1 and err.startswith("eval_tasks: error:") and words in err, err
+    assert other.read_text() == '{"something": 1}' and not (tmp_path / "a.json").exists()

@@ -1,0 +1,138 @@
+"""Tests for kvsplice.tasks: the generated long-context tasks (lengths in the model's tokens, determinism, the answers
+in the text), exact-match scoring, and the runner — both settings through both doors (the package's Decoder and
+transformers' generate() with KVSpliceHFCache) give the same tokens and the same measured bytes, which equal the
+method's closed form; a selection that keeps everything answers exactly as the full cache."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_models import tiny_family  # noqa: E402
+
+from kvsplice.core.registry import build_method  # noqa: E402
+from kvsplice.quant.method import KIVI  # noqa: E402
+from kvsplice.quant.rotated import RotatedKIVI  # noqa: E402
+from kvsplice.tasks.methods import parse_method  # noqa: E402
+from kvsplice.tasks.instance import match_score  # noqa: E402
+from kvsplice.tasks.runner import answer  # noqa: E402
+from kvsplice.tasks.suite import TASKS, make_instance, make_instances  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+STORIES = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
+GPT2_TOK = DATA / "gpt2_tokenizer"
+
+pytestmark = pytest.mark.skipif(not (STORIES.is_file() and (GPT2_TOK / "encoder.json").is_file()),
+                                reason=f"TinyStories text / GPT-2 tokenizer not found under {DATA}")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from kvsplice.io.loading import load_tokenizer
+
+    return load_tokenizer(GPT2_TOK)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = tiny_family("llama", vocab_size=50257, n_layer=2)
+    m.config.max_position_embeddings = 4096
+    return m
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_make_instance_length_and_answers(tok, task) -> None:
+    for length in (512, 2048):
+        inst = make_instance(task, tok, length, 3, stories=str(STORIES))
+        n = inst.meta["n_tokens"]
+        assert length - 160 <= n <= length, (task, length, n)  # within a haystack piece (a story paragraph)
+        text = inst.context
+        for a in inst.answers:
+            assert a in text, (task, a)
+        assert inst.score(" ".join(inst.answers)) == 1.0
+    again = make_instance(task, tok, 512, 3, stories=str(STORIES))
+    assert again.context == make_instance(task, tok, 512, 3, stories=str(STORIES)).context  # a function of the seed
+    assert make_instance(task, tok, 512, 4, stories=str(STORIES)).context != again.context
+
+
+def test_make_instance_common_words_are_most_common(tok) -> None:
+    inst = make_instance("common_words", tok, 1024, 0, stories=str(STORIES))
+    words = [e.split(". ", 1)[1] for e in inst.context.split("\n", 1)[1].split(" ") if ". " in e] or \
+        inst.context.split("\n", 1)[1].split()[1::2]
+    counts = {w: words.count(w) for w in set(words)}
+    rest = max(c for w, c in counts.items() if w not in inst.answers)
+    assert len(inst.answers) == 10 and min(counts[a] for a in inst.answers) > rest
+
+
+def test_make_instance_refuses_bad_input(tok) -> None:
+    with pytest.raises(ValueError, match="unknown task"):
+        make_instance("nope", tok, 512, 0)
+    with pytest.raises(ValueError, match="needs a TinyStories file"):
+        make_instance("story_qa", tok, 512, 0)
+    with pytest.raises(ValueError, match="too short"):
+        make_instance("common_words", tok, 100, 0, stories=str(STORIES))
+    assert len(make_instances(["passkey", "vartrack"], tok, [256, 512], 2)) == 8
+
+
+def test_match_score() -> None:
+    assert match_score("The pass key is 12345.", ["12345"]) == 1.0
+    assert match_score("The pass key is 123456.", ["12345"]) == 0.0  # not inside a longer number
+    assert match_score("ABCDE, fghij", ["abcde", "FGHIJ", "KLMNO", "PQRST"]) == 0.5
+    with pytest.raises(ValueError):
+        match_score("x", [])
+
+
+def _factory(spec):
+    return lambda ids: build_method(spec, prompt_len=ids.shape[1])
+
+
+@pytest.mark.parametrize("setting", ["agnostic", "aware"])
+def test_answer_doors_agree(tok, model, setting) -> None:
+    inst = make_instance("niah_number_stories", tok, 256, 0, stories=str(STORIES))
+    methods = {"full": lambda ids: None,
+               "obs+int8": _factory("select:observed_attention@0.25+int8"),
+               "snapkv": _factory("select:snapkv@0.5"),
+               "expected_attention": _factory("select:expected_attention@0.5"),
+               "kivi4": lambda ids: KIVI(bits=4, group=16, residual=16),
+               "kivi4h": lambda ids: RotatedKIVI(bits=4, group=16, residual=16),
+               "kvzip+int8": parse_method("kvzip@x4+int8", tok).factory}
+    for name, f in methods.items():
+        a = answer(model, tok, inst, f, setting=setting, door="decoder")
+        b = answer(model, tok, inst, f, setting=setting, door="hf")
+        assert a.tokens == b.tokens and len(a.tokens) > 0, name
+        assert a.cache_bytes == b.cache_bytes == a.formula_bytes == b.formula_bytes, name
+        assert a.n_compressed == (a.n_prompt if setting == "aware" else a.n_prompt - len(tok.encode(inst.question)))
+        if name == "full":
+            assert a.fp16_bytes == a.full_fp16_bytes
+        else:
+            assert a.fp16_bytes < a.full_fp16_bytes
+
+
+def test_answer_full_budget_selection_is_the_full_cache(tok, model) -> None:
+    inst = make_instance("vartrack", tok, 256, 1)
+    full = answer(model, tok, inst, lambda ids: None, setting="agnostic")
+    keep_all = answer(model, tok, inst, _factory("select:observed_attention@1.0"), setting="agnostic")
+    assert keep_all.tokens == full.tokens and keep_all.score == full.score
+    with pytest.raises(ValueError, match="setting"):
+        answer(model, tok, inst, lambda ids: None, setting="both")
+
+
+@pytest.mark.parametrize("setting", ["agnostic", "aware"])
+def test_answer_many_equals_answer(tok, model, setting) -> None:
+    from kvsplice.tasks.shared import answer_many
+
+    inst = make_instance("multikey_facts", tok, 200, 2)
+    specs = {s: parse_method(s, tok) for s in ("full", "select:observed_attention@x4+int8", "kvzip@x2",
+                                                "kvzip@x4+int8", "int8", "select:snapkv@0.5")}
+    many = answer_many(model, tok, inst, {s: m.factory for s, m in specs.items()}, setting=setting)
+    assert list(many) == list(specs)
+    for s, m in specs.items():
+        one = answer(model, tok, inst, m.factory, setting=setting)
+        assert many[s].tokens == one.tokens, s
+        assert (many[s].cache_bytes, many[s].formula_bytes, many[s].fp16_bytes) == \
+            (one.cache_bytes, one.formula_bytes, one.fp16_bytes), s
+    assert many["kvzip@x2"].cache_bytes > many["kvzip@x4+int8"].cache_bytes

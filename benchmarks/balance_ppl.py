@@ -35,13 +35,12 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from kvsplice.io.loading import LoadError, first_line, iter_texts, load_model, token_stream  # noqa: E402
-from kvsplice.select.method import run_token_selection  # noqa: E402
-from kvsplice.select.selectors import (BalanceKVSelector, StreamingLLMSelector, UniformSelector,  # noqa: E402
+from kvsplice.io.loading import LoadError, first_line, iter_texts, load_model, token_stream
+from kvsplice.select.method import run_token_selection
+from kvsplice.select.selectors import (BalanceKVSelector, StreamingLLMSelector, UniformSelector,
                                    balance_plan)
+
+REPO = Path(__file__).resolve().parents[1]
 
 DATA = REPO.parent / "shared" / "data"
 STORIES = DATA / "stories260K"

@@ -30,10 +30,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from data.reference import CALIB, DATA, EVAL as VAL, SMOLLM2 as MODEL  # the shared data files
 
-from data.reference import CALIB, DATA, EVAL as VAL, SMOLLM2 as MODEL  # noqa: E402  (the shared data files)
+ROOT = Path(__file__).resolve().parents[1]
 
 STORIES = DATA / "stories260K"
 

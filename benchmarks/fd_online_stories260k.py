@@ -38,19 +38,18 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 from kvsplice.decode import Decoder, DenseKV, perplexity
-from kvsplice.lowrank.method import LowRank  # noqa: E402
-from kvsplice.lowrank.calibrate import calibrate, calibration_batches  # noqa: E402
-from kvsplice.convert.llama2c import convert_llama2c  # noqa: E402
-from kvsplice.lowrank.fits import fit_bases  # noqa: E402
-from kvsplice.io.loading import iter_texts, load_model, token_stream  # noqa: E402
-from kvsplice.lowrank.diagnostics import bases_diagnostics  # noqa: E402
-from kvsplice.core.diagnostics import format_diagnostics  # noqa: E402
-from kvsplice.online.diagnostics import online_qkv_diagnostics  # noqa: E402
-from kvsplice.online.method import OnlineDecoder  # noqa: E402
+from kvsplice.lowrank.method import LowRank
+from kvsplice.lowrank.calibrate import calibrate, calibration_batches
+from kvsplice.convert.llama2c import convert_llama2c
+from kvsplice.lowrank.fits import fit_bases
+from kvsplice.io.loading import iter_texts, load_model, token_stream
+from kvsplice.lowrank.diagnostics import bases_diagnostics
+from kvsplice.core.diagnostics import format_diagnostics
+from kvsplice.online.diagnostics import online_qkv_diagnostics
+from kvsplice.online.method import OnlineDecoder
+
+REPO = Path(__file__).resolve().parents[1]
 
 DATA = REPO.parent / "shared" / "data"
 STORIES = DATA / "stories260K"

@@ -24,12 +24,11 @@ from pathlib import Path
 import torch
 import transformers
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from kvsplice.hf import CoefficientHFCache
+from kvsplice.io.outputs import output_file, write_json
+from kvsplice.lowrank.bases import KVBases
 
-from kvsplice.hf import CoefficientHFCache  # noqa: E402
-from kvsplice.io.outputs import output_file, write_json  # noqa: E402
-from kvsplice.lowrank.bases import KVBases  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_TEXT = ROOT.parent / "shared" / "data" / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
 

@@ -22,14 +22,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from kvsplice.io.outputs import write_json
+from kvsplice.io.loading import iter_texts, load_model, token_stream
+from kvsplice.decode import Decoder, DenseKV
+from kvsplice.hf.measure import cache_nbytes, continuation_logits
+from data.reference import EVAL
 
-from kvsplice.io.outputs import write_json  # noqa: E402
-from kvsplice.io.loading import iter_texts, load_model, token_stream  # noqa: E402
-from kvsplice.decode import Decoder, DenseKV  # noqa: E402
-from kvsplice.hf.measure import cache_nbytes, continuation_logits  # noqa: E402
-from data.reference import EVAL  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 @torch.no_grad()

@@ -33,18 +33,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from data.reference import CALIB, EVAL, STORIES  # the shared data files
+from kvsplice import build_method
+from kvsplice.decode import Decoder, score_continuation
+from kvsplice.hf import KVSpliceHFCache
+from kvsplice.hf.measure import continuation_logits
+from kvsplice.io.outputs import write_json
+from kvsplice.lowrank import calibrate, calibration_batches, fit_bases
+from kvsplice.report.memory import measure_cache
+from kvsplice.select import TokenSelection
 
-from data.reference import CALIB, EVAL, STORIES  # noqa: E402  (the shared data files)
-from kvsplice import build_method  # noqa: E402
-from kvsplice.decode import Decoder, score_continuation  # noqa: E402
-from kvsplice.hf import KVSpliceHFCache  # noqa: E402
-from kvsplice.hf.measure import continuation_logits  # noqa: E402
-from kvsplice.io.outputs import write_json  # noqa: E402
-from kvsplice.lowrank import calibrate, calibration_batches, fit_bases  # noqa: E402
-from kvsplice.report.memory import measure_cache  # noqa: E402
-from kvsplice.select import TokenSelection  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 COMMAND = "python benchmarks/stack_stories260k.py"
 

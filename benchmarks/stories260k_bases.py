@@ -31,15 +31,14 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from kvsplice.evaluation.context import EvalContext, load_windows
+from kvsplice.evaluation.lowrank import evaluate_bases
+from kvsplice.fit_bases import build_parser as fit_parser, fit_from_args
+from kvsplice.io.outputs import write_json
+from data.reference import CALIB, EVAL, STORIES
+from kvsplice.lowrank.fits import FITS, score_error
 
-from kvsplice.evaluation.context import EvalContext, load_windows  # noqa: E402
-from kvsplice.evaluation.lowrank import evaluate_bases  # noqa: E402
-from kvsplice.fit_bases import build_parser as fit_parser, fit_from_args  # noqa: E402
-from kvsplice.io.outputs import write_json  # noqa: E402
-from data.reference import CALIB, EVAL, STORIES  # noqa: E402
-from kvsplice.lowrank.fits import FITS, score_error  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 TOL = 1e-6
 """Slack on the relative score errors: the bases are saved in fp32, so at full rank the attention-aware (oblique)

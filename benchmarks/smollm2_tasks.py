@@ -22,12 +22,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from data.reference import DATA, EVAL as STORIES, SMOLLM2 as MODEL  # the shared data files
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
-MODEL = DATA / "smollm2-135m-instruct"
-STORIES = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
 WORK = ROOT / "checkpoints" / "smollm2_tasks"
 
 PLANNER = {"4x": "select:observed_attention@x2.09+int8", "8x": "select:observed_attention@x4.19+int8",

@@ -272,3 +272,12 @@ def test_force_replaces_exactly_an_earlier_export(run_dir, tmp_path, data_cache,
     rc, err = export(["--ckpt", mla, "--out", trap, "--force", "--no-tokenizer"], capsys)
     one_error(rc, err, ex.PROG, "holds a folder named like an output file (model.safetensors)")
     assert (trap / "model.safetensors" / "mine.txt").read_text() == "mine" and os.listdir(trap) == ["model.safetensors"]
+
+
+def test_export_as_a_library_call_leaves_only_its_output(tmp_path):
+    """``export()`` called from Python (not through the CLI, whose end releases every claim) leaves no ``.out.claim``
+    lock file beside its folder: the folder holding it is the same before and after but for the export."""
+    ckpt, _, _ = make_ckpt(tmp_path, attention="mla")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    ex.export(ckpt, tmp_path / "out", tokenizer=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "out"])

@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from kvsplice.io.cli import Parser, run_cli
-from kvsplice.io.outputs import output_dir, write_dir
+from kvsplice.io.outputs import output_dir, release_claim, write_dir
 from models.attention import LATENT_NORM_EPS
 from models.gpt import HF_CONV1D
 from training.checkpoint import CheckpointError, load_gpt_checkpoint
@@ -168,7 +168,13 @@ def export(ckpt: str | Path, out: str | Path, *, force: bool = False, tokenizer:
         ExportError: the checkpoint cannot be loaded or exported.
     """
     out = output_dir(out, force=force, inputs={"--ckpt": ckpt}, owned=EXPORT_FILES, writer="export")
-    ckpt = Path(ckpt)
+    try:
+        return _export(Path(ckpt), out, tokenizer)
+    finally:
+        release_claim(out)  # a library call leaves no .claim file beside its output
+
+
+def _export(ckpt: Path, out: Path, tokenizer: bool) -> dict[str, Any]:
     try:
         model, cfg, meta = load_gpt_checkpoint(ckpt)
     except CheckpointError as e:

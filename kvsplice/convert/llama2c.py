@@ -155,10 +155,19 @@ def convert_llama2c(model_path: str | os.PathLike, tokenizer_path: str | os.Path
 
 
 def _convert(model_path, tokenizer_path, out_dir, force):
-    from kvsplice.io.outputs import output_dir, write_dir
+    from kvsplice.io.outputs import output_dir, release_claim
 
     out = output_dir(out_dir, force=force, inputs={"model": model_path, "--tokenizer": tokenizer_path},
                      writer="convert_llama2c")
+    try:
+        return _write(model_path, tokenizer_path, out)
+    finally:
+        release_claim(out)  # a library call leaves no .claim file beside its output
+
+
+def _write(model_path, tokenizer_path, out):
+    from kvsplice.io.outputs import write_dir
+
     cfg, sd = read_llama2c(model_path)
     tokenizer = None
     if tokenizer_path is not None:

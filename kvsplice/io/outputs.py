@@ -38,8 +38,8 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Optional, Union
 from kvsplice.io.cli import UsageError, at_command_end
 from models.checkpoint import atomic_write, remove_stale_temp_files, temp_path
 
-__all__ = ["cache_file", "claim", "input_files", "output_dir", "output_file", "out_and_json", "release_claims",
-           "write_dir", "write_json"]
+__all__ = ["cache_file", "claim", "input_files", "output_dir", "output_file", "out_and_json", "release_claim",
+           "release_claims", "write_dir", "write_json"]
 
 PathArg = Union[str, "os.PathLike[str]"]
 Inputs = Optional[Mapping[str, Union[None, PathArg, Iterable[PathArg]]]]
@@ -147,16 +147,29 @@ def claim(path: Path, option: str, value: PathArg) -> None:
     raise UsageError(f"{option} {value} is being claimed by other runs; try again")
 
 
+def _release(mark: Path, fd: int) -> None:
+    """Unlink one claim file while still locked, then drop the lock."""
+    try:
+        if os.fstat(fd).st_ino == os.stat(mark).st_ino:
+            mark.unlink()
+    except OSError:
+        pass
+    os.close(fd)
+
+
 def release_claims() -> None:
     """Remove the claims this process holds (a command's end): each file is unlinked while still locked."""
     while _CLAIMS:
-        mark, fd = _CLAIMS.popitem()
-        try:
-            if os.fstat(fd).st_ino == os.stat(mark).st_ino:
-                mark.unlink()
-        except OSError:
-            pass
-        os.close(fd)
+        _release(*_CLAIMS.popitem())
+
+
+def release_claim(path: PathArg) -> None:
+    """Remove this process's claim on one output (a library function that wrote it and is done: no ``.claim`` file
+    is left beside it until the process exits)."""
+    mark = _claim_path(Path(path).expanduser().resolve())
+    fd = _CLAIMS.pop(mark, None)
+    if fd is not None:
+        _release(mark, fd)
 
 
 atexit.register(release_claims)

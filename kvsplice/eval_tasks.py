@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", nargs="+", default=[], help="plans from python -m kvsplice.plan")
     p.add_argument("--method", nargs="+", default=[], help="method specs: any kvsplice.build_method spec "
                    "(int8, kivi4, kivi_rotated(bits=4), select:NAME@KEEP[+STORE], lowrank:FILE+int8, spec.json), "
-                   "kivi4/r32, kivi4h, kvzip@KEEP[+STORE] (KEEP: 0.25 or x4)")
+                   "kivi4h(residual=32), kvzip@KEEP[+STORE] (KEEP: 0.25 or x4)")
     p.add_argument("--tasks", nargs="+", default=["passkey", "niah_number_stories", "vartrack"],
                    choices=sorted(TASKS), metavar="TASK", help=f"tasks (default passkey niah_number_stories "
                    f"vartrack; all: {' '.join(TASKS)})")

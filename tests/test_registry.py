@@ -62,6 +62,9 @@ def test_the_short_form_and_the_dict_form_agree():
         "store": {"name": "lowrank", "bases": "r4.safetensors", "cache_quant": "int8"}}
     assert parse_spec("kivi4") == {"name": "kivi", "bits": 4}
     assert parse_spec("select:uniform@25%")["keep"] == 0.25
+    assert parse_spec("select:uniform@x4")["keep"] == 0.25  # a ratio: keep 1/4
+    assert parse_spec("kivi4h(residual=32)") == {"name": "kivi_rotated", "bits": 4, "residual": 32}
+    assert parse_spec("select:snapkv@x2+kivi2(residual=16)")["store"] == {"name": "kivi", "bits": 2, "residual": 16}
     assert parse_spec('{"name": "kivi", "bits": 2}') == {"name": "kivi", "bits": 2}
     for text in ("select:observed_attention@0.25+int8", "select:snapkv(window=32)@64+kivi(bits=2,residual=32)",
                  "lowrank:r4.safetensors+int8", "fd-online(rank_k=4,ell=8,relative=true)", "dense", "int8"):
@@ -97,6 +100,7 @@ def test_files_are_read_relative_to_the_spec_folder(tmp_path):
     ("kivi:file.bin", "kivi takes no file"),
     ("select:snapkv", "select:SELECTOR@AMOUNT"),
     ("select:snapkv@x", "select:SELECTOR@AMOUNT"),
+    ("select:snapkv@x0", "or a ratio"),
     ("{oops", "not valid JSON"),
     ({"bits": 4}, "a dict with a \"name\""),
     ("token_selection", "token_selection needs selector, budget"),

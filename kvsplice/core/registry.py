@@ -23,12 +23,14 @@ A token selection takes ``budget`` (prompt tokens kept per KV head) or ``keep`` 
     selector  := NAME [ "(" args ")" ]                             select:snapkv(window=32)@64
     amount    := INTEGER                                           budget: prompt tokens kept per KV head
                | DECIMAL | PERCENT                                 keep: a fraction of the prompt (0.25, 25%)
+               | "x" RATIO                                         keep 1/RATIO of the prompt (x4 = 0.25)
     method    := NAME [ ":" FILE ] [ "(" args ")" ] [ "+int8" ]    lowrank:r4.safetensors+int8, kivi(bits=2)
     args      := KEY "=" VALUE { "," KEY "=" VALUE }               ints, floats, true/false/none, else strings
 
 ``:FILE`` is the class's first file argument (``bases``); ``+int8`` sets ``cache_quant="int8"``. Aliases
 (:data:`ALIASES`): ``int8`` = dense int8, ``fp`` / ``full`` = dense, ``kivi2`` / ``kivi4`` / ``kivi8`` = KIVI at those
-bits. A FILE or VALUE may not contain ``+ ( ) , @``: use the dict form (a JSON file: ``--method spec.json``) for
+bits, ``kivi2h`` / ``kivi4h`` / ``kivi8h`` = KIVI over Hadamard-rotated K/V (``kivi_rotated``); an alias takes
+arguments too (``kivi4(residual=32)``). A FILE or VALUE may not contain ``+ ( ) , @``: use the dict form (a JSON file: ``--method spec.json``) for
 those. Errors are one line (:class:`MethodSpecError`, a ``ValueError``) naming the known names.
 
 The built-in method and selector modules are imported on first use (:data:`BUILTIN_MODULES`, by name: the registry
@@ -46,7 +48,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional, Union
 
-__all__ = ["ALIASES", "BUILTIN_MODULES", "METHODS", "MethodSpecError", "SELECTORS", "build_method",
+__all__ = ["ALIASES", "BUILTIN_MODULES", "METHODS", "MethodSpecError", "SELECTORS", "build_method", "parse_amount",
            "build_selector", "check_spec", "format_spec", "load_spec", "method_names", "parse_spec", "register",
            "selector_names", "spec_of"]
 
@@ -63,6 +65,7 @@ BUILTIN_MODULES = ("kvsplice.decode.dense", "kvsplice.decode.native", "kvsplice.
 ALIASES: dict[str, dict[str, Any]] = {
     "fp": {"name": "dense"}, "full": {"name": "dense"}, "int8": {"name": "dense", "cache_quant": "int8"},
     **{f"kivi{b}": {"name": "kivi", "bits": b} for b in (2, 4, 8)},
+    **{f"kivi{b}h": {"name": "kivi_rotated", "bits": b} for b in (2, 4, 8)},
 }
 """Short-form names that stand for a spec (never a registered name)."""
 
@@ -144,7 +147,7 @@ def _same(a: Any, b: Any) -> bool:
 # -------------------------------------------------------------------------------------------------- the grammar
 _METHOD = re.compile(r"(?P<name>[A-Za-z][A-Za-z0-9_-]*)(?::(?P<file>[^+()@,]+))?(?:\((?P<args>[^()]*)\))?"
                      r"(?P<mods>(?:\+[A-Za-z0-9_]+)*)")
-_SELECT = re.compile(r"select:(?P<sel>[A-Za-z][A-Za-z0-9_-]*)(?:\((?P<args>[^()]*)\))?@(?P<amount>[0-9.eE]+%?)"
+_SELECT = re.compile(r"select:(?P<sel>[A-Za-z][A-Za-z0-9_-]*)(?:\((?P<args>[^()]*)\))?@(?P<amount>x?[0-9.eE]+%?)"
                      r"(?:\+(?P<store>.+))?")
 
 
@@ -172,14 +175,17 @@ def _args(text: Optional[str], where: str) -> dict[str, Any]:
     return out
 
 
-def _amount(s: str, text: str) -> dict[str, Any]:
+def parse_amount(s: str, text: str) -> dict[str, Any]:
+    """A selection's amount (see the grammar) → ``{"budget": n}`` or ``{"keep": fraction}``."""
     try:
+        if s.startswith("x"):
+            return {"keep": 1.0 / float(s[1:])}
         if s.endswith("%"):
             return {"keep": float(s[:-1]) / 100}
         return {"budget": int(s)} if re.fullmatch(r"[0-9]+", s) else {"keep": float(s)}
-    except ValueError:
-        raise MethodSpecError(f"{text!r}: after @ give a token budget (64) or a fraction of the prompt (0.25 or "
-                              f"25%), got {s!r}") from None
+    except (ValueError, ZeroDivisionError):
+        raise MethodSpecError(f"{text!r}: after @ give a token budget (64), a fraction of the prompt (0.25 or 25%) "
+                              f"or a ratio (x4), got {s!r}") from None
 
 
 def parse_spec(text: str) -> dict[str, Any]:
@@ -196,7 +202,7 @@ def parse_spec(text: str) -> dict[str, Any]:
     m = _SELECT.fullmatch(text)
     if m:
         spec = {"name": "token_selection", "selector": {"name": m["sel"], **_args(m["args"], text)},
-                **_amount(m["amount"], text)}
+                **parse_amount(m["amount"], text)}
         if m["store"]:
             spec["store"] = _parse_method(m["store"], text)
         return spec

@@ -1,18 +1,15 @@
 """Method specs for the task evaluation: a string → the factory that builds the method for a prompt.
 
-Every spec :func:`kvsplice.build_method` reads (``int8``, ``kivi4``, ``kivi_rotated(bits=2,residual=32)``,
-``select:observed_attention@0.25+int8``, ``lowrank:FILE+int8``, a ``.json`` spec file; see
+Every spec :func:`kvsplice.build_method` reads (``int8``, ``kivi4``, ``kivi4h(residual=32)``,
+``select:observed_attention@x4+int8``, ``lowrank:FILE+int8``, a ``.json`` spec file; see
 :mod:`kvsplice.core.registry`) is one, plus::
 
     full                                   the full K/V cache
-    ...@xR                                 a selection's amount as a ratio: keep 1/R of the prompt (select:snapkv@x4)
-    kivi4/r32 | kivi4h | kivi2h/r32        KIVI with residual window 32; the ``h`` forms KIVI over Hadamard-rotated
-                                           keys and values (kivi_rotated)
     kvzip@KEEP[+STORE]                     KVzip: kept by the attention of a reconstruction pass (query-agnostic);
                                            KEEP a fraction or xR; it holds the prompt's ids, so it is built here,
                                            per prompt, not by build_method
     plan:PATH                              a plan from python -m kvsplice.plan
-    e.g.  select:observed_attention@x4.19+int8,  kvzip@x4+int8,  kivi4/r32
+    e.g.  select:observed_attention@x4.19+int8,  kvzip@x4+int8,  kivi4(residual=32)
 
 A selection keeps ``ceil(KEEP · P)`` of the ``P`` tokens it compresses (as a plan does).
 """
@@ -20,14 +17,13 @@ A selection keeps ``ceil(KEEP · P)`` of the ``P`` tokens it compresses (as a pl
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from kvsplice.core.method import CompressionMethod
-from kvsplice.core.registry import build_method, check_spec, format_spec, load_spec
+from kvsplice.core.registry import build_method, check_spec, format_spec, load_spec, parse_amount
 
 __all__ = ["MethodSpec", "parse_method"]
 
@@ -45,26 +41,14 @@ class MethodSpec:
 
 
 def _keep(text: str, spec: str) -> float:
+    """KVzip's KEEP: a fraction or a ratio ``xR``, as a selection's amount in the registry's grammar."""
     try:
-        v = 1.0 / float(text[1:]) if text.startswith("x") else float(text)
-    except (ValueError, ZeroDivisionError):
+        v = parse_amount(text, spec).get("keep", -1.0)
+    except ValueError:
         v = -1.0
     if not 0.0 < v <= 1.0:
         raise ValueError(f"method {spec!r}: KEEP must be a fraction in (0, 1] or a ratio xR with R >= 1, got {text!r}")
     return v
-
-
-_KIVI = re.compile(r"kivi(?P<bits>[248])(?P<rot>h?)(?:/r(?P<res>[0-9]+))?")
-
-
-def _short(text: str, spec: str) -> str:
-    """The task suite's short forms (``@xR``, ``kivi4h/r32``) → the registry's grammar."""
-    def kivi(m: re.Match) -> str:
-        args = [f"bits={m['bits']}"] + ([f"residual={m['res']}"] if m["res"] else [])
-        return f"{'kivi_rotated' if m['rot'] else 'kivi'}({','.join(args)})"
-
-    text = re.sub(r"@(x[^+]+)", lambda m: f"@{_keep(m[1], spec)!r}", text)
-    return re.sub(r"(?<![A-Za-z0-9_])" + _KIVI.pattern + r"(?![A-Za-z0-9_(])", kivi, text)
 
 
 def _named(spec: str, e: ValueError) -> str:
@@ -86,7 +70,7 @@ def parse_method(spec: str, tokenizer=None) -> MethodSpec:
     if spec.startswith("kvzip@"):
         return _kvzip(spec, tokenizer)
     try:
-        d, base_dir = load_spec(_short(spec, spec))
+        d, base_dir = load_spec(spec)
         d = check_spec(d, base_dir=base_dir)
         build_method(d, prompt_len=1, base_dir=base_dir)  # the constructors check the values now, not per prompt
     except ValueError as e:
@@ -106,7 +90,7 @@ def _kvzip(spec: str, tokenizer) -> MethodSpec:
     store = None
     if store_text:
         try:
-            store = check_spec(load_spec(_short(store_text, spec))[0])
+            store = check_spec(load_spec(store_text)[0])
             build_method(store, prompt_len=1)
         except ValueError as e:
             raise ValueError(_named(spec, e)) from None

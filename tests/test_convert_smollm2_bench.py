@@ -3,11 +3,11 @@ the three outputs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from tiny_models import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 STORIES = ROOT.parent / "shared" / "data" / "stories260K" / "stories260K.bin"
@@ -15,9 +15,7 @@ STORIES = ROOT.parent / "shared" / "data" / "stories260K" / "stories260K.bin"
 
 @pytest.mark.skipif(not STORIES.is_file(), reason="stories260K not found")
 def test_convert_smollm2_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("convert_smollm2", ROOT / "benchmarks" / "convert_smollm2.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("convert_smollm2")
     out = tmp_path / "res"
     assert bench.main(["--smoke", "--ratios", "4", "--layouts", "shared", "--int8", "--calib-tokens", "2048",
                        "--out", str(out)]) == 0

@@ -4,7 +4,6 @@ children of a killed study (the long studies themselves run outside the test sui
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -19,16 +18,14 @@ from models.checkpoint import save_model
 from models.config import GPTConfig
 from models.gpt import GPT
 from training import study
+from tiny_models import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "frontier.py"
 
 
 @pytest.fixture(scope="module")
 def frontier():
-    spec = importlib.util.spec_from_file_location("frontier_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("frontier")
 
 
 @pytest.mark.parametrize("kw, per_layer", [(dict(), 2 * 32), (dict(n_kv_head=1), 2 * 8),
@@ -179,9 +176,7 @@ def test_a_run_shorter_than_the_log_interval_reports_and_resumes(tmp_path: Path,
 def test_recipe_study_inserts_each_ratio_into_one_shared_mla_stage(tmp_path: Path, frontier, study_cache) -> None:
     """``kvsplice_recipe.py --study recipe``: ``insert`` (KVSplice-50) and ``insert90`` (KVSplice-90) of one seed
     share their MLA-128 stage (trained once), and each row holds the cache of the ratio it inserted."""
-    spec = importlib.util.spec_from_file_location("kvsplice_recipe", SCRIPT.parent / "kvsplice_recipe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # imports training.study, not benchmarks/frontier.py
+    mod = load_benchmark("kvsplice_recipe")  # imports training.study, not benchmarks/frontier.py
     out, runs = tmp_path / "r.json", tmp_path / "runs"
     assert mod.main(["--study", "recipe", "--steps", "4", "--batch", "2", "--seeds", "1", "--jobs", "2",
                      "--out", str(out), "--runs-dir", str(runs), "--data", str(DATA),

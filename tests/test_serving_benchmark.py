@@ -3,23 +3,18 @@ interpreter when triton is installed) and refuses bad input with one line."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from models.kernels import triton_missing_reason
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serving.py"
+from tiny_models import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def serving():
-    spec = importlib.util.spec_from_file_location("serving_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("serving")
 
 
 def test_smoke_run_writes_the_capacity_and_kernel_tables(serving, tmp_path: Path):

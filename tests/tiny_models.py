@@ -106,3 +106,15 @@ def tiny_family(family: str, *, window: int | None = None, seed: int = 0, partia
                 if "norm" in name and "vision" not in name:
                     p.sub_(1.0)
     return model
+
+
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module (the benchmarks are scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -29,16 +29,16 @@ WORK = ROOT / "checkpoints" / "smollm2_tasks"
 
 PLANNER = {"4x": "select:observed_attention@x2.09+int8", "8x": "select:observed_attention@x4.19+int8",
            "16x": "select:observed_attention@x8.38+int8"}
-REDUCED = {"methods": ["int8", "kivi4", PLANNER["4x"], PLANNER["8x"], "kvzip@x2.09+int8", "kvzip@x4.19+int8",
+REDUCED = {"methods": ["int8", "kivi4", PLANNER["4x"], PLANNER["8x"], "select:kvzip@x2.09+int8", "select:kvzip@x4.19+int8",
                        "select:expected_attention@x4.19+int8"],
            "tasks": ["passkey", "niah_number_stories", "niah_word_facts"], "lengths": [1024, 2048], "n": 8}
 FULL = {"methods": ["int8", "kivi4", "kivi4(residual=32)", "kivi2", *PLANNER.values(), "select:observed_attention@x1.55+kivi4(residual=32)",
                     *(f"select:{s}@x8" for s in ("observed_attention", "snapkv", "streaming_llm", "knorm")),
-                    "select:observed_attention@x4", "kvzip@x2.09+int8", "kvzip@x4.19+int8", "kvzip@x8.38+int8",
-                    "kvzip@x4", "kvzip@x8", "select:expected_attention@x4.19+int8", "kivi4h(residual=32)", "kivi2h(residual=32)"],
+                    "select:observed_attention@x4", "select:kvzip@x2.09+int8", "select:kvzip@x4.19+int8", "select:kvzip@x8.38+int8",
+                    "select:kvzip@x4", "select:kvzip@x8", "select:expected_attention@x4.19+int8", "kivi4h(residual=32)", "kivi2h(residual=32)"],
         "tasks": ["passkey", "niah_number_stories", "niah_uuid_facts", "multikey_stories", "vartrack", "multivalue",
                   "story_qa"], "lengths": [1024, 2048, 4096], "n": 16}
-SMOKE = {"methods": ["int8", "select:observed_attention@x4+int8", "kvzip@x2"], "tasks": ["passkey", "vartrack"],
+SMOKE = {"methods": ["int8", "select:observed_attention@x4+int8", "select:kvzip@x2"], "tasks": ["passkey", "vartrack"],
          "lengths": [200], "n": 2}
 
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file(),
                                 reason=f"stories260K not found under {DATA}")
 
 ARGS = ["--tasks", "passkey", "vartrack", "--lengths", "200", "--n", "2", "--no-progress"]
-METHODS = ["--method", "int8", "select:observed_attention@x4+int8", "kvzip@x2"]
+METHODS = ["--method", "int8", "select:observed_attention@x4+int8", "select:kvzip@x2"]
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +43,11 @@ def test_eval_tasks_table_json_and_resume(s260k, tmp_path, capsys, monkeypatch) 
     for setting, by_inst in doc["results"].items():
         assert len(by_inst) == 4  # 2 tasks × 2 seeds
         for key, outs in by_inst.items():
-            assert set(outs) == {"full", "int8", "select:observed_attention@x4+int8", "kvzip@x2"}
+            assert set(outs) == {"full", "int8", "select:observed_attention@x4+int8", "select:kvzip@x2"}
             for o in outs.values():
                 assert o["cache_bytes"] == o["formula_bytes"] and 0 <= o["score"] <= 1
             assert outs["full"]["fp16_bytes"] == outs["full"]["full_fp16_bytes"]
-            assert outs["kvzip@x2"]["fp16_bytes"] < outs["full"]["fp16_bytes"]
+            assert outs["select:kvzip@x2"]["fp16_bytes"] < outs["full"]["fp16_bytes"]
     s = doc["summary"]["agnostic"]
     assert s["full"]["n"] == 4 and s["full"]["ratio"] == pytest.approx(1.0)
     assert s["select:observed_attention@x4+int8"]["ratio"] > 4

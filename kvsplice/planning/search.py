@@ -27,14 +27,14 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from kvsplice.adapters import adapter_for
-from kvsplice.evaluation.protocol import evaluate, full_bytes_per_token
-from kvsplice.core.registry import build_method
+from kvsplice.evaluation.protocol import evaluate, evaluate_each, full_bytes_per_token
+from kvsplice.core.registry import METHODS, SELECTORS, build_method, needs_prompt
 from kvsplice.planning.spec import spec_label
 
 __all__ = ["DEFAULT_SELECTORS", "LOWRANK_RATIOS", "OBJECTIVES", "bytes_per_token", "candidate_stores", "fit_budget",
-           "lowrank_bases", "rank_key", "search", "selection"]
+           "is_selection", "lowrank_bases", "rank_key", "search", "selection"]
 
-DEFAULT_SELECTORS = ("snapkv", "observed_attention")
+DEFAULT_SELECTORS = ("snapkv", "observed_attention", "kvzip")
 LOWRANK_RATIOS = (1.5, 2.0, 3.0)
 
 
@@ -89,8 +89,16 @@ def bytes_per_token(method, adapter, prompt_len: int, held: int, dtype: torch.dt
 
 
 def selection(store: dict[str, Any], selector: str, keep: float = 1.0) -> dict[str, Any]:
-    """The spec of ``selector`` keeping ``keep`` of the prompt over the storage ``store``."""
+    """The spec of ``selector`` keeping ``keep`` of the prompt over the storage ``store`` (``selector``: a selector
+    name, or a selection that scores by its own pass — ``kvzip``)."""
+    if selector not in SELECTORS and getattr(METHODS.get(selector), "select_form", False):
+        return {"name": selector, "keep": keep, "store": store}
     return {"name": "token_selection", "selector": {"name": selector}, "keep": keep, "store": store}
+
+
+def is_selection(spec: dict[str, Any]) -> bool:
+    """``spec`` keeps a fraction of the prompt (a token selection, KVzip)."""
+    return "keep" in spec
 
 
 def fit_budget(store: dict[str, Any], adapter, prompt_len: int, budget: float, *, selector: str,
@@ -155,7 +163,7 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
            stores: Optional[Sequence[dict[str, Any]]] = None, batch_size: int = 4,
            log: Optional[Callable[[str], None]] = None, objective: str = "ppl",
            task_eval: Optional[Callable[[dict[str, Callable]], dict[str, float]]] = None,
-           task_tolerance: float = 0.0) -> dict[str, Any]:
+           task_tolerance: float = 0.0, tokenizer: Any = None) -> dict[str, Any]:
     """Search the specs that fit ``budget`` bytes per prompt token (at fp16) on the tuning ``windows``; returns
     ``{"best": spec (its bases in memory), "full": the full cache's tuning result, "candidates": [...]}`` (each
     candidate: its spec — the planner's bases as their fit —, label, bytes per token, ratio vs the fp16 full cache,
@@ -164,7 +172,8 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
 
     ``objective`` (:data:`OBJECTIVES`): with ``tasks`` / ``mixed``, ``task_eval({label: factory(ids) -> method})``
     returns each candidate's accuracy (%) on tuning task instances (``factory`` builds the candidate's method for the
-    ids it compresses; the full cache is ``"full"``); every candidate row then has a ``task_acc``."""
+    ids it compresses; the full cache is ``"full"``); every candidate row then has a ``task_acc``. ``tokenizer``:
+    the model's, for candidates that re-read their prompt (KVzip: measured window by window)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if objective != "ppl" and task_eval is None:
@@ -185,8 +194,12 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
         return out
 
     def measure(spec: dict) -> dict[str, Any]:
-        res = evaluate(model, build_method(realise(spec), prompt_len=prompt_len), windows, prompt_len=prompt_len,
-                       batch_size=batch_size)
+        if needs_prompt(spec):  # built per window from its prompt
+            res = evaluate_each(model, lambda ids: build_method(realise(spec), prompt_ids=ids, tokenizer=tokenizer),
+                                windows, prompt_len=prompt_len)
+        else:
+            res = evaluate(model, build_method(realise(spec), prompt_len=prompt_len), windows,
+                           prompt_len=prompt_len, batch_size=batch_size)
         row = {"label": spec_label(spec), "spec": spec, "bytes_per_token": res["bytes_per_token"],
                "ratio_vs_fp16_full": res["ratio_vs_fp16_full"], "tuning_ppl": res["ppl"],
                "delta_pct": 100 * (res["ppl"] / full["ppl"] - 1), "seconds": res["seconds"]}
@@ -197,7 +210,9 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
     def with_tasks(rows: list[dict]) -> None:
         if task_eval is None:
             return
-        todo = {r["label"]: (lambda ids, spec=realise(r["spec"]): build_method(spec, prompt_len=ids.shape[1]))
+        from kvsplice.tasks.methods import per_prompt
+
+        todo = {r["label"]: per_prompt(lambda spec=realise(r["spec"]), **ctx: build_method(spec, **ctx), tokenizer)
                 for r in rows if "task_acc" not in r}
         if not todo:
             return
@@ -230,7 +245,9 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
     chosen_sel = selectors[0]
     # the selector is chosen on the selection over int8 K/V (nearly lossless storage: the selection's own loss),
     # else on the candidate that keeps the most tokens; by the objective
-    with_sel = sorted((s for s in fits if s["name"] == "token_selection"),
+    if any(needs_prompt(selection(INT8, name)) for name in selectors) and tokenizer is None:
+        raise ValueError(f"the selectors {', '.join(selectors)} include one that re-reads its prompt: give tokenizer=")
+    with_sel = sorted((s for s in fits if is_selection(s)),
                       key=lambda s: (s["store"] != INT8, -s["keep"]))
     if with_sel and len(selectors) > 1:
         trial = [measure(selection(with_sel[0]["store"], name, with_sel[0]["keep"])) for name in selectors]
@@ -240,7 +257,7 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
         log(f"selector: {chosen_sel}")
     done = {r["label"] for r in rows}
     for st in fits:
-        st = selection(st["store"], chosen_sel, st["keep"]) if st["name"] == "token_selection" else st
+        st = selection(st["store"], chosen_sel, st["keep"]) if is_selection(st) else st
         if spec_label(st) not in done:
             rows.append(measure(st))
             done.add(spec_label(st))

@@ -1,18 +1,20 @@
 """KVzip-style, query-agnostic token selection (Kim et al. 2025): keep the context tokens the model needs to
 *reconstruct* the context.
 
-After the (exact) prefill of a layer, a second pass — ``recon_ids``: a "Repeat the previous context:" prompt followed
-by the context itself, at the positions after it — runs through the same layer over the layer's full cache; every
-context token is scored by the largest attention it receives from any reconstruction query of any query head of its
-KV head, and each KV head keeps its ``budget`` highest-scored tokens (log-weight 0). The reconstruction pass is carried
-layer to layer (its hidden states live in the call's ``step.memo``) with the model's own weights through the family
-adapter, so it runs inside either door: the package's ``Decoder`` and transformers' ``generate()`` call the same
-``attend``. The question is never needed: a cache compressed this way serves any later question.
+After the (exact) prefill of a layer, a second pass — the reconstruction prompt: ``repeat`` ("Repeat the previous
+context exactly.") followed by the prompt itself, at the positions after it — runs through the same layer over the
+layer's full cache; every prompt token is scored by the largest attention it receives from any reconstruction query of
+any query head of its KV head, and each KV head keeps its ``budget`` highest-scored tokens (log-weight 0). The
+reconstruction pass is carried layer to layer (its hidden states live in the call's ``step.memo``) with the model's
+own weights through the family adapter, so it runs inside either door: the package's ``Decoder`` and transformers'
+``generate()`` call the same ``attend``. The question is never needed: a cache compressed this way serves any later
+question.
 
-::
+It re-reads its prompt, so it is built per prompt, from a spec like any method (``spec_context``)::
 
-    recon = torch.tensor([tok.encode("\\n\\nRepeat the previous context exactly.\\n") + ctx_ids[1:]])
-    method = KVzipSelection(budget=len(ctx_ids) // 4, recon_ids=recon, store=DenseKV(cache_quant="int8"))
+    build_method("select:kvzip@x4+int8", prompt_ids=ids, tokenizer=tok)      # ids (B or 1, P): the prompt prefilled
+    KVzipSelection(budget=P // 4, prompt_ids=ids, tokenizer=tok, store=DenseKV(cache_quant="int8"))
+    Plan.load("plan.json").method(prompt_ids=ids, tokenizer=tok)             # a plan that picked it
 
 Cost: one more pass over the context (the reconstruction) at prefill; nothing at decode. Models with sliding-window
 layers are refused (a window keeps its most recent tokens anyway).
@@ -20,7 +22,7 @@ layers are refused (a window keeps its most recent tokens anyway).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -53,18 +55,28 @@ class ReconstructionScores(TokenSelector):
 
 
 class KVzipSelection(TokenSelection):
-    """Keep ``budget`` prompt tokens per KV head, scored by the reconstruction pass of ``recon_ids (B or 1, Tr)``;
-    held by ``store`` (default full K/V). ``chunk``: reconstruction queries per score block. Not registered with
-    :func:`kvsplice.build_method`: it holds the prompt's own token ids, so no spec rebuilds it (the task suite's
-    ``kvzip@KEEP`` builds one per prompt, :func:`kvsplice.tasks.methods.parse_method`)."""
+    """Keep ``budget`` prompt tokens per KV head, scored by the reconstruction pass over ``prompt_ids (B or 1, P)``
+    (the prompt this method will prefill; ``tokenizer`` encodes ``repeat``); held by ``store`` (default full K/V).
+    ``chunk``: reconstruction queries per score block. ``shared_scores``: a dict in which the scores of a finished
+    pass over the same prompt are kept and reused (several budgets over one prefill)."""
 
-    def __init__(self, budget: int, *, recon_ids: torch.Tensor, store: Optional[CompressionMethod] = None,
-                 chunk: int = 512, shared_scores: Optional[dict] = None) -> None:
+    name = "kvzip"
+    select_form = True
+    spec_nested = {"store": "method"}
+    spec_context = ("prompt_ids", "tokenizer")
+
+    def __init__(self, budget: int, *, store: Optional[CompressionMethod] = None, repeat: str = REPEAT_PROMPT,
+                 chunk: int = 512, prompt_ids: Optional[torch.Tensor] = None, tokenizer: Any = None) -> None:
         super().__init__(ReconstructionScores(), budget, store=store)
-        if not isinstance(recon_ids, torch.Tensor) or recon_ids.dim() != 2 or recon_ids.shape[1] < 1:
-            raise ValueError("recon_ids must be token ids (B or 1, Tr) with Tr >= 1")
-        self.recon_ids, self.chunk = recon_ids, int_arg("chunk", chunk, 1)
-        self.shared_scores = shared_scores  # {layer: scores} of a finished pass over the same context, reused
+        if not isinstance(repeat, str):
+            raise ValueError(f"repeat must be the text of the reconstruction instruction, got {repeat!r}")
+        if prompt_ids is not None and (not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2
+                                       or prompt_ids.shape[1] < 1 or prompt_ids.is_floating_point()):
+            raise ValueError("prompt_ids must be the prompt's token ids (B or 1, P) with P >= 1")
+        self.repeat, self.chunk, self.prompt_ids = repeat, int_arg("chunk", chunk, 1), prompt_ids
+        self.tokenizer = tokenizer
+        self.repeat_ids = None if tokenizer is None else _encode(tokenizer, repeat)
+        self.shared_scores: Optional[dict] = None  # {layer: scores} of a finished pass over the same prompt
 
     def _prepare(self, adapter, *, dtype, device):
         super()._prepare(adapter, dtype=dtype, device=device)
@@ -75,6 +87,12 @@ class KVzipSelection(TokenSelection):
 
     def attend(self, layer, q, k, v, cache, step, mask=None, logw=None):
         if cache.layer_len(layer) == 0:
+            if self.prompt_ids is None or self.repeat_ids is None:
+                raise ValueError("KVzip re-reads the prompt it compresses: build it per prompt with its ids and "
+                                 "tokenizer (build_method(spec, prompt_ids=ids, tokenizer=tok))")
+            if self.prompt_ids.shape[1] != k.shape[2]:
+                raise ValueError(f"this KVzip was built for a {self.prompt_ids.shape[1]}-token prompt; the prefill "
+                                 f"has {k.shape[2]} tokens: build it with the ids being prefilled")
             shared = self.shared_scores
             if shared is not None and len(shared) == self.adapter.n_layer and shared[layer].shape == (*k.shape[:2],
                                                                                                        k.shape[2]):
@@ -93,7 +111,9 @@ class KVzipSelection(TokenSelection):
             raise ValueError("KVzipSelection needs unpadded prompts (one sequence per call, or equal lengths)")
         a = self._bound()
         b, hkv, t, d = k.shape
-        ids = self.recon_ids.to(k.device).expand(b, -1)  # (B, Tr)
+        prompt = self.prompt_ids.to(k.device).expand(b, -1)  # (B, P)
+        rep = torch.tensor([self.repeat_ids], dtype=prompt.dtype, device=k.device).expand(b, -1)  # (B, R)
+        ids = torch.cat([rep, prompt], dim=1)  # (B, Tr): the instruction, then the prompt again
         tr = ids.shape[1]
         key = ("kvzip", id(self))
         x = step.memo.get(key)
@@ -118,3 +138,15 @@ class KVzipSelection(TokenSelection):
 
     def __repr__(self) -> str:
         return f"KVzipSelection(budget={self.budget}, store={self.store!r})"
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    """``text``'s token ids (no special tokens) from an HF ``tokenizers`` / ``transformers`` tokenizer."""
+    try:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    except TypeError:
+        ids = tokenizer.encode(text)
+    ids = list(getattr(ids, "ids", ids))
+    if not ids:
+        raise ValueError(f"the tokenizer gives no tokens for the reconstruction instruction {text!r}")
+    return ids

@@ -10,7 +10,7 @@ on calibration text, and write it as a plan the other tools take directly.
 
     python -m kvsplice.generate --model M --plan plan.json --prompt "..." --max-new-tokens 64
     python -m kvsplice.eval_bases --model M --plan plan.json --data VAL.txt
-    KVSpliceHFCache(model, Plan.load("plan.json", model).method(prompt_len))
+    KVSpliceHFCache(model, Plan.load("plan.json", model).method(prompt_ids=ids, tokenizer=tok))
 
 Steps: load the model; calibrate once (every RoPE mode, loss gradients; reused from ``--calib-stats``); take the
 tuning windows from the calibration text *after* the calibration tokens (``--tune-tokens``, windows of

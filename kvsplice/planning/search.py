@@ -5,7 +5,7 @@ The search is over method specs (:mod:`kvsplice.core.registry`): any registered 
 (``stores=``, ``python -m kvsplice.plan --stores SPEC ...``).
 
 1. **Stores** (:func:`candidate_stores`): full K/V at fp16 and int8, KIVI at 4 and 2 bits (group 32, full-precision
-   windows of 32 and 128 tokens), and low-rank bases with ranks allocated by the predicted calibration loss
+   windows of 32 and 128 tokens; and 4 bits in groups of 64 where the head dimension allows), and low-rank bases with ranks allocated by the predicted calibration loss
    (:mod:`kvsplice.lowrank.allocate`, the ``fisher`` fit) at a few rank ratios, int8 coefficients — post-RoPE (they
    can hold a selection) and pre-RoPE (alone).
 2. **Tokens** (:func:`fit_budget`): the exact bytes of each store per prompt token at fp16 (the methods'
@@ -73,6 +73,8 @@ def candidate_stores(has_rope: bool, head_dim: int,
     g = min(32, head_dim)
     if head_dim % g == 0:
         stores += [{"name": "kivi", "bits": b, "group": g, "residual": r} for b in (4, 2) for r in (128, 32)]
+    if head_dim % 64 == 0:  # 4-bit codes in groups of 64: 4.5 bits per number (3.56x smaller than fp16)
+        stores += [{"name": "kivi", "bits": 4, "group": 64, "residual": r} for r in (128, 32)]
     for ratio in lowrank_ratios:
         for rope in (("post", "pre") if has_rope else ("none",)):
             stores.append({"name": "lowrank", "bases": {"fit": "fisher", "ratio": ratio, "rope": rope},

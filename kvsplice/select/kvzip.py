@@ -121,20 +121,36 @@ class KVzipSelection(TokenSelection):
             x = a.embed(ids, t)  # (B, Tr, d_model) at positions t .. t + Tr - 1
         rope = a.rope(x, t, tr, layer) if a.has_rope else None
         qr, kr, vr = a.qkv(layer, a.attn_in(layer, x), rope)  # (B, Hq, Tr, D), (B, Hkv, Tr, D) × 2
-        kk = torch.cat([k.to(qr.dtype), kr], dim=2)  # (B, Hkv, T + Tr, D): the full cache + the pass's own
-        vv = torch.cat([v.to(qr.dtype), vr], dim=2)
-        step.memo[key] = a.after_attn(layer, x, a.out(layer, step.attend(layer, qr, kk, vv)))  # causal, bottom-right
-        g = qr.shape[1] // hkv
-        qg = qr.reshape(b, hkv, g, tr, d).float()  # (B, Hkv, g, Tr, D)
         scores = torch.zeros(b, hkv, t, dtype=torch.float32, device=k.device)
-        cols = torch.arange(t + tr, device=k.device)
+        y = self._pass(qr, k, v, kr, vr, step.scales[layer], scores)  # (B, Hq, Tr, Dv); scores filled in
+        step.memo[key] = a.after_attn(layer, x, a.out(layer, y))  # the pass's hidden states, on to the next layer
+        return scores
+
+    def _pass(self, qr, k, v, kr, vr, scale: float, scores: torch.Tensor) -> torch.Tensor:
+        """The reconstruction queries ``qr (B, Hq, Tr, D)`` over the prompt's ``k, v (B, Hkv, T, D)`` and their own
+        ``kr, vr (B, Hkv, Tr, D)`` (causal: query i sees the prompt and its own keys up to i) → the attention output
+        ``(B, Hq, Tr, Dv)``, computed from the attention weights in blocks of ``chunk`` queries; the largest weight
+        each prompt token gets from any query of its KV head's group is maxed into ``scores (B, Hkv, T)``."""
+        b, hkv, t, d = k.shape
+        tr, g = qr.shape[2], qr.shape[1] // hkv
+        qg = qr.float().reshape(b, hkv, g, tr, d)  # (B, Hkv, g, Tr, D): query head h reads KV head h // g
+        kt, vf = k.float().transpose(-1, -2), v.float()  # (B, Hkv, D, T), (B, Hkv, T, Dv)
+        krt, vrf = kr.float().transpose(-1, -2), vr.float()  # (B, Hkv, D, Tr), (B, Hkv, Tr, Dv)
+        y = qg.new_empty(b, hkv, g, tr, vf.shape[-1])  # (B, Hkv, g, Tr, Dv)
         for s in range(0, tr, self.chunk):
             e = min(tr, s + self.chunk)
-            logits = torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, s:e], kk.float()) * step.scales[layer]
-            logits = logits.masked_fill(cols > t + torch.arange(s, e, device=k.device)[:, None], float("-inf"))
-            p = torch.softmax(logits, dim=-1)[..., :t]  # (B, Hkv, g, e - s, T): attention on the context
-            scores = torch.maximum(scores, p.amax(dim=(2, 3)))
-        return scores
+            qc = qg[:, :, :, s:e].reshape(b, hkv, g * (e - s), d)  # (B, Hkv, g·c, D), rows (head in group, query)
+            lc = (qc @ kt) * scale  # (B, Hkv, g·c, T): every prompt key is seen
+            lr = (qc @ krt[..., :e]) * scale  # (B, Hkv, g·c, e): the pass's own keys, causal
+            hide = torch.arange(e, device=k.device)[None, :] > torch.arange(s, e, device=k.device)[:, None]  # (c, e)
+            lr = lr.view(b, hkv, g, e - s, e).masked_fill(hide, float("-inf")).view(b, hkv, g * (e - s), e)
+            m = torch.maximum(lc.amax(-1, keepdim=True), lr.amax(-1, keepdim=True))  # (B, Hkv, g·c, 1)
+            pc, pr = (lc - m).exp_(), (lr - m).exp_()
+            z = pc.sum(-1, keepdim=True) + pr.sum(-1, keepdim=True)
+            pc, pr = pc.div_(z), pr.div_(z)  # softmax over the prompt's and the pass's keys together
+            torch.maximum(scores, pc.amax(dim=2), out=scores)
+            y[:, :, :, s:e] = (pc @ vf + pr @ vrf[:, :, :e]).view(b, hkv, g, e - s, -1)
+        return y.reshape(b, hkv * g, tr, -1).to(qr.dtype)  # (B, Hq, Tr, Dv)
 
     def __repr__(self) -> str:
         return f"KVzipSelection(budget={self.budget}, store={self.store!r})"

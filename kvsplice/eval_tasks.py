@@ -75,7 +75,7 @@ def _specs(args, tokenizer) -> dict:
     for p in args.plan:
         if not Path(p).is_file():
             raise UsageError(f"--plan file not found: {p}")
-        specs[f"plan:{p}"] = parse_method(f"plan:{p}")
+        specs[f"plan:{p}"] = parse_method(f"plan:{p}", tokenizer)
     for s in args.method:
         try:
             specs[s] = parse_method(s, tokenizer)

@@ -89,3 +89,19 @@ def test_eval_tasks_errors_are_one_line(s260k, tmp_path, capsys) -> None:
         rc, stdout, err = _run(argv, capsys)
         assert rc == 2 and err.count("\n") == 1 and err.startswith("eval_tasks: error:") and words in err, err
     assert other.read_text() == '{"something": 1}' and not (tmp_path / "a.json").exists()
+
+
+def test_eval_tasks_runs_a_plan_that_re_reads_its_prompt(s260k, tmp_path, capsys) -> None:
+    """A plan the planner may pick (KVzip over int8 rows) runs per prompt, as the same spec by --method does."""
+    from kvsplice.planning.spec import Plan
+
+    Plan({"name": "kvzip", "keep": 0.5, "store": {"name": "dense", "cache_quant": "int8"}}).save(tmp_path / "p.json")
+    common = ["--model", s260k, "--tasks", "passkey", "--lengths", "160", "--n", "1", "--setting", "agnostic",
+              "--no-progress"]
+    rc, _, err = _run([*common, "--plan", tmp_path / "p.json", "--method", "select:kvzip@0.5+int8", "--out",
+                       tmp_path / "k.json"], capsys)
+    assert rc == 0, err
+    for outs in json.loads((tmp_path / "k.json").read_text())["results"]["agnostic"].values():
+        plan, spec = outs[f"plan:{tmp_path / 'p.json'}"], outs["select:kvzip@0.5+int8"]
+        assert plan["tokens"] == spec["tokens"] and plan["cache_bytes"] == spec["cache_bytes"] < outs["full"][
+            "cache_bytes"]

@@ -3,7 +3,8 @@ on calibration text, and write it as a plan the other tools take directly.
 
     python -m kvsplice.plan --model DIR|GGUF|CKPT --calib TEXT (--budget-bytes-per-token N | --ratio R) \\
         [--calib-tokens 32768] [--calib-stats STATS.safetensors] [--tune-tokens 2048] [--prompt-len P] \\
-        [--seq-len T] [--selectors snapkv observed_attention] [--stores default SPEC ...] [--device DEV] \\
+        [--seq-len T] [--selectors snapkv kvzip 'kvzip(mix=observed_attention,share=0.5)'] [--stores default SPEC ...] \\
+        [--device DEV] \\
         [--objective ppl|tasks|mixed] [--tune-tasks passkey niah_number_facts] [--tune-n 4] [--stories TEXT] \\
         [--dtype fp32|bf16|fp16] \\
         --out plan.json [--force] [--json REPORT.json]
@@ -54,6 +55,16 @@ def _nonneg_float(s: str) -> float:
     return v
 
 
+def _selector(s: str) -> str:
+    """argparse type: a selector the planner can build (``snapkv``, ``kvzip(mix=observed_attention,share=0.5)``)."""
+    from kvsplice.planning.search import check_selector
+
+    try:
+        return check_selector(s)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e).splitlines()[0]) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvsplice.core.registry import select_names
     from kvsplice.planning.search import DEFAULT_SELECTORS
@@ -72,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 2048)")
     p.add_argument("--seq-len", type=pos_int, default=1024, help="calibration and tuning window (default 1024)")
     p.add_argument("--prompt-len", type=pos_int, help="compressed prompt per tuning window (default 3/4 of it)")
-    p.add_argument("--selectors", nargs="+", default=list(DEFAULT_SELECTORS), choices=select_names(),
-                   help=f"token selectors to try (default {' '.join(DEFAULT_SELECTORS)}; kvzip re-reads the prompt)")
+    p.add_argument("--selectors", nargs="+", default=list(DEFAULT_SELECTORS), type=_selector, metavar="SELECTOR",
+                   help=f"token selectors to try, NAME[(KEY=VALUE,...)] (default {' '.join(DEFAULT_SELECTORS)}; "
+                   f"known: {', '.join(select_names())}; kvzip re-reads the prompt)")
     p.add_argument("--stores", nargs="+", metavar="SPEC", help="candidate storage methods as method specs (e.g. "
                    "int8 kivi4 mine(x=1); 'default' = the built-in list: full K/V fp16/int8, KIVI 4/2-bit, fisher "
                    "low rank at 1.5/2/3x, int8 coefficients); default: default")

@@ -127,3 +127,27 @@ def test_kvzip_from_a_spec_per_prompt(model) -> None:
     torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)  # the same method
     with pytest.raises(ValueError, match="come from the prompt, not from a spec"):
         build_method({"name": "kvzip", "budget": 4, "prompt_ids": [1, 2]})
+
+
+def test_kvzip_mix_keeps_the_mixed_selectors_share_first() -> None:
+    from kvsplice.core.registry import build_selector
+    from kvsplice.select.kvzip import ReconstructionScores
+
+    scores = torch.rand(2, 20, generator=torch.Generator().manual_seed(0))
+    k, v = torch.zeros(2, 20, 4), torch.zeros(2, 20, 4)
+    sel = ReconstructionScores(build_selector({"name": "streaming_llm", "n_sink": 0}), share=0.5)
+    sel.scores = scores
+    idx, logw = sel.select(k, v, 6)
+    for h in range(2):
+        rest = scores[h, :17].topk(3).indices.tolist()  # the 3 best reconstruction scores outside the recent 3
+        assert sorted(idx[h].tolist()) == sorted(rest + [17, 18, 19]) and not logw.any()
+    plain = ReconstructionScores()
+    plain.scores = scores
+    assert torch.equal(plain.select(k, v, 6)[0], scores.topk(6).indices.sort(dim=-1).values)
+    m = build_method("select:kvzip(mix=observed_attention,share=0.25)@x4+int8", prompt_len=40)
+    assert m.spec() == {"name": "kvzip", "budget": 10, "mix": "observed_attention", "share": 0.25,
+                        "store": {"name": "dense", "cache_quant": "int8"}} and m.selector.needs_queries
+    with pytest.raises(ValueError, match="share must be a fraction"):
+        KVzipSelection(4, mix="observed_attention", share=2)
+    with pytest.raises(ValueError, match="unknown selector 'nosuch'"):
+        KVzipSelection(4, mix="nosuch")

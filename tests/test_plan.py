@@ -97,6 +97,8 @@ def test_stats_are_reused_and_bad_inputs_are_one_line(s260k, planned, tmp_path, 
             ([*SMALL, "--ratio", "3", "--out", str(planned / "plan.json")], "already exists"),
             ([*SMALL, "--ratio", "100000", "--out", str(tmp_path / "x.json")], "no stack fits"),
             ([*SMALL, "--ratio", "0", "--out", str(tmp_path / "y.json")], "must be > 0"),
+            ([*SMALL, "--ratio", "3", "--selectors", "kvzip(mix=nosuch)", "--out", str(tmp_path / "s.json")],
+             "unknown selector 'nosuch'"),
             ([*SMALL, "--ratio", "3", "--prompt-len", "256", "--out", str(tmp_path / "z.json")], "--prompt-len")):
         assert plan_cli.main(["--model", str(s260k), *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -123,7 +125,8 @@ def test_the_ppl_objective_picks_the_best_tuning_perplexity(s260k, planned, tmp_
     out = tmp_path / "pm.json"
     assert plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats",
                           str(planned / "stats.safetensors"), "--objective", "mixed", "--tune-tasks", "passkey",
-                          "--tune-n", "1", "--tune-length", "160", "--selectors", "kvzip", "--out", str(out)]) == 0
+                          "--tune-n", "1", "--tune-length", "160", "--selectors", "kvzip",
+                          "kvzip(mix=observed_attention,share=0.5)", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["tasks"]["seed0"] == 1_000_000 and doc["tasks"]["length"] == 160 and "task_acc" in doc["full"]
     cands = doc["candidates"]

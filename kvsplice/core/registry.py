@@ -50,7 +50,8 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 __all__ = ["ALIASES", "BUILTIN_MODULES", "METHODS", "MethodSpecError", "SELECTORS", "build_method", "parse_amount",
-           "build_selector", "check_spec", "format_spec", "load_spec", "method_names", "needs_prompt", "parse_spec",
+           "build_selector", "check_spec", "format_spec", "load_spec", "method_names", "needs_prompt", "parse_selector",
+           "parse_spec",
            "select_names",
            "register",
            "selector_names", "spec_of"]
@@ -361,13 +362,18 @@ def _check_args(cls: type, kw: dict, text: Any, context: tuple[str, ...] = ()) -
         raise MethodSpecError(f"{cls.name} needs {', '.join(missing)} (in {_shown(text)})")
 
 
+def parse_selector(text: str) -> dict[str, Any]:
+    """A selector's short form ``NAME[(KEY=VALUE,...)]`` → its dict spec (no check of the name)."""
+    m = re.fullmatch(r"([A-Za-z][A-Za-z0-9_-]*)(?:\(([^()]*)\))?", text.strip())
+    if not m:
+        raise MethodSpecError(f"a selector is NAME[(KEY=VALUE,...)], got {text!r}")
+    return {"name": m[1], **_args(m[2], text)}
+
+
 def build_selector(spec: Spec) -> Any:
     """A :class:`~kvsplice.select.selectors.TokenSelector` from its spec (a dict or ``NAME[(args)]``)."""
     if isinstance(spec, str):
-        m = re.fullmatch(r"([A-Za-z][A-Za-z0-9_-]*)(?:\(([^()]*)\))?", spec.strip())
-        if not m:
-            raise MethodSpecError(f"a selector is NAME[(KEY=VALUE,...)], got {spec!r}")
-        spec = {"name": m[1], **_args(m[2], spec)}
+        spec = parse_selector(spec)
     text = format_spec({"name": "token_selection", "selector": spec, "budget": "N"}) if isinstance(spec, dict) \
         and "name" in spec else spec
     kw = _as_dict(spec, "selector")

@@ -28,13 +28,15 @@ import torch
 
 from kvsplice.adapters import adapter_for
 from kvsplice.evaluation.protocol import evaluate, evaluate_each, full_bytes_per_token
-from kvsplice.core.registry import METHODS, SELECTORS, build_method, needs_prompt
+from kvsplice.core.registry import METHODS, SELECTORS, build_method, needs_prompt, parse_selector
 from kvsplice.planning.spec import spec_label
 
 __all__ = ["DEFAULT_SELECTORS", "LOWRANK_RATIOS", "OBJECTIVES", "bytes_per_token", "candidate_stores", "fit_budget",
-           "is_selection", "lowrank_bases", "rank_key", "search", "selection"]
+           "check_selector", "is_selection", "lowrank_bases", "rank_key", "search", "selection"]
 
-DEFAULT_SELECTORS = ("snapkv", "observed_attention", "kvzip")
+DEFAULT_SELECTORS = ("snapkv", "observed_attention", "kvzip", "kvzip(mix=observed_attention,share=0.5)")
+"""The selector trial's entries: attention-based (the next words), KVzip (a later question), and KVzip keeping half
+its budget by ObservedAttention (both)."""
 LOWRANK_RATIOS = (1.5, 2.0, 3.0)
 
 
@@ -92,10 +94,19 @@ def bytes_per_token(method, adapter, prompt_len: int, held: int, dtype: torch.dt
 
 def selection(store: dict[str, Any], selector: str, keep: float = 1.0) -> dict[str, Any]:
     """The spec of ``selector`` keeping ``keep`` of the prompt over the storage ``store`` (``selector``: a selector
-    name, or a selection that scores by its own pass — ``kvzip``)."""
-    if selector not in SELECTORS and getattr(METHODS.get(selector), "select_form", False):
-        return {"name": selector, "keep": keep, "store": store}
-    return {"name": "token_selection", "selector": {"name": selector}, "keep": keep, "store": store}
+    ``NAME[(KEY=VALUE,...)]``, or a selection that scores by its own pass — ``kvzip``,
+    ``kvzip(mix=observed_attention,share=0.5)``)."""
+    sel = parse_selector(selector)
+    if sel["name"] not in SELECTORS and getattr(METHODS.get(sel["name"]), "select_form", False):
+        return {**sel, "keep": keep, "store": store}
+    return {"name": "token_selection", "selector": sel, "keep": keep, "store": store}
+
+
+def check_selector(selector: str) -> str:
+    """``selector`` if :func:`selection` can build it (a known name, arguments its class takes), else a one-line
+    ``ValueError``."""
+    build_method(selection(INT8, selector, 0.5), prompt_len=2)
+    return selector
 
 
 def is_selection(spec: dict[str, Any]) -> bool:

@@ -22,6 +22,7 @@ layers are refused (a window keeps its most recent tokens anyway).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -40,24 +41,35 @@ REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
 
 class ReconstructionScores(TokenSelector):
     """Keeps the ``budget`` tokens of the highest scores set by :class:`KVzipSelection` for the layer being
-    compressed (``scores (B·Hkv, T)``); log-weights 0. Not registered with ``make_selector``: its scores come from
-    the reconstruction pass."""
+    compressed (``scores (B·Hkv, T)``); log-weights 0. With ``mix`` (another selector) and ``share``: the
+    ``ceil(share · budget)`` tokens ``mix`` keeps come first, the rest by the reconstruction scores. Not registered
+    with ``make_selector``: its scores come from the reconstruction pass."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, mix: Optional[TokenSelector] = None, share: float = 0.0, seed: int = 0) -> None:
         super().__init__(seed)
         self.scores: Optional[torch.Tensor] = None
+        self.mix, self.share = mix, share
+        self.needs_queries = bool(mix is not None and mix.needs_queries)
 
-    def _select(self, k, v, budget):
+    def _select(self, k, v, budget, q=None, scale=None):
         if self.scores is None or self.scores.shape != k.shape[:2]:
             raise ValueError("kvzip scores come from the reconstruction pass: use KVzipSelection, not make_selector")
-        idx = _top(self.scores.to(k.device), budget)
+        scores = self.scores.to(k.device)
+        n_mix = min(budget, math.ceil(self.share * budget - 1e-9)) if self.mix is not None else 0
+        if n_mix:
+            kw = {"q": q, "scale": scale} if self.mix.needs_queries else {}
+            first, _ = self.mix.select(k, v, n_mix, **kw)  # (H, n_mix): the mixed-in selector's own choice
+            scores = scores.scatter(1, first, float("inf"))  # kept whatever their reconstruction scores
+        idx = _top(scores, budget)
         return idx, torch.zeros(idx.shape, dtype=torch.float32, device=k.device)
 
 
 class KVzipSelection(TokenSelection):
     """Keep ``budget`` prompt tokens per KV head, scored by the reconstruction pass over ``prompt_ids (B or 1, P)``
     (the prompt this method will prefill; ``tokenizer`` encodes ``repeat``); held by ``store`` (default full K/V).
-    ``chunk``: reconstruction queries per score block. ``shared_scores``: a dict in which the scores of a finished
+    ``chunk``: reconstruction queries per score block. ``mix``: a selector spec (``"observed_attention"``) whose own
+    choice of ``ceil(share · budget)`` tokens is kept first, the rest by the reconstruction scores (what the next
+    words need beside what a later question needs). ``shared_scores``: a dict in which the scores of a finished
     pass over the same prompt are kept and reused (several budgets over one prefill)."""
 
     name = "kvzip"
@@ -66,8 +78,16 @@ class KVzipSelection(TokenSelection):
     spec_context = ("prompt_ids", "tokenizer")
 
     def __init__(self, budget: int, *, store: Optional[CompressionMethod] = None, repeat: str = REPEAT_PROMPT,
-                 chunk: int = 512, prompt_ids: Optional[torch.Tensor] = None, tokenizer: Any = None) -> None:
-        super().__init__(ReconstructionScores(), budget, store=store)
+                 chunk: int = 512, mix: Optional[str] = None, share: float = 0.5,
+                 prompt_ids: Optional[torch.Tensor] = None, tokenizer: Any = None) -> None:
+        if mix is not None:
+            from kvsplice.core.registry import build_selector
+
+            build_selector(mix)  # a known selector, checked now
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+            raise ValueError(f"share must be a fraction in [0, 1], got {share!r}")
+        self.mix, self.share = mix, float(share)
+        super().__init__(self._scorer(), budget, store=store)
         if not isinstance(repeat, str):
             raise ValueError(f"repeat must be the text of the reconstruction instruction, got {repeat!r}")
         if prompt_ids is not None and (not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2
@@ -78,11 +98,16 @@ class KVzipSelection(TokenSelection):
         self.repeat_ids = None if tokenizer is None else _encode(tokenizer, repeat)
         self.shared_scores: Optional[dict] = None  # {layer: scores} of a finished pass over the same prompt
 
+    def _scorer(self) -> ReconstructionScores:
+        from kvsplice.core.registry import build_selector
+
+        return ReconstructionScores(None if self.mix is None else build_selector(self.mix), self.share)
+
     def _prepare(self, adapter, *, dtype, device):
         super()._prepare(adapter, dtype=dtype, device=device)
         if any(adapter.window(l) for l in range(adapter.n_layer)):
             raise ValueError("KVzipSelection does not support sliding-window layers")
-        self.selector = ReconstructionScores()  # the bound copy's own (scores are set per layer at prefill)
+        self.selector = self._scorer()  # the bound copy's own (scores are set per layer at prefill)
         self.layer_scores: dict[int, torch.Tensor] = {}  # the last prefill's scores (B, Hkv, T) per layer
 
     def attend(self, layer, q, k, v, cache, step, mask=None, logw=None):

@@ -34,9 +34,10 @@ from kvsplice.planning.spec import spec_label
 __all__ = ["DEFAULT_SELECTORS", "LOWRANK_RATIOS", "OBJECTIVES", "bytes_per_token", "candidate_stores", "fit_budget",
            "check_selector", "is_selection", "lowrank_bases", "rank_key", "search", "selection"]
 
-DEFAULT_SELECTORS = ("snapkv", "observed_attention", "kvzip", "kvzip(mix=observed_attention,share=0.5)")
-"""The selector trial's entries: attention-based (the next words), KVzip (a later question), and KVzip keeping half
-its budget by ObservedAttention (both)."""
+DEFAULT_SELECTORS = ("snapkv", "observed_attention", "kvzip", "kvzip(mix=observed_attention,share=0.1)",
+                     "kvzip(mix=observed_attention,share=0.25)")
+"""The selector trial's entries: attention-based (the next words), KVzip (a later question), and KVzip keeping a
+tenth / a quarter of its budget by ObservedAttention (both)."""
 LOWRANK_RATIOS = (1.5, 2.0, 3.0)
 
 

@@ -47,10 +47,10 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 __all__ = ["ALIASES", "BUILTIN_MODULES", "METHODS", "MethodSpecError", "SELECTORS", "build_method", "parse_amount",
-           "build_selector", "check_spec", "format_spec", "load_spec", "method_names", "needs_prompt", "parse_selector",
+           "build_selector", "check_spec", "format_spec", "load_spec", "method_names", "needs_prompt", "parse_selector", "per_prompt",
            "parse_spec",
            "select_names",
            "register",
@@ -434,6 +434,20 @@ def needs_prompt(spec: Any) -> bool:
         return True
     return any(needs_prompt(kw[a]) for a, kind in getattr(cls, "spec_nested", {}).items()
                if kind == "method" and isinstance(kw.get(a), (dict, str)))
+
+
+def per_prompt(build: Callable[..., Any], tokenizer=None) -> Callable[..., Any]:
+    """``factory(ids (1, P), shared=None)`` of a method built by ``build(prompt_ids=, tokenizer=)`` for the ids it
+    compresses; a method that keeps per-context work (``shared_key`` and ``shared_scores``: KVzip's reconstruction
+    scores) keeps it in ``shared`` under its key — one pass per context for every budget."""
+
+    def factory(ids: Any, shared: Optional[dict] = None) -> Any:
+        method = build(prompt_ids=ids, tokenizer=tokenizer)
+        if shared is not None and hasattr(method, "shared_key"):
+            method.shared_scores = shared.setdefault(method.shared_key, {})
+        return method
+
+    return factory
 
 
 def check_spec(spec: Spec, *, base_dir: Optional[Union[str, Path]] = None) -> dict[str, Any]:

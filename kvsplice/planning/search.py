@@ -28,7 +28,7 @@ import torch
 
 from kvsplice.adapters import adapter_for
 from kvsplice.evaluation.protocol import evaluate, evaluate_each, full_bytes_per_token
-from kvsplice.core.registry import METHODS, SELECTORS, build_method, needs_prompt, parse_selector
+from kvsplice.core.registry import METHODS, SELECTORS, build_method, needs_prompt, parse_selector, per_prompt
 from kvsplice.planning.spec import spec_label
 
 __all__ = ["DEFAULT_SELECTORS", "LOWRANK_RATIOS", "OBJECTIVES", "bytes_per_token", "candidate_stores", "fit_budget",
@@ -224,8 +224,6 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
     def with_tasks(rows: list[dict]) -> None:
         if task_eval is None:
             return
-        from kvsplice.tasks.methods import per_prompt
-
         todo = {r["label"]: per_prompt(lambda spec=realise(r["spec"]), **ctx: build_method(spec, **ctx), tokenizer)
                 for r in rows if "task_acc" not in r}
         if not todo:

@@ -98,6 +98,11 @@ class KVzipSelection(TokenSelection):
         self.repeat_ids = None if tokenizer is None else _encode(tokenizer, repeat)
         self.shared_scores: Optional[dict] = None  # {layer: scores} of a finished pass over the same prompt
 
+    @property
+    def shared_key(self) -> tuple:
+        """Methods with equal keys compute the same scores for a prompt (they may share them: ``shared_scores``)."""
+        return ("kvzip", self.repeat)
+
     def _scorer(self) -> ReconstructionScores:
         from kvsplice.core.registry import build_selector
 

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from kvsplice.core.method import CompressionMethod
-from kvsplice.core.registry import build_method, check_spec, format_spec, load_spec, needs_prompt
+from kvsplice.core.registry import build_method, check_spec, format_spec, load_spec, needs_prompt, per_prompt
 
 __all__ = ["MethodSpec", "parse_method"]
 
@@ -38,19 +38,6 @@ class MethodSpec:
 def _named(spec: str, e: ValueError) -> str:
     """The registry's one-line error, naming ``spec`` when it does not already."""
     return str(e) if repr(spec) in str(e) else f"method {spec!r}: {e}"
-
-
-def per_prompt(build: Callable[..., CompressionMethod], tokenizer=None) -> Callable[..., CompressionMethod]:
-    """``factory(ids (1, P), shared=None)`` of a method built by ``build(prompt_ids=, tokenizer=)`` for the ids it
-    compresses; a KVzip in it keeps its reconstruction scores in ``shared`` (one pass per context)."""
-
-    def factory(ids: torch.Tensor, shared: Optional[dict] = None) -> CompressionMethod:
-        method = build(prompt_ids=ids, tokenizer=tokenizer)
-        if shared is not None and hasattr(method, "shared_scores"):
-            method.shared_scores = shared.setdefault(("kvzip", method.repeat), {})
-        return method
-
-    return factory
 
 
 def parse_method(spec: str, tokenizer=None) -> MethodSpec:

@@ -133,6 +133,12 @@ def test_model_folder_round_trip_and_decoder(tiny, tmp_path):
     cache = dec.new_cache(2, capacity=held.shape[1])
     assert (dec(held, cache) - mla(held)).abs().max() < 0.1
     assert measure_cache(cache).live_bytes == dec.formula_nbytes(cache) == 2 * 20 * 3 * ((20 + 2 * 4) + 2 * 3)
+    int8_err = (dec(held, dec.new_cache(2, capacity=held.shape[1])) - mla(held)).abs().max()
+    again.cfg.cache_quant = "int4"  # 4-bit codes, two per byte, one group per row here + an fp16 scale and minimum
+    dec = Decoder(again)
+    cache = dec.new_cache(2, capacity=held.shape[1])
+    assert int8_err < (dec(held, cache) - mla(held)).abs().max() < 1.0
+    assert measure_cache(cache).live_bytes == dec.formula_nbytes(cache) == 2 * 20 * 3 * ((10 + 4) + 2 * (2 + 4))
     with pytest.raises(ValueError, match="converted MLA"):
         from kvsplice.adapters import model_info
         model_info(again)

@@ -201,6 +201,20 @@ def test_cli_full_rank_stories260k_is_exact_and_loads_everywhere(s260k, tmp_path
                             "--prompt-len", "96", "--no-progress"]) == 0
     assert "1.00x smaller" in capsys.readouterr().out  # the full-rank latent + RoPE keys = the K/V numbers
     assert eval_bases.main(["--model", str(out), "--data", str(CALIB), "--bases", str(out / "x.safetensors")]) == 2
+    from kvsplice import eval_tasks  # the task suite on its own cache: the same answers as the source (exact here)
+
+    texts = []
+    for model in (out, s260k):
+        task = ["--model", str(model), "--method", "full", "--tasks", "passkey", "--lengths", "160", "--n", "2",
+                "--setting", "agnostic", "--no-progress", "--out", str(tmp_path / f"t{len(texts)}.json")]
+        assert eval_tasks.main(task) == 0
+        doc = json.loads((tmp_path / f"t{len(texts)}.json").read_text())
+        texts.append([r["full"]["tokens"] for r in doc["results"]["agnostic"].values()])
+    assert texts[0] == texts[1] and len(texts[0]) == 2
+    capsys.readouterr()
+    assert eval_tasks.main(["--model", str(out), "--method", "int8"] + task[4:-1] + [str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert "its own cache" in err and len(err.strip().splitlines()) == 1
     rc, so, se = run(["--model", s260k, "--calib", CALIB, "--d-latent", "full", "--out", out, "--no-progress"], capsys)
     assert rc == 2 and "not empty" in se and len(se.strip().splitlines()) == 1  # nothing overwritten
 

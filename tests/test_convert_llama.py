@@ -226,7 +226,7 @@ def test_cli_shared_deepseek_export_and_kvsplice(s260k, tmp_path, capsys):
                                "--out", ds], capsys)
     assert rc == 0, se
     model = transformers.AutoModelForCausalLM.from_pretrained(ds)
-    assert model.config.kv_lora_rank == 24 and model.config.qk_rope_head_dim == 4
+    assert model.config.kv_lora_rank == 24 and model.config.qk_rope_head_dim == 8  # shared default: every freq.
     native = tmp_path / "native"
     assert run(common + ["--d-latent", 24, "--out", native], capsys)[0] == 0
     small = tmp_path / "small"

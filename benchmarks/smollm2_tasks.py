@@ -3,16 +3,19 @@ the perplexity frontier (results/smollm2_frontier.*), the planner's picks and KV
 cache's accuracy (the ceiling).
 
     python benchmarks/smollm2_tasks.py                    # --size reduced (what was run; see docs/tasks.md)
+    python benchmarks/smollm2_tasks.py --size passkey     # the passkey table: 8 at 1k + 8 at 2k, both settings
     python benchmarks/smollm2_tasks.py --size full        # every family and stack, 7 tasks, 1k/2k/4k, n = 16
     python benchmarks/smollm2_tasks.py --size smoke       # stories260K, seconds: checks the script end to end
     python benchmarks/smollm2_tasks.py --report-only      # write results/ from the finished instances
 
-Each length is one ``python -m kvsplice.eval_tasks`` run into ``checkpoints/smollm2_tasks/tasks_<L>.json`` (resumable:
-rerun the command and finished instances are kept); the report is ``results/smollm2_tasks.{json,md,png}``. Instances
-use seeds 0 .. n-1 (the planner tunes on seeds >= 1,000,000). The planner's stacks are rebuilt from the plans the
-frontier measured (ObservedAttention keeping 1/2.09, 1/4.19, 1/8.38 of the prompt + int8 rows = 4x / 8x / 16x at fp16
-storage); KVzip runs at the same bytes. Low-rank rows are cut in every size (off the perplexity frontier; their
-calibration pass alone is ~10 CPU minutes).
+The planner's picks are made first by the documented command (``python -m kvsplice.plan --model M --calib CALIB
+--calib-stats ... --ratio R --out plan<R>x.json``, its defaults: the ``mixed`` objective on tuning instances with
+seeds >= 1,000,000, tuning windows from the calibration file) into ``checkpoints/smollm2_tasks/plans/`` and kept;
+the perplexity-only planner's stacks (``--objective ppl``, the frontier's plans: ObservedAttention keeping 1/2.09,
+1/4.19 of the prompt + int8 rows = 4x / 8x) are rebuilt by spec beside them. Each length is one
+``python -m kvsplice.eval_tasks`` run into ``checkpoints/smollm2_tasks/<size>_<L>.json`` (resumable: rerun the command
+and finished instances are kept); the report is ``results/smollm2_tasks[_<size>].{json,md,png}``. Instances use seeds
+0 .. n-1. Low-rank rows are cut in every size (off the perplexity frontier).
 """
 
 from __future__ import annotations
@@ -21,25 +24,45 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
-from data.reference import DATA, EVAL as STORIES, SMOLLM2 as MODEL  # the shared data files
+from data.reference import CALIB, DATA, EVAL as STORIES, SMOLLM2 as MODEL  # the shared data files
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "checkpoints" / "smollm2_tasks"
+PLANS = WORK / "plans"
 
-PLANNER = {"4x": "select:observed_attention@x2.09+int8", "8x": "select:observed_attention@x4.19+int8",
-           "16x": "select:observed_attention@x8.38+int8"}
-REDUCED = {"methods": ["int8", "kivi4", PLANNER["4x"], PLANNER["8x"], "kvzip@x2.09+int8", "kvzip@x4.19+int8",
-                       "select:expected_attention@x4.19+int8"],
-           "tasks": ["passkey", "niah_number_stories", "niah_word_facts"], "lengths": [1024, 2048], "n": 8}
-FULL = {"methods": ["int8", "kivi4", "kivi4(residual=32)", "kivi2", *PLANNER.values(), "select:observed_attention@x1.55+kivi4(residual=32)",
+PPL_PLANNER = {"4x": "select:observed_attention@x2.09+int8", "8x": "select:observed_attention@x4.19+int8",
+               "16x": "select:observed_attention@x8.38+int8"}  # the planner with --objective ppl (the frontier's)
+PLANNED = {"4x": 4.0, "8x": 8.0}  # the planner's default picks at these ratios: plan:PLANS/plan<R>.json
+REDUCED = {"methods": ["int8", "kivi4", PPL_PLANNER["4x"], PPL_PLANNER["8x"], "select:kvzip@x2.09+int8",
+                       "select:kvzip@x4.19+int8", "select:expected_attention@x4.19+int8"], "plans": ["4x", "8x"],
+           "tasks": ["passkey", "niah_number_stories", "niah_word_facts"], "lengths": [1024], "n": 8}
+PASSKEY = {"methods": ["int8", "kivi4", PPL_PLANNER["4x"], PPL_PLANNER["8x"]], "plans": ["4x", "8x"],
+           "tasks": ["passkey"], "lengths": [1024, 2048], "n": 8}
+FULL = {"methods": ["int8", "kivi4", "kivi4(residual=32)", "kivi2", *PPL_PLANNER.values(),
+                    "select:observed_attention@x1.55+kivi4(residual=32)",
                     *(f"select:{s}@x8" for s in ("observed_attention", "snapkv", "streaming_llm", "knorm")),
-                    "select:observed_attention@x4", "kvzip@x2.09+int8", "kvzip@x4.19+int8", "kvzip@x8.38+int8",
-                    "kvzip@x4", "kvzip@x8", "select:expected_attention@x4.19+int8", "kivi4h(residual=32)", "kivi2h(residual=32)"],
+                    "select:observed_attention@x4", "select:kvzip@x2.09+int8", "select:kvzip@x4.19+int8",
+                    "select:kvzip@x8.38+int8", "select:kvzip@x4", "select:kvzip@x8",
+                    "select:expected_attention@x4.19+int8", "kivi4h(residual=32)", "kivi2h(residual=32)"],
+        "plans": ["4x", "8x"],
         "tasks": ["passkey", "niah_number_stories", "niah_uuid_facts", "multikey_stories", "vartrack", "multivalue",
                   "story_qa"], "lengths": [1024, 2048, 4096], "n": 16}
-SMOKE = {"methods": ["int8", "select:observed_attention@x4+int8", "kvzip@x2"], "tasks": ["passkey", "vartrack"],
+SMOKE = {"methods": ["int8", "select:observed_attention@x4+int8", "select:kvzip@x2"], "tasks": ["passkey", "vartrack"],
          "lengths": [200], "n": 2}
+SIZES = {"smoke": SMOKE, "reduced": REDUCED, "passkey": PASSKEY, "full": FULL}
+
+
+def plan_path(name: str) -> Path:
+    return PLANS / f"plan{name}.json"
+
+
+def plan_argv(name: str) -> list[str]:
+    """The documented planner command for SmolLM2 at ``PLANNED[name]`` (its defaults: the mixed objective)."""
+    return ["--model", str(MODEL), "--calib", str(CALIB), "--calib-stats", str(PLANS / "smol_stats.safetensors"),
+            "--ratio", f"{PLANNED[name]:g}", "--out", str(plan_path(name)), "--json",
+            str(PLANS / f"plan{name}_report.json")]
 
 
 def _model(size: str) -> str:
@@ -54,7 +77,9 @@ def _model(size: str) -> str:
 
 
 def _argv(size: str, cfg: dict, length: int, out: Path, threads: int, progress: bool) -> list[str]:
-    return ["--model", _model(size), "--stories", str(STORIES), "--method", *cfg["methods"], "--tasks", *cfg["tasks"],
+    plans = [str(plan_path(p)) for p in cfg.get("plans", ())]
+    return ["--model", _model(size), "--stories", str(STORIES), "--method", *cfg["methods"],
+            *(["--plan", *plans] if plans else []), "--tasks", *cfg["tasks"],
             "--lengths", str(length), "--n", str(cfg["n"]), "--setting", cfg.get("setting", "both"),
             "--threads", str(threads),
             "--out", str(out)] + ([] if progress else ["--no-progress"])
@@ -106,14 +131,14 @@ def write_report(size: str, cfg: dict, results_dir: Path) -> dict:
         if not path.is_file():
             continue
         doc = json.loads(path.read_text())
-        methods = ["full", *cfg["methods"]]
+        methods = ["full", *cfg["methods"], *(f"plan:{plan_path(p)}" for p in cfg.get("plans", ()))]
         summary = summarize(doc["results"], methods)
         report["labels"].update(doc["methods"])
         report["by_length"][str(L)] = {"summary": summary, "command": "python -m kvsplice.eval_tasks " + " ".join(
             _argv(size, cfg, L, path, 2, False))}
         md += [f"## {L} tokens", "", markdown(summary, doc["methods"])]
     results_dir.mkdir(parents=True, exist_ok=True)
-    stem = results_dir / ("smollm2_tasks" if size != "smoke" else "smollm2_tasks_smoke")
+    stem = results_dir / ("smollm2_tasks" if size == "reduced" else f"smollm2_tasks_{size}")
     atomic_write(stem.with_suffix(".json"), lambda p: p.write_text(json.dumps(report, indent=1) + "\n"))
     atomic_write(stem.with_suffix(".md"), lambda p: p.write_text("\n".join(md) + "\n"))
     if report["by_length"]:
@@ -121,25 +146,35 @@ def write_report(size: str, cfg: dict, results_dir: Path) -> dict:
     return report
 
 
-def main() -> int:
+def main(argv: Optional[list[str]] = None) -> int:
+    global WORK, PLANS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", choices=("smoke", "reduced", "full"), default="reduced")
+    ap.add_argument("--size", choices=tuple(SIZES), default="reduced")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--results", default=str(ROOT / "results"), help="folder of the report (default results/)")
+    ap.add_argument("--work", default=str(WORK), help="folder of the runs and plans (default checkpoints/smollm2_tasks)")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
-    a = ap.parse_args()
-    cfg = {"smoke": SMOKE, "reduced": REDUCED, "full": FULL}[a.size]
+    a = ap.parse_args(argv)
+    cfg = SIZES[a.size]
+    WORK, PLANS = Path(a.work), Path(a.work) / "plans"
     if not a.report_only:
-        from kvsplice import eval_tasks
+        from kvsplice import eval_tasks, plan
 
         WORK.mkdir(parents=True, exist_ok=True)
+        for name in cfg.get("plans", ()):
+            if not plan_path(name).is_file():  # made once, kept (the planner's tuning never sees reported seeds)
+                PLANS.mkdir(parents=True, exist_ok=True)
+                rc = plan.main(plan_argv(name) + ["--threads", str(a.threads)] + (["--no-progress"] if a.no_progress
+                                                                                   else []))
+                if rc:
+                    return rc
         for L in cfg["lengths"]:
             rc = eval_tasks.main(_argv(a.size, cfg, L, WORK / f"{a.size}_{L}.json", a.threads, not a.no_progress))
             if rc:
                 return rc
     report = write_report(a.size, cfg, Path(a.results))
-    print(f"wrote {a.results}/smollm2_tasks{'_smoke' if a.size == 'smoke' else ''}.{{json,md,png}} "
+    print(f"wrote {a.results}/smollm2_tasks{'' if a.size == 'reduced' else '_' + a.size}.{{json,md,png}} "
           f"({len(report['by_length'])} lengths)")
     return 0
 

@@ -222,18 +222,26 @@ def eval_spec(ctx: EvalContext, args: argparse.Namespace, spec: dict, base_dir=N
     """A method spec on the windows by the protocol of :func:`kvsplice.evaluation.protocol.evaluate` —
     ``--prompt-len`` tokens compressed, the rest scored (default 3/4 of the window for a token selection, else 0:
     every token over the compressed cache) — next to the full cache by the same protocol."""
-    from kvsplice.core.registry import build_method, format_spec
-    from kvsplice.evaluation.protocol import evaluate
+    from kvsplice.core.registry import build_method, format_spec, needs_prompt
+    from kvsplice.evaluation.protocol import evaluate, evaluate_each
 
     t = ctx.windows.shape[1]
-    selects = spec.get("name") == "token_selection"
+    selects = "keep" in spec or "budget" in spec  # a token selection (kvzip too)
     p = args.prompt_len if args.prompt_len is not None else ((3 * t) // 4 if selects else 0)
     if p and not 1 <= p < t:
         raise EvalError(f"--prompt-len must be 0 or in [1, {t - 1}] (below --seq-len), got {p}")
     kw = dict(prompt_len=p, batch_size=ctx.batch_size, decode_chunk=ctx.chunk_size)
     full = evaluate(ctx.model, None, ctx.windows, **kw)
-    method = build_method(spec, prompt_len=p or t, base_dir=base_dir)
-    res = evaluate(ctx.model, method, ctx.windows, **kw)
+    if needs_prompt(spec):  # KVzip re-reads each window's prompt: built per window
+        if not p:
+            raise EvalError(f"{format_spec(spec)} compresses a prompt: give --prompt-len >= 1")
+        tok = ctx.loaded.tokenizer
+        res = evaluate_each(ctx.model, lambda ids: build_method(spec, prompt_ids=ids, tokenizer=tok,
+                                                                base_dir=base_dir), ctx.windows, **kw)
+        method = build_method(spec, prompt_len=p, base_dir=base_dir)  # its spec, for the report
+    else:
+        method = build_method(spec, prompt_len=p or t, base_dir=base_dir)
+        res = evaluate(ctx.model, method, ctx.windows, **kw)
     res.update({"label": label or format_spec(method.spec()), "spec": method.spec(),
                 "full_ppl_same_protocol": full["ppl"], "ppl_ratio": res["ppl"] / full["ppl"]})
     return [res]

@@ -8,7 +8,7 @@ and the cache bytes measured.
 Tasks (``kvsplice.tasks``, generated from seeds ``--seed0 ..``, lengths in the model's tokens): passkey, single
 needles (number / word / uuid in filler, stories or encyclopedic facts), multi-key, multi-value, multi-query,
 variable tracking, common words, story QA. Methods: ``--plan`` files from ``python -m kvsplice.plan`` and ``--method``
-specs (:mod:`kvsplice.tasks.methods`: ``int8``, ``kivi4``, ``select:observed_attention@x4+int8``, ``kvzip@x4``, ...);
+specs (:mod:`kvsplice.tasks.methods`: ``int8``, ``kivi4``, ``select:observed_attention@x4+int8``, ``select:kvzip@x4``, ...);
 the full cache is always run beside them. Settings: query-**agnostic** (context compressed, then the question) and
 query-**aware** (the question compressed with the context). Greedy answers, exact-match scores.
 
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", nargs="+", default=[], help="plans from python -m kvsplice.plan")
     p.add_argument("--method", nargs="+", default=[], help="method specs: any kvsplice.build_method spec "
                    "(int8, kivi4, kivi_rotated(bits=4), select:NAME@KEEP[+STORE], lowrank:FILE+int8, spec.json), "
-                   "kivi4h(residual=32), kvzip@KEEP[+STORE] (KEEP: 0.25 or x4)")
+                   "kivi4h(residual=32), select:kvzip@x4+int8")
     p.add_argument("--tasks", nargs="+", default=["passkey", "niah_number_stories", "vartrack"],
                    choices=sorted(TASKS), metavar="TASK", help=f"tasks (default passkey niah_number_stories "
                    f"vartrack; all: {' '.join(TASKS)})")
@@ -75,7 +75,7 @@ def _specs(args, tokenizer) -> dict:
     for p in args.plan:
         if not Path(p).is_file():
             raise UsageError(f"--plan file not found: {p}")
-        specs[f"plan:{p}"] = parse_method(f"plan:{p}")
+        specs[f"plan:{p}"] = parse_method(f"plan:{p}", tokenizer)
     for s in args.method:
         try:
             specs[s] = parse_method(s, tokenizer)

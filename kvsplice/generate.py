@@ -139,15 +139,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if mp is not None and len(prompt) + args.max_new_tokens > mp:
         raise UsageError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the "
                          f"model's {mp} positions")
+    ids = torch.tensor([prompt], device=next(model.parameters()).device)  # (1, P)
     method = None  # the full cache
     if args.spec is not None:
-        method = build_method(args.spec, prompt_len=len(prompt), base_dir=args.spec_dir)
+        method = build_method(args.spec, prompt_ids=ids, tokenizer=tok, base_dir=args.spec_dir)
     elif plan is not None:
         from kvsplice.adapters import model_fingerprint
 
         plan.check_model(model_fingerprint(model))
-        method = plan.method(prompt_len=len(prompt))
-    ids = torch.tensor([prompt], device=next(model.parameters()).device)
+        method = plan.method(prompt_ids=ids, tokenizer=tok)
     torch.manual_seed(args.seed)
     if loaded.kind in ("ckpt", "mla"):  # our models: the package's Decoder
         new, cache, formula, full, engine = _generate_ours(model, ids, method, args)

@@ -3,14 +3,15 @@ on calibration text, and write it as a plan the other tools take directly.
 
     python -m kvsplice.plan --model DIR|GGUF|CKPT --calib TEXT (--budget-bytes-per-token N | --ratio R) \\
         [--calib-tokens 32768] [--calib-stats STATS.safetensors] [--tune-tokens 2048] [--prompt-len P] \\
-        [--seq-len T] [--selectors snapkv observed_attention] [--stores default SPEC ...] [--device DEV] \\
+        [--seq-len T] [--selectors snapkv kvzip 'kvzip(mix=observed_attention,share=0.5)'] [--stores default SPEC ...] \\
+        [--device DEV] \\
         [--objective ppl|tasks|mixed] [--tune-tasks passkey niah_number_facts] [--tune-n 4] [--stories TEXT] \\
         [--dtype fp32|bf16|fp16] \\
         --out plan.json [--force] [--json REPORT.json]
 
     python -m kvsplice.generate --model M --plan plan.json --prompt "..." --max-new-tokens 64
     python -m kvsplice.eval_bases --model M --plan plan.json --data VAL.txt
-    KVSpliceHFCache(model, Plan.load("plan.json", model).method(prompt_len))
+    KVSpliceHFCache(model, Plan.load("plan.json", model).method(prompt_ids=ids, tokenizer=tok))
 
 Steps: load the model; calibrate once (every RoPE mode, loss gradients; reused from ``--calib-stats``); take the
 tuning windows from the calibration text *after* the calibration tokens (``--tune-tokens``, windows of
@@ -54,8 +55,19 @@ def _nonneg_float(s: str) -> float:
     return v
 
 
+def _selector(s: str) -> str:
+    """argparse type: a selector the planner can build (``snapkv``, ``kvzip(mix=observed_attention,share=0.5)``)."""
+    from kvsplice.planning.search import check_selector
+
+    try:
+        return check_selector(s)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e).splitlines()[0]) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from kvsplice.select.selectors import SELECTORS
+    from kvsplice.core.registry import select_names
+    from kvsplice.planning.search import DEFAULT_SELECTORS
 
     p = Parser(prog="python -m kvsplice.plan", description="Search the compression stack (token selection × low "
                "rank × bits) that fits a KV-cache budget with the least loss on calibration text; write a plan.")
@@ -71,20 +83,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 2048)")
     p.add_argument("--seq-len", type=pos_int, default=1024, help="calibration and tuning window (default 1024)")
     p.add_argument("--prompt-len", type=pos_int, help="compressed prompt per tuning window (default 3/4 of it)")
-    p.add_argument("--selectors", nargs="+", default=["snapkv", "observed_attention"], choices=sorted(SELECTORS),
-                   help="token selectors to try (default snapkv observed_attention)")
+    p.add_argument("--selectors", nargs="+", default=list(DEFAULT_SELECTORS), type=_selector, metavar="SELECTOR",
+                   help=f"token selectors to try, NAME[(KEY=VALUE,...)] (default {' '.join(DEFAULT_SELECTORS)}; "
+                   f"known: {', '.join(select_names())}; kvzip re-reads the prompt)")
     p.add_argument("--stores", nargs="+", metavar="SPEC", help="candidate storage methods as method specs (e.g. "
                    "int8 kivi4 mine(x=1); 'default' = the built-in list: full K/V fp16/int8, KIVI 4/2-bit, fisher "
                    "low rank at 1.5/2/3x, int8 coefficients); default: default")
     p.add_argument("--batch-size", type=pos_int, default=2, help="windows per forward (default 2)")
-    p.add_argument("--objective", choices=("ppl", "tasks", "mixed"), default="ppl", help="what the stack must "
-                   "keep: tuning perplexity (default), task accuracy on tuning instances (seeds >= 1,000,000, never "
-                   "reported; ties: perplexity), or mixed: the best perplexity among the candidates with the best "
-                   "task accuracy")
+    p.add_argument("--objective", choices=("ppl", "tasks", "mixed"), default="mixed", help="what the stack must "
+                   "keep: mixed (default): the best tuning perplexity among the candidates with the best accuracy "
+                   "on tuning task instances (seeds >= 1,000,000, never reported); tasks: that accuracy (ties: "
+                   "perplexity); ppl: tuning perplexity alone (it may trade retrieval away)")
     p.add_argument("--tune-tasks", nargs="+", default=["passkey", "niah_number_facts"], metavar="TASK",
                    help="tasks of the accuracy objective (default passkey niah_number_facts; see eval_tasks)")
     p.add_argument("--tune-n", type=pos_int, default=4, help="tuning instances per task (default 4)")
-    p.add_argument("--tune-length", type=pos_int, help="tuning instances' prompt tokens (default --seq-len)")
+    p.add_argument("--tune-length", type=pos_int, help="tuning instances' prompt tokens (default --seq-len, at "
+                   "least 64)")
     p.add_argument("--tune-setting", choices=("agnostic", "aware"), default="agnostic",
                    help="the question after the compressed context (default) or inside it")
     p.add_argument("--task-tolerance", type=_nonneg_float, default=0.0, help="mixed: accuracy points below the "
@@ -141,10 +155,10 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
     full_bpt = full_bytes_per_token(adapter)
     budget = args.budget_bytes_per_token or full_bpt / args.ratio
     log = print if progress else (lambda s: None)
-    task_eval, tune_info = _task_eval(args, model, loaded.tokenizer, seq, progress)
+    task_eval, tune_info = _task_eval(args, model, loaded.tokenizer, seq, progress, loaded.max_positions)
     found = search(model, stats, tune, prompt_len=prompt_len, budget=budget, selectors=args.selectors,
                    stores=stores, batch_size=args.batch_size, log=log, objective=args.objective,
-                   task_eval=task_eval, task_tolerance=args.task_tolerance)
+                   task_eval=task_eval, task_tolerance=args.task_tolerance, tokenizer=loaded.tokenizer)
     best, chosen = found["best"], found["chosen"]
     info = {"budget": {"bytes_per_token": budget, "ratio_vs_fp16_full": full_bpt / budget,
                        "full_fp16_bytes_per_token": full_bpt, "storage": "fp16"},
@@ -159,7 +173,7 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
     return plan, info
 
 
-def _task_eval(args, model, tokenizer, seq: int, progress: bool):
+def _task_eval(args, model, tokenizer, seq: int, progress: bool, max_positions: Optional[int] = None):
     """The accuracy objective's measure: every candidate on tuning task instances (seeds from
     :data:`kvsplice.tasks.suite.TUNING_SEED0`, disjoint from any reported run), one shared prefill per instance."""
     if args.objective == "ppl":
@@ -167,9 +181,12 @@ def _task_eval(args, model, tokenizer, seq: int, progress: bool):
     from tqdm.auto import tqdm
 
     from kvsplice.tasks.shared import answer_many
-    from kvsplice.tasks.suite import TUNING_SEED0, make_instances
+    from kvsplice.tasks.suite import MIN_LENGTH, TUNING_SEED0, make_instances
 
-    length = args.tune_length or seq
+    length = args.tune_length or max(seq, MIN_LENGTH)
+    if max_positions is not None and length > max_positions:
+        raise UsageError(f"--tune-length {length} exceeds the model's {max_positions} positions (give a shorter one, "
+                         f"or --objective ppl)")
     insts = make_instances(args.tune_tasks, tokenizer, [length], args.tune_n, seed0=TUNING_SEED0,
                            stories=args.stories)
     info = {"tasks": args.tune_tasks, "length": length, "n": args.tune_n, "seed0": TUNING_SEED0,

@@ -267,6 +267,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
             y = y[0]
         return y.transpose(1, 2)  # (B, Hq, Tq, Dv)
     g = hq // hkv
+    if (g > 1 and t_q == t_k > 1 and bias is None and q.device.type == "cpu" and dropout_p == 0.0
+            and d == v.shape[-1]):
+        # Square causal GQA on the CPU: SDPA's flash kernel with its own grouping, 2x faster than the folded
+        # rows below (which need an explicit mask and take the generic path).
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     if g > 1:
         # Fold the g query heads that share a KV head into the query-row axis: no copy of K/V.
         q = q.reshape(b, hkv, g * t_q, d)  # (B, Hkv, g*Tq, D), rows ordered (head in group, query)

@@ -64,7 +64,7 @@ def test_the_largest_halving_count_still_selects_at_once():
     (lambda: DenseKV(cache_quant="int4"), "cache_quant must be one of None, 'int8'"),
     (lambda: LowRank(orthonormal_bases(1, 1, 4, 2, "post"), cache_quant="fp8"), "cache_quant"),
     (lambda: RotatedKIVI(bits=3), "bits must be one of 2, 4, 8"), (lambda: RotatedKIVI(residual=-1), "residual"),
-    (lambda: KVzipSelection(4, recon_ids=torch.tensor([[1, 2]]), chunk=0), "chunk must be in [1,")])
+    (lambda: KVzipSelection(4, chunk=0), "chunk must be in [1,")])
 def test_bad_storage_arguments_are_one_line(build, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         build()

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file(),
                                 reason=f"stories260K not found under {DATA}")
 
 ARGS = ["--tasks", "passkey", "vartrack", "--lengths", "200", "--n", "2", "--no-progress"]
-METHODS = ["--method", "int8", "select:observed_attention@x4+int8", "kvzip@x2"]
+METHODS = ["--method", "int8", "select:observed_attention@x4+int8", "select:kvzip@x2"]
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +43,11 @@ def test_eval_tasks_table_json_and_resume(s260k, tmp_path, capsys, monkeypatch) 
     for setting, by_inst in doc["results"].items():
         assert len(by_inst) == 4  # 2 tasks × 2 seeds
         for key, outs in by_inst.items():
-            assert set(outs) == {"full", "int8", "select:observed_attention@x4+int8", "kvzip@x2"}
+            assert set(outs) == {"full", "int8", "select:observed_attention@x4+int8", "select:kvzip@x2"}
             for o in outs.values():
                 assert o["cache_bytes"] == o["formula_bytes"] and 0 <= o["score"] <= 1
             assert outs["full"]["fp16_bytes"] == outs["full"]["full_fp16_bytes"]
-            assert outs["kvzip@x2"]["fp16_bytes"] < outs["full"]["fp16_bytes"]
+            assert outs["select:kvzip@x2"]["fp16_bytes"] < outs["full"]["fp16_bytes"]
     s = doc["summary"]["agnostic"]
     assert s["full"]["n"] == 4 and s["full"]["ratio"] == pytest.approx(1.0)
     assert s["select:observed_attention@x4+int8"]["ratio"] > 4
@@ -89,3 +89,19 @@ def test_eval_tasks_errors_are_one_line(s260k, tmp_path, capsys) -> None:
         rc, stdout, err = _run(argv, capsys)
         assert rc == 2 and err.count("\n") == 1 and err.startswith("eval_tasks: error:") and words in err, err
     assert other.read_text() == '{"something": 1}' and not (tmp_path / "a.json").exists()
+
+
+def test_eval_tasks_runs_a_plan_that_re_reads_its_prompt(s260k, tmp_path, capsys) -> None:
+    """A plan the planner may pick (KVzip over int8 rows) runs per prompt, as the same spec by --method does."""
+    from kvsplice.planning.spec import Plan
+
+    Plan({"name": "kvzip", "keep": 0.5, "store": {"name": "dense", "cache_quant": "int8"}}).save(tmp_path / "p.json")
+    common = ["--model", s260k, "--tasks", "passkey", "--lengths", "160", "--n", "1", "--setting", "agnostic",
+              "--no-progress"]
+    rc, _, err = _run([*common, "--plan", tmp_path / "p.json", "--method", "select:kvzip@0.5+int8", "--out",
+                       tmp_path / "k.json"], capsys)
+    assert rc == 0, err
+    for outs in json.loads((tmp_path / "k.json").read_text())["results"]["agnostic"].values():
+        plan, spec = outs[f"plan:{tmp_path / 'p.json'}"], outs["select:kvzip@0.5+int8"]
+        assert plan["tokens"] == spec["tokens"] and plan["cache_bytes"] == spec["cache_bytes"] < outs["full"][
+            "cache_bytes"]

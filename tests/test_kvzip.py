@@ -1,6 +1,7 @@
 """Tests for kvsplice.select.kvzip.KVzipSelection: the reconstruction scores equal the attention the model itself
 pays to the context while reading "repeat" + context after it (transformers' eager attentions), in both doors;
-the full budget is lossless; a budget keeps the top-scored tokens and the bytes equal the closed form."""
+the full budget is lossless; a budget keeps the top-scored tokens and the bytes equal the closed form; built from a
+spec per prompt (``select:kvzip@...`` with ``prompt_ids`` / ``tokenizer``), its spec round-trips."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tiny_models import tiny_family  # noqa: E402
 from kvsplice.decode.decoder import Decoder  # noqa: E402
 from kvsplice.decode.dense import DenseKV  # noqa: E402
 from kvsplice.hf.base import KVSpliceHFCache  # noqa: E402
+from kvsplice.core.registry import build_method, format_spec, needs_prompt, parse_spec  # noqa: E402
 from kvsplice.select.kvzip import KVzipSelection  # noqa: E402
 
 
@@ -26,6 +28,20 @@ def model():
 
 def _ids(seed: int, n: int) -> torch.Tensor:
     return torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+class _Tok:
+    """A tokenizer whose every text is the ids ``repeat`` (the reconstruction instruction's)."""
+
+    def __init__(self, repeat: torch.Tensor) -> None:
+        self.repeat = repeat[0].tolist()
+
+    def encode(self, text, add_special_tokens=True):
+        return list(self.repeat)
+
+
+def _kvzip(budget, ctx, repeat, **kw) -> KVzipSelection:
+    return KVzipSelection(budget, prompt_ids=ctx, tokenizer=_Tok(repeat), **kw)
 
 
 def _reference_scores(model, ctx, recon) -> list[torch.Tensor]:
@@ -47,9 +63,9 @@ def _reference_scores(model, ctx, recon) -> list[torch.Tensor]:
 
 
 def test_kvzip_scores_are_the_models_reconstruction_attention(model) -> None:
-    ctx, recon = _ids(0, 40), _ids(1, 50)
-    ref = _reference_scores(model, ctx, recon)
-    method = KVzipSelection(10, recon_ids=recon, chunk=16)
+    ctx, rep = _ids(0, 40), _ids(1, 10)
+    ref = _reference_scores(model, ctx, torch.cat([rep, ctx], 1))  # the instruction, then the context again
+    method = _kvzip(10, ctx, rep, chunk=16)
     dec = Decoder(model, method)
     dec(ctx, dec.new_cache(1))
     hf = KVSpliceHFCache(model, method)
@@ -61,16 +77,16 @@ def test_kvzip_scores_are_the_models_reconstruction_attention(model) -> None:
 
 
 def test_kvzip_full_budget_is_lossless_and_budget_keeps_top_tokens(model) -> None:
-    ctx, recon, nxt = _ids(2, 30), _ids(3, 35), _ids(4, 5)
+    ctx, rep, nxt = _ids(2, 30), _ids(3, 5), _ids(4, 5)
     full = Decoder(model)
     c = full.new_cache(1)
     full(ctx, c)
     want = full(nxt, c)
-    dec = Decoder(model, KVzipSelection(30, recon_ids=recon))
+    dec = Decoder(model, _kvzip(30, ctx, rep))
     c2 = dec.new_cache(1)
     dec(ctx, c2)
     torch.testing.assert_close(dec(nxt, c2), want, atol=1e-5, rtol=1e-5)
-    dec = Decoder(model, KVzipSelection(8, recon_ids=recon, store=DenseKV(cache_quant="int8")))
+    dec = Decoder(model, _kvzip(8, ctx, rep, store=DenseKV(cache_quant="int8")))
     c3 = dec.new_cache(1)
     dec(ctx, c3)
     assert c3.seq_len == 8 and c3.nbytes() == dec.formula_nbytes(c3)
@@ -80,7 +96,58 @@ def test_kvzip_full_budget_is_lossless_and_budget_keeps_top_tokens(model) -> Non
 
 
 def test_kvzip_refuses_bad_input(model) -> None:
-    with pytest.raises(ValueError, match="recon_ids"):
-        KVzipSelection(4, recon_ids=torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="prompt_ids"):
+        KVzipSelection(4, prompt_ids=torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="sliding-window"):
-        Decoder(tiny_family("mistral", window=8), KVzipSelection(4, recon_ids=_ids(0, 5)))
+        Decoder(tiny_family("mistral", window=8), _kvzip(4, _ids(0, 5), _ids(1, 2)))
+    dec = Decoder(model, KVzipSelection(4))  # no prompt: it cannot re-read it
+    with pytest.raises(ValueError, match="build it per prompt"):
+        dec(_ids(0, 12), dec.new_cache(1))
+    dec = Decoder(model, _kvzip(4, _ids(0, 10), _ids(1, 2)))  # built for another prompt
+    with pytest.raises(ValueError, match="10-token prompt; the prefill has 12"):
+        dec(_ids(0, 12), dec.new_cache(1))
+
+
+def test_kvzip_from_a_spec_per_prompt(model) -> None:
+    ctx, rep, nxt = _ids(5, 32), _ids(6, 4), _ids(7, 3)
+    spec = parse_spec("select:kvzip@x4+int8")
+    assert spec == {"name": "kvzip", "keep": 0.25, "store": {"name": "dense", "cache_quant": "int8"}}
+    assert format_spec(spec) == "select:kvzip@0.25+int8" and needs_prompt(spec)
+    assert not needs_prompt("select:snapkv@x4+int8")
+    built = build_method(spec, prompt_ids=ctx, tokenizer=_Tok(rep))
+    assert built.budget == 8 and built.spec() == {"name": "kvzip", "budget": 8,
+                                                   "store": {"name": "dense", "cache_quant": "int8"}}
+    direct = _kvzip(8, ctx, rep, store=DenseKV(cache_quant="int8"))
+    outs = []
+    for m in (built, direct):
+        dec = Decoder(model, m)
+        c = dec.new_cache(1)
+        dec(ctx, c)
+        outs.append(dec(nxt, c))
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)  # the same method
+    with pytest.raises(ValueError, match="come from the prompt, not from a spec"):
+        build_method({"name": "kvzip", "budget": 4, "prompt_ids": [1, 2]})
+
+
+def test_kvzip_mix_keeps_the_mixed_selectors_share_first() -> None:
+    from kvsplice.core.registry import build_selector
+    from kvsplice.select.kvzip import ReconstructionScores
+
+    scores = torch.rand(2, 20, generator=torch.Generator().manual_seed(0))
+    k, v = torch.zeros(2, 20, 4), torch.zeros(2, 20, 4)
+    sel = ReconstructionScores(build_selector({"name": "streaming_llm", "n_sink": 0}), share=0.5)
+    sel.scores = scores
+    idx, logw = sel.select(k, v, 6)
+    for h in range(2):
+        rest = scores[h, :17].topk(3).indices.tolist()  # the 3 best reconstruction scores outside the recent 3
+        assert sorted(idx[h].tolist()) == sorted(rest + [17, 18, 19]) and not logw.any()
+    plain = ReconstructionScores()
+    plain.scores = scores
+    assert torch.equal(plain.select(k, v, 6)[0], scores.topk(6).indices.sort(dim=-1).values)
+    m = build_method("select:kvzip(mix=observed_attention,share=0.25)@x4+int8", prompt_len=40)
+    assert m.spec() == {"name": "kvzip", "budget": 10, "mix": "observed_attention", "share": 0.25,
+                        "store": {"name": "dense", "cache_quant": "int8"}} and m.selector.needs_queries
+    with pytest.raises(ValueError, match="share must be a fraction"):
+        KVzipSelection(4, mix="observed_attention", share=2)
+    with pytest.raises(ValueError, match="unknown selector 'nosuch'"):
+        KVzipSelection(4, mix="nosuch")

@@ -87,6 +87,12 @@ def test_attend_matches_explicit_softmax_with_offsets_and_groups():
     # one new query sees every key (the prototype's is_causal=True bug let it see only key 0)
     one = attend(q[:, :, -1:], k, v, scale=0.3)
     torch.testing.assert_close(one, got[:, :, -1:], atol=1e-6, rtol=0)
+    # square (a prefill): SDPA's own grouping on the CPU, the same numbers as the folded rows
+    v = torch.randn(b, hkv, t_q, d)
+    sq = attend(q, k[:, :, -t_q:], v, scale=0.3)
+    s = (q @ kk[:, :, -t_q:].transpose(-1, -2)) * 0.3
+    s = s.masked_fill(~causal_mask(t_q, t_q, q.device), float("-inf"))
+    torch.testing.assert_close(sq, torch.softmax(s, -1) @ v.repeat_interleave(g, dim=1), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -47,7 +47,9 @@ def test_the_plan_fits_the_budget_and_every_candidate_was_measured(planned):
     assert len(cands) >= 4 and all(c["bytes_per_token"] <= budget + 1e-9 for c in cands)
     stores = [c["spec"].get("store", c["spec"]) for c in cands]
     assert {s["name"] + s.get("cache_quant", "") for s in stores} >= {"denseint8", "kivi", "lowrankint8"}
-    best = min(cands, key=lambda c: c["tuning_ppl"])
+    assert doc["objective"] == "mixed"  # the default: the best perplexity among the most accurate candidates
+    top = max(c["task_acc"] for c in cands)
+    best = min((c for c in cands if c["task_acc"] == top), key=lambda c: c["tuning_ppl"])
     assert doc["label"] == best["label"] == doc["chosen"]["label"] and doc["version"] == PLAN_VERSION
     assert (planned / "report.json").is_file() and (planned / "stats.safetensors").is_file()
     plan = Plan.load(planned / "plan.json")
@@ -75,9 +77,10 @@ def test_generate_eval_and_the_hf_cache_take_the_plan(s260k, planned, tmp_path, 
     model = load_model(str(s260k)).model
     plan = Plan.load(planned / "plan.json", model)
     ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a = model.generate(ids, past_key_values=KVSpliceHFCache(model, plan.method(40)), max_new_tokens=5,
-                           do_sample=False)
+    tok = load_model(str(s260k)).tokenizer
+    with torch.no_grad():  # the plan's method, built for the prompt it compresses (KVzip re-reads it)
+        a = model.generate(ids, past_key_values=KVSpliceHFCache(model, plan.method(prompt_ids=ids, tokenizer=tok)),
+                           max_new_tokens=5, do_sample=False)
     assert a.shape == (1, 45)
 
 
@@ -94,6 +97,8 @@ def test_stats_are_reused_and_bad_inputs_are_one_line(s260k, planned, tmp_path, 
             ([*SMALL, "--ratio", "3", "--out", str(planned / "plan.json")], "already exists"),
             ([*SMALL, "--ratio", "100000", "--out", str(tmp_path / "x.json")], "no stack fits"),
             ([*SMALL, "--ratio", "0", "--out", str(tmp_path / "y.json")], "must be > 0"),
+            ([*SMALL, "--ratio", "3", "--selectors", "kvzip(mix=nosuch)", "--out", str(tmp_path / "s.json")],
+             "unknown selector 'nosuch'"),
             ([*SMALL, "--ratio", "3", "--prompt-len", "256", "--out", str(tmp_path / "z.json")], "--prompt-len")):
         assert plan_cli.main(["--model", str(s260k), *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -106,23 +111,29 @@ def test_stats_are_reused_and_bad_inputs_are_one_line(s260k, planned, tmp_path, 
         Plan({"name": "token_selection", "selector": "snapkv", "keep": 0.5}).method()
 
 
-def test_the_mixed_objective_measures_tasks_and_never_trades_accuracy(s260k, planned, tmp_path):
-    """--objective mixed: every candidate spec gets a task accuracy on tuning instances (seeds >= 1,000,000) beside
-    its perplexity; the chosen spec has the best accuracy, then the best perplexity."""
+def test_the_ppl_objective_picks_the_best_tuning_perplexity(s260k, planned, tmp_path):
+    """--objective ppl (the default is mixed: see the first test): no task instances, the best tuning perplexity;
+    --objective mixed with its own tuning tasks: the chosen spec has the best accuracy, then the best perplexity."""
+    out = tmp_path / "pp.json"
+    assert plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats",
+                          str(planned / "stats.safetensors"), "--objective", "ppl", "--selectors", "snapkv",
+                          "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    cands = doc["candidates"]
+    assert doc["objective"] == "ppl" and doc["tasks"] is None and all("task_acc" not in c for c in cands)
+    assert doc["chosen"]["tuning_ppl"] == min(c["tuning_ppl"] for c in cands)
     out = tmp_path / "pm.json"
     assert plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats",
                           str(planned / "stats.safetensors"), "--objective", "mixed", "--tune-tasks", "passkey",
-                          "--tune-n", "1", "--tune-length", "160", "--out", str(out)]) == 0
+                          "--tune-n", "1", "--tune-length", "160", "--selectors", "kvzip",
+                          "kvzip(mix=observed_attention,share=0.5)", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
-    info = doc  # the plan file carries the search's evidence beside its spec
-    assert info["objective"] == "mixed" and info["tasks"]["seed0"] == 1_000_000 and "task_acc" in info["full"]
-    cands = info["candidates"]
-    assert len(cands) > 1 and all("task_acc" in c and "tuning_ppl" in c for c in cands)
-    best_acc = max(c["task_acc"] for c in cands)
-    top = [c for c in cands if c["task_acc"] >= best_acc]
-    assert info["chosen"]["task_acc"] == best_acc
-    assert info["chosen"]["tuning_ppl"] == min(c["tuning_ppl"] for c in top)
-    assert Plan.load(out).label == info["chosen"]["label"]
+    assert doc["tasks"]["seed0"] == 1_000_000 and doc["tasks"]["length"] == 160 and "task_acc" in doc["full"]
+    cands = doc["candidates"]
+    top = [c for c in cands if c["task_acc"] >= max(c["task_acc"] for c in cands)]
+    assert doc["chosen"]["tuning_ppl"] == min(c["tuning_ppl"] for c in top)
+    assert all(c["spec"]["name"] == "kvzip" for c in cands if "keep" in c["spec"])  # the one selection scorer
+    assert Plan.load(out).label == doc["chosen"]["label"]
 
 
 @pytest.mark.parametrize("extra,needle", [

@@ -29,6 +29,7 @@ def _instances(tmp_path) -> dict[str, object]:
         "joint-lowrank": build_method({"name": "joint-lowrank", "bases": str(tmp_path / "j.safetensors")}),
         "fd-online": build_method("fd-online(rank_k=3,ell=8,max_chunk_len=32)"),
         "token_selection": build_method("select:snapkv(window=8,kernel=3)@0.5+kivi4", prompt_len=40),
+        "kvzip": build_method("select:kvzip(chunk=64)@0.25+int8", prompt_len=40),
     }
 
 
@@ -67,6 +68,7 @@ def test_the_short_form_and_the_dict_form_agree():
     assert parse_spec("select:snapkv@x2+kivi2(residual=16)")["store"] == {"name": "kivi", "bits": 2, "residual": 16}
     assert parse_spec('{"name": "kivi", "bits": 2}') == {"name": "kivi", "bits": 2}
     for text in ("select:observed_attention@0.25+int8", "select:snapkv(window=32)@64+kivi(bits=2,residual=32)",
+                 "select:kvzip(chunk=64)@0.25+kivi_rotated(bits=4,residual=32)",
                  "lowrank:r4.safetensors+int8", "fd-online(rank_k=4,ell=8,relative=true)", "dense", "int8"):
         assert format_spec(parse_spec(text)) == text
         assert parse_spec(format_spec(parse_spec(text))) == parse_spec(text)

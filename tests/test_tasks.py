@@ -99,7 +99,7 @@ def test_answer_doors_agree(tok, model, setting) -> None:
                "expected_attention": _factory("select:expected_attention@0.5"),
                "kivi4": lambda ids: KIVI(bits=4, group=16, residual=16),
                "kivi4h": lambda ids: RotatedKIVI(bits=4, group=16, residual=16),
-               "kvzip+int8": parse_method("kvzip@x4+int8", tok).factory}
+               "kvzip+int8": parse_method("select:kvzip@x4+int8", tok).factory}
     for name, f in methods.items():
         a = answer(model, tok, inst, f, setting=setting, door="decoder")
         b = answer(model, tok, inst, f, setting=setting, door="hf")
@@ -126,8 +126,8 @@ def test_answer_many_equals_answer(tok, model, setting) -> None:
     from kvsplice.tasks.shared import answer_many
 
     inst = make_instance("multikey_facts", tok, 200, 2)
-    specs = {s: parse_method(s, tok) for s in ("full", "select:observed_attention@x4+int8", "kvzip@x2",
-                                                "kvzip@x4+int8", "int8", "select:snapkv@0.5")}
+    specs = {s: parse_method(s, tok) for s in ("full", "select:observed_attention@x4+int8", "select:kvzip@x2",
+                                                "select:kvzip@x4+int8", "int8", "select:snapkv@0.5")}
     many = answer_many(model, tok, inst, {s: m.factory for s, m in specs.items()}, setting=setting)
     assert list(many) == list(specs)
     for s, m in specs.items():
@@ -135,4 +135,4 @@ def test_answer_many_equals_answer(tok, model, setting) -> None:
         assert many[s].tokens == one.tokens, s
         assert (many[s].cache_bytes, many[s].formula_bytes, many[s].fp16_bytes) == \
             (one.cache_bytes, one.formula_bytes, one.fp16_bytes), s
-    assert many["kvzip@x2"].cache_bytes > many["kvzip@x4+int8"].cache_bytes
+    assert many["select:kvzip@x2"].cache_bytes > many["select:kvzip@x4+int8"].cache_bytes

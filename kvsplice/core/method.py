@@ -118,7 +118,11 @@ class CompressionMethod:
     A subclass that sets ``name`` is registered under it (:mod:`kvsplice.core.registry`): ``build_method(spec)``
     builds it by name from its constructor arguments and :meth:`spec` gives them back. ``spec_files``: constructor
     arguments a spec may give as a file (read by :meth:`load_spec_file`); ``spec_nested``: arguments that are
-    themselves a ``"method"`` or a ``"selector"`` (nested specs).
+    themselves a ``"method"`` or a ``"selector"`` (nested specs); ``spec_context``: arguments that come from the
+    prompt being compressed, never from a spec (``"prompt_ids"``, ``"tokenizer"``: KVzip re-reads its prompt) —
+    :func:`~kvsplice.core.registry.build_method` passes them (``build_method(spec, prompt_ids=, tokenizer=)``);
+    ``select_form``: a token selection that scores the prompt by a pass of its own, written
+    ``select:NAME@AMOUNT[+STORE]`` in the short form like a selector.
     """
 
     name: str = "method"
@@ -129,6 +133,8 @@ class CompressionMethod:
     adapter: Optional[FamilyAdapter] = None  # set on the bound copy
     spec_files: tuple[str, ...] = ()
     spec_nested: dict[str, str] = {}
+    spec_context: tuple[str, ...] = ()
+    select_form: bool = False
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)

@@ -20,7 +20,8 @@ A token selection takes ``budget`` (prompt tokens kept per KV head) or ``keep`` 
 
     spec      := selection | method
     selection := "select:" selector "@" amount [ "+" method ]      the store defaults to full K/V (dense)
-    selector  := NAME [ "(" args ")" ]                             select:snapkv(window=32)@64
+    selector  := NAME [ "(" args ")" ]                             select:snapkv(window=32)@64; or a selection
+                                                                   that scores by its own pass: select:kvzip@x4
     amount    := INTEGER                                           budget: prompt tokens kept per KV head
                | DECIMAL | PERCENT                                 keep: a fraction of the prompt (0.25, 25%)
                | "x" RATIO                                         keep 1/RATIO of the prompt (x4 = 0.25)
@@ -49,7 +50,10 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 __all__ = ["ALIASES", "BUILTIN_MODULES", "METHODS", "MethodSpecError", "SELECTORS", "build_method", "parse_amount",
-           "build_selector", "check_spec", "format_spec", "load_spec", "method_names", "parse_spec", "register",
+           "build_selector", "check_spec", "format_spec", "load_spec", "method_names", "needs_prompt", "parse_selector",
+           "parse_spec",
+           "select_names",
+           "register",
            "selector_names", "spec_of"]
 
 METHODS: dict[str, type] = {}
@@ -60,7 +64,8 @@ SELECTORS: dict[str, type] = {}
 BUILTIN_MODULES = ("kvsplice.decode.dense", "kvsplice.decode.native", "kvsplice.lowrank.method",
                    "kvsplice.lowrank.joint", "kvsplice.select.method", "kvsplice.quant.method",
                    "kvsplice.online.method", "kvsplice.select.selectors", "kvsplice.select.scores",
-                   "kvsplice.select.knorm", "kvsplice.select.expected", "kvsplice.quant.rotated")
+                   "kvsplice.select.knorm", "kvsplice.select.expected", "kvsplice.quant.rotated",
+                   "kvsplice.select.kvzip")
 
 ALIASES: dict[str, dict[str, Any]] = {
     "fp": {"name": "dense"}, "full": {"name": "dense"}, "int8": {"name": "dense", "cache_quant": "int8"},
@@ -117,13 +122,19 @@ def _params(cls: type) -> dict[str, inspect.Parameter]:
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
+def _spec_params(cls: type) -> dict[str, inspect.Parameter]:
+    """The constructor arguments a spec may give: all but the prompt's own (``spec_context``)."""
+    context = getattr(cls, "spec_context", ())
+    return {n: p for n, p in _params(cls).items() if n not in context}
+
+
 def spec_of(obj: Any) -> dict[str, Any]:
     """The spec of a method or selector: its ``name`` and every constructor argument whose value (the attribute of
     the same name) differs from the default; methods and selectors inside are nested specs, files a spec named are
     their resolved paths (``_spec_files``)."""
     files = getattr(obj, "_spec_files", {})
     out: dict[str, Any] = {"name": type(obj).name}
-    for n, p in _params(type(obj)).items():
+    for n, p in _spec_params(type(obj)).items():
         if n in files:
             out[n] = files[n]
             continue
@@ -201,14 +212,19 @@ def parse_spec(text: str) -> dict[str, Any]:
         return spec
     m = _SELECT.fullmatch(text)
     if m:
-        spec = {"name": "token_selection", "selector": {"name": m["sel"], **_args(m["args"], text)},
-                **parse_amount(m["amount"], text)}
+        _load_builtins()
+        cls = None if m["sel"] in SELECTORS else METHODS.get(m["sel"])
+        if getattr(cls, "select_form", False):  # a selection that scores by a pass of its own (kvzip)
+            spec = {"name": m["sel"], **_args(m["args"], text), **parse_amount(m["amount"], text)}
+        else:
+            spec = {"name": "token_selection", "selector": {"name": m["sel"], **_args(m["args"], text)},
+                    **parse_amount(m["amount"], text)}
         if m["store"]:
             spec["store"] = _parse_method(m["store"], text)
         return spec
     if text.startswith("select:"):
         raise MethodSpecError(f"{text!r}: a selection is select:SELECTOR@AMOUNT[+STORE], e.g. "
-                              f"select:snapkv@0.25+int8 (selectors: {', '.join(selector_names())})")
+                              f"select:snapkv@0.25+int8 (selectors: {', '.join(select_names())})")
     return _parse_method(text, text)
 
 
@@ -238,9 +254,12 @@ def format_spec(spec: Spec) -> str:
     in-memory bases print as ``<KVBases>``) — a label."""
     spec = parse_spec(spec) if isinstance(spec, str) else dict(spec)
     name = spec.pop("name", "?")
-    if name == "token_selection":
-        sel = spec.pop("selector", {})
+    own_pass = getattr(METHODS.get(name), "select_form", False)
+    if name == "token_selection" or own_pass:
+        sel = {"name": name} if own_pass else spec.pop("selector", {})
         sel = {"name": sel} if isinstance(sel, str) else dict(sel)
+        if own_pass:
+            sel.update({k: spec.pop(k) for k in list(spec) if k not in ("budget", "keep", "store")})
         amount = spec.pop("budget", None)
         amount = f"{spec.pop('keep'):g}" if amount is None and "keep" in spec else str(amount)
         store = spec.pop("store", None)
@@ -295,6 +314,12 @@ def _known() -> list[str]:
     return method_names() + sorted(ALIASES)
 
 
+def select_names() -> list[str]:
+    """What ``select:NAME@`` takes: the selectors and the selections that score by a pass of their own."""
+    _load_builtins()
+    return selector_names() + sorted(n for n, c in METHODS.items() if getattr(c, "select_form", False))
+
+
 def _shown(text: Any) -> str:
     """A spec as an error message shows it: its short form."""
     if isinstance(text, dict):
@@ -323,8 +348,9 @@ def _as_dict(spec: Any, what: str) -> dict[str, Any]:
     return dict(spec)
 
 
-def _check_args(cls: type, kw: dict, text: Any) -> None:
-    params = _params(cls)
+def _check_args(cls: type, kw: dict, text: Any, context: tuple[str, ...] = ()) -> None:
+    """``kw`` against ``cls``'s spec arguments; ``context``: the prompt's own arguments (``spec_context``) given."""
+    params = {**_spec_params(cls), **{n: p for n, p in _params(cls).items() if n in context}}
     takes_any = cls.__init__ is not object.__init__ and \
         any(p.kind == p.VAR_KEYWORD for p in inspect.signature(cls.__init__).parameters.values())
     bad = [k for k in kw if k not in params and not takes_any]
@@ -336,13 +362,18 @@ def _check_args(cls: type, kw: dict, text: Any) -> None:
         raise MethodSpecError(f"{cls.name} needs {', '.join(missing)} (in {_shown(text)})")
 
 
+def parse_selector(text: str) -> dict[str, Any]:
+    """A selector's short form ``NAME[(KEY=VALUE,...)]`` → its dict spec (no check of the name)."""
+    m = re.fullmatch(r"([A-Za-z][A-Za-z0-9_-]*)(?:\(([^()]*)\))?", text.strip())
+    if not m:
+        raise MethodSpecError(f"a selector is NAME[(KEY=VALUE,...)], got {text!r}")
+    return {"name": m[1], **_args(m[2], text)}
+
+
 def build_selector(spec: Spec) -> Any:
     """A :class:`~kvsplice.select.selectors.TokenSelector` from its spec (a dict or ``NAME[(args)]``)."""
     if isinstance(spec, str):
-        m = re.fullmatch(r"([A-Za-z][A-Za-z0-9_-]*)(?:\(([^()]*)\))?", spec.strip())
-        if not m:
-            raise MethodSpecError(f"a selector is NAME[(KEY=VALUE,...)], got {spec!r}")
-        spec = {"name": m[1], **_args(m[2], spec)}
+        spec = parse_selector(spec)
     text = format_spec({"name": "token_selection", "selector": spec, "budget": "N"}) if isinstance(spec, dict) \
         and "name" in spec else spec
     kw = _as_dict(spec, "selector")
@@ -352,13 +383,22 @@ def build_selector(spec: Spec) -> Any:
 
 
 def build_method(spec: Spec, *, prompt_len: Optional[int] = None,
-                 base_dir: Optional[Union[str, Path]] = None) -> Any:
+                 base_dir: Optional[Union[str, Path]] = None, prompt_ids: Any = None, tokenizer: Any = None) -> Any:
     """The :class:`~kvsplice.core.method.CompressionMethod` of ``spec`` (a dict or the short form; see the module
     docstring). ``prompt_len``: the prompt a ``keep`` fraction applies to; ``base_dir``: the folder relative file
-    names are read from (default: the working directory)."""
+    names are read from (default: the working directory). ``prompt_ids (B or 1, P)`` (it sets ``prompt_len``) and
+    ``tokenizer``: the prompt being compressed, for a method that re-reads it (``spec_context``: KVzip); the others
+    ignore them."""
     text = spec
+    if prompt_ids is not None and prompt_len is None:
+        prompt_len = int(prompt_ids.shape[-1])
     kw = _as_dict(spec, "method")
     cls = _lookup(kw.pop("name"), text)
+    context = {"prompt_ids": prompt_ids, "tokenizer": tokenizer}
+    bad = [n for n in getattr(cls, "spec_context", ()) if n in kw]
+    if bad:
+        raise MethodSpecError(f"{cls.name}'s {', '.join(bad)} come from the prompt, not from a spec: "
+                              f"build_method(spec, prompt_ids=..., tokenizer=...) (in {_shown(text)})")
     files: dict[str, str] = {}
     for arg in getattr(cls, "spec_files", ()):
         value = kw.get(arg)
@@ -370,14 +410,30 @@ def build_method(spec: Spec, *, prompt_len: Optional[int] = None,
     for arg, kind in getattr(cls, "spec_nested", {}).items():
         if arg in kw and kw[arg] is not None and not hasattr(kw[arg], "spec"):
             kw[arg] = build_selector(kw[arg]) if kind == "selector" else \
-                build_method(kw[arg], prompt_len=prompt_len, base_dir=base_dir)
+                build_method(kw[arg], prompt_len=prompt_len, base_dir=base_dir, prompt_ids=prompt_ids,
+                             tokenizer=tokenizer)
     if "keep" in kw and "keep" not in _params(cls):
         kw = _keep_to_budget(kw, prompt_len, text)
-    _check_args(cls, kw, text)
+    given = tuple(n for n in getattr(cls, "spec_context", ()) if context.get(n) is not None)
+    kw.update({n: context[n] for n in given})
+    _check_args(cls, kw, text, given)
     method = cls(**kw)
     if files:
         method._spec_files = files
     return method
+
+
+def needs_prompt(spec: Any) -> bool:
+    """Whether the method of ``spec`` (a spec or a built method) — or one inside it — re-reads the prompt it
+    compresses (``spec_context``): build it per prompt, ``build_method(spec, prompt_ids=ids, tokenizer=tok)``."""
+    if hasattr(spec, "spec") and callable(spec.spec) and not isinstance(spec, dict):
+        spec = spec.spec()
+    kw = _as_dict(spec, "method")
+    cls = _lookup(kw.get("name"), spec)
+    if getattr(cls, "spec_context", ()):
+        return True
+    return any(needs_prompt(kw[a]) for a, kind in getattr(cls, "spec_nested", {}).items()
+               if kind == "method" and isinstance(kw.get(a), (dict, str)))
 
 
 def check_spec(spec: Spec, *, base_dir: Optional[Union[str, Path]] = None) -> dict[str, Any]:

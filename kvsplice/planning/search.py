@@ -5,7 +5,7 @@ The search is over method specs (:mod:`kvsplice.core.registry`): any registered 
 (``stores=``, ``python -m kvsplice.plan --stores SPEC ...``).
 
 1. **Stores** (:func:`candidate_stores`): full K/V at fp16 and int8, KIVI at 4 and 2 bits (group 32, full-precision
-   windows of 32 and 128 tokens), and low-rank bases with ranks allocated by the predicted calibration loss
+   windows of 32 and 128 tokens; and 4 bits in groups of 64 where the head dimension allows), and low-rank bases with ranks allocated by the predicted calibration loss
    (:mod:`kvsplice.lowrank.allocate`, the ``fisher`` fit) at a few rank ratios, int8 coefficients — post-RoPE (they
    can hold a selection) and pre-RoPE (alone).
 2. **Tokens** (:func:`fit_budget`): the exact bytes of each store per prompt token at fp16 (the methods'
@@ -27,14 +27,16 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from kvsplice.adapters import adapter_for
-from kvsplice.evaluation.protocol import evaluate, full_bytes_per_token
-from kvsplice.core.registry import build_method
+from kvsplice.evaluation.protocol import evaluate, evaluate_each, full_bytes_per_token
+from kvsplice.core.registry import METHODS, SELECTORS, build_method, needs_prompt, parse_selector
 from kvsplice.planning.spec import spec_label
 
 __all__ = ["DEFAULT_SELECTORS", "LOWRANK_RATIOS", "OBJECTIVES", "bytes_per_token", "candidate_stores", "fit_budget",
-           "lowrank_bases", "rank_key", "search", "selection"]
+           "check_selector", "is_selection", "lowrank_bases", "rank_key", "search", "selection"]
 
-DEFAULT_SELECTORS = ("snapkv", "observed_attention")
+DEFAULT_SELECTORS = ("snapkv", "observed_attention", "kvzip", "kvzip(mix=observed_attention,share=0.5)")
+"""The selector trial's entries: attention-based (the next words), KVzip (a later question), and KVzip keeping half
+its budget by ObservedAttention (both)."""
 LOWRANK_RATIOS = (1.5, 2.0, 3.0)
 
 
@@ -73,6 +75,8 @@ def candidate_stores(has_rope: bool, head_dim: int,
     g = min(32, head_dim)
     if head_dim % g == 0:
         stores += [{"name": "kivi", "bits": b, "group": g, "residual": r} for b in (4, 2) for r in (128, 32)]
+    if head_dim % 64 == 0:  # 4-bit codes in groups of 64: 4.5 bits per number (3.56x smaller than fp16)
+        stores += [{"name": "kivi", "bits": 4, "group": 64, "residual": r} for r in (128, 32)]
     for ratio in lowrank_ratios:
         for rope in (("post", "pre") if has_rope else ("none",)):
             stores.append({"name": "lowrank", "bases": {"fit": "fisher", "ratio": ratio, "rope": rope},
@@ -89,8 +93,25 @@ def bytes_per_token(method, adapter, prompt_len: int, held: int, dtype: torch.dt
 
 
 def selection(store: dict[str, Any], selector: str, keep: float = 1.0) -> dict[str, Any]:
-    """The spec of ``selector`` keeping ``keep`` of the prompt over the storage ``store``."""
-    return {"name": "token_selection", "selector": {"name": selector}, "keep": keep, "store": store}
+    """The spec of ``selector`` keeping ``keep`` of the prompt over the storage ``store`` (``selector``: a selector
+    ``NAME[(KEY=VALUE,...)]``, or a selection that scores by its own pass — ``kvzip``,
+    ``kvzip(mix=observed_attention,share=0.5)``)."""
+    sel = parse_selector(selector)
+    if sel["name"] not in SELECTORS and getattr(METHODS.get(sel["name"]), "select_form", False):
+        return {**sel, "keep": keep, "store": store}
+    return {"name": "token_selection", "selector": sel, "keep": keep, "store": store}
+
+
+def check_selector(selector: str) -> str:
+    """``selector`` if :func:`selection` can build it (a known name, arguments its class takes), else a one-line
+    ``ValueError``."""
+    build_method(selection(INT8, selector, 0.5), prompt_len=2)
+    return selector
+
+
+def is_selection(spec: dict[str, Any]) -> bool:
+    """``spec`` keeps a fraction of the prompt (a token selection, KVzip)."""
+    return "keep" in spec
 
 
 def fit_budget(store: dict[str, Any], adapter, prompt_len: int, budget: float, *, selector: str,
@@ -155,7 +176,7 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
            stores: Optional[Sequence[dict[str, Any]]] = None, batch_size: int = 4,
            log: Optional[Callable[[str], None]] = None, objective: str = "ppl",
            task_eval: Optional[Callable[[dict[str, Callable]], dict[str, float]]] = None,
-           task_tolerance: float = 0.0) -> dict[str, Any]:
+           task_tolerance: float = 0.0, tokenizer: Any = None) -> dict[str, Any]:
     """Search the specs that fit ``budget`` bytes per prompt token (at fp16) on the tuning ``windows``; returns
     ``{"best": spec (its bases in memory), "full": the full cache's tuning result, "candidates": [...]}`` (each
     candidate: its spec — the planner's bases as their fit —, label, bytes per token, ratio vs the fp16 full cache,
@@ -164,7 +185,8 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
 
     ``objective`` (:data:`OBJECTIVES`): with ``tasks`` / ``mixed``, ``task_eval({label: factory(ids) -> method})``
     returns each candidate's accuracy (%) on tuning task instances (``factory`` builds the candidate's method for the
-    ids it compresses; the full cache is ``"full"``); every candidate row then has a ``task_acc``."""
+    ids it compresses; the full cache is ``"full"``); every candidate row then has a ``task_acc``. ``tokenizer``:
+    the model's, for candidates that re-read their prompt (KVzip: measured window by window)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if objective != "ppl" and task_eval is None:
@@ -185,8 +207,12 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
         return out
 
     def measure(spec: dict) -> dict[str, Any]:
-        res = evaluate(model, build_method(realise(spec), prompt_len=prompt_len), windows, prompt_len=prompt_len,
-                       batch_size=batch_size)
+        if needs_prompt(spec):  # built per window from its prompt
+            res = evaluate_each(model, lambda ids: build_method(realise(spec), prompt_ids=ids, tokenizer=tokenizer),
+                                windows, prompt_len=prompt_len)
+        else:
+            res = evaluate(model, build_method(realise(spec), prompt_len=prompt_len), windows,
+                           prompt_len=prompt_len, batch_size=batch_size)
         row = {"label": spec_label(spec), "spec": spec, "bytes_per_token": res["bytes_per_token"],
                "ratio_vs_fp16_full": res["ratio_vs_fp16_full"], "tuning_ppl": res["ppl"],
                "delta_pct": 100 * (res["ppl"] / full["ppl"] - 1), "seconds": res["seconds"]}
@@ -197,7 +223,9 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
     def with_tasks(rows: list[dict]) -> None:
         if task_eval is None:
             return
-        todo = {r["label"]: (lambda ids, spec=realise(r["spec"]): build_method(spec, prompt_len=ids.shape[1]))
+        from kvsplice.tasks.methods import per_prompt
+
+        todo = {r["label"]: per_prompt(lambda spec=realise(r["spec"]), **ctx: build_method(spec, **ctx), tokenizer)
                 for r in rows if "task_acc" not in r}
         if not todo:
             return
@@ -230,7 +258,9 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
     chosen_sel = selectors[0]
     # the selector is chosen on the selection over int8 K/V (nearly lossless storage: the selection's own loss),
     # else on the candidate that keeps the most tokens; by the objective
-    with_sel = sorted((s for s in fits if s["name"] == "token_selection"),
+    if any(needs_prompt(selection(INT8, name)) for name in selectors) and tokenizer is None:
+        raise ValueError(f"the selectors {', '.join(selectors)} include one that re-reads its prompt: give tokenizer=")
+    with_sel = sorted((s for s in fits if is_selection(s)),
                       key=lambda s: (s["store"] != INT8, -s["keep"]))
     if with_sel and len(selectors) > 1:
         trial = [measure(selection(with_sel[0]["store"], name, with_sel[0]["keep"])) for name in selectors]
@@ -240,7 +270,7 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
         log(f"selector: {chosen_sel}")
     done = {r["label"] for r in rows}
     for st in fits:
-        st = selection(st["store"], chosen_sel, st["keep"]) if st["name"] == "token_selection" else st
+        st = selection(st["store"], chosen_sel, st["keep"]) if is_selection(st) else st
         if spec_label(st) not in done:
             rows.append(measure(st))
             done.add(spec_label(st))

@@ -7,6 +7,7 @@ prompt length::
 
     plan = Plan.load("plan.json")                      # + plan.bases.safetensors beside it when it has low rank
     method = plan.method(prompt_len=ids.shape[1])     # build_method(plan.spec, prompt_len=, base_dir=plan's folder)
+    method = plan.method(prompt_ids=ids, tokenizer=tok)  # any plan; needed when it re-reads its prompt (KVzip)
     Decoder(model, method); KVSpliceHFCache(model, method)
 
 The plan file is JSON: ``format``, ``version`` (2), the ``model_fingerprint`` it was searched for, the ``spec`` (files
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kvsplice.core.method import CompressionMethod
-from kvsplice.core.registry import build_method, format_spec
+from kvsplice.core.registry import METHODS, build_method, format_spec, needs_prompt
 from kvsplice.planning.checks import check_arguments, check_bases_name, check_plan_doc
 
 __all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Plan", "PlanError", "spec_label", "stack_to_spec"]
@@ -66,6 +67,10 @@ def spec_label(spec: dict[str, Any]) -> str:
     ``lowrank×1.5(post+int8)`` (the planner's bases, by their fit), a selection keeping ``keep`` of the prompt as
     ``selector×ratio + store``; any other spec by its short form (:func:`~kvsplice.core.registry.format_spec`)."""
     name = spec.get("name")
+    if "keep" in spec and getattr(METHODS.get(name), "select_form", False):  # kvzip: scores by its own pass
+        spec = {"name": "token_selection", "keep": spec["keep"], "store": spec.get("store", {"name": "dense"}),
+                "selector": {k: v for k, v in spec.items() if k not in ("keep", "store")}}
+        name = "token_selection"
     if name == "token_selection" and "keep" in spec:
         sel = spec.get("selector", {})
         if isinstance(sel, dict):
@@ -100,10 +105,13 @@ class Plan:
     base_dir: Optional[Path] = None
     info: dict = field(default_factory=dict)
 
-    def method(self, prompt_len: Optional[int] = None) -> CompressionMethod:
-        """The plan's method; a selection keeping a fraction of the prompt needs ``prompt_len``."""
+    def method(self, prompt_len: Optional[int] = None, *, prompt_ids: Any = None,
+               tokenizer: Any = None) -> CompressionMethod:
+        """The plan's method; a selection keeping a fraction of the prompt needs ``prompt_len``, a plan that re-reads
+        its prompt (KVzip, :attr:`needs_prompt`) the prompt's ids (``prompt_ids (B or 1, P)``) and the tokenizer."""
         try:
-            return build_method(self.spec, prompt_len=prompt_len, base_dir=self.base_dir)
+            return build_method(self.spec, prompt_len=prompt_len, base_dir=self.base_dir, prompt_ids=prompt_ids,
+                                tokenizer=tokenizer)
         except ValueError as e:
             raise PlanError(str(e)) from None
 
@@ -112,9 +120,14 @@ class Plan:
         return spec_label(self.spec)
 
     @property
+    def needs_prompt(self) -> bool:
+        """Whether the plan's method re-reads the prompt it compresses (build it with ``prompt_ids`` / ``tokenizer``)."""
+        return needs_prompt(self.spec)
+
+    @property
     def selects(self) -> bool:
         """The plan's method is a token selection (it compresses a prompt)."""
-        return self.spec.get("name") == "token_selection"
+        return "keep" in self.spec or "budget" in self.spec  # token_selection, kvzip
 
     def files(self) -> list[tuple[dict, str]]:
         """``(the dict holding it, key)`` of every in-memory object of the spec a file must hold (bases)."""

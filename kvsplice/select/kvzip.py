@@ -1,18 +1,20 @@
 """KVzip-style, query-agnostic token selection (Kim et al. 2025): keep the context tokens the model needs to
 *reconstruct* the context.
 
-After the (exact) prefill of a layer, a second pass — ``recon_ids``: a "Repeat the previous context:" prompt followed
-by the context itself, at the positions after it — runs through the same layer over the layer's full cache; every
-context token is scored by the largest attention it receives from any reconstruction query of any query head of its
-KV head, and each KV head keeps its ``budget`` highest-scored tokens (log-weight 0). The reconstruction pass is carried
-layer to layer (its hidden states live in the call's ``step.memo``) with the model's own weights through the family
-adapter, so it runs inside either door: the package's ``Decoder`` and transformers' ``generate()`` call the same
-``attend``. The question is never needed: a cache compressed this way serves any later question.
+After the (exact) prefill of a layer, a second pass — the reconstruction prompt: ``repeat`` ("Repeat the previous
+context exactly.") followed by the prompt itself, at the positions after it — runs through the same layer over the
+layer's full cache; every prompt token is scored by the largest attention it receives from any reconstruction query of
+any query head of its KV head, and each KV head keeps its ``budget`` highest-scored tokens (log-weight 0). The
+reconstruction pass is carried layer to layer (its hidden states live in the call's ``step.memo``) with the model's
+own weights through the family adapter, so it runs inside either door: the package's ``Decoder`` and transformers'
+``generate()`` call the same ``attend``. The question is never needed: a cache compressed this way serves any later
+question.
 
-::
+It re-reads its prompt, so it is built per prompt, from a spec like any method (``spec_context``)::
 
-    recon = torch.tensor([tok.encode("\\n\\nRepeat the previous context exactly.\\n") + ctx_ids[1:]])
-    method = KVzipSelection(budget=len(ctx_ids) // 4, recon_ids=recon, store=DenseKV(cache_quant="int8"))
+    build_method("select:kvzip@x4+int8", prompt_ids=ids, tokenizer=tok)      # ids (B or 1, P): the prompt prefilled
+    KVzipSelection(budget=P // 4, prompt_ids=ids, tokenizer=tok, store=DenseKV(cache_quant="int8"))
+    Plan.load("plan.json").method(prompt_ids=ids, tokenizer=tok)             # a plan that picked it
 
 Cost: one more pass over the context (the reconstruction) at prefill; nothing at decode. Models with sliding-window
 layers are refused (a window keeps its most recent tokens anyway).
@@ -20,7 +22,8 @@ layers are refused (a window keeps its most recent tokens anyway).
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Any, Optional
 
 import torch
 
@@ -38,43 +41,83 @@ REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
 
 class ReconstructionScores(TokenSelector):
     """Keeps the ``budget`` tokens of the highest scores set by :class:`KVzipSelection` for the layer being
-    compressed (``scores (B·Hkv, T)``); log-weights 0. Not registered with ``make_selector``: its scores come from
-    the reconstruction pass."""
+    compressed (``scores (B·Hkv, T)``); log-weights 0. With ``mix`` (another selector) and ``share``: the
+    ``ceil(share · budget)`` tokens ``mix`` keeps come first, the rest by the reconstruction scores. Not registered
+    with ``make_selector``: its scores come from the reconstruction pass."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, mix: Optional[TokenSelector] = None, share: float = 0.0, seed: int = 0) -> None:
         super().__init__(seed)
         self.scores: Optional[torch.Tensor] = None
+        self.mix, self.share = mix, share
+        self.needs_queries = bool(mix is not None and mix.needs_queries)
 
-    def _select(self, k, v, budget):
+    def _select(self, k, v, budget, q=None, scale=None):
         if self.scores is None or self.scores.shape != k.shape[:2]:
             raise ValueError("kvzip scores come from the reconstruction pass: use KVzipSelection, not make_selector")
-        idx = _top(self.scores.to(k.device), budget)
+        scores = self.scores.to(k.device)
+        n_mix = min(budget, math.ceil(self.share * budget - 1e-9)) if self.mix is not None else 0
+        if n_mix:
+            kw = {"q": q, "scale": scale} if self.mix.needs_queries else {}
+            first, _ = self.mix.select(k, v, n_mix, **kw)  # (H, n_mix): the mixed-in selector's own choice
+            scores = scores.scatter(1, first, float("inf"))  # kept whatever their reconstruction scores
+        idx = _top(scores, budget)
         return idx, torch.zeros(idx.shape, dtype=torch.float32, device=k.device)
 
 
 class KVzipSelection(TokenSelection):
-    """Keep ``budget`` prompt tokens per KV head, scored by the reconstruction pass of ``recon_ids (B or 1, Tr)``;
-    held by ``store`` (default full K/V). ``chunk``: reconstruction queries per score block. Not registered with
-    :func:`kvsplice.build_method`: it holds the prompt's own token ids, so no spec rebuilds it (the task suite's
-    ``kvzip@KEEP`` builds one per prompt, :func:`kvsplice.tasks.methods.parse_method`)."""
+    """Keep ``budget`` prompt tokens per KV head, scored by the reconstruction pass over ``prompt_ids (B or 1, P)``
+    (the prompt this method will prefill; ``tokenizer`` encodes ``repeat``); held by ``store`` (default full K/V).
+    ``chunk``: reconstruction queries per score block. ``mix``: a selector spec (``"observed_attention"``) whose own
+    choice of ``ceil(share · budget)`` tokens is kept first, the rest by the reconstruction scores (what the next
+    words need beside what a later question needs). ``shared_scores``: a dict in which the scores of a finished
+    pass over the same prompt are kept and reused (several budgets over one prefill)."""
 
-    def __init__(self, budget: int, *, recon_ids: torch.Tensor, store: Optional[CompressionMethod] = None,
-                 chunk: int = 512, shared_scores: Optional[dict] = None) -> None:
-        super().__init__(ReconstructionScores(), budget, store=store)
-        if not isinstance(recon_ids, torch.Tensor) or recon_ids.dim() != 2 or recon_ids.shape[1] < 1:
-            raise ValueError("recon_ids must be token ids (B or 1, Tr) with Tr >= 1")
-        self.recon_ids, self.chunk = recon_ids, int_arg("chunk", chunk, 1)
-        self.shared_scores = shared_scores  # {layer: scores} of a finished pass over the same context, reused
+    name = "kvzip"
+    select_form = True
+    spec_nested = {"store": "method"}
+    spec_context = ("prompt_ids", "tokenizer")
+
+    def __init__(self, budget: int, *, store: Optional[CompressionMethod] = None, repeat: str = REPEAT_PROMPT,
+                 chunk: int = 512, mix: Optional[str] = None, share: float = 0.5,
+                 prompt_ids: Optional[torch.Tensor] = None, tokenizer: Any = None) -> None:
+        if mix is not None:
+            from kvsplice.core.registry import build_selector
+
+            build_selector(mix)  # a known selector, checked now
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+            raise ValueError(f"share must be a fraction in [0, 1], got {share!r}")
+        self.mix, self.share = mix, float(share)
+        super().__init__(self._scorer(), budget, store=store)
+        if not isinstance(repeat, str):
+            raise ValueError(f"repeat must be the text of the reconstruction instruction, got {repeat!r}")
+        if prompt_ids is not None and (not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2
+                                       or prompt_ids.shape[1] < 1 or prompt_ids.is_floating_point()):
+            raise ValueError("prompt_ids must be the prompt's token ids (B or 1, P) with P >= 1")
+        self.repeat, self.chunk, self.prompt_ids = repeat, int_arg("chunk", chunk, 1), prompt_ids
+        self.tokenizer = tokenizer
+        self.repeat_ids = None if tokenizer is None else _encode(tokenizer, repeat)
+        self.shared_scores: Optional[dict] = None  # {layer: scores} of a finished pass over the same prompt
+
+    def _scorer(self) -> ReconstructionScores:
+        from kvsplice.core.registry import build_selector
+
+        return ReconstructionScores(None if self.mix is None else build_selector(self.mix), self.share)
 
     def _prepare(self, adapter, *, dtype, device):
         super()._prepare(adapter, dtype=dtype, device=device)
         if any(adapter.window(l) for l in range(adapter.n_layer)):
             raise ValueError("KVzipSelection does not support sliding-window layers")
-        self.selector = ReconstructionScores()  # the bound copy's own (scores are set per layer at prefill)
+        self.selector = self._scorer()  # the bound copy's own (scores are set per layer at prefill)
         self.layer_scores: dict[int, torch.Tensor] = {}  # the last prefill's scores (B, Hkv, T) per layer
 
     def attend(self, layer, q, k, v, cache, step, mask=None, logw=None):
         if cache.layer_len(layer) == 0:
+            if self.prompt_ids is None or self.repeat_ids is None:
+                raise ValueError("KVzip re-reads the prompt it compresses: build it per prompt with its ids and "
+                                 "tokenizer (build_method(spec, prompt_ids=ids, tokenizer=tok))")
+            if self.prompt_ids.shape[1] != k.shape[2]:
+                raise ValueError(f"this KVzip was built for a {self.prompt_ids.shape[1]}-token prompt; the prefill "
+                                 f"has {k.shape[2]} tokens: build it with the ids being prefilled")
             shared = self.shared_scores
             if shared is not None and len(shared) == self.adapter.n_layer and shared[layer].shape == (*k.shape[:2],
                                                                                                        k.shape[2]):
@@ -93,7 +136,9 @@ class KVzipSelection(TokenSelection):
             raise ValueError("KVzipSelection needs unpadded prompts (one sequence per call, or equal lengths)")
         a = self._bound()
         b, hkv, t, d = k.shape
-        ids = self.recon_ids.to(k.device).expand(b, -1)  # (B, Tr)
+        prompt = self.prompt_ids.to(k.device).expand(b, -1)  # (B, P)
+        rep = torch.tensor([self.repeat_ids], dtype=prompt.dtype, device=k.device).expand(b, -1)  # (B, R)
+        ids = torch.cat([rep, prompt], dim=1)  # (B, Tr): the instruction, then the prompt again
         tr = ids.shape[1]
         key = ("kvzip", id(self))
         x = step.memo.get(key)
@@ -101,20 +146,48 @@ class KVzipSelection(TokenSelection):
             x = a.embed(ids, t)  # (B, Tr, d_model) at positions t .. t + Tr - 1
         rope = a.rope(x, t, tr, layer) if a.has_rope else None
         qr, kr, vr = a.qkv(layer, a.attn_in(layer, x), rope)  # (B, Hq, Tr, D), (B, Hkv, Tr, D) × 2
-        kk = torch.cat([k.to(qr.dtype), kr], dim=2)  # (B, Hkv, T + Tr, D): the full cache + the pass's own
-        vv = torch.cat([v.to(qr.dtype), vr], dim=2)
-        step.memo[key] = a.after_attn(layer, x, a.out(layer, step.attend(layer, qr, kk, vv)))  # causal, bottom-right
-        g = qr.shape[1] // hkv
-        qg = qr.reshape(b, hkv, g, tr, d).float()  # (B, Hkv, g, Tr, D)
         scores = torch.zeros(b, hkv, t, dtype=torch.float32, device=k.device)
-        cols = torch.arange(t + tr, device=k.device)
+        y = self._pass(qr, k, v, kr, vr, step.scales[layer], scores)  # (B, Hq, Tr, Dv); scores filled in
+        step.memo[key] = a.after_attn(layer, x, a.out(layer, y))  # the pass's hidden states, on to the next layer
+        return scores
+
+    def _pass(self, qr, k, v, kr, vr, scale: float, scores: torch.Tensor) -> torch.Tensor:
+        """The reconstruction queries ``qr (B, Hq, Tr, D)`` over the prompt's ``k, v (B, Hkv, T, D)`` and their own
+        ``kr, vr (B, Hkv, Tr, D)`` (causal: query i sees the prompt and its own keys up to i) → the attention output
+        ``(B, Hq, Tr, Dv)``, computed from the attention weights in blocks of ``chunk`` queries; the largest weight
+        each prompt token gets from any query of its KV head's group is maxed into ``scores (B, Hkv, T)``."""
+        b, hkv, t, d = k.shape
+        tr, g = qr.shape[2], qr.shape[1] // hkv
+        qg = qr.float().reshape(b, hkv, g, tr, d)  # (B, Hkv, g, Tr, D): query head h reads KV head h // g
+        kt, vf = k.float().transpose(-1, -2), v.float()  # (B, Hkv, D, T), (B, Hkv, T, Dv)
+        krt, vrf = kr.float().transpose(-1, -2), vr.float()  # (B, Hkv, D, Tr), (B, Hkv, Tr, Dv)
+        y = qg.new_empty(b, hkv, g, tr, vf.shape[-1])  # (B, Hkv, g, Tr, Dv)
         for s in range(0, tr, self.chunk):
             e = min(tr, s + self.chunk)
-            logits = torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, s:e], kk.float()) * step.scales[layer]
-            logits = logits.masked_fill(cols > t + torch.arange(s, e, device=k.device)[:, None], float("-inf"))
-            p = torch.softmax(logits, dim=-1)[..., :t]  # (B, Hkv, g, e - s, T): attention on the context
-            scores = torch.maximum(scores, p.amax(dim=(2, 3)))
-        return scores
+            qc = qg[:, :, :, s:e].reshape(b, hkv, g * (e - s), d)  # (B, Hkv, g·c, D), rows (head in group, query)
+            lc = (qc @ kt) * scale  # (B, Hkv, g·c, T): every prompt key is seen
+            lr = (qc @ krt[..., :e]) * scale  # (B, Hkv, g·c, e): the pass's own keys, causal
+            hide = torch.arange(e, device=k.device)[None, :] > torch.arange(s, e, device=k.device)[:, None]  # (c, e)
+            lr = lr.view(b, hkv, g, e - s, e).masked_fill(hide, float("-inf")).view(b, hkv, g * (e - s), e)
+            m = torch.maximum(lc.amax(-1, keepdim=True), lr.amax(-1, keepdim=True))  # (B, Hkv, g·c, 1)
+            pc, pr = (lc - m).exp_(), (lr - m).exp_()
+            z = pc.sum(-1, keepdim=True) + pr.sum(-1, keepdim=True)
+            pc, pr = pc.div_(z), pr.div_(z)  # softmax over the prompt's and the pass's keys together
+            torch.maximum(scores, pc.amax(dim=2), out=scores)
+            y[:, :, :, s:e] = (pc @ vf + pr @ vrf[:, :, :e]).view(b, hkv, g, e - s, -1)
+        return y.reshape(b, hkv * g, tr, -1).to(qr.dtype)  # (B, Hq, Tr, Dv)
 
     def __repr__(self) -> str:
         return f"KVzipSelection(budget={self.budget}, store={self.store!r})"
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    """``text``'s token ids (no special tokens) from an HF ``tokenizers`` / ``transformers`` tokenizer."""
+    try:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    except TypeError:
+        ids = tokenizer.encode(text)
+    ids = list(getattr(ids, "ids", ids))
+    if not ids:
+        raise ValueError(f"the tokenizer gives no tokens for the reconstruction instruction {text!r}")
+    return ids

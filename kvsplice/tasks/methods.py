@@ -1,29 +1,25 @@
 """Method specs for the task evaluation: a string → the factory that builds the method for a prompt.
 
 Every spec :func:`kvsplice.build_method` reads (``int8``, ``kivi4``, ``kivi4h(residual=32)``,
-``select:observed_attention@x4+int8``, ``lowrank:FILE+int8``, a ``.json`` spec file; see
-:mod:`kvsplice.core.registry`) is one, plus::
+``select:observed_attention@x4.19+int8``, ``select:kvzip@x4+int8``, ``lowrank:FILE+int8``, a ``.json`` spec file;
+see :mod:`kvsplice.core.registry`) is one, plus::
 
     full                                   the full K/V cache
-    kvzip@KEEP[+STORE]                     KVzip: kept by the attention of a reconstruction pass (query-agnostic);
-                                           KEEP a fraction or xR; it holds the prompt's ids, so it is built here,
-                                           per prompt, not by build_method
     plan:PATH                              a plan from python -m kvsplice.plan
-    e.g.  select:observed_attention@x4.19+int8,  kvzip@x4+int8,  kivi4(residual=32)
 
+Each method is built per prompt, from the ids it compresses (KVzip re-reads them: ``prompt_ids=``, ``tokenizer=``).
 A selection keeps ``ceil(KEEP · P)`` of the ``P`` tokens it compresses (as a plan does).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from kvsplice.core.method import CompressionMethod
-from kvsplice.core.registry import build_method, check_spec, format_spec, load_spec, parse_amount
+from kvsplice.core.registry import build_method, check_spec, format_spec, load_spec, needs_prompt
 
 __all__ = ["MethodSpec", "parse_method"]
 
@@ -35,20 +31,8 @@ class MethodSpec:
 
     spec: str
     label: str
-    factory: Callable[[torch.Tensor], Optional[CompressionMethod]]
+    factory: Callable[..., Optional[CompressionMethod]]
     keep: float = 1.0  # the fraction of the compressed tokens a selection keeps
-    kvzip: bool = False
-
-
-def _keep(text: str, spec: str) -> float:
-    """KVzip's KEEP: a fraction or a ratio ``xR``, as a selection's amount in the registry's grammar."""
-    try:
-        v = parse_amount(text, spec).get("keep", -1.0)
-    except ValueError:
-        v = -1.0
-    if not 0.0 < v <= 1.0:
-        raise ValueError(f"method {spec!r}: KEEP must be a fraction in (0, 1] or a ratio xR with R >= 1, got {text!r}")
-    return v
 
 
 def _named(spec: str, e: ValueError) -> str:
@@ -56,52 +40,41 @@ def _named(spec: str, e: ValueError) -> str:
     return str(e) if repr(spec) in str(e) else f"method {spec!r}: {e}"
 
 
+def per_prompt(build: Callable[..., CompressionMethod], tokenizer=None) -> Callable[..., CompressionMethod]:
+    """``factory(ids (1, P), shared=None)`` of a method built by ``build(prompt_ids=, tokenizer=)`` for the ids it
+    compresses; a KVzip in it keeps its reconstruction scores in ``shared`` (one pass per context)."""
+
+    def factory(ids: torch.Tensor, shared: Optional[dict] = None) -> CompressionMethod:
+        method = build(prompt_ids=ids, tokenizer=tokenizer)
+        if shared is not None and hasattr(method, "shared_scores"):
+            method.shared_scores = shared.setdefault(("kvzip", method.repeat), {})
+        return method
+
+    return factory
+
+
 def parse_method(spec: str, tokenizer=None) -> MethodSpec:
-    """``spec`` (see the module docstring) → :class:`MethodSpec`; ``tokenizer`` encodes KVzip's repeat prompt."""
+    """``spec`` (see the module docstring) → :class:`MethodSpec`; ``tokenizer``: the model's (KVzip encodes its
+    reconstruction instruction with it)."""
     spec = spec.strip()
     if spec == "full":
-        return MethodSpec(spec, "full", lambda ids: None)
+        return MethodSpec(spec, "full", lambda ids, shared=None: None)
     if spec.startswith("plan:"):
         from kvsplice.planning.spec import Plan
 
         plan = Plan.load(spec[5:])
+        if needs_prompt(plan.spec) and tokenizer is None:
+            raise ValueError(f"method {spec!r}: {plan.label} re-reads its prompt and needs the model's tokenizer")
         keep = float(plan.spec.get("keep", 1.0)) if plan.selects else 1.0
-        return MethodSpec(spec, f"plan {plan.label}", lambda ids: plan.method(ids.shape[1]), keep)
-    if spec.startswith("kvzip@"):
-        return _kvzip(spec, tokenizer)
+        return MethodSpec(spec, f"plan {plan.label}", per_prompt(plan.method, tokenizer), keep)
     try:
         d, base_dir = load_spec(spec)
         d = check_spec(d, base_dir=base_dir)
         build_method(d, prompt_len=1, base_dir=base_dir)  # the constructors check the values now, not per prompt
+        if needs_prompt(d) and tokenizer is None:
+            raise ValueError(f"{format_spec(d)} re-reads its prompt and needs the model's tokenizer")
     except ValueError as e:
         raise ValueError(_named(spec, e)) from None
     keep = float(d["keep"]) if "keep" in d else 1.0
-    return MethodSpec(spec, format_spec(d), lambda ids, d=d: build_method(d, prompt_len=ids.shape[1],
-                                                                           base_dir=base_dir), keep)
-
-
-def _kvzip(spec: str, tokenizer) -> MethodSpec:
-    from kvsplice.select.kvzip import REPEAT_PROMPT, KVzipSelection
-
-    keep_text, _, store_text = spec[6:].partition("+")
-    keep = _keep(keep_text, spec)
-    if tokenizer is None:
-        raise ValueError(f"method {spec!r}: KVzip needs the tokenizer (its repeat prompt)")
-    store = None
-    if store_text:
-        try:
-            store = check_spec(load_spec(store_text)[0])
-            build_method(store, prompt_len=1)
-        except ValueError as e:
-            raise ValueError(_named(spec, e)) from None
-    prefix = tokenizer.encode(REPEAT_PROMPT)
-
-    def kvzip(ids: torch.Tensor, shared: Optional[dict] = None) -> CompressionMethod:
-        recon = torch.cat([torch.tensor([prefix], device=ids.device), ids], dim=1)  # (1, Tr)
-        budget = max(1, math.ceil(keep * ids.shape[1] - 1e-9))
-        scores = None if shared is None else shared.setdefault("kvzip", {})  # one pass per context
-        return KVzipSelection(budget, recon_ids=recon, store=None if store is None else build_method(store),
-                              shared_scores=scores)
-
-    store_label = "" if store is None or store == {"name": "dense"} else f" + {format_spec(store)}"
-    return MethodSpec(spec, f"kvzip×{1 / keep:.3g}{store_label}", kvzip, keep, kvzip=True)
+    return MethodSpec(spec, format_spec(d), per_prompt(
+        lambda **ctx: build_method(d, base_dir=base_dir, **ctx), tokenizer), keep)

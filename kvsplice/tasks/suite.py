@@ -18,7 +18,7 @@ from kvsplice.tasks.needles import multikey, multiquery, multivalue, passkey, si
 from kvsplice.tasks.story_qa import story_qa
 from kvsplice.tasks.variables import variable_tracking
 
-__all__ = ["DEFAULT_TASKS", "NEEDS_STORIES", "TASKS", "TUNING_SEED0", "make_instance", "make_instances"]
+__all__ = ["DEFAULT_TASKS", "MIN_LENGTH", "NEEDS_STORIES", "TASKS", "TUNING_SEED0", "make_instance", "make_instances"]
 
 TUNING_SEED0 = 1_000_000
 """Seeds at or above this are tuning instances (the planner's); reported runs use seeds below it."""
@@ -47,13 +47,17 @@ DEFAULT_TASKS = ("passkey", "niah_number_stories", "niah_uuid_facts", "multikey_
                  "vartrack", "common_words", "story_qa")
 
 
+MIN_LENGTH = 64
+"""The shortest prompt (tokens) a task instance is generated at."""
+
+
 def make_instance(task: str, tokenizer, length: int, seed: int, *, stories: Optional[str] = None) -> TaskInstance:
     """Instance ``seed`` of ``task`` whose prompt is ``length`` tokens of ``tokenizer`` (at most; within a
     haystack piece of it)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; tasks are {', '.join(TASKS)}")
-    if length < 64:
-        raise ValueError(f"length must be >= 64 tokens, got {length}")
+    if length < MIN_LENGTH:
+        raise ValueError(f"length must be >= {MIN_LENGTH} tokens, got {length}")
     rng = random.Random(f"{task}/{length}/{seed}")
     inst = TASKS[task](tokenizer, length, seed, rng, task=task, stories=stories)
     ctx, q = prompt_ids(tokenizer, inst)

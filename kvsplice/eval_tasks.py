@@ -124,6 +124,12 @@ def run(args: argparse.Namespace) -> dict:
     if loaded.max_positions is not None and max(args.lengths) > loaded.max_positions:
         raise UsageError(f"--lengths {max(args.lengths)} exceeds the model's {loaded.max_positions} positions")
     specs = _specs(args, tok)
+    from kvsplice.adapters.registry import adapter_for
+    from kvsplice.decode.native import OWN_ATTENTION
+
+    if adapter_for(model).name in OWN_ATTENTION and set(specs) != {"full"}:
+        raise UsageError(f"--model {args.model} decodes with its own cache (a converted MLA model): --method full "
+                         f"measures that cache; the compression methods need the source model")
     header = {"format": FORMAT, "version": 1, "model": args.model, "model_fingerprint": model_fingerprint(model),
               "tasks": args.tasks, "lengths": args.lengths, "n": args.n, "seed0": args.seed0, "door": args.door,
               "stories": args.stories, "methods": {k: s.label for k, s in specs.items()}}

@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--d-latent", default=None, help="latent size R of the MLA model (MHA input); Llama family: "
                    "a number or 'full' (the rank at which the conversion is exact)")
     p.add_argument("--rope-dims", default=None, help="Llama family: RoPE dims per RoPE key (even) or 'all' "
-                   "(default: head_dim/8 per-head, head_dim/2 shared)")
+                   "(default: head_dim/8 per-head; all shared — every frequency in the one RoPE key held best on the fine-tune text, "
+                   "results/convert_rope_split.md)")
     p.add_argument("--rope-layout", choices=("per-head", "shared"), default="per-head",
                    help="Llama family: a RoPE key per KV head (MHA2MLA) or one shared per token (TransMLA/DeepSeek)")
     p.add_argument("--latent-norm", action="store_true", help="Llama family: RMSNorm the latent (DeepSeek's "

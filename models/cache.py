@@ -32,14 +32,34 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
+from models.group_quant import dequantize as dequantize_groups
+from models.group_quant import pack_codes, quantize, unpack_codes
+
 StreamSpec = Mapping[str, Sequence[int]]
 """name -> per-token shape ``(*lead, D)``; stored as ``(B, *lead, T, D)``."""
 
-QUANT_MODES = (None, "int8")
+QUANT_MODES = (None, "int8", "int4")
 """``quant`` of a :class:`DecodeCache`: ``None`` stores the streams at ``dtype``; ``"int8"`` stores each token's row
-as int8 with one fp16 absmax scale per row (per token, per layer, per stream and leading index such as the head)."""
+as int8 with one fp16 absmax scale per row (per token, per layer, per stream and leading index such as the head);
+``"int4"`` stores each row as asymmetric 4-bit codes, two per byte, in groups of :func:`int4_group` numbers along
+the row, each group with an fp16 scale and minimum (KIVI's value quantisation, :mod:`models.group_quant`)."""
 SCALE = ".scale"
-"""Suffix of the scale buffer of a quantised stream (``"k.scale"``: ``(B, *lead, T, 1)`` fp16)."""
+"""Suffix of the scale buffer of a quantised stream (``"k.scale"``: ``(B, *lead, T, 1)`` fp16; int4:
+``(B, *lead, T, D / group)``)."""
+MIN = ".min"
+"""Suffix of the group-minimum buffer of an int4 stream (``(B, *lead, T, D / group)`` fp16)."""
+INT4_GROUP = 32
+
+
+def int4_group(d: int) -> int:
+    """Numbers per group of an int4 row of width ``d``: :data:`INT4_GROUP`, or the whole row when ``d`` is not a
+    multiple of it."""
+    return INT4_GROUP if d % INT4_GROUP == 0 else d
+
+
+def int4_row_bytes(d: int) -> int:
+    """Bytes of one int4 row of width ``d`` (even): ``d / 2`` code bytes and an fp16 scale and minimum per group."""
+    return d // 2 + 4 * (d // int4_group(d))
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,6 +166,8 @@ class DecodeCache(Cache):
         if capacity is not None and capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.specs = [{name: tuple(int(s) for s in shape) for name, shape in spec.items()} for spec in specs]
+        if quant == "int4" and any(shape[-1] % 2 for spec in self.specs for shape in spec.values()):
+            raise ValueError("an int4 cache packs two numbers per byte: every stream's last dim must be even")
         self.batch_size = int(batch_size)
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -167,8 +189,13 @@ class DecodeCache(Cache):
             return {name: (shape, self.dtype) for name, shape in spec.items()}
         out = {}
         for name, shape in spec.items():
-            out[name] = (shape, torch.int8)
-            out[name + SCALE] = ((*shape[:-1], 1), torch.float16)
+            if self.quant == "int8":
+                out[name] = (shape, torch.int8)
+                out[name + SCALE] = ((*shape[:-1], 1), torch.float16)
+            else:  # int4: packed codes, a scale and a minimum per group
+                groups = (*shape[:-1], shape[-1] // int4_group(shape[-1]))
+                out[name] = ((*shape[:-1], shape[-1] // 2), torch.uint8)
+                out[name + SCALE], out[name + MIN] = (groups, torch.float16), (groups, torch.float16)
         return out
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, capacity: int) -> torch.Tensor:
@@ -249,17 +276,38 @@ class DecodeCache(Cache):
             if self.quant is None:
                 buf[..., n : n + t_new, :] = x
                 out[name] = buf[..., : n + t_new, :]
-            else:  # int8 rows + fp16 scales; the attention call reads them dequantised into the workspace
-                sbuf = self._buffers[layer][name + SCALE]
-                buf[..., n : n + t_new, :], sbuf[..., n : n + t_new, :] = quantize_int8(x)
+            else:  # quantised rows; the attention call reads them dequantised into the workspace
+                self._quantize_into(layer, name, x, n)
                 if not dequantized:
                     continue
-                ws = self._workspace(name, buf)[..., : n + t_new, :]
-                ws.copy_(buf[..., : n + t_new, :]).mul_(sbuf[..., : n + t_new, :])
-                out[name] = ws
+                shape = (*buf.shape[:-1], spec[name][-1])  # (B, *lead, capacity, D)
+                out[name] = self._dequantized(layer, name, n + t_new, self._workspace(name, shape))
         self._lengths[layer] = n + t_new
         self._seen[layer] += t_new
         return out
+
+    def _quantize_into(self, layer: int, name: str, x: torch.Tensor, n: int) -> None:
+        """Store rows ``x (B, *lead, T, D)`` of stream ``name`` quantised at rows ``n:n + T``."""
+        bufs, t = self._buffers[layer], x.shape[-2]
+        if self.quant == "int8":
+            bufs[name][..., n : n + t, :], bufs[name + SCALE][..., n : n + t, :] = quantize_int8(x)
+            return
+        d = x.shape[-1]
+        codes, scale, mn = quantize(x.unflatten(-1, (d // int4_group(d), -1)), -1, 4)  # (…, T, D/G, G), (…, D/G, 1)
+        bufs[name][..., n : n + t, :] = pack_codes(codes.flatten(-2), 4)  # (B, *lead, T, D/2)
+        bufs[name + SCALE][..., n : n + t, :], bufs[name + MIN][..., n : n + t, :] = scale[..., 0], mn[..., 0]
+
+    def _dequantized(self, layer: int, name: str, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The first ``n`` rows of quantised stream ``name`` at ``dtype``, ``(B, *lead, n, D)`` (into the first ``n``
+        rows of ``out`` when given)."""
+        bufs = self._buffers[layer]
+        rows, scale = bufs[name][..., :n, :], bufs[name + SCALE][..., :n, :]
+        if self.quant == "int8":
+            return dequantize(rows, scale, self.dtype) if out is None else out[..., :n, :].copy_(rows).mul_(scale)
+        d = self.specs[layer][name][-1]
+        codes = unpack_codes(rows, 4).unflatten(-1, (d // int4_group(d), -1))  # (B, *lead, n, D/G, G)
+        x = dequantize_groups(codes, scale[..., None], bufs[name + MIN][..., :n, :, None], self.dtype).flatten(-2)
+        return x if out is None else out[..., :n, :].copy_(x)
 
     def reserve(self, layer: int, t_new: int, *, written: bool = False) -> tuple[int, dict[str, torch.Tensor]]:
         """An append without a temporary (unquantised caches): make room for ``t_new`` more tokens of ``layer``, count
@@ -276,14 +324,14 @@ class DecodeCache(Cache):
         self._seen[layer] += t_new
         return t0, self._buffers[layer]
 
-    def _workspace(self, name: str, like: torch.Tensor) -> torch.Tensor:
+    def _workspace(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The scratch a quantised stream is dequantised into for one attention call: one buffer per stream name,
         shared by all layers (each layer's call overwrites it), so the views ``append`` returns are valid until the
         next ``append`` of that stream. Reusing it avoids allocating (and page-faulting) a full-size tensor per
         layer per step; it holds one layer's rows at ``dtype`` and is not part of the cache (:meth:`workspace_nbytes`)."""
         ws = self._ws.get(name)
-        if ws is None or ws.shape != like.shape:
-            ws = torch.empty(like.shape, dtype=self.dtype, device=self.device)
+        if ws is None or tuple(ws.shape) != tuple(shape):
+            ws = torch.empty(shape, dtype=self.dtype, device=self.device)
             self._ws[name] = ws
         return ws
 
@@ -294,13 +342,13 @@ class DecodeCache(Cache):
     def get(self, layer: int) -> dict[str, torch.Tensor]:
         """What ``layer`` holds, ``(B, *lead, T, D)`` per stream at ``dtype``: views, or transient dequantised
         tensors for a quantised cache."""
-        raw = self.stored(layer)
         if self.quant is None:
-            return raw
-        return {name: dequantize(raw[name], raw[name + SCALE], self.dtype) for name in self.specs[layer]}
+            return self.stored(layer)
+        return {name: self._dequantized(layer, name, self._lengths[layer]) for name in self.specs[layer]}
 
     def stored(self, layer: int) -> dict[str, torch.Tensor]:
-        """Views of the storage of ``layer`` (int8 values and fp16 ``name.scale`` rows when quantised)."""
+        """Views of the storage of ``layer`` (int8 values and fp16 ``name.scale`` rows when quantised; int4: packed
+        codes, ``name.scale`` and ``name.min``)."""
         n = self._lengths[layer]
         return {name: buf[..., :n, :] for name, buf in self._buffers[layer].items()}
 
@@ -317,7 +365,7 @@ class DecodeCache(Cache):
 
     def bytes_per_token(self) -> int:
         """Bytes stored per token per sequence over layers and streams: ``D·element size`` per row, and with
-        ``quant="int8"`` one byte per number plus a 2-byte scale per row."""
+        ``quant="int8"`` one byte per number plus a 2-byte scale per row; ``"int4"``: :func:`int4_row_bytes` a row."""
         return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
                    for layout in self._layouts for shape, dt in layout.values())
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.cache import DecodeCache
+from models.cache import QUANT_MODES, DecodeCache, int4_row_bytes
 
 __all__ = ["LATENT_NORM_EPS", "MLALlama", "MLALlamaConfig", "MODEL_TYPE", "ROPE_LAYOUTS"]
 
@@ -62,7 +62,7 @@ class MLALlamaConfig:
     tie_embeddings: bool = False
     windows: list = field(default_factory=list)  # per layer: sliding window (tokens a query sees) or None
     mla_impl: str = "naive"  # "naive" | "absorbed" (cached decode)
-    cache_quant: Optional[str] = None  # None | "int8": int8 rows + one fp16 scale per row (models.cache)
+    cache_quant: Optional[str] = None  # None | "int8" (int8 rows + an fp16 scale per row) | "int4" (models.cache)
     source: dict = field(default_factory=dict)  # where it came from (model_type, path, conversion settings)
 
     def __post_init__(self) -> None:
@@ -74,6 +74,8 @@ class MLALlamaConfig:
             raise ValueError(f"n_head {self.n_head} is not a multiple of n_kv_head {self.n_kv_head}")
         if self.mla_impl not in ("naive", "absorbed"):
             raise ValueError(f"mla_impl must be 'naive' or 'absorbed', got {self.mla_impl!r}")
+        if self.cache_quant not in QUANT_MODES:
+            raise ValueError(f"cache_quant must be one of {QUANT_MODES}, got {self.cache_quant!r}")
         if not self.windows:
             self.windows = [None] * self.n_layer
 
@@ -275,10 +277,14 @@ class MLALlama(nn.Module):
 
     def cache_bytes_formula(self, batch_size: int, n_tokens: int, dtype: torch.dtype) -> int:
         """Bytes a cache of ``n_tokens`` per layer holds: ``cache_dim`` numbers per token and layer at ``dtype``, or
-        with ``cache_quant='int8'`` one byte each plus an fp16 scale per latent row and per RoPE key."""
+        with ``cache_quant='int8'`` one byte each plus an fp16 scale per latent row and per RoPE key, with ``'int4'``
+        half a byte each plus an fp16 scale and minimum per group (:func:`models.cache.int4_row_bytes`)."""
         cfg = self.cfg
         if cfg.cache_quant == "int8":
             per_token = cfg.cache_dim + 2 * (1 + cfg.rope_heads)
+        elif cfg.cache_quant == "int4":
+            per_token = int4_row_bytes(cfg.d_latent) + (cfg.rope_heads * int4_row_bytes(cfg.rope_dims)
+                                                        if cfg.rope_dims else 0)
         else:
             per_token = cfg.cache_dim * torch.empty(0, dtype=dtype).element_size()
         return batch_size * n_tokens * cfg.n_layer * per_token

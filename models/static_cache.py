@@ -41,6 +41,8 @@ class StaticCacheView(Cache):
         lengths = {cache.layer_len(i) for i in range(cache.n_layer)}
         if len(lengths) != 1:
             raise ValueError(f"every layer must hold the same number of tokens, got {sorted(lengths)}")
+        if cache.quant not in (None, "int8"):
+            raise ValueError(f"a fixed-capacity view covers full-precision and int8 caches, not {cache.quant!r}")
         self.inner = cache
         self.batch_size, self.dtype, self.device, self.quant = cache.batch_size, cache.dtype, cache.device, cache.quant
         cap = cache.capacity
@@ -72,7 +74,7 @@ class StaticCacheView(Cache):
             return {name: bufs[name] for name in new}
         out = {}
         for name in new:
-            ws = self.inner._workspace(name, bufs[name])  # (B, *lead, capacity, D) at dtype
+            ws = self.inner._workspace(name, tuple(bufs[name].shape))  # (B, *lead, capacity, D) at dtype
             out[name] = ws.copy_(bufs[name]).mul_(bufs[name + SCALE])
         return out
 

@@ -133,6 +133,12 @@ def test_model_folder_round_trip_and_decoder(tiny, tmp_path):
     cache = dec.new_cache(2, capacity=held.shape[1])
     assert (dec(held, cache) - mla(held)).abs().max() < 0.1
     assert measure_cache(cache).live_bytes == dec.formula_nbytes(cache) == 2 * 20 * 3 * ((20 + 2 * 4) + 2 * 3)
+    int8_err = (dec(held, dec.new_cache(2, capacity=held.shape[1])) - mla(held)).abs().max()
+    again.cfg.cache_quant = "int4"  # 4-bit codes, two per byte, one group per row here + an fp16 scale and minimum
+    dec = Decoder(again)
+    cache = dec.new_cache(2, capacity=held.shape[1])
+    assert int8_err < (dec(held, cache) - mla(held)).abs().max() < 1.0
+    assert measure_cache(cache).live_bytes == dec.formula_nbytes(cache) == 2 * 20 * 3 * ((10 + 4) + 2 * (2 + 4))
     with pytest.raises(ValueError, match="converted MLA"):
         from kvsplice.adapters import model_info
         model_info(again)
@@ -195,6 +201,20 @@ def test_cli_full_rank_stories260k_is_exact_and_loads_everywhere(s260k, tmp_path
                             "--prompt-len", "96", "--no-progress"]) == 0
     assert "1.00x smaller" in capsys.readouterr().out  # the full-rank latent + RoPE keys = the K/V numbers
     assert eval_bases.main(["--model", str(out), "--data", str(CALIB), "--bases", str(out / "x.safetensors")]) == 2
+    from kvsplice import eval_tasks  # the task suite on its own cache: the same answers as the source (exact here)
+
+    texts = []
+    for model in (out, s260k):
+        task = ["--model", str(model), "--method", "full", "--tasks", "passkey", "--lengths", "160", "--n", "2",
+                "--setting", "agnostic", "--no-progress", "--out", str(tmp_path / f"t{len(texts)}.json")]
+        assert eval_tasks.main(task) == 0
+        doc = json.loads((tmp_path / f"t{len(texts)}.json").read_text())
+        texts.append([r["full"]["tokens"] for r in doc["results"]["agnostic"].values()])
+    assert texts[0] == texts[1] and len(texts[0]) == 2
+    capsys.readouterr()
+    assert eval_tasks.main(["--model", str(out), "--method", "int8"] + task[4:-1] + [str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert "its own cache" in err and len(err.strip().splitlines()) == 1
     rc, so, se = run(["--model", s260k, "--calib", CALIB, "--d-latent", "full", "--out", out, "--no-progress"], capsys)
     assert rc == 2 and "not empty" in se and len(se.strip().splitlines()) == 1  # nothing overwritten
 
@@ -206,7 +226,7 @@ def test_cli_shared_deepseek_export_and_kvsplice(s260k, tmp_path, capsys):
                                "--out", ds], capsys)
     assert rc == 0, se
     model = transformers.AutoModelForCausalLM.from_pretrained(ds)
-    assert model.config.kv_lora_rank == 24 and model.config.qk_rope_head_dim == 4
+    assert model.config.kv_lora_rank == 24 and model.config.qk_rope_head_dim == 8  # shared default: every freq.
     native = tmp_path / "native"
     assert run(common + ["--d-latent", 24, "--out", native], capsys)[0] == 0
     small = tmp_path / "small"

@@ -42,9 +42,9 @@ def held_kl(student, teacher, ids):
     return float((lt.exp() * (lt - ls)).sum(-1).mean())
 
 
-def metric_steps(run: Path) -> list[int]:
+def metric_steps(run: Path, key: str = "train_kl") -> list[int]:
     with open(run / "metrics.csv") as f:
-        return [int(r["step"]) for r in csv.DictReader(f) if r.get("train_kl")]
+        return [int(r["step"]) for r in csv.DictReader(f) if r.get(key)]
 
 
 def test_distill_lowers_the_kl_resumes_and_exports(pair, capsys):
@@ -77,6 +77,25 @@ def test_distill_bad_input_is_one_line_exit_2(pair, tmp_path, capsys):
     rc = distill.main(["--model", str(mla), "--data", str(TRAIN), "--runs-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and "--teacher" in err and len(err.strip().splitlines()) == 1
-    rc = distill.main(["--model", str(src), "--data", str(TRAIN), "--loss", "lm", "--runs-dir", str(tmp_path)])
+    rc = distill.main(["--model", str(TRAIN), "--data", str(TRAIN), "--loss", "lm", "--runs-dir", str(tmp_path)])
     err = capsys.readouterr().err
-    assert rc == 2 and "not a converted MLA folder" in err and len(err.strip().splitlines()) == 1
+    assert rc == 2 and err.startswith("distill: error:") and len(err.strip().splitlines()) == 1
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_distill_fine_tunes_the_unconverted_source_as_the_same_text_baseline(pair, capsys):
+    """The baseline: the source itself, LM loss on the same text; its model/ is a transformers folder every
+    kvsplice command loads, its weights moved, and a resumed run continues (the config check accepts it)."""
+    src, _, root = pair
+    args = ["--model", src, "--loss", "lm", "--data", TRAIN, "--batch-size", 4, "--seq-len", 64, "--val-tokens", 512,
+            "--val-every", 2, "--lr", 2e-3, "--runs-dir", root / "runs", "--run-name", "base", "--no-progress"]
+    assert distill.main([str(a) for a in args + ["--max-steps", 3]]) == 0, capsys.readouterr().err
+    assert distill.main([str(a) for a in args + ["--max-steps", 5, "--ckpt-path", "last"]]) == 0
+    run = root / "runs" / "base"
+    assert metric_steps(run, "train_lm") == list(range(5))
+    tuned, orig = load_model(run / "model"), load_model(src)
+    assert tuned.kind == "hf-dir" and type(tuned.model) is type(orig.model)
+    ids, _ = token_stream(iter_texts(HELD), orig.tokenizer, 2 * 64)
+    with torch.no_grad():
+        moved = (tuned.model(ids.view(2, 64)).logits - orig.model(ids.view(2, 64)).logits).abs().max()
+    assert moved > 1e-3

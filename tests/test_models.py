@@ -342,6 +342,30 @@ def test_decode_cache_reserve_equals_append():
         KVCache(1, 3, 4, 2, quant="int8").reserve(0, 1)
 
 
+def test_decode_cache_int4_rows_round_trip_within_half_a_step_and_bytes_match():
+    """quant="int4": each row stored as packed 4-bit codes in groups of 32 along it (or the whole row when its width
+    is not a multiple), an fp16 scale and minimum per group; what append returns (and get) is within half a
+    quantisation step of the input per group, across a growth of the storage; bytes == the closed form."""
+    from models.cache import DecodeCache, int4_row_bytes
+
+    g = torch.Generator().manual_seed(0)
+    c = DecodeCache([{"c": (64,), "kr": (2, 6)}], 2, quant="int4")
+    rows = [(torch.randn(2, t, 64, generator=g) * 3, torch.randn(2, 2, t, 6, generator=g)) for t in (5, 1, 20)]
+    for x, kr in rows:
+        out = c.append(0, c=x, kr=kr)
+    x, kr = torch.cat([r[0] for r in rows], 1), torch.cat([r[1] for r in rows], 2)
+    for got, want, group in ((out["c"], x, 32), (out["kr"], kr, 6)):
+        w = want.unflatten(-1, (-1, group))
+        step = (w.amax(-1, keepdim=True) - w.amin(-1, keepdim=True)) / 15
+        err = (got.unflatten(-1, (-1, group)) - w).abs()
+        assert (err <= step / 2 + 2e-3 * w.abs().amax(-1, keepdim=True)).all() and err.max() > 0
+    assert torch.equal(c.get(0)["c"], out["c"])
+    assert c.nbytes() == 26 * 2 * (int4_row_bytes(64) + 2 * int4_row_bytes(6)) == 26 * 2 * (32 + 8 + 2 * (3 + 4))
+    assert c.stored(0)["c"].dtype == torch.uint8 and c.stored(0)["c"].shape == (2, 26, 32)
+    with pytest.raises(ValueError, match="even"):
+        DecodeCache([{"c": (5,)}], 1, quant="int4")
+
+
 def test_sdpa_zero_pads_odd_head_sizes_exactly():
     """A shared head size that is no multiple of 8 (a KVSplice latent of 26 dims) is zero-padded for the call on
     CUDA so the fused kernels take it; the padded call must equal the unpadded one (no mask, causal, boolean and

@@ -1,5 +1,7 @@
 """Fine-tune a converted MLA model (``python -m kvsplice.to_mla`` output) with Lightning: LM loss or KL distillation
-from the source model, on local text.
+from the source model, on local text. ``--model`` may also be the unconverted source (a transformers folder or GGUF
+file) fine-tuned with ``--loss lm`` on the same text and steps: the baseline that separates recovering from the
+conversion from adapting to the text.
 
     python -m training.distill --model MLA_DIR --teacher SOURCE --data TEXT [--loss kl|lm] [--max-steps 60] \\
         [--batch-size 4] [--seq-len 128] [--lr 2e-4] [--precision 32|bf16-mixed] [--run-name NAME] \\
@@ -10,7 +12,7 @@ placed like ``training.fit``'s (:mod:`training.rundir`: ``<runs_dir>/<run_name>/
 ``-v1`` ...; ``--ckpt-path last`` resumes weights, optimizer, schedule and the data position exactly) and holds
 ``last.ckpt`` / ``best-step=...ckpt`` (lowest validation LM loss, written atomically, loaded without pickle),
 ``metrics.csv`` (train/val loss, KL, tokens, lr) and, at the end, ``model/``: the fine-tuned model folder that every
-kvsplice command loads (``python -m kvsplice.to_mla --model RUN/model --format deepseek_v3 --out DIR`` exports it).
+kvsplice command loads (an unconverted model: a transformers folder, ``save_pretrained``) (``python -m kvsplice.to_mla --model RUN/model --format deepseek_v3 --out DIR`` exports it).
 The last ``--val-tokens`` of the text are held out for validation. ``--precision bf16-mixed`` on a GPU.
 
 Errors are one ``distill: error: ...`` line on stderr, exit status 2.
@@ -36,7 +38,8 @@ def build_parser() -> Parser:
 
     p = Parser(prog="python -m training.distill", description="Fine-tune a converted MLA model (LM loss or KL "
                "distillation from its source) with Lightning.")
-    p.add_argument("--model", required=True, help="a converted MLA model folder (python -m kvsplice.to_mla)")
+    p.add_argument("--model", required=True, help="a converted MLA model folder (python -m kvsplice.to_mla), or an "
+                   "unconverted transformers model / GGUF file (the same-text baseline)")
     p.add_argument("--teacher", default=None, help="the source model (folder / GGUF) for --loss kl")
     p.add_argument("--data", "--data.path", dest="data", required=True, help="training text (.txt/.json/.jsonl)")
     p.add_argument("--loss", choices=LOSSES, default="kl", help="kl: distil from --teacher (default); lm: LM loss")
@@ -88,16 +91,18 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     from models.mla_llama import MLALlama
 
     student = load_model(args.model)
-    if not isinstance(student.model, MLALlama):
-        raise UsageError(f"--model {args.model}: not a converted MLA folder (make one with python -m kvsplice.to_mla)")
+    if not isinstance(student.model, MLALlama) and not hasattr(student.model, "save_pretrained"):
+        raise UsageError(f"--model {args.model}: not a converted MLA folder (make one with python -m kvsplice.to_mla) "
+                         f"nor a transformers causal LM")
     if args.loss == "kl" and not args.teacher:
         raise UsageError("--loss kl needs --teacher SOURCE (the model it was converted from), or use --loss lm")
     teacher = load_model(args.teacher).model if args.loss == "kl" else None
-    if teacher is not None and teacher.get_input_embeddings().weight.shape[0] != student.model.cfg.vocab_size:
+    vocab = student.model.get_input_embeddings().weight.shape[0]
+    if teacher is not None and teacher.get_input_embeddings().weight.shape[0] != vocab:
         raise UsageError(f"--teacher {args.teacher}: its vocabulary differs from the student's")
     t, b = args.seq_len, args.batch_size
-    if t > student.model.cfg.max_positions:
-        raise UsageError(f"--seq-len {t} exceeds the model's {student.model.cfg.max_positions} positions")
+    if student.max_positions and t > student.max_positions:
+        raise UsageError(f"--seq-len {t} exceeds the model's {student.max_positions} positions")
     want = (args.tokens or args.max_steps * b * t) + args.val_tokens + 1
     ids, _ = token_stream(iter_texts(args.data, option="data"), student.tokenizer, want)
     val = _windows(ids[-args.val_tokens - 1:], t)
@@ -112,7 +117,6 @@ def _fit(args, student, teacher, train: torch.Tensor, val: torch.Tensor) -> int:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from kvsplice.io.mla_folder import save_mla_folder
     from kvsplice.io.outputs import write_dir
     from training.checkpoint import safe_checkpoint_io
     from training.lit_distill import LitDistill
@@ -144,12 +148,25 @@ def _fit(args, student, teacher, train: torch.Tensor, val: torch.Tensor) -> int:
         vals = torch.utils.data.DataLoader(val, batch_size=args.batch_size)
         trainer.fit(lit, train_dataloaders=ticks, val_dataloaders=vals, ckpt_path=plan.ckpt_path)
         model = lit.student.eval().float().cpu()
-        write_dir(plan.run_dir / "model", lambda tmp: save_mla_folder(model, tmp, student.tokenizer.backend))
+        write_dir(plan.run_dir / "model", lambda tmp: _save_model(model, tmp, student.tokenizer.backend))
         print(f"fine-tuned {args.model} for {trainer.global_step} steps ({args.loss}); run {plan.run_dir}, model "
               f"folder {plan.run_dir / 'model'}")
     finally:
         plan.release()
     return 0
+
+
+def _save_model(model, folder: Path, tokenizer) -> None:
+    """The fine-tuned model as a folder every kvsplice command loads: our MLA folder, or ``save_pretrained``."""
+    from kvsplice.io.mla_folder import save_mla_folder
+    from models.mla_llama import MLALlama
+
+    if isinstance(model, MLALlama):
+        save_mla_folder(model, folder, tokenizer)
+        return
+    model.save_pretrained(str(folder), safe_serialization=True)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(str(folder))
 
 
 if __name__ == "__main__":

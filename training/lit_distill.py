@@ -1,5 +1,7 @@
 """The LightningModule of ``python -m training.distill``: a converted MLA model (:class:`models.mla_llama.MLALlama`)
-fine-tuned on local text with the LM loss or KL distillation from its source model (X-EcoMLA: fewer tokens).
+fine-tuned on local text with the LM loss or KL distillation from its source model (X-EcoMLA: fewer tokens) — or an
+unconverted transformers causal LM (the source itself) fine-tuned the same way, the same-text baseline a converted
+model's recovery is measured against (so adapting to the text is not counted as recovery).
 
 Batches come from the step counter, not a sampler: optimizer step ``s`` trains on windows
 ``(s·B + j) mod N`` of the token windows, so a resumed run (``--ckpt-path last``) sees exactly the batches an
@@ -15,17 +17,34 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from models.mla_llama import MLALlama, MLALlamaConfig
+from models.mla_llama import MLALlama
+from training.distill_loss import kl_and_lm
 from training.lit import lr_factor
 
-__all__ = ["LOSSES", "LitDistill", "MLA_CONFIG_KEY"]
+__all__ = ["LOSSES", "LitDistill", "STUDENT_CONFIG_KEY", "causal_logits", "student_config"]
 
 LOSSES = ("kl", "lm")
-MLA_CONFIG_KEY = "mla_llama_config"
+STUDENT_CONFIG_KEY = "student_config"
+
+
+def causal_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Logits ``(B, T, V)`` of our MLA model or a transformers causal LM (``use_cache=False``: no K/V copies)."""
+    if isinstance(model, MLALlama):
+        return model(ids)
+    return model(input_ids=ids, use_cache=False).logits
+
+
+def student_config(model: torch.nn.Module) -> dict[str, Any]:
+    """The student's config as plain data (what a resumed run must match)."""
+    if isinstance(model, MLALlama):
+        return model.cfg.to_dict()
+    import json
+
+    return json.loads(model.config.to_json_string(use_diff=False))
 
 
 class LitDistill(L.LightningModule):
-    def __init__(self, student: MLALlama, windows: torch.Tensor, val_windows: torch.Tensor, *,
+    def __init__(self, student: torch.nn.Module, windows: torch.Tensor, val_windows: torch.Tensor, *,
                  teacher: Optional[torch.nn.Module] = None, loss: str = "kl", lr: float = 1e-4,
                  warmup_steps: int = 10, max_steps: int = 100, batch_size: int = 4, temperature: float = 1.0,
                  min_lr_ratio: float = 0.1) -> None:
@@ -51,20 +70,16 @@ class LitDistill(L.LightningModule):
         teacher = self._teacher[0]
         teacher.to(self.device)
         with torch.no_grad():
-            out = teacher(x)
-        return (out.logits if hasattr(out, "logits") else out).float()  # (B, T, V)
+            return causal_logits(teacher, x).float()  # (B, T, V)
 
     def losses(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``lm`` (next-token CE of the student) and, with a teacher, ``kl`` = KL(teacher ‖ student) per token."""
+        """``lm`` (next-token CE of the student) and, with a teacher, ``kl`` = KL(teacher ‖ student) per token
+        (:func:`training.distill_loss.kl_and_lm`: then ``lm`` is reported without a gradient)."""
         x, y = ids[:, :-1], ids[:, 1:]  # (B, T) each
-        logits = self.student(x).float()  # (B, T, V)
-        out = {"lm": F.cross_entropy(logits.flatten(0, 1), y.flatten())}
-        if self._teacher:
-            t = self.temperature
-            lt = torch.log_softmax(self._teacher_logits(x) / t, -1)  # (B, T, V)
-            ls = torch.log_softmax(logits / t, -1)
-            out["kl"] = (lt.exp() * (lt - ls)).sum(-1).mean() * t * t
-        return out
+        logits = causal_logits(self.student, x).float()  # (B, T, V)
+        if self._teacher and self.loss_kind == "kl":
+            return kl_and_lm(logits, self._teacher_logits(x), y, self.temperature)
+        return {"lm": F.cross_entropy(logits.flatten(0, 1), y.flatten())}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self._t0 is None:
@@ -91,13 +106,12 @@ class LitDistill(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[MLA_CONFIG_KEY] = self.student.cfg.to_dict()
+        checkpoint[STUDENT_CONFIG_KEY] = student_config(self.student)
         checkpoint["kvsplice_train_stats"] = {"tokens": float(self._tokens_seen)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         from models.checkpoint import CheckpointError
 
-        stored = checkpoint.get(MLA_CONFIG_KEY)
-        if not isinstance(stored, dict) or MLALlamaConfig.from_dict(stored) != self.student.cfg:
+        if checkpoint.get(STUDENT_CONFIG_KEY) != student_config(self.student):
             raise CheckpointError("cannot resume: the checkpoint's model is not the --model being fine-tuned")
         self._tokens_seen = float((checkpoint.get("kvsplice_train_stats") or {}).get("tokens", 0.0))

@@ -33,10 +33,12 @@ def model_fingerprint(model: nn.Module) -> str:
     its float16 cast share a fingerprint, while a different checkpoint (or different RoPE settings) does not.
     """
     adapter = adapter_for(model)
-    adapter.require_projections()
+    own = adapter.name == "mla_llama"  # a converted MLA model: no q/k/v/o projections, its attention's own weights
+    if not own:
+        adapter.require_projections()
     info = adapter.info()
     arch: dict[str, Any] = {f.name: getattr(info, f.name) for f in fields(info)}
-    if info.family != "gpt":  # a transformers model
+    if info.family not in ("gpt", "mla_llama"):  # a transformers model
         cfg = adapter.config.to_dict() if hasattr(adapter, "config") else model.config.to_dict()
         arch.update({k: cfg[k] for k in _ARCH_KEYS if k in cfg})
     else:
@@ -45,6 +47,10 @@ def model_fingerprint(model: nn.Module) -> str:
     h = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode())
     h.update(_sample_bytes(adapter.param()))  # the token embedding
     for layer in range(info.n_layer):
+        if own:
+            for _, w in sorted(adapter.attention_module(layer).named_parameters()):
+                h.update(_sample_bytes(w))
+            continue
         P = adapter.proj(layer)
         for w in (P.wq, P.wk, P.wv, P.wo):
             h.update(_sample_bytes(w))

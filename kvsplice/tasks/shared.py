@@ -21,6 +21,7 @@ import torch
 from kvsplice.core.method import Step
 from kvsplice.decode.decoder import Decoder
 from kvsplice.decode.dense import DenseKV
+from kvsplice.decode.native import OWN_ATTENTION
 from kvsplice.select.method import TokenSelection
 from kvsplice.adapters.registry import adapter_for
 from kvsplice.tasks.instance import TaskInstance
@@ -80,7 +81,8 @@ def answer_many(model, tokenizer, inst: TaskInstance, factories: Mapping[str, ob
     n_new, eos, n_comp = inst.max_new_tokens, tokenizer.eos_id, comp.shape[1]
     model.eval()
     a = adapter_for(model)
-    if any(a.window(l) for l in range(a.n_layer)):  # the Decoder evicts as it goes: no replay
+    if a.name in OWN_ATTENTION or any(a.window(l) for l in range(a.n_layer)):  # its own cache / the Decoder
+        # evicts as it goes: no q, k, v to replay
         return {name: answer(model, tokenizer, inst, f, setting=setting) for name, f in factories.items()}
     shared: dict = {}
     methods = {name: f(comp, shared=shared) if _takes_shared(f) else f(comp) for name, f in factories.items()}

@@ -140,8 +140,11 @@ class Bench:
         from kvsplice.planning.search import search
 
         budget = full_bytes_per_token(adapter_for(self.model)) / ratio
+        # the frontier's plans: the perplexity objective over the attention selectors (what results/ holds; the
+        # planner's default since then — mixed objective, KVzip selectors — is measured by smollm2_tasks.py)
         found = search(self.model, self.stats, self.tune, prompt_len=PROMPT, budget=budget, batch_size=2,
-                       log=lambda s: print(s, flush=True))
+                       log=lambda s: print(s, flush=True), objective="ppl",
+                       selectors=("snapkv", "observed_attention"))
         return found["best"], {"candidates": found["candidates"], "selector": found["selector"],
                                 "tuning_full_ppl": found["full"]["tuning_ppl"]}
 

@@ -137,6 +137,15 @@ def write_report(size: str, cfg: dict, results_dir: Path) -> dict:
         report["by_length"][str(L)] = {"summary": summary, "command": "python -m kvsplice.eval_tasks " + " ".join(
             _argv(size, cfg, L, path, 2, False))}
         md += [f"## {L} tokens", "", markdown(summary, doc["methods"])]
+    for name in cfg.get("plans", ()):  # the planner's evidence: its pick and every candidate, both metrics
+        if plan_path(name).is_file():
+            doc = json.loads(plan_path(name).read_text())
+            report.setdefault("plans", {})[name] = {k: doc.get(k) for k in (
+                "label", "spec", "budget", "objective", "tasks", "full", "chosen", "selector", "candidates")}
+            report["plans"][name]["command"] = "python -m kvsplice.plan " + " ".join(plan_argv(name))
+            ppl_p = PLANS / f"plan{name}_P.json"  # protocol P (eval_bases --plan ... --tokens 4096 --seq-len 1024)
+            if ppl_p.is_file():
+                report["plans"][name]["protocol_P"] = json.loads(ppl_p.read_text())["results"][0]
     results_dir.mkdir(parents=True, exist_ok=True)
     stem = results_dir / ("smollm2_tasks" if size == "reduced" else f"smollm2_tasks_{size}")
     atomic_write(stem.with_suffix(".json"), lambda p: p.write_text(json.dumps(report, indent=1) + "\n"))

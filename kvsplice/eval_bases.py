@@ -232,15 +232,14 @@ def eval_spec(ctx: EvalContext, args: argparse.Namespace, spec: dict, base_dir=N
         raise EvalError(f"--prompt-len must be 0 or in [1, {t - 1}] (below --seq-len), got {p}")
     kw = dict(prompt_len=p, batch_size=ctx.batch_size, decode_chunk=ctx.chunk_size)
     full = evaluate(ctx.model, None, ctx.windows, **kw)
-    if needs_prompt(spec):  # KVzip re-reads each window's prompt: built per window
+    method = build_method(spec, prompt_len=p or t, base_dir=base_dir)
+    if needs_prompt(method):  # KVzip re-reads each window's prompt: built per window
         if not p:
             raise EvalError(f"{format_spec(spec)} compresses a prompt: give --prompt-len >= 1")
         tok = ctx.loaded.tokenizer
         res = evaluate_each(ctx.model, lambda ids: build_method(spec, prompt_ids=ids, tokenizer=tok,
                                                                 base_dir=base_dir), ctx.windows, **kw)
-        method = build_method(spec, prompt_len=p, base_dir=base_dir)  # its spec, for the report
     else:
-        method = build_method(spec, prompt_len=p or t, base_dir=base_dir)
         res = evaluate(ctx.model, method, ctx.windows, **kw)
     res.update({"label": label or format_spec(method.spec()), "spec": method.spec(),
                 "full_ppl_same_protocol": full["ppl"], "ppl_ratio": res["ppl"] / full["ppl"]})

@@ -287,3 +287,22 @@ def test_the_statistics_and_a_plans_bases_are_never_written(s260k, planned, tmp_
                             "--force"]) == 2
     one_line(capsys, "eval_bases", "bases file")
     assert bases.read_bytes() == digest
+
+
+def test_eval_bases_builds_a_prompt_reading_method_per_window(s260k, tmp_path):
+    """``eval_bases --method select:kvzip@...``: each window's KVzip is built from that window's prompt — the same
+    perplexity as evaluate_each over the same windows with per-prompt builds."""
+    from kvsplice.core.registry import build_method
+    from kvsplice.evaluation.context import load_windows
+    from kvsplice.evaluation.protocol import evaluate_each
+    from kvsplice.io.loading import load_model
+
+    rep = tmp_path / "k.json"
+    assert eval_bases.main(["--model", str(s260k), "--method", "select:kvzip@0.5+int8", "--data", str(EVAL),
+                            "--tokens", "512", "--seq-len", "256", "--no-progress", "--json", str(rep)]) == 0
+    r = json.loads(rep.read_text())["results"][0]
+    loaded = load_model(str(s260k))
+    ids = load_windows(loaded, str(EVAL), 512, 256)[0]  # (N, 256): the same windows
+    want = evaluate_each(loaded.model, lambda w: build_method("select:kvzip@0.5+int8", prompt_ids=w,
+                                                              tokenizer=loaded.tokenizer), ids, prompt_len=192)
+    assert r["ppl"] == pytest.approx(want["ppl"], rel=1e-5) and r["ratio_vs_fp16_full"] > 2

@@ -94,7 +94,6 @@ class KVzipSelection(TokenSelection):
                                        or prompt_ids.shape[1] < 1 or prompt_ids.is_floating_point()):
             raise ValueError("prompt_ids must be the prompt's token ids (B or 1, P) with P >= 1")
         self.repeat, self.chunk, self.prompt_ids = repeat, int_arg("chunk", chunk, 1), prompt_ids
-        self.tokenizer = tokenizer
         self.repeat_ids = None if tokenizer is None else _encode(tokenizer, repeat)
         self.shared_scores: Optional[dict] = None  # {layer: scores} of a finished pass over the same prompt
 
@@ -141,14 +140,13 @@ class KVzipSelection(TokenSelection):
             raise ValueError("KVzipSelection needs unpadded prompts (one sequence per call, or equal lengths)")
         a = self._bound()
         b, hkv, t, d = k.shape
-        prompt = self.prompt_ids.to(k.device).expand(b, -1)  # (B, P)
-        rep = torch.tensor([self.repeat_ids], dtype=prompt.dtype, device=k.device).expand(b, -1)  # (B, R)
-        ids = torch.cat([rep, prompt], dim=1)  # (B, Tr): the instruction, then the prompt again
-        tr = ids.shape[1]
         key = ("kvzip", id(self))
         x = step.memo.get(key)
-        if layer == 0 or x is None:
-            x = a.embed(ids, t)  # (B, Tr, d_model) at positions t .. t + Tr - 1
+        if layer == 0 or x is None:  # the pass starts: embed its ids once, later layers carry its hidden states
+            prompt = self.prompt_ids.to(k.device).expand(b, -1)  # (B, P)
+            rep = torch.tensor([self.repeat_ids], dtype=prompt.dtype, device=k.device).expand(b, -1)  # (B, R)
+            x = a.embed(torch.cat([rep, prompt], dim=1), t)  # (B, Tr, d_model) at positions t .. t + Tr - 1
+        tr = x.shape[1]
         rope = a.rope(x, t, tr, layer) if a.has_rope else None
         qr, kr, vr = a.qkv(layer, a.attn_in(layer, x), rope)  # (B, Hq, Tr, D), (B, Hkv, Tr, D) × 2
         scores = torch.zeros(b, hkv, t, dtype=torch.float32, device=k.device)

@@ -65,6 +65,12 @@ def plan_argv(name: str) -> list[str]:
             str(PLANS / f"plan{name}_report.json")]
 
 
+def protocol_p_argv(name: str) -> list[str]:
+    """Protocol P of the plan: 4 validation windows of 1,024 tokens, 768-token prompts compressed, 256 scored."""
+    return ["--model", str(MODEL), "--plan", str(plan_path(name)), "--data", str(STORIES), "--tokens", "4096",
+            "--seq-len", "1024", "--json", str(PLANS / f"plan{name}_P.json")]
+
+
 def _model(size: str) -> str:
     if size != "smoke":
         return str(MODEL)
@@ -143,9 +149,11 @@ def write_report(size: str, cfg: dict, results_dir: Path) -> dict:
             report.setdefault("plans", {})[name] = {k: doc.get(k) for k in (
                 "label", "spec", "budget", "objective", "tasks", "full", "chosen", "selector", "candidates")}
             report["plans"][name]["command"] = "python -m kvsplice.plan " + " ".join(plan_argv(name))
-            ppl_p = PLANS / f"plan{name}_P.json"  # protocol P (eval_bases --plan ... --tokens 4096 --seq-len 1024)
+            ppl_p = PLANS / f"plan{name}_P.json"
             if ppl_p.is_file():
                 report["plans"][name]["protocol_P"] = json.loads(ppl_p.read_text())["results"][0]
+                report["plans"][name]["protocol_P_command"] = "python -m kvsplice.eval_bases " + " ".join(
+                    protocol_p_argv(name))
     results_dir.mkdir(parents=True, exist_ok=True)
     stem = results_dir / ("smollm2_tasks" if size == "reduced" else f"smollm2_tasks_{size}")
     atomic_write(stem.with_suffix(".json"), lambda p: p.write_text(json.dumps(report, indent=1) + "\n"))
@@ -168,7 +176,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = SIZES[a.size]
     WORK, PLANS = Path(a.work), Path(a.work) / "plans"
     if not a.report_only:
-        from kvsplice import eval_tasks, plan
+        from kvsplice import eval_bases, eval_tasks, plan
 
         WORK.mkdir(parents=True, exist_ok=True)
         for name in cfg.get("plans", ()):
@@ -176,6 +184,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 PLANS.mkdir(parents=True, exist_ok=True)
                 rc = plan.main(plan_argv(name) + ["--threads", str(a.threads)] + (["--no-progress"] if a.no_progress
                                                                                    else []))
+                if rc:
+                    return rc
+            if not (PLANS / f"plan{name}_P.json").is_file():  # the plan's protocol-P perplexity (docs/smollm2.md)
+                rc = eval_bases.main(protocol_p_argv(name) + ["--threads", str(a.threads), "--no-progress"])
                 if rc:
                     return rc
         for L in cfg["lengths"]:

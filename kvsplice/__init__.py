@@ -37,7 +37,7 @@ _EXPORTS = {
     "run_token_selection": "kvsplice.select",
     "OnlineFD": "kvsplice.online", "OnlineDecoder": "kvsplice.online",
     "KIVI": "kvsplice.quant", "SnapKVSelector": "kvsplice.select", "ObservedAttentionSelector": "kvsplice.select",
-    "RotatedKIVI": "kvsplice.quant", "KVzipSelection": "kvsplice.select",
+    "RotatedKIVI": "kvsplice.quant", "PreRopeKIVI": "kvsplice.quant", "KVzipSelection": "kvsplice.select",
     "ExpectedAttentionSelector": "kvsplice.select",
     "JointLowRank": "kvsplice.lowrank.joint", "JointBases": "kvsplice.lowrank.joint",
     "allocate_ranks": "kvsplice.lowrank.allocate", "calibrate_all": "kvsplice.lowrank.sensitivity",

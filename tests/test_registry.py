@@ -25,6 +25,7 @@ def _instances(tmp_path) -> dict[str, object]:
         "model": build_method("model"),
         "kivi": build_method("kivi(bits=2,group=16,residual=32)"),
         "kivi_rotated": build_method("kivi_rotated(bits=4,residual=16)"),
+        "kivi_prerope": build_method("kivi_prerope(bits=2,group=16,residual=32)"),
         "lowrank": build_method("lowrank:b.safetensors+int8", base_dir=tmp_path),
         "joint-lowrank": build_method({"name": "joint-lowrank", "bases": str(tmp_path / "j.safetensors")}),
         "fd-online": build_method("fd-online(rank_k=3,ell=8,max_chunk_len=32)"),
@@ -65,6 +66,7 @@ def test_the_short_form_and_the_dict_form_agree():
     assert parse_spec("select:uniform@25%")["keep"] == 0.25
     assert parse_spec("select:uniform@x4")["keep"] == 0.25  # a ratio: keep 1/4
     assert parse_spec("kivi4h(residual=32)") == {"name": "kivi_rotated", "bits": 4, "residual": 32}
+    assert parse_spec("kivi4p(residual=32)") == {"name": "kivi_prerope", "bits": 4, "residual": 32}
     assert parse_spec("select:snapkv@x2+kivi2(residual=16)")["store"] == {"name": "kivi", "bits": 2, "residual": 16}
     assert parse_spec('{"name": "kivi", "bits": 2}') == {"name": "kivi", "bits": 2}
     for text in ("select:observed_attention@0.25+int8", "select:snapkv(window=32)@64+kivi(bits=2,residual=32)",

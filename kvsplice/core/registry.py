@@ -30,9 +30,10 @@ A token selection takes ``budget`` (prompt tokens kept per KV head) or ``keep`` 
 
 ``:FILE`` is the class's first file argument (``bases``); ``+int8`` sets ``cache_quant="int8"``. Aliases
 (:data:`ALIASES`): ``int8`` = dense int8, ``fp`` / ``full`` = dense, ``kivi2`` / ``kivi4`` / ``kivi8`` = KIVI at those
-bits, ``kivi2h`` / ``kivi4h`` / ``kivi8h`` = KIVI over Hadamard-rotated K/V (``kivi_rotated``); an alias takes
-arguments too (``kivi4(residual=32)``). A FILE or VALUE may not contain ``+ ( ) , @``: use the dict form (a JSON file: ``--method spec.json``) for
-those. Errors are one line (:class:`MethodSpecError`, a ``ValueError``) naming the known names.
+bits, ``kivi2h`` / ``kivi4h`` / ``kivi8h`` = KIVI over Hadamard-rotated K/V (``kivi_rotated``), ``kivi2p`` /
+``kivi4p`` / ``kivi8p`` = KIVI with keys quantised before RoPE (``kivi_prerope``); an alias takes arguments too
+(``kivi4(residual=32)``). A FILE or VALUE may not contain ``+ ( ) , @``: use the dict form (a JSON file:
+``--method spec.json``) for those. Errors are one line (:class:`MethodSpecError`, a ``ValueError``) naming the known names.
 
 The built-in method and selector modules are imported on first use (:data:`BUILTIN_MODULES`, by name: the registry
 sits below every method package — a new method module of the package goes into that list, which
@@ -65,12 +66,13 @@ BUILTIN_MODULES = ("kvsplice.decode.dense", "kvsplice.decode.native", "kvsplice.
                    "kvsplice.lowrank.joint", "kvsplice.select.method", "kvsplice.quant.method",
                    "kvsplice.online.method", "kvsplice.select.selectors", "kvsplice.select.scores",
                    "kvsplice.select.knorm", "kvsplice.select.expected", "kvsplice.quant.rotated",
-                   "kvsplice.select.kvzip")
+                   "kvsplice.select.kvzip", "kvsplice.quant.prerope")
 
 ALIASES: dict[str, dict[str, Any]] = {
     "fp": {"name": "dense"}, "full": {"name": "dense"}, "int8": {"name": "dense", "cache_quant": "int8"},
     **{f"kivi{b}": {"name": "kivi", "bits": b} for b in (2, 4, 8)},
     **{f"kivi{b}h": {"name": "kivi_rotated", "bits": b} for b in (2, 4, 8)},
+    **{f"kivi{b}p": {"name": "kivi_prerope", "bits": b} for b in (2, 4, 8)},
 }
 """Short-form names that stand for a spec (never a registered name)."""
 

@@ -26,7 +26,7 @@ storage method (full keys/values by default; low-rank coefficients, int8, ... â€
 
 With ``budget >= prompt length`` every selector keeps every token with log-weight 0 and the decoder reproduces the
 storage method's logits (the model's own for full keys/values; tested to 1e-4 against HF for tiny random GPT-2 and
-GQA Llama). Storage that needs positions (pre-RoPE coefficients) cannot hold a subset and is refused.
+GQA Llama). Storage that needs positions (pre-RoPE coefficients, ``kivi_prerope``) cannot hold a subset and is refused.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class TokenSelection(CompressionMethod):
         self.store = self.store.bind(adapter, dtype=dtype, device=device)
         if self.store.key_rope == "pre":
             raise ValueError(f"{self.store!r} keeps pre-RoPE numbers and needs its keys' positions; a token subset "
-                             f"is held out of order: use post-RoPE bases")
+                             f"is held out of order: use a post-RoPE store (post-RoPE bases, kivi)")
 
     def for_window(self, window):
         """A sliding-window layer keeps the most recent ``min(budget, window - 1)`` prompt tokens (with log-weight 0,

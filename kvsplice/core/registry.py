@@ -33,7 +33,8 @@ A token selection takes ``budget`` (prompt tokens kept per KV head) or ``keep`` 
 bits, ``kivi2h`` / ``kivi4h`` / ``kivi8h`` = KIVI over Hadamard-rotated K/V (``kivi_rotated``), ``kivi2p`` /
 ``kivi4p`` / ``kivi8p`` = KIVI with keys quantised before RoPE (``kivi_prerope``); an alias takes arguments too
 (``kivi4(residual=32)``). A FILE or VALUE may not contain ``+ ( ) , @``: use the dict form (a JSON file:
-``--method spec.json``) for those. Errors are one line (:class:`MethodSpecError`, a ``ValueError``) naming the known names.
+``--method spec.json``) for those. Errors are one line (:class:`MethodSpecError`, a ``ValueError``) naming the known
+names.
 
 The built-in method and selector modules are imported on first use (:data:`BUILTIN_MODULES`, by name: the registry
 sits below every method package — a new method module of the package goes into that list, which

@@ -114,24 +114,25 @@ class KVzipSelection(TokenSelection):
         self.selector = self._scorer()  # the bound copy's own (scores are set per layer at prefill)
         self.layer_scores: dict[int, torch.Tensor] = {}  # the last prefill's scores (B, Hkv, T) per layer
 
-    def attend(self, layer, q, k, v, cache, step, mask=None, logw=None):
-        if cache.layer_len(layer) == 0:
-            if self.prompt_ids is None or self.repeat_ids is None:
-                raise ValueError("KVzip re-reads the prompt it compresses: build it per prompt with its ids and "
-                                 "tokenizer (build_method(spec, prompt_ids=ids, tokenizer=tok))")
-            if self.prompt_ids.shape[1] != k.shape[2]:
-                raise ValueError(f"this KVzip was built for a {self.prompt_ids.shape[1]}-token prompt; the prefill "
-                                 f"has {k.shape[2]} tokens: build it with the ids being prefilled")
-            shared = self.shared_scores
-            if shared is not None and len(shared) == self.adapter.n_layer and shared[layer].shape == (*k.shape[:2],
-                                                                                                       k.shape[2]):
-                self.layer_scores[layer] = shared[layer]  # the same context's pass, done once for every budget
-            else:
-                self.layer_scores[layer] = self._scores(layer, k, v, step)  # (B, Hkv, T)
-                if shared is not None and layer == self.adapter.n_layer - 1:
-                    shared.update(self.layer_scores)
-            self.selector.scores = self.layer_scores[layer].reshape(-1, k.shape[2])  # (B·Hkv, T)
-        return super().attend(layer, q, k, v, cache, step, mask=mask, logw=logw)
+    def compress_prefill(self, layer, q, k, v, cache, step, mask=None) -> None:
+        """The reconstruction pass's scores of ``layer`` (or those of a finished pass over the same prompt), then
+        the selection's prefill cache by them."""
+        if self.prompt_ids is None or self.repeat_ids is None:
+            raise ValueError("KVzip re-reads the prompt it compresses: build it per prompt with its ids and "
+                             "tokenizer (build_method(spec, prompt_ids=ids, tokenizer=tok))")
+        if self.prompt_ids.shape[1] != k.shape[2]:
+            raise ValueError(f"this KVzip was built for a {self.prompt_ids.shape[1]}-token prompt; the prefill "
+                             f"has {k.shape[2]} tokens: build it with the ids being prefilled")
+        shared = self.shared_scores
+        if shared is not None and len(shared) == self.adapter.n_layer and shared[layer].shape == (*k.shape[:2],
+                                                                                                   k.shape[2]):
+            self.layer_scores[layer] = shared[layer]  # the same context's pass, done once for every budget
+        else:
+            self.layer_scores[layer] = self._scores(layer, k, v, step)  # (B, Hkv, T)
+            if shared is not None and layer == self.adapter.n_layer - 1:
+                shared.update(self.layer_scores)
+        self.selector.scores = self.layer_scores[layer].reshape(-1, k.shape[2])  # (B·Hkv, T)
+        super().compress_prefill(layer, q, k, v, cache, step, mask=mask)
 
     def _scores(self, layer: int, k: torch.Tensor, v: torch.Tensor, step) -> torch.Tensor:
         """The reconstruction pass through ``layer`` over the context's ``k, v (B, Hkv, T, D)`` (post-RoPE) →

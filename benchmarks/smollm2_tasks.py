@@ -4,6 +4,7 @@ cache's accuracy (the ceiling).
 
     python benchmarks/smollm2_tasks.py                    # --size reduced (what was run; see docs/tasks.md)
     python benchmarks/smollm2_tasks.py --size passkey     # the passkey table: 8 at 1k + 8 at 2k, both settings
+    python benchmarks/smollm2_tasks.py --size goals       # the goals: the planner's picks, 3 tasks x 50 at 1k
     python benchmarks/smollm2_tasks.py --size full        # every family and stack, 7 tasks, 1k/2k/4k, n = 16
     python benchmarks/smollm2_tasks.py --size smoke       # stories260K, seconds: checks the script end to end
     python benchmarks/smollm2_tasks.py --report-only      # write results/ from the finished instances
@@ -49,9 +50,11 @@ FULL = {"methods": ["int8", "kivi4", "kivi4(residual=32)", "kivi2", *PPL_PLANNER
         "plans": ["4x", "8x"],
         "tasks": ["passkey", "niah_number_stories", "niah_uuid_facts", "multikey_stories", "vartrack", "multivalue",
                   "story_qa"], "lengths": [1024, 2048, 4096], "n": 16}
+GOALS = {"methods": [], "plans": ["4x", "8x"], "tasks": ["passkey", "niah_number_stories", "niah_word_facts"],
+         "lengths": [1024], "n": 50}  # the goals: the planner's picks vs the full cache, 50 per task
 SMOKE = {"methods": ["int8", "select:observed_attention@x4+int8", "select:kvzip@x2"], "tasks": ["passkey", "vartrack"],
          "lengths": [200], "n": 2}
-SIZES = {"smoke": SMOKE, "reduced": REDUCED, "passkey": PASSKEY, "full": FULL}
+SIZES = {"smoke": SMOKE, "reduced": REDUCED, "passkey": PASSKEY, "goals": GOALS, "full": FULL}
 
 
 def plan_path(name: str) -> Path:
@@ -84,7 +87,8 @@ def _model(size: str) -> str:
 
 def _argv(size: str, cfg: dict, length: int, out: Path, threads: int, progress: bool) -> list[str]:
     plans = [str(plan_path(p)) for p in cfg.get("plans", ())]
-    return ["--model", _model(size), "--stories", str(STORIES), "--method", *cfg["methods"],
+    methods = ["--method", *cfg["methods"]] if cfg["methods"] else []
+    return ["--model", _model(size), "--stories", str(STORIES), *methods,
             *(["--plan", *plans] if plans else []), "--tasks", *cfg["tasks"],
             "--lengths", str(length), "--n", str(cfg["n"]), "--setting", cfg.get("setting", "both"),
             "--threads", str(threads),

@@ -151,3 +151,29 @@ def test_kvzip_mix_keeps_the_mixed_selectors_share_first() -> None:
         KVzipSelection(4, mix="observed_attention", share=2)
     with pytest.raises(ValueError, match="unknown selector 'nosuch'"):
         KVzipSelection(4, mix="nosuch")
+
+
+@pytest.mark.parametrize("spec", ["select:kvzip(mix=observed_attention,share=0.25)@x3+int8", "select:snapkv@0.4"])
+def test_compress_prefill_builds_the_cache_attend_builds(model, spec) -> None:
+    """``TokenSelection.compress_prefill`` (KVzip's override, and a plain selection's) from the prefill's kept
+    ``q, k, v`` builds the very cache the ``Decoder``'s prefill (``attend``) builds: equal tensors, equal next logits."""
+    from kvsplice.core.method import Step
+    from kvsplice.tasks.shared import _Keep
+
+    ctx, rep, nxt = _ids(8, 36), _ids(9, 4), _ids(10, 3)
+    keep = _Keep()
+    full = Decoder(model, keep)
+    full(ctx, full.new_cache(1))
+    want_dec = Decoder(model, build_method(spec, prompt_ids=ctx, tokenizer=_Tok(rep)))
+    want = want_dec.new_cache(1)
+    want_dec(ctx, want)
+    dec = Decoder(model, build_method(spec, prompt_ids=ctx, tokenizer=_Tok(rep)))
+    got = dec.new_cache(1)
+    step = Step(dec.adapter, 0, ctx.shape[1], dec.scales, dec.attn_backend)
+    with torch.no_grad():
+        for layer, m in enumerate(dec.layer_methods):
+            m.compress_prefill(layer, *keep.kept[layer], got, step)
+    for a, b in zip(got.tensors(), want.tensors(), strict=True):
+        assert torch.equal(a, b)
+    assert got.nbytes() == want.nbytes() and got.seq_len == want.seq_len < ctx.shape[1]
+    torch.testing.assert_close(dec(nxt, got), want_dec(nxt, want), atol=0, rtol=0)

@@ -78,7 +78,7 @@ class KVzipSelection(TokenSelection):
     spec_context = ("prompt_ids", "tokenizer")
 
     def __init__(self, budget: int, *, store: Optional[CompressionMethod] = None, repeat: str = REPEAT_PROMPT,
-                 chunk: int = 512, mix: Optional[str] = None, share: float = 0.5,
+                 chunk: int = 64, mix: Optional[str] = None, share: float = 0.5,
                  prompt_ids: Optional[torch.Tensor] = None, tokenizer: Any = None) -> None:
         if mix is not None:
             from kvsplice.core.registry import build_selector
@@ -114,24 +114,25 @@ class KVzipSelection(TokenSelection):
         self.selector = self._scorer()  # the bound copy's own (scores are set per layer at prefill)
         self.layer_scores: dict[int, torch.Tensor] = {}  # the last prefill's scores (B, Hkv, T) per layer
 
-    def attend(self, layer, q, k, v, cache, step, mask=None, logw=None):
-        if cache.layer_len(layer) == 0:
-            if self.prompt_ids is None or self.repeat_ids is None:
-                raise ValueError("KVzip re-reads the prompt it compresses: build it per prompt with its ids and "
-                                 "tokenizer (build_method(spec, prompt_ids=ids, tokenizer=tok))")
-            if self.prompt_ids.shape[1] != k.shape[2]:
-                raise ValueError(f"this KVzip was built for a {self.prompt_ids.shape[1]}-token prompt; the prefill "
-                                 f"has {k.shape[2]} tokens: build it with the ids being prefilled")
-            shared = self.shared_scores
-            if shared is not None and len(shared) == self.adapter.n_layer and shared[layer].shape == (*k.shape[:2],
-                                                                                                       k.shape[2]):
-                self.layer_scores[layer] = shared[layer]  # the same context's pass, done once for every budget
-            else:
-                self.layer_scores[layer] = self._scores(layer, k, v, step)  # (B, Hkv, T)
-                if shared is not None and layer == self.adapter.n_layer - 1:
-                    shared.update(self.layer_scores)
-            self.selector.scores = self.layer_scores[layer].reshape(-1, k.shape[2])  # (B·Hkv, T)
-        return super().attend(layer, q, k, v, cache, step, mask=mask, logw=logw)
+    def compress_prefill(self, layer, q, k, v, cache, step, mask=None) -> None:
+        """The reconstruction pass's scores of ``layer`` (or those of a finished pass over the same prompt), then
+        the selection's prefill cache by them."""
+        if self.prompt_ids is None or self.repeat_ids is None:
+            raise ValueError("KVzip re-reads the prompt it compresses: build it per prompt with its ids and "
+                             "tokenizer (build_method(spec, prompt_ids=ids, tokenizer=tok))")
+        if self.prompt_ids.shape[1] != k.shape[2]:
+            raise ValueError(f"this KVzip was built for a {self.prompt_ids.shape[1]}-token prompt; the prefill "
+                             f"has {k.shape[2]} tokens: build it with the ids being prefilled")
+        shared = self.shared_scores
+        if shared is not None and len(shared) == self.adapter.n_layer and shared[layer].shape == (*k.shape[:2],
+                                                                                                   k.shape[2]):
+            self.layer_scores[layer] = shared[layer]  # the same context's pass, done once for every budget
+        else:
+            self.layer_scores[layer] = self._scores(layer, k, v, step)  # (B, Hkv, T)
+            if shared is not None and layer == self.adapter.n_layer - 1:
+                shared.update(self.layer_scores)
+        self.selector.scores = self.layer_scores[layer].reshape(-1, k.shape[2])  # (B·Hkv, T)
+        super().compress_prefill(layer, q, k, v, cache, step, mask=mask)
 
     def _scores(self, layer: int, k: torch.Tensor, v: torch.Tensor, step) -> torch.Tensor:
         """The reconstruction pass through ``layer`` over the context's ``k, v (B, Hkv, T, D)`` (post-RoPE) →
@@ -150,35 +151,38 @@ class KVzipSelection(TokenSelection):
         rope = a.rope(x, t, tr, layer) if a.has_rope else None
         qr, kr, vr = a.qkv(layer, a.attn_in(layer, x), rope)  # (B, Hq, Tr, D), (B, Hkv, Tr, D) × 2
         scores = torch.zeros(b, hkv, t, dtype=torch.float32, device=k.device)
-        y = self._pass(qr, k, v, kr, vr, step.scales[layer], scores)  # (B, Hq, Tr, Dv); scores filled in
-        step.memo[key] = a.after_attn(layer, x, a.out(layer, y))  # the pass's hidden states, on to the next layer
+        last = layer == a.n_layer - 1  # the pass ends here: its output is not needed
+        y = self._pass(qr, k, v, kr, vr, step.scales[layer], scores, output=not last)  # (B, Hq, Tr, Dv) | None
+        if last:
+            step.memo.pop(key, None)
+        else:
+            step.memo[key] = a.after_attn(layer, x, a.out(layer, y))  # the pass's hidden states, on to the next layer
         return scores
 
-    def _pass(self, qr, k, v, kr, vr, scale: float, scores: torch.Tensor) -> torch.Tensor:
+    def _pass(self, qr, k, v, kr, vr, scale: float, scores: torch.Tensor, output: bool = True
+              ) -> Optional[torch.Tensor]:
         """The reconstruction queries ``qr (B, Hq, Tr, D)`` over the prompt's ``k, v (B, Hkv, T, D)`` and their own
         ``kr, vr (B, Hkv, Tr, D)`` (causal: query i sees the prompt and its own keys up to i) → the attention output
         ``(B, Hq, Tr, Dv)``, computed from the attention weights in blocks of ``chunk`` queries; the largest weight
-        each prompt token gets from any query of its KV head's group is maxed into ``scores (B, Hkv, T)``."""
+        each prompt token gets from any query of its KV head's group is maxed into ``scores (B, Hkv, T)``. With
+        ``output=False`` only the scores are formed (``None`` returned)."""
         b, hkv, t, d = k.shape
         tr, g = qr.shape[2], qr.shape[1] // hkv
-        qg = qr.float().reshape(b, hkv, g, tr, d)  # (B, Hkv, g, Tr, D): query head h reads KV head h // g
-        kt, vf = k.float().transpose(-1, -2), v.float()  # (B, Hkv, D, T), (B, Hkv, T, Dv)
-        krt, vrf = kr.float().transpose(-1, -2), vr.float()  # (B, Hkv, D, Tr), (B, Hkv, Tr, Dv)
-        y = qg.new_empty(b, hkv, g, tr, vf.shape[-1])  # (B, Hkv, g, Tr, Dv)
+        qg = (qr.float() * scale).reshape(b, hkv, g, tr, d)  # (B, Hkv, g, Tr, D): query head h reads KV head h // g
+        kk = torch.cat([k.float(), kr.float()], 2)  # (B, Hkv, T + Tr, D): the prompt's keys, then the pass's own
+        vv = torch.cat([v.float(), vr.float()], 2)  # (B, Hkv, T + Tr, Dv)
+        y = qg.new_empty(b, hkv, g, tr, vv.shape[-1])  # (B, Hkv, g, Tr, Dv)
         for s in range(0, tr, self.chunk):
             e = min(tr, s + self.chunk)
             qc = qg[:, :, :, s:e].reshape(b, hkv, g * (e - s), d)  # (B, Hkv, g·c, D), rows (head in group, query)
-            lc = (qc @ kt) * scale  # (B, Hkv, g·c, T): every prompt key is seen
-            lr = (qc @ krt[..., :e]) * scale  # (B, Hkv, g·c, e): the pass's own keys, causal
+            logits = qc @ kk[:, :, :t + e].transpose(-1, -2)  # (B, Hkv, g·c, T + e): every prompt key is seen
             hide = torch.arange(e, device=k.device)[None, :] > torch.arange(s, e, device=k.device)[:, None]  # (c, e)
-            lr = lr.view(b, hkv, g, e - s, e).masked_fill(hide, float("-inf")).view(b, hkv, g * (e - s), e)
-            m = torch.maximum(lc.amax(-1, keepdim=True), lr.amax(-1, keepdim=True))  # (B, Hkv, g·c, 1)
-            pc, pr = (lc - m).exp_(), (lr - m).exp_()
-            z = pc.sum(-1, keepdim=True) + pr.sum(-1, keepdim=True)
-            pc, pr = pc.div_(z), pr.div_(z)  # softmax over the prompt's and the pass's keys together
-            torch.maximum(scores, pc.amax(dim=2), out=scores)
-            y[:, :, :, s:e] = (pc @ vf + pr @ vrf[:, :, :e]).view(b, hkv, g, e - s, -1)
-        return y.reshape(b, hkv * g, tr, -1).to(qr.dtype)  # (B, Hq, Tr, Dv)
+            logits.view(b, hkv, g, e - s, t + e)[..., t:].masked_fill_(hide, float("-inf"))  # the pass's: causal
+            p = torch.softmax(logits, dim=-1)  # over the prompt's and the pass's keys together
+            torch.maximum(scores, p[..., :t].amax(dim=2), out=scores)
+            if output:
+                y[:, :, :, s:e] = (p @ vv[:, :, :t + e]).view(b, hkv, g, e - s, -1)
+        return y.reshape(b, hkv * g, tr, -1).to(qr.dtype) if output else None  # (B, Hq, Tr, Dv)
 
     def __repr__(self) -> str:
         return f"KVzipSelection(budget={self.budget}, store={self.store!r})"

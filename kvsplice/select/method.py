@@ -105,18 +105,25 @@ class TokenSelection(CompressionMethod):
         if logw is not None:
             raise ValueError("a token selection does not hold another selection's log-weights")
         if cache.layer_len(layer) == 0:  # prefill: exact attention over the prompt, then keep a weighted subset
-            k, v = k.to(cache.dtype), v.to(cache.dtype)
-            y = step.attend(layer, q, k.to(q.dtype), v.to(q.dtype), mask=mask)  # (B, Hq, T, D)
-            cache.compress_prefill(layer, k, v, self.selector, self.budget, real=keys_seen(mask), q=q,
-                                   scale=step.scales[layer],
-                                   append_kept=lambda kk, vv: self.store.append(layer, kk, vv,
-                                                                                     cache.kept, step))
+            kc, vc = k.to(cache.dtype), v.to(cache.dtype)
+            y = step.attend(layer, q, kc.to(q.dtype), vc.to(q.dtype), mask=mask)  # (B, Hq, T, D)
+            self.compress_prefill(layer, q, k, v, cache, step, mask=mask)
             return y
         # decode: new tokens kept exactly (log-weight 0); padding was folded into the log-weights at prefill
         b, h, t = k.shape[:3]
         w = cache.weights.append(layer, w=torch.zeros(b, h, t, 1, dtype=cache.dtype, device=k.device))["w"]
         return self.store.attend(layer, q, k, v, cache.kept, step, mask=mask if self.window else None,
                                  logw=w[..., 0])  # (B, Hq, Tq, Dv)
+
+    def compress_prefill(self, layer, q, k, v, cache, step, mask=None) -> None:
+        """The prefill's cache without its attention output: the prompt's ``k, v (B, Hkv, T, D)`` of ``layer``
+        (``q (B, Hq, T, D)`` for selectors that read queries) → the kept, weighted subset in the empty ``cache``.
+        :meth:`attend` is this plus the exact attention; a caller that has the prefill's output already (one exact
+        prefill shared by many selections: :func:`kvsplice.tasks.shared.answer_many`) calls this alone."""
+        k, v = k.to(cache.dtype), v.to(cache.dtype)
+        cache.compress_prefill(layer, k, v, self.selector, self.budget, real=keys_seen(mask), q=q,
+                               scale=step.scales[layer],
+                               append_kept=lambda kk, vv: self.store.append(layer, kk, vv, cache.kept, step))
 
     def __repr__(self) -> str:
         store = "" if isinstance(self.store, DenseKV) and self.store.cache_quant is None else f", store={self.store!r}"

@@ -30,10 +30,11 @@ def causal_attention_weights(q: torch.Tensor, k: torch.Tensor, scale: float, fir
     ``q (H, g·T, d)``, ``k (H, T, d)`` → ``(H, g, T - first, T)`` float32 (zero above the diagonal)."""
     h, t, d = k.shape
     g = q.shape[1] // t
-    qw = q.reshape(h, g, t, d)[:, :, first:].float()  # (H, g, Tw, d)
-    logits = torch.einsum("hgqd,hkd->hgqk", qw, k.float()) * scale  # (H, g, Tw, T)
+    qw = q.reshape(h, g, t, d)[:, :, first:].float() * scale  # (H, g, Tw, d), the scale on the smaller side
+    logits = qw @ k.float().transpose(-1, -2)[:, None]  # (H, g, Tw, T)
     pos = torch.arange(first, t, device=k.device)[:, None]  # (Tw, 1) absolute query positions
-    logits = logits.masked_fill(torch.arange(t, device=k.device)[None, :] > pos, float("-inf"))
+    later = torch.arange(first, t, device=k.device)[None, :] > pos  # (Tw, T - first): keys after the query
+    logits[..., first:].masked_fill_(later, float("-inf"))  # keys before ``first`` are seen by every query
     return torch.softmax(logits, dim=-1)
 
 
@@ -78,7 +79,7 @@ class ObservedAttentionSelector(TokenSelector):
     needs_queries = True
     _fields = ("normalize",)
 
-    def __init__(self, normalize: bool = True, chunk: int = 256, seed: int = 0) -> None:
+    def __init__(self, normalize: bool = True, chunk: int = 64, seed: int = 0) -> None:
         super().__init__(seed)
         self.normalize, self.chunk = bool_arg("normalize", normalize), int_arg("chunk", chunk, 1)
 

@@ -3,8 +3,8 @@
 A token selection's prefill is exact (every prompt query attends over every prompt key) and compresses each layer
 from that layer's exact ``q, k, v``; so the prefill of the full cache, with every layer's ``q, k, v`` kept, is the
 prefill of *every* selection (any selector, any storage under it, KVzip). :func:`answer_many` runs it once (it is
-also the full cache's answer), hands the kept ``q, k, v`` to each selection's ``attend`` layer by layer (building
-exactly the cache the ``Decoder`` would build), then feeds the question and decodes as the ``Decoder`` door does.
+also the full cache's answer), hands the kept ``q, k, v`` to each selection's ``compress_prefill`` layer by layer
+(building exactly the cache the ``Decoder`` would build, without the attention output it already has), then feeds the question and decodes as the ``Decoder`` door does.
 Methods that are no selection (int8, KIVI: their prefill attends over their own lossy cache) run the ``Decoder``
 door themselves. Same tokens, same bytes as :func:`kvsplice.tasks.runner.answer` (tested); the saving is every
 selection's prefill (a 2k-token prefill is most of an instance's time on a CPU).
@@ -109,8 +109,8 @@ def answer_many(model, tokenizer, inst: TaskInstance, factories: Mapping[str, ob
             dec = Decoder(model, method)
             cache = dec.new_cache(1, capacity=dec.method.capacity(comp.shape[1], rest.shape[1] + n_new))
             step = Step(dec.adapter, 0, comp.shape[1], dec.scales, dec.attn_backend)
-            for layer, m in enumerate(dec.layer_methods):
-                m.attend(layer, *kept[layer], cache, step)  # exactly the Decoder's prefill of this method
+            for layer, m in enumerate(dec.layer_methods):  # exactly the Decoder's prefill cache of this method
+                m.compress_prefill(layer, *kept[layer], cache, step)  # (its attention output is the full one's)
             out[name] = _finish(dec, cache, logits0, rest, n_new, eos, _bytes(dec, cache),
                                 (time.perf_counter() - t1, time.process_time() - c1), inst, tokenizer, setting,
                                 n_prompt, n_comp)

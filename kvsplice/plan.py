@@ -143,7 +143,8 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
     tune = tune[: (tune.numel() // seq) * seq].view(-1, seq)  # (N, T) tuning windows
     adapter = adapter_for(model)
     stores = [s for x in _store_specs(args.stores) for s in
-              (candidate_stores(adapter.has_rope, adapter.head_dim) if x == "default" else [x])]
+              (candidate_stores(adapter.has_rope, adapter.head_dim, rotary_dim=adapter.rotary_dim)
+               if x == "default" else [x])]
     t0 = time.perf_counter()
     stats, reused = None, False
     if any(isinstance(s.get("bases"), dict) for s in stores):  # the planner's low-rank fits need statistics

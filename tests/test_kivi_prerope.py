@@ -127,6 +127,20 @@ def test_the_short_form_and_the_refusals():
         PreRopeKIVI(bits=3)
 
 
+def test_the_planner_tries_kivi2_before_rope_alone_where_rope_rotates_the_whole_head():
+    from kvsplice.planning.search import candidate_stores, fit_budget
+
+    def pre(stores):
+        return [(s["bits"], s["residual"]) for s in stores if s["name"] == "kivi_prerope"]
+
+    assert pre(candidate_stores(True, 64)) == [(2, 128), (2, 32)]
+    assert pre(candidate_stores(True, 64, rotary_dim=32)) == pre(candidate_stores(False, 64)) == []
+    a = adapter_for(tiny("llama"))  # 2 layers, 2 KV heads of 8
+    store = {"name": "kivi_prerope", "bits": 2, "group": 8, "residual": 32}
+    assert fit_budget(store, a, 64, 1e6, selector="snapkv") == store  # fits alone
+    assert fit_budget(store, a, 64, 10.0, selector="snapkv") is None  # over budget: it cannot hold a selection
+
+
 @pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file() or not TEXT.is_file(),
                     reason=f"stories260K / TinyStories not found under {DATA}")
 def test_a_real_model_decodes_and_keeps_close_to_the_full_cache(tmp_path):

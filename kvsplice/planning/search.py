@@ -5,9 +5,11 @@ The search is over method specs (:mod:`kvsplice.core.registry`): any registered 
 (``stores=``, ``python -m kvsplice.plan --stores SPEC ...``).
 
 1. **Stores** (:func:`candidate_stores`): full K/V at fp16 and int8, KIVI at 4 and 2 bits (group 32, full-precision
-   windows of 32 and 128 tokens; and 4 bits in groups of 64 where the head dimension allows), and low-rank bases with ranks allocated by the predicted calibration loss
-   (:mod:`kvsplice.lowrank.allocate`, the ``fisher`` fit) at a few rank ratios, int8 coefficients — post-RoPE (they
-   can hold a selection) and pre-RoPE (alone).
+   windows of 32 and 128 tokens; and 4 bits in groups of 64 where the head dimension allows; on models whose RoPE
+   rotates the whole head also KIVI-2 with keys quantised before RoPE, ``kivi_prerope``, which holds no selection: it
+   kept more tuning passkeys than KIVI-2 on SmolLM2, docs/tasks.md), and low-rank bases with ranks allocated by the
+   predicted calibration loss (:mod:`kvsplice.lowrank.allocate`, the ``fisher`` fit) at a few rank ratios, int8
+   coefficients — post-RoPE (they can hold a selection) and pre-RoPE (alone).
 2. **Tokens** (:func:`fit_budget`): the exact bytes of each store per prompt token at fp16 (the methods'
    closed forms, measured == formula in every evaluation); where the store alone is over budget a token selection
    keeps the most prompt tokens that fit (its log-weights counted).
@@ -67,15 +69,18 @@ def lowrank_bases(stats: dict, ratio: float, rope: str, cache: Optional[dict] = 
     return bases
 
 
-def candidate_stores(has_rope: bool, head_dim: int,
-                     lowrank_ratios: Sequence[float] = LOWRANK_RATIOS) -> list[dict[str, Any]]:
+def candidate_stores(has_rope: bool, head_dim: int, lowrank_ratios: Sequence[float] = LOWRANK_RATIOS, *,
+                     rotary_dim: Optional[int] = None) -> list[dict[str, Any]]:
     """The storage methods the planner tries (see the module docstring) as specs; KIVI groups of
-    ``min(32, head_dim)``. A low-rank store's ``bases`` is the planner's fit of them
+    ``min(32, head_dim)``; ``rotary_dim``: the dims of a head RoPE rotates (``None``: all — KIVI-2 with keys
+    quantised before RoPE needs that). A low-rank store's ``bases`` is the planner's fit of them
     (``{"fit": "fisher", "ratio": r, "rope": mode}``), made from the calibration statistics when measured."""
     stores: list[dict[str, Any]] = [{"name": "dense"}, {"name": "dense", "cache_quant": "int8"}]
     g = min(32, head_dim)
     if head_dim % g == 0:
         stores += [{"name": "kivi", "bits": b, "group": g, "residual": r} for b in (4, 2) for r in (128, 32)]
+        if has_rope and (rotary_dim is None or rotary_dim == head_dim):
+            stores += [{"name": "kivi_prerope", "bits": 2, "group": g, "residual": r} for r in (128, 32)]
     if head_dim % 64 == 0:  # 4-bit codes in groups of 64: 4.5 bits per number (3.56x smaller than fp16)
         stores += [{"name": "kivi", "bits": 4, "group": 64, "residual": r} for r in (128, 32)]
     for ratio in lowrank_ratios:
@@ -244,7 +249,7 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
         f"({full_bpt / budget:.2f}x smaller than the fp16 full cache, {full_bpt} B)")
     fits = []
     if stores is None:
-        stores = candidate_stores(adapter.has_rope, adapter.head_dim, lowrank_ratios)
+        stores = candidate_stores(adapter.has_rope, adapter.head_dim, lowrank_ratios, rotary_dim=adapter.rotary_dim)
     for store in stores:
         st = fit_budget(store, adapter, prompt_len, budget, selector=selectors[0], realise=realise)
         if st is not None and not runs_on(model, build_method(realise(st), prompt_len=prompt_len)):

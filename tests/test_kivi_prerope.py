@@ -129,6 +129,7 @@ def test_the_short_form_and_the_refusals():
 
 def test_the_planner_tries_kivi2_before_rope_alone_where_rope_rotates_the_whole_head():
     from kvsplice.planning.search import candidate_stores, fit_budget
+    from kvsplice.planning.spec import spec_label
 
     def pre(stores):
         return [(s["bits"], s["residual"]) for s in stores if s["name"] == "kivi_prerope"]
@@ -139,6 +140,7 @@ def test_the_planner_tries_kivi2_before_rope_alone_where_rope_rotates_the_whole_
     store = {"name": "kivi_prerope", "bits": 2, "group": 8, "residual": 32}
     assert fit_budget(store, a, 64, 1e6, selector="snapkv") == store  # fits alone
     assert fit_budget(store, a, 64, 10.0, selector="snapkv") is None  # over budget: it cannot hold a selection
+    assert spec_label(store) == "kivi2p(g8,r32)"  # the planner's label, as the alias
 
 
 @pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file() or not TEXT.is_file(),

@@ -62,9 +62,13 @@ def stack_to_spec(stack: dict[str, Any], bases_file: Optional[str]) -> dict[str,
             "keep": stack.get("keep", 1.0), "store": spec}
 
 
+_KIVI_SUFFIX = {"kivi": "", "kivi_rotated": "h", "kivi_prerope": "p"}  # a KIVI store's label: its aliases' letter
+
+
 def spec_label(spec: dict[str, Any]) -> str:
-    """A short label of a spec, as the planner reports its candidates: ``fp``, ``int8``, ``kivi4(g32,r128)``,
-    ``lowrank×1.5(post+int8)`` (the planner's bases, by their fit), a selection keeping ``keep`` of the prompt as
+    """A short label of a spec, as the planner reports its candidates: ``fp``, ``int8``, ``kivi4(g32,r128)``
+    (``kivi4h(…)``: Hadamard-rotated, ``kivi2p(…)``: keys before RoPE), ``lowrank×1.5(post+int8)`` (the planner's
+    bases, by their fit), a selection keeping ``keep`` of the prompt as
     ``selector×ratio + store``; any other spec by its short form (:func:`~kvsplice.core.registry.format_spec`)."""
     name = spec.get("name")
     if "keep" in spec and getattr(METHODS.get(name), "select_form", False):  # kvzip: scores by its own pass
@@ -81,8 +85,9 @@ def spec_label(spec: dict[str, Any]) -> str:
     rest = {k: v for k, v in spec.items() if k != "name"}
     if name == "dense" and set(rest) <= {"cache_quant"}:
         return {None: "fp", "int8": "int8"}.get(rest.get("cache_quant"), format_spec(spec))
-    if name == "kivi" and set(rest) <= {"bits", "group", "residual"}:
-        return f"kivi{rest.get('bits', 4)}(g{rest.get('group', 32)},r{rest.get('residual', 128)})"
+    if name in _KIVI_SUFFIX and set(rest) <= {"bits", "group", "residual"}:  # kivi4, kivi4h, kivi4p as the aliases
+        return (f"kivi{rest.get('bits', 4)}{_KIVI_SUFFIX[name]}(g{rest.get('group', 32)},"
+                f"r{rest.get('residual', 128)})")
     bases = rest.get("bases")
     meta = getattr(bases, "meta", None)
     if isinstance(bases, dict) and "fit" in bases:  # the planner's fit, before it is made

@@ -16,8 +16,6 @@ prompt tokens out of order and the cache does not store their positions, which t
 
 from __future__ import annotations
 
-import torch
-
 from kvsplice.adapters.base import apply_rope, rotate_half
 from kvsplice.core.rope import rope_tables
 from kvsplice.quant.method import KIVI

@@ -3,8 +3,10 @@ a key's outlier channels are fixed before the rotation, which smears them over c
 channel groups of un-rotated keys see steadier ranges).
 
 The cache is a plain :class:`~kvsplice.quant.cache.KIVICache` holding un-rotated keys (values as in KIVI): the
-``Decoder`` hands this method un-rotated keys (``key_rope = "pre"``), the HF door rotated ones whose rotation is undone
-at their positions (:class:`kvsplice.core.rope.RopeTables`, ``k = (k_rot⊙cos − rotate_half(k_rot)⊙sin)/σ²``). At
+rotation of the new keys is undone at their positions (:class:`kvsplice.core.rope.RopeTables`,
+``k = (k_rot⊙cos − rotate_half(k_rot)⊙sin)/σ²``). The HF door hands rotated keys; the ``Decoder`` un-rotated ones
+(``key_rope = "pre"``), which are rotated first, so that both doors quantise the very same numbers: rounding decides
+a code at a step's edge, and a last-bit difference there grows through the layers of a real model. At
 attention the layer's keys — dequantised groups and the full-precision window — are rotated at their positions and
 the one dense attention runs (the door's mask). So the keys attended are ``rot(dequant(quant(unrot(k))))``; the
 bytes are KIVI's (the RoPE tables are a function of the position, not cache state). Exact when nothing is quantised
@@ -44,9 +46,10 @@ class PreRopeKIVI(KIVI):
         t_q = q.shape[2]
         like = k.to(cache.dtype)
         cos, sin = self.rope[layer].cos_sin(step, mask, cache.layer_len(layer) + t_q, like)  # (B or 1, Tk, D)
-        if step.k_rotated:  # undo the rotation of the new keys (HF door)
-            c, s = cos[:, None, -t_q:], sin[:, None, -t_q:]  # (B or 1, 1, Tq, D)
-            like = (like * c - rotate_half(like) * s) / self.rope[layer].sigma2
+        c, s = cos[:, -t_q:], sin[:, -t_q:]  # (B or 1, Tq, D): the new keys' positions
+        if not step.k_rotated:  # the Decoder's un-rotated keys: rotated as the HF door's are, so that both doors
+            like = apply_rope(like, c, s)  # quantise the same numbers (rounding decides codes at a step's edge)
+        like = (like * c[:, None] - rotate_half(like) * s[:, None]) / self.rope[layer].sigma2  # undo the rotation
         kv = cache.append(layer, like, v)  # (B, Hkv, Tk, D) each: un-rotated keys, values
         keys = apply_rope(kv["k"], cos, sin)  # (B, Hkv, Tk, D): rotated at the keys' positions
         return step.attend(layer, q, keys.to(q.dtype), kv["v"].to(q.dtype), mask=mask, logw=logw)  # (B, Hq, Tq, D)

@@ -177,3 +177,41 @@ def test_compress_prefill_builds_the_cache_attend_builds(model, spec) -> None:
         assert torch.equal(a, b)
     assert got.nbytes() == want.nbytes() and got.seq_len == want.seq_len < ctx.shape[1]
     torch.testing.assert_close(dec(nxt, got), want_dec(nxt, want), atol=0, rtol=0)
+
+
+def test_kvzip_heads_union_keeps_one_token_set_per_layer(model) -> None:
+    """``heads="union"``: every KV head keeps the same tokens, ranked by their best rank in any head (a token one
+    head ranks first is kept by all); per sequence of ``n_kv_head`` rows; refused values name the choices."""
+    from kvsplice.select.kvzip import ReconstructionScores
+
+    scores = torch.tensor([[0.9, 0.1, 0.2, 0.3, 0.0, 0.5],   # sequence 0, head 0: ranks 5 0 1 2 - 4
+                           [0.0, 0.8, 0.1, 0.2, 0.3, 0.4],   # sequence 0, head 1: ranks - 5 1 2 3 4
+                           [0.1, 0.2, 0.3, 0.4, 0.5, 0.6],   # sequence 1, head 0
+                           [0.6, 0.5, 0.4, 0.3, 0.2, 0.1]])  # sequence 1, head 1
+    k = torch.zeros(4, 6, 2)
+    union = ReconstructionScores(heads="union")
+    union.scores, union.n_kv_head = scores, 2
+    idx, _ = union.select(k, k, 2)
+    assert idx[:2].tolist() == [[0, 1], [0, 1]]  # each head's first-ranked token, in both heads
+    assert idx[2:].tolist() == [[0, 5], [0, 5]]  # the two ends, each first in one head
+    own = ReconstructionScores()
+    own.scores = scores
+    assert own.select(k, k, 2)[0][:2].tolist() == [[0, 5], [1, 5]]
+    ctx, rep = _ids(11, 30), _ids(12, 4)
+    dec = Decoder(model, build_method("select:kvzip(heads=union)@x3", prompt_ids=ctx, tokenizer=_Tok(rep)))
+    c = dec.new_cache(1)
+    dec(ctx, c)
+    assert dec.method.spec()["heads"] == "union" and c.seq_len == 10
+    from kvsplice.tasks.shared import _Keep
+
+    keep = _Keep()
+    Decoder(model, keep)(ctx, Decoder(model, keep).new_cache(1))
+    for layer in range(model.config.num_hidden_layers):
+        kept = c.kept.get(layer)["k"][0]  # (Hkv, 10, D)
+        full = keep.kept[layer][1][0]  # (Hkv, T, D): the prompt's keys
+        pos = torch.cdist(kept, full).argmin(dim=-1)  # (Hkv, 10): which prompt token each kept key is
+        assert pos.shape[0] > 1 and (pos == pos[:1]).all()  # the same tokens in every head
+        ranks = dec.method.layer_scores[layer][0].argsort(-1).argsort(-1)  # (Hkv, T)
+        assert (ranks.amax(0)[pos[0]].min() >= ranks.amax(0).sort().values[-10])  # the best-ranked by any head
+    with pytest.raises(ValueError, match="heads must be one of 'own', 'union'"):
+        KVzipSelection(4, heads="all")

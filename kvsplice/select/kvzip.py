@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from kvsplice.core.args import int_arg
+from kvsplice.core.args import choice_arg, int_arg
 from kvsplice.core.method import CompressionMethod
 from kvsplice.select.method import TokenSelection
 from kvsplice.select.scores import _top
@@ -38,23 +38,34 @@ __all__ = ["KVzipSelection", "REPEAT_PROMPT", "ReconstructionScores"]
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
 """The instruction before the context in the reconstruction pass."""
 
+HEADS = ("own", "union")
+"""How a layer's KV heads choose: each its own top tokens, or all the tokens any of them ranks best."""
+
 
 class ReconstructionScores(TokenSelector):
     """Keeps the ``budget`` tokens of the highest scores set by :class:`KVzipSelection` for the layer being
     compressed (``scores (B·Hkv, T)``); log-weights 0. With ``mix`` (another selector) and ``share``: the
-    ``ceil(share · budget)`` tokens ``mix`` keeps come first, the rest by the reconstruction scores. Not registered
-    with ``make_selector``: its scores come from the reconstruction pass."""
+    ``ceil(share · budget)`` tokens ``mix`` keeps come first, the rest by the reconstruction scores. With
+    ``heads="union"`` every KV head of a layer keeps the same tokens: those whose best rank in any of the layer's
+    ``n_kv_head`` heads (the rows of ``scores``, ``n_kv_head`` per sequence) is highest — a token one head needs is
+    kept by all. Not registered with ``make_selector``: its scores come from the reconstruction pass."""
 
-    def __init__(self, mix: Optional[TokenSelector] = None, share: float = 0.0, seed: int = 0) -> None:
+    def __init__(self, mix: Optional[TokenSelector] = None, share: float = 0.0, heads: str = "own",
+                 seed: int = 0) -> None:
         super().__init__(seed)
         self.scores: Optional[torch.Tensor] = None
-        self.mix, self.share = mix, share
+        self.n_kv_head = 1  # rows of ``scores`` per sequence (set with the scores)
+        self.mix, self.share, self.heads = mix, share, heads
         self.needs_queries = bool(mix is not None and mix.needs_queries)
 
     def _select(self, k, v, budget, q=None, scale=None):
         if self.scores is None or self.scores.shape != k.shape[:2]:
             raise ValueError("kvzip scores come from the reconstruction pass: use KVzipSelection, not make_selector")
         scores = self.scores.to(k.device)
+        if self.heads == "union":
+            rank = scores.argsort(dim=-1).argsort(dim=-1).float()  # (B·Hkv, T): 0 = lowest score of its head
+            best = rank.view(-1, self.n_kv_head, rank.shape[-1]).amax(dim=1, keepdim=True)  # (B, 1, T)
+            scores = best.expand(-1, self.n_kv_head, -1).reshape(scores.shape)  # (B·Hkv, T): one ranking per layer
         n_mix = min(budget, math.ceil(self.share * budget - 1e-9)) if self.mix is not None else 0
         if n_mix:
             kw = {"q": q, "scale": scale} if self.mix.needs_queries else {}
@@ -70,7 +81,9 @@ class KVzipSelection(TokenSelection):
     ``chunk``: reconstruction queries per score block. ``mix``: a selector spec (``"observed_attention"``) whose own
     choice of ``ceil(share · budget)`` tokens is kept first, the rest by the reconstruction scores (what the next
     words need beside what a later question needs). ``shared_scores``: a dict in which the scores of a finished
-    pass over the same prompt are kept and reused (several budgets over one prefill)."""
+    pass over the same prompt are kept and reused (several budgets over one prefill). ``heads``: ``"own"`` — each KV
+    head keeps its own top tokens — or ``"union"`` — every KV head keeps the tokens ranked best by any of them
+    (:class:`ReconstructionScores`)."""
 
     name = "kvzip"
     select_form = True
@@ -78,7 +91,7 @@ class KVzipSelection(TokenSelection):
     spec_context = ("prompt_ids", "tokenizer")
 
     def __init__(self, budget: int, *, store: Optional[CompressionMethod] = None, repeat: str = REPEAT_PROMPT,
-                 chunk: int = 64, mix: Optional[str] = None, share: float = 0.5,
+                 chunk: int = 64, mix: Optional[str] = None, share: float = 0.5, heads: str = "own",
                  prompt_ids: Optional[torch.Tensor] = None, tokenizer: Any = None) -> None:
         if mix is not None:
             from kvsplice.core.registry import build_selector
@@ -86,7 +99,7 @@ class KVzipSelection(TokenSelection):
             build_selector(mix)  # a known selector, checked now
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
             raise ValueError(f"share must be a fraction in [0, 1], got {share!r}")
-        self.mix, self.share = mix, float(share)
+        self.mix, self.share, self.heads = mix, float(share), choice_arg("heads", heads, HEADS)
         super().__init__(self._scorer(), budget, store=store)
         if not isinstance(repeat, str):
             raise ValueError(f"repeat must be the text of the reconstruction instruction, got {repeat!r}")
@@ -105,7 +118,7 @@ class KVzipSelection(TokenSelection):
     def _scorer(self) -> ReconstructionScores:
         from kvsplice.core.registry import build_selector
 
-        return ReconstructionScores(None if self.mix is None else build_selector(self.mix), self.share)
+        return ReconstructionScores(None if self.mix is None else build_selector(self.mix), self.share, self.heads)
 
     def _prepare(self, adapter, *, dtype, device):
         super()._prepare(adapter, dtype=dtype, device=device)
@@ -132,6 +145,7 @@ class KVzipSelection(TokenSelection):
             if shared is not None and layer == self.adapter.n_layer - 1:
                 shared.update(self.layer_scores)
         self.selector.scores = self.layer_scores[layer].reshape(-1, k.shape[2])  # (B·Hkv, T)
+        self.selector.n_kv_head = k.shape[1]
         super().compress_prefill(layer, q, k, v, cache, step, mask=mask)
 
     def _scores(self, layer: int, k: torch.Tensor, v: torch.Tensor, step) -> torch.Tensor:

@@ -85,7 +85,8 @@ def _specs(args, tokenizer) -> dict:
 
 
 def _resume(path: Path, force: bool, header: dict) -> dict:
-    """The finished results of ``path`` (and, into ``header``, the labels of methods run before)."""
+    """The finished results of ``path`` (and, into ``header``, the labels of methods run before). A method whose
+    spec now names another method (``plan:PATH`` of a plan made again: another label) loses its old results."""
     if force or not path.exists():
         return {}
     try:
@@ -97,8 +98,17 @@ def _resume(path: Path, force: bool, header: dict) -> dict:
     if doc.get("model_fingerprint") != header["model_fingerprint"]:
         raise UsageError(f"--out {path} holds results of another model ({doc.get('model')}); use --force or "
                          f"another file")
-    header["methods"] = {**doc.get("methods", {}), **header["methods"]}
-    return doc.get("results", {})
+    before = doc.get("methods", {})
+    changed = {k for k, label in header["methods"].items() if k in before and before[k] != label}
+    results = doc.get("results", {})
+    for k in sorted(changed):  # the same spec names another method now (a plan file made again): run it again
+        print(f"eval_tasks: {k} was {before[k]!r}, now {header['methods'][k]!r}: its results are run again",
+              file=sys.stderr)
+        for by_inst in results.values():
+            for outs in by_inst.values():
+                outs.pop(k, None)
+    header["methods"] = {**before, **header["methods"]}
+    return results
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -105,3 +105,12 @@ def test_eval_tasks_runs_a_plan_that_re_reads_its_prompt(s260k, tmp_path, capsys
         plan, spec = outs[f"plan:{tmp_path / 'p.json'}"], outs["select:kvzip@0.5+int8"]
         assert plan["tokens"] == spec["tokens"] and plan["cache_bytes"] == spec["cache_bytes"] < outs["full"][
             "cache_bytes"]
+    Plan({"name": "kvzip", "heads": "union", "keep": 0.25}).save(tmp_path / "p.json")  # the plan made again
+    rc, _, err = _run([*common, "--plan", tmp_path / "p.json", "--out", tmp_path / "k.json"], capsys)
+    assert rc == 0 and "its results are run again" in err
+    doc = json.loads((tmp_path / "k.json").read_text())
+    assert "heads=union" in doc["methods"][f"plan:{tmp_path / 'p.json'}"]
+    for outs in doc["results"]["agnostic"].values():
+        again, spec = outs[f"plan:{tmp_path / 'p.json'}"], outs["select:kvzip@0.5+int8"]
+        assert again["cache_bytes"] != spec["cache_bytes"] and again["n_compressed"] == spec["n_compressed"]
+        assert again["fp16_bytes"] < 0.3 * outs["full"]["fp16_bytes"]  # measured anew: a quarter of the prompt kept

@@ -37,9 +37,10 @@ __all__ = ["DEFAULT_SELECTORS", "LOWRANK_RATIOS", "OBJECTIVES", "bytes_per_token
            "check_selector", "is_selection", "lowrank_bases", "rank_key", "search", "selection"]
 
 DEFAULT_SELECTORS = ("snapkv", "observed_attention", "kvzip", "kvzip(mix=observed_attention,share=0.1)",
-                     "kvzip(mix=observed_attention,share=0.25)")
-"""The selector trial's entries: attention-based (the next words), KVzip (a later question), and KVzip keeping a
-tenth / a quarter of its budget by ObservedAttention (both)."""
+                     "kvzip(mix=observed_attention,share=0.25)", "kvzip(heads=union)",
+                     "kvzip(mix=observed_attention,share=0.1,heads=union)")
+"""The selector trial's entries: attention-based (the next words), KVzip (a later question), KVzip keeping a
+tenth / a quarter of its budget by ObservedAttention (both), and KVzip whose KV heads keep one token set per layer."""
 LOWRANK_RATIOS = (1.5, 2.0, 3.0)
 
 

@@ -65,6 +65,13 @@ class RopeTables:
         self.sigma2 = float(getattr(rotary, "attention_scaling", 1.0)) ** 2
         self._full: Optional[tuple] = None  # (scale, N, cosᵀ·scale (1, 1, D, N), sinᵀ·scale, un (1, N, 2, D))
 
+    def unrotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Post-RoPE ``x`` back to the un-rotated space at the positions of ``cos, sin`` (broadcast to ``x``):
+        ``(x⊙cos − rotate_half(x)⊙sin) / σ²`` (the module docstring's inverse)."""
+        from kvsplice.adapters.base import rotate_half
+
+        return (x * cos - rotate_half(x) * sin) / self.sigma2
+
     @staticmethod
     def positions(mask: Optional[torch.Tensor], t_k: int, offset: int = 0,
                   pads: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from kvsplice.adapters.base import apply_rope, rotate_half
+from kvsplice.adapters.base import apply_rope
 from kvsplice.core.method import CompressionMethod
 from kvsplice.core.rope import RopeTables
 from kvsplice.lowrank.calibrate import CalibrationStats
@@ -196,7 +196,7 @@ class JointLowRank(CompressionMethod):
             cos, sin = self.rope.cos_sin(step, mask, cache.layer_len(layer) + t_q, k)  # (B or 1, Tk, d)
             if step.k_rotated:  # undo the rotation of the new keys: k = (k_rot⊙cos − rot(k_rot)⊙sin)/σ²
                 c, s = cos[:, None, -t_q:], sin[:, None, -t_q:]  # (B or 1, 1, Tq, d)
-                k = (k * c - rotate_half(k) * s) / self.rope.sigma2
+                k = self.rope.unrotate(k, c, s)
         a, bv = self._encode(layer, k, v)
         held = cache.append(layer, k=a, v=bv)  # (B, 1, Tk, R_k), (B, 1, Tk, R_v)
         L = self.bases.layers[layer]

@@ -28,7 +28,7 @@ from typing import Literal, Optional
 
 import torch
 
-from kvsplice.adapters.base import apply_rope, rotate_half
+from kvsplice.adapters.base import apply_rope
 from kvsplice.adapters.fingerprint import model_fingerprint
 from kvsplice.core.args import choice_arg
 from kvsplice.core.method import CompressionMethod
@@ -152,7 +152,7 @@ class LowRank(CompressionMethod):
             cos, sin = self.rope[l].cos_sin(step, mask, cache.layer_len(l) + q.shape[2], k)  # (B or 1, Tk, D)
             if step.k_rotated:  # undo the rotation of the new keys: k = (k_rot⊙cos − rot(k_rot)⊙sin)/σ²
                 c, s = cos[:, None, -q.shape[2]:], sin[:, None, -q.shape[2]:]  # (B or 1, 1, Tq, D)
-                k = (k * c - rotate_half(k) * s) / self.rope[l].sigma2
+                k = self.rope[l].unrotate(k, c, s)
         ka = [k[:, j] @ hb.k_enc for j, hb in enumerate(heads)]  # (B, T, R_k[j])
         vb = [v[:, j] @ hb.v_enc for j, hb in enumerate(heads)]  # (B, T, R_v[j])
         if cache.grouped(l):

@@ -18,7 +18,7 @@ prompt tokens out of order and the cache does not store their positions, which t
 
 from __future__ import annotations
 
-from kvsplice.adapters.base import apply_rope, rotate_half
+from kvsplice.adapters.base import apply_rope
 from kvsplice.core.rope import rope_tables
 from kvsplice.quant.method import KIVI
 
@@ -49,7 +49,7 @@ class PreRopeKIVI(KIVI):
         c, s = cos[:, -t_q:], sin[:, -t_q:]  # (B or 1, Tq, D): the new keys' positions
         if not step.k_rotated:  # the Decoder's un-rotated keys: rotated as the HF door's are, so that both doors
             like = apply_rope(like, c, s)  # quantise the same numbers (rounding decides codes at a step's edge)
-        like = (like * c[:, None] - rotate_half(like) * s[:, None]) / self.rope[layer].sigma2  # undo the rotation
+        like = self.rope[layer].unrotate(like, c[:, None], s[:, None])  # undo the rotation
         kv = cache.append(layer, like, v)  # (B, Hkv, Tk, D) each: un-rotated keys, values
         keys = apply_rope(kv["k"], cos, sin)  # (B, Hkv, Tk, D): rotated at the keys' positions
         return step.attend(layer, q, keys.to(q.dtype), kv["v"].to(q.dtype), mask=mask, logw=logw)  # (B, Hq, Tq, D)

@@ -213,5 +213,5 @@ def test_kvzip_heads_union_keeps_one_token_set_per_layer(model) -> None:
         assert pos.shape[0] > 1 and (pos == pos[:1]).all()  # the same tokens in every head
         ranks = dec.method.layer_scores[layer][0].argsort(-1).argsort(-1)  # (Hkv, T)
         assert (ranks.amax(0)[pos[0]].min() >= ranks.amax(0).sort().values[-10])  # the best-ranked by any head
-    with pytest.raises(ValueError, match="heads must be one of 'own', 'union'"):
+    with pytest.raises(ValueError, match="heads must be one of 'own', 'union', 'pooled'"):
         KVzipSelection(4, heads="all")

@@ -306,3 +306,17 @@ def test_eval_bases_builds_a_prompt_reading_method_per_window(s260k, tmp_path):
     want = evaluate_each(loaded.model, lambda w: build_method("select:kvzip@0.5+int8", prompt_ids=w,
                                                               tokenizer=loaded.tokenizer), ids, prompt_len=192)
     assert r["ppl"] == pytest.approx(want["ppl"], rel=1e-5) and r["ratio_vs_fp16_full"] > 2
+
+
+def test_a_pooled_kvzip_plan_holds_only_dense_stores(s260k, planned, tmp_path):
+    """``--selectors kvzip(heads=pooled)``: the selections it makes hold dense rows only (full precision or int8;
+    KIVI / low-rank under it are not candidates), and the chosen plan runs through ``generate``."""
+    out = tmp_path / "pooled.json"
+    assert plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats",
+                          str(planned / "stats.safetensors"), "--objective", "ppl", "--selectors",
+                          "kvzip(heads=pooled)", "--out", str(out)]) == 0
+    cands = json.loads(out.read_text())["candidates"]
+    pooled = [c["spec"] for c in cands if c["spec"].get("heads") == "pooled"]
+    assert pooled and all(s["store"]["name"] == "dense" for s in pooled)
+    assert generate.main(["--model", str(s260k), "--plan", str(out), "--prompt", "Once upon a time",
+                          "--max-new-tokens", "4"]) == 0

@@ -38,9 +38,11 @@ __all__ = ["DEFAULT_SELECTORS", "LOWRANK_RATIOS", "OBJECTIVES", "bytes_per_token
 
 DEFAULT_SELECTORS = ("snapkv", "observed_attention", "kvzip", "kvzip(mix=observed_attention,share=0.1)",
                      "kvzip(mix=observed_attention,share=0.25)", "kvzip(heads=union)",
-                     "kvzip(mix=observed_attention,share=0.1,heads=union)")
+                     "kvzip(mix=observed_attention,share=0.1,heads=union)", "kvzip(heads=pooled)",
+                     "kvzip(mix=observed_attention,share=0.1,heads=pooled)")
 """The selector trial's entries: attention-based (the next words), KVzip (a later question), KVzip keeping a
-tenth / a quarter of its budget by ObservedAttention (both), and KVzip whose KV heads keep one token set per layer."""
+tenth / a quarter of its budget by ObservedAttention (both), KVzip whose KV heads keep one token set per layer, and
+KVzip whose KV heads draw from one budget per layer (non-uniform head budgets; dense stores only)."""
 LOWRANK_RATIOS = (1.5, 2.0, 3.0)
 
 
@@ -151,7 +153,8 @@ INT8 = {"name": "dense", "cache_quant": "int8"}
 
 def runs_on(model, method) -> bool:
     """Whether ``method`` can decode ``model``: a cache that cannot drop the tokens leaving a sliding window (KIVI's,
-    a selection over it) cannot run a model with sliding-window layers (Gemma-3, Mistral, ...)."""
+    a selection over it) cannot run a model with sliding-window layers (Gemma-3, Mistral, ...); a selection refuses
+    a store it cannot hold (``kvzip(heads=pooled)``: dense rows only)."""
     from kvsplice.decode import Decoder
 
     try:
@@ -276,9 +279,14 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
     done = {r["label"] for r in rows}
     for st in fits:
         st = selection(st["store"], chosen_sel, st["keep"]) if is_selection(st) else st
-        if spec_label(st) not in done:
-            rows.append(measure(st))
+        if spec_label(st) in done:
+            continue
+        if is_selection(st) and not runs_on(model, build_method(realise(st), prompt_len=prompt_len)):
+            log(f"  {spec_label(st):<48} skipped: the selector cannot hold this store")
             done.add(spec_label(st))
+            continue
+        rows.append(measure(st))
+        done.add(spec_label(st))
     with_tasks(rows)
     best_row = best_of(rows)
     return {"best": realise(best_row["spec"]), "chosen": best_row,

@@ -29,7 +29,9 @@ import torch
 
 from kvsplice.core.args import choice_arg, int_arg
 from kvsplice.core.method import CompressionMethod
+from kvsplice.decode.dense import DenseKV
 from kvsplice.select.method import TokenSelection
+from kvsplice.select.pooled import PooledSubsetCache, pool_tokens
 from kvsplice.select.scores import _top
 from kvsplice.select.selectors import TokenSelector
 
@@ -38,8 +40,9 @@ __all__ = ["KVzipSelection", "REPEAT_PROMPT", "ReconstructionScores"]
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
 """The instruction before the context in the reconstruction pass."""
 
-HEADS = ("own", "union")
-"""How a layer's KV heads choose: each its own top tokens, or all the tokens any of them ranks best."""
+HEADS = ("own", "union", "pooled")
+"""How a layer's KV heads choose: each its own top tokens; all the tokens any of them ranks best; or the best
+``Hkv · budget`` of all heads' scores together, a head keeping as many as it wins (:mod:`kvsplice.select.pooled`)."""
 
 
 class ReconstructionScores(TokenSelector):
@@ -58,7 +61,10 @@ class ReconstructionScores(TokenSelector):
         self.mix, self.share, self.heads = mix, share, heads
         self.needs_queries = bool(mix is not None and mix.needs_queries)
 
-    def _select(self, k, v, budget, q=None, scale=None):
+    def ranked(self, k: torch.Tensor, v: torch.Tensor, budget: int, q: Optional[torch.Tensor] = None,
+               scale: Optional[float] = None) -> torch.Tensor:
+        """The scores the choice is made on, ``(B·Hkv, T)``: the reconstruction scores (one ranking per layer with
+        ``heads="union"``), ``+inf`` on the ``ceil(share · budget)`` tokens the ``mix`` selector keeps per head."""
         if self.scores is None or self.scores.shape != k.shape[:2]:
             raise ValueError("kvzip scores come from the reconstruction pass: use KVzipSelection, not make_selector")
         scores = self.scores.to(k.device)
@@ -71,7 +77,10 @@ class ReconstructionScores(TokenSelector):
             kw = {"q": q, "scale": scale} if self.mix.needs_queries else {}
             first, _ = self.mix.select(k, v, n_mix, **kw)  # (H, n_mix): the mixed-in selector's own choice
             scores = scores.scatter(1, first, float("inf"))  # kept whatever their reconstruction scores
-        idx = _top(scores, budget)
+        return scores
+
+    def _select(self, k, v, budget, q=None, scale=None):
+        idx = _top(self.ranked(k, v, budget, q, scale), budget)
         return idx, torch.zeros(idx.shape, dtype=torch.float32, device=k.device)
 
 
@@ -82,8 +91,10 @@ class KVzipSelection(TokenSelection):
     choice of ``ceil(share · budget)`` tokens is kept first, the rest by the reconstruction scores (what the next
     words need beside what a later question needs). ``shared_scores``: a dict in which the scores of a finished
     pass over the same prompt are kept and reused (several budgets over one prefill). ``heads``: ``"own"`` — each KV
-    head keeps its own top tokens — or ``"union"`` — every KV head keeps the tokens ranked best by any of them
-    (:class:`ReconstructionScores`)."""
+    head keeps its own top tokens —, ``"union"`` — every KV head keeps the tokens ranked best by any of them
+    (:class:`ReconstructionScores`) — or ``"pooled"`` — a layer keeps the ``Hkv · budget`` best of all its heads'
+    scores, each head as many as it wins (KVzip's non-uniform head budgets; the same bytes, held in a
+    :class:`~kvsplice.select.pooled.PooledSubsetCache`; a dense store only: full precision or int8 rows)."""
 
     name = "kvzip"
     select_form = True
@@ -124,6 +135,9 @@ class KVzipSelection(TokenSelection):
         super()._prepare(adapter, dtype=dtype, device=device)
         if any(adapter.window(l) for l in range(adapter.n_layer)):
             raise ValueError("KVzipSelection does not support sliding-window layers")
+        if self.heads == "pooled" and not isinstance(self.store, DenseKV):
+            raise ValueError(f"kvzip(heads=pooled) holds its tokens as rows of one pool per layer: its store must be "
+                             f"dense (full precision or int8), got {self.store!r}")
         self.selector = self._scorer()  # the bound copy's own (scores are set per layer at prefill)
         self.layer_scores: dict[int, torch.Tensor] = {}  # the last prefill's scores (B, Hkv, T) per layer
 
@@ -146,7 +160,47 @@ class KVzipSelection(TokenSelection):
                 shared.update(self.layer_scores)
         self.selector.scores = self.layer_scores[layer].reshape(-1, k.shape[2])  # (B·Hkv, T)
         self.selector.n_kv_head = k.shape[1]
-        super().compress_prefill(layer, q, k, v, cache, step, mask=mask)
+        if self.heads != "pooled":
+            return super().compress_prefill(layer, q, k, v, cache, step, mask=mask)
+        b, h, t, d = k.shape
+        n_keep = min(self.budget, t)
+        qs = q.reshape(b * h, -1, d) if self.selector.needs_queries else None  # (B·Hkv, g·T, D): a KV head's queries
+        scores = self.selector.ranked(k.reshape(b * h, t, d), v.reshape(b * h, t, -1), n_keep, q=qs,
+                                      scale=step.scales[layer])  # (B·Hkv, T)
+        cache.fill(layer, k, v, pool_tokens(scores.view(b, h, t), n_keep))
+
+    # ------------------------------------------------------------------------- heads="pooled": its own cache
+    def new_cache(self, batch_size, capacity=None, *, dtype, device):
+        if self.heads != "pooled":
+            return super().new_cache(batch_size, capacity, dtype=dtype, device=device)
+        a = self._bound()
+        n_keep = None if self.prompt_ids is None else min(self.budget, self.prompt_ids.shape[1])
+        recent = None if capacity is None or n_keep is None else max(capacity - n_keep, 0)  # decoded tokens
+        return PooledSubsetCache(a.n_layer, a.n_kv_head, a.head_dim, batch_size, dtype=dtype, device=device,
+                                 capacity=recent, quant=self.store.cache_quant,
+                                 pool_capacity=None if n_keep is None else a.n_kv_head * n_keep)
+
+    def check_cache(self, cache):
+        if self.heads != "pooled":
+            return super().check_cache(cache)
+        if not isinstance(cache, PooledSubsetCache):
+            raise TypeError(f"kvzip(heads=pooled) needs a PooledSubsetCache from decoder.new_cache(), got "
+                            f"{type(cache).__name__}")
+
+    def bytes_formula(self, batch_size, n_held, dtype):
+        """``heads="pooled"``: the dense store's bytes of ``n_held`` tokens per head + each head's count (int32)
+        per layer; else :meth:`TokenSelection.bytes_formula`."""
+        if self.heads != "pooled":
+            return super().bytes_formula(batch_size, n_held, dtype)
+        a = self._bound()
+        return self.store.bytes_formula(batch_size, n_held, dtype) + a.n_layer * batch_size * a.n_kv_head * 4
+
+    def attend(self, layer, q, k, v, cache, step, mask=None, logw=None):
+        if self.heads != "pooled" or cache.layer_len(layer) == 0:  # prefill: exact, then compress_prefill
+            return super().attend(layer, q, k, v, cache, step, mask=mask, logw=logw)
+        if logw is not None:
+            raise ValueError("a token selection does not hold another selection's log-weights")
+        return cache.attend(step, layer, q, k, v)  # (B, Hq, Tq, D): the pool (each head its own) + the decoded
 
     def _scores(self, layer: int, k: torch.Tensor, v: torch.Tensor, step) -> torch.Tensor:
         """The reconstruction pass through ``layer`` over the context's ``k, v (B, Hkv, T, D)`` (post-RoPE) →

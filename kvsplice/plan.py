@@ -5,7 +5,8 @@ on calibration text, and write it as a plan the other tools take directly.
         [--calib-tokens 32768] [--calib-stats STATS.safetensors] [--tune-tokens 2048] [--prompt-len P] \\
         [--seq-len T] [--selectors snapkv kvzip 'kvzip(mix=observed_attention,share=0.5)'] [--stores default SPEC ...] \\
         [--device DEV] \\
-        [--objective ppl|tasks|mixed] [--tune-tasks passkey niah_number_facts] [--tune-n 4] [--stories TEXT] \\
+        [--objective ppl|tasks|mixed] [--tune-tasks passkey niah_number_facts niah_number_stories] [--tune-n 4] \\
+        [--stories TEXT] \\
         [--dtype fp32|bf16|fp16] \\
         --out plan.json [--force] [--json REPORT.json]
 
@@ -29,6 +30,7 @@ import argparse
 import math
 import sys
 import time
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -37,6 +39,9 @@ from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, 
 from kvsplice.io.outputs import cache_file, output_file, write_json
 
 PROG = "plan"
+TUNE_TASKS = ("passkey", "niah_number_facts", "niah_number_stories")
+"""The accuracy objective's default tasks: a number hidden in filler, in encyclopedic facts and in real prose (the
+calibration text's; :func:`_stories`)."""
 
 
 def _pos_float(s: str) -> float:
@@ -94,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "keep: mixed (default): the best tuning perplexity among the candidates with the best accuracy "
                    "on tuning task instances (seeds >= 1,000,000, never reported); tasks: that accuracy (ties: "
                    "perplexity); ppl: tuning perplexity alone (it may trade retrieval away)")
-    p.add_argument("--tune-tasks", nargs="+", default=["passkey", "niah_number_facts"], metavar="TASK",
-                   help="tasks of the accuracy objective (default passkey niah_number_facts; see eval_tasks)")
+    p.add_argument("--tune-tasks", nargs="+", default=list(TUNE_TASKS), metavar="TASK",
+                   help=f"tasks of the accuracy objective (default {' '.join(TUNE_TASKS)}: a needle in each kind of "
+                   f"haystack — filler, facts, real prose; see eval_tasks)")
     p.add_argument("--tune-n", type=pos_int, default=4, help="tuning instances per task (default 4)")
     p.add_argument("--tune-length", type=pos_int, help="tuning instances' prompt tokens (default --seq-len, at "
                    "least 64)")
@@ -103,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the question after the compressed context (default) or inside it")
     p.add_argument("--task-tolerance", type=_nonneg_float, default=0.0, help="mixed: accuracy points below the "
                    "best a candidate may lose (default 0)")
-    p.add_argument("--stories", help="TinyStories text for --tune-tasks that need it")
+    p.add_argument("--stories", help="prose for --tune-tasks that hide a needle in stories (default: the --calib "
+                   "text when it is a local file)")
     p.add_argument("--out", required=True, help="the plan (.json); low-rank bases go beside it")
     p.add_argument("--json", help="also write the search report here")
     p.add_argument("--force", action="store_true", help="overwrite --out / --json (and recompute --calib-stats "
@@ -189,8 +196,9 @@ def _task_eval(args, model, tokenizer, seq: int, progress: bool, max_positions: 
         raise UsageError(f"--tune-length {length} exceeds the model's {max_positions} positions (give a shorter one, "
                          f"or --objective ppl)")
     insts = make_instances(args.tune_tasks, tokenizer, [length], args.tune_n, seed0=TUNING_SEED0,
-                           stories=args.stories)
+                           stories=_stories(args))
     info = {"tasks": args.tune_tasks, "length": length, "n": args.tune_n, "seed0": TUNING_SEED0,
+            "stories": _stories(args),
             "setting": args.tune_setting}
 
     def task_eval(factories: dict) -> dict[str, float]:
@@ -212,8 +220,17 @@ def _check_tune_tasks(args) -> None:
     bad = [t for t in args.tune_tasks if t not in TASKS]
     if bad:
         raise UsageError(f"--tune-tasks: unknown task {bad[0]!r}; tasks are {', '.join(TASKS)}")
-    if set(args.tune_tasks) & NEEDS_STORIES and not args.stories:
-        raise UsageError("--tune-tasks " + " ".join(sorted(set(args.tune_tasks) & NEEDS_STORIES)) + " need --stories")
+    if set(args.tune_tasks) & NEEDS_STORIES and not _stories(args):
+        raise UsageError("--tune-tasks " + " ".join(sorted(set(args.tune_tasks) & NEEDS_STORIES)) + " need --stories "
+                         f"(a local text file; --calib {args.calib} is not one)")
+
+
+def _stories(args) -> Optional[str]:
+    """The prose of the tuning tasks that hide a needle in stories: ``--stories``, else the calibration text when it
+    is a local file (never the text instances are reported on)."""
+    if args.stories:
+        return args.stories
+    return args.calib if Path(args.calib).expanduser().is_file() else None
 
 
 def _store_specs(given: Optional[Sequence[str]]) -> list:

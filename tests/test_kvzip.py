@@ -153,7 +153,8 @@ def test_kvzip_mix_keeps_the_mixed_selectors_share_first() -> None:
         KVzipSelection(4, mix="nosuch")
 
 
-@pytest.mark.parametrize("spec", ["select:kvzip(mix=observed_attention,share=0.25)@x3+int8", "select:snapkv@0.4"])
+@pytest.mark.parametrize("spec", ["select:kvzip(mix=observed_attention,share=0.25)@x3+int8", "select:snapkv@0.4",
+                                  "select:kvzip(heads=pooled)@x3+int8"])
 def test_compress_prefill_builds_the_cache_attend_builds(model, spec) -> None:
     """``TokenSelection.compress_prefill`` (KVzip's override, and a plain selection's) from the prefill's kept
     ``q, k, v`` builds the very cache the ``Decoder``'s prefill (``attend``) builds: equal tensors, equal next logits."""

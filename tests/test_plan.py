@@ -138,7 +138,8 @@ def test_the_ppl_objective_picks_the_best_tuning_perplexity(s260k, planned, tmp_
 
 @pytest.mark.parametrize("extra,needle", [
     (["--tune-tasks", "nosuch"], "--tune-tasks: unknown task 'nosuch'"),
-    (["--tune-tasks", "niah_number_stories"], "need --stories"),
+    (["--tune-tasks", "niah_number_stories", "--calib", "some/dataset"], "need --stories (a local text file; "
+                                                                          "--calib some/dataset is not one)"),
     (["--task-tolerance", "nan"], "--task-tolerance")])
 def test_the_task_objective_refuses_bad_input_before_the_model_loads(extra, needle, tmp_path, capsys):
     argv = ["--model", str(tmp_path / "no-model"), "--calib", str(CALIB), "--ratio", "4", "--objective", "mixed",

@@ -195,10 +195,9 @@ def _task_eval(args, model, tokenizer, seq: int, progress: bool, max_positions: 
     if max_positions is not None and length > max_positions:
         raise UsageError(f"--tune-length {length} exceeds the model's {max_positions} positions (give a shorter one, "
                          f"or --objective ppl)")
-    insts = make_instances(args.tune_tasks, tokenizer, [length], args.tune_n, seed0=TUNING_SEED0,
-                           stories=_stories(args))
-    info = {"tasks": args.tune_tasks, "length": length, "n": args.tune_n, "seed0": TUNING_SEED0,
-            "stories": _stories(args),
+    stories = _stories(args)
+    insts = make_instances(args.tune_tasks, tokenizer, [length], args.tune_n, seed0=TUNING_SEED0, stories=stories)
+    info = {"tasks": args.tune_tasks, "length": length, "n": args.tune_n, "seed0": TUNING_SEED0, "stories": stories,
             "setting": args.tune_setting}
 
     def task_eval(factories: dict) -> dict[str, float]:

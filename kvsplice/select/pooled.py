@@ -21,7 +21,9 @@ import itertools
 from typing import Iterator, Optional
 
 import torch
+import torch.nn.functional as F
 
+from kvsplice.select.scores import _top
 from models.cache import Cache, KVCache
 
 __all__ = ["PooledSubsetCache", "pool_tokens", "pooled_attend", "pooled_bias"]
@@ -31,8 +33,7 @@ def pool_tokens(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
     """The ``Hkv · n_keep`` highest of ``scores (B, Hkv, T)`` per sequence, drawn from all heads together →
     flat indices ``h · T + t`` ``(B, Hkv · n_keep)``, sorted (so head by head, each head's tokens in order)."""
     b, h, t = scores.shape
-    flat = scores.reshape(b, h * t)  # (B, Hkv·T): head h's tokens at h·T .. h·T + T - 1
-    return flat.topk(h * n_keep, dim=-1).indices.sort(dim=-1).values  # (B, Hkv·n_keep)
+    return _top(scores.reshape(b, h * t), h * n_keep)  # (B, Hkv·n_keep); head h's tokens at h·T .. h·T + T - 1
 
 
 def pooled_bias(counts: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -109,8 +110,7 @@ class PooledSubsetCache(Cache):
         kk = k.reshape(b, 1, h * t, d).gather(2, idx)  # (B, 1, N, D): head by head
         vv = v.reshape(b, 1, h * t, v.shape[-1]).gather(2, idx)
         self.pooled.append(layer, k=kk.to(self.dtype), v=vv.to(self.dtype))
-        self.counts[layer] = torch.stack([((flat >= i * t) & (flat < (i + 1) * t)).sum(-1) for i in range(h)],
-                                         -1).to(torch.int32)  # (B, Hkv)
+        self.counts[layer] = F.one_hot(flat // t, h).sum(1).to(torch.int32)  # (B, Hkv): entries per head
         self.recent.advance(layer, t)  # positions continue after the whole prompt
 
     def attend(self, step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -118,9 +118,6 @@ class PooledSubsetCache(Cache):
         the recent tokens → ``(B, Hq, Tq, D)``."""
         recent = self.recent.append(layer, k=k.to(self.dtype), v=v.to(self.dtype))  # (B, Hkv, Tr, D) each
         return pooled_attend(step, layer, q, self.pooled.get(layer), self.counts[layer], recent)
-
-    def append(self, layer: int, **new: torch.Tensor):
-        return self.recent.append(layer, **new)
 
     def tensors(self) -> Iterator[torch.Tensor]:
         return itertools.chain(self.pooled.tensors(), self.recent.tensors(), (c for c in self.counts if c is not None))

@@ -262,7 +262,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--calib": args.calib,
-              "--calib-stats": args.calib_stats}  # an existing stats file is an input
+              "--calib-stats": args.calib_stats, "--stories": args.stories}  # an existing stats file is an input
     _store_specs(args.stores)  # fail fast, before the model loads
     _check_tune_tasks(args)
     out = output_file(args.out, force=args.force, inputs=inputs)

@@ -271,6 +271,12 @@ def test_the_statistics_and_a_plans_bases_are_never_written(s260k, planned, tmp_
                               "--out", str(tmp_path / "q.json"), "--json", str(stats), *extra]) == 2
         one_line(capsys, "plan", "is the input --calib-stats")
     assert stats.read_bytes() == digest
+    prose = tmp_path / "prose.txt"
+    prose.write_text(CALIB.read_text()[:20000])
+    assert plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats", str(stats), "--stories",
+                          str(prose), "--out", str(prose), "--force"]) == 2  # the tuning prose is an input
+    one_line(capsys, "plan", "is the input --stories")
+    assert prose.read_text() == CALIB.read_text()[:20000]
     new = tmp_path / "new.safetensors"
     assert plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats", str(new),
                           "--out", str(tmp_path / "p.json"), "--json", str(new)]) == 2

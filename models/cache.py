@@ -42,7 +42,9 @@ QUANT_MODES = (None, "int8", "int4")
 """``quant`` of a :class:`DecodeCache`: ``None`` stores the streams at ``dtype``; ``"int8"`` stores each token's row
 as int8 with one fp16 absmax scale per row (per token, per layer, per stream and leading index such as the head);
 ``"int4"`` stores each row as asymmetric 4-bit codes, two per byte, in groups of :func:`int4_group` numbers along
-the row, each group with an fp16 scale and minimum (KIVI's value quantisation, :mod:`models.group_quant`)."""
+the row, each group with an fp16 scale and minimum (KIVI's value quantisation, :mod:`models.group_quant`). A
+mapping ``{stream: mode}`` quantises each stream its own way (``{"k": "int8", "v": "int4"}``; a stream it does not
+name is stored at ``dtype``)."""
 SCALE = ".scale"
 """Suffix of the scale buffer of a quantised stream (``"k.scale"``: ``(B, *lead, T, 1)`` fp16; int4:
 ``(B, *lead, T, D / group)``)."""
@@ -157,17 +159,27 @@ class DecodeCache(Cache):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         capacity: int | None = None,
-        quant: str | None = None,
+        quant: str | None | Mapping[str, str | None] = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if quant not in QUANT_MODES:
-            raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
         if capacity is not None and capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.specs = [{name: tuple(int(s) for s in shape) for name, shape in spec.items()} for spec in specs]
-        if quant == "int4" and any(shape[-1] % 2 for spec in self.specs for shape in spec.values()):
-            raise ValueError("an int4 cache packs two numbers per byte: every stream's last dim must be even")
+        names = {name for spec in self.specs for name in spec}
+        if isinstance(quant, Mapping):
+            if not set(quant) <= names or any(m not in QUANT_MODES for m in quant.values()):
+                raise ValueError(f"quant must map streams of {sorted(names)} to one of {QUANT_MODES}, got {quant!r}")
+            modes = {name: quant.get(name) for name in names}
+            if len(set(modes.values())) == 1:  # one mode for every stream: the plain form
+                quant = next(iter(modes.values()))
+            else:
+                quant = dict(sorted(modes.items()))
+        elif quant not in QUANT_MODES:
+            raise ValueError(f"quant must be one of {QUANT_MODES} or a mapping of streams to them, got {quant!r}")
+        self._modes = dict(quant) if isinstance(quant, dict) else {name: quant for name in names}
+        if any(self._modes[name] == "int4" and shape[-1] % 2 for spec in self.specs for name, shape in spec.items()):
+            raise ValueError("an int4 cache packs two numbers per byte: every int4 stream's last dim must be even")
         self.batch_size = int(batch_size)
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -185,11 +197,12 @@ class DecodeCache(Cache):
     # ----------------------------------------------------------------------------------------------- storage
     def _layout(self, spec: dict[str, tuple[int, ...]]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Storage buffers of one layer: name -> (per-token shape, dtype); a quantised stream adds its scales."""
-        if self.quant is None:
-            return {name: (shape, self.dtype) for name, shape in spec.items()}
         out = {}
         for name, shape in spec.items():
-            if self.quant == "int8":
+            mode = self._modes[name]
+            if mode is None:
+                out[name] = (shape, self.dtype)
+            elif mode == "int8":
                 out[name] = (shape, torch.int8)
                 out[name + SCALE] = ((*shape[:-1], 1), torch.float16)
             else:  # int4: packed codes, a scale and a minimum per group
@@ -273,7 +286,7 @@ class DecodeCache(Cache):
             if tuple(x.shape) != expect:
                 raise ValueError(f"stream {name!r} of layer {layer}: expected shape {expect}, got {tuple(x.shape)}")
             buf = self._buffers[layer][name]
-            if self.quant is None:
+            if self._modes[name] is None:
                 buf[..., n : n + t_new, :] = x
                 out[name] = buf[..., : n + t_new, :]
             else:  # quantised rows; the attention call reads them dequantised into the workspace
@@ -289,7 +302,7 @@ class DecodeCache(Cache):
     def _quantize_into(self, layer: int, name: str, x: torch.Tensor, n: int) -> None:
         """Store rows ``x (B, *lead, T, D)`` of stream ``name`` quantised at rows ``n:n + T``."""
         bufs, t = self._buffers[layer], x.shape[-2]
-        if self.quant == "int8":
+        if self._modes[name] == "int8":
             bufs[name][..., n : n + t, :], bufs[name + SCALE][..., n : n + t, :] = quantize_int8(x)
             return
         d = x.shape[-1]
@@ -302,7 +315,7 @@ class DecodeCache(Cache):
         rows of ``out`` when given)."""
         bufs = self._buffers[layer]
         rows, scale = bufs[name][..., :n, :], bufs[name + SCALE][..., :n, :]
-        if self.quant == "int8":
+        if self._modes[name] == "int8":
             return dequantize(rows, scale, self.dtype) if out is None else out[..., :n, :].copy_(rows).mul_(scale)
         d = self.specs[layer][name][-1]
         codes = unpack_codes(rows, 4).unflatten(-1, (d // int4_group(d), -1))  # (B, *lead, n, D/G, G)
@@ -344,7 +357,9 @@ class DecodeCache(Cache):
         tensors for a quantised cache."""
         if self.quant is None:
             return self.stored(layer)
-        return {name: self._dequantized(layer, name, self._lengths[layer]) for name in self.specs[layer]}
+        n, bufs = self._lengths[layer], self._buffers[layer]
+        return {name: bufs[name][..., :n, :] if self._modes[name] is None else self._dequantized(layer, name, n)
+                for name in self.specs[layer]}
 
     def stored(self, layer: int) -> dict[str, torch.Tensor]:
         """Views of the storage of ``layer`` (int8 values and fp16 ``name.scale`` rows when quantised; int4: packed

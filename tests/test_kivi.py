@@ -131,3 +131,42 @@ def test_rotated_kivi_is_exact_unquantised_same_bytes_and_tames_an_outlier_chann
     c, s, m = quantize(xr, 3, 2)
     rot_err = ((dequantize(c, s, m, torch.float32) @ h.T) - x)[..., [0, 1, 2, 4, 5, 6, 7]].abs().mean()
     assert rot_err < plain_err, (rot_err, plain_err)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_dense_rows_rotated_are_exact_and_int4_rows_are_their_formula_in_both_doors(family):
+    """``DenseKV(rotate=True)``: the Hadamard frame alone changes nothing (the model's logits, both doors);
+    ``int4`` / ``int4h`` rows and int8 keys with int4 values (``k8v4h``): the doors agree, bytes == formula == storage (D/2 code bytes + an fp16 scale and
+    minimum per group a row), close to the model but not equal (the rows really are 4-bit), and alone or holding a
+    token selection."""
+    from models.cache import int4_row_bytes
+
+    model = tiny(family)  # head_dim 8: one group per row
+    ids = ids_of(2, 14, 1)
+    with torch.no_grad():
+        want = model(ids).logits
+    runs = both_doors(model, DenseKV(rotate=True), ids[:, :10], [ids[:, 10:11], ids[:, 11:14]])
+    for door, (logits, _) in runs.items():
+        torch.testing.assert_close(torch.cat(logits, 1), want, atol=1e-4, rtol=0, msg=lambda m: door + m)
+    for method in (DenseKV(cache_quant="int4"), DenseKV(cache_quant="int4", rotate=True),
+                   DenseKV(cache_quant="int8", value_quant="int4", rotate=True),
+                   TokenSelection(make_selector("snapkv"), 6, store=DenseKV(cache_quant="int4", rotate=True))):
+        runs = both_doors(model, method, ids[:, :10], [ids[:, 10:11], ids[:, 11:14]])
+        assert_same(runs["decoder"][0], runs["hf"][0], atol=1e-4, what=f"{method!r} decoder vs hf")
+        for door, (logits, cache) in runs.items():
+            assert measure_cache(cache).live_bytes == cache.nbytes()
+        dec = Decoder(model, method)
+        c = dec.new_cache(2)
+        got = dec(ids, c)
+        held = 14 if isinstance(method, DenseKV) else 6  # one 14-token prefill kept to 6 per head
+        rows = 2 * held * (2 if family == "llama" else 4) * 2  # layers · tokens · KV heads · batch: a k and a v row
+        weights = 0 if isinstance(method, DenseKV) else 2 * held * 2 * (2 if family == "llama" else 4) * 4
+        k_row = 8 + 2 if getattr(method, "value_quant", None) else int4_row_bytes(8)  # int8 keys: a byte + a scale
+        assert c.nbytes() == dec.formula_nbytes(c) == rows * (k_row + int4_row_bytes(8)) + weights
+        if isinstance(method, DenseKV):
+            assert not torch.equal(got, want)
+            torch.testing.assert_close(got.softmax(-1), want.softmax(-1), atol=0.1, rtol=0)
+    with pytest.raises(ValueError, match="rotate must be true or false"):
+        DenseKV(rotate="yes")
+    with pytest.raises(ValueError, match="set cache_quant too"):
+        DenseKV(value_quant="int4")

@@ -21,6 +21,7 @@ from kvsplice.hf.base import KVSpliceHFCache  # noqa: E402
 from kvsplice.select.method import TokenSelection  # noqa: E402
 from kvsplice.select.pooled import PooledSubsetCache, pool_tokens, pooled_bias  # noqa: E402
 from kvsplice.select.selectors import TokenSelector  # noqa: E402
+from models.cache import KVCache  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +55,7 @@ class _Masked(TokenSelector):
 
 
 @pytest.mark.parametrize("spec", ["select:kvzip(heads=pooled)@x3", "select:kvzip(heads=pooled)@x2.5+int8",
+                                  "select:kvzip(heads=pooled)@x2.5+int4h", "select:kvzip(heads=pooled)@x2.5+k8v4h",
                                   "select:kvzip(heads=pooled,mix=observed_attention,share=0.2)@x3"])
 def test_pooled_decode_is_attention_with_the_dropped_entries_masked(model, spec) -> None:
     ctx, rep, nxt = _ids(20, 36), _ids(21, 4), _ids(22, 5)
@@ -70,10 +72,13 @@ def test_pooled_decode_is_attention_with_the_dropped_entries_masked(model, spec)
     wc = whole.new_cache(1)
     whole(ctx, wc)
     keep = []  # (Hkv, T) per layer: which prompt entries each head owns, read back from the pool's keys
+    store = dec.method.store
     for layer, c in enumerate(cache.counts):
         kept, owned, start = cache.pooled.get(layer)["k"][0, 0], torch.zeros(2, 36, dtype=torch.bool), 0  # (N, D)
+        k = wc.get(layer)["k"]  # (1, Hkv, T, D): every prompt key, held as the store holds a row (rotated, quantised)
+        rows = KVCache(1, 2, k.shape[-1], 1, quant=store.cache_quant).append(0, k=store.rotated(k), v=k)["k"][0]
         for h, n in enumerate(c[0].tolist()):  # head by head
-            pos = torch.cdist(kept[start:start + n].float(), wc.get(layer)["k"][0, h]).argmin(-1)  # (n,) tokens
+            pos = torch.cdist(kept[start:start + n].float(), rows[h]).argmin(-1)  # (n,) tokens
             owned[h, pos] = True
             start += n
         assert owned.sum(-1).tolist() == c[0].tolist()  # no token twice in a head
@@ -106,7 +111,7 @@ def test_pooled_full_budget_is_the_full_cache_and_bad_stores_are_refused(model) 
     assert pc.position == 24 + 2 and pc.seq_len == 24 + 2
     with pytest.raises(ValueError, match="the pooled prompt holds 24 tokens per head"):
         pc.truncate(10)
-    with pytest.raises(ValueError, match=r"its store must be dense \(full precision or int8\)"):
+    with pytest.raises(ValueError, match=r"its store must be dense \(full precision, int8 or int4 rows\)"):
         Decoder(model, build_method("select:kvzip(heads=pooled)@x2+kivi(bits=4,group=8,residual=8)", prompt_ids=ctx, tokenizer=_Tok(rep)))
     with pytest.raises(TypeError, match="needs a PooledSubsetCache"):
         dec(nxt, full.new_cache(1))

@@ -100,6 +100,29 @@ def test_bad_quant_options():
     assert math.isclose(c.bytes_per_token(), 8 + 2)
 
 
+def test_each_stream_its_own_quantisation():
+    """``quant={"k": "int8", "v": "int4"}``: the keys' rows are int8 + a scale, the values' 4-bit codes + a scale and
+    minimum per group; ``get`` reads both back near the written rows; one mode for both is the plain form; a
+    mapping naming another stream or mode is refused."""
+    from models.cache import int4_row_bytes
+
+    c = KVCache(2, 2, 64, 1, quant={"k": "int8", "v": "int4"})
+    assert c.quant == {"k": "int8", "v": "int4"}
+    k, v = torch.randn(1, 2, 5, 64), torch.randn(1, 2, 5, 64)
+    out = c.append(1, k=k, v=v)
+    raw = c.stored(1)
+    assert raw["k"].dtype == torch.int8 and raw["v"].dtype == torch.uint8 and raw["v"].shape[-1] == 32
+    assert torch.equal(out["k"], dequantize(raw["k"], raw["k.scale"], torch.float32))
+    assert (out["k"] - k).abs().max() < 0.03 < (out["v"] - v).abs().max() < 0.5  # 8 bits, then 4
+    assert c.bytes_per_token() == 2 * 2 * (64 + 2 + int4_row_bytes(64))
+    assert KVCache(1, 2, 4, 1, quant={"k": "int8", "v": "int8"}).quant == "int8"
+    assert KVCache(1, 2, 4, 1, quant={"k": "int8"}).quant == {"k": "int8", "v": None}
+    with pytest.raises(ValueError, match="quant must map streams"):
+        KVCache(1, 2, 4, 1, quant={"c": "int8"})
+    with pytest.raises(ValueError, match="quant must map streams"):
+        KVCache(1, 2, 4, 1, quant={"k": "int2"})
+
+
 def test_dequantised_views_live_in_one_reused_workspace():
     c = KVCache(3, 2, 8, 2, quant="int8", capacity=10)
     for layer in range(3):

@@ -29,7 +29,8 @@ A token selection takes ``budget`` (prompt tokens kept per KV head) or ``keep`` 
     args      := KEY "=" VALUE { "," KEY "=" VALUE }               ints, floats, true/false/none, else strings
 
 ``:FILE`` is the class's first file argument (``bases``); ``+int8`` sets ``cache_quant="int8"``. Aliases
-(:data:`ALIASES`): ``int8`` = dense int8, ``fp`` / ``full`` = dense, ``kivi2`` / ``kivi4`` / ``kivi8`` = KIVI at those
+(:data:`ALIASES`): ``int8`` = dense int8, ``int4`` = dense 4-bit rows, ``int4h`` / ``int8h`` = those rows Hadamard-rotated,
+``k8v4`` / ``k8v4h`` = int8 keys and int4 values (rotated), ``fp`` / ``full`` = dense, ``kivi2`` / ``kivi4`` / ``kivi8`` = KIVI at those
 bits, ``kivi2h`` / ``kivi4h`` / ``kivi8h`` = KIVI over Hadamard-rotated K/V (``kivi_rotated``), ``kivi2p`` /
 ``kivi4p`` / ``kivi8p`` = KIVI with keys quantised before RoPE (``kivi_prerope``); an alias takes arguments too
 (``kivi4(residual=32)``). A FILE or VALUE may not contain ``+ ( ) , @``: use the dict form (a JSON file:
@@ -71,6 +72,10 @@ BUILTIN_MODULES = ("kvsplice.decode.dense", "kvsplice.decode.native", "kvsplice.
 
 ALIASES: dict[str, dict[str, Any]] = {
     "fp": {"name": "dense"}, "full": {"name": "dense"}, "int8": {"name": "dense", "cache_quant": "int8"},
+    **{f"int{b}h": {"name": "dense", "cache_quant": f"int{b}", "rotate": True} for b in (4, 8)},
+    "int4": {"name": "dense", "cache_quant": "int4"},
+    "k8v4": {"name": "dense", "cache_quant": "int8", "value_quant": "int4"},
+    "k8v4h": {"name": "dense", "cache_quant": "int8", "value_quant": "int4", "rotate": True},
     **{f"kivi{b}": {"name": "kivi", "bits": b} for b in (2, 4, 8)},
     **{f"kivi{b}h": {"name": "kivi_rotated", "bits": b} for b in (2, 4, 8)},
     **{f"kivi{b}p": {"name": "kivi_prerope", "bits": b} for b in (2, 4, 8)},
@@ -278,10 +283,15 @@ def format_spec(spec: Spec) -> str:
         f = spec.pop(files[0])
         out += f":{f}" if isinstance(f, (str, Path)) else f":<{type(f).__name__}>"
     quant = spec.pop("cache_quant", None)
-    if name == "dense" and quant == "int8" and not spec:
-        return "int8"
+    if name == "dense" and quant is not None:  # a quantised dense store by its alias (int8, int4h, k8v4h, ...)
+        alias = next((a for a, full in ALIASES.items()
+                      if full == {"name": "dense", "cache_quant": quant, **{k: v for k, v in spec.items() if v}}), None)
+        if alias is not None:
+            return alias
+    if quant not in (None, "int8"):  # +int8 is the only modifier: another mode is an argument
+        spec, quant = {"cache_quant": quant, **spec}, None
     out += _fmt_args(spec)
-    return out + ("+int8" if quant == "int8" else "" if quant is None else f"(cache_quant={quant})")
+    return out + ("+int8" if quant == "int8" else "")
 
 
 def _fmt_args(args: dict) -> str:

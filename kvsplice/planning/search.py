@@ -4,7 +4,9 @@ that fits the byte budget, measured on tuning text — the best measured stack w
 The search is over method specs (:mod:`kvsplice.core.registry`): any registered storage method can be a candidate
 (``stores=``, ``python -m kvsplice.plan --stores SPEC ...``).
 
-1. **Stores** (:func:`candidate_stores`): full K/V at fp16 and int8, KIVI at 4 and 2 bits (group 32, full-precision
+1. **Stores** (:func:`candidate_stores`): full K/V at fp16 and int8, int8 keys with int4 values (``k8v4h``: rows
+   rotated by a Hadamard matrix; SmolLM2's tuning text: +1.6 % perplexity at 8× under KVzip's pooled selection where
+   int8 rows cost +3.3 %, docs/tasks.md), KIVI at 4 and 2 bits (group 32, full-precision
    windows of 32 and 128 tokens; and 4 bits in groups of 64 where the head dimension allows; on models whose RoPE
    rotates the whole head also KIVI-2 with keys quantised before RoPE, ``kivi_prerope``, which holds no selection: it
    kept more tuning passkeys than KIVI-2 on SmolLM2, docs/tasks.md), and low-rank bases with ranks allocated by the
@@ -79,6 +81,9 @@ def candidate_stores(has_rope: bool, head_dim: int, lowrank_ratios: Sequence[flo
     quantised before RoPE needs that). A low-rank store's ``bases`` is the planner's fit of them
     (``{"fit": "fisher", "ratio": r, "rope": mode}``), made from the calibration statistics when measured."""
     stores: list[dict[str, Any]] = [{"name": "dense"}, {"name": "dense", "cache_quant": "int8"}]
+    if head_dim % 2 == 0:  # int8 keys, int4 values (Hadamard-rotated where the head dimension is a power of two)
+        stores.append({"name": "dense", "cache_quant": "int8", "value_quant": "int4",
+                       **({"rotate": True} if head_dim & (head_dim - 1) == 0 else {})})
     g = min(32, head_dim)
     if head_dim % g == 0:
         stores += [{"name": "kivi", "bits": b, "group": g, "residual": r} for b in (4, 2) for r in (128, 32)]

@@ -66,7 +66,8 @@ _KIVI_SUFFIX = {"kivi": "", "kivi_rotated": "h", "kivi_prerope": "p"}  # a KIVI 
 
 
 def spec_label(spec: dict[str, Any]) -> str:
-    """A short label of a spec, as the planner reports its candidates: ``fp``, ``int8``, ``kivi4(g32,r128)``
+    """A short label of a spec, as the planner reports its candidates: ``fp``, ``int8``, ``int4h`` (rows rotated),
+    ``kivi4(g32,r128)``
     (``kivi4h(…)``: Hadamard-rotated, ``kivi2p(…)``: keys before RoPE), ``lowrank×1.5(post+int8)`` (the planner's
     bases, by their fit), a selection keeping ``keep`` of the prompt as
     ``selector×ratio + store``; any other spec by its short form (:func:`~kvsplice.core.registry.format_spec`)."""
@@ -83,8 +84,10 @@ def spec_label(spec: dict[str, Any]) -> str:
         store = spec.get("store", {"name": "dense"})
         return f"{sel}×{1 / spec['keep']:.3g} + {spec_label(store) if isinstance(store, dict) else store}"
     rest = {k: v for k, v in spec.items() if k != "name"}
-    if name == "dense" and set(rest) <= {"cache_quant"}:
-        return {None: "fp", "int8": "int8"}.get(rest.get("cache_quant"), format_spec(spec))
+    if name == "dense" and not rest.get("cache_quant") and not rest.get("rotate"):
+        return "fp"
+    if name == "dense":  # int8, int4h, k8v4h, ...: the alias (format_spec)
+        return format_spec(spec)
     if name in _KIVI_SUFFIX and set(rest) <= {"bits", "group", "residual"}:  # kivi4, kivi4h, kivi4p as the aliases
         return (f"kivi{rest.get('bits', 4)}{_KIVI_SUFFIX[name]}(g{rest.get('group', 32)},"
                 f"r{rest.get('residual', 128)})")

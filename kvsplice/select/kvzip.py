@@ -94,7 +94,8 @@ class KVzipSelection(TokenSelection):
     head keeps its own top tokens —, ``"union"`` — every KV head keeps the tokens ranked best by any of them
     (:class:`ReconstructionScores`) — or ``"pooled"`` — a layer keeps the ``Hkv · budget`` best of all its heads'
     scores, each head as many as it wins (KVzip's non-uniform head budgets; the same bytes, held in a
-    :class:`~kvsplice.select.pooled.PooledSubsetCache`; a dense store only: full precision or int8 rows)."""
+    :class:`~kvsplice.select.pooled.PooledSubsetCache`; a dense store only: full precision, int8 or int4 rows,
+    Hadamard-rotated or not)."""
 
     name = "kvzip"
     select_form = True
@@ -137,7 +138,7 @@ class KVzipSelection(TokenSelection):
             raise ValueError("KVzipSelection does not support sliding-window layers")
         if self.heads == "pooled" and not isinstance(self.store, DenseKV):
             raise ValueError(f"kvzip(heads=pooled) holds its tokens as rows of one pool per layer: its store must be "
-                             f"dense (full precision or int8), got {self.store!r}")
+                             f"dense (full precision, int8 or int4 rows), got {self.store!r}")
         self.selector = self._scorer()  # the bound copy's own (scores are set per layer at prefill)
         self.layer_scores: dict[int, torch.Tensor] = {}  # the last prefill's scores (B, Hkv, T) per layer
 
@@ -167,7 +168,8 @@ class KVzipSelection(TokenSelection):
         qs = q.reshape(b * h, -1, d) if self.selector.needs_queries else None  # (B·Hkv, g·T, D): a KV head's queries
         scores = self.selector.ranked(k.reshape(b * h, t, d), v.reshape(b * h, t, -1), n_keep, q=qs,
                                       scale=step.scales[layer])  # (B·Hkv, T)
-        cache.fill(layer, k, v, pool_tokens(scores.view(b, h, t), n_keep))
+        kr, vr = self.store.rotated(k), self.store.rotated(v)  # the store's frame (a Hadamard-rotated store)
+        cache.fill(layer, kr, vr, pool_tokens(scores.view(b, h, t), n_keep))
 
     # ------------------------------------------------------------------------- heads="pooled": its own cache
     def new_cache(self, batch_size, capacity=None, *, dtype, device):
@@ -177,7 +179,7 @@ class KVzipSelection(TokenSelection):
         n_keep = None if self.prompt_ids is None else min(self.budget, self.prompt_ids.shape[1])
         recent = None if capacity is None or n_keep is None else max(capacity - n_keep, 0)  # decoded tokens
         return PooledSubsetCache(a.n_layer, a.n_kv_head, a.head_dim, batch_size, dtype=dtype, device=device,
-                                 capacity=recent, quant=self.store.cache_quant,
+                                 capacity=recent, quant=self.store.quant,
                                  pool_capacity=None if n_keep is None else a.n_kv_head * n_keep)
 
     def check_cache(self, cache):
@@ -200,7 +202,9 @@ class KVzipSelection(TokenSelection):
             return super().attend(layer, q, k, v, cache, step, mask=mask, logw=logw)
         if logw is not None:
             raise ValueError("a token selection does not hold another selection's log-weights")
-        return cache.attend(step, layer, q, k, v)  # (B, Hq, Tq, D): the pool (each head its own) + the decoded
+        r = self.store.rotated
+        y = cache.attend(step, layer, r(q), r(k), r(v))  # (B, Hq, Tq, D): the pool (each head its own) + the decoded
+        return self.store.unrotated(y)
 
     def _scores(self, layer: int, k: torch.Tensor, v: torch.Tensor, step) -> torch.Tensor:
         """The reconstruction pass through ``layer`` over the context's ``k, v (B, Hkv, T, D)`` (post-RoPE) →

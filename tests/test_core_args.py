@@ -61,7 +61,7 @@ def test_the_largest_halving_count_still_selects_at_once():
 @pytest.mark.parametrize("build,words", [
     (lambda: KIVI(bits=3), "bits must be one of 2, 4, 8"), (lambda: KIVI(bits=True), "bits"),
     (lambda: KIVI(group=2.5), "group must be an integer"), (lambda: KIVI(residual=-1), "residual must be in [0,"),
-    (lambda: DenseKV(cache_quant="int4"), "cache_quant must be one of None, 'int8'"),
+    (lambda: DenseKV(cache_quant="int2"), "cache_quant must be one of None, 'int8', 'int4'"),
     (lambda: LowRank(orthonormal_bases(1, 1, 4, 2, "post"), cache_quant="fp8"), "cache_quant"),
     (lambda: RotatedKIVI(bits=3), "bits must be one of 2, 4, 8"), (lambda: RotatedKIVI(residual=-1), "residual"),
     (lambda: KVzipSelection(4, chunk=0), "chunk must be in [1,")])

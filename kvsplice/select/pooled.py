@@ -5,7 +5,8 @@ fewer (KVzip's non-uniform head budgets; the same bytes as ``n_keep`` tokens in 
 :class:`PooledSubsetCache` holds per layer:
 
 * ``pooled`` — the kept prompt entries of all heads as one row sequence ``k, v (B, 1, N, D)`` (``N = Hkv · n_keep``),
-  head by head (head 0's entries, then head 1's, ...), full precision or int8 rows (``DenseKV``'s storage);
+  head by head (head 0's entries, then head 1's, ...), as ``DenseKV`` stores rows (full precision, int8, int4, or
+  int8 keys with int4 values; a rotated store hands them over rotated);
 * ``counts`` — how many of them each head owns, ``(B, Hkv)`` int32 (4 bytes per head and layer);
 * ``recent`` — the tokens decoded after the prompt, ``k, v (B, Hkv, T, D)``, every head's own (a ``KVCache``).
 
@@ -63,7 +64,8 @@ def pooled_attend(step, layer: int, q: torch.Tensor, pooled: dict[str, torch.Ten
 
 class PooledSubsetCache(Cache):
     """Per layer: the pooled prompt entries (``pooled``, one row sequence), each head's share of them (``counts``)
-    and the decoded tokens (``recent``); see the module docstring. ``quant``: ``None`` or ``"int8"`` rows;
+    and the decoded tokens (``recent``); see the module docstring. ``quant``: the rows' ``KVCache`` quantisation
+    (``None``, ``"int8"``, ``"int4"`` or per stream ``{"k": "int8", "v": "int4"}``);
     ``capacity``: decoded tokens preallocated, ``pool_capacity``: pooled entries (``Hkv · n_keep``: exact bytes)."""
 
     kind = "pooled_subset"

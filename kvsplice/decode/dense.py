@@ -88,7 +88,8 @@ class DenseKV(CompressionMethod):
     def _attend(self, layer, q, k, v, cache, step, mask, logw):
         if k.dtype != cache.dtype:
             k, v = k.to(cache.dtype), v.to(cache.dtype)
-        if self.quant in (None, "int8") and step.kernel(q):  # one-token step: the split-KV kernel reads the rows as stored (int8 + scales)
+        # one-token step: the split-KV kernel reads the rows as stored (int8 + scales; not int4 codes)
+        if self.quant in (None, "int8") and step.kernel(q):
             rows = cache.append_rows(layer, k=k, v=v)  # (B, Hkv, Tk, D) each; "k.scale" (B, Hkv, Tk, 1) when int8
             return step.decode_attend(layer, q, rows["k"], rows["v"], mask, logw, k_scale=rows.get("k" + SCALE),
                                       v_scale=rows.get("v" + SCALE))  # (B, Hq, 1, D)

@@ -5,8 +5,8 @@ The search is over method specs (:mod:`kvsplice.core.registry`): any registered 
 (``stores=``, ``python -m kvsplice.plan --stores SPEC ...``).
 
 1. **Stores** (:func:`candidate_stores`): full K/V at fp16 and int8, int8 keys with int4 values (``k8v4h``: rows
-   rotated by a Hadamard matrix; SmolLM2's tuning text: +1.6 % perplexity at 8× under KVzip's pooled selection where
-   int8 rows cost +3.3 %, docs/tasks.md), KIVI at 4 and 2 bits (group 32, full-precision
+   rotated by a Hadamard matrix; SmolLM2's tuning text: +1.76 % perplexity at 8× under KVzip's pooled selection where
+   int8 rows cost +3.29 %, docs/tasks.md), KIVI at 4 and 2 bits (group 32, full-precision
    windows of 32 and 128 tokens; and 4 bits in groups of 64 where the head dimension allows; on models whose RoPE
    rotates the whole head also KIVI-2 with keys quantised before RoPE, ``kivi_prerope``, which holds no selection: it
    kept more tuning passkeys than KIVI-2 on SmolLM2, docs/tasks.md), and low-rank bases with ranks allocated by the

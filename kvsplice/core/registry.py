@@ -29,13 +29,12 @@ A token selection takes ``budget`` (prompt tokens kept per KV head) or ``keep`` 
     args      := KEY "=" VALUE { "," KEY "=" VALUE }               ints, floats, true/false/none, else strings
 
 ``:FILE`` is the class's first file argument (``bases``); ``+int8`` sets ``cache_quant="int8"``. Aliases
-(:data:`ALIASES`): ``int8`` = dense int8, ``int4`` = dense 4-bit rows, ``int4h`` / ``int8h`` = those rows Hadamard-rotated,
-``k8v4`` / ``k8v4h`` = int8 keys and int4 values (rotated), ``fp`` / ``full`` = dense, ``kivi2`` / ``kivi4`` / ``kivi8`` = KIVI at those
-bits, ``kivi2h`` / ``kivi4h`` / ``kivi8h`` = KIVI over Hadamard-rotated K/V (``kivi_rotated``), ``kivi2p`` /
-``kivi4p`` / ``kivi8p`` = KIVI with keys quantised before RoPE (``kivi_prerope``); an alias takes arguments too
-(``kivi4(residual=32)``). A FILE or VALUE may not contain ``+ ( ) , @``: use the dict form (a JSON file:
-``--method spec.json``) for those. Errors are one line (:class:`MethodSpecError`, a ``ValueError``) naming the known
-names.
+(:data:`ALIASES`): ``fp`` / ``full`` = dense, ``int8`` / ``int4`` = dense int8 / 4-bit rows, ``int8h`` / ``int4h``
+= those rows Hadamard-rotated, ``k8v4`` / ``k8v4h`` = int8 keys and int4 values (rotated), ``kivi2`` / ``kivi4`` /
+``kivi8`` = KIVI at those bits, ``kivi2h`` … = KIVI over Hadamard-rotated K/V (``kivi_rotated``), ``kivi2p`` … =
+KIVI with keys quantised before RoPE (``kivi_prerope``); an alias takes arguments too (``kivi4(residual=32)``). A
+FILE or VALUE may not contain ``+ ( ) , @``: use the dict form (a JSON file: ``--method spec.json``) for those.
+Errors are one line (:class:`MethodSpecError`, a ``ValueError``) naming the known names.
 
 The built-in method and selector modules are imported on first use (:data:`BUILTIN_MODULES`, by name: the registry
 sits below every method package — a new method module of the package goes into that list, which
@@ -53,11 +52,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 __all__ = ["ALIASES", "BUILTIN_MODULES", "METHODS", "MethodSpecError", "SELECTORS", "build_method", "parse_amount",
-           "build_selector", "check_spec", "format_spec", "load_spec", "method_names", "needs_prompt", "parse_selector", "per_prompt",
-           "parse_spec",
-           "select_names",
-           "register",
-           "selector_names", "spec_of"]
+           "build_selector", "check_spec", "format_spec", "load_spec", "method_names", "needs_prompt",
+           "parse_selector", "per_prompt", "parse_spec", "select_names", "register", "selector_names", "spec_of"]
 
 METHODS: dict[str, type] = {}
 """Method name → :class:`~kvsplice.core.method.CompressionMethod` subclass."""
@@ -70,15 +66,13 @@ BUILTIN_MODULES = ("kvsplice.decode.dense", "kvsplice.decode.native", "kvsplice.
                    "kvsplice.select.knorm", "kvsplice.select.expected", "kvsplice.quant.rotated",
                    "kvsplice.select.kvzip", "kvsplice.quant.prerope")
 
+_ROT = (("", {}), ("h", {"rotate": True}))  # an alias's suffix h: the rows Hadamard-rotated
+_KIVI_FORMS = (("", "kivi"), ("h", "kivi_rotated"), ("p", "kivi_prerope"))
 ALIASES: dict[str, dict[str, Any]] = {
-    "fp": {"name": "dense"}, "full": {"name": "dense"}, "int8": {"name": "dense", "cache_quant": "int8"},
-    **{f"int{b}h": {"name": "dense", "cache_quant": f"int{b}", "rotate": True} for b in (4, 8)},
-    "int4": {"name": "dense", "cache_quant": "int4"},
-    "k8v4": {"name": "dense", "cache_quant": "int8", "value_quant": "int4"},
-    "k8v4h": {"name": "dense", "cache_quant": "int8", "value_quant": "int4", "rotate": True},
-    **{f"kivi{b}": {"name": "kivi", "bits": b} for b in (2, 4, 8)},
-    **{f"kivi{b}h": {"name": "kivi_rotated", "bits": b} for b in (2, 4, 8)},
-    **{f"kivi{b}p": {"name": "kivi_prerope", "bits": b} for b in (2, 4, 8)},
+    "fp": {"name": "dense"}, "full": {"name": "dense"},
+    **{f"int{b}{h}": {"name": "dense", "cache_quant": f"int{b}", **r} for b in (4, 8) for h, r in _ROT},
+    **{f"k8v4{h}": {"name": "dense", "cache_quant": "int8", "value_quant": "int4", **r} for h, r in _ROT},
+    **{f"kivi{b}{h}": {"name": n, "bits": b} for b in (2, 4, 8) for h, n in _KIVI_FORMS},
 }
 """Short-form names that stand for a spec (never a registered name)."""
 
@@ -283,11 +277,10 @@ def format_spec(spec: Spec) -> str:
         f = spec.pop(files[0])
         out += f":{f}" if isinstance(f, (str, Path)) else f":<{type(f).__name__}>"
     quant = spec.pop("cache_quant", None)
-    if name == "dense" and quant is not None:  # a quantised dense store by its alias (int8, int4h, k8v4h, ...)
-        alias = next((a for a, full in ALIASES.items()
-                      if full == {"name": "dense", "cache_quant": quant, **{k: v for k, v in spec.items() if v}}), None)
-        if alias is not None:
-            return alias
+    full = {"name": name, "cache_quant": quant, **{k: v for k, v in spec.items() if v}}
+    alias = next((a for a, f in ALIASES.items() if quant and f == full), None)  # int8, int4h, k8v4h, ...
+    if alias:
+        return alias
     if quant not in (None, "int8"):  # +int8 is the only modifier: another mode is an argument
         spec, quant = {"cache_quant": quant, **spec}, None
     out += _fmt_args(spec)

@@ -19,7 +19,7 @@ from kvsplice.core.registry import build_method  # noqa: E402
 from kvsplice.decode.decoder import Decoder  # noqa: E402
 from kvsplice.hf.base import KVSpliceHFCache  # noqa: E402
 from kvsplice.select.method import TokenSelection  # noqa: E402
-from kvsplice.select.pooled import PooledSubsetCache, pool_tokens, pooled_bias  # noqa: E402
+from kvsplice.select.pooled import PooledSubsetCache, own_tokens, pool_tokens, pooled_bias  # noqa: E402
 from kvsplice.select.selectors import TokenSelector  # noqa: E402
 from models.cache import KVCache  # noqa: E402
 
@@ -34,6 +34,7 @@ def test_pool_tokens_draws_from_all_heads_and_bias_marks_each_heads_own() -> Non
                             [0.1, 0.0, 0.95, 0.2]]])  # head 1 looks at one token
     flat = pool_tokens(scores, 2)  # (1, 4): 2 per head on average
     assert flat.tolist() == [[0, 1, 2, 6]]  # head 0: tokens 0, 1, 2; head 1: token 2 (= 1·4 + 2)
+    assert own_tokens(scores, 2).tolist() == [[0, 1, 6, 7]]  # a layer that does not pool: 2 each
     bias = pooled_bias(torch.tensor([[3, 1]]), 4, torch.float32)  # (1, 2, 4)
     assert (bias[0, 0] == 0).tolist() == [True, True, True, False]
     assert (bias[0, 1] == 0).tolist() == [False, False, False, True] and bias[0, 1, 0] == float("-inf")
@@ -56,6 +57,7 @@ class _Masked(TokenSelector):
 
 @pytest.mark.parametrize("spec", ["select:kvzip(heads=pooled)@x3", "select:kvzip(heads=pooled)@x2.5+int8",
                                   "select:kvzip(heads=pooled)@x2.5+int4h", "select:kvzip(heads=pooled)@x2.5+k8v4h",
+                                  "select:kvzip(heads=pooled,layers=1-2)@x3",
                                   "select:kvzip(heads=pooled,mix=observed_attention,share=0.2)@x3"])
 def test_pooled_decode_is_attention_with_the_dropped_entries_masked(model, spec) -> None:
     ctx, rep, nxt = _ids(20, 36), _ids(21, 4), _ids(22, 5)
@@ -82,9 +84,11 @@ def test_pooled_decode_is_attention_with_the_dropped_entries_masked(model, spec)
             owned[h, pos] = True
             start += n
         assert owned.sum(-1).tolist() == c[0].tolist()  # no token twice in a head
-        if "mix" not in spec:  # the best Hkv · budget of the layer's reconstruction scores
-            best = pool_tokens(dec.method.layer_scores[layer], method.budget)[0]
+        if "mix" not in spec:  # the best Hkv · budget of the layer's reconstruction scores (or each head's own)
+            pools = "layers" not in spec or layer >= 1
+            best = (pool_tokens if pools else own_tokens)(dec.method.layer_scores[layer], method.budget)[0]
             assert torch.equal(owned.view(-1).nonzero().flatten(), best)
+            assert pools or c[0].tolist() == [method.budget] * 2
         keep.append(owned)
     ref = Decoder(model, TokenSelection(_Masked(keep), 36, store=method.store))
     rc = ref.new_cache(1)
@@ -113,5 +117,10 @@ def test_pooled_full_budget_is_the_full_cache_and_bad_stores_are_refused(model) 
         pc.truncate(10)
     with pytest.raises(ValueError, match=r"its store must be dense \(full precision, int8 or int4 rows\)"):
         Decoder(model, build_method("select:kvzip(heads=pooled)@x2+kivi(bits=4,group=8,residual=8)", prompt_ids=ctx, tokenizer=_Tok(rep)))
+    with pytest.raises(ValueError, match="the model has layers 0-2"):
+        Decoder(model, build_method("select:kvzip(heads=pooled,layers=2-3)@x2", prompt_ids=ctx, tokenizer=_Tok(rep)))
+    for bad, words in (("heads=union,layers=1", "it needs heads=pooled"), ("heads=pooled,layers=2-1", "range A-B")):
+        with pytest.raises(ValueError, match=words):
+            build_method(f"select:kvzip({bad})@x2", prompt_ids=ctx, tokenizer=_Tok(rep))
     with pytest.raises(TypeError, match="needs a PooledSubsetCache"):
         dec(nxt, full.new_cache(1))

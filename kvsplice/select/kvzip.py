@@ -31,7 +31,7 @@ from kvsplice.core.args import choice_arg, int_arg
 from kvsplice.core.method import CompressionMethod
 from kvsplice.decode.dense import DenseKV
 from kvsplice.select.method import TokenSelection
-from kvsplice.select.pooled import PooledSubsetCache, pool_tokens
+from kvsplice.select.pooled import PooledSubsetCache, own_tokens, pool_tokens
 from kvsplice.select.scores import _top
 from kvsplice.select.selectors import TokenSelector
 
@@ -95,7 +95,8 @@ class KVzipSelection(TokenSelection):
     (:class:`ReconstructionScores`) — or ``"pooled"`` — a layer keeps the ``Hkv · budget`` best of all its heads'
     scores, each head as many as it wins (KVzip's non-uniform head budgets; the same bytes, held in a
     :class:`~kvsplice.select.pooled.PooledSubsetCache`; a dense store only: full precision, int8 or int4 rows,
-    Hadamard-rotated or not)."""
+    Hadamard-rotated or not); ``layers``: with ``"pooled"``, the layers that pool (``"15-19"``; the others keep each
+    head's own ``budget`` tokens in the same cache; default every layer)."""
 
     name = "kvzip"
     select_form = True
@@ -104,7 +105,8 @@ class KVzipSelection(TokenSelection):
 
     def __init__(self, budget: int, *, store: Optional[CompressionMethod] = None, repeat: str = REPEAT_PROMPT,
                  chunk: int = 64, mix: Optional[str] = None, share: float = 0.5, heads: str = "own",
-                 prompt_ids: Optional[torch.Tensor] = None, tokenizer: Any = None) -> None:
+                 layers: Optional[int | str] = None, prompt_ids: Optional[torch.Tensor] = None,
+                 tokenizer: Any = None) -> None:
         if mix is not None:
             from kvsplice.core.registry import build_selector
 
@@ -112,6 +114,10 @@ class KVzipSelection(TokenSelection):
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
             raise ValueError(f"share must be a fraction in [0, 1], got {share!r}")
         self.mix, self.share, self.heads = mix, float(share), choice_arg("heads", heads, HEADS)
+        self._span = _layer_range(layers)  # (first, last) pooled layer
+        self.layers = None if self._span is None else "{}-{}".format(*self._span)
+        if self.layers is not None and self.heads != "pooled":
+            raise ValueError("layers= chooses the layers whose heads share one budget: it needs heads=pooled")
         super().__init__(self._scorer(), budget, store=store)
         if not isinstance(repeat, str):
             raise ValueError(f"repeat must be the text of the reconstruction instruction, got {repeat!r}")
@@ -136,6 +142,8 @@ class KVzipSelection(TokenSelection):
         super()._prepare(adapter, dtype=dtype, device=device)
         if any(adapter.window(l) for l in range(adapter.n_layer)):
             raise ValueError("KVzipSelection does not support sliding-window layers")
+        if self._span is not None and self._span[1] >= adapter.n_layer:
+            raise ValueError(f"layers={self.layers}: the model has layers 0-{adapter.n_layer - 1}")
         if self.heads == "pooled" and not isinstance(self.store, DenseKV):
             raise ValueError(f"kvzip(heads=pooled) holds its tokens as rows of one pool per layer: its store must be "
                              f"dense (full precision, int8 or int4 rows), got {self.store!r}")
@@ -169,7 +177,9 @@ class KVzipSelection(TokenSelection):
         scores = self.selector.ranked(k.reshape(b * h, t, d), v.reshape(b * h, t, -1), n_keep, q=qs,
                                       scale=step.scales[layer])  # (B·Hkv, T)
         kr, vr = self.store.rotated(k), self.store.rotated(v)  # the store's frame (a Hadamard-rotated store)
-        cache.fill(layer, kr, vr, pool_tokens(scores.view(b, h, t), n_keep))
+        lo, hi = (0, layer) if self._span is None else self._span
+        pick = pool_tokens if lo <= layer <= hi else own_tokens  # outside layers=: each head its own n_keep
+        cache.fill(layer, kr, vr, pick(scores.view(b, h, t), n_keep))
 
     # ------------------------------------------------------------------------- heads="pooled": its own cache
     def new_cache(self, batch_size, capacity=None, *, dtype, device):
@@ -258,6 +268,20 @@ class KVzipSelection(TokenSelection):
 
     def __repr__(self) -> str:
         return f"KVzipSelection(budget={self.budget}, store={self.store!r})"
+
+
+def _layer_range(layers: Optional[int | str]) -> Optional[tuple[int, int]]:
+    """``layers=`` of :class:`KVzipSelection`: ``None``, a layer ``L`` or a range ``"A-B"`` (inclusive) → ``(A, B)``."""
+    if layers is None:
+        return None
+    parts = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else str(layers).split("-")
+    try:
+        lo, hi = int(parts[0]), int(parts[-1])
+    except ValueError:
+        lo, hi = -1, -1
+    if len(parts) > 2 or not 0 <= lo <= hi:
+        raise ValueError(f"layers must be a layer or a range A-B of layers (0 <= A <= B), got {layers!r}")
+    return lo, hi
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from kvsplice.select.scores import _top
 from models.cache import Cache, KVCache
 
-__all__ = ["PooledSubsetCache", "pool_tokens", "pooled_attend", "pooled_bias"]
+__all__ = ["PooledSubsetCache", "own_tokens", "pool_tokens", "pooled_attend", "pooled_bias"]
 
 
 def pool_tokens(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
@@ -35,6 +35,14 @@ def pool_tokens(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
     flat indices ``h · T + t`` ``(B, Hkv · n_keep)``, sorted (so head by head, each head's tokens in order)."""
     b, h, t = scores.shape
     return _top(scores.reshape(b, h * t), h * n_keep)  # (B, Hkv·n_keep); head h's tokens at h·T .. h·T + T - 1
+
+
+def own_tokens(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
+    """Each head's own ``n_keep`` highest of ``scores (B, Hkv, T)``, as flat pool indices ``h · T + t``
+    ``(B, Hkv · n_keep)``, sorted (equal counts: a layer that does not pool, held in the same cache)."""
+    b, h, t = scores.shape
+    idx = _top(scores.reshape(b * h, t), n_keep).view(b, h, n_keep)  # (B, Hkv, n_keep): each head's, in order
+    return (idx + torch.arange(h, device=idx.device)[None, :, None] * t).reshape(b, h * n_keep)
 
 
 def pooled_bias(counts: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:

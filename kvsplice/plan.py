@@ -92,9 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"token selectors to try, NAME[(KEY=VALUE,...)] (default {' '.join(DEFAULT_SELECTORS)}; "
                    f"known: {', '.join(select_names())}; kvzip re-reads the prompt)")
     p.add_argument("--stores", nargs="+", metavar="SPEC", help="candidate storage methods as method specs (e.g. "
-                   "int8 kivi4 mine(x=1); 'default' = the built-in list: full K/V fp16/int8, int8 keys + int4 values (k8v4h), "
-                   "KIVI 4/2-bit, fisher "
-                   "low rank at 1.5/2/3x, int8 coefficients); default: default")
+                   "int8 kivi4 mine(x=1); 'default' = the built-in list: full K/V fp16/int8, int8 keys + int4 "
+                   "values (k8v4h), KIVI 4/2-bit, fisher low rank at 1.5/2/3x, int8 coefficients); default: default")
     p.add_argument("--batch-size", type=pos_int, default=2, help="windows per forward (default 2)")
     p.add_argument("--objective", choices=("ppl", "tasks", "mixed"), default="mixed", help="what the stack must "
                    "keep: mixed (default): the best tuning perplexity among the candidates with the best accuracy "

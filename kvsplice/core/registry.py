@@ -278,7 +278,7 @@ def format_spec(spec: Spec) -> str:
         out += f":{f}" if isinstance(f, (str, Path)) else f":<{type(f).__name__}>"
     quant = spec.pop("cache_quant", None)
     full = {"name": name, "cache_quant": quant, **{k: v for k, v in spec.items() if v}}
-    alias = next((a for a, f in ALIASES.items() if quant and f == full), None)  # int8, int4h, k8v4h, ...
+    alias = next((a for a, f in ALIASES.items() if f == full), None) if quant else None  # int8, int4h, k8v4h, …
     if alias:
         return alias
     if quant not in (None, "int8"):  # +int8 is the only modifier: another mode is an argument

@@ -1,10 +1,9 @@
 """``DenseKV``: the full K/V cache (post-RoPE keys and values) — the uncompressed reference every method is
 compared against, and the plain storage under a token selection. Rows may be stored as int8 (a scale per row) or
 int4 (4-bit codes in groups of 32 numbers, an fp16 scale and minimum per group: :mod:`models.group_quant`), and with
-``rotate=True`` rotated by an orthonormal Hadamard matrix first (QuaRot's move, as ``kivi_rotated``): a rotation
-spreads a key's outlier channels over the whole row, so a per-row 4-bit grid does not spend its levels on one
-channel. Attention is invariant (``q·k = (qR)·(kR)``, ``Σ p v = (Σ p vR) Rᵀ``): queries are rotated, outputs
-rotated back; exact at full precision."""
+``rotate=True`` rotated by an orthonormal Hadamard matrix first (:class:`~kvsplice.core.rotation.HadamardFrame`, as
+``kivi_rotated``): a rotation spreads a key's outlier channels over the whole row, so a per-row 4-bit grid does not
+spend its levels on one channel; exact at full precision."""
 
 from __future__ import annotations
 
@@ -12,12 +11,13 @@ import torch
 
 from kvsplice.core.args import choice_arg
 from kvsplice.core.method import CompressionMethod, layer_tokens
+from kvsplice.core.rotation import HadamardFrame
 from models.cache import SCALE, KVCache, int4_row_bytes
 
 __all__ = ["DenseKV"]
 
 
-class DenseKV(CompressionMethod):
+class DenseKV(HadamardFrame, CompressionMethod):
     """Full keys and values; ``cache_quant="int8"`` stores them as int8 rows with fp16 scales (the baseline of
     quantisation on its own), ``"int4"`` as 4-bit rows; ``value_quant``: the values' rows another way than the
     keys' (``cache_quant="int8", value_quant="int4"``: a key's digits and outlier channels keep 8 bits, a value 4;
@@ -42,19 +42,7 @@ class DenseKV(CompressionMethod):
 
     def _prepare(self, adapter, *, dtype, device):
         super()._prepare(adapter, dtype=dtype, device=device)
-        self.rot = None
-        if self.rotate:
-            from kvsplice.quant.rotated import hadamard
-
-            self.rot = hadamard(adapter.head_dim, dtype, device)  # (D, D) orthonormal
-
-    def rotated(self, x: torch.Tensor) -> torch.Tensor:
-        """``x (..., D)`` (a query, key or value) in the stored rows' frame: ``x R`` with ``rotate``, else ``x``."""
-        return x if self.rot is None else x @ self.rot.to(device=x.device, dtype=x.dtype)
-
-    def unrotated(self, y: torch.Tensor) -> torch.Tensor:
-        """An attention output ``y (..., D)`` from the rotated frame back: ``y Rᵀ`` (``y`` without ``rotate``)."""
-        return y if self.rot is None else y @ self.rot.to(device=y.device, dtype=y.dtype).T
+        self.set_rotation(adapter.head_dim if self.rotate else None, dtype, device)
 
     @property
     def quant(self) -> str | None | dict[str, str]:

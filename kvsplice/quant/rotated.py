@@ -11,41 +11,28 @@ nothing is quantised (``residual`` covering every token); ``head_dim`` must be a
 
 from __future__ import annotations
 
-import math
-
-import torch
-
+from kvsplice.core.rotation import HadamardFrame, hadamard
 from kvsplice.quant.method import KIVI
 
 __all__ = ["RotatedKIVI", "hadamard"]
 
 
-def hadamard(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """The orthonormal Sylvester–Hadamard matrix ``(n, n)`` (``n`` a power of two): ``H Hᵀ = I``."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"a Hadamard rotation needs a power-of-two size, got {n}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / math.sqrt(n)).to(dtype=dtype, device=device)
-
-
-class RotatedKIVI(KIVI):
-    """:class:`KIVI` (``bits``, ``group``, ``residual``) over Hadamard-rotated keys and values."""
+class RotatedKIVI(HadamardFrame, KIVI):
+    """:class:`KIVI` (``bits``, ``group``, ``residual``) over Hadamard-rotated keys and values
+    (:class:`~kvsplice.core.rotation.HadamardFrame`)."""
 
     name = "kivi_rotated"
 
     def _prepare(self, adapter, *, dtype, device):
         super()._prepare(adapter, dtype=dtype, device=device)
-        self.rot = hadamard(adapter.head_dim, dtype, device)  # (D, D) orthonormal
+        self.set_rotation(adapter.head_dim, dtype, device)
 
     def append(self, layer, k, v, cache, step):
-        super().append(layer, k @ self.rot.to(k.dtype), v @ self.rot.to(v.dtype), cache, step)
+        super().append(layer, self.rotated(k), self.rotated(v), cache, step)
 
     def attend(self, layer, q, k, v, cache, step, mask=None, logw=None):
-        r = self.rot.to(q.dtype)
-        y = super().attend(layer, q @ r, k @ r.to(k.dtype), v @ r.to(v.dtype), cache, step, mask=mask, logw=logw)
-        return y @ r.T  # (B, Hq, Tq, D): back from the rotated value space
+        y = super().attend(layer, self.rotated(q), self.rotated(k), self.rotated(v), cache, step, mask=mask, logw=logw)
+        return self.unrotated(y)  # (B, Hq, Tq, D): back from the rotated value space
 
     def __repr__(self) -> str:
         return f"RotatedKIVI(bits={self.bits}, group={self.group}, residual={self.residual})"

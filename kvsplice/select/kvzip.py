@@ -177,8 +177,8 @@ class KVzipSelection(TokenSelection):
         scores = self.selector.ranked(k.reshape(b * h, t, d), v.reshape(b * h, t, -1), n_keep, q=qs,
                                       scale=step.scales[layer])  # (B·Hkv, T)
         kr, vr = self.store.rotated(k), self.store.rotated(v)  # the store's frame (a Hadamard-rotated store)
-        lo, hi = (0, layer) if self._span is None else self._span
-        pick = pool_tokens if lo <= layer <= hi else own_tokens  # outside layers=: each head its own n_keep
+        pools = self._span is None or self._span[0] <= layer <= self._span[1]
+        pick = pool_tokens if pools else own_tokens  # outside layers=: each head its own n_keep
         cache.fill(layer, kr, vr, pick(scores.view(b, h, t), n_keep))
 
     # ------------------------------------------------------------------------- heads="pooled": its own cache

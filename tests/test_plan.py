@@ -327,3 +327,23 @@ def test_a_pooled_kvzip_plan_holds_only_dense_stores(s260k, planned, tmp_path):
     assert pooled and all(s["store"]["name"] == "dense" for s in pooled)
     assert generate.main(["--model", str(s260k), "--plan", str(out), "--prompt", "Once upon a time",
                           "--max-new-tokens", "4"]) == 0
+
+
+def test_a_selector_that_cannot_run_the_model_is_skipped(s260k, planned, tmp_path, capsys):
+    """A depth band holding none of stories260K's 5 layers (middles at 10, 30, ... 90 %) leaves the selector trial
+    with a log line; the band holding layer 2 is measured; with no selector left the plan fails in one line."""
+    out = tmp_path / "band.json"
+    assert plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats",
+                          str(planned / "stats.safetensors"), "--objective", "ppl", "--selectors",
+                          "kvzip(heads=pooled,layers=0%-5%)", "kvzip(heads=pooled,layers=40%-60%)",
+                          "--out", str(out), "--json", str(tmp_path / "band_report.json")]) == 0
+    doc = json.loads(out.read_text())
+    labels = [c["label"] for c in doc["candidates"]]
+    assert not any("0%-5%" in label for label in labels) and any("40%-60%" in label for label in labels)
+    assert doc["selector"] == "kvzip(heads=pooled,layers=40%-60%)"
+    rc = plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats",
+                        str(planned / "stats.safetensors"), "--objective", "ppl", "--selectors",
+                        "kvzip(heads=pooled,layers=0%-5%)", "--out", str(tmp_path / "none.json")])
+    err = capsys.readouterr().err
+    assert rc != 0 and "none of the selectors kvzip(heads=pooled,layers=0%-5%) can run this model" in err
+    assert not (tmp_path / "none.json").exists()

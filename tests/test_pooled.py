@@ -20,6 +20,7 @@ from kvsplice.decode.decoder import Decoder  # noqa: E402
 from kvsplice.hf.base import KVSpliceHFCache  # noqa: E402
 from kvsplice.select.method import TokenSelection  # noqa: E402
 from kvsplice.select.pooled import PooledSubsetCache, own_tokens, pool_tokens, pooled_bias  # noqa: E402
+from kvsplice.select.kvzip import depth_band  # noqa: E402
 from kvsplice.select.selectors import TokenSelector  # noqa: E402
 from models.cache import KVCache  # noqa: E402
 
@@ -58,6 +59,7 @@ class _Masked(TokenSelector):
 @pytest.mark.parametrize("spec", ["select:kvzip(heads=pooled)@x3", "select:kvzip(heads=pooled)@x2.5+int8",
                                   "select:kvzip(heads=pooled)@x2.5+int4h", "select:kvzip(heads=pooled)@x2.5+k8v4h",
                                   "select:kvzip(heads=pooled,layers=1-2)@x3",
+                                  "select:kvzip(heads=pooled,layers=34%-100%)@x3",
                                   "select:kvzip(heads=pooled,mix=observed_attention,share=0.2)@x3"])
 def test_pooled_decode_is_attention_with_the_dropped_entries_masked(model, spec) -> None:
     ctx, rep, nxt = _ids(20, 36), _ids(21, 4), _ids(22, 5)
@@ -119,8 +121,22 @@ def test_pooled_full_budget_is_the_full_cache_and_bad_stores_are_refused(model) 
         Decoder(model, build_method("select:kvzip(heads=pooled)@x2+kivi(bits=4,group=8,residual=8)", prompt_ids=ctx, tokenizer=_Tok(rep)))
     with pytest.raises(ValueError, match="the model has layers 0-2"):
         Decoder(model, build_method("select:kvzip(heads=pooled,layers=2-3)@x2", prompt_ids=ctx, tokenizer=_Tok(rep)))
-    for bad, words in (("heads=union,layers=1", "it needs heads=pooled"), ("heads=pooled,layers=2-1", "range A-B")):
+    with pytest.raises(ValueError, match="holds none of the model's 3 layers"):
+        Decoder(model, build_method("select:kvzip(heads=pooled,layers=0%-10%)@x2", prompt_ids=ctx, tokenizer=_Tok(rep)))
+    for bad, words in (("heads=union,layers=1", "it needs heads=pooled"), ("heads=pooled,layers=2-1", "range A-B"),
+                       ("heads=pooled,layers=50%-40%", "P%-Q% with 0 <= P < Q <= 100"),
+                       ("heads=pooled,layers=50%-101%", "P%-Q%"), ("heads=pooled,layers=a%-9%", "P%-Q%"),
+                       ("heads=pooled,layers=50%-7", "a band of the depth P%-Q%")):
         with pytest.raises(ValueError, match=words):
             build_method(f"select:kvzip({bad})@x2", prompt_ids=ctx, tokenizer=_Tok(rep))
     with pytest.raises(TypeError, match="needs a PooledSubsetCache"):
         dec(nxt, full.new_cache(1))
+
+
+def test_depth_band_maps_percent_of_the_depth_to_layers() -> None:
+    assert depth_band((50.0, 67.0), 30) == (15, 19)  # SmolLM2-135M: the band the planner tries
+    assert depth_band((33.0, 67.0), 30) == (10, 19)
+    assert depth_band((0.0, 100.0), 16) == (0, 15) and depth_band((50.0, 100.0), 3) == (1, 2)  # middles 50, 83 %
+    assert depth_band((50.0, 67.0), 5) == (2, 2) and depth_band((50.0, 100.0), 7) == (3, 6)
+    with pytest.raises(ValueError, match="holds none of the model's 4 layers"):
+        depth_band((0.0, 10.0), 4)

@@ -41,10 +41,14 @@ __all__ = ["DEFAULT_SELECTORS", "LOWRANK_RATIOS", "OBJECTIVES", "bytes_per_token
 DEFAULT_SELECTORS = ("snapkv", "observed_attention", "kvzip", "kvzip(mix=observed_attention,share=0.1)",
                      "kvzip(mix=observed_attention,share=0.25)", "kvzip(heads=union)",
                      "kvzip(mix=observed_attention,share=0.1,heads=union)", "kvzip(heads=pooled)",
-                     "kvzip(mix=observed_attention,share=0.1,heads=pooled)")
+                     "kvzip(mix=observed_attention,share=0.1,heads=pooled)",
+                     "kvzip(mix=observed_attention,share=0.1,heads=pooled,layers=50%-67%)",
+                     "kvzip(mix=observed_attention,share=0.1,heads=pooled,layers=33%-67%)")
 """The selector trial's entries: attention-based (the next words), KVzip (a later question), KVzip keeping a
 tenth / a quarter of its budget by ObservedAttention (both), KVzip whose KV heads keep one token set per layer, and
-KVzip whose KV heads draw from one budget per layer (non-uniform head budgets; dense stores only)."""
+KVzip whose KV heads draw from one budget per layer (non-uniform head budgets; dense stores only) — in every layer,
+or only in a band of the depth (the others keep each head's own tokens: SmolLM2's tuning passkeys were lost where
+the early and the last layers pooled, docs/tasks.md "Where to pool")."""
 LOWRANK_RATIOS = (1.5, 2.0, 3.0)
 
 
@@ -159,7 +163,8 @@ INT8 = {"name": "dense", "cache_quant": "int8"}
 def runs_on(model, method) -> bool:
     """Whether ``method`` can decode ``model``: a cache that cannot drop the tokens leaving a sliding window (KIVI's,
     a selection over it) cannot run a model with sliding-window layers (Gemma-3, Mistral, ...); a selection refuses
-    a store it cannot hold (``kvzip(heads=pooled)``: dense rows only)."""
+    a store it cannot hold (``kvzip(heads=pooled)``: dense rows only) or a band of the depth holding none of the
+    model's layers (``layers=0%-5%`` of a 5-layer model: the planner skips such selectors)."""
     from kvsplice.decode import Decoder
 
     try:
@@ -256,6 +261,14 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
     full = evaluate(model, None, windows, prompt_len=prompt_len, batch_size=batch_size)
     log(f"full cache: tuning ppl {full['ppl']:.4f}; budget {budget:.1f} bytes per token "
         f"({full_bpt / budget:.2f}x smaller than the fp16 full cache, {full_bpt} B)")
+    usable = [name for name in selectors if runs_on(model, build_method(selection(INT8, name, 0.5),
+                                                                        prompt_len=prompt_len))]
+    for name in selectors:
+        if name not in usable:
+            log(f"  selector {name} skipped: it cannot run this model")
+    if not usable:
+        raise ValueError(f"none of the selectors {', '.join(selectors)} can run this model")
+    selectors = usable
     fits = []
     if stores is None:
         stores = candidate_stores(adapter.has_rope, adapter.head_dim, lowrank_ratios, rotary_dim=adapter.rotary_dim)

@@ -95,8 +95,10 @@ class KVzipSelection(TokenSelection):
     (:class:`ReconstructionScores`) — or ``"pooled"`` — a layer keeps the ``Hkv · budget`` best of all its heads'
     scores, each head as many as it wins (KVzip's non-uniform head budgets; the same bytes, held in a
     :class:`~kvsplice.select.pooled.PooledSubsetCache`; a dense store only: full precision, int8 or int4 rows,
-    Hadamard-rotated or not); ``layers``: with ``"pooled"``, the layers that pool (``"15-19"``; the others keep each
-    head's own ``budget`` tokens in the same cache; default every layer)."""
+    Hadamard-rotated or not); ``layers``: with ``"pooled"``, the layers that pool — a range (``"15-19"``) or a band
+    of the depth in percent (``"50%-67%"``: the layers whose middles lie in that part of the depth, 15-19 of
+    SmolLM2-135M's 30, 2 of 5: any model) —; the others keep each head's own ``budget`` tokens in the same cache
+    (default: every layer pools)."""
 
     name = "kvzip"
     select_form = True
@@ -114,8 +116,9 @@ class KVzipSelection(TokenSelection):
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
             raise ValueError(f"share must be a fraction in [0, 1], got {share!r}")
         self.mix, self.share, self.heads = mix, float(share), choice_arg("heads", heads, HEADS)
-        self._span = _layer_range(layers)  # (first, last) pooled layer
-        self.layers = None if self._span is None else "{}-{}".format(*self._span)
+        self._band = _layer_range(layers)  # (first, last) pooled layer, or (lo %, hi %) of the depth
+        self.layers = None if self._band is None else _band_text(self._band)
+        self._span: Optional[tuple[int, int]] = self._band if self.layers is None or "%" not in self.layers else None
         if self.layers is not None and self.heads != "pooled":
             raise ValueError("layers= chooses the layers whose heads share one budget: it needs heads=pooled")
         super().__init__(self._scorer(), budget, store=store)
@@ -142,7 +145,9 @@ class KVzipSelection(TokenSelection):
         super()._prepare(adapter, dtype=dtype, device=device)
         if any(adapter.window(l) for l in range(adapter.n_layer)):
             raise ValueError("KVzipSelection does not support sliding-window layers")
-        if self._span is not None and self._span[1] >= adapter.n_layer:
+        if self.layers is not None and "%" in self.layers:  # a band of the depth: this model's layers in it
+            self._span = depth_band(self._band, adapter.n_layer)
+        elif self._span is not None and self._span[1] >= adapter.n_layer:
             raise ValueError(f"layers={self.layers}: the model has layers 0-{adapter.n_layer - 1}")
         if self.heads == "pooled" and not isinstance(self.store, DenseKV):
             raise ValueError(f"kvzip(heads=pooled) holds its tokens as rows of one pool per layer: its store must be "
@@ -270,18 +275,44 @@ class KVzipSelection(TokenSelection):
         return f"KVzipSelection(budget={self.budget}, store={self.store!r})"
 
 
-def _layer_range(layers: Optional[int | str]) -> Optional[tuple[int, int]]:
-    """``layers=`` of :class:`KVzipSelection`: ``None``, a layer ``L`` or a range ``"A-B"`` (inclusive) → ``(A, B)``."""
+def _layer_range(layers: Optional[int | str]) -> Optional[tuple[int, int] | tuple[float, float]]:
+    """``layers=`` of :class:`KVzipSelection`: ``None``, a layer ``L`` or a range ``"A-B"`` (inclusive) → ``(A, B)``;
+    a band of the depth ``"P%-Q%"`` (0 <= P < Q <= 100) → ``(P, Q)`` as floats."""
     if layers is None:
         return None
     parts = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else str(layers).split("-")
+    if len(parts) == 2 and all(str(p).endswith("%") for p in parts):
+        try:
+            lo, hi = (float(str(p)[:-1]) for p in parts)
+        except ValueError:
+            lo, hi = -1.0, -1.0
+        if not 0 <= lo < hi <= 100:
+            raise ValueError(f"layers as a band of the depth must be P%-Q% with 0 <= P < Q <= 100, got {layers!r}")
+        return lo, hi
     try:
         lo, hi = int(parts[0]), int(parts[-1])
     except ValueError:
         lo, hi = -1, -1
     if len(parts) > 2 or not 0 <= lo <= hi:
-        raise ValueError(f"layers must be a layer or a range A-B of layers (0 <= A <= B), got {layers!r}")
+        raise ValueError(f"layers must be a layer, a range A-B of layers (0 <= A <= B) or a band of the depth "
+                         f"P%-Q%, got {layers!r}")
     return lo, hi
+
+
+def depth_band(band: tuple[float, float], n_layer: int) -> tuple[int, int]:
+    """The layers ``(A, B)`` (inclusive) of a model with ``n_layer`` layers whose middles lie in the band ``[P, Q)``
+    percent of its depth (layer ``l``'s middle: ``100·(l + ½)/n_layer``; ``50%-67%`` of 30 layers: 15-19)."""
+    inside = [l for l in range(n_layer) if band[0] <= 100 * (l + 0.5) / n_layer < band[1]]
+    if not inside:
+        raise ValueError(f"layers={_band_text(band)} holds none of the model's {n_layer} layers: widen the band")
+    return inside[0], inside[-1]
+
+
+def _band_text(band: tuple) -> str:
+    """``layers=`` written back: ``"A-B"`` or ``"P%-Q%"`` (a band of the depth)."""
+    if isinstance(band[0], float):
+        return "-".join(f"{p:g}%" for p in band)
+    return "{}-{}".format(*band)
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:

@@ -330,8 +330,8 @@ def test_a_pooled_kvzip_plan_holds_only_dense_stores(s260k, planned, tmp_path):
 
 
 def test_a_selector_that_cannot_run_the_model_is_skipped(s260k, planned, tmp_path, capsys):
-    """A depth band holding none of stories260K's 5 layers (middles at 10, 30, ... 90 %) leaves the selector trial
-    with a log line; the band holding layer 2 is measured; with no selector left the plan fails in one line."""
+    """A depth band holding none of stories260K's 5 layers (middles at 10, 30, ... 90 %) is left out of the selector
+    trial (logged); the band holding layer 2 is measured; with no selector left the plan fails in one line."""
     out = tmp_path / "band.json"
     assert plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats",
                           str(planned / "stats.safetensors"), "--objective", "ppl", "--selectors",

@@ -23,6 +23,7 @@ layers are refused (a window keeps its most recent tokens anyway).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -116,9 +117,8 @@ class KVzipSelection(TokenSelection):
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
             raise ValueError(f"share must be a fraction in [0, 1], got {share!r}")
         self.mix, self.share, self.heads = mix, float(share), choice_arg("heads", heads, HEADS)
-        self._band = _layer_range(layers)  # (first, last) pooled layer, or (lo %, hi %) of the depth
-        self.layers = None if self._band is None else _band_text(self._band)
-        self._span: Optional[tuple[int, int]] = self._band if self.layers is None or "%" not in self.layers else None
+        self._layers = None if layers is None else PooledLayers.parse(layers)
+        self.layers = None if self._layers is None else str(self._layers)
         if self.layers is not None and self.heads != "pooled":
             raise ValueError("layers= chooses the layers whose heads share one budget: it needs heads=pooled")
         super().__init__(self._scorer(), budget, store=store)
@@ -145,10 +145,8 @@ class KVzipSelection(TokenSelection):
         super()._prepare(adapter, dtype=dtype, device=device)
         if any(adapter.window(l) for l in range(adapter.n_layer)):
             raise ValueError("KVzipSelection does not support sliding-window layers")
-        if self.layers is not None and "%" in self.layers:  # a band of the depth: this model's layers in it
-            self._span = depth_band(self._band, adapter.n_layer)
-        elif self._span is not None and self._span[1] >= adapter.n_layer:
-            raise ValueError(f"layers={self.layers}: the model has layers 0-{adapter.n_layer - 1}")
+        # (first, last) pooled layer of this model; None: every layer pools
+        self._span = None if self._layers is None else self._layers.span(adapter.n_layer)
         if self.heads == "pooled" and not isinstance(self.store, DenseKV):
             raise ValueError(f"kvzip(heads=pooled) holds its tokens as rows of one pool per layer: its store must be "
                              f"dense (full precision, int8 or int4 rows), got {self.store!r}")
@@ -275,28 +273,48 @@ class KVzipSelection(TokenSelection):
         return f"KVzipSelection(budget={self.budget}, store={self.store!r})"
 
 
-def _layer_range(layers: Optional[int | str]) -> Optional[tuple[int, int] | tuple[float, float]]:
-    """``layers=`` of :class:`KVzipSelection`: ``None``, a layer ``L`` or a range ``"A-B"`` (inclusive) → ``(A, B)``;
-    a band of the depth ``"P%-Q%"`` (0 <= P < Q <= 100) → ``(P, Q)`` as floats."""
-    if layers is None:
-        return None
-    parts = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else str(layers).split("-")
-    if len(parts) == 2 and all(str(p).endswith("%") for p in parts):
+@dataclass(frozen=True)
+class PooledLayers:
+    """``layers=`` of :class:`KVzipSelection`: the layers ``lo`` .. ``hi`` (inclusive), or with ``percent`` the band
+    ``[lo, hi)`` percent of the depth (:func:`depth_band`: any model)."""
+
+    lo: int | float
+    hi: int | float
+    percent: bool = False
+
+    @classmethod
+    def parse(cls, layers: int | str) -> "PooledLayers":
+        """A layer ``L``, a range ``"A-B"`` (0 <= A <= B) or a band ``"P%-Q%"`` (0 <= P < Q <= 100); else a one-line
+        ``ValueError``."""
+        parts = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else str(layers).split("-")
+        if len(parts) == 2 and all(str(p).endswith("%") for p in parts):
+            try:
+                lo, hi = (float(str(p)[:-1]) for p in parts)
+            except ValueError:
+                lo, hi = -1.0, -1.0
+            if not 0 <= lo < hi <= 100:
+                raise ValueError(f"layers as a band of the depth must be P%-Q% with 0 <= P < Q <= 100, got "
+                                 f"{layers!r}")
+            return cls(lo, hi, percent=True)
         try:
-            lo, hi = (float(str(p)[:-1]) for p in parts)
+            lo, hi = int(parts[0]), int(parts[-1])
         except ValueError:
-            lo, hi = -1.0, -1.0
-        if not 0 <= lo < hi <= 100:
-            raise ValueError(f"layers as a band of the depth must be P%-Q% with 0 <= P < Q <= 100, got {layers!r}")
-        return lo, hi
-    try:
-        lo, hi = int(parts[0]), int(parts[-1])
-    except ValueError:
-        lo, hi = -1, -1
-    if len(parts) > 2 or not 0 <= lo <= hi:
-        raise ValueError(f"layers must be a layer, a range A-B of layers (0 <= A <= B) or a band of the depth "
-                         f"P%-Q%, got {layers!r}")
-    return lo, hi
+            lo, hi = -1, -1
+        if len(parts) > 2 or not 0 <= lo <= hi:
+            raise ValueError(f"layers must be a layer, a range A-B of layers (0 <= A <= B) or a band of the depth "
+                             f"P%-Q%, got {layers!r}")
+        return cls(lo, hi)
+
+    def span(self, n_layer: int) -> tuple[int, int]:
+        """The first and last pooled layer of a model with ``n_layer`` layers (checked against its depth)."""
+        if self.percent:
+            return depth_band((self.lo, self.hi), n_layer)
+        if self.hi >= n_layer:
+            raise ValueError(f"layers={self}: the model has layers 0-{n_layer - 1}")
+        return int(self.lo), int(self.hi)
+
+    def __str__(self) -> str:
+        return f"{self.lo:g}%-{self.hi:g}%" if self.percent else f"{self.lo}-{self.hi}"
 
 
 def depth_band(band: tuple[float, float], n_layer: int) -> tuple[int, int]:
@@ -304,15 +322,9 @@ def depth_band(band: tuple[float, float], n_layer: int) -> tuple[int, int]:
     percent of its depth (layer ``l``'s middle: ``100·(l + ½)/n_layer``; ``50%-67%`` of 30 layers: 15-19)."""
     inside = [l for l in range(n_layer) if band[0] <= 100 * (l + 0.5) / n_layer < band[1]]
     if not inside:
-        raise ValueError(f"layers={_band_text(band)} holds none of the model's {n_layer} layers: widen the band")
+        raise ValueError(f"layers={band[0]:g}%-{band[1]:g}% holds none of the model's {n_layer} layers: widen the "
+                         f"band")
     return inside[0], inside[-1]
-
-
-def _band_text(band: tuple) -> str:
-    """``layers=`` written back: ``"A-B"`` or ``"P%-Q%"`` (a band of the depth)."""
-    if isinstance(band[0], float):
-        return "-".join(f"{p:g}%" for p in band)
-    return "{}-{}".format(*band)
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:

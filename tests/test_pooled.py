@@ -22,7 +22,7 @@ from kvsplice.select.method import TokenSelection  # noqa: E402
 from kvsplice.select.pooled import PooledSubsetCache, own_tokens, pool_tokens, pooled_bias  # noqa: E402
 from kvsplice.select.kvzip import depth_band  # noqa: E402
 from kvsplice.select.selectors import TokenSelector  # noqa: E402
-from models.cache import KVCache  # noqa: E402
+from models.cache import KVCache, int4_row_bytes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +140,48 @@ def test_depth_band_maps_percent_of_the_depth_to_layers() -> None:
     assert depth_band((50.0, 67.0), 5) == (2, 2) and depth_band((50.0, 100.0), 7) == (3, 6)
     with pytest.raises(ValueError, match="holds none of the model's 4 layers"):
         depth_band((0.0, 10.0), 4)
+
+
+def _decode(model, spec, ctx, rep, nxt):
+    """Prefill ``ctx`` and decode ``nxt`` over ``spec``'s pooled cache with exact capacity → (logits, cache, dec)."""
+    method = build_method(spec, prompt_ids=ctx, tokenizer=_Tok(rep))
+    dec = Decoder(model, method)
+    cache = dec.new_cache(1, capacity=method.capacity(ctx.shape[1], nxt.shape[1] + 1))  # nxt: every token fed
+    dec(ctx, cache)
+    return dec(nxt, cache), cache, dec
+
+
+def test_pooled_decoded_tokens_are_held_their_own_way(model) -> None:
+    ctx, rep, nxt = _ids(26, 36), _ids(27, 4), _ids(28, 6)
+    base = "select:kvzip(heads=pooled{})@x2.5+{}"
+    # a store whose rows are the decoded store's: the same cache, the same answer
+    for store, decoded in (("int8", "int8"), ("fp16", "full")):
+        store_spec = "" if store == "fp16" else store
+        a, _, _ = _decode(model, base.format("", store_spec).rstrip("+"), ctx, rep, nxt)
+        b, _, _ = _decode(model, base.format(f",decoded={decoded}", store_spec).rstrip("+"), ctx, rep, nxt)
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    full, fc, _ = _decode(model, base.format(",decoded=full", "k8v4h"), ctx, rep, nxt)
+    same, sc, _ = _decode(model, base.format("", "k8v4h"), ctx, rep, nxt)
+    got, cache, dec = _decode(model, base.format(",decoded=int8", "k8v4h"), ctx, rep, nxt)
+    for c in (fc, sc):  # the prompt's pool is chosen and held the same way whatever holds the decoded tokens
+        for layer in range(3):
+            assert torch.equal(c.counts[layer], cache.counts[layer])
+            assert torch.equal(c.pooled.get(layer)["v"], cache.pooled.get(layer)["v"])
+    assert cache.recent.quant == "int8" and sc.recent.quant == {"k": "int8", "v": "int4"} and fc.recent.quant is None
+    # int8 values of the decoded tokens sit nearer the full-precision ones than int4 values do
+    assert (got - full).abs().max() < (same - full).abs().max()
+    assert cache.nbytes() == dec.formula_nbytes(cache) == cache.storage_nbytes()  # exact capacity: no slack
+    d = cache.recent.get(0)["k"].shape[-1]  # head size
+    rows = 3 * 2 * 6  # layers · KV heads · decoded tokens: one value row each, int8 instead of int4
+    assert cache.nbytes() - sc.nbytes() == rows * ((d + 2) - int4_row_bytes(d))
+    hf = KVSpliceHFCache(model, build_method(base.format(",decoded=int8", "k8v4h"), prompt_ids=ctx,
+                                             tokenizer=_Tok(rep)))
+    with torch.no_grad():
+        model(ctx, past_key_values=hf, use_cache=True)
+        out = model(nxt, past_key_values=hf, use_cache=True).logits  # the transformers door
+    torch.testing.assert_close(out, got, atol=1e-4, rtol=1e-4)
+    assert hf.nbytes() == hf.formula_nbytes()
+    for bad, words in (("heads=own,decoded=int8", "decoded= .* needs heads=pooled"),
+                       ("heads=pooled,decoded=int4", "decoded must be one of")):
+        with pytest.raises(ValueError, match=words):
+            build_method(f"select:kvzip({bad})@x2", prompt_ids=ctx, tokenizer=_Tok(rep))

@@ -41,6 +41,10 @@ __all__ = ["KVzipSelection", "REPEAT_PROMPT", "ReconstructionScores"]
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
 """The instruction before the context in the reconstruction pass."""
 
+DECODED = ("store", "int8", "full")
+"""How ``heads="pooled"`` holds the tokens decoded after the prompt: as its store holds the prompt's, as int8 rows
+(keys and values; 8 bits where the store gives a value 4), or at the cache's precision."""
+
 HEADS = ("own", "union", "pooled")
 """How a layer's KV heads choose: each its own top tokens; all the tokens any of them ranks best; or the best
 ``Hkv · budget`` of all heads' scores together, a head keeping as many as it wins (:mod:`kvsplice.select.pooled`)."""
@@ -99,7 +103,10 @@ class KVzipSelection(TokenSelection):
     Hadamard-rotated or not); ``layers``: with ``"pooled"``, the layers that pool — a range (``"15-19"``) or a band
     of the depth in percent (``"50%-67%"``: the layers whose middles lie in that part of the depth, 15-19 of
     SmolLM2-135M's 30, 2 of 5: any model) —; the others keep each head's own ``budget`` tokens in the same cache
-    (default: every layer pools)."""
+    (default: every layer pools); ``decoded``: with ``"pooled"``, how the tokens decoded after the prompt (a later
+    question, the answer) are held — ``"store"`` as the prompt's (default), ``"int8"`` as int8 rows, ``"full"`` at
+    the cache's precision (:data:`DECODED`; the prompt's bytes per token, what a plan's budget counts, are
+    unchanged; each decoded token costs its own rows)."""
 
     name = "kvzip"
     select_form = True
@@ -108,7 +115,7 @@ class KVzipSelection(TokenSelection):
 
     def __init__(self, budget: int, *, store: Optional[CompressionMethod] = None, repeat: str = REPEAT_PROMPT,
                  chunk: int = 64, mix: Optional[str] = None, share: float = 0.5, heads: str = "own",
-                 layers: Optional[int | str] = None, prompt_ids: Optional[torch.Tensor] = None,
+                 layers: Optional[int | str] = None, decoded: str = "store", prompt_ids: Optional[torch.Tensor] = None,
                  tokenizer: Any = None) -> None:
         if mix is not None:
             from kvsplice.core.registry import build_selector
@@ -121,6 +128,10 @@ class KVzipSelection(TokenSelection):
         self.layers = None if self._layers is None else str(self._layers)
         if self.layers is not None and self.heads != "pooled":
             raise ValueError("layers= chooses the layers whose heads share one budget: it needs heads=pooled")
+        self.decoded = choice_arg("decoded", decoded, DECODED)
+        if self.decoded != "store" and self.heads != "pooled":
+            raise ValueError("decoded= sets how heads=pooled holds the decoded tokens apart from the prompt's: it "
+                             "needs heads=pooled")
         super().__init__(self._scorer(), budget, store=store)
         if not isinstance(repeat, str):
             raise ValueError(f"repeat must be the text of the reconstruction instruction, got {repeat!r}")
@@ -150,6 +161,10 @@ class KVzipSelection(TokenSelection):
         if self.heads == "pooled" and not isinstance(self.store, DenseKV):
             raise ValueError(f"kvzip(heads=pooled) holds its tokens as rows of one pool per layer: its store must be "
                              f"dense (full precision, int8 or int4 rows), got {self.store!r}")
+        # the rows of the decoded tokens: the store's, or a dense store of their own (in the store's frame)
+        self.decoded_store = self.store if self.decoded == "store" else DenseKV(
+            cache_quant="int8" if self.decoded == "int8" else None, rotate=self.store.rotate).bind(
+            adapter, dtype=dtype, device=device)
         self.selector = self._scorer()  # the bound copy's own (scores are set per layer at prefill)
         self.layer_scores: dict[int, torch.Tensor] = {}  # the last prefill's scores (B, Hkv, T) per layer
 
@@ -192,7 +207,7 @@ class KVzipSelection(TokenSelection):
         n_keep = None if self.prompt_ids is None else min(self.budget, self.prompt_ids.shape[1])
         recent = None if capacity is None or n_keep is None else max(capacity - n_keep, 0)  # decoded tokens
         return PooledSubsetCache(a.n_layer, a.n_kv_head, a.head_dim, batch_size, dtype=dtype, device=device,
-                                 capacity=recent, quant=self.store.quant,
+                                 capacity=recent, quant=self.store.quant, decoded_quant=self.decoded_store.quant,
                                  pool_capacity=None if n_keep is None else a.n_kv_head * n_keep)
 
     def check_cache(self, cache):
@@ -203,12 +218,17 @@ class KVzipSelection(TokenSelection):
                             f"{type(cache).__name__}")
 
     def bytes_formula(self, batch_size, n_held, dtype):
-        """``heads="pooled"``: the dense store's bytes of ``n_held`` tokens per head + each head's count (int32)
-        per layer; else :meth:`TokenSelection.bytes_formula`."""
+        """``heads="pooled"``: the dense store's bytes of the prompt's ``min(n_held, n_keep)`` tokens per head, the
+        decoded store's of the rest (``decoded``) + each head's count (int32) per layer; else
+        :meth:`TokenSelection.bytes_formula`."""
         if self.heads != "pooled":
             return super().bytes_formula(batch_size, n_held, dtype)
         a = self._bound()
-        return self.store.bytes_formula(batch_size, n_held, dtype) + a.n_layer * batch_size * a.n_kv_head * 4
+        n_keep = self.budget if self.prompt_ids is None else min(self.budget, self.prompt_ids.shape[1])
+        prompt = min(n_held, n_keep)
+        return (self.store.bytes_formula(batch_size, prompt, dtype)
+                + self.decoded_store.bytes_formula(batch_size, n_held - prompt, dtype)
+                + a.n_layer * batch_size * a.n_kv_head * 4)
 
     def attend(self, layer, q, k, v, cache, step, mask=None, logw=None):
         if self.heads != "pooled" or cache.layer_len(layer) == 0:  # prefill: exact, then compress_prefill

@@ -8,7 +8,8 @@ fewer (KVzip's non-uniform head budgets; the same bytes as ``n_keep`` tokens in 
   head by head (head 0's entries, then head 1's, ...), as ``DenseKV`` stores rows (full precision, int8, int4, or
   int8 keys with int4 values; a rotated store hands them over rotated);
 * ``counts`` — how many of them each head owns, ``(B, Hkv)`` int32 (4 bytes per head and layer);
-* ``recent`` — the tokens decoded after the prompt, ``k, v (B, Hkv, T, D)``, every head's own (a ``KVCache``).
+* ``recent`` — the tokens decoded after the prompt, ``k, v (B, Hkv, T, D)``, every head's own (a ``KVCache``; its
+  rows as the pool's, or their own way: ``decoded_quant``).
 
 Attention of the query heads of KV head ``h`` runs over the pooled entries with a bias of 0 on head ``h``'s and
 ``-inf`` on the others', then over the recent tokens (causal, bottom-right): :func:`pooled_attend`. No log-weights
@@ -19,7 +20,7 @@ Hkv · 4)`` with ``n_held`` the tokens held per head on average (``seq_len``).
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,11 @@ import torch.nn.functional as F
 from kvsplice.select.scores import _top
 from models.cache import Cache, KVCache
 
-__all__ = ["PooledSubsetCache", "own_tokens", "pool_tokens", "pooled_attend", "pooled_bias"]
+__all__ = ["AS_POOL", "PooledSubsetCache", "own_tokens", "pool_tokens", "pooled_attend", "pooled_bias"]
+
+
+AS_POOL = object()
+"""``decoded_quant`` of a :class:`PooledSubsetCache` that holds the decoded tokens' rows as the pool's."""
 
 
 def pool_tokens(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
@@ -73,7 +78,8 @@ def pooled_attend(step, layer: int, q: torch.Tensor, pooled: dict[str, torch.Ten
 class PooledSubsetCache(Cache):
     """Per layer: the pooled prompt entries (``pooled``, one row sequence), each head's share of them (``counts``)
     and the decoded tokens (``recent``); see the module docstring. ``quant``: the rows' ``KVCache`` quantisation
-    (``None``, ``"int8"``, ``"int4"`` or per stream ``{"k": "int8", "v": "int4"}``);
+    (``None``, ``"int8"``, ``"int4"`` or per stream ``{"k": "int8", "v": "int4"}``), ``decoded_quant``: the
+    recent tokens' (default: ``quant``);
     ``capacity``: decoded tokens preallocated, ``pool_capacity``: pooled entries (``Hkv · n_keep``: exact bytes)."""
 
     kind = "pooled_subset"
@@ -81,12 +87,13 @@ class PooledSubsetCache(Cache):
     def __init__(self, n_layer: int, n_kv_head: int, head_size: int, batch_size: int, *,
                  v_head_size: Optional[int] = None, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", capacity: Optional[int] = None, quant: Optional[str] = None,
-                 pool_capacity: Optional[int] = None) -> None:
+                 pool_capacity: Optional[int] = None, decoded_quant: Any = AS_POOL) -> None:
         dv = head_size if v_head_size is None else v_head_size
         if dv != head_size:
             raise ValueError("PooledSubsetCache holds keys and values of the same width")
         kw = {"dtype": dtype, "device": device, "quant": quant}
         self.pooled = KVCache(n_layer, 1, head_size, batch_size, capacity=pool_capacity, **kw)  # Hkv · n_keep rows
+        kw["quant"] = quant if decoded_quant is AS_POOL else decoded_quant
         self.recent = KVCache(n_layer, n_kv_head, head_size, batch_size, capacity=capacity, **kw)
         self.counts: list[Optional[torch.Tensor]] = [None] * n_layer  # (B, Hkv) int32 per layer after prefill
         self.n_kv_head, self.batch_size, self.quant = int(n_kv_head), batch_size, quant

@@ -200,11 +200,16 @@ class KVzipSelection(TokenSelection):
         cache.fill(layer, kr, vr, pick(scores.view(b, h, t), n_keep))
 
     # ------------------------------------------------------------------------- heads="pooled": its own cache
+    @property
+    def n_keep(self) -> Optional[int]:
+        """Prompt tokens kept per head: ``min(budget, P)`` for the prompt built with (``None`` before one is)."""
+        return None if self.prompt_ids is None else min(self.budget, self.prompt_ids.shape[1])
+
     def new_cache(self, batch_size, capacity=None, *, dtype, device):
         if self.heads != "pooled":
             return super().new_cache(batch_size, capacity, dtype=dtype, device=device)
         a = self._bound()
-        n_keep = None if self.prompt_ids is None else min(self.budget, self.prompt_ids.shape[1])
+        n_keep = self.n_keep
         recent = None if capacity is None or n_keep is None else max(capacity - n_keep, 0)  # decoded tokens
         return PooledSubsetCache(a.n_layer, a.n_kv_head, a.head_dim, batch_size, dtype=dtype, device=device,
                                  capacity=recent, quant=self.store.quant, decoded_quant=self.decoded_store.quant,
@@ -224,8 +229,7 @@ class KVzipSelection(TokenSelection):
         if self.heads != "pooled":
             return super().bytes_formula(batch_size, n_held, dtype)
         a = self._bound()
-        n_keep = self.budget if self.prompt_ids is None else min(self.budget, self.prompt_ids.shape[1])
-        prompt = min(n_held, n_keep)
+        prompt = min(n_held, self.budget if self.n_keep is None else self.n_keep)
         return (self.store.bytes_formula(batch_size, prompt, dtype)
                 + self.decoded_store.bytes_formula(batch_size, n_held - prompt, dtype)
                 + a.n_layer * batch_size * a.n_kv_head * 4)

@@ -153,16 +153,15 @@ def _decode(model, spec, ctx, rep, nxt):
 
 def test_pooled_decoded_tokens_are_held_their_own_way(model) -> None:
     ctx, rep, nxt = _ids(26, 36), _ids(27, 4), _ids(28, 6)
-    base = "select:kvzip(heads=pooled{})@x2.5+{}"
+    base = "select:kvzip(heads=pooled{})@x2.5{}"
     # a store whose rows are the decoded store's: the same cache, the same answer
-    for store, decoded in (("int8", "int8"), ("fp16", "full")):
-        store_spec = "" if store == "fp16" else store
-        a, _, _ = _decode(model, base.format("", store_spec).rstrip("+"), ctx, rep, nxt)
-        b, _, _ = _decode(model, base.format(f",decoded={decoded}", store_spec).rstrip("+"), ctx, rep, nxt)
+    for store, decoded in (("+int8", "int8"), ("", "full")):
+        a, _, _ = _decode(model, base.format("", store), ctx, rep, nxt)
+        b, _, _ = _decode(model, base.format(f",decoded={decoded}", store), ctx, rep, nxt)
         torch.testing.assert_close(a, b, atol=0, rtol=0)
-    full, fc, _ = _decode(model, base.format(",decoded=full", "k8v4h"), ctx, rep, nxt)
-    same, sc, _ = _decode(model, base.format("", "k8v4h"), ctx, rep, nxt)
-    got, cache, dec = _decode(model, base.format(",decoded=int8", "k8v4h"), ctx, rep, nxt)
+    full, fc, _ = _decode(model, base.format(",decoded=full", "+k8v4h"), ctx, rep, nxt)
+    same, sc, _ = _decode(model, base.format("", "+k8v4h"), ctx, rep, nxt)
+    got, cache, dec = _decode(model, base.format(",decoded=int8", "+k8v4h"), ctx, rep, nxt)
     for c in (fc, sc):  # the prompt's pool is chosen and held the same way whatever holds the decoded tokens
         for layer in range(3):
             assert torch.equal(c.counts[layer], cache.counts[layer])
@@ -174,7 +173,7 @@ def test_pooled_decoded_tokens_are_held_their_own_way(model) -> None:
     d = cache.recent.get(0)["k"].shape[-1]  # head size
     rows = 3 * 2 * 6  # layers · KV heads · decoded tokens: one value row each, int8 instead of int4
     assert cache.nbytes() - sc.nbytes() == rows * ((d + 2) - int4_row_bytes(d))
-    hf = KVSpliceHFCache(model, build_method(base.format(",decoded=int8", "k8v4h"), prompt_ids=ctx,
+    hf = KVSpliceHFCache(model, build_method(base.format(",decoded=int8", "+k8v4h"), prompt_ids=ctx,
                                              tokenizer=_Tok(rep)))
     with torch.no_grad():
         model(ctx, past_key_values=hf, use_cache=True)

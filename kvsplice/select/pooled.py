@@ -20,7 +20,7 @@ Hkv · 4)`` with ``n_held`` the tokens held per head on average (``seq_len``).
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +28,7 @@ import torch.nn.functional as F
 from kvsplice.select.scores import _top
 from models.cache import Cache, KVCache
 
-__all__ = ["AS_POOL", "PooledSubsetCache", "own_tokens", "pool_tokens", "pooled_attend", "pooled_bias"]
-
-
-AS_POOL = object()
-"""``decoded_quant`` of a :class:`PooledSubsetCache` that holds the decoded tokens' rows as the pool's."""
+__all__ = ["PooledSubsetCache", "own_tokens", "pool_tokens", "pooled_attend", "pooled_bias"]
 
 
 def pool_tokens(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
@@ -79,7 +75,7 @@ class PooledSubsetCache(Cache):
     """Per layer: the pooled prompt entries (``pooled``, one row sequence), each head's share of them (``counts``)
     and the decoded tokens (``recent``); see the module docstring. ``quant``: the rows' ``KVCache`` quantisation
     (``None``, ``"int8"``, ``"int4"`` or per stream ``{"k": "int8", "v": "int4"}``), ``decoded_quant``: the
-    recent tokens' (default: ``quant``);
+    recent tokens' (the same forms; ``None``: at ``dtype``);
     ``capacity``: decoded tokens preallocated, ``pool_capacity``: pooled entries (``Hkv · n_keep``: exact bytes)."""
 
     kind = "pooled_subset"
@@ -87,14 +83,15 @@ class PooledSubsetCache(Cache):
     def __init__(self, n_layer: int, n_kv_head: int, head_size: int, batch_size: int, *,
                  v_head_size: Optional[int] = None, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", capacity: Optional[int] = None, quant: Optional[str] = None,
-                 pool_capacity: Optional[int] = None, decoded_quant: Any = AS_POOL) -> None:
+                 pool_capacity: Optional[int] = None,
+                 decoded_quant: Optional[str | dict[str, str]] = None) -> None:
         dv = head_size if v_head_size is None else v_head_size
         if dv != head_size:
             raise ValueError("PooledSubsetCache holds keys and values of the same width")
-        kw = {"dtype": dtype, "device": device, "quant": quant}
-        self.pooled = KVCache(n_layer, 1, head_size, batch_size, capacity=pool_capacity, **kw)  # Hkv · n_keep rows
-        kw["quant"] = quant if decoded_quant is AS_POOL else decoded_quant
-        self.recent = KVCache(n_layer, n_kv_head, head_size, batch_size, capacity=capacity, **kw)
+        kw = {"dtype": dtype, "device": device}
+        self.pooled = KVCache(n_layer, 1, head_size, batch_size, capacity=pool_capacity, quant=quant,
+                              **kw)  # Hkv · n_keep rows
+        self.recent = KVCache(n_layer, n_kv_head, head_size, batch_size, capacity=capacity, quant=decoded_quant, **kw)
         self.counts: list[Optional[torch.Tensor]] = [None] * n_layer  # (B, Hkv) int32 per layer after prefill
         self.n_kv_head, self.batch_size, self.quant = int(n_kv_head), batch_size, quant
         self.dtype, self.device = self.recent.dtype, self.recent.device

@@ -122,13 +122,13 @@ TRAINED_OFFSETS = {"mha": (8, -3), "gqa2": (-8, 4), "mla_128": (8, -12), "mla_64
 
 
 def make_figure(results: Path, out: Path) -> Path:
+    trained, post = load_trained(results), load_post_training(results)  # before matplotlib: a bad folder fails fast
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FixedLocator, NullLocator
 
-    trained, post = load_trained(results), load_post_training(results)
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 6.2), dpi=110)
 
     for family in dict.fromkeys(p["family"] for p in trained):

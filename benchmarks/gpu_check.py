@@ -51,9 +51,8 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -69,8 +68,7 @@ FLASH4_REASON = ("its wheels with the CUTLASS-DSL runtime (flash-attn-4 + nvidia
                  "the 64 MiB one device call can carry")
 
 
-@dataclass(frozen=True)
-class Section:
+class Section(NamedTuple):
     name: str
     what: str
     estimate_s: float  # expected seconds on one H100 / H200, process start included
@@ -278,8 +276,8 @@ class Report:
         for name, s in self.data.get("sections", {}).items():
             head = f"## {name}: {s.get('status', '?')}"
             if s.get("elapsed_s") is not None:
-                head += f" ({fmt(float(s['elapsed_s']))} s"
-                head += f" of ~{fmt(float(s['estimate_s']))} s estimated)" if s.get("estimate_s") else ")"
+                head += f" ({s['elapsed_s']:.0f} s"
+                head += f" of ~{s['estimate_s']:.0f} s estimated)" if s.get("estimate_s") else ")"
             out += [head, ""]
             if s.get("what"):
                 out += [s["what"], ""]

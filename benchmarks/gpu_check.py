@@ -77,7 +77,7 @@ class Section(NamedTuple):
 
 SECTIONS = {s.name: s for s in [
     Section("tests", "pytest -m gpu -x: " + " ".join(Path(f).name for f in TEST_FILES) + " (per-test timeout 120 s)",
-            110, 170),
+            120, 200),
     Section("kernel", "split-KV vs SDPA, batch 64 x 16,384 keys, bf16: latents 26/77/128/256 (12 heads), int8 "
             "latents 26/128, MHA 12x64, GQA-4 4x64; splits auto + 1/4/16/64; 20 calls each", 45, 90),
     Section("decode", "CUDA-graph step, batch 8 x 16,384, 124M bf16: MHA, MLA, KVSplice-90, KVSplice-90 int8; "
@@ -266,10 +266,13 @@ class Report:
     def markdown(self) -> str:
         m = self.data.get("meta", {})
         out = [f"# GPU check — {m.get('device', '?')}", ""]
-        facts = [f"{k} {m[k]}" for k in ("torch", "cuda", "triton", "transformers") if m.get(k)]
+        facts = [f"{k} {m[k]}" for k in ("torch", "cuda", "triton", "transformers", "commit") if m.get(k)]
         if m.get("capability"):
             facts.append(f"compute capability {'.'.join(map(str, m['capability']))}")
-        out += [", ".join(facts) + f". Budget {fmt(m.get('budget_s'))} s; started {m.get('started', '?')}. "
+        if m.get("decode_kernel_default"):
+            facts.append(f"decode_kernel default {m['decode_kernel_default']!r}")
+        out += [", ".join(facts) + f". Budget {fmt(m.get('budget_s'))} s; started {m.get('started', '?')}"
+                + (f", took {m['elapsed_s']:.0f} s" if m.get("elapsed_s") is not None else "") + ". "
                 f"Command: `{m.get('command', '?')}`", ""]
         if m.get("smoke"):
             out += ["**Smoke run**: tiny sizes; the numbers say nothing about speed.", ""]
@@ -656,6 +659,20 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
+def _git_commit() -> Optional[str]:
+    """The checkout's commit (with ``+dirty`` for local changes), or None where there is no git (a copied tree)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.monotonic()
     args = parse(argv)
@@ -688,7 +705,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         tf_v = transformers.__version__
     except Exception:  # noqa: BLE001
         tf_v = None
-    meta = dict(device=name, tag=tag, capability=list(torch.cuda.get_device_capability()) if cuda else None,
+    try:
+        from models.kernels import DEFAULT_DECODE_KERNEL as kernel_default
+    except Exception as e:  # noqa: BLE001
+        kernel_default = _err(e)
+    meta = dict(device=name, tag=tag, commit=_git_commit(), decode_kernel_default=kernel_default, capability=list(torch.cuda.get_device_capability()) if cuda else None,
                 torch=torch.__version__, cuda=torch.version.cuda, triton=triton_v, transformers=tf_v,
                 python=platform.python_version(), budget_s=args.budget_s, smoke=args.smoke,
                 started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -705,7 +726,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             pass
     report.data["meta"] = meta
     for step in steps:
-        report.data["sections"][step["section"]] = dict(status="pending", what=step["what"],
+        what = ("smoke sizes; full run: " if args.smoke else "") + step["what"]
+        report.data["sections"][step["section"]] = dict(status="pending", what=what,
                                                         estimate_s=step["estimate_s"], rows=[])
     report.data["sections"] = {k: report.data["sections"][k] for k in SECTIONS if k in report.data["sections"]}
     report.flush()
@@ -734,6 +756,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 report.update(sec, status="ok" if rc == 0 else "error",
                               reason=None if rc == 0 else f"exit code {rc}: " + " / ".join(tail.splitlines()[-3:]))
         report.update(sec, elapsed_s=round(time.monotonic() - s0, 1))
+        s = report.section(sec)
+        print(f"{PROG}: {sec} {s['status']} in {s['elapsed_s']:.0f} s" + (f": {s['reason']}" if s.get("reason") else ""),
+              file=sys.stderr, flush=True)
     report.data["meta"]["elapsed_s"] = round(time.monotonic() - t0, 1)
     report.flush()
     print(report.markdown())

@@ -84,7 +84,7 @@ def test_budget_logic(gc):
     assert all(p["runs"] for p in steps)
     assert gc.STARTUP_S + sum(p["estimate_s"] for p in steps) <= 480
     assert all(p["limit_s"] >= p["estimate_s"] for p in steps)
-    small = gc.plan(list(gc.SECTIONS), 200)  # 190 s after the start: tests (110) and kernel (45) fit, then flash4
+    small = gc.plan(list(gc.SECTIONS), 200)  # 190 s after the start: tests (120) and kernel (45) fit, then flash4
     assert [p["section"] for p in small if p["runs"]] == ["tests", "kernel", "flash4"]
     assert all(p["skip_reason"] for p in small if not p["runs"])
 
@@ -173,3 +173,20 @@ def test_smoke_run_writes_every_section_in_processes_without_jsonargparse_wandb_
     assert all(s["elapsed_s"] is not None for s in sec.values())
     md = (out / "gpu_check_cpu_smoke.md").read_text()
     assert "Smoke run" in md and "## decode: ok" in md and "## flash4" in md
+
+
+def test_merge_keeps_the_sections_this_run_does_not_redo(gc, tmp_path, capsys):
+    """A second call finishes a cut-off first one: ``--merge`` keeps the earlier sections of the same device."""
+    out = tmp_path / "o"
+    assert gc.main(["--smoke", "--sections", "flash4", "--out-dir", str(out)]) == 0
+    path = out / "gpu_check_cpu_smoke.json"
+    first = json.loads(path.read_text())["sections"]["flash4"]
+    assert gc.main(["--smoke", "--sections", "train", "--out-dir", str(out), "--merge"]) == 0
+    data = json.loads(path.read_text())
+    assert list(data["sections"]) == ["train", "flash4"] and data["sections"]["flash4"] == first
+    from models.kernels import DEFAULT_DECODE_KERNEL
+
+    assert data["meta"]["decode_kernel_default"] == DEFAULT_DECODE_KERNEL
+    assert gc.main(["--smoke", "--sections", "train", "--out-dir", str(out)]) == 0  # without --merge: this run only
+    assert list(json.loads(path.read_text())["sections"]) == ["train"]
+    assert "train skipped" in capsys.readouterr().err

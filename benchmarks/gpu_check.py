@@ -229,8 +229,9 @@ class Report:
     """``results/gpu_check_<device>.json`` and its ``.md``, rewritten whole (atomically) after every change: ``meta``
     (device, versions, command, budget) and ``sections`` (name -> status, reason, timings, ``summary`` and ``rows``).
 
-    Section status: ``pending`` (planned, not reached), ``running`` (started; left so when the run was cut off),
-    ``ok``, ``failed`` (tests that failed), ``error``, ``timeout``, ``skipped``."""
+    Section status: ``pending`` (planned, not reached), ``running`` (started; left so when the run was killed),
+    ``ok``, ``failed`` (tests that failed), ``error``, ``timeout`` (stopped at its limit), ``stopped`` (Ctrl-C or
+    SIGTERM), ``skipped``."""
 
     def __init__(self, path: Path, data: Optional[dict] = None) -> None:
         self.path = Path(path)
@@ -411,7 +412,11 @@ def run_tests(report: Report, timeout_s: float, smoke: bool, cuda: bool) -> None
         except ImportError:
             cmd.remove("--timeout"), cmd.remove("120")
         report.update("tests", command=" ".join(cmd[1:]))
-        rc, tail = run_process(cmd, timeout_s, env)
+        try:
+            rc, tail = run_process(cmd, timeout_s, env)
+        except BaseException:  # stopped from outside: keep the outcomes so far
+            report.set_rows("tests", read_testlog(log)[0])
+            raise
         rows, counts, hung = read_testlog(log)
     summary = dict(counts, seconds=round(sum(r["seconds"] or 0 for r in rows), 1), exit_code=rc)
     bad = [r["test"] for r in rows if r["outcome"] in ("failed", "error")]
@@ -673,6 +678,50 @@ def _git_commit() -> Optional[str]:
         return None
 
 
+class Terminated(SystemExit):
+    """SIGTERM (the device tool's timeout, ``kill``): unwinds like Ctrl-C, so the running section is stopped."""
+
+
+def _terminated(signum, frame):  # noqa: ARG001 - signal handler signature
+    raise Terminated(128 + signal.SIGTERM)
+
+
+def run_section(report: Report, step: dict, remaining_s: float, smoke: bool, cuda: bool) -> Report:
+    """One planned section: skipped (budget), or run under its time limit; its status, reason and time recorded.
+    A stop from outside (Ctrl-C, SIGTERM) records the section as ``stopped`` before it goes on up."""
+    sec = step["section"]
+    go, timeout, reason = decide(SECTIONS[sec], remaining_s, step["estimate_s"], step["limit_s"])
+    if not go:
+        report.update(sec, status="skipped", reason=f"budget: {reason}")
+        print(f"{PROG}: {sec} skipped: {reason}", file=sys.stderr, flush=True)
+        return report
+    print(f"{PROG}: {sec} (~{step['estimate_s']:.0f} s, stopped at {timeout:.0f} s)", file=sys.stderr, flush=True)
+    s0 = time.monotonic()
+    report.update(sec, status="running", timeout_s=round(timeout))
+    try:
+        if sec == "tests":
+            run_tests(report, timeout, smoke, cuda)
+        else:
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--child", sec, "--report", str(report.path)]
+            rc, tail = run_process(cmd + (["--smoke"] if smoke else []), timeout, child_env(smoke, cuda))
+            report = Report.load(report.path)  # the child's rows
+            if rc is None:
+                report.update(sec, status="timeout", reason=f"stopped at its limit, {timeout:.0f} s")
+            elif report.section(sec).get("status") == "running":
+                report.update(sec, status="ok" if rc == 0 else "error",
+                              reason=None if rc == 0 else f"exit code {rc}: " + " / ".join(tail.splitlines()[-3:]))
+    except BaseException as e:
+        report = Report.load(report.path)
+        report.update(sec, status="stopped", reason=f"the run was stopped ({type(e).__name__})",
+                      elapsed_s=round(time.monotonic() - s0, 1))
+        raise
+    report.update(sec, elapsed_s=round(time.monotonic() - s0, 1))
+    s = report.section(sec)
+    print(f"{PROG}: {sec} {s['status']} in {s['elapsed_s']:.0f} s" + (f": {s['reason']}" if s.get("reason") else ""),
+          file=sys.stderr, flush=True)
+    return report
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.monotonic()
     args = parse(argv)
@@ -732,33 +781,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     report.data["sections"] = {k: report.data["sections"][k] for k in SECTIONS if k in report.data["sections"]}
     report.flush()
     print(f"{PROG}: {name}; writing {out} and {out.with_suffix('.md')}", file=sys.stderr, flush=True)
-    for step in steps:
-        sec = step["section"]
-        remaining = args.budget_s - (time.monotonic() - t0)
-        go, timeout, reason = decide(SECTIONS[sec], remaining, step["estimate_s"], step["limit_s"])
-        if not go:
-            report.update(sec, status="skipped", reason=f"budget: {reason}")
-            print(f"{PROG}: {sec} skipped: {reason}", file=sys.stderr, flush=True)
-            continue
-        print(f"{PROG}: {sec} (~{step['estimate_s']:.0f} s, stopped at {timeout:.0f} s)", file=sys.stderr, flush=True)
-        s0 = time.monotonic()
-        report.update(sec, status="running", timeout_s=round(timeout))
-        if sec == "tests":
-            run_tests(report, timeout, args.smoke, cuda)
-        else:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--child", sec, "--report", str(out)]
-            rc, tail = run_process(cmd + (["--smoke"] if args.smoke else []), timeout, child_env(args.smoke, cuda))
-            report = Report.load(out)  # the child's rows
-            s = report.section(sec)
-            if rc is None:
-                report.update(sec, status="timeout", reason=f"stopped at its limit, {timeout:.0f} s")
-            elif s.get("status") == "running":
-                report.update(sec, status="ok" if rc == 0 else "error",
-                              reason=None if rc == 0 else f"exit code {rc}: " + " / ".join(tail.splitlines()[-3:]))
-        report.update(sec, elapsed_s=round(time.monotonic() - s0, 1))
-        s = report.section(sec)
-        print(f"{PROG}: {sec} {s['status']} in {s['elapsed_s']:.0f} s" + (f": {s['reason']}" if s.get("reason") else ""),
-              file=sys.stderr, flush=True)
+    previous = signal.signal(signal.SIGTERM, _terminated)  # a stop from outside ends the section's processes too
+    try:
+        for step in steps:
+            report = run_section(report, step, args.budget_s - (time.monotonic() - t0), args.smoke, cuda)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     report.data["meta"]["elapsed_s"] = round(time.monotonic() - t0, 1)
     report.flush()
     print(report.markdown())

@@ -190,3 +190,31 @@ def test_merge_keeps_the_sections_this_run_does_not_redo(gc, tmp_path, capsys):
     assert gc.main(["--smoke", "--sections", "train", "--out-dir", str(out)]) == 0  # without --merge: this run only
     assert list(json.loads(path.read_text())["sections"]) == ["train"]
     assert "train skipped" in capsys.readouterr().err
+
+
+def test_sigterm_stops_the_running_section_and_records_it(tmp_path):
+    """The device tool's timeout (SIGTERM to the command): the running section's processes end, the section is
+    recorded as ``stopped``, the rows and sections before it stay."""
+    out = tmp_path / "o"
+    path = out / "gpu_check_cpu_smoke.json"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--smoke", "--sections", "flash4", "--out-dir", str(out)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc.wait(timeout=300)
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--smoke", "--merge", "--sections", "decode", "--out-dir",
+                             str(out)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if json.loads(path.read_text())["sections"]["decode"]["status"] == "running":
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("the decode section never started")
+    proc.terminate()
+    assert proc.wait(timeout=60) == 128 + 15
+    sec = json.loads(path.read_text())["sections"]
+    assert sec["decode"]["status"] == "stopped" and "Terminated" in sec["decode"]["reason"]
+    assert sec["flash4"]["status"] in ("skipped", "ok")  # the earlier run's section, kept by --merge

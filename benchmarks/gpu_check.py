@@ -494,8 +494,8 @@ def section_decode(rep: Report, sz: dict, ctx: dict) -> None:
     kernels = ["eager"] + (["triton"] if reason is None else [])
     rep.update("decode", summary=dict(bandwidth_gbs=ctx["bandwidth"] / 1e9, graph=graph,
                                       kernel="runs" if reason is None else f"not run ({reason})"))
-    for name, quant in sz["decode_variants"]:
-        for kernel in kernels:
+    for kernel in kernels:  # every SDPA row first: a kernel fault (a sticky CUDA error) cannot cost the baselines
+        for name, quant in sz["decode_variants"]:
             row = dict(variant=name, rows=quant or str(dtype).split(".")[-1],
                        path="sdpa" if kernel == "eager" else "split_kv", batch=batch, ctx=n_ctx, graph=graph)
             try:

@@ -218,3 +218,17 @@ def test_sigterm_stops_the_running_section_and_records_it(tmp_path):
     sec = json.loads(path.read_text())["sections"]
     assert sec["decode"]["status"] == "stopped" and "Terminated" in sec["decode"]["reason"]
     assert sec["flash4"]["status"] in ("skipped", "ok")  # the earlier run's section, kept by --merge
+
+
+def test_the_gpu_tests_and_benchmarks_import_without_what_the_device_lacks(gc, tmp_path):
+    """The device has torch, triton, transformers, pytest, ... but not jsonargparse, wandb, datasets (nor gguf,
+    accelerate): the tests section's files are collected and the benchmarks the sections reuse are imported
+    without them."""
+    env = _blocking_env(tmp_path, blocked=("jsonargparse", "wandb", "datasets", "gguf", "accelerate"))
+    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          *gc.TEST_FILES], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import gpu_check; "
+            "[gpu_check._bench(n) for n in ('gpu', 'serving')]; import kvsplice.report.cuda_timing")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]

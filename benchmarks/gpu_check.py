@@ -86,7 +86,8 @@ SECTIONS = {s.name: s for s in [
             "at the batch that fits (<= 16,384), SDPA and kernel; 10 steps each", 90, 150),
     Section("train", "124M step, batch 16 x 1024, bf16 autocast, fused AdamW: MHA and KVSplice-90, eager and "
             "torch.compile; 2 rounds x 3 steps", 110, 170),
-    Section("flash4", "FlashAttention-4 vs SDPA, batch 16 x 1024, 12 heads of 64, causal, bf16 (if importable)", 15, 45),
+    Section("flash4", "FlashAttention-4 vs SDPA (if importable): causal prefill, batch 16 x 1024, 12 query heads of "
+            "64, MHA and GQA-4, bf16", 15, 45),
 ]}
 SMOKE_ESTIMATE_S = {"tests": 40, "kernel": 40, "decode": 30, "capacity": 30, "train": 10, "flash4": 10}
 SMOKE_LIMIT_S = 180.0
@@ -116,7 +117,7 @@ MD_COLUMNS = {
                  "sdpa_tokens_per_s", "split_kv_ms", "split_kv_tokens_per_s", "split_kv_vs_mha_sdpa", "floor_ms",
                  "split_kv_pct_floor", "sdpa_error", "split_kv_error"],
     "train": ["model", "mode", "optimizer", "median_ms", "tokens_per_s", "mfu", "vs_ours_mha_same_mode",
-              "first_steps_s", "n"],
+              "first_steps_s", "n", "error"],
     "flash4": ["call", "impl", "sdpa_ms", "flash_ms", "speedup", "max_abs_diff", "error"],
 }
 MD_ROWS: dict[str, Callable[[dict], bool]] = {"tests": lambda r: r.get("outcome") != "passed"}
@@ -597,7 +598,7 @@ def section_flash4(rep: Report, sz: dict, ctx: dict) -> None:
     b, h, t, d = sz["flash_shape"]
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    for call, (qq, kk, vv) in {f"prefill {b}x{h}x{t}x{d} causal": (q, k, v),
+    for call, (qq, kk, vv) in {f"MHA prefill {b}x{h}x{t}x{d}": (q, k, v),
                                f"GQA-4 prefill {b}x{h}x{t}x{d}": (q, k[:, :h // 4], v[:, :h // 4])}.items():
         row = dict(call=call, impl=impl.name)
         try:
@@ -758,7 +759,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         from models.kernels import DEFAULT_DECODE_KERNEL as kernel_default
     except Exception as e:  # noqa: BLE001
         kernel_default = _err(e)
-    meta = dict(device=name, tag=tag, commit=_git_commit(), decode_kernel_default=kernel_default, capability=list(torch.cuda.get_device_capability()) if cuda else None,
+    meta = dict(device=name, tag=tag, commit=_git_commit(), decode_kernel_default=kernel_default,
+                capability=list(torch.cuda.get_device_capability()) if cuda else None,
                 torch=torch.__version__, cuda=torch.version.cuda, triton=triton_v, transformers=tf_v,
                 python=platform.python_version(), budget_s=args.budget_s, smoke=args.smoke,
                 started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

@@ -640,8 +640,16 @@ def child_main(name: str, report_path: Path, smoke: bool) -> int:
 
 
 # --------------------------------------------------------------------------------------------- main
+class _Parser(argparse.ArgumentParser):
+    """A refusal is one line with the program's name, exit 2 (as the package's tools; theirs imports torch)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS), metavar="NAME",
                    help=f"sections to run, in this order whatever the order given (default all: {' '.join(SECTIONS)})")
@@ -655,12 +663,13 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="keep the sections of an earlier report on the same device that this run does not redo")
     p.add_argument("--child", choices=list(CHILD_SECTIONS), help=argparse.SUPPRESS)
     p.add_argument("--report", type=Path, help=argparse.SUPPRESS)
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as e:
-        raise SystemExit(EXIT_USAGE if e.code else 0)
+    args = p.parse_args(argv)
     if args.budget_s <= 0 or not math.isfinite(args.budget_s):
         p.error(f"--budget-s must be > 0, got {args.budget_s:g}")
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        p.error(f"--out-dir must be a folder, {args.out_dir} is a file")
+    if args.child and args.report is None:
+        p.error("--child needs --report")
     args.sections = [s for s in SECTIONS if s in args.sections]  # the fixed order, no repeats
     return args
 

@@ -67,11 +67,15 @@ def test_dry_run_marks_what_a_small_budget_skips():
     assert "SKIPPED" in lines[1] and "SKIPPED" not in lines[0] + lines[2]
 
 
-@pytest.mark.parametrize("argv", [["--budget-s", "0"], ["--sections", "gpu"], ["--budget-s", "nan"]])
-def test_bad_options_exit_2(gc, argv, capsys):
+@pytest.mark.parametrize("argv, msg", [(["--budget-s", "0"], "--budget-s"), (["--sections", "gpu"], "--sections"),
+                                       (["--budget-s", "nan"], "--budget-s"), (["--no-such"], "--no-such"),
+                                       (["--out-dir", __file__], "--out-dir")])
+def test_bad_options_are_one_line_and_exit_2(gc, argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         gc.parse(argv)
     assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gpu_check.py: error:") and msg in err[0]
 
 
 def test_budget_logic(gc):

@@ -344,9 +344,12 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def child_env(smoke: bool, cuda: bool) -> dict:
+def child_env(smoke: bool, cuda: bool, plugin: bool = False) -> dict:
+    """The environment of a section's process: the checkout first on the path (no install needed; ``plugin``: this
+    folder too, so pytest finds ``-p gpu_check``), Triton's interpreter for a CPU smoke run."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    path = [str(ROOT)] + ([str(HERE)] if plugin else []) + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    env["PYTHONPATH"] = os.pathsep.join(path)
     env.setdefault("PYTHONUNBUFFERED", "1")
     if smoke and not cuda:
         env.setdefault("TRITON_INTERPRET", "1")  # the kernel on CPU tensors: Triton's interpreter
@@ -404,7 +407,7 @@ def run_tests(report: Report, timeout_s: float, smoke: bool, cuda: bool) -> None
     files = SMOKE_TEST_FILES if smoke else TEST_FILES
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "tests.jsonl"
-        env = child_env(smoke, cuda)
+        env = child_env(smoke, cuda, plugin=True)
         env["GPU_CHECK_TESTLOG"] = str(log)
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-x", "-q", "-p", "no:cacheprovider", "-p", "gpu_check",
                "--timeout", "120", *files]

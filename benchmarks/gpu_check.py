@@ -162,15 +162,16 @@ def plan(names: list[str], budget_s: float, smoke: bool = False) -> list[dict]:
     return out
 
 
-def print_plan(rows: list[dict], budget_s: float, smoke: bool) -> None:
+def print_plan(rows: list[dict], budget_s: float, smoke: bool, file=None) -> None:
     total = STARTUP_S + sum(r["estimate_s"] for r in rows if r["runs"])
-    print(f"{PROG} plan{' (smoke sizes)' if smoke else ''}: budget {budget_s:.0f} s, estimate {total:.0f} s "
-          f"({total / 60:.1f} min) including {STARTUP_S:.0f} s start")
+    lines = [f"{PROG} plan{' (smoke sizes)' if smoke else ''}: budget {budget_s:.0f} s, estimate {total:.0f} s "
+             f"({total / 60:.1f} min) including {STARTUP_S:.0f} s start"]
     for i, r in enumerate(rows, 1):
         state = f"~{r['estimate_s']:.0f} s, stopped at {r['timeout_s']} s" if r["runs"] else \
             f"SKIPPED ({r['skip_reason']})"
-        print(f"  {i}. {r['section']:<8} {state}: {r['what']}")
-    print(f"total estimate: {total:.0f} s <= budget {budget_s:.0f} s: {'yes' if total <= budget_s else 'NO'}")
+        lines.append(f"  {i}. {r['section']:<8} {state}: {r['what']}")
+    lines.append(f"total estimate: {total:.0f} s <= budget {budget_s:.0f} s: {'yes' if total <= budget_s else 'NO'}")
+    print("\n".join(lines), file=file or sys.stdout, flush=True)
 
 
 # ----------------------------------------------------------------------------------------- the report
@@ -794,6 +795,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                         estimate_s=step["estimate_s"], rows=[])
     report.data["sections"] = {k: report.data["sections"][k] for k in SECTIONS if k in report.data["sections"]}
     report.flush()
+    print_plan(steps, args.budget_s, args.smoke, file=sys.stderr)
     print(f"{PROG}: {name}; writing {out} and {out.with_suffix('.md')}", file=sys.stderr, flush=True)
     previous = signal.signal(signal.SIGTERM, _terminated)  # a stop from outside ends the section's processes too
     try:

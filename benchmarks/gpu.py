@@ -36,6 +36,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -116,7 +117,9 @@ def train_flops_per_token(model: torch.nn.Module, n_layer: int, d_model: int, t:
     return 6 * n + 12 * n_layer * d_model * t
 
 
-def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, quick: bool) -> list[dict]:
+def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, quick: bool,
+                only: Optional[Sequence[str]] = None) -> list[dict]:
+    """Rows of the training step; ``only``: the model labels to run (default all, e.g. ``["ours mha"]``)."""
     shapes = dict(n_layer=2, n_head=4, d_model=128, block_size=t) if quick else {}
     latent = dict(d_latent=64) if quick else {}
     builders = {
@@ -127,6 +130,8 @@ def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, qui
     }
     if flash_impl() is not None:  # "ours mha" runs the installed FlashAttention (attn_backend auto): SDPA beside it
         builders["ours mha sdpa"] = lambda: GPT(preset("gpt2", attn_backend="sdpa", **shapes))
+    if only is not None:
+        builders = {k: b for k, b in builders.items() if k in only}
     cases = []  # (label, model builder, compiled, optimizer impl)
     for label, build in builders.items():
         cases.append((label, build, False, "fused"))

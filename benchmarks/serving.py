@@ -183,6 +183,12 @@ def bench_capacity(args, device, dtype, bandwidth: float, progress) -> list[dict
                         torch.cuda.empty_cache()
                 rows.append(row)
         del models, m
+    return compare_to_mha(rows)
+
+
+def compare_to_mha(rows: list[dict]) -> list[dict]:
+    """Adds to each capacity row its throughput and batch against MHA's row at the same context and row format (None
+    where MHA is not among ``rows``); returns ``rows``."""
     mha = {(r["ctx"], r["rows"]): r for r in rows if r["variant"] == "MHA"}
     for r in rows:
         base = mha.get((r["ctx"], r["rows"]))
@@ -203,12 +209,14 @@ def kernel_cases(smoke: bool) -> list[tuple[str, int, int, int, bool]]:
     return lat + [("MHA rows 12x64", 12, 12, 64, False), ("GQA-4 rows 4x64", 12, 4, 64, False)]
 
 
-def bench_kernel(args, device, dtype, bandwidth: float, progress) -> list[dict]:
+def bench_kernel(args, device, dtype, bandwidth: float, progress,
+                 cases: Optional[list[tuple[str, int, int, int, bool]]] = None) -> list[dict]:
+    """One row per case of ``cases`` (default :func:`kernel_cases`)."""
     batch, keys = (2, 100) if args.smoke else (64, 16384)
     run_kernel = kernel_runs_here(device) is None
     time_it = timer(device)
     rows = []
-    for label, hq, hkv, d, int8 in progress(kernel_cases(args.smoke), "kernel"):
+    for label, hq, hkv, d, int8 in progress(kernel_cases(args.smoke) if cases is None else cases, "kernel"):
         g = torch.Generator(device=device).manual_seed(0)
         q = torch.randn(batch, hq, 1, d, device=device, dtype=dtype, generator=g)
         k = torch.randn(batch, hkv, keys, d, device=device, dtype=dtype, generator=g)

@@ -51,7 +51,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from kvsplice.io.cli import Parser, add_device_dtype, default_seq_len, device_dtype, pos_int, run_cli
-from kvsplice.io.outputs import output_file, write_json
+from kvsplice.io.outputs import SpecArgs, output_file, write_json
 from kvsplice.lowrank.bases import BasesMismatchError, KVBases
 from kvsplice.evaluation.context import EvalContext, EvalError, load_windows
 from kvsplice.evaluation.lowrank import eval_static
@@ -184,7 +184,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if args.json:
         args.json = output_file(args.json, force=args.force, option="--json",
                                 inputs={"--model": args.model, "--tokenizer": args.tokenizer,
-                                        "--bases": args.bases, "--data": args.data, "--plan": args.plan})
+                                        "--bases": args.bases, "--data": args.data, "--plan": args.plan,
+                                        "--method": SpecArgs.of(args.method)})
     from kvsplice.io.mla_folder import is_mla_folder
 
     if is_mla_folder(args.model):  # a converted MLA model: its own cache, no bases (kvsplice.evaluation.native)

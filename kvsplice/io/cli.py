@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 
 __all__ = ["DTYPES", "EXIT_INTERRUPTED", "EXIT_USAGE", "Parser", "UsageError", "add_device_dtype", "at_command_end",
-           "default_seq_len", "device_dtype", "first_line", "pick_device", "pos_int", "run_cli"]
+           "default_seq_len", "device_dtype", "first_line", "help_text", "pick_device", "pos_int", "run_cli"]
 
 EXIT_USAGE = 2
 """Exit status of every user error (as argparse's own)."""
@@ -34,6 +34,12 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(message)
+
+
+def help_text(text: str) -> str:
+    """``text`` as an argparse help string shows it: ``%`` escaped (argparse formats help with ``%``, so a value
+    such as ``layers=50%-67%`` interpolated into a help string would break ``--help``)."""
+    return text.replace("%", "%%")
 
 
 def first_line(e: BaseException, limit: int = 300) -> str:

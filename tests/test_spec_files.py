@@ -108,3 +108,13 @@ def test_rebased_names_a_spec_files_files_from_the_working_directory(tmp_path, m
     assert out["store"] == {"name": "lowrank", "bases": os.path.join("specs", "inner.safetensors"),
                             "cache_quant": "int8"}
     assert spec["store"] == "lowrank:inner.safetensors+int8"  # a copy
+
+
+def test_plan_store_specs_read_a_spec_file_relative_to_its_folder(d):
+    """``plan --stores spec.json`` was refused though ``--method`` takes ``.json`` specs everywhere (issue 42)."""
+    (d / "specs" / "store.json").write_text(json.dumps({"name": "lowrank", "bases": "inner.safetensors",
+                                                        "cache_quant": "int8"}))
+    (d / "specs" / "int8.json").write_text(json.dumps({"name": "int8"}))
+    assert plan._store_specs(["specs/store.json", "specs/int8.json", "kivi4"]) == [
+        {"name": "lowrank", "bases": os.path.join("specs", "inner.safetensors"), "cache_quant": "int8"},
+        {"name": "dense", "cache_quant": "int8"}, {"name": "kivi", "bits": 4}]

@@ -347,10 +347,15 @@ def _lookup(name: Any, text: Any, table: Optional[dict] = None) -> type:
 
 
 def _as_dict(spec: Any, what: str) -> dict[str, Any]:
+    """A spec as a dict; a dict naming an alias (``{"name": "int8"}``) is the alias's spec with its own arguments
+    over it, as the short form ``int8(...)`` is."""
     if isinstance(spec, str):
         return parse_spec(spec)
     if not isinstance(spec, dict) or "name" not in spec:
         raise MethodSpecError(f"a {what} spec is a dict with a \"name\" or a short-form string, got {spec!r}")
+    name = spec["name"]
+    if what == "method" and isinstance(name, str) and name in ALIASES:
+        return {**ALIASES[name], **{k: v for k, v in spec.items() if k != "name"}}
     return dict(spec)
 
 

@@ -44,6 +44,11 @@ from :data:`EVALUATORS` instead: ``static`` (saved ``--bases`` files with the pe
 
 from __future__ import annotations
 
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "eval_bases"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
 import argparse
 import sys
 from typing import Any, Callable, Optional, Sequence
@@ -59,7 +64,6 @@ from kvsplice.evaluation.online import add_fd_online_options, eval_fd_online, pr
 
 __all__ = ["EVALUATORS", "METHOD_OPTIONS", "build_parser", "main", "make_context", "print_results"]
 
-PROG = "eval_bases"
 
 Evaluator = Callable[[EvalContext, argparse.Namespace], list]
 EVALUATORS: dict[str, Evaluator] = {"static": eval_static, "fd-online": eval_fd_online}

@@ -20,6 +20,11 @@ The ``decoder`` door shares one exact prefill between the full cache and every t
 
 from __future__ import annotations
 
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "eval_tasks"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
 import argparse
 import json
 import sys
@@ -32,7 +37,6 @@ import torch
 from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
 from kvsplice.io.outputs import SpecArgs, output_file, write_json
 
-PROG = "eval_tasks"
 FORMAT = "kvsplice-eval-tasks"
 
 

@@ -27,6 +27,11 @@ full cache's bytes. Bad input is one ``generate: error: ...`` line and exit stat
 
 from __future__ import annotations
 
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "generate"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
 import argparse
 import sys
 from pathlib import Path
@@ -38,8 +43,6 @@ from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, 
 from kvsplice.io.outputs import SpecArgs, output_file, write_json
 from kvsplice.select.selectors import SELECTORS
 from models.generate import check_temperature
-
-PROG = "generate"
 
 
 def _temperature(s: str) -> float:

@@ -26,6 +26,11 @@ exit status 2; ``--out`` is never overwritten without ``--force``.
 
 from __future__ import annotations
 
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "plan"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
 import argparse
 import math
 import sys
@@ -38,7 +43,6 @@ import torch
 from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, help_text, pos_int, run_cli
 from kvsplice.io.outputs import SpecArgs, cache_file, output_file, write_json
 
-PROG = "plan"
 DEFAULT_STORES = "default"
 """``--stores default``: the built-in candidate stores (:func:`kvsplice.planning.search.candidate_stores`)."""
 TUNE_TASKS = ("passkey", "niah_number_facts", "niah_number_stories")

@@ -20,6 +20,11 @@ Errors are one ``distill: error: ...`` line on stderr, exit status 2.
 
 from __future__ import annotations
 
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "distill"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -29,8 +34,6 @@ import torch
 from kvsplice.io.cli import Parser, UsageError, pos_int, run_cli
 
 __all__ = ["build_parser", "main"]
-
-PROG = "distill"
 
 
 def build_parser() -> Parser:

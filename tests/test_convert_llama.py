@@ -11,6 +11,7 @@ and the DeepSeek-V3 export (kvsplice.convert.deepseek_v3), and ``python -m kvspl
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from kvsplice.decode import Decoder
 from kvsplice.io.loading import load_model
 from kvsplice.io.mla_folder import load_mla_folder, save_mla_folder
 from kvsplice.report.memory import measure_cache
+from hostile import one_error, snapshot
 from tiny_models import tiny_family
 
 FAMS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -234,6 +236,19 @@ def test_cli_shared_deepseek_export_and_kvsplice(s260k, tmp_path, capsys):
                       "--kvsplice-ratio", 0.5, "--out", small, "--no-progress"], capsys)
     assert rc == 0, se
     assert load_model(small).model.cfg.d_latent == 12
+
+
+def test_cli_never_writes_inside_the_input_folder(s260k, tmp_path, capsys):
+    """``to_mla --out MODEL/sub --force`` wrote into the input's folder (issue 42); an input inside ``--out`` is
+    refused too. Refused before any work: the model folder is left as it was."""
+    model = tmp_path / "model"
+    shutil.copytree(s260k, model)
+    before = snapshot(tmp_path)
+    for out in (model / "sub", model / "sub" / "deeper", tmp_path):
+        rc, so, se = run(["--model", model, "--calib", CALIB, "--d-latent", 24, "--out", out, "--force",
+                          "--no-progress"], capsys)
+        one_error(rc, se, "to_mla", "input")
+        assert snapshot(tmp_path) == before, out
 
 
 @pytest.mark.parametrize("extra,msg", [

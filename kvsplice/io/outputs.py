@@ -7,7 +7,7 @@ through :func:`output_file` / :func:`output_dir` first and writes with :func:`wr
 * the path is resolved first (``~``, ``.``, ``..``, symlinks): ``--out some/dir/..`` *is* ``some``;
 * an output is never an input of the same command, even with ``--force``: not the same file (``--out X.ckpt`` with
   ``--model X.ckpt``, also through a symlink, a hard link or another spelling), not an existing file of an input
-  folder, not a folder that holds an input; every file an input names is an input too (:func:`input_files`: a
+  folder, not a folder that holds an input nor one inside an input folder; every file an input names is an input too (:func:`input_files`: a
   plan's or a spec file's bases, the files of a ``--method`` spec, :class:`SpecArgs`), and so is a statistics
   cache that exists (``--calib-stats``, :func:`cache_file`); two outputs of one command are never the
   same file;
@@ -279,6 +279,8 @@ def output_dir(value: PathArg, *, force: bool, option: str = "--out", inputs: In
     for what, src in _inputs(inputs):
         if _within(src, path):
             raise UsageError(f"{option} {value} contains the input {what}; choose another folder")
+        if src.is_dir() and _within(path, src):
+            raise UsageError(f"{option} {value} is inside the input folder {what}; choose a folder outside it")
     if path.is_dir():
         remove_stale_temp_files(path, path.name)
         entries = sorted(e.name for e in path.iterdir() if not e.name.startswith(f".{path.name}."))

@@ -167,6 +167,29 @@ def test_deepseek_v3_export_is_our_shared_model_in_transformers(tiny, tmp_path, 
         check_exportable(per_head)
 
 
+
+@pytest.mark.parametrize("edit,expect", [({"kv_lora_rank": 16}, "wrongly shaped weights"),
+                                         ({"num_hidden_layers": 2}, "unexpected weights")])
+def test_a_deepseek_v3_folder_with_an_edited_config_is_one_line(tiny, tmp_path, edit, expect):
+    """A hand-edited DeepSeek-V3 ``config.json`` fed back was refused after transformers' multi-line load report
+    (issue 42): the refusal is the only line (a process of its own: pytest's log capture would hide the report)."""
+    import os
+    import subprocess
+    import sys
+
+    from hostile import REPO
+
+    models, _, _ = tiny
+    src, stats = models["llama"]
+    save_deepseek_v3(convert_llama(src, stats, d_latent=20, rope_dims=8, layout="shared", latent_norm=True),
+                     tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **edit}))
+    r = subprocess.run([sys.executable, "-m", "kvsplice.generate", "--model", str(tmp_path), "--prompt", "hi",
+                        "--max-new-tokens", "1"], capture_output=True, text=True, cwd=REPO, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    one_error(r.returncode, r.stderr, "generate", expect)
+
 # ------------------------------------------------------------------------------------------------ the CLI
 def run(args, capsys):
     capsys.readouterr()

@@ -22,6 +22,7 @@ def d(tmp_path: Path, monkeypatch) -> Path:
     """A folder (the working directory) with a bases file, a spec file naming a bases file beside it, a plan and a
     calibration text; nothing here is a valid model — every refusal comes before a model is needed."""
     (tmp_path / "b.safetensors").write_bytes(os.urandom(256))
+    (tmp_path / "q.bases.safetensors").write_bytes(os.urandom(256))  # where plan --out q.json writes its bases
     sub = tmp_path / "specs"
     sub.mkdir()
     (sub / "inner.safetensors").write_bytes(os.urandom(256))
@@ -61,6 +62,7 @@ CASES = [
     (plan, "plan", [*PLAN, "--stores", "lowrank:b.safetensors", "--out", "b.safetensors"]),
     (plan, "plan", [*PLAN, "--stores", "lowrank:b.safetensors", "--out", "q.json", "--json", "b.safetensors"]),
     (plan, "plan", [*PLAN, "--stores", "specs/spec.json", "--out", "specs/inner.safetensors"]),
+    (plan, "plan", [*PLAN, "--stores", "lowrank:q.bases.safetensors", "--out", "q.json"]),
 ]
 
 

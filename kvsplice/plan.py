@@ -95,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=pos_int, default=1024, help="calibration and tuning window (default 1024)")
     p.add_argument("--prompt-len", type=pos_int, help="compressed prompt per tuning window (default 3/4 of it)")
     p.add_argument("--selectors", nargs="+", default=list(DEFAULT_SELECTORS), type=_selector, metavar="SELECTOR",
-                   help=help_text(f"token selectors to try, NAME[(KEY=VALUE,...)] (default {' '.join(DEFAULT_SELECTORS)}; "
-                   f"known: {', '.join(select_names())}; kvzip re-reads the prompt)"))
+                   help=help_text(f"token selectors to try, NAME[(KEY=VALUE,...)] (default "
+                                  f"{' '.join(DEFAULT_SELECTORS)}; known: {', '.join(select_names())}; kvzip "
+                                  f"re-reads the prompt)"))
     p.add_argument("--stores", nargs="+", metavar="SPEC", help="candidate storage methods as method specs (e.g. "
                    "int8 kivi4 mine(x=1); 'default' = the built-in list: full K/V fp16/int8, int8 keys + int4 "
                    "values (k8v4h), KIVI 4/2-bit, fisher low rank at 1.5/2/3x, int8 coefficients); default: default")

@@ -7,10 +7,10 @@ through :func:`output_file` / :func:`output_dir` first and writes with :func:`wr
 * the path is resolved first (``~``, ``.``, ``..``, symlinks): ``--out some/dir/..`` *is* ``some``;
 * an output is never an input of the same command, even with ``--force``: not the same file (``--out X.ckpt`` with
   ``--model X.ckpt``, also through a symlink, a hard link or another spelling), not an existing file of an input
-  folder, not a folder that holds an input nor one inside an input folder; every file an input names is an input too (:func:`input_files`: a
-  plan's or a spec file's bases, the files of a ``--method`` spec, :class:`SpecArgs`), and so is a statistics
-  cache that exists (``--calib-stats``, :func:`cache_file`); two outputs of one command are never the
-  same file;
+  folder, not a folder that holds an input nor one inside an input folder; every file an input names is an input
+  too (:func:`input_files`: a plan's or a spec file's bases, the files of a ``--method`` spec, :class:`SpecArgs`),
+  and so is a statistics cache that exists (``--calib-stats``, :func:`cache_file`); two outputs of one command are
+  never the same file;
 * an output is claimed for the run (:func:`claim`): a second run writing the same file or folder while the first
   one lives is refused; the claim (an exclusive lock on ``.<name>.claim`` beside it, holding the pid) is released
   when the command ends (:func:`release_claims`, called by :func:`kvsplice.io.cli.run_cli` and at exit), and a

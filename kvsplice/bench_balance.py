@@ -44,6 +44,11 @@ Output: a table per layer × T × method (rich, or ``--markdown``), and with ``-
 
 from __future__ import annotations
 
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "bench_balance"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
 import argparse
 import sys
 from typing import Optional
@@ -88,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return run_cli("bench_balance", lambda: _main(argv), (BenchError, LoadError))
+    return run_cli(PROG, lambda: _main(argv), (BenchError, LoadError))
 
 
 def _main(argv: Optional[list[str]]) -> int:

@@ -30,6 +30,11 @@ shapes is added. Default: ``gpt2 mla:naive mla mla_kvsplice_50 mla_kvsplice_70 m
 
 from __future__ import annotations
 
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "bench_decode"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
 import argparse
 import platform
 import sys
@@ -73,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return run_cli("bench_decode", lambda: _main(argv))
+    return run_cli(PROG, lambda: _main(argv))
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "convert_llama2c"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
 import sys
 
 from kvsplice.convert.llama2c import Llama2cFormatError, _convert
@@ -9,7 +14,7 @@ from kvsplice.io.cli import Parser, run_cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli("convert_llama2c", lambda: _main(argv), (Llama2cFormatError,))
+    return run_cli(PROG, lambda: _main(argv), (Llama2cFormatError,))
 
 
 def _main(argv: list[str] | None) -> int:

@@ -44,6 +44,11 @@ from :data:`EVALUATORS` instead: ``static`` (saved ``--bases`` files with the pe
 
 from __future__ import annotations
 
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "eval_bases"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
 import argparse
 import sys
 from typing import Any, Callable, Optional, Sequence
@@ -51,7 +56,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from kvsplice.io.cli import Parser, add_device_dtype, default_seq_len, device_dtype, pos_int, run_cli
-from kvsplice.io.outputs import output_file, write_json
+from kvsplice.io.outputs import SpecArgs, output_file, write_json
 from kvsplice.lowrank.bases import BasesMismatchError, KVBases
 from kvsplice.evaluation.context import EvalContext, EvalError, load_windows
 from kvsplice.evaluation.lowrank import eval_static
@@ -59,7 +64,6 @@ from kvsplice.evaluation.online import add_fd_online_options, eval_fd_online, pr
 
 __all__ = ["EVALUATORS", "METHOD_OPTIONS", "build_parser", "main", "make_context", "print_results"]
 
-PROG = "eval_bases"
 
 Evaluator = Callable[[EvalContext, argparse.Namespace], list]
 EVALUATORS: dict[str, Evaluator] = {"static": eval_static, "fd-online": eval_fd_online}
@@ -184,7 +188,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if args.json:
         args.json = output_file(args.json, force=args.force, option="--json",
                                 inputs={"--model": args.model, "--tokenizer": args.tokenizer,
-                                        "--bases": args.bases, "--data": args.data, "--plan": args.plan})
+                                        "--bases": args.bases, "--data": args.data, "--plan": args.plan,
+                                        "--method": SpecArgs.of(args.method)})
     from kvsplice.io.mla_folder import is_mla_folder
 
     if is_mla_folder(args.model):  # a converted MLA model: its own cache, no bases (kvsplice.evaluation.native)

@@ -20,6 +20,11 @@ The ``decoder`` door shares one exact prefill between the full cache and every t
 
 from __future__ import annotations
 
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "eval_tasks"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
 import argparse
 import json
 import sys
@@ -30,9 +35,8 @@ from typing import Optional, Sequence
 import torch
 
 from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
-from kvsplice.io.outputs import output_file, write_json
+from kvsplice.io.outputs import SpecArgs, output_file, write_json
 
-PROG = "eval_tasks"
 FORMAT = "kvsplice-eval-tasks"
 
 
@@ -187,7 +191,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         raise UsageError("give the methods to evaluate: --plan PLAN.json and/or --method SPEC (e.g. kivi4)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--plan": args.plan, "--stories": args.stories}
+    inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--plan": args.plan, "--stories": args.stories,
+              "--method": SpecArgs.of(args.method)}
     out = Path(args.out)
     if not out.exists() or args.force:
         output_file(args.out, force=args.force, inputs=inputs)

@@ -34,6 +34,11 @@ atomically.
 
 from __future__ import annotations
 
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "fit_bases"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
 import argparse
 import sys
 import time
@@ -49,8 +54,6 @@ from kvsplice.lowrank.fits import FITS
 from models.checkpoint import atomic_write
 
 __all__ = ["FitError", "build_parser", "fit_from_args", "main", "time_forward"]
-
-PROG = "fit_bases"
 
 
 class FitError(RuntimeError):

@@ -27,6 +27,11 @@ full cache's bytes. Bad input is one ``generate: error: ...`` line and exit stat
 
 from __future__ import annotations
 
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "generate"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
 import argparse
 import sys
 from pathlib import Path
@@ -35,11 +40,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
-from kvsplice.io.outputs import output_file, write_json
+from kvsplice.io.outputs import SpecArgs, output_file, write_json
 from kvsplice.select.selectors import SELECTORS
 from models.generate import check_temperature
-
-PROG = "generate"
 
 
 def _temperature(s: str) -> float:
@@ -93,7 +96,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.json:
         args.json = output_file(args.json, force=args.force, option="--json",
                                 inputs={"--model": args.model, "--tokenizer": args.tokenizer, "--bases": args.bases,
-                                        "--plan": args.plan})
+                                        "--plan": args.plan, "--method": SpecArgs.of(args.method)})
 
 
 def _spec(args: argparse.Namespace) -> tuple[Optional[dict], Optional[Path]]:

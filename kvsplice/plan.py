@@ -26,6 +26,11 @@ exit status 2; ``--out`` is never overwritten without ``--force``.
 
 from __future__ import annotations
 
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "plan"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
 import argparse
 import math
 import sys
@@ -35,10 +40,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
-from kvsplice.io.outputs import cache_file, output_file, write_json
+from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, help_text, pos_int, run_cli
+from kvsplice.io.outputs import SpecArgs, cache_file, output_file, write_json
 
-PROG = "plan"
+DEFAULT_STORES = "default"
+"""``--stores default``: the built-in candidate stores (:func:`kvsplice.planning.search.candidate_stores`)."""
 TUNE_TASKS = ("passkey", "niah_number_facts", "niah_number_stories")
 """The accuracy objective's default tasks: a number hidden in filler, in encyclopedic facts and in real prose (the
 calibration text's; :func:`_stories`)."""
@@ -89,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=pos_int, default=1024, help="calibration and tuning window (default 1024)")
     p.add_argument("--prompt-len", type=pos_int, help="compressed prompt per tuning window (default 3/4 of it)")
     p.add_argument("--selectors", nargs="+", default=list(DEFAULT_SELECTORS), type=_selector, metavar="SELECTOR",
-                   help=f"token selectors to try, NAME[(KEY=VALUE,...)] (default {' '.join(DEFAULT_SELECTORS)}; "
-                   f"known: {', '.join(select_names())}; kvzip re-reads the prompt)")
+                   help=help_text(f"token selectors to try, NAME[(KEY=VALUE,...)] (default "
+                                  f"{' '.join(DEFAULT_SELECTORS)}; known: {', '.join(select_names())}; kvzip "
+                                  f"re-reads the prompt)"))
     p.add_argument("--stores", nargs="+", metavar="SPEC", help="candidate storage methods as method specs (e.g. "
                    "int8 kivi4 mine(x=1); 'default' = the built-in list: full K/V fp16/int8, int8 keys + int4 "
                    "values (k8v4h), KIVI 4/2-bit, fisher low rank at 1.5/2/3x, int8 coefficients); default: default")
@@ -151,7 +158,7 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
     adapter = adapter_for(model)
     stores = [s for x in _store_specs(args.stores) for s in
               (candidate_stores(adapter.has_rope, adapter.head_dim, rotary_dim=adapter.rotary_dim)
-               if x == "default" else [x])]
+               if x == DEFAULT_STORES else [x])]
     t0 = time.perf_counter()
     stats, reused = None, False
     if any(isinstance(s.get("bases"), dict) for s in stores):  # the planner's low-rank fits need statistics
@@ -235,14 +242,16 @@ def _stories(args) -> Optional[str]:
 def _store_specs(given: Optional[Sequence[str]]) -> list:
     """``--stores``: each a storage method's spec (checked: before the model loads) or ``"default"`` (the built-in
     candidates, :func:`kvsplice.planning.search.candidate_stores`)."""
-    from kvsplice.core.registry import METHODS, check_spec, parse_spec
+    from kvsplice.core.registry import METHODS, check_spec, load_spec
+    from kvsplice.core.spec_files import rebased
 
     out: list = []
-    for text in given or ["default"]:
-        if text == "default":
+    for text in given or [DEFAULT_STORES]:
+        if text == DEFAULT_STORES:
             out.append(text)
             continue
-        spec = check_spec(parse_spec(text))
+        spec, base_dir = load_spec(text)  # the short form, inline JSON or a .json spec file (as --method)
+        spec = check_spec(spec if base_dir is None else rebased(spec, base_dir))
         if not METHODS[spec["name"]].is_storage:
             raise UsageError(f"--stores {text}: {spec['name']} is not a storage method (it cannot hold a token "
                              f"selection); storage methods: {', '.join(n for n, c in METHODS.items() if c.is_storage)}")
@@ -262,7 +271,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--calib": args.calib,
-              "--calib-stats": args.calib_stats, "--stories": args.stories}  # an existing stats file is an input
+              "--calib-stats": args.calib_stats, "--stories": args.stories,  # an existing stats file is an input
+              "--stores": SpecArgs.of(args.stores)}
     _store_specs(args.stores)  # fail fast, before the model loads
     _check_tune_tasks(args)
     out = output_file(args.out, force=args.force, inputs=inputs)

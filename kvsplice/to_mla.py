@@ -29,6 +29,11 @@ the next run).
 
 from __future__ import annotations
 
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "to_mla"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
 import argparse
 import sys
 import time
@@ -41,8 +46,6 @@ from kvsplice.io.cli import Parser, UsageError, add_device_dtype, default_seq_le
 from kvsplice.io.outputs import out_and_json, write_json
 
 __all__ = ["build_parser", "convert_from_args", "main"]
-
-PROG = "to_mla"
 
 
 def _ratio(s: str) -> float:

@@ -17,6 +17,11 @@ A JSON report (``--json``) gets a plot of cache MiB vs length next to it (same n
 
 from __future__ import annotations
 
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "verify_memory"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
 import argparse
 import platform
 import sys
@@ -59,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return run_cli("verify_memory", lambda: _main(argv))
+    return run_cli(PROG, lambda: _main(argv))
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:

@@ -11,6 +11,7 @@ and the DeepSeek-V3 export (kvsplice.convert.deepseek_v3), and ``python -m kvspl
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from kvsplice.decode import Decoder
 from kvsplice.io.loading import load_model
 from kvsplice.io.mla_folder import load_mla_folder, save_mla_folder
 from kvsplice.report.memory import measure_cache
+from hostile import one_error, snapshot
 from tiny_models import tiny_family
 
 FAMS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -165,6 +167,29 @@ def test_deepseek_v3_export_is_our_shared_model_in_transformers(tiny, tmp_path, 
         check_exportable(per_head)
 
 
+
+@pytest.mark.parametrize("edit,expect", [({"kv_lora_rank": 16}, "wrongly shaped weights"),
+                                         ({"num_hidden_layers": 2}, "unexpected weights")])
+def test_a_deepseek_v3_folder_with_an_edited_config_is_one_line(tiny, tmp_path, edit, expect):
+    """A hand-edited DeepSeek-V3 ``config.json`` fed back was refused after transformers' multi-line load report
+    (issue 42): the refusal is the only line (a process of its own: pytest's log capture would hide the report)."""
+    import os
+    import subprocess
+    import sys
+
+    from hostile import REPO
+
+    models, _, _ = tiny
+    src, stats = models["llama"]
+    save_deepseek_v3(convert_llama(src, stats, d_latent=20, rope_dims=8, layout="shared", latent_norm=True),
+                     tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **edit}))
+    r = subprocess.run([sys.executable, "-m", "kvsplice.generate", "--model", str(tmp_path), "--prompt", "hi",
+                        "--max-new-tokens", "1"], capture_output=True, text=True, cwd=REPO, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    one_error(r.returncode, r.stderr, "generate", expect)
+
 # ------------------------------------------------------------------------------------------------ the CLI
 def run(args, capsys):
     capsys.readouterr()
@@ -234,6 +259,19 @@ def test_cli_shared_deepseek_export_and_kvsplice(s260k, tmp_path, capsys):
                       "--kvsplice-ratio", 0.5, "--out", small, "--no-progress"], capsys)
     assert rc == 0, se
     assert load_model(small).model.cfg.d_latent == 12
+
+
+def test_cli_never_writes_inside_the_input_folder(s260k, tmp_path, capsys):
+    """``to_mla --out MODEL/sub --force`` wrote into the input's folder (issue 42); an input inside ``--out`` is
+    refused too. Refused before any work: the model folder is left as it was."""
+    model = tmp_path / "model"
+    shutil.copytree(s260k, model)
+    before = snapshot(tmp_path)
+    for out in (model / "sub", model / "sub" / "deeper", tmp_path):
+        rc, so, se = run(["--model", model, "--calib", CALIB, "--d-latent", 24, "--out", out, "--force",
+                          "--no-progress"], capsys)
+        one_error(rc, se, "to_mla", "input")
+        assert snapshot(tmp_path) == before, out
 
 
 @pytest.mark.parametrize("extra,msg", [

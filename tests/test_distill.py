@@ -99,3 +99,23 @@ def test_distill_fine_tunes_the_unconverted_source_as_the_same_text_baseline(pai
     with torch.no_grad():
         moved = (tuned.model(ids.view(2, 64)).logits - orig.model(ids.view(2, 64)).logits).abs().max()
     assert moved > 1e-3
+
+
+@pytest.mark.parametrize("steps,b,t,val", [(1, 4, 128, 4096), (3, 2, 64, 512), (1, 1, 7, 14)])
+def test_split_of_tokens_needed_gives_every_batch_and_the_held_out_windows(steps, b, t, val):
+    """``--max-steps 1`` refused 300 KB of text: one token short of the last training window (issue 42)."""
+    ids = torch.arange(distill.tokens_needed(steps * b * t, val))
+    train, held = distill.split(ids, t, val)
+    assert train.shape == (steps * b, t + 1) and held.shape == (val // t, t + 1)
+    assert int(train[-1, -1]) < int(held[0, 0])  # nothing held out is trained on
+    assert torch.equal(train[1:, 0], train[:-1, -1])  # each target is the next window's first input
+
+
+def test_distill_of_one_step_reads_enough_text(pair, tmp_path, monkeypatch, capsys):
+    src, _, _ = pair
+    got = {}
+    monkeypatch.setattr(distill, "_fit", lambda args, student, teacher, train, val: got.update(train=train) or 0)
+    rc = distill.main([str(a) for a in ["--model", src, "--loss", "lm", "--data", TRAIN, "--max-steps", 1,
+                                        "--runs-dir", tmp_path, "--no-progress"]])
+    assert rc == 0, capsys.readouterr().err
+    assert got["train"].shape == (4, 129)  # the default batch of 4 x 128

@@ -162,6 +162,21 @@ def test_a_spec_is_checked_before_it_is_built(tmp_path):
             check_spec(bad, base_dir=tmp_path)
 
 
+def test_a_dict_spec_may_name_an_alias(tmp_path):
+    """``{"name": "int8"}`` was refused as "unknown method 'int8' ... known: ..., int8, ..." (issue 42): a dict
+    naming an alias is the alias's spec, its own arguments over it — in a spec file and nested as a store."""
+    from kvsplice.core.registry import check_spec, load_spec
+
+    assert check_spec({"name": "int8"}) == {"name": "dense", "cache_quant": "int8"}
+    assert build_method({"name": "kivi4", "residual": 32}).spec() == build_method("kivi4(residual=32)").spec()
+    f = tmp_path / "s.json"
+    f.write_text('{"name": "token_selection", "selector": {"name": "snapkv"}, "budget": 4, "store": {"name": "int8"}}')
+    spec, base = load_spec(str(f))
+    assert build_method(check_spec(spec, base_dir=base)).spec() == build_method("select:snapkv@4+int8").spec()
+    with pytest.raises(MethodSpecError, match="unknown selector 'int8'"):  # an alias names a method, not a selector
+        build_selector({"name": "int8"})
+
+
 @pytest.mark.parametrize("tool, argv, needle", [
     ("generate", ["--prompt", "hi", "--max-new-tokens", "2", "--method", "nosuch"], "unknown method 'nosuch'"),
     ("eval_bases", ["--data", "x.txt", "--method", "select:snapkv(windo=2)@4"], "snapkv takes"),

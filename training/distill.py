@@ -20,6 +20,11 @@ Errors are one ``distill: error: ...`` line on stderr, exit status 2.
 
 from __future__ import annotations
 
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "distill"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -28,9 +33,7 @@ import torch
 
 from kvsplice.io.cli import Parser, UsageError, pos_int, run_cli
 
-__all__ = ["build_parser", "main"]
-
-PROG = "distill"
+__all__ = ["build_parser", "main", "split", "tokens_needed"]
 
 
 def build_parser() -> Parser:
@@ -65,8 +68,22 @@ def build_parser() -> Parser:
 
 
 def _windows(ids: torch.Tensor, t: int) -> torch.Tensor:
+    """``(n, t + 1)`` windows of ``ids`` (inputs and their next-token targets), each sharing its last token with
+    the next one's first: ``n * t + 1`` tokens make ``n``."""
     n = (ids.numel() - 1) // t
     return torch.stack([ids[i * t:i * t + t + 1] for i in range(n)]) if n else ids.new_zeros(0, t + 1)
+
+
+def tokens_needed(train_tokens: int, val_tokens: int) -> int:
+    """Tokens to read for ``train_tokens`` of training windows and ``val_tokens`` held out: each part one token
+    more than its windows' inputs (the last target) — :func:`split` of that many gives both in full."""
+    return (train_tokens + 1) + (val_tokens + 1)
+
+
+def split(ids: torch.Tensor, t: int, val_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(train, val)`` windows of length ``t`` (:func:`_windows`): the held-out part is the last ``val_tokens + 1``
+    tokens, never seen in training."""
+    return _windows(ids[:-val_tokens - 1], t), _windows(ids[-val_tokens - 1:], t)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -103,10 +120,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     t, b = args.seq_len, args.batch_size
     if student.max_positions and t > student.max_positions:
         raise UsageError(f"--seq-len {t} exceeds the model's {student.max_positions} positions")
-    want = (args.tokens or args.max_steps * b * t) + args.val_tokens + 1
+    want = tokens_needed(args.tokens or args.max_steps * b * t, args.val_tokens)
     ids, _ = token_stream(iter_texts(args.data, option="data"), student.tokenizer, want)
-    val = _windows(ids[-args.val_tokens - 1:], t)
-    train = _windows(ids[:-args.val_tokens - 1], t)
+    train, val = split(ids, t, args.val_tokens)
     if len(val) == 0 or len(train) < b:
         raise UsageError(f"--data {args.data}: {ids.numel()} tokens, too few for --val-tokens {args.val_tokens} and "
                          f"a batch of {b} x {t}")

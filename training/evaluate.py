@@ -17,6 +17,11 @@ Bad input — a malformed option, a missing, corrupt, unsafe or foreign checkpoi
 
 from __future__ import annotations
 
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "python -m training.evaluate"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
 import argparse
 import inspect
 import math
@@ -34,7 +39,6 @@ from kvsplice.io.outputs import output_file, write_json
 from kvsplice.report.memory import cache_bytes_formula, measure_cache, parse_dtype
 from training.checkpoint import CheckpointError, load_gpt_checkpoint
 
-PROG = "python -m training.evaluate"
 EXIT_ERROR = EXIT_USAGE
 PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "The dog was sad because")
 

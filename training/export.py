@@ -23,6 +23,11 @@ read-only destination) is one ``python -m training.export: error: ...`` line, ex
 
 from __future__ import annotations
 
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "python -m training.export"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
 import json
 import shutil
 import sys
@@ -37,7 +42,6 @@ from models.attention import LATENT_NORM_EPS
 from models.gpt import HF_CONV1D
 from training.checkpoint import CheckpointError, load_gpt_checkpoint
 
-PROG = "python -m training.export"
 REMOTE_DIR = Path(__file__).resolve().parent / "hf_remote"
 REMOTE_FILES = ("configuration_kvsplice_gpt.py", "modeling_kvsplice_gpt.py")
 EXPORT_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

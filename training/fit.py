@@ -29,6 +29,11 @@ The Lightning pieces live in :mod:`training.cli`; this module only resolves ``--
 
 from __future__ import annotations
 
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "python -m training.fit"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
 import os
 import sys
 from pathlib import Path
@@ -38,7 +43,6 @@ from kvsplice.io.cli import EXIT_USAGE, UsageError, run_cli
 from models.config import CONFIG_DIR, ConfigNotFoundError, config_path
 from training.rundir import CLIConfigError
 
-PROG = "python -m training.fit"
 EXIT_ERROR = EXIT_USAGE
 
 __all__ = ["CONFIG_DIR", "CLIConfigError", "main", "prepare_args", "config_file"]

@@ -68,13 +68,12 @@ BUILTIN_MODULES = ("kvsplice.decode.dense", "kvsplice.decode.native", "kvsplice.
 
 _ROT = (("", {}), ("h", {"rotate": True}))  # an alias's suffix h: the rows Hadamard-rotated
 _KIVI_FORMS = (("", "kivi"), ("h", "kivi_rotated"), ("p", "kivi_prerope"))
-ALIASES: dict[str, dict[str, Any]] = {
-    "fp": {"name": "dense"}, "full": {"name": "dense"},
+ALIASES: dict[str, dict[str, Any]] = {"fp": {"name": "dense"}, "full": {"name": "dense"},
     **{f"int{b}{h}": {"name": "dense", "cache_quant": f"int{b}", **r} for b in (4, 8) for h, r in _ROT},
     **{f"k8v4{h}": {"name": "dense", "cache_quant": "int8", "value_quant": "int4", **r} for h, r in _ROT},
     **{f"kivi{b}{h}": {"name": n, "bits": b} for b in (2, 4, 8) for h, n in _KIVI_FORMS},
 }
-"""Short-form names that stand for a spec (never a registered name)."""
+"""Short-form names that stand for a spec (never a registered name); a dict spec may name one too."""
 
 Spec = Union[str, dict]
 
@@ -351,7 +350,8 @@ def _as_dict(spec: Any, what: str) -> dict[str, Any]:
         return parse_spec(spec)
     if not isinstance(spec, dict) or "name" not in spec:
         raise MethodSpecError(f"a {what} spec is a dict with a \"name\" or a short-form string, got {spec!r}")
-    return dict(spec)
+    alias = ALIASES.get(spec["name"]) if what == "method" and isinstance(spec["name"], str) else None  # "int8"
+    return dict(spec) if alias is None else {**alias, **{k: v for k, v in spec.items() if k != "name"}}
 
 
 def _check_args(cls: type, kw: dict, text: Any, context: tuple[str, ...] = ()) -> None:

@@ -15,13 +15,13 @@ from typing import Callable, Optional
 
 import torch
 
+from kvsplice.io.interrupt import EXIT_INTERRUPTED, end_quiet_interrupts
+
 __all__ = ["DTYPES", "EXIT_INTERRUPTED", "EXIT_USAGE", "Parser", "UsageError", "add_device_dtype", "at_command_end",
-           "default_seq_len", "device_dtype", "first_line", "pick_device", "pos_int", "run_cli"]
+           "default_seq_len", "device_dtype", "first_line", "help_text", "pick_device", "pos_int", "run_cli"]
 
 EXIT_USAGE = 2
 """Exit status of every user error (as argparse's own)."""
-EXIT_INTERRUPTED = 130
-"""Exit status after Ctrl-C (128 + SIGINT, as a shell reports it)."""
 
 
 class UsageError(Exception):
@@ -36,6 +36,12 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def help_text(text: str) -> str:
+    """``text`` as an argparse help string shows it: ``%`` escaped (argparse formats help with ``%``, so a value
+    such as ``layers=50%-67%`` interpolated into a help string would break ``--help``)."""
+    return text.replace("%", "%%")
+
+
 def first_line(e: BaseException, limit: int = 300) -> str:
     """The first line of an exception's message, whitespace collapsed, at most ``limit`` characters."""
     text = " ".join(str(e).strip().split("\n")[0].split()) if str(e).strip() else type(e).__name__
@@ -47,8 +53,9 @@ def run_cli(prog: str, body: Callable[[], int], errors: tuple[type[BaseException
     read-only destination), ``ValueError``, ``RecursionError`` (a file nested too deep) and the tool's own
     ``errors`` become one ``PROG: error: ...`` line on stderr and :data:`EXIT_USAGE`; ``KeyboardInterrupt`` one
     ``PROG: interrupted`` line and :data:`EXIT_INTERRUPTED`. The outputs it claimed are released either way
-    (:func:`at_command_end`)."""
+    (:func:`at_command_end`); Ctrl-C during the tool's imports was the same line (:mod:`kvsplice.io.interrupt`)."""
     try:
+        end_quiet_interrupts()
         return body()
     except SystemExit as e:  # --help / --version
         if e.code in (None, 0):

@@ -22,14 +22,17 @@ __all__ = ["find_gguf", "gguf_files", "load_gguf", "refuse_incomplete"]
 
 def refuse_incomplete(info: dict, source: str) -> None:
     """Raise ``ValueError`` when transformers' loading report (``output_loading_info=True``) lists weights the file
-    lacks (transformers would initialise them at random and only warn), holds in excess or with the wrong shape."""
-    for key, what in (("missing_keys", "lacks"), ("unexpected_keys", "holds unexpected"),
-                      ("mismatched_keys", "holds wrongly shaped")):
+    lacks (transformers would initialise them at random and only warn), holds in excess or with the wrong shape (a
+    config.json edited by hand: load with ``ignore_mismatched_sizes=True`` so that they are listed, not raised)."""
+    damaged = "a truncated or damaged file; get it again"
+    for key, what, why in (("missing_keys", "lacks", damaged), ("unexpected_keys", "holds unexpected", damaged),
+                           ("mismatched_keys", "holds wrongly shaped", "its config.json does not describe them (edited "
+                            "by hand?)")):
         names = sorted(str(k[0] if isinstance(k, (tuple, list)) else k) for k in info.get(key) or ())
         if names:
-            more = f", ... ({len(names)} in all)" if len(names) > 3 else ""
-            raise ValueError(f"{source} {what} weights of the model ({', '.join(names[:3])}{more}): a truncated or "
-                             f"damaged file; get it again")
+            shown = 3 if key != "mismatched_keys" else 1  # the reason first fits the one line (300 characters)
+            more = f", ... ({len(names)} in all)" if len(names) > shown else ""
+            raise ValueError(f"{source} {what} weights of the model ({', '.join(names[:shown])}{more}): {why}")
 
 
 def gguf_files(folder: Path) -> list[Path]:

@@ -196,12 +196,16 @@ def _load_hf(name: str, *, local_only: bool, tokenizer: Optional[str], dtype: Op
     # repository's own code (transformers would otherwise stop at an interactive [y/N] prompt)
     if dtype is not None:
         kw["dtype"] = dtype
-    bars = hf_logging.is_progress_bar_enabled()
+    kw["ignore_mismatched_sizes"] = True  # wrongly shaped weights (a hand-edited config.json) are listed in `info`
+    # and refused below in one line, not raised after transformers' multi-line load report
+    bars, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()  # no "Loading weights" bar: the CLIs' stderr stays one error line
+    hf_logging.set_verbosity_error()  # nor the load report (missing / unexpected / mismatched weights: `info`)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(name, output_loading_info=True, **kw)
         model.eval()
     finally:
+        hf_logging.set_verbosity(level)
         if bars:
             hf_logging.enable_progress_bar()
     try:

@@ -7,9 +7,10 @@ through :func:`output_file` / :func:`output_dir` first and writes with :func:`wr
 * the path is resolved first (``~``, ``.``, ``..``, symlinks): ``--out some/dir/..`` *is* ``some``;
 * an output is never an input of the same command, even with ``--force``: not the same file (``--out X.ckpt`` with
   ``--model X.ckpt``, also through a symlink, a hard link or another spelling), not an existing file of an input
-  folder, not a folder that holds an input; an input plan's bases file is an input too (:func:`input_files`), and so
-  is a statistics cache that exists (``--calib-stats``, :func:`cache_file`); two outputs of one command are never the
-  same file;
+  folder, not a folder that holds an input nor one inside an input folder; every file an input names is an input
+  too (:func:`input_files`: a plan's or a spec file's bases, the files of a ``--method`` spec, :class:`SpecArgs`),
+  and so is a statistics cache that exists (``--calib-stats``, :func:`cache_file`); two outputs of one command are
+  never the same file;
 * an output is claimed for the run (:func:`claim`): a second run writing the same file or folder while the first
   one lives is refused; the claim (an exclusive lock on ``.<name>.claim`` beside it, holding the pid) is released
   when the command ends (:func:`release_claims`, called by :func:`kvsplice.io.cli.run_cli` and at exit), and a
@@ -32,19 +33,20 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Mapping, Optional, Union
 
 from kvsplice.io.cli import UsageError, at_command_end
 from models.checkpoint import atomic_write, remove_stale_temp_files, temp_path
 
-__all__ = ["cache_file", "claim", "input_files", "output_dir", "output_file", "out_and_json", "release_claim",
-           "release_claims", "write_dir", "write_json"]
+__all__ = ["SpecArgs", "cache_file", "claim", "input_files", "output_dir", "output_file", "out_and_json",
+           "release_claim", "release_claims", "write_dir", "write_json"]
 
 PathArg = Union[str, "os.PathLike[str]"]
-Inputs = Optional[Mapping[str, Union[None, PathArg, Iterable[PathArg]]]]
-"""``{option: path or paths}`` of a command's inputs, e.g. ``{"--model": args.model, "--bases": args.bases}``;
-``None`` values and names that are no local path (Hub ids) are skipped."""
+Inputs = Optional[Mapping[str, Union[None, PathArg, Iterable[PathArg], "SpecArgs"]]]
+"""``{option: path or paths}`` of a command's inputs, e.g. ``{"--model": args.model, "--bases": args.bases,
+"--method": SpecArgs.of(args.method)}``; ``None`` values and names that are no local path (Hub ids) are skipped."""
 
 
 def _resolve(value: PathArg, option: str) -> Path:
@@ -53,40 +55,42 @@ def _resolve(value: PathArg, option: str) -> Path:
     return Path(value).expanduser().resolve()
 
 
-def _plan_bases(path: Path) -> Optional[Path]:
-    """The bases file a kvsplice plan (JSON, ``"format": "kvsplice-plan"``) names, resolved beside it; ``None`` for
-    any other file."""
-    if path.suffix.lower() != ".json" or not path.is_file() or path.stat().st_size > (1 << 24):
-        return None
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    if not isinstance(doc, dict) or doc.get("format") != "kvsplice-plan":
-        return None
-    if isinstance(doc.get("bases"), str):  # a version-1 plan
-        return (path.parent / doc["bases"]).resolve()
-    todo = [doc.get("spec")]  # a version-2 plan: its spec's (and its store's) bases file
-    while todo:
-        d = todo.pop()
-        if isinstance(d, dict):
-            if isinstance(d.get("bases"), str):
-                return (path.parent / d["bases"]).resolve()
-            todo += [d.get("store")]
-    return None
+@dataclass(frozen=True)
+class SpecArgs:
+    """Method-spec arguments as a command's inputs (``--method``, ``--stores``; give them as
+    ``inputs={"--method": SpecArgs.of(args.method)}``): what they name is read — a spec file or a plan
+    (``plan:P``) and every file the spec names (:func:`kvsplice.core.spec_files.argument_files`), so no output
+    may replace it either."""
+
+    values: tuple[str, ...]
+
+    @classmethod
+    def of(cls, values: Union[None, str, Iterable[str]]) -> "SpecArgs":
+        return cls(() if values is None else (values,) if isinstance(values, str) else tuple(values))
 
 
-def input_files(option: str, value: PathArg) -> list[tuple[str, Path]]:
-    """``[(what, resolved path)]`` a command reads through one input option: the path itself when it exists, and
-    for a plan also the bases file it names."""
+def _existing(found: Iterable[tuple[str, Path]]) -> list[tuple[str, Path]]:
+    return [(what, p) for what, p in found if p.exists()]
+
+
+def input_files(option: str, value: Union[PathArg, SpecArgs]) -> list[tuple[str, Path]]:
+    """``[(what, resolved path)]`` a command reads through one input option: the path itself when it exists and
+    every file it names when it is a spec file or a plan (:func:`kvsplice.core.spec_files.document_files`); for
+    :class:`SpecArgs`, the files each spec argument is or names."""
+    from kvsplice.core.spec_files import argument_files, document_files
+
+    if isinstance(value, SpecArgs):
+        out = []
+        for text in value.values:
+            own, named = argument_files(text)
+            out += [(f"{option} {text}", own)] if own is not None else []
+            out += [(f"{f.name} named by {option} {text}", f) for f in named]
+        return _existing(out)
     p = Path(value).expanduser()
     if not str(value).strip() or not p.exists():
         return []
-    out = [(f"{option} {value}", p.resolve())]
-    bases = _plan_bases(p)
-    if bases is not None and bases.exists():
-        out.append((f"{option} {value}'s bases file", bases))
-    return out
+    return _existing([(f"{option} {value}", p.resolve())] +
+                     [(f"{f.name} named by {option} {value}", f) for f in document_files(p)])
 
 
 def _inputs(inputs: Inputs) -> list[tuple[str, Path]]:
@@ -94,7 +98,7 @@ def _inputs(inputs: Inputs) -> list[tuple[str, Path]]:
     for option, values in (inputs or {}).items():
         if values is None:
             continue
-        for v in [values] if isinstance(values, (str, os.PathLike)) else values:
+        for v in [values] if isinstance(values, (str, os.PathLike, SpecArgs)) else values:
             out += input_files(option, v)
     return out
 
@@ -275,6 +279,8 @@ def output_dir(value: PathArg, *, force: bool, option: str = "--out", inputs: In
     for what, src in _inputs(inputs):
         if _within(src, path):
             raise UsageError(f"{option} {value} contains the input {what}; choose another folder")
+        if src.is_dir() and _within(path, src):
+            raise UsageError(f"{option} {value} is inside the input folder {what}; choose a folder outside it")
     if path.is_dir():
         remove_stale_temp_files(path, path.name)
         entries = sorted(e.name for e in path.iterdir() if not e.name.startswith(f".{path.name}."))

@@ -20,6 +20,7 @@ import torch
 
 from kvsplice.core.method import CompressionMethod
 from kvsplice.core.registry import build_method, check_spec, format_spec, load_spec, needs_prompt, per_prompt
+from kvsplice.core.spec_files import PLAN_PREFIX
 
 __all__ = ["MethodSpec", "parse_method"]
 
@@ -46,10 +47,10 @@ def parse_method(spec: str, tokenizer=None) -> MethodSpec:
     spec = spec.strip()
     if spec == "full":
         return MethodSpec(spec, "full", lambda ids, shared=None: None)
-    if spec.startswith("plan:"):
+    if spec.startswith(PLAN_PREFIX):
         from kvsplice.planning.spec import Plan
 
-        plan = Plan.load(spec[5:])
+        plan = Plan.load(spec[len(PLAN_PREFIX):])
         if needs_prompt(plan.spec) and tokenizer is None:
             raise ValueError(f"method {spec!r}: {plan.label} re-reads its prompt and needs the model's tokenizer")
         keep = float(plan.spec.get("keep", 1.0)) if plan.selects else 1.0

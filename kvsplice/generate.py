@@ -142,6 +142,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ids = torch.tensor([prompt], device=next(model.parameters()).device)  # (1, P)
     method = None  # the full cache
     if args.spec is not None:
+        if args.method:
+            from kvsplice.planning.spec import check_plan_model
+
+            check_plan_model(args.method, model)  # a plan given as a .json spec is checked as --plan is
         method = build_method(args.spec, prompt_ids=ids, tokenizer=tok, base_dir=args.spec_dir)
     elif plan is not None:
         from kvsplice.adapters import model_fingerprint

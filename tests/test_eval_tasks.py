@@ -17,7 +17,7 @@ STORIES = DATA / "stories260K"
 pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file(),
                                 reason=f"stories260K not found under {DATA}")
 
-ARGS = ["--tasks", "passkey", "vartrack", "--lengths", "200", "--n", "2", "--no-progress"]
+ARGS = ["--tasks", "passkey", "vartrack", "--lengths", "410", "--n", "2", "--no-progress"]
 METHODS = ["--method", "int8", "select:observed_attention@x4+int8", "select:kvzip@x2"]
 
 
@@ -26,6 +26,15 @@ def s260k(tmp_path_factory) -> str:
     from kvsplice.convert.llama2c import convert_llama2c
 
     return str(convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", tmp_path_factory.mktemp("s")))
+
+
+@pytest.fixture(scope="module")
+def s260k_fp(s260k) -> str:
+    """The model fingerprint of stories260K (a plan made for it records it)."""
+    from kvsplice.adapters import model_fingerprint
+    from kvsplice.io.loading import load_model
+
+    return model_fingerprint(load_model(s260k).model)
 
 
 def _run(argv, capsys):
@@ -51,7 +60,7 @@ def test_eval_tasks_table_json_and_resume(s260k, tmp_path, capsys, monkeypatch) 
     s = doc["summary"]["agnostic"]
     assert s["full"]["n"] == 4 and s["full"]["ratio"] == pytest.approx(1.0)
     assert s["select:observed_attention@x4+int8"]["ratio"] > 4
-    assert "| passkey/200 |" in stdout and "**agnostic**" in stdout and (tmp_path / "r.md").is_file()
+    assert "| passkey/410 |" in stdout and "**agnostic**" in stdout and (tmp_path / "r.md").is_file()
 
     def refuse(*a, **k):
         raise AssertionError("a finished instance was recomputed")
@@ -91,11 +100,12 @@ def test_eval_tasks_errors_are_one_line(s260k, tmp_path, capsys) -> None:
     assert other.read_text() == '{"something": 1}' and not (tmp_path / "a.json").exists()
 
 
-def test_eval_tasks_runs_a_plan_that_re_reads_its_prompt(s260k, tmp_path, capsys) -> None:
+def test_eval_tasks_runs_a_plan_that_re_reads_its_prompt(s260k, s260k_fp, tmp_path, capsys) -> None:
     """A plan the planner may pick (KVzip over int8 rows) runs per prompt, as the same spec by --method does."""
     from kvsplice.planning.spec import Plan
 
-    Plan({"name": "kvzip", "keep": 0.5, "store": {"name": "dense", "cache_quant": "int8"}}).save(tmp_path / "p.json")
+    Plan({"name": "kvzip", "keep": 0.5, "store": {"name": "dense", "cache_quant": "int8"}}, s260k_fp).save(
+        tmp_path / "p.json")
     common = ["--model", s260k, "--tasks", "passkey", "--lengths", "160", "--n", "1", "--setting", "agnostic",
               "--no-progress"]
     rc, _, err = _run([*common, "--plan", tmp_path / "p.json", "--method", "select:kvzip@0.5+int8", "--out",
@@ -105,7 +115,7 @@ def test_eval_tasks_runs_a_plan_that_re_reads_its_prompt(s260k, tmp_path, capsys
         plan, spec = outs[f"plan:{tmp_path / 'p.json'}"], outs["select:kvzip@0.5+int8"]
         assert plan["tokens"] == spec["tokens"] and plan["cache_bytes"] == spec["cache_bytes"] < outs["full"][
             "cache_bytes"]
-    Plan({"name": "kvzip", "heads": "union", "keep": 0.25}).save(tmp_path / "p.json")  # the plan made again
+    Plan({"name": "kvzip", "heads": "union", "keep": 0.25}, s260k_fp).save(tmp_path / "p.json")  # made again
     rc, _, err = _run([*common, "--plan", tmp_path / "p.json", "--out", tmp_path / "k.json"], capsys)
     assert rc == 0 and "its results are run again" in err
     doc = json.loads((tmp_path / "k.json").read_text())

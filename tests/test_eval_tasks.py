@@ -93,6 +93,9 @@ def test_eval_tasks_errors_are_one_line(s260k, tmp_path, capsys) -> None:
         (["--model", s260k, "--method", "int8", "--tasks", "story_qa", "--out", tmp_path / "a.json"], "--stories"),
         (["--model", s260k, "--method", "int8", *ARGS, "--lengths", "100000", "--out", tmp_path / "a.json"],
          "positions"),
+        (["--model", s260k, "--method", "int8", *ARGS, "--lengths", "64", "--out", tmp_path / "a.json"],
+         "--lengths: passkey at length 64 builds prompts of up to 160 tokens"),
+        (["--model", s260k, "--method", "", *ARGS, "--out", tmp_path / "a.json"], "--method is empty"),
     ]
     for argv, words in cases:
         rc, stdout, err = _run(argv, capsys)
@@ -124,3 +127,26 @@ def test_eval_tasks_runs_a_plan_that_re_reads_its_prompt(s260k, s260k_fp, tmp_pa
         again, spec = outs[f"plan:{tmp_path / 'p.json'}"], outs["select:kvzip@0.5+int8"]
         assert again["cache_bytes"] != spec["cache_bytes"] and again["n_compressed"] == spec["n_compressed"]
         assert again["fp16_bytes"] < 0.3 * outs["full"]["fp16_bytes"]  # measured anew: a quarter of the prompt kept
+
+
+def test_eval_tasks_checks_a_plans_model(s260k, s260k_fp, tmp_path, capsys) -> None:
+    """A plan of another model, or one that does not say which, is refused by --plan and as a --method spec file
+    (the check generate and eval_bases make); this model's plan runs either way."""
+    from kvsplice.planning.spec import Plan
+
+    common = ["--model", s260k, "--tasks", "passkey", "--lengths", "160", "--n", "1", "--setting", "agnostic",
+              "--no-progress", "--out", tmp_path / "r.json"]
+    spec = {"name": "token_selection", "selector": "snapkv", "keep": 0.5}
+    other = Plan(spec, "llama-0000000000000000").save(tmp_path / "other.json")
+    none = Plan(spec).save(tmp_path / "none.json")
+    for option in ("--plan", "--method"):
+        rc, _, err = _run([*common, option, other], capsys)
+        assert rc == 2 and err.count("\n") == 1 and "made for model llama-0000000000000000" in err, err
+        rc, _, err = _run([*common, option, none], capsys)
+        assert rc == 2 and err.count("\n") == 1 and "records no model_fingerprint" in err, err
+    assert not (tmp_path / "r.json").exists()
+    mine = Plan(spec, s260k_fp).save(tmp_path / "mine.json")
+    rc, _, err = _run([*common, "--method", mine], capsys)
+    assert rc == 0, err
+    outs = next(iter(json.loads((tmp_path / "r.json").read_text())["results"]["agnostic"].values()))
+    assert outs[str(mine)]["cache_bytes"] < outs["full"]["cache_bytes"]

@@ -184,7 +184,27 @@ def _args(text: Optional[str], where: str) -> dict[str, Any]:
         key, eq, val = part.partition("=")
         if not eq or not key.strip():
             raise MethodSpecError(f"{where}: arguments are KEY=VALUE separated by commas, got {part!r}")
-        out[key.strip()] = _value(val)
+        out = _merge(out, {key.strip(): _value(val)}, where)
+    return out
+
+
+def _merge(spec: dict[str, Any], more: dict[str, Any], where: str) -> dict[str, Any]:
+    """``spec`` with the arguments ``more``; an argument given twice (``heads=pooled,heads=union``, an alias's own
+    field, ``NAME:FILE`` and the file's argument, ``+int8`` and ``cache_quant``) is refused, never the last one
+    kept."""
+    twice = sorted(set(spec) & set(more))
+    if twice:
+        raise MethodSpecError(f"{where}: {', '.join(twice)} given twice; give each argument once")
+    return {**spec, **more}
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' ``object_pairs_hook``: an object with a repeated key is refused (JSON keeps the last)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise MethodSpecError(f"the method spec gives {k!r} twice; give each argument once")
+        out[k] = v
     return out
 
 
@@ -203,10 +223,14 @@ def parse_amount(s: str, text: str) -> dict[str, Any]:
 
 def parse_spec(text: str) -> dict[str, Any]:
     """The dict spec of the short form ``text`` (see the module docstring); a string starting with ``{`` is JSON."""
+    if not isinstance(text, str) or not text.strip():
+        raise MethodSpecError("the method spec is empty: give a method (e.g. int8, kivi4, select:snapkv@0.25+int8)")
     text = text.strip()
     if text.startswith("{"):
         try:
-            spec = json.loads(text)
+            spec = json.loads(text, object_pairs_hook=_unique_keys)
+        except MethodSpecError:
+            raise
         except ValueError as e:
             raise MethodSpecError(f"the method spec is not valid JSON: {str(e).splitlines()[0]}") from None
         if not isinstance(spec, dict):
@@ -217,12 +241,12 @@ def parse_spec(text: str) -> dict[str, Any]:
         _load_builtins()
         cls = None if m["sel"] in SELECTORS else METHODS.get(m["sel"])
         if getattr(cls, "select_form", False):  # a selection that scores by a pass of its own (kvzip)
-            spec = {"name": m["sel"], **_args(m["args"], text), **parse_amount(m["amount"], text)}
+            spec = _merge({"name": m["sel"], **_args(m["args"], text)}, parse_amount(m["amount"], text), text)
         else:
-            spec = {"name": "token_selection", "selector": {"name": m["sel"], **_args(m["args"], text)},
+            spec = {"name": "token_selection", "selector": _merge({"name": m["sel"]}, _args(m["args"], text), text),
                     **parse_amount(m["amount"], text)}
         if m["store"]:
-            spec["store"] = _parse_method(m["store"], text)
+            spec = _merge(spec, {"store": _parse_method(m["store"], text)}, text)
         return spec
     if text.startswith("select:"):
         raise MethodSpecError(f"{text!r}: a selection is select:SELECTOR@AMOUNT[+STORE], e.g. "
@@ -243,11 +267,11 @@ def _parse_method(part: str, text: str) -> dict[str, Any]:
             raise MethodSpecError(f"{text!r}: {spec['name']} takes no file (NAME:FILE is for "
                                   f"{', '.join(n for n, c in METHODS.items() if getattr(c, 'spec_files', ()))})")
         spec[files[0]] = m["file"].strip()
-    spec.update(_args(m["args"], text))
+    spec = _merge(spec, _args(m["args"], text), repr(text))
     for mod in filter(None, m["mods"].split("+")):
         if mod != "int8":
             raise MethodSpecError(f"{text!r}: the only modifier is +int8 (int8 storage), got +{mod}")
-        spec["cache_quant"] = "int8"
+        spec = _merge(spec, {"cache_quant": "int8"}, repr(text))
     return spec
 
 
@@ -304,7 +328,9 @@ def load_spec(arg: str) -> tuple[dict[str, Any], Optional[Path]]:
         if not path.is_file():
             raise MethodSpecError(f"method spec file not found: {arg}")
         try:
-            spec = json.loads(path.read_text(encoding="utf-8"))
+            spec = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
+        except MethodSpecError as e:
+            raise MethodSpecError(f"{arg}: {e}") from None
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise MethodSpecError(f"cannot read the method spec {arg}: {str(e).splitlines()[0]}") from None
         if isinstance(spec, dict) and isinstance(spec.get("spec"), dict):  # a document that carries a spec

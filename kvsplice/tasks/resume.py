@@ -31,9 +31,10 @@ from kvsplice.tasks.results_schema import FORMAT, check_results_doc, instance_ke
 
 __all__ = ["SAME", "load_results", "resume"]
 
-SAME: dict[str, str] = {"model_fingerprint": "--model", "tokenizer_fingerprint": "--tokenizer",
-                        "stories_digest": "--stories", "door": "--door", "dtype": "--dtype"}
-"""Recorded setting → the option that sets it: settings a resumed run must share with the file."""
+SAME: dict[str, str] = {"door": "--door", "dtype": "--dtype", "model_fingerprint": "--model",
+                        "tokenizer_fingerprint": "--tokenizer", "stories_digest": "--stories"}
+"""Recorded setting → the option that sets it: settings a resumed run must share with the file (checked in this
+order: another dtype changes the model's fingerprint too, and is named first)."""
 _START_OVER = "use --force to start over, or another --out"
 
 

@@ -387,3 +387,26 @@ def test_plan_refuses_stories_that_are_not_text(tmp_path, capsys):
     assert plan_cli.main(argv) == 2
     one_line(capsys, "plan", "stories")
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_plan_is_checked_against_the_model_by_every_door(s260k, planned, tmp_path, capsys):
+    """A plan of another model, or one without model_fingerprint, is refused by generate and eval_bases whether
+    given as --plan or as a --method spec file; this model's plan given as --method runs."""
+    doc = json.loads((planned / "plan.json").read_text())
+    other, none = tmp_path / "other.json", tmp_path / "none.json"
+    other.write_text(json.dumps({**doc, "model_fingerprint": "llama-0000000000000000"}))
+    none.write_text(json.dumps({k: v for k, v in doc.items() if k != "model_fingerprint"}))
+    for f in ("plan.bases.safetensors",):
+        if (planned / f).is_file():
+            (tmp_path / f).write_bytes((planned / f).read_bytes())
+    gen = ["--prompt", "Once upon a time", "--max-new-tokens", "2"]
+    ev = ["--data", str(EVAL), "--tokens", "512", "--seq-len", "256", "--no-progress"]
+    for prog, cli, extra in (("generate", generate, gen), ("eval_bases", eval_bases, ev)):
+        for option in ("--plan", "--method"):
+            for plan, needle in ((other, "made for model llama-0000000000000000"),
+                                 (none, "records no model_fingerprint")):
+                capsys.readouterr()
+                assert cli.main(["--model", str(s260k), option, str(plan), *extra]) == 2
+                one_line(capsys, prog, needle)
+    capsys.readouterr()
+    assert generate.main(["--model", str(s260k), "--method", str(planned / "plan.json"), *gen]) == 0

@@ -86,7 +86,11 @@ def test_eval_tasks_hf_door_matches_decoder(s260k, tmp_path, capsys) -> None:
 def test_eval_tasks_errors_are_one_line(s260k, tmp_path, capsys) -> None:
     other = tmp_path / "other.json"
     other.write_text('{"something": 1}')
+    binary = tmp_path / "stories.txt"
+    binary.write_bytes(bytes(range(256)) * 64)
     cases = [
+        (["--model", s260k, "--method", "int8", *ARGS, "--stories", binary, "--out", tmp_path / "a.json"],
+         "stories"),
         (["--model", s260k, *ARGS, "--out", tmp_path / "a.json"], "--plan"),
         (["--model", s260k, "--method", "kivi3", *ARGS, "--out", tmp_path / "a.json"], "unknown method 'kivi3'"),
         (["--model", s260k, "--method", "int8", *ARGS, "--out", other], "not an eval_tasks result"),

@@ -123,6 +123,7 @@ EDITS = {
     "n_compressed 0": (lambda d: _first(d)["full"].update(n_compressed=0), "n_compressed must be an integer >= 1"),
     "bytes negative": (lambda d: _first(d)["full"].update(fp16_bytes=-1), "fp16_bytes must be a finite number"),
     "bad key": (lambda d: d["results"]["agnostic"].update({"passkey": {}}), "is not task/length/seed"),
+    "key spelled otherwise": (lambda d: d["results"]["agnostic"].update({"passkey/0160/0": {}}), "do not list"),
     "version 1": (lambda d: d.update(version=1), "version 1"),
     "prompt changed": (lambda d: d["instances"].update({k: "0" * 16 for k in d["instances"]}), "prompt differs"),
 }

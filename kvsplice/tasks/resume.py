@@ -80,11 +80,11 @@ def _check_extent(doc: dict, header: dict, path: Path) -> None:
                                  f"{seeds.start}..{seeds.stop - 1} (--seed0 {header['seed0']} --n {header['n']}); "
                                  f"give --seed0/--n that cover seeds {doc['seed0']}..{doc['seed0'] + doc['n'] - 1}, "
                                  f"or {_START_OVER}")
-            old = doc["instances"].get(key)
-            if old is None:
-                raise UsageError(f"--out {path} cannot be resumed: results hold instance {key} that its instances "
-                                 f"do not list; {_START_OVER}")
-            if old != header["instances"][key]:
+            old, new = doc["instances"].get(key), header["instances"].get(key)
+            if old is None or new is None:  # not listed, or spelled otherwise ("passkey/0160/0")
+                raise UsageError(f"--out {path} cannot be resumed: results hold instance {key!r} that its instances "
+                                 f"do not list as eval_tasks writes them; {_START_OVER}")
+            if old != new:
                 raise UsageError(f"--out {path}: instance {key}'s prompt differs from the one its answers were given "
                                  f"to (the task generators changed?); {_START_OVER}")
 

@@ -24,7 +24,6 @@ The ``decoder`` door shares one exact prefill between the full cache and every t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path

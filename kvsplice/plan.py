@@ -20,8 +20,10 @@ tuning windows from the calibration text *after* the calibration tokens (``--tun
 (:mod:`kvsplice.planning.search`: over the ``--stores`` specs, default the built-in list, each alone or under a
 token selection); write ``--out`` (JSON: the method spec, the budget, every candidate's measurement) and,
 when the stack has low rank, its bases beside it (``<out>.bases.safetensors``). The budget is bytes per prompt
-token at fp16 (``--ratio R``: the fp16 full K/V cache's ``2·L·Hkv·d·2`` bytes divided by R). Errors: one line,
-exit status 2; ``--out`` is never overwritten without ``--force``.
+token at fp16 (``--ratio R``: the fp16 full K/V cache's ``2·L·Hkv·d·2`` bytes divided by R > 1; a budget at or
+above the full cache is refused: nothing to compress). A ``--calib`` text with fewer tokens than ``--calib-tokens``
++ ``--tune-tokens`` is refused (never calibrated on what there is); ``--stories`` must be text (the check every
+command's text reader makes). Errors: one line, exit status 2; ``--out`` is never overwritten without ``--force``.
 """
 
 from __future__ import annotations

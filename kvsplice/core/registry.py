@@ -34,6 +34,9 @@ A token selection takes ``budget`` (prompt tokens kept per KV head) or ``keep`` 
 ``kivi8`` = KIVI at those bits, ``kivi2h`` … = KIVI over Hadamard-rotated K/V (``kivi_rotated``), ``kivi2p`` … =
 KIVI with keys quantised before RoPE (``kivi_prerope``); an alias takes arguments too (``kivi4(residual=32)``). A
 FILE or VALUE may not contain ``+ ( ) , @``: use the dict form (a JSON file: ``--method spec.json``) for those.
+Each argument is given once: a repeated key (``heads=pooled,heads=union``, a repeated JSON key), an alias's own
+field (``kivi4(bits=2)``), ``NAME:FILE`` with the file argument again, ``+int8`` with ``cache_quant`` — and an empty
+spec — are refused, never resolved by keeping the last.
 Errors are one line (:class:`MethodSpecError`, a ``ValueError``) naming the known names.
 
 The built-in method and selector modules are imported on first use (:data:`BUILTIN_MODULES`, by name: the registry

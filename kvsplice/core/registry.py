@@ -54,6 +54,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
+from kvsplice.core.spec_args import MethodSpecError, args_of as _args, merge as _merge, unique_keys as _unique_keys
+
 __all__ = ["ALIASES", "BUILTIN_MODULES", "METHODS", "MethodSpecError", "SELECTORS", "build_method", "parse_amount",
            "build_selector", "check_spec", "format_spec", "load_spec", "method_names", "needs_prompt",
            "parse_selector", "per_prompt", "parse_spec", "select_names", "register", "selector_names", "spec_of"]
@@ -80,10 +82,6 @@ ALIASES: dict[str, dict[str, Any]] = {
 """Short-form names that stand for a spec (never a registered name)."""
 
 Spec = Union[str, dict]
-
-
-class MethodSpecError(ValueError):
-    """A spec that names no registered method, or gives it arguments it does not take; one line."""
 
 
 def register(kind: str, cls: type) -> None:
@@ -165,50 +163,6 @@ _METHOD = re.compile(r"(?P<name>[A-Za-z][A-Za-z0-9_-]*)(?::(?P<file>[^+()@,]+))?
                      r"(?P<mods>(?:\+[A-Za-z0-9_]+)*)")
 _SELECT = re.compile(r"select:(?P<sel>[A-Za-z][A-Za-z0-9_-]*)(?:\((?P<args>[^()]*)\))?@(?P<amount>x?[0-9.eE]+%?)"
                      r"(?:\+(?P<store>.+))?")
-
-
-def _value(s: str) -> Any:
-    low = s.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for cast in (int, float):
-        try:
-            return cast(s)
-        except ValueError:
-            pass
-    return s.strip()
-
-
-def _args(text: Optional[str], where: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for part in filter(None, (p.strip() for p in (text or "").split(","))):
-        key, eq, val = part.partition("=")
-        if not eq or not key.strip():
-            raise MethodSpecError(f"{where}: arguments are KEY=VALUE separated by commas, got {part!r}")
-        out = _merge(out, {key.strip(): _value(val)}, where)
-    return out
-
-
-def _merge(spec: dict[str, Any], more: dict[str, Any], where: str) -> dict[str, Any]:
-    """``spec`` with the arguments ``more``; an argument given twice (``heads=pooled,heads=union``, an alias's own
-    field, ``NAME:FILE`` and the file's argument, ``+int8`` and ``cache_quant``) is refused, never the last one
-    kept."""
-    twice = sorted(set(spec) & set(more))
-    if twice:
-        raise MethodSpecError(f"{where}: {', '.join(twice)} given twice; give each argument once")
-    return {**spec, **more}
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``json.loads``' ``object_pairs_hook``: an object with a repeated key is refused (JSON keeps the last)."""
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise MethodSpecError(f"the method spec gives {k!r} twice; give each argument once")
-        out[k] = v
-    return out
 
 
 def parse_amount(s: str, text: str) -> dict[str, Any]:

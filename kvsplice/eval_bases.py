@@ -277,9 +277,16 @@ def _main_spec(args: argparse.Namespace) -> int:
 
     if args.bases:
         raise EvalError("give --method SPEC or --bases, not both (a spec names its bases: lowrank:FILE)")
+    from kvsplice.planning.spec import check_plan_model
+
     spec, base_dir = load_spec(args.method)
     check_spec(spec, base_dir=base_dir)  # fail fast, before the model loads
-    return _report(args, lambda ctx: eval_spec(ctx, args, spec, base_dir))
+
+    def run(ctx: EvalContext) -> list[dict[str, Any]]:
+        check_plan_model(args.method, ctx.model)  # a plan given as a .json spec is checked as --plan is
+        return eval_spec(ctx, args, spec, base_dir)
+
+    return _report(args, run)
 
 
 def _report(args: argparse.Namespace, run: Callable[[EvalContext], list]) -> int:

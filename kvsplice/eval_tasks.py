@@ -13,7 +13,10 @@ the full cache is always run beside them. Settings: query-**agnostic** (context 
 query-**aware** (the question compressed with the context). Greedy answers, exact-match scores.
 
 ``--out`` is resumable: rerun the same command and the finished instances are kept (the file is rewritten
-atomically after every instance); a file of another model or another kind is refused, ``--force`` starts over.
+atomically after every instance). The file records every setting that determines its answers; a rerun with another
+model, tokenizer, stories text, door or dtype is refused, and one with other tasks, lengths, seeds or settings only
+when it adds instances (:mod:`kvsplice.tasks.resume`; docs/eval_tasks_resume.md); ``--force`` starts over.
+A length must hold each task's prompt: a length shorter than a task's shortest prompt is refused, naming it.
 The ``decoder`` door shares one exact prefill between the full cache and every token selection
 (:func:`kvsplice.tasks.shared.answer_many`); ``--door hf`` runs each method through transformers' ``generate()``.
 """
@@ -26,7 +29,6 @@ PROG = "eval_tasks"
 quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -36,8 +38,7 @@ import torch
 
 from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
 from kvsplice.io.outputs import SpecArgs, output_file, write_json
-
-FORMAT = "kvsplice-eval-tasks"
+from kvsplice.tasks.results_schema import FORMAT
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,57 +73,51 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _specs(args, tokenizer) -> dict:
+def _specs(args, tokenizer, model) -> dict:
+    """``{spec: MethodSpec}`` of the full cache, ``--plan`` and ``--method`` (a plan — by either option — must be
+    this model's)."""
     from kvsplice.tasks.methods import parse_method
 
     specs = {"full": parse_method("full")}
     for p in args.plan:
         if not Path(p).is_file():
             raise UsageError(f"--plan file not found: {p}")
-        specs[f"plan:{p}"] = parse_method(f"plan:{p}", tokenizer)
+        specs[f"plan:{p}"] = parse_method(f"plan:{p}", tokenizer, model)
     for s in args.method:
+        if not s.strip():
+            raise UsageError("--method is empty: give a method spec (e.g. int8, kivi4, select:snapkv@x4)")
         try:
-            specs[s] = parse_method(s, tokenizer)
+            specs[s] = parse_method(s, tokenizer, model)
         except ValueError as e:
             raise UsageError(f"--method {e}") from None
     return specs
 
 
-def _resume(path: Path, force: bool, header: dict) -> dict:
-    """The finished results of ``path`` (and, into ``header``, the labels of methods run before). A method whose
-    spec now names another method (``plan:PATH`` of a plan made again: another label) loses its old results."""
-    if force or not path.exists():
-        return {}
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        doc = None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise UsageError(f"--out {path} exists and is not an eval_tasks result (use --force to replace it)")
-    if doc.get("model_fingerprint") != header["model_fingerprint"]:
-        raise UsageError(f"--out {path} holds results of another model ({doc.get('model')}); use --force or "
-                         f"another file")
-    before = doc.get("methods", {})
-    changed = {k for k, label in header["methods"].items() if k in before and before[k] != label}
-    results = doc.get("results", {})
-    for k in sorted(changed):  # the same spec names another method now (a plan file made again): run it again
-        print(f"eval_tasks: {k} was {before[k]!r}, now {header['methods'][k]!r}: its results are run again",
-              file=sys.stderr)
-        for by_inst in results.values():
-            for outs in by_inst.values():
-                outs.pop(k, None)
-    header["methods"] = {**before, **header["methods"]}
-    return results
+def _header(args, model, tok, specs: dict, insts: list, settings: tuple) -> dict:
+    """What produced the output (:mod:`kvsplice.tasks.provenance`): every setting that determines its answers."""
+    from kvsplice.adapters import model_fingerprint
+    from kvsplice.tasks.provenance import file_digest, instance_digest, method_files, tokenizer_fingerprint
+    from kvsplice.tasks.results_schema import VERSION
+
+    return {"format": FORMAT, "version": VERSION, "model": args.model, "model_fingerprint": model_fingerprint(model),
+            "tokenizer": args.tokenizer, "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+            "stories": args.stories, "stories_digest": file_digest(args.stories) if args.stories else None,
+            "door": args.door, "dtype": args.dtype, "tasks": list(args.tasks), "lengths": list(args.lengths),
+            "n": args.n, "seed0": args.seed0, "settings": list(settings),
+            "instances": {i.key: instance_digest(tok, i) for i in insts},
+            "methods": {k: s.label for k, s in specs.items()},
+            "method_files": {k: method_files(list(s.files)) for k, s in specs.items()}}
 
 
 def run(args: argparse.Namespace) -> dict:
-    from kvsplice.adapters import model_fingerprint
     from kvsplice.io.loading import load_model
+    from kvsplice.tasks.haystack import check_stories
     from kvsplice.tasks.instance import SETTINGS
     from kvsplice.tasks.report import markdown, summarize
+    from kvsplice.tasks.resume import resume
     from kvsplice.tasks.runner import answer
     from kvsplice.tasks.shared import answer_many
-    from kvsplice.tasks.suite import NEEDS_STORIES, TUNING_SEED0, make_instances
+    from kvsplice.tasks.suite import NEEDS_STORIES, TUNING_SEED0, check_lengths, make_instances
 
     if args.seed0 < 0 or args.seed0 + args.n > TUNING_SEED0:
         raise UsageError(f"--seed0 {args.seed0}: reported instances use seeds 0 .. {TUNING_SEED0 - 1} (tuning "
@@ -130,30 +125,32 @@ def run(args: argparse.Namespace) -> dict:
     need = sorted(set(args.tasks) & NEEDS_STORIES)
     if need and not args.stories:
         raise UsageError(f"--tasks {' '.join(need)} need --stories (a TinyStories text file)")
-    if args.stories and not Path(args.stories).is_file():
-        raise UsageError(f"--stories file not found: {args.stories}")
+    if args.stories:
+        check_stories(args.stories, "--stories")
     device, dtype = device_dtype(args)
     loaded = load_model(args.model, tokenizer=args.tokenizer, dtype=dtype, device=device)
     model, tok = loaded.model, loaded.tokenizer
     if loaded.max_positions is not None and max(args.lengths) > loaded.max_positions:
         raise UsageError(f"--lengths {max(args.lengths)} exceeds the model's {loaded.max_positions} positions")
-    specs = _specs(args, tok)
+    specs = _specs(args, tok, model)
     from kvsplice.adapters.registry import adapter_for
     from kvsplice.decode.native import OWN_ATTENTION
 
     if adapter_for(model).name in OWN_ATTENTION and set(specs) != {"full"}:
         raise UsageError(f"--model {args.model} decodes with its own cache (a converted MLA model): --method full "
                          f"measures that cache; the compression methods need the source model")
-    header = {"format": FORMAT, "version": 1, "model": args.model, "model_fingerprint": model_fingerprint(model),
-              "tasks": args.tasks, "lengths": args.lengths, "n": args.n, "seed0": args.seed0, "door": args.door,
-              "stories": args.stories, "methods": {k: s.label for k, s in specs.items()}}
-    out = Path(args.out)
-    results = _resume(out, args.force, header)
     settings = SETTINGS if args.setting == "both" else (args.setting,)
     try:
         insts = make_instances(args.tasks, tok, args.lengths, args.n, seed0=args.seed0, stories=args.stories)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    try:
+        check_lengths(insts)
+    except ValueError as e:
+        raise UsageError(f"--lengths: {e}") from None
+    header = _header(args, model, tok, specs, insts, settings)
+    out = Path(args.out)
+    results = resume(out, args.force, header)
     jobs = [(s, i) for s in settings for i in insts]
     from tqdm.auto import tqdm
 

@@ -104,7 +104,7 @@ def _spec(args: argparse.Namespace) -> tuple[Optional[dict], Optional[Path]]:
     cache or ``--plan``), and the folder its files are read from."""
     from kvsplice.core.registry import check_spec, load_spec
 
-    if args.method:
+    if args.method is not None:  # an empty spec is refused, never read as "no method" (the full cache)
         spec, base_dir = load_spec(args.method)
         return check_spec(spec, base_dir=base_dir), base_dir  # fail fast, before the model loads
     if args.bases:
@@ -145,6 +145,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ids = torch.tensor([prompt], device=next(model.parameters()).device)  # (1, P)
     method = None  # the full cache
     if args.spec is not None:
+        if args.method is not None:
+            from kvsplice.planning.spec import check_plan_model
+
+            check_plan_model(args.method, model)  # a plan given as a .json spec is checked as --plan is
         method = build_method(args.spec, prompt_ids=ids, tokenizer=tok, base_dir=args.spec_dir)
     elif plan is not None:
         from kvsplice.adapters import model_fingerprint

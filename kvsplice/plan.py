@@ -20,8 +20,10 @@ tuning windows from the calibration text *after* the calibration tokens (``--tun
 (:mod:`kvsplice.planning.search`: over the ``--stores`` specs, default the built-in list, each alone or under a
 token selection); write ``--out`` (JSON: the method spec, the budget, every candidate's measurement) and,
 when the stack has low rank, its bases beside it (``<out>.bases.safetensors``). The budget is bytes per prompt
-token at fp16 (``--ratio R``: the fp16 full K/V cache's ``2·L·Hkv·d·2`` bytes divided by R). Errors: one line,
-exit status 2; ``--out`` is never overwritten without ``--force``.
+token at fp16 (``--ratio R``: the fp16 full K/V cache's ``2·L·Hkv·d·2`` bytes divided by R > 1; a budget at or
+above the full cache is refused: nothing to compress). A ``--calib`` text with fewer tokens than ``--calib-tokens``
++ ``--tune-tokens`` is refused (never calibrated on what there is); ``--stories`` must be text (the check every
+command's text reader makes). Errors: one line, exit status 2; ``--out`` is never overwritten without ``--force``.
 """
 
 from __future__ import annotations
@@ -58,6 +60,16 @@ def _pos_float(s: str) -> float:
     return v
 
 
+def _ratio(s: str) -> float:
+    """argparse type: how many times smaller than the fp16 full cache, a finite number > 1 (a ratio <= 1 is a budget
+    at or above the full cache: nothing to compress)."""
+    v = float(s)
+    if not (v > 1 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be > 1 and finite (times smaller than the fp16 full cache; <= 1 is a "
+                                         f"budget at or above the full cache), got {s}")
+    return v
+
+
 def _nonneg_float(s: str) -> float:
     """argparse type: a finite number >= 0."""
     v = float(s)
@@ -87,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib", required=True, help="calibration text (.txt/.json/.jsonl, folder, or dataset id)")
     b = p.add_mutually_exclusive_group(required=True)
     b.add_argument("--budget-bytes-per-token", type=_pos_float, help="cache bytes per prompt token (fp16 storage)")
-    b.add_argument("--ratio", type=_pos_float, help="times smaller than the fp16 full K/V cache")
+    b.add_argument("--ratio", type=_ratio, help="times smaller than the fp16 full K/V cache (> 1)")
     p.add_argument("--calib-tokens", type=pos_int, default=32768, help="calibration tokens (default 32768)")
     p.add_argument("--calib-stats", help="calibration statistics: reused when the file exists, written otherwise")
     p.add_argument("--tune-tokens", type=pos_int, default=2048, help="tuning tokens after the calibration tokens "
@@ -149,13 +161,20 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
     need = args.calib_tokens + args.tune_tokens
     ids, _ = token_stream(iter_texts(args.calib, option="calib", split="train"), loaded.tokenizer, need,
                           progress=progress, desc="tokenize calib")
-    n_cal = min(args.calib_tokens, ids.numel() - args.tune_tokens)
-    if n_cal < seq or ids.numel() - n_cal < seq:
-        raise UsageError(f"--calib {args.calib}: {ids.numel()} tokens, too few for {args.calib_tokens} calibration + "
-                         f"{args.tune_tokens} tuning tokens in windows of {seq}")
+    if ids.numel() < need:  # never calibrate on fewer tokens than asked
+        raise UsageError(f"--calib {args.calib}: {ids.numel()} tokens, fewer than --calib-tokens {args.calib_tokens} "
+                         f"+ --tune-tokens {args.tune_tokens} = {need}; give more text or smaller counts")
+    n_cal = args.calib_tokens
+    if n_cal < seq or args.tune_tokens < seq:
+        raise UsageError(f"--calib-tokens {args.calib_tokens} and --tune-tokens {args.tune_tokens} must each hold a "
+                         f"window of --seq-len {seq}")
     tune = ids[n_cal:n_cal + args.tune_tokens]
     tune = tune[: (tune.numel() // seq) * seq].view(-1, seq)  # (N, T) tuning windows
     adapter = adapter_for(model)
+    full_bpt = full_bytes_per_token(adapter)
+    if args.budget_bytes_per_token is not None and args.budget_bytes_per_token >= full_bpt:
+        raise UsageError(f"--budget-bytes-per-token {args.budget_bytes_per_token:g} is at least the fp16 full cache's "
+                         f"{full_bpt:g} bytes per token: nothing to compress; give a smaller budget")
     stores = [s for x in _store_specs(args.stores) for s in
               (candidate_stores(adapter.has_rope, adapter.head_dim, rotary_dim=adapter.rotary_dim)
                if x == DEFAULT_STORES else [x])]
@@ -167,7 +186,6 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
                                       "calibration_source": str(args.calib), "calibration_tokens": n_cal,
                                       "seq_len": seq}, progress=progress, replace=args.force)
     calib_s = time.perf_counter() - t0
-    full_bpt = full_bytes_per_token(adapter)
     budget = args.budget_bytes_per_token or full_bpt / args.ratio
     log = print if progress else (lambda s: None)
     task_eval, tune_info = _task_eval(args, model, loaded.tokenizer, seq, progress, loaded.max_positions)
@@ -274,6 +292,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
               "--calib-stats": args.calib_stats, "--stories": args.stories,  # an existing stats file is an input
               "--stores": SpecArgs.of(args.stores)}
     _store_specs(args.stores)  # fail fast, before the model loads
+    if args.stories:
+        from kvsplice.tasks.haystack import check_stories
+
+        check_stories(args.stories, "--stories")  # text, as every command's text reader checks it
     _check_tune_tasks(args)
     out = output_file(args.out, force=args.force, inputs=inputs)
     bases_out = out.with_name(out.stem + ".bases.safetensors")

@@ -125,6 +125,14 @@ def convert_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], di
             raise UsageError(f"--d-latent {args.d_latent}: the MLA model's latent is {cfg.d_latent} (leave it out)")
     if args.d_latent is not None and args.d_latent > cfg.d_model:
         raise UsageError(f"--d-latent {args.d_latent} is larger than d_model={cfg.d_model}")
+    if args.kvsplice_ratio is not None:  # at least one whole latent dimension, checked before calibrating
+        from kvsplice.convert.kvsplice_ratio import kept_dims
+
+        try:
+            kept_dims(args.kvsplice_ratio, args.d_latent if cfg.attention == "mha" else cfg.d_latent,
+                      "--kvsplice-ratio")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.kvsplice_ratio is not None and args.kvsplice_init == "pca" and not args.calib:
         raise UsageError("--kvsplice-init pca needs --calib TEXT (the latents' principal directions), or use "
                          "--kvsplice-init random")

@@ -117,6 +117,8 @@ def test_kvsplice_pca_of_the_latent_is_the_smaller_conversion(tiny):
     with pytest.raises(ValueError, match="RMSNorm"):
         normed = convert_llama(src, stats, d_latent=40, rope_dims=4, layout="shared", latent_norm=True)
         shrink_latent(normed, 0.5, latent_gram(normed, [calib]))
+    with pytest.raises(ValueError, match="at least one whole dimension"):  # 40 · 0.001: never rounded up to 1
+        shrink_latent(big, 0.001, latent_gram(big, [calib]))
 
 
 def test_model_folder_round_trip_and_decoder(tiny, tmp_path):

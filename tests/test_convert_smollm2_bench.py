@@ -32,7 +32,7 @@ def test_convert_smollm2_smoke(tmp_path):
     bench = load_benchmark("convert_smollm2")
     out, work = tmp_path / "res", tmp_path / "work"
     args = ["--smoke", "--ratios", "4", "--calib-tokens", "2048", "--finetune-steps", "2", "--tasks",
-            "--task-length", "160", "--task-n", "1", "--work", str(work), "--out", str(out)]
+            "--task-length", "256", "--task-n", "1", "--work", str(work), "--out", str(out)]
     assert bench.main(args) == 0
     report = json.loads(out.with_suffix(".json").read_text())
     rows = {r["key"]: r for r in report["rows"]}

@@ -17,7 +17,7 @@ STORIES = DATA / "stories260K"
 pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file(),
                                 reason=f"stories260K not found under {DATA}")
 
-ARGS = ["--tasks", "passkey", "vartrack", "--lengths", "200", "--n", "2", "--no-progress"]
+ARGS = ["--tasks", "passkey", "vartrack", "--lengths", "410", "--n", "2", "--no-progress"]
 METHODS = ["--method", "int8", "select:observed_attention@x4+int8", "select:kvzip@x2"]
 
 
@@ -26,6 +26,15 @@ def s260k(tmp_path_factory) -> str:
     from kvsplice.convert.llama2c import convert_llama2c
 
     return str(convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", tmp_path_factory.mktemp("s")))
+
+
+@pytest.fixture(scope="module")
+def s260k_fp(s260k) -> str:
+    """The model fingerprint of stories260K (a plan made for it records it)."""
+    from kvsplice.adapters import model_fingerprint
+    from kvsplice.io.loading import load_model
+
+    return model_fingerprint(load_model(s260k).model)
 
 
 def _run(argv, capsys):
@@ -51,7 +60,7 @@ def test_eval_tasks_table_json_and_resume(s260k, tmp_path, capsys, monkeypatch) 
     s = doc["summary"]["agnostic"]
     assert s["full"]["n"] == 4 and s["full"]["ratio"] == pytest.approx(1.0)
     assert s["select:observed_attention@x4+int8"]["ratio"] > 4
-    assert "| passkey/200 |" in stdout and "**agnostic**" in stdout and (tmp_path / "r.md").is_file()
+    assert "| passkey/410 |" in stdout and "**agnostic**" in stdout and (tmp_path / "r.md").is_file()
 
     def refuse(*a, **k):
         raise AssertionError("a finished instance was recomputed")
@@ -77,13 +86,20 @@ def test_eval_tasks_hf_door_matches_decoder(s260k, tmp_path, capsys) -> None:
 def test_eval_tasks_errors_are_one_line(s260k, tmp_path, capsys) -> None:
     other = tmp_path / "other.json"
     other.write_text('{"something": 1}')
+    binary = tmp_path / "stories.txt"
+    binary.write_bytes(bytes(range(256)) * 64)
     cases = [
+        (["--model", s260k, "--method", "int8", *ARGS, "--stories", binary, "--out", tmp_path / "a.json"],
+         "stories"),
         (["--model", s260k, *ARGS, "--out", tmp_path / "a.json"], "--plan"),
         (["--model", s260k, "--method", "kivi3", *ARGS, "--out", tmp_path / "a.json"], "unknown method 'kivi3'"),
         (["--model", s260k, "--method", "int8", *ARGS, "--out", other], "not an eval_tasks result"),
         (["--model", s260k, "--method", "int8", "--tasks", "story_qa", "--out", tmp_path / "a.json"], "--stories"),
         (["--model", s260k, "--method", "int8", *ARGS, "--lengths", "100000", "--out", tmp_path / "a.json"],
          "positions"),
+        (["--model", s260k, "--method", "int8", *ARGS, "--lengths", "64", "--out", tmp_path / "a.json"],
+         "--lengths: passkey at length 64 builds prompts of up to 160 tokens"),
+        (["--model", s260k, "--method", "", *ARGS, "--out", tmp_path / "a.json"], "--method is empty"),
     ]
     for argv, words in cases:
         rc, stdout, err = _run(argv, capsys)
@@ -91,11 +107,12 @@ def test_eval_tasks_errors_are_one_line(s260k, tmp_path, capsys) -> None:
     assert other.read_text() == '{"something": 1}' and not (tmp_path / "a.json").exists()
 
 
-def test_eval_tasks_runs_a_plan_that_re_reads_its_prompt(s260k, tmp_path, capsys) -> None:
+def test_eval_tasks_runs_a_plan_that_re_reads_its_prompt(s260k, s260k_fp, tmp_path, capsys) -> None:
     """A plan the planner may pick (KVzip over int8 rows) runs per prompt, as the same spec by --method does."""
     from kvsplice.planning.spec import Plan
 
-    Plan({"name": "kvzip", "keep": 0.5, "store": {"name": "dense", "cache_quant": "int8"}}).save(tmp_path / "p.json")
+    Plan({"name": "kvzip", "keep": 0.5, "store": {"name": "dense", "cache_quant": "int8"}}, s260k_fp).save(
+        tmp_path / "p.json")
     common = ["--model", s260k, "--tasks", "passkey", "--lengths", "160", "--n", "1", "--setting", "agnostic",
               "--no-progress"]
     rc, _, err = _run([*common, "--plan", tmp_path / "p.json", "--method", "select:kvzip@0.5+int8", "--out",
@@ -105,7 +122,7 @@ def test_eval_tasks_runs_a_plan_that_re_reads_its_prompt(s260k, tmp_path, capsys
         plan, spec = outs[f"plan:{tmp_path / 'p.json'}"], outs["select:kvzip@0.5+int8"]
         assert plan["tokens"] == spec["tokens"] and plan["cache_bytes"] == spec["cache_bytes"] < outs["full"][
             "cache_bytes"]
-    Plan({"name": "kvzip", "heads": "union", "keep": 0.25}).save(tmp_path / "p.json")  # the plan made again
+    Plan({"name": "kvzip", "heads": "union", "keep": 0.25}, s260k_fp).save(tmp_path / "p.json")  # made again
     rc, _, err = _run([*common, "--plan", tmp_path / "p.json", "--out", tmp_path / "k.json"], capsys)
     assert rc == 0 and "its results are run again" in err
     doc = json.loads((tmp_path / "k.json").read_text())
@@ -114,3 +131,26 @@ def test_eval_tasks_runs_a_plan_that_re_reads_its_prompt(s260k, tmp_path, capsys
         again, spec = outs[f"plan:{tmp_path / 'p.json'}"], outs["select:kvzip@0.5+int8"]
         assert again["cache_bytes"] != spec["cache_bytes"] and again["n_compressed"] == spec["n_compressed"]
         assert again["fp16_bytes"] < 0.3 * outs["full"]["fp16_bytes"]  # measured anew: a quarter of the prompt kept
+
+
+def test_eval_tasks_checks_a_plans_model(s260k, s260k_fp, tmp_path, capsys) -> None:
+    """A plan of another model, or one that does not say which, is refused by --plan and as a --method spec file
+    (the check generate and eval_bases make); this model's plan runs either way."""
+    from kvsplice.planning.spec import Plan
+
+    common = ["--model", s260k, "--tasks", "passkey", "--lengths", "160", "--n", "1", "--setting", "agnostic",
+              "--no-progress", "--out", tmp_path / "r.json"]
+    spec = {"name": "token_selection", "selector": "snapkv", "keep": 0.5}
+    other = Plan(spec, "llama-0000000000000000").save(tmp_path / "other.json")
+    none = Plan(spec).save(tmp_path / "none.json")
+    for option in ("--plan", "--method"):
+        rc, _, err = _run([*common, option, other], capsys)
+        assert rc == 2 and err.count("\n") == 1 and "made for model llama-0000000000000000" in err, err
+        rc, _, err = _run([*common, option, none], capsys)
+        assert rc == 2 and err.count("\n") == 1 and "records no model_fingerprint" in err, err
+    assert not (tmp_path / "r.json").exists()
+    mine = Plan(spec, s260k_fp).save(tmp_path / "mine.json")
+    rc, _, err = _run([*common, "--method", mine], capsys)
+    assert rc == 0, err
+    outs = next(iter(json.loads((tmp_path / "r.json").read_text())["results"]["agnostic"].values()))
+    assert outs[str(mine)]["cache_bytes"] < outs["full"]["cache_bytes"]

@@ -96,7 +96,7 @@ def test_stats_are_reused_and_bad_inputs_are_one_line(s260k, planned, tmp_path, 
     for args, needle in (
             ([*SMALL, "--ratio", "3", "--out", str(planned / "plan.json")], "already exists"),
             ([*SMALL, "--ratio", "100000", "--out", str(tmp_path / "x.json")], "no stack fits"),
-            ([*SMALL, "--ratio", "0", "--out", str(tmp_path / "y.json")], "must be > 0"),
+            ([*SMALL, "--ratio", "0", "--out", str(tmp_path / "y.json")], "must be > 1"),
             ([*SMALL, "--ratio", "3", "--selectors", "kvzip(mix=nosuch)", "--out", str(tmp_path / "s.json")],
              "unknown selector 'nosuch'"),
             ([*SMALL, "--ratio", "3", "--prompt-len", "256", "--out", str(tmp_path / "z.json")], "--prompt-len")):
@@ -252,7 +252,7 @@ def test_an_infinite_budget_is_refused_before_calibrating(s260k, tmp_path, capsy
     for opt in ("--ratio", "--budget-bytes-per-token"):
         capsys.readouterr()
         assert plan_cli.main(["--model", str(s260k), *SMALL, opt, value, "--out", str(tmp_path / "p.json")]) == 2
-        one_line(capsys, "plan", f"argument {opt}: must be > 0 and finite")
+        one_line(capsys, "plan", f"argument {opt}: must be >")
     assert not list(tmp_path.iterdir())
 
 
@@ -347,3 +347,66 @@ def test_a_selector_that_cannot_run_the_model_is_skipped(s260k, planned, tmp_pat
     err = capsys.readouterr().err
     assert rc != 0 and "none of the selectors kvzip(heads=pooled,layers=0%-5%) can run this model" in err
     assert not (tmp_path / "none.json").exists()
+
+
+def test_plan_refuses_a_budget_at_or_above_the_full_cache(s260k, tmp_path, capsys, monkeypatch):
+    """--ratio <= 1 (before the model loads) and --budget-bytes-per-token >= the fp16 full cache's 640 (before
+    calibrating): nothing to compress."""
+    import kvsplice.lowrank.sensitivity as sens
+
+    monkeypatch.setattr(sens, "stats_for", lambda *a, **k: pytest.fail("calibrated before checking the budget"))
+    for opt, value, needle in (("--ratio", "0.5", "must be > 1"), ("--ratio", "1", "must be > 1"),
+                               ("--budget-bytes-per-token", "640", "at least the fp16 full cache's 640 bytes")):
+        capsys.readouterr()
+        assert plan_cli.main(["--model", str(s260k), *SMALL, opt, value, "--out", str(tmp_path / "p.json")]) == 2
+        one_line(capsys, "plan", needle)
+    assert not list(tmp_path.iterdir())
+
+
+def test_plan_refuses_calibration_text_shorter_than_asked(s260k, tmp_path, capsys, monkeypatch):
+    """A --calib text with fewer tokens than --calib-tokens + --tune-tokens is refused, naming the numbers, never
+    calibrated on what there is."""
+    import kvsplice.lowrank.sensitivity as sens
+
+    monkeypatch.setattr(sens, "stats_for", lambda *a, **k: pytest.fail("calibrated on too little text"))
+    short = tmp_path / "short.txt"
+    short.write_text(CALIB.read_text(encoding="utf-8")[:3000], encoding="utf-8")
+    argv = ["--model", str(s260k), *SMALL, "--calib", str(short), "--ratio", "3", "--out", str(tmp_path / "p.json")]
+    assert plan_cli.main(argv) == 2
+    line = one_line(capsys, "plan", "fewer than --calib-tokens 2048 + --tune-tokens 512 = 2560")
+    n = int(re.search(r": (\d+) tokens", line)[1])
+    assert 0 < n < 2560 and not (tmp_path / "p.json").exists()
+
+
+def test_plan_refuses_stories_that_are_not_text(tmp_path, capsys):
+    """--stories a binary file: refused before the model loads, by the text check every command's reader makes."""
+    binary = tmp_path / "stories.txt"
+    binary.write_bytes(bytes(range(256)) * 64)
+    argv = ["--model", str(tmp_path / "no-model"), "--calib", str(CALIB), "--ratio", "4", "--stories", str(binary),
+            "--out", str(tmp_path / "p.json")]
+    assert plan_cli.main(argv) == 2
+    one_line(capsys, "plan", "stories")
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_plan_is_checked_against_the_model_by_every_door(s260k, planned, tmp_path, capsys):
+    """A plan of another model, or one without model_fingerprint, is refused by generate and eval_bases whether
+    given as --plan or as a --method spec file; this model's plan given as --method runs."""
+    doc = json.loads((planned / "plan.json").read_text())
+    other, none = tmp_path / "other.json", tmp_path / "none.json"
+    other.write_text(json.dumps({**doc, "model_fingerprint": "llama-0000000000000000"}))
+    none.write_text(json.dumps({k: v for k, v in doc.items() if k != "model_fingerprint"}))
+    for f in ("plan.bases.safetensors",):
+        if (planned / f).is_file():
+            (tmp_path / f).write_bytes((planned / f).read_bytes())
+    gen = ["--prompt", "Once upon a time", "--max-new-tokens", "2"]
+    ev = ["--data", str(EVAL), "--tokens", "512", "--seq-len", "256", "--no-progress"]
+    for prog, cli, extra in (("generate", generate, gen), ("eval_bases", eval_bases, ev)):
+        for option in ("--plan", "--method"):
+            for plan, needle in ((other, "made for model llama-0000000000000000"),
+                                 (none, "records no model_fingerprint")):
+                capsys.readouterr()
+                assert cli.main(["--model", str(s260k), option, str(plan), *extra]) == 2
+                one_line(capsys, prog, needle)
+    capsys.readouterr()
+    assert generate.main(["--model", str(s260k), "--method", str(planned / "plan.json"), *gen]) == 0

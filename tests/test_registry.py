@@ -108,6 +108,14 @@ def test_files_are_read_relative_to_the_spec_folder(tmp_path):
     ("{oops", "not valid JSON"),
     ({"bits": 4}, "a dict with a \"name\""),
     ("token_selection", "token_selection needs selector, budget"),
+    ("", "the method spec is empty"),
+    ("   ", "the method spec is empty"),
+    ("select:kvzip(heads=pooled,heads=union)@x4", "heads given twice"),
+    ("select:kvzip(keep=0.5)@x4", "keep given twice"),
+    ("kivi4(bits=2)", "bits given twice"),
+    ("int8+int8", "cache_quant given twice"),
+    ("lowrank:a.safetensors(bases=b.safetensors)", "bases given twice"),
+    ('{"name": "kivi", "bits": 2, "bits": 4}', "'bits' twice"),
 ])
 def test_bad_specs_are_one_line_naming_what_is_known(spec, match):
     with pytest.raises(MethodSpecError, match=match) as e:
@@ -118,6 +126,28 @@ def test_bad_specs_are_one_line_naming_what_is_known(spec, match):
 def test_the_constructors_check_the_values():
     with pytest.raises(ValueError, match="bits must be one of"):
         build_method("kivi(bits=3)")
+
+
+def test_kvzip_share_needs_mix():
+    """``share`` is the part of the budget ``mix`` keeps: without ``mix`` it is refused, never dropped; with it, the
+    given share (or the default) is what the scorer keeps, and the spec round-trips."""
+    from kvsplice.select.kvzip import DEFAULT_SHARE
+
+    with pytest.raises(ValueError, match="give mix= too"):
+        build_method("select:kvzip(share=0.5)@x4", prompt_len=64)
+    m = build_method("select:kvzip(mix=observed_attention,share=0.25)@x4", prompt_len=64)
+    assert m._scorer().share == 0.25 and build_method(m.spec())._scorer().share == 0.25
+    d = build_method("select:kvzip(mix=observed_attention)@x4", prompt_len=64)
+    assert d._scorer().share == DEFAULT_SHARE and "share" not in d.spec()
+
+
+def test_a_spec_file_with_a_repeated_key_is_refused(tmp_path):
+    from kvsplice.core.registry import load_spec
+
+    f = tmp_path / "s.json"
+    f.write_text('{"name": "token_selection", "selector": {"name": "snapkv", "window": 4, "window": 8}, "budget": 4}')
+    with pytest.raises(MethodSpecError, match="'window' twice"):
+        load_spec(str(f))
 
 
 def test_one_name_one_meaning():
@@ -179,6 +209,7 @@ def test_a_dict_spec_may_name_an_alias(tmp_path):
 
 @pytest.mark.parametrize("tool, argv, needle", [
     ("generate", ["--prompt", "hi", "--max-new-tokens", "2", "--method", "nosuch"], "unknown method 'nosuch'"),
+    ("generate", ["--prompt", "hi", "--max-new-tokens", "2", "--method", ""], "the method spec is empty"),
     ("eval_bases", ["--data", "x.txt", "--method", "select:snapkv(windo=2)@4"], "snapkv takes"),
     ("plan", ["--calib", "x.txt", "--ratio", "2", "--out", "{tmp}/p.json", "--stores", "kivi4", "model"],
      "model is not a storage method"),

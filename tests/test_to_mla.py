@@ -105,6 +105,16 @@ def test_insert_kvsplice_refuses_non_mla() -> None:
         mha_to_mla(_mha(), 33)
 
 
+def test_kvsplice_ratio_keeps_at_least_one_whole_dimension() -> None:
+    """A ratio that asks for less than one dimension of the latent is refused (never rounded up to one); 1/R keeps
+    exactly one, and the converted model runs."""
+    mla = mha_to_mla(_mha(), 16)
+    with pytest.raises(ValueError, match=r"asks for 0.8 dimensions.*ratio >= 1/16"):
+        insert_kvsplice(mla, 0.05)
+    one = insert_kvsplice(mla, 1 / 16, latent_grams(mla, [_ids(4)])[0])
+    assert one.cfg.d_compressed == 1 and torch.isfinite(one(_ids(1))).all()
+
+
 # ------------------------------------------------------------------------------------------------ CLI + fine-tune
 @pytest.fixture(scope="module")
 def mha_ckpt(tmp_path_factory, data_cache: Path) -> Path:
@@ -178,6 +188,8 @@ def test_cli_convert_and_finetune(tmp_path: Path, mha_ckpt: Path, data_cache: Pa
     ([], "give --d-latent R"),
     (["--d-latent", "8", "--kvsplice-ratio", "0.5"], "--kvsplice-init pca needs --calib"),
     (["--d-latent", "999"], "larger than d_model"),
+    (["--d-latent", "8", "--kvsplice-ratio", "0.001", "--kvsplice-init", "random"],
+     "--kvsplice-ratio 0.001 of the 8-dim latent asks for 0.008 dimensions"),
 ])
 def test_cli_errors(tmp_path: Path, mha_ckpt: Path, capsys, args, msg) -> None:
     out = tmp_path / "o.ckpt"

@@ -65,6 +65,16 @@ def _calibration(args: argparse.Namespace, tokenizer, max_positions):
     return calibration_batches(ids, seq_len, args.batch_size, max_tokens=args.calib_tokens)
 
 
+def _check_ratio(args: argparse.Namespace, d_latent: int) -> None:
+    """``--kvsplice-ratio`` keeps at least one whole dimension of the ``d_latent`` latent (before calibrating)."""
+    from kvsplice.convert.kvsplice_ratio import kept_dims
+
+    try:
+        kept_dims(args.kvsplice_ratio, d_latent, "--kvsplice-ratio")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def run_llama(args: argparse.Namespace) -> int:
     from kvsplice.convert.llama_mla import calibrate_layers, convert_llama, full_latent, latent_gram, shrink_latent
     from kvsplice.io.loading import load_model
@@ -87,6 +97,8 @@ def run_llama(args: argparse.Namespace) -> int:
     if not args.calib and not export_only:
         raise UsageError("converting a Llama-family model needs --calib TEXT (the RoPE split and the latent come "
                          "from calibration activations)")
+    if converted and args.kvsplice_ratio is not None:
+        _check_ratio(args, model.cfg.d_latent)
     batches = [] if export_only else _calibration(args, tok, loaded.max_positions)
     report: dict[str, Any] = {"source": str(args.model), "calibration_source": args.calib,
                               "calibration_tokens": sum(b.numel() for b in batches)}
@@ -103,6 +115,8 @@ def run_llama(args: argparse.Namespace) -> int:
         rope_dims = _rope_dims(args, a.head_dim)
         full = full_latent(a.n_kv_head, a.head_dim, rope_dims, args.rope_layout, a.d_model)
         r = full if args.d_latent in (None, "full") else _latent(args.d_latent, full)
+        if args.kvsplice_ratio is not None:
+            _check_ratio(args, r)
         stats = calibrate_layers(model, batches, progress=progress)
         mla = convert_llama(model, stats, d_latent=r, rope_dims=rope_dims, layout=args.rope_layout,
                             latent_norm=args.latent_norm or args.format == "deepseek_v3",

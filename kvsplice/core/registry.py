@@ -34,6 +34,9 @@ A token selection takes ``budget`` (prompt tokens kept per KV head) or ``keep`` 
 ``kivi8`` = KIVI at those bits, ``kivi2h`` … = KIVI over Hadamard-rotated K/V (``kivi_rotated``), ``kivi2p`` … =
 KIVI with keys quantised before RoPE (``kivi_prerope``); an alias takes arguments too (``kivi4(residual=32)``). A
 FILE or VALUE may not contain ``+ ( ) , @``: use the dict form (a JSON file: ``--method spec.json``) for those.
+Each argument is given once: a repeated key (``heads=pooled,heads=union``, a repeated JSON key), an alias's own
+field (``kivi4(bits=2)``), ``NAME:FILE`` with the file argument again, ``+int8`` with ``cache_quant`` — and an empty
+spec — are refused, never resolved by keeping the last.
 Errors are one line (:class:`MethodSpecError`, a ``ValueError``) naming the known names.
 
 The built-in method and selector modules are imported on first use (:data:`BUILTIN_MODULES`, by name: the registry
@@ -50,6 +53,8 @@ import math
 import re
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
+
+from kvsplice.core.spec_args import MethodSpecError, args_of as _args, merge as _merge, unique_keys as _unique_keys
 
 __all__ = ["ALIASES", "BUILTIN_MODULES", "METHODS", "MethodSpecError", "SELECTORS", "build_method", "parse_amount",
            "build_selector", "check_spec", "format_spec", "load_spec", "method_names", "needs_prompt",
@@ -76,10 +81,6 @@ ALIASES: dict[str, dict[str, Any]] = {"fp": {"name": "dense"}, "full": {"name": 
 """Short-form names that stand for a spec (never a registered name); a dict spec may name one too."""
 
 Spec = Union[str, dict]
-
-
-class MethodSpecError(ValueError):
-    """A spec that names no registered method, or gives it arguments it does not take; one line."""
 
 
 def register(kind: str, cls: type) -> None:
@@ -163,30 +164,6 @@ _SELECT = re.compile(r"select:(?P<sel>[A-Za-z][A-Za-z0-9_-]*)(?:\((?P<args>[^()]
                      r"(?:\+(?P<store>.+))?")
 
 
-def _value(s: str) -> Any:
-    low = s.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for cast in (int, float):
-        try:
-            return cast(s)
-        except ValueError:
-            pass
-    return s.strip()
-
-
-def _args(text: Optional[str], where: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for part in filter(None, (p.strip() for p in (text or "").split(","))):
-        key, eq, val = part.partition("=")
-        if not eq or not key.strip():
-            raise MethodSpecError(f"{where}: arguments are KEY=VALUE separated by commas, got {part!r}")
-        out[key.strip()] = _value(val)
-    return out
-
-
 def parse_amount(s: str, text: str) -> dict[str, Any]:
     """A selection's amount (see the grammar) → ``{"budget": n}`` or ``{"keep": fraction}``."""
     try:
@@ -202,10 +179,14 @@ def parse_amount(s: str, text: str) -> dict[str, Any]:
 
 def parse_spec(text: str) -> dict[str, Any]:
     """The dict spec of the short form ``text`` (see the module docstring); a string starting with ``{`` is JSON."""
+    if not isinstance(text, str) or not text.strip():
+        raise MethodSpecError("the method spec is empty: give a method (e.g. int8, kivi4, select:snapkv@0.25+int8)")
     text = text.strip()
     if text.startswith("{"):
         try:
-            spec = json.loads(text)
+            spec = json.loads(text, object_pairs_hook=_unique_keys)
+        except MethodSpecError:
+            raise
         except ValueError as e:
             raise MethodSpecError(f"the method spec is not valid JSON: {str(e).splitlines()[0]}") from None
         if not isinstance(spec, dict):
@@ -216,12 +197,12 @@ def parse_spec(text: str) -> dict[str, Any]:
         _load_builtins()
         cls = None if m["sel"] in SELECTORS else METHODS.get(m["sel"])
         if getattr(cls, "select_form", False):  # a selection that scores by a pass of its own (kvzip)
-            spec = {"name": m["sel"], **_args(m["args"], text), **parse_amount(m["amount"], text)}
+            spec = _merge({"name": m["sel"], **_args(m["args"], text)}, parse_amount(m["amount"], text), text)
         else:
-            spec = {"name": "token_selection", "selector": {"name": m["sel"], **_args(m["args"], text)},
+            spec = {"name": "token_selection", "selector": _merge({"name": m["sel"]}, _args(m["args"], text), text),
                     **parse_amount(m["amount"], text)}
         if m["store"]:
-            spec["store"] = _parse_method(m["store"], text)
+            spec = _merge(spec, {"store": _parse_method(m["store"], text)}, text)
         return spec
     if text.startswith("select:"):
         raise MethodSpecError(f"{text!r}: a selection is select:SELECTOR@AMOUNT[+STORE], e.g. "
@@ -242,11 +223,11 @@ def _parse_method(part: str, text: str) -> dict[str, Any]:
             raise MethodSpecError(f"{text!r}: {spec['name']} takes no file (NAME:FILE is for "
                                   f"{', '.join(n for n, c in METHODS.items() if getattr(c, 'spec_files', ()))})")
         spec[files[0]] = m["file"].strip()
-    spec.update(_args(m["args"], text))
+    spec = _merge(spec, _args(m["args"], text), repr(text))
     for mod in filter(None, m["mods"].split("+")):
         if mod != "int8":
             raise MethodSpecError(f"{text!r}: the only modifier is +int8 (int8 storage), got +{mod}")
-        spec["cache_quant"] = "int8"
+        spec = _merge(spec, {"cache_quant": "int8"}, repr(text))
     return spec
 
 
@@ -303,7 +284,9 @@ def load_spec(arg: str) -> tuple[dict[str, Any], Optional[Path]]:
         if not path.is_file():
             raise MethodSpecError(f"method spec file not found: {arg}")
         try:
-            spec = json.loads(path.read_text(encoding="utf-8"))
+            spec = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
+        except MethodSpecError as e:
+            raise MethodSpecError(f"{arg}: {e}") from None
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise MethodSpecError(f"cannot read the method spec {arg}: {str(e).splitlines()[0]}") from None
         if isinstance(spec, dict) and isinstance(spec.get("spec"), dict):  # a document that carries a spec

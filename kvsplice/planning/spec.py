@@ -28,7 +28,8 @@ from kvsplice.core.method import CompressionMethod
 from kvsplice.core.registry import METHODS, build_method, format_spec, needs_prompt
 from kvsplice.planning.checks import check_arguments, check_bases_name, check_plan_doc
 
-__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Plan", "PlanError", "spec_label", "stack_to_spec"]
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Plan", "PlanError", "check_plan_model", "is_plan_file", "spec_label",
+           "stack_to_spec"]
 
 PLAN_FORMAT, PLAN_VERSION = "kvsplice-plan", 2
 
@@ -150,7 +151,12 @@ class Plan:
         return out
 
     def check_model(self, fingerprint: str) -> None:
-        if self.model_fingerprint is not None and fingerprint != self.model_fingerprint:
+        """The plan was searched for the model of ``fingerprint``: a plan of another model — or one that does not
+        say which (no ``model_fingerprint``: hand-made or damaged) — is a :class:`PlanError`."""
+        if not isinstance(self.model_fingerprint, str) or not self.model_fingerprint:
+            raise PlanError(f"this plan records no model_fingerprint (the model it was made for); make it with "
+                            f"python -m kvsplice.plan, or build a method spec instead (--method)")
+        if fingerprint != self.model_fingerprint:
             raise PlanError(f"this plan was made for model {self.model_fingerprint}, not {fingerprint}; run "
                             f"python -m kvsplice.plan for this model")
 
@@ -215,6 +221,25 @@ class Plan:
 
             plan.check_model(model_fingerprint(model))
         return plan
+
+
+def is_plan_file(arg: str) -> bool:
+    """Whether ``arg`` (a ``--method`` argument) names a plan file: a ``.json`` file whose ``format`` is a plan's."""
+    path = Path(arg).expanduser()
+    if not arg.endswith(".json") or not path.is_file():
+        return False
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False  # not readable as JSON: the spec reader reports it
+    return isinstance(doc, dict) and doc.get("format") == PLAN_FORMAT
+
+
+def check_plan_model(arg: str, model) -> None:
+    """A ``--method`` argument that is a plan file (a plan given as a ``.json`` spec) must be ``model``'s, as
+    ``--plan`` must (:meth:`Plan.check_model`); any other spec names no model."""
+    if is_plan_file(arg):
+        Plan.load(arg, model)
 
 
 def _copy(spec: Any) -> Any:

@@ -45,6 +45,10 @@ DECODED = ("store", "int8", "full")
 """How ``heads="pooled"`` holds the tokens decoded after the prompt: as its store holds the prompt's, as int8 rows
 (keys and values; 8 bits where the store gives a value 4), or at the cache's precision."""
 
+DEFAULT_SHARE = 0.5
+"""The part of the budget ``mix=`` keeps when ``share=`` is not given (``share`` without ``mix`` is refused: it
+would be dropped)."""
+
 HEADS = ("own", "union", "pooled")
 """How a layer's KV heads choose: each its own top tokens; all the tokens any of them ranks best; or the best
 ``Hkv · budget`` of all heads' scores together, a head keeping as many as it wins (:mod:`kvsplice.select.pooled`)."""
@@ -94,7 +98,7 @@ class KVzipSelection(TokenSelection):
     (the prompt this method will prefill; ``tokenizer`` encodes ``repeat``); held by ``store`` (default full K/V).
     ``chunk``: reconstruction queries per score block. ``mix``: a selector spec (``"observed_attention"``) whose own
     choice of ``ceil(share · budget)`` tokens is kept first, the rest by the reconstruction scores (what the next
-    words need beside what a later question needs). ``shared_scores``: a dict in which the scores of a finished
+    words need beside what a later question needs); ``share`` (default :data:`DEFAULT_SHARE`) needs ``mix``. ``shared_scores``: a dict in which the scores of a finished
     pass over the same prompt are kept and reused (several budgets over one prefill). ``heads``: ``"own"`` — each KV
     head keeps its own top tokens —, ``"union"`` — every KV head keeps the tokens ranked best by any of them
     (:class:`ReconstructionScores`) — or ``"pooled"`` — a layer keeps the ``Hkv · budget`` best of all its heads'
@@ -114,16 +118,22 @@ class KVzipSelection(TokenSelection):
     spec_context = ("prompt_ids", "tokenizer")
 
     def __init__(self, budget: int, *, store: Optional[CompressionMethod] = None, repeat: str = REPEAT_PROMPT,
-                 chunk: int = 64, mix: Optional[str] = None, share: float = 0.5, heads: str = "own",
+                 chunk: int = 64, mix: Optional[str] = None, share: Optional[float] = None, heads: str = "own",
                  layers: Optional[int | str] = None, decoded: str = "store", prompt_ids: Optional[torch.Tensor] = None,
                  tokenizer: Any = None) -> None:
         if mix is not None:
             from kvsplice.core.registry import build_selector
 
             build_selector(mix)  # a known selector, checked now
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+        if share is not None and mix is None:
+            raise ValueError(f"share={share!r} is the part of the budget mix= keeps: give mix= too (e.g. "
+                             f"mix=observed_attention), or leave share out")
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                                  or not 0.0 <= share <= 1.0):
             raise ValueError(f"share must be a fraction in [0, 1], got {share!r}")
-        self.mix, self.share, self.heads = mix, float(share), choice_arg("heads", heads, HEADS)
+        self.mix, self.share, self.heads = mix, None if share is None else float(share), choice_arg("heads", heads,
+                                                                                                   HEADS)
+        self._share = DEFAULT_SHARE if share is None else float(share)  # with mix: its part of the budget
         self._layers = None if layers is None else PooledLayers.parse(layers)
         self.layers = None if self._layers is None else str(self._layers)
         if self.layers is not None and self.heads != "pooled":
@@ -150,7 +160,7 @@ class KVzipSelection(TokenSelection):
     def _scorer(self) -> ReconstructionScores:
         from kvsplice.core.registry import build_selector
 
-        return ReconstructionScores(None if self.mix is None else build_selector(self.mix), self.share, self.heads)
+        return ReconstructionScores(None if self.mix is None else build_selector(self.mix), self._share, self.heads)
 
     def _prepare(self, adapter, *, dtype, device):
         super()._prepare(adapter, dtype=dtype, device=device)

@@ -22,19 +22,35 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from kvsplice.tasks.vocab import FILLER, fact_sentence
 
-__all__ = ["HAYSTACKS", "build_context", "haystack_pieces", "load_stories", "n_tokens"]
+__all__ = ["HAYSTACKS", "build_context", "check_stories", "haystack_pieces", "load_stories", "n_tokens"]
 
 HAYSTACKS = ("filler", "stories", "facts")
 
 
-@functools.lru_cache(maxsize=4)
-def load_stories(path: str) -> tuple[str, ...]:
-    """The paragraphs of a local TinyStories file (``.txt`` / ``.json`` / ``.jsonl``), cached per path."""
-    from data.sources import iter_stories_from_file
+def check_stories(path: str, option: str = "--stories") -> Path:
+    """``path`` is a local text file the stories haystacks can read: it exists and is UTF-8 text, not binary or
+    empty (the check every command's text reader makes: :func:`data.sources.list_story_files`); a ``ValueError``
+    naming ``option`` otherwise. Returns the path."""
+    from data.errors import DataUnavailableError
+    from data.sources import list_story_files
 
     p = Path(path).expanduser()
     if not p.is_file():
-        raise ValueError(f"stories file not found: {path} (give --stories FILE, e.g. a TinyStories .txt)")
+        raise ValueError(f"{option} file not found: {path} (give a TinyStories .txt/.json/.jsonl file)")
+    try:
+        list_story_files(p, option=option.lstrip("-"))
+    except DataUnavailableError as e:
+        raise ValueError(" ".join(str(e).split("\n")[0].split())) from None
+    return p
+
+
+@functools.lru_cache(maxsize=4)
+def load_stories(path: str) -> tuple[str, ...]:
+    """The paragraphs of a local TinyStories file (``.txt`` / ``.json`` / ``.jsonl``; checked to be text:
+    :func:`check_stories`), cached per path."""
+    from data.sources import iter_stories_from_file
+
+    p = check_stories(path, "stories")
     stories = tuple(s.strip() for s in iter_stories_from_file(p) if s.strip())
     if not stories:
         raise ValueError(f"{path} holds no text")

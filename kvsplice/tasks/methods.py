@@ -8,12 +8,15 @@ see :mod:`kvsplice.core.registry`) is one, plus::
     plan:PATH                              a plan from python -m kvsplice.plan
 
 Each method is built per prompt, from the ids it compresses (KVzip re-reads them: ``prompt_ids=``, ``tokenizer=``).
-A selection keeps ``ceil(KEEP · P)`` of the ``P`` tokens it compresses (as a plan does).
+A selection keeps ``ceil(KEEP · P)`` of the ``P`` tokens it compresses (as a plan does). Given the model, a plan —
+``plan:PATH``, or a plan file given as a ``.json`` spec — is checked to be this model's
+(:func:`kvsplice.planning.spec.check_plan_model`, the check ``generate`` and ``eval_bases`` make).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -34,6 +37,7 @@ class MethodSpec:
     label: str
     factory: Callable[..., Optional[CompressionMethod]]
     keep: float = 1.0  # the fraction of the compressed tokens a selection keeps
+    files: tuple[Path, ...] = ()  # the files it reads: its spec or plan file and the files the spec names
 
 
 def _named(spec: str, e: ValueError) -> str:
@@ -41,20 +45,24 @@ def _named(spec: str, e: ValueError) -> str:
     return str(e) if repr(spec) in str(e) else f"method {spec!r}: {e}"
 
 
-def parse_method(spec: str, tokenizer=None) -> MethodSpec:
+def parse_method(spec: str, tokenizer=None, model=None) -> MethodSpec:
     """``spec`` (see the module docstring) → :class:`MethodSpec`; ``tokenizer``: the model's (KVzip encodes its
-    reconstruction instruction with it)."""
+    reconstruction instruction with it); ``model``: a plan must have been made for it."""
+    from kvsplice.planning.spec import Plan, check_plan_model
+    from kvsplice.tasks.provenance import spec_files
+
     spec = spec.strip()
     if spec == "full":
         return MethodSpec(spec, "full", lambda ids, shared=None: None)
     if spec.startswith(PLAN_PREFIX):
-        from kvsplice.planning.spec import Plan
-
-        plan = Plan.load(spec[len(PLAN_PREFIX):])
+        plan = Plan.load(spec[len(PLAN_PREFIX):], model)
         if needs_prompt(plan.spec) and tokenizer is None:
             raise ValueError(f"method {spec!r}: {plan.label} re-reads its prompt and needs the model's tokenizer")
         keep = float(plan.spec.get("keep", 1.0)) if plan.selects else 1.0
-        return MethodSpec(spec, f"plan {plan.label}", per_prompt(plan.method, tokenizer), keep)
+        files = (Path(spec[5:]).expanduser().resolve(), *spec_files(plan.spec, plan.base_dir))
+        return MethodSpec(spec, f"plan {plan.label}", per_prompt(plan.method, tokenizer), keep, files)
+    if model is not None:
+        check_plan_model(spec, model)
     try:
         d, base_dir = load_spec(spec)
         d = check_spec(d, base_dir=base_dir)
@@ -64,5 +72,6 @@ def parse_method(spec: str, tokenizer=None) -> MethodSpec:
     except ValueError as e:
         raise ValueError(_named(spec, e)) from None
     keep = float(d["keep"]) if "keep" in d else 1.0
+    own = (Path(spec).expanduser().resolve(),) if base_dir is not None else ()  # a .json spec file
     return MethodSpec(spec, format_spec(d), per_prompt(
-        lambda **ctx: build_method(d, base_dir=base_dir, **ctx), tokenizer), keep)
+        lambda **ctx: build_method(d, base_dir=base_dir, **ctx), tokenizer), keep, (*own, *spec_files(d, base_dir)))

@@ -18,7 +18,8 @@ from kvsplice.tasks.needles import multikey, multiquery, multivalue, passkey, si
 from kvsplice.tasks.story_qa import story_qa
 from kvsplice.tasks.variables import variable_tracking
 
-__all__ = ["DEFAULT_TASKS", "MIN_LENGTH", "NEEDS_STORIES", "TASKS", "TUNING_SEED0", "make_instance", "make_instances"]
+__all__ = ["DEFAULT_TASKS", "MIN_LENGTH", "NEEDS_STORIES", "TASKS", "TUNING_SEED0", "check_lengths", "make_instance",
+           "make_instances"]
 
 TUNING_SEED0 = 1_000_000
 """Seeds at or above this are tuning instances (the planner's); reported runs use seeds below it."""
@@ -71,3 +72,18 @@ def make_instances(tasks: Sequence[str], tokenizer, lengths: Sequence[int], n: i
     short has every task at its first seeds)."""
     return [make_instance(t, tokenizer, L, seed0 + i, stories=stories) for i in range(n) for t in tasks
             for L in lengths]
+
+
+def check_lengths(insts: Sequence[TaskInstance]) -> None:
+    """Every instance's prompt fits its length (what the docs promise: prompts no longer than the length). A task's
+    needles and question alone may be longer than a short length; a ``ValueError`` then names the task, the length
+    and the shortest length that holds the prompts of these seeds."""
+    over: dict[tuple[str, int], int] = {}
+    for inst in insts:
+        n = inst.meta.get("n_tokens", 0)
+        if n > inst.length:
+            over[inst.task, inst.length] = max(n, over.get((inst.task, inst.length), 0))
+    if over:
+        (task, length), n = min(over.items(), key=lambda kv: kv[0][1])
+        raise ValueError(f"{task} at length {length} builds prompts of up to {n} tokens (its needles and question "
+                         f"alone); give lengths of at least {n} for {task}")

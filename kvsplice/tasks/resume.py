@@ -1,0 +1,117 @@
+"""Resuming an ``eval_tasks --out``: the one check that the run continuing a results file would give the answers
+the file holds, and that the file's header still describes every instance in it.
+
+The rule (docs/eval_tasks_resume.md):
+
+* **same computation** — the model (fingerprint), the tokenizer (fingerprint), the ``--stories`` text (digest),
+  ``--door`` and ``--dtype`` (:data:`SAME`) must equal the file's; any difference is refused in one line naming the
+  option (``--force`` starts over);
+* **more instances only** — ``--tasks``, ``--lengths``, ``--n`` / ``--seed0`` and ``--setting`` may grow: every
+  instance the file holds answers for must be one this run makes (its setting, task, length and seed among this
+  run's), with the same prompt (its digest: the same ids and expected answers; a changed task generator is caught
+  here). Otherwise the run is refused, naming the option that leaves the old answers out; the header written is this
+  run's, which then describes them all;
+* **methods** — a method is its spec string; one whose label or files (the plan or spec file and the bases it names,
+  by digest) changed since loses its old answers, which are run again (a note on stderr); methods of earlier runs
+  that this run does not name keep their answers and their records in the header.
+
+The file's shape is checked first (:func:`kvsplice.tasks.results_schema.check_results_doc`): a hand-edited file is
+refused in one line, never half-trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvsplice.io.cli import UsageError
+from kvsplice.tasks.results_schema import FORMAT, check_results_doc, instance_key
+
+__all__ = ["SAME", "load_results", "resume"]
+
+SAME: dict[str, str] = {"door": "--door", "dtype": "--dtype", "model_fingerprint": "--model",
+                        "tokenizer_fingerprint": "--tokenizer", "stories_digest": "--stories"}
+"""Recorded setting → the option that sets it: settings a resumed run must share with the file (checked in this
+order: another dtype changes the model's fingerprint too, and is named first)."""
+_START_OVER = "use --force to start over, or another --out"
+
+
+def load_results(path: Path) -> dict[str, Any]:
+    """The parsed, checked results file at ``path``; a :class:`UsageError` (one line) when it is not one."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        doc = None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise UsageError(f"--out {path} exists and is not an eval_tasks result ({_START_OVER} to replace it)")
+    try:
+        check_results_doc(doc)
+    except ValueError as e:
+        raise UsageError(f"--out {path} cannot be resumed: {e}; {_START_OVER}") from None
+    return doc
+
+
+def _check_same(doc: dict, header: dict, path: Path) -> None:
+    for name, option in SAME.items():
+        if doc[name] != header[name]:
+            raise UsageError(f"--out {path} was made with another {option} ({name} {doc[name]!r}, now "
+                             f"{header[name]!r}): its answers are not this run's; {_START_OVER}")
+
+
+def _check_extent(doc: dict, header: dict, path: Path) -> None:
+    """Every answered instance of ``doc`` is one of ``header``'s, with the same prompt."""
+    seeds = range(header["seed0"], header["seed0"] + header["n"])
+    for setting, by_inst in doc["results"].items():
+        if by_inst and setting not in header["settings"]:
+            raise UsageError(f"--out {path} holds {setting} answers that --setting {'/'.join(header['settings'])} "
+                             f"would leave undescribed; give --setting both, or {_START_OVER}")
+        for key in by_inst:
+            task, length, seed = instance_key(key)
+            if task not in header["tasks"]:
+                raise UsageError(f"--out {path} holds answers of task {task} that --tasks leaves out; add it, or "
+                                 f"{_START_OVER}")
+            if length not in header["lengths"]:
+                raise UsageError(f"--out {path} holds answers at length {length} that --lengths leaves out; add it, "
+                                 f"or {_START_OVER}")
+            if seed not in seeds:
+                raise UsageError(f"--out {path} holds answers of seed {seed}, outside this run's seeds "
+                                 f"{seeds.start}..{seeds.stop - 1} (--seed0 {header['seed0']} --n {header['n']}); "
+                                 f"give --seed0/--n that cover seeds {doc['seed0']}..{doc['seed0'] + doc['n'] - 1}, "
+                                 f"or {_START_OVER}")
+            old, new = doc["instances"].get(key), header["instances"].get(key)
+            if old is None or new is None:  # not listed, or spelled otherwise ("passkey/0160/0")
+                raise UsageError(f"--out {path} cannot be resumed: results hold instance {key!r} that its instances "
+                                 f"do not list as eval_tasks writes them; {_START_OVER}")
+            if old != new:
+                raise UsageError(f"--out {path}: instance {key}'s prompt differs from the one its answers were given "
+                                 f"to (the task generators changed?); {_START_OVER}")
+
+
+def _changed_methods(doc: dict, header: dict) -> list[str]:
+    """The methods this run names whose label or files differ from the file's record of them."""
+    before, files = doc["methods"], doc["method_files"]
+    return sorted(k for k, label in header["methods"].items() if k in before and (
+        before[k] != label or files.get(k, {}) != header["method_files"].get(k, {})))
+
+
+def resume(path: Path, force: bool, header: dict) -> dict:
+    """The finished results of ``path`` that this run (``header``: its recorded settings) continues — ``{}`` when
+    there is no file or ``force`` — after the checks of the module docstring; ``header`` gets the records of the
+    methods run before. A :class:`UsageError` when the file cannot be continued."""
+    if force or not path.exists():
+        return {}
+    doc = load_results(path)
+    _check_same(doc, header, path)
+    _check_extent(doc, header, path)
+    results = doc["results"]
+    for k in _changed_methods(doc, header):  # the same spec names another method now: run it again
+        print(f"eval_tasks: {k} was {doc['methods'][k]!r} (or its files changed), now {header['methods'][k]!r}: "
+              f"its results are run again", file=sys.stderr)
+        for by_inst in results.values():
+            for outs in by_inst.values():
+                outs.pop(k, None)
+    header["methods"] = {**doc["methods"], **header["methods"]}
+    header["method_files"] = {**doc["method_files"], **header["method_files"]}
+    return results

@@ -79,9 +79,11 @@ def test_no_output_replaces_a_file_a_spec_names(tool, prog, args, d, capsys):
 def test_spec_files_walks_nested_specs_and_resolves_like_build_method(tmp_path):
     spec = {"name": "token_selection", "selector": {"name": "snapkv"}, "keep": 0.5,
             "store": "lowrank:~/b.safetensors+int8"}
-    assert spec_files(spec) == [Path("~/b.safetensors").expanduser().resolve()]
-    assert spec_files({"name": "lowrank", "bases": "x.safetensors"}, tmp_path) == [tmp_path / "x.safetensors"]
-    assert spec_files({"name": "joint-lowrank", "bases": "/abs/j.safetensors"}) == [Path("/abs/j.safetensors")]
+    assert spec_files(spec) == [("bases", Path("~/b.safetensors").expanduser().resolve())]
+    assert spec_files({"name": "lowrank", "bases": "x.safetensors"}, tmp_path) == [("bases",
+                                                                                  tmp_path / "x.safetensors")]
+    joint = {"name": "joint-lowrank", "bases": "/abs/j.safetensors"}
+    assert spec_files(joint) == [("bases", Path("/abs/j.safetensors"))]
     assert spec_files("kivi4") == spec_files("not a spec ((") == spec_files({"name": "nope", "bases": "x"}) == []
 
 
@@ -94,11 +96,11 @@ def test_document_files_reads_plans_of_both_versions_and_spec_files(tmp_path):
                               "spec": {"name": "token_selection", "keep": 0.5, "selector": {"name": "snapkv"},
                                        "store": {"name": "lowrank", "bases": "v2.bases.safetensors"}}}))
     (tmp_path / "bad.json").write_text("{not json")
-    assert document_files(v1) == [tmp_path / "v1.bases.safetensors"]
-    assert document_files(v2) == [tmp_path / "v2.bases.safetensors"]
+    assert document_files(v1) == [("bases", tmp_path / "v1.bases.safetensors")]
+    assert document_files(v2) == [("bases", tmp_path / "v2.bases.safetensors")]
     assert document_files(tmp_path / "bad.json") == document_files(tmp_path / "missing.json") == []
-    assert argument_files(f"plan:{v2}") == (v2, [tmp_path / "v2.bases.safetensors"])
-    assert argument_files(str(v1)) == (v1, [tmp_path / "v1.bases.safetensors"])
+    assert argument_files(f"plan:{v2}") == (v2, [("bases", tmp_path / "v2.bases.safetensors")])
+    assert argument_files(str(v1)) == (v1, [("bases", tmp_path / "v1.bases.safetensors")])
     assert argument_files("int8") == (None, [])
 
 

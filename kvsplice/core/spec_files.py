@@ -17,13 +17,15 @@ from typing import Any, Optional, Union
 
 from kvsplice.core.registry import ALIASES, METHODS, MethodSpecError, method_names, parse_spec
 
-__all__ = ["JSON_SUFFIX", "MAX_DOCUMENT_BYTES", "PLAN_PREFIX", "argument_files", "document_files", "rebased",
-           "spec_files"]
+__all__ = ["JSON_SUFFIX", "MAX_DOCUMENT_BYTES", "NamedFile", "PLAN_BASES", "PLAN_PREFIX", "argument_files",
+           "document_files", "rebased", "spec_files"]
 
 PLAN_PREFIX = "plan:"
 """``plan:PATH``: a plan file given where a method spec goes (``eval_tasks --method``)."""
 JSON_SUFFIX = ".json"
 """A spec argument ending so is a spec file (:func:`kvsplice.core.registry.load_spec`)."""
+PLAN_BASES = "bases"
+"""A version-1 plan's field naming its bases file."""
 MAX_DOCUMENT_BYTES = 1 << 24
 """A larger ``.json`` input is no spec or plan: it names no file (and is not read here)."""
 
@@ -34,11 +36,15 @@ def _resolve(value: Union[str, Path], base_dir: Optional[Path]) -> Path:
     return (base_dir / path if base_dir is not None and not path.is_absolute() else path).resolve()
 
 
-def spec_files(spec: Any, base_dir: Optional[Path] = None) -> list[Path]:
-    """The resolved paths of every file ``spec`` (a dict or the short form) names, nested specs included;
+NamedFile = tuple[str, Path]
+"""``(argument, resolved path)`` of a file a spec names, e.g. ``("bases", Path("/plans/p.bases.safetensors"))``."""
+
+
+def spec_files(spec: Any, base_dir: Optional[Path] = None) -> list[NamedFile]:
+    """Every file ``spec`` (a dict or the short form) names, nested specs included, with the argument naming it;
     ``base_dir``: the folder relative names are read from (default: the working directory)."""
     method_names()  # the built-in methods registered: their spec_files / spec_nested
-    out: list[Path] = []
+    out: list[NamedFile] = []
     todo = [spec]
     while todo:
         d = todo.pop()
@@ -53,7 +59,7 @@ def spec_files(spec: Any, base_dir: Optional[Path] = None) -> list[Path]:
         for arg in getattr(cls, "spec_files", ()):
             value = d.get(arg)
             if isinstance(value, (str, Path)) and str(value).strip():
-                out.append(_resolve(value, base_dir))
+                out.append((arg, _resolve(value, base_dir)))
         nested = getattr(cls, "spec_nested", {})
         todo += [v for k, v in d.items() if isinstance(v, dict) or (nested.get(k) == "method" and isinstance(v, str))]
     return out
@@ -87,7 +93,7 @@ def rebased(spec: dict, base_dir: Path) -> dict:
     return out
 
 
-def document_files(path: Union[str, Path]) -> list[Path]:
+def document_files(path: Union[str, Path]) -> list[NamedFile]:
     """The files a spec file or a plan names (``[]`` for any other file): a version-1 plan's ``bases``, a
     document's ``spec`` (a version-2 plan), else the document itself as a spec — relative to its folder."""
     p = Path(path).expanduser()
@@ -100,11 +106,12 @@ def document_files(path: Union[str, Path]) -> list[Path]:
     if not isinstance(doc, dict):
         return []
     folder = p.resolve().parent
-    out = [_resolve(doc["bases"], folder)] if isinstance(doc.get("bases"), str) and doc["bases"].strip() else []
+    v1 = doc.get("bases")
+    out = [(PLAN_BASES, _resolve(v1, folder))] if isinstance(v1, str) and v1.strip() else []
     return out + spec_files(doc["spec"] if isinstance(doc.get("spec"), dict) else doc, folder)
 
 
-def argument_files(text: str) -> tuple[Optional[Path], list[Path]]:
+def argument_files(text: str) -> tuple[Optional[Path], list[NamedFile]]:
     """A method-spec argument's files: the document it is (a ``.json`` spec file or ``plan:PATH``; ``None`` for a
     short form or inline JSON) and the files it names (:func:`document_files` / :func:`spec_files`)."""
     if text.startswith(PLAN_PREFIX) or text.endswith(JSON_SUFFIX):

@@ -84,13 +84,13 @@ def input_files(option: str, value: Union[PathArg, SpecArgs]) -> list[tuple[str,
         for text in value.values:
             own, named = argument_files(text)
             out += [(f"{option} {text}", own)] if own is not None else []
-            out += [(f"{f.name} named by {option} {text}", f) for f in named]
+            out += [(f"the {arg} file {f.name} named by {option} {text}", f) for arg, f in named]
         return _existing(out)
     p = Path(value).expanduser()
     if not str(value).strip() or not p.exists():
         return []
     return _existing([(f"{option} {value}", p.resolve())] +
-                     [(f"{f.name} named by {option} {value}", f) for f in document_files(p)])
+                     [(f"the {arg} file {f.name} named by {option} {value}", f) for arg, f in document_files(p)])
 
 
 def _inputs(inputs: Inputs) -> list[tuple[str, Path]]:

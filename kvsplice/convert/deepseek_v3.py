@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-from models.mla_llama import LATENT_NORM_EPS, MLALlama
+from models.mla_llama import MLALlama
 
 __all__ = ["check_exportable", "deepseek_v3_config", "deepseek_v3_state_dict", "save_deepseek_v3"]
 
@@ -73,12 +73,13 @@ def deepseek_v3_config(model: MLALlama) -> dict[str, Any]:
         "q_lora_rank": None, "kv_lora_rank": cfg.d_latent, "qk_rope_head_dim": cfg.rope_dims,
         "qk_nope_head_dim": cfg.head_dim, "v_head_dim": cfg.head_dim,
         "first_k_dense_replace": cfg.n_layer, "n_routed_experts": 1, "n_shared_experts": 1,
-        "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+        "num_experts_per_tok": 1, "n_group": None, "topk_group": None, "routed_scaling_factor": 1.0,
+        "norm_topk_prob": True,
         "hidden_act": "silu", "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.norm_eps,
         "rope_interleave": True, "rope_parameters": {"rope_type": "default", "rope_theta": _rope_theta(model)},
         "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False, "use_cache": True,
         "torch_dtype": str(model.embed.weight.dtype).replace("torch.", ""),
-        "kvsplice": {"source": cfg.source, "latent_norm_eps": LATENT_NORM_EPS},
+        "kvsplice": {"source": cfg.source, "latent_norm_eps": cfg.latent_norm_eps},
     }
 
 
@@ -127,3 +128,17 @@ def save_deepseek_v3(model: MLALlama, folder: Path, tokenizer: Optional[Any] = N
     (folder / "config.json").write_text(json.dumps(deepseek_v3_config(model), indent=2) + "\n", encoding="utf-8")
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(str(folder))
+        portable_tokenizer_config(folder)
+
+
+def portable_tokenizer_config(folder: Path) -> None:
+    """Make ``tokenizer_config.json`` readable by transformers 4.x and 5.x: transformers 5 saves ``tokenizer_class:
+    TokenizersBackend``, a class 4.x (llama.cpp's converter pins 4.57) does not have; ``PreTrainedTokenizerFast`` reads
+    the same ``tokenizer.json`` in both."""
+    p = Path(folder) / "tokenizer_config.json"
+    if not p.is_file():
+        return
+    tc = json.loads(p.read_text(encoding="utf-8"))
+    if tc.get("tokenizer_class") in ("TokenizersBackend", None):
+        tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+        p.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rope-layout", choices=("per-head", "shared"), default="per-head",
                    help="Llama family: a RoPE key per KV head (MHA2MLA) or one shared per token (TransMLA/DeepSeek)")
     p.add_argument("--latent-norm", action="store_true", help="Llama family: RMSNorm the latent (DeepSeek's "
-                   "kv_a_layernorm; not exact at any rank, implied by --format deepseek_v3)")
+                   "kv_a_layernorm; exact at no rank, unusable training-free: without it --format deepseek_v3 writes "
+                   "the norm in its linear regime, docs/conversion.md)")
     p.add_argument("--format", choices=("native", "deepseek_v3"), default="native",
                    help="Llama family: the output folder's format (native: kvsplice loads it; deepseek_v3: "
                    "transformers / vLLM / SGLang load it)")

@@ -6,8 +6,20 @@ The mapping, per layer (``H`` query heads of ``D`` dims, ``Dr`` RoPE dims, laten
 * ``q_proj`` (``q_lora_rank: null``): per head ``[q_nope (D) ; q_rope (Dr)]`` = ``[W_q,i ; A_iᵀ W_q,i]``, times
   ``scale / (D + Dr)^-0.5`` — DeepSeek's softmax scale is fixed at ``(nope + rope)^-0.5``;
 * ``kv_a_proj_with_mqa`` = ``[w_dkv ; Bᵀ W_k]`` (latent, then the one shared RoPE key), ``kv_a_layernorm`` = the
-  latent RMSNorm (DeepSeek always has it: a norm-free model is refused), ``kv_b_proj`` = per query head
-  ``[w_uk ; w_uv]`` of its KV group (``num_key_value_heads = num_attention_heads``: keys are expanded per head);
+  latent RMSNorm, ``kv_b_proj`` = per query head ``[w_uk ; w_uv]`` of its KV group (``num_key_value_heads =
+  num_attention_heads``: keys are expanded per head);
+* a **norm-free** model (the training-free conversion's best, and what fine-tuning starts from) is written with the
+  latent RMSNorm in its *linear regime* (:func:`linear_regime`): DeepSeek-V3 always normalises the latent,
+  ``c / sqrt(mean(c²) + ε) · w``, and for ``mean(c²) ≪ ε`` that is ``c / sqrt(ε) · w`` — linear. The export scales
+  the latent rows of ``kv_a_proj_with_mqa`` by ``γ`` so that ``mean((γc)²) ≤ ρ ε`` for *every* input the layer
+  can see (a bound from the weights: ``‖c‖ ≤ σ_max(w_dkv · diag(g)) · sqrt(d)`` for the input RMSNorm's output
+  ``x = g ⊙ x̂``, ``‖x̂‖² < d``; ``ρ = 1e-4``: each token's latent is off by at most 0.005 %), and sets ``w =
+  sqrt(ε) / γ``, so the cached normed latent *is* the norm-free latent ``c``. To keep every stored weight and
+  activation in f16's range (llama.cpp's converter writes f16 by default), ``s = sqrt(γ)`` moves between the
+  input RMSNorm (``× s``), ``q_proj`` and the RoPE rows (``/ s``) and the latent rows (``γ / s``). ``ε`` is the
+  one eps every engine uses for the latent: transformers hard-codes 1e-6 for ``kv_a_layernorm``, llama.cpp and vLLM
+  use ``rms_norm_eps``, so such an export writes ``rms_norm_eps = 1e-6`` (for the other norms a change of
+  ~1e-5 relative: measured in docs/conversion.md);
 * RoPE: ``rope_interleave: true`` (vLLM's DeepSeek layout), so the RoPE columns go from rotate-half
   ``[x_0..x_{n-1}, y_0..y_{n-1}]`` to ``[x_0, y_0, x_1, y_1, ...]``; ``rope_theta = θ^(Dr/D)`` reproduces the
   highest ``Dr/2`` source frequencies the shared layout keeps;
@@ -49,9 +61,6 @@ def check_exportable(model: MLALlama) -> None:
     if cfg.rope_layout != "shared":
         raise ValueError("--format deepseek_v3 needs --rope-layout shared: DeepSeek-V3 caches one RoPE key per "
                          "token, the per-head layout one per KV head")
-    if not cfg.latent_norm:
-        raise ValueError("--format deepseek_v3 needs the latent RMSNorm (DeepSeek's kv_a_layernorm): convert with "
-                         "--latent-norm")
     if cfg.attention_bias or cfg.head_norms:
         raise ValueError("--format deepseek_v3: DeepSeek-V3 has no q/k/v biases (Qwen2) nor per-head q/k norms "
                          "(Qwen3)")
@@ -62,9 +71,34 @@ def check_exportable(model: MLALlama) -> None:
     _rope_theta(model)
 
 
+LINEAR_EPS = 1e-6
+"""``rms_norm_eps`` of a linear-regime export: transformers' fixed ``kv_a_layernorm`` eps (llama.cpp / vLLM read
+the latent's eps from ``rms_norm_eps``)."""
+LINEAR_RHO = 1e-4
+"""Largest ``mean(c²) / ε`` of a linear-regime latent over every possible input (per-token error ≤ ρ/2)."""
+
+
+@torch.no_grad()
+def linear_regime(model: MLALlama) -> list[tuple[float, float]]:
+    """Per layer ``(γ, s)`` of the linear-regime export of a norm-free model (module docstring)."""
+    out = []
+    for blk in model.layers:
+        w = blk.attn.kv_down.weight.double() * blk.input_norm.weight.double()[None]  # (R, d): W diag(g)
+        sigma = float(torch.linalg.matrix_norm(w, ord=2))
+        r, d = w.shape
+        max_ms = sigma ** 2 * d / r  # mean(c²) ≤ ‖c‖² / R ≤ σ² d / R
+        gamma = (LINEAR_RHO * LINEAR_EPS / max(max_ms, 1e-30)) ** 0.5
+        out.append((gamma, gamma ** 0.5))
+    return out
+
+
 def deepseek_v3_config(model: MLALlama) -> dict[str, Any]:
     """The ``config.json`` of the export."""
     cfg = model.cfg
+    eps = cfg.norm_eps if cfg.latent_norm else LINEAR_EPS
+    latent = ({"latent_norm_eps": cfg.latent_norm_eps} if cfg.latent_norm else
+              {"latent_norm": f"linear regime of a norm-free model (rho {LINEAR_RHO}, eps {LINEAR_EPS})",
+               "source_rms_norm_eps": cfg.norm_eps})
     return {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
@@ -75,11 +109,11 @@ def deepseek_v3_config(model: MLALlama) -> dict[str, Any]:
         "first_k_dense_replace": cfg.n_layer, "n_routed_experts": 1, "n_shared_experts": 1,
         "num_experts_per_tok": 1, "n_group": None, "topk_group": None, "routed_scaling_factor": 1.0,
         "norm_topk_prob": True,
-        "hidden_act": "silu", "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.norm_eps,
+        "hidden_act": "silu", "max_position_embeddings": cfg.max_positions, "rms_norm_eps": eps,
         "rope_interleave": True, "rope_parameters": {"rope_type": "default", "rope_theta": _rope_theta(model)},
         "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False, "use_cache": True,
         "torch_dtype": str(model.embed.weight.dtype).replace("torch.", ""),
-        "kvsplice": {"source": cfg.source, "latent_norm_eps": cfg.latent_norm_eps},
+        "kvsplice": {"source": cfg.source, **latent},
     }
 
 
@@ -98,19 +132,25 @@ def deepseek_v3_state_dict(model: MLALlama) -> dict[str, torch.Tensor]:
     fold = cfg.scale / (d + dr) ** -0.5  # DeepSeek multiplies scores by (D + Dr)^-0.5
     sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed.weight,
                                    "model.norm.weight": model.norm.weight, "lm_head.weight": model.lm_head.weight}
+    regime = None if cfg.latent_norm else linear_regime(model)
     for i, blk in enumerate(model.layers):
         at, pre = blk.attn, f"model.layers.{i}."
+        gamma, s = (1.0, 1.0) if regime is None else regime[i]
         wq = at.q_proj.weight.view(h, d, -1)  # (H, D, d_model)
         q_rope = torch.einsum("hde,hdm->hem", at.q_rope.to(wq), wq)[:, perm]  # (H, Dr, d_model), interleaved
-        sd[pre + "self_attn.q_proj.weight"] = (torch.cat([wq, q_rope], dim=1) * fold).flatten(0, 1)
+        sd[pre + "self_attn.q_proj.weight"] = (torch.cat([wq, q_rope], dim=1) * (fold / s)).flatten(0, 1)
         k_rope = (at.k_rope.to(wq).T @ at.k_proj.weight)[perm]  # (Dr, d_model)
-        sd[pre + "self_attn.kv_a_proj_with_mqa.weight"] = torch.cat([at.kv_down.weight, k_rope])
-        sd[pre + "self_attn.kv_a_layernorm.weight"] = at.kv_norm.weight
+        sd[pre + "self_attn.kv_a_proj_with_mqa.weight"] = torch.cat([at.kv_down.weight * (gamma / s), k_rope / s])
+        if regime is None:
+            sd[pre + "self_attn.kv_a_layernorm.weight"] = at.kv_norm.weight
+        else:  # c' = γ c, mean(c'²) ≤ ρ ε: norm(c') · sqrt(ε)/γ = c (to ρ/2)
+            sd[pre + "self_attn.kv_a_layernorm.weight"] = torch.full_like(at.kv_down.weight[:, 0],
+                                                                          LINEAR_EPS ** 0.5 / gamma)
         wuk = at.k_up.weight.view(cfg.n_kv_head, d, -1).repeat_interleave(g, 0)  # (H, D, R)
         wuv = at.v_up.weight.view(cfg.n_kv_head, d, -1).repeat_interleave(g, 0)  # (H, D, R)
         sd[pre + "self_attn.kv_b_proj.weight"] = torch.cat([wuk, wuv], dim=1).flatten(0, 1)  # (H·2D, R)
         sd[pre + "self_attn.o_proj.weight"] = at.o_proj.weight
-        sd[pre + "input_layernorm.weight"] = blk.input_norm.weight
+        sd[pre + "input_layernorm.weight"] = blk.input_norm.weight * s
         sd[pre + "post_attention_layernorm.weight"] = blk.post_norm.weight
         for name in ("gate_proj", "up_proj", "down_proj"):
             sd[pre + f"mlp.{name}.weight"] = getattr(blk, name).weight

@@ -105,7 +105,7 @@ def run_llama(args: argparse.Namespace) -> int:
         r = full if args.d_latent in (None, "full") else _latent(args.d_latent, full)
         stats = calibrate_layers(model, batches, progress=progress)
         mla = convert_llama(model, stats, d_latent=r, rope_dims=rope_dims, layout=args.rope_layout,
-                            latent_norm=args.latent_norm or args.format == "deepseek_v3",
+                            latent_norm=args.latent_norm,
                             source={"path": str(args.model), "calib": str(args.calib),
                                     "calibration_tokens": report["calibration_tokens"]})
         report["source_cache_dim"] = 2 * a.n_kv_head * a.head_dim

@@ -238,6 +238,7 @@ def test_cli_shared_deepseek_export_and_kvsplice(s260k, tmp_path, capsys):
 
 @pytest.mark.parametrize("extra,msg", [
     (["--format", "deepseek_v3"], "--rope-layout shared"),
+    (["--format", "deepseek_v3", "--rope-layout", "shared", "--latent-norm"], "unusable"),
     (["--rope-dims", "3"], "must be even"),
     (["--d-latent", "9999"], "must be in"),
     (["--no-calib"], "needs --calib"),

@@ -84,6 +84,11 @@ def run_llama(args: argparse.Namespace) -> int:
         raise UsageError(f"--model {args.model} is already a converted MLA model: give --kvsplice-ratio to shrink "
                          f"its latent, or --format deepseek_v3 to export it")
     export_only = converted and args.kvsplice_ratio is None
+    if args.latent_norm and args.format == "deepseek_v3" and not converted:
+        raise UsageError("--latent-norm with --format deepseek_v3: a real latent RMSNorm makes a training-free "
+                         "conversion unusable (SmolLM2 2x: ppl 1838 vs 13.2 without it, docs/conversion.md); leave "
+                         "--latent-norm out (the export writes the norm in its linear regime, the norm-free model) "
+                         "or fine-tune a --latent-norm native folder first")
     if not args.calib and not export_only:
         raise UsageError("converting a Llama-family model needs --calib TEXT (the RoPE split and the latent come "
                          "from calibration activations)")

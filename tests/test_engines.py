@@ -55,6 +55,7 @@ def test_norm_free_export_is_our_model_in_transformers(tiny_llama, tmp_path, d_l
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["n_group"] is None and cfg["topk_group"] is None and cfg["n_routed_experts"] == 1
     assert cfg["rms_norm_eps"] == 1e-6 and "linear regime" in cfg["kvsplice"]["latent_norm"]
+    assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"]  # transformers 4.x reads the first
     ds = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert (ds(held).logits - mla(held)).abs().max() <= TOL
     assert (mla(held) - src(held).logits).abs().max() > 0.05 or d_latent is None  # lossy at 20: the test can tell

@@ -110,7 +110,8 @@ def deepseek_v3_config(model: MLALlama) -> dict[str, Any]:
         "num_experts_per_tok": 1, "n_group": None, "topk_group": None, "routed_scaling_factor": 1.0,
         "norm_topk_prob": True,
         "hidden_act": "silu", "max_position_embeddings": cfg.max_positions, "rms_norm_eps": eps,
-        "rope_interleave": True, "rope_parameters": {"rope_type": "default", "rope_theta": _rope_theta(model)},
+        "rope_interleave": True, "rope_theta": _rope_theta(model),  # transformers 4.x reads this one
+        "rope_parameters": {"rope_type": "default", "rope_theta": _rope_theta(model)},
         "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False, "use_cache": True,
         "torch_dtype": str(model.embed.weight.dtype).replace("torch.", ""),
         "kvsplice": {"source": cfg.source, **latent},

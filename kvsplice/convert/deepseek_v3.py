@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 
 from models.mla_llama import MLALlama
 
@@ -92,7 +93,22 @@ def linear_regime(model: MLALlama) -> list[tuple[float, float]]:
     return out
 
 
-def deepseek_v3_config(model: MLALlama) -> dict[str, Any]:
+def check_pad(model: MLALlama, pad_latent: Optional[int]) -> int:
+    """The exported ``kv_lora_rank``: ``d_latent``, or ``pad_latent`` (zero latent dims appended, so that an engine
+    that takes only some latent + RoPE sizes runs the model: vLLM's MLA takes 320 / 512 / 576, its CPU kernel 576).
+    Exact only in the linear regime (a real RMSNorm's mean would change): ValueError (one line) otherwise."""
+    r = model.cfg.d_latent
+    if pad_latent is None or pad_latent == r:
+        return r
+    if model.cfg.latent_norm:
+        raise ValueError("--pad-latent: padding a real latent RMSNorm changes its mean (not exact); pad a norm-free "
+                         "model (its export's norm is linear)")
+    if pad_latent < r:
+        raise ValueError(f"--pad-latent {pad_latent} is smaller than the latent ({r})")
+    return int(pad_latent)
+
+
+def deepseek_v3_config(model: MLALlama, pad_latent: Optional[int] = None) -> dict[str, Any]:
     """The ``config.json`` of the export."""
     cfg = model.cfg
     eps = cfg.norm_eps if cfg.latent_norm else LINEAR_EPS
@@ -104,7 +120,7 @@ def deepseek_v3_config(model: MLALlama) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
         "moe_intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layer,
         "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_head,
-        "q_lora_rank": None, "kv_lora_rank": cfg.d_latent, "qk_rope_head_dim": cfg.rope_dims,
+        "q_lora_rank": None, "kv_lora_rank": check_pad(model, pad_latent), "qk_rope_head_dim": cfg.rope_dims,
         "qk_nope_head_dim": cfg.head_dim, "v_head_dim": cfg.head_dim,
         "first_k_dense_replace": cfg.n_layer, "n_routed_experts": 1, "n_shared_experts": 1,
         "num_experts_per_tok": 1, "n_group": None, "topk_group": None, "routed_scaling_factor": 1.0,
@@ -124,10 +140,12 @@ def _interleave(n: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def deepseek_v3_state_dict(model: MLALlama) -> dict[str, torch.Tensor]:
-    """The export's weights (transformers' DeepSeek-V3 names), from ``model`` (checked by :func:`check_exportable`)."""
+def deepseek_v3_state_dict(model: MLALlama, pad_latent: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """The export's weights (transformers' DeepSeek-V3 names), from ``model`` (checked by :func:`check_exportable`);
+    ``pad_latent``: :func:`check_pad`."""
     check_exportable(model)
     cfg = model.cfg
+    pad = check_pad(model, pad_latent) - cfg.d_latent
     h, d, dr, g = cfg.n_head, cfg.head_dim, cfg.rope_dims, cfg.n_head // cfg.n_kv_head
     perm = _interleave(dr // 2)
     fold = cfg.scale / (d + dr) ** -0.5  # DeepSeek multiplies scores by (D + Dr)^-0.5
@@ -141,14 +159,17 @@ def deepseek_v3_state_dict(model: MLALlama) -> dict[str, torch.Tensor]:
         q_rope = torch.einsum("hde,hdm->hem", at.q_rope.to(wq), wq)[:, perm]  # (H, Dr, d_model), interleaved
         sd[pre + "self_attn.q_proj.weight"] = (torch.cat([wq, q_rope], dim=1) * (fold / s)).flatten(0, 1)
         k_rope = (at.k_rope.to(wq).T @ at.k_proj.weight)[perm]  # (Dr, d_model)
-        sd[pre + "self_attn.kv_a_proj_with_mqa.weight"] = torch.cat([at.kv_down.weight * (gamma / s), k_rope / s])
+        zeros = at.kv_down.weight.new_zeros(pad, at.kv_down.weight.shape[1])  # padded latent dims: always 0
+        sd[pre + "self_attn.kv_a_proj_with_mqa.weight"] = torch.cat([at.kv_down.weight * (gamma / s), zeros,
+                                                                     k_rope / s])
         if regime is None:
             sd[pre + "self_attn.kv_a_layernorm.weight"] = at.kv_norm.weight
         else:  # c' = γ c, mean(c'²) ≤ ρ ε: norm(c') · sqrt(ε)/γ = c (to ρ/2)
-            sd[pre + "self_attn.kv_a_layernorm.weight"] = torch.full_like(at.kv_down.weight[:, 0],
-                                                                          LINEAR_EPS ** 0.5 / gamma)
+            sd[pre + "self_attn.kv_a_layernorm.weight"] = at.kv_down.weight.new_full((cfg.d_latent + pad,),
+                                                                                     LINEAR_EPS ** 0.5 / gamma)
         wuk = at.k_up.weight.view(cfg.n_kv_head, d, -1).repeat_interleave(g, 0)  # (H, D, R)
         wuv = at.v_up.weight.view(cfg.n_kv_head, d, -1).repeat_interleave(g, 0)  # (H, D, R)
+        wuk, wuv = (F.pad(w, (0, pad)) for w in (wuk, wuv))  # (H, D, R + pad)
         sd[pre + "self_attn.kv_b_proj.weight"] = torch.cat([wuk, wuv], dim=1).flatten(0, 1)  # (H·2D, R)
         sd[pre + "self_attn.o_proj.weight"] = at.o_proj.weight
         sd[pre + "input_layernorm.weight"] = blk.input_norm.weight * s
@@ -158,15 +179,16 @@ def deepseek_v3_state_dict(model: MLALlama) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous().clone() for k, v in sd.items()}
 
 
-def save_deepseek_v3(model: MLALlama, folder: Path, tokenizer: Optional[Any] = None) -> None:
+def save_deepseek_v3(model: MLALlama, folder: Path, tokenizer: Optional[Any] = None,
+                     pad_latent: Optional[int] = None) -> None:
     """Write the export into ``folder`` (a fresh temporary folder of :func:`kvsplice.io.outputs.write_dir`)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    sd = deepseek_v3_state_dict(model)
+    sd = deepseek_v3_state_dict(model, pad_latent)
     save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(deepseek_v3_config(model), indent=2) + "\n", encoding="utf-8")
+    (folder / "config.json").write_text(json.dumps(deepseek_v3_config(model, pad_latent), indent=2) + "\n", encoding="utf-8")
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(str(folder))
         portable_tokenizer_config(folder)

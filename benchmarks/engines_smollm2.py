@@ -92,7 +92,7 @@ def main() -> int:
     del ds
     why = missing(bindings=True)
     if why is None:
-        for outtype in ("f32", "f16"):
+        for outtype in ("f32", "bf16", "f16"):
             g = work / f"dsv3-{outtype}.gguf"
             added = hf_to_gguf(ds_dir, g, outtype=outtype)
             log("gguf", outtype, added)

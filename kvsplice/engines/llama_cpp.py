@@ -181,12 +181,16 @@ class LlamaCppModel:
     ``kv_bytes_per_token`` (the K + V cache llama.cpp allocated, from its log line, over its cells).
 
     ``n_ctx`` cells of cache type ``cache_type`` (``"f16"``, ``"f32"``, ``"q8_0"``, ...); one sequence, one thread
-    by default."""
+    by default. ``repack=False`` (the default; llama.cpp's ``--no-repack``): with weight repacking, an f16
+    ``deepseek2`` GGUF of SmolLM2's shapes aborts in llama.cpp 0.3.36's scheduler (``GGML_ASSERT(*cur_backend_id
+    != -1)``, also with a real latent norm: llama.cpp's, not the export's); f32 / bf16 GGUFs run either way."""
 
-    def __init__(self, path: str | os.PathLike, *, n_ctx: int = 512, cache_type: str = "f16", threads: int = 1):
+    def __init__(self, path: str | os.PathLike, *, n_ctx: int = 512, cache_type: str = "f16", threads: int = 1,
+                 repack: bool = False):
         ll = _bindings()
         self.ll = ll
         mp = ll.llama_model_default_params()
+        mp.use_extra_bufts = bool(repack)
         _LOG.clear()
         self.model = ll.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:

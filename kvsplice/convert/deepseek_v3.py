@@ -111,10 +111,12 @@ def check_pad(model: MLALlama, pad_latent: Optional[int]) -> int:
 def deepseek_v3_config(model: MLALlama, pad_latent: Optional[int] = None) -> dict[str, Any]:
     """The ``config.json`` of the export."""
     cfg = model.cfg
-    eps = cfg.norm_eps if cfg.latent_norm else LINEAR_EPS
+    # one eps for the latent in every engine: transformers fixes kv_a_layernorm's at 1e-6, llama.cpp / vLLM read
+    # rms_norm_eps; the other norms move by ~1e-5 relative when the source's eps was larger
+    eps = cfg.latent_norm_eps if cfg.latent_norm else LINEAR_EPS
     latent = ({"latent_norm_eps": cfg.latent_norm_eps} if cfg.latent_norm else
-              {"latent_norm": f"linear regime of a norm-free model (rho {LINEAR_RHO}, eps {LINEAR_EPS})",
-               "source_rms_norm_eps": cfg.norm_eps})
+              {"latent_norm": f"linear regime of a norm-free model (rho {LINEAR_RHO}, eps {LINEAR_EPS})"})
+    latent["source_rms_norm_eps"] = cfg.norm_eps
     return {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,

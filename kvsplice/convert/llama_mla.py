@@ -182,8 +182,7 @@ def convert_llama(model, stats: list[LayerStats], *, d_latent: Optional[int], ro
     cfg = MLALlamaConfig(
         vocab_size=a.param().shape[0], d_model=d, n_layer=a.n_layer, n_head=a.n_head, n_kv_head=n_kv, head_dim=hd,
         d_ff=cfg_src.intermediate_size, d_latent=r, rope_dims=rope_dims, rope_layout=layout,
-        latent_norm=latent_norm, norm_eps=float(cfg_src.rms_norm_eps), latent_norm_eps=float(cfg_src.rms_norm_eps),
-        attention_bias=attn0.q_proj.bias is not None,
+        latent_norm=latent_norm, norm_eps=float(cfg_src.rms_norm_eps), attention_bias=attn0.q_proj.bias is not None,
         head_norms=qwen3, softmax_scale=a.scale(0), rope_attention_scaling=float(getattr(rot, "attention_scaling", 1.0)),
         max_positions=a.max_positions or 2048, tie_embeddings=bool(getattr(cfg_src, "tie_word_embeddings", False)),
         windows=[a.window(i) for i in range(a.n_layer)], source=dict(source or {}, model_type=cfg_src.model_type))

@@ -35,8 +35,8 @@ MODEL_TYPE = "kvsplice_mla_llama"
 """``model_type`` in the ``config.json`` of a converted model folder."""
 ROPE_LAYOUTS = ("per-head", "shared")
 LATENT_NORM_EPS = 1e-6
-"""eps of the latent RMSNorm: transformers' DeepSeek-V3 ``kv_a_layernorm`` (fixed there); the DeepSeek-V3 export writes
-``rms_norm_eps`` = this, the eps llama.cpp and vLLM normalise the latent with, so every engine computes our norm."""
+"""eps of the latent RMSNorm: transformers' DeepSeek-V3 ``kv_a_layernorm`` (fixed there), so an export computes the
+same norm in transformers (llama.cpp and vLLM use ``rms_norm_eps``: docs/conversion.md)."""
 
 
 @dataclass
@@ -55,7 +55,7 @@ class MLALlamaConfig:
     rope_layout: str = "per-head"
     latent_norm: bool = False
     norm_eps: float = 1e-6
-    latent_norm_eps: float = LATENT_NORM_EPS  # eps of the latent RMSNorm (the export's rms_norm_eps)
+    latent_norm_eps: float = LATENT_NORM_EPS  # eps of the latent RMSNorm
     attention_bias: bool = False  # q/k/v biases (Qwen2)
     head_norms: bool = False  # RMSNorm of each q / k head before RoPE (Qwen3)
     softmax_scale: Optional[float] = None  # None: (head_dim)^-0.5

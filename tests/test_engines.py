@@ -73,13 +73,15 @@ def test_padded_latent_export_is_exact(tiny_llama, tmp_path):
         save_deepseek_v3(normed, tmp_path / "x", pad_latent=48)
 
 
-def test_latent_norm_eps_is_rms_norm_eps(tiny_llama, tmp_path):
-    """The export's rms_norm_eps is our latent norm's eps (llama.cpp / vLLM normalise the latent with it) and
-    transformers' fixed kv_a_layernorm eps: every engine computes the same latent."""
-    src, stats, held = tiny_llama
+def test_latent_norm_eps(tiny_llama):
+    """A real latent norm keeps transformers' fixed kv_a_layernorm eps (1e-6) and the source's rms_norm_eps for the
+    other norms (transformers: exact); the linear regime writes one eps, 1e-6, for every engine."""
+    src, stats, _ = tiny_llama
     mla = convert_llama(src, stats, d_latent=20, rope_dims=16, layout="shared", latent_norm=True)
     assert mla.cfg.latent_norm_eps == mla.layers[0].attn.kv_norm.eps == 1e-6
-    assert deepseek_v3_config(mla)["rms_norm_eps"] == 1e-6
+    assert deepseek_v3_config(mla)["rms_norm_eps"] == src.config.rms_norm_eps
+    free = convert_llama(src, stats, d_latent=20, rope_dims=16, layout="shared")
+    assert deepseek_v3_config(free)["rms_norm_eps"] == 1e-6
 
 
 def test_tokenizer_config_is_portable(tmp_path):

@@ -111,9 +111,11 @@ def check_pad(model: MLALlama, pad_latent: Optional[int]) -> int:
 def deepseek_v3_config(model: MLALlama, pad_latent: Optional[int] = None) -> dict[str, Any]:
     """The ``config.json`` of the export."""
     cfg = model.cfg
-    # one eps for the latent in every engine: transformers fixes kv_a_layernorm's at 1e-6, llama.cpp / vLLM read
-    # rms_norm_eps; the other norms move by ~1e-5 relative when the source's eps was larger
-    eps = cfg.latent_norm_eps if cfg.latent_norm else LINEAR_EPS
+    # a real latent norm (eps 1e-6 = transformers' fixed kv_a_layernorm eps): rms_norm_eps = norm_eps, so transformers
+    # computes our model exactly; llama.cpp / vLLM normalise the latent with rms_norm_eps (a 1e-5 source: a small
+    # difference, docs/conversion.md). The linear regime needs one eps in every engine: 1e-6 (the other norms then
+    # move by ~1e-5 relative when the source's eps was larger)
+    eps = cfg.norm_eps if cfg.latent_norm else LINEAR_EPS
     latent = ({"latent_norm_eps": cfg.latent_norm_eps} if cfg.latent_norm else
               {"latent_norm": f"linear regime of a norm-free model (rho {LINEAR_RHO}, eps {LINEAR_EPS})"})
     latent["source_rms_norm_eps"] = cfg.norm_eps

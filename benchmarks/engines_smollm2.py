@@ -79,7 +79,7 @@ def main() -> int:
         log(name, f"ppl {row['ppl']:.3f}")
         return row
 
-    torch_row("source (transformers, fp32)", src, kv_bytes=2 * 30 * 2 * 3 * 64 * 2)
+    torch_row("source (transformers, fp32)", src, kv_bytes=30 * 2 * 3 * 64 * 2)  # 30 layers x (K, V) x 3 KV heads x 64 x f16
     stats = calibrate_layers(src, calibration_batches(cal, 1024, 4))
     log("calibrated")
     mla = convert_llama(src, stats, d_latent=args.d_latent, rope_dims=64, layout="shared")

@@ -88,7 +88,7 @@ def run_llama(args: argparse.Namespace) -> int:
         raise UsageError("--pad-latent pads the latent of a --format deepseek_v3 export")
     if args.latent_norm and args.format == "deepseek_v3" and not converted:
         raise UsageError("--latent-norm with --format deepseek_v3: a real latent RMSNorm makes a training-free "
-                         "conversion unusable (SmolLM2 2x: ppl 1838 vs 13.2 without it, docs/conversion.md); leave "
+                         "conversion unusable (SmolLM2 2x: ppl 1,833 vs 13.2 without it, docs/conversion.md); leave "
                          "--latent-norm out (the export writes the norm in its linear regime, the norm-free model) "
                          "or fine-tune a --latent-norm native folder first")
     if not args.calib and not export_only:

@@ -35,7 +35,8 @@ MODEL_TYPE = "kvsplice_mla_llama"
 """``model_type`` in the ``config.json`` of a converted model folder."""
 ROPE_LAYOUTS = ("per-head", "shared")
 LATENT_NORM_EPS = 1e-6
-"""eps of the latent RMSNorm: DeepSeek-V3's ``kv_a_layernorm`` default, so an export computes the same norm."""
+"""eps of the latent RMSNorm: transformers' DeepSeek-V3 ``kv_a_layernorm`` (fixed there), so an export computes the
+same norm in transformers (llama.cpp and vLLM use ``rms_norm_eps``: docs/conversion.md)."""
 
 
 @dataclass
@@ -54,6 +55,7 @@ class MLALlamaConfig:
     rope_layout: str = "per-head"
     latent_norm: bool = False
     norm_eps: float = 1e-6
+    latent_norm_eps: float = LATENT_NORM_EPS  # eps of the latent RMSNorm
     attention_bias: bool = False  # q/k/v biases (Qwen2)
     head_norms: bool = False  # RMSNorm of each q / k head before RoPE (Qwen3)
     softmax_scale: Optional[float] = None  # None: (head_dim)^-0.5
@@ -130,7 +132,7 @@ class MLAAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.head_norms else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.head_norms else None
         self.kv_down = nn.Linear(d, r, bias=False)
-        self.kv_norm = RMSNorm(r, LATENT_NORM_EPS) if cfg.latent_norm else None
+        self.kv_norm = RMSNorm(r, cfg.latent_norm_eps) if cfg.latent_norm else None
         self.k_up = nn.Linear(r, kv * hd, bias=cfg.attention_bias)
         self.v_up = nn.Linear(r, kv * hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(h * hd, d, bias=False)

@@ -278,6 +278,7 @@ def test_cli_never_writes_inside_the_input_folder(s260k, tmp_path, capsys):
 
 @pytest.mark.parametrize("extra,msg", [
     (["--format", "deepseek_v3"], "--rope-layout shared"),
+    (["--format", "deepseek_v3", "--rope-layout", "shared", "--latent-norm"], "unusable"),
     (["--rope-dims", "3"], "must be even"),
     (["--d-latent", "9999"], "must be in"),
     (["--no-calib"], "needs --calib"),

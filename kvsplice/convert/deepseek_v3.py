@@ -6,8 +6,20 @@ The mapping, per layer (``H`` query heads of ``D`` dims, ``Dr`` RoPE dims, laten
 * ``q_proj`` (``q_lora_rank: null``): per head ``[q_nope (D) ; q_rope (Dr)]`` = ``[W_q,i ; A_iᵀ W_q,i]``, times
   ``scale / (D + Dr)^-0.5`` — DeepSeek's softmax scale is fixed at ``(nope + rope)^-0.5``;
 * ``kv_a_proj_with_mqa`` = ``[w_dkv ; Bᵀ W_k]`` (latent, then the one shared RoPE key), ``kv_a_layernorm`` = the
-  latent RMSNorm (DeepSeek always has it: a norm-free model is refused), ``kv_b_proj`` = per query head
-  ``[w_uk ; w_uv]`` of its KV group (``num_key_value_heads = num_attention_heads``: keys are expanded per head);
+  latent RMSNorm, ``kv_b_proj`` = per query head ``[w_uk ; w_uv]`` of its KV group (``num_key_value_heads =
+  num_attention_heads``: keys are expanded per head);
+* a **norm-free** model (the training-free conversion's best, and what fine-tuning starts from) is written with the
+  latent RMSNorm in its *linear regime* (:func:`linear_regime`): DeepSeek-V3 always normalises the latent,
+  ``c / sqrt(mean(c²) + ε) · w``, and for ``mean(c²) ≪ ε`` that is ``c / sqrt(ε) · w`` — linear. The export scales
+  the latent rows of ``kv_a_proj_with_mqa`` by ``γ`` so that ``mean((γc)²) ≤ ρ ε`` for *every* input the layer
+  can see (a bound from the weights: ``‖c‖ ≤ σ_max(w_dkv · diag(g)) · sqrt(d)`` for the input RMSNorm's output
+  ``x = g ⊙ x̂``, ``‖x̂‖² < d``; ``ρ = 1e-4``: each token's latent is off by at most 0.005 %), and sets ``w =
+  sqrt(ε) / γ``, so the cached normed latent *is* the norm-free latent ``c``. To keep every stored weight and
+  activation in f16's range (llama.cpp's converter writes f16 by default), ``s = sqrt(γ)`` moves between the
+  input RMSNorm (``× s``), ``q_proj`` and the RoPE rows (``/ s``) and the latent rows (``γ / s``). ``ε`` is the
+  one eps every engine uses for the latent: transformers hard-codes 1e-6 for ``kv_a_layernorm``, llama.cpp and vLLM
+  use ``rms_norm_eps``, so such an export writes ``rms_norm_eps = 1e-6`` (the other norms' change: SmolLM2's
+  perplexity 13.208 → 13.207; ~1e-3 on the logits of a model with small hidden states, docs/conversion.md);
 * RoPE: ``rope_interleave: true`` (vLLM's DeepSeek layout), so the RoPE columns go from rotate-half
   ``[x_0..x_{n-1}, y_0..y_{n-1}]`` to ``[x_0, y_0, x_1, y_1, ...]``; ``rope_theta = θ^(Dr/D)`` reproduces the
   highest ``Dr/2`` source frequencies the shared layout keeps;
@@ -24,8 +36,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 
-from models.mla_llama import LATENT_NORM_EPS, MLALlama
+from models.mla_llama import MLALlama
 
 __all__ = ["check_exportable", "deepseek_v3_config", "deepseek_v3_state_dict", "save_deepseek_v3"]
 
@@ -49,9 +62,6 @@ def check_exportable(model: MLALlama) -> None:
     if cfg.rope_layout != "shared":
         raise ValueError("--format deepseek_v3 needs --rope-layout shared: DeepSeek-V3 caches one RoPE key per "
                          "token, the per-head layout one per KV head")
-    if not cfg.latent_norm:
-        raise ValueError("--format deepseek_v3 needs the latent RMSNorm (DeepSeek's kv_a_layernorm): convert with "
-                         "--latent-norm")
     if cfg.attention_bias or cfg.head_norms:
         raise ValueError("--format deepseek_v3: DeepSeek-V3 has no q/k/v biases (Qwen2) nor per-head q/k norms "
                          "(Qwen3)")
@@ -62,23 +72,69 @@ def check_exportable(model: MLALlama) -> None:
     _rope_theta(model)
 
 
-def deepseek_v3_config(model: MLALlama) -> dict[str, Any]:
+LINEAR_EPS = 1e-6
+"""``rms_norm_eps`` of a linear-regime export: transformers' fixed ``kv_a_layernorm`` eps (llama.cpp / vLLM read
+the latent's eps from ``rms_norm_eps``)."""
+LINEAR_RHO = 1e-4
+"""Largest ``mean(c²) / ε`` of a linear-regime latent over every possible input (per-token error ≤ ρ/2)."""
+
+
+@torch.no_grad()
+def linear_regime(model: MLALlama) -> list[tuple[float, float]]:
+    """Per layer ``(γ, s)`` of the linear-regime export of a norm-free model (module docstring)."""
+    out = []
+    for blk in model.layers:
+        w = blk.attn.kv_down.weight.double() * blk.input_norm.weight.double()[None]  # (R, d): W diag(g)
+        sigma = float(torch.linalg.matrix_norm(w, ord=2))
+        r, d = w.shape
+        max_ms = sigma ** 2 * d / r  # mean(c²) ≤ ‖c‖² / R ≤ σ² d / R
+        gamma = (LINEAR_RHO * LINEAR_EPS / max(max_ms, 1e-30)) ** 0.5
+        out.append((gamma, gamma ** 0.5))
+    return out
+
+
+def check_pad(model: MLALlama, pad_latent: Optional[int]) -> int:
+    """The exported ``kv_lora_rank``: ``d_latent``, or ``pad_latent`` (zero latent dims appended, so that an engine
+    that takes only some latent + RoPE sizes runs the model: vLLM's MLA takes 320 / 512 / 576, its CPU kernel 576).
+    Exact only in the linear regime (a real RMSNorm's mean would change): ValueError (one line) otherwise."""
+    r = model.cfg.d_latent
+    if pad_latent is None or pad_latent == r:
+        return r
+    if model.cfg.latent_norm:
+        raise ValueError("--pad-latent: padding a real latent RMSNorm changes its mean (not exact); pad a norm-free "
+                         "model (its export's norm is linear)")
+    if pad_latent < r:
+        raise ValueError(f"--pad-latent {pad_latent} is smaller than the latent ({r})")
+    return int(pad_latent)
+
+
+def deepseek_v3_config(model: MLALlama, pad_latent: Optional[int] = None) -> dict[str, Any]:
     """The ``config.json`` of the export."""
     cfg = model.cfg
+    # a real latent norm (eps 1e-6 = transformers' fixed kv_a_layernorm eps): rms_norm_eps = norm_eps, so transformers
+    # computes our model exactly; llama.cpp / vLLM normalise the latent with rms_norm_eps (a 1e-5 source: a small
+    # difference, docs/conversion.md). The linear regime needs one eps in every engine: 1e-6 (the other norms then
+    # move slightly when the source's eps was larger: docs/conversion.md)
+    eps = cfg.norm_eps if cfg.latent_norm else LINEAR_EPS
+    latent = ({"latent_norm_eps": cfg.latent_norm_eps} if cfg.latent_norm else
+              {"latent_norm": f"linear regime of a norm-free model (rho {LINEAR_RHO}, eps {LINEAR_EPS})"})
+    latent["source_rms_norm_eps"] = cfg.norm_eps
     return {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
         "moe_intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layer,
         "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_head,
-        "q_lora_rank": None, "kv_lora_rank": cfg.d_latent, "qk_rope_head_dim": cfg.rope_dims,
+        "q_lora_rank": None, "kv_lora_rank": check_pad(model, pad_latent), "qk_rope_head_dim": cfg.rope_dims,
         "qk_nope_head_dim": cfg.head_dim, "v_head_dim": cfg.head_dim,
         "first_k_dense_replace": cfg.n_layer, "n_routed_experts": 1, "n_shared_experts": 1,
-        "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
-        "hidden_act": "silu", "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.norm_eps,
-        "rope_interleave": True, "rope_parameters": {"rope_type": "default", "rope_theta": _rope_theta(model)},
+        "num_experts_per_tok": 1, "n_group": None, "topk_group": None, "routed_scaling_factor": 1.0,
+        "norm_topk_prob": True,
+        "hidden_act": "silu", "max_position_embeddings": cfg.max_positions, "rms_norm_eps": eps,
+        "rope_interleave": True, "rope_theta": _rope_theta(model),  # transformers 4.x reads this one
+        "rope_parameters": {"rope_type": "default", "rope_theta": _rope_theta(model)},
         "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False, "use_cache": True,
         "torch_dtype": str(model.embed.weight.dtype).replace("torch.", ""),
-        "kvsplice": {"source": cfg.source, "latent_norm_eps": LATENT_NORM_EPS},
+        "kvsplice": {"source": cfg.source, **latent},
     }
 
 
@@ -88,42 +144,68 @@ def _interleave(n: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def deepseek_v3_state_dict(model: MLALlama) -> dict[str, torch.Tensor]:
-    """The export's weights (transformers' DeepSeek-V3 names), from ``model`` (checked by :func:`check_exportable`)."""
+def deepseek_v3_state_dict(model: MLALlama, pad_latent: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """The export's weights (transformers' DeepSeek-V3 names), from ``model`` (checked by :func:`check_exportable`);
+    ``pad_latent``: :func:`check_pad`."""
     check_exportable(model)
     cfg = model.cfg
+    pad = check_pad(model, pad_latent) - cfg.d_latent
     h, d, dr, g = cfg.n_head, cfg.head_dim, cfg.rope_dims, cfg.n_head // cfg.n_kv_head
     perm = _interleave(dr // 2)
     fold = cfg.scale / (d + dr) ** -0.5  # DeepSeek multiplies scores by (D + Dr)^-0.5
     sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed.weight,
                                    "model.norm.weight": model.norm.weight, "lm_head.weight": model.lm_head.weight}
+    regime = None if cfg.latent_norm else linear_regime(model)
     for i, blk in enumerate(model.layers):
         at, pre = blk.attn, f"model.layers.{i}."
+        gamma, s = (1.0, 1.0) if regime is None else regime[i]
         wq = at.q_proj.weight.view(h, d, -1)  # (H, D, d_model)
         q_rope = torch.einsum("hde,hdm->hem", at.q_rope.to(wq), wq)[:, perm]  # (H, Dr, d_model), interleaved
-        sd[pre + "self_attn.q_proj.weight"] = (torch.cat([wq, q_rope], dim=1) * fold).flatten(0, 1)
+        sd[pre + "self_attn.q_proj.weight"] = (torch.cat([wq, q_rope], dim=1) * (fold / s)).flatten(0, 1)
         k_rope = (at.k_rope.to(wq).T @ at.k_proj.weight)[perm]  # (Dr, d_model)
-        sd[pre + "self_attn.kv_a_proj_with_mqa.weight"] = torch.cat([at.kv_down.weight, k_rope])
-        sd[pre + "self_attn.kv_a_layernorm.weight"] = at.kv_norm.weight
+        zeros = at.kv_down.weight.new_zeros(pad, at.kv_down.weight.shape[1])  # padded latent dims: always 0
+        sd[pre + "self_attn.kv_a_proj_with_mqa.weight"] = torch.cat([at.kv_down.weight * (gamma / s), zeros,
+                                                                     k_rope / s])
+        if regime is None:
+            sd[pre + "self_attn.kv_a_layernorm.weight"] = at.kv_norm.weight
+        else:  # c' = γ c, mean(c'²) ≤ ρ ε: norm(c') · sqrt(ε)/γ = c (to ρ/2)
+            sd[pre + "self_attn.kv_a_layernorm.weight"] = at.kv_down.weight.new_full((cfg.d_latent + pad,),
+                                                                                     LINEAR_EPS ** 0.5 / gamma)
         wuk = at.k_up.weight.view(cfg.n_kv_head, d, -1).repeat_interleave(g, 0)  # (H, D, R)
         wuv = at.v_up.weight.view(cfg.n_kv_head, d, -1).repeat_interleave(g, 0)  # (H, D, R)
+        wuk, wuv = (F.pad(w, (0, pad)) for w in (wuk, wuv))  # (H, D, R + pad)
         sd[pre + "self_attn.kv_b_proj.weight"] = torch.cat([wuk, wuv], dim=1).flatten(0, 1)  # (H·2D, R)
         sd[pre + "self_attn.o_proj.weight"] = at.o_proj.weight
-        sd[pre + "input_layernorm.weight"] = blk.input_norm.weight
+        sd[pre + "input_layernorm.weight"] = blk.input_norm.weight * s
         sd[pre + "post_attention_layernorm.weight"] = blk.post_norm.weight
         for name in ("gate_proj", "up_proj", "down_proj"):
             sd[pre + f"mlp.{name}.weight"] = getattr(blk, name).weight
     return {k: v.detach().cpu().contiguous().clone() for k, v in sd.items()}
 
 
-def save_deepseek_v3(model: MLALlama, folder: Path, tokenizer: Optional[Any] = None) -> None:
+def save_deepseek_v3(model: MLALlama, folder: Path, tokenizer: Optional[Any] = None,
+                     pad_latent: Optional[int] = None) -> None:
     """Write the export into ``folder`` (a fresh temporary folder of :func:`kvsplice.io.outputs.write_dir`)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    sd = deepseek_v3_state_dict(model)
+    sd = deepseek_v3_state_dict(model, pad_latent)
     save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(deepseek_v3_config(model), indent=2) + "\n", encoding="utf-8")
+    (folder / "config.json").write_text(json.dumps(deepseek_v3_config(model, pad_latent), indent=2) + "\n", encoding="utf-8")
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(str(folder))
+        portable_tokenizer_config(folder)
+
+
+def portable_tokenizer_config(folder: Path) -> None:
+    """Make ``tokenizer_config.json`` readable by transformers 4.x and 5.x: transformers 5 saves ``tokenizer_class:
+    TokenizersBackend``, a class 4.x (llama.cpp's converter pins 4.57) does not have; ``PreTrainedTokenizerFast`` reads
+    the same ``tokenizer.json`` in both."""
+    p = Path(folder) / "tokenizer_config.json"
+    if not p.is_file():
+        return
+    tc = json.loads(p.read_text(encoding="utf-8"))
+    if tc.get("tokenizer_class") in ("TokenizersBackend", None):
+        tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+        p.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -94,6 +94,13 @@ def run_llama(args: argparse.Namespace) -> int:
         raise UsageError(f"--model {args.model} is already a converted MLA model: give --kvsplice-ratio to shrink "
                          f"its latent, or --format deepseek_v3 to export it")
     export_only = converted and args.kvsplice_ratio is None
+    if args.pad_latent is not None and args.format != "deepseek_v3":
+        raise UsageError("--pad-latent pads the latent of a --format deepseek_v3 export")
+    if args.latent_norm and args.format == "deepseek_v3" and not converted:
+        raise UsageError("--latent-norm with --format deepseek_v3: a real latent RMSNorm makes a training-free "
+                         "conversion unusable (SmolLM2 2x: ppl 1,833 vs 13.2 without it, docs/conversion.md); leave "
+                         "--latent-norm out (the export writes the norm in its linear regime, the norm-free model) "
+                         "or fine-tune a --latent-norm native folder first")
     if not args.calib and not export_only:
         raise UsageError("converting a Llama-family model needs --calib TEXT (the RoPE split and the latent come "
                          "from calibration activations)")
@@ -119,7 +126,7 @@ def run_llama(args: argparse.Namespace) -> int:
             _check_ratio(args, r)
         stats = calibrate_layers(model, batches, progress=progress)
         mla = convert_llama(model, stats, d_latent=r, rope_dims=rope_dims, layout=args.rope_layout,
-                            latent_norm=args.latent_norm or args.format == "deepseek_v3",
+                            latent_norm=args.latent_norm,
                             source={"path": str(args.model), "calib": str(args.calib),
                                     "calibration_tokens": report["calibration_tokens"]})
         report["source_cache_dim"] = 2 * a.n_kv_head * a.head_dim
@@ -134,13 +141,14 @@ def run_llama(args: argparse.Namespace) -> int:
                   compression_vs_source=report["source_cache_dim"] / c.cache_dim)
     backend = getattr(tok, "backend", None)
     if args.format == "deepseek_v3":
-        from kvsplice.convert.deepseek_v3 import check_exportable, save_deepseek_v3
+        from kvsplice.convert.deepseek_v3 import check_exportable, check_pad, save_deepseek_v3
 
         try:
             check_exportable(mla)
+            check_pad(mla, args.pad_latent)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        write_dir(out, lambda tmp: save_deepseek_v3(mla.cpu(), tmp, backend))
+        write_dir(out, lambda tmp: save_deepseek_v3(mla.cpu(), tmp, backend, pad_latent=args.pad_latent))
     else:
         from kvsplice.io.mla_folder import save_mla_folder
 

@@ -1,0 +1,129 @@
+"""SmolLM2 converted to MLA (shared RoPE, 2x cache) and exported as DeepSeek-V3: the same model in our decoder,
+plain transformers and llama.cpp (its own converter + our q_lora_rank post-step), perplexity and greedy tokens.
+
+    KVSPLICE_LLAMA_CPP=/path/to/llama.cpp python benchmarks/engines_smollm2.py --out results/engines_smollm2
+
+Protocol: calibration on the first ``--calib-tokens`` of TinyStoriesV2 (``mines-opt-ml...10k.txt``), evaluation on
+the first 2,048 tokens of the TinyStories train sample (``gusjengis...sample.txt``, one window, no BOS) — different
+files, nothing tuned on the evaluated text. Rows: the source (transformers, fp32), the norm-free conversion (ours),
+the export with the latent RMSNorm in its linear regime (transformers; llama.cpp f32 and f16 GGUF, f16 KV cache),
+and the same conversion with a real latent RMSNorm (``--latent-norm``; the export that was unusable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+DATA = ROOT.parent / "shared" / "data"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--gguf", default=str(DATA / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    p.add_argument("--calib", default=str(DATA / "tinystories" / "mines-opt-ml_decoding-gpt__tinystories_10k.txt"))
+    p.add_argument("--eval", default=str(DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"))
+    p.add_argument("--calib-tokens", type=int, default=8192)
+    p.add_argument("--eval-tokens", type=int, default=2048)
+    p.add_argument("--d-latent", type=int, default=128)
+    p.add_argument("--greedy", type=int, default=32)
+    p.add_argument("--work", default="/tmp/engines_smollm2")
+    p.add_argument("--out", default=str(ROOT / "results" / "engines_smollm2"))
+    p.add_argument("--skip-normed", action="store_true", help="leave out the --latent-norm row")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    import transformers
+
+    from kvsplice.convert.deepseek_v3 import save_deepseek_v3
+    from kvsplice.convert.llama_mla import calibrate_layers, convert_llama
+    from kvsplice.engines.llama_cpp import LlamaCppModel, hf_to_gguf, missing
+    from kvsplice.io.loading import iter_texts, load_model, token_stream
+    from kvsplice.lowrank.calibrate import calibration_batches
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    res: dict = {"protocol": {k: v for k, v in vars(args).items() if k not in ("work", "out")}, "rows": []}
+
+    def log(*a):
+        print(f"[{time.time() - t0:7.1f}s]", *a, flush=True)
+
+    loaded = load_model(args.gguf)
+    src, tok = loaded.model.float().eval(), loaded.tokenizer
+    ev, _ = token_stream(iter_texts(args.eval), tok, args.eval_tokens)
+    cal, _ = token_stream(iter_texts(args.calib), tok, args.calib_tokens)
+    prompt = list(tok.encode("Once upon a time"))
+
+    def nll_ppl(logits) -> float:
+        lg = torch.as_tensor(logits).float()
+        return math.exp(torch.nn.functional.cross_entropy(lg[:-1], ev[1:]).item())
+
+    @torch.no_grad()
+    def torch_row(name, m, kv_bytes=None):
+        out = m(ev[None])
+        lg = (out.logits if hasattr(out, "logits") else out)[0]
+        g = torch.tensor([prompt])
+        for _ in range(args.greedy):  # plain greedy, full forward each step (small)
+            o = m(g)
+            g = torch.cat([g, (o.logits if hasattr(o, "logits") else o)[:, -1:].argmax(-1)], 1)
+        row = {"name": name, "ppl": nll_ppl(lg), "greedy": g[0, len(prompt):].tolist(), "kv_bytes_per_token": kv_bytes}
+        res["rows"].append(row)
+        log(name, f"ppl {row['ppl']:.3f}")
+        return row
+
+    torch_row("source (transformers, fp32)", src, kv_bytes=30 * 2 * 3 * 64 * 2)  # 30 layers x (K, V) x 3 KV heads x 64 x f16
+    stats = calibrate_layers(src, calibration_batches(cal, 1024, 4))
+    log("calibrated")
+    mla = convert_llama(src, stats, d_latent=args.d_latent, rope_dims=64, layout="shared")
+    ours = torch_row(f"ours: MLA R={args.d_latent} + 64 RoPE, norm-free", mla,
+                     kv_bytes=mla.cache_bytes_formula(1, 1, torch.float16))
+    ds_dir = work / "dsv3"
+    save_deepseek_v3(mla, ds_dir, tok.backend)
+    ds = transformers.AutoModelForCausalLM.from_pretrained(ds_dir, dtype=torch.float32).eval()
+    torch_row("DeepSeek-V3 export (linear-regime latent norm) in transformers, fp32", ds)
+    del ds
+    why = missing(bindings=True)
+    if why is None:
+        for outtype in ("f32", "bf16", "f16"):
+            g = work / f"dsv3-{outtype}.gguf"
+            added = hf_to_gguf(ds_dir, g, outtype=outtype)
+            log("gguf", outtype, added)
+            with LlamaCppModel(g, n_ctx=args.eval_tokens, cache_type="f16") as lm:
+                row = {"name": f"same export in llama.cpp ({outtype} GGUF, f16 KV cache)",
+                       "ppl": nll_ppl(lm.logits(ev.tolist())), "greedy": lm.greedy(prompt, args.greedy),
+                       "kv_bytes_per_token": lm.kv_bytes_per_token, "kv_cache": lm.kv_cache(),
+                       "post_step_added": added}
+            res["rows"].append(row)
+            log(row["name"], f"ppl {row['ppl']:.3f}", row["kv_bytes_per_token"])
+    else:
+        res["llama_cpp"] = why
+    if not args.skip_normed:
+        normed = convert_llama(src, stats, d_latent=args.d_latent, rope_dims=64, layout="shared", latent_norm=True)
+        torch_row(f"--latent-norm: MLA R={args.d_latent} + 64 RoPE with a real latent RMSNorm (before)", normed)
+    for r in res["rows"]:
+        r["greedy_equal_to_ours"] = r["greedy"] == ours["greedy"]
+        r["greedy_text"] = tok.backend.decode(r["greedy"])
+    res["seconds"] = time.time() - t0
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+    lines = ["| model | ppl (2,048 tokens) | greedy 32 == ours | KV bytes / token (f16) |", "|---|---|---|---|"]
+    for r in res["rows"]:
+        kb = r.get("kv_bytes_per_token")
+        lines.append(f"| {r['name']} | {r['ppl']:.3f} | {'yes' if r['greedy_equal_to_ours'] else 'no'} | "
+                     f"{'' if kb is None else f'{kb:,.0f}'} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Serving engines the package's exports run in (optional dependencies): :mod:`kvsplice.engines.llama_cpp`."""

@@ -1,0 +1,301 @@
+"""llama.cpp as an optional engine: where it is, its converter, the one GGUF key our DeepSeek-V3 exports need, and
+running a GGUF through its C API (logits, greedy tokens, the KV cache's size).
+
+llama.cpp is found at ``$KVSPLICE_LLAMA_CPP``, else ``build/engines/llama.cpp`` under the repository root (git
+ignores it): a source tree with ``convert_hf_to_gguf.py``, ``gguf-py/`` and a cmake build in ``build/bin``
+(``libllama.so``, ``llama-perplexity``, ...). docs/conversion.md says how to get and build it (the llama-cpp-python
+0.3.36 source distribution vendors both the engine and its converter). The Python bindings used here are that
+sdist's ``llama_cpp/llama_cpp.py`` (ctypes only, found at ``$KVSPLICE_LLAMA_CPP_PYTHON``, else beside the
+llama.cpp folder as ``llama_cpp_python-*``), loaded without the package's high-level API and its dependencies.
+
+**Why a post-conversion step** (:func:`fix_gguf`): llama.cpp's ``deepseek2`` loader reads "no q-LoRA" from the
+key ``deepseek2.attention.q_lora_rank = 0`` and requires the key unless the model has 26 or 27 layers (DeepSeek-V2-
+Lite's shapes), but its converter writes the key only when ``q_lora_rank`` is set, and the DeepSeek-V3 config that
+transformers and vLLM read must say ``q_lora_rank: null`` (a 0 there makes them build a zero-rank ``q_a_proj``).
+No config.json satisfies all three, so :func:`hf_to_gguf` runs the converter unchanged and then adds that one key
+with gguf-py (a copy of the file with the key added, tensors byte-identical).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+__all__ = ["ENV", "binary", "fix_gguf", "hf_to_gguf", "llama_cpp_root", "missing", "LlamaCppModel"]
+
+ENV = "KVSPLICE_LLAMA_CPP"
+ENV_PY = "KVSPLICE_LLAMA_CPP_PYTHON"
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT = REPO / "build" / "engines" / "llama.cpp"
+Q_LORA_KEY = "deepseek2.attention.q_lora_rank"
+
+
+def llama_cpp_root() -> Path:
+    """The llama.cpp source + build folder: ``$KVSPLICE_LLAMA_CPP`` or ``build/engines/llama.cpp``."""
+    return Path(os.environ.get(ENV) or DEFAULT).expanduser()
+
+
+def binary(name: str) -> Path:
+    """A built llama.cpp program or library, e.g. ``binary("llama-perplexity")``."""
+    return llama_cpp_root() / "build" / "bin" / name
+
+
+def _bindings_dir() -> Optional[Path]:
+    env = os.environ.get(ENV_PY)
+    if env:
+        return Path(env).expanduser()
+    found = sorted(d for d in llama_cpp_root().parent.glob("llama_cpp_python-*") if (d / "llama_cpp").is_dir())
+    return found[-1] if found else None
+
+
+def missing(*, converter: bool = True, library: bool = True, bindings: bool = False,
+            programs: Sequence[str] = ()) -> Optional[str]:
+    """``None`` when llama.cpp has what is asked for, else a one-line reason (tests skip with it)."""
+    root = llama_cpp_root()
+    if not root.is_dir():
+        return f"llama.cpp not found at {root} (set {ENV}; docs/conversion.md builds it)"
+    if converter and not (root / "convert_hf_to_gguf.py").is_file():
+        return f"llama.cpp at {root} has no convert_hf_to_gguf.py"
+    if library and not binary("libllama.so").is_file():
+        return f"llama.cpp at {root} is not built ({binary('libllama.so')} missing)"
+    for p in programs:
+        if not binary(p).is_file():
+            return f"llama.cpp at {root} has no {p} in build/bin"
+    if bindings:
+        d = _bindings_dir()
+        if d is None or not (d / "llama_cpp" / "llama_cpp.py").is_file():
+            return f"llama-cpp-python's source (llama_cpp/llama_cpp.py) not found beside {root} (set {ENV_PY})"
+    return None
+
+
+def _gguf_module():
+    """gguf-py as vendored with llama.cpp (the converter's own), else the installed ``gguf`` package."""
+    vend = llama_cpp_root() / "gguf-py"
+    if (vend / "gguf" / "__init__.py").is_file() and str(vend) not in sys.path:
+        sys.path.insert(0, str(vend))
+        for k in [k for k in sys.modules if k == "gguf" or k.startswith("gguf.")]:
+            del sys.modules[k]  # an installed gguf imported earlier: use the converter's
+    import gguf
+
+    return gguf
+
+
+def fix_gguf(path: str | os.PathLike) -> list[str]:
+    """Add what llama.cpp's loader needs and its converter leaves out of a ``deepseek2`` GGUF of a model without
+    q-LoRA: ``deepseek2.attention.q_lora_rank = 0``. Rewrites ``path`` (atomically) only when a key is missing;
+    returns the keys added (``[]`` for any other file)."""
+    gguf = _gguf_module()
+    path = Path(path)
+    reader = gguf.GGUFReader(str(path))
+    arch_field = reader.get_field(gguf.Keys.General.ARCHITECTURE)
+    arch = arch_field.contents() if arch_field is not None else None
+    if arch != "deepseek2" or reader.get_field(Q_LORA_KEY) is not None:
+        return []
+    tmp = path.with_name(path.name + ".tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch=arch, endianess=reader.endianess)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    writer.add_key_value(Q_LORA_KEY, 0, gguf.GGUFValueType.UINT32)
+    for t in reader.tensors:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in reader.tensors:
+        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    writer.close()
+    del reader
+    os.replace(tmp, path)
+    return [Q_LORA_KEY]
+
+
+def hf_to_gguf(folder: str | os.PathLike, out: str | os.PathLike, outtype: str = "f32",
+               quiet: bool = True) -> list[str]:
+    """Run llama.cpp's own ``convert_hf_to_gguf.py`` on a model folder (unchanged), then :func:`fix_gguf`.
+    Returns the keys the post-step added. Raises ``RuntimeError`` with the converter's last lines if it fails."""
+    root = llama_cpp_root()
+    why = missing(library=False)
+    if why:
+        raise RuntimeError(why)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "gguf-py"), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, str(root / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(out),
+           "--outtype", outtype]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode != 0 or not Path(out).is_file():
+        tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-5:])
+        raise RuntimeError(f"convert_hf_to_gguf.py failed (exit {r.returncode}):\n{tail}")
+    if not quiet:
+        sys.stderr.write(r.stderr)
+    return fix_gguf(out)
+
+
+# ------------------------------------------------------------------------------------------------ the C API
+_LL = None
+_LOG: list[str] = []
+
+
+def _bindings():
+    """llama-cpp-python's ctypes module (``llama_cpp.llama_cpp``) on the built ``libllama.so``, imported without
+    the package ``__init__`` (which pulls in its high-level API and its dependencies)."""
+    global _LL
+    if _LL is not None:
+        return _LL
+    why = missing(converter=False, bindings=True)
+    if why:
+        raise RuntimeError(why)
+    os.environ.setdefault("LLAMA_CPP_LIB_PATH", str(binary("libllama.so").parent))
+    pkg_dir = _bindings_dir() / "llama_cpp"
+    if "llama_cpp" not in sys.modules:
+        pkg = types.ModuleType("llama_cpp")
+        pkg.__path__ = [str(pkg_dir)]  # a namespace for its submodules only
+        sys.modules["llama_cpp"] = pkg
+    spec = importlib.util.spec_from_file_location("llama_cpp.llama_cpp", pkg_dir / "llama_cpp.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["llama_cpp.llama_cpp"] = mod
+    spec.loader.exec_module(mod)
+
+    @mod.llama_log_callback
+    def _log(level, text, user_data):  # keep llama.cpp's log (the KV cache size is read from it)
+        _LOG.append(text.decode("utf-8", "replace"))
+
+    mod._kvsplice_log = _log  # keep the callback alive
+    mod.llama_log_set(_log, ctypes.c_void_p(0))
+    mod.llama_backend_init()
+    _LL = mod
+    return mod
+
+
+class LlamaCppModel:
+    """A GGUF in llama.cpp: ``logits(ids)`` (every position), ``greedy(ids, n)``, ``tokenize(text)`` and
+    ``kv_bytes_per_token`` (the K + V cache llama.cpp allocated, from its log line, over its cells).
+
+    ``n_ctx`` cells of cache type ``cache_type`` (``"f16"``, ``"f32"``, ``"q8_0"``, ...); one sequence, one thread
+    by default. ``repack=False`` (the default; llama.cpp's ``--no-repack``): with weight repacking, an f16
+    ``deepseek2`` GGUF of SmolLM2's shapes aborts in llama.cpp 0.3.36's scheduler (``GGML_ASSERT(*cur_backend_id
+    != -1)``, also with a real latent norm: llama.cpp's, not the export's); f32 / bf16 GGUFs run either way."""
+
+    def __init__(self, path: str | os.PathLike, *, n_ctx: int = 512, cache_type: str = "f16", threads: int = 1,
+                 repack: bool = False):
+        ll = _bindings()
+        self.ll = ll
+        mp = ll.llama_model_default_params()
+        mp.use_extra_bufts = bool(repack)
+        _LOG.clear()
+        self.model = ll.llama_model_load_from_file(str(path).encode(), mp)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}: {''.join(_LOG)[-400:]}")
+        self.vocab = ll.llama_model_get_vocab(self.model)
+        self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
+        cp = ll.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = n_ctx
+        cp.n_ubatch = n_ctx
+        cp.n_seq_max = 1
+        cp.n_threads = cp.n_threads_batch = threads
+        gt = getattr(ll, f"GGML_TYPE_{cache_type.upper()}")
+        cp.type_k = cp.type_v = gt
+        self.ctx = ll.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not make a context for {path}: {''.join(_LOG)[-400:]}")
+        self.n_ctx = ll.llama_n_ctx(self.ctx)
+        self.log = "".join(_LOG)
+
+    # ---------------------------------------------------------------------------------------- cache size
+    def kv_cache(self) -> dict[str, Any]:
+        """llama.cpp's own report: ``cells``, ``layers``, ``k_type``, ``k_mib``, ``v_type``, ``v_mib``."""
+        m = re.search(r"size\s*=\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers.*?K \((\w+)\):\s*([\d.]+) MiB, "
+                      r"V \((\w+)\):\s*([\d.]+) MiB", self.log)
+        if m is None:
+            raise RuntimeError("llama.cpp's log has no KV cache size line")
+        return {"cells": int(m[2]), "layers": int(m[3]), "k_type": m[4], "k_mib": float(m[5]), "v_type": m[6],
+                "v_mib": float(m[7])}
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """K + V bytes per cached token (all layers), as llama.cpp reports them (MiB to 2 decimals: exact to
+        ``0.005 MiB / cells`` bytes — use many cells)."""
+        kv = self.kv_cache()
+        return (kv["k_mib"] + kv["v_mib"]) * 2 ** 20 / kv["cells"]
+
+    # ---------------------------------------------------------------------------------------- running
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        ll, raw = self.ll, text.encode("utf-8")
+        buf = (ll.llama_token * (len(raw) + 8))()
+        n = ll.llama_tokenize(self.vocab, raw, len(raw), buf, len(buf), add_special, False)
+        if n < 0:
+            raise RuntimeError("llama_tokenize: buffer too small")
+        return list(buf[:n])
+
+    def reset(self) -> None:
+        ll = self.ll
+        ll.llama_memory_clear(ll.llama_get_memory(self.ctx), True)
+
+    def _decode(self, ids: Sequence[int], pos0: int, all_logits: bool):
+        ll = self.ll
+        n = len(ids)
+        batch = ll.llama_batch_init(n, 0, 1)
+        try:
+            for j, t in enumerate(ids):
+                batch.token[j] = int(t)
+                batch.pos[j] = pos0 + j
+                batch.n_seq_id[j] = 1
+                batch.seq_id[j][0] = 0
+                batch.logits[j] = bool(all_logits or j == n - 1)
+            batch.n_tokens = n
+            rc = ll.llama_decode(self.ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc}")
+        finally:
+            ll.llama_batch_free(batch)
+
+    def logits(self, ids: Sequence[int]):
+        """``(T, V)`` float32 numpy logits of every position of ``ids`` (one fresh sequence)."""
+        import numpy as np
+
+        self.reset()
+        self._decode(ids, 0, True)
+        out = np.empty((len(ids), self.n_vocab), dtype=np.float32)
+        for j in range(len(ids)):
+            p = self.ll.llama_get_logits_ith(self.ctx, j)
+            out[j] = np.ctypeslib.as_array(p, shape=(self.n_vocab,))
+        return out
+
+    def greedy(self, ids: Sequence[int], n: int) -> list[int]:
+        """``n`` greedy tokens after ``ids``: the prompt in one batch, then one token per step (the cache)."""
+        import numpy as np
+
+        self.reset()
+        self._decode(ids, 0, False)
+        out, pos = [], len(ids)
+        for _ in range(n):
+            lg = np.ctypeslib.as_array(self.ll.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,))
+            t = int(lg.argmax())
+            out.append(t)
+            self._decode([t], pos, False)
+            pos += 1
+        return out
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self.ll.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            self.ll.llama_model_free(self.model)
+            self.model = None
+
+    def __enter__(self) -> "LlamaCppModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

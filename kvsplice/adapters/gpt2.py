@@ -41,8 +41,11 @@ class GPT2Adapter(FamilyAdapter):
         return self.t.wte.weight
 
     def embed(self, ids, start):
+        x = self.t.wte(ids)  # (B, T, d_model); dropout skipped: inference only
+        if getattr(self.t, "wpe", None) is None:  # models.GPT in the deepseek_v3 layout: its attention rotates
+            return x
         pos = torch.arange(start, start + ids.shape[1], device=ids.device)  # (T,)
-        return self.t.wte(ids) + self.t.wpe(pos)[None]  # (B, T, d_model); dropout skipped: inference only
+        return x + self.t.wpe(pos)[None]
 
     def attn_in(self, layer, x):
         return self.t.h[layer].ln_1(x)

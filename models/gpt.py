@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.attention import CausalSelfAttention, MultiHeadLatentAttention, dropout
+from models.attention import CausalSelfAttention, dropout
+from models.latent_attention import MultiHeadLatentAttention
 from models.cache import CompressedLatentCache, DecodeCache, KVCache, LatentCache
 from models.config import DEEPSEEK_V3, GPT2, RMS_NORM_EPS, GPTConfig
 from models.generate import check_prompt, check_sampling, generate_tokens, sample_next

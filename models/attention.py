@@ -378,7 +378,7 @@ class CausalSelfAttention(_Attention):
         k, v = (z.view(b, t, self.n_kv_head, self.head_size).transpose(1, 2) for z in (k, v))  # (B, Hkv, T, hs)
         if self.rotary is not None:
             pos = positions(cache, t, x.device)  # (T,)
-            q, k = self.rotary(q, pos), self.rotary(k, pos)
+            q, k = self.rotary(q, k, pos=pos)
         if cache is None:
             return self._out(self._attend(q, k, v, None, True))
         kv, sc = self._append(q, cache, layer, k=k, v=v)  # (B, Hkv, Tk, hs) each (int8 + scales (…, 1) for the kernel)

@@ -73,19 +73,22 @@ class MultiHeadLatentAttention(_Attention):
         if not self.d_rope:
             return s
         pos = positions(None, x.shape[1], x.device) if pos is None else pos  # (T,)
-        return torch.cat([s, self.rotary(self.w_kr(x), pos)], dim=-1)  # (B, T, r + Dr)
+        return torch.cat([s, *self.rotary(self.w_kr(x), pos=pos)], dim=-1)  # (B, T, r + Dr)
 
     def forward(self, x: torch.Tensor, cache: Optional[DecodeCache] = None, layer: int = 0) -> torch.Tensor:
         b, t, _ = x.shape
         pos = positions(cache, t, x.device) if self.d_rope else None  # (T,), before this layer's append
-        qr = self._rope_queries(x, pos) if self.d_rope else None  # (B, H, T, Dr)
+        qr = self._rope_queries(x, pos) if self.d_rope and cache is not None else None  # (B, H, T, Dr)
         if cache is None:  # training / full forward: w_q and w_dkv as one matrix product
             q, c = _fused_linear(x, (self.w_q, self.w_dkv))  # (B, T, d_model), (B, T, d_latent)
             q = q.view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, T, hs)
             c = self.kv_norm(c) if self.kv_norm is not None else c
             if self.splice is not None:  # E (norm) C c: compress and expand are in the training graph
                 c = self.splice.expand(self._normed_s(self.splice.compress(c)))  # (B, T, d_latent)
-            kr = self.rotary(self.w_kr(x), pos) if self.d_rope else None  # (B, T, Dr)
+            qr = kr = None
+            if self.d_rope:  # each head's RoPE query (B, H, T, Dr), the shared RoPE key (B, T, Dr): one table
+                qr = self.w_qr(x).view(b, t, self.n_head, self.d_rope).transpose(1, 2)  # (B, H, T, Dr)
+                qr, kr = self.rotary(qr, self.w_kr(x), pos=pos)
             return self._out(self._naive(q, c, qr, kr, fixed_shape=True))
         q = self.w_q(x).view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, T, hs)
         bias, fixed = cache.key_bias(), cache.fixed_shape  # (1, 1, Tk) for a fixed-capacity view, else None
@@ -110,7 +113,7 @@ class MultiHeadLatentAttention(_Attention):
         """Each head's rotated RoPE query ``(B, H, T, Dr)``."""
         b, t, _ = x.shape
         qr = self.w_qr(x).view(b, t, self.n_head, self.d_rope).transpose(1, 2)  # (B, H, T, Dr)
-        return self.rotary(qr, pos)
+        return self.rotary(qr, pos=pos)[0]
 
     def _expand(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, _ = c.shape

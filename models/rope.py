@@ -17,7 +17,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """``rotary(x, pos)``: ``x (..., T, D)`` rotated at absolute positions ``pos (T,)``.
+    """``rotary(x, y, pos=pos)``: ``x``, ``y`` ``(..., T, D)`` rotated at absolute positions ``pos (T,)``.
 
     The frequencies are kept in fp32 off the module's buffers (one copy per device), so casting the model to
     fp16 / bf16 does not round them; the rotation itself runs in ``x``'s dtype.
@@ -44,9 +44,10 @@ class Rotary(nn.Module):
         ang = torch.cat([ang, ang], dim=-1)  # (T, D)
         return ang.cos().to(dtype), ang.sin().to(dtype)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.tables(pos, x.dtype)  # (T, D), broadcast over the leading dims of x (..., T, D)
-        return x * cos + rotate_half(x) * sin
+    def forward(self, *xs: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each of ``xs`` rotated at ``pos``; the tables are computed once for all of them."""
+        cos, sin = self.tables(pos, xs[0].dtype)  # (T, D), broadcast over the leading dims of each x (..., T, D)
+        return tuple(x * cos + rotate_half(x) * sin for x in xs)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, theta={self.theta:g}"

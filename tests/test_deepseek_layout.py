@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsplice.decode import Decoder, ModelAttention
+from kvsplice.decode import Decoder, DenseKV, ModelAttention
 from kvsplice.verify_memory import main as verify_memory
 from models import GPT
 from models.config import GPTConfig
@@ -80,6 +80,12 @@ def test_the_package_decoder_runs_the_models_own_cache(name):
         got = torch.cat([dec(ids[:, :12], cache), dec(ids[:, 12:13], cache), dec(ids[:, 13:], cache)], dim=1)
         torch.testing.assert_close(got, model(ids), atol=1e-4, rtol=0)
     assert torch.equal(dec.generate(ids[:1, :5], 8), model.generate(ids[:1, :5], 8, temperature=0))
+
+
+def test_post_training_methods_refuse_the_rope_layout_in_one_line():
+    with pytest.raises(ValueError, match="layout='deepseek_v3' \\(RoPE\\): export it with --format llama") as e:
+        Decoder(model_of("mha"), DenseKV())
+    assert "\n" not in str(e.value) and len(str(e.value)) <= 300
 
 
 @torch.no_grad()

@@ -27,7 +27,6 @@ def _fused_linear(x: torch.Tensor, layers: tuple[nn.Linear, ...]) -> tuple[torch
     return F.linear(x, w, bias).split([lin.out_features for lin in layers], dim=-1)
 
 
-
 class MultiHeadLatentAttention(_Attention):
     """DeepSeek-style MLA, optionally with KVSplice: without RoPE in the GPT-2 layout (learned absolute positions), with
     DeepSeek's decoupled RoPE key in the ``deepseek_v3`` layout.
@@ -68,37 +67,41 @@ class MultiHeadLatentAttention(_Attention):
     def latent(self, x: torch.Tensor, pos: Optional[torch.Tensor] = None) -> torch.Tensor:
         """What the cache stores for ``x`` at positions ``pos (T,)`` (default from 0): ``c`` (B, T, d_latent) or
         ``s = C c`` (B, T, d_compressed), followed by the rotated RoPE key (B, T, Dr) when ``Dr > 0``."""
-        c = self._c(x)  # (B, T, d_latent)
-        s = c if self.splice is None else self._normed_s(self.splice.compress(c))  # (B, T, r)
-        if not self.d_rope:
-            return s
-        pos = positions(None, x.shape[1], x.device) if pos is None else pos  # (T,)
-        return torch.cat([s, *self.rotary(self.w_kr(x), pos=pos)], dim=-1)  # (B, T, r + Dr)
+        kr = None
+        if self.d_rope:
+            pos = positions(None, x.shape[1], x.device) if pos is None else pos  # (T,)
+            kr = self.rotary(self.w_kr(x), pos=pos)[0]  # (B, T, Dr)
+        return self._row(x, kr)
 
     def forward(self, x: torch.Tensor, cache: Optional[DecodeCache] = None, layer: int = 0) -> torch.Tensor:
         b, t, _ = x.shape
-        pos = positions(cache, t, x.device) if self.d_rope else None  # (T,), before this layer's append
-        qr = self._rope_queries(x, pos) if self.d_rope and cache is not None else None  # (B, H, T, Dr)
+        qr = kr = None  # each head's RoPE query (B, H, T, Dr), the shared RoPE key (B, T, Dr)
+        if self.d_rope:
+            pos = positions(cache, t, x.device)  # (T,), before this layer's append
+            qr = self.w_qr(x).view(b, t, self.n_head, self.d_rope).transpose(1, 2)  # (B, H, T, Dr)
+            qr, kr = self.rotary(qr, self.w_kr(x), pos=pos)  # one cos/sin table for both
         if cache is None:  # training / full forward: w_q and w_dkv as one matrix product
             q, c = _fused_linear(x, (self.w_q, self.w_dkv))  # (B, T, d_model), (B, T, d_latent)
             q = q.view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, T, hs)
             c = self.kv_norm(c) if self.kv_norm is not None else c
             if self.splice is not None:  # E (norm) C c: compress and expand are in the training graph
                 c = self.splice.expand(self._normed_s(self.splice.compress(c)))  # (B, T, d_latent)
-            qr = kr = None
-            if self.d_rope:  # each head's RoPE query (B, H, T, Dr), the shared RoPE key (B, T, Dr): one table
-                qr = self.w_qr(x).view(b, t, self.n_head, self.d_rope).transpose(1, 2)  # (B, H, T, Dr)
-                qr, kr = self.rotary(qr, self.w_kr(x), pos=pos)
             return self._out(self._naive(q, c, qr, kr, fixed_shape=True))
         q = self.w_q(x).view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, T, hs)
         bias, fixed = cache.key_bias(), cache.fixed_shape  # (1, 1, Tk) for a fixed-capacity view, else None
         if self.cfg.mla_impl == "naive":
-            rows = cache.append(layer, c=self.latent(x, pos))["c"]  # (B, Tk, r [+ Dr])
+            rows = cache.append(layer, c=self._row(x, kr))["c"]  # (B, Tk, r [+ Dr])
             s, kr = (rows, None) if not self.d_rope else rows.split([self.r, self.d_rope], dim=-1)
             c = self.splice.expand(s) if self.splice is not None else s  # (B, Tk, d_latent), re-expanded per call
             return self._out(self._naive(q, c, qr, kr, bias, fixed, cache))
-        rows, sc = self._append(q, cache, layer, c=self.latent(x, pos))  # (B, Tk, r [+ Dr]) (int8 + scales: kernel)
+        rows, sc = self._append(q, cache, layer, c=self._row(x, kr))  # (B, Tk, r [+ Dr]) (int8 + scales: kernel)
         return self._out(self._absorbed(q, rows["c"], bias, fixed, cache, sc.get("c"), qr))
+
+    def _row(self, x: torch.Tensor, kr: Optional[torch.Tensor]) -> torch.Tensor:
+        """The cached row of each token: the (compressed, normalised) latent, then the rotated RoPE key ``kr``."""
+        c = self._c(x)  # (B, T, d_latent)
+        s = c if self.splice is None else self._normed_s(self.splice.compress(c))  # (B, T, r)
+        return s if kr is None else torch.cat([s, kr], dim=-1)  # (B, T, r [+ Dr])
 
     def _c(self, x: torch.Tensor) -> torch.Tensor:
         """The latent ``c = w_dkv x`` (B, T, d_latent), RMS-normalised per token with ``cfg.latent_norm``."""
@@ -108,12 +111,6 @@ class MultiHeadLatentAttention(_Attention):
     def _normed_s(self, s: torch.Tensor) -> torch.Tensor:
         """The compressed latent as cached: RMS-normalised per token with ``cfg.kvsplice_norm``."""
         return self.splice_norm(s) if self.splice_norm is not None else s
-
-    def _rope_queries(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Each head's rotated RoPE query ``(B, H, T, Dr)``."""
-        b, t, _ = x.shape
-        qr = self.w_qr(x).view(b, t, self.n_head, self.d_rope).transpose(1, 2)  # (B, H, T, Dr)
-        return self.rotary(qr, pos=pos)[0]
 
     def _expand(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, _ = c.shape

@@ -151,3 +151,38 @@ def test_gpt2_layout_refuses_deepseek_fields():
         GPTConfig(vocab_size=V, d_ff=64)
     with pytest.raises(ValueError, match="GPTConfig.tie_embeddings must be"):
         GPTConfig(vocab_size=V, tie_embeddings=False)
+
+
+DS_CONFIGS = {  # name -> (attention, kvsplice_ratio, latent_norm, kvsplice_norm, GPT-2-layout twin)
+    "ds_mha": ("mha", None, False, False, {"tiny_": "tiny_gpt2", "small_": "small_mha", "": "gpt2"}),
+    "ds_mla": ("mla", None, True, False, None),
+    "ds_mla_kvsplice_50": ("mla", 0.5, False, True, None),
+    "ds_mla_kvsplice_90": ("mla", 0.1, False, True, None),
+}
+SHARED = ("learning_rate", "weight_decay", "betas", "warmup_steps", "min_lr_ratio", "n_layer", "n_head", "d_model",
+          "block_size", "d_latent", "dropout")
+
+
+@pytest.mark.parametrize("prefix,rope", [("tiny_", 8), ("small_", 8), ("", 16)])
+def test_ds_configs_differ_only_in_attention_and_train_like_their_gpt2_twins(prefix, rope):
+    import yaml
+
+    from models.config import CONFIG_DIR
+
+    stripped = []
+    for name, (attention, ratio, latent_norm, kvsplice_norm, twins) in DS_CONFIGS.items():
+        text = (CONFIG_DIR / f"{prefix}{name}.yaml").read_text()
+        assert text.startswith("#") and f"python -m training.fit --config {prefix}{name}" in text
+        cfg = yaml.safe_load(text)
+        twin = yaml.safe_load((CONFIG_DIR / f"{twins[prefix] if twins else prefix + name[3:]}.yaml").read_text())
+        for section in ("seed_everything", "trainer", "data"):
+            assert cfg[section] == twin[section], (name, section)
+        m = cfg["model"]
+        assert {k: m[k] for k in SHARED} == {k: twin["model"][k] for k in SHARED}, name
+        got = (m.pop("attention"), m.pop("kvsplice_ratio"), m.pop("latent_norm"), m.pop("kvsplice_norm"),
+               m.pop("qk_rope_head_dim"))
+        assert got == (attention, ratio, latent_norm, kvsplice_norm, rope if attention == "mla" else 0), name
+        GPTConfig.from_name(prefix + name)  # valid
+        stripped.append(cfg)
+    assert all(s == stripped[0] for s in stripped[1:])
+    assert stripped[0]["model"]["layout"] == "deepseek_v3" and stripped[0]["model"]["bias"] is False

@@ -1,5 +1,6 @@
-"""The loss-vs-cache-bytes frontier: MHA, GQA, MQA, MLA at three latent sizes and KVSplice 50/70/90, trained at
-equal tokens on real TinyStories text, several seeds each.
+"""The loss-vs-cache-bytes frontier: MHA, GQA, MQA, MLA at three latent sizes and KVSplice 50/70/90, and the
+DeepSeek-V3 layout's MHA / MLA / KVSplice 50/90 (``ds_*``), trained at equal tokens on real TinyStories text, several
+seeds each.
 
     python benchmarks/frontier.py                    # the study: every variant x seeds 1 2 3 (resumable)
     python benchmarks/frontier.py --study ablation   # MLA options on a tuning split (seed 0), run before the study
@@ -54,6 +55,11 @@ FRONTIER = {  # variant -> (config, overrides)
     "mla_128_kvsplice_50": ("small_mla_kvsplice_50", []),
     "mla_128_kvsplice_70": ("small_mla_kvsplice_70", []),
     "mla_128_kvsplice_90": ("small_mla_kvsplice_90", []),
+    # the DeepSeek-V3 layout (RMSNorm, SwiGLU, RoPE; MLA caches its latent + an 8-dim RoPE key): docs/deepseek_layout.md
+    "ds_mha": ("small_ds_mha", []),
+    "ds_mla_128": ("small_ds_mla", []),
+    "ds_mla_128_kvsplice_50": ("small_ds_mla_kvsplice_50", []),
+    "ds_mla_128_kvsplice_90": ("small_ds_mla_kvsplice_90", []),
 }
 ABLATION = {  # MLA options, on the tuning split
     "mha": ("small_mha", []),

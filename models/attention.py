@@ -1,4 +1,5 @@
-"""Attention: the kernel choice (flash-attn / SDPA), the causal attention math (written once), MHA and MLA.
+"""Attention: the kernel choice (flash-attn / SDPA), the causal attention math (written once), MHA (MLA:
+:mod:`models.latent_attention`).
 
 ``attend`` is the only place where scores are formed; every module and every cache path calls it. It takes the
 grouped-query layout ``q (B, Hq, Tq, D)``, ``k (B, Hkv, Tk, D)``, ``v (B, Hkv, Tk, Dv)`` with ``Hq % Hkv == 0``, and
@@ -27,13 +28,18 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.cache import SCALE, Cache, DecodeCache
 from models.kernels import decode_attend, resolve_decode_kernel, use_decode_kernel
-from models.splice import LearnedKVSplice
-from models.config import GPTConfig
+from models.rope import Rotary
+from models.config import DEEPSEEK_V3, RMS_NORM_EPS, GPTConfig
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
-LATENT_NORM_EPS = 1e-6
-"""eps of MLA's latent RMSNorm (``cfg.latent_norm``)."""
+LATENT_NORM_EPS = RMS_NORM_EPS
+"""eps of MLA's latent RMSNorm (``cfg.latent_norm``, ``cfg.kvsplice_norm``): the layout's ``rms_norm_eps``."""
+
+
+def positions(cache: Optional[Cache], t: int, device: torch.device) -> torch.Tensor:
+    """Absolute positions ``(t,)`` of ``t`` new tokens: after what ``cache`` has seen, else from 0."""
+    return cache.positions(t, device) if cache is not None else torch.arange(t, device=device)
 
 
 # ------------------------------------------------------------------------------------------ kernel selection
@@ -294,14 +300,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
     return y.reshape(b, hq, t_q, v.shape[-1])  # (B, Hq, Tq, Dv)
 
 
-def _fused_linear(x: torch.Tensor, layers: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
-    """``tuple(layer(x) for layer in layers)`` as one matrix product over the stacked weights (one GEMM, not one per
-    layer: MLA's small latent projections use the GPU poorly alone). Same values to round-off."""
-    w = torch.cat([lin.weight for lin in layers])  # (Σ out, in)
-    bias = None if layers[0].bias is None else torch.cat([lin.bias for lin in layers])
-    return F.linear(x, w, bias).split([lin.out_features for lin in layers], dim=-1)
-
-
 class _Attention(nn.Module):
     """What MHA and MLA share: config, output projection, dropout and the kernel choice for each call.
 
@@ -369,6 +367,8 @@ class CausalSelfAttention(_Attention):
         super().__init__(cfg)
         self.n_kv_head = cfg.kv_heads
         self.c_attn = nn.Linear(cfg.d_model, cfg.d_model + 2 * self.n_kv_head * cfg.head_size, bias=cfg.bias)
+        # deepseek_v3 layout: Llama attention, RoPE over each whole head; the cache holds rotated keys
+        self.rotary = Rotary(cfg.head_size, cfg.rope_theta) if cfg.layout == DEEPSEEK_V3 else None
 
     def forward(self, x: torch.Tensor, cache: Optional[DecodeCache] = None, layer: int = 0) -> torch.Tensor:
         b, t, c = x.shape
@@ -376,93 +376,11 @@ class CausalSelfAttention(_Attention):
         q, k, v = self.c_attn(x).split([c, d_kv, d_kv], dim=2)  # (B, T, d_model), 2 × (B, T, Hkv·hs)
         q = q.view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, T, hs)
         k, v = (z.view(b, t, self.n_kv_head, self.head_size).transpose(1, 2) for z in (k, v))  # (B, Hkv, T, hs)
+        if self.rotary is not None:
+            pos = positions(cache, t, x.device)  # (T,)
+            q, k = self.rotary(q, k, pos=pos)
         if cache is None:
             return self._out(self._attend(q, k, v, None, True))
         kv, sc = self._append(q, cache, layer, k=k, v=v)  # (B, Hkv, Tk, hs) each (int8 + scales (…, 1) for the kernel)
         bias = cache.key_bias()  # (1, 1, Tk) for a fixed-capacity view, else None
         return self._out(self._attend(q, kv["k"], kv["v"], bias, cache.fixed_shape, cache, sc.get("k"), sc.get("v")))
-
-
-class MultiHeadLatentAttention(_Attention):
-    """DeepSeek-style MLA without RoPE (GPT-2 keeps learned absolute positions), optionally with KVSplice.
-
-    Per token ``c = w_dkv x`` (d_latent; ``c = RMSNorm(w_dkv x)`` with ``cfg.latent_norm``); with KVSplice ``s = C c`` (d_compressed) is what gets cached and
-    ``ĉ = E s`` replaces ``c``. Per head ``k_h = w_uk[h] ĉ``, ``v_h = w_uv[h] ĉ``.
-
-    * naive: expand every cached latent into K, V ``(B, H, Tk, hs)`` and attend (reference; also the training path).
-    * absorb: ``q̃_h = (w_uk[h] E)ᵀ q_h`` and attend in latent space with the cached latents as the single shared
-      key/value head; ``o_h = w_uv[h] E (Σ_t p_t s_t) + b_uv[h]``. The key bias ``b_uk`` adds ``q_h·b_uk[h]`` to
-      every score of a query, which softmax ignores, and ``Σ_t p_t = 1`` turns the value bias into ``b_uv``: exact.
-    The full forward without a cache uses the naive path (flash-friendly head size); cached calls follow
-    ``cfg.mla_impl``.
-    """
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__(cfg)
-        self.w_q = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.w_dkv = nn.Linear(cfg.d_model, cfg.d_latent, bias=cfg.bias)
-        self.w_uk = nn.Linear(cfg.d_latent, cfg.d_model, bias=cfg.bias)
-        self.w_uv = nn.Linear(cfg.d_latent, cfg.d_model, bias=cfg.bias)
-        self.kv_norm = nn.RMSNorm(cfg.d_latent, eps=LATENT_NORM_EPS) if cfg.latent_norm else None
-        self.splice = (LearnedKVSplice(cfg.d_latent, cfg.d_compressed, orthogonal=cfg.kvsplice_orthogonal)
-                       if cfg.d_compressed is not None else None)
-        self.splice_norm = nn.RMSNorm(cfg.d_compressed, eps=LATENT_NORM_EPS) if cfg.kvsplice_norm else None
-
-    def latent(self, x: torch.Tensor) -> torch.Tensor:
-        """What the cache stores for ``x``: ``c`` (B, T, d_latent) or ``s = C c`` (B, T, d_compressed)."""
-        c = self._c(x)  # (B, T, d_latent)
-        if self.splice is None:
-            return c
-        s = self.splice.compress(c)  # (B, T, d_compressed)
-        return self.splice_norm(s) if self.splice_norm is not None else s
-
-    def forward(self, x: torch.Tensor, cache: Optional[DecodeCache] = None, layer: int = 0) -> torch.Tensor:
-        b, t, _ = x.shape
-        if cache is None:  # training / full forward: w_q and w_dkv as one matrix product
-            q, c = _fused_linear(x, (self.w_q, self.w_dkv))  # (B, T, d_model), (B, T, d_latent)
-            q = q.view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, T, hs)
-            c = self.kv_norm(c) if self.kv_norm is not None else c
-            if self.splice is not None:  # E (norm) C c: compress and expand are in the training graph
-                s = self.splice.compress(c)  # (B, T, d_compressed)
-                c = self.splice.expand(self.splice_norm(s) if self.splice_norm is not None else s)
-            return self._out(self._attend(q, *self._expand(c), fixed_shape=True))
-        q = self.w_q(x).view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, T, hs)
-        bias, fixed = cache.key_bias(), cache.fixed_shape  # (1, 1, Tk) for a fixed-capacity view, else None
-        if self.cfg.mla_impl == "naive":
-            s = cache.append(layer, c=self.latent(x))["c"]  # (B, Tk, r)
-            c = self.splice.expand(s) if self.splice is not None else s  # (B, Tk, d_latent), re-expanded per call
-            return self._out(self._attend(q, *self._expand(c), bias, fixed, cache))
-        rows, sc = self._append(q, cache, layer, c=self.latent(x))  # (B, Tk, r) (int8 + scales for the kernel)
-        return self._out(self._absorbed(q, rows["c"], bias, fixed, cache, sc.get("c")))
-
-    def _c(self, x: torch.Tensor) -> torch.Tensor:
-        """The latent ``c = w_dkv x`` (B, T, d_latent), RMS-normalised per token with ``cfg.latent_norm``."""
-        c = self.w_dkv(x)  # (B, T, d_latent)
-        return self.kv_norm(c) if self.kv_norm is not None else c
-
-    def _expand(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b, t, _ = c.shape
-        k, v = _fused_linear(c, (self.w_uk, self.w_uv))  # (B, Tk, d_model) each, one matrix product
-        k = k.view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, Tk, hs)
-        v = v.view(b, t, self.n_head, self.head_size).transpose(1, 2)  # (B, H, Tk, hs)
-        return k, v
-
-    def _absorbed(self, q: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  fixed_shape: bool = False, cache: Optional[Cache] = None,
-                  s_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """q (B, H, Tq, hs), cached latents s (B, Tk, r) (int8 with ``s_scale (B, Tk, 1)`` for the kernel) →
-        per-head outputs (B, H, Tq, hs)."""
-        h, hs = self.n_head, self.head_size
-        w_uk = self.w_uk.weight.view(h, hs, -1)  # (H, hs, d_latent)
-        w_uv = self.w_uv.weight.view(h, hs, -1)  # (H, hs, d_latent)
-        q_lat = torch.einsum("bhtd,hdl->bhtl", q, w_uk)  # (B, H, Tq, d_latent)
-        if self.splice is not None:
-            q_lat = q_lat @ self.splice.expand_weight()  # (B, H, Tq, r): (w_uk[h] E)ᵀ q_h
-        sc = None if s_scale is None else s_scale[:, None]  # (B, 1, Tk, 1)
-        z = self._attend(q_lat, s[:, None], s[:, None], bias, fixed_shape, cache, sc, sc)  # (B, H, Tq, r): Σ_t p_t s_t
-        if self.splice is not None:
-            z = z @ self.splice.expand_weight().T  # (B, H, Tq, d_latent)
-        y = torch.einsum("bhtl,hdl->bhtd", z, w_uv)  # (B, H, Tq, hs)
-        if self.w_uv.bias is not None:
-            y = y + self.w_uv.bias.view(1, h, 1, hs)
-        return y

@@ -16,11 +16,18 @@ from typing import Any, Literal, Optional, Union
 from models.kernels import DECODE_KERNELS, DEFAULT_DECODE_KERNEL
 
 Attention = Literal["mha", "mla"]
+Layout = Literal["gpt2", "deepseek_v3"]
 AttnBackend = Literal["auto", "flash", "sdpa"]
 MLAImpl = Literal["absorb", "naive"]
 DecodeKernel = Literal["auto", "triton", "eager"]
 
 ATTENTIONS = ("mha", "mla")
+LAYOUTS = ("gpt2", "deepseek_v3")
+GPT2, DEEPSEEK_V3 = LAYOUTS
+RMS_NORM_EPS = 1e-6
+"""eps of every RMSNorm of the ``deepseek_v3`` layout (blocks, final norm, the latent's ``kv_a_layernorm``): one
+value, because transformers' DeepSeek-V3 fixes ``kv_a_layernorm`` at 1e-6 while llama.cpp normalises the latent
+with ``rms_norm_eps`` — only ``rms_norm_eps = 1e-6`` makes both compute our model."""
 ATTN_BACKENDS = ("auto", "flash", "sdpa")
 MLA_IMPLS = ("absorb", "naive")
 CACHE_QUANTS = (None, "int8")
@@ -60,12 +67,18 @@ def config_path(name: Union[str, "os.PathLike[str]"], config_dir: Path = CONFIG_
 
 @dataclass
 class GPTConfig:
-    """Shapes and options of a GPT-2-style decoder.
+    """Shapes and options of a GPT-2-style decoder, in the GPT-2 or the DeepSeek-V3 block layout (``layout``).
 
     ``attention="mha"`` is standard GPT-2. ``attention="mla"`` caches one shared latent of ``d_latent`` numbers per
     token per layer and up-projects K and V from it. With ``kvsplice_ratio`` set, a learned compress/expand pair
     shrinks that latent to ``d_compressed = round(d_latent * kvsplice_ratio)`` numbers (0.5/0.3/0.1 of 256 →
     128/77/26), and only the compressed latent is cached.
+
+    ``layout="deepseek_v3"`` (docs/deepseek_layout.md) keeps these three attention variants but builds DeepSeek-V3
+    blocks: RMSNorm, a SwiGLU MLP of ``d_ff``, no biases, no learned positions; MHA is Llama attention (RoPE over
+    each whole head) and MLA adds DeepSeek's decoupled RoPE key of ``qk_rope_head_dim`` dims shared by all heads
+    (cached beside the latent). Its MLA keeps exactly one RMSNorm right before the cache (``kv_a_layernorm``):
+    ``latent_norm`` for MLA, ``kvsplice_norm`` for KVSplice, so a KVSplice-r model *is* an MLA model of latent r.
     """
 
     vocab_size: int = 50304
@@ -97,6 +110,19 @@ class GPTConfig:
     kvsplice_norm: bool = False
     """MLA + KVSplice only: RMSNorm on the compressed latent ``s = C c`` (after the compress, before caching): the
     cached vector is normalised as an MLA latent of that size would be. Per token, so absorbed decode stays exact."""
+    layout: Layout = "gpt2"
+    """Block layout: ``gpt2`` (LayerNorm, GELU MLP, learned positions, biases) or ``deepseek_v3`` (RMSNorm, SwiGLU,
+    RoPE, no biases; exports as DeepSeek-V3 (MLA) or Llama (MHA): ``python -m training.export --format``)."""
+    qk_rope_head_dim: int = 0
+    """``deepseek_v3`` MLA only: dims of the decoupled RoPE key (one per token, shared by all heads; DeepSeek's
+    ``qk_rope_head_dim``) and of each head's RoPE query part; even, >= 2. 0 otherwise."""
+    d_ff: Optional[int] = None
+    """``deepseek_v3`` only: hidden width of the SwiGLU MLP (``intermediate_size``); ``8/3·d_model`` matches
+    GPT-2's ``4·d_model`` GELU MLP in parameters. ``None`` in the GPT-2 layout (always ``4·d_model``)."""
+    rope_theta: float = 10000.0
+    """``deepseek_v3`` only: RoPE base (rotate-half layout; the DeepSeek export interleaves the RoPE columns)."""
+    tie_embeddings: bool = True
+    """The LM head shares the token embedding (GPT-2 always; ``deepseek_v3`` may untie: exports save it untied)."""
     cache_quant: Optional[str] = None
     """``None``: the decode cache holds the model's dtype; ``"int8"``: every cached row (K/V per head, or the
     latent) is stored as int8 with one fp16 absmax scale, dequantised inside the attention call. Decode only: the
@@ -138,9 +164,42 @@ class GPTConfig:
                  "MLA latent)", r)
             need(round(self.d_latent * r) >= 1, "kvsplice_ratio", f"large enough that round(d_latent * ratio) >= 1 "
                  f"(d_latent={self.d_latent})", r)
+        self._check_layout(need)
         if self.attention == "mla":  # last: the checks above name the field the user actually got wrong
             need(self.d_latent <= self.d_model, "d_latent", f"<= d_model={self.d_model} for attention='mla' (the "
                  f"latent compresses K/V; a larger one would cache more than it saves)", self.d_latent)
+
+    def _check_layout(self, need) -> None:
+        need(self.layout in LAYOUTS, "layout", f"one of {LAYOUTS}", self.layout)
+        rope = self.qk_rope_head_dim
+        need(isinstance(rope, int) and not isinstance(rope, bool) and rope >= 0, "qk_rope_head_dim",
+             "an integer >= 0", rope)
+        need(isinstance(self.tie_embeddings, bool), "tie_embeddings", "true or false", self.tie_embeddings)
+        if self.layout == GPT2:
+            need(rope == 0, "qk_rope_head_dim", "0 in the gpt2 layout (learned positions, no RoPE)", rope)
+            need(self.d_ff is None, "d_ff", "null in the gpt2 layout (its MLP is 4·d_model wide)", self.d_ff)
+            need(self.tie_embeddings, "tie_embeddings", "true in the gpt2 layout", self.tie_embeddings)
+            return
+        need(not self.bias, "bias", "false in the deepseek_v3 layout (DeepSeek-V3 / Llama have no biases)",
+             self.bias)
+        need(isinstance(self.d_ff, int) and not isinstance(self.d_ff, bool) and self.d_ff >= 1, "d_ff",
+             "an integer >= 1 in the deepseek_v3 layout (the SwiGLU width)", self.d_ff)
+        need(self.head_size % 2 == 0, "d_model", "such that the head size is even (RoPE rotates pairs)",
+             self.d_model)
+        need(isinstance(self.rope_theta, (int, float)) and self.rope_theta > 1, "rope_theta", "a number > 1",
+             self.rope_theta)
+        if self.attention == "mha":
+            need(rope == 0, "qk_rope_head_dim", "0 for deepseek_v3 MHA (Llama: RoPE over each whole head)", rope)
+            return
+        need(rope >= 2 and rope % 2 == 0, "qk_rope_head_dim", "an even integer >= 2 for deepseek_v3 MLA (the "
+             "decoupled RoPE key)", rope)
+        spliced = self.kvsplice_ratio is not None
+        need(self.latent_norm != spliced, "latent_norm", f"{not spliced} for deepseek_v3 "
+             f"{'MLA + KVSplice (the norm sits on the compressed latent: kvsplice_norm)' if spliced else 'MLA'}: "
+             f"DeepSeek-V3 has exactly one latent RMSNorm, right before the cache", self.latent_norm)
+        need(self.kvsplice_norm == spliced, "kvsplice_norm", f"{spliced} for deepseek_v3 "
+             f"{'MLA + KVSplice (kv_a_layernorm on the compressed latent)' if spliced else 'MLA'}",
+             self.kvsplice_norm)
 
     # ------------------------------------------------------------------------------------------------ derived
     @property
@@ -158,21 +217,35 @@ class GPTConfig:
 
     @property
     def variant(self) -> str:
-        """Short name: ``mha``, ``gqa<n_kv_head>``, ``mqa``, ``mla`` or ``mla_kvsplice_<compression %>``."""
+        """Short name: ``mha``, ``gqa<n_kv_head>``, ``mqa``, ``mla`` or ``mla_kvsplice_<compression %>``; ``ds_``
+        in front for the ``deepseek_v3`` layout."""
+        prefix = "ds_" if self.layout == DEEPSEEK_V3 else ""
         if self.attention == "mha":
             kv = self.kv_heads
-            return "mha" if kv == self.n_head else "mqa" if kv == 1 else f"gqa{kv}"
+            return prefix + ("mha" if kv == self.n_head else "mqa" if kv == 1 else f"gqa{kv}")
         if self.kvsplice_ratio is None:
-            return "mla"
-        return f"mla_kvsplice_{round(100 * (1 - self.kvsplice_ratio))}"
+            return prefix + "mla"
+        return f"{prefix}mla_kvsplice_{round(100 * (1 - self.kvsplice_ratio))}"
+
+    @property
+    def d_cached_latent(self) -> int:
+        """MLA: dims of the latent the cache holds, ``d_compressed`` with KVSplice else ``d_latent`` (the
+        DeepSeek-V3 export's ``kv_lora_rank``)."""
+        return self.d_compressed if self.d_compressed is not None else self.d_latent
 
     @property
     def cache_dim(self) -> int:
         """Elements cached per token per layer: ``2·kv_heads·head_size`` (MHA/GQA/MQA; ``2·d_model`` for MHA),
-        ``d_latent`` (MLA), ``d_compressed`` (KVSplice)."""
+        ``d_latent`` (MLA), ``d_compressed`` (KVSplice); plus ``qk_rope_head_dim`` (the RoPE key) for
+        ``deepseek_v3`` MLA."""
         if self.attention == "mha":
             return 2 * self.kv_heads * self.head_size
-        return self.d_compressed if self.d_compressed is not None else self.d_latent
+        return self.d_cached_latent + self.qk_rope_head_dim
+
+    @property
+    def ff_width(self) -> int:
+        """Hidden width of the MLP: ``d_ff`` (SwiGLU) or GPT-2's ``4·d_model``."""
+        return self.d_ff if self.d_ff is not None else 4 * self.d_model
 
     def replace(self, **changes) -> "GPTConfig":
         return dataclasses.replace(self, **changes)

@@ -1,4 +1,4 @@
-"""GPT: embeddings, blocks, tied head; cached decode (``new_cache`` / ``generate``) and HF GPT-2 weight import."""
+"""GPT: embeddings, blocks (GPT-2 or DeepSeek-V3 layout), head; cached decode (``new_cache`` / ``generate``) and HF GPT-2 weight import."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import math
 from typing import Any, Mapping, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from models.attention import CausalSelfAttention, MultiHeadLatentAttention, dropout
+from models.attention import CausalSelfAttention, dropout
+from models.latent_attention import MultiHeadLatentAttention
 from models.cache import CompressedLatentCache, DecodeCache, KVCache, LatentCache
-from models.config import GPTConfig
+from models.config import DEEPSEEK_V3, GPT2, RMS_NORM_EPS, GPTConfig
 from models.generate import check_prompt, check_sampling, generate_tokens, sample_next
 from models.splice import LearnedKVSplice
 
@@ -29,13 +31,40 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
-class Block(nn.Module):
+class SwiGLU(nn.Module):
+    """The DeepSeek-V3 / Llama MLP: ``down_proj(silu(gate_proj x) · up_proj x)``, ``d_ff`` wide, no biases."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.ff_width, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.ff_width, bias=False)
+        self.down_proj = nn.Linear(cfg.ff_width, cfg.d_model, bias=False)
+        self.dropout = dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+def norm(cfg: GPTConfig) -> nn.Module:
+    """The layout's block norm: GPT-2's LayerNorm, or DeepSeek-V3's RMSNorm (eps ``RMS_NORM_EPS``)."""
+    if cfg.layout == DEEPSEEK_V3:
+        return nn.RMSNorm(cfg.d_model, eps=RMS_NORM_EPS)
+    return nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+
+
+RESIDUAL_PROJECTIONS = ("c_proj.weight", "down_proj.weight")
+"""Weights that write into the residual stream (attention output, MLP output): initialised with std / √(2·n_layer)."""
+
+
+class Block(nn.Module):
+    """Pre-norm block: ``x + attn(ln_1 x)``, then ``x + mlp(ln_2 x)`` (the same names in both layouts)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = norm(cfg)
         self.attn = CausalSelfAttention(cfg) if cfg.attention == "mha" else MultiHeadLatentAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.ln_2 = norm(cfg)
+        self.mlp = MLP(cfg) if cfg.layout == GPT2 else SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor, cache: Optional[DecodeCache] = None, layer: int = 0) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache=cache, layer=layer)
@@ -43,7 +72,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 decoder with MHA, MLA or MLA + KVSplice attention.
+    """GPT-2 decoder with MHA, MLA or MLA + KVSplice attention; with ``cfg.layout="deepseek_v3"`` the same three
+    variants in DeepSeek-V3 blocks (RMSNorm, SwiGLU, RoPE; no ``wpe``; the head tied only with
+    ``cfg.tie_embeddings``).
 
     ``model(idx)`` → logits ``(B, T, V)``; ``model(idx_chunk, cache=cache)`` appends the chunk (one token or
     several) to the cache and returns the chunk's logits.
@@ -52,15 +83,15 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(cfg.vocab_size, cfg.d_model),
-            wpe=nn.Embedding(cfg.block_size, cfg.d_model),
-            drop=dropout(cfg.dropout),
-            h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
-            ln_f=nn.LayerNorm(cfg.d_model, bias=cfg.bias),
-        ))
+        modules = dict(wte=nn.Embedding(cfg.vocab_size, cfg.d_model))
+        if cfg.layout == GPT2:
+            modules["wpe"] = nn.Embedding(cfg.block_size, cfg.d_model)  # learned positions; RoPE otherwise
+        modules.update(drop=dropout(cfg.dropout), h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+                       ln_f=norm(cfg))
+        self.transformer = nn.ModuleDict(modules)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied embeddings
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
         self.reset_parameters()
 
     # ------------------------------------------------------------------------------------------------ init
@@ -85,7 +116,7 @@ class GPT(nn.Module):
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
+            if name.endswith(RESIDUAL_PROJECTIONS):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
         for m in self.modules():
             if isinstance(m, LearnedKVSplice):
@@ -93,7 +124,8 @@ class GPT(nn.Module):
 
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        wpe = self.transformer["wpe"].weight.numel() if "wpe" in self.transformer else 0
+        return n - wpe if non_embedding else n
 
     # ------------------------------------------------------------------------------------------------ forward
     def forward(self, idx: torch.Tensor, cache: Optional[DecodeCache] = None) -> torch.Tensor:
@@ -108,8 +140,11 @@ class GPT(nn.Module):
         if cache is not None and cache.dtype != self.transformer.wte.weight.dtype:
             raise ValueError(f"cache holds {cache.dtype} but the model computes in {self.transformer.wte.weight.dtype};"
                              f" build the cache with model.new_cache() after casting the model")
-        pos = cache.positions(t, idx.device) if cache is not None else torch.arange(t, device=idx.device)  # (T,)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, d_model)
+        x = self.transformer.wte(idx)  # (B, T, d_model); the deepseek_v3 layout's attention rotates by position
+        if "wpe" in self.transformer:
+            pos = cache.positions(t, idx.device) if cache is not None else torch.arange(t, device=idx.device)  # (T,)
+            x = x + self.transformer.wpe(pos)
+        x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
             x = block(x, cache=cache, layer=i)
         return self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
@@ -129,9 +164,9 @@ class GPT(nn.Module):
         cfg = self.cfg
         if cfg.attention == "mha":
             return KVCache(cfg.n_layer, cfg.kv_heads, cfg.head_size, batch_size, **kw)
-        if cfg.d_compressed is not None:
-            return CompressedLatentCache(cfg.n_layer, cfg.d_compressed, batch_size, **kw)
-        return LatentCache(cfg.n_layer, cfg.d_latent, batch_size, **kw)
+        if cfg.d_compressed is not None:  # rows [s | k_rope]: the latent, then the RoPE key (deepseek_v3 layout)
+            return CompressedLatentCache(cfg.n_layer, cfg.cache_dim, batch_size, **kw)
+        return LatentCache(cfg.n_layer, cfg.cache_dim, batch_size, **kw)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

@@ -35,7 +35,7 @@ def test_gptconfig_from_name_and_file_from_any_cwd(tmp_path, monkeypatch):
     assert (big.n_layer, big.d_model, big.d_latent, big.kvsplice_ratio) == (12, 768, 256, 0.3)
     assert config_path("tiny_gpt2") == CONFIG_DIR / "tiny_gpt2.yaml" and "tiny_gpt2" in available_configs()
     assert config_file("tiny_gpt2") == CONFIG_DIR / "tiny_gpt2.yaml"
-    with pytest.raises(ConfigNotFoundError, match=r"no_such.*available: gpt2, gpt2_gqa4, gpt2_mqa, mla, .*tiny_mla_kvsplice_90\)"):
+    with pytest.raises(ConfigNotFoundError, match=r"no_such.*available: ds_mha, .*, gpt2, gpt2_gqa4, gpt2_mqa, mla, .*tiny_mla_kvsplice_90\)"):
         GPTConfig.from_name("no_such")
 
     own = tmp_path / "mine.yaml"  # a path works; a LightningCLI class_path/init_args section too

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from kvsplice.io.cli import EXIT_USAGE, Parser, UsageError, run_cli
 from kvsplice.io.outputs import output_file, write_json
-from kvsplice.report.memory import cache_bytes_formula, measure_cache, parse_dtype
+from kvsplice.report.memory import cache_bytes_formula, measure_cache, mha_cache_bytes, parse_dtype
 from training.checkpoint import CheckpointError, load_gpt_checkpoint
 
 EXIT_ERROR = EXIT_USAGE
@@ -191,7 +191,7 @@ def evaluate_checkpoint(path: str, args: argparse.Namespace) -> dict[str, Any]:
     loss, n_tok = validation_loss(model, dm, args.tokens)
     dtype = parse_dtype(args.dtype)
     cache = measure_cache_per_token(model, cfg, args.cache_tokens, dtype)
-    mha_per_token = cache_bytes_formula(cfg.replace(attention="mha", kvsplice_ratio=None), 1, dtype)
+    mha_per_token = mha_cache_bytes(cfg, 1, dtype)  # an MHA model of the same shapes (any layout, any norms)
     row = {
         "checkpoint": str(path),
         "variant": cfg.variant,

@@ -9,6 +9,10 @@
   :mod:`training.hf_remote`, importing only torch and transformers) and ``model.safetensors``. Its ``generate()``
   caches only the (compressed) latent — K/V of ``n_kv_head`` heads for GQA — and decodes MLA absorbed; KVSplice
   matrices are exported as the trained (materialised) weights; ``latent_norm`` models export their ``kv_norm``.
+* ``layout="deepseek_v3"`` models (docs/deepseek_layout.md) → folders plain ``transformers`` loads without remote
+  code (:mod:`kvsplice.convert.gpt_deepseek`): MLA and MLA + KVSplice as DeepSeek-V3 (``--format deepseek_v3``;
+  KVSplice-r folded into an MLA with ``kv_lora_rank = r``), standard attention as a Llama (``--format llama``).
+  ``--format auto`` (default) picks by layout and attention; a format the model cannot take is one line.
 * The tokenizer the run trained with (rebuilt from the checkpoint's data settings: GPT-2 BPE files or the synthetic
   BPE) is saved as a ``PreTrainedTokenizerFast`` with ``<|endoftext|>`` as EOS/BOS/pad; if it cannot be rebuilt
   (data not available here), the export goes on without it and says so.
@@ -36,9 +40,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from kvsplice.convert import gpt_deepseek
 from kvsplice.io.cli import Parser, run_cli
 from kvsplice.io.outputs import output_dir, release_claim, write_dir
 from models.attention import LATENT_NORM_EPS
+from models.config import DEEPSEEK_V3
 from models.gpt import HF_CONV1D
 from training.checkpoint import CheckpointError, load_gpt_checkpoint
 
@@ -49,13 +55,27 @@ EXPORT_FILES = frozenset({"config.json", "generation_config.json", "model.safete
 """Every file an export writes: ``--force`` replaces a folder that holds nothing else."""
 
 
+FORMATS = ("auto", "gpt2", "remote", "deepseek_v3", "llama")
+"""``--format``: ``auto`` or one export kind (:func:`export_kind`)."""
+KIND_NAMES = {"gpt2": "GPT2LMHeadModel", "remote": "remote-code", "deepseek_v3": "DeepseekV3ForCausalLM",
+              "llama": "LlamaForCausalLM"}
+
+
 class ExportError(RuntimeError):
     """Bad input for the export (one line)."""
 
 
-def export_kind(cfg) -> str:
-    """``"gpt2"`` (plain GPT2LMHeadModel) or ``"remote"`` (trust_remote_code directory)."""
-    return "gpt2" if cfg.attention == "mha" and cfg.kv_heads == cfg.n_head else "remote"
+def export_kind(cfg, fmt: str = "auto") -> str:
+    """``"gpt2"`` (plain GPT2LMHeadModel), ``"remote"`` (trust_remote_code directory), ``"deepseek_v3"`` or
+    ``"llama"`` (deepseek_v3 layout); ``fmt`` other than ``auto`` must be one the model can take."""
+    if cfg.layout == DEEPSEEK_V3:
+        kind = "deepseek_v3" if cfg.attention == "mla" else "llama"
+    else:
+        kind = "gpt2" if cfg.attention == "mha" and cfg.kv_heads == cfg.n_head else "remote"
+    if fmt not in ("auto", kind):
+        raise ExportError(f"--format {fmt} cannot express this {cfg.variant} model (layout={cfg.layout}); use "
+                          f"--format {kind} (or auto)")
+    return kind
 
 
 # ------------------------------------------------------------------------------------------------- GPT-2
@@ -164,8 +184,10 @@ def save_tokenizer(tok, out: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- main
-def export(ckpt: str | Path, out: str | Path, *, force: bool = False, tokenizer: bool = True) -> dict[str, Any]:
-    """Export ``ckpt`` into the directory ``out``; returns a summary (kind, variant, files, cache numbers).
+def export(ckpt: str | Path, out: str | Path, *, force: bool = False, tokenizer: bool = True,
+           fmt: str = "auto") -> dict[str, Any]:
+    """Export ``ckpt`` into the directory ``out`` in format ``fmt`` (:data:`FORMATS`); returns a summary (kind,
+    variant, files, cache numbers).
 
     Raises:
         kvsplice.io.cli.UsageError: ``out`` is refused (see the module docstring).
@@ -173,12 +195,12 @@ def export(ckpt: str | Path, out: str | Path, *, force: bool = False, tokenizer:
     """
     out = output_dir(out, force=force, inputs={"--ckpt": ckpt}, owned=EXPORT_FILES, writer="export")
     try:
-        return _export(Path(ckpt), out, tokenizer)
+        return _export(Path(ckpt), out, tokenizer, fmt)
     finally:
         release_claim(out)  # a library call leaves no .claim file beside its output
 
 
-def _export(ckpt: Path, out: Path, tokenizer: bool) -> dict[str, Any]:
+def _export(ckpt: Path, out: Path, tokenizer: bool, fmt: str = "auto") -> dict[str, Any]:
     try:
         model, cfg, meta = load_gpt_checkpoint(ckpt)
     except CheckpointError as e:
@@ -186,21 +208,25 @@ def _export(ckpt: Path, out: Path, tokenizer: bool) -> dict[str, Any]:
     if cfg.cache_quant:
         print(f"export: note: cache_quant={cfg.cache_quant!r} is a decode option of the package; the exported "
               f"model caches at its dtype", file=sys.stderr)
-    kind = export_kind(cfg)
+    kind = export_kind(cfg, fmt)
     tok = run_tokenizer(meta, ckpt) if tokenizer else None
     eot = tok.eot_id if tok is not None and 0 <= tok.eot_id < cfg.vocab_size else None
-    hf = to_gpt2(model, cfg, eot) if kind == "gpt2" else None  # before touching out: shape errors write nothing
+    # before touching out: shape errors write nothing
+    hf = to_gpt2(model, cfg, eot) if kind == "gpt2" else gpt_deepseek.llama_model(model, eot) if kind == "llama" \
+        else None
 
     def fill(tmp: Path) -> None:
         if hf is not None:
             hf.save_pretrained(tmp)
+        elif kind == "deepseek_v3":
+            gpt_deepseek.save_deepseek_v3(model, tmp)
         else:
             write_remote(model, cfg, tmp, eot)
         if tok is not None:
             save_tokenizer(tok, tmp)
 
     files = write_dir(out, fill, owned=EXPORT_FILES)
-    return {"ckpt": str(ckpt), "out": str(out), "kind": "GPT2LMHeadModel" if kind == "gpt2" else "remote-code",
+    return {"ckpt": str(ckpt), "out": str(out), "kind": KIND_NAMES[kind],
             "variant": cfg.variant, "n_kv_head": cfg.kv_heads, "cache_numbers_per_token_per_layer": cfg.cache_dim,
             "tokenizer": None if tok is None else {"name": tok.name, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id},
             "files": files}
@@ -217,8 +243,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     p.add_argument("--force", action="store_true", help="replace the files of an earlier export in --out (a folder "
                    "holding any other file is refused)")
     p.add_argument("--no-tokenizer", action="store_true", help="do not export the run's tokenizer")
+    p.add_argument("--format", choices=FORMATS, default="auto", help="auto (default): GPT-2 layout MHA -> gpt2, its "
+                   "MLA / KVSplice / GQA -> remote; deepseek_v3 layout MLA / KVSplice -> deepseek_v3, its standard "
+                   "attention -> llama")
     args = p.parse_args(argv)
-    summary = export(args.ckpt, args.out, force=args.force, tokenizer=not args.no_tokenizer)
+    summary = export(args.ckpt, args.out, force=args.force, tokenizer=not args.no_tokenizer, fmt=args.format)
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
-from models.config import Attention, AttnBackend, DecodeKernel, GPTConfig, MLAImpl
+from models.config import Attention, AttnBackend, DecodeKernel, GPTConfig, Layout, MLAImpl
 from models.gpt import GPT
 
 __all__ = ["LitGPT", "TrainingConfigError", "lr_factor", "param_groups"]
@@ -73,7 +73,8 @@ _GPT_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig))
 _D = GPTConfig()
 """GPTConfig's defaults: the model arguments of :class:`LitGPT` default to them (stated once, in the dataclass)."""
 _ARCH_FIELDS = ("vocab_size", "n_layer", "n_head", "d_model", "block_size", "bias", "attention", "d_latent",
-                "kvsplice_ratio", "kvsplice_orthogonal", "n_kv_head", "latent_norm", "kvsplice_norm")
+                "kvsplice_ratio", "kvsplice_orthogonal", "n_kv_head", "latent_norm", "kvsplice_norm", "layout",
+                "qk_rope_head_dim", "d_ff", "rope_theta", "tie_embeddings")
 """GPTConfig fields a resumed run must share with its checkpoint (dropout, kernels and decode path may change)."""
 
 
@@ -122,6 +123,11 @@ class LitGPT(L.LightningModule):
         n_kv_head: Optional[int] = _D.n_kv_head,
         latent_norm: bool = _D.latent_norm,
         kvsplice_norm: bool = _D.kvsplice_norm,
+        layout: Layout = _D.layout,
+        qk_rope_head_dim: int = _D.qk_rope_head_dim,
+        d_ff: Optional[int] = _D.d_ff,
+        rope_theta: float = _D.rope_theta,
+        tie_embeddings: bool = _D.tie_embeddings,
         cache_quant: Optional[Literal["int8"]] = _D.cache_quant,
         vocab_multiple: int = 1,
         learning_rate: float = 6e-4,

@@ -22,17 +22,21 @@ class GPT2Adapter(FamilyAdapter):
             self.name, self.n_layer, self.n_head = "gpt2", cfg.n_layer, cfg.n_head
             self.d_model, self.head_dim = cfg.n_embd, cfg.n_embd // cfg.n_head
             self.max_positions = cfg.n_positions
-            self.attention = "mha"
+            self.attention, self.layout = "mha", "gpt2"
             self.n_kv_head = self.n_head
         else:
             cfg = model.cfg
             self.name, self.n_layer, self.n_head = "gpt", cfg.n_layer, cfg.n_head
             self.d_model, self.head_dim, self.max_positions = cfg.d_model, cfg.head_size, cfg.block_size
             self.attention = cfg.attention
+            self.layout = cfg.layout
             self.n_kv_head = cfg.kv_heads  # grouped-query / multi-query models.GPT
         self.qkv_sizes = [self.d_model] + [self.n_kv_head * self.head_dim] * 2  # c_attn's q | k | v rows
 
     def require_projections(self) -> None:
+        if not self.hf and self.layout != "gpt2":
+            raise unsupported(self.model, f"models.GPT with layout={self.layout!r} (RoPE): export it with "
+                                          f"--format llama for post-training methods")
         if self.attention != "mha":
             raise unsupported(self.model, f"models.GPT with attention={self.attention!r} (its cache is already a "
                                           f"latent; post-training methods need an MHA model, attention='mha')")
@@ -41,8 +45,11 @@ class GPT2Adapter(FamilyAdapter):
         return self.t.wte.weight
 
     def embed(self, ids, start):
+        x = self.t.wte(ids)  # (B, T, d_model); dropout skipped: inference only
+        if getattr(self.t, "wpe", None) is None:  # models.GPT in the deepseek_v3 layout: its attention rotates
+            return x
         pos = torch.arange(start, start + ids.shape[1], device=ids.device)  # (T,)
-        return self.t.wte(ids) + self.t.wpe(pos)[None]  # (B, T, d_model); dropout skipped: inference only
+        return x + self.t.wpe(pos)[None]
 
     def attn_in(self, layer, x):
         return self.t.h[layer].ln_1(x)

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 
 from models.mla_llama import MLALlama
 
-__all__ = ["check_exportable", "deepseek_v3_config", "deepseek_v3_state_dict", "save_deepseek_v3"]
+__all__ = ["check_exportable", "dense_mla_config", "deepseek_v3_config", "deepseek_v3_state_dict", "interleave_index",
+           "save_deepseek_v3"]
 
 
 def _rope_theta(model: MLALlama) -> float:
@@ -108,6 +109,30 @@ def check_pad(model: MLALlama, pad_latent: Optional[int]) -> int:
     return int(pad_latent)
 
 
+def dense_mla_config(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
+                     num_attention_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, qk_nope_head_dim: int,
+                     v_head_dim: int, max_position_embeddings: int, rms_norm_eps: float, rope_theta: float,
+                     torch_dtype: str, kvsplice: dict[str, Any]) -> dict[str, Any]:
+    """The ``config.json`` of a dense DeepSeek-V3 MLA without q-LoRA: every DeepSeek-V3 export of the package (this
+    module's converted models, :mod:`kvsplice.convert.gpt_deepseek`'s trained ones) is written from here."""
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": intermediate_size,
+        "moe_intermediate_size": intermediate_size, "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": num_attention_heads, "num_key_value_heads": num_attention_heads,
+        "q_lora_rank": None, "kv_lora_rank": kv_lora_rank, "qk_rope_head_dim": qk_rope_head_dim,
+        "qk_nope_head_dim": qk_nope_head_dim, "v_head_dim": v_head_dim,
+        "first_k_dense_replace": num_hidden_layers, "n_routed_experts": 1, "n_shared_experts": 1,
+        "num_experts_per_tok": 1, "n_group": None, "topk_group": None,  # null: llama.cpp asserts n_expert_groups < n_expert
+        "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+        "hidden_act": "silu", "max_position_embeddings": max_position_embeddings, "rms_norm_eps": rms_norm_eps,
+        "rope_interleave": True, "rope_theta": rope_theta,  # transformers 4.x reads this one
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False, "use_cache": True,
+        "torch_dtype": torch_dtype, "kvsplice": kvsplice,
+    }
+
+
 def deepseek_v3_config(model: MLALlama, pad_latent: Optional[int] = None) -> dict[str, Any]:
     """The ``config.json`` of the export."""
     cfg = model.cfg
@@ -119,26 +144,15 @@ def deepseek_v3_config(model: MLALlama, pad_latent: Optional[int] = None) -> dic
     latent = ({"latent_norm_eps": cfg.latent_norm_eps} if cfg.latent_norm else
               {"latent_norm": f"linear regime of a norm-free model (rho {LINEAR_RHO}, eps {LINEAR_EPS})"})
     latent["source_rms_norm_eps"] = cfg.norm_eps
-    return {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
-        "moe_intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layer,
-        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_head,
-        "q_lora_rank": None, "kv_lora_rank": check_pad(model, pad_latent), "qk_rope_head_dim": cfg.rope_dims,
-        "qk_nope_head_dim": cfg.head_dim, "v_head_dim": cfg.head_dim,
-        "first_k_dense_replace": cfg.n_layer, "n_routed_experts": 1, "n_shared_experts": 1,
-        "num_experts_per_tok": 1, "n_group": None, "topk_group": None, "routed_scaling_factor": 1.0,
-        "norm_topk_prob": True,
-        "hidden_act": "silu", "max_position_embeddings": cfg.max_positions, "rms_norm_eps": eps,
-        "rope_interleave": True, "rope_theta": _rope_theta(model),  # transformers 4.x reads this one
-        "rope_parameters": {"rope_type": "default", "rope_theta": _rope_theta(model)},
-        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False, "use_cache": True,
-        "torch_dtype": str(model.embed.weight.dtype).replace("torch.", ""),
-        "kvsplice": {"source": cfg.source, **latent},
-    }
+    return dense_mla_config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head, kv_lora_rank=check_pad(model, pad_latent), qk_rope_head_dim=cfg.rope_dims,
+        qk_nope_head_dim=cfg.head_dim, v_head_dim=cfg.head_dim, max_position_embeddings=cfg.max_positions,
+        rms_norm_eps=eps, rope_theta=_rope_theta(model), torch_dtype=str(model.embed.weight.dtype).replace("torch.", ""),
+        kvsplice={"source": cfg.source, **latent})
 
 
-def _interleave(n: int) -> torch.Tensor:
+def interleave_index(n: int) -> torch.Tensor:
     """Index ``(2n,)`` taking rotate-half ``[x_0..x_{n-1}, y_0..y_{n-1}]`` to ``[x_0, y_0, x_1, y_1, ...]``."""
     return torch.stack([torch.arange(n), torch.arange(n) + n], dim=1).flatten()
 
@@ -151,7 +165,7 @@ def deepseek_v3_state_dict(model: MLALlama, pad_latent: Optional[int] = None) ->
     cfg = model.cfg
     pad = check_pad(model, pad_latent) - cfg.d_latent
     h, d, dr, g = cfg.n_head, cfg.head_dim, cfg.rope_dims, cfg.n_head // cfg.n_kv_head
-    perm = _interleave(dr // 2)
+    perm = interleave_index(dr // 2)
     fold = cfg.scale / (d + dr) ** -0.5  # DeepSeek multiplies scores by (D + Dr)^-0.5
     sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed.weight,
                                    "model.norm.weight": model.norm.weight, "lm_head.weight": model.lm_head.weight}

@@ -29,7 +29,7 @@ import transformers
 from kvsplice.convert.deepseek_v3 import deepseek_v3_config, portable_tokenizer_config, save_deepseek_v3
 from kvsplice.convert.llama_mla import calibrate_layers, convert_llama
 from kvsplice.engines import llama_cpp
-from tiny_models import tiny_family
+from tiny_models import load_benchmark, tiny_family
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SMOL = DATA / "smollm2-135m-instruct"
@@ -180,3 +180,30 @@ def test_llama_cpp_equals_ours_and_transformers(exported):
     ours_bytes = measure_cache(cache).live_bytes / len(held)
     assert ours_bytes == mla.cache_bytes_formula(1, 1, torch.float16) == 2 * (16 + 16) * 2
     assert round(cpp_bytes, 3) == ours_bytes
+
+
+@pytest.mark.engines
+def test_trained_deepseek_layout_kvsplice_runs_unchanged_in_llama_cpp(tmp_path, data_cache, offline, capsys):
+    """Issue 40's goal for the trained family: ``training.fit --config tiny_ds_mla_kvsplice_90`` (a short real run,
+    its own trained BPE tokenizer), ``training.export --format deepseek_v3``, llama.cpp's converter (``to_gguf``) —
+    no edits — then our cached decode, transformers and llama.cpp give the same 64 greedy tokens, perplexity within
+    0.5 %, and llama.cpp's f16 KV bytes per token equal ours (latent 6 + RoPE key 8, 4 layers)."""
+    why = llama_cpp.missing(bindings=True)
+    if why:
+        pytest.skip(why)
+    from training.fit import main as fit
+
+    rc = fit(["--config", "tiny_ds_mla_kvsplice_90", "--trainer.max_steps", "30", "--trainer.val_check_interval", "30",
+              "--data.synthetic_stories", "2000", "--data.synthetic_vocab_size", "512", "--data.batch_size", "8",
+              "--data.val_batches", "2", "--data.cache_dir", str(data_cache), "--runs_dir", str(tmp_path),
+              "--wandb.mode", "disabled", "--trainer.enable_progress_bar", "false"])
+    assert rc == 0, capsys.readouterr().err[-3000:]
+    bench = load_benchmark("engines_trained")
+    text = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. " * 4
+    out = bench.compare(tmp_path / "tiny_ds_mla_kvsplice_90" / "last.ckpt", text, tokens=96, work=tmp_path / "eng")
+    assert out["format"] == "deepseek_v3" and out["tokens"] == 96
+    assert out["greedy_equal"], out["greedy"]
+    assert out["max_rel_ppl_diff"] <= 0.005, out["perplexity"]
+    kv = out["kv_bytes_per_token"]
+    assert kv["ours_f16"] == kv["formula_f16"] == 4 * (6 + 8) * 2
+    assert abs(kv["llama.cpp_f16"] - kv["ours_f16"]) <= kv["llama.cpp_rounding"]

@@ -122,15 +122,18 @@ def fix_gguf(path: str | os.PathLike) -> list[str]:
 
 def hf_to_gguf(folder: str | os.PathLike, out: str | os.PathLike, outtype: str = "f32",
                quiet: bool = True) -> list[str]:
-    """Run llama.cpp's own ``convert_hf_to_gguf.py`` on a model folder (unchanged), then :func:`fix_gguf`.
+    """Run llama.cpp's own ``convert_hf_to_gguf.py`` on a model folder (unchanged; a trained GPT-2-style BPE
+    tokenizer's pre-tokenizer named for it: :mod:`kvsplice.engines.convert_runner`), then :func:`fix_gguf`.
     Returns the keys the post-step added. Raises ``RuntimeError`` with the converter's last lines if it fails."""
     root = llama_cpp_root()
     why = missing(library=False)
     if why:
         raise RuntimeError(why)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "gguf-py"), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, str(root / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(out),
-           "--outtype", outtype]
+    # the converter, unchanged, through a runner that names GPT-2's pre-tokenizer for a trained GPT-2-style BPE
+    # (kvsplice.engines.convert_runner: the tiny configs' tokenizers, which its hash table cannot know)
+    cmd = [sys.executable, str(Path(__file__).with_name("convert_runner.py")), str(root), str(folder),
+           "--outfile", str(out), "--outtype", outtype]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0 or not Path(out).is_file():
         tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-5:])

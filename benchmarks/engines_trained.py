@@ -1,0 +1,108 @@
+"""A trained checkpoint of the DeepSeek-V3-layout family in three engines: ours, transformers and llama.cpp.
+
+    python benchmarks/engines_trained.py --ckpt checkpoints/tiny_ds_mla_kvsplice_90/last.ckpt \
+        --text ../shared/data/tinystories/yuninxia_moe-routing-bench__tinystories_val.txt
+
+Exports the checkpoint (``training.export --format deepseek_v3``, or ``llama`` for standard attention), converts it
+with llama.cpp's own converter (``kvsplice.to_gguf``), then on ``--tokens`` tokens of ``--text`` reports each
+engine's perplexity, whether the greedy ``--new`` tokens after an 8-token prompt agree, and the KV cache bytes per
+token: llama.cpp's (f16 cache) against our f16 cache, measured from its tensors. JSON on stdout (``--json`` also
+writes it). Needs llama.cpp (``$KVSPLICE_LLAMA_CPP`` or ``build/engines/llama.cpp``; docs/conversion.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import transformers
+
+from kvsplice.engines import llama_cpp
+from kvsplice.report.memory import cache_bytes_formula, measure_cache
+from models.checkpoint import load_gpt_checkpoint
+
+
+BYTES_CELLS = 65536
+"""Cells of the cache whose size llama.cpp reports (in MiB to 2 decimals: ± 0.005 MiB / 65,536 = ± 0.08 B a token)."""
+
+
+def _ppl(logits: torch.Tensor, ids: torch.Tensor) -> float:
+    """Perplexity of ``ids`` (T,) under next-token ``logits`` (T, V)."""
+    return math.exp(torch.nn.functional.cross_entropy(logits[:-1].float(), ids[1:]).item())
+
+
+@torch.no_grad()
+def compare(ckpt: Path, text: str, *, tokens: int = 128, new: int = 64, work: Optional[Path] = None) -> dict[str, Any]:
+    """Export + convert ``ckpt`` under ``work`` and compare the three engines on ``text`` (see the module)."""
+    from training import export as ex
+
+    model, cfg, _ = load_gpt_checkpoint(ckpt)
+    model.eval()
+    work = Path(work or tempfile.mkdtemp(prefix="engines_trained_"))
+    fmt = "llama" if cfg.attention == "mha" else "deepseek_v3"
+    with contextlib.redirect_stdout(sys.stderr):  # the export's own report: not this command's JSON
+        rc = ex.main(["--ckpt", str(ckpt), "--out", str(work / "hf"), "--format", fmt, "--force"])
+    if rc != 0:
+        raise RuntimeError("training.export failed")
+    llama_cpp.hf_to_gguf(work / "hf", work / "model.gguf")
+    tok = transformers.AutoTokenizer.from_pretrained(work / "hf")
+    ids = torch.tensor(tok(text)["input_ids"][:tokens])  # (T,)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(work / "hf", dtype=torch.float32).eval()
+    logits_ours = model(ids[None])
+    logits_ours = (logits_ours[0] if isinstance(logits_ours, tuple) else logits_ours)[0]  # (T, V)
+    prompt = ids[:8]
+    g_ours = model.generate(prompt[None], new, temperature=0.0)[0, 8:].tolist()  # our decode cache
+    g_hf = hf.generate(prompt[None], max_new_tokens=new, do_sample=False, min_new_tokens=new)[0, 8:].tolist()
+    with llama_cpp.LlamaCppModel(work / "model.gguf", n_ctx=max(tokens, 8 + new) + 8, cache_type="f16") as lm:
+        p_cpp = _ppl(torch.as_tensor(lm.logits(ids.tolist())), ids)
+        g_cpp = lm.greedy(prompt.tolist(), new)
+    # llama.cpp reports its cache in MiB to 2 decimals: the bytes per token read off many cells
+    with llama_cpp.LlamaCppModel(work / "model.gguf", n_ctx=BYTES_CELLS, cache_type="f16") as lm:
+        cpp_bytes = lm.kv_bytes_per_token
+    half = copy.deepcopy(model).half()
+    cache = half.new_cache(1, capacity=tokens)
+    half(ids[None], cache=cache)
+    ours_bytes = measure_cache(cache).live_bytes / tokens
+    p = {"ours": _ppl(logits_ours, ids), "transformers": _ppl(hf(ids[None]).logits[0], ids), "llama.cpp": p_cpp}
+    return {"ckpt": str(ckpt), "variant": cfg.variant, "format": fmt, "tokens": int(ids.numel()), "perplexity": p,
+            "max_rel_ppl_diff": max(abs(v / p["ours"] - 1) for v in p.values()),
+            "greedy": {"ours": g_ours, "transformers": g_hf, "llama.cpp": g_cpp},
+            "greedy_equal": g_ours == g_hf == g_cpp,
+            "kv_bytes_per_token": {"ours_f16": ours_bytes, "llama.cpp_f16": cpp_bytes,
+                                   "formula_f16": cache_bytes_formula(cfg, 1, torch.float16),
+                                   "llama.cpp_rounding": 0.005 * 2 ** 20 / BYTES_CELLS}}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="engines_trained", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", required=True, type=Path)
+    ap.add_argument("--text", required=True, type=Path)
+    ap.add_argument("--tokens", type=int, default=128, help="at most the model's block_size")
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    why = llama_cpp.missing(bindings=True)
+    for path, what in ((a.ckpt, "--ckpt"), (a.text, "--text")):
+        if not path.is_file():
+            why = why or f"{what} {path}: no such file"
+    if why:
+        print(f"engines_trained: {why}", file=sys.stderr)
+        return 2
+    out = compare(a.ckpt, a.text.read_text(encoding="utf-8"), tokens=a.tokens, new=a.new)
+    s = json.dumps(out, indent=1)
+    print(s)
+    if a.json:
+        a.json.write_text(s + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

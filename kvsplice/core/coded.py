@@ -37,21 +37,44 @@ __all__ = ["ChannelGroupKeys", "Rows", "Segment", "coded_attend", "nibbles", "se
            "stream_rows"]
 
 
-def nibbles(p: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed 4-bit codes ``p (..., D/2)`` uint8 (channel ``2j`` in the low nibble of byte ``j``) → the byte and
-    its high nibble as ``dtype``, ``(..., D/2)`` each: ``code_{2j} = b_j − 16·hi_j``, ``code_{2j+1} = hi_j``."""
-    return p.to(dtype), (p >> 4).to(dtype)
+_CONST: dict = {}
+
+
+def _const(kind: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Small constant operands, made once: ``"pair"`` — ``[[1, 0], [-16, 1]]``, from the sums against a byte and
+    its high nibble to the sums against the two codes; ``"pairq"`` — its transpose, the weights of a byte and a high
+    nibble from two channels' weights; ``"own"`` ``(n, n)`` — the identity, a group's own columns."""
+    key = (kind, n, dtype, device)
+    t = _CONST.get(key)
+    if t is None:
+        if kind == "own":
+            t = torch.eye(n, dtype=dtype, device=device)
+        else:
+            t = torch.tensor([[1.0, 0.0], [-16.0, 1.0]], dtype=dtype, device=device)
+            t = t if kind == "pair" else t.T.contiguous()
+        _CONST[key] = t
+    return t
+
+
+def nibbles(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Packed 4-bit codes ``p (..., D/2)`` uint8 (channel ``2j`` in the low nibble of byte ``j``) → ``(..., D)`` at
+    ``dtype``: the bytes ``b_j`` (columns ``0 .. D/2 − 1``), then their high nibbles ``hi_j`` (``code_{2j} = b_j −
+    16·hi_j``, ``code_{2j+1} = hi_j``): one conversion, no unpacking (blocks, not interleaved: a strided write
+    costs twice as much)."""
+    return torch.cat((p, p >> 4), -1).to(dtype)
 
 
 def _pairs(x: torch.Tensor) -> torch.Tensor:
-    """Per-channel operands ``x (..., D)`` → ``(..., 2, D/2)``: the weights of the byte and of the high nibble."""
-    even, odd = x[..., 0::2], x[..., 1::2]
-    return torch.stack((even, odd - 16 * even), -2)  # contiguous: a strided operand slows the matrix products
+    """Weights of the codes ``x (..., D)`` → the weights of :func:`nibbles`' columns: ``x_{2j}`` on byte ``j``,
+    ``x_{2j+1} − 16 x_{2j}`` on its high nibble."""
+    w = x.unflatten(-1, (-1, 2)) @ _const("pairq", 2, x.dtype, x.device)  # (..., D/2, 2)
+    return w.transpose(-1, -2).flatten(-2)
 
 
-def _unpairs(ob: torch.Tensor, oh: torch.Tensor) -> torch.Tensor:
-    """Sums against bytes ``ob`` and high nibbles ``oh`` ``(..., D/2)`` → the sums against the codes ``(..., D)``."""
-    return torch.stack((ob - 16 * oh, oh), -1).flatten(-2)
+def _unpairs(o: torch.Tensor) -> torch.Tensor:
+    """Sums against :func:`nibbles`' columns ``(..., D)`` → the sums against the codes: ``o_{b_j} − 16 o_{hi_j}``
+    for channel ``2j``, ``o_{hi_j}`` for ``2j + 1``."""
+    return (o.unflatten(-1, (2, -1)).transpose(-1, -2) @ _const("pair", 2, o.dtype, o.device)).flatten(-2)
 
 
 @dataclass
@@ -77,15 +100,14 @@ class Rows:
             return (qf @ self.data.to(qf.dtype).transpose(-1, -2)) * self.scale.to(qf.dtype).transpose(-1, -2)
         b, h, r, d = qf.shape
         ng = self.scale.shape[-1]
-        byte, high = nibbles(self.data, qf.dtype)  # (B, H, n, D/2) each
-        w = _pairs(qf)  # (B, H, R, 2, D/2)
-        own = torch.eye(ng, dtype=qf.dtype, device=qf.device).repeat_interleave(d // 2 // ng, 1)  # (ng, D/2)
-        wg = (w[:, :, None] * own[None, None, :, None, None, :]).reshape(b, h, ng * r, 2, d // 2)  # per group
-        part = wg[..., 0, :] @ byte.transpose(-1, -2) + wg[..., 1, :] @ high.transpose(-1, -2)  # (B, H, ng·R, n)
-        part = part.view(b, h, ng, r, -1)  # Σ_{c∈γ} q_c code_{t,c}
+        x = nibbles(self.data, qf.dtype)  # (B, H, n, D): bytes and high nibbles
+        w = _pairs(qf).unflatten(-1, (2, ng, -1))  # (B, H, R, 2, ng, D/2/ng): bytes', nibbles' weights by group
+        own = _const("own", ng, qf.dtype, qf.device)[:, None, None, :, None]  # (ng, 1, 1, ng, 1)
+        wg = (w[:, :, None] * own).flatten(-3)  # (B, H, ng, R, D): zero outside group γ
+        part = wg.flatten(2, 3) @ x.transpose(-1, -2)  # (B, H, ng·R, n): Σ_{c∈γ} q_c code_{t,c}
         qsum = qf.view(b, h, r, ng, d // ng).sum(-1)  # (B, H, R, ng): Σ_{c∈γ} q_c
         s, m = self.scale.to(qf.dtype), self.mn.to(qf.dtype)  # (B, H, n, ng)
-        return torch.einsum("bhgrn,bhng->bhrn", part, s) + qsum @ m.transpose(-1, -2)
+        return torch.einsum("bhgrn,bhng->bhrn", part.view(b, h, ng, r, -1), s) + qsum @ m.transpose(-1, -2)
 
     def weighted(self, p: torch.Tensor) -> torch.Tensor:
         """Weights ``p (B, H, R, n)`` float32 → ``Σ_t p_t v_t (B, H, R, D)``."""
@@ -95,14 +117,13 @@ class Rows:
             return (p * self.scale.to(p.dtype).transpose(-1, -2)) @ self.data.to(p.dtype)
         b, h, r, n = p.shape
         ng, d = self.scale.shape[-1], 2 * self.data.shape[-1]
-        byte, high = nibbles(self.data, p.dtype)  # (B, H, n, D/2)
+        x = nibbles(self.data, p.dtype)  # (B, H, n, D)
         s, m = self.scale.to(p.dtype), self.mn.to(p.dtype)  # (B, H, n, ng)
         st = s.transpose(-1, -2).contiguous()  # (B, H, ng, n): contiguous along tokens (a strided one is slow)
-        ws = (p[:, :, None] * st[:, :, :, None]).reshape(b, h, ng * r, n)  # (B, H, ng·R, n): p_t s_{t,γ}
-        own = torch.eye(ng, dtype=p.dtype, device=p.device).repeat_interleave(d // 2 // ng, 1)  # (ng, D/2)
-        ob = ((ws @ byte).view(b, h, ng, r, -1) * own[:, None]).sum(2)  # (B, H, R, D/2): each byte's own group
-        oh = ((ws @ high).view(b, h, ng, r, -1) * own[:, None]).sum(2)
-        return _unpairs(ob, oh) + (p @ m).repeat_interleave(d // ng, -1)  # (B, H, R, D)
+        ws = (p[:, :, None] * st[:, :, :, None]).flatten(2, 3)  # (B, H, ng·R, n): p_t s_{t,γ}
+        o = (ws @ x).view(b, h, ng, r, 2, ng, d // 2 // ng)  # (B, H, γ of the weights, R, 2, γ of the columns, ·)
+        o = torch.diagonal(o, dim1=2, dim2=5).permute(0, 1, 2, 3, 5, 4).reshape(b, h, r, d)  # each column's own γ
+        return _unpairs(o) + (p @ m).repeat_interleave(d // ng, -1)  # (B, H, R, D)
 
 
 @dataclass
@@ -128,11 +149,8 @@ class ChannelGroupKeys:
         if self.bits == 8:
             c = self.data.to(qf.dtype).view(b, h, ng, g, d)
             part = c @ qs.transpose(-1, -2)  # (B, H, ng, G, R)
-        else:
-            byte, high = nibbles(self.data, qf.dtype)
-            w = _pairs(qs)  # (B, H, ng, R, 2, D/2)
-            part = (byte.view(b, h, ng, g, d // 2) @ w[..., 0, :].transpose(-1, -2).contiguous()
-                    + high.view(b, h, ng, g, d // 2) @ w[..., 1, :].transpose(-1, -2).contiguous())  # (B,H,ng,G,R)
+        else:  # bytes and high nibbles against the pairs' weights
+            part = nibbles(self.data, qf.dtype).view(b, h, ng, g, d) @ _pairs(qs).transpose(-1, -2)  # (B,H,ng,G,R)
         bias = qf @ m.transpose(-1, -2)  # (B, H, R, ng): Σ_c q_c m_{γ,c}
         return part.permute(0, 1, 4, 2, 3).reshape(b, h, r, self.n) + bias.repeat_interleave(g, -1)
 

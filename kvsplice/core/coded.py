@@ -186,7 +186,9 @@ def coded_attend(q: torch.Tensor, segments: Sequence[Segment], *, scale: float) 
         if s.bias is not None:
             x = x + s.bias.to(dt)[:, :, None, :]
         parts.append(x)
-    p = torch.softmax(torch.cat(parts, -1), -1).nan_to_num_(0.0)  # (B, Hkv, g, Σn)
+    p = torch.softmax(parts[0] if len(parts) == 1 else torch.cat(parts, -1), -1)  # (B, Hkv, g, Σn)
+    if any(s.bias is not None for s in segments):
+        p = p.nan_to_num_(0.0)  # a row whose every key is hidden
     y, at = 0, 0
     for s, x in zip(segments, parts):
         ps = p[..., at:at + x.shape[-1]]

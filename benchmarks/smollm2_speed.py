@@ -48,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--doors", nargs="+", choices=["hf", "decoder"], default=["hf", "decoder"])
     p.add_argument("--rounds", type=int, default=8, help="decode steps per method (round-robin)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--pick-scores", choices=["kvzip", "random"], default="kvzip",
+                   help="random: the KVzip stacks keep tokens by random scores instead of the reconstruction pass "
+                        "(the same cache layout and sizes, so the same decode cost; their prefill is then not KVzip's)")
     p.add_argument("--quick", action="store_true", help="512 tokens, batch 1 and 2, 4 rounds: a few minutes")
     p.add_argument("--tag", default="", help="results/smollm2_speed_<tag>.*")
     p.add_argument("--out-dir", default=str(ROOT / "results"))
@@ -75,11 +78,23 @@ def method_factories(args, model, tok):
             continue
         spec = PICKS.get(name, name)
         if needs_prompt(spec) or spec.startswith("select:"):
-            out.append((name, lambda ids, spec=spec: build_method(spec, prompt_len=ids.shape[1], prompt_ids=ids,
-                                                                  tokenizer=tok)))
+            out.append((name, lambda ids, spec=spec: _scored(build_method(spec, prompt_len=ids.shape[1],
+                                                                          prompt_ids=ids, tokenizer=tok),
+                                                             model, ids, args.pick_scores)))
         else:
             out.append((name, build_method(spec)))
     return out
+
+
+def _scored(method, model, ids: torch.Tensor, scores: str):
+    """``method``, a KVzip selection given random token scores (``scores="random"``: its ``shared_scores``, so no
+    reconstruction pass runs) — the decode-time layout of the stack without the cost of its prefill."""
+    if scores == "random" and hasattr(method, "shared_scores"):
+        cfg = model.config
+        g = torch.Generator().manual_seed(0)
+        method.shared_scores = {l: torch.rand(ids.shape[0], cfg.num_key_value_heads, ids.shape[1], generator=g)
+                                for l in range(cfg.num_hidden_layers)}
+    return method
 
 
 def prompt_ids(tok, path: str, t: int, b: int) -> torch.Tensor:
@@ -165,7 +180,8 @@ def _meta(args, argv) -> dict:
                        f"{torch.__version__}, {args.threads} torch thread(s); load average at the end "
                        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (a shared machine: times are thread-CPU, "
                        f"ratios side by side)",
-            "picks": {k: (getattr(args, "plan" + k[4]) or v) for k, v in PICKS.items()}}
+            "picks": {k: (getattr(args, "plan" + k[4]) or v) for k, v in PICKS.items()},
+            "pick_scores": args.pick_scores}
 
 
 if __name__ == "__main__":

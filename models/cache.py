@@ -361,6 +361,10 @@ class DecodeCache(Cache):
         return {name: bufs[name][..., :n, :] if self._modes[name] is None else self._dequantized(layer, name, n)
                 for name in self.specs[layer]}
 
+    def mode(self, name: str) -> str | None:
+        """How stream ``name`` is stored: ``None`` (at ``dtype``), ``"int8"`` or ``"int4"`` (:data:`QUANT_MODES`)."""
+        return self._modes[name]
+
     def stored(self, layer: int) -> dict[str, torch.Tensor]:
         """Views of the storage of ``layer`` (int8 values and fp16 ``name.scale`` rows when quantised; int4: packed
         codes, ``name.scale`` and ``name.min``)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvsplice.core.args import choice_arg
+from kvsplice.core.coded import Segment, coded_attend, seen_bias, stream_rows
 from kvsplice.core.method import CompressionMethod, layer_tokens
 from kvsplice.core.rotation import HadamardFrame
 from models.cache import SCALE, KVCache, int4_row_bytes
@@ -81,6 +82,15 @@ class DenseKV(HadamardFrame, CompressionMethod):
             rows = cache.append_rows(layer, k=k, v=v)  # (B, Hkv, Tk, D) each; "k.scale" (B, Hkv, Tk, 1) when int8
             return step.decode_attend(layer, q, rows["k"], rows["v"], mask, logw, k_scale=rows.get("k" + SCALE),
                                       v_scale=rows.get("v" + SCALE))  # (B, Hq, 1, D)
+        if self.quant is not None and q.shape[2] == 1 and (mask is None or mask.shape[-1] == cache.layer_len(layer) + 1):
+            # a decode step: attend from the codes as stored (kvsplice.core.coded: no dequantised copy)
+            cache.append_rows(layer, k=k, v=v)
+            rows_k, rows_v = stream_rows(cache, layer, "k"), stream_rows(cache, layer, "v")
+            b, h, n = rows_k.data.shape[:3]
+            bias = seen_bias(mask, b, h, n)
+            if logw is not None:
+                bias = logw if bias is None else bias + logw
+            return coded_attend(q, [Segment(rows_k, rows_v, bias)], scale=step.scales[layer])  # (B, Hq, 1, D)
         kv = cache.append(layer, k=k, v=v)  # (B, Hkv, Tk, D) each
         return step.attend(layer, q, kv["k"], kv["v"], mask=mask, logw=logw)  # (B, Hq, Tq, D)
 

@@ -20,6 +20,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from kvsplice.core.coded import ChannelGroupKeys, Rows, Segment
 from kvsplice.quant.groups import dequantize, pack_codes, quantize, unpack_codes
 from models.cache import Cache, DecodeCache
 
@@ -92,6 +93,10 @@ class KIVICache(Cache):
         self._seen[layer] += int(n)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        self._append(layer, k, v)
+        return self.get(layer)
+
+    def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         rk = torch.cat([self.res_k[layer], k.to(self.dtype)], 2)  # (B, Hkv, r + T, D)
         rv = torch.cat([self.res_v[layer], v.to(self.dtype)], 2)
         n_q0 = self.codes.layer_len(layer)
@@ -101,7 +106,21 @@ class KIVICache(Cache):
             rk, rv = rk[:, :, flush:], rv[:, :, flush:]
         self.res_k[layer], self.res_v[layer] = rk.contiguous(), rv.contiguous()
         self._seen[layer] += k.shape[2]
-        return self.get(layer)
+
+    def append_segments(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> list[Segment]:
+        """:meth:`append`, returning what ``layer`` holds as it is stored, for :func:`kvsplice.core.coded.coded_attend`:
+        the quantised tokens (codes, their groups' scales and minima; 4 bits) and the full-precision window — no
+        dequantised copy."""
+        self._append(layer, k, v)
+        out = []
+        nq = self.codes.layer_len(layer)
+        if nq:
+            codes, ks, vs = self.codes.stored(layer), self.kstat.stored(layer), self.vstat.stored(layer)
+            out.append(Segment(ChannelGroupKeys(codes["k"], ks["s"], ks["m"], self.bits),
+                               Rows("int4", codes["v"], vs["s"], vs["m"])))
+        if self.res_k[layer].shape[2]:
+            out.append(Segment(Rows("float", self.res_k[layer]), Rows("float", self.res_v[layer])))
+        return out
 
     def _quantise(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         b, h, n, d = k.shape

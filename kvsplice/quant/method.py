@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvsplice.core.args import choice_arg, int_arg
+from kvsplice.core.coded import coded_attend, seen_bias, split_bias
 from kvsplice.core.method import CompressionMethod
 from kvsplice.quant.cache import KIVICache, kivi_bytes
 from kvsplice.quant.groups import BITS
@@ -56,6 +57,16 @@ class KIVI(CompressionMethod):
         cache.append(layer, k, v)
 
     def attend(self, layer, q, k, v, cache, step, mask=None, logw=None):
+        n = cache.layer_len(layer) + k.shape[2]
+        if self.bits == 4 and q.shape[2] == 1 and (mask is None or mask.shape[-1] == n):
+            # a decode step: attend from the codes as stored (kvsplice.core.coded: no dequantised copy)
+            segments = cache.append_segments(layer, k.to(cache.dtype), v.to(cache.dtype))
+            bias = seen_bias(mask, k.shape[0], k.shape[1], n)
+            if logw is not None:
+                bias = logw if bias is None else bias + logw
+            for s, piece in zip(segments, split_bias(bias, [s.keys.n for s in segments])):
+                s.bias = piece
+            return coded_attend(q, segments, scale=step.scales[layer])  # (B, Hq, 1, D)
         kv = cache.append(layer, k, v)  # (B, Hkv, Tk, D) each, at the cache dtype
         y = step.attend(layer, q, kv["k"].to(q.dtype), kv["v"].to(q.dtype), mask=mask, logw=logw)
         return y  # (B, Hq, Tq, D)

@@ -25,10 +25,11 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from kvsplice.core.coded import Segment, coded_attend, stream_rows
 from kvsplice.select.scores import _top
 from models.cache import Cache, KVCache
 
-__all__ = ["PooledSubsetCache", "own_tokens", "pool_tokens", "pooled_attend", "pooled_bias"]
+__all__ = ["PooledSubsetCache", "coded_pooled_attend", "own_tokens", "pool_tokens", "pooled_attend", "pooled_bias"]
 
 
 def pool_tokens(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
@@ -69,6 +70,20 @@ def pooled_attend(step, layer: int, q: torch.Tensor, pooled: dict[str, torch.Ten
     dt = torch.promote_types(q.dtype, torch.float32)
     logw = torch.cat([pooled_bias(counts, n, dt), torch.zeros(b, h, tr, dtype=dt, device=kr.device)], -1)
     return step.attend(layer, q, k, v, logw=logw)  # (B, Hq, Tq, Dv)
+
+
+def coded_pooled_attend(step, layer: int, q: torch.Tensor, pooled: KVCache, counts: torch.Tensor,
+                        recent: KVCache) -> torch.Tensor:
+    """:func:`pooled_attend` of one decode query per head ``q (B, Hq, 1, D)`` straight from the stored rows
+    (:func:`kvsplice.core.coded.coded_attend`): the pool is one row sequence every query head scores (each KV head's
+    queries see only its own entries, by :func:`pooled_bias`), not a copy per head → ``(B, Hq, 1, D)``."""
+    n = pooled.layer_len(layer)
+    segments = [Segment(stream_rows(recent, layer, "k"), stream_rows(recent, layer, "v"))]
+    if n:
+        bias = pooled_bias(counts, n, torch.float32)  # (B, Hkv, N)
+        segments.insert(0, Segment(stream_rows(pooled, layer, "k"), stream_rows(pooled, layer, "v"), bias,
+                                   shared=True))
+    return coded_attend(q, segments, scale=step.scales[layer])
 
 
 class PooledSubsetCache(Cache):
@@ -130,6 +145,9 @@ class PooledSubsetCache(Cache):
     def attend(self, step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Append the decoded ``k, v (B, Hkv, Tq, D)`` of ``layer``, attend ``q (B, Hq, Tq, D)`` over the pool and
         the recent tokens → ``(B, Hq, Tq, D)``."""
+        if q.shape[2] == 1:  # a decode step: from the rows as stored, the pool read once for every head
+            self.recent.append_rows(layer, k=k.to(self.dtype), v=v.to(self.dtype))
+            return coded_pooled_attend(step, layer, q, self.pooled, self.counts[layer], self.recent)
         recent = self.recent.append(layer, k=k.to(self.dtype), v=v.to(self.dtype))  # (B, Hkv, Tr, D) each
         return pooled_attend(step, layer, q, self.pooled.get(layer), self.counts[layer], recent)
 

@@ -1,0 +1,154 @@
+"""Prefill and per-token decode time of compression methods in both doors, measured side by side
+(``benchmarks/smollm2_speed.py``).
+
+For one model, context length, batch size and door, every method's cache is built and prefilled once (timed: for a
+token selection the prefill includes its compression, KVzip's reconstruction pass too), then the decode steps are
+timed **round-robin** — one step of each method in turn, ``rounds`` times — so that the load of a shared machine
+falls on all methods alike; a method's decode time is the median of its steps and its ratio is that median over the
+full cache's (the first method). Times are thread-CPU seconds (``time.thread_time``: robust to other processes
+with one torch thread) and wall seconds. Memory: the cache's measured bytes and the peak resident-set growth during
+the method's prefill (activations + cache; sampled every 2 ms) over what the process held before it.
+
+Doors: ``hf`` — transformers' forward with ``KVSpliceHFCache`` (``DynamicCache`` for the full cache, what a user of
+``generate()`` gets), ``decoder`` — :class:`kvsplice.decode.Decoder` (``DenseKV`` full precision for the full
+cache, capacity preallocated). Steps feed the argmax token (greedy), logits of the last position only.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+__all__ = ["MethodRun", "PeakRSS", "measure", "prefill_and_steps"]
+
+
+class PeakRSS:
+    """The peak resident set size (bytes) of this process while the ``with`` block runs, sampled every
+    ``interval`` seconds (``peak - start``: what the block added)."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval, self.start, self.peak = interval, 0, 0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            time.sleep(self.interval)
+
+    def __enter__(self) -> "PeakRSS":
+        self.start = self.peak = self.rss()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+
+    @property
+    def grown(self) -> int:
+        return self.peak - self.start
+
+
+@dataclass
+class MethodRun:
+    """One method in one door: its step function (``ids (B, 1) → logits (B, 1, V)``), cache and timings."""
+
+    label: str
+    step: Callable[[torch.Tensor], torch.Tensor]
+    cache: Any
+    prefill_cpu: float = 0.0
+    prefill_wall: float = 0.0
+    prefill_rss: int = 0
+    next_ids: Optional[torch.Tensor] = None
+    cpu: list[float] = field(default_factory=list)
+    wall: list[float] = field(default_factory=list)
+
+
+def _clock() -> tuple[float, float]:
+    return time.thread_time(), time.perf_counter()
+
+
+def prefill_and_steps(model, door: str, method, ids: torch.Tensor, capacity: int):
+    """``(prefill, step, cache)`` of ``method`` (a bound-able method, or ``None`` for the full cache) in ``door``:
+    ``prefill()`` and ``step(ids)`` return the last position's logits ``(B, 1, V)``."""
+    if door == "hf":
+        from transformers import DynamicCache
+
+        from kvsplice.hf import KVSpliceHFCache
+
+        cache = DynamicCache() if method is None else KVSpliceHFCache(model, method)
+
+        def run(x):
+            return model(x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+
+        return (lambda: run(ids)), run, cache
+    if door == "decoder":
+        from kvsplice.decode import Decoder
+
+        dec = Decoder(model, method)
+        cache = dec.new_cache(ids.shape[0], capacity=capacity)
+        return (lambda: dec(ids, cache, last_only=True)), (lambda x: dec(x, cache, last_only=True)), cache
+    raise ValueError(f"door must be 'hf' or 'decoder', got {door!r}")
+
+
+@torch.no_grad()
+def measure(model, door: str, methods: Sequence[tuple[str, Any]], ids: torch.Tensor, *, rounds: int,
+            warmup: int = 1) -> list[dict]:
+    """Prefill every ``(label, method)`` (``method``: a method, or a callable ``ids → method`` for one built per
+    prompt; ``None``: the full cache) on ``ids (B, T)``, then ``warmup + rounds`` round-robin decode steps →
+    one row per method (the first is the reference of the ratios)."""
+    runs: list[MethodRun] = []
+    capacity = ids.shape[1] + warmup + rounds + 1
+    for label, method in methods:
+        if callable(method) and not hasattr(method, "attend"):
+            method = method(ids)
+        prefill, step, cache = prefill_and_steps(model, door, method, ids, capacity)
+        with PeakRSS() as rss:
+            c0, w0 = _clock()
+            logits = prefill()
+            c1, w1 = _clock()
+        run = MethodRun(label, step, cache, c1 - c0, w1 - w0, rss.grown, logits[:, -1:].argmax(-1))
+        runs.append(run)
+    for r in range(warmup + rounds):
+        for run in runs:
+            c0, w0 = _clock()
+            logits = run.step(run.next_ids)
+            c1, w1 = _clock()
+            run.next_ids = logits[:, -1:].argmax(-1)
+            if r >= warmup:
+                run.cpu.append(c1 - c0)
+                run.wall.append(w1 - w0)
+    ref_cpu, ref_wall = statistics.median(runs[0].cpu), statistics.median(runs[0].wall)
+    rows = []
+    for run in runs:
+        cpu, wall = statistics.median(run.cpu), statistics.median(run.wall)
+        nbytes = run.cache.nbytes() if hasattr(run.cache, "nbytes") else _dynamic_bytes(run.cache)
+        rows.append({"method": run.label, "door": door, "batch": ids.shape[0], "context": ids.shape[1],
+                     "prefill_s": run.prefill_cpu, "prefill_wall_s": run.prefill_wall,
+                     "prefill_vs_full": run.prefill_cpu / runs[0].prefill_cpu,
+                     "decode_ms": 1e3 * cpu, "decode_wall_ms": 1e3 * wall, "decode_vs_full": cpu / ref_cpu,
+                     "decode_wall_vs_full": wall / ref_wall, "steps": len(run.cpu),
+                     "cache_bytes": nbytes, "prefill_peak_rss_bytes": run.prefill_rss})
+    return rows
+
+
+def _dynamic_bytes(cache) -> int:
+    """Bytes of a transformers ``DynamicCache``'s keys and values."""
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total

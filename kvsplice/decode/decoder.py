@@ -103,6 +103,7 @@ class Decoder:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise ValueError(f"input_ids must be (B, T) with T >= 1, got shape {shape}")
+        input_ids = input_ids.to(self.device)  # token ids made on the CPU (text windows, tasks) meet a CUDA model
         b, t = input_ids.shape
         self.method.check_cache(cache)
         a = self.adapter
@@ -140,6 +141,7 @@ class Decoder:
 def chunked_nll(decoder: Decoder, input_ids: torch.Tensor, chunk_size: Optional[int] = None
                 ) -> tuple[float, int, Cache]:
     """:func:`sequence_nll` and the cache it filled (to measure): the one chunked next-token NLL loop."""
+    input_ids = input_ids.to(decoder.device)  # (B, T) on the model's device: the targets meet its logits
     b, t = input_ids.shape
     cache = decoder.new_cache(b, capacity=t)
     step = t if chunk_size is None else int(chunk_size)
@@ -184,6 +186,7 @@ def score_continuation(decoder: Decoder, idx: torch.Tensor, prompt_len: int, *, 
     if not 1 <= p < t:
         raise ValueError(f"prompt_len must be in [1, {t - 1}], got {prompt_len}")
     method, model = decoder.method, decoder.model
+    idx = idx.to(decoder.device)  # (B, T) on the model's device: the targets below meet its logits
     cache = decoder.new_cache(b, capacity=method.capacity(p, t - p), dtype=cache_dtype)
     was_training = model.training
     model.eval()

@@ -18,7 +18,7 @@ from kvsplice.core.registry import build_method  # noqa: E402
 from kvsplice.quant.method import KIVI  # noqa: E402
 from kvsplice.quant.rotated import RotatedKIVI  # noqa: E402
 from kvsplice.tasks.methods import parse_method  # noqa: E402
-from kvsplice.tasks.instance import match_score  # noqa: E402
+from kvsplice.tasks.instance import match_score, settled  # noqa: E402
 from kvsplice.tasks.runner import answer  # noqa: E402
 from kvsplice.tasks.suite import TASKS, make_instance, make_instances  # noqa: E402
 
@@ -76,6 +76,15 @@ def test_make_instance_refuses_bad_input(tok) -> None:
     with pytest.raises(ValueError, match="too short"):
         make_instance("common_words", tok, 100, 0, stories=str(STORIES))
     assert len(make_instances(["passkey", "vartrack"], tok, [256, 512], 2)) == 8
+
+
+def test_settled_only_where_more_text_cannot_change_the_score() -> None:
+    for text, answers, want in [(" 12345.", ["12345"], True), (" 12345", ["12345"], False),  # "123456" may follow
+                                (" 12345 and 6", ["12345", "6"], False), (" 12345, 6.", ["12345", "6"], True),
+                                (" 1234", ["12345"], False), (" the pass key", ["12345"], False)]:
+        assert settled(text, answers) is want
+        if want:  # whatever is appended, the score is the same
+            assert all(match_score(text + more, answers) == match_score(text, answers) for more in ("7", "x", ""))
 
 
 def test_match_score() -> None:

@@ -34,11 +34,11 @@ __all__ = ["LocalRepeat"]
 @dataclass(frozen=True)
 class LocalRepeat:
     """The local reconstruction scores: ``window`` prompt tokens either side of the copied one, ``sinks`` first
-    tokens always seen, ``chunk`` queries per block."""
+    tokens always seen, ``chunk`` queries per block (small: a block's keys span ``chunk + 2·window``)."""
 
     window: int = 64
     sinks: int = 4
-    chunk: int = 256
+    chunk: int = 64
 
     def score(self, q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, shift: tuple[torch.Tensor, torch.Tensor],
               scale: float, scores: torch.Tensor) -> None:
@@ -59,20 +59,21 @@ class LocalRepeat:
             e = min(t, s + c)
             lo, hi = max(n_sink, s - w), min(t, e + w)  # the prompt keys the block's windows reach (sinks apart)
             lo_own = max(n_sink, s - w)  # the repeat's own keys (causal)
-            keys = torch.cat([kf[:, :, :n_sink], kf[:, :, lo:hi]], 2)  # (B, Hkv, S + (hi - lo), D)
             qi = torch.arange(s, e, device=k.device)[:, None]  # (c, 1) query positions (in the prompt's frame)
             jp = torch.cat([torch.arange(n_sink, device=k.device), torch.arange(lo, hi, device=k.device)])[None]
-            far = (jp - qi).abs() > w
-            far[:, :n_sink] = False  # the sinks are always seen
+            far = ((jp - qi).abs() > w) & (jp >= n_sink)  # (c, S + hi - lo): out of reach (the sinks never are)
             jo = torch.cat([torch.arange(n_sink, device=k.device), torch.arange(lo_own, e, device=k.device)])[None]
             hide_own = (jo > qi) | ((qi - jo > w) & (jo >= n_sink))
-            own_keys = torch.cat([kf[:, :, :n_sink], kf[:, :, lo_own:e]], 2)
-            lp = qs[:, :, :, s:e] @ keys[:, :, None].transpose(-1, -2)  # (B, Hkv, g, c, S + hi - lo): the prompt
-            lp.masked_fill_(far, float("-inf"))
+            keys = torch.cat([kf[:, :, :n_sink], kf[:, :, lo:hi]], 2)[:, :, None]  # (B, Hkv, 1, S + hi - lo, D)
+            own_keys = torch.cat([kf[:, :, :n_sink], kf[:, :, lo_own:e]], 2)[:, :, None]
+            lp = (qs[:, :, :, s:e] @ keys.transpose(-1, -2)).masked_fill_(far, float("-inf"))  # (B, Hkv, g, c, ·)
             li = qs[:, :, :, s:e] @ krf[:, :, None].transpose(-1, -2)  # (B, Hkv, g, c, R): the instruction
-            lo_ = qf[:, :, :, s:e] @ own_keys[:, :, None].transpose(-1, -2)  # (B, Hkv, g, c, ·): the repeat's own
-            lo_.masked_fill_(hide_own, float("-inf"))
-            lse = torch.logsumexp(torch.cat([lp, li, lo_], -1), dim=-1, keepdim=True)  # (B, Hkv, g, c, 1)
-            p = (lp - lse).exp_().amax(dim=(2, 3))  # (B, Hkv, S + hi - lo): the best weight each key gets
+            lo_ = (qf[:, :, :, s:e] @ own_keys.transpose(-1, -2)).masked_fill_(hide_own, float("-inf"))  # own keys
+            m = torch.maximum(torch.maximum(lp.amax(-1, keepdim=True), li.amax(-1, keepdim=True)),
+                              lo_.amax(-1, keepdim=True))  # (B, Hkv, g, c, 1): each row's largest logit
+            ep = lp.sub_(m).exp_()  # the prompt keys' exp(logit - max), in place
+            z = ep.sum(-1, keepdim=True) + li.sub_(m).exp_().sum(-1, keepdim=True) + lo_.sub_(m).exp_().sum(
+                -1, keepdim=True)  # (B, Hkv, g, c, 1): the softmax's denominator over every key seen
+            p = ep.div_(z).amax(dim=(2, 3))  # (B, Hkv, S + hi - lo): the best weight each key gets
             torch.maximum(scores[..., :n_sink], p[..., :n_sink], out=scores[..., :n_sink])
             torch.maximum(scores[..., lo:hi], p[..., n_sink:], out=scores[..., lo:hi])

@@ -44,12 +44,14 @@ class _Keep(DenseKV):
 
 
 def _finish(dec, cache, logits, rest, n_new, eos, nbytes, seconds, inst, tokenizer, setting, n_prompt,
-            n_comp) -> Outcome:
-    """Feed the question, decode; ``seconds``: ``(wall, cpu)`` spent on this method before."""
+            n_comp, score_only: bool = False) -> Outcome:
+    """Feed the question, decode; ``seconds``: ``(wall, cpu)`` spent on this method before; ``score_only``: stop as
+    soon as the score is settled (:func:`~kvsplice.tasks.instance.settled`)."""
     t0, c0 = time.perf_counter(), time.process_time()
     if rest.shape[1]:
         logits = dec(rest, cache, last_only=True)
-    tokens = greedy(dec, cache, logits, n_new, eos)
+    done = (lambda toks: settled(decode_text(tokenizer, toks), inst.answers)) if score_only else None
+    tokens = greedy(dec, cache, logits, n_new, eos, done)
     if tokens and tokens[-1] == eos:
         tokens = tokens[:-1]
     text = decode_text(tokenizer, tokens)

@@ -145,3 +145,17 @@ def test_answer_many_equals_answer(tok, model, setting) -> None:
         assert (many[s].cache_bytes, many[s].formula_bytes, many[s].fp16_bytes) == \
             (one.cache_bytes, one.formula_bytes, one.fp16_bytes), s
     assert many["select:kvzip@x2"].cache_bytes > many["select:kvzip@x4+int8"].cache_bytes
+
+
+def test_answer_many_score_only_keeps_every_score_and_cuts_only_after_it_settles(tok, model) -> None:
+    from kvsplice.tasks.instance import settled
+    from kvsplice.tasks.shared import answer_many
+
+    specs = {s: parse_method(s, tok) for s in ("full", "select:kvzip@x2", "select:observed_attention@x4+int8")}
+    for seed in range(3):
+        inst = make_instance("passkey", tok, 200, seed)
+        whole = answer_many(model, tok, inst, {s: m.factory for s, m in specs.items()})
+        cut = answer_many(model, tok, inst, {s: m.factory for s, m in specs.items()}, score_only=True)
+        for s in specs:
+            assert cut[s].score == whole[s].score and whole[s].tokens[:len(cut[s].tokens)] == cut[s].tokens, s
+            assert cut[s].tokens == whole[s].tokens or settled(cut[s].output, inst.answers), s

@@ -228,7 +228,8 @@ def _task_eval(args, model, tokenizer, seq: int, progress: bool, max_positions: 
     def task_eval(factories: dict) -> dict[str, float]:
         scores: dict[str, float] = {k: 0.0 for k in factories}
         for inst in tqdm(insts, desc="tuning tasks", disable=not progress, file=sys.stderr):
-            for k, o in answer_many(model, tokenizer, inst, factories, setting=args.tune_setting).items():
+            for k, o in answer_many(model, tokenizer, inst, factories, setting=args.tune_setting,
+                                    score_only=True).items():
                 scores[k] += o.score
         return {k: 100 * v / len(insts) for k, v in scores.items()}
 

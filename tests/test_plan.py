@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,9 +49,12 @@ def test_the_plan_fits_the_budget_and_every_candidate_was_measured(planned):
     stores = [c["spec"].get("store", c["spec"]) for c in cands]
     assert {s["name"] + s.get("cache_quant", "") for s in stores} >= {"denseint8", "kivi", "lowrankint8"}
     assert doc["objective"] == "mixed"  # the default: the best perplexity among the most accurate candidates
-    top = max(c["task_acc"] for c in cands)
-    best = min((c for c in cands if c["task_acc"] == top), key=lambda c: c["tuning_ppl"])
+    measured = [c for c in cands if "task_acc" in c]
+    top = max(c["task_acc"] for c in measured)
+    best = min((c for c in measured if c["task_acc"] == top), key=lambda c: c["tuning_ppl"])
     assert doc["label"] == best["label"] == doc["chosen"]["label"] and doc["version"] == PLAN_VERSION
+    for c in cands:  # left unmeasured only where one of no higher perplexity answered every tuning instance
+        assert "task_acc" in c or any(m["task_acc"] >= 100 and m["tuning_ppl"] <= c["tuning_ppl"] for m in measured)
     assert (planned / "report.json").is_file() and (planned / "stats.safetensors").is_file()
     plan = Plan.load(planned / "plan.json")
     store = plan.spec.get("store", plan.spec)
@@ -130,7 +134,8 @@ def test_the_ppl_objective_picks_the_best_tuning_perplexity(s260k, planned, tmp_
     doc = json.loads(out.read_text())
     assert doc["tasks"]["seed0"] == 1_000_000 and doc["tasks"]["length"] == 160 and "task_acc" in doc["full"]
     cands = doc["candidates"]
-    top = [c for c in cands if c["task_acc"] >= max(c["task_acc"] for c in cands)]
+    measured = [c for c in cands if "task_acc" in c]
+    top = [c for c in measured if c["task_acc"] >= max(c["task_acc"] for c in measured)]
     assert doc["chosen"]["tuning_ppl"] == min(c["tuning_ppl"] for c in top)
     assert all(c["spec"]["name"] == "kvzip" for c in cands if "keep" in c["spec"])  # the one selection scorer
     assert Plan.load(out).label == doc["chosen"]["label"]
@@ -160,6 +165,9 @@ def test_rank_key_orders_by_the_objective():
     assert min(rows, key=rank_key("mixed", 100.0, tolerance=50.0)) is rows[1]
     with pytest.raises(ValueError, match="objective"):
         rank_key("speed")
+    skipped = {"tuning_ppl": 1.0, "task_skipped": "…"}  # left unmeasured: it loses under mixed and tasks
+    assert min([*rows, skipped], key=rank_key("mixed", 100.0)) is rows[2]
+    assert min([*rows, skipped], key=rank_key("tasks")) is rows[2]
 
 
 # ------------------------------------------------------------------------------------------ hostile plans (issue 31)
@@ -410,3 +418,37 @@ def test_a_plan_is_checked_against_the_model_by_every_door(s260k, planned, tmp_p
                 one_line(capsys, prog, needle)
     capsys.readouterr()
     assert generate.main(["--model", str(s260k), "--method", str(planned / "plan.json"), *gen]) == 0
+
+
+def test_store_candidates_stop_at_the_task_ceiling_with_the_same_pick(monkeypatch):
+    """Store candidates' tuning tasks run in order of tuning perplexity, two at a time; once one answers every
+    instance the rest (higher perplexity) are left unmeasured — and the pick is the one measuring them all gives."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from tiny_models import tiny_family
+
+    import kvsplice.planning.search as search_mod
+    from kvsplice.adapters import adapter_for
+    from kvsplice.evaluation.protocol import full_bytes_per_token
+
+    model = tiny_family("llama", n_layer=2)
+    windows = torch.randint(3, 96, (2, 48), generator=torch.Generator().manual_seed(0))
+    seen: list[list[str]] = []
+
+    def task_eval(factories):  # every candidate holding int8 rows answers all; the others half
+        seen.append([k for k in factories if k != "full"])
+        return {k: 100.0 if k == "full" or "int8" in k else 50.0 for k in factories}
+
+    budget = full_bytes_per_token(adapter_for(model)) / 1.5
+    kw = dict(prompt_len=32, budget=budget, selectors=("snapkv",), lowrank_ratios=(), objective="mixed",
+              task_eval=task_eval)
+    early = search_mod.search(model, None, windows, **kw)
+    n_early = sum(map(len, seen))
+    monkeypatch.setattr(search_mod, "STORE_TASK_GROUP", 10 ** 6)
+    seen.clear()
+    every = search_mod.search(model, None, windows, **kw)
+    assert early["chosen"]["label"] == every["chosen"]["label"]
+    skipped = [c for c in early["candidates"] if "task_skipped" in c]
+    assert skipped and n_early < sum(map(len, seen)) == len(every["candidates"])
+    assert all("task_acc" in c for c in every["candidates"])

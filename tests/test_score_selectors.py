@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from kvsplice.select.scores import ObservedAttentionSelector, SnapKVSelector
@@ -38,6 +39,19 @@ def test_observed_attention_keeps_the_most_attended_tokens_per_query_that_sees_t
     want = a.sum(dim=(1, 2)) / torch.arange(20, 0, -1)
     idx, logw = ObservedAttentionSelector(chunk=7).select(k, v, 6, q=q, scale=scale)
     assert torch.equal(idx, want.topk(6, -1).indices.sort(-1).values) and not logw.any()
+
+
+@pytest.mark.parametrize("stride,chunk", [(3, 2), (4, 64), (19, 1), (25, 3)])
+def test_observed_attention_with_a_stride_counts_only_the_voting_queries(stride, chunk):
+    """Queries at 19, 19 - stride, ... vote; each token's sum is divided by the voting queries that see it."""
+    q, k, v = _qk(seed=2)
+    scale = 1 / math.sqrt(8)
+    voters = list(range(19, -1, -stride))
+    a = _attention(q, k, scale)[:, :, voters]  # (H, g, voters, T)
+    seen = torch.tensor([sum(p >= j for p in voters) for j in range(20)], dtype=torch.float32).clamp_min(1)
+    want = a.sum(dim=(1, 2)) / seen
+    idx, _ = ObservedAttentionSelector(stride=stride, chunk=chunk).select(k, v, 6, q=q, scale=scale)
+    assert torch.equal(idx, want.topk(6, -1).indices.sort(-1).values)
 
 
 def test_snapkv_keeps_its_window_and_the_pooled_votes():

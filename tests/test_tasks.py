@@ -18,7 +18,7 @@ from kvsplice.core.registry import build_method  # noqa: E402
 from kvsplice.quant.method import KIVI  # noqa: E402
 from kvsplice.quant.rotated import RotatedKIVI  # noqa: E402
 from kvsplice.tasks.methods import parse_method  # noqa: E402
-from kvsplice.tasks.instance import match_score  # noqa: E402
+from kvsplice.tasks.instance import match_score, settled  # noqa: E402
 from kvsplice.tasks.runner import answer  # noqa: E402
 from kvsplice.tasks.suite import TASKS, make_instance, make_instances  # noqa: E402
 
@@ -76,6 +76,15 @@ def test_make_instance_refuses_bad_input(tok) -> None:
     with pytest.raises(ValueError, match="too short"):
         make_instance("common_words", tok, 100, 0, stories=str(STORIES))
     assert len(make_instances(["passkey", "vartrack"], tok, [256, 512], 2)) == 8
+
+
+def test_settled_only_where_more_text_cannot_change_the_score() -> None:
+    for text, answers, want in [(" 12345.", ["12345"], True), (" 12345", ["12345"], False),  # "123456" may follow
+                                (" 12345 and 6", ["12345", "6"], False), (" 12345, 6.", ["12345", "6"], True),
+                                (" 1234", ["12345"], False), (" the pass key", ["12345"], False)]:
+        assert settled(text, answers) is want
+        if want:  # whatever is appended, the score is the same
+            assert all(match_score(text + more, answers) == match_score(text, answers) for more in ("7", "x", ""))
 
 
 def test_match_score() -> None:
@@ -136,3 +145,17 @@ def test_answer_many_equals_answer(tok, model, setting) -> None:
         assert (many[s].cache_bytes, many[s].formula_bytes, many[s].fp16_bytes) == \
             (one.cache_bytes, one.formula_bytes, one.fp16_bytes), s
     assert many["select:kvzip@x2"].cache_bytes > many["select:kvzip@x4+int8"].cache_bytes
+
+
+def test_answer_many_score_only_keeps_every_score_and_cuts_only_after_it_settles(tok, model) -> None:
+    from kvsplice.tasks.instance import settled
+    from kvsplice.tasks.shared import answer_many
+
+    specs = {s: parse_method(s, tok) for s in ("full", "select:kvzip@x2", "select:observed_attention@x4+int8")}
+    for seed in range(3):
+        inst = make_instance("passkey", tok, 200, seed)
+        whole = answer_many(model, tok, inst, {s: m.factory for s, m in specs.items()})
+        cut = answer_many(model, tok, inst, {s: m.factory for s, m in specs.items()}, score_only=True)
+        for s in specs:
+            assert cut[s].score == whole[s].score and whole[s].tokens[:len(cut[s].tokens)] == cut[s].tokens, s
+            assert cut[s].tokens == whole[s].tokens or settled(cut[s].output, inst.answers), s

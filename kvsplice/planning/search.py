@@ -52,6 +52,11 @@ the early and the last layers pooled, docs/tasks.md "Where to pool"); the pooled
 the prompt (a later question, the answer) as int8 rows whatever the store (under ``k8v4h`` a quarter of SmolLM2's
 tuning perplexity loss at 4× was the int4 values of decoded tokens; the budget counts the prompt's bytes)."""
 LOWRANK_RATIOS = (1.5, 2.0, 3.0)
+TASK_CEILING = 100.0
+"""Task accuracy (%) no candidate can pass: once one has it, candidates of higher tuning perplexity cannot win."""
+STORE_TASK_GROUP = 2
+"""The store candidates' task accuracy is measured this many at a time, in order of tuning perplexity (the selector
+trial's all at once: its pick is rarely its lowest perplexity, and each round repeats the instances' prefills)."""
 
 
 def lowrank_bases(stats: dict, ratio: float, rope: str, cache: Optional[dict] = None):
@@ -187,9 +192,9 @@ def rank_key(objective: str, best_acc: float = 100.0, tolerance: float = 0.0) ->
     if objective == "ppl":
         return lambda r: (r["tuning_ppl"],)
     if objective == "tasks":
-        return lambda r: (-r["task_acc"], r["tuning_ppl"])
-    if objective == "mixed":
-        return lambda r: (r["task_acc"] < best_acc - tolerance - 1e-9, r["tuning_ppl"])
+        return lambda r: (-r.get("task_acc", -1.0), r["tuning_ppl"])
+    if objective == "mixed":  # a row left unmeasured (task_skipped) loses: one of lower perplexity scored the ceiling
+        return lambda r: (r.get("task_acc", -1.0) < best_acc - tolerance - 1e-9, r["tuning_ppl"])
     raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
 
 
@@ -207,7 +212,7 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
 
     ``objective`` (:data:`OBJECTIVES`): with ``tasks`` / ``mixed``, ``task_eval({label: factory(ids) -> method})``
     returns each candidate's accuracy (%) on tuning task instances (``factory`` builds the candidate's method for the
-    ids it compresses; the full cache is ``"full"``); every candidate row then has a ``task_acc``. ``tokenizer``:
+    ids it compresses; the full cache is ``"full"``); every candidate row then has a ``task_acc`` (or ``task_skipped``: a store candidate of higher tuning perplexity than one that answered every instance — it cannot win). ``tokenizer``:
     the model's, for candidates that re-read their prompt (KVzip: measured window by window)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
@@ -242,17 +247,27 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
             f"({row['delta_pct']:+.2f} %)")
         return row
 
-    def with_tasks(rows: list[dict]) -> None:
+    def with_tasks(rows: list[dict], group: Optional[int] = None, against: Sequence[dict] = ()) -> None:
+        """Each row's task accuracy; with ``group``, ``group`` rows at a time in order of tuning perplexity, the rest
+        left unmeasured (``task_skipped``) once a row of no higher perplexity (of ``rows`` or ``against``) answers
+        every instance: none of them can then win under ``mixed`` or ``tasks`` (the same pick)."""
         if task_eval is None:
             return
-        todo = {r["label"]: per_prompt(lambda spec=realise(r["spec"]), **ctx: build_method(spec, **ctx), tokenizer)
-                for r in rows if "task_acc" not in r}
-        if not todo:
-            return
-        acc = task_eval({"full": lambda ids: None, **todo})
-        full["task_acc"] = acc["full"]
-        for r in rows:
-            if r["label"] in acc:
+        todo_rows = sorted((r for r in rows if "task_acc" not in r), key=lambda r: r["tuning_ppl"])
+        step = group or max(1, len(todo_rows))
+        for i in range(0, len(todo_rows), step):
+            if any(r.get("task_acc", 0.0) >= TASK_CEILING and r["tuning_ppl"] <= todo_rows[i]["tuning_ppl"]
+                   for r in [*rows, *against]):
+                for r in todo_rows[i:]:
+                    r["task_skipped"] = "a candidate of lower tuning perplexity answered every tuning instance"
+                    log(f"  {r['label']:<48} task accuracy not measured: {r['task_skipped']}")
+                return
+            batch = todo_rows[i:i + step]
+            todo = {r["label"]: per_prompt(lambda spec=realise(r["spec"]), **ctx: build_method(spec, **ctx),
+                                           tokenizer) for r in batch}
+            acc = task_eval({"full": lambda ids: None, **todo})
+            full["task_acc"] = acc["full"]
+            for r in batch:
                 r["task_acc"] = acc[r["label"]]
                 log(f"  {r['label']:<48} task accuracy {r['task_acc']:.1f} % (full cache {acc['full']:.1f} %)")
 
@@ -282,7 +297,8 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
             fits.append(st)
     if not fits:
         raise ValueError(f"no stack fits {budget:.1f} bytes per token (the smallest keeps 1/64 of the prompt)")
-    rows = []
+    rows: list[dict] = []
+    trial_rows: list[dict] = []
     chosen_sel = selectors[0]
     # the selector is chosen on the selection over int8 K/V (nearly lossless storage: the selection's own loss),
     # else on the candidate that keeps the most tokens; by the objective
@@ -293,6 +309,7 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
     if with_sel and len(selectors) > 1:
         trial = [measure(selection(with_sel[0]["store"], name, with_sel[0]["keep"])) for name in selectors]
         with_tasks(trial)
+        trial_rows = list(trial)
         rows += trial
         chosen_sel = selectors[trial.index(best_of(trial))]
         log(f"selector: {chosen_sel}")
@@ -307,7 +324,7 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
             continue
         rows.append(measure(st))
         done.add(spec_label(st))
-    with_tasks(rows)
+    with_tasks([r for r in rows if r not in trial_rows], group=STORE_TASK_GROUP, against=trial_rows)
     best_row = best_of(rows)
     return {"best": realise(best_row["spec"]), "chosen": best_row,
             "full": {"tuning_ppl": full["ppl"], "bytes_per_token": full_bpt,

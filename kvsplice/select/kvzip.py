@@ -32,6 +32,7 @@ from kvsplice.core.args import choice_arg, int_arg
 from kvsplice.core.method import CompressionMethod
 from kvsplice.decode.dense import DenseKV
 from kvsplice.select.method import TokenSelection
+from kvsplice.select.kvzip_local import LocalRepeat
 from kvsplice.select.pooled import PooledSubsetCache, own_tokens, pool_tokens
 from kvsplice.select.scores import _top
 from kvsplice.select.selectors import TokenSelector
@@ -48,6 +49,11 @@ DECODED = ("store", "int8", "full")
 DEFAULT_SHARE = 0.5
 """The part of the budget ``mix=`` keeps when ``share=`` is not given (``share`` without ``mix`` is refused: it
 would be dropped)."""
+
+RECON = ("exact", "local")
+"""How the reconstruction scores are formed: the instruction and the whole prompt re-read through every layer (KVzip's
+pass), or the instruction alone re-read and the prompt's repeat stood in for by the prefill's own queries over the
+keys around each copied token (:class:`~kvsplice.select.kvzip_local.LocalRepeat`: no second prefill)."""
 
 HEADS = ("own", "union", "pooled")
 """How a layer's KV heads choose: each its own top tokens; all the tokens any of them ranks best; or the best
@@ -110,7 +116,10 @@ class KVzipSelection(TokenSelection):
     (default: every layer pools); ``decoded``: with ``"pooled"``, how the tokens decoded after the prompt (a later
     question, the answer) are held — ``"store"`` as the prompt's (default), ``"int8"`` as int8 rows, ``"full"`` at
     the cache's precision (:data:`DECODED`; the prompt's bytes per token, what a plan's budget counts, are
-    unchanged; each decoded token costs its own rows)."""
+    unchanged; each decoded token costs its own rows); ``recon``: ``"exact"`` (default: the reconstruction pass
+    re-reads the whole prompt) or ``"local"`` (:data:`RECON`: only the instruction is re-read; the prefill's queries,
+    moved to the repeat's positions, score the ``reach`` tokens either side of each —
+    :class:`~kvsplice.select.kvzip_local.LocalRepeat`, a fraction of the exact pass's cost)."""
 
     name = "kvzip"
     select_form = True
@@ -119,8 +128,8 @@ class KVzipSelection(TokenSelection):
 
     def __init__(self, budget: int, *, store: Optional[CompressionMethod] = None, repeat: str = REPEAT_PROMPT,
                  chunk: int = 64, mix: Optional[str] = None, share: Optional[float] = None, heads: str = "own",
-                 layers: Optional[int | str] = None, decoded: str = "store", prompt_ids: Optional[torch.Tensor] = None,
-                 tokenizer: Any = None) -> None:
+                 layers: Optional[int | str] = None, decoded: str = "store", recon: str = "exact", reach: int = 64,
+                 prompt_ids: Optional[torch.Tensor] = None, tokenizer: Any = None) -> None:
         if mix is not None:
             from kvsplice.core.registry import build_selector
 
@@ -139,6 +148,8 @@ class KVzipSelection(TokenSelection):
         if self.layers is not None and self.heads != "pooled":
             raise ValueError("layers= chooses the layers whose heads share one budget: it needs heads=pooled")
         self.decoded = choice_arg("decoded", decoded, DECODED)
+        self.recon, self.reach = choice_arg("recon", recon, RECON), int_arg("reach", reach, 1)
+        self._local = LocalRepeat(window=self.reach) if self.recon == "local" else None
         if self.decoded != "store" and self.heads != "pooled":
             raise ValueError("decoded= sets how heads=pooled holds the decoded tokens apart from the prompt's: it "
                              "needs heads=pooled")
@@ -155,7 +166,7 @@ class KVzipSelection(TokenSelection):
     @property
     def shared_key(self) -> tuple:
         """Methods with equal keys compute the same scores for a prompt (they may share them: ``shared_scores``)."""
-        return ("kvzip", self.repeat)
+        return ("kvzip", self.repeat, self.recon, self.reach if self.recon == "local" else None)
 
     def _scorer(self) -> ReconstructionScores:
         from kvsplice.core.registry import build_selector
@@ -192,7 +203,7 @@ class KVzipSelection(TokenSelection):
                                                                                                    k.shape[2]):
             self.layer_scores[layer] = shared[layer]  # the same context's pass, done once for every budget
         else:
-            self.layer_scores[layer] = self._scores(layer, k, v, step)  # (B, Hkv, T)
+            self.layer_scores[layer] = self._scores(layer, q, k, v, step)  # (B, Hkv, T)
             if shared is not None and layer == self.adapter.n_layer - 1:
                 shared.update(self.layer_scores)
         self.selector.scores = self.layer_scores[layer].reshape(-1, k.shape[2])  # (B·Hkv, T)
@@ -253,9 +264,11 @@ class KVzipSelection(TokenSelection):
         y = cache.attend(step, layer, r(q), r(k), r(v))  # (B, Hq, Tq, D): the pool (each head its own) + the decoded
         return self.store.unrotated(y)
 
-    def _scores(self, layer: int, k: torch.Tensor, v: torch.Tensor, step) -> torch.Tensor:
+    def _scores(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step) -> torch.Tensor:
         """The reconstruction pass through ``layer`` over the context's ``k, v (B, Hkv, T, D)`` (post-RoPE) →
-        max attention per context token ``(B, Hkv, T)``; the pass's hidden states move on to the next layer."""
+        max attention per context token ``(B, Hkv, T)``; the pass's hidden states move on to the next layer. With
+        ``recon="local"`` the pass holds the instruction alone and the prefill's queries ``q (B, Hq, T, D)`` stand
+        in for the prompt's repeat (:class:`~kvsplice.select.kvzip_local.LocalRepeat`)."""
         if step.pads is not None and bool((step.pads > 0).any()):
             raise ValueError("KVzipSelection needs unpadded prompts (one sequence per call, or equal lengths)")
         a = self._bound()
@@ -265,13 +278,17 @@ class KVzipSelection(TokenSelection):
         if layer == 0 or x is None:  # the pass starts: embed its ids once, later layers carry its hidden states
             prompt = self.prompt_ids.to(k.device).expand(b, -1)  # (B, P)
             rep = torch.tensor([self.repeat_ids], dtype=prompt.dtype, device=k.device).expand(b, -1)  # (B, R)
-            x = a.embed(torch.cat([rep, prompt], dim=1), t)  # (B, Tr, d_model) at positions t .. t + Tr - 1
+            ids = rep if self._local is not None else torch.cat([rep, prompt], dim=1)  # the ids the pass re-reads
+            x = a.embed(ids, t)  # (B, Tr, d_model) at positions t .. t + Tr - 1
         tr = x.shape[1]
         rope = a.rope(x, t, tr, layer) if a.has_rope else None
         qr, kr, vr = a.qkv(layer, a.attn_in(layer, x), rope)  # (B, Hq, Tr, D), (B, Hkv, Tr, D) × 2
         scores = torch.zeros(b, hkv, t, dtype=torch.float32, device=k.device)
         last = layer == a.n_layer - 1  # the pass ends here: its output is not needed
         y = self._pass(qr, k, v, kr, vr, step.scales[layer], scores, output=not last)  # (B, Hq, Tr, Dv) | None
+        if self._local is not None:  # the prompt's repeat at positions t + R + i: the prefill's queries, moved
+            shift = a.rope(x, t + tr, 1, layer) if a.has_rope else None  # (cos, sin) of position t + R
+            self._local.score(q, k, kr, shift, step.scales[layer], scores)
         if last:
             step.memo.pop(key, None)
         else:

@@ -13,7 +13,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-__all__ = ["SETTINGS", "TaskInstance", "match_score", "prompt_ids"]
+__all__ = ["SETTINGS", "TaskInstance", "match_score", "prompt_ids", "settled"]
 
 SETTINGS = ("agnostic", "aware")
 
@@ -50,6 +50,14 @@ def match_score(output: str, answers: Sequence[str]) -> float:
     text = output.lower()
     found = sum(bool(re.search(rf"(?<![0-9a-z]){re.escape(a.lower())}(?![0-9a-z])", text)) for a in answers)
     return found / len(answers)
+
+
+def settled(output: str, answers: Sequence[str]) -> bool:
+    """Whether more generated text can no longer change ``output``'s score: every answer is found and followed by a
+    character that ends it (text is only appended, so each match stays bounded). A run that only needs the score may
+    stop there (the planner's tuning instances); the recorded answers of a reported run are never cut."""
+    text = output.lower()
+    return all(re.search(rf"(?<![0-9a-z]){re.escape(a.lower())}[^0-9a-z]", text) for a in answers)
 
 
 def prompt_ids(tokenizer, inst: TaskInstance) -> tuple[list[int], list[int]]:

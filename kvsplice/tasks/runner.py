@@ -86,14 +86,15 @@ def _decoder_door(model, method, comp, rest, n_new, eos):
     return greedy(dec, cache, logits, n_new, eos), nbytes, dec.adapter
 
 
-def greedy(dec, cache, logits: torch.Tensor, n_new: int, eos: Optional[int]) -> list[int]:
+def greedy(dec, cache, logits: torch.Tensor, n_new: int, eos: Optional[int],
+           done: Optional[Callable[[list[int]], bool]] = None) -> list[int]:
     """Up to ``n_new`` greedy tokens from the last ``logits (1, T, V)`` on, each fed to ``dec`` over ``cache``; stops
-    after ``eos`` (kept)."""
+    after ``eos`` (kept), or once ``done(tokens so far)`` is true."""
     out: list[int] = []
     for i in range(n_new):
         tok = int(logits[0, -1].argmax())
         out.append(tok)
-        if tok == eos or i == n_new - 1:
+        if tok == eos or i == n_new - 1 or (done is not None and done(out)):
             break
         logits = dec(torch.tensor([[tok]], device=logits.device), cache, last_only=True)
     return out

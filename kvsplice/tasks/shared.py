@@ -24,7 +24,7 @@ from kvsplice.decode.dense import DenseKV
 from kvsplice.decode.native import OWN_ATTENTION
 from kvsplice.select.method import TokenSelection
 from kvsplice.adapters.registry import adapter_for
-from kvsplice.tasks.instance import TaskInstance
+from kvsplice.tasks.instance import TaskInstance, settled
 from kvsplice.tasks.runner import Outcome, _full_fp16, answer, decode_text, greedy, split_prompt
 
 __all__ = ["answer_many"]
@@ -44,12 +44,14 @@ class _Keep(DenseKV):
 
 
 def _finish(dec, cache, logits, rest, n_new, eos, nbytes, seconds, inst, tokenizer, setting, n_prompt,
-            n_comp) -> Outcome:
-    """Feed the question, decode; ``seconds``: ``(wall, cpu)`` spent on this method before."""
+            n_comp, score_only: bool = False) -> Outcome:
+    """Feed the question, decode; ``seconds``: ``(wall, cpu)`` spent on this method before; ``score_only``: stop as
+    soon as the score is settled (:func:`~kvsplice.tasks.instance.settled`)."""
     t0, c0 = time.perf_counter(), time.process_time()
     if rest.shape[1]:
         logits = dec(rest, cache, last_only=True)
-    tokens = greedy(dec, cache, logits, n_new, eos)
+    done = (lambda toks: settled(decode_text(tokenizer, toks), inst.answers)) if score_only else None
+    tokens = greedy(dec, cache, logits, n_new, eos, done)
     if tokens and tokens[-1] == eos:
         tokens = tokens[:-1]
     text = decode_text(tokenizer, tokens)
@@ -73,10 +75,12 @@ def _bytes(dec, cache):
 
 @torch.no_grad()
 def answer_many(model, tokenizer, inst: TaskInstance, factories: Mapping[str, object], *,
-                setting: str = "agnostic") -> dict[str, Outcome]:
+                setting: str = "agnostic", score_only: bool = False) -> dict[str, Outcome]:
     """``{name: Outcome}`` for every ``factories[name]`` (``factory(ids[, shared]) -> method | None``) on ``inst``
     in ``setting``, through the ``Decoder`` door, sharing the exact prefill between the full cache and every token
-    selection. Each outcome's ``seconds`` is its own work (the shared prefill counted once, in the full cache's)."""
+    selection. Each outcome's ``seconds`` is its own work (the shared prefill counted once, in the full cache's).
+    ``score_only``: each selection's answer stops once its score is settled (the same scores, shorter outputs:
+    the planner's tuning runs; methods that are no selection answer in full)."""
     n_prompt, comp, rest = split_prompt(model, tokenizer, inst, setting)
     n_new, eos, n_comp = inst.max_new_tokens, tokenizer.eos_id, comp.shape[1]
     model.eval()
@@ -100,7 +104,7 @@ def answer_many(model, tokenizer, inst: TaskInstance, factories: Mapping[str, ob
         if method is None:  # the full cache: the shared prefill's own answer
             if full_out is None:
                 full_out = _finish(full, fcache, logits0, rest, n_new, eos, full_bytes, base_s, inst, tokenizer,
-                                   setting, n_prompt, n_comp)
+                                   setting, n_prompt, n_comp, score_only)
             out[name] = full_out
         elif not isinstance(method, TokenSelection):  # its own prefill (it attends over its lossy cache)
             out[name] = answer(model, tokenizer, inst, lambda ids, m=method: m, setting=setting)
@@ -113,5 +117,5 @@ def answer_many(model, tokenizer, inst: TaskInstance, factories: Mapping[str, ob
                 m.compress_prefill(layer, *kept[layer], cache, step)  # (its attention output is the full one's)
             out[name] = _finish(dec, cache, logits0, rest, n_new, eos, _bytes(dec, cache),
                                 (time.perf_counter() - t1, time.process_time() - c1), inst, tokenizer, setting,
-                                n_prompt, n_comp)
+                                n_prompt, n_comp, score_only)
     return out

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_models import tiny_family  # noqa: E402
+from tiny_models import IdsTokenizer as _Tok, random_ids as _ids, tiny_family  # noqa: E402
 
 from kvsplice.decode.decoder import Decoder  # noqa: E402
 from kvsplice.decode.dense import DenseKV  # noqa: E402
@@ -24,20 +24,6 @@ from kvsplice.select.kvzip import KVzipSelection  # noqa: E402
 @pytest.fixture(scope="module")
 def model():
     return tiny_family("llama", n_layer=3)
-
-
-def _ids(seed: int, n: int) -> torch.Tensor:
-    return torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-class _Tok:
-    """A tokenizer whose every text is the ids ``repeat`` (the reconstruction instruction's)."""
-
-    def __init__(self, repeat: torch.Tensor) -> None:
-        self.repeat = repeat[0].tolist()
-
-    def encode(self, text, add_special_tokens=True):
-        return list(self.repeat)
 
 
 def _kvzip(budget, ctx, repeat, **kw) -> KVzipSelection:

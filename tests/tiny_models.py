@@ -118,3 +118,20 @@ def load_benchmark(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def random_ids(seed: int, n: int) -> "torch.Tensor":
+    """``(1, n)`` token ids in [3, 96) from ``seed`` (the tiny families' vocabulary, special ids left out)."""
+    import torch
+
+    return torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+class IdsTokenizer:
+    """A tokenizer whose every text is the ids ``repeat`` ``(1, R)`` (KVzip's reconstruction instruction's)."""
+
+    def __init__(self, repeat) -> None:
+        self.repeat = repeat[0].tolist()
+
+    def encode(self, text, add_special_tokens=True):
+        return list(self.repeat)

@@ -56,8 +56,7 @@ def compare(ckpt: Path, text: str, *, tokens: int = 128, new: int = 64, work: Op
     tok = transformers.AutoTokenizer.from_pretrained(work / "hf")
     ids = torch.tensor(tok(text)["input_ids"][:tokens])  # (T,)
     hf = transformers.AutoModelForCausalLM.from_pretrained(work / "hf", dtype=torch.float32).eval()
-    logits_ours = model(ids[None])
-    logits_ours = (logits_ours[0] if isinstance(logits_ours, tuple) else logits_ours)[0]  # (T, V)
+    logits_ours = model(ids[None])[0]  # (T, V)
     prompt = ids[:8]
     g_ours = model.generate(prompt[None], new, temperature=0.0)[0, 8:].tolist()  # our decode cache
     g_hf = hf.generate(prompt[None], max_new_tokens=new, do_sample=False, min_new_tokens=new)[0, 8:].tolist()

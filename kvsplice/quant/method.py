@@ -10,7 +10,6 @@ attention (:func:`kvsplice.core.attention.dense_attend`, with the door's mask an
 
 from __future__ import annotations
 
-import torch
 
 from kvsplice.core.args import choice_arg, int_arg
 from kvsplice.core.coded import coded_attend, seen_bias, split_bias

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
 
 from kvsplice.core.method import CompressionMethod
 from kvsplice.core.registry import build_method, check_spec, format_spec, load_spec, needs_prompt, per_prompt

@@ -11,11 +11,14 @@ docstring). Errors are one line, exit 2.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 from kvsplice.io.cli import Parser, UsageError, run_cli
+from kvsplice.io.outputs import output_file
+from models.checkpoint import temp_path
 
 PROG = "to_gguf"
 
@@ -46,13 +49,16 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         raise UsageError("give a DeepSeek-V3 folder and --out FILE.gguf (or --fix FILE.gguf)")
     if not (Path(args.folder) / "config.json").is_file():
         raise UsageError(f"{args.folder}: no config.json (make one with to_mla --format deepseek_v3)")
-    out = Path(args.out)
-    if out.exists() and not args.force:
-        raise UsageError(f"--out {out} exists (use --force)")
+    # never a file of the input folder, even with --force; written to a temporary sibling, then renamed into place
+    out = output_file(args.out, force=args.force, inputs={"folder": args.folder})
+    tmp = temp_path(out)
     try:
-        added = hf_to_gguf(args.folder, out, outtype=args.outtype)
+        added = hf_to_gguf(args.folder, tmp, outtype=args.outtype)
+        os.replace(tmp, out)
     except RuntimeError as e:
         raise UsageError(str(e).splitlines()[0] + (" " + str(e).splitlines()[-1] if "\n" in str(e) else "")) from None
+    finally:
+        tmp.unlink(missing_ok=True)
     print(f"saved {out} ({args.outtype})" + (f"; post-step added {', '.join(added)}" if added else ""))
     return 0
 

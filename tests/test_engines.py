@@ -207,3 +207,19 @@ def test_trained_deepseek_layout_kvsplice_runs_unchanged_in_llama_cpp(tmp_path, 
     kv = out["kv_bytes_per_token"]
     assert kv["ours_f16"] == kv["formula_f16"] == 4 * (6 + 8) * 2
     assert abs(kv["llama.cpp_f16"] - kv["ours_f16"]) <= kv["llama.cpp_rounding"]
+
+
+def test_to_gguf_never_writes_a_file_of_its_input_folder(tmp_path, capsys):
+    """``to_gguf DIR --out DIR/model.safetensors --force``: refused in one line before any work, the input intact."""
+    from kvsplice import to_gguf
+
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(b"weights")
+    assert to_gguf.main([str(folder), "--out", str(weights), "--force"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "input" in err
+    assert weights.read_bytes() == b"weights" and sorted(p.name for p in folder.iterdir()) == ["config.json",
+                                                                                             "model.safetensors"]

@@ -60,6 +60,11 @@ FRONTIER = {  # variant -> (config, overrides)
     "ds_mla_128": ("small_ds_mla", []),
     "ds_mla_128_kvsplice_50": ("small_ds_mla_kvsplice_50", []),
     "ds_mla_128_kvsplice_90": ("small_ds_mla_kvsplice_90", []),
+    # equal bytes to GPT-2's mla_128: a 120-number latent + the 8-number RoPE key = 128 numbers per token per layer
+    "ds_mla_120": ("small_ds_mla", ["--model.d_latent", "120"]),
+    # the RoPE key's width at KVSplice 90 % (13 latent numbers + 4 / 8 / 16 RoPE numbers): docs/deepseek_layout.md
+    "ds_mla_128_kvsplice_90_rope4": ("small_ds_mla_kvsplice_90", ["--model.qk_rope_head_dim", "4"]),
+    "ds_mla_128_kvsplice_90_rope16": ("small_ds_mla_kvsplice_90", ["--model.qk_rope_head_dim", "16"]),
 }
 ABLATION = {  # MLA options, on the tuning split
     "mha": ("small_mha", []),

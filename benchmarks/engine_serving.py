@@ -6,10 +6,13 @@ measured in llama.cpp on this CPU, for DeepSeek-V3-layout models at GPT-2-124M s
 * MLA, latent 256 + one 64-dim RoPE key; KVSplice-50 = latent 128 + 64; KVSplice-90 = latent 26 + 64 (the issue's
   "26 + 64"), each a DeepSeek-V3 folder through llama.cpp's own converter + ``kvsplice.to_gguf``'s post-step.
 
-Per model: llama.cpp's own KV cache size per token (f16, from its log, 8,192 cells), the largest number of parallel
-sequences of ``--ctx`` tokens its cache holds in ``--budget-gib``, and decode tokens/s from ``llama-batched-bench``
-(``-npp ctx -ntg 16``) at the batches in ``--npl`` — NOT at that largest batch: filling thousands of 1k prompts is
-hours of prefill on 2 cores. What bounds decode on a CPU is said in the table's note.
+Per model and context (``--ctx``, default 1k and 4k): llama.cpp's own KV cache size per token (f16, from its log),
+the largest number of parallel sequences of that many tokens its cache holds in ``--budget-gib``, and decode
+tokens/s from ``llama-batched-bench`` at that batch -- capped at ``LLAMA_MAX_SEQ`` (256), the most sequences one
+llama.cpp context decodes at once -- and at batch 1. The prompt is prefilled once and copied into every sequence's
+own cache stream (``-pps``, a non-unified cache): each sequence holds ``ctx`` real cells and every decode step
+attends over all of them, at the cost of one prefill instead of thousands. What bounds decode on a CPU is said in
+the table's note.
 
     KVSPLICE_LLAMA_CPP=... python benchmarks/engine_serving.py --out results/engine_serving
 """
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import subprocess
 import sys
 import time
@@ -80,17 +85,31 @@ def build(folder: Path, latent) -> None:
     portable_tokenizer_config(folder)
 
 
+def bench(gguf: Path, ctx: int, batch: int, ntg: int, threads: int) -> list[dict]:
+    """``llama-batched-bench`` at batch 1 and ``batch``: one prompt of ``ctx`` tokens prefilled once, copied into
+    every sequence's own cache stream, then ``ntg`` decode steps of one token per sequence."""
+    from kvsplice.engines.llama_cpp import binary
+
+    npl = sorted({1, batch})
+    cmd = [str(binary("llama-batched-bench")), "-m", str(gguf), "-c", str(max(npl) * (ctx + ntg + 1)),
+           "-b", "2048", "-ub", "512", "-npp", str(ctx), "-ntg", str(ntg), "-npl", ",".join(map(str, npl)), "-pps",
+           "-t", str(threads), "--output-format", "jsonl"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={"LD_LIBRARY_PATH": str(binary("x").parent)})
+    if r.returncode != 0:
+        raise RuntimeError(f"llama-batched-bench failed: {r.stderr.strip().splitlines()[-1:]}")
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--work", default="/tmp/engine_serving")
-    p.add_argument("--out", default=str(ROOT / "results" / "engine_serving"))
-    p.add_argument("--ctx", type=int, default=1024)
-    p.add_argument("--budget-gib", type=float, default=4.0)
-    p.add_argument("--npl", default="1,4")
-    p.add_argument("--ntg", type=int, default=16)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", default="/tmp/engine_serving", help="where the GGUFs are built (reused when present)")
+    p.add_argument("--out", default=str(ROOT / "results" / "engine_serving"), help="writes OUT.json and OUT.md")
+    p.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096], help="tokens per sequence")
+    p.add_argument("--budget-gib", type=float, default=4.0, help="the KV cache budget")
+    p.add_argument("--ntg", type=int, default=8, help="decode steps timed per batch")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
-    from kvsplice.engines.llama_cpp import LlamaCppModel, binary, hf_to_gguf, missing
+    from kvsplice.engines.llama_cpp import LlamaCppModel, hf_to_gguf, max_sequences, missing
 
     why = missing(bindings=True, programs=("llama-batched-bench",))
     if why:
@@ -98,6 +117,7 @@ def main() -> int:
         return 2
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    cap = max_sequences()
     rows, t0 = [], time.time()
     for name, latent in VARIANTS:
         folder, gguf = work / f"m{latent or 'std'}", work / f"m{latent or 'std'}.gguf"
@@ -107,40 +127,34 @@ def main() -> int:
         with LlamaCppModel(gguf, n_ctx=8192, cache_type="f16") as lm:
             kv = lm.kv_cache()
             per_tok = lm.kv_bytes_per_token
-        seqs = int(args.budget_gib * 2 ** 30 // (per_tok * args.ctx))
-        cmd = [str(binary("llama-batched-bench")), "-m", str(gguf), "-c", str(args.ctx * max(map(int, args.npl.split(",")))
-                                                                             + 256),
-               "-b", "2048", "-ub", "512", "-npp", str(args.ctx), "-ntg", str(args.ntg), "-npl", args.npl,
-               "-t", str(args.threads), "-nr", "--output-format", "jsonl"]
-        r = subprocess.run(cmd, capture_output=True, text=True, env={"LD_LIBRARY_PATH": str(binary("x").parent)})
-        bench = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-        row = {"name": name, "kv_lora_rank": latent, "kv_bytes_per_token_f16": per_tok, "kv_log": kv,
-               "max_parallel_sequences": seqs, "batched_bench": bench,
-               "error": None if r.returncode == 0 else r.stderr[-500:]}
-        rows.append(row)
-        print(f"[{time.time() - t0:6.0f}s] {name}: {per_tok:,.0f} B/token, {seqs:,} sequences of {args.ctx} in "
-              f"{args.budget_gib} GiB; " + ", ".join(f"B={b.get('pl')}: decode {b.get('speed_tg', 0):.1f} t/s"
-                                                   for b in bench), flush=True)
-    std = rows[0]
+        for ctx in args.ctx:
+            seqs = int(args.budget_gib * 2 ** 30 // (per_tok * ctx))
+            batch = max(1, min(seqs, cap))
+            runs = bench(gguf, ctx, batch, args.ntg, args.threads)
+            tg = {b["pl"]: b["speed_tg"] for b in runs}
+            rows.append({"name": name, "kv_lora_rank": latent, "ctx": ctx, "kv_bytes_per_token_f16": per_tok,
+                         "kv_log": kv, "max_parallel_sequences": seqs, "batch": batch, "batched_bench": runs,
+                         "decode_tps_batch1": tg.get(1), "decode_tps_at_batch": tg.get(batch)})
+            print(f"[{time.time() - t0:6.0f}s] {name}, ctx {ctx}: {per_tok:,.0f} B/token, {seqs:,} sequences in "
+                  f"{args.budget_gib:g} GiB; decode {tg.get(1, 0):.1f} t/s at B=1, {tg.get(batch, 0):.1f} t/s at "
+                  f"B={batch}", flush=True)
     for r in rows:
+        std = next(s for s in rows if s["ctx"] == r["ctx"] and s["kv_lora_rank"] is None)
         r["capacity_vs_standard"] = r["max_parallel_sequences"] / max(std["max_parallel_sequences"], 1)
-        tg = {b["pl"]: b["speed_tg"] for b in r["batched_bench"]}
-        r["decode_vs_standard"] = {pl: tg[pl] / s for pl, s in ((b["pl"], b["speed_tg"])
-                                                                  for b in std["batched_bench"]) if pl in tg}
+        r["decode_vs_standard"] = r["decode_tps_at_batch"] / std["decode_tps_at_batch"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"weights": "random (speed and memory do not depend on them)", "shape": SHAPE, "args": vars(args),
-           "rows": rows, "seconds": time.time() - t0}
+           "llama_max_seq": cap, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+           "load_average_at_end": os.getloadavg(), "rows": rows, "seconds": time.time() - t0}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
-    pls = [int(x) for x in args.npl.split(",")]
-    head = "| model | KV bytes / token (f16, llama.cpp) | sequences of %d in %g GiB | × standard | " % (
-        args.ctx, args.budget_gib) + " | ".join(f"decode t/s B={b}" for b in pls) + " |"
-    lines = [head, "|" + "---|" * (4 + len(pls))]
+    lines = [f"| model | context | KV bytes / token (f16, llama.cpp) | sequences in {args.budget_gib:g} GiB | "
+             f"× standard | batch run (≤ {cap}) | decode t/s, B=1 | decode t/s at that batch | × standard |",
+             "|" + "---|" * 9]
     for r in rows:
-        tg = {b["pl"]: b["speed_tg"] for b in r["batched_bench"]}
-        lines.append(f"| {r['name']} | {r['kv_bytes_per_token_f16']:,.0f} | {r['max_parallel_sequences']:,} | "
-                     f"{r['capacity_vs_standard']:.1f} | " + " | ".join(f"{tg.get(b, float('nan')):.1f}" for b in pls)
-                     + " |")
+        lines.append(f"| {r['name']} | {r['ctx']:,} | {r['kv_bytes_per_token_f16']:,.0f} | "
+                     f"{r['max_parallel_sequences']:,} | {r['capacity_vs_standard']:.1f} | {r['batch']} | "
+                     f"{r['decode_tps_batch1']:.1f} | {r['decode_tps_at_batch']:.1f} | {r['decode_vs_standard']:.2f} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -183,29 +183,33 @@ def test_llama_cpp_equals_ours_and_transformers(exported):
 
 
 @pytest.mark.engines
-def test_trained_deepseek_layout_kvsplice_runs_unchanged_in_llama_cpp(tmp_path, data_cache, offline, capsys):
+@pytest.mark.parametrize("config, fmt, numbers", [("tiny_ds_mla_kvsplice_90", "deepseek_v3", 6 + 8),
+                                                   ("tiny_ds_mha", "llama", 2 * 128)])
+def test_trained_deepseek_layout_runs_unchanged_in_llama_cpp(tmp_path, data_cache, offline, capsys, config, fmt,
+                                                             numbers):
     """Issue 40's goal for the trained family: ``training.fit --config tiny_ds_mla_kvsplice_90`` (a short real run,
     its own trained BPE tokenizer), ``training.export --format deepseek_v3``, llama.cpp's converter (``to_gguf``) —
     no edits — then our cached decode, transformers and llama.cpp give the same 64 greedy tokens, perplexity within
-    0.5 %, and llama.cpp's f16 KV bytes per token equal ours (latent 6 + RoPE key 8, 4 layers)."""
+    0.5 %, and llama.cpp's f16 KV bytes per token equal ours (latent 6 + RoPE key 8, 4 layers). The same for the
+    standard-attention baseline, exported as a Llama (K and V, 2 x 128 numbers per layer)."""
     why = llama_cpp.missing(bindings=True)
     if why:
         pytest.skip(why)
     from training.fit import main as fit
 
-    rc = fit(["--config", "tiny_ds_mla_kvsplice_90", "--trainer.max_steps", "30", "--trainer.val_check_interval", "30",
+    rc = fit(["--config", config, "--trainer.max_steps", "30", "--trainer.val_check_interval", "30",
               "--data.synthetic_stories", "2000", "--data.synthetic_vocab_size", "512", "--data.batch_size", "8",
               "--data.val_batches", "2", "--data.cache_dir", str(data_cache), "--runs_dir", str(tmp_path),
               "--wandb.mode", "disabled", "--trainer.enable_progress_bar", "false"])
     assert rc == 0, capsys.readouterr().err[-3000:]
     bench = load_benchmark("engines_trained")
     text = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. " * 4
-    out = bench.compare(tmp_path / "tiny_ds_mla_kvsplice_90" / "last.ckpt", text, tokens=96, work=tmp_path / "eng")
-    assert out["format"] == "deepseek_v3" and out["tokens"] == 96
+    out = bench.compare(tmp_path / config / "last.ckpt", text, tokens=96, work=tmp_path / "eng")
+    assert out["format"] == fmt and out["tokens"] == 96
     assert out["greedy_equal"], out["greedy"]
     assert out["max_rel_ppl_diff"] <= 0.005, out["perplexity"]
     kv = out["kv_bytes_per_token"]
-    assert kv["ours_f16"] == kv["formula_f16"] == 4 * (6 + 8) * 2
+    assert kv["ours_f16"] == kv["formula_f16"] == 4 * numbers * 2
     assert abs(kv["llama.cpp_f16"] - kv["ours_f16"]) <= kv["llama.cpp_rounding"]
 
 

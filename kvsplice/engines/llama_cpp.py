@@ -28,7 +28,7 @@ import types
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-__all__ = ["ENV", "binary", "fix_gguf", "hf_to_gguf", "llama_cpp_root", "missing", "LlamaCppModel"]
+__all__ = ["ENV", "binary", "fix_gguf", "hf_to_gguf", "llama_cpp_root", "max_sequences", "missing", "LlamaCppModel"]
 
 ENV = "KVSPLICE_LLAMA_CPP"
 ENV_PY = "KVSPLICE_LLAMA_CPP_PYTHON"
@@ -45,6 +45,17 @@ def llama_cpp_root() -> Path:
 def binary(name: str) -> Path:
     """A built llama.cpp program or library, e.g. ``binary("llama-perplexity")``."""
     return llama_cpp_root() / "build" / "bin" / name
+
+
+def max_sequences() -> int:
+    """The most sequences one llama.cpp context decodes at once: ``LLAMA_MAX_SEQ`` in its source
+    (``src/llama-cparams.h``; 256 in the vendored 0.3.36 tree). A cache that holds more sequences than this serves them
+    from several contexts (processes), not one batch."""
+    header = llama_cpp_root() / "src" / "llama-cparams.h"
+    found = re.search(r"#define\s+LLAMA_MAX_SEQ\s+(\d+)", header.read_text()) if header.is_file() else None
+    if not found:
+        raise FileNotFoundError(f"LLAMA_MAX_SEQ not found in {header} (is {ENV} a llama.cpp source tree?)")
+    return int(found.group(1))
 
 
 def _bindings_dir() -> Optional[Path]:

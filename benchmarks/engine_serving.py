@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 GPT2 = ROOT.parent / "shared" / "data" / "gpt2_tokenizer"
 
-SHAPE = dict(d=768, layers=12, heads=12, head_dim=64, ff=3072, vocab=50257)
+SHAPES = {"124m": dict(d=768, layers=12, heads=12, head_dim=64, ff=3072, vocab=50257),
+          "tiny": dict(d=128, layers=2, heads=2, head_dim=64, ff=256, vocab=50257)}  # the tests' smoke run
 VARIANTS = [("standard attention (Llama export)", None), ("MLA 256 + 64", 256), ("KVSplice-50: 128 + 64", 128),
             ("KVSplice-90: 26 + 64", 26)]
 
@@ -54,10 +55,9 @@ def tokenizer():
     return tok
 
 
-def build(folder: Path, latent) -> None:
+def build(folder: Path, latent, s: dict) -> None:
     import transformers
 
-    s = SHAPE
     torch.manual_seed(0)
     if latent is None:
         cfg = transformers.LlamaConfig(vocab_size=s["vocab"], hidden_size=s["d"], intermediate_size=s["ff"],
@@ -85,7 +85,16 @@ def build(folder: Path, latent) -> None:
     portable_tokenizer_config(folder)
 
 
-def bench(gguf: Path, ctx: int, batch: int, ntg: int, threads: int) -> list[dict]:
+def name_of(latent) -> str:
+    """The ``--latents`` key of a model: ``std`` or its latent size."""
+    return "std" if latent is None else str(latent)
+
+
+def ratio(x, digits: int) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def bench(gguf: Path, ctx: int, batch: int, ntg: int, threads: int, flash_attn: str = "auto") -> list[dict]:
     """``llama-batched-bench`` at batch 1 and ``batch``: one prompt of ``ctx`` tokens prefilled once, copied into
     every sequence's own cache stream, then ``ntg`` decode steps of one token per sequence."""
     from kvsplice.engines.llama_cpp import binary
@@ -93,22 +102,28 @@ def bench(gguf: Path, ctx: int, batch: int, ntg: int, threads: int) -> list[dict
     npl = sorted({1, batch})
     cmd = [str(binary("llama-batched-bench")), "-m", str(gguf), "-c", str(max(npl) * (ctx + ntg + 1)),
            "-b", "2048", "-ub", "512", "-npp", str(ctx), "-ntg", str(ntg), "-npl", ",".join(map(str, npl)), "-pps",
-           "-t", str(threads), "--output-format", "jsonl"]
+           "-fa", flash_attn, "-t", str(threads), "--output-format", "jsonl"]
     r = subprocess.run(cmd, capture_output=True, text=True, env={"LD_LIBRARY_PATH": str(binary("x").parent)})
     if r.returncode != 0:
         raise RuntimeError(f"llama-batched-bench failed: {r.stderr.strip().splitlines()[-1:]}")
     return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", default="/tmp/engine_serving", help="where the GGUFs are built (reused when present)")
     p.add_argument("--out", default=str(ROOT / "results" / "engine_serving"), help="writes OUT.json and OUT.md")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="124m", help="model shape (tiny: a smoke run)")
     p.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096], help="tokens per sequence")
     p.add_argument("--budget-gib", type=float, default=4.0, help="the KV cache budget")
     p.add_argument("--ntg", type=int, default=8, help="decode steps timed per batch")
-    p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args()
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads per run (1: on a shared machine, ggml's spinning thread barriers stall under load)")
+    p.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto",
+                   help="llama.cpp's -fa (on this CPU its flash-attention kernel is slow for MLA's odd head sizes)")
+    p.add_argument("--latents", nargs="+", default=[name_of(r) for _, r in VARIANTS], metavar="std|R",
+                   help="the models: std (standard attention) and MLA latent sizes R (each + a 64-dim RoPE key)")
+    args = p.parse_args(argv)
     from kvsplice.engines.llama_cpp import LlamaCppModel, hf_to_gguf, max_sequences, missing
 
     why = missing(bindings=True, programs=("llama-batched-bench",))
@@ -119,10 +134,13 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     cap = max_sequences()
     rows, t0 = [], time.time()
-    for name, latent in VARIANTS:
-        folder, gguf = work / f"m{latent or 'std'}", work / f"m{latent or 'std'}.gguf"
+    names = dict((name_of(r), n) for n, r in VARIANTS)
+    for key in args.latents:
+        latent = None if key == "std" else int(key)
+        name = names.get(key, f"MLA {latent} + 64")
+        folder, gguf = (work / f"{args.shape}-{key}", work / f"{args.shape}-{key}.gguf")
         if not gguf.is_file():
-            build(folder, latent)
+            build(folder, latent, SHAPES[args.shape])
             hf_to_gguf(folder, gguf, outtype="bf16")
         with LlamaCppModel(gguf, n_ctx=8192, cache_type="f16") as lm:
             kv = lm.kv_cache()
@@ -130,7 +148,7 @@ def main() -> int:
         for ctx in args.ctx:
             seqs = int(args.budget_gib * 2 ** 30 // (per_tok * ctx))
             batch = max(1, min(seqs, cap))
-            runs = bench(gguf, ctx, batch, args.ntg, args.threads)
+            runs = bench(gguf, ctx, batch, args.ntg, args.threads, args.flash_attn)
             tg = {b["pl"]: b["speed_tg"] for b in runs}
             rows.append({"name": name, "kv_lora_rank": latent, "ctx": ctx, "kv_bytes_per_token_f16": per_tok,
                          "kv_log": kv, "max_parallel_sequences": seqs, "batch": batch, "batched_bench": runs,
@@ -139,12 +157,12 @@ def main() -> int:
                   f"{args.budget_gib:g} GiB; decode {tg.get(1, 0):.1f} t/s at B=1, {tg.get(batch, 0):.1f} t/s at "
                   f"B={batch}", flush=True)
     for r in rows:
-        std = next(s for s in rows if s["ctx"] == r["ctx"] and s["kv_lora_rank"] is None)
-        r["capacity_vs_standard"] = r["max_parallel_sequences"] / max(std["max_parallel_sequences"], 1)
-        r["decode_vs_standard"] = r["decode_tps_at_batch"] / std["decode_tps_at_batch"]
+        std = next((s for s in rows if s["ctx"] == r["ctx"] and s["kv_lora_rank"] is None), None)
+        r["capacity_vs_standard"] = std and r["max_parallel_sequences"] / max(std["max_parallel_sequences"], 1)
+        r["decode_vs_standard"] = std and r["decode_tps_at_batch"] / std["decode_tps_at_batch"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"weights": "random (speed and memory do not depend on them)", "shape": SHAPE, "args": vars(args),
+    doc = {"weights": "random (speed and memory do not depend on them)", "shape": {"name": args.shape, **SHAPES[args.shape]}, "args": vars(args),
            "llama_max_seq": cap, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
            "load_average_at_end": os.getloadavg(), "rows": rows, "seconds": time.time() - t0}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
@@ -153,8 +171,9 @@ def main() -> int:
              "|" + "---|" * 9]
     for r in rows:
         lines.append(f"| {r['name']} | {r['ctx']:,} | {r['kv_bytes_per_token_f16']:,.0f} | "
-                     f"{r['max_parallel_sequences']:,} | {r['capacity_vs_standard']:.1f} | {r['batch']} | "
-                     f"{r['decode_tps_batch1']:.1f} | {r['decode_tps_at_batch']:.1f} | {r['decode_vs_standard']:.2f} |")
+                     f"{r['max_parallel_sequences']:,} | {ratio(r['capacity_vs_standard'], 1)} | {r['batch']} | "
+                     f"{r['decode_tps_batch1']:.1f} | {r['decode_tps_at_batch']:.1f} | "
+                     f"{ratio(r['decode_vs_standard'], 2)} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

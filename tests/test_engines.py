@@ -227,3 +227,32 @@ def test_to_gguf_never_writes_a_file_of_its_input_folder(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "input" in err
     assert weights.read_bytes() == b"weights" and sorted(p.name for p in folder.iterdir()) == ["config.json",
                                                                                              "model.safetensors"]
+
+
+@pytest.mark.engines
+def test_engine_serving_capacity_is_llama_cpps_own_bytes(tmp_path):
+    """``benchmarks/engine_serving.py`` in miniature (2-layer random models, 64-token sequences, a 16 MiB budget):
+    llama.cpp's own f16 KV bytes per token are the formula (standard: 2 x d per layer; MLA: latent + 64-dim RoPE key,
+    no V), the sequences that fit are budget // (bytes x context), the batch run is capped at llama.cpp's
+    LLAMA_MAX_SEQ, and batched-bench decodes at batch 1 and at that batch."""
+    why = llama_cpp.missing(bindings=True, programs=("llama-batched-bench",))
+    if why:
+        pytest.skip(why)
+    if not (DATA / "gpt2_tokenizer" / "encoder.json").is_file():
+        pytest.skip(f"GPT-2 tokenizer files not found under {DATA}")
+    bench = load_benchmark("engine_serving")
+    out = tmp_path / "serving"
+    budget = 2.0 ** -6  # GiB
+    assert bench.main(["--shape", "tiny", "--latents", "std", "26", "--ctx", "64", "--ntg", "1",
+                       "--budget-gib", str(budget), "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    doc = json.loads(out.with_suffix(".json").read_text())
+    std, mla = doc["rows"]
+    assert std["kv_bytes_per_token_f16"] == 2 * 2 * 128 * 2          # layers x (K + V) x d x 2 bytes
+    assert round(mla["kv_bytes_per_token_f16"]) == 2 * (26 + 64) * 2  # layers x (latent + RoPE key) x 2 bytes
+    assert mla["kv_log"]["v_mib"] == 0.0
+    for r in (std, mla):
+        assert r["max_parallel_sequences"] == int(budget * 2 ** 30 // (r["kv_bytes_per_token_f16"] * 64))
+        assert r["batch"] == min(r["max_parallel_sequences"], llama_cpp.max_sequences())
+        assert r["decode_tps_batch1"] > 0 and r["decode_tps_at_batch"] > 0
+    assert mla["capacity_vs_standard"] == mla["max_parallel_sequences"] / std["max_parallel_sequences"]
+    assert "| KVSplice-90: 26 + 64 | 64 | 360 |" in out.with_suffix(".md").read_text()

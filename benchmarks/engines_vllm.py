@@ -10,10 +10,10 @@ per-token log-probabilities, perplexity, the backend vLLM picked and the KV cach
 ``--ckpt``: a trained ``deepseek_v3``-layout MLA / KVSplice checkpoint, exported twice with ``training.export``:
 unpadded (transformers' reference) and padded to 512 + 64 (``--pad-latent 512 --pad-rope 64``, the only row vLLM's
 CPU MLA kernel takes). ``--smollm2``: the shared SmolLM2-135M GGUF converted (``to_mla``, latent 128 + 64 shared RoPE,
-8,192 calibration tokens of TinyStoriesV2) and exported unpadded (transformers' reference) and padded to 512 + 64. Each export runs in vLLM twice: with
-vLLM's RoPE as PyTorch code (the runner's default) and with its CPU C++ RoPE op (``native_rope=False``), which
-mis-indexes MLA's strided query / key slices (:mod:`kvsplice.engines.vllm_worker`). JSON on stdout (``--json`` also
-writes it). Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON`` or ``build/vllm-venv``; docs/conversion.md).
+8,192 calibration tokens of TinyStoriesV2) and exported unpadded (transformers' reference) and padded to 512 + 64.
+Each export runs in vLLM twice: with vLLM's RoPE as PyTorch code (the runner's default) and with its CPU C++ RoPE op
+(``native_rope=False``), which mis-indexes MLA's strided query / key slices (:mod:`kvsplice.engines.vllm_worker`).
+JSON on stdout (``--json`` also writes it). Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON`` or ``build/vllm-venv``; docs/conversion.md).
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int
         padded = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         lp["transformers_padded"] = logprobs_of(padded(x).logits[0], ids)
     p = torch.tensor([list(prompt)])
-    greedy = {"transformers": ref.generate(p, max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, len(prompt):].tolist()}
+    g_ref = ref.generate(p, max_new_tokens=new, min_new_tokens=new, do_sample=False)  # (1, prompt + new)
+    greedy = {"transformers": g_ref[0, len(prompt):].tolist()}
     if ours_logits is not None:
         lp["ours"] = logprobs_of(ours_logits, ids)
     if ours_greedy is not None:
@@ -84,7 +85,8 @@ def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int
     return {"tokens": len(ids), "new": new, "perplexity": {k: ppl(x) for k, x in lp.items()},
             "max_abs_logprob_diff_vs_transformers": d_lp,
             "first_position_off_by_1e-3": first_bad,  # 0-based position whose next-token prediction is off
-            "greedy": greedy, "greedy_equal_to_transformers": {k: g == greedy["transformers"] for k, g in greedy.items()},
+            "greedy": greedy,
+            "greedy_equal_to_transformers": {k: g == greedy["transformers"] for k, g in greedy.items()},
             "vllm": {"version": v.version, "backend": v.backend, "prefill_backend": la["prefill_backend"],
                      "kv_cache_row": la["kv_cache_shape"][-1], "kv_cache_dtype": la["kv_cache_dtype"],
                      "block_size": la["kv_cache_shape"][1], "layers": len(v.layers),
@@ -183,7 +185,8 @@ def markdown(runs: dict[str, dict[str, Any]]) -> str:
                 f"{m['kv_bytes_per_token_unpadded_fp32']:,} B in fp32); {v['kv_cache_tokens']:,} tokens in 1 GiB; "
                 f"engine start + runs: " + ", ".join(f"{k} {t:.0f} s" for k, t in v["seconds"].items()) + ".", "",
                 f"| engine | perplexity ({r['tokens']} tokens) | max abs Δ log-prob vs transformers | first position "
-                f"(0-based) whose prediction is off by > 1e-3 | greedy {r['new']} == transformers |", "|---|---|---|---|---|"]
+                f"(0-based) whose prediction is off by > 1e-3 | greedy {r['new']} == transformers |",
+                "|---|---|---|---|---|"]
         for key, label in ROWS:
             if key not in r["perplexity"]:
                 continue
@@ -203,7 +206,8 @@ def markdown(runs: dict[str, dict[str, Any]]) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="engines_vllm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", type=Path, help="a trained deepseek_v3-layout MLA / KVSplice checkpoint")
-    ap.add_argument("--text", type=Path, default=DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt")
+    ap.add_argument("--text", type=Path,
+                    default=DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt")
     ap.add_argument("--smollm2", action="store_true", help="convert + export the shared SmolLM2 GGUF instead")
     ap.add_argument("--tokens", type=int, default=None, help="scored tokens (default: 96 trained, 256 SmolLM2)")
     ap.add_argument("--new", type=int, default=32)

@@ -103,7 +103,8 @@ def check_pad(model: MLALlama, pad_latent: Optional[int], pad_rope: Optional[int
     exactly by :mod:`kvsplice.convert.latent_pad`, so that an engine that takes only some row sizes runs the model:
     vLLM's MLA takes latent + RoPE of 320 / 512 / 576, its CPU kernel 512 + 64). ValueError (one line) for a size
     smaller than the model's or a RoPE size that is not a multiple of it."""
-    return latent_pad.check_pad(model.cfg.d_latent, pad_latent), latent_pad.check_rope_pad(model.cfg.rope_dims, pad_rope)
+    cfg = model.cfg
+    return latent_pad.check_pad(cfg.d_latent, pad_latent), latent_pad.check_rope_pad(cfg.rope_dims, pad_rope)
 
 
 def dense_mla_config(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,

@@ -77,7 +77,8 @@ def deepseek_v3_config(model, pad_latent: Optional[int] = None, pad_rope: Option
     rope = check_rope_pad(cfg.qk_rope_head_dim, pad_rope)
     extra = {}
     if (rank, rope) != (cfg.d_cached_latent, cfg.qk_rope_head_dim):
-        extra["padded"] = {"kv_lora_rank": [cfg.d_cached_latent, rank], "qk_rope_head_dim": [cfg.qk_rope_head_dim, rope]}
+        extra["padded"] = {"kv_lora_rank": [cfg.d_cached_latent, rank],
+                           "qk_rope_head_dim": [cfg.qk_rope_head_dim, rope]}
     return dense_mla_config(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ff_width,
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, kv_lora_rank=rank,

@@ -6,7 +6,8 @@ Why: vLLM's MLA backends take ``kv_lora_rank + qk_rope_head_dim`` of 320, 512 or
 ``head_dim == 576 && v_head_dim == 512``, the latent being the value), so a model whose latent is 6, 26 or 128 dims
 and whose RoPE key is 8 or 16 dims is served only with a wider row (docs/conversion.md, "vLLM").
 
-**Latent.** The rule, per layer (``s = W_down x``, the ``r``-dim latent before ``kv_a_layernorm``, whose weight is ``w``)::
+**Latent.** The rule, per layer (``s = W_down x``, the ``r``-dim latent before ``kv_a_layernorm``, whose weight is
+``w``)::
 
     W_down' = [a · W_down ; 0]        (P, d)   a = sqrt(P / r)
     w'      = [w / a      ; 0]        (P,)
@@ -21,9 +22,9 @@ padded dims. Every engine thus computes the unpadded model; only the float round
 scaled by ``sqrt(512/6) ≈ 9.2``.
 
 **RoPE key.** DeepSeek's RoPE (interleaved, ``rope_interleave: true``) rotates pair ``j`` (dims ``2j, 2j + 1``) of
-``q_rope`` and ``k_rope`` by ``pos · θ^(-2j/Dr)``. With ``Dr' = k · Dr`` and the same ``θ``, pair ``k·i`` of the padded
-key turns at ``θ^(-2ki/(k Dr)) = θ^(-2i/Dr)``, the frequency of pair ``i`` of the model: :func:`spread_rope_rows`
-moves pair ``i`` of the ``q_rope`` / ``k_rope`` projection rows to pair ``k·i`` and leaves the other pairs zero (a
+``q_rope`` and ``k_rope`` by ``pos · θ^(-2j/Dr)``. With ``Dr' = k · Dr`` and the same ``θ``, pair ``k·i`` of the
+padded key turns at ``θ^(-2ki/(k Dr)) = θ^(-2i/Dr)``, the frequency of pair ``i`` of the model:
+:func:`spread_rope_rows` moves pair ``i`` of the ``q_rope`` / ``k_rope`` projection rows to pair ``k·i`` and leaves the other pairs zero (a
 rotated zero is zero), so every ``q_rope · k_rope`` is unchanged. The softmax scale is ``(qk_nope + qk_rope)^-½`` in
 DeepSeek-V3, so the padded export multiplies ``q_proj`` by ``sqrt((hs + Dr') / (hs + Dr))``
 (:func:`softmax_scale_fold`), which makes every score the model's again.
@@ -52,7 +53,7 @@ def check_pad(rank: int, pad_latent: int | None) -> int:
 
 def pad_normed_latent(down: torch.Tensor, norm_weight: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(W_down', w')`` of the module docstring: ``down`` (r, d) and ``norm_weight`` (r,) padded to ``padded`` rows,
-    the rows scaled by ``a = sqrt(padded / r)`` and the norm weight by ``1 / a``, so the RMSNorm's output is unchanged."""
+    the rows scaled by ``a = sqrt(padded / r)`` and the norm weight by ``1 / a``: the RMSNorm's output is unchanged."""
     r = down.shape[0]
     if norm_weight.shape != (r,):
         raise ValueError(f"the latent norm's weight {tuple(norm_weight.shape)} does not match the latent ({r})")

@@ -45,8 +45,8 @@ def missing() -> Optional[str]:
     py = vllm_python()
     if not py.is_file():
         return f"vLLM's python not found at {py} (set {ENV}; docs/conversion.md installs it)"
-    probe = subprocess.run([str(py), "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-                           capture_output=True, timeout=120)
+    code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    probe = subprocess.run([str(py), "-c", code], capture_output=True, timeout=120)
     if probe.returncode != 0:
         return f"{py} has no vllm package (docs/conversion.md installs it)"
     return None

@@ -72,9 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("native", "deepseek_v3"), default="native",
                    help="Llama family: the output folder's format (native: kvsplice loads it; deepseek_v3: "
                    "transformers / vLLM / SGLang load it)")
-    p.add_argument("--pad-latent", type=pos_int, default=None, help="--format deepseek_v3 of a norm-free model: "
-                   "zero-pad the exported latent to this size (exact), e.g. 512 for vLLM's MLA (latent + RoPE in "
-                   "320 / 512 / 576; its CPU kernel 576)")
+    p.add_argument("--pad-latent", type=pos_int, default=None, help="--format deepseek_v3: zero-pad the exported "
+                   "latent to this size, exactly (through its RMSNorm), e.g. 512 for vLLM's MLA (latent + RoPE in "
+                   "320 / 512 / 576; its CPU kernel 512 + 64)")
+    p.add_argument("--pad-rope", type=pos_int, default=None, help="--format deepseek_v3: write the RoPE key with this "
+                   "many dims (a multiple of --rope-dims; its frequencies kept exactly), e.g. 64 for vLLM's CPU MLA")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--kvsplice-ratio", type=_ratio, default=None,
                    help="insert KVSplice keeping round(R·ratio) numbers per token (0.5/0.3/0.1 = 50/70/90 %%)")
@@ -193,7 +195,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
 
     if is_llama_source(args.model):  # Llama family -> decoupled-RoPE MLA (kvsplice.convert.llama_mla)
         return run_llama(args)
-    for opt in ("rope_dims", "latent_norm", "pad_latent"):
+    for opt in ("rope_dims", "latent_norm", "pad_latent", "pad_rope"):
         if getattr(args, opt):
             raise UsageError(f"--{opt.replace('_', '-')} is for Llama-family models; --model {args.model} is not one")
     if args.format != "native":

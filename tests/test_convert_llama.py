@@ -255,7 +255,16 @@ def test_cli_shared_deepseek_export_and_kvsplice(s260k, tmp_path, capsys):
     model = transformers.AutoModelForCausalLM.from_pretrained(ds)
     assert model.config.kv_lora_rank == 24 and model.config.qk_rope_head_dim == 8  # shared default: every freq.
     native = tmp_path / "native"
-    assert run(common + ["--d-latent", 24, "--out", native], capsys)[0] == 0
+    assert run(common + ["--d-latent", 24, "--rope-layout", "shared", "--out", native], capsys)[0] == 0
+    padded = tmp_path / "padded"  # the converted folder re-exported with the latent / RoPE key padded, exactly
+    rc, so, se = run(["--model", native, "--format", "deepseek_v3", "--pad-latent", 40, "--pad-rope", 16,
+                      "--out", padded, "--no-progress"], capsys)
+    assert rc == 0, se
+    wide = transformers.AutoModelForCausalLM.from_pretrained(padded)
+    assert (wide.config.kv_lora_rank, wide.config.qk_rope_head_dim) == (40, 16)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (wide(ids).logits - model(ids).logits).abs().max() <= 1e-4
     small = tmp_path / "small"
     rc, so, se = run(["--model", native, "--calib", CALIB, "--calib-tokens", 4096, "--seq-len", 256,
                       "--kvsplice-ratio", 0.5, "--out", small, "--no-progress"], capsys)
@@ -279,6 +288,7 @@ def test_cli_never_writes_inside_the_input_folder(s260k, tmp_path, capsys):
 @pytest.mark.parametrize("extra,msg", [
     (["--format", "deepseek_v3"], "--rope-layout shared"),
     (["--format", "deepseek_v3", "--rope-layout", "shared", "--latent-norm"], "unusable"),
+    (["--pad-rope", "64"], "pad the cache row of a --format deepseek_v3"),
     (["--rope-dims", "3"], "must be even"),
     (["--d-latent", "9999"], "must be in"),
     (["--no-calib"], "needs --calib"),

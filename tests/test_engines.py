@@ -61,16 +61,20 @@ def test_norm_free_export_is_our_model_in_transformers(tiny_llama, tmp_path, d_l
     assert (mla(held) - src(held).logits).abs().max() > 0.05 or d_latent is None  # lossy at 20: the test can tell
 
 
-def test_padded_latent_export_is_exact(tiny_llama, tmp_path):
-    """vLLM's MLA takes latent + RoPE of 320 / 512 / 576 only: zero-padding the latent is exact in the linear regime."""
+@pytest.mark.parametrize("latent_norm", [False, True])
+def test_padded_export_is_exact(tiny_llama, tmp_path, latent_norm):
+    """vLLM's MLA takes latent + RoPE of 320 / 512 / 576 only, its CPU kernel 512 + 64: padding the latent through
+    its RMSNorm (linear regime or a real norm) and spreading the RoPE pairs keeps the model (fp32, ≤ 1e-4)."""
     src, stats, held = tiny_llama
-    mla = convert_llama(src, stats, d_latent=20, rope_dims=16, layout="shared")
-    save_deepseek_v3(mla, tmp_path, pad_latent=48)
+    mla = convert_llama(src, stats, d_latent=20, rope_dims=16, layout="shared", latent_norm=latent_norm)
+    save_deepseek_v3(mla, tmp_path, pad_latent=48, pad_rope=64)
     ds = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    assert ds.config.kv_lora_rank == 48 and (ds(held).logits - mla(held)).abs().max() <= TOL
-    normed = convert_llama(src, stats, d_latent=20, rope_dims=16, layout="shared", latent_norm=True)
-    with pytest.raises(ValueError, match="changes its mean"):
-        save_deepseek_v3(normed, tmp_path / "x", pad_latent=48)
+    assert (ds.config.kv_lora_rank, ds.config.qk_rope_head_dim) == (48, 64)
+    assert (ds(held).logits - mla(held)).abs().max() <= TOL
+    with pytest.raises(ValueError, match="multiple of the RoPE key"):
+        save_deepseek_v3(mla, tmp_path / "x", pad_rope=24)
+    with pytest.raises(ValueError, match="smaller than the latent"):
+        save_deepseek_v3(mla, tmp_path / "y", pad_latent=8)
 
 
 def test_latent_norm_eps(tiny_llama):

@@ -13,6 +13,9 @@
   code (:mod:`kvsplice.convert.gpt_deepseek`): MLA and MLA + KVSplice as DeepSeek-V3 (``--format deepseek_v3``;
   KVSplice-r folded into an MLA with ``kv_lora_rank = r``), standard attention as a Llama (``--format llama``).
   ``--format auto`` (default) picks by layout and attention; a format the model cannot take is one line.
+  ``--pad-latent P`` / ``--pad-rope D`` write the DeepSeek-V3 latent / RoPE key zero-padded to ``kv_lora_rank = P`` /
+  ``qk_rope_head_dim = D``, exactly (:mod:`kvsplice.convert.latent_pad`) — ``--pad-latent 512 --pad-rope 64`` is the
+  one row vLLM's CPU MLA kernel takes.
 * The tokenizer the run trained with (rebuilt from the checkpoint's data settings: GPT-2 BPE files or the synthetic
   BPE) is saved as a ``PreTrainedTokenizerFast`` with ``<|endoftext|>`` as EOS/BOS/pad; if it cannot be rebuilt
   (data not available here), the export goes on without it and says so.
@@ -41,6 +44,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from kvsplice.convert import gpt_deepseek
+from kvsplice.convert.latent_pad import check_pad, check_rope_pad
 from kvsplice.io.cli import Parser, run_cli
 from kvsplice.io.outputs import output_dir, release_claim, write_dir
 from models.attention import LATENT_NORM_EPS
@@ -185,9 +189,10 @@ def save_tokenizer(tok, out: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------------- main
 def export(ckpt: str | Path, out: str | Path, *, force: bool = False, tokenizer: bool = True,
-           fmt: str = "auto") -> dict[str, Any]:
+           fmt: str = "auto", pad_latent: Optional[int] = None, pad_rope: Optional[int] = None) -> dict[str, Any]:
     """Export ``ckpt`` into the directory ``out`` in format ``fmt`` (:data:`FORMATS`); returns a summary (kind,
-    variant, files, cache numbers).
+    variant, files, cache numbers). ``pad_latent`` / ``pad_rope``: the DeepSeek-V3 export's ``kv_lora_rank`` /
+    ``qk_rope_head_dim`` (padded, exact).
 
     Raises:
         kvsplice.io.cli.UsageError: ``out`` is refused (see the module docstring).
@@ -195,12 +200,13 @@ def export(ckpt: str | Path, out: str | Path, *, force: bool = False, tokenizer:
     """
     out = output_dir(out, force=force, inputs={"--ckpt": ckpt}, owned=EXPORT_FILES, writer="export")
     try:
-        return _export(Path(ckpt), out, tokenizer, fmt)
+        return _export(Path(ckpt), out, tokenizer, fmt, pad_latent, pad_rope)
     finally:
         release_claim(out)  # a library call leaves no .claim file beside its output
 
 
-def _export(ckpt: Path, out: Path, tokenizer: bool, fmt: str = "auto") -> dict[str, Any]:
+def _export(ckpt: Path, out: Path, tokenizer: bool, fmt: str = "auto",
+            pad_latent: Optional[int] = None, pad_rope: Optional[int] = None) -> dict[str, Any]:
     try:
         model, cfg, meta = load_gpt_checkpoint(ckpt)
     except CheckpointError as e:
@@ -209,6 +215,14 @@ def _export(ckpt: Path, out: Path, tokenizer: bool, fmt: str = "auto") -> dict[s
         print(f"export: note: cache_quant={cfg.cache_quant!r} is a decode option of the package; the exported "
               f"model caches at its dtype", file=sys.stderr)
     kind = export_kind(cfg, fmt)
+    if (pad_latent, pad_rope) != (None, None):
+        if kind != "deepseek_v3":
+            raise ExportError(f"--pad-latent / --pad-rope pad a DeepSeek-V3 export's cache row; this {cfg.variant} "
+                              f"model exports as {KIND_NAMES[kind]}")
+        try:
+            check_pad(cfg.d_cached_latent, pad_latent), check_rope_pad(cfg.qk_rope_head_dim, pad_rope)
+        except ValueError as e:
+            raise ExportError(str(e)) from None
     tok = run_tokenizer(meta, ckpt) if tokenizer else None
     eot = tok.eot_id if tok is not None and 0 <= tok.eot_id < cfg.vocab_size else None
     # before touching out: shape errors write nothing
@@ -219,7 +233,7 @@ def _export(ckpt: Path, out: Path, tokenizer: bool, fmt: str = "auto") -> dict[s
         if hf is not None:
             hf.save_pretrained(tmp)
         elif kind == "deepseek_v3":
-            gpt_deepseek.save_deepseek_v3(model, tmp)
+            gpt_deepseek.save_deepseek_v3(model, tmp, pad_latent, pad_rope)
         else:
             write_remote(model, cfg, tmp, eot)
         if tok is not None:
@@ -246,8 +260,13 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     p.add_argument("--format", choices=FORMATS, default="auto", help="auto (default): GPT-2 layout MHA -> gpt2, its "
                    "MLA / KVSplice / GQA -> remote; deepseek_v3 layout MLA / KVSplice -> deepseek_v3, its standard "
                    "attention -> llama")
+    p.add_argument("--pad-latent", type=int, default=None, metavar="P", help="deepseek_v3: write kv_lora_rank = P, the "
+                   "latent zero-padded exactly (512 for vLLM's CPU MLA kernel)")
+    p.add_argument("--pad-rope", type=int, default=None, metavar="D", help="deepseek_v3: write qk_rope_head_dim = D (a "
+                   "multiple of the RoPE key), its frequencies kept exactly (64 for vLLM's CPU MLA kernel)")
     args = p.parse_args(argv)
-    summary = export(args.ckpt, args.out, force=args.force, tokenizer=not args.no_tokenizer, fmt=args.format)
+    summary = export(args.ckpt, args.out, force=args.force, tokenizer=not args.no_tokenizer, fmt=args.format,
+                     pad_latent=args.pad_latent, pad_rope=args.pad_rope)
     print(json.dumps(summary, indent=2))
     return 0
 

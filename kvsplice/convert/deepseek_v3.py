@@ -23,7 +23,11 @@ The mapping, per layer (``H`` query heads of ``D`` dims, ``Dr`` RoPE dims, laten
 * RoPE: ``rope_interleave: true`` (vLLM's DeepSeek layout), so the RoPE columns go from rotate-half
   ``[x_0..x_{n-1}, y_0..y_{n-1}]`` to ``[x_0, y_0, x_1, y_1, ...]``; ``rope_theta = θ^(Dr/D)`` reproduces the
   highest ``Dr/2`` source frequencies the shared layout keeps;
-* dense MLPs everywhere (``first_k_dense_replace = num_hidden_layers``), untied ``lm_head``.
+* dense MLPs everywhere (``first_k_dense_replace = num_hidden_layers``), untied ``lm_head``;
+* ``pad_latent`` / ``pad_rope`` (``to_mla --pad-latent 512 --pad-rope 64``: vLLM's CPU MLA kernel takes only that
+  row): the latent zero-padded *through* its RMSNorm (rows × sqrt(P/R), norm weight ÷ sqrt(P/R): the mean over P
+  dims is the mean over R, so a real latent norm and the linear regime stay exact) and the RoPE pairs spread at
+  their own frequencies, ``q_proj`` scaled for DeepSeek's ``(D + Dr')^-½`` (:mod:`kvsplice.convert.latent_pad`).
 
 Refused with one line: the per-head layout (DeepSeek-V3 has one RoPE key per token), biases (Qwen2), per-head q/k
 norms (Qwen3), sliding windows, a RoPE table that is not DeepSeek's geometric one.
@@ -36,8 +40,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
+from kvsplice.convert import latent_pad
 from models.mla_llama import MLALlama
 
 __all__ = ["check_exportable", "dense_mla_config", "deepseek_v3_config", "deepseek_v3_state_dict", "interleave_index",
@@ -94,19 +98,13 @@ def linear_regime(model: MLALlama) -> list[tuple[float, float]]:
     return out
 
 
-def check_pad(model: MLALlama, pad_latent: Optional[int]) -> int:
-    """The exported ``kv_lora_rank``: ``d_latent``, or ``pad_latent`` (zero latent dims appended, so that an engine
-    that takes only some latent + RoPE sizes runs the model: vLLM's MLA takes 320 / 512 / 576, its CPU kernel 576).
-    Exact only in the linear regime (a real RMSNorm's mean would change): ValueError (one line) otherwise."""
-    r = model.cfg.d_latent
-    if pad_latent is None or pad_latent == r:
-        return r
-    if model.cfg.latent_norm:
-        raise ValueError("--pad-latent: padding a real latent RMSNorm changes its mean (not exact); pad a norm-free "
-                         "model (its export's norm is linear)")
-    if pad_latent < r:
-        raise ValueError(f"--pad-latent {pad_latent} is smaller than the latent ({r})")
-    return int(pad_latent)
+def check_pad(model: MLALlama, pad_latent: Optional[int], pad_rope: Optional[int] = None) -> tuple[int, int]:
+    """The exported ``(kv_lora_rank, qk_rope_head_dim)``: the model's, or ``pad_latent`` / ``pad_rope`` (padded
+    exactly by :mod:`kvsplice.convert.latent_pad`, so that an engine that takes only some row sizes runs the model:
+    vLLM's MLA takes latent + RoPE of 320 / 512 / 576, its CPU kernel 512 + 64). ValueError (one line) for a size
+    smaller than the model's or a RoPE size that is not a multiple of it."""
+    cfg = model.cfg
+    return latent_pad.check_pad(cfg.d_latent, pad_latent), latent_pad.check_rope_pad(cfg.rope_dims, pad_rope)
 
 
 def dense_mla_config(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
@@ -133,9 +131,11 @@ def dense_mla_config(*, vocab_size: int, hidden_size: int, intermediate_size: in
     }
 
 
-def deepseek_v3_config(model: MLALlama, pad_latent: Optional[int] = None) -> dict[str, Any]:
+def deepseek_v3_config(model: MLALlama, pad_latent: Optional[int] = None,
+                       pad_rope: Optional[int] = None) -> dict[str, Any]:
     """The ``config.json`` of the export."""
     cfg = model.cfg
+    rank, rope = check_pad(model, pad_latent, pad_rope)
     # a real latent norm (eps 1e-6 = transformers' fixed kv_a_layernorm eps): rms_norm_eps = norm_eps, so transformers
     # computes our model exactly; llama.cpp / vLLM normalise the latent with rms_norm_eps (a 1e-5 source: a small
     # difference, docs/conversion.md). The linear regime needs one eps in every engine: 1e-6 (the other norms then
@@ -144,9 +144,11 @@ def deepseek_v3_config(model: MLALlama, pad_latent: Optional[int] = None) -> dic
     latent = ({"latent_norm_eps": cfg.latent_norm_eps} if cfg.latent_norm else
               {"latent_norm": f"linear regime of a norm-free model (rho {LINEAR_RHO}, eps {LINEAR_EPS})"})
     latent["source_rms_norm_eps"] = cfg.norm_eps
+    if (rank, rope) != (cfg.d_latent, cfg.rope_dims):
+        latent["padded"] = {"kv_lora_rank": [cfg.d_latent, rank], "qk_rope_head_dim": [cfg.rope_dims, rope]}
     return dense_mla_config(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layer,
-        num_attention_heads=cfg.n_head, kv_lora_rank=check_pad(model, pad_latent), qk_rope_head_dim=cfg.rope_dims,
+        num_attention_heads=cfg.n_head, kv_lora_rank=rank, qk_rope_head_dim=rope,
         qk_nope_head_dim=cfg.head_dim, v_head_dim=cfg.head_dim, max_position_embeddings=cfg.max_positions,
         rms_norm_eps=eps, rope_theta=_rope_theta(model), torch_dtype=str(model.embed.weight.dtype).replace("torch.", ""),
         kvsplice={"source": cfg.source, **latent})
@@ -158,15 +160,16 @@ def interleave_index(n: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def deepseek_v3_state_dict(model: MLALlama, pad_latent: Optional[int] = None) -> dict[str, torch.Tensor]:
+def deepseek_v3_state_dict(model: MLALlama, pad_latent: Optional[int] = None,
+                           pad_rope: Optional[int] = None) -> dict[str, torch.Tensor]:
     """The export's weights (transformers' DeepSeek-V3 names), from ``model`` (checked by :func:`check_exportable`);
-    ``pad_latent``: :func:`check_pad`."""
+    ``pad_latent`` / ``pad_rope``: :func:`check_pad`."""
     check_exportable(model)
     cfg = model.cfg
-    pad = check_pad(model, pad_latent) - cfg.d_latent
+    rank, rope = check_pad(model, pad_latent, pad_rope)
     h, d, dr, g = cfg.n_head, cfg.head_dim, cfg.rope_dims, cfg.n_head // cfg.n_kv_head
     perm = interleave_index(dr // 2)
-    fold = cfg.scale / (d + dr) ** -0.5  # DeepSeek multiplies scores by (D + Dr)^-0.5
+    fold = cfg.scale / (d + rope) ** -0.5  # DeepSeek multiplies scores by (D + Dr')^-0.5
     sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed.weight,
                                    "model.norm.weight": model.norm.weight, "lm_head.weight": model.lm_head.weight}
     regime = None if cfg.latent_norm else linear_regime(model)
@@ -175,20 +178,21 @@ def deepseek_v3_state_dict(model: MLALlama, pad_latent: Optional[int] = None) ->
         gamma, s = (1.0, 1.0) if regime is None else regime[i]
         wq = at.q_proj.weight.view(h, d, -1)  # (H, D, d_model)
         q_rope = torch.einsum("hde,hdm->hem", at.q_rope.to(wq), wq)[:, perm]  # (H, Dr, d_model), interleaved
+        q_rope = latent_pad.spread_rope_rows(q_rope, rope)  # (H, Dr', d_model): same frequencies
         sd[pre + "self_attn.q_proj.weight"] = (torch.cat([wq, q_rope], dim=1) * (fold / s)).flatten(0, 1)
-        k_rope = (at.k_rope.to(wq).T @ at.k_proj.weight)[perm]  # (Dr, d_model)
-        zeros = at.kv_down.weight.new_zeros(pad, at.kv_down.weight.shape[1])  # padded latent dims: always 0
-        sd[pre + "self_attn.kv_a_proj_with_mqa.weight"] = torch.cat([at.kv_down.weight * (gamma / s), zeros,
-                                                                     k_rope / s])
+        k_rope = latent_pad.spread_rope_rows((at.k_rope.to(wq).T @ at.k_proj.weight)[perm], rope)  # (Dr', d_model)
         if regime is None:
-            sd[pre + "self_attn.kv_a_layernorm.weight"] = at.kv_norm.weight
+            norm_w = at.kv_norm.weight
         else:  # c' = γ c, mean(c'²) ≤ ρ ε: norm(c') · sqrt(ε)/γ = c (to ρ/2)
-            sd[pre + "self_attn.kv_a_layernorm.weight"] = at.kv_down.weight.new_full((cfg.d_latent + pad,),
-                                                                                     LINEAR_EPS ** 0.5 / gamma)
+            norm_w = at.kv_down.weight.new_full((cfg.d_latent,), LINEAR_EPS ** 0.5 / gamma)
+        # padded through the norm: rows × sqrt(P/R), weight ÷ sqrt(P/R) (mean(c²) over P dims unchanged)
+        down, norm_w = latent_pad.pad_normed_latent(at.kv_down.weight * (gamma / s), norm_w, rank)  # (P, d), (P,)
+        sd[pre + "self_attn.kv_a_proj_with_mqa.weight"] = torch.cat([down, k_rope / s])  # (P + Dr', d_model)
+        sd[pre + "self_attn.kv_a_layernorm.weight"] = norm_w
         wuk = at.k_up.weight.view(cfg.n_kv_head, d, -1).repeat_interleave(g, 0)  # (H, D, R)
         wuv = at.v_up.weight.view(cfg.n_kv_head, d, -1).repeat_interleave(g, 0)  # (H, D, R)
-        wuk, wuv = (F.pad(w, (0, pad)) for w in (wuk, wuv))  # (H, D, R + pad)
-        sd[pre + "self_attn.kv_b_proj.weight"] = torch.cat([wuk, wuv], dim=1).flatten(0, 1)  # (H·2D, R)
+        kv_b = torch.cat([wuk, wuv], dim=1).flatten(0, 1)  # (H·2D, R)
+        sd[pre + "self_attn.kv_b_proj.weight"] = latent_pad.pad_columns(kv_b, rank)  # (H·2D, P)
         sd[pre + "self_attn.o_proj.weight"] = at.o_proj.weight
         sd[pre + "input_layernorm.weight"] = blk.input_norm.weight * s
         sd[pre + "post_attention_layernorm.weight"] = blk.post_norm.weight
@@ -198,15 +202,16 @@ def deepseek_v3_state_dict(model: MLALlama, pad_latent: Optional[int] = None) ->
 
 
 def save_deepseek_v3(model: MLALlama, folder: Path, tokenizer: Optional[Any] = None,
-                     pad_latent: Optional[int] = None) -> None:
+                     pad_latent: Optional[int] = None, pad_rope: Optional[int] = None) -> None:
     """Write the export into ``folder`` (a fresh temporary folder of :func:`kvsplice.io.outputs.write_dir`)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    sd = deepseek_v3_state_dict(model, pad_latent)
+    sd = deepseek_v3_state_dict(model, pad_latent, pad_rope)
     save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(deepseek_v3_config(model, pad_latent), indent=2) + "\n", encoding="utf-8")
+    (folder / "config.json").write_text(json.dumps(deepseek_v3_config(model, pad_latent, pad_rope), indent=2) + "\n",
+                                        encoding="utf-8")
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(str(folder))
         portable_tokenizer_config(folder)

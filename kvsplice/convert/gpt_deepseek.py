@@ -21,6 +21,11 @@ product; the export differs from our model by float round-off only.
 
 The config comes from :func:`kvsplice.convert.deepseek_v3.dense_mla_config` (the converted models' export uses it
 too); ``rms_norm_eps`` is :data:`models.config.RMS_NORM_EPS`, the eps of every norm here, including the latent's.
+
+``pad_latent`` / ``pad_rope`` (``training.export --pad-latent P --pad-rope D``) write ``kv_lora_rank = P`` /
+``qk_rope_head_dim = D``, exactly (:mod:`kvsplice.convert.latent_pad`: the latent zero-padded through its RMSNorm,
+rows × sqrt(P/r) and norm weight ÷ sqrt(P/r); the RoPE pairs spread to keep their frequencies, ``q_proj`` × the
+softmax-scale fold), for engines that take only some sizes (vLLM's CPU MLA kernel: 512 + 64).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from typing import Any, Optional
 import torch
 
 from kvsplice.convert.deepseek_v3 import dense_mla_config, interleave_index
+from kvsplice.convert.latent_pad import (check_pad, check_rope_pad, pad_columns, pad_normed_latent, softmax_scale_fold,
+                                         spread_rope_rows)
 from models.config import DEEPSEEK_V3, RMS_NORM_EPS, GPTConfig
 
 __all__ = ["deepseek_v3_config", "deepseek_v3_state_dict", "llama_model", "save_deepseek_v3"]
@@ -61,53 +68,68 @@ def _outer(model) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------------------ DeepSeek-V3
-def deepseek_v3_config(model) -> dict[str, Any]:
-    """The ``config.json``: ``kv_lora_rank`` is the cached latent (``d_compressed`` for KVSplice)."""
+def deepseek_v3_config(model, pad_latent: Optional[int] = None, pad_rope: Optional[int] = None) -> dict[str, Any]:
+    """The ``config.json``: ``kv_lora_rank`` is the cached latent (``d_compressed`` for KVSplice) or ``pad_latent``,
+    ``qk_rope_head_dim`` the RoPE key or ``pad_rope``."""
     cfg: GPTConfig = model.cfg
     _check(cfg, "mla", "deepseek_v3")
+    rank = check_pad(cfg.d_cached_latent, pad_latent)
+    rope = check_rope_pad(cfg.qk_rope_head_dim, pad_rope)
+    extra = {}
+    if (rank, rope) != (cfg.d_cached_latent, cfg.qk_rope_head_dim):
+        extra["padded"] = {"kv_lora_rank": [cfg.d_cached_latent, rank],
+                           "qk_rope_head_dim": [cfg.qk_rope_head_dim, rope]}
     return dense_mla_config(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ff_width,
-        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, kv_lora_rank=cfg.d_cached_latent,
-        qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.head_size, v_head_dim=cfg.head_size,
+        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, kv_lora_rank=rank,
+        qk_rope_head_dim=rope, qk_nope_head_dim=cfg.head_size, v_head_dim=cfg.head_size,
         max_position_embeddings=cfg.block_size, rms_norm_eps=RMS_NORM_EPS, rope_theta=float(cfg.rope_theta),
         torch_dtype=str(model.transformer.wte.weight.dtype).replace("torch.", ""),
-        kvsplice={"variant": cfg.variant, "d_latent": cfg.d_latent, "latent_norm_eps": RMS_NORM_EPS})
+        kvsplice={"variant": cfg.variant, "d_latent": cfg.d_latent, "latent_norm_eps": RMS_NORM_EPS, **extra})
 
 
 @torch.no_grad()
-def deepseek_v3_state_dict(model) -> dict[str, torch.Tensor]:
-    """The weights under transformers' DeepSeek-V3 names, KVSplice folded into the projections."""
+def deepseek_v3_state_dict(model, pad_latent: Optional[int] = None,
+                           pad_rope: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """The weights under transformers' DeepSeek-V3 names, KVSplice folded into the projections; ``pad_latent`` /
+    ``pad_rope``: the latent / RoPE key padded exactly to that many dims (:mod:`kvsplice.convert.latent_pad`)."""
     cfg: GPTConfig = model.cfg
     _check(cfg, "mla", "deepseek_v3")
     h, hs, dr = cfg.n_head, cfg.head_size, cfg.qk_rope_head_dim
+    rank, rope = check_pad(cfg.d_cached_latent, pad_latent), check_rope_pad(dr, pad_rope)
+    fold = softmax_scale_fold(hs, dr, rope)  # 1.0 unpadded
     perm = interleave_index(dr // 2)  # (Dr,): rotate-half rows -> interleaved pairs
     sd = _outer(model)
     for i, blk in enumerate(model.transformer.h):
         a, pre = blk.attn, f"model.layers.{i}.self_attn."
         wq = a.w_q.weight.view(h, hs, -1)  # (H, hs, d)
-        wqr = a.w_qr.weight.view(h, dr, -1)[:, perm]  # (H, Dr, d), interleaved
-        sd[pre + "q_proj.weight"] = torch.cat([wq, wqr], dim=1).flatten(0, 1)  # (H·(hs + Dr), d)
+        wqr = spread_rope_rows(a.w_qr.weight.view(h, dr, -1)[:, perm], rope)  # (H, Dr', d), interleaved
+        sd[pre + "q_proj.weight"] = torch.cat([wq, wqr], dim=1).flatten(0, 1) * fold  # (H·(hs + Dr'), d)
         down, norm = a.w_dkv.weight, a.kv_norm  # (d_latent, d)
         w_uk, w_uv = a.w_uk.weight, a.w_uv.weight  # (H·hs, d_latent) each
         if a.splice is not None:
             c, e = a.splice.compress_weight(), a.splice.expand_weight()  # (r, d_latent), (d_latent, r)
             down, norm, w_uk, w_uv = c @ down, a.splice_norm, w_uk @ e, w_uv @ e  # (r, d), -, (H·hs, r) x 2
-        sd[pre + "kv_a_proj_with_mqa.weight"] = torch.cat([down, a.w_kr.weight[perm]])  # (r + Dr, d)
-        sd[pre + "kv_a_layernorm.weight"] = norm.weight
+        down, norm_w = pad_normed_latent(down, norm.weight, rank)  # (P, d), (P,); P = r unpadded
+        k_rope = spread_rope_rows(a.w_kr.weight[perm], rope)  # (Dr', d), interleaved
+        sd[pre + "kv_a_proj_with_mqa.weight"] = torch.cat([down, k_rope])  # (P + Dr', d)
+        sd[pre + "kv_a_layernorm.weight"] = norm_w
         kv_b = torch.cat([w_uk.view(h, hs, -1), w_uv.view(h, hs, -1)], dim=1)  # (H, 2·hs, r): [k_nope ; v] per head
-        sd[pre + "kv_b_proj.weight"] = kv_b.flatten(0, 1)  # (H·2·hs, r)
+        sd[pre + "kv_b_proj.weight"] = pad_columns(kv_b.flatten(0, 1), rank)  # (H·2·hs, P)
         sd.update(_common(model, i))
     return {k: v.detach().cpu().contiguous().clone() for k, v in sd.items()}
 
 
-def save_deepseek_v3(model, folder: Path) -> None:
-    """Write ``config.json`` and ``model.safetensors`` into ``folder``."""
+def save_deepseek_v3(model, folder: Path, pad_latent: Optional[int] = None, pad_rope: Optional[int] = None) -> None:
+    """Write ``config.json`` and ``model.safetensors`` into ``folder`` (``pad_latent`` / ``pad_rope``: the module)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(deepseek_v3_state_dict(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(deepseek_v3_config(model), indent=2) + "\n", encoding="utf-8")
+    sd = deepseek_v3_state_dict(model, pad_latent, pad_rope)
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(deepseek_v3_config(model, pad_latent, pad_rope), indent=2) + "\n",
+                                        encoding="utf-8")
 
 
 # ------------------------------------------------------------------------------------------------------ Llama

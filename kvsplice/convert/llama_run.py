@@ -94,8 +94,8 @@ def run_llama(args: argparse.Namespace) -> int:
         raise UsageError(f"--model {args.model} is already a converted MLA model: give --kvsplice-ratio to shrink "
                          f"its latent, or --format deepseek_v3 to export it")
     export_only = converted and args.kvsplice_ratio is None
-    if args.pad_latent is not None and args.format != "deepseek_v3":
-        raise UsageError("--pad-latent pads the latent of a --format deepseek_v3 export")
+    if (args.pad_latent is not None or args.pad_rope is not None) and args.format != "deepseek_v3":
+        raise UsageError("--pad-latent / --pad-rope pad the cache row of a --format deepseek_v3 export")
     if args.latent_norm and args.format == "deepseek_v3" and not converted:
         raise UsageError("--latent-norm with --format deepseek_v3: a real latent RMSNorm makes a training-free "
                          "conversion unusable (SmolLM2 2x: ppl 1,833 vs 13.2 without it, docs/conversion.md); leave "
@@ -145,10 +145,11 @@ def run_llama(args: argparse.Namespace) -> int:
 
         try:
             check_exportable(mla)
-            check_pad(mla, args.pad_latent)
+            check_pad(mla, args.pad_latent, args.pad_rope)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        write_dir(out, lambda tmp: save_deepseek_v3(mla.cpu(), tmp, backend, pad_latent=args.pad_latent))
+        write_dir(out, lambda tmp: save_deepseek_v3(mla.cpu(), tmp, backend, pad_latent=args.pad_latent,
+                                                    pad_rope=args.pad_rope))
     else:
         from kvsplice.io.mla_folder import save_mla_folder
 

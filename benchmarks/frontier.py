@@ -152,15 +152,27 @@ def table(summary: list[dict], ref: str = "mha") -> str:
 
 
 def comparisons(summary: list[dict], ref: str = "mha") -> list[dict]:
-    """Every pair of variants with the same cache bytes, and every variant against ``ref``."""
-    out = []
+    """Every pair of variants with the same cache bytes, every DeepSeek-layout variant (``ds_X``) against its GPT-2
+    twin ``X``, and every variant against ``ref`` — each pair once."""
+    out, seen = [], set()
     by = {s["variant"]: s for s in summary}
+
+    def add(a: dict, b: dict) -> None:
+        if frozenset((a["variant"], b["variant"])) not in seen:
+            seen.add(frozenset((a["variant"], b["variant"])))
+            out.append(compare(a, b))
+
     for i, a in enumerate(summary):
         for b in summary[i + 1:]:
             if a["bytes"] == b["bytes"]:
-                out.append(compare(b, a))
+                add(b, a)
+    for s in summary:
+        if s["variant"].startswith("ds_") and s["variant"][3:] in by:
+            add(s, by[s["variant"][3:]])
     if ref in by:
-        out += [compare(s, by[ref]) for s in summary if s["variant"] != ref]
+        for s in summary:
+            if s["variant"] != ref:
+                add(s, by[ref])
     return out
 
 

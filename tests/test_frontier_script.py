@@ -188,3 +188,16 @@ def test_recipe_study_inserts_each_ratio_into_one_shared_mla_stage(tmp_path: Pat
     assert rows["insert"]["stage1_val_loss"] == rows["insert90"]["stage1_val_loss"]  # one shared MLA-128 stage
     assert sorted(p.name for p in (runs / "recipe").iterdir() if p.name.startswith("insert-s1-mla128")) == \
         ["insert-s1-mla128"]
+
+
+def test_comparisons_pair_equal_bytes_layout_twins_and_the_reference_once(frontier) -> None:
+    def s(v: str, b: int, loss: float) -> dict:
+        return {"variant": v, "bytes": b, "val_loss": loss, "std": 0.01, "n": 3}
+
+    summary = [s("mha", 2048, 4.15), s("ds_mha", 2048, 3.76), s("mla_128", 1024, 4.17), s("ds_mla_120", 1024, 3.85),
+               s("ds_mla_128", 1088, 3.84)]
+    pairs = [(c["a"], c["b"]) for c in frontier.comparisons(summary)]
+    assert len(pairs) == len({frozenset(p) for p in pairs})  # each pair once (ds_mha vs mha is all three kinds)
+    assert ("ds_mha", "mha") in pairs and ("ds_mla_120", "mla_128") in pairs  # equal bytes
+    assert ("ds_mla_128", "mla_128") in pairs  # the layout twin, 1088 vs 1024 bytes
+    assert ("ds_mla_128", "mha") in pairs and ("mla_128", "mha") in pairs  # against the reference

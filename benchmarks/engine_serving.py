@@ -9,10 +9,10 @@ measured in llama.cpp on this CPU, for DeepSeek-V3-layout models at GPT-2-124M s
 Per model and context (``--ctx``, default 1k and 4k): llama.cpp's own KV cache size per token (f16, from its log),
 the largest number of parallel sequences of that many tokens its cache holds in ``--budget-gib``, and decode
 tokens/s from ``llama-batched-bench`` at that batch -- capped at ``LLAMA_MAX_SEQ`` (256), the most sequences one
-llama.cpp context decodes at once -- and at batch 1. The prompt is prefilled once and copied into every sequence's
-own cache stream (``-pps``, a non-unified cache): each sequence holds ``ctx`` real cells and every decode step
-attends over all of them, at the cost of one prefill instead of thousands. What bounds decode on a CPU is said in
-the table's note.
+llama.cpp context decodes at once -- with flash attention on and off (``-fa``), interleaved repeats, medians; each
+model's figure is its faster setting. The prompt is prefilled once and copied into every sequence's own cache stream
+(``-pps``, a non-unified cache): each sequence holds ``ctx`` real cells and every decode step attends over all of
+them, at the cost of one prefill instead of thousands. What bounds decode on a CPU: docs/conversion.md.
 
     KVSPLICE_LLAMA_CPP=... python benchmarks/engine_serving.py --out results/engine_serving
 """
@@ -96,13 +96,12 @@ def ratio(x, digits: int) -> str:
 
 
 def bench(gguf: Path, ctx: int, batch: int, ntg: int, threads: int, flash_attn: str = "auto") -> list[dict]:
-    """``llama-batched-bench`` at batch 1 and ``batch``: one prompt of ``ctx`` tokens prefilled once, copied into
-    every sequence's own cache stream, then ``ntg`` decode steps of one token per sequence."""
+    """``llama-batched-bench`` at ``batch``: one prompt of ``ctx`` tokens prefilled once, copied into every
+    sequence's own cache stream, then ``ntg`` decode steps of one token per sequence."""
     from kvsplice.engines.llama_cpp import binary
 
-    npl = sorted({1, batch})
-    cmd = [str(binary("llama-batched-bench")), "-m", str(gguf), "-c", str(max(npl) * (ctx + ntg + 1)),
-           "-b", "2048", "-ub", "512", "-npp", str(ctx), "-ntg", str(ntg), "-npl", ",".join(map(str, npl)), "-pps",
+    cmd = [str(binary("llama-batched-bench")), "-m", str(gguf), "-c", str(batch * (ctx + ntg + 1)),
+           "-b", "2048", "-ub", "512", "-npp", str(ctx), "-ntg", str(ntg), "-npl", str(batch), "-pps",
            "-fa", flash_attn, "-t", str(threads), "--output-format", "jsonl"]
     r = subprocess.run(cmd, capture_output=True, text=True, env={"LD_LIBRARY_PATH": str(binary("x").parent)})
     if r.returncode != 0:
@@ -117,13 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), default="124m", help="model shape (tiny: a smoke run)")
     p.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096], help="tokens per sequence")
     p.add_argument("--budget-gib", type=float, default=4.0, help="the KV cache budget")
-    p.add_argument("--ntg", type=int, default=8, help="decode steps timed per batch")
+    p.add_argument("--ntg", type=int, default=3, help="decode steps timed per batch")
     p.add_argument("--threads", type=int, default=1,
                    help="threads per run (1: on a shared machine, ggml's spinning thread barriers stall under load)")
     p.add_argument("--flash-attn", nargs="+", choices=("auto", "on", "off"), default=["on", "off"],
                    help="llama.cpp's -fa settings, each timed (on this CPU its flash-attention kernel is slow for "
                         "MLA's odd head sizes); a model's figure is its faster setting, as a user would pick")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (model by model), medians reported")
+    p.add_argument("--repeats", type=int, default=2, help="interleaved repeats (model by model), medians reported")
     p.add_argument("--latents", nargs="+", default=[name_of(r) for _, r in VARIANTS], metavar="std|R",
                    help="the models: std (standard attention) and MLA latent sizes R (each + a 64-dim RoPE key)")
     args = p.parse_args(argv)
@@ -156,16 +155,14 @@ def main(argv: list[str] | None = None) -> int:
             for fa in args.flash_attn:
                 for b in bench(Path(r["gguf"]), r["ctx"], r["batch"], args.ntg, args.threads, fa):
                     r["batched_bench"].append({**b, "fa": fa, "repeat": rep})
-            got = {(b["fa"], b["pl"]): round(b["speed_tg"], 1) for b in r["batched_bench"] if b["repeat"] == rep}
+            got = {b["fa"]: round(b["speed_tg"], 1) for b in r["batched_bench"] if b["repeat"] == rep}
             print(f"[{time.time() - t0:6.0f}s] repeat {rep + 1}: {r['name']}, ctx {r['ctx']}, B={r['batch']}: "
-                  + ", ".join(f"fa {fa} B={pl}: {v} t/s" for (fa, pl), v in got.items()), flush=True)
+                  + ", ".join(f"-fa {fa}: {v} t/s" for fa, v in got.items()), flush=True)
     for r in rows:  # medians over the repeats; each model at its faster -fa setting
-        med = {(fa, pl): statistics.median(b["speed_tg"] for b in r["batched_bench"] if (b["fa"], b["pl"]) == (fa, pl))
-               for fa in args.flash_attn for pl in {1, r["batch"]}}
-        r["decode_tps"] = {fa: {"batch1": med[fa, 1], "at_batch": med[fa, r["batch"]]} for fa in args.flash_attn}
-        r["best_fa"] = max(args.flash_attn, key=lambda fa: med[fa, r["batch"]])
-        r["decode_tps_at_batch"] = med[r["best_fa"], r["batch"]]
-        r["decode_tps_batch1"] = max(med[fa, 1] for fa in args.flash_attn)
+        r["decode_tps"] = {fa: statistics.median(b["speed_tg"] for b in r["batched_bench"] if b["fa"] == fa)
+                           for fa in args.flash_attn}
+        r["best_fa"] = max(args.flash_attn, key=r["decode_tps"].get)
+        r["decode_tps_at_batch"] = r["decode_tps"][r["best_fa"]]
     for r in rows:
         std = next((s for s in rows if s["ctx"] == r["ctx"] and s["kv_lora_rank"] is None), None)
         r["capacity_vs_standard"] = std and r["max_parallel_sequences"] / max(std["max_parallel_sequences"], 1)
@@ -178,15 +175,14 @@ def main(argv: list[str] | None = None) -> int:
            "rows": rows, "seconds": time.time() - t0}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
     lines = [f"| model | context | KV bytes / token (f16, llama.cpp) | sequences in {args.budget_gib:g} GiB | "
-             f"× standard | batch run (≤ {cap}) | decode t/s, B=1 | "
+             f"× standard | batch run (≤ {cap}) | "
              + " | ".join(f"decode t/s at that batch, -fa {fa}" for fa in args.flash_attn)
              + " | × standard (faster -fa) |",
-             "|" + "---|" * (8 + len(args.flash_attn))]
+             "|" + "---|" * (7 + len(args.flash_attn))]
     for r in rows:
         lines.append(f"| {r['name']} | {r['ctx']:,} | {r['kv_bytes_per_token_f16']:,.0f} | "
                      f"{r['max_parallel_sequences']:,} | {ratio(r['capacity_vs_standard'], 1)} | {r['batch']} | "
-                     f"{r['decode_tps_batch1']:.1f} | "
-                     + " | ".join(f"{r['decode_tps'][fa]['at_batch']:.1f}" for fa in args.flash_attn)
+                     + " | ".join(f"{r['decode_tps'][fa]:.1f}" for fa in args.flash_attn)
                      + f" | {ratio(r['decode_vs_standard'], 2)} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -111,7 +112,7 @@ def run_ours(specs: list[str], a) -> None:
     import kvsplice.evaluation.windows as C
     from kvsplice import build_method
     from kvsplice.engines.llama_cpp_eval import gguf_tokenizer
-    from kvsplice.evaluation.protocol import evaluate
+    from kvsplice.evaluation.protocol import evaluate, evaluate_each
 
     path = WORK / "ours.json"
     doc = _load(path)
@@ -122,12 +123,75 @@ def run_ours(specs: list[str], a) -> None:
     loaded = C.load()
     windows = C.eval_windows(loaded)
     same = torch.equal(windows, _windows(gguf_tokenizer(MODEL)))
-    for spec in specs:
-        doc[spec] = {**evaluate(loaded.model, None if spec == "full" else build_method(spec), windows,
-                                prompt_len=PROMPT, batch_size=1), "windows_equal_llama_cpp_ids": same}
+    for spec in specs:  # window by window, each method built from its prompt (KVzip re-reads it)
+        if spec == "full":
+            r = evaluate(loaded.model, None, windows, prompt_len=PROMPT, batch_size=1)
+        else:
+            r = evaluate_each(loaded.model, lambda ids: build_method(spec, prompt_ids=ids, tokenizer=loaded.tokenizer),
+                              windows, prompt_len=PROMPT)
+        doc[spec] = {**r, "windows_equal_llama_cpp_ids": same}
         doc[spec].pop("measured", None)
         _save(path, doc)
         print(f"ours {spec}: ppl {doc[spec]['ppl']:.4f}, {doc[spec]['bytes_per_token']:.0f} B/token", flush=True)
+
+
+def exact_bytes(types: list[str], cells: int = 32768) -> dict[str, Any]:
+    """The cache llama.cpp allocates per token for each type, read from its log at ``cells`` cells (2^15: its MiB,
+    printed to 2 decimals, are then exact for SmolLM2's rows), beside ggml's closed form. ``WORK/bytes.json``."""
+    from kvsplice.engines.kv_types import kv_bytes_per_token
+    from kvsplice.engines.llama_cpp import LlamaCppModel
+
+    path = WORK / "bytes.json"
+    doc = _load(path)
+    gguf = next(MODEL.glob("*.gguf"))
+    for kv in types:
+        if kv not in doc:
+            with LlamaCppModel(gguf, n_ctx=cells, n_batch=32, cache_type=kv, flash_attn=True) as lm:
+                doc[kv] = {**lm.kv_cache(), "bytes_per_token": lm.kv_bytes_per_token,
+                           "formula_bytes_per_token": kv_bytes_per_token(30, 3, 64, 64, kv, kv)}
+            _save(path, doc)
+    return doc
+
+
+def cross_check(kv: str, a, chunks: int = 2, n_ctx: int = 1024) -> dict[str, Any]:
+    """``llama-perplexity -ctk KV -ctv KV -fa on`` on the validation text (its own protocol: chunks of ``n_ctx``
+    tokens of llama.cpp's tokenisation, the second half scored) beside the same chunks scored through our C API path
+    (:meth:`LlamaCppModel.continuation_nll` with the first ``n_ctx / 2 + 1`` tokens as the prompt): the bindings and
+    the tool should agree. Kept in ``WORK/cross_check.json``."""
+    import re
+    import subprocess
+
+    from kvsplice.engines.llama_cpp import LlamaCppModel, binary
+
+    path = WORK / "cross_check.json"
+    doc = _load(path)
+    if kv in doc:
+        return doc[kv]
+    gguf = next(MODEL.glob("*.gguf"))
+    cmd = [str(binary("llama-perplexity")), "-m", str(gguf), "-f", str(STORIES), "-c", str(n_ctx), "-b", str(n_ctx),
+           "--chunks", str(chunks), "-t", str(a.threads), "-fa", "on", "-ctk", kv, "-ctv", kv, "--no-repack"]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    m = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", r.stdout + r.stderr)
+    if m is None:
+        raise RuntimeError(f"llama-perplexity failed (exit {r.returncode}): {(r.stderr or r.stdout)[-400:]}")
+    tool_s = time.perf_counter() - t0
+    first = n_ctx // 2
+    with LlamaCppModel(gguf, n_ctx=n_ctx, cache_type=kv, flash_attn=True, threads=a.threads) as lm:
+        ids = lm.tokenize(STORIES.read_text(encoding="utf-8"), add_special=True)  # as the tool
+        bos = lm.ll.llama_vocab_bos(lm.vocab) if lm.ll.llama_vocab_get_add_bos(lm.vocab) else None
+        nll, n = 0.0, 0
+        for c in range(chunks):
+            w = ids[c * n_ctx:(c + 1) * n_ctx]
+            if bos is not None:
+                w = [bos] + w[1:]
+            x, k = lm.continuation_nll(w, first + 1, chunk=n_ctx)
+            nll, n = nll + x, n + k
+    doc[kv] = {"command": " ".join(cmd), "llama_perplexity": float(m[1]), "pm": float(m[2]), "tool_seconds": tool_s,
+               "api": math.exp(nll / n), "scored_tokens": n, "chunks": chunks, "n_ctx": n_ctx}
+    _save(path, doc)
+    print(f"cross-check {kv}: llama-perplexity {doc[kv]['llama_perplexity']:.4f}, API {doc[kv]['api']:.4f}", flush=True)
+    return doc[kv]
 
 
 # ------------------------------------------------------------------------------------------------ the report
@@ -179,17 +243,30 @@ def write_report(types: list[str], results_dir: Path) -> dict:
           "| engine / cache | bytes / token | × smaller than fp16 | ppl | vs llama.cpp f16 | vs our full (fp32) |",
           "|---|---:|---:|---:|---:|---:|"]
     rows = []
+    exact = _load(WORK / "bytes.json")  # at 2^15 cells: exact; else the run's own context (log rounding)
     for kv, d in docs.items():
+        d["bytes"] = exact.get(kv, d["kv_cache"])
         if "protocol_P" in d:
-            c = d["kv_cache"]
             rows.append({"label": f"llama.cpp `{kv}` K+V", "ppl": d["protocol_P"]["ppl"],
-                         "bytes_per_token": c["bytes_per_token"], "formula": c["formula_bytes_per_token"]})
+                         "bytes_per_token": d["bytes"]["bytes_per_token"],
+                         "formula": d["bytes"]["formula_bytes_per_token"], "cells": d["bytes"]["cells"]})
     rows += ours
     for r in sorted(rows, key=lambda r: -r["bytes_per_token"]):
-        b = f"{r['bytes_per_token']:,.0f}" + (f" (formula {r['formula']:,})" if "formula" in r else "")
+        b = f"{r['bytes_per_token']:,.0f}"
+        if "formula" in r:  # llama.cpp's log over its cells, against ggml's closed form
+            b = f"{b} (= formula)" if r["bytes_per_token"] == r["formula"] else \
+                f"{r['bytes_per_token']:,.1f} (log at {r['cells']:,} cells; formula {r['formula']:,})"
         md.append(f"| {r['label']} | {b} | {23040 / r['bytes_per_token']:.2f} | {r['ppl']:.4f} | "
                   f"{_pct(r['ppl'], f16) if f16 else ''} | {_pct(r['ppl'], full_ours) if full_ours else ''} |")
     report: dict[str, Any] = {"protocol_P": rows, "llama_cpp": docs, "tasks": {}}
+    cc = _load(WORK / "cross_check.json")
+    if cc:
+        report["cross_check"] = cc
+        md += ["", "Cross-check, llama.cpp's own tool against the C API path above (its protocol: chunks of 1,024 "
+               "tokens of llama.cpp's tokenisation, the second half scored):", "",
+               "| cache | `llama-perplexity` | C API, same chunks | command |", "|---|---:|---:|---|"]
+        md += [f"| `{kv}` | {r['llama_perplexity']:.4f} ± {r['pm']:.4f} | {r['api']:.4f} | `llama-perplexity -m GGUF -f VAL -c {r['n_ctx']} -b {r['n_ctx']} --chunks {r['chunks']} -fa on -ctk {kv} -ctv {kv} --no-repack` |"
+               for kv, r in cc.items()]
     settings = sorted({r["setting"] for d in docs.values() for r in d.get("tasks", {}).values()})
     ours_t = _load(RESULTS / "smollm2_tasks.json").get("by_length", {})
     for s in settings:
@@ -201,7 +278,7 @@ def write_report(types: list[str], results_dir: Path) -> dict:
                                "n": r["n"], "bytes_per_token": r["bytes_per_token_fp16"]}
         for kv, d in docs.items():
             if f"llama.cpp `{kv}`" in summ:
-                summ[f"llama.cpp `{kv}`"]["bytes_per_token"] = d["kv_cache"]["bytes_per_token"]
+                summ[f"llama.cpp `{kv}`"]["bytes_per_token"] = d["bytes"]["bytes_per_token"]
         report["tasks"][s] = summ
         cells = sorted({c for v in summ.values() for c in v["cells"]})
         names = sorted(summ, key=lambda k: -summ[k].get("bytes_per_token", 0))
@@ -223,13 +300,17 @@ def write_report(types: list[str], results_dir: Path) -> dict:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--types", nargs="+", default=TYPES, help="llama.cpp cache types, K and V both (default: %(default)s)")
+    ap.add_argument("--types", nargs="*", default=TYPES, help="llama.cpp cache types, K and V both (default: %(default)s)")
     ap.add_argument("--no-perplexity", dest="perplexity", action="store_false", help="skip protocol P")
     ap.add_argument("--tasks", nargs="*", default=TASKS, help="suite tasks (none: no task rows)")
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024])
     ap.add_argument("--n", type=int, default=8, help="instances per task and length, seeds 0..n-1 (default 8)")
     ap.add_argument("--settings", nargs="+", default=["agnostic"], choices=("agnostic", "aware"))
     ap.add_argument("--ours", nargs="*", default=[], help="our method specs to run on protocol P too (loads the model)")
+    ap.add_argument("--cross-check", nargs="*", default=[], metavar="TYPE",
+                    help="run llama-perplexity itself with these types beside our API path (2 chunks of 1,024)")
+    ap.add_argument("--exact-bytes", action="store_true",
+                    help="read each type's cache per token at 2^15 cells (exact MiB in llama.cpp's log)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--results", default=str(RESULTS))
     ap.add_argument("--report-only", action="store_true")
@@ -261,6 +342,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"windows {tuple(windows.shape)}, {len(insts)} instances ({time.perf_counter() - t0:.0f} s)", flush=True)
         for kv in a.types:
             run_type(kv, a, tok, windows, insts)
+        if a.exact_bytes:
+            exact_bytes(a.types)
+        for kv in a.cross_check:
+            cross_check(kv, a)
         if a.ours:
             run_ours(a.ours, a)
     write_report(TYPES, Path(a.results))

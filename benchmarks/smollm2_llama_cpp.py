@@ -221,8 +221,9 @@ def _task_summary(results: dict, setting: str) -> dict[str, Any]:
             cells.setdefault(f"{r['task']}/{r['length']}", []).append(r["score"])
     acc = {c: (100 * sum(v) / len(v), len(v)) for c, v in sorted(cells.items())}
     allv = [s for v in cells.values() for s in v]
+    cpu = sum(r["cpu_seconds"] for r in results.values() if r["setting"] == setting)
     return {"cells": acc, "acc": 100 * sum(allv) / len(allv) if allv else None, "n": len(allv),
-            "cpu_seconds": sum(r["cpu_seconds"] for r in results.values() if r["setting"] == setting) / max(len(allv), 1)}
+            "cpu_seconds": cpu / max(len(allv), 1)}
 
 
 def write_report(types: list[str], results_dir: Path) -> dict:
@@ -234,8 +235,8 @@ def write_report(types: list[str], results_dir: Path) -> dict:
     full_ours = next((r["ppl"] for r in ours if r["label"].startswith("ours: full")), None)
     f16 = docs.get("f16", {}).get("protocol_P", {}).get("ppl")
     md = ["# llama.cpp's KV cache types beside our stacks (SmolLM2-135M-Instruct)", "",
-          "`python benchmarks/smollm2_llama_cpp.py` — llama.cpp 0.3.36 (llama-cpp-python's vendored tree) through its "
-          "C API on the shared Q4_1 GGUF, our tokenizer's ids, K and V in the type, flash attention on, one thread; "
+          "`python benchmarks/smollm2_llama_cpp.py` — llama.cpp 0.3.36 (llama-cpp-python's vendored tree) through "
+          "its C API on the shared Q4_1 GGUF, our tokenizer's ids, K and V in the type, flash attention on, one thread; "
           "protocol P (4 validation windows of 1,024 tokens, 768 prefilled, 256 decoded in chunks of 64 and scored). "
           "Bytes per token: llama.cpp's own log line at context creation (K + V MiB over its cells) and ggml's closed "
           "form beside it; ours: each method's closed form at fp16 storage per prompt token (results/).", "",
@@ -265,8 +266,10 @@ def write_report(types: list[str], results_dir: Path) -> dict:
         md += ["", "Cross-check, llama.cpp's own tool against the C API path above (its protocol: chunks of 1,024 "
                "tokens of llama.cpp's tokenisation, the second half scored):", "",
                "| cache | `llama-perplexity` | C API, same chunks | command |", "|---|---:|---:|---|"]
-        md += [f"| `{kv}` | {r['llama_perplexity']:.4f} ± {r['pm']:.4f} | {r['api']:.4f} | `llama-perplexity -m GGUF -f VAL -c {r['n_ctx']} -b {r['n_ctx']} --chunks {r['chunks']} -fa on -ctk {kv} -ctv {kv} --no-repack` |"
-               for kv, r in cc.items()]
+        for kv, r in cc.items():
+            tool = (f"llama-perplexity -m GGUF -f VAL -c {r['n_ctx']} -b {r['n_ctx']} --chunks {r['chunks']} -fa on "
+                    f"-ctk {kv} -ctv {kv} --no-repack")
+            md.append(f"| `{kv}` | {r['llama_perplexity']:.4f} ± {r['pm']:.4f} | {r['api']:.4f} | `{tool}` |")
     settings = sorted({r["setting"] for d in docs.values() for r in d.get("tasks", {}).values()})
     ours_t = _load(RESULTS / "smollm2_tasks.json").get("by_length", {})
     for s in settings:
@@ -300,7 +303,8 @@ def write_report(types: list[str], results_dir: Path) -> dict:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--types", nargs="*", default=TYPES, help="llama.cpp cache types, K and V both (default: %(default)s)")
+    ap.add_argument("--types", nargs="*", default=TYPES,
+                    help="llama.cpp cache types, K and V both (default: %(default)s)")
     ap.add_argument("--no-perplexity", dest="perplexity", action="store_false", help="skip protocol P")
     ap.add_argument("--tasks", nargs="*", default=TASKS, help="suite tasks (none: no task rows)")
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024])

@@ -235,11 +235,12 @@ def write_report(types: list[str], results_dir: Path) -> dict:
     full_ours = next((r["ppl"] for r in ours if r["label"].startswith("ours: full")), None)
     f16 = docs.get("f16", {}).get("protocol_P", {}).get("ppl")
     md = ["# llama.cpp's KV cache types beside our stacks (SmolLM2-135M-Instruct)", "",
-          "`python benchmarks/smollm2_llama_cpp.py` — llama.cpp 0.3.36 (llama-cpp-python's vendored tree) through "
-          "its C API on the shared Q4_1 GGUF, our tokenizer's ids, K and V in the type, flash attention on, one thread; "
-          "protocol P (4 validation windows of 1,024 tokens, 768 prefilled, 256 decoded in chunks of 64 and scored). "
-          "Bytes per token: llama.cpp's own log line at context creation (K + V MiB over its cells) and ggml's closed "
-          "form beside it; ours: each method's closed form at fp16 storage per prompt token (results/).", "",
+          "`python benchmarks/smollm2_llama_cpp.py` — llama.cpp 0.3.36 (llama-cpp-python's vendored tree) "
+          "through its C API on the shared Q4_1 GGUF, our tokenizer's ids, K and V in the type, flash attention on, "
+          "one thread; protocol P (4 validation windows of 1,024 tokens, 768 prefilled, 256 decoded in chunks of 64 "
+          "and scored). Bytes per token: llama.cpp's own log line at context creation (K + V MiB over its cells) "
+          "and ggml's closed form beside it; ours: each method's closed form at fp16 storage per prompt token "
+          "(results/).", "",
           "## Protocol P", "",
           "| engine / cache | bytes / token | × smaller than fp16 | ppl | vs llama.cpp f16 | vs our full (fp32) |",
           "|---|---:|---:|---:|---:|---:|"]

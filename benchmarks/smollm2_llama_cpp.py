@@ -48,6 +48,11 @@ OURS_P = [("smollm2_frontier.json", "full", "ours: full K/V, fp32 model"),
           ("smollm2_tasks_goals.json", "4x", "ours: planner 4× pick (KVzip band ×1.69 + k8v4h)"),
           ("smollm2_frontier.json", "plan_8x", "ours: perplexity planner 8× (ObservedAttention ×4.2 + int8)"),
           ("smollm2_tasks_goals.json", "8x", "ours: planner 8× pick (KVzip pooled ×3.38 + k8v4h)")]
+OURS_TASKS_RUN = WORK / "ours_tasks_1024.json"
+OURS_TASKS_CMD = ("python -m kvsplice.eval_tasks --model ../shared/data/smollm2-135m-instruct --stories "
+                  "../shared/data/tinystories/yuninxia_moe-routing-bench__tinystories_val.txt --method k8v4h int4 "
+                  "--tasks passkey niah_number_stories niah_word_facts --lengths 1024 --n 8 --setting agnostic "
+                  "--threads 1 --out checkpoints/smollm2_llama_cpp/ours_tasks_1024.json")
 OURS_TASKS = {"full": "ours: full K/V", "int8": "ours: int8 rows", "kivi4": "ours: KIVI-4 (r128)",
               "plan:/work/main/checkpoints/smollm2_tasks/plans/plan4x.json": "ours: planner 4× pick",
               "plan:/work/main/checkpoints/smollm2_tasks/plans/plan8x.json": "ours: planner 8× pick"}
@@ -273,6 +278,11 @@ def write_report(types: list[str], results_dir: Path) -> dict:
             md.append(f"| `{kv}` | {r['llama_perplexity']:.4f} ± {r['pm']:.4f} | {r['api']:.4f} | `{tool}` |")
     settings = sorted({r["setting"] for d in docs.values() for r in d.get("tasks", {}).values()})
     ours_t = _load(RESULTS / "smollm2_tasks.json").get("by_length", {})
+    extra = _load(OURS_TASKS_RUN)  # our stacks at llama.cpp's bytes, run by OURS_TASKS_CMD on the same instances
+    if extra:
+        from kvsplice.tasks.report import summarize
+
+        extra_summary = summarize(extra["results"], list(extra["methods"]))
     for s in settings:
         summ = {f"llama.cpp `{kv}`": _task_summary(d["tasks"], s) for kv, d in docs.items() if d.get("tasks")}
         for m, label in OURS_TASKS.items():
@@ -280,6 +290,10 @@ def write_report(types: list[str], results_dir: Path) -> dict:
             if r:
                 summ[label] = {"cells": {c: (v["acc"], v["n"]) for c, v in r["cells"].items()}, "acc": r["acc"],
                                "n": r["n"], "bytes_per_token": r["bytes_per_token_fp16"]}
+        for m, r in (extra_summary.get(s, {}) if extra else {}).items():
+            if m != "full":
+                summ[f"ours: {m}"] = {"cells": {c: (v["acc"], v["n"]) for c, v in r["cells"].items()},
+                                      "acc": r["acc"], "n": r["n"], "bytes_per_token": r["bytes_per_token_fp16"]}
         for kv, d in docs.items():
             if f"llama.cpp `{kv}`" in summ:
                 summ[f"llama.cpp `{kv}`"]["bytes_per_token"] = d["bytes"]["bytes_per_token"]

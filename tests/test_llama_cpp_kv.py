@@ -8,7 +8,8 @@ a GGUF by gguf-py here (no tokenizer: ``tokenizer.ggml.model = none``; its q / k
 converter permutes them), beside the same weights in transformers. The type option reaches llama.cpp (its log names
 the types), the cache it allocates per token equals ggml's closed form (and ``ggml_row_size`` of the library) for
 f16, q8_0, q4_0, q4_1 and iq4_nl, f16 perplexity on protocol P's scoring equals transformers' fp32 within 0.5 %, and
-q8_0 within 0.5 % of f16 while q4_0 moves further.
+q8_0 within 0.5 % of f16 while q4_0 moves further; a task instance answered through llama.cpp (both settings) gives
+transformers' greedy tokens, scored by the instance.
 """
 
 from __future__ import annotations
@@ -154,3 +155,40 @@ def test_perplexity_f16_matches_transformers_and_q8_0_matches_f16(tiny):
     assert abs(ppl["q8_0"] / ppl["f16"] - 1) <= 0.005, ppl
     assert ppl["q8_0"] != ppl["f16"]  # the type took effect
     assert abs(ppl["q4_0"] / ppl["f16"] - 1) > abs(ppl["q8_0"] / ppl["f16"] - 1), ppl
+
+
+class _CharTokenizer:
+    """One id per character (the tiny model has no tokenizer): what the suite's ``prompt_ids`` / ``decode_text`` read."""
+
+    sep, bos_id, eos_id = "none", None, None
+
+    def __init__(self) -> None:
+        self.backend = self  # decode_text reads ``tokenizer.backend.decode``
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % VOCAB for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+@pytest.mark.engines
+def test_answer_is_the_greedy_answer_in_both_settings(tiny):
+    from kvsplice.engines.llama_cpp_eval import answer
+    from kvsplice.tasks.instance import TaskInstance
+
+    path, hf = tiny
+    tok = _CharTokenizer()
+    inst = TaskInstance("passkey", 96, 0, "The pass key is 40123. Remember it. " * 2, " The pass key is",
+                        ("40123",), 12)
+    ids = tok.encode(inst.context) + tok.encode(inst.question)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(ids):].tolist()
+    with llama_cpp.LlamaCppModel(path, n_ctx=256, cache_type="f16", flash_attn=True) as lm:
+        for setting in ("agnostic", "aware"):
+            out = answer(lm, tok, inst, setting=setting)
+            assert out["tokens"] == ref and out["n_prompt"] == len(ids) and out["setting"] == setting
+            assert out["output"] == tok.decode(ref) and out["score"] == inst.score(out["output"])
+        with pytest.raises(ValueError, match="exceed n_ctx"):
+            answer(lm, tok, TaskInstance("passkey", 400, 0, "x" * 300, "?", ("1",), 8))

@@ -299,7 +299,7 @@ class LlamaCppModel:
 
     def continuation_nll(self, ids: Sequence[int], prompt_len: int, chunk: int = 64) -> tuple[float, int]:
         """Protocol P's scoring in llama.cpp (as :func:`kvsplice.decode.score_continuation`): ``ids[:prompt_len]``
-        prefilled in one batch into a fresh cache, ``ids[prompt_len:-1]`` decoded teacher-forced in chunks of
+        prefilled into a fresh cache (one batch when it fits ``n_batch``), ``ids[prompt_len:-1]`` decoded teacher-forced in chunks of
         ``chunk`` over it, ``ids[prompt_len:]`` scored (the prefill's last position predicts the first). Returns
         ``(summed NLL, tokens scored)``; the log-softmax in float64."""
         import numpy as np
@@ -321,6 +321,7 @@ class LlamaCppModel:
         return float((logz - lg[np.arange(len(target)), target]).sum()), len(target)
 
     def _logits_at(self, j: int):
+        """A copy of the logits of output ``j`` of the last decode (``-1``: its last)."""
         import numpy as np
 
         return np.ctypeslib.as_array(self.ll.llama_get_logits_ith(self.ctx, j), shape=(self.n_vocab,)).copy()

@@ -6,7 +6,13 @@ figures from ``results/`` (the same windows and seeds).
     python benchmarks/smollm2_llama_cpp.py                       # perplexity + the reduced task set, every type
     python benchmarks/smollm2_llama_cpp.py --types q8_0 q4_0     # some types (another process can run the others)
     python benchmarks/smollm2_llama_cpp.py --ours k8v4h int4h    # + our stacks on protocol P (loads the model)
+    python benchmarks/smollm2_llama_cpp.py --types --tasks --exact-bytes --cross-check q8_0 f16
+                      # bytes at 2^15 cells (exact in llama.cpp's log); llama-perplexity itself beside our API path
     python benchmarks/smollm2_llama_cpp.py --report-only         # write results/ from what is finished
+
+Our extra task rows (``k8v4h``, ``int4`` at llama.cpp's bytes) come from ``OURS_TASKS_CMD`` (``eval_tasks``), read
+when its output exists; our other rows from ``results/smollm2_frontier.json``, ``smollm2_tasks.json`` and
+``smollm2_tasks_goals.json``.
 
 llama.cpp runs through its C API (:mod:`kvsplice.engines.llama_cpp`, ``$KVSPLICE_LLAMA_CPP``; docs/conversion.md
 builds it) on the shared GGUF itself (its Q4_1 weights: what our loader dequantises to fp32), fed our tokenizer's ids.

@@ -60,8 +60,7 @@ OURS_TASKS_CMD = ("python -m kvsplice.eval_tasks --model ../shared/data/smollm2-
                   "--tasks passkey niah_number_stories niah_word_facts --lengths 1024 --n 8 --setting agnostic "
                   "--threads 1 --out checkpoints/smollm2_llama_cpp/ours_tasks_1024.json")
 OURS_TASKS = {"full": "ours: full K/V", "int8": "ours: int8 rows", "kivi4": "ours: KIVI-4 (r128)",
-              "plan:/work/main/checkpoints/smollm2_tasks/plans/plan4x.json": "ours: planner 4× pick",
-              "plan:/work/main/checkpoints/smollm2_tasks/plans/plan8x.json": "ours: planner 8× pick"}
+              "plan4x.json": "ours: planner 4× pick", "plan8x.json": "ours: planner 8× pick"}  # a plan: by file name
 
 
 # ------------------------------------------------------------------------------------------------ work files
@@ -291,9 +290,9 @@ def write_report(types: list[str], results_dir: Path) -> dict:
         extra_summary = summarize(extra["results"], list(extra["methods"]))
     for s in settings:
         summ = {f"llama.cpp `{kv}`": _task_summary(d["tasks"], s) for kv, d in docs.items() if d.get("tasks")}
-        for m, label in OURS_TASKS.items():
-            r = ours_t.get("1024", {}).get("summary", {}).get(s, {}).get(m)
-            if r:
+        for m, r in ours_t.get("1024", {}).get("summary", {}).get(s, {}).items():
+            label = OURS_TASKS.get(m if not m.startswith("plan:") else Path(m).name)
+            if label:
                 summ[label] = {"cells": {c: (v["acc"], v["n"]) for c, v in r["cells"].items()}, "acc": r["acc"],
                                "n": r["n"], "bytes_per_token": r["bytes_per_token_fp16"]}
         for m, r in (extra_summary.get(s, {}) if extra else {}).items():

@@ -191,18 +191,31 @@ def _bindings():
 
 
 class LlamaCppModel:
-    """A GGUF in llama.cpp: ``logits(ids)`` (every position), ``greedy(ids, n)``, ``tokenize(text)`` and
-    ``kv_bytes_per_token`` (the K + V cache llama.cpp allocated, from its log line, over its cells).
+    """A GGUF in llama.cpp: ``logits(ids)`` (every position), ``continuation_nll(ids, prompt_len)`` (protocol P's
+    scoring), ``greedy(ids, n)``, ``tokenize(text)`` and ``kv_bytes_per_token`` (the K + V cache llama.cpp
+    allocated, from its log line, over its cells).
 
-    ``n_ctx`` cells of cache type ``cache_type`` (``"f16"``, ``"f32"``, ``"q8_0"``, ...); one sequence, one thread
-    by default. ``repack=False`` (the default; llama.cpp's ``--no-repack``): with weight repacking, an f16
-    ``deepseek2`` GGUF of SmolLM2's shapes aborts in llama.cpp 0.3.36's scheduler (``GGML_ASSERT(*cur_backend_id
-    != -1)``, also with a real latent norm: llama.cpp's, not the export's); f32 / bf16 GGUFs run either way."""
+    ``n_ctx`` cells; one sequence, one thread by default; batches of up to ``n_batch`` tokens (default ``n_ctx``: a
+    prompt is one batch, as in our prefill). The cache holds K in ``type_k`` and V in ``type_v`` (each
+    defaults to ``cache_type``): any name of :data:`kvsplice.engines.kv_types.KV_TYPES` (``"f16"``, ``"q8_0"``,
+    ``"q4_0"``, ``"q4_1"``, ``"iq4_nl"``, ...); an unknown name is a one-line ``ValueError``. ``flash_attn``:
+    ``True`` / ``False`` / ``None`` (llama.cpp's auto). llama.cpp quantises V only under flash attention, so a
+    quantised ``type_v`` turns it on when it is left to ``None`` and refuses ``flash_attn=False`` (one line).
+    ``repack=False`` (the default; llama.cpp's ``--no-repack``): with weight repacking, an f16 ``deepseek2`` GGUF of
+    SmolLM2's shapes aborts in llama.cpp 0.3.36's scheduler (``GGML_ASSERT(*cur_backend_id != -1)``, also with a real
+    latent norm: llama.cpp's, not the export's); f32 / bf16 GGUFs run either way."""
 
-    def __init__(self, path: str | os.PathLike, *, n_ctx: int = 512, cache_type: str = "f16", threads: int = 1,
-                 repack: bool = False):
+    def __init__(self, path: str | os.PathLike, *, n_ctx: int = 512, cache_type: str = "f16",
+                 type_k: Optional[str] = None, type_v: Optional[str] = None, flash_attn: Optional[bool] = None,
+                 threads: int = 1, repack: bool = False, n_batch: Optional[int] = None):
+        from kvsplice.engines.kv_types import kv_type
+
+        tk, tv = kv_type(type_k or cache_type), kv_type(type_v or cache_type)  # unknown names fail here, in one line
+        if tv.block > 1 and flash_attn is False:
+            raise ValueError(f"llama.cpp quantises V ({tv.name}) only with flash attention: flash_attn=False refused")
         ll = _bindings()
         self.ll = ll
+        self.type_k, self.type_v = tk.name, tv.name
         mp = ll.llama_model_default_params()
         mp.use_extra_bufts = bool(repack)
         _LOG.clear()
@@ -213,16 +226,18 @@ class LlamaCppModel:
         self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
         cp = ll.llama_context_default_params()
         cp.n_ctx = n_ctx
-        cp.n_batch = n_ctx
-        cp.n_ubatch = n_ctx
+        cp.n_batch = cp.n_ubatch = n_batch or n_ctx
         cp.n_seq_max = 1
         cp.n_threads = cp.n_threads_batch = threads
-        gt = getattr(ll, f"GGML_TYPE_{cache_type.upper()}")
-        cp.type_k = cp.type_v = gt
+        cp.type_k, cp.type_v = tk.ggml_id, tv.ggml_id
+        fa = {None: ll.LLAMA_FLASH_ATTN_TYPE_AUTO, True: ll.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+              False: ll.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+        cp.flash_attn_type = fa[flash_attn]
         self.ctx = ll.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not make a context for {path}: {''.join(_LOG)[-400:]}")
         self.n_ctx = ll.llama_n_ctx(self.ctx)
+        self.n_batch = ll.llama_n_batch(self.ctx)
         self.log = "".join(_LOG)
 
     # ---------------------------------------------------------------------------------------- cache size
@@ -256,6 +271,14 @@ class LlamaCppModel:
         ll.llama_memory_clear(ll.llama_get_memory(self.ctx), True)
 
     def _decode(self, ids: Sequence[int], pos0: int, all_logits: bool):
+        """``ids`` at positions ``pos0 ...`` into the cache, in pieces of ``n_batch``; logits of every position
+        (``all_logits``: one piece only) or of the last."""
+        if len(ids) > self.n_batch:
+            if all_logits:
+                raise ValueError(f"{len(ids)} tokens with every logit exceed n_batch = {self.n_batch}")
+            for s0 in range(0, len(ids), self.n_batch):
+                self._decode(ids[s0:s0 + self.n_batch], pos0 + s0, False)
+            return
         ll = self.ll
         n = len(ids)
         batch = ll.llama_batch_init(n, 0, 1)
@@ -285,17 +308,50 @@ class LlamaCppModel:
             out[j] = np.ctypeslib.as_array(p, shape=(self.n_vocab,))
         return out
 
-    def greedy(self, ids: Sequence[int], n: int) -> list[int]:
-        """``n`` greedy tokens after ``ids``: the prompt in one batch, then one token per step (the cache)."""
+    def continuation_nll(self, ids: Sequence[int], prompt_len: int, chunk: int = 64) -> tuple[float, int]:
+        """Protocol P's scoring in llama.cpp (as :func:`kvsplice.decode.score_continuation`): ``ids[:prompt_len]``
+        prefilled into a fresh cache (one batch when it fits ``n_batch``), ``ids[prompt_len:-1]`` decoded teacher-forced in chunks of
+        ``chunk`` over it, ``ids[prompt_len:]`` scored (the prefill's last position predicts the first). Returns
+        ``(summed NLL, tokens scored)``; the log-softmax in float64."""
         import numpy as np
 
+        t, p = len(ids), int(prompt_len)
+        if not 1 <= p < t <= self.n_ctx:
+            raise ValueError(f"prompt_len must be in [1, {t - 1}] and the window within n_ctx = {self.n_ctx}")
+        self.reset()
+        self._decode(ids[:p], 0, False)
+        rows = [self._logits_at(-1)]
+        for s0 in range(p, t - 1, chunk):
+            part = ids[s0:min(t - 1, s0 + chunk)]
+            self._decode(part, s0, True)
+            rows += [self._logits_at(j) for j in range(len(part))]
+        lg = np.stack(rows).astype(np.float64)  # (t - p, V)
+        m = lg.max(axis=1, keepdims=True)
+        logz = (m[:, 0] + np.log(np.exp(lg - m).sum(axis=1)))
+        target = np.asarray(ids[p:], dtype=np.int64)
+        return float((logz - lg[np.arange(len(target)), target]).sum()), len(target)
+
+    def _logits_at(self, j: int):
+        """A copy of the logits of output ``j`` of the last decode (``-1``: its last)."""
+        import numpy as np
+
+        return np.ctypeslib.as_array(self.ll.llama_get_logits_ith(self.ctx, j), shape=(self.n_vocab,)).copy()
+
+    def greedy(self, ids: Sequence[int], n: int, *, then: Sequence[int] = (), eos: Optional[int] = None) -> list[int]:
+        """Up to ``n`` greedy tokens: ``ids`` prefilled in one batch, then ``then`` (if any: a question fed over the
+        cache as one more batch), then one token per step; stops after ``eos`` (kept)."""
         self.reset()
         self._decode(ids, 0, False)
-        out, pos = [], len(ids)
-        for _ in range(n):
-            lg = np.ctypeslib.as_array(self.ll.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,))
-            t = int(lg.argmax())
+        pos = len(ids)
+        if len(then):
+            self._decode(then, pos, False)
+            pos += len(then)
+        out: list[int] = []
+        for i in range(n):
+            t = int(self._logits_at(-1).argmax())
             out.append(t)
+            if t == eos or i == n - 1:
+                break
             self._decode([t], pos, False)
             pos += 1
         return out

@@ -121,7 +121,7 @@ def run_ours(specs: list[str], a) -> None:
 
     import kvsplice.evaluation.windows as C
     from kvsplice import build_method
-    from kvsplice.engines.llama_cpp_eval import gguf_tokenizer
+    from kvsplice.io.loading import load_tokenizer
     from kvsplice.evaluation.protocol import evaluate, evaluate_each
 
     path = WORK / "ours.json"
@@ -132,7 +132,7 @@ def run_ours(specs: list[str], a) -> None:
     torch.set_num_threads(a.threads)
     loaded = C.load()
     windows = C.eval_windows(loaded)
-    same = torch.equal(windows, _windows(gguf_tokenizer(MODEL)))
+    same = torch.equal(windows, _windows(load_tokenizer(MODEL)))
     for spec in specs:  # window by window, each method built from its prompt (KVzip re-reads it)
         if spec == "full":
             r = evaluate(loaded.model, None, windows, prompt_len=PROMPT, batch_size=1)
@@ -356,11 +356,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not next(MODEL.glob("*.gguf"), None):
             print(f"smollm2_llama_cpp: no GGUF under {MODEL}", file=sys.stderr)
             return 2
-        from kvsplice.engines.llama_cpp_eval import gguf_tokenizer
+        from kvsplice.io.loading import load_tokenizer
         from kvsplice.tasks.suite import make_instances
 
         t0 = time.perf_counter()
-        tok = gguf_tokenizer(MODEL)
+        tok = load_tokenizer(MODEL)
         windows = _windows(tok)
         insts = make_instances(a.tasks, tok, a.lengths, a.n, stories=str(STORIES)) if a.tasks else []
         print(f"windows {tuple(windows.shape)}, {len(insts)} instances ({time.perf_counter() - t0:.0f} s)", flush=True)

@@ -83,3 +83,23 @@ def test_a_folder_of_two_gguf_files_says_so(cut, tmp_path, capsys):
     rc, _, err = gen(d, tmp_path, capsys)
     one_error(rc, err, "generate", f"holds 2 GGUF files (base.gguf, instruct.gguf): pass the one to load, e.g. "
                                    f"--model {d / 'base.gguf'}")
+
+
+@pytest.mark.slow  # ~60 s: GGUF's tokenizer is rebuilt from 49k merges, twice
+def test_load_tokenizer_reads_a_gguf_file_or_its_folder():
+    """``load_tokenizer`` of a GGUF (the file or the folder holding only it) is transformers' tokenizer of that file,
+    without loading the weights."""
+    from transformers import AutoTokenizer
+
+    from kvsplice.io.loading import load_tokenizer
+
+    text = "Once upon a time, Lily found a shiny red ball."
+    ref = AutoTokenizer.from_pretrained(str(SRC.parent), gguf_file=SRC.name)(text, add_special_tokens=False)["input_ids"]
+    ours = load_tokenizer(SRC)
+    assert ours.encode(text) == ref and ours.eos_id == ref_eos(SRC)
+    assert load_tokenizer(SRC.parent).encode(text) == ref
+
+
+def ref_eos(path: Path) -> int:
+    """The end-of-text id the GGUF's metadata names."""
+    return int(gguf.GGUFReader(str(path)).fields["tokenizer.ggml.eos_token_id"].contents())

@@ -302,11 +302,7 @@ class LlamaCppModel:
 
         self.reset()
         self._decode(ids, 0, True)
-        out = np.empty((len(ids), self.n_vocab), dtype=np.float32)
-        for j in range(len(ids)):
-            p = self.ll.llama_get_logits_ith(self.ctx, j)
-            out[j] = np.ctypeslib.as_array(p, shape=(self.n_vocab,))
-        return out
+        return np.stack([self._logits_at(j) for j in range(len(ids))]).astype(np.float32, copy=False)
 
     def continuation_nll(self, ids: Sequence[int], prompt_len: int, chunk: int = 64) -> tuple[float, int]:
         """Protocol P's scoring in llama.cpp (as :func:`kvsplice.decode.score_continuation`): ``ids[:prompt_len]``

@@ -21,26 +21,11 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 from kvsplice.engines.llama_cpp import LlamaCppModel
 
-__all__ = ["answer", "gguf_tokenizer", "protocol_p"]
-
-
-def gguf_tokenizer(path: str | Path):
-    """The package's tokenizer of a GGUF file (the one :func:`kvsplice.io.loading.load_model` gives with the model),
-    without loading the weights."""
-    from transformers import AutoTokenizer
-
-    from kvsplice.io.gguf import find_gguf
-    from kvsplice.io.loading import _from_hf_tokenizer
-
-    f = find_gguf(Path(path))
-    if f is None:
-        raise FileNotFoundError(f"{path}: not a .gguf file, nor a folder holding exactly one")
-    return _from_hf_tokenizer(AutoTokenizer.from_pretrained(str(f.parent), gguf_file=f.name), str(path))
+__all__ = ["answer", "protocol_p"]
 
 
 def protocol_p(lm: LlamaCppModel, windows: Sequence[Sequence[int]], *, prompt_len: int = 768, chunk: int = 64,

@@ -102,16 +102,23 @@ def _from_text_tokenizer(tok: Any) -> Tokenizer:
 
 
 def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
-    """A tokenizer from a directory / file: an HF tokenizer directory (``tokenizer_config.json``), or GPT-2 BPE files
+    """A tokenizer from a directory / file: an HF tokenizer directory (``tokenizer_config.json``), a GGUF file (or a
+    folder holding one: the tokenizer :func:`load_model` gives with it, without the weights), or GPT-2 BPE files
     (``vocab.json``+``merges.txt``, ``encoder.json``+``vocab.bpe``) / a ``tokenizer.json`` via :mod:`data.tokenizer`."""
+    from kvsplice.io.gguf import find_gguf
+
     p = Path(spec).expanduser()
     if not p.exists():
         raise LoadError(f"tokenizer path not found: {spec}")
-    if p.is_dir() and (p / "tokenizer_config.json").is_file():
+    hf = p.is_dir() and (p / "tokenizer_config.json").is_file()
+    gguf = None if hf else find_gguf(p)
+    if hf or gguf is not None:
         from transformers import AutoTokenizer
 
         try:
-            return _from_hf_tokenizer(AutoTokenizer.from_pretrained(str(p)), str(p))
+            tok = (AutoTokenizer.from_pretrained(str(p)) if hf else
+                   AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
+            return _from_hf_tokenizer(tok, str(p))
         except Exception as e:  # noqa: BLE001
             raise LoadError(f"cannot load the tokenizer in {p}: {first_line(e)}") from None
     from data.errors import DataUnavailableError

@@ -44,7 +44,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from kvsplice.convert import gpt_deepseek
-from kvsplice.convert.latent_pad import check_pad, check_rope_pad
+from kvsplice.convert.latent_pad import padded_row
 from kvsplice.io.cli import Parser, run_cli
 from kvsplice.io.outputs import output_dir, release_claim, write_dir
 from models.attention import LATENT_NORM_EPS
@@ -220,7 +220,7 @@ def _export(ckpt: Path, out: Path, tokenizer: bool, fmt: str = "auto",
             raise ExportError(f"--pad-latent / --pad-rope pad a DeepSeek-V3 export's cache row; this {cfg.variant} "
                               f"model exports as {KIND_NAMES[kind]}")
         try:
-            check_pad(cfg.d_cached_latent, pad_latent), check_rope_pad(cfg.qk_rope_head_dim, pad_rope)
+            padded_row(cfg.d_cached_latent, cfg.qk_rope_head_dim, pad_latent, pad_rope)
         except ValueError as e:
             raise ExportError(str(e)) from None
     tok = run_tokenizer(meta, ckpt) if tokenizer else None

@@ -104,7 +104,7 @@ def check_pad(model: MLALlama, pad_latent: Optional[int], pad_rope: Optional[int
     vLLM's MLA takes latent + RoPE of 320 / 512 / 576, its CPU kernel 512 + 64). ValueError (one line) for a size
     smaller than the model's or a RoPE size that is not a multiple of it."""
     cfg = model.cfg
-    return latent_pad.check_pad(cfg.d_latent, pad_latent), latent_pad.check_rope_pad(cfg.rope_dims, pad_rope)
+    return latent_pad.padded_row(cfg.d_latent, cfg.rope_dims, pad_latent, pad_rope)
 
 
 def dense_mla_config(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,

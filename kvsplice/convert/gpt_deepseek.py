@@ -37,8 +37,7 @@ from typing import Any, Optional
 import torch
 
 from kvsplice.convert.deepseek_v3 import dense_mla_config, interleave_index
-from kvsplice.convert.latent_pad import (check_pad, check_rope_pad, pad_columns, pad_normed_latent, softmax_scale_fold,
-                                         spread_rope_rows)
+from kvsplice.convert.latent_pad import pad_columns, pad_normed_latent, padded_row, softmax_scale_fold, spread_rope_rows
 from models.config import DEEPSEEK_V3, RMS_NORM_EPS, GPTConfig
 
 __all__ = ["deepseek_v3_config", "deepseek_v3_state_dict", "llama_model", "save_deepseek_v3"]
@@ -73,8 +72,7 @@ def deepseek_v3_config(model, pad_latent: Optional[int] = None, pad_rope: Option
     ``qk_rope_head_dim`` the RoPE key or ``pad_rope``."""
     cfg: GPTConfig = model.cfg
     _check(cfg, "mla", "deepseek_v3")
-    rank = check_pad(cfg.d_cached_latent, pad_latent)
-    rope = check_rope_pad(cfg.qk_rope_head_dim, pad_rope)
+    rank, rope = padded_row(cfg.d_cached_latent, cfg.qk_rope_head_dim, pad_latent, pad_rope)
     extra = {}
     if (rank, rope) != (cfg.d_cached_latent, cfg.qk_rope_head_dim):
         extra["padded"] = {"kv_lora_rank": [cfg.d_cached_latent, rank],
@@ -96,7 +94,7 @@ def deepseek_v3_state_dict(model, pad_latent: Optional[int] = None,
     cfg: GPTConfig = model.cfg
     _check(cfg, "mla", "deepseek_v3")
     h, hs, dr = cfg.n_head, cfg.head_size, cfg.qk_rope_head_dim
-    rank, rope = check_pad(cfg.d_cached_latent, pad_latent), check_rope_pad(dr, pad_rope)
+    rank, rope = padded_row(cfg.d_cached_latent, dr, pad_latent, pad_rope)
     fold = softmax_scale_fold(hs, dr, rope)  # 1.0 unpadded
     perm = interleave_index(dr // 2)  # (Dr,): rotate-half rows -> interleaved pairs
     sd = _outer(model)

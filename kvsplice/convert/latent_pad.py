@@ -39,10 +39,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["check_pad", "check_rope_pad", "pad_columns", "pad_normed_latent", "softmax_scale_fold", "spread_rope_rows"]
+__all__ = ["pad_columns", "pad_normed_latent", "padded_latent", "padded_rope", "padded_row", "softmax_scale_fold",
+           "spread_rope_rows"]
 
 
-def check_pad(rank: int, pad_latent: int | None) -> int:
+def padded_latent(rank: int, pad_latent: int | None) -> int:
     """The exported ``kv_lora_rank``: ``rank``, or ``pad_latent`` when given (ValueError, one line, if smaller)."""
     if pad_latent is None:
         return rank
@@ -51,23 +52,29 @@ def check_pad(rank: int, pad_latent: int | None) -> int:
     return int(pad_latent)
 
 
+def padded_row(rank: int, rope_dims: int, pad_latent: int | None, pad_rope: int | None) -> tuple[int, int]:
+    """The exported ``(kv_lora_rank, qk_rope_head_dim)`` of a cache row of ``rank`` latent + ``rope_dims`` RoPE
+    numbers: :func:`padded_latent` and :func:`padded_rope` (ValueError, one line, for a size they refuse)."""
+    return padded_latent(rank, pad_latent), padded_rope(rope_dims, pad_rope)
+
+
 def pad_normed_latent(down: torch.Tensor, norm_weight: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(W_down', w')`` of the module docstring: ``down`` (r, d) and ``norm_weight`` (r,) padded to ``padded`` rows,
     the rows scaled by ``a = sqrt(padded / r)`` and the norm weight by ``1 / a``: the RMSNorm's output is unchanged."""
     r = down.shape[0]
     if norm_weight.shape != (r,):
         raise ValueError(f"the latent norm's weight {tuple(norm_weight.shape)} does not match the latent ({r})")
-    a = math.sqrt(check_pad(r, padded) / r)
+    a = math.sqrt(padded_latent(r, padded) / r)
     zeros = down.new_zeros(padded - r, down.shape[1])
     return torch.cat([down * a, zeros]), F.pad(norm_weight / a, (0, padded - r))  # (P, d), (P,)
 
 
 def pad_columns(w: torch.Tensor, padded: int) -> torch.Tensor:
     """``w`` (..., r) with zero columns appended to ``padded`` (``kv_b_proj``: nothing read from the padded dims)."""
-    return F.pad(w, (0, check_pad(w.shape[-1], padded) - w.shape[-1]))
+    return F.pad(w, (0, padded_latent(w.shape[-1], padded) - w.shape[-1]))
 
 
-def check_rope_pad(rope_dims: int, pad_rope: int | None) -> int:
+def padded_rope(rope_dims: int, pad_rope: int | None) -> int:
     """The exported ``qk_rope_head_dim``: ``rope_dims``, or ``pad_rope`` (a multiple of it; ValueError, one line)."""
     if pad_rope is None:
         return rope_dims
@@ -81,7 +88,7 @@ def spread_rope_rows(w: torch.Tensor, padded: int) -> torch.Tensor:
     """RoPE projection rows ``w`` (..., Dr, d) in interleaved pairs, spread to (..., ``padded``, d): pair ``i`` moves
     to pair ``i · padded / Dr`` (same frequency at the same ``θ``, module docstring), every other row zero."""
     dr = w.shape[-2]
-    k = check_rope_pad(dr, padded) // dr
+    k = padded_rope(dr, padded) // dr
     out = w.new_zeros(*w.shape[:-2], dr // 2, k, 2, w.shape[-1])  # (..., Dr/2 pairs, k slots, 2, d)
     out[..., :, 0, :, :] = w.unflatten(-2, (dr // 2, 2))  # pair i -> slot 0 of group i = pair k·i
     return out.flatten(-4, -2)  # (..., Dr/2 · k · 2 = padded, d)

@@ -60,7 +60,7 @@ def test_eval_tasks_table_json_and_resume(s260k, tmp_path, capsys, monkeypatch) 
     s = doc["summary"]["agnostic"]
     assert s["full"]["n"] == 4 and s["full"]["ratio"] == pytest.approx(1.0)
     assert s["select:observed_attention@x4+int8"]["ratio"] > 4
-    assert "| passkey/410 |" in stdout and "**agnostic**" in stdout and (tmp_path / "r.md").is_file()
+    assert "| passkey/410 " in stdout and "**agnostic**" in stdout and (tmp_path / "r.md").is_file()
 
     def refuse(*a, **k):
         raise AssertionError("a finished instance was recomputed")

@@ -1,0 +1,199 @@
+"""Where a compressed cache's decode step spends its time, beside the full cache's → ``results/decode_profile.{json,md}``.
+
+    python benchmarks/decode_profile.py                       # SmolLM2 shapes at 2k, one thread, + the model's step
+    python benchmarks/decode_profile.py --contexts 2048 8192 --no-model
+    python benchmarks/decode_profile.py --compile             # + torch.compile of the fused formulation (~30 s more)
+
+Two views, one torch thread, medians:
+
+1. **One layer's attention** (SmolLM2-135M's shapes: 9 query heads, 3 KV heads, head size 64; batch 1): PyTorch's
+   SDPA over fp32 keys and values (the full cache) against :func:`kvsplice.core.coded.coded_attend` over a real
+   :class:`kvsplice.quant.cache.KIVICache` (4-bit, group 32, residual 128), and its parts — the one pass over the
+   codes (their float conversion) and the two products — at fp32 and at bf16 (the conversion and products at bf16,
+   exact for the codes). With ``--compile``, a dequantise-and-reduce formulation of the scores and the weighted sum
+   compiled by ``torch.compile`` (TorchInductor's CPU code, fused: no float copy of the codes).
+2. **One decode step of the model** (``--model``, the Decoder door): torch.profiler's self-CPU time per op for the
+   full cache and ``kivi4``, summed into matrix products (the linear layers, and the products on the codes),
+   SDPA, conversions/copies and the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+HQ, HKV, D = 9, 3, 64  # SmolLM2-135M's attention
+
+
+def median_us(fn, reps: int = 40, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(ts)
+
+
+def kivi_layer(n: int, seed: int = 0):
+    """A one-layer KIVI-4 cache holding ``n`` random post-RoPE tokens, and a decode query ``(1, Hq, 1, D)``."""
+    from kvsplice.quant.cache import KIVICache
+
+    g = torch.Generator().manual_seed(seed)
+    cache = KIVICache(1, HKV, D, 1, bits=4, group=32, residual=128, capacity=n + 8)
+    k, v = torch.randn(1, HKV, n, D, generator=g), torch.randn(1, HKV, n, D, generator=g)
+    cache.append(0, k, v)
+    return cache, k, v, torch.randn(1, HQ, 1, D, generator=g)
+
+
+def _scores_fused(qs, codes, s, m):
+    """KIVI keys, dequantised and reduced in one expression (for torch.compile): ``qs (B, Hkv, g, D)``, packed
+    ``codes (B, Hkv, n, D/2)``, per-channel ``s, m (B, Hkv, n/G, D)`` → ``(B, Hkv, g, n)``."""
+    b, h, r, d = qs.shape
+    x = torch.stack(((codes & 15).float(), (codes >> 4).float()), -1).flatten(-2)  # (B, Hkv, n, D)
+    x = x.view(b, h, s.shape[2], -1, d) * s.float()[:, :, :, None] + m.float()[:, :, :, None]  # (B,Hkv,n/G,G,D)
+    return (qs[:, :, :, None, :] * x.view(b, h, 1, -1, d)).sum(-1)
+
+
+def _weighted_fused(p, codes, s, m):
+    """KIVI values: ``p (B, Hkv, g, n)``, packed ``codes (B, Hkv, n, D/2)``, per-token ``s, m (B, Hkv, n, D/G)`` →
+    ``(B, Hkv, g, D)``."""
+    x = torch.stack(((codes & 15).float(), (codes >> 4).float()), -1).flatten(-2)  # (B, Hkv, n, D)
+    b, h, n, d = x.shape
+    x = (x.view(b, h, n, s.shape[-1], -1) * s.float()[..., None] + m.float()[..., None]).view(b, h, 1, n, d)
+    return (p[..., None] * x).sum(-2)
+
+
+@torch.no_grad()
+def layer_rows(n: int, compile_: bool) -> list[dict]:
+    """Per-layer attention times (µs) at ``n`` held tokens."""
+    from kvsplice.core.coded import coded_attend, nibbles
+
+    cache, k, v, q = kivi_layer(n)
+    scale = D ** -0.5
+    kn, vn, qn = k[:, :, -1:], v[:, :, -1:], q
+    rows = [("full cache: SDPA over fp32 K, V", median_us(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)))]
+
+    segs = cache.append_segments(0, kn, vn)  # a decode step's segments: the codes as stored + the fp32 window
+    rows.append(("kivi4: coded_attend (all segments, softmax)", median_us(
+        lambda: coded_attend(qn, segs, scale=scale))))
+    keys, vals = segs[0].keys, segs[0].values
+    rows_q = (qn.float() * scale).reshape(1, HKV, HQ // HKV, D)  # (B, Hkv, g, D)
+    p = torch.softmax(keys.scores(rows_q), -1)  # (B, Hkv, g, n_q)
+    rows.append(("kivi4: keys' scores (ChannelGroupKeys.scores)", median_us(lambda: keys.scores(rows_q))))
+    rows.append(("kivi4: values' weighted sum (Rows.weighted)", median_us(lambda: vals.weighted(p))))
+    for dt, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        x = nibbles(keys.data, dt)  # (B, Hkv, n_q, D)
+        w = torch.randn(1, HKV, x.shape[2] // 32, HQ // HKV, D).to(dt)
+        rows.append((f"  one pass over the key codes: conversion to {name}", median_us(lambda: nibbles(keys.data, dt))))
+        rows.append((f"  the keys' product at {name} (per token group)", median_us(
+            lambda: x.view(1, HKV, -1, 32, D) @ w.transpose(-1, -2))))
+    if compile_:
+        cs = torch.compile(_scores_fused, dynamic=False)
+        cw = torch.compile(_weighted_fused, dynamic=False)
+        cs(rows_q, keys.data, keys.scale, keys.mn)
+        cw(p, vals.data, vals.scale, vals.mn)
+        rows.append(("kivi4 keys, fused by torch.compile", median_us(lambda: cs(rows_q, keys.data, keys.scale,
+                                                                                keys.mn))))
+        rows.append(("kivi4 values, fused by torch.compile", median_us(lambda: cw(p, vals.data, vals.scale,
+                                                                                  vals.mn))))
+    return [{"context": n, "op": name, "us": us} for name, us in rows]
+
+
+GROUPS = (("matrix products (aten::mm / bmm / linear)", ("aten::mm", "aten::bmm", "aten::addmm")),
+          ("SDPA", ("aten::_scaled_dot_product_flash_attention_for_cpu",)),
+          ("conversions and copies", ("aten::copy_", "aten::_to_copy", "aten::cat", "aten::__rshift__",
+                                      "aten::contiguous")))
+
+
+@torch.no_grad()
+def step_rows(model, n: int, spec: str = "kivi4") -> list[dict]:
+    """Self-CPU ms per decode step of ``model`` at ``n`` tokens by op group: the full cache and ``spec`` in the
+    Decoder door."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvsplice.core.registry import build_method
+    from kvsplice.report.speed import prefill_and_steps
+
+    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    out = []
+    for label, method in (("full", None), (spec, build_method(spec))):
+        prefill, step, _ = prefill_and_steps(model, "decoder", method, ids, n + 16)
+        nxt = prefill()[:, -1:].argmax(-1)
+        for _ in range(2):
+            nxt = step(nxt)[:, -1:].argmax(-1)
+        steps = 3
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                nxt = step(nxt)[:, -1:].argmax(-1)
+        tot = {g: 0.0 for g, _ in GROUPS}
+        tot["everything else"] = 0.0
+        for e in prof.key_averages():
+            g = next((g for g, ops in GROUPS if e.key in ops), "everything else")
+            tot[g] += e.self_cpu_time_total / 1e3 / steps
+        out += [{"context": n, "method": label, "group": g, "ms": ms} for g, ms in tot.items()]
+    return out
+
+
+def write(report: dict, stem: Path) -> None:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    md = ["# Where a compressed cache's decode step spends its time", "", f"`{report['command']}`", "",
+          report["machine"], "", "## One layer's attention (SmolLM2 shapes, batch 1)", "",
+          "| context | op | µs (median) |", "|---|---|---|"]
+    md += [f"| {r['context']} | {r['op']} | {r['us']:.0f} |" for r in report["layer"]]
+    if report.get("step"):
+        md += ["", "## One decode step of SmolLM2-135M (Decoder door, self-CPU ms per step, torch.profiler)", "",
+               "| context | method | op group | ms |", "|---|---|---|---|"]
+        md += [f"| {r['context']} | {r['method']} | {r['group']} | {r['ms']:.1f} |" for r in report["step"]]
+    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+
+
+def main(argv=None) -> int:
+    from data.reference import SMOLLM2
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", nargs="+", type=int, default=[2048])
+    ap.add_argument("--model", default=str(SMOLLM2))
+    ap.add_argument("--no-model", action="store_true", help="only the per-layer times")
+    ap.add_argument("--compile", action="store_true", help="+ the torch.compile'd fused formulation")
+    ap.add_argument("--out", default=str(ROOT / "results" / "decode_profile"))
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    import os
+    import platform
+
+    report = {"command": "python benchmarks/decode_profile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
+                         f"{torch.__version__}, 1 torch thread; load average {os.getloadavg()[0]:.1f}",
+              "layer": [], "step": []}
+    model = None
+    if not a.no_model:
+        from kvsplice.io.loading import load_model
+
+        model = load_model(a.model, dtype=torch.float32).model
+    for n in a.contexts:
+        rows = layer_rows(n, a.compile)
+        for r in rows:
+            print(f"T={n} {r['op']}: {r['us']:.0f} µs", flush=True)
+        report["layer"] += rows
+        if model is not None:
+            report["step"] += step_rows(model, n)
+    write(report, Path(a.out))
+    print(f"wrote {a.out}.{{json,md}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

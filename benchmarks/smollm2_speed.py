@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct: prefill (+ compression) and per-token decode of the compressed caches beside the full
 cache, in both doors, at long contexts → ``results/smollm2_speed[_<tag>].{json,md,png}``.
 
-    taskset -c 0 python benchmarks/smollm2_speed.py --contexts 2048 8192 --batch 1 --doors hf decoder
+    taskset -c 0 python benchmarks/smollm2_speed.py --contexts 2048 8000 --batch 1 --doors hf decoder
     python benchmarks/smollm2_speed.py --quick            # 512 tokens, batch 1 and 2, fp32, both doors: minutes
     python benchmarks/smollm2_speed.py --model M --contexts 64 --rounds 2 --out-dir /tmp/x   # any model
 
@@ -42,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS)
     p.add_argument("--plan4", help="the 4x plan (JSON); default: the pick's spec (pick4x)")
     p.add_argument("--plan8", help="the 8x plan (JSON); default: the pick's spec (pick8x)")
-    p.add_argument("--contexts", nargs="+", type=int, default=[2048, 8192])
+    p.add_argument("--contexts", nargs="+", type=int, default=[2048, 8000],
+                   help="prompt tokens (+ the decode steps: within the model's positions)")
     p.add_argument("--batch", nargs="+", type=int, default=[1, 8])
     p.add_argument("--dtype", nargs="+", choices=["fp32", "bf16"], default=["fp32"])
     p.add_argument("--doors", nargs="+", choices=["hf", "decoder"], default=["hf", "decoder"])
@@ -154,6 +155,11 @@ def main(argv=None) -> int:
     for dt in args.dtype:
         lm = load_model(args.model, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dt])
         model, tok = lm.model, lm.tokenizer
+        limit = getattr(model.config, "max_position_embeddings", None)
+        too_long = [t for t in args.contexts if limit is not None and t + args.rounds + 2 > limit]
+        if too_long:  # refused before any work, not after the first door's prefills
+            raise SystemExit(f"smollm2_speed: --contexts {too_long} + {args.rounds + 2} decode steps exceed the model's "
+                             f"{limit} positions")
         methods = method_factories(args, model, tok)
         for t in args.contexts:
             for b in args.batch:

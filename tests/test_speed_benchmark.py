@@ -64,3 +64,17 @@ def test_quick_size_and_peak_rss() -> None:
         x = torch.ones(4 << 20)  # 16 MiB held while sampled
         x += 1
     assert rss.peak >= rss.start and rss.grown >= 0
+
+
+def test_contexts_past_the_models_positions_are_refused_before_any_work(tmp_path, monkeypatch) -> None:
+    """--contexts whose decode steps pass the model's positions stop at once in one line, nothing written."""
+    import types
+
+    import kvsplice.io.loading as loading
+
+    model = tiny_family("llama", n_layer=1)
+    limit = model.config.max_position_embeddings
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: types.SimpleNamespace(model=model, tokenizer=None))
+    with pytest.raises(SystemExit, match=f"exceed the model's {limit} positions"):
+        _bench().main(["--contexts", "16", str(limit), "--rounds", "2", "--out-dir", str(tmp_path)])
+    assert not list(tmp_path.iterdir())

@@ -76,8 +76,9 @@ def markdown(summary: Mapping[str, Any], labels: Mapping[str, str]) -> str:
             beyond = any(per[m]["cells"].get(c, {}).get("beyond") for m in methods)
             lines.append(f"| {c}{' †' if beyond else ''} | " + " | ".join(row) + " |")
         lines.append("| **mean** | " + " | ".join(f"**{per[m]['acc']:.1f}**" for m in methods) + " |")
-        if any(cell.get("beyond") for m in methods for cell in per[m]["cells"].values()):
-            lines.append(f"| **mean within reach** (rows without †) | " + " | ".join(
+        marked = any(cell.get("beyond") for m in methods for cell in per[m]["cells"].values())
+        if marked:
+            lines.append("| **mean within reach** (rows without †) | " + " | ".join(
                 "–" if per[m]["acc_within"] is None else f"**{per[m]['acc_within']:.1f}**" for m in methods) + " |")
         lines.append("| × smaller than fp16 full | " + " | ".join(f"{per[m]['ratio']:.2f}" for m in methods) + " |")
         lines.append("| bytes / token (fp16 storage) | " + " | ".join(f"{per[m]['bytes_per_token_fp16']:.0f}"
@@ -85,7 +86,7 @@ def markdown(summary: Mapping[str, Any], labels: Mapping[str, str]) -> str:
         lines.append("| s / instance (wall; CPU) | " + " | ".join(f"{per[m]['seconds']:.1f}; {per[m]['cpu_seconds']:.1f}"
                                                              for m in methods) + " |")
         lines.append("")
-        if any(cell.get("beyond") for m in methods for cell in per[m]["cells"].values()):
+        if marked:
             lines += [f"† beyond the model: the full cache answers < {REACH:.0f} % — these rows say nothing about "
                       "compression.", ""]
     return "\n".join(lines)

@@ -3,7 +3,6 @@ per-step op groups of a tiny model, written as json + md. No timing assertions: 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -11,16 +10,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_models import tiny_family  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from tiny_models import load_benchmark, tiny_family  # noqa: E402
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("decode_profile", ROOT / "benchmarks" / "decode_profile.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("decode_profile")
 
 
 def test_decode_profile_layer_and_step_rows(tmp_path) -> None:

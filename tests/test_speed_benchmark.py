@@ -13,20 +13,15 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_models import tiny_family  # noqa: E402
+from tiny_models import load_benchmark, tiny_family  # noqa: E402
 from test_kvzip import _ids, _Tok  # noqa: E402
 
 from kvsplice.core.registry import build_method  # noqa: E402
 from kvsplice.report.speed import PeakRSS, measure  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("smollm2_speed", ROOT / "benchmarks" / "smollm2_speed.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("smollm2_speed")
 
 
 @pytest.mark.parametrize("batch", [1, 2])

@@ -148,6 +148,11 @@ def run(args: argparse.Namespace) -> dict:
         check_lengths(insts)
     except ValueError as e:
         raise UsageError(f"--lengths: {e}") from None
+    over = [i for i in insts if loaded.max_positions is not None and i.length + i.max_new_tokens > loaded.max_positions]
+    if over:  # a prompt that fills the model's positions leaves none for its answer
+        i = max(over, key=lambda i: i.length + i.max_new_tokens)
+        raise UsageError(f"--lengths {i.length}: {i.task}'s prompt + {i.max_new_tokens} answer tokens exceed the "
+                         f"model's {loaded.max_positions} positions (at most {loaded.max_positions - i.max_new_tokens})")
     header = _header(args, model, tok, specs, insts, settings)
     out = Path(args.out)
     results = resume(out, args.force, header)

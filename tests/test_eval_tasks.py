@@ -97,6 +97,8 @@ def test_eval_tasks_errors_are_one_line(s260k, tmp_path, capsys) -> None:
         (["--model", s260k, "--method", "int8", "--tasks", "story_qa", "--out", tmp_path / "a.json"], "--stories"),
         (["--model", s260k, "--method", "int8", *ARGS, "--lengths", "100000", "--out", tmp_path / "a.json"],
          "positions"),
+        (["--model", s260k, "--method", "int8", *ARGS, "--lengths", "512", "--out", tmp_path / "a.json"],
+         "answer tokens exceed the model's 512 positions"),  # a prompt filling the positions leaves none to answer
         (["--model", s260k, "--method", "int8", *ARGS, "--lengths", "64", "--out", tmp_path / "a.json"],
          "--lengths: passkey at length 64 builds prompts of up to 160 tokens"),
         (["--model", s260k, "--method", "", *ARGS, "--out", tmp_path / "a.json"], "--method is empty"),

@@ -26,6 +26,8 @@ import torch
 import transformers
 
 from kvsplice.engines import llama_cpp
+from kvsplice.io.cli import UsageError
+from kvsplice.io.outputs import output_file, write_json
 from kvsplice.report.memory import cache_bytes_formula, measure_cache
 from models.checkpoint import load_gpt_checkpoint
 
@@ -92,14 +94,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for path, what in ((a.ckpt, "--ckpt"), (a.text, "--text")):
         if not path.is_file():
             why = why or f"{what} {path}: no such file"
+    if not why and a.json:
+        try:  # the report never replaces an input, checked before the run
+            output_file(a.json, force=True, option="--json", inputs={"--ckpt": a.ckpt, "--text": a.text})
+        except UsageError as e:
+            why = str(e)
     if why:
         print(f"engines_trained: {why}", file=sys.stderr)
         return 2
     out = compare(a.ckpt, a.text.read_text(encoding="utf-8"), tokens=a.tokens, new=a.new)
-    s = json.dumps(out, indent=1)
-    print(s)
+    print(json.dumps(out, indent=1))
     if a.json:
-        a.json.write_text(s + "\n", encoding="utf-8")
+        write_json(out, a.json)  # atomically
     return 0
 
 

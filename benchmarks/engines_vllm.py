@@ -36,6 +36,9 @@ sys.path.insert(0, str(ROOT))
 DATA = ROOT.parent / "shared" / "data"
 
 from kvsplice.engines import vllm as vllm_engine  # noqa: E402
+from kvsplice.io.cli import UsageError  # noqa: E402
+from kvsplice.io.outputs import output_file, write_json  # noqa: E402
+from models.checkpoint import atomic_write  # noqa: E402
 
 PAD = (512, 64)
 """(kv_lora_rank, qk_rope_head_dim) of the padded export: the row vLLM's CPU MLA kernel takes."""
@@ -203,6 +206,15 @@ def markdown(runs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def _refused(path: Path, option: str, inputs: dict) -> Optional[str]:
+    """Why ``path`` may not be written (one of ``inputs``, a folder, ...), or ``None``: checked before the run."""
+    try:
+        output_file(path, force=True, option=option, inputs=inputs)
+    except UsageError as e:
+        return str(e)
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="engines_vllm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", type=Path, help="a trained deepseek_v3-layout MLA / KVSplice checkpoint")
@@ -217,15 +229,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", type=Path, help="with --report: the output prefix (results/engines_vllm)")
     a = ap.parse_args(argv)
     if a.report:
-        if not a.out:
-            print("engines_vllm: --report needs --out PREFIX", file=sys.stderr)
+        missing = next((f"--report {p}: no such file" for p in a.report if not p.is_file()), None)
+        why = "--report needs --out PREFIX" if not a.out else missing or _refused(
+            a.out.with_suffix(".json"), "--out", {"--report": a.report})
+        if why:
+            print(f"engines_vllm: {why}", file=sys.stderr)
             return 2
         runs = {}
         for path in a.report:
             r = json.loads(path.read_text(encoding="utf-8"))
             runs[f"trained {r['model']['variant']}" if "ckpt" in r["model"] else "SmolLM2-135M converted"] = r
-        a.out.with_suffix(".json").write_text(json.dumps(runs, indent=1) + "\n", encoding="utf-8")
-        a.out.with_suffix(".md").write_text(markdown(runs) + "\n", encoding="utf-8")
+        write_json(runs, a.out.with_suffix(".json"))
+        atomic_write(a.out.with_suffix(".md"), lambda tmp: tmp.write_text(markdown(runs) + "\n", encoding="utf-8"))
         return 0
     why = vllm_engine.missing()
     if not why and not (a.ckpt or a.smollm2):
@@ -234,6 +249,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         why = f"--ckpt {a.ckpt}: no such file"
     if not why and not a.text.is_file():
         why = f"--text {a.text}: no such file"
+    if not why and a.json:
+        why = _refused(a.json, "--json", {"--ckpt": a.ckpt, "--text": a.text})
     if why:
         print(f"engines_vllm: {why}", file=sys.stderr)
         return 2
@@ -247,10 +264,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run = lambda: trained(a.ckpt, a.text.read_text(encoding="utf-8"), tokens=a.tokens or 96,  # noqa: E731
                               new=a.new, work=a.work)
     out = {"command": "python benchmarks/engines_vllm.py " + " ".join(sys.argv[1:] if argv is None else argv), **run()}
-    s = json.dumps(out, indent=1)
-    print(s)
+    print(json.dumps(out, indent=1))
     if a.json:
-        a.json.write_text(s + "\n", encoding="utf-8")
+        write_json(out, a.json)  # atomically
     return 0
 
 

@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> dict:
     from kvsplice.tasks.resume import resume
     from kvsplice.tasks.runner import answer
     from kvsplice.tasks.shared import answer_many
-    from kvsplice.tasks.suite import NEEDS_STORIES, TUNING_SEED0, check_lengths, make_instances
+    from kvsplice.tasks.suite import NEEDS_STORIES, TUNING_SEED0, check_lengths, check_positions, make_instances
 
     if args.seed0 < 0 or args.seed0 + args.n > TUNING_SEED0:
         raise UsageError(f"--seed0 {args.seed0}: reported instances use seeds 0 .. {TUNING_SEED0 - 1} (tuning "
@@ -146,13 +146,9 @@ def run(args: argparse.Namespace) -> dict:
         raise UsageError(str(e)) from None
     try:
         check_lengths(insts)
+        check_positions(insts, loaded.max_positions)
     except ValueError as e:
         raise UsageError(f"--lengths: {e}") from None
-    over = [i for i in insts if loaded.max_positions is not None and i.length + i.max_new_tokens > loaded.max_positions]
-    if over:  # a prompt that fills the model's positions leaves none for its answer
-        i = max(over, key=lambda i: i.length + i.max_new_tokens)
-        raise UsageError(f"--lengths {i.length}: {i.task}'s prompt + {i.max_new_tokens} answer tokens exceed the "
-                         f"model's {loaded.max_positions} positions (at most {loaded.max_positions - i.max_new_tokens})")
     header = _header(args, model, tok, specs, insts, settings)
     out = Path(args.out)
     results = resume(out, args.force, header)

@@ -178,6 +178,8 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
     stores = [s for x in _store_specs(args.stores) for s in
               (candidate_stores(adapter.has_rope, adapter.head_dim, rotary_dim=adapter.rotary_dim)
                if x == DEFAULT_STORES else [x])]
+    # the tuning instances built and checked before the calibration (a bad --tune-length fails in seconds)
+    task_eval, tune_info = _task_eval(args, model, loaded.tokenizer, seq, progress, loaded.max_positions)
     t0 = time.perf_counter()
     stats, reused = None, False
     if any(isinstance(s.get("bases"), dict) for s in stores):  # the planner's low-rank fits need statistics
@@ -188,7 +190,6 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
     calib_s = time.perf_counter() - t0
     budget = args.budget_bytes_per_token or full_bpt / args.ratio
     log = print if progress else (lambda s: None)
-    task_eval, tune_info = _task_eval(args, model, loaded.tokenizer, seq, progress, loaded.max_positions)
     found = search(model, stats, tune, prompt_len=prompt_len, budget=budget, selectors=args.selectors,
                    stores=stores, batch_size=args.batch_size, log=log, objective=args.objective,
                    task_eval=task_eval, task_tolerance=args.task_tolerance, tokenizer=loaded.tokenizer)
@@ -214,7 +215,7 @@ def _task_eval(args, model, tokenizer, seq: int, progress: bool, max_positions: 
     from tqdm.auto import tqdm
 
     from kvsplice.tasks.shared import answer_many
-    from kvsplice.tasks.suite import MIN_LENGTH, TUNING_SEED0, make_instances
+    from kvsplice.tasks.suite import MIN_LENGTH, TUNING_SEED0, check_positions, make_instances
 
     length = args.tune_length or max(seq, MIN_LENGTH)
     if max_positions is not None and length > max_positions:
@@ -222,6 +223,10 @@ def _task_eval(args, model, tokenizer, seq: int, progress: bool, max_positions: 
                          f"or --objective ppl)")
     stories = _stories(args)
     insts = make_instances(args.tune_tasks, tokenizer, [length], args.tune_n, seed0=TUNING_SEED0, stories=stories)
+    try:
+        check_positions(insts, max_positions)
+    except ValueError as e:
+        raise UsageError(f"--tune-length: {e}") from None
     info = {"tasks": args.tune_tasks, "length": length, "n": args.tune_n, "seed0": TUNING_SEED0, "stories": stories,
             "setting": args.tune_setting}
 

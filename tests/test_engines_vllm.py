@@ -116,6 +116,29 @@ def test_vllm_python_follows_the_env(monkeypatch, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ vLLM itself
+def test_report_renders_the_runs_and_never_replaces_one(tmp_path, capsys):
+    """``--report`` joins the runs' JSON files (here the committed results, split back into runs) into --out .json /
+    .md, atomically; an --out whose .json is a --report input, or a missing input, is refused in one line."""
+    from pathlib import Path
+
+    bench = load_benchmark("engines_vllm")
+    committed = json.loads((Path(__file__).resolve().parents[1] / "results" / "engines_vllm.json").read_text())
+    runs = []
+    for i, run in enumerate(committed.values()):
+        runs.append(tmp_path / f"run{i}.json")
+        runs[-1].write_text(json.dumps(run))
+    assert bench.main(["--report", *map(str, runs), "--out", str(tmp_path / "joined")]) == 0
+    assert json.loads((tmp_path / "joined.json").read_text()) == committed
+    assert "SmolLM2" in (tmp_path / "joined.md").read_text()
+    capsys.readouterr()
+    before = runs[0].read_text()
+    assert bench.main(["--report", str(runs[0]), "--out", str(tmp_path / "run0")]) == 2
+    assert bench.main(["--report", str(tmp_path / "none.json"), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert "would replace the input" in err[0] and "no such file" in err[1] and len(err) == 2
+    assert runs[0].read_text() == before and not (tmp_path / "x.json").exists()
+
+
 @pytest.fixture
 def need_vllm():
     why = vllm_engine.missing()

@@ -19,7 +19,7 @@ from kvsplice.quant.rotated import RotatedKIVI  # noqa: E402
 from kvsplice.tasks.methods import parse_method  # noqa: E402
 from kvsplice.tasks.instance import match_score, settled  # noqa: E402
 from kvsplice.tasks.runner import answer  # noqa: E402
-from kvsplice.tasks.suite import TASKS, make_instance, make_instances  # noqa: E402
+from kvsplice.tasks.suite import TASKS, check_positions, make_instance, make_instances  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 STORIES = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
@@ -75,6 +75,16 @@ def test_make_instance_refuses_bad_input(tok) -> None:
     with pytest.raises(ValueError, match="too short"):
         make_instance("common_words", tok, 100, 0, stories=str(STORIES))
     assert len(make_instances(["passkey", "vartrack"], tok, [256, 512], 2)) == 8
+
+
+def test_check_positions_leaves_room_for_the_answer(tok) -> None:
+    insts = make_instances(["passkey"], tok, [256], 1)
+    new = insts[0].max_new_tokens
+    check_positions(insts, 256 + new)  # the prompt and its answer fit exactly
+    check_positions(insts, None)  # no limit
+    with pytest.raises(ValueError, match=f"passkey at length 256: its prompt \\+ {new} answer tokens exceed the "
+                                         f"model's 256 positions \\(give lengths of at most {256 - new}\\)"):
+        check_positions(insts, 256)
 
 
 def test_settled_only_where_more_text_cannot_change_the_score() -> None:

@@ -18,8 +18,8 @@ from kvsplice.tasks.needles import multikey, multiquery, multivalue, passkey, si
 from kvsplice.tasks.story_qa import story_qa
 from kvsplice.tasks.variables import variable_tracking
 
-__all__ = ["DEFAULT_TASKS", "MIN_LENGTH", "NEEDS_STORIES", "TASKS", "TUNING_SEED0", "check_lengths", "make_instance",
-           "make_instances"]
+__all__ = ["DEFAULT_TASKS", "MIN_LENGTH", "NEEDS_STORIES", "TASKS", "TUNING_SEED0", "check_lengths", "check_positions",
+           "make_instance", "make_instances"]
 
 TUNING_SEED0 = 1_000_000
 """Seeds at or above this are tuning instances (the planner's); reported runs use seeds below it."""
@@ -72,6 +72,18 @@ def make_instances(tasks: Sequence[str], tokenizer, lengths: Sequence[int], n: i
     short has every task at its first seeds)."""
     return [make_instance(t, tokenizer, L, seed0 + i, stories=stories) for i in range(n) for t in tasks
             for L in lengths]
+
+
+def check_positions(insts: Sequence[TaskInstance], max_positions: Optional[int]) -> None:
+    """Every instance's prompt *and* its answer fit the model's ``max_positions`` (``None``: no limit): a prompt that
+    fills the positions leaves none to answer in. A ``ValueError`` names the task, the length and the longest length
+    that leaves room for that task's answer."""
+    over = [i for i in insts if max_positions is not None and i.length + i.max_new_tokens > max_positions]
+    if over:
+        i = max(over, key=lambda i: i.length + i.max_new_tokens)
+        raise ValueError(f"{i.task} at length {i.length}: its prompt + {i.max_new_tokens} answer tokens exceed the "
+                         f"model's {max_positions} positions (give lengths of at most "
+                         f"{max_positions - i.max_new_tokens})")
 
 
 def check_lengths(insts: Sequence[TaskInstance]) -> None:

@@ -193,6 +193,8 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
     found = search(model, stats, tune, prompt_len=prompt_len, budget=budget, selectors=args.selectors,
                    stores=stores, batch_size=args.batch_size, log=log, objective=args.objective,
                    task_eval=task_eval, task_tolerance=args.task_tolerance, tokenizer=loaded.tokenizer)
+    if task_eval is not None:
+        task_eval.close()
     best, chosen = found["best"], found["chosen"]
     info = {"budget": {"bytes_per_token": budget, "ratio_vs_fp16_full": full_bpt / budget,
                        "full_fp16_bytes_per_token": full_bpt, "storage": "fp16"},
@@ -208,14 +210,13 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
 
 
 def _task_eval(args, model, tokenizer, seq: int, progress: bool, max_positions: Optional[int] = None):
-    """The accuracy objective's measure: every candidate on tuning task instances (seeds from
-    :data:`kvsplice.tasks.suite.TUNING_SEED0`, disjoint from any reported run), one shared prefill per instance."""
+    """The accuracy objective's measure: candidates on tuning task instances (seeds from
+    :data:`kvsplice.tasks.suite.TUNING_SEED0`, disjoint from any reported run), each instance's prefill made once
+    for every candidate (:class:`~kvsplice.tasks.tuning.TuningTasks`)."""
     if args.objective == "ppl":
         return None, None
-    from tqdm.auto import tqdm
-
-    from kvsplice.tasks.shared import answer_many
     from kvsplice.tasks.suite import MIN_LENGTH, TUNING_SEED0, check_positions, make_instances
+    from kvsplice.tasks.tuning import TuningTasks
 
     length = args.tune_length or max(seq, MIN_LENGTH)
     if max_positions is not None and length > max_positions:
@@ -230,15 +231,7 @@ def _task_eval(args, model, tokenizer, seq: int, progress: bool, max_positions: 
     info = {"tasks": args.tune_tasks, "length": length, "n": args.tune_n, "seed0": TUNING_SEED0, "stories": stories,
             "setting": args.tune_setting}
 
-    def task_eval(factories: dict) -> dict[str, float]:
-        scores: dict[str, float] = {k: 0.0 for k in factories}
-        for inst in tqdm(insts, desc="tuning tasks", disable=not progress, file=sys.stderr):
-            for k, o in answer_many(model, tokenizer, inst, factories, setting=args.tune_setting,
-                                    score_only=True).items():
-                scores[k] += o.score
-        return {k: 100 * v / len(insts) for k, v in scores.items()}
-
-    return task_eval, info
+    return TuningTasks(model, tokenizer, insts, setting=args.tune_setting, progress=progress), info
 
 
 def _check_tune_tasks(args) -> None:

@@ -202,3 +202,28 @@ def test_kvzip_heads_union_keeps_one_token_set_per_layer(model) -> None:
         assert (ranks.amax(0)[pos[0]].min() >= ranks.amax(0).sort().values[-10])  # the best-ranked by any head
     with pytest.raises(ValueError, match="heads must be one of 'own', 'union', 'pooled'"):
         KVzipSelection(4, heads="all")
+
+
+def test_evaluate_each_contexts_share_the_pass_and_votes_with_the_same_result(model) -> None:
+    """KVzip candidates measured window by window with one kept context per window (the planner's tuning
+    perplexity): the reconstruction pass and the mixed-in votes are made once per window and reused by every
+    candidate — the same perplexity and bytes as each measured alone."""
+    from kvsplice.core.registry import per_prompt
+    from kvsplice.evaluation.protocol import evaluate_each
+
+    windows = torch.cat([_ids(s, 40) for s in (11, 12)])  # (2, 40)
+    rep = _Tok(_ids(6, 4))
+    specs = [parse_spec(s) for s in ("select:kvzip(mix=observed_attention,share=0.5)@x4+int8",
+                                     "select:kvzip(mix=observed_attention,share=0.25)@x2", "select:kvzip@x4")]
+    contexts = [{}, {}]
+    for spec in specs:
+        made = per_prompt(lambda s=spec, **ctx: build_method(s, **ctx), rep)
+        alone = evaluate_each(model, made, windows, prompt_len=32)
+        kept = evaluate_each(model, made, windows, prompt_len=32, contexts=contexts)
+        assert kept["ppl"] == alone["ppl"] and kept["bytes_per_token"] == alone["bytes_per_token"], spec
+    for c in contexts:
+        passes = [v for k, v in c.items() if k != "mix_votes"]
+        assert len(passes) == 1 and len(passes[0]) == model.config.num_hidden_layers  # one pass for all three
+        assert all(len(v) == 1 for v in c["mix_votes"].values())  # one votes key: both mixes read it
+    with pytest.raises(ValueError, match="one dict per window"):
+        evaluate_each(model, made, windows, prompt_len=32, contexts=[{}])

@@ -420,9 +420,29 @@ def test_a_plan_is_checked_against_the_model_by_every_door(s260k, planned, tmp_p
     assert generate.main(["--model", str(s260k), "--method", str(planned / "plan.json"), *gen]) == 0
 
 
-def test_store_candidates_stop_at_the_task_ceiling_with_the_same_pick(monkeypatch):
-    """Store candidates' tuning tasks run in order of tuning perplexity, two at a time; once one answers every
-    instance the rest (higher perplexity) are left unmeasured — and the pick is the one measuring them all gives."""
+class _FakeBench:
+    """A TaskBench whose scores are drawn per (label, instance) from a seeded generator: each label its own odds."""
+
+    def __init__(self, seed: int, n: int = 6):
+        self.n, self.seed, self.answered = n, seed, 0
+
+    def full(self) -> float:
+        return 100.0
+
+    def scores(self, factory, label):
+        import random
+
+        odds = random.Random(f"{self.seed}/{label}").choice([0.5, 0.8, 1.0, 1.0])
+        for i in range(self.n):
+            self.answered += 1
+            yield float(random.Random(f"{self.seed}/{label}/{i}").random() < odds)
+
+
+def test_search_tasks_stop_early_with_the_same_pick(monkeypatch):
+    """Candidates' tuning tasks run in order of tuning perplexity, instance by instance; a candidate stops once one
+    of lower perplexity surely answers as many instances as it still can (or is skipped) — and the pick, its
+    accuracy and the best accuracy are those measuring every candidate on every instance gives, whatever the
+    scores (seeded random odds per candidate, both objectives, with and without a tolerance)."""
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -434,21 +454,25 @@ def test_store_candidates_stop_at_the_task_ceiling_with_the_same_pick(monkeypatc
 
     model = tiny_family("llama", n_layer=2)
     windows = torch.randint(3, 96, (2, 48), generator=torch.Generator().manual_seed(0))
-    seen: list[list[str]] = []
-
-    def task_eval(factories):  # every candidate holding int8 rows answers all; the others half
-        seen.append([k for k in factories if k != "full"])
-        return {k: 100.0 if k == "full" or "int8" in k else 50.0 for k in factories}
-
     budget = full_bytes_per_token(adapter_for(model)) / 1.5
-    kw = dict(prompt_len=32, budget=budget, selectors=("snapkv",), lowrank_ratios=(), objective="mixed",
-              task_eval=task_eval)
-    early = search_mod.search(model, None, windows, **kw)
-    n_early = sum(map(len, seen))
-    monkeypatch.setattr(search_mod, "STORE_TASK_GROUP", 10 ** 6)
-    seen.clear()
-    every = search_mod.search(model, None, windows, **kw)
-    assert early["chosen"]["label"] == every["chosen"]["label"]
-    skipped = [c for c in early["candidates"] if "task_skipped" in c]
-    assert skipped and n_early < sum(map(len, seen)) == len(every["candidates"])
-    assert all("task_acc" in c for c in every["candidates"])
+    saved = 0
+    for seed, objective, tol in ((0, "mixed", 0.0), (1, "mixed", 0.0), (2, "tasks", 0.0), (3, "mixed", 20.0)):
+        picks, answered = [], []
+        for exhaustive in (False, True):
+            monkeypatch.setattr(search_mod, "EXHAUSTIVE_TASKS", exhaustive)
+            bench = _FakeBench(seed)
+            found = search_mod.search(model, None, windows, prompt_len=32, budget=budget,
+                                      selectors=("snapkv", "observed_attention"), lowrank_ratios=(),
+                                      objective=objective, task_eval=bench, task_tolerance=tol)
+            accs = [c["task_acc"] for c in found["candidates"] if "task_acc" in c]
+            picks.append((found["chosen"]["label"], found["chosen"].get("task_acc"), found["selector"], max(accs)))
+            answered.append(bench.answered)
+            if exhaustive:
+                assert all("task_acc" in c for c in found["candidates"])
+            else:
+                assert all(("task_acc" in c) + ("task_stopped" in c) + ("task_skipped" in c) == 1
+                           for c in found["candidates"])
+        assert picks[0] == picks[1], (seed, objective, picks)
+        assert answered[0] <= answered[1]
+        saved += answered[1] - answered[0]
+    assert saved > 0  # the early stop did stop something

@@ -145,7 +145,11 @@ def test_answer_many_equals_answer(tok, model, setting) -> None:
 
     inst = make_instance("multikey_facts", tok, 200, 2)
     specs = {s: parse_method(s, tok) for s in ("full", "select:observed_attention@x4+int8", "select:kvzip@x2",
-                                                "select:kvzip@x4+int8", "int8", "select:snapkv@0.5")}
+                                                "select:kvzip@x4+int8", "int8", "select:snapkv@0.5",
+                                                # the mixed-in votes made once for the context, then reused
+                                                "select:kvzip(mix=observed_attention,share=0.25)@x4+int8",
+                                                "select:kvzip(mix=observed_attention,share=0.5)@x2",
+                                                "select:kvzip(mix=observed_attention,heads=pooled)@x4+int8")}
     many = answer_many(model, tok, inst, {s: m.factory for s, m in specs.items()}, setting=setting)
     assert list(many) == list(specs)
     for s, m in specs.items():
@@ -168,3 +172,39 @@ def test_answer_many_score_only_keeps_every_score_and_cuts_only_after_it_settles
         for s in specs:
             assert cut[s].score == whole[s].score and whole[s].tokens[:len(cut[s].tokens)] == cut[s].tokens, s
             assert cut[s].tokens == whole[s].tokens or settled(cut[s].output, inst.answers), s
+
+
+def test_shared_prefill_answers_every_method_as_often_as_asked(tok, model) -> None:
+    """One kept prefill answers the full cache and any method, again and again, as answer() does alone."""
+    from kvsplice.tasks.shared import SharedPrefill
+
+    inst = make_instance("passkey", tok, 200, 1)
+    one = SharedPrefill(model, tok, inst)
+    assert one.replays and one.nbytes > 0
+    full = one.full()
+    assert full is one.full() and full.tokens == answer(model, tok, inst, lambda ids: None).tokens
+    for spec in ("select:kvzip(mix=observed_attention,share=0.5)@x4+int8", "int8"):
+        f = parse_method(spec, tok).factory
+        again = [one.answer(f) for _ in range(2)]
+        assert again[0].tokens == again[1].tokens == answer(model, tok, inst, f).tokens, spec
+    assert any(one.shared["mix_votes"].values())  # KVzip kept its votes (and reconstruction scores) for the context
+
+
+def test_tuning_tasks_scores_equal_answer_many_kept_or_not(tok, model) -> None:
+    """The planner's bench: each instance's score is answer_many's (score_only), whether its prefill is kept or made
+    again on every use (keep_bytes=0); the full cache's accuracy is its mean."""
+    from kvsplice.tasks.shared import answer_many
+    from kvsplice.tasks.tuning import TuningTasks
+
+    insts = make_instances(["passkey", "vartrack"], tok, [200], 2)
+    specs = {s: parse_method(s, tok).factory for s in ("select:kvzip(mix=observed_attention,share=0.25)@x8",
+                                                      "select:observed_attention@x8")}
+    want = [answer_many(model, tok, i, {"full": lambda ids: None, **specs}, score_only=True) for i in insts]
+    for keep in (1 << 40, 0):
+        bench = TuningTasks(model, tok, insts, progress=False, keep_bytes=keep)
+        assert bench.n == len(insts)
+        assert bench.full() == pytest.approx(100 * sum(w["full"].score for w in want) / len(insts))
+        for s, f in specs.items():
+            assert list(bench.scores(f, s)) == [w[s].score for w in want], (keep, s)
+        assert (len(bench._kept) == len(insts)) == (keep > 0)
+        bench.close()

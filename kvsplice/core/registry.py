@@ -427,13 +427,14 @@ def needs_prompt(spec: Any) -> bool:
 
 def per_prompt(build: Callable[..., Any], tokenizer=None) -> Callable[..., Any]:
     """``factory(ids (1, P), shared=None)`` of a method built by ``build(prompt_ids=, tokenizer=)`` for the ids it
-    compresses; a method that keeps per-context work (``shared_key`` and ``shared_scores``: KVzip's reconstruction
-    scores) keeps it in ``shared`` under its key — one pass per context for every budget."""
+    compresses; a method that keeps per-context work (``share_context(context)``: KVzip's reconstruction scores and its
+    mixed-in selector's votes) keeps it in ``shared``, one dict per context — one pass per context for every
+    budget and every method built for it."""
 
     def factory(ids: Any, shared: Optional[dict] = None) -> Any:
         method = build(prompt_ids=ids, tokenizer=tokenizer)
-        if shared is not None and hasattr(method, "shared_key"):
-            method.shared_scores = shared.setdefault(method.shared_key, {})
+        if shared is not None and hasattr(method, "share_context"):
+            method.share_context(shared)
         return method
 
     return factory

@@ -89,14 +89,21 @@ def evaluate(model, method: Optional[CompressionMethod], windows: torch.Tensor, 
             "seconds": time.perf_counter() - t0}
 
 
-def evaluate_each(model, method_for, windows: torch.Tensor, *, prompt_len: int, **kw) -> dict[str, Any]:
+def evaluate_each(model, method_for, windows: torch.Tensor, *, prompt_len: int,
+                  contexts: Optional[list] = None, **kw) -> dict[str, Any]:
     """:func:`evaluate` window by window with ``method_for(prompt ids (1, P))`` — for methods built from the prompt
-    itself (KVzip re-reads it) — the NLLs pooled over the windows (``prompt_len`` >= 1)."""
+    itself (KVzip re-reads it) — the NLLs pooled over the windows (``prompt_len`` >= 1). ``contexts``: one dict
+    per window, kept by the caller across methods: ``method_for(ids, shared=contexts[i])`` keeps per-context work
+    there and reuses another method's (:func:`~kvsplice.core.registry.per_prompt`: KVzip's reconstruction pass)."""
     if not prompt_len:
         raise ValueError("a method built from its prompt needs prompt_len >= 1")
+    if contexts is not None and len(contexts) != windows.shape[0]:
+        raise ValueError(f"contexts: one dict per window ({windows.shape[0]}), got {len(contexts)}")
     kw.pop("batch_size", None)
-    rows = [evaluate(model, method_for(w[None, :prompt_len]), w[None], prompt_len=prompt_len, batch_size=1, **kw)
-            for w in windows]
+    made = (lambda i, ids: method_for(ids)) if contexts is None else (
+        lambda i, ids: method_for(ids, shared=contexts[i]))
+    rows = [evaluate(model, made(i, w[None, :prompt_len]), w[None], prompt_len=prompt_len, batch_size=1, **kw)
+            for i, w in enumerate(windows)]
     n = sum(r["scored_tokens"] for r in rows)
     nll = sum(r["nll"] * r["scored_tokens"] for r in rows) / n
     return {**rows[0], "ppl": math.exp(nll), "nll": nll, "scored_tokens": n, "windows": len(rows),

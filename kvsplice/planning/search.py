@@ -26,7 +26,7 @@ The search is over method specs (:mod:`kvsplice.core.registry`): any registered 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -35,8 +35,8 @@ from kvsplice.evaluation.protocol import evaluate, evaluate_each, full_bytes_per
 from kvsplice.core.registry import METHODS, SELECTORS, build_method, needs_prompt, parse_selector, per_prompt
 from kvsplice.planning.spec import spec_label
 
-__all__ = ["DEFAULT_SELECTORS", "LOWRANK_RATIOS", "OBJECTIVES", "bytes_per_token", "candidate_stores", "fit_budget",
-           "check_selector", "is_selection", "lowrank_bases", "rank_key", "search", "selection"]
+__all__ = ["DEFAULT_SELECTORS", "LOWRANK_RATIOS", "OBJECTIVES", "TaskBench", "bytes_per_token", "candidate_stores",
+           "fit_budget", "check_selector", "is_selection", "lowrank_bases", "rank_key", "search", "selection"]
 
 DEFAULT_SELECTORS = ("snapkv", "observed_attention", "kvzip", "kvzip(mix=observed_attention,share=0.1)",
                      "kvzip(mix=observed_attention,share=0.25)", "kvzip(heads=union)",
@@ -52,11 +52,15 @@ the early and the last layers pooled, docs/tasks.md "Where to pool"); the pooled
 the prompt (a later question, the answer) as int8 rows whatever the store (under ``k8v4h`` a quarter of SmolLM2's
 tuning perplexity loss at 4× was the int4 values of decoded tokens; the budget counts the prompt's bytes)."""
 LOWRANK_RATIOS = (1.5, 2.0, 3.0)
-TASK_CEILING = 100.0
-"""Task accuracy (%) no candidate can pass: once one has it, candidates of higher tuning perplexity cannot win."""
-STORE_TASK_GROUP = 2
-"""The store candidates' task accuracy is measured this many at a time, in order of tuning perplexity (the selector
-trial's all at once: its pick is rarely its lowest perplexity, and each round repeats the instances' prefills)."""
+EXHAUSTIVE_TASKS = False
+"""Measure every candidate on every tuning instance (tests: the early stop must give the same pick)."""
+
+
+def _answered(row: dict, n: int) -> float:
+    """Tuning instances ``row`` is sure to answer (of ``n``): all it answered, or so far where it stopped early."""
+    if "task_acc" in row:
+        return row["task_acc"] * n / 100
+    return row.get("task_answered", -1.0)
 
 
 def lowrank_bases(stats: dict, ratio: float, rope: str, cache: Optional[dict] = None):
@@ -193,16 +197,29 @@ def rank_key(objective: str, best_acc: float = 100.0, tolerance: float = 0.0) ->
         return lambda r: (r["tuning_ppl"],)
     if objective == "tasks":
         return lambda r: (-r.get("task_acc", -1.0), r["tuning_ppl"])
-    if objective == "mixed":  # a row left unmeasured (task_skipped) loses: one of lower perplexity scored the ceiling
+    if objective == "mixed":  # a row left unmeasured (task_skipped / task_stopped) loses: one of lower perplexity
+        # surely answers at least as many instances
         return lambda r: (r.get("task_acc", -1.0) < best_acc - tolerance - 1e-9, r["tuning_ppl"])
     raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+
+
+class TaskBench(Protocol):
+    """Tuning task instances the planner measures candidates on: ``n`` instances; ``full()`` the full cache's
+    accuracy (%); ``scores(factory, label)`` each instance's score in [0, 1] for the method ``factory(ids[, shared])``
+    builds, in a fixed order (the caller may stop early)."""
+
+    n: int
+
+    def full(self) -> float: ...
+
+    def scores(self, factory: Callable, label: str) -> Iterator[float]: ...
 
 
 def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: int, budget: float,
            selectors: Sequence[str] = DEFAULT_SELECTORS, lowrank_ratios: Sequence[float] = LOWRANK_RATIOS,
            stores: Optional[Sequence[dict[str, Any]]] = None, batch_size: int = 4,
            log: Optional[Callable[[str], None]] = None, objective: str = "ppl",
-           task_eval: Optional[Callable[[dict[str, Callable]], dict[str, float]]] = None,
+           task_eval: Optional["TaskBench"] = None,
            task_tolerance: float = 0.0, tokenizer: Any = None) -> dict[str, Any]:
     """Search the specs that fit ``budget`` bytes per prompt token (at fp16) on the tuning ``windows``; returns
     ``{"best": spec (its bases in memory), "full": the full cache's tuning result, "candidates": [...]}`` (each
@@ -210,9 +227,11 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
     tuning perplexity). ``stores``: the candidate storage specs (default :func:`candidate_stores`; any registered
     storage method); ``stats``: the calibration statistics per RoPE mode the low-rank fits need.
 
-    ``objective`` (:data:`OBJECTIVES`): with ``tasks`` / ``mixed``, ``task_eval({label: factory(ids) -> method})``
-    returns each candidate's accuracy (%) on tuning task instances (``factory`` builds the candidate's method for the
-    ids it compresses; the full cache is ``"full"``); every candidate row then has a ``task_acc`` (or ``task_skipped``: a store candidate of higher tuning perplexity than one that answered every instance — it cannot win). ``tokenizer``:
+    ``objective`` (:data:`OBJECTIVES`): with ``tasks`` / ``mixed``, ``task_eval`` (a :class:`TaskBench`: tuning
+    task instances, e.g. :class:`kvsplice.tasks.tuning.TuningTasks`) measures each candidate's accuracy, in order of
+    tuning perplexity and instance by instance; every candidate row then has a ``task_acc`` — or ``task_stopped`` /
+    ``task_skipped``: a row of no higher perplexity surely answers as many instances as it still could, so it cannot
+    win (the pick is the one measuring all gives). ``tokenizer``:
     the model's, for candidates that re-read their prompt (KVzip: measured window by window)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
@@ -233,10 +252,12 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
             out["bases"] = lowrank_bases(stats, b["ratio"], b["rope"], bases_cache)
         return out
 
+    contexts = [{} for _ in range(windows.shape[0])]  # per tuning window: work its KVzip candidates share
+
     def measure(spec: dict) -> dict[str, Any]:
         if needs_prompt(spec):  # built per window from its prompt
-            res = evaluate_each(model, lambda ids: build_method(realise(spec), prompt_ids=ids, tokenizer=tokenizer),
-                                windows, prompt_len=prompt_len)
+            built = per_prompt(lambda spec=realise(spec), **ctx: build_method(spec, **ctx), tokenizer)
+            res = evaluate_each(model, built, windows, prompt_len=prompt_len, contexts=contexts)
         else:
             res = evaluate(model, build_method(realise(spec), prompt_len=prompt_len), windows,
                            prompt_len=prompt_len, batch_size=batch_size)
@@ -247,29 +268,38 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
             f"({row['delta_pct']:+.2f} %)")
         return row
 
-    def with_tasks(rows: list[dict], group: Optional[int] = None, against: Sequence[dict] = ()) -> None:
-        """Each row's task accuracy; with ``group``, ``group`` rows at a time in order of tuning perplexity, the rest
-        left unmeasured (``task_skipped``) once a row of no higher perplexity (of ``rows`` or ``against``) answers
-        every instance: none of them can then win under ``mixed`` or ``tasks`` (the same pick)."""
+    def with_tasks(rows: list[dict], against: Sequence[dict] = ()) -> None:
+        """Each row's task accuracy, in order of tuning perplexity, instance by instance; a row stops (or is not
+        started) once a row of no higher perplexity — of ``rows`` or ``against`` — is sure to answer at least as
+        many instances as it still can: it can neither win under ``mixed`` or ``tasks`` nor raise the best accuracy,
+        so the pick is the one measuring every row in full gives (``task_stopped`` / ``task_skipped`` say so)."""
         if task_eval is None:
             return
-        todo_rows = sorted((r for r in rows if "task_acc" not in r), key=lambda r: r["tuning_ppl"])
-        step = group or max(1, len(todo_rows))
-        for i in range(0, len(todo_rows), step):
-            if any(r.get("task_acc", 0.0) >= TASK_CEILING and r["tuning_ppl"] <= todo_rows[i]["tuning_ppl"]
-                   for r in [*rows, *against]):
-                for r in todo_rows[i:]:
-                    r["task_skipped"] = "a candidate of lower tuning perplexity answered every tuning instance"
-                    log(f"  {r['label']:<48} task accuracy not measured: {r['task_skipped']}")
-                return
-            batch = todo_rows[i:i + step]
-            todo = {r["label"]: per_prompt(lambda spec=realise(r["spec"]), **ctx: build_method(spec, **ctx),
-                                           tokenizer) for r in batch}
-            acc = task_eval({"full": lambda ids: None, **todo})
-            full["task_acc"] = acc["full"]
-            for r in batch:
-                r["task_acc"] = acc[r["label"]]
-                log(f"  {r['label']:<48} task accuracy {r['task_acc']:.1f} % (full cache {acc['full']:.1f} %)")
+        full["task_acc"] = task_eval.full()
+        n = task_eval.n
+        for r in sorted((r for r in rows if "task_acc" not in r), key=lambda r: r["tuning_ppl"]):
+            def floor() -> float:  # instances a row of no higher perplexity surely answers
+                return max((_answered(d, n) for d in [*rows, *against] if d is not r and d["tuning_ppl"] <=
+                            r["tuning_ppl"]), default=-1.0)
+
+            if not EXHAUSTIVE_TASKS and floor() >= n - 1e-9:
+                r["task_skipped"] = "a candidate of lower tuning perplexity answered every tuning instance"
+                log(f"  {r['label']:<48} task accuracy not measured: {r['task_skipped']}")
+                continue
+            got, seen = 0.0, 0
+            factory = per_prompt(lambda spec=realise(r["spec"]), **ctx: build_method(spec, **ctx), tokenizer)
+            for score in task_eval.scores(factory, r["label"]):
+                got, seen = got + score, seen + 1
+                if not EXHAUSTIVE_TASKS and seen < n and got + (n - seen) <= floor() + 1e-9:
+                    break
+            if seen < n:
+                r["task_stopped"] = (f"after {seen} of {n} instances: at most {100 * (got + n - seen) / n:.1f} %, "
+                                     f"no more than a candidate of lower tuning perplexity answers")
+                r["task_answered"] = got
+                log(f"  {r['label']:<48} task accuracy stopped {r['task_stopped']}")
+            else:
+                r["task_acc"] = 100 * got / n
+                log(f"  {r['label']:<48} task accuracy {r['task_acc']:.1f} % (full cache {full['task_acc']:.1f} %)")
 
     def best_of(rows: list[dict]) -> dict:
         best_acc = max((r.get("task_acc", 0.0) for r in rows), default=0.0)
@@ -324,7 +354,7 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
             continue
         rows.append(measure(st))
         done.add(spec_label(st))
-    with_tasks([r for r in rows if r not in trial_rows], group=STORE_TASK_GROUP, against=trial_rows)
+    with_tasks([r for r in rows if r not in trial_rows], against=trial_rows)
     best_row = best_of(rows)
     return {"best": realise(best_row["spec"]), "chosen": best_row,
             "full": {"tuning_ppl": full["ppl"], "bytes_per_token": full_bpt,

@@ -73,6 +73,7 @@ class ReconstructionScores(TokenSelector):
         super().__init__(seed)
         self.scores: Optional[torch.Tensor] = None
         self.n_kv_head = 1  # rows of ``scores`` per sequence (set with the scores)
+        self.mix_votes: Optional[dict] = None  # {votes_key: (B·Hkv, T)} of this layer's context (set with the scores)
         self.mix, self.share, self.heads = mix, share, heads
         self.needs_queries = bool(mix is not None and mix.needs_queries)
 
@@ -89,10 +90,21 @@ class ReconstructionScores(TokenSelector):
             scores = best.expand(-1, self.n_kv_head, -1).reshape(scores.shape)  # (B·Hkv, T): one ranking per layer
         n_mix = min(budget, math.ceil(self.share * budget - 1e-9)) if self.mix is not None else 0
         if n_mix:
-            kw = {"q": q, "scale": scale} if self.mix.needs_queries else {}
-            first, _ = self.mix.select(k, v, n_mix, **kw)  # (H, n_mix): the mixed-in selector's own choice
-            scores = scores.scatter(1, first, float("inf"))  # kept whatever their reconstruction scores
+            scores = scores.scatter(1, self._mixed(k, v, n_mix, q, scale), float("inf"))  # kept whatever their
+            # reconstruction scores
         return scores
+
+    def _mixed(self, k, v, n_mix: int, q, scale) -> torch.Tensor:
+        """``(B·Hkv, n_mix)``: the mixed-in selector's own choice — from the context's kept votes where it has a
+        :meth:`votes` (the same tokens its ``select`` keeps: the top of them), computing and keeping them once."""
+        memo, key = self.mix_votes, getattr(self.mix, "votes_key", None)
+        if memo is None or key is None or n_mix >= k.shape[1]:
+            kw = {"q": q, "scale": scale} if self.mix.needs_queries else {}
+            return self.mix.select(k, v, n_mix, **kw)[0]  # (H, n_mix)
+        key = (key, k.dtype, tuple(k.shape), tuple(q.shape), scale)
+        if key not in memo:
+            memo[key] = self.mix.votes(k, q, scale)  # (B·Hkv, T)
+        return _top(memo[key], n_mix)
 
     def _select(self, k, v, budget, q=None, scale=None):
         idx = _top(self.ranked(k, v, budget, q, scale), budget)
@@ -105,7 +117,8 @@ class KVzipSelection(TokenSelection):
     ``chunk``: reconstruction queries per score block. ``mix``: a selector spec (``"observed_attention"``) whose own
     choice of ``ceil(share · budget)`` tokens is kept first, the rest by the reconstruction scores (what the next
     words need beside what a later question needs); ``share`` (default :data:`DEFAULT_SHARE`) needs ``mix``. ``shared_scores``: a dict in which the scores of a finished
-    pass over the same prompt are kept and reused (several budgets over one prefill). ``heads``: ``"own"`` — each KV
+    pass over the same prompt are kept and reused (several budgets over one prefill; ``shared_votes`` the same for
+    the ``mix`` selector's votes; both set by :meth:`share_context`). ``heads``: ``"own"`` — each KV
     head keeps its own top tokens —, ``"union"`` — every KV head keeps the tokens ranked best by any of them
     (:class:`ReconstructionScores`) — or ``"pooled"`` — a layer keeps the ``Hkv · budget`` best of all its heads'
     scores, each head as many as it wins (KVzip's non-uniform head budgets; the same bytes, held in a
@@ -162,11 +175,19 @@ class KVzipSelection(TokenSelection):
         self.repeat, self.chunk, self.prompt_ids = repeat, int_arg("chunk", chunk, 1), prompt_ids
         self.repeat_ids = None if tokenizer is None else _encode(tokenizer, repeat)
         self.shared_scores: Optional[dict] = None  # {layer: scores} of a finished pass over the same prompt
+        self.shared_votes: Optional[dict] = None  # {layer: {key: votes}}: the mixed-in selector's, same prompt
 
     @property
     def shared_key(self) -> tuple:
         """Methods with equal keys compute the same scores for a prompt (they may share them: ``shared_scores``)."""
         return ("kvzip", self.repeat, self.recon, self.reach if self.recon == "local" else None)
+
+    def share_context(self, context: dict) -> None:
+        """Keep this prompt's per-context work in ``context`` (one dict per prompt, handed to every method built
+        for it: :func:`~kvsplice.core.registry.per_prompt`) and reuse what another method kept there: the
+        reconstruction scores (under :attr:`shared_key`) and the ``mix`` selector's votes per layer."""
+        self.shared_scores = context.setdefault(self.shared_key, {})
+        self.shared_votes = context.setdefault("mix_votes", {})
 
     def _scorer(self) -> ReconstructionScores:
         from kvsplice.core.registry import build_selector
@@ -208,6 +229,7 @@ class KVzipSelection(TokenSelection):
                 shared.update(self.layer_scores)
         self.selector.scores = self.layer_scores[layer].reshape(-1, k.shape[2])  # (B·Hkv, T)
         self.selector.n_kv_head = k.shape[1]
+        self.selector.mix_votes = None if self.shared_votes is None else self.shared_votes.setdefault(layer, {})
         if self.heads != "pooled":
             return super().compress_prefill(layer, q, k, v, cache, step, mask=mask)
         b, h, t, d = k.shape

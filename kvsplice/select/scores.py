@@ -87,7 +87,19 @@ class ObservedAttentionSelector(TokenSelector):
         self.normalize, self.chunk = bool_arg("normalize", normalize), int_arg("chunk", chunk, 1)
         self.stride = int_arg("stride", stride, 1)
 
+    @property
+    def votes_key(self) -> tuple:
+        """Selectors with equal keys give equal :meth:`votes` for the same ``k, q`` (a context's votes may be kept
+        and reused by every method that mixes this selector in: KVzip's ``mix``)."""
+        return (self.name, self.normalize, self.stride, self.chunk)
+
     def _select(self, k, v, budget, *, q, scale):
+        idx = _top(self.votes(k, q, scale), budget)
+        return idx, torch.zeros(idx.shape, dtype=torch.float32, device=k.device)
+
+    def votes(self, k: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Each token's (normalised) votes ``(H, T)`` float32 from ``k (H, T, d)``, ``q (H, g·T, d)``: the scores
+        the selection keeps the top of."""
         h, t, d = k.shape
         g = q.shape[1] // t
         qg = q.reshape(h, g, t, d)
@@ -102,5 +114,4 @@ class ObservedAttentionSelector(TokenSelector):
         if self.normalize:  # token j is seen by the voting queries at positions >= j
             seen = pos.numel() - torch.searchsorted(pos, torch.arange(t, device=k.device))  # (T,)
             votes = votes / seen.clamp_min(1).to(torch.float32)
-        idx = _top(votes, budget)
-        return idx, torch.zeros(idx.shape, dtype=torch.float32, device=k.device)
+        return votes

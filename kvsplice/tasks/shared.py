@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 
@@ -27,7 +27,7 @@ from kvsplice.adapters.registry import adapter_for
 from kvsplice.tasks.instance import TaskInstance, settled
 from kvsplice.tasks.runner import Outcome, _full_fp16, answer, decode_text, greedy, split_prompt
 
-__all__ = ["answer_many"]
+__all__ = ["SharedPrefill", "answer_many"]
 
 
 class _Keep(DenseKV):
@@ -73,49 +73,95 @@ def _bytes(dec, cache):
     return cache.nbytes(), m.bytes_formula(1, held, cache.dtype), m.bytes_formula(1, held, torch.float16)
 
 
+class SharedPrefill:
+    """One instance's exact prefill, kept: the full cache's answer, and any method's answer built from it
+    (:meth:`answer`) as often as asked — a caller that measures methods one after another (the planner's tuning
+    tasks) pays the prefill once. ``shared``: the instance's per-context work the methods keep and reuse (KVzip's
+    reconstruction scores, :func:`~kvsplice.core.registry.per_prompt`). :attr:`nbytes`: what it holds."""
+
+    def __init__(self, model, tokenizer, inst: TaskInstance, *, setting: str = "agnostic",
+                 shared: Optional[dict] = None) -> None:
+        self.model, self.tokenizer, self.inst, self.setting = model, tokenizer, inst, setting
+        self.n_prompt, self.comp, self.rest = split_prompt(model, tokenizer, inst, setting)
+        self.shared = {} if shared is None else shared
+        model.eval()
+        a = adapter_for(model)
+        # a model with its own cache, or one the Decoder evicts from as it goes: no q, k, v to replay
+        self.replays = not (a.name in OWN_ATTENTION or any(a.window(l) for l in range(a.n_layer)))
+        self._full: Optional[Outcome] = None
+        self.kept: dict[int, tuple] = {}
+        if self.replays:
+            self._prefill()
+
+    @torch.no_grad()
+    def _prefill(self) -> None:
+        t0, c0 = time.perf_counter(), time.process_time()
+        keep = _Keep()
+        self._dec = Decoder(self.model, keep)
+        n = self.comp.shape[1] + self.rest.shape[1] + self.inst.max_new_tokens
+        self._fcache = self._dec.new_cache(1, capacity=n)
+        self.logits0 = self._dec(self.comp, self._fcache, last_only=True)  # (1, 1, V): exact
+        self.kept = keep.kept  # {layer: (q, k, v)} of the prompt
+        self._full_bytes = _bytes(self._dec, self._fcache)
+        self._base_s = (time.perf_counter() - t0, time.process_time() - c0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the kept ``q, k, v`` (and the full cache until its answer is made)."""
+        held = sum(t.numel() * t.element_size() for qkv in self.kept.values() for t in qkv)
+        return held + (self._fcache.nbytes() if getattr(self, "_fcache", None) is not None else 0)
+
+    def drop_full_cache(self) -> None:
+        """Free the full cache (its answer is not needed: only methods built from the kept prefill)."""
+        self._fcache = None
+
+    @torch.no_grad()
+    def full(self, score_only: bool = False) -> Outcome:
+        """The full cache's answer (made once: the prefill's own cache; its ``seconds`` include the prefill)."""
+        if self._full is None:
+            if self.replays and getattr(self, "_fcache", None) is None:
+                raise ValueError("the full cache was dropped before its answer was made")
+            if not self.replays:
+                self._full = answer(self.model, self.tokenizer, self.inst, lambda ids: None, setting=self.setting)
+            else:
+                self._full = _finish(self._dec, self._fcache, self.logits0, self.rest, self.inst.max_new_tokens,
+                                     self.tokenizer.eos_id, self._full_bytes, self._base_s, self.inst,
+                                     self.tokenizer, self.setting, self.n_prompt, self.comp.shape[1], score_only)
+                self._fcache = None  # answered: the kept q, k, v are all later methods need
+        return self._full
+
+    @torch.no_grad()
+    def answer(self, factory, score_only: bool = False) -> Outcome:
+        """The answer of ``factory(ids[, shared])``'s method (``None``: the full cache's): a token selection
+        compresses the kept prefill (exactly the ``Decoder``'s prefill cache of it), any other method runs the
+        ``Decoder`` door itself (its prefill attends over its own lossy cache)."""
+        comp, rest, inst = self.comp, self.rest, self.inst
+        method = factory(comp, shared=self.shared) if _takes_shared(factory) else factory(comp)
+        if method is None:
+            return self.full(score_only)
+        if not self.replays or not isinstance(method, TokenSelection):
+            return answer(self.model, self.tokenizer, inst, lambda ids, m=method: m, setting=self.setting)
+        t1, c1 = time.perf_counter(), time.process_time()
+        dec = Decoder(self.model, method)
+        n_new = inst.max_new_tokens
+        cache = dec.new_cache(1, capacity=dec.method.capacity(comp.shape[1], rest.shape[1] + n_new))
+        step = Step(dec.adapter, 0, comp.shape[1], dec.scales, dec.attn_backend)
+        for layer, m in enumerate(dec.layer_methods):  # exactly the Decoder's prefill cache of this method
+            m.compress_prefill(layer, *self.kept[layer], cache, step)  # (its attention output is the full one's)
+        return _finish(dec, cache, self.logits0, rest, n_new, self.tokenizer.eos_id, _bytes(dec, cache),
+                       (time.perf_counter() - t1, time.process_time() - c1), inst, self.tokenizer, self.setting,
+                       self.n_prompt, comp.shape[1], score_only)
+
+
 @torch.no_grad()
 def answer_many(model, tokenizer, inst: TaskInstance, factories: Mapping[str, object], *,
                 setting: str = "agnostic", score_only: bool = False) -> dict[str, Outcome]:
     """``{name: Outcome}`` for every ``factories[name]`` (``factory(ids[, shared]) -> method | None``) on ``inst``
     in ``setting``, through the ``Decoder`` door, sharing the exact prefill between the full cache and every token
-    selection. Each outcome's ``seconds`` is its own work (the shared prefill counted once, in the full cache's).
-    ``score_only``: each selection's answer stops once its score is settled (the same scores, shorter outputs:
-    the planner's tuning runs; methods that are no selection answer in full)."""
-    n_prompt, comp, rest = split_prompt(model, tokenizer, inst, setting)
-    n_new, eos, n_comp = inst.max_new_tokens, tokenizer.eos_id, comp.shape[1]
-    model.eval()
-    a = adapter_for(model)
-    if a.name in OWN_ATTENTION or any(a.window(l) for l in range(a.n_layer)):  # its own cache / the Decoder
-        # evicts as it goes: no q, k, v to replay
+    selection (:class:`SharedPrefill`). Each outcome's ``seconds`` is its own work (the shared prefill counted once,
+    in the full cache's). ``score_only``: each selection's answer stops once its score is settled (the same scores,
+    shorter outputs: the planner's tuning runs; methods that are no selection answer in full)."""
+    one = SharedPrefill(model, tokenizer, inst, setting=setting)
+    if not one.replays:
         return {name: answer(model, tokenizer, inst, f, setting=setting) for name, f in factories.items()}
-    shared: dict = {}
-    methods = {name: f(comp, shared=shared) if _takes_shared(f) else f(comp) for name, f in factories.items()}
-    t0, c0 = time.perf_counter(), time.process_time()
-    keep = _Keep()
-    full = Decoder(model, keep)
-    fcache = full.new_cache(1, capacity=comp.shape[1] + rest.shape[1] + n_new)
-    logits0 = full(comp, fcache, last_only=True)  # (1, 1, V): exact
-    kept = full.method.kept
-    full_bytes = _bytes(full, fcache)
-    base_s = (time.perf_counter() - t0, time.process_time() - c0)
-    out: dict[str, Outcome] = {}
-    full_out = None
-    for name, method in methods.items():
-        if method is None:  # the full cache: the shared prefill's own answer
-            if full_out is None:
-                full_out = _finish(full, fcache, logits0, rest, n_new, eos, full_bytes, base_s, inst, tokenizer,
-                                   setting, n_prompt, n_comp, score_only)
-            out[name] = full_out
-        elif not isinstance(method, TokenSelection):  # its own prefill (it attends over its lossy cache)
-            out[name] = answer(model, tokenizer, inst, lambda ids, m=method: m, setting=setting)
-        else:
-            t1, c1 = time.perf_counter(), time.process_time()
-            dec = Decoder(model, method)
-            cache = dec.new_cache(1, capacity=dec.method.capacity(comp.shape[1], rest.shape[1] + n_new))
-            step = Step(dec.adapter, 0, comp.shape[1], dec.scales, dec.attn_backend)
-            for layer, m in enumerate(dec.layer_methods):  # exactly the Decoder's prefill cache of this method
-                m.compress_prefill(layer, *kept[layer], cache, step)  # (its attention output is the full one's)
-            out[name] = _finish(dec, cache, logits0, rest, n_new, eos, _bytes(dec, cache),
-                                (time.perf_counter() - t1, time.process_time() - c1), inst, tokenizer, setting,
-                                n_prompt, n_comp, score_only)
-    return out
+    return {name: one.answer(f, score_only) for name, f in factories.items()}

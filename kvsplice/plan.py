@@ -189,7 +189,9 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
                                       "seq_len": seq}, progress=progress, replace=args.force)
     calib_s = time.perf_counter() - t0
     budget = args.budget_bytes_per_token or full_bpt / args.ratio
-    log = print if progress else (lambda s: None)
+    from tqdm.auto import tqdm
+
+    log = tqdm.write if progress else (lambda s: None)  # lines above the tuning tasks' bar, not inside it
     found = search(model, stats, tune, prompt_len=prompt_len, budget=budget, selectors=args.selectors,
                    stores=stores, batch_size=args.batch_size, log=log, objective=args.objective,
                    task_eval=task_eval, task_tolerance=args.task_tolerance, tokenizer=loaded.tokenizer)

@@ -143,23 +143,21 @@ def test_kvzip_mix_keeps_the_mixed_selectors_share_first() -> None:
                                   "select:kvzip(heads=pooled)@x3+int8"])
 def test_compress_prefill_builds_the_cache_attend_builds(model, spec) -> None:
     """``TokenSelection.compress_prefill`` (KVzip's override, and a plain selection's) from the prefill's kept
-    ``q, k, v`` builds the very cache the ``Decoder``'s prefill (``attend``) builds: equal tensors, equal next logits."""
-    from kvsplice.core.method import Step
-    from kvsplice.tasks.shared import _Keep
+    ``q, k, v`` (:func:`kvsplice.decode.replay.replay` of :func:`~kvsplice.decode.replay.prefill_kept`) builds the
+    very cache the ``Decoder``'s prefill (``attend``) builds: equal tensors, equal last and next logits."""
+    from kvsplice.decode.replay import can_replay, prefill_kept, replay
 
     ctx, rep, nxt = _ids(8, 36), _ids(9, 4), _ids(10, 3)
-    keep = _Keep()
-    full = Decoder(model, keep)
-    full(ctx, full.new_cache(1))
+    kept = prefill_kept(model, ctx, ctx.shape[1])
     want_dec = Decoder(model, build_method(spec, prompt_ids=ctx, tokenizer=_Tok(rep)))
     want = want_dec.new_cache(1)
-    want_dec(ctx, want)
-    dec = Decoder(model, build_method(spec, prompt_ids=ctx, tokenizer=_Tok(rep)))
-    got = dec.new_cache(1)
-    step = Step(dec.adapter, 0, ctx.shape[1], dec.scales, dec.attn_backend)
     with torch.no_grad():
-        for layer, m in enumerate(dec.layer_methods):
-            m.compress_prefill(layer, *keep.kept[layer], got, step)
+        last = want_dec(ctx, want, last_only=True)
+    torch.testing.assert_close(kept.logits, last, atol=0, rtol=0)
+    dec = Decoder(model, build_method(spec, prompt_ids=ctx, tokenizer=_Tok(rep)))
+    assert can_replay(model, dec.method) and not can_replay(model, build_method("int8"))
+    got = dec.new_cache(1)
+    replay(dec, kept, got)
     for a, b in zip(got.tensors(), want.tensors(), strict=True):
         assert torch.equal(a, b)
     assert got.nbytes() == want.nbytes() and got.seq_len == want.seq_len < ctx.shape[1]
@@ -189,13 +187,12 @@ def test_kvzip_heads_union_keeps_one_token_set_per_layer(model) -> None:
     c = dec.new_cache(1)
     dec(ctx, c)
     assert dec.method.spec()["heads"] == "union" and c.seq_len == 10
-    from kvsplice.tasks.shared import _Keep
+    from kvsplice.decode.replay import prefill_kept
 
-    keep = _Keep()
-    Decoder(model, keep)(ctx, Decoder(model, keep).new_cache(1))
+    prompt = prefill_kept(model, ctx, ctx.shape[1])
     for layer in range(model.config.num_hidden_layers):
         kept = c.kept.get(layer)["k"][0]  # (Hkv, 10, D)
-        full = keep.kept[layer][1][0]  # (Hkv, T, D): the prompt's keys
+        full = prompt.qkv[layer][1][0]  # (Hkv, T, D): the prompt's keys
         pos = torch.cdist(kept, full).argmin(dim=-1)  # (Hkv, 10): which prompt token each kept key is
         assert pos.shape[0] > 1 and (pos == pos[:1]).all()  # the same tokens in every head
         ranks = dec.method.layer_scores[layer][0].argsort(-1).argsort(-1)  # (Hkv, T)
@@ -205,16 +202,17 @@ def test_kvzip_heads_union_keeps_one_token_set_per_layer(model) -> None:
 
 
 def test_evaluate_each_contexts_share_the_pass_and_votes_with_the_same_result(model) -> None:
-    """KVzip candidates measured window by window with one kept context per window (the planner's tuning
-    perplexity): the reconstruction pass and the mixed-in votes are made once per window and reused by every
-    candidate — the same perplexity and bytes as each measured alone."""
+    """Candidates measured window by window with one kept context per window (the planner's tuning perplexity):
+    each window's exact prefill, KVzip's reconstruction pass and the mixed-in votes are made once and reused by
+    every token selection (int8 prefills itself) — the same perplexity, to the bit, and bytes as each alone."""
     from kvsplice.core.registry import per_prompt
     from kvsplice.evaluation.protocol import evaluate_each
 
     windows = torch.cat([_ids(s, 40) for s in (11, 12)])  # (2, 40)
     rep = _Tok(_ids(6, 4))
     specs = [parse_spec(s) for s in ("select:kvzip(mix=observed_attention,share=0.5)@x4+int8",
-                                     "select:kvzip(mix=observed_attention,share=0.25)@x2", "select:kvzip@x4")]
+                                     "select:kvzip(mix=observed_attention,share=0.25)@x2", "select:kvzip@x4",
+                                     "select:snapkv@x2+int8", "int8")]  # a selection replays too; int8 cannot
     contexts = [{}, {}]
     for spec in specs:
         made = per_prompt(lambda s=spec, **ctx: build_method(s, **ctx), rep)
@@ -222,8 +220,9 @@ def test_evaluate_each_contexts_share_the_pass_and_votes_with_the_same_result(mo
         kept = evaluate_each(model, made, windows, prompt_len=32, contexts=contexts)
         assert kept["ppl"] == alone["ppl"] and kept["bytes_per_token"] == alone["bytes_per_token"], spec
     for c in contexts:
-        passes = [v for k, v in c.items() if k != "mix_votes"]
+        passes = [v for k, v in c.items() if k[0] == "kvzip"]
         assert len(passes) == 1 and len(passes[0]) == model.config.num_hidden_layers  # one pass for all three
+        assert c[("prefill", 32)].cache is None and c[("prefill", 32)].nbytes > 0  # one exact prefill, replayed
         assert all(len(v) == 1 for v in c["mix_votes"].values())  # one votes key: both mixes read it
     with pytest.raises(ValueError, match="one dict per window"):
         evaluate_each(model, made, windows, prompt_len=32, contexts=[{}])

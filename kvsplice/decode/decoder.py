@@ -175,10 +175,12 @@ def perplexity(decoder: Decoder, input_ids: torch.Tensor, chunk_size: Optional[i
 
 @torch.no_grad()
 def score_continuation(decoder: Decoder, idx: torch.Tensor, prompt_len: int, *, decode_chunk: Optional[int] = None,
-                       cache_dtype: Optional[torch.dtype] = None) -> tuple[float, torch.Tensor, Cache]:
+                       cache_dtype: Optional[torch.dtype] = None, kept=None) -> tuple[float, torch.Tensor, Cache]:
     """Prefill ``idx[:, :prompt_len]`` into a fresh cache (exact for a token selection, which compresses it then),
     decode ``idx[:, prompt_len:-1]`` teacher-forced in chunks of ``decode_chunk`` (default: all at once) and score
-    ``idx[:, prompt_len:]``: the first continuation token is predicted by the prefill's last position.
+    ``idx[:, prompt_len:]``: the first continuation token is predicted by the prefill's last position. ``kept``: the
+    full cache's kept exact prefill of that prompt (:class:`kvsplice.decode.replay.Kept`), replayed into a token
+    selection's cache instead of a prefill of its own.
 
     Returns ``(mean NLL, logits (B, T - prompt_len, V), cache)``; the model is in eval mode for the call."""
     b, t = idx.shape
@@ -191,7 +193,13 @@ def score_continuation(decoder: Decoder, idx: torch.Tensor, prompt_len: int, *, 
     was_training = model.training
     model.eval()
     try:
-        logits = [Decoder.__call__(decoder, idx[:, :p], cache, last_only=True)]
+        if kept is None:
+            logits = [Decoder.__call__(decoder, idx[:, :p], cache, last_only=True)]
+        else:
+            from kvsplice.decode.replay import replay  # (it imports this module)
+
+            replay(decoder, kept, cache)
+            logits = [kept.logits.to(decoder.device)]
         step = decode_chunk or max(1, t - 1 - p)
         for s0 in range(p, t - 1, step):
             logits.append(Decoder.__call__(decoder, idx[:, s0:min(t - 1, s0 + step)], cache))

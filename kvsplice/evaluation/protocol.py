@@ -26,6 +26,7 @@ import torch
 from kvsplice.core.method import CompressionMethod
 from kvsplice.decode import Decoder, score_continuation
 from kvsplice.decode.decoder import chunked_nll
+from kvsplice.decode.replay import can_replay, prefill_kept
 from kvsplice.report.memory import measure_cache
 
 __all__ = ["ProtocolError", "evaluate", "full_bytes_per_token", "held_after_prefill"]
@@ -48,8 +49,10 @@ def held_after_prefill(method: CompressionMethod, prompt_len: int) -> int:
 @torch.no_grad()
 def evaluate(model, method: Optional[CompressionMethod], windows: torch.Tensor, *, prompt_len: int,
              batch_size: int = 4, decode_chunk: int = 64, storage_dtype: torch.dtype = torch.float16,
-             progress=None) -> dict[str, Any]:
-    """The module's measurement of ``method`` (``None``: the full K/V cache) on ``windows (N, T)``."""
+             progress=None, kept=None) -> dict[str, Any]:
+    """The module's measurement of ``method`` (``None``: the full K/V cache) on ``windows (N, T)``; ``kept``: one
+    window's kept exact prefill of its prompt, replayed into a token selection's cache
+    (:func:`~kvsplice.decode.decoder.score_continuation`)."""
     dec = Decoder(model, method)
     n, t = windows.shape
     whole = prompt_len == 0
@@ -65,7 +68,7 @@ def evaluate(model, method: Optional[CompressionMethod], windows: torch.Tensor, 
             nll, n_pred, cache = chunked_nll(dec, ids, decode_chunk)
             total, scored = total + nll, scored + n_pred
         else:
-            nll, _, cache = score_continuation(dec, ids, p, decode_chunk=decode_chunk)
+            nll, _, cache = score_continuation(dec, ids, p, decode_chunk=decode_chunk, kept=kept)
             k = ids.shape[0] * (t - p)
             total, scored = total + nll * k, scored + k
         live = measure_cache(cache).live_bytes
@@ -94,16 +97,27 @@ def evaluate_each(model, method_for, windows: torch.Tensor, *, prompt_len: int,
     """:func:`evaluate` window by window with ``method_for(prompt ids (1, P))`` — for methods built from the prompt
     itself (KVzip re-reads it) — the NLLs pooled over the windows (``prompt_len`` >= 1). ``contexts``: one dict
     per window, kept by the caller across methods: ``method_for(ids, shared=contexts[i])`` keeps per-context work
-    there and reuses another method's (:func:`~kvsplice.core.registry.per_prompt`: KVzip's reconstruction pass)."""
+    there and reuses another method's (:func:`~kvsplice.core.registry.per_prompt`: KVzip's reconstruction pass),
+    and a token selection replays the window's exact prefill, made once (:mod:`kvsplice.decode.replay`)."""
     if not prompt_len:
         raise ValueError("a method built from its prompt needs prompt_len >= 1")
     if contexts is not None and len(contexts) != windows.shape[0]:
         raise ValueError(f"contexts: one dict per window ({windows.shape[0]}), got {len(contexts)}")
     kw.pop("batch_size", None)
-    made = (lambda i, ids: method_for(ids)) if contexts is None else (
-        lambda i, ids: method_for(ids, shared=contexts[i]))
-    rows = [evaluate(model, made(i, w[None, :prompt_len]), w[None], prompt_len=prompt_len, batch_size=1, **kw)
-            for i, w in enumerate(windows)]
+    rows = []
+    for i, w in enumerate(windows):
+        ids = w[None, :prompt_len]  # (1, P)
+        if contexts is None:
+            rows.append(evaluate(model, method_for(ids), w[None], prompt_len=prompt_len, batch_size=1, **kw))
+            continue
+        method = method_for(ids, shared=contexts[i])
+        kept = None
+        if can_replay(model, method):  # the window's exact prefill, made once for every token selection
+            kept = contexts[i].get(("prefill", prompt_len))
+            if kept is None:
+                kept = contexts[i][("prefill", prompt_len)] = prefill_kept(model, ids, prompt_len)
+                kept.cache = None  # only the kept q, k, v and the last logits are replayed
+        rows.append(evaluate(model, method, w[None], prompt_len=prompt_len, batch_size=1, kept=kept, **kw))
     n = sum(r["scored_tokens"] for r in rows)
     nll = sum(r["nll"] * r["scored_tokens"] for r in rows) / n
     return {**rows[0], "ppl": math.exp(nll), "nll": nll, "scored_tokens": n, "windows": len(rows),

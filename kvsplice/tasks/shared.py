@@ -1,10 +1,8 @@
 """One exact prefill, many token selections: answer an instance with several methods at the cost of about one.
 
-A token selection's prefill is exact (every prompt query attends over every prompt key) and compresses each layer
-from that layer's exact ``q, k, v``; so the prefill of the full cache, with every layer's ``q, k, v`` kept, is the
-prefill of *every* selection (any selector, any storage under it, KVzip). :func:`answer_many` runs it once (it is
-also the full cache's answer), hands the kept ``q, k, v`` to each selection's ``compress_prefill`` layer by layer
-(building exactly the cache the ``Decoder`` would build, without the attention output it already has), then feeds the question and decodes as the ``Decoder`` door does.
+The full cache's exact prefill of the instance, every layer's ``q, k, v`` kept, is the prefill of every token
+selection (:mod:`kvsplice.decode.replay`); :class:`SharedPrefill` keeps it (it is also the full cache's answer),
+replays it into each selection's cache, then feeds the question and decodes as the ``Decoder`` door does.
 Methods that are no selection (int8, KIVI: their prefill attends over their own lossy cache) run the ``Decoder``
 door themselves. Same tokens, same bytes as :func:`kvsplice.tasks.runner.answer` (tested); the saving is every
 selection's prefill (a 2k-token prefill is most of an instance's time on a CPU).
@@ -18,29 +16,12 @@ from typing import Mapping, Optional
 
 import torch
 
-from kvsplice.core.method import Step
 from kvsplice.decode.decoder import Decoder
-from kvsplice.decode.dense import DenseKV
-from kvsplice.decode.native import OWN_ATTENTION
-from kvsplice.select.method import TokenSelection
-from kvsplice.adapters.registry import adapter_for
+from kvsplice.decode.replay import can_replay, prefill_kept, replay
 from kvsplice.tasks.instance import TaskInstance, settled
 from kvsplice.tasks.runner import Outcome, _full_fp16, answer, decode_text, greedy, split_prompt
 
 __all__ = ["SharedPrefill", "answer_many"]
-
-
-class _Keep(DenseKV):
-    """The full cache, keeping the prefill's ``q, k, v`` of every layer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.kept: dict[int, tuple] = {}
-
-    def attend(self, layer, q, k, v, cache, step, mask=None, logw=None):
-        if cache.layer_len(layer) == 0:
-            self.kept[layer] = (q, k, v)
-        return super().attend(layer, q, k, v, cache, step, mask=mask, logw=logw)
 
 
 def _finish(dec, cache, logits, rest, n_new, eos, nbytes, seconds, inst, tokenizer, setting, n_prompt,
@@ -85,49 +66,44 @@ class SharedPrefill:
         self.n_prompt, self.comp, self.rest = split_prompt(model, tokenizer, inst, setting)
         self.shared = {} if shared is None else shared
         model.eval()
-        a = adapter_for(model)
-        # a model with its own cache, or one the Decoder evicts from as it goes: no q, k, v to replay
-        self.replays = not (a.name in OWN_ATTENTION or any(a.window(l) for l in range(a.n_layer)))
+        self.replays = can_replay(model)  # else: its own cache, or one the Decoder evicts from as it goes
         self._full: Optional[Outcome] = None
-        self.kept: dict[int, tuple] = {}
+        self.kept, self._fcache = None, None
         if self.replays:
-            self._prefill()
-
-    @torch.no_grad()
-    def _prefill(self) -> None:
-        t0, c0 = time.perf_counter(), time.process_time()
-        keep = _Keep()
-        self._dec = Decoder(self.model, keep)
-        n = self.comp.shape[1] + self.rest.shape[1] + self.inst.max_new_tokens
-        self._fcache = self._dec.new_cache(1, capacity=n)
-        self.logits0 = self._dec(self.comp, self._fcache, last_only=True)  # (1, 1, V): exact
-        self.kept = keep.kept  # {layer: (q, k, v)} of the prompt
-        self._full_bytes = _bytes(self._dec, self._fcache)
-        self._base_s = (time.perf_counter() - t0, time.process_time() - c0)
+            t0, c0 = time.perf_counter(), time.process_time()
+            n = self.comp.shape[1] + self.rest.shape[1] + inst.max_new_tokens
+            self.kept = prefill_kept(model, self.comp, n)
+            self._fcache = self.kept.cache
+            self._full_bytes = _bytes(self.kept.decoder, self._fcache)
+            self._base_s = (time.perf_counter() - t0, time.process_time() - c0)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the kept ``q, k, v`` (and the full cache until its answer is made)."""
-        held = sum(t.numel() * t.element_size() for qkv in self.kept.values() for t in qkv)
-        return held + (self._fcache.nbytes() if getattr(self, "_fcache", None) is not None else 0)
+        if self.kept is None:
+            return 0
+        return self.kept.nbytes + (self._fcache.nbytes() if self._fcache is not None else 0)
 
     def drop_full_cache(self) -> None:
         """Free the full cache (its answer is not needed: only methods built from the kept prefill)."""
         self._fcache = None
+        if self.kept is not None:
+            self.kept.cache = None
 
     @torch.no_grad()
     def full(self, score_only: bool = False) -> Outcome:
         """The full cache's answer (made once: the prefill's own cache; its ``seconds`` include the prefill)."""
         if self._full is None:
-            if self.replays and getattr(self, "_fcache", None) is None:
+            if self.replays and self._fcache is None:
                 raise ValueError("the full cache was dropped before its answer was made")
             if not self.replays:
                 self._full = answer(self.model, self.tokenizer, self.inst, lambda ids: None, setting=self.setting)
             else:
-                self._full = _finish(self._dec, self._fcache, self.logits0, self.rest, self.inst.max_new_tokens,
+                self._full = _finish(self.kept.decoder, self._fcache, self.kept.logits, self.rest,
+                                     self.inst.max_new_tokens,
                                      self.tokenizer.eos_id, self._full_bytes, self._base_s, self.inst,
                                      self.tokenizer, self.setting, self.n_prompt, self.comp.shape[1], score_only)
-                self._fcache = None  # answered: the kept q, k, v are all later methods need
+                self.drop_full_cache()  # answered: the kept q, k, v are all later methods need
         return self._full
 
     @torch.no_grad()
@@ -139,16 +115,14 @@ class SharedPrefill:
         method = factory(comp, shared=self.shared) if _takes_shared(factory) else factory(comp)
         if method is None:
             return self.full(score_only)
-        if not self.replays or not isinstance(method, TokenSelection):
+        if not self.replays or not can_replay(self.model, method):
             return answer(self.model, self.tokenizer, inst, lambda ids, m=method: m, setting=self.setting)
         t1, c1 = time.perf_counter(), time.process_time()
         dec = Decoder(self.model, method)
         n_new = inst.max_new_tokens
         cache = dec.new_cache(1, capacity=dec.method.capacity(comp.shape[1], rest.shape[1] + n_new))
-        step = Step(dec.adapter, 0, comp.shape[1], dec.scales, dec.attn_backend)
-        for layer, m in enumerate(dec.layer_methods):  # exactly the Decoder's prefill cache of this method
-            m.compress_prefill(layer, *self.kept[layer], cache, step)  # (its attention output is the full one's)
-        return _finish(dec, cache, self.logits0, rest, n_new, self.tokenizer.eos_id, _bytes(dec, cache),
+        replay(dec, self.kept, cache)  # exactly the Decoder's prefill cache of this method
+        return _finish(dec, cache, self.kept.logits, rest, n_new, self.tokenizer.eos_id, _bytes(dec, cache),
                        (time.perf_counter() - t1, time.process_time() - c1), inst, self.tokenizer, self.setting,
                        self.n_prompt, comp.shape[1], score_only)
 

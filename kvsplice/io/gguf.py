@@ -11,6 +11,7 @@ weights (truncated, damaged) is refused — transformers would fill them at rand
 
 from __future__ import annotations
 
+import copy
 import functools
 from pathlib import Path
 from typing import Any, Optional
@@ -57,7 +58,7 @@ def load_gguf(path: str | Path, *, dtype: Optional[torch.dtype] = None) -> tuple
     """``(model, hf_tokenizer)`` from a GGUF file (or a folder holding one): weights dequantised to ``dtype``
     (default fp32), the model in eval mode without a ``quantization_config``. Raises ``ImportError`` with an install
     hint when the ``gguf`` package is missing."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     f = find_gguf(path)
@@ -83,7 +84,7 @@ def load_gguf(path: str | Path, *, dtype: Optional[torch.dtype] = None) -> tuple
                                                             output_loading_info=True)
         refuse_incomplete(info, f.name)  # the caller names the whole path
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        config = copy.deepcopy(loaded.config)  # the loaded model's (reading the file again took seconds)
     finally:
         hf_logging.set_verbosity(verbosity)
         gguf_utils.tqdm = bar

@@ -143,9 +143,9 @@ def test_kvzip_mix_keeps_the_mixed_selectors_share_first() -> None:
                                   "select:kvzip(heads=pooled)@x3+int8"])
 def test_compress_prefill_builds_the_cache_attend_builds(model, spec) -> None:
     """``TokenSelection.compress_prefill`` (KVzip's override, and a plain selection's) from the prefill's kept
-    ``q, k, v`` (:func:`kvsplice.decode.replay.replay` of :func:`~kvsplice.decode.replay.prefill_kept`) builds the
+    ``q, k, v`` (``Kept.replay`` of :func:`kvsplice.select.replay.prefill_kept`) builds the
     very cache the ``Decoder``'s prefill (``attend``) builds: equal tensors, equal last and next logits."""
-    from kvsplice.decode.replay import can_replay, prefill_kept, replay
+    from kvsplice.select.replay import can_replay, prefill_kept
 
     ctx, rep, nxt = _ids(8, 36), _ids(9, 4), _ids(10, 3)
     kept = prefill_kept(model, ctx, ctx.shape[1])
@@ -157,7 +157,7 @@ def test_compress_prefill_builds_the_cache_attend_builds(model, spec) -> None:
     dec = Decoder(model, build_method(spec, prompt_ids=ctx, tokenizer=_Tok(rep)))
     assert can_replay(model, dec.method) and not can_replay(model, build_method("int8"))
     got = dec.new_cache(1)
-    replay(dec, kept, got)
+    kept.replay(dec, got)
     for a, b in zip(got.tensors(), want.tensors(), strict=True):
         assert torch.equal(a, b)
     assert got.nbytes() == want.nbytes() and got.seq_len == want.seq_len < ctx.shape[1]
@@ -187,7 +187,7 @@ def test_kvzip_heads_union_keeps_one_token_set_per_layer(model) -> None:
     c = dec.new_cache(1)
     dec(ctx, c)
     assert dec.method.spec()["heads"] == "union" and c.seq_len == 10
-    from kvsplice.decode.replay import prefill_kept
+    from kvsplice.select.replay import prefill_kept
 
     prompt = prefill_kept(model, ctx, ctx.shape[1])
     for layer in range(model.config.num_hidden_layers):

@@ -179,7 +179,7 @@ def score_continuation(decoder: Decoder, idx: torch.Tensor, prompt_len: int, *, 
     """Prefill ``idx[:, :prompt_len]`` into a fresh cache (exact for a token selection, which compresses it then),
     decode ``idx[:, prompt_len:-1]`` teacher-forced in chunks of ``decode_chunk`` (default: all at once) and score
     ``idx[:, prompt_len:]``: the first continuation token is predicted by the prefill's last position. ``kept``: the
-    full cache's kept exact prefill of that prompt (:class:`kvsplice.decode.replay.Kept`), replayed into a token
+    full cache's kept exact prefill of that prompt (:class:`kvsplice.select.replay.Kept`), replayed into a token
     selection's cache instead of a prefill of its own.
 
     Returns ``(mean NLL, logits (B, T - prompt_len, V), cache)``; the model is in eval mode for the call."""
@@ -196,9 +196,7 @@ def score_continuation(decoder: Decoder, idx: torch.Tensor, prompt_len: int, *, 
         if kept is None:
             logits = [Decoder.__call__(decoder, idx[:, :p], cache, last_only=True)]
         else:
-            from kvsplice.decode.replay import replay  # (it imports this module)
-
-            replay(decoder, kept, cache)
+            kept.replay(decoder, cache)
             logits = [kept.logits.to(decoder.device)]
         step = decode_chunk or max(1, t - 1 - p)
         for s0 in range(p, t - 1, step):

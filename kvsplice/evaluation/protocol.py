@@ -26,7 +26,7 @@ import torch
 from kvsplice.core.method import CompressionMethod
 from kvsplice.decode import Decoder, score_continuation
 from kvsplice.decode.decoder import chunked_nll
-from kvsplice.decode.replay import can_replay, prefill_kept
+from kvsplice.select.replay import can_replay, prefill_kept
 from kvsplice.report.memory import measure_cache
 
 __all__ = ["ProtocolError", "evaluate", "full_bytes_per_token", "held_after_prefill"]
@@ -98,7 +98,7 @@ def evaluate_each(model, method_for, windows: torch.Tensor, *, prompt_len: int,
     itself (KVzip re-reads it) — the NLLs pooled over the windows (``prompt_len`` >= 1). ``contexts``: one dict
     per window, kept by the caller across methods: ``method_for(ids, shared=contexts[i])`` keeps per-context work
     there and reuses another method's (:func:`~kvsplice.core.registry.per_prompt`: KVzip's reconstruction pass),
-    and a token selection replays the window's exact prefill, made once (:mod:`kvsplice.decode.replay`)."""
+    and a token selection replays the window's exact prefill, made once (:mod:`kvsplice.select.replay`)."""
     if not prompt_len:
         raise ValueError("a method built from its prompt needs prompt_len >= 1")
     if contexts is not None and len(contexts) != windows.shape[0]:

@@ -1,7 +1,7 @@
 """One exact prefill, many token selections: answer an instance with several methods at the cost of about one.
 
 The full cache's exact prefill of the instance, every layer's ``q, k, v`` kept, is the prefill of every token
-selection (:mod:`kvsplice.decode.replay`); :class:`SharedPrefill` keeps it (it is also the full cache's answer),
+selection (:mod:`kvsplice.select.replay`); :class:`SharedPrefill` keeps it (it is also the full cache's answer),
 replays it into each selection's cache, then feeds the question and decodes as the ``Decoder`` door does.
 Methods that are no selection (int8, KIVI: their prefill attends over their own lossy cache) run the ``Decoder``
 door themselves. Same tokens, same bytes as :func:`kvsplice.tasks.runner.answer` (tested); the saving is every
@@ -17,7 +17,7 @@ from typing import Mapping, Optional
 import torch
 
 from kvsplice.decode.decoder import Decoder
-from kvsplice.decode.replay import can_replay, prefill_kept, replay
+from kvsplice.select.replay import can_replay, prefill_kept
 from kvsplice.tasks.instance import TaskInstance, settled
 from kvsplice.tasks.runner import Outcome, _full_fp16, answer, decode_text, greedy, split_prompt
 
@@ -121,7 +121,7 @@ class SharedPrefill:
         dec = Decoder(self.model, method)
         n_new = inst.max_new_tokens
         cache = dec.new_cache(1, capacity=dec.method.capacity(comp.shape[1], rest.shape[1] + n_new))
-        replay(dec, self.kept, cache)  # exactly the Decoder's prefill cache of this method
+        self.kept.replay(dec, cache)  # exactly the Decoder's prefill cache of this method
         return _finish(dec, cache, self.kept.logits, rest, n_new, self.tokenizer.eos_id, _bytes(dec, cache),
                        (time.perf_counter() - t1, time.process_time() - c1), inst, self.tokenizer, self.setting,
                        self.n_prompt, comp.shape[1], score_only)

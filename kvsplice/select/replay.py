@@ -3,7 +3,7 @@
 A token selection's prefill is exact (every prompt query attends over every prompt key) and compresses each layer
 from that layer's exact ``q, k, v``; so the prefill of the full cache, with every layer's ``q, k, v`` kept
 (:func:`prefill_kept`), is the prefill of *every* selection (any selector, any storage under it, KVzip).
-:func:`replay` hands the kept ``q, k, v`` to a selection's ``compress_prefill`` layer by layer — exactly the cache
+:meth:`Kept.replay` hands the kept ``q, k, v`` to a selection's ``compress_prefill`` layer by layer — exactly the cache
 the ``Decoder`` would build, without the attention output the kept prefill already has (its last logits). Used by
 the task runs (:class:`kvsplice.tasks.shared.SharedPrefill`) and the planner's tuning perplexity
 (:func:`kvsplice.evaluation.protocol.evaluate_each` with ``contexts``). Methods that are no selection (int8, KIVI)
@@ -24,7 +24,7 @@ from kvsplice.decode.native import OWN_ATTENTION
 from kvsplice.select.method import TokenSelection
 from models.cache import Cache
 
-__all__ = ["Kept", "KeepQKV", "can_replay", "prefill_kept", "replay"]
+__all__ = ["Kept", "KeepQKV", "can_replay", "prefill_kept"]
 
 
 class KeepQKV(DenseKV):
@@ -55,6 +55,15 @@ class Kept:
         """Bytes of the kept ``q, k, v``."""
         return sum(t.numel() * t.element_size() for qkv in self.qkv.values() for t in qkv)
 
+    @torch.no_grad()
+    def replay(self, dec: Decoder, cache: Cache) -> None:
+        """``dec``'s token selection's prefill cache of the kept prompt into the empty ``cache`` (exactly what its
+        own prefill builds)."""
+        p = next(iter(self.qkv.values()))[1].shape[2]
+        step = Step(dec.adapter, 0, p, dec.scales, dec.attn_backend)
+        for layer, m in enumerate(dec.layer_methods):
+            m.compress_prefill(layer, *self.qkv[layer], cache, step)  # (its attention output is the full one's)
+
 
 def can_replay(model, method=None) -> bool:
     """Whether ``model``'s prefill can be kept and replayed (not a model with its own cache, nor one the ``Decoder``
@@ -73,13 +82,3 @@ def prefill_kept(model, ids: torch.Tensor, capacity: int) -> Kept:
     cache = dec.new_cache(ids.shape[0], capacity=capacity)
     logits = dec(ids, cache, last_only=True)  # (B, 1, V): exact
     return Kept(keep.kept, logits, dec, cache)
-
-
-@torch.no_grad()
-def replay(dec: Decoder, kept: Kept, cache: Cache) -> None:
-    """``dec``'s token selection's prefill cache of the kept prompt into the empty ``cache`` (exactly what its own
-    prefill builds)."""
-    p = next(iter(kept.qkv.values()))[1].shape[2]
-    step = Step(dec.adapter, 0, p, dec.scales, dec.attn_backend)
-    for layer, m in enumerate(dec.layer_methods):
-        m.compress_prefill(layer, *kept.qkv[layer], cache, step)  # (its attention output is the full one's)

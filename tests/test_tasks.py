@@ -208,3 +208,18 @@ def test_tuning_tasks_scores_equal_answer_many_kept_or_not(tok, model) -> None:
             assert list(bench.scores(f, s)) == [w[s].score for w in want], (keep, s)
         assert (len(bench._kept) == len(insts)) == (keep > 0)
         bench.close()
+
+
+def test_answer_many_on_a_model_that_cannot_replay_answers_each_alone(tok) -> None:
+    """A sliding-window model (the Decoder evicts as it goes: no prefill to replay): every method, the full cache
+    and a selection too, answers through its own prefill — the same tokens as answer() alone."""
+    from kvsplice.tasks.shared import SharedPrefill, answer_many
+
+    m = tiny_family("mistral", vocab_size=50257, n_layer=2, window=64)
+    m.config.max_position_embeddings = 4096
+    inst = make_instance("passkey", tok, 200, 0)
+    specs = {s: parse_method(s, tok) for s in ("full", "int8", "select:observed_attention@x2")}
+    assert not SharedPrefill(m, tok, inst).replays
+    many = answer_many(m, tok, inst, {s: x.factory for s, x in specs.items()})
+    for s, x in specs.items():
+        assert many[s].tokens == answer(m, tok, inst, x.factory).tokens, s

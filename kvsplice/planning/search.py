@@ -254,10 +254,13 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
 
     contexts = [{} for _ in range(windows.shape[0])]  # per tuning window: work its KVzip candidates share
 
+    def factory(spec: dict) -> Callable:
+        """``factory(ids, shared=None)``: ``spec``'s method for the prompt it compresses (its bases made)."""
+        return per_prompt(lambda spec=realise(spec), **ctx: build_method(spec, **ctx), tokenizer)
+
     def measure(spec: dict) -> dict[str, Any]:
         if needs_prompt(spec):  # built per window from its prompt
-            built = per_prompt(lambda spec=realise(spec), **ctx: build_method(spec, **ctx), tokenizer)
-            res = evaluate_each(model, built, windows, prompt_len=prompt_len, contexts=contexts)
+            res = evaluate_each(model, factory(spec), windows, prompt_len=prompt_len, contexts=contexts)
         else:
             res = evaluate(model, build_method(realise(spec), prompt_len=prompt_len), windows,
                            prompt_len=prompt_len, batch_size=batch_size)
@@ -278,19 +281,17 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
         full["task_acc"] = task_eval.full()
         n = task_eval.n
         for r in sorted((r for r in rows if "task_acc" not in r), key=lambda r: r["tuning_ppl"]):
-            def floor() -> float:  # instances a row of no higher perplexity surely answers
-                return max((_answered(d, n) for d in [*rows, *against] if d is not r and d["tuning_ppl"] <=
-                            r["tuning_ppl"]), default=-1.0)
-
-            if not EXHAUSTIVE_TASKS and floor() >= n - 1e-9:
+            # instances a row of no higher perplexity surely answers (the others are fixed while r is measured)
+            floor = max((_answered(d, n) for d in [*rows, *against] if d is not r and d["tuning_ppl"] <=
+                         r["tuning_ppl"]), default=-1.0)
+            if not EXHAUSTIVE_TASKS and floor >= n - 1e-9:
                 r["task_skipped"] = "a candidate of lower tuning perplexity answered every tuning instance"
                 log(f"  {r['label']:<48} task accuracy not measured: {r['task_skipped']}")
                 continue
             got, seen = 0.0, 0
-            factory = per_prompt(lambda spec=realise(r["spec"]), **ctx: build_method(spec, **ctx), tokenizer)
-            for score in task_eval.scores(factory, r["label"]):
+            for score in task_eval.scores(factory(r["spec"]), r["label"]):
                 got, seen = got + score, seen + 1
-                if not EXHAUSTIVE_TASKS and seen < n and got + (n - seen) <= floor() + 1e-9:
+                if not EXHAUSTIVE_TASKS and seen < n and got + (n - seen) <= floor + 1e-9:
                     break
             if seen < n:
                 r["task_stopped"] = (f"after {seen} of {n} instances: at most {100 * (got + n - seen) / n:.1f} %, "

@@ -13,6 +13,7 @@ attend over their own lossy cache at prefill: they cannot replay.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -48,7 +49,7 @@ class Kept:
     qkv: dict[int, tuple]
     logits: torch.Tensor
     decoder: Decoder
-    cache: Cache
+    cache: Optional[Cache]  # None once the full cache's own answer is not needed
 
     @property
     def nbytes(self) -> int:

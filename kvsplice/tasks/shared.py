@@ -68,13 +68,12 @@ class SharedPrefill:
         model.eval()
         self.replays = can_replay(model)  # else: its own cache, or one the Decoder evicts from as it goes
         self._full: Optional[Outcome] = None
-        self.kept, self._fcache = None, None
+        self.kept = None
         if self.replays:
             t0, c0 = time.perf_counter(), time.process_time()
             n = self.comp.shape[1] + self.rest.shape[1] + inst.max_new_tokens
             self.kept = prefill_kept(model, self.comp, n)
-            self._fcache = self.kept.cache
-            self._full_bytes = _bytes(self.kept.decoder, self._fcache)
+            self._full_bytes = _bytes(self.kept.decoder, self.kept.cache)
             self._base_s = (time.perf_counter() - t0, time.process_time() - c0)
 
     @property
@@ -82,11 +81,10 @@ class SharedPrefill:
         """Bytes of the kept ``q, k, v`` (and the full cache until its answer is made)."""
         if self.kept is None:
             return 0
-        return self.kept.nbytes + (self._fcache.nbytes() if self._fcache is not None else 0)
+        return self.kept.nbytes + (self.kept.cache.nbytes() if self.kept.cache is not None else 0)
 
     def drop_full_cache(self) -> None:
         """Free the full cache (its answer is not needed: only methods built from the kept prefill)."""
-        self._fcache = None
         if self.kept is not None:
             self.kept.cache = None
 
@@ -94,12 +92,12 @@ class SharedPrefill:
     def full(self, score_only: bool = False) -> Outcome:
         """The full cache's answer (made once: the prefill's own cache; its ``seconds`` include the prefill)."""
         if self._full is None:
-            if self.replays and self._fcache is None:
+            if self.replays and self.kept.cache is None:
                 raise ValueError("the full cache was dropped before its answer was made")
             if not self.replays:
                 self._full = answer(self.model, self.tokenizer, self.inst, lambda ids: None, setting=self.setting)
             else:
-                self._full = _finish(self.kept.decoder, self._fcache, self.kept.logits, self.rest,
+                self._full = _finish(self.kept.decoder, self.kept.cache, self.kept.logits, self.rest,
                                      self.inst.max_new_tokens,
                                      self.tokenizer.eos_id, self._full_bytes, self._base_s, self.inst,
                                      self.tokenizer, self.setting, self.n_prompt, self.comp.shape[1], score_only)
@@ -115,7 +113,7 @@ class SharedPrefill:
         method = factory(comp, shared=self.shared) if _takes_shared(factory) else factory(comp)
         if method is None:
             return self.full(score_only)
-        if not self.replays or not can_replay(self.model, method):
+        if not (self.replays and can_replay(self.model, method)):
             return answer(self.model, self.tokenizer, inst, lambda ids, m=method: m, setting=self.setting)
         t1, c1 = time.perf_counter(), time.process_time()
         dec = Decoder(self.model, method)
@@ -136,6 +134,4 @@ def answer_many(model, tokenizer, inst: TaskInstance, factories: Mapping[str, ob
     in the full cache's). ``score_only``: each selection's answer stops once its score is settled (the same scores,
     shorter outputs: the planner's tuning runs; methods that are no selection answer in full)."""
     one = SharedPrefill(model, tokenizer, inst, setting=setting)
-    if not one.replays:
-        return {name: answer(model, tokenizer, inst, f, setting=setting) for name, f in factories.items()}
     return {name: one.answer(f, score_only) for name, f in factories.items()}

@@ -34,7 +34,7 @@ class TuningTasks:
         self.keep_bytes = keep_bytes
         self._kept: dict[int, SharedPrefill] = {}
         self._contexts: list[dict] = [{} for _ in self.instances]  # per instance: work its methods share
-        self._full: Optional[list[float]] = None
+        self._full_acc: Optional[float] = None  # set once every instance's full cache has answered
         self.progress = progress
         self._bar: Optional[tqdm] = None  # made on the first answer (not while the planner calibrates)
 
@@ -51,7 +51,7 @@ class TuningTasks:
         if one is None:
             one = SharedPrefill(self.model, self.tokenizer, self.instances[i], setting=self.setting,
                                 shared=self._contexts[i])
-            if self._full is not None:  # answered already: only the kept prefill is needed
+            if self._full_acc is not None:  # answered already: only the kept prefill is needed
                 one.drop_full_cache()
             if sum(p.nbytes for p in self._kept.values()) + one.nbytes <= self.keep_bytes:
                 self._kept[i] = one
@@ -59,13 +59,13 @@ class TuningTasks:
 
     def full(self) -> float:
         """The full cache's accuracy (%), answered once per instance."""
-        if self._full is None:
-            got = []
+        if self._full_acc is None:
+            got = 0.0
             for i in range(self.n):
-                got.append(self._prefill(i).full(score_only=True).score)
+                got += self._prefill(i).full(score_only=True).score
                 self._tick()
-            self._full = got
-        return 100 * sum(self._full) / self.n
+            self._full_acc = 100 * got / self.n
+        return self._full_acc
 
     def scores(self, factory: Callable, label: str = "") -> Iterator[float]:
         """Instance by instance, the score of the method ``factory(ids[, shared])`` builds."""

@@ -7,14 +7,16 @@ cache's accuracy (the ceiling).
     python benchmarks/smollm2_tasks.py --size goals       # the issue's goals: the planner's picks, 3 tasks x 50 at 1k
     python benchmarks/smollm2_tasks.py --size goals2k     # the same for the passkey at 2k (50, both settings)
     python benchmarks/smollm2_tasks.py --size ceiling     # the full cache (+ int8) at 4k / 8k, 3 tasks x 10: the model's ceiling
-    python benchmarks/smollm2_tasks.py --size long        # the picks made at 1k at 4k / 8k: number in stories x 20, both settings
+    python benchmarks/smollm2_tasks.py --size long        # the picks made at 1k at 4k / 8k (+ a 4x pick re-made for 8k):
+                                                          # number in stories x 20, both settings
     python benchmarks/smollm2_tasks.py --size full        # every family and stack, 7 tasks, 1k/2k/4k, n = 16
     python benchmarks/smollm2_tasks.py --size smoke       # stories260K, seconds: checks the script end to end
     python benchmarks/smollm2_tasks.py --report-only      # write results/ from the finished instances
 
 The planner's picks are made first by the documented command (``python -m kvsplice.plan --model M --calib CALIB
 --calib-stats ... --ratio R --out plan<R>x.json``, its defaults: the ``mixed`` objective on tuning instances with
-seeds >= 1,000,000, tuning windows from the calibration file) into ``checkpoints/smollm2_tasks/plans/`` and kept;
+seeds >= 1,000,000, tuning windows from the calibration file; ``4x8k``: the same with ``--tune-length 8000``) into
+``checkpoints/smollm2_tasks/plans/`` and kept;
 the perplexity-only planner's stacks (``--objective ppl``, the frontier's plans: ObservedAttention keeping 1/2.09,
 1/4.19 of the prompt + int8 rows = 4x / 8x) are rebuilt by spec beside them. Each length is one
 ``python -m kvsplice.eval_tasks`` run into ``checkpoints/smollm2_tasks/<size>_<L>.json`` (resumable: rerun the command
@@ -38,7 +40,8 @@ PLANS = WORK / "plans"
 
 PPL_PLANNER = {"4x": "select:observed_attention@x2.09+int8", "8x": "select:observed_attention@x4.19+int8",
                "16x": "select:observed_attention@x8.38+int8"}  # the planner with --objective ppl (the frontier's)
-PLANNED = {"4x": 4.0, "8x": 8.0}  # the planner's default picks at these ratios: plan:PLANS/plan<R>.json
+PLANNED = {"4x": 4.0, "8x": 8.0, "4x8k": 4.0}  # the planner's default picks at these ratios: plan:PLANS/plan<R>.json
+PLAN_TUNING = {"4x8k": ["--tune-length", "8000"]}  # a pick re-made for 8k: its tuning instances at 8,000 tokens
 REDUCED = {"methods": ["int8", "kivi4", PPL_PLANNER["4x"], PPL_PLANNER["8x"], "select:kvzip@x2.09+int8",
                        "select:kvzip@x4.19+int8", "select:expected_attention@x4.19+int8"], "plans": ["4x", "8x"],
            "tasks": ["passkey", "niah_number_stories", "niah_word_facts"], "lengths": [1024], "n": 8}
@@ -58,9 +61,10 @@ GOALS = {"methods": [], "plans": ["4x", "8x"], "tasks": ["passkey", "niah_number
 GOALS_2K = {**GOALS, "tasks": ["passkey"], "lengths": [2048]}  # the same, the passkey at 2k
 CEILING = {"methods": ["int8"], "tasks": ["passkey", "niah_number_stories", "niah_word_facts"], "lengths": [4096, 8000],
            "n": 10, "setting": "agnostic"}  # the full cache (+ int8): which tasks the model itself answers at 4k / 8k
-LONG = {"methods": ["int8", "kivi4"], "plans": ["4x", "8x"], "tasks": ["niah_number_stories"], "lengths": [4096, 8000],
-        "n": 20}  # the picks made at 1k, judged at 4k and 8k on the goal task the full cache answers there (the
-# ceiling: the passkey and the word in facts are beyond the model at 4k); 4k about 40 min on 2 cores, 8k longer
+LONG = {"methods": ["int8", "kivi4"], "plans": ["4x", "8x"], "plans_at": {8000: ["4x8k"]},
+        "tasks": ["niah_number_stories"], "lengths": [4096, 8000], "n": 20}  # the picks made at 1k, judged at 4k and
+# 8k on the goal task the full cache answers there (the ceiling: the passkey and the word in facts are beyond the model
+# at 4k), and at 8k the pick re-made for 8k; 4k about 40 min on 2 cores, 8k about 4 min per instance
 SMOKE = {"methods": ["int8", "select:observed_attention@x4+int8", "select:kvzip@x2"], "tasks": ["passkey", "vartrack"],
          "lengths": [200], "n": 2}
 SIZES = {"smoke": SMOKE, "reduced": REDUCED, "passkey": PASSKEY, "goals": GOALS, "goals2k": GOALS_2K, "full": FULL,
@@ -71,10 +75,18 @@ def plan_path(name: str) -> Path:
     return PLANS / f"plan{name}.json"
 
 
+def plans_of(cfg: dict, length: Optional[int] = None) -> list[str]:
+    """The plans ``cfg`` runs at ``length`` (every length's, then that length's own); every plan when ``length`` is
+    None."""
+    at = cfg.get("plans_at", {})
+    extra = [p for L, ps in at.items() if length is None or L == length for p in ps]
+    return [*cfg.get("plans", ()), *dict.fromkeys(extra)]
+
+
 def plan_argv(name: str) -> list[str]:
     """The documented planner command for SmolLM2 at ``PLANNED[name]`` (its defaults: the mixed objective)."""
     return ["--model", str(MODEL), "--calib", str(CALIB), "--calib-stats", str(PLANS / "smol_stats.safetensors"),
-            "--ratio", f"{PLANNED[name]:g}", "--out", str(plan_path(name)), "--json",
+            "--ratio", f"{PLANNED[name]:g}", *PLAN_TUNING.get(name, ()), "--out", str(plan_path(name)), "--json",
             str(PLANS / f"plan{name}_report.json")]
 
 
@@ -96,7 +108,7 @@ def _model(size: str) -> str:
 
 
 def _argv(size: str, cfg: dict, length: int, out: Path, threads: int, progress: bool) -> list[str]:
-    plans = [str(plan_path(p)) for p in cfg.get("plans", ())]
+    plans = [str(plan_path(p)) for p in plans_of(cfg, length)]
     methods = ["--method", *cfg["methods"]] if cfg["methods"] else []
     return ["--model", _model(size), "--stories", str(STORIES), *methods,
             *(["--plan", *plans] if plans else []), "--tasks", *cfg["tasks"],
@@ -121,7 +133,8 @@ def _plot(report: dict, out_png: Path) -> None:
             ax = fig.add_subplot(len(lengths), len(settings), i * len(settings) + j + 1)
             per = report["by_length"][L]["summary"].get(s, {})
             for m, r in per.items():
-                label = f"{report['labels'].get(m, m)} (n={r['n']})"
+                name = Path(m[5:]).stem if m.startswith("plan:") else report["labels"].get(m, m)  # plan4x8k
+                label = f"{name} (n={r['n']})"
                 if m == "full":
                     ax.axhline(r["acc"], color="k", ls="--", lw=1, label=f"full cache ({r['acc']:.0f} %)")
                     continue
@@ -133,7 +146,10 @@ def _plot(report: dict, out_png: Path) -> None:
             ax.set_ylim(-5, 105)
             ax.set_title(f"SmolLM2-135M, {L} tokens, query-{s}", fontsize=9)
             ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=6, loc="best")
+            if per:
+                ax.legend(fontsize=6, loc="best")
+            else:
+                ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     atomic_write(out_png, lambda tmp: fig.savefig(tmp, format="png"))
 
@@ -151,13 +167,13 @@ def write_report(size: str, cfg: dict, results_dir: Path) -> dict:
         if not path.is_file():
             continue
         doc = json.loads(path.read_text())
-        methods = ["full", *cfg["methods"], *(f"plan:{plan_path(p)}" for p in cfg.get("plans", ()))]
+        methods = ["full", *cfg["methods"], *(f"plan:{plan_path(p)}" for p in plans_of(cfg, L))]
         summary = summarize(doc["results"], methods)
         report["labels"].update(doc["methods"])
         report["by_length"][str(L)] = {"summary": summary, "command": "python -m kvsplice.eval_tasks " + " ".join(
             _argv(size, cfg, L, path, 2, False))}
         md += [f"## {L} tokens", "", markdown(summary, doc["methods"])]
-    for name in cfg.get("plans", ()):  # the planner's evidence: its pick and every candidate, both metrics
+    for name in plans_of(cfg):  # the planner's evidence: its pick and every candidate, both metrics
         if plan_path(name).is_file():
             doc = json.loads(plan_path(name).read_text())
             report.setdefault("plans", {})[name] = {k: doc.get(k) for k in (
@@ -193,7 +209,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         from kvsplice import eval_bases, eval_tasks, plan
 
         WORK.mkdir(parents=True, exist_ok=True)
-        for name in cfg.get("plans", ()):
+        for name in plans_of(cfg):
             if not plan_path(name).is_file():  # made once, kept (the planner's tuning never sees reported seeds)
                 PLANS.mkdir(parents=True, exist_ok=True)
                 rc = plan.main(plan_argv(name) + ["--threads", str(a.threads)] + (["--no-progress"] if a.no_progress

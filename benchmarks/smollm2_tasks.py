@@ -40,8 +40,8 @@ PLANS = WORK / "plans"
 
 PPL_PLANNER = {"4x": "select:observed_attention@x2.09+int8", "8x": "select:observed_attention@x4.19+int8",
                "16x": "select:observed_attention@x8.38+int8"}  # the planner with --objective ppl (the frontier's)
-PLANNED = {"4x": 4.0, "8x": 8.0, "4x8k": 4.0}  # the planner's default picks at these ratios: plan:PLANS/plan<R>.json
-PLAN_TUNING = {"4x8k": ["--tune-length", "8000"]}  # a pick re-made for 8k: its tuning instances at 8,000 tokens
+PLANNED = {"4x": ["--ratio", "4"], "8x": ["--ratio", "8"],  # the planner's default picks: plan:PLANS/plan<name>.json
+           "4x8k": ["--ratio", "4", "--tune-length", "8000"]}  # a 4x pick re-made with its tuning instances at 8k
 REDUCED = {"methods": ["int8", "kivi4", PPL_PLANNER["4x"], PPL_PLANNER["8x"], "select:kvzip@x2.09+int8",
                        "select:kvzip@x4.19+int8", "select:expected_attention@x4.19+int8"], "plans": ["4x", "8x"],
            "tasks": ["passkey", "niah_number_stories", "niah_word_facts"], "lengths": [1024], "n": 8}
@@ -64,7 +64,7 @@ CEILING = {"methods": ["int8"], "tasks": ["passkey", "niah_number_stories", "nia
 LONG = {"methods": ["int8", "kivi4"], "plans": ["4x", "8x"], "plans_at": {8000: ["4x8k"]},
         "tasks": ["niah_number_stories"], "lengths": [4096, 8000], "n": 20}  # the picks made at 1k, judged at 4k and
 # 8k on the goal task the full cache answers there (the ceiling: the passkey and the word in facts are beyond the model
-# at 4k), and at 8k the pick re-made for 8k; 4k about 40 min on 2 cores, 8k about 4 min per instance
+# at 4k), and at 8k the pick re-made for 8k; 4k about 40 min on 2 cores, 8k about 6 min per instance
 SMOKE = {"methods": ["int8", "select:observed_attention@x4+int8", "select:kvzip@x2"], "tasks": ["passkey", "vartrack"],
          "lengths": [200], "n": 2}
 SIZES = {"smoke": SMOKE, "reduced": REDUCED, "passkey": PASSKEY, "goals": GOALS, "goals2k": GOALS_2K, "full": FULL,
@@ -84,9 +84,9 @@ def plans_of(cfg: dict, length: Optional[int] = None) -> list[str]:
 
 
 def plan_argv(name: str) -> list[str]:
-    """The documented planner command for SmolLM2 at ``PLANNED[name]`` (its defaults: the mixed objective)."""
+    """The documented planner command for SmolLM2 with ``PLANNED[name]`` (its defaults: the mixed objective)."""
     return ["--model", str(MODEL), "--calib", str(CALIB), "--calib-stats", str(PLANS / "smol_stats.safetensors"),
-            "--ratio", f"{PLANNED[name]:g}", *PLAN_TUNING.get(name, ()), "--out", str(plan_path(name)), "--json",
+            *PLANNED[name], "--out", str(plan_path(name)), "--json",
             str(PLANS / f"plan{name}_report.json")]
 
 

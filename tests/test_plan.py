@@ -337,6 +337,25 @@ def test_a_pooled_kvzip_plan_holds_only_dense_stores(s260k, planned, tmp_path):
                           "--max-new-tokens", "4"]) == 0
 
 
+def test_search_fits_each_selector_to_the_budget_and_falls_back_for_stores_it_cannot_hold(s260k, planned, tmp_path):
+    """The selector trial keeps, per selector, the most tokens that fit the budget (kvzip(heads=pooled) stores fewer
+    bytes per kept token than snapkv: it keeps more), so no candidate is over budget; a KIVI store, which the chosen
+    pooled selector cannot hold, is measured under the trial's other selector instead of being left out."""
+    out = tmp_path / "fallback.json"
+    assert plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats",
+                          str(planned / "stats.safetensors"), "--objective", "ppl", "--selectors",
+                          "kvzip(heads=pooled)", "snapkv", "--stores", "int8", "kivi(bits=4,group=8,residual=8)",
+                          "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    budget = doc["budget"]["bytes_per_token"]
+    cands = {c["label"].split("×")[0] + "+" + c["label"].split("+ ")[-1]: c for c in doc["candidates"]}
+    assert set(cands) == {"kvzip(heads=pooled)+int8", "snapkv+int8", "snapkv+kivi4(g8,r8)"}
+    assert all(c["bytes_per_token"] <= budget + 1e-9 for c in cands.values())
+    assert all(c["bytes_per_token"] > 0.95 * budget for c in cands.values())  # each keeps what fits, not less
+    assert cands["kvzip(heads=pooled)+int8"]["spec"]["keep"] > cands["snapkv+int8"]["spec"]["keep"]
+    assert doc["selector"] == "kvzip(heads=pooled)"  # chosen, yet the KIVI store was measured (under snapkv)
+
+
 def test_a_selector_that_cannot_run_the_model_is_skipped(s260k, planned, tmp_path, capsys):
     """A depth band holding none of stories260K's 5 layers (middles at 10, 30, ... 90 %) is left out of the selector
     trial (logged); the band holding layer 2 is measured; with no selector left the plan fails in one line."""

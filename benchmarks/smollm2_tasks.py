@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Optional
@@ -41,7 +42,12 @@ PLANS = WORK / "plans"
 PPL_PLANNER = {"4x": "select:observed_attention@x2.09+int8", "8x": "select:observed_attention@x4.19+int8",
                "16x": "select:observed_attention@x8.38+int8"}  # the planner with --objective ppl (the frontier's)
 PLANNED = {"4x": ["--ratio", "4"], "8x": ["--ratio", "8"],  # the planner's default picks: plan:PLANS/plan<name>.json
-           "4x8k": ["--ratio", "4", "--tune-length", "8000"]}  # a 4x pick re-made with its tuning instances at 8k
+           "4x8k": ["--ratio", "4", "--tune-length", "8000"],  # a 4x pick re-made with its tuning instances at 8k
+           # the same after the planner fits each selector to the budget and measures the stores kvzip(heads=pooled)
+           # cannot hold (KIVI) under the next selector: its two best trial selectors at 8k and the stores they hold
+           "4x8kfb": ["--ratio", "4", "--tune-length", "8000", "--selectors", "kvzip(heads=pooled,decoded=int8)",
+                      "kvzip(heads=union)", "--stores", "dense", "int8", "k8v4h",
+                      *(f"kivi(bits=4,group={g},residual={r})" for g in (32, 64) for r in (128, 32))]}
 REDUCED = {"methods": ["int8", "kivi4", PPL_PLANNER["4x"], PPL_PLANNER["8x"], "select:kvzip@x2.09+int8",
                        "select:kvzip@x4.19+int8", "select:expected_attention@x4.19+int8"], "plans": ["4x", "8x"],
            "tasks": ["passkey", "niah_number_stories", "niah_word_facts"], "lengths": [1024], "n": 8}
@@ -61,7 +67,7 @@ GOALS = {"methods": [], "plans": ["4x", "8x"], "tasks": ["passkey", "niah_number
 GOALS_2K = {**GOALS, "tasks": ["passkey"], "lengths": [2048]}  # the same, the passkey at 2k
 CEILING = {"methods": ["int8"], "tasks": ["passkey", "niah_number_stories", "niah_word_facts"], "lengths": [4096, 8000],
            "n": 10, "setting": "agnostic"}  # the full cache (+ int8): which tasks the model itself answers at 4k / 8k
-LONG = {"methods": ["int8", "kivi4"], "plans": ["4x", "8x"], "plans_at": {8000: ["4x8k"]},
+LONG = {"methods": ["int8", "kivi4"], "plans": ["4x", "8x"], "plans_at": {8000: ["4x8k", "4x8kfb"]},
         "tasks": ["niah_number_stories"], "lengths": [4096, 8000], "n": 20}  # the picks made at 1k, judged at 4k and
 # 8k on the goal task the full cache answers there (the ceiling: the passkey and the word in facts are beyond the model
 # at 4k), and at 8k the pick re-made for 8k; 4k about 40 min on 2 cores, 8k about 6 min per instance
@@ -170,7 +176,7 @@ def write_report(size: str, cfg: dict, results_dir: Path) -> dict:
         methods = ["full", *cfg["methods"], *(f"plan:{plan_path(p)}" for p in plans_of(cfg, L))]
         summary = summarize(doc["results"], methods)
         report["labels"].update(doc["methods"])
-        report["by_length"][str(L)] = {"summary": summary, "command": "python -m kvsplice.eval_tasks " + " ".join(
+        report["by_length"][str(L)] = {"summary": summary, "command": "python -m kvsplice.eval_tasks " + shlex.join(
             _argv(size, cfg, L, path, 2, False))}
         md += [f"## {L} tokens", "", markdown(summary, doc["methods"])]
     for name in plans_of(cfg):  # the planner's evidence: its pick and every candidate, both metrics
@@ -178,11 +184,11 @@ def write_report(size: str, cfg: dict, results_dir: Path) -> dict:
             doc = json.loads(plan_path(name).read_text())
             report.setdefault("plans", {})[name] = {k: doc.get(k) for k in (
                 "label", "spec", "budget", "objective", "tasks", "full", "chosen", "selector", "candidates")}
-            report["plans"][name]["command"] = "python -m kvsplice.plan " + " ".join(plan_argv(name))
+            report["plans"][name]["command"] = "python -m kvsplice.plan " + shlex.join(plan_argv(name))
             ppl_p = PLANS / f"plan{name}_P.json"
             if ppl_p.is_file():
                 report["plans"][name]["protocol_P"] = json.loads(ppl_p.read_text())["results"][0]
-                report["plans"][name]["protocol_P_command"] = "python -m kvsplice.eval_bases " + " ".join(
+                report["plans"][name]["protocol_P_command"] = "python -m kvsplice.eval_bases " + shlex.join(
                     protocol_p_argv(name))
     results_dir.mkdir(parents=True, exist_ok=True)
     stem = results_dir / ("smollm2_tasks" if size == "reduced" else f"smollm2_tasks_{size}")

@@ -354,32 +354,33 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
         rows += trial
         chosen_sel = tried[trial.index(best_of(trial))][0]
         log(f"selector: {chosen_sel}")
-    # each store keeps the most tokens its selector fits in the budget; a store the chosen selector cannot hold
-    # (KIVI codes under kvzip(heads=pooled)) is measured under the best trial selector that can
-    ranked = [chosen_sel]
+    ranked = [chosen_sel]  # then the trial's other selectors, best first
     if trial_rows:
-        best_acc = max(r.get("task_acc", 0.0) for r in trial_rows)
-        ranked += [tried[trial_rows.index(r)][0]
-                   for r in sorted(trial_rows, key=rank_key(objective, best_acc, task_tolerance))]
+        key = rank_key(objective, max(r.get("task_acc", 0.0) for r in trial_rows), task_tolerance)
+        ranked += [name for (name, _), _r in sorted(zip(tried, trial_rows), key=lambda p: key(p[1]))]
+
+    def held(fit: dict) -> Optional[dict]:
+        """``fit`` as measured: a store alone, or its store under the first of ``ranked`` that can hold it (KIVI
+        codes cannot sit under kvzip(heads=pooled)), keeping the most tokens that selector fits in the budget."""
+        if not is_selection(fit):
+            return fit
+        for name in dict.fromkeys(ranked):
+            st = fit_budget(fit["store"], adapter, prompt_len, budget, selector=name, realise=realise)
+            if st is not None and runs_on(model, build_method(realise(st), prompt_len=prompt_len)):
+                return st
+        return None
+
     done = {r["label"] for r in rows}
     for fit in fits:
-        st = held = None
-        for name in dict.fromkeys(ranked) if is_selection(fit) else [None]:
-            st = fit if name is None else fit_budget(fit["store"], adapter, prompt_len, budget, selector=name,
-                                                     realise=realise)
-            if st is not None and (name is None or runs_on(model, build_method(realise(st), prompt_len=prompt_len))):
-                held = st
-                break
-        if held is None:
-            label = spec_label(selection(fit["store"], chosen_sel, fit["keep"]))
-            if label not in done:
-                log(f"  {label:<48} skipped: no selector tried can hold this store")
-                done.add(label)
+        st = held(fit)
+        label = spec_label(st if st is not None else selection(fit["store"], chosen_sel, fit["keep"]))
+        if label in done:
             continue
-        if spec_label(held) in done:
-            continue
-        rows.append(measure(held))
-        done.add(spec_label(held))
+        done.add(label)
+        if st is None:
+            log(f"  {label:<48} skipped: no selector tried can hold this store")
+        else:
+            rows.append(measure(st))
     with_tasks([r for r in rows if r not in trial_rows], against=trial_rows)
     best_row = best_of(rows)
     return {"best": realise(best_row["spec"]), "chosen": best_row,

@@ -321,15 +321,27 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
     if not usable:
         raise ValueError(f"none of the selectors {', '.join(selectors)} can run this model")
     selectors = usable
+
+    def fit_under(store: dict, names: Sequence[str]) -> Optional[dict]:
+        """``store`` alone if it fits the budget, else under the first of ``names`` that can hold it (KIVI codes
+        cannot sit under kvzip(heads=pooled)), keeping the most tokens that selector fits; ``None`` when no such
+        stack runs this model (a cache that cannot drop a sliding window's tokens, or over budget at 1/64)."""
+        for name in dict.fromkeys(names):
+            st = fit_budget(store, adapter, prompt_len, budget, selector=name, realise=realise)
+            if st is not None and runs_on(model, build_method(realise(st), prompt_len=prompt_len)):
+                return st
+            if st is not None and not is_selection(st):
+                return None  # alone: no selector changes it
+        return None
+
     fits = []
     if stores is None:
         stores = candidate_stores(adapter.has_rope, adapter.head_dim, lowrank_ratios, rotary_dim=adapter.rotary_dim)
-    for store in stores:  # under the first selector that can hold it
-        st = next((fit for name in selectors if (fit := fit_budget(store, adapter, prompt_len, budget, selector=name,
-                                                                   realise=realise)) is not None), None)
-        if st is not None and not runs_on(model, build_method(realise(st), prompt_len=prompt_len)):
-            log(f"  {spec_label(st):<48} skipped: its cache cannot drop the tokens leaving a sliding window")
-        elif st is not None:
+    for store in stores:
+        st = fit_under(store, selectors)
+        if st is None:
+            log(f"  {spec_label(store):<48} skipped: no stack of it fits the budget and runs this model")
+        else:
             fits.append(st)
     if not fits:
         raise ValueError(f"no stack fits {budget:.1f} bytes per token (the smallest keeps 1/64 of the prompt)")
@@ -345,8 +357,7 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
     if with_sel and len(selectors) > 1:
         # each selector keeps the most tokens it fits in the budget (kvzip(heads=pooled) stores fewer bytes per
         # kept token); a selector that cannot hold the store sits the trial out
-        tried = [(name, fit_budget(with_sel[0]["store"], adapter, prompt_len, budget, selector=name,
-                                   realise=realise)) for name in selectors]
+        tried = [(name, fit_under(with_sel[0]["store"], [name])) for name in selectors]
         tried = [(name, st) for name, st in tried if st is not None]
         trial = [measure(st) for _, st in tried]
         with_tasks(trial)
@@ -359,20 +370,9 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
         key = rank_key(objective, max(r.get("task_acc", 0.0) for r in trial_rows), task_tolerance)
         ranked += [name for (name, _), _r in sorted(zip(tried, trial_rows), key=lambda p: key(p[1]))]
 
-    def held(fit: dict) -> Optional[dict]:
-        """``fit`` as measured: a store alone, or its store under the first of ``ranked`` that can hold it (KIVI
-        codes cannot sit under kvzip(heads=pooled)), keeping the most tokens that selector fits in the budget."""
-        if not is_selection(fit):
-            return fit
-        for name in dict.fromkeys(ranked):
-            st = fit_budget(fit["store"], adapter, prompt_len, budget, selector=name, realise=realise)
-            if st is not None and runs_on(model, build_method(realise(st), prompt_len=prompt_len)):
-                return st
-        return None
-
     done = {r["label"] for r in rows}
-    for fit in fits:
-        st = held(fit)
+    for fit in fits:  # a selection under the chosen selector, else the next trial selector that can hold its store
+        st = fit_under(fit["store"], ranked) if is_selection(fit) else fit
         label = spec_label(st if st is not None else selection(fit["store"], chosen_sel, fit["keep"]))
         if label in done:
             continue

@@ -48,6 +48,8 @@ PLANNED = {"4x": ["--ratio", "4"], "8x": ["--ratio", "8"],  # the planner's defa
            "4x8kfb": ["--ratio", "4", "--tune-length", "8000", "--selectors", "kvzip(heads=pooled,decoded=int8)",
                       "kvzip(heads=union)", "--stores", "dense", "int8", "k8v4h",
                       *(f"kivi(bits=4,group={g},residual={r})" for g in (32, 64) for r in (128, 32))]}
+# the same with the budget fitted at 8k (--fit-length: KIVI's full-precision window is 1/62 of the prompt, not 1/6)
+PLANNED["4x8kfit"] = [*PLANNED["4x8kfb"], "--fit-length", "8000"]
 REDUCED = {"methods": ["int8", "kivi4", PPL_PLANNER["4x"], PPL_PLANNER["8x"], "select:kvzip@x2.09+int8",
                        "select:kvzip@x4.19+int8", "select:expected_attention@x4.19+int8"], "plans": ["4x", "8x"],
            "tasks": ["passkey", "niah_number_stories", "niah_word_facts"], "lengths": [1024], "n": 8}

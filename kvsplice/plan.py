@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tune-n", type=pos_int, default=4, help="tuning instances per task (default 4)")
     p.add_argument("--tune-length", type=pos_int, help="tuning instances' prompt tokens (default --seq-len, at "
                    "least 64)")
+    p.add_argument("--fit-length", type=pos_int, help="the prompt tokens at which the budget holds (default "
+                   "--prompt-len): a store with a fixed-size part, KIVI's full-precision window, fits more tokens "
+                   "on a longer prompt; give the length the plan is for, e.g. the --tune-length")
     p.add_argument("--tune-setting", choices=("agnostic", "aware"), default="agnostic",
                    help="the question after the compressed context (default) or inside it")
     p.add_argument("--task-tolerance", type=_nonneg_float, default=0.0, help="mixed: accuracy points below the "
@@ -194,12 +197,14 @@ def run(args: argparse.Namespace) -> tuple[object, dict]:
     log = tqdm.write if progress else (lambda s: None)  # lines above the tuning tasks' bar, not inside it
     found = search(model, stats, tune, prompt_len=prompt_len, budget=budget, selectors=args.selectors,
                    stores=stores, batch_size=args.batch_size, log=log, objective=args.objective,
-                   task_eval=task_eval, task_tolerance=args.task_tolerance, tokenizer=loaded.tokenizer)
+                   task_eval=task_eval, task_tolerance=args.task_tolerance, tokenizer=loaded.tokenizer,
+                   fit_len=args.fit_length)
     if task_eval is not None:
         task_eval.close()
     best, chosen = found["best"], found["chosen"]
     info = {"budget": {"bytes_per_token": budget, "ratio_vs_fp16_full": full_bpt / budget,
-                       "full_fp16_bytes_per_token": full_bpt, "storage": "fp16"},
+                       "full_fp16_bytes_per_token": full_bpt, "storage": "fp16",
+                       "prompt_len": args.fit_length or prompt_len},
             "prompt_len": prompt_len, "seq_len": seq,
             "tuning": {"source": str(args.calib), "after_calibration_tokens": n_cal, "windows": tune.shape[0],
                        "full_cache_ppl": found["full"]["tuning_ppl"]},
@@ -314,8 +319,12 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     c = info["chosen"]
     acc = "" if "task_acc" not in c else (f"; tuning task accuracy {c['task_acc']:.1f} % (full cache "
                                            f"{info['full']['task_acc']:.1f} %)")
-    print(f"plan: {c['label']} — {c['bytes_per_token']:.1f} bytes per token, {c['ratio_vs_fp16_full']:.2f}x smaller "
-          f"than the fp16 full cache; tuning ppl {c['tuning_ppl']:.4f} ({c['delta_pct']:+.2f} % vs the full cache "
+    size = f"{c['bytes_per_token']:.1f} bytes per token, {c['ratio_vs_fp16_full']:.2f}x smaller than the fp16 full cache"
+    if "at_fit" in c:  # fitted at --fit-length: the size there, then on the tuning windows' prompts
+        f = c["at_fit"]
+        size = (f"{f['bytes_per_token']:.1f} bytes per token, {f['ratio_vs_fp16_full']:.2f}x smaller than the fp16 "
+                f"full cache at {f['prompt_len']} tokens ({c['ratio_vs_fp16_full']:.2f}x at {info['prompt_len']})")
+    print(f"plan: {c['label']} — {size}; tuning ppl {c['tuning_ppl']:.4f} ({c['delta_pct']:+.2f} % vs the full cache "
           f"{info['tuning']['full_cache_ppl']:.4f}){acc} [objective {args.objective}]")
     print(f"wrote {out}" + (f" and {bases_out}" if plan.files() else ""))
     if json_path is not None:

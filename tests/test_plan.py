@@ -356,6 +356,33 @@ def test_search_fits_each_selector_to_the_budget_and_falls_back_for_stores_it_ca
     assert doc["selector"] == "kvzip(heads=pooled)"  # chosen, yet the KIVI store was measured (under snapkv)
 
 
+def test_search_fits_the_budget_at_the_fit_length(s260k, planned, tmp_path, capsys):
+    """--fit-length: the budget holds on a prompt of that many tokens. KIVI's 64-token full-precision window is 1/3
+    of the tuning windows' 192-token prompts and 1/64 of 4,096 tokens, so fitted at 4,096 its selection keeps more
+    tokens — within budget there (``at_fit``, the closed form), over it on the short windows — while int8 rows, with
+    no fixed part, keep the same fraction (to one token of the short prompt)."""
+    rows = {}
+    for fit in (None, 4096):
+        out = tmp_path / f"fit{fit}.json"
+        capsys.readouterr()
+        assert plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats",
+                              str(planned / "stats.safetensors"), "--objective", "ppl", "--selectors", "snapkv",
+                              "--stores", "int8", "kivi(bits=4,group=8,residual=64)", "--out", str(out),
+                              *(["--fit-length", str(fit)] if fit else [])]) == 0
+        doc = json.loads(out.read_text())
+        assert doc["budget"]["prompt_len"] == (fit or 192)
+        rows[fit] = {c["spec"]["store"]["name"]: c for c in doc["candidates"]}
+        if fit:
+            assert "at 4096 tokens" in capsys.readouterr().out
+    budget = 640 / 3
+    short, long = rows[None]["kivi"], rows[4096]["kivi"]
+    assert "at_fit" not in short and short["bytes_per_token"] <= budget + 1e-9
+    assert long["spec"]["keep"] > 1.2 * short["spec"]["keep"]
+    assert 0.95 * budget < long["at_fit"]["bytes_per_token"] <= budget + 1e-9 < long["bytes_per_token"]
+    assert long["at_fit"]["ratio_vs_fp16_full"] == pytest.approx(640 / long["at_fit"]["bytes_per_token"])
+    assert rows[4096]["dense"]["spec"]["keep"] == pytest.approx(rows[None]["dense"]["spec"]["keep"], abs=1 / 192)
+
+
 def test_a_selector_that_cannot_run_the_model_is_skipped(s260k, planned, tmp_path, capsys):
     """A depth band holding none of stories260K's 5 layers (middles at 10, 30, ... 90 %) is left out of the selector
     trial (logged); the band holding layer 2 is measured; with no selector left the plan fails in one line."""

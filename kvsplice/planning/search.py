@@ -14,7 +14,8 @@ The search is over method specs (:mod:`kvsplice.core.registry`): any registered 
    coefficients — post-RoPE (they can hold a selection) and pre-RoPE (alone).
 2. **Tokens** (:func:`fit_budget`): the exact bytes of each store per prompt token at fp16 (the methods'
    closed forms, measured == formula in every evaluation); where the store alone is over budget a token selection
-   keeps the most prompt tokens that fit (its log-weights counted).
+   keeps the most prompt tokens that fit (its log-weights counted), on a prompt of ``fit_len`` tokens (default the
+   tuning windows' prompt: KIVI's 128-token full-precision window is 1/6 of a 768-token prompt, 1/62 of an 8k one).
 3. **Measure** (:func:`search`): the selector is chosen first — every ``selectors`` entry on the selection over
    int8 K/V (else the candidate keeping the most tokens), each keeping the most tokens it fits in the budget — then
    every candidate is measured with it on the tuning windows
@@ -224,7 +225,7 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
            stores: Optional[Sequence[dict[str, Any]]] = None, batch_size: int = 4,
            log: Optional[Callable[[str], None]] = None, objective: str = "ppl",
            task_eval: Optional["TaskBench"] = None,
-           task_tolerance: float = 0.0, tokenizer: Any = None) -> dict[str, Any]:
+           task_tolerance: float = 0.0, tokenizer: Any = None, fit_len: Optional[int] = None) -> dict[str, Any]:
     """Search the specs that fit ``budget`` bytes per prompt token (at fp16) on the tuning ``windows``; returns
     ``{"best": spec (its bases in memory), "full": the full cache's tuning result, "candidates": [...]}`` (each
     candidate: its spec — the planner's bases as their fit —, label, bytes per token, ratio vs the fp16 full cache,
@@ -236,7 +237,10 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
     tuning perplexity and instance by instance; every candidate row then has a ``task_acc`` — or ``task_stopped`` /
     ``task_skipped``: a row of no higher perplexity surely answers as many instances as it still could, so it cannot
     win (the pick is the one measuring all gives). ``tokenizer``:
-    the model's, for candidates that re-read their prompt (KVzip: measured window by window)."""
+    the model's, for candidates that re-read their prompt (KVzip: measured window by window). ``fit_len``: the prompt
+    length at which the budget holds (default ``prompt_len``): a store with a fixed-size part (KIVI's full-precision
+    window) costs fewer bytes per token on a longer prompt, so fitted there it keeps more tokens; its rows then also
+    give ``at_fit``, the bytes per token at that length (by the methods' closed form)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if objective != "ppl" and task_eval is None:
@@ -244,6 +248,7 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
     log = log or (lambda s: None)
     adapter = adapter_for(model)
     full_bpt = full_bytes_per_token(adapter)
+    fit_at = fit_len or prompt_len
     bases_cache: dict = {}
 
     def realise(spec: dict) -> dict:
@@ -271,7 +276,12 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
         row = {"label": spec_label(spec), "spec": spec, "bytes_per_token": res["bytes_per_token"],
                "ratio_vs_fp16_full": res["ratio_vs_fp16_full"], "tuning_ppl": res["ppl"],
                "delta_pct": 100 * (res["ppl"] / full["ppl"] - 1), "seconds": res["seconds"]}
-        log(f"  {row['label']:<48} {row['ratio_vs_fp16_full']:6.2f}x  tuning ppl {row['tuning_ppl']:.4f} "
+        if fit_at != prompt_len:
+            held = max(1, math.ceil(spec["keep"] * fit_at - 1e-9)) if is_selection(spec) else fit_at
+            b = bytes_per_token(build_method(realise(spec), prompt_len=fit_at), adapter, fit_at, held)
+            row["at_fit"] = {"prompt_len": fit_at, "bytes_per_token": b, "ratio_vs_fp16_full": full_bpt / b}
+        at = f" ({row['at_fit']['ratio_vs_fp16_full']:.2f}x at {fit_at})" if "at_fit" in row else ""
+        log(f"  {row['label']:<48} {row['ratio_vs_fp16_full']:6.2f}x{at}  tuning ppl {row['tuning_ppl']:.4f} "
             f"({row['delta_pct']:+.2f} %)")
         return row
 
@@ -312,7 +322,7 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
 
     full = evaluate(model, None, windows, prompt_len=prompt_len, batch_size=batch_size)
     log(f"full cache: tuning ppl {full['ppl']:.4f}; budget {budget:.1f} bytes per token "
-        f"({full_bpt / budget:.2f}x smaller than the fp16 full cache, {full_bpt} B)")
+        f"({full_bpt / budget:.2f}x smaller than the fp16 full cache, {full_bpt} B) at a {fit_at}-token prompt")
     usable = [name for name in selectors if runs_on(model, build_method(selection(INT8, name, 0.5),
                                                                         prompt_len=prompt_len))]
     for name in selectors:
@@ -327,7 +337,7 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
         cannot sit under kvzip(heads=pooled)), keeping the most tokens that selector fits; ``None`` when no such
         stack runs this model (a cache that cannot drop a sliding window's tokens, or over budget at 1/64)."""
         for name in dict.fromkeys(names):
-            st = fit_budget(store, adapter, prompt_len, budget, selector=name, realise=realise)
+            st = fit_budget(store, adapter, fit_at, budget, selector=name, realise=realise)
             if st is not None and runs_on(model, build_method(realise(st), prompt_len=prompt_len)):
                 return st
             if st is not None and not is_selection(st):

@@ -151,7 +151,10 @@ def run(args: argparse.Namespace) -> dict:
         raise UsageError(f"--lengths: {e}") from None
     header = _header(args, model, tok, specs, insts, settings)
     out = Path(args.out)
-    results = resume(out, args.force, header)
+    from kvsplice.tasks.provenance import tokenizer_fingerprint
+
+    results = resume(out, args.force, header, lambda doc: {"tokenizer_fingerprint": [tokenizer_fingerprint(
+        tok, loaded_from=doc["tokenizer"] or doc["model"])]})  # files that hashed the path too
     jobs = [(s, i) for s in settings for i in insts]
     from tqdm.auto import tqdm
 

@@ -101,6 +101,29 @@ def test_resume_adds_instances_only(s260k, finished, tmp_path, capsys, monkeypat
     assert doc["summary"]["aware"]["int8"]["n"] == 3
 
 
+def test_resume_takes_the_same_tokenizer_from_another_path(s260k, finished, tmp_path, capsys, monkeypatch) -> None:
+    """The same model and tokenizer named by another path (a link to the folder) continue the file, new and
+    earlier-form fingerprints alike (the earlier one hashed the path): no finished answer is run again."""
+    from kvsplice.io.loading import load_model
+    from kvsplice.tasks import shared
+    from kvsplice.tasks.provenance import tokenizer_fingerprint
+
+    link = tmp_path / "same_model"
+    link.symlink_to(s260k, target_is_directory=True)
+    tok = load_model(s260k).tokenizer
+    legacy = tokenizer_fingerprint(tok, loaded_from=s260k)
+    assert legacy != tokenizer_fingerprint(tok) == tokenizer_fingerprint(load_model(str(link)).tokenizer)
+    ran: list[str] = []
+    monkeypatch.setattr(shared, "answer_many", lambda *a, **k: ran.append(a[2].key) or {})
+    for form in ("new", "earlier"):
+        out = _edited(finished, tmp_path, lambda d: d.update(tokenizer_fingerprint=legacy) if form == "earlier"
+                      else None)
+        rc, _, err = _run(["--model", link, *_argv(), "--out", out], capsys)
+        assert rc == 0, err
+        assert json.loads(out.read_text())["tokenizer_fingerprint"] == tokenizer_fingerprint(tok)
+    assert ran == []
+
+
 def _edited(finished: Path, tmp_path: Path, edit) -> Path:
     out = _copy(finished, tmp_path)
     doc = json.loads(out.read_text())

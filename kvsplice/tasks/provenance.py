@@ -39,9 +39,12 @@ def file_digest(path: Union[str, Path]) -> str:
     return h.hexdigest()[:DIGEST_CHARS]
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer, *, loaded_from: Optional[str] = None) -> str:
     """A short sha256 of the tokenizer's full serialisation (vocabulary, merges, normaliser, ...) and of how the
-    package uses it (BOS / EOS ids, separator): two tokenizers with the same fingerprint give the same ids."""
+    package uses it (BOS / EOS ids, separator): two tokenizers with the same fingerprint give the same ids, and the
+    same tokenizer gives the same fingerprint wherever it is loaded from (``../m`` and ``/work/m``).
+    ``loaded_from``: the earlier form, which also hashed the path it was loaded from (this one): a file recording it
+    is resumed by the same tokenizer under any path (:func:`kvsplice.tasks.resume.resume`)."""
     backend = tokenizer.backend
     inner = getattr(backend, "backend_tokenizer", None)  # a transformers fast tokenizer
     if isinstance(getattr(backend, "fingerprint", None), str):  # data.TextTokenizer
@@ -52,7 +55,10 @@ def tokenizer_fingerprint(tokenizer) -> str:
         body = {"vocab": backend.get_vocab(), "special": getattr(backend, "all_special_tokens", None)}
     else:
         body = {"vocab_size": tokenizer.vocab_size, "name": tokenizer.name}
-    return text_digest(json.dumps({"use": tokenizer.describe(), "body": body}, sort_keys=True, default=str))
+    use = {k: v for k, v in tokenizer.describe().items() if k != "name"}  # where it was loaded from: not what it does
+    if loaded_from is not None:
+        use["name"] = loaded_from
+    return text_digest(json.dumps({"use": use, "body": body}, sort_keys=True, default=str))
 
 
 def instance_digest(tokenizer, inst: TaskInstance) -> str:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional, Sequence
 
 from kvsplice.io.cli import UsageError
 from kvsplice.tasks.results_schema import FORMAT, check_results_doc, instance_key
@@ -53,9 +53,9 @@ def load_results(path: Path) -> dict[str, Any]:
     return doc
 
 
-def _check_same(doc: dict, header: dict, path: Path) -> None:
+def _check_same(doc: dict, header: dict, path: Path, aliases: dict) -> None:
     for name, option in SAME.items():
-        if doc[name] != header[name]:
+        if doc[name] != header[name] and doc[name] not in aliases.get(name, ()):
             raise UsageError(f"--out {path} was made with another {option} ({name} {doc[name]!r}, now "
                              f"{header[name]!r}): its answers are not this run's; {_START_OVER}")
 
@@ -96,14 +96,17 @@ def _changed_methods(doc: dict, header: dict) -> list[str]:
         before[k] != label or files.get(k, {}) != header["method_files"].get(k, {})))
 
 
-def resume(path: Path, force: bool, header: dict) -> dict:
+def resume(path: Path, force: bool, header: dict,
+           aliases: Optional[Callable[[dict], dict[str, Sequence[str]]]] = None) -> dict:
     """The finished results of ``path`` that this run (``header``: its recorded settings) continues — ``{}`` when
     there is no file or ``force`` — after the checks of the module docstring; ``header`` gets the records of the
-    methods run before. A :class:`UsageError` when the file cannot be continued."""
+    methods run before. ``aliases(doc)``: other recorded values that mean this run's setting (the tokenizer's
+    fingerprint in its earlier form, which hashed the path the file records it was loaded from). A
+    :class:`UsageError` when the file cannot be continued."""
     if force or not path.exists():
         return {}
     doc = load_results(path)
-    _check_same(doc, header, path)
+    _check_same(doc, header, path, aliases(doc) if aliases else {})
     _check_extent(doc, header, path)
     results = doc["results"]
     for k in _changed_methods(doc, header):  # the same spec names another method now: run it again

@@ -277,8 +277,8 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
                "ratio_vs_fp16_full": res["ratio_vs_fp16_full"], "tuning_ppl": res["ppl"],
                "delta_pct": 100 * (res["ppl"] / full["ppl"] - 1), "seconds": res["seconds"]}
         if fit_at != prompt_len:
-            held = max(1, math.ceil(spec["keep"] * fit_at - 1e-9)) if is_selection(spec) else fit_at
-            b = bytes_per_token(build_method(realise(spec), prompt_len=fit_at), adapter, fit_at, held)
+            method = build_method(realise(spec), prompt_len=fit_at)  # a selection's budget: its kept tokens there
+            b = bytes_per_token(method, adapter, fit_at, min(method.budget, fit_at) if is_selection(spec) else fit_at)
             row["at_fit"] = {"prompt_len": fit_at, "bytes_per_token": b, "ratio_vs_fp16_full": full_bpt / b}
         at = f" ({row['at_fit']['ratio_vs_fp16_full']:.2f}x at {fit_at})" if "at_fit" in row else ""
         log(f"  {row['label']:<48} {row['ratio_vs_fp16_full']:6.2f}x{at}  tuning ppl {row['tuning_ppl']:.4f} "

@@ -72,7 +72,8 @@ CEILING = {"methods": ["int8"], "tasks": ["passkey", "niah_number_stories", "nia
 LONG = {"methods": ["int8", "kivi4"], "plans": ["4x", "8x"], "plans_at": {8000: ["4x8k", "4x8kfb", "4x8kfit"]},
         "tasks": ["niah_number_stories"], "lengths": [4096, 8000], "n": 20}  # the picks made at 1k, judged at 4k and
 # 8k on the goal task the full cache answers there (the ceiling: the passkey and the word in facts are beyond the model
-# at 4k), and at 8k the pick re-made for 8k; 4k about 40 min on 2 cores, 8k about 10 min per instance (eight methods, full included)
+# at 4k), and at 8k the picks re-made for 8k; 4k about 40 min on 2 cores, 8k about 10 min per instance (eight
+# methods, full included)
 SMOKE = {"methods": ["int8", "select:observed_attention@x4+int8", "select:kvzip@x2"], "tasks": ["passkey", "vartrack"],
          "lengths": [200], "n": 2}
 SIZES = {"smoke": SMOKE, "reduced": REDUCED, "passkey": PASSKEY, "goals": GOALS, "goals2k": GOALS_2K, "full": FULL,

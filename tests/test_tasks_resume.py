@@ -17,12 +17,13 @@ from kvsplice import eval_tasks
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 STORIES = DATA / "stories260K"
 TEXTS = sorted((DATA / "tinystories").glob("*.txt"))
+FIRST, LAST = (str(TEXTS[0]), str(TEXTS[-1])) if TEXTS else ("absent", "absent")  # the module skips without them
 
 pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file() or len(TEXTS) < 2,
                                 reason=f"stories260K / tinystories not found under {DATA}")
 
 BASE = {"--method": ["int8"], "--tasks": ["passkey"], "--lengths": ["160"], "--n": ["2"], "--setting": ["agnostic"],
-        "--stories": [str(TEXTS[0]) if TEXTS else "absent"]}  # the module skips without the texts
+        "--stories": [FIRST]}
 
 
 def _argv(**change) -> list[str]:
@@ -59,7 +60,7 @@ def _copy(finished: Path, tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("change, option", [
-    (dict(stories=[str(TEXTS[-1])]), "--stories"),
+    (dict(stories=[LAST]), "--stories"),
     (dict(door=["hf"]), "--door"),
     (dict(dtype=["bf16"]), "--dtype"),
     (dict(seed0=["2"]), "--seed0"),

@@ -5,7 +5,7 @@
         [--ratios 2 4 8] [--seeds 3] [--json results/balance_ppl.json]
 
 For every window of ``prompt + cont`` tokens of real text (the model's tokenizer, stories BOS/EOS-separated by
-:mod:`kvsplice.io.loading`): the prompt is prefilled exactly (full attention), every layer's K/V (post-RoPE keys for
+:mod:`kvsplice.loading`): the prompt is prefilled exactly (full attention), every layer's K/V (post-RoPE keys for
 Llama) is compressed per KV head to ``budget = prompt // ratio`` tokens by the method, and the continuation is decoded
 teacher-forced over that cache with weighted attention (decoded tokens kept exactly; positions continue from the
 tokens seen) — :func:`kvsplice.select.method.run_token_selection`. Scored: every continuation token (the first is
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from kvsplice.io.loading import LoadError, first_line, iter_texts, load_model, token_stream
+from kvsplice.loading import LoadError, first_line, iter_texts, load_model, token_stream
 from kvsplice.select.method import run_token_selection
 from kvsplice.select.selectors import (BalanceKVSelector, StreamingLLMSelector, UniformSelector,
                                    balance_plan)

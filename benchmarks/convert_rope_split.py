@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     from convert_smollm2 import windows  # the sibling script (benchmarks/ is on sys.path when run)
     from kvsplice.convert.llama_mla import calibrate_layers, convert_llama
     from kvsplice.evaluation.protocol import evaluate
-    from kvsplice.io.loading import iter_texts, load_model
+    from kvsplice.loading import iter_texts, load_model
     from kvsplice.io.outputs import write_json
     from models.checkpoint import atomic_write
 

@@ -60,7 +60,7 @@ def domain_text() -> str:
 
 
 def windows(tok, texts, n_tokens: int, seq: int, skip: int = 0) -> torch.Tensor:
-    from kvsplice.io.loading import token_stream
+    from kvsplice.loading import token_stream
 
     ids, _ = token_stream(texts, tok, skip + n_tokens)
     ids = ids[skip:]
@@ -123,7 +123,7 @@ class Bench:
         """Evaluate ``folder`` (or the source) with its latent held at ``store``; cached under ``key``."""
         if key not in self.cache:
             from kvsplice.evaluation.protocol import evaluate
-            from kvsplice.io.loading import load_model
+            from kvsplice.loading import load_model
 
             model = load_model(folder).model
             if store != "fp16":
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="stories260K and tiny token counts (tests)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    from kvsplice.io.loading import iter_texts, load_model
+    from kvsplice.loading import iter_texts, load_model
 
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="convert_smollm2-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -185,7 +185,7 @@ def main(argv=None) -> int:
               "layer": [], "step": []}
     model = None
     if not a.no_model:
-        from kvsplice.io.loading import load_model
+        from kvsplice.loading import load_model
 
         model = load_model(a.model, dtype=torch.float32).model
     for n in a.contexts:

@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)
     args = ap.parse_args(argv)
-    from kvsplice.io.loading import iter_texts, load_model, token_stream
+    from kvsplice.loading import iter_texts, load_model, token_stream
     from training.lit_distill import LitDistill, causal_logits
 
     student, teacher = load_model(args.model), load_model(args.teacher).model

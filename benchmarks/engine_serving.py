@@ -98,7 +98,7 @@ def ratio(x, digits: int) -> str:
 def bench(gguf: Path, ctx: int, batch: int, ntg: int, threads: int, flash_attn: str = "auto") -> list[dict]:
     """``llama-batched-bench`` at ``batch``: one prompt of ``ctx`` tokens prefilled once, copied into every
     sequence's own cache stream, then ``ntg`` decode steps of one token per sequence."""
-    from kvsplice.engines.llama_cpp import binary
+    from kvsplice.convert.engines.llama_cpp import binary
 
     cmd = [str(binary("llama-batched-bench")), "-m", str(gguf), "-c", str(batch * (ctx + ntg + 1)),
            "-b", "2048", "-ub", "512", "-npp", str(ctx), "-ntg", str(ntg), "-npl", str(batch), "-pps",
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latents", nargs="+", default=[name_of(r) for _, r in VARIANTS], metavar="std|R",
                    help="the models: std (standard attention) and MLA latent sizes R (each + a 64-dim RoPE key)")
     args = p.parse_args(argv)
-    from kvsplice.engines.llama_cpp import LlamaCppModel, hf_to_gguf, max_sequences, missing
+    from kvsplice.convert.engines.llama_cpp import LlamaCppModel, hf_to_gguf, max_sequences, missing
 
     why = missing(bindings=True, programs=("llama-batched-bench",))
     if why:

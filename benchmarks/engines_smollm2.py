@@ -44,8 +44,8 @@ def main() -> int:
 
     from kvsplice.convert.deepseek_v3 import save_deepseek_v3
     from kvsplice.convert.llama_mla import calibrate_layers, convert_llama
-    from kvsplice.engines.llama_cpp import LlamaCppModel, hf_to_gguf, missing
-    from kvsplice.io.loading import iter_texts, load_model, token_stream
+    from kvsplice.convert.engines.llama_cpp import LlamaCppModel, hf_to_gguf, missing
+    from kvsplice.loading import iter_texts, load_model, token_stream
     from kvsplice.lowrank.calibrate import calibration_batches
 
     work = Path(args.work)

@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 import torch
 import transformers
 
-from kvsplice.engines import llama_cpp
+from kvsplice.convert.engines import llama_cpp
 from kvsplice.io.cli import UsageError
 from kvsplice.io.outputs import output_file, write_json
 from kvsplice.report.memory import cache_bytes_formula, measure_cache

@@ -12,7 +12,7 @@ unpadded (transformers' reference) and padded to 512 + 64 (``--pad-latent 512 --
 CPU MLA kernel takes). ``--smollm2``: the shared SmolLM2-135M GGUF converted (``to_mla``, latent 128 + 64 shared RoPE,
 8,192 calibration tokens of TinyStoriesV2) and exported unpadded (transformers' reference) and padded to 512 + 64.
 Each export runs in vLLM twice: with vLLM's RoPE as PyTorch code (the runner's default) and with its CPU C++ RoPE op
-(``native_rope=False``), which mis-indexes MLA's strided query / key slices (:mod:`kvsplice.engines.vllm_worker`).
+(``native_rope=False``), which mis-indexes MLA's strided query / key slices (:mod:`kvsplice.convert.engines.vllm_worker`).
 JSON on stdout (``--json`` also writes it). Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON`` or ``build/vllm-venv``; docs/conversion.md).
 """
 
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 DATA = ROOT.parent / "shared" / "data"
 
-from kvsplice.engines import vllm as vllm_engine  # noqa: E402
+from kvsplice.convert.engines import vllm as vllm_engine  # noqa: E402
 from kvsplice.io.cli import UsageError  # noqa: E402
 from kvsplice.io.outputs import output_file, write_json  # noqa: E402
 from models.checkpoint import atomic_write  # noqa: E402
@@ -137,9 +137,9 @@ def trained(ckpt: Path, text: str, *, tokens: int = 96, new: int = 32, work: Opt
 def smollm2(*, gguf: Path, calib: Path, text: Path, calib_tokens: int = 8192, d_latent: int = 128, tokens: int = 256,
             new: int = 32, work: Optional[Path] = None) -> dict[str, Any]:
     """SmolLM2 converted (shared RoPE, every frequency) and exported padded to 512 + 64."""
-    from kvsplice import to_mla
+    from kvsplice.cli import to_mla
     from kvsplice.decode import Decoder
-    from kvsplice.io.loading import load_model
+    from kvsplice.loading import load_model
 
     work = Path(work or tempfile.mkdtemp(prefix="engines_vllm_smol_"))
     native, unpadded, padded = work / "mla", work / "ds", work / "ds_padded"

@@ -3,7 +3,7 @@
     python benchmarks/fd_online_stories260k.py     # → results/fd_online_stories260k.json + .md (≈ 5–8 min, 1 CPU)
 
 * Model: ``../shared/data/stories260K`` (llama2.c; 5 layers, 8 query / 4 KV heads, head_dim 8, RoPE), converted to
-  a temporary HF Llama directory and loaded with :func:`kvsplice.io.loading.load_model`.
+  a temporary HF Llama directory and loaded with :func:`kvsplice.loading.load_model`.
 * Eval text: the TinyStories **validation** sample (``yuninxia_moe-routing-bench__tinystories_val.txt``), story by
   story with BOS, first ``--windows`` × 512 tokens (the model's context) — the same windows as
   ``benchmarks/stories260k_bases.py`` uses (its first ones).
@@ -43,7 +43,7 @@ from kvsplice.lowrank.method import LowRank
 from kvsplice.lowrank.calibrate import calibrate, calibration_batches
 from kvsplice.convert.llama2c import convert_llama2c
 from kvsplice.lowrank.fits import fit_bases
-from kvsplice.io.loading import iter_texts, load_model, token_stream
+from kvsplice.loading import iter_texts, load_model, token_stream
 from kvsplice.lowrank.diagnostics import bases_diagnostics
 from kvsplice.core.diagnostics import format_diagnostics
 from kvsplice.online.diagnostics import online_qkv_diagnostics

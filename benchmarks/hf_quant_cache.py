@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvsplice.io.outputs import write_json
-from kvsplice.io.loading import iter_texts, load_model, token_stream
+from kvsplice.loading import iter_texts, load_model, token_stream
 from kvsplice.decode import Decoder, DenseKV
 from kvsplice.hf.measure import cache_nbytes, continuation_logits
 from data.reference import EVAL

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 torch.set_num_threads(1)
-from kvsplice.io.loading import load_model, iter_texts, token_stream
+from kvsplice.loading import load_model, iter_texts, token_stream
 from kvsplice.lowrank.calibrate import calibration_batches
 from kvsplice.convert.llama_mla import calibrate_layers, convert_llama
 from models.mla_llama import MLALlama, MLALlamaConfig

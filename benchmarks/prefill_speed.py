@@ -65,8 +65,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", help="write the medians here")
     a = ap.parse_args(argv)
-    from kvsplice.io.loading import load_model
-    from kvsplice.io.loading import iter_texts, token_stream
+    from kvsplice.loading import load_model
+    from kvsplice.loading import iter_texts, token_stream
 
     torch.set_num_threads(a.threads)
     loaded = load_model(a.model)

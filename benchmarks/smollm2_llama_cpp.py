@@ -14,14 +14,14 @@ Our extra task rows (``k8v4h``, ``int4`` at llama.cpp's bytes) come from ``OURS_
 when its output exists; our other rows from ``results/smollm2_frontier.json``, ``smollm2_tasks.json`` and
 ``smollm2_tasks_goals.json``.
 
-llama.cpp runs through its C API (:mod:`kvsplice.engines.llama_cpp`, ``$KVSPLICE_LLAMA_CPP``; docs/conversion.md
+llama.cpp runs through its C API (:mod:`kvsplice.convert.engines.llama_cpp`, ``$KVSPLICE_LLAMA_CPP``; docs/conversion.md
 builds it) on the shared GGUF itself (its Q4_1 weights: what our loader dequantises to fp32), fed our tokenizer's ids.
 K and V both in the type, flash attention on for every type (llama.cpp quantises V only with it). Protocol P
-(:mod:`kvsplice.engines.llama_cpp_eval`): the 4 validation windows of 1,024 tokens of ``kvsplice.evaluation.windows``,
+(:mod:`kvsplice.convert.engines.llama_cpp_eval`): the 4 validation windows of 1,024 tokens of ``kvsplice.evaluation.windows``,
 768 prefilled, 256 decoded in chunks of 64 and scored. Tasks: ``make_instances`` with the suite's seeds 0..n-1 and the
 validation stories, greedy, scored by the instance. Bytes per token: llama.cpp's log line at context creation
 (``llama_kv_cache: size = ... K (q8_0): ... MiB, V (q8_0): ... MiB``) over its cells, beside ggml's closed form
-(:mod:`kvsplice.engines.kv_types`). Resumable: finished windows and instances are kept in
+(:mod:`kvsplice.convert.engines.kv_types`). Resumable: finished windows and instances are kept in
 ``checkpoints/smollm2_llama_cpp/<type>.json``; writes ``results/smollm2_llama_cpp.{json,md}``.
 """
 
@@ -88,9 +88,9 @@ def run_type(kv: str, a, tokenizer, windows, insts) -> None:
     """Protocol P and the task instances in cache type ``kv`` (K and V), resuming ``WORK/<kv>.json``."""
     from tqdm.auto import tqdm
 
-    from kvsplice.engines.kv_types import kv_bytes_per_token
-    from kvsplice.engines.llama_cpp import LlamaCppModel
-    from kvsplice.engines.llama_cpp_eval import answer, protocol_p
+    from kvsplice.convert.engines.kv_types import kv_bytes_per_token
+    from kvsplice.convert.engines.llama_cpp import LlamaCppModel
+    from kvsplice.convert.engines.llama_cpp_eval import answer, protocol_p
 
     path = WORK / f"{kv}.json"
     doc = _load(path)
@@ -121,7 +121,7 @@ def run_ours(specs: list[str], a) -> None:
 
     import kvsplice.evaluation.windows as C
     from kvsplice import build_method
-    from kvsplice.io.loading import load_tokenizer
+    from kvsplice.loading import load_tokenizer
     from kvsplice.evaluation.protocol import evaluate, evaluate_each
 
     path = WORK / "ours.json"
@@ -148,8 +148,8 @@ def run_ours(specs: list[str], a) -> None:
 def exact_bytes(types: list[str], cells: int = 32768) -> dict[str, Any]:
     """The cache llama.cpp allocates per token for each type, read from its log at ``cells`` cells (2^15: its MiB,
     printed to 2 decimals, are then exact for SmolLM2's rows), beside ggml's closed form. ``WORK/bytes.json``."""
-    from kvsplice.engines.kv_types import kv_bytes_per_token
-    from kvsplice.engines.llama_cpp import LlamaCppModel
+    from kvsplice.convert.engines.kv_types import kv_bytes_per_token
+    from kvsplice.convert.engines.llama_cpp import LlamaCppModel
 
     path = WORK / "bytes.json"
     doc = _load(path)
@@ -171,7 +171,7 @@ def cross_check(kv: str, a, chunks: int = 2, n_ctx: int = 1024) -> dict[str, Any
     import re
     import subprocess
 
-    from kvsplice.engines.llama_cpp import LlamaCppModel, binary
+    from kvsplice.convert.engines.llama_cpp import LlamaCppModel, binary
 
     path = WORK / "cross_check.json"
     doc = _load(path)
@@ -340,8 +340,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
-    from kvsplice.engines.kv_types import kv_type
-    from kvsplice.engines.llama_cpp import missing
+    from kvsplice.convert.engines.kv_types import kv_type
+    from kvsplice.convert.engines.llama_cpp import missing
 
     try:
         for t in a.types:
@@ -356,7 +356,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not next(MODEL.glob("*.gguf"), None):
             print(f"smollm2_llama_cpp: no GGUF under {MODEL}", file=sys.stderr)
             return 2
-        from kvsplice.io.loading import load_tokenizer
+        from kvsplice.loading import load_tokenizer
         from kvsplice.tasks.suite import make_instances
 
         t0 = time.perf_counter()

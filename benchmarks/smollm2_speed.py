@@ -148,7 +148,7 @@ def write_report(rows: list[dict], out: Path, meta: dict) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from kvsplice.io.loading import load_model
+    from kvsplice.loading import load_model
     from kvsplice.report.speed import measure
 
     rows = []

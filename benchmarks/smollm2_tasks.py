@@ -215,7 +215,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = SIZES[a.size]
     WORK, PLANS = Path(a.work), Path(a.work) / "plans"
     if not a.report_only:
-        from kvsplice import eval_bases, eval_tasks, plan
+        from kvsplice.cli import eval_bases, eval_tasks, plan
 
         WORK.mkdir(parents=True, exist_ok=True)
         for name in plans_of(cfg):

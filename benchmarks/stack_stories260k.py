@@ -3,7 +3,7 @@
     python benchmarks/stack_stories260k.py      # → results/stack_stories260k.json + .md (a few minutes, 1 CPU thread)
 
 1. Convert ``../shared/data/stories260K`` (llama2.c) into a temporary HF Llama directory and load it
-   (:func:`kvsplice.io.loading.load_model`); calibrate post-RoPE Grams on the TinyStories **train** sample
+   (:func:`kvsplice.loading.load_model`); calibrate post-RoPE Grams on the TinyStories **train** sample
    (``--calib-tokens``, windows of 512) and fit ``gqa-concat`` bases at every ``--ranks`` (value rank = key rank).
 2. Evaluate on the TinyStories **validation** sample: ``--windows`` windows of ``--prompt + --cont`` tokens. Each
    window's prompt is prefilled into a fresh cache, the continuation is fed teacher-forced in one call and its
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
             print(f"missing reference data: {f}", file=sys.stderr)
             return 1
     from kvsplice.convert.llama2c import convert_llama2c
-    from kvsplice.io.loading import iter_texts, load_model, token_stream
+    from kvsplice.loading import iter_texts, load_model, token_stream
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

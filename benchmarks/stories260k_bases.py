@@ -5,7 +5,7 @@
 Steps (all through the CLIs' own code: :mod:`kvsplice.fit_bases` / :mod:`kvsplice.eval_bases`):
 
 1. convert ``../shared/data/stories260K/stories260K.bin`` + ``tok512.bin`` into a temporary HF Llama directory
-   (``python -m kvsplice.convert_llama2c``) and load it with :func:`kvsplice.io.loading.load_model`;
+   (``python -m kvsplice.convert_llama2c``) and load it with :func:`kvsplice.loading.load_model`;
 2. calibrate on the TinyStories **train** sample (``gusjengis_toy-RNN__tinystories_sample.txt``, first
    ``--calib-tokens``, windows of 512 = the model's context), once per RoPE mode (post, pre), timing one plain
    forward pass over the same windows;
@@ -33,7 +33,7 @@ import torch
 
 from kvsplice.evaluation.context import EvalContext, load_windows
 from kvsplice.evaluation.lowrank import evaluate_bases
-from kvsplice.fit_bases import build_parser as fit_parser, fit_from_args
+from kvsplice.cli.fit_bases import build_parser as fit_parser, fit_from_args
 from kvsplice.io.outputs import write_json
 from data.reference import CALIB, EVAL, STORIES
 from kvsplice.lowrank.fits import FITS, score_error
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         a.methods = ["ksvd"] + a.methods
     from kvsplice.lowrank.calibrate import calibrate, calibration_batches
     from kvsplice.convert.llama2c import convert_llama2c
-    from kvsplice.io.loading import iter_texts, load_model, token_stream
+    from kvsplice.loading import iter_texts, load_model, token_stream
 
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

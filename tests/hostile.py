@@ -22,9 +22,17 @@ from tiny_models import sharpen
 REPO = Path(__file__).resolve().parents[1]
 
 
+def prog_of(tool: str) -> str:
+    """The program name a command's error lines start with: ``kvsplice VERB`` for a tool named by its verb
+    (``to-mla``), its module's last part (``to_mla``) or the whole prefix (``kvsplice to-mla``)."""
+    return tool if tool.startswith("kvsplice ") else "kvsplice " + tool.rsplit(".", 1)[-1].replace("_", "-")
+
+
 def one_error(rc: int, err: str, prog: str, expect: str = "") -> str:
     """The command exited 2 with exactly one ``PROG: error: ...`` line and no traceback, containing ``expect``;
-    ``note:`` lines are allowed. Lines are what a terminal shows (a progress bar overwritten through ``\\r`` is gone)."""
+    ``note:`` lines are allowed. Lines are what a terminal shows (a progress bar overwritten through ``\\r`` is gone).
+    ``prog``: as :func:`prog_of` takes it."""
+    prog = prog_of(prog)
     assert "Traceback" not in err, err
     shown = [ln.rsplit("\r", 1)[-1] for ln in err.split("\n")]  # what a terminal shows: a cleared progress bar is gone
     lines = [ln for ln in shown if ln.strip() and "warning" not in ln.lower() and not ln.startswith("note:")]

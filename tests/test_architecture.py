@@ -137,10 +137,19 @@ def test_no_library_module_over_500_lines(pkg):
     assert not long, long
 
 
-def test_kvsplice_top_level_holds_clis_and_subpackages_only():
+def test_kvsplice_top_level_holds_only_the_compatibility_shims_of_commands():
+    """``kvsplice/`` top level: subpackages, and one shim per verb (``python -m kvsplice.TOOL``) that runs
+    :mod:`kvsplice.cli` — every command's code lives in ``kvsplice/cli/``."""
+    from kvsplice.cli.main import VERBS
+
     top = ROOT / "kvsplice"
     for path in top.glob("*.py"):
         if path.name == "__init__.py":
             continue
         text = path.read_text()
-        assert "def main(" in text and '__name__ == "__main__"' in text, f"{path.name} is not a command-line tool"
+        verb = path.stem.replace("_", "-")
+        assert verb in VERBS and f'shim(__name__, "{verb}")' in text, f"{path.name} is not a command's shim"
+        assert len(text.splitlines()) <= 6, f"{path.name}: a shim holds no code"
+    for verb, v in VERBS.items():
+        if v.module.startswith("kvsplice."):
+            assert (top / "cli" / (v.module.rsplit(".", 1)[1] + ".py")).is_file(), verb

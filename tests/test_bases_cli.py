@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kvsplice import eval_bases, fit_bases  # noqa: E402
+from kvsplice.cli import eval_bases, fit_bases  # noqa: E402
 from kvsplice.lowrank.bases import KVBases  # noqa: E402
 from kvsplice.adapters import model_fingerprint  # noqa: E402
 from tiny_models import save_model_dirs  # noqa: E402
@@ -193,7 +193,7 @@ def test_eval_full_rank_matches_low_rank_worse(s260k, s260k_bases, tmp_path, cap
 def test_chunked_decode_equals_token_by_token(s260k, s260k_bases):
     from kvsplice.decode import Decoder
     from kvsplice.lowrank.method import LowRank
-    from kvsplice.io.loading import load_model
+    from kvsplice.loading import load_model
 
     loaded = load_model(s260k)
     windows, _ = eval_bases.load_windows(loaded, str(EVAL), 128, 64)
@@ -265,7 +265,7 @@ def test_cli_process_exit_codes(tmp_path):
                         str(tmp_path / "missing.safetensors"), "--data", str(EVAL)], capture_output=True, text=True,
                        cwd=REPO, env=env, timeout=120)
     assert p.returncode == 2 and p.stderr.strip() == \
-        f"eval_bases: error: bases file not found: {tmp_path / 'missing.safetensors'}"
+        f"kvsplice eval-bases: error: bases file not found: {tmp_path / 'missing.safetensors'}"
 
 
 def test_eval_cache_quant_int8(s260k, s260k_bases, tmp_path, capsys):

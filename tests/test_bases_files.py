@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hostile import dead_pid, one_error, readonly_dir, snapshot, tiny_hf_with_bases  # noqa: F401
-from kvsplice import eval_bases, fit_bases
+from kvsplice.cli import eval_bases, fit_bases
 from kvsplice.lowrank.bases import BasesMismatchError, KVBases
 
 STORY = "Once upon a time there was a little cat. The cat liked to play in the sun with a red ball."

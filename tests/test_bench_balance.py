@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from kvsplice.bench_balance import ARMS, keep_plan, layer_errors, main, make_arm
+from kvsplice.cli.bench_balance import ARMS, keep_plan, layer_errors, main, make_arm
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
@@ -144,7 +144,7 @@ def test_cli_on_a_tiny_gpt2(tmp_path):
 def test_bad_paths_fail_with_one_line(tmp_path, capsys):
     rc = main(["--model", str(tmp_path / "nope"), "--data", str(TEXT)])
     err = capsys.readouterr().err.strip()
-    assert rc != 0 and err.startswith("bench_balance: error:") and "\n" not in err
+    assert rc != 0 and err.startswith("kvsplice bench-balance: error:") and "\n" not in err
     (tmp_path / "empty").mkdir()
     rc = main(["--model", str(tmp_path / "empty"), "--data", str(TEXT)])
     err = capsys.readouterr().err.strip()
@@ -158,7 +158,7 @@ def test_bad_data_and_args_fail_with_one_line(stories_dir, tmp_path, capsys):
                         (["--data", str(TEXT), "--layers", "7"], "out of range")):
         rc = main(["--model", str(stories_dir), *extra, "--seeds", "1"])
         err = capsys.readouterr().err.strip()
-        assert rc != 0 and err.startswith("bench_balance: error:") and what in err and "\n" not in err, err
+        assert rc != 0 and err.startswith("kvsplice bench-balance: error:") and what in err and "\n" not in err, err
 
 
 def test_cli_subprocess_exit_code(tmp_path):
@@ -166,4 +166,4 @@ def test_cli_subprocess_exit_code(tmp_path):
                         "--data", "x.txt"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
     lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("bench_balance: error:"), p.stderr
+    assert len(lines) == 1 and lines[0].startswith("kvsplice bench-balance: error:"), p.stderr

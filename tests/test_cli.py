@@ -22,11 +22,11 @@ import torch
 from hostile import REPO, dead_pid, edit_ckpt, one_error, snapshot, tiny_ckpt
 
 CLIS = {  # module: prefix of its error line
-    "kvsplice.generate": "generate", "kvsplice.to_mla": "to_mla", "kvsplice.fit_bases": "fit_bases",
-    "kvsplice.eval_bases": "eval_bases", "kvsplice.verify_memory": "verify_memory",
-    "kvsplice.bench_decode": "bench_decode", "kvsplice.bench_balance": "bench_balance",
-    "kvsplice.convert_llama2c": "convert_llama2c", "training.export": "python -m training.export",
-    "training.evaluate": "python -m training.evaluate",
+    "kvsplice.generate": "kvsplice generate", "kvsplice.to_mla": "kvsplice to-mla", "kvsplice.fit_bases": "kvsplice fit-bases",
+    "kvsplice.eval_bases": "kvsplice eval-bases", "kvsplice.verify_memory": "kvsplice verify-memory",
+    "kvsplice.bench_decode": "kvsplice bench-decode", "kvsplice.bench_balance": "kvsplice bench-balance",
+    "kvsplice.convert_llama2c": "kvsplice convert-llama2c", "training.export": "kvsplice export",
+    "training.evaluate": "kvsplice evaluate",
 }
 
 
@@ -47,7 +47,7 @@ def test_a_bad_option_is_one_line_and_exit_2(module, capsys):
 
 
 def test_convert_llama2c_never_writes_into_the_folder_of_its_input(tmp_path, capsys):
-    from kvsplice.convert_llama2c import main
+    from kvsplice.cli.convert_llama2c import main
 
     model = tmp_path / "model.bin"
     model.write_bytes(os.urandom(64))
@@ -59,7 +59,7 @@ def test_convert_llama2c_never_writes_into_the_folder_of_its_input(tmp_path, cap
 
 
 def test_verify_memory_never_replaces_a_plot_without_force(tmp_path, capsys):
-    from kvsplice.verify_memory import main
+    from kvsplice.cli.verify_memory import main
 
     (tmp_path / "m.png").write_bytes(b"an earlier plot")
     rc = main(["--config", "gpt2", "--seq-lens", "8", "--json", str(tmp_path / "m.json"), "--no-progress"])
@@ -68,7 +68,7 @@ def test_verify_memory_never_replaces_a_plot_without_force(tmp_path, capsys):
 
 
 def test_evaluate_and_verify_memory_never_touch_a_checkpoint(tmp_path, data_cache, capsys):
-    from kvsplice.verify_memory import main as verify_memory
+    from kvsplice.cli.verify_memory import main as verify_memory
     from training.evaluate import main as evaluate
 
     ckpt = tiny_ckpt(tmp_path / "ok.ckpt", data_cache)
@@ -107,7 +107,7 @@ def test_help_is_shown_by_every_tool(module, capsys):
 
 
 # ------------------------------------------------------------------------------------------ Ctrl-C (issue 31)
-KVSPLICE_CLIS = {**{m: p for m, p in CLIS.items() if m.startswith("kvsplice.")}, "kvsplice.plan": "plan"}
+KVSPLICE_CLIS = {**{m: p for m, p in CLIS.items() if m.startswith("kvsplice.")}, "kvsplice.plan": "kvsplice plan"}
 
 
 @pytest.mark.parametrize("module", sorted(KVSPLICE_CLIS))
@@ -136,7 +136,7 @@ def test_a_real_sigint_during_fit_bases_is_one_line_and_leaves_nothing(tmp_path,
     text.write_text(" ".join(["once upon a time there was a little dog who liked to run."] * 40))
     out = tmp_path / "out"
     out.mkdir()
-    code = ("import os, signal, sys; import kvsplice.fit_bases as f\n"
+    code = ("import os, signal, sys; import kvsplice.cli.fit_bases as f\n"
             "def interrupt(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n"
             "    raise SystemExit('not interrupted')\n"
             "f.time_forward = interrupt\n"
@@ -145,7 +145,7 @@ def test_a_real_sigint_during_fit_bases_is_one_line_and_leaves_nothing(tmp_path,
             f"'--json', {str(out / 'b.json')!r}, '--calib-stats', {str(out / 's.safetensors')!r}]))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert r.returncode == 130 and r.stderr == "fit_bases: interrupted\n", (r.returncode, r.stderr[-3000:])
+    assert r.returncode == 130 and r.stderr == "kvsplice fit-bases: interrupted\n", (r.returncode, r.stderr[-3000:])
     assert os.listdir(out) == []
 
 
@@ -194,7 +194,7 @@ def test_a_second_run_to_the_same_new_output_is_refused(tmp_path, capsys):
     import subprocess
     import sys
 
-    from kvsplice.verify_memory import main
+    from kvsplice.cli.verify_memory import main
 
     out, go = tmp_path / "m.json", tmp_path / "go"
     holder = subprocess.Popen([sys.executable, "-c", (
@@ -217,7 +217,7 @@ def test_a_second_run_to_the_same_new_output_is_refused(tmp_path, capsys):
 
 
 def test_convert_llama2c_writes_every_file_with_the_umasks_mode(tmp_path, capsys):
-    from kvsplice.convert_llama2c import main
+    from kvsplice.cli.convert_llama2c import main
 
     stories = REPO.parent / "shared" / "data" / "stories260K"
     if not (stories / "stories260K.bin").is_file():
@@ -233,7 +233,7 @@ def test_convert_llama2c_writes_every_file_with_the_umasks_mode(tmp_path, capsys
 
 
 def test_bench_decode_never_writes_a_config_it_reads(tmp_path, capsys):
-    from kvsplice.bench_decode import main
+    from kvsplice.cli.bench_decode import main
 
     yaml = tmp_path / "tiny.yaml"
     shutil.copy(sorted((REPO / "configs").glob("*.yaml"))[0], yaml)

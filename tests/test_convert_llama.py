@@ -18,12 +18,12 @@ import pytest
 import torch
 import transformers
 
-from kvsplice import to_mla
+from kvsplice.cli import to_mla
 from kvsplice.convert.deepseek_v3 import check_exportable, save_deepseek_v3
 from kvsplice.convert.llama_mla import calibrate_layers, convert_llama, full_latent, latent_gram, shrink_latent
 from kvsplice.decode import Decoder
-from kvsplice.io.loading import load_model
-from kvsplice.io.mla_folder import load_mla_folder, save_mla_folder
+from kvsplice.loading import load_model
+from kvsplice.loading.mla_folder import load_mla_folder, save_mla_folder
 from kvsplice.report.memory import measure_cache
 from hostile import one_error, snapshot
 from tiny_models import tiny_family
@@ -217,18 +217,18 @@ def test_cli_full_rank_stories260k_is_exact_and_loads_everywhere(s260k, tmp_path
     assert mla.kind == "mla" and mla.tokenizer.vocab_size == src.tokenizer.vocab_size
     ids = torch.tensor([src.tokenizer.document("Once upon a time there was a little dog named Max.")])
     assert (mla.model(ids) - src.model(ids).logits).abs().max() <= TOL
-    from kvsplice import generate
+    from kvsplice.cli import generate
 
     capsys.readouterr()
     assert generate.main(["--model", str(out), "--prompt", "Once upon a time", "--max-new-tokens", "5"]) == 0
     assert "bytes measured" in "".join(capsys.readouterr())
-    from kvsplice import eval_bases
+    from kvsplice.cli import eval_bases
 
     assert eval_bases.main(["--model", str(out), "--data", str(CALIB), "--tokens", "512", "--seq-len", "128",
                             "--prompt-len", "96", "--no-progress"]) == 0
     assert "1.00x smaller" in capsys.readouterr().out  # the full-rank latent + RoPE keys = the K/V numbers
     assert eval_bases.main(["--model", str(out), "--data", str(CALIB), "--bases", str(out / "x.safetensors")]) == 2
-    from kvsplice import eval_tasks  # the task suite on its own cache: the same answers as the source (exact here)
+    from kvsplice.cli import eval_tasks  # the task suite on its own cache: the same answers as the source (exact here)
 
     texts = []
     for model in (out, s260k):
@@ -306,7 +306,7 @@ def test_smollm2_full_rank_per_head_is_exact(tmp_path):
     if not SMOL.is_file() or not CALIB.is_file():
         pytest.skip("SmolLM2 GGUF / TinyStories not found")
     loaded = load_model(SMOL)
-    from kvsplice.io.loading import iter_texts, token_stream
+    from kvsplice.loading import iter_texts, token_stream
 
     ids, _ = token_stream(iter_texts(CALIB), loaded.tokenizer, 1024)
     stats = calibrate_layers(loaded.model, [ids[:512].view(2, 256)])

@@ -26,7 +26,7 @@ from kvsplice.convert.llama2c import (
     read_llama2c,
     read_llama2c_tokenizer,
 )
-from kvsplice.convert_llama2c import main
+from kvsplice.cli.convert_llama2c import main
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
@@ -469,7 +469,7 @@ def _expect_error(argv, *fragments):
     with contextlib.redirect_stderr(err):
         rc = main(argv)
     line = err.getvalue().strip()
-    assert rc == 2 and "\n" not in line and line.startswith("convert_llama2c: error: "), (rc, line)
+    assert rc == 2 and "\n" not in line and line.startswith("kvsplice convert-llama2c: error: "), (rc, line)
     for f in fragments:
         assert f in line, line
     return line
@@ -543,6 +543,6 @@ def test_cli_subprocess_truncated_exit_code(tmp_path):
                         "--out", str(tmp_path / "o")], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 2
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("convert_llama2c: error:") and "truncated" in last
+    assert last.startswith("kvsplice convert-llama2c: error:") and "truncated" in last
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "o").exists()

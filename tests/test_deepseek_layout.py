@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvsplice.decode import Decoder, DenseKV, ModelAttention
-from kvsplice.verify_memory import main as verify_memory
+from kvsplice.cli.verify_memory import main as verify_memory
 from models import GPT
 from models.config import GPTConfig
 from tiny_models import sharpen

@@ -11,8 +11,8 @@ import pytest
 import torch
 import transformers
 
-from kvsplice import to_mla
-from kvsplice.io.loading import iter_texts, load_model, token_stream
+from kvsplice.cli import to_mla
+from kvsplice.loading import iter_texts, load_model, token_stream
 from training import distill
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -79,7 +79,7 @@ def test_distill_bad_input_is_one_line_exit_2(pair, tmp_path, capsys):
     assert rc == 2 and "--teacher" in err and len(err.strip().splitlines()) == 1
     rc = distill.main(["--model", str(TRAIN), "--data", str(TRAIN), "--loss", "lm", "--runs-dir", str(tmp_path)])
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("distill: error:") and len(err.strip().splitlines()) == 1
+    assert rc == 2 and err.startswith("kvsplice distill: error:") and len(err.strip().splitlines()) == 1
     assert not any(tmp_path.iterdir())  # nothing written
 
 

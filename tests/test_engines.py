@@ -1,4 +1,4 @@
-"""Engines: the DeepSeek-V3 export of a converted model in llama.cpp (kvsplice.engines.llama_cpp, kvsplice.to_gguf).
+"""Engines: the DeepSeek-V3 export of a converted model in llama.cpp (kvsplice.convert.engines.llama_cpp, kvsplice.to_gguf).
 
 Without llama.cpp (always run):
 * a **norm-free** converted model exports with the latent RMSNorm in its linear regime: plain transformers gives
@@ -28,7 +28,7 @@ import transformers
 
 from kvsplice.convert.deepseek_v3 import deepseek_v3_config, portable_tokenizer_config, save_deepseek_v3
 from kvsplice.convert.llama_mla import calibrate_layers, convert_llama
-from kvsplice.engines import llama_cpp
+from kvsplice.convert.engines import llama_cpp
 from tiny_models import load_benchmark, tiny_family
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -148,7 +148,7 @@ def exported(tmp_path_factory):
     mla = convert_llama(src, stats, d_latent=16, rope_dims=16, layout="shared")
     root = tmp_path_factory.mktemp("engines")
     save_deepseek_v3(mla, root / "ds", tok)
-    from kvsplice import to_gguf
+    from kvsplice.cli import to_gguf
 
     assert to_gguf.main([str(root / "ds"), "--out", str(root / "m.gguf")]) == 0
     return mla, root, ids[2048:2048 + 256]
@@ -219,7 +219,7 @@ def test_trained_deepseek_layout_runs_unchanged_in_llama_cpp(tmp_path, data_cach
 
 def test_to_gguf_never_writes_a_file_of_its_input_folder(tmp_path, capsys):
     """``to_gguf DIR --out DIR/model.safetensors --force``: refused in one line before any work, the input intact."""
-    from kvsplice import to_gguf
+    from kvsplice.cli import to_gguf
 
     folder = tmp_path / "ds"
     folder.mkdir()

@@ -26,7 +26,7 @@ import torch
 import transformers
 
 from kvsplice.convert.latent_pad import softmax_scale_fold, spread_rope_rows
-from kvsplice.engines import vllm as vllm_engine
+from kvsplice.convert.engines import vllm as vllm_engine
 from models import GPT
 from models.checkpoint import save_model
 from models.config import GPTConfig

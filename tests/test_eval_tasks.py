@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsplice import eval_tasks
+from kvsplice.cli import eval_tasks
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 STORIES = DATA / "stories260K"
@@ -32,7 +32,7 @@ def s260k(tmp_path_factory) -> str:
 def s260k_fp(s260k) -> str:
     """The model fingerprint of stories260K (a plan made for it records it)."""
     from kvsplice.adapters import model_fingerprint
-    from kvsplice.io.loading import load_model
+    from kvsplice.loading import load_model
 
     return model_fingerprint(load_model(s260k).model)
 
@@ -105,7 +105,7 @@ def test_eval_tasks_errors_are_one_line(s260k, tmp_path, capsys) -> None:
     ]
     for argv, words in cases:
         rc, stdout, err = _run(argv, capsys)
-        assert rc == 2 and err.count("\n") == 1 and err.startswith("eval_tasks: error:") and words in err, err
+        assert rc == 2 and err.count("\n") == 1 and err.startswith("kvsplice eval-tasks: error:") and words in err, err
     assert other.read_text() == '{"something": 1}' and not (tmp_path / "a.json").exists()
 
 

@@ -60,7 +60,7 @@ def test_table_json_and_plots(ckpts, tmp_path, capsys):
 
 
 def test_cache_bytes_agree_with_verify_memory(ckpts, tmp_path):
-    from kvsplice import verify_memory
+    from kvsplice.cli import verify_memory
 
     out = tmp_path / "mem.json"
     assert verify_memory.main(["--ckpt", str(ckpts["kvsplice"][0]), "--seq-lens", "16", "--dtype", "fp32",
@@ -79,7 +79,7 @@ def test_corrupt_and_missing_checkpoints_fail_clearly(ckpts, tmp_path, capsys):
     for path, why in [(bad, "not a valid PyTorch checkpoint"), (tmp_path / "nope.ckpt", "does not exist")]:
         assert evaluate.main(["--ckpt", str(path), *ARGS]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert err[-1].startswith("python -m training.evaluate: error: ") and why in err[-1]
+        assert err[-1].startswith("kvsplice evaluate: error: ") and why in err[-1]
     foreign = tmp_path / "foreign.ckpt"
     torch.save({"state_dict": {}, "hyper_parameters": {}}, foreign)
     assert evaluate.main(["--ckpt", str(foreign), *ARGS]) == 2

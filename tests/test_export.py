@@ -146,7 +146,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, capsys):
     for name, argv in cases.items():
         rc = ex.main([str(a) for a in argv])
         err = capsys.readouterr().err.strip().splitlines()
-        assert rc == 2 and len(err) == 1 and err[0].startswith("python -m training.export: error: "), (name, err)
+        assert rc == 2 and len(err) == 1 and err[0].startswith("kvsplice export: error: "), (name, err)
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
     # --force replaces an earlier export only, never a folder holding other files

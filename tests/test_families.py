@@ -243,7 +243,7 @@ def run(cli, args, capsys):
 @needs_data
 @pytest.mark.parametrize("fam", FAMS)
 def test_every_command_runs_the_family_and_full_rank_is_lossless(family_dirs, fam, tmp_path, capsys):
-    from kvsplice import bench_balance, eval_bases, fit_bases, generate
+    from kvsplice.cli import bench_balance, eval_bases, fit_bases, generate
 
     d = family_dirs[fam]
     files = {}
@@ -282,7 +282,7 @@ def test_every_command_runs_the_family_and_full_rank_is_lossless(family_dirs, fa
 
 @needs_data
 def test_unsupported_family_is_one_line_exit_2_everywhere(family_dirs, tmp_path, capsys):
-    from kvsplice import bench_balance, eval_bases, fit_bases, generate
+    from kvsplice.cli import bench_balance, eval_bases, fit_bases, generate
 
     d, bases = family_dirs["olmo"], tmp_path / "b.safetensors"
     orthonormal_bases(1, 2, 16, 4, "post").save(bases)
@@ -303,7 +303,7 @@ def test_unsupported_family_is_one_line_exit_2_everywhere(family_dirs, tmp_path,
 def test_plan_and_loss_aware_bases_run_every_family(family_dirs, fam, tmp_path, capsys):
     """``plan`` and ``fit_bases --method fisher`` (both RoPE modes, one loss-gradient pass: Gemma-3's per-layer RoPE
     tables and Qwen3 / Gemma-3's key norms included), then the plan through ``eval_bases`` and ``generate``."""
-    from kvsplice import eval_bases, fit_bases, generate, plan
+    from kvsplice.cli import eval_bases, fit_bases, generate, plan
 
     d = family_dirs[fam]
     rc, _, err = run(fit_bases, ["--model", d, "--method", "fisher", "--rank", 4, "--rope", "pre", "post",

@@ -63,7 +63,7 @@ def test_fit_config_names_resolve_from_another_directory(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith("python -m training.fit: error: --config 'nope'") and "available: ds_mha, " in line and "gpt2, gpt2_gqa4, gpt2_mqa, mla," in line
+    assert line.startswith("kvsplice train: error: --config 'nope'") and "available: ds_mha, " in line and "gpt2, gpt2_gqa4, gpt2_mqa, mla," in line
 
 
 def test_fit_is_a_thin_entry_point():

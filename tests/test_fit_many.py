@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsplice import eval_bases, fit_bases, generate, to_mla
+from kvsplice.cli import eval_bases, fit_bases, generate, to_mla
 from kvsplice.lowrank.bases import KVBases
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"

@@ -1,4 +1,4 @@
-"""GGUF models (:mod:`kvsplice.io.gguf`) from files cut out of the real SmolLM2-135M-Instruct GGUF: a one-layer file
+"""GGUF models (:mod:`kvsplice.loading.gguf`) from files cut out of the real SmolLM2-135M-Instruct GGUF: a one-layer file
 holding every tensor of its model loads and generates; a file that lacks some of them is refused in one line
 (issue 31: it loaded with random layers — transformers' missing-weights warning was hidden — and generated text);
 no progress bar reaches stderr (a GGUF error was 2 lines); a folder holding two GGUF files says so."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hostile import one_error
-from kvsplice import generate
+from kvsplice.cli import generate
 
 gguf = pytest.importorskip("gguf")
 SRC = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "smollm2-135m-instruct" / \
@@ -91,7 +91,7 @@ def test_load_tokenizer_reads_a_gguf_file_or_its_folder():
     without loading the weights."""
     from transformers import AutoTokenizer
 
-    from kvsplice.io.loading import load_tokenizer
+    from kvsplice.loading import load_tokenizer
 
     text = "Once upon a time, Lily found a shiny red ball."
     ref = AutoTokenizer.from_pretrained(str(SRC.parent), gguf_file=SRC.name)(text, add_special_tokens=False)["input_ids"]

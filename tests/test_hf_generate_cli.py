@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hostile import one_error, readonly_dir, tiny_ckpt, tiny_hf_with_bases  # noqa: F401
-from kvsplice import generate as cli
+from kvsplice.cli import generate as cli
 from kvsplice.lowrank.bases import KVBases
 from models.generate import check_sampling, sample_next
 from test_hf_cache import random_bases
@@ -118,7 +118,7 @@ def test_bad_inputs_are_one_line_exit_2_and_nothing_is_overwritten(s260k, tmp_pa
     for name, argv in bad.items():
         rc, stdout, err = run(argv, capsys)
         lines = err.strip().splitlines()
-        assert rc == 2 and len(lines) == 1 and lines[0].startswith("generate: error: "), (name, err)
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("kvsplice generate: error: "), (name, err)
         assert out.read_text() == "keep", name
     assert KVBases.load(files[(4, "post")]).n_layer == 5
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsplice import bench_balance, bench_decode, eval_bases, fit_bases, verify_memory
+from kvsplice.cli import bench_balance, bench_decode, eval_bases, fit_bases, verify_memory
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"

@@ -1,4 +1,4 @@
-"""llama.cpp's own KV cache types through :class:`kvsplice.engines.llama_cpp.LlamaCppModel` (issue 41, item 5).
+"""llama.cpp's own KV cache types through :class:`kvsplice.convert.engines.llama_cpp.LlamaCppModel` (issue 41, item 5).
 
 Always run: an unknown type and a quantised V without flash attention are one-line errors before llama.cpp is touched;
 ggml's block sizes give q8_0 = 34 and q4_0 = 18 bytes per 32 numbers.
@@ -22,8 +22,8 @@ import pytest
 import torch
 import transformers
 
-from kvsplice.engines import llama_cpp
-from kvsplice.engines.kv_types import KV_TYPES, kv_bytes_per_token, kv_type
+from kvsplice.convert.engines import llama_cpp
+from kvsplice.convert.engines.kv_types import KV_TYPES, kv_bytes_per_token, kv_type
 
 N_LAYER, N_HEAD, N_KV, HEAD, HIDDEN, FFN, VOCAB = 2, 4, 2, 32, 128, 256, 256
 CELLS = 32768  # llama.cpp reports MiB to 2 decimals: at 2^15 cells these caches are exact multiples of 0.01 MiB
@@ -139,7 +139,7 @@ def test_k_and_v_types_apart(tiny):
 
 @pytest.mark.engines
 def test_perplexity_f16_matches_transformers_and_q8_0_matches_f16(tiny):
-    from kvsplice.engines.llama_cpp_eval import protocol_p
+    from kvsplice.convert.engines.llama_cpp_eval import protocol_p
 
     path, hf = tiny
     gen = torch.Generator().manual_seed(1)
@@ -174,7 +174,7 @@ class _CharTokenizer:
 
 @pytest.mark.engines
 def test_answer_is_the_greedy_answer_in_both_settings(tiny):
-    from kvsplice.engines.llama_cpp_eval import answer
+    from kvsplice.convert.engines.llama_cpp_eval import answer
     from kvsplice.tasks.instance import TaskInstance
 
     path, hf = tiny

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from kvsplice import bench_decode, verify_memory
+from kvsplice.cli import bench_decode, verify_memory
 from kvsplice.io import configs as io_configs
 from kvsplice.report import decode_timing, memory_check
 from kvsplice.report.memory import cache_bytes_formula, mha_cache_bytes, sequences_in_budget
@@ -155,7 +155,7 @@ def test_verify_memory_exits_nonzero_on_mismatch(tmp_path, monkeypatch, capsys):
 def test_verify_memory_bad_args_one_line_exit_2(args, msg, capsys):
     assert verify_memory.main([*args, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and msg in err and err.startswith("verify_memory: error:")
+    assert len(err.splitlines()) == 1 and msg in err and err.startswith("kvsplice verify-memory: error:")
 
 
 def test_verify_memory_unreadable_checkpoint_exit_2(tmp_path, capsys):
@@ -216,7 +216,7 @@ def test_bench_decode_bad_args(capsys):
     assert bench_decode.main(["--config", "gpt2:naive", "--no-progress"]) == 2
     assert bench_decode.main(["--ctx", "0", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and all(e.startswith("bench_decode: error:") for e in err)
+    assert len(err) == 2 and all(e.startswith("kvsplice bench-decode: error:") for e in err)
 
 
 def test_filled_cache_and_fixed_context():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvsplice import eval_bases, generate, plan as plan_cli
+from kvsplice.cli import eval_bases, generate, plan as plan_cli
 from kvsplice.core.method import CompressionMethod, layer_tokens
 from kvsplice.core.registry import build_method, method_names
 from models.cache import KVCache
@@ -73,7 +73,7 @@ def test_the_toy_method_is_registered_and_rebuilds_from_its_spec():
 def test_both_doors_run_it_by_name_with_measured_bytes_equal_to_the_formula(s260k):
     from kvsplice.decode import Decoder
     from kvsplice.hf import KVSpliceHFCache
-    from kvsplice.io.loading import load_model
+    from kvsplice.loading import load_model
     from kvsplice.report.memory import measure_cache
 
     model = load_model(str(s260k)).model

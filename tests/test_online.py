@@ -389,7 +389,7 @@ def test_eval_bases_cli_tau_percentile(tmp_path, capsys):
     if not tok_bin.is_file():
         pytest.skip(f"{tok_bin} not found")
     from kvsplice.convert import llama2c as conv
-    from kvsplice import eval_bases
+    from kvsplice.cli import eval_bases
 
     torch.manual_seed(0)
     model = _sharpen(transformers.LlamaForCausalLM(transformers.LlamaConfig(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvsplice import eval_bases, generate, plan as plan_cli
+from kvsplice.cli import eval_bases, generate, plan as plan_cli
 from kvsplice.planning.spec import PLAN_VERSION, Plan, PlanError
 
 from data.reference import CALIB, DATA, EVAL, STORIES
@@ -65,7 +65,7 @@ def test_the_plan_fits_the_budget_and_every_candidate_was_measured(planned):
 
 def test_generate_eval_and_the_hf_cache_take_the_plan(s260k, planned, tmp_path, capsys):
     from kvsplice.hf import KVSpliceHFCache
-    from kvsplice.io.loading import load_model
+    from kvsplice.loading import load_model
 
     out = tmp_path / "g.json"
     assert generate.main(["--model", str(s260k), "--plan", str(planned / "plan.json"), "--prompt",
@@ -106,7 +106,7 @@ def test_stats_are_reused_and_bad_inputs_are_one_line(s260k, planned, tmp_path, 
             ([*SMALL, "--ratio", "3", "--prompt-len", "256", "--out", str(tmp_path / "z.json")], "--prompt-len")):
         assert plan_cli.main(["--model", str(s260k), *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("plan: error:") and needle in err[0], err
+        assert len(err) == 1 and err[0].startswith("kvsplice plan: error:") and needle in err[0], err
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert generate.main(["--model", str(s260k), "--plan", str(bad), "--prompt", "Hi", "--max-new-tokens", "2"]) == 2
@@ -180,7 +180,7 @@ def one_line(capsys, prog: str, needle: str = "") -> str:
 def lowrank_plan(folder: Path, model_dir: Path) -> Path:
     """A low-rank plan (rank 4 of stories260K's head_dim 8) with its bases file beside it."""
     from kvsplice.adapters import model_fingerprint
-    from kvsplice.io.loading import load_model
+    from kvsplice.loading import load_model
     from tiny_models import orthonormal_bases
 
     fp = model_fingerprint(load_model(str(model_dir)).model)
@@ -310,7 +310,7 @@ def test_eval_bases_builds_a_prompt_reading_method_per_window(s260k, tmp_path):
     from kvsplice.core.registry import build_method
     from kvsplice.evaluation.context import load_windows
     from kvsplice.evaluation.protocol import evaluate_each
-    from kvsplice.io.loading import load_model
+    from kvsplice.loading import load_model
 
     rep = tmp_path / "k.json"
     assert eval_bases.main(["--model", str(s260k), "--method", "select:kvzip@0.5+int8", "--data", str(EVAL),

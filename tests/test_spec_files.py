@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hostile import one_error, snapshot
-from kvsplice import eval_bases, eval_tasks, generate, plan
+from kvsplice.cli import eval_bases, eval_tasks, generate, plan
 from kvsplice.core.spec_files import argument_files, document_files, rebased, spec_files
 
 

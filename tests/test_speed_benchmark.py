@@ -65,7 +65,7 @@ def test_contexts_past_the_models_positions_are_refused_before_any_work(tmp_path
     """--contexts whose decode steps pass the model's positions stop at once in one line, nothing written."""
     import types
 
-    import kvsplice.io.loading as loading
+    import kvsplice.loading as loading
 
     model = tiny_family("llama", n_layer=1)
     limit = model.config.max_position_embeddings

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(not (STORIES.is_file() and (GPT2_TOK / "encoder.
 
 @pytest.fixture(scope="module")
 def tok():
-    from kvsplice.io.loading import load_tokenizer
+    from kvsplice.loading import load_tokenizer
 
     return load_tokenizer(GPT2_TOK)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hostile import one_error
-from kvsplice import eval_tasks
+from kvsplice.cli import eval_tasks
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 STORIES = DATA / "stories260K"
@@ -105,7 +105,7 @@ def test_resume_adds_instances_only(s260k, finished, tmp_path, capsys, monkeypat
 def test_resume_takes_the_same_tokenizer_from_another_path(s260k, finished, tmp_path, capsys, monkeypatch) -> None:
     """The same model and tokenizer named by another path (a link to the folder) continue the file, new and
     earlier-form fingerprints alike (the earlier one hashed the path): no finished answer is run again."""
-    from kvsplice.io.loading import load_model
+    from kvsplice.loading import load_model
     from kvsplice.tasks import shared
     from kvsplice.tasks.provenance import tokenizer_fingerprint
 
@@ -175,7 +175,7 @@ def test_resume_runs_a_method_again_when_its_file_changes(s260k, tmp_path, capsy
 
 
 def test_tokenizer_fingerprint_tells_tokenizers_apart(s260k) -> None:
-    from kvsplice.io.loading import load_model, load_tokenizer
+    from kvsplice.loading import load_model, load_tokenizer
     from kvsplice.tasks.provenance import tokenizer_fingerprint
 
     a, b = load_model(s260k).tokenizer, load_model(s260k).tokenizer

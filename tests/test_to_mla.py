@@ -12,7 +12,7 @@ import torch
 from hostile import dead_pid, edit_ckpt, one_error, readonly_dir, snapshot, tiny_ckpt  # noqa: F401
 from kvsplice.convert.mla import (attention_input_grams, insert_kvsplice, kv_relative_error, kv_rows, latent_grams,
                                   mha_to_mla)
-from kvsplice.to_mla import main as to_mla
+from kvsplice.cli.to_mla import main as to_mla
 from models.checkpoint import load_gpt_checkpoint, save_model
 from models.config import GPTConfig
 from models.gpt import GPT

@@ -371,11 +371,11 @@ def test_malicious_and_corrupt_checkpoints_refused_in_process(tmp_path):
 
 def _check_one_line_error(name: str, rc: int, err: str, expect: str) -> None:
     assert rc == 2, f"{name}: exit {rc}\n{err[-3000:]}"
-    errors = [line for line in err.splitlines() if line.startswith("python -m training.fit: error:")]
+    errors = [line for line in err.splitlines() if line.startswith("kvsplice train: error:")]
     assert len(errors) == 1, f"{name}: {err[-3000:]}"
     assert expect in errors[0], f"{name}: {errors[0]}"
     assert "Traceback" not in err, f"{name}: {err[-3000:]}"
-    assert err.rstrip().splitlines()[-1].startswith("python -m training.fit: error:"), f"{name}: last line is not the error\n{err}"
+    assert err.rstrip().splitlines()[-1].startswith("kvsplice train: error:"), f"{name}: last line is not the error\n{err}"
 
 
 def _base_args(tmp_path: Path, data_cache: Path) -> list[str]:
@@ -384,7 +384,7 @@ def _base_args(tmp_path: Path, data_cache: Path) -> list[str]:
 
 
 def test_cli_errors_subprocess(tmp_path, data_cache):
-    """Through ``python -m training.fit`` (offline env): exit 2, exactly one ``python -m training.fit: error:`` line, no
+    """Through ``python -m training.fit`` (offline env): exit 2, exactly one ``kvsplice train: error:`` line, no
     traceback."""
     marker = tmp_path / "pwned"
     evil = tmp_path / "evil.ckpt"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from kvsplice.io.interrupt import quiet_interrupts_while_importing
 
-PROG = "distill"
+PROG = "kvsplice distill"
 quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
 
 import sys
@@ -39,7 +39,7 @@ __all__ = ["build_parser", "main", "split", "tokens_needed"]
 def build_parser() -> Parser:
     from training.lit_distill import LOSSES
 
-    p = Parser(prog="python -m training.distill", description="Fine-tune a converted MLA model (LM loss or KL "
+    p = Parser(prog=PROG, description="Fine-tune a converted MLA model (LM loss or KL "
                "distillation from its source) with Lightning.")
     p.add_argument("--model", required=True, help="a converted MLA model folder (python -m kvsplice.to_mla), or an "
                    "unconverted transformers model / GGUF file (the same-text baseline)")
@@ -87,7 +87,7 @@ def split(ids: torch.Tensor, t: int, val_tokens: int) -> tuple[torch.Tensor, tor
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from kvsplice.io.loading import LoadError
+    from kvsplice.loading import LoadError
     from models.checkpoint import CheckpointError
     from training.rundir import CLIConfigError
 
@@ -104,7 +104,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         warnings.filterwarnings("ignore", message=pattern)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from kvsplice.io.loading import iter_texts, load_model, token_stream
+    from kvsplice.loading import iter_texts, load_model, token_stream
     from models.mla_llama import MLALlama
 
     student = load_model(args.model)
@@ -174,7 +174,7 @@ def _fit(args, student, teacher, train: torch.Tensor, val: torch.Tensor) -> int:
 
 def _save_model(model, folder: Path, tokenizer) -> None:
     """The fine-tuned model as a folder every kvsplice command loads: our MLA folder, or ``save_pretrained``."""
-    from kvsplice.io.mla_folder import save_mla_folder
+    from kvsplice.loading.mla_folder import save_mla_folder
     from models.mla_llama import MLALlama
 
     if isinstance(model, MLALlama):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from kvsplice.io.interrupt import quiet_interrupts_while_importing
 
-PROG = "python -m training.evaluate"
+PROG = "kvsplice evaluate"
 quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
 
 import argparse

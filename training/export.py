@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from kvsplice.io.interrupt import quiet_interrupts_while_importing
 
-PROG = "python -m training.export"
+PROG = "kvsplice export"
 quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
 
 import json
@@ -166,7 +166,7 @@ def write_remote(model, cfg, out: Path, eot_id: Optional[int] = None) -> None:
 def run_tokenizer(meta: dict, ckpt: Path):
     """The run's tokenizer (a :class:`data.TextTokenizer`), or ``None`` (and a note on stderr) when it cannot be
     rebuilt here."""
-    from kvsplice.io.loading import LoadError, checkpoint_tokenizer
+    from kvsplice.loading import LoadError, checkpoint_tokenizer
 
     try:
         return checkpoint_tokenizer(meta, ckpt).backend

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from kvsplice.io.interrupt import quiet_interrupts_while_importing
 
-PROG = "python -m training.fit"
+PROG = "kvsplice train"
 quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
 
 import os

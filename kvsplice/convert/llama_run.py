@@ -20,7 +20,7 @@ def is_llama_source(spec: str) -> bool:
     """``spec`` is a local Llama-family model (HF folder of a convertible family or a GGUF file) or a converted MLA
     folder — not a training checkpoint nor GPT-2."""
     from kvsplice.convert.llama_mla import CONVERTIBLE
-    from kvsplice.io.gguf import find_gguf
+    from kvsplice.loading.gguf import find_gguf
     from models.mla_llama import MODEL_TYPE
 
     p = Path(spec).expanduser()
@@ -53,7 +53,7 @@ def _rope_dims(args: argparse.Namespace, head_dim: int) -> int:
 
 
 def _calibration(args: argparse.Namespace, tokenizer, max_positions):
-    from kvsplice.io.loading import iter_texts, token_stream
+    from kvsplice.loading import iter_texts, token_stream
     from kvsplice.lowrank.calibrate import calibration_batches
 
     seq_len = args.seq_len or default_seq_len(max_positions)
@@ -77,7 +77,7 @@ def _check_ratio(args: argparse.Namespace, d_latent: int) -> None:
 
 def run_llama(args: argparse.Namespace) -> int:
     from kvsplice.convert.llama_mla import calibrate_layers, convert_llama, full_latent, latent_gram, shrink_latent
-    from kvsplice.io.loading import load_model
+    from kvsplice.loading import load_model
     from kvsplice.io.outputs import output_dir, output_file, write_dir, write_json
     from models.mla_llama import MLALlama
 
@@ -151,7 +151,7 @@ def run_llama(args: argparse.Namespace) -> int:
         write_dir(out, lambda tmp: save_deepseek_v3(mla.cpu(), tmp, backend, pad_latent=args.pad_latent,
                                                     pad_rope=args.pad_rope))
     else:
-        from kvsplice.io.mla_folder import save_mla_folder
+        from kvsplice.loading.mla_folder import save_mla_folder
 
         write_dir(out, lambda tmp: save_mla_folder(mla.cpu(), tmp, backend))
     report["seconds"] = time.perf_counter() - t0

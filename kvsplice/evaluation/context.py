@@ -132,7 +132,7 @@ class EvalContext:
 
 def load_windows(loaded, spec: str, n_tokens: int, seq_len: int, progress: bool = False
                  ) -> tuple[torch.Tensor, dict[str, Any]]:
-    from kvsplice.io.loading import iter_texts, token_stream
+    from kvsplice.loading import iter_texts, token_stream
 
     ids, n_stories = token_stream(iter_texts(spec, option="data", split="validation"), loaded.tokenizer, n_tokens,
                                   progress=progress, desc="tokenize data")

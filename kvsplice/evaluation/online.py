@@ -66,7 +66,7 @@ def _check_tau_options(args: argparse.Namespace) -> None:
 
 def _calibrate_tau(ctx: EvalContext, args: argparse.Namespace, kw: dict[str, Any]) -> dict[str, Any]:
     """``--tau-percentile``: τ_k/τ_v from :func:`kvsplice.online.method.calibrate_thresholds` on ``--tau-calib`` windows."""
-    from kvsplice.io.loading import iter_texts, token_stream
+    from kvsplice.loading import iter_texts, token_stream
 
     seq_len = ctx.windows.shape[1]
     ids, _ = token_stream(iter_texts(args.tau_calib, option="tau-calib", split="train"), ctx.loaded.tokenizer,

@@ -23,8 +23,8 @@ CALIB_TOKENS, SEQ, EVAL_TOKENS = 32768, 1024, 4096
 
 
 def load():
-    """SmolLM2-135M-Instruct from the shared GGUF file (``kvsplice.io.loading``)."""
-    from kvsplice.io.loading import load_model
+    """SmolLM2-135M-Instruct from the shared GGUF file (``kvsplice.loading``)."""
+    from kvsplice.loading import load_model
 
     return load_model(str(MODEL))
 
@@ -32,7 +32,7 @@ def load():
 def token_windows(loaded, spec, n_tokens: int, seq: int = SEQ, skip: int = 0) -> torch.Tensor:
     """``(n_tokens // seq, seq)`` windows of ``spec``'s token stream after its first ``skip`` tokens (the
     package's tokenisation: stories joined by the tokenizer's separator)."""
-    from kvsplice.io.loading import iter_texts, token_stream
+    from kvsplice.loading import iter_texts, token_stream
 
     ids, _ = token_stream(iter_texts(str(spec)), loaded.tokenizer, skip + n_tokens)
     ids = ids[skip:]

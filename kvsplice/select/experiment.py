@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from kvsplice.adapters import adapter_for, model_info
-from kvsplice.io.loading import iter_texts, token_stream
+from kvsplice.loading import iter_texts, token_stream
 from kvsplice.adapters.capture import extract_qkv
 from kvsplice.core.attention import reference_attention, weighted_attend
 from kvsplice.select.selectors import BalanceKVSelector, TokenSelector, UniformSelector

@@ -1,6 +1,6 @@
 """The model folder of a converted Llama-family MLA model (:class:`models.mla_llama.MLALlama`):
 ``config.json`` (``model_type: kvsplice_mla_llama`` and the typed config's fields), ``model.safetensors`` (no pickle)
-and the source's tokenizer files (``save_pretrained``). ``kvsplice.io.loading.load_model`` reads it."""
+and the source's tokenizer files (``save_pretrained``). ``kvsplice.loading.load_model`` reads it."""
 
 from __future__ import annotations
 

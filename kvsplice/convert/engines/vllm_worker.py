@@ -1,4 +1,4 @@
-"""Run one model folder in vLLM and write what :mod:`kvsplice.engines.vllm` asks for: ``python vllm_worker.py REQ OUT``.
+"""Run one model folder in vLLM and write what :mod:`kvsplice.convert.engines.vllm` asks for: ``python vllm_worker.py REQ OUT``.
 
 Executed by *vLLM's* interpreter (its own virtual environment, docs/conversion.md), so it imports only the standard
 library, torch and vllm — never ``kvsplice``. ``REQ`` is a JSON request::
@@ -25,7 +25,7 @@ import json
 import os
 import sys
 
-# this file sits beside kvsplice/engines/vllm.py, and a script's folder comes first on sys.path: drop it, so that
+# this file sits beside kvsplice/convert/engines/vllm.py, and a script's folder comes first on sys.path: drop it, so that
 # ``import vllm`` is vLLM's package
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]

@@ -3,7 +3,7 @@ read which attention backend vLLM picked and how large a KV cache row it allocat
 
 vLLM lives in its own virtual environment (it pins its own transformers and needs torchvision & co. removed:
 docs/conversion.md, "vLLM"); its interpreter is ``$KVSPLICE_VLLM_PYTHON``, else ``build/vllm-venv/bin/python``
-under the repository root (git ignores ``build/``). Each call runs :mod:`kvsplice.engines.vllm_worker` in that
+under the repository root (git ignores ``build/``). Each call runs :mod:`kvsplice.convert.engines.vllm_worker` in that
 interpreter as a subprocess (one JSON request in, one JSON answer out), so nothing of vLLM is imported here.
 
 vLLM's MLA backends take ``kv_lora_rank + qk_rope_head_dim`` of 320, 512 or 576 only, its CPU decode kernel exactly

@@ -8,11 +8,11 @@ Models (:func:`load_model`), by what ``spec`` is:
   anything else fails with :func:`kvsplice.adapters.model_info`'s one-line "unsupported" error naming them).
   ``python -m kvsplice.convert_llama2c`` makes such a directory from a llama2.c checkpoint (e.g. stories260K);
 * a directory whose ``config.json`` has ``model_type: kvsplice_mla_llama`` → a converted Llama-family MLA model
-  (:mod:`kvsplice.io.mla_folder`, made by ``python -m kvsplice.to_mla``) and the tokenizer saved beside it;
+  (:mod:`kvsplice.loading.mla_folder`, made by ``python -m kvsplice.to_mla``) and the tokenizer saved beside it;
 * a file (``.ckpt``) → this project's MHA GPT via ``models.checkpoint.load_gpt_checkpoint``; its tokenizer is the one its
   training data used (rebuilt from the checkpoint's data settings with :class:`data.TinyStoriesDataModule`), or
   ``tokenizer=`` (a GPT-2 BPE folder / ``tokenizer.json``, or an HF tokenizer directory);
-* a ``.gguf`` file, or a folder holding one and no ``config.json`` → :mod:`kvsplice.io.gguf` (dequantised to fp32,
+* a ``.gguf`` file, or a folder holding one and no ``config.json`` → :mod:`kvsplice.loading.gguf` (dequantised to fp32,
   a plain transformers model; needs the ``gguf`` package);
 * anything else → a Hugging Face Hub id (the local HF cache first; offline this fails with one line saying to pass
   a local directory).
@@ -105,7 +105,7 @@ def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
     """A tokenizer from a directory / file: an HF tokenizer directory (``tokenizer_config.json``), a GGUF file (or a
     folder holding one: the tokenizer :func:`load_model` gives with it, without the weights), or GPT-2 BPE files
     (``vocab.json``+``merges.txt``, ``encoder.json``+``vocab.bpe``) / a ``tokenizer.json`` via :mod:`data.tokenizer`."""
-    from kvsplice.io.gguf import find_gguf
+    from kvsplice.loading.gguf import find_gguf
 
     p = Path(spec).expanduser()
     if not p.exists():
@@ -197,7 +197,7 @@ def _load_hf(name: str, *, local_only: bool, tokenizer: Optional[str], dtype: Op
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from kvsplice.io.gguf import refuse_incomplete
+    from kvsplice.loading.gguf import refuse_incomplete
 
     kw: dict[str, Any] = {"local_files_only": local_only, "trust_remote_code": False}  # never run or ask about a
     # repository's own code (transformers would otherwise stop at an interactive [y/N] prompt)
@@ -234,7 +234,7 @@ def _load_hf(name: str, *, local_only: bool, tokenizer: Optional[str], dtype: Op
 
 
 def _load_gguf(p: Path, *, tokenizer: Optional[str], dtype: Optional[torch.dtype]):
-    from kvsplice.io.gguf import load_gguf
+    from kvsplice.loading.gguf import load_gguf
 
     try:
         model, hf_tok = load_gguf(p, dtype=dtype)
@@ -247,7 +247,7 @@ def _load_gguf(p: Path, *, tokenizer: Optional[str], dtype: Optional[torch.dtype
 
 
 def _load_mla(p: Path, *, tokenizer: Optional[str], dtype: Optional[torch.dtype]):
-    from kvsplice.io.mla_folder import load_mla_folder
+    from kvsplice.loading.mla_folder import load_mla_folder
 
     try:
         model = load_mla_folder(p, dtype=dtype)
@@ -283,9 +283,9 @@ def load_model(spec: str | os.PathLike, *, tokenizer: Optional[str] = None, dtyp
     """Load ``spec`` (a model directory, a ``.ckpt`` file or a Hub id; see the module docstring) in eval mode."""
     spec = str(spec)
     p = Path(spec).expanduser()
-    from kvsplice.io.gguf import find_gguf, gguf_files
+    from kvsplice.loading.gguf import find_gguf, gguf_files
 
-    if find_gguf(p) is not None:  # a .gguf file (or a folder holding one): kvsplice.io.gguf
+    if find_gguf(p) is not None:  # a .gguf file (or a folder holding one): kvsplice.loading.gguf
         model, tok = _load_gguf(p, tokenizer=tokenizer, dtype=dtype)
         kind = "gguf"
     elif p.is_dir():
@@ -298,7 +298,7 @@ def load_model(spec: str | os.PathLike, *, tokenizer: Optional[str] = None, dtyp
             raise LoadError(f"{spec} is a directory without config.json: not a transformers model directory "
                             f"(e.g. make one with python -m kvsplice.convert_llama2c)")
         _refuse_remote_code(p)
-        from kvsplice.io.mla_folder import is_mla_folder
+        from kvsplice.loading.mla_folder import is_mla_folder
 
         if is_mla_folder(p):  # a converted Llama-family MLA model (python -m kvsplice.to_mla)
             model, tok = _load_mla(p, tokenizer=tokenizer, dtype=dtype)

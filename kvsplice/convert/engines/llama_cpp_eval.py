@@ -23,7 +23,7 @@ import math
 import time
 from typing import Any, Sequence
 
-from kvsplice.engines.llama_cpp import LlamaCppModel
+from kvsplice.convert.engines.llama_cpp import LlamaCppModel
 
 __all__ = ["answer", "protocol_p"]
 

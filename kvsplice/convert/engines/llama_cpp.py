@@ -134,7 +134,7 @@ def fix_gguf(path: str | os.PathLike) -> list[str]:
 def hf_to_gguf(folder: str | os.PathLike, out: str | os.PathLike, outtype: str = "f32",
                quiet: bool = True) -> list[str]:
     """Run llama.cpp's own ``convert_hf_to_gguf.py`` on a model folder (unchanged; a trained GPT-2-style BPE
-    tokenizer's pre-tokenizer named for it: :mod:`kvsplice.engines.convert_runner`), then :func:`fix_gguf`.
+    tokenizer's pre-tokenizer named for it: :mod:`kvsplice.convert.engines.convert_runner`), then :func:`fix_gguf`.
     Returns the keys the post-step added. Raises ``RuntimeError`` with the converter's last lines if it fails."""
     root = llama_cpp_root()
     why = missing(library=False)
@@ -142,7 +142,7 @@ def hf_to_gguf(folder: str | os.PathLike, out: str | os.PathLike, outtype: str =
         raise RuntimeError(why)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "gguf-py"), os.environ.get("PYTHONPATH", "")]))
     # the converter, unchanged, through a runner that names GPT-2's pre-tokenizer for a trained GPT-2-style BPE
-    # (kvsplice.engines.convert_runner: the tiny configs' tokenizers, which its hash table cannot know)
+    # (kvsplice.convert.engines.convert_runner: the tiny configs' tokenizers, which its hash table cannot know)
     cmd = [sys.executable, str(Path(__file__).with_name("convert_runner.py")), str(root), str(folder),
            "--outfile", str(out), "--outtype", outtype]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -197,7 +197,7 @@ class LlamaCppModel:
 
     ``n_ctx`` cells; one sequence, one thread by default; batches of up to ``n_batch`` tokens (default ``n_ctx``: a
     prompt is one batch, as in our prefill). The cache holds K in ``type_k`` and V in ``type_v`` (each
-    defaults to ``cache_type``): any name of :data:`kvsplice.engines.kv_types.KV_TYPES` (``"f16"``, ``"q8_0"``,
+    defaults to ``cache_type``): any name of :data:`kvsplice.convert.engines.kv_types.KV_TYPES` (``"f16"``, ``"q8_0"``,
     ``"q4_0"``, ``"q4_1"``, ``"iq4_nl"``, ...); an unknown name is a one-line ``ValueError``. ``flash_attn``:
     ``True`` / ``False`` / ``None`` (llama.cpp's auto). llama.cpp quantises V only under flash attention, so a
     quantised ``type_v`` turns it on when it is left to ``None`` and refuses ``flash_attn=False`` (one line).
@@ -208,7 +208,7 @@ class LlamaCppModel:
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 512, cache_type: str = "f16",
                  type_k: Optional[str] = None, type_v: Optional[str] = None, flash_attn: Optional[bool] = None,
                  threads: int = 1, repack: bool = False, n_batch: Optional[int] = None):
-        from kvsplice.engines.kv_types import kv_type
+        from kvsplice.convert.engines.kv_types import kv_type
 
         tk, tv = kv_type(type_k or cache_type), kv_type(type_v or cache_type)  # unknown names fail here, in one line
         if tv.block > 1 and flash_attn is False:

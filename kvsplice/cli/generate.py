@@ -1,0 +1,240 @@
+"""Generate text through a compressed KV cache: ``python -m kvsplice.generate``.
+
+::
+
+    python -m kvsplice.generate --model /tmp/stories260K --prompt "Once upon a time" --max-new-tokens 40
+    python -m kvsplice.generate --model /tmp/stories260K --bases r4_post.safetensors --prompt "..." --json out.json
+    python -m kvsplice.generate --model /tmp/stories260K --select balancekv --budget 64 --temperature 0.8 --top-k 40
+    python -m kvsplice.generate --model /tmp/stories260K --method "select:snapkv@0.25+kivi4" --prompt "..."
+    python -m kvsplice.generate --model ../shared/data/smollm2-135m-instruct --plan plan.json --prompt "..." \
+        --max-new-tokens 64 --device cuda --dtype bf16
+
+HF models (a directory with ``config.json``, or a Hub id) run transformers' ``generate()`` with a kvsplice cache
+(:mod:`kvsplice.hf`): ``--method SPEC`` runs any registered method or stack by its spec (:mod:`kvsplice.core.registry`:
+the short form, inline JSON or a ``.json`` spec file; a selection's ``keep`` applies to this prompt); the aliases
+``--bases F`` (= ``--method lowrank:F``: a ``fit_bases`` file) caches low-rank key/value coefficients,
+``--select S --budget N`` (= ``--method select:S(seed=SEED)@N``) keeps ``N`` prompt tokens per KV head, ``--plan``
+(from ``python -m kvsplice.plan``) runs the plan's stack (its selection keeps the plan's fraction of this prompt);
+none → transformers' own full ``DynamicCache``. A ``.ckpt`` from ``python -m training.fit`` (not a transformers
+model) runs the package's own decoder with the same options.
+``--temperature 0`` (the default) is greedy; generation stops at the tokenizer's EOS.
+
+Prints the text; ``--json OUT`` writes the generated ``tokens`` (ids, prompt excluded), ``text``,
+``prompt_tokens`` and the measured ``cache_bytes`` (the cache's tensors after generation) with the formula and the
+full cache's bytes. Bad input is one ``generate: error: ...`` line and exit status 2, with nothing written
+(an existing ``--json`` file is replaced only with ``--force``).
+"""
+
+from __future__ import annotations
+
+from kvsplice.io.interrupt import quiet_interrupts_while_importing
+
+PROG = "kvsplice generate"
+quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
+from kvsplice.io.outputs import SpecArgs, output_file, write_json
+from kvsplice.select.selectors import SELECTORS
+from models.generate import check_temperature
+
+
+def _temperature(s: str) -> float:
+    try:
+        return check_temperature(float(s))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="HF model directory / Hub id, or a training .ckpt")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--method", default=None, metavar="SPEC", help="a compression method by its spec, e.g. kivi4, "
+                   "int8, select:snapkv@0.25+int8, lowrank:r4.safetensors+int8, or a .json spec file")
+    g.add_argument("--bases", default=None, help="low-rank bases file from python -m kvsplice.fit_bases")
+    g.add_argument("--select", default=None, choices=sorted(SELECTORS), help="token selection method")
+    g.add_argument("--plan", default=None, help="a plan from python -m kvsplice.plan (its stack: token selection, "
+                   "low rank, int8 / KIVI; its bases file beside it)")
+    p.add_argument("--budget", type=pos_int, default=None, help="prompt tokens kept per KV head (with --select)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=pos_int, required=True)
+    p.add_argument("--temperature", type=_temperature, default=0.0, help="0 (default): greedy")
+    p.add_argument("--top-k", type=pos_int, default=None, help="sample from the k most likely tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write tokens, text and cache bytes here")
+    p.add_argument("--force", action="store_true", help="replace an existing --json file")
+    add_device_dtype(p)
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.select and args.budget is None:
+        raise UsageError("--select needs --budget N (prompt tokens kept per KV head)")
+    if args.budget is not None and not args.select:
+        raise UsageError("--budget is only used with --select METHOD")
+    if args.top_k is not None and args.temperature == 0:
+        raise UsageError("--top-k samples: give --temperature > 0 too (temperature 0 is greedy)")
+    if not args.prompt.strip():
+        raise UsageError("--prompt is empty")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as lone surrogates in sys.argv
+        raise UsageError("--prompt is not valid UTF-8 text") from None
+    if args.bases and not Path(args.bases).is_file():
+        raise UsageError(f"--bases file not found: {args.bases}")
+    if args.plan and not Path(args.plan).is_file():
+        raise UsageError(f"--plan file not found: {args.plan}")
+    args.spec, args.spec_dir = _spec(args)
+    if args.json:
+        args.json = output_file(args.json, force=args.force, option="--json",
+                                inputs={"--model": args.model, "--tokenizer": args.tokenizer, "--bases": args.bases,
+                                        "--plan": args.plan, "--method": SpecArgs.of(args.method)})
+
+
+def _spec(args: argparse.Namespace) -> tuple[Optional[dict], Optional[Path]]:
+    """The method spec of ``--method`` or of its aliases ``--bases`` / ``--select --budget`` (``None``: the full
+    cache or ``--plan``), and the folder its files are read from."""
+    from kvsplice.core.registry import check_spec, load_spec
+
+    if args.method is not None:  # an empty spec is refused, never read as "no method" (the full cache)
+        spec, base_dir = load_spec(args.method)
+        return check_spec(spec, base_dir=base_dir), base_dir  # fail fast, before the model loads
+    if args.bases:
+        return {"name": "lowrank", "bases": str(Path(args.bases).resolve())}, None
+    if args.select:
+        return {"name": "token_selection", "selector": {"name": args.select, "seed": args.seed},
+                "budget": args.budget}, None
+    return None, None
+
+
+def _prompt_ids(tok, prompt: str) -> list[int]:
+    ids = tok.encode(prompt)
+    return [tok.bos_id] + ids if tok.sep == "bos" and tok.bos_id is not None else ids
+
+
+def _decode(tok, ids: list[int]) -> str:
+    return tok.backend.decode(ids, skip_special_tokens=True) if hasattr(tok.backend, "convert_ids_to_tokens") \
+        else tok.backend.decode(ids)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsplice.core.registry import build_method, format_spec
+    from kvsplice.loading import load_model
+    from kvsplice.lowrank.bases import KVBases
+    from kvsplice.planning.spec import Plan
+
+    if args.bases:
+        KVBases.load(args.bases)  # checked before the model loads
+    plan = Plan.load(args.plan) if args.plan else None
+    device, dtype = device_dtype(args)
+    loaded = load_model(args.model, tokenizer=args.tokenizer, dtype=dtype, device=device)
+    model, tok = loaded.model, loaded.tokenizer
+    prompt = _prompt_ids(tok, args.prompt)
+    mp = loaded.max_positions
+    if mp is not None and len(prompt) + args.max_new_tokens > mp:
+        raise UsageError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the "
+                         f"model's {mp} positions")
+    ids = torch.tensor([prompt], device=next(model.parameters()).device)  # (1, P)
+    method = None  # the full cache
+    if args.spec is not None:
+        if args.method is not None:
+            from kvsplice.planning.spec import check_plan_model
+
+            check_plan_model(args.method, model)  # a plan given as a .json spec is checked as --plan is
+        method = build_method(args.spec, prompt_ids=ids, tokenizer=tok, base_dir=args.spec_dir)
+    elif plan is not None:
+        from kvsplice.adapters import model_fingerprint
+
+        plan.check_model(model_fingerprint(model))
+        method = plan.method(prompt_ids=ids, tokenizer=tok)
+    torch.manual_seed(args.seed)
+    if loaded.kind in ("ckpt", "mla"):  # our models: the package's Decoder
+        new, cache, formula, full, engine = _generate_ours(model, ids, method, args)
+    else:
+        new, cache, formula, full, engine = _generate_hf(model, ids, method, args, tok)
+    from kvsplice.report.memory import measure_cache
+
+    measured = measure_cache(cache).live_bytes
+    if formula is not None and measured != formula:
+        raise RuntimeError(f"measured cache bytes {measured} != formula {formula}")
+    kind = "bases" if args.bases else (f"select:{args.select}" if args.select else (
+        f"plan:{plan.label}" if plan is not None else (f"method:{format_spec(method.spec())}" if args.method
+                                                        else "full")))
+    return {"model": loaded.describe(), "engine": engine, "prompt": args.prompt, "prompt_tokens": prompt,
+            "tokens": new, "text": _decode(tok, new), "cache": kind, "method": repr(method),
+            "spec": None if method is None else method.spec(), "bases": args.bases, "plan": args.plan,
+            "budget": args.budget, "temperature": args.temperature,
+            "top_k": args.top_k, "seed": args.seed, "cache_tokens_held": cache.seq_len, "cache_bytes": measured,
+            "cache_bytes_formula": formula, "full_cache_bytes": full}
+
+
+def _generate_hf(model, ids, method, args, tok):
+    import transformers
+
+    from kvsplice.hf import KVSpliceHFCache
+
+    cache = transformers.DynamicCache(config=model.config) if method is None else KVSpliceHFCache(model, method)
+    sample = args.temperature > 0
+    # sampling: temperature and top-k as given (no top-k: 0, not transformers' default of 50), no top-p
+    kw = dict(do_sample=True, temperature=args.temperature, top_k=args.top_k or 0, top_p=1.0) if sample \
+        else dict(do_sample=False)
+    eos = tok.eos_id if tok.eos_id is not None else model.generation_config.eos_token_id
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                             max_new_tokens=args.max_new_tokens, eos_token_id=eos,
+                             pad_token_id=model.generation_config.pad_token_id or eos or 0, **kw)
+    new = out[0, ids.shape[1]:].tolist()
+    if isinstance(cache, transformers.DynamicCache):
+        from kvsplice.hf.measure import TensorsView
+
+        view = TensorsView(cache)
+        return new, view, view.nbytes(), view.nbytes(), "transformers.generate"
+    return new, cache, cache.formula_nbytes(), cache.full_nbytes(), "transformers.generate"
+
+
+def _generate_ours(model, ids, method, args):
+    from kvsplice.decode import Decoder
+    from models.generate import generate_tokens
+
+    dec = Decoder(model, method)
+    n = args.max_new_tokens
+    cache = dec.new_cache(1, capacity=dec.method.capacity(ids.shape[1], n))
+    step = lambda x, c: dec(x, c, last_only=True)  # noqa: E731
+    out = generate_tokens(step, cache, ids, n, args.temperature, args.top_k, None)
+    # the bound method's closed form (a subset cache's own bytes_formula is a static helper of other arguments)
+    formula = dec.method.bytes_formula(1, cache.seq_len, cache.dtype)
+    return out[0, ids.shape[1]:].tolist(), cache, formula, None, "kvsplice.decode.Decoder"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from kvsplice.loading import LoadError
+    from kvsplice.lowrank.bases import BasesMismatchError
+
+    from kvsplice.planning.spec import PlanError
+
+    return run_cli(PROG, lambda: _main(argv), (LoadError, BasesMismatchError, PlanError, TypeError))
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    args = build_parser().parse_args(argv)
+    _check(args)
+    report = run(args)
+    print(report["text"])
+    print(f"[{len(report['tokens'])} tokens, cache: {report['cache']}, {report['cache_tokens_held']} tokens "
+          f"held, {report['cache_bytes']:,} bytes measured]", file=sys.stderr)
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

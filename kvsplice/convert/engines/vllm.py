@@ -7,7 +7,12 @@ under the repository root (git ignores ``build/``). Each call runs :mod:`kvsplic
 interpreter as a subprocess (one JSON request in, one JSON answer out), so nothing of vLLM is imported here.
 
 vLLM's MLA backends take ``kv_lora_rank + qk_rope_head_dim`` of 320, 512 or 576 only, its CPU decode kernel exactly
-512 + 64: export with ``training.export --pad-latent 512 --pad-rope 64`` (exact, :mod:`kvsplice.convert.latent_pad`).
+512 + 64. Two routes: the unpadded export through the package's vLLM plugin
+(:mod:`kvsplice.convert.engines.vllm_plugin`, ``plugin=True``, the default: the true latent cache), or an export padded
+to 512 + 64 (``training.export --pad-latent 512 --pad-rope 64``, exact: :mod:`kvsplice.convert.latent_pad`) on vLLM's
+own kernel. Where the package is not installed in vLLM's environment, each run makes the plugin visible to it for
+that run only (``PYTHONPATH`` to a folder holding the ``kvsplice`` package and its ``vllm.general_plugins`` entry
+point), so vLLM loads it the way it loads an installed one.
 The worker runs vLLM's RoPE as PyTorch code by default: its CPU C++ RoPE op mis-indexes MLA's strided query / key
 slices (the worker's docstring; ``native_rope=False`` shows it).
 """
@@ -23,12 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-__all__ = ["ENV", "VllmError", "VllmRun", "missing", "run", "vllm_python"]
+__all__ = ["ENV", "PLUGIN_ENTRY", "VllmError", "VllmRun", "missing", "plugin_path", "run", "vllm_python"]
 
 ENV = "KVSPLICE_VLLM_PYTHON"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]  # the repository root (kvsplice/convert/engines/vllm.py)
 DEFAULT = REPO / "build" / "vllm-venv" / "bin" / "python"
 WORKER = Path(__file__).resolve().with_name("vllm_worker.py")
+PLUGIN_ENTRY = "kvsplice_latent_mla = kvsplice.convert.engines.vllm_plugin:register"
+"""The ``vllm.general_plugins`` entry point (pyproject.toml declares the same one)."""
 
 
 class VllmError(RuntimeError):
@@ -61,7 +68,13 @@ class VllmRun:
     logprobs: list[Optional[float]] = field(default_factory=list)
     """``log p(ids[i] | ids[:i])`` per scored token; ``None`` for the first."""
     layers: list[dict[str, Any]] = field(default_factory=list)
-    """Per attention layer: backend, prefill backend, KV cache tensor shape / dtype / element size."""
+    """Per attention layer: backend, decode kernel (``vllm`` / ``torch``: the plugin's), prefill backend, KV cache
+    tensor shape / dtype / element size."""
+    cache_tokens: int = 0
+    """vLLM's own count of KV cache tokens (its blocks × block size) for ``kv_cache_bytes``."""
+    kv_cache_bytes: int = 0
+    throughput: Optional[dict[str, Any]] = None
+    """With ``throughput=``: seqs, prompt, new, prefill / decode seconds, decode tokens, ``decode_tok_s``."""
     version: str = ""
     native_rope: bool = True
 
@@ -93,12 +106,17 @@ class VllmRun:
 
 def run(model_dir: str | Path, *, prompt: Optional[Sequence[int]] = None, new: int = 0,
         score: Optional[Sequence[int]] = None, dtype: str = "float32", max_model_len: int = 128,
-        native_rope: bool = True, kv_cache_gib: int = 1, timeout: float = 900.0) -> VllmRun:
+        native_rope: bool = True, kv_cache_gib: int = 1, kv_cache_bytes: Optional[int] = None,
+        others: Sequence[Sequence[int]] = (), throughput: Optional[dict[str, int]] = None,
+        max_num_seqs: Optional[int] = None, plugin: bool = True, timeout: float = 900.0) -> VllmRun:
     """Run ``model_dir`` in vLLM (offline ``LLM``, eager, ``dtype``): greedy ``new`` tokens after ``prompt`` and/or
-    the log-probability of every token of ``score``. Raises :class:`VllmError` (one line) when vLLM is absent or
-    refuses the model, ``ValueError`` for bad arguments."""
-    if prompt is None and score is None:
-        raise ValueError("nothing to run: give prompt (with new > 0) and/or score")
+    the log-probability of every token of ``score``, each in one batch with the prompts ``others``; with
+    ``throughput={"seqs", "prompt", "new"}`` the decode tokens/s of that many random prompts. The KV cache gets
+    ``kv_cache_bytes`` (default ``kv_cache_gib`` GiB). ``plugin``: load the package's vLLM plugin (any latent row).
+    Raises :class:`VllmError` (one line) when vLLM is absent or refuses the model, ``ValueError`` for bad
+    arguments."""
+    if prompt is None and score is None and throughput is None:
+        raise ValueError("nothing to run: give prompt (with new > 0), score and/or throughput")
     if prompt is not None and (not prompt or new <= 0):
         raise ValueError("prompt needs at least one token and new > 0")
     why = missing()
@@ -106,20 +124,40 @@ def run(model_dir: str | Path, *, prompt: Optional[Sequence[int]] = None, new: i
         raise VllmError(why)
     req = {"model": str(Path(model_dir).resolve()), "dtype": dtype, "max_model_len": int(max_model_len),
            "native_rope": bool(native_rope), "kv_cache_gib": int(kv_cache_gib),
+           "kv_cache_bytes": None if kv_cache_bytes is None else int(kv_cache_bytes), "any_row": bool(plugin),
            "generate": None if prompt is None else [[int(t) for t in prompt], int(new)],
-           "score": None if score is None else [int(t) for t in score]}
+           "score": None if score is None else [int(t) for t in score],
+           "others": [[int(t) for t in p] for p in others], "throughput": throughput, "max_num_seqs": max_num_seqs}
     with tempfile.TemporaryDirectory(prefix="kvsplice_vllm_") as tmp:
         req_path, out_path = Path(tmp) / "request.json", Path(tmp) / "answer.json"
         req_path.write_text(json.dumps(req), encoding="utf-8")
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         env.pop("PYTHONPATH", None)  # the venv's own packages only (never this checkout's transformers & co.)
+        if plugin:
+            env["PYTHONPATH"] = str(plugin_path(Path(tmp) / "plugin"))
         proc = subprocess.run([str(vllm_python()), str(WORKER), str(req_path), str(out_path)], capture_output=True,
                               text=True, timeout=timeout, env=env, cwd=tmp)
         if proc.returncode != 0 or not out_path.is_file():
             raise VllmError(f"vLLM failed on {model_dir}: {_last_error(proc.stderr + proc.stdout)}")
         ans = json.loads(out_path.read_text(encoding="utf-8"))
     return VllmRun(greedy=ans.get("greedy") or [], logprobs=ans.get("logprobs") or [], layers=ans["layers"],
-                   version=ans["vllm"], native_rope=ans["native_rope"])
+                   version=ans["vllm"], native_rope=ans["native_rope"], cache_tokens=ans.get("cache_tokens", 0),
+                   kv_cache_bytes=ans.get("kv_cache_bytes", 0), throughput=ans.get("throughput"))
+
+
+def plugin_path(folder: Path) -> Path:
+    """Make ``folder`` a path entry that holds this checkout's ``kvsplice`` package (a link) and the plugin's
+    ``vllm.general_plugins`` entry point (a minimal ``.dist-info``), so that vLLM's interpreter finds the plugin
+    without installing the package there."""
+    info = folder / "kvsplice_vllm_plugin-0.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvsplice-vllm-plugin\nVersion: 0.0\n",
+                                   encoding="utf-8")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN_ENTRY}\n", encoding="utf-8")
+    link = folder / "kvsplice"
+    if not link.exists():
+        link.symlink_to(REPO / "kvsplice", target_is_directory=True)
+    return folder
 
 
 def _last_error(log: str) -> str:

@@ -3,12 +3,16 @@
 Executed by *vLLM's* interpreter (its own virtual environment, docs/conversion.md), so it imports only the standard
 library, torch and vllm — never ``kvsplice``. ``REQ`` is a JSON request::
 
-    {"model": DIR, "dtype": "float32", "max_model_len": 128, "kv_cache_gib": 1,
+    {"model": DIR, "dtype": "float32", "max_model_len": 128, "kv_cache_bytes": 1073741824,
      "generate": [[ids...], new],          # greedy continuation of a prompt (optional)
      "score": [ids...],                    # log-probability of each token given the ones before (optional)
+     "others": [[ids...], ...],            # other prompts run in the same batch as generate / score (optional)
+     "throughput": {"seqs": n, "prompt": len, "new": n},   # decode tokens/s of n random prompts (optional)
+     "any_row": true,                      # rows other than 512 + 64: ask for CPU_MLA (the plugin's; AMX CPUs too)
      "native_rope": true}                  # see below
 
-``OUT`` receives ``{"greedy": [...], "logprobs": [null, ...], "backend": ..., "kv_cache": {...}, "vllm": version}``.
+``OUT`` receives ``{"greedy": [...], "logprobs": [null, ...], "layers": [...], "cache_tokens": n, "vllm": version}``.
+The kvsplice plugin (``vllm.general_plugins``) is loaded by vLLM itself when it is installed or on the path.
 
 ``native_rope`` (default true) runs vLLM's RoPE as its own PyTorch code (``custom_ops: ["all",
 "-rotary_embedding"]``) instead of the CPU C++ op ``rotary_embedding`` (``csrc/cpu/pos_encoding.cpp``): MLA hands that
@@ -31,6 +35,46 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 
+def _config(model_dir: str) -> dict:
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _throughput(llm, spec: dict) -> dict:
+    """Greedy ``new`` tokens after each of ``seqs`` random ``prompt``-token prompts, stepped by hand: the decode phase
+    starts when the last sequence has its first token; its tokens over its seconds are the decode tokens/s."""
+    import time
+
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    eng = llm.llm_engine
+    vocab = int(_config(spec["model"])["vocab_size"])
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(temperature=0.0, max_tokens=int(spec["new"]), ignore_eos=True, detokenize=False)
+    n = int(spec["seqs"])
+    for i in range(n):
+        ids = torch.randint(0, vocab, (int(spec["prompt"]),), generator=g).tolist()
+        eng.add_request(f"t{i}", TokensPrompt(prompt_token_ids=ids), sp)
+    got: dict = {}
+    t0 = time.perf_counter()
+    t_first, tok_first, steps, max_running = None, 0, 0, 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            got[out.request_id] = len(out.outputs[0].token_ids)
+        steps += 1
+        if t_first is None and len(got) == n and all(v >= 1 for v in got.values()):
+            t_first, tok_first = time.perf_counter(), sum(got.values())
+        max_running = max(max_running, sum(1 for v in got.values() if v < int(spec["new"])))
+    t1 = time.perf_counter()
+    total = sum(got.values())
+    return {"seqs": n, "prompt": int(spec["prompt"]), "new": int(spec["new"]), "seconds": t1 - t0,
+            "prefill_seconds": (t_first or t1) - t0, "decode_seconds": t1 - (t_first or t1),
+            "decode_tokens": total - tok_first, "tokens": total, "steps": steps,
+            "decode_tok_s": (total - tok_first) / max(t1 - (t_first or t1), 1e-9)}
+
+
 def _layers(model) -> list[dict]:
     """Per attention layer: its backend and the shape / dtype of the KV cache vLLM allocated for it."""
     out = []
@@ -41,6 +85,7 @@ def _layers(model) -> list[dict]:
         backend = getattr(mod, "attn_backend", None)
         prefill = getattr(mod, "prefill_backend", None)
         out.append({"name": name, "impl": type(mod.impl).__name__,
+                    "kernel": getattr(mod.impl, "kvsplice_kernel", "vllm"),
                     "backend": backend.get_name() if hasattr(backend, "get_name") else None,
                     "prefill_backend": (prefill.get_name() if hasattr(prefill, "get_name") else
                                         None if prefill is None else type(prefill).__name__),
@@ -53,7 +98,7 @@ def main(req_path: str, out_path: str) -> None:
     with open(req_path, encoding="utf-8") as f:
         req = json.load(f)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(req.get("kv_cache_gib", 1))))  # whole GiB
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB only: the request's bytes instead
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -61,19 +106,32 @@ def main(req_path: str, out_path: str) -> None:
     kwargs = {}
     if req.get("native_rope", True):
         kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+    cfg = _config(req["model"])
+    if req.get("any_row") and cfg.get("kv_lora_rank", 512) + cfg.get("qk_rope_head_dim", 64) != 576:
+        kwargs["attention_config"] = {"backend": "CPU_MLA"}  # on AMX CPUs too (vLLM's AMX_MLA takes 576 only)
+    if req.get("max_num_seqs"):
+        kwargs["max_num_seqs"] = int(req["max_num_seqs"])
+    kv_bytes = int(req.get("kv_cache_bytes") or int(req.get("kv_cache_gib", 1)) * 2 ** 30)
     llm = LLM(model=req["model"], dtype=req.get("dtype", "float32"), enforce_eager=True,
-              max_model_len=req["max_model_len"], skip_tokenizer_init=True, seed=0, **kwargs)
-    res: dict = {"vllm": vllm.__version__, "native_rope": bool(req.get("native_rope", True))}
+              max_model_len=req["max_model_len"], skip_tokenizer_init=True, seed=0, kv_cache_memory_bytes=kv_bytes,
+              **kwargs)
+    res: dict = {"vllm": vllm.__version__, "native_rope": bool(req.get("native_rope", True)), "kv_cache_bytes": kv_bytes}
+    others = [TokensPrompt(prompt_token_ids=p) for p in req.get("others") or []]
     if req.get("generate"):
         prompt, new = req["generate"]
         sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False)
-        res["greedy"] = list(llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
-                             .outputs[0].token_ids)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=prompt), *others], sp, use_tqdm=False)
+        res["greedy"] = list(outs[0].outputs[0].token_ids)
     if req.get("score"):
         ids = req["score"]
         sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
-        got = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0].prompt_logprobs
+        got = llm.generate([TokensPrompt(prompt_token_ids=ids), *others], sp, use_tqdm=False)[0].prompt_logprobs
         res["logprobs"] = [None if d is None else d[t].logprob for d, t in zip(got, ids)]  # [0] is None
+    if req.get("throughput"):
+        res["throughput"] = _throughput(llm, {**req["throughput"], "model": req["model"]})
+    cc = llm.llm_engine.vllm_config.cache_config
+    res["cache_blocks"], res["block_size"] = int(cc.num_gpu_blocks or 0), int(cc.block_size)
+    res["cache_tokens"] = res["cache_blocks"] * res["block_size"]  # vLLM's own count of KV cache tokens
     res["layers"] = llm.apply_model(_layers)[0]
     with open(out_path, "w", encoding="utf-8") as f:
         json.dump(res, f)

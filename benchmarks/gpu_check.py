@@ -20,7 +20,11 @@ Sections, in this order (``--sections`` picks some; the order stays):
   weights: MHA, MLA, KVSplice-90 (and KVSplice-90 int8), each with SDPA and with the kernel; ms, tokens/s, % of the
   bandwidth floor (``serving.build`` / ``serving.decode_step_ms``).
 * ``capacity`` — sequences that fit a 24 GB KV budget and the CUDA-graph step at that batch, SDPA and kernel, for
-  MHA / MLA / KVSplice-90 at 1k and 16k, bf16 and int8 rows (``serving.py``'s ``capacity`` section, fewer variants).
+  MHA / MLA / KVSplice-90 at 1k and 16k, bf16 and int8 rows (``serving.py``'s ``capacity`` section, fewer variants);
+  per row both floors — bytes (cache + weights over the measured copy bandwidth) and compute (the step's FLOPs over
+  the bf16 matmul peak measured in the same process) — and each path's time as a % of the larger one.
+* ``profile`` — one eager decode step at the capacity batch (≤ 16,384) at 1k, MHA and KVSplice-90, under
+  ``torch.profiler``: the kernels by self device time, each one's share of the step.
 * ``train`` — one optimizer step of the 124M MHA and KVSplice-90, eager and ``torch.compile``-d (``gpu.py``'s
   ``train`` section, two models, few steps).
 * ``flash4`` — FlashAttention-4 (``flash_attn.cute``) against SDPA on a training-shaped call if it is importable,
@@ -68,6 +72,14 @@ FLASH4_REASON = ("its wheels with the CUTLASS-DSL runtime (flash-attn-4 + nvidia
                  "the 64 MiB one device call can carry")
 
 
+def cuda_test_split(root: Path = ROOT) -> tuple[list[str], list[str]]:
+    """The test suite split for one device call: the files with CUDA tests (``pytest.mark.gpu``: the ``tests``
+    section runs them) and every other test file (the CPU suite, which CI runs; left unrun on the device)."""
+    files = sorted(p.relative_to(root).as_posix() for p in (root / "tests").glob("test_*.py"))
+    cuda = [f for f in files if "mark.gpu" in (root / f).read_text(encoding="utf-8", errors="replace")]
+    return cuda, [f for f in files if f not in cuda]
+
+
 class Section(NamedTuple):
     name: str
     what: str
@@ -84,12 +96,14 @@ SECTIONS = {s.name: s for s in [
             "SDPA and kernel; 20 steps each", 50, 100),
     Section("capacity", "24 GB budget: MHA, MLA, KVSplice-90 x ctx 1,024/16,384 x bf16/int8 rows, CUDA-graph step "
             "at the batch that fits (<= 16,384), SDPA and kernel; 10 steps each", 90, 150),
+    Section("profile", "torch.profiler split of one eager decode step by kernel, batch <= 16,384 x 1,024, 124M bf16: "
+            "MHA and KVSplice-90", 30, 60),
     Section("train", "124M step, batch 16 x 1024, bf16 autocast, fused AdamW: MHA and KVSplice-90, eager and "
             "torch.compile; 2 rounds x 3 steps", 110, 170),
     Section("flash4", "FlashAttention-4 vs SDPA (if importable): causal prefill, batch 16 x 1024, 12 query heads of "
             "64, MHA and GQA-4, bf16", 15, 45),
 ]}
-SMOKE_ESTIMATE_S = {"tests": 40, "kernel": 40, "decode": 30, "capacity": 30, "train": 10, "flash4": 10}
+SMOKE_ESTIMATE_S = {"tests": 40, "kernel": 40, "decode": 30, "capacity": 30, "profile": 20, "train": 10, "flash4": 10}
 SMOKE_LIMIT_S = 180.0
 
 # Sizes of each section (``smoke``: tiny, on CPU too).
@@ -97,12 +111,14 @@ FULL = dict(kernel_splits=[1, 4, 16, 64], kernel_steps=20,
             decode_batch=8, decode_ctx=16384, decode_steps=20,
             decode_variants=[("MHA", None), ("MLA", None), ("KVSplice-90", None), ("KVSplice-90", "int8")],
             capacity_variants=["MHA", "MLA", "KVSplice-90"], capacity_ctx=[1024, 16384], capacity_budget_gb=24.0,
-            capacity_max_batch=16384, capacity_steps=10,
+            capacity_max_batch=16384, capacity_steps=10, matmul_n=8192,
+            profile_variants=["MHA", "KVSplice-90"], profile_ctx=1024, profile_batch=16384, profile_top=12,
             train_models=["ours mha", "ours mla_kvsplice_90"], train_batch=16, train_t=1024, train_rounds=2,
             train_steps=3, flash_shape=(16, 12, 1024, 64), flash_calls=20)
 SMOKE = dict(FULL, kernel_splits=[2], kernel_steps=2, decode_batch=2, decode_ctx=32, decode_steps=2,
              decode_variants=[("MHA", None), ("KVSplice-90", None)], capacity_variants=["MHA", "KVSplice-90"],
-             capacity_ctx=[32], capacity_budget_gb=0.0002, capacity_max_batch=4, capacity_steps=1,
+             capacity_ctx=[32], capacity_budget_gb=0.0002, capacity_max_batch=4, capacity_steps=1, matmul_n=256,
+             profile_ctx=32, profile_batch=2, profile_top=5,
              train_batch=2, train_t=128, train_rounds=1, train_steps=2, flash_shape=(2, 4, 128, 64), flash_calls=2)
 
 # Columns of each section's markdown table (the JSON keeps every field); rows shown: all, or those ``MD_ROWS`` keeps.
@@ -115,7 +131,9 @@ MD_COLUMNS = {
                "vs_mha_sdpa", "error"],
     "capacity": ["variant", "rows", "ctx", "bytes_per_seq", "max_batch", "batch_vs_mha", "batch", "sdpa_ms",
                  "sdpa_tokens_per_s", "split_kv_ms", "split_kv_tokens_per_s", "split_kv_vs_mha_sdpa", "floor_ms",
-                 "split_kv_pct_floor", "sdpa_error", "split_kv_error"],
+                 "compute_floor_ms", "bound", "sdpa_pct_larger_floor", "split_kv_pct_larger_floor", "sdpa_error",
+                 "split_kv_error"],
+    "profile": ["variant", "batch", "ctx", "kernel", "calls", "ms", "pct_step"],
     "train": ["model", "mode", "optimizer", "median_ms", "tokens_per_s", "mfu", "vs_ours_mha_same_mode",
               "first_steps_s", "n", "error"],
     "flash4": ["call", "impl", "sdpa_ms", "flash_ms", "speedup", "max_abs_diff", "error"],
@@ -423,7 +441,9 @@ def run_tests(report: Report, timeout_s: float, smoke: bool, cuda: bool) -> None
             report.set_rows("tests", read_testlog(log)[0])
             raise
         rows, counts, hung = read_testlog(log)
-    summary = dict(counts, seconds=round(sum(r["seconds"] or 0 for r in rows), 1), exit_code=rc)
+    left = cuda_test_split()[1]
+    summary = dict(counts, seconds=round(sum(r["seconds"] or 0 for r in rows), 1), exit_code=rc,
+                   left_unrun=f"{len(left)} CPU-suite files (no CUDA test in them; CI runs them)")
     bad = [r["test"] for r in rows if r["outcome"] in ("failed", "error")]
     if rc is None:
         status, reason = "timeout", f"stopped at {timeout_s:.0f} s" + (f" while running {hung}" if hung else "")
@@ -531,7 +551,8 @@ def section_capacity(rep: Report, sz: dict, ctx: dict) -> None:
 
     serving = _bench("serving")
     device, dtype = ctx["device"], ctx["dtype"]
-    rep.update("capacity", summary=dict(bandwidth_gbs=ctx["bandwidth"] / 1e9, budget_gb=sz["capacity_budget_gb"],
+    rep.update("capacity", summary=dict(bandwidth_gbs=ctx["bandwidth"] / 1e9, matmul_tflops=ctx["matmul_peak"] / 1e12,
+                                        budget_gb=sz["capacity_budget_gb"],
                                         max_batch_run=sz["capacity_max_batch"], claim=serving.CLAIM))
     for name in sz["capacity_variants"]:
         args = SimpleNamespace(variants=[name], ctx=sz["capacity_ctx"], budget_gb=sz["capacity_budget_gb"],
@@ -541,7 +562,120 @@ def section_capacity(rep: Report, sz: dict, ctx: dict) -> None:
         except Exception as e:  # noqa: BLE001
             new = [dict(variant=name, rows="-", ctx=0, bytes_per_seq=0, max_batch=0, sdpa_error=_err(e))]
         _free(device)
+        for row in new:
+            add_floors(row, step_flops(name, row.get("batch", 0), row.get("ctx", 0), ctx["smoke"]),
+                       ctx["matmul_peak"])
         rep.set_rows("capacity", serving.compare_to_mha(rep.section("capacity")["rows"] + new))
+
+
+def model_shapes(name: str, smoke: bool):
+    """The config ``serving.build`` gives variant ``name`` (no weights built)."""
+    serving = _bench("serving")
+    return serving.preset(serving.VARIANTS[name], **(serving.SMOKE_SHAPES if smoke else {}))
+
+
+def step_flops(name: str, batch: int, n_ctx: int, smoke: bool) -> float:
+    """FLOPs of one decode step of ``batch`` tokens at ``n_ctx`` cached tokens: 2 per weight of every matmul
+    (attention projections, MLP, lm_head; the embedding lookup is free) per token, plus attention — MHA: q·k and
+    p·v over ``head_size`` per head; MLA (absorbed): q·row over ``latent + rope`` and p·latent per head."""
+    import torch
+
+    from models import GPT
+
+    cfg = model_shapes(name, smoke)
+    with torch.device("meta"):
+        model = GPT(cfg.replace(block_size=max(n_ctx + 2, 2)))
+    weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "wte" not in n
+                  and "wpe" not in n)
+    if cfg.tie_embeddings:
+        weights += cfg.vocab_size * cfg.d_model  # the tied lm_head is a matmul too
+    if cfg.attention == "mha":
+        attn = 2 * cfg.n_head * n_ctx * (cfg.head_size + cfg.head_size)
+    else:
+        attn = 2 * cfg.n_head * n_ctx * (2 * cfg.d_cached_latent + cfg.qk_rope_head_dim)
+    return float(batch) * (2 * weights + cfg.n_layer * attn)
+
+
+def add_floors(row: dict, flops: float, peak: float) -> dict:
+    """Both floors of a capacity row: bytes (``floor_ms``, already there) and compute (``flops`` over ``peak``
+    FLOP/s); ``bound`` names the larger; each path's ``*_pct_larger_floor`` is that floor over its time."""
+    row["flops_per_step"] = flops
+    row["compute_floor_ms"] = flops / peak * 1e3 if peak else None
+    floors = [f for f in (row.get("floor_ms"), row["compute_floor_ms"]) if f]
+    if not floors:
+        return row
+    larger = max(floors)
+    row["bound"] = "compute" if row["compute_floor_ms"] and row["compute_floor_ms"] >= (row.get("floor_ms") or 0) \
+        else "bytes"
+    row["larger_floor_ms"] = larger
+    for label in ("sdpa", "split_kv"):
+        if row.get(f"{label}_ms"):
+            row[f"{label}_pct_larger_floor"] = 100 * larger / row[f"{label}_ms"]
+    return row
+
+
+def matmul_peak(device, dtype, n: int) -> float:
+    """FLOP/s of an ``n``×``n``×``n`` matmul in ``dtype`` (median of 10)."""
+    import statistics
+
+    import torch
+
+    serving = _bench("serving")
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    ms = statistics.median(serving.timer(device)(lambda: a @ b, 10))
+    return 2 * n ** 3 / (ms / 1e3)
+
+
+def profile_rows(events, variant: str, batch: int, n_ctx: int, top: int, cuda: bool) -> list[dict]:
+    """The ``top`` kernels of a profiled step by self device time (self CPU time on CPU), with their share."""
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+
+    def t(e) -> float:
+        return float(getattr(e, key, 0) or getattr(e, "self_cuda_time_total", 0) or 0) if cuda else \
+            float(e.self_cpu_time_total)
+
+    evs = [e for e in events if t(e) > 0]
+    total = sum(t(e) for e in evs) or 1.0
+    rows = [dict(variant=variant, batch=batch, ctx=n_ctx, kernel=e.key[:80], calls=e.count, ms=t(e) / 1e3,
+                 pct_step=100 * t(e) / total) for e in sorted(evs, key=t, reverse=True)[:top]]
+    rows.append(dict(variant=variant, batch=batch, ctx=n_ctx, kernel="(step total)", calls=None, ms=total / 1e3,
+                     pct_step=100.0))
+    return rows
+
+
+def section_profile(rep: Report, sz: dict, ctx: dict) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    serving = _bench("serving")
+    device, dtype, smoke = ctx["device"], ctx["dtype"], ctx["smoke"]
+    n_ctx, cuda = sz["profile_ctx"], device.type == "cuda"
+    for name in sz["profile_variants"]:
+        try:
+            model = serving.build(name, "eager", n_ctx, smoke, device, dtype)
+            per_seq = serving.seq_bytes(model, n_ctx, None)
+            budget = sz["capacity_budget_gb"] * 1e9
+            if cuda:
+                budget = min(budget, torch.cuda.mem_get_info()[0] - serving.RESERVE_BYTES)
+            batch = max(1, min(int(budget // per_seq), sz["profile_batch"]))
+            cache = serving.filled_cache(model, batch, n_ctx, None)
+            tok = torch.randint(0, model.cfg.vocab_size, (batch, 1), device=device)
+            with torch.inference_mode():
+                model(tok, cache=cache)  # warm-up
+                cache.truncate(n_ctx)
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                with profile(activities=acts) as prof:
+                    model(tok, cache=cache)
+                    if cuda:
+                        torch.cuda.synchronize()
+            for row in profile_rows(prof.key_averages(), name, batch, n_ctx, sz["profile_top"], cuda):
+                rep.add_row("profile", row)
+        except Exception as e:  # noqa: BLE001 - one variant's failure must not end the section
+            rep.add_row("profile", dict(variant=name, kernel="-", error=_err(e)))
+        model = cache = None
+        _free(device)
 
 
 def section_train(rep: Report, sz: dict, ctx: dict) -> None:
@@ -618,7 +752,7 @@ def section_flash4(rep: Report, sz: dict, ctx: dict) -> None:
 
 
 CHILD_SECTIONS = {"kernel": section_kernel, "decode": section_decode, "capacity": section_capacity,
-                  "train": section_train, "flash4": section_flash4}
+                  "profile": section_profile, "train": section_train, "flash4": section_flash4}
 
 
 def child_main(name: str, report_path: Path, smoke: bool) -> int:
@@ -631,10 +765,13 @@ def child_main(name: str, report_path: Path, smoke: bool) -> int:
         serving = _bench("serving")
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        ctx = dict(device=device, dtype=dtype, smoke=smoke, bandwidth=0.0)
+        ctx = dict(device=device, dtype=dtype, smoke=smoke, bandwidth=0.0, matmul_peak=0.0)
+        sz = SMOKE if smoke else FULL
         if name in ("kernel", "decode", "capacity"):  # the copy bandwidth, measured in this section's process
             ctx["bandwidth"] = serving.copy_bandwidth(device, 2**21 if smoke else 2**31)
-        CHILD_SECTIONS[name](rep, SMOKE if smoke else FULL, ctx)
+        if name == "capacity":  # and the matmul peak: the compute floor
+            ctx["matmul_peak"] = matmul_peak(device, dtype, sz["matmul_n"])
+        CHILD_SECTIONS[name](rep, sz, ctx)
     except BaseException as e:  # a section's failure is recorded in the report, then reported by the exit code
         rep = Report.load(report_path) if report_path.exists() else rep
         rep.update(name, status="error", reason=_err(e), traceback=traceback.format_exc().splitlines()[-8:])

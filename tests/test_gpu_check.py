@@ -44,7 +44,7 @@ def _blocking_env(tmp_path: Path, blocked=("jsonargparse", "wandb", "datasets"))
 
 
 def test_dry_run_plans_every_section_within_8_minutes_without_torch(tmp_path):
-    """``--dry-run`` lists the six sections in order with their estimates, and the total is <= 480 s; it runs with
+    """``--dry-run`` lists the seven sections in order with their estimates, and the total is <= 480 s; it runs with
     torch made unimportable (so it cannot touch CUDA)."""
     env = _blocking_env(tmp_path, blocked=("torch", "triton"))
     res = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env,
@@ -52,7 +52,7 @@ def test_dry_run_plans_every_section_within_8_minutes_without_torch(tmp_path):
     assert res.returncode == 0, res.stderr
     out = res.stdout
     names = re.findall(r"^\s+\d\. (\w+)\s+~(\d+) s", out, flags=re.M)
-    assert [n for n, _ in names] == ["tests", "kernel", "decode", "capacity", "train", "flash4"]
+    assert [n for n, _ in names] == ["tests", "kernel", "decode", "capacity", "profile", "train", "flash4"]
     total = int(re.search(r"estimate (\d+) s", out).group(1))
     assert total <= 480 and total == 10 + sum(int(s) for _, s in names)
     assert "SKIPPED" not in out and "<= budget 480 s: yes" in out
@@ -231,3 +231,32 @@ def test_the_gpu_tests_and_benchmarks_import_without_what_the_device_lacks(gc, t
             "[gpu_check._bench(n) for n in ('gpu', 'serving')]; import kvsplice.report.cuda_timing")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_the_cuda_test_split_is_what_the_tests_section_runs(gc):
+    """The files with CUDA tests are exactly the tests section's; every other test file is listed as left unrun."""
+    cuda, rest = gc.cuda_test_split()
+    assert cuda == sorted(gc.TEST_FILES) and rest and not set(cuda) & set(rest)
+    assert "tests/test_gpu_check.py" in rest
+
+
+def test_both_floors_and_the_profile_split(gc):
+    """A capacity row gets the compute floor beside the byte floor and each path's % of the larger one; the step's
+    FLOPs at batch 16,384 / 1k are ~4 TFLOP for the 124M shapes (weights dominate); the profile rows rank the
+    kernels by self time with their share of the step."""
+    from types import SimpleNamespace
+
+    row = gc.add_floors(dict(floor_ms=2.0, sdpa_ms=10.0, split_kv_ms=5.0), flops=4e12, peak=1e15)
+    assert row["compute_floor_ms"] == 4.0 and row["bound"] == "compute" and row["larger_floor_ms"] == 4.0
+    assert row["sdpa_pct_larger_floor"] == 40.0 and row["split_kv_pct_larger_floor"] == 80.0
+    assert gc.add_floors(dict(floor_ms=9.0, sdpa_ms=10.0), 4e12, 1e15)["bound"] == "bytes"
+    mha, k90 = (gc.step_flops(n, 16384, 1024, False) for n in ("MHA", "KVSplice-90"))
+    assert 3.5e12 < k90 < mha < 5e12
+    assert gc.step_flops("MHA", 2, 1024, False) == 2 * gc.step_flops("MHA", 1, 1024, False)
+    ev = [SimpleNamespace(key="mm", count=3, self_cpu_time_total=600.0),
+          SimpleNamespace(key="softmax", count=1, self_cpu_time_total=200.0),
+          SimpleNamespace(key="idle", count=1, self_cpu_time_total=0.0),
+          SimpleNamespace(key="copy", count=2, self_cpu_time_total=200.0)]
+    rows = gc.profile_rows(ev, "MHA", 4, 32, top=2, cuda=False)
+    assert [r["kernel"] for r in rows] == ["mm", "softmax", "(step total)"]
+    assert rows[0]["pct_step"] == 60.0 and rows[0]["ms"] == 0.6 and rows[-1]["ms"] == 1.0

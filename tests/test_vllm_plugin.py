@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -233,3 +234,23 @@ def test_unpadded_export_in_vllm_is_exact_and_keeps_the_true_row(exports):
     assert run.kv_cache_bytes == padded.kv_cache_bytes == BUDGET
     assert run.cache_tokens >= 0.9 * (576 / row) * padded.cache_tokens, (run.cache_tokens, padded.cache_tokens)
     print(json.dumps({"unpadded_tokens": run.cache_tokens, "padded_tokens": padded.cache_tokens}))
+
+
+@pytest.mark.engines
+def test_vllm_loads_the_plugin_through_its_entry_point(tmp_path):
+    """vLLM's own plugin loader finds the entry point and points CPU_MLA (only) at the any-row backend."""
+    why = vllm_engine.missing()
+    if why:
+        pytest.skip(why)
+    code = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
+            "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E; "
+            "print(E.CPU_MLA.get_path(), E.AMX_MLA.get_path(), E.CPU_MLA.get_class().get_supported_head_sizes())")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(vllm_engine.plugin_path(tmp_path / "p"))
+    out = subprocess.run([str(vllm_engine.vllm_python()), "-c", code], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cpu, amx, sizes = out.stdout.split()[-3:]
+    assert cpu == vllm_engine.PLUGIN_ENTRY.split("= ")[1].split(":")[0] + ".cpu_backend.AnyRowCPUMLABackend"
+    assert amx.startswith("vllm.") and sizes == "[]"
+

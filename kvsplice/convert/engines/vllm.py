@@ -108,11 +108,13 @@ def run(model_dir: str | Path, *, prompt: Optional[Sequence[int]] = None, new: i
         score: Optional[Sequence[int]] = None, dtype: str = "float32", max_model_len: int = 128,
         native_rope: bool = True, kv_cache_gib: int = 1, kv_cache_bytes: Optional[int] = None,
         others: Sequence[Sequence[int]] = (), throughput: Optional[dict[str, int]] = None,
-        max_num_seqs: Optional[int] = None, plugin: bool = True, timeout: float = 900.0) -> VllmRun:
+        max_num_seqs: Optional[int] = None, block_size: Optional[int] = None, plugin: bool = True,
+        timeout: float = 900.0) -> VllmRun:
     """Run ``model_dir`` in vLLM (offline ``LLM``, eager, ``dtype``): greedy ``new`` tokens after ``prompt`` and/or
     the log-probability of every token of ``score``, each in one batch with the prompts ``others``; with
     ``throughput={"seqs", "prompt", "new"}`` the decode tokens/s of that many random prompts. The KV cache gets
-    ``kv_cache_bytes`` (default ``kv_cache_gib`` GiB). ``plugin``: load the package's vLLM plugin (any latent row).
+    ``kv_cache_bytes`` (default ``kv_cache_gib`` GiB) in blocks of ``block_size`` tokens (non-MLA models; vLLM's CPU
+platform sets 16 for MLA). ``plugin``: load the package's vLLM plugin (any latent row).
     Raises :class:`VllmError` (one line) when vLLM is absent or refuses the model, ``ValueError`` for bad
     arguments."""
     if prompt is None and score is None and throughput is None:
@@ -127,7 +129,8 @@ def run(model_dir: str | Path, *, prompt: Optional[Sequence[int]] = None, new: i
            "kv_cache_bytes": None if kv_cache_bytes is None else int(kv_cache_bytes), "any_row": bool(plugin),
            "generate": None if prompt is None else [[int(t) for t in prompt], int(new)],
            "score": None if score is None else [int(t) for t in score],
-           "others": [[int(t) for t in p] for p in others], "throughput": throughput, "max_num_seqs": max_num_seqs}
+           "others": [[int(t) for t in p] for p in others], "throughput": throughput, "max_num_seqs": max_num_seqs,
+           "block_size": block_size}
     with tempfile.TemporaryDirectory(prefix="kvsplice_vllm_") as tmp:
         req_path, out_path = Path(tmp) / "request.json", Path(tmp) / "answer.json"
         req_path.write_text(json.dumps(req), encoding="utf-8")

@@ -9,6 +9,7 @@ library, torch and vllm — never ``kvsplice``. ``REQ`` is a JSON request::
      "others": [[ids...], ...],            # other prompts run in the same batch as generate / score (optional)
      "throughput": {"seqs": n, "prompt": len, "new": n},   # decode tokens/s of n random prompts (optional;
                                            # seqs 0: as many as vLLM's cache holds at prompt + new tokens)
+     "block_size": 32,                     # cache block size for non-MLA models (optional)
      "any_row": true,                      # rows other than 512 + 64: ask for CPU_MLA (the plugin's; AMX CPUs too)
      "native_rope": true}                  # see below
 
@@ -117,6 +118,8 @@ def main(req_path: str, out_path: str) -> None:
     cfg = _config(req["model"])
     if req.get("any_row") and cfg.get("kv_lora_rank", 512) + cfg.get("qk_rope_head_dim", 64) != 576:
         kwargs["attention_config"] = {"backend": "CPU_MLA"}  # on AMX CPUs too (vLLM's AMX_MLA takes 576 only)
+    if req.get("block_size") and cfg.get("kv_lora_rank") is None:  # MLA on CPU: vLLM's platform sets 16
+        kwargs["block_size"] = int(req["block_size"])
     if req.get("max_num_seqs"):
         kwargs["max_num_seqs"] = int(req["max_num_seqs"])
     kv_bytes = int(req.get("kv_cache_bytes") or int(req.get("kv_cache_gib", 1)) * 2 ** 30)

@@ -80,12 +80,16 @@ def measure(name: str, folder: Path, ref_dir: Path, cfg, *, budget: int, context
     ids = torch.randint(0, vocab, (SCORED,), generator=torch.Generator().manual_seed(1)).tolist()
     greedy, lp = reference(ref_dir, ids, new)
     t0 = time.perf_counter()
+    formula = budget // row_bytes
+    if formula < context + 16:  # less than one full-length sequence (and vLLM's null block): vLLM refuses to start
+        return {"model": name, "plugin": plugin, "row": None, "bytes_per_token_formula": row_bytes,
+                "cache_tokens_formula": formula, "error": f"the budget holds {formula} tokens, under one {context}-"
+                f"token sequence: vLLM does not start"}
     run = vllm_engine.run(folder, prompt=ids[:PROMPT], new=new, score=ids, others=[ids[40:90], ids[3:20], ids[:5]],
                           max_model_len=context, kv_cache_bytes=budget, plugin=plugin, max_num_seqs=1024,
                           block_size=BLOCK,
                           throughput={"seqs": 0, "prompt": context - new, "new": new}, timeout=3600)
     la = run.layers[0]
-    formula = budget // row_bytes
     return {"model": name, "plugin": plugin, "backend": la["backend"], "decode_kernel": la["kernel"],
             "row": la["kv_cache_shape"][-1], "bytes_per_token": run.kv_bytes_per_token,
             "bytes_per_token_formula": row_bytes, "cache_tokens_vllm": run.cache_tokens,
@@ -127,8 +131,12 @@ def markdown(res: dict[str, Any]) -> str:
            "other (prefill) s |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        t = r["throughput"] or {}
+        t = r.get("throughput") or {}
         route = "plugin" if r["plugin"] else "padded 512+64, vLLM alone"
+        if r.get("error"):
+            out.append(f"| {r['model']} | {route} | — | — | — ({r['bytes_per_token_formula']:,}) | — / "
+                       f"{r['cache_tokens_formula']:,} | {r['error']} | | | | |")
+            continue
         out.append(f"| {r['model']} | {route} | {r['backend']} / {r['decode_kernel']} | {r['row']} | "
                    f"{r['bytes_per_token']:,} ({'=' if r['bytes_per_token'] == r['bytes_per_token_formula'] else '≠'})"
                    f" | {r['cache_tokens_vllm']:,} / {r['cache_tokens_formula']:,} | "
@@ -146,13 +154,13 @@ def _budget(b) -> str:
 def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     def tps(pred) -> Optional[float]:
         r = next((r for r in rows if pred(r)), None)
-        return r["throughput"].get("decode_tok_s") if r and r["throughput"] else None
+        return r["throughput"].get("decode_tok_s") if r and r.get("throughput") else None
 
     out = {}
     for group in ("124M", "tiny"):
         base = tps(lambda r: group in r["model"] and r["model"].startswith(("ds_mha", "mha")))
         for r in rows:
-            tok_s = (r["throughput"] or {}).get("decode_tok_s")
+            tok_s = (r.get("throughput") or {}).get("decode_tok_s")
             if group in r["model"] and base and tok_s and not r["model"].startswith(("ds_mha", "mha")):
                 route = "" if r["plugin"] else ", padded"
                 out[f"{r['model']}{route} vs standard attention"] = tok_s / base

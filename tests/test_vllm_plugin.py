@@ -130,6 +130,16 @@ def test_entry_point_is_declared_and_exposed(tmp_path):
     assert vllm_engine.plugin_path(folder) == folder  # again: idempotent
 
 
+def test_cache_bytes_per_token_for_mla_and_paged_mha_layers():
+    """An MLA layer's cache is one row per token; a standard-attention layer's (vLLM's CPU_ATTN: blocks, KV heads,
+    2 x block size, head) counts its tensor's bytes over the cache's tokens."""
+    mla = {"backend": "CPU_MLA", "kv_cache_shape": [293, 16, 42], "element_size": 4, "kv_cache_bytes": 293 * 16 * 168}
+    mha = {"backend": "CPU_ATTN", "kv_cache_shape": [10, 12, 64, 64], "element_size": 4,
+           "kv_cache_bytes": 10 * 12 * 64 * 64 * 4}
+    assert vllm_engine.VllmRun(layers=[mla] * 12, cache_tokens=293 * 16).kv_bytes_per_token == 12 * 42 * 4
+    assert vllm_engine.VllmRun(layers=[mha] * 12, cache_tokens=320).kv_bytes_per_token == 12 * 2 * 768 * 4
+
+
 def test_runner_finds_the_venv_under_the_repository_root(monkeypatch):
     """The default interpreter is ``build/vllm-venv/bin/python`` under the repository root (not the package)."""
     monkeypatch.delenv(vllm_engine.ENV, raising=False)
@@ -156,13 +166,15 @@ def test_benchmark_formula_ratios_and_report(monkeypatch, tmp_path, capsys):
     rows = [row("ds_mha (124M shapes, random)", 10.0), row("ds_mla_kvsplice_90 (124M shapes, random)", 25.0),
             row("ds_mla_kvsplice_90 (124M shapes, random)", 5.0, plugin=False),
             row("ds_mha (tiny, 20 steps)", 100.0), row("ds_mla_kvsplice_90 (tiny, 20 steps)", 50.0)]
+    rows.append(dict(model="ds_mla_kvsplice_90 (tiny, 20 steps)", plugin=False, row=None, bytes_per_token_formula=9216,
+                     cache_tokens_formula=85, error="the budget holds 85 tokens, under one 128-token sequence"))
     r = bench.ratios(rows)
     assert r == {"ds_mla_kvsplice_90 (124M shapes, random) vs standard attention": 2.5,
                  "ds_mla_kvsplice_90 (124M shapes, random), padded vs standard attention": 0.5,
                  "ds_mla_kvsplice_90 (tiny, 20 steps) vs standard attention": 0.5}
     md = bench.markdown(dict(command="x", vllm="0.32.0", budget=1, context=256, new=16, machine="m", rows=rows,
                              ratios=r))
-    assert md.count("\n| ds_") == 5 and "padded 512+64, vLLM alone" in md and "2.50×" in md
+    assert md.count("\n| ds_") == 6 and "under one 128-token sequence" in md and "padded 512+64, vLLM alone" in md and "2.50×" in md
     monkeypatch.setenv(vllm_engine.ENV, str(tmp_path / "none" / "python"))
     assert bench.main(["--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()

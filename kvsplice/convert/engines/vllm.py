@@ -93,9 +93,16 @@ class VllmRun:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of KV cache per token over all layers, from the cache tensors vLLM allocated: each layer's
-        ``(blocks, block_size, row)`` tensor holds one ``row`` of ``element_size`` bytes per token."""
-        return sum(int(la["kv_cache_shape"][-1]) * int(la["element_size"]) for la in self.layers)
+        """Bytes of KV cache per token over all layers, from the cache tensors vLLM allocated: an MLA layer's
+        ``(blocks, block_size, row)`` tensor holds one ``row`` of ``element_size`` bytes per token; any other layer's
+        tensor bytes over its blocks × block size (``cache_tokens``)."""
+        total = 0
+        for la in self.layers:
+            if "kv_cache_bytes" in la and la["backend"] not in ("CPU_MLA", "AMX_MLA", "TRITON_MLA"):
+                total += int(la["kv_cache_bytes"]) // max(self.cache_tokens, 1)
+            else:
+                total += int(la["kv_cache_shape"][-1]) * int(la["element_size"])
+        return total
 
     @property
     def kv_cache_tokens(self) -> int:

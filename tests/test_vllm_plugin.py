@@ -172,9 +172,11 @@ def test_benchmark_formula_ratios_and_report(monkeypatch, tmp_path, capsys):
     assert r == {"ds_mla_kvsplice_90 (124M shapes, random) vs standard attention": 2.5,
                  "ds_mla_kvsplice_90 (124M shapes, random), padded vs standard attention": 0.5,
                  "ds_mla_kvsplice_90 (tiny, 20 steps) vs standard attention": 0.5}
-    md = bench.markdown(dict(command="x", vllm="0.32.0", budget=1, context=256, new=16, machine="m", rows=rows,
-                             ratios=r))
+    for x in rows:
+        x["kv_budget"] = 786432 if "tiny" in x["model"] else 23592960
+    md = bench.markdown(dict(command="x", vllm="0.32.0", context=256, new=16, machine="m", rows=rows, ratios=r))
     assert md.count("\n| ds_") == 6 and "under one 128-token sequence" in md and "padded 512+64, vLLM alone" in md and "2.50×" in md
+    assert "124M shapes 23,592,960 B; tiny 786,432 B" in md
     monkeypatch.setenv(vllm_engine.ENV, str(tmp_path / "none" / "python"))
     assert bench.main(["--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()

@@ -186,6 +186,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"engines_vllm_plugin: {missing or '--out would replace a --join input'}", file=sys.stderr)
             return 2
         runs = [json.loads(p.read_text(encoding="utf-8")) for p in a.join]
+        for r in runs:  # a run's one budget, where its rows do not carry it
+            for x in r["rows"]:
+                x.setdefault("kv_budget", r.get("budget"))
         res = dict(runs[0], command=" ; ".join(r["command"] for r in runs),
                    rows=[x for r in runs for x in r["rows"]],
                    machine=" / ".join(dict.fromkeys(r["machine"] for r in runs)))

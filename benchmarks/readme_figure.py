@@ -12,13 +12,17 @@ the CPU): perplexity change against how many times smaller the cache is than the
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.options import add_out, command, parser  # noqa: E402
+from benchmarks.harness.paths import RESULTS, ROOT  # noqa: E402
+
 OUT = ROOT / "docs" / "figures" / "overview.png"
 Y_MAX = 25.0  # post-training panel: rows above +25 % perplexity are left out (listed in the figure's note)
 
@@ -203,16 +207,16 @@ def make_figure(results: Path, out: Path) -> Path:
     return out
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="readme_figure", description=__doc__.splitlines()[0])
-    ap.add_argument("--results", type=Path, default=ROOT / "results", help="folder holding the results files")
-    ap.add_argument("--out", type=Path, default=OUT, help="the PNG to write (default docs/figures/overview.png)")
+    ap = parser(__file__, __doc__)
+    ap.add_argument("--results", type=Path, default=RESULTS, help="folder holding the results files")
+    add_out(ap, OUT, "the PNG to write (default docs/figures/overview.png)")
     args = ap.parse_args(argv)
     try:
         out = make_figure(args.results, args.out)
-    except (OSError, KeyError, ValueError) as e:
-        print(f"readme_figure: error: {e}", file=sys.stderr)
-        return 2
+    except KeyError as e:
+        raise ValueError(f"a results file lacks {e}") from None
     print(out)
     return 0
 

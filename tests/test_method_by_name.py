@@ -16,7 +16,7 @@ from kvsplice.core.method import CompressionMethod, layer_tokens
 from kvsplice.core.registry import build_method, method_names
 from models.cache import KVCache
 
-from data.reference import CALIB as TEXT, DATA, EVAL, STORIES
+from benchmarks.harness.paths import CALIB as TEXT, DATA, EVAL, STORIES
 
 pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file() or not TEXT.is_file(),
                                 reason=f"stories260K / TinyStories not found under {DATA}")

@@ -195,7 +195,7 @@ def make_figure(results: Path, out: Path) -> Path:
     b.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
     note = "tasks: query-agnostic accuracy, passkey + number in stories + word in facts at 1k tokens (full cache 98 %)"
     if hidden:
-        note += f"\n{len(hidden)} rows above +{Y_MAX:g} % not shown (docs/smollm2.md)"
+        note += f"\n{len(hidden)} rows above +{Y_MAX:g} % not shown (results/smollm2_frontier.md)"
     b.text(0.99, 0.985, note, ha="right", va="top", transform=b.transAxes, fontsize=7, color="#555555")
     fig.text(0.5, 0.005, "python benchmarks/readme_figure.py  (from results/frontier_gpu.json, "
              "kvsplice_recipe_recipe_gpu.json, smollm2_frontier.json, smollm2_tasks.json, smollm2_tasks_goals.json)",

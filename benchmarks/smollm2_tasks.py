@@ -193,7 +193,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                                                    ["--no-progress"]))
                 if rc:
                     return rc
-            if not (PLANS / f"plan{name}_P.json").is_file():  # the plan's protocol-P perplexity (docs/smollm2.md)
+            if not (PLANS / f"plan{name}_P.json").is_file():  # the plan's protocol-P perplexity (docs/plan.md)
                 rc = eval_bases.main(protocol_p_argv(name) + ["--threads", str(a.threads), "--no-progress"])
                 if rc:
                     return rc

@@ -37,7 +37,7 @@ import torch
 if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
     import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line  # noqa: E402
+from benchmarks.harness.header import command as command_line, revision  # noqa: E402
 from benchmarks.harness.options import add_json, add_model, add_threads, command, parser  # noqa: E402
 from benchmarks.harness.paths import EVAL, RESULTS, STORIES  # noqa: E402
 
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
         "full": full,
         "results": results,
         "seconds": round(time.time() - t0, 1),
-        "command": command_line(__file__, argv),
+        "command": command_line(__file__, argv), "revision": revision(),
     }
     md = to_markdown(report)
     report["markdown"] = md

@@ -35,7 +35,7 @@ from pathlib import Path
 if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
     import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line  # noqa: E402
+from benchmarks.harness.header import command as command_line, revision  # noqa: E402
 from benchmarks.harness.options import add_out, add_threads, command, parser  # noqa: E402
 from benchmarks.harness.paths import RESULTS  # noqa: E402
 from benchmarks.lib.study import DATA, REPO, last_val, run_module, train  # noqa: E402  (the study's run helpers)
@@ -245,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"meta": {"command": command_line(__file__, argv), "ft_lrs": FT_LRS,
-                                            "source_tokens": STEPS_SOURCE * TOKENS_PER_STEP}, "rows": rows}, indent=1))
+        meta = {"command": command_line(__file__, argv), "revision": revision(), "ft_lrs": FT_LRS,
+                "source_tokens": STEPS_SOURCE * TOKENS_PER_STEP}
+        tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         os.replace(tmp, args.out)
         print(f"{row['experiment']} seed {row['seed']} ft {row['ft_tokens']:,}: val_loss {row['val_loss']:.4f}",
               flush=True)

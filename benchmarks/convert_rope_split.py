@@ -19,7 +19,7 @@ from pathlib import Path
 if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
     import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line  # noqa: E402
+from benchmarks.harness.header import command as command_line, revision  # noqa: E402
 from benchmarks.harness.options import add_out, command, parser  # noqa: E402
 from benchmarks.harness.paths import CALIB, RESULTS, SMOLLM2  # noqa: E402
 
@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     best = {str(ratio): min((x for x in rows if x["ratio"] == ratio), key=lambda x: x["ppl"])["rope_dims"]
             for ratio in args.ratios if any(x["ratio"] == ratio for x in rows)}
     cmd = command_line(__file__, argv)
-    report = {"command": cmd, "model": str(SMOLLM2), "selection_text": str(CALIB), "skip_tokens": args.skip,
+    report = {"command": cmd, "revision": revision(), "model": str(SMOLLM2), "selection_text": str(CALIB),
+              "skip_tokens": args.skip,
               "windows": int(sel.shape[0]), "calibration_tokens": int(calib.numel()), "source_ppl": src,
               "best_rope_dims": best, "rows": rows, "seconds": time.perf_counter() - t0}
     out = Path(args.out)

@@ -48,7 +48,7 @@ import torch
 if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
     import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line  # noqa: E402
+from benchmarks.harness.header import command as command_line, revision  # noqa: E402
 from benchmarks.harness.options import add_out, command, parser  # noqa: E402
 from benchmarks.harness.paths import CALIB, DATA, EVAL as VAL, RESULTS, ROOT, SMOLLM2 as MODEL  # noqa: E402
 STORIES = DATA / "stories260K"
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
               "finetune": {"steps": n, "tokens": n * 4 * ft_seq, "hardware": "CPU, 1 thread (OMP_NUM_THREADS=1)"},
               "protocol_P": {"windows": int(p_win.shape[0]), "window": seq, "prompt_len": prompt},
               "docs_domain": {"windows": int(d_win.shape[0]), "window": dseq, "files": [str(p) for p in DOMAIN]},
-              "command": command_line(__file__, argv),
+              "command": command_line(__file__, argv), "revision": revision(),
               "commands": bench.commands, "tasks": task_rows, "seconds": time.perf_counter() - t0, "rows": rows}
     write(report, Path(args.out))
     return 0

@@ -28,7 +28,7 @@ import torch
 if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
     import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line, machine_line  # noqa: E402
+from benchmarks.harness.header import command as command_line, machine_line, revision  # noqa: E402
 from benchmarks.harness.options import add_model, add_out, command, parser  # noqa: E402
 from benchmarks.harness.paths import RESULTS, SMOLLM2  # noqa: E402
 from benchmarks.harness.timing import median_of, wall_time  # noqa: E402
@@ -171,7 +171,8 @@ def main(argv=None) -> int:
     add_out(ap, RESULTS / "decode_profile", "the results' stem: STEM.json and STEM.md")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    report = {"command": command_line(__file__, argv), "machine": machine_line(1), "layer": [], "step": []}
+    report = {"command": command_line(__file__, argv), "revision": revision(), "machine": machine_line(1), "layer": [],
+              "step": []}
     model = None
     if not a.no_model:
         from kvsplice.loading import load_model

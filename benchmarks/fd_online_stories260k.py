@@ -40,7 +40,7 @@ import torch
 if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
     import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line, machine  # noqa: E402
+from benchmarks.harness.header import command as command_line, machine, revision  # noqa: E402
 from benchmarks.harness.options import add_json, add_threads, command, parser  # noqa: E402
 from benchmarks.harness.paths import CALIB, EVAL, RESULTS, STORIES  # noqa: E402
 
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
                   f"J {row['chunks_max']}  rel_out {row['rel_out_mean']:.3f}  {row['seconds']:.0f}s", flush=True)
 
     report = {
-        "command": command_line(__file__, argv),
+        "command": command_line(__file__, argv), "revision": revision(),
         "environment": machine(a.threads),
         "model": {"source": str(STORIES / "stories260K.bin"), "n_layer": L, "n_head": cfg.num_attention_heads,
                   "n_kv_head": hkv, "head_dim": d},

@@ -43,7 +43,7 @@ from pathlib import Path
 if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
     import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line  # noqa: E402
+from benchmarks.harness.header import command as command_line, revision  # noqa: E402
 from benchmarks.harness.options import add_out, add_threads, command, parser  # noqa: E402
 from benchmarks.harness.paths import RESULTS  # noqa: E402
 from benchmarks.harness.studies import variants  # noqa: E402
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_only and stored.get("meta", {}).get("machine"):
         machine = stored["meta"]["machine"]  # redrawing: the machine that ran the study
     meta = {"study": args.study, "machine": machine, "device": args.device,
-            "python": platform.python_version(), "command": command_line(__file__, argv),
+            "python": platform.python_version(), "command": command_line(__file__, argv), "revision": revision(),
             "dtype_train": "fp32", "batch": args.batch, "threads_per_run": args.threads, "jobs": args.jobs,
             **meta_extra}
 

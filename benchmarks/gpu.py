@@ -42,7 +42,7 @@ import torch.nn.functional as F
 if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
     import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line  # noqa: E402
+from benchmarks.harness.header import command as command_line, revision  # noqa: E402
 from benchmarks.harness.options import UsageError, add_out, command, parser  # noqa: E402
 from benchmarks.harness.paths import RESULTS  # noqa: E402
 from benchmarks.harness.timing import cuda_time  # noqa: E402
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     report = dict(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
                   torch=torch.__version__, cuda=torch.version.cuda, transformers=tv, python=platform.python_version(),
                   flash_impl=None if impl is None else impl.name, peak_bf16_flops=peak_flops(),
-                  command=command_line(__file__, argv))
+                  command=command_line(__file__, argv), revision=revision())
     bw = copy_bandwidth()
     report["bandwidth_gbs"] = bw / 1e9
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
     import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line  # noqa: E402
+from benchmarks.harness.header import command as command_line, revision  # noqa: E402
 from benchmarks.harness.options import add_json, add_model, add_threads, command, parser  # noqa: E402
 from benchmarks.harness.paths import RESULTS  # noqa: E402
 
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         r["bytes_vs_full"] = full["cache_bytes"] / r["cache_bytes"]
     report = {"model": a.model, "data": a.data, "windows": a.windows, "prompt": a.prompt, "cont": a.cont,
               "scored_tokens": a.windows * a.cont, "rows": rows, "seconds": round(time.time() - t0, 1),
-              "command": command_line(__file__, argv)}
+              "command": command_line(__file__, argv), "revision": revision()}
     write_json(report, a.json)
     print(f"wrote {a.json}")
     return 0

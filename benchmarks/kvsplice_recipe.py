@@ -30,7 +30,7 @@ from pathlib import Path
 if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
     import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line  # noqa: E402
+from benchmarks.harness.header import command as command_line, revision  # noqa: E402
 from benchmarks.harness.options import add_out, add_threads, command, parser  # noqa: E402
 from benchmarks.harness.paths import RESULTS  # noqa: E402
 from benchmarks.harness.studies import load as load_study, variants  # noqa: E402
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     todo = [] if args.report_only else [(v, s) for s in seeds for v in variants if run_key(v, s, args) not in done]
     meta = stored.get("meta") if args.report_only and stored.get("meta") else {
         "study": args.study, "device": args.device, "batch": args.batch, "steps": args.steps,
-        "command": command_line(__file__, argv)}
+        "command": command_line(__file__, argv), "revision": revision()}
     lock = threading.Lock()
 
     def job(vs):

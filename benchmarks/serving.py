@@ -40,7 +40,7 @@ import torch
 if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
     import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line  # noqa: E402
+from benchmarks.harness.header import command as command_line, revision  # noqa: E402
 from benchmarks.harness.options import UsageError, add_out, add_progress, command, parser  # noqa: E402
 from benchmarks.harness.paths import RESULTS  # noqa: E402
 from benchmarks.harness.timing import cuda_time, wall_time  # noqa: E402
@@ -344,7 +344,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = dict(device=name, torch=torch.__version__, triton=tv, smoke=args.smoke, budget_gb=args.budget_gb,
                   max_batch=args.max_batch, kernel_splits=args.kernel_splits, bandwidth_gbs=bw / 1e9, dtype=str(dtype),
                   kernel_status="runs" if reason is None else f"not run ({reason})", claim=CLAIM,
-                  command=command_line(__file__, argv))
+                  command=command_line(__file__, argv), revision=revision())
 
     def save() -> str:  # after every section: a run cut short keeps what it measured
         md = markdown(report)

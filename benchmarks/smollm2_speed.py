@@ -178,9 +178,9 @@ def main(argv=None) -> int:
 
 
 def _meta(args, argv) -> dict:
-    return {"command": command_line(__file__, argv),
+    return {"command": command_line(__file__, argv), "revision": revision(),
             "machine": machine_line(args.threads) + " at the end (a shared machine: times are thread-CPU, ratios "
-                       "side by side)", "revision": revision(),
+                       "side by side)",
             "picks": {k: (getattr(args, "plan" + k[4]) or v) for k, v in PICKS.items()},
             "pick_scores": args.pick_scores}
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
     import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line, machine  # noqa: E402
+from benchmarks.harness.header import command as command_line, machine, revision  # noqa: E402
 from benchmarks.harness.options import add_json, command, parser  # noqa: E402
 from benchmarks.harness.paths import CALIB, EVAL, RESULTS, STORIES  # noqa: E402
 from kvsplice import build_method
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
         results.append(row)
         print(f"{name:24s} ppl {row['ppl']:.4f} (hf {row['ppl_hf']:.4f})  {row['bytes_per_token']:7.1f} B/token "
               f"({row['ratio_vs_fp16_full']:.2f}x vs fp16)  bytes==formula {row['bytes_match']}", flush=True)
-    rep = {"command": command_line(__file__, argv),
+    rep = {"command": command_line(__file__, argv), "revision": revision(),
            "config": {"windows": a.windows, "prompt": a.prompt, "cont": a.cont, "ranks": a.ranks,
                       "budgets": a.budgets, "selector": a.selector, "bases": "gqa-concat post-RoPE"},
            "calibration": {"source": CALIB.name, "tokens": stats.n_tokens},

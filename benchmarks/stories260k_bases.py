@@ -33,7 +33,7 @@ import torch
 if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
     import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line, machine  # noqa: E402
+from benchmarks.harness.header import command as command_line, machine, revision  # noqa: E402
 from benchmarks.harness.options import add_json, add_threads, command, parser  # noqa: E402
 from benchmarks.harness.paths import CALIB, EVAL, RESULTS, STORIES  # noqa: E402
 from kvsplice.evaluation.context import EvalContext, load_windows
@@ -259,7 +259,7 @@ def main(argv=None) -> int:
 
     fr = next(iter(fit_reports.values()))
     report = {
-        "command": command_line(__file__, argv),
+        "command": command_line(__file__, argv), "revision": revision(),
         "config": {"ranks": a.ranks, "methods": a.methods, "ropes": a.ropes, "chunk_size": a.chunk_size,
                    "batch_size": a.batch_size, "seq_len": a.seq_len, "threads": a.threads},
         "environment": machine(a.threads),

@@ -82,6 +82,17 @@ def test_benchmark_parsers_are_built_in_one_place():
             f"benchmarks/{name}.py is on the harness now: take it off PENDING_PORT"
 
 
+def test_a_script_that_records_its_command_records_the_revision():
+    """The command in a result comes from :func:`benchmarks.harness.header.command`, with the revision beside it
+    (or the whole :func:`~benchmarks.harness.header.header`)."""
+    lacking = []
+    for name in SCRIPTS:
+        text = (BENCH / f"{name}.py").read_text()
+        if name not in PENDING_PORT and "command_line(" in text and "revision()" not in text:
+            lacking.append(name)
+    assert not lacking, lacking
+
+
 @pytest.mark.parametrize("name", [s for s in SCRIPTS if s not in PENDING_PORT])
 def test_every_script_answers_help_and_a_bad_option_in_one_line(name, capsys):
     bench = load_benchmark(name)

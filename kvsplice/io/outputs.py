@@ -35,7 +35,9 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -350,7 +352,7 @@ def _plain_modes(folder: Path) -> None:
 
 
 _WRITE_FAILURES = ("no space left", "storagefull", "disk quota", "file write failed", "read-only file system",
-                   "errno 28", "code: 28", "file too large")
+                   "errno 28", "code: 28", "file too large", "iostream error", "inline_container.cc")
 """Words of a failed write in the messages of writers that do not raise ``OSError`` (safetensors' ``SafetensorError``,
 torch's ``PytorchStreamWriter`` ``RuntimeError``)."""
 
@@ -367,9 +369,10 @@ def disk_errors(path: PathArg):
         text = str(e).lower()
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG):
             cause = os.strerror(e.errno)
-        elif not isinstance(e, OSError) and any(w in text for w in _WRITE_FAILURES):
-            cause = "No space left on device" if any(w in text for w in _WRITE_FAILURES[:3] + ("errno 28", "code: 28")) \
-                else "the write failed"
+        elif any(w in text for w in _WRITE_FAILURES[:3] + ("errno 28", "code: 28")):
+            cause = "No space left on device"
+        elif any(w in text for w in _WRITE_FAILURES) or re.search(r"\d+ requested and \d+ written", text):
+            cause = "the write failed (a full disk?)"  # torch.save / numpy's tofile: the cause is not in the text
         else:
             raise
         try:
@@ -385,6 +388,24 @@ def _existing_folder(path: Path) -> Path:
     while not p.exists() and p != p.parent:
         p = p.parent
     return p if p.is_dir() else p.parent
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers' progress bars off while a folder is filled (``save_pretrained``'s "Writing model shards" bar
+    on stderr would be a second line beside a command's one error line)."""
+    if "transformers" not in sys.modules:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _write_marker(folder: Path, writer: str, files: Iterable[str]) -> None:
@@ -412,7 +433,7 @@ def write_dir(path: Path, fill: Callable[[Path], None], owned: Optional[Collecti
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     try:
-        with disk_errors(path):
+        with disk_errors(path), _no_progress_bars():
             fill(tmp)
         names = sorted(f.name for f in tmp.iterdir() if f.name != MARKER)
         with disk_errors(path):

@@ -34,7 +34,7 @@ __all__ = ["ENV", "binary", "fix_gguf", "hf_to_gguf", "llama_cpp_root", "load_fa
 
 ENV = "KVSPLICE_LLAMA_CPP"
 ENV_PY = "KVSPLICE_LLAMA_CPP_PYTHON"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]  # kvsplice/convert/engines/llama_cpp.py -> the repository
 DEFAULT = REPO / "build" / "engines" / "llama.cpp"
 Q_LORA_KEY = "deepseek2.attention.q_lora_rank"
 
@@ -171,10 +171,11 @@ def load_failure(log: str, path: str | os.PathLike) -> str:
     the fix to run when there is one: a ``deepseek2`` GGUF without ``q_lora_rank`` (converted by hand) needs
     ``kvsplice to-gguf --fix FILE``."""
     lines = [" ".join(ln.split()) for ln in log.splitlines() if ln.strip()]
-    causes = [ln for ln in lines if re.search(r"error|failed|not found|invalid|unsupported", ln, re.I)]
+    causes = [ln for ln in lines if "error loading model" in ln] or \
+        [ln for ln in lines if re.search(r"error|failed|not found|invalid|unsupported", ln, re.I)]
     cause = (causes or lines or ["no log"])[-1]
     cause = re.sub(r"^\w+: (error loading model: )?", "", cause)[:240]
-    if Q_LORA_KEY in log:
+    if re.search(r"key not found[^\n]*" + re.escape(Q_LORA_KEY), log):
         return f"it lacks the key {Q_LORA_KEY} (a DeepSeek-V3 GGUF converted by hand): run kvsplice to-gguf --fix {path}"
     return cause
 

@@ -13,6 +13,7 @@ import pytest
 from hostile import interrupt_at_exit, one_error, one_interrupt, small_disk, snapshot
 from kvsplice.cli import to_gguf
 from kvsplice.convert.engines import llama_cpp
+from kvsplice.convert.engines.kv_types import kv_type
 
 PROG = to_gguf.PROG
 SMOL = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "smollm2-135m-instruct" / \
@@ -155,9 +156,13 @@ def test_engine_refuses_a_context_beyond_the_trained_one_up_front():
     _need_llama_cpp()
     if not SMOL.is_file():
         pytest.skip(f"{SMOL} not found")
-    with pytest.raises(ValueError, match="exceeds the 8192 positions") as e:
+    with pytest.raises(ValueError, match="n_ctx 1000000000 needs a KV cache of up to .* trained for 8192") as e:
         llama_cpp.LlamaCppModel(SMOL, n_ctx=10 ** 9)
     assert "\n" not in str(e.value)
+    with llama_cpp.LlamaCppModel(SMOL, n_ctx=256) as m:  # within memory: the cache the bound prices from above
+        kv = m.kv_cache()
+        assert 0 < (kv["k_mib"] + kv["v_mib"]) * 2 ** 20 <= 256 * llama_cpp.cache_bytes_per_cell(
+            30, 576, kv_type("f16"), kv_type("f16"))
 
 
 @pytest.mark.engines

@@ -308,7 +308,8 @@ def output_dir(value: PathArg, *, force: bool, option: str = "--out", inputs: In
     """The resolved path of a folder output (see the module docstring); removes this name's stale temporaries.
 
     Args:
-        owned: ``None``: the command writes its files beside others (kept). Otherwise the command owns the folder: a
+        owned: ``None``: the command writes its files beside others (kept), never into a folder whose marker names
+            another command. Otherwise the command owns the folder: a
             non-empty folder is replaced (with ``force``) only when its :data:`MARKER` names ``writer`` and it holds
             nothing the marker does not list; :func:`write_dir` with the same ``writer`` writes the marker.
         writer: the command's name, for messages and the marker.

@@ -29,7 +29,7 @@ import types
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-__all__ = ["ENV", "binary", "fix_gguf", "hf_to_gguf", "llama_cpp_root", "load_failure", "max_sequences", "missing",
+__all__ = ["ENV", "available_memory", "binary", "cache_bytes_per_cell", "fix_gguf", "hf_to_gguf", "llama_cpp_root", "load_failure", "max_sequences", "missing",
            "LlamaCppModel"]
 
 ENV = "KVSPLICE_LLAMA_CPP"
@@ -180,6 +180,26 @@ def load_failure(log: str, path: str | os.PathLike) -> str:
     return cause
 
 
+def cache_bytes_per_cell(n_layer: int, n_embd: int, tk, tv) -> int:
+    """An upper bound of llama.cpp's K + V bytes per cache cell: every layer's keys and values ``n_embd`` wide (MHA;
+    GQA and MLA cache less), in the cache types ``tk`` / ``tv`` (:class:`kv_types.KvType`)."""
+    return n_layer * sum(-(-n_embd // t.block) * t.block_bytes for t in (tk, tv))
+
+
+def available_memory() -> Optional[int]:
+    """Bytes of memory available to a new allocation (``MemAvailable``, else the physical memory), ``None`` unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 # ------------------------------------------------------------------------------------------------ the C API
 _LL = None
 _LOG: list[str] = []
@@ -255,11 +275,15 @@ class LlamaCppModel:
         self.model = ll.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}: {load_failure(''.join(_LOG), path)}")
-        trained = int(ll.llama_model_n_ctx_train(self.model))
-        if trained > 0 and n_ctx > trained:  # the cache grows with n_ctx: 10**9 cells would take the machine's memory
+        need = n_ctx * cache_bytes_per_cell(int(ll.llama_model_n_layer(self.model)),
+                                            int(ll.llama_model_n_embd(self.model)), tk, tv)
+        free = available_memory()
+        if free is not None and need > free:  # the cache is allocated up front: 10**9 cells took the machine's memory
+            trained = int(ll.llama_model_n_ctx_train(self.model))
             self.close()
-            raise ValueError(f"n_ctx {n_ctx} exceeds the {trained} positions {Path(path).name} was trained for; give "
-                             f"n_ctx <= {trained}")
+            raise ValueError(f"n_ctx {n_ctx} needs a KV cache of up to {need / 2 ** 30:,.1f} GiB, more than the "
+                             f"{free / 2 ** 30:,.1f} GiB of memory available; {Path(path).name} was trained for "
+                             f"{trained} positions: give a smaller n_ctx")
         self.vocab = ll.llama_model_get_vocab(self.model)
         self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
         cp = ll.llama_context_default_params()

@@ -359,3 +359,24 @@ def test_latent_sdpa_formulations_agree():
         got = got[:, 0] if got.dim() == 4 else got
         assert torch.allclose(got, ref, atol=1e-5), name
     assert not math.isnan(ref.sum().item())
+
+
+def test_the_harness_options_import_no_torch(tmp_path):
+    """A script's parser, ``--help`` and a bad option's line need no torch (``benchmarks/gpu_check.py --dry-run``
+    runs where torch cannot be imported)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\nclass _Block:\n    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'triton'):\n            raise ImportError(f'blocked: {name}')\n"
+        "sys.meta_path.insert(0, _Block())\n")
+    env = {**__import__("os").environ, "PYTHONPATH": f"{site}{__import__('os').pathsep}{ROOT}"}
+    code = ("from benchmarks.harness import options as o, header, paths, results, studies\n"
+            "p = o.parser('x.py', 'doc'); o.add_threads(p); o.add_model(p, 'm'); o.add_out(p); o.add_json(p)\n"
+            "o.add_force(p); o.add_progress(p); o.add_device_dtype(p)\n"
+            "main = o.command(lambda argv=None: p.parse_args(argv) and 0)\n"
+            "print(p.parse_args(['--threads', '2']).threads, main(['--bad']), header.machine()['cores'] > 0)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["2", "2", "True"] and "error: unrecognized arguments: --bad" in res.stderr

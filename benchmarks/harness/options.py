@@ -23,6 +23,7 @@ import functools
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from kvsplice.io import cli
 from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
 
 __all__ = ["Parser", "UsageError", "add_device_dtype", "add_force", "add_json", "add_model", "add_out",
@@ -45,10 +46,10 @@ def parser(script: str, doc: Optional[str] = None, *, raw: bool = False, **kw: A
 
 
 def add_threads(p: argparse.ArgumentParser, default: Optional[int] = 1, help: Optional[str] = None) -> None:
-    """``--threads``: torch's intra-op threads (one by default: ratios measured side by side, robust to a shared
-    machine)."""
-    p.add_argument("--threads", type=pos_int, default=default,
-                   help=help or f"torch intra-op threads (default {default})")
+    """``--threads`` (:func:`kvsplice.io.cli.add_threads`): torch's intra-op threads, one by default (ratios measured
+    side by side, robust to a shared machine)."""
+    cli.add_threads(p, help=help or f"torch intra-op threads (default {default})")
+    p.set_defaults(threads=default)
 
 
 def add_out(p: argparse.ArgumentParser, default: Any = None, help: Optional[str] = None, *,
@@ -69,10 +70,14 @@ def add_force(p: argparse.ArgumentParser, help: Optional[str] = None) -> None:
     p.add_argument("--force", action="store_true", help=help or "replace existing outputs")
 
 
-def add_model(p: argparse.ArgumentParser, default: Any = None, help: Optional[str] = None, **kw: Any) -> None:
-    """``--model``: a model folder, checkpoint, GGUF file or Hub id (:func:`kvsplice.loading.load_model`)."""
-    p.add_argument("--model", default=None if default is None else str(default),
-                   help=help or f"the model (folder, checkpoint, GGUF file or Hub id; default {default})", **kw)
+def add_model(p: argparse.ArgumentParser, default: Any = None, help: Optional[str] = None,
+              required: bool = False) -> None:
+    """``--model`` (:func:`kvsplice.io.cli.add_model_option`): a model folder, checkpoint, GGUF file or Hub id
+    (:func:`kvsplice.loading.load_model`), ``default`` when not given."""
+    cli.add_model_option(p, required=required, help=help or f"the model (folder, checkpoint, GGUF file or Hub id; "
+                                                            f"default {default})")
+    if default is not None:
+        p.set_defaults(model=str(default))
 
 
 def add_progress(p: argparse.ArgumentParser) -> None:

@@ -8,8 +8,6 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from benchmarks.harness.paths import RESULTS
-from kvsplice.io.outputs import write_json
-from models.checkpoint import atomic_write
 
 __all__ = ["result_stem", "write_figure", "write_markdown", "write_result"]
 
@@ -21,6 +19,8 @@ def result_stem(study: str, tag: str = "", out_dir: Union[str, Path, None] = Non
 
 def write_result(stem: Path, data: dict, header: Optional[dict] = None) -> Path:
     """``stem.json``: ``header``'s keys (command, machine, revision) first, then ``data`` (whose own keys win)."""
+    from kvsplice.io.outputs import write_json  # (the library and torch: only when a result is written)
+
     path = Path(stem).with_suffix(".json")
     path.parent.mkdir(parents=True, exist_ok=True)
     return write_json({**(header or {}), **data}, path)
@@ -28,6 +28,8 @@ def write_result(stem: Path, data: dict, header: Optional[dict] = None) -> Path:
 
 def write_markdown(stem: Path, text: str) -> Path:
     """``stem.md`` (a trailing newline added when missing)."""
+    from models.checkpoint import atomic_write
+
     path = Path(stem).with_suffix(".md")
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: Path(tmp).write_text(text if text.endswith("\n") else text + "\n"))
@@ -36,6 +38,8 @@ def write_markdown(stem: Path, text: str) -> Path:
 
 def write_figure(stem: Path, fig: Any, **savefig: Any) -> Path:
     """``stem.png`` from a matplotlib figure."""
+    from models.checkpoint import atomic_write
+
     path = Path(stem).with_suffix(".png")
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", **savefig))

@@ -14,8 +14,6 @@ import statistics
 import time
 from typing import Callable
 
-import torch
-
 __all__ = ["cpu_time", "cuda_time", "median_of", "wall_time"]
 
 
@@ -41,6 +39,8 @@ def wall_time(fn: Callable[[], object], n: int) -> list[float]:
 
 def cuda_time(fn: Callable[[], object], n: int) -> list[float]:
     """ms of each of ``n`` calls, each started on an idle GPU and timed by CUDA events."""
+    import torch
+
     out = []
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(n):

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from kvsplice.io.interrupt import EXIT_INTERRUPTED, end_quiet_interrupts, quiet_interrupts_after_command
 
-__all__ = ["DTYPES", "EXIT_INTERRUPTED", "EXIT_USAGE", "Parser", "UsageError", "add_device_dtype", "add_model_option",
+__all__ = ["DTYPES", "DTYPE_NAMES", "EXIT_INTERRUPTED", "EXIT_USAGE", "Parser", "UsageError", "add_device_dtype", "add_model_option",
            "add_output_options", "add_threads", "apply_threads", "at_command_end",
            "default_seq_len", "device_dtype", "first_line", "help_text", "pick_device", "pos_int", "run_cli"]
 
@@ -100,14 +98,30 @@ def default_seq_len(max_positions: Optional[int], cap: int = 1024) -> int:
     return min(max_positions or 512, cap)
 
 
-def pick_device(name: Optional[str] = None) -> torch.device:
+if TYPE_CHECKING:
+    import torch
+
+
+def pick_device(name: Optional[str] = None) -> "torch.device":
+    import torch
+
     if name:
         return torch.device(name)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""``--dtype`` names of the model's compute dtype (the caches follow it)."""
+DTYPE_NAMES = ("bf16", "fp16", "fp32")
+"""``--dtype`` names of the model's compute dtype (the caches follow it); :data:`DTYPES` maps them to torch's."""
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPES``: ``{"fp32": torch.float32, "bf16": ..., "fp16": ...}``, made when first asked for, so that a
+    command's parser and ``--help`` do not import torch."""
+    if name == "DTYPES":
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def add_device_dtype(p: argparse.ArgumentParser, *, dtype: bool = True, default_dtype: str = "fp32") -> None:
@@ -115,20 +129,22 @@ def add_device_dtype(p: argparse.ArgumentParser, *, dtype: bool = True, default_
     weights and compute: fp32 / bf16 / fp16)."""
     p.add_argument("--device", help="torch device for the model and caches (default: cuda if available, else cpu)")
     if dtype:
-        p.add_argument("--dtype", choices=sorted(DTYPES), default=default_dtype,
+        p.add_argument("--dtype", choices=list(DTYPE_NAMES), default=default_dtype,
                        help=f"the model's dtype (default {default_dtype}); fp16/bf16 halve its memory and the caches'")
 
 
-def device_dtype(args: argparse.Namespace) -> tuple[torch.device, Optional[torch.dtype]]:
+def device_dtype(args: argparse.Namespace) -> tuple["torch.device", Optional["torch.dtype"]]:
     """The device and dtype of :func:`add_device_dtype`'s options; a device that is not there is a
     :class:`UsageError` (one line)."""
+    import torch
+
     try:
         dev = pick_device(getattr(args, "device", None))
         torch.empty(0, device=dev)  # "cuda" without CUDA, "cuda:3" on a 1-GPU box, "xpu" without support
     except (RuntimeError, AssertionError, ValueError) as e:
         raise UsageError(f"--device {args.device}: {first_line(e)}") from None
     name = getattr(args, "dtype", None)
-    return dev, DTYPES.get(name) if isinstance(name, str) else None
+    return dev, __getattr__("DTYPES").get(name) if isinstance(name, str) else None
 
 
 # ------------------------------------------------------------------------------------------------ option groups
@@ -152,6 +168,8 @@ def add_threads(p: argparse.ArgumentParser, *, help: str = "torch threads (defau
 def apply_threads(args: argparse.Namespace) -> None:
     """``torch.set_num_threads(--threads)`` when given."""
     if getattr(args, "threads", None):
+        import torch
+
         torch.set_num_threads(args.threads)
 
 

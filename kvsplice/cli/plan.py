@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "least 64; it must hold each tuning task's prompt and fit the model's positions, as eval_tasks "
                    "--lengths must)")
     p.add_argument("--fit-length", type=pos_int, help="the prompt tokens at which the budget holds (default "
-                   "--prompt-len; at most the model's positions): a store with a fixed-size part, KIVI's full-precision window, fits more tokens "
+                   "--prompt-len; at most the model's positions): a store with a fixed-size part, KIVI's "
+                   "full-precision window, fits more tokens "
                    "on a longer prompt; give the length the plan is for, e.g. the --tune-length")
     p.add_argument("--prefill", choices=("fast", "any"), default="fast", help="fast (default): with tuning "
                    "tasks, pick among the fast-prefill selectors (KVzip recon=local, snapkv, ObservedAttention "

@@ -45,10 +45,10 @@ import torch
 
 from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, help_text, pos_int, run_cli
 from kvsplice.io.outputs import SpecArgs, cache_file, output_file
+from kvsplice.planning.candidates import DEFAULT_STORES
 from kvsplice.planning.options import TUNE_TASKS, PlanOptions
 
-DEFAULT_STORES = "default"
-"""``--stores default``: the built-in candidate stores (:func:`kvsplice.planning.search.candidate_stores`)."""
+
 def _pos_float(s: str) -> float:
     """argparse type: a finite number > 0 (``inf`` / ``nan`` are refused here, before any work)."""
     v = float(s)
@@ -302,26 +302,14 @@ def _stories(opts: PlanOptions) -> Optional[str]:
 
 
 def _store_specs(given: Optional[Sequence[str]]) -> list:
-    """``--stores``: each a storage method's spec (checked: before the model loads) or ``"default"`` (the built-in
-    candidates, :func:`kvsplice.planning.search.candidate_stores`)."""
-    from kvsplice.core.registry import METHODS, check_spec, load_spec
-    from kvsplice.core.spec_files import rebased
+    """``--stores`` checked before the model loads (:func:`kvsplice.planning.candidates.store_specs`); a bad one is a
+    one-line :class:`UsageError`."""
+    from kvsplice.planning.candidates import store_specs
 
-    out: list = []
-    for text in given or [DEFAULT_STORES]:
-        if text == DEFAULT_STORES:
-            out.append(text)
-            continue
-        try:
-            spec, base_dir = load_spec(text)  # the short form, inline JSON or a .json spec file (as --method)
-            spec = check_spec(spec if base_dir is None else rebased(spec, base_dir))
-        except ValueError as e:
-            raise UsageError(f"--stores {e}" if text in str(e) else f"--stores {text}: {e}") from None
-        if not METHODS[spec["name"]].is_storage:
-            raise UsageError(f"--stores {text}: {spec['name']} is not a storage method (it cannot hold a token "
-                             f"selection); storage methods: {', '.join(n for n, c in METHODS.items() if c.is_storage)}")
-        out.append(spec)
-    return out
+    try:
+        return store_specs(given)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,4 +1,5 @@
-"""The planner's candidates: the storage methods it tries (:func:`candidate_stores`), the selectors of its trial
+"""The planner's candidates — the one module where ``plan`` reads its ``--stores`` and ``--selectors`` specs
+(:func:`store_specs`, :func:`check_selector`): the storage methods it tries (:func:`candidate_stores`), the selectors of its trial
 (:data:`DEFAULT_SELECTORS`, which of them prefill fast: :func:`fast_prefill`), a store under a selector
 (:func:`selection`), each fitted to a byte budget (:func:`fit_budget`, by the methods' closed forms:
 :func:`bytes_per_token`) and whether a stack runs a model (:func:`runs_on`). :mod:`kvsplice.planning.search` measures
@@ -13,8 +14,9 @@ import torch
 
 from kvsplice.core.registry import METHODS, SELECTORS, build_method, parse_selector
 
-__all__ = ["DEFAULT_SELECTORS", "FAST_STRIDE", "INT8", "LOWRANK_RATIOS", "bytes_per_token", "candidate_stores",
-           "check_selector", "fast_prefill", "fit_budget", "is_selection", "lowrank_bases", "runs_on", "selection"]
+__all__ = ["DEFAULT_SELECTORS", "DEFAULT_STORES", "FAST_STRIDE", "INT8", "LOWRANK_RATIOS", "bytes_per_token",
+           "candidate_stores", "check_selector", "fast_prefill", "fit_budget", "is_selection", "lowrank_bases", "runs_on",
+           "selection", "store_specs"]
 
 INT8 = {"name": "dense", "cache_quant": "int8"}
 """int8 K/V rows: the store of the selector trial (nearly lossless: the selection's own loss)."""
@@ -185,3 +187,31 @@ def fast_prefill(selector: str) -> bool:
 
 FAST_STRIDE = 8
 """ObservedAttention with every 8th query voting: a tenth of the prefill's attention at 8k (docs/tasks.md)."""
+
+
+DEFAULT_STORES = "default"
+"""``plan --stores default``: the built-in candidate stores (:func:`candidate_stores`)."""
+
+
+def store_specs(given: Optional[Sequence[str]]) -> list:
+    """``--stores``: each a storage method's spec — the short form, inline JSON or a ``.json`` spec file (its files
+    named relative to the working directory, :func:`kvsplice.core.spec_files.rebased`) — checked without a model,
+    or :data:`DEFAULT_STORES`; a one-line ``ValueError`` naming the option otherwise."""
+    from kvsplice.core.registry import check_spec, load_spec
+    from kvsplice.core.spec_files import rebased
+
+    out: list = []
+    for text in given or [DEFAULT_STORES]:
+        if text == DEFAULT_STORES:
+            out.append(text)
+            continue
+        try:
+            spec, base_dir = load_spec(text)
+            spec = check_spec(spec if base_dir is None else rebased(spec, base_dir))
+        except ValueError as e:
+            raise ValueError(f"--stores {e}" if text in str(e) else f"--stores {text}: {e}") from None
+        if not METHODS[spec["name"]].is_storage:
+            raise ValueError(f"--stores {text}: {spec['name']} is not a storage method (it cannot hold a token "
+                             f"selection); storage methods: {', '.join(n for n, c in METHODS.items() if c.is_storage)}")
+        out.append(spec)
+    return out

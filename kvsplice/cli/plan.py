@@ -272,7 +272,8 @@ def _task_eval(opts: PlanOptions, model, tokenizer, seq: int, progress: bool, ma
                                stories=stories)
         check_instances(insts, max_positions)
     except ValueError as e:
-        raise UsageError(f"--tune-length: {e}") from None
+        given = "--tune-length" if opts.tune_length else f"--tune-length (default {length}, from --seq-len)"
+        raise UsageError(f"{given}: {e}") from None
     info = {"tasks": list(opts.tune_tasks), "length": length, "n": opts.tune_n, "seed0": TUNING_SEED0,
             "stories": stories, "setting": opts.tune_setting}
 

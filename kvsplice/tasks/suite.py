@@ -88,15 +88,15 @@ def check_positions(insts: Sequence[TaskInstance], max_positions: Optional[int])
 
 def check_lengths(insts: Sequence[TaskInstance]) -> None:
     """Every instance's prompt fits its length (what the docs promise: prompts no longer than the length). A task's
-    needles and question alone may be longer than a short length; a ``ValueError`` then names, at the shortest such
-    length, the task of the longest prompts and the length that holds them (every task's at that length)."""
+    needles and question alone may be longer than a short length; a ``ValueError`` then names the task, the length
+    and the shortest length that holds the prompts of these seeds."""
     over: dict[tuple[str, int], int] = {}
     for inst in insts:
         n = inst.meta.get("n_tokens", 0)
         if n > inst.length:
             over[inst.task, inst.length] = max(n, over.get((inst.task, inst.length), 0))
     if over:
-        (task, length), n = min(over.items(), key=lambda kv: (kv[0][1], -kv[1]))  # the shortest length's largest
+        (task, length), n = min(over.items(), key=lambda kv: kv[0][1])
         raise ValueError(f"{task} at length {length} builds prompts of up to {n} tokens (its needles and question "
                          f"alone); give lengths of at least {n} for {task}")
 

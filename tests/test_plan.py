@@ -17,6 +17,7 @@ from kvsplice.cli import eval_bases, generate, plan as plan_cli
 from kvsplice.planning.spec import PLAN_VERSION, Plan, PlanError
 
 from data.reference import CALIB, DATA, EVAL, STORIES
+from hostile import prog_of
 
 pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file() or not CALIB.is_file(),
                                 reason=f"stories260K / TinyStories not found under {DATA}")

@@ -16,7 +16,7 @@ query-**aware** (the question compressed with the context). Greedy answers, exac
 atomically after every instance; a kept answer's score is recomputed from its recorded output, a hand-edited score
 is corrected with a note). The file records every setting that determines its answers; a rerun with another
 model, tokenizer, stories text, door or dtype is refused, and one with other tasks, lengths, seeds or settings only
-when it adds instances (:mod:`kvsplice.tasks.resume`; docs/eval_tasks_resume.md); ``--force`` starts over and
+when it adds instances (:mod:`kvsplice.tasks.resume`; docs/tasks.md, "Resuming --out"); ``--force`` starts over and
 leaves the earlier file in place until the new run completes (its progress is written beside it,
 ``.<name>.<pid>.tmp``, and renamed over it at the end; Ctrl-C keeps the earlier file).
 A length must hold each task's prompt: a length shorter than a task's shortest prompt is refused, naming it.
@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "one shared prefill for every selection) or transformers' generate()")
     p.add_argument("--out", required=True, help="results JSON (resumed when it exists)")
     p.add_argument("--md", help="also write the tables as markdown here")
-    p.add_argument("--force", action="store_true", help="start --out over (the earlier file stays in place until the new "
-                   "run completes) / overwrite --md")
+    p.add_argument("--force", action="store_true", help="start --out over (the earlier file stays in place until "
+                   "the new run completes) / overwrite --md")
     p.add_argument("--threads", type=pos_int)
     p.add_argument("--no-progress", action="store_true")
     add_device_dtype(p)

@@ -1,7 +1,7 @@
 """Resuming an ``eval_tasks --out``: the one check that the run continuing a results file would give the answers
 the file holds, and that the file's header still describes every instance in it.
 
-The rule (docs/eval_tasks_resume.md):
+The rule (docs/tasks.md, "Resuming --out"):
 
 * **same computation** — the model (fingerprint), the tokenizer (fingerprint), the ``--stories`` text (digest),
   ``--door`` and ``--dtype`` (:data:`SAME`) must equal the file's; any difference is refused in one line naming the

@@ -47,7 +47,7 @@ from kvsplice.convert import gpt_deepseek
 from kvsplice.convert.latent_pad import padded_row
 from kvsplice.io.cli import Parser, run_cli
 from kvsplice.io.outputs import output_dir, release_claim, write_dir
-from models.attention import LATENT_NORM_EPS
+from models.latent_attention import LATENT_NORM_EPS
 from models.config import DEEPSEEK_V3
 from models.gpt import HF_CONV1D
 from training.checkpoint import CheckpointError, load_gpt_checkpoint

@@ -43,7 +43,7 @@ from kvsplice.io.cli import EXIT_USAGE, Parser, UsageError
 from kvsplice.report.tables import cell
 from models import GPT, preset
 from models.attention import attend
-from models.cache import SCALE, quantize_int8
+from models.quant import SCALE, quantize_int8
 from models.checkpoint import atomic_write
 from models.kernels import decode_attend, interpreting, triton_missing_reason
 

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import attend
-from models.cache import QUANT_MODES, DecodeCache, int4_row_bytes
+from models.cache import DecodeCache
 from models.latent_attention import LATENT_NORM_EPS, Attend, absorbed, naive
+from models.quant import QUANT_MODES, row_bytes
 from models.rope import rotate
 
 __all__ = ["MLALlama", "MLALlamaConfig", "MODEL_TYPE", "ROPE_LAYOUTS"]
@@ -251,17 +252,12 @@ class MLALlama(nn.Module):
                            capacity=capacity, quant=quant)
 
     def cache_bytes_formula(self, batch_size: int, n_tokens: int, dtype: torch.dtype) -> int:
-        """Bytes a cache of ``n_tokens`` per layer holds: ``cache_dim`` numbers per token and layer at ``dtype``, or
-        with ``cache_quant='int8'`` one byte each plus an fp16 scale per latent row and per RoPE key, with ``'int4'``
-        half a byte each plus an fp16 scale and minimum per group (:func:`models.cache.int4_row_bytes`)."""
+        """Bytes a cache of ``n_tokens`` per layer holds: a latent row and ``rope_heads`` RoPE-key rows per token and
+        layer, each ``d`` numbers at ``dtype`` or, with ``cache_quant``, the quantiser's bytes a row
+        (:func:`models.quant.row_bytes`: int8 ``d + 2``, int4 ``d/2`` plus an fp16 scale and minimum per group)."""
         cfg = self.cfg
-        if cfg.cache_quant == "int8":
-            per_token = cfg.cache_dim + 2 * (1 + cfg.rope_heads)
-        elif cfg.cache_quant == "int4":
-            per_token = int4_row_bytes(cfg.d_latent) + (cfg.rope_heads * int4_row_bytes(cfg.rope_dims)
-                                                        if cfg.rope_dims else 0)
-        else:
-            per_token = cfg.cache_dim * torch.empty(0, dtype=dtype).element_size()
+        per_token = (row_bytes(cfg.cache_quant, cfg.d_latent, dtype)
+                     + cfg.rope_heads * row_bytes(cfg.cache_quant, cfg.rope_dims, dtype))
         return batch_size * n_tokens * cfg.n_layer * per_token
 
     def n_params(self) -> int:

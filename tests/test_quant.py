@@ -14,7 +14,8 @@ from kvsplice.lowrank.method import LowRank
 from kvsplice.report.memory import cache_bytes_formula, measure_cache
 from kvsplice.select.cache import SubsetCache
 from models import GPT, GPTConfig, preset
-from models.cache import KVCache, LatentCache, dequantize, quantize_int8
+from models.cache import KVCache, LatentCache
+from models.quant import dequantize_int8 as dequantize, quantize_int8
 from tiny_models import sharpen
 
 V = 61
@@ -104,7 +105,7 @@ def test_each_stream_its_own_quantisation():
     """``quant={"k": "int8", "v": "int4"}``: the keys' rows are int8 + a scale, the values' 4-bit codes + a scale and
     minimum per group; ``get`` reads both back near the written rows; one mode for both is the plain form; a
     mapping naming another stream or mode is refused."""
-    from models.cache import int4_row_bytes
+    from models.quant import int4_row_bytes
 
     c = KVCache(2, 2, 64, 1, quant={"k": "int8", "v": "int4"})
     assert c.quant == {"k": "int8", "v": "int4"}

@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import torch
 
 from kvsplice.core.attention import keys_seen
-from models.cache import MIN, SCALE
+from models.quant import MIN, SCALE
 
 __all__ = ["ChannelGroupKeys", "Rows", "Segment", "coded_attend", "nibbles", "seen_bias", "split_bias",
            "stream_rows"]

@@ -15,7 +15,7 @@ from kvsplice.report.memory import cache_bytes_formula, measure_cache
 from kvsplice.select.cache import SubsetCache
 from models import GPT, GPTConfig, preset
 from models.cache import KVCache, LatentCache
-from models.quant import dequantize_int8 as dequantize, quantize_int8
+from models.quant import GroupRows, Int8Rows, dequantize_int8 as dequantize, quantize_int8, row_bytes
 from tiny_models import sharpen
 
 V = 61
@@ -30,6 +30,38 @@ def test_quantize_roundtrip_is_within_half_a_step():
     assert bool((err <= 0.5 * s.float() + 1e-7).all())  # rounding to the nearest step of the fp16 scale
     zero_q, zero_s = quantize_int8(torch.zeros(2, 4))
     assert torch.equal(dequantize(zero_q, zero_s, torch.float32), torch.zeros(2, 4))
+
+
+@pytest.mark.parametrize("quantizer, d", [(Int8Rows(), 6), (GroupRows(4), 64), (GroupRows(4), 6),
+                                          (GroupRows(2, 16), 32), (GroupRows(8, 8), 24)])
+def test_a_quantiser_stores_its_parts_in_its_bytes_and_reads_them_back(quantizer, d):
+    x = torch.randn(3, 5, d, generator=torch.Generator().manual_seed(1)) * 3
+    parts = quantizer.quantize(x)
+    assert {p: (t.shape[-1], t.dtype) for p, t in parts.items()} == quantizer.parts(d)
+    assert sum(t[0, 0].numel() * t.element_size() for t in parts.values()) == quantizer.row_bytes(d)
+    if quantizer.name in ("int8", "int4") and getattr(quantizer, "group", None) is None:  # a cache mode's quantiser
+        assert row_bytes(quantizer.name, d, torch.float16) == quantizer.row_bytes(d)
+    back = quantizer.dequantize(parts, d, torch.float32)
+    step = {"int8": x.abs().amax(-1, keepdim=True) / 127}.get(quantizer.name)
+    if step is None:  # groups: (max - min) / levels of each group
+        g = quantizer.group_of(d)
+        xg = x.unflatten(-1, (-1, g))
+        step = ((xg.amax(-1, keepdim=True) - xg.amin(-1, keepdim=True)) / (2 ** quantizer.bits - 1)).expand_as(xg)
+        step = step.flatten(-2)
+    assert ((back - x).abs() <= step / 2 * 1.01 + 1e-3).all()
+    assert quantizer.dequantize(parts, d, torch.float32, out=torch.empty_like(x)).equal(back)
+
+
+def test_group_rows_along_tokens_are_kivis_key_groups():
+    q = GroupRows(4, 8)
+    x = torch.randn(2, 3, 16, 10, generator=torch.Generator().manual_seed(2))  # (B, H, T, D): groups of 8 tokens
+    parts = q.quantize_tokens(x)
+    assert parts[""].shape == (2, 3, 16, 5) and parts[".scale"].shape == parts[".min"].shape == (2, 3, 2, 10)
+    back = q.dequantize_tokens(parts, torch.float32)
+    xg = x.unflatten(-2, (2, 8))  # (B, H, T/G, G, D)
+    step = ((xg.amax(-2, keepdim=True) - xg.amin(-2, keepdim=True)) / 15).expand_as(xg).flatten(-3, -2)
+    assert ((back - x).abs() <= step / 2 * 1.01 + 1e-3).all()
+    assert not torch.equal(back, x)  # lossy: the test can tell
 
 
 @pytest.mark.parametrize("attention,kw", [("mha", {}), ("mla", {"d_latent": 16}),

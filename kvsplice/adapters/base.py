@@ -106,6 +106,9 @@ class FamilyAdapter:
     d_model: int
     max_positions: Optional[int] = None
     model: nn.Module
+    block_parts: tuple[str, str, str, str] = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+    """Names in a pre-norm block ``x + attn(attn_norm x)``, then ``x + mlp(mlp_norm x)``: attn_norm, attn,
+    mlp_norm, mlp (the Llama layout's; each family names its own)."""
 
     # ------------------------------------------------------------------------------------------- shapes
     def info(self) -> ModelInfo:
@@ -133,14 +136,22 @@ class FamilyAdapter:
     def embed(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def attn_in(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def blocks(self) -> nn.ModuleList:
+        """The model's decoder blocks, in order."""
         raise NotImplementedError
+
+    def attn_in(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The input of ``layer``'s attention: its pre-attention norm of the residual stream ``x (B, T, d_model)``."""
+        return getattr(self.blocks()[layer], self.block_parts[0])(x)
 
     def attention_module(self, layer: int) -> nn.Module:
-        raise NotImplementedError
+        return getattr(self.blocks()[layer], self.block_parts[1])
 
     def after_attn(self, layer: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The rest of ``layer``'s block: the residual ``x + y`` of the attention output ``y``, then the MLP's."""
+        block, (_, _, norm, mlp) = self.blocks()[layer], self.block_parts
+        x = x + y
+        return x + getattr(block, mlp)(getattr(block, norm)(x))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -77,9 +77,11 @@ def unpack_codes(p: torch.Tensor, bits: int) -> torch.Tensor:
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric absmax int8 per row of the last dim: ``x (..., D)`` → ``q (..., D)`` int8 in [-127, 127] and
-    ``scale (..., 1)`` fp16 with ``x ≈ q · scale`` (the fp16-rounded scale is the one used to round)."""
+    ``scale (..., 1)`` fp16 with ``x ≈ q · scale`` (the fp16-rounded scale is the one used to round; rows of no
+    numbers, ``D = 0``, get the smallest)."""
     xf = x.float()
-    scale = (xf.abs().amax(-1, keepdim=True) / 127.0).clamp(2.0**-14, 65504.0).to(torch.float16)  # (..., 1)
+    top = xf.abs().amax(-1, keepdim=True) if xf.shape[-1] else xf.new_zeros(*xf.shape[:-1], 1)  # (..., 1)
+    scale = (top / 127.0).clamp(2.0**-14, 65504.0).to(torch.float16)  # (..., 1)
     q = torch.round(xf / scale.float()).clamp_(-127, 127).to(torch.int8)  # (..., D)
     return q, scale
 

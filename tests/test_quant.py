@@ -167,3 +167,21 @@ def test_dequantised_views_live_in_one_reused_workspace():
     # one k and one v scratch for all layers (one layer's rows at fp32), not counted as cache bytes
     assert c.workspace_nbytes() == 2 * (2 * 2 * 10 * 8 * 4)
     assert c.nbytes() == measure_cache(c).live_bytes == 3 * 2 * 2 * 2 * 4 * (8 + 2)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_a_converted_model_without_rope_dims_decodes_from_a_quantised_cache(quant):
+    from models.mla_llama import MLALlama, MLALlamaConfig
+
+    cfg = MLALlamaConfig(vocab_size=64, d_model=32, n_layer=2, n_head=4, n_kv_head=2, head_dim=8, d_ff=48,
+                         d_latent=16, rope_dims=0, cache_quant=quant)  # the RoPE-key rows have no numbers
+    model = MLALlama(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3, generator=torch.Generator().manual_seed(3))
+        ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(4))
+        full = model(ids)
+        cache = model.new_cache(2)
+        steps = torch.cat([model(ids[:, :4], cache)] + [model(ids[:, j:j + 1], cache) for j in range(4, 10)], 1)
+    assert measure_cache(cache).live_bytes == model.cache_bytes_formula(2, 10, torch.float32)
+    assert (steps - full).abs().max() < 0.5  # quantised latents: close to the full forward, not equal

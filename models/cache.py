@@ -323,7 +323,8 @@ class DecodeCache(Cache):
         return self._quantizers[name]
 
     def mode(self, name: str) -> str | None:
-        """How stream ``name`` is stored: ``None`` (at ``dtype``), ``"int8"`` or ``"int4"`` (:data:`QUANT_MODES`)."""
+        """How stream ``name`` is stored: ``None`` (at ``dtype``), ``"int8"`` or ``"int4"``
+        (:data:`models.quant.QUANT_MODES`)."""
         return self._modes[name]
 
     def stored(self, layer: int) -> dict[str, torch.Tensor]:

@@ -169,7 +169,8 @@ class GroupRows(Quantizer):
     def quantize_tokens(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """Groups along the tokens instead (KIVI's keys: one group per channel and ``group`` tokens): ``x (..., T, D)``
         → codes packed along the row ``(..., T, D·bits/8)``, scale and minimum ``(..., T/G, D)``."""
-        codes, scale, mn = quantize(x.unflatten(-2, (-1, self.group)), -2, self.bits)  # (…, T/G, G, D), (…, T/G, 1, D)
+        x = x.unflatten(-2, (-1, self.group))  # (..., T/G, G, D)
+        codes, scale, mn = quantize(x, -2, self.bits)  # (..., T/G, G, D), stats (..., T/G, 1, D)
         return {"": pack_codes(codes.flatten(-3, -2), self.bits), SCALE: scale[..., 0, :], MIN: mn[..., 0, :]}
 
     def dequantize_tokens(self, parts: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

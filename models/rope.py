@@ -17,7 +17,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` rotated by the tables ``cos, sin`` (broadcast against ``x (..., T, D)``): ``x⊙cos + rotate_half(x)⊙sin``."""
+    """``x (..., T, D)`` rotated by the tables ``cos, sin`` (broadcast against it): ``x⊙cos + rotate_half(x)⊙sin``."""
     return x * cos + rotate_half(x) * sin
 
 

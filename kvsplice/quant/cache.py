@@ -124,7 +124,7 @@ class KIVICache(Cache):
         return out
 
     def _quantise(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        kq = self.quantizer.quantize_tokens(k)  # per channel over G tokens: codes (B, H, n, D·bits/8), stats (…, n/G, D)
+        kq = self.quantizer.quantize_tokens(k)  # per channel over G tokens: codes (B, H, n, D·bits/8), (B, H, n/G, D)
         vq = self.quantizer.quantize(v)  # per token over G channels: codes (B, H, n, D·bits/8), stats (B, H, n, D/G)
         self.codes.append(layer, k=kq[""], v=vq[""])
         self.kstat.append(layer, s=kq[SCALE], m=kq[MIN])  # (B, H, n/G, D)

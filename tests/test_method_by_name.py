@@ -115,8 +115,9 @@ def test_eval_bases_generate_and_the_planner_take_it_by_name(s260k, tmp_path, ca
 
     out, rep = tmp_path / "plan.json", tmp_path / "report.json"
     assert plan_cli.main(["--model", str(s260k), "--calib", str(TEXT), "--calib-tokens", "512", "--tune-tokens",
-                          "512", "--seq-len", "128", "--no-progress", "--ratio", "2", "--stores", "int8", NAME,
-                          "--selectors", "snapkv", "--out", str(out), "--json", str(rep)]) == 0
+                          "512", "--seq-len", "128", "--tune-length", "300", "--no-progress", "--ratio", "2",
+                          "--stores", "int8", NAME, "--selectors", "snapkv", "--out", str(out), "--json",
+                          str(rep)]) == 0  # the tuning tasks need up to ~240 tokens
     cands = json.loads(rep.read_text())["candidates"]
     assert any(c["spec"].get("store") == {"name": NAME} for c in cands)  # 2x: the toy under a selection
     from kvsplice.planning import Plan

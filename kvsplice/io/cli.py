@@ -15,9 +15,10 @@ from typing import Callable, Optional
 
 import torch
 
-from kvsplice.io.interrupt import EXIT_INTERRUPTED, end_quiet_interrupts
+from kvsplice.io.interrupt import EXIT_INTERRUPTED, end_quiet_interrupts, quiet_interrupts_after_command
 
-__all__ = ["DTYPES", "EXIT_INTERRUPTED", "EXIT_USAGE", "Parser", "UsageError", "add_device_dtype", "at_command_end",
+__all__ = ["DTYPES", "EXIT_INTERRUPTED", "EXIT_USAGE", "Parser", "UsageError", "add_device_dtype", "add_model_option",
+           "add_output_options", "add_threads", "apply_threads", "at_command_end",
            "default_seq_len", "device_dtype", "first_line", "help_text", "pick_device", "pos_int", "run_cli"]
 
 EXIT_USAGE = 2
@@ -53,7 +54,8 @@ def run_cli(prog: str, body: Callable[[], int], errors: tuple[type[BaseException
     read-only destination), ``ValueError``, ``RecursionError`` (a file nested too deep) and the tool's own
     ``errors`` become one ``PROG: error: ...`` line on stderr and :data:`EXIT_USAGE`; ``KeyboardInterrupt`` one
     ``PROG: interrupted`` line and :data:`EXIT_INTERRUPTED`. The outputs it claimed are released either way
-    (:func:`at_command_end`); Ctrl-C during the tool's imports was the same line (:mod:`kvsplice.io.interrupt`)."""
+    (:func:`at_command_end`); Ctrl-C during the tool's imports, and after it ended, is the same line
+    (:mod:`kvsplice.io.interrupt`)."""
     try:
         end_quiet_interrupts()
         return body()
@@ -73,6 +75,7 @@ def run_cli(prog: str, body: Callable[[], int], errors: tuple[type[BaseException
     finally:
         for fn in _AT_END:
             fn()
+        quiet_interrupts_after_command()  # Ctrl-C while the interpreter shuts down: the same one line, exit 130
 
 
 _AT_END: list[Callable[[], None]] = []
@@ -126,3 +129,33 @@ def device_dtype(args: argparse.Namespace) -> tuple[torch.device, Optional[torch
         raise UsageError(f"--device {args.device}: {first_line(e)}") from None
     name = getattr(args, "dtype", None)
     return dev, DTYPES.get(name) if isinstance(name, str) else None
+
+
+# ------------------------------------------------------------------------------------------------ option groups
+def add_output_options(p: argparse.ArgumentParser, *, json: bool = True, out_required: bool = True,
+                       out_help: str = "the output file", force_help: str = "overwrite --out (and --json)",
+                       json_help: str = "also write the report as JSON") -> None:
+    """The outputs group: ``--out`` (``out_required``), ``--force`` and — with ``json`` — ``--json REPORT.json``
+    (checked and written by :mod:`kvsplice.io.outputs`)."""
+    g = p.add_argument_group("outputs")
+    g.add_argument("--out", required=out_required, help=out_help)
+    if json:
+        g.add_argument("--json", default=None, metavar="REPORT.json", help=json_help)
+    g.add_argument("--force", action="store_true", help=force_help)
+
+
+def add_threads(p: argparse.ArgumentParser, *, help: str = "torch threads (default: torch's)") -> None:
+    """``--threads N`` (``pos_int``; apply with :func:`apply_threads`)."""
+    p.add_argument("--threads", type=pos_int, default=None, help=help)
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """``torch.set_num_threads(--threads)`` when given."""
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+
+
+def add_model_option(p: argparse.ArgumentParser, *, required: bool = True,
+                     help: str = "a model folder, a GGUF file, a training checkpoint or a Hub id") -> None:
+    """``--model`` (the model a command reads: :func:`kvsplice.loading.load_model`'s spec)."""
+    p.add_argument("--model", required=required, help=help)

@@ -48,7 +48,7 @@ from benchmarks.harness.timing import cuda_time, wall_time  # noqa: E402
 from kvsplice.report.tables import cell
 from models import GPT, preset
 from models.attention import attend
-from models.cache import SCALE, quantize_int8
+from models.quant import SCALE, quantize_int8
 from models.checkpoint import atomic_write
 from models.kernels import decode_attend, interpreting, triton_missing_reason
 

@@ -50,7 +50,7 @@ from kvsplice.convert import deepseek_v3, gpt_deepseek
 from kvsplice.convert.latent_pad import padded_row
 from kvsplice.io.cli import Parser, add_output_options, run_cli
 from kvsplice.io.outputs import MARKER, output_dir, release_claim, write_dir
-from models.attention import LATENT_NORM_EPS
+from models.latent_attention import LATENT_NORM_EPS
 from models.config import DEEPSEEK_V3
 from models.gpt import HF_CONV1D
 from training.checkpoint import CheckpointError

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Mapping, Optional, Union
 
 from kvsplice.io.cli import UsageError, at_command_end
-from models.checkpoint import atomic_write, remove_stale_temp_files, temp_path
+from models.checkpoint import atomic_write, fsync_dir, remove_stale_temp_files, temp_path
 
 __all__ = ["MARKER", "SpecArgs", "cache_file", "claim", "disk_errors", "input_files", "output_dir", "output_file", "out_and_json",
            "read_marker", "release_claim", "release_claims", "write_dir", "write_json"]
@@ -443,7 +443,7 @@ def write_dir(path: Path, fill: Callable[[Path], None], owned: Optional[Collecti
             _plain_modes(tmp)
         if fresh:
             os.rename(tmp, path)
-            _fsync_parent(path)
+            fsync_dir(path.parent)
             return names
         folders = [n for n in names if (path / n).is_dir() and not (path / n).is_symlink()]
         if folders:  # never removed to make room
@@ -461,19 +461,6 @@ def write_dir(path: Path, fill: Callable[[Path], None], owned: Optional[Collecti
         return names
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _fsync_parent(path: Path) -> None:
-    try:
-        fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def write_json(obj: Any, path: PathArg) -> Path:

@@ -12,7 +12,7 @@ accounting and post-training bases.
     model.generate(ids, past_key_values=KVSpliceHFCache(model, method))    # transformers' generate()
 
 Names are imported on first use (``import kvsplice`` stays light; the HF door imports transformers). The
-top-level modules are the command-line tools (``kvsplice.fit_bases``, ``kvsplice.generate``, ...): calibration and
+commands are ``kvsplice VERB`` (:mod:`kvsplice.cli`; ``python -m kvsplice.TOOL`` runs the same); calibration and
 fits are ``kvsplice.lowrank.calibrate`` / ``kvsplice.lowrank.fit_bases``.
 """
 
@@ -41,6 +41,8 @@ _EXPORTS = {
     "ExpectedAttentionSelector": "kvsplice.select",
     "JointLowRank": "kvsplice.lowrank.joint", "JointBases": "kvsplice.lowrank.joint",
     "allocate_ranks": "kvsplice.lowrank.allocate", "calibrate_all": "kvsplice.lowrank.sensitivity",
+    # the loader every command uses: a model folder, GGUF, checkpoint or family name -> a loaded model
+    "load_model": "kvsplice.loading",
     # the budget planner's plans (python -m kvsplice.plan writes them)
     "Plan": "kvsplice.planning",
     # long-context tasks (python -m kvsplice.eval_tasks)
@@ -48,6 +50,9 @@ _EXPORTS = {
     "answer_many": "kvsplice.tasks.shared", "parse_method": "kvsplice.tasks.methods",
     # the HF door
     "KVSpliceHFCache": "kvsplice.hf", "CoefficientHFCache": "kvsplice.hf", "SubsetHFCache": "kvsplice.hf",
+    # the trained models (models/): the model, its one typed config and presets, CUDA-graph decode, the decode kernel
+    "GPT": "models", "GPTConfig": "models", "preset": "models", "GraphDecoder": "models.graph_decode",
+    "decode_attend": "models.kernels",
     # caches and KVSplice
     "Cache": "models.cache", "DecodeCache": "models.cache", "KVCache": "models.cache", "LatentCache": "models.cache",
     "CompressedLatentCache": "models.cache", "CoefficientCache": "kvsplice.lowrank", "SubsetCache": "kvsplice.select",

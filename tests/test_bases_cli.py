@@ -19,6 +19,7 @@ from kvsplice.cli import eval_bases, fit_bases  # noqa: E402
 from kvsplice.lowrank.bases import KVBases  # noqa: E402
 from kvsplice.adapters import model_fingerprint  # noqa: E402
 from tiny_models import save_model_dirs  # noqa: E402
+from hostile import prog_of
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
@@ -48,7 +49,7 @@ def one_error(err: str, prog: str) -> str:
     """The CLI printed exactly one error line (``PROG: error: ...``, no traceback); return it."""
     assert "Traceback" not in err, err
     lines = [line for line in err.splitlines() if "error" in line.lower()]
-    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), err
+    assert len(lines) == 1 and lines[0].startswith(f"{prog_of(prog)}: error: "), err
     return lines[0]
 
 

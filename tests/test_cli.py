@@ -107,7 +107,7 @@ def test_help_is_shown_by_every_tool(module, capsys):
 
 
 # ------------------------------------------------------------------------------------------ Ctrl-C (issue 31)
-KVSPLICE_CLIS = {**{m: p for m, p in CLIS.items() if m.startswith("kvsplice.")}, "kvsplice.plan": "kvsplice plan"}
+KVSPLICE_CLIS = {**{m: p for m, p in CLIS.items() if m.startswith("kvsplice.")}, "kvsplice.plan": "kvsplice plan", "kvsplice.eval_tasks": "kvsplice eval-tasks"}
 
 
 @pytest.mark.parametrize("module", sorted(KVSPLICE_CLIS))

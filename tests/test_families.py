@@ -29,6 +29,7 @@ from kvsplice.report.memory import measure_cache
 from kvsplice.select.method import TokenSelection
 from kvsplice.select.selectors import make_selector
 from tiny_models import orthonormal_bases, save_model_dirs, tiny_family
+from hostile import prog_of
 
 FAMS = ["mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3"]
 W = 5  # sliding window: every prompt below is longer
@@ -294,7 +295,7 @@ def test_unsupported_family_is_one_line_exit_2_everywhere(family_dirs, tmp_path,
             ("bench_balance", bench_balance, ["--data", EVAL])):
         rc, _, err = run(cli, ["--model", d, *args], capsys)
         lines = err.strip().splitlines()
-        assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"{prog}: error: unsupported model"), err
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"{prog_of(prog)}: error: unsupported model"), err
         assert "gpt2, llama, mistral, qwen2, qwen3, phi3, gemma3_text" in lines[0]
 
 

@@ -147,4 +147,4 @@ def test_every_training_tool_names_itself_in_its_error_line(capsys):
     for module, argv in ((fit, ["--no-such-option", "1"]), (evaluate, ["--ckpt", "x.ckpt", "--tokens", "many"]),
                          (export, ["--ckpt", "x.ckpt"])):
         rc = module.main(argv)
-        one_error(rc, capsys.readouterr().err, f"python -m training.{module.__name__.split('.')[-1]}")
+        one_error(rc, capsys.readouterr().err, module.PROG)

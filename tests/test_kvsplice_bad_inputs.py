@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvsplice.cli import bench_balance, bench_decode, eval_bases, fit_bases, verify_memory
+from hostile import prog_of
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
@@ -44,7 +45,7 @@ def check_one_line(capsys, rc, prog, expect):
     assert rc != 0, (prog, err)
     assert "Traceback" not in err + out, err
     lines = [ln for ln in err.splitlines() if ln.strip() and "warning" not in ln.lower()]
-    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), err
+    assert len(lines) == 1 and lines[0].startswith(f"{prog_of(prog)}: error: "), err
     assert expect.lower() in lines[0].lower(), (expect, lines[0])
 
 

@@ -16,6 +16,7 @@ from kvsplice.cli import eval_bases, generate, plan as plan_cli
 from kvsplice.planning.spec import PLAN_VERSION, Plan, PlanError
 
 from data.reference import CALIB, DATA, EVAL, STORIES
+from hostile import prog_of
 
 pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file() or not CALIB.is_file(),
                                 reason=f"stories260K / TinyStories not found under {DATA}")
@@ -173,7 +174,7 @@ def test_rank_key_orders_by_the_objective():
 # ------------------------------------------------------------------------------------------ hostile plans (issue 31)
 def one_line(capsys, prog: str, needle: str = "") -> str:
     err = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.strip()]
-    assert len(err) == 1 and err[0].startswith(f"{prog}: error:") and needle in err[0], err
+    assert len(err) == 1 and err[0].startswith(f"{prog_of(prog)}: error:") and needle in err[0], err
     return err[0]
 
 

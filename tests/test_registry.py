@@ -11,6 +11,7 @@ from kvsplice.core.registry import (ALIASES, METHODS, SELECTORS, MethodSpecError
                                     format_spec, method_names, parse_spec, register, selector_names)
 from kvsplice.lowrank.joint import JointBases
 from tests.tiny_models import orthonormal_bases
+from hostile import prog_of
 
 
 def _instances(tmp_path) -> dict[str, object]:
@@ -221,5 +222,5 @@ def test_command_lines_check_a_spec_before_the_model_loads(tool, argv, needle, t
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert main(["--model", str(tmp_path / "no-such-model"), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"{tool}: error:") and needle in err[0], err
+    assert len(err) == 1 and err[0].startswith(f"{prog_of(tool)}: error:") and needle in err[0], err
     assert not (tmp_path / "p.json").exists()

@@ -46,7 +46,7 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 
 #: The error line of python -m training.fit / training.evaluate.
-ERROR_LINE = re.compile(r"python -m training\.(fit|evaluate): error: ")
+ERROR_LINE = re.compile(r"kvsplice (train|evaluate): error: ")
 
 
 def check_one_line_error(rc: int, err: str, expect: str) -> None:

@@ -1,0 +1,63 @@
+"""The ``kvsplice`` console command (:mod:`kvsplice.cli.main`): the verb listing without torch, one-line errors,
+every verb reachable, and the ``python -m`` forms kept."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from hostile import REPO
+from kvsplice.cli import main as front
+
+
+def test_main_help_lists_every_verb_one_line_each(capsys):
+    assert front.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for verb, v in front.VERBS.items():
+        [line] = [ln for ln in out.splitlines() if ln.startswith("  ") and ln.split()[0] == verb]
+        assert v.summary in line
+
+
+def test_main_help_does_not_import_torch():
+    code = "import sys; from kvsplice.cli.main import main; main(['--help']); print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "False", r.stdout + r.stderr
+
+
+def test_main_unknown_verb_is_one_line_exit_2(capsys):
+    assert front.main(["tarin"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvsplice: error: unknown verb 'tarin'") and "train" in err
+
+
+@pytest.mark.parametrize("verb", sorted(front.VERBS))
+def test_main_runs_each_verb_and_its_help(verb, capsys):
+    """Every verb's module loads and answers ``--help`` with exit 0, naming itself ``kvsplice VERB``."""
+    rc = front.main([verb, "--help"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "usage:" in out.lower(), out[-2000:]
+    if not front.VERBS[verb].module.startswith("training.fit"):  # LightningCLI prints its own program name
+        assert f"kvsplice {verb}" in out
+
+
+@pytest.mark.parametrize("verb", sorted(v for v, x in front.VERBS.items() if x.module.startswith("kvsplice.cli.")))
+def test_shim_module_is_the_verb(verb):
+    """``python -m kvsplice.TOOL`` (the compatibility module) runs the same ``main`` as ``kvsplice VERB``."""
+    shim = importlib.import_module("kvsplice." + verb.replace("-", "_"))
+    assert shim.main is front.load(verb)
+
+
+def test_console_script_is_declared():
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"kvsplice": "kvsplice.cli.main:main"}
+
+
+def test_python_m_form_reports_the_verb_name():
+    r = subprocess.run([sys.executable, "-m", "kvsplice.plan", "--no-such-option"], capture_output=True, text=True,
+                       cwd=REPO, timeout=300)
+    assert r.returncode == 2 and r.stderr.startswith("kvsplice plan: error:"), r.stderr[-2000:]

@@ -35,6 +35,7 @@ from training.lit import LitGPT, check_schedule
 from training.checkpoint import CheckpointError, remove_stale_temp_files, safe_checkpoint_io
 from training.loggers import RunCSVLogger
 from training.rundir import WANDB_ID_FILE, CLIConfigError, RunPlan, clear_run_files, place_run
+from training.threads import CpuSample, cpu_sample, pick_threads
 
 __all__ = ["KVSpliceCLI", "RunFiles", "WandbSettings", "shorten_schedule"]
 
@@ -265,9 +266,13 @@ class KVSpliceCLI(LightningCLI):
     Args:
         args: the command line (``--config`` already resolved to paths, see :func:`training.fit.prepare_args`).
         default_run_name: run name when ``--run_name`` is not given (the config file's name).
+        cpu_start: a :func:`training.threads.cpu_sample` taken when the program started (default: now); the free
+            cores since then choose the thread count when ``--torch_threads`` is not given.
     """
 
-    def __init__(self, args: list[str], default_run_name: Optional[str]) -> None:
+    def __init__(self, args: list[str], default_run_name: Optional[str],
+                 cpu_start: Optional[CpuSample] = None) -> None:
+        self._cpu_start = cpu_start if cpu_start is not None else cpu_sample()
         self._default_run_name = default_run_name or "run"
         self._args = list(args)
         self.plan: Optional[RunPlan] = None
@@ -336,7 +341,9 @@ class KVSpliceCLI(LightningCLI):
                                  "(--overwrite or --overwrite true)")
         parser.add_argument("--wandb", type=WandbSettings, default=WandbSettings())
         parser.add_argument("--torch_threads", type=Optional[int], default=None,
-                            help="torch.set_num_threads for CPU training (default: PyTorch's choice, one per "
+                            help="torch.set_num_threads for CPU training (default: one per core that other "
+                                 "processes left free at start, at most PyTorch's choice of one per core; "
+                                 "training.threads); "
                                  "core); 1 is often faster on a machine busy with other work")
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.link_arguments("model.block_size", "data.block_size")
@@ -370,11 +377,16 @@ class KVSpliceCLI(LightningCLI):
             trainer.val_check_interval = max_steps * accumulate
             notes.append(f"trainer.val_check_interval {interval} is beyond this run's {max_steps * accumulate} "
                          f"training batches: validating (and checkpointing) at its end instead")
+        import torch
+
+        accelerator = str(trainer.accelerator or "auto")
+        if threads is None and (accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())):
+            picked, msg = pick_threads(self._cpu_start, torch.get_num_threads())
+            threads = picked if msg else None  # None: torch's own count stands
+            notes += [msg] if msg else []
         for line in notes:
             note(line)
         if threads is not None:
-            import torch
-
             torch.set_num_threads(threads)
 
     # ------------------------------------------------------------------------------------------ trainer

@@ -4,7 +4,10 @@
   ``--run_name``, ``--runs_dir``, ``--ckpt_path``, ``--overwrite``, ``--wandb.*`` and ``--torch_threads``; places the run
   with :func:`training.rundir.plan_run` (never into an earlier run's directory); shortens the warmup (and the
   validation interval) of short smoke runs; logs to W&B (offline by default) + ``metrics.csv``; checkpoints
-  atomically to the run directory.
+  atomically to the run directory. Its ``model:`` section is flat: :class:`models.GPTConfig`'s fields beside LitGPT's
+  training options (old key names read with a note). Without ``--torch_threads`` a CPU run uses the cores other
+  processes leave free (:mod:`training.threads`). Ctrl-C is one ``PROG: interrupted`` line and exit status 130
+  (:func:`interrupts_end_the_fit`); a run that never took a step leaves no folder it created.
 * :class:`RunFiles` — the run directory's files: removes stale temporary files (and, with ``--overwrite``, the
   earlier run's files) when training is about to start, writes ``config.yaml`` / ``wandb_id.txt`` when it starts
   (never for a resume that fails), trims ``metrics.csv`` to the resumed step, flushes it at every checkpoint.

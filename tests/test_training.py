@@ -105,6 +105,47 @@ def test_litgpt_takes_one_gptconfig_and_the_cli_its_fields_flat(capsys):
         LitGPT(cfg, n_layer=2)
 
 
+def test_the_old_key_kvsplice_ratio_is_read_as_kvsplice_keep(tmp_path):
+    """``kvsplice_ratio`` (a kept fraction, while "ratio" elsewhere means "times smaller") is now ``kvsplice_keep``;
+    the old name still works everywhere, with a warning, and is never written."""
+    new = GPTConfig(attention="mla", kvsplice_keep=0.1)
+    with pytest.warns(DeprecationWarning, match="kvsplice_ratio is the old name of kvsplice_keep"):
+        assert GPTConfig(attention="mla", kvsplice_ratio=0.1) == new
+    with pytest.warns(DeprecationWarning):
+        assert new.kvsplice_ratio == 0.1 and new.replace(kvsplice_ratio=None).kvsplice_keep is None
+    assert dataclasses.replace(new, kvsplice_keep=0.5).kvsplice_keep == 0.5  # the new name wins over the old
+    assert new.variant == "mla_kvsplice_90" and new.d_compressed == 26 and "kvsplice_ratio" not in new.to_dict()
+    assert GPTConfig.from_dict({"attention": "mla", "kvsplice_ratio": 0.1}) == new  # a stored dict: read silently
+    with pytest.raises(ValueError, match="give only kvsplice_keep"):
+        GPTConfig.from_dict({"attention": "mla", "kvsplice_ratio": 0.1, "kvsplice_keep": 0.5})
+    old = tmp_path / "old.yaml"
+    old.write_text("model:\n  attention: mla\n  kvsplice_ratio: 0.1\n  learning_rate: 0.1\n")
+    with pytest.warns(FutureWarning, match="old.yaml: kvsplice_ratio is the old name of kvsplice_keep"):
+        assert GPTConfig.from_file(old) == new
+    assert set(new.architecture()) == {f.name for f in dataclasses.fields(GPTConfig)} - {
+        "dropout", "attn_backend", "mla_impl", "decode_kernel", "cache_quant"}
+
+
+def test_a_config_file_with_the_old_key_trains_and_saves_the_new_one(tmp_path, data_cache, monkeypatch, capsys):
+    from training.fit import main
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    text = (CONFIG_DIR / "tiny_mla_kvsplice_90.yaml").read_text()
+    assert "  kvsplice_keep: 0.1" in text
+    old = tmp_path / "mine.yaml"
+    old.write_text(text.replace("  kvsplice_keep: 0.1", "  kvsplice_ratio: 0.1"))
+    rc = main(["--config", str(old), *TINY, "--trainer.max_steps", "1", "--runs_dir", str(tmp_path / "runs"),
+               "--data.cache_dir", str(data_cache), "--wandb.mode", "disabled"])
+    err = capsys.readouterr().err
+    assert rc == 0, err[-3000:]
+    assert err.count("note: model.kvsplice_ratio is the old name of kvsplice_keep") == 1
+    run = tmp_path / "runs" / "mine"
+    saved = yaml.safe_load((run / "config.yaml").read_text())["model"]
+    assert saved["kvsplice_keep"] == 0.1 and "kvsplice_ratio" not in saved
+    assert load_gpt_checkpoint(run / "last.ckpt")[1].d_compressed == 3  # round(32 * 0.1): TINY's d_latent 32
+
+
 def test_vocab_padding_and_config_errors():
     lit = LitGPT(vocab_size=50257, n_layer=1, n_head=2, d_model=32, block_size=16, vocab_multiple=64)
     assert lit.config.vocab_size == 50304

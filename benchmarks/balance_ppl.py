@@ -25,7 +25,6 @@ Methods (``n_sink = 4``, ``n_recent = 16``, ``block_size = 64``, walk threshold 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -35,16 +34,18 @@ from pathlib import Path
 
 import torch
 
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.header import command as command_line, revision  # noqa: E402
+from benchmarks.harness.options import add_json, add_model, add_threads, command, parser  # noqa: E402
+from benchmarks.harness.paths import EVAL, RESULTS, STORIES  # noqa: E402
+
 from kvsplice.loading import LoadError, first_line, iter_texts, load_model, token_stream
 from kvsplice.select.method import run_token_selection
 from kvsplice.select.selectors import (BalanceKVSelector, StreamingLLMSelector, UniformSelector,
                                    balance_plan)
 
-REPO = Path(__file__).resolve().parents[1]
-
-DATA = REPO.parent / "shared" / "data"
-STORIES = DATA / "stories260K"
-EVAL = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
 METHODS = ("full", "balancekv", "uniform", "streamingllm", "coinflip")
 COMPRESSED = METHODS[1:]
 N_SINK, N_RECENT, BLOCK = 4, 16, 64
@@ -140,10 +141,10 @@ def to_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+@command
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None,
-                   help="HF model dir or .ckpt (default: stories260K, converted to a temp dir)")
+    p = parser(__file__, __doc__)
+    add_model(p, help="HF model dir or .ckpt (default: stories260K, converted to a temp dir)")
     p.add_argument("--data", default=str(EVAL))
     p.add_argument("--prompt", type=int, default=384)
     p.add_argument("--cont", type=int, default=128)
@@ -151,8 +152,8 @@ def main(argv=None) -> int:
     p.add_argument("--ratios", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--json", default=str(REPO / "results" / "balance_ppl.json"))
-    p.add_argument("--threads", type=int, default=1)
+    add_json(p, RESULTS / "balance_ppl.json")
+    add_threads(p)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     t0 = time.time()
@@ -210,7 +211,7 @@ def main(argv=None) -> int:
         "full": full,
         "results": results,
         "seconds": round(time.time() - t0, 1),
-        "command": "python benchmarks/balance_ppl.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line(__file__, argv), "revision": revision(),
     }
     md = to_markdown(report)
     report["markdown"] = md

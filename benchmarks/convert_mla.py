@@ -26,14 +26,19 @@ Resumable: rows already in the JSON are skipped.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
 from pathlib import Path
 
-from training.study import DATA, REPO, last_val, run_module, train  # the study's run helpers
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.header import command as command_line, revision  # noqa: E402
+from benchmarks.harness.options import add_out, add_threads, command, parser  # noqa: E402
+from benchmarks.harness.paths import RESULTS  # noqa: E402
+from benchmarks.lib.study import DATA, REPO, last_val, run_module, train  # noqa: E402  (the study's run helpers)
 
 CALIB = DATA / "gusjengis_toy-RNN__tinystories_sample.txt"  # training text
 STEPS_SOURCE = 500
@@ -136,7 +141,7 @@ def stats(rows: list[dict], experiment: str, ft_tokens: int, lr: str | None = No
 
 
 def frontier_ref(variant: str) -> tuple[float, float, int]:
-    f = REPO / "results" / "frontier.json"
+    f = RESULTS / "frontier.json"
     rows = json.loads(f.read_text())["rows"] if f.is_file() else []
     v = [r["val_loss"] for r in rows if r["variant"] == variant]
     return (statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v)) if v else (float("nan"),) * 2 + (0,)
@@ -222,13 +227,14 @@ def plot(rows: list[dict], mha: float, path: Path) -> None:
     fig.savefig(path, dpi=130)
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__file__, __doc__)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="source model seeds")
-    p.add_argument("--threads", type=int, default=2)
+    add_threads(p, 2)
     p.add_argument("--runs-dir", type=Path, default=REPO / "checkpoints" / "frontier" / "frontier")
     p.add_argument("--work", type=Path, default=REPO / "checkpoints" / "convert_mla")
-    p.add_argument("--out", type=Path, default=REPO / "results" / "convert_mla.json")
+    add_out(p, RESULTS / "convert_mla.json")
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
     if not DATA.is_dir():
@@ -239,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"meta": {"command": "python " + " ".join(sys.argv), "ft_lrs": FT_LRS,
-                                            "source_tokens": STEPS_SOURCE * TOKENS_PER_STEP}, "rows": rows}, indent=1))
+        meta = {"command": command_line(__file__, argv), "revision": revision(), "ft_lrs": FT_LRS,
+                "source_tokens": STEPS_SOURCE * TOKENS_PER_STEP}
+        tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         os.replace(tmp, args.out)
         print(f"{row['experiment']} seed {row['seed']} ft {row['ft_tokens']:,}: val_loss {row['val_loss']:.4f}",
               flush=True)

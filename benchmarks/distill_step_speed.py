@@ -9,19 +9,23 @@ K/V cache), alternating step by step in one process so both see the same machine
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-from data.reference import CALIB, SMOLLM2
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.options import add_model, command, parser  # noqa: E402
+from benchmarks.harness.paths import CALIB, SMOLLM2  # noqa: E402
+from benchmarks.harness.timing import wall_time  # noqa: E402
 
 
+@command
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
+    ap = parser(__file__, __doc__)
+    add_model(ap, help="the MLA student (a to_mla folder)", required=True)
     ap.add_argument("--teacher", default=str(SMOLLM2))
     ap.add_argument("--steps", type=int, default=4, help="steps of each variant (after one warm-up step)")
     ap.add_argument("--batch-size", type=int, default=4)
@@ -48,12 +52,12 @@ def main(argv=None) -> int:
         return out
 
     def step(s: int, losses) -> float:
-        t0 = time.perf_counter()
-        loss = losses(lit._batch(s))["kl"]
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return time.perf_counter() - t0
+        def one() -> None:
+            loss = losses(lit._batch(s))["kl"]
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return wall_time(one, 1)[0]
 
     step(0, lit.losses)
     times: dict[str, list[float]] = {"autograd KL (before)": [], "one-pass KL (training.distill_loss)": []}

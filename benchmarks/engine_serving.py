@@ -19,10 +19,8 @@ them, at the cost of one prefill instead of thousands. What bounds decode on a C
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -31,9 +29,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-GPT2 = ROOT.parent / "shared" / "data" / "gpt2_tokenizer"
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.header import header  # noqa: E402
+from benchmarks.harness.options import add_out, add_threads, command, parser  # noqa: E402
+from benchmarks.harness.paths import DATA, RESULTS  # noqa: E402
+
+GPT2 = DATA / "gpt2_tokenizer"
 
 SHAPES = {"124m": dict(d=768, layers=12, heads=12, head_dim=64, ff=3072, vocab=50257),
           "tiny": dict(d=128, layers=2, heads=2, head_dim=64, ff=256, vocab=50257)}  # the tests' smoke run
@@ -109,16 +112,16 @@ def bench(gguf: Path, ctx: int, batch: int, ntg: int, threads: int, flash_attn: 
     return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__file__, __doc__)
     p.add_argument("--work", default="/tmp/engine_serving", help="where the GGUFs are built (reused when present)")
-    p.add_argument("--out", default=str(ROOT / "results" / "engine_serving"), help="writes OUT.json and OUT.md")
+    add_out(p, RESULTS / "engine_serving", "writes OUT.json and OUT.md")
     p.add_argument("--shape", choices=sorted(SHAPES), default="124m", help="model shape (tiny: a smoke run)")
     p.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096], help="tokens per sequence")
     p.add_argument("--budget-gib", type=float, default=4.0, help="the KV cache budget")
     p.add_argument("--ntg", type=int, default=3, help="decode steps timed per batch")
-    p.add_argument("--threads", type=int, default=1,
-                   help="threads per run (1: on a shared machine, ggml's spinning thread barriers stall under load)")
+    add_threads(p, help="threads per run (1: on a shared machine, ggml's spinning thread barriers stall under load)")
     p.add_argument("--flash-attn", nargs="+", choices=("auto", "on", "off"), default=["on", "off"],
                    help="llama.cpp's -fa settings, each timed (on this CPU its flash-attention kernel is slow for "
                         "MLA's odd head sizes); a model's figure is its faster setting, as a user would pick")
@@ -169,9 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         r["decode_vs_standard"] = std and r["decode_tps_at_batch"] / std["decode_tps_at_batch"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"weights": "random (speed and memory do not depend on them)",
+    doc = {**header(__file__, argv, args.threads), "weights": "random (speed and memory do not depend on them)",
            "shape": {"name": args.shape, **SHAPES[args.shape]}, "args": vars(args), "llama_max_seq": cap,
-           "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_average_at_end": os.getloadavg(),
+           "load_average_at_end": os.getloadavg(),
            "rows": rows, "seconds": time.time() - t0}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
     lines = [f"| model | context | KV bytes / token (f16, llama.cpp) | sequences in {args.budget_gib:g} GiB | "

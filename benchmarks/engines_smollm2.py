@@ -12,7 +12,6 @@ and the same conversion with a real latent RMSNorm (``--latent-norm``; the expor
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -21,13 +20,16 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-DATA = ROOT.parent / "shared" / "data"
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.options import add_out, command, parser  # noqa: E402
+from benchmarks.harness.paths import DATA, RESULTS  # noqa: E402
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
+@command
+def main(argv=None) -> int:
+    p = parser(__file__, __doc__)
     p.add_argument("--gguf", default=str(DATA / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     p.add_argument("--calib", default=str(DATA / "tinystories" / "mines-opt-ml_decoding-gpt__tinystories_10k.txt"))
     p.add_argument("--eval", default=str(DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"))
@@ -36,9 +38,9 @@ def main() -> int:
     p.add_argument("--d-latent", type=int, default=128)
     p.add_argument("--greedy", type=int, default=32)
     p.add_argument("--work", default="/tmp/engines_smollm2")
-    p.add_argument("--out", default=str(ROOT / "results" / "engines_smollm2"))
+    add_out(p, RESULTS / "engines_smollm2", "the results' stem: STEM.json and STEM.md")
     p.add_argument("--skip-normed", action="store_true", help="leave out the --latent-norm row")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(1)
     import transformers
 

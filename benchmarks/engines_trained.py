@@ -12,7 +12,6 @@ writes it). Needs llama.cpp (``$KVSPLICE_LLAMA_CPP`` or ``build/engines/llama.cp
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import json
@@ -24,6 +23,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 import transformers
+
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.options import add_json, command, parser  # noqa: E402
 
 from kvsplice.convert.engines import llama_cpp
 from kvsplice.io.cli import UsageError
@@ -82,13 +86,14 @@ def compare(ckpt: Path, text: str, *, tokens: int = 128, new: int = 64, work: Op
                                    "llama.cpp_rounding": 0.005 * 2 ** 20 / BYTES_CELLS}}
 
 
+@command
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="engines_trained", description=__doc__.split("\n\n")[0])
+    ap = parser(__file__, __doc__)
     ap.add_argument("--ckpt", required=True, type=Path)
     ap.add_argument("--text", required=True, type=Path)
     ap.add_argument("--tokens", type=int, default=128, help="at most the model's block_size")
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--json", type=Path)
+    add_json(ap)
     a = ap.parse_args(argv)
     why = llama_cpp.missing(bindings=True)
     for path, what in ((a.ckpt, "--ckpt"), (a.text, "--text")):

@@ -30,13 +30,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.header import command as command_line, machine, revision  # noqa: E402
+from benchmarks.harness.options import add_json, add_threads, command, parser  # noqa: E402
+from benchmarks.harness.paths import CALIB, EVAL, RESULTS, STORIES  # noqa: E402
 
 from kvsplice.decode import Decoder, DenseKV, perplexity
 from kvsplice.lowrank.method import LowRank
@@ -49,12 +55,7 @@ from kvsplice.core.diagnostics import format_diagnostics
 from kvsplice.online.diagnostics import online_qkv_diagnostics
 from kvsplice.online.method import OnlineDecoder
 
-REPO = Path(__file__).resolve().parents[1]
 
-DATA = REPO.parent / "shared" / "data"
-STORIES = DATA / "stories260K"
-CALIB = DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"
-EVAL = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
 RANKS = (2, 4, 6)
 
 # fd-online candidates per global rank R (budget 2R numbers per token and KV head); each has its bytes measured.
@@ -114,13 +115,14 @@ def load(a: argparse.Namespace, tmp: Path):
     return loaded.model, ev.view(a.windows, 512), cal
 
 
+@command
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__file__, __doc__)
     p.add_argument("--windows", type=int, default=4, help="eval windows of 512 tokens (default 4)")
     p.add_argument("--calib-tokens", type=int, default=65536)
-    p.add_argument("--json", default=str(REPO / "results" / "fd_online_stories260k.json"))
-    p.add_argument("--md", default=str(REPO / "results" / "fd_online_stories260k.md"))
-    p.add_argument("--threads", type=int, default=1)
+    add_json(p, RESULTS / "fd_online_stories260k.json")
+    p.add_argument("--md", default=str(RESULTS / "fd_online_stories260k.md"))
+    add_threads(p)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     t_start = time.perf_counter()
@@ -176,8 +178,8 @@ def main(argv=None) -> int:
                   f"J {row['chunks_max']}  rel_out {row['rel_out_mean']:.3f}  {row['seconds']:.0f}s", flush=True)
 
     report = {
-        "command": "python benchmarks/fd_online_stories260k.py" + (" " + " ".join(argv) if argv else ""),
-        "environment": {"torch": torch.__version__, "python": platform.python_version(), "threads": a.threads},
+        "command": command_line(__file__, argv), "revision": revision(),
+        "environment": machine(a.threads),
         "model": {"source": str(STORIES / "stories260K.bin"), "n_layer": L, "n_head": cfg.num_attention_heads,
                   "n_kv_head": hkv, "head_dim": d},
         "eval": {"source": str(EVAL), "windows": n_win, "seq_len": t, "tokens": n_win * t,

@@ -33,7 +33,6 @@ variant, Pareto front marked) and a Markdown table on stdout and in ``results/fr
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -41,40 +40,19 @@ import sys
 import threading
 from pathlib import Path
 
-from training.study import (DATA, DATA_CACHE, REPO, RUN_KEY, cache_bytes, compare, comparison_table, data_args,
-                            final_train_loss, last_val, resume_key, run_args, run_jobs, run_key, save_study,
-                            summarise, train, train_curve, trained)
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
 
-FRONTIER = {  # variant -> (config, overrides)
-    "mha": ("small_mha", []),
-    "gqa2": ("small_gqa2", []),
-    "mqa": ("small_mqa", []),
-    "mla_128": ("small_mla", []),
-    "mla_64": ("small_mla_64", []),
-    "mla_32": ("small_mla_32", []),
-    "mla_128_kvsplice_50": ("small_mla_kvsplice_50", []),
-    "mla_128_kvsplice_70": ("small_mla_kvsplice_70", []),
-    "mla_128_kvsplice_90": ("small_mla_kvsplice_90", []),
-    # the DeepSeek-V3 layout (RMSNorm, SwiGLU, RoPE; MLA caches its latent + an 8-dim RoPE key): docs/deepseek_layout.md
-    "ds_mha": ("small_ds_mha", []),
-    "ds_mla_128": ("small_ds_mla", []),
-    "ds_mla_128_kvsplice_50": ("small_ds_mla_kvsplice_50", []),
-    "ds_mla_128_kvsplice_90": ("small_ds_mla_kvsplice_90", []),
-    # equal bytes to GPT-2's mla_128: a 120-number latent + the 8-number RoPE key = 128 numbers per token per layer
-    "ds_mla_120": ("small_ds_mla", ["--model.d_latent", "120"]),
-    # the RoPE key's width at KVSplice 90 % (13 latent numbers + 4 / 8 / 16 RoPE numbers): docs/deepseek_layout.md
-    "ds_mla_128_kvsplice_90_rope4": ("small_ds_mla_kvsplice_90", ["--model.qk_rope_head_dim", "4"]),
-    "ds_mla_128_kvsplice_90_rope16": ("small_ds_mla_kvsplice_90", ["--model.qk_rope_head_dim", "16"]),
-}
-ABLATION = {  # MLA options, on the tuning split
-    "mha": ("small_mha", []),
-    "mla_64": ("small_mla_64", ["--model.latent_norm", "false"]),
-    "mla_64+latent_norm": ("small_mla_64", ["--model.latent_norm", "true"]),
-    "mla_64_lr1e-3": ("small_mla_64", ["--model.latent_norm", "false", "--model.learning_rate", "1e-3"]),
-    "mla_64_lr4e-3": ("small_mla_64", ["--model.latent_norm", "false", "--model.learning_rate", "4e-3"]),
-    "mla_64+latent_norm_lr4e-3": ("small_mla_64", ["--model.latent_norm", "true", "--model.learning_rate", "4e-3"]),
-    "mha_lr4e-3": ("small_mha", ["--model.learning_rate", "4e-3"]),
-}
+from benchmarks.harness.header import command as command_line, revision  # noqa: E402
+from benchmarks.harness.options import add_out, add_threads, command, parser  # noqa: E402
+from benchmarks.harness.paths import RESULTS  # noqa: E402
+from benchmarks.harness.studies import variants  # noqa: E402
+from benchmarks.lib.study import (DATA, DATA_CACHE, REPO, RUN_KEY, cache_bytes, compare, comparison_table, data_args,
+                                  final_train_loss, last_val, resume_key, run_args, run_jobs, run_key, save_study,
+                                  summarise, train, train_curve, trained)  # noqa: E402
+
+FRONTIER = variants("frontier", "frontier")  # variant -> (config, overrides): benchmarks/studies/frontier.yaml
+ABLATION = variants("frontier", "ablation")  # MLA options, on the tuning split
 
 
 # ---------------------------------------------------------------------------------------------------- one run
@@ -209,8 +187,9 @@ def plot(summary: list[dict], rows: list[dict], path: Path, title: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- main
+@command
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = parser(__file__, __doc__, raw=True)
     p.add_argument("--study", choices=("frontier", "ablation"), default="frontier")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 1 2 3 (frontier), 0 (ablation)")
     p.add_argument("--variants", nargs="+", default=None, help="a subset of the study's variants")
@@ -218,13 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="sequences of 256 tokens per optimizer step")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: every run on the one GPU")
     p.add_argument("--jobs", type=int, default=2, help="runs side by side")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    add_threads(p, help="torch threads per run")
     p.add_argument("--cache-tokens", type=int, default=256, help="tokens prefilled to measure the cache")
     p.add_argument("--data", type=Path, default=DATA, help="the TinyStories folder (a *val* file + training files)")
     p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="where the runs cache token shards and the "
                    "tokenizer (default: the repository's .cache/data)")
     p.add_argument("--runs-dir", type=Path, default=None, help="default checkpoints/frontier (frontier_gpu on cuda)")
-    p.add_argument("--out", type=Path, default=None, help="default results/frontier.json (frontier_ablation.json; "
+    add_out(p, None, help="default results/frontier.json (frontier_ablation.json; "
                    "_gpu before .json on cuda)")
     p.add_argument("--plot-only", action="store_true")
     args = p.parse_args(argv)
@@ -233,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     study = FRONTIER if args.study == "frontier" else ABLATION
     seeds = args.seeds or ([1, 2, 3] if args.study == "frontier" else [0])
     gpu = "_gpu" if args.device == "cuda" else ""
-    out = args.out or REPO / "results" / (f"frontier{gpu}.json" if args.study == "frontier"
+    out = args.out or RESULTS / (f"frontier{gpu}.json" if args.study == "frontier"
                                           else f"frontier_ablation{gpu}.json")
     variants = args.variants or list(study)
     unknown = sorted(set(variants) - set(study))
@@ -268,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_only and stored.get("meta", {}).get("machine"):
         machine = stored["meta"]["machine"]  # redrawing: the machine that ran the study
     meta = {"study": args.study, "machine": machine, "device": args.device,
-            "python": platform.python_version(), "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
+            "python": platform.python_version(), "command": command_line(__file__, argv), "revision": revision(),
             "dtype_train": "fp32", "batch": args.batch, "threads_per_run": args.threads, "jobs": args.jobs,
             **meta_extra}
 

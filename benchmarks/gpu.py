@@ -12,7 +12,7 @@ Sections (``--sections``):
   dim 64, bf16) over a key length that grows by one per call, for torch's default kernel choice, each kernel put
   first in SDPA's priority, and the package's order (:func:`models.attention.sdpa_order`). Median ms per call.
 * ``train`` — one optimizer step of the 124M models (batch 16 x 1024, bf16 autocast, AdamW, clip 1.0): the reference
-  (:mod:`models.reference_gpt`), our MHA / MLA / KVSplice-90 (the ``gpt2`` / ``mla`` / ``mla_kvsplice_90``
+  (:mod:`benchmarks.lib.reference_gpt`), our MHA / MLA / KVSplice-90 (the ``gpt2`` / ``mla`` / ``mla_kvsplice_90``
   training configs), eager and ``torch.compile``-d, fused AdamW (ours also foreach); with a FlashAttention package
   installed (flash-attn 2 or FlashAttention-4) our MHA runs it and ``ours mha sdpa`` is timed beside it. Median
   of interleaved rounds, CUDA events; MFU = (6·params + 12·L·d·T) · tokens / time / peak bf16 FLOP/s of the device.
@@ -27,7 +27,6 @@ Sections (``--sections``):
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import math
@@ -35,19 +34,24 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from kvsplice.report.cuda_timing import cuda_time
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.header import command as command_line, revision  # noqa: E402
+from benchmarks.harness.options import UsageError, add_out, command, parser  # noqa: E402
+from benchmarks.harness.paths import RESULTS  # noqa: E402
+from benchmarks.harness.timing import cuda_time  # noqa: E402
+from benchmarks.lib.reference_gpt import ReferenceGPT  # noqa: E402
+
 from kvsplice.report.tables import cell
 from models import GPT, preset
 from models.attention import flash_impl, sdpa_order
-from models.reference_gpt import ReferenceGPT
 
-ROOT = Path(__file__).resolve().parents[1]
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}
 """Dense bf16 tensor-core peak FLOP/s by device family (datasheet), for MFU."""
@@ -373,9 +377,9 @@ def markdown(report: dict) -> str:
     return "\n".join(out)
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__file__, __doc__, raw=True)
     p.add_argument("--sections", nargs="+", choices=("sdpa", "train", "decode"), default=["sdpa", "train", "decode"])
     p.add_argument("--batch", type=int, nargs="+", default=[8, 64], help="decode batch sizes")
     p.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096, 16384], help="decode contexts")
@@ -386,16 +390,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile training cases")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' GPT-2 in the decode section")
     p.add_argument("--quick", action="store_true", help="tiny shapes and sizes: a smoke run")
-    p.add_argument("--out", type=Path, default=None, help="default results/gpu_<device>.json (+ .md)")
+    add_out(p, None, "default results/gpu_<device>.json (+ .md)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("gpu.py: error: no CUDA device (this benchmark measures a GPU)", file=sys.stderr)
-        return 2
+        raise UsageError("no CUDA device (this benchmark measures a GPU)")
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.quick:
         args.batch, args.ctx, args.decode_steps, args.rounds = [2], [256], 3, 1
         args.train_batch, args.train_steps = 2, 2
-    out = args.out or ROOT / "results" / f"gpu_{device_tag()}{'_quick' if args.quick else ''}.json"
+    out = args.out or RESULTS / f"gpu_{device_tag()}{'_quick' if args.quick else ''}.json"
     impl = flash_impl()
     try:
         import transformers
@@ -405,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     report = dict(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
                   torch=torch.__version__, cuda=torch.version.cuda, transformers=tv, python=platform.python_version(),
                   flash_impl=None if impl is None else impl.name, peak_bf16_flops=peak_flops(),
-                  command="python benchmarks/gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+                  command=command_line(__file__, argv), revision=revision())
     bw = copy_bandwidth()
     report["bandwidth_gbs"] = bw / 1e9
 

@@ -15,7 +15,6 @@ The baseline runs on its own copy of the model with transformers' default ``sdpa
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -24,13 +23,17 @@ from pathlib import Path
 import torch
 import transformers
 
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.options import add_force, add_json, add_model, command, parser  # noqa: E402
+from benchmarks.harness.paths import EVAL  # noqa: E402
+
 from kvsplice.hf import CoefficientHFCache
 from kvsplice.io.outputs import output_file, write_json
 from kvsplice.lowrank.bases import KVBases
 
-ROOT = Path(__file__).resolve().parents[1]
 
-DEFAULT_TEXT = ROOT.parent / "shared" / "data" / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
 
 
 class Stamps(transformers.StoppingCriteria):
@@ -57,17 +60,18 @@ def one_run(model, ids, cache, n_new: int) -> tuple[float, float]:
     return statistics.median(cpu), statistics.median(wall)
 
 
+@command
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True)
+    p = parser(__file__, __doc__)
+    add_model(p, required=True)
     p.add_argument("--bases-post", required=True)
     p.add_argument("--bases-pre", required=True)
-    p.add_argument("--text", default=str(DEFAULT_TEXT))
+    p.add_argument("--text", default=str(EVAL))
     p.add_argument("--prompt-tokens", type=int, default=384)
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--json", default=None)
-    p.add_argument("--force", action="store_true")
+    add_json(p)
+    add_force(p)
     args = p.parse_args(argv)
     if args.json:
         output_file(args.json, force=args.force, option="--json")

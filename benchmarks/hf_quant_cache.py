@@ -13,22 +13,26 @@ backend that needs no extra package). Bytes: measured from each cache's tensors 
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.header import command as command_line, revision  # noqa: E402
+from benchmarks.harness.options import add_json, add_model, add_threads, command, parser  # noqa: E402
+from benchmarks.harness.paths import RESULTS  # noqa: E402
 
 from kvsplice.io.outputs import write_json
 from kvsplice.loading import iter_texts, load_model, token_stream
 from kvsplice.decode import Decoder, DenseKV
 from kvsplice.hf.measure import cache_nbytes, continuation_logits
-from data.reference import EVAL
+from benchmarks.harness.paths import EVAL
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @torch.no_grad()
@@ -51,18 +55,19 @@ def score_ours(model, windows, prompt: int, cache_quant) -> tuple[float, int]:
     return nll, cache.nbytes()
 
 
-def main() -> int:
+@command
+def main(argv=None) -> int:
     from transformers import DynamicCache, QuantizedCache
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="stories260K converted with python -m kvsplice.convert_llama2c")
+    p = parser(__file__, __doc__)
+    add_model(p, help="stories260K converted with python -m kvsplice.convert_llama2c", required=True)
     p.add_argument("--data", default=str(EVAL))
     p.add_argument("--windows", type=int, default=16)
     p.add_argument("--prompt", type=int, default=384)
     p.add_argument("--cont", type=int, default=128)
-    p.add_argument("--json", default=str(REPO / "results" / "hf_quant_cache.json"))
-    p.add_argument("--threads", type=int, default=1)
-    a = p.parse_args()
+    add_json(p, RESULTS / "hf_quant_cache.json")
+    add_threads(p)
+    a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     t0 = time.time()
     loaded = load_model(a.model)
@@ -87,7 +92,7 @@ def main() -> int:
         r["bytes_vs_full"] = full["cache_bytes"] / r["cache_bytes"]
     report = {"model": a.model, "data": a.data, "windows": a.windows, "prompt": a.prompt, "cont": a.cont,
               "scored_tokens": a.windows * a.cont, "rows": rows, "seconds": round(time.time() - t0, 1),
-              "command": "python benchmarks/hf_quant_cache.py " + " ".join(sys.argv[1:])}
+              "command": command_line(__file__, argv), "revision": revision()}
     write_json(report, a.json)
     print(f"wrote {a.json}")
     return 0

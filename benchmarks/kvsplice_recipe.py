@@ -4,7 +4,7 @@
     python benchmarks/kvsplice_recipe.py --study recipe --device cuda --batch 64 --steps 2000 --jobs 3
 
 Every variant trains the small_* shapes for the same ``--steps`` x ``--batch`` x 256 tokens as the frontier study
-(``benchmarks/frontier.py``; ``training.study`` runs each ``training.fit``).
+(``benchmarks/frontier.py``; :mod:`benchmarks.lib.study` runs each ``training.fit``).
 
 * ``--study ablation`` — seed 0 on a **tuning split** (the training files only, a 5 % tail of them held out; never the
   validation text the frontier reports): MLA-64 and KVSplice-50 from scratch as references, then KVSplice-50 with
@@ -21,28 +21,27 @@ Writes ``results/kvsplice_recipe_<study>[_gpu].json`` (+ ``.md``). Resumable lik
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import threading
 from collections import defaultdict
 from pathlib import Path
 
-from training.study import (DATA, DATA_CACHE, REPO, TRAIN_FILES, cache_bytes, comparison_table, compare, data_args,
-                            final_train_loss, last_val, resume_key, run_args, run_jobs, run_key, run_module,
-                            save_study, summarise, train, train_curve)
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
 
-ABLATION = {  # variant -> (config, overrides); "insert" is the two-stage recipe
-    "mla_64": ("small_mla_64", []),
-    "ks50": ("small_mla_kvsplice_50", []),
-    "ks50_orthogonal": ("small_mla_kvsplice_50", ["--model.kvsplice_orthogonal", "true"]),
-    "ks50_splice_lr10": ("small_mla_kvsplice_50", ["--model.splice_lr_mult", "10"]),
-    "ks50_norm_after": ("small_mla_kvsplice_50", ["--model.latent_norm", "false", "--model.kvsplice_norm", "true"]),
-    "insert": ("small_mla_kvsplice_50", []),
-}
-RECIPE = {"insert": ABLATION["insert"], "insert90": ("small_mla_kvsplice_90", [])}
+from benchmarks.harness.header import command as command_line, revision  # noqa: E402
+from benchmarks.harness.options import add_out, add_threads, command, parser  # noqa: E402
+from benchmarks.harness.paths import RESULTS  # noqa: E402
+from benchmarks.harness.studies import load as load_study, variants  # noqa: E402
+from benchmarks.lib.study import (DATA, DATA_CACHE, REPO, TRAIN_FILES, cache_bytes, comparison_table, compare,
+                                  data_args, final_train_loss, last_val, resume_key, run_args, run_jobs, run_key,
+                                  run_module, save_study, summarise, train, train_curve)  # noqa: E402
+
+ABLATION = variants("kvsplice_recipe", "ablation")  # variant -> (config, overrides): studies/kvsplice_recipe.yaml
+RECIPE = variants("kvsplice_recipe", "recipe")
 VARIANTS = {**ABLATION, **RECIPE}
-INSERT_RATIO = {"insert": 0.5, "insert90": 0.1}
+INSERT_RATIO: dict[str, float] = load_study("kvsplice_recipe")["insert_ratio"]
 """The two-stage recipes: the KVSplice ratio inserted (``insert90``: the same recipe at 90 %, 104 B/token; run on
 the validation text as chosen for 50 % on the tuning split, nothing re-tuned)."""
 
@@ -94,8 +93,9 @@ def run_variant(variant: str, seed: int, args, runs_dir: Path) -> dict:
             "train_loss_curve": curve}
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = parser(__file__, __doc__, raw=True)
     p.add_argument("--study", choices=("ablation", "recipe"), default="ablation")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 (ablation), 1 2 3 (recipe)")
     p.add_argument("--variants", nargs="+", default=None)
@@ -103,11 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1)
+    add_threads(p)
     p.add_argument("--data", type=Path, default=DATA)
     p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="token shards and tokenizer cache")
     p.add_argument("--runs-dir", type=Path, default=None)
-    p.add_argument("--out", type=Path, default=None)
+    add_out(p, None, "the results JSON (default results/kvsplice_recipe_<study>[_gpu].json)")
     p.add_argument("--report-only", action="store_true", help="rewrite the table from the JSON; train nothing")
     args = p.parse_args(argv)
     if args.steps < 2 or args.batch < 1 or args.jobs < 1:
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown variants {unknown}; choose from {list(study)}")
     seeds = args.seeds or ([0] if args.study == "ablation" else [1, 2, 3])
     gpu = "_gpu" if args.device == "cuda" else ""
-    out = args.out or REPO / "results" / f"kvsplice_recipe_{args.study}{gpu}.json"
+    out = args.out or RESULTS / f"kvsplice_recipe_{args.study}{gpu}.json"
     runs_dir = (args.runs_dir or REPO / "checkpoints" / f"kvsplice_recipe{gpu}") / args.study
     runs_dir.mkdir(parents=True, exist_ok=True)
     args.data_args = [] if args.report_only else data_args(args.data, runs_dir, tuning=args.study == "ablation",
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     todo = [] if args.report_only else [(v, s) for s in seeds for v in variants if run_key(v, s, args) not in done]
     meta = stored.get("meta") if args.report_only and stored.get("meta") else {
         "study": args.study, "device": args.device, "batch": args.batch, "steps": args.steps,
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}
+        "command": command_line(__file__, argv), "revision": revision()}
     lock = threading.Lock()
 
     def job(vs):

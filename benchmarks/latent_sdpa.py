@@ -3,51 +3,94 @@ head): which formulation is fast on this GPU? SDPA's default, three ops, each fu
 to a multiple of 8, a split over the keys. Median ms per call (CUDA events). Needs CUDA.
 
     python benchmarks/latent_sdpa.py
+    python benchmarks/latent_sdpa.py --batch 8 --ctx 1024 --ranks 26 --calls 10     # one case, quickly
 """
-import torch, torch.nn.functional as F, statistics
-from torch.nn.attention import SDPBackend, sdpa_kernel
-dev = "cuda"; dt = torch.bfloat16
-def timeit(fn, n=50):
-    for _ in range(5): fn()
-    torch.cuda.synchronize(); ts = []
-    for _ in range(n):
-        a = torch.cuda.Event(enable_timing=True); b = torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-for B in (8, 64):
-  for T in (1024, 4096, 16384):
-    for r in (26, 128):
-      H = 12; scale = 64 ** -0.5
-      q = torch.randn(B, 1, H, r, device=dev, dtype=dt); s = torch.randn(B, 1, T, r, device=dev, dtype=dt)
-      res = {}
-      res["sdpa default"] = timeit(lambda: F.scaled_dot_product_attention(q, s, s, scale=scale))
-      def three():
-          a = (q @ s.transpose(-1, -2)) * scale
-          return torch.softmax(a, -1, dtype=torch.float32).to(dt) @ s
-      res["3-op"] = timeit(three)
-      def three_flat():  # (B, H, r) @ (B, r, T): one bmm per batch
-          a = torch.bmm(q[:, 0], s[:, 0].transpose(1, 2)) * scale
-          return torch.bmm(torch.softmax(a.float(), -1).to(dt), s[:, 0])
-      res["3-op bmm"] = timeit(three_flat)
-      rp = (r + 7) // 8 * 8
-      if rp != r:
-          qp = F.pad(q, (0, rp - r)); sp = F.pad(s, (0, rp - r))
-      else:
-          qp, sp = q, s
-      for name, be in (("efficient", SDPBackend.EFFICIENT_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-          try:
-              with sdpa_kernel([be]):
-                  res[f"{name} pad{rp}"] = timeit(lambda: F.scaled_dot_product_attention(qp, sp, sp, scale=scale))
-          except RuntimeError:  # a kernel that cannot take these inputs
-              res[f"{name} pad{rp}"] = float('nan')
-      # split-K: chunks of keys as batch, combine with logsumexp
-      def splitk(chunks=16):
-          c = T // chunks
-          sc = s[:, 0].reshape(B, chunks, c, r)  # (B, C, c, r)
-          a = torch.einsum("bhr,bkcr->bkhc", q[:, 0], sc).float() * scale  # (B, C, H, c)
-          m = a.amax(-1, keepdim=True); p = torch.exp(a - m); l = p.sum(-1, keepdim=True)
-          o = torch.einsum("bkhc,bkcr->bkhr", p.to(dt), sc).float()  # (B, C, H, r)
-          M = m.amax(1, keepdim=True); w = torch.exp(m - M)
-          return ((o * w).sum(1) / (l * w).sum(1)).to(dt)
-      res["split-k 16"] = timeit(splitk)
-      print(f"B={B} T={T} r={r}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()), flush=True)
+
+from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.options import UsageError, command, parser, pos_int  # noqa: E402
+
+HEADS, HEAD_DIM = 12, 64  # GPT-2 small's query heads and head size (the softmax scale)
+
+
+def formulations(q, s, scale: float, splits: int = 16) -> dict:
+    """``name -> call`` of the latent attention ``softmax(q s^T * scale) s``: ``q (B, 1, H, r)`` query rows over the
+    shared latent ``s (B, 1, T, r)``."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, _, t, r = s.shape
+    dt = q.dtype
+
+    def three():
+        a = (q @ s.transpose(-1, -2)) * scale
+        return torch.softmax(a, -1, dtype=torch.float32).to(dt) @ s
+
+    def three_flat():  # (B, H, r) @ (B, r, T): one bmm per batch
+        a = torch.bmm(q[:, 0], s[:, 0].transpose(1, 2)) * scale
+        return torch.bmm(torch.softmax(a.float(), -1).to(dt), s[:, 0])
+
+    def split_k():  # chunks of keys as batch, combined with their log-sum-exp
+        c = t // splits
+        sc = s[:, 0].reshape(b, splits, c, r)  # (B, C, c, r)
+        a = torch.einsum("bhr,bkcr->bkhc", q[:, 0], sc).float() * scale  # (B, C, H, c)
+        m = a.amax(-1, keepdim=True)
+        p = torch.exp(a - m)
+        den = p.sum(-1, keepdim=True)
+        o = torch.einsum("bkhc,bkcr->bkhr", p.to(dt), sc).float()  # (B, C, H, r)
+        mx = m.amax(1, keepdim=True)
+        w = torch.exp(m - mx)
+        return ((o * w).sum(1) / (den * w).sum(1)).to(dt)
+
+    out = {"sdpa default": lambda: F.scaled_dot_product_attention(q, s, s, scale=scale), "3-op": three,
+           "3-op bmm": three_flat}
+    rp = (r + 7) // 8 * 8
+    qp, sp = (F.pad(q, (0, rp - r)), F.pad(s, (0, rp - r))) if rp != r else (q, s)
+    for name, be in (("efficient", SDPBackend.EFFICIENT_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                     ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def fused(be=be):
+            with sdpa_kernel([be]):
+                return F.scaled_dot_product_attention(qp, sp, sp, scale=scale)
+        out[f"{name} pad{rp}"] = fused
+    out[f"split-k {splits}"] = split_k
+    return out
+
+
+@command
+def main(argv=None) -> int:
+    p = parser(__file__, __doc__)
+    p.add_argument("--batch", type=pos_int, nargs="+", default=[8, 64])
+    p.add_argument("--ctx", type=pos_int, nargs="+", default=[1024, 4096, 16384], help="cached tokens")
+    p.add_argument("--ranks", type=pos_int, nargs="+", default=[26, 128], help="latent sizes r")
+    p.add_argument("--calls", type=pos_int, default=50, help="timed calls per formulation (after 5 untimed)")
+    a = p.parse_args(argv)
+    import torch
+
+    from benchmarks.harness.timing import cuda_time, median_of
+
+    if not torch.cuda.is_available():
+        raise UsageError("no CUDA device (this benchmark measures a GPU)")
+    dt = torch.bfloat16
+    for b in a.batch:
+        for t in a.ctx:
+            for r in a.ranks:
+                q = torch.randn(b, 1, HEADS, r, device="cuda", dtype=dt)
+                s = torch.randn(b, 1, t, r, device="cuda", dtype=dt)
+                res = {}
+                for name, fn in formulations(q, s, HEAD_DIM ** -0.5).items():
+                    try:
+                        res[name] = median_of(cuda_time, fn, a.calls, warmup=5)
+                    except RuntimeError:  # a kernel that cannot take these inputs
+                        res[name] = float("nan")
+                print(f"B={b} T={t} r={r}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,19 +14,19 @@ processes on a shared machine). Timings only: nothing is asserted.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
 
-from data.reference import EVAL, SMOLLM2  # noqa: E402
+from benchmarks.harness.header import header  # noqa: E402
+from benchmarks.harness.options import add_json, add_model, add_threads, command, parser  # noqa: E402
+from benchmarks.harness.paths import EVAL, SMOLLM2  # noqa: E402
 
 FULL = "full"
 PLAN_PREFIX = "plan:"
@@ -55,15 +55,16 @@ def one_prefill(model, name: str, ids: torch.Tensor, tokenizer) -> tuple[float, 
     return time.perf_counter() - t0, time.process_time() - c0
 
 
+@command
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(SMOLLM2))
+    ap = parser(__file__, __doc__)
+    add_model(ap, SMOLLM2)
     ap.add_argument("--text", default=str(EVAL), help="prompt text (default: the TinyStories validation sample)")
     ap.add_argument("--methods", nargs="+", default=[FULL])
     ap.add_argument("--lengths", nargs="+", type=int, default=[2048])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", help="write the medians here")
+    add_threads(ap, 2)
+    add_json(ap, help="write the medians here")
     a = ap.parse_args(argv)
     from kvsplice.loading import load_model
     from kvsplice.loading import iter_texts, token_stream
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
     model.eval()
     stream, _ = token_stream(iter_texts(a.text), tok, max(a.lengths))
     methods = [FULL, *(m for m in a.methods if m != FULL)]
-    report: dict = {"model": a.model, "threads": a.threads, "repeats": a.repeats, "lengths": {}}
+    report: dict = {**header(__file__, argv, a.threads), "model": a.model, "threads": a.threads, "repeats": a.repeats, "lengths": {}}
     for length in a.lengths:
         ids = stream[:length].reshape(1, -1)
         runs: dict[str, list[tuple[float, float]]] = {m: [] for m in methods}

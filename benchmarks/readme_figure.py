@@ -12,13 +12,17 @@ the CPU): perplexity change against how many times smaller the cache is than the
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.options import add_out, command, parser  # noqa: E402
+from benchmarks.harness.paths import RESULTS, ROOT  # noqa: E402
+
 OUT = ROOT / "docs" / "figures" / "overview.png"
 Y_MAX = 25.0  # post-training panel: rows above +25 % perplexity are left out (listed in the figure's note)
 
@@ -191,7 +195,7 @@ def make_figure(results: Path, out: Path) -> Path:
     b.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
     note = "tasks: query-agnostic accuracy, passkey + number in stories + word in facts at 1k tokens (full cache 98 %)"
     if hidden:
-        note += f"\n{len(hidden)} rows above +{Y_MAX:g} % not shown (docs/smollm2.md)"
+        note += f"\n{len(hidden)} rows above +{Y_MAX:g} % not shown (results/smollm2_frontier.md)"
     b.text(0.99, 0.985, note, ha="right", va="top", transform=b.transAxes, fontsize=7, color="#555555")
     fig.text(0.5, 0.005, "python benchmarks/readme_figure.py  (from results/frontier_gpu.json, "
              "kvsplice_recipe_recipe_gpu.json, smollm2_frontier.json, smollm2_tasks.json, smollm2_tasks_goals.json)",
@@ -203,16 +207,16 @@ def make_figure(results: Path, out: Path) -> Path:
     return out
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="readme_figure", description=__doc__.splitlines()[0])
-    ap.add_argument("--results", type=Path, default=ROOT / "results", help="folder holding the results files")
-    ap.add_argument("--out", type=Path, default=OUT, help="the PNG to write (default docs/figures/overview.png)")
+    ap = parser(__file__, __doc__)
+    ap.add_argument("--results", type=Path, default=RESULTS, help="folder holding the results files")
+    add_out(ap, OUT, "the PNG to write (default docs/figures/overview.png)")
     args = ap.parse_args(argv)
     try:
         out = make_figure(args.results, args.out)
-    except (OSError, KeyError, ValueError) as e:
-        print(f"readme_figure: error: {e}", file=sys.stderr)
-        return 2
+    except KeyError as e:
+        raise ValueError(f"a results file lacks {e}") from None
     print(out)
     return 0
 

@@ -33,23 +33,26 @@ import json
 import platform
 import statistics
 import sys
-import time
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from kvsplice.io.cli import EXIT_USAGE, Parser, UsageError
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.header import command as command_line, revision  # noqa: E402
+from benchmarks.harness.options import UsageError, add_out, add_progress, command, parser  # noqa: E402
+from benchmarks.harness.paths import RESULTS  # noqa: E402
+from benchmarks.harness.timing import cuda_time, wall_time  # noqa: E402
+
 from kvsplice.report.tables import cell
 from models import GPT, preset
 from models.attention import attend
-from models.cache import SCALE, quantize_int8
+from models.quant import SCALE, quantize_int8
 from models.checkpoint import atomic_write
 from models.kernels import decode_attend, interpreting, triton_missing_reason
 
-ROOT = Path(__file__).resolve().parents[1]
 
-PROG = "serving.py"
 VARIANTS = {"MHA": "gpt2", "GQA-4": "gpt2_gqa4", "MQA": "gpt2_mqa", "MLA": "mla", "KVSplice-50": "mla_kvsplice_50",
             "KVSplice-90": "mla_kvsplice_90"}
 SMOKE_SHAPES = dict(n_layer=2, n_head=4, d_model=64, d_latent=32)
@@ -63,19 +66,8 @@ RESERVE_BYTES = 4 * 2**30
 def timer(device: torch.device) -> Callable[[Callable[[], object], int], list[float]]:
     """``time(fn, n)``: ms of each of ``n`` calls (CUDA events on an idle GPU; wall clock on CPU)."""
     if device.type == "cuda":
-        from kvsplice.report.cuda_timing import cuda_time
-
         return cuda_time
-
-    def wall(fn, n):
-        out = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-        return out
-
-    return wall
+    return lambda fn, n: [1e3 * s for s in wall_time(fn, n)]
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -295,8 +287,7 @@ def markdown(report: dict) -> str:
 
 # --------------------------------------------------------------------------------------------------- main
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = Parser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__file__, __doc__, raw=True)
     p.add_argument("--sections", nargs="+", choices=("capacity", "kernel"), default=["capacity", "kernel"])
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), metavar="NAME",
                    help=f"caches of the capacity section (default all: {' '.join(VARIANTS)})")
@@ -307,8 +298,8 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="kernel section: also time the kernel at these forced split counts (tuning)")
     p.add_argument("--steps", type=int, default=None, help="timed steps / calls per case (default 20; smoke 2)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, eager steps: proves the script runs")
-    p.add_argument("--out", type=Path, default=None, help="default results/serving_<device>.json (+ .md)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_out(p, None, "default results/serving_<device>.json (+ .md)")
+    add_progress(p)
     args = p.parse_args(argv)
     if args.smoke:
         args.ctx = args.ctx or [32, 64]
@@ -328,18 +319,15 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
+@command
 def main(argv: Optional[list[str]] = None) -> int:
-    try:
-        args = parse(argv)
-    except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    args = parse(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({platform.machine()})"
     tag = "".join(c if c.isalnum() else "_" for c in name.split("(")[0].strip()).lower()
-    out = args.out or ROOT / "results" / f"serving_{tag}{'_smoke' if args.smoke else ''}.json"
-    if args.no_progress:
+    out = args.out or RESULTS / f"serving_{tag}{'_smoke' if args.smoke else ''}.json"
+    if not args.progress:
         progress = lambda xs, desc: xs  # noqa: E731
     else:
         from tqdm import tqdm
@@ -356,7 +344,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = dict(device=name, torch=torch.__version__, triton=tv, smoke=args.smoke, budget_gb=args.budget_gb,
                   max_batch=args.max_batch, kernel_splits=args.kernel_splits, bandwidth_gbs=bw / 1e9, dtype=str(dtype),
                   kernel_status="runs" if reason is None else f"not run ({reason})", claim=CLAIM,
-                  command="python benchmarks/serving.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+                  command=command_line(__file__, argv), revision=revision())
 
     def save() -> str:  # after every section: a run cut short keeps what it measured
         md = markdown(report)

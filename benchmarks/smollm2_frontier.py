@@ -4,7 +4,7 @@ evaluation windows; the Pareto front; the budget planner's stacks at 4x / 8x / 1
     python benchmarks/smollm2_frontier.py                 # resumable: finished rows are kept in WORK/rows.json
     python benchmarks/smollm2_frontier.py --only kivi4    # rows whose id contains a string; --list to see them
 
-Protocols (kvsplice.evaluation.protocol; ``kvsplice/evaluation/windows.py`` for the text):
+Protocols (kvsplice.evaluation.protocol; ``benchmarks/lib/smollm2_windows.py`` for the text):
 
 * ``P`` (the frontier): the 4 evaluation windows of 1,024 tokens; the first 768 of each are the prompt (a token
   selection compresses them at prefill; a storage method stores every token compressed), the last 256 are decoded
@@ -24,15 +24,19 @@ never on the evaluation windows. Writes results/smollm2_frontier.{json,md,png}.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-import kvsplice.evaluation.windows as C
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.options import add_threads, command, parser  # noqa: E402
+from benchmarks.harness.paths import RESULTS  # noqa: E402
+import benchmarks.lib.smollm2_windows as C  # noqa: E402
+
 from kvsplice import build_method
 from kvsplice.evaluation.protocol import evaluate
 from kvsplice.planning.search import selection
@@ -40,7 +44,6 @@ from kvsplice.planning.spec import spec_label
 from kvsplice.hf.measure import cache_nbytes, continuation_logits
 from models.checkpoint import atomic_write
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 ROWS = C.WORK / "rows.json"
 PROMPT = 768
 KVPRESS = {  # the issue's kvpress 0.5.5 numbers on protocol S (ppl increase vs the full cache, %): quoted
@@ -222,13 +225,14 @@ class Bench:
         return res
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+@command
+def main(argv=None) -> int:
+    ap = parser(__file__, __doc__)
     ap.add_argument("--only", nargs="*", help="run rows whose id contains one of these")
     ap.add_argument("--list", action="store_true")
-    ap.add_argument("--threads", type=int, default=2)
+    add_threads(ap, 2)
     ap.add_argument("--report-only", action="store_true", help="only write results/ from the finished rows")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     rows = stack_rows()
     if a.list:
         print("\n".join(f"{r[0]} ({r[1]})" for r in rows))
@@ -250,7 +254,7 @@ def main() -> int:
             atomic_write(ROWS, lambda p: p.write_text(json.dumps(done, indent=1, default=str)))
             print(f"{rid:<36} {res['label']:<44} ppl {res['ppl']:.4f}  {res['bytes_per_token']:.0f} B/tok  "
                   f"{res['ratio_vs_fp16_full']:.2f}x  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    from kvsplice.report.smollm2_frontier import energy_claims, write_report
+    from benchmarks.lib.smollm2_report import energy_claims, write_report
 
     write_report(done, RESULTS, KVPRESS, ISSUE, energy_claims(C.WORK / "calib_stats.safetensors"))
     return 0

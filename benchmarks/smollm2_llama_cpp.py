@@ -17,7 +17,7 @@ when its output exists; our other rows from ``results/smollm2_frontier.json``, `
 llama.cpp runs through its C API (:mod:`kvsplice.convert.engines.llama_cpp`, ``$KVSPLICE_LLAMA_CPP``; docs/conversion.md
 builds it) on the shared GGUF itself (its Q4_1 weights: what our loader dequantises to fp32), fed our tokenizer's ids.
 K and V both in the type, flash attention on for every type (llama.cpp quantises V only with it). Protocol P
-(:mod:`kvsplice.convert.engines.llama_cpp_eval`): the 4 validation windows of 1,024 tokens of ``kvsplice.evaluation.windows``,
+(:mod:`benchmarks.lib.llama_cpp_eval`): the 4 validation windows of 1,024 tokens of ``benchmarks.lib.smollm2_windows``,
 768 prefilled, 256 decoded in chunks of 64 and scored. Tasks: ``make_instances`` with the suite's seeds 0..n-1 and the
 validation stories, greedy, scored by the instance. Bytes per token: llama.cpp's log line at context creation
 (``llama_kv_cache: size = ... K (q8_0): ... MiB, V (q8_0): ... MiB``) over its cells, beside ggml's closed form
@@ -27,7 +27,6 @@ validation stories, greedy, scored by the instance. Bytes per token: llama.cpp's
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -35,11 +34,13 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from data.reference import EVAL as STORIES, SMOLLM2 as MODEL  # the shared data files
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness.options import add_progress, add_threads, command, parser  # noqa: E402
+from benchmarks.harness.paths import EVAL as STORIES, RESULTS, ROOT, SMOLLM2 as MODEL  # noqa: E402
+
 WORK = ROOT / "checkpoints" / "smollm2_llama_cpp"
-RESULTS = ROOT / "results"
 TYPES = ["f16", "q8_0", "q4_0", "q4_1", "iq4_nl"]
 TASKS = ["passkey", "niah_number_stories", "niah_word_facts"]  # the reduced table's (results/smollm2_tasks.md)
 PROMPT, N_CTX_SLACK = 768, 64
@@ -75,10 +76,10 @@ def _save(path: Path, doc: dict) -> None:
 
 
 def _windows(tokenizer):
-    """Protocol P's (4, 1024) windows with ``tokenizer`` (``kvsplice.evaluation.windows``; only the tokenizer)."""
+    """Protocol P's (4, 1024) windows with ``tokenizer`` (``benchmarks.lib.smollm2_windows``; only the tokenizer)."""
     from types import SimpleNamespace
 
-    import kvsplice.evaluation.windows as C
+    import benchmarks.lib.smollm2_windows as C
 
     return C.eval_windows(SimpleNamespace(tokenizer=tokenizer))
 
@@ -90,7 +91,7 @@ def run_type(kv: str, a, tokenizer, windows, insts) -> None:
 
     from kvsplice.convert.engines.kv_types import kv_bytes_per_token
     from kvsplice.convert.engines.llama_cpp import LlamaCppModel
-    from kvsplice.convert.engines.llama_cpp_eval import answer, protocol_p
+    from benchmarks.lib.llama_cpp_eval import answer, protocol_p
 
     path = WORK / f"{kv}.json"
     doc = _load(path)
@@ -99,7 +100,7 @@ def run_type(kv: str, a, tokenizer, windows, insts) -> None:
     todo = [(i, s) for i in insts for s in a.settings if f"{i.key}/{s}" not in doc["tasks"]]
     need_ppl = a.perplexity and "protocol_P" not in doc
     n_ctx = max([windows.shape[1]] + [i.length + i.max_new_tokens + N_CTX_SLACK for i in insts])
-    bar = tqdm(total=len(windows) * need_ppl + len(todo), desc=kv, unit="run", disable=a.no_progress)
+    bar = tqdm(total=len(windows) * need_ppl + len(todo), desc=kv, unit="run", disable=not a.progress)
     with LlamaCppModel(gguf, n_ctx=n_ctx, cache_type=kv, flash_attn=True, threads=a.threads) as lm:
         cache = lm.kv_cache()
         doc["kv_cache"] = {**cache, "bytes_per_token": lm.kv_bytes_per_token,
@@ -119,7 +120,7 @@ def run_ours(specs: list[str], a) -> None:
     """Our ``specs`` (``kvsplice.build_method``) on protocol P, resuming ``WORK/ours.json`` (loads the fp32 model)."""
     import torch
 
-    import kvsplice.evaluation.windows as C
+    import benchmarks.lib.smollm2_windows as C
     from kvsplice import build_method
     from kvsplice.loading import load_tokenizer
     from kvsplice.evaluation.protocol import evaluate, evaluate_each
@@ -320,9 +321,9 @@ def write_report(types: list[str], results_dir: Path) -> dict:
     return report
 
 
+@command
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__file__, __doc__, raw=True)
     ap.add_argument("--types", nargs="*", default=TYPES,
                     help="llama.cpp cache types, K and V both (default: %(default)s)")
     ap.add_argument("--no-perplexity", dest="perplexity", action="store_false", help="skip protocol P")
@@ -335,10 +336,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="run llama-perplexity itself with these types beside our API path (2 chunks of 1,024)")
     ap.add_argument("--exact-bytes", action="store_true",
                     help="read each type's cache per token at 2^15 cells (exact MiB in llama.cpp's log)")
-    ap.add_argument("--threads", type=int, default=1)
+    add_threads(ap)
     ap.add_argument("--results", default=str(RESULTS))
     ap.add_argument("--report-only", action="store_true")
-    ap.add_argument("--no-progress", action="store_true")
+    add_progress(ap)
     a = ap.parse_args(argv)
     from kvsplice.convert.engines.kv_types import kv_type
     from kvsplice.convert.engines.llama_cpp import missing

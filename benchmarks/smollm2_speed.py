@@ -10,23 +10,25 @@ cache, ``int8``, ``kivi4``, ``k8v4h`` and the planner's default 4× and 8× pick
 (plans made by ``python -m kvsplice.plan ... --ratio 4|8``) or, without them, their specs as docs/tasks.md records
 them (``pick4x`` / ``pick8x`` below). Per (dtype, context, batch, door) every method is prefilled once (the
 prompt: TinyStories validation text, a different slice per sequence of the batch) and its decode steps are timed
-round-robin with the others (:mod:`kvsplice.report.speed`): ratios are medians measured side by side. One torch
+round-robin with the others (:mod:`benchmarks.lib.speed`): ratios are medians measured side by side. One torch
 thread by default (``--threads``): times are thread-CPU seconds, robust to other processes on a shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
 
-from data.reference import EVAL, SMOLLM2  # noqa: E402
+from benchmarks.harness.header import command as command_line, machine_line, revision  # noqa: E402
+from benchmarks.harness.options import add_model, add_out, add_threads, command, parser  # noqa: E402
+from benchmarks.harness.paths import EVAL, RESULTS, SMOLLM2  # noqa: E402
+from benchmarks.harness.results import result_stem, write_markdown, write_result  # noqa: E402
 
 PICKS = {  # the planner's default picks on SmolLM2-135M-Instruct (docs/tasks.md), when no plan file is given
     "pick4x": "select:kvzip(mix=observed_attention,share=0.1,heads=pooled,layers=50%-67%,decoded=int8)@x1.69+k8v4h",
@@ -36,8 +38,8 @@ DEFAULT_METHODS = ["full", "int8", "kivi4", "k8v4h", "pick4x", "pick8x"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default=str(SMOLLM2))
+    p = parser(__file__, __doc__, raw=True)
+    add_model(p, SMOLLM2)
     p.add_argument("--data", default=str(EVAL), help="prompt text")
     p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS)
     p.add_argument("--plan4", help="the 4x plan (JSON); default: the pick's spec (pick4x)")
@@ -48,13 +50,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", nargs="+", choices=["fp32", "bf16"], default=["fp32"])
     p.add_argument("--doors", nargs="+", choices=["hf", "decoder"], default=["hf", "decoder"])
     p.add_argument("--rounds", type=int, default=8, help="decode steps per method (round-robin)")
-    p.add_argument("--threads", type=int, default=1)
+    add_threads(p)
     p.add_argument("--pick-scores", choices=["kvzip", "random"], default="kvzip",
                    help="random: the KVzip stacks keep tokens by random scores instead of the reconstruction pass "
                         "(the same cache layout and sizes, so the same decode cost; their prefill is then not KVzip's)")
     p.add_argument("--quick", action="store_true", help="512 tokens, batch 1 and 2, 4 rounds: a few minutes")
     p.add_argument("--tag", default="", help="results/smollm2_speed_<tag>.*")
-    p.add_argument("--out-dir", default=str(ROOT / "results"))
+    add_out(p, RESULTS, "the results folder", flag="--out-dir")
     a = p.parse_args(argv)
     if a.quick:
         a.contexts, a.batch, a.rounds = [512], [1, 2], 4
@@ -108,8 +110,7 @@ def prompt_ids(tok, path: str, t: int, b: int) -> torch.Tensor:
 
 
 def write_report(rows: list[dict], out: Path, meta: dict) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    write_result(out, {"meta": meta, "rows": rows})
     head = ("| dtype | context | batch | door | method | prefill s | ×full | decode ms/token | ×full (CPU) | ×full (wall) "
             "| cache MiB | prefill peak RSS MiB |")
     lines = [f"# SmolLM2-135M-Instruct: decode speed of compressed caches\n", f"`{meta['command']}`\n",
@@ -119,7 +120,7 @@ def write_report(rows: list[dict], out: Path, meta: dict) -> None:
                      f"{r['prefill_s']:.2f} | {r['prefill_vs_full']:.2f} | {r['decode_ms']:.1f} | "
                      f"**{r['decode_vs_full']:.2f}** | {r['decode_wall_vs_full']:.2f} | "
                      f"{r['cache_bytes'] / 2**20:.1f} | {r['prefill_peak_rss_bytes'] / 2**20:.0f} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_markdown(out, "\n".join(lines))
     try:
         import matplotlib
 
@@ -145,11 +146,12 @@ def write_report(rows: list[dict], out: Path, meta: dict) -> None:
         pass
 
 
+@command
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     from kvsplice.loading import load_model
-    from kvsplice.report.speed import measure
+    from benchmarks.lib.speed import measure
 
     rows = []
     for dt in args.dtype:
@@ -171,21 +173,14 @@ def main(argv=None) -> int:
                         print(f"{dt} T={t} B={b} {door:7s} {r['method']:8s} prefill {r['prefill_s']:7.2f}s "
                               f"decode {r['decode_ms']:8.1f} ms ×{r['decode_vs_full']:.2f} (wall ×"
                               f"{r['decode_wall_vs_full']:.2f})", flush=True)
-                    write_report(rows, Path(args.out_dir) / f"smollm2_speed{'_' + args.tag if args.tag else ''}",
-                                 _meta(args, argv))
+                    write_report(rows, result_stem("smollm2_speed", args.tag, args.out_dir), _meta(args, argv))
     return 0
 
 
 def _meta(args, argv) -> dict:
-    import os
-    import platform
-
-    load = os.getloadavg()
-    return {"command": "python benchmarks/smollm2_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
-                       f"{torch.__version__}, {args.threads} torch thread(s); load average at the end "
-                       f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (a shared machine: times are thread-CPU, "
-                       f"ratios side by side)",
+    return {"command": command_line(__file__, argv), "revision": revision(),
+            "machine": machine_line(args.threads) + " at the end (a shared machine: times are thread-CPU, ratios "
+                       "side by side)",
             "picks": {k: (getattr(args, "plan" + k[4]) or v) for k, v in PICKS.items()},
             "pick_scores": args.pick_scores}
 

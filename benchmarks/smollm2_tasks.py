@@ -26,58 +26,25 @@ and finished instances are kept); the report is ``results/smollm2_tasks[_<size>]
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
 from pathlib import Path
 from typing import Optional
 
-from data.reference import CALIB, DATA, EVAL as STORIES, SMOLLM2 as MODEL  # the shared data files
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness.options import add_progress, add_threads, command, parser  # noqa: E402
+from benchmarks.harness.paths import CALIB, DATA, EVAL as STORIES, RESULTS, ROOT, SMOLLM2 as MODEL  # noqa: E402
+from benchmarks.harness.studies import load as load_study  # noqa: E402
 WORK = ROOT / "checkpoints" / "smollm2_tasks"
 PLANS = WORK / "plans"
 
-PPL_PLANNER = {"4x": "select:observed_attention@x2.09+int8", "8x": "select:observed_attention@x4.19+int8",
-               "16x": "select:observed_attention@x8.38+int8"}  # the planner with --objective ppl (the frontier's)
-PLANNED = {"4x": ["--ratio", "4"], "8x": ["--ratio", "8"],  # the planner's default picks: plan:PLANS/plan<name>.json
-           "4x8k": ["--ratio", "4", "--tune-length", "8000"],  # a 4x pick re-made with its tuning instances at 8k
-           # the same after the planner fits each selector to the budget and measures the stores kvzip(heads=pooled)
-           # cannot hold (KIVI) under the next selector: its two best trial selectors at 8k and the stores they hold
-           "4x8kfb": ["--ratio", "4", "--tune-length", "8000", "--selectors", "kvzip(heads=pooled,decoded=int8)",
-                      "kvzip(heads=union)", "--stores", "dense", "int8", "k8v4h",
-                      *(f"kivi(bits=4,group={g},residual={r})" for g in (32, 64) for r in (128, 32))]}
-# the same with the budget fitted at 8k (--fit-length: KIVI's full-precision window is 1/62 of the prompt, not 1/6)
-PLANNED["4x8kfit"] = [*PLANNED["4x8kfb"], "--fit-length", "8000"]
-REDUCED = {"methods": ["int8", "kivi4", PPL_PLANNER["4x"], PPL_PLANNER["8x"], "select:kvzip@x2.09+int8",
-                       "select:kvzip@x4.19+int8", "select:expected_attention@x4.19+int8"], "plans": ["4x", "8x"],
-           "tasks": ["passkey", "niah_number_stories", "niah_word_facts"], "lengths": [1024], "n": 8}
-PASSKEY = {"methods": ["int8", "kivi4", PPL_PLANNER["4x"], PPL_PLANNER["8x"]], "plans": ["4x", "8x"],
-           "tasks": ["passkey"], "lengths": [1024, 2048], "n": 8}
-FULL = {"methods": ["int8", "kivi4", "kivi4(residual=32)", "kivi2", *PPL_PLANNER.values(),
-                    "select:observed_attention@x1.55+kivi4(residual=32)",
-                    *(f"select:{s}@x8" for s in ("observed_attention", "snapkv", "streaming_llm", "knorm")),
-                    "select:observed_attention@x4", "select:kvzip@x2.09+int8", "select:kvzip@x4.19+int8",
-                    "select:kvzip@x8.38+int8", "select:kvzip@x4", "select:kvzip@x8",
-                    "select:expected_attention@x4.19+int8", "kivi4h(residual=32)", "kivi2h(residual=32)"],
-        "plans": ["4x", "8x"],
-        "tasks": ["passkey", "niah_number_stories", "niah_uuid_facts", "multikey_stories", "vartrack", "multivalue",
-                  "story_qa"], "lengths": [1024, 2048, 4096], "n": 16}
-GOALS = {"methods": [], "plans": ["4x", "8x"], "tasks": ["passkey", "niah_number_stories", "niah_word_facts"],
-         "lengths": [1024], "n": 50}  # the goals: the planner's picks vs the full cache, 50 per task
-GOALS_2K = {**GOALS, "tasks": ["passkey"], "lengths": [2048]}  # the same, the passkey at 2k
-CEILING = {"methods": ["int8"], "tasks": ["passkey", "niah_number_stories", "niah_word_facts"], "lengths": [4096, 8000],
-           "n": 10, "setting": "agnostic"}  # the full cache (+ int8): which tasks the model itself answers at 4k / 8k
-LONG = {"methods": ["int8", "kivi4"], "plans": ["4x", "8x"], "plans_at": {8000: ["4x8k", "4x8kfb", "4x8kfit"]},
-        "tasks": ["niah_number_stories"], "lengths": [4096, 8000], "n": 20}  # the picks made at 1k, judged at 4k and
-# 8k on the goal task the full cache answers there (the ceiling: the passkey and the word in facts are beyond the model
-# at 4k), and at 8k the picks re-made for 8k; 4k about 40 min on 2 cores, 8k about 10 min per instance (eight
-# methods, full included)
-SMOKE = {"methods": ["int8", "select:observed_attention@x4+int8", "select:kvzip@x2"], "tasks": ["passkey", "vartrack"],
-         "lengths": [200], "n": 2}
-SIZES = {"smoke": SMOKE, "reduced": REDUCED, "passkey": PASSKEY, "goals": GOALS, "goals2k": GOALS_2K, "full": FULL,
-         "ceiling": CEILING, "long": LONG}
+SETTINGS = load_study("smollm2_tasks")  # benchmarks/studies/smollm2_tasks.yaml
+PPL_PLANNER: dict[str, str] = SETTINGS["ppl_planner"]  # the planner with --objective ppl (the frontier's picks)
+PLANNED: dict[str, list[str]] = SETTINGS["planned"]  # the planner's default picks: plan:PLANS/plan<name>.json
+SIZES: dict[str, dict] = SETTINGS["sizes"]  # --size NAME: methods, plans, tasks, lengths, instances per task
 
 
 def plan_path(name: str) -> Path:
@@ -202,15 +169,16 @@ def write_report(size: str, cfg: dict, results_dir: Path) -> dict:
     return report
 
 
+@command
 def main(argv: Optional[list[str]] = None) -> int:
     global WORK, PLANS
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__file__, __doc__)
     ap.add_argument("--size", choices=tuple(SIZES), default="reduced")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--results", default=str(ROOT / "results"), help="folder of the report (default results/)")
+    add_threads(ap, 2)
+    ap.add_argument("--results", default=str(RESULTS), help="folder of the report (default results/)")
     ap.add_argument("--work", default=str(WORK), help="folder of the runs and plans (default checkpoints/smollm2_tasks)")
     ap.add_argument("--report-only", action="store_true")
-    ap.add_argument("--no-progress", action="store_true")
+    add_progress(ap)
     a = ap.parse_args(argv)
     cfg = SIZES[a.size]
     WORK, PLANS = Path(a.work), Path(a.work) / "plans"
@@ -221,16 +189,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         for name in plans_of(cfg):
             if not plan_path(name).is_file():  # made once, kept (the planner's tuning never sees reported seeds)
                 PLANS.mkdir(parents=True, exist_ok=True)
-                rc = plan.main(plan_argv(name) + ["--threads", str(a.threads)] + (["--no-progress"] if a.no_progress
-                                                                                   else []))
+                rc = plan.main(plan_argv(name) + ["--threads", str(a.threads)] + ([] if a.progress else
+                                                                                   ["--no-progress"]))
                 if rc:
                     return rc
-            if not (PLANS / f"plan{name}_P.json").is_file():  # the plan's protocol-P perplexity (docs/smollm2.md)
+            if not (PLANS / f"plan{name}_P.json").is_file():  # the plan's protocol-P perplexity (docs/plan.md)
                 rc = eval_bases.main(protocol_p_argv(name) + ["--threads", str(a.threads), "--no-progress"])
                 if rc:
                     return rc
         for L in cfg["lengths"]:
-            rc = eval_tasks.main(_argv(a.size, cfg, L, WORK / f"{a.size}_{L}.json", a.threads, not a.no_progress))
+            rc = eval_tasks.main(_argv(a.size, cfg, L, WORK / f"{a.size}_{L}.json", a.threads, a.progress))
             if rc:
                 return rc
     report = write_report(a.size, cfg, Path(a.results))

@@ -22,9 +22,7 @@
 
 from __future__ import annotations
 
-import argparse
 import math
-import platform
 import sys
 import tempfile
 import time
@@ -33,7 +31,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from data.reference import CALIB, EVAL, STORIES  # the shared data files
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.header import command as command_line, machine, revision  # noqa: E402
+from benchmarks.harness.options import add_json, command, parser  # noqa: E402
+from benchmarks.harness.paths import CALIB, EVAL, RESULTS, STORIES  # noqa: E402
 from kvsplice import build_method
 from kvsplice.decode import Decoder, score_continuation
 from kvsplice.hf import KVSpliceHFCache
@@ -43,9 +46,6 @@ from kvsplice.lowrank import calibrate, calibration_batches, fit_bases
 from kvsplice.report.memory import measure_cache
 from kvsplice.select import TokenSelection
 
-REPO = Path(__file__).resolve().parents[1]
-
-COMMAND = "python benchmarks/stack_stories260k.py"
 
 
 def methods(bases: dict[int, object], budgets: list[int], selector: str) -> dict[str, tuple[dict, object]]:
@@ -126,8 +126,9 @@ def fmt_md(rep: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@command
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__file__, __doc__)
     ap.add_argument("--calib-tokens", type=int, default=32768)
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=384)
@@ -135,8 +136,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 6, 8])
     ap.add_argument("--budgets", type=int, nargs="+", default=[192, 96, 48])
     ap.add_argument("--selector", default="balancekv")
-    ap.add_argument("--json", default=str(REPO / "results" / "stack_stories260k.json"))
-    ap.add_argument("--md", default=str(REPO / "results" / "stack_stories260k.md"))
+    add_json(ap, RESULTS / "stack_stories260k.json")
+    ap.add_argument("--md", default=str(RESULTS / "stack_stories260k.md"))
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     for f in (STORIES / "stories260K.bin", STORIES / "tok512.bin", CALIB, EVAL):
@@ -163,14 +164,14 @@ def main(argv=None) -> int:
         results.append(row)
         print(f"{name:24s} ppl {row['ppl']:.4f} (hf {row['ppl_hf']:.4f})  {row['bytes_per_token']:7.1f} B/token "
               f"({row['ratio_vs_fp16_full']:.2f}x vs fp16)  bytes==formula {row['bytes_match']}", flush=True)
-    rep = {"command": COMMAND + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip(),
+    rep = {"command": command_line(__file__, argv), "revision": revision(),
            "config": {"windows": a.windows, "prompt": a.prompt, "cont": a.cont, "ranks": a.ranks,
                       "budgets": a.budgets, "selector": a.selector, "bases": "gqa-concat post-RoPE"},
            "calibration": {"source": CALIB.name, "tokens": stats.n_tokens},
            "eval": {"source": EVAL.name, "tokens": int(windows.numel())},
            "checks": {"bytes_match_all": all(r["bytes_match"] for r in results),
                       "ppl_door_max_rel": max(abs(r["ppl_hf"] / r["ppl"] - 1) for r in results)},
-           "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": 1},
+           "machine": machine(1),
            "seconds": round(time.perf_counter() - t0, 1), "results": results}
     write_json(rep, a.json)
     Path(a.md).write_text(fmt_md(rep))

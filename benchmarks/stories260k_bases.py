@@ -23,7 +23,6 @@ Steps (all through the CLIs' own code: :mod:`kvsplice.fit_bases` / :mod:`kvsplic
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import tempfile
 import time
@@ -31,14 +30,18 @@ from pathlib import Path
 
 import torch
 
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.header import command as command_line, machine, revision  # noqa: E402
+from benchmarks.harness.options import add_json, add_threads, command, parser  # noqa: E402
+from benchmarks.harness.paths import CALIB, EVAL, RESULTS, STORIES  # noqa: E402
 from kvsplice.evaluation.context import EvalContext, load_windows
 from kvsplice.evaluation.lowrank import evaluate_bases
 from kvsplice.cli.fit_bases import build_parser as fit_parser, fit_from_args
 from kvsplice.io.outputs import write_json
-from data.reference import CALIB, EVAL, STORIES
 from kvsplice.lowrank.fits import FITS, score_error
 
-REPO = Path(__file__).resolve().parents[1]
 
 TOL = 1e-6
 """Slack on the relative score errors: the bases are saved in fp32, so at full rank the attention-aware (oblique)
@@ -145,8 +148,9 @@ def fmt_md(report: dict) -> str:
     return "\n".join(lines)
 
 
+@command
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__file__, __doc__)
     p.add_argument("--calib-tokens", type=int, default=65536)
     p.add_argument("--eval-tokens", type=int, default=32768)
     p.add_argument("--seq-len", type=int, default=512)
@@ -155,9 +159,9 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 6, 8])
     p.add_argument("--methods", nargs="+", default=list(FITS), choices=FITS)
     p.add_argument("--ropes", nargs="+", default=["post", "pre"], choices=["post", "pre"])
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", default=str(REPO / "results" / "stories260k_bases.json"))
-    p.add_argument("--md", default=str(REPO / "results" / "stories260k_bases.md"))
+    add_threads(p)
+    add_json(p, RESULTS / "stories260k_bases.json")
+    p.add_argument("--md", default=str(RESULTS / "stories260k_bases.md"))
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     for f in (STORIES / "stories260K.bin", STORIES / "tok512.bin", CALIB, EVAL):
@@ -255,11 +259,10 @@ def main(argv=None) -> int:
 
     fr = next(iter(fit_reports.values()))
     report = {
-        "command": "python benchmarks/stories260k_bases.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line(__file__, argv), "revision": revision(),
         "config": {"ranks": a.ranks, "methods": a.methods, "ropes": a.ropes, "chunk_size": a.chunk_size,
                    "batch_size": a.batch_size, "seq_len": a.seq_len, "threads": a.threads},
-        "environment": {"torch": torch.__version__, "python": platform.python_version(),
-                        "machine": platform.machine(), "cpu_threads": torch.get_num_threads()},
+        "environment": machine(a.threads),
         "model": {"source": str(STORIES / "stories260K.bin"), "shapes": fr["shapes"],
                   "fingerprint": fr["model_fingerprint"]},
         "calibration": {**fr["calibration"], "source": CALIB.name},

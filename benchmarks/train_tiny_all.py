@@ -17,7 +17,6 @@ training-shaped batch) with the five models timed round-robin, so a change in ma
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -29,7 +28,13 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.header import header  # noqa: E402
+from benchmarks.harness.options import command, parser  # noqa: E402
+from benchmarks.harness.paths import ROOT as REPO  # noqa: E402
+from benchmarks.harness.timing import wall_time  # noqa: E402
 VARIANTS = ["tiny_gpt2", "tiny_mla", "tiny_mla_kvsplice_50", "tiny_mla_kvsplice_70", "tiny_mla_kvsplice_90"]
 
 
@@ -41,7 +46,6 @@ def last(rows: list[dict[str, str]], key: str) -> tuple[int, float]:
 
 
 def unigram_entropy_of(config: Path, cache_dir: str | None) -> tuple[float, str, int]:
-    sys.path.insert(0, str(REPO))
     from data import TinyStoriesDataModule
 
     d = dict(yaml.safe_load(config.read_text())["data"])
@@ -55,7 +59,6 @@ def unigram_entropy_of(config: Path, cache_dir: str | None) -> tuple[float, str,
 
 def interleaved_step_ms(configs: list[Path], vocab_size: int, rounds: int, threads: int | None) -> list[float]:
     """Median ms per training step of each config's model, timing the models round-robin ``rounds`` times."""
-    sys.path.insert(0, str(REPO))
     import torch
 
     from training.lit import LitGPT
@@ -82,19 +85,18 @@ def interleaved_step_ms(configs: list[Path], vocab_size: int, rounds: int, threa
     times: list[list[float]] = [[] for _ in configs]
     for _ in range(rounds):
         for i, step in enumerate(steps):
-            t0 = time.perf_counter()
-            step()
-            times[i].append(time.perf_counter() - t0)
+            times[i] += wall_time(step, 1)
     return [1000 * sorted(t)[len(t) // 2] for t in times]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+@command
+def main(argv=None) -> int:
+    ap = parser(__file__, __doc__, raw=True)
     ap.add_argument("--runs_dir", default="checkpoints")
     ap.add_argument("--variants", nargs="*", default=VARIANTS)
     ap.add_argument("--rounds", type=int, default=20, help="round-robin rounds of the interleaved step timing")
     ap.add_argument("extra", nargs="*", help="flags passed to every training run (after --)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     runs_dir = Path(a.runs_dir)
     cache_dir = next((a.extra[i + 1] for i, x in enumerate(a.extra[:-1]) if x == "--data.cache_dir"), None)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -148,7 +150,8 @@ def main() -> int:
     table = "\n".join(lines)
     print("\n" + table)
     runs_dir.mkdir(parents=True, exist_ok=True)
-    (runs_dir / "tiny_benchmark.json").write_text(json.dumps({"unigram_entropy": h, "data": desc,
+    (runs_dir / "tiny_benchmark.json").write_text(json.dumps({**header(__file__, argv, threads), "unigram_entropy": h,
+                                                              "data": desc,
                                                               "runs": results}, indent=2))
     return 0
 

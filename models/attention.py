@@ -26,15 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from models.cache import SCALE, Cache, DecodeCache
+from models.cache import Cache, DecodeCache
 from models.kernels import decode_attend, resolve_decode_kernel, use_decode_kernel
 from models.rope import Rotary
-from models.config import DEEPSEEK_V3, RMS_NORM_EPS, GPTConfig
+from models.config import DEEPSEEK_V3, GPTConfig
+from models.quant import SCALE
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
-LATENT_NORM_EPS = RMS_NORM_EPS
-"""eps of MLA's latent RMSNorm (``cfg.latent_norm``, ``cfg.kvsplice_norm``): the layout's ``rms_norm_eps``."""
 
 
 def positions(cache: Optional[Cache], t: int, device: torch.device) -> torch.Tensor:
@@ -186,10 +185,13 @@ FUSED_HEAD_MULTIPLE = 8
 """Head sizes SDPA's fused CUDA kernels take are multiples of this; :func:`sdpa` pads others up to one."""
 
 
-def causal_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor:
-    """Bottom-right aligned causal mask ``(Tq, Tk)``: True where query i (position Tk-Tq+i) may see key j."""
+def causal_mask(t_q: int, t_k: int, device: torch.device, window: Optional[int] = None) -> torch.Tensor:
+    """Bottom-right aligned causal mask ``(Tq, Tk)``: True where query i (position Tk-Tq+i) may see key j; with a
+    sliding ``window``, only the last ``window`` keys up to its own."""
     q_pos = torch.arange(t_k - t_q, t_k, device=device)[:, None]  # (Tq, 1)
-    return torch.arange(t_k, device=device)[None, :] <= q_pos  # (Tq, Tk)
+    k_pos = torch.arange(t_k, device=device)[None, :]  # (1, Tk)
+    allowed = k_pos <= q_pos  # (Tq, Tk)
+    return allowed & (k_pos > q_pos - window) if window else allowed
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mask: Optional[torch.Tensor] = None,
@@ -236,7 +238,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mas
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, backend: str = "sdpa",
            dropout_p: float = 0.0, bias: Optional[torch.Tensor] = None,
            flash: Optional[FlashImpl] = None, fixed_shape: bool = False, lengths: Optional[torch.Tensor] = None,
-           k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+           k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+           window: Optional[int] = None) -> torch.Tensor:
     """Causal attention of ``Tq`` new queries over ``Tk >= Tq`` keys whose last ``Tq`` are the queries' own.
 
     q (B, Hq, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv), Hq % Hkv == 0 → (B, Hq, Tq, Dv).
@@ -250,11 +253,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
     ``backend="split_kv"`` (``Tq = 1`` only): the split-KV kernel (:func:`models.kernels.decode_attend`), which
     also takes ``lengths (B|1,)`` (keys past ``lengths[b]`` are not read: a fixed-capacity view's length instead of
     its bias) and int8 ``k``/``v`` with per-row scales ``k_scale``/``v_scale (B, Hkv, Tk, 1)``.
+
+    ``window``: a sliding window (each query sees its last ``window`` keys, its own included; SDPA only).
     """
     b, hq, t_q, d = q.shape
     hkv, t_k = k.shape[1], k.shape[2]
     if hq % hkv != 0 or t_k < t_q:
         raise ValueError(f"attend: bad shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
+    if window and backend != "sdpa":
+        raise ValueError(f"attend: a sliding window needs backend='sdpa', got {backend!r}")
     if backend == "split_kv":
         if t_q != 1 or dropout_p > 0.0:
             raise ValueError(f"attend: the split-KV kernel takes one query and no dropout, got Tq={t_q}")
@@ -273,7 +280,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
             y = y[0]
         return y.transpose(1, 2)  # (B, Hq, Tq, Dv)
     g = hq // hkv
-    if (g > 1 and t_q == t_k > 1 and bias is None and q.device.type == "cpu" and dropout_p == 0.0
+    if (g > 1 and t_q == t_k > 1 and bias is None and not window and q.device.type == "cpu" and dropout_p == 0.0
             and d == v.shape[-1]):
         # Square causal GQA on the CPU: SDPA's flash kernel with its own grouping, 2x faster than the folded
         # rows below (which need an explicit mask and take the generic path).
@@ -286,9 +293,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, b
             raise ValueError(f"attend: bias must be (B, Hkv, Tk) = {(b, hkv, t_k)} (or 1 for B / Hkv), got "
                              f"{tuple(bias.shape)}")
         mask, is_causal = bias.to(q.dtype)[:, :, None, :], False  # (B|1, Hkv|1, 1, Tk), broadcast over query rows
-        if t_q > 1:
-            allowed = causal_mask(t_q, t_k, q.device).repeat(g, 1)  # (g*Tq, Tk)
+        if t_q > 1 or window:
+            allowed = causal_mask(t_q, t_k, q.device, window).repeat(g, 1)  # (g*Tq, Tk)
             mask = mask.masked_fill(~allowed, float("-inf"))  # (B|1, Hkv|1, g*Tq, Tk)
+    elif window:
+        mask, is_causal = causal_mask(t_q, t_k, q.device, window).repeat(g, 1), False  # (g*Tq, Tk)
     elif t_q == 1:
         mask, is_causal = None, False  # one new query sees every key
     elif t_q == t_k and g == 1:

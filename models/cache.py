@@ -32,50 +32,13 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from models.group_quant import dequantize as dequantize_groups
-from models.group_quant import pack_codes, quantize, unpack_codes
+from models.quant import QUANT_MODES, Quantizer, row_quantizer
 
 StreamSpec = Mapping[str, Sequence[int]]
 """name -> per-token shape ``(*lead, D)``; stored as ``(B, *lead, T, D)``."""
 
-QUANT_MODES = (None, "int8", "int4")
-"""``quant`` of a :class:`DecodeCache`: ``None`` stores the streams at ``dtype``; ``"int8"`` stores each token's row
-as int8 with one fp16 absmax scale per row (per token, per layer, per stream and leading index such as the head);
-``"int4"`` stores each row as asymmetric 4-bit codes, two per byte, in groups of :func:`int4_group` numbers along
-the row, each group with an fp16 scale and minimum (KIVI's value quantisation, :mod:`models.group_quant`). A
-mapping ``{stream: mode}`` quantises each stream its own way (``{"k": "int8", "v": "int4"}``; a stream it does not
-name is stored at ``dtype``)."""
-SCALE = ".scale"
-"""Suffix of the scale buffer of a quantised stream (``"k.scale"``: ``(B, *lead, T, 1)`` fp16; int4:
-``(B, *lead, T, D / group)``)."""
-MIN = ".min"
-"""Suffix of the group-minimum buffer of an int4 stream (``(B, *lead, T, D / group)`` fp16)."""
-INT4_GROUP = 32
-
-
-def int4_group(d: int) -> int:
-    """Numbers per group of an int4 row of width ``d``: :data:`INT4_GROUP`, or the whole row when ``d`` is not a
-    multiple of it."""
-    return INT4_GROUP if d % INT4_GROUP == 0 else d
-
-
-def int4_row_bytes(d: int) -> int:
-    """Bytes of one int4 row of width ``d`` (even): ``d / 2`` code bytes and an fp16 scale and minimum per group."""
-    return d // 2 + 4 * (d // int4_group(d))
-
-
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric absmax int8 per row of the last dim: ``x (..., D)`` → ``q (..., D)`` int8 in [-127, 127] and
-    ``scale (..., 1)`` fp16 with ``x ≈ q · scale`` (the fp16-rounded scale is the one used to round)."""
-    xf = x.float()
-    scale = (xf.abs().amax(-1, keepdim=True) / 127.0).clamp(2.0**-14, 65504.0).to(torch.float16)  # (..., 1)
-    q = torch.round(xf / scale.float()).clamp_(-127, 127).to(torch.int8)  # (..., D)
-    return q, scale
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``q · scale`` at ``dtype`` (a transient tensor for the attention call; never stored)."""
-    return q.to(dtype) * scale.to(dtype)
+__all__ = ["Cache", "CompressedLatentCache", "DecodeCache", "KVCache", "LatentCache",
+           "StreamSpec"]
 
 
 class Cache:
@@ -147,7 +110,14 @@ class Cache:
 
 
 class DecodeCache(Cache):
-    """Per-layer named streams with amortised O(1) appends along the time axis (dim -2)."""
+    """Per-layer named streams with amortised O(1) appends along the time axis (dim -2).
+
+    ``quant`` (:data:`models.quant.QUANT_MODES`): ``None`` stores the streams at ``dtype``; ``"int8"`` each token's
+    row as int8 with one fp16 absmax scale per row (per token, layer, stream and leading index such as the head);
+    ``"int4"`` each row as 4-bit codes, two per byte, in groups of 32 numbers (or the whole row) with an fp16 scale
+    and minimum each (:mod:`models.quant`: the quantiser, its parts ``name``, ``name.scale``, ``name.min`` and bytes).
+    A mapping ``{stream: mode}`` quantises each stream its own way (``{"k": "int8", "v": "int4"}``; a stream it does
+    not name is stored at ``dtype``)."""
 
     kind: str = "generic"
 
@@ -178,6 +148,7 @@ class DecodeCache(Cache):
         elif quant not in QUANT_MODES:
             raise ValueError(f"quant must be one of {QUANT_MODES} or a mapping of streams to them, got {quant!r}")
         self._modes = dict(quant) if isinstance(quant, dict) else {name: quant for name in names}
+        self._quantizers = {name: row_quantizer(mode) for name, mode in self._modes.items()}
         if any(self._modes[name] == "int4" and shape[-1] % 2 for spec in self.specs for name, shape in spec.items()):
             raise ValueError("an int4 cache packs two numbers per byte: every int4 stream's last dim must be even")
         self.batch_size = int(batch_size)
@@ -199,16 +170,12 @@ class DecodeCache(Cache):
         """Storage buffers of one layer: name -> (per-token shape, dtype); a quantised stream adds its scales."""
         out = {}
         for name, shape in spec.items():
-            mode = self._modes[name]
-            if mode is None:
+            q = self._quantizers[name]
+            if q is None:
                 out[name] = (shape, self.dtype)
-            elif mode == "int8":
-                out[name] = (shape, torch.int8)
-                out[name + SCALE] = ((*shape[:-1], 1), torch.float16)
-            else:  # int4: packed codes, a scale and a minimum per group
-                groups = (*shape[:-1], shape[-1] // int4_group(shape[-1]))
-                out[name] = ((*shape[:-1], shape[-1] // 2), torch.uint8)
-                out[name + SCALE], out[name + MIN] = (groups, torch.float16), (groups, torch.float16)
+                continue
+            for part, (width, dt) in q.parts(shape[-1]).items():  # the codes, their scales (and minima)
+                out[name + part] = ((*shape[:-1], width), dt)
         return out
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, capacity: int) -> torch.Tensor:
@@ -302,25 +269,15 @@ class DecodeCache(Cache):
     def _quantize_into(self, layer: int, name: str, x: torch.Tensor, n: int) -> None:
         """Store rows ``x (B, *lead, T, D)`` of stream ``name`` quantised at rows ``n:n + T``."""
         bufs, t = self._buffers[layer], x.shape[-2]
-        if self._modes[name] == "int8":
-            bufs[name][..., n : n + t, :], bufs[name + SCALE][..., n : n + t, :] = quantize_int8(x)
-            return
-        d = x.shape[-1]
-        codes, scale, mn = quantize(x.unflatten(-1, (d // int4_group(d), -1)), -1, 4)  # (…, T, D/G, G), (…, D/G, 1)
-        bufs[name][..., n : n + t, :] = pack_codes(codes.flatten(-2), 4)  # (B, *lead, T, D/2)
-        bufs[name + SCALE][..., n : n + t, :], bufs[name + MIN][..., n : n + t, :] = scale[..., 0], mn[..., 0]
+        for part, rows in self._quantizers[name].quantize(x).items():  # (B, *lead, T, width) each
+            bufs[name + part][..., n : n + t, :] = rows
 
     def _dequantized(self, layer: int, name: str, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The first ``n`` rows of quantised stream ``name`` at ``dtype``, ``(B, *lead, n, D)`` (into the first ``n``
         rows of ``out`` when given)."""
-        bufs = self._buffers[layer]
-        rows, scale = bufs[name][..., :n, :], bufs[name + SCALE][..., :n, :]
-        if self._modes[name] == "int8":
-            return dequantize(rows, scale, self.dtype) if out is None else out[..., :n, :].copy_(rows).mul_(scale)
-        d = self.specs[layer][name][-1]
-        codes = unpack_codes(rows, 4).unflatten(-1, (d // int4_group(d), -1))  # (B, *lead, n, D/G, G)
-        x = dequantize_groups(codes, scale[..., None], bufs[name + MIN][..., :n, :, None], self.dtype).flatten(-2)
-        return x if out is None else out[..., :n, :].copy_(x)
+        q, bufs, d = self._quantizers[name], self._buffers[layer], self.specs[layer][name][-1]
+        parts = {part: bufs[name + part][..., :n, :] for part in q.parts(d)}  # (B, *lead, n, width) each
+        return q.dequantize(parts, d, self.dtype, None if out is None else out[..., :n, :])
 
     def reserve(self, layer: int, t_new: int, *, written: bool = False) -> tuple[int, dict[str, torch.Tensor]]:
         """An append without a temporary (unquantised caches): make room for ``t_new`` more tokens of ``layer``, count
@@ -361,8 +318,13 @@ class DecodeCache(Cache):
         return {name: bufs[name][..., :n, :] if self._modes[name] is None else self._dequantized(layer, name, n)
                 for name in self.specs[layer]}
 
+    def quantizer(self, name: str) -> Quantizer | None:
+        """The quantiser of stream ``name`` (:mod:`models.quant`), None when it is stored at ``dtype``."""
+        return self._quantizers[name]
+
     def mode(self, name: str) -> str | None:
-        """How stream ``name`` is stored: ``None`` (at ``dtype``), ``"int8"`` or ``"int4"`` (:data:`QUANT_MODES`)."""
+        """How stream ``name`` is stored: ``None`` (at ``dtype``), ``"int8"`` or ``"int4"``
+        (:data:`models.quant.QUANT_MODES`)."""
         return self._modes[name]
 
     def stored(self, layer: int) -> dict[str, torch.Tensor]:
@@ -384,7 +346,7 @@ class DecodeCache(Cache):
 
     def bytes_per_token(self) -> int:
         """Bytes stored per token per sequence over layers and streams: ``D·element size`` per row, and with
-        ``quant="int8"`` one byte per number plus a 2-byte scale per row; ``"int4"``: :func:`int4_row_bytes` a row."""
+        a quantised stream :meth:`models.quant.Quantizer.row_bytes` a row."""
         return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
                    for layout in self._layouts for shape, dt in layout.values())
 

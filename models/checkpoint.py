@@ -30,7 +30,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 __all__ = ["CKPT_FORMAT", "CKPT_FORMAT_KEY", "GPT_CONFIG_KEY", "CheckpointError", "atomic_save", "atomic_write",
-           "check_tensor", "load_checkpoint", "load_gpt_checkpoint", "remove_stale_temp_files", "save_model", "temp_path"]
+           "check_tensor", "fsync_dir", "load_checkpoint", "load_gpt_checkpoint", "remove_stale_temp_files",
+           "save_model", "temp_path"]
 
 CKPT_FORMAT_KEY = "kvsplice_format"
 """Key of the format version that :class:`training.lit.LitGPT` writes into every checkpoint."""
@@ -221,8 +222,9 @@ def remove_stale_temp_files(folder: PathLike, name: Optional[str] = None) -> lis
     return removed
 
 
-def _fsync_dir(folder: Path) -> None:
-    try:  # make a rename durable
+def fsync_dir(folder: Path) -> None:
+    """fsync ``folder`` so that a rename inside it is durable (nothing where the platform cannot)."""
+    try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
         return
@@ -254,7 +256,7 @@ def atomic_write(path: PathLike, write: Callable[[Path], None]) -> Path:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 

@@ -14,8 +14,9 @@ from the source model's head coordinates to the RoPE part (selection, and for ``
 weights); the queries' no-RoPE part is the whole unrotated query. RoPE uses the rotate-half layout over each RoPE
 head, with its own frequencies (``inv_freq``, ``(rope_heads, rope_dims / 2)``, kept from the source's table).
 
-Two decode paths: ``naive`` (expand the latent to K/V per call) and ``absorbed`` (``w_uk`` folded into the query,
-attention over the latent itself, ``w_uv`` applied to the attention-weighted latent); tests hold them equal.
+Two decode paths, the latent math of :mod:`models.latent_attention` (shared with the trained MLA models): ``naive``
+(expand the latent to K/V per call) and ``absorbed`` (``w_uk`` folded into the query, attention over the latent
+itself, ``w_uv`` applied to the attention-weighted latent); tests hold them equal.
 """
 
 from __future__ import annotations
@@ -27,16 +28,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.cache import QUANT_MODES, DecodeCache, int4_row_bytes
+from models.attention import attend
+from models.cache import DecodeCache
+from models.latent_attention import LATENT_NORM_EPS, Attend, absorbed, naive
+from models.quant import QUANT_MODES, row_bytes
+from models.rope import rotate
 
-__all__ = ["LATENT_NORM_EPS", "MLALlama", "MLALlamaConfig", "MODEL_TYPE", "ROPE_LAYOUTS"]
+__all__ = ["MLALlama", "MLALlamaConfig", "MODEL_TYPE", "ROPE_LAYOUTS"]
 
 MODEL_TYPE = "kvsplice_mla_llama"
 """``model_type`` in the ``config.json`` of a converted model folder."""
 ROPE_LAYOUTS = ("per-head", "shared")
-LATENT_NORM_EPS = 1e-6
-"""eps of the latent RMSNorm: transformers' DeepSeek-V3 ``kv_a_layernorm`` (fixed there), so an export computes the
-same norm in transformers (llama.cpp and vLLM use ``rms_norm_eps``: docs/conversion.md)."""
 
 
 @dataclass
@@ -117,11 +119,6 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class MLAAttention(nn.Module):
     def __init__(self, cfg: MLALlamaConfig, layer: int) -> None:
         super().__init__()
@@ -159,7 +156,7 @@ class MLAAttention(nn.Module):
         cos, sin = self._rope_tables(pos, q.dtype)  # (Hr, T, Dr)
         g = cfg.n_head // cfg.rope_heads
         cos, sin = cos.repeat_interleave(g, 0), sin.repeat_interleave(g, 0)  # (H, T, Dr): head i reads rope head i//g
-        return q, qr * cos + rotate_half(qr) * sin
+        return q, rotate(qr, cos, sin)
 
     def cached(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What the cache holds for ``x (B, T, d)``: the latent ``(B, T, R)`` and rotated RoPE keys ``(B, Hr, T, Dr)``."""
@@ -173,20 +170,18 @@ class MLAAttention(nn.Module):
             k = self.k_norm(k.view(b, t, cfg.n_kv_head, cfg.head_dim)).flatten(2)  # per head
         kr = (k @ self.k_rope.to(k.dtype)).view(b, t, cfg.rope_heads, cfg.rope_dims).transpose(1, 2)  # (B, Hr, T, Dr)
         cos, sin = self._rope_tables(pos, kr.dtype)  # (Hr, T, Dr)
-        return c, kr * cos + rotate_half(kr) * sin
-
-    def _mask(self, t: int, tk: int, device) -> torch.Tensor:
-        """Boolean ``(T, Tk)``: query ``j`` (absolute ``tk - t + j``) sees keys up to itself, within the window."""
-        qpos = torch.arange(tk - t, tk, device=device)[:, None]  # (T, 1)
-        kpos = torch.arange(tk, device=device)[None]  # (1, Tk)
-        m = kpos <= qpos
-        w = self.cfg.windows[self.layer]
-        return m & (kpos > qpos - w) if w else m
+        return c, rotate(kr, cos, sin)
 
     # ------------------------------------------------------------------------------------------- attention
+    def _attend_fn(self) -> Attend:
+        """Causal attention at the model's scale, within this layer's sliding window (SDPA)."""
+        cfg = self.cfg
+        return lambda q, k, v, *_: attend(q, k, v, scale=cfg.scale, window=cfg.windows[self.layer])
+
     def forward(self, x: torch.Tensor, cache: Optional[DecodeCache] = None, layer: Optional[int] = None
                 ) -> torch.Tensor:
         b, t, _ = x.shape
+        cfg = self.cfg
         start = cache.layer_len(self.layer) if cache is not None else 0
         pos = torch.arange(start, start + t, device=x.device)  # (T,)
         q, qr = self.queries(x, pos)  # (B, H, T, D), (B, H, T, Dr)
@@ -194,37 +189,16 @@ class MLAAttention(nn.Module):
         if cache is not None:
             views = cache.append(self.layer, c=c, kr=kr)
             c, kr = views["c"], views["kr"]  # (B, Tk, R), (B, Hr, Tk, Dr)
-        mask = self._mask(t, c.shape[1], x.device)  # (T, Tk)
-        absorbed = cache is not None and self.cfg.mla_impl == "absorbed"
-        z = self.absorbed(q, qr, c, kr, mask) if absorbed else self.naive(q, qr, c, kr, mask)  # (B, H, T, D)
-        return self.o_proj(z.transpose(1, 2).reshape(b, t, -1))
-
-    def naive(self, q, qr, c, kr, mask) -> torch.Tensor:
-        """Expand the latent to per-KV-head keys / values; attention over ``[k_nope, rope key]``."""
-        cfg = self.cfg
-        b, tk, _ = c.shape
-        g, gr = cfg.n_head // cfg.n_kv_head, cfg.n_head // cfg.rope_heads
-        k = self.k_up(c).view(b, tk, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)  # (B, Hkv, Tk, D)
-        v = self.v_up(c).view(b, tk, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)  # (B, Hkv, Tk, D)
-        kk = torch.cat([k.repeat_interleave(g, 1), kr.repeat_interleave(gr, 1)], dim=-1)  # (B, H, Tk, D + Dr)
-        qq = torch.cat([q, qr], dim=-1)  # (B, H, T, D + Dr)
-        return F.scaled_dot_product_attention(qq, kk, v.repeat_interleave(g, 1), attn_mask=mask,
-                                              scale=cfg.scale)  # (B, H, T, D)
-
-    def absorbed(self, q, qr, c, kr, mask) -> torch.Tensor:
-        """Attention in latent space: ``q_lat = w_ukᵀ q`` per head, scores against the latent itself, outputs
-        ``w_uv (Σ p c) + b_v``. The key bias ``q · b_k`` is the same for every key of a query: softmax drops it."""
-        cfg = self.cfg
-        g, gr = cfg.n_head // cfg.n_kv_head, cfg.n_head // cfg.rope_heads
-        w_uk = self.k_up.weight.view(cfg.n_kv_head, cfg.head_dim, -1).repeat_interleave(g, 0)  # (H, D, R)
-        w_uv = self.v_up.weight.view(cfg.n_kv_head, cfg.head_dim, -1).repeat_interleave(g, 0)  # (H, D, R)
-        q_lat = torch.einsum("bhtd,hdr->bhtr", q, w_uk)  # (B, H, T, R)
-        s = q_lat @ c[:, None].transpose(-1, -2) + qr @ kr.repeat_interleave(gr, 1).transpose(-1, -2)  # (B, H, T, Tk)
-        p = torch.softmax((s * cfg.scale).masked_fill(~mask, float("-inf")).float(), dim=-1).to(c.dtype)
-        z = torch.einsum("bhtr,hdr->bhtd", p @ c[:, None], w_uv)  # (B, H, T, D)
-        if self.v_up.bias is not None:
-            z = z + self.v_up.bias.view(cfg.n_kv_head, cfg.head_dim).repeat_interleave(g, 0)[:, None]
-        return z
+        if not cfg.rope_dims:
+            qr = kr = None
+        if cache is not None and cfg.mla_impl == "absorbed":
+            rows = c[:, None]  # (B, 1, Tk, R)
+            if kr is not None:
+                rows = torch.cat([rows.expand(-1, cfg.rope_heads, -1, -1), kr], dim=-1)  # (B, Hr, Tk, R + Dr)
+            z = absorbed(self._attend_fn(), q, rows, self.k_up, self.v_up, cfg.n_kv_head, cfg.d_latent, qr)
+        else:
+            z = naive(self._attend_fn(), q, c, self.k_up, self.v_up, cfg.n_kv_head, qr, kr)  # (B, H, T, D)
+        return self.o_proj(z.transpose(1, 2).reshape(b, t, -1))  # (B, T, d)
 
 
 class Block(nn.Module):
@@ -278,17 +252,12 @@ class MLALlama(nn.Module):
                            capacity=capacity, quant=quant)
 
     def cache_bytes_formula(self, batch_size: int, n_tokens: int, dtype: torch.dtype) -> int:
-        """Bytes a cache of ``n_tokens`` per layer holds: ``cache_dim`` numbers per token and layer at ``dtype``, or
-        with ``cache_quant='int8'`` one byte each plus an fp16 scale per latent row and per RoPE key, with ``'int4'``
-        half a byte each plus an fp16 scale and minimum per group (:func:`models.cache.int4_row_bytes`)."""
+        """Bytes a cache of ``n_tokens`` per layer holds: a latent row and ``rope_heads`` RoPE-key rows per token and
+        layer, each ``d`` numbers at ``dtype`` or, with ``cache_quant``, the quantiser's bytes a row
+        (:func:`models.quant.row_bytes`: int8 ``d + 2``, int4 ``d/2`` plus an fp16 scale and minimum per group)."""
         cfg = self.cfg
-        if cfg.cache_quant == "int8":
-            per_token = cfg.cache_dim + 2 * (1 + cfg.rope_heads)
-        elif cfg.cache_quant == "int4":
-            per_token = int4_row_bytes(cfg.d_latent) + (cfg.rope_heads * int4_row_bytes(cfg.rope_dims)
-                                                        if cfg.rope_dims else 0)
-        else:
-            per_token = cfg.cache_dim * torch.empty(0, dtype=dtype).element_size()
+        per_token = (row_bytes(cfg.cache_quant, cfg.d_latent, dtype)
+                     + cfg.rope_heads * row_bytes(cfg.cache_quant, cfg.rope_dims, dtype))
         return batch_size * n_tokens * cfg.n_layer * per_token
 
     def n_params(self) -> int:

@@ -16,6 +16,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x (..., T, D)`` rotated by the tables ``cos, sin`` (broadcast against it): ``x⊙cos + rotate_half(x)⊙sin``."""
+    return x * cos + rotate_half(x) * sin
+
+
 class Rotary(nn.Module):
     """``rotary(x, y, pos=pos)``: ``x``, ``y`` ``(..., T, D)`` rotated at absolute positions ``pos (T,)``.
 
@@ -47,7 +52,7 @@ class Rotary(nn.Module):
     def forward(self, *xs: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each of ``xs`` rotated at ``pos``; the tables are computed once for all of them."""
         cos, sin = self.tables(pos, xs[0].dtype)  # (T, D), broadcast over the leading dims of each x (..., T, D)
-        return tuple(x * cos + rotate_half(x) * sin for x in xs)
+        return tuple(rotate(x, cos, sin) for x in xs)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, theta={self.theta:g}"

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from models.cache import SCALE, Cache, DecodeCache, quantize_int8
+from models.cache import Cache, DecodeCache
 
 
 class StaticCacheView(Cache):
@@ -75,7 +75,7 @@ class StaticCacheView(Cache):
         out = {}
         for name in new:
             ws = self.inner._workspace(name, tuple(bufs[name].shape))  # (B, *lead, capacity, D) at dtype
-            out[name] = ws.copy_(bufs[name]).mul_(bufs[name + SCALE])
+            out[name] = self.inner._dequantized(layer, name, ws.shape[-2], ws)  # every row of the storage
         return out
 
     def append_rows(self, layer: int, **new: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -85,12 +85,9 @@ class StaticCacheView(Cache):
         for name, x in new.items():
             if x.shape[-2] != 1:
                 raise ValueError(f"a fixed-capacity view appends one token per step, got {x.shape[-2]}")
-            if self.quant is None:
-                bufs[name].index_copy_(-2, self.pos.view(1), x)  # (B, *lead, capacity, D), row pos written
-            else:
-                rows, scale = quantize_int8(x)  # (B, *lead, 1, D) int8, (B, *lead, 1, 1) fp16
-                bufs[name].index_copy_(-2, self.pos.view(1), rows)
-                bufs[name + SCALE].index_copy_(-2, self.pos.view(1), scale)
+            q = self.inner.quantizer(name)
+            for part, rows in ({"": x} if q is None else q.quantize(x)).items():  # (B, *lead, 1, width) each
+                bufs[name + part].index_copy_(-2, self.pos.view(1), rows)  # (B, *lead, capacity, width), row pos
         return bufs
 
     def key_bias(self) -> torch.Tensor:

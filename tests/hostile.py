@@ -4,7 +4,9 @@ dead, a destination no process can write, and tiny checkpoints with a real (synt
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -111,3 +113,59 @@ def tiny_hf_with_bases(folder: Path, cache_dir: Path) -> tuple[Path, Path]:
     export(tiny_ckpt(folder / "mha.ckpt", cache_dir), folder / "hf")
     bases = random_bases(transformers.GPT2LMHeadModel.from_pretrained(folder / "hf"), 4, "post", seed=1)
     return folder / "hf", bases.save(folder / "r4.safetensors")
+
+
+# ------------------------------------------------------------------------------------------------ disks and Ctrl-C
+@contextlib.contextmanager
+def small_disk(folder: Path, size: int = 64 * 1024):
+    """``folder`` as a tmpfs of ``size`` bytes (a disk that fills: writes past it fail with ENOSPC), unmounted at
+    the end; the test is skipped where mounting is not permitted (not root, no CAP_SYS_ADMIN)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({(r.stderr or r.stdout).strip()[:80]})")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def _python(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=timeout)
+
+
+def interrupt_at_exit(module: str, argv: list) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGV`` that gets Ctrl-C (SIGINT, raised in its main thread: deterministic) once the
+    command has ended, while the interpreter shuts down."""
+    code = ("import atexit, runpy, signal, sys\n"
+            "atexit.register(signal.raise_signal, signal.SIGINT)\n"
+            f"sys.argv = [{module!r}] + {[str(a) for a in argv]!r}\n"
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
+    return _python(code)
+
+
+def interrupt_on_import(module: str, argv: list, trigger: str = "torch") -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGV`` that gets Ctrl-C (raised in its main thread) at the moment it first imports
+    ``trigger`` — during its imports, deterministically."""
+    code = ("import runpy, signal, sys\n"
+            "class Trip:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            f"        if name == {trigger!r}:\n"
+            "            sys.meta_path.remove(self)\n"
+            "            signal.raise_signal(signal.SIGINT)\n"
+            "        return None\n"
+            "sys.meta_path.insert(0, Trip())\n"
+            f"sys.argv = [{module!r}] + {[str(a) for a in argv]!r}\n"
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
+    return _python(code)
+
+
+def one_interrupt(r: subprocess.CompletedProcess, prog: str) -> None:
+    """Exit status 130 and exactly one ``PROG: interrupted`` line, no traceback."""
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("note:")
+             and "warning" not in ln.lower()]
+    assert r.returncode == 130 and lines == [f"{prog_of(prog)}: interrupted"], (r.returncode, r.stderr)

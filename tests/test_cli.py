@@ -20,7 +20,7 @@ import pytest
 
 import torch
 
-from hostile import REPO, dead_pid, edit_ckpt, one_error, snapshot, tiny_ckpt
+from hostile import REPO, dead_pid, edit_ckpt, one_error, prog_of, snapshot, tiny_ckpt
 
 CLIS = {  # module: prefix of its error line
     "kvsplice.generate": "kvsplice generate", "kvsplice.to_mla": "kvsplice to-mla", "kvsplice.fit_bases": "kvsplice fit-bases",
@@ -203,7 +203,7 @@ def _interrupt_while_importing(module: str, tmp_path: Path) -> "subprocess.Compl
 def test_ctrl_c_while_a_tool_imports_is_one_line_and_exit_130(module, tmp_path):
     """Ctrl-C in the first ~0.3 s (the heavy imports) was a KeyboardInterrupt traceback and exit -2 (issue 42)."""
     r = _interrupt_while_importing(module, tmp_path)
-    prog = KVSPLICE_CLIS.get(module, module.rsplit(".", 1)[-1])
+    prog = KVSPLICE_CLIS.get(module) or prog_of(module)
     assert r.returncode == 130 and r.stderr == f"{prog}: interrupted\n", (r.returncode, r.stderr[-3000:])
     assert r.stdout == ""
 

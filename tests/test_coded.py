@@ -21,8 +21,7 @@ from kvsplice.core.coded import ChannelGroupKeys, Rows, Segment, coded_attend, s
 from kvsplice.core.registry import build_method  # noqa: E402
 from kvsplice.decode.decoder import Decoder  # noqa: E402
 from kvsplice.hf.base import KVSpliceHFCache  # noqa: E402
-from models.cache import quantize_int8  # noqa: E402
-from models.group_quant import dequantize, pack_codes, quantize  # noqa: E402
+from models.quant import dequantize, pack_codes, quantize, quantize_int8  # noqa: E402
 
 B, H, G_Q, D = 2, 3, 3, 64
 

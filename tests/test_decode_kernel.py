@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from models.attention import attend
-from models.cache import DecodeCache, dequantize, quantize_int8
+from models.cache import DecodeCache
+from models.quant import dequantize_int8 as dequantize, quantize_int8
 from models.kernels import (decode_attend, interpreting, resolve_decode_kernel, triton_missing_reason,
                             use_decode_kernel)
 from models.static_cache import StaticCacheView

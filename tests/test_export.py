@@ -265,13 +265,24 @@ def test_force_replaces_exactly_an_earlier_export(run_dir, tmp_path, data_cache,
     assert "modeling_kvsplice_gpt.py" not in names and {"model.safetensors", "tokenizer.json"} <= names
     assert names <= ex.EXPORT_FILES and not [p for p in os.listdir(tmp_path) if p.startswith(".hf.")]
     assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
-    # a folder named like an export file is never removed to make room
+    # a folder named like an export file is never removed to make room: not in a folder without export's marker ...
     trap = tmp_path / "trap"
     (trap / "model.safetensors").mkdir(parents=True)
     (trap / "model.safetensors" / "mine.txt").write_text("mine")
     rc, err = export(["--ckpt", mla, "--out", trap, "--force", "--no-tokenizer"], capsys)
-    one_error(rc, err, ex.PROG, "holds a folder named like an output file (model.safetensors)")
+    one_error(rc, err, ex.PROG, "holds files export does not write (model.safetensors): no .kvsplice-output.json")
     assert (trap / "model.safetensors" / "mine.txt").read_text() == "mine" and os.listdir(trap) == ["model.safetensors"]
+    # ... nor in an earlier export whose weights file a user replaced by a folder
+    rc, err = export(["--ckpt", mla, "--out", tmp_path / "trap2", "--no-tokenizer"], capsys)
+    assert rc == 0, err
+    trap2 = tmp_path / "trap2"
+    (trap2 / "model.safetensors").unlink()
+    (trap2 / "model.safetensors").mkdir()
+    (trap2 / "model.safetensors" / "mine.txt").write_text("mine")
+    before = snapshot(trap2)
+    rc, err = export(["--ckpt", mla, "--out", trap2, "--force", "--no-tokenizer"], capsys)
+    one_error(rc, err, ex.PROG, "holds a folder named like an output file (model.safetensors)")
+    assert snapshot(trap2) == before
 
 
 def test_export_as_a_library_call_leaves_only_its_output(tmp_path):

@@ -314,7 +314,8 @@ def test_plan_and_loss_aware_bases_run_every_family(family_dirs, fam, tmp_path, 
     assert (tmp_path / "f_pre.safetensors").is_file() and (tmp_path / "f_post.safetensors").is_file()
     p = tmp_path / "plan.json"
     rc, _, err = run(plan, ["--model", d, "--calib", CALIB, "--ratio", 4, "--calib-tokens", 256, "--tune-tokens", 64,
-                            "--seq-len", 32, "--selectors", "knorm", "--no-progress", "--out", p], capsys)
+                            "--seq-len", 32, "--tune-tasks", "passkey", "--tune-length", 160, "--selectors", "knorm",
+                            "--no-progress", "--out", p], capsys)  # passkey's prompts: up to 160 of the 256 positions
     assert rc == 0, err
     rc, _, err = run(eval_bases, ["--model", d, "--plan", p, "--data", EVAL, "--tokens", 128, "--seq-len", 32,
                                   "--no-progress", "--json", tmp_path / "e.json"], capsys)

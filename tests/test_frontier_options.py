@@ -77,6 +77,22 @@ def test_attend_grouped_layout_matches_repeat() -> None:
     assert torch.allclose(got, want, atol=1e-6)
 
 
+@pytest.mark.parametrize("t_q, window, hq", [(1, 3, 6), (9, 4, 6), (4, 2, 2), (9, 9, 2)])
+def test_attend_sliding_window_is_the_masked_softmax(t_q: int, window: int, hq: int) -> None:
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, hq, t_q, 8, generator=g)
+    k, v = torch.randn(2, 2, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g)
+    qpos, kpos = torch.arange(9 - t_q, 9)[:, None], torch.arange(9)[None]
+    seen = (kpos <= qpos) & (kpos > qpos - window)  # (Tq, Tk): the last `window` keys up to the query's own
+    kk, vv = k.repeat_interleave(hq // 2, 1), v.repeat_interleave(hq // 2, 1)
+    want = torch.softmax((q @ kk.transpose(-1, -2) * 0.3).masked_fill(~seen, float("-inf")), -1) @ vv
+    assert torch.allclose(attend(q, k, v, scale=0.3, window=window), want, atol=1e-6)
+    if window < 9:  # the window changes what a query sees
+        assert not torch.allclose(attend(q, k, v, scale=0.3), want, atol=1e-3)
+    with pytest.raises(ValueError, match="sliding window"):
+        attend(q, k, v, scale=0.3, window=window, backend="flash")
+
+
 @pytest.mark.parametrize("kw, field", [
     (dict(n_kv_head=3), "n_kv_head"),  # does not divide 4
     (dict(n_kv_head=0), "n_kv_head"),

@@ -1,4 +1,4 @@
-"""The frontier studies' bookkeeping (training.study, used by benchmarks/frontier.py and kvsplice_recipe.py): cache
+"""The frontier studies' bookkeeping (benchmarks.lib.study, used by benchmarks/frontier.py and kvsplice_recipe.py): cache
 measurement from a checkpoint, the Pareto front, seed statistics, the late-loss-drop figure, resume keys and the
 children of a killed study (the long studies themselves run outside the test suite)."""
 
@@ -17,7 +17,7 @@ import pytest
 from models.checkpoint import save_model
 from models.config import GPTConfig
 from models.gpt import GPT
-from training import study
+from benchmarks.lib import study
 from tiny_models import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "frontier.py"
@@ -113,11 +113,11 @@ def test_compare_standard_error_and_tie(frontier) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 def test_a_killed_study_takes_its_training_child_with_it(tmp_path: Path) -> None:
-    """Killing a study (even with SIGKILL) ends the ``python -m ...`` child ``training.study.run_module`` waited on."""
+    """Killing a study (even with SIGKILL) ends the ``python -m ...`` child ``benchmarks.lib.study.run_module`` waited on."""
     driver = tmp_path / "driver.py"
     driver.write_text(
         "import threading, time\n"
-        "import training.study as f\n"
+        "import benchmarks.lib.study as f\n"
         "def report():\n"
         "    while not f._CHILDREN: time.sleep(0.05)\n"
         "    print(next(iter(f._CHILDREN)).pid, flush=True)\n"
@@ -176,7 +176,7 @@ def test_a_run_shorter_than_the_log_interval_reports_and_resumes(tmp_path: Path,
 def test_recipe_study_inserts_each_ratio_into_one_shared_mla_stage(tmp_path: Path, frontier, study_cache) -> None:
     """``kvsplice_recipe.py --study recipe``: ``insert`` (KVSplice-50) and ``insert90`` (KVSplice-90) of one seed
     share their MLA-128 stage (trained once), and each row holds the cache of the ratio it inserted."""
-    mod = load_benchmark("kvsplice_recipe")  # imports training.study, not benchmarks/frontier.py
+    mod = load_benchmark("kvsplice_recipe")  # imports benchmarks.lib.study, not benchmarks/frontier.py
     out, runs = tmp_path / "r.json", tmp_path / "runs"
     assert mod.main(["--study", "recipe", "--steps", "4", "--batch", "2", "--seeds", "1", "--jobs", "2",
                      "--out", str(out), "--runs-dir", str(runs), "--data", str(DATA),

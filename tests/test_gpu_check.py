@@ -228,6 +228,6 @@ def test_the_gpu_tests_and_benchmarks_import_without_what_the_device_lacks(gc, t
                           *gc.TEST_FILES], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     code = ("import sys; sys.path.insert(0, 'benchmarks'); import gpu_check; "
-            "[gpu_check._bench(n) for n in ('gpu', 'serving')]; import kvsplice.report.cuda_timing")
+            "[gpu_check._bench(n) for n in ('gpu', 'serving')]; import benchmarks.harness.timing")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]

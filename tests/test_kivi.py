@@ -139,7 +139,7 @@ def test_dense_rows_rotated_are_exact_and_int4_rows_are_their_formula_in_both_do
     ``int4`` / ``int4h`` rows and int8 keys with int4 values (``k8v4h``): the doors agree, bytes == formula == storage (D/2 code bytes + an fp16 scale and
     minimum per group a row), close to the model but not equal (the rows really are 4-bit), and alone or holding a
     token selection."""
-    from models.cache import int4_row_bytes
+    from models.quant import int4_row_bytes
 
     model = tiny(family)  # head_dim 8: one group per row
     ids = ids_of(2, 14, 1)

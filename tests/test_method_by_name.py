@@ -16,7 +16,7 @@ from kvsplice.core.method import CompressionMethod, layer_tokens
 from kvsplice.core.registry import build_method, method_names
 from models.cache import KVCache
 
-from data.reference import CALIB as TEXT, DATA, EVAL, STORIES
+from benchmarks.harness.paths import CALIB as TEXT, DATA, EVAL, STORIES
 
 pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file() or not TEXT.is_file(),
                                 reason=f"stories260K / TinyStories not found under {DATA}")
@@ -115,8 +115,9 @@ def test_eval_bases_generate_and_the_planner_take_it_by_name(s260k, tmp_path, ca
 
     out, rep = tmp_path / "plan.json", tmp_path / "report.json"
     assert plan_cli.main(["--model", str(s260k), "--calib", str(TEXT), "--calib-tokens", "512", "--tune-tokens",
-                          "512", "--seq-len", "128", "--no-progress", "--ratio", "2", "--stores", "int8", NAME,
-                          "--selectors", "snapkv", "--out", str(out), "--json", str(rep)]) == 0
+                          "512", "--seq-len", "128", "--tune-length", "300", "--no-progress", "--ratio", "2",
+                          "--stores", "int8", NAME, "--selectors", "snapkv", "--out", str(out), "--json",
+                          str(rep)]) == 0  # the tuning tasks need up to ~240 tokens
     cands = json.loads(rep.read_text())["candidates"]
     assert any(c["spec"].get("store") == {"name": NAME} for c in cands)  # 2x: the toy under a selection
     from kvsplice.planning import Plan

@@ -346,7 +346,8 @@ def test_decode_cache_int4_rows_round_trip_within_half_a_step_and_bytes_match():
     """quant="int4": each row stored as packed 4-bit codes in groups of 32 along it (or the whole row when its width
     is not a multiple), an fp16 scale and minimum per group; what append returns (and get) is within half a
     quantisation step of the input per group, across a growth of the storage; bytes == the closed form."""
-    from models.cache import DecodeCache, int4_row_bytes
+    from models.cache import DecodeCache
+    from models.quant import int4_row_bytes
 
     g = torch.Generator().manual_seed(0)
     c = DecodeCache([{"c": (64,), "kr": (2, 6)}], 2, quant="int4")

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from hostile import prog_of
 from kvsplice.cli import eval_bases, generate, plan as plan_cli
 from kvsplice.planning.spec import PLAN_VERSION, Plan, PlanError
 
-from data.reference import CALIB, DATA, EVAL, STORIES
+from benchmarks.harness.paths import CALIB, DATA, EVAL, STORIES
 from hostile import prog_of
 
 pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file() or not CALIB.is_file(),
@@ -359,11 +360,12 @@ def test_search_fits_each_selector_to_the_budget_and_falls_back_for_stores_it_ca
 
 def test_search_fits_the_budget_at_the_fit_length(s260k, planned, tmp_path, capsys):
     """--fit-length: the budget holds on a prompt of that many tokens. KIVI's 64-token full-precision window is 1/3
-    of the tuning windows' 192-token prompts and 1/64 of 4,096 tokens, so fitted at 4,096 its selection keeps more
-    tokens — within budget there (``at_fit``, the closed form), over it on the short windows — while int8 rows, with
-    no fixed part, keep the same fraction (to one token of the short prompt)."""
+    of the tuning windows' 192-token prompts and 1/8 of 512 tokens (the model's positions, the longest fit length
+    it takes), so fitted at 512 its selection keeps more tokens — within budget there (``at_fit``, the closed form),
+    over it on the short windows — while int8 rows, with no fixed part, keep the same fraction (to one token of the
+    short prompt)."""
     rows = {}
-    for fit in (None, 4096):
+    for fit in (None, 512):
         out = tmp_path / f"fit{fit}.json"
         capsys.readouterr()
         assert plan_cli.main(["--model", str(s260k), *SMALL, "--ratio", "3", "--calib-stats",
@@ -374,14 +376,14 @@ def test_search_fits_the_budget_at_the_fit_length(s260k, planned, tmp_path, caps
         assert doc["budget"]["prompt_len"] == (fit or 192)
         rows[fit] = {c["spec"]["store"]["name"]: c for c in doc["candidates"]}
         if fit:
-            assert "at 4096 tokens" in capsys.readouterr().out
+            assert "at 512 tokens" in capsys.readouterr().out
     budget = 640 / 3
-    short, long = rows[None]["kivi"], rows[4096]["kivi"]
+    short, long = rows[None]["kivi"], rows[512]["kivi"]
     assert "at_fit" not in short and short["bytes_per_token"] <= budget + 1e-9
     assert long["spec"]["keep"] > 1.2 * short["spec"]["keep"]
     assert 0.95 * budget < long["at_fit"]["bytes_per_token"] <= budget + 1e-9 < long["bytes_per_token"]
     assert long["at_fit"]["ratio_vs_fp16_full"] == pytest.approx(640 / long["at_fit"]["bytes_per_token"])
-    assert rows[4096]["dense"]["spec"]["keep"] == pytest.approx(rows[None]["dense"]["spec"]["keep"], abs=1 / 192)
+    assert rows[512]["dense"]["spec"]["keep"] == pytest.approx(rows[None]["dense"]["spec"]["keep"], abs=1 / 192)
 
 
 def test_a_selector_that_cannot_run_the_model_is_skipped(s260k, planned, tmp_path, capsys):
@@ -508,9 +510,9 @@ def test_search_tasks_stop_early_with_the_same_pick(monkeypatch):
         for exhaustive in (False, True):
             monkeypatch.setattr(search_mod, "EXHAUSTIVE_TASKS", exhaustive)
             bench = _FakeBench(seed)
-            found = search_mod.search(model, None, windows, prompt_len=32, budget=budget,
-                                      selectors=("snapkv", "observed_attention"), lowrank_ratios=(),
-                                      objective=objective, task_eval=bench, task_tolerance=tol)
+            found = search_mod.search(model, None, windows, search_mod.SearchOptions(
+                prompt_len=32, budget=budget, selectors=("snapkv", "observed_attention"), lowrank_ratios=(),
+                objective=objective, task_tolerance=tol, prefill="any"), task_eval=bench)
             accs = [c["task_acc"] for c in found["candidates"] if "task_acc" in c]
             picks.append((found["chosen"]["label"], found["chosen"].get("task_acc"), found["selector"], max(accs)))
             answered.append(bench.answered)

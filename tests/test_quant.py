@@ -14,7 +14,8 @@ from kvsplice.lowrank.method import LowRank
 from kvsplice.report.memory import cache_bytes_formula, measure_cache
 from kvsplice.select.cache import SubsetCache
 from models import GPT, GPTConfig, preset
-from models.cache import KVCache, LatentCache, dequantize, quantize_int8
+from models.cache import KVCache, LatentCache
+from models.quant import GroupRows, Int8Rows, dequantize_int8 as dequantize, quantize_int8, row_bytes
 from tiny_models import sharpen
 
 V = 61
@@ -29,6 +30,38 @@ def test_quantize_roundtrip_is_within_half_a_step():
     assert bool((err <= 0.5 * s.float() + 1e-7).all())  # rounding to the nearest step of the fp16 scale
     zero_q, zero_s = quantize_int8(torch.zeros(2, 4))
     assert torch.equal(dequantize(zero_q, zero_s, torch.float32), torch.zeros(2, 4))
+
+
+@pytest.mark.parametrize("quantizer, d", [(Int8Rows(), 6), (GroupRows(4), 64), (GroupRows(4), 6),
+                                          (GroupRows(2, 16), 32), (GroupRows(8, 8), 24)])
+def test_a_quantiser_stores_its_parts_in_its_bytes_and_reads_them_back(quantizer, d):
+    x = torch.randn(3, 5, d, generator=torch.Generator().manual_seed(1)) * 3
+    parts = quantizer.quantize(x)
+    assert {p: (t.shape[-1], t.dtype) for p, t in parts.items()} == quantizer.parts(d)
+    assert sum(t[0, 0].numel() * t.element_size() for t in parts.values()) == quantizer.row_bytes(d)
+    if quantizer.name in ("int8", "int4") and getattr(quantizer, "group", None) is None:  # a cache mode's quantiser
+        assert row_bytes(quantizer.name, d, torch.float16) == quantizer.row_bytes(d)
+    back = quantizer.dequantize(parts, d, torch.float32)
+    step = {"int8": x.abs().amax(-1, keepdim=True) / 127}.get(quantizer.name)
+    if step is None:  # groups: (max - min) / levels of each group
+        g = quantizer.group_of(d)
+        xg = x.unflatten(-1, (-1, g))
+        step = ((xg.amax(-1, keepdim=True) - xg.amin(-1, keepdim=True)) / (2 ** quantizer.bits - 1)).expand_as(xg)
+        step = step.flatten(-2)
+    assert ((back - x).abs() <= step / 2 * 1.01 + 1e-3).all()
+    assert quantizer.dequantize(parts, d, torch.float32, out=torch.empty_like(x)).equal(back)
+
+
+def test_group_rows_along_tokens_are_kivis_key_groups():
+    q = GroupRows(4, 8)
+    x = torch.randn(2, 3, 16, 10, generator=torch.Generator().manual_seed(2))  # (B, H, T, D): groups of 8 tokens
+    parts = q.quantize_tokens(x)
+    assert parts[""].shape == (2, 3, 16, 5) and parts[".scale"].shape == parts[".min"].shape == (2, 3, 2, 10)
+    back = q.dequantize_tokens(parts, torch.float32)
+    xg = x.unflatten(-2, (2, 8))  # (B, H, T/G, G, D)
+    step = ((xg.amax(-2, keepdim=True) - xg.amin(-2, keepdim=True)) / 15).expand_as(xg).flatten(-3, -2)
+    assert ((back - x).abs() <= step / 2 * 1.01 + 1e-3).all()
+    assert not torch.equal(back, x)  # lossy: the test can tell
 
 
 @pytest.mark.parametrize("attention,kw", [("mha", {}), ("mla", {"d_latent": 16}),
@@ -104,7 +137,7 @@ def test_each_stream_its_own_quantisation():
     """``quant={"k": "int8", "v": "int4"}``: the keys' rows are int8 + a scale, the values' 4-bit codes + a scale and
     minimum per group; ``get`` reads both back near the written rows; one mode for both is the plain form; a
     mapping naming another stream or mode is refused."""
-    from models.cache import int4_row_bytes
+    from models.quant import int4_row_bytes
 
     c = KVCache(2, 2, 64, 1, quant={"k": "int8", "v": "int4"})
     assert c.quant == {"k": "int8", "v": "int4"}
@@ -134,3 +167,21 @@ def test_dequantised_views_live_in_one_reused_workspace():
     # one k and one v scratch for all layers (one layer's rows at fp32), not counted as cache bytes
     assert c.workspace_nbytes() == 2 * (2 * 2 * 10 * 8 * 4)
     assert c.nbytes() == measure_cache(c).live_bytes == 3 * 2 * 2 * 2 * 4 * (8 + 2)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_a_converted_model_without_rope_dims_decodes_from_a_quantised_cache(quant):
+    from models.mla_llama import MLALlama, MLALlamaConfig
+
+    cfg = MLALlamaConfig(vocab_size=64, d_model=32, n_layer=2, n_head=4, n_kv_head=2, head_dim=8, d_ff=48,
+                         d_latent=16, rope_dims=0, cache_quant=quant)  # the RoPE-key rows have no numbers
+    model = MLALlama(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3, generator=torch.Generator().manual_seed(3))
+        ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(4))
+        full = model(ids)
+        cache = model.new_cache(2)
+        steps = torch.cat([model(ids[:, :4], cache)] + [model(ids[:, j:j + 1], cache) for j in range(4, 10)], 1)
+    assert measure_cache(cache).live_bytes == model.cache_bytes_formula(2, 10, torch.float32)
+    assert (steps - full).abs().max() < 0.5  # quantised latents: close to the full forward, not equal

@@ -1,4 +1,4 @@
-"""models.reference_gpt: the nanoGPT-style reference the training-step benchmark (benchmarks/gpu.py) times against the
+"""benchmarks.lib.reference_gpt: the nanoGPT-style reference the training-step benchmark (benchmarks/gpu.py) times against the
 package's GPT computes the same function given the same weights."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 
 from models.config import GPTConfig
 from models.gpt import GPT
-from models.reference_gpt import ReferenceGPT
+from benchmarks.lib.reference_gpt import ReferenceGPT
 
 
 def _names(n_layer: int) -> dict[str, str]:

@@ -44,4 +44,4 @@ def test_smoke_run_writes_the_capacity_and_kernel_tables(serving, tmp_path: Path
 def test_bad_input_is_one_line(serving, capsys, argv, msg):
     assert serving.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("serving.py: error:") and msg in err[0]
+    assert len(err) == 1 and err[0].startswith("serving: error:") and msg in err[0]

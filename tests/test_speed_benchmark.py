@@ -17,7 +17,7 @@ from tiny_models import load_benchmark, tiny_family  # noqa: E402
 from test_kvzip import _ids, _Tok  # noqa: E402
 
 from kvsplice.core.registry import build_method  # noqa: E402
-from kvsplice.report.speed import PeakRSS, measure  # noqa: E402
+from benchmarks.lib.speed import PeakRSS, measure  # noqa: E402
 
 
 def _bench():

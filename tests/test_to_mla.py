@@ -109,7 +109,7 @@ def test_kvsplice_ratio_keeps_at_least_one_whole_dimension() -> None:
     """A ratio that asks for less than one dimension of the latent is refused (never rounded up to one); 1/R keeps
     exactly one, and the converted model runs."""
     mla = mha_to_mla(_mha(), 16)
-    with pytest.raises(ValueError, match=r"asks for 0.8 dimensions.*ratio >= 1/16"):
+    with pytest.raises(ValueError, match=r"asks for 0.8 dimensions.*kept fraction >= 1/16"):
         insert_kvsplice(mla, 0.05)
     one = insert_kvsplice(mla, 1 / 16, latent_grams(mla, [_ids(4)])[0])
     assert one.cfg.d_compressed == 1 and torch.isfinite(one(_ids(1))).all()
@@ -164,7 +164,7 @@ def test_cli_convert_and_finetune(tmp_path: Path, mha_ckpt: Path, data_cache: Pa
                    "2048", "--out", str(spliced)]) == 0
     assert load_gpt_checkpoint(spliced)[1].variant == "mla_kvsplice_50"
     assert to_mla(["--model", str(mla_only), "--out", str(tmp_path / "x.ckpt")]) == 2
-    assert "give --kvsplice-ratio" in capsys.readouterr().err
+    assert "give --kvsplice-keep" in capsys.readouterr().err
     # fine-tune from the converted weights: a fresh run (step 0, new optimizer) that trains
     runs = tmp_path / "ft"
     args = ["--config", "tiny_mla_kvsplice_50", *TINY, "--model.d_latent", "16", "--runs_dir", str(runs),
@@ -190,12 +190,19 @@ def test_cli_convert_and_finetune(tmp_path: Path, mha_ckpt: Path, data_cache: Pa
     (["--d-latent", "999"], "larger than d_model"),
     (["--d-latent", "8", "--kvsplice-ratio", "0.001", "--kvsplice-init", "random"],
      "--kvsplice-ratio 0.001 of the 8-dim latent asks for 0.008 dimensions"),
+    (["--d-latent", "8", "--kvsplice-keep", "0.5"], "--kvsplice-init pca needs --calib"),
+    (["--d-latent", "8", "--kvsplice-keep", "0.001", "--kvsplice-init", "random"],
+     "--kvsplice-keep 0.001 of the 8-dim latent asks for 0.008 dimensions"),
 ])
 def test_cli_errors(tmp_path: Path, mha_ckpt: Path, capsys, args, msg) -> None:
+    """One error line; the old spelling --kvsplice-ratio (the kept fraction) adds one note naming --kvsplice-keep."""
     out = tmp_path / "o.ckpt"
     assert to_mla(["--model", str(mha_ckpt), *args, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
-    assert msg in err and len(err.splitlines()) == 1 and not out.exists()
+    notes = [ln for ln in err.splitlines() if ln.startswith("note:")]
+    assert msg in err and len(err.splitlines()) - len(notes) == 1 and not out.exists()
+    assert notes == (["note: --kvsplice-ratio is the kept fraction of the latent, now spelled --kvsplice-keep"]
+                     if "--kvsplice-ratio" in args else [])
 
 
 def test_save_model_roundtrip(tmp_path: Path) -> None:

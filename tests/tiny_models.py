@@ -109,15 +109,11 @@ def tiny_family(family: str, *, window: int | None = None, seed: int = 0, partia
 
 
 def load_benchmark(name: str):
-    """The script ``benchmarks/<name>.py`` as a module (the benchmarks are scripts, not a package)."""
-    import importlib.util
-    from pathlib import Path
+    """The script ``benchmarks/<name>.py`` as the module ``benchmarks.<name>`` (the repository is on the tests'
+    ``sys.path``: pyproject's ``pythonpath``)."""
+    import importlib
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def random_ids(seed: int, n: int) -> "torch.Tensor":

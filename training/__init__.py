@@ -1,8 +1,22 @@
 """Training: the Lightning module (:mod:`training.lit`), ``python -m training.fit`` (entry point; the LightningCLI and
 its callbacks in :mod:`training.cli`, the
 run-directory rules in :mod:`training.rundir`, ``metrics.csv`` in :mod:`training.loggers`), safe checkpoint loading and
-atomic saving (:mod:`training.checkpoint`), and ``python -m training.evaluate``."""
+atomic saving (:mod:`training.checkpoint`), and ``python -m training.evaluate``.
 
-from training.checkpoint import CheckpointError, load_checkpoint, load_gpt_checkpoint
+The names below load on first use: ``python -m training.TOOL`` imports this package before the tool's first line,
+and the tool answers Ctrl-C during its heavy imports with one line (:mod:`kvsplice.io.interrupt`) only when this
+package imports nothing heavy itself."""
+
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["CheckpointError", "load_checkpoint", "load_gpt_checkpoint"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from training import checkpoint
+
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module 'training' has no attribute {name!r}")

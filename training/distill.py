@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvsplice.io.cli import Parser, UsageError, pos_int, run_cli
+from kvsplice.io.cli import Parser, UsageError, add_model_option, add_threads, pos_int, run_cli
 
 __all__ = ["build_parser", "main", "split", "tokens_needed"]
 
@@ -41,8 +41,8 @@ def build_parser() -> Parser:
 
     p = Parser(prog=PROG, description="Fine-tune a converted MLA model (LM loss or KL "
                "distillation from its source) with Lightning.")
-    p.add_argument("--model", required=True, help="a converted MLA model folder (python -m kvsplice.to_mla), or an "
-                   "unconverted transformers model / GGUF file (the same-text baseline)")
+    add_model_option(p, help="a converted MLA model folder (python -m kvsplice.to_mla), or an unconverted "
+                     "transformers model / GGUF file (the same-text baseline)")
     p.add_argument("--teacher", default=None, help="the source model (folder / GGUF) for --loss kl")
     p.add_argument("--data", "--data.path", dest="data", required=True, help="training text (.txt/.json/.jsonl)")
     p.add_argument("--loss", choices=LOSSES, default="kl", help="kl: distil from --teacher (default); lm: LM loss")
@@ -62,7 +62,7 @@ def build_parser() -> Parser:
     p.add_argument("--ckpt-path", default=None, help="last | best | a checkpoint file: resume")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=pos_int, default=None)
+    add_threads(p)
     p.add_argument("--no-progress", action="store_true")
     return p
 

@@ -22,10 +22,13 @@
 
 Weights are read with ``torch.load(weights_only=True)`` (:mod:`training.checkpoint`; every tensor checked: finite,
 floating point, the shapes of the stored config) and written as safetensors. The files are written into a temporary
-folder and moved into ``--out`` (:mod:`kvsplice.io.outputs`): a non-empty ``--out`` is replaced only with
-``--force`` and only when it holds nothing but an earlier export's files (:data:`EXPORT_FILES`) — never a folder
-with other files (a run folder, ``.``, ``some/dir/..``) or the folder of ``--ckpt``. Bad input (including a
-read-only destination) is one ``python -m training.export: error: ...`` line, exit status 2, nothing written.
+folder and moved into ``--out`` (:mod:`kvsplice.io.outputs`) with the marker that says export wrote it
+(:data:`kvsplice.io.outputs.MARKER`): a non-empty ``--out`` is replaced only with ``--force`` and only when its
+marker says an earlier export wrote it and it holds nothing else — never a folder another tool wrote (even with the
+same file names), a folder with other files (a run folder, ``.``, ``some/dir/..``) or the folder of ``--ckpt``; the
+earlier export is then replaced whole. Bad input (a read-only or full disk, a pad beyond
+:data:`kvsplice.convert.latent_pad.MAX_PAD_LATENT`, a damaged checkpoint) is one ``kvsplice export: error: ...``
+line, exit status 2, nothing written.
 """
 
 from __future__ import annotations
@@ -43,20 +46,22 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from kvsplice.convert import gpt_deepseek
+from kvsplice.convert import deepseek_v3, gpt_deepseek
 from kvsplice.convert.latent_pad import padded_row
-from kvsplice.io.cli import Parser, run_cli
-from kvsplice.io.outputs import output_dir, release_claim, write_dir
-from models.attention import LATENT_NORM_EPS
+from kvsplice.io.cli import Parser, add_output_options, run_cli
+from kvsplice.io.outputs import MARKER, output_dir, release_claim, write_dir
+from models.latent_attention import LATENT_NORM_EPS
 from models.config import DEEPSEEK_V3
 from models.gpt import HF_CONV1D
-from training.checkpoint import CheckpointError, load_gpt_checkpoint
+from training.checkpoint import CheckpointError
 
 REMOTE_DIR = Path(__file__).resolve().parent / "hf_remote"
 REMOTE_FILES = ("configuration_kvsplice_gpt.py", "modeling_kvsplice_gpt.py")
 EXPORT_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                          "tokenizer_config.json", "special_tokens_map.json", *REMOTE_FILES})
-"""Every file an export writes: ``--force`` replaces a folder that holds nothing else."""
+                          "tokenizer_config.json", "special_tokens_map.json", MARKER, *REMOTE_FILES})
+"""Every file an export may write (its marker included)."""
+WRITER = "export"
+"""The writer an export's marker names (:func:`kvsplice.io.outputs.output_dir`)."""
 
 
 FORMATS = ("auto", "gpt2", "remote", "deepseek_v3", "llama")
@@ -198,7 +203,7 @@ def export(ckpt: str | Path, out: str | Path, *, force: bool = False, tokenizer:
         kvsplice.io.cli.UsageError: ``out`` is refused (see the module docstring).
         ExportError: the checkpoint cannot be loaded or exported.
     """
-    out = output_dir(out, force=force, inputs={"--ckpt": ckpt}, owned=EXPORT_FILES, writer="export")
+    out = output_dir(out, force=force, inputs={"--ckpt": ckpt}, owned=EXPORT_FILES, writer=WRITER)
     try:
         return _export(Path(ckpt), out, tokenizer, fmt, pad_latent, pad_rope)
     finally:
@@ -207,8 +212,10 @@ def export(ckpt: str | Path, out: str | Path, *, force: bool = False, tokenizer:
 
 def _export(ckpt: Path, out: Path, tokenizer: bool, fmt: str = "auto",
             pad_latent: Optional[int] = None, pad_rope: Optional[int] = None) -> dict[str, Any]:
+    from kvsplice.loading import read_gpt_checkpoint
+
     try:
-        model, cfg, meta = load_gpt_checkpoint(ckpt)
+        model, cfg, meta = read_gpt_checkpoint(ckpt)
     except CheckpointError as e:
         raise ExportError(str(e)) from None
     if cfg.cache_quant:
@@ -233,13 +240,13 @@ def _export(ckpt: Path, out: Path, tokenizer: bool, fmt: str = "auto",
         if hf is not None:
             hf.save_pretrained(tmp)
         elif kind == "deepseek_v3":
-            gpt_deepseek.save_deepseek_v3(model, tmp, pad_latent, pad_rope)
+            deepseek_v3.save_deepseek_v3(model, tmp, pad_latent=pad_latent, pad_rope=pad_rope)
         else:
             write_remote(model, cfg, tmp, eot)
         if tok is not None:
             save_tokenizer(tok, tmp)
 
-    files = write_dir(out, fill, owned=EXPORT_FILES)
+    files = write_dir(out, fill, owned=EXPORT_FILES, writer=WRITER)
     return {"ckpt": str(ckpt), "out": str(out), "kind": KIND_NAMES[kind],
             "variant": cfg.variant, "n_kv_head": cfg.kv_heads, "cache_numbers_per_token_per_layer": cfg.cache_dim,
             "tokenizer": None if tok is None else {"name": tok.name, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id},
@@ -253,9 +260,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _main(argv: Optional[Sequence[str]]) -> int:
     p = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True, help="a checkpoint written by python -m training.fit")
-    p.add_argument("--out", required=True, help="the output directory (new or empty; --force: an earlier export)")
-    p.add_argument("--force", action="store_true", help="replace the files of an earlier export in --out (a folder "
-                   "holding any other file is refused)")
+    add_output_options(p, json=False, out_help="the output directory (new or empty; --force: an earlier export)",
+                       force_help="replace an earlier export in --out whole (a folder another tool wrote or holding "
+                       "any other file is refused)")
     p.add_argument("--no-tokenizer", action="store_true", help="do not export the run's tokenizer")
     p.add_argument("--format", choices=FORMATS, default="auto", help="auto (default): GPT-2 layout MHA -> gpt2, its "
                    "MLA / KVSplice / GQA -> remote; deepseek_v3 layout MLA / KVSplice -> deepseek_v3, its standard "

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.rope import rotate
+
 SUPPORTED_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3")
 """The ``config.model_type`` of the transformers causal LMs (``*ForCausalLM``, or the bare ``*Model``) every
 post-training method supports; besides them, ``models.GPT`` with ``attention='mha'``."""
@@ -77,21 +79,14 @@ def merge_heads(z: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------- RoPE
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[-x₂, x₁]`` of the two halves of the last dim (the Llama / GPT-NeoX rotary convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x (B, H, T, D)`` at the positions of ``cos, sin (1 or B, T, r)``; ``r < D`` (partial rotary, e.g.
     Phi-3 with ``partial_rotary_factor < 1``) rotates the first ``r`` dims and passes the rest through."""
     cos, sin = cos[:, None], sin[:, None]  # (·, 1, T, r): broadcast over heads
     r = cos.shape[-1]
     if r == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
-    x_rot = x[..., :r]
-    return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x[..., r:]], dim=-1)
+        return rotate(x, cos, sin)
+    return torch.cat([rotate(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------- adapter
@@ -111,6 +106,9 @@ class FamilyAdapter:
     d_model: int
     max_positions: Optional[int] = None
     model: nn.Module
+    block_parts: tuple[str, str, str, str] = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+    """Names in a pre-norm block ``x + attn(attn_norm x)``, then ``x + mlp(mlp_norm x)``: attn_norm, attn,
+    mlp_norm, mlp (the Llama layout's; each family names its own)."""
 
     # ------------------------------------------------------------------------------------------- shapes
     def info(self) -> ModelInfo:
@@ -138,14 +136,22 @@ class FamilyAdapter:
     def embed(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def attn_in(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def blocks(self) -> nn.ModuleList:
+        """The model's decoder blocks, in order."""
         raise NotImplementedError
+
+    def attn_in(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The input of ``layer``'s attention: its pre-attention norm of the residual stream ``x (B, T, d_model)``."""
+        return getattr(self.blocks()[layer], self.block_parts[0])(x)
 
     def attention_module(self, layer: int) -> nn.Module:
-        raise NotImplementedError
+        return getattr(self.blocks()[layer], self.block_parts[1])
 
     def after_attn(self, layer: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The rest of ``layer``'s block: the residual ``x + y`` of the attention output ``y``, then the MLP's."""
+        block, (_, _, norm, mlp) = self.blocks()[layer], self.block_parts
+        x = x + y
+        return x + getattr(block, mlp)(getattr(block, norm)(x))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

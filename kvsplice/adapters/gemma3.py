@@ -56,7 +56,7 @@ class Gemma3Adapter(LlamaAdapter):
         return (attn.q_norm if kind == "q" else attn.k_norm)(x)  # over the head dim of (B, H, T, D)
 
     def after_attn(self, layer, x, y):
-        b = self.m.layers[layer]
+        b = self.blocks()[layer]
         x = x + b.post_attention_layernorm(y)
         return x + b.post_feedforward_layernorm(b.mlp(b.pre_feedforward_layernorm(x)))
 

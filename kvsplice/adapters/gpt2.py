@@ -12,6 +12,8 @@ class GPT2Adapter(FamilyAdapter):
     """``hf=True``: HF GPT-2 (``model`` may be the bare ``GPT2Model``, then there is no LM head); ``hf=False``: ours
     (any attention; MLA models decode with their own attention module only)."""
 
+    block_parts = ("ln_1", "attn", "ln_2", "mlp")
+
     def __init__(self, model: nn.Module, *, hf: bool) -> None:
         self.model, self.hf = model, hf
         self.t = model.transformer if hasattr(model, "transformer") else model  # GPT2Model is the transformer
@@ -51,16 +53,8 @@ class GPT2Adapter(FamilyAdapter):
         pos = torch.arange(start, start + ids.shape[1], device=ids.device)  # (T,)
         return x + self.t.wpe(pos)[None]
 
-    def attn_in(self, layer, x):
-        return self.t.h[layer].ln_1(x)
-
-    def attention_module(self, layer):
-        return self.t.h[layer].attn
-
-    def after_attn(self, layer, x, y):
-        block = self.t.h[layer]
-        x = x + y
-        return x + block.mlp(block.ln_2(x))
+    def blocks(self):
+        return self.t.h
 
     def head(self, x):
         if not hasattr(self.model, "lm_head"):

@@ -47,16 +47,8 @@ class LlamaAdapter(FamilyAdapter):
     def embed(self, ids, start):
         return self.m.embed_tokens(ids)  # (B, T, d_model)
 
-    def attn_in(self, layer, x):
-        return self.m.layers[layer].input_layernorm(x)
-
-    def attention_module(self, layer):
-        return self.m.layers[layer].self_attn
-
-    def after_attn(self, layer, x, y):
-        block = self.m.layers[layer]
-        x = x + y
-        return x + block.mlp(block.post_attention_layernorm(x))
+    def blocks(self):
+        return self.m.layers
 
     def head(self, x):
         if not hasattr(self.model, "lm_head"):

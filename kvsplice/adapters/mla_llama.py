@@ -12,6 +12,7 @@ from kvsplice.adapters.base import FamilyAdapter, unsupported
 
 class MLALlamaAdapter(FamilyAdapter):
     name = "mla_llama"
+    block_parts = ("input_norm", "attn", "post_norm", "mlp")
     has_rope = False  # the model rotates its own RoPE keys; the decoder builds no tables
 
     def __init__(self, model: nn.Module) -> None:
@@ -30,16 +31,8 @@ class MLALlamaAdapter(FamilyAdapter):
     def embed(self, ids, start):
         return self.model.embed(ids)  # (B, T, d_model)
 
-    def attn_in(self, layer, x):
-        return self.model.layers[layer].input_norm(x)
-
-    def attention_module(self, layer):
-        return self.model.layers[layer].attn
-
-    def after_attn(self, layer, x, y):
-        block = self.model.layers[layer]
-        x = x + y
-        return x + block.mlp(block.post_norm(x))
+    def blocks(self):
+        return self.model.layers
 
     def head(self, x):
         return self.model.lm_head(self.model.norm(x))

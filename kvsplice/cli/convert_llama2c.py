@@ -10,7 +10,7 @@ quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports be
 import sys
 
 from kvsplice.convert.llama2c import Llama2cFormatError, _convert
-from kvsplice.io.cli import Parser, run_cli
+from kvsplice.io.cli import Parser, add_output_options, run_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,9 +25,9 @@ def _main(argv: list[str] | None) -> int:
     )
     parser.add_argument("model", help="llama2.c model .bin (e.g. stories260K.bin)")
     parser.add_argument("--tokenizer", help="llama2.c tokenizer .bin (e.g. tok512.bin); omit to convert weights only")
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--force", action="store_true", help="write into an existing non-empty output directory "
-                        "(its other files are kept; a folder holding the input is refused)")
+    add_output_options(parser, json=False, out_help="output directory",
+                       force_help="write into an existing non-empty output directory (an earlier conversion's files "
+                       "are replaced, its other files kept; a folder holding the input is refused)")
     args = parser.parse_args(argv)
     out, cfg, n_params = _convert(args.model, args.tokenizer, args.out, force=args.force)
     print(

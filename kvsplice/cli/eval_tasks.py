@@ -13,9 +13,12 @@ the full cache is always run beside them. Settings: query-**agnostic** (context 
 query-**aware** (the question compressed with the context). Greedy answers, exact-match scores.
 
 ``--out`` is resumable: rerun the same command and the finished instances are kept (the file is rewritten
-atomically after every instance). The file records every setting that determines its answers; a rerun with another
+atomically after every instance; a kept answer's score is recomputed from its recorded output, a hand-edited score
+is corrected with a note). The file records every setting that determines its answers; a rerun with another
 model, tokenizer, stories text, door or dtype is refused, and one with other tasks, lengths, seeds or settings only
-when it adds instances (:mod:`kvsplice.tasks.resume`; docs/eval_tasks_resume.md); ``--force`` starts over.
+when it adds instances (:mod:`kvsplice.tasks.resume`; docs/tasks.md, "Resuming --out"); ``--force`` starts over and
+leaves the earlier file in place until the new run completes (its progress is written beside it,
+``.<name>.<pid>.tmp``, and renamed over it at the end; Ctrl-C keeps the earlier file).
 A length must hold each task's prompt: a length shorter than a task's shortest prompt is refused, naming it.
 The ``decoder`` door shares one exact prefill between the full cache and every token selection
 (:func:`kvsplice.tasks.shared.answer_many`); ``--door hf`` runs each method through transformers' ``generate()``.
@@ -38,6 +41,8 @@ import torch
 
 from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
 from kvsplice.io.outputs import SpecArgs, output_file, write_json
+from kvsplice.io.staged import Staged
+from kvsplice.tasks.options import EvalTasksOptions
 from kvsplice.tasks.results_schema import FORMAT
 
 
@@ -66,115 +71,110 @@ def build_parser() -> argparse.ArgumentParser:
                    "one shared prefill for every selection) or transformers' generate()")
     p.add_argument("--out", required=True, help="results JSON (resumed when it exists)")
     p.add_argument("--md", help="also write the tables as markdown here")
-    p.add_argument("--force", action="store_true", help="start --out over / overwrite --md")
+    p.add_argument("--force", action="store_true", help="start --out over (the earlier file stays in place until "
+                   "the new run completes) / overwrite --md")
     p.add_argument("--threads", type=pos_int)
     p.add_argument("--no-progress", action="store_true")
     add_device_dtype(p)
     return p
 
 
-def _specs(args, tokenizer, model) -> dict:
-    """``{spec: MethodSpec}`` of the full cache, ``--plan`` and ``--method`` (a plan — by either option — must be
-    this model's)."""
-    from kvsplice.tasks.methods import parse_method
-
-    specs = {"full": parse_method("full")}
-    for p in args.plan:
-        if not Path(p).is_file():
-            raise UsageError(f"--plan file not found: {p}")
-        specs[f"plan:{p}"] = parse_method(f"plan:{p}", tokenizer, model)
-    for s in args.method:
-        if not s.strip():
-            raise UsageError("--method is empty: give a method spec (e.g. int8, kivi4, select:snapkv@x4)")
-        try:
-            specs[s] = parse_method(s, tokenizer, model)
-        except ValueError as e:
-            raise UsageError(f"--method {e}") from None
-    return specs
+def options(args: argparse.Namespace) -> EvalTasksOptions:
+    """The typed options of a parsed command line."""
+    return EvalTasksOptions(
+        model=args.model, out=args.out, tokenizer=args.tokenizer, plans=tuple(args.plan), methods=tuple(args.method),
+        tasks=tuple(args.tasks), lengths=tuple(args.lengths), n=args.n, seed0=args.seed0, setting=args.setting,
+        stories=args.stories, door=args.door, md=args.md, force=args.force, threads=args.threads,
+        progress=not args.no_progress, device=args.device, dtype=args.dtype)
 
 
-def _header(args, model, tok, specs: dict, insts: list, settings: tuple) -> dict:
+def _header(opts: EvalTasksOptions, model, tok, specs: dict, insts: list) -> dict:
     """What produced the output (:mod:`kvsplice.tasks.provenance`): every setting that determines its answers."""
     from kvsplice.adapters import model_fingerprint
     from kvsplice.tasks.provenance import file_digest, instance_digest, method_files, tokenizer_fingerprint
     from kvsplice.tasks.results_schema import VERSION
 
-    return {"format": FORMAT, "version": VERSION, "model": args.model, "model_fingerprint": model_fingerprint(model),
-            "tokenizer": args.tokenizer, "tokenizer_fingerprint": tokenizer_fingerprint(tok),
-            "stories": args.stories, "stories_digest": file_digest(args.stories) if args.stories else None,
-            "door": args.door, "dtype": args.dtype, "tasks": list(args.tasks), "lengths": list(args.lengths),
-            "n": args.n, "seed0": args.seed0, "settings": list(settings),
+    return {"format": FORMAT, "version": VERSION, "model": opts.model, "model_fingerprint": model_fingerprint(model),
+            "tokenizer": opts.tokenizer, "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+            "stories": opts.stories, "stories_digest": file_digest(opts.stories) if opts.stories else None,
+            "door": opts.door, "dtype": opts.dtype, "tasks": list(opts.tasks), "lengths": list(opts.lengths),
+            "n": opts.n, "seed0": opts.seed0, "settings": list(opts.settings),
             "instances": {i.key: instance_digest(tok, i) for i in insts},
             "methods": {k: s.label for k, s in specs.items()},
             "method_files": {k: method_files(list(s.files)) for k, s in specs.items()}}
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(opts: EvalTasksOptions) -> dict:
+    """Answer every instance with every method (resuming ``opts.out``); returns the results document (and its
+    ``markdown``). With ``force`` an existing ``out`` is replaced only when the run completes: until then the
+    progress is written beside it (:class:`kvsplice.io.staged.Staged`)."""
     from kvsplice.loading import load_model
     from kvsplice.tasks.haystack import check_stories
-    from kvsplice.tasks.instance import SETTINGS
+    from kvsplice.tasks.methods import method_specs
     from kvsplice.tasks.report import markdown, summarize
-    from kvsplice.tasks.resume import resume
+    from kvsplice.tasks.resume import rescore, resume
     from kvsplice.tasks.runner import answer
     from kvsplice.tasks.shared import answer_many
-    from kvsplice.tasks.suite import NEEDS_STORIES, TUNING_SEED0, check_lengths, check_positions, make_instances
+    from kvsplice.tasks.suite import NEEDS_STORIES, TUNING_SEED0, check_instances, make_instances
 
-    if args.seed0 < 0 or args.seed0 + args.n > TUNING_SEED0:
-        raise UsageError(f"--seed0 {args.seed0}: reported instances use seeds 0 .. {TUNING_SEED0 - 1} (tuning "
+    if opts.seed0 < 0 or opts.seed0 + opts.n > TUNING_SEED0:
+        raise UsageError(f"--seed0 {opts.seed0}: reported instances use seeds 0 .. {TUNING_SEED0 - 1} (tuning "
                          f"uses the rest)")
-    need = sorted(set(args.tasks) & NEEDS_STORIES)
-    if need and not args.stories:
+    need = sorted(set(opts.tasks) & NEEDS_STORIES)
+    if need and not opts.stories:
         raise UsageError(f"--tasks {' '.join(need)} need --stories (a TinyStories text file)")
-    if args.stories:
-        check_stories(args.stories, "--stories")
-    device, dtype = device_dtype(args)
-    loaded = load_model(args.model, tokenizer=args.tokenizer, dtype=dtype, device=device)
+    if opts.stories:
+        check_stories(opts.stories, "--stories")
+    device, dtype = device_dtype(opts)
+    loaded = load_model(opts.model, tokenizer=opts.tokenizer, dtype=dtype, device=device)
     model, tok = loaded.model, loaded.tokenizer
-    if loaded.max_positions is not None and max(args.lengths) > loaded.max_positions:
-        raise UsageError(f"--lengths {max(args.lengths)} exceeds the model's {loaded.max_positions} positions")
-    specs = _specs(args, tok, model)
+    if loaded.max_positions is not None and max(opts.lengths) > loaded.max_positions:
+        raise UsageError(f"--lengths {max(opts.lengths)} exceeds the model's {loaded.max_positions} positions")
+    specs = method_specs(opts.plans, opts.methods, tok, model)
     from kvsplice.adapters.registry import adapter_for
     from kvsplice.decode.native import OWN_ATTENTION
 
     if adapter_for(model).name in OWN_ATTENTION and set(specs) != {"full"}:
-        raise UsageError(f"--model {args.model} decodes with its own cache (a converted MLA model): --method full "
+        raise UsageError(f"--model {opts.model} decodes with its own cache (a converted MLA model): --method full "
                          f"measures that cache; the compression methods need the source model")
-    settings = SETTINGS if args.setting == "both" else (args.setting,)
     try:
-        insts = make_instances(args.tasks, tok, args.lengths, args.n, seed0=args.seed0, stories=args.stories)
+        insts = make_instances(opts.tasks, tok, opts.lengths, opts.n, seed0=opts.seed0, stories=opts.stories)
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
-        check_lengths(insts)
-        check_positions(insts, loaded.max_positions)
+        check_instances(insts, loaded.max_positions)
     except ValueError as e:
         raise UsageError(f"--lengths: {e}") from None
-    header = _header(args, model, tok, specs, insts, settings)
-    out = Path(args.out)
+    header = _header(opts, model, tok, specs, insts)
+    out = Path(opts.out)
     from kvsplice.tasks.provenance import tokenizer_fingerprint
 
-    results = resume(out, args.force, header, lambda doc: {"tokenizer_fingerprint": [tokenizer_fingerprint(
+    results = resume(out, opts.force, header, lambda doc: {"tokenizer_fingerprint": [tokenizer_fingerprint(
         tok, loaded_from=doc["tokenizer"] or doc["model"])]})  # files that hashed the path too
-    jobs = [(s, i) for s in settings for i in insts]
+    rescore(results, insts, out)
+    jobs = [(s, i) for s in opts.settings for i in insts]
     from tqdm.auto import tqdm
 
-    bar = tqdm(jobs, desc="instances", disable=args.no_progress, file=sys.stderr)
-    t0 = time.perf_counter()
-    for setting, inst in bar:
-        done = results.setdefault(setting, {}).setdefault(inst.key, {})
-        todo = {k: s.factory for k, s in specs.items() if k not in done}
-        if not todo:
-            continue
-        bar.set_postfix_str(f"{setting} {inst.key}")
-        if args.door == "decoder":
-            got = answer_many(model, tok, inst, todo, setting=setting)
-        else:
-            got = {k: answer(model, tok, inst, f, setting=setting, door="hf") for k, f in todo.items()}
-        done.update({k: o.to_dict() for k, o in got.items()})
-        write_json({**header, "results": results}, out)
-    summary = summarize(results, list(specs))
-    doc = {**header, "seconds": time.perf_counter() - t0, "summary": summary, "results": results}
-    write_json(doc, out)
+    with Staged([out] if opts.force and out.exists() else []) as staged:
+        progress = staged.temp(out) if opts.force and out.exists() else out  # the earlier file stays until the end
+        bar = tqdm(jobs, desc="instances", disable=not opts.progress, file=sys.stderr)
+        t0 = time.perf_counter()
+        for setting, inst in bar:
+            done = results.setdefault(setting, {}).setdefault(inst.key, {})
+            todo = {k: s.factory for k, s in specs.items() if k not in done}
+            if not todo:
+                continue
+            bar.set_postfix_str(f"{setting} {inst.key}")
+            if opts.door == "decoder":
+                got = answer_many(model, tok, inst, todo, setting=setting)
+            else:
+                got = {k: answer(model, tok, inst, f, setting=setting, door="hf") for k, f in todo.items()}
+            done.update({k: o.to_dict() for k, o in got.items()})
+            write_json({**header, "results": results}, progress)
+        summary = summarize(results, list(specs))
+        doc = {**header, "seconds": time.perf_counter() - t0, "summary": summary, "results": results}
+        write_json(doc, progress)
+        staged.commit()
     doc["markdown"] = markdown(summary, header["methods"])
     return doc
 
@@ -187,27 +187,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
-    args = build_parser().parse_args(argv)
-    if not args.plan and not args.method:
+    opts = options(build_parser().parse_args(argv))
+    if not opts.plans and not opts.methods:
         raise UsageError("give the methods to evaluate: --plan PLAN.json and/or --method SPEC (e.g. kivi4)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--plan": args.plan, "--stories": args.stories,
-              "--method": SpecArgs.of(args.method)}
-    out = Path(args.out)
-    if not out.exists() or args.force:
-        output_file(args.out, force=args.force, inputs=inputs)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    inputs = {"--model": opts.model, "--tokenizer": opts.tokenizer, "--plan": list(opts.plans),
+              "--stories": opts.stories, "--method": SpecArgs.of(opts.methods)}
+    out = Path(opts.out)
+    if not out.exists() or opts.force:
+        output_file(opts.out, force=opts.force, inputs=inputs)
     else:
-        output_file(args.out, force=True, inputs=inputs)  # resumed: still never an input, still writable
-    md = None if args.md is None else output_file(args.md, force=args.force, option="--md", inputs=inputs,
+        output_file(opts.out, force=True, inputs=inputs)  # resumed: still never an input, still writable
+    md = None if opts.md is None else output_file(opts.md, force=opts.force, option="--md", inputs=inputs,
                                                   outputs={"--out": out})
-    doc = run(args)
+    doc = run(opts)
     print(doc["markdown"])
     if md is not None:
         from models.checkpoint import atomic_write
 
         atomic_write(md, lambda p: p.write_text(doc["markdown"] + "\n"))
-    print(f"wrote {args.out}")
+    print(f"wrote {opts.out}")
     return 0
 
 

@@ -69,9 +69,12 @@ def _energy(s: str) -> float:
 
 
 def _ratio(s: str) -> float:
+    """argparse type: times fewer numbers per token than the full K/V cache, a finite number >= 1 (a ratio is
+    "times smaller" in every command, as ``plan --ratio``; a kept fraction would be named so)."""
     v = float(s)
     if not 1.0 <= v < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, got {s}")
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1 (times fewer numbers per token than the "
+                                         f"full K/V cache; 1 keeps every dimension), got {s}")
     return v
 
 
@@ -91,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--energy", type=_energy, help="per head, the smallest key rank retaining this fraction of "
                       "the fit's spectrum (e.g. 0.9)")
     spec.add_argument("--alloc-ratio", type=_ratio, nargs="+", help="ranks per layer, KV head and keys/values "
-                      "chosen by the predicted calibration loss under 2·L·Hkv·head_dim / X numbers per token")
+                      "chosen by the predicted calibration loss under 2·L·Hkv·head_dim / X numbers per token (X: "
+                      "times smaller than the full K/V cache, >= 1)")
     vspec = p.add_mutually_exclusive_group()
     vspec.add_argument("--rank-v", type=pos_int, help="value rank (default: the key spec)")
     vspec.add_argument("--energy-v", type=_energy, help="value energy (default: the key spec)")

@@ -34,6 +34,7 @@ PROG = "kvsplice plan"
 quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -43,13 +44,9 @@ from typing import Optional, Sequence
 import torch
 
 from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, help_text, pos_int, run_cli
-from kvsplice.io.outputs import SpecArgs, cache_file, output_file, write_json
-
-DEFAULT_STORES = "default"
-"""``--stores default``: the built-in candidate stores (:func:`kvsplice.planning.search.candidate_stores`)."""
-TUNE_TASKS = ("passkey", "niah_number_facts", "niah_number_stories")
-"""The accuracy objective's default tasks: a number hidden in filler, in encyclopedic facts and in real prose (the
-calibration text's; :func:`_stories`)."""
+from kvsplice.io.outputs import SpecArgs, cache_file, output_file
+from kvsplice.planning.candidates import DEFAULT_STORES
+from kvsplice.planning.options import TUNE_TASKS, PlanOptions
 
 
 def _pos_float(s: str) -> float:
@@ -84,7 +81,7 @@ def _selector(s: str) -> str:
 
     try:
         return check_selector(s)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError) as e:  # incl. an argument that does nothing (reach= without recon=local)
         raise argparse.ArgumentTypeError(str(e).splitlines()[0]) from None
 
 
@@ -101,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--budget-bytes-per-token", type=_pos_float, help="cache bytes per prompt token (fp16 storage)")
     b.add_argument("--ratio", type=_ratio, help="times smaller than the fp16 full K/V cache (> 1)")
     p.add_argument("--calib-tokens", type=pos_int, default=32768, help="calibration tokens (default 32768)")
-    p.add_argument("--calib-stats", help="calibration statistics: reused when the file exists, written otherwise")
+    p.add_argument("--calib-stats", help="calibration statistics of the low-rank stores: reused when the file "
+                   "exists, written otherwise — when --stores has a low-rank store (the default list has); with none "
+                   "nothing is calibrated and the file is neither read nor written (a note says so)")
     p.add_argument("--tune-tokens", type=pos_int, default=2048, help="tuning tokens after the calibration tokens "
                    "(default 2048)")
     p.add_argument("--seq-len", type=pos_int, default=1024, help="calibration and tuning window (default 1024)")
@@ -123,10 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
                    f"haystack — filler, facts, real prose; see eval_tasks)")
     p.add_argument("--tune-n", type=pos_int, default=4, help="tuning instances per task (default 4)")
     p.add_argument("--tune-length", type=pos_int, help="tuning instances' prompt tokens (default --seq-len, at "
-                   "least 64)")
+                   "least 64; it must hold each tuning task's prompt and fit the model's positions, as eval_tasks "
+                   "--lengths must)")
     p.add_argument("--fit-length", type=pos_int, help="the prompt tokens at which the budget holds (default "
-                   "--prompt-len): a store with a fixed-size part, KIVI's full-precision window, fits more tokens "
+                   "--prompt-len; at most the model's positions): a store with a fixed-size part, KIVI's "
+                   "full-precision window, fits more tokens "
                    "on a longer prompt; give the length the plan is for, e.g. the --tune-length")
+    p.add_argument("--prefill", choices=("fast", "any"), default="fast", help="fast (default): with tuning "
+                   "tasks, pick among the fast-prefill selectors (KVzip recon=local, snapkv, ObservedAttention "
+                   "stride>=8: prefill + compression about one prefill) when one holds the tuning tasks, trying the "
+                   "others only when none does; any: among all selectors, by the objective alone")
     p.add_argument("--tune-setting", choices=("agnostic", "aware"), default="agnostic",
                    help="the question after the compressed context (default) or inside it")
     p.add_argument("--task-tolerance", type=_nonneg_float, default=0.0, help="mixed: accuracy points below the "
@@ -143,144 +148,169 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(args: argparse.Namespace) -> tuple[object, dict]:
+def options(args: argparse.Namespace) -> PlanOptions:
+    """The typed options of a parsed command line."""
+    return PlanOptions(
+        model=args.model, calib=args.calib, out=args.out, tokenizer=args.tokenizer,
+        budget_bytes_per_token=args.budget_bytes_per_token, ratio=args.ratio, calib_tokens=args.calib_tokens,
+        calib_stats=args.calib_stats, tune_tokens=args.tune_tokens, seq_len=args.seq_len, prompt_len=args.prompt_len,
+        selectors=tuple(args.selectors), stores=None if args.stores is None else tuple(args.stores),
+        batch_size=args.batch_size, objective=args.objective, tune_tasks=tuple(args.tune_tasks), tune_n=args.tune_n,
+        tune_length=args.tune_length, fit_length=args.fit_length, tune_setting=args.tune_setting,
+        task_tolerance=args.task_tolerance, prefill=args.prefill, stories=args.stories, json=args.json,
+        force=args.force, threads=args.threads, progress=not args.no_progress, device=args.device, dtype=args.dtype)
+
+
+def check_lengths(opts: PlanOptions, max_positions: Optional[int]) -> int:
+    """The window, its compressed prompt and ``--fit-length`` within the model's positions (``None``: no limit);
+    returns the compressed prompt's length. A one-line :class:`UsageError` names the option."""
+    seq = opts.seq_len
+    if max_positions is not None and seq > max_positions:
+        raise UsageError(f"--seq-len {seq} exceeds the model's {max_positions} positions")
+    prompt_len = opts.window_prompt
+    if not 1 <= prompt_len < seq:
+        raise UsageError(f"--prompt-len must be in [1, {seq - 1}] (below --seq-len), got {prompt_len}")
+    if opts.fit_length is not None and max_positions is not None and opts.fit_length > max_positions:
+        raise UsageError(f"--fit-length {opts.fit_length} exceeds the model's {max_positions} positions: no prompt "
+                         f"of that length runs on it (give at most {max_positions})")
+    return prompt_len
+
+
+def run(opts: PlanOptions) -> tuple[object, dict]:
+    """Load, calibrate, search (:func:`kvsplice.planning.search.search`); returns the plan and its report."""
     from kvsplice.adapters import adapter_for, model_fingerprint
     from kvsplice.evaluation.protocol import full_bytes_per_token
     from kvsplice.loading import iter_texts, load_model, token_stream
     from kvsplice.lowrank.calibrate import calibration_batches
     from kvsplice.lowrank.sensitivity import stats_for
-    from kvsplice.planning.search import candidate_stores, search
+    from kvsplice.planning.search import SearchOptions, candidate_stores, search
     from kvsplice.planning.spec import Plan
 
-    progress = not args.no_progress
-    device, dtype = device_dtype(args)
-    loaded = load_model(args.model, tokenizer=args.tokenizer, dtype=dtype, device=device)
-    model, seq = loaded.model, args.seq_len
-    if loaded.max_positions is not None and seq > loaded.max_positions:
-        raise UsageError(f"--seq-len {seq} exceeds the model's {loaded.max_positions} positions")
-    prompt_len = args.prompt_len or (3 * seq) // 4
-    if not 1 <= prompt_len < seq:
-        raise UsageError(f"--prompt-len must be in [1, {seq - 1}] (below --seq-len), got {prompt_len}")
-    need = args.calib_tokens + args.tune_tokens
-    ids, _ = token_stream(iter_texts(args.calib, option="calib", split="train"), loaded.tokenizer, need,
+    progress = opts.progress
+    device, dtype = device_dtype(opts)
+    loaded = load_model(opts.model, tokenizer=opts.tokenizer, dtype=dtype, device=device)
+    model, seq = loaded.model, opts.seq_len
+    prompt_len = check_lengths(opts, loaded.max_positions)
+    need = opts.calib_tokens + opts.tune_tokens
+    ids, _ = token_stream(iter_texts(opts.calib, option="calib", split="train"), loaded.tokenizer, need,
                           progress=progress, desc="tokenize calib")
     if ids.numel() < need:  # never calibrate on fewer tokens than asked
-        raise UsageError(f"--calib {args.calib}: {ids.numel()} tokens, fewer than --calib-tokens {args.calib_tokens} "
-                         f"+ --tune-tokens {args.tune_tokens} = {need}; give more text or smaller counts")
-    n_cal = args.calib_tokens
-    if n_cal < seq or args.tune_tokens < seq:
-        raise UsageError(f"--calib-tokens {args.calib_tokens} and --tune-tokens {args.tune_tokens} must each hold a "
+        raise UsageError(f"--calib {opts.calib}: {ids.numel()} tokens, fewer than --calib-tokens {opts.calib_tokens} "
+                         f"+ --tune-tokens {opts.tune_tokens} = {need}; give more text or smaller counts")
+    n_cal = opts.calib_tokens
+    if n_cal < seq or opts.tune_tokens < seq:
+        raise UsageError(f"--calib-tokens {opts.calib_tokens} and --tune-tokens {opts.tune_tokens} must each hold a "
                          f"window of --seq-len {seq}")
-    tune = ids[n_cal:n_cal + args.tune_tokens]
+    tune = ids[n_cal:n_cal + opts.tune_tokens]
     tune = tune[: (tune.numel() // seq) * seq].view(-1, seq)  # (N, T) tuning windows
     adapter = adapter_for(model)
     full_bpt = full_bytes_per_token(adapter)
-    if args.budget_bytes_per_token is not None and args.budget_bytes_per_token >= full_bpt:
-        raise UsageError(f"--budget-bytes-per-token {args.budget_bytes_per_token:g} is at least the fp16 full cache's "
+    if opts.budget_bytes_per_token is not None and opts.budget_bytes_per_token >= full_bpt:
+        raise UsageError(f"--budget-bytes-per-token {opts.budget_bytes_per_token:g} is at least the fp16 full cache's "
                          f"{full_bpt:g} bytes per token: nothing to compress; give a smaller budget")
-    stores = [s for x in _store_specs(args.stores) for s in
+    stores = [s for x in _store_specs(opts.stores) for s in
               (candidate_stores(adapter.has_rope, adapter.head_dim, rotary_dim=adapter.rotary_dim)
                if x == DEFAULT_STORES else [x])]
     # the tuning instances built and checked before the calibration (a bad --tune-length fails in seconds)
-    task_eval, tune_info = _task_eval(args, model, loaded.tokenizer, seq, progress, loaded.max_positions)
+    task_eval, tune_info = _task_eval(opts, model, loaded.tokenizer, seq, progress, loaded.max_positions)
     t0 = time.perf_counter()
     stats, reused = None, False
     if any(isinstance(s.get("bases"), dict) for s in stores):  # the planner's low-rank fits need statistics
-        stats, reused = stats_for(model, lambda: calibration_batches(ids[:n_cal], seq, args.batch_size),
-                                  path=args.calib_stats, ropes=("pre", "post"), source={
-                                      "calibration_source": str(args.calib), "calibration_tokens": n_cal,
-                                      "seq_len": seq}, progress=progress, replace=args.force)
+        stats, reused = stats_for(model, lambda: calibration_batches(ids[:n_cal], seq, opts.batch_size),
+                                  path=opts.calib_stats, ropes=("pre", "post"), source={
+                                      "calibration_source": str(opts.calib), "calibration_tokens": n_cal,
+                                      "seq_len": seq}, progress=progress, replace=opts.force)
+    elif opts.calib_stats is not None:
+        print(f"note: --calib-stats {opts.calib_stats}: no low-rank store is searched (--stores), so nothing is "
+              f"calibrated and the file is neither read nor written", file=sys.stderr)
     calib_s = time.perf_counter() - t0
-    budget = args.budget_bytes_per_token or full_bpt / args.ratio
+    budget = opts.budget_bytes_per_token or full_bpt / opts.ratio
     from tqdm.auto import tqdm
 
     log = tqdm.write if progress else (lambda s: None)  # lines above the tuning tasks' bar, not inside it
-    found = search(model, stats, tune, prompt_len=prompt_len, budget=budget, selectors=args.selectors,
-                   stores=stores, batch_size=args.batch_size, log=log, objective=args.objective,
-                   task_eval=task_eval, task_tolerance=args.task_tolerance, tokenizer=loaded.tokenizer,
-                   fit_len=args.fit_length)
-    if task_eval is not None:
-        task_eval.close()
+    search_opts = SearchOptions(prompt_len=prompt_len, budget=budget, selectors=opts.selectors,
+                                stores=tuple(stores), batch_size=opts.batch_size, objective=opts.objective,
+                                task_tolerance=opts.task_tolerance, fit_len=opts.fit_length, prefill=opts.prefill)
+    try:
+        found = search(model, stats, tune, search_opts, task_eval=task_eval, tokenizer=loaded.tokenizer, log=log)
+    finally:
+        if task_eval is not None:
+            task_eval.close()
     best, chosen = found["best"], found["chosen"]
     info = {"budget": {"bytes_per_token": budget, "ratio_vs_fp16_full": full_bpt / budget,
                        "full_fp16_bytes_per_token": full_bpt, "storage": "fp16",
-                       "prompt_len": args.fit_length or prompt_len},
+                       "prompt_len": opts.fit_length or prompt_len},
             "prompt_len": prompt_len, "seq_len": seq,
-            "tuning": {"source": str(args.calib), "after_calibration_tokens": n_cal, "windows": tune.shape[0],
+            "tuning": {"source": str(opts.calib), "after_calibration_tokens": n_cal, "windows": tune.shape[0],
                        "full_cache_ppl": found["full"]["tuning_ppl"]},
-            "calibration": {"tokens": n_cal, "stats_file": args.calib_stats, "reused": reused,
-                            "seconds": calib_s},
-            "chosen": chosen, "selector": found["selector"], "candidates": found["candidates"],
-            "objective": args.objective, "tasks": tune_info, "full": found["full"]}
+            "calibration": {"tokens": n_cal, "stats_file": opts.calib_stats if stats is not None else None,
+                            "reused": reused, "seconds": calib_s},
+            "chosen": chosen, "selector": found["selector"], "selectors_left_out": found["selectors_left_out"],
+            "prefill": opts.prefill, "candidates": found["candidates"],
+            "objective": opts.objective, "tasks": tune_info, "full": found["full"]}
     plan = Plan(best, model_fingerprint(model), None, info)
     return plan, info
 
 
-def _task_eval(args, model, tokenizer, seq: int, progress: bool, max_positions: Optional[int] = None):
+def _task_eval(opts: PlanOptions, model, tokenizer, seq: int, progress: bool, max_positions: Optional[int] = None):
     """The accuracy objective's measure: candidates on tuning task instances (seeds from
     :data:`kvsplice.tasks.suite.TUNING_SEED0`, disjoint from any reported run), each instance's prefill made once
-    for every candidate (:class:`~kvsplice.tasks.tuning.TuningTasks`)."""
-    if args.objective == "ppl":
+    for every candidate (:class:`~kvsplice.tasks.tuning.TuningTasks`). The instances pass the bound check
+    ``eval_tasks --lengths`` makes (:func:`kvsplice.tasks.suite.check_instances`)."""
+    if opts.objective == "ppl":
         return None, None
-    from kvsplice.tasks.suite import MIN_LENGTH, TUNING_SEED0, check_positions, make_instances
+    from kvsplice.tasks.suite import MIN_LENGTH, TUNING_SEED0, check_instances, make_instances
     from kvsplice.tasks.tuning import TuningTasks
 
-    length = args.tune_length or max(seq, MIN_LENGTH)
+    length = opts.tune_length or max(seq, MIN_LENGTH)
     if max_positions is not None and length > max_positions:
         raise UsageError(f"--tune-length {length} exceeds the model's {max_positions} positions (give a shorter one, "
                          f"or --objective ppl)")
-    stories = _stories(args)
-    insts = make_instances(args.tune_tasks, tokenizer, [length], args.tune_n, seed0=TUNING_SEED0, stories=stories)
+    stories = _stories(opts)
     try:
-        check_positions(insts, max_positions)
+        insts = make_instances(opts.tune_tasks, tokenizer, [length], opts.tune_n, seed0=TUNING_SEED0,
+                               stories=stories)
+        check_instances(insts, max_positions)
     except ValueError as e:
-        raise UsageError(f"--tune-length: {e}") from None
-    info = {"tasks": args.tune_tasks, "length": length, "n": args.tune_n, "seed0": TUNING_SEED0, "stories": stories,
-            "setting": args.tune_setting}
+        given = "--tune-length" if opts.tune_length else f"--tune-length (default {length}, from --seq-len)"
+        raise UsageError(f"{given}: {e}") from None
+    info = {"tasks": list(opts.tune_tasks), "length": length, "n": opts.tune_n, "seed0": TUNING_SEED0,
+            "stories": stories, "setting": opts.tune_setting}
 
-    return TuningTasks(model, tokenizer, insts, setting=args.tune_setting, progress=progress), info
+    return TuningTasks(model, tokenizer, insts, setting=opts.tune_setting, progress=progress), info
 
 
-def _check_tune_tasks(args) -> None:
+def _check_tune_tasks(opts: PlanOptions) -> None:
     """``--tune-tasks`` known and given the text they need (before the model loads)."""
-    if args.objective == "ppl":
+    if opts.objective == "ppl":
         return
     from kvsplice.tasks.suite import NEEDS_STORIES, TASKS
 
-    bad = [t for t in args.tune_tasks if t not in TASKS]
+    bad = [t for t in opts.tune_tasks if t not in TASKS]
     if bad:
         raise UsageError(f"--tune-tasks: unknown task {bad[0]!r}; tasks are {', '.join(TASKS)}")
-    if set(args.tune_tasks) & NEEDS_STORIES and not _stories(args):
-        raise UsageError("--tune-tasks " + " ".join(sorted(set(args.tune_tasks) & NEEDS_STORIES)) + " need --stories "
-                         f"(a local text file; --calib {args.calib} is not one)")
+    if set(opts.tune_tasks) & NEEDS_STORIES and not _stories(opts):
+        raise UsageError("--tune-tasks " + " ".join(sorted(set(opts.tune_tasks) & NEEDS_STORIES)) + " need --stories "
+                         f"(a local text file; --calib {opts.calib} is not one)")
 
 
-def _stories(args) -> Optional[str]:
+def _stories(opts: PlanOptions) -> Optional[str]:
     """The prose of the tuning tasks that hide a needle in stories: ``--stories``, else the calibration text when it
     is a local file (never the text instances are reported on)."""
-    if args.stories:
-        return args.stories
-    return args.calib if Path(args.calib).expanduser().is_file() else None
+    if opts.stories:
+        return opts.stories
+    return opts.calib if Path(opts.calib).expanduser().is_file() else None
 
 
 def _store_specs(given: Optional[Sequence[str]]) -> list:
-    """``--stores``: each a storage method's spec (checked: before the model loads) or ``"default"`` (the built-in
-    candidates, :func:`kvsplice.planning.search.candidate_stores`)."""
-    from kvsplice.core.registry import METHODS, check_spec, load_spec
-    from kvsplice.core.spec_files import rebased
+    """``--stores`` checked before the model loads (:func:`kvsplice.planning.candidates.store_specs`); a bad one is a
+    one-line :class:`UsageError`."""
+    from kvsplice.planning.candidates import store_specs
 
-    out: list = []
-    for text in given or [DEFAULT_STORES]:
-        if text == DEFAULT_STORES:
-            out.append(text)
-            continue
-        spec, base_dir = load_spec(text)  # the short form, inline JSON or a .json spec file (as --method)
-        spec = check_spec(spec if base_dir is None else rebased(spec, base_dir))
-        if not METHODS[spec["name"]].is_storage:
-            raise UsageError(f"--stores {text}: {spec['name']} is not a storage method (it cannot hold a token "
-                             f"selection); storage methods: {', '.join(n for n, c in METHODS.items() if c.is_storage)}")
-        out.append(spec)
-    return out
+    try:
+        return store_specs(given)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -291,31 +321,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
-    args = build_parser().parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--calib": args.calib,
-              "--calib-stats": args.calib_stats, "--stories": args.stories,  # an existing stats file is an input
-              "--stores": SpecArgs.of(args.stores)}
-    _store_specs(args.stores)  # fail fast, before the model loads
-    if args.stories:
+    opts = options(build_parser().parse_args(argv))
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    inputs = {"--model": opts.model, "--tokenizer": opts.tokenizer, "--calib": opts.calib,
+              "--calib-stats": opts.calib_stats, "--stories": opts.stories,  # an existing stats file is an input
+              "--stores": SpecArgs.of(opts.stores)}
+    _store_specs(opts.stores)  # fail fast, before the model loads
+    if opts.stories:
         from kvsplice.tasks.haystack import check_stories
 
-        check_stories(args.stories, "--stories")  # text, as every command's text reader checks it
-    _check_tune_tasks(args)
-    out = output_file(args.out, force=args.force, inputs=inputs)
+        check_stories(opts.stories, "--stories")  # text, as every command's text reader checks it
+    _check_tune_tasks(opts)
+    out = output_file(opts.out, force=opts.force, inputs=inputs)
     bases_out = out.with_name(out.stem + ".bases.safetensors")
     # never an input, even with --force (whether it may replace an existing file is checked once the plan has bases)
     output_file(bases_out, force=True, option="the plan's bases", inputs=inputs, outputs={"--out": out})
-    json_path = None if args.json is None else output_file(args.json, force=args.force, option="--json",
+    json_path = None if opts.json is None else output_file(opts.json, force=opts.force, option="--json",
                                                            inputs=inputs, outputs={"--out": out,
                                                                                    "the plan's bases": bases_out})
-    cache_file(args.calib_stats, option="--calib-stats", inputs=inputs,
+    cache_file(opts.calib_stats, option="--calib-stats", inputs=inputs,
                outputs={"--out": out, "the plan's bases": bases_out, **({"--json": json_path} if json_path else {})})
-    plan, info = run(args)
+    plan, info = run(opts)
     if plan.files():
-        output_file(bases_out, force=args.force, option="the plan's bases", inputs=inputs)
-    plan.save(out)
+        output_file(bases_out, force=opts.force, option="the plan's bases", inputs=inputs)
+    report = {} if json_path is None else {json_path: lambda tmp: tmp.write_text(
+        json.dumps(info, indent=2, default=str) + "\n")}
+    plan.save(out, also=report)  # the plan, its bases and the report replace earlier ones together
     c = info["chosen"]
     acc = "" if "task_acc" not in c else (f"; tuning task accuracy {c['task_acc']:.1f} % (full cache "
                                            f"{info['full']['task_acc']:.1f} %)")
@@ -325,10 +357,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         size = (f"{f['bytes_per_token']:.1f} bytes per token, {f['ratio_vs_fp16_full']:.2f}x smaller than the fp16 "
                 f"full cache at {f['prompt_len']} tokens ({c['ratio_vs_fp16_full']:.2f}x at {info['prompt_len']})")
     print(f"plan: {c['label']} — {size}; tuning ppl {c['tuning_ppl']:.4f} ({c['delta_pct']:+.2f} % vs the full cache "
-          f"{info['tuning']['full_cache_ppl']:.4f}){acc} [objective {args.objective}]")
+          f"{info['tuning']['full_cache_ppl']:.4f}){acc} [objective {opts.objective}]")
     print(f"wrote {out}" + (f" and {bases_out}" if plan.files() else ""))
-    if json_path is not None:
-        write_json(info, json_path)
     return 0
 
 

@@ -2,25 +2,29 @@
 pretrained Llama-family model into a decoupled-RoPE MLA model folder.
 
     python -m kvsplice.to_mla --model LLAMA_DIR_OR_GGUF --calib TEXT --d-latent R|full --rope-dims D|all \
-        --rope-layout per-head|shared [--latent-norm] [--kvsplice-ratio r] [--format native|deepseek_v3] --out DIR
+        --rope-layout per-head|shared [--latent-norm] [--kvsplice-keep f] [--format native|deepseek_v3] --out DIR
 
 (Llama / Mistral / Qwen2 / Qwen3: :mod:`kvsplice.convert.llama_run`; ``--model`` a converted folder with
-``--kvsplice-ratio`` shrinks its latent; docs/conversion.md.) For our GPT:
+``--kvsplice-keep`` shrinks its latent; docs/conversion.md.) For our GPT:
 
-    python -m kvsplice.to_mla --model M --d-latent R [--kvsplice-ratio r] [--calib TEXT --calib-tokens N] \\
+    python -m kvsplice.to_mla --model M --d-latent R [--kvsplice-keep f] [--calib TEXT --calib-tokens N] \\
         --out OUT.ckpt [--force] [--json REPORT.json]
 
-``M``: a ``training.fit`` checkpoint (MHA/GQA, or MLA for ``--kvsplice-ratio`` alone) or an HF GPT-2 directory / Hub
+``M``: a ``training.fit`` checkpoint (MHA/GQA, or MLA for ``--kvsplice-keep`` alone) or an HF GPT-2 directory / Hub
 id (imported with ``GPT.from_hf``). MHA → MLA factorises each layer's stacked key/value projection into
 ``w_dkv`` / ``w_uk`` / ``w_uv`` (:mod:`kvsplice.convert.mla`): from the weights alone, or — with ``--calib`` —
-minimising the key/value error on the calibration text's attention inputs (streamed Grams). ``--kvsplice-ratio``
-then inserts KVSplice, ``compress`` initialised from the top principal directions of the calibration latents
+minimising the key/value error on the calibration text's attention inputs (streamed Grams). ``--kvsplice-keep f``
+(the kept fraction of the latent: 0.1 keeps 10 %, the model called KVSplice-90; "ratio" means times smaller
+everywhere else; ``--kvsplice-ratio`` is still accepted, with a note) then inserts KVSplice, ``compress``
+initialised from the top principal directions of the calibration latents
 (``--kvsplice-init pca``, needs ``--calib``) or randomly orthogonal (``--kvsplice-init random``).
 
 The output is a checkpoint that ``training.evaluate``, ``kvsplice.verify_memory --ckpt`` and
 ``training.fit --config ... --model.init_from OUT.ckpt`` (fine-tuning with a fresh optimizer and schedule) accept;
 it keeps the source's data settings, so the tokenizer and validation text follow. Printed: the relative error of
-the keys/values on the calibration text and the cache per token before and after.
+the keys/values on the calibration text and the cache per token before and after. A folder output carries the
+marker that to_mla wrote it (:data:`kvsplice.io.outputs.MARKER`): ``--force`` replaces only such a folder, whole;
+``--json`` is never a file inside it.
 
 Errors are one line on stderr, exit status 2; ``--out`` is never overwritten without ``--force`` and never an input
 (``--model``, ``--calib``, ``--tokenizer``), and is written atomically (a killed run's temporary file is removed by
@@ -42,23 +46,42 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from kvsplice.io.cli import Parser, UsageError, add_device_dtype, default_seq_len, device_dtype, pos_int, run_cli
-from kvsplice.io.outputs import out_and_json, write_json
+from kvsplice.io.cli import (Parser, UsageError, add_device_dtype, add_model_option, add_output_options, add_threads,
+                             apply_threads, default_seq_len, device_dtype, pos_int, run_cli)
+from kvsplice.io.outputs import disk_errors, out_and_json, write_json
 
 __all__ = ["build_parser", "convert_from_args", "main"]
 
 
-def _ratio(s: str) -> float:
+def _keep(s: str) -> float:
     v = float(s)
     if not 0.0 < v < 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1) (kept fraction of the latent), got {s}")
     return v
 
 
+OLD_KEEP = "--kvsplice-ratio"
+"""The kept fraction's old spelling, still accepted (with a note): "ratio" means times smaller everywhere else."""
+
+
+class _OldKeep(argparse.Action):
+    """``--kvsplice-ratio f``: ``--kvsplice-keep f``, remembered for the note and the messages."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.kvsplice_keep = values
+        namespace.keep_option = OLD_KEEP
+
+
+def keep_note(args: argparse.Namespace) -> None:
+    """The one ``note:`` line of the old spelling."""
+    if args.keep_option == OLD_KEEP:
+        print(f"note: {OLD_KEEP} is the kept fraction of the latent, now spelled --kvsplice-keep", file=sys.stderr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description="Convert a trained MHA GPT into MLA / MLA + KVSplice.")
-    p.add_argument("--model", required=True, help="training .ckpt (MHA, GQA or MLA), an HF GPT-2 directory, a "
-                   "Llama / Mistral / Qwen2 / Qwen3 folder or GGUF file, or a converted MLA folder")
+    add_model_option(p, help="training .ckpt (MHA, GQA or MLA), an HF GPT-2 directory, a Llama / Mistral / Qwen2 / "
+                     "Qwen3 folder or GGUF file, or a converted MLA folder")
     p.add_argument("--d-latent", default=None, help="latent size R of the MLA model (MHA input); Llama family: "
                    "a number or 'full' (the rank at which the conversion is exact)")
     p.add_argument("--rope-dims", default=None, help="Llama family: RoPE dims per RoPE key (even) or 'all' "
@@ -78,8 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pad-rope", type=pos_int, default=None, help="--format deepseek_v3: write the RoPE key with this "
                    "many dims (a multiple of --rope-dims; its frequencies kept exactly), e.g. 64 for vLLM's CPU MLA")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--kvsplice-ratio", type=_ratio, default=None,
-                   help="insert KVSplice keeping round(R·ratio) numbers per token (0.5/0.3/0.1 = 50/70/90 %%)")
+    p.add_argument("--kvsplice-keep", type=_keep, default=None, metavar="F",
+                   help="insert KVSplice keeping round(R·F) of the latent's R numbers per token (F = 0.5/0.3/0.1 "
+                   "keeps 50/30/10 %%: KVSplice-50/70/90)")
+    p.add_argument(OLD_KEEP, type=_keep, action=_OldKeep, dest="kvsplice_keep", metavar="F",
+                   help="the same as --kvsplice-keep (its old name)")
+    p.set_defaults(keep_option="--kvsplice-keep")
     p.add_argument("--kvsplice-init", choices=("pca", "random"), default="pca",
                    help="compress init: top principal directions of the calibration latents, or random orthogonal")
     p.add_argument("--calib", default=None, help="calibration text (.txt/.json/.jsonl or folder): activation-aware "
@@ -90,10 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=pos_int, default=8)
     p.add_argument("--seed", type=int, default=0, help="seed of a random KVSplice init")
     p.add_argument("--tokenizer", default=None, help="tokenizer files when the model does not bring its own")
-    p.add_argument("--out", required=True, help="output checkpoint (.ckpt); Llama family: a model folder")
-    p.add_argument("--json", default=None, help="also write the report as JSON")
-    p.add_argument("--force", action="store_true", help="overwrite --out / --json")
-    p.add_argument("--threads", type=pos_int, default=None, help="torch threads")
+    add_output_options(p, out_help="output checkpoint (.ckpt); Llama family: a model folder",
+                       force_help="overwrite --out / --json (a folder: only one to_mla wrote, replaced whole)")
+    add_threads(p)
     add_device_dtype(p, dtype=False)  # the converted checkpoint keeps the source's dtype (fp32 training weights)
     return p
 
@@ -104,11 +130,11 @@ def convert_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], di
                                       mha_to_mla)
     from kvsplice.loading import checkpoint_tokenizer, iter_texts, load_model, load_tokenizer, token_stream
     from kvsplice.lowrank.calibrate import calibration_batches
-    from models.checkpoint import load_gpt_checkpoint as load_ckpt
+    from kvsplice.loading import read_gpt_checkpoint as load_ckpt
     from models.gpt import GPT
 
     t0 = time.perf_counter()
-    if Path(args.model).expanduser().is_file():  # our checkpoint: MHA, GQA or (for --kvsplice-ratio) MLA
+    if Path(args.model).expanduser().is_file():  # our checkpoint: MHA, GQA or (for --kvsplice-keep) MLA
         model, _, meta = load_ckpt(args.model)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else checkpoint_tokenizer(meta, Path(args.model))
     else:
@@ -125,21 +151,21 @@ def convert_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], di
     if cfg.attention == "mla":
         if cfg.kvsplice_ratio is not None:
             raise UsageError(f"--model already has KVSplice ({cfg.variant}); convert its MLA parent instead")
-        if args.kvsplice_ratio is None:
-            raise UsageError("--model is already MLA: give --kvsplice-ratio to insert KVSplice")
+        if args.kvsplice_keep is None:
+            raise UsageError("--model is already MLA: give --kvsplice-keep F to insert KVSplice (the kept fraction)")
         if args.d_latent not in (None, cfg.d_latent):
             raise UsageError(f"--d-latent {args.d_latent}: the MLA model's latent is {cfg.d_latent} (leave it out)")
     if args.d_latent is not None and args.d_latent > cfg.d_model:
         raise UsageError(f"--d-latent {args.d_latent} is larger than d_model={cfg.d_model}")
-    if args.kvsplice_ratio is not None:  # at least one whole latent dimension, checked before calibrating
-        from kvsplice.convert.kvsplice_ratio import kept_dims
+    if args.kvsplice_keep is not None:  # at least one whole latent dimension, checked before calibrating
+        from kvsplice.convert.kvsplice_keep import kept_dims
 
         try:
-            kept_dims(args.kvsplice_ratio, args.d_latent if cfg.attention == "mha" else cfg.d_latent,
-                      "--kvsplice-ratio")
+            kept_dims(args.kvsplice_keep, args.d_latent if cfg.attention == "mha" else cfg.d_latent,
+                      args.keep_option)
         except ValueError as e:
             raise UsageError(str(e)) from None
-    if args.kvsplice_ratio is not None and args.kvsplice_init == "pca" and not args.calib:
+    if args.kvsplice_keep is not None and args.kvsplice_init == "pca" and not args.calib:
         raise UsageError("--kvsplice-init pca needs --calib TEXT (the latents' principal directions), or use "
                          "--kvsplice-init random")
     batches, n_tokens = None, 0
@@ -162,9 +188,9 @@ def convert_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], di
         report["method"] = "activation-aware" if grams is not None else "weights-only"
         if grams is not None:
             report["kv_relative_error"] = kv_relative_error(model, out, grams)
-    if args.kvsplice_ratio is not None:
+    if args.kvsplice_keep is not None:
         lat = latent_grams(out, batches, progress=True)[0] if args.kvsplice_init == "pca" else None
-        out = insert_kvsplice(out, args.kvsplice_ratio, lat, seed=args.seed)
+        out = insert_kvsplice(out, args.kvsplice_keep, lat, seed=args.seed)
         report["kvsplice_init"] = args.kvsplice_init
     report.update(variant=out.cfg.variant, d_latent=out.cfg.d_latent, cache_dim=out.cfg.cache_dim,
                   compression_vs_source=cfg.cache_dim / out.cfg.cache_dim, seconds=time.perf_counter() - t0)
@@ -189,8 +215,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     from models.checkpoint import save_model
 
     args = build_parser().parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    keep_note(args)
+    apply_threads(args)
     from kvsplice.convert.llama_run import is_llama_source, run_llama
 
     if is_llama_source(args.model):  # Llama family -> decoupled-RoPE MLA (kvsplice.convert.llama_mla)
@@ -206,8 +232,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
                                        inputs={"--model": args.model, "--calib": args.calib,
                                                "--tokenizer": args.tokenizer})
     model, report, meta = convert_from_args(args)
-    save_model(model, out_path, hparams=meta.get("hparams"), data_hparams=meta.get("data_hparams"),
-               extra={"kvsplice_conversion": {k: v for k, v in report.items() if k != "seconds"}})
+    with disk_errors(out_path):  # a full disk: torch.save's own error, one line; atomic_write leaves nothing
+        save_model(model, out_path, hparams=meta.get("hparams"), data_hparams=meta.get("data_hparams"),
+                   extra={"kvsplice_conversion": {k: v for k, v in report.items() if k != "seconds"}})
     err = report.get("kv_relative_error")
     print(f"{report['source_variant']} ({report['source_cache_dim']} numbers/token/layer) -> {report['variant']} "
           f"({report['cache_dim']}; {report['compression_vs_source']:.2f}x smaller), "
@@ -217,7 +244,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         print("relative K/V error on the calibration inputs per layer: " + ", ".join(f"{e:.4f}" for e in err))
     print(f"saved {out_path} ({report['seconds']:.1f} s)")
     if json_path is not None:
-        write_json({**report, "out": str(out_path)}, json_path)
+        with disk_errors(json_path):
+            write_json({**report, "out": str(out_path)}, json_path)
     return 0
 
 

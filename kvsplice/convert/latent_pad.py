@@ -39,16 +39,43 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["pad_columns", "pad_normed_latent", "padded_latent", "padded_rope", "padded_row", "softmax_scale_fold",
+__all__ = ["MAX_PAD_LATENT", "MAX_PAD_ROPE", "check_bounds", "pad_columns", "pad_normed_latent", "padded_latent", "padded_rope", "padded_row", "softmax_scale_fold",
            "spread_rope_rows"]
 
 
+MAX_PAD_LATENT = 4096
+"""Largest ``--pad-latent`` (above a latent already wider): 8× the 512 an engine asks for (vLLM's CPU MLA kernel);
+a padded latent costs its cache row in every engine, and a typo (``1000000000``) would ask for terabytes."""
+MAX_PAD_ROPE = 1024
+"""Largest ``--pad-rope`` (above a RoPE key already wider): 16× the 64 an engine asks for."""
+
+
+def _check_int(value, option: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{option} {value!r} must be a whole number")
+    return value
+
+
+def check_bounds(pad_latent: int | None, pad_rope: int | None) -> None:
+    """ValueError (one line) for a pad beyond :data:`MAX_PAD_LATENT` / :data:`MAX_PAD_ROPE` — checkable before the
+    model is at hand (a command refuses it before any work); the model's own dims: :func:`padded_row`."""
+    if pad_latent is not None:
+        padded_latent(1, pad_latent)
+    if pad_rope is not None and _check_int(pad_rope, "--pad-rope") > MAX_PAD_ROPE:
+        padded_rope(1, pad_rope)
+
+
 def padded_latent(rank: int, pad_latent: int | None) -> int:
-    """The exported ``kv_lora_rank``: ``rank``, or ``pad_latent`` when given (ValueError, one line, if smaller)."""
+    """The exported ``kv_lora_rank``: ``rank``, or ``pad_latent`` when given (ValueError, one line, if smaller than
+    ``rank`` or larger than ``max(rank, MAX_PAD_LATENT)``)."""
     if pad_latent is None:
         return rank
+    pad_latent = _check_int(pad_latent, "--pad-latent")
     if pad_latent < rank:
         raise ValueError(f"--pad-latent {pad_latent} is smaller than the latent ({rank})")
+    if pad_latent > max(rank, MAX_PAD_LATENT):
+        raise ValueError(f"--pad-latent {pad_latent} is larger than {MAX_PAD_LATENT} (engines ask for 512; every "
+                         f"padded dim is cached per token and layer)")
     return int(pad_latent)
 
 
@@ -75,9 +102,14 @@ def pad_columns(w: torch.Tensor, padded: int) -> torch.Tensor:
 
 
 def padded_rope(rope_dims: int, pad_rope: int | None) -> int:
-    """The exported ``qk_rope_head_dim``: ``rope_dims``, or ``pad_rope`` (a multiple of it; ValueError, one line)."""
+    """The exported ``qk_rope_head_dim``: ``rope_dims``, or ``pad_rope`` (a multiple of it, at most
+    ``max(rope_dims, MAX_PAD_ROPE)``; ValueError, one line)."""
     if pad_rope is None:
         return rope_dims
+    pad_rope = _check_int(pad_rope, "--pad-rope")
+    if pad_rope > max(rope_dims, MAX_PAD_ROPE):
+        raise ValueError(f"--pad-rope {pad_rope} is larger than {MAX_PAD_ROPE} (engines ask for 64; every padded "
+                         f"dim is cached per token and layer)")
     if pad_rope < rope_dims or pad_rope % rope_dims:
         raise ValueError(f"--pad-rope {pad_rope} must be a multiple of the RoPE key ({rope_dims}) so that its "
                          f"frequencies stay the model's")

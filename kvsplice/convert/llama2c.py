@@ -147,18 +147,24 @@ def convert_llama2c(model_path: str | os.PathLike, tokenizer_path: str | os.Path
     """Convert ``model_path`` (+ ``tokenizer_path``; ``None`` skips the tokenizer) into an HF directory ``out_dir``.
 
     Everything is read and validated before anything is written; files are written to a temporary directory and
-    then moved in (:func:`kvsplice.io.outputs.write_dir`). Refuses a non-empty ``out_dir`` unless ``force`` (then
-    same-named files are overwritten, other files are left alone) and an ``out_dir`` holding an input
+    then moved in (:func:`kvsplice.io.outputs.write_dir`) with the folder's marker. Refuses a non-empty ``out_dir``
+    unless ``force`` (then the files of an earlier conversion are replaced, other files are left alone; a full disk
+    is one line and leaves the folder as it was) and an ``out_dir`` holding an input
     (:class:`kvsplice.io.cli.UsageError`). Returns ``out_dir`` resolved.
     """
     return _convert(model_path, tokenizer_path, out_dir, force)[0]
+
+
+WRITER = "convert_llama2c"
+"""The writer the folder's marker names (:data:`kvsplice.io.outputs.MARKER`): another tool's ``--force`` refuses the
+folder; this one's replaces its own earlier files and keeps the others."""
 
 
 def _convert(model_path, tokenizer_path, out_dir, force):
     from kvsplice.io.outputs import output_dir, release_claim
 
     out = output_dir(out_dir, force=force, inputs={"model": model_path, "--tokenizer": tokenizer_path},
-                     writer="convert_llama2c")
+                     writer=WRITER)
     try:
         return _write(model_path, tokenizer_path, out)
     finally:
@@ -184,5 +190,5 @@ def _write(model_path, tokenizer_path, out):
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
 
-    write_dir(out, fill)
+    write_dir(out, fill, writer=WRITER)
     return out, cfg, _count_params(model)

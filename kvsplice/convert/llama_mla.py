@@ -271,7 +271,7 @@ def shrink_latent(model: MLALlama, ratio: float, grams: list[torch.Tensor]) -> M
     if cfg.latent_norm:
         raise ValueError("KVSplice of a model with a latent RMSNorm: the norm sits between w_dkv and the compress, "
                          "so the pair is not one smaller latent; convert without --latent-norm")
-    from kvsplice.convert.kvsplice_ratio import kept_dims
+    from kvsplice.convert.kvsplice_keep import kept_dims
 
     r = kept_dims(ratio, cfg.d_latent)
     from dataclasses import replace

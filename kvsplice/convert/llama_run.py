@@ -1,7 +1,8 @@
 """``python -m kvsplice.to_mla`` for a pretrained Llama-family model (Llama, Mistral, Qwen2, Qwen3; an HF folder or a
-GGUF file), or for a converted MLA folder (``--kvsplice-ratio``): calibrate, convert
+GGUF file), or for a converted MLA folder (``--kvsplice-keep``): calibrate, convert
 (:mod:`kvsplice.convert.llama_mla`), and write a model folder (``--format native``, which every kvsplice command
-loads) or a DeepSeek-V3 folder (``--format deepseek_v3``, :mod:`kvsplice.convert.deepseek_v3`)."""
+loads) or a DeepSeek-V3 folder (``--format deepseek_v3``, :mod:`kvsplice.convert.deepseek_v3`). The folder carries
+to_mla's marker (:data:`kvsplice.io.outputs.MARKER`): ``--force`` replaces only an earlier to_mla folder, whole."""
 
 from __future__ import annotations
 
@@ -65,12 +66,16 @@ def _calibration(args: argparse.Namespace, tokenizer, max_positions):
     return calibration_batches(ids, seq_len, args.batch_size, max_tokens=args.calib_tokens)
 
 
-def _check_ratio(args: argparse.Namespace, d_latent: int) -> None:
-    """``--kvsplice-ratio`` keeps at least one whole dimension of the ``d_latent`` latent (before calibrating)."""
-    from kvsplice.convert.kvsplice_ratio import kept_dims
+WRITER = "to_mla"
+"""The writer to_mla's folder marker names (:func:`kvsplice.io.outputs.output_dir`)."""
+
+
+def _check_keep(args: argparse.Namespace, d_latent: int) -> None:
+    """``--kvsplice-keep`` keeps at least one whole dimension of the ``d_latent`` latent (before calibrating)."""
+    from kvsplice.convert.kvsplice_keep import kept_dims
 
     try:
-        kept_dims(args.kvsplice_ratio, d_latent, "--kvsplice-ratio")
+        kept_dims(args.kvsplice_keep, d_latent, getattr(args, "keep_option", "--kvsplice-keep"))
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -78,24 +83,32 @@ def _check_ratio(args: argparse.Namespace, d_latent: int) -> None:
 def run_llama(args: argparse.Namespace) -> int:
     from kvsplice.convert.llama_mla import calibrate_layers, convert_llama, full_latent, latent_gram, shrink_latent
     from kvsplice.loading import load_model
-    from kvsplice.io.outputs import output_dir, output_file, write_dir, write_json
+    from kvsplice.io.outputs import disk_errors, output_dir, output_file, write_dir, write_json
     from models.mla_llama import MLALlama
 
     progress = not args.no_progress
     inputs = {"--model": args.model, "--calib": args.calib, "--tokenizer": args.tokenizer}
-    out = output_dir(args.out, force=args.force, inputs=inputs)
-    json_path = output_file(args.json, force=args.force, option="--json", inputs=inputs) if args.json else None
+    out = output_dir(args.out, force=args.force, inputs=inputs, owned=(), writer=WRITER)
+    json_path = output_file(args.json, force=args.force, option="--json", inputs=inputs,
+                            outputs={"--out": out}) if args.json else None
     t0 = time.perf_counter()
     device, _ = device_dtype(args)
     loaded = load_model(args.model, tokenizer=args.tokenizer, device=device)
     model, tok = loaded.model, loaded.tokenizer
     converted = isinstance(model, MLALlama)
-    if converted and args.kvsplice_ratio is None and args.format == "native":
-        raise UsageError(f"--model {args.model} is already a converted MLA model: give --kvsplice-ratio to shrink "
+    if converted and args.kvsplice_keep is None and args.format == "native":
+        raise UsageError(f"--model {args.model} is already a converted MLA model: give --kvsplice-keep to shrink "
                          f"its latent, or --format deepseek_v3 to export it")
-    export_only = converted and args.kvsplice_ratio is None
+    export_only = converted and args.kvsplice_keep is None
     if (args.pad_latent is not None or args.pad_rope is not None) and args.format != "deepseek_v3":
         raise UsageError("--pad-latent / --pad-rope pad the cache row of a --format deepseek_v3 export")
+    if args.format == "deepseek_v3":  # the bounds before any calibration (the model's own dims: check_pad, below)
+        from kvsplice.convert.latent_pad import check_bounds
+
+        try:
+            check_bounds(args.pad_latent, args.pad_rope)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.latent_norm and args.format == "deepseek_v3" and not converted:
         raise UsageError("--latent-norm with --format deepseek_v3: a real latent RMSNorm makes a training-free "
                          "conversion unusable (SmolLM2 2x: ppl 1,833 vs 13.2 without it, docs/conversion.md); leave "
@@ -104,8 +117,8 @@ def run_llama(args: argparse.Namespace) -> int:
     if not args.calib and not export_only:
         raise UsageError("converting a Llama-family model needs --calib TEXT (the RoPE split and the latent come "
                          "from calibration activations)")
-    if converted and args.kvsplice_ratio is not None:
-        _check_ratio(args, model.cfg.d_latent)
+    if converted and args.kvsplice_keep is not None:
+        _check_keep(args, model.cfg.d_latent)
     batches = [] if export_only else _calibration(args, tok, loaded.max_positions)
     report: dict[str, Any] = {"source": str(args.model), "calibration_source": args.calib,
                               "calibration_tokens": sum(b.numel() for b in batches)}
@@ -122,17 +135,17 @@ def run_llama(args: argparse.Namespace) -> int:
         rope_dims = _rope_dims(args, a.head_dim)
         full = full_latent(a.n_kv_head, a.head_dim, rope_dims, args.rope_layout, a.d_model)
         r = full if args.d_latent in (None, "full") else _latent(args.d_latent, full)
-        if args.kvsplice_ratio is not None:
-            _check_ratio(args, r)
+        if args.kvsplice_keep is not None:
+            _check_keep(args, r)
         stats = calibrate_layers(model, batches, progress=progress)
         mla = convert_llama(model, stats, d_latent=r, rope_dims=rope_dims, layout=args.rope_layout,
                             latent_norm=args.latent_norm,
                             source={"path": str(args.model), "calib": str(args.calib),
                                     "calibration_tokens": report["calibration_tokens"]})
         report["source_cache_dim"] = 2 * a.n_kv_head * a.head_dim
-    if args.kvsplice_ratio is not None:
+    if args.kvsplice_keep is not None:
         try:
-            mla = shrink_latent(mla, args.kvsplice_ratio, latent_gram(mla, batches, progress=progress))
+            mla = shrink_latent(mla, args.kvsplice_keep, latent_gram(mla, batches, progress=progress))
         except ValueError as e:
             raise UsageError(str(e)) from None
     c = mla.cfg
@@ -149,18 +162,19 @@ def run_llama(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UsageError(str(e)) from None
         write_dir(out, lambda tmp: save_deepseek_v3(mla.cpu(), tmp, backend, pad_latent=args.pad_latent,
-                                                    pad_rope=args.pad_rope))
+                                                    pad_rope=args.pad_rope), writer=WRITER)
     else:
         from kvsplice.loading.mla_folder import save_mla_folder
 
-        write_dir(out, lambda tmp: save_mla_folder(mla.cpu(), tmp, backend))
+        write_dir(out, lambda tmp: save_mla_folder(mla.cpu(), tmp, backend), writer=WRITER)
     report["seconds"] = time.perf_counter() - t0
     print(f"{report['source_cache_dim']} numbers/token/layer -> {c.cache_dim} (latent {c.d_latent} + "
           f"{c.rope_heads}x{c.rope_dims} RoPE, {c.rope_layout}; {report['compression_vs_source']:.2f}x smaller)"
-          + (f", KVSplice {args.kvsplice_ratio}" if args.kvsplice_ratio is not None else ""))
+          + (f", KVSplice {args.kvsplice_keep}" if args.kvsplice_keep is not None else ""))
     print(f"saved {out} ({args.format}, {report['seconds']:.1f} s)")
     if json_path is not None:
-        write_json({**report, "out": str(out)}, json_path)
+        with disk_errors(json_path):
+            write_json({**report, "out": str(out)}, json_path)
     return 0
 
 

@@ -191,7 +191,7 @@ def insert_kvsplice(model: GPT, ratio: float, grams: Optional[list[torch.Tensor]
     cfg = model.cfg
     if cfg.attention != "mla" or cfg.kvsplice_ratio is not None:
         raise ValueError(f"insert_kvsplice needs an MLA model without KVSplice, got {cfg.variant}")
-    from kvsplice.convert.kvsplice_ratio import kept_dims
+    from kvsplice.convert.kvsplice_keep import kept_dims
 
     kept_dims(ratio, cfg.d_latent)
     with torch.random.fork_rng(devices=[]):  # seeded init of the new pair; the caller's RNG stream is untouched

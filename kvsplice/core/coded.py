@@ -6,7 +6,7 @@ tensor per stream — slower per token than the full cache it is meant to beat. 
 folded into the small operands instead:
 
 * **int8 rows** (one scale ``s_t`` per row): ``q·k_t = s_t · (q·c_t)`` and ``Σ_t p_t v_t = Σ_t (p_t s_t) c_t``;
-* **4-bit rows in groups of channels** (an fp16 scale and minimum per group of a token's row, ``models.cache`` int4
+* **4-bit rows in groups of channels** (an fp16 scale and minimum per group of a token's row, ``models.quant`` int4
   rows, KIVI's values): per group ``γ``, ``Σ_{c∈γ} q_c k_{t,c} = s_{t,γ} Σ_{c∈γ} q_c c_{t,c} + m_{t,γ} Σ_{c∈γ} q_c``;
 * **4-bit keys in groups of tokens** (KIVI's keys: a scale and minimum per channel and group of ``G`` tokens):
   ``q·k_t = Σ_c (q_c s_{γ(t),c}) c_{t,c} + Σ_c q_c m_{γ(t),c}``, one small matrix product per token group;
@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import torch
 
 from kvsplice.core.attention import keys_seen
-from models.cache import MIN, SCALE
+from models.quant import MIN, SCALE
 
 __all__ = ["ChannelGroupKeys", "Rows", "Segment", "coded_attend", "nibbles", "seen_bias", "split_bias",
            "stream_rows"]
@@ -79,9 +79,9 @@ def _unpairs(o: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Rows:
-    """Rows ``(B, H, n, D)`` as stored: ``kind`` ``"float"`` (``data``), ``"int8"`` (``data`` int8, ``scale``
-    ``(B, H, n, 1)``) or ``"int4"`` (``data`` packed codes ``(B, H, n, D/2)``, ``scale`` and ``mn``
-    ``(B, H, n, D/G)``: groups of ``G`` channels per token)."""
+    """Rows ``(B, H, n, D)`` as stored (the parts of :mod:`models.quant`'s quantisers): ``kind`` ``"float"``
+    (``data``), ``"int8"`` (``data`` int8, ``scale`` ``(B, H, n, 1)``) or ``"int4"`` (``data`` packed codes
+    ``(B, H, n, D/2)``, ``scale`` and ``mn`` ``(B, H, n, D/G)``: groups of ``G`` channels per token)."""
 
     kind: str
     data: torch.Tensor

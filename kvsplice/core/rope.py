@@ -29,6 +29,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from models.rope import rotate_half
+
 
 __all__ = ["RopeTables", "rope_tables", "seen_by_any"]
 
@@ -68,8 +70,6 @@ class RopeTables:
     def unrotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Post-RoPE ``x`` back to the un-rotated space at the positions of ``cos, sin`` (broadcast to ``x``):
         ``(x⊙cos − rotate_half(x)⊙sin) / σ²`` (the module docstring's inverse)."""
-        from kvsplice.adapters.base import rotate_half
-
         return (x * cos - rotate_half(x) * sin) / self.sigma2
 
     @staticmethod

@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 from kvsplice.core.registry import ALIASES, METHODS, MethodSpecError, method_names, parse_spec
 
 __all__ = ["JSON_SUFFIX", "MAX_DOCUMENT_BYTES", "NamedFile", "PLAN_BASES", "PLAN_PREFIX", "argument_files",
-           "document_files", "rebased", "spec_files"]
+           "document_files", "loaded", "rebased", "spec_file_names", "spec_files"]
 
 PLAN_PREFIX = "plan:"
 """``plan:PATH``: a plan file given where a method spec goes (``eval_tasks --method``)."""
@@ -40,11 +40,12 @@ NamedFile = tuple[str, Path]
 """``(argument, resolved path)`` of a file a spec names, e.g. ``("bases", Path("/plans/p.bases.safetensors"))``."""
 
 
-def spec_files(spec: Any, base_dir: Optional[Path] = None) -> list[NamedFile]:
-    """Every file ``spec`` (a dict or the short form) names, nested specs included, with the argument naming it;
-    ``base_dir``: the folder relative names are read from (default: the working directory)."""
+def spec_file_names(spec: Any) -> list[tuple[str, str]]:
+    """Every file name ``spec`` (a dict or the short form) gives for its methods' file arguments, nested specs
+    included, as written: ``[(argument, name)]``, e.g. ``[("bases", "plan.bases.safetensors")]`` — the one walk of a
+    spec's files (:func:`spec_files` resolves them; a plan checks them against its folder)."""
     method_names()  # the built-in methods registered: their spec_files / spec_nested
-    out: list[NamedFile] = []
+    out: list[tuple[str, str]] = []
     todo = [spec]
     while todo:
         d = todo.pop()
@@ -59,9 +60,36 @@ def spec_files(spec: Any, base_dir: Optional[Path] = None) -> list[NamedFile]:
         for arg in getattr(cls, "spec_files", ()):
             value = d.get(arg)
             if isinstance(value, (str, Path)) and str(value).strip():
-                out.append((arg, _resolve(value, base_dir)))
+                out.append((arg, str(value)))
         nested = getattr(cls, "spec_nested", {})
         todo += [v for k, v in d.items() if isinstance(v, dict) or (nested.get(k) == "method" and isinstance(v, str))]
+    return out
+
+
+def spec_files(spec: Any, base_dir: Optional[Path] = None) -> list[NamedFile]:
+    """Every file ``spec`` (a dict or the short form) names, nested specs included, with the argument naming it,
+    resolved (:func:`spec_file_names`); ``base_dir``: the folder relative names are read from (default: the working
+    directory)."""
+    return [(arg, _resolve(name, base_dir)) for arg, name in spec_file_names(spec)]
+
+
+def loaded(spec: dict, base_dir: Optional[Path] = None) -> dict:
+    """A copy of the dict ``spec`` whose file arguments hold what the files hold (each read once, by its method's
+    ``load_spec_file``): a spec built for many prompts reads its files once."""
+    method_names()
+    out = dict(spec)
+    cls = _class_of(out)
+    for arg in getattr(cls, "spec_files", ()):
+        if isinstance(out.get(arg), (str, Path)) and str(out[arg]).strip():
+            out[arg] = cls.load_spec_file(arg, _resolve(out[arg], base_dir))
+    for k, v in out.items():
+        if isinstance(v, dict):
+            out[k] = loaded(v, base_dir)
+        elif isinstance(v, str) and getattr(cls, "spec_nested", {}).get(k) == "method":
+            try:
+                out[k] = loaded(parse_spec(v), base_dir)
+            except MethodSpecError:
+                pass
     return out
 
 

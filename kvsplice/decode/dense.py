@@ -1,19 +1,18 @@
 """``DenseKV``: the full K/V cache (post-RoPE keys and values) — the uncompressed reference every method is
 compared against, and the plain storage under a token selection. Rows may be stored as int8 (a scale per row) or
-int4 (4-bit codes in groups of 32 numbers, an fp16 scale and minimum per group: :mod:`models.group_quant`), and with
+int4 (4-bit codes in groups of 32 numbers, an fp16 scale and minimum per group: :mod:`models.quant`), and with
 ``rotate=True`` rotated by an orthonormal Hadamard matrix first (:class:`~kvsplice.core.rotation.HadamardFrame`, as
 ``kivi_rotated``): a rotation spreads a key's outlier channels over the whole row, so a per-row 4-bit grid does not
 spend its levels on one channel; exact at full precision."""
 
 from __future__ import annotations
 
-import torch
-
 from kvsplice.core.args import choice_arg
 from kvsplice.core.coded import Segment, coded_attend, seen_bias, stream_rows
 from kvsplice.core.method import CompressionMethod, layer_tokens
 from kvsplice.core.rotation import HadamardFrame
-from models.cache import SCALE, KVCache, int4_row_bytes
+from models.cache import KVCache
+from models.quant import SCALE, row_bytes
 
 __all__ = ["DenseKV"]
 
@@ -57,13 +56,12 @@ class DenseKV(HadamardFrame, CompressionMethod):
 
     def bytes_formula(self, batch_size, n_held, dtype):
         """``2 · L · Hkv · D · T · B · bytes``; int8: 1 byte per number + a 2-byte scale per row (token, head, k/v);
-        int4: ``D/2`` code bytes + an fp16 scale and minimum per group of 32 a row (``models.cache.int4_row_bytes``).
+        int4: ``D/2`` code bytes + an fp16 scale and minimum per group of 32 a row (:func:`models.quant.row_bytes`).
         The rotation is not stored per token."""
         a = self._bound()
         rows = a.n_kv_head * layer_tokens(n_held, a.n_layer) * batch_size  # a key row (and a value row) per head, token
         d = a.head_dim
-        row = {None: d * torch.empty((), dtype=dtype).element_size(), "int8": d + 2, "int4": int4_row_bytes(d)}
-        return rows * (row[self.cache_quant] + row[self.value_quant or self.cache_quant])
+        return rows * (row_bytes(self.cache_quant, d, dtype) + row_bytes(self.value_quant or self.cache_quant, d, dtype))
 
     def append(self, layer, k, v, cache, step):
         cache.append(layer, k=self.rotated(k), v=self.rotated(v))

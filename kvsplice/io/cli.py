@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import torch
+from kvsplice.io.interrupt import EXIT_INTERRUPTED, end_quiet_interrupts, quiet_interrupts_after_command
 
-from kvsplice.io.interrupt import EXIT_INTERRUPTED, end_quiet_interrupts
-
-__all__ = ["DTYPES", "EXIT_INTERRUPTED", "EXIT_USAGE", "Parser", "UsageError", "add_device_dtype", "at_command_end",
+__all__ = ["DTYPES", "DTYPE_NAMES", "EXIT_INTERRUPTED", "EXIT_USAGE", "Parser", "UsageError", "add_device_dtype", "add_model_option",
+           "add_output_options", "add_threads", "apply_threads", "at_command_end",
            "default_seq_len", "device_dtype", "first_line", "help_text", "pick_device", "pos_int", "run_cli"]
 
 EXIT_USAGE = 2
@@ -53,7 +52,8 @@ def run_cli(prog: str, body: Callable[[], int], errors: tuple[type[BaseException
     read-only destination), ``ValueError``, ``RecursionError`` (a file nested too deep) and the tool's own
     ``errors`` become one ``PROG: error: ...`` line on stderr and :data:`EXIT_USAGE`; ``KeyboardInterrupt`` one
     ``PROG: interrupted`` line and :data:`EXIT_INTERRUPTED`. The outputs it claimed are released either way
-    (:func:`at_command_end`); Ctrl-C during the tool's imports was the same line (:mod:`kvsplice.io.interrupt`)."""
+    (:func:`at_command_end`); Ctrl-C during the tool's imports, and after it ended, is the same line
+    (:mod:`kvsplice.io.interrupt`)."""
     try:
         end_quiet_interrupts()
         return body()
@@ -73,6 +73,7 @@ def run_cli(prog: str, body: Callable[[], int], errors: tuple[type[BaseException
     finally:
         for fn in _AT_END:
             fn()
+        quiet_interrupts_after_command()  # Ctrl-C while the interpreter shuts down: the same one line, exit 130
 
 
 _AT_END: list[Callable[[], None]] = []
@@ -97,14 +98,30 @@ def default_seq_len(max_positions: Optional[int], cap: int = 1024) -> int:
     return min(max_positions or 512, cap)
 
 
-def pick_device(name: Optional[str] = None) -> torch.device:
+if TYPE_CHECKING:
+    import torch
+
+
+def pick_device(name: Optional[str] = None) -> "torch.device":
+    import torch
+
     if name:
         return torch.device(name)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""``--dtype`` names of the model's compute dtype (the caches follow it)."""
+DTYPE_NAMES = ("bf16", "fp16", "fp32")
+"""``--dtype`` names of the model's compute dtype (the caches follow it); :data:`DTYPES` maps them to torch's."""
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPES``: ``{"fp32": torch.float32, "bf16": ..., "fp16": ...}``, made when first asked for, so that a
+    command's parser and ``--help`` do not import torch."""
+    if name == "DTYPES":
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def add_device_dtype(p: argparse.ArgumentParser, *, dtype: bool = True, default_dtype: str = "fp32") -> None:
@@ -112,17 +129,51 @@ def add_device_dtype(p: argparse.ArgumentParser, *, dtype: bool = True, default_
     weights and compute: fp32 / bf16 / fp16)."""
     p.add_argument("--device", help="torch device for the model and caches (default: cuda if available, else cpu)")
     if dtype:
-        p.add_argument("--dtype", choices=sorted(DTYPES), default=default_dtype,
+        p.add_argument("--dtype", choices=list(DTYPE_NAMES), default=default_dtype,
                        help=f"the model's dtype (default {default_dtype}); fp16/bf16 halve its memory and the caches'")
 
 
-def device_dtype(args: argparse.Namespace) -> tuple[torch.device, Optional[torch.dtype]]:
+def device_dtype(args: argparse.Namespace) -> tuple["torch.device", Optional["torch.dtype"]]:
     """The device and dtype of :func:`add_device_dtype`'s options; a device that is not there is a
     :class:`UsageError` (one line)."""
+    import torch
+
     try:
         dev = pick_device(getattr(args, "device", None))
         torch.empty(0, device=dev)  # "cuda" without CUDA, "cuda:3" on a 1-GPU box, "xpu" without support
     except (RuntimeError, AssertionError, ValueError) as e:
         raise UsageError(f"--device {args.device}: {first_line(e)}") from None
     name = getattr(args, "dtype", None)
-    return dev, DTYPES.get(name) if isinstance(name, str) else None
+    return dev, __getattr__("DTYPES").get(name) if isinstance(name, str) else None
+
+
+# ------------------------------------------------------------------------------------------------ option groups
+def add_output_options(p: argparse.ArgumentParser, *, json: bool = True, out_required: bool = True,
+                       out_help: str = "the output file", force_help: str = "overwrite --out (and --json)",
+                       json_help: str = "also write the report as JSON") -> None:
+    """The outputs group: ``--out`` (``out_required``), ``--force`` and — with ``json`` — ``--json REPORT.json``
+    (checked and written by :mod:`kvsplice.io.outputs`)."""
+    g = p.add_argument_group("outputs")
+    g.add_argument("--out", required=out_required, help=out_help)
+    if json:
+        g.add_argument("--json", default=None, metavar="REPORT.json", help=json_help)
+    g.add_argument("--force", action="store_true", help=force_help)
+
+
+def add_threads(p: argparse.ArgumentParser, *, help: str = "torch threads (default: torch's)") -> None:
+    """``--threads N`` (``pos_int``; apply with :func:`apply_threads`)."""
+    p.add_argument("--threads", type=pos_int, default=None, help=help)
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """``torch.set_num_threads(--threads)`` when given."""
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def add_model_option(p: argparse.ArgumentParser, *, required: bool = True,
+                     help: str = "a model folder, a GGUF file, a training checkpoint or a Hub id") -> None:
+    """``--model`` (the model a command reads: :func:`kvsplice.loading.load_model`'s spec)."""
+    p.add_argument("--model", required=required, help=help)

@@ -16,8 +16,10 @@ through :func:`output_file` / :func:`output_dir` first and writes with :func:`wr
   when the command ends (:func:`release_claims`, called by :func:`kvsplice.io.cli.run_cli` and at exit), and a
   killed run's lock dies with it;
 * an existing file is replaced only with ``--force``; a non-empty folder only with ``--force`` and, for a command
-  that names the files it writes (``owned``), only when it holds nothing else (an earlier output of that command):
-  ``--force`` replaces what the command writes, never a folder holding other files;
+  that owns its folder (``writer`` with ``owned``), only when the folder's marker (:data:`MARKER`, written by
+  :func:`write_dir`) says that command wrote it and the folder holds nothing the marker does not list: ownership is
+  the marker's, never the file names' (another tool's folder with the same names is refused), and ``--force``
+  replaces that earlier output whole (no file of it is left beside the new one);
 * the destination must be writable: a read-only folder is a user error before any work is done;
 * files are written to a temporary sibling ``.<name>.<pid>.tmp`` and renamed into place; a new folder is filled
   as a temporary sibling and renamed into place in one step; temporaries a killed run of the command left behind
@@ -29,19 +31,23 @@ Every refusal is a :class:`kvsplice.io.cli.UsageError` with one line naming the 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import errno
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Mapping, Optional, Union
 
 from kvsplice.io.cli import UsageError, at_command_end
-from models.checkpoint import atomic_write, remove_stale_temp_files, temp_path
+from models.checkpoint import atomic_write, fsync_dir, remove_stale_temp_files, temp_path
 
-__all__ = ["SpecArgs", "cache_file", "claim", "input_files", "output_dir", "output_file", "out_and_json",
-           "release_claim", "release_claims", "write_dir", "write_json"]
+__all__ = ["MARKER", "SpecArgs", "cache_file", "claim", "disk_errors", "input_files", "output_dir", "output_file", "out_and_json",
+           "read_marker", "release_claim", "release_claims", "write_dir", "write_json"]
 
 PathArg = Union[str, "os.PathLike[str]"]
 Inputs = Optional[Mapping[str, Union[None, PathArg, Iterable[PathArg], "SpecArgs"]]]
@@ -215,7 +221,8 @@ def output_file(value: PathArg, *, force: bool, option: str = "--out", inputs: I
         force: replace an existing file.
         option: the option's name for messages.
         inputs: the command's inputs (never written).
-        outputs: ``{option: resolved path}`` of the command's other outputs (never the same file).
+        outputs: ``{option: resolved path}`` of the command's other outputs (never the same file, nor a file inside
+            an output folder).
     """
     path = _resolve(value, option)
     if path.is_dir():
@@ -228,6 +235,8 @@ def output_file(value: PathArg, *, force: bool, option: str = "--out", inputs: I
     for other, p in (outputs or {}).items():
         if _same_file(path, p):
             raise UsageError(f"{option} {value} is also {other}: give them different files")
+        if _within(path, p):  # p is the command's output folder: its files are the command's, never a report
+            raise UsageError(f"{option} {value} is inside the output folder {other} {p}; write it elsewhere")
     if path.exists() and not force:
         raise UsageError(f"{option} {value} already exists (use --force to overwrite)")
     for what, src in sources:
@@ -264,14 +273,46 @@ def out_and_json(out: PathArg, json_report: Optional[PathArg], *, force: bool,
     return path, output_file(json_report, force=force, option="--json", inputs=inputs, outputs={"--out": path})
 
 
+MARKER = ".kvsplice-output.json"
+"""The file a command that owns its output folder writes into it: ``{"writer": ..., "files": [...]}``, the command
+and the files it wrote. ``--force`` replaces a folder only when its marker names the same command."""
+
+
+def read_marker(folder: Path) -> Optional[dict]:
+    """The marker of ``folder`` (``{"writer": str, "files": [names]}``), or ``None`` when there is none or it is not
+    one (damaged, hand-made)."""
+    try:
+        m = json.loads((Path(folder) / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(m, dict) or not isinstance(m.get("writer"), str) or not isinstance(m.get("files"), list) \
+            or not all(isinstance(f, str) for f in m["files"]):
+        return None
+    return m
+
+
+def _foreign(path: Path, entries: list[str], writer: str) -> tuple[list[str], str]:
+    """The entries of an owned folder its marker does not vouch for, and why (empty: every one is an earlier output
+    of ``writer``)."""
+    m = read_marker(path)
+    if m is None:
+        return [e for e in entries if e != MARKER], f"no {MARKER} marker says {writer} wrote them"
+    if m["writer"] != writer:
+        return [e for e in entries if e != MARKER], f"{m['writer']} wrote them"
+    return [e for e in entries if e != MARKER and e not in m["files"]], "the marker of the earlier output does not " \
+                                                                        "list them"
+
+
 def output_dir(value: PathArg, *, force: bool, option: str = "--out", inputs: Inputs = None,
                owned: Optional[Collection[str]] = None, writer: str = "this command") -> Path:
     """The resolved path of a folder output (see the module docstring); removes this name's stale temporaries.
 
     Args:
-        owned: the names of every file the command may write into the folder: a non-empty folder holding anything
-            else is refused even with ``force``. ``None``: the command writes its files beside others (kept).
-        writer: the command's name for messages.
+        owned: ``None``: the command writes its files beside others (kept), never into a folder whose marker names
+            another command. Otherwise the command owns the folder: a
+            non-empty folder is replaced (with ``force``) only when its :data:`MARKER` names ``writer`` and it holds
+            nothing the marker does not list; :func:`write_dir` with the same ``writer`` writes the marker.
+        writer: the command's name, for messages and the marker.
     """
     path = _resolve(value, option)
     if path.exists() and not path.is_dir():
@@ -284,11 +325,15 @@ def output_dir(value: PathArg, *, force: bool, option: str = "--out", inputs: In
     if path.is_dir():
         remove_stale_temp_files(path, path.name)
         entries = sorted(e.name for e in path.iterdir() if not e.name.startswith(f".{path.name}."))
-        foreign = [e for e in entries if owned is not None and e not in owned]
+        foreign, why = _foreign(path, entries, writer) if owned is not None and entries else ([], "")
+        marked = read_marker(path) if owned is None and entries else None
+        if marked is not None and marked["writer"] != writer:  # files beside others, never into another tool's folder
+            foreign, why = [e for e in marked["files"] if e in entries][:3] or [MARKER], f"{marked['writer']} wrote them"
         if foreign:
             more = ", ..." if len(foreign) > 3 else ""
             raise UsageError(f"{option} {value} holds files {writer} does not write ({', '.join(foreign[:3])}{more}): "
-                             f"--force replaces only an earlier output of {writer}; choose a new or empty folder")
+                             f"{why}; --force replaces only an earlier output of {writer}; choose a new or empty "
+                             f"folder")
         if entries and not force:
             raise UsageError(f"{option} {value} is not empty (use --force to replace its files)")
     _check_writable(path if path.is_dir() else path.parent, option, value)
@@ -307,31 +352,112 @@ def _plain_modes(folder: Path) -> None:
             os.chmod(f, 0o666 & ~umask)
 
 
-def write_dir(path: Path, fill: Callable[[Path], None], owned: Optional[Collection[str]] = None) -> list[str]:
+_WRITE_FAILURES = ("no space left", "storagefull", "disk quota", "file write failed", "read-only file system",
+                   "errno 28", "code: 28", "file too large", "iostream error", "inline_container.cc")
+"""Words of a failed write in the messages of writers that do not raise ``OSError`` (safetensors' ``SafetensorError``,
+torch's ``PytorchStreamWriter`` ``RuntimeError``)."""
+
+
+@contextlib.contextmanager
+def disk_errors(path: PathArg):
+    """Turn a failed write of ``path`` — ``OSError`` or a library's own error that wraps one (a full disk: safetensors
+    and ``torch.save`` do not raise ``OSError``) — into one :class:`UsageError` line naming the path and the cause."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - only write failures are translated, the rest is raised unchanged
+        text = str(e).lower()
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG):
+            cause = os.strerror(e.errno)
+        elif any(w in text for w in _WRITE_FAILURES[:3] + ("errno 28", "code: 28")):
+            cause = "No space left on device"
+        elif any(w in text for w in _WRITE_FAILURES) or re.search(r"\d+ requested and \d+ written", text):
+            cause = "the write failed (a full disk?)"  # torch.save / numpy's tofile: the cause is not in the text
+        else:
+            raise
+        try:
+            free = shutil.disk_usage(_existing_folder(Path(path))).free
+            room = f", {free:,} bytes free"
+        except OSError:
+            room = ""
+        raise UsageError(f"cannot write {path}: {cause}{room}; nothing was written there") from None
+
+
+def _existing_folder(path: Path) -> Path:
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p if p.is_dir() else p.parent
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers' progress bars off while a folder is filled (``save_pretrained``'s "Writing model shards" bar
+    on stderr would be a second line beside a command's one error line)."""
+    if "transformers" not in sys.modules:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _write_marker(folder: Path, writer: str, files: Iterable[str]) -> None:
+    text = json.dumps({"writer": writer, "files": sorted(set(files) - {MARKER})}, indent=1) + "\n"
+    atomic_write(folder / MARKER, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_dir(path: Path, fill: Callable[[Path], None], owned: Optional[Collection[str]] = None,
+              writer: Optional[str] = None) -> list[str]:
     """Write a folder output checked by :func:`output_dir`: ``fill(tmp)`` writes every file into a temporary folder,
     which becomes ``path`` in one rename when ``path`` does not exist; into an existing ``path`` each file is moved
-    with ``os.replace`` (an existing folder, even ``.``, is never removed, nor a sub-folder in the way), then files of
-    ``owned`` that this output no longer has (an earlier output of another kind) are removed. Files get the modes
-the umask gives (:func:`_plain_modes`). An error leaves
-    ``path`` as it was. Returns the names written."""
+    with ``os.replace`` (an existing folder, even ``.``, is never removed, nor a sub-folder in the way), then the files
+    of the earlier output that this one no longer has are removed: those its marker lists (``writer`` given) and those
+    of ``owned``. ``writer``: the folder gets its :data:`MARKER` (the command and the files it wrote). Files get the
+    modes the umask gives (:func:`_plain_modes`). An error (a full disk included) leaves ``path`` as it was or, past
+    the first move, the new files and the earlier ones the marker still lists. Returns the names written (the marker
+    aside)."""
     fresh = not path.exists()
     tmp = temp_path(path) if fresh else temp_path(path, folder=path)
-    tmp.mkdir(parents=True)
+    earlier = (read_marker(path) or {}).get("files", []) if writer is not None and not fresh else []
     try:
-        fill(tmp)
-        _plain_modes(tmp)
-        names = sorted(f.name for f in tmp.iterdir())
+        with disk_errors(path):
+            tmp.mkdir(parents=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        with disk_errors(path), _no_progress_bars():
+            fill(tmp)
+        names = sorted(f.name for f in tmp.iterdir() if f.name != MARKER)
+        with disk_errors(path):
+            if writer is not None:
+                _write_marker(tmp, writer, names)
+            _plain_modes(tmp)
         if fresh:
             os.rename(tmp, path)
+            fsync_dir(path.parent)
             return names
         folders = [n for n in names if (path / n).is_dir() and not (path / n).is_symlink()]
         if folders:  # never removed to make room
             raise UsageError(f"{path} holds a folder named like an output file ({', '.join(folders)}); move it away")
+        if writer is not None:  # while files move, the marker vouches for the earlier files and the new ones
+            with disk_errors(path):
+                _write_marker(path, writer, [*earlier, *names])
         for name in names:
             os.replace(tmp / name, path / name)
-        for name in set(owned or ()) - set(names):
+        for name in (set(owned or ()) | set(earlier)) - set(names) - {MARKER}:
             if (path / name).is_file() or (path / name).is_symlink():
                 (path / name).unlink()
+        if writer is not None:
+            os.replace(tmp / MARKER, path / MARKER)
         return names
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from kvsplice.adapters.base import rotate_half
+from models.rope import rotate_half
 from kvsplice.core.attention import dense_attend, keys_seen
 from kvsplice.lowrank.bases import HeadBases
 from kvsplice.lowrank.cache import CoefficientCache

@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from models.cache import SCALE, DecodeCache
+from models.cache import DecodeCache
+from models.quant import SCALE
 
 __all__ = ["CoefficientCache", "coefficient_bytes"]
 

@@ -20,15 +20,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from kvsplice.adapters.base import apply_rope
-from kvsplice.core.method import CompressionMethod
 from kvsplice.core.rope import RopeTables
 from kvsplice.lowrank.calibrate import CalibrationStats
 from kvsplice.lowrank.fits import RCOND, _tr_err, oblique_basis
+from kvsplice.lowrank.method import BasesStorage
 from models.cache import DecodeCache
 
 __all__ = ["JointBases", "JointLowRank", "allocate_joint", "fit_joint"]
@@ -135,22 +135,12 @@ def allocate_joint(stats: CalibrationStats, numbers_per_token: int, method: str 
     return bases
 
 
-class JointLowRank(CompressionMethod):
+class JointLowRank(BasesStorage):
     """Grouped-head joint latents per layer (see the module docstring); a storage method."""
 
     name = "joint-lowrank"
     cache_type = DecodeCache
-    is_storage = True
-    spec_files = ("bases",)
-
-    @classmethod
-    def load_spec_file(cls, arg, path):
-        return JointBases.load(path)
-
-    def __init__(self, bases: JointBases) -> None:
-        if not isinstance(bases, JointBases):
-            raise TypeError(f"bases must be JointBases, got {type(bases).__name__}")
-        self.bases = bases
+    bases_type = JointBases
 
     def _prepare(self, adapter, *, dtype, device):
         super()._prepare(adapter, dtype=dtype, device=device)

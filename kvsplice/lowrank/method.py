@@ -37,30 +37,41 @@ from kvsplice.lowrank.attention import coefficient_attend, encode, layer_groups
 from kvsplice.lowrank.bases import BasesMismatchError, KVBases
 from kvsplice.lowrank.cache import CoefficientCache, coefficient_bytes
 
-__all__ = ["LowRank"]
+__all__ = ["BasesStorage", "LowRank"]
 
 Impl = Literal["absorb", "naive"]
 
 
-class LowRank(CompressionMethod):
+class BasesStorage(CompressionMethod):
+    """A storage method built from fitted bases, its one file argument (``bases``: a ``bases_type`` file)."""
+
+    is_storage = True
+    spec_files = ("bases",)
+    bases_type: type = KVBases
+
+    @classmethod
+    def load_spec_file(cls, arg, path):
+        return cls.bases_type.load(path)
+
+    def __init__(self, bases) -> None:
+        if not isinstance(bases, self.bases_type):
+            raise TypeError(f"bases must be {self.bases_type.__module__}.{self.bases_type.__qualname__}, got "
+                            f"{type(bases).__name__}")
+        self.bases = bases
+
+
+class LowRank(BasesStorage):
     """Low-rank key/value coefficients from fitted :class:`~kvsplice.lowrank.bases.KVBases`;
     ``cache_quant="int8"`` stores them as int8 rows with fp16 scales."""
 
     name = "lowrank"
     cache_type = CoefficientCache
-    is_storage = True
-    spec_files = ("bases",)
-
-    @classmethod
-    def load_spec_file(cls, arg, path):
-        return KVBases.load(path)
 
     def __init__(self, bases: KVBases, *, impl: Impl = "absorb", cache_quant: Optional[str] = None) -> None:
-        if not isinstance(bases, KVBases):
-            raise TypeError(f"bases must be a kvsplice.lowrank.bases.KVBases, got {type(bases).__name__}")
+        super().__init__(bases)
         if impl not in ("absorb", "naive"):
             raise ValueError(f"impl must be 'absorb' or 'naive', got {impl!r}")
-        self.bases, self.impl = bases, impl
+        self.impl = impl
         self.cache_quant = choice_arg("cache_quant", cache_quant, (None, "int8"))
         self.key_mode: Optional[str] = None  # post / pre / none, once bound
 

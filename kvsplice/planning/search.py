@@ -28,35 +28,23 @@ The search is over method specs (:mod:`kvsplice.core.registry`): any registered 
    where the full cache kept 92 %, and only caches keeping nearly every token held them (docs/tasks.md).
 """
 
-from __future__ import annotations
-
-import math
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
 from kvsplice.adapters import adapter_for
 from kvsplice.evaluation.protocol import evaluate, evaluate_each, full_bytes_per_token
-from kvsplice.core.registry import METHODS, SELECTORS, build_method, needs_prompt, parse_selector, per_prompt
+from kvsplice.core.registry import build_method, needs_prompt, per_prompt
+from kvsplice.planning.candidates import (DEFAULT_SELECTORS, FAST_STRIDE, INT8, LOWRANK_RATIOS, bytes_per_token,
+                                          candidate_stores, check_selector, fast_prefill, fit_budget, is_selection,
+                                          lowrank_bases, runs_on, selection)
 from kvsplice.planning.spec import spec_label
 
-__all__ = ["DEFAULT_SELECTORS", "LOWRANK_RATIOS", "OBJECTIVES", "TaskBench", "bytes_per_token", "candidate_stores",
-           "fit_budget", "check_selector", "is_selection", "lowrank_bases", "rank_key", "search", "selection"]
+__all__ = ["DEFAULT_SELECTORS", "FAST_STRIDE", "LOWRANK_RATIOS", "OBJECTIVES", "PREFILL", "SearchOptions", "TaskBench",
+           "bytes_per_token", "candidate_stores", "check_selector", "fast_prefill", "fit_budget", "is_selection",
+           "lowrank_bases", "rank_key", "search", "selection"]
 
-DEFAULT_SELECTORS = ("snapkv", "observed_attention", "kvzip", "kvzip(mix=observed_attention,share=0.1)",
-                     "kvzip(mix=observed_attention,share=0.25)", "kvzip(heads=union)",
-                     "kvzip(mix=observed_attention,share=0.1,heads=union)", "kvzip(heads=pooled,decoded=int8)",
-                     "kvzip(mix=observed_attention,share=0.1,heads=pooled,decoded=int8)",
-                     "kvzip(mix=observed_attention,share=0.1,heads=pooled,layers=50%-67%,decoded=int8)",
-                     "kvzip(mix=observed_attention,share=0.1,heads=pooled,layers=33%-67%,decoded=int8)")
-"""The selector trial's entries: attention-based (the next words), KVzip (a later question), KVzip keeping a
-tenth / a quarter of its budget by ObservedAttention (both), KVzip whose KV heads keep one token set per layer, and
-KVzip whose KV heads draw from one budget per layer (non-uniform head budgets; dense stores only) — in every layer,
-or only in a band of the depth (the others keep each head's own tokens: SmolLM2's tuning passkeys were lost where
-the early and the last layers pooled, docs/tasks.md "Where to pool"); the pooled ones hold the tokens decoded after
-the prompt (a later question, the answer) as int8 rows whatever the store (under ``k8v4h`` a quarter of SmolLM2's
-tuning perplexity loss at 4× was the int4 values of decoded tokens; the budget counts the prompt's bytes)."""
-LOWRANK_RATIOS = (1.5, 2.0, 3.0)
 EXHAUSTIVE_TASKS = False
 """Measure every candidate on every tuning instance (tests: the early stop must give the same pick)."""
 
@@ -66,128 +54,6 @@ def _answered(row: dict, n: int) -> float:
     if "task_acc" in row:
         return row["task_acc"] * n / 100
     return row.get("task_answered", -1.0)
-
-
-def lowrank_bases(stats: dict, ratio: float, rope: str, cache: Optional[dict] = None):
-    """Fisher bases of ``stats[rope]`` with ranks allocated under ``2·L·Hkv·d / ratio`` numbers per token."""
-    from kvsplice.lowrank.allocate import allocate_ranks
-    from kvsplice.lowrank.fits import fit_bases
-
-    key = (round(ratio, 6), rope)
-    if cache is not None and key in cache:
-        return cache[key]
-    from kvsplice.lowrank.allocate import cost_curves
-
-    s = stats[rope]
-    groups = 2 * s.n_layer * s.n_kv_head
-    n = max(groups, min(groups * s.head_dim, round(groups * s.head_dim / ratio)))
-    curves = None if cache is None else cache.get(("curves", rope))
-    if curves is None:
-        curves = cost_curves(s, "fisher")
-        if cache is not None:
-            cache[("curves", rope)] = curves
-    alloc = allocate_ranks(s, n, "fisher", curves=curves)
-    bases = fit_bases(s, "fisher", ranks=alloc.ranks)
-    bases.meta.update({"alloc_ratio": ratio, "alloc_predicted_nll": alloc.predicted_nll, **alloc.split()})
-    if cache is not None:
-        cache[key] = bases
-    return bases
-
-
-def candidate_stores(has_rope: bool, head_dim: int, lowrank_ratios: Sequence[float] = LOWRANK_RATIOS, *,
-                     rotary_dim: Optional[int] = None) -> list[dict[str, Any]]:
-    """The storage methods the planner tries (see the module docstring) as specs; KIVI groups of
-    ``min(32, head_dim)``; ``rotary_dim``: the dims of a head RoPE rotates (``None``: all — KIVI-2 with keys
-    quantised before RoPE needs that). A low-rank store's ``bases`` is the planner's fit of them
-    (``{"fit": "fisher", "ratio": r, "rope": mode}``), made from the calibration statistics when measured."""
-    stores: list[dict[str, Any]] = [{"name": "dense"}, {"name": "dense", "cache_quant": "int8"}]
-    if head_dim % 2 == 0:  # int8 keys, int4 values (Hadamard-rotated where the head dimension is a power of two)
-        stores.append({"name": "dense", "cache_quant": "int8", "value_quant": "int4",
-                       **({"rotate": True} if head_dim & (head_dim - 1) == 0 else {})})
-    g = min(32, head_dim)
-    if head_dim % g == 0:
-        stores += [{"name": "kivi", "bits": b, "group": g, "residual": r} for b in (4, 2) for r in (128, 32)]
-        if has_rope and (rotary_dim is None or rotary_dim == head_dim):
-            stores += [{"name": "kivi_prerope", "bits": 2, "group": g, "residual": r} for r in (128, 32)]
-    if head_dim % 64 == 0:  # 4-bit codes in groups of 64: 4.5 bits per number (3.56x smaller than fp16)
-        stores += [{"name": "kivi", "bits": 4, "group": 64, "residual": r} for r in (128, 32)]
-    for ratio in lowrank_ratios:
-        for rope in (("post", "pre") if has_rope else ("none",)):
-            stores.append({"name": "lowrank", "bases": {"fit": "fisher", "ratio": ratio, "rope": rope},
-                           "cache_quant": "int8"})
-    return stores
-
-
-def bytes_per_token(method, adapter, prompt_len: int, held: int, dtype: torch.dtype = torch.float16) -> float:
-    """Bytes per prompt token of ``method`` holding ``held`` tokens per layer after a ``prompt_len`` prefill, stored
-    at ``dtype`` (the method's closed form)."""
-    p = adapter.param()
-    bound = method.bind(adapter, dtype=p.dtype, device=p.device)
-    return bound.bytes_formula(1, held, dtype) / prompt_len
-
-
-def selection(store: dict[str, Any], selector: str, keep: float = 1.0) -> dict[str, Any]:
-    """The spec of ``selector`` keeping ``keep`` of the prompt over the storage ``store`` (``selector``: a selector
-    ``NAME[(KEY=VALUE,...)]``, or a selection that scores by its own pass — ``kvzip``,
-    ``kvzip(mix=observed_attention,share=0.5)``)."""
-    sel = parse_selector(selector)
-    if sel["name"] not in SELECTORS and getattr(METHODS.get(sel["name"]), "select_form", False):
-        return {**sel, "keep": keep, "store": store}
-    return {"name": "token_selection", "selector": sel, "keep": keep, "store": store}
-
-
-def check_selector(selector: str) -> str:
-    """``selector`` if :func:`selection` can build it (a known name, arguments its class takes), else a one-line
-    ``ValueError``."""
-    build_method(selection(INT8, selector, 0.5), prompt_len=2)
-    return selector
-
-
-def is_selection(spec: dict[str, Any]) -> bool:
-    """``spec`` keeps a fraction of the prompt (a token selection, KVzip)."""
-    return "keep" in spec
-
-
-def fit_budget(store: dict[str, Any], adapter, prompt_len: int, budget: float, *, selector: str,
-               realise: Callable[[dict], dict] = lambda s: s, min_keep: float = 1 / 64) -> Optional[dict[str, Any]]:
-    """``store`` alone if it fits ``budget`` bytes per prompt token, else under ``selector`` keeping the most prompt
-    tokens that fit (``None`` when even ``min_keep`` of them does not, or the store cannot hold a selection — pre-RoPE
-    coefficients need their positions). ``realise``: the spec with the planner's bases made."""
-    if bytes_per_token(build_method(realise(store)), adapter, prompt_len, prompt_len) <= budget:
-        return store
-    sel = selection(store, selector)
-    try:
-        method = build_method(realise(sel), prompt_len=prompt_len)
-        bytes_per_token(method, adapter, prompt_len, 1)
-    except ValueError:  # a store that cannot hold a token subset
-        return None
-    lo, hi = 0, prompt_len - 1  # the largest n with bytes(n) <= budget (bytes grow with n)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if bytes_per_token(method, adapter, prompt_len, mid) <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    if lo < max(1, math.ceil(min_keep * prompt_len)):
-        return None
-    return selection(store, selector, lo / prompt_len)
-
-
-INT8 = {"name": "dense", "cache_quant": "int8"}
-
-
-def runs_on(model, method) -> bool:
-    """Whether ``method`` can decode ``model``: a cache that cannot drop the tokens leaving a sliding window (KIVI's,
-    a selection over it) cannot run a model with sliding-window layers (Gemma-3, Mistral, ...); a selection refuses
-    a store it cannot hold (``kvzip(heads=pooled)``: dense rows only) or a band of the depth holding none of the
-    model's layers (``layers=0%-5%`` of a 5-layer model: the planner skips such selectors)."""
-    from kvsplice.decode import Decoder
-
-    try:
-        Decoder(model, method).new_cache(1, capacity=1)
-    except ValueError:
-        return False
-    return True
 
 
 OBJECTIVES = ("ppl", "tasks", "mixed")
@@ -220,76 +86,107 @@ class TaskBench(Protocol):
     def scores(self, factory: Callable, label: str) -> Iterator[float]: ...
 
 
-def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: int, budget: float,
-           selectors: Sequence[str] = DEFAULT_SELECTORS, lowrank_ratios: Sequence[float] = LOWRANK_RATIOS,
-           stores: Optional[Sequence[dict[str, Any]]] = None, batch_size: int = 4,
-           log: Optional[Callable[[str], None]] = None, objective: str = "ppl",
-           task_eval: Optional["TaskBench"] = None,
-           task_tolerance: float = 0.0, tokenizer: Any = None, fit_len: Optional[int] = None) -> dict[str, Any]:
-    """Search the specs that fit ``budget`` bytes per prompt token (at fp16) on the tuning ``windows``; returns
-    ``{"best": spec (its bases in memory), "full": the full cache's tuning result, "candidates": [...]}`` (each
-    candidate: its spec — the planner's bases as their fit —, label, bytes per token, ratio vs the fp16 full cache,
-    tuning perplexity). ``stores``: the candidate storage specs (default :func:`candidate_stores`; any registered
-    storage method); ``stats``: the calibration statistics per RoPE mode the low-rank fits need.
+PREFILL = ("fast", "any")
+"""How the selector is picked: ``fast`` (default) — among the fast-prefill selectors (:func:`fast_prefill`) when one
+holds the tuning tasks (its accuracy within ``task_tolerance`` of the full cache's), the others tried only when none
+does; ``any`` — among all, by the objective alone."""
 
-    ``objective`` (:data:`OBJECTIVES`): with ``tasks`` / ``mixed``, ``task_eval`` (a :class:`TaskBench`: tuning
-    task instances, e.g. :class:`kvsplice.tasks.tuning.TuningTasks`) measures each candidate's accuracy, in order of
-    tuning perplexity and instance by instance; every candidate row then has a ``task_acc`` — or ``task_stopped`` /
-    ``task_skipped``: a row of no higher perplexity surely answers as many instances as it still could, so it cannot
-    win (the pick is the one measuring all gives). ``tokenizer``:
-    the model's, for candidates that re-read their prompt (KVzip: measured window by window). ``fit_len``: the prompt
-    length at which the budget holds (default ``prompt_len``): a store with a fixed-size part (KIVI's full-precision
-    window) costs fewer bytes per token on a longer prompt, so fitted there it keeps more tokens; its rows then also
-    give ``at_fit``, the bytes per token at that length (by the methods' closed form)."""
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if objective != "ppl" and task_eval is None:
-        raise ValueError(f"objective {objective!r} needs task_eval (task instances to measure accuracy on)")
-    log = log or (lambda s: None)
-    adapter = adapter_for(model)
-    full_bpt = full_bytes_per_token(adapter)
-    fit_at = fit_len or prompt_len
-    bases_cache: dict = {}
 
-    def realise(spec: dict) -> dict:
+@dataclass(frozen=True)
+class SearchOptions:
+    """What the search looks for: stacks within ``budget`` bytes per prompt token (fp16) at a ``fit_len``-token
+    prompt (default ``prompt_len``), measured on windows whose first ``prompt_len`` tokens are compressed; the
+    ``selectors`` and the ``stores`` (default :func:`candidate_stores` with ``lowrank_ratios``) tried; the pick by
+    ``objective`` (:data:`OBJECTIVES`, with ``task_tolerance``) and ``prefill`` (:data:`PREFILL`)."""
+
+    prompt_len: int
+    budget: float
+    selectors: tuple[str, ...] = DEFAULT_SELECTORS
+    lowrank_ratios: tuple[float, ...] = LOWRANK_RATIOS
+    stores: Optional[tuple[dict[str, Any], ...]] = None
+    batch_size: int = 4
+    objective: str = "ppl"
+    task_tolerance: float = 0.0
+    fit_len: Optional[int] = None
+    prefill: str = "fast"
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.prefill not in PREFILL:
+            raise ValueError(f"prefill must be one of {PREFILL}, got {self.prefill!r}")
+
+    @property
+    def fit_at(self) -> int:
+        return self.fit_len or self.prompt_len
+
+
+class _Search:
+    """One search's state and its steps (:func:`search` runs them in order): the full cache's tuning result, the
+    usable selectors, the stores fitted to the budget, the selector trial, the stores under the chosen selector,
+    the pick."""
+
+    def __init__(self, model, stats: Optional[dict], windows: torch.Tensor, opts: SearchOptions,
+                 task_eval: Optional[TaskBench], tokenizer: Any, log: Callable[[str], None]) -> None:
+        self.model, self.stats, self.windows, self.opts = model, stats, windows, opts
+        self.task_eval, self.tokenizer, self.log = task_eval, tokenizer, log
+        self.adapter = adapter_for(model)
+        self.full_bpt = full_bytes_per_token(self.adapter)
+        self.bases_cache: dict = {}
+        self.contexts = [{} for _ in range(windows.shape[0])]  # per tuning window: work its KVzip candidates share
+        self.full: dict = {}
+
+    # ------------------------------------------------------------------------------------------ building
+    def realise(self, spec: dict) -> dict:
         """``spec`` with the planner's bases fitted (``{"fit": ..}`` → KVBases)."""
-        out = {k: realise(v) if isinstance(v, dict) and k != "bases" else v for k, v in spec.items()}
+        out = {k: self.realise(v) if isinstance(v, dict) and k != "bases" else v for k, v in spec.items()}
         b = spec.get("bases")
         if isinstance(b, dict) and "fit" in b:
-            if stats is None:
+            if self.stats is None:
                 raise ValueError("low-rank candidate stores need the calibration statistics")
-            out["bases"] = lowrank_bases(stats, b["ratio"], b["rope"], bases_cache)
+            out["bases"] = lowrank_bases(self.stats, b["ratio"], b["rope"], self.bases_cache)
         return out
 
-    contexts = [{} for _ in range(windows.shape[0])]  # per tuning window: work its KVzip candidates share
-
-    def factory(spec: dict) -> Callable:
+    def factory(self, spec: dict) -> Callable:
         """``factory(ids, shared=None)``: ``spec``'s method for the prompt it compresses (its bases made)."""
-        return per_prompt(lambda spec=realise(spec), **ctx: build_method(spec, **ctx), tokenizer)
+        return per_prompt(lambda spec=self.realise(spec), **ctx: build_method(spec, **ctx), self.tokenizer)
 
-    def measure(spec: dict) -> dict[str, Any]:
+    # ------------------------------------------------------------------------------------------ measuring
+    def measure_full(self) -> None:
+        o = self.opts
+        self.full = evaluate(self.model, None, self.windows, prompt_len=o.prompt_len, batch_size=o.batch_size)
+        self.log(f"full cache: tuning ppl {self.full['ppl']:.4f}; budget {o.budget:.1f} bytes per token "
+                 f"({self.full_bpt / o.budget:.2f}x smaller than the fp16 full cache, {self.full_bpt} B) at a "
+                 f"{o.fit_at}-token prompt")
+
+    def measure(self, spec: dict) -> dict[str, Any]:
+        """``spec``'s row: its bytes per token, ratio and tuning perplexity (and its size at the fit length)."""
+        o, full = self.opts, self.full
         if needs_prompt(spec):  # built per window from its prompt
-            res = evaluate_each(model, factory(spec), windows, prompt_len=prompt_len, contexts=contexts)
+            res = evaluate_each(self.model, self.factory(spec), self.windows, prompt_len=o.prompt_len,
+                                contexts=self.contexts)
         else:
-            res = evaluate(model, build_method(realise(spec), prompt_len=prompt_len), windows,
-                           prompt_len=prompt_len, batch_size=batch_size)
+            res = evaluate(self.model, build_method(self.realise(spec), prompt_len=o.prompt_len), self.windows,
+                           prompt_len=o.prompt_len, batch_size=o.batch_size)
         row = {"label": spec_label(spec), "spec": spec, "bytes_per_token": res["bytes_per_token"],
                "ratio_vs_fp16_full": res["ratio_vs_fp16_full"], "tuning_ppl": res["ppl"],
                "delta_pct": 100 * (res["ppl"] / full["ppl"] - 1), "seconds": res["seconds"]}
-        if fit_at != prompt_len:
-            method = build_method(realise(spec), prompt_len=fit_at)  # a selection's budget: its kept tokens there
-            b = bytes_per_token(method, adapter, fit_at, min(method.budget, fit_at) if is_selection(spec) else fit_at)
-            row["at_fit"] = {"prompt_len": fit_at, "bytes_per_token": b, "ratio_vs_fp16_full": full_bpt / b}
-        at = f" ({row['at_fit']['ratio_vs_fp16_full']:.2f}x at {fit_at})" if "at_fit" in row else ""
-        log(f"  {row['label']:<48} {row['ratio_vs_fp16_full']:6.2f}x{at}  tuning ppl {row['tuning_ppl']:.4f} "
-            f"({row['delta_pct']:+.2f} %)")
+        if o.fit_at != o.prompt_len:
+            method = build_method(self.realise(spec), prompt_len=o.fit_at)  # a selection's budget: its kept tokens
+            b = bytes_per_token(method, self.adapter, o.fit_at,
+                                min(method.budget, o.fit_at) if is_selection(spec) else o.fit_at)
+            row["at_fit"] = {"prompt_len": o.fit_at, "bytes_per_token": b, "ratio_vs_fp16_full": self.full_bpt / b}
+        at = f" ({row['at_fit']['ratio_vs_fp16_full']:.2f}x at {o.fit_at})" if "at_fit" in row else ""
+        self.log(f"  {row['label']:<48} {row['ratio_vs_fp16_full']:6.2f}x{at}  tuning ppl {row['tuning_ppl']:.4f} "
+                 f"({row['delta_pct']:+.2f} %)")
         return row
 
-    def with_tasks(rows: list[dict], against: Sequence[dict] = ()) -> None:
+    def with_tasks(self, rows: list[dict], against: Sequence[dict] = ()) -> None:
         """Each row's task accuracy, in order of tuning perplexity, instance by instance; a row stops (or is not
         started) once a row of no higher perplexity — of ``rows`` or ``against`` — is sure to answer at least as
         many instances as it still can: it can neither win under ``mixed`` or ``tasks`` nor raise the best accuracy,
         so the pick is the one measuring every row in full gives (``task_stopped`` / ``task_skipped`` say so)."""
+        task_eval, full, log = self.task_eval, self.full, self.log
         if task_eval is None:
             return
         full["task_acc"] = task_eval.full()
@@ -303,7 +200,7 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
                 log(f"  {r['label']:<48} task accuracy not measured: {r['task_skipped']}")
                 continue
             got, seen = 0.0, 0
-            for score in task_eval.scores(factory(r["spec"]), r["label"]):
+            for score in task_eval.scores(self.factory(r["spec"]), r["label"]):
                 got, seen = got + score, seen + 1
                 if not EXHAUSTIVE_TASKS and seen < n and got + (n - seen) <= floor + 1e-9:
                     break
@@ -316,84 +213,161 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, *, prompt_len: i
                 r["task_acc"] = 100 * got / n
                 log(f"  {r['label']:<48} task accuracy {r['task_acc']:.1f} % (full cache {full['task_acc']:.1f} %)")
 
-    def best_of(rows: list[dict]) -> dict:
+    def key(self, rows: Sequence[dict]) -> Callable[[dict], tuple]:
         best_acc = max((r.get("task_acc", 0.0) for r in rows), default=0.0)
-        return min(rows, key=rank_key(objective, best_acc, task_tolerance))
+        return rank_key(self.opts.objective, best_acc, self.opts.task_tolerance)
 
-    full = evaluate(model, None, windows, prompt_len=prompt_len, batch_size=batch_size)
-    log(f"full cache: tuning ppl {full['ppl']:.4f}; budget {budget:.1f} bytes per token "
-        f"({full_bpt / budget:.2f}x smaller than the fp16 full cache, {full_bpt} B) at a {fit_at}-token prompt")
-    usable = [name for name in selectors if runs_on(model, build_method(selection(INT8, name, 0.5),
-                                                                        prompt_len=prompt_len))]
-    for name in selectors:
-        if name not in usable:
-            log(f"  selector {name} skipped: it cannot run this model")
-    if not usable:
-        raise ValueError(f"none of the selectors {', '.join(selectors)} can run this model")
-    selectors = usable
+    def best_of(self, rows: list[dict]) -> dict:
+        return min(rows, key=self.key(rows))
 
-    def fit_under(store: dict, names: Sequence[str]) -> Optional[dict]:
+    def holds_tasks(self, row: dict) -> bool:
+        """``row`` answers the tuning instances as the full cache does (within ``task_tolerance`` points)."""
+        return "task_acc" in row and row["task_acc"] >= self.full.get("task_acc", 100.0) - \
+            self.opts.task_tolerance - 1e-9
+
+    # ------------------------------------------------------------------------------------------ fitting
+    def usable_selectors(self) -> list[str]:
+        """The selectors that can run this model (the others are logged and left out)."""
+        o = self.opts
+        usable = [name for name in o.selectors if runs_on(self.model, build_method(selection(INT8, name, 0.5),
+                                                                                   prompt_len=o.prompt_len))]
+        for name in o.selectors:
+            if name not in usable:
+                self.log(f"  selector {name} skipped: it cannot run this model")
+        if not usable:
+            raise ValueError(f"none of the selectors {', '.join(o.selectors)} can run this model")
+        if any(needs_prompt(selection(INT8, name)) for name in usable) and self.tokenizer is None:
+            raise ValueError(f"the selectors {', '.join(usable)} include one that re-reads its prompt: give "
+                             f"tokenizer=")
+        return usable
+
+    def fit_under(self, store: dict, names: Sequence[str]) -> Optional[dict]:
         """``store`` alone if it fits the budget, else under the first of ``names`` that can hold it (KIVI codes
         cannot sit under kvzip(heads=pooled)), keeping the most tokens that selector fits; ``None`` when no such
         stack runs this model (a cache that cannot drop a sliding window's tokens, or over budget at 1/64)."""
+        o = self.opts
         for name in dict.fromkeys(names):
-            st = fit_budget(store, adapter, fit_at, budget, selector=name, realise=realise)
-            if st is not None and runs_on(model, build_method(realise(st), prompt_len=prompt_len)):
+            st = fit_budget(store, self.adapter, o.fit_at, o.budget, selector=name, realise=self.realise)
+            if st is not None and runs_on(self.model, build_method(self.realise(st), prompt_len=o.prompt_len)):
                 return st
             if st is not None and not is_selection(st):
                 return None  # alone: no selector changes it
         return None
 
-    fits = []
-    if stores is None:
-        stores = candidate_stores(adapter.has_rope, adapter.head_dim, lowrank_ratios, rotary_dim=adapter.rotary_dim)
-    for store in stores:
-        st = fit_under(store, selectors)
-        if st is None:
-            log(f"  {spec_label(store):<48} skipped: no stack of it fits the budget and runs this model")
-        else:
-            fits.append(st)
-    if not fits:
-        raise ValueError(f"no stack fits {budget:.1f} bytes per token (the smallest keeps 1/64 of the prompt)")
-    rows: list[dict] = []
-    trial_rows: list[dict] = []
-    chosen_sel = selectors[0]
-    # the selector is chosen on the selection over int8 K/V (nearly lossless storage: the selection's own loss),
-    # else on the candidate that keeps the most tokens; by the objective
-    if any(needs_prompt(selection(INT8, name)) for name in selectors) and tokenizer is None:
-        raise ValueError(f"the selectors {', '.join(selectors)} include one that re-reads its prompt: give tokenizer=")
-    with_sel = sorted((s for s in fits if is_selection(s)),
-                      key=lambda s: (s["store"] != INT8, -s["keep"]))
-    if with_sel and len(selectors) > 1:
-        # each selector keeps the most tokens it fits in the budget (kvzip(heads=pooled) stores fewer bytes per
-        # kept token); a selector that cannot hold the store sits the trial out
-        tried = [(name, fit_under(with_sel[0]["store"], [name])) for name in selectors]
-        tried = [(name, st) for name, st in tried if st is not None]
-        trial = [measure(st) for _, st in tried]
-        with_tasks(trial)
-        trial_rows = list(trial)
-        rows += trial
-        chosen_sel = tried[trial.index(best_of(trial))][0]
-        log(f"selector: {chosen_sel}")
-    ranked = [chosen_sel]  # then the trial's other selectors, best first
-    if trial_rows:
-        key = rank_key(objective, max(r.get("task_acc", 0.0) for r in trial_rows), task_tolerance)
-        ranked += [name for (name, _), _r in sorted(zip(tried, trial_rows), key=lambda p: key(p[1]))]
+    def fit_stores(self, selectors: Sequence[str]) -> list[dict]:
+        """Every candidate store fitted to the budget (alone, or under the first selector that holds it)."""
+        o, a = self.opts, self.adapter
+        stores = o.stores if o.stores is not None else candidate_stores(a.has_rope, a.head_dim, o.lowrank_ratios,
+                                                                       rotary_dim=a.rotary_dim)
+        fits = []
+        for store in stores:
+            st = self.fit_under(store, selectors)
+            if st is None:
+                self.log(f"  {spec_label(store):<48} skipped: no stack of it fits the budget and runs this model")
+            else:
+                fits.append(st)
+        if not fits:
+            raise ValueError(f"no stack fits {o.budget:.1f} bytes per token (the smallest keeps 1/64 of the prompt)")
+        return fits
 
-    done = {r["label"] for r in rows}
-    for fit in fits:  # a selection under the chosen selector, else the next trial selector that can hold its store
-        st = fit_under(fit["store"], ranked) if is_selection(fit) else fit
-        label = spec_label(st if st is not None else selection(fit["store"], chosen_sel, fit["keep"]))
-        if label in done:
-            continue
-        done.add(label)
-        if st is None:
-            log(f"  {label:<48} skipped: no selector tried can hold this store")
-        else:
-            rows.append(measure(st))
-    with_tasks([r for r in rows if r not in trial_rows], against=trial_rows)
-    best_row = best_of(rows)
-    return {"best": realise(best_row["spec"]), "chosen": best_row,
-            "full": {"tuning_ppl": full["ppl"], "bytes_per_token": full_bpt,
+    # ------------------------------------------------------------------------------------------ choosing
+    def trial(self, store: dict, names: Sequence[str]) -> list[tuple[str, dict]]:
+        """Each of ``names`` over ``store``, keeping the most tokens it fits, measured (tuning perplexity and
+        tasks); ``[(selector, row)]`` (a selector that cannot hold the store sits the trial out)."""
+        tried = [(name, self.fit_under(store, [name])) for name in names]
+        tried = [(name, st) for name, st in tried if st is not None]
+        rows = [self.measure(st) for _, st in tried]
+        self.with_tasks(rows)
+        return [(name, row) for (name, _), row in zip(tried, rows)]
+
+    def choose_selector(self, fits: list[dict], selectors: list[str]) -> tuple[list[str], list[dict], list[str]]:
+        """The selector trial on the selection over int8 K/V (nearly lossless storage: the selection's own loss),
+        else on the candidate keeping the most tokens: ``(selectors ranked best first, the trial's rows, the slow
+        selectors left out)``. With ``prefill="fast"`` and tuning tasks, the fast-prefill selectors are tried first
+        and the others only when none holds the tuning tasks."""
+        o = self.opts
+        with_sel = sorted((s for s in fits if is_selection(s)), key=lambda s: (s["store"] != INT8, -s["keep"]))
+        if not with_sel or len(selectors) == 1:
+            return [selectors[0]], [], []
+        store = with_sel[0]["store"]
+        fast = [n for n in selectors if fast_prefill(n)]
+        slow = [n for n in selectors if n not in fast]
+        staged = o.prefill == "fast" and self.task_eval is not None and fast and slow
+        tried = self.trial(store, fast if staged else selectors)
+        left_out: list[str] = []
+        if staged:
+            held = [(n, r) for n, r in tried if self.holds_tasks(r)]
+            if held:
+                left_out = slow
+                self.log(f"selectors {', '.join(slow)} not tried: a fast-prefill selector holds the tuning tasks")
+                tried = held + [(n, r) for n, r in tried if not self.holds_tasks(r)]
+                rows = [r for _, r in tried]
+                best = min(held, key=lambda p: self.key(rows)(p[1]))[0]
+                ranked = [best] + [n for n, r in sorted(tried, key=lambda p: self.key(rows)(p[1])) if n != best]
+                self.log(f"selector: {best} (fast prefill)")
+                return ranked, rows, left_out
+            tried += self.trial(store, slow)
+        rows = [r for _, r in tried]
+        key = self.key(rows)
+        ranked = [n for n, _ in sorted(tried, key=lambda p: key(p[1]))]
+        self.log(f"selector: {ranked[0]}")
+        return ranked, rows, left_out
+
+    def measure_stores(self, fits: list[dict], ranked: list[str], done: set) -> list[dict]:
+        """Each fitted store under the chosen selector (else the next trial selector that can hold it), measured."""
+        rows = []
+        for fit in fits:
+            st = self.fit_under(fit["store"], ranked) if is_selection(fit) else fit
+            label = spec_label(st if st is not None else selection(fit["store"], ranked[0], fit["keep"]))
+            if label in done:
+                continue
+            done.add(label)
+            if st is None:
+                self.log(f"  {label:<48} skipped: no selector tried can hold this store")
+            else:
+                rows.append(self.measure(st))
+        return rows
+
+
+def search(model, stats: Optional[dict], windows: torch.Tensor, options: Optional[SearchOptions] = None, *,
+           task_eval: Optional[TaskBench] = None, tokenizer: Any = None,
+           log: Optional[Callable[[str], None]] = None, **fields: Any) -> dict[str, Any]:
+    """Search the specs that fit ``options.budget`` bytes per prompt token (at fp16) on the tuning ``windows``;
+    returns ``{"best": spec (its bases in memory), "full": the full cache's tuning result, "candidates": [...],
+    "selector": the chosen one, "selectors_left_out": slow selectors not tried}`` (each candidate: its spec — the
+    planner's bases as their fit —, label, bytes per token, ratio vs the fp16 full cache, tuning perplexity).
+    ``stats``: the calibration statistics per RoPE mode the low-rank fits need.
+
+    With ``options.objective`` ``tasks`` / ``mixed``, ``task_eval`` (a :class:`TaskBench`: tuning task instances,
+    e.g. :class:`kvsplice.tasks.tuning.TuningTasks`) measures each candidate's accuracy, in order of tuning
+    perplexity and instance by instance; every candidate row then has a ``task_acc`` — or ``task_stopped`` /
+    ``task_skipped``: a row of no higher perplexity surely answers as many instances as it still could, so it cannot
+    win (the pick is the one measuring all gives). ``tokenizer``: the model's, for candidates that re-read their
+    prompt (KVzip: measured window by window). ``options.fit_len``: the prompt length at which the budget holds: a
+    store with a fixed-size part (KIVI's full-precision window) costs fewer bytes per token on a longer prompt, so
+    fitted there it keeps more tokens; its rows then also give ``at_fit``, the bytes per token at that length.
+
+    Steps: the full cache; the usable selectors; the stores fitted to the budget; the selector trial
+    (:meth:`_Search.choose_selector`); the stores under the chosen selector; their tasks; the pick.
+    ``fields``: the options as keywords instead (``search(model, stats, windows, prompt_len=P, budget=B)``)."""
+    if options is None:
+        options = SearchOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    elif fields:
+        raise TypeError(f"give the options as SearchOptions or as keywords, not both ({', '.join(fields)})")
+    if options.objective != "ppl" and task_eval is None:
+        raise ValueError(f"objective {options.objective!r} needs task_eval (task instances to measure accuracy on)")
+    s = _Search(model, stats, windows, options, task_eval, tokenizer, log or (lambda line: None))
+    s.measure_full()
+    selectors = s.usable_selectors()
+    fits = s.fit_stores(selectors)
+    ranked, trial_rows, left_out = s.choose_selector(fits, selectors)
+    rows = list(trial_rows)
+    rows += s.measure_stores(fits, ranked, {r["label"] for r in rows})
+    s.with_tasks([r for r in rows if r not in trial_rows], against=trial_rows)
+    best_row = s.best_of(rows)
+    full = s.full
+    return {"best": s.realise(best_row["spec"]), "chosen": best_row,
+            "full": {"tuning_ppl": full["ppl"], "bytes_per_token": s.full_bpt,
                      **({"task_acc": full["task_acc"]} if "task_acc" in full else {})},
-            "candidates": rows, "selector": chosen_sel, "objective": objective}
+            "candidates": rows, "selector": ranked[0], "selectors_left_out": left_out,
+            "objective": options.objective}

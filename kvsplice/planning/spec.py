@@ -22,10 +22,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from kvsplice.core.method import CompressionMethod
 from kvsplice.core.registry import METHODS, build_method, format_spec, needs_prompt
+from kvsplice.core.spec_files import spec_file_names
 from kvsplice.planning.checks import check_arguments, check_bases_name, check_plan_doc
 
 __all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Plan", "PlanError", "check_plan_model", "is_plan_file", "spec_label",
@@ -160,21 +161,28 @@ class Plan:
             raise PlanError(f"this plan was made for model {self.model_fingerprint}, not {fingerprint}; run "
                             f"python -m kvsplice.plan for this model")
 
-    def save(self, path: str | Path) -> Path:
-        """Write the plan JSON atomically — and, for in-memory bases in the spec, the file beside it
-        (``<name>.bases.safetensors``) named in the written spec relative to the plan."""
-        from models.checkpoint import atomic_write
+    def save(self, path: str | Path, also: Optional[dict[Path, Callable[[Path], None]]] = None) -> Path:
+        """Write the plan JSON — and, for in-memory bases in the spec, the file beside it
+        (``<name>.bases.safetensors``) named in the written spec relative to the plan — and the files of ``also``
+        (``{path: write(tmp)}``, e.g. the planner's report): each is written at its temporary name first and all
+        are renamed into place together (:class:`kvsplice.io.staged.Staged`), so an interrupted save leaves the
+        earlier plan, its bases and its report as they were, never a plan beside another plan's bases."""
+        from kvsplice.io.staged import Staged
 
         path = Path(path)
         spec = _copy(self.spec)
         holders = Plan(spec).files()
-        for i, (d, k) in enumerate(holders):
-            name = path.stem + (".bases" if i == 0 else f".bases{i}") + ".safetensors"
-            atomic_write(path.with_name(name), d[k].save)
-            d[k] = name
-        doc = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "model_fingerprint": self.model_fingerprint,
-               "spec": spec, "label": self.label, **self.info}
-        atomic_write(path, lambda p: p.write_text(json.dumps(doc, indent=2, default=str) + "\n"))
+        names = [path.stem + (".bases" if i == 0 else f".bases{i}") + ".safetensors" for i in range(len(holders))]
+        with Staged([path, *(path.with_name(n) for n in names), *(also or {})]) as staged:
+            for name, (d, k) in zip(names, holders):
+                d[k].save(staged.temp(path.with_name(name)))
+                d[k] = name
+            doc = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "model_fingerprint": self.model_fingerprint,
+                   "spec": spec, "label": self.label, **self.info}
+            staged.temp(path).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+            for other, write in (also or {}).items():
+                write(staged.temp(other))
+            staged.commit()
         return path
 
     @classmethod
@@ -186,6 +194,13 @@ class Plan:
             raise PlanError(f"cannot read the plan {path}: nested too deeply (not a plan)") from None
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise PlanError(f"cannot read the plan {path}: {str(e).splitlines()[0]}") from None
+        return cls.from_doc(doc, path, model)
+
+    @classmethod
+    def from_doc(cls, doc: Any, path: str | Path, model=None) -> "Plan":
+        """The plan of ``doc``, the parsed JSON of the plan file ``path`` (read once by the caller): the checks of
+        :meth:`load`."""
+        path = Path(path)
         if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT or doc.get("version") not in (1, 2):
             raise PlanError(f"{path} is not a kvsplice plan (python -m kvsplice.plan writes them)")
         try:
@@ -202,12 +217,13 @@ class Plan:
             if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
                 raise PlanError(f"{path}: its spec is not a method spec (a dict with a \"name\")")
             drop = ("format", "version", "model_fingerprint", "spec", "label")
+        names = [name for _, name in spec_file_names(spec)]
         try:
-            for f in _file_args(spec):
+            for f in names:
                 check_bases_name(f)
         except ValueError as e:
             raise PlanError(f"{path}: {e}") from None
-        for f in _file_args(spec):
+        for f in names:
             if not (path.parent / f).is_file():
                 raise PlanError(f"{path}: its bases file {path.parent / f} is missing")
         try:
@@ -244,20 +260,3 @@ def check_plan_model(arg: str, model) -> None:
 
 def _copy(spec: Any) -> Any:
     return {k: _copy(v) for k, v in spec.items()} if isinstance(spec, dict) else spec
-
-
-def _file_args(spec: dict) -> list[str]:
-    """The file names a spec gives for its methods' file arguments (``bases``)."""
-    from kvsplice.core.registry import METHODS, method_names
-
-    method_names()  # the built-in methods registered
-    out, todo = [], [spec]
-    while todo:
-        d = todo.pop()
-        cls = METHODS.get(d.get("name"))
-        for k, v in d.items():
-            if isinstance(v, dict):
-                todo.append(v)
-            elif isinstance(v, str) and k in getattr(cls, "spec_files", ()):
-                out.append(v)
-    return out

@@ -4,10 +4,10 @@ storage method, :class:`~kvsplice.quant.method.KIVI` — alone, or holding a tok
 variants over Hadamard-rotated K/V (:class:`RotatedKIVI`) and over keys before RoPE (:class:`PreRopeKIVI`)."""
 
 from kvsplice.quant.cache import KIVICache, kivi_bytes
-from kvsplice.quant.groups import dequantize, pack_codes, quantize, unpack_codes
 from kvsplice.quant.method import KIVI
 from kvsplice.quant.prerope import PreRopeKIVI
 from kvsplice.quant.rotated import RotatedKIVI, hadamard
+from models.quant import dequantize, pack_codes, quantize, unpack_codes
 
 __all__ = ["KIVI", "KIVICache", "PreRopeKIVI", "RotatedKIVI", "hadamard", "dequantize", "kivi_bytes", "pack_codes",
            "quantize", "unpack_codes"]

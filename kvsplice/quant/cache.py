@@ -21,8 +21,8 @@ from typing import Iterator, Optional
 import torch
 
 from kvsplice.core.coded import ChannelGroupKeys, Rows, Segment
-from kvsplice.quant.groups import dequantize, pack_codes, quantize, unpack_codes
 from models.cache import Cache, DecodeCache
+from models.quant import MIN, SCALE, GroupRows
 
 __all__ = ["KIVICache", "kivi_bytes", "n_quantised"]
 
@@ -66,6 +66,7 @@ class KIVICache(Cache):
         self.res_k = [empty] * n_layer  # (B, Hkv, n − n_q, D) per layer
         self.res_v = [empty] * n_layer
         self.bits, self.group, self.residual = bits, group, residual
+        self.quantizer = GroupRows(bits, group)  # keys: groups along tokens, values: along channels
         self.n_kv_head, self.head_dim = h, d
         self.batch_size, self.dtype = batch_size, dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -123,33 +124,27 @@ class KIVICache(Cache):
         return out
 
     def _quantise(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        b, h, n, d = k.shape
-        g, bits = self.group, self.bits
-        kc, ks, km = quantize(k.reshape(b, h, n // g, g, d), 3, bits)  # per channel over G tokens: stats (B,H,n/G,1,D)
-        vc, vs, vm = quantize(v.reshape(b, h, n, d // g, g), 4, bits)  # per token over G channels: (B,H,n,D/G,1)
-        self.codes.append(layer, k=pack_codes(kc.reshape(b, h, n, d), bits), v=pack_codes(vc.reshape(b, h, n, d), bits))
-        self.kstat.append(layer, s=ks[:, :, :, 0], m=km[:, :, :, 0])  # (B, H, n/G, D)
-        self.vstat.append(layer, s=vs[..., 0], m=vm[..., 0])  # (B, H, n, D/G)
+        kq = self.quantizer.quantize_tokens(k)  # per channel over G tokens: codes (B, H, n, D·bits/8), (B, H, n/G, D)
+        vq = self.quantizer.quantize(v)  # per token over G channels: codes (B, H, n, D·bits/8), stats (B, H, n, D/G)
+        self.codes.append(layer, k=kq[""], v=vq[""])
+        self.kstat.append(layer, s=kq[SCALE], m=kq[MIN])  # (B, H, n/G, D)
+        self.vstat.append(layer, s=vq[SCALE], m=vq[MIN])  # (B, H, n, D/G)
 
     def get(self, layer: int) -> dict[str, torch.Tensor]:
         """Keys and values of ``layer`` at the cache dtype, ``(B, Hkv, n, D)`` each (oldest first)."""
         nq = self.codes.layer_len(layer)
         if nq == 0:
             return {"k": self.res_k[layer], "v": self.res_v[layer]}
-        b, h, d, g = self.batch_size, self.n_kv_head, self.head_dim, self.group
+        b, h, d = self.batch_size, self.n_kv_head, self.head_dim
         codes, ks, vs = self.codes.stored(layer), self.kstat.stored(layer), self.vstat.stored(layer)
         n = nq + self.res_k[layer].shape[2]
+        q = self.quantizer
+        held = {"k": q.dequantize_tokens({"": codes["k"], SCALE: ks["s"], MIN: ks["m"]}, self.dtype),  # (B, H, n_q, D)
+                "v": q.dequantize({"": codes["v"], SCALE: vs["s"], MIN: vs["m"]}, d, self.dtype)}  # (B, H, n_q, D)
         out = {}
-        for name in ("k", "v"):
-            ws = self._workspace(name, (b, h, n, d))
-            c = unpack_codes(codes[name], self.bits)  # (B, H, n_q, D)
-            if name == "k":  # (B, H, n_q/G, G, D) with per-channel stats (B, H, n_q/G, 1, D)
-                x = dequantize(c.view(b, h, nq // g, g, d), ks["s"][:, :, :, None], ks["m"][:, :, :, None],
-                               self.dtype)
-            else:  # (B, H, n_q, D/G, G) with per-token stats (B, H, n_q, D/G, 1)
-                x = dequantize(c.view(b, h, nq, d // g, g), vs["s"][..., None], vs["m"][..., None], self.dtype)
-            ws[:, :, :nq] = x.reshape(b, h, nq, d)
-            ws[:, :, nq:] = self.res_k[layer] if name == "k" else self.res_v[layer]
+        for name, res in (("k", self.res_k[layer]), ("v", self.res_v[layer])):
+            ws = self._workspace(name, (b, h, n, d))  # (B, H, n, D): the quantised tokens, then the window
+            ws[:, :, :nq], ws[:, :, nq:] = held[name], res
             out[name] = ws
         return out
 

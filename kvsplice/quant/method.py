@@ -15,7 +15,7 @@ from kvsplice.core.args import choice_arg, int_arg
 from kvsplice.core.coded import coded_attend, seen_bias, split_bias
 from kvsplice.core.method import CompressionMethod
 from kvsplice.quant.cache import KIVICache, kivi_bytes
-from kvsplice.quant.groups import BITS
+from models.quant import BITS
 
 __all__ = ["KIVI"]
 

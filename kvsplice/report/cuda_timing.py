@@ -1,4 +1,5 @@
-"""GPU timing by CUDA events, for the benchmarks (``benchmarks/gpu.py``, ``benchmarks/serving.py``): each call starts on
+"""GPU timing by CUDA events for ``benchmarks/gpu_check.py`` until it is on the benchmark harness, whose
+:func:`benchmarks.harness.timing.cuda_time` every other benchmark uses (then this module goes): each call starts on
 an idle GPU, so one call's time is not hidden behind another's queue."""
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ A resumed ``--out`` may only be continued by a run whose answers would be the sa
 holds (:mod:`kvsplice.tasks.resume`). The answers are a function of the model (its fingerprint), the tokenizer (its
 full serialisation), the stories text (its bytes), the door and the dtype, each instance's prompt (its token ids and
 expected answers: :func:`instance_digest`, which also catches a change of the task generators) and each method
-(its label and the bytes of every file its spec names: :func:`method_files`). The device is not one of them: the
+(its label and the bytes of every file its spec names — :func:`kvsplice.core.spec_files.spec_files` — by
+:func:`method_files`). The device is not one of them: the
 same dtype on another device is taken as the same computation.
 """
 
@@ -17,7 +18,7 @@ from typing import Any, Optional, Union
 
 from kvsplice.tasks.instance import TaskInstance, prompt_ids
 
-__all__ = ["DIGEST_CHARS", "file_digest", "instance_digest", "method_files", "spec_files", "text_digest",
+__all__ = ["DIGEST_CHARS", "file_digest", "instance_digest", "method_files", "text_digest",
            "tokenizer_fingerprint"]
 
 DIGEST_CHARS = 16
@@ -66,27 +67,6 @@ def instance_digest(tokenizer, inst: TaskInstance) -> str:
     and the tokens it may generate."""
     ctx, q = prompt_ids(tokenizer, inst)
     return text_digest(json.dumps([ctx, q, list(inst.answers), inst.max_new_tokens]))
-
-
-def spec_files(spec: Any, base_dir: Optional[Path]) -> list[Path]:
-    """The files a method spec (a dict; nested specs inside) names for its methods' file arguments (``bases``),
-    resolved against ``base_dir`` (the working directory when ``None``)."""
-    from kvsplice.core.registry import METHODS, method_names
-
-    method_names()  # the built-in methods registered
-    out, todo = [], [spec]
-    while todo:
-        d = todo.pop()
-        if not isinstance(d, dict):
-            continue
-        cls = METHODS.get(d.get("name"))
-        for k, v in d.items():
-            if isinstance(v, dict):
-                todo.append(v)
-            elif isinstance(v, str) and k in getattr(cls, "spec_files", ()):
-                p = Path(v).expanduser()
-                out.append((p if p.is_absolute() or base_dir is None else Path(base_dir) / p).resolve())
-    return out
 
 
 def method_files(paths: list[Path]) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Resuming an ``eval_tasks --out``: the one check that the run continuing a results file would give the answers
 the file holds, and that the file's header still describes every instance in it.
 
-The rule (docs/eval_tasks_resume.md):
+The rule (docs/tasks.md, "Resuming --out"):
 
 * **same computation** — the model (fingerprint), the tokenizer (fingerprint), the ``--stories`` text (digest),
   ``--door`` and ``--dtype`` (:data:`SAME`) must equal the file's; any difference is refused in one line naming the
@@ -14,6 +14,9 @@ The rule (docs/eval_tasks_resume.md):
 * **methods** — a method is its spec string; one whose label or files (the plan or spec file and the bases it names,
   by digest) changed since loses its old answers, which are run again (a note on stderr); methods of earlier runs
   that this run does not name keep their answers and their records in the header.
+
+* **scores** — a kept answer's score is recomputed from its recorded output (:func:`rescore`): a score that does not
+  match its output (a hand-edited ``score: 1.0``) is corrected, with a note on stderr.
 
 The file's shape is checked first (:func:`kvsplice.tasks.results_schema.check_results_doc`): a hand-edited file is
 refused in one line, never half-trusted.
@@ -29,7 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 from kvsplice.io.cli import UsageError
 from kvsplice.tasks.results_schema import FORMAT, check_results_doc, instance_key
 
-__all__ = ["SAME", "load_results", "resume"]
+__all__ = ["SAME", "load_results", "rescore", "resume"]
 
 SAME: dict[str, str] = {"door": "--door", "dtype": "--dtype", "model_fingerprint": "--model",
                         "tokenizer_fingerprint": "--tokenizer", "stories_digest": "--stories"}
@@ -118,3 +121,24 @@ def resume(path: Path, force: bool, header: dict,
     header["methods"] = {**doc["methods"], **header["methods"]}
     header["method_files"] = {**doc["method_files"], **header["method_files"]}
     return results
+
+
+def rescore(results: dict, insts: Sequence[Any], path: Path) -> int:
+    """Recompute every kept answer's score from its recorded ``output`` (the instance's exact-match score): the file
+    holds outputs, the scores are derived from them. A score that differs (a hand-edited result) is corrected in
+    ``results`` with a note on stderr; returns how many were."""
+    by_key = {i.key: i for i in insts}
+    fixed = 0
+    for setting, by_inst in results.items():
+        for key, outs in by_inst.items():
+            inst = by_key.get(key)
+            if inst is None:
+                continue
+            for method, o in outs.items():
+                score = inst.score(o["output"])
+                if score != o["score"]:
+                    print(f"note: --out {path}: {setting} {key} {method}: recorded score {o['score']!r} does not "
+                          f"match its recorded output (scores {score:g}); re-scored", file=sys.stderr)
+                    o["score"] = score
+                    fixed += 1
+    return fixed

@@ -18,8 +18,8 @@ from kvsplice.tasks.needles import multikey, multiquery, multivalue, passkey, si
 from kvsplice.tasks.story_qa import story_qa
 from kvsplice.tasks.variables import variable_tracking
 
-__all__ = ["DEFAULT_TASKS", "MIN_LENGTH", "NEEDS_STORIES", "TASKS", "TUNING_SEED0", "check_lengths", "check_positions",
-           "make_instance", "make_instances"]
+__all__ = ["DEFAULT_TASKS", "MIN_LENGTH", "NEEDS_STORIES", "TASKS", "TUNING_SEED0", "check_instances", "check_lengths",
+           "check_positions", "make_instance", "make_instances"]
 
 TUNING_SEED0 = 1_000_000
 """Seeds at or above this are tuning instances (the planner's); reported runs use seeds below it."""
@@ -99,3 +99,11 @@ def check_lengths(insts: Sequence[TaskInstance]) -> None:
         (task, length), n = min(over.items(), key=lambda kv: kv[0][1])
         raise ValueError(f"{task} at length {length} builds prompts of up to {n} tokens (its needles and question "
                          f"alone); give lengths of at least {n} for {task}")
+
+
+def check_instances(insts: Sequence[TaskInstance], max_positions: Optional[int]) -> None:
+    """The one bound check of task instances, wherever they are made (``eval_tasks --lengths``, the planner's
+    ``--tune-length``): each prompt fits its length (:func:`check_lengths`) and, with its answer, the model's
+    positions (:func:`check_positions`); a one-line ``ValueError`` otherwise."""
+    check_lengths(insts)
+    check_positions(insts, max_positions)

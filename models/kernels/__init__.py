@@ -74,7 +74,7 @@ def decode_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
 
     ``bias (B|1, Hkv|1, T)``: added to every score of a key (log-weights; ``-inf`` masks). ``lengths (B|1,)``: keys
     past ``lengths[b]`` are not read. int8 ``k``/``v`` with per-row scales ``k_scale``/``v_scale (B, Hkv, T, 1)``
-    (:func:`models.cache.quantize_int8`) are dequantised in the kernel; other rows run at their own dtype (``q`` is
+    (:func:`models.quant.quantize_int8`) are dequantised in the kernel; other rows run at their own dtype (``q`` is
     cast to it)."""
     from models.kernels.split_kv import split_kv_decode
 

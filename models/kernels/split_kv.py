@@ -10,7 +10,7 @@ Layouts (any strides; the time axis need not be contiguous, so a cache's whole s
 * ``k (B, Hkv, T, Dk)``, ``v (B, Hkv, T, Dv)``: the rows; query head ``h`` reads stream ``h // (Hq // Hkv)``
   (MQA / absorbed MLA / a KVSplice latent: ``Hkv = 1``; GQA: one per KV head; low-rank coefficients: ``Dk = R_k``,
   ``Dv = R_v``). ``k`` and ``v`` may be the same tensor (a latent is both key and value: read once);
-* int8 rows: ``k``/``v`` int8 with per-row scales ``(B, Hkv, T)`` (:func:`models.cache.quantize_int8`'s format,
+* int8 rows: ``k``/``v`` int8 with per-row scales ``(B, Hkv, T)`` (:func:`models.quant.quantize_int8`'s format,
   ``row · scale``), dequantised in registers;
 * ``bias (B|1, Hkv|1, T)``, optional: added to every score of a key (per-token log-weights; ``-inf`` masks a key);
 * ``lengths (B|1,)`` int, optional: keys ``>= lengths[b]`` are never read (a fixed-capacity cache: one CUDA graph

@@ -24,15 +24,17 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import types
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-__all__ = ["ENV", "binary", "fix_gguf", "hf_to_gguf", "llama_cpp_root", "max_sequences", "missing", "LlamaCppModel"]
+__all__ = ["ENV", "available_memory", "binary", "cache_bytes_per_cell", "fix_gguf", "hf_to_gguf", "llama_cpp_root", "load_failure", "max_sequences", "missing",
+           "LlamaCppModel"]
 
 ENV = "KVSPLICE_LLAMA_CPP"
 ENV_PY = "KVSPLICE_LLAMA_CPP_PYTHON"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]  # kvsplice/convert/engines/llama_cpp.py -> the repository
 DEFAULT = REPO / "build" / "engines" / "llama.cpp"
 Q_LORA_KEY = "deepseek2.attention.q_lora_rank"
 
@@ -100,8 +102,9 @@ def _gguf_module():
 
 def fix_gguf(path: str | os.PathLike) -> list[str]:
     """Add what llama.cpp's loader needs and its converter leaves out of a ``deepseek2`` GGUF of a model without
-    q-LoRA: ``deepseek2.attention.q_lora_rank = 0``. Rewrites ``path`` (atomically) only when a key is missing;
-    returns the keys added (``[]`` for any other file)."""
+    q-LoRA: ``deepseek2.attention.q_lora_rank = 0``. Rewrites ``path`` (atomically: a copy under a fresh temporary
+    name beside it, which no file of the user's can have, renamed over it) only when a key is missing; returns the
+    keys added (``[]`` for any other file)."""
     gguf = _gguf_module()
     path = Path(path)
     reader = gguf.GGUFReader(str(path))
@@ -109,25 +112,34 @@ def fix_gguf(path: str | os.PathLike) -> list[str]:
     arch = arch_field.contents() if arch_field is not None else None
     if arch != "deepseek2" or reader.get_field(Q_LORA_KEY) is not None:
         return []
-    tmp = path.with_name(path.name + ".tmp")
-    writer = gguf.GGUFWriter(str(tmp), arch=arch, endianess=reader.endianess)
-    for field in reader.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
-    writer.add_key_value(Q_LORA_KEY, 0, gguf.GGUFValueType.UINT32)
-    for t in reader.tensors:
-        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for t in reader.tensors:
-        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
-    writer.close()
-    del reader
-    os.replace(tmp, path)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # no user file's name
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        writer = gguf.GGUFWriter(str(tmp), arch=arch, endianess=reader.endianess)
+        for field in reader.fields.values():
+            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+                continue
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+        writer.add_key_value(Q_LORA_KEY, 0, gguf.GGUFValueType.UINT32)
+        for t in reader.tensors:
+            writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t in reader.tensors:
+            writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+        writer.close()
+        del reader
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, path.stat().st_mode & 0o7777)  # the GGUF's own mode, not mkstemp's 0600
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk or Ctrl-C leaves the GGUF as it was and nothing beside it
+        raise
     return [Q_LORA_KEY]
 
 
@@ -152,6 +164,40 @@ def hf_to_gguf(folder: str | os.PathLike, out: str | os.PathLike, outtype: str =
     if not quiet:
         sys.stderr.write(r.stderr)
     return fix_gguf(out)
+
+
+def load_failure(log: str, path: str | os.PathLike) -> str:
+    """The cause of a failed load in llama.cpp's log, on one line (the log runs 8-9 lines with the cause last), and
+    the fix to run when there is one: a ``deepseek2`` GGUF without ``q_lora_rank`` (converted by hand) needs
+    ``kvsplice to-gguf --fix FILE``."""
+    lines = [" ".join(ln.split()) for ln in log.splitlines() if ln.strip()]
+    causes = [ln for ln in lines if "error loading model" in ln] or \
+        [ln for ln in lines if re.search(r"error|failed|not found|invalid|unsupported", ln, re.I)]
+    cause = (causes or lines or ["no log"])[-1]
+    cause = re.sub(r"^\w+: (error loading model: )?", "", cause)[:240]
+    if re.search(r"key not found[^\n]*" + re.escape(Q_LORA_KEY), log):
+        return f"it lacks the key {Q_LORA_KEY} (a DeepSeek-V3 GGUF converted by hand): run kvsplice to-gguf --fix {path}"
+    return cause
+
+
+def cache_bytes_per_cell(n_layer: int, n_embd: int, tk, tv) -> int:
+    """An upper bound of llama.cpp's K + V bytes per cache cell: every layer's keys and values ``n_embd`` wide (MHA;
+    GQA and MLA cache less), in the cache types ``tk`` / ``tv`` (:class:`kv_types.KvType`)."""
+    return n_layer * sum(-(-n_embd // t.block) * t.block_bytes for t in (tk, tv))
+
+
+def available_memory() -> Optional[int]:
+    """Bytes of memory available to a new allocation (``MemAvailable``, else the physical memory), ``None`` unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 # ------------------------------------------------------------------------------------------------ the C API
@@ -213,6 +259,13 @@ class LlamaCppModel:
         tk, tv = kv_type(type_k or cache_type), kv_type(type_v or cache_type)  # unknown names fail here, in one line
         if tv.block > 1 and flash_attn is False:
             raise ValueError(f"llama.cpp quantises V ({tv.name}) only with flash attention: flash_attn=False refused")
+        if tv.block > 1 and flash_attn is None:
+            flash_attn = True  # llama.cpp's auto may pick no flash attention, and then refuses a quantised V
+        for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("threads", threads)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{path}: no such GGUF file")
         ll = _bindings()
         self.ll = ll
         self.type_k, self.type_v = tk.name, tv.name
@@ -221,7 +274,16 @@ class LlamaCppModel:
         _LOG.clear()
         self.model = ll.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
-            raise RuntimeError(f"llama.cpp could not load {path}: {''.join(_LOG)[-400:]}")
+            raise RuntimeError(f"llama.cpp could not load {path}: {load_failure(''.join(_LOG), path)}")
+        need = n_ctx * cache_bytes_per_cell(int(ll.llama_model_n_layer(self.model)),
+                                            int(ll.llama_model_n_embd(self.model)), tk, tv)
+        free = available_memory()
+        if free is not None and need > free:  # the cache is allocated up front: 10**9 cells took the machine's memory
+            trained = int(ll.llama_model_n_ctx_train(self.model))
+            self.close()
+            raise ValueError(f"n_ctx {n_ctx} needs a KV cache of up to {need / 2 ** 30:,.1f} GiB, more than the "
+                             f"{free / 2 ** 30:,.1f} GiB of memory available; {Path(path).name} was trained for "
+                             f"{trained} positions: give a smaller n_ctx")
         self.vocab = ll.llama_model_get_vocab(self.model)
         self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
         cp = ll.llama_context_default_params()
@@ -235,7 +297,8 @@ class LlamaCppModel:
         cp.flash_attn_type = fa[flash_attn]
         self.ctx = ll.llama_init_from_model(self.model, cp)
         if not self.ctx:
-            raise RuntimeError(f"llama.cpp could not make a context for {path}: {''.join(_LOG)[-400:]}")
+            self.close()
+            raise RuntimeError(f"llama.cpp could not make a context for {path}: {load_failure(''.join(_LOG), path)}")
         self.n_ctx = ll.llama_n_ctx(self.ctx)
         self.n_batch = ll.llama_n_batch(self.ctx)
         self.log = "".join(_LOG)

@@ -1,7 +1,7 @@
 """Our two measurements — protocol P's perplexity and the task suite's answers — run inside llama.cpp, so that its
 own KV cache types (``q8_0``, ``q4_0``, ...) stand in the same tables as our methods, on the same token ids.
 
-* :func:`protocol_p`: the windows our tables score (``kvsplice.evaluation.windows``), each as
+* :func:`protocol_p`: the windows our tables score (``benchmarks.lib.smollm2_windows``), each as
   :func:`kvsplice.evaluation.protocol.evaluate` scores it: the first ``prompt_len`` tokens prefilled in one batch,
   the rest decoded teacher-forced in chunks of 64, the continuation scored (:meth:`LlamaCppModel.continuation_nll`).
   The ids are ours (our tokenizer's), fed to llama.cpp as ids: no second tokenisation.

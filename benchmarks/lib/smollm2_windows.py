@@ -1,9 +1,8 @@
-"""The text windows of the package's standard real-model protocol (SmolLM2-135M-Instruct, the shared GGUF file): the
-issue-21 protocol's text
-(calibration: the first 32,768 tokens of the TinyStories train sample; evaluation: the first 4,096 tokens of the
-validation sample, 4 windows of 1,024; a tuning slice of 4 windows after the calibration tokens for every choice a
-benchmark or the planner makes) and the calibration statistics, computed once and reused from ``WORK``. Used by
-``benchmarks/smollm2_frontier.py``."""
+"""The text windows of the package's standard real-model protocol (SmolLM2-135M-Instruct, the shared GGUF file):
+its text (calibration: the first 32,768 tokens of the TinyStories train sample; evaluation: the first 4,096 tokens
+of the validation sample, 4 windows of 1,024; a tuning slice of 4 windows after the calibration tokens for every
+choice a benchmark or the planner makes) and the calibration statistics, computed once and reused from ``WORK``.
+Used by ``benchmarks/smollm2_frontier.py`` and ``benchmarks/smollm2_llama_cpp.py``."""
 
 from __future__ import annotations
 
@@ -11,13 +10,13 @@ from pathlib import Path
 
 import torch
 
-from data.reference import CALIB, EVAL as VAL, SMOLLM2 as MODEL  # the shared data files
+from benchmarks.harness.paths import CALIB, EVAL as VAL, SMOLLM2 as MODEL  # the shared data files
 
 __all__ = ["CALIB", "CALIB_TOKENS", "EVAL_TOKENS", "MODEL", "SEQ", "VAL", "WORK", "eval_windows", "load", "stats",
            "token_windows", "tune_windows"]
 
 ROOT = Path(__file__).resolve().parents[2]
-"""The repository (the package is installed in editable mode from it)."""
+"""The repository."""
 WORK = ROOT / "checkpoints" / "smollm2"
 CALIB_TOKENS, SEQ, EVAL_TOKENS = 32768, 1024, 4096
 

@@ -23,16 +23,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from data.reference import TINYSTORIES
+from benchmarks.harness.paths import TINYSTORIES
 
 __all__ = ["DATA", "DATA_CACHE", "REPO", "RUN_KEY", "TRAIN_FILES", "cache_bytes", "compare", "comparison_table",
            "data_args", "end_children", "final_train_loss", "last_val", "late_drop", "resume_key", "run_args",
            "run_jobs", "run_key", "run_module", "save_study", "summarise", "train", "train_curve", "trained"]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 """The repository: the working directory of every ``python -m`` run (and first on its PYTHONPATH)."""
 DATA = TINYSTORIES
-"""The local TinyStories folder the ``small_*`` training configs read (``data.reference``)."""
+"""The local TinyStories folder the ``small_*`` training configs read (:mod:`benchmarks.harness.paths`)."""
 DATA_CACHE = REPO / ".cache" / "data"
 """Where the studies' runs cache token shards and tokenizers (shared by every run of a study)."""
 TRAIN_FILES = ("gusjengis_toy-RNN__tinystories_sample.txt", "maxme1_tiny-stories__tiny-stories.json",

@@ -1,0 +1,79 @@
+"""The header every result records: the exact command that made it, the machine and the code's revision, so that a
+results file says how to make it again and where its numbers come from."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from benchmarks.harness.paths import ROOT
+
+__all__ = ["command", "header", "machine", "machine_line", "revision"]
+
+
+def command(script: str, argv: Optional[Sequence[str]] = None) -> str:
+    """``python benchmarks/<study>.py ARGS``: the command that ran ``script`` (its ``__file__``) with ``argv``
+    (default: this process's arguments), quoted as a shell reads it, the path relative to the repository."""
+    path = Path(script).resolve()
+    try:
+        shown = path.relative_to(ROOT).as_posix()
+    except ValueError:
+        shown = path.name
+    args = list(sys.argv[1:] if argv is None else argv)
+    return shlex.join(["python", shown, *map(str, args)])
+
+
+def machine(threads: Optional[int] = None) -> dict:
+    """The processor, core count, Python / torch versions, the torch threads and the CUDA device (when one is used),
+    and the load average (a shared machine's times are noisy: ratios measured side by side are what to compare)."""
+    out: dict = {"processor": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                 "python": platform.python_version()}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        out["torch"] = torch.__version__
+        out["threads"] = threads if threads is not None else torch.get_num_threads()
+        if torch.cuda.is_available():
+            out["cuda_device"] = torch.cuda.get_device_name()
+            out["cuda"] = torch.version.cuda
+    if hasattr(os, "getloadavg"):
+        out["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    return out
+
+
+def machine_line(threads: Optional[int] = None) -> str:
+    """:func:`machine` in one line for a report's text: ``x86_64, 16 cores, torch 2.5.1, 1 torch thread(s); load
+    average 1.2 / 1.0 / 0.9``."""
+    m = machine(threads)
+    parts = [str(m["processor"]), f"{m['cores']} cores"]
+    if "torch" in m:
+        parts += [f"torch {m['torch']}", f"{m['threads']} torch thread(s)"]
+    if "cuda_device" in m:
+        parts.append(m["cuda_device"])
+    line = ", ".join(parts)
+    if "load_average" in m:
+        line += "; load average " + " / ".join(f"{x:.1f}" for x in m["load_average"])
+    return line
+
+
+def revision() -> Optional[str]:
+    """The checkout's commit (``+dirty`` when files differ from it), or None outside a git checkout."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10)
+        if rev.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10)
+        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def header(script: str, argv: Optional[Sequence[str]] = None, threads: Optional[int] = None) -> dict:
+    """``{"command", "machine", "revision"}`` of a run of ``script`` with ``argv``."""
+    return {"command": command(script, argv), "machine": machine(threads), "revision": revision()}

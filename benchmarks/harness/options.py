@@ -1,0 +1,99 @@
+"""The benchmarks' parser and shared options, declared once, on :mod:`kvsplice.io.cli`'s plumbing: a bad argument is
+one ``PROG: error: ...`` line and exit status 2, Ctrl-C one ``PROG: interrupted`` line and exit 130.
+
+A script builds its parser with :func:`parser` and adds the options it shares with the others through the
+``add_*`` helpers (each keeps the script's own default and help when given); its ``main(argv)`` is wrapped by
+:func:`command`::
+
+    def build_parser():
+        p = parser(__file__, __doc__)
+        add_threads(p)
+        add_out(p, default=RESULTS / "study.json")
+        return p
+
+    @command
+    def main(argv=None) -> int:
+        args = build_parser().parse_args(argv)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from kvsplice.io import cli
+from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
+
+__all__ = ["Parser", "UsageError", "add_device_dtype", "add_force", "add_json", "add_model", "add_out",
+           "add_progress", "add_threads", "command", "device_dtype", "parser", "pos_int", "prog_of"]
+
+
+def prog_of(script: str) -> str:
+    """A script's program name in its error lines: its file's stem (``readme_figure``)."""
+    return Path(script).stem
+
+
+def parser(script: str, doc: Optional[str] = None, *, raw: bool = False, **kw: Any) -> Parser:
+    """The parser of the benchmark ``script`` (its ``__file__``), described by the first paragraph of ``doc`` (its
+    ``__doc__``); ``raw`` keeps the help's line breaks (tables of choices). Errors raise
+    :class:`~kvsplice.io.cli.UsageError` (one line through :func:`command`)."""
+    if raw:
+        kw.setdefault("formatter_class", argparse.RawTextHelpFormatter)
+    description = doc.strip().split("\n\n")[0] if doc else None
+    return Parser(prog=prog_of(script), description=description, **kw)
+
+
+def add_threads(p: argparse.ArgumentParser, default: Optional[int] = 1, help: Optional[str] = None) -> None:
+    """``--threads`` (:func:`kvsplice.io.cli.add_threads`): torch's intra-op threads, one by default (ratios measured
+    side by side, robust to a shared machine)."""
+    cli.add_threads(p, help=help or f"torch intra-op threads (default {default})")
+    p.set_defaults(threads=default)
+
+
+def add_out(p: argparse.ArgumentParser, default: Any = None, help: Optional[str] = None, *,
+            flag: str = "--out", **kw: Any) -> None:
+    """``--out`` (or ``flag``): where the results go."""
+    p.add_argument(flag, type=kw.pop("type", Path), default=default,
+                   help=help or f"where the results go (default {default})", **kw)
+
+
+def add_json(p: argparse.ArgumentParser, default: Any = None, help: Optional[str] = None, **kw: Any) -> None:
+    """``--json``: the machine-readable report."""
+    p.add_argument("--json", type=kw.pop("type", Path), default=default,
+                   help=help or "write the report as JSON to this file", **kw)
+
+
+def add_force(p: argparse.ArgumentParser, help: Optional[str] = None) -> None:
+    """``--force``: replace existing outputs."""
+    p.add_argument("--force", action="store_true", help=help or "replace existing outputs")
+
+
+def add_model(p: argparse.ArgumentParser, default: Any = None, help: Optional[str] = None,
+              required: bool = False) -> None:
+    """``--model`` (:func:`kvsplice.io.cli.add_model_option`): a model folder, checkpoint, GGUF file or Hub id
+    (:func:`kvsplice.loading.load_model`), ``default`` when not given."""
+    cli.add_model_option(p, required=required, help=help or f"the model (folder, checkpoint, GGUF file or Hub id; "
+                                                            f"default {default})")
+    if default is not None:
+        p.set_defaults(model=str(default))
+
+
+def add_progress(p: argparse.ArgumentParser) -> None:
+    """``--no-progress``: no progress bars (logs, CI); ``args.progress`` is the flag's opposite."""
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+
+def command(main: Callable[..., int]) -> Callable[..., int]:
+    """``main(argv=None) -> int`` run as a command (:func:`kvsplice.io.cli.run_cli`, the program named after the
+    script's file): a :class:`~kvsplice.io.cli.UsageError`, ``OSError`` or ``ValueError`` is one
+    ``PROG: error: ...`` line and exit status 2, Ctrl-C one ``PROG: interrupted`` line and exit 130."""
+    prog = prog_of(main.__code__.co_filename)
+
+    @functools.wraps(main)
+    def run(argv: Optional[Sequence[str]] = None, *rest: Any, **kw: Any) -> int:
+        return run_cli(prog, lambda: main(argv, *rest, **kw))
+
+    run.prog = prog  # type: ignore[attr-defined]
+    return run

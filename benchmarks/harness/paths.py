@@ -1,0 +1,20 @@
+"""The repository, its ``results/`` folder and the reference data files the benchmarks and tests read, beside the
+checkout (``../shared/data``; never copied into the repository): TinyStories text, stories260K (llama2.c),
+SmolLM2-135M-Instruct (GGUF). Absent files make a benchmark stop with a message and a test skip with a reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["CALIB", "DATA", "EVAL", "RESULTS", "ROOT", "SMOLLM2", "STORIES", "TINYSTORIES"]
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository."""
+RESULTS = ROOT / "results"
+"""Where the studies write their results (:mod:`benchmarks.harness.results`)."""
+DATA = ROOT.parent / "shared" / "data"
+STORIES = DATA / "stories260K"  # stories260K.bin + tok512.bin
+CALIB = DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"  # calibration: the train sample
+EVAL = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"  # held-out: the validation sample
+SMOLLM2 = DATA / "smollm2-135m-instruct"
+TINYSTORIES = DATA / "tinystories"  # the local TinyStories folder the small_* training configs read

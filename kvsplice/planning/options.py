@@ -1,0 +1,57 @@
+"""The options of a planner run (``plan``) as one typed object, built from the command line by
+:func:`kvsplice.cli.plan.options` and passed down instead of the parser's namespace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["PlanOptions"]
+
+TUNE_TASKS = ("passkey", "niah_number_facts", "niah_number_stories")
+"""The accuracy objective's default tasks: a number hidden in filler, in encyclopedic facts and in real prose (the
+calibration text's)."""
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What ``plan`` searches: the model, the calibration text (``calib_tokens`` for the statistics, then
+    ``tune_tokens`` of tuning windows of ``seq_len``, each compressing its first ``prompt_len``), the budget
+    (``budget_bytes_per_token`` or ``ratio``: times smaller than the fp16 full cache, > 1) at ``fit_length``, the
+    candidates (``selectors``, ``stores``: specs or ``"default"``), the pick (``objective`` on ``tune_tasks`` ×
+    ``tune_n`` at ``tune_length``, ``task_tolerance``, ``prefill``) and the outputs."""
+
+    model: str
+    calib: str
+    out: str
+    tokenizer: Optional[str] = None
+    budget_bytes_per_token: Optional[float] = None
+    ratio: Optional[float] = None
+    calib_tokens: int = 32768
+    calib_stats: Optional[str] = None
+    tune_tokens: int = 2048
+    seq_len: int = 1024
+    prompt_len: Optional[int] = None
+    selectors: tuple[str, ...] = ()
+    stores: Optional[tuple[str, ...]] = None
+    batch_size: int = 2
+    objective: str = "mixed"
+    tune_tasks: tuple[str, ...] = TUNE_TASKS
+    tune_n: int = 4
+    tune_length: Optional[int] = None
+    fit_length: Optional[int] = None
+    tune_setting: str = "agnostic"
+    task_tolerance: float = 0.0
+    prefill: str = "fast"
+    stories: Optional[str] = None
+    json: Optional[str] = None
+    force: bool = False
+    threads: Optional[int] = None
+    progress: bool = True
+    device: Optional[str] = None
+    dtype: str = "fp32"
+
+    @property
+    def window_prompt(self) -> int:
+        """The compressed prompt of a tuning window (default 3/4 of it)."""
+        return self.prompt_len or (3 * self.seq_len) // 4

@@ -1,0 +1,42 @@
+"""The options of a task evaluation (``eval_tasks``) as one typed object, built from the command line by
+:func:`kvsplice.cli.eval_tasks.options` and passed down instead of the parser's namespace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["EvalTasksOptions"]
+
+
+@dataclass(frozen=True)
+class EvalTasksOptions:
+    """What ``eval_tasks`` runs: the model, the methods (``plans``, ``methods``: specs of
+    :mod:`kvsplice.tasks.methods`), the instances (tasks × lengths × ``n`` seeds from ``seed0``, in ``setting``),
+    the door and where the results go (``out``, resumed unless ``force``; ``md``)."""
+
+    model: str
+    out: str
+    tokenizer: Optional[str] = None
+    plans: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ()
+    tasks: tuple[str, ...] = ("passkey", "niah_number_stories", "vartrack")
+    lengths: tuple[int, ...] = (1024,)
+    n: int = 8
+    seed0: int = 0
+    setting: str = "both"
+    stories: Optional[str] = None
+    door: str = "decoder"
+    md: Optional[str] = None
+    force: bool = False
+    threads: Optional[int] = None
+    progress: bool = True
+    device: Optional[str] = None
+    dtype: str = "fp32"
+
+    @property
+    def settings(self) -> tuple[str, ...]:
+        """The settings run: ``agnostic``, ``aware`` or both."""
+        from kvsplice.tasks.instance import SETTINGS
+
+        return SETTINGS if self.setting == "both" else (self.setting,)

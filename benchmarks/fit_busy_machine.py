@@ -12,8 +12,6 @@ Each run is a fresh process (start-up, data loading and the end-of-run validatio
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -22,7 +20,14 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
+from benchmarks.harness.header import header  # noqa: E402
+from benchmarks.harness.options import add_out, command, parser, pos_int  # noqa: E402
+from benchmarks.harness.paths import ROOT as REPO  # noqa: E402
+from benchmarks.harness.results import result_stem, write_markdown, write_result  # noqa: E402
+
 CONFIG = "tiny_mla_kvsplice_90"
 
 
@@ -54,20 +59,26 @@ def timed_fit(cmd: list[str], busy: bool) -> dict:
             spinner.kill()
             spinner.wait()
     if proc.returncode != 0:
-        raise SystemExit(f"fit failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        lines = proc.stderr.strip().splitlines() or ["no output"]
+        raise ValueError(f"training.fit exited {proc.returncode}: {lines[-1]}")
     notes = [line for line in proc.stderr.splitlines() if line.startswith("note: torch threads")]
     return {"wall_s": round(wall, 2), "loadavg_before": load, "threads_note": notes[0] if notes else None}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--repeats", type=int, default=1, help="runs per (setting, condition); the median is reported")
-    ap.add_argument("--threads", nargs="+", default=["default", "1", "2"],
-                    help="'default' (training.fit's own choice) and/or --torch_threads values")
-    ap.add_argument("--out", default=str(REPO / "results" / "fit_busy_machine"))
-    args = ap.parse_args()
-    command = "python benchmarks/fit_busy_machine.py " + " ".join(sys.argv[1:])
+def build_parser():
+    p = parser(__file__, __doc__)
+    p.add_argument("--steps", type=pos_int, default=60)
+    p.add_argument("--repeats", type=pos_int, default=1, help="runs per (setting, condition); the median is reported")
+    p.add_argument("--threads", nargs="+", default=["default", "1", "2"],
+                   help="'default' (training.fit's own choice) and/or --torch_threads values")
+    add_out(p, default=result_stem("fit_busy_machine"), help="the results' stem (.json and .md are written)")
+    return p
+
+
+@command
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    head = header(__file__, argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         cache = str(REPO / ".cache" / "data")
@@ -83,13 +94,12 @@ def main() -> None:
                 print(threads, cond, [r["wall_s"] for r in runs], runs[-1]["loadavg_before"], flush=True)
             row["busy_over_idle"] = round(row["busy_median_s"] / row["idle_median_s"], 2)
             rows.append(row)
-    report = {"command": command, "config": CONFIG, "steps": args.steps, "cpus": len(os.sched_getaffinity(0)),
+    report = {**head, "config": CONFIG, "steps": args.steps, "cpus": len(os.sched_getaffinity(0)),
               "loadavg_end": loadavg(), "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    out.with_suffix(".md").write_text(render(report))
+    write_result(Path(args.out), report)
+    write_markdown(Path(args.out), render(report))
     print(render(report))
+    return 0
 
 
 def render(report: dict) -> str:
@@ -114,4 +124,4 @@ def render(report: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

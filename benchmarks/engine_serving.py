@@ -3,7 +3,7 @@ measured in llama.cpp on this CPU, for DeepSeek-V3-layout models at GPT-2-124M s
 64, SwiGLU 3072, GPT-2's tokenizer) with RANDOM weights (speed and memory do not depend on them):
 
 * standard attention (exported as a Llama: K and V per head, 2 x 768 numbers per token and layer);
-* MLA, latent 256 + one 64-dim RoPE key; KVSplice-50 = latent 128 + 64; KVSplice-90 = latent 26 + 64 (the issue's
+* MLA, latent 256 + one 64-dim RoPE key; KVSplice-50 = latent 128 + 64; KVSplice-90 = latent 26 + 64 (
   "26 + 64"), each a DeepSeek-V3 folder through llama.cpp's own converter + ``kvsplice.to_gguf``'s post-step.
 
 Per model and context (``--ctx``, default 1k and 4k): llama.cpp's own KV cache size per token (f16, from its log),

@@ -22,7 +22,7 @@
   (J_max merges re-project old tokens) is decoded token by token, as an online decoder would.
 * Attention error (teacher-forced, no propagation: the exact model's q/k/v of the first window on every layer, for
   every method alike): ``rel_out`` = ``(Σ‖o − ô‖²/Σ‖o‖²)^½`` of the head outputs, mean over layers; the largest
-  logit error ``ε``; whether every §3.5 bound held on every layer, and the slack (bound / observed, the largest
+  logit error ``ε``; whether every attention-error bound held on every layer, and the slack (bound / observed, the largest
   bound over the largest observation, worst layer) — :mod:`kvsplice.online.diagnostics`.
 """
 

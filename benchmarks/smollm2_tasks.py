@@ -4,7 +4,7 @@ cache's accuracy (the ceiling).
 
     python benchmarks/smollm2_tasks.py                    # --size reduced (what was run; see docs/tasks.md)
     python benchmarks/smollm2_tasks.py --size passkey     # the passkey table: 8 at 1k + 8 at 2k, both settings
-    python benchmarks/smollm2_tasks.py --size goals       # the goals: the planner's picks, 3 tasks x 50 at 1k
+    python benchmarks/smollm2_tasks.py --size goals       # the goals: the planner's picks, 3 tasks x 50 at 1k
     python benchmarks/smollm2_tasks.py --size goals2k     # the same for the passkey at 2k (50, both settings)
     python benchmarks/smollm2_tasks.py --size ceiling     # the full cache (+ int8) at 4k / 8k, 3 tasks x 10: the model's ceiling
     python benchmarks/smollm2_tasks.py --size long        # the picks made at 1k at 4k / 8k (+ a 4x pick re-made for 8k):

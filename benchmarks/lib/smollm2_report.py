@@ -63,8 +63,8 @@ def write_report(done: dict, out_dir: Path, kvpress: dict, issue: dict, claims: 
                       f"{_pct(r['ppl'], base['P']):+.2f} | {r['bytes_per_token']:,.0f} | {r['ratio_vs_fp16_full']:.2f} |")
         md.append("")
     if by["W"]:
-        md += [f"## Protocol W (the issue's low-rank protocol): every token of the 4 windows over the compressed "
-               f"cache (full cache ppl {base['W']:.4f}; the issue measured {issue['full_W']})", "",
+        md += [f"## Protocol W (the low-rank protocol): every token of the 4 windows over the compressed "
+               f"cache (full cache ppl {base['W']:.4f}; reference {issue['full_W']})", "",
                "| method | ppl | Δ % | × smaller than fp16 full | mean R_k / R_v |", "|---|---|---|---|---|"]
         for r in sorted(by["W"], key=lambda r: -r["bytes_per_token"]):
             rk = r.get("ranks")
@@ -72,9 +72,9 @@ def write_report(done: dict, out_dir: Path, kvpress: dict, issue: dict, claims: 
                       f"{r['ratio_vs_fp16_full']:.2f} | {_ranks(rk)} |")
         md.append("")
     if by["S"]:
-        md += [f"## Protocol S (the issue's kvpress protocol): 5 windows of 832, 768-token prompt compressed 2/4/8×, "
+        md += [f"## Protocol S (kvpress's protocol): 5 windows of 832, 768-token prompt compressed 2/4/8×, "
                f"64 tokens scored (full cache ppl {base['S']:.4f})", "",
-               "| selector | ratio | ppl | Δ % | kvpress's best press at this ratio (quoted from the issue) |",
+               "| selector | ratio | ppl | Δ % | kvpress's best press at this ratio (kvpress 0.5.5, quoted) |",
                "|---|---|---|---|---|"]
         best_kv = {x: (n, v) for (n, x), v in kvpress.items()}
         for r in sorted(by["S"], key=lambda r: (r["spec"].get("x", 1), r["ppl"])):

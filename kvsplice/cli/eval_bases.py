@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-quant", choices=["int8"], help="also decode every --bases file (and the full K/V cache) "
                    "with the cache stored as int8 rows + fp16 scales: perplexity and measured bytes")
     p.add_argument("--diagnostics", action="store_true", help="also the per-layer errors on held-out Grams, the "
-                   "float64 attention-output errors and the §3.5 bound diagnostics (slow: off by default)")
+                   "float64 attention-output errors and the attention-error bound diagnostics (slow: off by default)")
     p.add_argument("--plan", help="evaluate a plan from python -m kvsplice.plan (instead of --bases)")
     p.add_argument("--prompt-len", type=int, help="with --plan / --method SPEC: prompt tokens compressed per "
                    "window, the rest scored (default: 3/4 of the window for a token selection, else 0 = every token "
@@ -207,7 +207,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     results = EVALUATORS[args.method](ctx, args)
     print_results(ctx, results, per_layer=args.diagnostics)
     if args.diagnostics:
-        print_diagnostics(results)  # observed errors vs the §3.5 bounds
+        print_diagnostics(results)  # observed errors vs their bounds
     full = ctx.full()
     for r in results:
         if r.get("decode_over_forward") is not None:

@@ -1,4 +1,4 @@
-"""Error diagnostics for approximate attention (SubSpace-A §3.5): observed errors and a-priori bounds.
+"""Error diagnostics for approximate attention: observed errors and a-priori bounds (logits, softmax, head output).
 
 Notation per query: exact logits ``ℓ_t = s · q·k_t`` and approximate ``ℓ̂_t = s · q·k̂_t`` (``s`` the scale;
 ``k̂_t = B_j B_jᵀ k_t`` for a token of chunk ``j``, which is what ``(q B_j)·a_t`` computes), attention weights

@@ -1,4 +1,4 @@
-"""The §3.5 error diagnostics of approximate attention: observed errors next to their bounds, for any method that
+"""The attention-error diagnostics of approximate attention: observed errors next to their bounds, for any method that
 yields approximate keys/values (online FD chunks, global low-rank bases).
 
 Per layer, with exact ``q, k, v`` and approximate ``k̂, v̂`` (causal): the observed logit error

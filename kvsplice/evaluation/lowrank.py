@@ -1,6 +1,6 @@
 """Measurements of saved low-rank bases on held-out text (``python -m kvsplice.eval_bases --method static``):
 perplexity full vs compressed cache, per-layer score / key / value errors, attention-output error, Lesens' gap,
-measured cache bytes, and the §3.5 diagnostics. The CLI module documents every number."""
+measured cache bytes, and the attention-error diagnostics. The CLI module documents every number."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``python -m kvsplice.eval_bases --method fd-online``: online frequent-directions bases per chunk
 (:class:`~kvsplice.online.method.OnlineDecoder` over a :class:`~kvsplice.online.chunked.ChunkedCache`; no calibration,
-no ``--bases``), with per-layer error diagnostics vs the §3.5 bounds on the first ``--err-windows`` windows,
+no ``--bases``), with per-layer error diagnostics vs their bounds on the first ``--err-windows`` windows,
 teacher-forced (:func:`~kvsplice.online.diagnostics.online_qkv_diagnostics`), printed by :func:`print_diagnostics`.
 With ``--max-chunks`` (merges re-project old tokens) use ``--chunk-size 1`` for true online semantics; without
 merges the result does not depend on the chunk size."""
@@ -142,7 +142,7 @@ def print_diagnostics(results: list[dict[str, Any]], console=None) -> None:
         diag = r.get("diagnostics")
         if not diag:
             continue
-        t = Table(title=f"{r['label']}: observed attention errors vs §3.5 bounds per layer (teacher-forced, "
+        t = Table(title=f"{r['label']}: observed attention errors vs their bounds per layer (teacher-forced, "
                         f"max over queries/heads; slack = max bound / max observed)")
         use = [(k, h) for k, h in cols if k in diag[0]]
         t.add_column("layer", justify="right")

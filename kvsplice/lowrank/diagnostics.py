@@ -1,4 +1,4 @@
-"""Error diagnostics of global low-rank bases against the §3.5 bounds
+"""Error diagnostics of global low-rank bases against the bounds of :mod:`kvsplice.core.bounds`
 (:func:`kvsplice.core.diagnostics.attention_diagnostics` per layer, on the exact model's q/k/v)."""
 
 from __future__ import annotations

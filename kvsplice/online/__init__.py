@@ -1,6 +1,6 @@
 """Online frequent-directions bases: the FD sketch (``fd``), blockwise softmax (``blockwise``), the chunked cache
 (``chunks``, ``chunked``) and attention over it (``attention``), chunk / FD diagnostics (``diagnostics``), and the
-``OnlineFD`` compression method (``method``). The §3.5 bounds live in :mod:`kvsplice.core.bounds`."""
+``OnlineFD`` compression method (``method``). The attention-error bounds live in :mod:`kvsplice.core.bounds`."""
 
 from kvsplice.online.chunked import ChunkedCache
 from kvsplice.online.fd import FrequentDirections

@@ -1,4 +1,4 @@
-"""The online method's diagnostics: chunk counts, the FD residual bound, and the teacher-forced §3.5 diagnostics of a
+"""The online method's diagnostics: chunk counts, the FD residual bound, and the teacher-forced attention-error diagnostics of a
 chunked cache (the generic per-layer function is :func:`kvsplice.core.diagnostics.attention_diagnostics`).
 
 * :meth:`kvsplice.online.method.OnlineDecoder.diagnose` — in-run (the decoder's own q, k, v and output).

@@ -27,9 +27,9 @@ VARIANTS = {  # name -> (config fields, transformers class)
     "mha": (dict(attention="mha", rope_theta=5e5), "LlamaForCausalLM"),
     "gqa": (dict(attention="mha", n_kv_head=2), "LlamaForCausalLM"),
     "mla": (dict(attention="mla", qk_rope_head_dim=8, latent_norm=True, rope_theta=5e5), "DeepseekV3ForCausalLM"),
-    "kvsplice": (dict(attention="mla", qk_rope_head_dim=8, kvsplice_ratio=0.25, kvsplice_norm=True),
+    "kvsplice": (dict(attention="mla", qk_rope_head_dim=8, kvsplice_keep=0.25, kvsplice_norm=True),
                  "DeepseekV3ForCausalLM"),
-    "kvsplice-orthogonal-untied": (dict(attention="mla", qk_rope_head_dim=4, kvsplice_ratio=0.5, kvsplice_norm=True,
+    "kvsplice-orthogonal-untied": (dict(attention="mla", qk_rope_head_dim=4, kvsplice_keep=0.5, kvsplice_norm=True,
                                         kvsplice_orthogonal=True, tie_embeddings=False), "DeepseekV3ForCausalLM"),
 }
 

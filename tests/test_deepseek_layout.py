@@ -25,8 +25,8 @@ VARIANTS = {
     "mha": dict(attention="mha"),
     "gqa": dict(attention="mha", n_kv_head=2),
     "mla": dict(attention="mla", qk_rope_head_dim=8, latent_norm=True),
-    "kvsplice": dict(attention="mla", qk_rope_head_dim=8, kvsplice_ratio=0.25, kvsplice_norm=True),
-    "kvsplice-orthogonal-untied": dict(attention="mla", qk_rope_head_dim=4, kvsplice_ratio=0.5, kvsplice_norm=True,
+    "kvsplice": dict(attention="mla", qk_rope_head_dim=8, kvsplice_keep=0.25, kvsplice_norm=True),
+    "kvsplice-orthogonal-untied": dict(attention="mla", qk_rope_head_dim=4, kvsplice_keep=0.5, kvsplice_norm=True,
                                        kvsplice_orthogonal=True, tie_embeddings=False),
 }
 
@@ -95,7 +95,7 @@ def test_kvsplice_r_is_an_mla_model_of_latent_r():
     ks = model_of("kvsplice")
     cfg = ks.cfg
     r = cfg.d_compressed
-    mla_cfg = cfg.replace(d_latent=r, kvsplice_ratio=None, kvsplice_norm=False, latent_norm=True)
+    mla_cfg = cfg.replace(d_latent=r, kvsplice_keep=None, kvsplice_norm=False, latent_norm=True)
     mla = GPT(mla_cfg).eval()
     sd = {k: v for k, v in ks.state_dict().items() if ".splice" not in k and ".kv_norm" not in k}
     for i, blk in enumerate(ks.transformer.h):
@@ -134,8 +134,8 @@ def test_verify_memory_measures_the_formula_for_every_ds_config(capsys):
 
 
 @pytest.mark.parametrize("kw,field", [
-    (dict(attention="mla", qk_rope_head_dim=8, kvsplice_ratio=0.25, latent_norm=True), "latent_norm"),
-    (dict(attention="mla", qk_rope_head_dim=8, kvsplice_ratio=0.25), "kvsplice_norm"),
+    (dict(attention="mla", qk_rope_head_dim=8, kvsplice_keep=0.25, latent_norm=True), "latent_norm"),
+    (dict(attention="mla", qk_rope_head_dim=8, kvsplice_keep=0.25), "kvsplice_norm"),
     (dict(attention="mla", qk_rope_head_dim=0, latent_norm=True), "qk_rope_head_dim"),
     (dict(attention="mla", qk_rope_head_dim=8, latent_norm=True, bias=True), "bias"),
     (dict(attention="mha", qk_rope_head_dim=8), "qk_rope_head_dim"),

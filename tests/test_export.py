@@ -31,9 +31,9 @@ V = 97
 BASE = dict(vocab_size=V, n_layer=2, n_head=4, d_model=32, block_size=64, d_latent=16)
 VARIANTS = {
     "mla": dict(attention="mla"),
-    "kvsplice": dict(attention="mla", kvsplice_ratio=0.25),
-    "kvsplice-orthogonal-nobias": dict(attention="mla", kvsplice_ratio=0.5, kvsplice_orthogonal=True, bias=False),
-    "kvsplice-latent-norm": dict(attention="mla", kvsplice_ratio=0.25, latent_norm=True),
+    "kvsplice": dict(attention="mla", kvsplice_keep=0.25),
+    "kvsplice-orthogonal-nobias": dict(attention="mla", kvsplice_keep=0.5, kvsplice_orthogonal=True, bias=False),
+    "kvsplice-latent-norm": dict(attention="mla", kvsplice_keep=0.25, latent_norm=True),
     "gqa": dict(attention="mha", n_kv_head=2),
     "mqa": dict(attention="mha", n_kv_head=1),
 }

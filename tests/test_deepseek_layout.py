@@ -153,7 +153,7 @@ def test_gpt2_layout_refuses_deepseek_fields():
         GPTConfig(vocab_size=V, tie_embeddings=False)
 
 
-DS_CONFIGS = {  # name -> (attention, kvsplice_ratio, latent_norm, kvsplice_norm, GPT-2-layout twin)
+DS_CONFIGS = {  # name -> (attention, kvsplice_keep, latent_norm, kvsplice_norm, GPT-2-layout twin)
     "ds_mha": ("mha", None, False, False, {"tiny_": "tiny_gpt2", "small_": "small_mha", "": "gpt2"}),
     "ds_mla": ("mla", None, True, False, None),
     "ds_mla_kvsplice_50": ("mla", 0.5, False, True, None),
@@ -179,7 +179,7 @@ def test_ds_configs_differ_only_in_attention_and_train_like_their_gpt2_twins(pre
             assert cfg[section] == twin[section], (name, section)
         m = cfg["model"]
         assert {k: m[k] for k in SHARED} == {k: twin["model"][k] for k in SHARED}, name
-        got = (m.pop("attention"), m.pop("kvsplice_ratio"), m.pop("latent_norm"), m.pop("kvsplice_norm"),
+        got = (m.pop("attention"), m.pop("kvsplice_keep"), m.pop("latent_norm"), m.pop("kvsplice_norm"),
                m.pop("qk_rope_head_dim"))
         assert got == (attention, ratio, latent_norm, kvsplice_norm, rope if attention == "mla" else 0), name
         GPTConfig.from_name(prefix + name)  # valid

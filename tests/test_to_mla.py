@@ -181,7 +181,7 @@ def test_cli_convert_and_finetune(tmp_path: Path, mha_ckpt: Path, data_cache: Pa
     bad = [a if a != "tiny_mla_kvsplice_50" else "tiny_mla" for a in args]
     assert fit([*bad, "--run_name", "bad"]) == 2
     err = capsys.readouterr().err
-    assert "model.init_from" in err and "kvsplice_ratio" in err and "--model.kvsplice_ratio 0.5" in err
+    assert "model.init_from" in err and "kvsplice_keep" in err and "--model.kvsplice_keep 0.5" in err
 
 
 @pytest.mark.parametrize("args, msg", [

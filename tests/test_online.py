@@ -302,7 +302,7 @@ def test_eval_bases_cli_fd_online_and_diagnostics(stories, tmp_path, capsys):
     rc = eval_bases.main(common + ["--method", "fd-online", "--rank", "3", "--max-chunk-len", "16", "--fd-decay",
                                    "0.9", "--diagnostics", "--json", str(tmp_path / "fd.json")])
     text = capsys.readouterr().out
-    assert rc == 0 and "fd-online r=3/3 L=16 γ=0.9" in text and "§3.5 bounds" in text
+    assert rc == 0 and "fd-online r=3/3 L=16 γ=0.9" in text and "vs their bounds" in text
     r = json.loads((tmp_path / "fd.json").read_text())["results"][0]
     assert r["method"] == "fd-online" and r["cache"]["bytes_match"] and math.isfinite(r["ppl"])
     br = r["cache"]["per_sequence_breakdown"]

@@ -101,13 +101,13 @@ def test_json_outputs_are_atomic_and_clean_up_after_killed_runs(tmp_path):
 
 @pytest.mark.parametrize("module", sorted({*CLIS, "kvsplice.plan", "kvsplice.eval_tasks", "training.distill"}))
 def test_help_is_shown_by_every_tool(module, capsys):
-    """``python -m kvsplice.plan --help`` failed: a default holding ``50%-67%`` in its help (issue 42)."""
+    """``python -m kvsplice.plan --help`` failed: a default holding ``50%-67%`` in its help."""
     rc = importlib.import_module(module).main(["--help"])
     out, err = capsys.readouterr()
     assert rc == 0 and "usage:" in out and "error" not in err, err
 
 
-# ------------------------------------------------------------------------------------------ Ctrl-C (issue 31)
+# ------------------------------------------------------------------------------------------ Ctrl-C
 KVSPLICE_CLIS = {**{m: p for m, p in CLIS.items() if m.startswith("kvsplice.")}, "kvsplice.plan": "kvsplice plan", "kvsplice.eval_tasks": "kvsplice eval-tasks"}
 
 
@@ -201,14 +201,14 @@ def _interrupt_while_importing(module: str, tmp_path: Path) -> "subprocess.Compl
 
 @pytest.mark.parametrize("module", ["kvsplice.eval_tasks", "kvsplice.plan", "kvsplice.to_mla"])
 def test_ctrl_c_while_a_tool_imports_is_one_line_and_exit_130(module, tmp_path):
-    """Ctrl-C in the first ~0.3 s (the heavy imports) was a KeyboardInterrupt traceback and exit -2 (issue 42)."""
+    """Ctrl-C in the first ~0.3 s (the heavy imports) was a KeyboardInterrupt traceback and exit -2."""
     r = _interrupt_while_importing(module, tmp_path)
     prog = KVSPLICE_CLIS.get(module) or prog_of(module)
     assert r.returncode == 130 and r.stderr == f"{prog}: interrupted\n", (r.returncode, r.stderr[-3000:])
     assert r.stdout == ""
 
 
-# ------------------------------------------------------------------------------------------ claims (issue 31)
+# ------------------------------------------------------------------------------------------ claims
 def test_a_second_run_to_the_same_new_output_is_refused(tmp_path, capsys):
     """A live process that claimed ``--json`` (through the same output rules) makes a second run refuse in one
     line, writing nothing; once it ends (killed: its claim file stays, its lock is gone) the run succeeds and

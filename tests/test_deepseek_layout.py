@@ -1,4 +1,4 @@
-"""Issue 40 item 1: the ``deepseek_v3`` layout of :class:`models.GPT` (RMSNorm, SwiGLU, RoPE; Llama attention, MLA
+"""The ``deepseek_v3`` layout of :class:`models.GPT` (RMSNorm, SwiGLU, RoPE; Llama attention, MLA
 with a decoupled RoPE key, MLA + KVSplice) through the package's own paths.
 
 Independent paths held equal: the full forward (training graph) ≡ the cached decode, naive and absorbed, over a

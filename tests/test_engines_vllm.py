@@ -1,4 +1,4 @@
-"""vLLM serves the DeepSeek-V3 exports (issue 40, items 2c and 4): padded to the 512 + 64 row its CPU MLA kernel
+"""vLLM serves the DeepSeek-V3 exports: padded to the 512 + 64 row its CPU MLA kernel
 takes, exactly, and the same greedy tokens and perplexity as transformers and ours.
 
 Without vLLM (always run):

@@ -2,7 +2,7 @@
 directory; logits within 1e-5 (fp32) of models.GPT, generate() == GPT.generate, cache bytes == the package's
 formula, left padding, the run's tokenizer, one-line errors.
 
-Hostile inputs (issue 22): nothing a user owns is deleted — not the run folder
+Hostile inputs: nothing a user owns is deleted — not the run folder
 of ``--ckpt`` (``--out RUNDIR --force``), not the parent of ``--out some/dir/..``, not ``.``; a read-only
 destination is one line; checkpoints with NaN / integer / misshapen weights are refused naming the tensor; an MHA
 export of a small vocabulary writes its own end-of-text id, not GPT-2's 50256; ``--force`` replaces exactly an

@@ -1,4 +1,4 @@
-"""Issue 14 item 5 (short smoke runs of any config work) and issue 13's structure items: config lookup through
+"""Short smoke runs of any config work; config lookup through
 :class:`models.GPTConfig` relative to the package (any working directory), ``training/fit.py`` a thin entry point over
 ``training/cli.py`` / ``training/loggers.py``."""
 

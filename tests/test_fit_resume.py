@@ -1,12 +1,12 @@
 """Resuming ``python -m training.fit`` (``--ckpt_path``) and starting it from weights (``--model.init_from``).
 
-Issue 14, item 2: exact resume. The training loader follows Lightning's stateful-dataloader protocol
+Exact resume. The training loader follows Lightning's stateful-dataloader protocol
 (``state_dict`` / ``load_state_dict``, stored in every checkpoint), so an interrupted and resumed run trains on the same
 batches as an uninterrupted one: the final validation loss (and the weights) match bit for bit, ``metrics.csv`` has
 every step exactly once, killed checkpoint writes leave no temporary files, and the resumed run continues the same W&B
 run id (whatever second each part starts in).
 
-Issue 22 / 31 (hostile inputs): a checkpoint to resume from or to start from whose weights hold NaN, have the wrong
+Hostile inputs: a checkpoint to resume from or to start from whose weights hold NaN, have the wrong
 dtype or names, of another architecture, or truncated, is refused with one line naming it, exit 2, nothing
 overwritten.
 """

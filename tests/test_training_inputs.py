@@ -1,4 +1,4 @@
-"""Issue 14, items 3, 4 and 6: bad input of every kind gives one ``PROG: error:`` line, exit status 2, no traceback, and
+"""Bad input of every kind gives one ``PROG: error:`` line, exit status 2, no traceback, and
 overwrites nothing — for ``python -m training.fit`` (66 inputs) and ``python -m training.evaluate`` (20 inputs); garbage
 and empty text files are refused by :func:`data.sources.check_text_file` (used by the data module and by everything that
 lists story files).

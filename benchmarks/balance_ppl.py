@@ -38,8 +38,8 @@ if __name__ == "__main__" and not __package__:  # run as a file: the repository 
     import _root  # noqa: F401
 
 from benchmarks.harness.header import command as command_line, revision  # noqa: E402
-from benchmarks.harness.options import add_json, add_model, add_threads, command, parser  # noqa: E402
-from benchmarks.harness.paths import EVAL, RESULTS, STORIES  # noqa: E402
+from benchmarks.harness.options import add_json, add_model, add_threads, add_windows, command, parser  # noqa: E402
+from benchmarks.harness.paths import RESULTS, STORIES  # noqa: E402
 
 from kvsplice.loading import LoadError, first_line, iter_texts, load_model, token_stream
 from kvsplice.select.method import run_token_selection
@@ -145,10 +145,7 @@ def to_markdown(report: dict) -> str:
 def main(argv=None) -> int:
     p = parser(__file__, __doc__)
     add_model(p, help="HF model dir or .ckpt (default: stories260K, converted to a temp dir)")
-    p.add_argument("--data", default=str(EVAL))
-    p.add_argument("--prompt", type=int, default=384)
-    p.add_argument("--cont", type=int, default=128)
-    p.add_argument("--windows", type=int, default=64)
+    add_windows(p, 64)
     p.add_argument("--ratios", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--batch", type=int, default=16)

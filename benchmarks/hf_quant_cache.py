@@ -24,14 +24,13 @@ if __name__ == "__main__" and not __package__:  # run as a file: the repository 
     import _root  # noqa: F401
 
 from benchmarks.harness.header import command as command_line, revision  # noqa: E402
-from benchmarks.harness.options import add_json, add_model, add_threads, command, parser  # noqa: E402
+from benchmarks.harness.options import add_json, add_model, add_threads, add_windows, command, parser  # noqa: E402
 from benchmarks.harness.paths import RESULTS  # noqa: E402
 
 from kvsplice.io.outputs import write_json
 from kvsplice.loading import iter_texts, load_model, token_stream
 from kvsplice.decode import Decoder, DenseKV
 from kvsplice.hf.measure import cache_nbytes, continuation_logits
-from benchmarks.harness.paths import EVAL
 
 
 
@@ -61,10 +60,7 @@ def main(argv=None) -> int:
 
     p = parser(__file__, __doc__)
     add_model(p, help="stories260K converted with python -m kvsplice.convert_llama2c", required=True)
-    p.add_argument("--data", default=str(EVAL))
-    p.add_argument("--windows", type=int, default=16)
-    p.add_argument("--prompt", type=int, default=384)
-    p.add_argument("--cont", type=int, default=128)
+    add_windows(p, 16)
     add_json(p, RESULTS / "hf_quant_cache.json")
     add_threads(p)
     a = p.parse_args(argv)

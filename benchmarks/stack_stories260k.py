@@ -35,7 +35,7 @@ if __name__ == "__main__" and not __package__:  # run as a file: the repository 
     import _root  # noqa: F401
 
 from benchmarks.harness.header import command as command_line, machine, revision  # noqa: E402
-from benchmarks.harness.options import add_json, command, parser  # noqa: E402
+from benchmarks.harness.options import add_json, add_windows, command, parser  # noqa: E402
 from benchmarks.harness.paths import CALIB, EVAL, RESULTS, STORIES  # noqa: E402
 from kvsplice import build_method
 from kvsplice.decode import Decoder, score_continuation
@@ -130,9 +130,7 @@ def fmt_md(rep: dict) -> str:
 def main(argv=None) -> int:
     ap = parser(__file__, __doc__)
     ap.add_argument("--calib-tokens", type=int, default=32768)
-    ap.add_argument("--windows", type=int, default=16)
-    ap.add_argument("--prompt", type=int, default=384)
-    ap.add_argument("--cont", type=int, default=128)
+    add_windows(ap, 16, data=False)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 6, 8])
     ap.add_argument("--budgets", type=int, nargs="+", default=[192, 96, 48])
     ap.add_argument("--selector", default="balancekv")

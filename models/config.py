@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+import warnings
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -34,6 +35,39 @@ CACHE_QUANTS = (None, "int8")
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 """The project's training configs (``configs/`` next to the ``models`` package, whatever the current directory)."""
+
+
+RUNTIME = {"runtime": True}
+"""Metadata of the :class:`GPTConfig` fields that choose how the model runs, not what it is (dropout, kernels, the
+decode path): a resumed or fine-tuned run may change them; every other field is its architecture
+(:meth:`GPTConfig.architecture`)."""
+OLD_NAMES = {"kvsplice_ratio": "kvsplice_keep"}
+"""Old config keys and the fields they are now (still accepted, with a note): ``kvsplice_ratio`` was a kept fraction
+(0.1 = KVSplice-90), while "ratio" elsewhere means "times smaller"."""
+
+
+def old_name_note(old: str, value: Any) -> str:
+    """The one-line note for a config key given by its old name (:data:`OLD_NAMES`)."""
+    new = OLD_NAMES[old]
+    return (f"{old} is the old name of {new} (the fraction of the latent kept: 0.1 keeps 10 %, the KVSplice-90 "
+            f"model); read as {new}: {value}")
+
+
+def rename_old_keys(d: dict, where: str = "GPTConfig") -> dict:
+    """``d`` with its old keys (:data:`OLD_NAMES`) under their new names.
+
+    Raises:
+        ValueError: both the old and the new name, with different values.
+    """
+    out = dict(d)
+    for old, new in OLD_NAMES.items():
+        if old in out:
+            value = out.pop(old)
+            if out.get(new, value) != value:
+                raise ValueError(f"{where}: {old} is the old name of {new}; give only {new} (got {old}={value!r}, "
+                                 f"{new}={out[new]!r})")
+            out[new] = value
+    return out
 
 
 class ConfigNotFoundError(ValueError):
@@ -70,9 +104,12 @@ class GPTConfig:
     """Shapes and options of a GPT-2-style decoder, in the GPT-2 or the DeepSeek-V3 block layout (``layout``).
 
     ``attention="mha"`` is standard GPT-2. ``attention="mla"`` caches one shared latent of ``d_latent`` numbers per
-    token per layer and up-projects K and V from it. With ``kvsplice_ratio`` set, a learned compress/expand pair
-    shrinks that latent to ``d_compressed = round(d_latent * kvsplice_ratio)`` numbers (0.5/0.3/0.1 of 256 →
-    128/77/26), and only the compressed latent is cached.
+    token per layer and up-projects K and V from it. With ``kvsplice_keep`` set (the fraction of the latent kept), a
+    learned compress/expand pair shrinks that latent to ``d_compressed = round(d_latent * kvsplice_keep)`` numbers
+    (0.5/0.3/0.1 of 256 → 128/77/26: KVSplice-50/70/90), and only the compressed latent is cached.
+
+    ``kvsplice_ratio``, the old name of ``kvsplice_keep``, is still accepted (a :class:`DeprecationWarning`).
+    :meth:`architecture` is what a resumed run must share with its checkpoint (the fields without :data:`RUNTIME`).
 
     ``layout="deepseek_v3"`` (docs/deepseek_layout.md) keeps these three attention variants but builds DeepSeek-V3
     blocks: RMSNorm, a SwiGLU MLP of ``d_ff``, no biases, no learned positions; MHA is Llama attention (RoPE over
@@ -86,17 +123,18 @@ class GPTConfig:
     n_head: int = 12
     d_model: int = 768
     block_size: int = 1024
-    dropout: float = 0.0
+    dropout: float = field(default=0.0, metadata=RUNTIME)
     bias: bool = True
     attention: Attention = "mha"
     d_latent: int = 256
-    kvsplice_ratio: Optional[float] = None
+    kvsplice_keep: Optional[float] = None
+    """MLA only: the fraction of the latent KVSplice keeps, in (0, 1) (0.1: KVSplice-90); ``None``: no KVSplice."""
     kvsplice_orthogonal: bool = False
-    attn_backend: AttnBackend = "auto"
-    mla_impl: MLAImpl = "absorb"
+    attn_backend: AttnBackend = field(default="auto", metadata=RUNTIME)
+    mla_impl: MLAImpl = field(default="absorb", metadata=RUNTIME)
     """How MLA attends over cached latents: ``absorb`` folds w_uk / w_uv (and expand) into the query and output and
     attends in latent space; ``naive`` re-expands every cached latent into full K/V first (reference path)."""
-    decode_kernel: DecodeKernel = DEFAULT_DECODE_KERNEL  # type: ignore[assignment]
+    decode_kernel: DecodeKernel = field(default=DEFAULT_DECODE_KERNEL, metadata=RUNTIME)  # type: ignore[assignment]
     """One-token cached steps: ``auto`` runs the split-KV Triton kernel (:mod:`models.kernels`) on CUDA when triton
     is installed and the eager SDPA path elsewhere; ``triton`` forces the kernel (on CPU only under Triton's
     interpreter); ``eager`` never. Decode only: the full forward (training) is unchanged."""
@@ -123,12 +161,23 @@ class GPTConfig:
     """``deepseek_v3`` only: RoPE base (rotate-half layout; the DeepSeek export interleaves the RoPE columns)."""
     tie_embeddings: bool = True
     """The LM head shares the token embedding (GPT-2 always; ``deepseek_v3`` may untie: exports save it untied)."""
-    cache_quant: Optional[str] = None
+    cache_quant: Optional[str] = field(default=None, metadata=RUNTIME)
     """``None``: the decode cache holds the model's dtype; ``"int8"``: every cached row (K/V per head, or the
     latent) is stored as int8 with one fp16 absmax scale, dequantised inside the attention call. Decode only: the
     full forward (training) is unchanged."""
+    kvsplice_ratio: InitVar[Optional[float]] = None
+    """The old name of ``kvsplice_keep`` (accepted with a DeprecationWarning; not stored; ``kvsplice_keep`` wins
+    when both are given, as ``dataclasses.replace`` gives both)."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, kvsplice_ratio: Optional[float] = None) -> None:
+        old = kvsplice_ratio is not None and self.kvsplice_keep is None
+        if old:
+            _deprecated("kvsplice_ratio")
+            self.kvsplice_keep = kvsplice_ratio
+        self._check(keep="kvsplice_ratio" if old else "kvsplice_keep")
+
+    def _check(self, keep: str) -> None:
+        """Raise ``ValueError("GPTConfig.FIELD must be ...")``; ``keep``: the name the kept fraction was given by."""
         def need(cond: bool, field: str, allowed: str, value) -> None:
             if not cond:
                 raise ValueError(f"GPTConfig.{field} must be {allowed}, got {value!r}")
@@ -154,15 +203,14 @@ class GPTConfig:
         need(not self.latent_norm or self.attention == "mla", "latent_norm", "false unless attention='mla'",
              self.latent_norm)
         need(isinstance(self.kvsplice_norm, bool), "kvsplice_norm", "true or false", self.kvsplice_norm)
-        need(not self.kvsplice_norm or self.kvsplice_ratio is not None, "kvsplice_norm",
-             "false unless kvsplice_ratio is set", self.kvsplice_norm)
-        if self.kvsplice_ratio is not None:
-            r = self.kvsplice_ratio
-            need(isinstance(r, (int, float)) and not isinstance(r, bool) and 0.0 < r < 1.0, "kvsplice_ratio",
-                 "None or a number with 0 < ratio < 1", r)
-            need(self.attention == "mla", "kvsplice_ratio", "None unless attention='mla' (KVSplice compresses the "
-                 "MLA latent)", r)
-            need(round(self.d_latent * r) >= 1, "kvsplice_ratio", f"large enough that round(d_latent * ratio) >= 1 "
+        need(not self.kvsplice_norm or self.kvsplice_keep is not None, "kvsplice_norm",
+             f"false unless {keep} is set", self.kvsplice_norm)
+        if self.kvsplice_keep is not None:
+            r = self.kvsplice_keep
+            need(isinstance(r, (int, float)) and not isinstance(r, bool) and 0.0 < r < 1.0, keep,
+                 "None or the fraction of the latent kept, 0 < keep < 1", r)
+            need(self.attention == "mla", keep, "None unless attention='mla' (KVSplice compresses the MLA latent)", r)
+            need(round(self.d_latent * r) >= 1, keep, f"large enough that round(d_latent * keep) >= 1 "
                  f"(d_latent={self.d_latent})", r)
         self._check_layout(need)
         if self.attention == "mla":  # last: the checks above name the field the user actually got wrong
@@ -193,7 +241,7 @@ class GPTConfig:
             return
         need(rope >= 2 and rope % 2 == 0, "qk_rope_head_dim", "an even integer >= 2 for deepseek_v3 MLA (the "
              "decoupled RoPE key)", rope)
-        spliced = self.kvsplice_ratio is not None
+        spliced = self.kvsplice_keep is not None
         need(self.latent_norm != spliced, "latent_norm", f"{not spliced} for deepseek_v3 "
              f"{'MLA + KVSplice (the norm sits on the compressed latent: kvsplice_norm)' if spliced else 'MLA'}: "
              f"DeepSeek-V3 has exactly one latent RMSNorm, right before the cache", self.latent_norm)
@@ -213,7 +261,7 @@ class GPTConfig:
 
     @property
     def d_compressed(self) -> Optional[int]:
-        return None if self.kvsplice_ratio is None else int(round(self.d_latent * self.kvsplice_ratio))
+        return None if self.kvsplice_keep is None else int(round(self.d_latent * self.kvsplice_keep))
 
     @property
     def variant(self) -> str:
@@ -223,9 +271,9 @@ class GPTConfig:
         if self.attention == "mha":
             kv = self.kv_heads
             return prefix + ("mha" if kv == self.n_head else "mqa" if kv == 1 else f"gqa{kv}")
-        if self.kvsplice_ratio is None:
+        if self.kvsplice_keep is None:
             return prefix + "mla"
-        return f"{prefix}mla_kvsplice_{round(100 * (1 - self.kvsplice_ratio))}"
+        return f"{prefix}mla_kvsplice_{round(100 * (1 - self.kvsplice_keep))}"
 
     @property
     def d_cached_latent(self) -> int:
@@ -248,13 +296,26 @@ class GPTConfig:
         return self.d_ff if self.d_ff is not None else 4 * self.d_model
 
     def replace(self, **changes) -> "GPTConfig":
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` (old names, :data:`OLD_NAMES`, accepted with a DeprecationWarning)."""
+        for old in OLD_NAMES:
+            if old in changes:
+                _deprecated(old)
+        current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return type(self)(**{**current, **rename_old_keys(changes, "GPTConfig.replace")})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def architecture(self) -> dict:
+        """The fields that make the model what it is (all but the :data:`RUNTIME` ones): a resumed run, or one
+        started from another's weights, must share them."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("runtime")}
+
     @classmethod
     def from_dict(cls, d: dict) -> "GPTConfig":
+        """The config a stored dict describes (a checkpoint's ``gpt_config``; old key names are read as the new ones;
+        fields newer than the dict keep their defaults)."""
+        d = rename_old_keys(d)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -289,12 +350,15 @@ class GPTConfig:
         if not isinstance(model, dict):
             raise ValueError(f"{p}: no 'model:' section with GPTConfig fields")
         names = {f.name for f in dataclasses.fields(cls)}
-        fields = {k: v for k, v in model.items() if k in names}
-        fields.update(overrides)
+        for old in OLD_NAMES:
+            if old in model:
+                warnings.warn(f"{p}: {old_name_note(old, model[old])}", FutureWarning, stacklevel=2)
         try:
+            fields = {k: v for k, v in rename_old_keys(model, str(p)).items() if k in names}
+            fields.update(overrides)
             return cls.from_dict(fields)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{p}: {e}") from None
+            raise ValueError(f"{p}: {e}" if not str(e).startswith(str(p)) else str(e)) from None
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> "GPTConfig":
@@ -306,6 +370,20 @@ class GPTConfig:
             ValueError: the file's ``model:`` section is invalid.
         """
         return cls.from_file(config_path(name), **overrides)
+
+
+def _deprecated(old: str) -> None:
+    warnings.warn(f"GPTConfig.{old} is the old name of {OLD_NAMES[old]}", DeprecationWarning, stacklevel=4)
+
+
+def _kvsplice_ratio(self: GPTConfig) -> Optional[float]:
+    """The old name of :attr:`GPTConfig.kvsplice_keep` (read-only; a DeprecationWarning)."""
+    _deprecated("kvsplice_ratio")
+    return self.kvsplice_keep
+
+
+GPTConfig.kvsplice_ratio = property(_kvsplice_ratio)  # type: ignore[assignment]  # after @dataclass: its InitVar
+# default was taken already, so the old name reads through
 
 
 PRESETS = ("gpt2", "gpt2_gqa4", "gpt2_mqa", "mla", "mla_kvsplice_50", "mla_kvsplice_70", "mla_kvsplice_90")

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -22,6 +22,8 @@ from models.config import GPTConfig
 from tiny_models import sharpen
 
 REPO = Path(__file__).resolve().parents[1]
+STORIES260K = REPO.parent / "shared" / "data" / "stories260K"
+"""The real llama2.c checkpoint stories260K and its tokenizer (tests that use it skip without it)."""
 
 
 def prog_of(tool: str) -> str:
@@ -42,6 +44,22 @@ def one_error(rc: int, err: str, prog: str, expect: str = "") -> str:
     assert rc == 2 and len(lines) == 1 and lines[0].startswith(prefix), (rc, err)
     assert expect in lines[0], (expect, lines[0])
     return lines[0]
+
+
+def run_tool(main: Callable[[list[str]], int], argv: list, capsys) -> tuple[int, str, str]:
+    """A command's ``main`` run on ``argv`` (each item as a string): its exit status, stdout and stderr."""
+    rc = main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+@pytest.fixture(scope="module")
+def s260k(tmp_path_factory) -> str:
+    """stories260K converted to a model folder once per test module (its path)."""
+    from kvsplice.convert.llama2c import convert_llama2c
+
+    return str(convert_llama2c(STORIES260K / "stories260K.bin", STORIES260K / "tok512.bin",
+                               tmp_path_factory.mktemp("s")))
 
 
 def snapshot(folder: Path) -> dict[str, str]:

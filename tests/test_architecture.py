@@ -3,61 +3,22 @@ module over 500 lines; ``kvsplice/`` top level holds command-line tools and subp
 
 from __future__ import annotations
 
-import ast
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("models", "kvsplice", "training", "data")
+from docs import make_architecture as mk
 
-
-def _modules() -> dict[str, Path]:
-    out = {}
-    for pkg in PACKAGES:
-        for path in (ROOT / pkg).rglob("*.py"):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            out[name] = path
-    return out
-
-
-MODULES = _modules()
-
-
-def _resolve(name: str) -> str | None:
-    """The project module an import of ``name`` loads (the longest known prefix), or None for third-party."""
-    parts = name.split(".")
-    for i in range(len(parts), 0, -1):
-        cand = ".".join(parts[:i])
-        if cand in MODULES:
-            return cand
-    return None
+ROOT = mk.ROOT
+PACKAGES = mk.PACKAGES
+MODULES = {mk.module_name(f): ROOT / f for f in mk.library_files()}
+"""Module name (``kvsplice.select.kvzip``) → its file, for every library module."""
 
 
 def _edges() -> dict[str, set[str]]:
-    """Module → project modules it imports anywhere in its body (function-level imports included)."""
-    graph: dict[str, set[str]] = defaultdict(set)
-    for mod, path in MODULES.items():
-        is_pkg = path.name == "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:  # relative import
-                    anchor = mod.split(".") if is_pkg else mod.split(".")[:-1]
-                    anchor = anchor[: len(anchor) - (node.level - 1)]
-                    base = ".".join(anchor + ([base] if base else []))
-                # ``from pkg import sub`` loads the module pkg.sub; ``from pkg import name`` loads pkg itself
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
-            for t in targets:
-                r = _resolve(t)
-                if r is not None and r != mod:
-                    graph[mod].add(r)
-    return graph
+    """Module → project modules it imports anywhere in its body (function-level imports included), read by the
+    same import-graph reader that draws docs/figures/architecture.png."""
+    return {mk.module_name(a): {mk.module_name(b) for b in bs} for a, bs in mk.module_edges().items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:

@@ -173,8 +173,8 @@ def test_deepseek_v3_export_is_our_shared_model_in_transformers(tiny, tmp_path, 
 @pytest.mark.parametrize("edit,expect", [({"kv_lora_rank": 16}, "wrongly shaped weights"),
                                          ({"num_hidden_layers": 2}, "unexpected weights")])
 def test_a_deepseek_v3_folder_with_an_edited_config_is_one_line(tiny, tmp_path, edit, expect):
-    """A hand-edited DeepSeek-V3 ``config.json`` fed back was refused after transformers' multi-line load report
-    (issue 42): the refusal is the only line (a process of its own: pytest's log capture would hide the report)."""
+    """A hand-edited DeepSeek-V3 ``config.json`` fed back was refused after transformers' multi-line load report:
+    the refusal is the only line (a process of its own: pytest's log capture would hide the report)."""
     import os
     import subprocess
     import sys
@@ -273,7 +273,7 @@ def test_cli_shared_deepseek_export_and_kvsplice(s260k, tmp_path, capsys):
 
 
 def test_cli_never_writes_inside_the_input_folder(s260k, tmp_path, capsys):
-    """``to_mla --out MODEL/sub --force`` wrote into the input's folder (issue 42); an input inside ``--out`` is
+    """``to_mla --out MODEL/sub --force`` wrote into the input's folder; an input inside ``--out`` is
     refused too. Refused before any work: the model folder is left as it was."""
     model = tmp_path / "model"
     shutil.copytree(s260k, model)

@@ -1,6 +1,6 @@
 """Constructor arguments of every selector and storage method (:mod:`kvsplice.core.args`): a wrong type, a value out
 of range or past a sane bound is one ``ValueError`` line naming the argument — from Python, a plan file or a CLI
-alike (issue 31: BalanceKV with ``n_halvings=1000000`` never returned; ``n_sink=-100`` / ``2.5`` and ``seed="abc"``
+alike (BalanceKV with ``n_halvings=1000000`` never returned; ``n_sink=-100`` / ``2.5`` and ``seed="abc"``
 were tracebacks deep in a selection)."""
 
 from __future__ import annotations

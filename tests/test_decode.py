@@ -89,7 +89,7 @@ def test_every_method_through_one_decoder_reproduces_the_model(family):
 
 
 @pytest.mark.parametrize("attention,kw", [("mha", {}), ("mla", {"d_latent": 16}),
-                                          ("mla", {"d_latent": 16, "kvsplice_ratio": 0.5})])
+                                          ("mla", {"d_latent": 16, "kvsplice_keep": 0.5})])
 def test_model_attention_is_the_models_own_cache(attention, kw):
     model = ours(attention, **kw)
     ids = ids_of(2, 20, 2)

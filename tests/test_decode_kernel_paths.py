@@ -20,7 +20,7 @@ VARIANTS = {
     "mqa": dict(attention="mha", n_kv_head=1),
     "mla_absorb": dict(attention="mla", d_latent=24),
     "mla_naive": dict(attention="mla", d_latent=24, mla_impl="naive"),
-    "kvsplice": dict(attention="mla", d_latent=24, kvsplice_ratio=0.5, latent_norm=True),  # 12-dim rows
+    "kvsplice": dict(attention="mla", d_latent=24, kvsplice_keep=0.5, latent_norm=True),  # 12-dim rows
 }
 
 

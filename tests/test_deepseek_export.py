@@ -1,4 +1,4 @@
-"""Issue 40 items 1 and 2(a) for the trained family: ``python -m training.fit --config tiny_ds_mla_kvsplice_90``
+"""The trained family: ``python -m training.fit --config tiny_ds_mla_kvsplice_90``
 trains (a short real run), and ``python -m training.export --format deepseek_v3 | llama`` writes folders plain
 ``transformers`` loads without remote code, whose logits equal our model's (fp32, ≤ 1e-4) and whose greedy tokens
 (transformers' own cache) equal ours; KVSplice-r is written as ``kv_lora_rank = r``.
@@ -27,9 +27,9 @@ VARIANTS = {  # name -> (config fields, transformers class)
     "mha": (dict(attention="mha", rope_theta=5e5), "LlamaForCausalLM"),
     "gqa": (dict(attention="mha", n_kv_head=2), "LlamaForCausalLM"),
     "mla": (dict(attention="mla", qk_rope_head_dim=8, latent_norm=True, rope_theta=5e5), "DeepseekV3ForCausalLM"),
-    "kvsplice": (dict(attention="mla", qk_rope_head_dim=8, kvsplice_ratio=0.25, kvsplice_norm=True),
+    "kvsplice": (dict(attention="mla", qk_rope_head_dim=8, kvsplice_keep=0.25, kvsplice_norm=True),
                  "DeepseekV3ForCausalLM"),
-    "kvsplice-orthogonal-untied": (dict(attention="mla", qk_rope_head_dim=4, kvsplice_ratio=0.5, kvsplice_norm=True,
+    "kvsplice-orthogonal-untied": (dict(attention="mla", qk_rope_head_dim=4, kvsplice_keep=0.5, kvsplice_norm=True,
                                         kvsplice_orthogonal=True, tie_embeddings=False), "DeepseekV3ForCausalLM"),
 }
 

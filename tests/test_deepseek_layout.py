@@ -1,4 +1,4 @@
-"""Issue 40 item 1: the ``deepseek_v3`` layout of :class:`models.GPT` (RMSNorm, SwiGLU, RoPE; Llama attention, MLA
+"""The ``deepseek_v3`` layout of :class:`models.GPT` (RMSNorm, SwiGLU, RoPE; Llama attention, MLA
 with a decoupled RoPE key, MLA + KVSplice) through the package's own paths.
 
 Independent paths held equal: the full forward (training graph) ≡ the cached decode, naive and absorbed, over a
@@ -25,8 +25,8 @@ VARIANTS = {
     "mha": dict(attention="mha"),
     "gqa": dict(attention="mha", n_kv_head=2),
     "mla": dict(attention="mla", qk_rope_head_dim=8, latent_norm=True),
-    "kvsplice": dict(attention="mla", qk_rope_head_dim=8, kvsplice_ratio=0.25, kvsplice_norm=True),
-    "kvsplice-orthogonal-untied": dict(attention="mla", qk_rope_head_dim=4, kvsplice_ratio=0.5, kvsplice_norm=True,
+    "kvsplice": dict(attention="mla", qk_rope_head_dim=8, kvsplice_keep=0.25, kvsplice_norm=True),
+    "kvsplice-orthogonal-untied": dict(attention="mla", qk_rope_head_dim=4, kvsplice_keep=0.5, kvsplice_norm=True,
                                        kvsplice_orthogonal=True, tie_embeddings=False),
 }
 
@@ -95,7 +95,7 @@ def test_kvsplice_r_is_an_mla_model_of_latent_r():
     ks = model_of("kvsplice")
     cfg = ks.cfg
     r = cfg.d_compressed
-    mla_cfg = cfg.replace(d_latent=r, kvsplice_ratio=None, kvsplice_norm=False, latent_norm=True)
+    mla_cfg = cfg.replace(d_latent=r, kvsplice_keep=None, kvsplice_norm=False, latent_norm=True)
     mla = GPT(mla_cfg).eval()
     sd = {k: v for k, v in ks.state_dict().items() if ".splice" not in k and ".kv_norm" not in k}
     for i, blk in enumerate(ks.transformer.h):
@@ -134,8 +134,8 @@ def test_verify_memory_measures_the_formula_for_every_ds_config(capsys):
 
 
 @pytest.mark.parametrize("kw,field", [
-    (dict(attention="mla", qk_rope_head_dim=8, kvsplice_ratio=0.25, latent_norm=True), "latent_norm"),
-    (dict(attention="mla", qk_rope_head_dim=8, kvsplice_ratio=0.25), "kvsplice_norm"),
+    (dict(attention="mla", qk_rope_head_dim=8, kvsplice_keep=0.25, latent_norm=True), "latent_norm"),
+    (dict(attention="mla", qk_rope_head_dim=8, kvsplice_keep=0.25), "kvsplice_norm"),
     (dict(attention="mla", qk_rope_head_dim=0, latent_norm=True), "qk_rope_head_dim"),
     (dict(attention="mla", qk_rope_head_dim=8, latent_norm=True, bias=True), "bias"),
     (dict(attention="mha", qk_rope_head_dim=8), "qk_rope_head_dim"),
@@ -153,7 +153,7 @@ def test_gpt2_layout_refuses_deepseek_fields():
         GPTConfig(vocab_size=V, tie_embeddings=False)
 
 
-DS_CONFIGS = {  # name -> (attention, kvsplice_ratio, latent_norm, kvsplice_norm, GPT-2-layout twin)
+DS_CONFIGS = {  # name -> (attention, kvsplice_keep, latent_norm, kvsplice_norm, GPT-2-layout twin)
     "ds_mha": ("mha", None, False, False, {"tiny_": "tiny_gpt2", "small_": "small_mha", "": "gpt2"}),
     "ds_mla": ("mla", None, True, False, None),
     "ds_mla_kvsplice_50": ("mla", 0.5, False, True, None),
@@ -179,7 +179,7 @@ def test_ds_configs_differ_only_in_attention_and_train_like_their_gpt2_twins(pre
             assert cfg[section] == twin[section], (name, section)
         m = cfg["model"]
         assert {k: m[k] for k in SHARED} == {k: twin["model"][k] for k in SHARED}, name
-        got = (m.pop("attention"), m.pop("kvsplice_ratio"), m.pop("latent_norm"), m.pop("kvsplice_norm"),
+        got = (m.pop("attention"), m.pop("kvsplice_keep"), m.pop("latent_norm"), m.pop("kvsplice_norm"),
                m.pop("qk_rope_head_dim"))
         assert got == (attention, ratio, latent_norm, kvsplice_norm, rope if attention == "mla" else 0), name
         GPTConfig.from_name(prefix + name)  # valid

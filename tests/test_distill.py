@@ -103,7 +103,7 @@ def test_distill_fine_tunes_the_unconverted_source_as_the_same_text_baseline(pai
 
 @pytest.mark.parametrize("steps,b,t,val", [(1, 4, 128, 4096), (3, 2, 64, 512), (1, 1, 7, 14)])
 def test_split_of_tokens_needed_gives_every_batch_and_the_held_out_windows(steps, b, t, val):
-    """``--max-steps 1`` refused 300 KB of text: one token short of the last training window (issue 42)."""
+    """``--max-steps 1`` refused 300 KB of text: one token short of the last training window."""
     ids = torch.arange(distill.tokens_needed(steps * b * t, val))
     train, held = distill.split(ids, t, val)
     assert train.shape == (steps * b, t + 1) and held.shape == (val // t, t + 1)

@@ -6,64 +6,24 @@ lists every verb of ``kvsplice --help`` and every name of the Python API; every 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 
+from doc_links import broken_links, outside_code
+from docs import make_architecture as mk
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 PAGES = sorted(DOCS.glob("*.md"))
-LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 MAX_TOTAL, MAX_PAGE = 100_000, 20_000
-
-
-def _make_architecture():
-    spec = importlib.util.spec_from_file_location("make_architecture", DOCS / "make_architecture.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _prose(md: str) -> str:
-    """``md`` without fenced blocks and inline code (commands and examples there are not narration or links)."""
-    md = re.sub(r"```.*?```", "", md, flags=re.S)
-    return re.sub(r"`[^`\n]*`", "", md)
-
-
-def _slug(heading: str) -> str:
-    """GitHub's anchor for a heading."""
-    text = re.sub(r"`|\*\*|\*", "", heading.strip().lower())
-    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
-    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
-
-
-def _anchors(path: Path) -> set[str]:
-    md = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
-    return {_slug(m.group(1)) for m in re.finditer(r"^#{1,6}\s+(.+?)\s*#*\s*$", md, flags=re.M)}
-
-
-def _broken_links(doc: Path) -> list[str]:
-    broken = []
-    for target in (m.group(1) for m in LINK.finditer(_prose(doc.read_text(encoding="utf-8")))):
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
-            continue
-        path, _, fragment = target.partition("#")
-        file = (doc.parent / path).resolve() if path else doc
-        inside = file.is_relative_to(ROOT) or not doc.is_relative_to(ROOT)  # a test's own page may sit elsewhere
-        if not inside or not file.exists():
-            broken.append(f"{target} (no file)")
-        elif fragment and file.suffix == ".md" and fragment not in _anchors(file):
-            broken.append(f"{target} (no heading #{fragment} in {file.name})")
-    return broken
 
 
 # --- (a) every library module is on the map ------------------------------------------------------------------------
 
 def test_architecture_names_every_library_module():
-    mk = _make_architecture()
     text = (DOCS / "architecture.md").read_text(encoding="utf-8")
     missing = [f for f in mk.library_files() if f not in text]
     assert not missing, ("docs/architecture.md does not name these library modules (add them to its concept table; "
@@ -71,9 +31,8 @@ def test_architecture_names_every_library_module():
 
 
 def test_architecture_names_no_module_that_is_gone():
-    mk = _make_architecture()
     files = set(mk.library_files())
-    text = _prose((DOCS / "architecture.md").read_text(encoding="utf-8")) + " ".join(
+    text = outside_code((DOCS / "architecture.md").read_text(encoding="utf-8")) + " ".join(
         re.findall(r"`([^`\n]*)`", (DOCS / "architecture.md").read_text(encoding="utf-8")))
     named = set(re.findall(r"\b(?:models|kvsplice|training|data)/[\w/]*\.py\b", text))
     assert not named - files, f"docs/architecture.md names modules that do not exist: {sorted(named - files)}"
@@ -108,7 +67,7 @@ NARRATION = re.compile(
 def _hits(pattern: re.Pattern, path: Path) -> list[str]:
     name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
     out = []
-    for n, line in enumerate(_prose(path.read_text(encoding="utf-8")).splitlines(), 1):
+    for n, line in enumerate(outside_code(path.read_text(encoding="utf-8")).splitlines(), 1):
         for m in pattern.finditer(line):
             out.append(f"{name}: {m.group(0)!r} in {line.strip()[:90]!r}")
     return out
@@ -160,13 +119,13 @@ def test_no_machine_paths():
 
 @pytest.mark.parametrize("doc", [README, *PAGES], ids=lambda p: p.name)
 def test_relative_links_resolve(doc):
-    assert not _broken_links(doc), f"{doc.relative_to(ROOT)}: broken links: {_broken_links(doc)}"
+    assert not broken_links(doc), f"{doc.relative_to(ROOT)}: broken links: {broken_links(doc)}"
 
 
 def test_link_check_catches_a_broken_link(tmp_path):
     md = tmp_path / "x.md"
     md.write_text("| t |\n\n# Title\n\n[a](missing.md) [c](#title) [d](#nope) `[e](code.md)`\n")
-    broken = _broken_links(md)
+    broken = broken_links(md)
     assert len(broken) == 2 and broken[0] == "missing.md (no file)" and broken[1].startswith("#nope (no heading")
 
 
@@ -187,7 +146,6 @@ def test_every_docs_page_the_code_cites_exists():
 # --- (f) the picture is the import graph -----------------------------------------------------------------------------
 
 def test_architecture_picture_is_up_to_date():
-    mk = _make_architecture()
     groups, edges = mk.group_edges()
     written = mk.EDGES.read_text(encoding="utf-8")
     assert written == mk.edge_text(groups, edges), (
@@ -198,7 +156,6 @@ def test_architecture_picture_is_up_to_date():
 
 
 def test_layers_put_every_folder_above_what_it_imports():
-    mk = _make_architecture()
     groups, edges = mk.group_edges()
     layer = mk.layers(groups, edges)
     assert {"models", "data", "kvsplice/core", "kvsplice/cli", "training"} <= set(groups)

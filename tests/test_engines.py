@@ -191,7 +191,7 @@ def test_llama_cpp_equals_ours_and_transformers(exported):
                                                    ("tiny_ds_mha", "llama", 2 * 128)])
 def test_trained_deepseek_layout_runs_unchanged_in_llama_cpp(tmp_path, data_cache, offline, capsys, config, fmt,
                                                              numbers):
-    """Issue 40's goal for the trained family: ``training.fit --config tiny_ds_mla_kvsplice_90`` (a short real run,
+    """The trained family's goal: ``training.fit --config tiny_ds_mla_kvsplice_90`` (a short real run,
     its own trained BPE tokenizer), ``training.export --format deepseek_v3``, llama.cpp's converter (``to_gguf``) —
     no edits — then our cached decode, transformers and llama.cpp give the same 64 greedy tokens, perplexity within
     0.5 %, and llama.cpp's f16 KV bytes per token equal ours (latent 6 + RoPE key 8, 4 layers). The same for the

@@ -1,4 +1,4 @@
-"""vLLM serves the DeepSeek-V3 exports (issue 40, items 2c and 4): padded to the 512 + 64 row its CPU MLA kernel
+"""vLLM serves the DeepSeek-V3 exports: padded to the 512 + 64 row its CPU MLA kernel
 takes, exactly, and the same greedy tokens and perplexity as transformers and ours.
 
 Without vLLM (always run):
@@ -35,7 +35,7 @@ from training import export as ex
 
 V = 97
 KVSPLICE = dict(vocab_size=V, n_layer=2, n_head=4, d_model=32, block_size=64, d_latent=16, bias=False,
-                layout="deepseek_v3", d_ff=88, attention="mla", qk_rope_head_dim=8, kvsplice_ratio=0.25,
+                layout="deepseek_v3", d_ff=88, attention="mla", qk_rope_head_dim=8, kvsplice_keep=0.25,
                 kvsplice_norm=True)
 TEXT = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. " * 4
 
@@ -96,7 +96,7 @@ def test_bad_padding_is_one_line(kvsplice_ckpt, tmp_path, capsys):
         rc = ex.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "x"), "--format", "deepseek_v3", *args])
         err = capsys.readouterr().err.strip()
         assert rc == 2 and len(err.splitlines()) == 1 and want in err, err
-    fields = {**KVSPLICE, "attention": "mha", "kvsplice_ratio": None, "kvsplice_norm": False, "qk_rope_head_dim": 0}
+    fields = {**KVSPLICE, "attention": "mha", "kvsplice_keep": None, "kvsplice_norm": False, "qk_rope_head_dim": 0}
     mha = save_model(GPT(GPTConfig(**fields)), tmp_path / "mha.ckpt")
     rc = ex.main(["--ckpt", str(mha), "--out", str(tmp_path / "y"), "--pad-latent", "512"])
     err = capsys.readouterr().err.strip()

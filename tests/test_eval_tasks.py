@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from hostile import run_tool, s260k  # noqa: F401  (s260k: a fixture)
 from kvsplice.cli import eval_tasks
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -22,13 +23,6 @@ METHODS = ["--method", "int8", "select:observed_attention@x4+int8", "select:kvzi
 
 
 @pytest.fixture(scope="module")
-def s260k(tmp_path_factory) -> str:
-    from kvsplice.convert.llama2c import convert_llama2c
-
-    return str(convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", tmp_path_factory.mktemp("s")))
-
-
-@pytest.fixture(scope="module")
 def s260k_fp(s260k) -> str:
     """The model fingerprint of stories260K (a plan made for it records it)."""
     from kvsplice.adapters import model_fingerprint
@@ -38,9 +32,7 @@ def s260k_fp(s260k) -> str:
 
 
 def _run(argv, capsys):
-    rc = eval_tasks.main([str(a) for a in argv])
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
+    return run_tool(eval_tasks.main, argv, capsys)
 
 
 def test_eval_tasks_table_json_and_resume(s260k, tmp_path, capsys, monkeypatch) -> None:

@@ -20,7 +20,7 @@ def ckpts(tmp_path_factory):
 
     vocab = TinyStoriesDataModule(**data_hp).vocab_size
     out = {}
-    for name, kw in {"mha": dict(attention="mha"), "kvsplice": dict(attention="mla", kvsplice_ratio=0.25)}.items():
+    for name, kw in {"mha": dict(attention="mha"), "kvsplice": dict(attention="mla", kvsplice_keep=0.25)}.items():
         torch.manual_seed(0)
         cfg = GPTConfig(vocab_size=vocab, n_layer=2, n_head=2, d_model=32, block_size=32, d_latent=16, **kw)
         model = GPT(cfg)

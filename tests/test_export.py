@@ -2,7 +2,7 @@
 directory; logits within 1e-5 (fp32) of models.GPT, generate() == GPT.generate, cache bytes == the package's
 formula, left padding, the run's tokenizer, one-line errors.
 
-Hostile inputs (issue 22): nothing a user owns is deleted — not the run folder
+Hostile inputs: nothing a user owns is deleted — not the run folder
 of ``--ckpt`` (``--out RUNDIR --force``), not the parent of ``--out some/dir/..``, not ``.``; a read-only
 destination is one line; checkpoints with NaN / integer / misshapen weights are refused naming the tensor; an MHA
 export of a small vocabulary writes its own end-of-text id, not GPT-2's 50256; ``--force`` replaces exactly an
@@ -31,9 +31,9 @@ V = 97
 BASE = dict(vocab_size=V, n_layer=2, n_head=4, d_model=32, block_size=64, d_latent=16)
 VARIANTS = {
     "mla": dict(attention="mla"),
-    "kvsplice": dict(attention="mla", kvsplice_ratio=0.25),
-    "kvsplice-orthogonal-nobias": dict(attention="mla", kvsplice_ratio=0.5, kvsplice_orthogonal=True, bias=False),
-    "kvsplice-latent-norm": dict(attention="mla", kvsplice_ratio=0.25, latent_norm=True),
+    "kvsplice": dict(attention="mla", kvsplice_keep=0.25),
+    "kvsplice-orthogonal-nobias": dict(attention="mla", kvsplice_keep=0.5, kvsplice_orthogonal=True, bias=False),
+    "kvsplice-latent-norm": dict(attention="mla", kvsplice_keep=0.25, latent_norm=True),
     "gqa": dict(attention="mha", n_kv_head=2),
     "mqa": dict(attention="mha", n_kv_head=1),
 }

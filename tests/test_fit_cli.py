@@ -1,4 +1,4 @@
-"""Issue 14 item 5 (short smoke runs of any config work) and issue 13's structure items: config lookup through
+"""Short smoke runs of any config work; config lookup through
 :class:`models.GPTConfig` relative to the package (any working directory), ``training/fit.py`` a thin entry point over
 ``training/cli.py`` / ``training/loggers.py``."""
 
@@ -28,11 +28,11 @@ def test_gptconfig_from_name_and_file_from_any_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no configs/ here
     assert CONFIG_DIR == REPO / "configs"
     cfg = GPTConfig.from_name("tiny_mla_kvsplice_90")
-    assert (cfg.attention, cfg.kvsplice_ratio, cfg.n_layer, cfg.d_model, cfg.d_latent) == ("mla", 0.1, 4, 128, 64)
+    assert (cfg.attention, cfg.kvsplice_keep, cfg.n_layer, cfg.d_model, cfg.d_latent) == ("mla", 0.1, 4, 128, 64)
     assert GPTConfig.from_name("mla_kvsplice_90.yaml") == GPTConfig.from_name("mla_kvsplice_90")
     assert GPTConfig.from_name("gpt2", vocab_size=50257).vocab_size == 50257
     big = GPTConfig.from_name("mla_kvsplice_70")  # learning_rate, warmup_steps, vocab_multiple... are ignored
-    assert (big.n_layer, big.d_model, big.d_latent, big.kvsplice_ratio) == (12, 768, 256, 0.3)
+    assert (big.n_layer, big.d_model, big.d_latent, big.kvsplice_keep) == (12, 768, 256, 0.3)
     assert config_path("tiny_gpt2") == CONFIG_DIR / "tiny_gpt2.yaml" and "tiny_gpt2" in available_configs()
     assert config_file("tiny_gpt2") == CONFIG_DIR / "tiny_gpt2.yaml"
     with pytest.raises(ConfigNotFoundError, match=r"no_such.*available: ds_mha, .*, gpt2, gpt2_gqa4, gpt2_mqa, mla, .*tiny_mla_kvsplice_90\)"):
@@ -104,9 +104,13 @@ def test_readme_smoke_run_of_a_full_config(tmp_path, data_cache, monkeypatch, ca
     assert rc == 0, err[-3000:]
     assert "note: model.warmup_steps 500 does not fit trainer.max_steps 5: using warmup_steps 0" in err
     assert "note: trainer.val_check_interval 2000 is beyond this run's 10 training batches" in err
+    # the old name on the command line overrides the config's kvsplice_keep: 0.1, with one note
+    assert "note: model.kvsplice_ratio is the old name of kvsplice_keep" in err and "kvsplice_keep: 0.3" in err
     ckpt = load_checkpoint(tmp_path / "mla_kvsplice_90" / "last.ckpt")
     assert ckpt["global_step"] == 5 and ckpt["hyper_parameters"]["warmup_steps"] == 0
-    assert yaml.safe_load((tmp_path / "mla_kvsplice_90" / "config.yaml").read_text())["model"]["warmup_steps"] == 0
+    assert ckpt["hyper_parameters"]["kvsplice_keep"] == ckpt["gpt_config"]["kvsplice_keep"] == 0.3
+    saved = yaml.safe_load((tmp_path / "mla_kvsplice_90" / "config.yaml").read_text())["model"]
+    assert saved["warmup_steps"] == 0 and saved["kvsplice_keep"] == 0.3 and "kvsplice_ratio" not in saved
 
 
 # ------------------------------------------------------------------------------------------------ one-line errors

@@ -1,12 +1,12 @@
 """Resuming ``python -m training.fit`` (``--ckpt_path``) and starting it from weights (``--model.init_from``).
 
-Issue 14, item 2: exact resume. The training loader follows Lightning's stateful-dataloader protocol
+Exact resume. The training loader follows Lightning's stateful-dataloader protocol
 (``state_dict`` / ``load_state_dict``, stored in every checkpoint), so an interrupted and resumed run trains on the same
 batches as an uninterrupted one: the final validation loss (and the weights) match bit for bit, ``metrics.csv`` has
 every step exactly once, killed checkpoint writes leave no temporary files, and the resumed run continues the same W&B
 run id (whatever second each part starts in).
 
-Issue 22 / 31 (hostile inputs): a checkpoint to resume from or to start from whose weights hold NaN, have the wrong
+Hostile inputs: a checkpoint to resume from or to start from whose weights hold NaN, have the wrong
 dtype or names, of another architecture, or truncated, is refused with one line naming it, exit 2, nothing
 overwritten.
 """
@@ -410,3 +410,39 @@ def test_a_bad_checkpoint_is_never_resumed(finished_run, tmp_path, data_cache, o
     line = one_error(rc, capsys.readouterr().err, PROG, expect)
     assert str(last) in line
     assert snapshot(run.parent) == before
+
+
+# ------------------------------------------------------------------------------------------------ earlier formats
+def test_a_checkpoint_of_the_earlier_format_resumes_starts_and_loads(tmp_path, data_cache, monkeypatch, capsys):
+    """A checkpoint written before the kept fraction was renamed (``kvsplice_ratio`` in its ``gpt_config`` and in
+    LitGPT's flat hyper-parameters) still resumes (``--ckpt_path``), starts a new run (``--model.init_from``) and
+    loads (``LitGPT.load_from_checkpoint``, ``load_gpt_checkpoint``) as the same KVSplice-50 model."""
+    from models.checkpoint import load_gpt_checkpoint
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    runs = tmp_path / "runs"
+    common = ["--config", "tiny_mla_kvsplice_50", *TINY, "--runs_dir", str(runs), "--data.cache_dir",
+              str(data_cache), "--wandb.mode", "disabled", "--model.warmup_steps", "1",
+              "--trainer.val_check_interval", "2"]
+    assert main([*common, "--trainer.max_steps", "2"]) == 0, capsys.readouterr().err[-3000:]
+    last = runs / "tiny_mla_kvsplice_50" / "last.ckpt"
+    ckpt = load_checkpoint(last)
+    for d in (ckpt["hyper_parameters"], ckpt[GPT_CONFIG_KEY]):
+        assert d["kvsplice_keep"] == 0.5
+        d["kvsplice_ratio"] = d.pop("kvsplice_keep")  # the earlier format
+    atomic_save(ckpt, last)
+    old = tmp_path / "old.ckpt"
+    atomic_save(ckpt, old)
+
+    model, cfg, _ = load_gpt_checkpoint(old)
+    assert cfg.kvsplice_keep == 0.5 and cfg.variant == "mla_kvsplice_50"
+    lit = LitGPT.load_from_checkpoint(old, weights_only=True)
+    assert lit.config == cfg and all(torch.equal(a, b) for a, b in zip(lit.model.state_dict().values(),
+                                                                        model.state_dict().values()))
+    capsys.readouterr()
+    assert main([*common, "--trainer.max_steps", "4", "--ckpt_path", "last"]) == 0, capsys.readouterr().err[-3000:]
+    assert load_checkpoint(last)["global_step"] == 4
+    assert main([*common, "--trainer.max_steps", "2", "--run_name", "ft", "--model.init_from", str(old)]) == 0, \
+        capsys.readouterr().err[-3000:]
+    assert load_gpt_checkpoint(runs / "ft" / "last.ckpt")[1] == cfg

@@ -1,11 +1,11 @@
 """The run folder of ``python -m training.fit`` (:mod:`training.rundir`).
 
-Issue 14, item 1: re-using a run name never destroys an earlier run. A new run with an existing run name goes to
+Re-using a run name never destroys an earlier run. A new run with an existing run name goes to
 ``NAME-v1`` (``-v2``...), ``--overwrite`` replaces the earlier run, a resume (``--ckpt_path``) continues the directory
 without rewriting its ``config.yaml``, no config ever records ``ckpt_path``, and a failed resume writes nothing. Runs
 are in-process (``training.fit.main``) with tiny shapes and a few steps.
 
-Issue 22 (hostile inputs): two runs started together with the same ``--run_name`` get one folder each (they shared
+Hostile inputs: two runs started together with the same ``--run_name`` get one folder each (they shared
 one: every ``metrics.csv`` row twice, ``last-v1.ckpt``), a resume or ``--overwrite`` of a folder in use is refused, a
 read-only ``--runs_dir`` is one line (was 36 lines of traceback), a refused run leaves no folder or lock behind.
 """

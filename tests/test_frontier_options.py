@@ -120,7 +120,7 @@ def test_presets_and_hf_import_unchanged() -> None:
 # ------------------------------------------------------------------------------------------------- latent norm
 @pytest.mark.parametrize("ratio", [None, 0.5])
 def test_latent_norm_exact_in_absorbed_naive_and_forward(ratio) -> None:
-    absorbed = _model(attention="mla", d_latent=16, latent_norm=True, kvsplice_ratio=ratio, mla_impl="absorb")
+    absorbed = _model(attention="mla", d_latent=16, latent_norm=True, kvsplice_keep=ratio, mla_impl="absorb")
     naive = GPT(absorbed.cfg.replace(mla_impl="naive")).eval()
     naive.load_state_dict(absorbed.state_dict())
     ids = torch.randint(0, 61, (2, 15), generator=torch.Generator().manual_seed(5))

@@ -30,7 +30,7 @@ def frontier():
 
 @pytest.mark.parametrize("kw, per_layer", [(dict(), 2 * 32), (dict(n_kv_head=1), 2 * 8),
                                            (dict(attention="mla", d_latent=12), 12),
-                                           (dict(attention="mla", d_latent=12, kvsplice_ratio=0.5), 6)])
+                                           (dict(attention="mla", d_latent=12, kvsplice_keep=0.5), 6)])
 def test_cache_bytes_from_a_checkpoint(tmp_path: Path, frontier, kw, per_layer) -> None:
     model = GPT(GPTConfig(vocab_size=50, n_layer=3, n_head=4, d_model=32, block_size=64, **kw))
     ckpt = save_model(model, tmp_path / "m.ckpt")

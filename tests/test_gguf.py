@@ -1,6 +1,6 @@
 """GGUF models (:mod:`kvsplice.loading.gguf`) from files cut out of the real SmolLM2-135M-Instruct GGUF: a one-layer file
 holding every tensor of its model loads and generates; a file that lacks some of them is refused in one line
-(issue 31: it loaded with random layers — transformers' missing-weights warning was hidden — and generated text);
+(it loaded with random layers — transformers' missing-weights warning was hidden — and generated text);
 no progress bar reaches stderr (a GGUF error was 2 lines); a folder holding two GGUF files says so."""
 
 from __future__ import annotations

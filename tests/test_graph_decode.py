@@ -13,7 +13,7 @@ VARIANTS = {
     "gqa2": dict(attention="mha", n_kv_head=2),
     "mla_absorb": dict(attention="mla", d_latent=16),
     "mla_naive": dict(attention="mla", d_latent=16, mla_impl="naive"),
-    "kvsplice": dict(attention="mla", d_latent=16, kvsplice_ratio=0.5, latent_norm=True),
+    "kvsplice": dict(attention="mla", d_latent=16, kvsplice_keep=0.5, latent_norm=True),
 }
 
 
@@ -130,7 +130,7 @@ def test_kvsplice_norm_after_compress_cached_equals_full_forward():
     """``kvsplice_norm``: RMSNorm on the compressed latent; the cache holds the normalised vector and absorbed /
     naive decode equal the full forward."""
     for impl in ("absorb", "naive"):
-        model = tiny(attention="mla", d_latent=16, kvsplice_ratio=0.5, kvsplice_norm=True, mla_impl=impl)
+        model = tiny(attention="mla", d_latent=16, kvsplice_keep=0.5, kvsplice_norm=True, mla_impl=impl)
         ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(5))
         with torch.no_grad():
             full = model(ids)

@@ -123,8 +123,8 @@ def test_bad_inputs_are_one_line_exit_2_and_nothing_is_overwritten(s260k, tmp_pa
     assert KVBases.load(files[(4, "post")]).n_layer == 5
 
 
-# ------------------------------------------------------------------------------------------ hostile inputs (issue 22)
-# Hostile inputs to ``python -m kvsplice.generate`` (issue 22): bases with NaN / inf / integer / misshapen tensors
+# ------------------------------------------------------------------------------------------ hostile inputs
+# Hostile inputs to ``python -m kvsplice.generate``: bases with NaN / inf / integer / misshapen tensors
 # and models with NaN weights are refused naming the file and the tensor (they printed empty or garbage text, exit 0),
 # a non-finite temperature is refused (``inf`` sampled uniform noise), a read-only ``--json`` folder and a
 # non-UTF-8 prompt are one line, and an exported remote-code folder is refused at once instead of stopping at

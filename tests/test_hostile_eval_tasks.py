@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hostile import one_error, readonly_dir, snapshot  # noqa: F401  (readonly_dir: a fixture)
+from hostile import one_error, readonly_dir, run_tool, s260k, snapshot  # noqa: F401  (readonly_dir, s260k: fixtures)
 from kvsplice.cli import eval_tasks
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -25,13 +25,6 @@ RUN = ["--method", "int8", "--tasks", "passkey", "--lengths", "160", "--n", "2",
 
 
 @pytest.fixture(scope="module")
-def s260k(tmp_path_factory) -> str:
-    from kvsplice.convert.llama2c import convert_llama2c
-
-    return str(convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", tmp_path_factory.mktemp("s")))
-
-
-@pytest.fixture(scope="module")
 def finished(s260k, tmp_path_factory) -> Path:
     """A complete result: 2 passkey instances, int8 beside the full cache."""
     out = tmp_path_factory.mktemp("r") / "r.json"
@@ -40,9 +33,7 @@ def finished(s260k, tmp_path_factory) -> Path:
 
 
 def _run(argv, capsys):
-    rc = eval_tasks.main([str(a) for a in argv])
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
+    return run_tool(eval_tasks.main, argv, capsys)
 
 
 @pytest.mark.parametrize("change,expect", [

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hostile import one_error, readonly_dir, snapshot  # noqa: F401  (readonly_dir: a fixture)
+from hostile import one_error, readonly_dir, run_tool, snapshot  # noqa: F401  (readonly_dir: a fixture)
 from kvsplice.cli import plan as plan_cli
 
 from benchmarks.harness.paths import CALIB, DATA, STORIES
@@ -32,9 +32,7 @@ def s260k(tmp_path_factory) -> Path:
 
 
 def _run(argv, capsys):
-    rc = plan_cli.main([str(a) for a in argv])
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
+    return run_tool(plan_cli.main, argv, capsys)
 
 
 @pytest.fixture

@@ -14,12 +14,12 @@ from models.config import GPTConfig
 def test_kvsplice_is_a_smaller_mla(norm_after):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=61, n_layer=2, n_head=4, d_model=32, block_size=32, attention="mla", d_latent=16,
-                    kvsplice_ratio=0.5, kvsplice_norm=norm_after)
+                    kvsplice_keep=0.5, kvsplice_norm=norm_after)
     model = GPT(cfg).eval()
     for p in model.parameters():  # away from init: biases and norm weights non-trivial
         p.data.add_(0.05 * torch.randn_like(p))
     mla = kvsplice_as_mla(model)
-    assert (mla.cfg.d_latent, mla.cfg.kvsplice_ratio, mla.cfg.latent_norm) == (8, None, norm_after)
+    assert (mla.cfg.d_latent, mla.cfg.kvsplice_keep, mla.cfg.latent_norm) == (8, None, norm_after)
     ids = torch.randint(0, 61, (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(mla(ids), model(ids), rtol=1e-4, atol=1e-5)
@@ -35,6 +35,6 @@ def test_kvsplice_is_a_smaller_mla(norm_after):
 
 def test_latent_norm_between_is_refused():
     model = GPT(GPTConfig(vocab_size=61, n_layer=1, n_head=2, d_model=16, block_size=8, attention="mla",
-                          d_latent=8, kvsplice_ratio=0.5, latent_norm=True))
+                          d_latent=8, kvsplice_keep=0.5, latent_norm=True))
     with pytest.raises(ValueError, match="latent_norm"):
         kvsplice_as_mla(model)

@@ -1,4 +1,4 @@
-"""llama.cpp's own KV cache types through :class:`kvsplice.convert.engines.llama_cpp.LlamaCppModel` (issue 41, item 5).
+"""llama.cpp's own KV cache types through :class:`kvsplice.convert.engines.llama_cpp.LlamaCppModel`.
 
 Always run: an unknown type and a quantised V without flash attention are one-line errors before llama.cpp is touched;
 ggml's block sizes give q8_0 = 34 and q4_0 = 18 bytes per 32 numbers.

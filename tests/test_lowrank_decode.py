@@ -16,6 +16,7 @@ from models.cache import KVCache
 from kvsplice.lowrank.cache import CoefficientCache
 from kvsplice.report.memory import measure_cache
 from models import GPT, GPTConfig
+from tiny_models import run_schedule
 
 V, T, B = 61, 14, 2
 
@@ -102,17 +103,6 @@ def low_rank_bases(ranks_k, ranks_v, d, rope="post", seed=0):
 
     layers = [[HeadBases(*pair(rk), *pair(rv)) for rk, rv in zip(lk, lv)] for lk, lv in zip(ranks_k, ranks_v)]
     return KVBases(layers, method="random", rope=rope)
-
-
-def run_schedule(dec, ids, sizes):
-    """Feed ``ids`` through a fresh cache in chunks of ``sizes`` (summing to T); concatenated logits + cache."""
-    cache = dec.new_cache(ids.shape[0])
-    outs, s = [], 0
-    for n in sizes:
-        outs.append(dec(ids[:, s:s + n], cache))
-        s += n
-        assert cache.seq_len == s
-    return torch.cat(outs, 1), cache
 
 
 SCHEDULES = {"prefill": [T], "prefill+tokens": [5] + [1] * (T - 5), "chunks": [3, 3, 1, 4, 3]}

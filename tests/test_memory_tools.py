@@ -31,7 +31,7 @@ model:
   block_size: 16
   d_latent: 16
   attention: {attention}
-  kvsplice_ratio: {ratio}
+  kvsplice_keep: {ratio}
   learning_rate: 1.0e-3
   weight_decay: 0.1
 data:
@@ -55,7 +55,7 @@ def tiny_configs(tmp_path):
 def test_truncate_rolls_back_and_reappends():
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=50, n_layer=2, n_head=2, d_model=16, block_size=32, d_latent=8, attention="mla",
-                    kvsplice_ratio=0.5)
+                    kvsplice_keep=0.5)
     model = GPT(cfg).eval()
     idx = torch.randint(0, 50, (2, 12))
     with torch.no_grad():
@@ -78,7 +78,7 @@ def test_truncate_rolls_back_and_reappends():
 
 
 def test_memory_helpers():
-    cfg = GPTConfig(n_layer=12, d_model=768, attention="mla", d_latent=256, kvsplice_ratio=0.1)
+    cfg = GPTConfig(n_layer=12, d_model=768, attention="mla", d_latent=256, kvsplice_keep=0.1)
     assert mha_cache_bytes(cfg, 1024, "fp16") == 36 * 2**20
     assert cache_bytes_formula(cfg, 1024, "fp16") == 1024 * 12 * 26 * 2
     assert sequences_in_budget(10, 3) == 3 and sequences_in_budget(2, 3) == 0
@@ -87,7 +87,7 @@ def test_memory_helpers():
 # ------------------------------------------------------------------------------------------ verify_memory
 def test_named_config_ignores_non_model_keys(tmp_path):
     cfg = io_configs.named_config(str(write_tiny(tmp_path, "a", ratio=0.25)))[1]
-    assert (cfg.n_layer, cfg.d_model, cfg.kvsplice_ratio, cfg.vocab_size) == (2, 32, 0.25, 50304)
+    assert (cfg.n_layer, cfg.d_model, cfg.kvsplice_keep, cfg.vocab_size) == (2, 32, 0.25, 50304)
     p = tmp_path / "b.yaml"  # LightningCLI class_path / init_args form
     p.write_text("model:\n  class_path: training.lit.LitGPT\n  init_args:\n    n_layer: 3\n    attention: mla\n"
                  "    lr: 0.1\noptimizer:\n  lr: 1\n")

@@ -12,7 +12,7 @@ from models.attention import attend, causal_mask, select_backend
 VARIANTS = {
     "mha": dict(attention="mha"),
     "mla": dict(attention="mla"),
-    "kvsplice": dict(attention="mla", kvsplice_ratio=0.3),
+    "kvsplice": dict(attention="mla", kvsplice_keep=0.3),
 }
 
 
@@ -210,7 +210,7 @@ def test_presets_124m_shapes():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("attention", "gqa"), ("kvsplice_ratio", 1.0), ("kvsplice_ratio", 0.0), ("kvsplice_ratio", -0.2),
+    ("attention", "gqa"), ("kvsplice_keep", 1.0), ("kvsplice_keep", 0.0), ("kvsplice_keep", -0.2), ("kvsplice_ratio", 1.0),
     ("n_head", 5), ("dropout", 1.5), ("attn_backend", "xformers"), ("mla_impl", "fast"), ("d_latent", 0),
     ("block_size", "64"),
 ])
@@ -222,8 +222,8 @@ def test_bad_config_names_field(field, value):
 
 
 def test_kvsplice_needs_mla():
-    with pytest.raises(ValueError, match="kvsplice_ratio"):
-        GPTConfig(attention="mha", kvsplice_ratio=0.5)
+    with pytest.raises(ValueError, match="kvsplice_keep"):
+        GPTConfig(attention="mha", kvsplice_keep=0.5)
 
 
 def test_backend_selection_logic():

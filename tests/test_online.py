@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tiny_models import sharpen as _sharpen
+from tiny_models import run_schedule, sharpen as _sharpen
 
 from kvsplice.lowrank.bases import HeadBases, KVBases
 from kvsplice.adapters.capture import extract_qkv
@@ -74,15 +74,6 @@ def _ids(b=2, t=T, seed=0):
     return torch.randint(0, V, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
-def _feed(dec, ids, sizes):
-    cache = dec.new_cache(ids.shape[0])
-    outs, s = [], 0
-    for n in sizes:
-        outs.append(dec(ids[:, s:s + n], cache))
-        s += n
-    return torch.cat(outs, 1), cache
-
-
 def _assert_bounds(diag, what):
     for l, d in enumerate(diag):
         assert d["holds"], (what, l, d)
@@ -115,7 +106,7 @@ def test_full_rank_tau0_reproduces_the_model(models, name):
     for opts in EXACT_OPTS:
         dec = OnlineDecoder(model, rank_k=d, rank_v=d, tau_k=0.0, tau_v=0.0, **opts)
         for sizes in ([t], [5] + [1] * (t - 5), [3, 6, 1, 4, 2]):
-            out, cache = _feed(dec, ids, sizes)
+            out, cache = run_schedule(dec, ids, sizes)
             assert cache.seq_len == t and isinstance(cache, ChunkedCache)
             torch.testing.assert_close(out, ref, atol=1e-4, rtol=0, msg=lambda m: f"{name} {opts} {sizes}: {m}")
 
@@ -126,8 +117,8 @@ def test_low_rank_stores_coefficients_and_prefill_equals_decode(models):
     model = models["llama"]
     ids = _ids()
     dec = OnlineDecoder(model, rank_k=3, rank_v=2, tau_k=2.0, tau_v=2.0, max_chunk_len=8, warmup=4)
-    full, cache = _feed(dec, ids, [T])
-    steps, _ = _feed(dec, ids, [4] + [1] * (T - 4))
+    full, cache = run_schedule(dec, ids, [T])
+    steps, _ = run_schedule(dec, ids, [4] + [1] * (T - 4))
     torch.testing.assert_close(steps, full, atol=1e-4, rtol=0)
     assert (reference_logits(model, ids) - full).abs().max() > 1e-2  # really approximate
     per_head = (T - 4) * (3 + 2) + 4 * (8 + 8)
@@ -311,7 +302,7 @@ def test_eval_bases_cli_fd_online_and_diagnostics(stories, tmp_path, capsys):
     rc = eval_bases.main(common + ["--method", "fd-online", "--rank", "3", "--max-chunk-len", "16", "--fd-decay",
                                    "0.9", "--diagnostics", "--json", str(tmp_path / "fd.json")])
     text = capsys.readouterr().out
-    assert rc == 0 and "fd-online r=3/3 L=16 γ=0.9" in text and "§3.5 bounds" in text
+    assert rc == 0 and "fd-online r=3/3 L=16 γ=0.9" in text and "vs their bounds" in text
     r = json.loads((tmp_path / "fd.json").read_text())["results"][0]
     assert r["method"] == "fd-online" and r["cache"]["bytes_match"] and math.isfinite(r["ppl"])
     br = r["cache"]["per_sequence_breakdown"]

@@ -61,7 +61,7 @@ def test_compile_option_trains_and_keeps_state_dict_names():
 
 
 @pytest.mark.parametrize("kw", [dict(attention="mha"), dict(attention="mla", d_latent=16, latent_norm=True),
-                                dict(attention="mla", d_latent=16, kvsplice_ratio=0.1, latent_norm=True)],
+                                dict(attention="mla", d_latent=16, kvsplice_keep=0.1, latent_norm=True)],
                          ids=["mha", "mla", "kvsplice90"])
 def test_training_forward_compiles_without_graph_break(kw):
     """The kernel choice is resolved at construction: ``torch.compile(fullgraph=True)`` (which raises on any graph
@@ -83,7 +83,7 @@ def test_splice_lr_mult_groups_and_kvsplice_norm_trains():
 
     torch.manual_seed(0)
     lit = LitGPT(vocab_size=37, n_layer=1, n_head=2, d_model=32, block_size=16, attention="mla", d_latent=16,
-                 kvsplice_ratio=0.5, kvsplice_norm=True, learning_rate=1e-2, warmup_steps=0, splice_lr_mult=10.0)
+                 kvsplice_keep=0.5, kvsplice_norm=True, learning_rate=1e-2, warmup_steps=0, splice_lr_mult=10.0)
     groups = {g["name"]: g for g in param_groups(lit.model, 0.1, splice_lr=0.1)}
     assert groups["splice_decay"]["lr"] == 0.1 and len(groups["splice_decay"]["params"]) == 2
     assert not any(".splice." in n for n, p in lit.model.named_parameters()

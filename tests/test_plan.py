@@ -172,7 +172,7 @@ def test_rank_key_orders_by_the_objective():
     assert min([*rows, skipped], key=rank_key("tasks")) is rows[2]
 
 
-# ------------------------------------------------------------------------------------------ hostile plans (issue 31)
+# ------------------------------------------------------------------------------------------ hostile plans
 def one_line(capsys, prog: str, needle: str = "") -> str:
     err = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.strip()]
     assert len(err) == 1 and err[0].startswith(f"{prog_of(prog)}: error:") and needle in err[0], err

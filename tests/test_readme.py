@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from doc_links import LINK, anchors, broken_links, links
 from tiny_models import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = [README, ROOT / "docs" / "results.md", ROOT / "docs" / "reference.md"]
-LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 QUICK_START = [
     'pip install torch==2.13.0 && pip install -e ".[dev]"',
     "python -m training.fit --config tiny_mla_kvsplice_90",
@@ -30,29 +30,6 @@ def figure():
     return load_benchmark("readme_figure")
 
 
-def _text_outside_code(md: str) -> str:
-    """``md`` without fenced blocks and inline code (links there are examples, not links)."""
-    md = re.sub(r"```.*?```", "", md, flags=re.S)
-    return re.sub(r"`[^`\n]*`", "", md)
-
-
-def _slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation dropped (hyphens and underscores kept), spaces to '-'."""
-    text = re.sub(r"`|\*\*|\*", "", heading.strip().lower())
-    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
-    text = re.sub(r"[^\w\- ]", "", text)
-    return text.replace(" ", "-")
-
-
-def _anchors(path: Path) -> set[str]:
-    md = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
-    return {_slug(m.group(1)) for m in re.finditer(r"^#{1,6}\s+(.+?)\s*#*\s*$", md, flags=re.M)}
-
-
-def _links(path: Path) -> list[str]:
-    return [m.group(1) for m in LINK.finditer(_text_outside_code(path.read_text(encoding="utf-8")))]
-
-
 def test_readme_is_short():
     size = len(README.read_bytes())  # what `wc -c README.md` counts
     assert size <= 8000, f"README.md is {size} bytes; the front page stays <= 8,000 (move detail to docs/)"
@@ -61,18 +38,8 @@ def test_readme_is_short():
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_relative_links_resolve(doc):
     """Every relative link and image target exists in the repository; a #fragment names a heading of its file."""
-    links = _links(doc)
-    assert links, f"{doc.name}: no links found (the pattern broke?)"
-    broken = []
-    for target in links:
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
-            continue
-        path, _, fragment = target.partition("#")
-        file = (doc.parent / path).resolve() if path else doc
-        if not file.is_relative_to(ROOT) or not file.exists():
-            broken.append(f"{target} (no file {file})")
-        elif fragment and file.suffix == ".md" and fragment not in _anchors(file):
-            broken.append(f"{target} (no heading #{fragment} in {file.relative_to(ROOT)})")
+    assert links(doc), f"{doc.name}: no links found (the pattern broke?)"
+    broken = broken_links(doc)
     assert not broken, f"{doc.relative_to(ROOT)}: broken links: {broken}"
 
 
@@ -80,12 +47,12 @@ def test_link_check_catches_a_broken_link(tmp_path):
     """The checker itself: a missing file and a missing heading are both found."""
     md = tmp_path / "x.md"
     md.write_text("# Title\n\n[a](missing.md) ![b](figures/none.png) [c](#title) [d](#nope) `[e](code.md)`\n")
-    assert _links(md) == ["missing.md", "figures/none.png", "#title", "#nope"]
-    assert "title" in _anchors(md) and "nope" not in _anchors(md)
+    assert links(md) == ["missing.md", "figures/none.png", "#title", "#nope"]
+    assert "title" in anchors(md) and "nope" not in anchors(md)
 
 
 def test_readme_has_a_figure():
-    images = [t for t in _links(README) if LINK.search(f"![x]({t})") and t.endswith(".png")]
+    images = [t for t in links(README) if LINK.search(f"![x]({t})") and t.endswith(".png")]
     assert images, "README.md shows no committed PNG"
     for image in images:
         assert (ROOT / image).is_file()
@@ -117,7 +84,7 @@ def test_every_figure_names_its_command():
     """Each image shown in the README / results doc is made by a command named in that doc."""
     for doc in DOCS[:2]:
         text = doc.read_text(encoding="utf-8")
-        for target in _links(doc):
+        for target in links(doc):
             if target.endswith("figures/overview.png"):
                 assert "python benchmarks/readme_figure.py" in text, doc.name
 
@@ -128,7 +95,7 @@ def test_figure_script_runs_on_the_committed_results(figure, tmp_path):
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
     # the README shows the file this script writes by default
-    assert figure.OUT.relative_to(ROOT).as_posix() in _links(README)
+    assert figure.OUT.relative_to(ROOT).as_posix() in links(README)
 
 
 def test_figure_script_as_a_command(tmp_path):

@@ -194,7 +194,7 @@ def test_a_spec_is_checked_before_it_is_built(tmp_path):
 
 
 def test_a_dict_spec_may_name_an_alias(tmp_path):
-    """``{"name": "int8"}`` was refused as "unknown method 'int8' ... known: ..., int8, ..." (issue 42): a dict
+    """``{"name": "int8"}`` was refused as "unknown method 'int8' ... known: ..., int8, ...": a dict
     naming an alias is the alias's spec, its own arguments over it — in a spec file and nested as a store."""
     from kvsplice.core.registry import check_spec, load_spec
 

@@ -1,5 +1,5 @@
 """The files a method spec names are inputs of the run (:mod:`kvsplice.core.spec_files`, :class:`SpecArgs` in
-:mod:`kvsplice.io.outputs`; issue 42): with ``--force``, ``--json`` / ``--out`` / ``--md`` naming the bases file of
+:mod:`kvsplice.io.outputs`): with ``--force``, ``--json`` / ``--out`` / ``--md`` naming the bases file of
 ``--method lowrank:B`` (or ``plan --stores lowrank:B``), a ``--method spec.json`` itself, a bases file that spec names,
 or the plan of ``eval_tasks --method plan:P`` replaced that file. Each is now one ``PROG: error: ...`` line, exit 2,
 and the file is left byte-identical — refused before any model loads."""
@@ -115,7 +115,7 @@ def test_rebased_names_a_spec_files_files_from_the_working_directory(tmp_path, m
 
 
 def test_plan_store_specs_read_a_spec_file_relative_to_its_folder(d):
-    """``plan --stores spec.json`` was refused though ``--method`` takes ``.json`` specs everywhere (issue 42)."""
+    """``plan --stores spec.json`` was refused though ``--method`` takes ``.json`` specs everywhere."""
     (d / "specs" / "store.json").write_text(json.dumps({"name": "lowrank", "bases": "inner.safetensors",
                                                         "cache_quant": "int8"}))
     (d / "specs" / "int8.json").write_text(json.dumps({"name": "int8"}))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hostile import one_error
+from hostile import one_error, run_tool, s260k  # noqa: F401  (s260k: a fixture)
 from kvsplice.cli import eval_tasks
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -33,13 +33,6 @@ def _argv(**change) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def s260k(tmp_path_factory) -> str:
-    from kvsplice.convert.llama2c import convert_llama2c
-
-    return str(convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", tmp_path_factory.mktemp("s")))
-
-
-@pytest.fixture(scope="module")
 def finished(s260k, tmp_path_factory) -> Path:
     """A finished run (2 passkey instances, agnostic, int8 beside the full cache, --stories TEXTS[0])."""
     out = tmp_path_factory.mktemp("r") / "r.json"
@@ -48,9 +41,7 @@ def finished(s260k, tmp_path_factory) -> Path:
 
 
 def _run(argv, capsys):
-    rc = eval_tasks.main([str(a) for a in argv])
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
+    return run_tool(eval_tasks.main, argv, capsys)
 
 
 def _copy(finished: Path, tmp_path: Path) -> Path:

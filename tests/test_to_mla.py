@@ -181,7 +181,7 @@ def test_cli_convert_and_finetune(tmp_path: Path, mha_ckpt: Path, data_cache: Pa
     bad = [a if a != "tiny_mla_kvsplice_50" else "tiny_mla" for a in args]
     assert fit([*bad, "--run_name", "bad"]) == 2
     err = capsys.readouterr().err
-    assert "model.init_from" in err and "kvsplice_ratio" in err and "--model.kvsplice_ratio 0.5" in err
+    assert "model.init_from" in err and "kvsplice_keep" in err and "--model.kvsplice_keep 0.5" in err
 
 
 @pytest.mark.parametrize("args, msg", [
@@ -214,8 +214,8 @@ def test_save_model_roundtrip(tmp_path: Path) -> None:
     assert torch.equal(model(ids), mla(ids))
 
 
-# ------------------------------------------------------------------------------ inputs and outputs (issue 22)
-# Hostile inputs to ``python -m kvsplice.to_mla`` (issue 22): ``--out`` never replaces an input (the same path, a
+# ------------------------------------------------------------------------------ inputs and outputs
+# Hostile inputs to ``python -m kvsplice.to_mla``: ``--out`` never replaces an input (the same path, a
 # symlink, a hard link, another spelling; ``--json`` too), errors exit 2 in one line (a read-only destination
 # included), source checkpoints with NaN / integer weights are refused naming the tensor, and the temporary file a
 # killed run left beside ``--out`` is removed by the next run.

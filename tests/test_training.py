@@ -77,19 +77,82 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ unit tests
-def test_litgpt_arguments_mirror_gptconfig():
-    """Every GPTConfig field is a LitGPT argument with the same default (so --model.<field> always works)."""
+def test_litgpt_takes_one_gptconfig_and_the_cli_its_fields_flat(capsys):
+    """``LitGPT(config, ...)`` takes one GPTConfig (no field repeated in its signature); the command line still has
+    every GPTConfig field as ``--model.<field>`` with the dataclass's default, beside the training options, and the
+    flat form builds the same module."""
+    from training.fit import main
+
     params = inspect.signature(LitGPT.__init__).parameters
-    for f in dataclasses.fields(GPTConfig):
-        assert f.name in params, f"LitGPT lacks GPTConfig field {f.name}"
-        assert params[f.name].default == f.default, f.name
+    fields = dataclasses.fields(GPTConfig)
+    assert "config" in params and not {f.name for f in fields} & set(params)
+    assert main(["--config", "tiny_gpt2", "--print_config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)["model"]
+    for f in fields:
+        if f.name != "vocab_size":  # linked from the data module's tokenizer
+            default = GPTConfig.from_name("tiny_gpt2").to_dict()[f.name]
+            assert printed[f.name] == default, f.name
+    assert printed["learning_rate"] == 2e-3 and "config" not in printed
+    cfg = GPTConfig(vocab_size=50, n_layer=1, n_head=2, d_model=32, block_size=16, attention="mla", d_latent=16,
+                    kvsplice_keep=0.5)
+    torch.manual_seed(0)
+    one = LitGPT(cfg, learning_rate=1e-3)
+    torch.manual_seed(0)
+    flat = LitGPT(**cfg.to_dict(), learning_rate=1e-3)
+    assert one.config == flat.config == cfg and dict(one.hparams) == dict(flat.hparams)
+    assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), flat.state_dict().values()))
+    with pytest.raises(TrainingConfigError, match="a config or its fields, not both"):
+        LitGPT(cfg, n_layer=2)
+
+
+def test_the_old_key_kvsplice_ratio_is_read_as_kvsplice_keep(tmp_path):
+    """``kvsplice_ratio`` (a kept fraction, while "ratio" elsewhere means "times smaller") is now ``kvsplice_keep``;
+    the old name still works everywhere, with a warning, and is never written."""
+    new = GPTConfig(attention="mla", kvsplice_keep=0.1)
+    with pytest.warns(DeprecationWarning, match="kvsplice_ratio is the old name of kvsplice_keep"):
+        assert GPTConfig(attention="mla", kvsplice_ratio=0.1) == new
+    with pytest.warns(DeprecationWarning):
+        assert new.kvsplice_ratio == 0.1 and new.replace(kvsplice_ratio=None).kvsplice_keep is None
+    assert dataclasses.replace(new, kvsplice_keep=0.5).kvsplice_keep == 0.5  # the new name wins over the old
+    assert new.variant == "mla_kvsplice_90" and new.d_compressed == 26 and "kvsplice_ratio" not in new.to_dict()
+    assert GPTConfig.from_dict({"attention": "mla", "kvsplice_ratio": 0.1}) == new  # a stored dict: read silently
+    with pytest.raises(ValueError, match="give only kvsplice_keep"):
+        GPTConfig.from_dict({"attention": "mla", "kvsplice_ratio": 0.1, "kvsplice_keep": 0.5})
+    old = tmp_path / "old.yaml"
+    old.write_text("model:\n  attention: mla\n  kvsplice_ratio: 0.1\n  learning_rate: 0.1\n")
+    with pytest.warns(FutureWarning, match="old.yaml: kvsplice_ratio is the old name of kvsplice_keep"):
+        assert GPTConfig.from_file(old) == new
+    assert set(new.architecture()) == {f.name for f in dataclasses.fields(GPTConfig)} - {
+        "dropout", "attn_backend", "mla_impl", "decode_kernel", "cache_quant"}
+
+
+def test_a_config_file_with_the_old_key_trains_and_saves_the_new_one(tmp_path, data_cache, monkeypatch, capsys):
+    from training.fit import main
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    text = (CONFIG_DIR / "tiny_mla_kvsplice_90.yaml").read_text()
+    assert "  kvsplice_keep: 0.1" in text
+    old = tmp_path / "mine.yaml"
+    old.write_text(text.replace("  kvsplice_keep: 0.1", "  kvsplice_ratio: 0.1"))
+    rc = main(["--config", str(old), *TINY, "--trainer.max_steps", "1", "--runs_dir", str(tmp_path / "runs"),
+               "--data.cache_dir", str(data_cache), "--wandb.mode", "disabled"])
+    err = capsys.readouterr().err
+    assert rc == 0, err[-3000:]
+    assert err.count("note: model.kvsplice_ratio is the old name of kvsplice_keep") == 1
+    run = tmp_path / "runs" / "mine"
+    saved = yaml.safe_load((run / "config.yaml").read_text())["model"]
+    assert saved["kvsplice_keep"] == 0.1 and "kvsplice_ratio" not in saved
+    assert load_gpt_checkpoint(run / "last.ckpt")[1].d_compressed == 3  # round(32 * 0.1): TINY's d_latent 32
 
 
 def test_vocab_padding_and_config_errors():
     lit = LitGPT(vocab_size=50257, n_layer=1, n_head=2, d_model=32, block_size=16, vocab_multiple=64)
     assert lit.config.vocab_size == 50304
-    with pytest.raises(TrainingConfigError, match="model.kvsplice_ratio"):
-        LitGPT(vocab_size=50, n_layer=1, n_head=2, d_model=32, block_size=16, kvsplice_ratio=0.3)  # needs mla
+    with pytest.raises(TrainingConfigError, match="model.kvsplice_keep"):
+        LitGPT(vocab_size=50, n_layer=1, n_head=2, d_model=32, block_size=16, kvsplice_keep=0.3)  # needs mla
+    with pytest.raises(TrainingConfigError, match="model.kvsplice_ratio"):  # the name the user gave
+        LitGPT(vocab_size=50, n_layer=1, n_head=2, d_model=32, block_size=16, kvsplice_ratio=0.3)
     with pytest.raises(TrainingConfigError, match="model.learning_rate"):
         LitGPT(vocab_size=50, n_layer=1, n_head=2, d_model=32, block_size=16, learning_rate=0.0)
 
@@ -110,7 +173,7 @@ def test_lr_schedule_warmup_then_cosine():
 @pytest.mark.parametrize("orthogonal", [False, True])
 def test_param_groups(orthogonal):
     lit = LitGPT(vocab_size=50, n_layer=2, n_head=2, d_model=32, block_size=16, attention="mla", d_latent=16,
-                 kvsplice_ratio=0.5, kvsplice_orthogonal=orthogonal)
+                 kvsplice_keep=0.5, kvsplice_orthogonal=orthogonal)
     decay, no_decay = param_groups(lit.model, 0.1)
     names = {id(p): n for n, p in lit.model.named_parameters()}
     decay_names = {names[id(p)] for p in decay["params"]}
@@ -149,7 +212,7 @@ def _trainer(**kw):
 def test_training_changes_kvsplice_weights(orthogonal):
     torch.manual_seed(0)
     lit = LitGPT(vocab_size=37, n_layer=2, n_head=2, d_model=32, block_size=16, attention="mla", d_latent=16,
-                 kvsplice_ratio=0.3, kvsplice_orthogonal=orthogonal, learning_rate=3e-3, warmup_steps=2)
+                 kvsplice_keep=0.3, kvsplice_orthogonal=orthogonal, learning_rate=3e-3, warmup_steps=2)
     splice = lit.model.transformer.h[0].attn.splice
     before = {k: v.clone() for k, v in lit.model.state_dict().items() if ".splice." in k}
     c0, e0 = splice.compress_weight().detach().clone(), splice.expand_weight().detach().clone()
@@ -206,14 +269,14 @@ ATTN = {"gpt2": ("mha", None), "mla": ("mla", None), "mla_kvsplice_50": ("mla", 
 def test_configs_differ_only_in_attention(prefix):
     loaded = {n: yaml.safe_load((CONFIG_DIR / f"{prefix}{n}.yaml").read_text()) for n in FULL}
     for n, cfg in loaded.items():
-        assert (cfg["model"]["attention"], cfg["model"]["kvsplice_ratio"]) == ATTN[n]
+        assert (cfg["model"]["attention"], cfg["model"]["kvsplice_keep"]) == ATTN[n]
         text = (CONFIG_DIR / f"{prefix}{n}.yaml").read_text()
         assert text.startswith("#") and f"python -m training.fit --config {prefix}{n}" in text
     stripped = []
     for cfg in loaded.values():
         cfg = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
         attention = cfg["model"].pop("attention")
-        cfg["model"].pop("kvsplice_ratio")
+        cfg["model"].pop("kvsplice_keep")
         # the 124M MLA configs normalise the latent (the frontier study's default); the tiny ones keep the recorded run
         assert cfg["model"].pop("latent_norm", False) is (attention == "mla" and prefix == "")
         stripped.append(cfg)
@@ -238,7 +301,7 @@ def test_small_configs_differ_only_in_attention():
     for name, (attention, kv, ratio, latent) in SMALL.items():
         cfg = yaml.safe_load((CONFIG_DIR / f"{name}.yaml").read_text())
         m = cfg["model"]
-        got = (m.pop("attention"), m.pop("n_kv_head", None), m.pop("kvsplice_ratio", None), m.pop("d_latent"))
+        got = (m.pop("attention"), m.pop("n_kv_head", None), m.pop("kvsplice_keep", None), m.pop("d_latent"))
         assert got == (attention, kv, ratio, latent), name
         assert m.pop("latent_norm") is (attention == "mla")
         stripped.append(cfg)
@@ -272,7 +335,8 @@ def test_fit_resume_and_checkpoints(tmp_path, data_cache):
     if HAVE_WANDB:  # a declared dependency; an environment without it (a bare GPU image) runs the rest
         assert list((run / "wandb").glob("offline-run-*")), "no offline W&B run"
     saved = yaml.safe_load((run / "config.yaml").read_text())
-    assert saved["model"]["kvsplice_ratio"] == 0.3 and saved["trainer"]["max_steps"] == 30
+    assert saved["model"]["kvsplice_keep"] == 0.3 and saved["trainer"]["max_steps"] == 30
+    assert "kvsplice_ratio" not in saved["model"]  # the old name is read, never written
 
     rows = read_metrics(run)
     val = column(rows, "val_loss")
@@ -413,6 +477,7 @@ def test_cli_errors_subprocess(tmp_path, data_cache):
     ("warmup >= max_steps", ["--model.warmup_steps", "5"], "warmup_steps"),
     ("no max_steps", ["--trainer.max_steps", "-1"], "max_steps"),
     ("kvsplice without mla", ["--model.kvsplice_ratio", "0.3"], "model.kvsplice_ratio"),
+    ("kvsplice_keep without mla", ["--model.kvsplice_keep", "0.3"], "model.kvsplice_keep"),
     ("missing config", ["--config", "no_such_config"], "no_such_config"),
     ("missing data path", ["--data.synthetic", "false", "--data.path", "/nonexistent/stories.txt",
                            "--data.tokenizer_path", "TOKENIZER"], "data.path='/nonexistent/stories.txt'"),

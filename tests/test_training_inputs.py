@@ -1,4 +1,4 @@
-"""Issue 14, items 3, 4 and 6: bad input of every kind gives one ``PROG: error:`` line, exit status 2, no traceback, and
+"""Bad input of every kind gives one ``PROG: error:`` line, exit status 2, no traceback, and
 overwrites nothing — for ``python -m training.fit`` (66 inputs) and ``python -m training.evaluate`` (20 inputs); garbage
 and empty text files are refused by :func:`data.sources.check_text_file` (used by the data module and by everything that
 lists story files).
@@ -163,6 +163,9 @@ BAD_FIT = [
     ("d_latent > d_model", ["--model.attention", "mla", "--model.d_latent", "128"], "model.d_latent"),
     ("kvsplice_ratio 1.5", ["--model.attention", "mla", "--model.kvsplice_ratio", "1.5"], "model.kvsplice_ratio"),
     ("kvsplice without mla", ["--model.kvsplice_ratio", "0.3"], "model.kvsplice_ratio"),
+    ("kvsplice_keep 1.5", ["--model.attention", "mla", "--model.kvsplice_keep", "1.5"], "model.kvsplice_keep"),
+    ("kvsplice_keep 0", ["--model.attention", "mla", "--model.kvsplice_keep", "0"], "model.kvsplice_keep"),
+    ("kvsplice_keep without mla", ["--model.kvsplice_keep", "0.3"], "model.kvsplice_keep"),
     ("negative lr", ["--model.learning_rate", "-1"], "model.learning_rate"),
     ("zero lr", ["--model.learning_rate", "0"], "model.learning_rate"),
     ("negative weight decay", ["--model.weight_decay", "-0.1"], "model.weight_decay"),

@@ -108,6 +108,18 @@ def tiny_family(family: str, *, window: int | None = None, seed: int = 0, partia
     return model
 
 
+def run_schedule(dec, ids, sizes):
+    """Feed ``ids`` ``(B, T)`` through a fresh cache of the decoder ``dec`` in chunks of ``sizes`` (summing to T),
+    checking the cache's length after each; returns the concatenated logits ``(B, T, V)`` and the cache."""
+    cache = dec.new_cache(ids.shape[0])
+    outs, s = [], 0
+    for n in sizes:
+        outs.append(dec(ids[:, s:s + n], cache))
+        s += n
+        assert cache.seq_len == s
+    return torch.cat(outs, 1), cache
+
+
 def load_benchmark(name: str):
     """The script ``benchmarks/<name>.py`` as the module ``benchmarks.<name>`` (the repository is on the tests'
     ``sys.path``: pyproject's ``pythonpath``)."""

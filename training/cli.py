@@ -4,7 +4,10 @@
   ``--run_name``, ``--runs_dir``, ``--ckpt_path``, ``--overwrite``, ``--wandb.*`` and ``--torch_threads``; places the run
   with :func:`training.rundir.plan_run` (never into an earlier run's directory); shortens the warmup (and the
   validation interval) of short smoke runs; logs to W&B (offline by default) + ``metrics.csv``; checkpoints
-  atomically to the run directory.
+  atomically to the run directory. Its ``model:`` section is flat: :class:`models.GPTConfig`'s fields beside LitGPT's
+  training options (old key names read with a note). Without ``--torch_threads`` a CPU run uses the cores other
+  processes leave free (:mod:`training.threads`). Ctrl-C is one ``PROG: interrupted`` line and exit status 130
+  (:func:`interrupts_end_the_fit`); a run that never took a step leaves no folder it created.
 * :class:`RunFiles` — the run directory's files: removes stale temporary files (and, with ``--overwrite``, the
   earlier run's files) when training is about to start, writes ``config.yaml`` / ``wandb_id.txt`` when it starts
   (never for a resume that fails), trims ``metrics.csv`` to the resumed step, flushes it at every checkpoint.
@@ -16,10 +19,13 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -27,10 +33,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from data import TinyStoriesDataModule
+from models.config import OLD_NAMES, old_name_note
 from training.lit import LitGPT, check_schedule
 from training.checkpoint import CheckpointError, remove_stale_temp_files, safe_checkpoint_io
 from training.loggers import RunCSVLogger
 from training.rundir import WANDB_ID_FILE, CLIConfigError, RunPlan, clear_run_files, place_run
+from training.threads import CpuSample, cpu_sample, pick_threads
 
 __all__ = ["KVSpliceCLI", "RunFiles", "WandbSettings", "shorten_schedule"]
 
@@ -110,6 +118,62 @@ def check_values(cfg: Any) -> None:
         raise bad("log_every_n_steps", v, "an integer >= 0")
 
 
+def note_old_model_keys(cfg: Any, on_command_line: Callable[[str], bool]) -> None:
+    """One note per ``model.<old name>`` given (:data:`models.config.OLD_NAMES`, e.g. ``kvsplice_ratio``). The model
+    reads it as the new name; an old name on the command line overrides the config file's new one, otherwise the new
+    name wins. Errors name the key as the user gave it. ``on_command_line("--model.X")``: whether argv holds it."""
+    model = cfg.get("model") or {}
+    for old, new in OLD_NAMES.items():
+        value = model.get(old)
+        if value is None:
+            continue
+        if on_command_line(f"--model.{old}") and not on_command_line(f"--model.{new}"):
+            model[new] = None  # e.g. --model.kvsplice_ratio 0.3 over a config's kvsplice_keep: 0.1
+        if model.get(new) is None:
+            note(f"model.{old_name_note(old, value)}")
+        elif model[new] != value:
+            note(f"model.{old} {value} ignored: model.{new} {model[new]} is given (model.{old} is its old name)")
+
+
+def without_old_model_keys(cfg: Any) -> Any:
+    """``cfg`` (a copy) with ``model.<old name>`` moved to the new name: what a saved config holds."""
+    cfg = cfg.clone()
+    model = cfg.get("model")
+    for old, new in OLD_NAMES.items():
+        if model is not None and old in model:
+            value = model.pop(old)
+            if model.get(new) is None:
+                model[new] = value
+    return cfg
+
+
+class FitInterrupted(BaseException):
+    """Ctrl-C inside ``trainer.fit`` (raised by :func:`interrupts_end_the_fit`'s handler). Not a
+    ``KeyboardInterrupt``, which Lightning answers with its own shutdown lines and ``sys.exit(1)``: Lightning tears
+    the run down as for any error and re-raises it; :meth:`KVSpliceCLI.fit` turns it back into ``KeyboardInterrupt``
+    (one ``PROG: interrupted`` line, exit status 130)."""
+
+
+@contextmanager
+def interrupts_end_the_fit():
+    """While the block runs, SIGINT raises :class:`FitInterrupted` (on the main thread, where Python runs signal
+    handlers, when SIGINT has Python's default handler); the previous handler is back afterwards, also after
+    Lightning set SIGINT to ``SIG_IGN`` during its shutdown."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+
+    def interrupted(signum: int, frame: Any) -> None:
+        raise FitInterrupted()
+
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class RunFiles(SaveConfigCallback):
     """Writes the run directory's own files at the right moments (rank 0). See the module docstring.
 
@@ -126,6 +190,8 @@ class RunFiles(SaveConfigCallback):
         super().__init__(parser, config, save_to_log_dir=False, overwrite=True, **kwargs)
         self.plan = plan if plan is not None else RunPlan(Path("."))
         self.wandb_id = wandb_id
+        self.start_step: Optional[int] = None
+        """The step training started from (after any checkpoint loaded); ``None`` until training starts."""
 
     # --------------------------------------------------------------------------------------------- helpers
     @property
@@ -133,7 +199,7 @@ class RunFiles(SaveConfigCallback):
         return self.plan.run_dir
 
     def _config_to_save(self) -> Any:
-        cfg = self.config.clone()
+        cfg = without_old_model_keys(self.config)
         for key, value in _NOT_SAVED.items():
             if key in cfg:
                 cfg[key] = value
@@ -160,6 +226,7 @@ class RunFiles(SaveConfigCallback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """Any checkpoint has loaded: write the config and W&B id, trim ``metrics.csv`` to the resumed step."""
         step = int(trainer.global_step)
+        self.start_step = step
         for logger in trainer.loggers:
             if isinstance(logger, RunCSVLogger):
                 logger.resume_at(step)
@@ -202,9 +269,13 @@ class KVSpliceCLI(LightningCLI):
     Args:
         args: the command line (``--config`` already resolved to paths, see :func:`training.fit.prepare_args`).
         default_run_name: run name when ``--run_name`` is not given (the config file's name).
+        cpu_start: a :func:`training.threads.cpu_sample` taken when the program started (default: now); the free
+            cores since then choose the thread count when ``--torch_threads`` is not given.
     """
 
-    def __init__(self, args: list[str], default_run_name: Optional[str]) -> None:
+    def __init__(self, args: list[str], default_run_name: Optional[str],
+                 cpu_start: Optional[CpuSample] = None) -> None:
+        self._cpu_start = cpu_start if cpu_start is not None else cpu_sample()
         self._default_run_name = default_run_name or "run"
         self._args = list(args)
         self.plan: Optional[RunPlan] = None
@@ -231,13 +302,33 @@ class KVSpliceCLI(LightningCLI):
 
     def release(self) -> None:
         """Give the run folder back at the end of the run (:meth:`training.rundir.RunPlan.release`; the entry point
-        calls it)."""
-        if self.plan is not None:
-            self.plan.release()
+        calls it). A run that never took a training step (refused, or interrupted before its first step) leaves no
+        folder it created: what it wrote there (W&B's files, the config) is removed first."""
+        if self.plan is None:
+            return
+        if self.plan.created and not self.took_a_step():
+            clear_run_files(self.plan.run_dir)
+        self.plan.release()
+
+    def took_a_step(self) -> bool:
+        """Whether this run trained at least one optimizer step."""
+        trainer = getattr(self, "trainer", None)
+        files = [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, RunFiles)]
+        return bool(files) and files[0].start_step is not None and trainer.global_step > files[0].start_step
+
+    def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """Lightning's trainer / model / data sections; the model's is flat: :class:`models.GPTConfig`'s fields beside
+        LitGPT's training options (``--model.n_layer``, ``--model.learning_rate``), as the configs write it."""
+        parser.add_lightning_class_args(self.trainer_class, "trainer")
+        parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
+        parser.add_class_arguments(LitGPT, "model", fail_untyped=False, instantiate=True, sub_configs=True,
+                                   skip={"config"})
+        parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=self.subclass_mode_data)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self.config = parser.parse_args(args)  # no "args and sys.argv both given" warning: argv is rewritten
         check_values(self.config)  # before LightningCLI seeds with it (runs before before_instantiate_classes)
+        note_old_model_keys(self.config, self._given)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--run_name", type=Optional[str], default=self._default_run_name,
@@ -253,7 +344,9 @@ class KVSpliceCLI(LightningCLI):
                                  "(--overwrite or --overwrite true)")
         parser.add_argument("--wandb", type=WandbSettings, default=WandbSettings())
         parser.add_argument("--torch_threads", type=Optional[int], default=None,
-                            help="torch.set_num_threads for CPU training (default: PyTorch's choice, one per "
+                            help="torch.set_num_threads for CPU training (default: one per core that other "
+                                 "processes left free at start, at most PyTorch's choice of one per core; "
+                                 "training.threads); "
                                  "core); 1 is often faster on a machine busy with other work")
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.link_arguments("model.block_size", "data.block_size")
@@ -287,11 +380,16 @@ class KVSpliceCLI(LightningCLI):
             trainer.val_check_interval = max_steps * accumulate
             notes.append(f"trainer.val_check_interval {interval} is beyond this run's {max_steps * accumulate} "
                          f"training batches: validating (and checkpointing) at its end instead")
+        import torch
+
+        accelerator = str(trainer.accelerator or "auto")
+        if threads is None and (accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())):
+            picked, msg = pick_threads(self._cpu_start, torch.get_num_threads())
+            threads = picked if msg else None  # None: torch's own count stands
+            notes += [msg] if msg else []
         for line in notes:
             note(line)
         if threads is not None:
-            import torch
-
             torch.set_num_threads(threads)
 
     # ------------------------------------------------------------------------------------------ trainer
@@ -342,8 +440,15 @@ class KVSpliceCLI(LightningCLI):
         assert self.plan is not None
         check_schedule(int(self.model.hparams.warmup_steps), int(self.trainer.max_steps))
         try:
-            self.trainer.fit(self.model, datamodule=self.datamodule, ckpt_path=self.plan.ckpt_path,
-                             weights_only=True)
+            with interrupts_end_the_fit():
+                self.trainer.fit(self.model, datamodule=self.datamodule, ckpt_path=self.plan.ckpt_path,
+                                 weights_only=True)
+        except FitInterrupted:
+            raise KeyboardInterrupt from None
+        except SystemExit:  # Lightning's answer to a KeyboardInterrupt raised inside the run (not by Ctrl-C)
+            if self.trainer.interrupted:
+                raise KeyboardInterrupt from None
+            raise
         except CheckpointError as e:  # LitGPT.on_load_checkpoint's refusals do not know the file: name it
             if str(e).startswith("cannot resume") and self.plan.ckpt_path:
                 raise CheckpointError(f"--ckpt_path {self.plan.ckpt_path}: {e}") from None

@@ -2,7 +2,7 @@
 
 ``NAME`` (or ``NAME.yaml``) is looked up in the project's ``configs/`` folder (found from the package, whatever the
 current directory: :func:`models.config.config_path`); a path works too. Any option can be overridden with a dotted
-flag after it: ``--trainer.max_steps 200 --model.kvsplice_ratio 0.3 --data.batch_size 8``. There is no ``fit``
+flag after it: ``--trainer.max_steps 200 --model.kvsplice_keep 0.3 --data.batch_size 8``. There is no ``fit``
 subcommand to type: this entry point always trains.
 
 A run lives in ``<runs_dir>/<run_name>/`` (default ``checkpoints/<config file name>/``):
@@ -33,6 +33,10 @@ from kvsplice.io.interrupt import quiet_interrupts_while_importing
 
 PROG = "kvsplice train"
 quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
+
+from training.threads import cpu_sample
+
+CPU_AT_START = cpu_sample()  # the free cores over the start-up choose the thread count (training.threads)
 
 import os
 import sys
@@ -138,6 +142,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
+    argv_is_sys = argv is None  # the program's own run: measured since its import, not since a test's
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args, stem = prepare_args(argv)
@@ -159,7 +164,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     try:
         from training.cli import KVSpliceCLI
 
-        cli = KVSpliceCLI(args, default_run_name=stem)  # takes the run folder (released by itself if refused)
+        cli = KVSpliceCLI(args, default_run_name=stem, cpu_start=CPU_AT_START if argv_is_sys else None)  # takes the run folder (released by itself if refused)
         cli.fit()
     except expected as e:  # one line (messages of jsonargparse/Lightning run over several)
         hint = f" ({PROG} --help lists the options)" if type(e).__name__ == "ArgumentError" else ""

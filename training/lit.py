@@ -1,8 +1,9 @@
 """LitGPT: the Lightning training wrapper around :class:`models.GPT`.
 
-Its constructor arguments are :class:`models.GPTConfig`'s fields plus the optimiser's, flat, so the CLI reads
-``--model.kvsplice_ratio 0.3`` or ``--model.learning_rate 3e-4`` and checkpoints store only primitives (they load
-with ``torch.load(..., weights_only=True)``).
+``LitGPT(config, learning_rate=...)`` takes one :class:`models.GPTConfig` and the optimiser's options. A config
+file's ``model:`` section and the command line give the config's fields flat beside those options
+(``--model.kvsplice_keep 0.3``, ``--model.learning_rate 3e-4``), and checkpoints store them so, as primitives (they
+load with ``torch.load(..., weights_only=True)``).
 
 * loss: next-token cross-entropy (fp32 logits).
 * optimiser: AdamW; weight decay on 2-D weights (incl. embeddings, like nanoGPT), none on biases, norms and
@@ -16,7 +17,6 @@ with ``torch.load(..., weights_only=True)``).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from typing import Any, Literal, Optional
@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
-from models.config import Attention, AttnBackend, DecodeKernel, GPTConfig, Layout, MLAImpl
+from models.config import GPTConfig
 from models.gpt import GPT
 
-__all__ = ["LitGPT", "TrainingConfigError", "lr_factor", "param_groups"]
+__all__ = ["LitGPT", "TrainingConfigError", "check_schedule", "check_training_options", "lr_factor", "param_groups"]
 
 
 class TrainingConfigError(ValueError):
@@ -69,21 +69,13 @@ def param_groups(model: torch.nn.Module, weight_decay: float,
     return out
 
 
-_GPT_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig))
-_D = GPTConfig()
-"""GPTConfig's defaults: the model arguments of :class:`LitGPT` default to them (stated once, in the dataclass)."""
-_ARCH_FIELDS = ("vocab_size", "n_layer", "n_head", "d_model", "block_size", "bias", "attention", "d_latent",
-                "kvsplice_ratio", "kvsplice_orthogonal", "n_kv_head", "latent_norm", "kvsplice_norm", "layout",
-                "qk_rope_head_dim", "d_ff", "rope_theta", "tie_embeddings")
-"""GPTConfig fields a resumed run must share with its checkpoint (dropout, kernels and decode path may change)."""
-
-
 class LitGPT(L.LightningModule):
     """GPT-2 / MLA / MLA+KVSplice language model for Lightning.
 
     Args:
-        vocab_size ... cache_quant: the :class:`models.GPTConfig` fields (same meaning and defaults). With the CLI,
-            ``vocab_size`` comes from the data module's tokenizer.
+        config: the model (:class:`models.GPTConfig`). A config file's ``model:`` section, the command line's
+            ``--model.FIELD`` and a checkpoint's hyper-parameters give its fields one by one instead
+            (``config_fields``); with the CLI, ``vocab_size`` comes from the data module's tokenizer.
         vocab_multiple: round ``vocab_size`` up to a multiple of this (64 gives GPT-2's 50304: faster matmuls);
             the extra logits are never targets and learn to stay low.
         learning_rate: peak AdamW learning rate.
@@ -99,36 +91,20 @@ class LitGPT(L.LightningModule):
             kernels), or ``auto`` (fused on CUDA, foreach elsewhere). Gradient clipping works with each: Lightning's
             mixed-precision plugin refuses to clip for an optimizer that unscales inside its step (fused AdamW), so
             :meth:`configure_gradient_clipping` unscales (fp16) and clips itself.
-        splice_lr_mult: learning-rate multiplier of KVSplice's compress/expand matrices (1: the model's).
         compile: ``torch.compile`` the model (in place: parameter names and checkpoints are unchanged); the first
             steps of training and of validation pay the compilation.
+        splice_lr_mult: learning-rate multiplier of KVSplice's compress/expand matrices (1: the model's).
+        config_fields: :class:`models.GPTConfig`'s fields, when ``config`` is not given (old names such as
+            ``kvsplice_ratio`` are read as their new ones).
+
+    Checkpoints store the hyper-parameters flat (the config's fields, then the options above; only primitives, so
+    they load with ``torch.load(..., weights_only=True)``) and ``LitGPT(**hparams)`` rebuilds the module.
     """
 
     def __init__(
         self,
-        vocab_size: int = _D.vocab_size,
-        n_layer: int = _D.n_layer,
-        n_head: int = _D.n_head,
-        d_model: int = _D.d_model,
-        block_size: int = _D.block_size,
-        dropout: float = _D.dropout,
-        bias: bool = _D.bias,
-        attention: Attention = _D.attention,
-        d_latent: int = _D.d_latent,
-        kvsplice_ratio: Optional[float] = _D.kvsplice_ratio,
-        kvsplice_orthogonal: bool = _D.kvsplice_orthogonal,
-        attn_backend: AttnBackend = _D.attn_backend,
-        mla_impl: MLAImpl = _D.mla_impl,
-        decode_kernel: DecodeKernel = _D.decode_kernel,
-        n_kv_head: Optional[int] = _D.n_kv_head,
-        latent_norm: bool = _D.latent_norm,
-        kvsplice_norm: bool = _D.kvsplice_norm,
-        layout: Layout = _D.layout,
-        qk_rope_head_dim: int = _D.qk_rope_head_dim,
-        d_ff: Optional[int] = _D.d_ff,
-        rope_theta: float = _D.rope_theta,
-        tie_embeddings: bool = _D.tie_embeddings,
-        cache_quant: Optional[Literal["int8"]] = _D.cache_quant,
+        config: Optional[GPTConfig] = None,
+        *,
         vocab_multiple: int = 1,
         learning_rate: float = 6e-4,
         weight_decay: float = 0.1,
@@ -140,35 +116,24 @@ class LitGPT(L.LightningModule):
         optimizer_impl: Literal["auto", "fused", "foreach"] = "auto",
         compile: bool = False,
         splice_lr_mult: float = 1.0,
+        **config_fields: Any,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
-        if vocab_multiple < 1:
-            raise TrainingConfigError(f"model.vocab_multiple must be >= 1, got {vocab_multiple}")
-        if not learning_rate > 0 or not math.isfinite(learning_rate):
-            raise TrainingConfigError(f"model.learning_rate must be a finite number > 0, got {learning_rate}")
-        if not weight_decay >= 0:
-            raise TrainingConfigError(f"model.weight_decay must be >= 0, got {weight_decay}")
-        if warmup_steps < 0:
-            raise TrainingConfigError(f"model.warmup_steps must be >= 0, got {warmup_steps}")
-        if not 0.0 <= min_lr_ratio <= 1.0:
-            raise TrainingConfigError(f"model.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise TrainingConfigError(f"model.betas must be two numbers in [0, 1), got {betas}")
-        if not eps > 0:
-            raise TrainingConfigError(f"model.eps must be > 0, got {eps}")
-        padded = int(math.ceil(vocab_size / vocab_multiple) * vocab_multiple)
-        values = dict(locals())
-        fields = {f: values[f] for f in _GPT_FIELDS}
-        fields["vocab_size"] = padded
         try:
-            self.config = GPTConfig(**fields)
-        except ValueError as e:  # "GPTConfig.kvsplice_ratio must be ..." -> name the CLI option
+            if config is None:  # the flat form (jsonargparse reads GPTConfig's fields for --model.FIELD from here)
+                config = GPTConfig(**config_fields)
+            elif config_fields:
+                raise TrainingConfigError(f"LitGPT takes a config or its fields, not both (got config and "
+                                          f"{sorted(config_fields)})")
+        except ValueError as e:  # "GPTConfig.kvsplice_keep must be ..." -> name the CLI option
             raise TrainingConfigError(str(e).replace("GPTConfig.", "model.", 1)) from None
-        if not splice_lr_mult > 0 or not math.isfinite(splice_lr_mult):
-            raise TrainingConfigError(f"model.splice_lr_mult must be a finite number > 0, got {splice_lr_mult}")
-        if optimizer_impl not in ("auto", "fused", "foreach"):
-            raise TrainingConfigError(f"model.optimizer_impl must be auto, fused or foreach, got {optimizer_impl!r}")
+        training = dict(vocab_multiple=vocab_multiple, learning_rate=learning_rate, weight_decay=weight_decay,
+                        betas=betas, eps=eps, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
+                        init_from=init_from, optimizer_impl=optimizer_impl, compile=compile,
+                        splice_lr_mult=splice_lr_mult)
+        check_training_options(**training)
+        self.save_hyperparameters({**config.to_dict(), **training})
+        self.config = config.replace(vocab_size=int(math.ceil(config.vocab_size / vocab_multiple) * vocab_multiple))
         self.model = GPT(self.config)
         if init_from:
             self._init_from(init_from)
@@ -181,9 +146,8 @@ class LitGPT(L.LightningModule):
 
     @classmethod
     def from_config(cls, config: GPTConfig, **training: Any) -> "LitGPT":
-        """A LitGPT for a :class:`GPTConfig` (its fields become the model arguments; ``training`` sets the others,
-        e.g. ``learning_rate``)."""
-        return cls(**config.to_dict(), **training)
+        """``LitGPT(config, **training)`` (kept for callers of the earlier API)."""
+        return cls(config, **training)
 
     def _init_from(self, path: str) -> None:
         from models.checkpoint import CheckpointError, load_gpt_checkpoint
@@ -192,18 +156,18 @@ class LitGPT(L.LightningModule):
             model, cfg, _ = load_gpt_checkpoint(path)
         except CheckpointError as e:
             raise TrainingConfigError(f"model.init_from: {e}") from None
-        diff = self._arch_diff(cfg.to_dict())
+        diff = self._arch_diff(cfg)
         if diff:
             flags = " ".join(f"--model.{k} {'null' if v[0] is None else v[0]}" for k, v in diff.items())
             raise TrainingConfigError(f"model.init_from={path!r}: its model differs from the configured one (field: "
                                       f"(checkpoint, config)) {diff}; match it, e.g. {flags}")
         self.model.load_state_dict(model.state_dict())
 
-    def _arch_diff(self, stored: dict) -> dict:
-        """``{field: (stored, configured)}`` for the architecture fields where a stored config differs from ours."""
-        ours = self.config.to_dict()
-        default = _D.to_dict()  # a field newer than the checkpoint has its default there
-        return {k: (stored.get(k, default[k]), ours[k]) for k in _ARCH_FIELDS if stored.get(k, default[k]) != ours[k]}
+    def _arch_diff(self, stored: GPTConfig) -> dict:
+        """``{field: (stored, configured)}`` for the architecture fields (:meth:`GPTConfig.architecture`) where a
+        stored config differs from ours."""
+        ours, theirs = self.config.architecture(), stored.architecture()
+        return {k: (theirs[k], v) for k, v in ours.items() if theirs[k] != v}
 
     # ------------------------------------------------------------------------------------------------ forward
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -224,7 +188,7 @@ class LitGPT(L.LightningModule):
     def on_fit_start(self) -> None:
         """Refuse ``attn_backend='flash'`` where it cannot run (CPU, fp32, not installed) before any step, with one
         message naming the option instead of an error deep inside the first forward pass."""
-        if self.hparams.attn_backend != "flash":
+        if self.config.attn_backend != "flash":
             return
         from models.attention import flash_unsupported_reason
 
@@ -332,7 +296,11 @@ class LitGPT(L.LightningModule):
         stored = checkpoint.get(GPT_CONFIG_KEY)
         if not isinstance(stored, dict):
             raise CheckpointError(f"cannot resume: the checkpoint has no {GPT_CONFIG_KEY!r} dict")
-        diff = self._arch_diff(stored)
+        try:  # a checkpoint of an earlier version: old field names read as the new ones, newer fields at default
+            stored_config = GPTConfig.from_dict(stored)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"cannot resume: the checkpoint's model config is not valid here: {e}") from None
+        diff = self._arch_diff(stored_config)
         if diff:
             raise CheckpointError(
                 f"cannot resume: the checkpoint's model differs from the configured one (field: (checkpoint, "
@@ -384,6 +352,30 @@ class LitGPT(L.LightningModule):
                                          f"optimizer_states[{i}].state[{pid}].{key}")
         except ValueError as e:
             raise CheckpointError(str(e)) from None
+
+
+def check_training_options(*, vocab_multiple: int, learning_rate: float, weight_decay: float, betas: tuple,
+                           eps: float, warmup_steps: int, min_lr_ratio: float, optimizer_impl: str,
+                           splice_lr_mult: float, **_: Any) -> None:
+    """Raise :class:`TrainingConfigError` (naming ``model.OPTION``) for a training option out of its range."""
+    if vocab_multiple < 1:
+        raise TrainingConfigError(f"model.vocab_multiple must be >= 1, got {vocab_multiple}")
+    if not learning_rate > 0 or not math.isfinite(learning_rate):
+        raise TrainingConfigError(f"model.learning_rate must be a finite number > 0, got {learning_rate}")
+    if not weight_decay >= 0:
+        raise TrainingConfigError(f"model.weight_decay must be >= 0, got {weight_decay}")
+    if warmup_steps < 0:
+        raise TrainingConfigError(f"model.warmup_steps must be >= 0, got {warmup_steps}")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise TrainingConfigError(f"model.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise TrainingConfigError(f"model.betas must be two numbers in [0, 1), got {betas}")
+    if not eps > 0:
+        raise TrainingConfigError(f"model.eps must be > 0, got {eps}")
+    if not splice_lr_mult > 0 or not math.isfinite(splice_lr_mult):
+        raise TrainingConfigError(f"model.splice_lr_mult must be a finite number > 0, got {splice_lr_mult}")
+    if optimizer_impl not in ("auto", "fused", "foreach"):
+        raise TrainingConfigError(f"model.optimizer_impl must be auto, fused or foreach, got {optimizer_impl!r}")
 
 
 def check_schedule(warmup_steps: int, max_steps: int) -> None:

@@ -23,11 +23,12 @@ import functools
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from benchmarks.harness.paths import EVAL
 from kvsplice.io import cli
 from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
 
 __all__ = ["Parser", "UsageError", "add_device_dtype", "add_force", "add_json", "add_model", "add_out",
-           "add_progress", "add_threads", "command", "device_dtype", "parser", "pos_int", "prog_of"]
+           "add_progress", "add_threads", "add_windows", "command", "device_dtype", "parser", "pos_int", "prog_of"]
 
 
 def prog_of(script: str) -> str:
@@ -78,6 +79,16 @@ def add_model(p: argparse.ArgumentParser, default: Any = None, help: Optional[st
                                                             f"default {default})")
     if default is not None:
         p.set_defaults(model=str(default))
+
+
+def add_windows(p: argparse.ArgumentParser, windows: int, *, data: bool = True) -> None:
+    """The windows of real text a continuation study scores: ``--windows`` (``windows`` by default) of ``--prompt``
+    (384) + ``--cont`` (128) tokens, and with ``data`` the text, ``--data`` (default: the stories evaluation text)."""
+    if data:
+        p.add_argument("--data", default=str(EVAL))
+    p.add_argument("--windows", type=int, default=windows)
+    p.add_argument("--prompt", type=int, default=384)
+    p.add_argument("--cont", type=int, default=128)
 
 
 def add_progress(p: argparse.ArgumentParser) -> None:

@@ -43,6 +43,16 @@ def _pct(ppl: float, base: float) -> float:
     return 100 * (ppl / base - 1)
 
 
+def _section(title: str, header: str, rows: list[str]) -> list[str]:
+    """A markdown section of the report: ``## title``, the table (``header``, its rule, ``rows``) and a blank line."""
+    return [f"## {title}", "", header, "|" + "---|" * (header.count("|") - 1), *rows, ""]
+
+
+def _best_tuning(row: dict) -> dict:
+    """The candidate of a planner row with the lowest tuning perplexity."""
+    return min(row["candidates"], key=lambda c: c["tuning_ppl"])
+
+
 def write_report(done: dict, out_dir: Path, kvpress: dict, issue: dict, claims: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     by = {p: [r for r in done.values() if r.get("protocol") == p] for p in "PSW"}
@@ -55,50 +65,47 @@ def write_report(done: dict, out_dir: Path, kvpress: dict, issue: dict, claims: 
           "both smaller and better).", ""]
     if by["P"]:
         front = pareto(by["P"])
-        md += [f"## Protocol P: 4 windows × 1,024 of the validation text, 768-token prompt compressed, 256 tokens "
-               f"scored (full cache ppl {base['P']:.4f})", "",
-               "| | method / stack | ppl | Δ % | bytes / token | × smaller than fp16 full |", "|---|---|---|---|---|---|"]
-        for r in sorted(by["P"], key=lambda r: -r["bytes_per_token"]):
-            md.append(f"| {'★' if r['id'] in front else ''} | {r['label']} | {r['ppl']:.4f} | "
-                      f"{_pct(r['ppl'], base['P']):+.2f} | {r['bytes_per_token']:,.0f} | {r['ratio_vs_fp16_full']:.2f} |")
-        md.append("")
+        md += _section(
+            f"Protocol P: 4 windows × 1,024 of the validation text, 768-token prompt compressed, 256 tokens scored "
+            f"(full cache ppl {base['P']:.4f})",
+            "| | method / stack | ppl | Δ % | bytes / token | × smaller than fp16 full |",
+            [f"| {'★' if r['id'] in front else ''} | {r['label']} | {r['ppl']:.4f} | {_pct(r['ppl'], base['P']):+.2f} | "
+             f"{r['bytes_per_token']:,.0f} | {r['ratio_vs_fp16_full']:.2f} |"
+             for r in sorted(by["P"], key=lambda r: -r["bytes_per_token"])])
     if by["W"]:
-        md += [f"## Protocol W (the low-rank protocol): every token of the 4 windows over the compressed "
-               f"cache (full cache ppl {base['W']:.4f}; reference {issue['full_W']})", "",
-               "| method | ppl | Δ % | × smaller than fp16 full | mean R_k / R_v |", "|---|---|---|---|---|"]
-        for r in sorted(by["W"], key=lambda r: -r["bytes_per_token"]):
-            rk = r.get("ranks")
-            md.append(f"| {r['label']} | {r['ppl']:.4f} | {_pct(r['ppl'], base['W']):+.2f} | "
-                      f"{r['ratio_vs_fp16_full']:.2f} | {_ranks(rk)} |")
-        md.append("")
+        md += _section(
+            f"Protocol W (the low-rank protocol): every token of the 4 windows over the compressed cache (full cache "
+            f"ppl {base['W']:.4f}; reference {issue['full_W']})",
+            "| method | ppl | Δ % | × smaller than fp16 full | mean R_k / R_v |",
+            [f"| {r['label']} | {r['ppl']:.4f} | {_pct(r['ppl'], base['W']):+.2f} | {r['ratio_vs_fp16_full']:.2f} | "
+             f"{_ranks(r.get('ranks'))} |" for r in sorted(by["W"], key=lambda r: -r["bytes_per_token"])])
     if by["S"]:
-        md += [f"## Protocol S (kvpress's protocol): 5 windows of 832, 768-token prompt compressed 2/4/8×, "
-               f"64 tokens scored (full cache ppl {base['S']:.4f})", "",
-               "| selector | ratio | ppl | Δ % | kvpress's best press at this ratio (kvpress 0.5.5, quoted) |",
-               "|---|---|---|---|---|"]
         best_kv = {x: (n, v) for (n, x), v in kvpress.items()}
-        for r in sorted(by["S"], key=lambda r: (r["spec"].get("x", 1), r["ppl"])):
-            x = r["spec"].get("x")
+
+        def kv_best(x) -> str:
             kv = best_kv.get(x)
-            md.append(f"| {r['spec'].get('selector', 'full K/V')} | {x or 1}× | {r['ppl']:.4f} | "
-                      f"{_pct(r['ppl'], base['S']):+.2f} | {'' if kv is None else f'{kv[0]} {kv[1]:+.1f} %'} |")
-        md.append("")
+            return "" if kv is None else f"{kv[0]} {kv[1]:+.1f} %"
+
+        md += _section(
+            f"Protocol S (kvpress's protocol): 5 windows of 832, 768-token prompt compressed 2/4/8×, 64 tokens "
+            f"scored (full cache ppl {base['S']:.4f})",
+            "| selector | ratio | ppl | Δ % | kvpress's best press at this ratio (kvpress 0.5.5, quoted) |",
+            [f"| {r['spec'].get('selector', 'full K/V')} | {r['spec'].get('x') or 1}× | {r['ppl']:.4f} | "
+             f"{_pct(r['ppl'], base['S']):+.2f} | {kv_best(r['spec'].get('x'))} |"
+             for r in sorted(by["S"], key=lambda r: (r["spec"].get("x", 1), r["ppl"]))])
     plans = [r for r in by["P"] if r["id"].startswith("plan_")]
     if plans:
-        md += ["## The planner's stacks (chosen on the tuning slice, then measured here)", "",
-               "| budget | chosen stack | tuning Δ % | eval ppl | eval Δ % | × smaller | candidates measured |",
-               "|---|---|---|---|---|---|---|"]
-        for r in sorted(plans, key=lambda r: r["spec"]["plan"]):
-            best = min(r["candidates"], key=lambda c: c["tuning_ppl"])
-            md.append(f"| {r['spec']['plan']}× | {r['label']} | {best['delta_pct']:+.2f} | {r['ppl']:.4f} | "
-                      f"{_pct(r['ppl'], base['P']):+.2f} | {r['ratio_vs_fp16_full']:.2f} | {len(r['candidates'])} |")
-        md.append("")
+        md += _section(
+            "The planner's stacks (chosen on the tuning slice, then measured here)",
+            "| budget | chosen stack | tuning Δ % | eval ppl | eval Δ % | × smaller | candidates measured |",
+            [f"| {r['spec']['plan']}× | {r['label']} | {_best_tuning(r)['delta_pct']:+.2f} | {r['ppl']:.4f} | "
+             f"{_pct(r['ppl'], base['P']):+.2f} | {r['ratio_vs_fp16_full']:.2f} | {len(r['candidates'])} |"
+             for r in sorted(plans, key=lambda r: r["spec"]["plan"])])
     if claims:
-        md += ["## Energy ranks (90 % of the K-only / V-only spectrum, calibration Grams)", "",
-               "| stream | mean rank of 64 | heads with rank ≤ d/4 = 16 |", "|---|---|---|"]
-        for k, v in claims.items():
-            md.append(f"| {k} | {v['mean_rank_90']:.1f} | {100 * v['share_le_d4']:.0f} % |")
-        md.append("")
+        md += _section(
+            "Energy ranks (90 % of the K-only / V-only spectrum, calibration Grams)",
+            "| stream | mean rank of 64 | heads with rank ≤ d/4 = 16 |",
+            [f"| {k} | {v['mean_rank_90']:.1f} | {100 * v['share_le_d4']:.0f} % |" for k, v in claims.items()])
     (out_dir / "smollm2_frontier.md").write_text("\n".join(md) + "\n")
     slim = {k: {kk: vv for kk, vv in v.items() if kk != "measured"} for k, v in done.items()}
     (out_dir / "smollm2_frontier.json").write_text(json.dumps({"rows": slim, "claims": claims, "kvpress_quoted":

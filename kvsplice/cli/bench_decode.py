@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 import torch
 
 from kvsplice.report.decode_timing import (DEFAULT_CONFIGS, growth, print_profiles, print_table, run, title, variants_from_specs)
-from kvsplice.io.cli import Parser, UsageError, pick_device, run_cli
+from kvsplice.io.cli import Parser, UsageError, add_report_options, pick_device, run_cli
 from kvsplice.io.outputs import output_file, write_json
 from kvsplice.report.memory import DTYPES, dtype_name, parse_dtype
 
@@ -65,15 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "context): slow variants (naive MLA at long contexts) then get fewer timed steps (>= 1 per round)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="default fp32 (bf16 is slow on CPU)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--json", metavar="FILE", help="write results as JSON (and a plot FILE.png next to it)")
-    p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
+    add_report_options(p, json_help="write results as JSON (and a plot FILE.png next to it)")
     p.add_argument("--plot", metavar="PNG", help="plot path (default: next to --json)")
-    p.add_argument("--markdown", action="store_true", help="print a markdown table instead of a rich table")
     p.add_argument("--profile", action="store_true", help="also run torch.profiler over 3 steps of each variant at "
                    "the largest context: top ops, and the largest copy/cat (must be far below one layer's cache)")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
     return p
 
 

@@ -39,8 +39,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
+from kvsplice.io.cli import Parser, UsageError, device_dtype, pos_int, run_cli
 from kvsplice.io.outputs import SpecArgs, output_file, write_json
+from kvsplice.io.run_options import add_run_options, run_option_values
 from kvsplice.io.staged import Staged
 from kvsplice.tasks.options import EvalTasksOptions
 from kvsplice.tasks.results_schema import FORMAT
@@ -71,11 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "one shared prefill for every selection) or transformers' generate()")
     p.add_argument("--out", required=True, help="results JSON (resumed when it exists)")
     p.add_argument("--md", help="also write the tables as markdown here")
-    p.add_argument("--force", action="store_true", help="start --out over (the earlier file stays in place until "
-                   "the new run completes) / overwrite --md")
-    p.add_argument("--threads", type=pos_int)
-    p.add_argument("--no-progress", action="store_true")
-    add_device_dtype(p)
+    add_run_options(p, force_help="start --out over (the earlier file stays in place until the new run completes) / "
+                    "overwrite --md")
     return p
 
 
@@ -84,8 +82,7 @@ def options(args: argparse.Namespace) -> EvalTasksOptions:
     return EvalTasksOptions(
         model=args.model, out=args.out, tokenizer=args.tokenizer, plans=tuple(args.plan), methods=tuple(args.method),
         tasks=tuple(args.tasks), lengths=tuple(args.lengths), n=args.n, seed0=args.seed0, setting=args.setting,
-        stories=args.stories, door=args.door, md=args.md, force=args.force, threads=args.threads,
-        progress=not args.no_progress, device=args.device, dtype=args.dtype)
+        stories=args.stories, door=args.door, md=args.md, **run_option_values(args))
 
 
 def _header(opts: EvalTasksOptions, model, tok, specs: dict, insts: list) -> dict:

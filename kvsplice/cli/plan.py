@@ -43,8 +43,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, help_text, pos_int, run_cli
+from kvsplice.io.cli import Parser, UsageError, device_dtype, help_text, pos_int, run_cli
 from kvsplice.io.outputs import SpecArgs, cache_file, output_file
+from kvsplice.io.run_options import add_run_options, run_option_values
 from kvsplice.planning.candidates import DEFAULT_STORES
 from kvsplice.planning.options import TUNE_TASKS, PlanOptions
 
@@ -140,11 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "text when it is a local file)")
     p.add_argument("--out", required=True, help="the plan (.json); low-rank bases go beside it")
     p.add_argument("--json", help="also write the search report here")
-    p.add_argument("--force", action="store_true", help="overwrite --out / --json (and recompute --calib-stats "
-                   "that lacks something)")
-    p.add_argument("--threads", type=pos_int)
-    p.add_argument("--no-progress", action="store_true")
-    add_device_dtype(p)
+    add_run_options(p, force_help="overwrite --out / --json (and recompute --calib-stats that lacks something)")
     return p
 
 
@@ -158,7 +155,7 @@ def options(args: argparse.Namespace) -> PlanOptions:
         batch_size=args.batch_size, objective=args.objective, tune_tasks=tuple(args.tune_tasks), tune_n=args.tune_n,
         tune_length=args.tune_length, fit_length=args.fit_length, tune_setting=args.tune_setting,
         task_tolerance=args.task_tolerance, prefill=args.prefill, stories=args.stories, json=args.json,
-        force=args.force, threads=args.threads, progress=not args.no_progress, device=args.device, dtype=args.dtype)
+        **run_option_values(args))
 
 
 def check_lengths(opts: PlanOptions, max_positions: Optional[int]) -> int:

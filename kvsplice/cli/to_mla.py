@@ -149,7 +149,7 @@ def convert_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], di
     if cfg.attention == "mha" and args.d_latent is None:
         raise UsageError(f"--model is an MHA model ({cfg.variant}): give --d-latent R (1..{cfg.d_model})")
     if cfg.attention == "mla":
-        if cfg.kvsplice_ratio is not None:
+        if cfg.kvsplice_keep is not None:
             raise UsageError(f"--model already has KVSplice ({cfg.variant}); convert its MLA parent instead")
         if args.kvsplice_keep is None:
             raise UsageError("--model is already MLA: give --kvsplice-keep F to insert KVSplice (the kept fraction)")

@@ -31,7 +31,7 @@ import torch
 
 from kvsplice.report.memory_check import (DEFAULT_CONFIGS, GIB, checkpoint_variants, preset_variants, print_table,
                                           quantised_variants, run, title)
-from kvsplice.io.cli import Parser, UsageError, pick_device, run_cli
+from kvsplice.io.cli import Parser, UsageError, add_report_options, pick_device, run_cli
 from kvsplice.io.outputs import output_file, write_json
 from kvsplice.report.memory import DTYPES, dtype_name, parse_dtype
 from models.config import PRESETS
@@ -54,12 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-gb", type=float, default=24.0, help="memory budget in GiB (2^30 bytes) for the "
                    "'sequences that fit' column (default 24)")
     p.add_argument("--decode-steps", type=int, default=8, help="tokens decoded one at a time after the prefill")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--json", metavar="FILE", help="write the report as JSON (and a plot FILE.png next to it)")
-    p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
-    p.add_argument("--markdown", action="store_true", help="print a markdown table instead of a rich table")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    add_report_options(p, json_help="write the report as JSON (and a plot FILE.png next to it)")
     return p
 
 

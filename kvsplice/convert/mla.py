@@ -138,7 +138,7 @@ def mha_to_mla(model: GPT, d_latent: int, grams: Optional[list[torch.Tensor]] = 
         raise ValueError("mha_to_mla needs a model with biases (bias=True), like GPT-2")
     if grams is not None and len(grams) != cfg.n_layer:
         raise ValueError(f"need one Gram per layer ({cfg.n_layer}), got {len(grams)}")
-    new_cfg = cfg.replace(attention="mla", d_latent=d_latent, n_kv_head=None, kvsplice_ratio=None, latent_norm=False)
+    new_cfg = cfg.replace(attention="mla", d_latent=d_latent, n_kv_head=None, kvsplice_keep=None, latent_norm=False)
     dtype = model.transformer.wte.weight.dtype
     out = GPT(new_cfg).to(device=model.transformer.wte.weight.device, dtype=dtype)
     _copy_shared(model, out)
@@ -189,14 +189,14 @@ def insert_kvsplice(model: GPT, ratio: float, grams: Optional[list[torch.Tensor]
     ``compress`` = the top principal directions of the latents (``grams`` from :func:`latent_grams`) or, without
     ``grams``, a random orthogonal init (seeded); ``expand = compressᵀ`` either way."""
     cfg = model.cfg
-    if cfg.attention != "mla" or cfg.kvsplice_ratio is not None:
+    if cfg.attention != "mla" or cfg.kvsplice_keep is not None:
         raise ValueError(f"insert_kvsplice needs an MLA model without KVSplice, got {cfg.variant}")
     from kvsplice.convert.kvsplice_keep import kept_dims
 
     kept_dims(ratio, cfg.d_latent)
     with torch.random.fork_rng(devices=[]):  # seeded init of the new pair; the caller's RNG stream is untouched
         torch.manual_seed(seed)
-        out = GPT(cfg.replace(kvsplice_ratio=ratio, kvsplice_orthogonal=orthogonal)).to(model.transformer.wte.weight)
+        out = GPT(cfg.replace(kvsplice_keep=ratio, kvsplice_orthogonal=orthogonal)).to(model.transformer.wte.weight)
     _copy_shared(model, out)
     if grams is not None:
         r = out.cfg.d_compressed
@@ -217,13 +217,13 @@ def kvsplice_as_mla(model: GPT) -> GPT:
     has the same logits (to round-off) and the same cache bytes: KVSplice of a ``d_latent`` latent spans no more than
     MLA with a ``d_compressed`` latent; it only factorises the same maps (and trains them differently)."""
     cfg = model.cfg
-    if cfg.attention != "mla" or cfg.kvsplice_ratio is None:
+    if cfg.attention != "mla" or cfg.kvsplice_keep is None:
         raise ValueError(f"kvsplice_as_mla needs an MLA + KVSplice model, got {cfg.variant}")
     if cfg.latent_norm:
         raise ValueError("with latent_norm the RMSNorm of the d_latent latent sits between w_dkv and the compress: "
                          "the pair is not one affine map (train with latent_norm false, kvsplice_norm true)")
     r = cfg.d_compressed
-    new_cfg = cfg.replace(d_latent=r, kvsplice_ratio=None, kvsplice_orthogonal=False, kvsplice_norm=False,
+    new_cfg = cfg.replace(d_latent=r, kvsplice_keep=None, kvsplice_orthogonal=False, kvsplice_norm=False,
                           latent_norm=cfg.kvsplice_norm)
     out = GPT(new_cfg).to(model.transformer.wte.weight)
     _copy_shared(model, out)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from kvsplice.io.interrupt import EXIT_INTERRUPTED, end_quiet_interrupts, quiet_interrupts_after_command
 
 __all__ = ["DTYPES", "DTYPE_NAMES", "EXIT_INTERRUPTED", "EXIT_USAGE", "Parser", "UsageError", "add_device_dtype", "add_model_option",
-           "add_output_options", "add_threads", "apply_threads", "at_command_end",
+           "add_output_options", "add_report_options", "add_threads", "apply_threads", "at_command_end",
            "default_seq_len", "device_dtype", "first_line", "help_text", "pick_device", "pos_int", "run_cli"]
 
 EXIT_USAGE = 2
@@ -158,6 +158,18 @@ def add_output_options(p: argparse.ArgumentParser, *, json: bool = True, out_req
     if json:
         g.add_argument("--json", default=None, metavar="REPORT.json", help=json_help)
     g.add_argument("--force", action="store_true", help=force_help)
+
+
+def add_report_options(p: argparse.ArgumentParser, *, json_help: str) -> None:
+    """The options of a measuring command that prints a table (``verify_memory``, ``bench_decode``): ``--device``
+    (default: CUDA when available), ``--json FILE`` (``json_help``), ``--force``, ``--markdown``, ``--no-progress``
+    and ``--seed``."""
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--json", metavar="FILE", help=json_help)
+    p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
+    p.add_argument("--markdown", action="store_true", help="print a markdown table instead of a rich table")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
 
 
 def add_threads(p: argparse.ArgumentParser, *, help: str = "torch threads (default: torch's)") -> None:

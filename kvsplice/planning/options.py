@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from kvsplice.io.run_options import RunOptions
+
 __all__ = ["PlanOptions"]
 
 TUNE_TASKS = ("passkey", "niah_number_facts", "niah_number_stories")
@@ -14,7 +16,7 @@ calibration text's)."""
 
 
 @dataclass(frozen=True)
-class PlanOptions:
+class PlanOptions(RunOptions):
     """What ``plan`` searches: the model, the calibration text (``calib_tokens`` for the statistics, then
     ``tune_tokens`` of tuning windows of ``seq_len``, each compressing its first ``prompt_len``), the budget
     (``budget_bytes_per_token`` or ``ratio``: times smaller than the fp16 full cache, > 1) at ``fit_length``, the
@@ -45,11 +47,6 @@ class PlanOptions:
     prefill: str = "fast"
     stories: Optional[str] = None
     json: Optional[str] = None
-    force: bool = False
-    threads: Optional[int] = None
-    progress: bool = True
-    device: Optional[str] = None
-    dtype: str = "fp32"
 
     @property
     def window_prompt(self) -> int:

@@ -73,7 +73,7 @@ def variants_from_specs(specs: Sequence[str], max_ctx: int) -> tuple[list[BenchV
     if len(set(labels)) != len(labels):
         raise UsageError(f"duplicate variants {labels}")
     if not any(v.cfg.attention == "mha" and not v.graph for v in variants):
-        base = variants[0].cfg.replace(attention="mha", kvsplice_ratio=None)
+        base = variants[0].cfg.replace(attention="mha", kvsplice_keep=None)
         variants.insert(0, BenchVariant("mha", base))
         notes.append(f"added an MHA baseline with the shapes of {variants[1].label} (n_layer={base.n_layer}, "
                      f"d_model={base.d_model})")

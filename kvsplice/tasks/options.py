@@ -6,11 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from kvsplice.io.run_options import RunOptions
+
 __all__ = ["EvalTasksOptions"]
 
 
 @dataclass(frozen=True)
-class EvalTasksOptions:
+class EvalTasksOptions(RunOptions):
     """What ``eval_tasks`` runs: the model, the methods (``plans``, ``methods``: specs of
     :mod:`kvsplice.tasks.methods`), the instances (tasks × lengths × ``n`` seeds from ``seed0``, in ``setting``),
     the door and where the results go (``out``, resumed unless ``force``; ``md``)."""
@@ -28,11 +30,6 @@ class EvalTasksOptions:
     stories: Optional[str] = None
     door: str = "decoder"
     md: Optional[str] = None
-    force: bool = False
-    threads: Optional[int] = None
-    progress: bool = True
-    device: Optional[str] = None
-    dtype: str = "fp32"
 
     @property
     def settings(self) -> tuple[str, ...]:

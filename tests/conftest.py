@@ -1,9 +1,18 @@
 """Shared test setup."""
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+
+# The test folders mirror the package; a few test modules reuse another's helpers by module name
+# (``from test_kvzip import ...``) and the helpers beside this file (``hostile``, ``tiny_models``): every test folder
+# is importable. Appended, so nothing in a test folder shadows an installed module.
+for _folder in sorted(p for p in Path(__file__).parent.rglob("*") if p.is_dir() and p.name != "__pycache__"):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 
 @pytest.fixture(autouse=True, scope="session")

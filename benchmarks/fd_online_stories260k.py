@@ -18,7 +18,7 @@
   sketches (fixed ``2·2ℓ·(d + d_v)`` floats per layer and KV head) are reported separately. A configuration is
   *matched* when its bytes (without sketches) are ≤ the global method's ``(R_k + R_v)·T·L·H_kv·4`` at T = 512.
   Configurations without merges are decoded in one prefill call per window — identical to token-by-token decoding
-  (the online rule does not depend on call sizes; ``tests/test_online.py``); a configuration with ``max_chunks``
+  (the online rule does not depend on call sizes; ``tests/kvsplice/online/test_online.py``); a configuration with ``max_chunks``
   (J_max merges re-project old tokens) is decoded token by token, as an online decoder would.
 * Attention error (teacher-forced, no propagation: the exact model's q/k/v of the first window on every layer, for
   every method alike): ``rel_out`` = ``(Σ‖o − ô‖²/Σ‖o‖²)^½`` of the head outputs, mean over layers; the largest

@@ -71,9 +71,9 @@ PROG = "gpu_check.py"
 DEFAULT_BUDGET_S = 480.0
 STARTUP_S = 10.0
 """The parent's own start (python, torch import, device query) before the first section."""
-TEST_FILES = ["tests/test_decode_kernel.py", "tests/test_decode_kernel_paths.py", "tests/test_graph_decode.py",
-              "tests/test_memory_tools.py"]
-SMOKE_TEST_FILES = ["tests/test_graph_decode.py"]
+TEST_FILES = ["tests/models/test_decode_kernel.py", "tests/models/test_decode_kernel_paths.py", "tests/models/test_graph_decode.py",
+              "tests/kvsplice/cli/test_memory_tools.py"]
+SMOKE_TEST_FILES = ["tests/models/test_graph_decode.py"]
 FLASH4_REASON = ("its wheels with the CUTLASS-DSL runtime (flash-attn-4 + nvidia-cutlass-dsl) are > 90 MB, more than "
                  "the 64 MiB one device call can carry")
 
@@ -81,7 +81,7 @@ FLASH4_REASON = ("its wheels with the CUTLASS-DSL runtime (flash-attn-4 + nvidia
 def cuda_test_split(root: Path = ROOT) -> tuple[list[str], list[str]]:
     """The test suite split for one device call: the files with CUDA tests (``pytest.mark.gpu``: the ``tests``
     section runs them) and every other test file (the CPU suite, which CI runs; left unrun on the device)."""
-    files = sorted(p.relative_to(root).as_posix() for p in (root / "tests").glob("test_*.py"))
+    files = sorted(p.relative_to(root).as_posix() for p in (root / "tests").rglob("test_*.py"))
     cuda = [f for f in files if "mark.gpu" in (root / f).read_text(encoding="utf-8", errors="replace")]
     return cuda, [f for f in files if f not in cuda]
 

@@ -3,7 +3,7 @@
 An eager decode step of a 12-layer model launches a few hundred small kernels; at small batch or with a small cache
 (MLA, KVSplice) the GPU then waits on Python and the launches, not on memory. :class:`GraphDecoder` captures one
 step over a fixed-capacity view of the cache (:class:`models.static_cache.StaticCacheView`: same shapes every step)
-and replays it. The result equals the eager step (``tests/test_graph_decode.py``); the cache's bytes are unchanged.
+and replays it. The result equals the eager step (``tests/models/test_graph_decode.py``); the cache's bytes are unchanged.
 """
 
 from __future__ import annotations

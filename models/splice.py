@@ -44,7 +44,7 @@ class LearnedKVSplice(nn.Module):
         if self.orthogonal:
             # The parametrisation starts at the current (orthonormal) weight. "matrix_exp", not torch's default
             # "householder" for non-square weights: with Householder reflectors the gradient vanished after the
-            # first optimiser step in our tests (tests/test_models.py::test_kvsplice_both_layers_learn).
+            # first optimiser step in our tests (tests/models/test_models.py::test_kvsplice_both_layers_learn).
             orthogonal(self.compress, "weight", orthogonal_map="matrix_exp")
             orthogonal(self.expand, "weight", orthogonal_map="matrix_exp")
 

@@ -10,7 +10,7 @@ its maximum length); the bytes cached are the cache's own — the view allocates
 workspace of one layer's storage when the eager attention reads it).
 
 Exactness: the masked rows get probability exactly 0, so the result equals the step over the ``T`` rows held
-(``tests/test_graph_decode.py``). Rows never written are zeroed when the view is made (uninitialised memory could
+(``tests/models/test_graph_decode.py``). Rows never written are zeroed when the view is made (uninitialised memory could
 hold NaN, and ``0·NaN`` is NaN).
 """
 

@@ -1,5 +1,5 @@
 """Compile the split-KV kernels ahead of time for CUDA targets, without a GPU (Triton's bundled ptxas), and print one
-line per case: ``OK <case> regs=<n> local=<bytes>``. Run by tests/test_decode_kernel.py in a subprocess with
+line per case: ``OK <case> regs=<n> local=<bytes>``. Run by tests/models/test_decode_kernel.py in a subprocess with
 ``TRITON_INTERPRET=0`` (the kernels must be compiled functions, not the interpreter's): the interpreter checks no
 ``tl.dot`` size rule and no type rule of the compiler; this does.
 

@@ -5,7 +5,7 @@ Autograd through ``Σ p_t (log p_t − log_softmax(z))`` keeps the teacher's log
 difference and the product (four ``(N, V)`` tensors) and walks back through each; the gradient is simply
 ``softmax(z) − p_t``. :class:`SoftTargetKL` computes the forward in one log-softmax and the backward in one
 expression, and hands back the student's log-probabilities (not differentiable) so the LM loss logged beside it
-needs no second log-softmax. Equal to the autograd formula in value and gradient (tests/test_distill_loss.py).
+needs no second log-softmax. Equal to the autograd formula in value and gradient (tests/training/test_distill_loss.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ the independent reference the training-step benchmark (``benchmarks/gpu.py``) co
 
 It is this project's own code, kept deliberately plain: no cache, no variants, no kernel selection, and it imports
 nothing from the package's models (an independent reference). Given :class:`models.gpt.GPT`'s MHA weights it computes
-the same logits (tests/test_reference_gpt.py), so the benchmark times the same function.
+the same logits (tests/models/test_reference_gpt.py), so the benchmark times the same function.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ and its high nibble as a float are the two operands (:func:`nibbles`). The score
 head's ownership) and soft-maxed once in float32.
 
 This is the same attention, in another order of sums: the tests compare it with the dequantise-then-attend
-reference (``tests/test_coded.py``). Transient per call: the float conversion of one layer's codes and scores of
+reference (``tests/kvsplice/core/test_coded.py``). Transient per call: the float conversion of one layer's codes and scores of
 ``g`` query rows per key — a workspace, not cache bytes.
 """
 

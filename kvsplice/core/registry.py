@@ -41,7 +41,7 @@ Errors are one line (:class:`MethodSpecError`, a ``ValueError``) naming the know
 
 The built-in method and selector modules are imported on first use (:data:`BUILTIN_MODULES`, by name: the registry
 sits below every method package — a new method module of the package goes into that list, which
-``tests/test_registry.py`` checks); a method defined anywhere else registers when its module is imported.
+``tests/kvsplice/core/test_registry.py`` checks); a method defined anywhere else registers when its module is imported.
 """
 
 from __future__ import annotations

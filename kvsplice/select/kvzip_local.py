@@ -19,7 +19,7 @@ head) gives it, as in the exact pass. What is left out: the repeat's hidden stat
 one that has read the whole context and the instruction) and the weight on keys farther than ``window`` (left out of
 the softmax too). The cost is ``T · (2·window + chunk + 2·sinks)`` logits per query head and layer instead of
 ``(T + R) · (T + R/2)``, and no projections or MLPs over the repeat. Equality with a dense masked softmax over the same
-keys is tested (``tests/test_kvzip_local.py``); what it changes on tasks and perplexity is in docs/tasks.md.
+keys is tested (``tests/kvsplice/select/test_kvzip_local.py``); what it changes on tasks and perplexity is in docs/tasks.md.
 """
 
 from __future__ import annotations

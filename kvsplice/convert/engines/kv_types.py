@@ -9,7 +9,7 @@ bytes), ``q4_0`` = an fp16 scale + 32 4-bit codes (18), ``q4_1`` = an fp16 scale
 must be a multiple of the block). The ids are ``enum ggml_type`` (``ggml/include/ggml.h``).
 
 :func:`kv_bytes_per_token` is the closed form the engine's measured cache is tested against
-(``tests/test_llama_cpp_kv.py``).
+(``tests/kvsplice/convert/test_llama_cpp_kv.py``).
 """
 
 from __future__ import annotations

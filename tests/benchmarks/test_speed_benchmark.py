@@ -1,0 +1,75 @@
+"""CPU smoke test of benchmarks/smollm2_speed.py on a tiny model: every default method family (the full cache,
+int8, KIVI-4, k8v4h, the planner's picks' KVzip stacks) prefilled and decoded round-robin in both doors, batch 1
+and 2, the report written (json, md, png). No timing assertions: only that the real paths run and report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import load_benchmark, tiny_family  # noqa: E402
+from test_kvzip import _ids, _Tok  # noqa: E402
+
+from kvsplice.core.registry import build_method  # noqa: E402
+from benchmarks.lib.speed import PeakRSS, measure  # noqa: E402
+
+
+def _bench():
+    return load_benchmark("smollm2_speed")
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_speed_benchmark_runs_every_method_in_both_doors(tmp_path, batch) -> None:
+    bench = _bench()
+    model = tiny_family("llama", n_layer=3)
+    tok = _Tok(_ids(5, 3))
+    ids = torch.cat([_ids(6 + i, 40) for i in range(batch)])  # (B, 40)
+    methods = [("full", None), ("int8", build_method("int8")), ("kivi4", build_method("kivi4(group=8,residual=16)")),
+               ("k8v4h", build_method("k8v4h"))]
+    for name in ("pick4x", "pick8x"):
+        spec = bench.PICKS[name]
+        methods.append((name, lambda x, spec=spec: build_method(spec, prompt_len=x.shape[1], prompt_ids=x,
+                                                                tokenizer=tok)))
+    rows = []
+    for door in ("hf", "decoder"):
+        got = measure(model, door, methods, ids, rounds=2)
+        assert [r["method"] for r in got] == [m for m, _ in methods]
+        assert got[0]["decode_vs_full"] == 1.0 and all(r["steps"] == 2 and r["decode_ms"] > 0 for r in got)
+        assert all(r["cache_bytes"] > 0 and r["batch"] == batch and r["context"] == 40 for r in got)
+        assert got[2]["cache_bytes"] < got[0]["cache_bytes"]  # KIVI holds fewer bytes than the full cache
+        rows += [{**r, "dtype": "fp32"} for r in got]
+    out = tmp_path / "smollm2_speed_smoke"
+    bench.write_report(rows, out, {"command": "smoke", "machine": "test", "picks": bench.PICKS})
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert len(data["rows"]) == 2 * len(methods)
+    assert "| fp32 | 40 |" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").exists() or importlib.util.find_spec("matplotlib") is None
+
+
+def test_quick_size_and_peak_rss() -> None:
+    args = _bench().parse_args(["--quick"])
+    assert args.contexts == [512] and args.batch == [1, 2] and args.rounds == 4
+    with PeakRSS() as rss:
+        x = torch.ones(4 << 20)  # 16 MiB held while sampled
+        x += 1
+    assert rss.peak >= rss.start and rss.grown >= 0
+
+
+def test_contexts_past_the_models_positions_are_refused_before_any_work(tmp_path, monkeypatch) -> None:
+    """--contexts whose decode steps pass the model's positions stop at once in one line, nothing written."""
+    import types
+
+    import kvsplice.loading as loading
+
+    model = tiny_family("llama", n_layer=1)
+    limit = model.config.max_position_embeddings
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: types.SimpleNamespace(model=model, tokenizer=None))
+    with pytest.raises(SystemExit, match=f"exceed the model's {limit} positions"):
+        _bench().main(["--contexts", "16", str(limit), "--rounds", "2", "--out-dir", str(tmp_path)])
+    assert not list(tmp_path.iterdir())

@@ -16,6 +16,7 @@ import pytest
 from models.checkpoint import save_model
 from models.config import GPTConfig
 from models.gpt import GPT
+from benchmarks.harness.paths import TINYSTORIES
 from benchmarks.lib import study
 from processes import wait_ended, watch
 from tiny_models import load_benchmark
@@ -137,7 +138,7 @@ def test_a_killed_study_takes_its_training_child_with_it(tmp_path: Path) -> None
     wait_ended(fd)  # the training child ends with the killed study (the test's timeout fails it otherwise)
 
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories"
+DATA = TINYSTORIES  # beside the checkout (../shared/data/tinystories)
 
 
 @pytest.fixture(scope="module")

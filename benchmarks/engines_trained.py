@@ -1,6 +1,6 @@
 """A trained checkpoint of the DeepSeek-V3-layout family in three engines: ours, transformers and llama.cpp.
 
-    python benchmarks/engines_trained.py --ckpt checkpoints/tiny_ds_mla_kvsplice_90/last.ckpt \
+    python benchmarks/engines_trained.py --ckpt checkpoints/tiny_ds_mla_kvsplice_90/last.ckpt \\
         --text ../shared/data/tinystories/yuninxia_moe-routing-bench__tinystories_val.txt
 
 Exports the checkpoint (``training.export --format deepseek_v3``, or ``llama`` for standard attention), converts it
@@ -12,11 +12,11 @@ writes it). Needs llama.cpp (``$KVSPLICE_LLAMA_CPP`` or ``build/engines/llama.cp
 
 from __future__ import annotations
 
-import contextlib
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
 import copy
-import json
 import math
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -24,14 +24,10 @@ from typing import Any, Optional, Sequence
 import torch
 import transformers
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
-
-from benchmarks.harness.options import add_json, command, parser  # noqa: E402
-
+from benchmarks.harness.options import UsageError, add_json, command, parser
+from benchmarks.lib.engines import export, report
 from kvsplice.convert.engines import llama_cpp
-from kvsplice.io.cli import UsageError
-from kvsplice.io.outputs import output_file, write_json
+from kvsplice.io.outputs import output_file
 from kvsplice.report.memory import cache_bytes_formula, measure_cache
 from models.checkpoint import load_gpt_checkpoint
 
@@ -48,16 +44,11 @@ def _ppl(logits: torch.Tensor, ids: torch.Tensor) -> float:
 @torch.no_grad()
 def compare(ckpt: Path, text: str, *, tokens: int = 128, new: int = 64, work: Optional[Path] = None) -> dict[str, Any]:
     """Export + convert ``ckpt`` under ``work`` and compare the three engines on ``text`` (see the module)."""
-    from training import export as ex
-
     model, cfg, _ = load_gpt_checkpoint(ckpt)
     model.eval()
     work = Path(work or tempfile.mkdtemp(prefix="engines_trained_"))
     fmt = "llama" if cfg.attention == "mha" else "deepseek_v3"
-    with contextlib.redirect_stdout(sys.stderr):  # the export's own report: not this command's JSON
-        rc = ex.main(["--ckpt", str(ckpt), "--out", str(work / "hf"), "--format", fmt, "--force"])
-    if rc != 0:
-        raise RuntimeError("training.export failed")
+    export(ckpt, work / "hf", fmt)
     llama_cpp.hf_to_gguf(work / "hf", work / "model.gguf")
     tok = transformers.AutoTokenizer.from_pretrained(work / "hf")
     ids = torch.tensor(tok(text)["input_ids"][:tokens])  # (T,)
@@ -88,7 +79,7 @@ def compare(ckpt: Path, text: str, *, tokens: int = 128, new: int = 64, work: Op
 
 @command
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = parser(__file__, __doc__)
+    ap = parser(__file__, __doc__, raw=True)
     ap.add_argument("--ckpt", required=True, type=Path)
     ap.add_argument("--text", required=True, type=Path)
     ap.add_argument("--tokens", type=int, default=128, help="at most the model's block_size")
@@ -99,19 +90,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for path, what in ((a.ckpt, "--ckpt"), (a.text, "--text")):
         if not path.is_file():
             why = why or f"{what} {path}: no such file"
-    if not why and a.json:
-        try:  # the report never replaces an input, checked before the run
-            output_file(a.json, force=True, option="--json", inputs={"--ckpt": a.ckpt, "--text": a.text})
-        except UsageError as e:
-            why = str(e)
     if why:
-        print(f"engines_trained: {why}", file=sys.stderr)
-        return 2
-    out = compare(a.ckpt, a.text.read_text(encoding="utf-8"), tokens=a.tokens, new=a.new)
-    print(json.dumps(out, indent=1))
-    if a.json:
-        write_json(out, a.json)  # atomically
-    return 0
+        raise UsageError(why)
+    if a.json:  # the report never replaces an input, checked before the run
+        output_file(a.json, force=True, option="--json", inputs={"--ckpt": a.ckpt, "--text": a.text})
+    return report(__file__, argv, compare(a.ckpt, a.text.read_text(encoding="utf-8"), tokens=a.tokens, new=a.new),
+                  a.json)
 
 
 if __name__ == "__main__":

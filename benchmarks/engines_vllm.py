@@ -18,7 +18,9 @@ JSON on stdout (``--json`` also writes it). Needs vLLM's venv (``$KVSPLICE_VLLM_
 
 from __future__ import annotations
 
-import argparse
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
 import contextlib
 import json
 import math
@@ -31,14 +33,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import transformers
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-DATA = ROOT.parent / "shared" / "data"
-
-from kvsplice.convert.engines import vllm as vllm_engine  # noqa: E402
-from kvsplice.io.cli import UsageError  # noqa: E402
-from kvsplice.io.outputs import output_file, write_json  # noqa: E402
-from models.checkpoint import atomic_write  # noqa: E402
+from benchmarks.harness.options import UsageError, add_json, add_out, command, parser
+from benchmarks.harness.paths import CALIB, EVAL, SMOLLM2, TINYSTORIES
+from benchmarks.lib.engines import export, report
+from kvsplice.convert.engines import vllm as vllm_engine
+from kvsplice.io.outputs import output_file, write_json
+from models.checkpoint import atomic_write
 
 PAD = (512, 64)
 """(kv_lora_rank, qk_rope_head_dim) of the padded export: the row vLLM's CPU MLA kernel takes."""
@@ -97,17 +97,6 @@ def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int
                      "seconds": seconds}}
 
 
-def _export(ckpt: Path, out: Path, pad: Optional[tuple[int, int]]) -> None:
-    from training import export as ex
-
-    args = ["--ckpt", str(ckpt), "--out", str(out), "--format", "deepseek_v3", "--force"]
-    if pad:
-        args += ["--pad-latent", str(pad[0]), "--pad-rope", str(pad[1])]
-    with contextlib.redirect_stdout(sys.stderr):
-        if ex.main(args) != 0:
-            raise RuntimeError(f"training.export {' '.join(args)} failed")
-
-
 @torch.no_grad()
 def trained(ckpt: Path, text: str, *, tokens: int = 96, new: int = 32, work: Optional[Path] = None,
             kernel_rope: bool = True) -> dict[str, Any]:
@@ -118,8 +107,8 @@ def trained(ckpt: Path, text: str, *, tokens: int = 96, new: int = 32, work: Opt
     model, cfg, meta = load_gpt_checkpoint(ckpt)
     model.eval()
     work = Path(work or tempfile.mkdtemp(prefix="engines_vllm_"))
-    _export(ckpt, work / "hf", None)
-    _export(ckpt, work / "hf_padded", PAD)
+    export(ckpt, work / "hf", "deepseek_v3")
+    export(ckpt, work / "hf_padded", "deepseek_v3", PAD)
     tok = transformers.AutoTokenizer.from_pretrained(work / "hf")
     ids = tok(text)["input_ids"][: min(tokens, cfg.block_size)]
     prompt = ids[:8]
@@ -146,7 +135,7 @@ def smollm2(*, gguf: Path, calib: Path, text: Path, calib_tokens: int = 8192, d_
     t0 = time.perf_counter()
     common = ["--model", str(gguf), "--calib", str(calib), "--calib-tokens", str(calib_tokens), "--d-latent",
               str(d_latent), "--rope-layout", "shared", "--rope-dims", "all", "--no-progress", "--force"]
-    with contextlib.redirect_stdout(sys.stderr):
+    with contextlib.redirect_stdout(sys.stderr):  # the conversions' own reports: not this command's JSON
         if to_mla.main(common + ["--out", str(native)]) != 0:
             raise RuntimeError("to_mla failed")
         for out, pad in ((unpadded, []), (padded, ["--pad-latent", str(PAD[0]), "--pad-rope", str(PAD[1])])):
@@ -206,35 +195,25 @@ def markdown(runs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def _refused(path: Path, option: str, inputs: dict) -> Optional[str]:
-    """Why ``path`` may not be written (one of ``inputs``, a folder, ...), or ``None``: checked before the run."""
-    try:
-        output_file(path, force=True, option=option, inputs=inputs)
-    except UsageError as e:
-        return str(e)
-    return None
-
-
+@command
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="engines_vllm", description=__doc__.split("\n\n")[0])
+    ap = parser(__file__, __doc__, raw=True)
     ap.add_argument("--ckpt", type=Path, help="a trained deepseek_v3-layout MLA / KVSplice checkpoint")
-    ap.add_argument("--text", type=Path,
-                    default=DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt")
+    ap.add_argument("--text", type=Path, default=EVAL)
     ap.add_argument("--smollm2", action="store_true", help="convert + export the shared SmolLM2 GGUF instead")
     ap.add_argument("--tokens", type=int, default=None, help="scored tokens (default: 96 trained, 256 SmolLM2)")
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--work", type=Path, default=None)
-    ap.add_argument("--json", type=Path)
+    add_json(ap)
     ap.add_argument("--report", type=Path, nargs="+", help="render the runs' JSON files into --out .json / .md")
-    ap.add_argument("--out", type=Path, help="with --report: the output prefix (results/engines_vllm)")
+    add_out(ap, help="with --report: the output prefix (results/engines_vllm)")
     a = ap.parse_args(argv)
     if a.report:
-        missing = next((f"--report {p}: no such file" for p in a.report if not p.is_file()), None)
-        why = "--report needs --out PREFIX" if not a.out else missing or _refused(
-            a.out.with_suffix(".json"), "--out", {"--report": a.report})
+        why = "--report needs --out PREFIX" if not a.out else next(
+            (f"--report {p}: no such file" for p in a.report if not p.is_file()), None)
         if why:
-            print(f"engines_vllm: {why}", file=sys.stderr)
-            return 2
+            raise UsageError(why)
+        output_file(a.out.with_suffix(".json"), force=True, option="--out", inputs={"--report": a.report})
         runs = {}
         for path in a.report:
             r = json.loads(path.read_text(encoding="utf-8"))
@@ -249,25 +228,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         why = f"--ckpt {a.ckpt}: no such file"
     if not why and not a.text.is_file():
         why = f"--text {a.text}: no such file"
-    if not why and a.json:
-        why = _refused(a.json, "--json", {"--ckpt": a.ckpt, "--text": a.text})
     if why:
-        print(f"engines_vllm: {why}", file=sys.stderr)
-        return 2
+        raise UsageError(why)
+    if a.json:  # the report never replaces an input, checked before the run
+        output_file(a.json, force=True, option="--json", inputs={"--ckpt": a.ckpt, "--text": a.text})
     run: Callable[[], dict[str, Any]]
     if a.smollm2:
-        run = lambda: smollm2(gguf=DATA / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf",  # noqa: E731
-                              calib=DATA / "tinystories" / "mines-opt-ml_decoding-gpt__tinystories_10k.txt",
-                              text=DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt",
-                              tokens=a.tokens or 256, new=a.new, work=a.work)
+        run = lambda: smollm2(gguf=SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf",  # noqa: E731
+                              calib=TINYSTORIES / "mines-opt-ml_decoding-gpt__tinystories_10k.txt",
+                              text=CALIB, tokens=a.tokens or 256, new=a.new, work=a.work)
     else:
         run = lambda: trained(a.ckpt, a.text.read_text(encoding="utf-8"), tokens=a.tokens or 96,  # noqa: E731
                               new=a.new, work=a.work)
-    out = {"command": "python benchmarks/engines_vllm.py " + " ".join(sys.argv[1:] if argv is None else argv), **run()}
-    print(json.dumps(out, indent=1))
-    if a.json:
-        write_json(out, a.json)  # atomically
-    return 0
+    return report(__file__, argv, run(), a.json)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON`` or ``build/vllm-venv``; docs/vllm.m
 
 from __future__ import annotations
 
-import argparse
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
 import json
 import os
 import shutil
@@ -30,10 +32,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from kvsplice.convert.engines import vllm as vllm_engine  # noqa: E402
+from benchmarks.harness.header import command as command_line, revision
+from benchmarks.harness.options import UsageError, add_out, command, parser
+from kvsplice.convert.engines import vllm as vllm_engine
 
 SHAPES = ("ds_mha", "ds_mla", "ds_mla_kvsplice_50", "ds_mla_kvsplice_90")
 PAD = (512, 64)
@@ -172,9 +173,10 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+@command
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="engines_vllm_plugin", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True, help="output prefix: writes OUT.json and OUT.md")
+    ap = parser(__file__, __doc__, raw=True)
+    add_out(ap, help="output prefix: writes OUT.json and OUT.md", required=True)
     ap.add_argument("--trained", type=Path, nargs="*", default=[], help="trained deepseek_v3-layout checkpoints")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--new", type=int, default=32)
@@ -186,8 +188,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.join:
         missing = next((f"--join {p}: no such file" for p in a.join if not p.is_file()), None)
         if missing or a.out.with_suffix(".json") in a.join:
-            print(f"engines_vllm_plugin: {missing or '--out would replace a --join input'}", file=sys.stderr)
-            return 2
+            raise UsageError(missing or "--out would replace a --join input")
         runs = [json.loads(p.read_text(encoding="utf-8")) for p in a.join]
         for r in runs:  # a run's one budget, where its rows do not carry it
             for x in r["rows"]:
@@ -196,14 +197,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    rows=[x for r in runs for x in r["rows"]],
                    machine=" / ".join(dict.fromkeys(r["machine"] for r in runs)))
         res["ratios"] = ratios(res["rows"])
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
-        a.out.with_suffix(".md").write_text(markdown(res), encoding="utf-8")
+        save(a.out, res)
         return 0
     why = vllm_engine.missing() or next((f"--trained {p}: no such file" for p in a.trained if not p.is_file()), None)
     if why:
-        print(f"engines_vllm_plugin: {why}", file=sys.stderr)
-        return 2
+        raise UsageError(why)
     from models.config import GPTConfig
 
     mha = GPTConfig.from_name("ds_mha")
@@ -230,26 +228,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 shutil.rmtree(padded)
             shutil.rmtree(folder)
             del model
-            write(a, rows, budget)
+            write(a, rows, argv)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(markdown(write(a, rows, budget)))
+    print(markdown(write(a, rows, argv)))
     return 0
 
 
-def write(a, rows: list[dict[str, Any]], budget: int) -> dict[str, Any]:
+def write(a, rows: list[dict[str, Any]], argv: Optional[Sequence[str]]) -> dict[str, Any]:
     """OUT.json / OUT.md with the rows so far (after every model: a run cut short keeps what it measured)."""
-    from models.checkpoint import atomic_write
-
-    res = {"command": "python benchmarks/engines_vllm_plugin.py " + " ".join(sys.argv[1:]),
+    res = {"command": command_line(__file__, argv), "revision": revision(),
            "vllm": _vllm_version(), "context": a.context, "new": a.new,
            "machine": f"{os.cpu_count()} CPU cores shared with other jobs (load average {os.getloadavg()[0]:.1f} "
            f"when written).", "rows": rows}
     res["ratios"] = ratios(rows)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(a.out.with_suffix(".json"), lambda t: t.write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8"))
-    atomic_write(a.out.with_suffix(".md"), lambda t: t.write_text(markdown(res), encoding="utf-8"))
+    save(a.out, res)
     return res
+
+
+def save(out: Path, res: dict[str, Any]) -> None:
+    """``out``.json and ``out``.md (:func:`markdown`), each written whole or not at all."""
+    from models.checkpoint import atomic_write
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out.with_suffix(".json"), lambda t: t.write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8"))
+    atomic_write(out.with_suffix(".md"), lambda t: t.write_text(markdown(res), encoding="utf-8"))
 
 
 def _vllm_version() -> str:

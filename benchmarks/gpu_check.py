@@ -40,13 +40,16 @@ this run does not redo (a second call finishes a cut-off first one).
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
+    import _root  # noqa: F401
+
 import argparse
+import importlib
 import json
 import math
 import os
 import platform
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -58,10 +61,13 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-HERE = Path(__file__).resolve().parent
+from benchmarks.harness.header import command as command_line, revision
+from benchmarks.harness.options import UsageError, command, parser
+from benchmarks.harness.paths import RESULTS, ROOT
+from benchmarks.harness.results import write_markdown
+
 PROG = "gpu_check.py"
-EXIT_USAGE = 2
+"""The name on the plan and progress lines (errors: the harness's ``gpu_check: error: ...``)."""
 DEFAULT_BUDGET_S = 480.0
 STARTUP_S = 10.0
 """The parent's own start (python, torch import, device query) before the first section."""
@@ -230,21 +236,6 @@ def fmt(v: Any) -> str:
     return str(v).replace("|", "\\|").replace("\n", " ")
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """``path`` replaced at once (a temporary beside it, fsynced, renamed): a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 class Report:
     """``results/gpu_check_<device>.json`` and its ``.md``, rewritten whole (atomically) after every change: ``meta``
     (device, versions, command, budget) and ``sections`` (name -> status, reason, timings, ``summary`` and ``rows``).
@@ -281,13 +272,16 @@ class Report:
         self.flush()
 
     def flush(self) -> None:
-        _write_atomic(self.path, json.dumps(self.data, indent=1) + "\n")
-        _write_atomic(self.md_path, self.markdown() + "\n")
+        """Both files replaced at once (a reader never sees half a file)."""
+        from models.checkpoint import atomic_write  # (torch: only where a report is written)
+
+        atomic_write(self.path, lambda tmp: tmp.write_text(json.dumps(self.data, indent=1) + "\n"))
+        write_markdown(self.md_path, self.markdown())
 
     def markdown(self) -> str:
         m = self.data.get("meta", {})
         out = [f"# GPU check — {m.get('device', '?')}", ""]
-        facts = [f"{k} {m[k]}" for k in ("torch", "cuda", "triton", "transformers", "commit") if m.get(k)]
+        facts = [f"{k} {m[k]}" for k in ("torch", "cuda", "triton", "transformers", "revision") if m.get(k)]
         if m.get("capability"):
             facts.append(f"compute capability {'.'.join(map(str, m['capability']))}")
         if m.get("decode_kernel_default"):
@@ -363,11 +357,11 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def child_env(smoke: bool, cuda: bool, plugin: bool = False) -> dict:
-    """The environment of a section's process: the checkout first on the path (no install needed; ``plugin``: this
-    folder too, so pytest finds ``-p gpu_check``), Triton's interpreter for a CPU smoke run."""
+def child_env(smoke: bool, cuda: bool) -> dict:
+    """The environment of a section's process: the checkout first on the path (no install needed; pytest finds
+    ``-p benchmarks.gpu_check`` there), Triton's interpreter for a CPU smoke run."""
     env = dict(os.environ)
-    path = [str(ROOT)] + ([str(HERE)] if plugin else []) + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    path = [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env["PYTHONPATH"] = os.pathsep.join(path)
     env.setdefault("PYTHONUNBUFFERED", "1")
     if smoke and not cuda:
@@ -376,8 +370,8 @@ def child_env(smoke: bool, cuda: bool, plugin: bool = False) -> dict:
 
 
 # ------------------------------------------------------------------------------------- pytest plugin
-# ``pytest -p gpu_check``: every test's outcome appended to $GPU_CHECK_TESTLOG as it ends (so a run stopped at its
-# timeout still has its counts), and each test's start (the one that hung is named).
+# ``pytest -p benchmarks.gpu_check``: every test's outcome appended to $GPU_CHECK_TESTLOG as it ends (so a run
+# stopped at its timeout still has its counts), and each test's start (the one that hung is named).
 def pytest_runtest_logstart(nodeid, location):  # noqa: ARG001 - pytest hook signature
     _testlog(dict(event="start", test=nodeid))
 
@@ -426,10 +420,10 @@ def run_tests(report: Report, timeout_s: float, smoke: bool, cuda: bool) -> None
     files = SMOKE_TEST_FILES if smoke else TEST_FILES
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "tests.jsonl"
-        env = child_env(smoke, cuda, plugin=True)
+        env = child_env(smoke, cuda)
         env["GPU_CHECK_TESTLOG"] = str(log)
-        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-x", "-q", "-p", "no:cacheprovider", "-p", "gpu_check",
-               "--timeout", "120", *files]
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-x", "-q", "-p", "no:cacheprovider", "-p",
+               "benchmarks.gpu_check", "--timeout", "120", *files]
         try:
             import pytest_timeout  # noqa: F401
         except ImportError:
@@ -460,20 +454,6 @@ def run_tests(report: Report, timeout_s: float, smoke: bool, cuda: bool) -> None
 
 
 # ------------------------------------------------------------------------------------ the child sections
-def _bench(name: str):
-    """``benchmarks/<name>.py`` as a module (the benchmarks are scripts, not a package)."""
-    import importlib.util
-
-    key = f"benchmark_{name}"
-    if key in sys.modules:
-        return sys.modules[key]
-    spec = importlib.util.spec_from_file_location(key, HERE / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[key] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _free(device) -> None:
     import gc
 
@@ -491,7 +471,7 @@ def _err(e: BaseException) -> str:
 def section_kernel(rep: Report, sz: dict, ctx: dict) -> None:
     from types import SimpleNamespace
 
-    serving = _bench("serving")
+    serving = importlib.import_module("benchmarks.serving")
     device, dtype = ctx["device"], ctx["dtype"]
     args = SimpleNamespace(smoke=ctx["smoke"], kernel_splits=sz["kernel_splits"], steps=sz["kernel_steps"])
     reason = serving.kernel_runs_here(device)
@@ -511,7 +491,7 @@ def section_kernel(rep: Report, sz: dict, ctx: dict) -> None:
 def section_decode(rep: Report, sz: dict, ctx: dict) -> None:
     import torch
 
-    serving = _bench("serving")
+    serving = importlib.import_module("benchmarks.serving")
     device, dtype, smoke = ctx["device"], ctx["dtype"], ctx["smoke"]
     batch, n_ctx = sz["decode_batch"], sz["decode_ctx"]
     graph = device.type == "cuda"
@@ -549,7 +529,7 @@ def section_decode(rep: Report, sz: dict, ctx: dict) -> None:
 def section_capacity(rep: Report, sz: dict, ctx: dict) -> None:
     from types import SimpleNamespace
 
-    serving = _bench("serving")
+    serving = importlib.import_module("benchmarks.serving")
     device, dtype = ctx["device"], ctx["dtype"]
     rep.update("capacity", summary=dict(bandwidth_gbs=ctx["bandwidth"] / 1e9, matmul_tflops=ctx["matmul_peak"] / 1e12,
                                         budget_gb=sz["capacity_budget_gb"],
@@ -570,7 +550,7 @@ def section_capacity(rep: Report, sz: dict, ctx: dict) -> None:
 
 def model_shapes(name: str, smoke: bool):
     """The config ``serving.build`` gives variant ``name`` (no weights built)."""
-    serving = _bench("serving")
+    serving = importlib.import_module("benchmarks.serving")
     return serving.preset(serving.VARIANTS[name], **(serving.SMOKE_SHAPES if smoke else {}))
 
 
@@ -620,7 +600,7 @@ def matmul_peak(device, dtype, n: int) -> float:
 
     import torch
 
-    serving = _bench("serving")
+    serving = importlib.import_module("benchmarks.serving")
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b
@@ -649,7 +629,7 @@ def section_profile(rep: Report, sz: dict, ctx: dict) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    serving = _bench("serving")
+    serving = importlib.import_module("benchmarks.serving")
     device, dtype, smoke = ctx["device"], ctx["dtype"], ctx["smoke"]
     n_ctx, cuda = sz["profile_ctx"], device.type == "cuda"
     for name in sz["profile_variants"]:
@@ -684,7 +664,7 @@ def section_train(rep: Report, sz: dict, ctx: dict) -> None:
     if ctx["device"].type != "cuda":
         rep.update("train", status="skipped", reason="the training step is timed on CUDA only")
         return
-    gpu = _bench("gpu")
+    gpu = importlib.import_module("benchmarks.gpu")
     torch.backends.cuda.matmul.allow_tf32 = True
     for label in sz["train_models"]:
         try:
@@ -729,7 +709,7 @@ def section_flash4(rep: Report, sz: dict, ctx: dict) -> None:
         return
     from flash_attn.cute import flash_attn_func  # type: ignore[import-not-found]
 
-    from kvsplice.report.cuda_timing import cuda_time
+    from benchmarks.harness.timing import cuda_time
     from models.attention import FlashImpl, attend
 
     impl = FlashImpl("flash-attn-4", flash_attn_func, (9, 0), returns_lse=True)
@@ -761,8 +741,7 @@ def child_main(name: str, report_path: Path, smoke: bool) -> int:
     try:
         import torch
 
-        sys.path.insert(0, str(ROOT))
-        serving = _bench("serving")
+        serving = importlib.import_module("benchmarks.serving")
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         ctx = dict(device=device, dtype=dtype, smoke=smoke, bandwidth=0.0, matmul_peak=0.0)
@@ -781,22 +760,15 @@ def child_main(name: str, report_path: Path, smoke: bool) -> int:
 
 
 # --------------------------------------------------------------------------------------------- main
-class _Parser(argparse.ArgumentParser):
-    """A refusal is one line with the program's name, exit 2 (as the package's tools; theirs imports torch)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
-
-
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The options; a bad one raises :class:`~benchmarks.harness.options.UsageError` (one line, exit 2 through
+    :func:`main`)."""
+    p = parser(__file__, __doc__, raw=True)
     p.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS), metavar="NAME",
                    help=f"sections to run, in this order whatever the order given (default all: {' '.join(SECTIONS)})")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                    help="seconds for the whole run (default 480): a section whose estimate no longer fits is skipped")
-    p.add_argument("--out-dir", type=Path, default=ROOT / "results",
+    p.add_argument("--out-dir", type=Path, default=RESULTS,
                    help="where gpu_check_<device>.json and .md go (default results/; on the device tool: \"$OUT\")")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its time estimate; touch no GPU")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU or GPU): proves the script runs")
@@ -813,20 +785,6 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
         p.error("--child needs --report")
     args.sections = [s for s in SECTIONS if s in args.sections]  # the fixed order, no repeats
     return args
-
-
-def _git_commit() -> Optional[str]:
-    """The checkout's commit (with ``+dirty`` for local changes), or None where there is no git (a copied tree)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10)
-        if head.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return head.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 class Terminated(SystemExit):
@@ -873,6 +831,7 @@ def run_section(report: Report, step: dict, remaining_s: float, smoke: bool, cud
     return report
 
 
+@command
 def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.monotonic()
     args = parse(argv)
@@ -882,14 +841,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.dry_run:
         print_plan(steps, args.budget_s, args.smoke)
         return 0
-    sys.path.insert(0, str(ROOT))
     import torch
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
-        print(f"{PROG}: error: no CUDA device (--dry-run prints the plan, --smoke runs tiny sizes on CPU)",
-              file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError("no CUDA device (--dry-run prints the plan, --smoke runs tiny sizes on CPU)")
     name = torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()})"
     tag = device_tag(name) if cuda else "cpu"
     out = args.out_dir / f"gpu_check_{tag}{'_smoke' if args.smoke else ''}.json"
@@ -909,13 +865,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         from models.kernels import DEFAULT_DECODE_KERNEL as kernel_default
     except Exception as e:  # noqa: BLE001
         kernel_default = _err(e)
-    meta = dict(device=name, tag=tag, commit=_git_commit(), decode_kernel_default=kernel_default,
+    meta = dict(device=name, tag=tag, revision=revision(), decode_kernel_default=kernel_default,
                 capability=list(torch.cuda.get_device_capability()) if cuda else None,
                 torch=torch.__version__, cuda=torch.version.cuda, triton=triton_v, transformers=tf_v,
                 python=platform.python_version(), budget_s=args.budget_s, smoke=args.smoke,
-                started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                command="python benchmarks/gpu_check.py " + " ".join(map(shlex.quote, argv if argv is not None
-                                                                          else sys.argv[1:])))
+                started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), command=command_line(__file__, argv))
     report = Report(out)
     if args.merge and out.exists():
         try:

@@ -181,7 +181,7 @@ def test_benchmark_formula_ratios_and_report(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv(vllm_engine.ENV, str(tmp_path / "none" / "python"))
     assert bench.main(["--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("engines_vllm_plugin: vLLM's python not found") and "\n" not in err
+    assert err.startswith("engines_vllm_plugin: error: vLLM's python not found") and "\n" not in err
     assert not (tmp_path / "o.json").exists()
 
 

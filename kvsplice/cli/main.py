@@ -97,9 +97,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"kvsplice: error: unknown verb {verb!r} (verbs: {', '.join(near)}; kvsplice --help lists them)",
               file=sys.stderr)
         return 2
-    from kvsplice.io.interrupt import quiet_interrupts_while_importing
+    if argv is None:  # the console command: Ctrl-C while the verb imports is one line (called with argv, a library
+        from kvsplice.io.interrupt import quiet_interrupts_while_importing  # call changes no signal handling)
 
-    quiet_interrupts_while_importing("__main__", f"kvsplice {verb}")  # Ctrl-C while the verb imports: one line
+        quiet_interrupts_while_importing("__main__", f"kvsplice {verb}")
     return load(verb)(args[1:])
 
 

@@ -43,6 +43,17 @@ def test_main_runs_each_verb_and_its_help(verb, capsys):
         assert f"kvsplice {verb}" in out
 
 
+def test_main_leaves_python_sigint_handling_as_it_was(capsys):
+    """The front door's quiet Ctrl-C while a verb imports ends with the verb: the default handler is back."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    for verb in sorted(front.VERBS):
+        front.main([verb, "--help"])
+        assert signal.getsignal(signal.SIGINT) is before, verb
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize("verb", sorted(v for v, x in front.VERBS.items() if x.module.startswith("kvsplice.cli.")))
 def test_shim_module_is_the_verb(verb):
     """``python -m kvsplice.TOOL`` (the compatibility module) runs the same ``main`` as ``kvsplice VERB``."""
@@ -61,3 +72,10 @@ def test_python_m_form_reports_the_verb_name():
     r = subprocess.run([sys.executable, "-m", "kvsplice.plan", "--no-such-option"], capture_output=True, text=True,
                        cwd=REPO, timeout=300)
     assert r.returncode == 2 and r.stderr.startswith("kvsplice plan: error:"), r.stderr[-2000:]
+
+
+def test_main_as_the_program_runs_the_verb_with_its_error_line():
+    """``kvsplice VERB ...`` as a process (the console command's code path): the verb's one error line, exit 2."""
+    r = subprocess.run([sys.executable, "-m", "kvsplice.cli.main", "to-gguf", "--no-such-option"], capture_output=True,
+                       text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 2 and r.stderr.startswith("kvsplice to-gguf: error:") and r.stderr.count("\n") == 1, r.stderr

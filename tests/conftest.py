@@ -1,5 +1,6 @@
 """Shared test setup."""
 
+import signal
 import sys
 from pathlib import Path
 
@@ -13,6 +14,13 @@ import torch
 for _folder in sorted(p for p in Path(__file__).parent.rglob("*") if p.is_dir() and p.name != "__pycache__"):
     if str(_folder) not in sys.path:
         sys.path.append(str(_folder))
+
+
+# A test run started in the background of a non-interactive shell inherits SIGINT ignored, and passes that on to
+# every process it starts; the Ctrl-C tests need Python's own handling here and in their child processes (a handled
+# signal is reset to its default across exec, an ignored one is not).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True, scope="session")

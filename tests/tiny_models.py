@@ -143,3 +143,23 @@ class IdsTokenizer:
 
     def encode(self, text, add_special_tokens=True):
         return list(self.repeat)
+
+
+def converted_tiny_llama(folder, **pads):
+    """A random tiny Llama (GQA 4/2, head 16) converted to MLA (latent 16 + 16 shared RoPE dims) and saved as a
+    DeepSeek-V3 folder at ``folder`` (``pads``: ``pad_latent`` / ``pad_rope`` for the padded export)."""
+    import transformers
+
+    from kvsplice.convert.deepseek_v3 import save_deepseek_v3
+    from kvsplice.convert.llama_mla import calibrate_layers, convert_llama
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+                                   rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=256,
+                                   initializer_range=0.2)
+    src = transformers.LlamaForCausalLM(cfg).eval()
+    calib = torch.randint(0, 300, (4, 64), generator=torch.Generator().manual_seed(1))
+    mla = convert_llama(src, calibrate_layers(src, [calib]), d_latent=16, rope_dims=16, layout="shared")
+    save_deepseek_v3(mla, folder, **pads)
+    return src, mla

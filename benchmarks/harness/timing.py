@@ -17,24 +17,24 @@ from typing import Callable
 __all__ = ["cpu_time", "cuda_time", "median_of", "wall_time"]
 
 
-def cpu_time(fn: Callable[[], object], n: int) -> list[float]:
-    """Thread-CPU seconds of each of ``n`` calls of ``fn``."""
+def _timed(clock: Callable[[], float], fn: Callable[[], object], n: int) -> list[float]:
+    """``clock`` seconds of each of ``n`` calls of ``fn``."""
     out = []
     for _ in range(n):
-        t0 = time.thread_time()
+        t0 = clock()
         fn()
-        out.append(time.thread_time() - t0)
+        out.append(clock() - t0)
     return out
+
+
+def cpu_time(fn: Callable[[], object], n: int) -> list[float]:
+    """Thread-CPU seconds of each of ``n`` calls of ``fn``."""
+    return _timed(time.thread_time, fn, n)
 
 
 def wall_time(fn: Callable[[], object], n: int) -> list[float]:
     """Wall seconds of each of ``n`` calls of ``fn``."""
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
+    return _timed(time.perf_counter, fn, n)
 
 
 def cuda_time(fn: Callable[[], object], n: int) -> list[float]:

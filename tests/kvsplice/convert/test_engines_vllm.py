@@ -174,19 +174,10 @@ def test_trained_kvsplice_90_in_vllm_equals_transformers(need_vllm, tmp_path, da
 def test_converted_llama_in_vllm_equals_transformers(need_vllm, tmp_path):
     """A tiny Llama converted (latent 16 + 16 shared RoPE), exported padded to 512 + 64: vLLM's greedy 32 tokens ==
     transformers' == ours, perplexity within 0.5 %; vLLM's CPU RoPE op is wrong from position 1 on."""
-    from kvsplice.convert.deepseek_v3 import save_deepseek_v3
-    from kvsplice.convert.llama_mla import calibrate_layers, convert_llama
     from kvsplice.decode import Decoder
+    from tiny_models import converted_tiny_llama
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
-                                   rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=256,
-                                   initializer_range=0.2)
-    src = transformers.LlamaForCausalLM(cfg).eval()
-    calib = torch.randint(0, 300, (4, 64), generator=torch.Generator().manual_seed(1))
-    mla = convert_llama(src, calibrate_layers(src, [calib]), d_latent=16, rope_dims=16, layout="shared")
-    save_deepseek_v3(mla, tmp_path / "ds", pad_latent=512, pad_rope=64)
+    _, mla = converted_tiny_llama(tmp_path / "ds", pad_latent=512, pad_rope=64)
     ids = ids_of(128, vocab=300, seed=2)[0].tolist()
     with torch.no_grad():
         g_ours = Decoder(mla).generate(torch.tensor([ids[:8]]), 32)[0, 8:].tolist()

@@ -279,20 +279,9 @@ def test_unpadded_converted_llama_in_vllm_is_exact(tmp_path):
     why = vllm_engine.missing()
     if why:
         pytest.skip(why)
-    import transformers
+    from tiny_models import converted_tiny_llama
 
-    from kvsplice.convert.deepseek_v3 import save_deepseek_v3
-    from kvsplice.convert.llama_mla import calibrate_layers, convert_llama
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
-                                   rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=256,
-                                   initializer_range=0.2)
-    src = transformers.LlamaForCausalLM(cfg).eval()
-    calib = torch.randint(0, 300, (4, 64), generator=torch.Generator().manual_seed(1))
-    mla = convert_llama(src, calibrate_layers(src, [calib]), d_latent=16, rope_dims=16, layout="shared")
-    save_deepseek_v3(mla, tmp_path / "ds")
+    converted_tiny_llama(tmp_path / "ds")
     ids = torch.randint(0, 300, (TEXT_LEN,), generator=torch.Generator().manual_seed(2)).tolist()
     greedy, lp = _reference(tmp_path / "ds", ids)
     run = _run(tmp_path / "ds", ids)

@@ -85,6 +85,11 @@ def load_checkpoint(path: PathLike, map_location: Any = "cpu") -> dict:
             f"cannot read checkpoint {str(path)!r}: not a valid PyTorch checkpoint ({type(e).__name__}: "
             f"{_first_line(e)[:300]})"
         ) from None
+    except Exception as e:  # noqa: BLE001 - torch.load hands a safetensors file to safetensors, whose errors differ
+        if type(e).__module__.split(".")[0] != "safetensors":
+            raise
+        raise CheckpointError(f"cannot read checkpoint {str(path)!r}: a damaged safetensors file "
+                              f"({_first_line(e)[:300]})") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"checkpoint {str(path)!r} holds a {type(obj).__name__}, expected a dict")
     return obj

@@ -212,10 +212,10 @@ def export(ckpt: str | Path, out: str | Path, *, force: bool = False, tokenizer:
 
 def _export(ckpt: Path, out: Path, tokenizer: bool, fmt: str = "auto",
             pad_latent: Optional[int] = None, pad_rope: Optional[int] = None) -> dict[str, Any]:
-    from kvsplice.loading import read_gpt_checkpoint
+    from models.checkpoint import load_gpt_checkpoint
 
     try:
-        model, cfg, meta = read_gpt_checkpoint(ckpt)
+        model, cfg, meta = load_gpt_checkpoint(ckpt)
     except CheckpointError as e:
         raise ExportError(str(e)) from None
     if cfg.cache_quant:

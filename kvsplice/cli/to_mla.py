@@ -130,7 +130,7 @@ def convert_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], di
                                       mha_to_mla)
     from kvsplice.loading import checkpoint_tokenizer, iter_texts, load_model, load_tokenizer, token_stream
     from kvsplice.lowrank.calibrate import calibration_batches
-    from kvsplice.loading import read_gpt_checkpoint as load_ckpt
+    from models.checkpoint import load_gpt_checkpoint as load_ckpt
     from models.gpt import GPT
 
     t0 = time.perf_counter()

@@ -40,7 +40,6 @@ from torch import nn
 from kvsplice.io.cli import first_line
 
 __all__ = ["LoadError", "LoadedModel", "Tokenizer", "checkpoint_tokenizer", "iter_texts", "load_model", "load_tokenizer",
-           "read_gpt_checkpoint",
            "token_stream", "first_line"]
 
 CONVERT_HINT = ("pass a local model directory instead, e.g. one made by `python -m kvsplice.convert_llama2c "
@@ -49,23 +48,6 @@ CONVERT_HINT = ("pass a local model directory instead, e.g. one made by `python 
 
 class LoadError(RuntimeError):
     """A model, tokenizer or text cannot be loaded; the message is one line."""
-
-
-def read_gpt_checkpoint(path: str | os.PathLike):
-    """:func:`models.checkpoint.load_gpt_checkpoint` whose every failure is a one-line
-    :class:`models.checkpoint.CheckpointError`: ``torch.load`` hands a safetensors file to safetensors, whose own
-    error (a damaged header, ``header too large``) is no ``CheckpointError``."""
-    from models.checkpoint import CheckpointError, load_gpt_checkpoint
-
-    try:
-        return load_gpt_checkpoint(path)
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - only safetensors' own errors are translated
-        if type(e).__module__.split(".")[0] != "safetensors":
-            raise
-        raise CheckpointError(f"cannot read checkpoint {str(path)!r}: a damaged safetensors file "
-                              f"({first_line(e)})") from None
 
 
 # ================================================================================================ tokenizer
@@ -330,10 +312,10 @@ def load_model(spec: str | os.PathLike, *, tokenizer: Optional[str] = None, dtyp
                 raise LoadError(f"cannot load the model in {spec}: {first_line(e)}") from None
             kind = "hf-dir"
     elif p.is_file():
-        from models.checkpoint import CheckpointError
+        from models.checkpoint import CheckpointError, load_gpt_checkpoint
 
         try:
-            model, _, meta = read_gpt_checkpoint(p)
+            model, _, meta = load_gpt_checkpoint(p)
         except CheckpointError as e:
             raise LoadError(first_line(e)) from None
         _check_supported(model)

@@ -2,7 +2,7 @@
 on calibration text, and write it as a plan the other tools take directly.
 
     python -m kvsplice.plan --model DIR|GGUF|CKPT --calib TEXT (--budget-bytes-per-token N | --ratio R) \\
-        [--calib-tokens 32768] [--calib-stats STATS.safetensors] [--tune-tokens 2048] [--prompt-len P] \\
+        [--calib-tokens 16384] [--calib-stats STATS.safetensors] [--tune-tokens 2048] [--prompt-len P] \\
         [--seq-len T] [--selectors snapkv kvzip 'kvzip(mix=observed_attention,share=0.5)'] [--stores default SPEC ...] \\
         [--device DEV] \\
         [--objective ppl|tasks|mixed] [--tune-tasks passkey niah_number_facts niah_number_stories] [--tune-n 4] \\
@@ -47,7 +47,7 @@ from kvsplice.io.cli import Parser, UsageError, device_dtype, help_text, pos_int
 from kvsplice.io.outputs import SpecArgs, cache_file, output_file
 from kvsplice.io.run_options import add_run_options, run_option_values
 from kvsplice.planning.candidates import DEFAULT_STORES
-from kvsplice.planning.options import TUNE_TASKS, PlanOptions
+from kvsplice.planning.options import PLAN_CALIB_TOKENS, TUNE_TASKS, PlanOptions
 
 
 def _pos_float(s: str) -> float:
@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = p.add_mutually_exclusive_group(required=True)
     b.add_argument("--budget-bytes-per-token", type=_pos_float, help="cache bytes per prompt token (fp16 storage)")
     b.add_argument("--ratio", type=_ratio, help="times smaller than the fp16 full K/V cache (> 1)")
-    p.add_argument("--calib-tokens", type=pos_int, default=32768, help="calibration tokens (default 32768)")
+    p.add_argument("--calib-tokens", type=pos_int, default=PLAN_CALIB_TOKENS,
+                   help=f"calibration tokens (default {PLAN_CALIB_TOKENS}); the tuning windows follow them")
     p.add_argument("--calib-stats", help="calibration statistics of the low-rank stores: reused when the file "
                    "exists, written otherwise — when --stores has a low-rank store (the default list has); with none "
                    "nothing is calibrated and the file is neither read nor written (a note says so)")

@@ -15,6 +15,12 @@ TUNE_TASKS = ("passkey", "niah_number_facts", "niah_number_stories")
 calibration text's)."""
 
 
+# The planner's calibration tokens: its low-rank candidates' statistics (Grams of keys, values, queries and their
+# loss gradients, at most H·d = a few hundred wide) settle well before 16k tokens, and the pass (forward + backward)
+# is most of the planner's time; `kvsplice fit-bases` calibrates a final fit on more (65,536).
+PLAN_CALIB_TOKENS = 16384
+
+
 @dataclass(frozen=True)
 class PlanOptions(RunOptions):
     """What ``plan`` searches: the model, the calibration text (``calib_tokens`` for the statistics, then
@@ -29,7 +35,7 @@ class PlanOptions(RunOptions):
     tokenizer: Optional[str] = None
     budget_bytes_per_token: Optional[float] = None
     ratio: Optional[float] = None
-    calib_tokens: int = 32768
+    calib_tokens: int = PLAN_CALIB_TOKENS
     calib_stats: Optional[str] = None
     tune_tokens: int = 2048
     seq_len: int = 1024

@@ -9,6 +9,8 @@ cache's accuracy (the ceiling).
     python benchmarks/smollm2_tasks.py --size ceiling     # the full cache (+ int8) at 4k / 8k, 3 tasks x 10: the model's ceiling
     python benchmarks/smollm2_tasks.py --size long        # the picks made at 1k at 4k / 8k (+ a 4x pick re-made for 8k):
                                                           # number in stories x 20, both settings
+    python benchmarks/smollm2_tasks.py --size goalsfast   # the goals for the default 4x pick (fast prefill)
+    python benchmarks/smollm2_tasks.py --size fastpick    # the default 4x pick (fast prefill) vs the full cache, 2k / 4k
     python benchmarks/smollm2_tasks.py --size full        # every family and stack, 7 tasks, 1k/2k/4k, n = 16
     python benchmarks/smollm2_tasks.py --size smoke       # stories260K, seconds: checks the script end to end
     python benchmarks/smollm2_tasks.py --report-only      # write results/ from the finished instances
@@ -37,7 +39,9 @@ if __name__ == "__main__" and not __package__:  # run as a file: the repository 
 
 from benchmarks.harness.options import add_progress, add_threads, command, parser  # noqa: E402
 from benchmarks.harness.paths import CALIB, DATA, EVAL as STORIES, RESULTS, ROOT, SMOLLM2 as MODEL  # noqa: E402
+from benchmarks.harness.results import result_stem, write_markdown, write_result  # noqa: E402
 from benchmarks.harness.studies import load as load_study  # noqa: E402
+from kvsplice.planning.options import PLAN_CALIB_TOKENS  # noqa: E402
 WORK = ROOT / "checkpoints" / "smollm2_tasks"
 PLANS = WORK / "plans"
 
@@ -61,8 +65,11 @@ def plans_of(cfg: dict, length: Optional[int] = None) -> list[str]:
 
 def plan_argv(name: str) -> list[str]:
     """The documented planner command for SmolLM2 with ``PLANNED[name]`` (its defaults: the mixed objective)."""
-    return ["--model", str(MODEL), "--calib", str(CALIB), "--calib-stats", str(PLANS / "smol_stats.safetensors"),
-            *PLANNED[name], "--out", str(plan_path(name)), "--json",
+    args = PLANNED[name]
+    tokens = args[args.index("--calib-tokens") + 1] if "--calib-tokens" in args else PLAN_CALIB_TOKENS
+    stats = PLANS / f"smol_stats_{tokens}.safetensors"  # one calibration per token count, shared by the plans
+    return ["--model", str(MODEL), "--calib", str(CALIB), "--calib-stats", str(stats),
+            *args, "--out", str(plan_path(name)), "--json",
             str(PLANS / f"plan{name}_report.json")]
 
 
@@ -132,7 +139,6 @@ def _plot(report: dict, out_png: Path) -> None:
 
 def write_report(size: str, cfg: dict, results_dir: Path) -> dict:
     from kvsplice.tasks.report import markdown, summarize
-    from models.checkpoint import atomic_write
 
     report = {"size": size, "config": cfg, "model": _model(size), "by_length": {}, "labels": {}}
     md = [f"# Long-context tasks on {'stories260K (smoke)' if size == 'smoke' else 'SmolLM2-135M-Instruct'}", "",
@@ -160,10 +166,9 @@ def write_report(size: str, cfg: dict, results_dir: Path) -> dict:
                 report["plans"][name]["protocol_P"] = json.loads(ppl_p.read_text())["results"][0]
                 report["plans"][name]["protocol_P_command"] = "python -m kvsplice.eval_bases " + shlex.join(
                     protocol_p_argv(name))
-    results_dir.mkdir(parents=True, exist_ok=True)
-    stem = results_dir / ("smollm2_tasks" if size == "reduced" else f"smollm2_tasks_{size}")
-    atomic_write(stem.with_suffix(".json"), lambda p: p.write_text(json.dumps(report, indent=1) + "\n"))
-    atomic_write(stem.with_suffix(".md"), lambda p: p.write_text("\n".join(md) + "\n"))
+    stem = result_stem("smollm2_tasks", "" if size == "reduced" else size, results_dir)
+    write_result(stem, report)  # (each length's command is in by_length: a report-only run made none of them)
+    write_markdown(stem, "\n".join(md))
     if report["by_length"]:
         _plot(report, stem.with_suffix(".png"))
     return report

@@ -4,9 +4,10 @@ SmolLM2-135M-Instruct (GGUF). Absent files make a benchmark stop with a message 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-__all__ = ["CALIB", "DATA", "EVAL", "RESULTS", "ROOT", "SMOLLM2", "STORIES", "TINYSTORIES"]
+__all__ = ["CALIB", "DATA", "EVAL", "RESULTS", "ROOT", "SMOLLM2", "STORIES", "TINYSTORIES", "portable"]
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository."""
@@ -18,3 +19,18 @@ CALIB = DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"  # ca
 EVAL = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"  # held-out: the validation sample
 SMOLLM2 = DATA / "smollm2-135m-instruct"
 TINYSTORIES = DATA / "tinystories"  # the local TinyStories folder the small_* training configs read
+
+
+def portable(value):
+    """``value`` (a string, or lists / dicts of them, keys included) with this machine's paths named as a reader of
+    the repository names them: ``../shared/data/...`` for the reference data, repository-relative for the rest of
+    the checkout — what a results file records (the same command runs from any clone)."""
+    if isinstance(value, str):
+        end = r"(?![\w.-])"  # the whole folder name: /work/main, not /work/main2
+        value = re.sub(re.escape(str(DATA)) + end, "../shared/data", value)
+        return re.sub(re.escape(str(ROOT)) + end + "/?", lambda m: "" if m.group().endswith("/") else ".", value)
+    if isinstance(value, dict):
+        return {portable(k): portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(portable(v) for v in value)
+    return value

@@ -281,6 +281,16 @@ def test_timers_take_the_median_after_the_warmup():
     assert statistics.median(wall) == timing.median_of(lambda fn, n: wall, lambda: None, 4)
 
 
+def test_portable_names_paths_as_the_repository_does():
+    from benchmarks.harness.paths import DATA, ROOT, portable
+
+    cmd = f"python -m kvsplice.plan --model {DATA}/smollm2-135m-instruct --out {ROOT}/checkpoints/p.json --cwd {ROOT}"
+    assert portable(cmd) == ("python -m kvsplice.plan --model ../shared/data/smollm2-135m-instruct "
+                             "--out checkpoints/p.json --cwd .")
+    assert portable(f"{ROOT}2/x") == f"{ROOT}2/x"  # another folder whose name starts the same is not the repository
+    assert portable({f"plan:{ROOT}/a.json": [f"{DATA}", 3, None]}) == {"plan:a.json": ["../shared/data", 3, None]}
+
+
 def test_the_results_writer_names_and_writes_a_study(tmp_path):
     from benchmarks.harness import results
     from benchmarks.harness.paths import RESULTS
@@ -291,6 +301,11 @@ def test_the_results_writer_names_and_writes_a_study(tmp_path):
     js = results.write_result(stem, {"rows": [1], "command": "own"}, {"command": "c", "machine": {}, "revision": None})
     assert json.loads(js.read_text()) == {"command": "own", "machine": {}, "revision": None, "rows": [1]}
     assert results.write_markdown(stem, "# t").read_text() == "# t\n"
+    from benchmarks.harness.paths import ROOT  # a results file names no path of this machine (tests/test_docs.py)
+
+    js = results.write_result(stem, {"plan": f"{ROOT}/checkpoints/p.json"}, {"command": f"python {ROOT}/b.py"})
+    assert json.loads(js.read_text()) == {"command": "python b.py", "plan": "checkpoints/p.json"}
+    assert results.write_markdown(stem, f"`{ROOT}/checkpoints/p.json`").read_text() == "`checkpoints/p.json`\n"
     import matplotlib
 
     matplotlib.use("Agg")

@@ -5,8 +5,8 @@
 Left: the models trained from scratch (``results/frontier_gpu.json`` and ``results/kvsplice_recipe_recipe_gpu.json``,
 made by ``benchmarks/frontier.py`` / ``benchmarks/kvsplice_recipe.py`` on an H100): validation loss (mean ± std over
 seeds) against the bytes their decode cache holds per token (fp16). Right: post-training compression of
-SmolLM2-135M-Instruct (``results/smollm2_frontier.json``, protocol P, and the budget planner's default picks from
-``results/smollm2_tasks_goals.json``, made by ``benchmarks/smollm2_frontier.py`` / ``benchmarks/smollm2_tasks.py`` on
+SmolLM2-135M-Instruct (``results/smollm2_frontier.json``, protocol P, and the budget planner's picks: the default
+command's from ``results/smollm2_tasks_goalsfast.json``, exact prefill from ``results/smollm2_tasks_goals.json``; made by ``benchmarks/smollm2_frontier.py`` / ``benchmarks/smollm2_tasks.py`` on
 the CPU): perplexity change against how many times smaller the cache is than the fp16 full K/V cache.
 """
 
@@ -28,6 +28,7 @@ Y_MAX = 25.0  # post-training panel: rows above +25 % perplexity are left out (l
 
 PPL_PLAN = "planner, --objective ppl (perplexity only)"
 MIXED_PLAN = "planner, default --objective mixed (perplexity + tasks)"
+PLAN_NAMES = {"mixed": "default plan", "exact": "exact-prefill plan", "plan": "ppl-only plan"}
 TRAINED_NAMES = {
     "mha": "MHA", "gqa2": "GQA-2", "mqa": "MQA", "mla_128": "MLA-128", "mla_64": "MLA-64", "mla_32": "MLA-32",
     "mla_128_kvsplice_50": "KVSplice-50", "mla_128_kvsplice_70": "KVSplice-70", "mla_128_kvsplice_90": "KVSplice-90",
@@ -93,15 +94,17 @@ def load_post_training(results: Path) -> list[dict]:
     for p in points:
         if p["id"] in PPL_PLAN_TASKS:
             p["tasks"], p["tasks_n"] = tasks[PPL_PLAN_TASKS[p["id"]]]["acc"], tasks[PPL_PLAN_TASKS[p["id"]]]["n"]
-    goals = json.loads((results / "smollm2_tasks_goals.json").read_text())
-    summary = goals["by_length"]["1024"]["summary"]["agnostic"]
-    for name, plan in goals["plans"].items():
-        p = plan["protocol_P"]
-        acc = next(v["acc"] for k, v in summary.items() if k.endswith(f"plan{name}.json"))
-        n = sum(v["n"] for k, v in summary.items() if k.endswith(f"plan{name}.json"))
-        points.append({"id": f"mixed_{name}", "label": f"default plan {name}", "family": MIXED_PLAN,
-                       "ratio": p["ratio_vs_fp16_full"], "delta": 100 * (p["ppl_ratio"] - 1), "tasks": acc,
-                       "tasks_n": n})
+    # the default command's pick (fast prefill: goalsfast) and the exact-prefill picks (--prefill any: goals)
+    for study, kind in (("smollm2_tasks_goalsfast.json", "mixed"), ("smollm2_tasks_goals.json", "exact")):
+        goals = json.loads((results / study).read_text())
+        summary = goals["by_length"]["1024"]["summary"]["agnostic"]
+        for name, plan in goals["plans"].items():
+            p = plan["protocol_P"]
+            mine = [v for k, v in summary.items() if k.endswith(f"plan{name}.json")]
+            ratio = name.removeprefix("default")
+            points.append({"id": f"{kind}_{ratio}", "label": f"{PLAN_NAMES[kind]} {ratio}", "family": MIXED_PLAN,
+                           "ratio": p["ratio_vs_fp16_full"], "delta": 100 * (p["ppl_ratio"] - 1),
+                           "tasks": mine[0]["acc"], "tasks_n": sum(v["n"] for v in mine)})
     return points
 
 
@@ -164,11 +167,12 @@ def make_figure(results: Path, out: Path) -> Path:
         marker, colour = STYLE[family]
         b.scatter([p["ratio"] for p in pts], [p["delta"] for p in pts], marker=marker, color=colour,
                   s=180 if marker == "*" else 40, label=family, zorder=3 if marker == "*" else 2)
-    where = {"mixed_4x": (4.5, -1.9), "mixed_8x": (9.2, 7.0), "plan_4x": (1.45, 6.8), "plan_8x": (9.2, 2.0),
+    where = {"mixed_4x": (4.5, -1.9), "exact_4x": (4.6, 4.2), "exact_8x": (9.2, 7.0), "plan_4x": (1.45, 6.8),
+             "plan_8x": (9.2, 2.0),
              "plan_16x": (9.5, 12.0)}  # text positions (ratio, Δ %) of the plans' labels, left-aligned
     for p in shown:
         if p["family"] in (MIXED_PLAN, PPL_PLAN):
-            name = {"mixed": "default plan", "plan": "ppl-only plan"}[p["id"].split("_")[0]]
+            name = PLAN_NAMES[p["id"].split("_")[0]]
             x = p["id"].split("_")[1].replace("x", "×")
             text = f"{name} {x}: {p['delta']:+.2f} %"
             if "tasks" in p:
@@ -198,7 +202,7 @@ def make_figure(results: Path, out: Path) -> Path:
         note += f"\n{len(hidden)} rows above +{Y_MAX:g} % not shown (results/smollm2_frontier.md)"
     b.text(0.99, 0.985, note, ha="right", va="top", transform=b.transAxes, fontsize=7, color="#555555")
     fig.text(0.5, 0.005, "python benchmarks/readme_figure.py  (from results/frontier_gpu.json, "
-             "kvsplice_recipe_recipe_gpu.json, smollm2_frontier.json, smollm2_tasks.json, smollm2_tasks_goals.json)",
+             "kvsplice_recipe_recipe_gpu.json, smollm2_frontier.json, smollm2_tasks.json, smollm2_tasks_goals*.json)",
              ha="center", fontsize=7, color="#555555")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)

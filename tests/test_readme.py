@@ -123,7 +123,8 @@ def test_figure_data_and_readme_numbers(figure):
     assert trained["mha"]["seeds"] == 3 and trained["insert90"]["bytes"] == 104
     post = {p["id"]: p for p in figure.load_post_training(ROOT / "results")}
     assert post["mixed_4x"]["ratio"] == pytest.approx(4, rel=0.05)
-    assert post["mixed_8x"]["ratio"] == pytest.approx(8, rel=0.05)
+    assert post["exact_4x"]["ratio"] == pytest.approx(4, rel=0.05)
+    assert post["exact_8x"]["ratio"] == pytest.approx(8, rel=0.05)
     readme = README.read_text(encoding="utf-8")
     assert f"{post['mixed_4x']['delta']:+.2f} % perplexity" in readme
     assert f"scores\n  {post['mixed_4x']['tasks']:.0f} %" in readme or f"{post['mixed_4x']['tasks']:.0f} % on" in readme

@@ -6,8 +6,8 @@ Left: the models trained from scratch (``results/frontier_gpu.json`` and ``resul
 made by ``benchmarks/frontier.py`` / ``benchmarks/kvsplice_recipe.py`` on an H100): validation loss (mean ± std over
 seeds) against the bytes their decode cache holds per token (fp16). Right: post-training compression of
 SmolLM2-135M-Instruct (``results/smollm2_frontier.json``, protocol P, and the budget planner's picks: the default
-command's from ``results/smollm2_tasks_goalsfast.json``, exact prefill from ``results/smollm2_tasks_goals.json``; made by ``benchmarks/smollm2_frontier.py`` / ``benchmarks/smollm2_tasks.py`` on
-the CPU): perplexity change against how many times smaller the cache is than the fp16 full K/V cache.
+command's from ``results/smollm2_tasks_goalsfast.json``, exact prefill from ``results/smollm2_tasks_goals.json``;
+made by ``benchmarks/smollm2_frontier.py`` / ``benchmarks/smollm2_tasks.py`` on the CPU): perplexity change against how many times smaller the cache is than the fp16 full K/V cache.
 """
 
 from __future__ import annotations
@@ -168,8 +168,7 @@ def make_figure(results: Path, out: Path) -> Path:
         b.scatter([p["ratio"] for p in pts], [p["delta"] for p in pts], marker=marker, color=colour,
                   s=180 if marker == "*" else 40, label=family, zorder=3 if marker == "*" else 2)
     where = {"mixed_4x": (4.5, -1.9), "exact_4x": (4.6, 4.2), "exact_8x": (9.2, 7.0), "plan_4x": (1.45, 6.8),
-             "plan_8x": (9.2, 2.0),
-             "plan_16x": (9.5, 12.0)}  # text positions (ratio, Δ %) of the plans' labels, left-aligned
+             "plan_8x": (9.2, 2.0), "plan_16x": (9.5, 12.0)}  # text positions (ratio, Δ %) of the plans' labels
     for p in shown:
         if p["family"] in (MIXED_PLAN, PPL_PLAN):
             name = PLAN_NAMES[p["id"].split("_")[0]]

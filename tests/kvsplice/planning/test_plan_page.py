@@ -40,6 +40,6 @@ def test_plan_page_states_the_parsers_numeric_defaults():
     documented = numeric_defaults(PAGE.read_text())
     assert {"--calib-tokens", "--seq-len", "--tune-tokens", "--tune-n"} <= set(documented)
     parser = build_parser()
-    actual = {a.option_strings[0]: a.default for a in parser._actions if a.option_strings}
-    wrong = {k: (v, actual.get(k)) for k, v in documented.items() if actual.get(k) != v}
+    actual = {opt: parser.get_default(opt[2:].replace("-", "_")) for opt in documented}
+    wrong = {k: (v, actual[k]) for k, v in documented.items() if actual[k] != v}
     assert not wrong, f"docs/plan.md default vs the parser's: {wrong}"

@@ -124,7 +124,7 @@ def step_rows(model, n: int, spec: str = "kivi4") -> list[dict]:
     Decoder door."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kvsplice.core.registry import build_method
+    from kvsplice.core.build import build_method
     from benchmarks.lib.speed import prefill_and_steps
 
     ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))

@@ -34,7 +34,7 @@ PLAN_PREFIX = "plan:"
 
 def method_for(name: str, ids: torch.Tensor, tokenizer):
     """The method ``name`` (``full``, ``plan:PATH`` or a spec) built for the prompt ``ids (1, P)``."""
-    from kvsplice.core.registry import build_method
+    from kvsplice.core.build import build_method
     from kvsplice.planning.spec import Plan
 
     if name.startswith(PLAN_PREFIX):

@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def method_factories(args, model, tok):
     """``[(label, method | None | ids → method)]``: the full cache is ``None``; a plan or a KVzip spec is built per
     prompt (it re-reads it)."""
-    from kvsplice.core.registry import build_method, needs_prompt
+    from kvsplice.core.build import build_method, needs_prompt
     from kvsplice.planning.spec import Plan
 
     out = []

@@ -24,8 +24,8 @@ _EXPORTS = {
     # the method core and the package's door
     "CompressionMethod": "kvsplice.core.method", "Step": "kvsplice.core.method",
     # methods by name: a spec (dict or short form) -> a method; every registered name
-    "build_method": "kvsplice.core.registry", "build_selector": "kvsplice.core.registry",
-    "parse_spec": "kvsplice.core.registry", "format_spec": "kvsplice.core.registry",
+    "build_method": "kvsplice.core.build", "build_selector": "kvsplice.core.build",
+    "parse_spec": "kvsplice.core.short_form", "format_spec": "kvsplice.core.short_form",
     "method_names": "kvsplice.core.registry", "selector_names": "kvsplice.core.registry",
     "MethodSpecError": "kvsplice.core.registry",
     "Decoder": "kvsplice.decode", "DenseKV": "kvsplice.decode", "ModelAttention": "kvsplice.decode",

@@ -32,7 +32,7 @@ What is measured (``--data`` must be held-out text, not the calibration text; a 
 Bases fitted for another model, or a bases file with NaN/inf, integer or misshapen tensors, fail with one line
 (:class:`kvsplice.lowrank.bases.BasesMismatchError`) before the model loads; every error exits with status 2.
 
-Methods: ``--method SPEC`` evaluates any registered method or stack by its spec (:mod:`kvsplice.core.registry`:
+Methods: ``--method SPEC`` evaluates any registered method or stack by its spec (:mod:`kvsplice.core.build`:
 ``kivi4``, ``select:snapkv@0.25+int8``, ``lowrank:r4.safetensors+int8``, a ``.json`` spec file) by the protocol of
 :func:`kvsplice.evaluation.protocol.evaluate` — ``--prompt-len`` tokens compressed, the rest scored — next to the
 full cache, measured bytes == formula (``--plan`` is the same for a plan's spec). Two names select a dedicated evaluator
@@ -227,7 +227,8 @@ def eval_spec(ctx: EvalContext, args: argparse.Namespace, spec: dict, base_dir=N
     """A method spec on the windows by the protocol of :func:`kvsplice.evaluation.protocol.evaluate` —
     ``--prompt-len`` tokens compressed, the rest scored (default 3/4 of the window for a token selection, else 0:
     every token over the compressed cache) — next to the full cache by the same protocol."""
-    from kvsplice.core.registry import build_method, format_spec, needs_prompt
+    from kvsplice.core.build import build_method, needs_prompt
+    from kvsplice.core.short_form import format_spec
     from kvsplice.evaluation.protocol import evaluate, evaluate_each
 
     t = ctx.windows.shape[1]
@@ -273,7 +274,8 @@ def _main_plan(args: argparse.Namespace) -> int:
 
 
 def _main_spec(args: argparse.Namespace) -> int:
-    from kvsplice.core.registry import check_spec, load_spec
+    from kvsplice.core.build import check_spec
+    from kvsplice.core.short_form import load_spec
 
     if args.bases:
         raise EvalError("give --method SPEC or --bases, not both (a spec names its bases: lowrank:FILE)")

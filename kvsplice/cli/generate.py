@@ -10,7 +10,7 @@
         --max-new-tokens 64 --device cuda --dtype bf16
 
 HF models (a directory with ``config.json``, or a Hub id) run transformers' ``generate()`` with a kvsplice cache
-(:mod:`kvsplice.hf`): ``--method SPEC`` runs any registered method or stack by its spec (:mod:`kvsplice.core.registry`:
+(:mod:`kvsplice.hf`): ``--method SPEC`` runs any registered method or stack by its spec (:mod:`kvsplice.core.build`:
 the short form, inline JSON or a ``.json`` spec file; a selection's ``keep`` applies to this prompt); the aliases
 ``--bases F`` (= ``--method lowrank:F``: a ``fit_bases`` file) caches low-rank key/value coefficients,
 ``--select S --budget N`` (= ``--method select:S(seed=SEED)@N``) keeps ``N`` prompt tokens per KV head, ``--plan``
@@ -102,7 +102,8 @@ def _check(args: argparse.Namespace) -> None:
 def _spec(args: argparse.Namespace) -> tuple[Optional[dict], Optional[Path]]:
     """The method spec of ``--method`` or of its aliases ``--bases`` / ``--select --budget`` (``None``: the full
     cache or ``--plan``), and the folder its files are read from."""
-    from kvsplice.core.registry import check_spec, load_spec
+    from kvsplice.core.build import check_spec
+    from kvsplice.core.short_form import load_spec
 
     if args.method is not None:  # an empty spec is refused, never read as "no method" (the full cache)
         spec, base_dir = load_spec(args.method)
@@ -126,7 +127,8 @@ def _decode(tok, ids: list[int]) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kvsplice.core.registry import build_method, format_spec
+    from kvsplice.core.build import build_method
+    from kvsplice.core.short_form import format_spec
     from kvsplice.loading import load_model
     from kvsplice.lowrank.bases import KVBases
     from kvsplice.planning.spec import Plan

@@ -120,7 +120,7 @@ class CompressionMethod:
     arguments a spec may give as a file (read by :meth:`load_spec_file`); ``spec_nested``: arguments that are
     themselves a ``"method"`` or a ``"selector"`` (nested specs); ``spec_context``: arguments that come from the
     prompt being compressed, never from a spec (``"prompt_ids"``, ``"tokenizer"``: KVzip re-reads its prompt) —
-    :func:`~kvsplice.core.registry.build_method` passes them (``build_method(spec, prompt_ids=, tokenizer=)``);
+    :func:`~kvsplice.core.build.build_method` passes them (``build_method(spec, prompt_ids=, tokenizer=)``);
     ``select_form``: a token selection that scores the prompt by a pass of its own, written
     ``select:NAME@AMOUNT[+STORE]`` in the short form like a selector.
     """

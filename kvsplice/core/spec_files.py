@@ -3,7 +3,7 @@ that no output of the run may replace them (:mod:`kvsplice.io.outputs`).
 
 A spec names files through its methods' ``spec_files`` arguments (a ``LowRank``'s ``bases``), nested specs
 included (a selection's ``store``); a short form names them relative to the working directory, a spec file
-(``--method spec.json``) and a plan relative to their own folder (as :func:`kvsplice.core.registry.build_method`
+(``--method spec.json``) and a plan relative to their own folder (as :func:`kvsplice.core.build.build_method`
 reads them), and ``plan:P`` (``eval_tasks --method``) is the plan ``P``. Reading is lenient — a spec or file that
 cannot be parsed names no file here — because the command's own checks refuse it before anything is written.
 """
@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from kvsplice.core.registry import ALIASES, METHODS, MethodSpecError, method_names, parse_spec
+from kvsplice.core.registry import ALIASES, METHODS, MethodSpecError, method_names
+from kvsplice.core.short_form import parse_spec
 
 __all__ = ["JSON_SUFFIX", "MAX_DOCUMENT_BYTES", "NamedFile", "PLAN_BASES", "PLAN_PREFIX", "argument_files",
            "document_files", "loaded", "rebased", "spec_file_names", "spec_files"]
@@ -23,7 +24,7 @@ __all__ = ["JSON_SUFFIX", "MAX_DOCUMENT_BYTES", "NamedFile", "PLAN_BASES", "PLAN
 PLAN_PREFIX = "plan:"
 """``plan:PATH``: a plan file given where a method spec goes (``eval_tasks --method``)."""
 JSON_SUFFIX = ".json"
-"""A spec argument ending so is a spec file (:func:`kvsplice.core.registry.load_spec`)."""
+"""A spec argument ending so is a spec file (:func:`kvsplice.core.short_form.load_spec`)."""
 PLAN_BASES = "bases"
 """A version-1 plan's field naming its bases file."""
 MAX_DOCUMENT_BYTES = 1 << 24
@@ -31,7 +32,7 @@ MAX_DOCUMENT_BYTES = 1 << 24
 
 
 def _resolve(value: Union[str, Path], base_dir: Optional[Path]) -> Path:
-    """``value`` as :func:`~kvsplice.core.registry.build_method` reads it: ``~`` expanded, relative to ``base_dir``."""
+    """``value`` as :func:`~kvsplice.core.build.build_method` reads it: ``~`` expanded, relative to ``base_dir``."""
     path = Path(value).expanduser()
     return (base_dir / path if base_dir is not None and not path.is_absolute() else path).resolve()
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from kvsplice.adapters.registry import adapter_for
 from kvsplice.core.method import CompressionMethod, Step
-from kvsplice.core.registry import build_method
+from kvsplice.core.build import build_method
 from kvsplice.core.window import check_evictable, evict, held_per_layer, window_mask
 from kvsplice.decode.dense import DenseKV
 from kvsplice.decode.native import OWN_ATTENTION, ModelAttention
@@ -62,7 +62,7 @@ class Decoder:
         self.adapter = adapter_for(model)
         if method is None:
             method = ModelAttention() if self.adapter.name in OWN_ATTENTION else DenseKV()
-        if isinstance(method, (str, dict)):  # a spec: kvsplice.core.registry
+        if isinstance(method, (str, dict)):  # a spec: kvsplice.core.build
             method = build_method(method)
         if not isinstance(method, CompressionMethod):
             raise TypeError(f"method must be a kvsplice.decode.CompressionMethod, got {type(method).__name__}")

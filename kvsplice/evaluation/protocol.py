@@ -97,7 +97,7 @@ def evaluate_each(model, method_for, windows: torch.Tensor, *, prompt_len: int,
     """:func:`evaluate` window by window with ``method_for(prompt ids (1, P))`` — for methods built from the prompt
     itself (KVzip re-reads it) — the NLLs pooled over the windows (``prompt_len`` >= 1). ``contexts``: one dict
     per window, kept by the caller across methods: ``method_for(ids, shared=contexts[i])`` keeps per-context work
-    there and reuses another method's (:func:`~kvsplice.core.registry.per_prompt`: KVzip's reconstruction pass),
+    there and reuses another method's (:func:`~kvsplice.core.build.per_prompt`: KVzip's reconstruction pass),
     and a token selection replays the window's exact prefill, made once (:mod:`kvsplice.select.replay`)."""
     if not prompt_len:
         raise ValueError("a method built from its prompt needs prompt_len >= 1")

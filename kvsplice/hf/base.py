@@ -42,7 +42,7 @@ from transformers.cache_utils import Cache as HFCache, CacheLayerMixin
 
 from kvsplice.adapters.registry import adapter_for
 from kvsplice.core.method import CompressionMethod, Step
-from kvsplice.core.registry import build_method
+from kvsplice.core.build import build_method
 from kvsplice.core.rope import seen_by_any
 from kvsplice.core.window import check_evictable, evict, held_per_layer
 from kvsplice.hf.attention import ATTN_IMPL, tag, use_kvsplice_attention
@@ -119,7 +119,7 @@ class KVSpliceHFCache(HFCache):
         if self.adapter.name == "gpt":
             raise ValueError("kvsplice HF caches run inside transformers models (LlamaForCausalLM, GPT2LMHeadModel); "
                              "models.GPT decodes with its own cache (model.new_cache / kvsplice.decode.Decoder)")
-        if isinstance(method, (str, dict)):  # a spec: kvsplice.core.registry
+        if isinstance(method, (str, dict)):  # a spec: kvsplice.core.build
             method = build_method(method)
         if not isinstance(method, CompressionMethod):
             raise TypeError(f"method must be a kvsplice.core.CompressionMethod, got {type(method).__name__}")

@@ -12,7 +12,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kvsplice.core.registry import METHODS, SELECTORS, build_method, parse_selector
+from kvsplice.core.build import build_method
+from kvsplice.core.registry import METHODS, SELECTORS
+from kvsplice.core.short_form import parse_selector
 
 __all__ = ["DEFAULT_SELECTORS", "DEFAULT_STORES", "FAST_STRIDE", "INT8", "LOWRANK_RATIOS", "bytes_per_token",
            "candidate_stores", "check_selector", "fast_prefill", "fit_budget", "is_selection", "lowrank_bases", "runs_on",
@@ -197,7 +199,8 @@ def store_specs(given: Optional[Sequence[str]]) -> list:
     """``--stores``: each a storage method's spec — the short form, inline JSON or a ``.json`` spec file (its files
     named relative to the working directory, :func:`kvsplice.core.spec_files.rebased`) — checked without a model,
     or :data:`DEFAULT_STORES`; a one-line ``ValueError`` naming the option otherwise."""
-    from kvsplice.core.registry import check_spec, load_spec
+    from kvsplice.core.build import check_spec
+    from kvsplice.core.short_form import load_spec
     from kvsplice.core.spec_files import rebased
 
     out: list = []

@@ -92,9 +92,10 @@ def check_plan_doc(doc: dict) -> None:
 
 def check_arguments(spec: dict, base_dir=None) -> None:
     """The plan's method spec checked before the model loads: its names and argument names
-    (:func:`kvsplice.core.registry.check_spec`), then its selector and every store that reads no file built once
+    (:func:`kvsplice.core.build.check_spec`), then its selector and every store that reads no file built once
     (their constructors check every argument: a selector's ``{"n_halvings": 1000000}`` is refused here, at load)."""
-    from kvsplice.core.registry import METHODS, build_method, build_selector, check_spec
+    from kvsplice.core.build import build_method, build_selector, check_spec
+    from kvsplice.core.registry import METHODS
 
     spec = check_spec(spec, base_dir=base_dir)
     todo = [spec]

@@ -1,7 +1,7 @@
 """The budget planner's search: every storage method that can hold the cache, each with the largest token selection
 that fits the byte budget, measured on tuning text — the best measured stack wins.
 
-The search is over method specs (:mod:`kvsplice.core.registry`): any registered storage method can be a candidate
+The search is over method specs (:mod:`kvsplice.core.build`): any registered storage method can be a candidate
 (``stores=``, ``python -m kvsplice.plan --stores SPEC ...``).
 
 1. **Stores** (:func:`candidate_stores`): full K/V at fp16 and int8, int8 keys with int4 values (``k8v4h``: rows
@@ -35,7 +35,7 @@ import torch
 
 from kvsplice.adapters import adapter_for
 from kvsplice.evaluation.protocol import evaluate, evaluate_each, full_bytes_per_token
-from kvsplice.core.registry import build_method, needs_prompt, per_prompt
+from kvsplice.core.build import build_method, needs_prompt, per_prompt
 from kvsplice.planning.candidates import (DEFAULT_SELECTORS, FAST_STRIDE, INT8, LOWRANK_RATIOS, bytes_per_token,
                                           candidate_stores, check_selector, fast_prefill, fit_budget, is_selection,
                                           lowrank_bases, runs_on, selection)

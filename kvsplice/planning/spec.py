@@ -1,4 +1,4 @@
-"""The plan file: a method spec (:mod:`kvsplice.core.registry`) found by the planner (``python -m kvsplice.plan``)
+"""The plan file: a method spec (:mod:`kvsplice.core.build`) found by the planner (``python -m kvsplice.plan``)
 for one model, carried to ``generate``, ``eval_bases`` and the HF cache.
 
 A plan's ``spec`` is any method or stack — typically a token selection keeping a fraction ``keep`` of the prompt
@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from kvsplice.core.method import CompressionMethod
-from kvsplice.core.registry import METHODS, build_method, format_spec, needs_prompt
+from kvsplice.core.build import build_method, needs_prompt
+from kvsplice.core.registry import METHODS
+from kvsplice.core.short_form import format_spec
 from kvsplice.core.spec_files import spec_file_names
 from kvsplice.planning.checks import check_arguments, check_bases_name, check_plan_doc
 
@@ -72,7 +74,7 @@ def spec_label(spec: dict[str, Any]) -> str:
     ``kivi4(g32,r128)``
     (``kivi4h(…)``: Hadamard-rotated, ``kivi2p(…)``: keys before RoPE), ``lowrank×1.5(post+int8)`` (the planner's
     bases, by their fit), a selection keeping ``keep`` of the prompt as
-    ``selector×ratio + store``; any other spec by its short form (:func:`~kvsplice.core.registry.format_spec`)."""
+    ``selector×ratio + store``; any other spec by its short form (:func:`~kvsplice.core.short_form.format_spec`)."""
     name = spec.get("name")
     if "keep" in spec and getattr(METHODS.get(name), "select_form", False):  # kvzip: scores by its own pass
         spec = {"name": "token_selection", "keep": spec["keep"], "store": spec.get("store", {"name": "dense"}),

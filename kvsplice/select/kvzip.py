@@ -144,7 +144,7 @@ class KVzipSelection(TokenSelection):
                  layers: Optional[int | str] = None, decoded: str = "store", recon: str = "exact", reach: int = 64,
                  prompt_ids: Optional[torch.Tensor] = None, tokenizer: Any = None) -> None:
         if mix is not None:
-            from kvsplice.core.registry import build_selector
+            from kvsplice.core.build import build_selector
 
             build_selector(mix)  # a known selector, checked now
         if share is not None and mix is None:
@@ -184,13 +184,13 @@ class KVzipSelection(TokenSelection):
 
     def share_context(self, context: dict) -> None:
         """Keep this prompt's per-context work in ``context`` (one dict per prompt, handed to every method built
-        for it: :func:`~kvsplice.core.registry.per_prompt`) and reuse what another method kept there: the
+        for it: :func:`~kvsplice.core.build.per_prompt`) and reuse what another method kept there: the
         reconstruction scores (under :attr:`shared_key`) and the ``mix`` selector's votes per layer."""
         self.shared_scores = context.setdefault(self.shared_key, {})
         self.shared_votes = context.setdefault("mix_votes", {})
 
     def _scorer(self) -> ReconstructionScores:
-        from kvsplice.core.registry import build_selector
+        from kvsplice.core.build import build_selector
 
         return ReconstructionScores(None if self.mix is None else build_selector(self.mix), self._share, self.heads)
 

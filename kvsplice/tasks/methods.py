@@ -3,7 +3,7 @@ module where ``eval_tasks`` reads its ``--plan`` / ``--method`` arguments.
 
 Every spec :func:`kvsplice.build_method` reads (``int8``, ``kivi4``, ``kivi4h(residual=32)``,
 ``select:observed_attention@x4.19+int8``, ``select:kvzip@x4+int8``, ``lowrank:FILE+int8``, a ``.json`` spec file;
-see :mod:`kvsplice.core.registry`) is one, plus::
+see :mod:`kvsplice.core.short_form`) is one, plus::
 
     full                                   the full K/V cache
     plan:PATH                              a plan from python -m kvsplice.plan
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from kvsplice.core.method import CompressionMethod
-from kvsplice.core.registry import (build_method, check_spec, format_spec, load_spec, needs_prompt,
-                                    per_prompt)
+from kvsplice.core.build import build_method, check_spec, needs_prompt, per_prompt
+from kvsplice.core.short_form import format_spec, load_spec
 from kvsplice.core.spec_files import JSON_SUFFIX, PLAN_PREFIX, loaded, spec_files
 from kvsplice.core.spec_args import unique_keys
 

@@ -58,7 +58,7 @@ class SharedPrefill:
     """One instance's exact prefill, kept: the full cache's answer, and any method's answer built from it
     (:meth:`answer`) as often as asked — a caller that measures methods one after another (the planner's tuning
     tasks) pays the prefill once. ``shared``: the instance's per-context work the methods keep and reuse (KVzip's
-    reconstruction scores, :func:`~kvsplice.core.registry.per_prompt`). :attr:`nbytes`: what it holds."""
+    reconstruction scores, :func:`~kvsplice.core.build.per_prompt`). :attr:`nbytes`: what it holds."""
 
     def __init__(self, model, tokenizer, inst: TaskInstance, *, setting: str = "agnostic",
                  shared: Optional[dict] = None) -> None:

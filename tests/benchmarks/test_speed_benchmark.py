@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import load_benchmark, tiny_family  # noqa: E402
 from test_kvzip import _ids, _Tok  # noqa: E402
 
-from kvsplice.core.registry import build_method  # noqa: E402
+from kvsplice.core.build import build_method  # noqa: E402
 from benchmarks.lib.speed import PeakRSS, measure  # noqa: E402
 
 

@@ -18,7 +18,7 @@ from test_kvzip import _ids, _Tok  # noqa: E402
 
 from kvsplice.core.attention import weighted_attend  # noqa: E402
 from kvsplice.core.coded import ChannelGroupKeys, Rows, Segment, coded_attend, seen_bias  # noqa: E402
-from kvsplice.core.registry import build_method  # noqa: E402
+from kvsplice.core.build import build_method  # noqa: E402
 from kvsplice.decode.decoder import Decoder  # noqa: E402
 from kvsplice.hf.base import KVSpliceHFCache  # noqa: E402
 from models.quant import dequantize, pack_codes, quantize, quantize_int8  # noqa: E402

@@ -1,14 +1,16 @@
-"""The method registry (``kvsplice.core.registry``): every registered method and selector rebuilds from its
-``spec()``; the short form parses to the dict form and back; files are read relative to the spec's folder; a
-``keep`` fraction becomes the budget of the prompt it is built for; bad specs are one line naming the known names."""
+"""The method registry, its builder and its short form (``kvsplice.core.registry``, ``.build``, ``.short_form``):
+every registered method and selector rebuilds from its ``spec()``; the short form parses to the dict form and back;
+files are read relative to the spec's folder; a ``keep`` fraction becomes the budget of the prompt it is built for;
+bad specs are one line naming the known names."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvsplice.core.registry import (ALIASES, METHODS, SELECTORS, MethodSpecError, build_method, build_selector,
-                                    format_spec, method_names, parse_spec, register, selector_names)
+from kvsplice.core.build import build_method, build_selector
+from kvsplice.core.registry import ALIASES, METHODS, SELECTORS, MethodSpecError, method_names, register, selector_names
+from kvsplice.core.short_form import format_spec, parse_spec
 from kvsplice.lowrank.joint import JointBases
 from tests.tiny_models import orthonormal_bases
 from hostile import prog_of
@@ -143,7 +145,7 @@ def test_kvzip_share_needs_mix():
 
 
 def test_a_spec_file_with_a_repeated_key_is_refused(tmp_path):
-    from kvsplice.core.registry import load_spec
+    from kvsplice.core.short_form import load_spec
 
     f = tmp_path / "s.json"
     f.write_text('{"name": "token_selection", "selector": {"name": "snapkv", "window": 4, "window": 8}, "budget": 4}')
@@ -183,7 +185,7 @@ def test_every_method_module_of_the_package_is_loaded_by_name():
 
 
 def test_a_spec_is_checked_before_it_is_built(tmp_path):
-    from kvsplice.core.registry import check_spec
+    from kvsplice.core.build import check_spec
 
     assert check_spec("select:snapkv@0.25+kivi4")["keep"] == 0.25  # no prompt length needed to check
     for bad, match in (("select:nosuch@4", "unknown selector"), ("select:snapkv(windo=3)@4", "snapkv takes"),
@@ -196,7 +198,8 @@ def test_a_spec_is_checked_before_it_is_built(tmp_path):
 def test_a_dict_spec_may_name_an_alias(tmp_path):
     """``{"name": "int8"}`` was refused as "unknown method 'int8' ... known: ..., int8, ...": a dict
     naming an alias is the alias's spec, its own arguments over it — in a spec file and nested as a store."""
-    from kvsplice.core.registry import check_spec, load_spec
+    from kvsplice.core.build import check_spec
+    from kvsplice.core.short_form import load_spec
 
     assert check_spec({"name": "int8"}) == {"name": "dense", "cache_quant": "int8"}
     assert build_method({"name": "kivi4", "residual": 32}).spec() == build_method("kivi4(residual=32)").spec()

@@ -309,7 +309,7 @@ def test_the_statistics_and_a_plans_bases_are_never_written(s260k, planned, tmp_
 def test_eval_bases_builds_a_prompt_reading_method_per_window(s260k, tmp_path):
     """``eval_bases --method select:kvzip@...``: each window's KVzip is built from that window's prompt — the same
     perplexity as evaluate_each over the same windows with per-prompt builds."""
-    from kvsplice.core.registry import build_method
+    from kvsplice.core.build import build_method
     from kvsplice.evaluation.context import load_windows
     from kvsplice.evaluation.protocol import evaluate_each
     from kvsplice.loading import load_model

@@ -14,7 +14,8 @@ import transformers
 from kvsplice.adapters import adapter_for
 from kvsplice.adapters.base import apply_rope
 from kvsplice.core.method import Step
-from kvsplice.core.registry import build_method, parse_spec
+from kvsplice.core.build import build_method
+from kvsplice.core.short_form import parse_spec
 from kvsplice.decode import Decoder
 from kvsplice.hf import KVSpliceHFCache
 from kvsplice.quant import KIVI, KIVICache, PreRopeKIVI

@@ -17,7 +17,8 @@ from tiny_models import IdsTokenizer as _Tok, random_ids as _ids, tiny_family  #
 from kvsplice.decode.decoder import Decoder  # noqa: E402
 from kvsplice.decode.dense import DenseKV  # noqa: E402
 from kvsplice.hf.base import KVSpliceHFCache  # noqa: E402
-from kvsplice.core.registry import build_method, format_spec, needs_prompt, parse_spec  # noqa: E402
+from kvsplice.core.build import build_method, needs_prompt  # noqa: E402
+from kvsplice.core.short_form import format_spec, parse_spec  # noqa: E402
 from kvsplice.select.kvzip import KVzipSelection  # noqa: E402
 
 
@@ -116,7 +117,7 @@ def test_kvzip_from_a_spec_per_prompt(model) -> None:
 
 
 def test_kvzip_mix_keeps_the_mixed_selectors_share_first() -> None:
-    from kvsplice.core.registry import build_selector
+    from kvsplice.core.build import build_selector
     from kvsplice.select.kvzip import ReconstructionScores
 
     scores = torch.rand(2, 20, generator=torch.Generator().manual_seed(0))
@@ -205,7 +206,7 @@ def test_evaluate_each_contexts_share_the_pass_and_votes_with_the_same_result(mo
     """Candidates measured window by window with one kept context per window (the planner's tuning perplexity):
     each window's exact prefill, KVzip's reconstruction pass and the mixed-in votes are made once and reused by
     every token selection (int8 prefills itself) — the same perplexity, to the bit, and bytes as each alone."""
-    from kvsplice.core.registry import per_prompt
+    from kvsplice.core.build import per_prompt
     from kvsplice.evaluation.protocol import evaluate_each
 
     windows = torch.cat([_ids(s, 40) for s in (11, 12)])  # (2, 40)

@@ -17,7 +17,8 @@ from tiny_models import IdsTokenizer as _Tok, random_ids as _ids, tiny_family  #
 
 from kvsplice.adapters import adapter_for  # noqa: E402
 from kvsplice.adapters.base import apply_rope  # noqa: E402
-from kvsplice.core.registry import build_method, format_spec  # noqa: E402
+from kvsplice.core.build import build_method  # noqa: E402
+from kvsplice.core.short_form import format_spec  # noqa: E402
 from kvsplice.decode.decoder import Decoder  # noqa: E402
 from kvsplice.hf.base import KVSpliceHFCache  # noqa: E402
 from kvsplice.select.kvzip import KVzipSelection  # noqa: E402

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tiny_models import tiny_family  # noqa: E402
 from test_kvzip import _ids, _Tok  # noqa: E402
 
-from kvsplice.core.registry import build_method  # noqa: E402
+from kvsplice.core.build import build_method  # noqa: E402
 from kvsplice.decode.decoder import Decoder  # noqa: E402
 from kvsplice.hf.base import KVSpliceHFCache  # noqa: E402
 from kvsplice.select.method import TokenSelection  # noqa: E402

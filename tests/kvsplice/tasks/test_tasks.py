@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tiny_models import tiny_family  # noqa: E402
 
-from kvsplice.core.registry import build_method  # noqa: E402
+from kvsplice.core.build import build_method  # noqa: E402
 from kvsplice.quant.method import KIVI  # noqa: E402
 from kvsplice.quant.rotated import RotatedKIVI  # noqa: E402
 from kvsplice.tasks.methods import parse_method  # noqa: E402

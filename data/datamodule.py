@@ -1,17 +1,14 @@
 """LightningDataModule for TinyStories (Hugging Face Hub or local files) and the embedded offline synthetic stories.
 
-Pipeline: stories -> tokenizer -> ``uint16`` token shards cached under ``cache_dir`` (once, idempotent) ->
-random ``block_size + 1`` token windows for training, a fixed evenly spaced set of windows for validation.
+Pipeline: stories (a :mod:`data.story_sources` source) -> tokenizer (:mod:`data.tokenizer_routes`) -> ``uint16``
+token shards cached under ``cache_dir`` (once, idempotent; :mod:`data.shards`) -> random ``block_size + 1`` token
+windows for training, a fixed evenly spaced set of windows for validation.
 Batches are ``(x, y)`` int64 tensors of shape (B, T) with ``y`` = ``x`` shifted left by one token.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import re
-from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,26 +16,14 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from data import stories as story_gen
-from data.errors import OFFLINE_HINT, DataConfigError, DataUnavailableError, hub_offline_reason
-from data.shards import (EpochSampler, FixedBlocks, RandomBlocks, ResumableDataLoader, build_shards, split_tail,
-                         write_split)
-from data.sources import file_fingerprint, is_validation_file, iter_stories_from_file, list_story_files
-from data.tokenizer import TextTokenizer, load_gpt2_from_hub, load_bpe_tokenizer, train_bpe_tokenizer
+from data.errors import DataConfigError, DataUnavailableError
+from data.settings import check_settings
+from data.shards import EpochSampler, FixedBlocks, RandomBlocks, ResumableDataLoader, build_shards
+from data.story_sources import HubStories, LocalStories, StorySource, SyntheticStories
+from data.tokenizer import TextTokenizer
+from data.tokenizer_routes import cache_key, check_cache_dir, pick_tokenizer
 
 __all__ = ["TinyStoriesDataModule"]
-
-#: Synthetic stories the synthetic tokenizer is trained on (a prefix of the training stories).
-SYNTHETIC_TOKENIZER_STORIES = 4000
-
-
-def _key(obj: object) -> str:
-    """Short stable hash of a JSON-friendly object."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode("utf-8")).hexdigest()[:12]
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")[:40] or "data"
 
 
 class TinyStoriesDataModule(L.LightningDataModule):
@@ -100,38 +85,11 @@ class TinyStoriesDataModule(L.LightningDataModule):
         seed: int = 1337,
     ) -> None:
         super().__init__()
-        if synthetic and (path or val_path):
-            raise DataConfigError("data.synthetic=true and data.path/data.val_path are mutually exclusive")
-        for name, value in (("val_fraction", val_fraction),):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
-                raise DataConfigError(f"data.{name} must be in (0, 1), got {value!r}")
-        for name, value in (
-            ("block_size", block_size),
-            ("batch_size", batch_size),
-            ("synthetic_stories", synthetic_stories),
-            ("train_batches_per_epoch", train_batches_per_epoch),
-            ("val_batches", val_batches),
-            ("num_workers", num_workers),
-            ("synthetic_vocab_size", synthetic_vocab_size),
-            ("seed", seed),
-        ):
-            low = {"num_workers": 0, "seed": 0, "synthetic_vocab_size": 258}.get(name, 1)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                hint = " (python -m training.fit sets it from --model.block_size)" if name == "block_size" else ""
-                if name == "synthetic_vocab_size":
-                    hint = " (256 bytes + <|endoftext|> + at least one merge)"
-                raise DataConfigError(f"data.{name} must be an integer >= {low}, got {value!r}{hint}")
-        if bpe_vocab_size is not None:
-            if isinstance(bpe_vocab_size, bool) or not isinstance(bpe_vocab_size, int) or not 258 <= bpe_vocab_size \
-                    <= 65536:
-                raise DataConfigError(f"data.bpe_vocab_size must be an integer in [258, 65536] (256 bytes + "
-                                      f"<|endoftext|> + merges; uint16 shards), got {bpe_vocab_size!r}")
-            if not path:
-                raise DataConfigError("data.bpe_vocab_size trains a tokenizer on local files: set data.path too (the "
-                                      "synthetic stories have data.synthetic_vocab_size; the Hub path uses GPT-2's)")
-            if tokenizer_path:
-                raise DataConfigError("data.bpe_vocab_size and data.tokenizer_path are mutually exclusive: train a "
-                                      "vocabulary or load one")
+        check_settings(path=path, val_path=val_path, tokenizer_path=tokenizer_path, synthetic=synthetic,
+                       synthetic_stories=synthetic_stories, synthetic_vocab_size=synthetic_vocab_size,
+                       bpe_vocab_size=bpe_vocab_size, block_size=block_size, batch_size=batch_size,
+                       num_workers=num_workers, val_fraction=val_fraction,
+                       train_batches_per_epoch=train_batches_per_epoch, val_batches=val_batches, seed=seed)
         self.save_hyperparameters()
         self.path = path
         self.bpe_vocab_size = bpe_vocab_size
@@ -156,21 +114,19 @@ class TinyStoriesDataModule(L.LightningDataModule):
         self.train_set: RandomBlocks | None = None
         self.val_set: FixedBlocks | None = None
 
-    # ----------------------------------------------------------------------------------------------------------------
-    # Tokenizer
-    # ----------------------------------------------------------------------------------------------------------------
+    @property
+    def stories(self) -> StorySource:
+        """Where the stories come from: ``synthetic``, else the local ``path``, else the Hub ``dataset``."""
+        if self.synthetic:
+            return SyntheticStories(self.synthetic_stories, self.seed, self.val_fraction)
+        if self.path:
+            return LocalStories(self.path, self.val_path, self.val_fraction)
+        return HubStories(self.dataset, self.val_fraction)
+
     @property
     def source(self) -> str:
         """``"synthetic"``, ``"local"`` or ``"hub"``."""
-        return "synthetic" if self.synthetic else "local" if self.path else "hub"
-
-    def _hub_unavailable(self, reason: str) -> DataUnavailableError:
-        return DataUnavailableError(
-            f"TinyStories ({self.dataset!r}) cannot be downloaded ({reason}) and no local copy was given: set "
-            f"--data.path (data.path) to TinyStories .txt/.json files (and --data.tokenizer_path to GPT-2's "
-            f"vocab/merges files), {OFFLINE_HINT}",
-            reason=reason,
-        )
+        return self.stories.kind
 
     @property
     def tokenizer(self) -> TextTokenizer:
@@ -180,65 +136,10 @@ class TinyStoriesDataModule(L.LightningDataModule):
             DataUnavailableError: it needs the Hub and the Hub is unreachable (or files are missing).
         """
         if self._tokenizer is None:
-            if self.path:
-                self._local_files()  # missing, empty or garbage data is named before any tokenizer problem
-            self._check_cache_dir()
-            if self.tokenizer_path:
-                self._tokenizer = load_bpe_tokenizer(self.tokenizer_path)
-            elif self.synthetic:
-                self._tokenizer = self._synthetic_tokenizer()
-            elif self.bpe_vocab_size is not None:
-                self._tokenizer = self._local_bpe_tokenizer()
-            else:
-                try:
-                    self._tokenizer = load_gpt2_from_hub(self.cache_dir)
-                except DataUnavailableError as e:
-                    if self.source == "hub":  # the dataset is the bigger problem: name data.path first
-                        raise self._hub_unavailable(e.reason or str(e)) from None
-                    raise
+            self._tokenizer = pick_tokenizer(self.stories, tokenizer_path=self.tokenizer_path,
+                                             synthetic_vocab_size=self.synthetic_vocab_size,
+                                             bpe_vocab_size=self.bpe_vocab_size, cache_dir=self.cache_dir)
         return self._tokenizer
-
-    def _check_cache_dir(self) -> None:
-        """``cache_dir`` must be (or become) a writable folder: one clear error instead of an OSError later."""
-        d = self.cache_dir
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise DataUnavailableError(f"data.cache_dir={str(d)!r} cannot be created ({e.strerror or type(e).__name__}"
-                                       f"): set --data.cache_dir to a writable folder") from None
-        if not os.access(d, os.W_OK | os.X_OK):
-            raise DataUnavailableError(f"data.cache_dir={str(d)!r} is not writable: set --data.cache_dir to a "
-                                       f"writable folder")
-
-    def _cached_bpe(self, kind: str, vocab_size: int, spec: dict[str, Any],
-                    texts: Callable[[], Iterable[str]]) -> TextTokenizer:
-        """A byte-level BPE of ``vocab_size`` named ``<kind>-bpe-<N>``, loaded from ``cache_dir/tokenizers`` when a
-        file for ``spec`` exists, else trained on ``texts()`` and saved there."""
-        file = self.cache_dir / "tokenizers" / f"{kind}-bpe{vocab_size}-{_key(spec)}.json"
-        if file.is_file():
-            tok = load_bpe_tokenizer(file)
-        else:
-            tok = train_bpe_tokenizer(texts(), vocab_size=vocab_size)
-            tok.save(file)
-        tok.name = f"{kind}-bpe-{vocab_size}"
-        return tok
-
-    def _synthetic_tokenizer(self) -> TextTokenizer:
-        """Byte-level BPE trained on the first (up to) ``SYNTHETIC_TOKENIZER_STORIES`` synthetic training stories (a
-        prefix of the training stories; more give the same vocabulary: the generator's word set is small)."""
-        n_fit = min(self.synthetic_stories, SYNTHETIC_TOKENIZER_STORIES)
-        spec = {"generator": story_gen.GENERATOR_VERSION, "seed": self.seed, "stories": n_fit,
-                "vocab_size": self.synthetic_vocab_size}
-        return self._cached_bpe("synthetic", self.synthetic_vocab_size, spec,
-                                lambda: story_gen.generate_stories(n_fit, self.seed, "train"))
-
-    def _local_bpe_tokenizer(self) -> TextTokenizer:
-        """Byte-level BPE of ``bpe_vocab_size`` entries trained on the training files' stories, cached keyed by the
-        files' fingerprints (path, size, mtime) and the size."""
-        train, _ = self._local_files()
-        spec = {"train": [file_fingerprint(f) for f in train], "vocab_size": self.bpe_vocab_size}
-        return self._cached_bpe("local", self.bpe_vocab_size, spec,
-                                lambda: (story for f in train for story in iter_stories_from_file(f)))
 
     @property
     def vocab_size(self) -> int:
@@ -255,149 +156,19 @@ class TinyStoriesDataModule(L.LightningDataModule):
         """Unigram entropy (nats) of the training shard: a context-free model's loss; a LM should go far below."""
         return float(self._require_meta()["unigram_entropy"])
 
-    # ----------------------------------------------------------------------------------------------------------------
-    # Shards
-    # ----------------------------------------------------------------------------------------------------------------
-    def _local_files(self) -> tuple[list[Path], list[Path]]:
-        """(train files, validation files); validation may be empty (then a tail is held out)."""
-        files = list_story_files(self.path, "data.path")  # type: ignore[arg-type]
-        if self.val_path:
-            return files, list_story_files(self.val_path, "data.val_path")
-        val = [f for f in files if is_validation_file(f)]
-        train = [f for f in files if not is_validation_file(f)]
-        if not train:  # only validation-looking files: use them for training and hold out a tail
-            return files, []
-        return train, val
-
-    def _shard_spec(self) -> tuple[str, dict[str, Any]]:
-        """(folder name prefix, JSON description of the source) that keys the shard cache."""
-        if self.path:
-            self._local_files()  # a missing/empty data.path is reported before any tokenizer problem
-        common = {"tokenizer": self.tokenizer.fingerprint}
-        if self.synthetic:
-            spec = {
-                "kind": "synthetic",
-                "generator": story_gen.GENERATOR_VERSION,
-                "seed": self.seed,
-                "stories": self.synthetic_stories,
-                "val_stories": self._synthetic_val_count(),
-            }
-            return f"synthetic-s{self.seed}-n{self.synthetic_stories}", {**spec, **common}
-        if self.path:
-            train, val = self._local_files()
-            spec = {
-                "kind": "local",
-                "train": [file_fingerprint(f) for f in train],
-                "validation": [file_fingerprint(f) for f in val],
-            }
-            if not val:
-                spec["val_fraction"] = self.val_fraction
-            return f"local-{_slug(Path(self.path).name)}", {**spec, **common}
-        return f"hub-{_slug(self.dataset)}", {
-            "kind": "hub",
-            "dataset": self.dataset,
-            "val_fraction": self.val_fraction,
-            **common,
-        }
-
-    def _synthetic_val_count(self) -> int:
-        return max(1, round(self.synthetic_stories * self.val_fraction))
-
-    def _write_synthetic(self, tmp: Path) -> dict[str, dict[str, int]]:
-        tok = self.tokenizer
-        n_val = self._synthetic_val_count()
-        return {
-            "train": write_split(
-                story_gen.iter_stories(self.synthetic_stories, self.seed, "train"),
-                tmp / "train.bin",
-                tok,
-                "tokenizing synthetic train",
-                self.synthetic_stories,
-            ),
-            "validation": write_split(
-                story_gen.iter_stories(n_val, self.seed, "validation"),
-                tmp / "val.bin",
-                tok,
-                "tokenizing synthetic val",
-                n_val,
-            ),
-        }
-
-    def _write_local(self, tmp: Path) -> dict[str, dict[str, int]]:
-        train, val = self._local_files()
-        tok = self.tokenizer
-
-        def stream(files: list[Path]) -> Iterator[str]:
-            for f in files:
-                yield from iter_stories_from_file(f)
-
-        stats = {"train": write_split(stream(train), tmp / "train.bin", tok, f"tokenizing {self.path}")}
-        if not stats["train"]["stories"]:
-            raise DataUnavailableError(f"data.path={str(self.path)!r}: no stories found (an empty stories list or "
-                                       f"file): give TinyStories .txt/.json/.jsonl text")
-        if val:
-            stats["validation"] = write_split(stream(val), tmp / "val.bin", tok, "tokenizing validation files")
-            if not stats["validation"]["stories"]:
-                where = f"data.val_path={str(self.val_path)!r}" if self.val_path else f"validation files {val}"
-                raise DataUnavailableError(f"{where}: no stories found (an empty stories list or file)")
-        else:
-            stats["train"], stats["validation"] = split_tail(
-                tmp / "train.bin", tmp / "val.bin", self.val_fraction, tok.eot_id
-            )
-        return stats
-
-    def _load_hub_dataset(self) -> Any:
-        """``datasets.load_dataset(self.dataset)``, failing fast with one clear error when offline."""
-        reason = hub_offline_reason()
-        import datasets  # slow import: only on this path
-
-        if reason is not None and not getattr(datasets.config, "HF_HUB_OFFLINE", False):
-            # Offline and datasets would still try (and retry) the network: fail now.
-            raise self._hub_unavailable(reason)
-        try:  # online, or datasets' own offline mode (served from its local cache if present)
-            return datasets.load_dataset(self.dataset)
-        except Exception as e:  # noqa: BLE001 - any hub/network/cache failure becomes one clear error
-            msg = str(e).splitlines()[0] if str(e) else ""
-            raise self._hub_unavailable(reason or f"{type(e).__name__}: {msg}") from None
-
-    def _write_hub(self, tmp: Path) -> dict[str, dict[str, int]]:
-        ds = self._load_hub_dataset()
-        tok = self.tokenizer
-
-        def stream(split: Any) -> Iterator[str]:
-            column = "text" if "text" in split.column_names else split.column_names[0]
-            for batch in split.iter(batch_size=1024):
-                for text in batch[column]:
-                    if text and (text := text.strip()):
-                        yield text
-
-        stats = {
-            "train": write_split(
-                stream(ds["train"]), tmp / "train.bin", tok, f"tokenizing {self.dataset} train", len(ds["train"])
-            )
-        }
-        val_name = next((s for s in ("validation", "valid", "val", "test") if s in ds), None)
-        if val_name is not None:
-            stats["validation"] = write_split(
-                stream(ds[val_name]), tmp / "val.bin", tok, f"tokenizing {self.dataset} {val_name}", len(ds[val_name])
-            )
-        else:
-            stats["train"], stats["validation"] = split_tail(
-                tmp / "train.bin", tmp / "val.bin", self.val_fraction, tok.eot_id
-            )
-        return stats
-
     def prepare_data(self) -> None:
         """Tokenise the source into cached ``uint16`` shards (no-op when they already exist).
 
         Raises:
             DataUnavailableError: data or tokenizer unavailable (offline Hub, missing path, unreadable files).
         """
-        prefix, spec = self._shard_spec()
-        self._check_cache_dir()
-        folder = self.cache_dir / f"{prefix}-{_key(spec)}"
-        write = {"synthetic": self._write_synthetic, "local": self._write_local, "hub": self._write_hub}[self.source]
-        self.meta = build_shards(folder, self.tokenizer, write, spec)
+        self.stories.check()  # a missing/empty data.path is reported before any tokenizer problem
+        tok = self.tokenizer
+        prefix, spec = self.stories.shard_spec()
+        spec = {**spec, "tokenizer": tok.fingerprint}
+        check_cache_dir(self.cache_dir)
+        folder = self.cache_dir / f"{prefix}-{cache_key(spec)}"
+        self.meta = build_shards(folder, tok, lambda tmp: self.stories.write(tmp, tok), spec)
         self.shard_dir = folder
 
     def _require_meta(self) -> dict[str, Any]:
@@ -412,37 +183,22 @@ class TinyStoriesDataModule(L.LightningDataModule):
         assert self.shard_dir is not None
         for split in ("train", "validation"):
             if not meta["splits"][split]["stories"]:
-                where = {"synthetic": "the synthetic stories", "hub": f"the Hub dataset {self.dataset!r}"}.get(
-                    self.source, f"data.{'val_path' if split == 'validation' and self.val_path else 'path'}="
-                                 f"{self.val_path if split == 'validation' and self.val_path else self.path!r}")
-                raise DataUnavailableError(f"{where}: no {split} stories found (empty stories list or file)")
+                raise DataUnavailableError(f"{self.stories.empty(split)}: no {split} stories found (empty stories "
+                                           f"list or file)")
         try:
-            self.train_set = RandomBlocks(
-                self.shard_dir / "train.bin", self.block_size, self.train_batches_per_epoch * self.batch_size,
-                self.seed
-            )
+            self.train_set = RandomBlocks(self.shard_dir / "train.bin", self.block_size,
+                                          self.train_batches_per_epoch * self.batch_size, self.seed)
             self.val_set = FixedBlocks(self.shard_dir / "val.bin", self.block_size, self.val_batches * self.batch_size)
         except DataConfigError as e:
             raise DataConfigError(f"block_size {self.block_size} is too long for the data: {e}; lower "
                                   f"--model.block_size (python -m training.fit) / data.block_size, or use more "
                                   f"data") from None
 
-    # ----------------------------------------------------------------------------------------------------------------
-    # Loaders
-    # ----------------------------------------------------------------------------------------------------------------
     def _loader(self, dataset: Any, sampler: Any = None, cls: type[DataLoader] = DataLoader) -> DataLoader:
         if self.num_workers > 0:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no fork warning from the tokenizers library
-        return cls(
-            dataset,
-            batch_size=self.batch_size,
-            sampler=sampler,
-            shuffle=False,
-            num_workers=self.num_workers,
-            pin_memory=torch.cuda.is_available(),
-            persistent_workers=self.num_workers > 0,
-            drop_last=False,
-        )
+        return cls(dataset, batch_size=self.batch_size, sampler=sampler, shuffle=False, num_workers=self.num_workers,
+                   pin_memory=torch.cuda.is_available(), persistent_workers=self.num_workers > 0, drop_last=False)
 
     def train_dataloader(self) -> ResumableDataLoader:
         """``train_batches_per_epoch`` batches of random blocks, fresh ones each epoch; yields ``(x, y)`` (B, T).

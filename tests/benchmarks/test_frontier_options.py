@@ -217,7 +217,7 @@ def test_small_configs_read_real_tinystories(tmp_path: Path) -> None:
     data = yaml.safe_load(config_path("small_mha").read_text())["data"]
     assert data["bpe_vocab_size"] == 4096 and data["path"] == "../shared/data/tinystories"
     dm = TinyStoriesDataModule(path=str(SHARED), bpe_vocab_size=512, block_size=64, cache_dir=str(tmp_path))
-    train, val = dm._local_files()
+    train, val = dm.stories.files()
     assert [f.name for f in val] == ["yuninxia_moe-routing-bench__tinystories_val.txt"]
     assert len(train) == 3 and all("val" not in f.name for f in train)
     for name in ("small_mha", "small_gqa2", "small_mqa", "small_mla", "small_mla_64", "small_mla_32",

@@ -424,7 +424,7 @@ def test_hub_path_with_in_memory_dataset(
     )
     calls: list[str] = []
     monkeypatch.setattr(datasets, "load_dataset", lambda name, *a, **k: calls.append(name) or fake)
-    monkeypatch.setattr("data.datamodule.hub_offline_reason", lambda: None)
+    monkeypatch.setattr("data.story_sources.hub_offline_reason", lambda: None)
     tok_file = tmp_path / "tokenizer.json"
     synth.tokenizer.save(tok_file)
     dm = TinyStoriesDataModule(

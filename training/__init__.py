@@ -1,5 +1,5 @@
 """Training: the Lightning module (:mod:`training.lit`), ``python -m training.fit`` (entry point; the LightningCLI and
-its callbacks in :mod:`training.cli`, the
+its callbacks in :mod:`training.lightning_cli`, the
 run-directory rules in :mod:`training.rundir`, ``metrics.csv`` in :mod:`training.loggers`), safe checkpoint loading and
 atomic saving (:mod:`training.checkpoint`), and ``python -m training.evaluate``.
 

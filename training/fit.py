@@ -24,7 +24,7 @@ Expected failures (bad option or config, data unavailable offline or not text, u
 print one ``python -m training.fit: error: ...`` line to stderr and exit with status 2
 (:func:`kvsplice.io.cli.run_cli`).
 
-The Lightning pieces live in :mod:`training.cli`; this module only resolves ``--config`` and maps errors to exit codes.
+The Lightning pieces live in :mod:`training.lightning_cli`; this module only resolves ``--config`` and maps errors to exit codes.
 """
 
 from __future__ import annotations
@@ -113,9 +113,9 @@ def prepare_args(argv: Sequence[str]) -> tuple[list[str], Optional[str]]:
 
 def __getattr__(name: str) -> Any:  # training.fit.KVSpliceCLI etc. without importing Lightning at module import
     if name in ("KVSpliceCLI", "RunFiles", "WandbSettings"):
-        from training import cli
+        from training import lightning_cli
 
-        return getattr(cli, name)
+        return getattr(lightning_cli, name)
     raise AttributeError(name)
 
 
@@ -162,7 +162,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     expected = _expected_errors()
     cli = None
     try:
-        from training.cli import KVSpliceCLI
+        from training.lightning_cli import KVSpliceCLI
 
         cli = KVSpliceCLI(args, default_run_name=stem, cpu_start=CPU_AT_START if argv_is_sys else None)  # takes the run folder (released by itself if refused)
         cli.fit()

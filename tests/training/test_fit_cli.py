@@ -1,6 +1,6 @@
 """Short smoke runs of any config work; config lookup through
 :class:`models.GPTConfig` relative to the package (any working directory), ``training/fit.py`` a thin entry point over
-``training/cli.py`` / ``training/loggers.py``."""
+``training/lightning_cli.py`` / ``training/loggers.py``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import yaml
 
 from models.config import CONFIG_DIR, ConfigNotFoundError, GPTConfig, available_configs, config_path
 from training.checkpoint import load_checkpoint
-from training.cli import shorten_schedule
+from training.lightning_cli import shorten_schedule
 from training.fit import main, config_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,14 +67,14 @@ def test_fit_config_names_resolve_from_another_directory(tmp_path):
 
 
 def test_fit_is_a_thin_entry_point():
-    import training.cli
+    import training.lightning_cli
     import training.fit
     import training.loggers
 
     fit_src = Path(training.fit.__file__).read_text()
     assert "class " not in fit_src.replace("``", "")  # no classes (nested or not) left in the entry point
-    assert training.fit.KVSpliceCLI is training.cli.KVSpliceCLI
-    assert training.cli.RunCSVLogger is training.loggers.RunCSVLogger
+    assert training.fit.KVSpliceCLI is training.lightning_cli.KVSpliceCLI
+    assert training.lightning_cli.RunCSVLogger is training.loggers.RunCSVLogger
     proc = subprocess.run([sys.executable, "-c", "import sys, training.fit; print('lightning' in sys.modules)"],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "False", "importing the entry point should not import Lightning"

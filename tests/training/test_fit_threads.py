@@ -12,7 +12,7 @@ import lightning.pytorch  # noqa: F401  (Lightning's log handler binds to the se
 import pytest
 import torch
 
-import training.cli
+import training.lightning_cli
 import training.threads as threads
 from tiny_models import TINY_FIT_ARGS
 from training.threads import CpuSample, cpu_sample, free_cores, pick_threads
@@ -78,7 +78,7 @@ def test_training_beside_a_busy_core_uses_one_thread_unless_told(extra, expect, 
         monkeypatch.setenv(var, "1")
     start = CpuSample(wall=0.0, busy=50.0, own=1.0, cores=2)
     end = CpuSample(wall=10.0, busy=50.0 + 10.0 + 3.0, own=4.0, cores=2)  # others: 10 CPU s in 10 s = one core
-    monkeypatch.setattr(training.cli, "cpu_sample", lambda: start)
+    monkeypatch.setattr(training.lightning_cli, "cpu_sample", lambda: start)
     monkeypatch.setattr(threads, "cpu_sample", lambda: end)
     seen = []
     monkeypatch.setattr(LitGPT, "on_train_start", lambda self: seen.append(torch.get_num_threads()))

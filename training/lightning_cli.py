@@ -344,10 +344,9 @@ class KVSpliceCLI(LightningCLI):
                                  "(--overwrite or --overwrite true)")
         parser.add_argument("--wandb", type=WandbSettings, default=WandbSettings())
         parser.add_argument("--torch_threads", type=Optional[int], default=None,
-                            help="torch.set_num_threads for CPU training (default: one per core that other "
-                                 "processes left free at start, at most PyTorch's choice of one per core; "
-                                 "training.threads); "
-                                 "core); 1 is often faster on a machine busy with other work")
+                            help="torch.set_num_threads for CPU training (default: one thread per core that other "
+                                 "processes left free at start, at most PyTorch's own choice of one per core; see "
+                                 "training.threads); 1 is often faster on a machine busy with other work")
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.link_arguments("model.block_size", "data.block_size")
 

@@ -29,9 +29,6 @@ from typing import Any, Optional
 
 import torch
 
-from kvsplice.convert.deepseek_v3_llama import LINEAR_EPS
-from kvsplice.convert.deepseek_v3_writer import interleave_index
-
 __all__ = ["DSAttention", "is_deepseek_v3_folder", "load_deepseek_v3", "read_deepseek_v3"]
 
 MODEL_TYPE = "deepseek_v3"
@@ -171,8 +168,8 @@ def _unspread(w: torch.Tensor, dr: int, interleaved: bool, where: str, i: int) -
     if k > 1 and pairs[..., 1:, :, :].any():
         raise ValueError(f"{where}: layer {i}'s RoPE rows beyond the model's {dr} are not zero: not the exporter's "
                          f"exact padding")
-    w = pairs[..., 0, :, :].flatten(-3, -2)  # (..., Dr, d) interleaved
-    return w[..., torch.argsort(interleave_index(dr // 2)), :] if interleaved else w
+    pairs = pairs[..., 0, :, :]  # (..., Dr/2, 2, d): pair i = (x_i, y_i)
+    return (pairs.transpose(-3, -2) if interleaved else pairs).flatten(-3, -2)  # [x_0..x_n ; y_0..y_n]
 
 
 def _attention(sd, c: dict[str, Any], i: int, r: int, dr: int, where: str) -> DSAttention:
@@ -261,7 +258,7 @@ def _as_mla_llama(sd, c: dict[str, Any], layers: list[DSAttention], dtype: torch
                          head_dim=hd, d_ff=c["intermediate_size"], d_latent=r, rope_dims=dr, rope_layout="shared",
                          latent_norm=not linear,
                          norm_eps=float(ks.get("source_rms_norm_eps", c["rms_norm_eps"]) if linear else c["rms_norm_eps"]),
-                         latent_norm_eps=float(ks.get("latent_norm_eps", LINEAR_EPS)),
+                         latent_norm_eps=float(ks.get("latent_norm_eps", c["rms_norm_eps"])),
                          max_positions=_int(c, "max_position_embeddings", where), tie_embeddings=_tied(sd),
                          source=dict(ks.get("source") or {}))
     model = MLALlama(cfg)
@@ -275,7 +272,7 @@ def _as_mla_llama(sd, c: dict[str, Any], layers: list[DSAttention], dtype: torch
             if not torch.allclose(ly.norm, ly.norm[:1].expand_as(ly.norm), rtol=1e-6, atol=0) or ly.norm[0] <= 0:
                 raise ValueError(f"{where}: layer {i}'s kv_a_layernorm is not the linear regime its config.json "
                                  f"names (one positive value)")
-            s2 = float(LINEAR_EPS ** 0.5 / ly.norm.mean())
+            s2 = float(float(c["rms_norm_eps"]) ** 0.5 / ly.norm.mean())  # the regime's ε is rms_norm_eps
         s = math.sqrt(s2)
         q = ly.q_nope * (to_d * s)  # (H, D, d)
         qr = ly.q_rope * (to_d * s)  # (H, Dr, d) = A_iᵀ q_i

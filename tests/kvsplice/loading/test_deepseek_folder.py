@@ -132,6 +132,30 @@ def test_trained_gpt_export_is_the_trained_model(tmp_path, name):
     same_model(got, model, V)
 
 
+@pytest.mark.parametrize("interleave", [True, False])
+def test_a_dense_deepseek_v3_transformers_writes_is_our_gpt_with_its_logits(tmp_path, interleave):
+    """Not only our writer's folders: any dense MLA without q-LoRA that fits the GPT (``d_model = H·D``, eps 1e-6)
+    loads with transformers' own logits — the inversion follows DeepSeek-V3 itself, in both RoPE layouts."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=V, hidden_size=32, intermediate_size=88, moe_intermediate_size=88, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=12, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=2, n_routed_experts=1, n_group=None, topk_group=None,
+        rms_norm_eps=1e-6, rope_interleave=interleave, max_position_embeddings=64, tie_word_embeddings=False,
+        rope_theta=500.0)
+    hf = sharpen(transformers.DeepseekV3ForCausalLM(cfg).float(), std=0.25)
+    hf.save_pretrained(tmp_path)
+    word_tokenizer(tmp_path, V)
+    got = load_model(tmp_path).model
+    assert isinstance(got, GPT) and got.cfg.cache_dim == 12 + 8
+    ids = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = hf(ids).logits
+        assert (got(ids) - want).abs().max() <= REL * want.abs().max()
+
+
 # ------------------------------------------------------------------------------------------- refusals
 def edit_config(folder: Path, **changes) -> None:
     p = folder / "config.json"

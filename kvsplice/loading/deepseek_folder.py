@@ -207,10 +207,12 @@ def _as_gpt(sd, c: dict[str, Any], layers: list[DSAttention], dtype: torch.dtype
     from models.config import RMS_NORM_EPS, GPTConfig
     from models.gpt import GPT
 
-    h, hd = c["num_attention_heads"], c["qk_nope_head_dim"]
-    if h * hd != c["hidden_size"] or abs(float(c.get("rms_norm_eps", RMS_NORM_EPS)) - RMS_NORM_EPS) > 1e-12:
-        raise ValueError(f"{where}: heads x qk_nope_head_dim != hidden_size or rms_norm_eps != {RMS_NORM_EPS}: not "
-                         f"a model `kvsplice export --format deepseek_v3` writes")
+    h, hd, eps = c["num_attention_heads"], c["qk_nope_head_dim"], float(c.get("rms_norm_eps", RMS_NORM_EPS))
+    why = (f"{h} heads x qk_nope_head_dim {hd} != hidden_size {c['hidden_size']}" if h * hd != c["hidden_size"] else
+           f"rms_norm_eps {eps:g} (the GPT's norms use {RMS_NORM_EPS:g})" if abs(eps - RMS_NORM_EPS) > 1e-12 else None)
+    if why:
+        raise ValueError(f"{where} has {why}: not a model `kvsplice export --format deepseek_v3` writes, nor (no "
+                         f"kvsplice.source in config.json) one `kvsplice to-mla --format deepseek_v3` writes")
     try:
         cfg = GPTConfig(vocab_size=c["vocab_size"], n_layer=c["num_hidden_layers"], n_head=h, d_model=c["hidden_size"],
                         block_size=_int(c, "max_position_embeddings", where), bias=False, attention="mla",

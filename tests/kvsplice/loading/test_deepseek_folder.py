@@ -170,6 +170,7 @@ def edit_config(folder: Path, **changes) -> None:
     (dict(num_hidden_layers=1), "unexpected weights"),
     (dict(kvsplice={"variant": "ds_mla", "padded": {"kv_lora_rank": [5, 3], "qk_rope_head_dim": [8, 8]}}),
      "not a padding"),
+    (dict(rms_norm_eps=1e-5), r"rms_norm_eps 1e-05 \(the GPT's norms use 1e-06\)"),
 ])
 def test_folders_that_are_not_ours_are_one_line(tmp_path, edit, expect):
     _, out = exported_gpt(tmp_path, "mla")

@@ -221,8 +221,9 @@ def _as_gpt(sd, c: dict[str, Any], layers: list[DSAttention], dtype: torch.dtype
                         rope_theta=_theta(c), tie_embeddings=_tied(sd))
     except ValueError as e:
         raise ValueError(f"{where} does not map onto the package's DeepSeek-V3 GPT: {e}") from None
-    out = {"transformer.wte.weight": sd["model.embed_tokens.weight"], "transformer.ln_f.weight": sd["model.norm.weight"],
-           "lm_head.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
+    emb = sd["model.embed_tokens.weight"]
+    out = {"transformer.wte.weight": emb, "transformer.ln_f.weight": sd["model.norm.weight"],
+           "lm_head.weight": sd.get("lm_head.weight", emb)}
     names = {"input_layernorm.weight": "ln_1.weight", "post_attention_layernorm.weight": "ln_2.weight",
              "self_attn.o_proj.weight": "attn.c_proj.weight"}
     for i, ly in enumerate(layers):
@@ -255,12 +256,13 @@ def _as_mla_llama(sd, c: dict[str, Any], layers: list[DSAttention], dtype: torch
     h, hd, n = c["num_attention_heads"], c["qk_nope_head_dim"], c["num_hidden_layers"]
     r, dr = layers[0].down.shape[0], layers[0].k_rope.shape[0]
     linear = "latent_norm_eps" not in ks  # the linear regime of a norm-free model: undone below
+    eps = float(c["rms_norm_eps"])  # the linear regime's ε too
     kv = _kv_groups(layers, h)
     cfg = MLALlamaConfig(vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layer=n, n_head=h, n_kv_head=kv,
                          head_dim=hd, d_ff=c["intermediate_size"], d_latent=r, rope_dims=dr, rope_layout="shared",
                          latent_norm=not linear,
-                         norm_eps=float(ks.get("source_rms_norm_eps", c["rms_norm_eps"]) if linear else c["rms_norm_eps"]),
-                         latent_norm_eps=float(ks.get("latent_norm_eps", c["rms_norm_eps"])),
+                         norm_eps=float(ks.get("source_rms_norm_eps", eps) if linear else eps),
+                         latent_norm_eps=float(ks.get("latent_norm_eps", eps)),
                          max_positions=_int(c, "max_position_embeddings", where), tie_embeddings=_tied(sd),
                          source=dict(ks.get("source") or {}))
     model = MLALlama(cfg)
@@ -274,7 +276,7 @@ def _as_mla_llama(sd, c: dict[str, Any], layers: list[DSAttention], dtype: torch
             if not torch.allclose(ly.norm, ly.norm[:1].expand_as(ly.norm), rtol=1e-6, atol=0) or ly.norm[0] <= 0:
                 raise ValueError(f"{where}: layer {i}'s kv_a_layernorm is not the linear regime its config.json "
                                  f"names (one positive value)")
-            s2 = float(float(c["rms_norm_eps"]) ** 0.5 / ly.norm.mean())  # the regime's ε is rms_norm_eps
+            s2 = float(eps ** 0.5 / ly.norm.mean())
         s = math.sqrt(s2)
         q = ly.q_nope * (to_d * s)  # (H, D, d)
         qr = ly.q_rope * (to_d * s)  # (H, Dr, d) = A_iᵀ q_i

@@ -197,6 +197,25 @@ def test_a_padding_that_is_not_exact_and_a_missing_tokenizer_are_one_line(tmp_pa
         load_model(out)
 
 
+@pytest.mark.parametrize("weight,expect", [
+    ("self_attn.q_proj.weight", "RoPE queries are not a map of its head queries"),  # q_rope rows of their own
+    ("self_attn.kv_a_layernorm.weight", "not the linear regime"),  # a real norm where config says linear
+])
+def test_a_converted_export_that_is_not_invertible_is_one_line(tmp_path, weight, expect):
+    converted_tiny_llama(tmp_path)
+    word_tokenizer(tmp_path, 300)
+    f = tmp_path / "model.safetensors"
+    sd = load_file(str(f))
+    w = sd[f"model.layers.1.{weight}"]
+    if weight.endswith("q_proj.weight"):
+        w.view(4, 32, -1)[:, 16:] = torch.randn(4, 16, w.shape[-1], generator=torch.Generator().manual_seed(0))
+    else:
+        w[0] *= 2.0
+    save_file(sd, str(f))
+    with pytest.raises(LoadError, match=f"layer 1's .*{expect}"):
+        load_model(tmp_path)
+
+
 # ------------------------------------------------------------------------------------------- the CLI
 def test_eval_tasks_runs_on_a_converted_stories260k_export(tmp_path, capsys):
     """``kvsplice eval-tasks`` on the DeepSeek-V3 export of a converted stories260K answers as on the native
@@ -226,3 +245,28 @@ def test_eval_tasks_runs_on_a_converted_stories260k_export(tmp_path, capsys):
         doc = json.loads(out.read_text())
         answers.append([r["full"]["tokens"] for r in doc["results"]["agnostic"].values()])
     assert answers[0] == answers[1] and len(answers[0]) == 2
+
+
+@pytest.mark.slow
+def test_smollm2_deepseek_export_is_the_converted_model(tmp_path, capsys):
+    """SmolLM2-135M converted (2x shared RoPE, norm-free) and exported padded to vLLM's 512 + 64 row: the export
+    loads back as the native folder's model (its logits to REL of their scale, every argmax, its cache bytes)."""
+    smol, calib = DATA / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf", \
+        DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"
+    if not (smol.is_file() and calib.is_file()):
+        pytest.skip(f"SmolLM2 / TinyStories not found under {DATA}")
+    from kvsplice.cli import to_mla
+    from kvsplice.loading import iter_texts, token_stream
+
+    native, ds = tmp_path / "native", tmp_path / "ds"
+    assert to_mla.main(["--model", str(smol), "--calib", str(calib), "--calib-tokens", "4096", "--seq-len", "512",
+                        "--d-latent", "128", "--rope-layout", "shared", "--out", str(native), "--no-progress"]) == 0
+    assert to_mla.main(["--model", str(native), "--format", "deepseek_v3", "--pad-latent", "512", "--pad-rope", "64",
+                        "--out", str(ds), "--no-progress"]) == 0, capsys.readouterr().err
+    want, got = load_model(native), load_model(ds)
+    assert (got.model.cfg.d_latent, got.model.cfg.rope_dims) == (128, 64)
+    ids, _ = token_stream(iter_texts(calib), want.tokenizer, 512)
+    with torch.no_grad():
+        a, b = want.model(ids[None]), got.model(ids[None])
+    assert (a - b).abs().max() <= REL * a.abs().max() and torch.equal(a.argmax(-1), b.argmax(-1))
+    assert got.model.cache_bytes_formula(1, 1, torch.float32) == want.model.cache_bytes_formula(1, 1, torch.float32)

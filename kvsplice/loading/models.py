@@ -187,10 +187,13 @@ def load_model(spec: str | os.PathLike, *, tokenizer: Optional[str] = None, dtyp
                             f"(e.g. make one with python -m kvsplice.convert_llama2c)")
         _refuse_remote_code(p)
         from kvsplice.loading.mla_folder import is_mla_folder
+        from kvsplice.loading.deepseek_folder import is_deepseek_v3_folder, load_deepseek_v3
 
         if is_mla_folder(p):  # a converted Llama-family MLA model (python -m kvsplice.to_mla)
             model, tok = _load_mla(p, tokenizer=tokenizer, dtype=dtype)
             kind = "mla"
+        elif is_deepseek_v3_folder(p):  # our DeepSeek-V3 exports, read back into our models (deepseek_folder)
+            (model, tok), kind = load_deepseek_v3(p, tokenizer=tokenizer, dtype=dtype), "mla"
         else:
             try:
                 model, tok = _load_hf(str(p), local_only=True, tokenizer=tokenizer, dtype=dtype)

@@ -325,7 +325,9 @@ def read_deepseek_v3(folder: Path, *, dtype: Optional[torch.dtype] = None):
 
 def load_deepseek_v3(folder: Path, *, tokenizer: Optional[str] = None, dtype: Optional[torch.dtype] = None):
     """``(model, tokenizer)`` for :func:`kvsplice.loading.load_model` (``LoadError``, one line)."""
-    from kvsplice.loading import LoadError, first_line, load_tokenizer
+    from kvsplice.io.cli import first_line
+    from kvsplice.loading.errors import LoadError
+    from kvsplice.loading.tokenizers import load_tokenizer
 
     try:
         model = read_deepseek_v3(folder, dtype=dtype)

@@ -37,16 +37,17 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Mapping, Optional, Union
 
-from kvsplice.io.cli import UsageError, at_command_end
+from kvsplice.io.cli import UsageError, at_command_end, first_line
 from models.checkpoint import atomic_write, fsync_dir, remove_stale_temp_files, temp_path
 
-__all__ = ["MARKER", "SpecArgs", "cache_file", "claim", "disk_errors", "input_files", "output_dir", "output_file", "out_and_json",
+__all__ = ["MARKER", "SpecArgs", "cache_file", "check_marker", "claim", "disk_errors", "input_files", "output_dir", "output_file", "out_and_json",
            "read_marker", "release_claim", "release_claims", "write_dir", "write_json"]
 
 PathArg = Union[str, "os.PathLike[str]"]
@@ -212,6 +213,21 @@ def _check_writable(folder: Path, option: str, value: PathArg) -> None:
         raise UsageError(f"{option} {value}: cannot write in {existing} ({e.strerror or type(e).__name__})") from None
 
 
+def _regular_or_new(given: Path, path: Path, option: str, value: PathArg) -> None:
+    """A file output is a new name or a regular file: a symlink is refused (writing would replace the link, or the
+    file it points to, unseen), and so is a FIFO, a socket or a device (opening one blocks or writes elsewhere)."""
+    if given.is_symlink():
+        raise UsageError(f"{option} {value} is a symbolic link (to {os.readlink(given)}); give the file itself or a "
+                         f"new name")
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise UsageError(f"{option} {value} exists and is not a regular file (a FIFO, socket or device); choose "
+                         f"another file")
+
+
 def output_file(value: PathArg, *, force: bool, option: str = "--out", inputs: Inputs = None,
                 outputs: Optional[Mapping[str, Path]] = None) -> Path:
     """The resolved path of a file output (see the module docstring); removes this name's stale temporaries.
@@ -237,6 +253,7 @@ def output_file(value: PathArg, *, force: bool, option: str = "--out", inputs: I
             raise UsageError(f"{option} {value} is also {other}: give them different files")
         if _within(path, p):  # p is the command's output folder: its files are the command's, never a report
             raise UsageError(f"{option} {value} is inside the output folder {other} {p}; write it elsewhere")
+    _regular_or_new(Path(value).expanduser(), path, option, value)
     if path.exists() and not force:
         raise UsageError(f"{option} {value} already exists (use --force to overwrite)")
     for what, src in sources:
@@ -259,6 +276,8 @@ def cache_file(value: Optional[PathArg], *, option: str, inputs: Inputs = None,
     if p.exists():
         if p.is_dir():
             raise UsageError(f"{option} {value} is a directory, not a statistics file")
+        if not p.is_file():
+            raise UsageError(f"{option} {value} is not a regular file (a FIFO, socket or device)")
         return p.resolve()
     return output_file(value, force=False, option=option, inputs=inputs, outputs=outputs)
 
@@ -274,33 +293,115 @@ def out_and_json(out: PathArg, json_report: Optional[PathArg], *, force: bool,
 
 
 MARKER = ".kvsplice-output.json"
-"""The file a command that owns its output folder writes into it: ``{"writer": ..., "files": [...]}``, the command
-and the files it wrote. ``--force`` replaces a folder only when its marker names the same command."""
+"""The file a command that owns its output folder writes into it: ``{"writer": ..., "files": [...], "records":
+{name: [size, mtime_ns]}}``, the command, the files it wrote and what each was when written. ``--force`` replaces a
+folder only when its marker names the same command; it is a claim, never a command: a marker that fails any check
+of :func:`check_marker` means the folder is not ours, and a file is removed only when the marker lists it and it is
+still the file recorded."""
+MAX_MARKER_BYTES = 1 << 20
+"""A larger marker is not one this package wrote (never read)."""
+MAX_MARKER_FILES = 10_000
+
+
+class _NotOurs(Exception):
+    """Why a marker is not one this package wrote."""
+
+
+def plain_name(name: object) -> bool:
+    """``name`` is a file name inside a folder: no separator, not ``.`` / ``..``, no NUL, not the marker itself."""
+    return isinstance(name, str) and name not in ("", ".", "..", MARKER) and "/" not in name and "\\" not in name \
+        and "\0" not in name and not (os.altsep and os.altsep in name)
+
+
+def _read_small_regular(path: Path, limit: int) -> bytes:
+    """The bytes of ``path`` when it is a regular file (not a symlink, FIFO, device) of at most ``limit`` bytes,
+    checked before and after opening (never blocks, never reads more than ``limit + 1`` bytes)."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise _NotOurs("it is a symbolic link")
+    if not stat.S_ISREG(st.st_mode):
+        raise _NotOurs("it is not a regular file")
+    if st.st_size > limit:
+        raise _NotOurs(f"it is larger than {limit:,} bytes")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise _NotOurs("it is not a regular file")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise _NotOurs(f"it is larger than {limit:,} bytes")
+    return data
+
+
+def check_marker(folder: Path) -> tuple[Optional[dict], Optional[str]]:
+    """``(marker, None)`` for a valid marker of ``folder``, ``(None, None)`` when there is none, ``(None, why)``
+    when its :data:`MARKER` is not one this package wrote: not a small regular file, not JSON, not ``{"writer":
+    str, "files": [plain names]}``, or records that are not ``{listed name: [size, mtime_ns]}``."""
+    try:
+        data = _read_small_regular(Path(folder) / MARKER, MAX_MARKER_BYTES)
+        m = json.loads(data.decode("utf-8"))
+    except FileNotFoundError:
+        return None, None
+    except _NotOurs as e:
+        return None, str(e)
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
+        return None, f"it cannot be read as JSON ({first_line(e, 80)})"
+    if not isinstance(m, dict) or not isinstance(m.get("writer"), str) or not isinstance(m.get("files"), list):
+        return None, 'it is not {"writer": ..., "files": [...]}'
+    if len(m["files"]) > MAX_MARKER_FILES:
+        return None, f"it lists more than {MAX_MARKER_FILES:,} files"
+    bad = [f for f in m["files"] if not plain_name(f)]
+    if bad:
+        return None, f"it lists {str(bad[0])[:80]!r}, not a plain file name inside the folder"
+    records = m.get("records")
+    if records is not None and (not isinstance(records, dict) or any(
+            k not in m["files"] or not isinstance(v, list) or len(v) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in v) for k, v in records.items())):
+        return None, "its records are not {listed name: [size, mtime_ns]}"
+    return m, None
 
 
 def read_marker(folder: Path) -> Optional[dict]:
-    """The marker of ``folder`` (``{"writer": str, "files": [names]}``), or ``None`` when there is none or it is not
-    one (damaged, hand-made)."""
+    """The marker of ``folder`` (``{"writer": str, "files": [names], "records": {...}}``), or ``None`` when there is
+    none or it is not one this package wrote (:func:`check_marker`)."""
+    return check_marker(folder)[0]
+
+
+def _record(path: Path) -> Optional[list[int]]:
+    """``[size, mtime_ns]`` of a regular file (not a symlink), else ``None``."""
     try:
-        m = json.loads((Path(folder) / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
+        st = os.lstat(path)
+    except OSError:
         return None
-    if not isinstance(m, dict) or not isinstance(m.get("writer"), str) or not isinstance(m.get("files"), list) \
-            or not all(isinstance(f, str) for f in m["files"]):
-        return None
-    return m
+    return [st.st_size, st.st_mtime_ns] if stat.S_ISREG(st.st_mode) else None
+
+
+def _changed(folder: Path, m: dict) -> list[str]:
+    """The files the marker lists that are in ``folder`` but are not what it recorded (edited, replaced, a symlink
+    or folder now, or never recorded: a hand-made marker)."""
+    records = m.get("records") or {}
+    out = []
+    for name in m["files"]:
+        p = folder / name
+        if not os.path.lexists(p):
+            continue
+        if _record(p) is None or _record(p) != records.get(name):
+            out.append(name)
+    return out
 
 
 def _foreign(path: Path, entries: list[str], writer: str) -> tuple[list[str], str]:
     """The entries of an owned folder its marker does not vouch for, and why (empty: every one is an earlier output
-    of ``writer``)."""
+    of ``writer``, unchanged since it wrote it)."""
     m = read_marker(path)
     if m is None:
         return [e for e in entries if e != MARKER], f"no {MARKER} marker says {writer} wrote them"
     if m["writer"] != writer:
         return [e for e in entries if e != MARKER], f"{m['writer']} wrote them"
-    return [e for e in entries if e != MARKER and e not in m["files"]], "the marker of the earlier output does not " \
-                                                                        "list them"
+    foreign = [e for e in entries if e != MARKER and e not in m["files"]]
+    if foreign:
+        return foreign, "the marker of the earlier output does not list them"
+    return _changed(path, m), f"they changed since {writer} wrote them (or the marker does not record them)"
 
 
 def output_dir(value: PathArg, *, force: bool, option: str = "--out", inputs: Inputs = None,
@@ -325,10 +426,15 @@ def output_dir(value: PathArg, *, force: bool, option: str = "--out", inputs: In
     if path.is_dir():
         remove_stale_temp_files(path, path.name)
         entries = sorted(e.name for e in path.iterdir() if not e.name.startswith(f".{path.name}."))
+        marked, problem = check_marker(path) if entries else (None, None)
+        if problem is not None:  # a marker that is not ours: never written into, nothing of it trusted
+            raise UsageError(f"{option} {value}: its {MARKER} is not a marker kvsplice wrote ({problem}); nothing "
+                             f"there is replaced or removed; choose a new or empty folder")
         foreign, why = _foreign(path, entries, writer) if owned is not None and entries else ([], "")
-        marked = read_marker(path) if owned is None and entries else None
-        if marked is not None and marked["writer"] != writer:  # files beside others, never into another tool's folder
+        if owned is None and marked is not None and marked["writer"] != writer:  # never into another tool's folder
             foreign, why = [e for e in marked["files"] if e in entries][:3] or [MARKER], f"{marked['writer']} wrote them"
+        elif owned is None and marked is not None and force and _changed(path, marked):  # removes only what it recorded
+            foreign, why = _changed(path, marked), f"they changed since {writer} wrote them"
         if foreign:
             more = ", ..." if len(foreign) > 3 else ""
             raise UsageError(f"{option} {value} holds files {writer} does not write ({', '.join(foreign[:3])}{more}): "
@@ -409,9 +515,15 @@ def _no_progress_bars():
             hf_logging.enable_progress_bar()
 
 
-def _write_marker(folder: Path, writer: str, files: Iterable[str]) -> None:
-    text = json.dumps({"writer": writer, "files": sorted(set(files) - {MARKER})}, indent=1) + "\n"
+def _write_marker(folder: Path, writer: str, files: Iterable[str], records: Mapping[str, list[int]]) -> None:
+    names = sorted(set(files) - {MARKER})
+    kept = {n: records[n] for n in names if records.get(n) is not None}
+    text = json.dumps({"writer": writer, "files": names, "records": kept}, indent=1) + "\n"
     atomic_write(folder / MARKER, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def _records(folder: Path, names: Iterable[str]) -> dict[str, list[int]]:
+    return {n: r for n in names if (r := _record(folder / n)) is not None}
 
 
 def write_dir(path: Path, fill: Callable[[Path], None], owned: Optional[Collection[str]] = None,
@@ -419,14 +531,18 @@ def write_dir(path: Path, fill: Callable[[Path], None], owned: Optional[Collecti
     """Write a folder output checked by :func:`output_dir`: ``fill(tmp)`` writes every file into a temporary folder,
     which becomes ``path`` in one rename when ``path`` does not exist; into an existing ``path`` each file is moved
     with ``os.replace`` (an existing folder, even ``.``, is never removed, nor a sub-folder in the way), then the files
-    of the earlier output that this one no longer has are removed: those its marker lists (``writer`` given) and those
-    of ``owned``. ``writer``: the folder gets its :data:`MARKER` (the command and the files it wrote). Files get the
+    of the earlier output that this one no longer has are removed: only those a valid marker of ``writer`` lists and
+    records (:func:`check_marker`; never a path outside ``path``, never a file changed since). ``writer``: the folder
+    gets its :data:`MARKER` (the command, the files it wrote and their records). ``owned``: accepted for the callers
+    of :func:`output_dir`, which refused a folder holding anything else. Files get the
     modes the umask gives (:func:`_plain_modes`). An error (a full disk included) leaves ``path`` as it was or, past
     the first move, the new files and the earlier ones the marker still lists. Returns the names written (the marker
     aside)."""
     fresh = not path.exists()
     tmp = temp_path(path) if fresh else temp_path(path, folder=path)
-    earlier = (read_marker(path) or {}).get("files", []) if writer is not None and not fresh else []
+    m = read_marker(path) if writer is not None and not fresh else None
+    m = m if m is not None and m["writer"] == writer else {"files": [], "records": {}}
+    earlier, recorded = m["files"], m.get("records") or {}
     try:
         with disk_errors(path):
             tmp.mkdir(parents=True)
@@ -438,9 +554,10 @@ def write_dir(path: Path, fill: Callable[[Path], None], owned: Optional[Collecti
             fill(tmp)
         names = sorted(f.name for f in tmp.iterdir() if f.name != MARKER)
         with disk_errors(path):
-            if writer is not None:
-                _write_marker(tmp, writer, names)
             _plain_modes(tmp)
+            made = _records(tmp, names)  # [size, mtime_ns]: a rename into place keeps both
+            if writer is not None:
+                _write_marker(tmp, writer, names, made)
         if fresh:
             os.rename(tmp, path)
             fsync_dir(path.parent)
@@ -450,12 +567,12 @@ def write_dir(path: Path, fill: Callable[[Path], None], owned: Optional[Collecti
             raise UsageError(f"{path} holds a folder named like an output file ({', '.join(folders)}); move it away")
         if writer is not None:  # while files move, the marker vouches for the earlier files and the new ones
             with disk_errors(path):
-                _write_marker(path, writer, [*earlier, *names])
+                _write_marker(path, writer, [*earlier, *names], {**recorded, **made})
         for name in names:
             os.replace(tmp / name, path / name)
-        for name in (set(owned or ()) | set(earlier)) - set(names) - {MARKER}:
-            if (path / name).is_file() or (path / name).is_symlink():
-                (path / name).unlink()
+        for name in sorted(set(earlier) - set(names)):  # only plain names a valid marker lists (check_marker) ...
+            if plain_name(name) and _record(path / name) is not None and _record(path / name) == recorded.get(name):
+                (path / name).unlink()  # ... and only the very file it recorded: a regular file, same size and mtime
         if writer is not None:
             os.replace(tmp / MARKER, path / MARKER)
         return names

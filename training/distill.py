@@ -104,6 +104,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         warnings.filterwarnings("ignore", message=pattern)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from training.checkpoint import check_resume_file
+
+    check_resume_file(args.ckpt_path, "--ckpt-path")  # a refused checkpoint is the first line, before any loading
     from kvsplice.loading import iter_texts, load_model, token_stream
     from models.mla_llama import MLALlama
 

@@ -157,6 +157,17 @@ def safe_jsonargparse_yaml() -> None:
     set_loader("yaml", load, (yaml.YAMLError, YamlRefused))
 
 
+def _last_value(args: Sequence[str], option: str) -> Optional[str]:
+    """The value of the last ``OPTION VALUE`` / ``OPTION=VALUE`` in ``args`` (the one jsonargparse keeps)."""
+    value = None
+    for i, a in enumerate(args):
+        if a == option and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(option + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
@@ -186,6 +197,12 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")  # TF32 for the fp32 parts of mixed precision
     expected = _expected_errors()
+    from training.checkpoint import CheckpointError, check_resume_file
+
+    try:  # a refused checkpoint is the first line, before Lightning's start-up lines
+        check_resume_file(_last_value(args, "--ckpt_path"), "--ckpt_path")
+    except CheckpointError as e:
+        raise UsageError(_one_line(e)) from None
     cli = None
     try:
         from training.cli import KVSpliceCLI

@@ -54,26 +54,34 @@ def run_cli(prog: str, body: Callable[[], int], errors: tuple[type[BaseException
     ``PROG: interrupted`` line and :data:`EXIT_INTERRUPTED`. The outputs it claimed are released either way
     (:func:`at_command_end`); Ctrl-C during the tool's imports, and after it ended, is the same line
     (:mod:`kvsplice.io.interrupt`)."""
+    status = 1  # an unexpected exception: Python's traceback and exit status
     try:
         end_quiet_interrupts()
-        return body()
+        status = body()
+        return status
     except SystemExit as e:  # --help / --version
         if e.code in (None, 0):
+            status = 0
             return 0
+        status = e.code if isinstance(e.code, int) else 1
         raise
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        status = EXIT_INTERRUPTED
+        return status
     except RecursionError:
         print(f"{prog}: error: an input is nested too deeply to read (a damaged or hostile file)", file=sys.stderr)
-        return EXIT_USAGE
+        status = EXIT_USAGE
+        return status
     except (UsageError, OSError, ValueError, *errors) as e:
         print(f"{prog}: error: {first_line(e)}", file=sys.stderr)
-        return EXIT_USAGE
+        status = EXIT_USAGE
+        return status
     finally:
         for fn in _AT_END:
             fn()
-        quiet_interrupts_after_command()  # Ctrl-C while the interpreter shuts down: the same one line, exit 130
+        # Ctrl-C from here until the process is gone: the same one line, exit 130
+        quiet_interrupts_after_command(status if isinstance(status, int) else 0)
 
 
 _AT_END: list[Callable[[], None]] = []

@@ -136,7 +136,7 @@ def _fit(args, student, teacher, train: torch.Tensor, val: torch.Tensor) -> int:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from kvsplice.io.outputs import write_dir
+    from kvsplice.io.folders import write_dir
     from training.checkpoint import safe_checkpoint_io
     from training.lit_distill import LitDistill
     from training.loggers import RunCSVLogger

@@ -1,10 +1,11 @@
 """Helpers every command-line tool of ``kvsplice`` shares: the argument parser whose errors are one line, the exit
-status of user errors, argument types and the device choice. Output paths and their writing: :mod:`kvsplice.io.outputs`.
+status of user errors, argument types and the device choice. Output paths and their writing:
+:mod:`kvsplice.io.files`, :mod:`kvsplice.io.folders`.
 
 Every tool's ``main`` is ``run_cli(PROG, body, errors)``: a user error — a bad argument, a missing or unreadable
 input, a read-only destination, a refused input file — is one ``PROG: error: ...`` line on stderr and exit status 2,
 never a traceback; Ctrl-C is one ``PROG: interrupted`` line and exit status 130; the outputs the command claimed
-(:func:`kvsplice.io.outputs.claim`) are released when it ends.
+(:func:`kvsplice.io.claims.claim`) are released when it ends.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ _AT_END: list[Callable[[], None]] = []
 
 
 def at_command_end(fn: Callable[[], None]) -> None:
-    """Call ``fn`` whenever :func:`run_cli` ends a command (:mod:`kvsplice.io.outputs` releases its claims)."""
+    """Call ``fn`` whenever :func:`run_cli` ends a command (:mod:`kvsplice.io.claims` releases its
+    claims)."""
     if fn not in _AT_END:
         _AT_END.append(fn)
 
@@ -160,7 +162,8 @@ def add_output_options(p: argparse.ArgumentParser, *, json: bool = True, out_req
                        out_help: str = "the output file", force_help: str = "overwrite --out (and --json)",
                        json_help: str = "also write the report as JSON") -> None:
     """The outputs group: ``--out`` (``out_required``), ``--force`` and — with ``json`` — ``--json REPORT.json``
-    (checked and written by :mod:`kvsplice.io.outputs`)."""
+    (checked by :mod:`kvsplice.io.files`, written by
+    :mod:`kvsplice.io.write`)."""
     g = p.add_argument_group("outputs")
     g.add_argument("--out", required=out_required, help=out_help)
     if json:

@@ -13,7 +13,9 @@ import pytest
 
 from hostile import STORIES260K, one_error, snapshot, tiny_ckpt
 from kvsplice.io.cli import UsageError
-from kvsplice.io.outputs import MARKER, check_marker, output_dir, output_file, write_dir
+from kvsplice.io.files import output_file
+from kvsplice.io.folders import output_dir, write_dir
+from kvsplice.io.marker import MARKER, check_marker
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -2,25 +2,29 @@
 folders in :mod:`kvsplice.io.folders`.
 
 Every tool that writes a file (``--out``, ``--json``) or a folder (``training.export``, ``convert_llama2c``) goes
-through :func:`output_file` / :func:`output_dir` first and writes with :func:`write_json`,
-:func:`models.checkpoint.atomic_write` or :func:`write_dir`:
+through :func:`output_file` / :func:`kvsplice.io.folders.output_dir` first and writes with
+:func:`kvsplice.io.write.write_json`, :func:`models.checkpoint.atomic_write` or :func:`kvsplice.io.folders.write_dir`:
 
-* the path is resolved first (``~``, ``.``, ``..``, symlinks): ``--out some/dir/..`` *is* ``some``;
+* the path is resolved first (``~``, ``.``, ``..``, symlinks): ``--out some/dir/..`` *is* ``some``; a file output
+  that is itself a symlink, a FIFO, a socket or a device is refused (writing would replace the link or what it
+  points to unseen, or block);
 * an output is never an input of the same command, even with ``--force``: not the same file (``--out X.ckpt`` with
   ``--model X.ckpt``, also through a symlink, a hard link or another spelling), not an existing file of an input
   folder, not a folder that holds an input nor one inside an input folder; every file an input names is an input
-  too (:func:`input_files`: a plan's or a spec file's bases, the files of a ``--method`` spec, :class:`SpecArgs`),
+  too (:func:`kvsplice.io.inputs.input_files`: a plan's or a spec file's bases, the files of a ``--method`` spec, ``SpecArgs``),
   and so is a statistics cache that exists (``--calib-stats``, :func:`cache_file`); two outputs of one command are
   never the same file;
-* an output is claimed for the run (:func:`claim`): a second run writing the same file or folder while the first
+* an output is claimed for the run (:func:`kvsplice.io.claims.claim`): a second run writing the same file or folder while the first
   one lives is refused; the claim (an exclusive lock on ``.<name>.claim`` beside it, holding the pid) is released
-  when the command ends (:func:`release_claims`, called by :func:`kvsplice.io.cli.run_cli` and at exit), and a
+  when the command ends (``release_claims``, called by :func:`kvsplice.io.cli.run_cli` and at exit), and a
   killed run's lock dies with it;
 * an existing file is replaced only with ``--force``; a non-empty folder only with ``--force`` and, for a command
-  that owns its folder (``writer`` with ``owned``), only when the folder's marker (:data:`MARKER`, written by
-  :func:`write_dir`) says that command wrote it and the folder holds nothing the marker does not list: ownership is
-  the marker's, never the file names' (another tool's folder with the same names is refused), and ``--force``
-  replaces that earlier output whole (no file of it is left beside the new one);
+  that owns its folder (``writer`` with ``owned``), only when the folder's marker (:mod:`kvsplice.io.marker`,
+  written by ``write_dir``) says that command wrote it and the folder holds nothing the marker does not list, each
+  file still the one it recorded: ownership is the marker's, never the file names' (another tool's folder with the
+  same names is refused), and ``--force`` replaces that earlier output whole (no file of it is left beside the new
+  one); a marker that is not one kvsplice wrote (a path outside the folder, a symlink, a FIFO, a huge file) means
+  "not ours": refused, nothing removed;
 * the destination must be writable: a read-only folder is a user error before any work is done;
 * files are written to a temporary sibling ``.<name>.<pid>.tmp`` and renamed into place; a new folder is filled
   as a temporary sibling and renamed into place in one step; temporaries a killed run of the command left behind

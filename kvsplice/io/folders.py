@@ -26,17 +26,15 @@ __all__ = ["output_dir", "write_dir"]
 
 
 def _foreign(path: Path, entries: list[str], writer: str) -> tuple[list[str], str]:
-    """The entries of an owned folder its marker does not vouch for, and why (empty: every one is an earlier output
-    of ``writer``, unchanged since it wrote it)."""
+    """The entries of an owned folder its marker does not list, and why (empty: every one is a file of an earlier
+    output of ``writer``; whether each is still the file it wrote is :func:`changed_files`'s)."""
     m = read_marker(path)
     if m is None:
         return [e for e in entries if e != MARKER], f"no {MARKER} marker says {writer} wrote them"
     if m["writer"] != writer:
         return [e for e in entries if e != MARKER], f"{m['writer']} wrote them"
-    foreign = [e for e in entries if e != MARKER and e not in m["files"]]
-    if foreign:
-        return foreign, "the marker of the earlier output does not list them"
-    return changed_files(path, m), f"they changed since {writer} wrote them (or the marker does not record them)"
+    return [e for e in entries if e != MARKER and e not in m["files"]], "the marker of the earlier output does not " \
+                                                                        "list them"
 
 
 def output_dir(value: PathArg, *, force: bool, option: str = "--out", inputs: Inputs = None,
@@ -68,13 +66,18 @@ def output_dir(value: PathArg, *, force: bool, option: str = "--out", inputs: In
         foreign, why = _foreign(path, entries, writer) if owned is not None and entries else ([], "")
         if owned is None and marked is not None and marked["writer"] != writer:  # never into another tool's folder
             foreign, why = [e for e in marked["files"] if e in entries][:3] or [MARKER], f"{marked['writer']} wrote them"
-        elif owned is None and marked is not None and force and changed_files(path, marked):  # removes only what it recorded
-            foreign, why = changed_files(path, marked), f"they changed since {writer} wrote them"
         if foreign:
             more = ", ..." if len(foreign) > 3 else ""
             raise UsageError(f"{option} {value} holds files {writer} does not write ({', '.join(foreign[:3])}{more}): "
                              f"{why}; --force replaces only an earlier output of {writer}; choose a new or empty "
                              f"folder")
+        changed = changed_files(path, marked) if force and marked is not None and marked["writer"] == writer else []
+        if changed:  # --force replaces and removes only the very files the marker recorded
+            more = ", ..." if len(changed) > 3 else ""
+            raise UsageError(f"{option} {value} holds files changed since {writer} wrote them "
+                             f"({', '.join(changed[:3])}{more}; or a marker that does not record them): --force "
+                             f"replaces only an earlier output of {writer} as written; move them away or choose a "
+                             f"new or empty folder")
         if entries and not force:
             raise UsageError(f"{option} {value} is not empty (use --force to replace its files)")
     check_writable(path if path.is_dir() else path.parent, option, value)

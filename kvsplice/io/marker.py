@@ -26,6 +26,7 @@ still the file recorded."""
 MAX_MARKER_BYTES = 1 << 20
 """A larger marker is not one this package wrote (never read)."""
 MAX_MARKER_FILES = 10_000
+"""A marker listing more files is not one this package wrote."""
 
 
 class _NotOurs(Exception):
@@ -116,6 +117,7 @@ def changed_files(folder: Path, m: dict) -> list[str]:
 
 
 def write_marker(folder: Path, writer: str, files: Iterable[str], records: Mapping[str, list[int]]) -> None:
+    """Write ``folder``'s marker atomically: ``writer``, the ``files`` and the ``records`` of those that have one."""
     names = sorted(set(files) - {MARKER})
     kept = {n: records[n] for n in names if records.get(n) is not None}
     text = json.dumps({"writer": writer, "files": names, "records": kept}, indent=1) + "\n"
@@ -123,4 +125,5 @@ def write_marker(folder: Path, writer: str, files: Iterable[str], records: Mappi
 
 
 def file_records(folder: Path, names: Iterable[str]) -> dict[str, list[int]]:
+    """``{name: [size, mtime_ns]}`` of the regular files among ``names`` in ``folder``."""
     return {n: r for n in names if (r := file_record(folder / n)) is not None}

@@ -18,7 +18,6 @@ import atexit
 import os
 import signal
 import sys
-import threading
 from types import FrameType
 from typing import Optional
 
@@ -62,7 +61,7 @@ def end_quiet_interrupts() -> None:
     _PROG.clear()
 
 
-def program_name(argv: list[str], orig_argv: list[str]) -> str | None:
+def program_name(argv: list[str], orig_argv: list[str]) -> Optional[str]:
     """``kvsplice VERB`` when this process is the ``kvsplice`` command (the console script, ``python -m
     kvsplice.cli.main``) or a ``python -m kvsplice.TOOL`` form, from its command line; ``None`` otherwise."""
     module = orig_argv[orig_argv.index("-m") + 1] if "-m" in orig_argv[:-1] else None
@@ -80,8 +79,12 @@ def quiet_interrupts_as_program() -> None:
     from now on is one ``kvsplice VERB: interrupted`` line and exit status 130 (the verb's own module takes over
     with :func:`quiet_interrupts_while_importing`); in any other program, nothing changes."""
     prog = program_name(list(sys.argv), list(getattr(sys, "orig_argv", [])))
-    if prog is not None and threading.current_thread() is threading.main_thread():
-        quiet_interrupts_while_importing(MAIN, prog)
+    if prog is not None:
+        try:
+            quiet_interrupts_while_importing(MAIN, prog)
+        except ValueError:  # not the main thread: no signal handling to change
+            _PROG.clear()
+            _MAIN_PROG.clear()
 
 
 def quiet_interrupts_after_command(status: int = 0) -> None:

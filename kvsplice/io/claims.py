@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import stat
 from pathlib import Path
 
 from kvsplice.io.cli import UsageError, at_command_end
@@ -21,6 +22,14 @@ def _claim_path(path: Path) -> Path:
     return path.parent / f".{path.name}.claim"
 
 
+def _check_claim_file(mark: Path, option: str, value: PathArg, special: bool = False) -> None:
+    """A ``.<name>.claim`` that is a symlink, a FIFO or a device was not made by a run: refused in one line (it is
+    never opened through, written or removed)."""
+    if special or mark.is_symlink() or (mark.exists() and not mark.is_file()):
+        raise UsageError(f"{option} {value}: {mark} is not a claim file a run made (a symlink or special file); "
+                         f"remove it or choose another output")
+
+
 def claim(path: Path, option: str, value: PathArg) -> None:
     """Claim ``path`` for this process until :func:`release_claims`: an exclusive ``flock`` on ``.<name>.claim``
     beside it (holding the pid, for the message). Another live run's claim is a :class:`UsageError`; a killed run's
@@ -32,11 +41,16 @@ def claim(path: Path, option: str, value: PathArg) -> None:
     mark = _claim_path(path)
     if mark in _CLAIMS:
         return
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     for _ in range(5):
         try:
-            fd = os.open(mark, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError:  # no folder yet: nothing to race for before it exists
+            fd = os.open(mark, flags, 0o644)  # never through a symlink: its target would be truncated
+        except OSError:  # no folder yet: nothing to race for before it exists; or not a file we may claim
+            _check_claim_file(mark, option, value)
             return
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            _check_claim_file(mark, option, value, special=True)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -189,3 +189,23 @@ def test_eval_tasks_out_fifo_is_one_line_not_a_hang(tmp_path, capsys):
     capsys.readouterr()
     rc = eval_tasks.main(["--model", str(tmp_path), "--method", "kivi4", "--out", str(fifo)])
     one_error(rc, capsys.readouterr().err, eval_tasks.PROG, "not a regular file")
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_a_claim_file_planted_beside_an_output_is_never_written_through(tmp_path, kind):
+    """``.<name>.claim`` is opened read-write and truncated to hold the pid: through a planted symlink that truncated
+    the file it points to."""
+    from kvsplice.io.claims import release_claims
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    mark = tmp_path / ".r.json.claim"
+    mark.symlink_to(victim) if kind == "symlink" else os.mkfifo(mark)
+    try:
+        with pytest.raises(UsageError, match="not a claim file a run made"):
+            output_file(tmp_path / "r.json", force=False)
+    finally:
+        release_claims()
+    assert victim.read_text() == "precious" and (mark.is_symlink() if kind == "symlink" else mark.exists())
+    with pytest.raises(UsageError, match="not a claim file a run made"):
+        output_dir(tmp_path / "r.json", force=False)

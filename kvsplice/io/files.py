@@ -11,13 +11,13 @@ through :func:`output_file` / :func:`kvsplice.io.folders.output_dir` first and w
 * an output is never an input of the same command, even with ``--force``: not the same file (``--out X.ckpt`` with
   ``--model X.ckpt``, also through a symlink, a hard link or another spelling), not an existing file of an input
   folder, not a folder that holds an input nor one inside an input folder; every file an input names is an input
-  too (:func:`kvsplice.io.inputs.input_files`: a plan's or a spec file's bases, the files of a ``--method`` spec, ``SpecArgs``),
-  and so is a statistics cache that exists (``--calib-stats``, :func:`cache_file`); two outputs of one command are
-  never the same file;
-* an output is claimed for the run (:func:`kvsplice.io.claims.claim`): a second run writing the same file or folder while the first
-  one lives is refused; the claim (an exclusive lock on ``.<name>.claim`` beside it, holding the pid) is released
-  when the command ends (``release_claims``, called by :func:`kvsplice.io.cli.run_cli` and at exit), and a
-  killed run's lock dies with it;
+  too (:func:`kvsplice.io.inputs.input_files`: a plan's or a spec file's bases, the files of a ``--method`` spec,
+  ``SpecArgs``), and so is a statistics cache that exists (``--calib-stats``, :func:`cache_file`); two outputs of
+  one command are never the same file;
+* an output is claimed for the run (:func:`kvsplice.io.claims.claim`): a second run writing the same file or folder
+  while the first one lives is refused; the claim (an exclusive lock on ``.<name>.claim`` beside it, holding the
+  pid; never a symlink or special file) is released when the command ends (``release_claims``, called by
+  :func:`kvsplice.io.cli.run_cli` and at exit), and a killed run's lock dies with it;
 * an existing file is replaced only with ``--force``; a non-empty folder only with ``--force`` and, for a command
   that owns its folder (``writer`` with ``owned``), only when the folder's marker (:mod:`kvsplice.io.marker`,
   written by ``write_dir``) says that command wrote it and the folder holds nothing the marker does not list, each

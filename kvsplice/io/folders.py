@@ -65,7 +65,8 @@ def output_dir(value: PathArg, *, force: bool, option: str = "--out", inputs: In
                              f"there is replaced or removed; choose a new or empty folder")
         foreign, why = _foreign(path, entries, writer) if owned is not None and entries else ([], "")
         if owned is None and marked is not None and marked["writer"] != writer:  # never into another tool's folder
-            foreign, why = [e for e in marked["files"] if e in entries][:3] or [MARKER], f"{marked['writer']} wrote them"
+            foreign = [e for e in marked["files"] if e in entries][:3] or [MARKER]
+            why = f"{marked['writer']} wrote them"
         if foreign:
             more = ", ..." if len(foreign) > 3 else ""
             raise UsageError(f"{option} {value} holds files {writer} does not write ({', '.join(foreign[:3])}{more}): "
@@ -159,7 +160,8 @@ def write_dir(path: Path, fill: Callable[[Path], None], owned: Optional[Collecti
         for name in names:
             os.replace(tmp / name, path / name)
         for name in sorted(set(earlier) - set(names)):  # only plain names a valid marker lists (check_marker) ...
-            if plain_name(name) and file_record(path / name) is not None and file_record(path / name) == recorded.get(name):
+            now = file_record(path / name)
+            if plain_name(name) and now is not None and now == recorded.get(name):
                 (path / name).unlink()  # ... and only the very file it recorded: a regular file, same size and mtime
         if writer is not None:
             os.replace(tmp / MARKER, path / MARKER)

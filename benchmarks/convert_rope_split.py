@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     from kvsplice.convert.llama_mla import calibrate_layers, convert_llama
     from kvsplice.evaluation.protocol import evaluate
     from kvsplice.loading import iter_texts, load_model
-    from kvsplice.io.outputs import write_json
+    from kvsplice.io.write import write_json
     from models.checkpoint import atomic_write
 
     t0 = time.perf_counter()

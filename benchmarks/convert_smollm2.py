@@ -135,7 +135,7 @@ class Bench:
             self.cache[key] = {"ppl_P": p["ppl"], "ratio_P": p["ratio_vs_fp16_full"],
                                "bytes_per_token_P": p["bytes_per_token"], "ppl_docs": d["ppl"],
                                "seconds": p["seconds"] + d["seconds"]}
-            from kvsplice.io.outputs import write_json
+            from kvsplice.io.write import write_json
 
             write_json(self.cache, self.cache_path)
         return {"key": key, "store": store, **info, **self.cache[key]}
@@ -247,7 +247,7 @@ def _pct(row: dict, key: str) -> str:
 
 
 def write(report: dict, out: Path) -> None:
-    from kvsplice.io.outputs import write_json
+    from kvsplice.io.write import write_json
     from models.checkpoint import atomic_write
 
     out.parent.mkdir(parents=True, exist_ok=True)

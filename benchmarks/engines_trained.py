@@ -27,7 +27,7 @@ import transformers
 from benchmarks.harness.options import UsageError, add_json, command, parser
 from benchmarks.lib.engines import export, report
 from kvsplice.convert.engines import llama_cpp
-from kvsplice.io.outputs import output_file
+from kvsplice.io.files import output_file
 from kvsplice.report.memory import cache_bytes_formula, measure_cache
 from models.checkpoint import load_gpt_checkpoint
 

@@ -37,7 +37,8 @@ from benchmarks.harness.options import UsageError, add_json, add_out, command, p
 from benchmarks.harness.paths import CALIB, EVAL, SMOLLM2, TINYSTORIES
 from benchmarks.lib.engines import export, report
 from kvsplice.convert.engines import vllm as vllm_engine
-from kvsplice.io.outputs import output_file, write_json
+from kvsplice.io.files import output_file
+from kvsplice.io.write import write_json
 from models.checkpoint import atomic_write
 
 PAD = (512, 64)

@@ -30,7 +30,8 @@ from benchmarks.harness.options import add_force, add_json, add_model, command, 
 from benchmarks.harness.paths import EVAL  # noqa: E402
 
 from kvsplice.hf import CoefficientHFCache
-from kvsplice.io.outputs import output_file, write_json
+from kvsplice.io.files import output_file
+from kvsplice.io.write import write_json
 from kvsplice.lowrank.bases import KVBases
 
 

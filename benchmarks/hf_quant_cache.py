@@ -27,7 +27,7 @@ from benchmarks.harness.header import command as command_line, revision  # noqa:
 from benchmarks.harness.options import add_json, add_model, add_threads, add_windows, command, parser  # noqa: E402
 from benchmarks.harness.paths import RESULTS  # noqa: E402
 
-from kvsplice.io.outputs import write_json
+from kvsplice.io.write import write_json
 from kvsplice.loading import iter_texts, load_model, token_stream
 from kvsplice.decode import Decoder, DenseKV
 from kvsplice.hf.measure import cache_nbytes, continuation_logits

@@ -41,7 +41,7 @@ from kvsplice import build_method
 from kvsplice.decode import Decoder, score_continuation
 from kvsplice.hf import KVSpliceHFCache
 from kvsplice.hf.measure import continuation_logits
-from kvsplice.io.outputs import write_json
+from kvsplice.io.write import write_json
 from kvsplice.lowrank import calibrate, calibration_batches, fit_bases
 from kvsplice.report.memory import measure_cache
 from kvsplice.select import TokenSelection

@@ -39,7 +39,7 @@ from benchmarks.harness.paths import CALIB, EVAL, RESULTS, STORIES  # noqa: E402
 from kvsplice.evaluation.context import EvalContext, load_windows
 from kvsplice.evaluation.lowrank import evaluate_bases
 from kvsplice.cli.fit_bases import build_parser as fit_parser, fit_from_args
-from kvsplice.io.outputs import write_json
+from kvsplice.io.write import write_json
 from kvsplice.lowrank.fits import FITS, score_error
 
 

@@ -337,9 +337,13 @@ class GPTConfig:
         """
         import yaml
 
+        from models.safe_yaml import YamlRefused, load_yaml_file
+
         p = Path(path).expanduser()
         try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8"))
+            data = load_yaml_file(p)
+        except YamlRefused as e:
+            raise ValueError(str(e)) from None
         except OSError as e:
             raise ValueError(f"{p}: cannot read config ({e.strerror or type(e).__name__})") from None
         except (yaml.YAMLError, UnicodeDecodeError) as e:

@@ -19,12 +19,33 @@ from typing import Any, Callable, Optional
 from models.checkpoint import (CKPT_FORMAT, CKPT_FORMAT_KEY, GPT_CONFIG_KEY, CheckpointError, PathLike, atomic_save,
                                load_checkpoint, load_gpt_checkpoint, remove_stale_temp_files)
 
-__all__ = ["CKPT_FORMAT", "CKPT_FORMAT_KEY", "GPT_CONFIG_KEY", "CheckpointError", "atomic_save", "load_checkpoint",
-           "load_gpt_checkpoint", "remove_stale_temp_files", "safe_checkpoint_io"]
+__all__ = ["CKPT_FORMAT", "CKPT_FORMAT_KEY", "GPT_CONFIG_KEY", "CheckpointError", "atomic_save", "check_resume_file",
+           "load_checkpoint", "load_gpt_checkpoint", "remove_stale_temp_files", "safe_checkpoint_io"]
 
 
 #: What a checkpoint needs to resume a Lightning run from (Lightning reads these without checking).
 _RESUME_KEYS = ("pytorch-lightning_version", "state_dict", "global_step", "loops")
+
+
+def check_resume_file(value: Optional[str], option: str) -> None:
+    """A ``--ckpt_path FILE`` checked before anything is built (no start-up lines before its refusal): it loads
+    with ``weights_only=True`` (memory-mapped: the tensors are not read), else :class:`CheckpointError` in one
+    line naming ``option``. Names a run resolves itself (``last``, ``best``) and missing files are left to it."""
+    import os
+
+    import torch
+
+    if value is None or value in ("last", "best", "hpc", "registry") or not os.path.isfile(value):
+        return
+    try:
+        torch.load(value, map_location="cpu", weights_only=True, mmap=True)
+        return
+    except Exception:  # noqa: BLE001 - the loader below names what is wrong in one line
+        pass
+    try:
+        load_checkpoint(value)
+    except CheckpointError as e:
+        raise CheckpointError(f"{option} {value}: {e}") from None
 
 
 def safe_checkpoint_io():

@@ -104,6 +104,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         warnings.filterwarnings("ignore", message=pattern)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from training.checkpoint import check_resume_file
+
+    check_resume_file(args.ckpt_path, "--ckpt-path")  # a refused checkpoint is the first line, before any loading
     from kvsplice.loading import iter_texts, load_model, token_stream
     from models.mla_llama import MLALlama
 
@@ -133,7 +136,7 @@ def _fit(args, student, teacher, train: torch.Tensor, val: torch.Tensor) -> int:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from kvsplice.io.outputs import write_dir
+    from kvsplice.io.folders import write_dir
     from training.checkpoint import safe_checkpoint_io
     from training.lit_distill import LitDistill
     from training.loggers import RunCSVLogger

@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from kvsplice.io.cli import EXIT_USAGE, Parser, UsageError, run_cli
-from kvsplice.io.outputs import output_file, write_json
+from kvsplice.io.files import output_file
+from kvsplice.io.write import write_json
 from kvsplice.report.memory import cache_bytes_formula, measure_cache, mha_cache_bytes, parse_dtype
 from training.checkpoint import CheckpointError, load_gpt_checkpoint
 

@@ -22,8 +22,8 @@
 
 Weights are read with ``torch.load(weights_only=True)`` (:mod:`training.checkpoint`; every tensor checked: finite,
 floating point, the shapes of the stored config) and written as safetensors. The files are written into a temporary
-folder and moved into ``--out`` (:mod:`kvsplice.io.outputs`) with the marker that says export wrote it
-(:data:`kvsplice.io.outputs.MARKER`): a non-empty ``--out`` is replaced only with ``--force`` and only when its
+folder and moved into ``--out`` (:mod:`kvsplice.io.folders`) with the marker that says export wrote it
+(:data:`kvsplice.io.marker.MARKER`): a non-empty ``--out`` is replaced only with ``--force`` and only when its
 marker says an earlier export wrote it and it holds nothing else — never a folder another tool wrote (even with the
 same file names), a folder with other files (a run folder, ``.``, ``some/dir/..``) or the folder of ``--ckpt``; the
 earlier export is then replaced whole. Bad input (a read-only or full disk, a pad beyond
@@ -49,7 +49,9 @@ import torch
 from kvsplice.convert import deepseek_v3, gpt_deepseek
 from kvsplice.convert.latent_pad import padded_row
 from kvsplice.io.cli import Parser, add_output_options, run_cli
-from kvsplice.io.outputs import MARKER, output_dir, release_claim, write_dir
+from kvsplice.io.claims import release_claim
+from kvsplice.io.folders import output_dir, write_dir
+from kvsplice.io.marker import MARKER
 from models.latent_attention import LATENT_NORM_EPS
 from models.config import DEEPSEEK_V3
 from models.gpt import HF_CONV1D
@@ -61,7 +63,7 @@ EXPORT_FILES = frozenset({"config.json", "generation_config.json", "model.safete
                           "tokenizer_config.json", "special_tokens_map.json", MARKER, *REMOTE_FILES})
 """Every file an export may write (its marker included)."""
 WRITER = "export"
-"""The writer an export's marker names (:func:`kvsplice.io.outputs.output_dir`)."""
+"""The writer an export's marker names (:func:`kvsplice.io.folders.output_dir`)."""
 
 
 FORMATS = ("auto", "gpt2", "remote", "deepseek_v3", "llama")

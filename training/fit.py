@@ -62,11 +62,16 @@ def config_file(value: str) -> Path:
 
 
 def check_config_file(path: Path) -> Path:
-    """A ``--config`` file must be a UTF-8 YAML mapping (one clear error instead of a decoder traceback)."""
+    """A ``--config`` file must be a UTF-8 YAML mapping read by the one safe reader (:mod:`models.safe_yaml`: a
+    small regular file, few aliases, no key twice) — one clear error instead of a decoder traceback or a hang."""
     import yaml
 
+    from models.safe_yaml import YamlRefused, load_yaml_file
+
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml_file(path)
+    except YamlRefused as e:
+        raise CLIConfigError(f"--config {e}") from None
     except UnicodeDecodeError:
         raise CLIConfigError(f"--config {path}: not a text (UTF-8 YAML) file") from None
     except yaml.YAMLError as e:
@@ -131,6 +136,38 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
             CheckpointError, ConfigNotFoundError, MisconfigurationException)
 
 
+def safe_jsonargparse_yaml() -> None:
+    """Every YAML jsonargparse parses — config files given to any option, option values — goes through the safe
+    reader's checks first (:func:`models.safe_yaml.check_yaml`: few aliases, no key twice); a refused one is a parse
+    error of that file or value."""
+    import yaml
+    from jsonargparse import get_loader, set_loader
+
+    from models.safe_yaml import YamlRefused, check_yaml
+
+    base = get_loader("yaml")
+    if getattr(base, "checked_by_safe_yaml", False):
+        return
+
+    def load(text: str) -> Any:
+        check_yaml(text)
+        return base(text)
+
+    load.checked_by_safe_yaml = True  # type: ignore[attr-defined]
+    set_loader("yaml", load, (yaml.YAMLError, YamlRefused))
+
+
+def _last_value(args: Sequence[str], option: str) -> Optional[str]:
+    """The value of the last ``OPTION VALUE`` / ``OPTION=VALUE`` in ``args`` (the one jsonargparse keeps)."""
+    value = None
+    for i, a in enumerate(args):
+        if a == option and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(option + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
@@ -160,10 +197,17 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")  # TF32 for the fp32 parts of mixed precision
     expected = _expected_errors()
+    from training.checkpoint import CheckpointError, check_resume_file
+
+    try:  # a refused checkpoint is the first line, before Lightning's start-up lines
+        check_resume_file(_last_value(args, "--ckpt_path"), "--ckpt_path")
+    except CheckpointError as e:
+        raise UsageError(_one_line(e)) from None
     cli = None
     try:
         from training.lightning_cli import KVSpliceCLI
 
+        safe_jsonargparse_yaml()
         cli = KVSpliceCLI(args, default_run_name=stem, cpu_start=CPU_AT_START if argv_is_sys else None)  # takes the run folder (released by itself if refused)
         cli.fit()
     except expected as e:  # one line (messages of jsonargparse/Lightning run over several)

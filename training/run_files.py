@@ -13,6 +13,7 @@ import yaml
 from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 
 from models.config import OLD_NAMES
+from models.safe_yaml import load_yaml_file
 from training.checkpoint import remove_stale_temp_files
 from training.loggers import RunCSVLogger
 from training.rundir import WANDB_ID_FILE, RunPlan, clear_run_files
@@ -100,7 +101,7 @@ class RunFiles(SaveConfigCallback):
         if not self.plan.resume or not saved.is_file():
             self._write_config(saved, cfg)
         else:  # keep the run's config; record changed options of this resume next to it
-            old = yaml.safe_load(saved.read_text()) or {}
+            old = load_yaml_file(saved) or {}  # the run folder's file: read as any YAML a user gives
             new = yaml.safe_load(self.parser.dump(cfg)) or {}
             if {k: v for k, v in old.items() if k != "run_name"} != {k: v for k, v in new.items() if k != "run_name"}:
                 self._write_config(self.run_dir / f"config.resume-{step}.yaml", cfg)

@@ -20,7 +20,7 @@ def result_stem(study: str, tag: str = "", out_dir: Union[str, Path, None] = Non
 def write_result(stem: Path, data: dict, header: Optional[dict] = None) -> Path:
     """``stem.json``: ``header``'s keys (command, machine, revision) first, then ``data`` (whose own keys win); this
     machine's paths named as the repository names them (:func:`~benchmarks.harness.paths.portable`)."""
-    from kvsplice.io.outputs import write_json  # (the library and torch: only when a result is written)
+    from kvsplice.io.write import write_json  # (the library and torch: only when a result is written)
 
     path = Path(stem).with_suffix(".json")
     path.parent.mkdir(parents=True, exist_ok=True)

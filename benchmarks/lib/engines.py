@@ -32,7 +32,7 @@ def export(ckpt: Path, out: Path, fmt: str, pad: Optional[tuple[int, int]] = Non
 def report(script: str, argv: Optional[Sequence[str]], result: dict[str, Any], json_path: Optional[Path]) -> int:
     """``result`` headed by the command that ran ``script`` with ``argv`` and the revision, as JSON on stdout and,
     with ``json_path``, in that file (written whole or not at all); exit status 0."""
-    from kvsplice.io.outputs import write_json
+    from kvsplice.io.write import write_json
 
     out = {"command": command(script, argv), "revision": revision(), **result}
     print(json.dumps(out, indent=1))

@@ -57,7 +57,8 @@ import torch
 
 from kvsplice.io.cli import Parser, run_cli
 from kvsplice.loading import LoadError, iter_texts, load_model
-from kvsplice.io.outputs import output_file, write_json
+from kvsplice.io.files import output_file
+from kvsplice.io.write import write_json
 from kvsplice.select.experiment import (ARMS, BenchError, keep_plan, layer_errors, make_arm, plot,
                                         print_table, run_bench)
 

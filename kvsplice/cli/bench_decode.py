@@ -45,7 +45,8 @@ import torch
 
 from kvsplice.report.decode_timing import (DEFAULT_CONFIGS, growth, print_profiles, print_table, run, title, variants_from_specs)
 from kvsplice.io.cli import Parser, UsageError, add_report_options, pick_device, run_cli
-from kvsplice.io.outputs import output_file, write_json
+from kvsplice.io.files import output_file
+from kvsplice.io.write import write_json
 from kvsplice.report.memory import DTYPES, dtype_name, parse_dtype
 
 

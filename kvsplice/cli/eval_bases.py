@@ -56,7 +56,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from kvsplice.io.cli import Parser, add_device_dtype, default_seq_len, device_dtype, pos_int, run_cli
-from kvsplice.io.outputs import SpecArgs, output_file, write_json
+from kvsplice.io.files import output_file
+from kvsplice.io.inputs import SpecArgs
+from kvsplice.io.write import write_json
 from kvsplice.lowrank.bases import BasesMismatchError, KVBases
 from kvsplice.evaluation.context import EvalContext, EvalError, load_windows
 from kvsplice.evaluation.lowrank import eval_static

@@ -40,7 +40,9 @@ from typing import Optional, Sequence
 import torch
 
 from kvsplice.io.cli import Parser, UsageError, device_dtype, pos_int, run_cli
-from kvsplice.io.outputs import SpecArgs, output_file, write_json
+from kvsplice.io.files import output_file
+from kvsplice.io.inputs import SpecArgs
+from kvsplice.io.write import write_json
 from kvsplice.io.run_options import add_run_options, run_option_values
 from kvsplice.io.staged import Staged
 from kvsplice.tasks.options import EvalTasksOptions

@@ -48,7 +48,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from kvsplice.io.cli import Parser, add_device_dtype, default_seq_len, device_dtype, first_line, pos_int, run_cli
-from kvsplice.io.outputs import cache_file, output_file, write_json
+from kvsplice.io.files import cache_file, output_file
+from kvsplice.io.write import write_json
 from kvsplice.lowrank.bases import BasesMismatchError, KVBases
 from kvsplice.lowrank.fits import FITS
 from models.checkpoint import atomic_write

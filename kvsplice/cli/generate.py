@@ -40,7 +40,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
-from kvsplice.io.outputs import SpecArgs, output_file, write_json
+from kvsplice.io.files import output_file
+from kvsplice.io.inputs import SpecArgs
+from kvsplice.io.write import write_json
 from kvsplice.select.selectors import SELECTORS
 from models.generate import check_temperature
 

@@ -8,10 +8,14 @@ Every ``python -m kvsplice.TOOL`` and ``python -m training.TOOL`` form runs the 
 
 from __future__ import annotations
 
-import importlib
-import sys
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from kvsplice.io.interrupt import quiet_interrupts_as_program
+
+quiet_interrupts_as_program()  # the command's first instruction: Ctrl-C from here on is one line, exit 130
+
+import importlib  # noqa: E402
+import sys  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Callable, Optional, Sequence  # noqa: E402
 
 __all__ = ["VERBS", "Verb", "main", "shim"]
 

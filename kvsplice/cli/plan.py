@@ -44,7 +44,8 @@ from typing import Optional, Sequence
 import torch
 
 from kvsplice.io.cli import Parser, UsageError, device_dtype, help_text, pos_int, run_cli
-from kvsplice.io.outputs import SpecArgs, cache_file, output_file
+from kvsplice.io.files import cache_file, output_file
+from kvsplice.io.inputs import SpecArgs
 from kvsplice.io.run_options import add_run_options, run_option_values
 from kvsplice.planning.candidates import DEFAULT_STORES
 from kvsplice.planning.options import PLAN_CALIB_TOKENS, TUNE_TASKS, PlanOptions

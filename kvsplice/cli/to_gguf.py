@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from kvsplice.io.cli import Parser, UsageError, add_output_options, run_cli
-from kvsplice.io.outputs import disk_errors, output_file
+from kvsplice.io.files import output_file
+from kvsplice.io.write import disk_errors
 
 
 def build_parser() -> Parser:

@@ -23,7 +23,7 @@ The output is a checkpoint that ``training.evaluate``, ``kvsplice.verify_memory 
 ``training.fit --config ... --model.init_from OUT.ckpt`` (fine-tuning with a fresh optimizer and schedule) accept;
 it keeps the source's data settings, so the tokenizer and validation text follow. Printed: the relative error of
 the keys/values on the calibration text and the cache per token before and after. A folder output carries the
-marker that to_mla wrote it (:data:`kvsplice.io.outputs.MARKER`): ``--force`` replaces only such a folder, whole;
+marker that to_mla wrote it (:data:`kvsplice.io.marker.MARKER`): ``--force`` replaces only such a folder, whole;
 ``--json`` is never a file inside it.
 
 Errors are one line on stderr, exit status 2; ``--out`` is never overwritten without ``--force`` and never an input
@@ -48,7 +48,8 @@ import torch
 
 from kvsplice.io.cli import (Parser, UsageError, add_device_dtype, add_model_option, add_output_options, add_threads,
                              apply_threads, default_seq_len, device_dtype, pos_int, run_cli)
-from kvsplice.io.outputs import disk_errors, out_and_json, write_json
+from kvsplice.io.files import out_and_json
+from kvsplice.io.write import disk_errors, write_json
 
 __all__ = ["build_parser", "convert_from_args", "main"]
 

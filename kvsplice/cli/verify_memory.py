@@ -32,7 +32,8 @@ import torch
 from kvsplice.report.memory_check import (DEFAULT_CONFIGS, GIB, checkpoint_variants, preset_variants, print_table,
                                           quantised_variants, run, title)
 from kvsplice.io.cli import Parser, UsageError, add_report_options, pick_device, run_cli
-from kvsplice.io.outputs import output_file, write_json
+from kvsplice.io.files import output_file
+from kvsplice.io.write import write_json
 from kvsplice.report.memory import DTYPES, dtype_name, parse_dtype
 from models.config import PRESETS
 

@@ -13,6 +13,6 @@
 The commands live in :mod:`kvsplice.cli` (``to_mla``, ``to_gguf``, ``convert_llama2c``) and :mod:`training.export`
 (GPT-2 / remote-code / DeepSeek-V3 / Llama folders of a training checkpoint); the folders they read back are
 :mod:`kvsplice.loading` (``mla_folder``, ``gguf``). Every command checks its outputs before any work and writes them
-whole or not at all (:mod:`kvsplice.io.outputs`). Words: *ratio* is times smaller everywhere; a kept fraction of the
+whole or not at all (:mod:`kvsplice.io.folders`). Words: *ratio* is times smaller everywhere; a kept fraction of the
 latent is *keep* (``--kvsplice-keep 0.1`` keeps 10 %: KVSplice-90).
 """

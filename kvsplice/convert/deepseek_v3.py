@@ -69,5 +69,5 @@ def deepseek_v3_state_dict(model: Any, pad_latent: Optional[int] = None,
 def save_deepseek_v3(model: Any, folder: Path, tokenizer: Optional[Any] = None, pad_latent: Optional[int] = None,
                      pad_rope: Optional[int] = None) -> None:
     """Write the export (weights, config and — given — the tokenizer) into ``folder`` (a fresh temporary folder of
-    :func:`kvsplice.io.outputs.write_dir`)."""
+    :func:`kvsplice.io.folders.write_dir`)."""
     writer_for(model).save(folder, tokenizer, pad_latent, pad_rope)

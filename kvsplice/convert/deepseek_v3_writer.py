@@ -119,7 +119,7 @@ class DeepSeekV3Writer:
     def save(self, folder: Path, tokenizer: Optional[Any] = None, pad_latent: Optional[int] = None,
              pad_rope: Optional[int] = None) -> None:
         """Write ``model.safetensors``, ``config.json`` and (``tokenizer`` with ``save_pretrained``) the tokenizer
-        into ``folder`` (a fresh temporary folder of :func:`kvsplice.io.outputs.write_dir`)."""
+        into ``folder`` (a fresh temporary folder of :func:`kvsplice.io.folders.write_dir`)."""
         from safetensors.torch import save_file
 
         folder = Path(folder)

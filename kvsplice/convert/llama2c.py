@@ -147,7 +147,7 @@ def convert_llama2c(model_path: str | os.PathLike, tokenizer_path: str | os.Path
     """Convert ``model_path`` (+ ``tokenizer_path``; ``None`` skips the tokenizer) into an HF directory ``out_dir``.
 
     Everything is read and validated before anything is written; files are written to a temporary directory and
-    then moved in (:func:`kvsplice.io.outputs.write_dir`) with the folder's marker. Refuses a non-empty ``out_dir``
+    then moved in (:func:`kvsplice.io.folders.write_dir`) with the folder's marker. Refuses a non-empty ``out_dir``
     unless ``force`` (then the files of an earlier conversion are replaced, other files are left alone; a full disk
     is one line and leaves the folder as it was) and an ``out_dir`` holding an input
     (:class:`kvsplice.io.cli.UsageError`). Returns ``out_dir`` resolved.
@@ -156,12 +156,13 @@ def convert_llama2c(model_path: str | os.PathLike, tokenizer_path: str | os.Path
 
 
 WRITER = "convert_llama2c"
-"""The writer the folder's marker names (:data:`kvsplice.io.outputs.MARKER`): another tool's ``--force`` refuses the
+"""The writer the folder's marker names (:data:`kvsplice.io.marker.MARKER`): another tool's ``--force`` refuses the
 folder; this one's replaces its own earlier files and keeps the others."""
 
 
 def _convert(model_path, tokenizer_path, out_dir, force):
-    from kvsplice.io.outputs import output_dir, release_claim
+    from kvsplice.io.claims import release_claim
+    from kvsplice.io.folders import output_dir
 
     out = output_dir(out_dir, force=force, inputs={"model": model_path, "--tokenizer": tokenizer_path},
                      writer=WRITER)
@@ -172,7 +173,7 @@ def _convert(model_path, tokenizer_path, out_dir, force):
 
 
 def _write(model_path, tokenizer_path, out):
-    from kvsplice.io.outputs import write_dir
+    from kvsplice.io.folders import write_dir
 
     cfg, sd = read_llama2c(model_path)
     tokenizer = None

@@ -2,7 +2,7 @@
 GGUF file), or for a converted MLA folder (``--kvsplice-keep``): calibrate, convert
 (:mod:`kvsplice.convert.llama_mla`), and write a model folder (``--format native``, which every kvsplice command
 loads) or a DeepSeek-V3 folder (``--format deepseek_v3``, :mod:`kvsplice.convert.deepseek_v3`). The folder carries
-to_mla's marker (:data:`kvsplice.io.outputs.MARKER`): ``--force`` replaces only an earlier to_mla folder, whole."""
+to_mla's marker (:data:`kvsplice.io.marker.MARKER`): ``--force`` replaces only an earlier to_mla folder, whole."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def _calibration(args: argparse.Namespace, tokenizer, max_positions):
 
 
 WRITER = "to_mla"
-"""The writer to_mla's folder marker names (:func:`kvsplice.io.outputs.output_dir`)."""
+"""The writer to_mla's folder marker names (:func:`kvsplice.io.folders.output_dir`)."""
 
 
 def _check_keep(args: argparse.Namespace, d_latent: int) -> None:
@@ -83,7 +83,9 @@ def _check_keep(args: argparse.Namespace, d_latent: int) -> None:
 def run_llama(args: argparse.Namespace) -> int:
     from kvsplice.convert.llama_mla import calibrate_layers, convert_llama, full_latent, latent_gram, shrink_latent
     from kvsplice.loading import load_model
-    from kvsplice.io.outputs import disk_errors, output_dir, output_file, write_dir, write_json
+    from kvsplice.io.files import output_file
+    from kvsplice.io.folders import output_dir, write_dir
+    from kvsplice.io.write import disk_errors, write_json
     from models.mla_llama import MLALlama
 
     progress = not args.no_progress

@@ -1,5 +1,5 @@
 """The files a method spec names: what a run reads through a ``--method`` / ``--stores`` argument or a plan, so
-that no output of the run may replace them (:mod:`kvsplice.io.outputs`).
+that no output of the run may replace them (:mod:`kvsplice.io.inputs`).
 
 A spec names files through its methods' ``spec_files`` arguments (a ``LowRank``'s ``bases``), nested specs
 included (a selection's ``store``); a short form names them relative to the working directory, a spec file

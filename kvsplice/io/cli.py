@@ -1,10 +1,11 @@
 """Helpers every command-line tool of ``kvsplice`` shares: the argument parser whose errors are one line, the exit
-status of user errors, argument types and the device choice. Output paths and their writing: :mod:`kvsplice.io.outputs`.
+status of user errors, argument types and the device choice. Output paths and their writing:
+:mod:`kvsplice.io.files`, :mod:`kvsplice.io.folders`.
 
 Every tool's ``main`` is ``run_cli(PROG, body, errors)``: a user error — a bad argument, a missing or unreadable
 input, a read-only destination, a refused input file — is one ``PROG: error: ...`` line on stderr and exit status 2,
 never a traceback; Ctrl-C is one ``PROG: interrupted`` line and exit status 130; the outputs the command claimed
-(:func:`kvsplice.io.outputs.claim`) are released when it ends.
+(:func:`kvsplice.io.claims.claim`) are released when it ends.
 """
 
 from __future__ import annotations
@@ -54,33 +55,42 @@ def run_cli(prog: str, body: Callable[[], int], errors: tuple[type[BaseException
     ``PROG: interrupted`` line and :data:`EXIT_INTERRUPTED`. The outputs it claimed are released either way
     (:func:`at_command_end`); Ctrl-C during the tool's imports, and after it ended, is the same line
     (:mod:`kvsplice.io.interrupt`)."""
+    status = 1  # an unexpected exception: Python's traceback and exit status
     try:
         end_quiet_interrupts()
-        return body()
+        status = body()
+        return status
     except SystemExit as e:  # --help / --version
         if e.code in (None, 0):
+            status = 0
             return 0
+        status = e.code if isinstance(e.code, int) else 1
         raise
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        status = EXIT_INTERRUPTED
+        return status
     except RecursionError:
         print(f"{prog}: error: an input is nested too deeply to read (a damaged or hostile file)", file=sys.stderr)
-        return EXIT_USAGE
+        status = EXIT_USAGE
+        return status
     except (UsageError, OSError, ValueError, *errors) as e:
         print(f"{prog}: error: {first_line(e)}", file=sys.stderr)
-        return EXIT_USAGE
+        status = EXIT_USAGE
+        return status
     finally:
         for fn in _AT_END:
             fn()
-        quiet_interrupts_after_command()  # Ctrl-C while the interpreter shuts down: the same one line, exit 130
+        # Ctrl-C from here until the process is gone: the same one line, exit 130
+        quiet_interrupts_after_command(status if isinstance(status, int) else 0)
 
 
 _AT_END: list[Callable[[], None]] = []
 
 
 def at_command_end(fn: Callable[[], None]) -> None:
-    """Call ``fn`` whenever :func:`run_cli` ends a command (:mod:`kvsplice.io.outputs` releases its claims)."""
+    """Call ``fn`` whenever :func:`run_cli` ends a command (:mod:`kvsplice.io.claims` releases its
+    claims)."""
     if fn not in _AT_END:
         _AT_END.append(fn)
 
@@ -152,7 +162,8 @@ def add_output_options(p: argparse.ArgumentParser, *, json: bool = True, out_req
                        out_help: str = "the output file", force_help: str = "overwrite --out (and --json)",
                        json_help: str = "also write the report as JSON") -> None:
     """The outputs group: ``--out`` (``out_required``), ``--force`` and — with ``json`` — ``--json REPORT.json``
-    (checked and written by :mod:`kvsplice.io.outputs`)."""
+    (checked by :mod:`kvsplice.io.files`, written by
+    :mod:`kvsplice.io.write`)."""
     g = p.add_argument_group("outputs")
     g.add_argument("--out", required=out_required, help=out_help)
     if json:

@@ -2,24 +2,27 @@
 :func:`kvsplice.io.cli.run_cli` reports it once the tool runs.
 
 A tool's heavy imports (torch, transformers) take the first second or so of ``python -m kvsplice.TOOL``; a SIGINT
-then raised ``KeyboardInterrupt`` inside them — a traceback and exit status -2. Each tool's module calls
-:func:`quiet_interrupts_while_importing` first thing (this module imports nothing heavy); :func:`run_cli` hands
-SIGINT back to Python's ``KeyboardInterrupt`` (:func:`end_quiet_interrupts`), which it reports the same way and
-after which it releases what the command claimed. Once the command has ended (its outputs complete), Ctrl-C during
-the interpreter's shutdown is the same one line and exit status 130 (:func:`quiet_interrupts_after_command`), not a
-silent exit or a traceback from an exit handler.
+then raised ``KeyboardInterrupt`` inside them — a traceback and exit status -2. The ``kvsplice`` command's first
+module (:mod:`kvsplice.cli.main`) calls :func:`quiet_interrupts_as_program` before its own imports, and each tool's
+module calls :func:`quiet_interrupts_while_importing` first thing (this module imports nothing heavy);
+:func:`run_cli` hands SIGINT back to Python's ``KeyboardInterrupt`` (:func:`end_quiet_interrupts`), which it reports
+the same way and after which it releases what the command claimed. Once the command has ended (its outputs
+complete), Ctrl-C is the same one line and exit status 130 until the process is gone
+(:func:`quiet_interrupts_after_command`): the exit handlers run with the line in place and the process then ends
+without the interpreter's teardown, during which Python restores the default SIGINT action (a silent death).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
 from types import FrameType
 from typing import Optional
 
-__all__ = ["EXIT_INTERRUPTED", "MAIN", "end_quiet_interrupts", "quiet_interrupts_after_command",
-           "quiet_interrupts_while_importing"]
+__all__ = ["EXIT_INTERRUPTED", "MAIN", "end_quiet_interrupts", "program_name", "quiet_interrupts_after_command",
+           "quiet_interrupts_as_program", "quiet_interrupts_while_importing"]
 
 EXIT_INTERRUPTED = 130
 """Exit status after Ctrl-C (128 + SIGINT, as a shell reports it)."""
@@ -28,6 +31,8 @@ MAIN = "__main__"
 
 _PROG: list[str] = []  # the tool whose imports are quiet (empty: none)
 _MAIN_PROG: list[str] = []  # the tool Python runs as its program (empty: imported as a library)
+_STATUS: list[int] = []  # the exit status of the command that ended (empty: none yet)
+_ENDING: list[bool] = []  # [True] once the exit handler that ends the process is registered / running
 
 
 def _interrupted(signum: int, frame: Optional[FrameType]) -> None:
@@ -56,11 +61,57 @@ def end_quiet_interrupts() -> None:
     _PROG.clear()
 
 
-def quiet_interrupts_after_command() -> None:
+def program_name(argv: list[str], orig_argv: list[str]) -> Optional[str]:
+    """``kvsplice VERB`` when this process is the ``kvsplice`` command (the console script, ``python -m
+    kvsplice.cli.main``) or a ``python -m kvsplice.TOOL`` form, from its command line; ``None`` otherwise."""
+    module = orig_argv[orig_argv.index("-m") + 1] if "-m" in orig_argv[:-1] else None
+    if module in ("kvsplice.cli.main", "kvsplice.cli") or (module is None and argv and
+                                                             os.path.basename(argv[0]) == "kvsplice"):
+        verb = argv[1] if len(argv) > 1 and argv[1][:1].isalpha() and argv[1].replace("-", "").isalnum() else ""
+        return f"kvsplice {verb}".strip()
+    if module is not None and module.startswith("kvsplice.") and module.count(".") == 1:
+        return f"kvsplice {module.split('.')[1].replace('_', '-')}"
+    return None
+
+
+def quiet_interrupts_as_program() -> None:
+    """The first instruction of the ``kvsplice`` command: when this process is it (:func:`program_name`), Ctrl-C
+    from now on is one ``kvsplice VERB: interrupted`` line and exit status 130 (the verb's own module takes over
+    with :func:`quiet_interrupts_while_importing`); in any other program, nothing changes."""
+    prog = program_name(list(sys.argv), list(getattr(sys, "orig_argv", [])))
+    if prog is not None:
+        try:
+            quiet_interrupts_while_importing(MAIN, prog)
+        except ValueError:  # not the main thread: no signal handling to change
+            _PROG.clear()
+            _MAIN_PROG.clear()
+
+
+def quiet_interrupts_after_command(status: int = 0) -> None:
     """When a tool runs as the program (:func:`quiet_interrupts_while_importing` saw ``__main__``), Ctrl-C from now
-    until the process exits — the command is over, its outputs complete — is one ``PROG: interrupted`` line and exit
-    status 130; imported as a library, it changes nothing."""
+    until the process is gone — the command is over, its outputs complete — is one ``PROG: interrupted`` line and
+    exit status 130: the exit handlers run with that line in place, then the process ends with ``status`` (the
+    command's) without the interpreter's teardown, which would restore the default SIGINT action first (Ctrl-C then
+    killed the process silently). Imported as a library, it changes nothing."""
     if not _MAIN_PROG:
         return
     _PROG[:] = _MAIN_PROG
+    _STATUS[:] = [status]
     signal.signal(signal.SIGINT, _interrupted)
+    if not _ENDING:
+        _ENDING.append(True)
+        atexit.register(_end_after_exit_handlers)  # registered last: runs first, and runs the others itself
+
+
+def _end_after_exit_handlers() -> None:
+    """Run the other exit handlers (Ctrl-C still one line), flush the standard streams and end the process."""
+    if len(_ENDING) > 1 or not _STATUS:  # called again by the handlers' own run below
+        return
+    _ENDING.append(True)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(_STATUS[0])

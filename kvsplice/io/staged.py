@@ -8,7 +8,7 @@ temporary name ``.<name>.<pid>.tmp`` beside it, and every one is renamed into pl
 
 A run stopped before :meth:`Staged.commit` (Ctrl-C, an error) leaves every earlier output as it was and removes its
 temporaries; a killed one leaves them to :func:`models.checkpoint.remove_stale_temp_files`, which every output check
-(:func:`kvsplice.io.outputs.output_file`) runs. The temporary names are the ones :func:`models.checkpoint.atomic_write`
+(:func:`kvsplice.io.files.output_file`) runs. The temporary names are the ones :func:`models.checkpoint.atomic_write`
 uses: hidden, tagged with the writer's pid, never a user's file.
 """
 

@@ -27,7 +27,7 @@ def is_mla_folder(folder: Path) -> bool:
 
 def save_mla_folder(model: MLALlama, folder: Path, tokenizer: Optional[Any] = None) -> None:
     """Write ``model`` (and an HF ``tokenizer``'s files) into ``folder`` (a fresh temporary folder of
-    :func:`kvsplice.io.outputs.write_dir`)."""
+    :func:`kvsplice.io.folders.write_dir`)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)

@@ -1,4 +1,4 @@
-"""Every command-line tool (:mod:`kvsplice.io.cli`, :mod:`kvsplice.io.outputs`; issues 22 and 31): one argument
+"""Every command-line tool (:mod:`kvsplice.io.cli`, :mod:`kvsplice.io.files`; issues 22 and 31): one argument
 parser whose errors are one ``PROG: error: ...`` line with exit status 2 (it was defined five times, and
 ``to_mla``/``fit_bases``/``eval_bases``/``convert_llama2c`` exited 1 or printed argparse's usage block); Ctrl-C is one
 ``PROG: interrupted`` line with exit status 130 (it was 46-91 lines of traceback); an output is claimed for the run
@@ -84,7 +84,9 @@ def test_evaluate_and_verify_memory_never_touch_a_checkpoint(tmp_path, data_cach
 
 def test_json_outputs_are_atomic_and_clean_up_after_killed_runs(tmp_path):
     from kvsplice.io.cli import UsageError
-    from kvsplice.io.outputs import output_file, release_claims, write_json
+    from kvsplice.io.claims import release_claims
+    from kvsplice.io.files import output_file
+    from kvsplice.io.write import write_json
 
     out = tmp_path / "r.json"
     stale, other = tmp_path / f".r.json.{dead_pid()}.tmp", tmp_path / f".x.json.{dead_pid()}.tmp"
@@ -220,7 +222,7 @@ def test_a_second_run_to_the_same_new_output_is_refused(tmp_path, capsys):
 
     out, go = tmp_path / "m.json", tmp_path / "go"
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time, pathlib; from kvsplice.io.outputs import output_file\n"
+        "import sys, time, pathlib; from kvsplice.io.files import output_file\n"
         f"output_file({str(out)!r}, force=False, option='--json'); print('claimed', flush=True)\n"
         f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.05)\n"
         "import os; os._exit(0)")],  # ends without releasing: a killed run's claim stays behind

@@ -119,7 +119,9 @@ def test_force_replaces_an_earlier_to_mla_folder_whole(models, tmp_path, capsys)
     shutil.copytree(models["native"], out)  # a native folder to_mla wrote (its marker came along) ...
     marker = json.loads((out / ".kvsplice-output.json").read_text())
     (out / "generation_config.json").write_text("{}")  # ... with a file the new output does not write
-    marker["files"].append("generation_config.json")
+    marker["files"].append("generation_config.json")  # ... that the marker lists and records as written
+    st = (out / "generation_config.json").stat()
+    marker["records"]["generation_config.json"] = [st.st_size, st.st_mtime_ns]
     (out / ".kvsplice-output.json").write_text(json.dumps(marker))
     rc, err = run(export_args(models, out, "--force"), capsys)
     assert rc == 0, err

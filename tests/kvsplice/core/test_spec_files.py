@@ -1,5 +1,5 @@
 """The files a method spec names are inputs of the run (:mod:`kvsplice.core.spec_files`, :class:`SpecArgs` in
-:mod:`kvsplice.io.outputs`): with ``--force``, ``--json`` / ``--out`` / ``--md`` naming the bases file of
+:mod:`kvsplice.io.inputs`): with ``--force``, ``--json`` / ``--out`` / ``--md`` naming the bases file of
 ``--method lowrank:B`` (or ``plan --stores lowrank:B``), a ``--method spec.json`` itself, a bases file that spec names,
 or the plan of ``eval_tasks --method plan:P`` replaced that file. Each is now one ``PROG: error: ...`` line, exit 2,
 and the file is left byte-identical — refused before any model loads."""

@@ -1,0 +1,58 @@
+"""Refusals come before start-up noise: a pickled checkpoint given to ``kvsplice train --ckpt_path`` or
+``kvsplice distill --ckpt-path`` is refused in the command's first and only line (it came after ~10 lines of
+Lightning start-up), and nothing is loaded or built before it. Run as processes: every line the command prints
+counts, whatever logging handlers Lightning bound earlier."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hostile import REPO, STORIES260K, one_error
+from tiny_models import TINY_FIT_ARGS
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class _Evil:
+    def __reduce__(self):
+        return os.system, ("echo pwned",)
+
+
+def _run(tmp_path: Path, module: str, *args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=280)
+
+
+@pytest.fixture
+def evil(tmp_path) -> Path:
+    p = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "payload": _Evil()}, p)
+    return p
+
+
+def test_train_refuses_a_pickle_before_lightning_starts(tmp_path, evil):
+    r = _run(tmp_path, "training.fit", "--config", "tiny_gpt2", *TINY_FIT_ARGS, "--runs_dir", tmp_path / "runs",
+             "--data.cache_dir", tmp_path / "cache", "--wandb.mode", "disabled", "--ckpt_path", evil)
+    one_error(r.returncode, r.stderr + r.stdout, "kvsplice train", "refusing to load")
+    assert "pwned" not in r.stdout and not (tmp_path / "runs").exists()
+
+
+def test_distill_refuses_a_pickle_before_loading_anything(tmp_path, evil):
+    if not (STORIES260K / "stories260K.bin").is_file():
+        pytest.skip("stories260K not found")
+    from kvsplice.convert.llama2c import convert_llama2c
+
+    model = convert_llama2c(STORIES260K / "stories260K.bin", STORIES260K / "tok512.bin", tmp_path / "m")
+    text = tmp_path / "t.txt"
+    text.write_text("Once upon a time there was a cat. " * 200)
+    r = _run(tmp_path, "training.distill", "--model", model, "--data", text, "--loss", "lm", "--runs-dir",
+             tmp_path / "runs", "--ckpt-path", evil, "--no-progress")
+    one_error(r.returncode, r.stderr + r.stdout, "kvsplice distill", "refusing to load")
+    assert "pwned" not in r.stdout and not (tmp_path / "runs").exists()

@@ -33,6 +33,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from data import TinyStoriesDataModule
+from kvsplice.core.limits import check_training_fits
 from models.config import OLD_NAMES, old_name_note
 from training.lit import LitGPT, check_schedule
 from training.checkpoint import CheckpointError, remove_stale_temp_files, safe_checkpoint_io
@@ -259,6 +260,13 @@ class RunFiles(SaveConfigCallback):
                 logger.save()
 
 
+def _training_device(accelerator: Any) -> Optional[str]:
+    """``"cuda"`` when the run trains on a GPU (the memory its sizes must fit), else ``None`` (this machine's RAM)."""
+    import torch
+
+    return "cuda" if str(accelerator or "auto") in ("auto", "gpu", "cuda") and torch.cuda.is_available() else None
+
+
 class KVSpliceCLI(LightningCLI):
     """LightningCLI for :class:`training.lit.LitGPT` + :class:`data.TinyStoriesDataModule`, always fitting.
 
@@ -359,6 +367,8 @@ class KVSpliceCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """Validate the CLI options and place the run before anything is built or written."""
         cfg = self.config
+        check_training_fits(self._get(cfg, "model"), self._get(cfg, "data").batch_size,  # before any allocation
+                            _training_device(self._get(cfg, "trainer").accelerator))
         run_name = self._get(cfg, "run_name") or self._default_run_name
         self.plan = place_run(self._get(cfg, "runs_dir"), run_name, self._get(cfg, "ckpt_path"),
                               bool(self._get(cfg, "overwrite")))

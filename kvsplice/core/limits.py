@@ -113,6 +113,18 @@ def gpt_run_bytes(cfg: Any, *, tokens: int, batch: int, elt: int, cache_bytes: i
     """A lower estimate of what running a :class:`models.config.GPTConfig` model allocates: its weights (embeddings
     of ``vocab_size`` and ``block_size`` rows, ~12·d² per layer) at ``elt`` bytes, the token ids ``(batch, tokens)``
     (int64), the cache (``cache_bytes``) and the fp32 logits of ``logits_tokens`` positions per sequence."""
-    d, vocab = int(cfg.d_model), int(cfg.vocab_size)
+    d, vocab = int(cfg.d_model), int(getattr(cfg, "vocab_size", None) or 0)  # unknown before the data: 0
     weights = (vocab + int(cfg.block_size)) * d + int(cfg.n_layer) * 12 * d * d
     return weights * elt + 8 * batch * tokens + int(cache_bytes) + 4 * batch * logits_tokens * vocab
+
+
+def check_training_fits(cfg: Any, batch: int, device: Any = None) -> None:
+    """Refuse a training run of ``cfg`` (a GPT config or the CLI's ``model`` namespace) at ``batch`` sequences of
+    ``cfg.block_size`` whose lower-bound footprint exceeds the free memory: fp32 weights, gradients and two Adam
+    moments (16 bytes a parameter) and each layer's saved input for the backward pass (``batch·block·d`` fp32)."""
+    block = check_count("--model.block_size", cfg.block_size)
+    batch = check_count("--data.batch_size", batch)
+    saved = 4 * batch * block * int(cfg.d_model) * int(cfg.n_layer)
+    need = gpt_run_bytes(cfg, tokens=block, batch=batch, elt=16, cache_bytes=saved, logits_tokens=0)
+    check_fits(f"--model.block_size {block} with --data.batch_size {batch}", need,
+               "training (weights, optimiser state, saved activations)", device)

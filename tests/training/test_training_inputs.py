@@ -219,6 +219,8 @@ BAD_FIT = [
     ("tiny synthetic vocab", ["--data.synthetic_vocab_size", "10"], "data.synthetic_vocab_size"),
     ("cache_dir is a file", ["--data.cache_dir", f"{F}/a_file"], "data.cache_dir"),
     ("bad wandb mode", ["--wandb.mode", "foo"], "wandb.mode"),
+    ("block_size 1e9", ["--model.block_size", "1000000000"], "--model.block_size 1000000000 with --data.batch_size"),
+    ("batch_size 1e9", ["--data.batch_size", "1000000000"], "with --data.batch_size 1000000000: training"),
 ]
 
 

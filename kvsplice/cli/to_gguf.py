@@ -41,6 +41,7 @@ def build_parser() -> Parser:
 
 def _main(argv: Optional[Sequence[str]]) -> int:
     from kvsplice.convert.engines.llama_cpp import fix_gguf, hf_to_gguf
+    from kvsplice.loading.checks import check_gguf_file, check_model_folder
 
     args = build_parser().parse_args(argv)
     if args.fix:
@@ -54,6 +55,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         raise UsageError("give a DeepSeek-V3 folder and --out FILE.gguf (or --fix FILE.gguf)")
     if not (Path(args.folder) / "config.json").is_file():
         raise UsageError(f"{args.folder}: no config.json (make one with to_mla --format deepseek_v3)")
+    check_model_folder(Path(args.folder))  # config values and sizes against the weights: a GGUF that matches them
     # never a file of the input folder, even with --force; written to a temporary sibling, then renamed into place
     out = output_file(args.out, force=args.force, inputs={"folder": args.folder})
     fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
@@ -62,6 +64,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     try:
         with disk_errors(out):
             added = hf_to_gguf(args.folder, tmp, outtype=args.outtype)
+            check_gguf_file(tmp)  # what llama.cpp's converter wrote agrees with its own tensors
             os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, out)
     except RuntimeError as e:

@@ -41,12 +41,13 @@ def build_parser() -> Parser:
 
 def _main(argv: Optional[Sequence[str]]) -> int:
     from kvsplice.convert.engines.llama_cpp import fix_gguf, hf_to_gguf
-    from kvsplice.loading.checks import check_gguf_file, check_model_folder
+    from kvsplice.loading.checks import check_gguf_file, check_model_folder, gguf_header
 
     args = build_parser().parse_args(argv)
     if args.fix:
         if not Path(args.fix).is_file():
             raise UsageError(f"--fix {args.fix}: file not found")
+        gguf_header(Path(args.fix))  # a damaged or truncated header: one line, before the reader meets it
         with disk_errors(args.fix):
             added = fix_gguf(args.fix)
         print(f"{args.fix}: " + (f"added {', '.join(added)}" if added else "nothing to add"))

@@ -80,7 +80,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             notes.append(f"--decode-steps {args.decode_steps} (default {DEFAULT_DECODE_STEPS}): the shortest "
                          f"--seq-lens {seq_lens[0]} leaves room for no more after a one-token prefill")
     else:
-        check_count("--decode-steps", args.decode_steps, 0, seq_lens[0] - 1)  # the prefill needs one token
+        check_count("--decode-steps", args.decode_steps, 0, seq_lens[0] - 1,
+                    f"the shortest --seq-lens {seq_lens[0]} less the one token the prefill needs")
     device, _ = device_dtype(args)
     if args.ckpt:
         variants = checkpoint_variants(args.ckpt, max(seq_lens))

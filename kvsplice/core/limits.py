@@ -62,12 +62,15 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def check_count(option: str, value: Any, lo: int = 1, hi: int = MAX_TOKENS) -> int:
-    """``value`` as an integer in ``[lo, hi]``, else ``ValueError("OPTION must be ...")``."""
+def check_count(option: str, value: Any, lo: int = 1, hi: int = MAX_TOKENS, why: str = "") -> int:
+    """``value`` as an integer in ``[lo, hi]``, else ``ValueError("OPTION must be >= lo, got ...")`` (or ``<= hi``,
+    with ``why``: what sets the upper bound)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{option} must be an integer in [{lo}, {hi}], got {value!r}")
-    if not lo <= value <= hi:
-        raise ValueError(f"{option} must be in [{lo}, {hi}], got {value}")
+    if value < lo:
+        raise ValueError(f"{option} must be >= {lo}, got {value}")
+    if value > hi:
+        raise ValueError(f"{option} must be <= {hi}{f' ({why})' if why else ''}, got {value}")
     return int(value)
 
 
@@ -88,7 +91,7 @@ def check_threads(option: str, value: Any) -> Optional[int]:
     """A thread count within this machine's CPUs (``None`` passes: the library's default)."""
     if value is None:
         return None
-    return check_count(option, value, 1, cpu_count())
+    return check_count(option, value, 1, cpu_count(), "the CPUs this process may use")
 
 
 def check_positions(option: str, value: Any, max_positions: Optional[int], lo: int = 1) -> int:

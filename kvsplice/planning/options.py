@@ -63,7 +63,7 @@ class PlanOptions(RunOptions):
         for option, value, hi in (("--calib-tokens", self.calib_tokens, MAX_TOKENS),
                                   ("--tune-tokens", self.tune_tokens, MAX_TOKENS), ("--seq-len", self.seq_len, MAX_TOKENS),
                                   ("--batch-size", self.batch_size, MAX_TOKENS), ("--tune-n", self.tune_n, MAX_TUNE_N)):
-            check_count(option, value, 1, hi)
+            check_count(option, value, 1, hi, "tuning instances are built up front" if option == "--tune-n" else "")
         for option, value in (("--prompt-len", self.prompt_len), ("--tune-length", self.tune_length),
                               ("--fit-length", self.fit_length)):
             if value is not None:

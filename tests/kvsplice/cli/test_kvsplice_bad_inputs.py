@@ -91,6 +91,12 @@ WITH_MODEL = [
     (eval_bases, "eval_bases", ["--data", "{d}/story.txt", "--seq-len", "4096"], "positions"),
     (eval_bases, "eval_bases", ["--data", "{d}/story.txt", "--seq-len", "8", "--method", "fd-online", "--rank", "99"],
      "head_dim"),
+    (fit_bases, "fit_bases", ["--calib", "{d}/story.txt", "--batch-size", "1000000000"],
+     "--batch-size 1000000000 with --seq-len 512: a forward's logits needs about"),
+    (fit_bases, "fit_bases", ["--calib", "{d}/story.txt", "--threads", "100000"], "--threads must be <= "),
+    (eval_bases, "eval_bases", ["--data", "{d}/story.txt", "--batch-size", "1000000000"],
+     "--batch-size 1000000000 with --seq-len 512: a forward's logits needs about"),
+    (eval_bases, "eval_bases", ["--data", "{d}/story.txt", "--threads", "100000"], "--threads must be <= "),
 ]
 
 

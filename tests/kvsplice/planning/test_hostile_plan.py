@@ -81,9 +81,10 @@ def test_lengths_are_bounded_by_the_model_and_the_tuning_tasks(s260k, tmp_path, 
     (["--ratio", "3", "--selectors", ""], "--selectors"),
     (["--ratio", "3", "--stores", "snapkv"], "--stores"),
     (["--ratio", "3", "--stores", "select:snapkv@x2+int8"], "not a storage method"),
-    (["--ratio", "3", "--tune-n", "1000000000"], "--tune-n must be in [1, 1000], got 1000000000"),
-    (["--ratio", "3", "--calib-tokens", "100000000000"], "--calib-tokens must be in [1, "),
-    (["--ratio", "3", "--threads", "100000"], "--threads must be in [1, ")])
+    (["--ratio", "3", "--tune-n", "1000000000"],
+     "--tune-n must be <= 1000 (tuning instances are built up front), got 1000000000"),
+    (["--ratio", "3", "--calib-tokens", "100000000000"], "--calib-tokens must be <= "),
+    (["--ratio", "3", "--threads", "100000"], "--threads must be <= ")])
 def test_bad_values_are_one_line_before_the_model_loads(tmp_path, capsys, extra, expect):
     """Refused before any model is needed: the model path does not exist."""
     rc, _, err = _run(["--model", tmp_path / "no-model", *SMALL, *extra, "--out", tmp_path / "p.json"], capsys)

@@ -90,3 +90,22 @@ def test_to_gguf_refuses_a_folder_whose_config_does_not_match_its_weights(s260k,
     rc, _, err = run_tool(to_gguf.main, [folder, "--out", tmp_path / "m.gguf"], capsys)
     one_error(rc, err, "to-gguf", "hidden_size is 1000000000 but the weights have 64 columns")
     assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.parametrize("changes, expect", [
+    (dict(n_layer=1000000), "n_layer is 1000000 but the weights have 2 numbered layers"),
+    (dict(d_model=1000000000), "d_model is 1000000000 but the weights have 64 columns"),
+    (dict(norm_eps=-1.0), "norm_eps must be a finite number > 0, got -1.0"),
+    (dict(rope_theta=float("nan")), "rope_theta must be a finite number > 0, got nan"),
+])
+def test_a_native_mla_folder_is_checked_the_same_way(tmp_path, changes, expect):
+    from kvsplice.loading.mla_folder import save_mla_folder
+    from tiny_models import converted_tiny_llama
+
+    _, mla = converted_tiny_llama(tmp_path / "ds")
+    save_mla_folder(mla, tmp_path / "native")
+    check_model_folder(tmp_path / "native")
+    folder = edited(str(tmp_path / "native"), tmp_path / "m", **changes)
+    with pytest.raises(LoadError) as e:
+        load_model(folder)
+    assert expect in str(e.value), str(e.value)

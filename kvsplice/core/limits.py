@@ -13,8 +13,8 @@ from typing import Any, Optional
 
 from kvsplice.core.args import MAX_TOKENS
 
-__all__ = ["MAX_TOKENS", "available_bytes", "check_count", "check_fits", "check_number", "check_positions",
-           "check_threads", "cpu_count", "fmt_bytes"]
+__all__ = ["MAX_TOKENS", "available_bytes", "check_count", "check_fits", "check_number", "check_threads",
+           "check_training_fits", "cpu_count", "fmt_bytes", "gpt_run_bytes"]
 
 
 def fmt_bytes(n: float) -> str:
@@ -92,14 +92,6 @@ def check_threads(option: str, value: Any) -> Optional[int]:
     if value is None:
         return None
     return check_count(option, value, 1, cpu_count(), "the CPUs this process may use")
-
-
-def check_positions(option: str, value: Any, max_positions: Optional[int], lo: int = 1) -> int:
-    """A token count within the model's ``max_positions`` (any count up to :data:`MAX_TOKENS` when unknown)."""
-    hi = int(max_positions) if max_positions else MAX_TOKENS
-    if isinstance(value, int) and not isinstance(value, bool) and value > hi and max_positions:
-        raise ValueError(f"{option} {value} exceeds the model's {hi} positions")
-    return check_count(option, value, lo, hi)
 
 
 def check_fits(option: str, nbytes: float, what: str, device: Any = None, available: Optional[int] = None) -> None:

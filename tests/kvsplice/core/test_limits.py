@@ -36,13 +36,6 @@ def test_check_threads_within_the_cpus():
         limits.check_threads("--threads", 100000)
 
 
-def test_check_positions_names_the_model_limit():
-    assert limits.check_positions("max_new_tokens", 5, 512) == 5
-    with pytest.raises(ValueError, match="exceeds the model's 512 positions"):
-        limits.check_positions("max_new_tokens", 513, 512)
-    assert limits.check_positions("n", 10**6, None) == 10**6
-
-
 def test_check_fits_and_the_gpt_estimate():
     cfg = GPTConfig(vocab_size=100, n_layer=2, n_head=2, d_model=16, block_size=10**9)
     need = limits.gpt_run_bytes(cfg, tokens=8, batch=1, elt=4, cache_bytes=0, logits_tokens=8)
@@ -53,3 +46,12 @@ def test_check_fits_and_the_gpt_estimate():
         limits.check_fits("--seq-lens 1000000000", need, "the run", available=10**9)
     with pytest.raises(ValueError, match="needs about"):
         limits.check_fits("--x", math.inf, "the run")
+
+
+def test_check_training_fits_names_both_options():
+    cfg = GPTConfig(vocab_size=100, n_layer=2, n_head=2, d_model=16, block_size=64)
+    limits.check_training_fits(cfg, 4)
+    with pytest.raises(ValueError, match=r"^--model.block_size 64 with --data.batch_size 1000000000: training "):
+        limits.check_training_fits(cfg, 10**9)
+    with pytest.raises(ValueError, match=r"^--data.batch_size must be >= 1, got 0$"):
+        limits.check_training_fits(cfg, 0)

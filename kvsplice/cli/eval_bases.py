@@ -55,7 +55,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kvsplice.core.limits import check_fits, check_threads
+from kvsplice.core.limits import check_count, check_fits, check_threads
 from kvsplice.io.cli import Parser, add_device_dtype, default_seq_len, device_dtype, pos_int, run_cli
 from kvsplice.io.outputs import SpecArgs, output_file, write_json
 from kvsplice.lowrank.bases import BasesMismatchError, KVBases
@@ -188,6 +188,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     args = build_parser().parse_args(argv)
     if check_threads("--threads", args.threads):
         torch.set_num_threads(args.threads)
+    if args.prompt_len is not None:  # refused even where no method reads it (bases alone): never ignored silently
+        check_count("--prompt-len", args.prompt_len, 0)
     if args.json:
         args.json = output_file(args.json, force=args.force, option="--json",
                                 inputs={"--model": args.model, "--tokenizer": args.tokenizer,

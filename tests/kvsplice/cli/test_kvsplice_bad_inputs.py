@@ -70,6 +70,8 @@ NO_MODEL = [
                                 "{d}/story.txt"], "not found"),
     (eval_bases, "eval_bases", ["--model", "{d}/nope", "--bases", "{d}/bases.safetensors", "--data",
                                 "{d}/story.txt", "--json", "{d}/existing.json"], "already exists"),
+    (eval_bases, "eval_bases", ["--model", "{d}/nope", "--bases", "{d}/bases.safetensors", "--data",
+                                "{d}/story.txt", "--prompt-len", "-5"], "--prompt-len must be >= 0, got -5"),
     (bench_balance, "bench_balance", ["--model", "{d}/nope", "--data", "{d}/story.txt", "--seeds", "0"], "seeds"),
     (bench_balance, "bench_balance", ["--model", "{d}/nope", "--data", "{d}/story.txt", "--block-size", "3"],
      "block-size"),

@@ -33,7 +33,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from data import TinyStoriesDataModule
-from kvsplice.core.limits import check_training_fits
+from kvsplice.core.limits import check_threads, check_training_fits
 from models.config import OLD_NAMES, old_name_note
 from training.lit import LitGPT, check_schedule
 from training.checkpoint import CheckpointError, remove_stale_temp_files, safe_checkpoint_io
@@ -375,6 +375,7 @@ class KVSpliceCLI(LightningCLI):
         threads = self._get(cfg, "torch_threads")
         if threads is not None and threads < 1:
             raise CLIConfigError(f"--torch_threads must be >= 1, got {threads}")
+        check_threads("--torch_threads", threads)  # within the CPUs: 100000 threads crash torch
 
         model, trainer = self._get(cfg, "model"), self._get(cfg, "trainer")
         max_steps = trainer.max_steps

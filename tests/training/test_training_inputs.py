@@ -187,6 +187,7 @@ BAD_FIT = [
     ("max_epochs -2", ["--trainer.max_epochs", "-2"], "max_epochs"),
     ("negative seed", ["--seed_everything", "-5"], "seed_everything"),
     ("torch_threads 0", ["--torch_threads", "0"], "torch_threads"),
+    ("torch_threads 100000", ["--torch_threads", "100000"], "--torch_threads must be <= "),
     ("run name with slash", ["--run_name", "a/b"], "--run_name"),
     ("runs_dir is a file", ["--runs_dir", f"{F}/a_file"], "--runs_dir"),
     ("overwrite and resume", ["--overwrite", "true", "--ckpt_path", "last"], "give only one"),

@@ -97,13 +97,16 @@ def _measures(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
 
 
 def _check_against(cfg: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], where: str) -> None:
+    c = cfg
+    if isinstance(cfg.get("text_config"), Mapping):  # a multimodal model: its language model's weights only
+        c, shapes = cfg["text_config"], {n: s for n, s in shapes.items() if "language_model" in n}
     got = _measures(shapes)
-    c = cfg.get("text_config") if isinstance(cfg.get("text_config"), Mapping) else cfg
+    extra = c.get("num_nextn_predict_layers") or 0  # DeepSeek-V3's multi-token-prediction layers follow the rest
     for key, measure in SIZES.items():
         v = c.get(key)
         if measure is None or measure not in got or not isinstance(v, int):
             continue
-        if v != got[measure]:
+        if got[measure] not in (v, v + extra if measure == "layers" and isinstance(extra, int) else v):
             what = {"layers": "numbered layers", "hidden": "columns in the token embedding"}[measure]
             raise ValueError(f"{where}: {key} is {v} but the weights have {got[measure]} {what}")
 

@@ -109,3 +109,17 @@ def test_a_native_mla_folder_is_checked_the_same_way(tmp_path, changes, expect):
     with pytest.raises(LoadError) as e:
         load_model(folder)
     assert expect in str(e.value), str(e.value)
+
+
+def test_layer_counts_that_real_checkpoints_have_pass():
+    """DeepSeek-V3's multi-token-prediction layers follow its ``num_hidden_layers``; a multimodal model's vision tower
+    has layers of its own: neither is a mismatch."""
+    from kvsplice.loading.checks import _check_against
+
+    shapes = {f"model.layers.{i}.mlp.weight": (4, 4) for i in range(62)} | {"model.embed_tokens.weight": (100, 16)}
+    _check_against({"num_hidden_layers": 61, "num_nextn_predict_layers": 1, "hidden_size": 16}, shapes, "c")
+    with pytest.raises(ValueError, match="num_hidden_layers is 60 but the weights have 62"):
+        _check_against({"num_hidden_layers": 60, "num_nextn_predict_layers": 1}, shapes, "c")
+    mm = {f"vision_tower.encoder.layers.{i}.w": (2, 2) for i in range(27)}
+    mm |= {f"model.language_model.layers.{i}.w": (2, 2) for i in range(3)}
+    _check_against({"text_config": {"num_hidden_layers": 3}, "vision_config": {"num_hidden_layers": 27}}, mm, "c")

@@ -126,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tune-n", type=pos_int, default=4, help=f"tuning instances per task (default 4, at most "
                    f"{MAX_TUNE_N})")
     p.add_argument("--tune-length", type=pos_int, help="tuning instances' prompt tokens (default --seq-len, at "
-                   "least 64, raised to hold every tuning task's prompt; it must hold each tuning task's prompt and fit the model's positions, as eval_tasks "
-                   "--lengths must)")
+                   "least 64, raised to hold every tuning task's prompt; a given one must hold them and fit the "
+                   "model's positions, as eval_tasks --lengths must)")
     p.add_argument("--fit-length", type=pos_int, help="the prompt tokens at which the budget holds (default "
                    "--prompt-len; at most the model's positions): a store with a fixed-size part, KIVI's "
                    "full-precision window, fits more tokens "

@@ -60,10 +60,10 @@ class PlanOptions(RunOptions):
 
     def __post_init__(self) -> None:
         """Every count within its bound before anything is read or allocated (one line naming the option)."""
-        for option, value, hi in (("--calib-tokens", self.calib_tokens, MAX_TOKENS),
-                                  ("--tune-tokens", self.tune_tokens, MAX_TOKENS), ("--seq-len", self.seq_len, MAX_TOKENS),
-                                  ("--batch-size", self.batch_size, MAX_TOKENS), ("--tune-n", self.tune_n, MAX_TUNE_N)):
-            check_count(option, value, 1, hi, "tuning instances are built up front" if option == "--tune-n" else "")
+        for option, value in (("--calib-tokens", self.calib_tokens), ("--tune-tokens", self.tune_tokens),
+                              ("--seq-len", self.seq_len), ("--batch-size", self.batch_size)):
+            check_count(option, value, 1, MAX_TOKENS)
+        check_count("--tune-n", self.tune_n, 1, MAX_TUNE_N, "tuning instances are built up front")
         for option, value in (("--prompt-len", self.prompt_len), ("--tune-length", self.tune_length),
                               ("--fit-length", self.fit_length)):
             if value is not None:

@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from data import TinyStoriesDataModule
+from kvsplice.core.limits import check_threads, check_training_fits
 from models.config import OLD_NAMES, old_name_note
 from training.lit import LitGPT, check_schedule
 from training.checkpoint import CheckpointError, safe_checkpoint_io
@@ -158,6 +159,13 @@ def interrupts_end_the_fit():
 
 
 
+def _training_device(accelerator: Any) -> Optional[str]:
+    """``"cuda"`` when the run trains on a GPU (the memory its sizes must fit), else ``None`` (this machine's RAM)."""
+    import torch
+
+    return "cuda" if str(accelerator or "auto") in ("auto", "gpu", "cuda") and torch.cuda.is_available() else None
+
+
 class KVSpliceCLI(LightningCLI):
     """LightningCLI for :class:`training.lit.LitGPT` + :class:`data.TinyStoriesDataModule`, always fitting.
 
@@ -257,12 +265,15 @@ class KVSpliceCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """Validate the CLI options and place the run before anything is built or written."""
         cfg = self.config
+        check_training_fits(self._get(cfg, "model"), self._get(cfg, "data").batch_size,  # before any allocation
+                            _training_device(self._get(cfg, "trainer").accelerator))
         run_name = self._get(cfg, "run_name") or self._default_run_name
         self.plan = place_run(self._get(cfg, "runs_dir"), run_name, self._get(cfg, "ckpt_path"),
                               bool(self._get(cfg, "overwrite")))
         threads = self._get(cfg, "torch_threads")
         if threads is not None and threads < 1:
             raise CLIConfigError(f"--torch_threads must be >= 1, got {threads}")
+        check_threads("--torch_threads", threads)  # within the CPUs: 100000 threads crash torch
 
         model, trainer = self._get(cfg, "model"), self._get(cfg, "trainer")
         max_steps = trainer.max_steps

@@ -44,10 +44,14 @@ from typing import Optional, Sequence
 import torch
 
 from kvsplice.report.decode_timing import (DEFAULT_CONFIGS, growth, print_profiles, print_table, run, title, variants_from_specs)
-from kvsplice.io.cli import Parser, UsageError, add_report_options, pick_device, run_cli
+from kvsplice.core.limits import MAX_TOKENS, check_count, check_fits, check_number, check_threads, gpt_run_bytes
+from kvsplice.io.cli import Parser, UsageError, add_report_options, device_dtype, run_cli
 from kvsplice.io.files import output_file
 from kvsplice.io.write import write_json
-from kvsplice.report.memory import DTYPES, dtype_name, parse_dtype
+from kvsplice.report.memory import DTYPES, cache_bytes_formula, dtype_name, parse_dtype
+
+MAX_REPEATS = 100_000
+"""Timed / warm-up steps and rounds at most (a million steps of a 124M model is days)."""
 
 
 # -------------------------------------------------------------------------------------------------- CLI
@@ -79,12 +83,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _main(argv: Optional[Sequence[str]]) -> int:
     args = build_parser().parse_args(argv)
-    if any(c < 1 for c in args.ctx) or args.batch < 1 or args.repeats < 1 or args.warmup < 0 \
-            or args.rounds < 1 or (args.threads is not None and args.threads < 1):
-        raise UsageError("--ctx, --batch, --repeats, --rounds, --threads must be >= 1 and --warmup >= 0")
+    for c in args.ctx:
+        check_count("--ctx", c, 1, MAX_TOKENS - 1)
+    check_count("--batch", args.batch)
+    check_count("--repeats", args.repeats, 1, MAX_REPEATS)
+    check_count("--warmup", args.warmup, 0, MAX_REPEATS)
+    check_count("--rounds", args.rounds, 1, MAX_REPEATS)
+    check_threads("--threads", args.threads)
+    if args.max_seconds is not None:
+        check_number("--max-seconds", args.max_seconds, 0.0, lo_open=False)
     ctxs = sorted(set(args.ctx))
+    device, _ = device_dtype(args)
     variants, notes = variants_from_specs(args.config, max(ctxs))
-    device = pick_device(args.device)
+    dtype = parse_dtype(args.dtype)
+    # every model lives through the run; one cache (capacity ctx + 1) and one layer's random block at a time
+    weights = sum(gpt_run_bytes(v.cfg, tokens=1, batch=args.batch, elt=dtype.itemsize, cache_bytes=0,
+                                logits_tokens=1) for v in variants)
+    cache = max(cache_bytes_formula(v.cfg, ctxs[-1] + 1, dtype, args.batch) * (1 + 1 / v.cfg.n_layer)
+                for v in variants)
+    check_fits(f"--ctx {ctxs[-1]} with --batch {args.batch}", weights + cache, "the models and the filled cache",
+               device)
     if device.type != "cuda" and any(v.graph for v in variants):
         raise UsageError(f"':graph' variants replay CUDA graphs and need a CUDA device, got {device}")
     inputs = {"--config": [c.split(":")[0] for c in args.config]}  # a YAML path is read: never written
@@ -98,7 +116,6 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         print(f"note: {n}", file=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = parse_dtype(args.dtype)
     rounds = min(args.rounds, args.repeats)
     profiles: Optional[dict] = {} if args.profile else None
     rows = run(variants, ctxs, batch=args.batch, dtype=dtype, repeats=args.repeats, warmup=args.warmup,

@@ -55,6 +55,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from kvsplice.core.limits import check_count, check_fits, check_threads
 from kvsplice.io.cli import Parser, add_device_dtype, default_seq_len, device_dtype, pos_int, run_cli
 from kvsplice.io.files import output_file
 from kvsplice.io.inputs import SpecArgs
@@ -120,6 +121,8 @@ def make_context(args: argparse.Namespace, loaded=None) -> EvalContext:
     seq_len = args.seq_len or default_seq_len(loaded.max_positions)
     if loaded.max_positions is not None and seq_len > loaded.max_positions:
         raise EvalError(f"--seq-len {seq_len} exceeds the model's {loaded.max_positions} positions")
+    check_fits(f"--batch-size {args.batch_size} with --seq-len {seq_len}", 4 * args.batch_size * seq_len *
+               loaded.tokenizer.vocab_size, "a forward's logits", next(loaded.model.parameters()).device)
     progress = not getattr(args, "no_progress", False)
     windows, info = load_windows(loaded, args.data, args.tokens, seq_len, progress)
     return EvalContext(loaded, windows, batch_size=args.batch_size, chunk_size=args.chunk_size,
@@ -185,8 +188,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _main(argv: Optional[Sequence[str]]) -> int:
     args = build_parser().parse_args(argv)
-    if args.threads:
+    if check_threads("--threads", args.threads):
         torch.set_num_threads(args.threads)
+    if args.prompt_len is not None:  # refused even where no method reads it (bases alone): never ignored silently
+        check_count("--prompt-len", args.prompt_len, 0)
     if args.json:
         args.json = output_file(args.json, force=args.force, option="--json",
                                 inputs={"--model": args.model, "--tokenizer": args.tokenizer,

@@ -111,8 +111,8 @@ def run(opts: EvalTasksOptions) -> dict:
     from kvsplice.tasks.haystack import check_stories
     from kvsplice.tasks.methods import method_specs
     from kvsplice.tasks.report import markdown, summarize
-    from kvsplice.tasks.resume import rescore, resume
-    from kvsplice.tasks.runner import answer
+    from kvsplice.tasks.resume import rederive, rescore, resume
+    from kvsplice.tasks.runner import answer, decode_text
     from kvsplice.tasks.shared import answer_many
     from kvsplice.tasks.suite import NEEDS_STORIES, TUNING_SEED0, check_instances, make_instances
 
@@ -150,6 +150,8 @@ def run(opts: EvalTasksOptions) -> dict:
 
     results = resume(out, opts.force, header, lambda doc: {"tokenizer_fingerprint": [tokenizer_fingerprint(
         tok, loaded_from=doc["tokenizer"] or doc["model"])]})  # files that hashed the path too
+    rederive(results, insts, header["methods"], out, decode=lambda ids: decode_text(tok, ids),
+             vocab=adapter_for(model).param().shape[0], max_positions=loaded.max_positions)
     rescore(results, insts, out)
     jobs = [(s, i) for s in opts.settings for i in insts]
     from tqdm.auto import tqdm

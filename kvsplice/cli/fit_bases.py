@@ -47,6 +47,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from kvsplice.core.limits import check_fits, check_threads
 from kvsplice.io.cli import Parser, add_device_dtype, default_seq_len, device_dtype, first_line, pos_int, run_cli
 from kvsplice.io.files import cache_file, output_file
 from kvsplice.io.write import write_json
@@ -201,6 +202,8 @@ def calibration(args: argparse.Namespace, loaded, *, calib_cache: Optional[dict]
     seq_len = args.seq_len or default_seq_len(loaded.max_positions)
     if loaded.max_positions is not None and seq_len > loaded.max_positions:
         raise FitError(f"--seq-len {seq_len} exceeds the model's {loaded.max_positions} positions")
+    check_fits(f"--batch-size {args.batch_size} with --seq-len {seq_len}", 4 * args.batch_size * seq_len *
+               loaded.tokenizer.vocab_size, "a forward's logits", next(loaded.model.parameters()).device)
     ropes = [r if info.has_rope else "none" for r in _as_list(args.rope)]
     sens = bool(getattr(args, "sensitivity", False) or getattr(args, "alloc_ratio", None)
                 or "fisher" in _as_list(args.fit))
@@ -396,7 +399,7 @@ def _fields_needed(todo: list) -> list[str]:
 
 def _main(argv: Optional[Sequence[str]]) -> int:
     args = build_parser().parse_args(argv)
-    if args.threads:
+    if check_threads("--threads", args.threads):
         torch.set_num_threads(args.threads)
     todo = jobs(args)
     inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--calib": args.calib,

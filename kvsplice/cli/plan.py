@@ -43,12 +43,13 @@ from typing import Optional, Sequence
 
 import torch
 
+from kvsplice.core.limits import check_fits
 from kvsplice.io.cli import Parser, UsageError, device_dtype, help_text, pos_int, run_cli
 from kvsplice.io.files import cache_file, output_file
 from kvsplice.io.inputs import SpecArgs
 from kvsplice.io.run_options import add_run_options, run_option_values
 from kvsplice.planning.candidates import DEFAULT_STORES
-from kvsplice.planning.options import PLAN_CALIB_TOKENS, TUNE_TASKS, PlanOptions
+from kvsplice.planning.options import MAX_TUNE_N, PLAN_CALIB_TOKENS, TUNE_TASKS, PlanOptions
 
 
 def _pos_float(s: str) -> float:
@@ -123,10 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tune-tasks", nargs="+", default=list(TUNE_TASKS), metavar="TASK",
                    help=f"tasks of the accuracy objective (default {' '.join(TUNE_TASKS)}: a needle in each kind of "
                    f"haystack — filler, facts, real prose; see eval_tasks)")
-    p.add_argument("--tune-n", type=pos_int, default=4, help="tuning instances per task (default 4)")
+    p.add_argument("--tune-n", type=pos_int, default=4, help=f"tuning instances per task (default 4, at most "
+                   f"{MAX_TUNE_N})")
     p.add_argument("--tune-length", type=pos_int, help="tuning instances' prompt tokens (default --seq-len, at "
-                   "least 64; it must hold each tuning task's prompt and fit the model's positions, as eval_tasks "
-                   "--lengths must)")
+                   "least 64, raised to hold every tuning task's prompt; a given one must hold them and fit the "
+                   "model's positions, as eval_tasks --lengths must)")
     p.add_argument("--fit-length", type=pos_int, help="the prompt tokens at which the budget holds (default "
                    "--prompt-len; at most the model's positions): a store with a fixed-size part, KIVI's "
                    "full-precision window, fits more tokens "
@@ -190,6 +192,9 @@ def run(opts: PlanOptions) -> tuple[object, dict]:
     loaded = load_model(opts.model, tokenizer=opts.tokenizer, dtype=dtype, device=device)
     model, seq = loaded.model, opts.seq_len
     prompt_len = check_lengths(opts, loaded.max_positions)
+    vocab = adapter_for(model).param().shape[0]  # fp32 logits of a batch of windows: the forward's least
+    check_fits(f"--batch-size {opts.batch_size} with --seq-len {seq}", 4 * opts.batch_size * seq * vocab,
+               "a forward's logits", device)
     need = opts.calib_tokens + opts.tune_tokens
     ids, _ = token_stream(iter_texts(opts.calib, option="calib", split="train"), loaded.tokenizer, need,
                           progress=progress, desc="tokenize calib")
@@ -258,7 +263,7 @@ def _task_eval(opts: PlanOptions, model, tokenizer, seq: int, progress: bool, ma
     ``eval_tasks --lengths`` makes (:func:`kvsplice.tasks.suite.check_instances`)."""
     if opts.objective == "ppl":
         return None, None
-    from kvsplice.tasks.suite import MIN_LENGTH, TUNING_SEED0, check_instances, make_instances
+    from kvsplice.tasks.suite import MIN_LENGTH, TUNING_SEED0, check_instances, fitting_instances, make_instances
     from kvsplice.tasks.tuning import TuningTasks
 
     length = opts.tune_length or max(seq, MIN_LENGTH)
@@ -266,12 +271,16 @@ def _task_eval(opts: PlanOptions, model, tokenizer, seq: int, progress: bool, ma
         raise UsageError(f"--tune-length {length} exceeds the model's {max_positions} positions (give a shorter one, "
                          f"or --objective ppl)")
     stories = _stories(opts)
+    given = "--tune-length" if opts.tune_length else f"--tune-length (default {length}, from --seq-len)"
     try:
-        insts = make_instances(opts.tune_tasks, tokenizer, [length], opts.tune_n, seed0=TUNING_SEED0,
-                               stories=stories)
+        if opts.tune_length:
+            insts = make_instances(opts.tune_tasks, tokenizer, [length], opts.tune_n, seed0=TUNING_SEED0,
+                                   stories=stories)
+        else:  # the default: long enough for every tuning task's prompt
+            length, insts = fitting_instances(opts.tune_tasks, tokenizer, length, opts.tune_n, seed0=TUNING_SEED0,
+                                              stories=stories)
         check_instances(insts, max_positions)
     except ValueError as e:
-        given = "--tune-length" if opts.tune_length else f"--tune-length (default {length}, from --seq-len)"
         raise UsageError(f"{given}: {e}") from None
     info = {"tasks": list(opts.tune_tasks), "length": length, "n": opts.tune_n, "seed0": TUNING_SEED0,
             "stories": stories, "setting": opts.tune_setting}

@@ -42,11 +42,13 @@ def build_parser() -> Parser:
 
 def _main(argv: Optional[Sequence[str]]) -> int:
     from kvsplice.convert.engines.llama_cpp import fix_gguf, hf_to_gguf
+    from kvsplice.loading.checks import check_gguf_file, check_model_folder, gguf_header
 
     args = build_parser().parse_args(argv)
     if args.fix:
         if not Path(args.fix).is_file():
             raise UsageError(f"--fix {args.fix}: file not found")
+        gguf_header(Path(args.fix))  # a damaged or truncated header: one line, before the reader meets it
         with disk_errors(args.fix):
             added = fix_gguf(args.fix)
         print(f"{args.fix}: " + (f"added {', '.join(added)}" if added else "nothing to add"))
@@ -55,6 +57,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         raise UsageError("give a DeepSeek-V3 folder and --out FILE.gguf (or --fix FILE.gguf)")
     if not (Path(args.folder) / "config.json").is_file():
         raise UsageError(f"{args.folder}: no config.json (make one with to_mla --format deepseek_v3)")
+    check_model_folder(Path(args.folder))  # config values and sizes against the weights: a GGUF that matches them
     # never a file of the input folder, even with --force; written to a temporary sibling, then renamed into place
     out = output_file(args.out, force=args.force, inputs={"folder": args.folder})
     fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
@@ -63,6 +66,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     try:
         with disk_errors(out):
             added = hf_to_gguf(args.folder, tmp, outtype=args.outtype)
+            check_gguf_file(tmp)  # what llama.cpp's converter wrote agrees with its own tensors
             os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, out)
     except RuntimeError as e:

@@ -31,11 +31,14 @@ import torch
 
 from kvsplice.report.memory_check import (DEFAULT_CONFIGS, GIB, checkpoint_variants, preset_variants, print_table,
                                           quantised_variants, run, title)
-from kvsplice.io.cli import Parser, UsageError, add_report_options, pick_device, run_cli
+from kvsplice.core.limits import check_count, check_fits, check_number, gpt_run_bytes
+from kvsplice.io.cli import Parser, add_report_options, device_dtype, run_cli
 from kvsplice.io.files import output_file
 from kvsplice.io.write import write_json
-from kvsplice.report.memory import DTYPES, dtype_name, parse_dtype
+from kvsplice.report.memory import DTYPES, cache_bytes_formula, dtype_name, parse_dtype
 from models.config import PRESETS
+
+DEFAULT_DECODE_STEPS = 8
 
 
 # -------------------------------------------------------------------------------------------------- CLI
@@ -54,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--budget-gb", type=float, default=24.0, help="memory budget in GiB (2^30 bytes) for the "
                    "'sequences that fit' column (default 24)")
-    p.add_argument("--decode-steps", type=int, default=8, help="tokens decoded one at a time after the prefill")
+    p.add_argument("--decode-steps", type=int, default=None, help="tokens decoded one at a time after the prefill "
+                   "(default 8, fewer when the shortest --seq-lens leaves no room; an explicit value must be < it)")
     add_report_options(p, json_help="write the report as JSON (and a plot FILE.png next to it)")
     return p
 
@@ -65,19 +69,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _main(argv: Optional[Sequence[str]]) -> int:
     args = build_parser().parse_args(argv)
-    if any(L < 1 for L in args.seq_lens):
-        raise UsageError(f"--seq-lens must be >= 1, got {args.seq_lens}")
-    if args.batch < 1 or args.decode_steps < 0 or args.budget_gb <= 0:
-        raise UsageError("--batch must be >= 1, --decode-steps >= 0 and --budget-gb > 0")
+    for L in args.seq_lens:
+        check_count("--seq-lens", L)
+    check_count("--batch", args.batch)
+    check_number("--budget-gb", args.budget_gb)
     seq_lens = sorted(set(args.seq_lens))
     notes: list[str] = []
+    if args.decode_steps is None:
+        args.decode_steps = min(DEFAULT_DECODE_STEPS, seq_lens[0] - 1)
+        if args.decode_steps < DEFAULT_DECODE_STEPS:
+            notes.append(f"--decode-steps {args.decode_steps} (default {DEFAULT_DECODE_STEPS}): the shortest "
+                         f"--seq-lens {seq_lens[0]} leaves room for no more after a one-token prefill")
+    else:
+        check_count("--decode-steps", args.decode_steps, 0, seq_lens[0] - 1,
+                    f"the shortest --seq-lens {seq_lens[0]} less the one token the prefill needs")
+    device, _ = device_dtype(args)
     if args.ckpt:
         variants = checkpoint_variants(args.ckpt, max(seq_lens))
     else:
         variants = preset_variants(args.config or DEFAULT_CONFIGS, max(seq_lens), notes)
     if args.cache_quant:
         variants = variants + quantised_variants(variants, args.cache_quant)
-    device = pick_device(args.device)
+    elt = parse_dtype(args.dtype).itemsize
+    need = max(gpt_run_bytes(v.cfg, tokens=seq_lens[-1], batch=args.batch, elt=elt, logits_tokens=seq_lens[-1],
+                             cache_bytes=cache_bytes_formula(v.cfg, seq_lens[-1], parse_dtype(args.dtype), args.batch))
+               for v in variants)
+    check_fits(f"--seq-lens {seq_lens[-1]} with --batch {args.batch}", need, "the model, prefill and cache",
+               device)
     if args.json:
         inputs = {"--ckpt": args.ckpt, "--config": args.config}
         args.json = output_file(args.json, force=args.force, option="--json", inputs=inputs)

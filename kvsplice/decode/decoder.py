@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvsplice.adapters.registry import adapter_for
+from kvsplice.core.limits import check_fits
 from kvsplice.core.method import CompressionMethod, Step
 from kvsplice.core.build import build_method
 from kvsplice.core.window import check_evictable, evict, held_per_layer, window_mask
@@ -129,9 +130,24 @@ class Decoder:
         (``temperature=0``: greedy). Returns ``(B, T + max_new_tokens)``."""
         check_sampling(max_new_tokens, temperature, top_k)
         check_prompt(idx, self.adapter.param().shape[0])
+        self.check_generate_size(idx.shape[0], idx.shape[1], max_new_tokens)
         cache = self.new_cache(idx.shape[0], capacity=self.method.capacity(idx.shape[1], max_new_tokens))
         step = lambda ids, c: Decoder.__call__(self, ids, c, last_only=True)  # noqa: E731  (prefill, then decode)
         return generate_tokens(step, cache, idx, max_new_tokens, temperature, top_k, generator)
+
+    def check_generate_size(self, batch: int, prompt_len: int, max_new_tokens: int) -> None:
+        """Refuse, before the cache is allocated, a generation longer than the model's positions or whose cache
+        (the method's closed form, when it has one) exceeds the memory free on the model's device."""
+        total = prompt_len + int(max_new_tokens)
+        mp = self.adapter.max_positions
+        if mp is not None and total > mp:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: a prompt of {prompt_len} tokens + {max_new_tokens} "
+                             f"new exceeds the model's {mp} positions")
+        capacity = self.method.capacity(prompt_len, max_new_tokens)
+        windows = [min(w, capacity) if w else capacity for w in self.windows] if any(self.windows) else capacity
+        nbytes = self.method.bytes_formula(batch, windows, self.dtype)
+        if nbytes is not None:
+            check_fits(f"max_new_tokens={max_new_tokens}", nbytes, f"a cache of {capacity} tokens", self.device)
 
     def __repr__(self) -> str:
         return f"Decoder({self.family}, {self.method!r})"

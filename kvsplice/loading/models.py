@@ -171,7 +171,10 @@ def load_model(spec: str | os.PathLike, *, tokenizer: Optional[str] = None, dtyp
     """Load ``spec`` (a model directory, a ``.ckpt`` file or a Hub id; see the module docstring) in eval mode."""
     spec = str(spec)
     p = Path(spec).expanduser()
+    from kvsplice.loading.checks import check_source
     from kvsplice.loading.gguf import find_gguf, gguf_files
+
+    check_source(p)  # config values against the weights' headers, before any model is built
 
     if find_gguf(p) is not None:  # a .gguf file (or a folder holding one): kvsplice.loading.gguf
         model, tok = _load_gguf(p, tokenizer=tokenizer, dtype=dtype)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from kvsplice.core.limits import MAX_TOKENS, check_count, check_threads
 from kvsplice.io.run_options import RunOptions
 
 __all__ = ["PlanOptions"]
@@ -19,6 +20,9 @@ calibration text's)."""
 # loss gradients, at most H·d = a few hundred wide) settle well before 16k tokens, and the pass (forward + backward)
 # is most of the planner's time; `kvsplice fit-bases` calibrates a final fit on more (65,536).
 PLAN_CALIB_TOKENS = 16384
+
+MAX_TUNE_N = 1000
+"""Tuning instances per task at most: every one is built and prefilled up front (the default 4 takes minutes)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,18 @@ class PlanOptions(RunOptions):
     prefill: str = "fast"
     stories: Optional[str] = None
     json: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        """Every count within its bound before anything is read or allocated (one line naming the option)."""
+        for option, value in (("--calib-tokens", self.calib_tokens), ("--tune-tokens", self.tune_tokens),
+                              ("--seq-len", self.seq_len), ("--batch-size", self.batch_size)):
+            check_count(option, value, 1, MAX_TOKENS)
+        check_count("--tune-n", self.tune_n, 1, MAX_TUNE_N, "tuning instances are built up front")
+        for option, value in (("--prompt-len", self.prompt_len), ("--tune-length", self.tune_length),
+                              ("--fit-length", self.fit_length)):
+            if value is not None:
+                check_count(option, value, 1, MAX_TOKENS)
+        check_threads("--threads", self.threads)
 
     @property
     def window_prompt(self) -> int:

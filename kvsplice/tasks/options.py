@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from kvsplice.core.limits import MAX_TOKENS, check_count, check_threads
 from kvsplice.io.run_options import RunOptions
 
 __all__ = ["EvalTasksOptions"]
@@ -30,6 +31,13 @@ class EvalTasksOptions(RunOptions):
     stories: Optional[str] = None
     door: str = "decoder"
     md: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        """Counts within their bounds and ``--threads`` within the CPUs, before the model loads (one line)."""
+        for length in self.lengths:
+            check_count("--lengths", length, 1, MAX_TOKENS)
+        check_count("--n", self.n, 1, MAX_TOKENS)
+        check_threads("--threads", self.threads)
 
     @property
     def settings(self) -> tuple[str, ...]:

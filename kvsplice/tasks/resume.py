@@ -15,6 +15,10 @@ The rule (docs/tasks.md, "Resuming --out"):
   by digest) changed since loses its old answers, which are run again (a note on stderr); methods of earlier runs
   that this run does not name keep their answers and their records in the header.
 
+* **re-derived** — a kept answer is dropped, and run again when this run names its method (one note on stderr),
+  unless its method is one the header records, its ``tokens`` are integers within the model's vocabulary (no more
+  than the instance's answer tokens), its ``output`` is what the tokenizer decodes them to, and its ``n_prompt`` is
+  the instance's prompt length within the model's positions (:func:`rederive`): a forged output cannot score.
 * **scores** — a kept answer's score is recomputed from its recorded output (:func:`rescore`): a score that does not
   match its output (a hand-edited ``score: 1.0``) is corrected, with a note on stderr.
 
@@ -32,7 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 from kvsplice.io.cli import UsageError
 from kvsplice.tasks.results_schema import FORMAT, check_results_doc, instance_key
 
-__all__ = ["SAME", "load_results", "rescore", "resume"]
+__all__ = ["SAME", "load_results", "rederive", "rescore", "resume"]
 
 SAME: dict[str, str] = {"door": "--door", "dtype": "--dtype", "model_fingerprint": "--model",
                         "tokenizer_fingerprint": "--tokenizer", "stories_digest": "--stories"}
@@ -142,3 +146,47 @@ def rescore(results: dict, insts: Sequence[Any], path: Path) -> int:
                     o["score"] = score
                     fixed += 1
     return fixed
+
+
+def _derived_problem(o: dict, inst: Any, method: str, methods: dict, decode: Callable[[list], str], vocab: int,
+                     max_positions: Optional[int]) -> Optional[str]:
+    """Why the outcome ``o`` of ``inst`` is not what its own record derives (``None`` when it is)."""
+    if method not in methods:
+        return f"method {method!r} is not one the file records"
+    tokens = o.get("tokens")
+    if not isinstance(tokens, list) or len(tokens) > inst.max_new_tokens or any(
+            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
+        return f"its tokens are not at most {inst.max_new_tokens} ids of the model's {vocab}"
+    n = o.get("n_prompt")
+    limit = max_positions if max_positions is not None else inst.length + inst.max_new_tokens
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limit or n != inst.meta.get("n_tokens", n):
+        return f"its n_prompt {n!r} is not the instance's prompt length"
+    try:
+        text = decode(tokens)
+    except Exception:  # noqa: BLE001 - ids the tokenizer cannot decode
+        text = None
+    if text != o.get("output"):
+        return "its output is not what its tokens decode to"
+    return None
+
+
+def rederive(results: dict, insts: Sequence[Any], methods: dict, path: Path, *, decode: Callable[[list], str],
+             vocab: int, max_positions: Optional[int]) -> int:
+    """Drop every kept answer that its own record does not derive (:func:`_derived_problem`): its method re-runs
+    when this run names it. One note on stderr names the first and the count; returns how many were dropped."""
+    by_key = {i.key: i for i in insts}
+    dropped: list[str] = []
+    for setting, by_inst in results.items():
+        for key, outs in by_inst.items():
+            inst = by_key.get(key)
+            if inst is None:
+                continue
+            for method in list(outs):
+                why = _derived_problem(outs[method], inst, method, methods, decode, vocab, max_positions)
+                if why is not None:
+                    dropped.append(f"{setting} {key} {method}: {why}")
+                    del outs[method]
+    if dropped:
+        print(f"note: --out {path}: {len(dropped)} recorded answer(s) do not follow from their own record (first: "
+              f"{dropped[0]}); run again", file=sys.stderr)
+    return len(dropped)

@@ -101,6 +101,19 @@ def check_lengths(insts: Sequence[TaskInstance]) -> None:
                          f"alone); give lengths of at least {n} for {task}")
 
 
+def fitting_instances(tasks: Sequence[str], tokenizer, length: int, n: int, *, seed0: int = 0,
+                      stories: Optional[str] = None) -> tuple[int, list[TaskInstance]]:
+    """``n`` instances of every task at ``length`` or, when a task's needles and question alone need more, at the
+    shortest length that holds every prompt (a default length that works by itself); returns it and them."""
+    for _ in range(4):  # a longer haystack holds the same needles: one raise settles it, the rest is a guard
+        insts = make_instances(tasks, tokenizer, [length], n, seed0=seed0, stories=stories)
+        need = max(i.meta.get("n_tokens", 0) for i in insts)
+        if need <= length:
+            break
+        length = need
+    return length, insts
+
+
 def check_instances(insts: Sequence[TaskInstance], max_positions: Optional[int]) -> None:
     """The one bound check of task instances, wherever they are made (``eval_tasks --lengths``, the planner's
     ``--tune-length``): each prompt fits its length (:func:`check_lengths`) and, with its answer, the model's

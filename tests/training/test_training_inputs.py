@@ -187,6 +187,7 @@ BAD_FIT = [
     ("max_epochs -2", ["--trainer.max_epochs", "-2"], "max_epochs"),
     ("negative seed", ["--seed_everything", "-5"], "seed_everything"),
     ("torch_threads 0", ["--torch_threads", "0"], "torch_threads"),
+    ("torch_threads 100000", ["--torch_threads", "100000"], "--torch_threads must be <= "),
     ("run name with slash", ["--run_name", "a/b"], "--run_name"),
     ("runs_dir is a file", ["--runs_dir", f"{F}/a_file"], "--runs_dir"),
     ("overwrite and resume", ["--overwrite", "true", "--ckpt_path", "last"], "give only one"),
@@ -219,6 +220,8 @@ BAD_FIT = [
     ("tiny synthetic vocab", ["--data.synthetic_vocab_size", "10"], "data.synthetic_vocab_size"),
     ("cache_dir is a file", ["--data.cache_dir", f"{F}/a_file"], "data.cache_dir"),
     ("bad wandb mode", ["--wandb.mode", "foo"], "wandb.mode"),
+    ("block_size 1e9", ["--model.block_size", "1000000000"], "--model.block_size 1000000000 with --data.batch_size"),
+    ("batch_size 1e9", ["--data.batch_size", "1000000000"], "with --data.batch_size 1000000000: training"),
 ]
 
 

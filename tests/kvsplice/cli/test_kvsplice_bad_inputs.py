@@ -70,6 +70,8 @@ NO_MODEL = [
                                 "{d}/story.txt"], "not found"),
     (eval_bases, "eval_bases", ["--model", "{d}/nope", "--bases", "{d}/bases.safetensors", "--data",
                                 "{d}/story.txt", "--json", "{d}/existing.json"], "already exists"),
+    (eval_bases, "eval_bases", ["--model", "{d}/nope", "--bases", "{d}/bases.safetensors", "--data",
+                                "{d}/story.txt", "--prompt-len", "-5"], "--prompt-len must be >= 0, got -5"),
     (bench_balance, "bench_balance", ["--model", "{d}/nope", "--data", "{d}/story.txt", "--seeds", "0"], "seeds"),
     (bench_balance, "bench_balance", ["--model", "{d}/nope", "--data", "{d}/story.txt", "--block-size", "3"],
      "block-size"),
@@ -91,6 +93,12 @@ WITH_MODEL = [
     (eval_bases, "eval_bases", ["--data", "{d}/story.txt", "--seq-len", "4096"], "positions"),
     (eval_bases, "eval_bases", ["--data", "{d}/story.txt", "--seq-len", "8", "--method", "fd-online", "--rank", "99"],
      "head_dim"),
+    (fit_bases, "fit_bases", ["--calib", "{d}/story.txt", "--batch-size", "1000000000"],
+     "--batch-size 1000000000 with --seq-len 512: a forward's logits needs about"),
+    (fit_bases, "fit_bases", ["--calib", "{d}/story.txt", "--threads", "100000"], "--threads must be <= "),
+    (eval_bases, "eval_bases", ["--data", "{d}/story.txt", "--batch-size", "1000000000"],
+     "--batch-size 1000000000 with --seq-len 512: a forward's logits needs about"),
+    (eval_bases, "eval_bases", ["--data", "{d}/story.txt", "--threads", "100000"], "--threads must be <= "),
 ]
 
 

@@ -151,6 +151,15 @@ def test_verify_memory_exits_nonzero_on_mismatch(tmp_path, monkeypatch, capsys):
     (["--ckpt", "no/such.ckpt"], "checkpoint not found"),
     (["--dtype", "fp8"], "invalid choice"),
     (["--seq-lens", "0"], "--seq-lens"),
+    (["--seq-lens", "1000000000", "--config", "mla"], "--seq-lens 1000000000 with --batch 1: the model, prefill and "
+                                                      "cache needs about"),
+    (["--batch", "1000000000", "--config", "mla"], "--seq-lens 1024 with --batch 1000000000: "),
+    (["--decode-steps", "1000000000", "--seq-lens", "16"],
+     "--decode-steps must be <= 15 (the shortest --seq-lens 16 less the one token the prefill needs), got 1000000000"),
+    (["--budget-gb", "inf"], "--budget-gb must be a finite number"),
+    (["--budget-gb", "nan"], "--budget-gb must be a finite number"),
+    (["--device", "bogus"], "--device bogus:"),
+    (["--device", "cuda:7"], "--device cuda:7:"),
 ])
 def test_verify_memory_bad_args_one_line_exit_2(args, msg, capsys):
     assert verify_memory.main([*args, "--no-progress"]) == 2
@@ -210,6 +219,22 @@ def test_bench_decode_tiny(tmp_path, tiny_configs, capsys):
     assert prof["t_mla"]["ctx"] == 300 and prof["t_mla"]["top_ops"]
     assert not prof["mha"]["copies_cache"] and not prof["t_mla"]["copies_cache"] and not prof["t_ks"]["copies_cache"]
     assert prof["t_mla_naive"]["copies_cache"]
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--ctx", "1000000000"], "--ctx 1000000000 with --batch 8: the models and the filled cache needs about"),
+    (["--batch", "1000000000"], "--ctx 8192 with --batch 1000000000: "),
+    (["--threads", "100000"], "--threads must be <= "),
+    (["--max-seconds", "-1"], "--max-seconds must be >= 0"),
+    (["--max-seconds", "nan"], "--max-seconds must be a finite number"),
+    (["--repeats", "1000000000"], "--repeats must be <= 100000, got 1000000000"),
+    (["--device", "bogus"], "--device bogus:"),
+    (["--device", "cuda:7"], "--device cuda:7:"),
+])
+def test_bench_decode_sizes_and_devices_refused_up_front(args, msg, capsys):
+    assert bench_decode.main([*args, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and msg in err and err.startswith("kvsplice bench-decode: error:"), err
 
 
 def test_bench_decode_bad_args(capsys):

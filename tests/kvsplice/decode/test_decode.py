@@ -173,6 +173,23 @@ def test_generate_refuses_bad_arguments_in_one_line():
         model(prompt, cache=model.new_cache(1, dtype=torch.float16))
 
 
+def test_generate_bounds_the_length_before_allocating(monkeypatch):
+    """``max_new_tokens=10**9`` is refused in one line before the cache exists: past the model's positions, and
+    (a model without a position limit) when its cache would not fit in the free memory."""
+    model = ours()
+    dec = Decoder(model, DenseKV())
+    made = []
+    monkeypatch.setattr(dec, "new_cache", lambda *a, **k: made.append(k) or (_ for _ in ()).throw(AssertionError))
+    with pytest.raises(ValueError, match=r"^max_new_tokens=1000000000: a prompt of 4 tokens \+ 1000000000 new "
+                                         r"exceeds the model's \d+ positions$"):
+        dec.generate(ids_of(1, 4), 10**9)
+    monkeypatch.setattr(dec.adapter, "max_positions", None)
+    with pytest.raises(ValueError, match=r"^max_new_tokens=1000000000000: a cache of 1000000000003 tokens needs "
+                                         r"about .* TB, more than the .* this machine has free$"):
+        dec.generate(ids_of(1, 4), 10**12)
+    assert made == []
+
+
 def test_a_method_is_one_class_and_plugs_into_the_decoder():
     """A new compression method without a new driver: K-norm selection is a ~25-line selector class."""
     sel = KnormSelector(n_sink=1)

@@ -49,7 +49,8 @@ def no_calibration(monkeypatch):
     (["--tune-length", "64"], "--tune-length: passkey at length 64 builds prompts"),
     (["--tune-length", "1000"], "--tune-length 1000 exceeds the model's 512 positions"),
     (["--seq-len", "4096"], "--seq-len 4096 exceeds"),
-    (["--prompt-len", "256"], "--prompt-len")])
+    (["--prompt-len", "256"], "--prompt-len"),
+    (["--batch-size", "1000000000"], "--batch-size 1000000000 with --seq-len 256: a forward's logits needs about")])
 def test_lengths_are_bounded_by_the_model_and_the_tuning_tasks(s260k, tmp_path, capsys, no_calibration, extra,
                                                                 expect):
     """--fit-length within the model's positions (a budget "held at 100000 tokens" of a 512-position model is no
@@ -79,12 +80,28 @@ def test_lengths_are_bounded_by_the_model_and_the_tuning_tasks(s260k, tmp_path, 
     (["--ratio", "3", "--selectors", "kvzip(heads=pooled,heads=union)"], "given twice"),
     (["--ratio", "3", "--selectors", ""], "--selectors"),
     (["--ratio", "3", "--stores", "snapkv"], "--stores"),
-    (["--ratio", "3", "--stores", "select:snapkv@x2+int8"], "not a storage method")])
+    (["--ratio", "3", "--stores", "select:snapkv@x2+int8"], "not a storage method"),
+    (["--ratio", "3", "--tune-n", "1000000000"],
+     "--tune-n must be <= 1000 (tuning instances are built up front), got 1000000000"),
+    (["--ratio", "3", "--calib-tokens", "100000000000"], "--calib-tokens must be <= "),
+    (["--ratio", "3", "--threads", "100000"], "--threads must be <= ")])
 def test_bad_values_are_one_line_before_the_model_loads(tmp_path, capsys, extra, expect):
     """Refused before any model is needed: the model path does not exist."""
     rc, _, err = _run(["--model", tmp_path / "no-model", *SMALL, *extra, "--out", tmp_path / "p.json"], capsys)
     one_error(rc, err, "plan", expect)
     assert not (tmp_path / "p.json").exists()
+
+
+def test_the_default_tune_length_holds_the_tuning_tasks(s260k, tmp_path, capsys, no_calibration):
+    """``--seq-len 128`` alone works: the default --tune-length (128, from --seq-len) is raised to hold passkey's
+    prompts (up to 160 tokens), within the model's 512 positions; the plan's report says which length it used."""
+    out = tmp_path / "p.json"
+    rc, _, err = _run(["--model", s260k, "--calib", str(CALIB), "--calib-tokens", "1024", "--tune-tokens", "256",
+                       "--seq-len", "128", "--no-progress", "--ratio", "3", "--selectors", "snapkv", "--stores", "int8",
+                       "--tune-tasks", "passkey", "--tune-n", "1", "--out", out, "--json", tmp_path / "r.json"], capsys)
+    assert rc == 0, err
+    length = json.loads((tmp_path / "r.json").read_text())["tasks"]["length"]
+    assert 128 < length <= 512
 
 
 def test_a_selector_argument_that_does_nothing_never_reaches_a_label():

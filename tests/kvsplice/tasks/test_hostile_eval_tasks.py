@@ -41,7 +41,8 @@ def _run(argv, capsys):
     (["--lengths", "nan"], "--lengths"), (["--lengths", "64"], "passkey at length 64 builds prompts"),
     (["--lengths", "100000"], "exceeds the model's"), (["--seed0", "-1"], "--seed0"),
     (["--seed0", "999999"], "--seed0"), (["--threads", "0"], "--threads"), (["--setting", "both3"], "--setting"),
-    (["--tasks", "nosuch"], "--tasks"), (["--door", "x"], "--door")])
+    (["--tasks", "nosuch"], "--tasks"), (["--door", "x"], "--door"),
+    (["--threads", "100000"], "--threads must be <= "), (["--device", "bogus"], "--device bogus")])
 def test_bad_numbers_are_one_line_and_write_nothing(s260k, tmp_path, capsys, change, expect):
     out = tmp_path / "r.json"
     argv = list(RUN)

@@ -173,3 +173,49 @@ def test_tokenizer_fingerprint_tells_tokenizers_apart(s260k) -> None:
     assert tokenizer_fingerprint(a) == tokenizer_fingerprint(b)
     if (DATA / "gpt2_tokenizer").is_dir():
         assert tokenizer_fingerprint(load_tokenizer(DATA / "gpt2_tokenizer")) != tokenizer_fingerprint(a)
+
+
+REDERIVED = {
+    "forged output": (lambda o: o.update(output=o["output"] + " 12345"), "output is not what its tokens decode to"),
+    "forged tokens": (lambda o: o.update(tokens=[1, 2, 3]), "output is not what its tokens decode to"),
+    "token id 1e20": (lambda o: o.update(tokens=[10**20]), "tokens are not at most"),
+    "token id a float": (lambda o: o.update(tokens=[1.5]), "tokens are not at most"),
+    "n_prompt 1e12": (lambda o: o.update(n_prompt=10**12), "n_prompt 1000000000000"),
+    "n_prompt off by one": (lambda o: o.update(n_prompt=o["n_prompt"] + 1), "is not the instance's prompt length"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REDERIVED))
+def test_resume_runs_again_an_answer_its_record_does_not_derive(s260k, finished, tmp_path, capsys, monkeypatch,
+                                                                 name) -> None:
+    """A kept answer is re-derived from its own record: an output its tokens do not decode to (a forged output
+    holding the answer would score 1), tokens outside the vocabulary, an ``n_prompt`` that is not the prompt's. Such
+    an answer is run again (one note), the others are kept."""
+    from kvsplice.tasks import shared
+
+    edit, words = REDERIVED[name]
+    old = json.loads(finished.read_text())
+    key = next(iter(old["results"]["agnostic"]))
+    out = _edited(finished, tmp_path, lambda d: edit(d["results"]["agnostic"][key]["int8"]))
+    ran: list = []
+    real = shared.answer_many
+    monkeypatch.setattr(shared, "answer_many", lambda model, tok, inst, todo, *, setting: ran.append(
+        (inst.key, sorted(todo))) or real(model, tok, inst, todo, setting=setting))
+    rc, _, err = _run(["--model", s260k, *_argv(), "--out", out], capsys)
+    assert rc == 0, err
+    assert ran == [(key, ["int8"])], ran
+    assert words in err and err.count("note:") == 1, err
+    doc = json.loads(out.read_text())
+    got, want = doc["results"]["agnostic"][key]["int8"], old["results"]["agnostic"][key]["int8"]
+    assert (got["output"], got["tokens"], got["n_prompt"]) == (want["output"], want["tokens"], want["n_prompt"])
+
+
+def test_resume_drops_an_answer_of_a_method_the_file_does_not_record(s260k, finished, tmp_path, capsys) -> None:
+    old = json.loads(finished.read_text())
+    key = next(iter(old["results"]["agnostic"]))
+    out = _edited(finished, tmp_path, lambda d: d["results"]["agnostic"][key].update(
+        nosuch=dict(d["results"]["agnostic"][key]["int8"])))
+    rc, _, err = _run(["--model", s260k, *_argv(), "--out", out], capsys)
+    assert rc == 0, err
+    assert "method 'nosuch' is not one the file records" in err
+    assert "nosuch" not in json.loads(out.read_text())["results"]["agnostic"][key]

@@ -167,7 +167,7 @@ def edit_config(folder: Path, **changes) -> None:
     (dict(q_lora_rank=8), "low-rank query"),
     (dict(rope_scaling={"type": "yarn", "factor": 4.0}), "RoPE scaling"),
     (dict(kv_lora_rank=12), "wrongly shaped weights"),
-    (dict(num_hidden_layers=1), "unexpected weights"),
+    (dict(num_hidden_layers=1), "unexpected weights|weights have 2 numbered layers"),
     (dict(kvsplice={"variant": "ds_mla", "padded": {"kv_lora_rank": [5, 3], "qk_rope_head_dim": [8, 8]}}),
      "not a padding"),
     (dict(rms_norm_eps=1e-5), r"rms_norm_eps 1e-05 \(the GPT's norms use 1e-06\)"),

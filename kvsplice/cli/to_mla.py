@@ -61,6 +61,30 @@ def _keep(s: str) -> float:
     return v
 
 
+REFINE_STEPS = 0
+"""Default ``--refine-steps`` (docs/conversion.md)."""
+
+
+def _ratio(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 1 (times smaller than the K/V cache), got {s}") from None
+    if not v > 1 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 1 (times smaller than the K/V cache), got {s}")
+    return v
+
+
+def _steps(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of steps in [0, 100000], got {s}") from None
+    if not 0 <= v <= 100000:
+        raise argparse.ArgumentTypeError(f"must be a whole number of steps in [0, 100000], got {s}")
+    return v
+
+
 OLD_KEEP = "--kvsplice-ratio"
 """The kept fraction's old spelling, still accepted (with a note): "ratio" means times smaller everywhere else."""
 
@@ -88,8 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rope-dims", default=None, help="Llama family: RoPE dims per RoPE key (even) or 'all' "
                    "(default: head_dim/8 per-head; all shared — every frequency in the one RoPE key held best on the fine-tune text, "
                    "results/convert_rope_split.md)")
-    p.add_argument("--rope-layout", choices=("per-head", "shared"), default="per-head",
-                   help="Llama family: a RoPE key per KV head (MHA2MLA) or one shared per token (TransMLA/DeepSeek)")
+    p.add_argument("--ratio", type=_ratio, default=None, metavar="N",
+                   help="Llama family: a cache N times smaller than the source's K/V at the same dtype (2, 4, 8, ...); "
+                   "the latent and the shared RoPE key's widths are chosen by the measured attention-output error "
+                   "(with --kvsplice-keep: the cache after KVSplice); --d-latent / --rope-dims set them by hand")
+    p.add_argument("--refine-steps", type=_steps, default=REFINE_STEPS, metavar="N",
+                   help="Llama family: Adam steps per layer of the layer-local correction against the source layer's "
+                   f"outputs on a calibration window (default {REFINE_STEPS}; 0: the closed form alone)")
+    p.add_argument("--rope-layout", choices=("per-head", "shared"), default=None,
+                   help="Llama family: a RoPE key per KV head (MHA2MLA) or one shared per token (TransMLA/DeepSeek; "
+                   "default with --ratio, else per-head)")
     p.add_argument("--latent-norm", action="store_true", help="Llama family: RMSNorm the latent (DeepSeek's "
                    "kv_a_layernorm; exact at no rank, unusable training-free: without it --format deepseek_v3 writes "
                    "the norm in its linear regime, docs/conversion.md)")
@@ -222,7 +254,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
 
     if is_llama_source(args.model):  # Llama family -> decoupled-RoPE MLA (kvsplice.convert.llama_mla)
         return run_llama(args)
-    for opt in ("rope_dims", "latent_norm", "pad_latent", "pad_rope"):
+    for opt in ("rope_dims", "latent_norm", "pad_latent", "pad_rope", "ratio", "rope_layout", "refine_steps"):
         if getattr(args, opt):
             raise UsageError(f"--{opt.replace('_', '-')} is for Llama-family models; --model {args.model} is not one")
     if args.format != "native":

@@ -1,26 +1,21 @@
 """Pretrained Llama-family model (Llama, Mistral, Qwen2, Qwen3) → :class:`models.mla_llama.MLALlama`.
 
-Per layer, from calibration activations (the attention inputs ``x``, the queries and keys before RoPE):
+Per layer, from calibration activations (the attention inputs ``x``, the queries and keys before RoPE, and a few
+whole windows of inputs and attention outputs):
 
-1. **Decoupled RoPE.** A fixed orthonormal map ``B`` (``(Hkv·D, Hr·Dr)``) picks the key directions that keep RoPE:
-
-   * ``per-head`` (MHA2MLA): per KV head the ``Dr/2`` rotary frequency pairs with the largest mean
-     ``‖q_pair‖·‖k_pair‖`` (queries averaged over the head's group) — one RoPE key per KV head;
-   * ``shared`` (TransMLA): the ``Dr/2`` highest frequencies; per frequency the keys of all KV heads are rotated
-     by the top eigenvector ``u_f`` of their Gram across heads (both components of a pair alike, so the rotation
-     commutes with RoPE) and the first component is the one shared RoPE key. Highest frequencies: their table is
-     ``1/θ'^(2i/Dr)`` with ``θ' = θ^(Dr/D)``, what DeepSeek-V3's rotary computes (the export needs it).
-
-   Query head ``i`` of group ``g`` reads ``q_i · (B Bᵀ k)_g`` through its RoPE query ``q_i A_i``
-   (``A_i = B[g rows, its RoPE head's columns]``); the residual ``k_nope = (I − B Bᵀ) k`` loses RoPE (the
-   approximation; none with ``--rope-dims all`` per head).
-2. **Joint latent.** ``Y = [α k_nope; v]`` (all KV heads; ``α²`` = value energy / key energy, so neither dominates)
-   is a linear map ``M x`` for Llama / Mistral / Qwen2, and for Qwen3 (per-head key RMSNorm) its least-squares
-   regression on ``x``. The latent is the top-``R`` principal subspace ``P`` of ``M x`` on the calibration text:
-   ``w_dkv = Pᵀ M``, ``[w_uk; w_uv] = [P_k / α; P_v]``; at ``R`` = the rank of ``M`` this is exact.
-3. **Latent RMSNorm** (``latent_norm``, DeepSeek's ``kv_a_layernorm``): ``c / rms(c) · w`` rescales each token's
-   latent, which no weight can undo, so a normed model is exact at no rank; its weight starts at the calibration
-   latents' mean RMS. Full-rank exactness holds for the norm-free variant (the default of ``per-head``).
+1. **Decoupled RoPE** (:mod:`kvsplice.convert.rope_split`): ``shared`` keeps, per each of the ``Dr/2`` highest
+   frequencies, the top complex component of the KV heads' key pairs (weighted by query energy), one RoPE key for
+   all heads as DeepSeek-V3 caches it; ``per-head`` keeps each KV head's ``Dr/2`` pairs of largest mean
+   ``‖q‖·‖k‖`` (MHA2MLA). The rest of the keys, ``(I − U Bᵀ) k``, loses RoPE.
+2. **Joint latent** (:mod:`kvsplice.convert.latent_fit`): no-RoPE keys and values share one latent of ``R``,
+   fitted to what attention does with them — key errors weighted by the queries that read them, value errors by the
+   output projection — with the key/value balance ``α`` picked per layer by the measured attention-output error on
+   the kept windows. Keys are a linear map of ``x`` (Llama / Mistral / Qwen2) or, for Qwen3's per-head key RMSNorm,
+   their least-squares regression on ``x``. At ``R`` = the rank of the no-RoPE keys and values the fit is exact.
+3. **Layer-local correction** (:mod:`kvsplice.convert.refine`, ``refine_steps``): a few optimiser steps per layer
+   move the latent maps so the layer's output matches the source layer's on the kept windows.
+4. **Latent RMSNorm** (``latent_norm``, DeepSeek's ``kv_a_layernorm``): ``c / rms(c) · w``; its weight starts at the
+   calibration latents' mean RMS. Full-rank exactness holds for the norm-free variant (the default).
 
 KVSplice (:func:`shrink_latent`) of a converted norm-free model: the top principal directions ``C`` of its latents
 on calibration text give ``w_dkv' = C w_dkv``, ``w_uk' = w_uk Cᵀ``, ``w_uv' = w_uv Cᵀ`` — a smaller latent.
@@ -28,16 +23,22 @@ on calibration text give ``w_dkv' = C w_dkv``, ``w_uk' = w_uk Cᵀ``, ``w_uv' = 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 import torch
 from tqdm.auto import tqdm
 
 from kvsplice.adapters.llama import LlamaAdapter
+from kvsplice.convert.distance import damping_map, distance_profile
+from kvsplice.convert.latent_fit import attention_weights, fit_latent
+from kvsplice.convert.refine import refine_attention
+from kvsplice.convert.rope_split import RopeSplit, per_head_split, shared_split
 from models.mla_llama import MLALlama, MLALlamaConfig
 
-__all__ = ["CONVERTIBLE", "LayerStats", "calibrate_layers", "convert_llama", "full_latent", "shrink_latent"]
+__all__ = ["CONVERTIBLE", "FitOptions", "LayerStats", "calibrate_layers", "convert_llama", "full_latent", "output_error",
+           "refine_layers",
+           "shrink_latent"]
 
 CONVERTIBLE = ("llama", "mistral", "qwen2", "qwen3")
 """``model_type`` of the families :func:`convert_llama` converts (Llama layout, SiLU-gated MLP, full rotary)."""
@@ -46,14 +47,35 @@ CONVERTIBLE = ("llama", "mistral", "qwen2", "qwen3")
 @dataclass
 class LayerStats:
     """Streamed second moments of one layer (float64): ``xx`` ``(d, d)``, ``kx`` ``(Hkv·D, d)``, ``kk``
-    ``(Hkv·D, Hkv·D)`` (keys after any head norm, before RoPE) and ``pair`` ``(Hkv, D/2)``: summed
-    ``mean_group ‖q_pair‖ · ‖k_pair‖``; ``n`` tokens."""
+    ``(Hkv·D, Hkv·D)`` and ``qq`` ``(H·D, H·D)`` (keys and queries after any head norm, before RoPE) and ``pair``
+    ``(Hkv, D/2)``: summed ``mean_group ‖q_pair‖ · ‖k_pair‖``; ``n`` tokens. ``windows``: a few whole calibration
+    windows ``(x, y)`` of the layer's attention inputs and outputs ``(1, T, d)`` (float32), what the key/value
+    balance is measured on and the layer-local correction trains on."""
 
     xx: torch.Tensor
     kx: torch.Tensor
     kk: torch.Tensor
     pair: torch.Tensor
     n: int = 0
+    qq: Optional[torch.Tensor] = None
+    windows: list = field(default_factory=list)
+    profile: Optional[torch.Tensor] = None  # (Hkv, T) attention's distances on the windows, once measured
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """How each layer is fitted (the defaults: the best measured on SmolLM2, docs/conversion.md). Every pair of
+    ``damping`` (no-RoPE key pairs replaced by their mean over attention's distances,
+    :mod:`kvsplice.convert.distance`, or kept whole) and ``alphas`` (multipliers of the energy-balanced key/value
+    weight) is fitted per layer and the lowest attention-output error on the kept windows wins; ``refine_steps``:
+    Adam steps of the layer-local correction (0: none)."""
+
+    query_weighted_rope: bool = True
+    attention_weighted: bool = True
+    damping: tuple = (False, True)
+    alphas: tuple = (0.5, 1.0, 2.0)
+    refine_steps: int = 0
+    refine_lr: float = 3e-4
 
 
 def check_convertible(model) -> LlamaAdapter:
@@ -76,13 +98,16 @@ def check_convertible(model) -> LlamaAdapter:
 
 
 @torch.no_grad()
-def calibrate_layers(model, batches: Iterable[torch.Tensor], progress: bool = False) -> list[LayerStats]:
-    """Stream :class:`LayerStats` of every layer over ``batches`` of token ids ``(B, T)``."""
+def calibrate_layers(model, batches: Iterable[torch.Tensor], progress: bool = False, keep_windows: int = 0
+                     ) -> list[LayerStats]:
+    """Stream :class:`LayerStats` of every layer over ``batches`` of token ids ``(B, T)``, keeping the first
+    ``keep_windows`` windows' attention inputs and outputs."""
     a = check_convertible(model)
-    d, kvd, half = a.d_model, a.n_kv_head * a.head_dim, a.head_dim // 2
+    d, kvd, qd, half = a.d_model, a.n_kv_head * a.head_dim, a.n_head * a.head_dim, a.head_dim // 2
     stats = [LayerStats(torch.zeros(d, d, dtype=torch.float64), torch.zeros(kvd, d, dtype=torch.float64),
                         torch.zeros(kvd, kvd, dtype=torch.float64), torch.zeros(a.n_kv_head, half,
-                                                                                dtype=torch.float64))
+                                                                                dtype=torch.float64),
+                        qq=torch.zeros(qd, qd, dtype=torch.float64))
              for _ in range(a.n_layer)]
     seen: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -100,15 +125,27 @@ def calibrate_layers(model, batches: Iterable[torch.Tensor], progress: bool = Fa
             s.kx += (k.T @ xf).cpu()
             s.kk += (k.T @ k).cpu()
             q = seen.pop((i, "q"))  # (B, Hq, T, D)
+            qf = q.transpose(1, 2).flatten(2).reshape(-1, qd).double()  # (B·T, H·D)
+            s.qq += (qf.T @ qf).cpu()
             qn = pair_norms(q).unflatten(1, (a.n_kv_head, -1)).mean(2)  # (B, Hkv, T, D/2): group mean
             s.pair += (qn * pair_norms(z)).sum((0, 2)).cpu()
             s.n += xf.shape[0]
+            room = keep_windows - len(s.windows)
+            if room > 0:
+                seen[(i, "keep")] = x[:room].detach().float().cpu()  # (b, T, d): joined with the output below
 
     handles = a.attach_qkv_hooks(sink, rope="pre")
     for i in range(a.n_layer):
         def pre(mod, args, kwargs, i=i):
             seen[(i, "x")] = kwargs.get("hidden_states", args[0] if args else None)
+
+        def post(mod, args, kwargs, out, i=i):
+            x = seen.pop((i, "keep"), None)
+            if x is not None:
+                y = (out[0] if isinstance(out, tuple) else out)[: len(x)].detach().float().cpu()  # (b, T, d)
+                stats[i].windows.extend(zip(x.split(1), y.split(1)))
         handles.append(a.attention_module(i).register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(a.attention_module(i).register_forward_hook(post, with_kwargs=True))
     try:
         for ids in tqdm(list(batches), desc="calibrate", unit="batch", disable=not progress, leave=False):
             a.base_forward(ids.to(a.param().device))
@@ -118,35 +155,6 @@ def calibrate_layers(model, batches: Iterable[torch.Tensor], progress: bool = Fa
     return stats
 
 
-# ------------------------------------------------------------------------------------------------ RoPE split
-def rope_basis(stats: LayerStats, n_kv: int, head_dim: int, rope_dims: int, layout: str
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(B, pairs)``: the orthonormal map ``(Hkv·D, Hr·Dr)`` from keys to RoPE keys (float64) and the source
-    frequency index of each RoPE pair, ``(Hr, Dr/2)``. Columns of RoPE head ``r`` are ``[first halves, second
-    halves]`` (rotate-half layout)."""
-    half, m = head_dim // 2, rope_dims // 2
-    if layout == "per-head":
-        pairs = stats.pair.topk(m, dim=1).indices.sort(dim=1).values  # (Hkv, m) largest mean ‖q‖·‖k‖
-        b = torch.zeros(n_kv * head_dim, n_kv * rope_dims, dtype=torch.float64)
-        for h in range(n_kv):
-            for j, f in enumerate(pairs[h].tolist()):
-                b[h * head_dim + f, h * rope_dims + j] = 1.0
-                b[h * head_dim + f + half, h * rope_dims + m + j] = 1.0
-        return b, pairs
-    pairs = torch.arange(m)[None]  # (1, m): the highest frequencies
-    b = torch.zeros(n_kv * head_dim, rope_dims, dtype=torch.float64)
-    rows = torch.arange(n_kv) * head_dim  # first row of each KV head
-    for j in range(m):
-        idx = torch.cat([rows + j, rows + j + half])  # the pair's two components in every KV head
-        g = stats.kk[idx][:, idx]  # (2·Hkv, 2·Hkv)
-        g = g[:n_kv, :n_kv] + g[n_kv:, n_kv:]  # (Hkv, Hkv): both components alike
-        u = torch.linalg.eigh(g)[1][:, -1]  # (Hkv,) top eigenvector
-        u = u * (1.0 if u.sum() >= 0 else -1.0)
-        b[rows + j, j] = u
-        b[rows + j + half, m + j] = u
-    return b, pairs
-
-
 # ------------------------------------------------------------------------------------------------ latent
 def full_latent(n_kv: int, head_dim: int, rope_dims: int, layout: str, d_model: int) -> int:
     """The latent size at which the conversion is exact (norm-free, linear keys): the rank of ``[k_nope; v]``."""
@@ -154,18 +162,10 @@ def full_latent(n_kv: int, head_dim: int, rope_dims: int, layout: str, d_model: 
     return min(d_model, 2 * n_kv * head_dim - rope_heads * rope_dims)
 
 
-def _latent_maps(m: torch.Tensor, xx: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(P (rows × R), Pᵀ M (R × d))``: the top-``R`` principal subspace of ``M x`` for inputs of second moment
-    ``xx`` (left singular vectors of ``M xx^½``)."""
-    evals, evecs = torch.linalg.eigh(xx)
-    root = evecs * evals.clamp_min(0).sqrt()  # (d, d): root rootᵀ = xx
-    p = torch.linalg.svd(m @ root, full_matrices=False)[0][:, :rank]  # (rows, R)
-    return p, p.T @ m
-
-
 @torch.no_grad()
 def convert_llama(model, stats: list[LayerStats], *, d_latent: Optional[int], rope_dims: int, layout: str,
-                  latent_norm: bool = False, source: Optional[dict] = None) -> MLALlama:
+                  latent_norm: bool = False, source: Optional[dict] = None, fit: FitOptions = FitOptions(),
+                  progress: bool = False) -> MLALlama:
     """An :class:`MLALlama` from an HF Llama-family ``model`` and its :func:`calibrate_layers` statistics;
     ``d_latent=None`` is :func:`full_latent` (exact without ``latent_norm``)."""
     a = check_convertible(model)
@@ -192,7 +192,8 @@ def convert_llama(model, stats: list[LayerStats], *, d_latent: Optional[int], ro
     out.norm.weight.copy_(a.m.norm.weight)
     if not cfg.tie_embeddings:
         out.lm_head.weight.copy_(model.lm_head.weight)
-    for i, (st, blk) in enumerate(zip(stats, out.layers)):
+    for i, (st, blk) in enumerate(tqdm(list(zip(stats, out.layers)), desc="fit layers", unit="layer",
+                                       disable=not progress, leave=False)):
         src = a.m.layers[i]
         blk.input_norm.weight.copy_(src.input_layernorm.weight)
         blk.post_norm.weight.copy_(src.post_attention_layernorm.weight)
@@ -201,47 +202,89 @@ def convert_llama(model, stats: list[LayerStats], *, d_latent: Optional[int], ro
         sa, at = src.self_attn, blk.attn
         for name in ("q_proj", "k_proj", "o_proj") + (("q_norm", "k_norm") if qwen3 else ()):
             getattr(at, name).load_state_dict(getattr(sa, name).state_dict())
-        _fit_attention(at, a, i, st, r, rope_dims, layout, src_inv, qwen3)
+        _fit_attention(at, a, i, st, r, rope_dims, layout, src_inv, qwen3, fit)
     return out.eval()
 
 
+def _split(a: LlamaAdapter, st: LayerStats, rope_dims: int, layout: str, fit: FitOptions) -> RopeSplit:
+    if layout == "per-head":
+        return per_head_split(st.pair, a.n_head, a.n_kv_head, a.head_dim, rope_dims)
+    return shared_split(st.kk, st.qq, a.n_head, a.n_kv_head, a.head_dim, rope_dims, fit.query_weighted_rope)
+
+
+def output_error(at, windows) -> float:
+    """Relative error ``Σ‖at(x) − y‖² / Σ‖y‖²`` of a converted attention layer on source windows ``(x, y)``."""
+    with torch.no_grad():
+        num = sum(float(((at(x.to(at.o_proj.weight)) - y.to(at.o_proj.weight)) ** 2).sum()) for x, y in windows)
+        return num / max(sum(float((y ** 2).sum()) for _, y in windows), 1e-30)
+
+
 def _fit_attention(at, a: LlamaAdapter, layer: int, st: LayerStats, r: int, rope_dims: int, layout: str,
-                   src_inv: torch.Tensor, nonlinear_keys: bool) -> None:
+                   src_inv: torch.Tensor, nonlinear_keys: bool, fit: FitOptions) -> None:
     """Set one layer's RoPE maps, latent projections and latent norm (see the module docstring)."""
-    n_kv, hd, g = a.n_kv_head, a.head_dim, a.n_head // a.n_kv_head
+    n_kv, hd = a.n_kv_head, a.head_dim
     p = a.proj(layer)
     wk, wv = p.wk.double().cpu(), p.wv.double().cpu()  # (Hkv·D, d)
-    b, pairs = rope_basis(st, n_kv, hd, rope_dims, layout)  # (Hkv·D, Hr·Dr), (Hr, Dr/2)
-    rope_heads = b.shape[1] // rope_dims
-    resid = torch.eye(n_kv * hd, dtype=torch.float64) - b @ b.T  # (Hkv·D, Hkv·D): keys that lose RoPE
+    split = _split(a, st, rope_dims, layout, fit)
+    resid = split.residual()  # (Hkv·D, Hkv·D): keys that lose RoPE
     if nonlinear_keys:  # keys after a per-head RMSNorm: regress them on x
         eye = torch.eye(st.xx.shape[0], dtype=torch.float64) * 1e-6 * st.xx.diagonal().mean()
         wk_lin = torch.linalg.solve(st.xx + eye, st.kx.T).T  # (Hkv·D, d): k ≈ wk_lin x
     else:
         wk_lin = wk
-    mk = resid @ wk_lin  # (Hkv·D, d)
-    ek, ev = torch.trace(mk @ st.xx @ mk.T), torch.trace(wv @ st.xx @ wv.T)
-    alpha = float((ev / ek).sqrt()) if ek > 1e-12 * max(float(ev), 1e-30) else 1.0
-    proj, down = _latent_maps(torch.cat([alpha * mk, wv]), st.xx, r)  # (2·Hkv·D, R), (R, d)
     kvd = n_kv * hd
-    at.kv_down.weight.copy_(down)
-    at.k_up.weight.copy_(proj[:kvd] / alpha)
-    at.v_up.weight.copy_(proj[kvd:])
+    at.k_rope.copy_(split.b)
+    at.q_rope.copy_(split.q_rope)
+    at.inv_freq.copy_(src_inv[split.pairs])  # (Hr, Dr/2)
+    bias_k = None
     if p.bk is not None:
         bias_k = p.bk.double().cpu() if not nonlinear_keys else torch.zeros(kvd, dtype=torch.float64)
-        at.k_up.bias.copy_(resid @ bias_k)
         at.v_up.bias.copy_(p.bv)
-    if at.kv_norm is not None:  # start at the calibration latents' RMS: c / rms(c) · w ≈ c on average
-        rms = (torch.trace(down @ st.xx @ down.T) / (max(st.n, 1) * r)).sqrt()
-        at.kv_norm.weight.fill_(float(rms))
-    at.k_rope.copy_(b)
-    q_rope = torch.zeros(a.n_head, hd, rope_dims, dtype=torch.float64)
-    for i in range(a.n_head):
-        kv_h = i // g
-        rh = kv_h if rope_heads > 1 else 0
-        q_rope[i] = b[kv_h * hd:(kv_h + 1) * hd, rh * rope_dims:(rh + 1) * rope_dims]  # (D, Dr)
-    at.q_rope.copy_(q_rope)
-    at.inv_freq.copy_(src_inv[pairs])  # (Hr, Dr/2)
+    weights = (None, None)
+    if fit.attention_weighted and st.qq is not None:
+        weights = attention_weights(st.qq, at.o_proj.weight.double().cpu(), a.n_head, n_kv, hd, a.scale(layer))
+    measured = bool(st.windows) and len(fit.damping) * len(fit.alphas) > 1
+    damps = [resid]
+    if measured and True in fit.damping:
+        if st.profile is None:
+            st.profile = distance_profile(a, layer, [x for x, _ in st.windows])
+        damps = ([resid] if False in fit.damping else []) + [damping_map(st.profile, src_inv, hd) @ resid]
+    best = None
+    for keys in damps:
+        mk = keys @ wk_lin  # (Hkv·D, d)
+        for mult in fit.alphas if measured else fit.alphas[:1]:
+            down, k_up, v_up, _ = fit_latent(mk, wv, st.xx, r, sk=weights[0], sv=weights[1], alpha_mult=mult)
+            at.kv_down.weight.copy_(down)
+            at.k_up.weight.copy_(k_up)
+            at.v_up.weight.copy_(v_up)
+            if bias_k is not None:
+                at.k_up.bias.copy_(keys @ bias_k)
+            if at.kv_norm is not None:  # start at the calibration latents' RMS: c / rms(c) · w ≈ c on average
+                rms = (torch.trace(down @ st.xx @ down.T) / (max(st.n, 1) * r)).sqrt()
+                at.kv_norm.weight.fill_(float(rms))
+            if measured:
+                err = output_error(at, st.windows)
+                if best is None or err < best[0]:
+                    best = (err, {k: v.clone() for k, v in at.state_dict().items()})
+    if best is not None:
+        at.load_state_dict(best[1])
+    if fit.refine_steps > 0 and st.windows:
+        with torch.enable_grad():
+            refine_attention(at, [x for x, _ in st.windows], [y for _, y in st.windows], steps=fit.refine_steps,
+                             lr=fit.refine_lr)
+
+
+def refine_layers(model: MLALlama, stats: list[LayerStats], steps: int, lr: float = 3e-4,
+                  progress: bool = False) -> list:
+    """The layer-local correction (:func:`kvsplice.convert.refine.refine_attention`) of every layer of a converted
+    ``model`` on its calibration windows; the per-layer errors before and after."""
+    out = []
+    for blk, st in tqdm(list(zip(model.layers, stats)), desc="refine layers", unit="layer", disable=not progress,
+                        leave=False):
+        with torch.enable_grad():
+            out.append(refine_attention(blk.attn, [x for x, _ in st.windows], [y for _, y in st.windows],
+                                        steps=steps, lr=lr))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ KVSplice

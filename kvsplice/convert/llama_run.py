@@ -66,6 +66,9 @@ def _calibration(args: argparse.Namespace, tokenizer, max_positions):
     return calibration_batches(ids, seq_len, args.batch_size, max_tokens=args.calib_tokens)
 
 
+KEEP_WINDOWS = 1
+"""Calibration windows whose attention inputs and outputs the conversion keeps (to measure and correct layers on)."""
+
 WRITER = "to_mla"
 """The writer to_mla's folder marker names (:func:`kvsplice.io.folders.output_dir`)."""
 
@@ -81,7 +84,8 @@ def _check_keep(args: argparse.Namespace, d_latent: int) -> None:
 
 
 def run_llama(args: argparse.Namespace) -> int:
-    from kvsplice.convert.llama_mla import calibrate_layers, convert_llama, full_latent, latent_gram, shrink_latent
+    from kvsplice.convert.llama_mla import (FitOptions, calibrate_layers, convert_llama, full_latent, latent_gram,
+                                            refine_layers, shrink_latent)
     from kvsplice.loading import load_model
     from kvsplice.io.files import output_file
     from kvsplice.io.folders import output_dir, write_dir
@@ -89,6 +93,13 @@ def run_llama(args: argparse.Namespace) -> int:
     from models.mla_llama import MLALlama
 
     progress = not args.no_progress
+    if args.ratio is not None:
+        for opt, given in (("--d-latent", args.d_latent), ("--rope-dims", args.rope_dims)):
+            if given is not None:
+                raise UsageError(f"--ratio chooses the latent and RoPE widths; leave out {opt} (or --ratio)")
+        if args.rope_layout == "per-head":
+            raise UsageError("--ratio converts to the shared RoPE layout (DeepSeek-V3's); leave out --rope-layout")
+    args.rope_layout = args.rope_layout or ("shared" if args.ratio is not None else "per-head")
     inputs = {"--model": args.model, "--calib": args.calib, "--tokenizer": args.tokenizer}
     out = output_dir(args.out, force=args.force, inputs=inputs, owned=(), writer=WRITER)
     json_path = output_file(args.json, force=args.force, option="--json", inputs=inputs,
@@ -98,6 +109,9 @@ def run_llama(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, tokenizer=args.tokenizer, device=device)
     model, tok = loaded.model, loaded.tokenizer
     converted = isinstance(model, MLALlama)
+    if converted and args.ratio is not None:
+        raise UsageError(f"--model {args.model} is already converted: --ratio is for a Llama-family source (shrink a "
+                         f"converted latent with --kvsplice-keep)")
     if converted and args.kvsplice_keep is None and args.format == "native":
         raise UsageError(f"--model {args.model} is already a converted MLA model: give --kvsplice-keep to shrink "
                          f"its latent, or --format deepseek_v3 to export it")
@@ -134,14 +148,20 @@ def run_llama(args: argparse.Namespace) -> int:
             a = check_convertible(model)
         except ValueError as e:
             raise UsageError(f"--model {args.model}: {e}") from None
-        rope_dims = _rope_dims(args, a.head_dim)
-        full = full_latent(a.n_kv_head, a.head_dim, rope_dims, args.rope_layout, a.d_model)
-        r = full if args.d_latent in (None, "full") else _latent(args.d_latent, full)
-        if args.kvsplice_keep is not None:
-            _check_keep(args, r)
-        stats = calibrate_layers(model, batches, progress=progress)
+        fit = FitOptions(refine_steps=args.refine_steps)
+        if args.ratio is not None:
+            split = _ratio_split(args, a, batches, fit, progress)
+            rope_dims, r, stats = split.rope_dims, split.convert_latent, split.stats
+            report["ratio_candidates"] = split.report
+        else:
+            rope_dims = _rope_dims(args, a.head_dim)
+            full = full_latent(a.n_kv_head, a.head_dim, rope_dims, args.rope_layout, a.d_model)
+            r = full if args.d_latent in (None, "full") else _latent(args.d_latent, full)
+            if args.kvsplice_keep is not None:
+                _check_keep(args, r)
+            stats = calibrate_layers(model, batches, progress=progress, keep_windows=KEEP_WINDOWS)
         mla = convert_llama(model, stats, d_latent=r, rope_dims=rope_dims, layout=args.rope_layout,
-                            latent_norm=args.latent_norm,
+                            latent_norm=args.latent_norm, fit=fit, progress=progress,
                             source={"path": str(args.model), "calib": str(args.calib),
                                     "calibration_tokens": report["calibration_tokens"]})
         report["source_cache_dim"] = 2 * a.n_kv_head * a.head_dim
@@ -150,6 +170,8 @@ def run_llama(args: argparse.Namespace) -> int:
             mla = shrink_latent(mla, args.kvsplice_keep, latent_gram(mla, batches, progress=progress))
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if not converted and args.refine_steps:  # the shrunk latent, corrected against the source layers again
+            refine_layers(mla, stats, args.refine_steps, progress=progress)
     c = mla.cfg
     report.update(rope_layout=c.rope_layout, rope_dims=c.rope_dims, rope_heads=c.rope_heads, d_latent=c.d_latent,
                   latent_norm=c.latent_norm, cache_dim=c.cache_dim, format=args.format,
@@ -189,3 +211,26 @@ def _latent(v: str, full: int) -> int:
         raise UsageError(f"--d-latent {v}: must be in [1, {full}] (the rank of the no-RoPE keys and values) or "
                          f"'full'")
     return n
+
+
+class _Split:
+    def __init__(self, rope_dims: int, convert_latent: int, stats, report: list) -> None:
+        self.rope_dims, self.convert_latent, self.stats, self.report = rope_dims, convert_latent, stats, report
+
+
+def _ratio_split(args: argparse.Namespace, a, batches, fit, progress: bool) -> _Split:
+    """``--ratio``: calibrate, then the measured best of the candidate latent / RoPE splits
+    (:mod:`kvsplice.convert.cache_split`)."""
+    from kvsplice.convert.cache_split import choose_split, rope_candidates, split_cache
+    from kvsplice.convert.llama_mla import calibrate_layers, full_latent
+
+    cache = split_cache(args.ratio, a.n_kv_head, a.head_dim)
+    try:
+        cands = rope_candidates(cache, a.head_dim, lambda dr: full_latent(a.n_kv_head, a.head_dim, dr, "shared",
+                                                                          a.d_model), args.kvsplice_keep)
+    except ValueError as e:
+        raise UsageError(f"--ratio {args.ratio:g}: {e}") from None
+    stats = calibrate_layers(a.model, batches, progress=progress, keep_windows=KEEP_WINDOWS)
+    best = choose_split(a.model, stats, cands, fit, progress=progress)
+    report = [{"rope_dims": c.rope_dims, "d_latent": c.d_latent, "output_error": c.error} for c in best]
+    return _Split(best[0].rope_dims, best[0].convert_latent, stats, report)

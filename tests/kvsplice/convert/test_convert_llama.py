@@ -171,7 +171,7 @@ def test_deepseek_v3_export_is_our_shared_model_in_transformers(tiny, tmp_path, 
 
 
 @pytest.mark.parametrize("edit,expect", [({"kv_lora_rank": 16}, "wrongly shaped weights"),
-                                         ({"num_hidden_layers": 2}, "unexpected weights")])
+                                         ({"num_hidden_layers": 2}, "numbered layers")])
 def test_a_deepseek_v3_folder_with_an_edited_config_is_one_line(tiny, tmp_path, edit, expect):
     """A hand-edited DeepSeek-V3 ``config.json`` fed back was refused after transformers' multi-line load report:
     the refusal is the only line (a process of its own: pytest's log capture would hide the report)."""

@@ -145,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib", default=None, help="calibration text (.txt/.json/.jsonl or folder): activation-aware "
                    "conversion and the KVSplice PCA init")
     p.add_argument("--calib-tokens", type=pos_int, default=65536, help="calibration tokens (default 65536)")
-    p.add_argument("--seq-len", type=pos_int, default=None, help="calibration window (default: the model's context,"
-                   " at most 1024)")
+    p.add_argument("--seq-len", type=pos_int, default=None, help="calibration window (default: the model's context, at "
+                   "most 1024; Llama family: at most 2048)")
     p.add_argument("--batch-size", type=pos_int, default=8)
     p.add_argument("--seed", type=int, default=0, help="seed of a random KVSplice init")
     p.add_argument("--tokenizer", default=None, help="tokenizer files when the model does not bring its own")

@@ -57,7 +57,7 @@ def _calibration(args: argparse.Namespace, tokenizer, max_positions):
     from kvsplice.loading import iter_texts, token_stream
     from kvsplice.lowrank.calibrate import calibration_batches
 
-    seq_len = args.seq_len or default_seq_len(max_positions)
+    seq_len = args.seq_len or default_seq_len(max_positions, cap=CALIB_SEQ_LEN)
     if max_positions and seq_len > max_positions:
         raise UsageError(f"--seq-len {seq_len} exceeds the model's {max_positions} positions")
     ids, _ = token_stream(iter_texts(args.calib, option="calib"), tokenizer, args.calib_tokens)
@@ -65,6 +65,10 @@ def _calibration(args: argparse.Namespace, tokenizer, max_positions):
         raise UsageError(f"--calib {args.calib}: only {ids.numel()} tokens, fewer than --seq-len {seq_len}")
     return calibration_batches(ids, seq_len, args.batch_size, max_tokens=args.calib_tokens)
 
+
+CALIB_SEQ_LEN = 2048
+"""Default calibration window of the Llama path (at most the model's context): long enough that the distances
+attention uses, and what RoPE does over them, are seen (docs/conversion.md)."""
 
 KEEP_WINDOWS = 1
 """Calibration windows whose attention inputs and outputs the conversion keeps (to measure and correct layers on)."""

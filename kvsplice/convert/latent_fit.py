@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["attention_weights", "fit_latent", "psd_power"]
+__all__ = ["LatentFitter", "attention_weights", "fit_latent", "psd_power"]
 
 
 def psd_power(s: torch.Tensor, power: float, floor: float = 1e-4) -> torch.Tensor:
@@ -46,19 +46,37 @@ def attention_weights(qq: torch.Tensor, wo: torch.Tensor, n_head: int, n_kv: int
     return sk, sv
 
 
+class LatentFitter:
+    """The fit of one layer's latent for any key / value maps: the roots of ``xx``, ``S_k`` and ``S_v`` are taken
+    once (a layer tries several key maps and balances)."""
+
+    def __init__(self, xx: torch.Tensor, sk: Optional[torch.Tensor] = None, sv: Optional[torch.Tensor] = None
+                 ) -> None:
+        self.xx = xx
+        self.x_root = psd_power(xx, 0.5, floor=0.0)  # (d, d): root rootᵀ = xx
+        n = (sk if sk is not None else sv).shape[0] if (sk is not None or sv is not None) else None
+        eye = None if n is None else torch.eye(n, dtype=torch.float64)
+        self.sk = (eye, eye) if sk is None else (psd_power(sk, 0.5), psd_power(sk, -0.5))
+        self.sv = (eye, eye) if sv is None else (psd_power(sv, 0.5), psd_power(sv, -0.5))
+
+    def fit(self, mk: torch.Tensor, wv: torch.Tensor, rank: int, alpha_mult: float = 1.0
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        """``(w_dkv (R, d), w_uk (Hkv·D, R), w_uv (Hkv·D, R), α)`` for the no-RoPE key map ``mk`` and the value map
+        ``wv`` ``(Hkv·D, d)``; ``α`` = ``alpha_mult`` × the energy balance."""
+        kvd = mk.shape[0]
+        eye = torch.eye(kvd, dtype=torch.float64)
+        (sk_r, sk_ri), (sv_r, sv_ri) = ((e if e is not None else eye for e in pair) for pair in (self.sk, self.sv))
+        yk, yv = sk_r @ mk, sv_r @ wv  # (Hkv·D, d) each
+        ek, ev = torch.trace(yk @ self.xx @ yk.T), torch.trace(yv @ self.xx @ yv.T)
+        alpha = (float((ev / ek).sqrt()) if ek > 1e-12 * max(float(ev), 1e-30) else 1.0) * alpha_mult
+        y = torch.cat([alpha * yk, yv])  # (2·Hkv·D, d)
+        p = torch.linalg.svd(y @ self.x_root, full_matrices=False)[0][:, :rank]  # (2·Hkv·D, R)
+        return p.T @ y, sk_ri @ p[:kvd] / alpha, sv_ri @ p[kvd:], alpha
+
+
 def fit_latent(mk: torch.Tensor, wv: torch.Tensor, xx: torch.Tensor, rank: int, *, sk: Optional[torch.Tensor] = None,
                sv: Optional[torch.Tensor] = None, alpha_mult: float = 1.0
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-    """``(w_dkv (R, d), w_uk (Hkv·D, R), w_uv (Hkv·D, R), α)`` for the no-RoPE key map ``mk`` and value map ``wv``
-    ``(Hkv·D, d)``; ``sk`` / ``sv``: the weights (None: identity); ``α`` = ``alpha_mult`` × the energy balance."""
-    kvd = mk.shape[0]
-    eye = torch.eye(kvd, dtype=torch.float64)
-    sk_r, sk_ri = (eye, eye) if sk is None else (psd_power(sk, 0.5), psd_power(sk, -0.5))
-    sv_r, sv_ri = (eye, eye) if sv is None else (psd_power(sv, 0.5), psd_power(sv, -0.5))
-    yk, yv = sk_r @ mk, sv_r @ wv  # (Hkv·D, d) each
-    ek, ev = torch.trace(yk @ xx @ yk.T), torch.trace(yv @ xx @ yv.T)
-    alpha = (float((ev / ek).sqrt()) if ek > 1e-12 * max(float(ev), 1e-30) else 1.0) * alpha_mult
-    y = torch.cat([alpha * yk, yv])  # (2·Hkv·D, d)
-    root = psd_power(xx, 0.5, floor=0.0)  # root rootᵀ = xx
-    p = torch.linalg.svd(y @ root, full_matrices=False)[0][:, :rank]  # (2·Hkv·D, R)
-    return p.T @ y, sk_ri @ p[:kvd] / alpha, sv_ri @ p[kvd:], alpha
+    """:meth:`LatentFitter.fit` once: the latent of ``mk`` / ``wv`` on inputs of second moment ``xx``, weighted by
+    ``sk`` / ``sv`` (None: identity)."""
+    return LatentFitter(xx, sk, sv).fit(mk, wv, rank, alpha_mult)

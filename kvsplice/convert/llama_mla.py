@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from kvsplice.adapters.llama import LlamaAdapter
 from kvsplice.convert.distance import damping_map, distance_profile
-from kvsplice.convert.latent_fit import attention_weights, fit_latent
+from kvsplice.convert.latent_fit import LatentFitter, attention_weights
 from kvsplice.convert.refine import refine_attention
 from kvsplice.convert.rope_split import RopeSplit, per_head_split, shared_split
 from models.mla_llama import MLALlama, MLALlamaConfig
@@ -249,11 +249,12 @@ def _fit_attention(at, a: LlamaAdapter, layer: int, st: LayerStats, r: int, rope
         if st.profile is None:
             st.profile = distance_profile(a, layer, [x for x, _ in st.windows])
         damps = ([resid] if False in fit.damping else []) + [damping_map(st.profile, src_inv, hd) @ resid]
+    fitter = LatentFitter(st.xx, *weights)
     best = None
     for keys in damps:
         mk = keys @ wk_lin  # (Hkv·D, d)
         for mult in fit.alphas if measured else fit.alphas[:1]:
-            down, k_up, v_up, _ = fit_latent(mk, wv, st.xx, r, sk=weights[0], sv=weights[1], alpha_mult=mult)
+            down, k_up, v_up, _ = fitter.fit(mk, wv, r, alpha_mult=mult)
             at.kv_down.weight.copy_(down)
             at.k_up.weight.copy_(k_up)
             at.v_up.weight.copy_(v_up)

@@ -156,7 +156,7 @@ def markdown(res: dict[str, Any]) -> str:
     out += ["", "Ratios (decode tok/s at each model's largest batch over its median decode step, same KV budget):", ""]
     out += [f"* {k}: {v:.2f}×" for k, v in res["ratios"].items()]
     if res.get("repeats"):
-        out += ["", f"Repeated runs (the table above: the run at the median of the first ratio); 1-minute load average "
+        out += ["", f"Repeated runs (the table above: the run nearest the median of the first ratio); 1-minute load average "
                 f"sampled every 5 s during each run, mean (max):", "",
                 "| ratio | runs | median decode step: median (min–max) | all decode steps: median (min–max) | "
                 "per run: median step / all steps | load average per run |", "|---|---|---|---|---|---|"]
@@ -220,7 +220,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    rows=[x for r in runs for x in r["rows"]],
                    machine=" / ".join(dict.fromkeys(r["machine"] for r in runs)))
         res["ratios"] = ratios(res["rows"])
-        res["repeats"] = [x for r in runs for x in r.get("repeats") or []]
+        res["repeats"] = [x for r in runs if len(r.get("runs") or []) > 1
+                          for x in repeat_summary([u for u in r["runs"] if u["rows"]])]
         if not res["repeats"]:
             res.pop("repeats")
         save(a.out, res)
@@ -308,20 +309,28 @@ def spread(values: Sequence[float]) -> dict[str, Any]:
 
 
 def repeat_summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per ratio present in every run: its median and spread at the median decode step and over all decode steps."""
+    """Per ratio: its median and spread at the median decode step and over all decode steps, over the runs that
+    measured it (``runs``: their indices; a run cut short lacks the models it did not reach)."""
     per = [(ratios(r["rows"]), ratios(r["rows"], ALL_STEPS)) for r in runs]
-    keys = [k for k in per[0][0] if all(k in m and k in s for m, s in per)]
-    return [{"ratio": k, "median_step": spread([m[k] for m, _ in per]), "all_steps": spread([s[k] for _, s in per]),
-             "load": [r["load"] for r in runs]} for k in keys]
+    keys = list(dict.fromkeys(k for m, _ in per for k in m))
+    out = []
+    for k in keys:
+        idx = [i for i, (m, s) in enumerate(per) if k in m and k in s]
+        out.append({"ratio": k, "runs": idx, "median_step": spread([per[i][0][k] for i in idx]),
+                    "all_steps": spread([per[i][1][k] for i in idx]), "load": [runs[i]["load"] for i in idx]})
+    return out
 
 
 def write(a, runs: list[dict[str, Any]], argv: Optional[Sequence[str]]) -> dict[str, Any]:
-    """OUT.json / OUT.md: the rows of the run at the median of the first ratio (the only run when one), every run
-    and, with repeats, each ratio's median and spread."""
+    """OUT.json / OUT.md: the rows of the run nearest the median of the first ratio (the only run when one), every
+    run and, with repeats, each ratio's median and spread."""
     done = [r for r in runs if r["rows"]]
     summary = repeat_summary(done) if len(done) > 1 else []
-    first = summary[0]["median_step"] if summary else None
-    pick = done[first["values"].index(first["median"])] if first and first["median"] in first["values"] else done[-1]
+    pick = done[-1]
+    if summary:  # the run nearest the median of the first ratio (the earlier on a tie)
+        m = summary[0]["median_step"]
+        near = min(range(m["n"]), key=lambda i: abs(m["values"][i] - m["median"]))
+        pick = done[summary[0]["runs"][near]]
     res = {"command": command_line(__file__, argv), "revision": revision(),
            "vllm": _vllm_version(), "context": a.context, "new": a.new,
            "machine": f"{os.cpu_count()} CPU cores shared with other jobs (load average {os.getloadavg()[0]:.1f} "

@@ -53,6 +53,17 @@ def test_repeats_give_median_and_spread_of_each_ratio(bench, monkeypatch, tmp_pa
     assert "repeats" not in one and "Repeated runs" not in (tmp_path / "o.md").read_text()
 
 
+def test_a_run_cut_short_counts_where_it_measured(bench, monkeypatch, tmp_path):
+    """The last run stopped after standard attention: KVSplice-90's ratio is over the two runs that have it."""
+    monkeypatch.setattr(bench, "_vllm_version", lambda: "0.32.0")
+    runs = [run_of((50, 40), (500, 300), 1.0), run_of((25, 20), (400, 200), 3.0), run_of((40, 40), (0, 0), 2.0)]
+    runs[2]["rows"] = runs[2]["rows"][:1]
+    res = bench.write(SimpleNamespace(context=1024, new=16, out=tmp_path / "o"), runs, ["--out", "o"])
+    (s,) = res["repeats"]
+    assert s["runs"] == [0, 1] and s["median_step"]["values"] == [10, 16] and s["median_step"]["median"] == 13
+    assert [x["mean"] for x in s["load"]] == [1.0, 3.0] and res["rows"] == runs[0]["rows"]  # 10 and 16 both 3 from 13: the earlier
+
+
 def test_join_keeps_the_repeats(bench, monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "_vllm_version", lambda: "0.32.0")
     runs = [run_of((50, 40), (500, 300), 1.0), run_of((25, 20), (400, 200), 3.0), run_of((40, 40), (360, 280), 2.0)]

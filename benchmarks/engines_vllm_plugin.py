@@ -213,6 +213,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if missing or a.out.with_suffix(".json") in a.join:
             raise UsageError(missing or "--out would replace a --join input")
         runs = [json.loads(p.read_text(encoding="utf-8")) for p in a.join]
+        for r in runs:  # a repeated run: its median run's rows and each ratio's spread
+            done = [u for u in r.get("runs") or [] if u["rows"]]
+            r["repeats"] = repeat_summary(done) if len(done) > 1 else []
+            if r["repeats"]:
+                r["rows"] = median_run(done, r["repeats"])["rows"]
         for r in runs:  # a run's one budget, where its rows do not carry it
             for x in r["rows"]:
                 x.setdefault("kv_budget", r.get("budget"))
@@ -220,8 +225,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    rows=[x for r in runs for x in r["rows"]],
                    machine=" / ".join(dict.fromkeys(r["machine"] for r in runs)))
         res["ratios"] = ratios(res["rows"])
-        res["repeats"] = [x for r in runs if len(r.get("runs") or []) > 1
-                          for x in repeat_summary([u for u in r["runs"] if u["rows"]])]
+        res["repeats"] = [x for r in runs for x in r["repeats"]]
         if not res["repeats"]:
             res.pop("repeats")
         save(a.out, res)
@@ -321,16 +325,21 @@ def repeat_summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def median_run(done: list[dict[str, Any]], summary: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run nearest the median of the first ratio (the earlier on a tie); the last run without repeats."""
+    if not summary:
+        return done[-1]
+    m = summary[0]["median_step"]
+    near = min(range(m["n"]), key=lambda i: abs(m["values"][i] - m["median"]))
+    return done[summary[0]["runs"][near]]
+
+
 def write(a, runs: list[dict[str, Any]], argv: Optional[Sequence[str]]) -> dict[str, Any]:
     """OUT.json / OUT.md: the rows of the run nearest the median of the first ratio (the only run when one), every
     run and, with repeats, each ratio's median and spread."""
     done = [r for r in runs if r["rows"]]
     summary = repeat_summary(done) if len(done) > 1 else []
-    pick = done[-1]
-    if summary:  # the run nearest the median of the first ratio (the earlier on a tie)
-        m = summary[0]["median_step"]
-        near = min(range(m["n"]), key=lambda i: abs(m["values"][i] - m["median"]))
-        pick = done[summary[0]["runs"][near]]
+    pick = median_run(done, summary)
     res = {"command": command_line(__file__, argv), "revision": revision(),
            "vllm": _vllm_version(), "context": a.context, "new": a.new,
            "machine": f"{os.cpu_count()} CPU cores shared with other jobs (load average {os.getloadavg()[0]:.1f} "

@@ -71,9 +71,12 @@ def test_join_keeps_the_repeats(bench, monkeypatch, tmp_path):
     tiny = dict(command="t", machine="m", vllm="0.32.0", rows=[dict(run_of((2, 2), (500, 480), 5.0)["rows"][1],
                                                                     model="ds_mla_kvsplice_90 (tiny, 20 steps)")])
     (tmp_path / "t.json").write_text(json.dumps(tiny))
+    a = json.loads((tmp_path / "a.json").read_text())
+    (tmp_path / "a.json").write_text(json.dumps(dict(a, rows=runs[1]["rows"], repeats=[])))  # recomputed on joining
     assert bench.main(["--join", str(tmp_path / "a.json"), str(tmp_path / "t.json"), "--out", str(tmp_path / "j")]) == 0
     joined = json.loads((tmp_path / "j.json").read_text())
     assert len(joined["rows"]) == 3 and joined["repeats"][0]["median_step"]["median"] == 10
+    assert joined["rows"][:2] == runs[0]["rows"] and len(joined["runs"]) == 3
     assert "Repeated runs" in (tmp_path / "j.md").read_text()
 
 

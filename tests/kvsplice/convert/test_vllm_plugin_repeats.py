@@ -93,3 +93,19 @@ def test_bad_repeat_count_is_one_line(bench, tmp_path, capsys, n):
     err = capsys.readouterr().err.strip()
     assert err == f"engines_vllm_plugin: error: --repeats {n}: give 1 to 20", err
     assert not list(tmp_path.iterdir())
+
+
+def test_readme_and_docs_quote_the_committed_repeats():
+    """README.md and docs/vllm.md give the committed KVSplice-90 / standard-attention ratio as its median and spread
+    over repeated runs (median decode step and all decode steps), beside the seed's 18× claim."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    res = json.loads((root / "results" / "engines_vllm_plugin.json").read_text(encoding="utf-8"))
+    rep = next(r for r in res["repeats"] if r["ratio"] == f"{KV90} vs standard attention")
+    m, a = rep["median_step"], rep["all_steps"]
+    assert m["n"] >= 2 and len(res["runs"]) == m["n"]
+    quoted = [f"{x['median']:.1f}× ({x['min']:.1f}–{x['max']:.1f}" for x in (m, a)]
+    for doc in ("README.md", "docs/vllm.md"):
+        text = " ".join((root / doc).read_text(encoding="utf-8").split())  # line breaks as spaces
+        assert all(q in text for q in quoted) and "18×" in text, (doc, quoted)

@@ -13,6 +13,8 @@ log-probability of each of 96 tokens, batched with three other prompts, against 
 export; its cache-token count for ``--budget`` bytes; then as many random ``--context``-token sequences as that
 cache holds (prompt ``context - new``, ``new`` greedy tokens), stepped by hand: decode tokens/s after the last
 prefill. ``--budget`` defaults to what ``--mha-seqs`` sequences of the 124M standard-attention model need.
+``--repeats N`` runs it all N times: OUT gets every run's rows and ratios, each ratio's median and spread (min–max)
+at the median decode step and over all decode steps, and the 1-minute load average sampled during each run.
 Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON`` or ``build/vllm-venv``; docs/vllm.md).
 """
 
@@ -24,8 +26,10 @@ if __name__ == "__main__" and not __package__:  # run as a file: the repository 
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -44,6 +48,9 @@ KEY = "median_decode_tok_s"
 hit single steps)."""
 BLOCK = 32
 """Cache block of the standard-attention model (vLLM's CPU attention takes multiples of 32; MLA gets 16)."""
+ALL_STEPS = "decode_tok_s"
+"""The other decode rate: tokens over the seconds of every decode step (any batch)."""
+MAX_REPEATS = 20
 SLACK = 2 * BLOCK
 """Tokens added to the KV budget over ``--mha-seqs`` full standard-attention sequences: vLLM keeps one block as its
 null block and counts whole blocks."""
@@ -148,6 +155,17 @@ def markdown(res: dict[str, Any]) -> str:
                    f"{t.get(KEY) or 0:.2f} | {t.get('decode_tok_s') or 0:.2f} | {t.get('prefill_seconds') or 0:.0f} |")
     out += ["", "Ratios (decode tok/s at each model's largest batch over its median decode step, same KV budget):", ""]
     out += [f"* {k}: {v:.2f}×" for k, v in res["ratios"].items()]
+    if res.get("repeats"):
+        out += ["", f"Repeated runs (the table above: the run nearest the median of the first ratio); 1-minute load average "
+                f"sampled every 5 s during each run, mean (max):", "",
+                "| ratio | runs | median decode step: median (min–max) | all decode steps: median (min–max) | "
+                "per run: median step / all steps | load average per run |", "|---|---|---|---|---|---|"]
+        for r in res["repeats"]:
+            m, s = r["median_step"], r["all_steps"]
+            each = ", ".join(f"{x:.2f} / {y:.2f}" for x, y in zip(m["values"], s["values"]))
+            load = ", ".join(f"{x['mean']:.1f} ({x['max']:.1f})" for x in r["load"])
+            out.append(f"| {r['ratio']} | {m['n']} | {m['median']:.2f}× ({m['min']:.2f}–{m['max']:.2f}) | "
+                       f"{s['median']:.2f}× ({s['min']:.2f}–{s['max']:.2f}) | {each} | {load} |")
     return "\n".join(out) + "\n"
 
 
@@ -157,16 +175,17 @@ def _budget(rows: list[dict[str, Any]]) -> str:
     return "; ".join(f"{g} {b:,} B" for g, b in groups.items() if b)
 
 
-def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+def ratios(rows: list[dict[str, Any]], key: str = KEY) -> dict[str, float]:
+    """Each model's decode tokens/s (``key``) over its group's standard attention."""
     def tps(pred) -> Optional[float]:
         r = next((r for r in rows if pred(r)), None)
-        return r["throughput"].get(KEY) if r and r.get("throughput") else None
+        return r["throughput"].get(key) if r and r.get("throughput") else None
 
     out = {}
     for group in ("124M", "tiny"):
         base = tps(lambda r: group in r["model"] and r["model"].startswith(("ds_mha", "mha")))
         for r in rows:
-            tok_s = (r.get("throughput") or {}).get(KEY)
+            tok_s = (r.get("throughput") or {}).get(key)
             if group in r["model"] and base and tok_s and not r["model"].startswith(("ds_mha", "mha")):
                 route = "" if r["plugin"] else ", padded"
                 out[f"{r['model']}{route} vs standard attention"] = tok_s / base
@@ -183,13 +202,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--mha-seqs", type=int, default=1, help="the 124M budget: this many standard-attention sequences")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=SHAPES)
     ap.add_argument("--skip-124m", action="store_true")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help=f"run everything this many times (1-{MAX_REPEATS}): median and spread of each ratio")
     ap.add_argument("--join", type=Path, nargs="+", help="join runs' OUT.json files into --out (no vLLM run)")
     a = ap.parse_args(argv)
+    if not 1 <= a.repeats <= MAX_REPEATS:
+        raise UsageError(f"--repeats {a.repeats}: give 1 to {MAX_REPEATS}")
     if a.join:
         missing = next((f"--join {p}: no such file" for p in a.join if not p.is_file()), None)
         if missing or a.out.with_suffix(".json") in a.join:
             raise UsageError(missing or "--out would replace a --join input")
         runs = [json.loads(p.read_text(encoding="utf-8")) for p in a.join]
+        for r in runs:  # a repeated run: its median run's rows and each ratio's spread
+            done = [u for u in r.get("runs") or [] if u["rows"]]
+            r["repeats"] = repeat_summary(done) if len(done) > 1 else []
+            if r["repeats"]:
+                r["rows"] = median_run(done, r["repeats"])["rows"]
         for r in runs:  # a run's one budget, where its rows do not carry it
             for x in r["rows"]:
                 x.setdefault("kv_budget", r.get("budget"))
@@ -197,11 +225,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    rows=[x for r in runs for x in r["rows"]],
                    machine=" / ".join(dict.fromkeys(r["machine"] for r in runs)))
         res["ratios"] = ratios(res["rows"])
+        res["repeats"] = [x for r in runs for x in r["repeats"]]
+        if not res["repeats"]:
+            res.pop("repeats")
         save(a.out, res)
         return 0
     why = vllm_engine.missing() or next((f"--trained {p}: no such file" for p in a.trained if not p.is_file()), None)
     if why:
         raise UsageError(why)
+    runs: list[dict[str, Any]] = []
+    for i in range(a.repeats):
+        load = LoadSampler()
+        with load:
+            rows = one_run(a, lambda r: write(a, runs + [dict(rows=r, load=load.summary())], argv))
+        runs.append(dict(rows=rows, load=load.summary()))
+        print(f"engines_vllm_plugin: run {i + 1} of {a.repeats} done; load {runs[-1]['load']}", file=sys.stderr)
+    print(markdown(write(a, runs, argv)))
+    return 0
+
+
+def one_run(a, progress) -> list[dict[str, Any]]:
+    """Every model of ``a`` once in vLLM (fresh exports; the 124M weights seeded): its rows; ``progress(rows)``
+    after each model (a run cut short keeps what it measured)."""
     from models.config import GPTConfig
 
     mha = GPTConfig.from_name("ds_mha")
@@ -228,20 +273,81 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 shutil.rmtree(padded)
             shutil.rmtree(folder)
             del model
-            write(a, rows, argv)
+            progress(rows)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(markdown(write(a, rows, argv)))
-    return 0
+    return rows
 
 
-def write(a, rows: list[dict[str, Any]], argv: Optional[Sequence[str]]) -> dict[str, Any]:
-    """OUT.json / OUT.md with the rows so far (after every model: a run cut short keeps what it measured)."""
+class LoadSampler:
+    """The 1-minute load average every ``every`` seconds while in its ``with`` block (the CPU is shared: the
+    conditions a run was measured under)."""
+
+    def __init__(self, every: float = 5.0) -> None:
+        self.every, self.samples = every, [os.getloadavg()[0]]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self) -> "LoadSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self.every)
+        self.samples.append(os.getloadavg()[0])
+
+    def summary(self) -> dict[str, float]:
+        x = self.samples
+        return {"mean": round(statistics.fmean(x), 2), "min": round(min(x), 2), "max": round(max(x), 2), "n": len(x)}
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """Median, min and max of repeated measurements (and the values, in run order)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values),
+            "values": list(values)}
+
+
+def repeat_summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per ratio: its median and spread at the median decode step and over all decode steps, over the runs that
+    measured it (``runs``: their indices; a run cut short lacks the models it did not reach)."""
+    per = [(ratios(r["rows"]), ratios(r["rows"], ALL_STEPS)) for r in runs]
+    keys = list(dict.fromkeys(k for m, _ in per for k in m))
+    out = []
+    for k in keys:
+        idx = [i for i, (m, s) in enumerate(per) if k in m and k in s]
+        out.append({"ratio": k, "runs": idx, "median_step": spread([per[i][0][k] for i in idx]),
+                    "all_steps": spread([per[i][1][k] for i in idx]), "load": [runs[i]["load"] for i in idx]})
+    return out
+
+
+def median_run(done: list[dict[str, Any]], summary: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run nearest the median of the first ratio (the earlier on a tie); the last run without repeats."""
+    if not summary:
+        return done[-1]
+    m = summary[0]["median_step"]
+    near = min(range(m["n"]), key=lambda i: abs(m["values"][i] - m["median"]))
+    return done[summary[0]["runs"][near]]
+
+
+def write(a, runs: list[dict[str, Any]], argv: Optional[Sequence[str]]) -> dict[str, Any]:
+    """OUT.json / OUT.md: the rows of the run nearest the median of the first ratio (the only run when one), every
+    run and, with repeats, each ratio's median and spread."""
+    done = [r for r in runs if r["rows"]]
+    summary = repeat_summary(done) if len(done) > 1 else []
+    pick = median_run(done, summary)
     res = {"command": command_line(__file__, argv), "revision": revision(),
            "vllm": _vllm_version(), "context": a.context, "new": a.new,
            "machine": f"{os.cpu_count()} CPU cores shared with other jobs (load average {os.getloadavg()[0]:.1f} "
-           f"when written).", "rows": rows}
-    res["ratios"] = ratios(rows)
+           f"when written).", "rows": pick["rows"]}
+    res["ratios"] = ratios(pick["rows"])
+    if len(runs) > 1:
+        res["runs"] = runs
+        res["repeats"] = summary
     save(a.out, res)
     return res
 

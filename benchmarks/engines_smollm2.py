@@ -1,7 +1,7 @@
 """SmolLM2 converted to MLA (shared RoPE, 2x cache) and exported as DeepSeek-V3: the same model in our decoder,
 plain transformers and llama.cpp (its own converter + our q_lora_rank post-step), perplexity and greedy tokens.
 
-    KVSPLICE_LLAMA_CPP=/path/to/llama.cpp python benchmarks/engines_smollm2.py --out results/engines_smollm2
+    KVSPLICE_LLAMA_CPP=/path/to/llama.cpp python -m benchmarks.engines_smollm2 --out results/engines_smollm2
 
 Protocol: calibration on the first ``--calib-tokens`` of TinyStoriesV2 (``mines-opt-ml...10k.txt``), evaluation on
 the first 2,048 tokens of the TinyStories train sample (``gusjengis...sample.txt``, one window, no BOS) — different
@@ -20,11 +20,9 @@ from pathlib import Path
 
 import torch
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.options import add_out, command, parser  # noqa: E402
-from benchmarks.harness.paths import DATA, RESULTS  # noqa: E402
+from benchmarks.harness.options import add_out, command, parser
+from benchmarks.harness.paths import DATA, RESULTS
 
 
 @command

@@ -1,6 +1,6 @@
 """A trained checkpoint of the DeepSeek-V3-layout family in three engines: ours, transformers and llama.cpp.
 
-    python benchmarks/engines_trained.py --ckpt checkpoints/tiny_ds_mla_kvsplice_90/last.ckpt \\
+    python -m benchmarks.engines_trained --ckpt checkpoints/tiny_ds_mla_kvsplice_90/last.ckpt \\
         --text ../shared/data/tinystories/yuninxia_moe-routing-bench__tinystories_val.txt
 
 Exports the checkpoint (``training.export --format deepseek_v3``, or ``llama`` for standard attention), converts it
@@ -12,8 +12,6 @@ writes it). Needs llama.cpp (``$KVSPLICE_LLAMA_CPP`` or ``build/engines/llama.cp
 
 from __future__ import annotations
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
 import copy
 import math

@@ -1,6 +1,6 @@
 """Online frequent-directions bases vs global post-RoPE bases at matched cache bytes, on stories260K + TinyStories.
 
-    python benchmarks/fd_online_stories260k.py     # → results/fd_online_stories260k.json + .md (≈ 5–8 min, 1 CPU)
+    python -m benchmarks.fd_online_stories260k     # → results/fd_online_stories260k.json + .md (≈ 5–8 min, 1 CPU)
 
 * Model: ``../shared/data/stories260K`` (llama2.c; 5 layers, 8 query / 4 KV heads, head_dim 8, RoPE), converted to
   a temporary HF Llama directory and loaded with :func:`kvsplice.loading.load_model`.
@@ -37,12 +37,10 @@ from pathlib import Path
 
 import torch
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line, machine, revision  # noqa: E402
-from benchmarks.harness.options import add_json, add_threads, command, parser  # noqa: E402
-from benchmarks.harness.paths import CALIB, EVAL, RESULTS, STORIES  # noqa: E402
+from benchmarks.harness.header import command as command_line, machine, revision
+from benchmarks.harness.options import add_json, add_threads, command, parser
+from benchmarks.harness.paths import CALIB, EVAL, RESULTS, STORIES
 
 from kvsplice.decode import Decoder, DenseKV, perplexity
 from kvsplice.lowrank.method import LowRank

@@ -1,7 +1,7 @@
 """The main job on a busy machine: wall time of ``python -m training.fit --config tiny_mla_kvsplice_90`` for a few
 steps, idle and beside one CPU-bound process, for each thread setting.
 
-Run:    python benchmarks/fit_busy_machine.py [--steps 60] [--repeats 1] [--threads default 1 2]
+Run:    python -m benchmarks.fit_busy_machine [--steps 60] [--repeats 1] [--threads default 1 2]
 Writes: results/fit_busy_machine.json and .md (the command, the load average before each run, wall seconds, the
         busy / idle ratio per setting). ``default`` is the command as the README gives it (the thread count
         ``training.fit`` picks itself); a number adds ``--torch_threads N``.
@@ -20,13 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.header import header  # noqa: E402
-from benchmarks.harness.options import add_out, command, parser, pos_int  # noqa: E402
-from benchmarks.harness.paths import ROOT as REPO  # noqa: E402
-from benchmarks.harness.results import result_stem, write_markdown, write_result  # noqa: E402
+from benchmarks.harness.header import header
+from benchmarks.harness.options import add_out, command, parser, pos_int
+from benchmarks.harness.paths import ROOT as REPO
+from benchmarks.harness.results import result_stem, write_markdown, write_result
 
 CONFIG = "tiny_mla_kvsplice_90"
 

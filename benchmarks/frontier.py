@@ -2,9 +2,9 @@
 DeepSeek-V3 layout's MHA / MLA / KVSplice 50/90 (``ds_*``), trained at equal tokens on real TinyStories text, several
 seeds each.
 
-    python benchmarks/frontier.py                    # the study: every variant x seeds 1 2 3 (resumable)
-    python benchmarks/frontier.py --study ablation   # MLA options on a tuning split (seed 0), run before the study
-    python benchmarks/frontier.py --plot-only        # redraw the plot / table from the JSON
+    python -m benchmarks.frontier                    # the study: every variant x seeds 1 2 3 (resumable)
+    python -m benchmarks.frontier --study ablation   # MLA options on a tuning split (seed 0), run before the study
+    python -m benchmarks.frontier --plot-only        # redraw the plot / table from the JSON
 
 Every run is ``python -m training.fit --config small_<variant> --seed_everything S --trainer.max_steps N`` (fp32,
 CPU, one torch thread per run, ``--jobs`` runs side by side). After a run, its last checkpoint is loaded and a
@@ -20,7 +20,7 @@ picks for MLA is not tuned on the data the frontier reports.
 
 On a GPU (``--device cuda``): the same runs with ``--trainer.accelerator gpu``, ``--batch`` sequences per step and
 ``--jobs`` runs side by side on the one GPU; results go to ``results/frontier_gpu.json`` (``.md`` / ``.png``). The
-GPU study of the README: ``python benchmarks/frontier.py --device cuda --batch 64 --steps 2000 --jobs 9`` (32.8M tokens
+GPU study of the README: ``python -m benchmarks.frontier --device cuda --batch 64 --steps 2000 --jobs 9`` (32.8M tokens
 per run). A finished run is reused only for the same variant, seed, steps, batch and device (its resume key); a
 killed study ends its ``training.fit`` children with it.
 
@@ -40,16 +40,14 @@ import sys
 import threading
 from pathlib import Path
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line, revision  # noqa: E402
-from benchmarks.harness.options import add_out, add_threads, command, parser  # noqa: E402
-from benchmarks.harness.paths import RESULTS  # noqa: E402
-from benchmarks.harness.studies import variants  # noqa: E402
+from benchmarks.harness.header import command as command_line, revision
+from benchmarks.harness.options import add_out, add_threads, command, parser
+from benchmarks.harness.paths import RESULTS
+from benchmarks.harness.studies import variants
 from benchmarks.lib.study import (DATA, DATA_CACHE, REPO, RUN_KEY, cache_bytes, compare, comparison_table, data_args,
                                   final_train_loss, last_val, resume_key, run_args, run_jobs, run_key, save_study,
-                                  summarise, train, train_curve, trained)  # noqa: E402
+                                  summarise, train, train_curve, trained)
 
 FRONTIER = variants("frontier", "frontier")  # variant -> (config, overrides): benchmarks/studies/frontier.yaml
 ABLATION = variants("frontier", "ablation")  # MLA options, on the tuning split

@@ -2,9 +2,9 @@
 (ours vs a nanoGPT-style reference, eager and compiled, MFU) and the decode step (ours, eager and CUDA-graph, vs
 transformers' GPT-2 with DynamicCache / StaticCache).
 
-    python benchmarks/gpu.py                       # everything; results/gpu_<device>.json and .md
-    python benchmarks/gpu.py --sections decode --batch 8 --ctx 1024 4096
-    python benchmarks/gpu.py --quick               # tiny shapes, a smoke run (seconds)
+    python -m benchmarks.gpu                       # everything; results/gpu_<device>.json and .md
+    python -m benchmarks.gpu --sections decode --batch 8 --ctx 1024 4096
+    python -m benchmarks.gpu --quick               # tiny shapes, a smoke run (seconds)
 
 Sections (``--sections``):
 
@@ -39,14 +39,12 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line, revision  # noqa: E402
-from benchmarks.harness.options import UsageError, add_out, command, parser  # noqa: E402
-from benchmarks.harness.paths import RESULTS  # noqa: E402
-from benchmarks.harness.timing import cuda_time  # noqa: E402
-from benchmarks.lib.reference_gpt import ReferenceGPT  # noqa: E402
+from benchmarks.harness.header import command as command_line, revision
+from benchmarks.harness.options import UsageError, add_out, command, parser
+from benchmarks.harness.paths import RESULTS
+from benchmarks.harness.timing import cuda_time
+from benchmarks.lib.reference_gpt import ReferenceGPT
 
 from kvsplice.report.tables import cell
 from models import GPT, preset

@@ -2,10 +2,10 @@
 against SDPA, the CUDA-graph decode step, serving capacity at a 24 GB budget, the compiled training step and
 FlashAttention-4.
 
-    python benchmarks/gpu_check.py --out-dir "$OUT"      # all sections: gpu_check_<device>.json and .md there
-    python benchmarks/gpu_check.py --dry-run             # the plan and its time estimate (no CUDA touched)
-    python benchmarks/gpu_check.py --sections kernel decode --budget-s 200
-    python benchmarks/gpu_check.py --smoke --out-dir /tmp/g  # tiny sizes on CPU (or GPU): proves the script runs
+    python -m benchmarks.gpu_check --out-dir "$OUT"      # all sections: gpu_check_<device>.json and .md there
+    python -m benchmarks.gpu_check --dry-run             # the plan and its time estimate (no CUDA touched)
+    python -m benchmarks.gpu_check --sections kernel decode --budget-s 200
+    python -m benchmarks.gpu_check --smoke --out-dir /tmp/g  # tiny sizes on CPU (or GPU): proves the script runs
 
 Sections, in this order (``--sections`` picks some; the order stays):
 
@@ -40,8 +40,6 @@ this run does not redo (a second call finishes a cut-off first one).
 
 from __future__ import annotations
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
 import argparse
 import importlib

@@ -2,7 +2,7 @@
 
 ::
 
-    python benchmarks/hf_generate_speed.py --model /tmp/stories260K --bases-post r4_post.safetensors \
+    python -m benchmarks.hf_generate_speed --model /tmp/stories260K --bases-post r4_post.safetensors \
         --bases-pre r4_pre.safetensors --json results/hf_generate_speed.json
 
 One greedy ``generate()`` per cache and repeat, interleaved (default cache, post-RoPE, pre-RoPE, default, ...), on
@@ -23,11 +23,9 @@ from pathlib import Path
 import torch
 import transformers
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.options import add_force, add_json, add_model, command, parser  # noqa: E402
-from benchmarks.harness.paths import EVAL  # noqa: E402
+from benchmarks.harness.options import add_force, add_json, add_model, command, parser
+from benchmarks.harness.paths import EVAL
 
 from kvsplice.hf import CoefficientHFCache
 from kvsplice.io.outputs import output_file, write_json

@@ -1,6 +1,6 @@
 """Our int8 cache vs transformers' own 8-bit quantised cache on stories260K, at the same prompts.
 
-    python benchmarks/hf_quant_cache.py --model /tmp/stories260K [--windows 16 --prompt 384 --cont 128]
+    python -m benchmarks.hf_quant_cache --model /tmp/stories260K [--windows 16 --prompt 384 --cont 128]
 
 Each window of real validation text: the prompt is prefilled, then the continuation is decoded token by token
 (teacher-forced) and scored (continuation perplexity: the first continuation token is predicted by the prefill).
@@ -20,12 +20,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line, revision  # noqa: E402
-from benchmarks.harness.options import add_json, add_model, add_threads, add_windows, command, parser  # noqa: E402
-from benchmarks.harness.paths import RESULTS  # noqa: E402
+from benchmarks.harness.header import command as command_line, revision
+from benchmarks.harness.options import add_json, add_model, add_threads, add_windows, command, parser
+from benchmarks.harness.paths import RESULTS
 
 from kvsplice.io.outputs import write_json
 from kvsplice.loading import iter_texts, load_model, token_stream

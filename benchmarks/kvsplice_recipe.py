@@ -1,7 +1,7 @@
 """KVSplice at 512 B/token: what can make a KVSplice-50 of the 128-dim MLA latent match MLA-64 (same cached bytes)?
 
-    python benchmarks/kvsplice_recipe.py --study ablation --device cuda --batch 64 --steps 2000 --jobs 8
-    python benchmarks/kvsplice_recipe.py --study recipe --device cuda --batch 64 --steps 2000 --jobs 3
+    python -m benchmarks.kvsplice_recipe --study ablation --device cuda --batch 64 --steps 2000 --jobs 8
+    python -m benchmarks.kvsplice_recipe --study recipe --device cuda --batch 64 --steps 2000 --jobs 3
 
 Every variant trains the small_* shapes for the same ``--steps`` x ``--batch`` x 256 tokens as the frontier study
 (``benchmarks/frontier.py``; :mod:`benchmarks.lib.study` runs each ``training.fit``).
@@ -27,16 +27,14 @@ import threading
 from collections import defaultdict
 from pathlib import Path
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line, revision  # noqa: E402
-from benchmarks.harness.options import add_out, add_threads, command, parser  # noqa: E402
-from benchmarks.harness.paths import RESULTS  # noqa: E402
-from benchmarks.harness.studies import load as load_study, variants  # noqa: E402
+from benchmarks.harness.header import command as command_line, revision
+from benchmarks.harness.options import add_out, add_threads, command, parser
+from benchmarks.harness.paths import RESULTS
+from benchmarks.harness.studies import load as load_study, variants
 from benchmarks.lib.study import (DATA, DATA_CACHE, REPO, TRAIN_FILES, cache_bytes, comparison_table, compare,
                                   data_args, final_train_loss, last_val, resume_key, run_args, run_jobs, run_key,
-                                  run_module, save_study, summarise, train, train_curve)  # noqa: E402
+                                  run_module, save_study, summarise, train, train_curve)
 
 ABLATION = variants("kvsplice_recipe", "ablation")  # variant -> (config, overrides): studies/kvsplice_recipe.yaml
 RECIPE = variants("kvsplice_recipe", "recipe")

@@ -2,18 +2,16 @@
 head): which formulation is fast on this GPU? SDPA's default, three ops, each fused kernel on the latent zero-padded
 to a multiple of 8, a split over the keys. Median ms per call (CUDA events). Needs CUDA.
 
-    python benchmarks/latent_sdpa.py
-    python benchmarks/latent_sdpa.py --batch 8 --ctx 1024 --ranks 26 --calls 10     # one case, quickly
+    python -m benchmarks.latent_sdpa
+    python -m benchmarks.latent_sdpa --batch 8 --ctx 1024 --ranks 26 --calls 10     # one case, quickly
 """
 
 from __future__ import annotations
 
 import sys
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.options import UsageError, command, parser, pos_int  # noqa: E402
+from benchmarks.harness.options import UsageError, command, parser, pos_int
 
 HEADS, HEAD_DIM = 12, 64  # GPT-2 small's query heads and head size (the softmax scale)
 

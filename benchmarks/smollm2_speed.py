@@ -1,9 +1,9 @@
 """SmolLM2-135M-Instruct: prefill (+ compression) and per-token decode of the compressed caches beside the full
 cache, in both doors, at long contexts → ``results/smollm2_speed[_<tag>].{json,md,png}``.
 
-    taskset -c 0 python benchmarks/smollm2_speed.py --contexts 2048 8000 --batch 1 --doors hf decoder
-    python benchmarks/smollm2_speed.py --quick            # 512 tokens, batch 1 and 2, fp32, both doors: minutes
-    python benchmarks/smollm2_speed.py --model M --contexts 64 --rounds 2 --out-dir /tmp/x   # any model
+    taskset -c 0 python -m benchmarks.smollm2_speed --contexts 2048 8000 --batch 1 --doors hf decoder
+    python -m benchmarks.smollm2_speed --quick            # 512 tokens, batch 1 and 2, fp32, both doors: minutes
+    python -m benchmarks.smollm2_speed --model M --contexts 64 --rounds 2 --out-dir /tmp/x   # any model
 
 Methods (``--methods``, any ``kvsplice.build_method`` spec, ``full`` = the uncompressed cache): by default the full
 cache, ``int8``, ``kivi4``, ``k8v4h`` and the planner's default 4× and 8× picks — from ``--plan4`` / ``--plan8``
@@ -22,13 +22,11 @@ from pathlib import Path
 
 import torch
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line, machine_line, revision  # noqa: E402
-from benchmarks.harness.options import add_model, add_out, add_threads, command, parser  # noqa: E402
-from benchmarks.harness.paths import EVAL, RESULTS, SMOLLM2  # noqa: E402
-from benchmarks.harness.results import result_stem, write_markdown, write_result  # noqa: E402
+from benchmarks.harness.header import command as command_line, machine_line, revision
+from benchmarks.harness.options import add_model, add_out, add_threads, command, parser
+from benchmarks.harness.paths import EVAL, RESULTS, SMOLLM2
+from benchmarks.harness.results import result_stem, write_markdown, write_result
 
 PICKS = {  # the planner's default picks on SmolLM2-135M-Instruct (docs/tasks.md), when no plan file is given
     "pick4x": "select:kvzip(mix=observed_attention,share=0.1,heads=pooled,layers=50%-67%,decoded=int8)@x1.69+k8v4h",

@@ -2,18 +2,18 @@
 the perplexity frontier (results/smollm2_frontier.*), the planner's picks and KVzip, in both settings, beside the full
 cache's accuracy (the ceiling).
 
-    python benchmarks/smollm2_tasks.py                    # --size reduced (what was run; see docs/tasks.md)
-    python benchmarks/smollm2_tasks.py --size passkey     # the passkey table: 8 at 1k + 8 at 2k, both settings
-    python benchmarks/smollm2_tasks.py --size goals       # the goals: the planner's picks, 3 tasks x 50 at 1k
-    python benchmarks/smollm2_tasks.py --size goals2k     # the same for the passkey at 2k (50, both settings)
-    python benchmarks/smollm2_tasks.py --size ceiling     # the full cache (+ int8) at 4k / 8k, 3 tasks x 10: the model's ceiling
-    python benchmarks/smollm2_tasks.py --size long        # the picks made at 1k at 4k / 8k (+ a 4x pick re-made for 8k):
+    python -m benchmarks.smollm2_tasks                    # --size reduced (what was run; see docs/tasks.md)
+    python -m benchmarks.smollm2_tasks --size passkey     # the passkey table: 8 at 1k + 8 at 2k, both settings
+    python -m benchmarks.smollm2_tasks --size goals       # the goals: the planner's picks, 3 tasks x 50 at 1k
+    python -m benchmarks.smollm2_tasks --size goals2k     # the same for the passkey at 2k (50, both settings)
+    python -m benchmarks.smollm2_tasks --size ceiling     # the full cache (+ int8) at 4k / 8k, 3 tasks x 10: the model's ceiling
+    python -m benchmarks.smollm2_tasks --size long        # the picks made at 1k at 4k / 8k (+ a 4x pick re-made for 8k):
                                                           # number in stories x 20, both settings
-    python benchmarks/smollm2_tasks.py --size goalsfast   # the goals for the default 4x pick (fast prefill)
-    python benchmarks/smollm2_tasks.py --size fastpick    # the default 4x pick (fast prefill) vs the full cache, 2k / 4k
-    python benchmarks/smollm2_tasks.py --size full        # every family and stack, 7 tasks, 1k/2k/4k, n = 16
-    python benchmarks/smollm2_tasks.py --size smoke       # stories260K, seconds: checks the script end to end
-    python benchmarks/smollm2_tasks.py --report-only      # write results/ from the finished instances
+    python -m benchmarks.smollm2_tasks --size goalsfast   # the goals for the default 4x pick (fast prefill)
+    python -m benchmarks.smollm2_tasks --size fastpick    # the default 4x pick (fast prefill) vs the full cache, 2k / 4k
+    python -m benchmarks.smollm2_tasks --size full        # every family and stack, 7 tasks, 1k/2k/4k, n = 16
+    python -m benchmarks.smollm2_tasks --size smoke       # stories260K, seconds: checks the script end to end
+    python -m benchmarks.smollm2_tasks --report-only      # write results/ from the finished instances
 
 The planner's picks are made first by the documented command (``python -m kvsplice.plan --model M --calib CALIB
 --calib-stats ... --ratio R --out plan<R>x.json``, its defaults: the ``mixed`` objective on tuning instances with
@@ -34,14 +34,12 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.options import add_progress, add_threads, command, parser  # noqa: E402
-from benchmarks.harness.paths import CALIB, DATA, EVAL as STORIES, RESULTS, ROOT, SMOLLM2 as MODEL  # noqa: E402
-from benchmarks.harness.results import result_stem, write_markdown, write_result  # noqa: E402
-from benchmarks.harness.studies import load as load_study  # noqa: E402
-from kvsplice.planning.options import PLAN_CALIB_TOKENS  # noqa: E402
+from benchmarks.harness.options import add_progress, add_threads, command, parser
+from benchmarks.harness.paths import CALIB, DATA, EVAL as STORIES, RESULTS, ROOT, SMOLLM2 as MODEL
+from benchmarks.harness.results import result_stem, write_markdown, write_result
+from benchmarks.harness.studies import load as load_study
+from kvsplice.planning.options import PLAN_CALIB_TOKENS
 WORK = ROOT / "checkpoints" / "smollm2_tasks"
 PLANS = WORK / "plans"
 
@@ -142,7 +140,7 @@ def write_report(size: str, cfg: dict, results_dir: Path) -> dict:
 
     report = {"size": size, "config": cfg, "model": _model(size), "by_length": {}, "labels": {}}
     md = [f"# Long-context tasks on {'stories260K (smoke)' if size == 'smoke' else 'SmolLM2-135M-Instruct'}", "",
-          f"`python benchmarks/smollm2_tasks.py --size {size}` — tasks {', '.join(cfg['tasks'])}; n = {cfg['n']} per "
+          f"`python -m benchmarks.smollm2_tasks --size {size}` — tasks {', '.join(cfg['tasks'])}; n = {cfg['n']} per "
           f"task and length; greedy answers, exact match; fp32 on the CPU.", ""]
     for L in cfg["lengths"]:
         path = WORK / f"{size}_{L}.json"

@@ -1,6 +1,6 @@
 """The stack on a real pretrained model: token subset → low-rank coefficients → int8, on stories260K, in both doors.
 
-    python benchmarks/stack_stories260k.py      # → results/stack_stories260k.json + .md (a few minutes, 1 CPU thread)
+    python -m benchmarks.stack_stories260k      # → results/stack_stories260k.json + .md (a few minutes, 1 CPU thread)
 
 1. Convert ``../shared/data/stories260K`` (llama2.c) into a temporary HF Llama directory and load it
    (:func:`kvsplice.loading.load_model`); calibrate post-RoPE Grams on the TinyStories **train** sample
@@ -31,12 +31,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line, machine, revision  # noqa: E402
-from benchmarks.harness.options import add_json, add_windows, command, parser  # noqa: E402
-from benchmarks.harness.paths import CALIB, EVAL, RESULTS, STORIES  # noqa: E402
+from benchmarks.harness.header import command as command_line, machine, revision
+from benchmarks.harness.options import add_json, add_windows, command, parser
+from benchmarks.harness.paths import CALIB, EVAL, RESULTS, STORIES
 from kvsplice import build_method
 from kvsplice.decode import Decoder, score_continuation
 from kvsplice.hf import KVSpliceHFCache

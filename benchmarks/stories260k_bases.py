@@ -1,6 +1,6 @@
 """Post-training KV bases on a real pretrained GQA + RoPE model: stories260K (llama2.c) on TinyStories.
 
-    python benchmarks/stories260k_bases.py                # → results/stories260k_bases.json + .md (≈ 5 min, 1 CPU)
+    python -m benchmarks.stories260k_bases                # → results/stories260k_bases.json + .md (≈ 5 min, 1 CPU)
 
 Steps (all through the CLIs' own code: :mod:`kvsplice.fit_bases` / :mod:`kvsplice.eval_bases`):
 
@@ -30,12 +30,10 @@ from pathlib import Path
 
 import torch
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line, machine, revision  # noqa: E402
-from benchmarks.harness.options import add_json, add_threads, command, parser  # noqa: E402
-from benchmarks.harness.paths import CALIB, EVAL, RESULTS, STORIES  # noqa: E402
+from benchmarks.harness.header import command as command_line, machine, revision
+from benchmarks.harness.options import add_json, add_threads, command, parser
+from benchmarks.harness.paths import CALIB, EVAL, RESULTS, STORIES
 from kvsplice.evaluation.context import EvalContext, load_windows
 from kvsplice.evaluation.lowrank import evaluate_bases
 from kvsplice.cli.fit_bases import build_parser as fit_parser, fit_from_args

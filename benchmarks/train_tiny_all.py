@@ -1,8 +1,8 @@
 """Train the five tiny configs back to back and tabulate final validation loss, perplexity and throughput.
 
-    python benchmarks/train_tiny_all.py                       # all five, each with its config's max_steps
-    python benchmarks/train_tiny_all.py --runs_dir /tmp/tiny  # elsewhere than checkpoints/
-    python benchmarks/train_tiny_all.py -- --trainer.max_steps 100   # extra flags go to every run
+    python -m benchmarks.train_tiny_all                       # all five, each with its config's max_steps
+    python -m benchmarks.train_tiny_all --runs_dir /tmp/tiny  # elsewhere than checkpoints/
+    python -m benchmarks.train_tiny_all -- --trainer.max_steps 100   # extra flags go to every run
 
 Each run is ``python -m training.fit --config tiny_<variant> --runs_dir <runs_dir> --overwrite`` (fp32, CPU, offline synthetic
 data). Reported per run, from its ``metrics.csv``: the last ``val_loss`` and ``val_ppl``, and throughput = training
@@ -28,13 +28,11 @@ from pathlib import Path
 
 import yaml
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.header import header  # noqa: E402
-from benchmarks.harness.options import command, parser  # noqa: E402
-from benchmarks.harness.paths import ROOT as REPO  # noqa: E402
-from benchmarks.harness.timing import wall_time  # noqa: E402
+from benchmarks.harness.header import header
+from benchmarks.harness.options import command, parser
+from benchmarks.harness.paths import ROOT as REPO
+from benchmarks.harness.timing import wall_time
 VARIANTS = ["tiny_gpt2", "tiny_mla", "tiny_mla_kvsplice_50", "tiny_mla_kvsplice_70", "tiny_mla_kvsplice_90"]
 
 

@@ -203,9 +203,10 @@ def _stem(study: Study, args: argparse.Namespace, size: str) -> Path:
         out = Path(args.out)
         if out.name in ("", ".", "..") or out.is_dir():
             raise UsageError(f"--out {out}: is a folder (name a file)")
-        return out.with_suffix("") if out.suffix in (".json", ".md", ".png") else out
-    base = study.out or RESULTS / study.name
-    return base.with_name(base.name + ("" if size == "default" else f"_{size}"))
+    else:
+        out = study.out or RESULTS / study.name
+        out = out.with_name(out.with_suffix("").name + ("" if size == "default" else f"_{size}") + out.suffix)
+    return out.with_suffix("") if out.suffix in (".json", ".md", ".png") else out
 
 
 def _resumed(study: Study, path: Path, args: argparse.Namespace) -> list:
@@ -263,8 +264,11 @@ def _run(study: Study, argv: Optional[Sequence[str]]) -> int:
         import matplotlib
 
         matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
         fig = study.figure(run, run.rows)
         write_atomic(stem.with_name(stem.name + ".png"), lambda tmp: fig.savefig(tmp, format="png"))
+        plt.close(fig)
     for f in files:
         print(f"wrote {f}", flush=True)
     return 0

@@ -7,7 +7,8 @@ made by ``benchmarks/frontier.py`` / ``benchmarks/kvsplice_recipe.py`` on an H10
 seeds) against the bytes their decode cache holds per token (fp16). Right: post-training compression of
 SmolLM2-135M-Instruct (``results/smollm2_frontier.json``, protocol P, and the budget planner's picks: the default
 command's from ``results/smollm2_tasks_goalsfast.json``, exact prefill from ``results/smollm2_tasks_goals.json``;
-made by ``benchmarks/smollm2_frontier.py`` / ``benchmarks/smollm2_tasks.py`` on the CPU): perplexity change against how many times smaller the cache is than the fp16 full K/V cache.
+made by ``benchmarks/smollm2_frontier.py`` / ``benchmarks/smollm2_tasks.py`` on the CPU): perplexity change against
+how many times smaller the cache is than the fp16 full K/V cache.
 """
 
 from __future__ import annotations

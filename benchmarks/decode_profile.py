@@ -19,16 +19,11 @@ Two views, one torch thread, medians:
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import torch
 
-
-from benchmarks.harness.header import command as command_line, machine_line, revision
-from benchmarks.harness.options import add_model, add_out, command, parser
-from benchmarks.harness.paths import RESULTS, SMOLLM2
+from benchmarks.harness.options import add_model
+from benchmarks.harness.paths import SMOLLM2
+from benchmarks.harness.runner import Study
 from benchmarks.harness.timing import median_of, wall_time
 
 HQ, HKV, D = 9, 3, 64  # SmolLM2-135M's attention
@@ -145,48 +140,43 @@ def step_rows(model, n: int, spec: str = "kivi4") -> list[dict]:
     return out
 
 
-def write(report: dict, stem: Path) -> None:
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    md = ["# Where a compressed cache's decode step spends its time", "", f"`{report['command']}`", "",
-          report["machine"], "", "## One layer's attention (SmolLM2 shapes, batch 1)", "",
-          "| context | op | µs (median) |", "|---|---|---|"]
-    md += [f"| {r['context']} | {r['op']} | {r['us']:.0f} |" for r in report["layer"]]
-    if report.get("step"):
+def markdown(run, rows) -> str:
+    md = ["# Where a compressed cache's decode step spends its time", "", "## One layer's attention (SmolLM2 shapes, "
+          "batch 1)", "", "| context | op | µs (median) |", "|---|---|---|"]
+    md += [f"| {r['context']} | {r['op']} | {r['us']:.0f} |" for r in rows if r["view"] == "layer"]
+    step = [r for r in rows if r["view"] == "step"]
+    if step:
         md += ["", "## One decode step of SmolLM2-135M (Decoder door, self-CPU ms per step, torch.profiler)", "",
                "| context | method | op group | ms |", "|---|---|---|---|"]
-        md += [f"| {r['context']} | {r['method']} | {r['group']} | {r['ms']:.1f} |" for r in report["step"]]
-    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+        md += [f"| {r['context']} | {r['method']} | {r['group']} | {r['ms']:.1f} |" for r in step]
+    return "\n".join(md)
 
 
-@command
-def main(argv=None) -> int:
-    ap = parser(__file__, __doc__)
-    ap.add_argument("--contexts", nargs="+", type=int, default=[2048])
-    add_model(ap, SMOLLM2)
-    ap.add_argument("--no-model", action="store_true", help="only the per-layer times")
-    ap.add_argument("--compile", action="store_true", help="+ the torch.compile'd fused formulation")
-    add_out(ap, RESULTS / "decode_profile", "the results' stem: STEM.json and STEM.md")
-    a = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    report = {"command": command_line(__file__, argv), "revision": revision(), "machine": machine_line(1), "layer": [],
-              "step": []}
+def options(p) -> None:
+    p.add_argument("--contexts", nargs="+", type=int, help="held tokens")
+    add_model(p, SMOLLM2)
+    p.add_argument("--no-model", action="store_true", help="only the per-layer times")
+    p.add_argument("--compile", action="store_true", help="+ the torch.compile'd fused formulation")
+
+
+def rows(run):
     model = None
-    if not a.no_model:
+    if not run.args.no_model:
         from kvsplice.loading import load_model
 
-        model = load_model(a.model, dtype=torch.float32).model
-    for n in a.contexts:
-        rows = layer_rows(n, a.compile)
-        for r in rows:
-            print(f"T={n} {r['op']}: {r['us']:.0f} µs", flush=True)
-        report["layer"] += rows
+        model = load_model(run.args.model, dtype=torch.float32).model
+    for n in run["contexts"]:
+        for r in layer_rows(n, run.args.compile):
+            run.say(f"T={n} {r['op']}: {r['us']:.0f} µs")
+            yield {"view": "layer", **r}
         if model is not None:
-            report["step"] += step_rows(model, n)
-    write(report, Path(a.out))
-    print(f"wrote {a.out}.{{json,md}}")
-    return 0
+            yield from ({"view": "step", **r} for r in step_rows(model, n))
 
+
+STUDY = Study("decode_profile", __doc__, rows, options=options, markdown=markdown,
+              sizes={"default": {"contexts": [2048]}, "smoke": {"contexts": [256]}},
+              bounds={"contexts": (160, 1 << 17)})
+main = STUDY.main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -97,6 +97,14 @@ class Run:
     header: dict
     done: list = field(default_factory=list)
     rows: list = field(default_factory=list)
+    notes: dict = field(default_factory=dict)
+    """What the rows function found that the summary and report need (calibration tokens, ...)."""
+    failed: Optional[str] = None
+    """Set by :meth:`fail`: the study's own checks failed (everything is written, the exit status is 1)."""
+
+    def fail(self, reason: str) -> None:
+        """Mark the run failed: the results are written all the same, then one line and exit status 1."""
+        self.failed = reason
 
     def __getitem__(self, key: str) -> Any:
         """A setting: ``run["lengths"]``."""
@@ -271,4 +279,7 @@ def _run(study: Study, argv: Optional[Sequence[str]]) -> int:
         plt.close(fig)
     for f in files:
         print(f"wrote {f}", flush=True)
+    if run.failed:
+        print(f"{study.name}: failed: {run.failed}", file=sys.stderr, flush=True)
+        return 1
     return 0

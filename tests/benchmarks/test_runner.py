@@ -141,3 +141,17 @@ def test_a_figure_only_study_writes_one_png(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["f.png"]
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
     assert study.main(["--out", str(tmp_path / "f.png")]) == 2  # no overwrite without --force
+
+
+def test_a_failed_check_writes_the_results_and_exits_1(tmp_path, capsys):
+    def rows(run):
+        yield {"n": 1}
+        run.notes["seen"] = 1
+        run.fail("the doors disagree")
+
+    study = Study("toy", None, rows, sizes={"default": {}}, threads=None,
+                  summary=lambda run, rows: {"seen": run.notes["seen"]})
+    assert study.main(["--out", str(tmp_path / "r")]) == 1
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["complete"] and data["seen"] == 1 and data["rows"] == [{"n": 1}]
+    assert _err(capsys) == ["toy: failed: the doors disagree"]

@@ -195,6 +195,7 @@ def _parser(study: Study, sizes: dict) -> Parser:
         g.add_argument("--smoke", dest="size", action="store_const", const="smoke", help="the smoke size")
     g.add_argument("--out", "--json", dest="out", type=Path, default=None,
                    help="the results' stem (default results/NAME[_SIZE]; a .json/.md/.png suffix is dropped)")
+    g.add_argument("--tag", default="", help="results/NAME_TAG.* (default: the size's name, none for default)")
     g.add_argument("--force", action="store_true", help="replace existing outputs")
     if study.json:
         g.add_argument("--resume", action="store_true", help="continue the JSON of an earlier, stopped run")
@@ -213,7 +214,10 @@ def _stem(study: Study, args: argparse.Namespace, size: str) -> Path:
             raise UsageError(f"--out {out}: is a folder (name a file)")
     else:
         out = study.out or RESULTS / study.name
-        out = out.with_name(out.with_suffix("").name + ("" if size == "default" else f"_{size}") + out.suffix)
+        tag = args.tag or ("" if size == "default" else size)
+        if not tag.replace("_", "").replace("-", "").isalnum() and tag:
+            raise UsageError(f"--tag {tag!r}: letters, digits, '-' and '_' only")
+        out = out.with_name(out.with_suffix("").name + (f"_{tag}" if tag else "") + out.suffix)
     return out.with_suffix("") if out.suffix in (".json", ".md", ".png") else out
 
 

@@ -172,7 +172,7 @@ class Report(SectionReport):
 
 def child_env(smoke: bool, cuda: bool) -> dict:
     """The environment of a section's process: the checkout first on the path (no install needed; pytest finds
-    ``-p benchmarks.gpu_check`` there), Triton's interpreter for a CPU smoke run."""
+    ``-p benchmarks.harness.testlog`` there), Triton's interpreter for a CPU smoke run."""
     env = dict(os.environ)
     path = [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env["PYTHONPATH"] = os.pathsep.join(path)

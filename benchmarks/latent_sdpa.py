@@ -9,7 +9,6 @@ to a multiple of 8, a split over the keys. Median ms per call (CUDA events), a r
 
 from __future__ import annotations
 
-from benchmarks.harness.options import UsageError
 from benchmarks.harness.runner import Study
 
 HEADS, HEAD_DIM = 12, 64  # GPT-2 small's query heads and head size (the softmax scale)
@@ -69,8 +68,9 @@ def options(p) -> None:
 def rows(run):
     import torch
 
-    if not torch.cuda.is_available():
-        raise UsageError("no CUDA device (this benchmark measures a GPU)")
+    from benchmarks.lib.gpu_bench import need_cuda
+
+    need_cuda()
     dt = torch.bfloat16
     for b in run["batch"]:
         for t in run["ctx"]:

@@ -91,7 +91,7 @@ def rows(run):
     ids, _ = token_stream(iter_texts(str(CALIB)), loaded.tokenizer, run["calib_tokens"])
     half = calibrate(loaded.model, calibration_batches(ids, run["seq_len"], run["batch_size"],
                                                        run["calib_tokens"] // 2), progress=False)
-    full_cal = next(v["stats"] for v in calib_cache.values())
+    full_cal = next(iter(next(iter(calib_cache.values()))["stats"].values()))  # (a calibration run: mode → stats)
     fr = next(iter(fit_reports.values()))
     run.notes.update(
         config={"ranks": ranks, "methods": methods, "ropes": ropes, "chunk_size": run["chunk_size"],

@@ -59,8 +59,9 @@ class Study:
     """``setting -> (low, high)``: every number of the setting (or its list) within, checked before anything runs."""
     sizes: Optional[dict] = None
     """Named sizes (default: the ``sizes`` of ``benchmarks/studies/<name>.yaml``, or one empty ``default``)."""
-    out: Optional[Path] = None
-    """The default stem (default ``results/<name>``; ``_<size>`` added for a size other than ``default``)."""
+    out: Any = None
+    """The default stem (default ``results/<name>``; ``_<size>`` added for a size other than ``default``), or a
+    function of the parsed options giving it (a device's name, ...)."""
     json: bool = True
     """Write ``<stem>.json`` (a figure-only study: False)."""
     threads: Optional[int] = 1
@@ -213,7 +214,7 @@ def _stem(study: Study, args: argparse.Namespace, size: str) -> Path:
         if out.name in ("", ".", "..") or out.is_dir():
             raise UsageError(f"--out {out}: is a folder (name a file)")
     else:
-        out = study.out or RESULTS / study.name
+        out = (study.out(args) if callable(study.out) else study.out) or RESULTS / study.name
         tag = args.tag or ("" if size == "default" else size)
         if not tag.replace("_", "").replace("-", "").isalnum() and tag:
             raise UsageError(f"--tag {tag!r}: letters, digits, '-' and '_' only")

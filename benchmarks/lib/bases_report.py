@@ -113,7 +113,7 @@ def checks(ctx, results, fits_all, calib_cache, ranks, ropes, methods, full) -> 
     viol_cal, viol_ho, n_cal, n_ho = [], [], 0, 0
     lesens_ok, lesens_r4 = True, {}
     for rope in ropes:
-        cal = next(v["stats"] for k, v in calib_cache.items() if k[-1] == rope)
+        cal = next(v["stats"][rope] for v in calib_cache.values() if rope in v["stats"])
         ho = ctx.stats(rope)
         for r in ranks:
             fits = {m: fits_all[(rope, r, m)] for m in methods}
@@ -152,7 +152,7 @@ def timing(calib_cache, fit_reports, ropes) -> dict:
     """Per RoPE mode: calibration and fit time against one plain forward pass."""
     timing = {}
     for rope in ropes:
-        cal = next(v for k, v in calib_cache.items() if k[-1] == rope)
+        cal = next(v for v in calib_cache.values() if rope in v["stats"])
         fit_s = [fit_reports[k]["timings_s"]["fit"] for k in fit_reports if k[0] == rope]
         ratios = [(cal["calibrate_s"] + f) / cal["forward_s"] for f in fit_s]
         timing[rope] = {"calibrate_s": cal["calibrate_s"], "forward_s": cal["forward_s"], "fit_s_min": min(fit_s),

@@ -223,7 +223,7 @@ def section_train(rep, sz: dict, ctx: dict) -> None:
     if ctx["device"].type != "cuda":
         rep.update("train", status="skipped", reason="the training step is timed on CUDA only")
         return
-    gpu = importlib.import_module("benchmarks.gpu")
+    gpu = importlib.import_module("benchmarks.lib.gpu_bench")
     torch.backends.cuda.matmul.allow_tf32 = True
     for label in sz["train_models"]:
         try:

@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -100,8 +101,18 @@ class Run:
     rows: list = field(default_factory=list)
     notes: dict = field(default_factory=dict)
     """What the rows function found that the summary and report need (calibration tokens, ...)."""
+    _lock: Any = field(default_factory=threading.Lock, repr=False)
+    _write: Optional[Callable[[bool], None]] = field(default=None, repr=False)
     failed: Optional[str] = None
     """Set by :meth:`fail`: the study's own checks failed (everything is written, the exit status is 1)."""
+
+    def emit(self, row: dict) -> None:
+        """Add ``row`` now (thread-safe; the JSON rewritten): what the runner does with each yielded row, for a
+        study whose rows come from jobs side by side."""
+        with self._lock:
+            self.rows.append(row)
+            if self._write is not None:
+                self._write(False)
 
     def fail(self, reason: str) -> None:
         """Mark the run failed: the results are written all the same, then one line and exit status 1."""
@@ -229,7 +240,9 @@ def _resumed(study: Study, path: Path, args: argparse.Namespace) -> list:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise UsageError(f"{path}: cannot resume from it ({e})") from None
-    if not isinstance(data, dict) or data.get("study") != study.name or not isinstance(data.get("rows"), list):
+    legacy = isinstance(data, dict) and "study" not in data and "command" in data.get("meta", data)  # (pre-runner)
+    if not isinstance(data, dict) or data.get("study", study.name if legacy else None) != study.name \
+            or not isinstance(data.get("rows"), list):
         raise UsageError(f"{path}: not a {study.name} results file (cannot resume from it)")
     return [r for r in data["rows"] if isinstance(r, dict)]
 
@@ -262,10 +275,9 @@ def _run(study: Study, argv: Optional[Sequence[str]]) -> int:
                 **(extra or {}), "rows": run.rows}
         write_atomic(js, lambda tmp: tmp.write_text(_json_text(data)))
 
+    run._write = write_json if js else None
     for row in study.rows(run):
-        run.rows.append(row)
-        if js:
-            write_json(False)
+        run.emit(row)
     extra = study.summary(run, run.rows) if study.summary else {}
     if js:
         write_json(True, extra)

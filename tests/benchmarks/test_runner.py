@@ -155,3 +155,26 @@ def test_a_failed_check_writes_the_results_and_exits_1(tmp_path, capsys):
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["complete"] and data["seen"] == 1 and data["rows"] == [{"n": 1}]
     assert _err(capsys) == ["toy: failed: the doors disagree"]
+
+
+def test_rows_emitted_from_jobs_side_by_side_are_all_written(tmp_path):
+    """A study whose runs go side by side adds each row as it finishes (:meth:`Run.emit`, thread-safe)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def rows(run):
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda i: run.emit({"i": i}), range(16)))
+        yield from ()
+
+    assert Study("toy", None, rows, sizes={"default": {}}, threads=None).main(["--out", str(tmp_path / "r")]) == 0
+    assert sorted(r["i"] for r in json.loads((tmp_path / "r.json").read_text())["rows"]) == list(range(16))
+
+
+def test_a_results_file_from_before_the_runner_resumes(tmp_path):
+    """A study's JSON written before the runner (``meta`` with its command, rows, no ``study``) can be resumed; one
+    from another study (a ``study`` of another name) cannot."""
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps({"meta": {"command": "python benchmarks/toy.py"}, "rows": [{"n": 1, "y": 7}]}))
+    calls: list = []
+    assert _study(calls).main(["--out", str(out), "--resume"]) == 0
+    assert calls == [2, 3] and json.loads(out.read_text())["rows"][0] == {"n": 1, "y": 7}

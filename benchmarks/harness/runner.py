@@ -166,7 +166,7 @@ def _writable_folder(path: Path) -> Path:
 
 def check_outputs(files: Iterable[Path], force: bool, keep: Iterable[Path] = ()) -> None:
     """Each output a file in a writable folder: not a folder, not something else than a regular file, and not
-    there already unless ``force`` (or among ``keep``: the JSON a resumed run continues)."""
+    there already unless ``force`` (or among ``keep``: the files of a resumed run)."""
     keep = set(keep)
     for path in files:
         if path.name in ("", ".", "..") or path.is_dir():
@@ -261,7 +261,8 @@ def _run(study: Study, argv: Optional[Sequence[str]]) -> int:
     stem = _stem(study, args, size)
     files = study.files(stem)
     js = files[0] if study.json else None
-    check_outputs(files, args.force, [js] if getattr(args, "resume", False) and js else [])
+    resuming = bool(getattr(args, "resume", False) and js and js.is_file())
+    check_outputs(files, args.force, files if resuming else [])  # a resumed run rewrites its own report too
     done = _resumed(study, js, args) if js else []
     if threads is not None:
         import torch

@@ -4,7 +4,7 @@ seeds each.
 
     python -m benchmarks.frontier                    # the study: every variant x seeds 1 2 3 (--resume continues)
     python -m benchmarks.frontier --study ablation   # MLA options on a tuning split (seed 0), run before the study
-    python -m benchmarks.frontier --plot-only --resume --force   # redraw the plot / table from the JSON
+    python -m benchmarks.frontier --plot-only --resume   # redraw the plot / table from the JSON
 
 Every run is ``python -m training.fit --config small_<variant> --seed_everything S --trainer.max_steps N`` (fp32,
 CPU, one torch thread per run, ``--jobs`` runs side by side). After a run, its last checkpoint is loaded and a

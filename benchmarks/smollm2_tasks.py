@@ -30,16 +30,15 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 from pathlib import Path
 from typing import Optional
 
-
-from benchmarks.harness.options import add_progress, add_threads, command, parser
-from benchmarks.harness.paths import CALIB, DATA, EVAL as STORIES, RESULTS, ROOT, SMOLLM2 as MODEL
-from benchmarks.harness.results import result_stem, write_markdown, write_result
+from benchmarks.harness.options import add_progress
+from benchmarks.harness.paths import CALIB, DATA, EVAL as STORIES, ROOT, SMOLLM2 as MODEL
+from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study
 from kvsplice.planning.options import PLAN_CALIB_TOKENS
+
 WORK = ROOT / "checkpoints" / "smollm2_tasks"
 PLANS = WORK / "plans"
 
@@ -98,17 +97,13 @@ def _argv(size: str, cfg: dict, length: int, out: Path, threads: int, progress: 
             "--out", str(out)] + ([] if progress else ["--no-progress"])
 
 
-def _plot(report: dict, out_png: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+def _plot(report: dict):
     from matplotlib.figure import Figure
-
-    from models.checkpoint import atomic_write
 
     lengths = sorted(report["by_length"], key=int)
     settings = [s for s in ("agnostic", "aware") if any(s in report["by_length"][L]["summary"] for L in report[
         "by_length"])]
-    fig = Figure(figsize=(5.0 * len(settings), 3.8 * len(lengths)), dpi=110)
-    FigureCanvasAgg(fig)
+    fig = Figure(figsize=(5.0 * max(1, len(settings)), 3.8 * max(1, len(lengths))), dpi=110)
     for i, L in enumerate(lengths):
         for j, s in enumerate(settings):
             ax = fig.add_subplot(len(lengths), len(settings), i * len(settings) + j + 1)
@@ -132,10 +127,11 @@ def _plot(report: dict, out_png: Path) -> None:
             else:
                 ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
-    atomic_write(out_png, lambda tmp: fig.savefig(tmp, format="png"))
+    return fig
 
 
-def write_report(size: str, cfg: dict, results_dir: Path) -> dict:
+def build_report(size: str, cfg: dict) -> tuple[dict, str]:
+    """The report of the finished lengths and the plans' evidence, and its Markdown."""
     from kvsplice.tasks.report import markdown, summarize
 
     report = {"size": size, "config": cfg, "model": _model(size), "by_length": {}, "labels": {}}
@@ -164,51 +160,49 @@ def write_report(size: str, cfg: dict, results_dir: Path) -> dict:
                 report["plans"][name]["protocol_P"] = json.loads(ppl_p.read_text())["results"][0]
                 report["plans"][name]["protocol_P_command"] = "python -m kvsplice.eval_bases " + shlex.join(
                     protocol_p_argv(name))
-    stem = result_stem("smollm2_tasks", "" if size == "reduced" else size, results_dir)
-    write_result(stem, report)  # (each length's command is in by_length: a report-only run made none of them)
-    write_markdown(stem, "\n".join(md))
-    if report["by_length"]:
-        _plot(report, stem.with_suffix(".png"))
-    return report
+    return report, "\n".join(md)
 
 
-@command
-def main(argv: Optional[list[str]] = None) -> int:
+def options(p) -> None:
+    p.add_argument("--work", default=str(WORK), help="folder of the runs and plans (default checkpoints/smollm2_tasks)")
+    p.add_argument("--report-only", action="store_true", help="the report from the finished instances")
+    add_progress(p)
+
+
+def rows(run):
     global WORK, PLANS
-    ap = parser(__file__, __doc__)
-    ap.add_argument("--size", choices=tuple(SIZES), default="reduced")
-    add_threads(ap, 2)
-    ap.add_argument("--results", default=str(RESULTS), help="folder of the report (default results/)")
-    ap.add_argument("--work", default=str(WORK), help="folder of the runs and plans (default checkpoints/smollm2_tasks)")
-    ap.add_argument("--report-only", action="store_true")
-    add_progress(ap)
-    a = ap.parse_args(argv)
-    cfg = SIZES[a.size]
+    a, cfg, size = run.args, run.settings, run.size
     WORK, PLANS = Path(a.work), Path(a.work) / "plans"
     if not a.report_only:
         from kvsplice.cli import eval_bases, eval_tasks, plan
 
         WORK.mkdir(parents=True, exist_ok=True)
+        steps = []
         for name in plans_of(cfg):
             if not plan_path(name).is_file():  # made once, kept (the planner's tuning never sees reported seeds)
                 PLANS.mkdir(parents=True, exist_ok=True)
-                rc = plan.main(plan_argv(name) + ["--threads", str(a.threads)] + ([] if a.progress else
-                                                                                   ["--no-progress"]))
-                if rc:
-                    return rc
+                steps.append(("kvsplice plan", lambda name=name: plan.main(
+                    plan_argv(name) + ["--threads", str(a.threads)] + ([] if a.progress else ["--no-progress"]))))
             if not (PLANS / f"plan{name}_P.json").is_file():  # the plan's protocol-P perplexity (docs/plan.md)
-                rc = eval_bases.main(protocol_p_argv(name) + ["--threads", str(a.threads), "--no-progress"])
-                if rc:
-                    return rc
-        for L in cfg["lengths"]:
-            rc = eval_tasks.main(_argv(a.size, cfg, L, WORK / f"{a.size}_{L}.json", a.threads, a.progress))
+                steps.append(("kvsplice eval-bases", lambda name=name: eval_bases.main(
+                    protocol_p_argv(name) + ["--threads", str(a.threads), "--no-progress"])))
+        steps += [("kvsplice eval-tasks", lambda L=L: eval_tasks.main(
+            _argv(size, cfg, L, WORK / f"{size}_{L}.json", a.threads, a.progress))) for L in cfg["lengths"]]
+        for what, step in steps:
+            rc = step()
             if rc:
-                return rc
-    report = write_report(a.size, cfg, Path(a.results))
-    print(f"wrote {a.results}/smollm2_tasks{'' if a.size == 'reduced' else '_' + a.size}.{{json,md,png}} "
-          f"({len(report['by_length'])} lengths)")
-    return 0
+                run.fail(f"{what} exited {rc}")
+                break
+    report, md = build_report(size, cfg)
+    run.notes.update(report=report, markdown=md)
+    yield from ({"length": int(L), **v} for L, v in report["by_length"].items())
 
+
+STUDY = Study("smollm2_tasks", __doc__, rows, options=options, threads=2, default_size="reduced", inherit=False,
+              sizes=SIZES, summary=lambda run, rows: run.notes["report"],
+              markdown=lambda run, rows: run.notes["markdown"], figure=lambda run, rows: _plot(run.notes["report"]),
+              bounds={"lengths": (16, 1 << 17), "n": (1, 100000)})
+main = STUDY.main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

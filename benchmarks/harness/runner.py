@@ -67,6 +67,10 @@ class Study:
     """Write ``<stem>.json`` (a figure-only study: False)."""
     threads: Optional[int] = 1
     """``--threads``' default (None: no such option)."""
+    default_size: str = "default"
+    """The size run without ``--size`` (its results file has no ``_<size>``)."""
+    inherit: bool = True
+    """A named size overrides the default size's settings (False: each size is complete in itself)."""
 
     def main(self, argv: Optional[Sequence[str]] = None) -> int:
         """Run the study as a command with ``argv`` (default: this process's arguments)."""
@@ -202,7 +206,8 @@ def _parser(study: Study, sizes: dict) -> Parser:
         study.options(p)
     g = p.add_argument_group("runner")
     if len(sizes) > 1:
-        g.add_argument("--size", choices=sorted(sizes), default="default", help="a named size of the study")
+        g.add_argument("--size", choices=sorted(sizes), default=study.default_size,
+                       help=f"a named size of the study (default {study.default_size})")
     if "smoke" in sizes:
         g.add_argument("--smoke", dest="size", action="store_const", const="smoke", help="the smoke size")
     g.add_argument("--out", "--json", dest="out", type=Path, default=None,
@@ -226,7 +231,7 @@ def _stem(study: Study, args: argparse.Namespace, size: str) -> Path:
             raise UsageError(f"--out {out}: is a folder (name a file)")
     else:
         out = (study.out(args) if callable(study.out) else study.out) or RESULTS / study.name
-        tag = args.tag or ("" if size == "default" else size)
+        tag = args.tag or ("" if size == study.default_size else size)
         if not tag.replace("_", "").replace("-", "").isalnum() and tag:
             raise UsageError(f"--tag {tag!r}: letters, digits, '-' and '_' only")
         out = out.with_name(out.with_suffix("").name + (f"_{tag}" if tag else "") + out.suffix)
@@ -251,8 +256,8 @@ def _run(study: Study, argv: Optional[Sequence[str]]) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     sizes = study.size_table()
     args = _parser(study, sizes).parse_args(argv)
-    size = getattr(args, "size", "default")
-    settings = {**sizes.get("default", {}), **sizes.get(size, {})}
+    size = getattr(args, "size", study.default_size)
+    settings = {**(sizes.get(study.default_size, {}) if study.inherit else {}), **sizes.get(size, {})}
     settings.update({k: v for k, v in vars(args).items() if k in settings and v is not None})
     check_bounds(settings, study.bounds)
     threads = getattr(args, "threads", None)

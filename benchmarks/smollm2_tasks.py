@@ -37,6 +37,7 @@ from benchmarks.harness.options import add_progress
 from benchmarks.harness.paths import CALIB, DATA, EVAL as STORIES, ROOT, SMOLLM2 as MODEL
 from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study
+from benchmarks.lib.tasks_figure import plot
 from kvsplice.planning.options import PLAN_CALIB_TOKENS
 
 WORK = ROOT / "checkpoints" / "smollm2_tasks"
@@ -95,39 +96,6 @@ def _argv(size: str, cfg: dict, length: int, out: Path, threads: int, progress: 
             "--lengths", str(length), "--n", str(cfg["n"]), "--setting", cfg.get("setting", "both"),
             "--threads", str(threads),
             "--out", str(out)] + ([] if progress else ["--no-progress"])
-
-
-def _plot(report: dict):
-    from matplotlib.figure import Figure
-
-    lengths = sorted(report["by_length"], key=int)
-    settings = [s for s in ("agnostic", "aware") if any(s in report["by_length"][L]["summary"] for L in report[
-        "by_length"])]
-    fig = Figure(figsize=(5.0 * max(1, len(settings)), 3.8 * max(1, len(lengths))), dpi=110)
-    for i, L in enumerate(lengths):
-        for j, s in enumerate(settings):
-            ax = fig.add_subplot(len(lengths), len(settings), i * len(settings) + j + 1)
-            per = report["by_length"][L]["summary"].get(s, {})
-            for m, r in per.items():
-                name = Path(m[5:]).stem if m.startswith("plan:") else report["labels"].get(m, m)  # plan4x8k
-                label = f"{name} (n={r['n']})"
-                if m == "full":
-                    ax.axhline(r["acc"], color="k", ls="--", lw=1, label=f"full cache ({r['acc']:.0f} %)")
-                    continue
-                marker = "s" if m.startswith("kvzip") else ("^" if m.startswith("select") else "o")
-                ax.scatter(r["ratio"], r["acc"], marker=marker, label=label)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("× smaller than the fp16 full cache")
-            ax.set_ylabel("accuracy % (exact match)")
-            ax.set_ylim(-5, 105)
-            ax.set_title(f"SmolLM2-135M, {L} tokens, query-{s}", fontsize=9)
-            ax.grid(True, alpha=0.3)
-            if per:
-                ax.legend(fontsize=6, loc="best")
-            else:
-                ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
-    fig.tight_layout()
-    return fig
 
 
 def build_report(size: str, cfg: dict) -> tuple[dict, str]:
@@ -200,7 +168,7 @@ def rows(run):
 
 STUDY = Study("smollm2_tasks", __doc__, rows, options=options, threads=2, default_size="reduced", inherit=False,
               sizes=SIZES, summary=lambda run, rows: run.notes["report"],
-              markdown=lambda run, rows: run.notes["markdown"], figure=lambda run, rows: _plot(run.notes["report"]),
+              markdown=lambda run, rows: run.notes["markdown"], figure=lambda run, rows: plot(run.notes["report"]),
               bounds={"lengths": (16, 1 << 17), "n": (1, 100000)})
 main = STUDY.main
 

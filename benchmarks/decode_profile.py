@@ -1,8 +1,8 @@
 """Where a compressed cache's decode step spends its time, beside the full cache's → ``results/decode_profile.{json,md}``.
 
-    python benchmarks/decode_profile.py                       # SmolLM2 shapes at 2k, one thread, + the model's step
-    python benchmarks/decode_profile.py --contexts 2048 8192 --no-model
-    python benchmarks/decode_profile.py --compile             # + torch.compile of the fused formulation (~30 s more)
+    python -m benchmarks.decode_profile                       # SmolLM2 shapes at 2k, one thread, + the model's step
+    python -m benchmarks.decode_profile --contexts 2048 8192 --no-model
+    python -m benchmarks.decode_profile --compile             # + torch.compile of the fused formulation (~30 s more)
 
 Two views, one torch thread, medians:
 
@@ -19,61 +19,13 @@ Two views, one torch thread, medians:
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import torch
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
-
-from benchmarks.harness.header import command as command_line, machine_line, revision  # noqa: E402
-from benchmarks.harness.options import add_model, add_out, command, parser  # noqa: E402
-from benchmarks.harness.paths import RESULTS, SMOLLM2  # noqa: E402
-from benchmarks.harness.timing import median_of, wall_time  # noqa: E402
-
-HQ, HKV, D = 9, 3, 64  # SmolLM2-135M's attention
-
-
-def median_us(fn, reps: int = 40, warmup: int = 5) -> float:
-    """Median wall µs of ``reps`` calls after ``warmup``."""
-    return 1e6 * median_of(wall_time, fn, reps, warmup)
-
-
-def kivi_layer(n: int, seed: int = 0):
-    """A one-layer KIVI-4 cache holding ``n`` random post-RoPE tokens, and a decode query ``(1, Hq, 1, D)``."""
-    from kvsplice.quant.cache import KIVICache
-
-    g = torch.Generator().manual_seed(seed)
-    cache = KIVICache(1, HKV, D, 1, bits=4, group=32, residual=128, capacity=n + 8)
-    k, v = torch.randn(1, HKV, n, D, generator=g), torch.randn(1, HKV, n, D, generator=g)
-    cache.append(0, k, v)
-    return cache, k, v, torch.randn(1, HQ, 1, D, generator=g)
-
-
-def _codes(packed: torch.Tensor) -> torch.Tensor:
-    """Packed 4-bit codes ``(B, Hkv, n, D/2)`` (channel ``2j`` in the low nibble) → floats ``(B, Hkv, n, D)``."""
-    return torch.stack(((packed & 15).float(), (packed >> 4).float()), -1).flatten(-2)
-
-
-def _scores_fused(qs, codes, s, m):
-    """KIVI keys, dequantised and reduced in one expression (for torch.compile): ``qs (B, Hkv, g, D)``, packed
-    ``codes (B, Hkv, n, D/2)``, per-channel ``s, m (B, Hkv, n/G, D)`` → ``(B, Hkv, g, n)``."""
-    b, h, r, d = qs.shape
-    x = _codes(codes)  # (B, Hkv, n, D)
-    x = x.view(b, h, s.shape[2], -1, d) * s.float()[:, :, :, None] + m.float()[:, :, :, None]  # (B,Hkv,n/G,G,D)
-    return (qs[:, :, :, None, :] * x.view(b, h, 1, -1, d)).sum(-1)
-
-
-def _weighted_fused(p, codes, s, m):
-    """KIVI values: ``p (B, Hkv, g, n)``, packed ``codes (B, Hkv, n, D/2)``, per-token ``s, m (B, Hkv, n, D/G)`` →
-    ``(B, Hkv, g, D)``."""
-    x = _codes(codes)  # (B, Hkv, n, D)
-    b, h, n, d = x.shape
-    x = (x.view(b, h, n, s.shape[-1], -1) * s.float()[..., None] + m.float()[..., None]).view(b, h, 1, n, d)
-    return (p[..., None] * x).sum(-2)
-
+from benchmarks.harness.options import add_model
+from benchmarks.harness.paths import SMOLLM2
+from benchmarks.harness.runner import Study
+from benchmarks.lib.kivi_profile import (D, HKV, HQ, kivi_layer, median_us, scores_fused as _scores_fused,  # noqa: F401
+                                         weighted_fused as _weighted_fused)
 
 @torch.no_grad()
 def layer_rows(n: int, compile_: bool) -> list[dict]:
@@ -147,48 +99,43 @@ def step_rows(model, n: int, spec: str = "kivi4") -> list[dict]:
     return out
 
 
-def write(report: dict, stem: Path) -> None:
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    md = ["# Where a compressed cache's decode step spends its time", "", f"`{report['command']}`", "",
-          report["machine"], "", "## One layer's attention (SmolLM2 shapes, batch 1)", "",
-          "| context | op | µs (median) |", "|---|---|---|"]
-    md += [f"| {r['context']} | {r['op']} | {r['us']:.0f} |" for r in report["layer"]]
-    if report.get("step"):
+def markdown(run, rows) -> str:
+    md = ["# Where a compressed cache's decode step spends its time", "", "## One layer's attention (SmolLM2 shapes, "
+          "batch 1)", "", "| context | op | µs (median) |", "|---|---|---|"]
+    md += [f"| {r['context']} | {r['op']} | {r['us']:.0f} |" for r in rows if r["view"] == "layer"]
+    step = [r for r in rows if r["view"] == "step"]
+    if step:
         md += ["", "## One decode step of SmolLM2-135M (Decoder door, self-CPU ms per step, torch.profiler)", "",
                "| context | method | op group | ms |", "|---|---|---|---|"]
-        md += [f"| {r['context']} | {r['method']} | {r['group']} | {r['ms']:.1f} |" for r in report["step"]]
-    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+        md += [f"| {r['context']} | {r['method']} | {r['group']} | {r['ms']:.1f} |" for r in step]
+    return "\n".join(md)
 
 
-@command
-def main(argv=None) -> int:
-    ap = parser(__file__, __doc__)
-    ap.add_argument("--contexts", nargs="+", type=int, default=[2048])
-    add_model(ap, SMOLLM2)
-    ap.add_argument("--no-model", action="store_true", help="only the per-layer times")
-    ap.add_argument("--compile", action="store_true", help="+ the torch.compile'd fused formulation")
-    add_out(ap, RESULTS / "decode_profile", "the results' stem: STEM.json and STEM.md")
-    a = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    report = {"command": command_line(__file__, argv), "revision": revision(), "machine": machine_line(1), "layer": [],
-              "step": []}
+def options(p) -> None:
+    p.add_argument("--contexts", nargs="+", type=int, help="held tokens")
+    add_model(p, SMOLLM2)
+    p.add_argument("--no-model", action="store_true", help="only the per-layer times")
+    p.add_argument("--compile", action="store_true", help="+ the torch.compile'd fused formulation")
+
+
+def rows(run):
     model = None
-    if not a.no_model:
+    if not run.args.no_model:
         from kvsplice.loading import load_model
 
-        model = load_model(a.model, dtype=torch.float32).model
-    for n in a.contexts:
-        rows = layer_rows(n, a.compile)
-        for r in rows:
-            print(f"T={n} {r['op']}: {r['us']:.0f} µs", flush=True)
-        report["layer"] += rows
+        model = load_model(run.args.model, dtype=torch.float32).model
+    for n in run["contexts"]:
+        for r in layer_rows(n, run.args.compile):
+            run.say(f"T={n} {r['op']}: {r['us']:.0f} µs")
+            yield {"view": "layer", **r}
         if model is not None:
-            report["step"] += step_rows(model, n)
-    write(report, Path(a.out))
-    print(f"wrote {a.out}.{{json,md}}")
-    return 0
+            yield from ({"view": "step", **r} for r in step_rows(model, n))
 
+
+STUDY = Study("decode_profile", __doc__, rows, options=options, markdown=markdown,
+              sizes={"default": {"contexts": [2048]}, "smoke": {"contexts": [256]}},
+              bounds={"contexts": (160, 1 << 17)})
+main = STUDY.main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

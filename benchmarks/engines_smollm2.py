@@ -1,7 +1,7 @@
 """SmolLM2 converted to MLA (shared RoPE, 2x cache) and exported as DeepSeek-V3: the same model in our decoder,
 plain transformers and llama.cpp (its own converter + our q_lora_rank post-step), perplexity and greedy tokens.
 
-    KVSPLICE_LLAMA_CPP=/path/to/llama.cpp python benchmarks/engines_smollm2.py --out results/engines_smollm2
+    KVSPLICE_LLAMA_CPP=/path/to/llama.cpp python -m benchmarks.engines_smollm2   # results/engines_smollm2.{json,md}
 
 Protocol: calibration on the first ``--calib-tokens`` of TinyStoriesV2 (``mines-opt-ml...10k.txt``), evaluation on
 the first 2,048 tokens of the TinyStories train sample (``gusjengis...sample.txt``, one window, no BOS) — different
@@ -12,36 +12,29 @@ and the same conversion with a real latent RMSNorm (``--latent-norm``; the expor
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
-
-from benchmarks.harness.options import add_out, command, parser  # noqa: E402
-from benchmarks.harness.paths import DATA, RESULTS  # noqa: E402
+from benchmarks.harness.paths import DATA
+from benchmarks.harness.runner import Study
 
 
-@command
-def main(argv=None) -> int:
-    p = parser(__file__, __doc__)
+def options(p) -> None:
     p.add_argument("--gguf", default=str(DATA / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     p.add_argument("--calib", default=str(DATA / "tinystories" / "mines-opt-ml_decoding-gpt__tinystories_10k.txt"))
     p.add_argument("--eval", default=str(DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"))
-    p.add_argument("--calib-tokens", type=int, default=8192)
-    p.add_argument("--eval-tokens", type=int, default=2048)
-    p.add_argument("--d-latent", type=int, default=128)
-    p.add_argument("--greedy", type=int, default=32)
+    p.add_argument("--calib-tokens", dest="calib_tokens", type=int)
+    p.add_argument("--eval-tokens", dest="eval_tokens", type=int)
+    p.add_argument("--d-latent", dest="d_latent", type=int)
+    p.add_argument("--greedy", type=int)
     p.add_argument("--work", default="/tmp/engines_smollm2")
-    add_out(p, RESULTS / "engines_smollm2", "the results' stem: STEM.json and STEM.md")
     p.add_argument("--skip-normed", action="store_true", help="leave out the --latent-norm row")
-    args = p.parse_args(argv)
-    torch.set_num_threads(1)
+
+
+def rows(run):
     import transformers
 
     from kvsplice.convert.deepseek_v3 import save_deepseek_v3
@@ -50,18 +43,18 @@ def main(argv=None) -> int:
     from kvsplice.loading import iter_texts, load_model, token_stream
     from kvsplice.lowrank.calibrate import calibration_batches
 
+    args, d_latent, n_greedy = run.args, run["d_latent"], run["greedy"]
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    res: dict = {"protocol": {k: v for k, v in vars(args).items() if k not in ("work", "out")}, "rows": []}
 
     def log(*a):
-        print(f"[{time.time() - t0:7.1f}s]", *a, flush=True)
+        run.say(" ".join(map(str, [f"[{time.time() - t0:7.1f}s]", *a])))
 
     loaded = load_model(args.gguf)
     src, tok = loaded.model.float().eval(), loaded.tokenizer
-    ev, _ = token_stream(iter_texts(args.eval), tok, args.eval_tokens)
-    cal, _ = token_stream(iter_texts(args.calib), tok, args.calib_tokens)
+    ev, _ = token_stream(iter_texts(args.eval), tok, run["eval_tokens"])
+    cal, _ = token_stream(iter_texts(args.calib), tok, run["calib_tokens"])
     prompt = list(tok.encode("Once upon a time"))
 
     def nll_ppl(logits) -> float:
@@ -73,59 +66,68 @@ def main(argv=None) -> int:
         out = m(ev[None])
         lg = (out.logits if hasattr(out, "logits") else out)[0]
         g = torch.tensor([prompt])
-        for _ in range(args.greedy):  # plain greedy, full forward each step (small)
+        for _ in range(n_greedy):  # plain greedy, full forward each step (small)
             o = m(g)
             g = torch.cat([g, (o.logits if hasattr(o, "logits") else o)[:, -1:].argmax(-1)], 1)
-        row = {"name": name, "ppl": nll_ppl(lg), "greedy": g[0, len(prompt):].tolist(), "kv_bytes_per_token": kv_bytes}
-        res["rows"].append(row)
+        new = g[0, len(prompt):].tolist()
+        row = {"name": name, "ppl": nll_ppl(lg), "greedy": new, "kv_bytes_per_token": kv_bytes,
+               "greedy_text": tok.backend.decode(new)}
         log(name, f"ppl {row['ppl']:.3f}")
         return row
 
-    torch_row("source (transformers, fp32)", src, kv_bytes=30 * 2 * 3 * 64 * 2)  # 30 layers x (K, V) x 3 KV heads x 64 x f16
+    yield torch_row("source (transformers, fp32)", src, kv_bytes=30 * 2 * 3 * 64 * 2)  # 30 layers x (K, V) x 3 x 64 x f16
     stats = calibrate_layers(src, calibration_batches(cal, 1024, 4))
     log("calibrated")
-    mla = convert_llama(src, stats, d_latent=args.d_latent, rope_dims=64, layout="shared")
-    ours = torch_row(f"ours: MLA R={args.d_latent} + 64 RoPE, norm-free", mla,
-                     kv_bytes=mla.cache_bytes_formula(1, 1, torch.float16))
+    mla = convert_llama(src, stats, d_latent=d_latent, rope_dims=64, layout="shared")
+    yield torch_row(f"ours: MLA R={d_latent} + 64 RoPE, norm-free", mla,
+                    kv_bytes=mla.cache_bytes_formula(1, 1, torch.float16))
     ds_dir = work / "dsv3"
     save_deepseek_v3(mla, ds_dir, tok.backend)
     ds = transformers.AutoModelForCausalLM.from_pretrained(ds_dir, dtype=torch.float32).eval()
-    torch_row("DeepSeek-V3 export (linear-regime latent norm) in transformers, fp32", ds)
+    yield torch_row("DeepSeek-V3 export (linear-regime latent norm) in transformers, fp32", ds)
     del ds
-    why = missing(bindings=True)
-    if why is None:
+    if missing(bindings=True) is None:
         for outtype in ("f32", "bf16", "f16"):
             g = work / f"dsv3-{outtype}.gguf"
             added = hf_to_gguf(ds_dir, g, outtype=outtype)
             log("gguf", outtype, added)
-            with LlamaCppModel(g, n_ctx=args.eval_tokens, cache_type="f16") as lm:
+            with LlamaCppModel(g, n_ctx=run["eval_tokens"], cache_type="f16") as lm:
+                greedy = lm.greedy(prompt, n_greedy)
                 row = {"name": f"same export in llama.cpp ({outtype} GGUF, f16 KV cache)",
-                       "ppl": nll_ppl(lm.logits(ev.tolist())), "greedy": lm.greedy(prompt, args.greedy),
+                       "ppl": nll_ppl(lm.logits(ev.tolist())), "greedy": greedy,
                        "kv_bytes_per_token": lm.kv_bytes_per_token, "kv_cache": lm.kv_cache(),
-                       "post_step_added": added}
-            res["rows"].append(row)
+                       "post_step_added": added, "greedy_text": tok.backend.decode(greedy)}
             log(row["name"], f"ppl {row['ppl']:.3f}", row["kv_bytes_per_token"])
-    else:
-        res["llama_cpp"] = why
+            yield row
     if not args.skip_normed:
-        normed = convert_llama(src, stats, d_latent=args.d_latent, rope_dims=64, layout="shared", latent_norm=True)
-        torch_row(f"--latent-norm: MLA R={args.d_latent} + 64 RoPE with a real latent RMSNorm (before)", normed)
-    for r in res["rows"]:
-        r["greedy_equal_to_ours"] = r["greedy"] == ours["greedy"]
-        r["greedy_text"] = tok.backend.decode(r["greedy"])
-    res["seconds"] = time.time() - t0
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
-    lines = ["| model | ppl (2,048 tokens) | greedy 32 == ours | KV bytes / token (f16) |", "|---|---|---|---|"]
-    for r in res["rows"]:
+        normed = convert_llama(src, stats, d_latent=d_latent, rope_dims=64, layout="shared", latent_norm=True)
+        yield torch_row(f"--latent-norm: MLA R={d_latent} + 64 RoPE with a real latent RMSNorm (before)", normed)
+
+
+def summary(run, rows) -> dict:
+    """Each row's greedy tokens against ours (the second row); llama.cpp's absence, when absent."""
+    from kvsplice.convert.engines.llama_cpp import missing
+
+    for r in rows:
+        r["greedy_equal_to_ours"] = r["greedy"] == rows[1]["greedy"]
+    why = missing(bindings=True)
+    return {"llama_cpp": why} if why else {}
+
+
+def markdown(run, rows) -> str:
+    lines = [f"| model | ppl ({run['eval_tokens']:,} tokens) | greedy {run['greedy']} == ours "
+             "| KV bytes / token (f16) |", "|---|---|---|---|"]
+    for r in rows:
         kb = r.get("kv_bytes_per_token")
         lines.append(f"| {r['name']} | {r['ppl']:.3f} | {'yes' if r['greedy_equal_to_ours'] else 'no'} | "
                      f"{'' if kb is None else f'{kb:,.0f}'} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    return "\n".join(lines)
 
+
+STUDY = Study("engines_smollm2", __doc__, rows, options=options, summary=summary, markdown=markdown,
+              bounds={"calib_tokens": (1024, 1 << 20), "eval_tokens": (2, 8192), "d_latent": (1, 576),
+                      "greedy": (1, 1024)})
+main = STUDY.main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

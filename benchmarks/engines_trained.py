@@ -1,33 +1,31 @@
 """A trained checkpoint of the DeepSeek-V3-layout family in three engines: ours, transformers and llama.cpp.
 
-    python benchmarks/engines_trained.py --ckpt checkpoints/tiny_ds_mla_kvsplice_90/last.ckpt \\
+    python -m benchmarks.engines_trained --ckpt checkpoints/tiny_ds_mla_kvsplice_90/last.ckpt \\
         --text ../shared/data/tinystories/yuninxia_moe-routing-bench__tinystories_val.txt
 
 Exports the checkpoint (``training.export --format deepseek_v3``, or ``llama`` for standard attention), converts it
 with llama.cpp's own converter (``kvsplice.to_gguf``), then on ``--tokens`` tokens of ``--text`` reports each
 engine's perplexity, whether the greedy ``--new`` tokens after an 8-token prompt agree, and the KV cache bytes per
-token: llama.cpp's (f16 cache) against our f16 cache, measured from its tensors. JSON on stdout (``--json`` also
-writes it). Needs llama.cpp (``$KVSPLICE_LLAMA_CPP`` or ``build/engines/llama.cpp``; docs/conversion.md).
+token: llama.cpp's (f16 cache) against our f16 cache, measured from its tensors. One row, printed and written to
+``results/engines_trained.json`` (``--out``). Needs llama.cpp (``$KVSPLICE_LLAMA_CPP`` or ``build/engines/llama.cpp``; docs/conversion.md).
 """
 
 from __future__ import annotations
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
-
 import copy
+import json
 import math
 import tempfile
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import transformers
 
-from benchmarks.harness.options import UsageError, add_json, command, parser
-from benchmarks.lib.engines import export, report
+from benchmarks.harness.options import UsageError
+from benchmarks.harness.runner import Study
+from benchmarks.lib.engines import export
 from kvsplice.convert.engines import llama_cpp
-from kvsplice.io.files import output_file
 from kvsplice.report.memory import cache_bytes_formula, measure_cache
 from models.checkpoint import load_gpt_checkpoint
 
@@ -77,26 +75,30 @@ def compare(ckpt: Path, text: str, *, tokens: int = 128, new: int = 64, work: Op
                                    "llama.cpp_rounding": 0.005 * 2 ** 20 / BYTES_CELLS}}
 
 
-@command
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = parser(__file__, __doc__, raw=True)
-    ap.add_argument("--ckpt", required=True, type=Path)
-    ap.add_argument("--text", required=True, type=Path)
-    ap.add_argument("--tokens", type=int, default=128, help="at most the model's block_size")
-    ap.add_argument("--new", type=int, default=64)
-    add_json(ap)
-    a = ap.parse_args(argv)
+def options(p) -> None:
+    p.add_argument("--ckpt", required=True, type=Path, help="a training checkpoint (.ckpt)")
+    p.add_argument("--text", required=True, type=Path, help="the text scored")
+    p.add_argument("--tokens", type=int, help="tokens scored (at most the model's block_size)")
+    p.add_argument("--new", type=int, help="greedy tokens compared")
+
+
+def rows(run):
+    a = run.args
     why = llama_cpp.missing(bindings=True)
     for path, what in ((a.ckpt, "--ckpt"), (a.text, "--text")):
         if not path.is_file():
             why = why or f"{what} {path}: no such file"
     if why:
         raise UsageError(why)
-    if a.json:  # the report never replaces an input, checked before the run
-        output_file(a.json, force=True, option="--json", inputs={"--ckpt": a.ckpt, "--text": a.text})
-    return report(__file__, argv, compare(a.ckpt, a.text.read_text(encoding="utf-8"), tokens=a.tokens, new=a.new),
-                  a.json)
+    row = compare(a.ckpt, a.text.read_text(encoding="utf-8"), tokens=run["tokens"], new=run["new"])
+    run.say(json.dumps(row, indent=1))
+    yield row
 
+
+STUDY = Study("engines_trained", __doc__, rows, options=options, threads=None,
+              sizes={"default": {"tokens": 128, "new": 64}, "smoke": {"tokens": 32, "new": 8}},
+              bounds={"tokens": (2, 1 << 16), "new": (1, 4096)})
+main = STUDY.main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,7 +1,7 @@
 """The main job on a busy machine: wall time of ``python -m training.fit --config tiny_mla_kvsplice_90`` for a few
 steps, idle and beside one CPU-bound process, for each thread setting.
 
-Run:    python benchmarks/fit_busy_machine.py [--steps 60] [--repeats 1] [--threads default 1 2]
+Run:    python -m benchmarks.fit_busy_machine [--steps 60] [--repeats 1] [--threads default 1 2]
 Writes: results/fit_busy_machine.json and .md (the command, the load average before each run, wall seconds, the
         busy / idle ratio per setting). ``default`` is the command as the README gives it (the thread count
         ``training.fit`` picks itself); a number adds ``--torch_threads N``.
@@ -20,13 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
-
-from benchmarks.harness.header import header  # noqa: E402
-from benchmarks.harness.options import add_out, command, parser, pos_int  # noqa: E402
-from benchmarks.harness.paths import ROOT as REPO  # noqa: E402
-from benchmarks.harness.results import result_stem, write_markdown, write_result  # noqa: E402
+from benchmarks.harness.options import UsageError
+from benchmarks.harness.paths import ROOT as REPO
+from benchmarks.harness.runner import Study
 
 CONFIG = "tiny_mla_kvsplice_90"
 
@@ -65,41 +61,40 @@ def timed_fit(cmd: list[str], busy: bool) -> dict:
     return {"wall_s": round(wall, 2), "loadavg_before": load, "threads_note": notes[0] if notes else None}
 
 
-def build_parser():
-    p = parser(__file__, __doc__)
-    p.add_argument("--steps", type=pos_int, default=60)
-    p.add_argument("--repeats", type=pos_int, default=1, help="runs per (setting, condition); the median is reported")
-    p.add_argument("--threads", nargs="+", default=["default", "1", "2"],
+def options(p) -> None:
+    p.add_argument("--steps", type=int, help="optimizer steps per run")
+    p.add_argument("--repeats", type=int, help="runs per (setting, condition); the median is reported")
+    p.add_argument("--threads", dest="thread_settings", nargs="+",
                    help="'default' (training.fit's own choice) and/or --torch_threads values")
-    add_out(p, default=result_stem("fit_busy_machine"), help="the results' stem (.json and .md are written)")
-    return p
 
 
-@command
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    head = header(__file__, argv)
-    rows = []
+def rows(run):
+    steps = run["steps"]
+    for t in run["thread_settings"]:
+        if t != "default" and not (t.isdigit() and 1 <= int(t) <= 256):
+            raise UsageError(f"--threads: 'default' or a count in [1, 256], got {t!r}")
     with tempfile.TemporaryDirectory() as tmp:
         cache = str(REPO / ".cache" / "data")
         timed_fit(fit_command(2, "1", tmp, cache), busy=False)  # warm-up: tokenizer + data cache built once
-        for threads in args.threads:
-            cmd = ["python", *fit_command(args.steps, threads, "RUNS", cache)[1:]]
+        for threads in run["thread_settings"]:
+            cmd = ["python", *fit_command(steps, threads, "RUNS", cache)[1:]]
             row: dict = {"threads": threads, "fit_command": " ".join(cmd).replace(str(REPO) + "/", "")}
             for cond in ("idle", "busy"):
-                runs = [timed_fit(fit_command(args.steps, threads, tmp, cache), busy=cond == "busy")
-                        for _ in range(args.repeats)]
+                runs = [timed_fit(fit_command(steps, threads, tmp, cache), busy=cond == "busy")
+                        for _ in range(run["repeats"])]
                 row[cond] = runs
                 row[f"{cond}_median_s"] = statistics.median(r["wall_s"] for r in runs)
-                print(threads, cond, [r["wall_s"] for r in runs], runs[-1]["loadavg_before"], flush=True)
+                run.say(f"{threads} {cond} {[r['wall_s'] for r in runs]} {runs[-1]['loadavg_before']}")
             row["busy_over_idle"] = round(row["busy_median_s"] / row["idle_median_s"], 2)
-            rows.append(row)
-    report = {**head, "config": CONFIG, "steps": args.steps, "cpus": len(os.sched_getaffinity(0)),
-              "loadavg_end": loadavg(), "rows": rows}
-    write_result(Path(args.out), report)
-    write_markdown(Path(args.out), render(report))
-    print(render(report))
-    return 0
+            yield row
+
+
+def summary(run, rows) -> dict:
+    return {"config": CONFIG, "steps": run["steps"], "cpus": len(os.sched_getaffinity(0)), "loadavg_end": loadavg()}
+
+
+def markdown(run, rows) -> str:
+    return render({**summary(run, rows), "rows": rows, "command": run.header["command"]})
 
 
 def render(report: dict) -> str:
@@ -123,5 +118,9 @@ def render(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+STUDY = Study("fit_busy_machine", __doc__, rows, options=options, markdown=markdown, summary=summary, threads=None,
+              bounds={"steps": (1, 100000), "repeats": (1, 100)})
+main = STUDY.main
+
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

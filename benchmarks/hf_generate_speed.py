@@ -2,8 +2,8 @@
 
 ::
 
-    python benchmarks/hf_generate_speed.py --model /tmp/stories260K --bases-post r4_post.safetensors \
-        --bases-pre r4_pre.safetensors --json results/hf_generate_speed.json
+    python -m benchmarks.hf_generate_speed --model /tmp/stories260K --bases-post r4_post.safetensors \
+        --bases-pre r4_pre.safetensors              # -> results/hf_generate_speed.json
 
 One greedy ``generate()`` per cache and repeat, interleaved (default cache, post-RoPE, pre-RoPE, default, ...), on
 the same prompt of ``--prompt-tokens`` real validation-text tokens, ``--new-tokens`` tokens each (EOS suppressed).
@@ -11,29 +11,25 @@ A stopping criterion stamps the clock after every step; a decode step's time is 
 (the prefill is excluded). Per run: the median step; reported: the median over ``--repeats`` runs, as thread-CPU
 time (robust to other processes on a shared machine) and wall time, and each cache's ratio to the default cache.
 The baseline runs on its own copy of the model with transformers' default ``sdpa`` attention. torch threads = 1.
+A row per cache.
 """
 
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import transformers
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.options import add_force, add_json, add_model, command, parser  # noqa: E402
-from benchmarks.harness.paths import EVAL  # noqa: E402
+from benchmarks.harness.options import add_model
+from benchmarks.harness.paths import EVAL
+from benchmarks.harness.runner import Study
 
 from kvsplice.hf import CoefficientHFCache
-from kvsplice.io.files import output_file
-from kvsplice.io.write import write_json
 from kvsplice.lowrank.bases import KVBases
-
 
 
 
@@ -61,27 +57,23 @@ def one_run(model, ids, cache, n_new: int) -> tuple[float, float]:
     return statistics.median(cpu), statistics.median(wall)
 
 
-@command
-def main(argv=None) -> int:
-    p = parser(__file__, __doc__)
+def options(p) -> None:
     add_model(p, required=True)
-    p.add_argument("--bases-post", required=True)
-    p.add_argument("--bases-pre", required=True)
-    p.add_argument("--text", default=str(EVAL))
-    p.add_argument("--prompt-tokens", type=int, default=384)
-    p.add_argument("--new-tokens", type=int, default=96)
-    p.add_argument("--repeats", type=int, default=15)
-    add_json(p)
-    add_force(p)
-    args = p.parse_args(argv)
-    if args.json:
-        output_file(args.json, force=args.force, option="--json")
-    torch.set_num_threads(1)
+    p.add_argument("--bases-post", required=True, help="post-RoPE bases (kvsplice fit-bases)")
+    p.add_argument("--bases-pre", required=True, help="pre-RoPE bases")
+    p.add_argument("--text", default=str(EVAL), help="prompt text")
+    p.add_argument("--prompt-tokens", dest="prompt_tokens", type=int, help="prompt length")
+    p.add_argument("--new-tokens", dest="new_tokens", type=int, help="tokens generated per run")
+    p.add_argument("--repeats", type=int, help="runs per cache")
+
+
+def rows(run):
+    args = run.args
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
     base = transformers.AutoModelForCausalLM.from_pretrained(args.model).eval()  # default attention (sdpa)
     ours = transformers.AutoModelForCausalLM.from_pretrained(args.model).eval()  # switched to "kvsplice"
     text = Path(args.text).read_text(encoding="utf-8")[:20000]
-    ids = torch.tensor([[tok.bos_token_id] + tok.encode(text, add_special_tokens=False)[:args.prompt_tokens - 1]])
+    ids = torch.tensor([[tok.bos_token_id] + tok.encode(text, add_special_tokens=False)[:run["prompt_tokens"] - 1]])
     bases = {"post": KVBases.load(args.bases_post), "pre": KVBases.load(args.bases_pre)}
     makers = {"hf_dynamic": (base, lambda: transformers.DynamicCache(config=base.config)),
               "coeff_post": (ours, lambda: CoefficientHFCache(ours, bases["post"])),
@@ -89,29 +81,27 @@ def main(argv=None) -> int:
     for model, make in makers.values():  # warm-up
         one_run(model, ids, make(), 8)
     runs = {k: {"cpu": [], "wall": []} for k in makers}
-    for r in range(args.repeats):
+    for _ in range(run["repeats"]):
         for name, (model, make) in makers.items():
-            cpu, wall = one_run(model, ids, make(), args.new_tokens)
+            cpu, wall = one_run(model, ids, make(), run["new_tokens"])
             runs[name]["cpu"].append(cpu)
             runs[name]["wall"].append(wall)
     med = {k: {m: statistics.median(v[m]) for m in ("cpu", "wall")} for k, v in runs.items()}
-    rows = {}
     for name in makers:
-        rows[name] = {"ms_per_token_cpu": 1e3 * med[name]["cpu"], "ms_per_token_wall": 1e3 * med[name]["wall"],
-                      "ratio_cpu": med[name]["cpu"] / med["hf_dynamic"]["cpu"],
-                      "ratio_wall": med[name]["wall"] / med["hf_dynamic"]["wall"]}
-        print(f"{name:11s} {rows[name]['ms_per_token_cpu']:.3f} ms/token CPU ({rows[name]['ratio_cpu']:.3f}x), "
-              f"{rows[name]['ms_per_token_wall']:.3f} ms wall ({rows[name]['ratio_wall']:.3f}x)")
-    report = {"model": args.model, "bases": {"post": args.bases_post, "pre": args.bases_pre},
-              "ranks": {k: b.ranks() for k, b in bases.items()}, "prompt_tokens": ids.shape[1],
-              "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": 1, "torch": torch.__version__,
-              "transformers": transformers.__version__, "results": rows,
-              "runs_ms_cpu": {k: [1e3 * x for x in v["cpu"]] for k, v in runs.items()}}
-    if args.json:
-        write_json(report, args.json)
-        print(f"wrote {args.json}")
-    return 0
+        row = {"cache": name, "ms_per_token_cpu": 1e3 * med[name]["cpu"], "ms_per_token_wall": 1e3 * med[name]["wall"],
+               "ratio_cpu": med[name]["cpu"] / med["hf_dynamic"]["cpu"],
+               "ratio_wall": med[name]["wall"] / med["hf_dynamic"]["wall"],
+               "ranks": bases[name[6:]].ranks() if name.startswith("coeff_") else None,
+               "runs_ms_cpu": [1e3 * x for x in runs[name]["cpu"]]}
+        run.say(f"{name:11s} {row['ms_per_token_cpu']:.3f} ms/token CPU ({row['ratio_cpu']:.3f}x), "
+                f"{row['ms_per_token_wall']:.3f} ms wall ({row['ratio_wall']:.3f}x)")
+        yield row
 
+
+STUDY = Study("hf_generate_speed", __doc__, rows, options=options, summary=lambda run, rows: {
+    "transformers": transformers.__version__},
+              bounds={"prompt_tokens": (2, 1 << 16), "new_tokens": (2, 1 << 14), "repeats": (1, 1000)})
+main = STUDY.main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

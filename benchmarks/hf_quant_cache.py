@@ -1,33 +1,26 @@
 """Our int8 cache vs transformers' own 8-bit quantised cache on stories260K, at the same prompts.
 
-    python benchmarks/hf_quant_cache.py --model /tmp/stories260K [--windows 16 --prompt 384 --cont 128]
+    python -m benchmarks.hf_quant_cache --model /tmp/stories260K [--windows 16 --prompt 384 --cont 128 | --smoke]
 
 Each window of real validation text: the prompt is prefilled, then the continuation is decoded token by token
 (teacher-forced) and scored (continuation perplexity: the first continuation token is predicted by the prefill).
 Caches: the full fp32 K/V cache (ours and HF's ``DynamicCache``, which must agree), our int8 cache (int8 rows + one
 fp16 scale per token and head, ``Decoder(model, DenseKV(cache_quant="int8"))``), and the installed
 transformers' ``QuantizedCache(backend="fp8")`` (float8 e4m3, one per-tensor scale frozen at the prefill; the only
-backend that needs no extra package). Bytes: measured from each cache's tensors after the last token. Writes
+backend that needs no extra package). Bytes: measured from each cache's tensors after the last token. A row per cache in
 ``results/hf_quant_cache.json``.
 """
 
 from __future__ import annotations
 
 import math
-import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line, revision  # noqa: E402
-from benchmarks.harness.options import add_json, add_model, add_threads, add_windows, command, parser  # noqa: E402
-from benchmarks.harness.paths import RESULTS  # noqa: E402
-
-from kvsplice.io.write import write_json
+from benchmarks.harness.options import add_model, add_windows
+from benchmarks.harness.runner import Study
 from kvsplice.loading import iter_texts, load_model, token_stream
 from kvsplice.decode import Decoder, DenseKV
 from kvsplice.hf.measure import cache_nbytes, continuation_logits
@@ -54,45 +47,38 @@ def score_ours(model, windows, prompt: int, cache_quant) -> tuple[float, int]:
     return nll, cache.nbytes()
 
 
-@command
-def main(argv=None) -> int:
+def options(p) -> None:
+    add_model(p, help="stories260K converted with kvsplice convert-llama2c", required=True)
+    add_windows(p)
+
+
+def rows(run):
     from transformers import DynamicCache, QuantizedCache
 
-    p = parser(__file__, __doc__)
-    add_model(p, help="stories260K converted with python -m kvsplice.convert_llama2c", required=True)
-    add_windows(p, 16)
-    add_json(p, RESULTS / "hf_quant_cache.json")
-    add_threads(p)
-    a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    t0 = time.time()
-    loaded = load_model(a.model)
+    loaded = load_model(run.args.model)
     model = loaded.model.eval()
-    n = a.prompt + a.cont
-    ids, _ = token_stream(iter_texts(a.data, split="validation"), loaded.tokenizer, n * a.windows)
-    windows = ids[: n * a.windows].view(a.windows, n)
-    rows = {}
+    prompt, n = run["prompt"], run["prompt"] + run["cont"]
+    ids, _ = token_stream(iter_texts(run.args.data, split="validation"), loaded.tokenizer, n * run["windows"])
+    windows = ids[: n * run["windows"]].view(run["windows"], n)
+    full = None
     for name, fn in (
-        ("full K/V (ours, fp32)", lambda: score_ours(model, windows, a.prompt, None)),
-        ("HF DynamicCache (fp32)", lambda: score_hf(model, windows, a.prompt, lambda: DynamicCache(config=model.config))),
-        ("int8 rows + fp16 scales (ours)", lambda: score_ours(model, windows, a.prompt, "int8")),
-        ("HF QuantizedCache fp8 (per-tensor)", lambda: score_hf(model, windows, a.prompt,
+        ("full K/V (ours, fp32)", lambda: score_ours(model, windows, prompt, None)),
+        ("HF DynamicCache (fp32)", lambda: score_hf(model, windows, prompt, lambda: DynamicCache(config=model.config))),
+        ("int8 rows + fp16 scales (ours)", lambda: score_ours(model, windows, prompt, "int8")),
+        ("HF QuantizedCache fp8 (per-tensor)", lambda: score_hf(model, windows, prompt,
                                                                 lambda: QuantizedCache("fp8", model.config))),
     ):
         nll, nbytes = fn()
-        rows[name] = {"nll": nll, "ppl": math.exp(nll), "cache_bytes": nbytes}
-        print(f"{name:38s} ppl {math.exp(nll):.4f}  cache {nbytes:,} B", flush=True)
-    full = rows["full K/V (ours, fp32)"]
-    for r in rows.values():
-        r["ppl_vs_full"] = r["ppl"] / full["ppl"]
-        r["bytes_vs_full"] = full["cache_bytes"] / r["cache_bytes"]
-    report = {"model": a.model, "data": a.data, "windows": a.windows, "prompt": a.prompt, "cont": a.cont,
-              "scored_tokens": a.windows * a.cont, "rows": rows, "seconds": round(time.time() - t0, 1),
-              "command": command_line(__file__, argv), "revision": revision()}
-    write_json(report, a.json)
-    print(f"wrote {a.json}")
-    return 0
+        full = full or (math.exp(nll), nbytes)
+        run.say(f"{name:38s} ppl {math.exp(nll):.4f}  cache {nbytes:,} B")
+        yield {"cache": name, "nll": nll, "ppl": math.exp(nll), "cache_bytes": nbytes,
+               "ppl_vs_full": math.exp(nll) / full[0], "bytes_vs_full": full[1] / nbytes,
+               "scored_tokens": run["windows"] * run["cont"]}
 
+
+STUDY = Study("hf_quant_cache", __doc__, rows, options=options,
+              bounds={"windows": (1, 4096), "prompt": (1, 1 << 16), "cont": (1, 1 << 16)})
+main = STUDY.main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """KVSplice at 512 B/token: what can make a KVSplice-50 of the 128-dim MLA latent match MLA-64 (same cached bytes)?
 
-    python benchmarks/kvsplice_recipe.py --study ablation --device cuda --batch 64 --steps 2000 --jobs 8
-    python benchmarks/kvsplice_recipe.py --study recipe --device cuda --batch 64 --steps 2000 --jobs 3
+    python -m benchmarks.kvsplice_recipe --study ablation --device cuda --batch 64 --steps 2000 --jobs 8
+    python -m benchmarks.kvsplice_recipe --study recipe --device cuda --batch 64 --steps 2000 --jobs 3
 
 Every variant trains the small_* shapes for the same ``--steps`` x ``--batch`` x 256 tokens as the frontier study
 (``benchmarks/frontier.py``; :mod:`benchmarks.lib.study` runs each ``training.fit``).
@@ -16,27 +16,24 @@ Every variant trains the small_* shapes for the same ``--steps`` x ``--batch`` x
 * ``--study recipe`` — the two-stage ``insert`` recipe on the real validation text, seeds 1 2 3, next to the
   frontier's MLA-64 and KVSplice-50 rows (``results/frontier_gpu.json``) at equal total tokens.
 
-Writes ``results/kvsplice_recipe_<study>[_gpu].json`` (+ ``.md``). Resumable like the frontier study.
+Writes ``results/kvsplice_recipe_<study>[_gpu].{json,md}``; ``--resume`` continues a stopped study (a run already in
+its JSON, with the same resume key, is not trained again).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 from collections import defaultdict
 from pathlib import Path
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
-
-from benchmarks.harness.header import command as command_line, revision  # noqa: E402
-from benchmarks.harness.options import add_out, add_threads, command, parser  # noqa: E402
-from benchmarks.harness.paths import RESULTS  # noqa: E402
-from benchmarks.harness.studies import load as load_study, variants  # noqa: E402
-from benchmarks.lib.study import (DATA, DATA_CACHE, REPO, TRAIN_FILES, cache_bytes, comparison_table, compare,
-                                  data_args, final_train_loss, last_val, resume_key, run_args, run_jobs, run_key,
-                                  run_module, save_study, summarise, train, train_curve)  # noqa: E402
+from benchmarks.harness.options import UsageError
+from benchmarks.harness.paths import RESULTS
+from benchmarks.harness.runner import Study
+from benchmarks.harness.studies import load as load_study, variants
+from benchmarks.lib.study import (DATA, DATA_CACHE, REPO, TRAIN_FILES, cache_bytes, data_args, final_train_loss,
+                                  last_val, resume_key, run_args, run_jobs, run_key, run_module, seed_table, train,
+                                  train_curve)
 
 ABLATION = variants("kvsplice_recipe", "ablation")  # variant -> (config, overrides): studies/kvsplice_recipe.yaml
 RECIPE = variants("kvsplice_recipe", "recipe")
@@ -69,9 +66,7 @@ def insert_recipe(variant: str, seed: int, args, runs_dir: Path) -> Path:
     return runs_dir / name
 
 
-_STAGE1_LOCKS: defaultdict[Path, threading.Lock] = defaultdict(threading.Lock)
-"""One lock per shared MLA-128 stage: two ratios of one seed train it once (``defaultdict`` inserts atomically under
-the GIL)."""
+_STAGE1_LOCKS: defaultdict[Path, threading.Lock] = defaultdict(threading.Lock)  # one per shared MLA-128 stage
 
 
 def run_variant(variant: str, seed: int, args, runs_dir: Path) -> dict:
@@ -93,72 +88,63 @@ def run_variant(variant: str, seed: int, args, runs_dir: Path) -> dict:
             "train_loss_curve": curve}
 
 
-@command
-def main(argv: list[str] | None = None) -> int:
-    p = parser(__file__, __doc__, raw=True)
+def options(p) -> None:
     p.add_argument("--study", choices=("ablation", "recipe"), default="ablation")
-    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 (ablation), 1 2 3 (recipe)")
-    p.add_argument("--variants", nargs="+", default=None)
-    p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seeds", type=int, nargs="+", help="default: 0 (ablation), 1 2 3 (recipe)")
+    p.add_argument("--variants", nargs="+")
+    p.add_argument("--steps", type=int, help="optimizer steps per run (>= 2)")
+    p.add_argument("--batch", type=int, help="sequences per step")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--jobs", type=int, default=2)
-    add_threads(p)
+    p.add_argument("--jobs", type=int, help="runs side by side")
     p.add_argument("--data", type=Path, default=DATA)
     p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="token shards and tokenizer cache")
     p.add_argument("--runs-dir", type=Path, default=None)
-    add_out(p, None, "the results JSON (default results/kvsplice_recipe_<study>[_gpu].json)")
-    p.add_argument("--report-only", action="store_true", help="rewrite the table from the JSON; train nothing")
-    args = p.parse_args(argv)
-    if args.steps < 2 or args.batch < 1 or args.jobs < 1:
-        p.error("--steps must be >= 2, --batch and --jobs >= 1")
-    if not args.data.is_dir() and not args.report_only:
-        p.error(f"{args.data} not found (--data: the TinyStories folder)")
-    study = ABLATION if args.study == "ablation" else RECIPE
-    variants = args.variants or list(study)
-    unknown = sorted(set(variants) - set(study))
-    if unknown:
-        p.error(f"unknown variants {unknown}; choose from {list(study)}")
-    seeds = args.seeds or ([0] if args.study == "ablation" else [1, 2, 3])
-    gpu = "_gpu" if args.device == "cuda" else ""
-    out = args.out or RESULTS / f"kvsplice_recipe_{args.study}{gpu}.json"
-    runs_dir = (args.runs_dir or REPO / "checkpoints" / f"kvsplice_recipe{gpu}") / args.study
+    p.add_argument("--report-only", action="store_true", help="the report from the resumed JSON; train nothing")
+
+
+def out_stem(args) -> Path:
+    return RESULTS / f"kvsplice_recipe_{args.study}{'_gpu' if args.device == 'cuda' else ''}"
+
+
+def rows(run):
+    a = run.args
+    a.steps, a.batch = run["steps"], run["batch"]  # (run_args / run_key read them from the options)
+    if not a.data.is_dir() and not a.report_only:
+        raise UsageError(f"{a.data} not found (--data: the TinyStories folder)")
+    study = ABLATION if a.study == "ablation" else RECIPE
+    variants = a.variants or list(study)
+    if set(variants) - set(study):
+        raise UsageError(f"unknown variants {sorted(set(variants) - set(study))}; choose from {list(study)}")
+    seeds = a.seeds or ([0] if a.study == "ablation" else [1, 2, 3])
+    gpu = "_gpu" if a.device == "cuda" else ""
+    runs_dir = (a.runs_dir or REPO / "checkpoints" / f"kvsplice_recipe{gpu}") / a.study
+    yield from run.done  # the resumed rows (--resume)
+    if a.report_only:
+        return
     runs_dir.mkdir(parents=True, exist_ok=True)
-    args.data_args = [] if args.report_only else data_args(args.data, runs_dir, tuning=args.study == "ablation",
-                                                                   cache=args.data_cache)
-    stored = json.loads(out.read_text()) if out.is_file() else {}
-    rows = stored.get("rows", [])
-    done = {resume_key(r) for r in rows}
-    todo = [] if args.report_only else [(v, s) for s in seeds for v in variants if run_key(v, s, args) not in done]
-    meta = stored.get("meta") if args.report_only and stored.get("meta") else {
-        "study": args.study, "device": args.device, "batch": args.batch, "steps": args.steps,
-        "command": command_line(__file__, argv), "revision": revision()}
-    lock = threading.Lock()
+    a.data_args = data_args(a.data, runs_dir, tuning=a.study == "ablation", cache=a.data_cache)
+    done = {resume_key(r) for r in run.done}
+    todo = [(v, s) for s in seeds for v in variants if run_key(v, s, a) not in done]
 
     def job(vs):
-        row = run_variant(vs[0], vs[1], args, runs_dir)
-        with lock:
-            rows.append(row)
-            save_study(out, meta, rows)
-            print(f"{vs[0]} seed {vs[1]}: val_loss {row['val_loss']:.4f}", flush=True)
+        row = run_variant(vs[0], vs[1], a, runs_dir)
+        run.emit(row)
+        run.say(f"{vs[0]} seed {vs[1]}: val_loss {row['val_loss']:.4f}")
 
-    failed = run_jobs(todo, job, args.jobs, lambda msg: print(msg, file=sys.stderr))
-    if failed is None:
-        return 130
-    if not rows:
-        return 1
-    summary = summarise(rows)
-    by = {s["variant"]: s for s in summary}
-    lines = ["| variant | seeds | val loss (mean ± std) | cache B/token (fp16) | val − train loss |", "|---|---|---|---|---|"]
-    for s in summary:
-        gap = "" if s.get("gap") is None else f"{s['gap']:.3f}"
-        lines.append(f"| {s['variant']} | {s['n']} | {s['val_loss']:.4f} ± {s['std']:.4f} | {s['bytes']:.0f} | {gap} |")
-    cmps = [compare(by[v], by[ref]) for ref in ("mla_64", "ks50") if ref in by for v in by if v != ref]
-    md = "\n".join(lines) + ("\n\n" + comparison_table(cmps) if cmps else "")
-    print(md)
-    out.with_suffix(".md").write_text(f"{meta['command']}\n\n{md}\n")
-    return 1 if failed else 0
+    failed = run_jobs(todo, job, run["jobs"], lambda msg: print(msg, file=sys.stderr))
+    if failed is None:  # Ctrl-C or SIGTERM: the children are ended, the rows so far kept
+        raise KeyboardInterrupt
+    if failed:
+        run.fail(f"{len(failed)} run(s) failed: {failed}")
 
+
+STUDY = Study("kvsplice_recipe", __doc__, rows, options=options, out=out_stem,
+              markdown=lambda run, rows: seed_table(rows, ("mla_64", "ks50")),
+              summary=lambda run, rows: {"meta": {"study": run.args.study, "device": run.args.device,
+                                                  "batch": run["batch"], "steps": run["steps"]}},
+              sizes={"default": {"steps": 500, "batch": 8, "jobs": 2}},
+              bounds={"steps": (2, 10 ** 7), "batch": (1, 65536), "jobs": (1, 256)})
+main = STUDY.main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,19 +1,15 @@
 """Absorbed-MLA decode attention over the one shared latent head (12 query heads folded into query rows, one key
 head): which formulation is fast on this GPU? SDPA's default, three ops, each fused kernel on the latent zero-padded
-to a multiple of 8, a split over the keys. Median ms per call (CUDA events). Needs CUDA.
+to a multiple of 8, a split over the keys. Median ms per call (CUDA events), a row per
+(batch, context, rank). Needs CUDA.
 
-    python benchmarks/latent_sdpa.py
-    python benchmarks/latent_sdpa.py --batch 8 --ctx 1024 --ranks 26 --calls 10     # one case, quickly
+    python -m benchmarks.latent_sdpa
+    python -m benchmarks.latent_sdpa --smoke         # one case, quickly
 """
 
 from __future__ import annotations
 
-import sys
-
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
-
-from benchmarks.harness.options import UsageError, command, parser, pos_int  # noqa: E402
+from benchmarks.harness.runner import Study
 
 HEADS, HEAD_DIM = 12, 64  # GPT-2 small's query heads and head size (the softmax scale)
 
@@ -62,35 +58,40 @@ def formulations(q, s, scale: float, splits: int = 16) -> dict:
     return out
 
 
-@command
-def main(argv=None) -> int:
-    p = parser(__file__, __doc__)
-    p.add_argument("--batch", type=pos_int, nargs="+", default=[8, 64])
-    p.add_argument("--ctx", type=pos_int, nargs="+", default=[1024, 4096, 16384], help="cached tokens")
-    p.add_argument("--ranks", type=pos_int, nargs="+", default=[26, 128], help="latent sizes r")
-    p.add_argument("--calls", type=pos_int, default=50, help="timed calls per formulation (after 5 untimed)")
-    a = p.parse_args(argv)
+def options(p) -> None:
+    p.add_argument("--batch", type=int, nargs="+", help="batch sizes")
+    p.add_argument("--ctx", type=int, nargs="+", help="cached tokens")
+    p.add_argument("--ranks", type=int, nargs="+", help="latent sizes r")
+    p.add_argument("--calls", type=int, help="timed calls per formulation (after 5 untimed)")
+
+
+def rows(run):
     import torch
 
-    from benchmarks.harness.timing import cuda_time, median_of
+    from benchmarks.lib.gpu_bench import need_cuda
 
-    if not torch.cuda.is_available():
-        raise UsageError("no CUDA device (this benchmark measures a GPU)")
+    need_cuda()
     dt = torch.bfloat16
-    for b in a.batch:
-        for t in a.ctx:
-            for r in a.ranks:
+    for b in run["batch"]:
+        for t in run["ctx"]:
+            for r in run["ranks"]:
                 q = torch.randn(b, 1, HEADS, r, device="cuda", dtype=dt)
                 s = torch.randn(b, 1, t, r, device="cuda", dtype=dt)
                 res = {}
                 for name, fn in formulations(q, s, HEAD_DIM ** -0.5).items():
                     try:
-                        res[name] = median_of(cuda_time, fn, a.calls, warmup=5)
+                        res[name] = run.time(fn, run["calls"], warmup=5, clock="cuda")
                     except RuntimeError:  # a kernel that cannot take these inputs
                         res[name] = float("nan")
-                print(f"B={b} T={t} r={r}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()), flush=True)
-    return 0
+                run.say(f"B={b} T={t} r={r}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()))
+                yield {"batch": b, "ctx": t, "rank": r, "ms": res}
 
+
+STUDY = Study("latent_sdpa", __doc__, rows, options=options, threads=None,
+              sizes={"default": {"batch": [8, 64], "ctx": [1024, 4096, 16384], "ranks": [26, 128], "calls": 50},
+                     "smoke": {"batch": [8], "ctx": [1024], "ranks": [26], "calls": 10}},
+              bounds={"batch": (1, 4096), "ctx": (16, 1 << 20), "ranks": (1, 1024), "calls": (1, 10000)})
+main = STUDY.main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

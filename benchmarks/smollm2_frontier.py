@@ -1,8 +1,8 @@
 """SmolLM2-135M-Instruct: perplexity vs cache bytes per token for every method family and their stacks, on the same
 evaluation windows; the Pareto front; the budget planner's stacks at 4x / 8x / 16x; the paper's claims.
 
-    python benchmarks/smollm2_frontier.py                 # resumable: finished rows are kept in WORK/rows.json
-    python benchmarks/smollm2_frontier.py --only kivi4    # rows whose id contains a string; --list to see them
+    python -m benchmarks.smollm2_frontier                 # resumable: finished rows are kept in WORK/rows.json
+    python -m benchmarks.smollm2_frontier --only kivi4    # rows whose id contains a string; --list to see them
 
 Protocols (kvsplice.evaluation.protocol; ``benchmarks/lib/smollm2_windows.py`` for the text):
 
@@ -30,12 +30,10 @@ import time
 
 import torch
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.options import add_threads, command, parser  # noqa: E402
-from benchmarks.harness.paths import RESULTS  # noqa: E402
-import benchmarks.lib.smollm2_windows as C  # noqa: E402
+from benchmarks.harness.options import add_threads, command, parser
+from benchmarks.harness.paths import RESULTS
+import benchmarks.lib.smollm2_windows as C
 
 from kvsplice import build_method
 from kvsplice.evaluation.protocol import evaluate

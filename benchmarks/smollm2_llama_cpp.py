@@ -3,12 +3,12 @@
 the task suite's answers on the same instances, and the cache bytes per token llama.cpp reports — beside our stacks'
 figures from ``results/`` (the same windows and seeds).
 
-    python benchmarks/smollm2_llama_cpp.py                       # perplexity + the reduced task set, every type
-    python benchmarks/smollm2_llama_cpp.py --types q8_0 q4_0     # some types (another process can run the others)
-    python benchmarks/smollm2_llama_cpp.py --ours k8v4h int4h    # + our stacks on protocol P (loads the model)
-    python benchmarks/smollm2_llama_cpp.py --types --tasks --exact-bytes --cross-check q8_0 f16
+    python -m benchmarks.smollm2_llama_cpp                       # perplexity + the reduced task set, every type
+    python -m benchmarks.smollm2_llama_cpp --types q8_0 q4_0     # some types (another process can run the others)
+    python -m benchmarks.smollm2_llama_cpp --ours k8v4h int4h    # + our stacks on protocol P (loads the model)
+    python -m benchmarks.smollm2_llama_cpp --types --tasks --exact-bytes --cross-check q8_0 f16
                       # bytes at 2^15 cells (exact in llama.cpp's log); llama-perplexity itself beside our API path
-    python benchmarks/smollm2_llama_cpp.py --report-only         # write results/ from what is finished
+    python -m benchmarks.smollm2_llama_cpp --report-only         # write results/ from what is finished
 
 Our extra task rows (``k8v4h``, ``int4`` at llama.cpp's bytes) come from ``OURS_TASKS_CMD`` (``eval_tasks``), read
 when its output exists; our other rows from ``results/smollm2_frontier.json``, ``smollm2_tasks.json`` and
@@ -34,11 +34,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.options import add_progress, add_threads, command, parser  # noqa: E402
-from benchmarks.harness.paths import EVAL as STORIES, RESULTS, ROOT, SMOLLM2 as MODEL  # noqa: E402
+from benchmarks.harness.options import add_progress, add_threads, command, parser
+from benchmarks.harness.paths import EVAL as STORIES, RESULTS, ROOT, SMOLLM2 as MODEL
 
 WORK = ROOT / "checkpoints" / "smollm2_llama_cpp"
 TYPES = ["f16", "q8_0", "q4_0", "q4_1", "iq4_nl"]
@@ -246,7 +244,7 @@ def write_report(types: list[str], results_dir: Path) -> dict:
     full_ours = next((r["ppl"] for r in ours if r["label"].startswith("ours: full")), None)
     f16 = docs.get("f16", {}).get("protocol_P", {}).get("ppl")
     md = ["# llama.cpp's KV cache types beside our stacks (SmolLM2-135M-Instruct)", "",
-          "`python benchmarks/smollm2_llama_cpp.py` — llama.cpp 0.3.36 (llama-cpp-python's vendored tree) "
+          "`python -m benchmarks.smollm2_llama_cpp` — llama.cpp 0.3.36 (llama-cpp-python's vendored tree) "
           "through its C API on the shared Q4_1 GGUF, our tokenizer's ids, K and V in the type, flash attention on, "
           "one thread; protocol P (4 validation windows of 1,024 tokens, 768 prefilled, 256 decoded in chunks of 64 "
           "and scored). Bytes per token: llama.cpp's own log line at context creation (K + V MiB over its cells) "

@@ -2,18 +2,18 @@
 the perplexity frontier (results/smollm2_frontier.*), the planner's picks and KVzip, in both settings, beside the full
 cache's accuracy (the ceiling).
 
-    python benchmarks/smollm2_tasks.py                    # --size reduced (what was run; see docs/tasks.md)
-    python benchmarks/smollm2_tasks.py --size passkey     # the passkey table: 8 at 1k + 8 at 2k, both settings
-    python benchmarks/smollm2_tasks.py --size goals       # the goals: the planner's picks, 3 tasks x 50 at 1k
-    python benchmarks/smollm2_tasks.py --size goals2k     # the same for the passkey at 2k (50, both settings)
-    python benchmarks/smollm2_tasks.py --size ceiling     # the full cache (+ int8) at 4k / 8k, 3 tasks x 10: the model's ceiling
-    python benchmarks/smollm2_tasks.py --size long        # the picks made at 1k at 4k / 8k (+ a 4x pick re-made for 8k):
+    python -m benchmarks.smollm2_tasks                    # --size reduced (what was run; see docs/tasks.md)
+    python -m benchmarks.smollm2_tasks --size passkey     # the passkey table: 8 at 1k + 8 at 2k, both settings
+    python -m benchmarks.smollm2_tasks --size goals       # the goals: the planner's picks, 3 tasks x 50 at 1k
+    python -m benchmarks.smollm2_tasks --size goals2k     # the same for the passkey at 2k (50, both settings)
+    python -m benchmarks.smollm2_tasks --size ceiling     # the full cache (+ int8) at 4k / 8k, 3 tasks x 10: the model's ceiling
+    python -m benchmarks.smollm2_tasks --size long        # the picks made at 1k at 4k / 8k (+ a 4x pick re-made for 8k):
                                                           # number in stories x 20, both settings
-    python benchmarks/smollm2_tasks.py --size goalsfast   # the goals for the default 4x pick (fast prefill)
-    python benchmarks/smollm2_tasks.py --size fastpick    # the default 4x pick (fast prefill) vs the full cache, 2k / 4k
-    python benchmarks/smollm2_tasks.py --size full        # every family and stack, 7 tasks, 1k/2k/4k, n = 16
-    python benchmarks/smollm2_tasks.py --size smoke       # stories260K, seconds: checks the script end to end
-    python benchmarks/smollm2_tasks.py --report-only      # write results/ from the finished instances
+    python -m benchmarks.smollm2_tasks --size goalsfast   # the goals for the default 4x pick (fast prefill)
+    python -m benchmarks.smollm2_tasks --size fastpick    # the default 4x pick (fast prefill) vs the full cache, 2k / 4k
+    python -m benchmarks.smollm2_tasks --size full        # every family and stack, 7 tasks, 1k/2k/4k, n = 16
+    python -m benchmarks.smollm2_tasks --size smoke       # stories260K, seconds: checks the script end to end
+    python -m benchmarks.smollm2_tasks --report-only      # write results/ from the finished instances
 
 The planner's picks are made first by the documented command (``python -m kvsplice.plan --model M --calib CALIB
 --calib-stats ... --ratio R --out plan<R>x.json``, its defaults: the ``mixed`` objective on tuning instances with
@@ -30,18 +30,16 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 from pathlib import Path
 from typing import Optional
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
+from benchmarks.harness.options import add_progress
+from benchmarks.harness.paths import CALIB, DATA, EVAL as STORIES, ROOT, SMOLLM2 as MODEL
+from benchmarks.harness.runner import Study
+from benchmarks.harness.studies import load as load_study
+from benchmarks.lib.tasks_figure import plot
+from kvsplice.planning.options import PLAN_CALIB_TOKENS
 
-from benchmarks.harness.options import add_progress, add_threads, command, parser  # noqa: E402
-from benchmarks.harness.paths import CALIB, DATA, EVAL as STORIES, RESULTS, ROOT, SMOLLM2 as MODEL  # noqa: E402
-from benchmarks.harness.results import result_stem, write_markdown, write_result  # noqa: E402
-from benchmarks.harness.studies import load as load_study  # noqa: E402
-from kvsplice.planning.options import PLAN_CALIB_TOKENS  # noqa: E402
 WORK = ROOT / "checkpoints" / "smollm2_tasks"
 PLANS = WORK / "plans"
 
@@ -100,49 +98,13 @@ def _argv(size: str, cfg: dict, length: int, out: Path, threads: int, progress: 
             "--out", str(out)] + ([] if progress else ["--no-progress"])
 
 
-def _plot(report: dict, out_png: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from models.checkpoint import atomic_write
-
-    lengths = sorted(report["by_length"], key=int)
-    settings = [s for s in ("agnostic", "aware") if any(s in report["by_length"][L]["summary"] for L in report[
-        "by_length"])]
-    fig = Figure(figsize=(5.0 * len(settings), 3.8 * len(lengths)), dpi=110)
-    FigureCanvasAgg(fig)
-    for i, L in enumerate(lengths):
-        for j, s in enumerate(settings):
-            ax = fig.add_subplot(len(lengths), len(settings), i * len(settings) + j + 1)
-            per = report["by_length"][L]["summary"].get(s, {})
-            for m, r in per.items():
-                name = Path(m[5:]).stem if m.startswith("plan:") else report["labels"].get(m, m)  # plan4x8k
-                label = f"{name} (n={r['n']})"
-                if m == "full":
-                    ax.axhline(r["acc"], color="k", ls="--", lw=1, label=f"full cache ({r['acc']:.0f} %)")
-                    continue
-                marker = "s" if m.startswith("kvzip") else ("^" if m.startswith("select") else "o")
-                ax.scatter(r["ratio"], r["acc"], marker=marker, label=label)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("× smaller than the fp16 full cache")
-            ax.set_ylabel("accuracy % (exact match)")
-            ax.set_ylim(-5, 105)
-            ax.set_title(f"SmolLM2-135M, {L} tokens, query-{s}", fontsize=9)
-            ax.grid(True, alpha=0.3)
-            if per:
-                ax.legend(fontsize=6, loc="best")
-            else:
-                ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
-    fig.tight_layout()
-    atomic_write(out_png, lambda tmp: fig.savefig(tmp, format="png"))
-
-
-def write_report(size: str, cfg: dict, results_dir: Path) -> dict:
+def build_report(size: str, cfg: dict) -> tuple[dict, str]:
+    """The report of the finished lengths and the plans' evidence, and its Markdown."""
     from kvsplice.tasks.report import markdown, summarize
 
     report = {"size": size, "config": cfg, "model": _model(size), "by_length": {}, "labels": {}}
     md = [f"# Long-context tasks on {'stories260K (smoke)' if size == 'smoke' else 'SmolLM2-135M-Instruct'}", "",
-          f"`python benchmarks/smollm2_tasks.py --size {size}` — tasks {', '.join(cfg['tasks'])}; n = {cfg['n']} per "
+          f"`python -m benchmarks.smollm2_tasks --size {size}` — tasks {', '.join(cfg['tasks'])}; n = {cfg['n']} per "
           f"task and length; greedy answers, exact match; fp32 on the CPU.", ""]
     for L in cfg["lengths"]:
         path = WORK / f"{size}_{L}.json"
@@ -166,51 +128,49 @@ def write_report(size: str, cfg: dict, results_dir: Path) -> dict:
                 report["plans"][name]["protocol_P"] = json.loads(ppl_p.read_text())["results"][0]
                 report["plans"][name]["protocol_P_command"] = "python -m kvsplice.eval_bases " + shlex.join(
                     protocol_p_argv(name))
-    stem = result_stem("smollm2_tasks", "" if size == "reduced" else size, results_dir)
-    write_result(stem, report)  # (each length's command is in by_length: a report-only run made none of them)
-    write_markdown(stem, "\n".join(md))
-    if report["by_length"]:
-        _plot(report, stem.with_suffix(".png"))
-    return report
+    return report, "\n".join(md)
 
 
-@command
-def main(argv: Optional[list[str]] = None) -> int:
+def options(p) -> None:
+    p.add_argument("--work", default=str(WORK), help="folder of the runs and plans (default checkpoints/smollm2_tasks)")
+    p.add_argument("--report-only", action="store_true", help="the report from the finished instances")
+    add_progress(p)
+
+
+def rows(run):
     global WORK, PLANS
-    ap = parser(__file__, __doc__)
-    ap.add_argument("--size", choices=tuple(SIZES), default="reduced")
-    add_threads(ap, 2)
-    ap.add_argument("--results", default=str(RESULTS), help="folder of the report (default results/)")
-    ap.add_argument("--work", default=str(WORK), help="folder of the runs and plans (default checkpoints/smollm2_tasks)")
-    ap.add_argument("--report-only", action="store_true")
-    add_progress(ap)
-    a = ap.parse_args(argv)
-    cfg = SIZES[a.size]
+    a, cfg, size = run.args, run.settings, run.size
     WORK, PLANS = Path(a.work), Path(a.work) / "plans"
     if not a.report_only:
         from kvsplice.cli import eval_bases, eval_tasks, plan
 
         WORK.mkdir(parents=True, exist_ok=True)
+        steps = []
         for name in plans_of(cfg):
             if not plan_path(name).is_file():  # made once, kept (the planner's tuning never sees reported seeds)
                 PLANS.mkdir(parents=True, exist_ok=True)
-                rc = plan.main(plan_argv(name) + ["--threads", str(a.threads)] + ([] if a.progress else
-                                                                                   ["--no-progress"]))
-                if rc:
-                    return rc
+                steps.append(("kvsplice plan", lambda name=name: plan.main(
+                    plan_argv(name) + ["--threads", str(a.threads)] + ([] if a.progress else ["--no-progress"]))))
             if not (PLANS / f"plan{name}_P.json").is_file():  # the plan's protocol-P perplexity (docs/plan.md)
-                rc = eval_bases.main(protocol_p_argv(name) + ["--threads", str(a.threads), "--no-progress"])
-                if rc:
-                    return rc
-        for L in cfg["lengths"]:
-            rc = eval_tasks.main(_argv(a.size, cfg, L, WORK / f"{a.size}_{L}.json", a.threads, a.progress))
+                steps.append(("kvsplice eval-bases", lambda name=name: eval_bases.main(
+                    protocol_p_argv(name) + ["--threads", str(a.threads), "--no-progress"])))
+        steps += [("kvsplice eval-tasks", lambda L=L: eval_tasks.main(
+            _argv(size, cfg, L, WORK / f"{size}_{L}.json", a.threads, a.progress))) for L in cfg["lengths"]]
+        for what, step in steps:
+            rc = step()
             if rc:
-                return rc
-    report = write_report(a.size, cfg, Path(a.results))
-    print(f"wrote {a.results}/smollm2_tasks{'' if a.size == 'reduced' else '_' + a.size}.{{json,md,png}} "
-          f"({len(report['by_length'])} lengths)")
-    return 0
+                run.fail(f"{what} exited {rc}")
+                break
+    report, md = build_report(size, cfg)
+    run.notes.update(report=report, markdown=md)
+    yield from ({"length": int(L), **v} for L, v in report["by_length"].items())
 
+
+STUDY = Study("smollm2_tasks", __doc__, rows, options=options, threads=2, default_size="reduced", inherit=False,
+              sizes=SIZES, summary=lambda run, rows: run.notes["report"],
+              markdown=lambda run, rows: run.notes["markdown"], figure=lambda run, rows: plot(run.notes["report"]),
+              bounds={"lengths": (16, 1 << 17), "n": (1, 100000)})
+main = STUDY.main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -86,7 +86,7 @@ def test_every_figure_names_its_command():
         text = doc.read_text(encoding="utf-8")
         for target in links(doc):
             if target.endswith("figures/overview.png"):
-                assert "python benchmarks/readme_figure.py" in text, doc.name
+                assert "python -m benchmarks.readme_figure" in text, doc.name
 
 
 def test_figure_script_runs_on_the_committed_results(figure, tmp_path):
@@ -100,13 +100,12 @@ def test_figure_script_runs_on_the_committed_results(figure, tmp_path):
 
 def test_figure_script_as_a_command(tmp_path):
     out = tmp_path / "o.png"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "readme_figure.py"), "--out", str(out)],
+    run = subprocess.run([sys.executable, "-m", "benchmarks.readme_figure", "--out", str(out)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert out.is_file()
-    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "readme_figure.py"), "--results",
-                          str(tmp_path / "none"), "--out", str(tmp_path / "p.png")], capture_output=True, text=True,
-                         timeout=120)
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.readme_figure", "--results", str(tmp_path / "none"),
+                          "--out", str(tmp_path / "p.png")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("readme_figure: error:")
     assert not (tmp_path / "p.png").exists()
 

@@ -17,15 +17,15 @@ __all__ = ["command", "header", "machine", "machine_line", "revision"]
 
 
 def command(script: str, argv: Optional[Sequence[str]] = None) -> str:
-    """``python benchmarks/<study>.py ARGS``: the command that ran ``script`` (its ``__file__``) with ``argv``
-    (default: this process's arguments), quoted as a shell reads it, the path relative to the repository."""
+    """``python -m benchmarks.<study> ARGS``: the command that ran ``script`` (its ``__file__``) with ``argv``
+    (default: this process's arguments), quoted as a shell reads it (a file outside the repository: by its path)."""
     path = Path(script).resolve()
-    try:
-        shown = path.relative_to(ROOT).as_posix()
-    except ValueError:
-        shown = path.name
     args = list(sys.argv[1:] if argv is None else argv)
-    return shlex.join(["python", shown, *map(str, args)])
+    try:
+        module = path.relative_to(ROOT).with_suffix("").parts
+    except ValueError:
+        return shlex.join(["python", path.name, *map(str, args)])
+    return shlex.join(["python", "-m", ".".join(module), *map(str, args)])
 
 
 def machine(threads: Optional[int] = None) -> dict:

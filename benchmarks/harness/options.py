@@ -81,14 +81,16 @@ def add_model(p: argparse.ArgumentParser, default: Any = None, help: Optional[st
         p.set_defaults(model=str(default))
 
 
-def add_windows(p: argparse.ArgumentParser, windows: int, *, data: bool = True) -> None:
+def add_windows(p: argparse.ArgumentParser, windows: Optional[int] = None, *, data: bool = True) -> None:
     """The windows of real text a continuation study scores: ``--windows`` (``windows`` by default) of ``--prompt``
-    (384) + ``--cont`` (128) tokens, and with ``data`` the text, ``--data`` (default: the stories evaluation text)."""
+    (384) + ``--cont`` (128) tokens, and with ``data`` the text, ``--data`` (default: the stories evaluation text).
+    With ``windows`` None the three default to None: a study's settings (its YAML sizes) give them."""
     if data:
         p.add_argument("--data", default=str(EVAL))
-    p.add_argument("--windows", type=int, default=windows)
-    p.add_argument("--prompt", type=int, default=384)
-    p.add_argument("--cont", type=int, default=128)
+    given = windows is not None
+    p.add_argument("--windows", type=int, default=windows, help="windows of text scored")
+    p.add_argument("--prompt", type=int, default=384 if given else None, help="prompt tokens of a window")
+    p.add_argument("--cont", type=int, default=128 if given else None, help="scored continuation tokens")
 
 
 def add_progress(p: argparse.ArgumentParser) -> None:

@@ -58,7 +58,7 @@ def write_report(done: dict, out_dir: Path, kvpress: dict, issue: dict, claims: 
     by = {p: [r for r in done.values() if r.get("protocol") == p] for p in "PSW"}
     base = {p: next((r["ppl"] for r in rows if r["id"] in ("full", "S_full", "W_full")), None) for p, rows in by.items()}
     md = ["# SmolLM2-135M-Instruct: perplexity vs KV-cache bytes, every method family", "",
-          "Made by `python benchmarks/smollm2_frontier.py` (protocols and text in its docstring). Bytes per token: "
+          "Made by `python -m benchmarks.smollm2_frontier` (protocols and text in its docstring). Bytes per token: "
           "each method's closed form at fp16 storage for the tokens held after the 768-token prompt, per prompt "
           "token; measured == formula in every batch of every row. Ratio: vs the fp16 full K/V cache (23,040 B per "
           "token). Δ: vs the full cache on the same windows and protocol. ★ = on the Pareto front (no other row is "

@@ -20,11 +20,12 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["MethodRun", "PeakRSS", "measure", "prefill_and_steps"]
+__all__ = ["MethodRun", "PeakRSS", "measure", "method_factories", "prefill_and_steps", "prompt_ids"]
 
 
 class PeakRSS:
@@ -152,3 +153,50 @@ def _dynamic_bytes(cache) -> int:
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
     return total
+
+
+def method_factories(args, model, tok, picks: dict):
+    """``[(label, method | None | ids → method)]`` of ``args.methods`` (``picks``: name → spec, or a plan file from
+    ``args.plan4`` / ``args.plan8``): the full cache is ``None``; a plan or a KVzip spec is built per prompt (it
+    re-reads it); ``args.pick_scores == "random"`` gives the KVzip stacks random token scores."""
+    from kvsplice.core.registry import build_method, needs_prompt
+    from kvsplice.planning.spec import Plan
+
+    out = []
+    for name in args.methods:
+        if name == "full":
+            out.append(("full", None))
+            continue
+        plan_path = {"pick4x": args.plan4, "pick8x": args.plan8}.get(name)
+        if plan_path:
+            plan = Plan.load(plan_path, model)
+            out.append((name, lambda ids, plan=plan: plan.method(ids.shape[1], prompt_ids=ids, tokenizer=tok)))
+            continue
+        spec = picks.get(name, name)
+        if needs_prompt(spec) or spec.startswith("select:"):
+            out.append((name, lambda ids, spec=spec: _scored(build_method(spec, prompt_len=ids.shape[1],
+                                                                          prompt_ids=ids, tokenizer=tok),
+                                                             model, ids, args.pick_scores)))
+        else:
+            out.append((name, build_method(spec)))
+    return out
+
+
+def _scored(method, model, ids: torch.Tensor, scores: str):
+    """``method``, a KVzip selection given random token scores (``scores="random"``: its ``shared_scores``, so no
+    reconstruction pass runs) — the decode-time layout of the stack without the cost of its prefill."""
+    if scores == "random" and hasattr(method, "shared_scores"):
+        cfg = model.config
+        g = torch.Generator().manual_seed(0)
+        method.shared_scores = {l: torch.rand(ids.shape[0], cfg.num_key_value_heads, ids.shape[1], generator=g)
+                                for l in range(cfg.num_hidden_layers)}
+    return method
+
+
+def prompt_ids(tok, path: str, t: int, b: int) -> torch.Tensor:
+    """``(b, t)`` token ids: consecutive ``t``-token slices of the text."""
+    ids = tok.encode(Path(path).read_text())
+    need = t * b
+    while len(ids) < need:
+        ids = ids + ids
+    return torch.tensor(ids[:need]).view(b, t)

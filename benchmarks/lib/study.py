@@ -27,7 +27,8 @@ from benchmarks.harness.paths import TINYSTORIES
 
 __all__ = ["DATA", "DATA_CACHE", "REPO", "RUN_KEY", "TRAIN_FILES", "cache_bytes", "compare", "comparison_table",
            "data_args", "end_children", "final_train_loss", "last_val", "late_drop", "resume_key", "run_args",
-           "run_jobs", "run_key", "run_module", "save_study", "summarise", "train", "train_curve", "trained"]
+           "run_jobs", "run_key", "run_module", "save_study", "seed_table", "summarise", "train", "train_curve",
+           "trained"]
 
 REPO = Path(__file__).resolve().parents[2]
 """The repository: the working directory of every ``python -m`` run (and first on its PYTHONPATH)."""
@@ -290,3 +291,17 @@ def comparison_table(cmps: list[dict]) -> str:
         z = "" if c["z"] is None else f"{c['z']:+.1f}"
         lines.append(f"| {c['a']} | {c['b']} | {c['diff']:+.4f} | {c['se']:.4f} | {z} | {c['verdict']} |")
     return "\n".join(lines)
+
+
+def seed_table(rows: list[dict], refs: tuple[str, ...]) -> str:
+    """Markdown: per variant the seeds, mean ± std validation loss, cache bytes and the val − train gap, then each
+    variant against each of ``refs`` present (:func:`compare`)."""
+    summary = summarise(rows)
+    by = {s["variant"]: s for s in summary}
+    lines = ["| variant | seeds | val loss (mean ± std) | cache B/token (fp16) | val − train loss |",
+             "|---|---|---|---|---|"]
+    for s in summary:
+        gap = "" if s.get("gap") is None else f"{s['gap']:.3f}"
+        lines.append(f"| {s['variant']} | {s['n']} | {s['val_loss']:.4f} ± {s['std']:.4f} | {s['bytes']:.0f} | {gap} |")
+    cmps = [compare(by[v], by[ref]) for ref in refs if ref in by for v in by if v != ref]
+    return "\n".join(lines) + ("\n\n" + comparison_table(cmps) if cmps else "")

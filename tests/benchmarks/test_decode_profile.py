@@ -4,13 +4,10 @@ per-step op groups of a tiny model, written as json + md. No timing assertions: 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import load_benchmark, tiny_family  # noqa: E402
+from tiny_models import load_benchmark, tiny_family
 
 
 def _bench():
@@ -27,9 +24,20 @@ def test_decode_profile_layer_and_step_rows(tmp_path) -> None:
     step = bench.step_rows(model, 48, spec="kivi4(group=8,residual=16)")
     assert {r["method"] for r in step} == {"full", "kivi4(group=8,residual=16)"}
     assert {r["group"] for r in step} >= {"SDPA", "everything else"} and sum(r["ms"] for r in step) > 0
-    bench.write({"command": "test", "machine": "test", "layer": layer, "step": step}, tmp_path / "dp")
-    assert json.loads((tmp_path / "dp.json").read_text())["layer"] == layer
-    assert "| 256 | full cache: SDPA" in (tmp_path / "dp.md").read_text()
+    rows = [{"view": "layer", **r} for r in layer] + [{"view": "step", **r} for r in step]
+    md = bench.markdown(None, rows)
+    assert "| 256 | full cache: SDPA" in md and "| 48 | full | SDPA |" in md
+
+
+def test_decode_profile_runs_on_the_runner(tmp_path) -> None:
+    """The study end to end at its smallest context, the per-layer view only: JSON rows and the report."""
+    bench = _bench()
+    assert bench.main(["--no-model", "--contexts", "160", "--out", str(tmp_path / "dp")]) == 0
+    data = json.loads((tmp_path / "dp.json").read_text())
+    assert data["complete"] and {r["view"] for r in data["rows"]} == {"layer"}
+    assert all(r["context"] == 160 and r["us"] > 0 for r in data["rows"])
+    assert "| 160 | full cache: SDPA" in (tmp_path / "dp.md").read_text()
+    assert bench.main(["--no-model", "--contexts", "100", "--out", str(tmp_path / "dp2")]) == 2  # below the window
 
 
 def test_fused_formulation_equals_coded_attend_parts() -> None:

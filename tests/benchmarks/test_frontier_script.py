@@ -151,7 +151,7 @@ def study_cache(tmp_path_factory) -> Path:
 def test_a_run_shorter_than_the_log_interval_reports_and_resumes(tmp_path: Path, frontier, study_cache,
                                                                  capsys) -> None:
     """``--steps 2`` crashed on ``tokens_per_s`` None in a format string, and the run was then reported failed on
-    every later call. Now it reports, and the second call reuses the finished run. Its ``tokens`` are the tokens it
+    every later call. Now it reports, and a second call with ``--resume`` reuses the finished run. Its ``tokens`` are the tokens it
     trained (2 steps x batch 2 x 256), not those of the last logged step (none: it logs every 20 steps)."""
     argv = ["--steps", "2", "--batch", "2", "--variants", "mqa", "--seeds", "1", "--out", str(tmp_path / "f.json"),
             "--runs-dir", str(tmp_path / "runs"), "--cache-tokens", "16", "--data-cache", str(study_cache)]
@@ -159,7 +159,9 @@ def test_a_run_shorter_than_the_log_interval_reports_and_resumes(tmp_path: Path,
     first = json.loads((tmp_path / "f.json").read_text())["rows"]
     assert len(first) == 1 and first[0]["steps"] == 2 and first[0]["tokens"] == 2 * 2 * 256
     assert first[0]["tokens_per_s"] > 0  # (train_time_s is rounded to 0.1 s: no ratio of it is checked)
-    assert frontier.main(argv) == 0  # nothing left to run: the row is kept, nothing fails
+    assert frontier.main(argv) == 2  # the study's results exist: kept unless --resume (or --force)
+    assert "f.json: exists (--force replaces it)" in capsys.readouterr().err
+    assert frontier.main([*argv, "--resume"]) == 0  # nothing left to run: the row is kept, nothing fails
     assert json.loads((tmp_path / "f.json").read_text())["rows"] == first
     assert "failed" not in capsys.readouterr().err
 

@@ -18,7 +18,7 @@ from processes import wait_ended, watch
 from tiny_models import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+SCRIPT = ["-m", "benchmarks.gpu_check"]  # run from the repository (cwd=ROOT)
 BLOCKER = """\
 import importlib.abc, sys
 class _Block(importlib.abc.MetaPathFinder):
@@ -48,7 +48,7 @@ def test_dry_run_plans_every_section_within_8_minutes_without_torch(tmp_path):
     """``--dry-run`` lists the seven sections in order with their estimates, and the total is <= 480 s; it runs with
     torch made unimportable (so it cannot touch CUDA)."""
     env = _blocking_env(tmp_path, blocked=("torch", "triton"))
-    res = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env,
+    res = subprocess.run([sys.executable, *SCRIPT, "--dry-run"], capture_output=True, text=True, env=env,
                          cwd=ROOT, timeout=60)
     assert res.returncode == 0, res.stderr
     out = res.stdout
@@ -60,7 +60,7 @@ def test_dry_run_plans_every_section_within_8_minutes_without_torch(tmp_path):
 
 
 def test_dry_run_marks_what_a_small_budget_skips():
-    res = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--budget-s", "150", "--sections", "flash4",
+    res = subprocess.run([sys.executable, *SCRIPT, "--dry-run", "--budget-s", "150", "--sections", "flash4",
                           "train", "kernel"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert res.returncode == 0, res.stderr
     lines = [ln for ln in res.stdout.splitlines() if re.match(r"\s+\d\.", ln)]
@@ -169,7 +169,7 @@ def test_smoke_run_writes_every_section_in_processes_without_jsonargparse_wandb_
     unimportable, in the parent, pytest and every child."""
     env = _blocking_env(tmp_path)
     out = tmp_path / "out"
-    res = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--sections", "tests", "decode", "train", "flash4",
+    res = subprocess.run([sys.executable, *SCRIPT, "--smoke", "--sections", "tests", "decode", "train", "flash4",
                           "--out-dir", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads((out / "gpu_check_cpu_smoke.json").read_text())
@@ -230,7 +230,7 @@ def test_sigterm_stops_the_running_section_and_records_it(tmp_path):
     env = _blocking_env(tmp_path)  # (jsonargparse, wandb, datasets unimportable: as on the device)
     with open(tmp_path / "site" / "sitecustomize.py", "a") as f:
         f.write(HOLD.format(handshake=str(handshake)))
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--smoke", "--sections", "decode", "flash4", "--out-dir",
+    proc = subprocess.Popen([sys.executable, *SCRIPT, "--smoke", "--sections", "decode", "flash4", "--out-dir",
                              str(out)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not handshake.exists() and proc.poll() is None:  # bounded by the process: it holds there or ends
         threading.Event().wait(0.01)
@@ -285,3 +285,15 @@ def test_both_floors_and_the_profile_split(gc):
     rows = gc.profile_rows(ev, "MHA", 4, 32, top=2, cuda=False)
     assert [r["kernel"] for r in rows] == ["mm", "softmax", "(step total)"]
     assert rows[0]["pct_step"] == 60.0 and rows[0]["ms"] == 0.6 and rows[-1]["ms"] == 1.0
+
+
+def test_an_earlier_report_is_kept_without_force(gc, tmp_path, capsys):
+    """Issue 60's footing: an earlier report of this device is not replaced without ``--force`` (or ``--merge``):
+    one line, exit 2, the file as it was."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "gpu_check_cpu_smoke.json").write_text("earlier")
+    assert gc.main(["--smoke", "--sections", "flash4", "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "exists (--force replaces it)" in err[0], err
+    assert (out / "gpu_check_cpu_smoke.json").read_text() == "earlier"

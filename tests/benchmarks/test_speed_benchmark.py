@@ -4,8 +4,6 @@ and 2, the report written (json, md, png). No timing assertions: only that the r
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import sys
 from pathlib import Path
 
@@ -44,24 +42,30 @@ def test_speed_benchmark_runs_every_method_in_both_doors(tmp_path, batch) -> Non
         assert all(r["cache_bytes"] > 0 and r["batch"] == batch and r["context"] == 40 for r in got)
         assert got[2]["cache_bytes"] < got[0]["cache_bytes"]  # KIVI holds fewer bytes than the full cache
         rows += [{**r, "dtype": "fp32"} for r in got]
-    out = tmp_path / "smollm2_speed_smoke"
-    bench.write_report(rows, out, {"command": "smoke", "machine": "test", "picks": bench.PICKS})
-    data = json.loads(out.with_suffix(".json").read_text())
-    assert len(data["rows"]) == 2 * len(methods)
-    assert "| fp32 | 40 |" in out.with_suffix(".md").read_text()
-    assert out.with_suffix(".png").exists() or importlib.util.find_spec("matplotlib") is None
+    assert len(rows) == 2 * len(methods)
+    assert "| fp32 | 40 |" in bench.markdown(None, rows)
+    fig = bench.figure(None, rows)
+    assert len(fig.axes) == 2  # one panel per (dtype, door, batch)
 
 
-def test_quick_size_and_peak_rss() -> None:
-    args = _bench().parse_args(["--quick"])
-    assert args.contexts == [512] and args.batch == [1, 2] and args.rounds == 4
+def test_quick_size_and_peak_rss(tmp_path, monkeypatch, capsys) -> None:
+    """``--quick`` is the study's quick size: 512 tokens and 4 rounds (+ 2 steps) reach the check on positions."""
+    import types
+
+    import kvsplice.loading as loading
+
+    model = tiny_family("llama", n_layer=1)
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: types.SimpleNamespace(model=model, tokenizer=None))
+    assert _bench().main(["--quick", "--out", str(tmp_path / "q")]) == 2
+    assert "--contexts [512] + 6 decode steps exceed" in capsys.readouterr().err
+    assert _bench().STUDY.size_table()["quick"] == {"contexts": [512], "batch": [1, 2], "rounds": 4}
     with PeakRSS() as rss:
         x = torch.ones(4 << 20)  # 16 MiB held while sampled
         x += 1
     assert rss.peak >= rss.start and rss.grown >= 0
 
 
-def test_contexts_past_the_models_positions_are_refused_before_any_work(tmp_path, monkeypatch) -> None:
+def test_contexts_past_the_models_positions_are_refused_before_any_work(tmp_path, monkeypatch, capsys) -> None:
     """--contexts whose decode steps pass the model's positions stop at once in one line, nothing written."""
     import types
 
@@ -70,6 +74,6 @@ def test_contexts_past_the_models_positions_are_refused_before_any_work(tmp_path
     model = tiny_family("llama", n_layer=1)
     limit = model.config.max_position_embeddings
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: types.SimpleNamespace(model=model, tokenizer=None))
-    with pytest.raises(SystemExit, match=f"exceed the model's {limit} positions"):
-        _bench().main(["--contexts", "16", str(limit), "--rounds", "2", "--out-dir", str(tmp_path)])
+    assert _bench().main(["--contexts", "16", str(limit), "--rounds", "2", "--out", str(tmp_path / "s")]) == 2
+    assert f"exceed the model's {limit} positions" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())

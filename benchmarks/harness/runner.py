@@ -1,0 +1,308 @@
+"""The one study runner. A study is settings (``benchmarks/studies/<name>.yaml``: named sizes, ``default`` and
+``smoke`` among them) plus a function that yields rows; the runner owns the rest, once for every script:
+
+* argv: the study's own options and the shared ones (``--size`` / ``--smoke``, ``--out``, ``--force``,
+  ``--resume``, ``--threads``), one ``PROG: error: ...`` line and exit 2 for bad input, Ctrl-C one line and 130;
+* the checks before anything runs: every size within its bounds (:attr:`Study.bounds`), every output a file in a
+  writable folder that does not exist yet (``--force`` replaces it, ``--resume`` continues its JSON);
+* the header (command, revision, machine), the timers (:meth:`Run.time`), the rows' resume (:meth:`Run.previous`);
+* atomic writing of ``<stem>.json`` (after every row: a killed study resumes), ``<stem>.md`` and ``<stem>.png``.
+
+A script::
+
+    STUDY = Study("prefill_speed", __doc__, rows, options=options, bounds={"lengths": (1, 1 << 17)})
+    main = STUDY.main
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from benchmarks.harness import header as _header
+from benchmarks.harness import studies, timing
+from benchmarks.harness.options import Parser, UsageError, parser
+from benchmarks.harness.paths import RESULTS, portable
+
+__all__ = ["Run", "Study", "check_bounds", "check_outputs", "write_atomic"]
+
+MAX_THREADS = 4 * (os.cpu_count() or 1)
+"""More torch threads than this is a typo, not a setting."""
+
+
+@dataclass(frozen=True)
+class Study:
+    """What a benchmark script declares; :meth:`main` runs it as a command."""
+
+    name: str
+    """Its results stem (``results/<name>[_<size>].*``), settings file and program name."""
+    doc: Optional[str]
+    """The script's ``__doc__``: its help."""
+    rows: Callable[["Run"], Iterable[dict]]
+    """Yields the study's rows, one measurement each (written to the JSON as they come)."""
+    options: Optional[Callable[[Parser], None]] = None
+    """Adds the study's own options; one whose ``dest`` names a setting overrides it when given (default None)."""
+    markdown: Optional[Callable[["Run", list], str]] = None
+    """The report ``<stem>.md`` (the runner adds the line saying how it was made)."""
+    figure: Optional[Callable[["Run", list], Any]] = None
+    """A matplotlib figure for ``<stem>.png``."""
+    summary: Optional[Callable[["Run", list], dict]] = None
+    """Fields the JSON carries beside the rows (ratios, fits, ...)."""
+    bounds: dict = field(default_factory=dict)
+    """``setting -> (low, high)``: every number of the setting (or its list) within, checked before anything runs."""
+    sizes: Optional[dict] = None
+    """Named sizes (default: the ``sizes`` of ``benchmarks/studies/<name>.yaml``, or one empty ``default``)."""
+    out: Any = None
+    """The default stem (default ``results/<name>``; ``_<size>`` added for a size other than ``default``), or a
+    function of the parsed options giving it (a device's name, ...)."""
+    json: bool = True
+    """Write ``<stem>.json`` (a figure-only study: False)."""
+    threads: Optional[int] = 1
+    """``--threads``' default (None: no such option)."""
+    default_size: str = "default"
+    """The size run without ``--size`` (its results file has no ``_<size>``)."""
+    inherit: bool = True
+    """A named size overrides the default size's settings (False: each size is complete in itself)."""
+
+    def main(self, argv: Optional[Sequence[str]] = None) -> int:
+        """Run the study as a command with ``argv`` (default: this process's arguments)."""
+        from kvsplice.io.cli import run_cli
+
+        return run_cli(self.name, lambda: _run(self, argv))
+
+    def size_table(self) -> dict:
+        if self.sizes is not None:
+            return self.sizes
+        if not (studies.STUDIES / f"{self.name}.yaml").exists():
+            return {"default": {}}
+        return studies.load(self.name).get("sizes") or {"default": {}}
+
+    def files(self, stem: Path) -> list[Path]:
+        """The files a run with ``stem`` writes."""
+        return [stem.with_name(stem.name + s) for s, on in ((".json", self.json), (".md", self.markdown),
+                                                             (".png", self.figure)) if on]
+
+
+@dataclass
+class Run:
+    """One run of a study: what its rows function reads."""
+
+    study: Study
+    args: argparse.Namespace
+    size: str
+    settings: dict
+    stem: Path
+    header: dict
+    done: list = field(default_factory=list)
+    rows: list = field(default_factory=list)
+    notes: dict = field(default_factory=dict)
+    """What the rows function found that the summary and report need (calibration tokens, ...)."""
+    _lock: Any = field(default_factory=threading.Lock, repr=False)
+    _write: Optional[Callable[[bool], None]] = field(default=None, repr=False)
+    failed: Optional[str] = None
+    """Set by :meth:`fail`: the study's own checks failed (everything is written, the exit status is 1)."""
+
+    def emit(self, row: dict) -> None:
+        """Add ``row`` now (thread-safe; the JSON rewritten): what the runner does with each yielded row, for a
+        study whose rows come from jobs side by side."""
+        with self._lock:
+            self.rows.append(row)
+            if self._write is not None:
+                self._write(False)
+
+    def fail(self, reason: str) -> None:
+        """Mark the run failed: the results are written all the same, then one line and exit status 1."""
+        self.failed = reason
+
+    def __getitem__(self, key: str) -> Any:
+        """A setting: ``run["lengths"]``."""
+        return self.settings[key]
+
+    def previous(self, **key: Any) -> Optional[dict]:
+        """The row of the resumed JSON whose fields equal ``key`` (None: measure it)."""
+        for row in self.done:
+            if all(row.get(k) == v for k, v in key.items()):
+                return row
+        return None
+
+    def time(self, fn: Callable[[], object], n: int, warmup: int = 0, clock: str = "wall") -> float:
+        """Median of ``n`` calls of ``fn`` after ``warmup``: ``wall`` / ``cpu`` (thread) seconds, ``cuda`` ms."""
+        timer = {"wall": timing.wall_time, "cpu": timing.cpu_time, "cuda": timing.cuda_time}[clock]
+        return timing.median_of(timer, fn, n, warmup)
+
+    @staticmethod
+    def say(text: str) -> None:
+        print(text, flush=True)
+
+
+def check_bounds(settings: dict, bounds: dict) -> None:
+    """Every number of each bounded setting within ``(low, high)``: a :class:`UsageError` naming the option."""
+    for key, (lo, hi) in bounds.items():
+        value = settings.get(key)
+        for v in value if isinstance(value, (list, tuple)) else [] if value is None else [value]:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
+            if not ok:
+                raise UsageError(f"--{key.replace('_', '-')}: must be in [{lo:g}, {hi:g}], got {v!r}")
+
+
+def _writable_folder(path: Path) -> Path:
+    """The folder ``path`` goes in (created later when missing): its nearest existing parent must be a writable
+    folder."""
+    parent = path.parent
+    while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
+        parent = parent.parent
+    try:
+        if not parent.is_dir():
+            raise OSError
+        tempfile.TemporaryFile(dir=parent).close()  # a real probe (root passes os.access everywhere)
+    except OSError:
+        raise UsageError(f"{path}: {parent} is not a writable folder") from None
+    return parent
+
+
+def check_outputs(files: Iterable[Path], force: bool, keep: Iterable[Path] = ()) -> None:
+    """Each output a file in a writable folder: not a folder, not something else than a regular file, and not
+    there already unless ``force`` (or among ``keep``: the files of a resumed run)."""
+    keep = set(keep)
+    for path in files:
+        if path.name in ("", ".", "..") or path.is_dir():
+            raise UsageError(f"{path}: is a folder (name a file)")
+        if path.exists() or path.is_symlink():
+            if path.is_symlink() or not path.is_file():
+                raise UsageError(f"{path}: exists and is not a regular file")
+            if not force and path not in keep:
+                raise UsageError(f"{path}: exists (--force replaces it)")
+        _writable_folder(path)
+
+
+def write_atomic(path: Path, write: Callable[[Path], None]) -> Path:
+    """``write(tmp)`` into a temporary sibling renamed over ``path``: the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def _json_text(data: dict) -> str:
+    return json.dumps(portable(data), indent=1, default=str, allow_nan=True) + "\n"
+
+
+def _parser(study: Study, sizes: dict) -> Parser:
+    p = parser(study.name + ".py", study.doc, raw=True)
+    if study.options:
+        study.options(p)
+    g = p.add_argument_group("runner")
+    if len(sizes) > 1:
+        g.add_argument("--size", choices=sorted(sizes), default=study.default_size,
+                       help=f"a named size of the study (default {study.default_size})")
+    if "smoke" in sizes:
+        g.add_argument("--smoke", dest="size", action="store_const", const="smoke", help="the smoke size")
+    g.add_argument("--out", "--json", dest="out", type=Path, default=None,
+                   help="the results' stem (default results/NAME[_SIZE]; a .json/.md/.png suffix is dropped)")
+    g.add_argument("--tag", default="", help="results/NAME_TAG.* (default: the size's name, none for default)")
+    g.add_argument("--force", action="store_true", help="replace existing outputs")
+    if study.json:
+        g.add_argument("--resume", action="store_true", help="continue the JSON of an earlier, stopped run")
+    if study.threads is not None:
+        from kvsplice.io.cli import pos_int
+
+        g.add_argument("--threads", type=pos_int, default=study.threads,
+                       help=f"torch intra-op threads (default {study.threads})")
+    return p
+
+
+def _stem(study: Study, args: argparse.Namespace, size: str) -> Path:
+    if args.out is not None:
+        out = Path(args.out)
+        if out.name in ("", ".", "..") or out.is_dir():
+            raise UsageError(f"--out {out}: is a folder (name a file)")
+    else:
+        out = (study.out(args) if callable(study.out) else study.out) or RESULTS / study.name
+        tag = args.tag or ("" if size == study.default_size else size)
+        if not tag.replace("_", "").replace("-", "").isalnum() and tag:
+            raise UsageError(f"--tag {tag!r}: letters, digits, '-' and '_' only")
+        out = out.with_name(out.with_suffix("").name + (f"_{tag}" if tag else "") + out.suffix)
+    return out.with_suffix("") if out.suffix in (".json", ".md", ".png") else out
+
+
+def _resumed(study: Study, path: Path, args: argparse.Namespace) -> list:
+    if not getattr(args, "resume", False) or not path.exists():
+        return []
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path}: cannot resume from it ({e})") from None
+    legacy = isinstance(data, dict) and "study" not in data and "command" in data.get("meta", data)  # (pre-runner)
+    if not isinstance(data, dict) or data.get("study", study.name if legacy else None) != study.name \
+            or not isinstance(data.get("rows"), list):
+        raise UsageError(f"{path}: not a {study.name} results file (cannot resume from it)")
+    return [r for r in data["rows"] if isinstance(r, dict)]
+
+
+def _run(study: Study, argv: Optional[Sequence[str]]) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    sizes = study.size_table()
+    args = _parser(study, sizes).parse_args(argv)
+    size = getattr(args, "size", study.default_size)
+    settings = {**(sizes.get(study.default_size, {}) if study.inherit else {}), **sizes.get(size, {})}
+    settings.update({k: v for k, v in vars(args).items() if k in settings and v is not None})
+    check_bounds(settings, study.bounds)
+    threads = getattr(args, "threads", None)
+    if threads is not None and threads > MAX_THREADS:
+        raise UsageError(f"--threads: at most {MAX_THREADS} on this machine, got {threads}")
+    stem = _stem(study, args, size)
+    files = study.files(stem)
+    js = files[0] if study.json else None
+    resuming = bool(getattr(args, "resume", False) and js and js.is_file())
+    check_outputs(files, args.force, files if resuming else [])  # a resumed run rewrites its own report too
+    done = _resumed(study, js, args) if js else []
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    head = _header.header(str(_header.ROOT / "benchmarks" / f"{study.name}.py"), argv, threads)
+    run = Run(study, args, size, settings, stem, head, done)
+
+    def write_json(complete: bool, extra: Optional[dict] = None) -> None:
+        data = {**head, "study": study.name, "size": size, "settings": settings, "complete": complete,
+                **(extra or {}), "rows": run.rows}
+        write_atomic(js, lambda tmp: tmp.write_text(_json_text(data)))
+
+    run._write = write_json if js else None
+    for row in study.rows(run):
+        run.emit(row)
+    extra = study.summary(run, run.rows) if study.summary else {}
+    if js:
+        write_json(True, extra)
+    if study.markdown:
+        text = study.markdown(run, run.rows).rstrip("\n")
+        text += f"\n\n*Made by `{head['command']}` (revision {head['revision']}; {_header.machine_line(threads)}).*\n"
+        write_atomic(stem.with_name(stem.name + ".md"), lambda tmp: tmp.write_text(portable(text)))
+    if study.figure:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig = study.figure(run, run.rows)
+        write_atomic(stem.with_name(stem.name + ".png"), lambda tmp: fig.savefig(tmp, format="png"))
+        plt.close(fig)
+    for f in files:
+        print(f"wrote {f}", flush=True)
+    if run.failed:
+        print(f"{study.name}: failed: {run.failed}", file=sys.stderr, flush=True)
+        return 1
+    return 0

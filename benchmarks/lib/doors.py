@@ -1,0 +1,53 @@
+"""A compression method scored through both doors (``benchmarks/stack_stories260k.py``): the continuation's
+perplexity through the package's ``Decoder`` and through transformers' forward with ``KVSpliceHFCache``, and the
+cache's bytes measured in each against the method's formula."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kvsplice.decode import Decoder, score_continuation
+from kvsplice.hf import KVSpliceHFCache
+from kvsplice.hf.measure import continuation_logits
+from kvsplice.report.memory import measure_cache
+from kvsplice.select import TokenSelection
+
+__all__ = ["evaluate", "hf_continuation"]
+
+
+@torch.no_grad()
+def hf_continuation(model, method, ids: torch.Tensor, p: int) -> tuple[float, torch.Tensor, KVSpliceHFCache]:
+    """:func:`score_continuation` through transformers' forward with the HF door."""
+    cache = KVSpliceHFCache(model, method, capacity=method.capacity(p, ids.shape[1] - p))
+    logits = continuation_logits(model, cache, ids, p)  # (B, T - p, V)
+    nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, p:].reshape(-1)).item()
+    return nll, logits, cache
+
+
+def evaluate(model, windows: torch.Tensor, p: int, name: str, method) -> dict:
+    nll = {"decoder": 0.0, "hf": 0.0}
+    for w in windows:
+        ids = w[None]
+        if isinstance(method, TokenSelection):
+            method.selector.reseed()
+        n_dec, _, c_dec = score_continuation(Decoder(model, method), ids, p)
+        if isinstance(method, TokenSelection):
+            method.selector.reseed()
+        n_hf, _, c_hf = hf_continuation(model, method, ids, p)
+        nll["decoder"] += n_dec / len(windows)
+        nll["hf"] += n_hf / len(windows)
+    bound = Decoder(model, method).method
+    t_seen = windows.shape[1] - 1
+    held = c_dec.seq_len
+    measured = {"decoder": measure_cache(c_dec).live_bytes, "hf": measure_cache(c_hf).live_bytes}
+    formula = bound.bytes_formula(1, held, c_dec.dtype)
+    a = bound.adapter
+    full_fp16 = 2 * a.n_layer * a.n_kv_head * a.head_dim * t_seen * 2
+    return {"name": name, "ppl": math.exp(nll["decoder"]), "ppl_hf": math.exp(nll["hf"]),
+            "tokens_seen": t_seen, "tokens_held": held, "bytes": measured["decoder"], "bytes_hf": measured["hf"],
+            "bytes_formula": formula, "bytes_per_token": measured["decoder"] / t_seen,
+            "ratio_vs_fp16_full": full_fp16 / measured["decoder"],
+            "bytes_match": measured["decoder"] == measured["hf"] == formula == c_dec.nbytes()}

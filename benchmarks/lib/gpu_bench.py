@@ -1,0 +1,313 @@
+"""What ``benchmarks/gpu.py`` (and ``gpu_check``'s ``train`` section) measure on a GPU: SDPA kernels for one decode
+call, the 124M training step (ours vs a nanoGPT-style reference, eager and compiled, MFU) and the decode step (ours
+eager and CUDA-graph vs transformers' GPT-2 with DynamicCache / StaticCache), each a list of rows."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.harness.options import UsageError
+from benchmarks.harness.timing import cuda_time
+from benchmarks.lib.reference_gpt import ReferenceGPT
+from models import GPT, preset
+from models.attention import flash_impl, sdpa_order
+
+__all__ = ["PEAK_BF16", "bench_decode", "bench_sdpa", "bench_train", "copy_bandwidth", "device_tag", "need_cuda",
+           "peak_flops"]
+
+
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}
+"""Dense bf16 tensor-core peak FLOP/s by device family (datasheet), for MFU."""
+
+
+def need_cuda() -> None:
+    """A :class:`UsageError` (one line, exit 2) where there is no CUDA device."""
+    if not torch.cuda.is_available():
+        raise UsageError("no CUDA device (this benchmark measures a GPU)")
+
+
+def device_tag() -> str:
+    name = torch.cuda.get_device_name()
+    for fam in PEAK_BF16:
+        if fam in name:
+            return fam.lower()
+    return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
+
+
+def peak_flops() -> float | None:
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def copy_bandwidth() -> float:
+    """Device-memory bandwidth in bytes/s (a 2 GiB device-to-device copy, bytes read + written)."""
+    x = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    ms = statistics.median(cuda_time(lambda: y.copy_(x), 10))
+    del x, y
+    return 2 * 2**31 / (ms / 1e3)
+
+
+# ---------------------------------------------------------------------------------------------------- sdpa
+def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> list[dict]:
+    """Median ms of one decode-shaped SDPA call per kernel choice, the key length growing by one per call. A named
+    kernel is put first in SDPA's priority (the others stay enabled as fallbacks) with the package's ~1 µs switch
+    (:func:`models.attention._sdpa_priority`), so every column pays the same host overhead."""
+    from torch.nn.attention import SDPBackend
+
+    from models.attention import _sdpa_priority
+
+    named = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    rest = tuple(named.values())
+    choices = {"default": None, **{k: (b, *[x for x in rest if x != b]) for k, b in named.items()}, "ours": "ours"}
+    rows = []
+    for t_k in key_lens:
+        q = torch.randn(batch, 12, 1, 64, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(batch, 12, t_k + 2 * calls + 4, 64, device="cuda", dtype=torch.bfloat16)
+        for name, order in choices.items():
+            n = [t_k]
+
+            def call():
+                k = kv[:, :, : n[0]]
+                n[0] += 1  # the key length grows by one per call, as in decode
+                if order is None:
+                    return F.scaled_dot_product_attention(q, k, k)
+                with _sdpa_priority(sdpa_order(1, k.shape[-2]) if order == "ours" else order):
+                    return F.scaled_dot_product_attention(q, k, k)
+
+            call()
+            ts = cuda_time(call, calls)
+            rows.append(dict(keys=t_k, kernel=name, median_ms=statistics.median(ts)))
+        del q, kv
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------- train
+def train_flops_per_token(model: torch.nn.Module, n_layer: int, d_model: int, t: int) -> float:
+    n = sum(p.numel() for p in model.parameters())
+    return 6 * n + 12 * n_layer * d_model * t
+
+
+def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, quick: bool,
+                only: Optional[Sequence[str]] = None) -> list[dict]:
+    """Rows of the training step; ``only``: the model labels to run (default all, e.g. ``["ours mha"]``)."""
+    shapes = dict(n_layer=2, n_head=4, d_model=128, block_size=t) if quick else {}
+    latent = dict(d_latent=64) if quick else {}
+    builders = {
+        "reference (nanoGPT-style)": lambda: ReferenceGPT(**{"block_size": t, **shapes}),
+        "ours mha": lambda: GPT(preset("gpt2", **shapes)),
+        "ours mla": lambda: GPT(preset("mla", **shapes, **latent)),
+        "ours mla_kvsplice_90": lambda: GPT(preset("mla_kvsplice_90", **shapes, **latent)),
+    }
+    if flash_impl() is not None:  # "ours mha" runs the installed FlashAttention (attn_backend auto): SDPA beside it
+        builders["ours mha sdpa"] = lambda: GPT(preset("gpt2", attn_backend="sdpa", **shapes))
+    if only is not None:
+        builders = {k: b for k, b in builders.items() if k in only}
+    cases = []  # (label, model builder, compiled, optimizer impl)
+    for label, build in builders.items():
+        cases.append((label, build, False, "fused"))
+        if label == "ours mha":
+            cases.append((label, build, False, "foreach"))
+        if compile_:
+            cases.append((label, build, True, "fused"))
+    peak = peak_flops()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    state = {}
+    for label, build, compiled, opt_impl in cases:
+        torch.manual_seed(0)
+        model = build().cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=opt_impl == "fused",
+                                foreach=None if opt_impl == "fused" else True)
+        fwd = torch.compile(model) if compiled else model
+        vocab = model.lm_head.weight.shape[0]
+        x = torch.randint(0, vocab, (batch, t), device="cuda", generator=g)
+        y = torch.randint(0, vocab, (batch, t), device="cuda", generator=g)
+
+        def step(fwd=fwd, opt=opt, model=model, x=x, y=y, vocab=vocab):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = fwd(x)
+            loss = F.cross_entropy(logits.float().view(-1, vocab), y.view(-1))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        t0 = time.perf_counter()
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        key = f"{label} | {'compiled' if compiled else 'eager'} | {opt_impl} AdamW"
+        n_layer = getattr(model, "cfg", None).n_layer if hasattr(model, "cfg") else len(model.h)
+        d_model = model.lm_head.weight.shape[1]
+        state[key] = dict(step=step, times=[], warmup_s=time.perf_counter() - t0,
+                          flops=train_flops_per_token(model, n_layer, d_model, t) * batch * t)
+    for r in range(rounds):  # interleaved: every case sees the same stretches of clock / thermal state
+        keys = list(state)
+        for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+            state[key]["times"] += cuda_time(state[key]["step"], steps)
+    rows = []
+    ref_eager = ref_compiled = None
+    for key, s in state.items():
+        ms = statistics.median(s["times"])
+        label, mode, opt = key.split(" | ")
+        row = dict(model=label, mode=mode, optimizer=opt, median_ms=ms, tokens_per_s=batch * t / (ms / 1e3),
+                   tflops=s["flops"] / (ms / 1e3) / 1e12, mfu=None if peak is None else s["flops"] / (ms / 1e3) / peak,
+                   first_steps_s=round(s["warmup_s"], 1), n=len(s["times"]))
+        if label.startswith("reference"):
+            if mode == "eager":
+                ref_eager = ms
+            else:
+                ref_compiled = ms
+        rows.append(row)
+    ours_mha = {r["mode"]: r["median_ms"] for r in rows if r["model"] == "ours mha" and r["optimizer"].startswith("fused")}
+    for r in rows:
+        ref = ref_compiled if r["mode"] == "compiled" else ref_eager
+        r["vs_reference_same_mode"] = r["median_ms"] / ref if ref else None
+        r["vs_ours_mha_same_mode"] = r["median_ms"] / ours_mha[r["mode"]] if r["mode"] in ours_mha else None
+    del state
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------- decode
+def _fill_ours(model, batch: int, ctx: int):
+    cache = model.new_cache(batch, capacity=ctx + 1)
+    for layer in range(cache.n_layer):
+        t0, bufs = cache.reserve(layer, ctx)
+        for buf in bufs.values():
+            buf[..., :ctx, :].normal_()
+    return cache
+
+
+def _hf_model(max_ctx: int, dtype):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=50304, n_positions=max_ctx + 1, n_embd=768, n_layer=12, n_head=12,
+                     attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(cfg).to("cuda", dtype).eval()
+
+
+def _hf_case(model, kind: str, batch: int, ctx: int, dtype):
+    from transformers import DynamicCache, StaticCache
+
+    cfg = model.config
+    hs = cfg.n_embd // cfg.n_head
+    if kind == "static":
+        cache = StaticCache(config=cfg, max_cache_len=ctx + 1)
+    else:
+        cache = DynamicCache(config=cfg) if "config" in DynamicCache.__init__.__code__.co_varnames else DynamicCache()
+    pos = torch.arange(ctx, device="cuda")
+    for layer in range(cfg.n_layer):
+        k = torch.randn(batch, cfg.n_head, ctx, hs, device="cuda", dtype=dtype)
+        cache.update(k, torch.randn_like(k), layer, {"cache_position": pos})
+        del k
+    cache_position = torch.tensor([ctx], device="cuda")
+    position_ids = cache_position.view(1, 1).expand(batch, 1)
+
+    def step(tok):
+        out = model(input_ids=tok, past_key_values=cache, cache_position=cache_position, position_ids=position_ids,
+                    use_cache=True)
+        if kind == "dynamic":
+            cache.crop(-1)  # drop the step's token (negative: tokens to remove, in every transformers version)
+        else:  # transformers 5's static layers count their own write position: rewind it to the same slot
+            for layer in getattr(cache, "layers", []):
+                if hasattr(layer, "cumulative_length") and torch.is_tensor(layer.cumulative_length):
+                    layer.cumulative_length.fill_(ctx)
+        return out.logits
+
+    return cache, step
+
+
+@torch.inference_mode()
+def bench_decode(batches: list[int], ctxs: list[int], steps: int, rounds: int, quick: bool, bandwidth: float,
+                 hf: bool) -> list[dict]:
+    from models.graph_decode import GraphDecoder
+
+    dtype = torch.bfloat16
+    shapes = dict(n_layer=2, n_head=4, d_model=128, d_latent=64) if quick else {}
+    max_ctx = max(ctxs)
+    ours = {}
+    for name in ("gpt2", "mla", "mla_kvsplice_90"):
+        torch.manual_seed(0)
+        cfg = preset(name, block_size=max_ctx + 1, **shapes)
+        ours[name] = GPT(cfg).to("cuda", dtype).eval()
+    hf_model = _hf_model(max_ctx, dtype) if hf and not quick else None
+    labels = [f"ours {n}" for n in ours] + [f"ours {n}+graph" for n in ours]
+    if hf_model is not None:
+        labels += ["hf gpt2 DynamicCache", "hf gpt2 StaticCache"]
+    weight_bytes = {n: sum(p.numel() * p.element_size() for p in m.parameters()) for n, m in ours.items()}
+    if hf_model is not None:
+        weight_bytes["hf"] = sum(p.numel() * p.element_size() for p in hf_model.parameters())
+    rows = []
+    for batch in batches:
+        for ctx in ctxs:
+            times = {lab: [] for lab in labels}
+            info = {}
+            for r in range(rounds):
+                order = labels[r % len(labels):] + labels[: r % len(labels)]
+                for lab in order:
+                    tok = torch.randint(0, 50304 if not quick else 50304, (batch, 1), device="cuda")
+                    try:
+                        if lab.startswith("ours"):
+                            name = lab.split()[1].replace("+graph", "")
+                            model = ours[name]
+                            cache = _fill_ours(model, batch, ctx)
+                            nbytes = cache.nbytes() * (ctx + 1) // ctx if ctx else 0
+                            if lab.endswith("+graph"):
+                                dec = GraphDecoder(model, cache)
+                                fn = lambda: dec.step(tok)  # noqa: E731
+                            else:
+                                fn = lambda: model(tok, cache=cache)  # noqa: E731
+
+                            def one(fn=fn, cache=cache):
+                                out = fn()
+                                cache.truncate(ctx)
+                                return out
+                            wb = weight_bytes[name]
+                        else:
+                            kind = "static" if "Static" in lab else "dynamic"
+                            cache, one = _hf_case(hf_model, kind, batch, ctx, dtype)
+                            one = (lambda f: (lambda: f(tok)))(one)
+                            nbytes = 2 * 12 * batch * (ctx + 1) * 768 * 2
+                            wb = weight_bytes["hf"]
+                        for _ in range(2):
+                            one()
+                        times[lab] += cuda_time(one, steps)
+                        info[lab] = dict(cache_bytes=nbytes, weight_bytes=wb)
+                    except torch.cuda.OutOfMemoryError:
+                        info[lab] = dict(error="out of memory")
+                    except Exception as e:  # noqa: BLE001 - one variant's failure must not end the section
+                        info[lab] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:100]}")
+                        times[lab] = []
+                    finally:
+                        cache = dec = fn = one = None
+                        gc.collect()
+                        torch.cuda.empty_cache()
+            for lab in labels:
+                row = dict(variant=lab, batch=batch, ctx=ctx, **info.get(lab, {}))
+                if times[lab]:
+                    ms = statistics.median(times[lab])
+                    floor_ms = (row["cache_bytes"] + row["weight_bytes"]) / bandwidth * 1e3
+                    row.update(median_ms=ms, n=len(times[lab]), floor_ms=floor_ms, vs_floor=ms / floor_ms)
+                rows.append(row)
+            cell = {r["variant"]: r.get("median_ms") for r in rows if r["batch"] == batch and r["ctx"] == ctx}
+            for r in rows:
+                if r["batch"] == batch and r["ctx"] == ctx and r.get("median_ms"):
+                    mha = cell.get("ours gpt2")
+                    static = cell.get("hf gpt2 StaticCache")
+                    r["vs_ours_mha"] = r["median_ms"] / mha if mha else None
+                    r["vs_hf_static"] = r["median_ms"] / static if static else None
+            print(f"decode batch {batch} ctx {ctx}: " + ", ".join(
+                f"{k} {v:.3f}" if v else f"{k} -" for k, v in cell.items()), file=sys.stderr, flush=True)
+    return rows

@@ -1,0 +1,105 @@
+"""The front-page figure's drawing (``python -m benchmarks.readme_figure``): the trained variants' panel and the
+post-training panel, from the points :mod:`benchmarks.readme_figure` reads out of the results files."""
+
+from __future__ import annotations
+
+PPL_PLAN = "planner, --objective ppl (perplexity only)"
+MIXED_PLAN = "planner, default --objective mixed (perplexity + tasks)"
+PLAN_NAMES = {"mixed": "default plan", "exact": "exact-prefill plan", "plan": "ppl-only plan"}
+Y_MAX = 25.0  # post-training panel: rows above +25 % perplexity are left out (listed in the figure's note)
+
+STYLE = {  # family -> marker, colour
+    "MHA / GQA / MQA": ("s", "#7f7f7f"),
+    "MLA": ("o", "#1f77b4"),
+    "MLA-128 + KVSplice, from scratch": ("^", "#ff7f0e"),
+    "KVSplice inserted into MLA-128 (PCA) + fine-tuned": ("*", "#d62728"),
+    "quantisation": ("s", "#7f7f7f"),
+    "token selection alone": ("v", "#9467bd"),
+    "token selection + quantisation": ("o", "#1f77b4"),
+    "low rank (bases)": ("x", "#8c564b"),
+    PPL_PLAN: ("D", "#ff7f0e"),
+    MIXED_PLAN: ("*", "#d62728"),
+}
+
+
+# label offsets in points for the trained panel (the names sit beside their points without crossing)
+TRAINED_OFFSETS = {"mha": (8, -3), "gqa2": (-8, 4), "mla_128": (8, -12), "mla_64": (8, -12), "mqa": (8, 2),
+                   "mla_128_kvsplice_50": (-8, 4), "mla_128_kvsplice_70": (0, 14), "mla_32": (8, -4),
+                   "mla_128_kvsplice_90": (-8, 0), "insert": (8, -4), "insert90": (0, -18)}
+
+
+def figure(trained: list[dict], post: list[dict]):
+    """The two panels: trained variants (loss against bytes), post-training methods (perplexity change against
+    times smaller); returns the matplotlib figure."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 6.2), dpi=110)
+
+    for family in dict.fromkeys(p["family"] for p in trained):
+        pts = [p for p in trained if p["family"] == family]
+        marker, colour = STYLE[family]
+        a.errorbar([p["bytes"] for p in pts], [p["loss"] for p in pts], yerr=[p["se"] for p in pts], fmt=marker,
+                   color=colour, ms=13 if marker == "*" else 7, capsize=3, label=family,
+                   ls="-" if family == "MLA" else "none", lw=1)
+    for p in trained:
+        dx, dy = TRAINED_OFFSETS.get(p["variant"], (8, 0))
+        a.annotate(p["label"], (p["bytes"], p["loss"]), xytext=(dx, dy), textcoords="offset points", fontsize=8,
+                   ha="right" if dx < 0 else "center" if dx == 0 else "left", va="center")
+    a.set_xscale("log", base=2)
+    ticks = [2048, 1024, 512, 256, 104]
+    a.xaxis.set_major_locator(FixedLocator(ticks))
+    a.xaxis.set_minor_locator(NullLocator())
+    a.set_xticklabels([f"{t:g}" for t in ticks])
+    a.set_xlim(2900, 70)  # inverted: smaller caches to the right
+    a.set_xlabel("cache bytes per token (fp16, measured; log scale) — smaller to the right")
+    a.set_ylabel("validation loss (mean ± SE over 3 seeds) — lower is better")
+    a.set_title("Trained from scratch: attention variants, 32.8M TinyStories tokens each, H100", fontsize=10)
+    a.grid(alpha=0.3)
+    a.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
+
+    hidden = [p for p in post if p["delta"] > Y_MAX]
+    shown = [p for p in post if p["delta"] <= Y_MAX]
+    for family in dict.fromkeys(p["family"] for p in shown):
+        pts = [p for p in shown if p["family"] == family]
+        marker, colour = STYLE[family]
+        b.scatter([p["ratio"] for p in pts], [p["delta"] for p in pts], marker=marker, color=colour,
+                  s=180 if marker == "*" else 40, label=family, zorder=3 if marker == "*" else 2)
+    where = {"mixed_4x": (4.5, -1.9), "exact_4x": (4.6, 4.2), "exact_8x": (9.2, 7.0), "plan_4x": (1.45, 6.8),
+             "plan_8x": (9.2, 2.0), "plan_16x": (9.5, 12.0)}  # text positions (ratio, Δ %) of the plans' labels
+    for p in shown:
+        if p["family"] in (MIXED_PLAN, PPL_PLAN):
+            name = PLAN_NAMES[p["id"].split("_")[0]]
+            x = p["id"].split("_")[1].replace("x", "×")
+            text = f"{name} {x}: {p['delta']:+.2f} %"
+            if "tasks" in p:
+                text += f", tasks {p['tasks']:.0f} %" + ("" if p["tasks_n"] >= 150 else f" (n={p['tasks_n']})")
+            b.annotate(text, (p["ratio"], p["delta"]), xytext=where.get(p["id"], (p["ratio"] * 1.1, p["delta"] + 1)),
+                       fontsize=8, color=STYLE[p["family"]][1], ha="left", va="center",
+                       fontweight="bold" if p["family"] == MIXED_PLAN else "normal",
+                       arrowprops={"arrowstyle": "-", "color": STYLE[p["family"]][1], "lw": 0.6, "shrinkB": 6})
+        elif p["id"] in ("kivi4_r128", "int8"):
+            b.annotate({"kivi4_r128": "KIVI-4", "int8": "int8"}[p["id"]], (p["ratio"], p["delta"]), xytext=(0, -12),
+                       textcoords="offset points", fontsize=8, ha="center")
+    b.axhline(0, color="black", lw=0.8)
+    b.set_xscale("log", base=2)
+    xt = [1.5, 2, 4, 8, 16]
+    b.xaxis.set_major_locator(FixedLocator(xt))
+    b.xaxis.set_minor_locator(NullLocator())
+    b.set_xticklabels([f"{t:g}×" for t in xt])
+    b.set_xlim(1.3, 24)
+    b.set_ylim(-3, Y_MAX + 3)
+    b.set_xlabel("× smaller than the fp16 full K/V cache (measured bytes; log scale)")
+    b.set_ylabel("perplexity change vs the full cache, % — lower is better")
+    b.set_title("Post-training: SmolLM2-135M-Instruct, perplexity (protocol P) and tasks, CPU", fontsize=10)
+    b.grid(alpha=0.3)
+    b.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
+    note = "tasks: query-agnostic accuracy, passkey + number in stories + word in facts at 1k tokens (full cache 98 %)"
+    if hidden:
+        note += f"\n{len(hidden)} rows above +{Y_MAX:g} % not shown (results/smollm2_frontier.md)"
+    b.text(0.99, 0.985, note, ha="right", va="top", transform=b.transAxes, fontsize=7, color="#555555")
+    fig.text(0.5, 0.005, "python -m benchmarks.readme_figure  (from results/frontier_gpu.json, "
+             "kvsplice_recipe_recipe_gpu.json, smollm2_frontier.json, smollm2_tasks.json, smollm2_tasks_goals*.json)",
+             ha="center", fontsize=7, color="#555555")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    return fig

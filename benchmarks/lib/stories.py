@@ -1,0 +1,45 @@
+"""stories260K as the studies use it: the llama2.c checkpoint of the shared data converted into a temporary
+transformers folder and loaded, and windows of real TinyStories text through its tokenizer."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from benchmarks.harness.options import UsageError
+from benchmarks.harness.paths import STORIES
+
+__all__ = ["load_stories", "windows"]
+
+
+def load_stories(spec=None):
+    """``spec`` loaded (:func:`kvsplice.loading.load_model`), or with None stories260K converted into a temporary
+    folder first; a missing checkpoint is a :class:`UsageError`."""
+    from kvsplice.convert.llama2c import convert_llama2c
+    from kvsplice.loading import LoadError, first_line, load_model
+
+    try:
+        if spec is not None:
+            return load_model(spec)
+        for f in (STORIES / "stories260K.bin", STORIES / "tok512.bin"):
+            if not f.is_file():
+                raise LoadError(f"stories260K not found: {f} (pass --model)")
+        with tempfile.TemporaryDirectory(prefix="stories260K-hf-") as tmp:
+            return load_model(convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", Path(tmp) / "m"))
+    except LoadError as e:
+        raise UsageError(first_line(e)) from None
+
+
+def windows(loaded, text, length: int, n: int, split=None):
+    """``(windows (N, length), stories)``: up to ``n`` windows of ``length`` tokens of ``text`` (at least one, and
+    no longer than the model's positions: else a :class:`UsageError`)."""
+    from kvsplice.loading import iter_texts, token_stream
+
+    if loaded.max_positions is not None and length > loaded.max_positions:
+        raise UsageError(f"a window of {length} tokens exceeds the model's {loaded.max_positions} positions")
+    ids, stories = token_stream(iter_texts(str(text), **({"split": split} if split else {})), loaded.tokenizer,
+                                max_tokens=length * n)
+    count = min(n, ids.numel() // length)
+    if count < 1:
+        raise UsageError(f"{text} has {ids.numel()} tokens, fewer than one window of {length}")
+    return ids[: count * length].view(count, length), stories

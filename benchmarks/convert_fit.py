@@ -1,0 +1,108 @@
+"""SmolLM2-135M → MLA with ``kvsplice to-mla --ratio N`` (training-free, with and without the layer-local
+correction): what the converted model keeps of its source.
+
+::
+
+    python -m benchmarks.convert_fit [--size smoke] [--work DIR]
+
+Per ratio and ``--refine-steps``: ``kvsplice to-mla --model SRC --calib TRAIN --calib-tokens T --seq-len S --ratio N
+--refine-steps K --out DIR`` (a folder in ``--work`` is reused), then a row of :mod:`benchmarks.lib.model_quality`:
+perplexity on protocol P's validation windows (last quarter scored) and on the shared data folder's prose (never
+calibrated on), mean KL to the source on those windows, passkey and needle-in-stories accuracy at each task length with
+the model's own cache. The source is the first row. ``--size smoke``: stories260K (llama2.c) and tiny counts.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.harness.paths import CALIB, EVAL, ROOT, SMOLLM2, STORIES, portable
+from benchmarks.harness.runner import Study
+
+
+def options(p) -> None:
+    p.add_argument("--work", default=None, help="folder of converted models (reused; default: a temporary folder)")
+
+
+def _source(run, work: Path) -> str:
+    if run.size != "smoke":
+        return str(SMOLLM2)
+    from kvsplice.convert.llama2c import convert_llama2c
+
+    src = work / "src"
+    if not (src / "config.json").is_file():
+        convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", src)
+    return str(src)
+
+
+def _convert(run, src: str, folder: Path, ratio: float, refine: int) -> str:
+    cmd = ["kvsplice", "to-mla", "--model", src, "--calib", str(CALIB), "--calib-tokens", str(run["calib_tokens"]),
+           "--seq-len", str(run["seq_len"]), "--ratio", f"{ratio:g}", "--refine-steps", str(refine), "--out",
+           str(folder), "--json", str(folder) + ".json", "--no-progress", "--threads", str(run.args.threads)]
+    if not (folder / "config.json").is_file():
+        run.say(" ".join(cmd))
+        subprocess.run([sys.executable, "-m", "kvsplice.cli.main", *cmd[1:]], check=True, cwd=ROOT)
+    return portable(" ".join(cmd))
+
+
+def rows(run):
+    from kvsplice.loading import iter_texts, load_model
+    from benchmarks.lib.model_quality import PROSE, logits, quality, windows
+
+    work = Path(run.args.work) if run.args.work else Path(tempfile.mkdtemp(prefix="convert_fit-"))
+    work.mkdir(parents=True, exist_ok=True)
+    src = _source(run, work)
+    loaded = load_model(src)
+    tok, seq = loaded.tokenizer, run["seq_len"] // 2
+    p_wins = windows(tok, iter_texts(str(EVAL)), run["p_windows"], seq)
+    d_wins = windows(tok, iter("\n\n\n".join(p.read_text(encoding="utf-8") for p in PROSE).split("\n\n\n")),
+                     run["docs_windows"], seq // 2)
+    ref = [logits(loaded.model, p_wins[i:i + 1])[0] for i in range(len(p_wins))]
+    lengths, n = run["task_lengths"], run["task_n"]
+    if not (prev := run.previous(model="source")):
+        prev = {"model": "source", "ratio": 1.0, "refine_steps": 0, "cache_dim": None, "command": "",
+                **quality(loaded.model, tok, p_wins, d_wins, None, lengths, n)}
+    yield prev
+    base = prev
+    del loaded
+    for ratio in run["ratios"]:
+        for refine in run["refine"]:
+            name = f"r{ratio:g}x-refine{refine}"
+            if (row := run.previous(model=name)):
+                yield row
+                continue
+            cmd = _convert(run, src, work / name, ratio, refine)
+            model = load_model(str(work / name)).model
+            q = quality(model, tok, p_wins, d_wins, ref, lengths, n)
+            row = {"model": name, "ratio": ratio, "refine_steps": refine, "cache_dim": model.cfg.cache_dim,
+                   "d_latent": model.cfg.d_latent, "rope_dims": model.cfg.rope_dims, "command": cmd, **q,
+                   "d_ppl_P_pct": 100 * (q["ppl_P"] / base["ppl_P"] - 1),
+                   "d_ppl_prose_pct": 100 * (q["ppl_prose"] / base["ppl_prose"] - 1)}
+            run.say(f"{name}: {row}")
+            yield row
+
+
+def markdown(run, rows) -> str:
+    tasks = [k for k in rows[0] if k.startswith(("passkey_", "niah_"))]
+    head = ["model", "cache (R + Dr)", "ppl P", "Δ P", "ppl prose", "Δ prose", "KL P", *tasks]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cache = "K/V" if r["cache_dim"] is None else f"{r['d_latent']} + {r['rope_dims']}"
+        d = lambda k: "" if k not in r else f"{r[k]:+.1f} %"  # noqa: E731
+        out.append("| " + " | ".join([r["model"], cache, f"{r['ppl_P']:.3f}", d("d_ppl_P_pct"), f"{r['ppl_prose']:.2f}",
+                                      d("d_ppl_prose_pct"), f"{r['kl_P']:.4f}", *(f"{r[t]:.0f}" for t in tasks)]) + " |")
+    cmds = [f"- `{r['command']}`" for r in rows if r["command"]]
+    return "\n".join(out + ["", "Commands:", *cmds]) + "\n"
+
+
+STUDY = Study("convert_fit", __doc__, rows, options=options, markdown=markdown, threads=2,
+              bounds={"ratios": (1.01, 64), "refine": (0, 10000), "calib_tokens": (64, 1 << 22),
+                      "seq_len": (16, 1 << 15), "task_lengths": (64, 1 << 15), "task_n": (1, 1000),
+                      "p_windows": (1, 1000), "docs_windows": (1, 1000)})
+main = STUDY.main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

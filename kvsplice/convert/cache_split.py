@@ -63,20 +63,23 @@ def rope_candidates(cache_dim: int, head_dim: int, full_latent, keep: Optional[f
     return out
 
 
-def choose_split(model, stats, candidates: list[CacheSplit], fit, progress: bool = False) -> list[CacheSplit]:
-    """``candidates`` with their measured error (mean over layers of the attention-output error on the kept
-    windows), best first. ``stats`` must keep windows (:func:`~kvsplice.convert.llama_mla.calibrate_layers`)."""
+def choose_split(model, stats, candidates: list[CacheSplit], fit, progress: bool = False, **convert
+                 ) -> tuple[list[CacheSplit], object]:
+    """``(candidates with their measured error, best first; the best one's converted model)``: the error is the mean
+    over layers of the attention-output error on the kept windows (closed form, no correction). ``stats`` must keep
+    windows (:func:`~kvsplice.convert.llama_mla.calibrate_layers`); ``convert``: more arguments of
+    :func:`~kvsplice.convert.llama_mla.convert_llama` (``source``, ``latent_norm``)."""
     from kvsplice.convert.llama_mla import convert_llama, output_error
 
-    if len(candidates) == 1:
-        return candidates
     if not all(s.windows for s in stats):
         raise ValueError("choosing the split needs calibration windows (calibrate_layers(keep_windows=1))")
-    scored = []
+    scored, best = [], None
     for c in candidates:
         mla = convert_llama(model, stats, d_latent=c.convert_latent, rope_dims=c.rope_dims, layout="shared",
-                            fit=replace(fit, refine_steps=0), progress=progress)
+                            fit=replace(fit, refine_steps=0), progress=progress, **convert)
         err = sum(output_error(blk.attn, s.windows) for blk, s in zip(mla.layers, stats)) / len(stats)
         scored.append(replace(c, error=err))
+        if best is None or err < best[0]:
+            best = (err, mla)
         del mla
-    return sorted(scored, key=lambda c: c.error)
+    return sorted(scored, key=lambda c: c.error), best[1]

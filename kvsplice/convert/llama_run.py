@@ -152,11 +152,13 @@ def run_llama(args: argparse.Namespace) -> int:
             a = check_convertible(model)
         except ValueError as e:
             raise UsageError(f"--model {args.model}: {e}") from None
-        fit = FitOptions(refine_steps=args.refine_steps)
+        late = args.kvsplice_keep is not None  # the correction then runs once, on the shrunk latent
+        fit = FitOptions(refine_steps=0 if late else args.refine_steps)
+        source = {"path": str(args.model), "calib": str(args.calib), "calibration_tokens": report["calibration_tokens"]}
         if args.ratio is not None:
-            split = _ratio_split(args, a, batches, fit, progress)
-            rope_dims, r, stats = split.rope_dims, split.convert_latent, split.stats
-            report["ratio_candidates"] = split.report
+            mla, stats, report["ratio_candidates"] = _ratio_split(args, a, batches, fit, progress, source)
+            if args.refine_steps and not late:
+                refine_layers(mla, stats, args.refine_steps, progress=progress)
         else:
             rope_dims = _rope_dims(args, a.head_dim)
             full = full_latent(a.n_kv_head, a.head_dim, rope_dims, args.rope_layout, a.d_model)
@@ -164,10 +166,8 @@ def run_llama(args: argparse.Namespace) -> int:
             if args.kvsplice_keep is not None:
                 _check_keep(args, r)
             stats = calibrate_layers(model, batches, progress=progress, keep_windows=KEEP_WINDOWS)
-        mla = convert_llama(model, stats, d_latent=r, rope_dims=rope_dims, layout=args.rope_layout,
-                            latent_norm=args.latent_norm, fit=fit, progress=progress,
-                            source={"path": str(args.model), "calib": str(args.calib),
-                                    "calibration_tokens": report["calibration_tokens"]})
+            mla = convert_llama(model, stats, d_latent=r, rope_dims=rope_dims, layout=args.rope_layout,
+                                latent_norm=args.latent_norm, fit=fit, progress=progress, source=source)
         report["source_cache_dim"] = 2 * a.n_kv_head * a.head_dim
     if args.kvsplice_keep is not None:
         try:
@@ -217,14 +217,9 @@ def _latent(v: str, full: int) -> int:
     return n
 
 
-class _Split:
-    def __init__(self, rope_dims: int, convert_latent: int, stats, report: list) -> None:
-        self.rope_dims, self.convert_latent, self.stats, self.report = rope_dims, convert_latent, stats, report
-
-
-def _ratio_split(args: argparse.Namespace, a, batches, fit, progress: bool) -> _Split:
-    """``--ratio``: calibrate, then the measured best of the candidate latent / RoPE splits
-    (:mod:`kvsplice.convert.cache_split`)."""
+def _ratio_split(args: argparse.Namespace, a, batches, fit, progress: bool, source: dict):
+    """``--ratio``: calibrate, fit each candidate latent / RoPE split (:mod:`kvsplice.convert.cache_split`) and keep
+    the measured best: ``(its model, the statistics, the candidates' report)``."""
     from kvsplice.convert.cache_split import choose_split, rope_candidates, split_cache
     from kvsplice.convert.llama_mla import calibrate_layers, full_latent
 
@@ -235,6 +230,7 @@ def _ratio_split(args: argparse.Namespace, a, batches, fit, progress: bool) -> _
     except ValueError as e:
         raise UsageError(f"--ratio {args.ratio:g}: {e}") from None
     stats = calibrate_layers(a.model, batches, progress=progress, keep_windows=KEEP_WINDOWS)
-    best = choose_split(a.model, stats, cands, fit, progress=progress)
-    report = [{"rope_dims": c.rope_dims, "d_latent": c.d_latent, "output_error": c.error} for c in best]
-    return _Split(best[0].rope_dims, best[0].convert_latent, stats, report)
+    scored, mla = choose_split(a.model, stats, cands, fit, progress=progress, source=source,
+                               latent_norm=args.latent_norm)
+    report = [{"rope_dims": c.rope_dims, "d_latent": c.d_latent, "output_error": c.error} for c in scored]
+    return mla, stats, report

@@ -159,9 +159,12 @@ def test_cache_split_candidates_and_measured_order(phased):
     assert [c.rope_dims for c in cands] == [8, 4] and all(c.rope_dims + c.d_latent == 16 for c in cands)
     kept = rope_candidates(16, a.head_dim, full, keep=0.5)
     assert all(round(c.convert_latent * 0.5) == c.d_latent for c in kept)
-    best = choose_split(model, stats, cands, FitOptions())
+    best, mla = choose_split(model, stats, cands, FitOptions())
     errs = [c.error for c in best]
     assert errs == sorted(errs) and all(e >= 0 for e in errs)
+    assert (mla.cfg.rope_dims, mla.cfg.d_latent) == (best[0].rope_dims, best[0].convert_latent)
+    got = sum(output_error(b.attn, s.windows) for b, s in zip(mla.layers, stats)) / len(stats)
+    assert got == pytest.approx(best[0].error)
 
 
 @pytest.fixture(scope="module")

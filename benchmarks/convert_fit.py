@@ -25,6 +25,8 @@ from benchmarks.harness.runner import Study
 
 def options(p) -> None:
     p.add_argument("--work", default=None, help="folder of converted models (reused; default: a temporary folder)")
+    p.add_argument("--ratios", type=float, nargs="+", default=None, help="cache ratios (default: the size's)")
+    p.add_argument("--refine", type=int, nargs="+", default=None, help="--refine-steps values (default: the size's)")
 
 
 def _source(run, work: Path) -> str:

@@ -134,10 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pad-rope", type=pos_int, default=None, help="--format deepseek_v3: write the RoPE key with this "
                    "many dims (a multiple of --rope-dims; its frequencies kept exactly), e.g. 64 for vLLM's CPU MLA")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--kvsplice-keep", type=_keep, default=None, metavar="F",
+    keep = p.add_mutually_exclusive_group()  # one kept fraction: both spellings together are refused, not one dropped
+    keep.add_argument("--kvsplice-keep", type=_keep, default=None, metavar="F",
                    help="insert KVSplice keeping round(R·F) of the latent's R numbers per token (F = 0.5/0.3/0.1 "
                    "keeps 50/30/10 %%: KVSplice-50/70/90)")
-    p.add_argument(OLD_KEEP, type=_keep, action=_OldKeep, dest="kvsplice_keep", metavar="F",
+    keep.add_argument(OLD_KEEP, type=_keep, action=_OldKeep, dest="kvsplice_keep", metavar="F",
                    help="the same as --kvsplice-keep (its old name)")
     p.set_defaults(keep_option="--kvsplice-keep")
     p.add_argument("--kvsplice-init", choices=("pca", "random"), default="pca",

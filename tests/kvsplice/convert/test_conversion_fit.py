@@ -211,3 +211,10 @@ def test_cli_ratio_refusals_are_one_line(s260k, tmp_path, capsys, extra, msg):
     rc, _, err = run_tool(to_mla.main, argv + extra, capsys)
     one_error(rc, err, "kvsplice to-mla", msg)
     assert not (tmp_path / "o").exists()
+
+
+def test_cli_both_keep_spellings_are_refused_not_one_dropped(tmp_path, capsys):
+    rc, _, err = run_tool(to_mla.main, ["--model", str(tmp_path / "m"), "--kvsplice-ratio", "0.5", "--kvsplice-keep",
+                                        "0.25", "--out", str(tmp_path / "o")], capsys)
+    one_error(rc, err, "kvsplice to-mla", "not allowed with")
+    assert not (tmp_path / "o").exists()

@@ -114,7 +114,7 @@ def test_split_of_tokens_needed_gives_every_batch_and_the_held_out_windows(steps
 def test_distill_of_one_step_reads_enough_text(pair, tmp_path, monkeypatch, capsys):
     src, _, _ = pair
     got = {}
-    monkeypatch.setattr(distill, "_fit", lambda args, student, teacher, train, val: got.update(train=train) or 0)
+    monkeypatch.setattr(distill, "_fit", lambda args, student, teacher, train, val, *rest: got.update(train=train) or 0)
     rc = distill.main([str(a) for a in ["--model", src, "--loss", "lm", "--data", TRAIN, "--max-steps", 1,
                                         "--runs-dir", tmp_path, "--no-progress"]])
     assert rc == 0, capsys.readouterr().err

@@ -83,11 +83,6 @@ class LitDistill(L.LightningModule):
         self.clock = clock
         self.tokens_seen = 0.0
 
-    def on_train_start(self) -> None:
-        # the logger's step is the optimizer step (no accumulation); Lightning restores it one short from a checkpoint
-        # saved at an early stop (the --minutes budget), which would log that step twice
-        self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.trainer.global_step
-
     def _world(self) -> tuple[int, int]:
         t = self._trainer
         return (t.global_rank, t.world_size) if t is not None else (0, 1)
@@ -112,6 +107,9 @@ class LitDistill(L.LightningModule):
         return {"lm": F.cross_entropy(logits.flatten(0, 1), y.flatten())}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        # the logger's step is the optimizer step (no accumulation); Lightning restores it off by one from a
+        # checkpoint saved at an early stop (the --minutes budget), which would log a step twice or skip one
+        self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.global_step
         ids = self._batch(self.global_step)
         parts = self.losses(ids)
         loss = parts[self.loss_kind]

@@ -247,9 +247,9 @@ def _fit(args, student, teacher, train: torch.Tensor, val: torch.Tensor, lengths
         precision = args.precision or ("bf16-mixed" if torch.cuda.is_available() else "32")
         callbacks = [ckpt, clock] + ([] if args.no_progress else [BudgetBar(max_steps is None)])
         ddp = {"strategy": "ddp"} if args.devices > 1 else {}
-        trainer = L.Trainer(max_steps=max_steps or -1, max_epochs=-1, precision=precision, logger=logger, callbacks=callbacks,
-                            plugins=[safe_checkpoint_io()], enable_progress_bar=not args.no_progress,
-                            devices=args.devices, **ddp,
+        trainer = L.Trainer(max_steps=max_steps or -1, max_epochs=-1, precision=precision, logger=logger,
+                            callbacks=callbacks, plugins=[safe_checkpoint_io()],
+                            enable_progress_bar=not args.no_progress, devices=args.devices, **ddp,
                             val_check_interval=min(args.val_every, max_steps or args.val_every),
                             check_val_every_n_epoch=None, log_every_n_steps=1, enable_model_summary=False,
                             num_sanity_val_steps=0)

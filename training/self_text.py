@@ -6,7 +6,7 @@ perplexity on other prose got worse. Text the source writes itself from short pr
 puts its probability mass. Generation is transformers' ``generate`` (batched, left-padded; nucleus sampling, seeded
 per batch so the corpus is the same on every machine state) and is paid once: the ids are cached as safetensors under
 ``--cache-dir`` (default ``$XDG_CACHE_HOME/kvsplice/self_text`` or ``~/.cache/kvsplice/self_text``), keyed by the
-teacher's fingerprint (:func:`kvsplice.adapters.fingerprint.model_fingerprint`), its tokenizer and the generation
+teacher's fingerprint (config and sampled weights), its tokenizer and the generation
 settings, but not the length: a longer request continues the cached corpus, a shorter one reads its prefix. The file
 is rewritten atomically after each batch once 30 s have passed since the last write, so a killed run keeps most of
 what it generated.
@@ -62,17 +62,17 @@ def default_cache_dir() -> Path:
 
 
 def _fingerprint(model: torch.nn.Module) -> str:
-    """:func:`model_fingerprint`, or for a model it does not know a hash of its config and sampled weights."""
-    try:
-        from kvsplice.adapters.fingerprint import model_fingerprint
-
-        return model_fingerprint(model)
-    except Exception:  # noqa: BLE001 - any model that generates still gets a stable key
-        h = hashlib.sha256(str(getattr(model, "config", type(model).__name__)).encode())
-        for name, p in sorted(model.state_dict().items()):
-            flat = p.detach().reshape(-1)  # (numel,)
-            h.update(name.encode() + flat[:: max(1, flat.numel() // 256)][:256].to(torch.float16).numpy().tobytes())
-        return f"model-{h.hexdigest()[:16]}"
+    """A hash of the teacher's config and strided samples of every weight (float16-rounded: a cast keeps it).
+    Every weight, not only attention's (as :func:`kvsplice.adapters.fingerprint.model_fingerprint`): the MLPs and
+    the head shape the text too."""
+    h = hashlib.sha256(type(model).__name__.encode())
+    cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
+    to_json = getattr(cfg, "to_json_string", None)
+    h.update((to_json(use_diff=False) if to_json else str(cfg)).encode())
+    for name, p in sorted(model.state_dict().items()):
+        flat = p.detach().reshape(-1)  # (numel,)
+        h.update(name.encode() + flat[:: max(1, flat.numel() // 512)][:512].to("cpu", torch.float16).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def cache_key(model: torch.nn.Module, tokenizer, opts: SelfTextOptions) -> str:

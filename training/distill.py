@@ -174,7 +174,8 @@ def _text_data(args, student, max_steps, step_tokens: int, lengths) -> tuple[tor
     """``--data``: the train stream and the held-out windows (its last ``--val-tokens``)."""
     from kvsplice.loading import iter_texts, token_stream
 
-    want = tokens_needed(args.tokens or (max_steps or 0) * step_tokens or SELF_TOKENS_MINUTES, args.val_tokens)
+    train_tokens = args.tokens or (max_steps or 0) * step_tokens or SELF_TOKENS_MINUTES
+    want = tokens_needed(max(train_tokens, max(lengths) + 1), args.val_tokens)  # at least the longest window
     ids, _ = token_stream(iter_texts(args.data, option="data"), student.tokenizer, want)
     return ids[:-args.val_tokens - 1], _windows(ids[-args.val_tokens - 1:], lengths[0])
 
@@ -185,7 +186,7 @@ def _self_data(args, source, max_steps, step_tokens: int, lengths) -> tuple[torc
     from training.self_text import SelfTextError, SelfTextOptions, self_text
 
     train_tokens = args.self_tokens or (max_steps * step_tokens if max_steps else SELF_TOKENS_MINUTES)
-    opts = SelfTextOptions(tokens=tokens_needed(train_tokens, args.val_tokens), seed=args.seed)
+    opts = SelfTextOptions(tokens=tokens_needed(max(train_tokens, max(lengths) + 1), args.val_tokens), seed=args.seed)
     model = source.model
     if torch.cuda.is_available():
         model.cuda()

@@ -111,8 +111,25 @@ def _start(tokenizer, prompt: str) -> list[int]:
     return ids or [0]
 
 
+class _Ticks:
+    """A ``generate`` streamer that moves the progress bar by the batch's width at every decoding step (the first
+    call is the prompts)."""
+
+    def __init__(self, bar) -> None:
+        self.bar, self.prompts_seen = bar, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompts_seen:
+            self.bar.update(value.numel())
+        self.prompts_seen = True
+
+    def end(self) -> None:
+        pass
+
+
 @torch.no_grad()
-def _batch(model, tokenizer, prompts: list[str], opts: SelfTextOptions, length: int, seed: int) -> list[int]:
+def _batch(model, tokenizer, prompts: list[str], opts: SelfTextOptions, length: int, seed: int,
+           bar=None) -> list[int]:
     """One batch of samples as documents (:meth:`Tokenizer.document` layout), each cut after its first end token."""
     starts = [_start(tokenizer, p)[: max(1, length // 2)] for p in prompts]
     width = max(map(len, starts))
@@ -124,7 +141,8 @@ def _batch(model, tokenizer, prompts: list[str], opts: SelfTextOptions, length: 
         torch.manual_seed(seed)
         out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), do_sample=True,
                              temperature=opts.temperature, top_p=opts.top_p, top_k=0,
-                             max_new_tokens=length - width, pad_token_id=pad)  # (B, width + new)
+                             max_new_tokens=length - width, pad_token_id=pad,
+                             streamer=_Ticks(bar) if bar is not None else None)  # (B, width + new)
     gen_cfg = getattr(model, "generation_config", None)
     stops = getattr(gen_cfg, "eos_token_id", None)
     stops = set(stops if isinstance(stops, (list, tuple)) else [stops]) | {tokenizer.eos_id}
@@ -164,10 +182,12 @@ def self_text(model: torch.nn.Module, tokenizer, opts: SelfTextOptions = SelfTex
             while have < opts.tokens:
                 b = opts.batch_size
                 batch = [prompts[(batches * b + j) % len(prompts)] for j in range(b)]
-                doc = _batch(model, tokenizer, batch, opts, length, opts.seed * 1_000_003 + batches)
+                doc = _batch(model, tokenizer, batch, opts, length, opts.seed * 1_000_003 + batches,
+                             None if bar.disable else bar)
                 chunks.append(doc)
                 have, batches = have + len(doc), batches + 1
-                bar.update(len(doc))
+                bar.n = have  # the documents' length (the steps counted padding after an end token)
+                bar.refresh()
                 if time.perf_counter() - written > 30 or have >= opts.tokens:
                     _write(path, torch.tensor([t for c in chunks for t in c]), batches, key)
                     written = time.perf_counter()

@@ -42,6 +42,7 @@ class TimeBudget(Callback):
         self.snapshots = sorted(float(m) for m in snapshots if minutes is None or m < minutes)
         self.save_model = save_model
         self.before_s, self._t0 = 0.0, None  # seconds of earlier runs (resume), this run's start
+        self.step_s = 0.0  # the clock at the start of the current step (rank 0's under DDP)
         self.written: list[float] = []
         self.curve: list[dict[str, Any]] = []
 
@@ -53,17 +54,25 @@ class TimeBudget(Callback):
         return self.before_s + (time.monotonic() - self._t0 if self._t0 is not None else 0.0)
 
     def progress(self) -> float:
-        """The fraction of the budget spent (0 without a budget)."""
-        return self.elapsed_s() / (60.0 * self.minutes) if self.minutes else 0.0
+        """The fraction of the budget spent at the start of this step (0 without a budget)."""
+        return self.step_s / (60.0 * self.minutes) if self.minutes else 0.0
 
     def minutes_left(self) -> Optional[float]:
-        return max(0.0, self.minutes - self.elapsed_s() / 60.0) if self.minutes else None
+        return max(0.0, self.minutes - self.step_s / 60.0) if self.minutes else None
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._t0 = time.monotonic()
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # one clock for all DDP processes (rank 0's): the same learning rate, the same step to stop at
+        self.step_s = self.elapsed_s()
+        if trainer.world_size > 1:
+            self.step_s = float(trainer.strategy.broadcast(self.step_s, src=0))
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         m = self.elapsed_s() / 60.0
+        if trainer.world_size > 1:
+            m = float(trainer.strategy.broadcast(m, src=0))
         for mark in [s for s in self.snapshots if s <= m and s not in self.written]:
             if trainer.is_global_zero and self.save_model is not None:
                 self.save_model(self.run_dir / f"model-{mark:g}min")
@@ -98,7 +107,7 @@ class TimeBudget(Callback):
         return {"elapsed_s": self.elapsed_s(), "written": list(self.written), "curve": list(self.curve)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.before_s = float(state.get("elapsed_s", 0.0))
+        self.before_s = self.step_s = float(state.get("elapsed_s", 0.0))
         self.written = [float(m) for m in state.get("written", [])]
         self.curve = list(state.get("curve", []))
 

@@ -222,7 +222,7 @@ def _fit(args, student, teacher, train: torch.Tensor, val: torch.Tensor, lengths
     plan = place_run(args.runs_dir, args.run_name or f"distill-{Path(args.model).name}", args.ckpt_path,
                      args.overwrite)
     try:
-        for n in plan.notes:
+        for n in plan.notes if _rank_zero() else ():  # DDP processes use rank 0's folder
             print(f"note: {n}", file=sys.stderr)
         L.seed_everything(args.seed, verbose=False)
         tok = student.tokenizer.backend
@@ -251,6 +251,7 @@ def _fit(args, student, teacher, train: torch.Tensor, val: torch.Tensor, lengths
         trainer = L.Trainer(max_steps=max_steps or -1, max_epochs=-1, precision=precision, logger=logger,
                             callbacks=callbacks, plugins=[safe_checkpoint_io()],
                             enable_progress_bar=not args.no_progress, devices=args.devices, **ddp,
+                            use_distributed_sampler=False,  # the step picks each process's windows
                             val_check_interval=min(args.val_every, max_steps or args.val_every),
                             check_val_every_n_epoch=None, log_every_n_steps=1, enable_model_summary=False,
                             num_sanity_val_steps=0)
@@ -265,6 +266,12 @@ def _fit(args, student, teacher, train: torch.Tensor, val: torch.Tensor, lengths
     finally:
         plan.release()
     return 0
+
+
+def _rank_zero() -> bool:
+    import os
+
+    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
 
 
 def _save_model(model, folder: Path, tokenizer) -> None:

@@ -6,7 +6,8 @@ optionally the teacher's self-text generation in tokens/s (:mod:`training.self_t
 ``--compare kl``: the one-pass KL of :mod:`training.distill_loss` against the autograd formula it replaced.
 
     OMP_NUM_THREADS=2 python benchmarks/distill_step_speed.py --model MLA_DIR [--teacher SRC] [--steps 3] \\
-        [--batch-size 1] [--seq-len 1024] [--compare trainable|kl] [--generate 2048] [--threads 2]
+        [--batch-size 1] [--seq-len 1024] [--compare trainable|kl] [--generate N --generate-len 1024]
+        [--threads 2]
 """
 
 from __future__ import annotations
@@ -26,15 +27,15 @@ from benchmarks.harness.paths import CALIB, SMOLLM2  # noqa: E402
 from benchmarks.harness.timing import wall_time  # noqa: E402
 
 
-def _generation(teacher, n: int) -> None:
+def _generation(teacher, n: int, length: int) -> None:
     from training.self_text import SelfTextOptions, self_text
 
+    opts = SelfTextOptions(tokens=n, sample_len=length)
     with tempfile.TemporaryDirectory() as cache:
-        got = self_text(teacher.model, teacher.tokenizer, SelfTextOptions(tokens=n), cache_dir=cache,
-                        max_positions=teacher.max_positions, progress=False)
+        got = self_text(teacher.model, teacher.tokenizer, opts, cache_dir=cache, max_positions=teacher.max_positions,
+                        progress=False)
     print(f"self-text generation: {got.generated} tokens in {got.seconds:.1f} s = "
-          f"{got.generated / got.seconds:.1f} tokens/s (batch {SelfTextOptions.batch_size}, samples of "
-          f"{SelfTextOptions.sample_len})")
+          f"{got.generated / got.seconds:.1f} tokens/s (batch {opts.batch_size}, samples of {opts.sample_len})")
 
 
 @command
@@ -47,6 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--compare", choices=("trainable", "kl"), default="trainable")
     ap.add_argument("--generate", type=int, default=0, help="also time the teacher writing N tokens")
+    ap.add_argument("--generate-len", type=int, default=1024, help="tokens per generated sample")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
     student, teacher_loaded = load_model(args.model), load_model(args.teacher)
     teacher = teacher_loaded.model
     if args.generate:
-        _generation(teacher_loaded, args.generate)
+        _generation(teacher_loaded, args.generate, args.generate_len)
     b, t = args.batch_size, args.seq_len
     ids, _ = token_stream(iter_texts(str(CALIB)), student.tokenizer, (2 * args.steps + 4) * b * t + 2)
     lit = LitDistill(student.model.train(), StepWindows(ids, (t,), b * t), ids[None, : t + 1], teacher=teacher,

@@ -109,3 +109,23 @@ def test_the_time_schedule_warms_up_then_decays_over_the_budget():
     assert time_lr_factor(9, 0.0, 10, 0.1) == pytest.approx(1.0)
     assert time_lr_factor(50, 0.5, 10, 0.1) == pytest.approx(0.55)
     assert time_lr_factor(50, 1.0, 10, 0.1) == pytest.approx(0.1) == time_lr_factor(99, 3.0, 10, 0.1)
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_on_the_cpu_share_the_clock_and_the_steps(pair, tmp_path):
+    """``--devices 2`` with gloo: both processes stop at rank 0's clock, every step counts both batches."""
+    import os
+    import subprocess
+    import sys
+
+    src, mla, root = pair
+    cmd = [sys.executable, "-m", "training.distill", "--model", mla, "--teacher", src, "--data", TRAIN, "--seq-len", 64,
+           128, "--batch-size", 2, "--minutes", 0.05, "--val-every", 2, "--val-tokens", 256, "--devices", 2,
+           "--runs-dir", tmp_path, "--run-name", "ddp", "--no-progress", "--threads", 1]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([str(a) for a in cmd], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    run = tmp_path / "ddp"
+    assert (run / "model" / "config.json").is_file() and float(rows(run / "curve.csv")[-1]["minutes"]) >= 0.05
+    tokens = [float(r["tokens"]) for r in rows(run / "metrics.csv") if r.get("tokens")]
+    assert tokens[:2] == [2 * 128, 4 * 128]  # two processes x 128 tokens a step

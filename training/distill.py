@@ -1,19 +1,24 @@
-"""Fine-tune a converted MLA model (``python -m kvsplice.to_mla`` output) with Lightning: LM loss or KL distillation
-from the source model, on local text. ``--model`` may also be the unconverted source (a transformers folder or GGUF
-file) fine-tuned with ``--loss lm`` on the same text and steps: the baseline that separates recovering from the
-conversion from adapting to the text.
+"""Fine-tune a converted MLA model (``kvsplice to-mla`` output) with Lightning: KL distillation from the source model
+(or the LM loss), by default on the source's own text, within a time budget. ``--model`` may also be the unconverted
+source (a transformers folder or GGUF file) fine-tuned with ``--loss lm`` on the same text and steps: the baseline
+that separates recovering from the conversion from adapting to the text.
 
-    python -m training.distill --model MLA_DIR --teacher SOURCE --data TEXT [--loss kl|lm] [--max-steps 60] \\
-        [--batch-size 4] [--seq-len 128] [--lr 2e-4] [--precision 32|bf16-mixed] [--run-name NAME] \\
-        [--runs-dir checkpoints] [--ckpt-path last] [--overwrite] [--no-progress]
+    kvsplice distill --model MLA_DIR --teacher SOURCE [--minutes 60] [--snapshot-minutes 15 30] \\
+        [--data TEXT | --self-tokens N --cache-dir DIR] [--seq-len 1024 2048] [--batch-size 2] [--max-steps N] \\
+        [--trainable all|attention] [--loss kl|lm] [--lr 2e-4] [--devices N] [--precision 32|bf16-mixed] \\
+        [--run-name NAME] [--runs-dir checkpoints] [--ckpt-path last] [--overwrite] [--no-progress]
 
-The CPU-sized defaults (60 steps of 4 × 128 tokens) run in minutes on stories260K-sized models. The run folder is
-placed like ``training.fit``'s (:mod:`training.rundir`: ``<runs_dir>/<run_name>/``, never into an earlier run,
-``-v1`` ...; ``--ckpt-path last`` resumes weights, optimizer, schedule and the data position exactly) and holds
-``last.ckpt`` / ``best-step=...ckpt`` (lowest validation LM loss, written atomically, loaded without pickle),
-``metrics.csv`` (train/val loss, KL, tokens, lr) and, at the end, ``model/``: the fine-tuned model folder that every
-kvsplice command loads (an unconverted model: a transformers folder, ``save_pretrained``) (``python -m kvsplice.to_mla --model RUN/model --format deepseek_v3 --out DIR`` exports it).
-The last ``--val-tokens`` of the text are held out for validation. ``--precision bf16-mixed`` on a GPU.
+Data: without ``--data`` the teacher writes the text (:mod:`training.self_text`: diverse prompts, sampled once and
+cached; the first ``--val-tokens`` are held out); ``--data TEXT`` trains on a file as before (its last
+``--val-tokens`` held out). Windows alternate 1,024 and 2,048 tokens by step within the model's positions
+(:mod:`training.distill_data`), ``--batch-size`` windows of the first length per step (the same tokens every step).
+Length: ``--minutes M`` stops after M minutes of training with the learning rate decayed over the budget
+(:mod:`training.distill_budget`), else ``--max-steps`` (default 60 without ``--minutes``). The run folder is placed
+like ``training.fit``'s (:mod:`training.rundir`; ``--ckpt-path last`` resumes weights, optimizer, schedule, data
+position and the elapsed minutes) and holds ``last.ckpt`` / ``best-step=...ckpt``, ``metrics.csv``, ``curve.csv``
+(held-out KL and loss against minutes), ``model-<M>min/`` at the ``--snapshot-minutes`` marks and, at the end,
+``model/``: the fine-tuned model folder that every kvsplice command loads (``kvsplice to-mla --model RUN/model
+--format deepseek_v3 --out DIR`` exports it). ``--devices N``: N processes with Lightning's DDP (gloo on a CPU).
 
 Errors are one ``distill: error: ...`` line on stderr, exit status 2.
 """
@@ -35,27 +40,50 @@ from kvsplice.io.cli import Parser, UsageError, add_model_option, add_threads, p
 
 __all__ = ["build_parser", "main", "split", "tokens_needed"]
 
+SELF_TOKENS_MINUTES = 131_072  # the self-text corpus of a run bounded by minutes (steps cycle over it)
+
+
+def _minutes(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise ValueError(text)
+    return v
+
+
+_minutes.__name__ = "minutes"  # argparse: "invalid minutes value"
+
 
 def build_parser() -> Parser:
-    from training.lit_distill import LOSSES
+    from training.lit_distill import LOSSES, TRAINABLE
 
-    p = Parser(prog=PROG, description="Fine-tune a converted MLA model (LM loss or KL "
-               "distillation from its source) with Lightning.")
-    add_model_option(p, help="a converted MLA model folder (python -m kvsplice.to_mla), or an unconverted "
+    p = Parser(prog=PROG, description="Fine-tune a converted MLA model (KL distillation from its source, or the LM "
+               "loss) with Lightning, by default on the source's own text.")
+    add_model_option(p, help="a converted MLA model folder (kvsplice to-mla), or an unconverted "
                      "transformers model / GGUF file (the same-text baseline)")
     p.add_argument("--teacher", default=None, help="the source model (folder / GGUF) for --loss kl")
-    p.add_argument("--data", "--data.path", dest="data", required=True, help="training text (.txt/.json/.jsonl)")
+    p.add_argument("--data", "--data.path", dest="data", default=None, help="training text (.txt/.json/.jsonl); "
+                   "default: the teacher's own text (generated once, cached)")
+    p.add_argument("--self-tokens", type=pos_int, default=None, help="tokens of the teacher's own text (default: "
+                   f"enough for --max-steps, {SELF_TOKENS_MINUTES:,} with --minutes)")
+    p.add_argument("--cache-dir", default=None, help="where the teacher's text is cached (default: "
+                   "$XDG_CACHE_HOME/kvsplice/self_text or ~/.cache/kvsplice/self_text)")
     p.add_argument("--loss", choices=LOSSES, default="kl", help="kl: distil from --teacher (default); lm: LM loss")
-    p.add_argument("--max-steps", type=pos_int, default=60)
-    p.add_argument("--batch-size", type=pos_int, default=4)
-    p.add_argument("--seq-len", type=pos_int, default=128)
+    p.add_argument("--minutes", type=_minutes, default=None, help="time budget: stop after M minutes of training")
+    p.add_argument("--snapshot-minutes", type=_minutes, nargs="+", default=(), metavar="M",
+                   help="write RUN/model-<M>min/ at these minutes of training")
+    p.add_argument("--max-steps", type=pos_int, default=None, help="default: 60 without --minutes, else unbounded")
+    p.add_argument("--batch-size", type=pos_int, default=2, help="windows of the first --seq-len per step")
+    p.add_argument("--seq-len", type=pos_int, nargs="+", default=None, metavar="T",
+                   help="window lengths, alternating by step (default: 1024 2048 within the model's positions)")
+    p.add_argument("--trainable", choices=TRAINABLE, default="all", help="all parameters, or the attention only")
     p.add_argument("--tokens", type=pos_int, default=None, help="training tokens read from --data (default: "
                    "enough for max-steps batches)")
-    p.add_argument("--val-tokens", type=pos_int, default=4096, help="held-out tokens from the end of --data")
+    p.add_argument("--val-tokens", type=pos_int, default=4096, help="held-out tokens")
     p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --max-steps")
+    p.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --max-steps (10 with --minutes)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--val-every", type=pos_int, default=20, help="validate every N steps")
+    p.add_argument("--devices", type=pos_int, default=1, help="processes (GPUs) with Lightning's DDP")
     p.add_argument("--precision", default=None, help="Lightning precision (default: bf16-mixed on CUDA, else 32)")
     p.add_argument("--runs-dir", default="checkpoints")
     p.add_argument("--run-name", default=None, help="default: distill-<model folder name>")
@@ -107,37 +135,89 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     from training.checkpoint import check_resume_file
 
     check_resume_file(args.ckpt_path, "--ckpt-path")  # a refused checkpoint is the first line, before any loading
-    from kvsplice.loading import iter_texts, load_model, token_stream
+    from kvsplice.loading import load_model
     from models.mla_llama import MLALlama
+    from training.distill_data import window_lengths
 
     student = load_model(args.model)
     if not isinstance(student.model, MLALlama) and not hasattr(student.model, "save_pretrained"):
-        raise UsageError(f"--model {args.model}: not a converted MLA folder (make one with python -m kvsplice.to_mla) "
+        raise UsageError(f"--model {args.model}: not a converted MLA folder (make one with kvsplice to-mla) "
                          f"nor a transformers causal LM")
     if args.loss == "kl" and not args.teacher:
         raise UsageError("--loss kl needs --teacher SOURCE (the model it was converted from), or use --loss lm")
-    teacher = load_model(args.teacher).model if args.loss == "kl" else None
+    teacher_loaded = load_model(args.teacher) if args.teacher else None
+    teacher = teacher_loaded.model if args.loss == "kl" else None
     vocab = student.model.get_input_embeddings().weight.shape[0]
     if teacher is not None and teacher.get_input_embeddings().weight.shape[0] != vocab:
         raise UsageError(f"--teacher {args.teacher}: its vocabulary differs from the student's")
-    t, b = args.seq_len, args.batch_size
-    if student.max_positions and t > student.max_positions:
-        raise UsageError(f"--seq-len {t} exceeds the model's {student.max_positions} positions")
-    want = tokens_needed(args.tokens or args.max_steps * b * t, args.val_tokens)
+    positions = _positions(student, teacher_loaded)
+    lengths = window_lengths(args.seq_len, positions)
+    if positions and max(lengths) > positions:
+        raise UsageError(f"--seq-len {max(lengths)} exceeds the model's {positions} positions")
+    step_tokens = args.batch_size * lengths[0]
+    max_steps = args.max_steps or (None if args.minutes else 60)
+    if args.data:
+        train, val = _text_data(args, student, max_steps, step_tokens, lengths)
+    else:
+        train, val = _self_data(args, teacher_loaded or student, max_steps, step_tokens, lengths)
+    if len(val) == 0 or train.numel() < max(lengths) + 2:
+        raise UsageError(f"--data {args.data or '(self text)'}: {train.numel() + val.numel()} tokens, too few for "
+                         f"--val-tokens {args.val_tokens} and a window of {max(lengths)}")
+    return _fit(args, student, teacher, train, val, lengths, step_tokens, max_steps)
+
+
+def _positions(*loaded) -> Optional[int]:
+    """The fewest positions of the models given (an MLA model's ``cfg.max_positions`` included)."""
+    got = [m.max_positions or getattr(getattr(m.model, "cfg", None), "max_positions", None)
+           for m in loaded if m is not None]
+    return min((p for p in got if p), default=None)
+
+
+def _text_data(args, student, max_steps, step_tokens: int, lengths) -> tuple[torch.Tensor, torch.Tensor]:
+    """``--data``: the train stream and the held-out windows (its last ``--val-tokens``)."""
+    from kvsplice.loading import iter_texts, token_stream
+
+    train_tokens = args.tokens or (max_steps or 0) * step_tokens or SELF_TOKENS_MINUTES
+    want = tokens_needed(max(train_tokens, max(lengths) + 1), args.val_tokens)  # at least the longest window
     ids, _ = token_stream(iter_texts(args.data, option="data"), student.tokenizer, want)
-    train, val = split(ids, t, args.val_tokens)
-    if len(val) == 0 or len(train) < b:
-        raise UsageError(f"--data {args.data}: {ids.numel()} tokens, too few for --val-tokens {args.val_tokens} and "
-                         f"a batch of {b} x {t}")
-    return _fit(args, student, teacher, train, val)
+    return ids[:-args.val_tokens - 1], _windows(ids[-args.val_tokens - 1:], lengths[0])
 
 
-def _fit(args, student, teacher, train: torch.Tensor, val: torch.Tensor) -> int:
+def _self_data(args, source, max_steps, step_tokens: int, lengths) -> tuple[torch.Tensor, torch.Tensor]:
+    """No ``--data``: the source's own text (:mod:`training.self_text`; ``source`` is the teacher, or the model
+    itself for ``--loss lm``); the first ``--val-tokens`` are held out, the same for every corpus length."""
+    from training.self_text import SelfTextError, SelfTextOptions, self_text
+
+    train_tokens = args.self_tokens or (max_steps * step_tokens if max_steps else SELF_TOKENS_MINUTES)
+    opts = SelfTextOptions(tokens=tokens_needed(max(train_tokens, max(lengths) + 1), args.val_tokens), seed=args.seed)
+    model = source.model
+    if torch.cuda.is_available():
+        model.cuda()
+    try:
+        got = self_text(model, source.tokenizer, opts, cache_dir=args.cache_dir, max_positions=source.max_positions,
+                        progress=not args.no_progress)
+    except SelfTextError as e:
+        raise UsageError(str(e)) from None
+    finally:
+        model.cpu()
+    if got.generated:
+        print(f"self text: generated {got.generated:,} tokens in {got.seconds:.0f} s "
+              f"({got.generated / max(got.seconds, 1e-9):.1f} tokens/s), cached in {got.path}", file=sys.stderr)
+    else:
+        print(f"self text: {got.ids.numel():,} tokens from the cache {got.path}", file=sys.stderr)
+    head = args.val_tokens + 1
+    return got.ids[head:], _windows(got.ids[:head], lengths[0])
+
+
+def _fit(args, student, teacher, train: torch.Tensor, val: torch.Tensor, lengths, step_tokens: int,
+         max_steps: Optional[int]) -> int:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from kvsplice.io.folders import write_dir
     from training.checkpoint import safe_checkpoint_io
+    from training.distill_budget import BudgetBar, TimeBudget
+    from training.distill_data import StepWindows
     from training.lit_distill import LitDistill
     from training.loggers import RunCSVLogger
     from training.rundir import place_run
@@ -145,13 +225,23 @@ def _fit(args, student, teacher, train: torch.Tensor, val: torch.Tensor) -> int:
     plan = place_run(args.runs_dir, args.run_name or f"distill-{Path(args.model).name}", args.ckpt_path,
                      args.overwrite)
     try:
-        for n in plan.notes:
+        for n in plan.notes if _rank_zero() else ():  # DDP processes use rank 0's folder
             print(f"note: {n}", file=sys.stderr)
         L.seed_everything(args.seed, verbose=False)
-        warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.max_steps // 10)
-        lit = LitDistill(student.model.train(), train, val, teacher=teacher, loss=args.loss, lr=args.lr,
-                         warmup_steps=warmup, max_steps=args.max_steps, batch_size=args.batch_size,
-                         temperature=args.temperature)
+        tok = student.tokenizer.backend
+
+        def save(folder: Path) -> None:
+            write_dir(folder, lambda tmp: _save_model(lit.student, tmp, tok))
+
+        clock = TimeBudget(plan.run_dir, args.minutes, args.snapshot_minutes, save)
+        warmup = args.warmup_steps if args.warmup_steps is not None else (
+            max(1, max_steps // 10) if max_steps and not args.minutes else 10)
+        try:
+            lit = LitDistill(student.model.train(), StepWindows(train, lengths, step_tokens), val, teacher=teacher,
+                             loss=args.loss, lr=args.lr, warmup_steps=warmup, max_steps=max_steps or 0,
+                             temperature=args.temperature, trainable=args.trainable, clock=clock)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         logger = RunCSVLogger(str(plan.run_dir))
         if plan.resume:
             step = int(torch.load(plan.ckpt_path, weights_only=True, map_location="cpu").get("global_step", 0))
@@ -159,20 +249,32 @@ def _fit(args, student, teacher, train: torch.Tensor, val: torch.Tensor) -> int:
         ckpt = ModelCheckpoint(dirpath=str(plan.run_dir), filename="best-{step}-{val_loss:.4f}", monitor="val_loss",
                                save_last=True, save_top_k=1, auto_insert_metric_name=True)
         precision = args.precision or ("bf16-mixed" if torch.cuda.is_available() else "32")
-        trainer = L.Trainer(max_steps=args.max_steps, precision=precision, logger=logger, callbacks=[ckpt],
-                            plugins=[safe_checkpoint_io()], enable_progress_bar=not args.no_progress,
-                            val_check_interval=min(args.val_every, args.max_steps), check_val_every_n_epoch=None,
-                            log_every_n_steps=1, enable_model_summary=False, num_sanity_val_steps=0)
-        ticks = torch.utils.data.DataLoader(range(args.max_steps), batch_size=1)  # the step drives the data
-        vals = torch.utils.data.DataLoader(val, batch_size=args.batch_size)
+        callbacks = [ckpt, clock] + ([] if args.no_progress else [BudgetBar(max_steps is None)])
+        ddp = {"strategy": "ddp"} if args.devices > 1 else {}
+        trainer = L.Trainer(max_steps=max_steps or -1, max_epochs=-1, precision=precision, logger=logger,
+                            callbacks=callbacks, plugins=[safe_checkpoint_io()],
+                            enable_progress_bar=not args.no_progress, devices=args.devices, **ddp,
+                            use_distributed_sampler=False,  # the step picks each process's windows
+                            val_check_interval=min(args.val_every, max_steps or args.val_every),
+                            check_val_every_n_epoch=None, log_every_n_steps=1, enable_model_summary=False,
+                            num_sanity_val_steps=0)
+        ticks = torch.utils.data.DataLoader(range(max_steps or 10**9), batch_size=1)  # the step drives the data
+        vals = torch.utils.data.DataLoader(val, batch_size=max(1, step_tokens // lengths[0]))
         trainer.fit(lit, train_dataloaders=ticks, val_dataloaders=vals, ckpt_path=plan.ckpt_path)
-        model = lit.student.eval().float().cpu()
-        write_dir(plan.run_dir / "model", lambda tmp: _save_model(model, tmp, student.tokenizer.backend))
-        print(f"fine-tuned {args.model} for {trainer.global_step} steps ({args.loss}); run {plan.run_dir}, model "
-              f"folder {plan.run_dir / 'model'}")
+        if trainer.is_global_zero:
+            lit.student.eval().float().cpu()
+            save(plan.run_dir / "model")
+            print(f"fine-tuned {args.model} for {trainer.global_step} steps, {clock.elapsed_s() / 60:.2f} min "
+                  f"({args.loss}); run {plan.run_dir}, model folder {plan.run_dir / 'model'}")
     finally:
         plan.release()
     return 0
+
+
+def _rank_zero() -> bool:
+    import os
+
+    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
 
 
 def _save_model(model, folder: Path, tokenizer) -> None:

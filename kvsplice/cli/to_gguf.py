@@ -57,9 +57,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         raise UsageError("give a DeepSeek-V3 folder and --out FILE.gguf (or --fix FILE.gguf)")
     if not (Path(args.folder) / "config.json").is_file():
         raise UsageError(f"{args.folder}: no config.json (make one with to_mla --format deepseek_v3)")
-    check_model_folder(Path(args.folder))  # config values and sizes against the weights: a GGUF that matches them
     # never a file of the input folder, even with --force; written to a temporary sibling, then renamed into place
     out = output_file(args.out, force=args.force, inputs={"folder": args.folder})
+    check_model_folder(Path(args.folder))  # config values and sizes against the weights: a GGUF that matches them
     fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(name)

@@ -73,7 +73,7 @@ class FitOptions:
     query_weighted_rope: bool = True
     attention_weighted: bool = True
     damping: tuple = (False, True)
-    alphas: tuple = (0.5, 1.0, 2.0)
+    alphas: tuple = (1.0, 0.5, 2.0)  # the first alone when nothing is measured: the energy balance
     refine_steps: int = 0
     refine_lr: float = 3e-4
 

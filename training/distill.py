@@ -25,6 +25,7 @@ from kvsplice.io.interrupt import quiet_interrupts_while_importing
 PROG = "kvsplice distill"
 quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
 
+import argparse
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -34,6 +35,14 @@ import torch
 from kvsplice.io.cli import Parser, UsageError, add_model_option, add_threads, pos_int, run_cli
 
 __all__ = ["build_parser", "main", "split", "tokens_needed"]
+
+
+def _steps(s: str) -> int:
+    """argparse type: a whole number of steps >= 0 (-1 warm-up steps ran without a word)."""
+    v = int(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
 
 
 def build_parser() -> Parser:
@@ -53,7 +62,7 @@ def build_parser() -> Parser:
                    "enough for max-steps batches)")
     p.add_argument("--val-tokens", type=pos_int, default=4096, help="held-out tokens from the end of --data")
     p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --max-steps")
+    p.add_argument("--warmup-steps", type=_steps, default=None, help="default: 10%% of --max-steps")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--val-every", type=pos_int, default=20, help="validate every N steps")
     p.add_argument("--precision", default=None, help="Lightning precision (default: bf16-mixed on CUDA, else 32)")

@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvsplice.io.cli import Parser, UsageError, add_model_option, add_threads, pos_int, run_cli
+from kvsplice.io.cli import Parser, UsageError, add_model_option, add_threads, apply_threads, pos_int, run_cli
 
 __all__ = ["build_parser", "main", "split", "tokens_needed"]
 
@@ -111,8 +111,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
                     r".*isinstance\(treespec, LeafSpec\)", r".*litlogger",
                     r"You.re resuming from a checkpoint that ended before the epoch"):  # the step drives the data
         warnings.filterwarnings("ignore", message=pattern)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)  # within the CPUs (100000 was handed to torch: a traceback)
     from training.checkpoint import check_resume_file
 
     check_resume_file(args.ckpt_path, "--ckpt-path")  # a refused checkpoint is the first line, before any loading

@@ -30,13 +30,14 @@ from kvsplice.io.interrupt import quiet_interrupts_while_importing
 PROG = "kvsplice distill"
 quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
 
+import argparse
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from kvsplice.io.cli import Parser, UsageError, add_model_option, add_threads, pos_int, run_cli
+from kvsplice.io.cli import Parser, UsageError, add_model_option, add_threads, apply_threads, pos_int, run_cli
 
 __all__ = ["build_parser", "main", "split", "tokens_needed"]
 
@@ -51,6 +52,14 @@ def _minutes(text: str) -> float:
 
 
 _minutes.__name__ = "minutes"  # argparse: "invalid minutes value"
+
+
+def _steps(s: str) -> int:
+    """argparse type: a whole number of steps >= 0 (-1 warm-up steps ran without a word)."""
+    v = int(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
 
 
 def build_parser() -> Parser:
@@ -80,7 +89,7 @@ def build_parser() -> Parser:
                    "enough for max-steps batches)")
     p.add_argument("--val-tokens", type=pos_int, default=4096, help="held-out tokens")
     p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --max-steps (10 with --minutes)")
+    p.add_argument("--warmup-steps", type=_steps, default=None, help="default: 10%% of --max-steps (10 with --minutes)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--val-every", type=pos_int, default=20, help="validate every N steps")
     p.add_argument("--devices", type=pos_int, default=1, help="processes (GPUs) with Lightning's DDP")
@@ -130,8 +139,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
                     r".*isinstance\(treespec, LeafSpec\)", r".*litlogger",
                     r"You.re resuming from a checkpoint that ended before the epoch"):  # the step drives the data
         warnings.filterwarnings("ignore", message=pattern)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)  # within the CPUs (100000 was handed to torch: a traceback)
     from training.checkpoint import check_resume_file
 
     check_resume_file(args.ckpt_path, "--ckpt-path")  # a refused checkpoint is the first line, before any loading

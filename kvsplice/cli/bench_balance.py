@@ -55,7 +55,8 @@ from typing import Optional
 
 import torch
 
-from kvsplice.io.cli import Parser, run_cli
+from kvsplice.core.limits import check_threads
+from kvsplice.io.cli import Parser, pos_int, run_cli
 from kvsplice.loading import LoadError, iter_texts, load_model
 from kvsplice.io.files import output_file
 from kvsplice.io.write import write_json
@@ -89,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the report here (and the plot next to it, .png)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
     p.add_argument("--markdown", action="store_true", help="print a markdown table instead of a rich table")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--threads", type=pos_int, default=1, help="torch threads (default 1)")
     return p
 
 
@@ -99,7 +100,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _main(argv: Optional[list[str]]) -> int:
     args = _parser().parse_args(argv)
-    torch.set_num_threads(max(1, args.threads))
+    torch.set_num_threads(check_threads("--threads", args.threads))
     if args.json:
         inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--data": args.data}
         args.json = output_file(args.json, force=args.force, option="--json", inputs=inputs)

@@ -189,11 +189,14 @@ def add_threads(p: argparse.ArgumentParser, *, help: str = "torch threads (defau
 
 
 def apply_threads(args: argparse.Namespace) -> None:
-    """``torch.set_num_threads(--threads)`` when given."""
+    """``torch.set_num_threads(--threads)`` when given, within this machine's CPUs (100000 threads made the model's
+    libraries fail to load, reported as a model that cannot be loaded)."""
     if getattr(args, "threads", None):
         import torch
 
-        torch.set_num_threads(args.threads)
+        from kvsplice.core.limits import check_threads
+
+        torch.set_num_threads(check_threads("--threads", args.threads))
 
 
 def add_model_option(p: argparse.ArgumentParser, *, required: bool = True,

@@ -10,6 +10,9 @@ the same way and after which it releases what the command claimed. Once the comm
 complete), Ctrl-C is the same one line and exit status 130 until the process is gone
 (:func:`quiet_interrupts_after_command`): the exit handlers run with the line in place and the process then ends
 without the interpreter's teardown, during which Python restores the default SIGINT action (a silent death).
+SIGTERM (``kill``) is handled the same way from the same moment with exit status 143 (128 + SIGTERM): one ``PROG:
+terminated`` line, then ``SystemExit(143)`` so the command's ``finally`` blocks and exit handlers release its claims
+(killed by the default action, a run left its ``.claim`` files beside its outputs).
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ import sys
 from types import FrameType
 from typing import Optional
 
-__all__ = ["EXIT_INTERRUPTED", "MAIN", "end_quiet_interrupts", "program_name", "quiet_interrupts_after_command",
+__all__ = ["EXIT_INTERRUPTED", "EXIT_TERMINATED", "MAIN", "end_quiet_interrupts", "program_name", "quiet_interrupts_after_command",
            "quiet_interrupts_as_program", "quiet_interrupts_while_importing"]
 
 EXIT_INTERRUPTED = 130
 """Exit status after Ctrl-C (128 + SIGINT, as a shell reports it)."""
+EXIT_TERMINATED = 143
+"""Exit status after SIGTERM (128 + SIGTERM, as a shell reports it)."""
 MAIN = "__main__"
 """``__name__`` of the module Python runs (``python -m kvsplice.TOOL``)."""
 
@@ -42,6 +47,17 @@ def _interrupted(signum: int, frame: Optional[FrameType]) -> None:
     os._exit(EXIT_INTERRUPTED)
 
 
+def _terminated(signum: int, frame: Optional[FrameType]) -> None:
+    """SIGTERM: one line; during the command ``SystemExit(143)`` (its ``finally`` blocks and exit handlers release
+    what it claimed); once it ended (claims released), exit at once."""
+    sys.stderr.write(f"{(_PROG or _MAIN_PROG or ['kvsplice'])[0]}: terminated\n")
+    sys.stderr.flush()
+    if _STATUS or _ENDING:
+        os._exit(EXIT_TERMINATED)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one line, one exit: a second SIGTERM during cleanup waits
+    raise SystemExit(EXIT_TERMINATED)
+
+
 def quiet_interrupts_while_importing(module_name: str, prog: str) -> None:
     """When the calling module is the program Python runs (``module_name == "__main__"``), Ctrl-C from now until
     :func:`end_quiet_interrupts` is one ``PROG: interrupted`` line and exit status 130; imported as a library, it
@@ -51,6 +67,7 @@ def quiet_interrupts_while_importing(module_name: str, prog: str) -> None:
     _PROG[:] = [prog]
     _MAIN_PROG[:] = [prog]
     signal.signal(signal.SIGINT, _interrupted)
+    signal.signal(signal.SIGTERM, _terminated)
 
 
 def end_quiet_interrupts() -> None:

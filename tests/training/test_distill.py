@@ -83,6 +83,30 @@ def test_distill_bad_input_is_one_line_exit_2(pair, tmp_path, capsys):
     assert not any(tmp_path.iterdir())  # nothing written
 
 
+def test_distill_threads_beyond_the_cpus_are_refused(tmp_path, capsys):
+    """``--threads 100000`` was handed to torch: a traceback."""
+    threads = torch.get_num_threads()
+    try:
+        rc = distill.main(["--model", str(TRAIN), "--data", str(TRAIN), "--loss", "lm", "--threads", "100000",
+                           "--runs-dir", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("kvsplice distill: error: --threads must be <=") and "\n" not in err, err
+
+
+def test_distill_negative_warmup_is_refused(tmp_path, capsys):
+    """``--warmup-steps -1`` trained without a word."""
+    try:
+        rc = distill.main(["--model", str(TRAIN), "--data", str(TRAIN), "--loss", "lm", "--warmup-steps", "-1",
+                           "--runs-dir", str(tmp_path)])
+    except SystemExit as e:  # argparse's refusal
+        rc = e.code
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("kvsplice distill: error: argument --warmup-steps: must be >= 0") \
+        and "\n" not in err, err
+
+
 def test_distill_fine_tunes_the_unconverted_source_as_the_same_text_baseline(pair, capsys):
     """The baseline: the source itself, LM loss on the same text; its model/ is a transformers folder every
     kvsplice command loads, its weights moved, and a resumed run continues (the config check accepts it)."""

@@ -161,6 +161,17 @@ def test_bad_data_and_args_fail_with_one_line(stories_dir, tmp_path, capsys):
         assert rc != 0 and err.startswith("kvsplice bench-balance: error:") and what in err and "\n" not in err, err
 
 
+@pytest.mark.parametrize("threads,what", [("0", "must be >= 1"), ("-2", "must be >= 1"), ("100000", "CPUs")])
+def test_bad_thread_counts_are_refused_in_one_line(threads, what, capsys):
+    """``--threads 0`` ran with one thread without a word; 100000 asked torch for that many."""
+    try:
+        rc = main(["--model", "m", "--data", str(TEXT), "--threads", threads])
+    except SystemExit as e:  # argparse's refusal
+        rc = e.code
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("kvsplice bench-balance: error:") and what in err and "\n" not in err, err
+
+
 def test_cli_subprocess_exit_code(tmp_path):
     p = subprocess.run([sys.executable, "-m", "kvsplice.bench_balance", "--model", str(tmp_path / "missing"),
                         "--data", "x.txt"], cwd=REPO, capture_output=True, text=True, timeout=120)

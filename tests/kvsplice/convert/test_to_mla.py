@@ -205,6 +205,18 @@ def test_cli_errors(tmp_path: Path, mha_ckpt: Path, capsys, args, msg) -> None:
                      if "--kvsplice-ratio" in args else [])
 
 
+def test_cli_threads_beyond_the_cpus_are_refused_first(tmp_path: Path, capsys) -> None:
+    """``--threads 100000`` was handed to torch; the model's libraries then failed to load ("cannot load the model")."""
+    threads = torch.get_num_threads()
+    try:
+        rc = to_mla(["--model", str(tmp_path / "nope"), "--d-latent", "8", "--threads", "100000", "--out",
+                     str(tmp_path / "o")])
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("kvsplice to-mla: error: --threads must be <=") and "\n" not in err, err
+
+
 def test_save_model_roundtrip(tmp_path: Path) -> None:
     mla = mha_to_mla(_mha(), 8)
     p = save_model(mla, tmp_path / "m.ckpt", hparams={"learning_rate": 1e-3}, extra={"note": "x"})

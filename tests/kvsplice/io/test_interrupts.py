@@ -2,11 +2,13 @@
 last: while the console command imports its first modules (before any verb is known), and once a verb has ended —
 while the exit handlers run and until the process is gone (the interpreter's teardown restores the default SIGINT
 action: a Ctrl-C there killed the process without a line). Each SIGINT is raised in the main thread at a chosen
-moment (an import, an exit handler, the teardown), never after a delay."""
+moment (an import, an exit handler, the teardown), never after a delay. SIGTERM (``kill``) is one ``kvsplice VERB: terminated`` line and exit status 143, its
+claims released."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -100,3 +102,32 @@ def test_ctrl_c_in_the_teardown_after_the_command_never_kills_it_silently(llama2
     assert (out / "config.json").is_file()
     r = _python(LATE + CONSOLE.format(argv=[*llama2c_args, "--out", str(out)]))  # exists: refused, exit 2
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not empty" in r.stderr, (r.returncode, r.stderr)
+
+
+HOLD = ("import time, kvsplice.io.claims as claims\n"
+        "real = claims.claim\n"
+        "def claim_and_wait(*a, **k):\n"  # the verb claims its output, says so, and waits for the SIGTERM
+        "    real(*a, **k)\n"
+        "    print('claimed', flush=True)\n"
+        "    time.sleep(60)\n"
+        "claims.claim = claim_and_wait\n")
+
+
+def test_sigterm_while_a_verb_holds_its_claim_releases_it(llama2c_args, tmp_path):
+    """``kill`` (SIGTERM) on a running verb: one ``kvsplice VERB: terminated`` line, exit status 143 (128 + 15), and
+    no ``.claim`` file left beside the output (the default action killed the process before its claims were
+    released)."""
+    out = tmp_path / "o"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    code = HOLD + CONSOLE.format(argv=[*llama2c_args, "--out", str(out)])
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=REPO, env=env)
+    try:
+        assert p.stdout.readline().strip() == "claimed"
+        assert [f.name for f in tmp_path.iterdir() if f.name.endswith(".claim")] == [".o.claim"]
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 143 and err == "kvsplice convert-llama2c: terminated\n", (p.returncode, err)
+    assert not [f.name for f in tmp_path.iterdir() if f.name.endswith(".claim")]

@@ -163,6 +163,13 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if positions and max(lengths) > positions:
         raise UsageError(f"--seq-len {max(lengths)} exceeds the model's {positions} positions")
     step_tokens = args.batch_size * lengths[0]
+    from kvsplice.core.limits import check_fits
+
+    try:  # a step's logits (student, teacher, their gradient) before any of them is allocated
+        check_fits("--batch-size", 12.0 * step_tokens * vocab, f"a step of {args.batch_size} x {lengths[0]} tokens "
+                   f"over a {vocab:,}-token vocabulary")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     max_steps = args.max_steps or (None if args.minutes else 60)
     if args.data:
         train, val = _text_data(args, student, max_steps, step_tokens, lengths)

@@ -144,3 +144,13 @@ def test_distill_of_one_step_reads_enough_text(pair, tmp_path, monkeypatch, caps
     assert rc == 0, capsys.readouterr().err
     # the default step: 2 x 256 (windows of 256 and 512 in its 512 positions), and room for the longest window
     assert got["train"].shape == (512 + 2,)
+
+
+def test_distill_batch_beyond_memory_is_refused_before_allocating(pair, tmp_path, capsys):
+    """``--batch-size 1000000`` tried to allocate 65 GB of logits: a traceback."""
+    src, mla, _ = pair
+    rc = distill.main(["--model", str(mla), "--data", str(TRAIN), "--loss", "lm", "--batch-size", "1000000",
+                       "--runs-dir", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("kvsplice distill: error: --batch-size: a step of 1000000") and "\n" not in err, err
+    assert not any(tmp_path.iterdir())

@@ -203,6 +203,8 @@ def convert_llama(model, stats: list[LayerStats], *, d_latent: Optional[int], ro
         for name in ("q_proj", "k_proj", "o_proj") + (("q_norm", "k_norm") if qwen3 else ()):
             getattr(at, name).load_state_dict(getattr(sa, name).state_dict())
         _fit_attention(at, a, i, st, r, rope_dims, layout, src_inv, qwen3, fit)
+    if fit.refine_steps > 0 and all(st.windows for st in stats):
+        refine_layers(out, stats, fit.refine_steps, fit.refine_lr, progress=progress)
     return out.eval()
 
 
@@ -269,10 +271,6 @@ def _fit_attention(at, a: LlamaAdapter, layer: int, st: LayerStats, r: int, rope
                     best = (err, {k: v.clone() for k, v in at.state_dict().items()})
     if best is not None:
         at.load_state_dict(best[1])
-    if fit.refine_steps > 0 and st.windows:
-        with torch.enable_grad():
-            refine_attention(at, [x for x, _ in st.windows], [y for _, y in st.windows], steps=fit.refine_steps,
-                             lr=fit.refine_lr)
 
 
 def refine_layers(model: MLALlama, stats: list[LayerStats], steps: int, lr: float = 3e-4,

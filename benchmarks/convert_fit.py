@@ -1,15 +1,16 @@
 """SmolLM2-135M → MLA with ``kvsplice to-mla --ratio N`` (training-free, with and without the layer-local
-correction): what the converted model keeps of its source.
-
-::
-
-    python -m benchmarks.convert_fit [--size smoke] [--work DIR]
+correction, then fine-tuned by ``kvsplice distill --minutes M``): what the converted model keeps of its source.
+``python -m benchmarks.convert_fit [--size smoke] [--work DIR] [--ratios 2 4] [--keep F] [--minutes 60]``.
 
 Per ratio and ``--refine-steps``: ``kvsplice to-mla --model SRC --calib TRAIN --calib-tokens T --seq-len S --ratio N
 --refine-steps K --out DIR`` (a folder in ``--work`` is reused), then a row of :mod:`benchmarks.lib.model_quality`:
 perplexity on protocol P's validation windows (last quarter scored) and on the shared data folder's prose (never
 calibrated on), mean KL to the source on those windows, passkey and needle-in-stories accuracy at each task length with
-the model's own cache. The source is the first row. ``--size smoke``: stories260K (llama2.c) and tiny counts.
+the model's own cache. The source is the first row. ``--keep F`` inserts KVSplice keeping F of the latent
+(``--kvsplice-keep``; ``--ratio`` is then the cache after it). With ``--minutes M`` (> 0) each conversion at the last
+``--refine`` value is fine-tuned: ``kvsplice distill --model DIR --teacher SRC --minutes M --snapshot-minutes S...``
+(the source's own text; a run folder in ``--work/runs`` is reused), and every snapshot and the final model is a row
+measured the same way. ``--size smoke``: stories260K (llama2.c) and tiny counts.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def options(p) -> None:
     p.add_argument("--work", default=None, help="folder of converted models (reused; default: a temporary folder)")
     p.add_argument("--ratios", type=float, nargs="+", default=None, help="cache ratios (default: the size's)")
     p.add_argument("--refine", type=int, nargs="+", default=None, help="--refine-steps values (default: the size's)")
+    p.add_argument("--keep", type=float, default=None, help="insert KVSplice keeping this fraction of the latent")
+    p.add_argument("--minutes", type=float, default=None, help="distill budget per conversion (0: none; default: "
+                   "the size's)")
 
 
 def _source(run, work: Path) -> str:
@@ -40,14 +44,36 @@ def _source(run, work: Path) -> str:
     return str(src)
 
 
-def _convert(run, src: str, folder: Path, ratio: float, refine: int) -> str:
-    cmd = ["kvsplice", "to-mla", "--model", src, "--calib", str(CALIB), "--calib-tokens", str(run["calib_tokens"]),
-           "--seq-len", str(run["seq_len"]), "--ratio", f"{ratio:g}", "--refine-steps", str(refine), "--out",
-           str(folder), "--json", str(folder) + ".json", "--no-progress", "--threads", str(run.args.threads)]
-    if not (folder / "config.json").is_file():
+def _kvsplice(run, cmd: list[str], done: Path) -> str:
+    """Run ``kvsplice ...`` unless ``done`` exists (a folder in ``--work`` is reused); the command as results say it
+    (``--work`` named ``WORK``)."""
+    if not done.exists():
         run.say(" ".join(cmd))
         subprocess.run([sys.executable, "-m", "kvsplice.cli.main", *cmd[1:]], check=True, cwd=ROOT)
-    return portable(" ".join(cmd))
+    return portable(" ".join(cmd)).replace(run.notes["work"], "WORK")
+
+
+def _convert(run, src: str, folder: Path, ratio: float, refine: int, keep) -> str:
+    cmd = ["kvsplice", "to-mla", "--model", src, "--calib", str(CALIB), "--calib-tokens", str(run["calib_tokens"]),
+           "--seq-len", str(run["seq_len"]), "--ratio", f"{ratio:g}", "--refine-steps", str(refine),
+           *(["--kvsplice-keep", f"{keep:g}"] if keep else []), "--out", str(folder), "--json", str(folder) + ".json",
+           "--no-progress", "--threads", str(run.args.threads)]
+    return _kvsplice(run, cmd, folder / "config.json")
+
+
+def _distill(run, src: str, folder: Path, minutes: float) -> tuple[str, Path]:
+    """The command fine-tuning ``folder`` for the study's minutes and the model folder of its ``minutes`` mark (run
+    now when the run folder is absent; a run folder without that mark is a run in progress or stopped: say so)."""
+    runs, name = folder.parent / "runs", "d-" + folder.name
+    cmd = ["kvsplice", "distill", "--model", str(folder), "--teacher", src, "--minutes", f"{run['minutes']:g}",
+           "--snapshot-minutes", *(f"{m:g}" for m in run["snapshots"]), "--self-tokens", str(run["self_tokens"]),
+           "--trainable", "attention", "--runs-dir", str(runs), "--run-name", name, "--no-progress",
+           "--threads", str(run.args.threads)]
+    out = runs / name / ("model" if minutes == run["minutes"] else f"model-{minutes:g}min")
+    if (runs / name).exists() and not (out / "config.json").is_file():
+        raise SystemExit(f"convert_fit: {runs / name} has no {out.name}/ yet: a run in progress, or a stopped one "
+                         f"(resume it: {' '.join(cmd)} --ckpt-path last)")
+    return _kvsplice(run, cmd, out / "config.json"), out
 
 
 def rows(run):
@@ -56,6 +82,7 @@ def rows(run):
 
     work = Path(run.args.work) if run.args.work else Path(tempfile.mkdtemp(prefix="convert_fit-"))
     work.mkdir(parents=True, exist_ok=True)
+    run.notes["work"] = str(work)
     src = _source(run, work)
     loaded = load_model(src)
     tok, seq = loaded.tokenizer, run["seq_len"] // 2
@@ -68,40 +95,53 @@ def rows(run):
         prev = {"model": "source", "ratio": 1.0, "refine_steps": 0, "cache_dim": None, "command": "",
                 **quality(loaded.model, tok, p_wins, d_wins, None, lengths, n)}
     yield prev
-    base = prev
+    base, keep = prev, run["keep"]
     del loaded
+
+    def measured(name: str, folder: Path, **fields) -> dict:
+        model = load_model(str(folder)).model
+        cfg, q = model.cfg, quality(model, tok, p_wins, d_wins, ref, lengths, n)
+        row = {"model": name, **fields, "cache_dim": cfg.cache_dim, "d_latent": cfg.d_latent, "rope_dims": cfg.rope_dims,
+               **q, "d_ppl_P_pct": 100 * (q["ppl_P"] / base["ppl_P"] - 1),
+               "d_ppl_prose_pct": 100 * (q["ppl_prose"] / base["ppl_prose"] - 1)}
+        run.say(f"{name}: {row}")
+        return row
+
     for ratio in run["ratios"]:
         for refine in run["refine"]:
-            name = f"r{ratio:g}x-refine{refine}"
-            if (row := run.previous(model=name)):
-                yield row
-                continue
-            cmd = _convert(run, src, work / name, ratio, refine)
-            model = load_model(str(work / name)).model
-            q = quality(model, tok, p_wins, d_wins, ref, lengths, n)
-            row = {"model": name, "ratio": ratio, "refine_steps": refine, "cache_dim": model.cfg.cache_dim,
-                   "d_latent": model.cfg.d_latent, "rope_dims": model.cfg.rope_dims, "command": cmd, **q,
-                   "d_ppl_P_pct": 100 * (q["ppl_P"] / base["ppl_P"] - 1),
-                   "d_ppl_prose_pct": 100 * (q["ppl_prose"] / base["ppl_prose"] - 1)}
-            run.say(f"{name}: {row}")
+            name = f"r{ratio:g}x" + (f"-keep{keep:g}" if keep else "") + f"-refine{refine}"
+            fields = {"ratio": ratio, "refine_steps": refine, "keep": keep, "minutes": 0.0}
+            if not (row := run.previous(model=name)):
+                row = measured(name, work / name, command=_convert(run, src, work / name, ratio, refine, keep),
+                               **fields)
             yield row
+            if not run["minutes"] or refine != run["refine"][-1]:
+                continue
+            for minutes in [*(m for m in run["snapshots"] if m < run["minutes"]), run["minutes"]]:
+                tuned = f"{name}+distill{minutes:g}min"
+                if not (row := run.previous(model=tuned)):
+                    cmd, out = _distill(run, src, work / name, minutes)
+                    row = measured(tuned, out, command=cmd, **{**fields, "minutes": minutes})
+                yield row
 
 
 def markdown(run, rows) -> str:
     tasks = [k for k in rows[0] if k.startswith(("passkey_", "niah_"))]
-    head = ["model", "cache (R + Dr)", "ppl P", "Δ P", "ppl prose", "Δ prose", "KL P", *tasks]
+    head = ["model", "cache (R + Dr)", "min", "ppl P", "Δ P", "ppl prose", "Δ prose", "KL P", *tasks]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cache = "K/V" if r["cache_dim"] is None else f"{r['d_latent']} + {r['rope_dims']}"
         d = lambda k: "" if k not in r else f"{r[k]:+.1f} %"  # noqa: E731
-        out.append("| " + " | ".join([r["model"], cache, f"{r['ppl_P']:.3f}", d("d_ppl_P_pct"), f"{r['ppl_prose']:.2f}",
-                                      d("d_ppl_prose_pct"), f"{r['kl_P']:.4f}", *(f"{r[t]:.0f}" for t in tasks)]) + " |")
-    cmds = [f"- `{r['command']}`" for r in rows if r["command"]]
+        cells = [r["model"], cache, f"{r.get('minutes', 0):g}", f"{r['ppl_P']:.3f}", d("d_ppl_P_pct"),
+                 f"{r['ppl_prose']:.2f}", d("d_ppl_prose_pct"), f"{r['kl_P']:.4f}", *(f"{r[t]:.0f}" for t in tasks)]
+        out.append("| " + " | ".join(cells) + " |")
+    cmds = list(dict.fromkeys(f"- `{r['command']}`" for r in rows if r["command"]))
     return "\n".join(out + ["", "Commands:", *cmds]) + "\n"
 
 
 STUDY = Study("convert_fit", __doc__, rows, options=options, markdown=markdown, threads=2,
-              bounds={"ratios": (1.01, 64), "refine": (0, 10000), "calib_tokens": (64, 1 << 22),
+              bounds={"ratios": (1.01, 64), "refine": (0, 10000), "minutes": (0, 10000), "snapshots": (0.01, 10000),
+                      "self_tokens": (1024, 1 << 24), "calib_tokens": (64, 1 << 22),
                       "seq_len": (16, 1 << 15), "task_lengths": (64, 1 << 15), "task_n": (1, 1000),
                       "p_windows": (1, 1000), "docs_windows": (1, 1000)})
 main = STUDY.main

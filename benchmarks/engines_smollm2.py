@@ -2,12 +2,14 @@
 plain transformers and llama.cpp (its own converter + our q_lora_rank post-step), perplexity and greedy tokens.
 
     KVSPLICE_LLAMA_CPP=/path/to/llama.cpp python -m benchmarks.engines_smollm2   # results/engines_smollm2.{json,md}
+    python -m benchmarks.engines_smollm2 --model RUN/model --tag tuned   # a converted (fine-tuned) folder instead
 
 Protocol: calibration on the first ``--calib-tokens`` of TinyStoriesV2 (``mines-opt-ml...10k.txt``), evaluation on
 the first 2,048 tokens of the TinyStories train sample (``gusjengis...sample.txt``, one window, no BOS) — different
 files, nothing tuned on the evaluated text. Rows: the source (transformers, fp32), the norm-free conversion (ours),
 the export with the latent RMSNorm in its linear regime (transformers; llama.cpp f32 and f16 GGUF, f16 KV cache),
-and the same conversion with a real latent RMSNorm (``--latent-norm``; the export that was unusable).
+and the same conversion with a real latent RMSNorm (``--latent-norm``; the export that was unusable). ``--model DIR``
+takes a converted native folder (``kvsplice to-mla`` / ``kvsplice distill`` output) in place of the conversion.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def options(p) -> None:
     p.add_argument("--greedy", type=int)
     p.add_argument("--work", default="/tmp/engines_smollm2")
     p.add_argument("--skip-normed", action="store_true", help="leave out the --latent-norm row")
+    p.add_argument("--model", default=None, help="a converted native MLA folder to export (default: convert here)")
 
 
 def rows(run):
@@ -76,11 +79,15 @@ def rows(run):
         return row
 
     yield torch_row("source (transformers, fp32)", src, kv_bytes=30 * 2 * 3 * 64 * 2)  # 30 layers x (K, V) x 3 x 64 x f16
-    stats = calibrate_layers(src, calibration_batches(cal, 1024, 4))
-    log("calibrated")
-    mla = convert_llama(src, stats, d_latent=d_latent, rope_dims=64, layout="shared")
-    yield torch_row(f"ours: MLA R={d_latent} + 64 RoPE, norm-free", mla,
-                    kv_bytes=mla.cache_bytes_formula(1, 1, torch.float16))
+    if args.model:
+        mla = load_model(args.model).model.float().eval()
+        name = f"ours: {Path(args.model).name} (R={mla.cfg.d_latent} + {mla.cfg.rope_dims} RoPE)"
+    else:
+        stats = calibrate_layers(src, calibration_batches(cal, 1024, 4))
+        log("calibrated")
+        mla = convert_llama(src, stats, d_latent=d_latent, rope_dims=64, layout="shared")
+        name = f"ours: MLA R={d_latent} + 64 RoPE, norm-free"
+    yield torch_row(name, mla, kv_bytes=mla.cache_bytes_formula(1, 1, torch.float16))
     ds_dir = work / "dsv3"
     save_deepseek_v3(mla, ds_dir, tok.backend)
     ds = transformers.AutoModelForCausalLM.from_pretrained(ds_dir, dtype=torch.float32).eval()
@@ -99,7 +106,7 @@ def rows(run):
                        "post_step_added": added, "greedy_text": tok.backend.decode(greedy)}
             log(row["name"], f"ppl {row['ppl']:.3f}", row["kv_bytes_per_token"])
             yield row
-    if not args.skip_normed:
+    if not args.skip_normed and not args.model:
         normed = convert_llama(src, stats, d_latent=d_latent, rope_dims=64, layout="shared", latent_norm=True)
         yield torch_row(f"--latent-norm: MLA R={d_latent} + 64 RoPE with a real latent RMSNorm (before)", normed)
 
@@ -110,18 +117,24 @@ def summary(run, rows) -> dict:
 
     for r in rows:
         r["greedy_equal_to_ours"] = r["greedy"] == rows[1]["greedy"]
+        if "kv_cache" in r:  # llama.cpp's measured cache against our formula (f16)
+            r["kv_bytes_equal_formula"] = r["kv_bytes_per_token"] == rows[1]["kv_bytes_per_token"]
     why = missing(bindings=True)
     return {"llama_cpp": why} if why else {}
 
 
 def markdown(run, rows) -> str:
     lines = [f"| model | ppl ({run['eval_tokens']:,} tokens) | greedy {run['greedy']} == ours "
-             "| KV bytes / token (f16) |", "|---|---|---|---|"]
+             "| KV bytes / token (f16) | = formula |", "|---|---|---|---|---|"]
     for r in rows:
         kb = r.get("kv_bytes_per_token")
         lines.append(f"| {r['name']} | {r['ppl']:.3f} | {'yes' if r['greedy_equal_to_ours'] else 'no'} | "
-                     f"{'' if kb is None else f'{kb:,.0f}'} |")
+                     f"{'' if kb is None else f'{kb:,.0f}'} | {_yes(r.get('kv_bytes_equal_formula'))} |")
     return "\n".join(lines)
+
+
+def _yes(v) -> str:
+    return "" if v is None else "yes" if v else "no"
 
 
 STUDY = Study("engines_smollm2", __doc__, rows, options=options, summary=summary, markdown=markdown,

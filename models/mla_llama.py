@@ -128,10 +128,10 @@ class MLAAttention(nn.Module):
         self.k_proj = nn.Linear(d, kv * hd, bias=cfg.attention_bias)  # source keys: the RoPE part is cut from them
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.head_norms else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.head_norms else None
-        self.kv_down = nn.Linear(d, r, bias=False)
+        self.w_dkv = nn.Linear(d, r, bias=False)
         self.kv_norm = RMSNorm(r, cfg.latent_norm_eps) if cfg.latent_norm else None
-        self.k_up = nn.Linear(r, kv * hd, bias=cfg.attention_bias)
-        self.v_up = nn.Linear(r, kv * hd, bias=cfg.attention_bias)
+        self.w_uk = nn.Linear(r, kv * hd, bias=cfg.attention_bias)
+        self.w_uv = nn.Linear(r, kv * hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(h * hd, d, bias=False)
         self.register_buffer("q_rope", torch.zeros(h, hd, dr))  # (H, D, Dr): query head -> its RoPE query
         self.register_buffer("k_rope", torch.zeros(kv * hd, cfg.rope_heads * dr))  # keys -> RoPE keys
@@ -162,7 +162,7 @@ class MLAAttention(nn.Module):
         """What the cache holds for ``x (B, T, d)``: the latent ``(B, T, R)`` and rotated RoPE keys ``(B, Hr, T, Dr)``."""
         b, t, _ = x.shape
         cfg = self.cfg
-        c = self.kv_down(x)  # (B, T, R)
+        c = self.w_dkv(x)  # (B, T, R)
         if self.kv_norm is not None:
             c = self.kv_norm(c)
         k = self.k_proj(x)  # (B, T, Hkv·D)
@@ -195,9 +195,9 @@ class MLAAttention(nn.Module):
             rows = c[:, None]  # (B, 1, Tk, R)
             if kr is not None:
                 rows = torch.cat([rows.expand(-1, cfg.rope_heads, -1, -1), kr], dim=-1)  # (B, Hr, Tk, R + Dr)
-            z = absorbed(self._attend_fn(), q, rows, self.k_up, self.v_up, cfg.n_kv_head, cfg.d_latent, qr)
+            z = absorbed(self._attend_fn(), q, rows, self.w_uk, self.w_uv, cfg.n_kv_head, cfg.d_latent, qr)
         else:
-            z = naive(self._attend_fn(), q, c, self.k_up, self.v_up, cfg.n_kv_head, qr, kr)  # (B, H, T, D)
+            z = naive(self._attend_fn(), q, c, self.w_uk, self.w_uv, cfg.n_kv_head, qr, kr)  # (B, H, T, D)
         return self.o_proj(z.transpose(1, 2).reshape(b, t, -1))  # (B, T, d)
 
 

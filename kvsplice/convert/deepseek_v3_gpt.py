@@ -103,4 +103,4 @@ class TrainedGPTWriter(DeepSeekV3Writer):
                 down, norm, w_uk, w_uv = c @ down, a.splice_norm, w_uk @ e, w_uv @ e  # (r, d), -, (H·hs, r) x 2
             yield MLALayer(q_nope=a.w_q.weight.view(h, hs, -1), q_rope=a.w_qr.weight.view(h, dr, -1)[:, perm],
                            q_scale=fold, down=down, norm=norm.weight, k_rope=a.w_kr.weight[perm],
-                           k_up=w_uk.view(h, hs, -1), v_up=w_uv.view(h, hs, -1), rest=common_weights(model, i))
+                           w_uk=w_uk.view(h, hs, -1), w_uv=w_uv.view(h, hs, -1), rest=common_weights(model, i))

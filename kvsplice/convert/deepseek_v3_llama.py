@@ -61,7 +61,7 @@ def linear_regime(model: MLALlama) -> list[tuple[float, float]]:
     """Per layer ``(γ, s)`` of the linear-regime export of a norm-free model (module docstring)."""
     out = []
     for blk in model.layers:
-        w = blk.attn.kv_down.weight.double() * blk.input_norm.weight.double()[None]  # (R, d): W diag(g)
+        w = blk.attn.w_dkv.weight.double() * blk.input_norm.weight.double()[None]  # (R, d): W diag(g)
         sigma = float(torch.linalg.matrix_norm(w, ord=2))
         r, d = w.shape
         max_ms = sigma ** 2 * d / r  # mean(c²) ≤ ‖c‖² / R ≤ σ² d / R
@@ -134,14 +134,14 @@ class ConvertedLlamaWriter(DeepSeekV3Writer):
             if regime is None:
                 norm_w = at.kv_norm.weight
             else:  # c' = γ c, mean(c'²) ≤ ρ ε: norm(c') · sqrt(ε)/γ = c (to ρ/2)
-                norm_w = at.kv_down.weight.new_full((cfg.d_latent,), LINEAR_EPS ** 0.5 / gamma)
+                norm_w = at.w_dkv.weight.new_full((cfg.d_latent,), LINEAR_EPS ** 0.5 / gamma)
             rest = {"self_attn.o_proj.weight": at.o_proj.weight, "input_layernorm.weight": blk.input_norm.weight * s,
                     "post_attention_layernorm.weight": blk.post_norm.weight}
             rest.update({f"mlp.{n}.weight": getattr(blk, n).weight for n in ("gate_proj", "up_proj", "down_proj")})
             yield MLALayer(
                 q_nope=wq, q_rope=torch.einsum("hde,hdm->hem", at.q_rope.to(wq), wq)[:, perm],  # (H, Dr, d_model)
-                q_scale=fold / s, down=at.kv_down.weight * (gamma / s), norm=norm_w,
+                q_scale=fold / s, down=at.w_dkv.weight * (gamma / s), norm=norm_w,
                 k_rope=(at.k_rope.to(wq).T @ at.k_proj.weight)[perm] / s,  # (Dr, d_model), interleaved
-                k_up=at.k_up.weight.view(cfg.n_kv_head, d, -1).repeat_interleave(g, 0),  # (H, D, R)
-                v_up=at.v_up.weight.view(cfg.n_kv_head, d, -1).repeat_interleave(g, 0),  # (H, D, R)
+                w_uk=at.w_uk.weight.view(cfg.n_kv_head, d, -1).repeat_interleave(g, 0),  # (H, D, R)
+                w_uv=at.w_uv.weight.view(cfg.n_kv_head, d, -1).repeat_interleave(g, 0),  # (H, D, R)
                 rest=rest)

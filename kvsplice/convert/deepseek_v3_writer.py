@@ -9,7 +9,7 @@ query heads of ``D``, cached latent ``r`` padded to ``P``, RoPE ``Dr`` padded to
 * ``q_proj`` (``q_lora_rank: null``) = per head ``[q_nope ; q_rope]`` (``q_rope`` spread to ``Dr'``), × the layer's
   ``q_scale`` (the writer's fold of DeepSeek's fixed ``(D + Dr')^-½`` softmax scale);
 * ``kv_a_proj_with_mqa`` = ``[down ; k_rope]`` (latent rows padded through ``kv_a_layernorm``), ``kv_a_layernorm`` =
-  the latent norm's weight, ``kv_b_proj`` = per query head ``[k_up ; v_up]`` (zero columns to ``P``);
+  the latent norm's weight, ``kv_b_proj`` = per query head ``[w_uk ; w_uv]`` (zero columns to ``P``);
 * the rest of the block (``o_proj``, the two norms, the SwiGLU MLP) as the writer names them, and the embedding,
   final norm and untied ``lm_head``.
 
@@ -44,8 +44,8 @@ class MLALayer:
     down: torch.Tensor  # (r, d_model): the cached latent's rows
     norm: torch.Tensor  # (r,): kv_a_layernorm's weight
     k_rope: torch.Tensor  # (Dr, d_model): the one shared RoPE key
-    k_up: torch.Tensor  # (H, D, r)
-    v_up: torch.Tensor  # (H, D, r)
+    w_uk: torch.Tensor  # (H, D, r)
+    w_uv: torch.Tensor  # (H, D, r)
     rest: dict[str, torch.Tensor] = field(default_factory=dict)  # o_proj, norms, MLP under the layer's prefix
 
 
@@ -111,7 +111,7 @@ class DeepSeekV3Writer:
             k_rope = spread_rope_rows(ly.k_rope, rope)  # (Dr', d_model)
             sd[pre + "self_attn.kv_a_proj_with_mqa.weight"] = torch.cat([down, k_rope])  # (P + Dr', d_model)
             sd[pre + "self_attn.kv_a_layernorm.weight"] = norm_w
-            kv_b = torch.cat([ly.k_up, ly.v_up], dim=1).flatten(0, 1)  # (H·2D, r): [k_nope ; v] per head
+            kv_b = torch.cat([ly.w_uk, ly.w_uv], dim=1).flatten(0, 1)  # (H·2D, r): [k_nope ; v] per head
             sd[pre + "self_attn.kv_b_proj.weight"] = pad_columns(kv_b, rank)  # (H·2D, P)
             sd.update({pre + k: v for k, v in ly.rest.items()})
         return {k: v.detach().cpu().contiguous().clone() for k, v in sd.items()}

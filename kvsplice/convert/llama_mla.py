@@ -241,7 +241,7 @@ def _fit_attention(at, a: LlamaAdapter, layer: int, st: LayerStats, r: int, rope
     bias_k = None
     if p.bk is not None:
         bias_k = p.bk.double().cpu() if not nonlinear_keys else torch.zeros(kvd, dtype=torch.float64)
-        at.v_up.bias.copy_(p.bv)
+        at.w_uv.bias.copy_(p.bv)
     weights = (None, None)
     if fit.attention_weighted and st.qq is not None:
         weights = attention_weights(st.qq, at.o_proj.weight.double().cpu(), a.n_head, n_kv, hd, a.scale(layer))
@@ -256,12 +256,12 @@ def _fit_attention(at, a: LlamaAdapter, layer: int, st: LayerStats, r: int, rope
     for keys in damps:
         mk = keys @ wk_lin  # (Hkv·D, d)
         for mult in fit.alphas if measured else fit.alphas[:1]:
-            down, k_up, v_up, _ = fitter.fit(mk, wv, r, alpha_mult=mult)
-            at.kv_down.weight.copy_(down)
-            at.k_up.weight.copy_(k_up)
-            at.v_up.weight.copy_(v_up)
+            down, w_uk, w_uv, _ = fitter.fit(mk, wv, r, alpha_mult=mult)
+            at.w_dkv.weight.copy_(down)
+            at.w_uk.weight.copy_(w_uk)
+            at.w_uv.weight.copy_(w_uv)
             if bias_k is not None:
-                at.k_up.bias.copy_(keys @ bias_k)
+                at.w_uk.bias.copy_(keys @ bias_k)
             if at.kv_norm is not None:  # start at the calibration latents' RMS: c / rms(c) · w ≈ c on average
                 rms = (torch.trace(down @ st.xx @ down.T) / (max(st.n, 1) * r)).sqrt()
                 at.kv_norm.weight.fill_(float(rms))
@@ -296,7 +296,7 @@ def latent_gram(model: MLALlama, batches: Iterable[torch.Tensor], progress: bool
         def hook(mod, inp, out, i=i):
             c = out.reshape(-1, out.shape[-1]).double()  # (B·T, R)
             grams[i] += (c.T @ c).cpu()
-        handles.append((blk.attn.kv_norm or blk.attn.kv_down).register_forward_hook(hook))
+        handles.append((blk.attn.kv_norm or blk.attn.w_dkv).register_forward_hook(hook))
     try:
         for ids in tqdm(list(batches), desc="calibrate (latents)", unit="batch", disable=not progress, leave=False):
             model(ids.to(model.embed.weight.device))
@@ -320,11 +320,11 @@ def shrink_latent(model: MLALlama, ratio: float, grams: list[torch.Tensor]) -> M
 
     out = MLALlama(replace(cfg, d_latent=r, source=dict(cfg.source, kvsplice_ratio=ratio))).to(model.embed.weight)
     out.load_state_dict({k: v for k, v in model.state_dict().items()
-                         if not any(s in k for s in ("kv_down", "k_up.weight", "v_up.weight"))}, strict=False)
+                         if not any(s in k for s in ("w_dkv", "w_uk.weight", "w_uv.weight"))}, strict=False)
     for g, src, dst in zip(grams, model.layers, out.layers):
-        c = torch.linalg.eigh(g)[1][:, -r:].flip(-1).T.to(src.attn.kv_down.weight)  # (r, R) top directions
-        dst.attn.kv_down.weight.copy_(c @ src.attn.kv_down.weight)
-        dst.attn.k_up.weight.copy_(src.attn.k_up.weight @ c.T)
-        dst.attn.v_up.weight.copy_(src.attn.v_up.weight @ c.T)
+        c = torch.linalg.eigh(g)[1][:, -r:].flip(-1).T.to(src.attn.w_dkv.weight)  # (r, R) top directions
+        dst.attn.w_dkv.weight.copy_(c @ src.attn.w_dkv.weight)
+        dst.attn.w_uk.weight.copy_(src.attn.w_uk.weight @ c.T)
+        dst.attn.w_uv.weight.copy_(src.attn.w_uv.weight @ c.T)
     return out.eval()
 

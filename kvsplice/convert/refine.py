@@ -3,7 +3,7 @@ layer's output match the source layer's on calibration activations.
 
 The closed form fits keys and values (weighted by what attention does with them) one linear map at a time; the
 softmax between them is not linear. Here the converted layer runs on the source layer's own inputs ``x`` and
-its latent maps (``kv_down``, ``k_up``, ``v_up``) move to minimise ``‖attn(x) − y‖² / ‖y‖²``, ``y`` the source
+its latent maps (``w_dkv``, ``w_uk``, ``w_uv``) move to minimise ``‖attn(x) − y‖² / ‖y‖²``, ``y`` the source
 layer's attention output. Every layer is corrected alone (no backward through the model), so it costs a few
 attention forwards and backwards per layer: minutes on a CPU for a 135M model.
 """
@@ -18,7 +18,7 @@ from torch import nn
 
 __all__ = ["REFINED", "RefineResult", "refine_attention"]
 
-REFINED = ("kv_down", "k_up", "v_up")
+REFINED = ("w_dkv", "w_uk", "w_uv")
 """The converted layer's maps the correction trains (the latent's; queries, RoPE maps and outputs stay the
 source's)."""
 

@@ -129,8 +129,8 @@ class DSAttention:
     down: torch.Tensor  # (r, d)
     norm: torch.Tensor  # (r,)
     k_rope: torch.Tensor  # (Dr, d)
-    k_up: torch.Tensor  # (H, D, r)
-    v_up: torch.Tensor  # (H, D, r)
+    w_uk: torch.Tensor  # (H, D, r)
+    w_uv: torch.Tensor  # (H, D, r)
 
 
 def _padding(c: dict[str, Any], where: str) -> tuple[int, int]:
@@ -183,7 +183,7 @@ def _attention(sd, c: dict[str, Any], i: int, r: int, dr: int, where: str) -> DS
     unfold = math.sqrt((hd + dr) / (hd + drp))  # DeepSeek's (D + Dr')^-½ back to (D + Dr)^-½
     return DSAttention(q_nope=q[:, :hd] * unfold, q_rope=_unspread(q[:, hd:], dr, inter, where, i) * unfold,
                        down=down, norm=norm, k_rope=_unspread(a[p:], dr, inter, where, i),
-                       k_up=kv_b[:, :hd], v_up=kv_b[:, hd:])
+                       w_uk=kv_b[:, :hd], w_uv=kv_b[:, hd:])
 
 
 def _theta(c: dict[str, Any]) -> float:
@@ -231,8 +231,8 @@ def _as_gpt(sd, c: dict[str, Any], layers: list[DSAttention], dtype: torch.dtype
         out.update({pre + names.get(k, k): w for k, w in _block_common(sd, i).items()})
         out.update({pre + "attn.w_q.weight": ly.q_nope.flatten(0, 1), pre + "attn.w_qr.weight": ly.q_rope.flatten(0, 1),
                     pre + "attn.w_kr.weight": ly.k_rope, pre + "attn.w_dkv.weight": ly.down,
-                    pre + "attn.kv_norm.weight": ly.norm, pre + "attn.w_uk.weight": ly.k_up.flatten(0, 1),
-                    pre + "attn.w_uv.weight": ly.v_up.flatten(0, 1)})
+                    pre + "attn.kv_norm.weight": ly.norm, pre + "attn.w_uk.weight": ly.w_uk.flatten(0, 1),
+                    pre + "attn.w_uv.weight": ly.w_uv.flatten(0, 1)})
     model = GPT(cfg)
     model.load_state_dict({k: v.to(dtype) for k, v in out.items()})
     return model
@@ -243,7 +243,7 @@ def _kv_groups(layers: list[DSAttention], h: int) -> int:
     (the writer's ``repeat_interleave``) in every layer."""
     for n in range(1, h + 1):
         if h % n == 0 and all(torch.equal(w, w[::h // n].repeat_interleave(h // n, 0))
-                              for ly in layers for w in (ly.k_up, ly.v_up)):
+                              for ly in layers for w in (ly.w_uk, ly.w_uv)):
             return n
     return h
 
@@ -293,9 +293,9 @@ def _as_mla_llama(sd, c: dict[str, Any], layers: list[DSAttention], dtype: torch
                     pre + "post_norm.weight": common["post_attention_layernorm.weight"],
                     pre + "attn.o_proj.weight": common["self_attn.o_proj.weight"],
                     pre + "attn.q_proj.weight": q.flatten(0, 1), pre + "attn.k_proj.weight": k_proj,
-                    pre + "attn.kv_down.weight": ly.down * (s / s2 if linear else 1.0),
-                    pre + "attn.k_up.weight": ly.k_up[::h // kv].flatten(0, 1),
-                    pre + "attn.v_up.weight": ly.v_up[::h // kv].flatten(0, 1),
+                    pre + "attn.w_dkv.weight": ly.down * (s / s2 if linear else 1.0),
+                    pre + "attn.w_uk.weight": ly.w_uk[::h // kv].flatten(0, 1),
+                    pre + "attn.w_uv.weight": ly.w_uv[::h // kv].flatten(0, 1),
                     pre + "attn.q_rope": sol, pre + "attn.k_rope": torch.eye(kv * hd, dr, dtype=torch.float64),
                     pre + "attn.inv_freq": inv[None]})
         if not linear:

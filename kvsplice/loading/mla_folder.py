@@ -12,9 +12,19 @@ import torch
 
 from models.mla_llama import MODEL_TYPE, MLALlama, MLALlamaConfig
 
-__all__ = ["WEIGHTS", "is_mla_folder", "load_mla_folder", "save_mla_folder"]
+__all__ = ["OLD_WEIGHT_NAMES", "WEIGHTS", "is_mla_folder", "load_mla_folder", "save_mla_folder"]
 
 WEIGHTS = "model.safetensors"
+
+OLD_WEIGHT_NAMES = {".attn.kv_down.": ".attn.w_dkv.", ".attn.k_up.": ".attn.w_uk.", ".attn.v_up.": ".attn.w_uv."}
+"""Weight names some folders carry for the MLA projections, read under the names the trained family uses (the down
+projection ``w_dkv``, the key and value up projections ``w_uk`` / ``w_uv``); docs/conversion.md lists them."""
+
+
+def _current_name(name: str) -> str:
+    for old, new in OLD_WEIGHT_NAMES.items():
+        name = name.replace(old, new)
+    return name
 
 
 def is_mla_folder(folder: Path) -> bool:
@@ -51,7 +61,7 @@ def load_mla_folder(folder: Path, *, dtype: Optional[torch.dtype] = None) -> MLA
     folder = Path(folder)
     cfg = MLALlamaConfig.from_dict(json.loads((folder / "config.json").read_text(encoding="utf-8")))
     model = MLALlama(cfg)
-    sd = load_file(str(folder / WEIGHTS))
+    sd = {_current_name(k): v for k, v in load_file(str(folder / WEIGHTS)).items()}
     if cfg.tie_embeddings:
         sd["lm_head.weight"] = sd.get("embed.weight")
     expect = model.state_dict()

@@ -98,13 +98,13 @@ def test_weighted_latent_is_exact_at_full_rank_and_better_where_it_weighs():
     wq = torch.randn(n_head * hd, d, generator=gen, dtype=torch.float64)
     wo = torch.randn(d, n_head * hd, generator=gen, dtype=torch.float64) * torch.linspace(0.1, 3, n_head * hd)
     sk, sv = attention_weights(wq @ xx @ wq.T, wo, n_head, n_kv, hd, hd ** -0.5)
-    down, k_up, v_up, _ = fit_latent(mk, wv, xx, 2 * kvd, sk=sk, sv=sv)
-    assert torch.allclose(k_up @ down, mk, atol=1e-8) and torch.allclose(v_up @ down, wv, atol=1e-8)
+    down, w_uk, w_uv, _ = fit_latent(mk, wv, xx, 2 * kvd, sk=sk, sv=sv)
+    assert torch.allclose(w_uk @ down, mk, atol=1e-8) and torch.allclose(w_uv @ down, wv, atol=1e-8)
 
     def weighted_value_error(rank, weighted):
-        down, k_up, v_up, _ = fit_latent(mk, wv, xx, rank, sk=sk if weighted else None, sv=sv if weighted else None,
+        down, w_uk, w_uv, _ = fit_latent(mk, wv, xx, rank, sk=sk if weighted else None, sv=sv if weighted else None,
                                          alpha_mult=1e-3)  # keys nearly free: the values' fit decides
-        e = (v_up @ down - wv)
+        e = (w_uv @ down - wv)
         return float(torch.trace(sv @ e @ xx @ e.T))
 
     assert weighted_value_error(6, True) < weighted_value_error(6, False)

@@ -108,7 +108,7 @@ def test_kvsplice_pca_of_the_latent_is_the_smaller_conversion(tiny):
 
     def kv_map(m, i):  # the rank-20 map x -> [k_nope; v] of layer i
         a = m.layers[i].attn
-        return torch.cat([a.k_up.weight, a.v_up.weight]) @ a.kv_down.weight
+        return torch.cat([a.w_uk.weight, a.w_uv.weight]) @ a.w_dkv.weight
 
     # layer 0 sees the same inputs in both: the latent's top principal directions are the rank-20 conversion's;
     # later layers see the converted model's own inputs, so they differ (a little)
@@ -119,6 +119,26 @@ def test_kvsplice_pca_of_the_latent_is_the_smaller_conversion(tiny):
         shrink_latent(normed, 0.5, latent_gram(normed, [calib]))
     with pytest.raises(ValueError, match="at least one whole dimension"):  # 40 · 0.001: never rounded up to 1
         shrink_latent(big, 0.001, latent_gram(big, [calib]))
+
+
+def test_model_folder_with_the_old_projection_names_loads(tiny, tmp_path):
+    """A folder whose weights name the MLA projections kv_down / k_up / v_up reads as w_dkv / w_uk / w_uv."""
+    from safetensors.torch import load_file, save_file
+
+    from kvsplice.loading.mla_folder import OLD_WEIGHT_NAMES, WEIGHTS
+
+    models, _, held = tiny
+    src, stats = models["mistral"]
+    mla = convert_llama(src, stats, d_latent=20, rope_dims=4, layout="per-head")
+    save_mla_folder(mla, tmp_path)
+    sd = load_file(str(tmp_path / WEIGHTS))
+    assert any(".attn.w_dkv." in k for k in sd) and not any(".attn.kv_down." in k for k in sd)
+    old = {k: v for k, v in sd.items()}
+    for o, n in OLD_WEIGHT_NAMES.items():
+        old = {k.replace(n, o): v for k, v in old.items()}
+    assert sum(".attn.kv_down." in k for k in old) == mla.cfg.n_layer
+    save_file(old, str(tmp_path / WEIGHTS))
+    assert torch.equal(load_mla_folder(tmp_path)(held), mla(held))
 
 
 def test_model_folder_round_trip_and_decoder(tiny, tmp_path):

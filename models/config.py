@@ -150,7 +150,7 @@ class GPTConfig:
     cached vector is normalised as an MLA latent of that size would be. Per token, so absorbed decode stays exact."""
     layout: Layout = "gpt2"
     """Block layout: ``gpt2`` (LayerNorm, GELU MLP, learned positions, biases) or ``deepseek_v3`` (RMSNorm, SwiGLU,
-    RoPE, no biases; exports as DeepSeek-V3 (MLA) or Llama (MHA): ``python -m training.export --format``)."""
+    RoPE, no biases; exports as DeepSeek-V3 (MLA) or Llama (MHA): ``kvsplice export --format``)."""
     qk_rope_head_dim: int = 0
     """``deepseek_v3`` MLA only: dims of the decoupled RoPE key (one per token, shared by all heads; DeepSeek's
     ``qk_rope_head_dim``) and of each head's RoPE query part; even, >= 2. 0 otherwise."""

@@ -84,7 +84,7 @@ class LitGPT(L.LightningModule):
         eps: AdamW epsilon.
         warmup_steps: linear warmup optimizer steps; must be < ``trainer.max_steps``.
         min_lr_ratio: the cosine decays to ``min_lr_ratio * learning_rate`` at ``trainer.max_steps``.
-        init_from: a checkpoint (``training.fit`` or ``python -m kvsplice.to_mla``) whose weights start the run:
+        init_from: a checkpoint (``training.fit`` or ``kvsplice to-mla``) whose weights start the run:
             fine-tuning with a fresh optimizer, schedule and step count (unlike ``--ckpt_path``, which resumes). Its
             model must have this config's architecture (the error lists the fields that differ).
         optimizer_impl: AdamW's implementation: ``fused`` (one kernel for all parameters), ``foreach`` (grouped

@@ -1,7 +1,7 @@
 """Export a trained ``deepseek_v3``-layout :class:`models.GPT` as a folder plain ``transformers`` loads (no remote
 code): its MLA and MLA + KVSplice variants as DeepSeek-V3 (``DeepseekV3ForCausalLM``, written by the one DeepSeek-V3
 exporter, :mod:`kvsplice.convert.deepseek_v3`, through this family's writer :mod:`kvsplice.convert.deepseek_v3_gpt`),
-its standard attention as a Llama (``LlamaForCausalLM``, :func:`llama_model`). ``python -m training.export --format
+its standard attention as a Llama (``LlamaForCausalLM``, :func:`llama_model`). ``kvsplice export --format
 deepseek_v3 | llama`` calls this.
 """
 

@@ -2,7 +2,7 @@
 that fits the byte budget, measured on tuning text — the best measured stack wins.
 
 The search is over method specs (:mod:`kvsplice.core.build`): any registered storage method can be a candidate
-(``stores=``, ``python -m kvsplice.plan --stores SPEC ...``).
+(``stores=``, ``kvsplice plan --stores SPEC ...``).
 
 1. **Stores** (:func:`candidate_stores`): full K/V at fp16 and int8, int8 keys with int4 values (``k8v4h``: rows
    rotated by a Hadamard matrix; SmolLM2's tuning text: +1.76 % perplexity at 8× under KVzip's pooled selection where

@@ -32,7 +32,7 @@ _EXPORTS = {
     "perplexity": "kvsplice.decode", "sequence_nll": "kvsplice.decode", "score_continuation": "kvsplice.decode",
     # methods
     "LowRank": "kvsplice.lowrank", "KVBases": "kvsplice.lowrank", "HeadBases": "kvsplice.lowrank",
-    "BasesMismatchError": "kvsplice.lowrank",  # calibrate / fit_bases: kvsplice.lowrank (kvsplice.fit_bases is the CLI)
+    "BasesMismatchError": "kvsplice.lowrank",  # calibrate / fit_bases: kvsplice.lowrank (kvsplice fit-bases is the CLI)
     "TokenSelection": "kvsplice.select", "TokenSelector": "kvsplice.select", "make_selector": "kvsplice.select",
     "run_token_selection": "kvsplice.select",
     "OnlineFD": "kvsplice.online", "OnlineDecoder": "kvsplice.online",

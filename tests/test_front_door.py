@@ -59,6 +59,7 @@ def test_the_scan_finds_each_old_form(tmp_path):
 
 
 def test_python_m_kvsplice_generate_no_longer_runs():
-    r = subprocess.run([sys.executable, "-m", "kvsplice.generate", "--help"], capture_output=True, text=True,
+    """``-S``: only this checkout is on the path (an editable install of another checkout could supply the module)."""
+    r = subprocess.run([sys.executable, "-S", "-m", "kvsplice.generate", "--help"], capture_output=True, text=True,
                        cwd=REPO, timeout=120)
     assert r.returncode != 0 and "No module named kvsplice.generate" in r.stderr, (r.returncode, r.stderr[-500:])

@@ -8,7 +8,7 @@ Sources: the frontier study's trained ``small_mha`` and ``small_mla`` (d_latent 
 text); a missing one is trained here with the same command the study uses. For every source seed:
 
 1. MHA → MLA at R = 8 / 16 / 32 / 64 / 128 (32× ... 2× smaller cache than MHA), weights-only and activation-aware
-   (``python -m kvsplice.to_mla``, 65,536 calibration tokens from the training text), validation loss before any
+   (``kvsplice to-mla``, 65,536 calibration tokens from the training text), validation loss before any
    fine-tuning;
 2. the R = 32 conversions fine-tuned with ``training.fit --config small_mla_32 --model.init_from ...`` for 1 %, 5 %
    and 10 % of the source's training tokens (5 / 25 / 50 steps; fresh AdamW, 10 % warmup, cosine to 10 %) at two

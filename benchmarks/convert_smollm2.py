@@ -8,12 +8,12 @@ a second text and (``--tasks``) passkey / needle retrieval.
 Every model is a folder made by the documented commands (run here as subprocesses / in-process CLIs, so the numbers
 are those commands'):
 
-* conversion: ``python -m kvsplice.to_mla --model SRC --calib TRAIN --calib-tokens 8192 --d-latent R --rope-dims Dr
+* conversion: ``kvsplice to-mla --model SRC --calib TRAIN --calib-tokens 8192 --d-latent R --rope-dims Dr
   --rope-layout shared --out DIR`` with ``R + Dr = 2·Hkv·D / ratio`` (the cache is ``ratio`` × smaller than K/V at
   the same dtype). Shared layout, RoPE key of ``Dr`` dims: chosen on the fine-tune text by
   ``benchmarks/convert_rope_split.py`` (results/convert_rope_split.md: every frequency, ``Dr = D``, at 2× and 4×;
   ``D/2`` at 8×, where ``D`` would leave no latent); ``--per-head`` adds MHA2MLA's layout (``D/8`` dims per KV head) training-free, for comparison;
-* fine-tune (``--finetune-steps N``): ``python -m training.distill --model DIR --teacher SRC --data TRAIN
+* fine-tune (``--finetune-steps N``): ``kvsplice distill --model DIR --teacher SRC --data TRAIN
   --max-steps N --batch-size 4 --seq-len 256 --val-tokens 1024 --val-every 20 --lr 1e-4`` (KL from the source);
   the baseline is the *source* fine-tuned the same way with the LM loss (``--model SRC --loss lm``): Δ against it
   does not count adapting to TinyStories as recovery;
@@ -24,7 +24,7 @@ Text: calibration and fine-tune = the TinyStories train sample (its start; ``ben
 4 × 1,024 tokens of the validation sample (never trained or tuned on), 768-token prompt in the cache, 256 scored;
 bytes measured == formula per batch, ratio vs the fp16 full K/V cache. Second text: the shared data folder's prose
 (the SmolLM2 licence, the data README, the llama2.c format notes — the only non-story English there), whole windows
-of 512 tokens. ``--tasks``: ``python -m kvsplice.eval_tasks --model DIR --method full --tasks passkey
+of 512 tokens. ``--tasks``: ``kvsplice eval-tasks --model DIR --method full --tasks passkey
 niah_number_stories --lengths 1024 --n 8 --setting agnostic`` per model.
 
 ``--work DIR`` keeps the folders, runs and evaluated rows (``rows.json``): a second invocation reuses them (so
@@ -92,12 +92,14 @@ class Bench:
         self.commands: list[str] = []
 
     def _run(self, cmd: list[str]) -> None:
+        """Run ``kvsplice VERB ...`` (``cmd``) through its module, with this interpreter."""
         self.commands.append(" ".join(str(c) for c in cmd))
-        subprocess.run([sys.executable, *map(str, cmd)], check=True, cwd=ROOT, capture_output=True)
+        subprocess.run([sys.executable, "-m", "kvsplice.cli.main", *map(str, cmd[1:])], check=True, cwd=ROOT,
+                       capture_output=True)
 
     def convert(self, layout: str, r: int, dr: int) -> Path:
         folder = self.work / f"{layout}-R{r}-Dr{dr}"
-        cmd = ["-m", "kvsplice.to_mla", "--model", self.src, "--calib", CALIB, "--calib-tokens",
+        cmd = ["kvsplice", "to-mla", "--model", self.src, "--calib", CALIB, "--calib-tokens",
                self.args.calib_tokens, "--d-latent", r, "--rope-dims", dr, "--rope-layout", layout, "--out", folder,
                "--no-progress"] + (["--seq-len", 256] if self.args.smoke else [])
         if not (folder / "config.json").is_file():
@@ -109,7 +111,7 @@ class Bench:
     def finetune(self, model: str, name: str, loss: str) -> Path | None:
         steps = self.args.finetune_steps
         run = self.work / "runs" / f"{name}-{loss}{steps}"
-        cmd = ["-m", "training.distill", "--model", model, "--loss", loss, "--data", CALIB, "--max-steps", steps,
+        cmd = ["kvsplice", "distill", "--model", model, "--loss", loss, "--data", CALIB, "--max-steps", steps,
                "--batch-size", 4, "--seq-len", self.ft_seq, "--val-tokens", 4 * self.ft_seq, "--val-every",
                min(20, steps), "--lr", 5e-4 if self.args.smoke else 1e-4, "--runs-dir", run.parent, "--run-name",
                run.name, "--no-progress"] + (["--teacher", self.src] if loss == "kl" else [])
@@ -144,7 +146,7 @@ class Bench:
         if not self.args.tasks:
             return None
         out = self.work / "tasks" / f"{name}.json"
-        cmd = ["-m", "kvsplice.eval_tasks", "--model", folder, "--method", "full", "--tasks", "passkey",
+        cmd = ["kvsplice", "eval-tasks", "--model", folder, "--method", "full", "--tasks", "passkey",
                "niah_number_stories", "--lengths", self.args.task_length, "--n", self.args.task_n, "--setting",
                "agnostic", "--stories", VAL, "--out", out, "--no-progress"]
         if not out.is_file() or "summary" not in json.loads(out.read_text()):

@@ -11,7 +11,7 @@ Every variant trains the small_* shapes for the same ``--steps`` x ``--batch`` x
   the splice kept orthogonal (``kvsplice_orthogonal``), with a 10x learning rate for the splice
   (``splice_lr_mult``), with the latent norm after the compress instead of before it (``kvsplice_norm``), and the
   two-stage recipe ``insert``: MLA-128 for half the steps, KVSplice-50 inserted with PCA initialisation
-  (``python -m kvsplice.to_mla --kvsplice-ratio 0.5``, 65,536 calibration tokens of training text), fine-tuned for
+  (``kvsplice to-mla --kvsplice-ratio 0.5``, 65,536 calibration tokens of training text), fine-tuned for
   the other half (fresh AdamW, 5 % warmup).
 * ``--study recipe`` — the two-stage ``insert`` recipe on the real validation text, seeds 1 2 3, next to the
   frontier's MLA-64 and KVSplice-50 rows (``results/frontier_gpu.json``) at equal total tokens.

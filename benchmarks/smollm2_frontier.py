@@ -138,14 +138,14 @@ class Bench:
     def plan(self, ratio: float) -> tuple[dict, dict]:
         from kvsplice.evaluation.protocol import full_bytes_per_token
         from kvsplice.adapters import adapter_for
-        from kvsplice.planning.search import search
+        from kvsplice.planning.search import SearchOptions, search
 
         budget = full_bytes_per_token(adapter_for(self.model)) / ratio
         # the frontier's plans: the perplexity objective over the attention selectors (what results/ holds; the
         # planner's default since then — mixed objective, KVzip selectors — is measured by smollm2_tasks.py)
-        found = search(self.model, self.stats, self.tune, prompt_len=PROMPT, budget=budget, batch_size=2,
-                       log=lambda s: print(s, flush=True), objective="ppl",
-                       selectors=("snapkv", "observed_attention"))
+        options = SearchOptions(prompt_len=PROMPT, budget=budget, batch_size=2, objective="ppl",
+                                selectors=("snapkv", "observed_attention"))
+        found = search(self.model, self.stats, self.tune, options, log=lambda s: print(s, flush=True))
         return found["best"], {"candidates": found["candidates"], "selector": found["selector"],
                                 "tuning_full_ppl": found["full"]["tuning_ppl"]}
 

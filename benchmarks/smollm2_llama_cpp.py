@@ -54,7 +54,7 @@ OURS_P = [("smollm2_frontier.json", "full", "ours: full K/V, fp32 model"),
           ("smollm2_frontier.json", "plan_8x", "ours: perplexity planner 8× (ObservedAttention ×4.2 + int8)"),
           ("smollm2_tasks_goals.json", "8x", "ours: planner 8× pick (KVzip pooled ×3.38 + k8v4h)")]
 OURS_TASKS_RUN = WORK / "ours_tasks_1024.json"
-OURS_TASKS_CMD = ("python -m kvsplice.eval_tasks --model ../shared/data/smollm2-135m-instruct --stories "
+OURS_TASKS_CMD = ("kvsplice eval-tasks --model ../shared/data/smollm2-135m-instruct --stories "
                   "../shared/data/tinystories/yuninxia_moe-routing-bench__tinystories_val.txt --method k8v4h int4 "
                   "--tasks passkey niah_number_stories niah_word_facts --lengths 1024 --n 8 --setting agnostic "
                   "--threads 1 --out checkpoints/smollm2_llama_cpp/ours_tasks_1024.json")

@@ -7,7 +7,7 @@ cache, in both doors, at long contexts → ``results/smollm2_speed[_<tag>].{json
 
 Methods (``--methods``, any ``kvsplice.build_method`` spec, ``full`` = the uncompressed cache): by default the full
 cache, ``int8``, ``kivi4``, ``k8v4h`` and the planner's default 4× and 8× picks — from ``--plan4`` / ``--plan8``
-(plans made by ``python -m kvsplice.plan ... --ratio 4|8``) or, without them, their specs as docs/tasks.md records
+(plans made by ``kvsplice plan ... --ratio 4|8``) or, without them, their specs as docs/tasks.md records
 them (``pick4x`` / ``pick8x`` below). Per (dtype, context, batch, door) every method is prefilled once (the
 prompt: TinyStories validation text, a different slice per sequence of the batch) and its decode steps are timed
 round-robin with the others (:mod:`benchmarks.lib.speed`): ratios are medians measured side by side. One torch

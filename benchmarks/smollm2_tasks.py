@@ -15,13 +15,13 @@ cache's accuracy (the ceiling).
     python -m benchmarks.smollm2_tasks --size smoke       # stories260K, seconds: checks the script end to end
     python -m benchmarks.smollm2_tasks --report-only      # write results/ from the finished instances
 
-The planner's picks are made first by the documented command (``python -m kvsplice.plan --model M --calib CALIB
+The planner's picks are made first by the documented command (``kvsplice plan --model M --calib CALIB
 --calib-stats ... --ratio R --out plan<R>x.json``, its defaults: the ``mixed`` objective on tuning instances with
 seeds >= 1,000,000, tuning windows from the calibration file; ``4x8k``: the same with ``--tune-length 8000``) into
 ``checkpoints/smollm2_tasks/plans/`` and kept;
 the perplexity-only planner's stacks (``--objective ppl``, the frontier's plans: ObservedAttention keeping 1/2.09,
 1/4.19 of the prompt + int8 rows = 4x / 8x) are rebuilt by spec beside them. Each length is one
-``python -m kvsplice.eval_tasks`` run into ``checkpoints/smollm2_tasks/<size>_<L>.json`` (resumable: rerun the command
+``kvsplice eval-tasks`` run into ``checkpoints/smollm2_tasks/<size>_<L>.json`` (resumable: rerun the command
 and finished instances are kept); the report is ``results/smollm2_tasks[_<size>].{json,md,png}``. Instances use seeds
 0 .. n-1. Low-rank rows are cut in every size (off the perplexity frontier).
 """
@@ -114,7 +114,7 @@ def build_report(size: str, cfg: dict) -> tuple[dict, str]:
         methods = ["full", *cfg["methods"], *(f"plan:{plan_path(p)}" for p in plans_of(cfg, L))]
         summary = summarize(doc["results"], methods)
         report["labels"].update(doc["methods"])
-        report["by_length"][str(L)] = {"summary": summary, "command": "python -m kvsplice.eval_tasks " + shlex.join(
+        report["by_length"][str(L)] = {"summary": summary, "command": "kvsplice eval-tasks " + shlex.join(
             _argv(size, cfg, L, path, 2, False))}
         md += [f"## {L} tokens", "", markdown(summary, doc["methods"])]
     for name in plans_of(cfg):  # the planner's evidence: its pick and every candidate, both metrics
@@ -122,11 +122,11 @@ def build_report(size: str, cfg: dict) -> tuple[dict, str]:
             doc = json.loads(plan_path(name).read_text())
             report.setdefault("plans", {})[name] = {k: doc.get(k) for k in (
                 "label", "spec", "budget", "objective", "tasks", "full", "chosen", "selector", "candidates")}
-            report["plans"][name]["command"] = "python -m kvsplice.plan " + shlex.join(plan_argv(name))
+            report["plans"][name]["command"] = "kvsplice plan " + shlex.join(plan_argv(name))
             ppl_p = PLANS / f"plan{name}_P.json"
             if ppl_p.is_file():
                 report["plans"][name]["protocol_P"] = json.loads(ppl_p.read_text())["results"][0]
-                report["plans"][name]["protocol_P_command"] = "python -m kvsplice.eval_bases " + shlex.join(
+                report["plans"][name]["protocol_P_command"] = "kvsplice eval-bases " + shlex.join(
                     protocol_p_argv(name))
     return report, "\n".join(md)
 

@@ -5,7 +5,7 @@
 Steps (all through the CLIs' own code: :mod:`kvsplice.fit_bases` / :mod:`kvsplice.eval_bases`):
 
 1. convert ``../shared/data/stories260K/stories260K.bin`` + ``tok512.bin`` into a temporary HF Llama directory
-   (``python -m kvsplice.convert_llama2c``) and load it with :func:`kvsplice.loading.load_model`;
+   (``kvsplice convert-llama2c``) and load it with :func:`kvsplice.loading.load_model`;
 2. calibrate on the TinyStories **train** sample (``gusjengis_toy-RNN__tinystories_sample.txt``, first
    ``--calib-tokens``, windows of 512 = the model's context), once per RoPE mode (post, pre), timing one plain
    forward pass over the same windows;

@@ -12,7 +12,7 @@ accounting and post-training bases.
     model.generate(ids, past_key_values=KVSpliceHFCache(model, method))    # transformers' generate()
 
 Names are imported on first use (``import kvsplice`` stays light; the HF door imports transformers). The
-commands are ``kvsplice VERB`` (:mod:`kvsplice.cli`; ``python -m kvsplice.TOOL`` runs the same); calibration and
+commands are ``kvsplice VERB`` (:mod:`kvsplice.cli`, one module per verb); calibration and
 fits are ``kvsplice.lowrank.calibrate`` / ``kvsplice.lowrank.fit_bases``.
 """
 
@@ -32,7 +32,7 @@ _EXPORTS = {
     "perplexity": "kvsplice.decode", "sequence_nll": "kvsplice.decode", "score_continuation": "kvsplice.decode",
     # methods
     "LowRank": "kvsplice.lowrank", "KVBases": "kvsplice.lowrank", "HeadBases": "kvsplice.lowrank",
-    "BasesMismatchError": "kvsplice.lowrank",  # calibrate / fit_bases: kvsplice.lowrank (kvsplice.fit_bases is the CLI)
+    "BasesMismatchError": "kvsplice.lowrank",  # calibrate / fit_bases: kvsplice.lowrank (kvsplice fit-bases is the CLI)
     "TokenSelection": "kvsplice.select", "TokenSelector": "kvsplice.select", "make_selector": "kvsplice.select",
     "run_token_selection": "kvsplice.select",
     "OnlineFD": "kvsplice.online", "OnlineDecoder": "kvsplice.online",
@@ -43,9 +43,9 @@ _EXPORTS = {
     "allocate_ranks": "kvsplice.lowrank.allocate", "calibrate_all": "kvsplice.lowrank.sensitivity",
     # the loader every command uses: a model folder, GGUF, checkpoint or family name -> a loaded model
     "load_model": "kvsplice.loading",
-    # the budget planner's plans (python -m kvsplice.plan writes them)
+    # the budget planner's plans (kvsplice plan writes them)
     "Plan": "kvsplice.planning",
-    # long-context tasks (python -m kvsplice.eval_tasks)
+    # long-context tasks (kvsplice eval-tasks)
     "make_instance": "kvsplice.tasks.suite", "TASKS": "kvsplice.tasks.suite", "answer": "kvsplice.tasks.runner",
     "answer_many": "kvsplice.tasks.shared", "parse_method": "kvsplice.tasks.methods",
     # the HF door

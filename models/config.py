@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
+from models.compat import OLD_NAMES, old_name_note, rename_old_keys
 from models.kernels import DECODE_KERNELS, DEFAULT_DECODE_KERNEL
 
 Attention = Literal["mha", "mla"]
@@ -41,33 +42,6 @@ RUNTIME = {"runtime": True}
 """Metadata of the :class:`GPTConfig` fields that choose how the model runs, not what it is (dropout, kernels, the
 decode path): a resumed or fine-tuned run may change them; every other field is its architecture
 (:meth:`GPTConfig.architecture`)."""
-OLD_NAMES = {"kvsplice_ratio": "kvsplice_keep"}
-"""Old config keys and the fields they are now (still accepted, with a note): ``kvsplice_ratio`` was a kept fraction
-(0.1 = KVSplice-90), while "ratio" elsewhere means "times smaller"."""
-
-
-def old_name_note(old: str, value: Any) -> str:
-    """The one-line note for a config key given by its old name (:data:`OLD_NAMES`)."""
-    new = OLD_NAMES[old]
-    return (f"{old} is the old name of {new} (the fraction of the latent kept: 0.1 keeps 10 %, the KVSplice-90 "
-            f"model); read as {new}: {value}")
-
-
-def rename_old_keys(d: dict, where: str = "GPTConfig") -> dict:
-    """``d`` with its old keys (:data:`OLD_NAMES`) under their new names.
-
-    Raises:
-        ValueError: both the old and the new name, with different values.
-    """
-    out = dict(d)
-    for old, new in OLD_NAMES.items():
-        if old in out:
-            value = out.pop(old)
-            if out.get(new, value) != value:
-                raise ValueError(f"{where}: {old} is the old name of {new}; give only {new} (got {old}={value!r}, "
-                                 f"{new}={out[new]!r})")
-            out[new] = value
-    return out
 
 
 class ConfigNotFoundError(ValueError):
@@ -108,7 +82,7 @@ class GPTConfig:
     learned compress/expand pair shrinks that latent to ``d_compressed = round(d_latent * kvsplice_keep)`` numbers
     (0.5/0.3/0.1 of 256 → 128/77/26: KVSplice-50/70/90), and only the compressed latent is cached.
 
-    ``kvsplice_ratio``, the old name of ``kvsplice_keep``, is still accepted (a :class:`DeprecationWarning`).
+    Files may hold a field under an old name (:mod:`models.compat`; read by :meth:`from_dict` / :meth:`from_file`).
     :meth:`architecture` is what a resumed run must share with its checkpoint (the fields without :data:`RUNTIME`).
 
     ``layout="deepseek_v3"`` (docs/deepseek_layout.md) keeps these three attention variants but builds DeepSeek-V3
@@ -150,7 +124,7 @@ class GPTConfig:
     cached vector is normalised as an MLA latent of that size would be. Per token, so absorbed decode stays exact."""
     layout: Layout = "gpt2"
     """Block layout: ``gpt2`` (LayerNorm, GELU MLP, learned positions, biases) or ``deepseek_v3`` (RMSNorm, SwiGLU,
-    RoPE, no biases; exports as DeepSeek-V3 (MLA) or Llama (MHA): ``python -m training.export --format``)."""
+    RoPE, no biases; exports as DeepSeek-V3 (MLA) or Llama (MHA): ``kvsplice export --format``)."""
     qk_rope_head_dim: int = 0
     """``deepseek_v3`` MLA only: dims of the decoupled RoPE key (one per token, shared by all heads; DeepSeek's
     ``qk_rope_head_dim``) and of each head's RoPE query part; even, >= 2. 0 otherwise."""
@@ -165,19 +139,12 @@ class GPTConfig:
     """``None``: the decode cache holds the model's dtype; ``"int8"``: every cached row (K/V per head, or the
     latent) is stored as int8 with one fp16 absmax scale, dequantised inside the attention call. Decode only: the
     full forward (training) is unchanged."""
-    kvsplice_ratio: InitVar[Optional[float]] = None
-    """The old name of ``kvsplice_keep`` (accepted with a DeprecationWarning; not stored; ``kvsplice_keep`` wins
-    when both are given, as ``dataclasses.replace`` gives both)."""
 
-    def __post_init__(self, kvsplice_ratio: Optional[float] = None) -> None:
-        old = kvsplice_ratio is not None and self.kvsplice_keep is None
-        if old:
-            _deprecated("kvsplice_ratio")
-            self.kvsplice_keep = kvsplice_ratio
-        self._check(keep="kvsplice_ratio" if old else "kvsplice_keep")
+    def __post_init__(self) -> None:
+        self._check()
 
-    def _check(self, keep: str) -> None:
-        """Raise ``ValueError("GPTConfig.FIELD must be ...")``; ``keep``: the name the kept fraction was given by."""
+    def _check(self) -> None:
+        """Raise ``ValueError("GPTConfig.FIELD must be ...")``."""
         def need(cond: bool, field: str, allowed: str, value) -> None:
             if not cond:
                 raise ValueError(f"GPTConfig.{field} must be {allowed}, got {value!r}")
@@ -204,13 +171,14 @@ class GPTConfig:
              self.latent_norm)
         need(isinstance(self.kvsplice_norm, bool), "kvsplice_norm", "true or false", self.kvsplice_norm)
         need(not self.kvsplice_norm or self.kvsplice_keep is not None, "kvsplice_norm",
-             f"false unless {keep} is set", self.kvsplice_norm)
+             "false unless kvsplice_keep is set", self.kvsplice_norm)
         if self.kvsplice_keep is not None:
             r = self.kvsplice_keep
-            need(isinstance(r, (int, float)) and not isinstance(r, bool) and 0.0 < r < 1.0, keep,
+            need(isinstance(r, (int, float)) and not isinstance(r, bool) and 0.0 < r < 1.0, "kvsplice_keep",
                  "None or the fraction of the latent kept, 0 < keep < 1", r)
-            need(self.attention == "mla", keep, "None unless attention='mla' (KVSplice compresses the MLA latent)", r)
-            need(round(self.d_latent * r) >= 1, keep, f"large enough that round(d_latent * keep) >= 1 "
+            need(self.attention == "mla", "kvsplice_keep", "None unless attention='mla' (KVSplice compresses the MLA "
+                 "latent)", r)
+            need(round(self.d_latent * r) >= 1, "kvsplice_keep", f"large enough that round(d_latent * keep) >= 1 "
                  f"(d_latent={self.d_latent})", r)
         self._check_layout(need)
         if self.attention == "mla":  # last: the checks above name the field the user actually got wrong
@@ -296,12 +264,8 @@ class GPTConfig:
         return self.d_ff if self.d_ff is not None else 4 * self.d_model
 
     def replace(self, **changes) -> "GPTConfig":
-        """A copy with ``changes`` (old names, :data:`OLD_NAMES`, accepted with a DeprecationWarning)."""
-        for old in OLD_NAMES:
-            if old in changes:
-                _deprecated(old)
-        current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return type(self)(**{**current, **rename_old_keys(changes, "GPTConfig.replace")})
+        """A copy with ``changes`` (checked like a new config)."""
+        return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -313,8 +277,8 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "GPTConfig":
-        """The config a stored dict describes (a checkpoint's ``gpt_config``; old key names are read as the new ones;
-        fields newer than the dict keep their defaults)."""
+        """The config a stored dict describes (a checkpoint's ``gpt_config``; old key names, :mod:`models.compat`, are
+        read as the new ones; fields newer than the dict keep their defaults)."""
         d = rename_old_keys(d)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
@@ -376,24 +340,10 @@ class GPTConfig:
         return cls.from_file(config_path(name), **overrides)
 
 
-def _deprecated(old: str) -> None:
-    warnings.warn(f"GPTConfig.{old} is the old name of {OLD_NAMES[old]}", DeprecationWarning, stacklevel=4)
-
-
-def _kvsplice_ratio(self: GPTConfig) -> Optional[float]:
-    """The old name of :attr:`GPTConfig.kvsplice_keep` (read-only; a DeprecationWarning)."""
-    _deprecated("kvsplice_ratio")
-    return self.kvsplice_keep
-
-
-GPTConfig.kvsplice_ratio = property(_kvsplice_ratio)  # type: ignore[assignment]  # after @dataclass: its InitVar
-# default was taken already, so the old name reads through
-
-
 PRESETS = ("gpt2", "gpt2_gqa4", "gpt2_mqa", "mla", "mla_kvsplice_50", "mla_kvsplice_70", "mla_kvsplice_90")
 """The GPT-2 124M configs (12 layers, 12 heads, d_model 768, block 1024, d_latent 256): MHA, GQA with 4 KV heads and
 MQA (the baselines with a smaller standard cache), MLA and MLA + KVSplice 50/70/90. A preset *is* its training YAML
-(``configs/NAME.yaml``): the tools (``verify_memory``, ``bench_decode``) measure exactly the model
+(``configs/NAME.yaml``): ``kvsplice verify-memory`` and ``kvsplice bench-decode`` measure exactly the model
 ``python -m training.fit --config NAME`` trains."""
 
 

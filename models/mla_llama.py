@@ -1,4 +1,4 @@
-"""A Llama-family decoder whose attention is MLA with decoupled RoPE: what ``python -m kvsplice.to_mla`` makes of a
+"""A Llama-family decoder whose attention is MLA with decoupled RoPE: what ``kvsplice to-mla`` makes of a
 pretrained Llama / Mistral / Qwen2 / Qwen3 (:mod:`kvsplice.convert.llama_mla`).
 
 Per layer and token the cache holds the latent ``c = w_dkv x`` (``d_latent``; RMS-normalised with

@@ -1,4 +1,4 @@
-"""The distillation loss of ``python -m training.distill``: KL(teacher ‖ student) per token, written so that a
+"""The distillation loss of ``kvsplice distill``: KL(teacher ‖ student) per token, written so that a
 49k-word vocabulary costs one pass over the logits each way.
 
 Autograd through ``Σ p_t (log p_t − log_softmax(z))`` keeps the teacher's log-probabilities, their exponent, the

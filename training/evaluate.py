@@ -1,4 +1,4 @@
-"""Evaluate training checkpoints side by side: ``python -m training.evaluate --ckpt PATH [--ckpt PATH ...]``.
+"""Evaluate training checkpoints side by side: ``kvsplice evaluate --ckpt PATH [--ckpt PATH ...]``.
 
 For each checkpoint (loaded with ``weights_only=True``, see :mod:`training.checkpoint`):
 
@@ -12,7 +12,7 @@ For each checkpoint (loaded with ``weights_only=True``, see :mod:`training.check
 Several checkpoints → one markdown table on stdout (``--json FILE`` writes everything, and the plots
 ``quality_vs_cache.png`` and ``val_loss.png`` next to it; an existing ``FILE`` is only replaced with ``--force``).
 Bad input — a malformed option, a missing, corrupt, unsafe or foreign checkpoint, data that is not text — gives one
-``python -m training.evaluate: error: ...`` line on stderr and exit status 2 (:func:`kvsplice.io.cli.run_cli`).
+``kvsplice evaluate: error: ...`` line on stderr and exit status 2 (:func:`kvsplice.io.cli.run_cli`).
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Evaluate the checkpoints of ``argv`` (default ``sys.argv[1:]``); returns the exit status (0, or
-    :data:`EXIT_ERROR` after one ``python -m training.evaluate: error: ...`` line on stderr)."""
+    :data:`EXIT_ERROR` after one ``kvsplice evaluate: error: ...`` line on stderr)."""
     from data import DataUnavailableError
 
     return run_cli(PROG, lambda: _main(argv), (CheckpointError, EvaluateError, DataUnavailableError))

@@ -1,4 +1,4 @@
-"""Export a training checkpoint to the Hugging Face format: ``python -m training.export --ckpt C --out DIR``.
+"""Export a training checkpoint to the Hugging Face format: ``kvsplice export --ckpt C --out DIR``.
 
 * MHA (``attention="mha"`` with ``n_kv_head`` unset or equal to ``n_head``) → a plain ``GPT2LMHeadModel`` directory
   (``config.json``, ``model.safetensors``, ``generation_config.json``): same weights (Conv1D layout), tied head;

@@ -22,7 +22,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, get_type_hints
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -30,7 +30,8 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from data import TinyStoriesDataModule
 from kvsplice.core.limits import check_threads, check_training_fits
-from models.config import OLD_NAMES, old_name_note
+from models.compat import OLD_NAMES, old_name_note
+from models.config import GPTConfig
 from training.lit import LitGPT, check_schedule
 from training.checkpoint import CheckpointError, safe_checkpoint_io
 from training.loggers import RunCSVLogger
@@ -230,6 +231,9 @@ class KVSpliceCLI(LightningCLI):
         parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
         parser.add_class_arguments(LitGPT, "model", fail_untyped=False, instantiate=True, sub_configs=True,
                                    skip={"config"})
+        for old, new in OLD_NAMES.items():  # a config's old key (models.compat): LitGPT reads it as the new one
+            parser.add_argument(f"--model.{old}", type=get_type_hints(GPTConfig)[new], default=None,
+                                help=f"the old name of --model.{new}")
         parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=self.subclass_mode_data)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
+from models.compat import OLD_NAMES, rename_old_keys
 from models.config import GPTConfig
 from models.gpt import GPT
 
@@ -84,7 +85,7 @@ class LitGPT(L.LightningModule):
         eps: AdamW epsilon.
         warmup_steps: linear warmup optimizer steps; must be < ``trainer.max_steps``.
         min_lr_ratio: the cosine decays to ``min_lr_ratio * learning_rate`` at ``trainer.max_steps``.
-        init_from: a checkpoint (``training.fit`` or ``python -m kvsplice.to_mla``) whose weights start the run:
+        init_from: a checkpoint (``training.fit`` or ``kvsplice to-mla``) whose weights start the run:
             fine-tuning with a fresh optimizer, schedule and step count (unlike ``--ckpt_path``, which resumes). Its
             model must have this config's architecture (the error lists the fields that differ).
         optimizer_impl: AdamW's implementation: ``fused`` (one kernel for all parameters), ``foreach`` (grouped
@@ -94,8 +95,8 @@ class LitGPT(L.LightningModule):
         compile: ``torch.compile`` the model (in place: parameter names and checkpoints are unchanged); the first
             steps of training and of validation pay the compilation.
         splice_lr_mult: learning-rate multiplier of KVSplice's compress/expand matrices (1: the model's).
-        config_fields: :class:`models.GPTConfig`'s fields, when ``config`` is not given (old names such as
-            ``kvsplice_ratio`` are read as their new ones).
+        config_fields: :class:`models.GPTConfig`'s fields, when ``config`` is not given; a key under its old name
+            (:mod:`models.compat`) is read as the new one, which wins when both are set.
 
     Checkpoints store the hyper-parameters flat (the config's fields, then the options above; only primitives, so
     they load with ``torch.load(..., weights_only=True)``) and ``LitGPT(**hparams)`` rebuilds the module.
@@ -119,14 +120,20 @@ class LitGPT(L.LightningModule):
         **config_fields: Any,
     ) -> None:
         super().__init__()
+        if config is not None and config_fields:
+            raise TrainingConfigError(f"LitGPT takes a config or its fields, not both (got config and "
+                                      f"{sorted(config_fields)})")
+        given_old = {old: new for old, new in OLD_NAMES.items()  # errors name the key the user gave
+                     if config_fields.get(old) is not None and config_fields.get(new) is None}
+        config_fields = rename_old_keys(config_fields, "model", new_wins=True)  # the training command noted each
         try:
             if config is None:  # the flat form (jsonargparse reads GPTConfig's fields for --model.FIELD from here)
                 config = GPTConfig(**config_fields)
-            elif config_fields:
-                raise TrainingConfigError(f"LitGPT takes a config or its fields, not both (got config and "
-                                          f"{sorted(config_fields)})")
         except ValueError as e:  # "GPTConfig.kvsplice_keep must be ..." -> name the CLI option
-            raise TrainingConfigError(str(e).replace("GPTConfig.", "model.", 1)) from None
+            message = str(e).replace("GPTConfig.", "model.", 1)
+            for old, new in given_old.items():
+                message = message.replace(f"model.{new} ", f"model.{old} ")
+            raise TrainingConfigError(message) from None
         training = dict(vocab_multiple=vocab_multiple, learning_rate=learning_rate, weight_decay=weight_decay,
                         betas=betas, eps=eps, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
                         init_from=init_from, optimizer_impl=optimizer_impl, compile=compile,
@@ -143,11 +150,6 @@ class LitGPT(L.LightningModule):
         self._train_time = 0.0
         self._t_last: Optional[float] = None
         self._rate_ema: Optional[float] = None
-
-    @classmethod
-    def from_config(cls, config: GPTConfig, **training: Any) -> "LitGPT":
-        """``LitGPT(config, **training)`` (kept for callers of the earlier API)."""
-        return cls(config, **training)
 
     def _init_from(self, path: str) -> None:
         from models.checkpoint import CheckpointError, load_gpt_checkpoint

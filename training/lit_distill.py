@@ -1,4 +1,4 @@
-"""The LightningModule of ``python -m training.distill``: a converted MLA model (:class:`models.mla_llama.MLALlama`)
+"""The LightningModule of ``kvsplice distill``: a converted MLA model (:class:`models.mla_llama.MLALlama`)
 fine-tuned on local text with the LM loss or KL distillation from its source model (X-EcoMLA: fewer tokens) — or an
 unconverted transformers causal LM (the source itself) fine-tuned the same way, the same-text baseline a converted
 model's recovery is measured against (so adapting to the text is not counted as recovery).

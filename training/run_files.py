@@ -12,7 +12,7 @@ from typing import Any, Optional
 import yaml
 from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 
-from models.config import OLD_NAMES
+from models.compat import OLD_NAMES
 from models.safe_yaml import load_yaml_file
 from training.checkpoint import remove_stale_temp_files
 from training.loggers import RunCSVLogger

@@ -15,9 +15,8 @@ from kvsplice.adapters.llama import LlamaAdapter
 from kvsplice.adapters.phi3 import Phi3Adapter
 from kvsplice.adapters.qwen3 import Qwen3Adapter
 from kvsplice.adapters.registry import FAMILIES, adapter_for, model_info
-from models.rope import rotate_half
 
 __all__ = ["FAMILIES", "FamilyAdapter", "GPT2Adapter", "Gemma3Adapter", "LlamaAdapter", "ModelInfo", "Phi3Adapter",
            "Projections", "Qwen3Adapter", "SUPPORTED_FAMILIES",
-           "adapter_for", "apply_rope", "merge_heads", "model_fingerprint", "model_info", "rotate_half",
-           "split_heads", "unsupported"]
+           "adapter_for", "apply_rope", "merge_heads", "model_fingerprint", "model_info", "split_heads",
+           "unsupported"]

@@ -2,13 +2,13 @@
 
 Usage::
 
-    python -m kvsplice.bench_balance --model DIR|CKPT --data PATH [--layers 0 1 ...] [--T 1 2 3 4] [--seeds 10]
+    kvsplice bench-balance --model DIR|CKPT --data PATH [--layers 0 1 ...] [--T 1 2 3 4] [--seeds 10]
         [--n-queries 64] [--context N] [--windows 4] [--n-sink 4] [--n-recent 16] [--block-size 64]
         [--c-scale 1.0] [--kernel-temp 1.0] [--arms balancekv uniform coinflip] [--tokenizer PATH]
         [--json FILE] [--markdown]
 
 ``--model`` is anything :func:`kvsplice.loading.load_model` loads: an HF model directory (config.json + tokenizer;
-e.g. stories260K converted by ``python -m kvsplice.convert_llama2c``) or a ``training.fit`` ``.ckpt``.
+e.g. stories260K converted by ``kvsplice convert-llama2c``) or a ``training.fit`` ``.ckpt``.
 
 What is measured, per layer ``l`` and per ``T``:
 
@@ -126,7 +126,7 @@ def _main(argv: Optional[list[str]]) -> int:
                            kernel_temp=args.kernel_temp, methods=args.methods,
                            max_positions=loaded.max_positions)
     report["config"]["model"] = args.model
-    report["command"] = "python -m kvsplice.bench_balance " + " ".join(argv if argv is not None else sys.argv[1:])
+    report["command"] = "kvsplice bench-balance " + " ".join(argv if argv is not None else sys.argv[1:])
     print_table(report, markdown=args.markdown)
     if args.json:
         out = write_json(report, args.json)

@@ -1,7 +1,7 @@
 """Per-token decode step time at a fixed context length: MHA vs MLA (naive / absorbed) vs MLA + KVSplice.
 
-    python -m kvsplice.bench_decode --ctx 512 2048 8192 --batch 8 --json results/bench_decode.json
-    python -m kvsplice.bench_decode --config gpt2 mla:naive mla_kvsplice_90 --ctx 1024 4096 --threads 1
+    kvsplice bench-decode --ctx 512 2048 8192 --batch 8 --json results/bench_decode.json
+    kvsplice bench-decode --config gpt2 mla:naive mla_kvsplice_90 --ctx 1024 4096 --threads 1
 
 Each variant is built at its config's shapes (default: the 124M presets, random weights, eval mode) with
 ``block_size`` raised to the largest context + 1. For every context ``T`` a cache with ``capacity=T+1`` is filled

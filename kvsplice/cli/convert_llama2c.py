@@ -1,4 +1,4 @@
-"""``python -m kvsplice.convert_llama2c``: llama2.c checkpoint (+ tokenizer) → Hugging Face Llama directory."""
+"""``kvsplice convert-llama2c``: llama2.c checkpoint (+ tokenizer) → Hugging Face Llama directory."""
 
 from __future__ import annotations
 

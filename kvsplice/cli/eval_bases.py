@@ -1,7 +1,7 @@
 """Evaluate post-training KV bases on held-out text: perplexity with the full vs the compressed cache, per-layer
 attention-score / output errors, Lesens' gap, and the cache's measured bytes.
 
-    python -m kvsplice.eval_bases --model DIR|HUB_ID|CKPT --bases FILE.safetensors [FILE2 ...] --data PATH \\
+    kvsplice eval-bases --model DIR|HUB_ID|CKPT --bases FILE.safetensors [FILE2 ...] --data PATH \\
         [--tokens N] [--seq-len T] [--batch-size B] [--chunk-size C] [--json REPORT.json]
 
 What is measured (``--data`` must be held-out text, not the calibration text; a warning is printed otherwise):
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="static", metavar="SPEC", help="a compression method by its spec (kivi4, "
                    "select:snapkv@0.25+int8, lowrank:FILE+int8, a .json spec file), or an evaluator: static (the "
                    "--bases files, default) / fd-online")
-    p.add_argument("--bases", nargs="+", help="bases .safetensors file(s) from python -m kvsplice.fit_bases")
+    p.add_argument("--bases", nargs="+", help="bases .safetensors file(s) from kvsplice fit-bases")
     p.add_argument("--data", required=True, help="held-out text: .txt/.json/.jsonl file or folder, or a Hugging "
                    "Face dataset ID[:SPLIT] (default split: validation)")
     p.add_argument("--tokens", type=pos_int, default=16384, help="evaluation tokens (default 16384)")
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "with the cache stored as int8 rows + fp16 scales: perplexity and measured bytes")
     p.add_argument("--diagnostics", action="store_true", help="also the per-layer errors on held-out Grams, the "
                    "float64 attention-output errors and the attention-error bound diagnostics (slow: off by default)")
-    p.add_argument("--plan", help="evaluate a plan from python -m kvsplice.plan (instead of --bases)")
+    p.add_argument("--plan", help="evaluate a plan from kvsplice plan (instead of --bases)")
     p.add_argument("--prompt-len", type=int, help="with --plan / --method SPEC: prompt tokens compressed per "
                    "window, the rest scored (default: 3/4 of the window for a token selection, else 0 = every token "
                    "over the compressed cache)")
@@ -207,7 +207,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         return _main_spec(args)
     if args.method == "static":
         if not args.bases:
-            raise EvalError("--bases FILE is required (saved bases from python -m kvsplice.fit_bases)")
+            raise EvalError("--bases FILE is required (saved bases from kvsplice fit-bases)")
         for b in args.bases:  # fail fast, before loading the model: missing, unreadable, NaN/int/misshapen
             KVBases.load(b)
     ctx = make_context(args)

@@ -1,13 +1,13 @@
 """Evaluate compression methods on generated long-context tasks: accuracy per task and length beside the full cache's,
 and the cache bytes measured.
 
-    python -m kvsplice.eval_tasks --model M (--plan P [P ...] | --method SPEC [SPEC ...]) [--tasks T ...] \\
+    kvsplice eval-tasks --model M (--plan P [P ...] | --method SPEC [SPEC ...]) [--tasks T ...] \\
         [--lengths 1024 2048] [--n 16] [--setting agnostic|aware|both] [--stories TINYSTORIES.txt] \\
         [--door decoder|hf] [--seed0 0] --out results.json [--md table.md] [--force] [--no-progress]
 
 Tasks (``kvsplice.tasks``, generated from seeds ``--seed0 ..``, lengths in the model's tokens): passkey, single
 needles (number / word / uuid in filler, stories or encyclopedic facts), multi-key, multi-value, multi-query,
-variable tracking, common words, story QA. Methods: ``--plan`` files from ``python -m kvsplice.plan`` and ``--method``
+variable tracking, common words, story QA. Methods: ``--plan`` files from ``kvsplice plan`` and ``--method``
 specs (:mod:`kvsplice.tasks.methods`: ``int8``, ``kivi4``, ``select:observed_attention@x4+int8``, ``select:kvzip@x4``, ...);
 the full cache is always run beside them. Settings: query-**agnostic** (context compressed, then the question) and
 query-**aware** (the question compressed with the context). Greedy answers, exact-match scores.
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                "long-context tasks (retrieval, multi-hop, aggregation, QA), beside the full cache's.")
     p.add_argument("--model", required=True, help="model directory, .gguf file, training .ckpt or Hub id")
     p.add_argument("--tokenizer", help="override the model's tokenizer")
-    p.add_argument("--plan", nargs="+", default=[], help="plans from python -m kvsplice.plan")
+    p.add_argument("--plan", nargs="+", default=[], help="plans from kvsplice plan")
     p.add_argument("--method", nargs="+", default=[], help="method specs: any kvsplice.build_method spec "
                    "(int8, kivi4, kivi_rotated(bits=4), select:NAME@KEEP[+STORE], lowrank:FILE+int8, spec.json), "
                    "kivi4h(residual=32), select:kvzip@x4+int8")

@@ -1,6 +1,6 @@
 """Fit post-training low-rank KV bases for a pretrained model from calibration text.
 
-    python -m kvsplice.fit_bases --model DIR|GGUF|HUB_ID|CKPT --fit F [F ...] \\
+    kvsplice fit-bases --model DIR|GGUF|HUB_ID|CKPT --fit F [F ...] \\
         (--rank R [R ...] | --energy E | --alloc-ratio X [X ...]) [--rank-v RV | --energy-v EV] [--rope post pre] \\
         --calib PATH [--calib-tokens N] [--calib-stats STATS.safetensors] [--seq-len T] [--batch-size B] \\
         [--device DEV] [--dtype fp32|bf16|fp16] --out FILE.safetensors|'b_{method}_{rope}_r{rank}.safetensors' \\

@@ -1,12 +1,12 @@
-"""Generate text through a compressed KV cache: ``python -m kvsplice.generate``.
+"""Generate text through a compressed KV cache: ``kvsplice generate``.
 
 ::
 
-    python -m kvsplice.generate --model /tmp/stories260K --prompt "Once upon a time" --max-new-tokens 40
-    python -m kvsplice.generate --model /tmp/stories260K --bases r4_post.safetensors --prompt "..." --json out.json
-    python -m kvsplice.generate --model /tmp/stories260K --select balancekv --budget 64 --temperature 0.8 --top-k 40
-    python -m kvsplice.generate --model /tmp/stories260K --method "select:snapkv@0.25+kivi4" --prompt "..."
-    python -m kvsplice.generate --model ../shared/data/smollm2-135m-instruct --plan plan.json --prompt "..." \
+    kvsplice generate --model /tmp/stories260K --prompt "Once upon a time" --max-new-tokens 40
+    kvsplice generate --model /tmp/stories260K --bases r4_post.safetensors --prompt "..." --json out.json
+    kvsplice generate --model /tmp/stories260K --select balancekv --budget 64 --temperature 0.8 --top-k 40
+    kvsplice generate --model /tmp/stories260K --method "select:snapkv@0.25+kivi4" --prompt "..."
+    kvsplice generate --model ../shared/data/smollm2-135m-instruct --plan plan.json --prompt "..." \
         --max-new-tokens 64 --device cuda --dtype bf16
 
 HF models (a directory with ``config.json``, or a Hub id) run transformers' ``generate()`` with a kvsplice cache
@@ -14,7 +14,7 @@ HF models (a directory with ``config.json``, or a Hub id) run transformers' ``ge
 the short form, inline JSON or a ``.json`` spec file; a selection's ``keep`` applies to this prompt); the aliases
 ``--bases F`` (= ``--method lowrank:F``: a ``fit_bases`` file) caches low-rank key/value coefficients,
 ``--select S --budget N`` (= ``--method select:S(seed=SEED)@N``) keeps ``N`` prompt tokens per KV head, ``--plan``
-(from ``python -m kvsplice.plan``) runs the plan's stack (its selection keeps the plan's fraction of this prompt);
+(from ``kvsplice plan``) runs the plan's stack (its selection keeps the plan's fraction of this prompt);
 none → transformers' own full ``DynamicCache``. A ``.ckpt`` from ``python -m training.fit`` (not a transformers
 model) runs the package's own decoder with the same options.
 ``--temperature 0`` (the default) is greedy; generation stops at the tokenizer's EOS.
@@ -61,9 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--method", default=None, metavar="SPEC", help="a compression method by its spec, e.g. kivi4, "
                    "int8, select:snapkv@0.25+int8, lowrank:r4.safetensors+int8, or a .json spec file")
-    g.add_argument("--bases", default=None, help="low-rank bases file from python -m kvsplice.fit_bases")
+    g.add_argument("--bases", default=None, help="low-rank bases file from kvsplice fit-bases")
     g.add_argument("--select", default=None, choices=sorted(SELECTORS), help="token selection method")
-    g.add_argument("--plan", default=None, help="a plan from python -m kvsplice.plan (its stack: token selection, "
+    g.add_argument("--plan", default=None, help="a plan from kvsplice plan (its stack: token selection, "
                    "low rank, int8 / KIVI; its bases file beside it)")
     p.add_argument("--budget", type=pos_int, default=None, help="prompt tokens kept per KV head (with --select)")
     p.add_argument("--prompt", required=True)

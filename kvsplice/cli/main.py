@@ -3,7 +3,6 @@
 ``kvsplice --help`` lists the verbs one line each without importing torch; ``kvsplice VERB --help`` shows a verb's
 options. Each verb is a module with ``main(argv) -> int``; the verb table names modules, so the training verbs
 (which live in the ``training`` package, one layer above ``kvsplice``) are loaded by name, not imported here.
-Every ``python -m kvsplice.TOOL`` and ``python -m training.TOOL`` form runs the same module.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import sys  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Callable, Optional, Sequence  # noqa: E402
 
-__all__ = ["VERBS", "Verb", "main", "shim"]
+__all__ = ["VERBS", "Verb", "main"]
 
 
 @dataclass(frozen=True)
@@ -67,18 +66,6 @@ def usage() -> str:
 def load(verb: str) -> Callable[[Optional[Sequence[str]]], int]:
     """The ``main`` of ``verb``'s module."""
     return importlib.import_module(VERBS[verb].module).main
-
-
-def shim(module_name: str, verb: str) -> Callable[[Optional[Sequence[str]]], int]:
-    """For a compatibility module (``kvsplice/TOOL.py``): the verb's ``main``; run as a program
-    (``module_name == "__main__"``) it also runs it and exits, with Ctrl-C during the imports one line."""
-    from kvsplice.io.interrupt import quiet_interrupts_while_importing
-
-    quiet_interrupts_while_importing(module_name, f"kvsplice {verb}")
-    fn = load(verb)
-    if module_name == "__main__":
-        sys.exit(fn(None))
-    return fn
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

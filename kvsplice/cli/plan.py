@@ -1,7 +1,7 @@
 """The budget planner: find the compression stack (tokens × rank × bits) that fits a cache budget and loses the least
 on calibration text, and write it as a plan the other tools take directly.
 
-    python -m kvsplice.plan --model DIR|GGUF|CKPT --calib TEXT (--budget-bytes-per-token N | --ratio R) \\
+    kvsplice plan --model DIR|GGUF|CKPT --calib TEXT (--budget-bytes-per-token N | --ratio R) \\
         [--calib-tokens 16384] [--calib-stats STATS.safetensors] [--tune-tokens 2048] [--prompt-len P] \\
         [--seq-len T] [--selectors snapkv kvzip 'kvzip(mix=observed_attention,share=0.5)'] [--stores default SPEC ...] \\
         [--device DEV] \\
@@ -10,8 +10,8 @@ on calibration text, and write it as a plan the other tools take directly.
         [--dtype fp32|bf16|fp16] \\
         --out plan.json [--force] [--json REPORT.json]
 
-    python -m kvsplice.generate --model M --plan plan.json --prompt "..." --max-new-tokens 64
-    python -m kvsplice.eval_bases --model M --plan plan.json --data VAL.txt
+    kvsplice generate --model M --plan plan.json --prompt "..." --max-new-tokens 64
+    kvsplice eval-bases --model M --plan plan.json --data VAL.txt
     KVSpliceHFCache(model, Plan.load("plan.json", model).method(prompt_ids=ids, tokenizer=tok))
 
 Steps: load the model; calibrate once (every RoPE mode, loss gradients; reused from ``--calib-stats``); take the

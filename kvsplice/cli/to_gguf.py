@@ -1,7 +1,7 @@
 """A DeepSeek-V3 export (``to_mla --format deepseek_v3``) → a GGUF that llama.cpp loads, by llama.cpp's own converter.
 
-    python -m kvsplice.to_gguf DSV3_DIR --out model.gguf [--outtype f32|f16|bf16|q8_0]
-    python -m kvsplice.to_gguf --fix model.gguf      # a GGUF you converted yourself with convert_hf_to_gguf.py
+    kvsplice to-gguf DSV3_DIR --out model.gguf [--outtype f32|f16|bf16|q8_0]
+    kvsplice to-gguf --fix model.gguf      # a GGUF you converted yourself with convert_hf_to_gguf.py
 
 Runs ``convert_hf_to_gguf.py`` of the llama.cpp at ``$KVSPLICE_LLAMA_CPP`` (default ``build/engines/llama.cpp``)
 unchanged, then the one post-step llama.cpp needs for a model without q-LoRA: the key

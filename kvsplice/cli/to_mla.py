@@ -1,13 +1,13 @@
 """Convert a trained MHA model into MLA (and/or insert KVSplice into an MLA model): a checkpoint of our GPT, or a
 pretrained Llama-family model into a decoupled-RoPE MLA model folder.
 
-    python -m kvsplice.to_mla --model LLAMA_DIR_OR_GGUF --calib TEXT --d-latent R|full --rope-dims D|all \
+    kvsplice to-mla --model LLAMA_DIR_OR_GGUF --calib TEXT --d-latent R|full --rope-dims D|all \
         --rope-layout per-head|shared [--latent-norm] [--kvsplice-keep f] [--format native|deepseek_v3] --out DIR
 
 (Llama / Mistral / Qwen2 / Qwen3: :mod:`kvsplice.convert.llama_run`; ``--model`` a converted folder with
 ``--kvsplice-keep`` shrinks its latent; docs/conversion.md.) For our GPT:
 
-    python -m kvsplice.to_mla --model M --d-latent R [--kvsplice-keep f] [--calib TEXT --calib-tokens N] \\
+    kvsplice to-mla --model M --d-latent R [--kvsplice-keep f] [--calib TEXT --calib-tokens N] \\
         --out OUT.ckpt [--force] [--json REPORT.json]
 
 ``M``: a ``training.fit`` checkpoint (MHA/GQA, or MLA for ``--kvsplice-keep`` alone) or an HF GPT-2 directory / Hub

@@ -1,10 +1,10 @@
 """Measure the decode cache of each variant after a real prefill + token-by-token decode and check it against the
 byte formula.
 
-    python -m kvsplice.verify_memory                                   # the five 124M presets, fp16, 256/512/1024
-    python -m kvsplice.verify_memory --dtype fp16 --seq-lens 256 512 1024 --json results/memory_fp16.json
-    python -m kvsplice.verify_memory --config mla configs/my_run.yaml --seq-lens 2048   # block_size auto-raised
-    python -m kvsplice.verify_memory --ckpt checkpoints/mla/last.ckpt --dtype bf16
+    kvsplice verify-memory                                   # the five 124M presets, fp16, 256/512/1024
+    kvsplice verify-memory --dtype fp16 --seq-lens 256 512 1024 --json results/memory_fp16.json
+    kvsplice verify-memory --config mla configs/my_run.yaml --seq-lens 2048   # block_size auto-raised
+    kvsplice verify-memory --ckpt checkpoints/mla/last.ckpt --dtype bf16
 
 For every variant and length ``L`` the model (random weights unless ``--ckpt``; eval mode; CUDA if available) is
 cast to ``--dtype``, a cache with ``capacity=L`` is created with ``model.new_cache``, ``L - k`` tokens are

@@ -1,44 +1,19 @@
-"""Export a trained ``deepseek_v3``-layout :class:`models.GPT` as a folder plain ``transformers`` loads (no remote
-code): its MLA and MLA + KVSplice variants as DeepSeek-V3 (``DeepseekV3ForCausalLM``, written by the one DeepSeek-V3
-exporter, :mod:`kvsplice.convert.deepseek_v3`, through this family's writer :mod:`kvsplice.convert.deepseek_v3_gpt`),
-its standard attention as a Llama (``LlamaForCausalLM``, :func:`llama_model`). ``python -m training.export --format
-deepseek_v3 | llama`` calls this.
+"""A trained ``deepseek_v3``-layout :class:`models.GPT` with standard attention as a Llama (``LlamaForCausalLM``,
+:func:`llama_model`), a folder plain ``transformers`` loads (no remote code): ``kvsplice export --format llama``.
+Its MLA and MLA + KVSplice variants export as DeepSeek-V3 through the one DeepSeek-V3 exporter
+(:func:`kvsplice.convert.deepseek_v3.save_deepseek_v3`, this family's writer :mod:`kvsplice.convert.deepseek_v3_gpt`).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from kvsplice.convert import deepseek_v3
 from kvsplice.convert.deepseek_v3_gpt import check_layout, common_weights, outer_weights
 from models.config import RMS_NORM_EPS, GPTConfig
 
-__all__ = ["deepseek_v3_config", "deepseek_v3_state_dict", "llama_model", "save_deepseek_v3"]
-
-
-# ------------------------------------------------------------------------------------------------ DeepSeek-V3
-def deepseek_v3_config(model, pad_latent: Optional[int] = None, pad_rope: Optional[int] = None) -> dict[str, Any]:
-    """The ``config.json``: ``kv_lora_rank`` is the cached latent (``d_compressed`` for KVSplice) or ``pad_latent``,
-    ``qk_rope_head_dim`` the RoPE key or ``pad_rope`` (:func:`kvsplice.convert.deepseek_v3.deepseek_v3_config`)."""
-    check_layout(model.cfg, "mla", "deepseek_v3")
-    return deepseek_v3.deepseek_v3_config(model, pad_latent, pad_rope)
-
-
-def deepseek_v3_state_dict(model, pad_latent: Optional[int] = None,
-                           pad_rope: Optional[int] = None) -> dict[str, torch.Tensor]:
-    """The weights under transformers' DeepSeek-V3 names, KVSplice folded into the projections."""
-    check_layout(model.cfg, "mla", "deepseek_v3")
-    return deepseek_v3.deepseek_v3_state_dict(model, pad_latent, pad_rope)
-
-
-def save_deepseek_v3(model, folder: Path, pad_latent: Optional[int] = None, pad_rope: Optional[int] = None) -> None:
-    """Write ``config.json`` and ``model.safetensors`` into ``folder`` (``pad_latent`` / ``pad_rope``: padded
-    exactly)."""
-    check_layout(model.cfg, "mla", "deepseek_v3")
-    deepseek_v3.save_deepseek_v3(model, folder, pad_latent=pad_latent, pad_rope=pad_rope)
+__all__ = ["llama_model"]
 
 
 # ------------------------------------------------------------------------------------------------------ Llama

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m kvsplice.convert_llama2c MODEL.bin --tokenizer TOK.bin --out DIR [--force]
+    kvsplice convert-llama2c MODEL.bin --tokenizer TOK.bin --out DIR [--force]
 
 The output directory holds ``config.json`` + ``model.safetensors`` (``transformers.LlamaForCausalLM``,
 float32) and a ``tokenizer.json`` / ``tokenizer_config.json`` pair that loads with

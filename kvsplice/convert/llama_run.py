@@ -1,4 +1,4 @@
-"""``python -m kvsplice.to_mla`` for a pretrained Llama-family model (Llama, Mistral, Qwen2, Qwen3; an HF folder or a
+"""``kvsplice to-mla`` for a pretrained Llama-family model (Llama, Mistral, Qwen2, Qwen3; an HF folder or a
 GGUF file), or for a converted MLA folder (``--kvsplice-keep``): calibrate, convert
 (:mod:`kvsplice.convert.llama_mla`), and write a model folder (``--format native``, which every kvsplice command
 loads) or a DeepSeek-V3 folder (``--format deepseek_v3``, :mod:`kvsplice.convert.deepseek_v3`). The folder carries

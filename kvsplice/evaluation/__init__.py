@@ -1,4 +1,4 @@
-"""Evaluation on held-out text behind ``python -m kvsplice.eval_bases``: the shared context (``context``) and one
+"""Evaluation on held-out text behind ``kvsplice eval-bases``: the shared context (``context``) and one
 evaluator per method family (``lowrank``: saved bases, ``online``: fd-online)."""
 
 from kvsplice.evaluation.context import EvalContext, EvalError, load_windows

@@ -1,4 +1,4 @@
-"""The shared evaluation context of ``python -m kvsplice.eval_bases``: held-out windows decoded through any
+"""The shared evaluation context of ``kvsplice eval-bases``: held-out windows decoded through any
 :class:`~kvsplice.decode.Decoder`, the full-cache reference, and held-out Grams and exact q/k/v per RoPE mode,
 each computed once."""
 

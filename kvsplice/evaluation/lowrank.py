@@ -1,4 +1,4 @@
-"""Measurements of saved low-rank bases on held-out text (``python -m kvsplice.eval_bases --method static``):
+"""Measurements of saved low-rank bases on held-out text (``kvsplice eval-bases --method static``):
 perplexity full vs compressed cache, per-layer score / key / value errors, attention-output error, Lesens' gap,
 measured cache bytes, and the attention-error diagnostics. The CLI module documents every number."""
 
@@ -162,7 +162,7 @@ def evaluate_quantised(ctx: EvalContext, bases: Optional[KVBases], quant: str, u
 def eval_static(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str, Any]]:
     """``--method static``: each ``--bases`` file, with :func:`~kvsplice.lowrank.diagnostics.bases_diagnostics`."""
     if not args.bases:
-        raise EvalError("--bases FILE is required (saved bases from python -m kvsplice.fit_bases)")
+        raise EvalError("--bases FILE is required (saved bases from kvsplice fit-bases)")
     out = []
     for path in args.bases:
         bases = KVBases.load(path)  # FileNotFoundError / BasesMismatchError with one-line messages

@@ -1,4 +1,4 @@
-"""``python -m kvsplice.eval_bases --method fd-online``: online frequent-directions bases per chunk
+"""``kvsplice eval-bases --method fd-online``: online frequent-directions bases per chunk
 (:class:`~kvsplice.online.method.OnlineDecoder` over a :class:`~kvsplice.online.chunked.ChunkedCache`; no calibration,
 no ``--bases``), with per-layer error diagnostics vs their bounds on the first ``--err-windows`` windows,
 teacher-forced (:func:`~kvsplice.online.diagnostics.online_qkv_diagnostics`), printed by :func:`print_diagnostics`.

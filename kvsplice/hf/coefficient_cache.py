@@ -2,7 +2,7 @@
 
 ::
 
-    bases = KVBases.load("s260k_r4_post.safetensors")             # python -m kvsplice.fit_bases
+    bases = KVBases.load("s260k_r4_post.safetensors")             # kvsplice fit-bases
     cache = CoefficientHFCache(model, bases)                       # switches model to the "kvsplice" attention
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=32)
     cache.nbytes() == cache.formula_nbytes()                       # Σ_layers Σ_kv-heads (R_k + R_v) · T · B · bytes

@@ -1,7 +1,7 @@
 """Ctrl-C while a tool is still importing: one ``PROG: interrupted`` line and exit status 130, as
 :func:`kvsplice.io.cli.run_cli` reports it once the tool runs.
 
-A tool's heavy imports (torch, transformers) take the first second or so of ``python -m kvsplice.TOOL``; a SIGINT
+A verb's heavy imports (torch, transformers) take the first second or so of ``kvsplice VERB``; a SIGINT
 then raised ``KeyboardInterrupt`` inside them — a traceback and exit status -2. The ``kvsplice`` command's first
 module (:mod:`kvsplice.cli.main`) calls :func:`quiet_interrupts_as_program` before its own imports, and each tool's
 module calls :func:`quiet_interrupts_while_importing` first thing (this module imports nothing heavy);
@@ -32,7 +32,7 @@ EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 """Exit status after SIGTERM (128 + SIGTERM, as a shell reports it)."""
 MAIN = "__main__"
-"""``__name__`` of the module Python runs (``python -m kvsplice.TOOL``)."""
+"""``__name__`` of the module Python runs as the program."""
 
 _PROG: list[str] = []  # the tool whose imports are quiet (empty: none)
 _MAIN_PROG: list[str] = []  # the tool Python runs as its program (empty: imported as a library)
@@ -79,15 +79,13 @@ def end_quiet_interrupts() -> None:
 
 
 def program_name(argv: list[str], orig_argv: list[str]) -> Optional[str]:
-    """``kvsplice VERB`` when this process is the ``kvsplice`` command (the console script, ``python -m
-    kvsplice.cli.main``) or a ``python -m kvsplice.TOOL`` form, from its command line; ``None`` otherwise."""
+    """``kvsplice VERB`` when this process is the ``kvsplice`` command (the console script, or its module
+    ``kvsplice.cli.main`` run by ``-m``), from its command line; ``None`` otherwise."""
     module = orig_argv[orig_argv.index("-m") + 1] if "-m" in orig_argv[:-1] else None
     if module in ("kvsplice.cli.main", "kvsplice.cli") or (module is None and argv and
                                                              os.path.basename(argv[0]) == "kvsplice"):
         verb = argv[1] if len(argv) > 1 and argv[1][:1].isalpha() and argv[1].replace("-", "").isalnum() else ""
         return f"kvsplice {verb}".strip()
-    if module is not None and module.startswith("kvsplice.") and module.count(".") == 1:
-        return f"kvsplice {module.split('.')[1].replace('_', '-')}"
     return None
 
 

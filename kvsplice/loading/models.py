@@ -3,9 +3,9 @@
 * a directory with ``config.json`` → ``transformers.AutoModelForCausalLM.from_pretrained`` + ``AutoTokenizer``
   (the families of :data:`kvsplice.adapters.SUPPORTED_FAMILIES`: GPT-2, Llama, Mistral, Qwen2/3, Phi-3, Gemma-3;
   anything else fails with :func:`kvsplice.adapters.model_info`'s one-line "unsupported" error naming them).
-  ``python -m kvsplice.convert_llama2c`` makes such a directory from a llama2.c checkpoint (e.g. stories260K);
+  ``kvsplice convert-llama2c`` makes such a directory from a llama2.c checkpoint (e.g. stories260K);
 * a directory whose ``config.json`` has ``model_type: kvsplice_mla_llama`` → a converted Llama-family MLA model
-  (:mod:`kvsplice.loading.mla_folder`, made by ``python -m kvsplice.to_mla``) and the tokenizer saved beside it;
+  (:mod:`kvsplice.loading.mla_folder`, made by ``kvsplice to-mla``) and the tokenizer saved beside it;
 * a file (``.ckpt``) → this project's MHA GPT via ``models.checkpoint.load_gpt_checkpoint``; its tokenizer is the one its
   training data used (rebuilt from the checkpoint's data settings with :class:`data.TinyStoriesDataModule`), or
   ``tokenizer=`` (a GPT-2 BPE folder / ``tokenizer.json``, or an HF tokenizer directory);
@@ -33,7 +33,7 @@ from kvsplice.loading.tokenizers import Tokenizer, checkpoint_tokenizer, from_hf
 
 __all__ = ["LoadedModel", "load_model"]
 
-CONVERT_HINT = ("pass a local model directory instead, e.g. one made by `python -m kvsplice.convert_llama2c "
+CONVERT_HINT = ("pass a local model directory instead, e.g. one made by `kvsplice convert-llama2c "
                 "MODEL.bin --tokenizer TOK.bin --out DIR` or saved with save_pretrained()")
 
 
@@ -187,12 +187,12 @@ def load_model(spec: str | os.PathLike, *, tokenizer: Optional[str] = None, dtyp
                             f"{several[0]}")
         if not (p / "config.json").is_file():
             raise LoadError(f"{spec} is a directory without config.json: not a transformers model directory "
-                            f"(e.g. make one with python -m kvsplice.convert_llama2c)")
+                            f"(e.g. make one with kvsplice convert-llama2c)")
         _refuse_remote_code(p)
         from kvsplice.loading.mla_folder import is_mla_folder
         from kvsplice.loading.deepseek_folder import is_deepseek_v3_folder, load_deepseek_v3
 
-        if is_mla_folder(p):  # a converted Llama-family MLA model (python -m kvsplice.to_mla)
+        if is_mla_folder(p):  # a converted Llama-family MLA model (kvsplice to-mla)
             model, tok = _load_mla(p, tokenizer=tokenizer, dtype=dtype)
             kind = "mla"
         elif is_deepseek_v3_folder(p):  # our DeepSeek-V3 exports, read back into our models (deepseek_folder)

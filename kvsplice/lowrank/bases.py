@@ -95,7 +95,7 @@ class KVBases:
         if got is not None and got != fingerprint:
             raise BasesMismatchError(
                 f"these bases were fitted for model {got}, not {fingerprint}; fit bases for this model with "
-                f"python -m kvsplice.fit_bases")
+                f"kvsplice fit-bases")
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

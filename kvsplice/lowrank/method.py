@@ -2,7 +2,7 @@
 
 ::
 
-    dec = Decoder(model, LowRank(bases))               # bases from python -m kvsplice.fit_bases (KVBases.load)
+    dec = Decoder(model, LowRank(bases))               # bases from kvsplice fit-bases (KVBases.load)
     cache = dec.new_cache(batch_size=1)                # a CoefficientCache
     logits = dec(prompt_ids, cache)
     hf_cache = CoefficientHFCache(model, bases)        # = KVSpliceHFCache(model, LowRank(bases)): inside generate()

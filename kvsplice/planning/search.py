@@ -2,7 +2,7 @@
 that fits the byte budget, measured on tuning text — the best measured stack wins.
 
 The search is over method specs (:mod:`kvsplice.core.build`): any registered storage method can be a candidate
-(``stores=``, ``python -m kvsplice.plan --stores SPEC ...``).
+(``stores=``, ``kvsplice plan --stores SPEC ...``).
 
 1. **Stores** (:func:`candidate_stores`): full K/V at fp16 and int8, int8 keys with int4 values (``k8v4h``: rows
    rotated by a Hadamard matrix; SmolLM2's tuning text: +1.76 % perplexity at 8× under KVzip's pooled selection where
@@ -329,9 +329,9 @@ class _Search:
         return rows
 
 
-def search(model, stats: Optional[dict], windows: torch.Tensor, options: Optional[SearchOptions] = None, *,
+def search(model, stats: Optional[dict], windows: torch.Tensor, options: SearchOptions, *,
            task_eval: Optional[TaskBench] = None, tokenizer: Any = None,
-           log: Optional[Callable[[str], None]] = None, **fields: Any) -> dict[str, Any]:
+           log: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
     """Search the specs that fit ``options.budget`` bytes per prompt token (at fp16) on the tuning ``windows``;
     returns ``{"best": spec (its bases in memory), "full": the full cache's tuning result, "candidates": [...],
     "selector": the chosen one, "selectors_left_out": slow selectors not tried}`` (each candidate: its spec — the
@@ -348,12 +348,7 @@ def search(model, stats: Optional[dict], windows: torch.Tensor, options: Optiona
     fitted there it keeps more tokens; its rows then also give ``at_fit``, the bytes per token at that length.
 
     Steps: the full cache; the usable selectors; the stores fitted to the budget; the selector trial
-    (:meth:`_Search.choose_selector`); the stores under the chosen selector; their tasks; the pick.
-    ``fields``: the options as keywords instead (``search(model, stats, windows, prompt_len=P, budget=B)``)."""
-    if options is None:
-        options = SearchOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
-    elif fields:
-        raise TypeError(f"give the options as SearchOptions or as keywords, not both ({', '.join(fields)})")
+    (:meth:`_Search.choose_selector`); the stores under the chosen selector; their tasks; the pick."""
     if options.objective != "ppl" and task_eval is None:
         raise ValueError(f"objective {options.objective!r} needs task_eval (task instances to measure accuracy on)")
     s = _Search(model, stats, windows, options, task_eval, tokenizer, log or (lambda line: None))

@@ -1,4 +1,4 @@
-"""The plan file: a method spec (:mod:`kvsplice.core.build`) found by the planner (``python -m kvsplice.plan``)
+"""The plan file: a method spec (:mod:`kvsplice.core.build`) found by the planner (``kvsplice plan``)
 for one model, carried to ``generate``, ``eval_bases`` and the HF cache.
 
 A plan's ``spec`` is any method or stack — typically a token selection keeping a fraction ``keep`` of the prompt
@@ -158,10 +158,10 @@ class Plan:
         say which (no ``model_fingerprint``: hand-made or damaged) — is a :class:`PlanError`."""
         if not isinstance(self.model_fingerprint, str) or not self.model_fingerprint:
             raise PlanError(f"this plan records no model_fingerprint (the model it was made for); make it with "
-                            f"python -m kvsplice.plan, or build a method spec instead (--method)")
+                            f"kvsplice plan, or build a method spec instead (--method)")
         if fingerprint != self.model_fingerprint:
             raise PlanError(f"this plan was made for model {self.model_fingerprint}, not {fingerprint}; run "
-                            f"python -m kvsplice.plan for this model")
+                            f"kvsplice plan for this model")
 
     def save(self, path: str | Path, also: Optional[dict[Path, Callable[[Path], None]]] = None) -> Path:
         """Write the plan JSON — and, for in-memory bases in the spec, the file beside it
@@ -204,7 +204,7 @@ class Plan:
         :meth:`load`."""
         path = Path(path)
         if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT or doc.get("version") not in (1, 2):
-            raise PlanError(f"{path} is not a kvsplice plan (python -m kvsplice.plan writes them)")
+            raise PlanError(f"{path} is not a kvsplice plan (kvsplice plan writes them)")
         try:
             check_plan_doc(doc)  # version 1: the stack's fields; both: the evidence, the bases name
         except ValueError as e:

@@ -7,7 +7,5 @@ from kvsplice.quant.cache import KIVICache, kivi_bytes
 from kvsplice.quant.method import KIVI
 from kvsplice.quant.prerope import PreRopeKIVI
 from kvsplice.quant.rotated import RotatedKIVI, hadamard
-from models.quant import dequantize, pack_codes, quantize, unpack_codes
 
-__all__ = ["KIVI", "KIVICache", "PreRopeKIVI", "RotatedKIVI", "hadamard", "dequantize", "kivi_bytes", "pack_codes",
-           "quantize", "unpack_codes"]
+__all__ = ["KIVI", "KIVICache", "PreRopeKIVI", "RotatedKIVI", "hadamard", "kivi_bytes"]

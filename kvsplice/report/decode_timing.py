@@ -1,4 +1,4 @@
-"""Decode-step timing of the model variants (``python -m kvsplice.bench_decode``): caches filled to a context, single
+"""Decode-step timing of the model variants (``kvsplice bench-decode``): caches filled to a context, single
 token steps timed and rolled back, optional profiling for cache copies, and the report table."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Measured decode-cache bytes vs the formula (``python -m kvsplice.verify_memory``): each variant prefilled and decoded
+"""Measured decode-cache bytes vs the formula (``kvsplice verify-memory``): each variant prefilled and decoded
 into its real cache, measured from its tensors, compared at one dtype; and the report table."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ never touches pyplot's global state or the user's interactive backend.
 * :func:`plot_val_loss` — validation loss vs step from Lightning ``CSVLogger`` ``metrics.csv`` files;
 * :func:`plot_quality_vs_cache` — validation loss vs cache bytes per token, one point per variant.
 
-``python -m kvsplice.report.plots results/memory_fp16.json results/bench_decode.json`` redraws the PNGs from the JSON.
+:func:`plot_report` redraws a report's PNGs from its JSON (``results/memory_fp16.json``, ``results/bench_decode.json``).
 """
 
 from __future__ import annotations

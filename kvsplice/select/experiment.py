@@ -1,4 +1,4 @@
-"""The BalanceKV paper's single-layer experiment (``python -m kvsplice.bench_balance``, whose docstring says what
+"""The BalanceKV paper's single-layer experiment (``kvsplice bench-balance``, whose docstring says what
 is measured): per layer and number of halvings ``T``, the attention approximation error of BalanceKV vs uniform
 sampling vs coin-flip halving over real text windows."""
 

@@ -6,7 +6,7 @@ Every spec :func:`kvsplice.build_method` reads (``int8``, ``kivi4``, ``kivi4h(re
 see :mod:`kvsplice.core.short_form`) is one, plus::
 
     full                                   the full K/V cache
-    plan:PATH                              a plan from python -m kvsplice.plan
+    plan:PATH                              a plan from kvsplice plan
 
 Each spec is read once: a spec or plan file is opened once (a ``.json`` file holding a plan is checked to be this
 model's — :meth:`kvsplice.planning.spec.Plan.check_model`, the check ``generate`` and ``eval_bases`` make), the

@@ -1,6 +1,6 @@
 """Summaries of task results: accuracy per task and length beside the full cache's, and each method's cache bytes.
 
-``results`` is what ``python -m kvsplice.eval_tasks`` writes under ``"results"``: ``{setting: {instance key: {method
+``results`` is what ``kvsplice eval-tasks`` writes under ``"results"``: ``{setting: {instance key: {method
 spec: outcome dict}}}``. :func:`summarize` gives per (setting, method) the mean score per ``task/length`` and overall,
 the instances counted, and the mean bytes (measured, and at fp16 storage per compressed token, and the ratio to the
 fp16 full cache); :func:`markdown` renders one table per setting.

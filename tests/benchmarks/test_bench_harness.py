@@ -303,8 +303,8 @@ def test_timers_take_the_median_after_the_warmup():
 def test_portable_names_paths_as_the_repository_does():
     from benchmarks.harness.paths import DATA, ROOT, portable
 
-    cmd = f"python -m kvsplice.plan --model {DATA}/smollm2-135m-instruct --out {ROOT}/checkpoints/p.json --cwd {ROOT}"
-    assert portable(cmd) == ("python -m kvsplice.plan --model ../shared/data/smollm2-135m-instruct "
+    cmd = f"kvsplice plan --model {DATA}/smollm2-135m-instruct --out {ROOT}/checkpoints/p.json --cwd {ROOT}"
+    assert portable(cmd) == ("kvsplice plan --model ../shared/data/smollm2-135m-instruct "
                              "--out checkpoints/p.json --cwd .")
     assert portable(f"{ROOT}2/x") == f"{ROOT}2/x"  # another folder whose name starts the same is not the repository
     assert portable({f"plan:{ROOT}/a.json": [f"{DATA}", 3, None]}) == {"plan:a.json": ["../shared/data", 3, None]}

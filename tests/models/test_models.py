@@ -210,7 +210,7 @@ def test_presets_124m_shapes():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("attention", "gqa"), ("kvsplice_keep", 1.0), ("kvsplice_keep", 0.0), ("kvsplice_keep", -0.2), ("kvsplice_ratio", 1.0),
+    ("attention", "gqa"), ("kvsplice_keep", 1.0), ("kvsplice_keep", 0.0), ("kvsplice_keep", -0.2),
     ("n_head", 5), ("dropout", 1.5), ("attn_backend", "xformers"), ("mla_impl", "fast"), ("d_latent", 0),
     ("block_size", "64"),
 ])

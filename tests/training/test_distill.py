@@ -1,4 +1,4 @@
-"""``python -m training.distill``: a converted stories260K (shared RoPE, latent norm) fine-tuned by KL distillation
+"""``kvsplice distill``: a converted stories260K (shared RoPE, latent norm) fine-tuned by KL distillation
 from its source lowers the KL on held-out text, writes the run folder (checkpoints, metrics, model/), resumes, and
 its model folder exports to DeepSeek-V3 with the same logits in transformers."""
 

@@ -1,4 +1,4 @@
-"""``python -m training.export``: MHA → GPT2LMHeadModel, MLA / KVSplice / grouped-query → a trust_remote_code
+"""``kvsplice export``: MHA → GPT2LMHeadModel, MLA / KVSplice / grouped-query → a trust_remote_code
 directory; logits within 1e-5 (fp32) of models.GPT, generate() == GPT.generate, cache bytes == the package's
 formula, left padding, the run's tokenizer, one-line errors.
 

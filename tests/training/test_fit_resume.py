@@ -395,7 +395,7 @@ def test_a_bad_checkpoint_is_never_resumed(finished_run, tmp_path, data_cache, o
         last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
     elif edit in ("mla", "weights-only"):  # an MLA model's weights + config in place of the GPT-2 ones
         mla = load_checkpoint(tiny_ckpt(tmp_path / "mla.ckpt", data_cache, attention="mla"))
-        ck = load_checkpoint(last) if edit == "mla" else {}  # weights-only: as save_model / kvsplice.to_mla write
+        ck = load_checkpoint(last) if edit == "mla" else {}  # weights-only: as save_model / kvsplice to-mla write
         ck.update({k: v for k, v in mla.items() if k not in ck or k in ("state_dict", GPT_CONFIG_KEY)})
         atomic_save(ck, last)
     else:

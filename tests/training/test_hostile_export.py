@@ -1,4 +1,4 @@
-"""Hostile input to ``kvsplice export`` (``python -m training.export``): bad numbers, damaged checkpoints, folders
+"""Hostile input to ``kvsplice export``: bad numbers, damaged checkpoints, folders
 another tool wrote, a full or read-only disk, Ctrl-C during the imports and after the export is written. Every case
 is one ``kvsplice export: error: ...`` line (exit 2) or one ``interrupted`` line (exit 130), and nothing a user owns
 is lost or left half-written."""

@@ -106,18 +106,22 @@ def test_litgpt_takes_one_gptconfig_and_the_cli_its_fields_flat(capsys):
 
 
 def test_the_old_key_kvsplice_ratio_is_read_as_kvsplice_keep(tmp_path):
-    """``kvsplice_ratio`` (a kept fraction, while "ratio" elsewhere means "times smaller") is now ``kvsplice_keep``;
-    the old name still works everywhere, with a warning, and is never written."""
+    """``kvsplice_ratio`` (a kept fraction, while "ratio" elsewhere means "times smaller") is now ``kvsplice_keep``:
+    files (a stored config, a YAML ``model:`` section, checkpoint hyper-parameters) may hold the old key, which
+    :mod:`models.compat` reads as the new one and nothing writes; code (``GPTConfig(...)``) has the new name only."""
     new = GPTConfig(attention="mla", kvsplice_keep=0.1)
-    with pytest.warns(DeprecationWarning, match="kvsplice_ratio is the old name of kvsplice_keep"):
-        assert GPTConfig(attention="mla", kvsplice_ratio=0.1) == new
-    with pytest.warns(DeprecationWarning):
-        assert new.kvsplice_ratio == 0.1 and new.replace(kvsplice_ratio=None).kvsplice_keep is None
-    assert dataclasses.replace(new, kvsplice_keep=0.5).kvsplice_keep == 0.5  # the new name wins over the old
-    assert new.variant == "mla_kvsplice_90" and new.d_compressed == 26 and "kvsplice_ratio" not in new.to_dict()
+    with pytest.raises(TypeError, match="kvsplice_ratio"):
+        GPTConfig(attention="mla", kvsplice_ratio=0.1)
+    assert not hasattr(new, "kvsplice_ratio") and "kvsplice_ratio" not in new.to_dict()
+    assert new.variant == "mla_kvsplice_90" and new.d_compressed == 26
     assert GPTConfig.from_dict({"attention": "mla", "kvsplice_ratio": 0.1}) == new  # a stored dict: read silently
+    assert GPTConfig.from_dict({"attention": "mla", "kvsplice_ratio": 0.1, "kvsplice_keep": None}) == new
     with pytest.raises(ValueError, match="give only kvsplice_keep"):
         GPTConfig.from_dict({"attention": "mla", "kvsplice_ratio": 0.1, "kvsplice_keep": 0.5})
+    flat = dict(vocab_size=50, n_layer=1, n_head=2, d_model=32, block_size=16, attention="mla", d_latent=16)
+    lit = LitGPT(**flat, kvsplice_ratio=0.5)  # an earlier checkpoint's hyper-parameters
+    assert lit.config.kvsplice_keep == 0.5 and "kvsplice_ratio" not in lit.hparams
+    assert LitGPT(**flat, kvsplice_ratio=0.5, kvsplice_keep=0.25).config.kvsplice_keep == 0.25  # the CLI noted it
     old = tmp_path / "old.yaml"
     old.write_text("model:\n  attention: mla\n  kvsplice_ratio: 0.1\n  learning_rate: 0.1\n")
     with pytest.warns(FutureWarning, match="old.yaml: kvsplice_ratio is the old name of kvsplice_keep"):

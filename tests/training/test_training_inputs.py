@@ -1,5 +1,5 @@
 """Bad input of every kind gives one ``PROG: error:`` line, exit status 2, no traceback, and
-overwrites nothing — for ``python -m training.fit`` (66 inputs) and ``python -m training.evaluate`` (20 inputs); garbage
+overwrites nothing — for ``python -m training.fit`` (66 inputs) and ``kvsplice evaluate`` (20 inputs); garbage
 and empty text files are refused by :func:`data.sources.check_text_file` (used by the data module and by everything that
 lists story files).
 

@@ -3,8 +3,8 @@
 llama.cpp's converter names a BPE tokenizer's pre-tokenizer (``tokenizer.ggml.pre``) by hashing the token ids of a
 fixed test string, so it knows only the vocabularies of published models: the BPE tokenizer a tiny config trains
 (``data``'s offline tokenizer) is refused ("BPE pre-tokenizer was not recognized") although its pre-tokenizer is
-GPT-2's own (``ByteLevel`` with GPT-2's split pattern). This runner, started as ``python -m
-kvsplice.convert.engines.convert_runner LLAMA_CPP_ROOT CONVERTER_ARGS...``, answers ``gpt-2`` for exactly that case — a
+GPT-2's own (``ByteLevel`` with GPT-2's split pattern). This runner, started as a script (``python
+convert_runner.py LLAMA_CPP_ROOT CONVERTER_ARGS...``), answers ``gpt-2`` for exactly that case — a
 ``tokenizer.json`` whose whole pre-tokenizer is ``{"type": "ByteLevel", "use_regex": true}`` — and leaves every
 other tokenizer to the converter's own check. It imports nothing from kvsplice (it runs in the converter's process).
 """

@@ -1,4 +1,4 @@
-"""The post-training CLIs end to end: ``python -m kvsplice.fit_bases`` and ``python -m kvsplice.eval_bases`` on the
+"""The post-training CLIs end to end: ``kvsplice fit-bases`` and ``kvsplice eval-bases`` on the
 real pretrained stories260K (GQA + RoPE, converted with kvsplice.convert_llama2c) with real TinyStories text, a tiny
 random HF GPT-2 and Llama, and a kvsplice training checkpoint. Skips cleanly without ../shared/data."""
 
@@ -262,7 +262,7 @@ def test_training_checkpoint(tmp_path, capsys):
 def test_cli_process_exit_codes(tmp_path):
     """The real entry points: a missing bases file fails before any model is loaded, with status 2."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.run([sys.executable, "-m", "kvsplice.eval_bases", "--model", str(tmp_path), "--bases",
+    p = subprocess.run([sys.executable, "-m", "kvsplice.cli.eval_bases", "--model", str(tmp_path), "--bases",
                         str(tmp_path / "missing.safetensors"), "--data", str(EVAL)], capture_output=True, text=True,
                        cwd=REPO, env=env, timeout=120)
     assert p.returncode == 2 and p.stderr.strip() == \

@@ -173,7 +173,7 @@ def test_bad_thread_counts_are_refused_in_one_line(threads, what, capsys):
 
 
 def test_cli_subprocess_exit_code(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "kvsplice.bench_balance", "--model", str(tmp_path / "missing"),
+    p = subprocess.run([sys.executable, "-m", "kvsplice.cli.bench_balance", "--model", str(tmp_path / "missing"),
                         "--data", "x.txt"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
     lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]

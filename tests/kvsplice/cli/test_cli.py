@@ -23,10 +23,10 @@ import torch
 from hostile import REPO, dead_pid, edit_ckpt, one_error, prog_of, snapshot, tiny_ckpt
 
 CLIS = {  # module: prefix of its error line
-    "kvsplice.generate": "kvsplice generate", "kvsplice.to_mla": "kvsplice to-mla", "kvsplice.fit_bases": "kvsplice fit-bases",
-    "kvsplice.eval_bases": "kvsplice eval-bases", "kvsplice.verify_memory": "kvsplice verify-memory",
-    "kvsplice.bench_decode": "kvsplice bench-decode", "kvsplice.bench_balance": "kvsplice bench-balance",
-    "kvsplice.convert_llama2c": "kvsplice convert-llama2c", "training.export": "kvsplice export",
+    "kvsplice.cli.generate": "kvsplice generate", "kvsplice.cli.to_mla": "kvsplice to-mla", "kvsplice.cli.fit_bases": "kvsplice fit-bases",
+    "kvsplice.cli.eval_bases": "kvsplice eval-bases", "kvsplice.cli.verify_memory": "kvsplice verify-memory",
+    "kvsplice.cli.bench_decode": "kvsplice bench-decode", "kvsplice.cli.bench_balance": "kvsplice bench-balance",
+    "kvsplice.cli.convert_llama2c": "kvsplice convert-llama2c", "training.export": "kvsplice export",
     "training.evaluate": "kvsplice evaluate",
 }
 
@@ -75,7 +75,7 @@ def test_evaluate_and_verify_memory_never_touch_a_checkpoint(tmp_path, data_cach
     ckpt = tiny_ckpt(tmp_path / "ok.ckpt", data_cache)
     before = snapshot(tmp_path)
     rc = evaluate(["--ckpt", str(ckpt), "--json", str(ckpt), "--force"])  # was: replaced by the JSON report
-    one_error(rc, capsys.readouterr().err, "python -m training.evaluate", "is the input --ckpt")
+    one_error(rc, capsys.readouterr().err, "kvsplice evaluate", "is the input --ckpt")
     assert snapshot(tmp_path) == before
     bad = edit_ckpt(ckpt, tmp_path / "nan.ckpt", "model.transformer.wte.weight", torch.full((300, 32), float("nan")))
     rc = verify_memory(["--ckpt", str(bad), "--seq-lens", "8", "--no-progress"])
@@ -101,16 +101,16 @@ def test_json_outputs_are_atomic_and_clean_up_after_killed_runs(tmp_path):
         output_file(Path(os.path.relpath(out)), force=False, option="--json")
 
 
-@pytest.mark.parametrize("module", sorted({*CLIS, "kvsplice.plan", "kvsplice.eval_tasks", "training.distill"}))
+@pytest.mark.parametrize("module", sorted({*CLIS, "kvsplice.cli.plan", "kvsplice.cli.eval_tasks", "training.distill"}))
 def test_help_is_shown_by_every_tool(module, capsys):
-    """``python -m kvsplice.plan --help`` failed: a default holding ``50%-67%`` in its help."""
+    """``kvsplice plan --help`` failed: a default holding ``50%-67%`` in its help."""
     rc = importlib.import_module(module).main(["--help"])
     out, err = capsys.readouterr()
     assert rc == 0 and "usage:" in out and "error" not in err, err
 
 
 # ------------------------------------------------------------------------------------------ Ctrl-C
-KVSPLICE_CLIS = {**{m: p for m, p in CLIS.items() if m.startswith("kvsplice.")}, "kvsplice.plan": "kvsplice plan", "kvsplice.eval_tasks": "kvsplice eval-tasks"}
+KVSPLICE_CLIS = {**{m: p for m, p in CLIS.items() if m.startswith("kvsplice.")}, "kvsplice.cli.plan": "kvsplice plan", "kvsplice.cli.eval_tasks": "kvsplice eval-tasks"}
 
 
 @pytest.mark.parametrize("module", sorted(KVSPLICE_CLIS))
@@ -201,7 +201,7 @@ def _interrupt_while_importing(module: str, tmp_path: Path) -> "subprocess.Compl
     return subprocess.CompletedProcess(p.args, p.returncode, out.read_text(), err.read_text())
 
 
-@pytest.mark.parametrize("module", ["kvsplice.eval_tasks", "kvsplice.plan", "kvsplice.to_mla"])
+@pytest.mark.parametrize("module", ["kvsplice.cli.eval_tasks", "kvsplice.cli.plan", "kvsplice.cli.to_mla"])
 def test_ctrl_c_while_a_tool_imports_is_one_line_and_exit_130(module, tmp_path):
     """Ctrl-C in the first ~0.3 s (the heavy imports) was a KeyboardInterrupt traceback and exit -2."""
     r = _interrupt_while_importing(module, tmp_path)

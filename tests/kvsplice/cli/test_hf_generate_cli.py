@@ -1,4 +1,4 @@
-"""``python -m kvsplice.generate``: HF generate() with the full / coefficient / token-subset cache, the JSON report
+"""``kvsplice generate``: HF generate() with the full / coefficient / token-subset cache, the JSON report
 (tokens, text, measured cache bytes), and one-line errors with exit status 2 and nothing overwritten — hostile bases,
 models, temperatures, destinations and prompts included (the stories260K tests skip without ../shared/data)."""
 
@@ -124,7 +124,7 @@ def test_bad_inputs_are_one_line_exit_2_and_nothing_is_overwritten(s260k, tmp_pa
 
 
 # ------------------------------------------------------------------------------------------ hostile inputs
-# Hostile inputs to ``python -m kvsplice.generate``: bases with NaN / inf / integer / misshapen tensors
+# Hostile inputs to ``kvsplice generate``: bases with NaN / inf / integer / misshapen tensors
 # and models with NaN weights are refused naming the file and the tensor (they printed empty or garbage text, exit 0),
 # a non-finite temperature is refused (``inf`` sampled uniform noise), a read-only ``--json`` folder and a
 # non-UTF-8 prompt are one line, and an exported remote-code folder is refused at once instead of stopping at

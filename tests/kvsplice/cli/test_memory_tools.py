@@ -178,14 +178,14 @@ def test_verify_memory_unreadable_checkpoint_exit_2(tmp_path, capsys):
 def test_verify_memory_cli_subprocess(tmp_path):
     out = tmp_path / "m.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "kvsplice.verify_memory", "--config",
+    p = subprocess.run([sys.executable, "-m", "kvsplice.cli.verify_memory", "--config",
                         write_tiny(tmp_path, "c", ratio=0.5), "--seq-lens", "8", "16", "--dtype", "bf16",
                         "--markdown", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120,
                        env=env)
     assert p.returncode == 0, p.stderr
     assert "| c | 16 |" in p.stdout and "dtype bf16" in p.stdout
     assert json.loads(out.read_text())["rows"][1]["measured_bytes"] == 16 * 2 * 8 * 2
-    p = subprocess.run([sys.executable, "-m", "kvsplice.verify_memory", "--config", str(tmp_path / "missing.yaml")],
+    p = subprocess.run([sys.executable, "-m", "kvsplice.cli.verify_memory", "--config", str(tmp_path / "missing.yaml")],
                        cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
 

@@ -1,5 +1,5 @@
 """Llama-family → MLA conversion (kvsplice.convert.llama_mla), the converted model (models.mla_llama), its folder
-and the DeepSeek-V3 export (kvsplice.convert.deepseek_v3), and ``python -m kvsplice.to_mla`` on them.
+and the DeepSeek-V3 export (kvsplice.convert.deepseek_v3), and ``kvsplice to-mla`` on them.
 
 * Full rank with every RoPE dim, per-head layout, norm-free: the source's logits (1e-4, fp32) for a tiny model of
   each convertible family (Mistral / Qwen2 with sliding windows shorter than the text) and stories260K;
@@ -207,7 +207,7 @@ def test_a_deepseek_v3_folder_with_an_edited_config_is_one_line(tiny, tmp_path, 
                      tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, **edit}))
-    r = subprocess.run([sys.executable, "-m", "kvsplice.generate", "--model", str(tmp_path), "--prompt", "hi",
+    r = subprocess.run([sys.executable, "-m", "kvsplice.cli.generate", "--model", str(tmp_path), "--prompt", "hi",
                         "--max-new-tokens", "1"], capture_output=True, text=True, cwd=REPO, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     one_error(r.returncode, r.stderr, "generate", expect)

@@ -539,7 +539,7 @@ def test_error_nonempty_out_dir_and_force(tmp_path):
 def test_cli_subprocess_truncated_exit_code(tmp_path):
     bad = tmp_path / "trunc.bin"
     bad.write_bytes(MODEL_BIN.read_bytes()[:1000])
-    r = subprocess.run([sys.executable, "-m", "kvsplice.convert_llama2c", str(bad), "--tokenizer", str(TOK_BIN),
+    r = subprocess.run([sys.executable, "-m", "kvsplice.cli.convert_llama2c", str(bad), "--tokenizer", str(TOK_BIN),
                         "--out", str(tmp_path / "o")], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 2
     last = r.stderr.strip().splitlines()[-1]

@@ -1,5 +1,5 @@
 """The trained family: ``python -m training.fit --config tiny_ds_mla_kvsplice_90``
-trains (a short real run), and ``python -m training.export --format deepseek_v3 | llama`` writes folders plain
+trains (a short real run), and ``kvsplice export --format deepseek_v3 | llama`` writes folders plain
 ``transformers`` loads without remote code, whose logits equal our model's (fp32, ≤ 1e-4) and whose greedy tokens
 (transformers' own cache) equal ours; KVSplice-r is written as ``kv_lora_rank = r``.
 """

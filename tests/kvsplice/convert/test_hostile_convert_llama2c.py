@@ -91,7 +91,7 @@ def test_a_read_only_destination_is_one_line(readonly_dir, capsys):
 
 def test_ctrl_c_after_the_folder_is_written_is_one_line_and_keeps_it(tmp_path):
     out = tmp_path / "o"
-    r = interrupt_at_exit("kvsplice.convert_llama2c", [MODEL_BIN, "--tokenizer", TOK_BIN, "--out", out])
+    r = interrupt_at_exit("kvsplice.cli.convert_llama2c", [MODEL_BIN, "--tokenizer", TOK_BIN, "--out", out])
     one_interrupt(r, PROG)
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()

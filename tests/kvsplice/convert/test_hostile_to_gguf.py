@@ -111,7 +111,7 @@ def test_to_gguf_without_a_folder_or_a_bad_outtype_is_one_line(tmp_path, capsys)
 # ------------------------------------------------------------------------------------------------------ Ctrl-C
 def test_ctrl_c_after_the_fix_is_written_is_one_line_and_keeps_it(tmp_path):
     g = deepseek2_gguf(tmp_path / "X.gguf")
-    r = interrupt_at_exit("kvsplice.to_gguf", ["--fix", g])
+    r = interrupt_at_exit("kvsplice.cli.to_gguf", ["--fix", g])
     one_interrupt(r, PROG)
     gguf = llama_cpp._gguf_module()
     assert gguf.GGUFReader(str(g)).get_field(llama_cpp.Q_LORA_KEY).contents() == 0

@@ -163,7 +163,7 @@ def test_a_read_only_destination_is_one_line(models, readonly_dir, capsys):
 # ------------------------------------------------------------------------------------------------------ Ctrl-C
 def test_ctrl_c_after_the_folder_is_written_is_one_line_and_keeps_it(models, tmp_path):
     out = tmp_path / "o"
-    r = interrupt_at_exit("kvsplice.to_mla", export_args(models, out))
+    r = interrupt_at_exit("kvsplice.cli.to_mla", export_args(models, out))
     one_interrupt(r, PROG)
     assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
     assert (out / "model.safetensors").is_file()

@@ -1,4 +1,4 @@
-"""MHA → MLA conversion, KVSplice PCA init, ``python -m kvsplice.to_mla`` and fine-tuning with
+"""MHA → MLA conversion, KVSplice PCA init, ``kvsplice to-mla`` and fine-tuning with
 ``--model.init_from``."""
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def test_save_model_roundtrip(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ inputs and outputs
-# Hostile inputs to ``python -m kvsplice.to_mla``: ``--out`` never replaces an input (the same path, a
+# Hostile inputs to ``kvsplice to-mla``: ``--out`` never replaces an input (the same path, a
 # symlink, a hard link, another spelling; ``--json`` too), errors exit 2 in one line (a read-only destination
 # included), source checkpoints with NaN / integer weights are refused naming the tensor, and the temporary file a
 # killed run left beside ``--out`` is removed by the next run.

@@ -221,7 +221,7 @@ def test_a_dict_spec_may_name_an_alias(tmp_path):
 def test_command_lines_check_a_spec_before_the_model_loads(tool, argv, needle, tmp_path, capsys):
     import importlib
 
-    main = importlib.import_module(f"kvsplice.{tool}").main
+    main = importlib.import_module(f"kvsplice.cli.{tool}").main
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert main(["--model", str(tmp_path / "no-such-model"), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()

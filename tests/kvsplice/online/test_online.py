@@ -288,7 +288,7 @@ def test_stories260k_bounds_hold_every_layer(stories):
 
 # ------------------------------------------------------------------------------------------------ eval_bases CLI
 def test_eval_bases_cli_fd_online_and_diagnostics(stories, tmp_path, capsys):
-    """``python -m kvsplice.eval_bases --method fd-online`` on stories260K: perplexity through the chunked cache, bytes
+    """``kvsplice eval-bases --method fd-online`` on stories260K: perplexity through the chunked cache, bytes
     that equal the cache's tensors, J, and the per-layer bound diagnostics (also attached to saved bases)."""
     eval_bases = pytest.importorskip("kvsplice.cli.eval_bases")
     if "fd-online" not in eval_bases.EVALUATORS:

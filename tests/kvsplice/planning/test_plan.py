@@ -1,4 +1,4 @@
-"""The budget planner end to end on stories260K (a real GQA + RoPE model): ``python -m kvsplice.plan`` writes a
+"""The budget planner end to end on stories260K (a real GQA + RoPE model): ``kvsplice plan`` writes a
 plan within the budget whose every candidate was measured on tuning text, ``generate`` / ``eval_bases`` / the HF
 cache take it directly, calibration statistics are reused, and bad inputs are one line with exit status 2."""
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from kvsplice.decode import Decoder, DenseKV
-from kvsplice.quant import KIVI, dequantize, kivi_bytes, pack_codes, quantize, unpack_codes
+from kvsplice.quant import KIVI, kivi_bytes
 from kvsplice.report.memory import measure_cache
 from kvsplice.select.method import TokenSelection
 from kvsplice.select.selectors import make_selector
+from models.quant import dequantize, pack_codes, quantize, unpack_codes
 from test_stack import assert_same, both_doors, ids_of, tiny
 
 

@@ -65,7 +65,7 @@ def test_group_rows_along_tokens_are_kivis_key_groups():
 
 
 @pytest.mark.parametrize("attention,kw", [("mha", {}), ("mla", {"d_latent": 16}),
-                                          ("mla", {"d_latent": 16, "kvsplice_ratio": 0.5})])
+                                          ("mla", {"d_latent": 16, "kvsplice_keep": 0.5})])
 def test_int8_cache_bytes_and_decode(attention, kw):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=V, n_layer=2, n_head=4, d_model=32, block_size=64, attention=attention, **kw)

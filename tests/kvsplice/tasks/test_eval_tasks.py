@@ -1,4 +1,4 @@
-"""Tests for python -m kvsplice.eval_tasks on a real small model (stories260K, converted from llama2.c): the table and
+"""Tests for kvsplice eval-tasks on a real small model (stories260K, converted from llama2.c): the table and
 JSON, both settings, resuming a finished run without recomputing, the HF door's tokens == the Decoder door's, and
 one-line errors that leave files alone."""
 

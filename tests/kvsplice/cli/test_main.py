@@ -1,9 +1,8 @@
 """The ``kvsplice`` console command (:mod:`kvsplice.cli.main`): the verb listing without torch, one-line errors,
-every verb reachable, and the ``python -m`` forms kept."""
+every verb reachable."""
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
 
@@ -54,24 +53,11 @@ def test_main_leaves_python_sigint_handling_as_it_was(capsys):
     capsys.readouterr()
 
 
-@pytest.mark.parametrize("verb", sorted(v for v, x in front.VERBS.items() if x.module.startswith("kvsplice.cli.")))
-def test_shim_module_is_the_verb(verb):
-    """``python -m kvsplice.TOOL`` (the compatibility module) runs the same ``main`` as ``kvsplice VERB``."""
-    shim = importlib.import_module("kvsplice." + verb.replace("-", "_"))
-    assert shim.main is front.load(verb)
-
-
 def test_console_script_is_declared():
     import tomllib
 
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {"kvsplice": "kvsplice.cli.main:main"}
-
-
-def test_python_m_form_reports_the_verb_name():
-    r = subprocess.run([sys.executable, "-m", "kvsplice.plan", "--no-such-option"], capture_output=True, text=True,
-                       cwd=REPO, timeout=300)
-    assert r.returncode == 2 and r.stderr.startswith("kvsplice plan: error:"), r.stderr[-2000:]
 
 
 def test_main_as_the_program_runs_the_verb_with_its_error_line():

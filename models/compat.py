@@ -1,7 +1,9 @@
 """Old spellings users may still have in files: a key of a config's ``model:`` section, of a checkpoint's stored
-config (``gpt_config``) or of its hyper-parameters, written under a :class:`models.GPTConfig` field's earlier name.
+config (``gpt_config``) or of its hyper-parameters, written under a :class:`models.GPTConfig` field's earlier name;
+and a converted MLA folder's weights naming its projections ``kv_down`` / ``k_up`` / ``v_up``
+(:data:`OLD_WEIGHT_NAMES`, applied by :func:`kvsplice.loading.mla_folder.load_mla_folder`).
 
-:data:`OLD_NAMES` is the one table. It is applied where those are read — :meth:`GPTConfig.from_dict` (checkpoints),
+:data:`OLD_NAMES` is the one table of config keys. It is applied where those are read — :meth:`GPTConfig.from_dict` (checkpoints),
 :meth:`GPTConfig.from_file` (YAML, with a note), the training command's ``model:`` section and checkpoint
 hyper-parameters (:class:`training.lit.LitGPT`) — and nowhere else: code uses the new names only, and nothing
 writes an old one (docs/training.md lists the table).
@@ -11,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["OLD_NAMES", "MEANING", "old_name_note", "rename_old_keys"]
+__all__ = ["MEANING", "OLD_NAMES", "OLD_WEIGHT_NAMES", "current_weight_name", "old_name_note",
+           "rename_old_keys"]
 
 OLD_NAMES: dict[str, str] = {"kvsplice_ratio": "kvsplice_keep"}
 """Old key -> the field it is now."""
@@ -20,6 +23,18 @@ MEANING: dict[str, str] = {
                       "means times smaller",
 }
 """Old key -> the one line a note about it says."""
+
+OLD_WEIGHT_NAMES: dict[str, str] = {".attn.kv_down.": ".attn.w_dkv.", ".attn.k_up.": ".attn.w_uk.",
+                                    ".attn.v_up.": ".attn.w_uv."}
+"""Old part of an MLA folder's weight name -> the name the trained family uses (down projection ``w_dkv``, key and
+value up projections ``w_uk`` / ``w_uv``)."""
+
+
+def current_weight_name(name: str) -> str:
+    """``name`` with an old MLA projection name (:data:`OLD_WEIGHT_NAMES`) replaced."""
+    for old, new in OLD_WEIGHT_NAMES.items():
+        name = name.replace(old, new)
+    return name
 
 
 def old_name_note(old: str, value: Any) -> str:

@@ -10,21 +10,12 @@ from typing import Any, Optional
 
 import torch
 
+from models.compat import current_weight_name
 from models.mla_llama import MODEL_TYPE, MLALlama, MLALlamaConfig
 
-__all__ = ["OLD_WEIGHT_NAMES", "WEIGHTS", "is_mla_folder", "load_mla_folder", "save_mla_folder"]
+__all__ = ["WEIGHTS", "is_mla_folder", "load_mla_folder", "save_mla_folder"]
 
 WEIGHTS = "model.safetensors"
-
-OLD_WEIGHT_NAMES = {".attn.kv_down.": ".attn.w_dkv.", ".attn.k_up.": ".attn.w_uk.", ".attn.v_up.": ".attn.w_uv."}
-"""Weight names some folders carry for the MLA projections, read under the names the trained family uses (the down
-projection ``w_dkv``, the key and value up projections ``w_uk`` / ``w_uv``); docs/conversion.md lists them."""
-
-
-def _current_name(name: str) -> str:
-    for old, new in OLD_WEIGHT_NAMES.items():
-        name = name.replace(old, new)
-    return name
 
 
 def is_mla_folder(folder: Path) -> bool:
@@ -53,7 +44,8 @@ def save_mla_folder(model: MLALlama, folder: Path, tokenizer: Optional[Any] = No
 
 
 def load_mla_folder(folder: Path, *, dtype: Optional[torch.dtype] = None) -> MLALlama:
-    """The model saved by :func:`save_mla_folder` (weights checked against the config: names, shapes, finite)."""
+    """The model saved by :func:`save_mla_folder` (weights checked against the config: names, shapes, finite; old
+    projection names read through :data:`models.compat.OLD_WEIGHT_NAMES`)."""
     from safetensors.torch import load_file
 
     from models.checkpoint import check_tensor
@@ -61,7 +53,7 @@ def load_mla_folder(folder: Path, *, dtype: Optional[torch.dtype] = None) -> MLA
     folder = Path(folder)
     cfg = MLALlamaConfig.from_dict(json.loads((folder / "config.json").read_text(encoding="utf-8")))
     model = MLALlama(cfg)
-    sd = {_current_name(k): v for k, v in load_file(str(folder / WEIGHTS)).items()}
+    sd = {current_weight_name(k): v for k, v in load_file(str(folder / WEIGHTS)).items()}
     if cfg.tie_embeddings:
         sd["lm_head.weight"] = sd.get("embed.weight")
     expect = model.state_dict()

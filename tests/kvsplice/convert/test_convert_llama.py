@@ -125,7 +125,8 @@ def test_model_folder_with_the_old_projection_names_loads(tiny, tmp_path):
     """A folder whose weights name the MLA projections kv_down / k_up / v_up reads as w_dkv / w_uk / w_uv."""
     from safetensors.torch import load_file, save_file
 
-    from kvsplice.loading.mla_folder import OLD_WEIGHT_NAMES, WEIGHTS
+    from kvsplice.loading.mla_folder import WEIGHTS
+    from models.compat import OLD_WEIGHT_NAMES
 
     models, _, held = tiny
     src, stats = models["mistral"]

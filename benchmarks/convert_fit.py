@@ -29,8 +29,9 @@ def options(p) -> None:
     p.add_argument("--ratios", type=float, nargs="+", default=None, help="cache ratios (default: the size's)")
     p.add_argument("--refine", type=int, nargs="+", default=None, help="--refine-steps values (default: the size's)")
     p.add_argument("--keep", type=float, default=None, help="insert KVSplice keeping this fraction of the latent")
-    p.add_argument("--minutes", type=float, default=None, help="distill budget per conversion (0: none; default: "
-                   "the size's)")
+    p.add_argument("--minutes", type=float, default=None, help="distill minutes per conversion (0: none)")
+    p.add_argument("--snapshots", type=float, nargs="+", default=None, help="distill snapshot minutes")
+    p.add_argument("--self-tokens", dest="self_tokens", type=int, default=None, help="distill --self-tokens")
 
 
 def _source(run, work: Path) -> str:
@@ -45,8 +46,7 @@ def _source(run, work: Path) -> str:
 
 
 def _kvsplice(run, cmd: list[str], done: Path) -> str:
-    """Run ``kvsplice ...`` unless ``done`` exists (a folder in ``--work`` is reused); the command as results say it
-    (``--work`` named ``WORK``)."""
+    """Run ``kvsplice ...`` unless ``done`` exists (``--work``'s folders are reused); the command, ``WORK`` named."""
     if not done.exists():
         run.say(" ".join(cmd))
         subprocess.run([sys.executable, "-m", "kvsplice.cli.main", *cmd[1:]], check=True, cwd=ROOT)

@@ -113,13 +113,13 @@ def check_parsed_config(cfg: Any, given: Callable[[str], bool]) -> None:
     if model is None or data is None or trainer is None:
         return
     model_d, data_d = dict(model.items()), dict(data.items())
-    config = _model_config(model_d)
+    _model_config(model_d)
     check_training_options(**{k: model_d[k] for k in _TRAINING if k in model_d})
     check_settings(**{k: data_d.get(k) for k in _DATA_SETTINGS})
     max_steps = trainer.get("max_steps")
     warmup, _ = shorten_schedule(int(model_d.get("warmup_steps", 0)), max_steps, given("--model.warmup_steps"))
     check_schedule(warmup, max_steps)
-    check_training_fits(config, data_d["batch_size"], training_device(trainer.get("accelerator")))
+    check_training_fits(model, data_d["batch_size"], training_device(trainer.get("accelerator")))  # vocab: unknown yet
     threads = cfg.get("torch_threads")
     if threads is not None and threads < 1:
         raise CLIConfigError(f"--torch_threads must be >= 1, got {threads}")

@@ -90,3 +90,23 @@ def test_a_text_file_as_checkpoint_is_one_error(tmp_path):
     text.write_text("root:x:0:0:root:/root:/bin/bash\n" * 20)
     with pytest.raises(CheckpointError, match="not a valid PyTorch checkpoint"):
         check_parsed_config(_cfg(ckpt_path=str(text)), _never)
+
+
+def test_seed_everything_true_draws_a_random_seed_silently(monkeypatch, capfd):
+    from types import SimpleNamespace
+
+    from training.lightning_cli import KVSpliceCLI
+
+    seeds = []
+    for _ in range(2):
+        monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+        cli = SimpleNamespace(config=Namespace(seed_everything=True), _get=lambda cfg, key: cfg.get(key))
+        KVSpliceCLI._set_seed(cli)
+        seeds.append(cli.config["seed_everything"])
+    assert all(isinstance(s, int) for s in seeds) and seeds[0] != seeds[1]  # Lightning's own choice was 0 each time
+    err = capfd.readouterr().err
+    assert f"note: seed_everything: {seeds[1]}" in err and "Seed set" not in err
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    cli = SimpleNamespace(config=Namespace(seed_everything=7), _get=lambda cfg, key: cfg.get(key))
+    KVSpliceCLI._set_seed(cli)
+    assert cli.config["seed_everything"] == 7 and "Seed set" not in capfd.readouterr().err

@@ -80,7 +80,8 @@ def load_checkpoint(path: PathLike, map_location: Any = "cpu") -> dict:
             f"refusing to load {str(path)!r}: it contains pickled code or objects that are not plain tensors/"
             f"containers ({what}; checkpoints are loaded with torch.load(weights_only=True) only)"
         ) from None
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError, AttributeError) as e:
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError, AttributeError, IndexError,
+            TypeError) as e:  # IndexError: a text file read as a pickle
         raise CheckpointError(
             f"cannot read checkpoint {str(path)!r}: not a valid PyTorch checkpoint ({type(e).__name__}: "
             f"{_first_line(e)[:300]})"

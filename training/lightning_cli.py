@@ -29,9 +29,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from data import TinyStoriesDataModule
-from kvsplice.core.limits import check_threads, check_training_fits
 from models.compat import OLD_NAMES, old_name_note
 from models.config import GPTConfig
+from training.config_checks import _SEED_MAX, check_parsed_config, shorten_schedule
 from training.lit import LitGPT, check_schedule
 from training.checkpoint import CheckpointError, safe_checkpoint_io
 from training.loggers import RunCSVLogger
@@ -66,50 +66,6 @@ def _new_wandb_id() -> str:
 
     alphabet = string.ascii_lowercase + string.digits
     return "".join(secrets.choice(alphabet) for _ in range(8))
-
-
-def shorten_schedule(warmup_steps: int, max_steps: int, warmup_explicit: bool) -> tuple[int, Optional[str]]:
-    """``(warmup_steps, note)`` for a run of ``max_steps``: a configured warmup that does not fit a shortened run
-    (``warmup_steps >= max_steps``) becomes 10 % of ``max_steps`` with a note, unless the user set it explicitly
-    (then :func:`training.lit.check_schedule` reports the conflict)."""
-    if warmup_explicit or max_steps is None or max_steps < 1 or warmup_steps < max_steps:
-        return warmup_steps, None
-    new = max_steps // 10
-    return new, (f"model.warmup_steps {warmup_steps} does not fit trainer.max_steps {max_steps}: using "
-                 f"warmup_steps {new} (10% of max_steps); set --model.warmup_steps to choose")
-
-
-_SEED_MAX = 2**32 - 1
-
-
-def check_values(cfg: Any) -> None:
-    """Option values the types alone do not exclude and Lightning would only trip over later (a ZeroDivisionError,
-    gradients flipped by a negative clip value, numpy's seed bounds). Raises :class:`CLIConfigError`."""
-    seed = cfg.get("seed_everything")
-    if not isinstance(seed, bool) and seed is not None and not 0 <= int(seed) <= _SEED_MAX:
-        raise CLIConfigError(f"--seed_everything must be true, false or an integer in [0, {_SEED_MAX}], got {seed}")
-    t = cfg.get("trainer")
-    if t is None:
-        return
-
-    def bad(option: str, value: Any, allowed: str) -> CLIConfigError:
-        return CLIConfigError(f"--trainer.{option} must be {allowed}, got {value!r}")
-
-    v = t.get("val_check_interval")
-    if v is not None and not isinstance(v, bool) and isinstance(v, (int, float)) and not v > 0:
-        raise bad("val_check_interval", v, "an integer number of batches >= 1 or a fraction of an epoch in (0, 1]")
-    v = t.get("accumulate_grad_batches")
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-        raise bad("accumulate_grad_batches", v, "an integer >= 1")
-    v = t.get("check_val_every_n_epoch")
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-        raise bad("check_val_every_n_epoch", v, "null or an integer >= 1")
-    v = t.get("gradient_clip_val")
-    if v is not None and not v >= 0:
-        raise bad("gradient_clip_val", v, "null or a number >= 0 (0 disables clipping)")
-    v = t.get("log_every_n_steps")
-    if v is not None and v < 0:
-        raise bad("log_every_n_steps", v, "an integer >= 0")
 
 
 def note_old_model_keys(cfg: Any, on_command_line: Callable[[str], bool]) -> None:
@@ -160,13 +116,6 @@ def interrupts_end_the_fit():
 
 
 
-def _training_device(accelerator: Any) -> Optional[str]:
-    """``"cuda"`` when the run trains on a GPU (the memory its sizes must fit), else ``None`` (this machine's RAM)."""
-    import torch
-
-    return "cuda" if str(accelerator or "auto") in ("auto", "gpu", "cuda") and torch.cuda.is_available() else None
-
-
 class KVSpliceCLI(LightningCLI):
     """LightningCLI for :class:`training.lit.LitGPT` + :class:`data.TinyStoriesDataModule`, always fitting.
 
@@ -187,6 +136,7 @@ class KVSpliceCLI(LightningCLI):
         self._default_run_name = default_run_name or "run"
         self._args = list(args)
         self.plan: Optional[RunPlan] = None
+        self._notes: list[str] = []
         self.wandb_id: Optional[str] = None
         try:
             super().__init__(
@@ -238,8 +188,25 @@ class KVSpliceCLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self.config = parser.parse_args(args)  # no "args and sys.argv both given" warning: argv is rewritten
-        check_values(self.config)  # before LightningCLI seeds with it (runs before before_instantiate_classes)
+        check_parsed_config(self.config, self._given)  # refusals first: before Lightning seeds, prints or builds
         note_old_model_keys(self.config, self._given)
+
+    def _set_seed(self) -> None:
+        """Lightning's seeding without its ``Seed set to N`` line (a refusal after it would not be the first line).
+        ``--seed_everything true`` draws a random seed (Lightning's own default there is 0) and says which in a note
+        (config.yaml records it); DDP ranks inherit it through ``PL_GLOBAL_SEED``."""
+        from lightning.fabric.utilities.seed import seed_everything
+
+        seed = self._get(self.config, "seed_everything")
+        if seed is False:
+            return
+        drawn = seed is True
+        if drawn:
+            import secrets
+
+            seed = int(os.environ.get("PL_GLOBAL_SEED") or secrets.randbelow(_SEED_MAX + 1))
+            note(f"seed_everything: {seed}")
+        self.config["seed_everything"] = seed_everything(seed, workers=True, verbose=False)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--run_name", type=Optional[str], default=self._default_run_name,
@@ -269,16 +236,10 @@ class KVSpliceCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """Validate the CLI options and place the run before anything is built or written."""
         cfg = self.config
-        check_training_fits(self._get(cfg, "model"), self._get(cfg, "data").batch_size,  # before any allocation
-                            _training_device(self._get(cfg, "trainer").accelerator))
         run_name = self._get(cfg, "run_name") or self._default_run_name
         self.plan = place_run(self._get(cfg, "runs_dir"), run_name, self._get(cfg, "ckpt_path"),
                               bool(self._get(cfg, "overwrite")))
-        threads = self._get(cfg, "torch_threads")
-        if threads is not None and threads < 1:
-            raise CLIConfigError(f"--torch_threads must be >= 1, got {threads}")
-        check_threads("--torch_threads", threads)  # within the CPUs: 100000 threads crash torch
-
+        threads = self._get(cfg, "torch_threads")  # checked by check_parsed_config
         model, trainer = self._get(cfg, "model"), self._get(cfg, "trainer")
         max_steps = trainer.max_steps
         warmup, msg = shorten_schedule(int(model.warmup_steps), max_steps,
@@ -300,8 +261,7 @@ class KVSpliceCLI(LightningCLI):
             picked, msg = pick_threads(self._cpu_start, torch.get_num_threads())
             threads = picked if msg else None  # None: torch's own count stands
             notes += [msg] if msg else []
-        for line in notes:
-            note(line)
+        self._notes = notes  # printed once the trainer is built: its refusals come first
         if threads is not None:
             torch.set_num_threads(threads)
 
@@ -346,6 +306,8 @@ class KVSpliceCLI(LightningCLI):
         except (MisconfigurationException, ValueError, TypeError) as e:  # Lightning's checks of --trainer.* values
             raise CLIConfigError(f"trainer: {e}") from None
         trainer.strategy.checkpoint_io = safe_checkpoint_io()  # loads with weights_only=True, saves atomically
+        for line in self._notes:
+            note(line)
         return trainer
 
     # ------------------------------------------------------------------------------------------ fit

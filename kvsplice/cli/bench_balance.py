@@ -47,6 +47,8 @@ from __future__ import annotations
 from kvsplice.io.interrupt import quiet_interrupts_while_importing
 
 PROG = "kvsplice bench-balance"
+MAX_SEEDS = 1000
+"""The most ``--seeds`` (selections per window and KV head): the run's time grows with it."""
 quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
 
 import argparse
@@ -55,7 +57,7 @@ from typing import Optional
 
 import torch
 
-from kvsplice.core.limits import check_threads
+from kvsplice.core.limits import MAX_TOKENS, check_count, check_number, check_threads
 from kvsplice.io.cli import Parser, pos_int, run_cli
 from kvsplice.loading import LoadError, iter_texts, load_model
 from kvsplice.io.files import output_file
@@ -94,6 +96,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_counts(args) -> None:
+    """Every count and number within its range before the text or the model is read (the model's own limits,
+    its layers and positions, are checked once it is loaded)."""
+    check_count("--seeds", args.seeds, 1, MAX_SEEDS, "the run's time grows with it")
+    check_count("--windows", args.windows, 1, MAX_TOKENS)
+    check_count("--n-queries", args.n_queries, 1, MAX_TOKENS)
+    if args.context is not None:
+        check_count("--context", args.context, 2, MAX_TOKENS)
+    check_count("--n-sink", args.n_sink, 0, MAX_TOKENS)
+    check_count("--n-recent", args.n_recent, 0, MAX_TOKENS)
+    for t in args.T:
+        check_count("--T", t, 0, 30, "a compression of 2^30")
+    for layer in args.layers or []:
+        check_count("--layers", layer, 0, MAX_TOKENS)
+    check_number("--c-scale", args.c_scale)
+    check_number("--kernel-temp", args.kernel_temp, lo_open=False)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     return run_cli(PROG, lambda: _main(argv), (BenchError, LoadError))
 
@@ -106,8 +126,7 @@ def _main(argv: Optional[list[str]]) -> int:
         args.json = output_file(args.json, force=args.force, option="--json", inputs=inputs)
         output_file(args.json.with_suffix(".png"), force=args.force, option="--json's plot", inputs=inputs,
                     outputs={"--json": args.json})
-    if args.seeds < 1 or args.windows < 1:
-        raise BenchError("--seeds and --windows must be >= 1")
+    _check_counts(args)
     if args.block_size < 2 or args.block_size % 2:
         raise BenchError(f"--block-size must be an even number >= 2, got {args.block_size}")
     iter_texts(args.data)  # a missing / unreadable --data fails here, before the model loads

@@ -47,6 +47,8 @@ from __future__ import annotations
 from kvsplice.io.interrupt import quiet_interrupts_while_importing
 
 PROG = "kvsplice eval-bases"
+EVAL_TOKENS = 16384
+"""``--tokens`` when not given."""
 quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
 
 import argparse
@@ -55,7 +57,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kvsplice.core.limits import check_count, check_fits, check_threads
+from kvsplice.core.limits import MAX_TEXT_TOKENS, check_count, check_fits, check_threads
 from kvsplice.io.cli import Parser, add_device_dtype, default_seq_len, device_dtype, pos_int, run_cli
 from kvsplice.io.files import output_file
 from kvsplice.io.inputs import SpecArgs
@@ -87,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bases", nargs="+", help="bases .safetensors file(s) from kvsplice fit-bases")
     p.add_argument("--data", required=True, help="held-out text: .txt/.json/.jsonl file or folder, or a Hugging "
                    "Face dataset ID[:SPLIT] (default split: validation)")
-    p.add_argument("--tokens", type=pos_int, default=16384, help="evaluation tokens (default 16384)")
+    p.add_argument("--tokens", type=pos_int, help=f"evaluation tokens (default {EVAL_TOKENS}, or the whole text if "
+                   f"shorter; at most {MAX_TEXT_TOKENS} and what --data can give)")
     p.add_argument("--seq-len", type=pos_int, help="window length (default: the model's context, <= 1024)")
     p.add_argument("--batch-size", type=pos_int, default=8, help="windows decoded together (default 8)")
     p.add_argument("--chunk-size", type=pos_int, default=64, help="tokens appended to the cache per decoder call "
@@ -124,7 +127,7 @@ def make_context(args: argparse.Namespace, loaded=None) -> EvalContext:
     check_fits(f"--batch-size {args.batch_size} with --seq-len {seq_len}", 4 * args.batch_size * seq_len *
                loaded.tokenizer.vocab_size, "a forward's logits", next(loaded.model.parameters()).device)
     progress = not getattr(args, "no_progress", False)
-    windows, info = load_windows(loaded, args.data, args.tokens, seq_len, progress)
+    windows, info = load_windows(loaded, args.data, args.tokens or EVAL_TOKENS, seq_len, progress)
     return EvalContext(loaded, windows, batch_size=args.batch_size, chunk_size=args.chunk_size,
                        err_windows=getattr(args, "err_windows", 2), progress=progress, data_info=info)
 
@@ -192,6 +195,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         torch.set_num_threads(args.threads)
     if args.prompt_len is not None:  # refused even where no method reads it (bases alone): never ignored silently
         check_count("--prompt-len", args.prompt_len, 0)
+    from kvsplice.loading import text_tokens
+
+    args.tokens = text_tokens("--tokens", args.tokens, EVAL_TOKENS, args.data, text_option="data")  # before loading
     if args.json:
         args.json = output_file(args.json, force=args.force, option="--json",
                                 inputs={"--model": args.model, "--tokenizer": args.tokenizer,

@@ -37,6 +37,8 @@ from __future__ import annotations
 from kvsplice.io.interrupt import quiet_interrupts_while_importing
 
 PROG = "kvsplice fit-bases"
+CALIB_TOKENS = 65536
+"""``--calib-tokens`` when not given."""
 quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
 
 import argparse
@@ -47,7 +49,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from kvsplice.core.limits import check_fits, check_threads
+from kvsplice.core.limits import MAX_TEXT_TOKENS, check_fits, check_threads
 from kvsplice.io.cli import Parser, add_device_dtype, default_seq_len, device_dtype, first_line, pos_int, run_cli
 from kvsplice.io.files import cache_file, output_file
 from kvsplice.io.write import write_json
@@ -108,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "pass; ignored for models without RoPE")
     p.add_argument("--calib", required=True, help="calibration text: .txt (<|endoftext|> or blank-line "
                    "separated stories), .json, .jsonl, a folder of them, or a Hugging Face dataset ID[:SPLIT]")
-    p.add_argument("--calib-tokens", type=pos_int, default=65536, help="calibration tokens (default 65536)")
+    p.add_argument("--calib-tokens", type=pos_int, help=f"calibration tokens (default {CALIB_TOKENS}, or the whole "
+                   f"text if shorter; at most {MAX_TEXT_TOKENS} and what --calib can give)")
     p.add_argument("--seq-len", type=pos_int, help="window length (default: the model's context, <= 1024)")
     p.add_argument("--batch-size", type=pos_int, default=8, help="windows per forward (default 8)")
     p.add_argument("--calib-stats", help="calibration statistics file: reused when it exists (same model), "
@@ -197,6 +200,8 @@ def calibration(args: argparse.Namespace, loaded, *, calib_cache: Optional[dict]
     from kvsplice.adapters import model_info
     from kvsplice.lowrank.sensitivity import stats_for
 
+    if args.calib_tokens is None:  # a Namespace parsed without _main's check
+        args.calib_tokens = CALIB_TOKENS
     progress = not getattr(args, "no_progress", False)
     info = model_info(loaded.model)
     seq_len = args.seq_len or default_seq_len(loaded.max_positions)
@@ -410,6 +415,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         args.json, force=args.force, option="--json", inputs=inputs, outputs=written)
     cache_file(args.calib_stats, option="--calib-stats", inputs=inputs,
                outputs={**written, **({"--json": json_path} if json_path else {})})
+    from kvsplice.loading import text_tokens
+
+    args.calib_tokens = text_tokens("--calib-tokens", args.calib_tokens, CALIB_TOKENS, args.calib,
+                                    text_option="calib")  # before the model loads
     t0 = time.perf_counter()
     loaded = _load(args)
     check_ranks(loaded, [spec for _, _, spec in todo])

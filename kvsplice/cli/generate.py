@@ -39,6 +39,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from kvsplice.core.limits import check_count
 from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
 from kvsplice.io.files import output_file
 from kvsplice.io.inputs import SpecArgs
@@ -84,6 +85,11 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError("--budget is only used with --select METHOD")
     if args.top_k is not None and args.temperature == 0:
         raise UsageError("--top-k samples: give --temperature > 0 too (temperature 0 is greedy)")
+    check_count("--max-new-tokens", args.max_new_tokens)  # before the model loads (its context checks it again)
+    if args.budget is not None:
+        check_count("--budget", args.budget)
+    if args.top_k is not None:
+        check_count("--top-k", args.top_k)
     if not args.prompt.strip():
         raise UsageError("--prompt is empty")
     try:

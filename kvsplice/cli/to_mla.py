@@ -36,6 +36,8 @@ from __future__ import annotations
 from kvsplice.io.interrupt import quiet_interrupts_while_importing
 
 PROG = "kvsplice to-mla"
+CALIB_TOKENS = 65536
+"""``--calib-tokens`` when not given."""
 quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
 
 import argparse
@@ -46,6 +48,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from kvsplice.core.limits import MAX_TEXT_TOKENS
 from kvsplice.io.cli import (Parser, UsageError, add_device_dtype, add_model_option, add_output_options, add_threads,
                              apply_threads, default_seq_len, device_dtype, pos_int, run_cli)
 from kvsplice.io.files import out_and_json
@@ -145,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compress init: top principal directions of the calibration latents, or random orthogonal")
     p.add_argument("--calib", default=None, help="calibration text (.txt/.json/.jsonl or folder): activation-aware "
                    "conversion and the KVSplice PCA init")
-    p.add_argument("--calib-tokens", type=pos_int, default=65536, help="calibration tokens (default 65536)")
+    p.add_argument("--calib-tokens", type=pos_int, default=None, help=f"calibration tokens (default {CALIB_TOKENS}, "
+                   f"or the whole text if shorter; at most {MAX_TEXT_TOKENS} and what --calib can give)")
     p.add_argument("--seq-len", type=pos_int, default=None, help="calibration window (default: the model's context, at "
                    "most 1024; Llama family: at most 2048)")
     p.add_argument("--batch-size", type=pos_int, default=8)
@@ -207,10 +211,11 @@ def convert_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], di
         seq_len = args.seq_len or default_seq_len(cfg.block_size)
         if seq_len > cfg.block_size:
             raise UsageError(f"--seq-len {seq_len} exceeds the model's block_size {cfg.block_size}")
-        ids, _ = token_stream(iter_texts(args.calib, option="calib"), tokenizer, args.calib_tokens)
+        n_max = args.calib_tokens or CALIB_TOKENS  # None: a Namespace parsed without _main's check
+        ids, _ = token_stream(iter_texts(args.calib, option="calib"), tokenizer, n_max)
         if ids.numel() < seq_len:
             raise UsageError(f"--calib {args.calib}: only {ids.numel()} tokens, fewer than --seq-len {seq_len}")
-        batches = calibration_batches(ids, seq_len, args.batch_size, max_tokens=args.calib_tokens)
+        batches = calibration_batches(ids, seq_len, args.batch_size, max_tokens=n_max)
         n_tokens = sum(b.numel() for b in batches)
     report: dict[str, Any] = {"source": str(args.model), "source_variant": cfg.variant,
                               "source_cache_dim": cfg.cache_dim, "calibration_tokens": n_tokens,
@@ -251,6 +256,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     args = build_parser().parse_args(argv)
     keep_note(args)
     apply_threads(args)
+    from kvsplice.loading import text_tokens
+
+    args.calib_tokens = text_tokens("--calib-tokens", args.calib_tokens, CALIB_TOKENS, args.calib,
+                                    text_option="calib")  # before the model loads
     from kvsplice.convert.llama_run import is_llama_source, run_llama
 
     if is_llama_source(args.model):  # Llama family -> decoupled-RoPE MLA (kvsplice.convert.llama_mla)

@@ -13,8 +13,13 @@ from typing import Any, Optional
 
 from kvsplice.core.args import MAX_TOKENS
 
-__all__ = ["MAX_TOKENS", "available_bytes", "check_count", "check_fits", "check_number", "check_threads",
-           "check_training_fits", "cpu_count", "fmt_bytes", "gpt_run_bytes"]
+__all__ = ["MAX_TEXT_TOKENS", "MAX_TOKENS", "available_bytes", "check_count", "check_fits", "check_number",
+           "check_text_tokens", "check_threads", "check_training_fits", "cpu_count", "fmt_bytes", "gpt_run_bytes",
+           "text_token_bound"]
+
+MAX_TEXT_TOKENS = 1 << 24
+"""The most tokens of calibration / evaluation text one run tokenises and holds (16,777,216: far more than a fit
+or an evaluation needs; the token ids alone are ~0.6 GB while being collected)."""
 
 
 def fmt_bytes(n: float) -> str:
@@ -85,6 +90,25 @@ def check_number(option: str, value: Any, lo: float = 0.0, hi: float = math.inf,
         upper = f" and <= {hi:g}" if hi < math.inf else ""
         raise ValueError(f"{option} must be {'>' if lo_open else '>='} {lo:g}{upper}, got {value!r}")
     return v
+
+
+def text_token_bound(nbytes: int) -> int:
+    """The most tokens ``nbytes`` of text can give under any tokenizer: at most one token per byte (byte-level and
+    byte-fallback tokenizers) plus BOS, EOS and a word-start marker per story, and a story takes at least one
+    byte and a separator."""
+    return 3 * int(nbytes) + 3
+
+
+def check_text_tokens(option: str, value: Any, *, text_option: str, text_bytes: Optional[int],
+                      given: bool = True) -> int:
+    """A count of text tokens (``--calib-tokens``, ``--tokens``) within :data:`MAX_TEXT_TOKENS` and, when the user
+    gave it (``given``), within what ``text_option``'s ``text_bytes`` can give (``None``: unknown, e.g. a Hub
+    dataset). A default larger than the text is fine: the run uses the whole text and says so."""
+    n = check_count(option, value, 1, MAX_TEXT_TOKENS, "the most text tokens a run holds")
+    if given and text_bytes is not None and n > text_token_bound(text_bytes):
+        raise ValueError(f"{option} {n}: {text_option} holds {fmt_bytes(text_bytes)} of text, at most "
+                         f"{text_token_bound(text_bytes):,} tokens under any tokenizer")
+    return n
 
 
 def check_threads(option: str, value: Any) -> Optional[int]:

@@ -19,7 +19,52 @@ from kvsplice.io.cli import first_line
 from kvsplice.loading.errors import LoadError
 from kvsplice.loading.tokenizers import Tokenizer
 
-__all__ = ["iter_texts", "token_stream"]
+__all__ = ["iter_texts", "text_bytes", "text_tokens", "token_stream"]
+
+
+def _is_local(spec: str) -> bool:
+    """Whether ``spec`` names a local file / folder (else a Hugging Face dataset id)."""
+    p = Path(spec).expanduser()
+    return p.exists() or spec.startswith((".", "/", "~")) or p.suffix.lower() in (".txt", ".json", ".jsonl")
+
+
+def _story_files(spec: str, option: str) -> list[Path]:
+    from data.errors import DataUnavailableError
+    from data.sources import list_story_files
+
+    p = Path(spec).expanduser()
+    if not p.exists():
+        raise LoadError(f"--{option} {spec}: file not found")
+    try:
+        return list_story_files(p, option=option)  # checks each file: binary / empty text is refused here
+    except DataUnavailableError as e:
+        raise LoadError(first_line(e)) from None
+    except OSError as e:  # a FIFO or another non-folder, non-file path
+        raise LoadError(f"--{option} {spec}: cannot read it ({e.strerror or type(e).__name__})") from None
+
+
+def text_bytes(spec: str | os.PathLike, *, option: str = "data") -> Optional[int]:
+    """The bytes of the local text ``spec`` names (its files checked as :func:`iter_texts` reads them), or ``None``
+    for a Hugging Face dataset id (size unknown until it is read)."""
+    spec = str(spec)
+    if not _is_local(spec):
+        return None
+    return sum(f.stat().st_size for f in _story_files(spec, option))
+
+
+def text_tokens(option: str, value: Optional[int], default: int, spec: Optional[str | os.PathLike], *,
+                text_option: str) -> int:
+    """``value`` (``None``: not given, ``default``) checked as a token count of the text ``spec`` before any model
+    is loaded (:func:`kvsplice.core.limits.check_text_tokens`); ``text_option`` names the text's option without
+    dashes (``calib``). Without a text, a given count does nothing: refused."""
+    from kvsplice.core.limits import check_text_tokens
+
+    if spec is None:
+        if value is not None:
+            raise LoadError(f"{option} {value} does nothing without --{text_option} TEXT")
+        return default
+    return check_text_tokens(option, default if value is None else value, text_option=f"--{text_option} {spec}",
+                             text_bytes=text_bytes(spec, option=text_option), given=value is not None)
 
 
 def iter_texts(spec: str | os.PathLike, *, option: str = "data", split: str = "train") -> Iterator[str]:
@@ -27,17 +72,11 @@ def iter_texts(spec: str | os.PathLike, *, option: str = "data", split: str = "t
 
     The source is checked before the first story is yielded (errors are raised by the first ``next()``)."""
     spec = str(spec)
-    p = Path(spec).expanduser()
-    if p.exists() or spec.startswith((".", "/", "~")) or p.suffix.lower() in (".txt", ".json", ".jsonl"):
+    if _is_local(spec):
         from data.errors import DataUnavailableError
-        from data.sources import iter_stories_from_file, list_story_files
+        from data.sources import iter_stories_from_file
 
-        if not p.exists():
-            raise LoadError(f"--{option} {spec}: file not found")
-        try:
-            files = list_story_files(p, option=option)  # checks each file: binary / empty text is refused here
-        except DataUnavailableError as e:
-            raise LoadError(first_line(e)) from None
+        files = _story_files(spec, option)
 
         def gen() -> Iterator[str]:
             try:

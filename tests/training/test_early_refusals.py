@@ -1,6 +1,7 @@
-"""Refusals come before start-up noise: a pickled checkpoint given to ``kvsplice train --ckpt_path`` or
-``kvsplice distill --ckpt-path`` is refused in the command's first and only line (it came after ~10 lines of
-Lightning start-up), and nothing is loaded or built before it. Run as processes: every line the command prints
+"""Refusals come before start-up noise: a pickled checkpoint given to ``kvsplice train --ckpt_path`` (or named by
+``ckpt_path:`` / ``model.init_from:`` in a ``--config`` file) or ``kvsplice distill --ckpt-path``, and a bad
+``--model.*`` / ``--data.*`` / ``--trainer.*`` value, is refused in the command's first and only line (they came
+after Lightning's ``Seed set`` line and the run's notes), and nothing is loaded or built before it. Run as processes: every line the command prints
 counts, whatever logging handlers Lightning bound earlier."""
 
 from __future__ import annotations
@@ -41,6 +42,32 @@ def test_train_refuses_a_pickle_before_lightning_starts(tmp_path, evil):
     r = _run(tmp_path, "training.fit", "--config", "tiny_gpt2", *TINY_FIT_ARGS, "--runs_dir", tmp_path / "runs",
              "--data.cache_dir", tmp_path / "cache", "--wandb.mode", "disabled", "--ckpt_path", evil)
     one_error(r.returncode, r.stderr + r.stdout, "kvsplice train", "refusing to load")
+    assert "pwned" not in r.stdout and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("bad, expect", [
+    (["--model.n_layer", "0"], "model.n_layer must be an integer >= 1"),
+    (["--trainer.devices", "0"], "trainer:"),
+])
+def test_train_refuses_a_bad_value_in_its_first_line(tmp_path, bad, expect):
+    r = _run(tmp_path, "training.fit", "--config", "tiny_gpt2", *TINY_FIT_ARGS, "--runs_dir", tmp_path / "runs",
+             "--data.cache_dir", tmp_path / "cache", "--wandb.mode", "disabled", "--trainer.max_steps", "2",
+             "--trainer.accelerator", "cpu", *bad)
+    err = r.stderr + r.stdout
+    assert err.lstrip().startswith("kvsplice train: error: "), err  # not after "Seed set" or a note
+    one_error(r.returncode, err, "kvsplice train", expect)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_train_refuses_a_pickle_named_in_a_config_file(tmp_path, evil):
+    key = "ckpt_path"
+    cfg = tmp_path / "resume.yaml"
+    cfg.write_text(f"ckpt_path: {evil}\n")
+    r = _run(tmp_path, "training.fit", "--config", "tiny_gpt2", "--config", cfg, *TINY_FIT_ARGS, "--runs_dir",
+             tmp_path / "runs", "--data.cache_dir", tmp_path / "cache", "--wandb.mode", "disabled")
+    err = r.stderr + r.stdout
+    assert err.lstrip().startswith(f"kvsplice train: error: {key} (in the --config file)"), err
+    one_error(r.returncode, err, "kvsplice train", "refusing to load")
     assert "pwned" not in r.stdout and not (tmp_path / "runs").exists()
 
 

@@ -239,3 +239,11 @@ def test_remote_code_folder_is_refused_without_prompting(tmp_path, data_cache, c
     assert time.perf_counter() - t0 < 10
     one_error(rc, err, "generate", "holds custom model code")
     assert "[y/N]" not in out + err
+
+
+@pytest.mark.parametrize("option", ["--max-new-tokens", "--top-k"])
+def test_huge_counts_are_refused_before_the_model_loads(tmp_path, capsys, option):
+    extra = ["--temperature", "1"] if option == "--top-k" else []
+    args = ["--model", tmp_path / "no_model", "--prompt", "Once", "--max-new-tokens", 2, *extra, option, 10**20]
+    rc, out, err = run(args, capsys)  # the missing model is never reached
+    one_error(rc, err, "generate", f"{option} must be <= ")

@@ -72,7 +72,28 @@ NO_MODEL = [
                                 "{d}/story.txt", "--json", "{d}/existing.json"], "already exists"),
     (eval_bases, "eval_bases", ["--model", "{d}/nope", "--bases", "{d}/bases.safetensors", "--data",
                                 "{d}/story.txt", "--prompt-len", "-5"], "--prompt-len must be >= 0, got -5"),
+    # token counts are bounded before the model loads (a missing --model is not reached)
+    (fit_bases, "fit_bases", ["--model", "{d}/nope", "--method", "kq", "--rank", "2", "--calib", "{d}/story.txt",
+                              "--calib-tokens", "1000000000", "--out", "{d}/o.safetensors"],
+     "--calib-tokens must be <= 16777216"),
+    (fit_bases, "fit_bases", ["--model", "{d}/nope", "--method", "kq", "--rank", "2", "--calib", "{d}/story.txt",
+                              "--calib-tokens", "65536", "--out", "{d}/o.safetensors"],
+     "--calib-tokens 65536: --calib {d}/story.txt holds 54 B of text, at most 165 tokens"),
+    (fit_bases, "fit_bases", ["--model", "{d}/nope", "--method", "kq", "--rank", "2", "--calib", "{d}",
+                              "--calib-tokens", "100000", "--out", "{d}/o.safetensors"], "holds only whitespace"),
+    (eval_bases, "eval_bases", ["--model", "{d}/nope", "--bases", "{d}/bases.safetensors", "--data",
+                                "{d}/story.txt", "--tokens", "99999999999"], "--tokens must be <= 16777216"),
+    (eval_bases, "eval_bases", ["--model", "{d}/nope", "--bases", "{d}/bases.safetensors", "--data",
+                                "{d}/story.txt", "--tokens", "1000"], "holds 54 B of text, at most 165 tokens"),
     (bench_balance, "bench_balance", ["--model", "{d}/nope", "--data", "{d}/story.txt", "--seeds", "0"], "seeds"),
+    (bench_balance, "bench_balance", ["--model", "{d}/nope", "--data", "{d}/story.txt", "--seeds", "99999999999"],
+     "--seeds must be <= 1000"),
+    (bench_balance, "bench_balance", ["--model", "{d}/nope", "--data", "{d}/story.txt", "--n-sink", "-1"],
+     "--n-sink must be >= 0"),
+    (bench_balance, "bench_balance", ["--model", "{d}/nope", "--data", "{d}/story.txt", "--T", "99"],
+     "--T must be <= 30"),
+    (bench_balance, "bench_balance", ["--model", "{d}/nope", "--data", "{d}/story.txt", "--c-scale", "nan"],
+     "--c-scale must be a finite number"),
     (bench_balance, "bench_balance", ["--model", "{d}/nope", "--data", "{d}/story.txt", "--block-size", "3"],
      "block-size"),
     (bench_balance, "bench_balance", ["--model", "{d}/nope", "--data", "{d}/garbage.txt"], "does not look like text"),
@@ -106,6 +127,10 @@ def fmt(args, d, m=None):
     return [a.format(d=d, m=m) for a in args]
 
 
+def _expect(expect, d):
+    return expect.format(d=d) if "{d}" in expect else expect
+
+
 @pytest.mark.parametrize("tool,prog,args,expect", NO_MODEL, ids=[f"{p}-{i}" for i, (_, p, *_r) in
                                                                     enumerate(NO_MODEL)])
 def test_bad_input_without_a_model(tool, prog, args, expect, files, capsys):
@@ -117,7 +142,7 @@ def test_bad_input_without_a_model(tool, prog, args, expect, files, capsys):
         out, err = capsys.readouterr()
         assert rc == 2 and "Traceback" not in err and expect in err, err
         return
-    check_one_line(capsys, rc, prog, expect)
+    check_one_line(capsys, rc, prog, _expect(expect, files))
     assert (files / "existing.json").read_text() == before  # nothing overwritten
 
 
@@ -125,7 +150,7 @@ def test_bad_input_without_a_model(tool, prog, args, expect, files, capsys):
                                                                       enumerate(WITH_MODEL)])
 def test_bad_input_with_a_model(tool, prog, args, expect, files, s260k, capsys):
     if tool is fit_bases:
-        base = ["--model", str(s260k), "--method", "kq", "--rank", "2", "--calib-tokens", "512", "--no-progress",
+        base = ["--model", str(s260k), "--method", "kq", "--rank", "2", "--no-progress",
                 "--out", str(files / "new.safetensors")]
     else:  # valid bases (checked before the model loads), so the error is the one under test
         bases = files / "valid.safetensors"
@@ -135,7 +160,7 @@ def test_bad_input_with_a_model(tool, prog, args, expect, files, s260k, capsys):
 
             random_bases(transformers.AutoModelForCausalLM.from_pretrained(s260k), 2, "post").save(bases)
             capsys.readouterr()  # the loading progress bar
-        base = ["--model", str(s260k), "--bases", str(bases), "--tokens", "512", "--no-progress"]
+        base = ["--model", str(s260k), "--bases", str(bases), "--no-progress"]
         if "--method" in args:
             base.remove("--bases")
             base.remove(str(bases))

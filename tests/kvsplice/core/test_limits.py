@@ -55,3 +55,14 @@ def test_check_training_fits_names_both_options():
         limits.check_training_fits(cfg, 10**9)
     with pytest.raises(ValueError, match=r"^--data.batch_size must be >= 1, got 0$"):
         limits.check_training_fits(cfg, 0)
+
+
+def test_check_text_tokens_bounds_by_the_maximum_and_by_the_text():
+    assert limits.check_text_tokens("--calib-tokens", 300, text_option="--calib t", text_bytes=100) == 300
+    with pytest.raises(ValueError, match=r"--calib-tokens 304: --calib t holds 100 B of text, at most 303 tokens"):
+        limits.check_text_tokens("--calib-tokens", 304, text_option="--calib t", text_bytes=100)
+    assert limits.check_text_tokens("--calib-tokens", 304, text_option="--calib t", text_bytes=100, given=False) == 304
+    assert limits.check_text_tokens("--tokens", 10**6, text_option="--data hub/id", text_bytes=None) == 10**6
+    with pytest.raises(ValueError, match=r"--tokens must be <= 16777216 \(the most text tokens a run holds\)"):
+        limits.check_text_tokens("--tokens", limits.MAX_TEXT_TOKENS + 1, text_option="--data x", text_bytes=None,
+                                 given=False)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from kvsplice.io.cli import DTYPE_NAMES, pos_int
-from kvsplice.io.options import add_options, from_args, opt
+from kvsplice.io.options import add_options, opt
 
-__all__ = ["RunOptions", "add_run_options", "run_option_values"]
+__all__ = ["RunOptions", "add_run_options"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,8 +32,3 @@ def add_run_options(p: argparse.ArgumentParser, *, force_help: str) -> None:
     """``--force`` (``force_help`` says what it overwrites), ``--threads``, ``--no-progress``, ``--device`` and
     ``--dtype``: the command-line side of :class:`RunOptions`."""
     add_options(p, RunOptions, help={"force": force_help})
-
-
-def run_option_values(args: argparse.Namespace) -> dict[str, Any]:
-    """The :class:`RunOptions` fields of a command line parsed with :func:`add_run_options`."""
-    return vars(from_args(RunOptions, args))

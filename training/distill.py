@@ -30,78 +30,34 @@ from kvsplice.io.interrupt import quiet_interrupts_while_importing
 PROG = "kvsplice distill"
 quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from kvsplice.io.cli import Parser, UsageError, add_model_option, add_threads, apply_threads, pos_int, run_cli
+from kvsplice.io.cli import Parser, UsageError, apply_threads, run_cli
+from training.distill_options import SELF_TOKENS_MINUTES, DistillOptions
 
-__all__ = ["build_parser", "main", "split", "tokens_needed"]
-
-SELF_TOKENS_MINUTES = 131_072  # the self-text corpus of a run bounded by minutes (steps cycle over it)
-
-
-def _minutes(text: str) -> float:
-    v = float(text)
-    if not v > 0:
-        raise ValueError(text)
-    return v
-
-
-_minutes.__name__ = "minutes"  # argparse: "invalid minutes value"
-
-
-def _steps(s: str) -> int:
-    """argparse type: a whole number of steps >= 0 (-1 warm-up steps ran without a word)."""
-    v = int(s)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
-    return v
-
+__all__ = ["build_parser", "main", "options", "split", "tokens_needed"]
 
 def build_parser() -> Parser:
-    from training.lit_distill import LOSSES, TRAINABLE
+    """The command line of :class:`~training.distill_options.DistillOptions` (its fields declare it)."""
+    from kvsplice.io.options import add_options
+    from training.distill_options import DistillOptions
 
     p = Parser(prog=PROG, description="Fine-tune a converted MLA model (KL distillation from its source, or the LM "
                "loss) with Lightning, by default on the source's own text.")
-    add_model_option(p, help="a converted MLA model folder (kvsplice to-mla), or an unconverted "
-                     "transformers model / GGUF file (the same-text baseline)")
-    p.add_argument("--teacher", default=None, help="the source model (folder / GGUF) for --loss kl")
-    p.add_argument("--data", "--data.path", dest="data", default=None, help="training text (.txt/.json/.jsonl); "
-                   "default: the teacher's own text (generated once, cached)")
-    p.add_argument("--self-tokens", type=pos_int, default=None, help="tokens of the teacher's own text (default: "
-                   f"enough for --max-steps, {SELF_TOKENS_MINUTES:,} with --minutes)")
-    p.add_argument("--cache-dir", default=None, help="where the teacher's text is cached (default: "
-                   "$XDG_CACHE_HOME/kvsplice/self_text or ~/.cache/kvsplice/self_text)")
-    p.add_argument("--loss", choices=LOSSES, default="kl", help="kl: distil from --teacher (default); lm: LM loss")
-    p.add_argument("--minutes", type=_minutes, default=None, help="time budget: stop after M minutes of training")
-    p.add_argument("--snapshot-minutes", type=_minutes, nargs="+", default=(), metavar="M",
-                   help="write RUN/model-<M>min/ at these minutes of training")
-    p.add_argument("--max-steps", type=pos_int, default=None, help="default: 60 without --minutes, else unbounded")
-    p.add_argument("--batch-size", type=pos_int, default=2, help="windows of the first --seq-len per step")
-    p.add_argument("--seq-len", type=pos_int, nargs="+", default=None, metavar="T",
-                   help="window lengths, alternating by step (default: 1024 2048 within the model's positions)")
-    p.add_argument("--trainable", choices=TRAINABLE, default="all", help="all parameters, or the attention only")
-    p.add_argument("--tokens", type=pos_int, default=None, help="training tokens read from --data (default: "
-                   "enough for max-steps batches)")
-    p.add_argument("--val-tokens", type=pos_int, default=4096, help="held-out tokens")
-    p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--warmup-steps", type=_steps, default=None, help="default: 10%% of --max-steps (10 with --minutes)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--val-every", type=pos_int, default=20, help="validate every N steps")
-    p.add_argument("--devices", type=pos_int, default=1, help="processes (GPUs) with Lightning's DDP")
-    p.add_argument("--precision", default=None, help="Lightning precision (default: bf16-mixed on CUDA, else 32)")
-    p.add_argument("--runs-dir", default="checkpoints")
-    p.add_argument("--run-name", default=None, help="default: distill-<model folder name>")
-    p.add_argument("--ckpt-path", default=None, help="last | best | a checkpoint file: resume")
-    p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    add_threads(p)
-    p.add_argument("--no-progress", action="store_true")
+    add_options(p, DistillOptions)
     return p
+
+
+def options(argv: Optional[Sequence[str]] = None):
+    """The checked options of a command line (:class:`~training.distill_options.DistillOptions`)."""
+    from kvsplice.io.options import from_args
+    from training.distill_options import DistillOptions
+
+    return from_args(DistillOptions, build_parser().parse_args(argv))
 
 
 def _windows(ids: torch.Tensor, t: int) -> torch.Tensor:
@@ -132,53 +88,55 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
-    args = build_parser().parse_args(argv)
+    opts = options(argv)
     import warnings
 
     for pattern in (r"Checkpoint directory .* exists and is not empty",  # the run dir holds metrics.csv too
                     r".*isinstance\(treespec, LeafSpec\)", r".*litlogger",
                     r"You.re resuming from a checkpoint that ended before the epoch"):  # the step drives the data
         warnings.filterwarnings("ignore", message=pattern)
-    apply_threads(args)  # within the CPUs (100000 was handed to torch: a traceback)
+    apply_threads(opts)  # within the CPUs (100000 was handed to torch: a traceback)
     from training.checkpoint import check_resume_file
 
-    check_resume_file(args.ckpt_path, "--ckpt-path")  # a refused checkpoint is the first line, before any loading
+    check_resume_file(opts.ckpt_path, "--ckpt-path")  # a refused checkpoint is the first line, before any loading
     from kvsplice.loading import load_model
     from models.mla_llama import MLALlama
     from training.distill_data import window_lengths
 
-    student = load_model(args.model)
+    student = load_model(opts.model)
     if not isinstance(student.model, MLALlama) and not hasattr(student.model, "save_pretrained"):
-        raise UsageError(f"--model {args.model}: not a converted MLA folder (make one with kvsplice to-mla) "
+        raise UsageError(f"--model {opts.model}: not a converted MLA folder (make one with kvsplice to-mla) "
                          f"nor a transformers causal LM")
-    if args.loss == "kl" and not args.teacher:
+    if opts.loss == "kl" and not opts.teacher:
         raise UsageError("--loss kl needs --teacher SOURCE (the model it was converted from), or use --loss lm")
-    teacher_loaded = load_model(args.teacher) if args.teacher else None
-    teacher = teacher_loaded.model if args.loss == "kl" else None
+    if opts.data and opts.tokens:  # counted in the student's tokens, before the teacher loads
+        _check_data_holds(opts, student.tokenizer)
+    teacher_loaded = load_model(opts.teacher) if opts.teacher else None
+    teacher = teacher_loaded.model if opts.loss == "kl" else None
     vocab = student.model.get_input_embeddings().weight.shape[0]
     if teacher is not None and teacher.get_input_embeddings().weight.shape[0] != vocab:
-        raise UsageError(f"--teacher {args.teacher}: its vocabulary differs from the student's")
+        raise UsageError(f"--teacher {opts.teacher}: its vocabulary differs from the student's")
     positions = _positions(student, teacher_loaded)
-    lengths = window_lengths(args.seq_len, positions)
+    lengths = window_lengths(opts.seq_len, positions)
     if positions and max(lengths) > positions:
         raise UsageError(f"--seq-len {max(lengths)} exceeds the model's {positions} positions")
-    step_tokens = args.batch_size * lengths[0]
+    step_tokens = opts.batch_size * lengths[0]
     from kvsplice.core.limits import check_fits
 
     try:  # a step's logits (student, teacher, their gradient) before any of them is allocated
-        check_fits("--batch-size", 12.0 * step_tokens * vocab, f"a step of {args.batch_size} x {lengths[0]} tokens "
+        check_fits("--batch-size", 12.0 * step_tokens * vocab, f"a step of {opts.batch_size} x {lengths[0]} tokens "
                    f"over a {vocab:,}-token vocabulary")
     except ValueError as e:
         raise UsageError(str(e)) from None
-    max_steps = args.max_steps or (None if args.minutes else 60)
-    if args.data:
-        train, val = _text_data(args, student, max_steps, step_tokens, lengths)
+    max_steps = opts.max_steps or (None if opts.minutes else 60)
+    if opts.data:
+        train, val = _text_data(opts, student, max_steps, step_tokens, lengths)
     else:
-        train, val = _self_data(args, teacher_loaded or student, max_steps, step_tokens, lengths)
+        train, val = _self_data(opts, teacher_loaded or student, max_steps, step_tokens, lengths)
     if len(val) == 0 or train.numel() < max(lengths) + 2:
-        raise UsageError(f"--data {args.data or '(self text)'}: {train.numel() + val.numel()} tokens, too few for "
-                         f"--val-tokens {args.val_tokens} and a window of {max(lengths)}")
-    return _fit(args, student, teacher, train, val, lengths, step_tokens, max_steps)
+        raise UsageError(f"--data {opts.data or '(self text)'}: {train.numel() + val.numel()} tokens, too few for "
+                         f"--val-tokens {opts.val_tokens} and a window of {max(lengths)}")
+    return _fit(opts, student, teacher, train, val, lengths, step_tokens, max_steps)
 
 
 def _positions(*loaded) -> Optional[int]:
@@ -188,29 +146,45 @@ def _positions(*loaded) -> Optional[int]:
     return min((p for p in got if p), default=None)
 
 
-def _text_data(args, student, max_steps, step_tokens: int, lengths) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_data_holds(opts: DistillOptions, tokenizer) -> None:
+    """``--tokens`` within what ``--data`` holds (with ``--val-tokens`` held out): a one-line :class:`UsageError`
+    naming the file's tokens, rather than training on fewer than asked."""
+    from kvsplice.loading import iter_texts, token_stream
+
+    want = tokens_needed(opts.tokens, opts.val_tokens)
+    ids, _ = token_stream(iter_texts(opts.data, option="data"), tokenizer, want)
+    if ids.numel() < want:
+        n = ids.numel()
+        raise UsageError(f"--tokens {opts.tokens:,}: --data {opts.data} holds {n:,} tokens, fewer than --tokens + "
+                         f"--val-tokens {opts.val_tokens:,} + 2 = {want:,} (give --tokens of at most "
+                         f"{max(0, n - opts.val_tokens - 2):,}, or more text)")
+
+
+def _text_data(opts: DistillOptions, student, max_steps, step_tokens: int,
+               lengths) -> tuple[torch.Tensor, torch.Tensor]:
     """``--data``: the train stream and the held-out windows (its last ``--val-tokens``)."""
     from kvsplice.loading import iter_texts, token_stream
 
-    train_tokens = args.tokens or (max_steps or 0) * step_tokens or SELF_TOKENS_MINUTES
-    want = tokens_needed(max(train_tokens, max(lengths) + 1), args.val_tokens)  # at least the longest window
-    ids, _ = token_stream(iter_texts(args.data, option="data"), student.tokenizer, want)
-    return ids[:-args.val_tokens - 1], _windows(ids[-args.val_tokens - 1:], lengths[0])
+    train_tokens = opts.tokens or (max_steps or 0) * step_tokens or SELF_TOKENS_MINUTES
+    want = tokens_needed(max(train_tokens, max(lengths) + 1), opts.val_tokens)  # at least the longest window
+    ids, _ = token_stream(iter_texts(opts.data, option="data"), student.tokenizer, want)
+    return ids[:-opts.val_tokens - 1], _windows(ids[-opts.val_tokens - 1:], lengths[0])
 
 
-def _self_data(args, source, max_steps, step_tokens: int, lengths) -> tuple[torch.Tensor, torch.Tensor]:
+def _self_data(opts: DistillOptions, source, max_steps, step_tokens: int,
+               lengths) -> tuple[torch.Tensor, torch.Tensor]:
     """No ``--data``: the source's own text (:mod:`training.self_text`; ``source`` is the teacher, or the model
     itself for ``--loss lm``); the first ``--val-tokens`` are held out, the same for every corpus length."""
     from training.self_text import SelfTextError, SelfTextOptions, self_text
 
-    train_tokens = args.self_tokens or (max_steps * step_tokens if max_steps else SELF_TOKENS_MINUTES)
-    opts = SelfTextOptions(tokens=tokens_needed(max(train_tokens, max(lengths) + 1), args.val_tokens), seed=args.seed)
+    train_tokens = opts.self_tokens or (max_steps * step_tokens if max_steps else SELF_TOKENS_MINUTES)
+    opts = SelfTextOptions(tokens=tokens_needed(max(train_tokens, max(lengths) + 1), opts.val_tokens), seed=opts.seed)
     model = source.model
     if torch.cuda.is_available():
         model.cuda()
     try:
-        got = self_text(model, source.tokenizer, opts, cache_dir=args.cache_dir, max_positions=source.max_positions,
-                        progress=not args.no_progress)
+        got = self_text(model, source.tokenizer, opts, cache_dir=opts.cache_dir, max_positions=source.max_positions,
+                        progress=opts.progress)
     except SelfTextError as e:
         raise UsageError(str(e)) from None
     finally:
@@ -220,11 +194,11 @@ def _self_data(args, source, max_steps, step_tokens: int, lengths) -> tuple[torc
               f"({got.generated / max(got.seconds, 1e-9):.1f} tokens/s), cached in {got.path}", file=sys.stderr)
     else:
         print(f"self text: {got.ids.numel():,} tokens from the cache {got.path}", file=sys.stderr)
-    head = args.val_tokens + 1
+    head = opts.val_tokens + 1
     return got.ids[head:], _windows(got.ids[:head], lengths[0])
 
 
-def _fit(args, student, teacher, train: torch.Tensor, val: torch.Tensor, lengths, step_tokens: int,
+def _fit(opts: DistillOptions, student, teacher, train: torch.Tensor, val: torch.Tensor, lengths, step_tokens: int,
          max_steps: Optional[int]) -> int:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -237,24 +211,24 @@ def _fit(args, student, teacher, train: torch.Tensor, val: torch.Tensor, lengths
     from training.loggers import RunCSVLogger
     from training.rundir import place_run
 
-    plan = place_run(args.runs_dir, args.run_name or f"distill-{Path(args.model).name}", args.ckpt_path,
-                     args.overwrite)
+    plan = place_run(opts.runs_dir, opts.run_name or f"distill-{Path(opts.model).name}", opts.ckpt_path,
+                     opts.overwrite)
     try:
         for n in plan.notes if _rank_zero() else ():  # DDP processes use rank 0's folder
             print(f"note: {n}", file=sys.stderr)
-        L.seed_everything(args.seed, verbose=False)
+        L.seed_everything(opts.seed, verbose=False)
         tok = student.tokenizer.backend
 
         def save(folder: Path) -> None:
             write_dir(folder, lambda tmp: _save_model(lit.student, tmp, tok))
 
-        clock = TimeBudget(plan.run_dir, args.minutes, args.snapshot_minutes, save)
-        warmup = args.warmup_steps if args.warmup_steps is not None else (
-            max(1, max_steps // 10) if max_steps and not args.minutes else 10)
+        clock = TimeBudget(plan.run_dir, opts.minutes, opts.snapshot_minutes, save)
+        warmup = opts.warmup_steps if opts.warmup_steps is not None else (
+            max(1, max_steps // 10) if max_steps and not opts.minutes else 10)
         try:
             lit = LitDistill(student.model.train(), StepWindows(train, lengths, step_tokens), val, teacher=teacher,
-                             loss=args.loss, lr=args.lr, warmup_steps=warmup, max_steps=max_steps or 0,
-                             temperature=args.temperature, trainable=args.trainable, clock=clock)
+                             loss=opts.loss, lr=opts.lr, warmup_steps=warmup, max_steps=max_steps or 0,
+                             temperature=opts.kl_temperature, trainable=opts.trainable, clock=clock)
         except ValueError as e:
             raise UsageError(str(e)) from None
         logger = RunCSVLogger(str(plan.run_dir))
@@ -263,14 +237,14 @@ def _fit(args, student, teacher, train: torch.Tensor, val: torch.Tensor, lengths
             logger.resume_at(step)
         ckpt = ModelCheckpoint(dirpath=str(plan.run_dir), filename="best-{step}-{val_loss:.4f}", monitor="val_loss",
                                save_last=True, save_top_k=1, auto_insert_metric_name=True)
-        precision = args.precision or ("bf16-mixed" if torch.cuda.is_available() else "32")
-        callbacks = [ckpt, clock] + ([] if args.no_progress else [BudgetBar(max_steps is None)])
-        ddp = {"strategy": "ddp"} if args.devices > 1 else {}
+        precision = opts.precision or ("bf16-mixed" if torch.cuda.is_available() else "32")
+        callbacks = [ckpt, clock] + ([] if not opts.progress else [BudgetBar(max_steps is None)])
+        ddp = {"strategy": "ddp"} if opts.devices > 1 else {}
         trainer = L.Trainer(max_steps=max_steps or -1, max_epochs=-1, precision=precision, logger=logger,
                             callbacks=callbacks, plugins=[safe_checkpoint_io()],
-                            enable_progress_bar=not args.no_progress, devices=args.devices, **ddp,
+                            enable_progress_bar=opts.progress, devices=opts.devices, **ddp,
                             use_distributed_sampler=False,  # the step picks each process's windows
-                            val_check_interval=min(args.val_every, max_steps or args.val_every),
+                            val_check_interval=min(opts.val_every, max_steps or opts.val_every),
                             check_val_every_n_epoch=None, log_every_n_steps=1, enable_model_summary=False,
                             num_sanity_val_steps=0)
         ticks = torch.utils.data.DataLoader(range(max_steps or 10**9), batch_size=1)  # the step drives the data
@@ -279,8 +253,8 @@ def _fit(args, student, teacher, train: torch.Tensor, val: torch.Tensor, lengths
         if trainer.is_global_zero:
             lit.student.eval().float().cpu()
             save(plan.run_dir / "model")
-            print(f"fine-tuned {args.model} for {trainer.global_step} steps, {clock.elapsed_s() / 60:.2f} min "
-                  f"({args.loss}); run {plan.run_dir}, model folder {plan.run_dir / 'model'}")
+            print(f"fine-tuned {opts.model} for {trainer.global_step} steps, {clock.elapsed_s() / 60:.2f} min "
+                  f"({opts.loss}); run {plan.run_dir}, model folder {plan.run_dir / 'model'}")
     finally:
         plan.release()
     return 0

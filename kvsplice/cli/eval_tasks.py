@@ -39,52 +39,25 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvsplice.io.cli import Parser, UsageError, device_dtype, pos_int, run_cli
+from kvsplice.io.cli import Parser, UsageError, device_dtype, run_cli
 from kvsplice.io.files import output_file
 from kvsplice.io.inputs import SpecArgs
 from kvsplice.io.write import write_json
-from kvsplice.io.run_options import add_run_options, run_option_values
+from kvsplice.io.options import add_options, from_args
+from kvsplice.io.run_options import RunOptions, add_run_options
 from kvsplice.io.staged import Staged
 from kvsplice.tasks.options import EvalTasksOptions
 from kvsplice.tasks.results_schema import FORMAT
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvsplice.tasks.suite import TASKS
-
+    """The command line of :class:`EvalTasksOptions` (its fields declare it) and the run options."""
     p = Parser(prog=PROG, description="Accuracy of compressed KV caches on generated "
                "long-context tasks (retrieval, multi-hop, aggregation, QA), beside the full cache's.")
-    p.add_argument("--model", required=True, help="model directory, .gguf file, training .ckpt or Hub id")
-    p.add_argument("--tokenizer", help="override the model's tokenizer")
-    p.add_argument("--plan", nargs="+", default=[], help="plans from kvsplice plan")
-    p.add_argument("--method", nargs="+", default=[], help="method specs: any kvsplice.build_method spec "
-                   "(int8, kivi4, kivi_rotated(bits=4), select:NAME@KEEP[+STORE], lowrank:FILE+int8, spec.json), "
-                   "kivi4h(residual=32), select:kvzip@x4+int8")
-    p.add_argument("--tasks", nargs="+", default=["passkey", "niah_number_stories", "vartrack"],
-                   choices=sorted(TASKS), metavar="TASK", help=f"tasks (default passkey niah_number_stories "
-                   f"vartrack; all: {' '.join(TASKS)})")
-    p.add_argument("--lengths", nargs="+", type=pos_int, default=[1024], help="prompt lengths in tokens (default "
-                   "1024)")
-    p.add_argument("--n", type=pos_int, default=8, help="instances per task and length (default 8)")
-    p.add_argument("--seed0", type=int, default=0, help="first instance seed (default 0; tuning uses >= 1,000,000)")
-    p.add_argument("--setting", choices=("agnostic", "aware", "both"), default="both",
-                   help="query-agnostic, query-aware or both (default both)")
-    p.add_argument("--stories", help="TinyStories text for the stories haystacks and story QA")
-    p.add_argument("--door", choices=("decoder", "hf"), default="decoder", help="the package's Decoder (default; "
-                   "one shared prefill for every selection) or transformers' generate()")
-    p.add_argument("--out", required=True, help="results JSON (resumed when it exists)")
-    p.add_argument("--md", help="also write the tables as markdown here")
+    add_options(p, EvalTasksOptions, skip=RunOptions)
     add_run_options(p, force_help="start --out over (the earlier file stays in place until the new run completes) / "
                     "overwrite --md")
     return p
-
-
-def options(args: argparse.Namespace) -> EvalTasksOptions:
-    """The typed options of a parsed command line."""
-    return EvalTasksOptions(
-        model=args.model, out=args.out, tokenizer=args.tokenizer, plans=tuple(args.plan), methods=tuple(args.method),
-        tasks=tuple(args.tasks), lengths=tuple(args.lengths), n=args.n, seed0=args.seed0, setting=args.setting,
-        stories=args.stories, door=args.door, md=args.md, **run_option_values(args))
 
 
 def _header(opts: EvalTasksOptions, model, tok, specs: dict, insts: list) -> dict:
@@ -188,7 +161,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
-    opts = options(build_parser().parse_args(argv))
+    opts = from_args(EvalTasksOptions, build_parser().parse_args(argv))
     if not opts.plans and not opts.methods:
         raise UsageError("give the methods to evaluate: --plan PLAN.json and/or --method SPEC (e.g. kivi4)")
     if opts.threads:

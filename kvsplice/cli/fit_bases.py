@@ -49,6 +49,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from kvsplice.core.amounts import times_fewer as _ratio
 from kvsplice.core.limits import MAX_TEXT_TOKENS, check_fits, check_threads
 from kvsplice.io.cli import Parser, add_device_dtype, default_seq_len, device_dtype, first_line, pos_int, run_cli
 from kvsplice.io.files import cache_file, output_file
@@ -69,16 +70,6 @@ def _energy(s: str) -> float:
     v = float(s)
     if not 0.0 < v <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {s}")
-    return v
-
-
-def _ratio(s: str) -> float:
-    """argparse type: times fewer numbers per token than the full K/V cache, a finite number >= 1 (a ratio is
-    "times smaller" in every command, as ``plan --ratio``; a kept fraction would be named so)."""
-    v = float(s)
-    if not 1.0 <= v < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 1 (times fewer numbers per token than the "
-                                         f"full K/V cache; 1 keeps every dimension), got {s}")
     return v
 
 

@@ -21,7 +21,8 @@ tuning windows from the calibration text *after* the calibration tokens (``--tun
 token selection); write ``--out`` (JSON: the method spec, the budget, every candidate's measurement) and,
 when the stack has low rank, its bases beside it (``<out>.bases.safetensors``). The budget is bytes per prompt
 token at fp16 (``--ratio R``: the fp16 full K/V cache's ``2·L·Hkv·d·2`` bytes divided by R > 1; a budget at or
-above the full cache is refused: nothing to compress). A ``--calib`` text with fewer tokens than ``--calib-tokens``
+above the full cache is refused: nothing to compress; one below what the smallest candidate reaches too, both
+judged from the model's shapes before any text is read). A ``--calib`` text with fewer tokens than ``--calib-tokens``
 + ``--tune-tokens`` is refused (never calibrated on what there is); ``--stories`` must be text (the check every
 command's text reader makes). Errors: one line, exit status 2; ``--out`` is never overwritten without ``--force``.
 """
@@ -35,7 +36,6 @@ quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports be
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -44,137 +44,62 @@ from typing import Optional, Sequence
 import torch
 
 from kvsplice.core.limits import check_fits
-from kvsplice.io.cli import Parser, UsageError, device_dtype, help_text, pos_int, run_cli
+from kvsplice.io.cli import Parser, UsageError, device_dtype, run_cli
 from kvsplice.io.files import cache_file, output_file
 from kvsplice.io.inputs import SpecArgs
-from kvsplice.io.run_options import add_run_options, run_option_values
+from kvsplice.io.options import add_options, from_args
+from kvsplice.io.run_options import RunOptions, add_run_options
 from kvsplice.planning.candidates import DEFAULT_STORES
-from kvsplice.planning.options import MAX_TUNE_N, PLAN_CALIB_TOKENS, TUNE_TASKS, PlanOptions
-
-
-def _pos_float(s: str) -> float:
-    """argparse type: a finite number > 0 (``inf`` / ``nan`` are refused here, before any work)."""
-    v = float(s)
-    if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"must be > 0 and finite, got {s}")
-    return v
-
-
-def _ratio(s: str) -> float:
-    """argparse type: how many times smaller than the fp16 full cache, a finite number > 1 (a ratio <= 1 is a budget
-    at or above the full cache: nothing to compress)."""
-    v = float(s)
-    if not (v > 1 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"must be > 1 and finite (times smaller than the fp16 full cache; <= 1 is a "
-                                         f"budget at or above the full cache), got {s}")
-    return v
-
-
-def _nonneg_float(s: str) -> float:
-    """argparse type: a finite number >= 0."""
-    v = float(s)
-    if not (v >= 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"must be >= 0 and finite, got {s}")
-    return v
-
-
-def _selector(s: str) -> str:
-    """argparse type: a selector the planner can build (``snapkv``, ``kvzip(mix=observed_attention,share=0.5)``)."""
-    from kvsplice.planning.search import check_selector
-
-    try:
-        return check_selector(s)
-    except (ValueError, TypeError) as e:  # incl. an argument that does nothing (reach= without recon=local)
-        raise argparse.ArgumentTypeError(str(e).splitlines()[0]) from None
+from kvsplice.planning.options import PlanOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvsplice.core.registry import select_names
-    from kvsplice.planning.search import DEFAULT_SELECTORS
-
+    """The command line of :class:`PlanOptions` (its fields declare it) and the run options."""
     p = Parser(prog=PROG, description="Search the compression stack (token selection × low "
                "rank × bits) that fits a KV-cache budget with the least loss on calibration text; write a plan.")
-    p.add_argument("--model", required=True, help="model directory, .gguf file, training .ckpt or Hub id")
-    p.add_argument("--tokenizer", help="override the model's tokenizer")
-    p.add_argument("--calib", required=True, help="calibration text (.txt/.json/.jsonl, folder, or dataset id)")
-    b = p.add_mutually_exclusive_group(required=True)
-    b.add_argument("--budget-bytes-per-token", type=_pos_float, help="cache bytes per prompt token (fp16 storage)")
-    b.add_argument("--ratio", type=_ratio, help="times smaller than the fp16 full K/V cache (> 1)")
-    p.add_argument("--calib-tokens", type=pos_int, default=PLAN_CALIB_TOKENS,
-                   help=f"calibration tokens (default {PLAN_CALIB_TOKENS}); the tuning windows follow them")
-    p.add_argument("--calib-stats", help="calibration statistics of the low-rank stores: reused when the file "
-                   "exists, written otherwise — when --stores has a low-rank store (the default list has); with none "
-                   "nothing is calibrated and the file is neither read nor written (a note says so)")
-    p.add_argument("--tune-tokens", type=pos_int, default=2048, help="tuning tokens after the calibration tokens "
-                   "(default 2048)")
-    p.add_argument("--seq-len", type=pos_int, default=1024, help="calibration and tuning window (default 1024)")
-    p.add_argument("--prompt-len", type=pos_int, help="compressed prompt per tuning window (default 3/4 of it)")
-    p.add_argument("--selectors", nargs="+", default=list(DEFAULT_SELECTORS), type=_selector, metavar="SELECTOR",
-                   help=help_text(f"token selectors to try, NAME[(KEY=VALUE,...)] (default "
-                                  f"{' '.join(DEFAULT_SELECTORS)}; known: {', '.join(select_names())}; kvzip "
-                                  f"re-reads the prompt)"))
-    p.add_argument("--stores", nargs="+", metavar="SPEC", help="candidate storage methods as method specs (e.g. "
-                   "int8 kivi4 mine(x=1); 'default' = the built-in list: full K/V fp16/int8, int8 keys + int4 "
-                   "values (k8v4h), KIVI 4/2-bit, fisher low rank at 1.5/2/3x, int8 coefficients); default: default")
-    p.add_argument("--batch-size", type=pos_int, default=2, help="windows per forward (default 2)")
-    p.add_argument("--objective", choices=("ppl", "tasks", "mixed"), default="mixed", help="what the stack must "
-                   "keep: mixed (default): the best tuning perplexity among the candidates with the best accuracy "
-                   "on tuning task instances (seeds >= 1,000,000, never reported); tasks: that accuracy (ties: "
-                   "perplexity); ppl: tuning perplexity alone (it may trade retrieval away)")
-    p.add_argument("--tune-tasks", nargs="+", default=list(TUNE_TASKS), metavar="TASK",
-                   help=f"tasks of the accuracy objective (default {' '.join(TUNE_TASKS)}: a needle in each kind of "
-                   f"haystack — filler, facts, real prose; see eval_tasks)")
-    p.add_argument("--tune-n", type=pos_int, default=4, help=f"tuning instances per task (default 4, at most "
-                   f"{MAX_TUNE_N})")
-    p.add_argument("--tune-length", type=pos_int, help="tuning instances' prompt tokens (default --seq-len, at "
-                   "least 64, raised to hold every tuning task's prompt; a given one must hold them and fit the "
-                   "model's positions, as eval_tasks --lengths must)")
-    p.add_argument("--fit-length", type=pos_int, help="the prompt tokens at which the budget holds (default "
-                   "--prompt-len; at most the model's positions): a store with a fixed-size part, KIVI's "
-                   "full-precision window, fits more tokens "
-                   "on a longer prompt; give the length the plan is for, e.g. the --tune-length")
-    p.add_argument("--prefill", choices=("fast", "any"), default="fast", help="fast (default): with tuning "
-                   "tasks, pick among the fast-prefill selectors (KVzip recon=local, snapkv, ObservedAttention "
-                   "stride>=8: prefill + compression about one prefill) when one holds the tuning tasks, trying the "
-                   "others only when none does; any: among all selectors, by the objective alone")
-    p.add_argument("--tune-setting", choices=("agnostic", "aware"), default="agnostic",
-                   help="the question after the compressed context (default) or inside it")
-    p.add_argument("--task-tolerance", type=_nonneg_float, default=0.0, help="mixed: accuracy points below the "
-                   "best a candidate may lose (default 0)")
-    p.add_argument("--stories", help="prose for --tune-tasks that hide a needle in stories (default: the --calib "
-                   "text when it is a local file)")
-    p.add_argument("--out", required=True, help="the plan (.json); low-rank bases go beside it")
-    p.add_argument("--json", help="also write the search report here")
+    add_options(p, PlanOptions, skip=RunOptions)
     add_run_options(p, force_help="overwrite --out / --json (and recompute --calib-stats that lacks something)")
     return p
 
 
-def options(args: argparse.Namespace) -> PlanOptions:
-    """The typed options of a parsed command line."""
-    return PlanOptions(
-        model=args.model, calib=args.calib, out=args.out, tokenizer=args.tokenizer,
-        budget_bytes_per_token=args.budget_bytes_per_token, ratio=args.ratio, calib_tokens=args.calib_tokens,
-        calib_stats=args.calib_stats, tune_tokens=args.tune_tokens, seq_len=args.seq_len, prompt_len=args.prompt_len,
-        selectors=tuple(args.selectors), stores=None if args.stores is None else tuple(args.stores),
-        batch_size=args.batch_size, objective=args.objective, tune_tasks=tuple(args.tune_tasks), tune_n=args.tune_n,
-        tune_length=args.tune_length, fit_length=args.fit_length, tune_setting=args.tune_setting,
-        task_tolerance=args.task_tolerance, prefill=args.prefill, stories=args.stories, json=args.json,
-        **run_option_values(args))
-
-
-def check_lengths(opts: PlanOptions, max_positions: Optional[int]) -> int:
-    """The window, its compressed prompt and ``--fit-length`` within the model's positions (``None``: no limit);
-    returns the compressed prompt's length. A one-line :class:`UsageError` names the option."""
-    seq = opts.seq_len
+def check_lengths(opts: PlanOptions, seq: int, max_positions: Optional[int]) -> int:
+    """The window ``seq``, its compressed prompt, ``--fit-length`` and a given ``--tune-length`` within the model's
+    positions (``None``: no limit); returns the compressed prompt's length. A one-line :class:`UsageError` names the
+    option."""
     if max_positions is not None and seq > max_positions:
         raise UsageError(f"--seq-len {seq} exceeds the model's {max_positions} positions")
-    prompt_len = opts.window_prompt
+    prompt_len = opts.window_prompt(seq)
     if not 1 <= prompt_len < seq:
         raise UsageError(f"--prompt-len must be in [1, {seq - 1}] (below --seq-len), got {prompt_len}")
     if opts.fit_length is not None and max_positions is not None and opts.fit_length > max_positions:
         raise UsageError(f"--fit-length {opts.fit_length} exceeds the model's {max_positions} positions: no prompt "
                          f"of that length runs on it (give at most {max_positions})")
+    if opts.objective != "ppl" and opts.tune_length and max_positions is not None and opts.tune_length > max_positions:
+        raise UsageError(f"--tune-length {opts.tune_length} exceeds the model's {max_positions} positions (give a "
+                         f"shorter one, or --objective ppl)")
     return prompt_len
+
+
+def check_budget(opts: PlanOptions, adapter, stores: list, fit_len: int) -> float:
+    """The budget in bytes per prompt token: below the fp16 full cache's and at least what the smallest candidate
+    reaches at ``fit_len`` prompt tokens (:func:`~kvsplice.planning.candidates.least_bytes_per_token`), both judged
+    from the model's shapes before any calibration; a one-line :class:`UsageError` names the option."""
+    from kvsplice.evaluation.protocol import full_bytes_per_token
+    from kvsplice.planning.candidates import least_bytes_per_token
+
+    full_bpt = full_bytes_per_token(adapter)
+    given = (f"--budget-bytes-per-token {opts.budget_bytes_per_token:g}" if opts.budget_bytes_per_token is not None
+             else f"--ratio {opts.ratio:g}")
+    if opts.budget_bytes_per_token is not None and opts.budget_bytes_per_token >= full_bpt:
+        raise UsageError(f"{given} is at least the fp16 full cache's {full_bpt:g} bytes per token: nothing to "
+                         f"compress; give a smaller budget")
+    budget = opts.budget_bytes_per_token or full_bpt / opts.ratio
+    least = least_bytes_per_token(stores, adapter, fit_len)
+    if budget < least:
+        raise UsageError(f"{given}: no stack fits {budget:.3g} bytes per token: the smallest candidate keeps 1/64 of "
+                         f"a {fit_len}-token prompt in at least {least:.3g} ({full_bpt / least:.0f}x smaller than the "
+                         f"fp16 full cache's {full_bpt:g}); give a larger budget")
+    return budget
 
 
 def run(opts: PlanOptions) -> tuple[object, dict]:
@@ -190,9 +115,15 @@ def run(opts: PlanOptions) -> tuple[object, dict]:
     progress = opts.progress
     device, dtype = device_dtype(opts)
     loaded = load_model(opts.model, tokenizer=opts.tokenizer, dtype=dtype, device=device)
-    model, seq = loaded.model, opts.seq_len
-    prompt_len = check_lengths(opts, loaded.max_positions)
-    vocab = adapter_for(model).param().shape[0]  # fp32 logits of a batch of windows: the forward's least
+    model, seq = loaded.model, opts.window(loaded.max_positions)
+    prompt_len = check_lengths(opts, seq, loaded.max_positions)
+    adapter = adapter_for(model)
+    stores = [s for x in _store_specs(opts.stores) for s in
+              (candidate_stores(adapter.has_rope, adapter.head_dim, rotary_dim=adapter.rotary_dim)
+               if x == DEFAULT_STORES else [x])]
+    budget = check_budget(opts, adapter, stores, opts.fit_length or prompt_len)  # before any text is read
+    full_bpt = full_bytes_per_token(adapter)
+    vocab = adapter.param().shape[0]  # fp32 logits of a batch of windows: the forward's least
     check_fits(f"--batch-size {opts.batch_size} with --seq-len {seq}", 4 * opts.batch_size * seq * vocab,
                "a forward's logits", device)
     need = opts.calib_tokens + opts.tune_tokens
@@ -207,14 +138,6 @@ def run(opts: PlanOptions) -> tuple[object, dict]:
                          f"window of --seq-len {seq}")
     tune = ids[n_cal:n_cal + opts.tune_tokens]
     tune = tune[: (tune.numel() // seq) * seq].view(-1, seq)  # (N, T) tuning windows
-    adapter = adapter_for(model)
-    full_bpt = full_bytes_per_token(adapter)
-    if opts.budget_bytes_per_token is not None and opts.budget_bytes_per_token >= full_bpt:
-        raise UsageError(f"--budget-bytes-per-token {opts.budget_bytes_per_token:g} is at least the fp16 full cache's "
-                         f"{full_bpt:g} bytes per token: nothing to compress; give a smaller budget")
-    stores = [s for x in _store_specs(opts.stores) for s in
-              (candidate_stores(adapter.has_rope, adapter.head_dim, rotary_dim=adapter.rotary_dim)
-               if x == DEFAULT_STORES else [x])]
     # the tuning instances built and checked before the calibration (a bad --tune-length fails in seconds)
     task_eval, tune_info = _task_eval(opts, model, loaded.tokenizer, seq, progress, loaded.max_positions)
     t0 = time.perf_counter()
@@ -228,7 +151,6 @@ def run(opts: PlanOptions) -> tuple[object, dict]:
         print(f"note: --calib-stats {opts.calib_stats}: no low-rank store is searched (--stores), so nothing is "
               f"calibrated and the file is neither read nor written", file=sys.stderr)
     calib_s = time.perf_counter() - t0
-    budget = opts.budget_bytes_per_token or full_bpt / opts.ratio
     from tqdm.auto import tqdm
 
     log = tqdm.write if progress else (lambda s: None)  # lines above the tuning tasks' bar, not inside it
@@ -276,9 +198,13 @@ def _task_eval(opts: PlanOptions, model, tokenizer, seq: int, progress: bool, ma
         if opts.tune_length:
             insts = make_instances(opts.tune_tasks, tokenizer, [length], opts.tune_n, seed0=TUNING_SEED0,
                                    stories=stories)
-        else:  # the default: long enough for every tuning task's prompt
+        else:  # the default: long enough for every tuning task's prompt, short enough for its answer
             length, insts = fitting_instances(opts.tune_tasks, tokenizer, length, opts.tune_n, seed0=TUNING_SEED0,
                                               stories=stories)
+            room = max((i.max_new_tokens for i in insts), default=0)
+            if max_positions is not None and length + room > max_positions and length == max(seq, MIN_LENGTH):
+                length, insts = fitting_instances(opts.tune_tasks, tokenizer, max_positions - room, opts.tune_n,
+                                                  seed0=TUNING_SEED0, stories=stories)
         check_instances(insts, max_positions)
     except ValueError as e:
         raise UsageError(f"{given}: {e}") from None
@@ -329,7 +255,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
-    opts = options(build_parser().parse_args(argv))
+    opts = from_args(PlanOptions, build_parser().parse_args(argv))
     if opts.threads:
         torch.set_num_threads(opts.threads)
     inputs = {"--model": opts.model, "--tokenizer": opts.tokenizer, "--calib": opts.calib,

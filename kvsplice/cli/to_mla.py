@@ -48,6 +48,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from kvsplice.core.amounts import kept_fraction as _keep, times_smaller as _ratio
 from kvsplice.core.limits import MAX_TEXT_TOKENS
 from kvsplice.io.cli import (Parser, UsageError, add_device_dtype, add_model_option, add_output_options, add_threads,
                              apply_threads, default_seq_len, device_dtype, pos_int, run_cli)
@@ -57,25 +58,8 @@ from kvsplice.io.write import disk_errors, write_json
 __all__ = ["build_parser", "convert_from_args", "main"]
 
 
-def _keep(s: str) -> float:
-    v = float(s)
-    if not 0.0 < v < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1) (kept fraction of the latent), got {s}")
-    return v
-
-
 REFINE_STEPS = 0
 """Default ``--refine-steps`` (docs/conversion.md)."""
-
-
-def _ratio(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 1 (times smaller than the K/V cache), got {s}") from None
-    if not v > 1 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 1 (times smaller than the K/V cache), got {s}")
-    return v
 
 
 def _steps(s: str) -> int:

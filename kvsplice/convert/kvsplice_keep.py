@@ -11,7 +11,7 @@ the latent only, so every door (``to_mla`` on a GPT checkpoint or a Llama-family
 
 from __future__ import annotations
 
-import math
+from kvsplice.core.amounts import check_kept_fraction
 
 __all__ = ["kept_dims"]
 
@@ -19,9 +19,7 @@ __all__ = ["kept_dims"]
 def kept_dims(keep: float, d_latent: int, option: str = "kvsplice keep") -> int:
     """``round(d_latent · keep)``: the dimensions KVSplice keeps; a ``ValueError`` (one line, naming ``option``)
     when the kept fraction ``keep`` is not in (0, 1) or asks for less than one whole dimension."""
-    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0.0 < keep < 1.0 \
-            or not math.isfinite(keep):
-        raise ValueError(f"{option} must be in (0, 1) (the kept fraction of the latent), got {keep!r}")
+    keep = check_kept_fraction(option, keep)
     if d_latent * keep < 1:
         raise ValueError(f"{option} {keep:g} of the {d_latent}-dim latent asks for {d_latent * keep:.3g} dimensions; "
                          f"it must keep at least one whole dimension (kept fraction >= 1/{d_latent} = "

@@ -17,7 +17,8 @@ from kvsplice.core.registry import METHODS, SELECTORS
 from kvsplice.core.short_form import parse_selector
 
 __all__ = ["DEFAULT_SELECTORS", "DEFAULT_STORES", "FAST_STRIDE", "INT8", "LOWRANK_RATIOS", "bytes_per_token",
-           "candidate_stores", "check_selector", "fast_prefill", "fit_budget", "is_selection", "lowrank_bases", "runs_on",
+           "candidate_stores", "check_selector", "fast_prefill", "fit_budget", "is_selection", "least_bytes_per_token",
+           "lowrank_bases", "runs_on",
            "selection", "store_specs"]
 
 INT8 = {"name": "dense", "cache_quant": "int8"}
@@ -42,6 +43,9 @@ tuning perplexity loss at 4× was the int4 values of decoded tokens; the budget 
 the fast-prefill forms (:func:`fast_prefill`): ObservedAttention with every 8th query voting and KVzip scoring by the
 prefill's own queries (``recon=local``), which the pick prefers where they hold the tuning tasks
 (:data:`kvsplice.planning.search.PREFILL`)."""
+
+MIN_KEEP = 1 / 64
+"""The least fraction of the prompt a selection keeps (:func:`fit_budget`): below it no stack fits the budget."""
 
 LOWRANK_RATIOS = (1.5, 2.0, 3.0)
 """The rank ratios (times fewer numbers than the full K/V cache) of the planner's low-rank stores."""
@@ -134,7 +138,7 @@ def is_selection(spec: dict[str, Any]) -> bool:
 
 
 def fit_budget(store: dict[str, Any], adapter, prompt_len: int, budget: float, *, selector: str,
-               realise: Callable[[dict], dict] = lambda s: s, min_keep: float = 1 / 64) -> Optional[dict[str, Any]]:
+               realise: Callable[[dict], dict] = lambda s: s, min_keep: float = MIN_KEEP) -> Optional[dict[str, Any]]:
     """``store`` alone if it fits ``budget`` bytes per prompt token, else under ``selector`` keeping the most prompt
     tokens that fit (``None`` when even ``min_keep`` of them does not, or the store cannot hold a selection — pre-RoPE
     coefficients need their positions). ``realise``: the spec with the planner's bases made."""
@@ -158,6 +162,28 @@ def fit_budget(store: dict[str, Any], adapter, prompt_len: int, budget: float, *
     return selection(store, selector, lo / prompt_len)
 
 
+
+
+def least_bytes_per_token(stores: Sequence[Any], adapter, prompt_len: int, min_keep: float = MIN_KEEP) -> float:
+    """A lower bound of the bytes per prompt token any of ``stores`` reaches on a ``prompt_len``-token prompt, alone
+    or under a selection keeping ``min_keep`` of it (:func:`fit_budget`'s least), from the model's shapes alone —
+    before any calibration: a store's closed form holding that many tokens; the planner's low-rank fits (bases made
+    from the statistics) by their rank ratio's int8 coefficients. A budget below it fits nothing."""
+    from kvsplice.evaluation.protocol import full_bytes_per_token
+
+    held = max(1, math.ceil(min_keep * prompt_len))
+    full = full_bytes_per_token(adapter)
+    least = full
+    for store in stores:
+        bases = store.get("bases") if isinstance(store, dict) else None
+        if isinstance(bases, dict):  # int8 coefficients: 1 byte for each 2 of fp16, ratio times fewer numbers
+            least = min(least, full / (2 * float(bases.get("ratio", 1.0))) * held / prompt_len)
+            continue
+        try:
+            least = min(least, bytes_per_token(build_method(store), adapter, prompt_len, held))
+        except (ValueError, TypeError, OSError):  # a store this model cannot hold: it fits no budget either
+            continue
+    return least
 
 
 def runs_on(model, method) -> bool:
@@ -197,7 +223,8 @@ DEFAULT_STORES = "default"
 
 def store_specs(given: Optional[Sequence[str]]) -> list:
     """``--stores``: each a storage method's spec — the short form, inline JSON or a ``.json`` spec file (its files
-    named relative to the working directory, :func:`kvsplice.core.spec_files.rebased`) — checked without a model,
+    named relative to the working directory, :func:`kvsplice.core.spec_files.rebased`) — checked without a model
+    (names, and the values of a store that reads no file, by its constructor),
     or :data:`DEFAULT_STORES`; a one-line ``ValueError`` naming the option otherwise."""
     from kvsplice.core.build import check_spec
     from kvsplice.core.short_form import load_spec
@@ -216,5 +243,10 @@ def store_specs(given: Optional[Sequence[str]]) -> list:
         if not METHODS[spec["name"]].is_storage:
             raise ValueError(f"--stores {text}: {spec['name']} is not a storage method (it cannot hold a token "
                              f"selection); storage methods: {', '.join(n for n, c in METHODS.items() if c.is_storage)}")
+        if not METHODS[spec["name"]].spec_files:  # its arguments' values, by its constructor (bits=99 is refused)
+            try:
+                build_method(spec, prompt_len=1)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"--stores {text}: {str(e).splitlines()[0]}") from None
         out.append(spec)
     return out

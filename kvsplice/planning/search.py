@@ -39,6 +39,8 @@ from kvsplice.core.build import build_method, needs_prompt, per_prompt
 from kvsplice.planning.candidates import (DEFAULT_SELECTORS, FAST_STRIDE, INT8, LOWRANK_RATIOS, bytes_per_token,
                                           candidate_stores, check_selector, fast_prefill, fit_budget, is_selection,
                                           lowrank_bases, runs_on, selection)
+from kvsplice.io.options import defaults
+from kvsplice.planning.options import PlanOptions
 from kvsplice.planning.spec import spec_label
 
 __all__ = ["DEFAULT_SELECTORS", "FAST_STRIDE", "LOWRANK_RATIOS", "OBJECTIVES", "PREFILL", "SearchOptions", "TaskBench",
@@ -92,23 +94,27 @@ holds the tuning tasks (its accuracy within ``task_tolerance`` of the full cache
 does; ``any`` — among all, by the objective alone."""
 
 
+_PLAN = defaults(PlanOptions)  # the command's defaults are the library's: one declaration (PlanOptions)
+
+
 @dataclass(frozen=True)
 class SearchOptions:
     """What the search looks for: stacks within ``budget`` bytes per prompt token (fp16) at a ``fit_len``-token
     prompt (default ``prompt_len``), measured on windows whose first ``prompt_len`` tokens are compressed; the
     ``selectors`` and the ``stores`` (default :func:`candidate_stores` with ``lowrank_ratios``) tried; the pick by
-    ``objective`` (:data:`OBJECTIVES`, with ``task_tolerance``) and ``prefill`` (:data:`PREFILL`)."""
+    ``objective`` (:data:`OBJECTIVES`, with ``task_tolerance``) and ``prefill`` (:data:`PREFILL`). The defaults are
+    ``plan``'s (:class:`~kvsplice.planning.options.PlanOptions`): objective ``mixed`` needs ``task_eval``."""
 
     prompt_len: int
     budget: float
-    selectors: tuple[str, ...] = DEFAULT_SELECTORS
+    selectors: tuple[str, ...] = _PLAN["selectors"]
     lowrank_ratios: tuple[float, ...] = LOWRANK_RATIOS
     stores: Optional[tuple[dict[str, Any], ...]] = None
-    batch_size: int = 4
-    objective: str = "ppl"
-    task_tolerance: float = 0.0
-    fit_len: Optional[int] = None
-    prefill: str = "fast"
+    batch_size: int = _PLAN["batch_size"]
+    objective: str = _PLAN["objective"]
+    task_tolerance: float = _PLAN["task_tolerance"]
+    fit_len: Optional[int] = _PLAN["fit_length"]
+    prefill: str = _PLAN["prefill"]
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:

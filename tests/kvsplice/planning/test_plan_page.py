@@ -38,7 +38,8 @@ def test_numeric_defaults_reads_a_row():
 
 def test_plan_page_states_the_parsers_numeric_defaults():
     documented = numeric_defaults(PAGE.read_text())
-    assert {"--calib-tokens", "--seq-len", "--tune-tokens", "--tune-n"} <= set(documented)
+    assert {"--calib-tokens", "--tune-tokens", "--tune-n"} <= set(documented)
+    assert "| `--seq-len`, `--prompt-len`, `--tune-tokens` | the model's positions at most 1024," in PAGE.read_text()
     parser = build_parser()
     actual = {opt: parser.get_default(opt[2:].replace("-", "_")) for opt in documented}
     wrong = {k: (v, actual[k]) for k, v in documented.items() if actual[k] != v}

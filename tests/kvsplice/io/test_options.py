@@ -1,0 +1,106 @@
+"""The options builder (:mod:`kvsplice.io.options`): a dataclass's fields are the command line — flags, types from
+the annotations, required options, defaults, exclusive groups, help — and a parsed command line is the dataclass;
+the shared amounts (:mod:`kvsplice.core.amounts`) refuse a bad value in one line naming the option."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import pytest
+
+from kvsplice.core.amounts import (MAX_TIMES_SMALLER, check_kept_fraction, check_times_smaller, kept_fraction,
+                                   times_smaller)
+from kvsplice.io.cli import Parser, UsageError, pos_int
+from kvsplice.io.options import Exclusive, add_options, defaults, from_args, opt
+from kvsplice.io.run_options import RunOptions, add_run_options
+
+
+@dataclass(frozen=True)
+class _Opts(RunOptions):
+    OPTION_GROUPS: ClassVar = (Exclusive(("budget", "ratio"), required=True),)
+
+    model: str = opt(help="the model")
+    budget: Optional[float] = opt(None, help="bytes per token")
+    ratio: Optional[float] = opt(None, parse=times_smaller, help="times smaller")
+    keep: Optional[float] = opt(None, flags=("--keep", "--old-keep"), parse=kept_fraction, help="kept fraction")
+    count: int = opt(3, parse=pos_int, help="a count (default 3)")
+    tasks: tuple[str, ...] = opt(("a", "b"), metavar="TASK", help="tasks, 100% of them")
+    mode: str = opt("x", choices=("x", "y"), help="a mode")
+    library_only: int = opt(7, cli=False, help="not on the command line")
+
+
+def _parser() -> Parser:
+    p = Parser(prog="t")
+    add_options(p, _Opts, skip=RunOptions)
+    add_run_options(p, force_help="overwrite it")
+    return p
+
+
+def _parse(*argv: str) -> _Opts:
+    return from_args(_Opts, _parser().parse_args(list(argv)))
+
+
+def test_flags_types_defaults_and_the_dataclass():
+    o = _parse("--model", "m", "--ratio", "4", "--old-keep", "0.5", "--count", "5", "--tasks", "c", "--no-progress",
+               "--threads", "2")
+    assert o == _Opts(model="m", ratio=4.0, keep=0.5, count=5, tasks=("c",), progress=False, threads=2)
+    assert isinstance(o.tasks, tuple) and isinstance(o.ratio, float)
+    d = _parse("--model", "m", "--budget", "10")
+    assert (d.budget, d.count, d.tasks, d.mode, d.progress, d.force, d.dtype, d.library_only) == \
+        (10.0, 3, ("a", "b"), "x", True, False, "fp32", 7)
+    assert defaults(_Opts)["count"] == 3 and "model" not in defaults(_Opts)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--budget", "1"], "--model"),                                     # required: no default
+    (["--model", "m"], "--budget"),                                     # one of the exclusive group is required
+    (["--model", "m", "--budget", "1", "--ratio", "2"], "not allowed with"),
+    (["--model", "m", "--ratio", "0.25"], "argument --ratio: must be > 1"),
+    (["--model", "m", "--ratio", "nan"], "argument --ratio: must be > 1"),
+    (["--model", "m", "--ratio", "1e9"], "at most 1e+06"),
+    (["--model", "m", "--budget", "1", "--keep", "1"], "argument --keep/--old-keep: must be in (0, 1)"),
+    (["--model", "m", "--budget", "1", "--count", "0"], "argument --count: must be >= 1"),
+    (["--model", "m", "--budget", "x"], "argument --budget: invalid float value"),
+    (["--model", "m", "--budget", "1", "--mode", "z"], "argument --mode: invalid choice"),
+    (["--model", "m", "--budget", "1", "--dtype", "fp8"], "argument --dtype: invalid choice"),
+])
+def test_a_bad_command_line_is_one_line_naming_the_option(argv, needle):
+    with pytest.raises(UsageError) as e:
+        _parse(*argv)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_every_option_has_its_help_and_the_library_only_field_none():
+    p = _parser()
+    text = " ".join(p.format_help().split())
+    for flag, help in (("--model", "the model"), ("--tasks", "tasks, 100% of them"), ("--force", "overwrite it"),
+                       ("--no-progress", "no progress bar"), ("--count", "a count (default 3)")):
+        assert flag in text and help in text, flag
+    assert "--library-only" not in text
+    for action in p._actions:
+        assert action.help, action.option_strings
+    whole = Parser(prog="t")
+    add_options(whole, _Opts)  # the class's own fields in their order, then its base's
+    assert [a.dest for a in whole._actions[1:]] == ["model", "budget", "ratio", "keep", "count", "tasks", "mode",
+                                                    "force", "threads", "progress", "device", "dtype"]
+
+
+def test_the_declaration_refuses_a_mutable_default():
+    with pytest.raises(TypeError, match="immutable"):
+        opt([1, 2], help="x")
+
+
+@pytest.mark.parametrize("value", [1, 0.5, 0, -3, float("inf"), float("nan"), MAX_TIMES_SMALLER * 2, "x", True])
+def test_times_smaller_refuses_what_is_not_a_compression(value):
+    with pytest.raises(ValueError, match=r"^--ratio must be > 1"):
+        check_times_smaller("--ratio", value)
+
+
+def test_times_smaller_and_kept_fraction_take_what_they_name():
+    assert check_times_smaller("--ratio", 4) == 4.0 and check_times_smaller("--r", "1.5") == 1.5
+    assert check_times_smaller("--alloc-ratio", 1, allow_one=True) == 1.0
+    assert check_kept_fraction("--keep", 0.25) == 0.25
+    for bad in (0, 1, 1.5, float("nan"), "x"):
+        with pytest.raises(ValueError, match=r"^--keep must be in \(0, 1\)"):
+            check_kept_fraction("--keep", bad)

@@ -61,7 +61,7 @@ def text_tokens(option: str, value: Optional[int], default: int, spec: Optional[
 
     if spec is None:
         if value is not None:
-            raise LoadError(f"{option} {value} does nothing without --{text_option} TEXT")
+            raise LoadError(f"{option} {value} needs --{text_option} TEXT (it does nothing without one)")
         return default
     return check_text_tokens(option, default if value is None else value, text_option=f"--{text_option} {spec}",
                              text_bytes=text_bytes(spec, option=text_option), given=value is not None)

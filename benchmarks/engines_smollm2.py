@@ -1,15 +1,12 @@
 """SmolLM2 converted to MLA (shared RoPE, 2x cache) and exported as DeepSeek-V3: the same model in our decoder,
-plain transformers and llama.cpp (its own converter + our q_lora_rank post-step), perplexity and greedy tokens.
+transformers, llama.cpp (its converter + our q_lora_rank post-step) and vLLM: perplexity, greedy tokens, cache bytes.
+``python -m benchmarks.engines_smollm2 [--model RUN/model --tag tuned]`` (results/engines_smollm2[_tuned].*).
 
-    KVSPLICE_LLAMA_CPP=/path/to/llama.cpp python -m benchmarks.engines_smollm2   # results/engines_smollm2.{json,md}
-    python -m benchmarks.engines_smollm2 --model RUN/model --tag tuned   # a converted (fine-tuned) folder instead
-
-Protocol: calibration on the first ``--calib-tokens`` of TinyStoriesV2 (``mines-opt-ml...10k.txt``), evaluation on
-the first 2,048 tokens of the TinyStories train sample (``gusjengis...sample.txt``, one window, no BOS) — different
-files, nothing tuned on the evaluated text. Rows: the source (transformers, fp32), the norm-free conversion (ours),
-the export with the latent RMSNorm in its linear regime (transformers; llama.cpp f32 and f16 GGUF, f16 KV cache),
-and the same conversion with a real latent RMSNorm (``--latent-norm``; the export that was unusable). ``--model DIR``
-takes a converted native folder (``kvsplice to-mla`` / ``kvsplice distill`` output) in place of the conversion.
+Calibration: the first ``--calib-tokens`` of TinyStoriesV2 (``mines-opt-ml...10k.txt``); evaluation: the first 2,048
+tokens of the TinyStories train sample (``gusjengis...sample.txt``, one window, no BOS). Rows: the source
+(transformers, fp32), the norm-free conversion (ours; ``--model DIR``: a converted native folder instead), the export
+with the latent RMSNorm in its linear regime (transformers; llama.cpp f32 / bf16 / f16 GGUF, f16 KV cache; vLLM with
+the plugin when ``build/vllm-venv`` has it), and a real latent RMSNorm (``--latent-norm``; the unusable export).
 """
 
 from __future__ import annotations
@@ -41,8 +38,9 @@ def rows(run):
     import transformers
 
     from kvsplice.convert.deepseek_v3 import save_deepseek_v3
-    from kvsplice.convert.llama_mla import calibrate_layers, convert_llama
+    from kvsplice.convert.engines import vllm
     from kvsplice.convert.engines.llama_cpp import LlamaCppModel, hf_to_gguf, missing
+    from kvsplice.convert.llama_mla import calibrate_layers, convert_llama
     from kvsplice.loading import iter_texts, load_model, token_stream
     from kvsplice.lowrank.calibrate import calibration_batches
 
@@ -106,6 +104,11 @@ def rows(run):
                        "post_step_added": added, "greedy_text": tok.backend.decode(greedy)}
             log(row["name"], f"ppl {row['ppl']:.3f}", row["kv_bytes_per_token"])
             yield row
+    if vllm.missing() is None:  # the plugin's latent cache, fp32 (4 bytes a number)
+        v = vllm.run(ds_dir, prompt=prompt, new=n_greedy, score=ev.tolist(), max_model_len=len(ev) + 8)
+        yield {"name": f"same export in vLLM {v.version} (plugin, {v.backend}, fp32 KV cache)", "ppl": v.perplexity,
+               "greedy": v.greedy, "kv_bytes_per_token": v.kv_bytes_per_token, "element_size": 4,
+               "kv_cache": v.layers[0], "greedy_text": tok.backend.decode(v.greedy)}
     if not args.skip_normed and not args.model:
         normed = convert_llama(src, stats, d_latent=d_latent, rope_dims=64, layout="shared", latent_norm=True)
         yield torch_row(f"--latent-norm: MLA R={d_latent} + 64 RoPE with a real latent RMSNorm (before)", normed)
@@ -117,8 +120,9 @@ def summary(run, rows) -> dict:
 
     for r in rows:
         r["greedy_equal_to_ours"] = r["greedy"] == rows[1]["greedy"]
-        if "kv_cache" in r:  # llama.cpp's measured cache against our formula (f16)
-            r["kv_bytes_equal_formula"] = r["kv_bytes_per_token"] == rows[1]["kv_bytes_per_token"]
+        if "kv_cache" in r:  # an engine's measured cache against our formula (f16: 2 bytes a number)
+            r["kv_bytes_equal_formula"] = r["kv_bytes_per_token"] * 2 == rows[1]["kv_bytes_per_token"] * \
+                r.get("element_size", 2)
     why = missing(bindings=True)
     return {"llama_cpp": why} if why else {}
 

@@ -226,7 +226,7 @@ def child_main(name: str, report_path: Path, smoke: bool) -> int:
     try:
         import torch
 
-        serving = importlib.import_module("benchmarks.serving")
+        serving = importlib.import_module("benchmarks.lib.serving_bench")
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         ctx = dict(device=device, dtype=dtype, smoke=smoke, bandwidth=0.0, matmul_peak=0.0)

@@ -30,7 +30,7 @@ def _err(e: BaseException) -> str:
 def section_kernel(rep, sz: dict, ctx: dict) -> None:
     from types import SimpleNamespace
 
-    serving = importlib.import_module("benchmarks.serving")
+    serving = importlib.import_module("benchmarks.lib.serving_bench")
     device, dtype = ctx["device"], ctx["dtype"]
     args = SimpleNamespace(smoke=ctx["smoke"], kernel_splits=sz["kernel_splits"], steps=sz["kernel_steps"])
     reason = serving.kernel_runs_here(device)
@@ -50,7 +50,7 @@ def section_kernel(rep, sz: dict, ctx: dict) -> None:
 def section_decode(rep, sz: dict, ctx: dict) -> None:
     import torch
 
-    serving = importlib.import_module("benchmarks.serving")
+    serving = importlib.import_module("benchmarks.lib.serving_bench")
     device, dtype, smoke = ctx["device"], ctx["dtype"], ctx["smoke"]
     batch, n_ctx = sz["decode_batch"], sz["decode_ctx"]
     graph = device.type == "cuda"
@@ -88,7 +88,7 @@ def section_decode(rep, sz: dict, ctx: dict) -> None:
 def section_capacity(rep, sz: dict, ctx: dict) -> None:
     from types import SimpleNamespace
 
-    serving = importlib.import_module("benchmarks.serving")
+    serving = importlib.import_module("benchmarks.lib.serving_bench")
     device, dtype = ctx["device"], ctx["dtype"]
     rep.update("capacity", summary=dict(bandwidth_gbs=ctx["bandwidth"] / 1e9, matmul_tflops=ctx["matmul_peak"] / 1e12,
                                         budget_gb=sz["capacity_budget_gb"],
@@ -109,7 +109,7 @@ def section_capacity(rep, sz: dict, ctx: dict) -> None:
 
 def model_shapes(name: str, smoke: bool):
     """The config ``serving.build`` gives variant ``name`` (no weights built)."""
-    serving = importlib.import_module("benchmarks.serving")
+    serving = importlib.import_module("benchmarks.lib.serving_bench")
     return serving.preset(serving.VARIANTS[name], **(serving.SMOKE_SHAPES if smoke else {}))
 
 
@@ -159,7 +159,7 @@ def matmul_peak(device, dtype, n: int) -> float:
 
     import torch
 
-    serving = importlib.import_module("benchmarks.serving")
+    serving = importlib.import_module("benchmarks.lib.serving_bench")
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b
@@ -188,7 +188,7 @@ def section_profile(rep, sz: dict, ctx: dict) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    serving = importlib.import_module("benchmarks.serving")
+    serving = importlib.import_module("benchmarks.lib.serving_bench")
     device, dtype, smoke = ctx["device"], ctx["dtype"], ctx["smoke"]
     n_ctx, cuda = sz["profile_ctx"], device.type == "cuda"
     for name in sz["profile_variants"]:

@@ -11,7 +11,6 @@ Used by ``benchmarks/frontier.py`` (the loss-vs-cache-bytes frontier), ``benchma
 from __future__ import annotations
 
 import csv
-import json
 import os
 import signal
 import statistics
@@ -27,7 +26,7 @@ from benchmarks.harness.paths import TINYSTORIES
 
 __all__ = ["DATA", "DATA_CACHE", "REPO", "RUN_KEY", "TRAIN_FILES", "cache_bytes", "compare", "comparison_table",
            "data_args", "end_children", "final_train_loss", "last_val", "late_drop", "resume_key", "run_args",
-           "run_jobs", "run_key", "run_module", "save_study", "seed_table", "summarise", "train", "train_curve",
+           "run_jobs", "run_key", "run_module", "seed_table", "summarise", "train", "train_curve",
            "trained"]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -193,13 +192,6 @@ def data_args(data: Path, runs_dir: Path, *, tuning: bool, cache: Path = DATA_CA
         if not (tune / f).exists():
             (tune / f).symlink_to((data / f).resolve())
     return ["--data.path", str(tune), *cached]
-
-
-def save_study(out: Path, meta: dict, rows: list[dict]) -> None:
-    """Write a study's JSON through a temporary sibling (a killed study leaves the last complete file)."""
-    from models.checkpoint import atomic_write
-
-    atomic_write(out, lambda p: p.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1)))
 
 
 def run_jobs(todo: list, job: Callable, jobs: int, say: Callable[[str], None]) -> list | None:

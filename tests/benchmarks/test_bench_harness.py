@@ -65,12 +65,12 @@ def test_the_parser_checker_finds_a_hand_built_parser():
 
 
 def test_benchmark_parsers_are_built_in_one_place():
-    """Outside ``benchmarks/harness/`` (and the repository bootstrap ``benchmarks/_root.py``), no benchmark file builds
+    """Outside ``benchmarks/harness/``, no benchmark file builds
     an argparse parser, edits ``sys.path`` or rebuilds its command line from ``sys.argv``."""
     offenders = {}
     for path in sorted(BENCH.rglob("*.py")):
         rel = path.relative_to(BENCH)
-        if rel.parts[0] == "harness" or rel.name == "_root.py" or path.stem in PENDING_PORT:
+        if rel.parts[0] == "harness" or path.stem in PENDING_PORT:
             continue
         found = _own_parsers(ast.parse(path.read_text(), str(path)))
         if found:
@@ -103,28 +103,17 @@ def test_every_script_answers_help_and_a_bad_option_in_one_line(name, capsys):
     assert len(err) == 1 and err[0].startswith(f"{name}: error: "), err  # unknown option / a required one missing
 
 
-OLD_BOOTSTRAP = {"convert_smollm2", "convert_rope_split", "convert_mla", "distill_step_speed", "engines_vllm",
-                 "engines_vllm_plugin", "engine_serving", "serving"}
-"""Scripts that still import ``benchmarks/_root.py`` when run as a file (being rewritten elsewhere): the set only
-shrinks, and ``_root.py`` goes with its last entry."""
-
-
 def test_scripts_run_as_modules_without_a_path_bootstrap():
-    """``python -m benchmarks.X`` is the one way in: no script edits ``sys.path`` or imports ``_root`` (beyond
-    :data:`OLD_BOOTSTRAP`), and no ``# noqa: E402`` marks imports pushed below a bootstrap."""
+    """``python -m benchmarks.X`` is the one way in: no script edits ``sys.path`` or imports a bootstrap, and no
+    ``# noqa: E402`` marks imports pushed below one."""
     offenders = {}
     for path in sorted(BENCH.rglob("*.py")):
         text = path.read_text()
-        if path.name == "_root.py":
-            continue
-        if path.stem in OLD_BOOTSTRAP:
-            assert "import _root" in text, f"{path.name} no longer needs _root.py: take it off OLD_BOOTSTRAP"
-            continue
         found = [w for w in ("import _root", "noqa: E402", "python benchmarks/") if w in text]
         if found:
             offenders[str(path.relative_to(ROOT))] = found
     assert not offenders, offenders
-    assert (BENCH / "_root.py").exists() == bool(OLD_BOOTSTRAP)
+    assert not (BENCH / "_root.py").exists()
 
 
 def test_a_script_runs_as_a_module(tmp_path):

@@ -208,7 +208,7 @@ HOLD = """\
 import importlib.abc, os, pathlib, sys, threading
 class _Hold(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name == "benchmarks.serving" and "--child" in sys.argv:  # a section's process starts its work:
+        if name == "benchmarks.lib.serving_bench" and "--child" in sys.argv:  # a section's process starts its work:
             tmp = pathlib.Path({handshake!r} + ".tmp")              # say so (its pid), then wait there
             tmp.write_text(str(os.getpid()))
             tmp.rename({handshake!r})

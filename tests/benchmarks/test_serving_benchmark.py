@@ -18,27 +18,28 @@ def serving():
 
 
 def test_smoke_run_writes_the_capacity_and_kernel_tables(serving, tmp_path: Path):
-    out = tmp_path / "s.json"
+    out = tmp_path / "s"
     assert serving.main(["--smoke", "--variants", "MHA", "KVSplice-90", "--ctx", "24", "--steps", "1", "--out",
                          str(out), "--no-progress", "--kernel-splits", "2"]) == 0
-    report = json.loads(out.read_text())
-    cap = {(r["variant"], r["rows"]): r for r in report["capacity"]}
+    report = json.loads(out.with_suffix(".json").read_text())
+    section = {s: [r for r in report["rows"] if r["section"] == s] for s in ("capacity", "kernel")}
+    cap = {(r["variant"], r["rows"]): r for r in section["capacity"]}
     assert set(cap) == {("MHA", "float32"), ("MHA", "int8"), ("KVSplice-90", "float32"), ("KVSplice-90", "int8")}
     mha, ks = cap[("MHA", "float32")], cap[("KVSplice-90", "float32")]
     assert mha["bytes_per_seq"] == 2 * 25 * 2 * 64 * 4  # 2 layers x 25 tokens x (K + V of 4 x 16) x fp32
-    assert ks["max_batch"] == int(report["budget_gb"] * 1e9 // ks["bytes_per_seq"]) > mha["max_batch"]
+    assert ks["max_batch"] == int(report["settings"]["budget_gb"] * 1e9 // ks["bytes_per_seq"]) > mha["max_batch"]
     assert ks["batch_vs_mha"] == ks["max_batch"] / mha["max_batch"]
-    assert all(r["sdpa_ms"] > 0 and r["floor_ms"] > 0 for r in report["capacity"])
+    assert all(r["sdpa_ms"] > 0 and r["floor_ms"] > 0 for r in section["capacity"])
     kernel_runs = triton_missing_reason() is None
-    assert all(("split_kv_ms" in r) == kernel_runs for r in report["capacity"] + report["kernel"])
+    assert all(("split_kv_ms" in r) == kernel_runs for r in report["rows"])
     if kernel_runs:  # the kernel agrees with the eager path inside the benchmark too (fp32 on CPU)
-        assert all(r["max_abs_diff"] < 1e-4 and r["split_kv_s2_ms"] > 0 for r in report["kernel"])
+        assert all(r["max_abs_diff"] < 1e-4 and r["split_kv_s2_ms"] > 0 for r in section["kernel"])
     md = out.with_suffix(".md").read_text()
     assert "11,700" in md and "Smoke run" in md and "latent 26 int8" in md
 
 
 @pytest.mark.parametrize("argv, msg", [(["--smoke", "--ctx", "0"], "--ctx"),
-                                       (["--smoke", "--out", "x.txt"], "--out"),
+                                       (["--smoke", "--steps", "0"], "--steps"),
                                        (["--smoke", "--budget-gb", "-1"], "--budget-gb"),
                                        (["--smoke", "--variants", "GPT-5"], "--variants")])
 def test_bad_input_is_one_line(serving, capsys, argv, msg):

@@ -1,0 +1,192 @@
+"""The rows of ``benchmarks/smollm2_frontier.py`` (:func:`stack_rows`: id, protocol, spec) and the bench that measures
+one (:class:`Bench`: SmolLM2-135M-Instruct, its evaluation / tuning / kvpress windows and calibration statistics;
+every method family and stack, the planner's picks, transformers' own quantized caches)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import benchmarks.lib.smollm2_windows as C
+from kvsplice import build_method
+from kvsplice.evaluation.protocol import evaluate
+from kvsplice.hf.measure import cache_nbytes, continuation_logits
+from kvsplice.planning.search import selection
+from kvsplice.planning.spec import spec_label
+
+PROMPT = 768
+
+
+def stack_rows() -> list[tuple[str, str, dict]]:
+    """``(id, protocol, spec)`` in the order they run (the most informative first)."""
+    rows = [("full", "P", {}), ("int8", "P", {"store": "int8"})]
+    rows += [(f"kivi{b}_r{r}", "P", {"store": "kivi", "bits": b, "residual": r}) for b in (4, 2) for r in (128, 32)]
+    rows += [(f"plan_{x}x", "P", {"plan": x}) for x in (4, 8, 16)]
+    rows += [("lr_fisher_pre_x2", "P", {"store": "lowrank", "alloc": 2.0, "rope": "pre"}),
+             ("lr_kq_pre_r32", "P", {"store": "lowrank", "method": "gqa-concat", "rank": 32, "rope": "pre"}),
+             ("lr_fisher_post_x2", "P", {"store": "lowrank", "alloc": 2.0, "rope": "post"}),
+             ("lr_fisher_pre_x2_int8", "P", {"store": "lowrank", "alloc": 2.0, "rope": "pre", "cache_quant": "int8"}),
+             ("lr_fisher_pre_x1.5", "P", {"store": "lowrank", "alloc": 1.5, "rope": "pre"}),
+             ("joint_fisher_pre_x2", "P", {"store": "joint", "alloc": 2.0, "rope": "pre"})]
+    sels = ("snapkv", "observed_attention", "streaming_llm", "uniform", "knorm")
+    rows += [(f"{s}_x8", "P", {"selector": s, "x": 8}) for s in sels]
+    rows += [("S_full", "S", {})] + [(f"S_{s}_x8", "S", {"selector": s, "x": 8}) for s in sels]
+    rows += [(f"S_{s}_x{x}", "S", {"selector": s, "x": x}) for s in ("snapkv", "observed_attention") for x in (2, 4)]
+    obs = "observed_attention"
+    rows += [(f"{obs}_x{x}", "P", {"selector": obs, "x": x}) for x in (2, 4)]
+    rows += [("obs_x1.55_kivi4_r32", "P", {"selector": obs, "x": 768 / 496, "store": "kivi", "bits": 4, "residual": 32}),
+             ("obs_x2.57_kivi4_r128", "P", {"selector": obs, "x": 768 / 299, "store": "kivi", "bits": 4,
+                                            "residual": 128}),
+             ("obs_x4_int8", "P", {"selector": obs, "x": 4, "store": "int8"}),
+             ("obs_x8_int8", "P", {"selector": obs, "x": 8, "store": "int8"})]
+    rows += [(f"hf_quanto_int{b}", "P", {"hf_quant": "quanto", "nbits": b}) for b in (4, 2)]
+    rows += [("hf_fp8", "P", {"hf_quant": "fp8", "nbits": 8})]
+    rows += [("W_full", "W", {}), ("W_int8", "W", {"store": "int8"}),
+             ("W_kivi4_r128", "W", {"store": "kivi", "bits": 4, "residual": 128}),
+             ("W_lr_kq_pre_r32", "W", {"store": "lowrank", "method": "gqa-concat", "rank": 32, "rope": "pre"}),
+             ("W_lr_kq_post_r32", "W", {"store": "lowrank", "method": "gqa-concat", "rank": 32, "rope": "post"}),
+             ("W_lr_fisher_pre_x2", "W", {"store": "lowrank", "alloc": 2.0, "rope": "pre"}),
+             ("W_lr_fisher_pre_x1.5", "W", {"store": "lowrank", "alloc": 1.5, "rope": "pre"}),
+             ("W_joint_fisher_pre_x2", "W", {"store": "joint", "alloc": 2.0, "rope": "pre"}),
+             ("W_lr_kq_pre_r8", "W", {"store": "lowrank", "method": "gqa-concat", "rank": 8, "rope": "pre"}),
+             ("W_lr_kq_post_r8", "W", {"store": "lowrank", "method": "gqa-concat", "rank": 8, "rope": "post"})]
+    first = ("plan_", "lr_fisher_pre_x2", "W_full", "W_lr_fisher_pre_x2", "W_lr_kq_pre_r32", "W_lr_kq_post_r32",
+             "W_lr_kq_pre_r8", "W_lr_kq_post_r8", "joint_fisher_pre_x2", "W_joint", "S_full", "S_", "obs_")
+    rank = lambda r: next((i for i, f in enumerate(first) if r[0].startswith(f)), len(first))  # noqa: E731
+    return sorted(rows, key=rank)  # the goals' rows first (stable: the list's order otherwise)
+
+
+class Bench:
+    def __init__(self, threads: int) -> None:
+        torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        self.loaded = C.load()
+        self.model = self.loaded.model
+        self.eval = C.eval_windows(self.loaded)  # (4, 1024)
+        self.tune = C.tune_windows(self.loaded, 2)  # (2, 1024) of the train sample after the calibration tokens
+        self.s_windows = C.token_windows(self.loaded, C.VAL, 5 * 832, seq=832)  # (5, 832)
+        print(f"loaded in {time.perf_counter() - t0:.0f} s; eval {tuple(self.eval.shape)}, tune "
+              f"{tuple(self.tune.shape)}, S {tuple(self.s_windows.shape)}", flush=True)
+        self.stats, reused = C.stats(self.loaded)
+        self.bases: dict = {}
+
+    def lowrank_bases(self, spec: dict):
+        from kvsplice.lowrank.fits import fit_bases
+        from kvsplice.planning.search import lowrank_bases
+
+        method, rope = spec.get("method", "fisher"), spec.get("rope", "pre")
+        if "alloc" in spec and method == "fisher":
+            return lowrank_bases(self.stats, spec["alloc"], rope, self.bases)
+        key = (method, rope, spec.get("rank"), spec.get("alloc"))
+        if key not in self.bases:
+            if "alloc" in spec:
+                from kvsplice.lowrank.allocate import allocate_ranks
+
+                s = self.stats[rope]
+                n = round(2 * s.n_layer * s.n_kv_head * s.head_dim / spec["alloc"])
+                alloc = allocate_ranks(s, n, method)
+                self.bases[key] = fit_bases(s, method, ranks=alloc.ranks)
+            else:
+                self.bases[key] = fit_bases(self.stats[rope], method, rank=spec["rank"])
+        return self.bases[key]
+
+    def method_spec(self, spec: dict) -> dict:
+        """The method spec (:func:`kvsplice.build_method`) of a row's ``spec``: its store (dense / int8 / kivi /
+        lowrank with the row's bases), under its selector keeping ``1/x`` of the prompt."""
+        store = spec.get("store", "dense")
+        if store == "kivi":
+            ms = {"name": "kivi", "bits": spec.get("bits", 4), "residual": spec.get("residual", 128)}
+        elif store == "lowrank":
+            ms = {"name": "lowrank", "bases": self.lowrank_bases(spec), "cache_quant": spec.get("cache_quant")}
+        else:
+            ms = {"name": "dense", "cache_quant": "int8"} if store == "int8" else {"name": "dense"}
+        x = spec.get("x")
+        return ms if spec.get("selector") is None else selection(ms, spec["selector"], 1.0 if x is None else 1 / x)
+
+    def plan(self, ratio: float) -> tuple[dict, dict]:
+        from kvsplice.evaluation.protocol import full_bytes_per_token
+        from kvsplice.adapters import adapter_for
+        from kvsplice.planning.search import search
+
+        budget = full_bytes_per_token(adapter_for(self.model)) / ratio
+        # the frontier's plans: the perplexity objective over the attention selectors (what results/ holds; the
+        # planner's default since then — mixed objective, KVzip selectors — is measured by smollm2_tasks.py)
+        found = search(self.model, self.stats, self.tune, prompt_len=PROMPT, budget=budget, batch_size=2,
+                       log=lambda s: print(s, flush=True), objective="ppl",
+                       selectors=("snapkv", "observed_attention"))
+        return found["best"], {"candidates": found["candidates"], "selector": found["selector"],
+                                "tuning_full_ppl": found["full"]["tuning_ppl"]}
+
+    @torch.no_grad()
+    def hf_quantized(self, rid: str, spec: dict) -> dict:
+        """transformers' own ``QuantizedCache`` (its defaults: group 64, residual 128, axis 0) in the model's
+        forward on protocol P: prefill the prompt, decode the continuation one token at a time, score it. Bytes:
+        measured from the cache's tensors (quanto's packed data, scales and shifts) right after the prefill."""
+        import torch.nn.functional as F
+        from transformers.cache_utils import QuantizedCache
+
+        t0 = time.perf_counter()
+        total, n, held_bytes = 0.0, 0, 0
+        for ids in self.eval.split(4):
+            kw = {} if spec["hf_quant"] == "fp8" else {"nbits": spec["nbits"]}  # fp8: per tensor, no nbits
+            cache = QuantizedCache(spec["hf_quant"], config=self.model.config, **kw)
+            held: list[int] = []  # the bytes right after the prefill
+            lg = continuation_logits(self.model, cache, ids, PROMPT, decode_chunk=1,
+                                     after_prefill=lambda: held.append(cache_nbytes(cache))).float()
+            held_bytes += held[0]  # lg: (B, 256, V) vs the 256 continuation tokens
+            total += F.cross_entropy(lg.reshape(-1, lg.shape[-1]), ids[:, PROMPT:].reshape(-1), reduction="sum").item()
+            n += ids.shape[0] * (ids.shape[1] - PROMPT)
+        bpt = held_bytes / (self.eval.shape[0] * PROMPT)
+        import math
+
+        return {"id": rid, "protocol": "P", "spec": spec, "ppl": math.exp(total / n), "bytes_per_token": bpt,
+                "ratio_vs_fp16_full": 23040 / bpt, "seconds": time.perf_counter() - t0,
+                "label": f"transformers QuantizedCache({spec['hf_quant']}, {spec['nbits']}-bit; measured, fp32 "
+                         f"scales)", "note": "bytes measured from the cache's tensors after the prefill; its scales "
+                                             "and any full-precision states are at the model's fp32"}
+
+    def run(self, rid: str, proto: str, spec: dict) -> dict:
+        if "hf_quant" in spec:
+            return self.hf_quantized(rid, spec)
+        extra: dict = {}
+        if spec.get("store") == "joint":  # grouped-head joint latents: a method of its own, not a planner store
+            from kvsplice.lowrank.joint import JointLowRank, allocate_joint
+
+            s = self.stats[spec.get("rope", "pre")]
+            n = round(2 * s.n_layer * s.n_kv_head * s.head_dim / spec["alloc"])
+            jb = allocate_joint(s, n, spec.get("method", "fisher"))
+            windows = self.eval
+            prompt = 0 if proto == "W" else PROMPT
+            res = evaluate(self.model, JointLowRank(jb), windows, prompt_len=prompt, batch_size=4)
+            r = jb.ranks()
+            res.update({"id": rid, "protocol": proto, "spec": spec,
+                        "label": f"joint {spec.get('method', 'fisher')} {spec.get('rope', 'pre')}-RoPE allocated "
+                                 f"×{spec['alloc']:g}",
+                        "ranks": {"mean_k": sum(r["k"]) / len(r["k"]) / s.n_kv_head,
+                                  "mean_v": sum(r["v"]) / len(r["v"]) / s.n_kv_head, "k": r["k"], "v": r["v"],
+                                  "note": "per layer, all KV heads jointly; mean_k/v per KV head"}})
+            return res
+        if "plan" in spec:
+            ms, extra = self.plan(spec["plan"])
+        else:
+            ms = self.method_spec(spec) if spec else None
+        windows = self.s_windows if proto == "S" else self.eval
+        prompt = 0 if proto == "W" else PROMPT
+        method = None if ms is None else build_method(ms, prompt_len=prompt or windows.shape[1])
+        res = evaluate(self.model, method, windows, prompt_len=prompt, batch_size=4 if proto != "S" else 5)
+        res.update({"id": rid, "protocol": proto, "spec": spec, "label": "full K/V" if ms is None else spec_label(ms),
+                    **extra})
+        store = None if ms is None else ms.get("store", ms)
+        if spec.get("store") == "lowrank":
+            what = f"r{spec['rank']}" if "rank" in spec else f"allocated ×{spec['alloc']:g}"
+            lr = f"lowrank {spec.get('method', 'fisher')} {spec.get('rope', 'pre')}-RoPE {what}" + \
+                ("+int8" if spec.get("cache_quant") else "")
+            res["label"] = lr if ms["name"] != "token_selection" else f"{spec['selector']}×{1 / ms['keep']:.3g} + {lr}"
+        bases = None if store is None else store.get("bases")
+        if bases is not None:
+            r = bases.ranks()
+            k = [x for row in r["k"] for x in row]
+            v = [x for row in r["v"] for x in row]
+            res["ranks"] = {"mean_k": sum(k) / len(k), "mean_v": sum(v) / len(v), "k": r["k"], "v": r["v"]}
+        return res

@@ -1,0 +1,108 @@
+"""The runs of ``benchmarks/smollm2_tasks.py``: its settings (``benchmarks/studies/smollm2_tasks.yaml``), the
+planner's and the task evaluation's command lines, and the report of the finished instances (JSON and Markdown).
+:func:`use_work` points every path at another work folder."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Optional
+
+from benchmarks.harness.paths import CALIB, DATA, EVAL as STORIES, ROOT, SMOLLM2 as MODEL
+from benchmarks.harness.studies import load as load_study
+from kvsplice.planning.options import PLAN_CALIB_TOKENS
+
+WORK = ROOT / "checkpoints" / "smollm2_tasks"
+PLANS = WORK / "plans"
+
+SETTINGS = load_study("smollm2_tasks")  # benchmarks/studies/smollm2_tasks.yaml
+PPL_PLANNER: dict[str, str] = SETTINGS["ppl_planner"]  # the planner with --objective ppl (the frontier's picks)
+PLANNED: dict[str, list[str]] = SETTINGS["planned"]  # the planner's default picks: plan:PLANS/plan<name>.json
+SIZES: dict[str, dict] = SETTINGS["sizes"]  # --size NAME: methods, plans, tasks, lengths, instances per task
+
+
+def use_work(work: Path) -> None:
+    """Runs and plans under ``work`` from now on."""
+    global WORK, PLANS
+    WORK, PLANS = Path(work), Path(work) / "plans"
+
+
+def plan_path(name: str) -> Path:
+    return PLANS / f"plan{name}.json"
+
+
+def plans_of(cfg: dict, length: Optional[int] = None) -> list[str]:
+    """The plans ``cfg`` runs at ``length`` (every length's, then that length's own); every plan when ``length`` is
+    None."""
+    at = cfg.get("plans_at", {})
+    extra = [p for L, ps in at.items() if length is None or L == length for p in ps]
+    return [*cfg.get("plans", ()), *dict.fromkeys(extra)]
+
+
+def plan_argv(name: str) -> list[str]:
+    """The documented planner command for SmolLM2 with ``PLANNED[name]`` (its defaults: the mixed objective)."""
+    args = PLANNED[name]
+    tokens = args[args.index("--calib-tokens") + 1] if "--calib-tokens" in args else PLAN_CALIB_TOKENS
+    stats = PLANS / f"smol_stats_{tokens}.safetensors"  # one calibration per token count, shared by the plans
+    return ["--model", str(MODEL), "--calib", str(CALIB), "--calib-stats", str(stats), *args, "--out",
+            str(plan_path(name)), "--json", str(PLANS / f"plan{name}_report.json")]
+
+
+def protocol_p_argv(name: str) -> list[str]:
+    """Protocol P of the plan: 4 validation windows of 1,024 tokens, 768-token prompts compressed, 256 scored."""
+    return ["--model", str(MODEL), "--plan", str(plan_path(name)), "--data", str(STORIES), "--tokens", "4096",
+            "--seq-len", "1024", "--json", str(PLANS / f"plan{name}_P.json")]
+
+
+def model_for(size: str) -> str:
+    if size != "smoke":
+        return str(MODEL)
+    d = WORK / "s260k"
+    if not (d / "config.json").is_file():
+        from kvsplice.convert.llama2c import convert_llama2c
+
+        convert_llama2c(DATA / "stories260K" / "stories260K.bin", DATA / "stories260K" / "tok512.bin", d)
+    return str(d)
+
+
+def eval_argv(size: str, cfg: dict, length: int, out: Path, threads: int, progress: bool) -> list[str]:
+    plans = [str(plan_path(p)) for p in plans_of(cfg, length)]
+    methods = ["--method", *cfg["methods"]] if cfg["methods"] else []
+    return ["--model", model_for(size), "--stories", str(STORIES), *methods,
+            *(["--plan", *plans] if plans else []), "--tasks", *cfg["tasks"],
+            "--lengths", str(length), "--n", str(cfg["n"]), "--setting", cfg.get("setting", "both"),
+            "--threads", str(threads), "--out", str(out)] + ([] if progress else ["--no-progress"])
+
+
+def build_report(size: str, cfg: dict) -> tuple[dict, str]:
+    """The report of the finished lengths and the plans' evidence, and its Markdown."""
+    from kvsplice.tasks.report import markdown, summarize
+
+    report = {"size": size, "config": cfg, "model": model_for(size), "by_length": {}, "labels": {}}
+    md = [f"# Long-context tasks on {'stories260K (smoke)' if size == 'smoke' else 'SmolLM2-135M-Instruct'}", "",
+          f"`python -m benchmarks.smollm2_tasks --size {size}` — tasks {', '.join(cfg['tasks'])}; n = {cfg['n']} per "
+          f"task and length; greedy answers, exact match; fp32 on the CPU.", ""]
+    for L in cfg["lengths"]:
+        path = WORK / f"{size}_{L}.json"
+        if not path.is_file():
+            continue
+        doc = json.loads(path.read_text())
+        methods = ["full", *cfg["methods"], *(f"plan:{plan_path(p)}" for p in plans_of(cfg, L))]
+        summary = summarize(doc["results"], methods)
+        report["labels"].update(doc["methods"])
+        report["by_length"][str(L)] = {"summary": summary, "command": "kvsplice eval-tasks " + shlex.join(
+            eval_argv(size, cfg, L, path, 2, False))}
+        md += [f"## {L} tokens", "", markdown(summary, doc["methods"])]
+    for name in plans_of(cfg):  # the planner's evidence: its pick and every candidate, both metrics
+        if plan_path(name).is_file():
+            doc = json.loads(plan_path(name).read_text())
+            report.setdefault("plans", {})[name] = {k: doc.get(k) for k in (
+                "label", "spec", "budget", "objective", "tasks", "full", "chosen", "selector", "candidates")}
+            report["plans"][name]["command"] = "kvsplice plan " + shlex.join(plan_argv(name))
+            ppl_p = PLANS / f"plan{name}_P.json"
+            if ppl_p.is_file():
+                report["plans"][name]["protocol_P"] = json.loads(ppl_p.read_text())["results"][0]
+                report["plans"][name]["protocol_P_command"] = "kvsplice eval-bases " + shlex.join(
+                    protocol_p_argv(name))
+    return report, "\n".join(md)

@@ -178,13 +178,14 @@ def _self_data(opts: DistillOptions, source, max_steps, step_tokens: int,
     from training.self_text import SelfTextError, SelfTextOptions, self_text
 
     train_tokens = opts.self_tokens or (max_steps * step_tokens if max_steps else SELF_TOKENS_MINUTES)
-    opts = SelfTextOptions(tokens=tokens_needed(max(train_tokens, max(lengths) + 1), opts.val_tokens), seed=opts.seed)
+    text_opts = SelfTextOptions(tokens=tokens_needed(max(train_tokens, max(lengths) + 1), opts.val_tokens),
+                                seed=opts.seed)
     model = source.model
     if torch.cuda.is_available():
         model.cuda()
     try:
-        got = self_text(model, source.tokenizer, opts, cache_dir=opts.cache_dir, max_positions=source.max_positions,
-                        progress=opts.progress)
+        got = self_text(model, source.tokenizer, text_opts, cache_dir=opts.cache_dir,
+                        max_positions=source.max_positions, progress=opts.progress)
     except SelfTextError as e:
         raise UsageError(str(e)) from None
     finally:

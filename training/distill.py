@@ -215,6 +215,8 @@ def _fit(opts: DistillOptions, student, teacher, train: torch.Tensor, val: torch
     plan = place_run(opts.runs_dir, opts.run_name or f"distill-{Path(opts.model).name}", opts.ckpt_path,
                      opts.overwrite)
     try:
+        if plan.clear:  # --overwrite: the earlier run's checkpoints, curve and model folders go (not kept as -v1)
+            _clear_distill_run(plan.run_dir)
         for n in plan.notes if _rank_zero() else ():  # DDP processes use rank 0's folder
             print(f"note: {n}", file=sys.stderr)
         L.seed_everything(opts.seed, verbose=False)
@@ -259,6 +261,20 @@ def _fit(opts: DistillOptions, student, teacher, train: torch.Tensor, val: torch
     finally:
         plan.release()
     return 0
+
+
+def _clear_distill_run(run_dir: Path) -> None:
+    """Remove an earlier distill run's files from ``run_dir``: what :func:`training.rundir.clear_run_files` removes,
+    ``curve.csv`` and the model folders (``model/``, ``model-<M>min/``) it wrote."""
+    import shutil
+
+    from training.rundir import clear_run_files
+
+    clear_run_files(run_dir)
+    (run_dir / "curve.csv").unlink(missing_ok=True)
+    for folder in [run_dir / "model", *run_dir.glob("model-*min")]:
+        if folder.is_dir() and not folder.is_symlink() and (folder / "config.json").is_file():
+            shutil.rmtree(folder)
 
 
 def _rank_zero() -> bool:

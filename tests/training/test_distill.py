@@ -154,3 +154,18 @@ def test_distill_batch_beyond_memory_is_refused_before_allocating(pair, tmp_path
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("kvsplice distill: error: --batch-size: a step of 1000000") and "\n" not in err, err
     assert not any(tmp_path.iterdir())
+
+
+def test_distill_overwrite_replaces_the_earlier_run(pair, capsys):
+    """``--overwrite`` starts the run over in its folder: no ``last-v1.ckpt`` / ``best-...-v1`` beside the earlier
+    run's files, the curve and metrics of the new run only."""
+    src, _, root = pair
+    args = ["--model", src, "--loss", "lm", "--data", TRAIN, "--batch-size", 2, "--seq-len", 64, "--val-tokens", 256,
+            "--val-every", 1, "--runs-dir", root / "runs", "--run-name", "again", "--no-progress"]
+    assert distill.main([str(a) for a in args + ["--max-steps", 2]]) == 0, capsys.readouterr().err
+    assert distill.main([str(a) for a in args + ["--max-steps", 1, "--overwrite"]]) == 0, capsys.readouterr().err
+    run = root / "runs" / "again"
+    names = sorted(p.name for p in run.iterdir())
+    assert not [n for n in names if "-v1" in n], names
+    assert metric_steps(run, "train_lm") == [0]
+    assert len((run / "curve.csv").read_text().splitlines()) == 2  # the header and the one step of the new run

@@ -129,7 +129,7 @@ def summary(run, rows) -> dict:
 
 def markdown(run, rows) -> str:
     lines = [f"| model | ppl ({run['eval_tokens']:,} tokens) | greedy {run['greedy']} == ours "
-             "| KV bytes / token (f16) | = formula |", "|---|---|---|---|---|"]
+             "| KV bytes / token (f16 unless named) | = formula |", "|---|---|---|---|---|"]
     for r in rows:
         kb = r.get("kv_bytes_per_token")
         lines.append(f"| {r['name']} | {r['ppl']:.3f} | {'yes' if r['greedy_equal_to_ours'] else 'no'} | "

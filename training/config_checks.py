@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 from data.settings import check_settings
 from kvsplice.core.limits import check_threads, check_training_fits
+from models.compat import rename_old_keys
 from models.config import GPTConfig
 from training.checkpoint import CheckpointError, check_resume_file
 from training.lit import TrainingConfigError, check_schedule, check_training_options
@@ -80,7 +81,7 @@ def check_values(cfg: Any) -> None:
 def _model_config(model: dict) -> GPTConfig:
     """The :class:`GPTConfig` the ``model:`` section describes (an old key name is read as its new one and named
     in the error; the vocabulary, which the data sets later, at its default)."""
-    fields = {k: v for k, v in model.items() if k not in _TRAINING}
+    fields = rename_old_keys({k: v for k, v in model.items() if k not in _TRAINING}, "model", new_wins=True)
     try:
         with warnings.catch_warnings():  # an old name is read with a note later (note_old_model_keys)
             warnings.simplefilter("ignore", DeprecationWarning)

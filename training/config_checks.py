@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 from data.settings import check_settings
 from kvsplice.core.limits import check_threads, check_training_fits
-from models.compat import rename_old_keys
+from models.compat import OLD_NAMES, rename_old_keys
 from models.config import GPTConfig
 from training.checkpoint import CheckpointError, check_resume_file
 from training.lit import TrainingConfigError, check_schedule, check_training_options
@@ -81,13 +81,17 @@ def check_values(cfg: Any) -> None:
 def _model_config(model: dict) -> GPTConfig:
     """The :class:`GPTConfig` the ``model:`` section describes (an old key name is read as its new one and named
     in the error; the vocabulary, which the data sets later, at its default)."""
-    fields = rename_old_keys({k: v for k, v in model.items() if k not in _TRAINING}, "model", new_wins=True)
+    given = {k: v for k, v in model.items() if k not in _TRAINING}
     try:
         with warnings.catch_warnings():  # an old name is read with a note later (note_old_model_keys)
             warnings.simplefilter("ignore", DeprecationWarning)
-            return GPTConfig(**fields)
-    except (TypeError, ValueError) as e:  # "GPTConfig.kvsplice_keep must be ..." -> the CLI option's name
-        raise TrainingConfigError(str(e).replace("GPTConfig.", "model.", 1)) from None
+            return GPTConfig(**rename_old_keys(given, "model", new_wins=True))
+    except (TypeError, ValueError) as e:  # "GPTConfig.kvsplice_keep must be ..." -> the option as the user gave it
+        msg = str(e).replace("GPTConfig.", "model.", 1)
+        for old, new in OLD_NAMES.items():
+            if given.get(old) is not None and given.get(new) is None:
+                msg = msg.replace(f"model.{new}", f"model.{old}")
+        raise TrainingConfigError(msg) from None
 
 
 def _checkpoint_option(cfg: Any, key: str, option: str, given: Callable[[str], bool]) -> None:

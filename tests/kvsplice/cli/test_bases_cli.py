@@ -126,7 +126,7 @@ def test_fit_errors_are_one_line(s260k, tmp_path, capsys, monkeypatch):
     ]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cases.append((["--model", "someone/some-model-xyz", "--method", "kq", "--rank", 2, *FIT_SMALL, "--out", out],
-                  "convert_llama2c"))
+                  "kvsplice convert-llama2c"))
     for args, needle in cases:
         rc, _, err = run(fit_bases, args, capsys)
         assert rc == 2 and needle in one_error(err, "fit_bases"), (args, err)

@@ -222,7 +222,8 @@ def test_command_lines_check_a_spec_before_the_model_loads(tool, argv, needle, t
     import importlib
 
     main = importlib.import_module(f"kvsplice.cli.{tool}").main
-    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    (tmp_path / "x.txt").write_text("Once upon a time.\n")  # a text that exists: the spec is what is wrong
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("x.txt", str(tmp_path / "x.txt")) for a in argv]
     assert main(["--model", str(tmp_path / "no-such-model"), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"{prog_of(tool)}: error:") and needle in err[0], err

@@ -141,7 +141,9 @@ def writers(tmp_path_factory):
         bin_ = STORIES260K / "stories260K.bin"
         hf = llama2c.convert_llama2c(bin_, STORIES260K / "tok512.bin", d / "s260k")
         out["convert-llama2c"] = (convert_llama2c.main, convert_llama2c.PROG, llama2c.WRITER, [bin_])
-        out["to-mla"] = (to_mla.main, to_mla.PROG, llama_run.WRITER, ["--model", hf, "--calib", bin_])
+        text = d / "calib.txt"  # a text file: --calib is checked before the output folder
+        text.write_text("Once upon a time there was a cat.\n")
+        out["to-mla"] = (to_mla.main, to_mla.PROG, llama_run.WRITER, ["--model", hf, "--calib", text])
     return out
 
 

@@ -51,7 +51,8 @@ import torch
 
 from kvsplice.core.amounts import times_fewer as _ratio
 from kvsplice.core.limits import MAX_TEXT_TOKENS, check_fits, check_threads
-from kvsplice.io.cli import Parser, add_device_dtype, default_seq_len, device_dtype, first_line, pos_int, run_cli
+from kvsplice.io.cli import (Parser, UsageError, add_device_dtype, default_seq_len, device_dtype, first_line, pos_int,
+                             run_cli)
 from kvsplice.io.files import cache_file, output_file
 from kvsplice.io.write import write_json
 from kvsplice.lowrank.bases import BasesMismatchError, KVBases
@@ -397,6 +398,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     args = build_parser().parse_args(argv)
     if check_threads("--threads", args.threads):
         torch.set_num_threads(args.threads)
+    if args.uniform_ranks and args.energy is None:
+        raise UsageError("--uniform-ranks raises the ranks --energy chooses per head; give --energy (with --rank / "
+                         "--alloc-ratio every head already has one rank)")
     todo = jobs(args)
     inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--calib": args.calib,
               "--calib-stats": args.calib_stats}  # an existing stats file is an input

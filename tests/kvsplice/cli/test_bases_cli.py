@@ -123,6 +123,8 @@ def test_fit_errors_are_one_line(s260k, tmp_path, capsys, monkeypatch):
         (["--model", tmp_path / "no_model", "--method", "kq", "--rank", 2, *FIT_SMALL, "--out", out], "not found"),
         (["--model", tmp_path, "--method", "kq", "--rank", 2, *FIT_SMALL, "--out", out], "config.json"),
         (["--model", s260k, "--method", "kq", "--rank", 9, *FIT_SMALL, "--out", out], "head_dim 8"),
+        (["--model", s260k, "--method", "kq", "--rank", 2, "--uniform-ranks", *FIT_SMALL, "--out", out],
+         "--uniform-ranks raises the ranks --energy chooses"),  # an option that would do nothing
     ]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cases.append((["--model", "someone/some-model-xyz", "--method", "kq", "--rank", 2, *FIT_SMALL, "--out", out],

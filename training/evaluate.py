@@ -290,6 +290,12 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     except UsageError as e:
         raise UsageError(f"{e} ({PROG} --help lists the options)") from None
     _check_args(args)
+    from training.checkpoint import check_resume_file
+
+    for path in args.ckpt:  # every checkpoint refused before the first progress line
+        if not Path(path).is_file():
+            raise CheckpointError(f"checkpoint '{path}' does not exist (or is not a file)")
+        check_resume_file(path, "--ckpt")
     rows = []
     for path in args.ckpt:
         print(f"evaluating {path} ...", file=sys.stderr)

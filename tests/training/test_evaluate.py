@@ -76,14 +76,18 @@ def test_cache_bytes_agree_with_verify_memory(ckpts, tmp_path):
 def test_corrupt_and_missing_checkpoints_fail_clearly(ckpts, tmp_path, capsys):
     bad = tmp_path / "corrupt.ckpt"
     bad.write_bytes(b"\x00not a checkpoint" * 10)
-    for path, why in [(bad, "not a valid PyTorch checkpoint"), (tmp_path / "nope.ckpt", "does not exist")]:
+    for path, why in [(bad, "not a valid PyTorch checkpoint"), (tmp_path / "nope.ckpt", "does not exist"),
+                      (tmp_path, "does not exist (or is not a file)")]:
         assert evaluate.main(["--ckpt", str(path), *ARGS]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert err[-1].startswith("kvsplice evaluate: error: ") and why in err[-1]
+        assert err == [err[0]] and err[0].startswith("kvsplice evaluate: error: ") and why in err[0]  # the only line
     foreign = tmp_path / "foreign.ckpt"
     torch.save({"state_dict": {}, "hyper_parameters": {}}, foreign)
     assert evaluate.main(["--ckpt", str(foreign), *ARGS]) == 2
     assert "not a kvsplice training checkpoint" in capsys.readouterr().err
+    # a bad second checkpoint is refused before the first one is evaluated
+    assert evaluate.main(["--ckpt", str(ckpts["mha"][0]), "--ckpt", str(tmp_path / "nope.ckpt"), *ARGS]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[0].startswith("kvsplice evaluate: error: ")
 
 
 def test_cache_quant_reports_loss_through_both_caches(ckpts, tmp_path, capsys):

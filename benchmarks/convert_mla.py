@@ -66,8 +66,8 @@ def finetune(init: Path, config: str, steps: int, name: str, seed: int, work: Pa
 
 def to_mla(src: Path, out: Path, args: list[str], threads: int) -> Path:
     if not out.is_file():
-        run_module("kvsplice.to_mla", ["--model", str(src), *args, "--out", str(out), "--force", "--threads",
-                                       str(threads)], threads)
+        run_module("kvsplice.cli.main", ["to-mla", "--model", str(src), *args, "--out", str(out), "--force",
+                                         "--threads", str(threads)], threads)
     return out
 
 

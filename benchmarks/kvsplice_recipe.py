@@ -57,9 +57,9 @@ def insert_recipe(variant: str, seed: int, args, runs_dir: Path) -> Path:
     inserted = runs_dir / f"{variant}-s{seed}-ks{round(100 * (1 - ratio))}.ckpt"  # ks50 / ks90
     if not inserted.is_file():
         calib = args.data / TRAIN_FILES[0]
-        run_module("kvsplice.to_mla", ["--model", str(stage1 / "last.ckpt"), "--kvsplice-ratio", str(ratio),
-                                       "--calib", str(calib), "--calib-tokens", "65536", "--out", str(inserted),
-                                       "--force", "--threads", str(args.threads)], args.threads)
+        run_module("kvsplice.cli.main", ["to-mla", "--model", str(stage1 / "last.ckpt"), "--kvsplice-ratio", str(ratio),
+                                         "--calib", str(calib), "--calib-tokens", "65536", "--out", str(inserted),
+                                         "--force", "--threads", str(args.threads)], args.threads)
     name = f"{variant}-s{seed}"
     train(config, runs_dir, name, seed, half, args.threads,
           ["--model.init_from", str(inserted), "--model.warmup_steps", str(max(1, half // 20)), *stage_args])

@@ -19,6 +19,8 @@ TAUGHT = re.compile(r"python3?\s+-m\s+(kvsplice\b[\w.]*|training\.(?!fit\b)\w+)"
 """A command line that runs a kvsplice module, or a training module other than ``training.fit``."""
 SPAWNED = re.compile(r"""["']-m["'],\s*["'](kvsplice(?!\.cli\.main["'])[\w.]*|training\.(?!fit\b)\w+)["']""")
 """Code that starts such a module as a process (``[sys.executable, "-m", "kvsplice.generate", ...]``)."""
+RUN_MODULE = re.compile(r"""run_module\(\s*["'](kvsplice(?!\.cli\.main["'])[\w.]*|training\.(?!fit\b)\w+)["']""")
+"""The same through the benchmarks' ``run_module("kvsplice.to_mla", ...)``."""
 
 
 def old_forms(root: Path = REPO) -> list[str]:
@@ -27,7 +29,7 @@ def old_forms(root: Path = REPO) -> list[str]:
     files = sorted({p for pattern in SCANNED for p in root.glob(pattern) if p.is_file()})
     for path in files:
         text = path.read_text(encoding="utf-8")
-        for rx in (TAUGHT, SPAWNED):
+        for rx in (TAUGHT, SPAWNED, RUN_MODULE):
             for m in rx.finditer(text):
                 line = text.count("\n", 0, m.start()) + 1
                 hits.append((str(path.relative_to(root)), line, " ".join(m.group(0).split())))

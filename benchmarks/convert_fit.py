@@ -32,6 +32,7 @@ def options(p) -> None:
     p.add_argument("--minutes", type=float, default=None, help="distill minutes per conversion (0: none)")
     p.add_argument("--snapshots", type=float, nargs="+", default=None, help="distill snapshot minutes")
     p.add_argument("--self-tokens", dest="self_tokens", type=int, default=None, help="distill --self-tokens")
+    p.add_argument("--calib", default=None, help="to-mla --calib text (default: the TinyStories train sample)")
 
 
 def _source(run, work: Path) -> str:
@@ -54,7 +55,7 @@ def _kvsplice(run, cmd: list[str], done: Path) -> str:
 
 
 def _convert(run, src: str, folder: Path, ratio: float, refine: int, keep) -> str:
-    cmd = ["kvsplice", "to-mla", "--model", src, "--calib", str(CALIB), "--calib-tokens", str(run["calib_tokens"]),
+    cmd = ["kvsplice", "to-mla", "--model", src, "--calib", str(run.args.calib or CALIB), "--calib-tokens", str(run["calib_tokens"]),
            "--seq-len", str(run["seq_len"]), "--ratio", f"{ratio:g}", "--refine-steps", str(refine),
            *(["--kvsplice-keep", f"{keep:g}"] if keep else []), "--out", str(folder), "--json", str(folder) + ".json",
            "--no-progress", "--threads", str(run.args.threads)]

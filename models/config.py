@@ -290,7 +290,8 @@ class GPTConfig:
     def from_file(cls, path: Union[str, "os.PathLike[str]"], **overrides: Any) -> "GPTConfig":
         """The ``model:`` section of a training YAML (``configs/*.yaml`` or a run's ``config.yaml``) as a config.
 
-        Keys that are not GPTConfig fields (``learning_rate``, ``warmup_steps``, ``vocab_multiple``...) are ignored;
+        LitGPT's training options (:data:`TRAINING_KEYS`: ``learning_rate``, ``warmup_steps``...) are skipped; any other
+        key that is not a GPTConfig field is refused (a typo would otherwise run a default silently);
         a LightningCLI ``model: {class_path: ..., init_args: {...}}`` section is read from its ``init_args``.
         ``vocab_size`` is usually not in a training YAML (the CLI links it from the tokenizer): it then keeps the
         default unless given in ``overrides``, which replace any field.
@@ -318,6 +319,10 @@ class GPTConfig:
         if not isinstance(model, dict):
             raise ValueError(f"{p}: no 'model:' section with GPTConfig fields")
         names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in model if k not in names and k not in TRAINING_KEYS and k not in OLD_NAMES)
+        if unknown:
+            raise ValueError(f"{p}: model.{unknown[0]} is not a model field nor a training option (fields: "
+                             f"{', '.join(sorted(names))})")
         for old in OLD_NAMES:
             if old in model:
                 warnings.warn(f"{p}: {old_name_note(old, model[old])}", FutureWarning, stacklevel=2)
@@ -339,6 +344,10 @@ class GPTConfig:
         """
         return cls.from_file(config_path(name), **overrides)
 
+
+TRAINING_KEYS = ("vocab_multiple", "learning_rate", "weight_decay", "betas", "eps", "warmup_steps", "min_lr_ratio",
+                 "init_from", "optimizer_impl", "compile", "splice_lr_mult")
+"""LitGPT's own options in a training YAML's flat ``model:`` section (every other key is a :class:`GPTConfig` field)."""
 
 PRESETS = ("gpt2", "gpt2_gqa4", "gpt2_mqa", "mla", "mla_kvsplice_50", "mla_kvsplice_70", "mla_kvsplice_90")
 """The GPT-2 124M configs (12 layers, 12 heads, d_model 768, block 1024, d_latent 256): MHA, GQA with 4 KV heads and

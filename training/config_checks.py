@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 from data.settings import check_settings
 from kvsplice.core.limits import check_threads, check_training_fits
 from models.compat import OLD_NAMES, rename_old_keys
-from models.config import GPTConfig
+from models.config import TRAINING_KEYS, GPTConfig
 from training.checkpoint import CheckpointError, check_resume_file
 from training.lit import TrainingConfigError, check_schedule, check_training_options
 from training.rundir import CLIConfigError
@@ -25,9 +25,6 @@ __all__ = ["check_parsed_config", "check_values", "shorten_schedule", "training_
 
 _SEED_MAX = 2**32 - 1
 _DATA_SETTINGS = tuple(inspect.signature(check_settings).parameters)
-#: LitGPT's own options in the flat ``model:`` section (the rest are :class:`models.GPTConfig`'s fields).
-_TRAINING = ("vocab_multiple", "learning_rate", "weight_decay", "betas", "eps", "warmup_steps", "min_lr_ratio",
-             "init_from", "optimizer_impl", "compile", "splice_lr_mult")
 
 
 def shorten_schedule(warmup_steps: int, max_steps: int, warmup_explicit: bool) -> tuple[int, Optional[str]]:
@@ -81,7 +78,7 @@ def check_values(cfg: Any) -> None:
 def _model_config(model: dict) -> GPTConfig:
     """The :class:`GPTConfig` the ``model:`` section describes (an old key name is read as its new one and named
     in the error; the vocabulary, which the data sets later, at its default)."""
-    given = {k: v for k, v in model.items() if k not in _TRAINING}
+    given = {k: v for k, v in model.items() if k not in TRAINING_KEYS}
     try:
         with warnings.catch_warnings():  # an old name is read with a note later (note_old_model_keys)
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -119,7 +116,7 @@ def check_parsed_config(cfg: Any, given: Callable[[str], bool]) -> None:
         return
     model_d, data_d = dict(model.items()), dict(data.items())
     _model_config(model_d)
-    check_training_options(**{k: model_d[k] for k in _TRAINING if k in model_d})
+    check_training_options(**{k: model_d[k] for k in TRAINING_KEYS if k in model_d})
     check_settings(**{k: data_d.get(k) for k in _DATA_SETTINGS})
     max_steps = trainer.get("max_steps")
     warmup, _ = shorten_schedule(int(model_d.get("warmup_steps", 0)), max_steps, given("--model.warmup_steps"))

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from kvsplice.core.limits import MAX_LEARNING_RATE
 from kvsplice.io.cli import pos_int
 from kvsplice.io.options import opt
 from training.lit_distill import LOSSES, TRAINABLE
@@ -96,6 +97,9 @@ class DistillOptions:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not (value > 0 and math.isfinite(value))):
                 raise ValueError(f"{option} must be a finite number > 0, got {value}")
+        if self.lr > MAX_LEARNING_RATE:
+            raise ValueError(f"--lr {self.lr:g} is above {MAX_LEARNING_RATE:g}: every step would move each weight by "
+                             f"more than its size (usual: 1e-5 to 1e-2)")
         if self.temperature is not None and self.loss != "kl":
             raise ValueError(f"--temperature is the KL's; with --loss {self.loss} it does nothing (leave it out, or "
                              f"use --loss kl)")

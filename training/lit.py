@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
+from kvsplice.core.limits import MAX_LEARNING_RATE
 from models.compat import OLD_NAMES, rename_old_keys
 from models.config import GPTConfig
 from models.gpt import GPT
@@ -364,6 +365,9 @@ def check_training_options(*, vocab_multiple: int, learning_rate: float, weight_
         raise TrainingConfigError(f"model.vocab_multiple must be >= 1, got {vocab_multiple}")
     if not learning_rate > 0 or not math.isfinite(learning_rate):
         raise TrainingConfigError(f"model.learning_rate must be a finite number > 0, got {learning_rate}")
+    if learning_rate > MAX_LEARNING_RATE:
+        raise TrainingConfigError(f"model.learning_rate {learning_rate:g} is above {MAX_LEARNING_RATE:g}: every step "
+                                  f"would move each weight by more than its size (usual: 1e-5 to 1e-2)")
     if not weight_decay >= 0:
         raise TrainingConfigError(f"model.weight_decay must be >= 0, got {weight_decay}")
     if warmup_steps < 0:

@@ -13,9 +13,13 @@ from typing import Any, Optional
 
 from kvsplice.core.args import MAX_TOKENS
 
-__all__ = ["MAX_TEXT_TOKENS", "MAX_TOKENS", "available_bytes", "check_count", "check_fits", "check_number",
+__all__ = ["MAX_LEARNING_RATE", "MAX_TEXT_TOKENS", "MAX_TOKENS", "available_bytes", "check_count", "check_fits", "check_number",
            "check_text_tokens", "check_threads", "check_training_fits", "cpu_count", "fmt_bytes", "gpt_run_bytes",
            "text_token_bound"]
+
+MAX_LEARNING_RATE = 1.0
+"""The largest learning rate a run accepts: an AdamW step of more than 1 per unit gradient moves every weight by
+about its own size and the run diverges at the first step (the usual range is 1e-5 to 1e-2)."""
 
 MAX_TEXT_TOKENS = 1 << 24
 """The most tokens of calibration / evaluation text one run tokenises and holds (16,777,216: far more than a fit

@@ -48,6 +48,9 @@ from models.checkpoint import remove_stale_temp_files
 
 __all__ = ["cache_file", "out_and_json", "output_file"]
 
+WEIGHT_SUFFIXES = (".safetensors", ".ckpt", ".gguf", ".pt", ".pth", ".bin")
+"""Names a JSON report is never written to: a reader of weights would find text (``--json plan.safetensors``)."""
+
 
 def _regular_or_new(given: Path, path: Path, option: str, value: PathArg) -> None:
     """A file output is a new name or a regular file: a symlink is refused (writing would replace the link, or the
@@ -79,6 +82,8 @@ def output_file(value: PathArg, *, force: bool, option: str = "--out", inputs: I
     path = resolve_path(value, option)
     if path.is_dir():
         raise UsageError(f"{option} {value} is a directory")
+    if option == "--json" and path.suffix.lower() in WEIGHT_SUFFIXES:
+        raise UsageError(f"{option} {value}: a JSON report named as weights ({path.suffix}); give a .json name")
     sources = command_inputs(inputs)
     for what, src in sources:
         if same_file(path, src):

@@ -385,3 +385,14 @@ def test_sdpa_zero_pads_odd_head_sizes_exactly():
                                atol=1e-6, rtol=0)
     with pytest.raises(AssertionError):  # the test can fail: a wrong scale is visible
         torch.testing.assert_close(sdpa(q, k, v, scale=0.3, pad_to=8), sdpa(q, k, v, scale=0.2), atol=1e-6, rtol=0)
+
+
+def test_config_from_file_refuses_unknown_model_key(tmp_path):
+    """A misspelt ``model:`` key is refused by name (it used to be ignored: the default ran silently); LitGPT's
+    training options in the same section are still read past."""
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  n_layer: 2\n  n_head: 2\n  d_model: 64\n  learning_rate: 0.001\n  blok_size: 128\n")
+    with pytest.raises(ValueError, match="model.blok_size is not a model field"):
+        GPTConfig.from_file(p)
+    p.write_text("model:\n  n_layer: 2\n  n_head: 2\n  d_model: 64\n  learning_rate: 0.001\n  block_size: 128\n")
+    assert GPTConfig.from_file(p).block_size == 128

@@ -46,6 +46,7 @@ def test_a_good_config_passes():
     (_cfg(model={"n_head": 3}), TrainingConfigError, "model.d_model must be divisible by n_head=3"),
     (_cfg(model={"kvsplice_ratio": 0.5}), TrainingConfigError, "model.kvsplice_ratio must be None unless"),
     (_cfg(model={"learning_rate": float("inf")}), TrainingConfigError, "model.learning_rate"),
+    (_cfg(model={"learning_rate": 50.0}), TrainingConfigError, "model.learning_rate 50 is above 1"),
     (_cfg(trainer={"max_steps": -1}), TrainingConfigError, "trainer.max_steps must be set"),
     (_cfg(model={"d_model": 65536, "n_head": 1, "n_layer": 4096}), ValueError, "more than the"),
     (_cfg(torch_threads=10**6), ValueError, "--torch_threads must be <="),

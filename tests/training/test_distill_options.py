@@ -32,6 +32,7 @@ def no_loading(monkeypatch):
     (["--lr", "0"], "argument --lr: must be a finite number > 0, got 0"),
     (["--lr", "inf"], "argument --lr: must be a finite number > 0"),
     (["--lr", "nan"], "argument --lr: must be a finite number > 0"),
+    (["--lr", "1e12"], "--lr 1e+12 is above 1: every step would move each weight by more than its size"),
     (["--loss", "lm", "--temperature", "2"], "--temperature is the KL's; with --loss lm it does nothing"),
     (["--loss", "lm", "--data", "x.txt", "--self-tokens", "100"], "--self-tokens sizes / places the teacher's own"),
     (["--loss", "lm", "--data", "x.txt", "--cache-dir", "c"], "--cache-dir sizes / places the teacher's own text"),

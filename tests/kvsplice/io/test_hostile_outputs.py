@@ -211,3 +211,12 @@ def test_a_claim_file_planted_beside_an_output_is_never_written_through(tmp_path
     assert victim.read_text() == "precious" and (mark.is_symlink() if kind == "symlink" else mark.exists())
     with pytest.raises(UsageError, match="not a claim file a run made"):
         output_dir(tmp_path / "r.json", force=False)
+
+
+@pytest.mark.parametrize("name", ["plan.safetensors", "r.CKPT", "m.gguf"])
+def test_a_json_report_named_as_weights_is_refused(tmp_path, name):
+    """``--json x.safetensors`` wrote JSON text under a weights name (a loader then failed on it far away)."""
+    with pytest.raises(UsageError, match="a JSON report named as weights"):
+        output_file(tmp_path / name, force=True, option="--json")
+    assert not (tmp_path / name).exists()
+    assert output_file(tmp_path / "r.json", force=False, option="--json") == (tmp_path / "r.json").resolve()

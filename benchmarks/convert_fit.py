@@ -55,8 +55,8 @@ def _kvsplice(run, cmd: list[str], done: Path) -> str:
 
 
 def _convert(run, src: str, folder: Path, ratio: float, refine: int, keep) -> str:
-    cmd = ["kvsplice", "to-mla", "--model", src, "--calib", str(run.args.calib or CALIB), "--calib-tokens", str(run["calib_tokens"]),
-           "--seq-len", str(run["seq_len"]), "--ratio", f"{ratio:g}", "--refine-steps", str(refine),
+    cmd = ["kvsplice", "to-mla", "--model", src, "--calib", str(run.args.calib or CALIB),
+           "--calib-tokens", str(run["calib_tokens"]), "--seq-len", str(run["seq_len"]), "--ratio", f"{ratio:g}", "--refine-steps", str(refine),
            *(["--kvsplice-keep", f"{keep:g}"] if keep else []), "--out", str(folder), "--json", str(folder) + ".json",
            "--no-progress", "--threads", str(run.args.threads)]
     return _kvsplice(run, cmd, folder / "config.json")

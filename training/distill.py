@@ -8,7 +8,7 @@ that separates recovering from the conversion from adapting to the text.
         [--trainable all|attention] [--loss kl|lm] [--lr 2e-4] [--devices N] [--precision 32|bf16-mixed] \\
         [--run-name NAME] [--runs-dir checkpoints] [--ckpt-path last] [--overwrite] [--no-progress]
 
-Data: without ``--data`` the teacher writes the text (:mod:`training.self_text`: diverse prompts, sampled once and
+Data: without ``--data`` the teacher writes the text (:mod:`kvsplice.loading.self_text`: diverse prompts, sampled once and
 cached; the first ``--val-tokens`` are held out); ``--data TEXT`` trains on a file as before (its last
 ``--val-tokens`` held out). Windows alternate 1,024 and 2,048 tokens by step within the model's positions
 (:mod:`training.distill_data`), ``--batch-size`` windows of the first length per step (the same tokens every step).
@@ -173,9 +173,9 @@ def _text_data(opts: DistillOptions, student, max_steps, step_tokens: int,
 
 def _self_data(opts: DistillOptions, source, max_steps, step_tokens: int,
                lengths) -> tuple[torch.Tensor, torch.Tensor]:
-    """No ``--data``: the source's own text (:mod:`training.self_text`; ``source`` is the teacher, or the model
+    """No ``--data``: the source's own text (:mod:`kvsplice.loading.self_text`; ``source`` is the teacher, or the model
     itself for ``--loss lm``); the first ``--val-tokens`` are held out, the same for every corpus length."""
-    from training.self_text import SelfTextError, SelfTextOptions, self_text
+    from kvsplice.loading.self_text import SelfTextError, SelfTextOptions, self_text
 
     train_tokens = opts.self_tokens or (max_steps * step_tokens if max_steps else SELF_TOKENS_MINUTES)
     text_opts = SelfTextOptions(tokens=tokens_needed(max(train_tokens, max(lengths) + 1), opts.val_tokens),

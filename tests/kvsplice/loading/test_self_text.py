@@ -1,4 +1,4 @@
-"""``training.self_text``: stories260K (a transformers Llama) writes its own text from the built-in prompts; the corpus
+"""``kvsplice.loading.self_text``: stories260K (a transformers Llama) writes its own text from the built-in prompts; the corpus
 is cached, read back without generating, extended as a continuation, keyed by the sampling settings; a model that
 cannot generate is refused in one line."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.self_prompts import PROMPTS, UNCONDITIONAL, prompt_list
-from training.self_text import SelfTextError, SelfTextOptions, cache_key, default_cache_dir, self_text
+from kvsplice.loading.self_prompts import PROMPTS, UNCONDITIONAL, prompt_list
+from kvsplice.loading.self_text import SelfTextError, SelfTextOptions, cache_key, default_cache_dir, self_text
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
 STORIES = DATA / "stories260K"
 
 

@@ -2,7 +2,7 @@
 
 Fine-tuning a converted model on one domain (TinyStories) adapts it to that domain instead of recovering the source:
 perplexity on other prose got worse. Text the source writes itself from short prompts across domains
-(:mod:`training.self_prompts`) carries no domain to adapt to, and the KL to the source is measured where the source
+(:mod:`kvsplice.loading.self_prompts`) carries no domain to adapt to, and the KL to the source is measured where the source
 puts its probability mass. Generation is transformers' ``generate`` (batched, left-padded; nucleus sampling, seeded
 per batch so the corpus is the same on every machine state) and is paid once: the ids are cached as safetensors under
 ``--cache-dir`` (default ``$XDG_CACHE_HOME/kvsplice/self_text`` or ``~/.cache/kvsplice/self_text``), keyed by the
@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from training.self_prompts import prompt_list
+from kvsplice.loading.self_prompts import prompt_list
 
 __all__ = ["SelfText", "SelfTextError", "SelfTextOptions", "cache_key", "default_cache_dir", "self_text"]
 

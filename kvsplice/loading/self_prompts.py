@@ -1,5 +1,5 @@
 """Short prompts across domains that ``kvsplice distill`` hands the source model to write its own fine-tuning text
-(:mod:`training.self_text`): varied openings so the continuations cover what the model does, not one domain.
+(:mod:`kvsplice.loading.self_text`): varied openings so the continuations cover what the model does, not one domain.
 Plain openings, no chat template; :data:`UNCONDITIONAL` marks a start from the tokenizer's separator alone."""
 
 from __future__ import annotations

@@ -38,6 +38,9 @@ from kvsplice.io.interrupt import quiet_interrupts_while_importing
 PROG = "kvsplice to-mla"
 CALIB_TOKENS = 65536
 """``--calib-tokens`` when not given."""
+SELF_CALIB_TOKENS = 16384
+"""``--calib-tokens`` when not given with ``--calib self`` (the source writes them: ~40 tokens/s on one CPU core for
+a 135M model, once; then read from the cache)."""
 quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
 
 import argparse
@@ -133,9 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kvsplice-init", choices=("pca", "random"), default="pca",
                    help="compress init: top principal directions of the calibration latents, or random orthogonal")
     p.add_argument("--calib", default=None, help="calibration text (.txt/.json/.jsonl or folder): activation-aware "
-                   "conversion and the KVSplice PCA init")
+                   "conversion and the KVSplice PCA init; Llama family: 'self' is the source's own text (sampled once "
+                   "from prompts across domains and cached, as kvsplice distill's; keeps other prose and retrieval "
+                   "where one domain's text loses them, docs/conversion.md)")
     p.add_argument("--calib-tokens", type=pos_int, default=None, help=f"calibration tokens (default {CALIB_TOKENS}, "
-                   f"or the whole text if shorter; at most {MAX_TEXT_TOKENS} and what --calib can give)")
+                   f"{SELF_CALIB_TOKENS} with --calib self, or the whole text if shorter; at most {MAX_TEXT_TOKENS} "
+                   f"and what --calib can give)")
     p.add_argument("--seq-len", type=pos_int, default=None, help="calibration window (default: the model's context, at "
                    "most 1024; Llama family: at most 2048)")
     p.add_argument("--batch-size", type=pos_int, default=8)
@@ -242,10 +248,16 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     args = build_parser().parse_args(argv)
     keep_note(args)
     apply_threads(args)
+    from kvsplice.core.limits import check_count
     from kvsplice.loading import text_tokens
+    from kvsplice.loading.self_text import SELF
 
-    args.calib_tokens = text_tokens("--calib-tokens", args.calib_tokens, CALIB_TOKENS, args.calib,
-                                    text_option="calib")  # before the model loads
+    if args.calib == SELF:  # the source writes it: bounded here, generated after the model loads
+        args.calib_tokens = check_count("--calib-tokens", SELF_CALIB_TOKENS if args.calib_tokens is None
+                                        else args.calib_tokens, hi=MAX_TEXT_TOKENS)
+    else:
+        args.calib_tokens = text_tokens("--calib-tokens", args.calib_tokens, CALIB_TOKENS, args.calib,
+                                        text_option="calib")  # before the model loads
     from kvsplice.convert.llama_run import is_llama_source, run_llama
 
     if is_llama_source(args.model):  # Llama family -> decoupled-RoPE MLA (kvsplice.convert.llama_mla)
@@ -257,6 +269,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             raise UsageError(f"--{opt.replace('_', '-')} is for Llama-family models; --model {args.model} is not one")
     if args.format != "native":
         raise UsageError("--format deepseek_v3 is for Llama-family models (shared RoPE layout)")
+    if args.calib == SELF:
+        raise UsageError(f"--calib self is the source's own text, written by a Llama-family model; --model "
+                         f"{args.model} is not one: give --calib TEXT")
     if args.d_latent is not None:
         args.d_latent = _gpt_latent(args.d_latent)
     out_path, json_path = out_and_json(args.out, args.json, force=args.force,

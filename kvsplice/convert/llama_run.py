@@ -53,14 +53,23 @@ def _rope_dims(args: argparse.Namespace, head_dim: int) -> int:
     return n
 
 
-def _calibration(args: argparse.Namespace, tokenizer, max_positions):
+def _calibration(args: argparse.Namespace, model, tokenizer, max_positions, progress: bool):
+    """Calibration batches ``(B, T)`` of ``--calib``: a text, or (``self``) the source's own text."""
     from kvsplice.loading import iter_texts, token_stream
+    from kvsplice.loading.self_text import SELF, SelfTextError, SelfTextOptions, self_text
     from kvsplice.lowrank.calibrate import calibration_batches
 
     seq_len = args.seq_len or default_seq_len(max_positions, cap=CALIB_SEQ_LEN)
     if max_positions and seq_len > max_positions:
         raise UsageError(f"--seq-len {seq_len} exceeds the model's {max_positions} positions")
-    ids, _ = token_stream(iter_texts(args.calib, option="calib"), tokenizer, args.calib_tokens)
+    if args.calib == SELF:
+        try:
+            ids = self_text(model, tokenizer, SelfTextOptions(tokens=args.calib_tokens), max_positions=max_positions,
+                            progress=progress).ids  # (calib_tokens,)
+        except SelfTextError as e:
+            raise UsageError(f"--calib self: {e}") from None
+    else:
+        ids, _ = token_stream(iter_texts(args.calib, option="calib"), tokenizer, args.calib_tokens)
     if ids.numel() < seq_len:
         raise UsageError(f"--calib {args.calib}: only {ids.numel()} tokens, fewer than --seq-len {seq_len}")
     return calibration_batches(ids, seq_len, args.batch_size, max_tokens=args.calib_tokens)
@@ -91,6 +100,7 @@ def run_llama(args: argparse.Namespace) -> int:
     from kvsplice.convert.llama_mla import (FitOptions, calibrate_layers, convert_llama, full_latent, latent_gram,
                                             refine_layers, shrink_latent)
     from kvsplice.loading import load_model
+    from kvsplice.loading.self_text import SELF
     from kvsplice.io.files import output_file
     from kvsplice.io.folders import output_dir, write_dir
     from kvsplice.io.write import disk_errors, write_json
@@ -104,7 +114,8 @@ def run_llama(args: argparse.Namespace) -> int:
         if args.rope_layout == "per-head":
             raise UsageError("--ratio converts to the shared RoPE layout (DeepSeek-V3's); leave out --rope-layout")
     args.rope_layout = args.rope_layout or ("shared" if args.ratio is not None else "per-head")
-    inputs = {"--model": args.model, "--calib": args.calib, "--tokenizer": args.tokenizer}
+    calib = None if args.calib == SELF else args.calib  # the source's own text is no file
+    inputs = {"--model": args.model, "--calib": calib, "--tokenizer": args.tokenizer}
     out = output_dir(args.out, force=args.force, inputs=inputs, owned=(), writer=WRITER)
     json_path = output_file(args.json, force=args.force, option="--json", inputs=inputs,
                             outputs={"--out": out}) if args.json else None
@@ -135,11 +146,14 @@ def run_llama(args: argparse.Namespace) -> int:
                          "--latent-norm out (the export writes the norm in its linear regime, the norm-free model) "
                          "or fine-tune a --latent-norm native folder first")
     if not args.calib and not export_only:
-        raise UsageError("converting a Llama-family model needs --calib TEXT (the RoPE split and the latent come "
-                         "from calibration activations)")
+        raise UsageError("converting a Llama-family model needs --calib TEXT or --calib self (the RoPE split and "
+                         "the latent come from calibration activations)")
     if converted and args.kvsplice_keep is not None:
         _check_keep(args, model.cfg.d_latent)
-    batches = [] if export_only else _calibration(args, tok, loaded.max_positions)
+    if args.calib == SELF and converted and not export_only:
+        raise UsageError(f"--calib self is the source's own text; --model {args.model} is a converted model: give "
+                         f"--calib TEXT")
+    batches = [] if export_only else _calibration(args, model, tok, loaded.max_positions, progress)
     report: dict[str, Any] = {"source": str(args.model), "calibration_source": args.calib,
                               "calibration_tokens": sum(b.numel() for b in batches)}
     if converted:

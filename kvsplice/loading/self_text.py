@@ -1,4 +1,5 @@
-"""The source model's own text: ``kvsplice distill``'s default training data, sampled once and cached.
+"""The source model's own text: ``kvsplice distill``'s default training data and ``kvsplice to-mla --calib self``'s
+calibration text, sampled once and cached (the two share one corpus per teacher).
 
 Fine-tuning a converted model on one domain (TinyStories) adapts it to that domain instead of recovering the source:
 perplexity on other prose got worse. Text the source writes itself from short prompts across domains
@@ -26,7 +27,10 @@ import torch
 
 from kvsplice.loading.self_prompts import prompt_list
 
-__all__ = ["SelfText", "SelfTextError", "SelfTextOptions", "cache_key", "default_cache_dir", "self_text"]
+__all__ = ["SELF", "SelfText", "SelfTextError", "SelfTextOptions", "cache_key", "default_cache_dir", "self_text"]
+
+SELF = "self"
+"""The value of a text option naming this corpus instead of a file (``kvsplice to-mla --calib self``)."""
 
 FORMAT = 1  # bump when the corpus a key names changes
 

@@ -218,3 +218,31 @@ def test_cli_both_keep_spellings_are_refused_not_one_dropped(tmp_path, capsys):
                                         "0.25", "--out", str(tmp_path / "o")], capsys)
     one_error(rc, err, "kvsplice to-mla", "not allowed with")
     assert not (tmp_path / "o").exists()
+
+
+def test_cli_calib_self_calibrates_on_the_sources_own_text_sampled_once(s260k, tmp_path, capsys, monkeypatch):
+    """``--calib self``: the source writes its calibration text (no file given), cached where ``kvsplice distill``
+    caches it; a second conversion reads the cache (the file is not rewritten) and gives the same model."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    argv = ["--model", str(s260k), "--calib", "self", "--calib-tokens", "512", "--seq-len", "128", "--ratio", "2",
+            "--refine-steps", "2", "--no-progress"]
+    assert to_mla.main(argv + ["--out", str(tmp_path / "a"), "--json", str(tmp_path / "a.json")]) == 0
+    corpus = list((tmp_path / "cache" / "kvsplice" / "self_text").glob("self-*.safetensors"))
+    assert len(corpus) == 1
+    rep = json.loads((tmp_path / "a.json").read_text())
+    assert rep["calibration_source"] == "self" and rep["calibration_tokens"] == 512
+    written = corpus[0].stat().st_mtime_ns
+    assert to_mla.main(argv + ["--out", str(tmp_path / "b")]) == 0
+    assert corpus[0].stat().st_mtime_ns == written
+    a, b = load_model(str(tmp_path / "a")).model, load_model(str(tmp_path / "b")).model
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_cli_calib_self_needs_a_source_that_writes(tmp_path, capsys):
+    from hostile import tiny_ckpt
+
+    ckpt = tiny_ckpt(tmp_path / "t.ckpt", tmp_path / "c")
+    rc, _, err = run_tool(to_mla.main, ["--model", str(ckpt), "--calib", "self", "--d-latent", "8",
+                                        "--out", str(tmp_path / "o.ckpt")], capsys)
+    one_error(rc, err, "kvsplice to-mla", "--calib self is the source's own text")
+    assert not (tmp_path / "o.ckpt").exists()

@@ -7,10 +7,23 @@ from kvsplice.io.interrupt import quiet_interrupts_while_importing
 PROG = "kvsplice convert-llama2c"
 quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
 
+import argparse
 import sys
 
-from kvsplice.convert.llama2c import Llama2cFormatError, _convert
-from kvsplice.io.cli import Parser, add_output_options, run_cli
+from kvsplice.convert.llama2c import Llama2cFormatError, Llama2cOptions, convert_options
+from kvsplice.io.cli import Parser, run_cli
+from kvsplice.io.options import add_options, from_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of :class:`Llama2cOptions` (its fields declare it); the outputs in their own group."""
+    p = Parser(prog=PROG, description="Convert a llama2.c checkpoint (.bin, format v0/v1/v2) + tokenizer.bin into a "
+               "Hugging Face LlamaForCausalLM directory (config.json, model.safetensors, tokenizer.json).")
+    outputs = p.add_argument_group("outputs")
+    add_options(p, Llama2cOptions, groups=dict.fromkeys(("out", "force"), outputs),
+                help={"force": "write into an existing non-empty output directory (an earlier conversion's files "
+                      "are replaced, its other files kept; a folder holding the input is refused)"})
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,23 +31,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = Parser(
-        prog=PROG,
-        description="Convert a llama2.c checkpoint (.bin, format v0/v1/v2) + tokenizer.bin into a Hugging Face "
-                    "LlamaForCausalLM directory (config.json, model.safetensors, tokenizer.json).",
-    )
-    parser.add_argument("model", help="llama2.c model .bin (e.g. stories260K.bin)")
-    parser.add_argument("--tokenizer", help="llama2.c tokenizer .bin (e.g. tok512.bin); omit to convert weights only")
-    add_output_options(parser, json=False, out_help="output directory",
-                       force_help="write into an existing non-empty output directory (an earlier conversion's files "
-                       "are replaced, its other files kept; a folder holding the input is refused)")
-    args = parser.parse_args(argv)
-    out, cfg, n_params = _convert(args.model, args.tokenizer, args.out, force=args.force)
+    opts = from_args(Llama2cOptions, build_parser().parse_args(argv))
+    out, cfg, n_params = convert_options(opts)
     print(
-        f"converted {args.model} (llama2.c v{cfg['version']}) -> {out}: {n_params:,} params, "
+        f"converted {opts.model} (llama2.c v{cfg['version']}) -> {out}: {n_params:,} params, "
         f"{cfg['n_layers']} layers, {cfg['n_heads']} heads, {cfg['n_kv_heads']} kv heads, dim {cfg['dim']}, "
         f"vocab {cfg['vocab_size']}, context {cfg['max_seq_len']}, tied={cfg['shared_classifier']}"
-        + ("" if args.tokenizer else " (weights only, no tokenizer)")
+        + ("" if opts.tokenizer else " (weights only, no tokenizer)")
     )
     return 0
 

@@ -23,20 +23,19 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
-from kvsplice.io.cli import Parser, UsageError, add_output_options, run_cli
+from kvsplice.convert.engines.gguf_options import ToGGUFOptions
+from kvsplice.io.cli import Parser, UsageError, run_cli
 from kvsplice.io.files import output_file
+from kvsplice.io.options import add_options, from_args
 from kvsplice.io.write import disk_errors
 
 
 def build_parser() -> Parser:
+    """The command line of :class:`ToGGUFOptions` (its fields declare it); the outputs in their own group."""
     p = Parser(prog=PROG, description="DeepSeek-V3 export -> llama.cpp GGUF (llama.cpp's "
                "converter + the q_lora_rank post-step).")
-    p.add_argument("folder", nargs="?", help="a to_mla --format deepseek_v3 folder")
-    add_output_options(p, json=False, out_required=False, out_help="the GGUF file to write",
-                       force_help="overwrite --out")
-    p.add_argument("--outtype", default="f32", choices=("f32", "f16", "bf16", "q8_0"),
-                   help="weights' type in the GGUF (default f32)")
-    p.add_argument("--fix", metavar="GGUF", help="only add the missing key to a GGUF converted by hand")
+    outputs = p.add_argument_group("outputs")
+    add_options(p, ToGGUFOptions, groups=dict.fromkeys(("out", "force"), outputs), help={"force": "overwrite --out"})
     return p
 
 
@@ -44,28 +43,28 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     from kvsplice.convert.engines.llama_cpp import fix_gguf, hf_to_gguf
     from kvsplice.loading.checks import check_gguf_file, check_model_folder, gguf_header
 
-    args = build_parser().parse_args(argv)
-    if args.fix:
-        if not Path(args.fix).is_file():
-            raise UsageError(f"--fix {args.fix}: file not found")
-        gguf_header(Path(args.fix))  # a damaged or truncated header: one line, before the reader meets it
-        with disk_errors(args.fix):
-            added = fix_gguf(args.fix)
-        print(f"{args.fix}: " + (f"added {', '.join(added)}" if added else "nothing to add"))
+    opts = from_args(ToGGUFOptions, build_parser().parse_args(argv))
+    if opts.fix:
+        if not Path(opts.fix).is_file():
+            raise UsageError(f"--fix {opts.fix}: file not found")
+        gguf_header(Path(opts.fix))  # a damaged or truncated header: one line, before the reader meets it
+        with disk_errors(opts.fix):
+            added = fix_gguf(opts.fix)
+        print(f"{opts.fix}: " + (f"added {', '.join(added)}" if added else "nothing to add"))
         return 0
-    if not args.folder or not args.out:
+    if not opts.folder or not opts.out:
         raise UsageError("give a DeepSeek-V3 folder and --out FILE.gguf (or --fix FILE.gguf)")
-    if not (Path(args.folder) / "config.json").is_file():
-        raise UsageError(f"{args.folder}: no config.json (make one with to_mla --format deepseek_v3)")
+    if not (Path(opts.folder) / "config.json").is_file():
+        raise UsageError(f"{opts.folder}: no config.json (make one with to_mla --format deepseek_v3)")
     # never a file of the input folder, even with --force; written to a temporary sibling, then renamed into place
-    out = output_file(args.out, force=args.force, inputs={"folder": args.folder})
-    check_model_folder(Path(args.folder))  # config values and sizes against the weights: a GGUF that matches them
+    out = output_file(opts.out, force=opts.force, inputs={"folder": opts.folder})
+    check_model_folder(Path(opts.folder))  # config values and sizes against the weights: a GGUF that matches them
     fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(name)
     try:
         with disk_errors(out):
-            added = hf_to_gguf(args.folder, tmp, outtype=args.outtype)
+            added = hf_to_gguf(opts.folder, tmp, outtype=opts.outtype)
             check_gguf_file(tmp)  # what llama.cpp's converter wrote agrees with its own tensors
             os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, out)
@@ -73,7 +72,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         raise UsageError(str(e).splitlines()[0] + (" " + str(e).splitlines()[-1] if "\n" in str(e) else "")) from None
     finally:
         tmp.unlink(missing_ok=True)
-    print(f"saved {out} ({args.outtype})" + (f"; post-step added {', '.join(added)}" if added else ""))
+    print(f"saved {out} ({opts.outtype})" + (f"; post-step added {', '.join(added)}" if added else ""))
     return 0
 
 

@@ -34,22 +34,27 @@ byte fallback whose merges are derived from the pieces ranked by score (Sentence
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from kvsplice.convert.llama2c_format import NORM_EPS, ROPE_THETA, Llama2cFormatError, read_llama2c
 from kvsplice.convert.llama2c_tokenizer import build_tokenizer, read_llama2c_tokenizer
+from kvsplice.io.options import opt
+from kvsplice.io.run_options import ForceOption
 
 __all__ = [
     "Llama2cFormatError",
+    "Llama2cOptions",
     "read_llama2c",
     "read_llama2c_tokenizer",
     "build_tokenizer",
     "llama2c_to_hf_state_dict",
     "make_llama_config",
     "convert_llama2c",
+    "convert_options",
 ]
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -153,6 +158,22 @@ def convert_llama2c(model_path: str | os.PathLike, tokenizer_path: str | os.Path
     (:class:`kvsplice.io.cli.UsageError`). Returns ``out_dir`` resolved.
     """
     return _convert(model_path, tokenizer_path, out_dir, force)[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Llama2cOptions(ForceOption):
+    """What ``kvsplice convert-llama2c`` converts (:func:`convert_llama2c`'s arguments): the fields declare the
+    command line (:mod:`kvsplice.io.options`)."""
+
+    model: str = opt(flags=("model",), help="llama2.c model .bin (e.g. stories260K.bin)")
+    tokenizer: Optional[str] = opt(None, help="llama2.c tokenizer .bin (e.g. tok512.bin); omit to convert weights "
+                                   "only")
+    out: str = opt(help="output directory")
+
+
+def convert_options(opts: Llama2cOptions) -> tuple[Path, dict[str, Any], int]:
+    """:func:`convert_llama2c` of ``opts``; returns ``(the folder, the llama2.c header, the parameter count)``."""
+    return _convert(opts.model, opts.tokenizer, opts.out, opts.force)
 
 
 WRITER = "convert_llama2c"

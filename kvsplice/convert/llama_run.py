@@ -2,16 +2,17 @@
 GGUF file), or for a converted MLA folder (``--kvsplice-keep``): calibrate, convert
 (:mod:`kvsplice.convert.llama_mla`), and write a model folder (``--format native``, which every kvsplice command
 loads) or a DeepSeek-V3 folder (``--format deepseek_v3``, :mod:`kvsplice.convert.deepseek_v3`). The folder carries
-to_mla's marker (:data:`kvsplice.io.marker.MARKER`): ``--force`` replaces only an earlier to_mla folder, whole."""
+to_mla's marker (:data:`kvsplice.io.marker.MARKER`): ``--force`` replaces only an earlier to_mla folder, whole.
+:func:`run_llama` takes the command's options object (:class:`kvsplice.convert.to_mla_options.ToMLAOptions`)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Union
 
+from kvsplice.convert.to_mla_options import ToMLAOptions
 from kvsplice.io.cli import UsageError, default_seq_len, device_dtype
 
 __all__ = ["is_llama_source", "run_llama"]
@@ -36,12 +37,12 @@ def is_llama_source(spec: str) -> bool:
     return False
 
 
-def _rope_dims(args: argparse.Namespace, head_dim: int) -> int:
-    v = args.rope_dims
+def _rope_dims(v: Optional[Union[int, str]], layout: str, head_dim: int) -> int:
+    """``--rope-dims`` (None: the layout's default) as a count of RoPE dims per RoPE key."""
     if v is None:  # MHA2MLA: 4 of 32 pairs per head; shared: every frequency in the one RoPE key (SmolLM2 at 2x and
         # 4x on the fine-tune text: +68 % / +458 % ppl against +502 % / +801 % with half of them,
         # results/convert_rope_split.md; DeepSeek-V3 itself uses 64 of 192 query dims)
-        return max(2, head_dim // 8) if args.rope_layout == "per-head" else head_dim
+        return max(2, head_dim // 8) if layout == "per-head" else head_dim
     if v == "all":
         return head_dim
     try:
@@ -53,26 +54,26 @@ def _rope_dims(args: argparse.Namespace, head_dim: int) -> int:
     return n
 
 
-def _calibration(args: argparse.Namespace, model, tokenizer, max_positions, progress: bool):
+def _calibration(opts: ToMLAOptions, model, tokenizer, max_positions):
     """Calibration batches ``(B, T)`` of ``--calib``: a text, or (``self``) the source's own text."""
     from kvsplice.loading import iter_texts, token_stream
-    from kvsplice.loading.self_text import SELF, SelfTextError, SelfTextOptions, self_text
+    from kvsplice.loading.self_text import SelfTextError, SelfTextOptions, self_text
     from kvsplice.lowrank.calibrate import calibration_batches
 
-    seq_len = args.seq_len or default_seq_len(max_positions, cap=CALIB_SEQ_LEN)
+    seq_len = opts.seq_len or default_seq_len(max_positions, cap=CALIB_SEQ_LEN)
     if max_positions and seq_len > max_positions:
         raise UsageError(f"--seq-len {seq_len} exceeds the model's {max_positions} positions")
-    if args.calib == SELF:
+    if opts.self_calib:
         try:
-            ids = self_text(model, tokenizer, SelfTextOptions(tokens=args.calib_tokens), max_positions=max_positions,
-                            progress=progress).ids  # (calib_tokens,)
+            ids = self_text(model, tokenizer, SelfTextOptions(tokens=opts.tokens()), max_positions=max_positions,
+                            progress=opts.progress).ids  # (tokens,)
         except SelfTextError as e:
             raise UsageError(f"--calib self: {e}") from None
     else:
-        ids, _ = token_stream(iter_texts(args.calib, option="calib"), tokenizer, args.calib_tokens)
+        ids, _ = token_stream(iter_texts(opts.calib, option="calib"), tokenizer, opts.tokens())
     if ids.numel() < seq_len:
-        raise UsageError(f"--calib {args.calib}: only {ids.numel()} tokens, fewer than --seq-len {seq_len}")
-    return calibration_batches(ids, seq_len, args.batch_size, max_tokens=args.calib_tokens)
+        raise UsageError(f"--calib {opts.calib}: only {ids.numel()} tokens, fewer than --seq-len {seq_len}")
+    return calibration_batches(ids, seq_len, opts.batch_size, max_tokens=opts.tokens())
 
 
 CALIB_SEQ_LEN = 2048
@@ -86,75 +87,75 @@ WRITER = "to_mla"
 """The writer to_mla's folder marker names (:func:`kvsplice.io.folders.output_dir`)."""
 
 
-def _check_keep(args: argparse.Namespace, d_latent: int) -> None:
+def _check_keep(opts: ToMLAOptions, d_latent: int) -> None:
     """``--kvsplice-keep`` keeps at least one whole dimension of the ``d_latent`` latent (before calibrating)."""
     from kvsplice.convert.kvsplice_keep import kept_dims
 
     try:
-        kept_dims(args.kvsplice_keep, d_latent, getattr(args, "keep_option", "--kvsplice-keep"))
+        kept_dims(opts.keep, d_latent, opts.keep_option)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
 
-def run_llama(args: argparse.Namespace) -> int:
+def run_llama(opts: ToMLAOptions) -> int:
+    """Convert ``opts.model`` (a Llama-family source, or a converted folder to shrink or export) and write
+    ``opts.out``; returns 0. A bad option or input is a one-line :class:`UsageError`."""
     from kvsplice.convert.llama_mla import (FitOptions, calibrate_layers, convert_llama, full_latent, latent_gram,
                                             refine_layers, shrink_latent)
     from kvsplice.loading import load_model
-    from kvsplice.loading.self_text import SELF
     from kvsplice.io.files import output_file
     from kvsplice.io.folders import output_dir, write_dir
     from kvsplice.io.write import disk_errors, write_json
     from models.mla_llama import MLALlama
 
-    progress = not args.no_progress
-    if args.ratio is not None:
-        for opt, given in (("--d-latent", args.d_latent), ("--rope-dims", args.rope_dims)):
+    progress, keep, steps, layout = opts.progress, opts.keep, opts.steps(), opts.layout()
+    if opts.ratio is not None:
+        for opt, given in (("--d-latent", opts.d_latent), ("--rope-dims", opts.rope_dims)):
             if given is not None:
                 raise UsageError(f"--ratio chooses the latent and RoPE widths; leave out {opt} (or --ratio)")
-        if args.rope_layout == "per-head":
+        if opts.rope_layout == "per-head":
             raise UsageError("--ratio converts to the shared RoPE layout (DeepSeek-V3's); leave out --rope-layout")
-    args.rope_layout = args.rope_layout or ("shared" if args.ratio is not None else "per-head")
-    calib = None if args.calib == SELF else args.calib  # the source's own text is no file
-    inputs = {"--model": args.model, "--calib": calib, "--tokenizer": args.tokenizer}
-    out = output_dir(args.out, force=args.force, inputs=inputs, owned=(), writer=WRITER)
-    json_path = output_file(args.json, force=args.force, option="--json", inputs=inputs,
-                            outputs={"--out": out}) if args.json else None
+    calib = None if opts.self_calib else opts.calib  # the source's own text is no file
+    inputs = {"--model": opts.model, "--calib": calib, "--tokenizer": opts.tokenizer}
+    out = output_dir(opts.out, force=opts.force, inputs=inputs, owned=(), writer=WRITER)
+    json_path = output_file(opts.json, force=opts.force, option="--json", inputs=inputs,
+                            outputs={"--out": out}) if opts.json else None
     t0 = time.perf_counter()
-    device, _ = device_dtype(args)
-    loaded = load_model(args.model, tokenizer=args.tokenizer, device=device)
+    device, _ = device_dtype(opts)
+    loaded = load_model(opts.model, tokenizer=opts.tokenizer, device=device)
     model, tok = loaded.model, loaded.tokenizer
     converted = isinstance(model, MLALlama)
-    if converted and args.ratio is not None:
-        raise UsageError(f"--model {args.model} is already converted: --ratio is for a Llama-family source (shrink a "
+    if converted and opts.ratio is not None:
+        raise UsageError(f"--model {opts.model} is already converted: --ratio is for a Llama-family source (shrink a "
                          f"converted latent with --kvsplice-keep)")
-    if converted and args.kvsplice_keep is None and args.format == "native":
-        raise UsageError(f"--model {args.model} is already a converted MLA model: give --kvsplice-keep to shrink "
+    if converted and keep is None and opts.format == "native":
+        raise UsageError(f"--model {opts.model} is already a converted MLA model: give --kvsplice-keep to shrink "
                          f"its latent, or --format deepseek_v3 to export it")
-    export_only = converted and args.kvsplice_keep is None
-    if (args.pad_latent is not None or args.pad_rope is not None) and args.format != "deepseek_v3":
+    export_only = converted and keep is None
+    if (opts.pad_latent is not None or opts.pad_rope is not None) and opts.format != "deepseek_v3":
         raise UsageError("--pad-latent / --pad-rope pad the cache row of a --format deepseek_v3 export")
-    if args.format == "deepseek_v3":  # the bounds before any calibration (the model's own dims: check_pad, below)
+    if opts.format == "deepseek_v3":  # the bounds before any calibration (the model's own dims: check_pad, below)
         from kvsplice.convert.latent_pad import check_bounds
 
         try:
-            check_bounds(args.pad_latent, args.pad_rope)
+            check_bounds(opts.pad_latent, opts.pad_rope)
         except ValueError as e:
             raise UsageError(str(e)) from None
-    if args.latent_norm and args.format == "deepseek_v3" and not converted:
+    if opts.latent_norm and opts.format == "deepseek_v3" and not converted:
         raise UsageError("--latent-norm with --format deepseek_v3: a real latent RMSNorm makes a training-free "
                          "conversion unusable (SmolLM2 2x: ppl 1,833 vs 13.2 without it, docs/conversion.md); leave "
                          "--latent-norm out (the export writes the norm in its linear regime, the norm-free model) "
                          "or fine-tune a --latent-norm native folder first")
-    if not args.calib and not export_only:
+    if not opts.calib and not export_only:
         raise UsageError("converting a Llama-family model needs --calib TEXT or --calib self (the RoPE split and "
                          "the latent come from calibration activations)")
-    if converted and args.kvsplice_keep is not None:
-        _check_keep(args, model.cfg.d_latent)
-    if args.calib == SELF and converted and not export_only:
-        raise UsageError(f"--calib self is the source's own text; --model {args.model} is a converted model: give "
+    if opts.self_calib and converted and not export_only:
+        raise UsageError(f"--calib self is the source's own text; --model {opts.model} is a converted model: give "
                          f"--calib TEXT")
-    batches = [] if export_only else _calibration(args, model, tok, loaded.max_positions, progress)
-    report: dict[str, Any] = {"source": str(args.model), "calibration_source": args.calib,
+    if converted and keep is not None:
+        _check_keep(opts, model.cfg.d_latent)
+    batches = [] if export_only else _calibration(opts, model, tok, loaded.max_positions)
+    report: dict[str, Any] = {"source": str(opts.model), "calibration_source": opts.calib,
                               "calibration_tokens": sum(b.numel() for b in batches)}
     if converted:
         mla = model
@@ -165,46 +166,46 @@ def run_llama(args: argparse.Namespace) -> int:
         try:
             a = check_convertible(model)
         except ValueError as e:
-            raise UsageError(f"--model {args.model}: {e}") from None
-        late = args.kvsplice_keep is not None  # the correction then runs once, on the shrunk latent
-        fit = FitOptions(refine_steps=0 if late else args.refine_steps)
-        source = {"path": str(args.model), "calib": str(args.calib), "calibration_tokens": report["calibration_tokens"]}
-        if args.ratio is not None:
-            mla, stats, report["ratio_candidates"] = _ratio_split(args, a, batches, fit, progress, source)
-            if args.refine_steps and not late:
-                refine_layers(mla, stats, args.refine_steps, progress=progress)
+            raise UsageError(f"--model {opts.model}: {e}") from None
+        late = keep is not None  # the correction then runs once, on the shrunk latent
+        fit = FitOptions(refine_steps=0 if late else steps)
+        source = {"path": str(opts.model), "calib": str(opts.calib), "calibration_tokens": report["calibration_tokens"]}
+        if opts.ratio is not None:
+            mla, stats, report["ratio_candidates"] = _ratio_split(opts, a, batches, fit, progress, source)
+            if steps and not late:
+                refine_layers(mla, stats, steps, progress=progress)
         else:
-            rope_dims = _rope_dims(args, a.head_dim)
-            full = full_latent(a.n_kv_head, a.head_dim, rope_dims, args.rope_layout, a.d_model)
-            r = full if args.d_latent in (None, "full") else _latent(args.d_latent, full)
-            if args.kvsplice_keep is not None:
-                _check_keep(args, r)
+            rope_dims = _rope_dims(opts.rope_dims, layout, a.head_dim)
+            full = full_latent(a.n_kv_head, a.head_dim, rope_dims, layout, a.d_model)
+            r = full if opts.d_latent in (None, "full") else _latent(opts.d_latent, full)
+            if keep is not None:
+                _check_keep(opts, r)
             stats = calibrate_layers(model, batches, progress=progress, keep_windows=KEEP_WINDOWS)
-            mla = convert_llama(model, stats, d_latent=r, rope_dims=rope_dims, layout=args.rope_layout,
-                                latent_norm=args.latent_norm, fit=fit, progress=progress, source=source)
+            mla = convert_llama(model, stats, d_latent=r, rope_dims=rope_dims, layout=layout,
+                                latent_norm=opts.latent_norm, fit=fit, progress=progress, source=source)
         report["source_cache_dim"] = 2 * a.n_kv_head * a.head_dim
-    if args.kvsplice_keep is not None:
+    if keep is not None:
         try:
-            mla = shrink_latent(mla, args.kvsplice_keep, latent_gram(mla, batches, progress=progress))
+            mla = shrink_latent(mla, keep, latent_gram(mla, batches, progress=progress))
         except ValueError as e:
             raise UsageError(str(e)) from None
-        if not converted and args.refine_steps:  # the shrunk latent, corrected against the source layers again
-            refine_layers(mla, stats, args.refine_steps, progress=progress)
+        if not converted and steps:  # the shrunk latent, corrected against the source layers again
+            refine_layers(mla, stats, steps, progress=progress)
     c = mla.cfg
     report.update(rope_layout=c.rope_layout, rope_dims=c.rope_dims, rope_heads=c.rope_heads, d_latent=c.d_latent,
-                  latent_norm=c.latent_norm, cache_dim=c.cache_dim, format=args.format,
+                  latent_norm=c.latent_norm, cache_dim=c.cache_dim, format=opts.format,
                   compression_vs_source=report["source_cache_dim"] / c.cache_dim)
     backend = getattr(tok, "backend", None)
-    if args.format == "deepseek_v3":
+    if opts.format == "deepseek_v3":
         from kvsplice.convert.deepseek_v3 import check_exportable, check_pad, save_deepseek_v3
 
         try:
             check_exportable(mla)
-            check_pad(mla, args.pad_latent, args.pad_rope)
+            check_pad(mla, opts.pad_latent, opts.pad_rope)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        write_dir(out, lambda tmp: save_deepseek_v3(mla.cpu(), tmp, backend, pad_latent=args.pad_latent,
-                                                    pad_rope=args.pad_rope), writer=WRITER)
+        write_dir(out, lambda tmp: save_deepseek_v3(mla.cpu(), tmp, backend, pad_latent=opts.pad_latent,
+                                                    pad_rope=opts.pad_rope), writer=WRITER)
     else:
         from kvsplice.loading.mla_folder import save_mla_folder
 
@@ -212,8 +213,8 @@ def run_llama(args: argparse.Namespace) -> int:
     report["seconds"] = time.perf_counter() - t0
     print(f"{report['source_cache_dim']} numbers/token/layer -> {c.cache_dim} (latent {c.d_latent} + "
           f"{c.rope_heads}x{c.rope_dims} RoPE, {c.rope_layout}; {report['compression_vs_source']:.2f}x smaller)"
-          + (f", KVSplice {args.kvsplice_keep}" if args.kvsplice_keep is not None else ""))
-    print(f"saved {out} ({args.format}, {report['seconds']:.1f} s)")
+          + (f", KVSplice {keep}" if keep is not None else ""))
+    print(f"saved {out} ({opts.format}, {report['seconds']:.1f} s)")
     if json_path is not None:
         with disk_errors(json_path):
             write_json({**report, "out": str(out)}, json_path)
@@ -231,20 +232,20 @@ def _latent(v: str, full: int) -> int:
     return n
 
 
-def _ratio_split(args: argparse.Namespace, a, batches, fit, progress: bool, source: dict):
+def _ratio_split(opts: ToMLAOptions, a, batches, fit, progress: bool, source: dict):
     """``--ratio``: calibrate, fit each candidate latent / RoPE split (:mod:`kvsplice.convert.cache_split`) and keep
     the measured best: ``(its model, the statistics, the candidates' report)``."""
     from kvsplice.convert.cache_split import choose_split, rope_candidates, split_cache
     from kvsplice.convert.llama_mla import calibrate_layers, full_latent
 
-    cache = split_cache(args.ratio, a.n_kv_head, a.head_dim)
+    cache = split_cache(opts.ratio, a.n_kv_head, a.head_dim)
     try:
         cands = rope_candidates(cache, a.head_dim, lambda dr: full_latent(a.n_kv_head, a.head_dim, dr, "shared",
-                                                                          a.d_model), args.kvsplice_keep)
+                                                                          a.d_model), opts.keep)
     except ValueError as e:
-        raise UsageError(f"--ratio {args.ratio:g}: {e}") from None
+        raise UsageError(f"--ratio {opts.ratio:g}: {e}") from None
     stats = calibrate_layers(a.model, batches, progress=progress, keep_windows=KEEP_WINDOWS)
     scored, mla = choose_split(a.model, stats, cands, fit, progress=progress, source=source,
-                               latent_norm=args.latent_norm)
+                               latent_norm=opts.latent_norm)
     report = [{"rope_dims": c.rope_dims, "d_latent": c.d_latent, "output_error": c.error} for c in scored]
     return mla, stats, report

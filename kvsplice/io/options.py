@@ -10,7 +10,8 @@ line becomes the dataclass (:func:`from_args`) — no second list of ``add_argum
         tasks: tuple[str, ...] = opt(("passkey",), help="...")    # nargs="+", a tuple
         progress: bool = opt(True, flags=("--no-progress",), help="...")  # store_false
 
-The flag is ``--`` + the field name with ``_`` → ``-`` unless ``flags`` are given; the type comes from the annotation
+The flag is ``--`` + the field name with ``_`` → ``-`` unless ``flags`` are given (a flag without a dash is a
+positional argument: ``opt(None, flags=("folder",), nargs="?", help=...)``); the type comes from the annotation
 (``int``, ``float``, ``str``, ``Optional[X]``, ``tuple[X, ...]`` → ``nargs="+"``, ``bool`` → a switch) or from
 ``parse``; an option without a default is required; ``OPTION_GROUPS`` declares the mutually exclusive ones. Fields
 are listed in ``--help`` as the class declares them, a base class's after the subclass's own.
@@ -99,7 +100,13 @@ def _add(container: Any, f: dataclasses.Field, hint: Any, help: Optional[str], i
     m = f.metadata[OPTION]
     kind, several = _unwrap(hint)
     default = _default(f)
-    kw: dict[str, Any] = {"dest": f.name, "help": (help if help is not None else m["help"]).replace("%", "%%")}
+    flags = flags_of(f)
+    positional = not flags[0].startswith("-")  # argparse names a positional's dest by its one flag
+    kw: dict[str, Any] = {"help": (help if help is not None else m["help"]).replace("%", "%%")}
+    if positional:
+        flags, kw["metavar"] = (f.name,), m["metavar"] or flags[0]
+    else:
+        kw["dest"] = f.name
     if kind is bool and not several:
         kw["action"] = "store_false" if default is True else "store_true"
         kw["default"] = bool(default) if default is not MISSING else False
@@ -114,11 +121,11 @@ def _add(container: Any, f: dataclasses.Field, hint: Any, help: Optional[str], i
         if nargs is not None:
             kw["nargs"] = nargs
         if default is MISSING:
-            if not in_group:
+            if not in_group and not positional:
                 kw["required"] = True
         else:
             kw["default"] = list(default) if isinstance(default, tuple) else default
-    container.add_argument(*flags_of(f), **kw)
+    container.add_argument(*flags, **kw)
 
 
 def add_options(parser: argparse.ArgumentParser, cls: type, *, skip: Optional[type] = None,

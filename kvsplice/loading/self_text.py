@@ -27,10 +27,7 @@ import torch
 
 from kvsplice.loading.self_prompts import prompt_list
 
-__all__ = ["SELF", "SelfText", "SelfTextError", "SelfTextOptions", "cache_key", "default_cache_dir", "self_text"]
-
-SELF = "self"
-"""The value of a text option naming this corpus instead of a file (``kvsplice to-mla --calib self``)."""
+__all__ = ["SelfText", "SelfTextError", "SelfTextOptions", "cache_key", "default_cache_dir", "self_text"]
 
 FORMAT = 1  # bump when the corpus a key names changes
 

@@ -104,3 +104,20 @@ def test_times_smaller_and_kept_fraction_take_what_they_name():
     for bad in (0, 1, 1.5, float("nan"), "x"):
         with pytest.raises(ValueError, match=r"^--keep must be in \(0, 1\)"):
             check_kept_fraction("--keep", bad)
+
+
+@dataclass(frozen=True)
+class _Positional:
+    model: str = opt(flags=("model",), help="the model file")
+    folder: Optional[str] = opt(None, flags=("folder",), nargs="?", help="an optional folder")
+    out: str = opt(help="the output")
+
+
+def test_a_flag_without_a_dash_is_a_positional_argument():
+    p = Parser(prog="t")
+    add_options(p, _Positional)
+    assert from_args(_Positional, p.parse_args(["m.bin", "--out", "o"])) == _Positional(model="m.bin", out="o")
+    assert from_args(_Positional, p.parse_args(["m.bin", "dir", "--out", "o"])).folder == "dir"
+    assert "--out OUT model [folder]" in " ".join(p.format_usage().split())
+    with pytest.raises(UsageError, match="the following arguments are required: model"):
+        p.parse_args(["--out", "o"])

@@ -82,8 +82,6 @@ def output_file(value: PathArg, *, force: bool, option: str = "--out", inputs: I
     path = resolve_path(value, option)
     if path.is_dir():
         raise UsageError(f"{option} {value} is a directory")
-    if option == "--json" and path.suffix.lower() in WEIGHT_SUFFIXES:
-        raise UsageError(f"{option} {value}: a JSON report named as weights ({path.suffix}); give a .json name")
     sources = command_inputs(inputs)
     for what, src in sources:
         if same_file(path, src):
@@ -94,6 +92,8 @@ def output_file(value: PathArg, *, force: bool, option: str = "--out", inputs: I
             raise UsageError(f"{option} {value} is also {other}: give them different files")
         if within(path, p):  # p is the command's output folder: its files are the command's, never a report
             raise UsageError(f"{option} {value} is inside the output folder {other} {p}; write it elsewhere")
+    if option == "--json" and path.suffix.lower() in WEIGHT_SUFFIXES:
+        raise UsageError(f"{option} {value}: a JSON report named as weights ({path.suffix}); give a .json name")
     _regular_or_new(Path(value).expanduser(), path, option, value)
     if path.exists() and not force:
         raise UsageError(f"{option} {value} already exists (use --force to overwrite)")

@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from kvsplice.io.cli import UsageError
 from kvsplice.cli import bench_decode, verify_memory
 from kvsplice.io import configs as io_configs
 from kvsplice.report import decode_timing, memory_check
@@ -85,14 +86,17 @@ def test_memory_helpers():
 
 
 # ------------------------------------------------------------------------------------------ verify_memory
-def test_named_config_ignores_non_model_keys(tmp_path):
+def test_named_config_reads_past_training_keys_and_refuses_unknown_ones(tmp_path):
     cfg = io_configs.named_config(str(write_tiny(tmp_path, "a", ratio=0.25)))[1]
     assert (cfg.n_layer, cfg.d_model, cfg.kvsplice_keep, cfg.vocab_size) == (2, 32, 0.25, 50304)
     p = tmp_path / "b.yaml"  # LightningCLI class_path / init_args form
     p.write_text("model:\n  class_path: training.lit.LitGPT\n  init_args:\n    n_layer: 3\n    attention: mla\n"
-                 "    lr: 0.1\noptimizer:\n  lr: 1\n")
+                 "    learning_rate: 0.1\noptimizer:\n  lr: 1\n")
     cfg = io_configs.named_config(str(p))[1]
     assert (cfg.n_layer, cfg.attention) == (3, "mla")
+    p.write_text("model:\n  n_layer: 3\n  lr: 0.1\n")  # LitGPT has no lr: a typo, not a setting to skip
+    with pytest.raises(UsageError, match="model.lr is not a model field nor a training option"):
+        io_configs.named_config(str(p))
     assert io_configs.named_config("mla_kvsplice_90")[1].cache_dim == 26
 
 

@@ -1,7 +1,8 @@
 """Old spellings users may still have in files: a key of a config's ``model:`` section, of a checkpoint's stored
 config (``gpt_config``) or of its hyper-parameters, written under a :class:`models.GPTConfig` field's earlier name;
-and a converted MLA folder's weights naming its projections ``kv_down`` / ``k_up`` / ``v_up``
-(:data:`OLD_WEIGHT_NAMES`, applied by :func:`kvsplice.loading.mla_folder.load_mla_folder`).
+a converted MLA folder's weights naming its projections ``kv_down`` / ``k_up`` / ``v_up``
+(:data:`OLD_WEIGHT_NAMES`, applied by :func:`kvsplice.loading.mla_folder.load_mla_folder`) and its config's
+``mla_impl: absorbed`` (:data:`OLD_VALUES`, applied by :meth:`models.mla_llama.MLALlamaConfig.from_dict`).
 
 :data:`OLD_NAMES` is the one table of config keys. It is applied where those are read — :meth:`GPTConfig.from_dict` (checkpoints),
 :meth:`GPTConfig.from_file` (YAML, with a note), the training command's ``model:`` section and checkpoint
@@ -13,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MEANING", "OLD_NAMES", "OLD_WEIGHT_NAMES", "current_weight_name", "old_name_note",
-           "rename_old_keys"]
+__all__ = ["MEANING", "OLD_NAMES", "OLD_VALUES", "OLD_WEIGHT_NAMES", "current_value", "current_weight_name",
+           "old_name_note", "rename_old_keys"]
 
 OLD_NAMES: dict[str, str] = {"kvsplice_ratio": "kvsplice_keep"}
 """Old key -> the field it is now."""
@@ -28,6 +29,19 @@ OLD_WEIGHT_NAMES: dict[str, str] = {".attn.kv_down.": ".attn.w_dkv.", ".attn.k_u
                                     ".attn.v_up.": ".attn.w_uv."}
 """Old part of an MLA folder's weight name -> the name the trained family uses (down projection ``w_dkv``, key and
 value up projections ``w_uk`` / ``w_uv``)."""
+
+
+OLD_VALUES: dict[tuple[str, Any], Any] = {("mla_impl", "absorbed"): "absorb"}
+"""``(key, old value) -> value``: a converted MLA folder's ``config.json`` that spelt the absorbed decode path as the
+trained family's ``mla_impl`` does not."""
+
+
+def current_value(key: str, value: Any) -> Any:
+    """``value`` of ``key``, an old spelling (:data:`OLD_VALUES`) replaced."""
+    try:
+        return OLD_VALUES.get((key, value), value)
+    except TypeError:  # an unhashable value (a list, a dict) has no old spelling
+        return value
 
 
 def current_weight_name(name: str) -> str:

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.compat import current_value
+from models.config import MLA_IMPLS, MLAImpl
 from models.attention import attend
 from models.cache import DecodeCache
 from models.latent_attention import LATENT_NORM_EPS, Attend, absorbed, naive
@@ -65,7 +67,7 @@ class MLALlamaConfig:
     max_positions: int = 2048
     tie_embeddings: bool = False
     windows: list = field(default_factory=list)  # per layer: sliding window (tokens a query sees) or None
-    mla_impl: str = "naive"  # "naive" | "absorbed" (cached decode)
+    mla_impl: MLAImpl = "naive"  # how cached decode attends: models.config.MLA_IMPLS (the trained family's names)
     cache_quant: Optional[str] = None  # None | "int8" (int8 rows + an fp16 scale per row) | "int4" (models.cache)
     source: dict = field(default_factory=dict)  # where it came from (model_type, path, conversion settings)
 
@@ -76,8 +78,8 @@ class MLALlamaConfig:
             raise ValueError(f"rope_dims must be even and in [0, head_dim={self.head_dim}], got {self.rope_dims}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head {self.n_head} is not a multiple of n_kv_head {self.n_kv_head}")
-        if self.mla_impl not in ("naive", "absorbed"):
-            raise ValueError(f"mla_impl must be 'naive' or 'absorbed', got {self.mla_impl!r}")
+        if self.mla_impl not in MLA_IMPLS:
+            raise ValueError(f"mla_impl must be one of {MLA_IMPLS}, got {self.mla_impl!r}")
         if self.cache_quant not in QUANT_MODES:
             raise ValueError(f"cache_quant must be one of {QUANT_MODES}, got {self.cache_quant!r}")
         if not self.windows:
@@ -101,7 +103,7 @@ class MLALlamaConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "MLALlamaConfig":
-        d = {k: v for k, v in d.items() if k != "model_type"}
+        d = {k: current_value(k, v) for k, v in d.items() if k != "model_type"}
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown {MODEL_TYPE} config keys: {sorted(unknown)}")
@@ -191,7 +193,7 @@ class MLAAttention(nn.Module):
             c, kr = views["c"], views["kr"]  # (B, Tk, R), (B, Hr, Tk, Dr)
         if not cfg.rope_dims:
             qr = kr = None
-        if cache is not None and cfg.mla_impl == "absorbed":
+        if cache is not None and cfg.mla_impl == "absorb":
             rows = c[:, None]  # (B, 1, Tk, R)
             if kr is not None:
                 rows = torch.cat([rows.expand(-1, cfg.rope_heads, -1, -1), kr], dim=-1)  # (B, Hr, Tk, R + Dr)

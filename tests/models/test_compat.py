@@ -31,3 +31,16 @@ def test_the_docs_table_lists_the_table():
     text = (REPO / "docs" / "training.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` \| `(\w+)` \|", text, re.M))
     assert rows == OLD_NAMES
+
+
+def test_a_converted_folders_old_absorbed_spelling_reads_as_the_trained_familys():
+    """``MLALlamaConfig`` spells the absorbed decode path as :class:`GPTConfig` does (``absorb``); a folder written
+    with ``absorbed`` loads as ``absorb``, and nothing else is accepted."""
+    from models.mla_llama import MLALlamaConfig
+
+    base = dict(vocab_size=32, d_model=16, n_layer=1, n_head=2, n_kv_head=1, head_dim=8, d_ff=32, d_latent=4,
+                rope_dims=4)
+    assert MLALlamaConfig.from_dict({**base, "mla_impl": "absorbed"}).mla_impl == "absorb"
+    assert MLALlamaConfig.from_dict({**base, "mla_impl": "naive"}).mla_impl == "naive"
+    with pytest.raises(ValueError, match="mla_impl must be one of"):
+        MLALlamaConfig(**base, mla_impl="absorbed")

@@ -64,7 +64,7 @@ def test_full_rank_per_head_conversion_is_the_source_model(tiny, fam):
     mla = convert_llama(src, stats, d_latent=None, rope_dims=src.config.head_dim, layout="per-head")
     ref = src(held).logits
     assert (mla(held) - ref).abs().max() <= TOL
-    for impl in ("naive", "absorbed"):
+    for impl in ("naive", "absorb"):
         assert (decode_in_steps(mla, held, impl)[0] - ref).abs().max() <= TOL
     assert mla.cfg.cache_dim == 2 * 2 * 16  # as many numbers as the source's K and V
 
@@ -77,7 +77,7 @@ def test_compressed_conversion_decodes_consistently(tiny, fam, layout, rope_dims
     mla = convert_llama(src, stats, d_latent=12, rope_dims=rope_dims, layout=layout, latent_norm=norm)
     full = mla(held)
     naive, cache = decode_in_steps(mla, held, "naive")
-    absorbed, _ = decode_in_steps(mla, held, "absorbed")
+    absorbed, _ = decode_in_steps(mla, held, "absorb")
     assert (naive - full).abs().max() <= TOL and (absorbed - naive).abs().max() <= TOL
     assert (full - src(held).logits).abs().max() > 0.05  # lossy: the test can tell
     assert measure_cache(cache).live_bytes == mla.cache_bytes_formula(2, held.shape[1], torch.float32)

@@ -179,8 +179,7 @@ class KVSpliceCLI(LightningCLI):
         LitGPT's training options (``--model.n_layer``, ``--model.learning_rate``), as the configs write it."""
         parser.add_lightning_class_args(self.trainer_class, "trainer")
         parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
-        parser.add_class_arguments(LitGPT, "model", fail_untyped=False, instantiate=True, sub_configs=True,
-                                   skip={"config"})
+        parser.add_class_arguments(LitGPT, "model", fail_untyped=False, instantiate=True, sub_configs=True)
         for old, new in OLD_NAMES.items():  # a config's old key (models.compat): LitGPT reads it as the new one
             parser.add_argument(f"--model.{old}", type=get_type_hints(GPTConfig)[new], default=None,
                                 help=f"the old name of --model.{new}")

@@ -1,7 +1,7 @@
 """LitGPT: the Lightning training wrapper around :class:`models.GPT`.
 
-``LitGPT(config, learning_rate=...)`` takes one :class:`models.GPTConfig` and the optimiser's options. A config
-file's ``model:`` section and the command line give the config's fields flat beside those options
+``LitGPT(**config.to_dict(), learning_rate=...)`` takes :class:`models.GPTConfig`'s fields flat beside the
+optimiser's options, one form everywhere: a config file's ``model:`` section and the command line give them so
 (``--model.kvsplice_keep 0.3``, ``--model.learning_rate 3e-4``), and checkpoints store them so, as primitives (they
 load with ``torch.load(..., weights_only=True)``).
 
@@ -75,9 +75,6 @@ class LitGPT(L.LightningModule):
     """GPT-2 / MLA / MLA+KVSplice language model for Lightning.
 
     Args:
-        config: the model (:class:`models.GPTConfig`). A config file's ``model:`` section, the command line's
-            ``--model.FIELD`` and a checkpoint's hyper-parameters give its fields one by one instead
-            (``config_fields``); with the CLI, ``vocab_size`` comes from the data module's tokenizer.
         vocab_multiple: round ``vocab_size`` up to a multiple of this (64 gives GPT-2's 50304: faster matmuls);
             the extra logits are never targets and learn to stay low.
         learning_rate: peak AdamW learning rate.
@@ -96,8 +93,10 @@ class LitGPT(L.LightningModule):
         compile: ``torch.compile`` the model (in place: parameter names and checkpoints are unchanged); the first
             steps of training and of validation pay the compilation.
         splice_lr_mult: learning-rate multiplier of KVSplice's compress/expand matrices (1: the model's).
-        config_fields: :class:`models.GPTConfig`'s fields, when ``config`` is not given; a key under its old name
-            (:mod:`models.compat`) is read as the new one, which wins when both are set.
+        config_fields: the model, :class:`models.GPTConfig`'s fields (a config file's ``model:`` section, the command
+            line's ``--model.FIELD``, a checkpoint's hyper-parameters; with the CLI, ``vocab_size`` comes from the
+            data module's tokenizer); a key under its old name (:mod:`models.compat`) is read as the new one, which
+            wins when both are set.
 
     Checkpoints store the hyper-parameters flat (the config's fields, then the options above; only primitives, so
     they load with ``torch.load(..., weights_only=True)``) and ``LitGPT(**hparams)`` rebuilds the module.
@@ -105,7 +104,6 @@ class LitGPT(L.LightningModule):
 
     def __init__(
         self,
-        config: Optional[GPTConfig] = None,
         *,
         vocab_multiple: int = 1,
         learning_rate: float = 6e-4,
@@ -121,15 +119,11 @@ class LitGPT(L.LightningModule):
         **config_fields: Any,
     ) -> None:
         super().__init__()
-        if config is not None and config_fields:
-            raise TrainingConfigError(f"LitGPT takes a config or its fields, not both (got config and "
-                                      f"{sorted(config_fields)})")
         given_old = {old: new for old, new in OLD_NAMES.items()  # errors name the key the user gave
                      if config_fields.get(old) is not None and config_fields.get(new) is None}
         config_fields = rename_old_keys(config_fields, "model", new_wins=True)  # the training command noted each
-        try:
-            if config is None:  # the flat form (jsonargparse reads GPTConfig's fields for --model.FIELD from here)
-                config = GPTConfig(**config_fields)
+        try:  # jsonargparse reads GPTConfig's fields for --model.FIELD from this call
+            config = GPTConfig(**config_fields)
         except ValueError as e:  # "GPTConfig.kvsplice_keep must be ..." -> name the CLI option
             message = str(e).replace("GPTConfig.", "model.", 1)
             for old, new in given_old.items():

@@ -78,7 +78,8 @@ def convert_gpt(opts: ToMLAOptions) -> tuple[Any, dict[str, Any], dict]:
     (``meta``: the source's hparams). ``opts.d_latent``: a whole number here."""
     from kvsplice.convert.mla import (attention_input_grams, insert_kvsplice, kv_relative_error, latent_grams,
                                       mha_to_mla)
-    from kvsplice.loading import checkpoint_tokenizer, iter_texts, load_model, load_tokenizer, token_stream
+    from kvsplice.convert.calib_text import calibration_ids
+    from kvsplice.loading import checkpoint_tokenizer, load_model, load_tokenizer
     from kvsplice.lowrank.calibrate import calibration_batches
     from models.checkpoint import load_gpt_checkpoint as load_ckpt
     from models.gpt import GPT
@@ -123,15 +124,12 @@ def convert_gpt(opts: ToMLAOptions) -> tuple[Any, dict[str, Any], dict]:
         seq_len = opts.seq_len or default_seq_len(cfg.block_size)
         if seq_len > cfg.block_size:
             raise UsageError(f"--seq-len {seq_len} exceeds the model's block_size {cfg.block_size}")
-        n_max = opts.tokens()
-        ids, _ = token_stream(iter_texts(opts.calib, option="calib"), tokenizer, n_max)
-        if ids.numel() < seq_len:
-            raise UsageError(f"--calib {opts.calib}: only {ids.numel()} tokens, fewer than --seq-len {seq_len}")
-        batches = calibration_batches(ids, seq_len, opts.batch_size, max_tokens=n_max)
+        ids = calibration_ids(opts.calib, tokenizer, opts.tokens(), seq_len)  # (N·T,)
+        batches = calibration_batches(ids, seq_len, opts.batch_size, max_tokens=opts.tokens())
         n_tokens = sum(b.numel() for b in batches)
     report: dict[str, Any] = {"source": str(opts.model), "source_variant": cfg.variant,
                               "source_cache_dim": cfg.cache_dim, "calibration_tokens": n_tokens,
-                              "calibration_source": opts.calib}
+                              "calibration_source": list(opts.calib or [])}
     out = model
     if cfg.attention == "mha":
         grams = attention_input_grams(model, batches, progress=opts.progress)[0] if batches is not None else None
@@ -168,11 +166,17 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     opts = from_args(ToMLAOptions, build_parser().parse_args(argv))
     keep_note(opts)
     apply_threads(opts)
+    from kvsplice.core.limits import MAX_TEXT_TOKENS, check_count
     from kvsplice.loading import text_tokens
 
-    if not opts.self_calib:  # the source's own text is bounded by the options and written after the model loads
+    if opts.calib is not None and len(opts.calib) == 1 and not opts.self_calib:  # bounded by the text's size
         opts = dataclasses.replace(opts, calib_tokens=text_tokens("--calib-tokens", opts.calib_tokens, CALIB_TOKENS,
-                                                                  opts.calib, text_option="calib"))  # before the model
+                                                                  opts.calib[0], text_option="calib"))
+    elif opts.calib is not None:  # several sources, or the source's own text (written after the model loads)
+        for text in opts.calib_files:
+            text_tokens("--calib-tokens", None, CALIB_TOKENS, text, text_option="calib")  # each one readable
+        opts = dataclasses.replace(opts, calib_tokens=check_count("--calib-tokens", opts.tokens(),
+                                                                  hi=MAX_TEXT_TOKENS))
     from kvsplice.convert.llama_run import is_llama_source, run_llama
 
     if is_llama_source(opts.model):  # Llama family -> decoupled-RoPE MLA (kvsplice.convert.llama_mla)
@@ -188,7 +192,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if opts.d_latent is not None:
         opts = dataclasses.replace(opts, d_latent=_gpt_latent(opts.d_latent))
     out_path, json_path = out_and_json(opts.out, opts.json, force=opts.force,
-                                       inputs={"--model": opts.model, "--calib": opts.calib,
+                                       inputs={"--model": opts.model, "--calib": opts.calib_files,
                                                "--tokenizer": opts.tokenizer})
     model, report, meta = convert_gpt(opts)
     with disk_errors(out_path):  # a full disk: torch.save's own error, one line; atomic_write leaves nothing

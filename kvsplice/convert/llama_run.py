@@ -55,24 +55,15 @@ def _rope_dims(v: Optional[Union[int, str]], layout: str, head_dim: int) -> int:
 
 
 def _calibration(opts: ToMLAOptions, model, tokenizer, max_positions):
-    """Calibration batches ``(B, T)`` of ``--calib``: a text, or (``self``) the source's own text."""
-    from kvsplice.loading import iter_texts, token_stream
-    from kvsplice.loading.self_text import SelfTextError, SelfTextOptions, self_text
+    """Calibration batches ``(B, T)`` of ``--calib``'s sources (:mod:`kvsplice.convert.calib_text`)."""
+    from kvsplice.convert.calib_text import calibration_ids
     from kvsplice.lowrank.calibrate import calibration_batches
 
     seq_len = opts.seq_len or default_seq_len(max_positions, cap=CALIB_SEQ_LEN)
     if max_positions and seq_len > max_positions:
         raise UsageError(f"--seq-len {seq_len} exceeds the model's {max_positions} positions")
-    if opts.self_calib:
-        try:
-            ids = self_text(model, tokenizer, SelfTextOptions(tokens=opts.tokens()), max_positions=max_positions,
-                            progress=opts.progress).ids  # (tokens,)
-        except SelfTextError as e:
-            raise UsageError(f"--calib self: {e}") from None
-    else:
-        ids, _ = token_stream(iter_texts(opts.calib, option="calib"), tokenizer, opts.tokens())
-    if ids.numel() < seq_len:
-        raise UsageError(f"--calib {opts.calib}: only {ids.numel()} tokens, fewer than --seq-len {seq_len}")
+    ids = calibration_ids(opts.calib, tokenizer, opts.tokens(), seq_len, model=model, max_positions=max_positions,
+                          progress=opts.progress)  # (N·T,)
     return calibration_batches(ids, seq_len, opts.batch_size, max_tokens=opts.tokens())
 
 
@@ -115,8 +106,7 @@ def run_llama(opts: ToMLAOptions) -> int:
                 raise UsageError(f"--ratio chooses the latent and RoPE widths; leave out {opt} (or --ratio)")
         if opts.rope_layout == "per-head":
             raise UsageError("--ratio converts to the shared RoPE layout (DeepSeek-V3's); leave out --rope-layout")
-    calib = None if opts.self_calib else opts.calib  # the source's own text is no file
-    inputs = {"--model": opts.model, "--calib": calib, "--tokenizer": opts.tokenizer}
+    inputs = {"--model": opts.model, "--calib": opts.calib_files, "--tokenizer": opts.tokenizer}
     out = output_dir(opts.out, force=opts.force, inputs=inputs, owned=(), writer=WRITER)
     json_path = output_file(opts.json, force=opts.force, option="--json", inputs=inputs,
                             outputs={"--out": out}) if opts.json else None
@@ -155,7 +145,7 @@ def run_llama(opts: ToMLAOptions) -> int:
     if converted and keep is not None:
         _check_keep(opts, model.cfg.d_latent)
     batches = [] if export_only else _calibration(opts, model, tok, loaded.max_positions)
-    report: dict[str, Any] = {"source": str(opts.model), "calibration_source": opts.calib,
+    report: dict[str, Any] = {"source": str(opts.model), "calibration_source": list(opts.calib or []),
                               "calibration_tokens": sum(b.numel() for b in batches)}
     if converted:
         mla = model
@@ -169,7 +159,8 @@ def run_llama(opts: ToMLAOptions) -> int:
             raise UsageError(f"--model {opts.model}: {e}") from None
         late = keep is not None  # the correction then runs once, on the shrunk latent
         fit = FitOptions(refine_steps=0 if late else steps)
-        source = {"path": str(opts.model), "calib": str(opts.calib), "calibration_tokens": report["calibration_tokens"]}
+        source = {"path": str(opts.model), "calib": " ".join(opts.calib),
+                  "calibration_tokens": report["calibration_tokens"]}
         if opts.ratio is not None:
             mla, stats, report["ratio_candidates"] = _ratio_split(opts, a, batches, fit, progress, source)
             if steps and not late:

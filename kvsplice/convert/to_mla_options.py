@@ -97,10 +97,12 @@ class ToMLAOptions(ForceOption, ThreadsOption, ProgressOption, DeviceOption):
                                           "(its old name)")
     kvsplice_init: str = opt("pca", choices=("pca", "random"), help="compress init: top principal directions of the "
                              "calibration latents, or random orthogonal")
-    calib: Optional[str] = opt(None, help="calibration text (.txt/.json/.jsonl or folder): activation-aware "
-                               "conversion and the KVSplice PCA init; Llama family: 'self' is the source's own text "
-                               "(sampled once from prompts across domains and cached, as kvsplice distill's; keeps "
-                               "other prose and retrieval where one domain's text loses them, docs/conversion.md)")
+    calib: Optional[tuple[str, ...]] = opt(None, metavar="TEXT", help="calibration text (.txt/.json/.jsonl or "
+                                           "folder): activation-aware conversion and the KVSplice PCA init; Llama "
+                                           "family: 'self' is the source's own text (sampled once across domains and "
+                                           "cached, as kvsplice distill's: keeps other prose and retrieval where one "
+                                           "domain's text loses them); several: an equal share each, interleaved "
+                                           "(e.g. self STORIES; docs/conversion.md)")
     calib_tokens: Optional[int] = opt(None, parse=pos_int, help=f"calibration tokens (default {CALIB_TOKENS}, "
                                       f"{SELF_CALIB_TOKENS} with --calib self, or the whole text if shorter; at most "
                                       f"{MAX_TEXT_TOKENS} and what --calib can give)")
@@ -114,7 +116,11 @@ class ToMLAOptions(ForceOption, ThreadsOption, ProgressOption, DeviceOption):
 
     def __post_init__(self) -> None:
         """The values the command line's parsers check, checked for a library call too (one line naming the
-        option)."""
+        option); one ``calib`` text may be given as a string."""
+        if isinstance(self.calib, str):
+            object.__setattr__(self, "calib", (self.calib,))
+        if self.calib is not None and (not self.calib or len(set(self.calib)) < len(self.calib)):
+            raise ValueError(f"--calib {' '.join(self.calib)}: give each text once")
         if self.ratio is not None:
             check_times_smaller("--ratio", self.ratio)
         for option, value in (("--kvsplice-keep", self.kvsplice_keep), (OLD_KEEP, self.kvsplice_ratio)):
@@ -153,14 +159,19 @@ class ToMLAOptions(ForceOption, ThreadsOption, ProgressOption, DeviceOption):
         return REFINE_STEPS if self.ratio is not None else 0
 
     def tokens(self) -> int:
-        """The calibration tokens: ``calib_tokens``, else :data:`SELF_CALIB_TOKENS` for ``--calib self``, else
-        :data:`CALIB_TOKENS` (fewer when the text is shorter)."""
+        """The calibration tokens: ``calib_tokens``, else :data:`SELF_CALIB_TOKENS` with ``self`` among the sources,
+        else :data:`CALIB_TOKENS` (fewer when the text is shorter)."""
         return self.calib_tokens or (SELF_CALIB_TOKENS if self.self_calib else CALIB_TOKENS)
 
     @property
+    def calib_files(self) -> Optional[list[str]]:
+        """The calibration sources that are texts (inputs no output may replace; None: none given)."""
+        return None if self.calib is None else [c for c in self.calib if c != SELF_CALIB]
+
+    @property
     def self_calib(self) -> bool:
-        """``--calib self``: the source's own text, not a file."""
-        return self.calib == SELF_CALIB
+        """``--calib self ...``: the source's own text is one of the calibration sources."""
+        return self.calib is not None and SELF_CALIB in self.calib
 
     def layout(self) -> str:
         """The RoPE layout: ``rope_layout``, else shared with ``ratio`` (DeepSeek-V3's), else per-head."""

@@ -230,7 +230,7 @@ def test_cli_calib_self_calibrates_on_the_sources_own_text_sampled_once(s260k, t
     corpus = list((tmp_path / "cache" / "kvsplice" / "self_text").glob("self-*.safetensors"))
     assert len(corpus) == 1
     rep = json.loads((tmp_path / "a.json").read_text())
-    assert rep["calibration_source"] == "self" and rep["calibration_tokens"] == 512
+    assert rep["calibration_source"] == ["self"] and rep["calibration_tokens"] == 512
     written = corpus[0].stat().st_mtime_ns
     assert to_mla.main(argv + ["--out", str(tmp_path / "b")]) == 0
     assert corpus[0].stat().st_mtime_ns == written
@@ -246,3 +246,22 @@ def test_cli_calib_self_needs_a_source_that_writes(tmp_path, capsys):
                                         "--out", str(tmp_path / "o.ckpt")], capsys)
     one_error(rc, err, "kvsplice to-mla", "--calib self is the source's own text")
     assert not (tmp_path / "o.ckpt").exists()
+
+
+def test_calibration_ids_share_the_tokens_and_interleave_the_sources_window_by_window(s260k, tmp_path, monkeypatch):
+    """``--calib self TEXT``: half the tokens each, alternating windows (the kept windows see both); one source is
+    its own tokens as they come."""
+    from kvsplice.convert.calib_text import calibration_ids
+    from kvsplice.loading import iter_texts, token_stream
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    loaded = load_model(str(s260k))
+    tok, hf = loaded.tokenizer, loaded.model
+    text, _ = token_stream(iter_texts(str(CALIB)), tok, 256)
+    own = calibration_ids(["self"], tok, 256, 64, model=hf, max_positions=loaded.max_positions)
+    both = calibration_ids(["self", str(CALIB)], tok, 512, 64, model=hf, max_positions=loaded.max_positions)
+    assert torch.equal(calibration_ids([str(CALIB)], tok, 256, 64), text)
+    windows = both.view(-1, 64)  # (8, 64): self, text, self, text, ...
+    assert torch.equal(windows[0::2].reshape(-1), own) and torch.equal(windows[1::2].reshape(-1), text)
+    with pytest.raises(ValueError, match="give each text once"):
+        to_mla.ToMLAOptions(model="m", out="o", calib=("self", "self"))

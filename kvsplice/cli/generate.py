@@ -17,7 +17,8 @@ the short form, inline JSON or a ``.json`` spec file; a selection's ``keep`` app
 (from ``kvsplice plan``) runs the plan's stack (its selection keeps the plan's fraction of this prompt);
 none → transformers' own full ``DynamicCache``. A ``.ckpt`` from ``python -m training.fit`` (not a transformers
 model) runs the package's own decoder with the same options.
-``--temperature 0`` (the default) is greedy; generation stops at the tokenizer's EOS.
+``--temperature 0`` (the default) is greedy; generation stops at the tokenizer's EOS. The options are declared once,
+in :class:`GenerateOptions` (the parser is built from it; :func:`run` takes it).
 
 Prints the text; ``--json OUT`` writes the generated ``tokens`` (ids, prompt excluded), ``text``,
 ``prompt_tokens`` and the measured ``cache_bytes`` (the cache's tensors after generation) with the formula and the
@@ -34,93 +35,122 @@ quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports be
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 
 from kvsplice.core.limits import check_count
-from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
+from kvsplice.io.cli import Parser, UsageError, device_dtype, pos_int, run_cli
 from kvsplice.io.files import output_file
 from kvsplice.io.inputs import SpecArgs
+from kvsplice.io.options import Exclusive, add_options, from_args, opt
+from kvsplice.io.run_options import DeviceOption, DtypeOption, ForceOption
 from kvsplice.io.write import write_json
 from kvsplice.select.selectors import SELECTORS
 from models.generate import check_temperature
 
+__all__ = ["GenerateOptions", "build_parser", "main", "run"]
+
 
 def _temperature(s: str) -> float:
+    """argparse type: a finite number >= 0 (0: greedy)."""
     try:
         return check_temperature(float(s))
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}") from None
 
 
+@dataclass(frozen=True, kw_only=True)
+class GenerateOptions(ForceOption, DeviceOption, DtypeOption):
+    """What ``generate`` runs: the ``model`` (and ``tokenizer``), at most one cache (``method``: a spec; its
+    aliases ``bases`` and ``select`` with ``budget``; or a ``plan``; none: the full cache), the ``prompt`` and
+    ``max_new_tokens``, the sampling (``temperature`` 0: greedy; ``top_k``; ``seed``) and the ``json`` report.
+    The fields declare the command line (in this order in ``--help``)."""
+
+    OPTION_GROUPS: ClassVar = (Exclusive(("method", "bases", "select", "plan")),)
+
+    model: str = opt(help="HF model directory / Hub id, or a training .ckpt")
+    tokenizer: Optional[str] = opt(None, help="tokenizer directory (default: the model's)")
+    method: Optional[str] = opt(None, metavar="SPEC", help="a compression method by its spec, e.g. kivi4, int8, "
+                                "select:snapkv@0.25+int8, lowrank:r4.safetensors+int8, or a .json spec file")
+    bases: Optional[str] = opt(None, help="low-rank bases file from kvsplice fit-bases")
+    select: Optional[str] = opt(None, choices=sorted(SELECTORS), help="token selection method")
+    plan: Optional[str] = opt(None, help="a plan from kvsplice plan (its stack: token selection, low rank, int8 / "
+                              "KIVI; its bases file beside it)")
+    budget: Optional[int] = opt(None, parse=pos_int, help="prompt tokens kept per KV head (with --select)")
+    prompt: str = opt(help="the text to continue")
+    max_new_tokens: int = opt(parse=pos_int, help="tokens to generate at most (it stops at the tokenizer's EOS)")
+    temperature: float = opt(0.0, parse=_temperature, help="0 (default): greedy")
+    top_k: Optional[int] = opt(None, parse=pos_int, help="sample from the k most likely tokens")
+    seed: int = opt(0, help="seed of the sampling and of a random token selection (default 0)")
+    json: Optional[str] = opt(None, help="write tokens, text and cache bytes here")
+
+    def __post_init__(self) -> None:
+        """The options together, before any file is read or the model loads (one line naming the option)."""
+        given = [o for o, v in (("--method", self.method), ("--bases", self.bases), ("--select", self.select),
+                                ("--plan", self.plan)) if v is not None]
+        if len(given) > 1:
+            raise UsageError(f"argument {given[1]}: not allowed with argument {given[0]}")
+        if self.select and self.budget is None:
+            raise UsageError("--select needs --budget N (prompt tokens kept per KV head)")
+        if self.budget is not None and not self.select:
+            raise UsageError("--budget is only used with --select METHOD")
+        if self.top_k is not None and self.temperature == 0:
+            raise UsageError("--top-k samples: give --temperature > 0 too (temperature 0 is greedy)")
+        try:
+            check_temperature(self.temperature)
+        except ValueError as e:
+            raise UsageError(f"--{e}") from None
+        check_count("--max-new-tokens", self.max_new_tokens)  # before the model loads (its context checks it too)
+        if self.budget is not None:
+            check_count("--budget", self.budget)
+        if self.top_k is not None:
+            check_count("--top-k", self.top_k)
+        if not self.prompt.strip():
+            raise UsageError("--prompt is empty")
+        try:
+            self.prompt.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as lone surrogates in sys.argv
+            raise UsageError("--prompt is not valid UTF-8 text") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of :class:`GenerateOptions` (its fields declare it)."""
     p = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="HF model directory / Hub id, or a training .ckpt")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--method", default=None, metavar="SPEC", help="a compression method by its spec, e.g. kivi4, "
-                   "int8, select:snapkv@0.25+int8, lowrank:r4.safetensors+int8, or a .json spec file")
-    g.add_argument("--bases", default=None, help="low-rank bases file from kvsplice fit-bases")
-    g.add_argument("--select", default=None, choices=sorted(SELECTORS), help="token selection method")
-    g.add_argument("--plan", default=None, help="a plan from kvsplice plan (its stack: token selection, "
-                   "low rank, int8 / KIVI; its bases file beside it)")
-    p.add_argument("--budget", type=pos_int, default=None, help="prompt tokens kept per KV head (with --select)")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=pos_int, required=True)
-    p.add_argument("--temperature", type=_temperature, default=0.0, help="0 (default): greedy")
-    p.add_argument("--top-k", type=pos_int, default=None, help="sample from the k most likely tokens")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write tokens, text and cache bytes here")
-    p.add_argument("--force", action="store_true", help="replace an existing --json file")
-    add_device_dtype(p)
+    add_options(p, GenerateOptions, help={"force": "replace an existing --json file"})
     return p
 
 
-def _check(args: argparse.Namespace) -> None:
-    if args.select and args.budget is None:
-        raise UsageError("--select needs --budget N (prompt tokens kept per KV head)")
-    if args.budget is not None and not args.select:
-        raise UsageError("--budget is only used with --select METHOD")
-    if args.top_k is not None and args.temperature == 0:
-        raise UsageError("--top-k samples: give --temperature > 0 too (temperature 0 is greedy)")
-    check_count("--max-new-tokens", args.max_new_tokens)  # before the model loads (its context checks it again)
-    if args.budget is not None:
-        check_count("--budget", args.budget)
-    if args.top_k is not None:
-        check_count("--top-k", args.top_k)
-    if not args.prompt.strip():
-        raise UsageError("--prompt is empty")
-    try:
-        args.prompt.encode("utf-8")
-    except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as lone surrogates in sys.argv
-        raise UsageError("--prompt is not valid UTF-8 text") from None
-    if args.bases and not Path(args.bases).is_file():
-        raise UsageError(f"--bases file not found: {args.bases}")
-    if args.plan and not Path(args.plan).is_file():
-        raise UsageError(f"--plan file not found: {args.plan}")
-    args.spec, args.spec_dir = _spec(args)
-    if args.json:
-        args.json = output_file(args.json, force=args.force, option="--json",
-                                inputs={"--model": args.model, "--tokenizer": args.tokenizer, "--bases": args.bases,
-                                        "--plan": args.plan, "--method": SpecArgs.of(args.method)})
+def _check(opts: GenerateOptions) -> Optional[Path]:
+    """The input files and ``--method``'s spec before the model loads; returns the ``--json`` path (checked)."""
+    if opts.bases and not Path(opts.bases).is_file():
+        raise UsageError(f"--bases file not found: {opts.bases}")
+    if opts.plan and not Path(opts.plan).is_file():
+        raise UsageError(f"--plan file not found: {opts.plan}")
+    _spec(opts)
+    if not opts.json:
+        return None
+    return output_file(opts.json, force=opts.force, option="--json",
+                       inputs={"--model": opts.model, "--tokenizer": opts.tokenizer, "--bases": opts.bases,
+                               "--plan": opts.plan, "--method": SpecArgs.of(opts.method)})
 
 
-def _spec(args: argparse.Namespace) -> tuple[Optional[dict], Optional[Path]]:
+def _spec(opts: GenerateOptions) -> tuple[Optional[dict], Optional[Path]]:
     """The method spec of ``--method`` or of its aliases ``--bases`` / ``--select --budget`` (``None``: the full
     cache or ``--plan``), and the folder its files are read from."""
     from kvsplice.core.build import check_spec
     from kvsplice.core.short_form import load_spec
 
-    if args.method is not None:  # an empty spec is refused, never read as "no method" (the full cache)
-        spec, base_dir = load_spec(args.method)
+    if opts.method is not None:  # an empty spec is refused, never read as "no method" (the full cache)
+        spec, base_dir = load_spec(opts.method)
         return check_spec(spec, base_dir=base_dir), base_dir  # fail fast, before the model loads
-    if args.bases:
-        return {"name": "lowrank", "bases": str(Path(args.bases).resolve())}, None
-    if args.select:
-        return {"name": "token_selection", "selector": {"name": args.select, "seed": args.seed},
-                "budget": args.budget}, None
+    if opts.bases:
+        return {"name": "lowrank", "bases": str(Path(opts.bases).resolve())}, None
+    if opts.select:
+        return {"name": "token_selection", "selector": {"name": opts.select, "seed": opts.seed},
+                "budget": opts.budget}, None
     return None, None
 
 
@@ -134,72 +164,75 @@ def _decode(tok, ids: list[int]) -> str:
         else tok.backend.decode(ids)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(opts: GenerateOptions) -> dict[str, Any]:
+    """Load the model, build the cache (``--method`` / ``--bases`` / ``--select`` / ``--plan``; none: the full
+    cache), generate; returns the report (the tokens, their text, the cache's measured bytes)."""
     from kvsplice.core.build import build_method
     from kvsplice.core.short_form import format_spec
     from kvsplice.loading import load_model
     from kvsplice.lowrank.bases import KVBases
     from kvsplice.planning.spec import Plan
 
-    if args.bases:
-        KVBases.load(args.bases)  # checked before the model loads
-    plan = Plan.load(args.plan) if args.plan else None
-    device, dtype = device_dtype(args)
-    loaded = load_model(args.model, tokenizer=args.tokenizer, dtype=dtype, device=device)
+    if opts.bases:
+        KVBases.load(opts.bases)  # checked before the model loads
+    plan = Plan.load(opts.plan) if opts.plan else None
+    device, dtype = device_dtype(opts)
+    loaded = load_model(opts.model, tokenizer=opts.tokenizer, dtype=dtype, device=device)
     model, tok = loaded.model, loaded.tokenizer
-    prompt = _prompt_ids(tok, args.prompt)
+    prompt = _prompt_ids(tok, opts.prompt)
     mp = loaded.max_positions
-    if mp is not None and len(prompt) + args.max_new_tokens > mp:
-        raise UsageError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the "
+    if mp is not None and len(prompt) + opts.max_new_tokens > mp:
+        raise UsageError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {opts.max_new_tokens} exceeds the "
                          f"model's {mp} positions")
     ids = torch.tensor([prompt], device=next(model.parameters()).device)  # (1, P)
+    spec, spec_dir = _spec(opts)
     method = None  # the full cache
-    if args.spec is not None:
-        if args.method is not None:
+    if spec is not None:
+        if opts.method is not None:
             from kvsplice.planning.spec import check_plan_model
 
-            check_plan_model(args.method, model)  # a plan given as a .json spec is checked as --plan is
-        method = build_method(args.spec, prompt_ids=ids, tokenizer=tok, base_dir=args.spec_dir)
+            check_plan_model(opts.method, model)  # a plan given as a .json spec is checked as --plan is
+        method = build_method(spec, prompt_ids=ids, tokenizer=tok, base_dir=spec_dir)
     elif plan is not None:
         from kvsplice.adapters import model_fingerprint
 
         plan.check_model(model_fingerprint(model))
         method = plan.method(prompt_ids=ids, tokenizer=tok)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(opts.seed)
     if loaded.kind in ("ckpt", "mla"):  # our models: the package's Decoder
-        new, cache, formula, full, engine = _generate_ours(model, ids, method, args)
+        new, cache, formula, full, engine = _generate_ours(model, ids, method, opts)
     else:
-        new, cache, formula, full, engine = _generate_hf(model, ids, method, args, tok)
+        new, cache, formula, full, engine = _generate_hf(model, ids, method, opts, tok)
     from kvsplice.report.memory import measure_cache
 
     measured = measure_cache(cache).live_bytes
     if formula is not None and measured != formula:
         raise RuntimeError(f"measured cache bytes {measured} != formula {formula}")
-    kind = "bases" if args.bases else (f"select:{args.select}" if args.select else (
-        f"plan:{plan.label}" if plan is not None else (f"method:{format_spec(method.spec())}" if args.method
+    kind = "bases" if opts.bases else (f"select:{opts.select}" if opts.select else (
+        f"plan:{plan.label}" if plan is not None else (f"method:{format_spec(method.spec())}" if opts.method
                                                         else "full")))
-    return {"model": loaded.describe(), "engine": engine, "prompt": args.prompt, "prompt_tokens": prompt,
+    return {"model": loaded.describe(), "engine": engine, "prompt": opts.prompt, "prompt_tokens": prompt,
             "tokens": new, "text": _decode(tok, new), "cache": kind, "method": repr(method),
-            "spec": None if method is None else method.spec(), "bases": args.bases, "plan": args.plan,
-            "budget": args.budget, "temperature": args.temperature,
-            "top_k": args.top_k, "seed": args.seed, "cache_tokens_held": cache.seq_len, "cache_bytes": measured,
+            "spec": None if method is None else method.spec(), "bases": opts.bases, "plan": opts.plan,
+            "budget": opts.budget, "temperature": opts.temperature,
+            "top_k": opts.top_k, "seed": opts.seed, "cache_tokens_held": cache.seq_len, "cache_bytes": measured,
             "cache_bytes_formula": formula, "full_cache_bytes": full}
 
 
-def _generate_hf(model, ids, method, args, tok):
+def _generate_hf(model, ids, method, opts: GenerateOptions, tok):
     import transformers
 
     from kvsplice.hf import KVSpliceHFCache
 
     cache = transformers.DynamicCache(config=model.config) if method is None else KVSpliceHFCache(model, method)
-    sample = args.temperature > 0
+    sample = opts.temperature > 0
     # sampling: temperature and top-k as given (no top-k: 0, not transformers' default of 50), no top-p
-    kw = dict(do_sample=True, temperature=args.temperature, top_k=args.top_k or 0, top_p=1.0) if sample \
+    kw = dict(do_sample=True, temperature=opts.temperature, top_k=opts.top_k or 0, top_p=1.0) if sample \
         else dict(do_sample=False)
     eos = tok.eos_id if tok.eos_id is not None else model.generation_config.eos_token_id
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                             max_new_tokens=args.max_new_tokens, eos_token_id=eos,
+                             max_new_tokens=opts.max_new_tokens, eos_token_id=eos,
                              pad_token_id=model.generation_config.pad_token_id or eos or 0, **kw)
     new = out[0, ids.shape[1]:].tolist()
     if isinstance(cache, transformers.DynamicCache):
@@ -210,15 +243,15 @@ def _generate_hf(model, ids, method, args, tok):
     return new, cache, cache.formula_nbytes(), cache.full_nbytes(), "transformers.generate"
 
 
-def _generate_ours(model, ids, method, args):
+def _generate_ours(model, ids, method, opts: GenerateOptions):
     from kvsplice.decode import Decoder
     from models.generate import generate_tokens
 
     dec = Decoder(model, method)
-    n = args.max_new_tokens
+    n = opts.max_new_tokens
     cache = dec.new_cache(1, capacity=dec.method.capacity(ids.shape[1], n))
     step = lambda x, c: dec(x, c, last_only=True)  # noqa: E731
-    out = generate_tokens(step, cache, ids, n, args.temperature, args.top_k, None)
+    out = generate_tokens(step, cache, ids, n, opts.temperature, opts.top_k, None)
     # the bound method's closed form (a subset cache's own bytes_formula is a static helper of other arguments)
     formula = dec.method.bytes_formula(1, cache.seq_len, cache.dtype)
     return out[0, ids.shape[1]:].tolist(), cache, formula, None, "kvsplice.decode.Decoder"
@@ -234,15 +267,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
-    args = build_parser().parse_args(argv)
-    _check(args)
-    report = run(args)
+    opts = from_args(GenerateOptions, build_parser().parse_args(argv))
+    json_path = _check(opts)
+    report = run(opts)
     print(report["text"])
     print(f"[{len(report['tokens'])} tokens, cache: {report['cache']}, {report['cache_tokens_held']} tokens "
           f"held, {report['cache_bytes']:,} bytes measured]", file=sys.stderr)
-    if args.json:
-        write_json(report, args.json)
-        print(f"wrote {args.json}", file=sys.stderr)
+    if json_path is not None:
+        write_json(report, json_path)
+        print(f"wrote {json_path}", file=sys.stderr)
     return 0
 
 

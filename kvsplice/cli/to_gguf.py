@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
-from kvsplice.convert.engines.gguf_options import ToGGUFOptions
+from kvsplice.convert.gguf_options import ToGGUFOptions
 from kvsplice.io.cli import Parser, UsageError, run_cli
 from kvsplice.io.files import output_file
 from kvsplice.io.options import add_options, from_args

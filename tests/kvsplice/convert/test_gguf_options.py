@@ -1,4 +1,4 @@
-"""``to-gguf``'s options declared once (:class:`kvsplice.convert.engines.gguf_options.ToGGUFOptions`): the parser is
+"""``to-gguf``'s options declared once (:class:`kvsplice.convert.gguf_options.ToGGUFOptions`): the parser is
 built from the dataclass's fields (the folder a positional argument), a parsed command line is the dataclass."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from kvsplice.cli import to_gguf
-from kvsplice.convert.engines.gguf_options import OUTTYPES, ToGGUFOptions
+from kvsplice.convert.gguf_options import OUTTYPES, ToGGUFOptions
 from kvsplice.io.cli import UsageError
 from kvsplice.io.options import flags_of, from_args, option_fields
 

@@ -29,15 +29,15 @@ from benchmarks.lib.bases_report import checks, fmt_md, timing
 from benchmarks.lib.stories import load_stories
 from kvsplice.evaluation.context import EvalContext, load_windows
 from kvsplice.evaluation.lowrank import evaluate_bases
-from kvsplice.cli.fit_bases import build_parser as fit_parser, fit_from_args
+from kvsplice.cli.fit_bases import fit_one
+from kvsplice.lowrank.options import FitBasesOptions
 from kvsplice.lowrank.fits import FITS
 
 
-def _fit_args(method: str, rank: int, rope: str, run):
-    return fit_parser().parse_args(["--model", "stories260K", "--fit", method, "--rank", str(rank), "--rope", rope,
-                                    "--calib", str(CALIB), "--calib-tokens", str(run["calib_tokens"]), "--seq-len",
-                                    str(run["seq_len"]), "--batch-size", str(run["batch_size"]), "--out", "unused",
-                                    "--no-progress"])
+def _fit_options(method: str, rank: int, rope: str, run) -> FitBasesOptions:
+    return FitBasesOptions(model="stories260K", fit=(method,), rank=(rank,), rope=(rope,), calib=str(CALIB),
+                           calib_tokens=run["calib_tokens"], seq_len=run["seq_len"], batch_size=run["batch_size"],
+                           out="unused", progress=False)
 
 
 def options(p) -> None:
@@ -73,7 +73,7 @@ def rows(run):
     for rope in ropes:
         for r in ranks:
             for m in methods:
-                bases, rep = fit_from_args(_fit_args(m, r, rope, run), loaded=loaded, calib_cache=calib_cache)
+                bases, rep = fit_one(_fit_options(m, r, rope, run), loaded=loaded, calib_cache=calib_cache)
                 fits_all[(rope, r, m)], fit_reports[(rope, r, m)] = bases, rep
                 res = evaluate_bases(ctx, bases, label=f"{m}-{rope}-r{r}")
                 res["rank"] = r

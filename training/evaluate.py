@@ -23,6 +23,7 @@ PROG = "kvsplice evaluate"
 quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
 
 import argparse
+import dataclasses
 import inspect
 import math
 import statistics
@@ -35,10 +36,12 @@ import torch
 import torch.nn.functional as F
 
 from kvsplice.io.cli import EXIT_USAGE, Parser, UsageError, run_cli
+from kvsplice.io.options import add_options, from_args
 from kvsplice.io.files import output_file
 from kvsplice.io.write import write_json
 from kvsplice.report.memory import cache_bytes_formula, measure_cache, mha_cache_bytes, parse_dtype
 from training.checkpoint import CheckpointError, load_gpt_checkpoint
+from training.evaluate_options import EvaluateOptions
 
 EXIT_ERROR = EXIT_USAGE
 PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "The dog was sad because")
@@ -46,15 +49,6 @@ PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "The dog was
 
 class EvaluateError(RuntimeError):
     """Bad input for the evaluation (a reason to stop with one clear line)."""
-
-
-def _bool(value: str) -> bool:
-    v = value.strip().lower()
-    if v in ("true", "1", "yes", "on"):
-        return True
-    if v in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
 def _datamodule(meta: dict, overrides: dict, block_size: int, tokens: int, batch_size: int):
@@ -113,14 +107,14 @@ def cached_validation_loss(model, dm, max_tokens: int, chunk: int, quant: Option
     return total / count, count
 
 
-def quantised_loss(model, cfg, dm, args: argparse.Namespace) -> dict[str, Any]:
+def quantised_loss(model, cfg, dm, opts: EvaluateOptions) -> dict[str, Any]:
     """Validation loss through the unquantised and the ``--cache-quant`` cache (same model, same tokens), the
     relative change, and the quantised cache's bytes per token (measured == formula)."""
-    plain, _ = cached_validation_loss(model, dm, args.tokens, args.cache_chunk)
-    quant, _ = cached_validation_loss(model, dm, args.tokens, args.cache_chunk, args.cache_quant)
-    measured = measure_cache_per_token(model, cfg.replace(cache_quant=args.cache_quant), args.cache_tokens,
-                                       parse_dtype(args.dtype))
-    return {"cache_quant": args.cache_quant, "val_loss_cached": plain, "val_loss_quant": quant,
+    plain, _ = cached_validation_loss(model, dm, opts.tokens, opts.cache_chunk)
+    quant, _ = cached_validation_loss(model, dm, opts.tokens, opts.cache_chunk, opts.cache_quant)
+    measured = measure_cache_per_token(model, cfg.replace(cache_quant=opts.cache_quant), opts.cache_tokens,
+                                       parse_dtype(opts.dtype))
+    return {"cache_quant": opts.cache_quant, "val_loss_cached": plain, "val_loss_quant": quant,
             "val_loss_change": quant / plain - 1.0, "quant_bytes_per_token": measured["bytes_per_token"],
             "quant_cache_matches_formula": measured["measured_bytes"] == measured["formula_bytes"]}
 
@@ -179,19 +173,20 @@ def samples(model, tokenizer, n_new: int, seed: int) -> list[dict[str, str]]:
     return out
 
 
-def evaluate_checkpoint(path: str, args: argparse.Namespace) -> dict[str, Any]:
+def evaluate_checkpoint(path: str, opts: EvaluateOptions) -> dict[str, Any]:
+    """The row of one checkpoint: validation loss, cache bytes (measured == formula), decode speed, samples."""
     model, cfg, meta = load_gpt_checkpoint(path)
-    device = torch.device(args.device)
+    device = torch.device(opts.torch_device())
     model.to(device).eval()
-    overrides = {"path": args.data_path, "tokenizer_path": args.data_tokenizer_path, "synthetic": args.data_synthetic,
-                 "cache_dir": args.data_cache_dir}
-    dm = _datamodule(meta, overrides, cfg.block_size, args.tokens, args.batch_size)
+    overrides = {"path": opts.data_path, "tokenizer_path": opts.data_tokenizer_path, "synthetic": opts.data_synthetic,
+                 "cache_dir": opts.data_cache_dir}
+    dm = _datamodule(meta, overrides, cfg.block_size, opts.tokens, opts.batch_size)
     if dm.vocab_size > cfg.vocab_size:
         raise EvaluateError(f"{path}: the data's tokenizer has {dm.vocab_size} tokens but the model only "
                         f"{cfg.vocab_size}; pass the --data.* settings the checkpoint was trained with")
-    loss, n_tok = validation_loss(model, dm, args.tokens)
-    dtype = parse_dtype(args.dtype)
-    cache = measure_cache_per_token(model, cfg, args.cache_tokens, dtype)
+    loss, n_tok = validation_loss(model, dm, opts.tokens)
+    dtype = parse_dtype(opts.dtype)
+    cache = measure_cache_per_token(model, cfg, opts.cache_tokens, dtype)
     mha_per_token = mha_cache_bytes(cfg, 1, dtype)  # an MHA model of the same shapes (any layout, any norms)
     row = {
         "checkpoint": str(path),
@@ -200,19 +195,19 @@ def evaluate_checkpoint(path: str, args: argparse.Namespace) -> dict[str, Any]:
         "val_loss": loss,
         "ppl": math.exp(loss),
         "val_tokens": n_tok,
-        "dtype": args.dtype,
+        "dtype": opts.dtype,
         "cache_bytes_per_token": cache["bytes_per_token"],
-        "cache_bytes_at_context": cache["bytes_per_token"] * args.context,
-        "context": args.context,
+        "cache_bytes_at_context": cache["bytes_per_token"] * opts.context,
+        "context": opts.context,
         "compression_vs_mha": mha_per_token / cache["bytes_per_token"],
         "cache_matches_formula": cache["measured_bytes"] == cache["formula_bytes"],
         "cache_check": cache,
-        "decode_tokens_per_s": decode_speed(model, cfg, args.prompt_len, args.decode_tokens, args.repeats),
-        "samples": samples(model, dm.tokenizer, args.sample_tokens, args.seed),
+        "decode_tokens_per_s": decode_speed(model, cfg, opts.prompt_len, opts.decode_tokens, opts.repeats),
+        "samples": samples(model, dm.tokenizer, opts.sample_tokens, opts.seed),
         "run_dir": str(Path(path).resolve().parent),
     }
-    if args.cache_quant:
-        row.update(quantised_loss(model, cfg, dm, args))
+    if opts.cache_quant:
+        row.update(quantised_loss(model, cfg, dm, opts))
         row["quant_compression_vs_mha"] = mha_per_token / row["quant_bytes_per_token"]
     if not row["cache_matches_formula"]:
         raise EvaluateError(f"{path}: measured cache bytes {cache['measured_bytes']} != formula {cache['formula_bytes']}")
@@ -231,49 +226,22 @@ def results_markdown(rows: Sequence[dict[str, Any]], dtype: str, device: str) ->
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of :class:`EvaluateOptions` (its fields declare it)."""
     p = Parser(prog=PROG, description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--ckpt", action="append", required=True, help="checkpoint file (repeat for a comparison)")
-    p.add_argument("--tokens", type=int, default=16384, help="validation tokens to average the loss over")
-    p.add_argument("--batch-size", type=int, default=8, help="validation batch size")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="cache dtype for byte counts")
-    p.add_argument("--context", type=int, default=1024, help="context length for the cache-bytes column")
-    p.add_argument("--cache-tokens", type=int, default=64, help="tokens prefilled+decoded to measure the cache")
-    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens before timing decode")
-    p.add_argument("--decode-tokens", type=int, default=64, help="decoded tokens per timing run")
-    p.add_argument("--repeats", type=int, default=3, help="timing repeats (median reported)")
-    p.add_argument("--sample-tokens", type=int, default=48, help="tokens generated per sample prompt")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--data.path", dest="data_path", default=None, help="override the validation text")
-    p.add_argument("--data.tokenizer_path", dest="data_tokenizer_path", default=None)
-    p.add_argument("--data.synthetic", dest="data_synthetic", default=None, type=_bool,
-                   help="true: the embedded offline stories")
-    p.add_argument("--data.cache_dir", dest="data_cache_dir", default=None)
-    p.add_argument("--cache-quant", default=None, choices=["int8"], help="also report the validation loss with every "
-                   "token attending over an int8 cache (and over the unquantised cache, for the same tokens)")
-    p.add_argument("--cache-chunk", type=int, default=64, help="tokens appended per call for --cache-quant")
-    p.add_argument("--json", default=None, help="write all results (and plots next to it)")
-    p.add_argument("--force", action="store_true", help="replace an existing --json file (and its plots)")
+    add_options(p, EvaluateOptions)
     return p
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    """Option values the parser cannot check (raises :class:`EvaluateError` naming the option)."""
-    for name in ("tokens", "batch_size", "context", "cache_tokens", "decode_tokens", "repeats", "prompt_len",
-                 "cache_chunk"):
-        if getattr(args, name) < 1:
-            raise EvaluateError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.sample_tokens < 0:
-        raise EvaluateError(f"--sample-tokens must be >= 0, got {args.sample_tokens}")
+def _check_device(opts: EvaluateOptions) -> EvaluateOptions:
+    """``opts`` with its device resolved and checked (raises :class:`EvaluateError` naming ``--device``)."""
     try:
-        device = torch.device(args.device)
+        device = torch.device(opts.torch_device())
     except RuntimeError as e:
-        raise EvaluateError(f"--device {args.device!r}: {str(e).splitlines()[0]}") from None
+        raise EvaluateError(f"--device {opts.device!r}: {str(e).splitlines()[0]}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise EvaluateError(f"--device {args.device}: CUDA is not available on this machine (use --device cpu)")
-    if args.json:  # never a --ckpt, never replaced without --force, a writable folder
-        args.json = output_file(args.json, force=args.force, option="--json", inputs={"--ckpt": args.ckpt})
+        raise EvaluateError(f"--device {opts.device}: CUDA is not available on this machine (use --device cpu)")
+    return dataclasses.replace(opts, device=opts.torch_device())
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -286,24 +254,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _main(argv: Optional[Sequence[str]]) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        opts = from_args(EvaluateOptions, build_parser().parse_args(argv))  # every count checked (one line)
     except UsageError as e:
         raise UsageError(f"{e} ({PROG} --help lists the options)") from None
-    _check_args(args)
+    opts = _check_device(opts)
+    json_path = None
+    if opts.json:  # never a --ckpt, never replaced without --force, a writable folder
+        json_path = output_file(opts.json, force=opts.force, option="--json", inputs={"--ckpt": list(opts.ckpt)})
     from training.checkpoint import check_resume_file
 
-    for path in args.ckpt:  # every checkpoint refused before the first progress line
+    for path in opts.ckpt:  # every checkpoint refused before the first progress line
         if not Path(path).is_file():
             raise CheckpointError(f"checkpoint '{path}' does not exist (or is not a file)")
         check_resume_file(path, "--ckpt")
     rows = []
-    for path in args.ckpt:
+    for path in opts.ckpt:
         print(f"evaluating {path} ...", file=sys.stderr)
-        rows.append(evaluate_checkpoint(path, args))
-    print(results_markdown(rows, args.dtype, args.device))
-    if args.cache_quant:
-        print(f"\n| variant | val loss (cache) | val loss ({args.cache_quant} cache) | change | {args.cache_quant} cache "
-              f"bytes/token | vs MHA ({args.dtype}) |\n|---|---|---|---|---|---|")
+        rows.append(evaluate_checkpoint(path, opts))
+    print(results_markdown(rows, opts.dtype, opts.device))
+    if opts.cache_quant:
+        print(f"\n| variant | val loss (cache) | val loss ({opts.cache_quant} cache) | change | {opts.cache_quant} cache "
+              f"bytes/token | vs MHA ({opts.dtype}) |\n|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['variant']} | {r['val_loss_cached']:.4f} | {r['val_loss_quant']:.4f} | "
                   f"{100 * r['val_loss_change']:+.3f} % | {r['quant_bytes_per_token']:.0f} | "
@@ -312,12 +283,12 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         print(f"\n{r['variant']} samples ({Path(r['checkpoint']).name}):")
         for s in r["samples"]:
             print(f"  {s['text']!r}")
-    if args.json:
-        out = args.json
+    if json_path is not None:
+        out = json_path
         try:
-            write_json({"dtype": args.dtype, "device": args.device, "rows": rows}, out)
+            write_json({"dtype": opts.dtype, "device": opts.device, "rows": rows}, out)
         except OSError as e:
-            raise UsageError(f"--json {args.json}: cannot write ({e.strerror or type(e).__name__})") from None
+            raise UsageError(f"--json {opts.json}: cannot write ({e.strerror or type(e).__name__})") from None
         from kvsplice.report.plots import plot_quality_vs_cache, plot_val_loss
 
         plot_quality_vs_cache(rows, out.with_name(out.stem + "_quality_vs_cache.png"))

@@ -38,42 +38,26 @@ quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports be
 import argparse
 import platform
 import sys
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from kvsplice.report.decode_timing import (DEFAULT_CONFIGS, growth, print_profiles, print_table, run, title, variants_from_specs)
-from kvsplice.core.limits import MAX_TOKENS, check_count, check_fits, check_number, check_threads, gpt_run_bytes
-from kvsplice.io.cli import Parser, UsageError, add_report_options, device_dtype, run_cli
+from kvsplice.report.decode_timing import growth, print_profiles, print_table, run, title, variants_from_specs
+from kvsplice.core.limits import check_fits, gpt_run_bytes
+from kvsplice.io.cli import Parser, UsageError, device_dtype, run_cli
 from kvsplice.io.files import output_file
+from kvsplice.io.options import add_options, from_args
 from kvsplice.io.write import write_json
-from kvsplice.report.memory import DTYPES, cache_bytes_formula, dtype_name, parse_dtype
-
-MAX_REPEATS = 100_000
-"""Timed / warm-up steps and rounds at most (a million steps of a 124M model is days)."""
+from kvsplice.report.memory import cache_bytes_formula, dtype_name, parse_dtype
+from kvsplice.report.options import BenchDecodeOptions
 
 
 # -------------------------------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of :class:`BenchDecodeOptions` (its fields declare it)."""
     p = Parser(prog=PROG, description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", nargs="+", metavar="NAME[:IMPL][:int8][:sdpa|:kernel][:graph]", default=list(DEFAULT_CONFIGS),
-                   help="presets or YAML configs; MLA ones may end in :naive or :absorb; :int8 for an int8 cache, "
-                        ":sdpa / :kernel for SDPA / the split-KV kernel, :graph for CUDA-graph steps")
-    p.add_argument("--ctx", nargs="+", type=int, default=[512, 2048, 8192], metavar="T")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=12, help="timed steps per (variant, context), in all rounds")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per (variant, context, round)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds the repeats are split over")
-    p.add_argument("--max-seconds", type=float, default=None, help="cap on the seconds spent per (variant, "
-                   "context): slow variants (naive MLA at long contexts) then get fewer timed steps (>= 1 per round)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="default fp32 (bf16 is slow on CPU)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    add_report_options(p, json_help="write results as JSON (and a plot FILE.png next to it)")
-    p.add_argument("--plot", metavar="PNG", help="plot path (default: next to --json)")
-    p.add_argument("--profile", action="store_true", help="also run torch.profiler over 3 steps of each variant at "
-                   "the largest context: top ops, and the largest copy/cat (must be far below one layer's cache)")
+    add_options(p, BenchDecodeOptions, help={"json": "write results as JSON (and a plot FILE.png next to it)"})
     return p
 
 
@@ -82,49 +66,39 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
-    args = build_parser().parse_args(argv)
-    for c in args.ctx:
-        check_count("--ctx", c, 1, MAX_TOKENS - 1)
-    check_count("--batch", args.batch)
-    check_count("--repeats", args.repeats, 1, MAX_REPEATS)
-    check_count("--warmup", args.warmup, 0, MAX_REPEATS)
-    check_count("--rounds", args.rounds, 1, MAX_REPEATS)
-    check_threads("--threads", args.threads)
-    if args.max_seconds is not None:
-        check_number("--max-seconds", args.max_seconds, 0.0, lo_open=False)
-    ctxs = sorted(set(args.ctx))
-    device, _ = device_dtype(args)
-    variants, notes = variants_from_specs(args.config, max(ctxs))
-    dtype = parse_dtype(args.dtype)
+    opts = from_args(BenchDecodeOptions, build_parser().parse_args(argv))
+    ctxs = opts.contexts
+    device, _ = device_dtype(opts)
+    variants, notes = variants_from_specs(list(opts.config), max(ctxs))
+    dtype = parse_dtype(opts.dtype)
     # every model lives through the run; one cache (capacity ctx + 1) and one layer's random block at a time
-    weights = sum(gpt_run_bytes(v.cfg, tokens=1, batch=args.batch, elt=dtype.itemsize, cache_bytes=0,
+    weights = sum(gpt_run_bytes(v.cfg, tokens=1, batch=opts.batch, elt=dtype.itemsize, cache_bytes=0,
                                 logits_tokens=1) for v in variants)
-    cache = max(cache_bytes_formula(v.cfg, ctxs[-1] + 1, dtype, args.batch) * (1 + 1 / v.cfg.n_layer)
+    cache = max(cache_bytes_formula(v.cfg, ctxs[-1] + 1, dtype, opts.batch) * (1 + 1 / v.cfg.n_layer)
                 for v in variants)
-    check_fits(f"--ctx {ctxs[-1]} with --batch {args.batch}", weights + cache, "the models and the filled cache",
+    check_fits(f"--ctx {ctxs[-1]} with --batch {opts.batch}", weights + cache, "the models and the filled cache",
                device)
     if device.type != "cuda" and any(v.graph for v in variants):
         raise UsageError(f"':graph' variants replay CUDA graphs and need a CUDA device, got {device}")
-    inputs = {"--config": [c.split(":")[0] for c in args.config]}  # a YAML path is read: never written
-    if args.json:
-        args.json = output_file(args.json, force=args.force, option="--json", inputs=inputs)
-    png = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    inputs = {"--config": [c.split(":")[0] for c in opts.config]}  # a YAML path is read: never written
+    json_path = None if not opts.json else output_file(opts.json, force=opts.force, option="--json", inputs=inputs)
+    png = opts.plot or (str(json_path.with_suffix(".png")) if json_path else None)
     if png:
-        png = output_file(png, force=args.force, option="--plot", inputs=inputs,
-                          outputs={"--json": args.json} if args.json else None)
+        png = output_file(png, force=opts.force, option="--plot", inputs=inputs,
+                          outputs={"--json": json_path} if json_path else None)
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    rounds = min(args.rounds, args.repeats)
-    profiles: Optional[dict] = {} if args.profile else None
-    rows = run(variants, ctxs, batch=args.batch, dtype=dtype, repeats=args.repeats, warmup=args.warmup,
-               rounds=rounds, device=device, progress=not args.no_progress, seed=args.seed, profile=profiles,
-               max_seconds=args.max_seconds)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    rounds = min(opts.rounds, opts.repeats)
+    profiles: Optional[dict] = {} if opts.profile else None
+    rows = run(variants, ctxs, batch=opts.batch, dtype=dtype, repeats=opts.repeats, warmup=opts.warmup,
+               rounds=rounds, device=device, progress=opts.progress, seed=opts.seed, profile=profiles,
+               max_seconds=opts.max_seconds)
     report = dict(
-        tool="kvsplice.bench_decode", dtype=dtype_name(dtype), batch=args.batch, device=str(device),
-        threads=torch.get_num_threads(), repeats=args.repeats, warmup=args.warmup, rounds=rounds, ctx=ctxs,
-        max_seconds=args.max_seconds,
+        tool="kvsplice.bench_decode", dtype=dtype_name(dtype), batch=opts.batch, device=str(device),
+        threads=torch.get_num_threads(), repeats=opts.repeats, warmup=opts.warmup, rounds=rounds, ctx=ctxs,
+        max_seconds=opts.max_seconds,
         torch=torch.__version__, python=platform.python_version(), cpu=platform.processor() or platform.machine(),
         note="cache filled with random values via cache.append (timing only); each timed step attends over ctx+1 "
              "keys and is rolled back with cache.truncate(ctx); speedup = MHA median / variant median, same run",
@@ -134,11 +108,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     report["title"] = title(report)  # plots read it from the JSON
     if profiles is not None:
         report["profile"] = profiles
-    print_table(report, markdown=args.markdown)
+    print_table(report, markdown=opts.markdown)
     if profiles:
         print_profiles(profiles)
-    if args.json:
-        print(f"wrote {write_json(report, args.json)}", file=sys.stderr)
+    if json_path:
+        print(f"wrote {write_json(report, json_path)}", file=sys.stderr)
     if png:
         from kvsplice.report.plots import plot_decode_times
 

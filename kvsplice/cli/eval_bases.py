@@ -47,89 +47,73 @@ from __future__ import annotations
 from kvsplice.io.interrupt import quiet_interrupts_while_importing
 
 PROG = "kvsplice eval-bases"
-EVAL_TOKENS = 16384
-"""``--tokens`` when not given."""
 quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
 
 import argparse
+import dataclasses
 import sys
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kvsplice.core.limits import MAX_TEXT_TOKENS, check_count, check_fits, check_threads
-from kvsplice.io.cli import Parser, add_device_dtype, default_seq_len, device_dtype, pos_int, run_cli
+from kvsplice.core.limits import check_fits
+from kvsplice.io.cli import Parser, default_seq_len, device_dtype, run_cli
 from kvsplice.io.files import output_file
 from kvsplice.io.inputs import SpecArgs
+from kvsplice.io.options import add_options, from_args
 from kvsplice.io.write import write_json
 from kvsplice.lowrank.bases import BasesMismatchError, KVBases
 from kvsplice.evaluation.context import EvalContext, EvalError, load_windows
 from kvsplice.evaluation.lowrank import eval_static
-from kvsplice.evaluation.online import add_fd_online_options, eval_fd_online, print_diagnostics
+from kvsplice.evaluation.online import eval_fd_online, print_diagnostics
+from kvsplice.evaluation.options import EVAL_TOKENS, EvalBasesOptions, FdOnlineOptions
 
 __all__ = ["EVALUATORS", "METHOD_OPTIONS", "build_parser", "main", "make_context", "print_results"]
 
 
-Evaluator = Callable[[EvalContext, argparse.Namespace], list]
+Evaluator = Callable[[EvalContext, EvalBasesOptions], list]
 EVALUATORS: dict[str, Evaluator] = {"static": eval_static, "fd-online": eval_fd_online}
 """Method name → evaluator. ``static``: saved bases files (``--bases``); ``fd-online``: online FD bases."""
-METHOD_OPTIONS: dict[str, Callable[[argparse.ArgumentParser], None]] = {"fd-online": add_fd_online_options}
-"""Method name → a function adding that method's options to the parser."""
+METHOD_OPTIONS: dict[str, type] = {"fd-online": FdOnlineOptions}
+"""Method name → the options of that method (a base of :class:`EvalBasesOptions`; their own group in ``--help``,
+titled by their ``GROUP``)."""
+
+HELP = {"model": "model directory, training .ckpt or Hugging Face Hub id (the model the bases were fitted for)",
+        "tokenizer": "override the model's tokenizer", "batch_size": "windows decoded together (default 8)",
+        "json": "write the full report (per-layer and per-head numbers) as JSON",
+        "force": "overwrite an existing --json file"}
+"""This command's help of the options it shares with ``fit-bases``
+(:class:`~kvsplice.lowrank.options.BasesTextOptions`)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of :class:`EvalBasesOptions` (its fields declare it), each method's options in a group."""
     p = Parser(prog=PROG, description="Evaluate post-training KV bases on held-out text: "
                                 "perplexity full vs compressed cache, per-layer errors, Lesens' gap, cache bytes.")
-    p.add_argument("--model", required=True, help="model directory, training .ckpt or Hugging Face Hub id "
-                   "(the model the bases were fitted for)")
-    p.add_argument("--tokenizer", help="override the model's tokenizer")
-    p.add_argument("--method", default="static", metavar="SPEC", help="a compression method by its spec (kivi4, "
-                   "select:snapkv@0.25+int8, lowrank:FILE+int8, a .json spec file), or an evaluator: static (the "
-                   "--bases files, default) / fd-online")
-    p.add_argument("--bases", nargs="+", help="bases .safetensors file(s) from kvsplice fit-bases")
-    p.add_argument("--data", required=True, help="held-out text: .txt/.json/.jsonl file or folder, or a Hugging "
-                   "Face dataset ID[:SPLIT] (default split: validation)")
-    p.add_argument("--tokens", type=pos_int, help=f"evaluation tokens (default {EVAL_TOKENS}, or the whole text if "
-                   f"shorter; at most {MAX_TEXT_TOKENS} and what --data can give)")
-    p.add_argument("--seq-len", type=pos_int, help="window length (default: the model's context, <= 1024)")
-    p.add_argument("--batch-size", type=pos_int, default=8, help="windows decoded together (default 8)")
-    p.add_argument("--chunk-size", type=pos_int, default=64, help="tokens appended to the cache per decoder call "
-                   "(default 64; 1 = token by token; the result does not depend on it)")
-    p.add_argument("--err-windows", type=pos_int, default=2, help="windows for the direct attention-output "
-                   "error (default 2)")
-    p.add_argument("--cache-quant", choices=["int8"], help="also decode every --bases file (and the full K/V cache) "
-                   "with the cache stored as int8 rows + fp16 scales: perplexity and measured bytes")
-    p.add_argument("--diagnostics", action="store_true", help="also the per-layer errors on held-out Grams, the "
-                   "float64 attention-output errors and the attention-error bound diagnostics (slow: off by default)")
-    p.add_argument("--plan", help="evaluate a plan from kvsplice plan (instead of --bases)")
-    p.add_argument("--prompt-len", type=int, help="with --plan / --method SPEC: prompt tokens compressed per "
-                   "window, the rest scored (default: 3/4 of the window for a token selection, else 0 = every token "
-                   "over the compressed cache)")
-    p.add_argument("--json", help="write the full report (per-layer and per-head numbers) as JSON")
-    p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
-    p.add_argument("--threads", type=pos_int, help="torch intra-op threads")
-    p.add_argument("--no-progress", action="store_true")
-    add_device_dtype(p)
-    for add in METHOD_OPTIONS.values():
-        add(p)
+    groups = {}
+    for cls in METHOD_OPTIONS.values():
+        g = p.add_argument_group(cls.GROUP)
+        groups.update({f.name: g for f in dataclasses.fields(cls)})
+    add_options(p, EvalBasesOptions, help=HELP, groups=groups)
     return p
 
 
-def make_context(args: argparse.Namespace, loaded=None) -> EvalContext:
+def make_context(opts: EvalBasesOptions, loaded=None) -> EvalContext:
+    """The model (``loaded``, else loaded as ``opts`` says) and ``opts.eval_tokens`` of the ``opts.data`` text in
+    windows of ``opts.seq_len`` (default: the model's context, at most 1024)."""
     from kvsplice.loading import load_model
 
     if loaded is None:
-        device, dtype = device_dtype(args)
-        loaded = load_model(args.model, tokenizer=getattr(args, "tokenizer", None), dtype=dtype, device=device)
-    seq_len = args.seq_len or default_seq_len(loaded.max_positions)
+        device, dtype = device_dtype(opts)
+        loaded = load_model(opts.model, tokenizer=opts.tokenizer, dtype=dtype, device=device)
+    seq_len = opts.seq_len or default_seq_len(loaded.max_positions)
     if loaded.max_positions is not None and seq_len > loaded.max_positions:
         raise EvalError(f"--seq-len {seq_len} exceeds the model's {loaded.max_positions} positions")
-    check_fits(f"--batch-size {args.batch_size} with --seq-len {seq_len}", 4 * args.batch_size * seq_len *
+    check_fits(f"--batch-size {opts.batch_size} with --seq-len {seq_len}", 4 * opts.batch_size * seq_len *
                loaded.tokenizer.vocab_size, "a forward's logits", next(loaded.model.parameters()).device)
-    progress = not getattr(args, "no_progress", False)
-    windows, info = load_windows(loaded, args.data, args.tokens or EVAL_TOKENS, seq_len, progress)
-    return EvalContext(loaded, windows, batch_size=args.batch_size, chunk_size=args.chunk_size,
-                       err_windows=getattr(args, "err_windows", 2), progress=progress, data_info=info)
+    windows, info = load_windows(loaded, opts.data, opts.eval_tokens, seq_len, opts.progress)
+    return EvalContext(loaded, windows, batch_size=opts.batch_size, chunk_size=opts.chunk_size,
+                       err_windows=opts.err_windows, progress=opts.progress, data_info=info)
 
 
 def _fmt_ranks(ranks: list[list[int]]) -> str:
@@ -190,52 +174,51 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
-    args = build_parser().parse_args(argv)
-    if check_threads("--threads", args.threads):
-        torch.set_num_threads(args.threads)
-    if args.prompt_len is not None:  # refused even where no method reads it (bases alone): never ignored silently
-        check_count("--prompt-len", args.prompt_len, 0)
+    opts = from_args(EvalBasesOptions, build_parser().parse_args(argv))  # every count checked (one line)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
     from kvsplice.loading import text_tokens
 
-    args.tokens = text_tokens("--tokens", args.tokens, EVAL_TOKENS, args.data, text_option="data")  # before loading
-    if args.json:
-        args.json = output_file(args.json, force=args.force, option="--json",
-                                inputs={"--model": args.model, "--tokenizer": args.tokenizer,
-                                        "--bases": args.bases, "--data": args.data, "--plan": args.plan,
-                                        "--method": SpecArgs.of(args.method)})
+    opts = dataclasses.replace(opts, tokens=text_tokens("--tokens", opts.tokens, EVAL_TOKENS, opts.data,
+                                                        text_option="data"))  # before loading
+    if opts.json:
+        opts = dataclasses.replace(opts, json=str(output_file(
+            opts.json, force=opts.force, option="--json", inputs={
+                "--model": opts.model, "--tokenizer": opts.tokenizer, "--bases": opts.bases and list(opts.bases),
+                "--data": opts.data, "--plan": opts.plan, "--method": SpecArgs.of(opts.method)})))
     from kvsplice.loading.mla_folder import is_mla_folder
 
-    if is_mla_folder(args.model):  # a converted MLA model: its own cache, no bases (kvsplice.evaluation.native)
-        return _main_native(args)
-    if args.plan:
-        return _main_plan(args)
-    if args.method not in EVALUATORS:
-        return _main_spec(args)
-    if args.method == "static":
-        if not args.bases:
+    if is_mla_folder(opts.model):  # a converted MLA model: its own cache, no bases (kvsplice.evaluation.native)
+        return _main_native(opts)
+    if opts.plan:
+        return _main_plan(opts)
+    if opts.method not in EVALUATORS:
+        return _main_spec(opts)
+    if opts.method == "static":
+        if not opts.bases:
             raise EvalError("--bases FILE is required (saved bases from kvsplice fit-bases)")
-        for b in args.bases:  # fail fast, before loading the model: missing, unreadable, NaN/int/misshapen
+        for b in opts.bases:  # fail fast, before loading the model: missing, unreadable, NaN/int/misshapen
             KVBases.load(b)
-    ctx = make_context(args)
-    results = EVALUATORS[args.method](ctx, args)
-    print_results(ctx, results, per_layer=args.diagnostics)
-    if args.diagnostics:
+    ctx = make_context(opts)
+    results = EVALUATORS[opts.method](ctx, opts)
+    print_results(ctx, results, per_layer=opts.diagnostics)
+    if opts.diagnostics:
         print_diagnostics(results)  # observed errors vs their bounds
     full = ctx.full()
     for r in results:
         if r.get("decode_over_forward") is not None:
             print(f"{r['label']}: decode {r['decode_s']:.1f} s = {r['decode_over_forward']:.2f}× the model's plain "
                   f"forward over the same tokens ({full['forward_s']:.1f} s)")
-    if args.json:
+    if opts.json:
         report = {"model": ctx.loaded.describe(), "model_fingerprint": ctx.fingerprint,
                   "data": ctx.data_info, "chunk_size": ctx.chunk_size, "batch_size": ctx.batch_size,
                   "full": ctx.full(), "results": results}
-        write_json(report, args.json)
-        print(f"wrote {args.json}")
+        write_json(report, opts.json)
+        print(f"wrote {opts.json}")
     return 0
 
 
-def eval_spec(ctx: EvalContext, args: argparse.Namespace, spec: dict, base_dir=None,
+def eval_spec(ctx: EvalContext, opts: EvalBasesOptions, spec: dict, base_dir=None,
               label: Optional[str] = None) -> list[dict[str, Any]]:
     """A method spec on the windows by the protocol of :func:`kvsplice.evaluation.protocol.evaluate` —
     ``--prompt-len`` tokens compressed, the rest scored (default 3/4 of the window for a token selection, else 0:
@@ -246,7 +229,7 @@ def eval_spec(ctx: EvalContext, args: argparse.Namespace, spec: dict, base_dir=N
 
     t = ctx.windows.shape[1]
     selects = "keep" in spec or "budget" in spec  # a token selection (kvzip too)
-    p = args.prompt_len if args.prompt_len is not None else ((3 * t) // 4 if selects else 0)
+    p = opts.prompt_len if opts.prompt_len is not None else ((3 * t) // 4 if selects else 0)
     if p and not 1 <= p < t:
         raise EvalError(f"--prompt-len must be 0 or in [1, {t - 1}] (below --seq-len), got {p}")
     kw = dict(prompt_len=p, batch_size=ctx.batch_size, decode_chunk=ctx.chunk_size)
@@ -265,47 +248,47 @@ def eval_spec(ctx: EvalContext, args: argparse.Namespace, spec: dict, base_dir=N
     return [res]
 
 
-def eval_plan(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str, Any]]:
+def eval_plan(ctx: EvalContext, opts: EvalBasesOptions) -> list[dict[str, Any]]:
     """``--plan``: the plan's spec (:mod:`kvsplice.planning`) by :func:`eval_spec`'s protocol."""
     from kvsplice.adapters import model_fingerprint
     from kvsplice.planning.spec import Plan
 
-    plan = Plan.load(args.plan)
+    plan = Plan.load(opts.plan)
     plan.check_model(model_fingerprint(ctx.model))
-    (res,) = eval_spec(ctx, args, plan.spec, plan.base_dir, f"plan: {plan.label}")
-    res["plan"] = str(args.plan)
+    (res,) = eval_spec(ctx, opts, plan.spec, plan.base_dir, f"plan: {plan.label}")
+    res["plan"] = str(opts.plan)
     return [res]
 
 
-def _main_plan(args: argparse.Namespace) -> int:
+def _main_plan(opts: EvalBasesOptions) -> int:
     from kvsplice.planning.spec import Plan
 
-    if args.bases:
+    if opts.bases:
         raise EvalError("give --plan or --bases, not both")
-    Plan.load(args.plan)  # fail fast, before the model loads
-    return _report(args, lambda ctx: eval_plan(ctx, args))
+    Plan.load(opts.plan)  # fail fast, before the model loads
+    return _report(opts, lambda ctx: eval_plan(ctx, opts))
 
 
-def _main_spec(args: argparse.Namespace) -> int:
+def _main_spec(opts: EvalBasesOptions) -> int:
     from kvsplice.core.build import check_spec
     from kvsplice.core.short_form import load_spec
 
-    if args.bases:
+    if opts.bases:
         raise EvalError("give --method SPEC or --bases, not both (a spec names its bases: lowrank:FILE)")
     from kvsplice.planning.spec import check_plan_model
 
-    spec, base_dir = load_spec(args.method)
+    spec, base_dir = load_spec(opts.method)
     check_spec(spec, base_dir=base_dir)  # fail fast, before the model loads
 
     def run(ctx: EvalContext) -> list[dict[str, Any]]:
-        check_plan_model(args.method, ctx.model)  # a plan given as a .json spec is checked as --plan is
-        return eval_spec(ctx, args, spec, base_dir)
+        check_plan_model(opts.method, ctx.model)  # a plan given as a .json spec is checked as --plan is
+        return eval_spec(ctx, opts, spec, base_dir)
 
-    return _report(args, run)
+    return _report(opts, run)
 
 
-def _report(args: argparse.Namespace, run: Callable[[EvalContext], list]) -> int:
-    ctx = make_context(args)
+def _report(opts: EvalBasesOptions, run: Callable[[EvalContext], list]) -> int:
+    ctx = make_context(opts)
     (r,) = run(ctx)
     proto = f"prompt {r['prompt_len']} compressed, {r['window'] - r['prompt_len']} scored" if r["prompt_len"] \
         else "every token over the compressed cache"
@@ -314,25 +297,25 @@ def _report(args: argparse.Namespace, run: Callable[[EvalContext], list]) -> int
               f"{r['bytes_per_token']:.1f} bytes per token at fp16 ({r['ratio_vs_fp16_full']:.2f}x smaller than "
               f"the full cache); measured bytes == formula in every batch" if r["bytes_per_token"] is not None
               else "no closed-form bytes"))
-    if args.json:
-        write_json({"model": ctx.loaded.describe(), "data": ctx.data_info, "results": [r]}, args.json)
-        print(f"wrote {args.json}")
+    if opts.json:
+        write_json({"model": ctx.loaded.describe(), "data": ctx.data_info, "results": [r]}, opts.json)
+        print(f"wrote {opts.json}")
     return 0
 
 
-def _main_native(args: argparse.Namespace) -> int:
+def _main_native(opts: EvalBasesOptions) -> int:
     from kvsplice.evaluation.native import eval_native
     from kvsplice.loading import load_model
 
-    device, dtype = device_dtype(args)
-    loaded = load_model(args.model, tokenizer=args.tokenizer, dtype=dtype, device=device)
-    r = eval_native(args, loaded)
-    print(f"{args.model} (own cache) on {r['windows']} windows of {r['window']}: ppl {r['ppl']:.4f}; "
+    device, dtype = device_dtype(opts)
+    loaded = load_model(opts.model, tokenizer=opts.tokenizer, dtype=dtype, device=device)
+    r = eval_native(opts, loaded)
+    print(f"{opts.model} (own cache) on {r['windows']} windows of {r['window']}: ppl {r['ppl']:.4f}; "
           f"{r['bytes_per_token']:.1f} bytes per token at fp16 ({r['ratio_vs_fp16_full']:.2f}x smaller than the "
           f"source's full K/V cache); measured bytes == formula in every batch")
-    if args.json:
-        write_json({"model": loaded.describe(), "results": [r]}, args.json)
-        print(f"wrote {args.json}")
+    if opts.json:
+        write_json({"model": loaded.describe(), "results": [r]}, opts.json)
+        print(f"wrote {opts.json}")
     return 0
 
 

@@ -37,11 +37,10 @@ from __future__ import annotations
 from kvsplice.io.interrupt import quiet_interrupts_while_importing
 
 PROG = "kvsplice fit-bases"
-CALIB_TOKENS = 65536
-"""``--calib-tokens`` when not given."""
 quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports below: one line, exit 130
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -49,17 +48,16 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from kvsplice.core.amounts import times_fewer as _ratio
-from kvsplice.core.limits import MAX_TEXT_TOKENS, check_fits, check_threads
-from kvsplice.io.cli import (Parser, UsageError, add_device_dtype, default_seq_len, device_dtype, first_line, pos_int,
-                             run_cli)
+from kvsplice.core.limits import check_fits
+from kvsplice.io.cli import Parser, default_seq_len, device_dtype, first_line, run_cli
 from kvsplice.io.files import cache_file, output_file
+from kvsplice.io.options import add_options, from_args
 from kvsplice.io.write import write_json
 from kvsplice.lowrank.bases import BasesMismatchError, KVBases
-from kvsplice.lowrank.fits import FITS
+from kvsplice.lowrank.options import CALIB_TOKENS, FitBasesOptions
 from models.checkpoint import atomic_write
 
-__all__ = ["FitError", "build_parser", "fit_from_args", "main", "time_forward"]
+__all__ = ["FitError", "build_parser", "fit_one", "main", "time_forward"]
 
 
 class FitError(RuntimeError):
@@ -67,58 +65,12 @@ class FitError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------------ parser
-def _energy(s: str) -> float:
-    v = float(s)
-    if not 0.0 < v <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {s}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of :class:`FitBasesOptions` (its fields declare it)."""
     p = Parser(prog=PROG, description="Fit post-training low-rank KV bases (SVD family) for a "
                                 "GPT-2 / Llama / kvsplice-MHA model from calibration text.")
-    p.add_argument("--model", required=True, help="model directory with config.json (e.g. made by python -m "
-                   "kvsplice.convert_llama2c), a training .ckpt, or a Hugging Face Hub id")
-    p.add_argument("--tokenizer", help="override the model's tokenizer (HF tokenizer dir, GPT-2 BPE files or "
-                   "tokenizer.json)")
-    p.add_argument("--fit", "--method", dest="fit", required=True, nargs="+", choices=FITS,
-                   help="the fit (--method is its old name): ksvd: K-only/V-only SVD; eigen: joint SVD "
-                   "of [K;Q]; kq / gqa-concat: attention-aware (per-head scores), gqa-sum: attention-aware on "
-                   "the group-summed queries; kq/gqa-* values are W_O-aware; fisher: loss-aware (calibration loss gradients)")
-    spec = p.add_mutually_exclusive_group(required=True)
-    spec.add_argument("--rank", type=pos_int, nargs="+", help="key rank(s) per KV head (<= head_dim)")
-    spec.add_argument("--energy", type=_energy, help="per head, the smallest key rank retaining this fraction of "
-                      "the fit's spectrum (e.g. 0.9)")
-    spec.add_argument("--alloc-ratio", type=_ratio, nargs="+", help="ranks per layer, KV head and keys/values "
-                      "chosen by the predicted calibration loss under 2·L·Hkv·head_dim / X numbers per token (X: "
-                      "times smaller than the full K/V cache, >= 1)")
-    vspec = p.add_mutually_exclusive_group()
-    vspec.add_argument("--rank-v", type=pos_int, help="value rank (default: the key spec)")
-    vspec.add_argument("--energy-v", type=_energy, help="value energy (default: the key spec)")
-    p.add_argument("--uniform-ranks", action="store_true", help="with --energy: raise every head of a layer to "
-                   "the layer's largest rank (one cache stream per layer)")
-    p.add_argument("--rope", choices=("post", "pre"), nargs="+", default=["post"], help="RoPE models: project "
-                   "keys after (post, default) or before (pre) the rotary embedding; both from one calibration "
-                   "pass; ignored for models without RoPE")
-    p.add_argument("--calib", required=True, help="calibration text: .txt (<|endoftext|> or blank-line "
-                   "separated stories), .json, .jsonl, a folder of them, or a Hugging Face dataset ID[:SPLIT]")
-    p.add_argument("--calib-tokens", type=pos_int, help=f"calibration tokens (default {CALIB_TOKENS}, or the whole "
-                   f"text if shorter; at most {MAX_TEXT_TOKENS} and what --calib can give)")
-    p.add_argument("--seq-len", type=pos_int, help="window length (default: the model's context, <= 1024)")
-    p.add_argument("--batch-size", type=pos_int, default=8, help="windows per forward (default 8)")
-    p.add_argument("--calib-stats", help="calibration statistics file: reused when it exists (same model), "
-                   "written after the calibration pass otherwise")
-    p.add_argument("--sensitivity", action="store_true", help="also record the loss gradients (needed by "
-                   "--method fisher and --alloc-ratio, which turn it on; one backward pass per batch)")
-    p.add_argument("--out", required=True, help="output .safetensors file, or a pattern with {method}, {rope}, "
-                   "{rank} for several")
-    p.add_argument("--force", action="store_true", help="overwrite --out")
-    p.add_argument("--json", help="also write the report as JSON here")
-    p.add_argument("--bases-dtype", choices=("fp32", "fp64"), default="fp32", help="dtype of the saved bases")
-    add_device_dtype(p)
-    p.add_argument("--threads", type=pos_int, help="torch intra-op threads (1 is fastest on a busy CPU)")
-    p.add_argument("--no-forward-timing", action="store_true", help="skip the plain forward pass timing")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_options(p, FitBasesOptions, help={"force": "overwrite --out",
+                                          "threads": "torch intra-op threads (1 is fastest on a busy CPU)"})
     return p
 
 
@@ -160,23 +112,6 @@ def _load_calib(loaded, spec: str, n_tokens: int, seq_len: int, batch_size: int,
     return batches, n_stories, ids.numel()
 
 
-def _as_list(x) -> list:
-    return list(x) if isinstance(x, (list, tuple)) else [x]
-
-
-def jobs(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
-    """Every ``(method, rope, spec)`` the arguments ask for; ``spec``: ``rank`` / ``energy`` (+ value spec) or
-    ``alloc_ratio``."""
-    vs = {"rank_v": getattr(args, "rank_v", None), "energy_v": getattr(args, "energy_v", None)}
-    if getattr(args, "alloc_ratio", None):
-        specs = [{"alloc_ratio": x} for x in _as_list(args.alloc_ratio)]
-    elif getattr(args, "rank", None) is not None:
-        specs = [{"rank": r, "energy": None, **vs} for r in _as_list(args.rank)]
-    else:
-        specs = [{"rank": None, "energy": args.energy, **vs}]
-    return [(m, rope, spec) for m in _as_list(args.fit) for rope in _as_list(args.rope) for spec in specs]
-
-
 def spec_label(spec: dict[str, Any]) -> str:
     """The ``{rank}`` field of an output pattern: ``8``, ``e0.9``, or ``a2.00`` for an allocation."""
     if "alloc_ratio" in spec:
@@ -184,27 +119,24 @@ def spec_label(spec: dict[str, Any]) -> str:
     return str(spec["rank"]) if spec["rank"] is not None else f"e{spec['energy']:g}"
 
 
-def calibration(args: argparse.Namespace, loaded, *, calib_cache: Optional[dict] = None, force: bool = False
-                ) -> dict[str, Any]:
-    """One calibration pass for every RoPE mode the arguments ask for (or the reused ``--calib-stats``):
-    ``{"stats": {mode: CalibrationStats}, "reused", "n_stories", "windows", timings}``; ``calib_cache`` keeps the run
-    in-process (benchmarks fitting many bases)."""
+def calibration(opts: FitBasesOptions, loaded, *, calib_cache: Optional[dict] = None) -> dict[str, Any]:
+    """One calibration pass for every RoPE mode ``opts`` asks for (or the reused ``--calib-stats``, replaced with
+    ``force``): ``{"stats": {mode: CalibrationStats}, "reused", "n_stories", "windows", timings}``; ``calib_cache``
+    keeps the run in-process (benchmarks fitting many bases)."""
     from kvsplice.adapters import model_info
     from kvsplice.lowrank.sensitivity import stats_for
 
-    if args.calib_tokens is None:  # a Namespace parsed without _main's check
-        args.calib_tokens = CALIB_TOKENS
-    progress = not getattr(args, "no_progress", False)
+    n_tokens = opts.calib_tokens or CALIB_TOKENS
+    progress = opts.progress
     info = model_info(loaded.model)
-    seq_len = args.seq_len or default_seq_len(loaded.max_positions)
+    seq_len = opts.seq_len or default_seq_len(loaded.max_positions)
     if loaded.max_positions is not None and seq_len > loaded.max_positions:
         raise FitError(f"--seq-len {seq_len} exceeds the model's {loaded.max_positions} positions")
-    check_fits(f"--batch-size {args.batch_size} with --seq-len {seq_len}", 4 * args.batch_size * seq_len *
+    check_fits(f"--batch-size {opts.batch_size} with --seq-len {seq_len}", 4 * opts.batch_size * seq_len *
                loaded.tokenizer.vocab_size, "a forward's logits", next(loaded.model.parameters()).device)
-    ropes = [r if info.has_rope else "none" for r in _as_list(args.rope)]
-    sens = bool(getattr(args, "sensitivity", False) or getattr(args, "alloc_ratio", None)
-                or "fisher" in _as_list(args.fit))
-    key = (str(args.calib), args.calib_tokens, seq_len, args.batch_size, tuple(sorted(set(ropes))), sens)
+    ropes = [r if info.has_rope else "none" for r in opts.rope]
+    sens = bool(opts.sensitivity or opts.alloc_ratio or "fisher" in opts.fit)
+    key = (str(opts.calib), n_tokens, seq_len, opts.batch_size, tuple(sorted(set(ropes))), sens)
     if calib_cache is not None and key in calib_cache:
         return calib_cache[key]
     run: dict[str, Any] = {"seq_len": seq_len, "tokenize_s": 0.0, "forward_s": None, "n_stories": None,
@@ -212,19 +144,19 @@ def calibration(args: argparse.Namespace, loaded, *, calib_cache: Optional[dict]
 
     def batches():
         t0 = time.perf_counter()
-        b, run["n_stories"], run["n_avail"] = _load_calib(loaded, args.calib, args.calib_tokens, seq_len,
-                                                          args.batch_size, progress)
+        b, run["n_stories"], run["n_avail"] = _load_calib(loaded, opts.calib, n_tokens, seq_len,
+                                                          opts.batch_size, progress)
         run["tokenize_s"] = time.perf_counter() - t0
         run["windows"] = sum(x.shape[0] for x in b)
-        if not getattr(args, "no_forward_timing", False):
+        if opts.forward_timing:
             run["forward_s"] = time_forward(loaded.model, b)
         return b
 
     t0 = time.perf_counter()
-    source = {"calibration_source": str(args.calib), "calibration_tokens_asked": args.calib_tokens,
+    source = {"calibration_source": str(opts.calib), "calibration_tokens_asked": n_tokens,
               "seq_len": seq_len}
-    stats, reused = stats_for(loaded.model, batches, path=getattr(args, "calib_stats", None), ropes=ropes,
-                              sensitivity=sens, source=source, progress=progress, replace=force)
+    stats, reused = stats_for(loaded.model, batches, path=opts.calib_stats, ropes=ropes,
+                              sensitivity=sens, source=source, progress=progress, replace=opts.force)
     run["calibrate_s"] = time.perf_counter() - t0 - run["tokenize_s"] - (run["forward_s"] or 0.0)
     run.update(stats=stats, reused=reused, sensitivity=sens)
     if calib_cache is not None:
@@ -245,7 +177,7 @@ def check_ranks(loaded, specs: Sequence[dict[str, Any]]) -> None:
                 raise FitError(f"--{name.replace('_', '-')} {r} exceeds the model's head_dim {d}")
 
 
-def fit_job(loaded, run: dict[str, Any], method: str, rope: str, spec: dict[str, Any], args: argparse.Namespace
+def fit_job(loaded, run: dict[str, Any], method: str, rope: str, spec: dict[str, Any], opts: FitBasesOptions
             ) -> tuple[KVBases, dict[str, Any]]:
     """Fit one (method, rope, spec) from a :func:`calibration` run: the bases and a JSON-friendly report (its ranks
     checked by :func:`check_ranks` before the calibration)."""
@@ -257,7 +189,7 @@ def fit_job(loaded, run: dict[str, Any], method: str, rope: str, spec: dict[str,
     d = info.head_dim
     stats = run["stats"][rope if info.has_rope else "none"]
     full_per_token = 2 * info.n_layer * info.n_kv_head * d
-    dtype = torch.float64 if getattr(args, "bases_dtype", "fp32") == "fp64" else torch.float32
+    dtype = torch.float64 if opts.bases_dtype == "fp64" else torch.float32
     t0 = time.perf_counter()
     alloc = None
     if "alloc_ratio" in spec:
@@ -266,13 +198,13 @@ def fit_job(loaded, run: dict[str, Any], method: str, rope: str, spec: dict[str,
         bases = fit_bases(stats, method, ranks=alloc.ranks, dtype=dtype)
     else:
         bases = fit_bases(stats, method, rank=spec["rank"], energy=spec["energy"], rank_v=spec["rank_v"],
-                          energy_v=spec["energy_v"], uniform_ranks=getattr(args, "uniform_ranks", False), dtype=dtype)
+                          energy_v=spec["energy_v"], uniform_ranks=opts.uniform_ranks, dtype=dtype)
     fit_s = time.perf_counter() - t0
     calib_s, forward_s = run["calibrate_s"], run["forward_s"]
     bases.meta.update({
         "created_by": "kvsplice.fit_bases", "model": str(loaded.source),
-        "calibration_source": str(args.calib), "calibration_stories": run["n_stories"], "seq_len": run["seq_len"],
-        "batch_size": args.batch_size, "tokenizer": loaded.tokenizer.describe(),
+        "calibration_source": str(opts.calib), "calibration_stories": run["n_stories"], "seq_len": run["seq_len"],
+        "batch_size": opts.batch_size, "tokenizer": loaded.tokenizer.describe(),
         "timings_s": {"calibrate": round(calib_s, 4), "fit": round(fit_s, 4),
                       "plain_forward": None if forward_s is None else round(forward_s, 4)},
     })
@@ -287,11 +219,11 @@ def fit_job(loaded, run: dict[str, Any], method: str, rope: str, spec: dict[str,
         "method": method, "rope": stats.rope,
         "spec": {"rank": spec.get("rank"), "energy": spec.get("energy"), "rank_v": spec.get("rank_v"),
                  "energy_v": spec.get("energy_v"), "alloc_ratio": spec.get("alloc_ratio"),
-                 "uniform_ranks": getattr(args, "uniform_ranks", False)},
-        "calibration": {"source": str(args.calib), "tokens": stats.n_tokens, "stories": run["n_stories"],
-                        "seq_len": run["seq_len"], "batch_size": args.batch_size, "windows": run["windows"],
+                 "uniform_ranks": opts.uniform_ranks},
+        "calibration": {"source": str(opts.calib), "tokens": stats.n_tokens, "stories": run["n_stories"],
+                        "seq_len": run["seq_len"], "batch_size": opts.batch_size, "windows": run["windows"],
                         "stats_nbytes": stats.nbytes(), "reused_stats": run["reused"],
-                        "stats_file": getattr(args, "calib_stats", None), "sensitivity": stats.has_sensitivity},
+                        "stats_file": opts.calib_stats, "sensitivity": stats.has_sensitivity},
         "ranks_k": ranks["k"], "ranks_v": ranks["v"],
         "retained_k": bases.meta["retained_k"], "retained_v": bases.meta["retained_v"],
         "elements_per_token": bases.elements_per_token(), "full_elements_per_token": full_per_token,
@@ -301,33 +233,33 @@ def fit_job(loaded, run: dict[str, Any], method: str, rope: str, spec: dict[str,
                       "plain_forward": forward_s,
                       "calibrate_plus_fit_over_forward": None if not forward_s else (calib_s + fit_s) / forward_s},
     }
-    if not run["reused"] and run.get("n_avail", stats.n_tokens) < args.calib_tokens:
+    if not run["reused"] and run.get("n_avail", stats.n_tokens) < (opts.calib_tokens or CALIB_TOKENS):
         report["calibration"]["note"] = (f"the text has only {run['n_avail']} tokens; used {stats.n_tokens} "
                                          f"({stats.n_tokens // run['seq_len']} full windows)")
     return bases, report
 
 
-def _load(args: argparse.Namespace):
+def _load(opts: FitBasesOptions):
     from kvsplice.loading import load_model
 
-    device, dtype = device_dtype(args)
-    return load_model(args.model, tokenizer=getattr(args, "tokenizer", None), dtype=dtype, device=device)
+    device, dtype = device_dtype(opts)
+    return load_model(opts.model, tokenizer=opts.tokenizer, dtype=dtype, device=device)
 
 
-def fit_from_args(args: argparse.Namespace, loaded=None, calib_cache: Optional[dict] = None
-                  ) -> tuple[KVBases, dict[str, Any]]:
-    """One (method, rope, spec) — the first the arguments ask for — fitted: the bases and a JSON-friendly report.
+def fit_one(opts: FitBasesOptions, loaded=None, calib_cache: Optional[dict] = None
+                ) -> tuple[KVBases, dict[str, Any]]:
+    """One (method, rope, spec) — the first ``opts`` asks for — fitted: the bases and a JSON-friendly report.
     ``loaded``: an already loaded :class:`kvsplice.loading.LoadedModel`; ``calib_cache``: a dict that keeps the
     calibration run per (text, tokens, seq_len, batch size, RoPE modes) — to fit several bases from one calibration,
     e.g. in benchmarks (the report then repeats that calibration's times)."""
     t0 = time.perf_counter()
-    loaded = loaded if loaded is not None else _load(args)
+    loaded = loaded if loaded is not None else _load(opts)
     load_s = time.perf_counter() - t0
-    method, rope, spec = jobs(args)[0]
+    method, rope, spec = opts.jobs()[0]
     check_ranks(loaded, [spec])
-    run = calibration(args, loaded, calib_cache=calib_cache, force=getattr(args, "force", False))
+    run = calibration(opts, loaded, calib_cache=calib_cache)
     run.setdefault("load_s", load_s)
-    return fit_job(loaded, run, method, rope, spec, args)
+    return fit_job(loaded, run, method, rope, spec, opts)
 
 
 # ------------------------------------------------------------------------------------------------ output
@@ -373,19 +305,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return run_cli(PROG, lambda: _main(argv), (FitError, LoadError, BasesMismatchError))
 
 
-def _outputs(args: argparse.Namespace, todo: list) -> list[Path]:
+def _outputs(opts: FitBasesOptions, todo: list) -> list[Path]:
     """The output file of every job: ``--out`` itself for one, the pattern filled in for several."""
-    if len(todo) == 1 and not any(f in args.out for f in ("{fit}", "{method}", "{rope}", "{rank}")):
-        return [Path(args.out)]
-    if len(todo) > 1 and not all(f in args.out for f in _fields_needed(todo)):
-        raise FitError(f"--out {args.out}: {len(todo)} bases (methods × RoPE modes × ranks) need a pattern with "
+    if len(todo) == 1 and not any(f in opts.out for f in ("{fit}", "{method}", "{rope}", "{rank}")):
+        return [Path(opts.out)]
+    if len(todo) > 1 and not all(f in opts.out for f in _fields_needed(todo)):
+        raise FitError(f"--out {opts.out}: {len(todo)} bases (methods × RoPE modes × ranks) need a pattern with "
                        f"{', '.join(_fields_needed(todo))}, e.g. 'bases_{{method}}_{{rope}}_r{{rank}}.safetensors'")
     try:
-        outs = [Path(args.out.format(fit=m, method=m, rope=rope, rank=spec_label(spec))) for m, rope, spec in todo]
+        outs = [Path(opts.out.format(fit=m, method=m, rope=rope, rank=spec_label(spec))) for m, rope, spec in todo]
     except (KeyError, IndexError, ValueError) as e:
-        raise FitError(f"--out {args.out}: not a pattern of {{method}}, {{rope}}, {{rank}} ({first_line(e)})") from None
+        raise FitError(f"--out {opts.out}: not a pattern of {{method}}, {{rope}}, {{rank}} ({first_line(e)})") from None
     if len(set(outs)) != len(outs):
-        raise FitError(f"--out {args.out}: the pattern gives the same file to two bases")
+        raise FitError(f"--out {opts.out}: the pattern gives the same file to two bases")
     return outs
 
 
@@ -395,33 +327,30 @@ def _fields_needed(todo: list) -> list[str]:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
-    args = build_parser().parse_args(argv)
-    if check_threads("--threads", args.threads):
-        torch.set_num_threads(args.threads)
-    if args.uniform_ranks and args.energy is None:
-        raise UsageError("--uniform-ranks raises the ranks --energy chooses per head; give --energy (with --rank / "
-                         "--alloc-ratio every head already has one rank)")
-    todo = jobs(args)
-    inputs = {"--model": args.model, "--tokenizer": args.tokenizer, "--calib": args.calib,
-              "--calib-stats": args.calib_stats}  # an existing stats file is an input
-    outs = [output_file(o, force=args.force, inputs=inputs) for o in _outputs(args, todo)]
+    opts = from_args(FitBasesOptions, build_parser().parse_args(argv))  # every count and spec checked (one line)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    todo = opts.jobs()
+    inputs = {"--model": opts.model, "--tokenizer": opts.tokenizer, "--calib": opts.calib,
+              "--calib-stats": opts.calib_stats}  # an existing stats file is an input
+    outs = [output_file(o, force=opts.force, inputs=inputs) for o in _outputs(opts, todo)]
     written = {f"--out {o}": o for o in outs}
-    json_path = None if args.json is None else output_file(
-        args.json, force=args.force, option="--json", inputs=inputs, outputs=written)
-    cache_file(args.calib_stats, option="--calib-stats", inputs=inputs,
+    json_path = None if opts.json is None else output_file(
+        opts.json, force=opts.force, option="--json", inputs=inputs, outputs=written)
+    cache_file(opts.calib_stats, option="--calib-stats", inputs=inputs,
                outputs={**written, **({"--json": json_path} if json_path else {})})
     from kvsplice.loading import text_tokens
 
-    args.calib_tokens = text_tokens("--calib-tokens", args.calib_tokens, CALIB_TOKENS, args.calib,
-                                    text_option="calib")  # before the model loads
+    opts = dataclasses.replace(opts, calib_tokens=text_tokens("--calib-tokens", opts.calib_tokens, CALIB_TOKENS,
+                                                              opts.calib, text_option="calib"))  # before loading
     t0 = time.perf_counter()
-    loaded = _load(args)
+    loaded = _load(opts)
     check_ranks(loaded, [spec for _, _, spec in todo])
-    run = calibration(args, loaded, force=args.force)
+    run = calibration(opts, loaded)
     run["load_s"] = time.perf_counter() - t0
     reports = []
     for (method, rope, spec), out in zip(todo, outs):
-        bases, report = fit_job(loaded, run, method, rope, spec, args)
+        bases, report = fit_job(loaded, run, method, rope, spec, opts)
         atomic_write(out, bases.save)  # a temporary sibling renamed into place
         report["out"] = str(out)
         print_report(report)

@@ -31,35 +31,21 @@ import torch
 
 from kvsplice.report.memory_check import (DEFAULT_CONFIGS, GIB, checkpoint_variants, preset_variants, print_table,
                                           quantised_variants, run, title)
-from kvsplice.core.limits import check_count, check_fits, check_number, gpt_run_bytes
-from kvsplice.io.cli import Parser, add_report_options, device_dtype, run_cli
+from kvsplice.core.limits import check_fits, gpt_run_bytes
+from kvsplice.io.cli import Parser, device_dtype, run_cli
 from kvsplice.io.files import output_file
+from kvsplice.io.options import add_options, from_args
 from kvsplice.io.write import write_json
-from kvsplice.report.memory import DTYPES, cache_bytes_formula, dtype_name, parse_dtype
-from models.config import PRESETS
-
-DEFAULT_DECODE_STEPS = 8
+from kvsplice.report.memory import cache_bytes_formula, dtype_name, parse_dtype
+from kvsplice.report.options import VerifyMemoryOptions
 
 
 # -------------------------------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of :class:`VerifyMemoryOptions` (its fields declare it)."""
     p = Parser(prog=PROG, description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--config", nargs="+", metavar="NAME",
-                     help=f"presets ({', '.join(PRESETS)}) or LightningCLI YAML files (a path, or the stem of "
-                          f"a file under configs/); default: the five 124M presets")
-    src.add_argument("--ckpt", nargs="+", metavar="PATH", help="training checkpoints (python -m training.fit)")
-    p.add_argument("--seq-lens", nargs="+", type=int, default=[256, 512, 1024], metavar="L")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
-    p.add_argument("--cache-quant", choices=["int8"], default=None, help="also measure every variant with an int8 "
-                   "cache (int8 rows + one fp16 scale per row); vs MHA stays MHA's unquantised cache at --dtype")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--budget-gb", type=float, default=24.0, help="memory budget in GiB (2^30 bytes) for the "
-                   "'sequences that fit' column (default 24)")
-    p.add_argument("--decode-steps", type=int, default=None, help="tokens decoded one at a time after the prefill "
-                   "(default 8, fewer when the shortest --seq-lens leaves no room; an explicit value must be < it)")
-    add_report_options(p, json_help="write the report as JSON (and a plot FILE.png next to it)")
+    add_options(p, VerifyMemoryOptions, help={"json": "write the report as JSON (and a plot FILE.png next to it)"})
     return p
 
 
@@ -68,61 +54,52 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
-    args = build_parser().parse_args(argv)
-    for L in args.seq_lens:
-        check_count("--seq-lens", L)
-    check_count("--batch", args.batch)
-    check_number("--budget-gb", args.budget_gb)
-    seq_lens = sorted(set(args.seq_lens))
-    notes: list[str] = []
-    if args.decode_steps is None:
-        args.decode_steps = min(DEFAULT_DECODE_STEPS, seq_lens[0] - 1)
-        if args.decode_steps < DEFAULT_DECODE_STEPS:
-            notes.append(f"--decode-steps {args.decode_steps} (default {DEFAULT_DECODE_STEPS}): the shortest "
-                         f"--seq-lens {seq_lens[0]} leaves room for no more after a one-token prefill")
+    opts = from_args(VerifyMemoryOptions, build_parser().parse_args(argv))
+    seq_lens = opts.lengths
+    decode_steps, note = opts.steps()
+    notes: list[str] = [note] if note else []
+    device, _ = device_dtype(opts)
+    if opts.ckpt:
+        variants = checkpoint_variants(list(opts.ckpt), max(seq_lens))
     else:
-        check_count("--decode-steps", args.decode_steps, 0, seq_lens[0] - 1,
-                    f"the shortest --seq-lens {seq_lens[0]} less the one token the prefill needs")
-    device, _ = device_dtype(args)
-    if args.ckpt:
-        variants = checkpoint_variants(args.ckpt, max(seq_lens))
-    else:
-        variants = preset_variants(args.config or DEFAULT_CONFIGS, max(seq_lens), notes)
-    if args.cache_quant:
-        variants = variants + quantised_variants(variants, args.cache_quant)
-    elt = parse_dtype(args.dtype).itemsize
-    need = max(gpt_run_bytes(v.cfg, tokens=seq_lens[-1], batch=args.batch, elt=elt, logits_tokens=seq_lens[-1],
-                             cache_bytes=cache_bytes_formula(v.cfg, seq_lens[-1], parse_dtype(args.dtype), args.batch))
+        variants = preset_variants(list(opts.config or DEFAULT_CONFIGS), max(seq_lens), notes)
+    if opts.cache_quant:
+        variants = variants + quantised_variants(variants, opts.cache_quant)
+    dtype = parse_dtype(opts.dtype)
+    need = max(gpt_run_bytes(v.cfg, tokens=seq_lens[-1], batch=opts.batch, elt=dtype.itemsize,
+                             logits_tokens=seq_lens[-1],
+                             cache_bytes=cache_bytes_formula(v.cfg, seq_lens[-1], dtype, opts.batch))
                for v in variants)
-    check_fits(f"--seq-lens {seq_lens[-1]} with --batch {args.batch}", need, "the model, prefill and cache",
+    check_fits(f"--seq-lens {seq_lens[-1]} with --batch {opts.batch}", need, "the model, prefill and cache",
                device)
-    if args.json:
-        inputs = {"--ckpt": args.ckpt, "--config": args.config}
-        args.json = output_file(args.json, force=args.force, option="--json", inputs=inputs)
-        output_file(args.json.with_suffix(".png"), force=args.force, option="--json's plot", inputs=inputs,
-                    outputs={"--json": args.json})
+    json_path = None
+    if opts.json:
+        inputs = {"--ckpt": opts.ckpt and list(opts.ckpt), "--config": opts.config and list(opts.config)}
+        json_path = output_file(opts.json, force=opts.force, option="--json", inputs=inputs)
+        output_file(json_path.with_suffix(".png"), force=opts.force, option="--json's plot", inputs=inputs,
+                    outputs={"--json": json_path})
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
 
-    dtype = parse_dtype(args.dtype)
-    budget_bytes = int(args.budget_gb * GIB)
-    rows = run(variants, seq_lens, dtype=dtype, batch=args.batch, budget_bytes=budget_bytes,
-               decode_steps=args.decode_steps, device=device, progress=not args.no_progress, seed=args.seed)
+    budget_bytes = int(opts.budget_gb * GIB)
+    rows = run(variants, seq_lens, dtype=dtype, batch=opts.batch, budget_bytes=budget_bytes,
+               decode_steps=decode_steps, device=device, progress=opts.progress, seed=opts.seed)
     report = dict(
-        tool="kvsplice.verify_memory", dtype=dtype_name(dtype), batch=args.batch, device=str(device),
-        cache_quant=args.cache_quant, budget_gib=args.budget_gb, budget_bytes=budget_bytes, decode_steps=args.decode_steps, seq_lens=seq_lens,
+        tool="kvsplice.verify_memory", dtype=dtype_name(dtype), batch=opts.batch, device=str(device),
+        cache_quant=opts.cache_quant, budget_gib=opts.budget_gb, budget_bytes=budget_bytes, decode_steps=decode_steps,
+        seq_lens=seq_lens,
         torch=torch.__version__, python=platform.python_version(), notes=notes,
         ok=all(r["ok"] for r in rows), rows=rows,
     )
     report["title"] = title(report)  # plots read it from the JSON
-    print_table(report, markdown=args.markdown)
+    print_table(report, markdown=opts.markdown)
     for r in rows:
         for prob in r["problems"]:
             print(f"MISMATCH {r['variant']} L={r['seq_len']}: {prob}", file=sys.stderr)
-    if args.json:
+    if json_path is not None:
         from kvsplice.report.plots import plot_cache_vs_seqlen
 
-        out = write_json(report, args.json)
+        out = write_json(report, json_path)
         png = plot_cache_vs_seqlen(rows, out.with_suffix(".png"), title=report["title"])
         print(f"wrote {out} and {png}", file=sys.stderr)
     if not report["ok"]:

@@ -4,7 +4,6 @@ measured cache bytes, and the attention-error diagnostics. The CLI module docume
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 
 from kvsplice.adapters import apply_rope
 from kvsplice.evaluation.context import EvalContext, EvalError
+from kvsplice.evaluation.options import EvalBasesOptions
 from kvsplice.lowrank.bases import KVBases
 from kvsplice.lowrank.diagnostics import bases_diagnostics
 from kvsplice.lowrank.fits import bases_errors, lesens_terms
@@ -159,28 +159,28 @@ def evaluate_quantised(ctx: EvalContext, bases: Optional[KVBases], quant: str, u
     return res
 
 
-def eval_static(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str, Any]]:
+def eval_static(ctx: EvalContext, opts: EvalBasesOptions) -> list[dict[str, Any]]:
     """``--method static``: each ``--bases`` file, with :func:`~kvsplice.lowrank.diagnostics.bases_diagnostics`."""
-    if not args.bases:
+    if not opts.bases:
         raise EvalError("--bases FILE is required (saved bases from kvsplice fit-bases)")
     out = []
-    for path in args.bases:
+    for path in opts.bases:
         bases = KVBases.load(path)  # FileNotFoundError / BasesMismatchError with one-line messages
         src = bases.meta.get("calibration_source")
-        if src and Path(src).exists() and Path(args.data).exists() and \
-                Path(src).resolve() == Path(args.data).resolve():
+        if src and Path(src).exists() and Path(opts.data).exists() and \
+                Path(src).resolve() == Path(opts.data).resolve():
             print(f"eval_bases: warning: {path} was calibrated on {src}, the same text as --data "
                   f"(not held out)", file=sys.stderr)
-        diag = getattr(args, "diagnostics", True)
+        diag = opts.diagnostics
         res = evaluate_bases(ctx, bases, label=Path(path).stem, path=str(path), diagnostics=diag)
         if diag:
             res["diagnostics"] = bases_diagnostics(ctx.model, bases, ctx.windows[: ctx.err_windows])
         out.append(res)
-        if getattr(args, "cache_quant", None):
-            out.append(evaluate_quantised(ctx, bases, args.cache_quant, res, f"{res['label']}+{args.cache_quant}"))
-    if getattr(args, "cache_quant", None):  # the full K/V cache quantised alone, for reference
+        if opts.cache_quant:
+            out.append(evaluate_quantised(ctx, bases, opts.cache_quant, res, f"{res['label']}+{opts.cache_quant}"))
+    if opts.cache_quant:  # the full K/V cache quantised alone, for reference
         full = dict(ctx.full(), method="—", rope="—", ranks_k=[["—"]], ranks_v=[["—"]],
                     elements_per_token=ctx.full()["elements_per_token"])
-        out.append(evaluate_quantised(ctx, None, args.cache_quant, full, f"full K/V+{args.cache_quant}"))
+        out.append(evaluate_quantised(ctx, None, opts.cache_quant, full, f"full K/V+{opts.cache_quant}"))
     return out
 

@@ -7,49 +7,21 @@ merges the result does not depend on the chunk size."""
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 from typing import Any
 
-from kvsplice.io.cli import pos_int
 from kvsplice.evaluation.context import EvalContext, EvalError
+from kvsplice.evaluation.options import EvalBasesOptions
 from kvsplice.online.diagnostics import online_qkv_diagnostics
 from kvsplice.online.method import OnlineDecoder, calibrate_thresholds
 
-__all__ = ["add_fd_online_options", "eval_fd_online", "print_diagnostics"]
+__all__ = ["eval_fd_online", "print_diagnostics"]
 
 
-def add_fd_online_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("--method fd-online (online FD bases per chunk, no calibration; kvsplice.online.method)")
-    g.add_argument("--rank", type=pos_int, default=4, help="key rank r_k per chunk (default 4)")
-    g.add_argument("--rank-v", type=pos_int, help="value rank r_v (default: --rank)")
-    g.add_argument("--ell", type=pos_int, help="FD sketch size ℓ (default 2·max rank)")
-    g.add_argument("--tau-k", type=float, help="close the chunk when a key's residual norm exceeds τ_k (default: "
-                   "no residual closes)")
-    g.add_argument("--tau-v", type=float, help="the same for values (default: none)")
-    g.add_argument("--relative", action="store_true", help="τ relative to ‖k‖ / ‖v‖ instead of absolute")
-    g.add_argument("--max-chunk-len", type=pos_int, default=256, help="max tokens per chunk L (default 256)")
-    g.add_argument("--max-chunks", type=pos_int, help="merge cap J_max (default: never merge)")
-    g.add_argument("--min-chunk-len", type=pos_int, default=1, help="no residual close below this length")
-    g.add_argument("--warmup", type=int, default=16, help="warm-up tokens kept at full dimension (default 16)")
-    g.add_argument("--fd-decay", type=float, default=1.0, help="forgetting factor γ of the sketches (default 1)")
-    g.add_argument("--tau-percentile", type=float, metavar="P", help="set τ_k/τ_v to the P-th percentile "
-                   "(0-100) of the per-token residuals on --tau-calib text, decoded with thresholds off (one "
-                   "scalar each, pooled over layers; kvsplice.online.method.calibrate_thresholds)")
-    g.add_argument("--tau-calib", metavar="PATH", help="calibration text for --tau-percentile (required with it; "
-                   "never the --data text); --tokens and --seq-len as for --data")
-
-
-def _fd_online_kw(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(rank_k=args.rank, rank_v=args.rank_v or args.rank, ell=args.ell, tau_k=args.tau_k,
-                tau_v=args.tau_v, relative=args.relative, max_chunk_len=args.max_chunk_len,
-                max_chunks=args.max_chunks, min_chunk_len=args.min_chunk_len, warmup=args.warmup,
-                fd_decay=args.fd_decay)
-
-
-def _check_tau_options(args: argparse.Namespace) -> None:
-    p, calib = getattr(args, "tau_percentile", None), getattr(args, "tau_calib", None)
+def _check_tau_options(opts: EvalBasesOptions) -> None:
+    """``--tau-percentile`` with its ``--tau-calib`` text (never the ``--data`` text) or ``--tau-k`` / ``--tau-v``."""
+    p, calib = opts.tau_percentile, opts.tau_calib
     if p is None:
         if calib is not None:
             raise EvalError("--tau-calib needs --tau-percentile P")
@@ -58,44 +30,44 @@ def _check_tau_options(args: argparse.Namespace) -> None:
         raise EvalError("--tau-percentile needs --tau-calib PATH (calibration text, not the --data text)")
     if not 0 <= p <= 100:
         raise EvalError(f"--tau-percentile must be in [0, 100], got {p}")
-    if Path(calib).expanduser().resolve() == Path(args.data).expanduser().resolve():
+    if Path(calib).expanduser().resolve() == Path(opts.data).expanduser().resolve():
         raise EvalError("--tau-calib must not be the --data text (calibrate τ on other text)")
-    if args.tau_k is not None or args.tau_v is not None:
+    if opts.tau_k is not None or opts.tau_v is not None:
         raise EvalError("give either --tau-percentile or --tau-k / --tau-v, not both")
 
 
-def _calibrate_tau(ctx: EvalContext, args: argparse.Namespace, kw: dict[str, Any]) -> dict[str, Any]:
+def _calibrate_tau(ctx: EvalContext, opts: EvalBasesOptions, kw: dict[str, Any]) -> dict[str, Any]:
     """``--tau-percentile``: τ_k/τ_v from :func:`kvsplice.online.method.calibrate_thresholds` on ``--tau-calib`` windows."""
     from kvsplice.loading import iter_texts, token_stream
 
     seq_len = ctx.windows.shape[1]
-    ids, _ = token_stream(iter_texts(args.tau_calib, option="tau-calib", split="train"), ctx.loaded.tokenizer,
-                          args.tokens, progress=ctx.progress, desc="tokenize tau-calib")
+    ids, _ = token_stream(iter_texts(opts.tau_calib, option="tau-calib", split="train"), ctx.loaded.tokenizer,
+                          opts.eval_tokens, progress=ctx.progress, desc="tokenize tau-calib")
     n = ids.numel() // seq_len
     if n < 1:
-        raise EvalError(f"--tau-calib {args.tau_calib}: only {ids.numel()} tokens, fewer than --seq-len {seq_len}")
+        raise EvalError(f"--tau-calib {opts.tau_calib}: only {ids.numel()} tokens, fewer than --seq-len {seq_len}")
     windows = ids[: n * seq_len].view(n, seq_len)  # (N, T)
-    cal = calibrate_thresholds(ctx.model, windows.split(ctx.batch_size), percentile=args.tau_percentile, **kw)
-    cal["source"] = str(args.tau_calib)
+    cal = calibrate_thresholds(ctx.model, windows.split(ctx.batch_size), percentile=opts.tau_percentile, **kw)
+    cal["source"] = str(opts.tau_calib)
     tv = "—" if cal["tau_v"] is None else f"{cal['tau_v']:.6g}"
     print(f"fd-online: τ from the {cal['percentile']:g}th percentile of {cal['n_residuals']:,} per-token "
-          f"{'relative ' if kw['relative'] else ''}residuals ({cal['n_tokens']:,} tokens of {args.tau_calib}, "
+          f"{'relative ' if kw['relative'] else ''}residuals ({cal['n_tokens']:,} tokens of {opts.tau_calib}, "
           f"thresholds off): τ_k = {cal['tau_k']:.6g}, τ_v = {tv}")
     return cal
 
 
-def eval_fd_online(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str, Any]]:
+def eval_fd_online(ctx: EvalContext, opts: EvalBasesOptions) -> list[dict[str, Any]]:
     """``--method fd-online``: perplexity through a :class:`ChunkedCache`, its bytes (coefficients + bases +
     sketches, split per sequence), chunk counts J and the diagnostics. With ``--tau-percentile`` τ_k/τ_v are first
     calibrated on ``--tau-calib`` (:func:`_calibrate_tau`)."""
     info = ctx.info
-    _check_tau_options(args)
-    kw = _fd_online_kw(args)
+    _check_tau_options(opts)
+    kw = opts.online_kw()
     if max(kw["rank_k"], kw["rank_v"]) > info.head_dim:
         raise EvalError(f"--rank / --rank-v must be <= the model's head_dim {info.head_dim}")
     tau_cal = None
-    if getattr(args, "tau_percentile", None) is not None:
-        tau_cal = _calibrate_tau(ctx, args, kw)
+    if opts.tau_percentile is not None:
+        tau_cal = _calibrate_tau(ctx, opts, kw)
         kw["tau_k"], kw["tau_v"] = tau_cal["tau_k"], tau_cal["tau_v"]
     dec = OnlineDecoder(ctx.model, **kw)
     full = ctx.full()
@@ -109,7 +81,7 @@ def eval_fd_online(ctx: EvalContext, args: argparse.Namespace) -> list[dict[str,
     dec(ctx.windows[:1], one)
     c["per_sequence_breakdown"] = one.nbytes_breakdown()
     diag = online_qkv_diagnostics(ctx.model, ctx.windows[: ctx.err_windows], **kw) \
-        if getattr(args, "diagnostics", True) else None
+        if opts.diagnostics else None
     ranks_k = [[kw["rank_k"]] * info.n_kv_head for _ in range(info.n_layer)]
     ranks_v = [[kw["rank_v"]] * info.n_kv_head for _ in range(info.n_layer)]
     short = {"ell": "ℓ", "tau_k": "τk", "tau_v": "τv", "max_chunk_len": "L", "max_chunks": "Jmax",

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from kvsplice.io.interrupt import EXIT_INTERRUPTED, end_quiet_interrupts, quiet_interrupts_after_command
 
 __all__ = ["DTYPES", "DTYPE_NAMES", "EXIT_INTERRUPTED", "EXIT_USAGE", "Parser", "UsageError", "add_device_dtype", "add_model_option",
-           "add_output_options", "add_report_options", "add_threads", "apply_threads", "at_command_end",
+           "add_output_options", "add_threads", "apply_threads", "at_command_end",
            "default_seq_len", "device_dtype", "first_line", "help_text", "pick_device", "pos_int", "run_cli"]
 
 EXIT_USAGE = 2
@@ -143,9 +143,9 @@ def add_device_dtype(p: argparse.ArgumentParser, *, dtype: bool = True, default_
                        help=f"the model's dtype (default {default_dtype}); fp16/bf16 halve its memory and the caches'")
 
 
-def device_dtype(args: argparse.Namespace) -> tuple["torch.device", Optional["torch.dtype"]]:
-    """The device and dtype of :func:`add_device_dtype`'s options; a device that is not there is a
-    :class:`UsageError` (one line)."""
+def device_dtype(args: Any) -> tuple["torch.device", Optional["torch.dtype"]]:
+    """The device and dtype of a command's options object (its ``device`` and ``dtype``, e.g.
+    :class:`~kvsplice.io.run_options.RunOptions`); a device that is not there is a :class:`UsageError` (one line)."""
     import torch
 
     try:
@@ -171,24 +171,12 @@ def add_output_options(p: argparse.ArgumentParser, *, json: bool = True, out_req
     g.add_argument("--force", action="store_true", help=force_help)
 
 
-def add_report_options(p: argparse.ArgumentParser, *, json_help: str) -> None:
-    """The options of a measuring command that prints a table (``verify_memory``, ``bench_decode``): ``--device``
-    (default: CUDA when available), ``--json FILE`` (``json_help``), ``--force``, ``--markdown``, ``--no-progress``
-    and ``--seed``."""
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--json", metavar="FILE", help=json_help)
-    p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
-    p.add_argument("--markdown", action="store_true", help="print a markdown table instead of a rich table")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-
-
 def add_threads(p: argparse.ArgumentParser, *, help: str = "torch threads (default: torch's)") -> None:
     """``--threads N`` (``pos_int``; apply with :func:`apply_threads`)."""
     p.add_argument("--threads", type=pos_int, default=None, help=help)
 
 
-def apply_threads(args: argparse.Namespace) -> None:
+def apply_threads(args: Any) -> None:
     """``torch.set_num_threads(--threads)`` when given, within this machine's CPUs (100000 threads made the model's
     libraries fail to load, reported as a model that cannot be loaded)."""
     if getattr(args, "threads", None):

@@ -44,14 +44,15 @@ class Exclusive:
 
 def opt(default: Any = MISSING, *, help: str, flags: Sequence[str] = (), choices: Optional[Sequence[Any]] = None,
         nargs: Optional[str] = None, metavar: Optional[str] = None, parse: Optional[Callable[[str], Any]] = None,
-        cli: bool = True) -> Any:
+        cli: bool = True, repeat: bool = False) -> Any:
     """A dataclass field that is also a command-line option (keyword-only; ``default`` left out: required).
     ``help`` is shown as written (``%`` needs no escaping); ``parse``: the argparse type (one value's text to its
-    value, ``argparse.ArgumentTypeError`` for a bad one); ``cli=False``: a library-only field."""
+    value, ``argparse.ArgumentTypeError`` for a bad one); ``cli=False``: a library-only field; ``repeat``: a tuple
+    given one value per flag (``--ckpt A --ckpt B``)."""
     if isinstance(default, (list, dict, set)):
         raise TypeError("an option's default must be immutable (a tuple, not a list)")
     meta = {"help": help, "flags": tuple(flags), "choices": None if choices is None else tuple(choices),
-            "nargs": nargs, "metavar": metavar, "parse": parse, "cli": cli}
+            "nargs": nargs, "metavar": metavar, "parse": parse, "cli": cli, "repeat": repeat}
     return dataclasses.field(default=default, kw_only=True, metadata={OPTION: meta})
 
 
@@ -99,6 +100,7 @@ def _default(f: dataclasses.Field) -> Any:
 def _add(container: Any, f: dataclasses.Field, hint: Any, help: Optional[str], in_group: bool) -> None:
     m = f.metadata[OPTION]
     kind, several = _unwrap(hint)
+    kind = str if kind is bool and m["parse"] else kind  # a bool with a parser takes a value (--x true), no switch
     default = _default(f)
     flags = flags_of(f)
     positional = not flags[0].startswith("-")  # argparse names a positional's dest by its one flag
@@ -117,9 +119,11 @@ def _add(container: Any, f: dataclasses.Field, hint: Any, help: Optional[str], i
         for key in ("choices", "metavar"):
             if m[key] is not None:
                 kw[key] = list(m[key]) if key == "choices" else m[key]
-        nargs = m["nargs"] or ("+" if several else None)
+        nargs = m["nargs"] or ("+" if several and not m["repeat"] else None)
         if nargs is not None:
             kw["nargs"] = nargs
+        elif m["repeat"]:
+            kw["action"] = "append"
         if default is MISSING:
             if not in_group and not positional:
                 kw["required"] = True

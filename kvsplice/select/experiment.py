@@ -8,7 +8,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -16,10 +16,9 @@ from kvsplice.adapters import adapter_for, model_info
 from kvsplice.loading import iter_texts, token_stream
 from kvsplice.adapters.capture import extract_qkv
 from kvsplice.core.attention import reference_attention, weighted_attend
+from kvsplice.select.experiment_options import ARMS, BenchBalanceOptions
 from kvsplice.select.selectors import BalanceKVSelector, TokenSelector, UniformSelector
 
-ARMS = ("balancekv", "uniform", "coinflip")
-"""The selectors the BalanceKV bench compares (its arms; ``coinflip``: BalanceKV with coin-flip halving)."""
 THRESHOLD_RULE = ("median: c = c_scale * median_i kappa(x_i, x_i) per block of block_size tokens, clamped greedy "
                   "steps beyond c; kernel exp(<k,k'>s)(<v,v'> + mean|v|^2) on block-centred keys")
 
@@ -108,13 +107,13 @@ def _windows(ids: torch.Tensor, context: int, n_windows: int) -> torch.Tensor:
     return ids[: min(n, n_windows) * context].view(-1, context)  # (N, C): N windows of C tokens
 
 
-def run_bench(model, tokenizer, data: str, *, layers: Optional[Sequence[int]] = None,
-              Ts: Sequence[int] = (1, 2, 3, 4), seeds: int = 10, n_queries: int = 64,
-              context: Optional[int] = None, windows: int = 4,
-              n_sink: int = 4, n_recent: int = 16, block_size: int = 64, c_scale: float = 1.0,
-              kernel_temp: float = 1.0, methods: Sequence[str] = ARMS, max_positions: Optional[int] = None,
+def run_bench(model, tokenizer, opts: BenchBalanceOptions, *, max_positions: Optional[int] = None,
               progress: bool = True) -> dict:
-    """Run the experiment; returns the JSON-able report (``rows``: one per layer × T × method)."""
+    """Run the experiment ``opts`` asks for on ``opts.data`` (``opts.model``: what ``model`` was loaded from);
+    returns the JSON-able report (``rows``: one per layer × T × method)."""
+    data, layers, Ts, seeds, n_queries = opts.data, opts.layers, opts.T, opts.seeds, opts.n_queries
+    context, windows, n_sink, n_recent = opts.context, opts.windows, opts.n_sink, opts.n_recent
+    block_size, c_scale, kernel_temp, methods = opts.block_size, opts.c_scale, opts.kernel_temp, opts.methods
     info = model_info(model)
     adapter = adapter_for(model)
     ctx = context or min(max_positions or 1024, 1024)
@@ -134,9 +133,6 @@ def run_bench(model, tokenizer, data: str, *, layers: Optional[Sequence[int]] = 
         raise BenchError(f"layers {cut} attend only their last {adapter.window(cut[0])} tokens (sliding window), "
                          f"fewer than --context {ctx}: use --context <= {adapter.window(cut[0])}"
                          + (f" or the full-attention --layers {' '.join(map(str, full))}" if full else ""))
-    for m in methods:
-        if m not in ARMS:
-            raise BenchError(f"unknown selector {m!r}; choose from {', '.join(ARMS)}")
     ids, n_stories = token_stream(iter_texts(data), tokenizer, max_tokens=ctx * windows)
     batch = _windows(ids, ctx, windows)  # (W, ctx)
     c = ctx - n_queries

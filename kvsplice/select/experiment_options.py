@@ -1,0 +1,73 @@
+"""The options of the BalanceKV bench (``kvsplice bench-balance``) as one typed object: the declaration of its
+command line too (each field's flag, help and parser: :mod:`kvsplice.io.options`), and what
+:func:`kvsplice.select.experiment.run_bench` takes — one set of defaults for the command and the library."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from kvsplice.core.limits import MAX_TOKENS, check_count, check_number, check_threads
+from kvsplice.io.cli import pos_int
+from kvsplice.io.options import opt
+
+__all__ = ["ARMS", "BenchBalanceOptions", "MAX_SEEDS"]
+
+ARMS = ("balancekv", "uniform", "coinflip")
+"""The selectors the BalanceKV bench compares (its arms; ``coinflip``: BalanceKV with coin-flip halving)."""
+
+MAX_SEEDS = 1000
+"""The most ``--seeds`` (selections per window and KV head): the run's time grows with it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchBalanceOptions:
+    """What ``bench-balance`` measures: the ``model`` (and its ``tokenizer``), ``windows`` windows of ``context``
+    tokens of the ``data`` text (the last ``n_queries`` of each are the queries), the ``layers``, the halvings
+    ``T``, the ``methods`` (arms) with ``seeds`` selections each, what is kept intact (``n_sink``, ``n_recent``)
+    and the walk's ``block_size`` / ``c_scale`` / ``kernel_temp``; then the outputs. The fields declare the command
+    line, in this order."""
+
+    model: str = opt(help="HF model directory (config.json + tokenizer) or a .ckpt")
+    tokenizer: Optional[str] = opt(None, help="tokenizer override (see kvsplice.loading)")
+    data: str = opt(help="text: .txt/.json/.jsonl file or folder of stories")
+    layers: Optional[tuple[int, ...]] = opt(None, help="layers (default: all)")
+    T: tuple[int, ...] = opt((1, 2, 3, 4), help="halvings (compression 2^T of the middle)")
+    seeds: int = opt(10, help=f"selections per window and KV head (default 10, at most {MAX_SEEDS})")
+    n_queries: int = opt(64, help="query positions at the end of each window (default 64)")
+    context: Optional[int] = opt(None, help="tokens per window (default: min(1024, positions))")
+    windows: int = opt(4, help="text windows (one selection per window and KV head)")
+    n_sink: int = opt(4, help="first tokens kept intact (default 4)")
+    n_recent: int = opt(16, help="last context tokens kept intact (default 16)")
+    block_size: int = opt(64, help="tokens per block of the block-parallel halving (an even number, default 64)")
+    c_scale: float = opt(1.0, help="walk threshold c = c_scale * median kappa")
+    kernel_temp: float = opt(1.0, help="walk kernel exp(kernel_temp * <k,k'> / sqrt(d)) (1 = the paper's)")
+    methods: tuple[str, ...] = opt(ARMS, flags=("--arms", "--methods"), choices=ARMS,
+                                   help="the selectors compared (--methods is the old name)")
+    json: Optional[str] = opt(None, help="write the report here (and the plot next to it, .png)")
+    force: bool = opt(False, help="overwrite an existing --json file")
+    markdown: bool = opt(False, help="print a markdown table instead of a rich table")
+    threads: int = opt(1, parse=pos_int, help="torch threads (default 1)")
+
+    def __post_init__(self) -> None:
+        """Every count and number within its range before the text or the model is read (the model's own limits,
+        its layers and positions, are checked once it is loaded); one line naming the option."""
+        check_threads("--threads", self.threads)
+        check_count("--seeds", self.seeds, 1, MAX_SEEDS, "the run's time grows with it")
+        check_count("--windows", self.windows, 1, MAX_TOKENS)
+        check_count("--n-queries", self.n_queries, 1, MAX_TOKENS)
+        if self.context is not None:
+            check_count("--context", self.context, 2, MAX_TOKENS)
+        check_count("--n-sink", self.n_sink, 0, MAX_TOKENS)
+        check_count("--n-recent", self.n_recent, 0, MAX_TOKENS)
+        for t in self.T:
+            check_count("--T", t, 0, 30, "a compression of 2^30")
+        for layer in self.layers or ():
+            check_count("--layers", layer, 0, MAX_TOKENS)
+        check_number("--c-scale", self.c_scale)
+        check_number("--kernel-temp", self.kernel_temp, lo_open=False)
+        if self.block_size < 2 or self.block_size % 2:
+            raise ValueError(f"--block-size must be an even number >= 2, got {self.block_size}")
+        for m in self.methods:
+            if m not in ARMS:
+                raise ValueError(f"unknown selector {m!r}; choose from {', '.join(ARMS)}")

@@ -71,13 +71,6 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     device, _ = device_dtype(opts)
     variants, notes = variants_from_specs(list(opts.config), max(ctxs))
     dtype = parse_dtype(opts.dtype)
-    # every model lives through the run; one cache (capacity ctx + 1) and one layer's random block at a time
-    weights = sum(gpt_run_bytes(v.cfg, tokens=1, batch=opts.batch, elt=dtype.itemsize, cache_bytes=0,
-                                logits_tokens=1) for v in variants)
-    cache = max(cache_bytes_formula(v.cfg, ctxs[-1] + 1, dtype, opts.batch) * (1 + 1 / v.cfg.n_layer)
-                for v in variants)
-    check_fits(f"--ctx {ctxs[-1]} with --batch {opts.batch}", weights + cache, "the models and the filled cache",
-               device)
     if device.type != "cuda" and any(v.graph for v in variants):
         raise UsageError(f"':graph' variants replay CUDA graphs and need a CUDA device, got {device}")
     inputs = {"--config": [c.split(":")[0] for c in opts.config]}  # a YAML path is read: never written
@@ -86,6 +79,13 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if png:
         png = output_file(png, force=opts.force, option="--plot", inputs=inputs,
                           outputs={"--json": json_path} if json_path else None)
+    # the outputs first (a user's error whatever memory is free); every model lives through the run; one cache (capacity ctx + 1) and one layer's random block at a time
+    weights = sum(gpt_run_bytes(v.cfg, tokens=1, batch=opts.batch, elt=dtype.itemsize, cache_bytes=0,
+                                logits_tokens=1) for v in variants)
+    cache = max(cache_bytes_formula(v.cfg, ctxs[-1] + 1, dtype, opts.batch) * (1 + 1 / v.cfg.n_layer)
+                for v in variants)
+    check_fits(f"--ctx {ctxs[-1]} with --batch {opts.batch}", weights + cache, "the models and the filled cache",
+               device)
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
     if opts.threads:

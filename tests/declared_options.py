@@ -33,3 +33,14 @@ def check_declared(parser: argparse.ArgumentParser, cls: type, required: Sequenc
         if f.default is not dataclasses.MISSING and name not in values:
             assert getattr(parsed, name) == f.default and type(getattr(parsed, name)) is type(f.default), name
     return parsed
+
+
+def check_one_line_refusal(parse, argv: Sequence[str], needle: str) -> None:
+    """``parse(*argv)`` (a command's parser) refuses with one line that holds ``needle`` (the option's name)."""
+    import pytest
+
+    from kvsplice.io.cli import UsageError
+
+    with pytest.raises(UsageError) as e:
+        parse(*argv)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)

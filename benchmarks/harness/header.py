@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from typing import Optional, Sequence
 
 from benchmarks.harness.paths import ROOT
 
-__all__ = ["command", "header", "machine", "machine_line", "revision"]
+__all__ = ["command", "device_tag", "header", "machine", "machine_line", "revision"]
 
 
 def command(script: str, argv: Optional[Sequence[str]] = None) -> str:
@@ -26,6 +27,16 @@ def command(script: str, argv: Optional[Sequence[str]] = None) -> str:
     except ValueError:
         return shlex.join(["python", path.name, *map(str, args)])
     return shlex.join(["python", "-m", ".".join(module), *map(str, args)])
+
+
+def device_tag(name: str) -> str:
+    """A file-name-safe tag for a device name: ``NVIDIA H100 80GB HBM3`` -> ``h100``, ``NVIDIA H200`` -> ``h200``;
+    other names lower-cased with every run of other characters as one ``_``."""
+    m = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", name.upper().replace("NVIDIA", " "))
+    if m:
+        return m.group(1).lower()
+    tag = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+    return tag[:40] or "device"
 
 
 def machine(threads: Optional[int] = None) -> dict:

@@ -299,29 +299,21 @@ def test_portable_names_paths_as_the_repository_does():
     assert portable({f"plan:{ROOT}/a.json": [f"{DATA}", 3, None]}) == {"plan:a.json": ["../shared/data", 3, None]}
 
 
-def test_the_results_writer_names_and_writes_a_study(tmp_path):
-    from benchmarks.harness import results
-    from benchmarks.harness.paths import RESULTS
+def test_the_runner_names_a_study_by_tag_and_writes_no_path_of_this_machine(tmp_path):
+    from benchmarks.harness.paths import ROOT, RESULTS
+    from benchmarks.harness.runner import Study
 
-    assert results.result_stem("smollm2_speed") == RESULTS / "smollm2_speed"
-    stem = results.result_stem("study", "2k", tmp_path / "r")
-    assert stem == tmp_path / "r" / "study_2k"
-    js = results.write_result(stem, {"rows": [1], "command": "own"}, {"command": "c", "machine": {}, "revision": None})
-    assert json.loads(js.read_text()) == {"command": "own", "machine": {}, "revision": None, "rows": [1]}
-    assert results.write_markdown(stem, "# t").read_text() == "# t\n"
-    from benchmarks.harness.paths import ROOT  # a results file names no path of this machine (tests/test_docs.py)
-
-    js = results.write_result(stem, {"plan": f"{ROOT}/checkpoints/p.json"}, {"command": f"python {ROOT}/b.py"})
-    assert json.loads(js.read_text()) == {"command": "python b.py", "plan": "checkpoints/p.json"}
-    assert results.write_markdown(stem, f"`{ROOT}/checkpoints/p.json`").read_text() == "`checkpoints/p.json`\n"
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    png = results.write_figure(stem, Figure(figsize=(1, 1)))
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert sorted(p.name for p in stem.parent.iterdir()) == ["study_2k.json", "study_2k.md", "study_2k.png"]
+    seen = []
+    study = Study("study", None, lambda run: iter([{"plan": f"{ROOT}/checkpoints/p.json"}]), threads=None,
+                  out=lambda args: seen.append(args) or tmp_path / "r" / "study",
+                  markdown=lambda run, rows: f"`{rows[0]['plan']}`", sizes={"default": {}})
+    assert Study("smollm2_speed", None, lambda run: iter(())).files(RESULTS / "smollm2_speed")[0] == \
+        RESULTS / "smollm2_speed.json"
+    assert study.main(["--tag", "2k"]) == 0 and len(seen) == 1
+    data = json.loads((tmp_path / "r" / "study_2k.json").read_text())  # a results file names no path of this machine
+    assert data["rows"] == [{"plan": "checkpoints/p.json"}] and str(ROOT) not in json.dumps(data)
+    assert (tmp_path / "r" / "study_2k.md").read_text().startswith("`checkpoints/p.json`\n")
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["study_2k.json", "study_2k.md"]
 
 
 def test_the_shared_data_is_beside_the_checkout():

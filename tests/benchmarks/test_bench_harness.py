@@ -385,7 +385,7 @@ def test_the_harness_options_import_no_torch(tmp_path):
         "        if name.split('.')[0] in ('torch', 'triton'):\n            raise ImportError(f'blocked: {name}')\n"
         "sys.meta_path.insert(0, _Block())\n")
     env = {**__import__("os").environ, "PYTHONPATH": f"{site}{__import__('os').pathsep}{ROOT}"}
-    code = ("from benchmarks.harness import options as o, header, paths, results, studies\n"
+    code = ("from benchmarks.harness import options as o, header, paths, studies\n"
             "p = o.parser('x.py', 'doc'); o.add_threads(p); o.add_model(p, 'm'); o.add_out(p); o.add_json(p)\n"
             "o.add_force(p); o.add_progress(p); o.add_device_dtype(p)\n"
             "main = o.command(lambda argv=None: p.parse_args(argv) and 0)\n"

@@ -223,14 +223,11 @@ def test_options_share_one_declaration_and_one_line_errors(capsys):
     p = o.parser(str(BENCH / "study.py"), "First paragraph\nstill first.\n\nSecond.")
     o.add_threads(p)
     o.add_out(p, Path("r.json"))
-    o.add_json(p)
-    o.add_force(p)
     o.add_model(p, Path("m"))
     o.add_progress(p)
     o.add_device_dtype(p)
     a = p.parse_args([])
-    assert (a.threads, a.out, a.json, a.force, a.model, a.progress, a.device, a.dtype) == \
-        (1, Path("r.json"), None, False, "m", True, None, "fp32")
+    assert (a.threads, a.out, a.model, a.progress, a.device, a.dtype) == (1, Path("r.json"), "m", True, None, "fp32")
     assert p.prog == "study" and p.description == "First paragraph\nstill first."
     assert p.parse_args(["--threads", "3", "--no-progress"]).progress is False
 
@@ -386,8 +383,8 @@ def test_the_harness_options_import_no_torch(tmp_path):
         "sys.meta_path.insert(0, _Block())\n")
     env = {**__import__("os").environ, "PYTHONPATH": f"{site}{__import__('os').pathsep}{ROOT}"}
     code = ("from benchmarks.harness import options as o, header, paths, studies\n"
-            "p = o.parser('x.py', 'doc'); o.add_threads(p); o.add_model(p, 'm'); o.add_out(p); o.add_json(p)\n"
-            "o.add_force(p); o.add_progress(p); o.add_device_dtype(p)\n"
+            "p = o.parser('x.py', 'doc'); o.add_threads(p); o.add_model(p, 'm'); o.add_out(p)\n"
+            "o.add_progress(p); o.add_device_dtype(p)\n"
             "main = o.command(lambda argv=None: p.parse_args(argv) and 0)\n"
             "print(p.parse_args(['--threads', '2']).threads, main(['--bad']), header.machine()['cores'] > 0)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import platform
 
+from benchmarks.harness.header import version
 from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
 from kvsplice.report.tables import cell
@@ -70,14 +71,9 @@ def rows(run):
     a, quick = run.args, run.size == "quick"
     torch.backends.cuda.matmul.allow_tf32 = True
     impl = flash_impl()
-    try:
-        import transformers
-        tv = transformers.__version__
-    except ImportError:
-        tv = None
     bw = copy_bandwidth(torch.device("cuda"), 2**31)  # 2 GiB read + written
     run.notes.update(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
-                     torch=torch.__version__, cuda=torch.version.cuda, transformers=tv,
+                     torch=torch.__version__, cuda=torch.version.cuda, transformers=version("transformers"),
                      python=platform.python_version(), flash_impl=None if impl is None else impl.name,
                      peak_bf16_flops=peak_flops(), bandwidth_gbs=bw / 1e9)
     if "sdpa" in a.sections:

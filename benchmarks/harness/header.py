@@ -3,6 +3,7 @@ results file says how to make it again and where its numbers come from."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import platform
 import re
@@ -14,7 +15,7 @@ from typing import Optional, Sequence
 
 from benchmarks.harness.paths import ROOT
 
-__all__ = ["command", "device_tag", "header", "machine", "machine_line", "revision"]
+__all__ = ["command", "device_tag", "header", "machine", "machine_line", "revision", "version"]
 
 
 def command(script: str, argv: Optional[Sequence[str]] = None) -> str:
@@ -82,6 +83,14 @@ def revision() -> Optional[str]:
                                capture_output=True, text=True, timeout=10)
         return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def version(module: str) -> Optional[str]:
+    """``module.__version__``, or None where it does not import (a device machine may lack it)."""
+    try:
+        return importlib.import_module(module).__version__
+    except Exception:  # noqa: BLE001 - a broken install reads as a missing one
         return None
 
 

@@ -2,10 +2,9 @@
 per-token log-probabilities, perplexity, the backend vLLM picked and the KV cache row it allocated.
 
     python -m benchmarks.engines_vllm --ckpt checkpoints/tiny_ds_mla_kvsplice_90/last.ckpt \\
-        --text ../shared/data/tinystories/yuninxia_moe-routing-bench__tinystories_val.txt --json trained.json
-    python -m benchmarks.engines_vllm --smollm2 --json smol.json
-    python -m benchmarks.engines_vllm --report trained.json smol.json \\
-        --out results/engines_vllm      # results/engines_vllm.{json,md} from the runs' JSON
+        --text ../shared/data/tinystories/yuninxia_moe-routing-bench__tinystories_val.txt
+    python -m benchmarks.engines_vllm --smollm2 --resume --force   # a row beside the earlier one
+    python -m benchmarks.engines_vllm --resume --force              # only results/engines_vllm.md again
 
 ``--ckpt``: a trained ``deepseek_v3``-layout MLA / KVSplice checkpoint, exported twice with ``training.export``:
 unpadded (transformers' reference) and padded to 512 + 64 (``--pad-latent 512 --pad-rope 64``, the only row vLLM's
@@ -13,38 +12,35 @@ CPU MLA kernel takes). ``--smollm2``: the shared SmolLM2-135M GGUF converted (``
 8,192 calibration tokens of TinyStoriesV2) and exported unpadded (transformers' reference) and padded to 512 + 64.
 Each export runs in vLLM twice: with vLLM's RoPE as PyTorch code (the runner's default) and with its CPU C++ RoPE op
 (``native_rope=False``), which mis-indexes MLA's strided query / key slices (:mod:`kvsplice.convert.engines.vllm_worker`).
-JSON on stdout (``--json`` also writes it). Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON`` or ``build/vllm-venv``; docs/conversion.md).
+One row per model (by its ``name``; ``--resume`` keeps the others) in results/engines_vllm.{json,md}, written by the
+runner. Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON`` or ``build/vllm-venv``; docs/conversion.md).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
-from benchmarks.harness.options import UsageError, add_json, add_out, command, parser
+from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import CALIB, EVAL, SMOLLM2, TINYSTORIES
-from benchmarks.lib.engines import report
+from benchmarks.harness.runner import Study
 from benchmarks.lib.vllm_runs import PAD, compare, smollm2, trained  # noqa: F401  (the tests call them here)
-from kvsplice.convert.engines import vllm as vllm_engine
-from kvsplice.io.files import output_file
-from kvsplice.io.write import write_json
-from models.checkpoint import atomic_write
-
 
 ROWS = (("ours", "ours (cached decode / full forward)"), ("transformers", "transformers, unpadded export"),
         ("transformers_padded", "transformers, padded export"), ("vllm", "vLLM, padded export (PyTorch RoPE)"),
         ("vllm_cpu_rope_op", "vLLM, padded export (its CPU RoPE op)"))
+SMOLLM2_NAME = "SmolLM2-135M converted"
 
 
-def markdown(runs: dict[str, dict[str, Any]]) -> str:
-    """results/engines_vllm.md from the runs' JSON (``{name: run}``)."""
+def markdown(run, rows: list[dict[str, Any]]) -> str:
+    """results/engines_vllm.md: a section per model's row."""
     out = ["# DeepSeek-V3 exports in vLLM (CPU) beside ours and transformers", "",
            "Made by `benchmarks/engines_vllm.py` (commands below); fp32 weights and KV cache, greedy decoding, "
            "2-core CPU shared with other jobs. Per-token log-probabilities are compared position by position.", ""]
-    for name, r in runs.items():
+    for r in rows:
         m, v = r["model"], r["vllm"]
-        out += [f"## {name}", "", f"`{r['command']}`", "",
+        out += [f"## {r['name']}", "", f"`{r['command']}`", "",
                 f"Model: {json.dumps({k: m[k] for k in m if k != 'greedy_text'})}", "",
                 f"vLLM {v['version']}: backend **{v['backend']}** (prefill {v['prefill_backend']}), KV cache row "
                 f"{v['kv_cache_row']} ({v['kv_cache_dtype']}, blocks of {v['block_size']}) × {v['layers']} layers = "
@@ -70,53 +66,39 @@ def markdown(runs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-@command
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = parser(__file__, __doc__, raw=True)
+def options(ap) -> None:
     ap.add_argument("--ckpt", type=Path, help="a trained deepseek_v3-layout MLA / KVSplice checkpoint")
     ap.add_argument("--text", type=Path, default=EVAL)
-    ap.add_argument("--smollm2", action="store_true", help="convert + export the shared SmolLM2 GGUF instead")
+    ap.add_argument("--smollm2", action="store_true", help="convert + export the shared SmolLM2 GGUF (a row too)")
     ap.add_argument("--tokens", type=int, default=None, help="scored tokens (default: 96 trained, 256 SmolLM2)")
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--work", type=Path, default=None)
-    add_json(ap)
-    ap.add_argument("--report", type=Path, nargs="+", help="render the runs' JSON files into --out .json / .md")
-    add_out(ap, help="with --report: the output prefix (results/engines_vllm)")
-    a = ap.parse_args(argv)
-    if a.report:
-        why = "--report needs --out PREFIX" if not a.out else next(
-            (f"--report {p}: no such file" for p in a.report if not p.is_file()), None)
-        if why:
-            raise UsageError(why)
-        output_file(a.out.with_suffix(".json"), force=True, option="--out", inputs={"--report": a.report})
-        runs = {}
-        for path in a.report:
-            r = json.loads(path.read_text(encoding="utf-8"))
-            runs[f"trained {r['model']['variant']}" if "ckpt" in r["model"] else "SmolLM2-135M converted"] = r
-        write_json(runs, a.out.with_suffix(".json"))
-        atomic_write(a.out.with_suffix(".md"), lambda tmp: tmp.write_text(markdown(runs) + "\n", encoding="utf-8"))
-        return 0
-    why = vllm_engine.missing()
-    if not why and not (a.ckpt or a.smollm2):
-        why = "give --ckpt CKPT or --smollm2"
-    if not why and a.ckpt and not a.ckpt.is_file():
-        why = f"--ckpt {a.ckpt}: no such file"
-    if not why and not a.text.is_file():
-        why = f"--text {a.text}: no such file"
+
+
+def rows(run):
+    """The resumed rows of the models not run again, then a row per model asked for (``--ckpt``, ``--smollm2``)."""
+    from kvsplice.convert.engines import vllm as vllm_engine
+
+    a = run.args
+    why = (vllm_engine.missing() or (f"--ckpt {a.ckpt}: no such file" if a.ckpt and not a.ckpt.is_file() else None)
+           or (f"--text {a.text}: no such file" if not a.text.is_file() else None)) if a.ckpt or a.smollm2 else None
     if why:
         raise UsageError(why)
-    if a.json:  # the report never replaces an input, checked before the run
-        output_file(a.json, force=True, option="--json", inputs={"--ckpt": a.ckpt, "--text": a.text})
-    run: Callable[[], dict[str, Any]]
+    jobs = []
+    if a.ckpt:
+        jobs.append(lambda: trained(a.ckpt, a.text.read_text(encoding="utf-8"), tokens=a.tokens or 96, new=a.new,
+                                    work=a.work))
     if a.smollm2:
-        run = lambda: smollm2(gguf=SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf",  # noqa: E731
-                              calib=TINYSTORIES / "mines-opt-ml_decoding-gpt__tinystories_10k.txt",
-                              text=CALIB, tokens=a.tokens or 256, new=a.new, work=a.work)
-    else:
-        run = lambda: trained(a.ckpt, a.text.read_text(encoding="utf-8"), tokens=a.tokens or 96,  # noqa: E731
-                              new=a.new, work=a.work)
-    return report(__file__, argv, run(), a.json)
+        jobs.append(lambda: dict(smollm2(gguf=SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf", text=CALIB,
+                                         calib=TINYSTORIES / "mines-opt-ml_decoding-gpt__tinystories_10k.txt",
+                                         tokens=a.tokens or 256, new=a.new, work=a.work), name=SMOLLM2_NAME))
+    new = [dict(name=r.pop("name", None) or f"trained {r['model']['variant']}", command=run.header["command"], **r)
+           for r in (job() for job in jobs)]
+    yield from [r for r in run.done if r.get("name") not in {n["name"] for n in new}] + new
 
+
+STUDY = Study("engines_vllm", __doc__, rows, options=options, markdown=markdown, threads=None)
+main = STUDY.main
 
 if __name__ == "__main__":
     raise SystemExit(main())

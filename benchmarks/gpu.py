@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import platform
 
+from benchmarks.harness.header import version
 from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
 from kvsplice.report.tables import cell
@@ -50,31 +51,29 @@ def options(p) -> None:
 
 def out_stem(args):
     """``results/gpu_<device>[_quick]``: the device's family names the file (CUDA is checked first)."""
-    from benchmarks.lib.gpu_bench import device_tag, need_cuda
+    import torch
+
+    from benchmarks.harness.header import device_tag
+    from benchmarks.lib.gpu_bench import need_cuda
 
     need_cuda()
-
-    return RESULTS / f"gpu_{device_tag()}"
+    return RESULTS / f"gpu_{device_tag(torch.cuda.get_device_name())}"
 
 
 def rows(run):
     import torch
 
-    from benchmarks.lib.gpu_bench import bench_decode, bench_sdpa, bench_train, copy_bandwidth, need_cuda, peak_flops
+    from benchmarks.lib.gpu_bench import bench_decode, bench_sdpa, bench_train, need_cuda, peak_flops
+    from benchmarks.lib.serving_bench import copy_bandwidth
     from models.attention import flash_impl
 
     need_cuda()
     a, quick = run.args, run.size == "quick"
     torch.backends.cuda.matmul.allow_tf32 = True
     impl = flash_impl()
-    try:
-        import transformers
-        tv = transformers.__version__
-    except ImportError:
-        tv = None
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cuda"), 2**31)  # 2 GiB read + written
     run.notes.update(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
-                     torch=torch.__version__, cuda=torch.version.cuda, transformers=tv,
+                     torch=torch.__version__, cuda=torch.version.cuda, transformers=version("transformers"),
                      python=platform.python_version(), flash_impl=None if impl is None else impl.name,
                      peak_bf16_flops=peak_flops(), bandwidth_gbs=bw / 1e9)
     if "sdpa" in a.sections:

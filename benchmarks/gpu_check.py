@@ -46,7 +46,6 @@ import json
 import math
 import os
 import platform
-import re
 import signal
 import subprocess  # noqa: F401 - the tests stub its Popen (harness.sections runs the processes)
 import sys
@@ -56,7 +55,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
-from benchmarks.harness.header import command as command_line, revision
+from benchmarks.harness.header import command as command_line, device_tag, revision, version
 from benchmarks.harness.options import UsageError, command, parser
 from benchmarks.harness.paths import RESULTS, ROOT
 from benchmarks.harness.runner import check_outputs
@@ -136,16 +135,6 @@ MD_COLUMNS = {
     "flash4": ["call", "impl", "sdpa_ms", "flash_ms", "speedup", "max_abs_diff", "error"],
 }
 MD_ROWS: dict[str, Callable[[dict], bool]] = {"tests": lambda r: r.get("outcome") != "passed"}
-
-
-def device_tag(name: str) -> str:
-    """A file-name-safe tag for a device name: ``NVIDIA H100 80GB HBM3`` -> ``h100``, ``NVIDIA H200`` -> ``h200``;
-    other names lower-cased with every run of other characters as one ``_``."""
-    m = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", name.upper().replace("NVIDIA", " "))
-    if m:
-        return m.group(1).lower()
-    tag = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
-    return tag[:40] or "device"
 
 
 def plan(names: list[str], budget_s: float, smoke: bool = False) -> list[dict]:
@@ -329,24 +318,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = args.out_dir / f"gpu_check_{tag}{'_smoke' if args.smoke else ''}.json"
     check_outputs([out, out.with_suffix(".md")], force=args.force or args.merge)
     try:
-        import triton
-
-        triton_v = triton.__version__
-    except Exception:  # noqa: BLE001
-        triton_v = None
-    try:
-        import transformers
-
-        tf_v = transformers.__version__
-    except Exception:  # noqa: BLE001
-        tf_v = None
-    try:
         from models.kernels import DEFAULT_DECODE_KERNEL as kernel_default
     except Exception as e:  # noqa: BLE001
         kernel_default = _err(e)
     meta = dict(device=name, tag=tag, revision=revision(), decode_kernel_default=kernel_default,
                 capability=list(torch.cuda.get_device_capability()) if cuda else None,
-                torch=torch.__version__, cuda=torch.version.cuda, triton=triton_v, transformers=tf_v,
+                torch=torch.__version__, cuda=torch.version.cuda, triton=version("triton"),
+                transformers=version("transformers"),
                 python=platform.python_version(), budget_s=args.budget_s, smoke=args.smoke,
                 started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), command=command_line(__file__, argv))
     report = Report(out)

@@ -74,7 +74,7 @@ PPL_PLAN_TASKS = {"plan_4x": "select:observed_attention@x2.09+int8", "plan_8x": 
 
 def load_post_training(results: Path) -> list[dict]:
     """Protocol-P rows of the SmolLM2 frontier plus the planner's default (--objective mixed) picks."""
-    rows = json.loads((results / "smollm2_frontier.json").read_text())["rows"]
+    rows = {r["id"]: r for r in json.loads((results / "smollm2_frontier.json").read_text())["rows"]}
     full = rows["full"]["ppl"]
     points = []
     for key, row in rows.items():

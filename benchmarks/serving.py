@@ -30,6 +30,7 @@ from __future__ import annotations
 import platform
 from types import SimpleNamespace
 
+from benchmarks.harness.header import version
 from benchmarks.harness.options import UsageError, add_progress
 from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
@@ -70,15 +71,10 @@ def rows(run):
         raise UsageError("no CUDA device: this benchmark measures a GPU (use --smoke for a CPU run)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        import triton
-
-        tv = triton.__version__
-    except ImportError:
-        tv = None
     bw = copy_bandwidth(device, 2**21 if smoke else 2**31)
     reason = kernel_runs_here(device)
-    run.notes.update(device=device_name(), torch=torch.__version__, triton=tv, smoke=smoke, bandwidth_gbs=bw / 1e9,
+    run.notes.update(device=device_name(), torch=torch.__version__, triton=version("triton"), smoke=smoke,
+                     bandwidth_gbs=bw / 1e9,
                      dtype=str(dtype), kernel_status="runs" if reason is None else f"not run ({reason})", claim=CLAIM)
     args = SimpleNamespace(**run.settings, smoke=smoke)
     if run.args.progress:

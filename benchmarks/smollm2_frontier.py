@@ -1,8 +1,9 @@
 """SmolLM2-135M-Instruct: perplexity vs cache bytes per token for every method family and their stacks, on the same
 evaluation windows; the Pareto front; the budget planner's stacks at 4x / 8x / 16x; the paper's claims.
 
-    python -m benchmarks.smollm2_frontier                 # resumable: finished rows are kept in WORK/rows.json
-    python -m benchmarks.smollm2_frontier --only kivi4    # rows whose id contains a string; --list to see them
+    python -m benchmarks.smollm2_frontier                 # every row; --resume keeps the finished ones
+    python -m benchmarks.smollm2_frontier --resume --force --only kivi4  # rows whose id contains kivi4; --list
+    python -m benchmarks.smollm2_frontier --resume --force --only        # no row run: the report from the JSON
 
 Protocols (kvsplice.evaluation.protocol; ``benchmarks/lib/smollm2_windows.py`` for the text):
 
@@ -19,62 +20,67 @@ Protocols (kvsplice.evaluation.protocol; ``benchmarks/lib/smollm2_windows.py`` f
 
 Calibration: 32,768 train-sample tokens, one pass for every method (both RoPE modes, loss gradients), statistics
 reused from WORK. Every choice (the planner's stacks, allocation) is made on calibration text or the tuning slice,
-never on the evaluation windows. Writes results/smollm2_frontier.{json,md,png}.
+never on the evaluation windows. Writes results/smollm2_frontier.{json,md,png} (the runner).
 """
 
 from __future__ import annotations
 
-import json
-import sys
+import argparse
 import time
 
-import benchmarks.lib.smollm2_windows as C
-from benchmarks.harness.options import add_threads, command, parser
-from benchmarks.harness.paths import RESULTS
-from models.checkpoint import atomic_write
+from benchmarks.harness.runner import Study
+from benchmarks.lib import smollm2_report as report
 
-ROWS = C.WORK / "rows.json"
 KVPRESS = {  # kvpress 0.5.5's numbers on protocol S (ppl increase vs the full cache, %): quoted
     ("KVzip", 2): 1.0, ("ObservedAttention", 4): 6.0, ("ObservedAttention", 8): 13.3}
 ISSUE = {"full_W": 8.2672, "kq_pre_r32_W_pct": 35.5, "kq_pre_r16_W_pct": 214, "uniform_8x_S_pct": 36.9}
 
 
-@command
-def main(argv=None) -> int:
-    ap = parser(__file__, __doc__)
-    ap.add_argument("--only", nargs="*", help="run rows whose id contains one of these")
-    ap.add_argument("--list", action="store_true")
-    add_threads(ap, 2)
-    ap.add_argument("--report-only", action="store_true", help="only write results/ from the finished rows")
-    a = ap.parse_args(argv)
+class _List(argparse.Action):  # --list: the rows' ids and protocols, then exit
+    def __call__(self, parser, namespace, values, option_string=None):
+        from benchmarks.lib.smollm2_frontier_runs import stack_rows
+        print("\n".join(f"{r[0]} ({r[1]})" for r in stack_rows()))
+        parser.exit(0)
+
+
+def options(p) -> None:
+    p.add_argument("--only", nargs="*", help="run only rows whose id contains one of these (none given: run no row)")
+    p.add_argument("--list", nargs=0, action=_List, help="list the rows' ids and exit")
+
+
+def rows(run):
+    """Each row of :func:`~benchmarks.lib.smollm2_frontier_runs.stack_rows`: the resumed one, or measured."""
     from benchmarks.lib.smollm2_frontier_runs import Bench, stack_rows
 
-    rows = stack_rows()
-    if a.list:
-        print("\n".join(f"{r[0]} ({r[1]})" for r in rows))
-        return 0
-    done = json.loads(ROWS.read_text()) if ROWS.is_file() else {}
-    if not a.report_only:
-        bench = Bench(a.threads)
-        for rid, proto, spec in rows:
-            if rid in done or (a.only and not any(o in rid for o in a.only)):
-                continue
+    only, bench = run.args.only, None
+    for rid, proto, spec in stack_rows():
+        row = run.previous(id=rid)
+        if row is None and (only is None or any(o in rid for o in only)):
+            bench = bench or Bench(run.args.threads)
             t0 = time.perf_counter()
             try:
-                res = bench.run(rid, proto, spec)
+                row = {k: v for k, v in bench.run(rid, proto, spec).items() if k != "measured"}
             except ImportError as e:  # transformers' QuantizedCache without its backend (optimum-quanto)
-                print(f"{rid:<36} skipped: {str(e).splitlines()[0]}", flush=True)
+                run.say(f"{rid:<36} skipped: {str(e).splitlines()[0]}")
                 continue
-            done[rid] = res
-            # resumable: every finished row is on disk
-            atomic_write(ROWS, lambda p: p.write_text(json.dumps(done, indent=1, default=str)))
-            print(f"{rid:<36} {res['label']:<44} ppl {res['ppl']:.4f}  {res['bytes_per_token']:.0f} B/tok  "
-                  f"{res['ratio_vs_fp16_full']:.2f}x  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    from benchmarks.lib.smollm2_report import energy_claims, write_report
+            run.say(f"{rid:<36} {row['label']:<44} ppl {row['ppl']:.4f}  {row['bytes_per_token']:.0f} B/tok  "
+                    f"{row['ratio_vs_fp16_full']:.2f}x  ({time.perf_counter() - t0:.0f} s)")
+        if row is not None:
+            yield row
 
-    write_report(done, RESULTS, KVPRESS, ISSUE, energy_claims(C.WORK / "calib_stats.safetensors"))
-    return 0
 
+def summary(run, rows) -> dict:
+    from benchmarks.lib.smollm2_windows import WORK
+
+    run.notes["claims"] = report.energy_claims(WORK / "calib_stats.safetensors")  # (the report's last table)
+    return {"claims": run.notes["claims"],
+            "kvpress_quoted": {f"{n} {x}x": v for (n, x), v in KVPRESS.items()}, "issue": ISSUE}
+
+
+STUDY = Study("smollm2_frontier", __doc__, rows, options=options, threads=2, summary=summary,
+              markdown=lambda run, rows: report.markdown(rows, KVPRESS, ISSUE, run.notes["claims"]),
+              figure=lambda run, rows: report.figure(rows))
+main = STUDY.main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

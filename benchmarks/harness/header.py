@@ -3,8 +3,10 @@ results file says how to make it again and where its numbers come from."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -13,7 +15,7 @@ from typing import Optional, Sequence
 
 from benchmarks.harness.paths import ROOT
 
-__all__ = ["command", "header", "machine", "machine_line", "revision"]
+__all__ = ["command", "device_tag", "header", "machine", "machine_line", "revision", "version"]
 
 
 def command(script: str, argv: Optional[Sequence[str]] = None) -> str:
@@ -26,6 +28,16 @@ def command(script: str, argv: Optional[Sequence[str]] = None) -> str:
     except ValueError:
         return shlex.join(["python", path.name, *map(str, args)])
     return shlex.join(["python", "-m", ".".join(module), *map(str, args)])
+
+
+def device_tag(name: str) -> str:
+    """A file-name-safe tag for a device name: ``NVIDIA H100 80GB HBM3`` -> ``h100``, ``NVIDIA H200`` -> ``h200``;
+    other names lower-cased with every run of other characters as one ``_``."""
+    m = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", name.upper().replace("NVIDIA", " "))
+    if m:
+        return m.group(1).lower()
+    tag = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+    return tag[:40] or "device"
 
 
 def machine(threads: Optional[int] = None) -> dict:
@@ -71,6 +83,14 @@ def revision() -> Optional[str]:
                                capture_output=True, text=True, timeout=10)
         return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def version(module: str) -> Optional[str]:
+    """``module.__version__``, or None where it does not import (a device machine may lack it)."""
+    try:
+        return importlib.import_module(module).__version__
+    except Exception:  # noqa: BLE001 - a broken install reads as a missing one
         return None
 
 

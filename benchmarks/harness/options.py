@@ -27,7 +27,7 @@ from benchmarks.harness.paths import EVAL
 from kvsplice.io import cli
 from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
 
-__all__ = ["Parser", "UsageError", "add_device_dtype", "add_force", "add_json", "add_model", "add_out",
+__all__ = ["Parser", "UsageError", "add_device_dtype", "add_model", "add_out",
            "add_progress", "add_threads", "add_windows", "command", "device_dtype", "parser", "pos_int", "prog_of"]
 
 
@@ -58,17 +58,6 @@ def add_out(p: argparse.ArgumentParser, default: Any = None, help: Optional[str]
     """``--out`` (or ``flag``): where the results go."""
     p.add_argument(flag, type=kw.pop("type", Path), default=default,
                    help=help or f"where the results go (default {default})", **kw)
-
-
-def add_json(p: argparse.ArgumentParser, default: Any = None, help: Optional[str] = None, **kw: Any) -> None:
-    """``--json``: the machine-readable report."""
-    p.add_argument("--json", type=kw.pop("type", Path), default=default,
-                   help=help or "write the report as JSON to this file", **kw)
-
-
-def add_force(p: argparse.ArgumentParser, help: Optional[str] = None) -> None:
-    """``--force``: replace existing outputs."""
-    p.add_argument("--force", action="store_true", help=help or "replace existing outputs")
 
 
 def add_model(p: argparse.ArgumentParser, default: Any = None, help: Optional[str] = None,

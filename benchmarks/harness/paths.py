@@ -12,7 +12,7 @@ __all__ = ["CALIB", "DATA", "EVAL", "RESULTS", "ROOT", "SMOLLM2", "STORIES", "TI
 ROOT = Path(__file__).resolve().parents[2]
 """The repository."""
 RESULTS = ROOT / "results"
-"""Where the studies write their results (:mod:`benchmarks.harness.results`)."""
+"""Where the studies write their results (:mod:`benchmarks.harness.runner`)."""
 DATA = ROOT.parent / "shared" / "data"
 STORIES = DATA / "stories260K"  # stories260K.bin + tok512.bin
 CALIB = DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"  # calibration: the train sample

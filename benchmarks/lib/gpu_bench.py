@@ -19,7 +19,7 @@ from benchmarks.lib.reference_gpt import ReferenceGPT
 from models import GPT, preset
 from models.attention import flash_impl, sdpa_order
 
-__all__ = ["PEAK_BF16", "bench_decode", "bench_sdpa", "bench_train", "copy_bandwidth", "device_tag", "need_cuda",
+__all__ = ["PEAK_BF16", "bench_decode", "bench_sdpa", "bench_train", "need_cuda",
            "peak_flops"]
 
 
@@ -33,27 +33,9 @@ def need_cuda() -> None:
         raise UsageError("no CUDA device (this benchmark measures a GPU)")
 
 
-def device_tag() -> str:
-    name = torch.cuda.get_device_name()
-    for fam in PEAK_BF16:
-        if fam in name:
-            return fam.lower()
-    return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
-
-
 def peak_flops() -> float | None:
     name = torch.cuda.get_device_name()
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
-
-
-def copy_bandwidth() -> float:
-    """Device-memory bandwidth in bytes/s (a 2 GiB device-to-device copy, bytes read + written)."""
-    x = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    y.copy_(x)
-    ms = statistics.median(cuda_time(lambda: y.copy_(x), 10))
-    del x, y
-    return 2 * 2**31 / (ms / 1e3)
 
 
 # ---------------------------------------------------------------------------------------------------- sdpa

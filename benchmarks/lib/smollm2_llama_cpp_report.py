@@ -20,7 +20,8 @@ def our_p_rows() -> list[dict]:
     rows = []
     for fname, rid, label in OURS_P:
         doc = _load(RESULTS / fname)
-        r = doc.get("rows", {}).get(rid) if "rows" in doc else doc.get("plans", {}).get(rid, {}).get("protocol_P")
+        r = next((x for x in doc.get("rows", []) if x["id"] == rid), None) if "rows" in doc else \
+            doc.get("plans", {}).get(rid, {}).get("protocol_P")
         if r:
             rows.append({"label": label, "ppl": r["ppl"], "bytes_per_token": r["bytes_per_token"],
                          "source": f"results/{fname} → {rid}"})

@@ -1,13 +1,11 @@
-"""The SmolLM2 frontier report: results/smollm2_frontier.{json,md,png} from the rows of
-``benchmarks/smollm2_frontier.py``: the frontier table
-(Pareto front marked), the goals, the planner's stacks, the paper's claims, the kvpress comparison."""
+"""The SmolLM2 frontier report from the rows of ``benchmarks/smollm2_frontier.py`` (the runner writes it): the
+frontier table (Pareto front marked), the goals, the planner's stacks, the paper's claims, the kvpress comparison."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-__all__ = ["energy_claims", "pareto", "write_report"]
+__all__ = ["energy_claims", "figure", "markdown", "pareto"]
 
 
 def energy_claims(stats_path: Path) -> dict:
@@ -53,9 +51,9 @@ def _best_tuning(row: dict) -> dict:
     return min(row["candidates"], key=lambda c: c["tuning_ppl"])
 
 
-def write_report(done: dict, out_dir: Path, kvpress: dict, issue: dict, claims: dict) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    by = {p: [r for r in done.values() if r.get("protocol") == p] for p in "PSW"}
+def markdown(rows: list[dict], kvpress: dict, issue: dict, claims: dict) -> str:
+    """results/smollm2_frontier.md: a table per protocol, the planner's stacks and the energy ranks."""
+    by = {p: [r for r in rows if r.get("protocol") == p] for p in "PSW"}
     base = {p: next((r["ppl"] for r in rows if r["id"] in ("full", "S_full", "W_full")), None) for p, rows in by.items()}
     md = ["# SmolLM2-135M-Instruct: perplexity vs KV-cache bytes, every method family", "",
           "Made by `python -m benchmarks.smollm2_frontier` (protocols and text in its docstring). Bytes per token: "
@@ -106,22 +104,15 @@ def write_report(done: dict, out_dir: Path, kvpress: dict, issue: dict, claims: 
             "Energy ranks (90 % of the K-only / V-only spectrum, calibration Grams)",
             "| stream | mean rank of 64 | heads with rank ≤ d/4 = 16 |",
             [f"| {k} | {v['mean_rank_90']:.1f} | {100 * v['share_le_d4']:.0f} % |" for k, v in claims.items()])
-    (out_dir / "smollm2_frontier.md").write_text("\n".join(md) + "\n")
-    slim = {k: {kk: vv for kk, vv in v.items() if kk != "measured"} for k, v in done.items()}
-    (out_dir / "smollm2_frontier.json").write_text(json.dumps({"rows": slim, "claims": claims, "kvpress_quoted":
-                                                               {f"{n} {x}x": v for (n, x), v in kvpress.items()},
-                                                               "issue": issue}, indent=1, default=str) + "\n")
-    _plot(by["P"], base["P"], out_dir / "smollm2_frontier.png")
+    return "\n".join(md)
 
 
-def _plot(rows: list[dict], base: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+def figure(rows: list[dict]):
+    """Protocol P's rows: perplexity increase against bytes per token, by method family, the Pareto front dashed."""
     import matplotlib.pyplot as plt
 
-    if not rows:
-        return
+    rows = [r for r in rows if r.get("protocol") == "P"]
+    base = next((r["ppl"] for r in rows if r["id"] == "full"), None)
     front = pareto(rows)
     fam = lambda r: ("plan" if r["id"].startswith("plan") else "low rank" if "lr_" in r["id"] else  # noqa: E731
                      "stack" if "_x" in r["id"] and any(s in r["id"] for s in ("kivi", "int8", "lr")) else
@@ -142,9 +133,9 @@ def _plot(rows: list[dict], base: float, path: Path) -> None:
     ax.set_title("SmolLM2-135M-Instruct: 768-token prompt compressed, 256 tokens scored (4 windows)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
+    fig.set_dpi(120)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def _ranks(rk) -> str:

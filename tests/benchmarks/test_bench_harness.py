@@ -223,14 +223,11 @@ def test_options_share_one_declaration_and_one_line_errors(capsys):
     p = o.parser(str(BENCH / "study.py"), "First paragraph\nstill first.\n\nSecond.")
     o.add_threads(p)
     o.add_out(p, Path("r.json"))
-    o.add_json(p)
-    o.add_force(p)
     o.add_model(p, Path("m"))
     o.add_progress(p)
     o.add_device_dtype(p)
     a = p.parse_args([])
-    assert (a.threads, a.out, a.json, a.force, a.model, a.progress, a.device, a.dtype) == \
-        (1, Path("r.json"), None, False, "m", True, None, "fp32")
+    assert (a.threads, a.out, a.model, a.progress, a.device, a.dtype) == (1, Path("r.json"), "m", True, None, "fp32")
     assert p.prog == "study" and p.description == "First paragraph\nstill first."
     assert p.parse_args(["--threads", "3", "--no-progress"]).progress is False
 
@@ -299,29 +296,21 @@ def test_portable_names_paths_as_the_repository_does():
     assert portable({f"plan:{ROOT}/a.json": [f"{DATA}", 3, None]}) == {"plan:a.json": ["../shared/data", 3, None]}
 
 
-def test_the_results_writer_names_and_writes_a_study(tmp_path):
-    from benchmarks.harness import results
-    from benchmarks.harness.paths import RESULTS
+def test_the_runner_names_a_study_by_tag_and_writes_no_path_of_this_machine(tmp_path):
+    from benchmarks.harness.paths import ROOT, RESULTS
+    from benchmarks.harness.runner import Study
 
-    assert results.result_stem("smollm2_speed") == RESULTS / "smollm2_speed"
-    stem = results.result_stem("study", "2k", tmp_path / "r")
-    assert stem == tmp_path / "r" / "study_2k"
-    js = results.write_result(stem, {"rows": [1], "command": "own"}, {"command": "c", "machine": {}, "revision": None})
-    assert json.loads(js.read_text()) == {"command": "own", "machine": {}, "revision": None, "rows": [1]}
-    assert results.write_markdown(stem, "# t").read_text() == "# t\n"
-    from benchmarks.harness.paths import ROOT  # a results file names no path of this machine (tests/test_docs.py)
-
-    js = results.write_result(stem, {"plan": f"{ROOT}/checkpoints/p.json"}, {"command": f"python {ROOT}/b.py"})
-    assert json.loads(js.read_text()) == {"command": "python b.py", "plan": "checkpoints/p.json"}
-    assert results.write_markdown(stem, f"`{ROOT}/checkpoints/p.json`").read_text() == "`checkpoints/p.json`\n"
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    png = results.write_figure(stem, Figure(figsize=(1, 1)))
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert sorted(p.name for p in stem.parent.iterdir()) == ["study_2k.json", "study_2k.md", "study_2k.png"]
+    seen = []
+    study = Study("study", None, lambda run: iter([{"plan": f"{ROOT}/checkpoints/p.json"}]), threads=None,
+                  out=lambda args: seen.append(args) or tmp_path / "r" / "study",
+                  markdown=lambda run, rows: f"`{rows[0]['plan']}`", sizes={"default": {}})
+    assert Study("smollm2_speed", None, lambda run: iter(())).files(RESULTS / "smollm2_speed")[0] == \
+        RESULTS / "smollm2_speed.json"
+    assert study.main(["--tag", "2k"]) == 0 and len(seen) == 1
+    data = json.loads((tmp_path / "r" / "study_2k.json").read_text())  # a results file names no path of this machine
+    assert data["rows"] == [{"plan": "checkpoints/p.json"}] and str(ROOT) not in json.dumps(data)
+    assert (tmp_path / "r" / "study_2k.md").read_text().startswith("`checkpoints/p.json`\n")
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["study_2k.json", "study_2k.md"]
 
 
 def test_the_shared_data_is_beside_the_checkout():
@@ -393,9 +382,9 @@ def test_the_harness_options_import_no_torch(tmp_path):
         "        if name.split('.')[0] in ('torch', 'triton'):\n            raise ImportError(f'blocked: {name}')\n"
         "sys.meta_path.insert(0, _Block())\n")
     env = {**__import__("os").environ, "PYTHONPATH": f"{site}{__import__('os').pathsep}{ROOT}"}
-    code = ("from benchmarks.harness import options as o, header, paths, results, studies\n"
-            "p = o.parser('x.py', 'doc'); o.add_threads(p); o.add_model(p, 'm'); o.add_out(p); o.add_json(p)\n"
-            "o.add_force(p); o.add_progress(p); o.add_device_dtype(p)\n"
+    code = ("from benchmarks.harness import options as o, header, paths, studies\n"
+            "p = o.parser('x.py', 'doc'); o.add_threads(p); o.add_model(p, 'm'); o.add_out(p)\n"
+            "o.add_progress(p); o.add_device_dtype(p)\n"
             "main = o.command(lambda argv=None: p.parse_args(argv) and 0)\n"
             "print(p.parse_args(['--threads', '2']).threads, main(['--bad']), header.machine()['cores'] > 0)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,

@@ -117,26 +117,26 @@ def test_vllm_python_follows_the_env(monkeypatch, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ vLLM itself
 def test_report_renders_the_runs_and_never_replaces_one(tmp_path, capsys):
-    """``--report`` joins the runs' JSON files (here the committed results, split back into runs) into --out .json /
-    .md, atomically; an --out whose .json is a --report input, or a missing input, is refused in one line."""
+    """``--resume`` with no model keeps every committed row and writes the report again from them (a run of one
+    model adds its row beside the others); an existing output is not replaced without ``--force``, a missing
+    checkpoint is refused in one line before anything is written."""
     from pathlib import Path
 
     bench = load_benchmark("engines_vllm")
-    committed = json.loads((Path(__file__).resolve().parents[3] / "results" / "engines_vllm.json").read_text())
-    runs = []
-    for i, run in enumerate(committed.values()):
-        runs.append(tmp_path / f"run{i}.json")
-        runs[-1].write_text(json.dumps(run))
-    assert bench.main(["--report", *map(str, runs), "--out", str(tmp_path / "joined")]) == 0
-    assert json.loads((tmp_path / "joined.json").read_text()) == committed
-    assert "SmolLM2" in (tmp_path / "joined.md").read_text()
+    results = Path(__file__).resolve().parents[3] / "results"
+    committed = json.loads((results / "engines_vllm.json").read_text())
+    (tmp_path / "r.json").write_text(json.dumps(committed))
+    assert bench.main(["--out", str(tmp_path / "r"), "--resume", "--force"]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["rows"] == committed["rows"]
+    md = (tmp_path / "r.md").read_text()
+    assert "SmolLM2" in md and md.startswith((results / "engines_vllm.md").read_text().rstrip("\n"))
     capsys.readouterr()
-    before = runs[0].read_text()
-    assert bench.main(["--report", str(runs[0]), "--out", str(tmp_path / "run0")]) == 2
-    assert bench.main(["--report", str(tmp_path / "none.json"), "--out", str(tmp_path / "x")]) == 2
+    before = (tmp_path / "r.json").read_text()
+    assert bench.main(["--out", str(tmp_path / "r")]) == 2
+    assert bench.main(["--ckpt", str(tmp_path / "none.ckpt"), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert "would replace the input" in err[0] and "no such file" in err[1] and len(err) == 2
-    assert runs[0].read_text() == before and not (tmp_path / "x.json").exists()
+    assert "exists (--force replaces it)" in err[0] and len(err) == 2
+    assert (tmp_path / "r.json").read_text() == before and not (tmp_path / "x.json").exists()
 
 
 @pytest.fixture

@@ -2,11 +2,10 @@
 correction, then fine-tuned by ``kvsplice distill --minutes M``): what the converted model keeps of its source.
 ``python -m benchmarks.convert_fit [--size smoke] [--work DIR] [--ratios 2 4] [--keep F] [--minutes 60]``.
 
-Per ratio and ``--refine-steps``: ``kvsplice to-mla --model SRC --calib TRAIN --calib-tokens T --seq-len S --ratio N
---refine-steps K --out DIR`` (a folder in ``--work`` is reused), then a row of :mod:`benchmarks.lib.model_quality`:
+Per ratio and ``--refine-steps``: ``kvsplice to-mla --model SRC --calib TEXT... --ratio N --refine-steps K`` (``--calib``
+default: the stories train sample; a folder in ``--work`` is reused), then a row of :mod:`benchmarks.lib.model_quality`:
 perplexity on protocol P's validation windows (last quarter scored) and on the shared data folder's prose (never
-calibrated on), mean KL to the source on those windows, passkey and needle-in-stories accuracy at each task length with
-the model's own cache. The source is the first row. ``--keep F`` inserts KVSplice keeping F of the latent
+calibrated on), KL to the source, passkey and needle accuracy at each task length with the model's own cache. The source is the first row. ``--keep F`` inserts KVSplice keeping F of the latent
 (``--kvsplice-keep``; ``--ratio`` is then the cache after it). With ``--minutes M`` (> 0) each conversion at the last
 ``--refine`` value is fine-tuned: ``kvsplice distill --model DIR --teacher SRC --minutes M --snapshot-minutes S...``
 (the source's own text; a run folder in ``--work/runs`` is reused), and every snapshot and the final model is a row
@@ -31,8 +30,8 @@ def options(p) -> None:
     p.add_argument("--keep", type=float, default=None, help="insert KVSplice keeping this fraction of the latent")
     p.add_argument("--minutes", type=float, default=None, help="distill minutes per conversion (0: none)")
     p.add_argument("--snapshots", type=float, nargs="+", default=None, help="distill snapshot minutes")
-    p.add_argument("--self-tokens", dest="self_tokens", type=int, default=None, help="distill --self-tokens")
-    p.add_argument("--calib", default=None, help="to-mla --calib text (default: the TinyStories train sample)")
+    p.add_argument("--self-tokens", type=int, default=None, help="distill --self-tokens")
+    p.add_argument("--calib", nargs="+", default=None, help="to-mla --calib (default: the TinyStories train sample)")
 
 
 def _source(run, work: Path) -> str:
@@ -55,10 +54,10 @@ def _kvsplice(run, cmd: list[str], done: Path) -> str:
 
 
 def _convert(run, src: str, folder: Path, ratio: float, refine: int, keep) -> str:
-    cmd = ["kvsplice", "to-mla", "--model", src, "--calib", str(run.args.calib or CALIB),
-           "--calib-tokens", str(run["calib_tokens"]), "--seq-len", str(run["seq_len"]), "--ratio", f"{ratio:g}", "--refine-steps", str(refine),
-           *(["--kvsplice-keep", f"{keep:g}"] if keep else []), "--out", str(folder), "--json", str(folder) + ".json",
-           "--no-progress", "--threads", str(run.args.threads)]
+    cmd = ["kvsplice", "to-mla", "--model", src, "--calib", *(run.args.calib or [str(CALIB)]), "--calib-tokens",
+           str(run["calib_tokens"]), "--seq-len", str(run["seq_len"]), "--ratio", f"{ratio:g}", "--refine-steps",
+           str(refine), *(["--kvsplice-keep", f"{keep:g}"] if keep else []), "--out", str(folder), "--json",
+           str(folder) + ".json", "--no-progress", "--threads", str(run.args.threads)]
     return _kvsplice(run, cmd, folder / "config.json")
 
 
@@ -83,7 +82,7 @@ def rows(run):
 
     work = Path(run.args.work) if run.args.work else Path(tempfile.mkdtemp(prefix="convert_fit-"))
     work.mkdir(parents=True, exist_ok=True)
-    run.notes["work"] = str(work)
+    run.notes["work"], run.header["command"] = str(work), run.header["command"].replace(str(work), "WORK")
     src = _source(run, work)
     loaded = load_model(src)
     tok, seq = loaded.tokenizer, run["seq_len"] // 2
@@ -113,8 +112,8 @@ def rows(run):
             name = f"r{ratio:g}x" + (f"-keep{keep:g}" if keep else "") + f"-refine{refine}"
             fields = {"ratio": ratio, "refine_steps": refine, "keep": keep, "minutes": 0.0}
             if not (row := run.previous(model=name)):
-                row = measured(name, work / name, command=_convert(run, src, work / name, ratio, refine, keep),
-                               **fields)
+                cmd = _convert(run, src, work / name, ratio, refine, keep)
+                row = measured(name, work / name, command=cmd, **fields)
             yield row
             if not run["minutes"] or refine != run["refine"][-1]:
                 continue
@@ -142,9 +141,9 @@ def markdown(run, rows) -> str:
 
 STUDY = Study("convert_fit", __doc__, rows, options=options, markdown=markdown, threads=2,
               bounds={"ratios": (1.01, 64), "refine": (0, 10000), "minutes": (0, 10000), "snapshots": (0.01, 10000),
-                      "self_tokens": (1024, 1 << 24), "calib_tokens": (64, 1 << 22),
-                      "seq_len": (16, 1 << 15), "task_lengths": (64, 1 << 15), "task_n": (1, 1000),
-                      "p_windows": (1, 1000), "docs_windows": (1, 1000)})
+                      "self_tokens": (1024, 1 << 24), "calib_tokens": (64, 1 << 22), "seq_len": (16, 1 << 15),
+                      "task_lengths": (64, 1 << 15), "task_n": (1, 1000), "p_windows": (1, 1000),
+                      "docs_windows": (1, 1000)})
 main = STUDY.main
 
 if __name__ == "__main__":

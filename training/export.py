@@ -41,6 +41,7 @@ quiet_interrupts_while_importing(__name__, PROG)  # Ctrl-C during the imports be
 import json
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -48,7 +49,9 @@ import torch
 
 from kvsplice.convert import deepseek_v3, gpt_deepseek
 from kvsplice.convert.latent_pad import padded_row
-from kvsplice.io.cli import Parser, add_output_options, run_cli
+from kvsplice.io.cli import Parser, run_cli
+from kvsplice.io.options import add_options, from_args, opt
+from kvsplice.io.run_options import ForceOption
 from kvsplice.io.claims import release_claim
 from kvsplice.io.folders import output_dir, write_dir
 from kvsplice.io.marker import MARKER
@@ -259,26 +262,40 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return run_cli(PROG, lambda: _main(argv), (ExportError,))
 
 
-def _main(argv: Optional[Sequence[str]]) -> int:
+@dataclass(frozen=True)
+class ExportOptions(ForceOption):
+    """``kvsplice export``'s options, declared once (the parser is built from them; :func:`export_run` takes
+    them)."""
+
+    ckpt: str = opt(help="a checkpoint written by kvsplice train")
+    out: str = opt(help="the output directory (new or empty; --force: an earlier export)")
+    tokenizer: bool = opt(True, flags=("--no-tokenizer",), help="do not export the run's tokenizer")
+    format: str = opt("auto", choices=FORMATS, help="auto (default): GPT-2 layout MHA -> gpt2, its MLA / KVSplice / "
+                      "GQA -> remote; deepseek_v3 layout MLA / KVSplice -> deepseek_v3, its standard attention -> llama")
+    pad_latent: Optional[int] = opt(None, parse=int, metavar="P", help="deepseek_v3: write kv_lora_rank = P, the "
+                                    "latent zero-padded exactly (512 for vLLM's CPU MLA kernel)")
+    pad_rope: Optional[int] = opt(None, parse=int, metavar="D", help="deepseek_v3: write qk_rope_head_dim = D (a "
+                                  "multiple of the RoPE key), its frequencies kept exactly (64 for vLLM's CPU MLA "
+                                  "kernel)")
+
+
+def export_run(opts: ExportOptions) -> dict[str, Any]:
+    """:func:`export` with the command's options."""
+    return export(opts.ckpt, opts.out, force=opts.force, tokenizer=opts.tokenizer, fmt=opts.format,
+                  pad_latent=opts.pad_latent, pad_rope=opts.pad_rope)
+
+
+def build_parser() -> Parser:
     p = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt", required=True, help="a checkpoint written by python -m training.fit")
-    add_output_options(p, json=False, out_help="the output directory (new or empty; --force: an earlier export)",
-                       force_help="replace an earlier export in --out whole (a folder another tool wrote or holding "
-                       "any other file is refused)")
-    p.add_argument("--no-tokenizer", action="store_true", help="do not export the run's tokenizer")
-    p.add_argument("--format", choices=FORMATS, default="auto", help="auto (default): GPT-2 layout MHA -> gpt2, its "
-                   "MLA / KVSplice / GQA -> remote; deepseek_v3 layout MLA / KVSplice -> deepseek_v3, its standard "
-                   "attention -> llama")
-    p.add_argument("--pad-latent", type=int, default=None, metavar="P", help="deepseek_v3: write kv_lora_rank = P, the "
-                   "latent zero-padded exactly (512 for vLLM's CPU MLA kernel)")
-    p.add_argument("--pad-rope", type=int, default=None, metavar="D", help="deepseek_v3: write qk_rope_head_dim = D (a "
-                   "multiple of the RoPE key), its frequencies kept exactly (64 for vLLM's CPU MLA kernel)")
-    args = p.parse_args(argv)
-    summary = export(args.ckpt, args.out, force=args.force, tokenizer=not args.no_tokenizer, fmt=args.format,
-                     pad_latent=args.pad_latent, pad_rope=args.pad_rope)
+    add_options(p, ExportOptions, help={"force": "replace an earlier export in --out whole (a folder another tool "
+                                                 "wrote or holding any other file is refused)"})
+    return p
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    summary = export_run(from_args(ExportOptions, build_parser().parse_args(argv)))
     print(json.dumps(summary, indent=2))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -292,3 +292,13 @@ def test_export_as_a_library_call_leaves_only_its_output(tmp_path):
     before = sorted(p.name for p in tmp_path.iterdir())
     ex.export(ckpt, tmp_path / "out", tokenizer=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "out"])
+
+
+def test_export_options_are_declared_once():
+    """``kvsplice export``'s parser is :class:`training.export.ExportOptions` (every field an option with its help;
+    the required options alone give the dataclass's defaults)."""
+    from declared_options import check_declared
+    from training.export import ExportOptions, build_parser
+
+    o = check_declared(build_parser(), ExportOptions, ["--ckpt", "c", "--out", "o"], ckpt="c", out="o")
+    assert (o.tokenizer, o.format, o.force) == (True, "auto", False)

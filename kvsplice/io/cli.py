@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from kvsplice.io.interrupt import EXIT_INTERRUPTED, end_quiet_interrupts, quiet_interrupts_after_command
 
 __all__ = ["DTYPES", "DTYPE_NAMES", "EXIT_INTERRUPTED", "EXIT_USAGE", "Parser", "UsageError", "add_device_dtype", "add_model_option",
-           "add_output_options", "add_threads", "apply_threads", "at_command_end",
+           "add_threads", "apply_threads", "at_command_end",
            "default_seq_len", "device_dtype", "first_line", "help_text", "pick_device", "pos_int", "run_cli"]
 
 EXIT_USAGE = 2
@@ -158,19 +158,6 @@ def device_dtype(args: Any) -> tuple["torch.device", Optional["torch.dtype"]]:
 
 
 # ------------------------------------------------------------------------------------------------ option groups
-def add_output_options(p: argparse.ArgumentParser, *, json: bool = True, out_required: bool = True,
-                       out_help: str = "the output file", force_help: str = "overwrite --out (and --json)",
-                       json_help: str = "also write the report as JSON") -> None:
-    """The outputs group: ``--out`` (``out_required``), ``--force`` and — with ``json`` — ``--json REPORT.json``
-    (checked by :mod:`kvsplice.io.files`, written by
-    :mod:`kvsplice.io.write`)."""
-    g = p.add_argument_group("outputs")
-    g.add_argument("--out", required=out_required, help=out_help)
-    if json:
-        g.add_argument("--json", default=None, metavar="REPORT.json", help=json_help)
-    g.add_argument("--force", action="store_true", help=force_help)
-
-
 def add_threads(p: argparse.ArgumentParser, *, help: str = "torch threads (default: torch's)") -> None:
     """``--threads N`` (``pos_int``; apply with :func:`apply_threads`)."""
     p.add_argument("--threads", type=pos_int, default=None, help=help)

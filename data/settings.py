@@ -8,6 +8,11 @@ from data.errors import DataConfigError
 __all__ = ["check_settings"]
 
 
+HIGH = {"num_workers": 256, "seed": 2**32 - 1, "synthetic_vocab_size": 65536}
+"""Upper bounds of the integer settings (others: 2^30): more loader processes than any machine runs, numpy's seed
+range, the uint16 shards' vocabulary; a count beyond 2^30 is a typo, not a setting."""
+
+
 def check_settings(*, path: str | None, val_path: str | None, tokenizer_path: str | None, synthetic: bool,
                    synthetic_stories: int, synthetic_vocab_size: int, bpe_vocab_size: int | None, block_size: int,
                    batch_size: int, num_workers: int, val_fraction: float, train_batches_per_epoch: int,
@@ -29,11 +34,14 @@ def check_settings(*, path: str | None, val_path: str | None, tokenizer_path: st
         ("seed", seed),
     ):
         low = {"num_workers": 0, "seed": 0, "synthetic_vocab_size": 258}.get(name, 1)
+        high = HIGH.get(name, 1 << 30)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            hint = " (python -m training.fit sets it from --model.block_size)" if name == "block_size" else ""
+            hint = " (kvsplice train sets it from --model.block_size)" if name == "block_size" else ""
             if name == "synthetic_vocab_size":
                 hint = " (256 bytes + <|endoftext|> + at least one merge)"
             raise DataConfigError(f"data.{name} must be an integer >= {low}, got {value!r}{hint}")
+        if value > high:
+            raise DataConfigError(f"data.{name} must be at most {high:,}, got {value!r}")
     if bpe_vocab_size is not None:
         if isinstance(bpe_vocab_size, bool) or not isinstance(bpe_vocab_size, int) or not 258 <= bpe_vocab_size \
                 <= 65536:

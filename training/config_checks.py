@@ -10,6 +10,7 @@ The classes check the same values again when they are built; these checks only m
 from __future__ import annotations
 
 import inspect
+import re
 import warnings
 from typing import Any, Callable, Optional
 
@@ -24,6 +25,8 @@ from training.rundir import CLIConfigError
 __all__ = ["check_parsed_config", "check_values", "shorten_schedule", "training_device"]
 
 _SEED_MAX = 2**32 - 1
+_COUNT_MAX = 1 << 30
+"""The most steps / batches a trainer count takes (more is a typo; Lightning overflows on 1e23)."""
 _DATA_SETTINGS = tuple(inspect.signature(check_settings).parameters)
 
 
@@ -59,20 +62,28 @@ def check_values(cfg: Any) -> None:
         return CLIConfigError(f"--trainer.{option} must be {allowed}, got {value!r}")
 
     v = t.get("val_check_interval")
-    if v is not None and not isinstance(v, bool) and isinstance(v, (int, float)) and not v > 0:
-        raise bad("val_check_interval", v, "an integer number of batches >= 1 or a fraction of an epoch in (0, 1]")
+    interval = "an integer number of batches in [1, 2^30], a fraction of an epoch in (0, 1] or a time 'DD:HH:MM:SS'"
+    if isinstance(v, str) and not re.fullmatch(r"\d+:\d{1,2}:\d{1,2}:\d{1,2}", v):
+        raise bad("val_check_interval", v, interval)
+    if v is not None and not isinstance(v, (bool, str, dict)) and isinstance(v, (int, float)) and not (
+            (isinstance(v, int) and 1 <= v <= _COUNT_MAX) or (isinstance(v, float) and 0 < v <= 1)):
+        raise bad("val_check_interval", v, interval)
     v = t.get("accumulate_grad_batches")
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-        raise bad("accumulate_grad_batches", v, "an integer >= 1")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= _COUNT_MAX):
+        raise bad("accumulate_grad_batches", v, "an integer in [1, 2^30]")
+    v = t.get("max_steps")
+    if v is not None and not isinstance(v, bool) and isinstance(v, int) and v > _COUNT_MAX:
+        raise bad("max_steps", v, "-1 (no limit) or at most 2^30 (more steps than any run takes)")
     v = t.get("check_val_every_n_epoch")
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         raise bad("check_val_every_n_epoch", v, "null or an integer >= 1")
     v = t.get("gradient_clip_val")
-    if v is not None and not v >= 0:
-        raise bad("gradient_clip_val", v, "null or a number >= 0 (0 disables clipping)")
+    if v is not None and not 0 <= v <= 1e6:
+        raise bad("gradient_clip_val", v, "null or a number in [0, 1e6] (0 disables clipping; a language model's "
+                  "gradient norm is ~1, a larger bound never clips)")
     v = t.get("log_every_n_steps")
-    if v is not None and v < 0:
-        raise bad("log_every_n_steps", v, "an integer >= 0")
+    if v is not None and not 0 <= v <= _COUNT_MAX:
+        raise bad("log_every_n_steps", v, "an integer in [0, 2^30]")
 
 
 def _model_config(model: dict) -> GPTConfig:

@@ -362,8 +362,9 @@ def check_training_options(*, vocab_multiple: int, learning_rate: float, weight_
     if learning_rate > MAX_LEARNING_RATE:
         raise TrainingConfigError(f"model.learning_rate {learning_rate:g} is above {MAX_LEARNING_RATE:g}: every step "
                                   f"would move each weight by more than its size (usual: 1e-5 to 1e-2)")
-    if not weight_decay >= 0:
-        raise TrainingConfigError(f"model.weight_decay must be >= 0, got {weight_decay}")
+    if not 0 <= weight_decay <= 10:
+        raise TrainingConfigError(f"model.weight_decay must be in [0, 10] (AdamW shrinks each weight by lr x decay a "
+                                  f"step; usual 0.01 to 0.1), got {weight_decay}")
     if warmup_steps < 0:
         raise TrainingConfigError(f"model.warmup_steps must be >= 0, got {warmup_steps}")
     if not 0.0 <= min_lr_ratio <= 1.0:

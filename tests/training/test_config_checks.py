@@ -38,6 +38,8 @@ def _never(option: str) -> bool:
 
 def test_a_good_config_passes():
     check_parsed_config(_cfg(), _never)
+    for interval in (0.25, 1.0, 100, "00:00:10:00"):  # a fraction, batches, a time: Lightning's three forms
+        check_parsed_config(_cfg(trainer={"val_check_interval": interval}), _never)
 
 
 @pytest.mark.parametrize("cfg, error, expect", [
@@ -51,6 +53,18 @@ def test_a_good_config_passes():
     (_cfg(model={"d_model": 65536, "n_head": 1, "n_layer": 4096}), ValueError, "more than the"),
     (_cfg(torch_threads=10**6), ValueError, "--torch_threads must be <="),
     (_cfg(ckpt_path=7), CLIConfigError, "ckpt_path (in the --config file) must be a path"),
+    # sizes bounded before Lightning starts (an OverflowError, a hang, a late error after start-up noise)
+    (_cfg(trainer={"accumulate_grad_batches": 10**23}), CLIConfigError, "accumulate_grad_batches must be an integer "
+                                                                         "in [1, 2^30]"),
+    (_cfg(trainer={"max_steps": 10**23}), CLIConfigError, "--trainer.max_steps must be -1 (no limit) or at most"),
+    (_cfg(trainer={"val_check_interval": "abc"}), CLIConfigError, "val_check_interval must be an integer number"),
+    (_cfg(trainer={"val_check_interval": 1e23}), CLIConfigError, "val_check_interval must be an integer number"),
+    (_cfg(trainer={"log_every_n_steps": 10**23}), CLIConfigError, "log_every_n_steps must be an integer in [0, 2^30]"),
+    (_cfg(trainer={"gradient_clip_val": 1e12}), CLIConfigError, "gradient_clip_val must be null or a number in"),
+    (_cfg(model={"weight_decay": 1e12}), TrainingConfigError, "model.weight_decay must be in [0, 10]"),
+    (_cfg(data={"num_workers": 10**23}), DataConfigError, "data.num_workers must be at most 256"),
+    (_cfg(data={"val_batches": 10**23}), DataConfigError, "data.val_batches must be at most 1,073,741,824"),
+    (_cfg(data={"seed": 10**23}), DataConfigError, "data.seed must be at most 4,294,967,295"),
 ])
 def test_a_bad_value_is_one_error_naming_it(cfg, error, expect):
     with pytest.raises(error) as e:

@@ -19,11 +19,17 @@ DecodeStep = Callable[[torch.Tensor, DecodeCache], torch.Tensor]
 """``step(ids (B, T), cache) -> logits (B, T', V)``: appends ``ids`` to ``cache``; the last row predicts next."""
 
 
+MAX_TEMPERATURE = 100.0
+"""Above it every token is drawn uniformly to float precision (logits span ~50): a typo, not a setting."""
+
+
 def check_temperature(temperature: float) -> float:
-    """A sampling temperature is a finite number >= 0 (0 = greedy); NaN or inf would sample noise."""
+    """A sampling temperature is a number in [0, :data:`MAX_TEMPERATURE`] (0 = greedy); NaN or inf would sample
+    noise."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+            or not 0 <= temperature <= MAX_TEMPERATURE:
+        raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy; above, every token "
+                         f"is equally likely), got {temperature!r}")
     return temperature
 
 

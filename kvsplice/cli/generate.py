@@ -49,17 +49,17 @@ from kvsplice.io.options import Exclusive, add_options, from_args, opt
 from kvsplice.io.run_options import DeviceOption, DtypeOption, ForceOption
 from kvsplice.io.write import write_json
 from kvsplice.select.selectors import SELECTORS
-from models.generate import check_temperature
+from models.generate import MAX_TEMPERATURE, check_temperature
 
 __all__ = ["GenerateOptions", "build_parser", "main", "run"]
 
 
 def _temperature(s: str) -> float:
-    """argparse type: a finite number >= 0 (0: greedy)."""
+    """argparse type: a number in [0, 100] (0: greedy)."""
     try:
         return check_temperature(float(s))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}") from None
+        raise argparse.ArgumentTypeError(f"must be a number in [0, {MAX_TEMPERATURE:g}], got {s}") from None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -72,7 +72,7 @@ class VerifyMemoryOptions(ReportOptions):
         for n in self.seq_lens:
             check_count("--seq-lens", n)
         check_count("--batch", self.batch)
-        check_number("--budget-gb", self.budget_gb)
+        check_number("--budget-gb", self.budget_gb, hi=1e6)  # 1 PiB: more memory than any machine the column means
         if self.decode_steps is not None:
             shortest = min(self.seq_lens)
             check_count("--decode-steps", self.decode_steps, 0, shortest - 1,
@@ -133,7 +133,7 @@ class BenchDecodeOptions(ReportOptions):
         check_count("--rounds", self.rounds, 1, MAX_REPEATS)
         check_threads("--threads", self.threads)
         if self.max_seconds is not None:
-            check_number("--max-seconds", self.max_seconds, 0.0, lo_open=False)
+            check_number("--max-seconds", self.max_seconds, 0.0, hi=1e6, lo_open=False)  # 11.6 days a cell
 
     @property
     def contexts(self) -> list[int]:

@@ -64,8 +64,8 @@ class BenchBalanceOptions:
             check_count("--T", t, 0, 30, "a compression of 2^30")
         for layer in self.layers or ():
             check_count("--layers", layer, 0, MAX_TOKENS)
-        check_number("--c-scale", self.c_scale)
-        check_number("--kernel-temp", self.kernel_temp, lo_open=False)
+        check_number("--c-scale", self.c_scale, hi=1e6)  # beyond, the walk's threshold exceeds every kappa
+        check_number("--kernel-temp", self.kernel_temp, hi=1e3, lo_open=False)  # beyond, exp() overflows in fp32
         if self.block_size < 2 or self.block_size % 2:
             raise ValueError(f"--block-size must be an even number >= 2, got {self.block_size}")
         for m in self.methods:

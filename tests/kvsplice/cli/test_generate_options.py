@@ -49,7 +49,8 @@ def test_every_field_is_an_option_with_its_help():
     ({"select": "uniform"}, "--select needs --budget N"), ({"budget": 4}, "--budget is only used with --select"),
     ({"top_k": 3}, "--top-k samples: give --temperature > 0"), ({"prompt": "  "}, "--prompt is empty"),
     ({"max_new_tokens": 0}, "--max-new-tokens must be >= 1"),
-    ({"temperature": float("nan")}, "--temperature must be a finite number >= 0"),
+    ({"temperature": float("nan")}, "--temperature must be a number in [0, 100]"),
+    ({"temperature": 1e12}, "--temperature must be a number in [0, 100]"),
     ({"bases": "b", "plan": "p"}, "argument --plan: not allowed with argument --bases"),
 ])
 def test_the_library_and_the_command_refuse_the_same_in_one_line(extra, needle):

@@ -38,6 +38,8 @@ def test_verify_memory_parses_into_its_options_and_picks_its_decode_steps():
     (BenchDecodeOptions, {"ctx": (1, 0)}, "--ctx must be >= 1"),
     (BenchDecodeOptions, {"repeats": 0}, "--repeats must be >= 1"),
     (BenchDecodeOptions, {"max_seconds": -1.0}, "--max-seconds must be >= 0"),
+    (VerifyMemoryOptions, {"budget_gb": 1e12}, "--budget-gb must be > 0 and <= 1e"),
+    (BenchDecodeOptions, {"max_seconds": 1e12}, "--max-seconds must be >= 0 and <= 1e"),
 ])
 def test_the_library_refuses_what_the_command_refuses(cls, kw, needle):
     with pytest.raises(ValueError, match=needle.replace("-", r"\-")):

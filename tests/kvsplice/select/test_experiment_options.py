@@ -27,7 +27,9 @@ def test_the_old_name_of_arms_and_the_tuples():
 @pytest.mark.parametrize("kw, needle", [({"block_size": 3}, "--block-size must be an even number"),
                                         ({"seeds": 0}, "--seeds must be >= 1"), ({"T": (31,)}, "--T must be <= 30"),
                                         ({"methods": ("nope",)}, "unknown selector 'nope'"),
-                                        ({"kernel_temp": -1.0}, "--kernel-temp must be >= 0")])
+                                        ({"kernel_temp": -1.0}, "--kernel-temp must be >= 0"),
+                                        ({"kernel_temp": 1e12}, "--kernel-temp must be >= 0 and <= 1000"),
+                                        ({"c_scale": 1e12}, "--c-scale must be > 0 and <= 1e")])
 def test_the_library_refuses_what_the_command_refuses(kw, needle):
     with pytest.raises(ValueError, match=needle.replace("-", r"\-")):
         BenchBalanceOptions(model="m", data="d", **kw)

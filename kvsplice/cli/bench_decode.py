@@ -49,7 +49,7 @@ from kvsplice.io.files import output_file
 from kvsplice.io.options import add_options, from_args
 from kvsplice.io.write import write_json
 from kvsplice.report.memory import cache_bytes_formula, dtype_name, parse_dtype
-from kvsplice.report.options import BenchDecodeOptions
+from kvsplice.report.options import REPORT_HELP, BenchDecodeOptions
 
 
 # -------------------------------------------------------------------------------------------------- CLI
@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of :class:`BenchDecodeOptions` (its fields declare it)."""
     p = Parser(prog=PROG, description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_options(p, BenchDecodeOptions, help={"json": "write results as JSON (and a plot FILE.png next to it)"})
+    add_options(p, BenchDecodeOptions,
+                help={**REPORT_HELP, "json": "write results as JSON (and a plot FILE.png next to it)"})
     return p
 
 

@@ -37,7 +37,7 @@ from kvsplice.io.files import output_file
 from kvsplice.io.options import add_options, from_args
 from kvsplice.io.write import write_json
 from kvsplice.report.memory import cache_bytes_formula, dtype_name, parse_dtype
-from kvsplice.report.options import VerifyMemoryOptions
+from kvsplice.report.options import REPORT_HELP, VerifyMemoryOptions
 
 
 # -------------------------------------------------------------------------------------------------- CLI
@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of :class:`VerifyMemoryOptions` (its fields declare it)."""
     p = Parser(prog=PROG, description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_options(p, VerifyMemoryOptions, help={"json": "write the report as JSON (and a plot FILE.png next to it)"})
+    add_options(p, VerifyMemoryOptions,
+                help={**REPORT_HELP, "json": "write the report as JSON (and a plot FILE.png next to it)"})
     return p
 
 

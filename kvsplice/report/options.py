@@ -10,6 +10,7 @@ from typing import ClassVar, Optional
 from kvsplice.core.limits import MAX_TOKENS, check_count, check_number, check_threads
 from kvsplice.io.cli import DTYPE_NAMES
 from kvsplice.io.options import Exclusive, opt
+from kvsplice.io.run_options import DeviceOption, ForceOption, ProgressOption
 from kvsplice.report.decode_timing import DEFAULT_CONFIGS as DECODE_CONFIGS
 
 __all__ = ["BenchDecodeOptions", "DEFAULT_DECODE_STEPS", "MAX_REPEATS", "ReportOptions", "VerifyMemoryOptions"]
@@ -22,16 +23,18 @@ MAX_REPEATS = 100_000
 
 
 @dataclass(frozen=True, kw_only=True)
-class ReportOptions:
+class ReportOptions(ForceOption, ProgressOption, DeviceOption):
     """What a measuring command shares: ``device`` (None: CUDA when available), the ``json`` report (replaced only
-    with ``force``), a ``markdown`` table instead of a rich one, the progress bar and the random ``seed``."""
+    with ``force``), a ``markdown`` table instead of a rich one, the progress bar (the run options' own
+    declarations, :mod:`kvsplice.io.run_options`) and the random ``seed``."""
 
-    device: Optional[str] = opt(None, help="default: cuda if available, else cpu")
     json: Optional[str] = opt(None, metavar="FILE", help="write the report as JSON")
-    force: bool = opt(False, help="overwrite an existing --json file")
     markdown: bool = opt(False, help="print a markdown table instead of a rich table")
-    progress: bool = opt(True, flags=("--no-progress",), help="no progress bar")
     seed: int = opt(0, help="random seed of the weights and tokens (default 0)")
+
+
+REPORT_HELP = {"force": "overwrite an existing --json file"}
+"""``--force``'s help in a measuring command (its only output is the report)."""
 
 
 def _presets_help() -> str:

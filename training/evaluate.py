@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of :class:`EvaluateOptions` (its fields declare it)."""
     p = Parser(prog=PROG, description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_options(p, EvaluateOptions)
+    add_options(p, EvaluateOptions, help={"force": "replace an existing --json file (and its plots)"})
     return p
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvsplice.io.options import opt
+from kvsplice.io.run_options import DeviceOption, ForceOption
 
 __all__ = ["EvaluateOptions"]
 
@@ -24,7 +25,7 @@ def _bool(value: str) -> bool:
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvaluateOptions:
+class EvaluateOptions(ForceOption, DeviceOption):
     """What ``evaluate`` measures of each ``ckpt``: the validation loss over ``tokens`` (``batch_size`` blocks of the
     data the checkpoint was trained with, or the ``data_*`` overrides), the cache bytes (``cache_tokens`` decoded, at
     ``dtype``, scaled to ``context``), decode speed (``prompt_len``, ``decode_tokens``, ``repeats``), samples
@@ -42,7 +43,6 @@ class EvaluateOptions:
     repeats: int = opt(3, help="timing repeats (median reported)")
     sample_tokens: int = opt(48, help="tokens generated per sample prompt")
     seed: int = opt(1234, help="seed of the samples' generation")
-    device: Optional[str] = opt(None, help="torch device; None: cuda if available, else cpu")
     data_path: Optional[str] = opt(None, flags=("--data.path",), help="override the validation text")
     data_tokenizer_path: Optional[str] = opt(None, flags=("--data.tokenizer_path",), help="override the tokenizer "
                                              "of the validation text")
@@ -54,7 +54,6 @@ class EvaluateOptions:
                                      "tokens)")
     cache_chunk: int = opt(64, help="tokens appended per call for --cache-quant")
     json: Optional[str] = opt(None, help="write all results (and plots next to it)")
-    force: bool = opt(False, help="replace an existing --json file (and its plots)")
 
     def __post_init__(self) -> None:
         """The counts within their bounds (one line naming the option), before any checkpoint is read."""

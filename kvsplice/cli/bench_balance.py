@@ -71,7 +71,7 @@ __all__ = ["ARMS", "build_parser", "keep_plan", "layer_errors", "main", "make_ar
 def build_parser() -> argparse.ArgumentParser:
     """The command line of :class:`BenchBalanceOptions` (its fields declare it)."""
     p = Parser(prog=PROG, description="Single-layer attention approximation: BalanceKV vs uniform sampling.")
-    add_options(p, BenchBalanceOptions)
+    add_options(p, BenchBalanceOptions, help={"force": "overwrite an existing --json file"})
     return p
 
 

@@ -10,6 +10,7 @@ from typing import Optional
 from kvsplice.core.limits import MAX_TOKENS, check_count, check_number, check_threads
 from kvsplice.io.cli import pos_int
 from kvsplice.io.options import opt
+from kvsplice.io.run_options import ForceOption
 
 __all__ = ["ARMS", "BenchBalanceOptions", "MAX_SEEDS"]
 
@@ -21,7 +22,7 @@ MAX_SEEDS = 1000
 
 
 @dataclass(frozen=True, kw_only=True)
-class BenchBalanceOptions:
+class BenchBalanceOptions(ForceOption):
     """What ``bench-balance`` measures: the ``model`` (and its ``tokenizer``), ``windows`` windows of ``context``
     tokens of the ``data`` text (the last ``n_queries`` of each are the queries), the ``layers``, the halvings
     ``T``, the ``methods`` (arms) with ``seeds`` selections each, what is kept intact (``n_sink``, ``n_recent``)
@@ -45,7 +46,6 @@ class BenchBalanceOptions:
     methods: tuple[str, ...] = opt(ARMS, flags=("--arms", "--methods"), choices=ARMS,
                                    help="the selectors compared (--methods is the old name)")
     json: Optional[str] = opt(None, help="write the report here (and the plot next to it, .png)")
-    force: bool = opt(False, help="overwrite an existing --json file")
     markdown: bool = opt(False, help="print a markdown table instead of a rich table")
     threads: int = opt(1, parse=pos_int, help="torch threads (default 1)")
 

@@ -187,7 +187,7 @@ def _self_data(opts: DistillOptions, source, max_steps, step_tokens: int,
         got = self_text(model, source.tokenizer, text_opts, cache_dir=opts.cache_dir,
                         max_positions=source.max_positions, progress=opts.progress)
     except SelfTextError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(f"{e}: the teacher writes the default text; pass --data TEXT") from None
     finally:
         model.cpu()
     if got.generated:

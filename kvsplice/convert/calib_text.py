@@ -25,14 +25,11 @@ def _source_ids(source: str, tokenizer, tokens: int, model, max_positions: Optio
     if source == SELF_CALIB:
         from kvsplice.loading.self_text import SelfTextError, SelfTextOptions, self_text
 
-        if model is None or not callable(getattr(model, "generate", None)):
-            raise UsageError("--calib self is the source's own text, written by a Llama-family model (transformers' "
-                             "generate); give --calib TEXT")
         try:
             return self_text(model, tokenizer, SelfTextOptions(tokens=tokens), max_positions=max_positions,
                              progress=progress).ids
         except SelfTextError as e:
-            raise UsageError(f"--calib self: {e}") from None
+            raise UsageError(f"--calib self is the source's own text: {e}; give --calib TEXT") from None
     from kvsplice.loading import iter_texts, token_stream
 
     return token_stream(iter_texts(source, option="calib"), tokenizer, tokens)[0]

@@ -139,9 +139,6 @@ def run_llama(opts: ToMLAOptions) -> int:
     if not opts.calib and not export_only:
         raise UsageError("converting a Llama-family model needs --calib TEXT or --calib self (the RoPE split and "
                          "the latent come from calibration activations)")
-    if opts.self_calib and converted and not export_only:
-        raise UsageError(f"--calib self is the source's own text; --model {opts.model} is a converted model: give "
-                         f"--calib TEXT")
     if converted and keep is not None:
         _check_keep(opts, model.cfg.d_latent)
     batches = [] if export_only else _calibration(opts, model, tok, loaded.max_positions)

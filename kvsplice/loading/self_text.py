@@ -162,8 +162,8 @@ def self_text(model: torch.nn.Module, tokenizer, opts: SelfTextOptions = SelfTex
     """``opts.tokens`` ids of the teacher's own text, from the cache when it holds them, else generated (and the
     cache extended). ``max_positions`` caps the sample length."""
     if not callable(getattr(model, "generate", None)):
-        raise SelfTextError(f"the teacher ({type(model).__name__}) cannot generate text (not a transformers causal "
-                            f"LM); pass --data TEXT")
+        raise SelfTextError(f"the model ({type(model).__name__}) cannot generate text (not a transformers causal "
+                            f"LM)")
     key = cache_key(model, tokenizer, opts)
     path = Path(cache_dir or default_cache_dir()).expanduser() / f"self-{key}.safetensors"
     ids, batches = _read(path) if path.is_file() else (torch.zeros(0, dtype=torch.long), 0)

@@ -265,3 +265,15 @@ def test_calibration_ids_share_the_tokens_and_interleave_the_sources_window_by_w
     assert torch.equal(windows[0::2].reshape(-1), own) and torch.equal(windows[1::2].reshape(-1), text)
     with pytest.raises(ValueError, match="give each text once"):
         to_mla.ToMLAOptions(model="m", out="o", calib=("self", "self"))
+
+
+def test_cli_calib_self_of_a_converted_model_is_one_line(s260k, tmp_path, capsys):
+    """A converted folder writes no text (no ``generate``): ``--kvsplice-keep --calib self`` is refused by the
+    self-text source itself, naming the way out."""
+    mla = tmp_path / "mla"
+    assert to_mla.main(["--model", str(s260k), "--calib", str(CALIB), "--calib-tokens", "512", "--seq-len", "128",
+                        "--ratio", "2", "--refine-steps", "0", "--out", str(mla), "--no-progress"]) == 0
+    rc, _, err = run_tool(to_mla.main, ["--model", str(mla), "--kvsplice-keep", "0.5", "--calib", "self",
+                                        "--out", str(tmp_path / "o"), "--no-progress"], capsys)
+    one_error(rc, err, "kvsplice to-mla", "cannot generate text (not a transformers causal LM); give --calib TEXT")
+    assert not (tmp_path / "o").exists()

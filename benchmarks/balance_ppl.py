@@ -4,23 +4,16 @@
     python -m benchmarks.balance_ppl --model DIR|CKPT --data PATH [--prompt 384] [--cont 128] [--windows 64]
         [--ratios 2 4 8] [--seeds 3] [--out results/balance_ppl]
 
-For every window of ``prompt + cont`` tokens of real text (the model's tokenizer, stories BOS/EOS-separated by
-:mod:`kvsplice.loading`): the prompt is prefilled exactly (full attention), every layer's K/V (post-RoPE keys for
-Llama) is compressed per KV head to ``budget = prompt // ratio`` tokens by the method, and the continuation is decoded
-teacher-forced over that cache with weighted attention (decoded tokens kept exactly; positions continue from the
-tokens seen) — :func:`kvsplice.select.method.run_token_selection`. Scored: every continuation token (the first is
-predicted by the exact prefill). Perplexity = exp(total NLL / tokens) over all windows; random methods are repeated
-over ``--seeds`` and reported as mean ± std.
+Per window of ``prompt + cont`` real-text tokens: the prompt is prefilled exactly, every layer's K/V (post-RoPE keys
+for Llama) is compressed per KV head to ``budget = prompt // ratio`` tokens and the continuation is decoded
+teacher-forced over that cache and scored (:func:`kvsplice.select.method.run_token_selection`). Perplexity =
+exp(total NLL / tokens) over all windows; random methods: mean ± std over ``--seeds``.
 
-Methods (``n_sink = 4``, ``n_recent = 16``, ``block_size = 64``, walk threshold ``c = median κ``):
-
-* ``full`` — no compression (budget = prompt): the reference; checked against the HF model's own logits.
-* ``balancekv`` — sinks + recent intact, the middle halved by the self-balancing walk (``balance_plan``: the fewest
-  halvings ``T`` that reach the budget, oldest tokens halved most).
-* ``uniform`` — sinks + recent intact, the rest of the budget sampled uniformly from the middle (weight n/k).
-* ``streamingllm`` — the first 4 tokens + the most recent ``budget − 4`` (weights 1).
-* ``coinflip`` — ablation: exactly BalanceKV's plan (same intact tokens, same segments and weights), but each
-  block's halving is a uniformly random exact half (``c_scale = inf``): the difference to ``balancekv`` is the walk's.
+Methods (``n_sink = 4``, ``n_recent = 16``, ``block_size = 64``, walk threshold ``c = median κ``): ``full`` (no
+compression: the reference, checked against the HF model's own logits); ``balancekv`` (sinks + recent intact, the
+middle halved by the self-balancing walk, ``balance_plan``); ``uniform`` (sinks + recent intact, the rest sampled
+uniformly from the middle, weight n/k); ``streamingllm`` (the first 4 tokens + the most recent ``budget − 4``);
+``coinflip`` (ablation: BalanceKV's plan, each halving a uniformly random exact half: ``c_scale = inf``).
 """
 
 from __future__ import annotations
@@ -32,26 +25,62 @@ import torch
 from benchmarks.harness.options import add_model, add_windows
 from benchmarks.harness.runner import Study
 from benchmarks.lib.stories import load_stories, windows as text_windows
-from benchmarks.lib.selection import BLOCK, COMPRESSED, N_RECENT, N_SINK, evaluate, hf_reference_nll
-from kvsplice.select.selectors import balance_plan
+from kvsplice.select.method import run_token_selection
+from kvsplice.select.selectors import balance_plan, make_selector
+
+COMPRESSED = ("balancekv", "uniform", "streamingllm", "coinflip")
+N_SINK, N_RECENT, BLOCK = 4, 16, 64
+SELECTORS = {  # method → (selector, its arguments beside n_sink and seed)
+    "full": ("streaming_llm", {}), "streamingllm": ("streaming_llm", {}),
+    "balancekv": ("balancekv", {"n_recent": N_RECENT, "block_size": BLOCK}),
+    "coinflip": ("balancekv", {"n_recent": N_RECENT, "block_size": BLOCK, "c_scale": math.inf}),
+    "uniform": ("uniform", {"n_recent": N_RECENT})}
+
+
+def evaluate(model, windows: torch.Tensor, prompt: int, method: str, budget: int, seed: int, batch: int) -> dict:
+    """Total NLL / tokens of the continuation over all windows for one method, budget and seed."""
+    name, kw = SELECTORS[method]
+    sel = make_selector(name, n_sink=N_SINK, seed=seed, **kw)
+    total, n = 0.0, 0
+    for ids in windows.split(batch):
+        res = run_token_selection(model, ids, sel, budget, prompt_len=prompt)
+        total, n = total + res.nll * res.n_scored, n + res.n_scored
+    return {"nll": total / n, "ppl": math.exp(total / n), "tokens": n, "cache_nbytes_last_batch": res.cache_nbytes,
+            "full_nbytes_last_batch": res.full_nbytes}
+
+
+@torch.no_grad()
+def hf_reference_nll(model, windows: torch.Tensor, prompt: int, batch: int) -> float:
+    """The continuation's NLL from the model's own forward (no cache)."""
+    total = 0.0
+    for ids in windows.split(batch):
+        out = model(ids)
+        logits = (out if isinstance(out, torch.Tensor) else out.logits)[:, prompt - 1:-1].float()
+        total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, prompt:].reshape(-1),
+                                                   reduction="sum").item()
+    return total / windows[:, prompt:].numel()
+
+
+def _columns(run, rows) -> tuple[dict, list[str]]:
+    at = {(r["ratio"], r["method"]): r for r in rows[1:]}
+    return at, [f"{r}× (budget {at[r, 'balancekv']['budget']})" for r in run["ratios"]]
+
 
 def figure(run, rows):
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6.4, 4.0), dpi=120)
     ax = fig.add_subplot()
-    ratios, full = run["ratios"], rows[0]["ppl"]
-    at = {(r["ratio"], r["method"]): r for r in rows[1:]}
+    (at, names), ratios, full = _columns(run, rows), run["ratios"], rows[0]["ppl"]
     width = 0.8 / len(COMPRESSED)
     for j, m in enumerate(COMPRESSED):
         ys = [at[r, m]["ppl_mean"] for r in ratios]
-        es = [at[r, m]["ppl_std"] for r in ratios]
         xs = [i + (j - (len(COMPRESSED) - 1) / 2) * width for i in range(len(ratios))]
-        ax.bar(xs, ys, width, yerr=es, capsize=3, label=m)
+        ax.bar(xs, ys, width, yerr=[at[r, m]["ppl_std"] for r in ratios], capsize=3, label=m)
         for x, y in zip(xs, ys):
             ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
     ax.axhline(full, color="k", ls="--", lw=1, label=f"full cache {full:.2f}")
-    ax.set_xticks(range(len(ratios)), [f"{r}× (budget {at[r, 'balancekv']['budget']})" for r in ratios])
+    ax.set_xticks(range(len(ratios)), names)
     ax.set_ylabel("continuation perplexity")
     ax.set_ylim(bottom=max(0.0, min(full, *(r["ppl_mean"] for r in rows[1:])) * 0.9))
     ax.set_title(f"{run.args.model or 'stories260K'}: prompt {run['prompt']} compressed, {run['cont']} decoded, "
@@ -63,14 +92,12 @@ def figure(run, rows):
 
 
 def markdown(run, rows) -> str:
-    ratios = run["ratios"]
-    at = {(r["ratio"], r["method"]): r for r in rows[1:]}
-    lines = ["| method | " + " | ".join(f"{r}× (budget {at[r, 'balancekv']['budget']})" for r in ratios) + " |",
-             "|---|" + "---|" * len(ratios), f"| full cache ({run['prompt']}) | "
-             + " | ".join(f"{rows[0]['ppl']:.3f}" for _ in ratios) + " |"]
+    at, names = _columns(run, rows)
+    lines = ["| method | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
+             f"| full cache ({run['prompt']}) | " + " | ".join(f"{rows[0]['ppl']:.3f}" for _ in names) + " |"]
     for m in COMPRESSED:
         cells = [f"{x['ppl_mean']:.3f} ± {x['ppl_std']:.3f}" if x["seeds"] > 1 else f"{x['ppl_mean']:.3f}"
-                 for x in (at[r, m] for r in ratios)]
+                 for x in (at[r, m] for r in run["ratios"])]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

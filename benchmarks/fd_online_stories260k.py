@@ -2,28 +2,20 @@
 
     python -m benchmarks.fd_online_stories260k     # → results/fd_online_stories260k.json + .md (≈ 5–8 min, 1 CPU)
 
-* Model: ``../shared/data/stories260K`` (llama2.c; 5 layers, 8 query / 4 KV heads, head_dim 8, RoPE), converted to
-  a temporary HF Llama directory and loaded with :func:`kvsplice.loading.load_model`.
-* Eval text: the TinyStories **validation** sample (``yuninxia_moe-routing-bench__tinystories_val.txt``), story by
-  story with BOS, first ``--windows`` × 512 tokens (the model's context) — the same windows as
-  ``benchmarks/stories260k_bases.py`` uses (its first ones).
-* Global bases: calibrated (post-RoPE Grams) on the TinyStories **train** sample
-  (``gusjengis_toy-RNN__tinystories_sample.txt``, first ``--calib-tokens``), fitted with :func:`kvsplice.lowrank.fits
-  .fit_bases` for ``kq`` and ``gqa-sum`` (the attention-aware methods) at rank R = 2/4/6 (value rank = key rank);
-  ``ksvd`` post and ``kq`` pre-RoPE at the same ranks for reference. Decoded with
-  ``Decoder(model, LowRank(bases))`` (exact for any call size).
-* fd-online: :class:`kvsplice.online.method.OnlineDecoder` (no calibration), a handful of configurations per budget, all
-  listed. Bytes per sequence = coefficients + every basis the cache holds (warm-up tokens at full dimension)
-  measured from the cache's tensors after decoding a whole window (:meth:`ChunkedCache.nbytes_breakdown`); the FD
-  sketches (fixed ``2·2ℓ·(d + d_v)`` floats per layer and KV head) are reported separately. A configuration is
-  *matched* when its bytes (without sketches) are ≤ the global method's ``(R_k + R_v)·T·L·H_kv·4`` at T = 512.
-  Configurations without merges are decoded in one prefill call per window — identical to token-by-token decoding
-  (the online rule does not depend on call sizes; ``tests/kvsplice/online/test_online.py``); a configuration with ``max_chunks``
-  (J_max merges re-project old tokens) is decoded token by token, as an online decoder would.
-* Attention error (teacher-forced, no propagation: the exact model's q/k/v of the first window on every layer, for
-  every method alike): ``rel_out`` = ``(Σ‖o − ô‖²/Σ‖o‖²)^½`` of the head outputs, mean over layers; the largest
-  logit error ``ε``; whether every attention-error bound held on every layer, and the slack (bound / observed, the largest
-  bound over the largest observation, worst layer) — :mod:`kvsplice.online.diagnostics`.
+* Model and text: stories260K (:mod:`benchmarks.lib.stories`); the first ``--windows`` × 512 tokens (the model's
+  context) of the TinyStories **validation** sample (the first windows of ``benchmarks/stories260k_bases.py``).
+* Global bases: post-RoPE Grams of the first ``--calib-tokens`` of the **train** sample, fitted
+  (:func:`kvsplice.lowrank.fits.fit_bases`) for ``kq`` and ``gqa-sum`` at rank R = 2/4/6 (value rank = key rank);
+  ``ksvd`` post and ``kq`` pre-RoPE at the same ranks for reference; decoded with ``Decoder(model, LowRank(bases))``.
+* fd-online: :class:`kvsplice.online.method.OnlineDecoder` (no calibration), the configurations below per budget.
+  Bytes per sequence = coefficients + every basis the cache holds, measured from the cache's tensors after a whole
+  window (:meth:`ChunkedCache.nbytes_breakdown`); the FD sketches (``2·2ℓ·(d + d_v)`` floats per layer and KV head)
+  are reported separately. *Matched*: bytes (without sketches) ≤ the global method's ``(R_k + R_v)·T·L·H_kv·4`` at
+  T = 512. Without merges a window is decoded in one prefill call (identical to token by token:
+  ``tests/kvsplice/online/test_online.py``); with ``max_chunks`` (J_max merges re-project old tokens) token by token.
+* Attention error (teacher-forced on the exact model's q/k/v of the first window, every layer, every method alike):
+  ``rel_out`` = ``(Σ‖o − ô‖²/Σ‖o‖²)^½`` of the head outputs, mean over layers; the largest logit error ``ε``; whether
+  every bound held on every layer, and the slack (bound / observed, worst layer) — :mod:`kvsplice.online.diagnostics`.
 """
 
 from __future__ import annotations
@@ -32,17 +24,48 @@ import time
 
 from benchmarks.harness.paths import CALIB, EVAL, STORIES
 from benchmarks.harness.runner import Study
-from benchmarks.lib.fd_online import FD_CONFIGS, RANKS, label, markdown, summary
-from benchmarks.lib.stories import load_stories, windows as text_windows
+from benchmarks.lib.bases_report import fd_markdown, summary
+from benchmarks.lib.stories import calibration_ids, load_stories, windows as text_windows
 
 from kvsplice.decode import Decoder, DenseKV, perplexity
 from kvsplice.lowrank.method import LowRank
 from kvsplice.lowrank.calibrate import calibrate, calibration_batches
 from kvsplice.lowrank.fits import fit_bases
-from kvsplice.loading import iter_texts, token_stream
 from kvsplice.lowrank.diagnostics import bases_diagnostics
 from kvsplice.online.diagnostics import online_qkv_diagnostics
 from kvsplice.online.method import OnlineDecoder
+
+RANKS = (2, 4, 6)
+
+# fd-online candidates per global rank R (budget 2R numbers per token and KV head); each has its bytes measured.
+FD_CONFIGS: dict[int, list[dict]] = {
+    2: [dict(rank_k=1, rank_v=1, max_chunk_len=16, fd_decay=0.95),
+        dict(rank_k=2, rank_v=1, max_chunk_len=64, fd_decay=0.95),
+        dict(rank_k=2, rank_v=1, max_chunk_len=64)],
+    4: [dict(rank_k=3, rank_v=3, max_chunk_len=32),
+        dict(rank_k=3, rank_v=3, max_chunk_len=32, fd_decay=0.9),
+        dict(rank_k=3, rank_v=2, max_chunk_len=16, fd_decay=0.95),
+        dict(rank_k=4, rank_v=3, max_chunk_len=128, fd_decay=0.95),
+        dict(rank_k=3, rank_v=3, tau_k=0.3, relative=True, min_chunk_len=16, max_chunk_len=128, max_chunks=16,
+             fd_decay=0.95)],
+    6: [dict(rank_k=5, rank_v=5, max_chunk_len=64, fd_decay=0.95),
+        dict(rank_k=5, rank_v=4, max_chunk_len=32, fd_decay=0.95),
+        dict(rank_k=6, rank_v=4, max_chunk_len=64, fd_decay=0.95),
+        dict(rank_k=6, rank_v=5, max_chunk_len=128, fd_decay=0.95)],
+}
+
+
+def label(kw: dict) -> str:
+    parts = [f"r={kw['rank_k']}/{kw['rank_v']}", f"L={kw['max_chunk_len']}"]
+    if kw.get("tau_k") is not None:
+        parts.append(f"τ_k={kw['tau_k']}{' rel' if kw.get('relative') else ''}")
+    if kw.get("min_chunk_len", 1) > 1:
+        parts.append(f"m={kw['min_chunk_len']}")
+    if kw.get("max_chunks"):
+        parts.append(f"J_max={kw['max_chunks']}")
+    if kw.get("fd_decay", 1.0) != 1.0:
+        parts.append(f"γ={kw['fd_decay']}")
+    return ", ".join(parts)
 
 
 def options(p) -> None:
@@ -55,7 +78,7 @@ def rows(run):
     loaded = load_stories()
     model, cfg = loaded.model, loaded.model.config
     windows, _ = text_windows(loaded, EVAL, 512, run["windows"], split="validation")
-    cal, _ = token_stream(iter_texts(str(CALIB)), loaded.tokenizer, run["calib_tokens"])
+    cal = calibration_ids(loaded, run["calib_tokens"])
     n_win, t = windows.shape
     L, hkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     diag_ids = windows[:1]
@@ -105,7 +128,7 @@ def rows(run):
 
 
 STUDY = Study("fd_online_stories260k", __doc__, rows, options=options, summary=lambda run, rows: run.notes,
-              markdown=lambda run, rows: markdown({**run.notes, "rows": rows}, run["ranks"]),
+              markdown=lambda run, rows: fd_markdown({**run.notes, "rows": rows}, run["ranks"]),
               bounds={"windows": (1, 4096), "calib_tokens": (512, 1 << 22)})
 main = STUDY.main
 

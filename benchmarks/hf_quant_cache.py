@@ -3,47 +3,32 @@
     python -m benchmarks.hf_quant_cache --model /tmp/stories260K [--windows 16 --prompt 384 --cont 128 | --smoke]
 
 Each window of real validation text: the prompt is prefilled, then the continuation is decoded token by token
-(teacher-forced) and scored (continuation perplexity: the first continuation token is predicted by the prefill).
-Caches: the full fp32 K/V cache (ours and HF's ``DynamicCache``, which must agree), our int8 cache (int8 rows + one
-fp16 scale per token and head, ``Decoder(model, DenseKV(cache_quant="int8"))``), and the installed
-transformers' ``QuantizedCache(backend="fp8")`` (float8 e4m3, one per-tensor scale frozen at the prefill; the only
-backend that needs no extra package). Bytes: measured from each cache's tensors after the last token. A row per cache in
-``results/hf_quant_cache.json``.
+(teacher-forced) and scored (the first continuation token is predicted by the prefill). Caches: the full fp32 K/V
+cache (ours and HF's ``DynamicCache``, which must agree), our int8 cache (int8 rows + one fp16 scale per token and
+head, ``Decoder(model, DenseKV(cache_quant="int8"))``), and transformers' ``QuantizedCache(backend="fp8")`` (float8
+e4m3, one per-tensor scale frozen at the prefill; the only backend that needs no extra package). Bytes: measured
+from each cache's tensors after the last token. A row per cache in ``results/hf_quant_cache.json``.
 """
 
 from __future__ import annotations
 
 import math
 
-import torch
-import torch.nn.functional as F
-
-
 from benchmarks.harness.options import add_model, add_windows
 from benchmarks.harness.runner import Study
-from kvsplice.loading import iter_texts, load_model, token_stream
-from kvsplice.decode import Decoder, DenseKV
-from kvsplice.hf.measure import cache_nbytes, continuation_logits
+from benchmarks.lib.doors import hf_nll
+from benchmarks.lib.stories import load_stories, windows as text_windows
+from kvsplice.decode import Decoder, DenseKV, score_continuation
+from kvsplice.hf.measure import cache_nbytes
 
 
-
-@torch.no_grad()
-def score_hf(model, windows, prompt: int, make_cache) -> tuple[float, int]:
-    cache = make_cache()
-    logits = continuation_logits(model, cache, windows, prompt, decode_chunk=1).float()  # (B, cont, V)
-    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, prompt:].reshape(-1)).item()
-    return nll, cache_nbytes(cache)
+def score_hf(model, windows, prompt: int, cache) -> tuple[float, int]:
+    return hf_nll(model, cache, windows, prompt, decode_chunk=1), cache_nbytes(cache)
 
 
-@torch.no_grad()
 def score_ours(model, windows, prompt: int, cache_quant) -> tuple[float, int]:
     dec = Decoder(model, DenseKV(cache_quant=cache_quant))
-    cache = dec.new_cache(windows.shape[0], capacity=windows.shape[1] - 1)
-    logits = [dec(windows[:, :prompt], cache, last_only=True)]
-    for i in range(prompt, windows.shape[1] - 1):
-        logits.append(dec(windows[:, i:i + 1], cache))
-    logits = torch.cat(logits, dim=1).float()
-    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, prompt:].reshape(-1)).item()
+    nll, _, cache = score_continuation(dec, windows, prompt, decode_chunk=1)
     return nll, cache.nbytes()
 
 
@@ -55,18 +40,16 @@ def options(p) -> None:
 def rows(run):
     from transformers import DynamicCache, QuantizedCache
 
-    loaded = load_model(run.args.model)
-    model = loaded.model.eval()
-    prompt, n = run["prompt"], run["prompt"] + run["cont"]
-    ids, _ = token_stream(iter_texts(run.args.data, split="validation"), loaded.tokenizer, n * run["windows"])
-    windows = ids[: n * run["windows"]].view(run["windows"], n)
+    loaded = load_stories(run.args.model)
+    model, prompt = loaded.model.eval(), run["prompt"]
+    windows, _ = text_windows(loaded, run.args.data, prompt + run["cont"], run["windows"], split="validation")
     full = None
     for name, fn in (
         ("full K/V (ours, fp32)", lambda: score_ours(model, windows, prompt, None)),
-        ("HF DynamicCache (fp32)", lambda: score_hf(model, windows, prompt, lambda: DynamicCache(config=model.config))),
+        ("HF DynamicCache (fp32)", lambda: score_hf(model, windows, prompt, DynamicCache(config=model.config))),
         ("int8 rows + fp16 scales (ours)", lambda: score_ours(model, windows, prompt, "int8")),
         ("HF QuantizedCache fp8 (per-tensor)", lambda: score_hf(model, windows, prompt,
-                                                                lambda: QuantizedCache("fp8", model.config))),
+                                                                QuantizedCache("fp8", model.config))),
     ):
         nll, nbytes = fn()
         full = full or (math.exp(nll), nbytes)

@@ -20,6 +20,7 @@ from pathlib import Path
 from benchmarks.harness.paths import RESULTS, ROOT
 from benchmarks.harness.runner import Study
 from benchmarks.lib.overview_plot import MIXED_PLAN, PLAN_NAMES, PPL_PLAN
+from benchmarks.lib.smollm2_report import family
 
 OUT = ROOT / "docs" / "figures" / "overview.png"
 TRAINED_NAMES = {
@@ -56,18 +57,6 @@ def load_trained(results: Path) -> list[dict]:
     return sorted(points, key=lambda p: -p["bytes"])
 
 
-def _post_family(key: str, label: str) -> str | None:
-    if key == "full" or key.startswith("plan_"):
-        return None if key == "full" else PPL_PLAN
-    if key.startswith(("lr_", "joint_")):
-        return "low rank (bases)"
-    if ("+ int8" in label or "+ kivi" in label) and "×" in label:
-        return "token selection + quantisation"
-    if "×" in label:
-        return "token selection alone"
-    return "quantisation"
-
-
 # the perplexity-only planner's picks (smollm2_frontier.json plan_4x / plan_8x) as smollm2_tasks.py names them
 PPL_PLAN_TASKS = {"plan_4x": "select:observed_attention@x2.09+int8", "plan_8x": "select:observed_attention@x4.19+int8"}
 
@@ -78,11 +67,11 @@ def load_post_training(results: Path) -> list[dict]:
     full = rows["full"]["ppl"]
     points = []
     for key, row in rows.items():
-        family = _post_family(key, row["label"])
-        if row.get("protocol") != "P" or family is None:
+        fam = family(row)
+        if row.get("protocol") != "P" or fam == "full":
             continue
-        points.append({"id": key, "label": row["label"], "family": family, "ratio": row["ratio_vs_fp16_full"],
-                       "delta": 100 * (row["ppl"] / full - 1)})
+        points.append({"id": key, "label": row["label"], "family": PPL_PLAN if fam == "planner" else fam,
+                       "ratio": row["ratio_vs_fp16_full"], "delta": 100 * (row["ppl"] / full - 1)})
     tasks = json.loads((results / "smollm2_tasks.json").read_text())["by_length"]["1024"]["summary"]["agnostic"]
     for p in points:
         if p["id"] in PPL_PLAN_TASKS:
@@ -118,9 +107,7 @@ def rows(run):
 def figure(run, points):
     from benchmarks.lib.overview_plot import figure as draw
 
-    strip = [{k: v for k, v in p.items() if k != "panel"} for p in points]
-    return draw([p for p, q in zip(strip, points) if q["panel"] == "trained"],
-                [p for p, q in zip(strip, points) if q["panel"] == "post"])
+    return draw([p for p in points if p["panel"] == "trained"], [p for p in points if p["panel"] == "post"])
 
 
 STUDY = Study("readme_figure", __doc__, rows, options=options, figure=figure, json=False, out=OUT, threads=None)

@@ -2,30 +2,26 @@
 
     python -m benchmarks.stack_stories260k      # → results/stack_stories260k.json + .md (a few minutes, 1 CPU thread)
 
-1. Convert ``../shared/data/stories260K`` (llama2.c) into a temporary HF Llama directory and load it
-   (:func:`kvsplice.loading.load_model`); calibrate post-RoPE Grams on the TinyStories **train** sample
-   (``--calib-tokens``, windows of 512) and fit ``gqa-concat`` bases at every ``--ranks`` (value rank = key rank).
-2. Evaluate on the TinyStories **validation** sample: ``--windows`` windows of ``--prompt + --cont`` tokens. Each
-   window's prompt is prefilled into a fresh cache, the continuation is fed teacher-forced in one call and its
-   ``--cont`` tokens are scored (the first by the prefill's last position) — the protocol of token selection,
-   applied to every method alike (:func:`kvsplice.decode.score_continuation`).
-3. Methods: the full cache (fp32) and full int8; low rank alone (fp32, int8); token selection alone (BalanceKV,
-   full keys/values) at every ``--budgets``; and the stack ``TokenSelection(balancekv, budget,
-   store=LowRank(bases, cache_quant="int8"))`` at every budget × rank. Each through the package's ``Decoder`` and
-   through transformers' forward with ``KVSpliceHFCache`` (the HF door): both perplexities are reported and must
-   agree (they run the same ``attend``).
-4. Bytes: the cache of the last window, measured from its tensors (:func:`kvsplice.report.memory.measure_cache`),
-   == the method's formula, in both doors; per token seen (``prompt + cont - 1``) and as a ratio to the full fp16
-   K/V cache of the same tokens (fp32 caches count 4 bytes per number; int8 rows 1 byte + a 2-byte scale per row;
-   a kept token's log-weight is fp32).
+1. stories260K (:mod:`benchmarks.lib.stories`); post-RoPE Grams calibrated on the TinyStories **train** sample
+   (``--calib-tokens``, windows of 512), ``gqa-concat`` bases fitted at every ``--ranks`` (value rank = key rank).
+2. ``--windows`` windows of ``--prompt + --cont`` tokens of the **validation** sample: the prompt prefilled into a
+   fresh cache, the continuation fed teacher-forced in one call and scored
+   (:func:`kvsplice.decode.score_continuation`), for every method alike.
+3. Methods: the full cache (fp32) and full int8; low rank alone (fp32, int8); token selection alone (BalanceKV)
+   at every ``--budgets``; the stack ``TokenSelection(balancekv, budget, store=LowRank(bases, cache_quant="int8"))``
+   at every budget × rank. Each through the package's ``Decoder`` and through transformers' forward with
+   ``KVSpliceHFCache`` (the HF door): both perplexities are reported and must agree (they run the same ``attend``).
+4. Bytes: the last window's cache measured from its tensors (:func:`kvsplice.report.memory.measure_cache`) ==
+   the method's formula, in both doors; per token seen and as a ratio to the full fp16 K/V cache (int8 rows: 1 byte
+   + a 2-byte scale per row; a kept token's log-weight is fp32).
 """
 
 from __future__ import annotations
 
-from benchmarks.harness.options import UsageError, add_windows
+from benchmarks.harness.options import add_windows
 from benchmarks.harness.paths import CALIB, EVAL
 from benchmarks.harness.runner import Study
-from benchmarks.lib.stories import load_stories, windows as text_windows
+from benchmarks.lib.stories import calibration_ids, load_stories, windows as text_windows
 from benchmarks.lib.doors import evaluate
 from kvsplice import build_method
 from kvsplice.lowrank import calibrate, calibration_batches, fit_bases
@@ -85,15 +81,10 @@ def options(p) -> None:
 
 
 def rows(run):
-    from kvsplice.loading import iter_texts, token_stream
-
-    for f in (CALIB, EVAL):
-        if not f.is_file():
-            raise UsageError(f"missing reference data: {f}")
-    loaded = load_stories()
-    model, tok = loaded.model, loaded.tokenizer
-    calib_ids, _ = token_stream(iter_texts(str(CALIB), split="train"), tok, run["calib_tokens"])
-    stats = calibrate(model, calibration_batches(calib_ids, 512, 8), rope="post", progress=False)
+    loaded = load_stories(need=(CALIB, EVAL))
+    model = loaded.model
+    stats = calibrate(model, calibration_batches(calibration_ids(loaded, run["calib_tokens"]), 512, 8), rope="post",
+                      progress=False)
     run.notes["calib_tokens"] = stats.n_tokens
     bases = {r: fit_bases(stats, "gqa-concat", rank=r) for r in run["ranks"]}
     windows, _ = text_windows(loaded, EVAL, run["prompt"] + run["cont"], run["windows"], split="validation")

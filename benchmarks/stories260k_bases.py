@@ -2,20 +2,15 @@
 
     python -m benchmarks.stories260k_bases                # → results/stories260k_bases.json + .md (≈ 5 min, 1 CPU)
 
-Steps (all through the CLIs' own code: :mod:`kvsplice.fit_bases` / :mod:`kvsplice.eval_bases`):
+Steps (through the CLIs' own code: :mod:`kvsplice.fit_bases` / :mod:`kvsplice.eval_bases`):
 
-1. convert ``../shared/data/stories260K/stories260K.bin`` + ``tok512.bin`` into a temporary HF Llama directory
-   (``kvsplice convert-llama2c``) and load it with :func:`kvsplice.loading.load_model`;
-2. calibrate on the TinyStories **train** sample (``gusjengis_toy-RNN__tinystories_sample.txt``, first
-   ``--calib-tokens``, windows of 512 = the model's context), once per RoPE mode (post, pre), timing one plain
-   forward pass over the same windows;
-3. fit every method (ksvd, eigen, kq, gqa-sum, gqa-concat) at every rank (2, 4, 6, 8 of head_dim 8; value rank =
-   key rank) from those Grams;
-4. evaluate each on the TinyStories **validation** sample (``yuninxia_moe-routing-bench__tinystories_val.txt``,
-   first ``--eval-tokens``): perplexity through the coefficient cache vs the full K/V cache (chunks of 64 tokens
-   appended to the cache; checked equal to token-by-token decoding on two windows), per-layer held-out errors,
-   Lesens' gap, measured cache bytes vs the formula;
-5. checks: attention-aware score error ≤ K-only score error for every layer, KV head and rank (held-out Grams, and
+1. stories260K (:mod:`benchmarks.lib.stories`); calibrate on the first ``--calib-tokens`` of the TinyStories **train**
+   sample (windows of 512 = the model's context), once per RoPE mode, timing one plain forward over the same windows;
+2. fit every method at every rank (of head_dim 8; value rank = key rank) from those Grams;
+3. evaluate each on the first ``--eval-tokens`` of the **validation** sample: perplexity through the coefficient
+   cache vs the full K/V cache (chunks of 64 tokens; checked equal to token-by-token decoding on two windows),
+   per-layer held-out errors, Lesens' gap, measured cache bytes vs the formula;
+4. checks: attention-aware score error ≤ K-only score error for every layer, KV head and rank (held-out Grams, and
    calibration Grams where it is a theorem); measured bytes == formula; full rank reproduces the full cache;
    calibration statistics' size with the calibration text doubled.
 """
@@ -26,7 +21,7 @@ from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import CALIB, EVAL, STORIES
 from benchmarks.harness.runner import Study
 from benchmarks.lib.bases_report import checks, fmt_md, timing
-from benchmarks.lib.stories import load_stories
+from benchmarks.lib.stories import calibration_ids, load_stories
 from kvsplice.evaluation.context import EvalContext, load_windows
 from kvsplice.evaluation.lowrank import evaluate_bases
 from kvsplice.cli.fit_bases import fit_one
@@ -53,16 +48,12 @@ def options(p) -> None:
 
 def rows(run):
     from kvsplice.lowrank.calibrate import calibrate, calibration_batches
-    from kvsplice.loading import iter_texts, token_stream
 
-    for f in (CALIB, EVAL):
-        if not f.is_file():
-            raise UsageError(f"missing reference data: {f}")
     ranks, ropes = run["ranks"], run["ropes"]
     methods = run["methods"] if "ksvd" in run["methods"] else ["ksvd", *run["methods"]]
     if 4 not in ranks or "gqa-concat" not in methods:
         raise UsageError("--ranks needs 4 and --methods gqa-concat (the chunked-decode check)")
-    loaded = load_stories()
+    loaded = load_stories(need=(CALIB, EVAL))
     windows, eval_info = load_windows(loaded, str(EVAL), run["eval_tokens"], run["seq_len"])
     ctx = EvalContext(loaded, windows, batch_size=run["batch_size"], chunk_size=run["chunk_size"], err_windows=2,
                       data_info=eval_info)
@@ -88,7 +79,7 @@ def rows(run):
                         f"{res['cache']['measured_live_bytes']:,} {'==' if res['cache']['bytes_match'] else '!='} "
                         "formula")
                 yield res
-    ids, _ = token_stream(iter_texts(str(CALIB)), loaded.tokenizer, run["calib_tokens"])
+    ids = calibration_ids(loaded, run["calib_tokens"])
     half = calibrate(loaded.model, calibration_batches(ids, run["seq_len"], run["batch_size"],
                                                        run["calib_tokens"] // 2), progress=False)
     full_cal = next(iter(next(iter(calib_cache.values()))["stats"].values()))  # (a calibration run: mode → stats)

@@ -1,14 +1,13 @@
-"""The checks and report of ``benchmarks/stories260k_bases.py``: attention-aware score error against K-only's per
-layer and KV head, chunked against token-by-token decoding, and the Markdown report."""
+"""The reports of the stories260K bases studies: ``benchmarks/stories260k_bases.py`` (its checks: attention-aware
+score error against K-only's per layer and KV head, chunked against token-by-token decoding) and
+``benchmarks/fd_online_stories260k.py`` (online frequent-directions bases against global bases per rank budget)."""
 
 from __future__ import annotations
 
-import torch
-
-from kvsplice.evaluation.context import EvalContext
+from kvsplice.core.diagnostics import format_diagnostics
 from kvsplice.lowrank.fits import score_error
 
-__all__ = ["TOL", "checks", "chunk_check", "compare_scores", "fmt_md", "timing"]
+__all__ = ["TOL", "checks", "chunk_check", "compare_scores", "fd_markdown", "fmt_md", "summary", "timing"]
 
 TOL = 1e-6
 """Slack on the relative score errors: the bases are saved in fp32, so at full rank the attention-aware (oblique)
@@ -36,19 +35,23 @@ def compare_scores(stats, fits: dict, rank: int, rope: str, where: str) -> tuple
     return bad, n
 
 
-@torch.no_grad()
-def chunk_check(ctx: EvalContext, bases, n_windows: int = 2) -> dict:
+def chunk_check(ctx, bases, n_windows: int = 2) -> dict:
     """Perplexity of the first windows decoded in chunks of ctx.chunk_size vs token by token (chunk 1)."""
-    from kvsplice.decode import Decoder
+    from kvsplice.decode import Decoder, perplexity
     from kvsplice.lowrank.method import LowRank
 
-    sub = EvalContext(ctx.loaded, ctx.windows[:n_windows], batch_size=n_windows, chunk_size=ctx.chunk_size)
-    dec = Decoder(ctx.model, LowRank(bases))
-    a = sub.decode(dec)["ppl"]
-    sub.chunk_size = 1
-    b = sub.decode(dec)["ppl"]
+    dec, ids = Decoder(ctx.model, LowRank(bases)), ctx.windows[:n_windows]
+    a, b = perplexity(dec, ids, ctx.chunk_size), perplexity(dec, ids, 1)
     return {"windows": n_windows, f"ppl_chunk_{ctx.chunk_size}": a, "ppl_token_by_token": b,
             "rel_diff": abs(a - b) / b}
+
+
+def setting(shapes: dict, ev: dict, calibration: dict) -> str:
+    """The model, its held-out text and its calibration text, in words."""
+    return (f"stories260K ({shapes['n_layer']} layers, {shapes['n_head']} query / {shapes['n_kv_head']} KV heads, "
+            f"head_dim {shapes['head_dim']}) on {ev['tokens']:,} held-out TinyStories validation tokens "
+            f"({ev['windows']} windows × {ev['seq_len']}), bases calibrated on {calibration['tokens']:,} train-sample "
+            "tokens")
 
 
 def fmt_md(report: dict) -> str:
@@ -58,12 +61,9 @@ def fmt_md(report: dict) -> str:
     d = report["model"]["shapes"]
     per_tok = {r: 2 * d["n_layer"] * d["n_kv_head"] * r for r in ranks}
     full_tok = 2 * d["n_layer"] * d["n_kv_head"] * d["head_dim"]
-    lines = [f"Perplexity of stories260K ({d['n_layer']} layers, {d['n_head']} query / {d['n_kv_head']} KV heads, "
-             f"head_dim {d['head_dim']}) on {report['eval']['tokens']:,} held-out TinyStories validation tokens "
-             f"({report['eval']['windows']} windows × {report['eval']['seq_len']}), bases calibrated on "
-             f"{report['calibration']['tokens']:,} train-sample tokens. Every token attends over the cache (chunks of "
-             f"{report['config']['chunk_size']} tokens appended, then attended); value rank = key rank. "
-             f"Full K/V cache: **{full['ppl']:.4f}** (model's own forward: {full['model_forward_ppl']:.4f}).", "",
+    lines = [f"Perplexity of {setting(d, report['eval'], report['calibration'])}. Every token attends over the "
+             f"cache (chunks of {report['config']['chunk_size']} tokens appended, then attended); value rank = key "
+             f"rank. Full K/V cache: **{full['ppl']:.4f}** (model's own forward: {full['model_forward_ppl']:.4f}).", "",
              "| method | RoPE | " + " | ".join(f"R={r} ({per_tok[r]}/{full_tok} numbers/token)" for r in ranks)
              + " |",
              "|---|---|" + "---|" * len(ranks)]
@@ -158,3 +158,79 @@ def timing(calib_cache, fit_reports, ropes) -> dict:
         timing[rope] = {"calibrate_s": cal["calibrate_s"], "forward_s": cal["forward_s"], "fit_s_min": min(fit_s),
                         "fit_s_max": max(fit_s), "ratio_min": min(ratios), "ratio_max": max(ratios)}
     return timing
+
+
+def summary(diag: list[dict]) -> dict:
+    """Across layers: mean relative head-output error, the largest logit error, bounds held, worst slack."""
+    return {
+        "rel_out_mean": sum(d["rel_output_err"] for d in diag) / len(diag),
+        "logit_err_max": max(d["logit_err"] for d in diag),
+        "softmax_l1_max": max(d["softmax_l1"] for d in diag),
+        "bounds_hold": all(d["holds"] and d.get("holds_recorded", True) for d in diag),
+        "slack_logit": min(d["logit_slack"] for d in diag),
+        "slack_softmax_tanh": min(d["softmax_slack"] for d in diag),
+        "slack_softmax_sinh": min(d["softmax_sinh_slack"] for d in diag),
+        "slack_output": min(d["output_slack"] for d in diag),
+        "tightest_logit": min(d["logit_tightest"] for d in diag),
+        "tightest_output": min(d["output_tightest"] for d in diag),
+        **({"chunks_max": max(d["chunks_max"] for d in diag),
+            "chunks_mean": sum(d["chunks_mean"] for d in diag) / len(diag)} if "chunks_max" in diag[0] else {}),
+    }
+
+
+def fd_markdown(rep: dict, ranks=(2, 4, 6)) -> str:
+    """The report of a run: ``rep`` holds the header, the model, eval and calibration, ``full_ppl`` and the rows."""
+    L = rep["model"]
+    per_tok = 2 * L["n_layer"] * L["n_kv_head"] * L["head_dim"]
+    lines = [f"{setting(L, rep['eval'], rep['calibration'])} (global bases). Full K/V cache: ppl "
+             f"**{rep['full_ppl']:.3f}** ({per_tok} numbers/token). Bytes are per 512-token sequence, fp32, "
+             "coefficients + bases (fd-online: FD sketches listed separately); '×budget' = bytes / the global rank-R "
+             "cache's bytes. rel_out: teacher-forced head-output error (Σ‖o−ô‖²/Σ‖o‖²)^½, mean over layers; ε: max "
+             "logit error; J: chunks per stream at T = 512 (max / mean over layers and KV heads).", ""]
+    lines += ["| R (budget) | method | config | ppl | bytes | ×budget | sketch bytes | J max / mean | rel_out | ε max "
+              "| bounds hold |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in ranks:
+        rs = [x for x in rep["rows"] if x["budget_rank"] == r]
+        budget = next(x["bytes"] for x in rs if x["kind"] == "global")
+        glob = [x for x in rs if x["kind"] == "global"]
+        fd = sorted((x for x in rs if x["kind"] == "fd-online"), key=lambda x: x["ppl"])
+        best_g = min((x for x in glob if not x["reference_only"]), key=lambda x: x["ppl"])
+        best_fd = min((x for x in fd if x["matched"]), key=lambda x: x["ppl"], default=None)
+        for x in glob + fd:
+            name = x["method"] + (" (reference)" if x.get("reference_only") else "")
+            cfg = x.get("label", f"R={r}")
+            if x is best_g or x is best_fd:
+                name = f"**{name}**"
+            j = f"{x['chunks_max']} / {x['chunks_mean']:.1f}" if "chunks_max" in x else "—"
+            sk = f"{x['sketch_bytes']:,}" if x["kind"] == "fd-online" else "—"
+            match = "" if x["kind"] == "global" or x["matched"] else " (over)"
+            lines.append(f"| {r} ({2 * r}/token) | {name} | {cfg} | {x['ppl']:.3f} | {x['bytes']:,} | "
+                         f"{x['bytes'] / budget:.3f}{match} | {sk} | {j} | {x['rel_out_mean']:.3f} | "
+                         f"{x['logit_err_max']:.1f} | {'yes' if x['bounds_hold'] else 'NO'} |")
+    lines += ["", "Best matched fd-online vs best global attention-aware post-RoPE method (ppl):", ""]
+    for r in ranks:
+        rs = [x for x in rep["rows"] if x["budget_rank"] == r]
+        g = min((x for x in rs if x["kind"] == "global" and not x["reference_only"]), key=lambda x: x["ppl"])
+        f = min((x for x in rs if x["kind"] == "fd-online" and x["matched"]), key=lambda x: x["ppl"], default=None)
+        k = next(x for x in rs if x["method"].startswith("ksvd"))
+        if f is not None:
+            lines.append(f"* R={r}: fd-online {f['ppl']:.2f} ({f['label']}, {f['bytes'] / g['bytes']:.3f}× bytes, "
+                         f"J={f['chunks_max']}) vs {g['method']} {g['ppl']:.2f}; K-only global (ksvd post) "
+                         f"{k['ppl']:.2f}.")
+    lines += ["", "Bound slack on every row (bound / observed, ratio of the maxima over queries and heads, worst "
+              "layer): logit ‖q‖·max ρ_k · s, softmax 2 tanh(δ̄/4) and 2 sinh(δ̄/2) (δ̄ = 2 × logit bound), output "
+              "‖Δα‖₁ max‖v‖ + max‖Δv‖:", "",
+              "| R | method | config | logit | softmax tanh | softmax sinh | output |", "|---|---|---|---|---|---|---|"]
+    for x in rep["rows"]:
+        lines.append(f"| {x['budget_rank']} | {x['method']} | {x.get('label', '')} | {x['slack_logit']:.2f} | "
+                     f"{x['slack_softmax_tanh']:.2f} | {x['slack_softmax_sinh']:.3g} | {x['slack_output']:.2f} |")
+    r4 = [x for x in rep["rows"] if x["budget_rank"] == 4]
+    if not r4:
+        return "\n".join(lines)
+    best_fd = min((x for x in r4 if x["kind"] == "fd-online" and x["matched"]), key=lambda x: x["ppl"])
+    best_g = min((x for x in r4 if x["kind"] == "global" and not x["reference_only"]), key=lambda x: x["ppl"])
+    lines += ["", "Per-layer diagnostics at R = 4 (first window, teacher-forced; max over queries and heads; "
+              "slack = the tightest per-query bound/observed):", "",
+              format_diagnostics(best_fd["layers"], f"fd-online {best_fd['label']}"), "",
+              format_diagnostics(best_g["layers"], best_g["method"]), ""]
+    return "\n".join(lines)

@@ -1,5 +1,5 @@
-"""A compression method scored through both doors (``benchmarks/stack_stories260k.py``): the continuation's
-perplexity through the package's ``Decoder`` and through transformers' forward with ``KVSpliceHFCache``, and the
+"""A compression method scored through both doors: the continuation's perplexity through the package's ``Decoder``
+and through transformers' forward (:func:`hf_nll`: with ``KVSpliceHFCache``, or any transformers cache), and the
 cache's bytes measured in each against the method's formula."""
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ from kvsplice.hf.measure import continuation_logits
 from kvsplice.report.memory import measure_cache
 from kvsplice.select import TokenSelection
 
-__all__ = ["evaluate", "hf_continuation"]
+__all__ = ["evaluate", "hf_nll"]
 
 
 @torch.no_grad()
-def hf_continuation(model, method, ids: torch.Tensor, p: int) -> tuple[float, torch.Tensor, KVSpliceHFCache]:
-    """:func:`score_continuation` through transformers' forward with the HF door."""
-    cache = KVSpliceHFCache(model, method, capacity=method.capacity(p, ids.shape[1] - p))
-    logits = continuation_logits(model, cache, ids, p)  # (B, T - p, V)
-    nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, p:].reshape(-1)).item()
-    return nll, logits, cache
+def hf_nll(model, cache, ids: torch.Tensor, p: int, **kw) -> float:
+    """The mean NLL of ``ids[:, p:]`` through transformers' forward with ``cache`` (``kw``: of
+    :func:`~kvsplice.hf.measure.continuation_logits`)."""
+    logits = continuation_logits(model, cache, ids, p, **kw).float()  # (B, T - p, V)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, p:].reshape(-1)).item()
 
 
 def evaluate(model, windows: torch.Tensor, p: int, name: str, method) -> dict:
+    """``method`` on every window (prompt ``p`` prefilled, the rest scored) in both doors."""
     nll = {"decoder": 0.0, "hf": 0.0}
     for w in windows:
         ids = w[None]
@@ -36,9 +36,9 @@ def evaluate(model, windows: torch.Tensor, p: int, name: str, method) -> dict:
         n_dec, _, c_dec = score_continuation(Decoder(model, method), ids, p)
         if isinstance(method, TokenSelection):
             method.selector.reseed()
-        n_hf, _, c_hf = hf_continuation(model, method, ids, p)
+        c_hf = KVSpliceHFCache(model, method, capacity=method.capacity(p, ids.shape[1] - p))
         nll["decoder"] += n_dec / len(windows)
-        nll["hf"] += n_hf / len(windows)
+        nll["hf"] += hf_nll(model, c_hf, ids, p) / len(windows)
     bound = Decoder(model, method).method
     t_seen = windows.shape[1] - 1
     held = c_dec.seq_len

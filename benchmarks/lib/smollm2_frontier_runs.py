@@ -4,15 +4,17 @@ every method family and stack, the planner's picks, transformers' own quantized 
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
 import benchmarks.lib.smollm2_windows as C
+from benchmarks.lib.doors import hf_nll
 from kvsplice import build_method
 from kvsplice.evaluation.protocol import evaluate
-from kvsplice.hf.measure import cache_nbytes, continuation_logits
-from kvsplice.planning.search import selection
+from kvsplice.hf.measure import cache_nbytes
+from kvsplice.planning.search import lowrank_bases, selection
 from kvsplice.planning.spec import spec_label
 
 PROMPT = 768
@@ -72,23 +74,15 @@ class Bench:
         self.bases: dict = {}
 
     def lowrank_bases(self, spec: dict):
+        """Fisher bases allocated ``×alloc`` smaller (the planner's), or ``method``'s bases at one ``rank``."""
         from kvsplice.lowrank.fits import fit_bases
-        from kvsplice.planning.search import lowrank_bases
 
-        method, rope = spec.get("method", "fisher"), spec.get("rope", "pre")
-        if "alloc" in spec and method == "fisher":
+        rope = spec.get("rope", "pre")
+        if "alloc" in spec:
             return lowrank_bases(self.stats, spec["alloc"], rope, self.bases)
-        key = (method, rope, spec.get("rank"), spec.get("alloc"))
+        key = (spec["method"], rope, spec["rank"])
         if key not in self.bases:
-            if "alloc" in spec:
-                from kvsplice.lowrank.allocate import allocate_ranks
-
-                s = self.stats[rope]
-                n = round(2 * s.n_layer * s.n_kv_head * s.head_dim / spec["alloc"])
-                alloc = allocate_ranks(s, n, method)
-                self.bases[key] = fit_bases(s, method, ranks=alloc.ranks)
-            else:
-                self.bases[key] = fit_bases(self.stats[rope], method, rank=spec["rank"])
+            self.bases[key] = fit_bases(self.stats[rope], spec["method"], rank=spec["rank"])
         return self.bases[key]
 
     def method_spec(self, spec: dict) -> dict:
@@ -118,29 +112,19 @@ class Bench:
         return found["best"], {"candidates": found["candidates"], "selector": found["selector"],
                                 "tuning_full_ppl": found["full"]["tuning_ppl"]}
 
-    @torch.no_grad()
     def hf_quantized(self, rid: str, spec: dict) -> dict:
         """transformers' own ``QuantizedCache`` (its defaults: group 64, residual 128, axis 0) in the model's
         forward on protocol P: prefill the prompt, decode the continuation one token at a time, score it. Bytes:
         measured from the cache's tensors (quanto's packed data, scales and shifts) right after the prefill."""
-        import torch.nn.functional as F
         from transformers.cache_utils import QuantizedCache
 
-        t0 = time.perf_counter()
-        total, n, held_bytes = 0.0, 0, 0
-        for ids in self.eval.split(4):
-            kw = {} if spec["hf_quant"] == "fp8" else {"nbits": spec["nbits"]}  # fp8: per tensor, no nbits
-            cache = QuantizedCache(spec["hf_quant"], config=self.model.config, **kw)
-            held: list[int] = []  # the bytes right after the prefill
-            lg = continuation_logits(self.model, cache, ids, PROMPT, decode_chunk=1,
-                                     after_prefill=lambda: held.append(cache_nbytes(cache))).float()
-            held_bytes += held[0]  # lg: (B, 256, V) vs the 256 continuation tokens
-            total += F.cross_entropy(lg.reshape(-1, lg.shape[-1]), ids[:, PROMPT:].reshape(-1), reduction="sum").item()
-            n += ids.shape[0] * (ids.shape[1] - PROMPT)
-        bpt = held_bytes / (self.eval.shape[0] * PROMPT)
-        import math
-
-        return {"id": rid, "protocol": "P", "spec": spec, "ppl": math.exp(total / n), "bytes_per_token": bpt,
+        t0, held = time.perf_counter(), []
+        kw = {} if spec["hf_quant"] == "fp8" else {"nbits": spec["nbits"]}  # fp8: per tensor, no nbits
+        cache = QuantizedCache(spec["hf_quant"], config=self.model.config, **kw)
+        nll = hf_nll(self.model, cache, self.eval, PROMPT, decode_chunk=1,
+                     after_prefill=lambda: held.append(cache_nbytes(cache)))
+        bpt = held[0] / (self.eval.shape[0] * PROMPT)
+        return {"id": rid, "protocol": "P", "spec": spec, "ppl": math.exp(nll), "bytes_per_token": bpt,
                 "ratio_vs_fp16_full": 23040 / bpt, "seconds": time.perf_counter() - t0,
                 "label": f"transformers QuantizedCache({spec['hf_quant']}, {spec['nbits']}-bit; measured, fp32 "
                          f"scales)", "note": "bytes measured from the cache's tensors after the prefill; its scales "
@@ -149,44 +133,30 @@ class Bench:
     def run(self, rid: str, proto: str, spec: dict) -> dict:
         if "hf_quant" in spec:
             return self.hf_quantized(rid, spec)
-        extra: dict = {}
+        windows = self.s_windows if proto == "S" else self.eval
+        prompt, extra, ranks = 0 if proto == "W" else PROMPT, {}, None
         if spec.get("store") == "joint":  # grouped-head joint latents: a method of its own, not a planner store
             from kvsplice.lowrank.joint import JointLowRank, allocate_joint
 
             s = self.stats[spec.get("rope", "pre")]
             n = round(2 * s.n_layer * s.n_kv_head * s.head_dim / spec["alloc"])
             jb = allocate_joint(s, n, spec.get("method", "fisher"))
-            windows = self.eval
-            prompt = 0 if proto == "W" else PROMPT
-            res = evaluate(self.model, JointLowRank(jb), windows, prompt_len=prompt, batch_size=4)
-            r = jb.ranks()
-            res.update({"id": rid, "protocol": proto, "spec": spec,
-                        "label": f"joint {spec.get('method', 'fisher')} {spec.get('rope', 'pre')}-RoPE allocated "
-                                 f"×{spec['alloc']:g}",
-                        "ranks": {"mean_k": sum(r["k"]) / len(r["k"]) / s.n_kv_head,
-                                  "mean_v": sum(r["v"]) / len(r["v"]) / s.n_kv_head, "k": r["k"], "v": r["v"],
-                                  "note": "per layer, all KV heads jointly; mean_k/v per KV head"}})
-            return res
-        if "plan" in spec:
-            ms, extra = self.plan(spec["plan"])
+            method, r = JointLowRank(jb), jb.ranks()
+            ranks = {"mean_k": sum(r["k"]) / len(r["k"]) / s.n_kv_head,
+                     "mean_v": sum(r["v"]) / len(r["v"]) / s.n_kv_head, "k": r["k"], "v": r["v"],
+                     "note": "per layer, all KV heads jointly; mean_k/v per KV head"}
         else:
-            ms = self.method_spec(spec) if spec else None
-        windows = self.s_windows if proto == "S" else self.eval
-        prompt = 0 if proto == "W" else PROMPT
-        method = None if ms is None else build_method(ms, prompt_len=prompt or windows.shape[1])
-        res = evaluate(self.model, method, windows, prompt_len=prompt, batch_size=4 if proto != "S" else 5)
-        res.update({"id": rid, "protocol": proto, "spec": spec, "label": "full K/V" if ms is None else spec_label(ms),
-                    **extra})
-        store = None if ms is None else ms.get("store", ms)
-        if spec.get("store") == "lowrank":
+            ms, extra = self.plan(spec["plan"]) if "plan" in spec else (self.method_spec(spec) if spec else None, {})
+            method = None if ms is None else build_method(ms, prompt_len=prompt or windows.shape[1])
+            label = "full K/V" if ms is None else spec_label(ms)
+            if spec.get("store") == "lowrank":
+                r = ms["bases"].ranks()
+                k, v = [x for row in r["k"] for x in row], [x for row in r["v"] for x in row]
+                ranks = {"mean_k": sum(k) / len(k), "mean_v": sum(v) / len(v), "k": r["k"], "v": r["v"]}
+        if spec.get("store") in ("lowrank", "joint"):
             what = f"r{spec['rank']}" if "rank" in spec else f"allocated ×{spec['alloc']:g}"
-            lr = f"lowrank {spec.get('method', 'fisher')} {spec.get('rope', 'pre')}-RoPE {what}" + \
+            label = f"{spec['store']} {spec.get('method', 'fisher')} {spec.get('rope', 'pre')}-RoPE {what}" + \
                 ("+int8" if spec.get("cache_quant") else "")
-            res["label"] = lr if ms["name"] != "token_selection" else f"{spec['selector']}×{1 / ms['keep']:.3g} + {lr}"
-        bases = None if store is None else store.get("bases")
-        if bases is not None:
-            r = bases.ranks()
-            k = [x for row in r["k"] for x in row]
-            v = [x for row in r["v"] for x in row]
-            res["ranks"] = {"mean_k": sum(k) / len(k), "mean_v": sum(v) / len(v), "k": r["k"], "v": r["v"]}
-        return res
+        res = evaluate(self.model, method, windows, prompt_len=prompt, batch_size=windows.shape[0])
+        res.update({"id": rid, "protocol": proto, "spec": spec, "label": label, **extra})
+        return res if ranks is None else {**res, "ranks": ranks}

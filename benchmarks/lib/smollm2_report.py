@@ -5,7 +5,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["energy_claims", "figure", "markdown", "pareto"]
+__all__ = ["FAMILIES", "energy_claims", "family", "figure", "markdown", "pareto"]
+
+FAMILIES = {"full": "s", "quantisation": "o", "low rank (bases)": "^", "token selection alone": "v",
+            "token selection + quantisation": "D", "planner": "*"}
+"""A frontier row's method family → its marker."""
+
+
+def family(row: dict) -> str:
+    """The method family of a frontier row, by its id and label."""
+    rid, label = row["id"], row["label"]
+    if rid == "full" or rid.startswith("plan_"):
+        return "full" if rid == "full" else "planner"
+    if rid.startswith(("lr_", "joint_")):
+        return "low rank (bases)"
+    if "×" in label:
+        return "token selection + quantisation" if "+ int8" in label or "+ kivi" in label else "token selection alone"
+    return "quantisation"
 
 
 def energy_claims(stats_path: Path) -> dict:
@@ -114,16 +130,12 @@ def figure(rows: list[dict]):
     rows = [r for r in rows if r.get("protocol") == "P"]
     base = next((r["ppl"] for r in rows if r["id"] == "full"), None)
     front = pareto(rows)
-    fam = lambda r: ("plan" if r["id"].startswith("plan") else "low rank" if "lr_" in r["id"] else  # noqa: E731
-                     "stack" if "_x" in r["id"] and any(s in r["id"] for s in ("kivi", "int8", "lr")) else
-                     "selection" if "_x" in r["id"] else "quantisation" if r["id"] != "full" else "full")
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    for name, marker in (("full", "s"), ("quantisation", "o"), ("low rank", "^"), ("selection", "v"),
-                         ("stack", "D"), ("plan", "*")):
-        pts = [r for r in rows if fam(r) == name]
+    for name, marker in FAMILIES.items():
+        pts = [r for r in rows if family(r) == name]
         if pts:
             ax.scatter([r["bytes_per_token"] for r in pts], [_pct(r["ppl"], base) for r in pts], marker=marker,
-                       s=90 if name == "plan" else 40, label=name)
+                       s=90 if name == "planner" else 40, label=name)
     fr = sorted((r for r in rows if r["id"] in front), key=lambda r: r["bytes_per_token"])
     ax.plot([r["bytes_per_token"] for r in fr], [_pct(r["ppl"], base) for r in fr], "k--", lw=1, label="Pareto front")
     ax.set_xscale("log")

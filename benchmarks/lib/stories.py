@@ -7,17 +7,20 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.harness.options import UsageError
-from benchmarks.harness.paths import STORIES
+from benchmarks.harness.paths import CALIB, STORIES
 
-__all__ = ["load_stories", "windows"]
+__all__ = ["calibration_ids", "load_stories", "windows"]
 
 
-def load_stories(spec=None):
+def load_stories(spec=None, need=()):
     """``spec`` loaded (:func:`kvsplice.loading.load_model`), or with None stories260K converted into a temporary
-    folder first; a missing checkpoint is a :class:`UsageError`."""
+    folder first; a missing checkpoint, or a missing file of ``need``, is a :class:`UsageError`."""
     from kvsplice.convert.llama2c import convert_llama2c
     from kvsplice.loading import LoadError, first_line, load_model
 
+    for f in need:
+        if not f.is_file():
+            raise UsageError(f"missing reference data: {f}")
     try:
         if spec is not None:
             return load_model(spec)
@@ -28,6 +31,13 @@ def load_stories(spec=None):
             return load_model(convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", Path(tmp) / "m"))
     except LoadError as e:
         raise UsageError(first_line(e)) from None
+
+
+def calibration_ids(loaded, tokens: int):
+    """The first ``tokens`` token ids ``(tokens,)`` of the TinyStories train sample (the calibration text)."""
+    from kvsplice.loading import iter_texts, token_stream
+
+    return token_stream(iter_texts(str(CALIB)), loaded.tokenizer, tokens)[0]
 
 
 def windows(loaded, text, length: int, n: int, split=None):

@@ -29,6 +29,7 @@ import argparse
 import time
 
 from benchmarks.harness.runner import Study
+from benchmarks.harness.studies import load as load_study
 from benchmarks.lib import smollm2_report as report
 
 KVPRESS = {  # kvpress 0.5.5's numbers on protocol S (ppl increase vs the full cache, %): quoted
@@ -36,9 +37,13 @@ KVPRESS = {  # kvpress 0.5.5's numbers on protocol S (ppl increase vs the full c
 ISSUE = {"full_W": 8.2672, "kq_pre_r32_W_pct": 35.5, "kq_pre_r16_W_pct": 214, "uniform_8x_S_pct": 36.9}
 
 
+def stack_rows() -> list[tuple[str, str, dict]]:
+    """``(id, protocol, spec)`` in the order they run (``benchmarks/studies/smollm2_frontier.yaml``)."""
+    return [(rid, proto, dict(spec)) for rid, proto, spec in load_study("smollm2_frontier")["rows"]]
+
+
 class _List(argparse.Action):  # --list: the rows' ids and protocols, then exit
     def __call__(self, parser, namespace, values, option_string=None):
-        from benchmarks.lib.smollm2_frontier_runs import stack_rows
         print("\n".join(f"{r[0]} ({r[1]})" for r in stack_rows()))
         parser.exit(0)
 
@@ -49,8 +54,8 @@ def options(p) -> None:
 
 
 def rows(run):
-    """Each row of :func:`~benchmarks.lib.smollm2_frontier_runs.stack_rows`: the resumed one, or measured."""
-    from benchmarks.lib.smollm2_frontier_runs import Bench, stack_rows
+    """Each row of :func:`stack_rows`: the resumed one, or measured."""
+    from benchmarks.lib.smollm2_frontier_runs import Bench
 
     only, bench = run.args.only, None
     for rid, proto, spec in stack_rows():

@@ -1,6 +1,6 @@
-"""The rows of ``benchmarks/smollm2_frontier.py`` (:func:`stack_rows`: id, protocol, spec) and the bench that measures
-one (:class:`Bench`: SmolLM2-135M-Instruct, its evaluation / tuning / kvpress windows and calibration statistics;
-every method family and stack, the planner's picks, transformers' own quantized caches)."""
+"""The bench that measures a row of ``benchmarks/smollm2_frontier.py`` (:class:`Bench`: SmolLM2-135M-Instruct, its
+evaluation / tuning / kvpress windows and calibration statistics; every method family and stack, the planner's picks,
+transformers' own quantized caches)."""
 
 from __future__ import annotations
 
@@ -18,45 +18,6 @@ from kvsplice.planning.search import lowrank_bases, selection
 from kvsplice.planning.spec import spec_label
 
 PROMPT = 768
-
-
-def stack_rows() -> list[tuple[str, str, dict]]:
-    """``(id, protocol, spec)`` in the order they run (the most informative first)."""
-    rows = [("full", "P", {}), ("int8", "P", {"store": "int8"})]
-    rows += [(f"kivi{b}_r{r}", "P", {"store": "kivi", "bits": b, "residual": r}) for b in (4, 2) for r in (128, 32)]
-    rows += [(f"plan_{x}x", "P", {"plan": x}) for x in (4, 8, 16)]
-    rows += [("lr_fisher_pre_x2", "P", {"store": "lowrank", "alloc": 2.0, "rope": "pre"}),
-             ("lr_kq_pre_r32", "P", {"store": "lowrank", "method": "gqa-concat", "rank": 32, "rope": "pre"}),
-             ("lr_fisher_post_x2", "P", {"store": "lowrank", "alloc": 2.0, "rope": "post"}),
-             ("lr_fisher_pre_x2_int8", "P", {"store": "lowrank", "alloc": 2.0, "rope": "pre", "cache_quant": "int8"}),
-             ("lr_fisher_pre_x1.5", "P", {"store": "lowrank", "alloc": 1.5, "rope": "pre"}),
-             ("joint_fisher_pre_x2", "P", {"store": "joint", "alloc": 2.0, "rope": "pre"})]
-    sels = ("snapkv", "observed_attention", "streaming_llm", "uniform", "knorm")
-    rows += [(f"{s}_x8", "P", {"selector": s, "x": 8}) for s in sels]
-    rows += [("S_full", "S", {})] + [(f"S_{s}_x8", "S", {"selector": s, "x": 8}) for s in sels]
-    rows += [(f"S_{s}_x{x}", "S", {"selector": s, "x": x}) for s in ("snapkv", "observed_attention") for x in (2, 4)]
-    obs = "observed_attention"
-    rows += [(f"{obs}_x{x}", "P", {"selector": obs, "x": x}) for x in (2, 4)]
-    rows += [("obs_x1.55_kivi4_r32", "P", {"selector": obs, "x": 768 / 496, "store": "kivi", "bits": 4, "residual": 32}),
-             ("obs_x2.57_kivi4_r128", "P", {"selector": obs, "x": 768 / 299, "store": "kivi", "bits": 4,
-                                            "residual": 128}),
-             ("obs_x4_int8", "P", {"selector": obs, "x": 4, "store": "int8"}),
-             ("obs_x8_int8", "P", {"selector": obs, "x": 8, "store": "int8"})]
-    rows += [(f"hf_quanto_int{b}", "P", {"hf_quant": "quanto", "nbits": b}) for b in (4, 2)]
-    rows += [("hf_fp8", "P", {"hf_quant": "fp8", "nbits": 8})]
-    rows += [("W_full", "W", {}), ("W_int8", "W", {"store": "int8"}),
-             ("W_kivi4_r128", "W", {"store": "kivi", "bits": 4, "residual": 128}),
-             ("W_lr_kq_pre_r32", "W", {"store": "lowrank", "method": "gqa-concat", "rank": 32, "rope": "pre"}),
-             ("W_lr_kq_post_r32", "W", {"store": "lowrank", "method": "gqa-concat", "rank": 32, "rope": "post"}),
-             ("W_lr_fisher_pre_x2", "W", {"store": "lowrank", "alloc": 2.0, "rope": "pre"}),
-             ("W_lr_fisher_pre_x1.5", "W", {"store": "lowrank", "alloc": 1.5, "rope": "pre"}),
-             ("W_joint_fisher_pre_x2", "W", {"store": "joint", "alloc": 2.0, "rope": "pre"}),
-             ("W_lr_kq_pre_r8", "W", {"store": "lowrank", "method": "gqa-concat", "rank": 8, "rope": "pre"}),
-             ("W_lr_kq_post_r8", "W", {"store": "lowrank", "method": "gqa-concat", "rank": 8, "rope": "post"})]
-    first = ("plan_", "lr_fisher_pre_x2", "W_full", "W_lr_fisher_pre_x2", "W_lr_kq_pre_r32", "W_lr_kq_post_r32",
-             "W_lr_kq_pre_r8", "W_lr_kq_post_r8", "joint_fisher_pre_x2", "W_joint", "S_full", "S_", "obs_")
-    rank = lambda r: next((i for i, f in enumerate(first) if r[0].startswith(f)), len(first))  # noqa: E731
-    return sorted(rows, key=rank)  # the goals' rows first (stable: the list's order otherwise)
 
 
 class Bench:

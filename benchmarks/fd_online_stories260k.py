@@ -7,7 +7,7 @@
 * Global bases: post-RoPE Grams of the first ``--calib-tokens`` of the **train** sample, fitted
   (:func:`kvsplice.lowrank.fits.fit_bases`) for ``kq`` and ``gqa-sum`` at rank R = 2/4/6 (value rank = key rank);
   ``ksvd`` post and ``kq`` pre-RoPE at the same ranks for reference; decoded with ``Decoder(model, LowRank(bases))``.
-* fd-online: :class:`kvsplice.online.method.OnlineDecoder` (no calibration), the configurations below per budget.
+* fd-online: :class:`kvsplice.online.method.OnlineDecoder` (no calibration), the ``configs`` of its YAML per budget.
   Bytes per sequence = coefficients + every basis the cache holds, measured from the cache's tensors after a whole
   window (:meth:`ChunkedCache.nbytes_breakdown`); the FD sketches (``2·2ℓ·(d + d_v)`` floats per layer and KV head)
   are reported separately. *Matched*: bytes (without sketches) ≤ the global method's ``(R_k + R_v)·T·L·H_kv·4`` at
@@ -24,6 +24,7 @@ import time
 
 from benchmarks.harness.paths import CALIB, EVAL, STORIES
 from benchmarks.harness.runner import Study
+from benchmarks.harness.studies import load as load_study
 from benchmarks.lib.bases_report import fd_markdown, summary
 from benchmarks.lib.stories import calibration_ids, load_stories, windows as text_windows
 
@@ -36,23 +37,7 @@ from kvsplice.online.diagnostics import online_qkv_diagnostics
 from kvsplice.online.method import OnlineDecoder
 
 RANKS = (2, 4, 6)
-
-# fd-online candidates per global rank R (budget 2R numbers per token and KV head); each has its bytes measured.
-FD_CONFIGS: dict[int, list[dict]] = {
-    2: [dict(rank_k=1, rank_v=1, max_chunk_len=16, fd_decay=0.95),
-        dict(rank_k=2, rank_v=1, max_chunk_len=64, fd_decay=0.95),
-        dict(rank_k=2, rank_v=1, max_chunk_len=64)],
-    4: [dict(rank_k=3, rank_v=3, max_chunk_len=32),
-        dict(rank_k=3, rank_v=3, max_chunk_len=32, fd_decay=0.9),
-        dict(rank_k=3, rank_v=2, max_chunk_len=16, fd_decay=0.95),
-        dict(rank_k=4, rank_v=3, max_chunk_len=128, fd_decay=0.95),
-        dict(rank_k=3, rank_v=3, tau_k=0.3, relative=True, min_chunk_len=16, max_chunk_len=128, max_chunks=16,
-             fd_decay=0.95)],
-    6: [dict(rank_k=5, rank_v=5, max_chunk_len=64, fd_decay=0.95),
-        dict(rank_k=5, rank_v=4, max_chunk_len=32, fd_decay=0.95),
-        dict(rank_k=6, rank_v=4, max_chunk_len=64, fd_decay=0.95),
-        dict(rank_k=6, rank_v=5, max_chunk_len=128, fd_decay=0.95)],
-}
+FD_CONFIGS: dict[int, list[dict]] = load_study("fd_online_stories260k")["configs"]  # per global rank R
 
 
 def label(kw: dict) -> str:

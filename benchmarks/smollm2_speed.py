@@ -5,13 +5,11 @@ cache, in both doors, at long contexts → ``results/smollm2_speed[_<tag>].{json
     python -m benchmarks.smollm2_speed --quick            # 512 tokens, batch 1 and 2, fp32, both doors: minutes
     python -m benchmarks.smollm2_speed --model M --smoke --out /tmp/x/speed      # any model
 
-Methods (``--methods``, any ``kvsplice.build_method`` spec, ``full`` = the uncompressed cache): by default the full
-cache, ``int8``, ``kivi4``, ``k8v4h`` and the planner's default 4× and 8× picks — from ``--plan4`` / ``--plan8``
-(plans made by ``kvsplice plan ... --ratio 4|8``) or, without them, their specs as docs/tasks.md records
-them (``pick4x`` / ``pick8x`` below). Per (dtype, context, batch, door) every method is prefilled once (the
-prompt: TinyStories validation text, a different slice per sequence of the batch) and its decode steps are timed
-round-robin with the others (:mod:`benchmarks.lib.speed`): ratios are medians measured side by side. One torch
-thread by default (``--threads``): times are thread-CPU seconds, robust to other processes on a shared machine.
+Methods (``--methods``: ``kvsplice.build_method`` specs, ``full`` = the uncompressed cache): by default the full
+cache, ``int8``, ``kivi4``, ``k8v4h`` and the planner's default 4× and 8× picks (``--plan4`` / ``--plan8``, or
+their specs ``pick4x`` / ``pick8x`` in the YAML). Per (dtype, context, batch, door) every method is prefilled once
+(TinyStories validation text, a different slice per sequence) and its decode steps are timed round-robin with the
+others (:mod:`benchmarks.lib.speed`). One torch thread by default: thread-CPU seconds, robust on a shared machine.
 """
 
 from __future__ import annotations
@@ -21,11 +19,9 @@ import torch
 from benchmarks.harness.options import UsageError, add_model
 from benchmarks.harness.paths import EVAL, SMOLLM2
 from benchmarks.harness.runner import Study
+from benchmarks.harness.studies import load as load_study
 
-PICKS = {  # the planner's default picks on SmolLM2-135M-Instruct (docs/tasks.md), when no plan file is given
-    "pick4x": "select:kvzip(mix=observed_attention,share=0.1,heads=pooled,layers=50%-67%,decoded=int8)@x1.69+k8v4h",
-    "pick8x": "select:kvzip(mix=observed_attention,share=0.1,heads=pooled,decoded=int8)@x3.38+k8v4h",
-}
+PICKS = load_study("smollm2_speed")["picks"]  # the planner's default picks (docs/tasks.md) when no plan file is given
 DEFAULT_METHODS = ["full", "int8", "kivi4", "k8v4h", "pick4x", "pick8x"]
 
 
@@ -108,9 +104,6 @@ def rows(run):
 STUDY = Study("smollm2_speed", __doc__, rows, options=options, markdown=markdown, figure=figure,
               summary=lambda run, rows: {"picks": {k: (getattr(run.args, "plan" + k[4]) or v) for k, v in PICKS.items()},
                                          "pick_scores": run.args.pick_scores},
-              sizes={"default": {"contexts": [2048, 8000], "batch": [1, 8], "rounds": 8},
-                     "quick": {"contexts": [512], "batch": [1, 2], "rounds": 4},
-                     "smoke": {"contexts": [64], "batch": [1], "rounds": 2}},
               bounds={"contexts": (2, 1 << 17), "batch": (1, 256), "rounds": (1, 1000)})
 main = STUDY.main
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from kvsplice.core.diagnostics import format_diagnostics
 from kvsplice.lowrank.fits import score_error
 
-__all__ = ["TOL", "checks", "chunk_check", "compare_scores", "fd_markdown", "fmt_md", "summary", "timing"]
+__all__ = ["TOL", "best", "checks", "chunk_check", "compare_scores", "fd_markdown", "fmt_md", "summary", "timing"]
 
 TOL = 1e-6
 """Slack on the relative score errors: the bases are saved in fp32, so at full rank the attention-aware (oblique)
@@ -59,29 +59,21 @@ def fmt_md(report: dict) -> str:
     full = report["full"]
     res = {(r["method"], r["rope"], r["rank"]): r for r in report["results"]}
     d = report["model"]["shapes"]
+
+    def grid(cols, name, cell) -> list[str]:  # a row per method and RoPE mode, a column per rank
+        return ["| method | RoPE | " + " | ".join(map(name, cols)) + " |", "|---|---|" + "---|" * len(cols),
+                *(f"| {m} | {rope} | " + " | ".join(cell(res[(m, rope, r)]) for r in cols) + " |"
+                  for m in methods for rope in ropes)]
+
     per_tok = {r: 2 * d["n_layer"] * d["n_kv_head"] * r for r in ranks}
     full_tok = 2 * d["n_layer"] * d["n_kv_head"] * d["head_dim"]
     lines = [f"Perplexity of {setting(d, report['eval'], report['calibration'])}. Every token attends over the "
              f"cache (chunks of {report['config']['chunk_size']} tokens appended, then attended); value rank = key "
              f"rank. Full K/V cache: **{full['ppl']:.4f}** (model's own forward: {full['model_forward_ppl']:.4f}).", "",
-             "| method | RoPE | " + " | ".join(f"R={r} ({per_tok[r]}/{full_tok} numbers/token)" for r in ranks)
-             + " |",
-             "|---|---|" + "---|" * len(ranks)]
-    for m in methods:
-        for rope in ropes:
-            cells = [f"{res[(m, rope, r)]['ppl']:.3f}" for r in ranks]
-            lines.append(f"| {m} | {rope} | " + " | ".join(cells) + " |")
-    lines += ["", "Held-out attention-score error ‖KQᵀ − K A BᵀQᵀ‖/‖KQᵀ‖ (per-head queries; mean over layers) / "
-              "attention-output error after W_O (mean over layers):", "",
-              "| method | RoPE | " + " | ".join(f"R={r}" for r in ranks[:-1]) + " |",
-              "|---|---|" + "---|" * (len(ranks) - 1)]
-    for m in methods:
-        for rope in ropes:
-            cells = []
-            for r in ranks[:-1]:
-                x = res[(m, rope, r)]
-                cells.append(f"{x['score_err_mean']:.3f} / {x['attn_out_err_mean']:.3f}")
-            lines.append(f"| {m} | {rope} | " + " | ".join(cells) + " |")
+             *grid(ranks, lambda r: f"R={r} ({per_tok[r]}/{full_tok} numbers/token)", lambda x: f"{x['ppl']:.3f}"),
+             "", "Held-out attention-score error ‖KQᵀ − K A BᵀQᵀ‖/‖KQᵀ‖ (per-head queries; mean over layers) / "
+             "attention-output error after W_O (mean over layers):", "",
+             *grid(ranks[:-1], "R={}".format, lambda x: f"{x['score_err_mean']:.3f} / {x['attn_out_err_mean']:.3f}")]
     c = report["checks"]
     lines += ["", f"* Attention-aware ≤ K-only score error (+{TOL:g}), every layer × KV head × rank × RoPE mode × "
               f"objective (gqa-concat and kq on per-head scores, gqa-sum on group-summed scores): "
@@ -110,41 +102,31 @@ def fmt_md(report: dict) -> str:
 
 def checks(ctx, results, fits_all, calib_cache, ranks, ropes, methods, full) -> dict:
     """Attention-aware ≤ K-only score errors, Lesens' gap, bytes == formula, full rank, chunked decoding."""
-    viol_cal, viol_ho, n_cal, n_ho = [], [], 0, 0
+    viol, n = {"calibration": [], "held_out": []}, {"calibration": 0, "held_out": 0}
     lesens_ok, lesens_r4 = True, {}
     for rope in ropes:
-        cal = next(v["stats"][rope] for v in calib_cache.values() if rope in v["stats"])
-        ho = ctx.stats(rope)
+        grams = {"calibration": next(v["stats"][rope] for v in calib_cache.values() if rope in v["stats"]),
+                 "held_out": ctx.stats(rope)}
         for r in ranks:
-            fits = {m: fits_all[(rope, r, m)] for m in methods}
-            b, n = compare_scores(cal, fits, r, rope, "calibration")
-            viol_cal += b
-            n_cal += n
-            b, n = compare_scores(ho, fits, r, rope, "held_out")
-            viol_ho += b
-            n_ho += n
-        for res in results:
-            if res["rope"] == rope:
-                gaps = [g for row in res["layers"] for g in row["lesens"]["gap_rel_per_head"]]
-                lesens_ok &= all(g >= -1e-12 for g in gaps)
-                if res["rank"] == 4 and res["method"] == "ksvd":
-                    lesens_r4[rope] = sum(row["lesens"]["gap_rel"] for row in res["layers"]) / len(res["layers"])
-    by = {(x["method"], x["rope"], x["rank"]): x for x in results}
-    chunk = {}
-    for rope in ropes:
-        chunk[f"gqa-concat {rope} R=4"] = chunk_check(ctx, fits_all[(rope, 4, "gqa-concat")])
-    ex = by.get(("gqa-concat", ropes[0], 4)) or results[0]
+            for where, stats in grams.items():
+                bad, k = compare_scores(stats, {m: fits_all[(rope, r, m)] for m in methods}, r, rope, where)
+                viol[where], n[where] = viol[where] + bad, n[where] + k
+        for res in (x for x in results if x["rope"] == rope):
+            lesens_ok &= all(g >= -1e-12 for row in res["layers"] for g in row["lesens"]["gap_rel_per_head"])
+            if res["rank"] == 4 and res["method"] == "ksvd":
+                lesens_r4[rope] = sum(row["lesens"]["gap_rel"] for row in res["layers"]) / len(res["layers"])
+    ex = next((x for x in results if (x["method"], x["rope"], x["rank"]) == ("gqa-concat", ropes[0], 4)), results[0])
     fc = full["cache"]
     return {
-        "aa_le_konly": {"calibration": {"violations": len(viol_cal), "comparisons": n_cal, "list": viol_cal},
-                        "held_out": {"violations": len(viol_ho), "comparisons": n_ho, "list": viol_ho}},
+        "aa_le_konly": {w: {"violations": len(viol[w]), "comparisons": n[w], "list": viol[w]} for w in viol},
         "lesens_nonneg": lesens_ok, "lesens_r4_mean": lesens_r4,
         "bytes": {"n": len(results), "all_match": all(x["cache"]["bytes_match"] for x in results) and
                   fc["bytes_match"], "example_r4": ex["cache"]["measured_live_bytes"],
                   "full": fc["measured_live_bytes"], "batch": fc["batch_size"], "seq_len": fc["seq_len"]},
         "full_rank_max_rel": max(abs(x["ppl_ratio"] - 1) for x in results if x["rank"] == 8) if 8 in ranks
         else None,
-        "chunk_vs_token": chunk,
+        "chunk_vs_token": {f"gqa-concat {rope} R=4": chunk_check(ctx, fits_all[(rope, 4, "gqa-concat")])
+                           for rope in ropes},
     }
 
 
@@ -160,22 +142,26 @@ def timing(calib_cache, fit_reports, ropes) -> dict:
     return timing
 
 
+SLACKS = {"slack_logit": "logit_slack", "slack_softmax_tanh": "softmax_slack", "slack_softmax_sinh":
+          "softmax_sinh_slack", "slack_output": "output_slack", "tightest_logit": "logit_tightest",
+          "tightest_output": "output_tightest"}
+"""A row's slack field → the per-layer diagnostic it is the minimum of."""
+
+
 def summary(diag: list[dict]) -> dict:
     """Across layers: mean relative head-output error, the largest logit error, bounds held, worst slack."""
-    return {
-        "rel_out_mean": sum(d["rel_output_err"] for d in diag) / len(diag),
-        "logit_err_max": max(d["logit_err"] for d in diag),
-        "softmax_l1_max": max(d["softmax_l1"] for d in diag),
-        "bounds_hold": all(d["holds"] and d.get("holds_recorded", True) for d in diag),
-        "slack_logit": min(d["logit_slack"] for d in diag),
-        "slack_softmax_tanh": min(d["softmax_slack"] for d in diag),
-        "slack_softmax_sinh": min(d["softmax_sinh_slack"] for d in diag),
-        "slack_output": min(d["output_slack"] for d in diag),
-        "tightest_logit": min(d["logit_tightest"] for d in diag),
-        "tightest_output": min(d["output_tightest"] for d in diag),
-        **({"chunks_max": max(d["chunks_max"] for d in diag),
-            "chunks_mean": sum(d["chunks_mean"] for d in diag) / len(diag)} if "chunks_max" in diag[0] else {}),
-    }
+    return {"rel_out_mean": sum(d["rel_output_err"] for d in diag) / len(diag),
+            "logit_err_max": max(d["logit_err"] for d in diag), "softmax_l1_max": max(d["softmax_l1"] for d in diag),
+            "bounds_hold": all(d["holds"] and d.get("holds_recorded", True) for d in diag),
+            **{k: min(d[v] for d in diag) for k, v in SLACKS.items()},
+            **({"chunks_max": max(d["chunks_max"] for d in diag),
+                "chunks_mean": sum(d["chunks_mean"] for d in diag) / len(diag)} if "chunks_max" in diag[0] else {})}
+
+
+def best(rows: list[dict]) -> tuple[dict, dict | None]:
+    """The best attention-aware global row and the best matched fd-online row (None: none matched)."""
+    return (min((x for x in rows if x["kind"] == "global" and not x["reference_only"]), key=lambda x: x["ppl"]),
+            min((x for x in rows if x["kind"] == "fd-online" and x["matched"]), key=lambda x: x["ppl"], default=None))
 
 
 def fd_markdown(rep: dict, ranks=(2, 4, 6)) -> str:
@@ -194,8 +180,7 @@ def fd_markdown(rep: dict, ranks=(2, 4, 6)) -> str:
         budget = next(x["bytes"] for x in rs if x["kind"] == "global")
         glob = [x for x in rs if x["kind"] == "global"]
         fd = sorted((x for x in rs if x["kind"] == "fd-online"), key=lambda x: x["ppl"])
-        best_g = min((x for x in glob if not x["reference_only"]), key=lambda x: x["ppl"])
-        best_fd = min((x for x in fd if x["matched"]), key=lambda x: x["ppl"], default=None)
+        best_g, best_fd = best(rs)
         for x in glob + fd:
             name = x["method"] + (" (reference)" if x.get("reference_only") else "")
             cfg = x.get("label", f"R={r}")
@@ -210,8 +195,7 @@ def fd_markdown(rep: dict, ranks=(2, 4, 6)) -> str:
     lines += ["", "Best matched fd-online vs best global attention-aware post-RoPE method (ppl):", ""]
     for r in ranks:
         rs = [x for x in rep["rows"] if x["budget_rank"] == r]
-        g = min((x for x in rs if x["kind"] == "global" and not x["reference_only"]), key=lambda x: x["ppl"])
-        f = min((x for x in rs if x["kind"] == "fd-online" and x["matched"]), key=lambda x: x["ppl"], default=None)
+        g, f = best(rs)
         k = next(x for x in rs if x["method"].startswith("ksvd"))
         if f is not None:
             lines.append(f"* R={r}: fd-online {f['ppl']:.2f} ({f['label']}, {f['bytes'] / g['bytes']:.3f}× bytes, "
@@ -227,8 +211,7 @@ def fd_markdown(rep: dict, ranks=(2, 4, 6)) -> str:
     r4 = [x for x in rep["rows"] if x["budget_rank"] == 4]
     if not r4:
         return "\n".join(lines)
-    best_fd = min((x for x in r4 if x["kind"] == "fd-online" and x["matched"]), key=lambda x: x["ppl"])
-    best_g = min((x for x in r4 if x["kind"] == "global" and not x["reference_only"]), key=lambda x: x["ppl"])
+    best_g, best_fd = best(r4)
     lines += ["", "Per-layer diagnostics at R = 4 (first window, teacher-forced; max over queries and heads; "
               "slack = the tightest per-query bound/observed):", "",
               format_diagnostics(best_fd["layers"], f"fd-online {best_fd['label']}"), "",

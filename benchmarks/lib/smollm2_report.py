@@ -45,12 +45,8 @@ def energy_claims(stats_path: Path) -> dict:
 
 def pareto(rows: list[dict]) -> set[str]:
     """Ids of the rows no other row beats on both bytes per token (≤) and perplexity (<)."""
-    front = set()
-    for r in rows:
-        if not any(o is not r and o["bytes_per_token"] <= r["bytes_per_token"] and o["ppl"] < r["ppl"]
-                   for o in rows):
-            front.add(r["id"])
-    return front
+    return {r["id"] for r in rows if not any(o is not r and o["bytes_per_token"] <= r["bytes_per_token"] and
+                                             o["ppl"] < r["ppl"] for o in rows)}
 
 
 def _pct(ppl: float, base: float) -> float:
@@ -60,11 +56,6 @@ def _pct(ppl: float, base: float) -> float:
 def _section(title: str, header: str, rows: list[str]) -> list[str]:
     """A markdown section of the report: ``## title``, the table (``header``, its rule, ``rows``) and a blank line."""
     return [f"## {title}", "", header, "|" + "---|" * (header.count("|") - 1), *rows, ""]
-
-
-def _best_tuning(row: dict) -> dict:
-    """The candidate of a planner row with the lowest tuning perplexity."""
-    return min(row["candidates"], key=lambda c: c["tuning_ppl"])
 
 
 def markdown(rows: list[dict], kvpress: dict, issue: dict, claims: dict) -> str:
@@ -94,26 +85,21 @@ def markdown(rows: list[dict], kvpress: dict, issue: dict, claims: dict) -> str:
             [f"| {r['label']} | {r['ppl']:.4f} | {_pct(r['ppl'], base['W']):+.2f} | {r['ratio_vs_fp16_full']:.2f} | "
              f"{_ranks(r.get('ranks'))} |" for r in sorted(by["W"], key=lambda r: -r["bytes_per_token"])])
     if by["S"]:
-        best_kv = {x: (n, v) for (n, x), v in kvpress.items()}
-
-        def kv_best(x) -> str:
-            kv = best_kv.get(x)
-            return "" if kv is None else f"{kv[0]} {kv[1]:+.1f} %"
-
+        kv_best = {x: f"{n} {v:+.1f} %" for (n, x), v in kvpress.items()}  # ratio → kvpress's best press
         md += _section(
             f"Protocol S (kvpress's protocol): 5 windows of 832, 768-token prompt compressed 2/4/8×, 64 tokens "
             f"scored (full cache ppl {base['S']:.4f})",
             "| selector | ratio | ppl | Δ % | kvpress's best press at this ratio (kvpress 0.5.5, quoted) |",
             [f"| {r['spec'].get('selector', 'full K/V')} | {r['spec'].get('x') or 1}× | {r['ppl']:.4f} | "
-             f"{_pct(r['ppl'], base['S']):+.2f} | {kv_best(r['spec'].get('x'))} |"
+             f"{_pct(r['ppl'], base['S']):+.2f} | {kv_best.get(r['spec'].get('x'), '')} |"
              for r in sorted(by["S"], key=lambda r: (r["spec"].get("x", 1), r["ppl"]))])
     plans = [r for r in by["P"] if r["id"].startswith("plan_")]
     if plans:
         md += _section(
             "The planner's stacks (chosen on the tuning slice, then measured here)",
             "| budget | chosen stack | tuning Δ % | eval ppl | eval Δ % | × smaller | candidates measured |",
-            [f"| {r['spec']['plan']}× | {r['label']} | {_best_tuning(r)['delta_pct']:+.2f} | {r['ppl']:.4f} | "
-             f"{_pct(r['ppl'], base['P']):+.2f} | {r['ratio_vs_fp16_full']:.2f} | {len(r['candidates'])} |"
+            [f"| {r['spec']['plan']}× | {r['label']} | "
+             f"{min(r['candidates'], key=lambda c: c['tuning_ppl'])['delta_pct']:+.2f} | {r['ppl']:.4f} | {_pct(r['ppl'], base['P']):+.2f} | {r['ratio_vs_fp16_full']:.2f} | {len(r['candidates'])} |"
              for r in sorted(plans, key=lambda r: r["spec"]["plan"])])
     if claims:
         md += _section(

@@ -16,10 +16,8 @@ from kvsplice.planning.options import PLAN_CALIB_TOKENS
 WORK = ROOT / "checkpoints" / "smollm2_tasks"
 PLANS = WORK / "plans"
 
-SETTINGS = load_study("smollm2_tasks")  # benchmarks/studies/smollm2_tasks.yaml
-PPL_PLANNER: dict[str, str] = SETTINGS["ppl_planner"]  # the planner with --objective ppl (the frontier's picks)
-PLANNED: dict[str, list[str]] = SETTINGS["planned"]  # the planner's default picks: plan:PLANS/plan<name>.json
-SIZES: dict[str, dict] = SETTINGS["sizes"]  # --size NAME: methods, plans, tasks, lengths, instances per task
+PLANNED: dict[str, list[str]] = load_study("smollm2_tasks")["planned"]  # the planner's picks: PLANS/plan<name>.json
+SIZES: dict[str, dict] = load_study("smollm2_tasks")["sizes"]  # --size NAME: methods, plans, tasks, lengths, n
 
 
 def use_work(work: Path) -> None:

@@ -6,12 +6,10 @@
         --bases-pre r4_pre.safetensors              # -> results/hf_generate_speed.json
 
 One greedy ``generate()`` per cache and repeat, interleaved (default cache, post-RoPE, pre-RoPE, default, ...), on
-the same prompt of ``--prompt-tokens`` real validation-text tokens, ``--new-tokens`` tokens each (EOS suppressed).
-A stopping criterion stamps the clock after every step; a decode step's time is the interval between two stamps
-(the prefill is excluded). Per run: the median step; reported: the median over ``--repeats`` runs, as thread-CPU
-time (robust to other processes on a shared machine) and wall time, and each cache's ratio to the default cache.
-The baseline runs on its own copy of the model with transformers' default ``sdpa`` attention. torch threads = 1.
-A row per cache.
+one prompt of ``--prompt-tokens`` validation-text tokens, ``--new-tokens`` tokens each (EOS suppressed). A decode
+step's time is the interval between two stamps of a stopping criterion (the prefill excluded); a row per cache: the
+median over ``--repeats`` runs of each run's median step, thread-CPU (robust on a shared machine) and wall, and the
+ratio to the default cache (on its own copy of the model, transformers' default ``sdpa`` attention).
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from pathlib import Path
 import torch
 import transformers
 
-
 from benchmarks.harness.options import add_model
 from benchmarks.harness.paths import EVAL
 from benchmarks.harness.runner import Study
@@ -32,28 +29,24 @@ from kvsplice.hf import CoefficientHFCache
 from kvsplice.lowrank.bases import KVBases
 
 
-
 class Stamps(transformers.StoppingCriteria):
     """Records (thread-CPU, wall) time after every generation step; never stops generation."""
 
     def __init__(self) -> None:
-        self.cpu: list[float] = []
-        self.wall: list[float] = []
+        self.times: list[tuple[float, float]] = []
 
     def __call__(self, input_ids, scores, **kw):
-        self.cpu.append(time.thread_time())
-        self.wall.append(time.perf_counter())
+        self.times.append((time.thread_time(), time.perf_counter()))
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def one_run(model, ids, cache, n_new: int) -> tuple[float, float]:
-    """Median decode-step (thread-CPU, wall) seconds of one ``generate()``."""
+    """Median decode-step (thread-CPU, wall) seconds of one ``generate()`` (the first stamp follows the prefill)."""
     st = Stamps()
     with torch.no_grad():
         model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n_new,
                        min_new_tokens=n_new, do_sample=False, stopping_criteria=[st], pad_token_id=0)
-    cpu = [b - a for a, b in zip(st.cpu, st.cpu[1:])]  # decode steps only: the first stamp follows the prefill
-    wall = [b - a for a, b in zip(st.wall, st.wall[1:])]
+    cpu, wall = ([b - a for a, b in zip(t, t[1:])] for t in zip(*st.times))
     return statistics.median(cpu), statistics.median(wall)
 
 
@@ -80,12 +73,11 @@ def rows(run):
               "coeff_pre": (ours, lambda: CoefficientHFCache(ours, bases["pre"]))}
     for model, make in makers.values():  # warm-up
         one_run(model, ids, make(), 8)
-    runs = {k: {"cpu": [], "wall": []} for k in makers}
+    runs: dict[str, list[tuple[float, float]]] = {k: [] for k in makers}
     for _ in range(run["repeats"]):
         for name, (model, make) in makers.items():
-            cpu, wall = one_run(model, ids, make(), run["new_tokens"])
-            runs[name]["cpu"].append(cpu)
-            runs[name]["wall"].append(wall)
+            runs[name].append(one_run(model, ids, make(), run["new_tokens"]))
+    runs = {k: dict(zip(("cpu", "wall"), map(list, zip(*v)))) for k, v in runs.items()}  # name → cpu / wall lists
     med = {k: {m: statistics.median(v[m]) for m in ("cpu", "wall")} for k, v in runs.items()}
     for name in makers:
         row = {"cache": name, "ms_per_token_cpu": 1e3 * med[name]["cpu"], "ms_per_token_wall": 1e3 * med[name]["wall"],

@@ -38,14 +38,13 @@ def method_for(name: str, ids, tokenizer):
 def one_prefill(model, name: str, ids, tokenizer) -> tuple[float, float]:
     """``(wall, process CPU)`` seconds of one prefill (+ compression) of ``ids`` with ``name``'s cache."""
     import torch
-    from transformers import DynamicCache
 
-    from kvsplice.hf.base import KVSpliceHFCache
+    from benchmarks.lib.speed import prefill_and_steps
 
     t0, c0 = time.perf_counter(), time.process_time()
-    cache = DynamicCache() if name == FULL else KVSpliceHFCache(model, method_for(name, ids, tokenizer))
+    method = None if name == FULL else method_for(name, ids, tokenizer)
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        prefill_and_steps(model, "hf", method, ids, ids.shape[1])[0]()
     return time.perf_counter() - t0, time.process_time() - c0
 
 

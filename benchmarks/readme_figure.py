@@ -19,25 +19,12 @@ from pathlib import Path
 
 from benchmarks.harness.paths import RESULTS, ROOT
 from benchmarks.harness.runner import Study
+from benchmarks.harness.studies import load as load_study
 from benchmarks.lib.overview_plot import MIXED_PLAN, PLAN_NAMES, PPL_PLAN
 from benchmarks.lib.smollm2_report import family
 
 OUT = ROOT / "docs" / "figures" / "overview.png"
-TRAINED_NAMES = {
-    "mha": "MHA", "gqa2": "GQA-2", "mqa": "MQA", "mla_128": "MLA-128", "mla_64": "MLA-64", "mla_32": "MLA-32",
-    "mla_128_kvsplice_50": "KVSplice-50", "mla_128_kvsplice_70": "KVSplice-70", "mla_128_kvsplice_90": "KVSplice-90",
-    "insert": "KVSplice-50 inserted", "insert90": "KVSplice-90 inserted",
-}
-
-
-def _family(variant: str) -> str:
-    if variant.startswith("insert"):
-        return "KVSplice inserted into MLA-128 (PCA) + fine-tuned"
-    if "kvsplice" in variant:
-        return "MLA-128 + KVSplice, from scratch"
-    if variant.startswith("mla"):
-        return "MLA"
-    return "MHA / GQA / MQA"
+TRAINED = load_study("readme_figure")["trained"]  # variant → [label, family, label offset]
 
 
 def load_trained(results: Path) -> list[dict]:
@@ -49,8 +36,9 @@ def load_trained(results: Path) -> list[dict]:
     points = []
     for variant, rows in groups.items():
         losses = [r["val_loss"] for r in rows]
+        label, fam, offset = TRAINED.get(variant, (variant, "MHA / GQA / MQA", (8, 0)))
         points.append({
-            "variant": variant, "label": TRAINED_NAMES.get(variant, variant), "family": _family(variant),
+            "variant": variant, "label": label, "family": fam, "offset": offset,
             "bytes": rows[0]["cache_bytes_per_token"], "loss": statistics.mean(losses),
             "se": statistics.stdev(losses) / len(losses) ** 0.5 if len(losses) > 1 else 0.0, "seeds": len(losses),
         })

@@ -12,11 +12,9 @@ Protocols (kvsplice.evaluation.protocol; ``benchmarks/lib/smollm2_windows.py`` f
   teacher-forced over the cache and scored. Bytes per token: the method's closed form at fp16 storage for the
   tokens held after the prefill, per prompt token (measured == formula checked in every batch); the ratio is
   against the fp16 full K/V cache (2·30·3·64·2 = 23,040 B per token).
-* ``W`` (the low-rank protocol): every token of the 4 windows attends over the compressed cache (chunks of
-  64): full-cache ppl 8.2672.
-* ``S`` (kvpress's protocol): 5 windows of 832 tokens of the validation text (768-token prompt
-  compressed, 64 continuation tokens scored) — for comparing our selectors with kvpress 0.5.5's published numbers
-  (quoted, not re-run: kvpress needs transformers <= 5.2).
+* ``W`` (the low-rank protocol): every token of the 4 windows attends over the compressed cache (chunks of 64).
+* ``S`` (kvpress's protocol): 5 windows of 832 validation tokens (768-token prompt compressed, 64 tokens scored):
+  our selectors beside kvpress 0.5.5's published numbers (quoted, not re-run: kvpress needs transformers <= 5.2).
 
 Calibration: 32,768 train-sample tokens, one pass for every method (both RoPE modes, loss gradients), statistics
 reused from WORK. Every choice (the planner's stacks, allocation) is made on calibration text or the tuning slice,

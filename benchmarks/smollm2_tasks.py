@@ -5,10 +5,8 @@ cache's accuracy (the ceiling).
     python -m benchmarks.smollm2_tasks [--size NAME]      # the sizes of benchmarks/studies/smollm2_tasks.yaml
     python -m benchmarks.smollm2_tasks --report-only      # write results/ from the finished instances
 
-Sizes: ``reduced`` (the default: what was run; docs/tasks.md), ``passkey`` (8 at 1k + 8 at 2k), ``goals`` /
-``goals2k`` / ``goalsfast`` (the planner's picks, 50 per task), ``fastpick`` (the default 4x pick vs the full cache,
-2k / 4k), ``ceiling`` (the full cache at 4k / 8k), ``long`` (the 1k picks at 4k / 8k), ``full`` (every family and
-stack, 7 tasks, 1k/2k/4k), ``smoke`` (stories260K, seconds).
+Sizes (each described in the YAML): ``reduced`` (the default: what docs/tasks.md reports), ``passkey``, ``goals`` /
+``goals2k`` / ``goalsfast`` / ``fastpick`` (the planner's picks), ``ceiling``, ``long``, ``full``, ``smoke`` (seconds).
 
 The planner's picks (``planned`` in the YAML: ``kvsplice plan``, the mixed objective tuned on seeds >= 1,000,000)
 are made once into ``WORK/plans/`` and kept; the perplexity-only stacks (``ppl_planner``) are rebuilt by spec. Each

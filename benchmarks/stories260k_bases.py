@@ -17,6 +17,8 @@ Steps (through the CLIs' own code: :mod:`kvsplice.fit_bases` / :mod:`kvsplice.ev
 
 from __future__ import annotations
 
+import itertools
+
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import CALIB, EVAL, STORIES
 from benchmarks.harness.runner import Study
@@ -59,26 +61,20 @@ def rows(run):
                       data_info=eval_info)
     full = ctx.full()
     run.say(f"full K/V cache ppl {full['ppl']:.4f} (model forward {full['model_forward_ppl']:.4f})")
-    calib_cache: dict = {}
-    results, fits_all, fit_reports = [], {}, {}
-    for rope in ropes:
-        for r in ranks:
-            for m in methods:
-                bases, rep = fit_one(_fit_options(m, r, rope, run), loaded=loaded, calib_cache=calib_cache)
-                fits_all[(rope, r, m)], fit_reports[(rope, r, m)] = bases, rep
-                res = evaluate_bases(ctx, bases, label=f"{m}-{rope}-r{r}")
-                res["rank"] = r
-                for key, part in (("score_err_mean", "scores"), ("score_sum_err_mean", "scores_sum"),
-                                  ("value_err_mean", "values"), ("attn_out_err_mean", "attn_out")):
-                    res[key] = sum(x[part] for x in res["layers"]) / len(res["layers"])
-                res["fit"] = {k: rep[k] for k in ("timings_s", "retained_k", "retained_v")}
-                res.pop("per_head")
-                results.append(res)
-                run.say(f"{m:>10} {rope:>4} R={r}: ppl {res['ppl']:.4f} (×{res['ppl_ratio']:.3f}), score err "
-                        f"{res['score_err_mean']:.3f}, attn-out err {res['attn_out_err_mean']:.3f}, bytes "
-                        f"{res['cache']['measured_live_bytes']:,} {'==' if res['cache']['bytes_match'] else '!='} "
-                        "formula")
-                yield res
+    calib_cache, fits_all, fit_reports = {}, {}, {}
+    for rope, r, m in itertools.product(ropes, ranks, methods):
+        bases, rep = fit_one(_fit_options(m, r, rope, run), loaded=loaded, calib_cache=calib_cache)
+        fits_all[(rope, r, m)], fit_reports[(rope, r, m)] = bases, rep
+        res = {**evaluate_bases(ctx, bases, label=f"{m}-{rope}-r{r}"), "rank": r}
+        for key, part in (("score_err_mean", "scores"), ("score_sum_err_mean", "scores_sum"),
+                          ("value_err_mean", "values"), ("attn_out_err_mean", "attn_out")):
+            res[key] = sum(x[part] for x in res["layers"]) / len(res["layers"])
+        res["fit"] = {k: rep[k] for k in ("timings_s", "retained_k", "retained_v")}
+        res.pop("per_head")
+        run.say(f"{m:>10} {rope:>4} R={r}: ppl {res['ppl']:.4f} (×{res['ppl_ratio']:.3f}), score err "
+                f"{res['score_err_mean']:.3f}, attn-out err {res['attn_out_err_mean']:.3f}, bytes "
+                f"{res['cache']['measured_live_bytes']:,} {'==' if res['cache']['bytes_match'] else '!='} formula")
+        yield res
     ids = calibration_ids(loaded, run["calib_tokens"])
     half = calibrate(loaded.model, calibration_batches(ids, run["seq_len"], run["batch_size"],
                                                        run["calib_tokens"] // 2), progress=False)
@@ -90,7 +86,7 @@ def rows(run):
         model={"source": str(STORIES / "stories260K.bin"), "shapes": fr["shapes"],
                "fingerprint": fr["model_fingerprint"]},
         calibration={**fr["calibration"], "source": CALIB.name}, eval={**eval_info, "source": EVAL.name}, full=full,
-        checks=checks(ctx, results, fits_all, calib_cache, ranks, ropes, methods, full),
+        checks=checks(ctx, run.rows, fits_all, calib_cache, ranks, ropes, methods, full),
         timing=timing(calib_cache, fit_reports, ropes),
         memory={"stats_nbytes": {half.n_tokens: half.nbytes(), full_cal.n_tokens: full_cal.nbytes()}})
 

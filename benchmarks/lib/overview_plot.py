@@ -22,12 +22,6 @@ STYLE = {  # family -> marker, colour
 }
 
 
-# label offsets in points for the trained panel (the names sit beside their points without crossing)
-TRAINED_OFFSETS = {"mha": (8, -3), "gqa2": (-8, 4), "mla_128": (8, -12), "mla_64": (8, -12), "mqa": (8, 2),
-                   "mla_128_kvsplice_50": (-8, 4), "mla_128_kvsplice_70": (0, 14), "mla_32": (8, -4),
-                   "mla_128_kvsplice_90": (-8, 0), "insert": (8, -4), "insert90": (0, -18)}
-
-
 def figure(trained: list[dict], post: list[dict]):
     """The two panels: trained variants (loss against bytes), post-training methods (perplexity change against
     times smaller); returns the matplotlib figure."""
@@ -43,7 +37,7 @@ def figure(trained: list[dict], post: list[dict]):
                    color=colour, ms=13 if marker == "*" else 7, capsize=3, label=family,
                    ls="-" if family == "MLA" else "none", lw=1)
     for p in trained:
-        dx, dy = TRAINED_OFFSETS.get(p["variant"], (8, 0))
+        dx, dy = p["offset"]
         a.annotate(p["label"], (p["bytes"], p["loss"]), xytext=(dx, dy), textcoords="offset points", fontsize=8,
                    ha="right" if dx < 0 else "center" if dx == 0 else "left", va="center")
     a.set_xscale("log", base=2)

@@ -1,22 +1,14 @@
-"""The text windows of the package's standard real-model protocol (SmolLM2-135M-Instruct, the shared GGUF file):
-its text (calibration: the first 32,768 tokens of the TinyStories train sample; evaluation: the first 4,096 tokens
-of the validation sample, 4 windows of 1,024; a tuning slice of 4 windows after the calibration tokens for every
-choice a benchmark or the planner makes) and the calibration statistics, computed once and reused from ``WORK``.
-Used by ``benchmarks/smollm2_frontier.py`` and ``benchmarks/smollm2_llama_cpp.py``."""
+"""The text of the package's standard real-model protocol (SmolLM2-135M-Instruct, the shared GGUF file): evaluation,
+the first 4,096 tokens of the validation sample (4 windows of 1,024); calibration, the first 32,768 tokens of the
+train sample (statistics computed once, reused from ``WORK``); a tuning slice of windows after the calibration tokens
+for every choice a benchmark or the planner makes. Used by ``smollm2_frontier`` and ``smollm2_llama_cpp``."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from benchmarks.harness.paths import CALIB, EVAL as VAL, SMOLLM2 as MODEL  # the shared data files
+from benchmarks.harness.paths import CALIB, EVAL as VAL, ROOT, SMOLLM2 as MODEL  # noqa: F401  (read as C.VAL)
 
-__all__ = ["CALIB", "CALIB_TOKENS", "EVAL_TOKENS", "MODEL", "SEQ", "VAL", "WORK", "eval_windows", "load", "stats",
-           "token_windows", "tune_windows"]
-
-ROOT = Path(__file__).resolve().parents[2]
-"""The repository."""
 WORK = ROOT / "checkpoints" / "smollm2"
 CALIB_TOKENS, SEQ, EVAL_TOKENS = 32768, 1024, 4096
 
@@ -29,12 +21,11 @@ def load():
 
 
 def token_windows(loaded, spec, n_tokens: int, seq: int = SEQ, skip: int = 0) -> torch.Tensor:
-    """``(n_tokens // seq, seq)`` windows of ``spec``'s token stream after its first ``skip`` tokens (the
-    package's tokenisation: stories joined by the tokenizer's separator)."""
+    """``(n_tokens // seq, seq)`` windows of ``spec``'s token stream (stories joined by the tokenizer's separator)
+    after its first ``skip`` tokens."""
     from kvsplice.loading import iter_texts, token_stream
 
-    ids, _ = token_stream(iter_texts(str(spec)), loaded.tokenizer, skip + n_tokens)
-    ids = ids[skip:]
+    ids = token_stream(iter_texts(str(spec)), loaded.tokenizer, skip + n_tokens)[0][skip:]
     n = ids.numel() // seq
     return ids[: n * seq].view(n, seq)
 

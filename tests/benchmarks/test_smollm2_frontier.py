@@ -27,3 +27,36 @@ def test_the_report_is_rendered_from_the_resumed_rows_alone(tmp_path, monkeypatc
     assert len(table) == sum(r["protocol"] == "P" for r in old["rows"])
     assert set(table) <= set((ROOT / "results" / "smollm2_frontier.md").read_text().splitlines())
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_rows_are_study_data_each_measurable_once():
+    """The rows (``benchmarks/studies/smollm2_frontier.yaml``): unique ids, one protocol each, and every spec of a
+    kind the bench measures; the committed results hold a row for every one of them."""
+    bench = load_benchmark("smollm2_frontier")
+    rows = bench.stack_rows()
+    ids = [rid for rid, _, _ in rows]
+    assert len(ids) == len(set(ids)) and {p for _, p, _ in rows} == {"P", "S", "W"}
+    known = {"store", "selector", "x", "bits", "residual", "alloc", "rope", "method", "rank", "cache_quant", "plan",
+             "hf_quant", "nbits"}
+    assert all(set(spec) <= known for _, _, spec in rows)
+    assert all(spec.get("store", "dense") in ("dense", "int8", "kivi", "lowrank", "joint") for _, _, spec in rows)
+    committed = {r["id"] for r in json.loads((ROOT / "results" / "smollm2_frontier.json").read_text())["rows"]}
+    assert set(ids) - committed <= {"hf_quanto_int4", "hf_quanto_int2"}  # skipped without optimum-quanto
+
+
+def test_method_family_of_a_row():
+    """One classification serves the frontier figure and the front page: by id for plans and low rank (joint
+    latents included), by label for token selections with or without a quantised store."""
+    from benchmarks.lib.smollm2_report import FAMILIES, family
+
+    cases = {("full", "full K/V"): "full", ("plan_4x", "observed_attention×2.1 + int8"): "planner",
+             ("joint_fisher_pre_x2", "joint fisher pre-RoPE allocated ×2"): "low rank (bases)",
+             ("lr_kq_pre_r32", "lowrank gqa-concat pre-RoPE r32"): "low rank (bases)",
+             ("obs_x4_int8", "observed_attention×4 + int8"): "token selection + quantisation",
+             ("obs_x1.55_kivi4_r32", "observed_attention×1.55 + kivi4(g32,r32)"): "token selection + quantisation",
+             ("snapkv_x8", "snapkv×8 + fp"): "token selection alone",
+             ("kivi2_r32", "kivi2(g32,r32)"): "quantisation", ("hf_fp8", "transformers QuantizedCache(fp8)"):
+             "quantisation"}
+    for (rid, label), fam in cases.items():
+        assert family({"id": rid, "label": label}) == fam, rid
+    assert set(cases.values()) == set(FAMILIES)

@@ -40,17 +40,14 @@ RANKS = (2, 4, 6)
 FD_CONFIGS: dict[int, list[dict]] = load_study("fd_online_stories260k")["configs"]  # per global rank R
 
 
+SHORT = {"tau_k": ("τ_k", None), "min_chunk_len": ("m", 1), "max_chunks": ("J_max", None), "fd_decay": ("γ", 1.0)}
+"""An fd-online option shown in a configuration's label → (its short name, the default left out)."""
+
+
 def label(kw: dict) -> str:
-    parts = [f"r={kw['rank_k']}/{kw['rank_v']}", f"L={kw['max_chunk_len']}"]
-    if kw.get("tau_k") is not None:
-        parts.append(f"τ_k={kw['tau_k']}{' rel' if kw.get('relative') else ''}")
-    if kw.get("min_chunk_len", 1) > 1:
-        parts.append(f"m={kw['min_chunk_len']}")
-    if kw.get("max_chunks"):
-        parts.append(f"J_max={kw['max_chunks']}")
-    if kw.get("fd_decay", 1.0) != 1.0:
-        parts.append(f"γ={kw['fd_decay']}")
-    return ", ".join(parts)
+    rel = lambda k: " rel" if k == "tau_k" and kw.get("relative") else ""  # noqa: E731
+    return ", ".join([f"r={kw['rank_k']}/{kw['rank_v']}", f"L={kw['max_chunk_len']}",
+                      *(f"{n}={kw[k]}{rel(k)}" for k, (n, d) in SHORT.items() if kw.get(k, d) not in (d, 0))])
 
 
 def options(p) -> None:

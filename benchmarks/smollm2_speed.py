@@ -14,6 +14,8 @@ others (:mod:`benchmarks.lib.speed`). One torch thread by default: thread-CPU se
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from benchmarks.harness.options import UsageError, add_model
@@ -90,15 +92,13 @@ def rows(run):
             raise UsageError(f"--contexts {too_long} + {run['rounds'] + 2} decode steps exceed the model's "
                              f"{limit} positions")
         methods = method_factories(args, model, tok, PICKS)
-        for t in run["contexts"]:
-            for b in run["batch"]:
-                ids = prompt_ids(tok, args.data, t, b)
-                for door in args.doors:
-                    for r in measure(model, door, methods, ids, rounds=run["rounds"]):
-                        run.say(f"{dt} T={t} B={b} {door:7s} {r['method']:8s} prefill {r['prefill_s']:7.2f}s "
-                                f"decode {r['decode_ms']:8.1f} ms ×{r['decode_vs_full']:.2f} (wall ×"
-                                f"{r['decode_wall_vs_full']:.2f})")
-                        yield {**r, "dtype": dt}
+        for t, b in itertools.product(run["contexts"], run["batch"]):
+            ids = prompt_ids(tok, args.data, t, b)
+            for door in args.doors:
+                for r in measure(model, door, methods, ids, rounds=run["rounds"]):
+                    run.say(f"{dt} T={t} B={b} {door:7s} {r['method']:8s} prefill {r['prefill_s']:7.2f}s decode "
+                            f"{r['decode_ms']:8.1f} ms ×{r['decode_vs_full']:.2f} (wall ×{r['decode_wall_vs_full']:.2f})")
+                    yield {**r, "dtype": dt}
 
 
 STUDY = Study("smollm2_speed", __doc__, rows, options=options, markdown=markdown, figure=figure,

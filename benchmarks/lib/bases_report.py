@@ -175,28 +175,21 @@ def fd_markdown(rep: dict, ranks=(2, 4, 6)) -> str:
              "logit error; J: chunks per stream at T = 512 (max / mean over layers and KV heads).", ""]
     lines += ["| R (budget) | method | config | ppl | bytes | ×budget | sketch bytes | J max / mean | rel_out | ε max "
               "| bounds hold |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in ranks:
-        rs = [x for x in rep["rows"] if x["budget_rank"] == r]
-        budget = next(x["bytes"] for x in rs if x["kind"] == "global")
+    by = {r: [x for x in rep["rows"] if x["budget_rank"] == r] for r in ranks}
+    for r, rs in by.items():
         glob = [x for x in rs if x["kind"] == "global"]
-        fd = sorted((x for x in rs if x["kind"] == "fd-online"), key=lambda x: x["ppl"])
-        best_g, best_fd = best(rs)
-        for x in glob + fd:
-            name = x["method"] + (" (reference)" if x.get("reference_only") else "")
-            cfg = x.get("label", f"R={r}")
-            if x is best_g or x is best_fd:
-                name = f"**{name}**"
+        budget, winners = glob[0]["bytes"], best(rs)
+        for x in glob + sorted((x for x in rs if x["kind"] == "fd-online"), key=lambda x: x["ppl"]):
+            fd, name = x["kind"] == "fd-online", x["method"] + (" (reference)" if x.get("reference_only") else "")
             j = f"{x['chunks_max']} / {x['chunks_mean']:.1f}" if "chunks_max" in x else "—"
-            sk = f"{x['sketch_bytes']:,}" if x["kind"] == "fd-online" else "—"
-            match = "" if x["kind"] == "global" or x["matched"] else " (over)"
-            lines.append(f"| {r} ({2 * r}/token) | {name} | {cfg} | {x['ppl']:.3f} | {x['bytes']:,} | "
-                         f"{x['bytes'] / budget:.3f}{match} | {sk} | {j} | {x['rel_out_mean']:.3f} | "
+            sk = f"{x['sketch_bytes']:,}" if fd else "—"
+            lines.append(f"| {r} ({2 * r}/token) | {f'**{name}**' if any(x is w for w in winners) else name} | "
+                         f"{x.get('label', f'R={r}')} | {x['ppl']:.3f} | {x['bytes']:,} | {x['bytes'] / budget:.3f}"
+                         f"{' (over)' if fd and not x['matched'] else ''} | {sk} | {j} | {x['rel_out_mean']:.3f} | "
                          f"{x['logit_err_max']:.1f} | {'yes' if x['bounds_hold'] else 'NO'} |")
     lines += ["", "Best matched fd-online vs best global attention-aware post-RoPE method (ppl):", ""]
-    for r in ranks:
-        rs = [x for x in rep["rows"] if x["budget_rank"] == r]
-        g, f = best(rs)
-        k = next(x for x in rs if x["method"].startswith("ksvd"))
+    for r, rs in by.items():
+        (g, f), k = best(rs), next(x for x in rs if x["method"].startswith("ksvd"))
         if f is not None:
             lines.append(f"* R={r}: fd-online {f['ppl']:.2f} ({f['label']}, {f['bytes'] / g['bytes']:.3f}× bytes, "
                          f"J={f['chunks_max']}) vs {g['method']} {g['ppl']:.2f}; K-only global (ksvd post) "

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvsplice.decode import Decoder, score_continuation
+from kvsplice.evaluation.protocol import full_bytes_per_token
 from kvsplice.hf import KVSpliceHFCache
 from kvsplice.hf.measure import continuation_logits
 from kvsplice.report.memory import measure_cache
@@ -39,13 +40,10 @@ def evaluate(model, windows: torch.Tensor, p: int, name: str, method) -> dict:
         c_hf = KVSpliceHFCache(model, method, capacity=method.capacity(p, ids.shape[1] - p))
         nll["decoder"] += n_dec / len(windows)
         nll["hf"] += hf_nll(model, c_hf, ids, p) / len(windows)
-    bound = Decoder(model, method).method
-    t_seen = windows.shape[1] - 1
-    held = c_dec.seq_len
+    bound, t_seen, held = Decoder(model, method).method, windows.shape[1] - 1, c_dec.seq_len
     measured = {"decoder": measure_cache(c_dec).live_bytes, "hf": measure_cache(c_hf).live_bytes}
     formula = bound.bytes_formula(1, held, c_dec.dtype)
-    a = bound.adapter
-    full_fp16 = 2 * a.n_layer * a.n_kv_head * a.head_dim * t_seen * 2
+    full_fp16 = full_bytes_per_token(bound.adapter) * t_seen
     return {"name": name, "ppl": math.exp(nll["decoder"]), "ppl_hf": math.exp(nll["hf"]),
             "tokens_seen": t_seen, "tokens_held": held, "bytes": measured["decoder"], "bytes_hf": measured["hf"],
             "bytes_formula": formula, "bytes_per_token": measured["decoder"] / t_seen,

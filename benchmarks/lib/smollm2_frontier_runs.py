@@ -31,7 +31,7 @@ class Bench:
         self.s_windows = C.token_windows(self.loaded, C.VAL, 5 * 832, seq=832)  # (5, 832)
         print(f"loaded in {time.perf_counter() - t0:.0f} s; eval {tuple(self.eval.shape)}, tune "
               f"{tuple(self.tune.shape)}, S {tuple(self.s_windows.shape)}", flush=True)
-        self.stats, reused = C.stats(self.loaded)
+        self.stats = C.stats(self.loaded)[0]
         self.bases: dict = {}
 
     def lowrank_bases(self, spec: dict):

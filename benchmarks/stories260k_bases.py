@@ -31,12 +31,6 @@ from kvsplice.lowrank.options import FitBasesOptions
 from kvsplice.lowrank.fits import FITS
 
 
-def _fit_options(method: str, rank: int, rope: str, run) -> FitBasesOptions:
-    return FitBasesOptions(model="stories260K", fit=(method,), rank=(rank,), rope=(rope,), calib=str(CALIB),
-                           calib_tokens=run["calib_tokens"], seq_len=run["seq_len"], batch_size=run["batch_size"],
-                           out="unused", progress=False)
-
-
 def options(p) -> None:
     p.add_argument("--calib-tokens", dest="calib_tokens", type=int, help="calibration tokens")
     p.add_argument("--eval-tokens", dest="eval_tokens", type=int, help="held-out tokens")
@@ -63,7 +57,10 @@ def rows(run):
     run.say(f"full K/V cache ppl {full['ppl']:.4f} (model forward {full['model_forward_ppl']:.4f})")
     calib_cache, fits_all, fit_reports = {}, {}, {}
     for rope, r, m in itertools.product(ropes, ranks, methods):
-        bases, rep = fit_one(_fit_options(m, r, rope, run), loaded=loaded, calib_cache=calib_cache)
+        opts = FitBasesOptions(model="stories260K", fit=(m,), rank=(r,), rope=(rope,), calib=str(CALIB),
+                               calib_tokens=run["calib_tokens"], seq_len=run["seq_len"],
+                               batch_size=run["batch_size"], out="unused", progress=False)
+        bases, rep = fit_one(opts, loaded=loaded, calib_cache=calib_cache)
         fits_all[(rope, r, m)], fit_reports[(rope, r, m)] = bases, rep
         res = {**evaluate_bases(ctx, bases, label=f"{m}-{rope}-r{r}"), "rank": r}
         for key, part in (("score_err_mean", "scores"), ("score_sum_err_mean", "scores_sum"),

@@ -73,11 +73,11 @@ def rows(run):
               "coeff_pre": (ours, lambda: CoefficientHFCache(ours, bases["pre"]))}
     for model, make in makers.values():  # warm-up
         one_run(model, ids, make(), 8)
-    runs: dict[str, list[tuple[float, float]]] = {k: [] for k in makers}
+    runs: dict[str, dict[str, list[float]]] = {k: {"cpu": [], "wall": []} for k in makers}
     for _ in range(run["repeats"]):
         for name, (model, make) in makers.items():
-            runs[name].append(one_run(model, ids, make(), run["new_tokens"]))
-    runs = {k: dict(zip(("cpu", "wall"), map(list, zip(*v)))) for k, v in runs.items()}  # name → cpu / wall lists
+            for clock, t in zip(("cpu", "wall"), one_run(model, ids, make(), run["new_tokens"])):
+                runs[name][clock].append(t)
     med = {k: {m: statistics.median(v[m]) for m in ("cpu", "wall")} for k, v in runs.items()}
     for name in makers:
         row = {"cache": name, "ms_per_token_cpu": 1e3 * med[name]["cpu"], "ms_per_token_wall": 1e3 * med[name]["wall"],

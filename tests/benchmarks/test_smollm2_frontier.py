@@ -40,6 +40,7 @@ def test_the_rows_are_study_data_each_measurable_once():
              "hf_quant", "nbits"}
     assert all(set(spec) <= known for _, _, spec in rows)
     assert all(spec.get("store", "dense") in ("dense", "int8", "kivi", "lowrank", "joint") for _, _, spec in rows)
+    assert all("method" not in spec for _, _, spec in rows if "alloc" in spec)  # allocated ranks: Fisher's only
     committed = {r["id"] for r in json.loads((ROOT / "results" / "smollm2_frontier.json").read_text())["rows"]}
     assert set(ids) - committed <= {"hf_quanto_int4", "hf_quanto_int2"}  # skipped without optimum-quanto
 

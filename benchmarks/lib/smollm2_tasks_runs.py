@@ -9,8 +9,9 @@ import shlex
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.harness.paths import CALIB, DATA, EVAL as STORIES, ROOT, SMOLLM2 as MODEL
+from benchmarks.harness.paths import CALIB, EVAL as STORIES, ROOT, SMOLLM2 as MODEL
 from benchmarks.harness.studies import load as load_study
+from benchmarks.lib.stories import convert_stories
 from kvsplice.planning.options import PLAN_CALIB_TOKENS
 
 WORK = ROOT / "checkpoints" / "smollm2_tasks"
@@ -54,14 +55,8 @@ def protocol_p_argv(name: str) -> list[str]:
 
 
 def model_for(size: str) -> str:
-    if size != "smoke":
-        return str(MODEL)
-    d = WORK / "s260k"
-    if not (d / "config.json").is_file():
-        from kvsplice.convert.llama2c import convert_llama2c
-
-        convert_llama2c(DATA / "stories260K" / "stories260K.bin", DATA / "stories260K" / "tok512.bin", d)
-    return str(d)
+    """SmolLM2, or for the smoke size stories260K converted into ``WORK/s260k``."""
+    return str(convert_stories(WORK / "s260k")) if size == "smoke" else str(MODEL)
 
 
 def eval_argv(size: str, cfg: dict, length: int, out: Path, threads: int, progress: bool) -> list[str]:

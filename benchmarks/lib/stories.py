@@ -9,13 +9,24 @@ from pathlib import Path
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import CALIB, STORIES
 
-__all__ = ["calibration_ids", "load_stories", "windows"]
+__all__ = ["calibration_ids", "convert_stories", "load_stories", "windows"]
+
+
+def convert_stories(dest: Path) -> Path:
+    """stories260K (llama2.c) as the transformers folder ``dest``, converted unless it is there already."""
+    from kvsplice.convert.llama2c import convert_llama2c
+
+    for f in (STORIES / "stories260K.bin", STORIES / "tok512.bin"):
+        if not f.is_file():
+            raise UsageError(f"stories260K not found: {f} (pass --model)")
+    if not (dest / "config.json").is_file():
+        convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", dest)
+    return dest
 
 
 def load_stories(spec=None, need=()):
     """``spec`` loaded (:func:`kvsplice.loading.load_model`), or with None stories260K converted into a temporary
     folder first; a missing checkpoint, or a missing file of ``need``, is a :class:`UsageError`."""
-    from kvsplice.convert.llama2c import convert_llama2c
     from kvsplice.loading import LoadError, first_line, load_model
 
     for f in need:
@@ -24,11 +35,8 @@ def load_stories(spec=None, need=()):
     try:
         if spec is not None:
             return load_model(spec)
-        for f in (STORIES / "stories260K.bin", STORIES / "tok512.bin"):
-            if not f.is_file():
-                raise LoadError(f"stories260K not found: {f} (pass --model)")
         with tempfile.TemporaryDirectory(prefix="stories260K-hf-") as tmp:
-            return load_model(convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", Path(tmp) / "m"))
+            return load_model(str(convert_stories(Path(tmp) / "m")))
     except LoadError as e:
         raise UsageError(first_line(e)) from None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvsplice.evaluation.context import EvalContext
-from kvsplice.lowrank.fits import score_error
+from kvsplice.lowrank.fit_errors import score_error
 
 __all__ = ["TOL", "checks", "chunk_check", "compare_scores", "fmt_md", "timing"]
 

@@ -11,8 +11,8 @@ query Grams (keys) and W_O Grams (values). :func:`allocate_joint` spends ``N`` n
 keys/values by the predicted loss.
 
 :class:`JointLowRank` is the storage method: ``(B, 1, T, R)`` latents per layer and kind (a
-:class:`models.cache.DecodeCache`), keys and values rebuilt for the attention call (pre-RoPE keys rotated at their
-positions: :class:`kvsplice.core.rope.RopeTables`) and the one dense attention (mask, log-weights).
+:class:`models.stream_cache.DecodeCache`), keys and values rebuilt for the attention call (pre-RoPE keys rotated at
+their positions: :class:`kvsplice.core.rope.RopeTables`) and the one dense attention (mask, log-weights).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from kvsplice.lowrank.calibrate import CalibrationStats
 from kvsplice.lowrank.fit_errors import gram_error
 from kvsplice.lowrank.fits import RCOND, oblique_basis
 from kvsplice.lowrank.method import BasesStorage
-from models.cache import DecodeCache
+from models.stream_cache import DecodeCache
 
 __all__ = ["JointBases", "JointLowRank", "allocate_joint", "fit_joint"]
 

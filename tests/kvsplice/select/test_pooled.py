@@ -22,8 +22,8 @@ from kvsplice.select.method import TokenSelection  # noqa: E402
 from kvsplice.select.pooled import PooledSubsetCache, own_tokens, pool_tokens, pooled_bias  # noqa: E402
 from kvsplice.select.pooled_layers import depth_band  # noqa: E402
 from kvsplice.select.selectors import TokenSelector  # noqa: E402
-from models.cache import KVCache  # noqa: E402
 from models.quant import int4_row_bytes  # noqa: E402
+from models.stream_cache import KVCache  # noqa: E402
 
 
 @pytest.fixture(scope="module")

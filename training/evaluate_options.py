@@ -8,6 +8,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Optional
 
+from kvsplice.core.limits import check_count
 from kvsplice.io.options import opt
 from kvsplice.io.run_options import DeviceOption, ForceOption
 
@@ -58,11 +59,8 @@ class EvaluateOptions(ForceOption, DeviceOption):
     def __post_init__(self) -> None:
         """The counts within their bounds (one line naming the option), before any checkpoint is read."""
         for name in ("tokens", "batch_size", "context", "cache_tokens", "decode_tokens", "repeats", "prompt_len",
-                     "cache_chunk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.sample_tokens < 0:
-            raise ValueError(f"--sample-tokens must be >= 0, got {self.sample_tokens}")
+                     "cache_chunk", "sample_tokens"):
+            check_count(f"--{name.replace('_', '-')}", getattr(self, name), 0 if name == "sample_tokens" else 1)
 
     def torch_device(self) -> str:
         """``device``, else ``cuda`` when available, else ``cpu``."""

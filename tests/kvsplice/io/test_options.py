@@ -13,7 +13,7 @@ from kvsplice.core.amounts import (MAX_TIMES_SMALLER, check_kept_fraction, check
                                    times_smaller)
 from kvsplice.io.cli import Parser, UsageError, pos_int
 from kvsplice.io.options import Exclusive, add_options, defaults, from_args, opt
-from kvsplice.io.run_options import RunOptions, add_run_options
+from kvsplice.io.run_options import RunOptions, run_parser
 from declared_options import check_one_line_refusal
 
 
@@ -32,10 +32,7 @@ class _Opts(RunOptions):
 
 
 def _parser() -> Parser:
-    p = Parser(prog="t")
-    add_options(p, _Opts, skip=RunOptions)
-    add_run_options(p, force_help="overwrite it")
-    return p
+    return run_parser("t", _Opts, force_help="overwrite it")
 
 
 def _parse(*argv: str) -> _Opts:

@@ -49,7 +49,8 @@ def options(p) -> None:
 def models(run, work: Path, cap: int) -> list[dict]:
     """A row per model and context: its GGUF (built when missing), llama.cpp's KV bytes and the sequences that fit."""
     from benchmarks.lib.llama_cpp_models import build
-    from kvsplice.convert.engines.llama_cpp import LlamaCppModel, hf_to_gguf
+    from kvsplice.convert.engines.gguf_convert import hf_to_gguf
+    from kvsplice.convert.engines.llama_cpp import LlamaCppModel
 
     rows, shape = [], run["shape"]
     for key in map(str, run["latents"]):

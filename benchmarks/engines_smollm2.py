@@ -39,7 +39,8 @@ def rows(run):
 
     from kvsplice.convert.deepseek_v3 import save_deepseek_v3
     from kvsplice.convert.engines import vllm
-    from kvsplice.convert.engines.llama_cpp import LlamaCppModel, hf_to_gguf, missing
+    from kvsplice.convert.engines.gguf_convert import hf_to_gguf
+    from kvsplice.convert.engines.llama_cpp import LlamaCppModel, missing
     from kvsplice.convert.llama_mla import calibrate_layers, convert_llama
     from kvsplice.loading import iter_texts, load_model, token_stream
     from kvsplice.lowrank.calibrate import calibration_batches

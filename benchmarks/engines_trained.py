@@ -25,7 +25,7 @@ import transformers
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.runner import Study
 from benchmarks.lib.engines import export
-from kvsplice.convert.engines import llama_cpp
+from kvsplice.convert.engines import gguf_convert, llama_cpp
 from kvsplice.report.memory import cache_bytes_formula, measure_cache
 from models.checkpoint import load_gpt_checkpoint
 
@@ -47,7 +47,7 @@ def compare(ckpt: Path, text: str, *, tokens: int = 128, new: int = 64, work: Op
     work = Path(work or tempfile.mkdtemp(prefix="engines_trained_"))
     fmt = "llama" if cfg.attention == "mha" else "deepseek_v3"
     export(ckpt, work / "hf", fmt)
-    llama_cpp.hf_to_gguf(work / "hf", work / "model.gguf")
+    gguf_convert.hf_to_gguf(work / "hf", work / "model.gguf")
     tok = transformers.AutoTokenizer.from_pretrained(work / "hf")
     ids = torch.tensor(tok(text)["input_ids"][:tokens])  # (T,)
     hf = transformers.AutoModelForCausalLM.from_pretrained(work / "hf", dtype=torch.float32).eval()

@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader
 
 from data.errors import DataConfigError, DataUnavailableError
 from data.settings import check_settings
-from data.shards import EpochSampler, FixedBlocks, RandomBlocks, ResumableDataLoader, build_shards
+from data.sampler import EpochSampler, ResumableDataLoader
+from data.shards import FixedBlocks, RandomBlocks, build_shards
 from data.story_sources import HubStories, LocalStories, StorySource, SyntheticStories
 from data.tokenizer import TextTokenizer
 from data.tokenizer_routes import cache_key, check_cache_dir, pick_tokenizer
@@ -204,9 +205,9 @@ class TinyStoriesDataModule(L.LightningDataModule):
         """``train_batches_per_epoch`` batches of random blocks, fresh ones each epoch; yields ``(x, y)`` (B, T).
 
         The loader is resumable (Lightning's stateful-dataloader protocol, see
-        :class:`~data.shards.ResumableDataLoader`): a checkpoint stores how far into the epoch training got and a
+        :class:`~data.sampler.ResumableDataLoader`): a checkpoint stores how far into the epoch training got and a
         resumed run continues with exactly the batches the uninterrupted run would have seen. With several devices
-        the sampler splits each epoch's draws between the ranks itself (an :class:`~data.shards.EpochSampler` is a
+        the sampler splits each epoch's draws between the ranks itself (an :class:`~data.sampler.EpochSampler` is a
         ``DistributedSampler``, so Lightning does not wrap it).
         """
         if self.train_set is None:

@@ -54,8 +54,9 @@ _EXPORTS = {
     "GPT": "models", "GPTConfig": "models", "preset": "models", "GraphDecoder": "models.graph_decode",
     "decode_attend": "models.kernels",
     # caches and KVSplice
-    "Cache": "models.cache", "DecodeCache": "models.cache", "KVCache": "models.cache", "LatentCache": "models.cache",
-    "CompressedLatentCache": "models.cache", "CoefficientCache": "kvsplice.lowrank", "SubsetCache": "kvsplice.select",
+    "Cache": "models.cache", "DecodeCache": "models.stream_cache", "KVCache": "models.stream_cache",
+    "LatentCache": "models.stream_cache", "CompressedLatentCache": "models.stream_cache",
+    "CoefficientCache": "kvsplice.lowrank", "SubsetCache": "kvsplice.select",
     "ChunkedCache": "kvsplice.online", "LearnedKVSplice": "models.splice",
 }
 

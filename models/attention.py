@@ -26,11 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from models.cache import Cache, DecodeCache
+from models.cache import Cache
 from models.kernels import decode_attend, resolve_decode_kernel, use_decode_kernel
 from models.rope import Rotary
 from models.config import DEEPSEEK_V3, GPTConfig
 from models.quant import SCALE
+from models.stream_cache import DecodeCache
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256

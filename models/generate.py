@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from models.cache import DecodeCache
+from models.stream_cache import DecodeCache
 
 DecodeStep = Callable[[torch.Tensor, DecodeCache], torch.Tensor]
 """``step(ids (B, T), cache) -> logits (B, T', V)``: appends ``ids`` to ``cache``; the last row predicts next."""

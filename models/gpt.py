@@ -11,10 +11,10 @@ from torch import nn
 
 from models.attention import CausalSelfAttention, dropout
 from models.latent_attention import MultiHeadLatentAttention
-from models.cache import CompressedLatentCache, DecodeCache, KVCache, LatentCache
 from models.config import DEEPSEEK_V3, GPT2, RMS_NORM_EPS, GPTConfig
 from models.generate import check_prompt, check_sampling, generate_tokens, sample_next
 from models.splice import LearnedKVSplice
+from models.stream_cache import CompressedLatentCache, DecodeCache, KVCache, LatentCache
 
 __all__ = ["GPT", "sample_next"]
 

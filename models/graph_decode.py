@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from models.cache import DecodeCache
 from models.static_cache import StaticCacheView
+from models.stream_cache import DecodeCache
 
 
 class GraphDecoder:

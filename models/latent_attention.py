@@ -25,10 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import _Attention, positions
-from models.cache import Cache, DecodeCache
+from models.cache import Cache
 from models.config import GPTConfig
 from models.rope import Rotary
 from models.splice import LearnedKVSplice
+from models.stream_cache import DecodeCache
 
 __all__ = ["LATENT_NORM_EPS", "MultiHeadLatentAttention", "absorbed", "naive"]
 

@@ -31,10 +31,10 @@ from torch import nn
 from models.compat import current_value
 from models.config import MLA_IMPLS, MLAImpl
 from models.attention import attend
-from models.cache import DecodeCache
 from models.latent_attention import LATENT_NORM_EPS, Attend, absorbed, naive
 from models.quant import QUANT_MODES, row_bytes
 from models.rope import rotate
+from models.stream_cache import DecodeCache
 
 __all__ = ["MLALlama", "MLALlamaConfig", "MODEL_TYPE", "ROPE_LAYOUTS"]
 
@@ -68,7 +68,7 @@ class MLALlamaConfig:
     tie_embeddings: bool = False
     windows: list = field(default_factory=list)  # per layer: sliding window (tokens a query sees) or None
     mla_impl: MLAImpl = "naive"  # how cached decode attends: models.config.MLA_IMPLS (the trained family's names)
-    cache_quant: Optional[str] = None  # None | "int8" (int8 rows + an fp16 scale per row) | "int4" (models.cache)
+    cache_quant: Optional[str] = None  # None | "int8" (int8 rows + an fp16 scale per row) | "int4" (models.stream_cache)
     source: dict = field(default_factory=dict)  # where it came from (model_type, path, conversion settings)
 
     def __post_init__(self) -> None:

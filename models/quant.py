@@ -1,5 +1,5 @@
 """Quantised rows, one interface: a :class:`Quantizer` stores rows ``x (..., D)`` as named parts and reads them back,
-and says what one row costs. Every quantised cache uses it: :class:`models.cache.DecodeCache` (``quant="int8"`` /
+and says what one row costs. Every quantised cache uses it: :class:`models.stream_cache.DecodeCache` (``quant="int8"`` /
 ``"int4"``), its fixed-capacity view, KIVI (:mod:`kvsplice.quant`) and the decode-from-codes attention
 (:mod:`kvsplice.core.coded`, which reads the same parts without dequantising).
 
@@ -184,7 +184,7 @@ class GroupRows(Quantizer):
 
 _ROWS = {"int8": Int8Rows(), "int4": GroupRows(4)}
 QUANT_MODES = (None, *_ROWS)
-"""How a stream of a :class:`models.cache.DecodeCache` may be stored: ``None`` (at the cache dtype) or a row
+"""How a stream of a :class:`models.stream_cache.DecodeCache` may be stored: ``None`` (at the cache dtype) or a row
 quantiser's name."""
 
 

@@ -20,7 +20,8 @@ from typing import Iterator
 
 import torch
 
-from models.cache import Cache, DecodeCache
+from models.cache import Cache
+from models.stream_cache import DecodeCache
 
 
 class StaticCacheView(Cache):

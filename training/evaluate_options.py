@@ -8,7 +8,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Optional
 
-from kvsplice.io.options import opt
+from kvsplice.io.options import check_counts, count, opt
 from kvsplice.io.run_options import DeviceOption, ForceOption
 
 __all__ = ["EvaluateOptions"]
@@ -33,15 +33,15 @@ class EvaluateOptions(ForceOption, DeviceOption):
     through that cache. The fields declare the command line, in this order."""
 
     ckpt: tuple[str, ...] = opt(repeat=True, help="checkpoint file (repeat for a comparison)")
-    tokens: int = opt(16384, help="validation tokens to average the loss over")
-    batch_size: int = opt(8, help="validation batch size")
+    tokens: int = count(16384, help="validation tokens to average the loss over")
+    batch_size: int = count(8, help="validation batch size")
     dtype: str = opt("fp32", choices=("fp32", "fp16", "bf16"), help="cache dtype for byte counts")
-    context: int = opt(1024, help="context length for the cache-bytes column")
-    cache_tokens: int = opt(64, help="tokens prefilled+decoded to measure the cache")
-    prompt_len: int = opt(16, help="prompt tokens before timing decode")
-    decode_tokens: int = opt(64, help="decoded tokens per timing run")
-    repeats: int = opt(3, help="timing repeats (median reported)")
-    sample_tokens: int = opt(48, help="tokens generated per sample prompt")
+    context: int = count(1024, help="context length for the cache-bytes column")
+    cache_tokens: int = count(64, help="tokens prefilled+decoded to measure the cache")
+    prompt_len: int = count(16, help="prompt tokens before timing decode")
+    decode_tokens: int = count(64, help="decoded tokens per timing run")
+    repeats: int = count(3, help="timing repeats (median reported)")
+    sample_tokens: int = count(48, lo=0, help="tokens generated per sample prompt")
     seed: int = opt(1234, help="seed of the samples' generation")
     data_path: Optional[str] = opt(None, flags=("--data.path",), help="override the validation text")
     data_tokenizer_path: Optional[str] = opt(None, flags=("--data.tokenizer_path",), help="override the tokenizer "
@@ -52,17 +52,12 @@ class EvaluateOptions(ForceOption, DeviceOption):
     cache_quant: Optional[str] = opt(None, choices=("int8",), help="also report the validation loss with every token "
                                      "attending over an int8 cache (and over the unquantised cache, for the same "
                                      "tokens)")
-    cache_chunk: int = opt(64, help="tokens appended per call for --cache-quant")
+    cache_chunk: int = count(64, help="tokens appended per call for --cache-quant")
     json: Optional[str] = opt(None, help="write all results (and plots next to it)")
 
     def __post_init__(self) -> None:
         """The counts within their bounds (one line naming the option), before any checkpoint is read."""
-        for name in ("tokens", "batch_size", "context", "cache_tokens", "decode_tokens", "repeats", "prompt_len",
-                     "cache_chunk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.sample_tokens < 0:
-            raise ValueError(f"--sample-tokens must be >= 0, got {self.sample_tokens}")
+        check_counts(self)
 
     def torch_device(self) -> str:
         """``device``, else ``cuda`` when available, else ``cpu``."""

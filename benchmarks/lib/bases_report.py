@@ -5,7 +5,7 @@ score error against K-only's per layer and KV head, chunked against token-by-tok
 from __future__ import annotations
 
 from kvsplice.core.diagnostics import format_diagnostics
-from kvsplice.lowrank.fits import score_error
+from kvsplice.lowrank.fit_errors import score_error
 
 __all__ = ["TOL", "best", "checks", "chunk_check", "compare_scores", "fd_markdown", "fmt_md", "summary", "timing"]
 

@@ -15,8 +15,8 @@ What is measured (``--data`` must be held-out text, not the calibration text; a 
   driver with ``bases=None`` (a plain K/V cache); the model's own forward perplexity is printed as a sanity check.
   Perplexity = ``exp(Σ NLL / #predicted)`` over all windows (``T − 1`` predictions per window).
 * **Per-layer errors on the held-out text**, from Grams of its keys/queries/values (:func:`kvsplice.lowrank.calibrate
-  .calibrate` in the bases' RoPE mode; :func:`kvsplice.lowrank.fits.bases_errors`), aggregated over a layer's KV heads as
-  ``sqrt(Σ_j num_j / Σ_j den_j)``: attention-score error ``‖KQᵀ − K A Bᵀ Qᵀ‖/‖KQᵀ‖`` (queries of each group
+  .calibrate` in the bases' RoPE mode; :func:`kvsplice.lowrank.fit_errors.bases_errors`), aggregated over a layer's KV
+  heads as ``sqrt(Σ_j num_j / Σ_j den_j)``: attention-score error ``‖KQᵀ − K A Bᵀ Qᵀ‖/‖KQᵀ‖`` (queries of each group
   concatenated; also the group-summed form), key reconstruction error, value error through ``W_O``
   ``‖V W_Oᵀ − V̂ W_Oᵀ‖/‖V W_Oᵀ‖``.
 * **Attention-output error**, measured directly on the first ``--err-windows`` windows: per layer, the exact

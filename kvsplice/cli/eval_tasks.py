@@ -39,12 +39,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvsplice.io.cli import Parser, UsageError, device_dtype, run_cli
+from kvsplice.io.cli import UsageError, device_dtype, run_cli
 from kvsplice.io.files import output_file
 from kvsplice.io.inputs import SpecArgs
 from kvsplice.io.write import write_json
-from kvsplice.io.options import add_options, from_args
-from kvsplice.io.run_options import RunOptions, add_run_options
+from kvsplice.io.options import from_args
+from kvsplice.io.run_options import run_parser
 from kvsplice.io.staged import Staged
 from kvsplice.tasks.options import EvalTasksOptions
 from kvsplice.tasks.results_schema import FORMAT
@@ -52,12 +52,10 @@ from kvsplice.tasks.results_schema import FORMAT
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of :class:`EvalTasksOptions` (its fields declare it) and the run options."""
-    p = Parser(prog=PROG, description="Accuracy of compressed KV caches on generated "
-               "long-context tasks (retrieval, multi-hop, aggregation, QA), beside the full cache's.")
-    add_options(p, EvalTasksOptions, skip=RunOptions)
-    add_run_options(p, force_help="start --out over (the earlier file stays in place until the new run completes) / "
-                    "overwrite --md")
-    return p
+    return run_parser(PROG, EvalTasksOptions, description="Accuracy of compressed KV caches on generated "
+                      "long-context tasks (retrieval, multi-hop, aggregation, QA), beside the full cache's.",
+                      force_help="start --out over (the earlier file stays in place until the new run completes) / "
+                      "overwrite --md")
 
 
 def _header(opts: EvalTasksOptions, model, tok, specs: dict, insts: list) -> dict:

@@ -44,22 +44,20 @@ from typing import Optional, Sequence
 import torch
 
 from kvsplice.core.limits import check_fits
-from kvsplice.io.cli import Parser, UsageError, device_dtype, run_cli
+from kvsplice.io.cli import UsageError, device_dtype, run_cli
 from kvsplice.io.files import cache_file, output_file
 from kvsplice.io.inputs import SpecArgs
-from kvsplice.io.options import add_options, from_args
-from kvsplice.io.run_options import RunOptions, add_run_options
+from kvsplice.io.options import from_args
+from kvsplice.io.run_options import run_parser
 from kvsplice.planning.candidates import DEFAULT_STORES
 from kvsplice.planning.options import PlanOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of :class:`PlanOptions` (its fields declare it) and the run options."""
-    p = Parser(prog=PROG, description="Search the compression stack (token selection × low "
-               "rank × bits) that fits a KV-cache budget with the least loss on calibration text; write a plan.")
-    add_options(p, PlanOptions, skip=RunOptions)
-    add_run_options(p, force_help="overwrite --out / --json (and recompute --calib-stats that lacks something)")
-    return p
+    return run_parser(PROG, PlanOptions, description="Search the compression stack (token selection × low rank × "
+                      "bits) that fits a KV-cache budget with the least loss on calibration text; write a plan.",
+                      force_help="overwrite --out / --json (and recompute --calib-stats that lacks something)")
 
 
 def check_lengths(opts: PlanOptions, seq: int, max_positions: Optional[int]) -> int:

@@ -5,7 +5,7 @@
 
 Runs ``convert_hf_to_gguf.py`` of the llama.cpp at ``$KVSPLICE_LLAMA_CPP`` (default ``build/engines/llama.cpp``)
 unchanged, then the one post-step llama.cpp needs for a model without q-LoRA: the key
-``deepseek2.attention.q_lora_rank = 0`` (:func:`kvsplice.convert.engines.llama_cpp.fix_gguf`; why: that module's
+``deepseek2.attention.q_lora_rank = 0`` (:func:`kvsplice.convert.engines.gguf_convert.fix_gguf`; why: that module's
 docstring). Errors are one line, exit 2; a full disk leaves the GGUF (``--out``, or the file ``--fix`` rewrites) as it
 was and no temporary beside it. Temporaries get fresh names (``tempfile``) no file of the user's can have.
 """
@@ -40,7 +40,7 @@ def build_parser() -> Parser:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
-    from kvsplice.convert.engines.llama_cpp import fix_gguf, hf_to_gguf
+    from kvsplice.convert.engines.gguf_convert import fix_gguf, hf_to_gguf
     from kvsplice.loading.checks import check_gguf_file, check_model_folder, gguf_header
 
     opts = from_args(ToGGUFOptions, build_parser().parse_args(argv))

@@ -7,7 +7,7 @@
 | any MLA model → DeepSeek-V3 folder (transformers, vLLM, SGLang) | ``to-mla --format deepseek_v3``, ``export --format deepseek_v3`` | :mod:`~kvsplice.convert.deepseek_v3` (the one exporter) with a writer per source family: :mod:`~kvsplice.convert.deepseek_v3_llama`, :mod:`~kvsplice.convert.deepseek_v3_gpt`; shared assembly :mod:`~kvsplice.convert.deepseek_v3_writer`, exact cache-row padding :mod:`~kvsplice.convert.latent_pad` |
 | trained deepseek_v3-layout MHA → Llama folder | ``kvsplice export --format llama`` | :mod:`~kvsplice.convert.gpt_deepseek` |
 | llama2.c checkpoint → HF Llama folder | ``kvsplice convert-llama2c`` | :mod:`~kvsplice.convert.llama2c` (+ ``_format``, ``_tokenizer``) |
-| DeepSeek-V3 folder → GGUF; run a GGUF | ``kvsplice to-gguf`` | :mod:`~kvsplice.convert.engines.llama_cpp` |
+| DeepSeek-V3 folder → GGUF; run a GGUF | ``kvsplice to-gguf`` | :mod:`~kvsplice.convert.engines.gguf_convert`; :mod:`~kvsplice.convert.engines.llama_cpp` |
 | serve in vLLM | ``benchmarks`` | :mod:`~kvsplice.convert.engines.vllm` |
 
 The commands live in :mod:`kvsplice.cli` (``to_mla``, ``to_gguf``, ``convert_llama2c``) and :mod:`training.export`

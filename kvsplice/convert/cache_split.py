@@ -15,12 +15,16 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from kvsplice.core.amounts import check_times_smaller
+
 __all__ = ["CacheSplit", "choose_split", "rope_candidates", "split_cache"]
 
 
 @dataclass(frozen=True)
 class CacheSplit:
-    """``rope_dims`` + ``d_latent`` (after KVSplice when ``keep`` is set; ``convert_latent`` before it)."""
+    """One way to spend a token's cached numbers per layer: ``rope_dims`` RoPE dims + ``d_latent`` latent dims (after
+    KVSplice when ``keep`` is set; ``convert_latent``: the latent converted, before it), and the mean over layers of
+    its attention-output ``error`` on the calibration windows (None: not measured)."""
 
     rope_dims: int
     d_latent: int
@@ -30,9 +34,7 @@ class CacheSplit:
 
 def split_cache(ratio: float, n_kv: int, head_dim: int) -> int:
     """Numbers cached per token and layer for a cache ``ratio`` times smaller than the source's K/V (same dtype)."""
-    if not math.isfinite(ratio) or ratio <= 1:
-        raise ValueError(f"ratio must be a finite number > 1 (times smaller than the K/V cache), got {ratio:g}")
-    return max(1, round(2 * n_kv * head_dim / ratio))
+    return max(1, round(2 * n_kv * head_dim / check_times_smaller("ratio", ratio)))
 
 
 def _convert_latent(final: int, keep: Optional[float], full: int) -> Optional[int]:

@@ -1,7 +1,7 @@
 """The options of a GGUF export (``kvsplice to-gguf``) as one typed object, whose fields declare the command line
 (:mod:`kvsplice.io.options`): a DeepSeek-V3 folder and ``--out`` to convert (llama.cpp's converter,
-:func:`kvsplice.convert.engines.llama_cpp.hf_to_gguf`), or ``--fix`` alone to add the key llama.cpp needs to a GGUF
-converted by hand (:func:`kvsplice.convert.engines.llama_cpp.fix_gguf`)."""
+:func:`kvsplice.convert.engines.gguf_convert.hf_to_gguf`), or ``--fix`` alone to add the key llama.cpp needs to a GGUF
+converted by hand (:func:`kvsplice.convert.engines.gguf_convert.fix_gguf`)."""
 
 from __future__ import annotations
 

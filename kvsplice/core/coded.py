@@ -199,7 +199,7 @@ def coded_attend(q: torch.Tensor, segments: Sequence[Segment], *, scale: float) 
 
 
 def stream_rows(cache, layer: int, name: str) -> Rows:
-    """Stream ``name`` of ``layer`` of a :class:`models.cache.DecodeCache` as it is stored (no copy): float rows,
+    """Stream ``name`` of ``layer`` of a :class:`models.stream_cache.DecodeCache` as it is stored (no copy): float rows,
     int8 rows with their scales or int4 rows with their groups' scales and minima."""
     rows = cache.stored(layer)
     mode = cache.mode(name)

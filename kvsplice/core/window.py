@@ -10,8 +10,8 @@ sliding mask in the HF door) and, once the layer is done with a call, :func:`evi
 most the window, and its bytes are those of the tokens it holds (:func:`held_per_layer`).
 
 Eviction needs a cache whose rows are the layer's tokens in order of position: the stream caches
-(:class:`models.cache.DecodeCache`: full K/V, coefficients, int8 rows) and a token subset over one (its ``kept`` and
-``weights``). Caches of another layout (the online method's chunks) are refused by :func:`check_evictable`.
+(:class:`models.stream_cache.DecodeCache`: full K/V, coefficients, int8 rows) and a token subset over one (its
+``kept`` and ``weights``). Caches of another layout (the online method's chunks) are refused by :func:`check_evictable`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from models.cache import Cache, DecodeCache
+from models.cache import Cache
+from models.stream_cache import DecodeCache
 
 __all__ = ["check_evictable", "evict", "held_per_layer", "window_mask"]
 

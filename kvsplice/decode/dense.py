@@ -11,8 +11,8 @@ from kvsplice.core.args import choice_arg
 from kvsplice.core.coded import Segment, coded_attend, seen_bias, stream_rows
 from kvsplice.core.method import CompressionMethod, layer_tokens
 from kvsplice.core.rotation import HadamardFrame
-from models.cache import KVCache
 from models.quant import SCALE, row_bytes
+from models.stream_cache import KVCache
 
 __all__ = ["DenseKV"]
 

@@ -9,7 +9,7 @@ not a transformers model).
 from __future__ import annotations
 
 from kvsplice.core.method import CompressionMethod
-from models.cache import DecodeCache
+from models.stream_cache import DecodeCache
 
 __all__ = ["OWN_ATTENTION", "ModelAttention"]
 

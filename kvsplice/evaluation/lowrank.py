@@ -16,7 +16,7 @@ from kvsplice.evaluation.context import EvalContext, EvalError
 from kvsplice.evaluation.options import EvalBasesOptions
 from kvsplice.lowrank.bases import KVBases
 from kvsplice.lowrank.diagnostics import bases_diagnostics
-from kvsplice.lowrank.fits import bases_errors, lesens_terms
+from kvsplice.lowrank.fit_errors import bases_errors, lesens_terms
 from kvsplice.decode import Decoder, DenseKV
 from kvsplice.lowrank.method import LowRank
 from kvsplice.core.attention import dense_attend

@@ -9,6 +9,7 @@ line becomes the dataclass (:func:`from_args`) — no second list of ``add_argum
         ratio: Optional[float] = opt(None, help="...", parse=times_smaller)
         tasks: tuple[str, ...] = opt(("passkey",), help="...")    # nargs="+", a tuple
         progress: bool = opt(True, flags=("--no-progress",), help="...")  # store_false
+        seeds: int = count(10, hi=1000, help="...")               # in [1, 1000]: check_counts(self)
 
 The flag is ``--`` + the field name with ``_`` → ``-`` unless ``flags`` are given (a flag without a dash is a
 positional argument: ``opt(None, flags=("folder",), nargs="?", help=...)``); the type comes from the annotation
@@ -26,10 +27,13 @@ import typing
 from dataclasses import MISSING, dataclass
 from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
-__all__ = ["Exclusive", "add_options", "defaults", "flags_of", "from_args", "option_fields", "opt"]
+__all__ = ["Exclusive", "add_options", "check_counts", "count", "defaults", "flags_of", "from_args", "option_fields",
+           "opt"]
 
 OPTION = "kvsplice.option"
 """The key of a field's metadata holding its command-line declaration."""
+COUNT = "kvsplice.count"
+"""The key of a :func:`count` field's metadata holding its bounds."""
 
 T = TypeVar("T")
 
@@ -54,6 +58,28 @@ def opt(default: Any = MISSING, *, help: str, flags: Sequence[str] = (), choices
     meta = {"help": help, "flags": tuple(flags), "choices": None if choices is None else tuple(choices),
             "nargs": nargs, "metavar": metavar, "parse": parse, "cli": cli, "repeat": repeat}
     return dataclasses.field(default=default, kw_only=True, metadata={OPTION: meta})
+
+
+def count(default: Any = MISSING, *, help: str, lo: int = 1, hi: Optional[int] = None, why: str = "",
+          **kw: Any) -> Any:
+    """:func:`opt` for a whole number (or each of a tuple of them) in ``[lo, hi]`` (``hi`` None:
+    :data:`~kvsplice.core.args.MAX_TOKENS`; ``why``: what sets it), its bounds declared here and checked by
+    :func:`check_counts` — not listed a second time in the class's checks."""
+    f = opt(default, help=help, **kw)
+    return dataclasses.field(default=f.default, kw_only=True, metadata={**f.metadata, COUNT: (lo, hi, why)})
+
+
+def check_counts(options: Any) -> None:
+    """Every :func:`count` field of ``options`` within its bounds, in declaration order (None passes: a count left
+    out); else one ``ValueError`` line naming its flag (:func:`~kvsplice.core.limits.check_count`)."""
+    from kvsplice.core.limits import check_count  # here: declaring options imports no torch
+
+    for f in dataclasses.fields(options):
+        if COUNT not in f.metadata or (value := getattr(options, f.name)) is None:
+            continue
+        lo, hi, why = f.metadata[COUNT]
+        for v in value if isinstance(value, tuple) else (value,):
+            check_count(flags_of(f)[0], v, lo, **({} if hi is None else {"hi": hi}), why=why)
 
 
 def _unwrap(hint: Any) -> tuple[Any, bool]:

@@ -6,15 +6,14 @@ is declared here once, its fields declaring the command-line group too (:mod:`kv
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import Optional
 
-from kvsplice.io.cli import DTYPE_NAMES, pos_int
+from kvsplice.io.cli import DTYPE_NAMES, Parser, pos_int
 from kvsplice.io.options import add_options, opt
 
 __all__ = ["DeviceOption", "DtypeOption", "ForceOption", "ProgressOption", "RunOptions", "ThreadsOption",
-           "add_run_options"]
+           "run_parser"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +59,10 @@ class RunOptions(ForceOption, ThreadsOption, ProgressOption, DeviceOption, Dtype
     choice), ``progress`` (a progress bar), ``device`` (None: CUDA when available) and the model's ``dtype``."""
 
 
-def add_run_options(p: argparse.ArgumentParser, *, force_help: str) -> None:
-    """``--force`` (``force_help`` says what it overwrites), ``--threads``, ``--no-progress``, ``--device`` and
-    ``--dtype``: the command-line side of :class:`RunOptions`."""
+def run_parser(prog: str, options: type, *, force_help: str, description: Optional[str] = None) -> Parser:
+    """The command line of a model run: ``options``' own fields (they declare it), then the run options — ``--force``
+    (``force_help`` says what it overwrites), ``--threads``, ``--no-progress``, ``--device`` and ``--dtype``."""
+    p = Parser(prog=prog, description=description)
+    add_options(p, options, skip=RunOptions)
     add_options(p, RunOptions, help={"force": force_help})
+    return p

@@ -1,8 +1,8 @@
-"""Post-training low-rank bases: calibration Grams (``calibrate``), per-head fits (``fits``), the bases container
-(``bases``), the coefficient cache (``cache``), attention in coefficient space (``attention``) and the ``LowRank``
-compression method (``method``), plus error diagnostics of fitted bases (``diagnostics``); one calibration pass for
-every method with loss sensitivities (``sensitivity``), rank allocation under a budget (``allocate``) and
-grouped-head joint bases (``joint``)."""
+"""Post-training low-rank bases: calibration Grams (``calibrate``), per-head fits (``fits``) and their errors from
+the Grams (``fit_errors``), the bases container (``bases``), the coefficient cache (``cache``), attention in
+coefficient space (``attention``) and the ``LowRank`` compression method (``method``), plus error diagnostics of
+fitted bases (``diagnostics``); one calibration pass for every method with loss sensitivities (``sensitivity``), rank
+allocation under a budget (``allocate``) and grouped-head joint bases (``joint``)."""
 
 from kvsplice.lowrank.bases import BasesMismatchError, HeadBases, KVBases
 from kvsplice.lowrank.cache import CoefficientCache

@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 
 from kvsplice.lowrank.calibrate import CalibrationStats
-from kvsplice.lowrank.fits import RCOND, _fit_head, _tr_err, oblique_basis
+from kvsplice.lowrank.fit_errors import gram_error
+from kvsplice.lowrank.fits import RCOND, _fit_head, oblique_basis
 
 __all__ = ["Allocation", "allocate_ranks", "cost_curves", "greedy_ranks"]
 
@@ -65,7 +66,7 @@ def cost_curves(stats: CalibrationStats, method: str, rcond: float = RCOND) -> d
                                          ("v", stats.value_gram(l, j, True), full.v_enc, full.v_dec)):
                 f = stats.grad_gram(kind, l, j)
                 total = 0.5 * float(torch.trace(gram.double() @ f.double()))
-                curve = [total] + [0.5 * _tr_err(gram, f, enc[:, :r], dec[:, :r])[0] for r in range(1, d + 1)]
+                curve = [total] + [0.5 * gram_error(gram, f, enc[:, :r], dec[:, :r])[0] for r in range(1, d + 1)]
                 out[(l, j, kind)] = curve
     return out
 

@@ -19,8 +19,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from models.cache import DecodeCache
 from models.quant import SCALE
+from models.stream_cache import DecodeCache
 
 __all__ = ["CoefficientCache", "coefficient_bytes"]
 
@@ -117,8 +117,8 @@ class CoefficientCache(DecodeCache):
         return [(rows[kn], rows[vn], rows.get(kn + SCALE), rows.get(vn + SCALE)) for kn, vn in names]
 
     def reserve_coeffs(self, layer: int, t_new: int) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
-        """:meth:`~models.cache.DecodeCache.reserve` in the coefficient layout: ``(t0, K, V)`` with, per group of KV
-        heads (one group for a grouped layer, one per head otherwise, as :meth:`append_coeffs`), the whole key /
+        """:meth:`~models.stream_cache.DecodeCache.reserve` in the coefficient layout: ``(t0, K, V)`` with, per group
+        of KV heads (one group for a grouped layer, one per head otherwise, as :meth:`append_coeffs`), the whole key /
         value storage flattened to ``(B·n_heads, capacity, R)``; the flattened views are kept until the cache grows."""
         t0, bufs = self.reserve(layer, t_new)
         key = "k" if self._grouped[layer] else "k0"

@@ -11,8 +11,8 @@ query Grams (keys) and W_O Grams (values). :func:`allocate_joint` spends ``N`` n
 keys/values by the predicted loss.
 
 :class:`JointLowRank` is the storage method: ``(B, 1, T, R)`` latents per layer and kind (a
-:class:`models.cache.DecodeCache`), keys and values rebuilt for the attention call (pre-RoPE keys rotated at their
-positions: :class:`kvsplice.core.rope.RopeTables`) and the one dense attention (mask, log-weights).
+:class:`models.stream_cache.DecodeCache`), keys and values rebuilt for the attention call (pre-RoPE keys rotated at
+their positions: :class:`kvsplice.core.rope.RopeTables`) and the one dense attention (mask, log-weights).
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ import torch
 from kvsplice.adapters.base import apply_rope
 from kvsplice.core.rope import RopeTables
 from kvsplice.lowrank.calibrate import CalibrationStats
-from kvsplice.lowrank.fits import RCOND, _tr_err, oblique_basis
+from kvsplice.lowrank.fit_errors import gram_error
+from kvsplice.lowrank.fits import RCOND, oblique_basis
 from kvsplice.lowrank.method import BasesStorage
-from models.cache import DecodeCache
+from models.stream_cache import DecodeCache
 
 __all__ = ["JointBases", "JointLowRank", "allocate_joint", "fit_joint"]
 
@@ -127,7 +128,7 @@ def allocate_joint(stats: CalibrationStats, numbers_per_token: int, method: str 
             f = (stats.gk_joint if kind == "k" else stats.gv_joint)[l] / n
             full = oblique_basis(g, targets[i], g.shape[0])
             curves[(l, 0, kind)] = [0.5 * float(torch.trace(g.double() @ f.double()))] + \
-                [0.5 * _tr_err(g, f, full.enc[:, :r], full.dec[:, :r])[0] for r in range(1, g.shape[0] + 1)]
+                [0.5 * gram_error(g, f, full.enc[:, :r], full.dec[:, :r])[0] for r in range(1, g.shape[0] + 1)]
     rank = greedy_ranks(curves, numbers_per_token, stats.n_kv_head * stats.head_dim)
     bases = fit_joint(stats, [rank[(l, 0, "k")] for l in range(stats.n_layer)],
                       [rank[(l, 0, "v")] for l in range(stats.n_layer)], method)

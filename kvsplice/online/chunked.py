@@ -32,10 +32,8 @@ by chunk with the blockwise softmax (:mod:`kvsplice.online.blockwise`): logits `
    directions can stay mixed (old + new) for a long time; with a tight τ every token then closes its chunk (chunks
    of length 1, each carrying its own bases). ``fd_decay = γ < 1`` (a forgetting sketch, see
    :class:`~kvsplice.online.fd.FrequentDirections`) makes the seeds follow the drift; ``min_chunk_len`` bounds the cost.
-5. Old tokens are never re-projected — except by the optional amortised merge: with ``max_chunks = J_max``, when
-   the number of closed non-warm-up chunks exceeds ``J_max``, the oldest ``⌊J_max/2⌋ + 2`` of them are re-projected
-   onto the current sketch bases (``a* = (a_j B_jᵀ) B*``) and become one chunk, leaving ``⌈J_max/2⌉``.
-   The warm-up chunk is never merged (it stays exact).
+5. Old tokens are never re-projected — except by the optional amortised merge with ``max_chunks``
+   (:mod:`kvsplice.online.merge`).
 
 With ``granularity="layer"`` all sequences and KV heads of a layer share chunk boundaries (a chunk closes when any of
 them crosses a threshold) and are stored as batched tensors ``(B, Hkv, n_j, r)``: fewer, larger tensor ops.
@@ -44,9 +42,7 @@ Options: ``shared_value_basis=True`` fixes one value basis per stream (seeded at
 from the value sketch, or given as ``value_bases``) used by every chunk; values then accumulate in one coefficient
 space and are reconstructed once per query, and ``τ_v`` is ignored (closing cannot change the value basis).
 
-Bytes (:meth:`ChunkedCache.nbytes`, the sum over :meth:`tensors`): the coefficients, every basis the cache holds
-(each shared value basis once; none for identity chunks) and the FD sketches (fixed ``2 · 2ℓ · (d + d_v)`` floats
-per layer, KV head and sequence); :meth:`nbytes_breakdown` splits them.
+Bytes (:meth:`ChunkedCache.nbytes`, the sum over :meth:`tensors`): :mod:`kvsplice.online.chunk_bytes`.
 """
 
 from __future__ import annotations
@@ -56,8 +52,10 @@ from typing import Iterator, Literal, Optional, Sequence
 
 import torch
 
-from kvsplice.online.chunks import Active, StoredChunk, Stream, with_token
+from kvsplice.online.chunk_bytes import held_tensors, nbytes_by_kind, unused_tail_nbytes
+from kvsplice.online.chunks import Active, Stream, with_token
 from kvsplice.online.fd import FrequentDirections
+from kvsplice.online.merge import merge_chunks, oldest_to_merge
 from models.cache import Cache
 
 __all__ = ["ChunkedCache"]
@@ -180,12 +178,10 @@ class ChunkedCache(Cache):
                                        self.warmup, self.dtype, self.device, warmup=True)
 
     def truncate(self, n: int) -> None:
-        """Keep only the first ``n`` tokens of every layer (e.g. to roll back decode steps).
-
-        Chunks past ``n`` are dropped and the chunk holding token ``n − 1`` becomes the active chunk again (same bases,
-        so re-appending continues it by the same rule). The FD sketches cannot forget: they still include the removed
-        tokens, so later seeds may differ from a cache that never saw them. ``truncate(0)`` is ``reset()``.
-        """
+        """Keep only the first ``n`` tokens of every layer (e.g. to roll back decode steps): each stream's chunk
+        holding token ``n − 1`` is active again (:meth:`~kvsplice.online.chunks.Stream.truncate`). The FD sketches
+        cannot forget: they still include the removed tokens, so later seeds may differ from a cache that never saw
+        them. ``truncate(0)`` is ``reset()``."""
         n = int(n)
         if n < 0 or any(n > length for length in self._lengths):
             raise ValueError(f"truncate({n}): must be between 0 and the tokens held by every layer "
@@ -195,17 +191,7 @@ class ChunkedCache(Cache):
             return
         for layer, streams in enumerate(self._streams):
             for s in streams:
-                kept = []
-                for c in s.chunks():
-                    if c.start >= n:
-                        break
-                    if c.start + c.n > n:
-                        m = n - c.start
-                        c = StoredChunk(c.a[..., :m, :], c.b[..., :m, :], c.bk, c.be, c.start, c.res_k, c.res_v, c.warmup)
-                    kept.append(c)
-                last = kept.pop()
-                s.closed = kept
-                s.active = Active.reopen(last, self.warmup if last.warmup else self.max_chunk_len)
+                s.truncate(n, self.warmup, self.max_chunk_len)
             self._lengths[layer] = n
 
     def streams(self, layer: int) -> list[Stream]:
@@ -300,35 +286,12 @@ class ChunkedCache(Cache):
         s.active = None
 
     def _maybe_merge(self, layer: int, s: Stream) -> None:
-        if self.max_chunks is None:
+        span = None if self.max_chunks is None else oldest_to_merge(s.closed, self.max_chunks)
+        if span is None:
             return
-        first = 1 if s.closed and s.closed[0].warmup else 0
-        if len(s.closed) - first <= self.max_chunks:
-            return
-        m = self.max_chunks // 2 + 2
-        old = s.closed[first : first + m]
         ek_all, ev_all = self._fresh_bases(layer)
-        bk = self._pick(s, ek_all)
         be = s.shared_e if self.shared_value_basis else self._pick(s, ev_all)
-
-        def reproject(coef, basis, new_basis, res):
-            x = coef.float() @ basis.float().transpose(-1, -2)  # the stored approximation, rebuilt
-            c = x @ new_basis.float()
-            # (*bs,): max over the chunk's tokens
-            extra = (x - c @ new_basis.float().transpose(-1, -2)).norm(dim=-1).amax(-1)
-            return c.to(self.dtype), res + extra  # ‖k − P* k̂‖ ≤ ‖k − k̂‖ + ‖k̂ − P* k̂‖
-
-        parts_a, parts_b, res_k, res_v = [], [], [], []
-        for c in old:
-            a, rk = reproject(c.a, c.bk, bk, c.res_k)
-            if c.be is be:
-                b, rv = c.b, c.res_v
-            else:
-                b, rv = reproject(c.b, c.be, be, c.res_v)
-            parts_a.append(a), parts_b.append(b), res_k.append(rk), res_v.append(rv)
-        merged = StoredChunk(torch.cat(parts_a, -2), torch.cat(parts_b, -2), bk, be, old[0].start,
-                        torch.stack(res_k).amax(0), torch.stack(res_v).amax(0))
-        s.closed[first : first + m] = [merged]
+        s.closed[span] = [merge_chunks(s.closed[span], self._pick(s, ek_all), be, self.dtype)]
 
     # ------------------------------------------------------------------------------------------------ interface
     def append(self, layer: int, **new: torch.Tensor) -> None:
@@ -409,51 +372,27 @@ class ChunkedCache(Cache):
         return out[0], out[1]
 
     # ------------------------------------------------------------------------------------------------ bytes
-    def _groups(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for layer, streams in enumerate(self._streams):
-            for s in streams:
-                for c in s.chunks():
-                    yield "key_coefficients", c.a
-                    yield "value_coefficients", c.b
-                    if c.bk is not None:
-                        yield "key_bases", c.bk
-                    if c.be is not None and c.be is not s.shared_e:
-                        yield "value_bases", c.be
-                if s.shared_e is not None:
-                    yield "value_bases", s.shared_e
-            yield "sketch", self.fd_k[layer].buffer
-            yield "sketch", self.fd_v[layer].buffer
-
     def tensors(self) -> Iterator[torch.Tensor]:
-        for _, x in self._groups():
+        for _, x in held_tensors(self._streams, self.fd_k, self.fd_v):
             yield x
 
     def nbytes_breakdown(self) -> dict[str, int]:
-        out = dict.fromkeys(("key_coefficients", "value_coefficients", "key_bases", "value_bases", "sketch"), 0)
-        for name, x in self._groups():
-            out[name] += x.numel() * x.element_size()
-        return out
+        return nbytes_by_kind(held_tensors(self._streams, self.fd_k, self.fd_v))
 
     def nbytes(self) -> int:
         return sum(self.nbytes_breakdown().values())
 
     def storage_nbytes(self) -> int:
         """``nbytes()`` plus the unused tail of the active chunks' grown buffers."""
-        extra = 0
-        for streams in self._streams:
-            for s in streams:
-                if s.active is not None:
-                    for buf in (s.active.a_buf, s.active.b_buf):
-                        extra += (buf.shape[-2] - s.active.n) * buf[..., :1, :].numel() * buf.element_size()
-        return self.nbytes() + extra
+        return self.nbytes() + unused_tail_nbytes(self._streams)
 
     def elements_per_token(self) -> float:
         """Average coefficients stored per token per sequence, summed over layers (bases and sketches excluded)."""
         t = self.seq_len
         if t == 0:
             return 0.0
-        numel = sum(x.numel() for name, x in self._groups() if name.endswith("coefficients"))
-        return numel / (t * self.batch_size)
+        held = held_tensors(self._streams, self.fd_k, self.fd_v)
+        return sum(x.numel() for kind, x in held if kind.endswith("coefficients")) / (t * self.batch_size)
 
     def __repr__(self) -> str:
         return (f"ChunkedCache(layers={self.n_layer}, batch={self.batch_size}, seq_len={self.seq_len}, "

@@ -92,6 +92,21 @@ class Stream:
         # StoredChunks in token order: a (*bs, n_j, r_k), b (*bs, n_j, r_v)
         return self.closed + ([self.active.view()] if self.active is not None and self.active.n else [])
 
+    def truncate(self, n: int, warmup: int, cap: int) -> None:
+        """Keep tokens ``0 .. n − 1`` (``n ≥ 1``): later chunks are dropped and the chunk holding token ``n − 1``
+        becomes the active one again (same bases; up to ``warmup`` tokens for the warm-up chunk, else ``cap``)."""
+        kept = []
+        for c in self.chunks():
+            if c.start >= n:
+                break
+            if c.start + c.n > n:
+                m = n - c.start
+                c = StoredChunk(c.a[..., :m, :], c.b[..., :m, :], c.bk, c.be, c.start, c.res_k, c.res_v, c.warmup)
+            kept.append(c)
+        last = kept.pop()
+        self.closed = kept
+        self.active = Active.reopen(last, warmup if last.warmup else cap)
+
 
 def with_token(basis: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``basis (*bs, d, r)`` with its last column replaced by the direction of ``x (*bs, d)`` off the first ``r − 1``

@@ -2,7 +2,7 @@
 
 Of the ``n`` tokens a layer holds, the oldest ``n_q = G·⌊max(0, n − R)/G⌋`` are quantised (``G`` = ``group``,
 ``R`` = ``residual``) and the rest, at least the last ``R``, stay at the cache dtype; every append re-applies the
-rule, so the split depends on ``n`` only. Quantised streams (each a :class:`models.cache.DecodeCache`, time on
+rule, so the split depends on ``n`` only. Quantised streams (each a :class:`models.stream_cache.DecodeCache`, time on
 dim -2):
 
 * ``codes`` — ``k, v (B, Hkv, n_q, D·bits/8)`` uint8: ``8/bits`` codes per byte;
@@ -21,8 +21,9 @@ from typing import Iterator, Optional
 import torch
 
 from kvsplice.core.coded import ChannelGroupKeys, Rows, Segment
-from models.cache import Cache, DecodeCache
+from models.cache import Cache
 from models.quant import MIN, SCALE, GroupRows
+from models.stream_cache import DecodeCache
 
 __all__ = ["KIVICache", "kivi_bytes", "n_quantised"]
 

@@ -23,7 +23,8 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from kvsplice.select.selectors import TokenSelector
-from models.cache import Cache, DecodeCache
+from models.cache import Cache
+from models.stream_cache import DecodeCache
 
 __all__ = ["SubsetCache", "TokenSelectionResult", "choose_tokens", "gather_tokens", "subset_bytes"]
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from kvsplice.core.limits import MAX_TOKENS, check_count, check_number, check_threads
+from kvsplice.core.limits import check_number, check_threads
 from kvsplice.io.cli import pos_int
-from kvsplice.io.options import opt
+from kvsplice.io.options import check_counts, count, opt
 from kvsplice.io.run_options import ForceOption
 
 __all__ = ["ARMS", "BenchBalanceOptions", "MAX_SEEDS"]
@@ -32,14 +32,16 @@ class BenchBalanceOptions(ForceOption):
     model: str = opt(help="HF model directory (config.json + tokenizer) or a .ckpt")
     tokenizer: Optional[str] = opt(None, help="tokenizer override (see kvsplice.loading)")
     data: str = opt(help="text: .txt/.json/.jsonl file or folder of stories")
-    layers: Optional[tuple[int, ...]] = opt(None, help="layers (default: all)")
-    T: tuple[int, ...] = opt((1, 2, 3, 4), help="halvings (compression 2^T of the middle)")
-    seeds: int = opt(10, help=f"selections per window and KV head (default 10, at most {MAX_SEEDS})")
-    n_queries: int = opt(64, help="query positions at the end of each window (default 64)")
-    context: Optional[int] = opt(None, help="tokens per window (default: min(1024, positions))")
-    windows: int = opt(4, help="text windows (one selection per window and KV head)")
-    n_sink: int = opt(4, help="first tokens kept intact (default 4)")
-    n_recent: int = opt(16, help="last context tokens kept intact (default 16)")
+    layers: Optional[tuple[int, ...]] = count(None, lo=0, help="layers (default: all)")
+    T: tuple[int, ...] = count((1, 2, 3, 4), lo=0, hi=30, why="a compression of 2^30",
+                               help="halvings (compression 2^T of the middle)")
+    seeds: int = count(10, hi=MAX_SEEDS, why="the run's time grows with it",
+                       help=f"selections per window and KV head (default 10, at most {MAX_SEEDS})")
+    n_queries: int = count(64, help="query positions at the end of each window (default 64)")
+    context: Optional[int] = count(None, lo=2, help="tokens per window (default: min(1024, positions))")
+    windows: int = count(4, help="text windows (one selection per window and KV head)")
+    n_sink: int = count(4, lo=0, help="first tokens kept intact (default 4)")
+    n_recent: int = count(16, lo=0, help="last context tokens kept intact (default 16)")
     block_size: int = opt(64, help="tokens per block of the block-parallel halving (an even number, default 64)")
     c_scale: float = opt(1.0, help="walk threshold c = c_scale * median kappa")
     kernel_temp: float = opt(1.0, help="walk kernel exp(kernel_temp * <k,k'> / sqrt(d)) (1 = the paper's)")
@@ -53,17 +55,7 @@ class BenchBalanceOptions(ForceOption):
         """Every count and number within its range before the text or the model is read (the model's own limits,
         its layers and positions, are checked once it is loaded); one line naming the option."""
         check_threads("--threads", self.threads)
-        check_count("--seeds", self.seeds, 1, MAX_SEEDS, "the run's time grows with it")
-        check_count("--windows", self.windows, 1, MAX_TOKENS)
-        check_count("--n-queries", self.n_queries, 1, MAX_TOKENS)
-        if self.context is not None:
-            check_count("--context", self.context, 2, MAX_TOKENS)
-        check_count("--n-sink", self.n_sink, 0, MAX_TOKENS)
-        check_count("--n-recent", self.n_recent, 0, MAX_TOKENS)
-        for t in self.T:
-            check_count("--T", t, 0, 30, "a compression of 2^30")
-        for layer in self.layers or ():
-            check_count("--layers", layer, 0, MAX_TOKENS)
+        check_counts(self)
         check_number("--c-scale", self.c_scale, hi=1e6)  # beyond, the walk's threshold exceeds every kappa
         check_number("--kernel-temp", self.kernel_temp, hi=1e3, lo_open=False)  # beyond, exp() overflows in fp32
         if self.block_size < 2 or self.block_size % 2:

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from kvsplice.core.coded import Segment, coded_attend, stream_rows
 from kvsplice.select.scores import _top
-from models.cache import Cache, KVCache
+from models.cache import Cache
+from models.stream_cache import KVCache
 
 __all__ = ["PooledSubsetCache", "coded_pooled_attend", "own_tokens", "pool_tokens", "pooled_attend", "pooled_bias"]
 

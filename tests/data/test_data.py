@@ -22,7 +22,7 @@ from data import (
     unigram_entropy,
 )
 from data import stories as story_gen
-from data.shards import EpochSampler
+from data.sampler import EpochSampler
 from data.sources import is_validation_file, iter_stories_from_file, list_story_files
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data"

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from models.attention import attend
-from models.cache import DecodeCache
 from models.quant import dequantize_int8 as dequantize, quantize_int8
 from models.kernels import (decode_attend, interpreting, resolve_decode_kernel, triton_missing_reason,
                             use_decode_kernel)
 from models.static_cache import StaticCacheView
+from models.stream_cache import DecodeCache
 
 pytestmark = pytest.mark.skipif(triton_missing_reason() is not None, reason=str(triton_missing_reason()))
 
@@ -116,7 +116,7 @@ def test_kernel_adds_log_weights(device, hkv_bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("dk,dv,shared", [(26, 26, True), (64, 64, False), (24, 40, False)])
 def test_kernel_dequantises_int8_rows(device, dtype, dk, dv, shared):
-    """int8 rows + fp16 per-row scales (models.cache's format) == attention over the dequantised rows."""
+    """int8 rows + fp16 per-row scales (models.stream_cache's format) == attention over the dequantised rows."""
     hq, hkv = (12, 1) if shared else (8, 2)
     q, k, v = _rows(2, hq, hkv, 37, dk, dv, dtype, device, seed=4)
     kq, ks = quantize_int8(k)

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from models.cache import CompressedLatentCache, KVCache, LatentCache
+from models.stream_cache import CompressedLatentCache, KVCache, LatentCache
 from kvsplice.report.memory import cache_bytes_formula, measure_cache
 from models import GPT, GPTConfig, preset
 from models.attention import attend, causal_mask, select_backend
@@ -325,7 +325,7 @@ def test_sdpa_explicit_path_for_unequal_head_sizes_matches_sdpa():
 def test_decode_cache_reserve_equals_append():
     """DecodeCache.reserve (write in place) holds exactly what append holds: same views, lengths, position, bytes,
     also across a growth of the storage; a quantised cache refuses it."""
-    from models.cache import KVCache
+    from models.stream_cache import KVCache
 
     g = torch.Generator().manual_seed(0)
     rows = [torch.randn(2, 3, t, 4, generator=g) for t in (5, 1, 20)]  # (B, H, T_new, hs)
@@ -346,7 +346,7 @@ def test_decode_cache_int4_rows_round_trip_within_half_a_step_and_bytes_match():
     """quant="int4": each row stored as packed 4-bit codes in groups of 32 along it (or the whole row when its width
     is not a multiple), an fp16 scale and minimum per group; what append returns (and get) is within half a
     quantisation step of the input per group, across a growth of the storage; bytes == the closed form."""
-    from models.cache import DecodeCache
+    from models.stream_cache import DecodeCache
     from models.quant import int4_row_bytes
 
     g = torch.Generator().manual_seed(0)

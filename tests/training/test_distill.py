@@ -21,18 +21,25 @@ TRAIN = DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"
 HELD = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    if not ((STORIES / "stories260K.bin").is_file() and TRAIN.is_file() and HELD.is_file()):
+def stories_pair(root: Path, calib_tokens: int) -> tuple[Path, Path, Path]:
+    """``(teacher, student, root)``: stories260K as an HF Llama folder and converted to MLA (d_latent 12, shared RoPE,
+    latent norm; ``calib_tokens`` of TinyStories) under ``root`` (skips without the data)."""
+    if not ((STORIES / "stories260K.bin").is_file() and TRAIN.is_file()):
         pytest.skip(f"stories260K / TinyStories not found under {DATA}")
     from kvsplice.convert.llama2c import convert_llama2c
 
-    root = tmp_path_factory.mktemp("distill")
     src = convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", root / "src")
-    assert to_mla.main([str(a) for a in ["--model", src, "--calib", TRAIN, "--calib-tokens", 4096, "--seq-len", 128,
-                                         "--d-latent", 12, "--rope-layout", "shared", "--latent-norm",
-                                         "--out", root / "mla", "--no-progress"]]) == 0
+    assert to_mla.main([str(a) for a in ["--model", src, "--calib", TRAIN, "--calib-tokens", calib_tokens,
+                                         "--seq-len", 128, "--d-latent", 12, "--rope-layout", "shared",
+                                         "--latent-norm", "--out", root / "mla", "--no-progress"]]) == 0
     return src, root / "mla", root
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    if not HELD.is_file():
+        pytest.skip(f"TinyStories' held-out text not found under {DATA}")
+    return stories_pair(tmp_path_factory.mktemp("distill"), 4096)
 
 
 @torch.no_grad()

@@ -11,27 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvsplice.cli import to_mla
+from test_distill import TRAIN, stories_pair
 from training import distill
 from training.distill_budget import time_lr_factor
-
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-STORIES = DATA / "stories260K"
-TRAIN = DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    if not ((STORIES / "stories260K.bin").is_file() and TRAIN.is_file()):
-        pytest.skip(f"stories260K / TinyStories not found under {DATA}")
-    from kvsplice.convert.llama2c import convert_llama2c
-
-    root = tmp_path_factory.mktemp("budget")
-    src = convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", root / "src")
-    assert to_mla.main([str(a) for a in ["--model", src, "--calib", TRAIN, "--calib-tokens", 2048, "--seq-len", 128,
-                                         "--d-latent", 12, "--rope-layout", "shared", "--latent-norm",
-                                         "--out", root / "mla", "--no-progress"]]) == 0
-    return src, root / "mla", root
+    return stories_pair(tmp_path_factory.mktemp("budget"), 2048)
 
 
 def rows(path: Path) -> list[dict]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from hostile import s260k  # noqa: F401  (s260k: a fixture)
 from kvsplice.cli import eval_bases, fit_bases, generate, to_mla
 from kvsplice.lowrank.bases import KVBases
 
@@ -19,13 +20,6 @@ EVAL = DATA / "tinystories" / "yuninxia_moe-routing-bench__tinystories_val.txt"
 pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file() or not CALIB.is_file(),
                                 reason=f"stories260K / TinyStories not found under {DATA}")
 SMALL = ["--calib", str(CALIB), "--calib-tokens", "2048", "--seq-len", "256", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def s260k(tmp_path_factory) -> Path:
-    from kvsplice.convert.llama2c import convert_llama2c
-
-    return convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", tmp_path_factory.mktemp("s260k"))
 
 
 def test_six_methods_three_ranks_two_rope_modes_from_one_pass(s260k, tmp_path, capsys, monkeypatch):

@@ -28,7 +28,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from data.shards import EpochSampler, ResumableDataLoader
+from data.sampler import EpochSampler, ResumableDataLoader
 from hostile import edit_ckpt, one_error, snapshot, tiny_ckpt
 from training.lit import LitGPT
 from training.checkpoint import GPT_CONFIG_KEY, atomic_save, load_checkpoint, remove_stale_temp_files

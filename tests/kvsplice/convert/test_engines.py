@@ -28,7 +28,7 @@ import transformers
 
 from kvsplice.convert.deepseek_v3 import deepseek_v3_config, portable_tokenizer_config, save_deepseek_v3
 from kvsplice.convert.llama_mla import calibrate_layers, convert_llama
-from kvsplice.convert.engines import llama_cpp
+from kvsplice.convert.engines import gguf_convert, llama_cpp
 from tiny_models import load_benchmark, tiny_family
 
 DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
@@ -96,7 +96,7 @@ def test_tokenizer_config_is_portable(tmp_path):
 
 
 def test_post_step_adds_q_lora_rank(tmp_path):
-    gguf = llama_cpp._gguf_module()
+    gguf = gguf_convert.gguf_module()
     path = tmp_path / "m.gguf"
     w = gguf.GGUFWriter(str(path), arch="deepseek2")
     w.add_block_count(2)
@@ -108,14 +108,14 @@ def test_post_step_adds_q_lora_rank(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    assert llama_cpp.fix_gguf(path) == [llama_cpp.Q_LORA_KEY]
+    assert gguf_convert.fix_gguf(path) == [llama_cpp.Q_LORA_KEY]
     r = gguf.GGUFReader(str(path))
     assert r.get_field(llama_cpp.Q_LORA_KEY).contents() == 0
     assert r.get_field("deepseek2.attention.kv_lora_rank").contents() == 16
     assert r.get_field("tokenizer.ggml.tokens").contents() == ["a", "b"]
     assert np.array_equal(np.asarray(r.tensors[0].data).reshape(3, 4), data)
     del r
-    assert llama_cpp.fix_gguf(path) == []  # nothing missing: untouched
+    assert gguf_convert.fix_gguf(path) == []  # nothing missing: untouched
 
 
 def test_llama_cpp_root_follows_the_env(monkeypatch, tmp_path):

@@ -12,7 +12,7 @@ import pytest
 
 from hostile import interrupt_at_exit, one_error, one_interrupt, small_disk, snapshot
 from kvsplice.cli import to_gguf
-from kvsplice.convert.engines import llama_cpp
+from kvsplice.convert.engines import gguf_convert, llama_cpp
 from kvsplice.convert.engines.kv_types import kv_type
 
 PROG = to_gguf.PROG
@@ -23,7 +23,7 @@ SMOL = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "smollm2
 def deepseek2_gguf(path: Path, *, tensor_bytes: int = 48, complete: bool = True) -> Path:
     """A ``deepseek2`` GGUF without ``q_lora_rank`` (as llama.cpp's converter writes it), with one f32 tensor of
     ``tensor_bytes``; ``complete``: with the hyper-parameters llama.cpp reads before ``q_lora_rank``."""
-    gguf = llama_cpp._gguf_module()
+    gguf = gguf_convert.gguf_module()
     w = gguf.GGUFWriter(str(path), arch="deepseek2")
     w.add_block_count(2)
     w.add_kv_lora_rank(16)
@@ -84,7 +84,7 @@ def test_fix_of_a_damaged_or_wrong_file_is_one_line_or_untouched(tmp_path, capsy
     elif kind == "directory":
         p.mkdir()
     elif kind == "not-deepseek2":
-        gguf = llama_cpp._gguf_module()
+        gguf = gguf_convert.gguf_module()
         w = gguf.GGUFWriter(str(p), arch="llama")
         w.add_block_count(1)
         w.write_header_to_file()
@@ -113,7 +113,7 @@ def test_ctrl_c_after_the_fix_is_written_is_one_line_and_keeps_it(tmp_path):
     g = deepseek2_gguf(tmp_path / "X.gguf")
     r = interrupt_at_exit("kvsplice.cli.to_gguf", ["--fix", g])
     one_interrupt(r, PROG)
-    gguf = llama_cpp._gguf_module()
+    gguf = gguf_convert.gguf_module()
     assert gguf.GGUFReader(str(g)).get_field(llama_cpp.Q_LORA_KEY).contents() == 0
     assert [p.name for p in tmp_path.iterdir()] == ["X.gguf"]
 
@@ -121,7 +121,7 @@ def test_ctrl_c_after_the_fix_is_written_is_one_line_and_keeps_it(tmp_path):
 def test_ctrl_c_while_fixing_leaves_the_gguf_as_it_was(tmp_path, capsys, monkeypatch):
     g = deepseek2_gguf(tmp_path / "X.gguf")
     before = snapshot(tmp_path)
-    gguf = llama_cpp._gguf_module()
+    gguf = gguf_convert.gguf_module()
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt

@@ -22,7 +22,7 @@ import pytest
 import torch
 import transformers
 
-from kvsplice.convert.engines import llama_cpp
+from kvsplice.convert.engines import gguf_convert, llama_cpp
 from kvsplice.convert.engines.kv_types import KV_TYPES, kv_bytes_per_token, kv_type
 
 N_LAYER, N_HEAD, N_KV, HEAD, HIDDEN, FFN, VOCAB = 2, 4, 2, 32, 128, 256, 256
@@ -73,7 +73,7 @@ def tiny(tmp_path_factory):
                                    max_position_embeddings=4096, initializer_range=0.1)
     hf = transformers.LlamaForCausalLM(cfg).eval()
     sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
-    gguf = llama_cpp._gguf_module()
+    gguf = gguf_convert.gguf_module()
     path = tmp_path_factory.mktemp("kv") / "tiny.gguf"
     w = gguf.GGUFWriter(str(path), arch="llama")
     w.add_context_length(4096)

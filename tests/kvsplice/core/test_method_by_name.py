@@ -15,7 +15,7 @@ from kvsplice.cli import eval_bases, generate, plan as plan_cli
 from kvsplice.core.method import CompressionMethod, layer_tokens
 from kvsplice.core.build import build_method
 from kvsplice.core.registry import method_names
-from models.cache import KVCache
+from models.stream_cache import KVCache
 
 from benchmarks.harness.paths import CALIB as TEXT, DATA, EVAL, STORIES
 

@@ -12,8 +12,8 @@ import pytest
 from kvsplice.core.amounts import (MAX_TIMES_SMALLER, check_kept_fraction, check_times_smaller, kept_fraction,
                                    times_smaller)
 from kvsplice.io.cli import Parser, UsageError, pos_int
-from kvsplice.io.options import Exclusive, add_options, defaults, from_args, opt
-from kvsplice.io.run_options import RunOptions, add_run_options
+from kvsplice.io.options import Exclusive, add_options, check_counts, count, defaults, from_args, opt
+from kvsplice.io.run_options import RunOptions, run_parser
 from declared_options import check_one_line_refusal
 
 
@@ -32,10 +32,7 @@ class _Opts(RunOptions):
 
 
 def _parser() -> Parser:
-    p = Parser(prog="t")
-    add_options(p, _Opts, skip=RunOptions)
-    add_run_options(p, force_help="overwrite it")
-    return p
+    return run_parser("t", _Opts, force_help="overwrite it")
 
 
 def _parse(*argv: str) -> _Opts:
@@ -120,3 +117,29 @@ def test_a_flag_without_a_dash_is_a_positional_argument():
     assert "--out OUT model [folder]" in " ".join(p.format_usage().split())
     with pytest.raises(UsageError, match="the following arguments are required: model"):
         p.parse_args(["--out", "o"])
+
+
+@dataclass(frozen=True)
+class _Counted:
+    seeds: int = count(3, hi=10, why="time", help="seeds")
+    sinks: int = count(0, lo=0, help="sinks")
+    layers: Optional[tuple[int, ...]] = count(None, lo=0, help="layers")
+    window: Optional[int] = count(None, lo=2, flags=("--win",), help="a window")
+
+    def __post_init__(self) -> None:
+        check_counts(self)
+
+
+@pytest.mark.parametrize("kw, message", [({"seeds": 0}, "--seeds must be >= 1, got 0"),
+                                         ({"seeds": 11}, "--seeds must be <= 10 (time), got 11"),
+                                         ({"sinks": -1}, "--sinks must be >= 0, got -1"),
+                                         ({"layers": (2, -1)}, "--layers must be >= 0, got -1"),
+                                         ({"window": 1}, "--win must be >= 2, got 1"),
+                                         ({"seeds": True}, "--seeds must be an integer")])
+def test_a_count_is_checked_by_the_bounds_it_declares(kw, message):
+    assert _Counted(layers=(0, 5), window=2) == _Counted(seeds=3, layers=(0, 5), window=2)  # in bounds; None passes
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        _Counted(**kw)
+    p = Parser(prog="t")
+    add_options(p, _Counted)
+    assert from_args(_Counted, p.parse_args(["--layers", "1", "2", "--win", "4"])) == _Counted(layers=(1, 2), window=4)

@@ -302,7 +302,8 @@ def stories(tmp_path_factory):
 def test_stories260k_attention_aware_beats_k_only(stories):
     """On a real pretrained GQA + RoPE model, every layer and KV head: attention-aware score error ≤ K-only's,
     and each GQA closed form is best on its own objective."""
-    from kvsplice.lowrank.fits import fit_bases, lesens_gaps, score_error
+    from kvsplice.lowrank.fit_errors import lesens_gaps, score_error
+    from kvsplice.lowrank.fits import fit_bases
 
     model, stats = stories
     assert (stats.n_layer, stats.n_head, stats.n_kv_head, stats.head_dim) == (5, 8, 4, 8)

@@ -7,6 +7,15 @@ import torch
 
 from kvsplice.lowrank.bases import HeadBases, KVBases
 from kvsplice.lowrank.calibrate import CalibrationStats
+from kvsplice.lowrank.fit_errors import (
+    bases_errors,
+    lesens_gap,
+    lesens_gaps,
+    lesens_terms,
+    reconstruction_error,
+    score_error,
+    value_error,
+)
 from kvsplice.lowrank.fits import (
     fit_bases,
     fit_eigen,
@@ -15,16 +24,9 @@ from kvsplice.lowrank.fits import (
     fit_kq,
     fit_ksvd,
     fit_values_wo,
-    bases_errors,
     ksvd_basis,
-    lesens_gap,
-    lesens_gaps,
-    lesens_terms,
     oblique_basis,
-    reconstruction_error,
-    score_error,
     select_rank,
-    value_error,
 )
 
 F64 = torch.float64

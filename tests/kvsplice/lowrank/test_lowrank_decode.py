@@ -12,7 +12,7 @@ import transformers
 from kvsplice.decode import Decoder, DenseKV, perplexity, sequence_nll
 from kvsplice.lowrank.method import LowRank
 from kvsplice.lowrank.bases import BasesMismatchError, HeadBases, KVBases
-from models.cache import KVCache
+from models.stream_cache import KVCache
 from kvsplice.lowrank.cache import CoefficientCache
 from kvsplice.report.memory import measure_cache
 from models import GPT, GPTConfig

@@ -6,12 +6,11 @@ candidate reaches, a --tune-length beyond the model's positions, a store spec wi
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 
 from benchmarks.harness.paths import CALIB, DATA, STORIES
-from hostile import one_error
+from hostile import one_error, s260k  # noqa: F401  (s260k: a fixture)
 from kvsplice.cli import plan as plan_cli
 from kvsplice.planning.options import PlanOptions
 from kvsplice.planning.search import SearchOptions
@@ -19,13 +18,6 @@ from kvsplice.planning.search import SearchOptions
 pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file() or not CALIB.is_file(),
                                 reason=f"stories260K / TinyStories not found under {DATA}")
 SMALL = ["--calib", str(CALIB), "--calib-tokens", "2048", "--tune-tokens", "512", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def s260k(tmp_path_factory) -> Path:
-    from kvsplice.convert.llama2c import convert_llama2c
-
-    return convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", tmp_path_factory.mktemp("s260k"))
 
 
 class _Calibrated(Exception):

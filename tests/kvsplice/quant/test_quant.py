@@ -14,8 +14,8 @@ from kvsplice.lowrank.method import LowRank
 from kvsplice.report.memory import cache_bytes_formula, measure_cache
 from kvsplice.select.cache import SubsetCache
 from models import GPT, GPTConfig, preset
-from models.cache import KVCache, LatentCache
 from models.quant import GroupRows, Int8Rows, dequantize_int8 as dequantize, quantize_int8, row_bytes
+from models.stream_cache import KVCache, LatentCache
 from tiny_models import sharpen
 
 V = 61
@@ -122,7 +122,7 @@ def test_lowrank_and_dense_int8_on_llama():
 
 def test_bad_quant_options():
     with pytest.raises(ValueError, match="quant"):
-        KVCache(1, 2, 4, 1, quant="int3")  # int8 and int4 exist (models.cache)
+        KVCache(1, 2, 4, 1, quant="int3")  # int8 and int4 exist (models.stream_cache)
     with pytest.raises(ValueError, match="GPTConfig.cache_quant"):
         GPTConfig(cache_quant="fp8")
     with pytest.raises(ValueError, match="SubsetCache does not quantise"):

@@ -20,10 +20,10 @@ from kvsplice.decode.decoder import Decoder  # noqa: E402
 from kvsplice.hf.base import KVSpliceHFCache  # noqa: E402
 from kvsplice.select.method import TokenSelection  # noqa: E402
 from kvsplice.select.pooled import PooledSubsetCache, own_tokens, pool_tokens, pooled_bias  # noqa: E402
-from kvsplice.select.kvzip import depth_band  # noqa: E402
+from kvsplice.select.pooled_layers import depth_band  # noqa: E402
 from kvsplice.select.selectors import TokenSelector  # noqa: E402
-from models.cache import KVCache  # noqa: E402
 from models.quant import int4_row_bytes  # noqa: E402
+from models.stream_cache import KVCache  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
-"""What ``benchmarks/gpu.py`` (and ``gpu_check``'s ``train`` section) measure on a GPU: SDPA kernels for one decode
-call, the 124M training step (ours vs a nanoGPT-style reference, eager and compiled, MFU) and the decode step (ours
-eager and CUDA-graph vs transformers' GPT-2 with DynamicCache / StaticCache), each a list of rows."""
+"""What ``benchmarks/gpu.py`` measures on a GPU: SDPA kernels for one decode call, the 124M training step (ours vs a
+nanoGPT-style reference, eager and compiled, MFU), the decode step (ours eager and CUDA-graph vs transformers' GPT-2
+with DynamicCache / StaticCache) and FlashAttention-4 against SDPA, each a list of rows."""
 
 from __future__ import annotations
 
@@ -16,13 +16,15 @@ import torch.nn.functional as F
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.timing import cuda_time
 from benchmarks.lib.reference_gpt import ReferenceGPT
+from benchmarks.lib.serving_bench import err, filled_cache
 from models import GPT, preset
 from models.attention import flash_impl, sdpa_order
 
-__all__ = ["PEAK_BF16", "bench_decode", "bench_sdpa", "bench_train", "need_cuda",
+__all__ = ["PEAK_BF16", "bench_decode", "bench_flash4", "bench_sdpa", "bench_train", "flash4_reason", "need_cuda",
            "peak_flops"]
 
-
+FLASH4_REASON = ("its wheels with the CUTLASS-DSL runtime (flash-attn-4 + nvidia-cutlass-dsl) are > 90 MB, more than "
+                 "the 64 MiB one device call can carry")
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}
 """Dense bf16 tensor-core peak FLOP/s by device family (datasheet), for MFU."""
 
@@ -40,9 +42,10 @@ def peak_flops() -> float | None:
 
 # ---------------------------------------------------------------------------------------------------- sdpa
 def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> list[dict]:
-    """Median ms of one decode-shaped SDPA call per kernel choice, the key length growing by one per call. A named
-    kernel is put first in SDPA's priority (the others stay enabled as fallbacks) with the package's ~1 µs switch
-    (:func:`models.attention._sdpa_priority`), so every column pays the same host overhead."""
+    """Median ms of one decode-shaped SDPA call per kernel choice (a row per key length, a column per choice), the key
+    length growing by one per call. A named kernel is put first in SDPA's priority (the others stay enabled as
+    fallbacks) with the package's ~1 µs switch (:func:`models.attention._sdpa_priority`), so every column pays the
+    same host overhead."""
     from torch.nn.attention import SDPBackend
 
     from models.attention import _sdpa_priority
@@ -53,6 +56,7 @@ def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> list[dict]:
     choices = {"default": None, **{k: (b, *[x for x in rest if x != b]) for k, b in named.items()}, "ours": "ours"}
     rows = []
     for t_k in key_lens:
+        row = dict(keys=t_k)
         q = torch.randn(batch, 12, 1, 64, device="cuda", dtype=torch.bfloat16)
         kv = torch.randn(batch, 12, t_k + 2 * calls + 4, 64, device="cuda", dtype=torch.bfloat16)
         for name, order in choices.items():
@@ -68,7 +72,8 @@ def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> list[dict]:
 
             call()
             ts = cuda_time(call, calls)
-            rows.append(dict(keys=t_k, kernel=name, median_ms=statistics.median(ts)))
+            row[name] = statistics.median(ts)
+        rows.append(row)
         del q, kv
     return rows
 
@@ -137,23 +142,17 @@ def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, qui
         for key in keys[r % len(keys):] + keys[: r % len(keys)]:
             state[key]["times"] += cuda_time(state[key]["step"], steps)
     rows = []
-    ref_eager = ref_compiled = None
     for key, s in state.items():
         ms = statistics.median(s["times"])
         label, mode, opt = key.split(" | ")
-        row = dict(model=label, mode=mode, optimizer=opt, median_ms=ms, tokens_per_s=batch * t / (ms / 1e3),
-                   tflops=s["flops"] / (ms / 1e3) / 1e12, mfu=None if peak is None else s["flops"] / (ms / 1e3) / peak,
-                   first_steps_s=round(s["warmup_s"], 1), n=len(s["times"]))
-        if label.startswith("reference"):
-            if mode == "eager":
-                ref_eager = ms
-            else:
-                ref_compiled = ms
-        rows.append(row)
+        rows.append(dict(model=label, mode=mode, optimizer=opt, median_ms=ms, tokens_per_s=batch * t / (ms / 1e3),
+                         tflops=s["flops"] / (ms / 1e3) / 1e12,
+                         mfu=None if peak is None else s["flops"] / (ms / 1e3) / peak,
+                         first_steps_s=round(s["warmup_s"], 1), n=len(s["times"])))
+    ref = {r["mode"]: r["median_ms"] for r in rows if r["model"].startswith("reference")}
     ours_mha = {r["mode"]: r["median_ms"] for r in rows if r["model"] == "ours mha" and r["optimizer"].startswith("fused")}
     for r in rows:
-        ref = ref_compiled if r["mode"] == "compiled" else ref_eager
-        r["vs_reference_same_mode"] = r["median_ms"] / ref if ref else None
+        r["vs_reference_same_mode"] = r["median_ms"] / ref[r["mode"]] if r["mode"] in ref else None
         r["vs_ours_mha_same_mode"] = r["median_ms"] / ours_mha[r["mode"]] if r["mode"] in ours_mha else None
     del state
     gc.collect()
@@ -162,15 +161,6 @@ def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, qui
 
 
 # ---------------------------------------------------------------------------------------------------- decode
-def _fill_ours(model, batch: int, ctx: int):
-    cache = model.new_cache(batch, capacity=ctx + 1)
-    for layer in range(cache.n_layer):
-        t0, bufs = cache.reserve(layer, ctx)
-        for buf in bufs.values():
-            buf[..., :ctx, :].normal_()
-    return cache
-
-
 def _hf_model(max_ctx: int, dtype):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -239,12 +229,12 @@ def bench_decode(batches: list[int], ctxs: list[int], steps: int, rounds: int, q
             for r in range(rounds):
                 order = labels[r % len(labels):] + labels[: r % len(labels)]
                 for lab in order:
-                    tok = torch.randint(0, 50304 if not quick else 50304, (batch, 1), device="cuda")
+                    tok = torch.randint(0, 50304, (batch, 1), device="cuda")
                     try:
                         if lab.startswith("ours"):
                             name = lab.split()[1].replace("+graph", "")
                             model = ours[name]
-                            cache = _fill_ours(model, batch, ctx)
+                            cache = filled_cache(model, batch, ctx, None)
                             nbytes = cache.nbytes() * (ctx + 1) // ctx if ctx else 0
                             if lab.endswith("+graph"):
                                 dec = GraphDecoder(model, cache)
@@ -270,7 +260,7 @@ def bench_decode(batches: list[int], ctxs: list[int], steps: int, rounds: int, q
                     except torch.cuda.OutOfMemoryError:
                         info[lab] = dict(error="out of memory")
                     except Exception as e:  # noqa: BLE001 - one variant's failure must not end the section
-                        info[lab] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:100]}")
+                        info[lab] = dict(error=err(e))
                         times[lab] = []
                     finally:
                         cache = dec = fn = one = None
@@ -292,4 +282,42 @@ def bench_decode(batches: list[int], ctxs: list[int], steps: int, rounds: int, q
                     r["vs_hf_static"] = r["median_ms"] / static if static else None
             print(f"decode batch {batch} ctx {ctx}: " + ", ".join(
                 f"{k} {v:.3f}" if v else f"{k} -" for k, v in cell.items()), file=sys.stderr, flush=True)
+    return rows
+
+
+def flash4_reason() -> Optional[str]:
+    """Why FlashAttention-4 cannot run here, or None."""
+    try:
+        from flash_attn.cute import flash_attn_func  # noqa: F401  # type: ignore[import-not-found]
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken install
+        return f"FlashAttention-4 is not importable ({err(e)}): {FLASH4_REASON}"
+    if torch.cuda.get_device_capability() < (9, 0):
+        return f"FlashAttention-4 needs compute capability >= 9.0, this is {torch.cuda.get_device_capability()}"
+    return None
+
+
+def bench_flash4(shape: Sequence[int], calls: int) -> list[dict]:
+    """FlashAttention-4 against SDPA on causal prefill calls of ``shape`` (B, H, T, D), MHA and GQA-4, bf16."""
+    from flash_attn.cute import flash_attn_func  # type: ignore[import-not-found]
+
+    from models.attention import FlashImpl, attend
+
+    impl = FlashImpl("flash-attn-4", flash_attn_func, (9, 0), returns_lse=True)
+    b, h, t, d = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    rows = []
+    for call, (qq, kk, vv) in {f"MHA prefill {b}x{h}x{t}x{d}": (q, k, v),
+                               f"GQA-4 prefill {b}x{h}x{t}x{d}": (q, k[:, :h // 4], v[:, :h // 4])}.items():
+        row = dict(call=call, impl=impl.name)
+        try:
+            sd = lambda: attend(qq, kk, vv, scale=d ** -0.5, backend="sdpa")  # noqa: E731
+            fl = lambda: attend(qq, kk, vv, scale=d ** -0.5, backend="flash", flash=impl)  # noqa: E731
+            row["max_abs_diff"] = (fl().float() - sd().float()).abs().max().item()
+            row["sdpa_ms"] = statistics.median(cuda_time(sd, calls))
+            row["flash_ms"] = statistics.median(cuda_time(fl, calls))
+            row["speedup"] = row["sdpa_ms"] / row["flash_ms"]
+        except Exception as e:  # noqa: BLE001
+            row["error"] = err(e)
+        rows.append(row)
     return rows

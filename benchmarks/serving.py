@@ -19,6 +19,9 @@ Sections (``--sections``; sizes in ``benchmarks/studies/serving.yaml``):
   latents, MHA and GQA-4 rows; SDPA vs the kernel (and at ``--kernel-splits``), % of copy bandwidth, max |diff|.
 * ``decode`` — the CUDA-graph step at batch 8 / 16k: MHA, MLA, KVSplice-90 (and int8), SDPA rows first.
 * ``profile`` — one eager step at the batch that fits (at most 16,384) at 1k under ``torch.profiler``.
+* ``latent`` — absorbed-MLA attention over the one shared latent head (12 query heads folded into query rows): which
+  formulation is fast on this GPU — SDPA's default, three ops, each fused kernel on the latent padded to a multiple
+  of 8, a split over the keys; batch 8 / 64, the contexts, latents of 26 / 128.
 
 ``--smoke``: two-layer shapes, a budget of a few MB, eager steps (no CUDA graph without CUDA); the kernel columns run
 only where they can (CUDA, or Triton's interpreter with ``TRITON_INTERPRET=1``). FlashAttention-4 does not take the
@@ -37,7 +40,7 @@ from benchmarks.harness.runner import Study
 from benchmarks.harness.sections import tables
 from benchmarks.lib.serving_bench import VARIANTS
 
-SECTIONS = ("capacity", "kernel", "decode", "profile")
+SECTIONS = ("capacity", "kernel", "decode", "profile", "latent")
 
 
 def options(p) -> None:
@@ -86,8 +89,8 @@ def rows(run):
             getattr(sb, name)(run.settings, device, dtype, bw, smoke)
         for row in part:
             if row.get("kernel", "(step total)") == "(step total)":  # a line per case (per profile, not kernel)
-                run.say(f"{name}: " + ", ".join(f"{row[k]}" for k in ("variant", "case", "rows", "path", "ctx")
-                                                if k in row))
+                run.say(f"{name}: " + ", ".join(f"{k} {row[k]}" for k in ("variant", "case", "rows", "path", "batch",
+                                                                           "ctx", "rank") if k in row))
             yield {"section": name, **row}
 
 
@@ -107,7 +110,8 @@ STUDY = Study("serving", __doc__, rows, options=options, markdown=markdown, summ
               out=out_stem, bounds={"budget_gb": (1e-9, 1e6), "ctx": (1, 1 << 20), "max_batch": (1, 1 << 24),
                                     "steps": (1, 10_000), "kernel_splits": (1, 4096), "decode_batch": (1, 1 << 16),
                                     "decode_ctx": (1, 1 << 20), "decode_steps": (1, 10_000), "matmul_n": (1, 1 << 16),
-                                    "profile_ctx": (1, 1 << 20), "profile_batch": (1, 1 << 24)})
+                                    "profile_ctx": (1, 1 << 20), "profile_batch": (1, 1 << 24),
+                                    "latent_batch": (1, 4096), "ranks": (1, 1024), "latent_calls": (1, 10_000)})
 main = STUDY.main
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.timing import cuda_time
 from benchmarks.lib.reference_gpt import ReferenceGPT
-from benchmarks.lib.serving_bench import err, filled_cache
+from benchmarks.lib.serving_bench import err, filled_cache, weight_bytes
+from kvsplice.report.decode_timing import time_steps
 from models import GPT, preset
 from models.attention import flash_impl, sdpa_order
 
@@ -201,87 +202,68 @@ def _hf_case(model, kind: str, batch: int, ctx: int, dtype):
     return cache, step
 
 
+def _case_ms(model, label: str, batch: int, ctx: int, steps: int, dtype) -> tuple[list[float], int]:
+    """ms of ``steps`` decode steps (after 2 untimed) of one case at ``ctx`` (rolled back after each), and the bytes
+    of its cache: ours (``+graph``: replayed from a CUDA graph) through :func:`time_steps`, or transformers'."""
+    tok = torch.randint(0, 50304, (batch, 1), device="cuda")
+    if label.startswith("ours"):
+        cache = filled_cache(model, batch, ctx, None)
+        nbytes = cache.nbytes() * (ctx + 1) // ctx if ctx else 0
+        return [1e3 * t for t in time_steps(model, cache, ctx, tok, 2, steps, graph=label.endswith("+graph"))], nbytes
+    cache, step = _hf_case(model, "static" if "Static" in label else "dynamic", batch, ctx, dtype)
+    for _ in range(2):
+        step(tok)
+    return cuda_time(lambda: step(tok), steps), 2 * 12 * batch * (ctx + 1) * 768 * 2
+
+
 @torch.inference_mode()
 def bench_decode(batches: list[int], ctxs: list[int], steps: int, rounds: int, quick: bool, bandwidth: float,
                  hf: bool) -> list[dict]:
-    from models.graph_decode import GraphDecoder
-
+    """Per batch and context, ``rounds`` interleaved rounds of every case (each starting from a fresh cache): the
+    median ms, its bytes floor, and the ratios to our eager MHA step and to transformers' StaticCache step."""
     dtype = torch.bfloat16
     shapes = dict(n_layer=2, n_head=4, d_model=128, d_latent=64) if quick else {}
-    max_ctx = max(ctxs)
-    ours = {}
+    models = {}
     for name in ("gpt2", "mla", "mla_kvsplice_90"):
         torch.manual_seed(0)
-        cfg = preset(name, block_size=max_ctx + 1, **shapes)
-        ours[name] = GPT(cfg).to("cuda", dtype).eval()
-    hf_model = _hf_model(max_ctx, dtype) if hf and not quick else None
-    labels = [f"ours {n}" for n in ours] + [f"ours {n}+graph" for n in ours]
-    if hf_model is not None:
-        labels += ["hf gpt2 DynamicCache", "hf gpt2 StaticCache"]
-    weight_bytes = {n: sum(p.numel() * p.element_size() for p in m.parameters()) for n, m in ours.items()}
-    if hf_model is not None:
-        weight_bytes["hf"] = sum(p.numel() * p.element_size() for p in hf_model.parameters())
+        models[f"ours {name}"] = GPT(preset(name, block_size=max(ctxs) + 1, **shapes)).to("cuda", dtype).eval()
+    models.update({f"{k}+graph": m for k, m in models.items()})
+    if hf and not quick:
+        models["hf gpt2 DynamicCache"] = models["hf gpt2 StaticCache"] = _hf_model(max(ctxs), dtype)
+    labels = list(models)
     rows = []
     for batch in batches:
         for ctx in ctxs:
-            times = {lab: [] for lab in labels}
-            info = {}
+            times: dict = {lab: [] for lab in labels}
+            info: dict = {}
             for r in range(rounds):
-                order = labels[r % len(labels):] + labels[: r % len(labels)]
-                for lab in order:
-                    tok = torch.randint(0, 50304, (batch, 1), device="cuda")
+                for lab in labels[r % len(labels):] + labels[: r % len(labels)]:
                     try:
-                        if lab.startswith("ours"):
-                            name = lab.split()[1].replace("+graph", "")
-                            model = ours[name]
-                            cache = filled_cache(model, batch, ctx, None)
-                            nbytes = cache.nbytes() * (ctx + 1) // ctx if ctx else 0
-                            if lab.endswith("+graph"):
-                                dec = GraphDecoder(model, cache)
-                                fn = lambda: dec.step(tok)  # noqa: E731
-                            else:
-                                fn = lambda: model(tok, cache=cache)  # noqa: E731
-
-                            def one(fn=fn, cache=cache):
-                                out = fn()
-                                cache.truncate(ctx)
-                                return out
-                            wb = weight_bytes[name]
-                        else:
-                            kind = "static" if "Static" in lab else "dynamic"
-                            cache, one = _hf_case(hf_model, kind, batch, ctx, dtype)
-                            one = (lambda f: (lambda: f(tok)))(one)
-                            nbytes = 2 * 12 * batch * (ctx + 1) * 768 * 2
-                            wb = weight_bytes["hf"]
-                        for _ in range(2):
-                            one()
-                        times[lab] += cuda_time(one, steps)
-                        info[lab] = dict(cache_bytes=nbytes, weight_bytes=wb)
+                        ms, nbytes = _case_ms(models[lab], lab, batch, ctx, steps, dtype)
+                        times[lab] += ms
+                        info[lab] = dict(cache_bytes=nbytes, weight_bytes=weight_bytes(models[lab]))
                     except torch.cuda.OutOfMemoryError:
                         info[lab] = dict(error="out of memory")
                     except Exception as e:  # noqa: BLE001 - one variant's failure must not end the section
                         info[lab] = dict(error=err(e))
                         times[lab] = []
-                    finally:
-                        cache = dec = fn = one = None
-                        gc.collect()
-                        torch.cuda.empty_cache()
+                    gc.collect()
+                    torch.cuda.empty_cache()
+            cell = {}
             for lab in labels:
                 row = dict(variant=lab, batch=batch, ctx=ctx, **info.get(lab, {}))
                 if times[lab]:
-                    ms = statistics.median(times[lab])
+                    ms = cell[lab] = statistics.median(times[lab])
                     floor_ms = (row["cache_bytes"] + row["weight_bytes"]) / bandwidth * 1e3
                     row.update(median_ms=ms, n=len(times[lab]), floor_ms=floor_ms, vs_floor=ms / floor_ms)
                 rows.append(row)
-            cell = {r["variant"]: r.get("median_ms") for r in rows if r["batch"] == batch and r["ctx"] == ctx}
-            for r in rows:
-                if r["batch"] == batch and r["ctx"] == ctx and r.get("median_ms"):
-                    mha = cell.get("ours gpt2")
-                    static = cell.get("hf gpt2 StaticCache")
+            mha, static = cell.get("ours gpt2"), cell.get("hf gpt2 StaticCache")
+            for r in rows[-len(labels):]:
+                if r.get("median_ms"):
                     r["vs_ours_mha"] = r["median_ms"] / mha if mha else None
                     r["vs_hf_static"] = r["median_ms"] / static if static else None
-            print(f"decode batch {batch} ctx {ctx}: " + ", ".join(
-                f"{k} {v:.3f}" if v else f"{k} -" for k, v in cell.items()), file=sys.stderr, flush=True)
+            print(f"decode batch {batch} ctx {ctx}: " + ", ".join(f"{k} {v:.3f}" for k, v in cell.items()),
+                  file=sys.stderr, flush=True)
     return rows
 
 

@@ -1,7 +1,7 @@
 """The sections of ``benchmarks/serving.py`` (``gpu_check`` runs each in its own process), each a generator of rows:
 serving capacity at a KV budget with its bytes and compute floors, the attention call alone (SDPA against the
-split-KV kernel, :mod:`models.kernels`), the CUDA-graph decode step and a profiled eager step; 124M presets, random
-weights. A case that fails is a row with its error: the cases after it still run."""
+split-KV kernel, :mod:`models.kernels`; the formulations of latent attention), the CUDA-graph decode step and a
+profiled eager step; 124M presets, random weights. A case that fails is a row with its error: the cases after it still run."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from benchmarks.harness.timing import cuda_time, wall_time
+from benchmarks.harness.timing import cuda_time, median_of, wall_time
 from kvsplice.report.decode_timing import time_steps
 from models import GPT, preset
 from models.attention import attend
@@ -316,3 +316,63 @@ def profile(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float,
             yield dict(variant=name, kernel="-", error=err(e))
         model = cache = None
         free(device)
+
+
+def formulations(q: torch.Tensor, s: torch.Tensor, scale: float, splits: int = 16) -> dict:
+    """``name -> call`` of the absorbed-MLA attention ``softmax(q s^T * scale) s`` over the one shared latent head:
+    ``q (B, 1, H, r)`` query rows (the heads folded in) over ``s (B, 1, T, r)`` — SDPA's default, three ops, each
+    fused SDPA kernel on the latent zero-padded to a multiple of 8, and a split over the keys."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, _, t, r = s.shape
+    dt = q.dtype
+
+    def three():
+        a = (q @ s.transpose(-1, -2)) * scale
+        return torch.softmax(a, -1, dtype=torch.float32).to(dt) @ s
+
+    def three_flat():  # (B, H, r) @ (B, r, T): one bmm per batch
+        a = torch.bmm(q[:, 0], s[:, 0].transpose(1, 2)) * scale
+        return torch.bmm(torch.softmax(a.float(), -1).to(dt), s[:, 0])
+
+    def split_k():  # chunks of keys as batch, combined with their log-sum-exp
+        c = t // splits
+        sc = s[:, 0].reshape(b, splits, c, r)  # (B, C, c, r)
+        a = torch.einsum("bhr,bkcr->bkhc", q[:, 0], sc).float() * scale  # (B, C, H, c)
+        m = a.amax(-1, keepdim=True)
+        p = torch.exp(a - m)
+        den = p.sum(-1, keepdim=True)
+        o = torch.einsum("bkhc,bkcr->bkhr", p.to(dt), sc).float()  # (B, C, H, r)
+        w = torch.exp(m - m.amax(1, keepdim=True))
+        return ((o * w).sum(1) / (den * w).sum(1)).to(dt)
+
+    out = {"sdpa default": lambda: F.scaled_dot_product_attention(q, s, s, scale=scale), "3-op": three,
+           "3-op bmm": three_flat}
+    rp = (r + 7) // 8 * 8
+    qp, sp = (F.pad(q, (0, rp - r)), F.pad(s, (0, rp - r))) if rp != r else (q, s)
+    for name, be in (("efficient", SDPBackend.EFFICIENT_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                     ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def fused(be=be):
+            with sdpa_kernel([be]):
+                return F.scaled_dot_product_attention(qp, sp, sp, scale=scale)
+        out[f"{name} pad{rp}"] = fused
+    out[f"split-k {splits}"] = split_k
+    return out
+
+
+def latent(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, smoke: bool) -> Iterator[dict]:
+    """Median ms of each :func:`formulations` per ``latent_batch`` × ``ctx`` × ``ranks``, 12 query heads (GPT-2
+    small's; the scale of its head size 64), after 5 untimed calls; a kernel that cannot take the inputs: None."""
+    for b in s["latent_batch"]:
+        for t in s["ctx"]:
+            for r in s["ranks"]:
+                q = torch.randn(b, 1, 12, r, device=device, dtype=dtype)
+                lat = torch.randn(b, 1, t, r, device=device, dtype=dtype)
+                row = dict(batch=b, ctx=t, rank=r)
+                for name, fn in formulations(q, lat, 64 ** -0.5).items():
+                    try:
+                        row[name] = median_of(timer(device), fn, s["latent_calls"], warmup=5)
+                    except RuntimeError:  # a kernel that cannot take these inputs
+                        row[name] = None
+                yield row

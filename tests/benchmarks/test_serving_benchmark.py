@@ -5,9 +5,11 @@ line."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from models.kernels import triton_missing_reason
 from tiny_models import load_benchmark
@@ -75,3 +77,19 @@ def test_both_floors_and_the_profile_split():
     rows = sb.profile_rows(ev, "MHA", 4, 32, top=2, cuda=False)
     assert [r["kernel"] for r in rows] == ["mm", "softmax", "(step total)"]
     assert rows[0]["pct_step"] == 60.0 and rows[0]["ms"] == 0.6 and rows[-1]["ms"] == 1.0
+
+
+def test_latent_sdpa_formulations_agree():
+    """The latent-attention formulations the ``latent`` section times compute the same attention (the ones that run
+    on CPU: the fused kernels need CUDA)."""
+    from benchmarks.lib import serving_bench as bench
+
+    g = torch.Generator().manual_seed(0)
+    q, s = torch.randn(2, 1, 12, 26, generator=g), torch.randn(2, 1, 64, 26, generator=g)
+    forms = bench.formulations(q, s, 0.125)
+    ref = forms["sdpa default"]()[:, 0]  # (B, H, r)
+    for name in ("3-op", "3-op bmm", "split-k 16"):
+        got = forms[name]()
+        got = got[:, 0] if got.dim() == 4 else got
+        assert torch.allclose(got, ref, atol=1e-5), name
+    assert not math.isnan(ref.sum().item())

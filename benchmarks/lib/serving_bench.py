@@ -82,6 +82,15 @@ def seq_bytes(model: GPT, ctx: int, quant: Optional[str]) -> int:
     return model.new_cache(1, capacity=ctx + 1, quant=quant, dtype=p.dtype, device="meta").storage_nbytes()
 
 
+def fits(budget_gb: float, per_seq: int, device: torch.device) -> int:
+    """Sequences of ``per_seq`` bytes within ``budget_gb`` (and, on a GPU, the free memory less a reserve: the
+    models are loaded already, so it excludes their weights)."""
+    budget = budget_gb * 1e9
+    if device.type == "cuda":
+        budget = min(budget, torch.cuda.mem_get_info()[0] - RESERVE_BYTES)
+    return max(int(budget // per_seq), 0)
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -162,13 +171,10 @@ def capacity(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float
         for ctx in s["ctx"]:
             for quant in (None, "int8"):
                 per_seq, weights = seq_bytes(m, ctx, quant), weight_bytes(m)
-                budget = s["budget_gb"] * 1e9
-                if device.type == "cuda":  # the models are loaded already: free memory excludes their weights
-                    budget = min(budget, torch.cuda.mem_get_info()[0] - RESERVE_BYTES)
-                fits = max(int(budget // per_seq), 0)
+                n = fits(s["budget_gb"], per_seq, device)
                 row = dict(variant=name, rows="int8" if quant else str(dtype).split(".")[-1], ctx=ctx,
-                           bytes_per_seq=per_seq, budget_gb=s["budget_gb"], max_batch=fits,
-                           batch=min(fits, s["max_batch"]), weight_bytes=weights)
+                           bytes_per_seq=per_seq, budget_gb=s["budget_gb"], max_batch=n,
+                           batch=min(n, s["max_batch"]), weight_bytes=weights)
                 row["bytes_per_step"] = row["batch"] * per_seq + weights
                 row["floor_ms"] = row["bytes_per_step"] / bandwidth * 1e3
                 for k, model in models.items():
@@ -190,7 +196,7 @@ def capacity(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float
                 for label in ("sdpa", "split_kv"):
                     tps, ref = row.get(f"{label}_tokens_per_s"), base and base.get("sdpa_tokens_per_s")
                     row[f"{label}_vs_mha_sdpa"] = tps / ref if tps and ref else None
-                row["batch_vs_mha"] = fits / base["max_batch"] if base and base["max_batch"] else None
+                row["batch_vs_mha"] = n / base["max_batch"] if base and base["max_batch"] else None
                 yield add_floors(row, step_flops(name, row["batch"], ctx, smoke), peak)
         models = m = None
         free(device)
@@ -298,10 +304,7 @@ def profile(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float,
     for name in s["profile_variants"]:
         try:
             model = build(name, "eager", n_ctx, smoke, device, dtype)
-            budget = s["budget_gb"] * 1e9
-            if cuda:
-                budget = min(budget, torch.cuda.mem_get_info()[0] - RESERVE_BYTES)
-            batch = max(1, min(int(budget // seq_bytes(model, n_ctx, None)), s["profile_batch"]))
+            batch = max(1, min(fits(s["budget_gb"], seq_bytes(model, n_ctx, None), device), s["profile_batch"]))
             cache = filled_cache(model, batch, n_ctx, None)
             tok = torch.randint(0, model.cfg.vocab_size, (batch, 1), device=device)
             with torch.inference_mode():

@@ -6,18 +6,17 @@ transformers' GPT-2 with DynamicCache / StaticCache) and FlashAttention-4.
     python -m benchmarks.gpu --sections decode --batch 8 --ctx 1024 4096
     python -m benchmarks.gpu --quick               # tiny shapes, a smoke run (seconds): gpu_<device>_smoke
 
-Sections (``--sections``; sizes in ``benchmarks/studies/gpu.yaml``):
+Sections (``--sections``; sizes in ``benchmarks/studies/gpu.yaml``), bf16, CUDA events:
 
-* ``sdpa`` — one ``scaled_dot_product_attention`` call as a decode step makes it (batch 8, 12 heads, one query, head
-  dim 64, bf16) over a key length that grows by one per call, for torch's default kernel choice, each kernel put
-  first in SDPA's priority, and the package's order (:func:`models.attention.sdpa_order`). Median ms per call.
-* ``train`` — one optimizer step of the 124M models (batch 16 x 1024, bf16 autocast, AdamW, clip 1.0): the reference
-  (:mod:`benchmarks.lib.reference_gpt`), our MHA / MLA / KVSplice-90, eager and ``torch.compile``-d, fused AdamW
-  (ours also foreach); with a FlashAttention package installed our MHA runs it and ``ours mha sdpa`` is timed
-  beside it. Median of interleaved rounds, CUDA events; MFU = (6·params + 12·L·d·T) · tokens / time / peak bf16.
-* ``decode`` — one token per sequence per step at a fixed context (rolled back), random weights at the 124M shapes,
-  bf16: ours eager and ``+graph`` (the split-KV kernel where triton is installed), transformers' GPT2LMHeadModel
-  with DynamicCache and StaticCache; each against its bytes floor (cache + weights / the measured copy bandwidth).
+* ``sdpa`` — one decode-shaped SDPA call (batch 8, 12 heads, one query, head dim 64), the key length growing by one
+  per call, for torch's default kernel choice, each kernel first in SDPA's priority, and the package's order.
+* ``train`` — one optimizer step of the 124M models (batch 16 x 1024, autocast, AdamW, clip 1.0): the reference
+  (:mod:`benchmarks.lib.reference_gpt`) and our MHA / MLA / KVSplice-90, eager and ``torch.compile``-d, fused AdamW
+  (ours also foreach; ``ours mha sdpa`` beside an installed FlashAttention). Median of interleaved rounds; MFU =
+  (6·params + 12·L·d·T) · tokens / time / the device's peak.
+* ``decode`` — one token per sequence at a fixed context (rolled back), random 124M weights: ours eager and
+  ``+graph`` (the split-KV kernel where triton is installed), transformers' GPT-2 with DynamicCache and StaticCache;
+  each against its bytes floor (cache + weights / the measured copy bandwidth).
 * ``flash4`` — FlashAttention-4 (``flash_attn.cute``) against SDPA on training-shaped calls, else the reason.
 """
 

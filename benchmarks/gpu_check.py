@@ -7,17 +7,14 @@ step and FlashAttention-4.
     python -m benchmarks.gpu_check --sections kernel decode --budget-s 200
     python -m benchmarks.gpu_check --smoke --out-dir /tmp/g  # tiny sizes on CPU (or GPU): proves the script runs
 
-Sections (``benchmarks/studies/gpu_check.yaml``: what each runs, its estimate and limit): ``tests`` (``pytest -m gpu``
-on the files with CUDA tests: every test's outcome, the failures' messages, the test running at a timeout), then the
-sections of two studies at their ``check`` size — ``kernel``, ``decode``, ``capacity``, ``profile`` of
-``benchmarks/serving.py``, ``train`` and ``flash4`` of ``benchmarks/gpu.py`` — each run as that study's command in its
-own process: a hang is cut off at the section's limit and a CUDA error cannot spoil the sections after it. A section
-whose estimate no longer fits the remaining ``--budget-s`` is skipped with the reason. The report's rows: each
-section's status (``pending``, ``running``, then ``ok`` / ``failed`` / ``error`` / ``timeout`` / ``stopped`` /
-``skipped``; the last one counts) and its measurements, written as each section ends (the running section's child
-writes its own rows as they come, beside the report). ``--dry-run`` prints the plan and ends, as ``--help`` does.
-``--resume`` keeps the sections of an earlier run on this device that this run does not redo. Nothing here imports
-jsonargparse, wandb or datasets.
+Sections (``benchmarks/studies/gpu_check.yaml``): ``tests`` (``pytest -m gpu`` on the files with CUDA tests: each
+test's outcome, the one running at a timeout), then ``kernel``, ``decode``, ``capacity``, ``profile`` of
+``benchmarks/serving.py`` and ``train``, ``flash4`` of ``benchmarks/gpu.py`` at their ``check`` size, each that
+study's command in its own process: a hang is cut off at the section's limit, a CUDA error cannot spoil the next,
+and a section whose estimate no longer fits ``--budget-s`` is skipped with the reason. Rows: each section's status
+(``pending``, ``running``, then its end; the last counts) and its measurements, written as each section ends (the
+running one's process writes its own as they come, beside the report). ``--dry-run`` prints the plan and ends, as
+``--help`` does; ``--resume`` keeps an earlier run's sections this run does not redo. No jsonargparse, wandb, datasets.
 """
 
 from __future__ import annotations

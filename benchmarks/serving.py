@@ -1,7 +1,7 @@
 """Serving capacity and decode throughput of every cache, side by side: how many sequences fit a memory budget, how
 fast a CUDA-graph decode step runs at that batch with SDPA and with the split-KV Triton kernel (models.kernels), and
-how close each step comes to its bytes and compute floors. Plus the kernel alone, the decode step at a fixed batch
-and a profiled step (the sections ``benchmarks/gpu_check.py`` runs with ``--size check``).
+how close each step comes to its bytes and compute floors; the kernel alone, the step at a fixed batch, a profiled
+step and latent attention's formulations (``gpu_check`` runs the first four at ``--size check``).
 
     python -m benchmarks.serving                           # CUDA: results/serving_<device>.json and .md
     python -m benchmarks.serving --budget-gb 24 --ctx 1024 4096 16384 --sections capacity kernel
@@ -9,23 +9,20 @@ and a profiled step (the sections ``benchmarks/gpu_check.py`` runs with ``--size
 
 Sections (``--sections``; sizes in ``benchmarks/studies/serving.yaml``):
 
-* ``capacity`` — for MHA, GQA-4, MQA, MLA, KVSplice-50 / -90 (124M presets, random weights, bf16), rows at bf16 and
-  as int8 + fp16 scales, at each context: the bytes one sequence's cache holds (``context + 1`` tokens), the
-  largest batch whose caches fit ``--budget-gb`` (and, on a GPU, the free memory less the weights and a reserve),
-  then one decode step at that batch (capped by ``--max-batch``) replayed from a CUDA graph (rolled back, so the
-  context stays fixed) with the SDPA path and with the kernel: median ms, tokens/s, the bytes floor (cache + weights
-  over the copy bandwidth) and the compute floor (the step's FLOPs over the matmul peak), both measured in the run.
+* ``capacity`` — MHA, GQA-4, MQA, MLA, KVSplice-50 / -90 (124M presets, random weights), rows at bf16 and int8 +
+  fp16 scales, per context: one sequence's cache bytes, the largest batch within ``--budget-gb`` (and the free GPU
+  memory), one decode step at that batch (capped by ``--max-batch``) from a CUDA graph with SDPA and with the
+  kernel: ms, tokens/s, the bytes floor (cache + weights / copy bandwidth) and the compute floor (FLOPs / the matmul
+  peak), both measured in the run.
 * ``kernel`` — the attention call alone, batch 64 over 16k keys: latents of 26 / 77 / 128 / 256 under 12 heads, int8
   latents, MHA and GQA-4 rows; SDPA vs the kernel (and at ``--kernel-splits``), % of copy bandwidth, max |diff|.
 * ``decode`` — the CUDA-graph step at batch 8 / 16k: MHA, MLA, KVSplice-90 (and int8), SDPA rows first.
 * ``profile`` — one eager step at the batch that fits (at most 16,384) at 1k under ``torch.profiler``.
-* ``latent`` — absorbed-MLA attention over the one shared latent head (12 query heads folded into query rows): which
-  formulation is fast on this GPU — SDPA's default, three ops, each fused kernel on the latent padded to a multiple
-  of 8, a split over the keys; batch 8 / 64, the contexts, latents of 26 / 128.
+* ``latent`` — absorbed MLA over the one shared latent head (12 query heads as rows): SDPA's default, three ops, each
+  fused kernel on the latent padded to a multiple of 8, a split over the keys; batch 8 / 64, latents of 26 / 128.
 
-``--smoke``: two-layer shapes, a budget of a few MB, eager steps (no CUDA graph without CUDA); the kernel columns run
-only where they can (CUDA, or Triton's interpreter with ``TRITON_INTERPRET=1``). FlashAttention-4 does not take the
-fixed-capacity view's key mask, so the CUDA-graph step cannot use it; it is not timed here.
+``--smoke``: two-layer shapes, a few-MB budget, eager steps; the kernel runs only on CUDA or Triton's interpreter
+(``TRITON_INTERPRET=1``). FlashAttention-4 does not take the fixed-capacity view's key mask: not timed here.
 """
 
 from __future__ import annotations
@@ -108,7 +105,8 @@ def markdown(run, rows) -> str:
 
 STUDY = Study("serving", __doc__, rows, options=options, markdown=markdown, summary=lambda run, rows: run.notes,
               out=out_stem, bounds={"budget_gb": (1e-9, 1e6), "ctx": (1, 1 << 20), "max_batch": (1, 1 << 24),
-                                    "steps": (1, 10_000), "kernel_splits": (1, 4096), "decode_batch": (1, 1 << 16),
+                                    "steps": (1, 10_000), "kernel_splits": (1, 4096), "kernel_batch": (1, 1 << 16),
+                                    "kernel_keys": (1, 1 << 22), "decode_batch": (1, 1 << 16),
                                     "decode_ctx": (1, 1 << 20), "decode_steps": (1, 10_000), "matmul_n": (1, 1 << 16),
                                     "profile_ctx": (1, 1 << 20), "profile_batch": (1, 1 << 24),
                                     "latent_batch": (1, 4096), "ranks": (1, 1024), "latent_calls": (1, 10_000)})

@@ -202,21 +202,13 @@ def capacity(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float
         free(device)
 
 
-def kernel_cases(smoke: bool) -> list[tuple[str, int, int, int, bool]]:
-    """(label, Hq, Hkv, row dims, int8): latents under 12 heads, MHA and GQA-4 rows of 64, int8 latents."""
-    if smoke:
-        return [("latent 26", 12, 1, 26, False), ("latent 26 int8", 12, 1, 26, True), ("MHA rows 4x16", 4, 4, 16, False)]
-    lat = [(f"latent {d}", 12, 1, d, False) for d in (26, 77, 128, 256)]
-    lat += [(f"latent {d} int8", 12, 1, d, True) for d in (26, 128)]
-    return lat + [("MHA rows 12x64", 12, 12, 64, False), ("GQA-4 rows 4x64", 12, 4, 64, False)]
-
-
 def kernel(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, smoke: bool) -> Iterator[dict]:
-    """The attention call alone, batch 64 over 16k keys, one query per head, per case of :func:`kernel_cases`:
-    SDPA (the eager path) against the kernel (its own split count, then each of ``kernel_splits``)."""
-    batch, keys = (2, 100) if smoke else (64, 16384)
+    """The attention call alone, ``kernel_batch`` × ``kernel_keys``, one query per head, per ``kernel_cases``
+    ``[label, query heads, row heads, row width, int8]``: SDPA (the eager path) against the kernel (its own split
+    count, then each of ``kernel_splits``)."""
+    batch, keys = s["kernel_batch"], s["kernel_keys"]
     run_kernel = kernel_runs_here(device) is None
-    for label, hq, hkv, d, int8 in kernel_cases(smoke):
+    for label, hq, hkv, d, int8 in s["kernel_cases"]:
         row = dict(case=label, batch=batch, keys=keys)
         try:
             g = torch.Generator(device=device).manual_seed(0)

@@ -64,13 +64,14 @@ def run_tests(files: list[str], timeout_s: float, env: dict, on_stop) -> tuple[l
     from benchmarks.harness.sections import run_process
 
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-x", "-q", "-p", "no:cacheprovider", "-p",
-           "benchmarks.harness.testlog", *files]
+           "benchmarks.harness.testlog"]
     try:
         import pytest_timeout  # noqa: F401
 
-        cmd[-len(files):-len(files)] = ["--timeout", "120"]
+        cmd += ["--timeout", "120"]
     except ImportError:
         pass
+    cmd += files
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "tests.jsonl"
         try:

@@ -170,11 +170,11 @@ def table(rows: list[dict], columns: list[str]) -> list[str]:
     return out + ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows] + [""]
 
 
-def tables(rows: list[dict], columns: dict[str, list[str]], titles: dict[str, str]) -> list[str]:
-    """A :func:`table` per section of ``titles`` that has rows (their ``section`` field), under ``## TITLE``."""
+def tables(rows: list[dict], columns: dict[str, list[str]], titles: dict[str, str], key: str = "section") -> list[str]:
+    """A :func:`table` per part of ``titles`` that has rows (their ``key`` field: the section), under ``## TITLE``."""
     out = []
     for name, title in titles.items():
-        got = [r for r in rows if r.get("section") == name]
+        got = [r for r in rows if r.get(key) == name]
         out += [f"## {title}", "", *table(got, columns.get(name, []))] if got else []
     return out
 

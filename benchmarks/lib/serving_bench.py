@@ -118,6 +118,21 @@ def step_ms(model: GPT, batch: int, ctx: int, quant: Optional[str], steps: int, 
     return 1e3 * statistics.median(time_steps(model, cache, ctx, tok, warmup, steps, graph=graph))
 
 
+def time_into(row: dict, prefix: str, model: GPT, ctx: int, quant: Optional[str], steps: int, smoke: bool) -> None:
+    """``prefix`` + ``ms``, ``tokens_per_s``, ``pct_floor`` (of ``row["floor_ms"]``) of one decode step at
+    ``row["batch"]`` (a CUDA graph on a GPU) into ``row``, or ``prefix`` + ``error``."""
+    device = next(model.parameters()).device
+    try:
+        ms = step_ms(model, row["batch"], ctx, quant, steps, device.type == "cuda", warmup=1 if smoke else 2)
+        row.update({f"{prefix}ms": ms, f"{prefix}tokens_per_s": row["batch"] / (ms / 1e3),
+                    f"{prefix}pct_floor": 100 * row["floor_ms"] / ms})
+    except torch.cuda.OutOfMemoryError:
+        row[f"{prefix}error"] = "out of memory"
+    except Exception as e:  # noqa: BLE001 - one case's failure must not end the section
+        row[f"{prefix}error"] = err(e)
+    free(device)
+
+
 def step_flops(name: str, batch: int, n_ctx: int, smoke: bool) -> float:
     """FLOPs of one decode step of ``batch`` tokens at ``n_ctx`` cached tokens: 2 per weight of every matmul
     (attention projections, MLP, lm_head; the embedding lookup is free) per token, plus attention — MHA: q·k and
@@ -178,20 +193,11 @@ def capacity(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float
                 row["bytes_per_step"] = row["batch"] * per_seq + weights
                 row["floor_ms"] = row["bytes_per_step"] / bandwidth * 1e3
                 for k, model in models.items():
-                    label = "sdpa" if k == "eager" else "split_kv"
+                    label = "sdpa_" if k == "eager" else "split_kv_"
                     if row["batch"] < 1:
-                        row[f"{label}_error"] = "no sequence fits the budget"
-                        continue
-                    try:
-                        ms = step_ms(model, row["batch"], ctx, quant, s["steps"], device.type == "cuda",
-                                     warmup=1 if smoke else 2)
-                        row.update({f"{label}_ms": ms, f"{label}_tokens_per_s": row["batch"] / (ms / 1e3),
-                                    f"{label}_pct_floor": 100 * row["floor_ms"] / ms})
-                    except torch.cuda.OutOfMemoryError:
-                        row[f"{label}_error"] = "out of memory"
-                    except Exception as e:  # noqa: BLE001
-                        row[f"{label}_error"] = err(e)
-                    free(device)
+                        row[f"{label}error"] = "no sequence fits the budget"
+                    else:
+                        time_into(row, label, model, ctx, quant, s["steps"], smoke)
                 base = mha.setdefault((ctx, row["rows"]), row) if name == "MHA" else mha.get((ctx, row["rows"]))
                 for label in ("sdpa", "split_kv"):
                     tps, ref = row.get(f"{label}_tokens_per_s"), base and base.get("sdpa_tokens_per_s")
@@ -256,15 +262,12 @@ def decode(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, 
                 model = build(name, kernel, n_ctx, smoke, device, dtype)
                 row["bytes_per_step"] = batch * seq_bytes(model, n_ctx, quant) + weight_bytes(model)
                 row["floor_ms"] = row["bytes_per_step"] / bandwidth * 1e3
-                ms = step_ms(model, batch, n_ctx, quant, s["decode_steps"], graph, warmup=1 if smoke else 2)
-                row.update(ms=ms, tokens_per_s=batch / (ms / 1e3), pct_floor=100 * row["floor_ms"] / ms)
-                if name == "MHA" and kernel == "eager":
-                    base[row["rows"]] = ms
-                row["vs_mha_sdpa"] = ms / base[row["rows"]] if row["rows"] in base else None
-            except torch.cuda.OutOfMemoryError:
-                row["error"] = "out of memory"
-            except Exception as e:  # noqa: BLE001
+                time_into(row, "", model, n_ctx, quant, s["decode_steps"], smoke)
+            except Exception as e:  # noqa: BLE001 - the model did not build
                 row["error"] = err(e)
+            if name == "MHA" and kernel == "eager" and "ms" in row:
+                base[row["rows"]] = row["ms"]
+            row["vs_mha_sdpa"] = row["ms"] / base[row["rows"]] if "ms" in row and row["rows"] in base else None
             model = None
             free(device)
             yield row

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.harness import sections
-from benchmarks.harness.testlog import read_testlog
+from benchmarks.harness.testlog import cuda_test_split, read_testlog
 from processes import wait_ended, watch
 from tiny_models import load_benchmark
 
@@ -290,7 +290,7 @@ def test_the_gpu_tests_and_benchmarks_import_without_what_the_device_lacks(gc, t
 
 def test_the_cuda_test_split_is_what_the_tests_section_runs(gc):
     """The files with CUDA tests are exactly the tests section's; every other test file is listed as left unrun."""
-    cuda, rest = gc.cuda_test_split()
+    cuda, rest = cuda_test_split()
     assert cuda == sorted(gc.TEST_FILES) and rest and not set(cuda) & set(rest)
     assert "tests/benchmarks/test_gpu_check.py" in rest
 

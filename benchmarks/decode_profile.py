@@ -4,17 +4,12 @@
     python -m benchmarks.decode_profile --contexts 2048 8192 --no-model
     python -m benchmarks.decode_profile --compile             # + torch.compile of the fused formulation (~30 s more)
 
-Two views, one torch thread, medians:
-
-1. **One layer's attention** (SmolLM2-135M's shapes: 9 query heads, 3 KV heads, head size 64; batch 1): PyTorch's
-   SDPA over fp32 keys and values (the full cache) against :func:`kvsplice.core.coded.coded_attend` over a real
-   :class:`kvsplice.quant.cache.KIVICache` (4-bit, group 32, residual 128), and its parts — the one pass over the
-   codes (their float conversion) and the two products — at fp32 and at bf16 (the conversion and products at bf16,
-   exact for the codes). With ``--compile``, a dequantise-and-reduce formulation of the scores and the weighted sum
-   compiled by ``torch.compile`` (TorchInductor's CPU code, fused: no float copy of the codes).
-2. **One decode step of the model** (``--model``, the Decoder door): torch.profiler's self-CPU time per op for the
-   full cache and ``kivi4``, summed into matrix products (the linear layers, and the products on the codes),
-   SDPA, conversions/copies and the rest.
+Two views, one torch thread, medians: **one layer's attention** (SmolLM2-135M's shapes, batch 1) — SDPA over fp32
+keys and values against :func:`kvsplice.core.coded.coded_attend` over a real KIVI-4 cache (group 32, residual 128)
+and its parts (the pass converting the codes, the two products) at fp32 and bf16; with ``--compile`` a fused
+dequantise-and-reduce formulation by ``torch.compile`` (no float copy of the codes). **One decode step of the
+model** (``--model``, the Decoder door): torch.profiler's self-CPU time for the full cache and ``kivi4``, summed
+into matrix products, SDPA, conversions / copies and the rest.
 """
 
 from __future__ import annotations
@@ -24,6 +19,7 @@ import torch
 from benchmarks.harness.options import add_model
 from benchmarks.harness.paths import SMOLLM2
 from benchmarks.harness.runner import Study
+from benchmarks.harness.sections import tables
 from benchmarks.lib.kivi_profile import (D, HKV, HQ, kivi_layer, median_us, scores_fused as _scores_fused,  # noqa: F401
                                          weighted_fused as _weighted_fused)
 
@@ -99,16 +95,14 @@ def step_rows(model, n: int, spec: str = "kivi4") -> list[dict]:
     return out
 
 
+TITLES = {"layer": "One layer's attention (SmolLM2 shapes, batch 1): µs, median",
+          "step": "One decode step of SmolLM2-135M (Decoder door, self-CPU ms per step, torch.profiler)"}
+COLUMNS = {"layer": ["context", "op", "us"], "step": ["context", "method", "group", "ms"]}
+
+
 def markdown(run, rows) -> str:
-    md = ["# Where a compressed cache's decode step spends its time", "", "## One layer's attention (SmolLM2 shapes, "
-          "batch 1)", "", "| context | op | µs (median) |", "|---|---|---|"]
-    md += [f"| {r['context']} | {r['op']} | {r['us']:.0f} |" for r in rows if r["view"] == "layer"]
-    step = [r for r in rows if r["view"] == "step"]
-    if step:
-        md += ["", "## One decode step of SmolLM2-135M (Decoder door, self-CPU ms per step, torch.profiler)", "",
-               "| context | method | op group | ms |", "|---|---|---|---|"]
-        md += [f"| {r['context']} | {r['method']} | {r['group']} | {r['ms']:.1f} |" for r in step]
-    return "\n".join(md)
+    return "\n".join(["# Where a compressed cache's decode step spends its time", ""] +
+                     tables(rows, COLUMNS, TITLES, key="view"))
 
 
 def options(p) -> None:

@@ -1,44 +1,47 @@
 """Serving capacity and decode throughput of every cache, side by side: how many sequences fit a memory budget, how
 fast a CUDA-graph decode step runs at that batch with SDPA and with the split-KV Triton kernel (models.kernels), and
-how close each step comes to the bandwidth floor. Plus the kernel alone over 16k keys.
+how close each step comes to its bytes and compute floors; the kernel alone, the step at a fixed batch, a profiled
+step and latent attention's formulations (``gpu_check`` runs the first four at ``--size check``).
 
     python -m benchmarks.serving                           # CUDA: results/serving_<device>.json and .md
     python -m benchmarks.serving --budget-gb 24 --ctx 1024 4096 16384 --sections capacity kernel
     python -m benchmarks.serving --smoke --out /tmp/s     # tiny shapes on CPU (or GPU): a smoke run, seconds
 
-Sections (``--sections``):
+Sections (``--sections``; sizes in ``benchmarks/studies/serving.yaml``):
 
-* ``capacity`` — for MHA, GQA-4 (4 KV heads), MQA, MLA, KVSplice-50 / -90 (the 124M presets, random weights, bf16),
-  each with its rows at bf16 and as int8 + fp16 scales, at each context: the bytes one sequence's cache holds
-  (``context + 1`` tokens), the largest batch whose caches fit ``--budget-gb`` (and, on a GPU, the free memory less
-  the weights and a reserve), then one decode step at that batch (capped by ``--max-batch``) replayed from a CUDA
-  graph (``models.graph_decode.GraphDecoder``; the step is rolled back, so the context stays fixed), once with the
-  SDPA path (``decode_kernel="eager"``) and once with the split-KV kernel (``"triton"``): median ms, tokens/s, bytes
-  read per step (cache + weights) against the floor ``bytes / copy bandwidth`` (measured in the same run).
-* ``kernel`` — the attention call alone, batch 64 over 16k keys, one query per head: latents of 26 / 77 / 128 / 256
-  dims under 12 heads, MHA rows (12 KV heads of 64), GQA-4 rows, int8 latents; SDPA (the eager path) vs the
-  kernel, GB/s of rows read and % of copy bandwidth.
+* ``capacity`` — MHA, GQA-4, MQA, MLA, KVSplice-50 / -90 (124M presets, random weights), rows at bf16 and int8 +
+  fp16 scales, per context: one sequence's cache bytes, the largest batch within ``--budget-gb`` (and the free GPU
+  memory), one decode step at that batch (capped by ``--max-batch``) from a CUDA graph with SDPA and with the
+  kernel: ms, tokens/s, the bytes floor (cache + weights / copy bandwidth) and the compute floor (FLOPs / the matmul
+  peak), both measured in the run.
+* ``kernel`` — the attention call alone, batch 64 over 16k keys: latents of 26 / 77 / 128 / 256 under 12 heads, int8
+  latents, MHA and GQA-4 rows; SDPA vs the kernel (and at ``--kernel-splits``), % of copy bandwidth, max |diff|.
+* ``decode`` — the CUDA-graph step at batch 8 / 16k: MHA, MLA, KVSplice-90 (and int8), SDPA rows first.
+* ``profile`` — one eager step at the batch that fits (at most 16,384) at 1k under ``torch.profiler``.
+* ``latent`` — absorbed MLA over the one shared latent head (12 query heads as rows): SDPA's default, three ops, each
+  fused kernel on the latent padded to a multiple of 8, a split over the keys; batch 8 / 64, latents of 26 / 128.
 
-``--smoke``: two-layer shapes, contexts of 32 / 64, a budget of a few MB, eager steps (no CUDA graph without CUDA);
-the kernel columns run only where they can (CUDA, or Triton's interpreter with ``TRITON_INTERPRET=1``). Its numbers
-say nothing about speed; it proves the script runs. FlashAttention-4 (``attn_backend="flash"``) does not take the
-fixed-capacity view's key mask, so the CUDA-graph step cannot use it; it is not timed here.
+``--smoke``: two-layer shapes, a few-MB budget, eager steps; the kernel runs only on CUDA or Triton's interpreter
+(``TRITON_INTERPRET=1``). FlashAttention-4 does not take the fixed-capacity view's key mask: not timed here.
 """
 
 from __future__ import annotations
 
 import platform
-from types import SimpleNamespace
 
-from benchmarks.harness.header import version
-from benchmarks.harness.options import UsageError, add_progress
+from benchmarks.harness import studies
+from benchmarks.harness.header import device_tag, version
+from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
-from benchmarks.lib.serving_bench import CLAIM, VARIANTS
+from benchmarks.harness.sections import tables
+from benchmarks.lib.serving_bench import VARIANTS
+
+SECTIONS = ("capacity", "kernel", "decode", "profile", "latent")
 
 
 def options(p) -> None:
-    p.add_argument("--sections", nargs="+", choices=("capacity", "kernel"), help="default capacity kernel")
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, help="default capacity kernel")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), metavar="NAME",
                    help=f"caches of the capacity section (default all: {' '.join(VARIANTS)})")
     p.add_argument("--budget-gb", type=float, help="memory budget for the caches (GB, 1e9 bytes; default 24)")
@@ -47,7 +50,6 @@ def options(p) -> None:
     p.add_argument("--kernel-splits", type=int, nargs="*", metavar="N",
                    help="kernel section: also time the kernel at these forced split counts (tuning)")
     p.add_argument("--steps", type=int, help="timed steps / calls per case (default 20; smoke 2)")
-    add_progress(p)
 
 
 def device_name() -> str:
@@ -57,58 +59,57 @@ def device_name() -> str:
 
 
 def out_stem(args):
-    tag = "".join(c if c.isalnum() else "_" for c in device_name().split("(")[0].strip()).lower()
-    return RESULTS / f"serving_{tag}"
+    return RESULTS / f"serving_{device_tag(device_name().split('(')[0])}"
 
 
 def rows(run):
     import torch
 
-    from benchmarks.lib.serving_bench import bench_capacity, bench_kernel, copy_bandwidth, kernel_runs_here
+    from benchmarks.lib import serving_bench as sb
 
     smoke = run.size == "smoke"
     if not smoke and not torch.cuda.is_available():
         raise UsageError("no CUDA device: this benchmark measures a GPU (use --smoke for a CPU run)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    bw = copy_bandwidth(device, 2**21 if smoke else 2**31)
-    reason = kernel_runs_here(device)
+    bw = sb.copy_bandwidth(device, 2**21 if smoke else 2**31)
+    reason = sb.kernel_runs_here(device)
     run.notes.update(device=device_name(), torch=torch.__version__, triton=version("triton"), smoke=smoke,
-                     bandwidth_gbs=bw / 1e9,
-                     dtype=str(dtype), kernel_status="runs" if reason is None else f"not run ({reason})", claim=CLAIM)
-    args = SimpleNamespace(**run.settings, smoke=smoke)
-    if run.args.progress:
-        from tqdm import tqdm
-
-        progress = lambda xs, desc: tqdm(xs, desc=desc)  # noqa: E731
-    else:
-        progress = lambda xs, desc: xs  # noqa: E731
-    if "capacity" in run["sections"]:
-        yield from ({"section": "capacity", **r} for r in bench_capacity(args, device, dtype, bw, progress))
-    if "kernel" in run["sections"]:
-        yield from ({"section": "kernel", **r} for r in bench_kernel(args, device, dtype, bw, progress))
+                     bandwidth_gbs=bw / 1e9, dtype=str(dtype), kernel_status="runs" if reason is None else
+                     f"not run ({reason})")
+    peak = 0.0
+    if "capacity" in run["sections"]:  # the compute floor's peak, and the claim the capacity rows answer
+        peak = sb.matmul_peak(device, dtype, run["matmul_n"])
+        run.notes.update(matmul_tflops=peak / 1e12, claim=sb.CLAIM)
+    for name in run["sections"]:
+        part = sb.capacity(run.settings, device, dtype, bw, peak, smoke) if name == "capacity" else \
+            getattr(sb, name)(run.settings, device, dtype, bw, smoke)
+        for row in part:
+            if row.get("kernel", "(step total)") == "(step total)":  # a line per case (per profile, not kernel)
+                run.say(f"{name}: " + ", ".join(f"{k} {row[k]}" for k in ("variant", "case", "rows", "path", "batch",
+                                                                           "ctx", "rank") if k in row))
+            yield {"section": name, **row}
 
 
 def markdown(run, rows) -> str:
-    from benchmarks.lib.serving_report import capacity_table, kernel_tables
-
-    n = run.notes
+    n, cfg = run.notes, studies.load("serving")
     out = [f"# Serving benchmark — {n['device']}", "",
-           f"torch {n['torch']}, triton {n['triton']}; copy bandwidth {n['bandwidth_gbs']:.0f} GB/s "
-           f"(measured in this run). Split-KV kernel: {n['kernel_status']}.", ""]
+           f"torch {n['torch']}, triton {n['triton']}; copy bandwidth {n['bandwidth_gbs']:.0f} GB/s"
+           + (f", matmul peak {n['matmul_tflops']:.1f} TFLOP/s" if "matmul_tflops" in n else "") + " (measured in "
+           f"this run). Split-KV kernel: {n['kernel_status']}. KV budget {run['budget_gb']:g} GB, at most "
+           f"{run['max_batch']:,} sequences run.", ""] + ([f"Claim: {n['claim']}.", ""] if "claim" in n else [])
     if n["smoke"]:
         out += ["**Smoke run**: tiny shapes and eager steps; the numbers say nothing about speed.", ""]
-    cap, ker = ([r for r in rows if r["section"] == s] for s in ("capacity", "kernel"))
-    if cap:
-        out += capacity_table(cap, run["budget_gb"], run["max_batch"])
-    if ker:
-        out += kernel_tables(ker, run["kernel_splits"])
-    return "\n".join(out)
+    return "\n".join(out + tables(rows, cfg["columns"], cfg["titles"]))
 
 
 STUDY = Study("serving", __doc__, rows, options=options, markdown=markdown, summary=lambda run, rows: run.notes,
               out=out_stem, bounds={"budget_gb": (1e-9, 1e6), "ctx": (1, 1 << 20), "max_batch": (1, 1 << 24),
-                                    "steps": (1, 10_000), "kernel_splits": (1, 4096)})
+                                    "steps": (1, 10_000), "kernel_splits": (1, 4096), "kernel_batch": (1, 1 << 16),
+                                    "kernel_keys": (1, 1 << 22), "decode_batch": (1, 1 << 16),
+                                    "decode_ctx": (1, 1 << 20), "decode_steps": (1, 10_000), "matmul_n": (1, 1 << 16),
+                                    "profile_ctx": (1, 1 << 20), "profile_batch": (1, 1 << 24),
+                                    "latent_batch": (1, 4096), "ranks": (1, 1024), "latent_calls": (1, 10_000)})
 main = STUDY.main
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Sections of a study, each in its own process under a time budget (``benchmarks/gpu_check.py``): the plan (which
-sections fit the budget, each stopped at its own limit), the process runner (its process group ended at the
-limit, on Ctrl-C or SIGTERM), and the sectioned report rewritten whole after every row (a run cut off keeps every
-finished row)."""
+sections fit the budget, each stopped at its own limit), a section run as a study's command (or pytest) in a process
+group ended at the limit, on Ctrl-C or SIGTERM, its rows and status rows, and the markdown tables of rows that carry
+their ``section``."""
 
 from __future__ import annotations
 
@@ -12,49 +12,37 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Iterator, Optional
 
-from benchmarks.harness.paths import ROOT, portable
-from benchmarks.harness.runner import write_atomic
+from benchmarks.harness.paths import ROOT
 
-__all__ = ["Report", "Section", "Terminated", "decide", "fmt", "on_sigterm", "plan", "print_plan", "run_process"]
-
-
-class Section(NamedTuple):
-    name: str
-    what: str
-    estimate_s: float  # expected seconds, process start included
-    limit_s: float  # the section's own budget: its process is stopped there
+__all__ = ["Terminated", "by_section", "child_rows", "decide", "fmt", "on_sigterm", "plan", "print_plan", "run_process",
+           "run_section", "table", "tables"]
 
 
-def decide(section: Section, remaining_s: float, estimate_s: Optional[float] = None,
-           limit_s: Optional[float] = None) -> tuple[bool, float, Optional[str]]:
+def decide(estimate_s: float, limit_s: float, remaining_s: float) -> tuple[bool, float, Optional[str]]:
     """``(run, timeout_s, skip reason)``: a section runs when its estimate fits what is left of the global budget,
     and is stopped at its own limit or the end of the budget, whichever comes first."""
-    est = section.estimate_s if estimate_s is None else estimate_s
-    lim = section.limit_s if limit_s is None else limit_s
-    if remaining_s < est:
-        return False, 0.0, f"{remaining_s:.0f} s of the budget left, the section's estimate is {est:.0f} s"
-    return True, min(lim, remaining_s), None
+    if remaining_s < estimate_s:
+        return False, 0.0, f"{remaining_s:.0f} s of the budget left, the section's estimate is {estimate_s:.0f} s"
+    return True, min(limit_s, remaining_s), None
 
 
-def plan(sections: dict, names: list[str], budget_s: float, startup_s: float, estimates: Optional[dict] = None,
-         limit_s: Optional[float] = None) -> list[dict]:
-    """Each of ``names`` (of ``sections``) with its estimate (``estimates`` override), its limit (``limit_s``
-    overrides) and whether it would run if every section before it took its estimate (``startup_s`` first)."""
+def plan(sections: dict, names: list[str], budget_s: float, startup_s: float) -> list[dict]:
+    """Each of ``names`` (``sections``: name -> ``{what, estimate_s, limit_s}``) with whether it would run if every
+    section before it took its estimate (``startup_s`` first) and the time it would be stopped at."""
     left = budget_s - startup_s
     out = []
     for name in names:
         s = sections[name]
-        est = estimates[name] if estimates else s.estimate_s
-        lim = limit_s if limit_s is not None else s.limit_s
-        run, timeout, reason = decide(s, left, est, lim)
-        out.append(dict(section=name, what=s.what, estimate_s=est, limit_s=lim, runs=run,
+        run, timeout, reason = decide(s["estimate_s"], s["limit_s"], left)
+        out.append(dict(section=name, what=s["what"], estimate_s=s["estimate_s"], limit_s=s["limit_s"], runs=run,
                         timeout_s=round(timeout), skip_reason=reason))
         if run:
-            left -= est
+            left -= s["estimate_s"]
     return out
 
 
@@ -71,25 +59,90 @@ def print_plan(prog: str, rows: list[dict], budget_s: float, startup_s: float, s
     print("\n".join(lines), file=file or sys.stdout, flush=True)
 
 
+def by_section(rows: list[dict], names: list[str]) -> dict[str, dict]:
+    """``section -> its last status row (``pending``, ``running``, then its end), with ``rows``: its measurements``
+    for each of ``names`` that has a status row, in that order (a row with a ``status`` is a status row)."""
+    out = {k: dict(rows=[]) for k in names if any(r.get("section") == k and "status" in r for r in rows)}
+    for r in rows:
+        if r.get("section") not in out:
+            continue
+        if "status" in r:
+            out[r["section"]].update(r)
+        else:
+            out[r["section"]]["rows"].append(r)
+    return out
 
-def _finite(o: Any) -> Any:
-    """JSON-safe: non-finite floats -> None, tuples -> lists, anything else unknown -> str."""
-    if isinstance(o, float):
-        return o if math.isfinite(o) else None
-    if isinstance(o, dict):
-        return {str(k): _finite(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_finite(v) for v in o]
-    if o is None or isinstance(o, (str, int, bool)):
-        return o
-    if hasattr(o, "item"):  # a 0-d tensor / numpy scalar
-        return _finite(o.item())
-    return str(o)
+
+def child_rows(stem: Path) -> tuple[list[dict], dict]:
+    """The rows a section's process wrote (the runner's JSON, rewritten after every row) and its notes (the fields
+    beside them, less the header and the run's facts)."""
+    try:
+        data = json.loads(stem.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return [], {}
+    skip = {"rows", "command", "machine", "revision", "study", "size", "settings", "complete", "device", "torch",
+            "triton", "cuda", "python", "transformers", "capability", "smoke", "dtype"}
+    return data.get("rows", []), {k: v for k, v in data.items() if k not in skip}
+
+
+def run_section(prog: str, step: dict, spec: dict, left_s: float, smoke: bool, cuda: bool,
+                folder: Path) -> Iterator[dict]:
+    """One planned section's rows: its status (``skipped`` with the reason, or ``running``), then its measurements
+    and its end (``ok``, ``failed``, ``error``, ``timeout``; ``stopped`` before a stop from outside goes on up).
+    ``spec["study"]``: ``python -m benchmarks.STUDY --size check --sections NAME --out folder/NAME`` (its ``args``
+    added on a full run; ``--smoke`` size on a smoke run) in its own process, or ``pytest`` on ``spec["files"]``."""
+    from benchmarks.harness.testlog import cuda_test_split, run_tests
+
+    name = step["section"]
+    head = dict(section=name, what=("smoke sizes; full run: " if smoke else "") + spec["what"],
+                estimate_s=step["estimate_s"])
+    go, timeout, reason = decide(step["estimate_s"], step["limit_s"], left_s)
+    if not go:
+        reason = f"budget: {reason}"
+    elif spec.get("cuda") and not cuda:
+        reason = "needs CUDA (a CPU smoke run)"
+    print(f"{prog}: {name} " + (f"skipped: {reason}" if reason else f"(stopped at {timeout:.0f} s)"), file=sys.stderr)
+    if reason:
+        yield dict(head, status="skipped", reason=reason)
+        return
+    yield dict(head, status="running", timeout_s=round(timeout))
+    path = [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1")
+    if smoke and not cuda:
+        env.setdefault("TRITON_INTERPRET", "1")  # the kernel on CPU tensors: Triton's interpreter
+    got: list = []
+    s0, stem = time.monotonic(), folder / name
+    try:
+        if spec["study"] == "pytest":
+            got, end = run_tests(spec["smoke_files" if smoke else "files"], timeout, env, on_stop=got.extend)
+            end["summary"]["left_unrun"] = f"{len(cuda_test_split()[1])} CPU-suite files (no CUDA test in them)"
+        else:
+            cmd = [sys.executable, "-m", f"benchmarks.{spec['study']}", "--size", "smoke" if smoke else "check",
+                   "--sections", name, "--out", str(stem), "--force", *([] if smoke else spec.get("args", []))]
+            rc, tail = run_process(cmd, timeout, env)
+            got, notes = child_rows(stem)
+            if rc is None:
+                end = dict(status="timeout", reason=f"stopped at its limit, {timeout:.0f} s")
+            elif rc:
+                end = dict(status="error", reason=f"exit code {rc}: " + " / ".join(tail.splitlines()[-3:]))
+            elif isinstance(notes.get(name), str) and not got:  # the study says why it cannot run here
+                end = dict(status="skipped", reason=notes.pop(name))
+            else:
+                end = dict(status="ok")
+            end["summary"] = notes
+    except BaseException as e:  # stopped from outside: the rows so far and the section marked, then the stop
+        yield from ({"section": name, **r} for r in (got or child_rows(stem)[0]))
+        yield dict(head, status="stopped", reason=f"the run was stopped ({type(e).__name__})",
+                   elapsed_s=round(time.monotonic() - s0, 1))
+        raise
+    yield from ({"section": name, **r} for r in got)
+    yield dict(head, **end, elapsed_s=round(time.monotonic() - s0, 1))
+    print(f"{prog}: {name} {end['status']} in {time.monotonic() - s0:.0f} s", file=sys.stderr, flush=True)
 
 
 def fmt(v: Any) -> str:
     """One markdown cell."""
-    if v is None:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "-"
     if isinstance(v, bool):
         return "yes" if v else "no"
@@ -103,91 +156,27 @@ def fmt(v: Any) -> str:
             return f"{v:.1e}"
         if a < 10:
             return f"{v:.3f}"
-        if a < 1000:
-            return f"{v:.1f}"
-        return f"{v:,.0f}"
+        return f"{v:.1f}" if a < 1000 else f"{v:,.0f}"
     return str(v).replace("|", "\\|").replace("\n", " ")
 
 
-class Report:
-    """A sectioned report, ``<stem>.json`` and its ``.md``, rewritten whole (atomically) after every change: ``meta``
-    (device, versions, command, budget) and ``sections`` (name -> status, reason, timings, ``summary`` and ``rows``);
-    :attr:`columns` / :attr:`shown`: each section's table columns and the rows it shows (the JSON keeps all).
+def table(rows: list[dict], columns: list[str]) -> list[str]:
+    """A markdown table of ``rows``: the ``columns`` some row has (every field but ``section`` when none)."""
+    if not rows:
+        return []
+    cols = [c for c in columns if any(c in r for r in rows)]
+    cols = cols or [c for c in dict.fromkeys(c for r in rows for c in r) if c != "section"]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    return out + ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows] + [""]
 
-    Section status: ``pending`` (planned, not reached), ``running`` (started; left so when the run was killed),
-    ``ok``, ``failed`` (tests that failed), ``error``, ``timeout`` (stopped at its limit), ``stopped`` (Ctrl-C or
-    SIGTERM), ``skipped``."""
 
-    columns: dict[str, list[str]] = {}
-    shown: dict[str, Callable[[dict], bool]] = {}
-    title = "GPU check"
-
-    def __init__(self, path: Path, data: Optional[dict] = None) -> None:
-        self.path = Path(path)
-        self.data = data if data is not None else dict(meta={}, sections={})
-
-    @classmethod
-    def load(cls, path: Path) -> "Report":
-        return cls(path, json.loads(Path(path).read_text()))
-
-    @property
-    def md_path(self) -> Path:
-        return self.path.with_suffix(".md")
-
-    def section(self, name: str) -> dict:
-        return self.data["sections"].setdefault(name, dict(status="pending", rows=[]))
-
-    def update(self, name: str, **fields) -> None:
-        self.section(name).update(_finite(fields))
-        self.flush()
-
-    def add_row(self, name: str, row: dict) -> None:
-        self.section(name).setdefault("rows", []).append(_finite(row))
-        self.flush()
-
-    def set_rows(self, name: str, rows: list[dict]) -> None:
-        self.section(name)["rows"] = _finite(rows)
-        self.flush()
-
-    def flush(self) -> None:
-        """Both files replaced at once (a reader never sees half a file)."""
-        write_atomic(self.path, lambda tmp: tmp.write_text(json.dumps(self.data, indent=1) + "\n"))
-        write_atomic(self.md_path, lambda tmp: tmp.write_text(portable(self.markdown()) + "\n"))
-
-    def markdown(self) -> str:
-        m = self.data.get("meta", {})
-        out = [f"# {self.title} — {m.get('device', '?')}", ""]
-        facts = [f"{k} {m[k]}" for k in ("torch", "cuda", "triton", "transformers", "revision") if m.get(k)]
-        if m.get("capability"):
-            facts.append(f"compute capability {'.'.join(map(str, m['capability']))}")
-        if m.get("decode_kernel_default"):
-            facts.append(f"decode_kernel default {m['decode_kernel_default']!r}")
-        out += [", ".join(facts) + f". Budget {fmt(m.get('budget_s'))} s; started {m.get('started', '?')}"
-                + (f", took {m['elapsed_s']:.0f} s" if m.get("elapsed_s") is not None else "") + ". "
-                f"Command: `{m.get('command', '?')}`", ""]
-        if m.get("smoke"):
-            out += ["**Smoke run**: tiny sizes; the numbers say nothing about speed.", ""]
-        for name, s in self.data.get("sections", {}).items():
-            head = f"## {name}: {s.get('status', '?')}"
-            if s.get("elapsed_s") is not None:
-                head += f" ({s['elapsed_s']:.0f} s"
-                head += f" of ~{s['estimate_s']:.0f} s estimated)" if s.get("estimate_s") else ")"
-            out += [head, ""]
-            if s.get("what"):
-                out += [s["what"], ""]
-            if s.get("reason"):
-                out += [f"**{s.get('status')}**: {fmt(s['reason'])}", ""]
-            if s.get("summary"):
-                out += ["; ".join(f"{k}: {fmt(v)}" for k, v in s["summary"].items()), ""]
-            rows = [r for r in s.get("rows", []) if self.shown.get(name, lambda r: True)(r)]
-            if rows:
-                cols = [c for c in self.columns.get(name, []) if any(c in r for r in rows)]
-                cols += [c for r in rows for c in r if c not in cols and name not in self.columns]
-                cols = list(dict.fromkeys(cols))
-                out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-                out += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
-                out.append("")
-        return "\n".join(out)
+def tables(rows: list[dict], columns: dict[str, list[str]], titles: dict[str, str], key: str = "section") -> list[str]:
+    """A :func:`table` per part of ``titles`` that has rows (their ``key`` field: the section), under ``## TITLE``."""
+    out = []
+    for name, title in titles.items():
+        got = [r for r in rows if r.get(key) == name]
+        out += [f"## {title}", "", *table(got, columns.get(name, []))] if got else []
+    return out
 
 
 def run_process(cmd: list[str], timeout_s: float, env: dict, tail_lines: int = 40,

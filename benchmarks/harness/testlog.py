@@ -1,15 +1,17 @@
 """A pytest plugin (``pytest -p benchmarks.harness.testlog``): every test's outcome appended to $GPU_CHECK_TESTLOG as
 it ends (so a run stopped at its timeout still has its counts), and each test's start (the one that hung is named);
-:func:`read_testlog` reads it back."""
+:func:`read_testlog` reads it back, :func:`run_tests` runs ``pytest -m gpu`` under a time limit with it."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["read_testlog"]
+__all__ = ["cuda_test_split", "read_testlog", "run_tests"]
 
 
 def pytest_runtest_logstart(nodeid, location):  # noqa: ARG001 - pytest hook signature
@@ -54,3 +56,50 @@ def read_testlog(path: Path) -> tuple[list[dict], dict, Optional[str]]:
     ended = {r["test"] for r in rows}
     hung = next((t for t in reversed(started) if t not in ended), None)
     return rows, counts, hung
+
+
+def run_tests(files: list[str], timeout_s: float, env: dict, on_stop) -> tuple[list[dict], dict]:
+    """``pytest -m gpu -x`` on ``files`` in a process stopped at ``timeout_s``: ``(a row per test, {status, reason,
+    summary, command})``; stopped from outside, ``on_stop(rows so far)`` is called before the stop goes on up."""
+    from benchmarks.harness.sections import run_process
+
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-x", "-q", "-p", "no:cacheprovider", "-p",
+           "benchmarks.harness.testlog"]
+    try:
+        import pytest_timeout  # noqa: F401
+
+        cmd += ["--timeout", "120"]
+    except ImportError:
+        pass
+    cmd += files
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "tests.jsonl"
+        try:
+            rc, tail = run_process(cmd, timeout_s, dict(env, GPU_CHECK_TESTLOG=str(log)))
+        except BaseException:  # stopped from outside: keep the outcomes so far
+            on_stop(read_testlog(log)[0])
+            raise
+        rows, counts, hung = read_testlog(log)
+    bad = [r["test"] for r in rows if r["outcome"] in ("failed", "error")]
+    if rc is None:
+        status, reason = "timeout", f"stopped at {timeout_s:.0f} s" + (f" while running {hung}" if hung else "")
+    elif bad:
+        status, reason = "failed", "failed: " + ", ".join(bad)
+    elif rc == 5 or (rc == 0 and not rows):
+        status, reason = "ok", "no test selected (-m gpu needs CUDA)"
+    else:
+        status, reason = ("ok", None) if rc == 0 else ("error", f"pytest exit code {rc}: " + " / ".join(
+            tail.splitlines()[-3:]))
+    summary = dict(counts, seconds=round(sum(r["seconds"] or 0 for r in rows), 1), exit_code=rc)
+    return rows, dict(status=status, reason=reason, summary=summary, command=" ".join(cmd[1:]))
+
+
+def cuda_test_split(root: Optional[Path] = None) -> tuple[list[str], list[str]]:
+    """The test files with CUDA tests (``pytest.mark.gpu``: what a device runs) and every other test file (the CPU
+    suite, which CI runs; left unrun on the device)."""
+    from benchmarks.harness.paths import ROOT
+
+    root = root or ROOT
+    files = sorted(p.relative_to(root).as_posix() for p in (root / "tests").rglob("test_*.py"))
+    cuda = [f for f in files if "mark.gpu" in (root / f).read_text(encoding="utf-8", errors="replace")]
+    return cuda, [f for f in files if f not in cuda]

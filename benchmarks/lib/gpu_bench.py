@@ -1,6 +1,6 @@
-"""What ``benchmarks/gpu.py`` (and ``gpu_check``'s ``train`` section) measure on a GPU: SDPA kernels for one decode
-call, the 124M training step (ours vs a nanoGPT-style reference, eager and compiled, MFU) and the decode step (ours
-eager and CUDA-graph vs transformers' GPT-2 with DynamicCache / StaticCache), each a list of rows."""
+"""What ``benchmarks/gpu.py`` measures on a GPU: SDPA kernels for one decode call, the 124M training step (ours vs a
+nanoGPT-style reference, eager and compiled, MFU), the decode step (ours eager and CUDA-graph vs transformers' GPT-2
+with DynamicCache / StaticCache) and FlashAttention-4 against SDPA, each a list of rows."""
 
 from __future__ import annotations
 
@@ -16,13 +16,16 @@ import torch.nn.functional as F
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.timing import cuda_time
 from benchmarks.lib.reference_gpt import ReferenceGPT
+from benchmarks.lib.serving_bench import err, filled_cache, weight_bytes
+from kvsplice.report.decode_timing import time_steps
 from models import GPT, preset
 from models.attention import flash_impl, sdpa_order
 
-__all__ = ["PEAK_BF16", "bench_decode", "bench_sdpa", "bench_train", "need_cuda",
+__all__ = ["PEAK_BF16", "bench_decode", "bench_flash4", "bench_sdpa", "bench_train", "flash4_reason", "need_cuda",
            "peak_flops"]
 
-
+FLASH4_REASON = ("its wheels with the CUTLASS-DSL runtime (flash-attn-4 + nvidia-cutlass-dsl) are > 90 MB, more than "
+                 "the 64 MiB one device call can carry")
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}
 """Dense bf16 tensor-core peak FLOP/s by device family (datasheet), for MFU."""
 
@@ -40,9 +43,10 @@ def peak_flops() -> float | None:
 
 # ---------------------------------------------------------------------------------------------------- sdpa
 def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> list[dict]:
-    """Median ms of one decode-shaped SDPA call per kernel choice, the key length growing by one per call. A named
-    kernel is put first in SDPA's priority (the others stay enabled as fallbacks) with the package's ~1 µs switch
-    (:func:`models.attention._sdpa_priority`), so every column pays the same host overhead."""
+    """Median ms of one decode-shaped SDPA call per kernel choice (a row per key length, a column per choice), the key
+    length growing by one per call. A named kernel is put first in SDPA's priority (the others stay enabled as
+    fallbacks) with the package's ~1 µs switch (:func:`models.attention._sdpa_priority`), so every column pays the
+    same host overhead."""
     from torch.nn.attention import SDPBackend
 
     from models.attention import _sdpa_priority
@@ -53,6 +57,7 @@ def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> list[dict]:
     choices = {"default": None, **{k: (b, *[x for x in rest if x != b]) for k, b in named.items()}, "ours": "ours"}
     rows = []
     for t_k in key_lens:
+        row = dict(keys=t_k)
         q = torch.randn(batch, 12, 1, 64, device="cuda", dtype=torch.bfloat16)
         kv = torch.randn(batch, 12, t_k + 2 * calls + 4, 64, device="cuda", dtype=torch.bfloat16)
         for name, order in choices.items():
@@ -68,7 +73,8 @@ def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> list[dict]:
 
             call()
             ts = cuda_time(call, calls)
-            rows.append(dict(keys=t_k, kernel=name, median_ms=statistics.median(ts)))
+            row[name] = statistics.median(ts)
+        rows.append(row)
         del q, kv
     return rows
 
@@ -137,23 +143,17 @@ def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, qui
         for key in keys[r % len(keys):] + keys[: r % len(keys)]:
             state[key]["times"] += cuda_time(state[key]["step"], steps)
     rows = []
-    ref_eager = ref_compiled = None
     for key, s in state.items():
         ms = statistics.median(s["times"])
         label, mode, opt = key.split(" | ")
-        row = dict(model=label, mode=mode, optimizer=opt, median_ms=ms, tokens_per_s=batch * t / (ms / 1e3),
-                   tflops=s["flops"] / (ms / 1e3) / 1e12, mfu=None if peak is None else s["flops"] / (ms / 1e3) / peak,
-                   first_steps_s=round(s["warmup_s"], 1), n=len(s["times"]))
-        if label.startswith("reference"):
-            if mode == "eager":
-                ref_eager = ms
-            else:
-                ref_compiled = ms
-        rows.append(row)
+        rows.append(dict(model=label, mode=mode, optimizer=opt, median_ms=ms, tokens_per_s=batch * t / (ms / 1e3),
+                         tflops=s["flops"] / (ms / 1e3) / 1e12,
+                         mfu=None if peak is None else s["flops"] / (ms / 1e3) / peak,
+                         first_steps_s=round(s["warmup_s"], 1), n=len(s["times"])))
+    ref = {r["mode"]: r["median_ms"] for r in rows if r["model"].startswith("reference")}
     ours_mha = {r["mode"]: r["median_ms"] for r in rows if r["model"] == "ours mha" and r["optimizer"].startswith("fused")}
     for r in rows:
-        ref = ref_compiled if r["mode"] == "compiled" else ref_eager
-        r["vs_reference_same_mode"] = r["median_ms"] / ref if ref else None
+        r["vs_reference_same_mode"] = r["median_ms"] / ref[r["mode"]] if r["mode"] in ref else None
         r["vs_ours_mha_same_mode"] = r["median_ms"] / ours_mha[r["mode"]] if r["mode"] in ours_mha else None
     del state
     gc.collect()
@@ -162,15 +162,6 @@ def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, qui
 
 
 # ---------------------------------------------------------------------------------------------------- decode
-def _fill_ours(model, batch: int, ctx: int):
-    cache = model.new_cache(batch, capacity=ctx + 1)
-    for layer in range(cache.n_layer):
-        t0, bufs = cache.reserve(layer, ctx)
-        for buf in bufs.values():
-            buf[..., :ctx, :].normal_()
-    return cache
-
-
 def _hf_model(max_ctx: int, dtype):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -211,85 +202,104 @@ def _hf_case(model, kind: str, batch: int, ctx: int, dtype):
     return cache, step
 
 
+def _case_ms(model, label: str, batch: int, ctx: int, steps: int, dtype) -> tuple[list[float], int]:
+    """ms of ``steps`` decode steps (after 2 untimed) of one case at ``ctx`` (rolled back after each), and the bytes
+    of its cache: ours (``+graph``: replayed from a CUDA graph) through :func:`time_steps`, or transformers'."""
+    tok = torch.randint(0, 50304, (batch, 1), device="cuda")
+    if label.startswith("ours"):
+        cache = filled_cache(model, batch, ctx, None)
+        nbytes = cache.nbytes() * (ctx + 1) // ctx if ctx else 0
+        return [1e3 * t for t in time_steps(model, cache, ctx, tok, 2, steps, graph=label.endswith("+graph"))], nbytes
+    cache, step = _hf_case(model, "static" if "Static" in label else "dynamic", batch, ctx, dtype)
+    for _ in range(2):
+        step(tok)
+    return cuda_time(lambda: step(tok), steps), 2 * 12 * batch * (ctx + 1) * 768 * 2
+
+
 @torch.inference_mode()
 def bench_decode(batches: list[int], ctxs: list[int], steps: int, rounds: int, quick: bool, bandwidth: float,
                  hf: bool) -> list[dict]:
-    from models.graph_decode import GraphDecoder
-
+    """Per batch and context, ``rounds`` interleaved rounds of every case (each starting from a fresh cache): the
+    median ms, its bytes floor, and the ratios to our eager MHA step and to transformers' StaticCache step."""
     dtype = torch.bfloat16
     shapes = dict(n_layer=2, n_head=4, d_model=128, d_latent=64) if quick else {}
-    max_ctx = max(ctxs)
-    ours = {}
+    models = {}
     for name in ("gpt2", "mla", "mla_kvsplice_90"):
         torch.manual_seed(0)
-        cfg = preset(name, block_size=max_ctx + 1, **shapes)
-        ours[name] = GPT(cfg).to("cuda", dtype).eval()
-    hf_model = _hf_model(max_ctx, dtype) if hf and not quick else None
-    labels = [f"ours {n}" for n in ours] + [f"ours {n}+graph" for n in ours]
-    if hf_model is not None:
-        labels += ["hf gpt2 DynamicCache", "hf gpt2 StaticCache"]
-    weight_bytes = {n: sum(p.numel() * p.element_size() for p in m.parameters()) for n, m in ours.items()}
-    if hf_model is not None:
-        weight_bytes["hf"] = sum(p.numel() * p.element_size() for p in hf_model.parameters())
+        models[f"ours {name}"] = GPT(preset(name, block_size=max(ctxs) + 1, **shapes)).to("cuda", dtype).eval()
+    models.update({f"{k}+graph": m for k, m in models.items()})
+    if hf and not quick:
+        models["hf gpt2 DynamicCache"] = models["hf gpt2 StaticCache"] = _hf_model(max(ctxs), dtype)
+    labels = list(models)
     rows = []
     for batch in batches:
         for ctx in ctxs:
-            times = {lab: [] for lab in labels}
-            info = {}
+            times: dict = {lab: [] for lab in labels}
+            info: dict = {}
             for r in range(rounds):
-                order = labels[r % len(labels):] + labels[: r % len(labels)]
-                for lab in order:
-                    tok = torch.randint(0, 50304 if not quick else 50304, (batch, 1), device="cuda")
+                for lab in labels[r % len(labels):] + labels[: r % len(labels)]:
                     try:
-                        if lab.startswith("ours"):
-                            name = lab.split()[1].replace("+graph", "")
-                            model = ours[name]
-                            cache = _fill_ours(model, batch, ctx)
-                            nbytes = cache.nbytes() * (ctx + 1) // ctx if ctx else 0
-                            if lab.endswith("+graph"):
-                                dec = GraphDecoder(model, cache)
-                                fn = lambda: dec.step(tok)  # noqa: E731
-                            else:
-                                fn = lambda: model(tok, cache=cache)  # noqa: E731
-
-                            def one(fn=fn, cache=cache):
-                                out = fn()
-                                cache.truncate(ctx)
-                                return out
-                            wb = weight_bytes[name]
-                        else:
-                            kind = "static" if "Static" in lab else "dynamic"
-                            cache, one = _hf_case(hf_model, kind, batch, ctx, dtype)
-                            one = (lambda f: (lambda: f(tok)))(one)
-                            nbytes = 2 * 12 * batch * (ctx + 1) * 768 * 2
-                            wb = weight_bytes["hf"]
-                        for _ in range(2):
-                            one()
-                        times[lab] += cuda_time(one, steps)
-                        info[lab] = dict(cache_bytes=nbytes, weight_bytes=wb)
+                        ms, nbytes = _case_ms(models[lab], lab, batch, ctx, steps, dtype)
+                        times[lab] += ms
+                        info[lab] = dict(cache_bytes=nbytes, weight_bytes=weight_bytes(models[lab]))
                     except torch.cuda.OutOfMemoryError:
                         info[lab] = dict(error="out of memory")
                     except Exception as e:  # noqa: BLE001 - one variant's failure must not end the section
-                        info[lab] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:100]}")
+                        info[lab] = dict(error=err(e))
                         times[lab] = []
-                    finally:
-                        cache = dec = fn = one = None
-                        gc.collect()
-                        torch.cuda.empty_cache()
+                    gc.collect()
+                    torch.cuda.empty_cache()
+            cell = {}
             for lab in labels:
                 row = dict(variant=lab, batch=batch, ctx=ctx, **info.get(lab, {}))
                 if times[lab]:
-                    ms = statistics.median(times[lab])
+                    ms = cell[lab] = statistics.median(times[lab])
                     floor_ms = (row["cache_bytes"] + row["weight_bytes"]) / bandwidth * 1e3
                     row.update(median_ms=ms, n=len(times[lab]), floor_ms=floor_ms, vs_floor=ms / floor_ms)
                 rows.append(row)
-            cell = {r["variant"]: r.get("median_ms") for r in rows if r["batch"] == batch and r["ctx"] == ctx}
-            for r in rows:
-                if r["batch"] == batch and r["ctx"] == ctx and r.get("median_ms"):
-                    mha = cell.get("ours gpt2")
-                    static = cell.get("hf gpt2 StaticCache")
+            mha, static = cell.get("ours gpt2"), cell.get("hf gpt2 StaticCache")
+            for r in rows[-len(labels):]:
+                if r.get("median_ms"):
                     r["vs_ours_mha"] = r["median_ms"] / mha if mha else None
                     r["vs_hf_static"] = r["median_ms"] / static if static else None
-            print(f"decode batch {batch} ctx {ctx}: " + ", ".join(
-                f"{k} {v:.3f}" if v else f"{k} -" for k, v in cell.items()), file=sys.stderr, flush=True)
+            print(f"decode batch {batch} ctx {ctx}: " + ", ".join(f"{k} {v:.3f}" for k, v in cell.items()),
+                  file=sys.stderr, flush=True)
+    return rows
+
+
+def flash4_reason() -> Optional[str]:
+    """Why FlashAttention-4 cannot run here, or None."""
+    try:
+        from flash_attn.cute import flash_attn_func  # noqa: F401  # type: ignore[import-not-found]
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken install
+        return f"FlashAttention-4 is not importable ({err(e)}): {FLASH4_REASON}"
+    if torch.cuda.get_device_capability() < (9, 0):
+        return f"FlashAttention-4 needs compute capability >= 9.0, this is {torch.cuda.get_device_capability()}"
+    return None
+
+
+def bench_flash4(shape: Sequence[int], calls: int) -> list[dict]:
+    """FlashAttention-4 against SDPA on causal prefill calls of ``shape`` (B, H, T, D), MHA and GQA-4, bf16."""
+    from flash_attn.cute import flash_attn_func  # type: ignore[import-not-found]
+
+    from models.attention import FlashImpl, attend
+
+    impl = FlashImpl("flash-attn-4", flash_attn_func, (9, 0), returns_lse=True)
+    b, h, t, d = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    rows = []
+    for call, (qq, kk, vv) in {f"MHA prefill {b}x{h}x{t}x{d}": (q, k, v),
+                               f"GQA-4 prefill {b}x{h}x{t}x{d}": (q, k[:, :h // 4], v[:, :h // 4])}.items():
+        row = dict(call=call, impl=impl.name)
+        try:
+            sd = lambda: attend(qq, kk, vv, scale=d ** -0.5, backend="sdpa")  # noqa: E731
+            fl = lambda: attend(qq, kk, vv, scale=d ** -0.5, backend="flash", flash=impl)  # noqa: E731
+            row["max_abs_diff"] = (fl().float() - sd().float()).abs().max().item()
+            row["sdpa_ms"] = statistics.median(cuda_time(sd, calls))
+            row["flash_ms"] = statistics.median(cuda_time(fl, calls))
+            row["speedup"] = row["sdpa_ms"] / row["flash_ms"]
+        except Exception as e:  # noqa: BLE001
+            row["error"] = err(e)
+        rows.append(row)
     return rows

@@ -1,9 +1,7 @@
 """A minimal GPT-2 written the way nanoGPT's ``model.py`` is (fused ``c_attn``, SDPA with ``is_causal``, tied head):
-the independent reference the training-step benchmark (``benchmarks/gpu.py``) compares the package's model with.
-
-It is this project's own code, kept deliberately plain: no cache, no variants, no kernel selection, and it imports
-nothing from the package's models (an independent reference). Given :class:`models.gpt.GPT`'s MHA weights it computes
-the same logits (tests/models/test_reference_gpt.py), so the benchmark times the same function.
+the independent reference ``benchmarks/gpu.py``'s training step is compared with. Plain on purpose (no cache, no
+variants, nothing imported from the package's models); given :class:`models.gpt.GPT`'s MHA weights it computes the
+same logits (tests/models/test_reference_gpt.py), so the benchmark times the same function.
 """
 
 from __future__ import annotations

@@ -1,21 +1,22 @@
-"""The serving measurements, shared by ``benchmarks/serving.py`` and ``benchmarks/gpu_check.py``'s sections: models
-at the 124M presets (random weights), a cache's bytes per sequence, a filled cache, one decode step's median ms
-(eager or replayed from a CUDA graph, rolled back after each), the capacity rows at a memory budget (compared with
-MHA's) and the attention call alone (SDPA against the split-KV kernel, :mod:`models.kernels`)."""
+"""The sections of ``benchmarks/serving.py`` (``gpu_check`` runs each in its own process), each a generator of rows:
+serving capacity at a KV budget with its bytes and compute floors, the attention call alone (SDPA against the
+split-KV kernel, :mod:`models.kernels`; the formulations of latent attention), the CUDA-graph decode step and a
+profiled eager step; 124M presets, random weights. A case that fails is a row with its error: the cases after it still run."""
 
 from __future__ import annotations
 
 import gc
 import statistics
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
-from benchmarks.harness.timing import cuda_time, wall_time
+from benchmarks.harness.timing import cuda_time, median_of, wall_time
+from kvsplice.report.decode_timing import time_steps
 from models import GPT, preset
 from models.attention import attend
-from models.quant import SCALE, quantize_int8
 from models.kernels import decode_attend, interpreting, triton_missing_reason
+from models.quant import SCALE, quantize_int8
 
 VARIANTS = {"MHA": "gpt2", "GQA-4": "gpt2_gqa4", "MQA": "gpt2_mqa", "MLA": "mla", "KVSplice-50": "mla_kvsplice_50",
             "KVSplice-90": "mla_kvsplice_90"}
@@ -26,7 +27,16 @@ RESERVE_BYTES = 4 * 2**30
 """GPU memory kept free beside the caches and weights (activations, logits, the CUDA graph's pool)."""
 
 
-# ------------------------------------------------------------------------------------------------- timing
+def err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def timer(device: torch.device) -> Callable[[Callable[[], object], int], list[float]]:
     """``time(fn, n)``: ms of each of ``n`` calls (CUDA events on an idle GPU; wall clock on CPU)."""
     if device.type == "cuda":
@@ -43,6 +53,15 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * x.numel() * 2 / (ms / 1e3)
 
 
+def matmul_peak(device: torch.device, dtype: torch.dtype, n: int) -> float:
+    """FLOP/s of an ``n``×``n``×``n`` matmul in ``dtype`` (median of 10)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    ms = statistics.median(timer(device)(lambda: a @ b, 10))
+    return 2 * n ** 3 / (ms / 1e3)
+
+
 def kernel_runs_here(device: torch.device) -> Optional[str]:
     """Why the split-KV kernel cannot run on ``device`` here, or None."""
     reason = triton_missing_reason()
@@ -51,7 +70,6 @@ def kernel_runs_here(device: torch.device) -> Optional[str]:
     return reason
 
 
-# ----------------------------------------------------------------------------------------------- capacity
 def build(name: str, kernel: str, ctx: int, smoke: bool, device: torch.device, dtype: torch.dtype) -> GPT:
     torch.manual_seed(0)
     cfg = preset(VARIANTS[name], block_size=ctx + 2, decode_kernel=kernel, **(SMOKE_SHAPES if smoke else {}))
@@ -62,6 +80,19 @@ def seq_bytes(model: GPT, ctx: int, quant: Optional[str]) -> int:
     """Bytes of one sequence's cache holding ``ctx + 1`` tokens (allocated on the meta device: nothing real)."""
     p = next(model.parameters())
     return model.new_cache(1, capacity=ctx + 1, quant=quant, dtype=p.dtype, device="meta").storage_nbytes()
+
+
+def fits(budget_gb: float, per_seq: int, device: torch.device) -> int:
+    """Sequences of ``per_seq`` bytes within ``budget_gb`` (and, on a GPU, the free memory less a reserve: the
+    models are loaded already, so it excludes their weights)."""
+    budget = budget_gb * 1e9
+    if device.type == "cuda":
+        budget = min(budget, torch.cuda.mem_get_info()[0] - RESERVE_BYTES)
+    return max(int(budget // per_seq), 0)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def filled_cache(model: GPT, batch: int, ctx: int, quant: Optional[str]):
@@ -79,127 +110,267 @@ def filled_cache(model: GPT, batch: int, ctx: int, quant: Optional[str]):
     return cache
 
 
-def decode_step_ms(model: GPT, batch: int, ctx: int, quant: Optional[str], steps: int, graph: bool,
-                   warmup: int = 2) -> float:
-    """Median ms of one decode step at ``ctx`` tokens (rolled back after each), from a CUDA graph if ``graph``."""
+def step_ms(model: GPT, batch: int, ctx: int, quant: Optional[str], steps: int, graph: bool, warmup: int) -> float:
+    """Median ms of one decode step at ``ctx`` tokens (rolled back after each; from a CUDA graph if ``graph``):
+    :func:`kvsplice.report.decode_timing.time_steps` over a :func:`filled_cache`."""
     cache = filled_cache(model, batch, ctx, quant)
     tok = torch.randint(0, model.cfg.vocab_size, (batch, 1), device=cache.device)
-    if graph:
-        from models.graph_decode import GraphDecoder
+    return 1e3 * statistics.median(time_steps(model, cache, ctx, tok, warmup, steps, graph=graph))
 
-        dec = GraphDecoder(model, cache)
-        fn = lambda: dec.step(tok)  # noqa: E731
+
+def time_into(row: dict, prefix: str, model: GPT, ctx: int, quant: Optional[str], steps: int, smoke: bool) -> None:
+    """``prefix`` + ``ms``, ``tokens_per_s``, ``pct_floor`` (of ``row["floor_ms"]``) of one decode step at
+    ``row["batch"]`` (a CUDA graph on a GPU) into ``row``, or ``prefix`` + ``error``."""
+    device = next(model.parameters()).device
+    try:
+        ms = step_ms(model, row["batch"], ctx, quant, steps, device.type == "cuda", warmup=1 if smoke else 2)
+        row.update({f"{prefix}ms": ms, f"{prefix}tokens_per_s": row["batch"] / (ms / 1e3),
+                    f"{prefix}pct_floor": 100 * row["floor_ms"] / ms})
+    except torch.cuda.OutOfMemoryError:
+        row[f"{prefix}error"] = "out of memory"
+    except Exception as e:  # noqa: BLE001 - one case's failure must not end the section
+        row[f"{prefix}error"] = err(e)
+    free(device)
+
+
+def step_flops(name: str, batch: int, n_ctx: int, smoke: bool) -> float:
+    """FLOPs of one decode step of ``batch`` tokens at ``n_ctx`` cached tokens: 2 per weight of every matmul
+    (attention projections, MLP, lm_head; the embedding lookup is free) per token, plus attention — MHA: q·k and
+    p·v over ``head_size`` per head; MLA (absorbed): q·row over ``latent + rope`` and p·latent per head."""
+    cfg = preset(VARIANTS[name], **(SMOKE_SHAPES if smoke else {}))
+    with torch.device("meta"):
+        model = GPT(cfg.replace(block_size=max(n_ctx + 2, 2)))
+    weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "wte" not in n
+                  and "wpe" not in n)
+    if cfg.tie_embeddings:
+        weights += cfg.vocab_size * cfg.d_model  # the tied lm_head is a matmul too
+    if cfg.attention == "mha":
+        attn = 2 * cfg.n_head * n_ctx * (cfg.head_size + cfg.head_size)
     else:
-        fn = lambda: model(tok, cache=cache)  # noqa: E731
-
-    def one():
-        with torch.inference_mode():
-            fn()
-        cache.truncate(ctx)
-
-    for _ in range(warmup):
-        one()
-    return statistics.median(timer(cache.device)(one, steps))
+        attn = 2 * cfg.n_head * n_ctx * (2 * cfg.d_cached_latent + cfg.qk_rope_head_dim)
+    return float(batch) * (2 * weights + cfg.n_layer * attn)
 
 
-def bench_capacity(args, device, dtype, bandwidth: float, progress) -> list[dict]:
+def add_floors(row: dict, flops: float, peak: float) -> dict:
+    """Both floors of a capacity row: bytes (``floor_ms``, already there) and compute (``flops`` over ``peak``
+    FLOP/s); ``bound`` names the larger; each path's ``*_pct_larger_floor`` is that floor over its time."""
+    row["flops_per_step"] = flops
+    row["compute_floor_ms"] = flops / peak * 1e3 if peak else None
+    floors = [f for f in (row.get("floor_ms"), row["compute_floor_ms"]) if f]
+    if not floors:
+        return row
+    larger = max(floors)
+    row["bound"] = "compute" if row["compute_floor_ms"] and row["compute_floor_ms"] >= (row.get("floor_ms") or 0) \
+        else "bytes"
+    row["larger_floor_ms"] = larger
+    for label in ("sdpa", "split_kv"):
+        if row.get(f"{label}_ms"):
+            row[f"{label}_pct_larger_floor"] = 100 * larger / row[f"{label}_ms"]
+    return row
+
+
+def capacity(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, peak: float,
+             smoke: bool) -> Iterator[dict]:
+    """Per variant, context and row format (bf16, int8): the bytes one sequence holds, the batch whose caches fit
+    ``budget_gb`` (and the free memory on a GPU), one decode step at that batch (capped at ``max_batch``) with
+    SDPA and with the kernel, both floors, and the batch and tokens/s against MHA's row (MHA comes first)."""
     kernels = ["eager"] + (["triton"] if kernel_runs_here(device) is None else [])
-    rows = []
-    for name in progress(args.variants, "capacity"):
-        models = {k: build(name, k, max(args.ctx), args.smoke, device, dtype) for k in kernels}  # same weights
+    mha: dict = {}
+    for name in s["variants"]:
+        try:
+            models = {k: build(name, k, max(s["ctx"]), smoke, device, dtype) for k in kernels}  # same weights
+        except Exception as e:  # noqa: BLE001 - one variant's failure must not end the section
+            yield dict(variant=name, rows="-", ctx=0, bytes_per_seq=0, max_batch=0, sdpa_error=err(e))
+            continue
         m = models["eager"]
-        for ctx in args.ctx:
+        for ctx in s["ctx"]:
             for quant in (None, "int8"):
-                per_seq = seq_bytes(m, ctx, quant)
-                weights = sum(p.numel() * p.element_size() for p in m.parameters())
-                budget = args.budget_gb * 1e9
-                if device.type == "cuda":  # the models are loaded already: free memory excludes their weights
-                    budget = min(budget, torch.cuda.mem_get_info()[0] - RESERVE_BYTES)
-                fits = max(int(budget // per_seq), 0)
+                per_seq, weights = seq_bytes(m, ctx, quant), weight_bytes(m)
+                n = fits(s["budget_gb"], per_seq, device)
                 row = dict(variant=name, rows="int8" if quant else str(dtype).split(".")[-1], ctx=ctx,
-                           bytes_per_seq=per_seq, budget_gb=args.budget_gb, max_batch=fits,
-                           batch=min(fits, args.max_batch), weight_bytes=weights)
-                step_bytes = row["batch"] * per_seq + weights
-                row["bytes_per_step"] = step_bytes
-                row["floor_ms"] = step_bytes / bandwidth * 1e3
+                           bytes_per_seq=per_seq, budget_gb=s["budget_gb"], max_batch=n,
+                           batch=min(n, s["max_batch"]), weight_bytes=weights)
+                row["bytes_per_step"] = row["batch"] * per_seq + weights
+                row["floor_ms"] = row["bytes_per_step"] / bandwidth * 1e3
                 for k, model in models.items():
-                    label = "sdpa" if k == "eager" else "split_kv"
+                    label = "sdpa_" if k == "eager" else "split_kv_"
                     if row["batch"] < 1:
-                        row[f"{label}_error"] = "no sequence fits the budget"
-                        continue
-                    try:
-                        ms = decode_step_ms(model, row["batch"], ctx, quant, args.steps, device.type == "cuda",
-                                            warmup=1 if args.smoke else 2)
-                        row.update({f"{label}_ms": ms, f"{label}_tokens_per_s": row["batch"] / (ms / 1e3),
-                                    f"{label}_pct_floor": 100 * row["floor_ms"] / ms})
-                    except torch.cuda.OutOfMemoryError:
-                        row[f"{label}_error"] = "out of memory"
-                    gc.collect()
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                rows.append(row)
-        del models, m
-    return compare_to_mha(rows)
+                        row[f"{label}error"] = "no sequence fits the budget"
+                    else:
+                        time_into(row, label, model, ctx, quant, s["steps"], smoke)
+                base = mha.setdefault((ctx, row["rows"]), row) if name == "MHA" else mha.get((ctx, row["rows"]))
+                for label in ("sdpa", "split_kv"):
+                    tps, ref = row.get(f"{label}_tokens_per_s"), base and base.get("sdpa_tokens_per_s")
+                    row[f"{label}_vs_mha_sdpa"] = tps / ref if tps and ref else None
+                row["batch_vs_mha"] = n / base["max_batch"] if base and base["max_batch"] else None
+                yield add_floors(row, step_flops(name, row["batch"], ctx, smoke), peak)
+        models = m = None
+        free(device)
 
 
-def compare_to_mha(rows: list[dict]) -> list[dict]:
-    """Adds to each capacity row its throughput and batch against MHA's row at the same context and row format (None
-    where MHA is not among ``rows``); returns ``rows``."""
-    mha = {(r["ctx"], r["rows"]): r for r in rows if r["variant"] == "MHA"}
-    for r in rows:
-        base = mha.get((r["ctx"], r["rows"]))
-        for label in ("sdpa", "split_kv"):
-            tps, ref = r.get(f"{label}_tokens_per_s"), base and base.get("sdpa_tokens_per_s")
-            r[f"{label}_vs_mha_sdpa"] = tps / ref if tps and ref else None
-        r["batch_vs_mha"] = r["max_batch"] / base["max_batch"] if base and base["max_batch"] else None
-    return rows
-
-
-# ------------------------------------------------------------------------------------------------- kernel
-def kernel_cases(smoke: bool) -> list[tuple[str, int, int, int, bool]]:
-    """(label, Hq, Hkv, row dims, int8): latents under 12 heads, MHA and GQA-4 rows of 64, int8 latents."""
-    if smoke:
-        return [("latent 26", 12, 1, 26, False), ("latent 26 int8", 12, 1, 26, True), ("MHA rows 4x16", 4, 4, 16, False)]
-    lat = [(f"latent {d}", 12, 1, d, False) for d in (26, 77, 128, 256)]
-    lat += [(f"latent {d} int8", 12, 1, d, True) for d in (26, 128)]
-    return lat + [("MHA rows 12x64", 12, 12, 64, False), ("GQA-4 rows 4x64", 12, 4, 64, False)]
-
-
-def bench_kernel(args, device, dtype, bandwidth: float, progress,
-                 cases: Optional[list[tuple[str, int, int, int, bool]]] = None) -> list[dict]:
-    """One row per case of ``cases`` (default :func:`kernel_cases`)."""
-    batch, keys = (2, 100) if args.smoke else (64, 16384)
+def kernel(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, smoke: bool) -> Iterator[dict]:
+    """The attention call alone, ``kernel_batch`` × ``kernel_keys``, one query per head, per ``kernel_cases``
+    ``[label, query heads, row heads, row width, int8]``: SDPA (the eager path) against the kernel (its own split
+    count, then each of ``kernel_splits``)."""
+    batch, keys = s["kernel_batch"], s["kernel_keys"]
     run_kernel = kernel_runs_here(device) is None
-    time_it = timer(device)
-    rows = []
-    for label, hq, hkv, d, int8 in progress(kernel_cases(args.smoke) if cases is None else cases, "kernel"):
-        g = torch.Generator(device=device).manual_seed(0)
-        q = torch.randn(batch, hq, 1, d, device=device, dtype=dtype, generator=g)
-        k = torch.randn(batch, hkv, keys, d, device=device, dtype=dtype, generator=g)
-        shared = hkv == 1  # a latent is key and value: read once
-        v = k if shared else torch.randn_like(k)
-        kq, ks = quantize_int8(k) if int8 else (k, None)
-        vq, vs = (kq, ks) if shared else quantize_int8(v) if int8 else (v, None)
-        el = 1 if int8 else k.element_size()
-        row_bytes = batch * hkv * keys * (d * el + (2 if int8 else 0)) * (1 if shared else 2)
-        row = dict(case=label, batch=batch, keys=keys, bytes_read=row_bytes)
-        kf = kq.to(dtype) * ks.to(dtype) if int8 else k  # the eager path attends over dequantised rows
-        vf = kf if shared else (vq.to(dtype) * vs.to(dtype) if int8 else v)
-        calls = {"sdpa": lambda: attend(q, kf, vf, scale=d ** -0.5)}
-        if run_kernel:
-            for n in [None, *args.kernel_splits]:  # None: the kernel's own choice (choose_splits)
+    for label, hq, hkv, d, int8 in s["kernel_cases"]:
+        row = dict(case=label, batch=batch, keys=keys)
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+            q = torch.randn(batch, hq, 1, d, device=device, dtype=dtype, generator=g)
+            k = torch.randn(batch, hkv, keys, d, device=device, dtype=dtype, generator=g)
+            shared = hkv == 1  # a latent is key and value: read once
+            v = k if shared else torch.randn_like(k)
+            kq, ks = quantize_int8(k) if int8 else (k, None)
+            vq, vs = (kq, ks) if shared else quantize_int8(v) if int8 else (v, None)
+            el = 1 if int8 else k.element_size()
+            row["bytes_read"] = batch * hkv * keys * (d * el + (2 if int8 else 0)) * (1 if shared else 2)
+            kf = kq.to(dtype) * ks.to(dtype) if int8 else k  # the eager path attends over dequantised rows
+            vf = kf if shared else (vq.to(dtype) * vs.to(dtype) if int8 else v)
+            calls = {"sdpa": lambda: attend(q, kf, vf, scale=d ** -0.5)}
+            for n in [None, *s["kernel_splits"]] if run_kernel else []:  # None: the kernel's own choice
                 calls["split_kv" if n is None else f"split_kv_s{n}"] = (
                     lambda n=n: decode_attend(q, kq, vq, scale=d ** -0.5, k_scale=ks, v_scale=vs, num_splits=n))
-        outs = {}
-        for name, fn in calls.items():
-            outs[name] = fn()
-            ms = statistics.median(time_it(fn, args.steps))
-            row.update({f"{name}_ms": ms, f"{name}_gbs": row_bytes / (ms / 1e3) / 1e9,
-                        f"{name}_pct_bandwidth": 100 * row_bytes / (ms / 1e3) / bandwidth})
-        if "split_kv" in outs:  # a sanity check of the run: the kernel against the eager path, same rows
-            row["max_abs_diff"] = (outs["split_kv"].float() - outs["sdpa"].float()).abs().max().item()
-        rows.append(row)
-        del q, k, v, kq, vq, kf, vf
+            outs = {}
+            for name, fn in calls.items():
+                outs[name] = fn()
+                ms = statistics.median(timer(device)(fn, s["steps"]))
+                row.update({f"{name}_ms": ms, f"{name}_gbs": row["bytes_read"] / (ms / 1e3) / 1e9,
+                            f"{name}_pct_bandwidth": 100 * row["bytes_read"] / (ms / 1e3) / bandwidth})
+            if "split_kv" in outs:  # a sanity check of the run: the kernel against the eager path, same rows
+                row["max_abs_diff"] = (outs["split_kv"].float() - outs["sdpa"].float()).abs().max().item()
+                row["speedup"] = row["sdpa_ms"] / row["split_kv_ms"]
+        except Exception as e:  # noqa: BLE001 - one case's failure must not end the section
+            row["error"] = err(e)
+        yield row
+        q = k = v = kq = vq = kf = vf = outs = calls = None
+        free(device)
+
+
+def decode(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, smoke: bool) -> Iterator[dict]:
+    """One decode step at ``decode_batch`` × ``decode_ctx`` (a CUDA graph on a GPU) per ``(variant, quant)`` of
+    ``decode_variants``: every SDPA row first (a kernel fault, a sticky CUDA error, cannot cost the baselines),
+    then the kernel's; ms, tokens/s, % of the bytes floor, and the time against MHA's SDPA row."""
+    batch, n_ctx, graph = s["decode_batch"], s["decode_ctx"], device.type == "cuda"
+    base: dict = {}
+    for kernel in ["eager"] + (["triton"] if kernel_runs_here(device) is None else []):
+        for name, quant in s["decode_variants"]:
+            row = dict(variant=name, rows=quant or str(dtype).split(".")[-1],
+                       path="sdpa" if kernel == "eager" else "split_kv", batch=batch, ctx=n_ctx, graph=graph)
+            try:
+                model = build(name, kernel, n_ctx, smoke, device, dtype)
+                row["bytes_per_step"] = batch * seq_bytes(model, n_ctx, quant) + weight_bytes(model)
+                row["floor_ms"] = row["bytes_per_step"] / bandwidth * 1e3
+                time_into(row, "", model, n_ctx, quant, s["decode_steps"], smoke)
+            except Exception as e:  # noqa: BLE001 - the model did not build
+                row["error"] = err(e)
+            if name == "MHA" and kernel == "eager" and "ms" in row:
+                base[row["rows"]] = row["ms"]
+            row["vs_mha_sdpa"] = row["ms"] / base[row["rows"]] if "ms" in row and row["rows"] in base else None
+            model = None
+            free(device)
+            yield row
+
+
+def profile_rows(events, variant: str, batch: int, n_ctx: int, top: int, cuda: bool) -> list[dict]:
+    """The ``top`` kernels of a profiled step by self device time (self CPU time on CPU), with their share."""
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+
+    def t(e) -> float:
+        return float(getattr(e, key, 0) or getattr(e, "self_cuda_time_total", 0) or 0) if cuda else \
+            float(e.self_cpu_time_total)
+
+    evs = [e for e in events if t(e) > 0]
+    total = sum(t(e) for e in evs) or 1.0
+    rows = [dict(variant=variant, batch=batch, ctx=n_ctx, kernel=e.key[:80], calls=e.count, ms=t(e) / 1e3,
+                 pct_step=100 * t(e) / total) for e in sorted(evs, key=t, reverse=True)[:top]]
+    rows.append(dict(variant=variant, batch=batch, ctx=n_ctx, kernel="(step total)", calls=None, ms=total / 1e3,
+                     pct_step=100.0))
     return rows
 
 
+def profile(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, smoke: bool) -> Iterator[dict]:
+    """One eager decode step under ``torch.profiler`` at ``profile_ctx``, the batch that fits ``budget_gb`` (at
+    most ``profile_batch``), per ``profile_variants``: its top kernels by self device time."""
+    from torch.profiler import ProfilerActivity, profile as profiler
+
+    n_ctx, cuda = s["profile_ctx"], device.type == "cuda"
+    for name in s["profile_variants"]:
+        try:
+            model = build(name, "eager", n_ctx, smoke, device, dtype)
+            batch = max(1, min(fits(s["budget_gb"], seq_bytes(model, n_ctx, None), device), s["profile_batch"]))
+            cache = filled_cache(model, batch, n_ctx, None)
+            tok = torch.randint(0, model.cfg.vocab_size, (batch, 1), device=device)
+            with torch.inference_mode():
+                model(tok, cache=cache)  # warm-up
+                cache.truncate(n_ctx)
+                with profiler(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+                    model(tok, cache=cache)
+                    if cuda:
+                        torch.cuda.synchronize()
+            yield from profile_rows(prof.key_averages(), name, batch, n_ctx, s["profile_top"], cuda)
+        except Exception as e:  # noqa: BLE001 - one variant's failure must not end the section
+            yield dict(variant=name, kernel="-", error=err(e))
+        model = cache = None
+        free(device)
+
+
+def formulations(q: torch.Tensor, s: torch.Tensor, scale: float, splits: int = 16) -> dict:
+    """``name -> call`` of the absorbed-MLA attention ``softmax(q s^T * scale) s`` over the one shared latent head:
+    ``q (B, 1, H, r)`` query rows (the heads folded in) over ``s (B, 1, T, r)`` — SDPA's default, three ops, each
+    fused SDPA kernel on the latent zero-padded to a multiple of 8, and a split over the keys."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, _, t, r = s.shape
+    dt = q.dtype
+
+    def three():
+        a = (q @ s.transpose(-1, -2)) * scale
+        return torch.softmax(a, -1, dtype=torch.float32).to(dt) @ s
+
+    def three_flat():  # (B, H, r) @ (B, r, T): one bmm per batch
+        a = torch.bmm(q[:, 0], s[:, 0].transpose(1, 2)) * scale
+        return torch.bmm(torch.softmax(a.float(), -1).to(dt), s[:, 0])
+
+    def split_k():  # chunks of keys as batch, combined with their log-sum-exp
+        c = t // splits
+        sc = s[:, 0].reshape(b, splits, c, r)  # (B, C, c, r)
+        a = torch.einsum("bhr,bkcr->bkhc", q[:, 0], sc).float() * scale  # (B, C, H, c)
+        m = a.amax(-1, keepdim=True)
+        p = torch.exp(a - m)
+        den = p.sum(-1, keepdim=True)
+        o = torch.einsum("bkhc,bkcr->bkhr", p.to(dt), sc).float()  # (B, C, H, r)
+        w = torch.exp(m - m.amax(1, keepdim=True))
+        return ((o * w).sum(1) / (den * w).sum(1)).to(dt)
+
+    out = {"sdpa default": lambda: F.scaled_dot_product_attention(q, s, s, scale=scale), "3-op": three,
+           "3-op bmm": three_flat}
+    rp = (r + 7) // 8 * 8
+    qp, sp = (F.pad(q, (0, rp - r)), F.pad(s, (0, rp - r))) if rp != r else (q, s)
+    for name, be in (("efficient", SDPBackend.EFFICIENT_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                     ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def fused(be=be):
+            with sdpa_kernel([be]):
+                return F.scaled_dot_product_attention(qp, sp, sp, scale=scale)
+        out[f"{name} pad{rp}"] = fused
+    out[f"split-k {splits}"] = split_k
+    return out
+
+
+def latent(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, smoke: bool) -> Iterator[dict]:
+    """Median ms of each :func:`formulations` per ``latent_batch`` × ``ctx`` × ``ranks``, 12 query heads (GPT-2
+    small's; the scale of its head size 64), after 5 untimed calls; a kernel that cannot take the inputs: None."""
+    for b in s["latent_batch"]:
+        for t in s["ctx"]:
+            for r in s["ranks"]:
+                q = torch.randn(b, 1, 12, r, device=device, dtype=dtype)
+                lat = torch.randn(b, 1, t, r, device=device, dtype=dtype)
+                row = dict(batch=b, ctx=t, rank=r)
+                for name, fn in formulations(q, lat, 64 ** -0.5).items():
+                    try:
+                        row[name] = median_of(timer(device), fn, s["latent_calls"], warmup=5)
+                    except RuntimeError:  # a kernel that cannot take these inputs
+                        row[name] = None
+                yield row

@@ -1,17 +1,10 @@
-"""Prefill and per-token decode time of compression methods in both doors, measured side by side
-(``benchmarks/smollm2_speed.py``).
-
-For one model, context length, batch size and door, every method's cache is built and prefilled once (timed: for a
-token selection the prefill includes its compression, KVzip's reconstruction pass too), then the decode steps are
-timed **round-robin** — one step of each method in turn, ``rounds`` times — so that the load of a shared machine
-falls on all methods alike; a method's decode time is the median of its steps and its ratio is that median over the
-full cache's (the first method). Times are thread-CPU seconds (``time.thread_time``: robust to other processes
-with one torch thread) and wall seconds. Memory: the cache's measured bytes and the peak resident-set growth during
-the method's prefill (activations + cache; sampled every 2 ms) over what the process held before it.
-
-Doors: ``hf`` — transformers' forward with ``KVSpliceHFCache`` (``DynamicCache`` for the full cache, what a user of
-``generate()`` gets), ``decoder`` — :class:`kvsplice.decode.Decoder` (``DenseKV`` full precision for the full
-cache, capacity preallocated). Steps feed the argmax token (greedy), logits of the last position only.
+"""Prefill and per-token decode time of compression methods in both doors, side by side
+(``benchmarks/smollm2_speed.py``): every method's cache prefilled once (timed; a token selection's compression and
+KVzip's reconstruction pass included), then its decode steps timed **round-robin** with the others', so a shared
+machine's load falls on all alike; a method's time is its median step, its ratio that over the full cache's (the
+first method). Thread-CPU and wall seconds; memory: the cache's bytes and the peak RSS growth during its prefill.
+Doors: ``hf`` (transformers' forward with ``KVSpliceHFCache``; ``DynamicCache`` for the full cache) and ``decoder``
+(:class:`kvsplice.decode.Decoder`, capacity preallocated). Steps feed the argmax token, last position's logits only.
 """
 
 from __future__ import annotations
@@ -110,6 +103,8 @@ def measure(model, door: str, methods: Sequence[tuple[str, Any]], ids: torch.Ten
     """Prefill every ``(label, method)`` (``method``: a method, or a callable ``ids → method`` for one built per
     prompt; ``None``: the full cache) on ``ids (B, T)``, then ``warmup + rounds`` round-robin decode steps →
     one row per method (the first is the reference of the ratios)."""
+    from kvsplice.hf.measure import cache_nbytes
+
     runs: list[MethodRun] = []
     capacity = ids.shape[1] + warmup + rounds + 1
     for label, method in methods:
@@ -135,7 +130,8 @@ def measure(model, door: str, methods: Sequence[tuple[str, Any]], ids: torch.Ten
     rows = []
     for run in runs:
         cpu, wall = statistics.median(run.cpu), statistics.median(run.wall)
-        nbytes = run.cache.nbytes() if hasattr(run.cache, "nbytes") else _dynamic_bytes(run.cache)
+        nbytes = run.cache.nbytes() if hasattr(run.cache, "nbytes") else cache_nbytes(run.cache)  # transformers'
+
         rows.append({"method": run.label, "door": door, "batch": ids.shape[0], "context": ids.shape[1],
                      "prefill_s": run.prefill_cpu, "prefill_wall_s": run.prefill_wall,
                      "prefill_vs_full": run.prefill_cpu / runs[0].prefill_cpu,
@@ -143,16 +139,6 @@ def measure(model, door: str, methods: Sequence[tuple[str, Any]], ids: torch.Ten
                      "decode_wall_vs_full": wall / ref_wall, "steps": len(run.cpu),
                      "cache_bytes": nbytes, "prefill_peak_rss_bytes": run.prefill_rss})
     return rows
-
-
-def _dynamic_bytes(cache) -> int:
-    """Bytes of a transformers ``DynamicCache``'s keys and values."""
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
 
 
 def method_factories(args, model, tok, picks: dict):

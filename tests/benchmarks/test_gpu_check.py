@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py on CPU: the dry-run plan fits 8 minutes and touches no torch, the budget / skip logic, the
-report written as it goes, the pytest plugin's log, a stopped process group, and a smoke run of the real
-orchestration (subprocess per section) with jsonargparse / wandb / datasets made unimportable."""
+report from its rows, a failed section, the pytest plugin's log, a stopped process group, and a smoke run of the
+real orchestration (a study's command per section, on the runner) with jsonargparse / wandb / datasets made
+unimportable."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.harness import sections
+from benchmarks.harness.testlog import cuda_test_split, read_testlog
 from processes import wait_ended, watch
 from tiny_models import load_benchmark
 
@@ -78,16 +81,15 @@ def test_bad_options_are_one_line_and_exit_2(gc, argv, msg, capsys):
 
 
 def test_budget_logic(gc):
-    s = gc.Section("x", "", estimate_s=50, limit_s=80)
-    assert gc.decide(s, 400) == (True, 80, None)
-    assert gc.decide(s, 60) == (True, 60, None)  # stopped at the end of the budget, before its own limit
-    run, _, reason = gc.decide(s, 49)
+    assert sections.decide(50, 80, 400) == (True, 80, None)
+    assert sections.decide(50, 80, 60) == (True, 60, None)  # stopped at the end of the budget, before its own limit
+    run, _, reason = sections.decide(50, 80, 49)
     assert not run and "49 s" in reason and "50 s" in reason
-    steps = gc.plan(list(gc.SECTIONS), 480)
+    steps = gc.planned(list(gc.SECTIONS), 480, smoke=False)
     assert all(p["runs"] for p in steps)
     assert gc.STARTUP_S + sum(p["estimate_s"] for p in steps) <= 480
     assert all(p["limit_s"] >= p["estimate_s"] for p in steps)
-    small = gc.plan(list(gc.SECTIONS), 200)  # 190 s after the start: tests (120) and kernel (45) fit, then flash4
+    small = gc.planned(list(gc.SECTIONS), 200, smoke=False)  # 190 s after the start: tests (120), kernel (45), flash4
     assert [p["section"] for p in small if p["runs"]] == ["tests", "kernel", "flash4"]
     assert all(p["skip_reason"] for p in small if not p["runs"])
 
@@ -100,42 +102,68 @@ def test_device_tag_is_file_name_safe(gc, name, tag):
     assert gc.device_tag(name) == tag
 
 
-def test_report_is_written_whole_after_every_row(gc, tmp_path):
-    rep = gc.Report(tmp_path / "r" / "gpu_check_x.json")
-    rep.data["meta"] = dict(device="X", torch="2.11", budget_s=480.0, command="c")
-    rep.update("kernel", status="running", estimate_s=45.0)
-    rep.add_row("kernel", dict(case="latent 26", sdpa_ms=0.3, split_kv_ms=0.05, max_abs_diff=float("nan")))
-    data = json.loads(rep.path.read_text())  # a cut-off run keeps this row
-    assert data["sections"]["kernel"]["rows"] == [dict(case="latent 26", sdpa_ms=0.3, split_kv_ms=0.05,
-                                                       max_abs_diff=None)]
-    rep.add_row("tests", dict(test="t::a", outcome="passed", seconds=1.0))
-    rep.add_row("tests", dict(test="t::b", outcome="failed", seconds=2.0, message="E  assert 1 == 2 | x"))
-    rep.update("tests", status="failed", reason="failed: t::b", summary=dict(passed=1, failed=1))
-    md = rep.md_path.read_text()
-    assert "## kernel: running" in md and "| latent 26 | 0.300 | 0.050 | - |" in md
-    assert "t::b" in md and "t::a" not in md and "assert 1 == 2 \\| x" in md  # passed tests: JSON only
-    assert "passed: 1; failed: 1" in md
-    assert sorted(p.name for p in rep.path.parent.iterdir()) == ["gpu_check_x.json", "gpu_check_x.md"]  # no temp
-    again = gc.Report.load(rep.path)
-    assert again.data == json.loads(rep.path.read_text())
+def test_the_report_comes_from_the_rows_the_last_status_counting(gc):
+    """A section's state is its last status row; its table shows its columns (passed tests: the JSON only), a
+    non-finite number as ``-``, ``|`` escaped; the summary is one line."""
+    rows = [dict(section="tests", status="pending", estimate_s=120), dict(section="kernel", status="pending"),
+            dict(section="flash4", status="pending"), dict(section="tests", status="running", what="pytest -m gpu"),
+            dict(section="tests", test="t::a", outcome="passed", seconds=1.0),
+            dict(section="tests", test="t::b", outcome="failed", seconds=2.0, message="E  assert 1 == 2 | x"),
+            dict(section="tests", status="failed", reason="failed: t::b", summary=dict(passed=1, failed=1),
+                 elapsed_s=30.0, estimate_s=120, what="pytest -m gpu"),
+            dict(section="kernel", status="running"),
+            dict(section="kernel", case="latent 26", sdpa_ms=0.3, split_kv_ms=0.05, max_abs_diff=float("nan"))]
+    state = sections.by_section(rows, list(gc.SECTIONS))
+    assert list(state) == ["tests", "kernel", "flash4"] and [s["status"] for s in state.values()] == [
+        "failed", "running", "pending"]
+    assert [r["test"] for r in state["tests"]["rows"]] == ["t::a", "t::b"] and len(state["kernel"]["rows"]) == 1
+    md = gc.markdown(_Run(dict(device="X", torch="2.13", decode_kernel_default="auto", started="now",
+                               elapsed_s=31.0)), rows)
+    assert md.startswith("# GPU check — X") and "## tests: failed (30 s of ~120 s estimated)" in md
+    assert "## kernel: running" in md and "| latent 26 | 0.300 | 0.050 | - |" in md and "## flash4: pending" in md
+    assert "t::b" in md and "t::a" not in md and "assert 1 == 2 \\| x" in md
+    assert "passed: 1; failed: 1" in md and "**failed**: failed: t::b" in md
 
 
-def test_testlog_counts_and_names_the_test_that_hung(gc, tmp_path):
+class _Run(dict):
+    """What :func:`gpu_check.markdown` reads of a run: its notes, size and settings."""
+
+    def __init__(self, notes: dict) -> None:
+        super().__init__(budget_s=480.0)
+        self.notes, self.size = notes, "default"
+
+
+def test_a_failed_section_is_an_error_and_one_past_the_budget_skipped(tmp_path):
+    """A section whose process fails (here the training study on a machine without CUDA: exit 2) is an ``error``
+    with the process's last line, and the next section still runs; a section whose estimate no longer fits is
+    ``skipped`` with the budget's reason, without a process."""
+    spec = dict(study="gpu", what="the training step")
+    step = dict(section="train", estimate_s=10, limit_s=60)
+    rows = list(sections.run_section("t", step, spec, 100, True, False, tmp_path))
+    assert [r["status"] for r in rows] == ["running", "error"]
+    assert "exit code 2" in rows[-1]["reason"] and "no CUDA device" in rows[-1]["reason"]
+    skipped = list(sections.run_section("t", dict(step, estimate_s=200), spec, 100, True, False, tmp_path))
+    assert len(skipped) == 1 and skipped[0]["status"] == "skipped" and skipped[0]["reason"].startswith("budget:")
+    cuda_only = list(sections.run_section("t", step, dict(spec, cuda=True), 100, True, False, tmp_path))
+    assert [r["status"] for r in cuda_only] == ["skipped"] and "CUDA" in cuda_only[0]["reason"]
+
+
+def test_testlog_counts_and_names_the_test_that_hung(tmp_path):
     log = tmp_path / "t.jsonl"
     entries = [dict(event="start", test="a"), dict(event="end", test="a", outcome="passed", seconds=1.0, message=""),
                dict(event="start", test="b"), dict(event="end", test="b", outcome="failed", seconds=0.5, message="E"),
                dict(event="start", test="c"), dict(event="end", test="c", outcome="skipped", seconds=0, message="r"),
                dict(event="start", test="d")]
     log.write_text("\n".join(json.dumps(e) for e in entries) + '\n{"event": "end", "te')  # a line cut off
-    rows, counts, hung = gc.read_testlog(log)
+    rows, counts, hung = read_testlog(log)
     assert counts == dict(passed=1, failed=1, error=0, skipped=1) and hung == "d"
     assert [r["test"] for r in rows] == ["a", "b", "c"]
-    assert gc.read_testlog(tmp_path / "none.jsonl") == ([], dict(passed=0, failed=0, error=0, skipped=0), None)
+    assert read_testlog(tmp_path / "none.jsonl") == ([], dict(passed=0, failed=0, error=0, skipped=0), None)
 
 
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="waits on a pidfd (Linux)")
 @pytest.mark.timeout(300)
-def test_a_process_past_its_limit_is_stopped_with_its_children(gc, tmp_path, monkeypatch):
+def test_a_process_past_its_limit_is_stopped_with_its_children(tmp_path, monkeypatch):
     """A section that never ends by itself (it and its child wait forever) is stopped at its limit, its child with
     it. The limit counts from the moment the section says it is up (its child's pid in a file), whatever the
     machine's speed or load."""
@@ -154,13 +182,13 @@ def test_a_process_past_its_limit_is_stopped_with_its_children(gc, tmp_path, mon
                 watched.append(watch(int(pid_file.read_text())))  # the child, watched while it surely lives
             return super().wait(timeout)
 
-    monkeypatch.setattr(gc.subprocess, "Popen", Up)
-    rc, tail = gc.run_process([sys.executable, "-c", code], 3, dict(os.environ))
+    monkeypatch.setattr(sections.subprocess, "Popen", Up)
+    rc, tail = sections.run_process([sys.executable, "-c", code], 3, dict(os.environ))
     assert rc is None and "started" in tail  # it cannot end by itself: None is the stop at its limit
     assert watched and watched[0] is not None
     wait_ended(watched[0])  # the child ended too (the test's timeout fails it otherwise)
     monkeypatch.undo()
-    assert gc.run_process([sys.executable, "-c", "print('hi')"], 30, dict(os.environ)) == (0, "hi")
+    assert sections.run_process([sys.executable, "-c", "print('hi')"], 30, dict(os.environ)) == (0, "hi")
 
 
 def test_smoke_run_writes_every_section_in_processes_without_jsonargparse_wandb_datasets(tmp_path):
@@ -173,8 +201,8 @@ def test_smoke_run_writes_every_section_in_processes_without_jsonargparse_wandb_
                           "--out-dir", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads((out / "gpu_check_cpu_smoke.json").read_text())
-    sec = report["sections"]
-    assert list(sec) == ["tests", "decode", "train", "flash4"]
+    sec = sections.by_section(report["rows"], list(report["settings"]["sections"]))
+    assert list(sec) == ["tests", "decode", "train", "flash4"] and report["complete"]
     assert sec["tests"]["status"] == "ok" and sec["tests"]["rows"]  # test_graph_decode's gpu tests: skipped here
     assert all(r["outcome"] == "skipped" for r in sec["tests"]["rows"])
     assert sec["decode"]["status"] == "ok"
@@ -184,23 +212,25 @@ def test_smoke_run_writes_every_section_in_processes_without_jsonargparse_wandb_
     assert rows[("MHA", "sdpa")]["vs_mha_sdpa"] == 1
     assert sec["train"]["status"] == "skipped" and "CUDA" in sec["train"]["reason"]
     assert sec["flash4"]["status"] in ("skipped", "ok")
-    assert all(s["elapsed_s"] is not None for s in sec.values())
+    assert all(s["elapsed_s"] is not None for s in sec.values() if s["status"] != "skipped")
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check_cpu_smoke.json", "gpu_check_cpu_smoke.md"]
     md = (out / "gpu_check_cpu_smoke.md").read_text()
     assert "Smoke run" in md and "## decode: ok" in md and "## flash4" in md
 
 
-def test_merge_keeps_the_sections_this_run_does_not_redo(gc, tmp_path, capsys):
-    """A second call finishes a cut-off first one: ``--merge`` keeps the earlier sections of the same device."""
+def test_resume_keeps_the_sections_this_run_does_not_redo(gc, tmp_path, capsys):
+    """A second call finishes a cut-off first one: ``--resume`` keeps the earlier sections of the same device."""
     out = tmp_path / "o"
     assert gc.main(["--smoke", "--sections", "flash4", "--out-dir", str(out)]) == 0
     path = out / "gpu_check_cpu_smoke.json"
-    first = json.loads(path.read_text())["sections"]["flash4"]
-    assert gc.main(["--smoke", "--sections", "train", "--out-dir", str(out), "--merge"]) == 0
+    first = sections.by_section(json.loads(path.read_text())["rows"], list(gc.SECTIONS))["flash4"]
+    assert gc.main(["--smoke", "--sections", "train", "--out-dir", str(out), "--resume"]) == 0
     data = json.loads(path.read_text())
-    assert list(data["sections"]) == ["train", "flash4"] and data["sections"]["flash4"] == first
+    state = sections.by_section(data["rows"], list(gc.SECTIONS))
+    assert list(state) == ["train", "flash4"] and state["flash4"] == first
     from models.kernels import DEFAULT_DECODE_KERNEL
 
-    assert data["meta"]["decode_kernel_default"] == DEFAULT_DECODE_KERNEL
+    assert data["decode_kernel_default"] == DEFAULT_DECODE_KERNEL
     assert "train skipped" in capsys.readouterr().err
 
 
@@ -208,7 +238,7 @@ HOLD = """\
 import importlib.abc, os, pathlib, sys, threading
 class _Hold(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name == "benchmarks.lib.serving_bench" and "--child" in sys.argv:  # a section's process starts its work:
+        if name == "benchmarks.lib.serving_bench" and "--sections" in sys.argv:  # a section's process, its work:
             tmp = pathlib.Path({handshake!r} + ".tmp")              # say so (its pid), then wait there
             tmp.write_text(str(os.getpid()))
             tmp.rename({handshake!r})
@@ -235,12 +265,12 @@ def test_sigterm_stops_the_running_section_and_records_it(tmp_path):
     while not handshake.exists() and proc.poll() is None:  # bounded by the process: it holds there or ends
         threading.Event().wait(0.01)
     assert proc.poll() is None, f"the decode section never started (exit {proc.returncode})"
-    section = watch(int(handshake.read_text()))
-    assert json.loads(path.read_text())["sections"]["decode"]["status"] == "running"
+    held = watch(int(handshake.read_text()))
+    assert sections.by_section(json.loads(path.read_text())["rows"], ["decode"])["decode"]["status"] == "running"
     proc.terminate()
     assert proc.wait() == 128 + 15
-    wait_ended(section)  # the section's process ended with the run
-    sec = json.loads(path.read_text())["sections"]
+    wait_ended(held)  # the section's process ended with the run
+    sec = sections.by_section(json.loads(path.read_text())["rows"], ["decode", "flash4"])
     assert sec["decode"]["status"] == "stopped" and "Terminated" in sec["decode"]["reason"]
     assert sec["flash4"]["status"] == "pending"  # not reached
 
@@ -260,31 +290,9 @@ def test_the_gpu_tests_and_benchmarks_import_without_what_the_device_lacks(gc, t
 
 def test_the_cuda_test_split_is_what_the_tests_section_runs(gc):
     """The files with CUDA tests are exactly the tests section's; every other test file is listed as left unrun."""
-    cuda, rest = gc.cuda_test_split()
+    cuda, rest = cuda_test_split()
     assert cuda == sorted(gc.TEST_FILES) and rest and not set(cuda) & set(rest)
     assert "tests/benchmarks/test_gpu_check.py" in rest
-
-
-def test_both_floors_and_the_profile_split(gc):
-    """A capacity row gets the compute floor beside the byte floor and each path's % of the larger one; the step's
-    FLOPs at batch 16,384 / 1k are ~4 TFLOP for the 124M shapes (weights dominate); the profile rows rank the
-    kernels by self time with their share of the step."""
-    from types import SimpleNamespace
-
-    row = gc.add_floors(dict(floor_ms=2.0, sdpa_ms=10.0, split_kv_ms=5.0), flops=4e12, peak=1e15)
-    assert row["compute_floor_ms"] == 4.0 and row["bound"] == "compute" and row["larger_floor_ms"] == 4.0
-    assert row["sdpa_pct_larger_floor"] == 40.0 and row["split_kv_pct_larger_floor"] == 80.0
-    assert gc.add_floors(dict(floor_ms=9.0, sdpa_ms=10.0), 4e12, 1e15)["bound"] == "bytes"
-    mha, k90 = (gc.step_flops(n, 16384, 1024, False) for n in ("MHA", "KVSplice-90"))
-    assert 3.5e12 < k90 < mha < 5e12
-    assert gc.step_flops("MHA", 2, 1024, False) == 2 * gc.step_flops("MHA", 1, 1024, False)
-    ev = [SimpleNamespace(key="mm", count=3, self_cpu_time_total=600.0),
-          SimpleNamespace(key="softmax", count=1, self_cpu_time_total=200.0),
-          SimpleNamespace(key="idle", count=1, self_cpu_time_total=0.0),
-          SimpleNamespace(key="copy", count=2, self_cpu_time_total=200.0)]
-    rows = gc.profile_rows(ev, "MHA", 4, 32, top=2, cuda=False)
-    assert [r["kernel"] for r in rows] == ["mm", "softmax", "(step total)"]
-    assert rows[0]["pct_step"] == 60.0 and rows[0]["ms"] == 0.6 and rows[-1]["ms"] == 1.0
 
 
 def test_an_earlier_report_is_kept_without_force(gc, tmp_path, capsys):

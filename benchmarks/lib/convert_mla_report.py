@@ -7,9 +7,7 @@ import json
 import statistics
 
 from benchmarks.harness.paths import RESULTS
-from benchmarks.lib.study import DATA
 
-CALIB = DATA / "gusjengis_toy-RNN__tinystories_sample.txt"  # training text
 STEPS_SOURCE = 500
 TOKENS_PER_STEP = 8 * 256
 FT_FRACTIONS = (0.01, 0.05, 0.10)
@@ -20,19 +18,22 @@ fine-tunes of the already-good conversions worse, so 2e-4 — the source schedul
 (min_lr_ratio 0.1 × 2e-3), i.e. continuing where pre-training ended — is reported next to it."""
 
 
-def stats(rows: list[dict], experiment: str, ft_tokens: int, lr: str | None = None) -> tuple[float, float, int]:
-    v = [r["val_loss"] for r in rows if r["experiment"] == experiment and r["ft_tokens"] == ft_tokens
-         and (ft_tokens == 0 or r.get("ft_lr") == lr)]
+def _mean_std(v: list[float]) -> tuple[float, float, int]:
+    """(mean, std, n) of ``v``; NaN for none."""
     if not v:
         return float("nan"), float("nan"), 0
     return statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v)
 
 
+def stats(rows: list[dict], experiment: str, ft_tokens: int, lr: str | None = None) -> tuple[float, float, int]:
+    return _mean_std([r["val_loss"] for r in rows if r["experiment"] == experiment and r["ft_tokens"] == ft_tokens
+                      and (ft_tokens == 0 or r.get("ft_lr") == lr)])
+
+
 def frontier_ref(variant: str) -> tuple[float, float, int]:
     f = RESULTS / "frontier.json"
     rows = json.loads(f.read_text())["rows"] if f.is_file() else []
-    v = [r["val_loss"] for r in rows if r["variant"] == variant]
-    return (statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v)) if v else (float("nan"),) * 2 + (0,)
+    return _mean_std([r["val_loss"] for r in rows if r["variant"] == variant])
 
 
 def _fmt(m: float, s: float, k: int) -> str:

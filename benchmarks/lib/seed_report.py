@@ -156,6 +156,6 @@ def markdown(run, rows, ref: str = "mha") -> str:
     if not rows:
         return "no results yet"
     summary = summarise(rows)
-    return (f"{_title(run, rows)}\n\n{table(summary, ref)}\n\nDifferences at equal cache bytes, and against {ref} (SE "
-            f"of the difference of seed means):\n\n{comparison_table(comparisons(summary, ref))}")
+    return (f"{_title(run, rows)}\n\n{table(summary, ref)}\n\nDifferences at equal cache bytes, and against "
+            f"{ref.upper()} (SE of the difference of seed means):\n\n{comparison_table(comparisons(summary, ref))}")
 

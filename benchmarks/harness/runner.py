@@ -73,11 +73,10 @@ class Study:
         return run_cli(self.name, lambda: _run(self, argv))
 
     def size_table(self) -> dict:
-        if self.sizes is not None:
-            return self.sizes
-        if not (studies.STUDIES / f"{self.name}.yaml").exists():
-            return {"default": {}}
-        return studies.load(self.name).get("sizes") or {"default": {}}
+        """:attr:`sizes`, else the ``sizes`` of the study's YAML, else one empty ``default``."""
+        if self.sizes is None and (studies.STUDIES / f"{self.name}.yaml").exists():
+            return studies.load(self.name).get("sizes") or {"default": {}}
+        return {"default": {}} if self.sizes is None else self.sizes
 
     def files(self, stem: Path) -> list[Path]:
         """The files a run with ``stem`` writes."""
@@ -121,10 +120,7 @@ class Run:
 
     def previous(self, **key: Any) -> Optional[dict]:
         """The row of the resumed JSON whose fields equal ``key`` (None: measure it)."""
-        for row in self.done:
-            if all(row.get(k) == v for k, v in key.items()):
-                return row
-        return None
+        return next((row for row in self.done if all(row.get(k) == v for k, v in key.items())), None)
 
     def time(self, fn: Callable[[], object], n: int, warmup: int = 0, clock: str = "wall") -> float:
         """Median of ``n`` calls of ``fn`` after ``warmup``: ``wall`` / ``cpu`` (thread) seconds, ``cuda`` ms."""

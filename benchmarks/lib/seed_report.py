@@ -145,9 +145,12 @@ def _now(run, rows) -> list[dict]:
 
 
 def _title(run, rows) -> str:
+    """The study, the tokens per run, the seeds and the machine (the header's)."""
     tokens = sorted({r["tokens"] for r in rows if r["tokens"] is not None})
+    m = run.header["machine"]
+    gpu = f", {m['cuda_device']}" if run.args.device == "cuda" and "cuda_device" in m else ""
     return (f"{run.args.study}: small_* (4L, d128, BPE-4096), {', '.join(f'{t:,}' for t in tokens)} tokens/run, "
-            f"seeds {sorted({r['seed'] for r in rows})}, {run.notes['meta']['machine']}")
+            f"seeds {sorted({r['seed'] for r in rows})}, {m['processor']}, {m['cores']} cores{gpu}")
 
 
 def markdown(run, rows, ref: str = "mha") -> str:

@@ -21,9 +21,9 @@ from typing import Callable, Iterator, Optional
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import ROOT as REPO, TINYSTORIES as DATA
 
-__all__ = ["DATA", "DATA_CACHE", "REPO", "RUN_KEY", "TRAIN_FILES", "cache_bytes", "data_args", "end_children",
-           "final_train_loss", "gpu", "last_val", "options", "resume_key", "run_args", "run_jobs", "run_key", "run_module",
-           "run_one", "train", "train_curve", "train_rows", "trained"]
+__all__ = ["DATA", "DATA_CACHE", "REPO", "RUN_KEY", "TRAIN_FILES", "cache_bytes", "data_args", "final_train_loss",
+           "gpu", "last_val", "options", "resume_key", "run_args", "run_jobs", "run_key", "run_module", "run_one",
+           "train", "train_curve", "train_rows", "trained"]
 
 DATA_CACHE = REPO / ".cache" / "data"
 """Where the studies' runs cache token shards and tokenizers (shared by every run of a study)."""
@@ -106,28 +106,10 @@ def _die_with_parent() -> None:  # runs in the child before exec (Linux): SIGTER
         pass
 
 
-def end_children() -> None:
-    """Terminate every ``training.fit`` child still running (the study was interrupted)."""
-    with _CHILDREN_LOCK:
-        procs = list(_CHILDREN)
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 def run_module(module: str, argv: list[str], threads: int) -> float:
     """``python -m MODULE ARGV`` in the repository with ``threads`` torch threads; returns the wall seconds. The child
-    ends with the study: on Linux it gets SIGTERM when this process dies (even by SIGKILL), and :func:`end_children`
-    terminates it on an interrupt.
-
-    Raises:
-        RuntimeError: non-zero exit, with the last lines of its output.
-    """
+    ends with the study: on Linux it gets SIGTERM when this process dies (even by SIGKILL), and :func:`run_jobs`
+    terminates it on an interrupt. A non-zero exit raises ``RuntimeError`` with the last lines of its output."""
     path = os.environ.get("PYTHONPATH")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO) + (os.pathsep + path if path else ""))
     t0 = time.perf_counter()
@@ -245,10 +227,18 @@ def run_jobs(todo: list, job: Callable, jobs: int, say: Callable[[str], None]) -
                 except Exception as e:  # noqa: BLE001 - one failed run must not stop the study
                     failed.append(item)
                     say(f"error: {item[0]} seed {item[1]}: {e}")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # cancel what has not started, terminate the running children
         for f in futures:
             f.cancel()
-        end_children()
+        with _CHILDREN_LOCK:
+            procs = list(_CHILDREN)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         return None
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -283,8 +273,6 @@ def train_rows(run, sections: dict, seeds: dict, one: Callable[..., dict]) -> It
     """A training study's rows: the resumed ones, then ``one(variant, seed, args, runs_dir)`` for each run of the
     ``--study`` section (``sections[study]``: variant -> (config, overrides); seeds ``seeds[study]``) not among
     them, ``--jobs`` side by side, each written as it ends. A failed run fails the study; ``--resume`` retries it."""
-    import platform
-
     a = run.args
     a.steps, a.batch, a.jobs, a.cache_tokens = run["steps"], run["batch"], run["jobs"], run["cache_tokens"]
     section, train_now = sections[a.study], not a.report_only
@@ -294,16 +282,13 @@ def train_rows(run, sections: dict, seeds: dict, one: Callable[..., dict]) -> It
     if train_now and not a.data.is_dir():
         raise UsageError(f"{a.data} not found: the study reads the local TinyStories text (default ../shared/data/"
                          "tinystories; --data to name another folder)")
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     if train_now and a.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA device here")
-        machine += f", {torch.cuda.get_device_name()}"
-    run.notes.setdefault("meta", {}).update(study=a.study, machine=machine, device=a.device, dtype_train="fp32",
-                                            python=platform.python_version(), batch=a.batch, steps=a.steps,
-                                            threads_per_run=a.threads, jobs=a.jobs)
+    run.notes.setdefault("meta", {}).update(study=a.study, device=a.device, dtype_train="fp32", batch=a.batch,
+                                            steps=a.steps, threads_per_run=a.threads, jobs=a.jobs)
     yield from run.done  # the resumed rows (--resume)
     done = {resume_key(r) for r in run.done}
     todo = [(v, s) for s in a.seeds or seeds[a.study] for v in variants if run_key(v, s, a) not in done]

@@ -58,7 +58,7 @@ def machine(threads: Optional[int] = None) -> dict:
 
 
 def machine_line(threads: Optional[int] = None) -> str:
-    """:func:`machine` in one line: ``x86_64, 16 cores, torch 2.5.1, 1 torch thread(s); load average 1.2 / 1.0 / 0.9``."""
+    """:func:`machine` as a line: ``x86_64, 16 cores, torch 2.5.1, 1 torch thread(s); load average 1.2 / 1.0 / 0.9``."""
     m = machine(threads)
     parts = [str(m["processor"]), f"{m['cores']} cores"]
     if "torch" in m:

@@ -30,7 +30,7 @@ from benchmarks.harness.runner import Study
 from benchmarks.harness.paths import CALIB
 from benchmarks.lib.convert_mla_report import (CONVERT_RANKS, FT_FRACTIONS, FT_LRS, STEPS_SOURCE, TOKENS_PER_STEP,
                                                figure, markdown)
-from benchmarks.lib.study import DATA, REPO, last_val, run_module, train
+from benchmarks.lib.study import DATA, REPO, last_val, to_mla, train
 
 
 def val_loss(ckpt: Path) -> float:
@@ -52,13 +52,6 @@ def source(variant: str, config: str, seed: int, runs: Path, threads: int) -> Pa
     if not ckpt.is_file():
         train(config, runs, f"{variant}-s{seed}", seed, STEPS_SOURCE, threads, ["--data.path", str(DATA)])
     return ckpt
-
-
-def to_mla(src: Path, out: Path, args: list[str], threads: int) -> Path:
-    if not out.is_file():
-        run_module("kvsplice.cli.main", ["to-mla", "--model", str(src), *args, "--out", str(out), "--force",
-                                         "--threads", str(threads)], threads)
-    return out
 
 
 def experiments(seed: int, runs: Path, work: Path, threads: int, done: set):

@@ -29,8 +29,8 @@ from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study, variants
 from benchmarks.lib.seed_report import markdown
-from benchmarks.lib.study import TRAIN_FILES, gpu, last_val, options as study_options, run_args, run_module, \
-    run_one, train, train_rows
+from benchmarks.lib.study import TRAIN_FILES, gpu, last_val, options as study_options, run_args, run_one, to_mla, \
+    train, train_rows
 
 ABLATION = variants("kvsplice_recipe", "ablation")  # variant -> (config, overrides): studies/kvsplice_recipe.yaml
 RECIPE = variants("kvsplice_recipe", "recipe")
@@ -52,11 +52,8 @@ def insert_recipe(variant: str, seed: int, args, runs_dir: Path) -> float:
             train("small_mla", runs_dir, stage1.name, seed, half, args.threads, stage_args)
     ratio = INSERT_RATIO[variant]
     inserted = runs_dir / f"{variant}-s{seed}-ks{round(100 * (1 - ratio))}.ckpt"  # ks50 / ks90
-    if not inserted.is_file():
-        calib = args.data / TRAIN_FILES[0]
-        run_module("kvsplice.cli.main", ["to-mla", "--model", str(stage1 / "last.ckpt"), "--kvsplice-ratio", str(ratio),
-                                         "--calib", str(calib), "--calib-tokens", "65536", "--out", str(inserted),
-                                         "--force", "--threads", str(args.threads)], args.threads)
+    to_mla(stage1 / "last.ckpt", inserted, ["--kvsplice-ratio", str(ratio), "--calib", str(args.data / TRAIN_FILES[0]),
+                                            "--calib-tokens", "65536"], args.threads)
     return train(SECTIONS[args.study][variant][0], runs_dir, f"{variant}-s{seed}", seed, half, args.threads,
                  ["--model.init_from", str(inserted), "--model.warmup_steps", str(max(1, half // 20)), *stage_args])
 

@@ -23,7 +23,7 @@ from benchmarks.harness.paths import ROOT as REPO, TINYSTORIES as DATA
 
 __all__ = ["DATA", "DATA_CACHE", "REPO", "RUN_KEY", "TRAIN_FILES", "cache_bytes", "data_args", "final_train_loss",
            "gpu", "last_val", "options", "resume_key", "run_args", "run_jobs", "run_key", "run_module", "run_one",
-           "train", "train_curve", "train_rows", "trained"]
+           "to_mla", "train", "train_curve", "train_rows", "trained"]
 
 DATA_CACHE = REPO / ".cache" / "data"
 """Where the studies' runs cache token shards and tokenizers (shared by every run of a study)."""
@@ -128,6 +128,14 @@ def run_module(module: str, argv: list[str], threads: int) -> float:
         raise RuntimeError(f"python -m {module} {' '.join(argv[:4])} ... failed (exit {proc.returncode}): "
                            f"{' | '.join(tail)}")
     return time.perf_counter() - t0
+
+
+def to_mla(src: Path, out: Path, args: list[str], threads: int) -> Path:
+    """``kvsplice to-mla --model SRC ARGS --out OUT`` unless ``out`` exists (made before: reused)."""
+    if not out.is_file():
+        run_module("kvsplice.cli.main", ["to-mla", "--model", str(src), *args, "--out", str(out), "--force",
+                                         "--threads", str(threads)], threads)
+    return out
 
 
 def train(config: str, runs_dir: Path, name: str, seed: int, steps: int, threads: int, extra: list[str]) -> float:

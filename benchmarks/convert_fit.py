@@ -2,25 +2,23 @@
 correction, then fine-tuned by ``kvsplice distill --minutes M``): what the converted model keeps of its source.
 ``python -m benchmarks.convert_fit [--size smoke] [--work DIR] [--ratios 2 4] [--keep F] [--minutes 60]``.
 
-Per ratio and ``--refine-steps``: ``kvsplice to-mla --model SRC --calib TEXT... --ratio N --refine-steps K`` (``--calib``
-default: the stories train sample; a folder in ``--work`` is reused), then a row of :mod:`benchmarks.lib.model_quality`:
-perplexity on protocol P's validation windows (last quarter scored) and on the shared data folder's prose (never
-calibrated on), KL to the source, passkey and needle accuracy at each task length with the model's own cache. The source is the first row. ``--keep F`` inserts KVSplice keeping F of the latent
-(``--kvsplice-keep``; ``--ratio`` is then the cache after it). With ``--minutes M`` (> 0) each conversion at the last
-``--refine`` value is fine-tuned: ``kvsplice distill --model DIR --teacher SRC --minutes M --snapshot-minutes S...``
-(the source's own text; a run folder in ``--work/runs`` is reused), and every snapshot and the final model is a row
-measured the same way. ``--size smoke``: stories260K (llama2.c) and tiny counts.
+Per ratio and ``--refine`` value: ``kvsplice to-mla --model SRC --calib TEXT... --ratio N --refine-steps K``
+(``--calib`` default: the stories train sample; ``--keep F`` inserts KVSplice keeping F of the latent, ``--ratio``
+then the cache after it), then a row of :mod:`benchmarks.lib.model_quality` (perplexity on held-out stories and on
+prose never calibrated on, KL to the source, passkey and needle accuracy). The source is the first row. With
+``--minutes M`` (> 0) each conversion at the last ``--refine`` value is fine-tuned (``kvsplice distill --teacher SRC
+--snapshot-minutes S...``, the source's own text) and every snapshot and the final model is a row. Folders in
+``--work`` are reused. ``--size smoke``: stories260K (llama2.c) and tiny counts.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.harness.paths import CALIB, EVAL, ROOT, SMOLLM2, STORIES, portable
+from benchmarks.harness.paths import CALIB, EVAL, SMOLLM2, STORIES, portable
 from benchmarks.harness.runner import Study
+from benchmarks.lib.study import run_module
 
 
 def options(p) -> None:
@@ -49,7 +47,7 @@ def _kvsplice(run, cmd: list[str], done: Path) -> str:
     """Run ``kvsplice ...`` unless ``done`` exists (``--work``'s folders are reused); the command, ``WORK`` named."""
     if not done.exists():
         run.say(" ".join(cmd))
-        subprocess.run([sys.executable, "-m", "kvsplice.cli.main", *cmd[1:]], check=True, cwd=ROOT)
+        run_module("kvsplice.cli.main", cmd[1:], run.args.threads)
     return portable(" ".join(cmd)).replace(run.notes["work"], "WORK")
 
 
@@ -101,8 +99,8 @@ def rows(run):
     def measured(name: str, folder: Path, **fields) -> dict:
         model = load_model(str(folder)).model
         cfg, q = model.cfg, quality(model, tok, p_wins, d_wins, ref, lengths, n)
-        row = {"model": name, **fields, "cache_dim": cfg.cache_dim, "d_latent": cfg.d_latent, "rope_dims": cfg.rope_dims,
-               **q, "d_ppl_P_pct": 100 * (q["ppl_P"] / base["ppl_P"] - 1),
+        row = {"model": name, **fields, "cache_dim": cfg.cache_dim, "d_latent": cfg.d_latent,
+               "rope_dims": cfg.rope_dims, **q, "d_ppl_P_pct": 100 * (q["ppl_P"] / base["ppl_P"] - 1),
                "d_ppl_prose_pct": 100 * (q["ppl_prose"] / base["ppl_prose"] - 1)}
         run.say(f"{name}: {row}")
         return row

@@ -4,9 +4,8 @@
     python -m benchmarks.convert_mla --seeds 1       # one source model per experiment instead of three
     python -m benchmarks.convert_mla --report-only --resume   # the report again from results/convert_mla.json
 
-Sources: the frontier study's trained ``small_mha`` and ``small_mla`` (d_latent 128) checkpoints of each seed
-(``checkpoints/frontier/frontier/{mha,mla_128}-s<seed>/last.ckpt``, 500 steps = 1,024,000 tokens of real TinyStories
-text); a missing one is trained here with the same command the study uses. For every source seed:
+Sources: the frontier study's trained ``small_mha`` and ``small_mla`` (d_latent 128) of each seed
+(``checkpoints/frontier/frontier/{mha,mla_128}-s<seed>``, 1,024,000 tokens; a missing one is trained here). For each:
 
 1. MHA → MLA at R = 8 / 16 / 32 / 64 / 128 (32× ... 2× smaller cache than MHA), weights-only and activation-aware
    (``kvsplice to-mla``, 65,536 calibration tokens from the training text), validation loss before any
@@ -17,11 +16,9 @@ text); a missing one is trained here with the same command the study uses. For e
 3. KVSplice 50 % and 90 % inserted into the trained MLA-128 with PCA vs random-orthogonal init, before and after
    50 steps (10 %) of the same fine-tune (both learning rates).
 
-References from ``results/frontier.json``: the MHA model itself, and MLA-32 / KVSplice trained from scratch on
-1,024,000 tokens (the converted models have seen 1,024,000 + the fine-tune's tokens). Validation loss is always the
-mean over the same 48 × 8 × 256 = 98,304 tokens of the real validation text as in the study.
-
-Writes ``results/convert_mla.{json,md,png}``; ``--resume`` keeps the rows already in the JSON (not measured again).
+References: the MHA model, and ``results/frontier.json``'s MLA-32 / KVSplice from scratch (1,024,000 tokens).
+Validation loss: the study's 48 × 8 × 256 = 98,304 tokens of the real validation text. Writes
+``results/convert_mla.{json,md,png}``; ``--resume`` keeps the rows already in the JSON (not measured again).
 """
 
 from __future__ import annotations
@@ -30,9 +27,10 @@ from pathlib import Path
 
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.runner import Study
-from benchmarks.lib.convert_mla_report import (CALIB, CONVERT_RANKS, FT_FRACTIONS, FT_LRS, STEPS_SOURCE,
-                                               TOKENS_PER_STEP, figure, markdown)
-from benchmarks.lib.study import DATA, REPO, last_val, run_module, train
+from benchmarks.harness.paths import CALIB
+from benchmarks.lib.convert_mla_report import (CONVERT_RANKS, FT_FRACTIONS, FT_LRS, STEPS_SOURCE, TOKENS_PER_STEP,
+                                               figure, markdown)
+from benchmarks.lib.study import DATA, REPO, last_val, to_mla, train
 
 
 def val_loss(ckpt: Path) -> float:
@@ -56,63 +54,41 @@ def source(variant: str, config: str, seed: int, runs: Path, threads: int) -> Pa
     return ckpt
 
 
-def finetune(init: Path, config: str, steps: int, name: str, seed: int, work: Path, threads: int,
-             extra: list[str], lr: str) -> float:
-    train(config, work / "ft", name, seed, steps, threads,
-          ["--model.init_from", str(init), "--model.warmup_steps", str(max(1, steps // 10)), "--model.learning_rate",
-           lr, "--data.path", str(DATA), *extra])
-    return last_val(work / "ft" / name / "metrics.csv")[1]
-
-
-def to_mla(src: Path, out: Path, args: list[str], threads: int) -> Path:
-    if not out.is_file():
-        run_module("kvsplice.cli.main", ["to-mla", "--model", str(src), *args, "--out", str(out), "--force",
-                                         "--threads", str(threads)], threads)
-    return out
-
-
 def experiments(seed: int, runs: Path, work: Path, threads: int, done: set):
-    """Yields the rows of one source seed not in ``done``."""
+    """Yields the rows of one source seed not in ``done`` (``(experiment, seed, ft_tokens, ft_lr)``)."""
+
+    def measured(name: str, ckpt: Path, fields: dict, config: str = "", extra: tuple = (), fractions: tuple = ()):
+        """The row of ``ckpt`` as it is, then one per fine-tune LR and fraction of the source's steps."""
+        if (name, seed, 0, None) not in done:
+            yield {"experiment": name, "seed": seed, **fields, "ft_tokens": 0, "val_loss": val_loss(ckpt)}
+        for lr in FT_LRS:
+            for frac in fractions:
+                steps = round(frac * STEPS_SOURCE)
+                if (name, seed, steps * TOKENS_PER_STEP, lr) in done:
+                    continue
+                ft = f"{ckpt.stem}-ft{steps}-lr{lr}"  # fresh AdamW, 10 % warmup
+                train(config, work / "ft", ft, seed, steps, threads,
+                      ["--model.init_from", str(ckpt), "--model.warmup_steps", str(max(1, steps // 10)),
+                       "--model.learning_rate", lr, "--data.path", str(DATA), *extra])
+                yield {"experiment": name, "seed": seed, **fields, "ft_steps": steps,
+                       "ft_tokens": steps * TOKENS_PER_STEP, "ft_fraction": frac, "ft_lr": lr,
+                       "val_loss": last_val(work / "ft" / ft / "metrics.csv")[1]}
+
     mha = source("mha", "small_mha", seed, runs, threads)
-    if ("mha", seed) not in done:
-        yield {"experiment": "mha", "seed": seed, "val_loss": val_loss(mha), "ft_tokens": 0}
+    yield from measured("mha", mha, {})
     calib = ["--calib", str(CALIB), "--calib-tokens", "65536"]
     for r in CONVERT_RANKS:
         for method, extra in (("weights-only", []), ("activation-aware", calib)):
             conv = to_mla(mha, work / f"mha-s{seed}-r{r}-{method}.ckpt", ["--d-latent", str(r), *extra], threads)
-            if (f"convert r{r} {method}", seed, 0) not in done:
-                yield {"experiment": f"convert r{r} {method}", "seed": seed, "d_latent": r, "method": method,
-                      "ft_tokens": 0, "val_loss": val_loss(conv)}
-            if r != 32:
-                continue
-            for lr in FT_LRS:
-                for frac in FT_FRACTIONS:
-                    steps = round(frac * STEPS_SOURCE)
-                    if (f"convert r{r} {method}", seed, steps * TOKENS_PER_STEP, lr) in done:
-                        continue
-                    loss = finetune(conv, "small_mla_32", steps, f"mha-s{seed}-r{r}-{method}-ft{steps}-lr{lr}", seed,
-                                    work, threads, ["--model.latent_norm", "false"], lr)
-                    yield {"experiment": f"convert r{r} {method}", "seed": seed, "d_latent": r, "method": method,
-                          "ft_steps": steps, "ft_tokens": steps * TOKENS_PER_STEP, "ft_fraction": frac, "ft_lr": lr,
-                          "val_loss": loss}
+            yield from measured(f"convert r{r} {method}", conv, {"d_latent": r, "method": method}, "small_mla_32",
+                                ("--model.latent_norm", "false"), FT_FRACTIONS if r == 32 else ())
     mla = source("mla_128", "small_mla", seed, runs, threads)
-    if ("mla_128", seed, 0) not in done:
-        yield {"experiment": "mla_128", "seed": seed, "val_loss": val_loss(mla), "ft_tokens": 0}
+    yield from measured("mla_128", mla, {})
     for pct, ratio in ((50, "0.5"), (90, "0.1")):
         for init, extra in (("pca", calib), ("random", ["--kvsplice-init", "random", "--seed", str(seed)])):
-            name = f"kvsplice{pct} {init}"
             conv = to_mla(mla, work / f"mla-s{seed}-ks{pct}-{init}.ckpt", ["--kvsplice-ratio", ratio, *extra], threads)
-            if (name, seed, 0) not in done:
-                yield {"experiment": name, "seed": seed, "kvsplice": pct, "init": init, "ft_tokens": 0,
-                      "val_loss": val_loss(conv)}
-            steps = round(0.10 * STEPS_SOURCE)
-            for lr in FT_LRS:
-                if (name, seed, steps * TOKENS_PER_STEP, lr) in done:
-                    continue
-                loss = finetune(conv, f"small_mla_kvsplice_{pct}", steps, f"mla-s{seed}-ks{pct}-{init}-ft{steps}-lr{lr}",
-                                seed, work, threads, [], lr)
-                yield {"experiment": name, "seed": seed, "kvsplice": pct, "init": init, "ft_steps": steps,
-                      "ft_tokens": steps * TOKENS_PER_STEP, "ft_fraction": 0.10, "ft_lr": lr, "val_loss": loss}
+            yield from measured(f"kvsplice{pct} {init}", conv, {"kvsplice": pct, "init": init},
+                                f"small_mla_kvsplice_{pct}", (), (0.10,))
 
 
 def options(p) -> None:
@@ -132,10 +108,7 @@ def rows(run):
     from tqdm import tqdm
     a.work.mkdir(parents=True, exist_ok=True)
     for seed in tqdm(a.seeds, desc="source seeds", unit="seed"):
-        rs = run.rows
-        done = {(r["experiment"], r["seed"], r["ft_tokens"]) for r in rs}
-        done |= {(r["experiment"], r["seed"], r["ft_tokens"], r.get("ft_lr")) for r in rs if r["ft_tokens"]}
-        done |= {(r["experiment"], r["seed"]) for r in rs if r["experiment"] == "mha"}
+        done = {(r["experiment"], r["seed"], r["ft_tokens"], r.get("ft_lr")) for r in run.rows}
         for row in experiments(seed, a.runs_dir, a.work, a.threads, done):
             run.say(f"{row['experiment']} seed {row['seed']} ft {row['ft_tokens']:,}: val_loss {row['val_loss']:.4f}")
             yield row

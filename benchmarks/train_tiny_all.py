@@ -4,40 +4,27 @@
     python -m benchmarks.train_tiny_all --runs_dir /tmp/tiny  # elsewhere than checkpoints/
     python -m benchmarks.train_tiny_all -- --trainer.max_steps 100   # extra flags go to every run
 
-Each run is ``python -m training.fit --config tiny_<variant> --runs_dir <runs_dir> --overwrite`` (fp32, CPU, offline synthetic
-data). Reported per run, from its ``metrics.csv``: the last ``val_loss`` and ``val_ppl``, and throughput = training
-tokens / training wall time (validation excluded), also relative to tiny_gpt2. The unigram entropy of the synthetic
-training tokens (the loss of the best context-free predictor) is the reference a language model must beat. The
-table is written as ``results/train_tiny_all.md``, the raw numbers as ``.json`` (``--out``).
-
-Throughput on a shared machine is noisy: the 1-minute load average before and after each run is recorded too, and
-a second, load-robust measure is added: the median time of one training step (forward + backward + AdamW on a
-training-shaped batch) with the five models timed round-robin, so a change in machine load hits all of them alike.
+Each run is ``python -m training.fit --config tiny_<variant> --runs_dir <runs_dir> --overwrite`` (fp32, CPU, offline
+synthetic data). Per run: the last ``val_loss`` and ``val_ppl`` (its exp), and throughput = tokens trained / training
+time (validation excluded), also relative to tiny_gpt2, beside the unigram entropy of the training tokens (the loss
+of the best context-free predictor, which a language model must beat). Throughput on a shared machine is noisy: the
+load average before and after each run is recorded, and a load-robust measure added: the median time of one training
+step (forward + backward + AdamW) with the five models timed round-robin, so a change in load hits all alike.
 """
 
 from __future__ import annotations
 
-import csv
+import math
 import os
 import platform
-import subprocess
-import sys
-import time
 from pathlib import Path
-
 
 from benchmarks.harness.paths import ROOT as REPO
 from benchmarks.harness.runner import Study
-from benchmarks.lib.train_step import interleaved_step_ms, unigram_entropy_of
+from benchmarks.lib.study import last_val, trained
+from benchmarks.lib.train_step import fit_command, interleaved_step_ms, timed_fit, unigram_entropy_of
 
 VARIANTS = ["tiny_gpt2", "tiny_mla", "tiny_mla_kvsplice_50", "tiny_mla_kvsplice_70", "tiny_mla_kvsplice_90"]
-
-
-def last(rows: list[dict[str, str]], key: str) -> tuple[int, float]:
-    vals = [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
-    if not vals:
-        raise RuntimeError(f"metrics.csv has no {key!r} values")
-    return vals[-1]
 
 
 def options(p) -> None:
@@ -53,29 +40,19 @@ def _extra(run, flag: str):
 
 
 def rows(run):
-    a, runs_dir = run.args, Path(run.args.runs_dir)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    for name in a.variants:
-        cmd = [sys.executable, "-m", "training.fit", "--config", name, "--runs_dir", str(runs_dir), "--overwrite",
-               "--trainer.enable_progress_bar", "false", *a.extra]  # --overwrite: the table reads <name>/metrics.csv
-        load_before = os.getloadavg()[0]
-        t0 = time.perf_counter()
+    runs_dir = Path(run.args.runs_dir).resolve()
+    for name in run.args.variants:
+        cmd = fit_command(name, "--runs_dir", str(runs_dir), "--overwrite", *run.args.extra)  # read: <name>/
         run.say(f"== {' '.join(cmd[1:])}")
-        proc = subprocess.run(cmd, cwd=REPO, env=env)
-        wall = time.perf_counter() - t0
-        if proc.returncode != 0:
-            raise RuntimeError(f"{name}: training failed with exit code {proc.returncode}")
-        with open(runs_dir / name / "metrics.csv", newline="") as f:
-            metrics = list(csv.DictReader(f))
-        step, val_loss = last(metrics, "val_loss")
-        _, val_ppl = last(metrics, "val_ppl")
-        _, tokens = last(metrics, "tokens")
-        _, train_time = last(metrics, "train_time_s")
-        run.say(f"   {name}: val_loss {val_loss:.4f}, ppl {val_ppl:.2f}, {tokens / train_time:,.0f} tokens/s, "
-                f"wall {wall:.0f} s")
-        yield dict(config=name, steps=step + 1, val_loss=val_loss, val_ppl=val_ppl, tokens=tokens,
-                   train_time_s=train_time, tokens_per_sec=tokens / train_time, wall_s=wall,
-                   load_before=load_before, load_after=os.getloadavg()[0])
+        fit = timed_fit(cmd)
+        step, val_loss, _, _ = last_val(runs_dir / name / "metrics.csv")
+        tokens, train_time = trained(runs_dir / name / "last.ckpt")
+        row = dict(config=name, steps=step + 1, val_loss=val_loss, val_ppl=math.exp(val_loss), tokens=tokens,
+                   train_time_s=train_time, tokens_per_sec=tokens / train_time, wall_s=fit["wall_s"],
+                   load_before=fit["loadavg_before"][0], load_after=os.getloadavg()[0])
+        run.say(f"   {name}: val_loss {val_loss:.4f}, ppl {row['val_ppl']:.2f}, {row['tokens_per_sec']:,.0f} tokens/s, "
+                f"wall {fit['wall_s']:.0f} s")
+        yield row
 
 
 def summary(run, rows) -> dict:

@@ -41,8 +41,8 @@ def device_tag(name: str) -> str:
 
 
 def machine(threads: Optional[int] = None) -> dict:
-    """The processor, core count, Python / torch versions, the torch threads and the CUDA device (when one is used),
-    and the load average (a shared machine's times are noisy: ratios measured side by side are what to compare)."""
+    """The processor, core count, Python / torch versions, torch threads, CUDA device and load average (a shared
+    machine's times are noisy: ratios measured side by side are what to compare)."""
     out: dict = {"processor": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                  "python": platform.python_version()}
     torch = sys.modules.get("torch")
@@ -58,8 +58,7 @@ def machine(threads: Optional[int] = None) -> dict:
 
 
 def machine_line(threads: Optional[int] = None) -> str:
-    """:func:`machine` in one line for a report's text: ``x86_64, 16 cores, torch 2.5.1, 1 torch thread(s); load
-    average 1.2 / 1.0 / 0.9``."""
+    """:func:`machine` as a line: ``x86_64, 16 cores, torch 2.5.1, 1 torch thread(s); load average 1.2 / 1.0 / 0.9``."""
     m = machine(threads)
     parts = [str(m["processor"]), f"{m['cores']} cores"]
     if "torch" in m:

@@ -1,20 +1,6 @@
-"""The benchmarks' parser and shared options, declared once, on :mod:`kvsplice.io.cli`'s plumbing: a bad argument is
-one ``PROG: error: ...`` line and exit status 2, Ctrl-C one ``PROG: interrupted`` line and exit 130.
-
-A script builds its parser with :func:`parser` and adds the options it shares with the others through the
-``add_*`` helpers (each keeps the script's own default and help when given); its ``main(argv)`` is wrapped by
-:func:`command`::
-
-    def build_parser():
-        p = parser(__file__, __doc__)
-        add_threads(p)
-        add_out(p, default=RESULTS / "study.json")
-        return p
-
-    @command
-    def main(argv=None) -> int:
-        args = build_parser().parse_args(argv)
-"""
+"""The benchmarks' parser (:func:`parser`) and the options they share (``add_*``: each keeps a script's own default
+and help), on :mod:`kvsplice.io.cli`'s plumbing; :func:`command` wraps a hand-written ``main(argv)``: a bad argument
+is one ``PROG: error: ...`` line and exit status 2, Ctrl-C one ``PROG: interrupted`` line and exit 130."""
 
 from __future__ import annotations
 
@@ -38,8 +24,7 @@ def prog_of(script: str) -> str:
 
 def parser(script: str, doc: Optional[str] = None, *, raw: bool = False, **kw: Any) -> Parser:
     """The parser of the benchmark ``script`` (its ``__file__``), described by the first paragraph of ``doc`` (its
-    ``__doc__``); ``raw`` keeps the help's line breaks (tables of choices). Errors raise
-    :class:`~kvsplice.io.cli.UsageError` (one line through :func:`command`)."""
+    ``__doc__``); ``raw`` keeps the help's line breaks. Errors raise :class:`~kvsplice.io.cli.UsageError`."""
     if raw:
         kw.setdefault("formatter_class", argparse.RawTextHelpFormatter)
     description = doc.strip().split("\n\n")[0] if doc else None
@@ -89,8 +74,7 @@ def add_progress(p: argparse.ArgumentParser) -> None:
 
 def command(main: Callable[..., int]) -> Callable[..., int]:
     """``main(argv=None) -> int`` run as a command (:func:`kvsplice.io.cli.run_cli`, the program named after the
-    script's file): a :class:`~kvsplice.io.cli.UsageError`, ``OSError`` or ``ValueError`` is one
-    ``PROG: error: ...`` line and exit status 2, Ctrl-C one ``PROG: interrupted`` line and exit 130."""
+    script's file)."""
     prog = prog_of(main.__code__.co_filename)
 
     @functools.wraps(main)

@@ -1,14 +1,9 @@
 """The one study runner. A study is settings (``benchmarks/studies/<name>.yaml``: named sizes, ``default`` and
-``smoke`` among them) plus a function that yields rows; the runner owns the rest, once for every script:
-
-* argv: the study's own options and the shared ones (``--size`` / ``--smoke``, ``--out``, ``--force``,
-  ``--resume``, ``--threads``), one ``PROG: error: ...`` line and exit 2 for bad input, Ctrl-C one line and 130;
-* the checks before anything runs: every size within its bounds (:attr:`Study.bounds`), every output a file in a
-  writable folder that does not exist yet (``--force`` replaces it, ``--resume`` continues its JSON);
-* the header (command, revision, machine), the timers (:meth:`Run.time`), the rows' resume (:meth:`Run.previous`);
-* atomic writing of ``<stem>.json`` (after every row: a killed study resumes), ``<stem>.md`` and ``<stem>.png``.
-
-A script::
+``smoke`` among them) plus a function that yields rows; the runner owns the rest: argv (the study's options and
+``--size`` / ``--smoke``, ``--out``, ``--force``, ``--resume``, ``--threads``; one error line, exit 2), the checks
+before anything runs (sizes within :attr:`Study.bounds`, outputs new files in writable folders unless ``--force`` /
+``--resume``), the header, timers (:meth:`Run.time`), resume (:meth:`Run.previous`) and the atomic writing of
+``<stem>.json`` (after every row: a killed study resumes), ``.md`` and ``.png``. A script::
 
     STUDY = Study("prefill_speed", __doc__, rows, options=options, bounds={"lengths": (1, 1 << 17)})
     main = STUDY.main
@@ -29,7 +24,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from benchmarks.harness import header as _header
 from benchmarks.harness import studies, timing
-from benchmarks.harness.options import Parser, UsageError, parser
+from benchmarks.harness.options import Parser, UsageError, add_threads, parser
 from benchmarks.harness.paths import RESULTS, portable
 
 __all__ = ["Run", "Study", "check_bounds", "check_outputs", "write_atomic"]
@@ -49,7 +44,7 @@ class Study:
     rows: Callable[["Run"], Iterable[dict]]
     """Yields the study's rows, one measurement each (written to the JSON as they come)."""
     options: Optional[Callable[[Parser], None]] = None
-    """Adds the study's own options; one whose ``dest`` names a setting overrides it when given (default None)."""
+    """Adds the study's own options; one whose ``dest`` names a setting overrides it when given."""
     markdown: Optional[Callable[["Run", list], str]] = None
     """The report ``<stem>.md`` (the runner adds the line saying how it was made)."""
     figure: Optional[Callable[["Run", list], Any]] = None
@@ -61,8 +56,7 @@ class Study:
     sizes: Optional[dict] = None
     """Named sizes (default: the ``sizes`` of ``benchmarks/studies/<name>.yaml``, or one empty ``default``)."""
     out: Any = None
-    """The default stem (default ``results/<name>``; ``_<size>`` added for a size other than ``default``), or a
-    function of the parsed options giving it (a device's name, ...)."""
+    """The default stem (default ``results/<name>``, ``_<size>`` added), or a function of the parsed options."""
     json: bool = True
     """Write ``<stem>.json`` (a figure-only study: False)."""
     threads: Optional[int] = 1
@@ -79,11 +73,10 @@ class Study:
         return run_cli(self.name, lambda: _run(self, argv))
 
     def size_table(self) -> dict:
-        if self.sizes is not None:
-            return self.sizes
-        if not (studies.STUDIES / f"{self.name}.yaml").exists():
-            return {"default": {}}
-        return studies.load(self.name).get("sizes") or {"default": {}}
+        """:attr:`sizes`, else the ``sizes`` of the study's YAML, else one empty ``default``."""
+        if self.sizes is None and (studies.STUDIES / f"{self.name}.yaml").exists():
+            return studies.load(self.name).get("sizes") or {"default": {}}
+        return {"default": {}} if self.sizes is None else self.sizes
 
     def files(self, stem: Path) -> list[Path]:
         """The files a run with ``stem`` writes."""
@@ -111,8 +104,7 @@ class Run:
     """Set by :meth:`fail`: the study's own checks failed (everything is written, the exit status is 1)."""
 
     def emit(self, row: dict) -> None:
-        """Add ``row`` now (thread-safe; the JSON rewritten): what the runner does with each yielded row, for a
-        study whose rows come from jobs side by side."""
+        """Add ``row`` now (thread-safe; the JSON rewritten), for a study whose rows come from jobs side by side."""
         with self._lock:
             self.rows.append(row)
             if self._write is not None:
@@ -128,10 +120,7 @@ class Run:
 
     def previous(self, **key: Any) -> Optional[dict]:
         """The row of the resumed JSON whose fields equal ``key`` (None: measure it)."""
-        for row in self.done:
-            if all(row.get(k) == v for k, v in key.items()):
-                return row
-        return None
+        return next((row for row in self.done if all(row.get(k) == v for k, v in key.items())), None)
 
     def time(self, fn: Callable[[], object], n: int, warmup: int = 0, clock: str = "wall") -> float:
         """Median of ``n`` calls of ``fn`` after ``warmup``: ``wall`` / ``cpu`` (thread) seconds, ``cuda`` ms."""
@@ -154,8 +143,7 @@ def check_bounds(settings: dict, bounds: dict) -> None:
 
 
 def _writable_folder(path: Path) -> Path:
-    """The folder ``path`` goes in (created later when missing): its nearest existing parent must be a writable
-    folder."""
+    """The nearest existing parent of ``path`` (missing ones are made later), which must be a writable folder."""
     parent = path.parent
     while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
         parent = parent.parent
@@ -196,10 +184,6 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
-def _json_text(data: dict) -> str:
-    return json.dumps(portable(data), indent=1, default=str, allow_nan=True) + "\n"
-
-
 def _parser(study: Study, sizes: dict) -> Parser:
     p = parser(study.name + ".py", study.doc, raw=True)
     if study.options:
@@ -217,10 +201,7 @@ def _parser(study: Study, sizes: dict) -> Parser:
     if study.json:
         g.add_argument("--resume", action="store_true", help="continue the JSON of an earlier, stopped run")
     if study.threads is not None:
-        from kvsplice.io.cli import pos_int
-
-        g.add_argument("--threads", type=pos_int, default=study.threads,
-                       help=f"torch intra-op threads (default {study.threads})")
+        add_threads(g, study.threads)
     return p
 
 
@@ -279,7 +260,8 @@ def _run(study: Study, argv: Optional[Sequence[str]]) -> int:
     def write_json(complete: bool, extra: Optional[dict] = None) -> None:
         data = {**head, "study": study.name, "size": size, "settings": settings, "complete": complete,
                 **(extra or {}), "rows": run.rows}
-        write_atomic(js, lambda tmp: tmp.write_text(_json_text(data)))
+        text = json.dumps(portable(data), indent=1, default=str, allow_nan=True) + "\n"
+        write_atomic(js, lambda tmp: tmp.write_text(text))
 
     run._write = write_json if js else None
     for row in study.rows(run):

@@ -1,15 +1,10 @@
-"""Median timers for the benchmarks.
-
-* :func:`cpu_time` — thread-CPU seconds of each call (``time.thread_time``): with one torch thread, robust to other
-  processes on a shared machine;
-* :func:`wall_time` — wall seconds of each call (``time.perf_counter``), for calls too short for the CPU clock;
-* :func:`cuda_time` — milliseconds of each call by CUDA events, each call started on an idle GPU, so that one call's
-  time is not hidden behind another's queue;
-* :func:`median_of` — the median of a timer's samples after ``warmup`` untimed calls.
-"""
+"""Median timers for the benchmarks: thread-CPU seconds (with one torch thread, robust to other processes on a shared
+machine), wall seconds (calls too short for the CPU clock) and CUDA-event milliseconds (each call started on an idle
+GPU, so that one call's time is not hidden behind another's queue)."""
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Callable
@@ -27,14 +22,10 @@ def _timed(clock: Callable[[], float], fn: Callable[[], object], n: int) -> list
     return out
 
 
-def cpu_time(fn: Callable[[], object], n: int) -> list[float]:
-    """Thread-CPU seconds of each of ``n`` calls of ``fn``."""
-    return _timed(time.thread_time, fn, n)
-
-
-def wall_time(fn: Callable[[], object], n: int) -> list[float]:
-    """Wall seconds of each of ``n`` calls of ``fn``."""
-    return _timed(time.perf_counter, fn, n)
+cpu_time = functools.partial(_timed, time.thread_time)
+"""``cpu_time(fn, n)``: thread-CPU seconds of each of ``n`` calls of ``fn``."""
+wall_time = functools.partial(_timed, time.perf_counter)
+"""``wall_time(fn, n)``: wall seconds of each of ``n`` calls of ``fn``."""
 
 
 def cuda_time(fn: Callable[[], object], n: int) -> list[float]:
@@ -55,8 +46,7 @@ def cuda_time(fn: Callable[[], object], n: int) -> list[float]:
 
 def median_of(timer: Callable[[Callable[[], object], int], list[float]], fn: Callable[[], object], n: int,
               warmup: int = 0) -> float:
-    """The median of ``timer(fn, n)`` (:func:`cpu_time`, :func:`wall_time`: seconds; :func:`cuda_time`: ms) after
-    ``warmup`` untimed calls of ``fn``."""
+    """The median of ``timer(fn, n)`` (seconds, or ms for :func:`cuda_time`) after ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()
     return statistics.median(timer(fn, n))

@@ -1,4 +1,4 @@
-"""The report of ``benchmarks/convert_mla.py``: its settings, mean ± std validation loss per experiment and
+"""The report of ``benchmarks/convert_mla.py``: its settings (YAML), mean ± std validation loss per experiment and
 fine-tune, the from-scratch references of ``results/frontier.json``, the tables and the figure."""
 
 from __future__ import annotations
@@ -7,32 +7,29 @@ import json
 import statistics
 
 from benchmarks.harness.paths import RESULTS
-from benchmarks.lib.study import DATA
+from benchmarks.harness.studies import load
 
-CALIB = DATA / "gusjengis_toy-RNN__tinystories_sample.txt"  # training text
-STEPS_SOURCE = 500
-TOKENS_PER_STEP = 8 * 256
-FT_FRACTIONS = (0.01, 0.05, 0.10)
-CONVERT_RANKS = (8, 16, 32, 64, 128)  # 32x ... 2x smaller caches than MHA's 256 numbers per token per layer
-FT_LRS = ("1e-3", "2e-4")
-"""Fine-tune peak learning rates: 1e-3 (half the pre-training peak) was fixed before any run; it made short
-fine-tunes of the already-good conversions worse, so 2e-4 — the source schedule's final learning rate
-(min_lr_ratio 0.1 × 2e-3), i.e. continuing where pre-training ended — is reported next to it."""
+_S = load("convert_mla")  # the study's settings: benchmarks/studies/convert_mla.yaml
+STEPS_SOURCE, TOKENS_PER_STEP, FT_LRS = _S["steps_source"], _S["tokens_per_step"], tuple(_S["ft_lrs"])
+FT_FRACTIONS, CONVERT_RANKS = tuple(_S["ft_fractions"]), tuple(_S["convert_ranks"])
 
 
-def stats(rows: list[dict], experiment: str, ft_tokens: int, lr: str | None = None) -> tuple[float, float, int]:
-    v = [r["val_loss"] for r in rows if r["experiment"] == experiment and r["ft_tokens"] == ft_tokens
-         and (ft_tokens == 0 or r.get("ft_lr") == lr)]
+def _mean_std(v: list[float]) -> tuple[float, float, int]:
+    """(mean, std, n) of ``v``; NaN for none."""
     if not v:
         return float("nan"), float("nan"), 0
     return statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v)
 
 
+def stats(rows: list[dict], experiment: str, ft_tokens: int, lr: str | None = None) -> tuple[float, float, int]:
+    return _mean_std([r["val_loss"] for r in rows if r["experiment"] == experiment and r["ft_tokens"] == ft_tokens
+                      and (ft_tokens == 0 or r.get("ft_lr") == lr)])
+
+
 def frontier_ref(variant: str) -> tuple[float, float, int]:
     f = RESULTS / "frontier.json"
     rows = json.loads(f.read_text())["rows"] if f.is_file() else []
-    v = [r["val_loss"] for r in rows if r["variant"] == variant]
-    return (statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v)) if v else (float("nan"),) * 2 + (0,)
+    return _mean_std([r["val_loss"] for r in rows if r["variant"] == variant])
 
 
 def _fmt(m: float, s: float, k: int) -> str:

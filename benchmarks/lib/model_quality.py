@@ -6,7 +6,6 @@ needle in stories) with the model's own cache."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Sequence
 
 import torch

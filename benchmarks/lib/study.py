@@ -1,16 +1,12 @@
-"""A training study: ``training.fit`` runs as subprocesses of a benchmark script (several side by side, ended with the
-study on Ctrl-C, SIGTERM or its death), each finished run read back from its ``metrics.csv`` and last checkpoint (the
-validation loss, the tokens trained, the decode cache's measured bytes per token), the rows kept in a resumable JSON
-(a run already in it, with the same resume key, is not trained again), and the per-variant seed statistics (mean ± std,
-Pareto front, ``a − b`` in standard errors).
-
-Used by ``benchmarks/frontier.py`` (the loss-vs-cache-bytes frontier), ``benchmarks/kvsplice_recipe.py`` and
-``benchmarks/convert_mla.py``; each script keeps only its own variants, options and report.
-"""
+"""A training study (``frontier.py``, ``kvsplice_recipe.py``, ``convert_mla.py``): ``training.fit`` runs as subprocesses
+(several side by side, ended with the study on Ctrl-C, SIGTERM or its death), each finished run read back into a row
+(validation loss, tokens trained, the decode cache's measured bytes per token, the training curve), the rows kept in
+a resumable JSON (a run already in it, with the same resume key, is not trained again)."""
 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import statistics
@@ -20,19 +16,15 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator, Optional
 
-from benchmarks.harness.paths import TINYSTORIES
+from benchmarks.harness.options import UsageError
+from benchmarks.harness.paths import ROOT as REPO, TINYSTORIES as DATA
 
-__all__ = ["DATA", "DATA_CACHE", "REPO", "RUN_KEY", "TRAIN_FILES", "cache_bytes", "compare", "comparison_table",
-           "data_args", "end_children", "final_train_loss", "last_val", "late_drop", "resume_key", "run_args",
-           "run_jobs", "run_key", "run_module", "seed_table", "summarise", "train", "train_curve",
-           "trained"]
+__all__ = ["DATA", "DATA_CACHE", "REPO", "RUN_KEY", "TRAIN_FILES", "cache_bytes", "data_args", "final_train_loss",
+           "gpu", "last_val", "options", "resume_key", "run_args", "run_jobs", "run_key", "run_module", "run_one",
+           "to_mla", "train", "train_curve", "train_rows", "trained"]
 
-REPO = Path(__file__).resolve().parents[2]
-"""The repository: the working directory of every ``python -m`` run (and first on its PYTHONPATH)."""
-DATA = TINYSTORIES
-"""The local TinyStories folder the ``small_*`` training configs read (:mod:`benchmarks.harness.paths`)."""
 DATA_CACHE = REPO / ".cache" / "data"
 """Where the studies' runs cache token shards and tokenizers (shared by every run of a study)."""
 TRAIN_FILES = ("gusjengis_toy-RNN__tinystories_sample.txt", "maxme1_tiny-stories__tiny-stories.json",
@@ -40,6 +32,7 @@ TRAIN_FILES = ("gusjengis_toy-RNN__tinystories_sample.txt", "maxme1_tiny-stories
 """The training files of :data:`DATA` (its other file, ``*val*``, is the validation text the studies report)."""
 RUN_KEY = "frontier_key.json"
 """Written into a finished run's folder: the resume key it was trained with."""
+
 
 # ---------------------------------------------------------------------------------------------------- one run's results
 def last_val(metrics: Path) -> tuple[int, float, float | None, float | None]:
@@ -90,6 +83,14 @@ def cache_bytes(ckpt: Path, tokens: int) -> dict:
     return out
 
 
+def final_train_loss(curve: list[list[float]], frac: float = 0.05) -> float | None:
+    """Mean logged training loss over the last ``frac`` of the steps (at least the last logged value)."""
+    if not curve:
+        return None
+    n = curve[-1][0]
+    tail = [l for s, l in curve if s > (1 - frac) * n] or [curve[-1][1]]
+    return statistics.fmean(tail)
+
 
 # ---------------------------------------------------------------------------------------------------- runs as subprocesses
 _CHILDREN: set[subprocess.Popen] = set()
@@ -105,28 +106,10 @@ def _die_with_parent() -> None:  # runs in the child before exec (Linux): SIGTER
         pass
 
 
-def end_children() -> None:
-    """Terminate every ``training.fit`` child still running (the study was interrupted)."""
-    with _CHILDREN_LOCK:
-        procs = list(_CHILDREN)
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 def run_module(module: str, argv: list[str], threads: int) -> float:
     """``python -m MODULE ARGV`` in the repository with ``threads`` torch threads; returns the wall seconds. The child
-    ends with the study: on Linux it gets SIGTERM when this process dies (even by SIGKILL), and :func:`end_children`
-    terminates it on an interrupt.
-
-    Raises:
-        RuntimeError: non-zero exit, with the last lines of its output.
-    """
+    ends with the study: on Linux it gets SIGTERM when this process dies (even by SIGKILL), and :func:`run_jobs`
+    terminates it on an interrupt. A non-zero exit raises ``RuntimeError`` with the last lines of its output."""
     path = os.environ.get("PYTHONPATH")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO) + (os.pathsep + path if path else ""))
     t0 = time.perf_counter()
@@ -147,6 +130,14 @@ def run_module(module: str, argv: list[str], threads: int) -> float:
     return time.perf_counter() - t0
 
 
+def to_mla(src: Path, out: Path, args: list[str], threads: int) -> Path:
+    """``kvsplice to-mla --model SRC ARGS --out OUT`` unless ``out`` exists (made before: reused)."""
+    if not out.is_file():
+        run_module("kvsplice.cli.main", ["to-mla", "--model", str(src), *args, "--out", str(out), "--force",
+                                         "--threads", str(threads)], threads)
+    return out
+
+
 def train(config: str, runs_dir: Path, name: str, seed: int, steps: int, threads: int, extra: list[str]) -> float:
     """One ``training.fit`` run of ``steps`` optimizer steps into ``runs_dir/name`` (replacing an earlier one), one
     validation at the end, W&B off; returns the wall seconds."""
@@ -154,7 +145,6 @@ def train(config: str, runs_dir: Path, name: str, seed: int, steps: int, threads
                                        "--overwrite", "--seed_everything", str(seed), "--torch_threads", str(threads),
                                        "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps),
                                        "--wandb.mode", "disabled", *extra], threads)
-
 
 
 # ---------------------------------------------------------------------------------------------------- the resumable study
@@ -194,6 +184,38 @@ def data_args(data: Path, runs_dir: Path, *, tuning: bool, cache: Path = DATA_CA
     return ["--data.path", str(tune), *cached]
 
 
+def run_one(variant: str, seed: int, args, runs_dir: Path, config: str, extra: list[str],
+            train_it: Optional[Callable[[], float]] = None) -> dict:
+    """The row of run ``runs_dir/<variant>-s<seed>``: trained by ``train_it()`` (default: ``training.fit --config
+    config`` with ``extra``) unless a finished run of the same resume key is there."""
+    run = runs_dir / f"{variant}-s{seed}"
+    key = list(run_key(variant, seed, args))
+    try:  # trained before the results were written, with the same resume key
+        if json.loads((run / RUN_KEY).read_text()) == key:
+            return _row(variant, config, extra, seed, run, args, wall=None)
+    except (OSError, RuntimeError, ValueError):
+        pass
+    wall = train_it() if train_it else train(config, runs_dir, run.name, seed, args.steps, args.threads,
+                                             [*extra, *run_args(args)])
+    (run / RUN_KEY).write_text(json.dumps(key) + "\n")
+    return _row(variant, config, extra, seed, run, args, wall)
+
+
+def _row(variant: str, config: str, extra: list[str], seed: int, run: Path, args, wall) -> dict:
+    step, val_loss, _, _ = last_val(run / "metrics.csv")
+    tokens, train_time = trained(run / "last.ckpt")
+    curve = train_curve(run / "metrics.csv")
+    train_final = final_train_loss(curve)
+    return {"variant": variant, "config": config, "overrides": extra, "seed": seed, "steps": step + 1,
+            "batch": args.batch, "device": args.device,
+            "tokens": tokens, "val_loss": val_loss, **cache_bytes(run / "last.ckpt", args.cache_tokens),
+            "wall_s": None if wall is None else round(wall, 1), "train_time_s": round(train_time, 1),
+            "tokens_per_s": round(tokens / train_time, 1) if train_time else None,
+            "train_loss_final": None if train_final is None else round(train_final, 4),
+            "train_val_gap": None if train_final is None else round(val_loss - train_final, 4),
+            "train_loss_curve": curve}
+
+
 def run_jobs(todo: list, job: Callable, jobs: int, say: Callable[[str], None]) -> list | None:
     """``job(item)`` for every ``(variant, seed)`` item, ``jobs`` side by side; a failed run is reported and the
     others go on. Ctrl-C or SIGTERM cancels what has not started and ends the running ``training.fit`` children.
@@ -213,87 +235,93 @@ def run_jobs(todo: list, job: Callable, jobs: int, say: Callable[[str], None]) -
                 except Exception as e:  # noqa: BLE001 - one failed run must not stop the study
                     failed.append(item)
                     say(f"error: {item[0]} seed {item[1]}: {e}")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # cancel what has not started, terminate the running children
         for f in futures:
             f.cancel()
-        end_children()
+        with _CHILDREN_LOCK:
+            procs = list(_CHILDREN)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         return None
     finally:
         signal.signal(signal.SIGTERM, previous)
     return failed
 
 
-
-# ---------------------------------------------------------------------------------------------------- seed statistics
-def final_train_loss(curve: list[list[float]], frac: float = 0.05) -> float | None:
-    """Mean logged training loss over the last ``frac`` of the steps (at least the last logged value)."""
-    if not curve:
-        return None
-    n = curve[-1][0]
-    tail = [l for s, l in curve if s > (1 - frac) * n] or [curve[-1][1]]
-    return statistics.fmean(tail)
+def gpu(args) -> str:
+    """``_gpu`` in the names of a study's results and runs on a GPU."""
+    return "_gpu" if args.device == "cuda" else ""
 
 
-def late_drop(curve: list[list[float]]) -> float | None:
-    """Mean training loss over the 4th fifth of the steps minus the mean over the last fifth: how much the loss
-    still fell at the end of the schedule (0 = flat)."""
-    if not curve:
-        return None
-    n = curve[-1][0]
-    fourth = [l for s, l in curve if 0.6 * n < s <= 0.8 * n]
-    last = [l for s, l in curve if s > 0.8 * n]
-    return statistics.fmean(fourth) - statistics.fmean(last) if fourth and last else None
+def options(p, studies: tuple[str, ...], seeds: str, report: str = "--report-only") -> None:
+    """A training study's options: which study (``studies[0]`` by default), seeds (``seeds`` says the defaults) and
+    variants, the runs' size, where the data and runs go, and ``report``: no training, the report of the JSON."""
+    p.add_argument("--study", choices=studies, default=studies[0])
+    p.add_argument("--seeds", type=int, nargs="+", help=f"default: {seeds}")
+    p.add_argument("--variants", nargs="+", help="a subset of the study's variants")
+    p.add_argument("--steps", type=int, help="optimizer steps per run")
+    p.add_argument("--batch", type=int, help="sequences of 256 tokens per optimizer step")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: every run on the one GPU")
+    p.add_argument("--jobs", type=int, help="runs side by side")
+    p.add_argument("--cache-tokens", dest="cache_tokens", type=int, help="tokens prefilled to measure the cache")
+    p.add_argument("--data", type=Path, default=DATA, help="the TinyStories folder (a *val* file + training files)")
+    p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="where the runs cache token shards and the "
+                   "tokenizer (default: the repository's .cache/data)")
+    p.add_argument("--runs-dir", type=Path, default=None, help="default checkpoints/STUDY[_gpu]/<--study>")
+    p.add_argument(report, dest="report_only", action="store_true", help="the report from the resumed JSON; "
+                   "train nothing")
 
 
-def summarise(rows: list[dict]) -> list[dict]:
-    """Per variant: mean and std (sample, n-1) of val_loss over seeds, cache bytes, the late training-loss drop, and
-    Pareto membership."""
-    out = []
-    for v in dict.fromkeys(r["variant"] for r in rows):
-        rs = [r for r in rows if r["variant"] == v]
-        losses = [r["val_loss"] for r in rs]
-        drops = [d for d in (late_drop(r.get("train_loss_curve") or []) for r in rs) if d is not None]
-        gaps = [r["train_val_gap"] for r in rs if r.get("train_val_gap") is not None]
-        out.append({"variant": v, "n": len(rs), "val_loss": statistics.fmean(losses),
-                    "std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
-                    "bytes": rs[0]["cache_bytes_per_token"], "tokens": rs[0]["tokens"],
-                    "late_drop": statistics.fmean(drops) if drops else None,
-                    "gap": statistics.fmean(gaps) if gaps else None})
-    for s in out:  # on the front: no other variant has fewer-or-equal bytes and a lower mean loss
-        s["pareto"] = not any(o is not s and o["bytes"] <= s["bytes"] and o["val_loss"] < s["val_loss"] for o in out)
-    return sorted(out, key=lambda s: -s["bytes"])
+def train_rows(run, sections: dict, seeds: dict, one: Callable[..., dict]) -> Iterator[dict]:
+    """A training study's rows: the resumed ones, then ``one(variant, seed, args, runs_dir)`` for each run of the
+    ``--study`` section (``sections[study]``: variant -> (config, overrides); seeds ``seeds[study]``) not among
+    them, ``--jobs`` side by side, each written as it ends. A failed run fails the study; ``--resume`` retries it."""
+    a = run.args
+    a.steps, a.batch, a.jobs, a.cache_tokens = run["steps"], run["batch"], run["jobs"], run["cache_tokens"]
+    section, train_now = sections[a.study], not a.report_only
+    variants = a.variants or list(section)
+    if set(variants) - set(section):
+        raise UsageError(f"unknown variants {sorted(set(variants) - set(section))}; choose from {list(section)}")
+    if train_now and not a.data.is_dir():
+        raise UsageError(f"{a.data} not found: the study reads the local TinyStories text (default ../shared/data/"
+                         "tinystories; --data to name another folder)")
+    if train_now and a.device == "cuda":
+        import torch
 
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device here")
+    run.notes.setdefault("meta", {}).update(study=a.study, device=a.device, dtype_train="fp32", batch=a.batch,
+                                            steps=a.steps, threads_per_run=a.threads, jobs=a.jobs)
+    yield from run.done  # the resumed rows (--resume)
+    done = {resume_key(r) for r in run.done}
+    todo = [(v, s) for s in a.seeds or seeds[a.study] for v in variants if run_key(v, s, a) not in done]
+    if not todo or not train_now:
+        return
+    runs_dir = (a.runs_dir or REPO / "checkpoints" / f"{run.study.name}{gpu(a)}") / a.study
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    a.data_args = data_args(a.data, runs_dir, tuning=a.study == "ablation", cache=a.data_cache)
+    from tqdm import tqdm
 
-def compare(a: dict, b: dict) -> dict:
-    """Mean val-loss difference ``a − b`` of two summaries with its standard error ``sqrt(sa²/na + sb²/nb)``;
-    ``verdict``: ``tie`` when ``|d| < 2 SE``, else which is better (lower loss)."""
-    d = a["val_loss"] - b["val_loss"]
-    se = (a["std"] ** 2 / a["n"] + b["std"] ** 2 / b["n"]) ** 0.5
-    if se == 0:  # one seed each: no spread to judge by
-        verdict = "no SE (one seed each)"
-    else:
-        verdict = "tie" if abs(d) < 2 * se else f"{a['variant'] if d < 0 else b['variant']} better"
-    return {"a": a["variant"], "b": b["variant"], "diff": d, "se": se, "z": d / se if se else None,
-            "verdict": verdict}
+    bar = tqdm(total=len(todo), desc=f"{a.study} runs", unit="run")
 
+    def job(vs):
+        row = one(*vs, a, runs_dir)
+        run.emit(row)
+        bar.update(1)
+        rate = "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:.0f}"
+        bar.write(f"{vs[0]} seed {vs[1]}: val_loss {row['val_loss']:.4f}, {row['cache_bytes_per_token']:.0f} B/token,"
+                  f" {rate} tok/s")
 
-def comparison_table(cmps: list[dict]) -> str:
-    lines = ["| a | b | a − b (val loss) | SE | a − b / SE | verdict (tie if < 2 SE) |", "|---|---|---|---|---|---|"]
-    for c in cmps:
-        z = "" if c["z"] is None else f"{c['z']:+.1f}"
-        lines.append(f"| {c['a']} | {c['b']} | {c['diff']:+.4f} | {c['se']:.4f} | {z} | {c['verdict']} |")
-    return "\n".join(lines)
-
-
-def seed_table(rows: list[dict], refs: tuple[str, ...]) -> str:
-    """Markdown: per variant the seeds, mean ± std validation loss, cache bytes and the val − train gap, then each
-    variant against each of ``refs`` present (:func:`compare`)."""
-    summary = summarise(rows)
-    by = {s["variant"]: s for s in summary}
-    lines = ["| variant | seeds | val loss (mean ± std) | cache B/token (fp16) | val − train loss |",
-             "|---|---|---|---|---|"]
-    for s in summary:
-        gap = "" if s.get("gap") is None else f"{s['gap']:.3f}"
-        lines.append(f"| {s['variant']} | {s['n']} | {s['val_loss']:.4f} ± {s['std']:.4f} | {s['bytes']:.0f} | {gap} |")
-    cmps = [compare(by[v], by[ref]) for ref in refs if ref in by for v in by if v != ref]
-    return "\n".join(lines) + ("\n\n" + comparison_table(cmps) if cmps else "")
+    try:
+        failed = run_jobs(todo, job, a.jobs, bar.write)
+    finally:
+        bar.close()
+    if failed is None:  # Ctrl-C or SIGTERM: the children ended, the finished runs kept (--resume continues)
+        raise KeyboardInterrupt
+    if failed:
+        run.fail(f"{len(failed)} runs failed: {failed}; --resume retries them")

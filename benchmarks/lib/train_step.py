@@ -1,23 +1,65 @@
-"""What ``benchmarks/train_tiny_all.py`` measures beside the runs: the unigram entropy of a config's training tokens
-(the loss of the best context-free predictor) and each config's training step timed round-robin with the others
+"""What the training-speed studies (``train_tiny_all.py``, ``fit_busy_machine.py``) measure: a ``training.fit`` run
+as a user starts it, timed (wall seconds, the load average before); the unigram entropy of a config's training
+tokens (the loss of the best context-free predictor); each config's training step timed round-robin with the others
 (a change in machine load hits all of them alike)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import yaml
 
+from benchmarks.harness.paths import ROOT
 from benchmarks.harness.timing import wall_time
 
-__all__ = ["interleaved_step_ms", "unigram_entropy_of"]
+__all__ = ["fit_command", "interleaved_step_ms", "loadavg", "timed_fit", "unigram_entropy_of"]
+
+
+def loadavg() -> list[float]:
+    """The 1, 5 and 15-minute load averages."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def fit_command(config: str, *args: str) -> list[str]:
+    """``python -m training.fit --config CONFIG ARGS`` without W&B or progress bar."""
+    return [sys.executable, "-m", "training.fit", "--config", config, *args, "--wandb.mode", "disabled",
+            "--trainer.enable_progress_bar", "false"]
+
+
+def timed_fit(cmd: list[str], busy: bool = False) -> dict:
+    """One run of ``cmd`` in the repository: wall seconds, the load average before it and the ``note: torch threads``
+    line it printed; with ``busy`` a spinning child (``while True: pass``) runs from before its start to after its
+    end. A failed run raises ``ValueError`` with its last line."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    try:
+        if spinner is not None:
+            time.sleep(1.0)  # the spinner holds its core before training starts
+        load = loadavg()
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines() or ["no output"]
+        raise ValueError(f"training.fit exited {proc.returncode}: {lines[-1]}")
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("note: torch threads")]
+    return {"wall_s": round(wall, 2), "loadavg_before": load, "threads_note": notes[0] if notes else None}
 
 
 def unigram_entropy_of(config: Path, cache_dir: str | None) -> tuple[float, str, int]:
+    """(unigram entropy, description, vocabulary size) of ``config``'s training data."""
     from data import TinyStoriesDataModule
 
-    d = dict(yaml.safe_load(config.read_text())["data"])
-    d["block_size"] = yaml.safe_load(config.read_text())["model"]["block_size"]
+    cfg = yaml.safe_load(config.read_text())
+    d = {**cfg["data"], "block_size": cfg["model"]["block_size"]}
     if cache_dir:
         d["cache_dir"] = cache_dir
     dm = TinyStoriesDataModule(**d)
@@ -36,7 +78,7 @@ def interleaved_step_ms(configs: list[Path], vocab_size: int, rounds: int, threa
     steps = []
     for cfg_path in configs:
         cfg = yaml.safe_load(cfg_path.read_text())
-        m = {k: v for k, v in cfg["model"].items()}
+        m = cfg["model"]
         torch.manual_seed(0)
         lit = LitGPT(vocab_size=vocab_size, **m)
         opt = torch.optim.AdamW(lit.parameters(), lr=1e-4)

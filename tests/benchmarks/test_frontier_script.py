@@ -1,6 +1,7 @@
-"""The frontier studies' bookkeeping (benchmarks.lib.study, used by benchmarks/frontier.py and kvsplice_recipe.py): cache
-measurement from a checkpoint, the Pareto front, seed statistics, the late-loss-drop figure, resume keys and the
-children of a killed study (the long studies themselves run outside the test suite)."""
+"""The frontier studies' bookkeeping (benchmarks.lib.study and its report benchmarks.lib.seed_report, used by
+benchmarks/frontier.py and kvsplice_recipe.py): cache measurement from a checkpoint, the Pareto front, seed statistics,
+the late-loss-drop figure, resume keys and the children of a killed study (the long studies themselves run outside
+the test suite)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from models.checkpoint import save_model
 from models.config import GPTConfig
 from models.gpt import GPT
 from benchmarks.harness.paths import TINYSTORIES
-from benchmarks.lib import study
+from benchmarks.lib import seed_report, study
 from processes import wait_ended, watch
 from tiny_models import load_benchmark
 
@@ -52,18 +53,18 @@ def test_summary_pareto_and_spread(frontier) -> None:
     rows += [_row("mla", s, 3.05, 512) for s in (1, 2, 3)]
     rows += [_row("mqa", s, 3.3, 512) for s in (1, 2, 3)]  # same bytes as mla, higher loss: dominated
     rows += [_row("tiny", s, 3.5, 64) for s in (1, 2)]
-    summary = {s["variant"]: s for s in study.summarise(rows)}
+    summary = {s["variant"]: s for s in seed_report.summarise(rows)}
     assert math.isclose(summary["mha"]["val_loss"], 3.2) and math.isclose(summary["mha"]["std"], 0.1)
     assert summary["mla"]["std"] == 0.0 and summary["tiny"]["n"] == 2
     assert [v for v, s in summary.items() if s["pareto"]] == ["mla", "tiny"]  # mha: mla is smaller and better
     assert math.isclose(summary["mla"]["late_drop"], 0.2)  # mean of step 80 minus mean of step 100
-    table = frontier.table(list(summary.values()))
+    table = seed_report.table(list(summary.values()))
     assert "| mla | 512 | 0.250× | 3.0500 ± 0.0000 | 3 |" in table
 
 
 def test_late_drop_flat_and_short_curves(frontier) -> None:
-    assert study.late_drop([[s, 2.0] for s in range(10, 101, 10)]) == 0.0
-    assert study.late_drop([]) is None and study.late_drop([[100, 2.0]]) is None
+    assert seed_report.late_drop([[s, 2.0] for s in range(10, 101, 10)]) == 0.0
+    assert seed_report.late_drop([]) is None and seed_report.late_drop([[100, 2.0]]) is None
 
 
 def test_last_val_and_curve_from_metrics(tmp_path: Path, frontier) -> None:
@@ -106,10 +107,10 @@ def test_resume_key_includes_steps_batch_and_device(frontier) -> None:
 def test_compare_standard_error_and_tie(frontier) -> None:
     a = {"variant": "a", "val_loss": 3.00, "std": 0.02, "n": 3}
     b = {"variant": "b", "val_loss": 3.05, "std": 0.02, "n": 3}
-    c = study.compare(a, b)
+    c = seed_report.compare(a, b)
     assert math.isclose(c["se"], (2 * 0.02**2 / 3) ** 0.5) and c["verdict"] == "a better"  # 3.1 SE
-    assert study.compare(a, {**b, "val_loss": 3.02})["verdict"] == "tie"
-    assert study.compare({**a, "std": 0.0, "n": 1}, {**b, "std": 0.0, "n": 1})["verdict"].startswith("no SE")
+    assert seed_report.compare(a, {**b, "val_loss": 3.02})["verdict"] == "tie"
+    assert seed_report.compare({**a, "std": 0.0, "n": 1}, {**b, "std": 0.0, "n": 1})["verdict"].startswith("no SE")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
@@ -190,7 +191,7 @@ def test_comparisons_pair_equal_bytes_layout_twins_and_the_reference_once(fronti
 
     summary = [s("mha", 2048, 4.15), s("ds_mha", 2048, 3.76), s("mla_128", 1024, 4.17), s("ds_mla_120", 1024, 3.85),
                s("ds_mla_128", 1088, 3.84)]
-    pairs = [(c["a"], c["b"]) for c in frontier.comparisons(summary)]
+    pairs = [(c["a"], c["b"]) for c in seed_report.comparisons(summary)]
     assert len(pairs) == len({frozenset(p) for p in pairs})  # each pair once (ds_mha vs mha is all three kinds)
     assert ("ds_mha", "mha") in pairs and ("ds_mla_120", "mla_128") in pairs  # equal bytes
     assert ("ds_mla_128", "mla_128") in pairs  # the layout twin, 1088 vs 1024 bytes

@@ -19,7 +19,7 @@ import torch
 from benchmarks.harness.options import add_model
 from benchmarks.harness.paths import SMOLLM2
 from benchmarks.harness.runner import Study
-from benchmarks.harness.sections import tables
+from benchmarks.harness.report import tables
 from benchmarks.lib.kivi_profile import (D, HKV, HQ, kivi_layer, median_us, scores_fused as _scores_fused,  # noqa: F401
                                          weighted_fused as _weighted_fused)
 

@@ -28,7 +28,7 @@ from benchmarks.harness import studies
 from benchmarks.harness.header import version
 from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
-from benchmarks.harness.sections import tables
+from benchmarks.harness.report import tables
 
 SECTIONS = ("sdpa", "train", "decode", "flash4")
 

@@ -30,7 +30,8 @@ from benchmarks.harness.header import device_tag, version
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
-from benchmarks.harness.sections import by_section, fmt, on_sigterm, plan, print_plan, run_section, table
+from benchmarks.harness.report import fmt, table
+from benchmarks.harness.sections import by_section, on_sigterm, plan, print_plan, run_section
 
 PROG = "gpu_check.py"
 SETTINGS = studies.load("gpu_check")

@@ -34,7 +34,7 @@ from benchmarks.harness.header import device_tag, version
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
-from benchmarks.harness.sections import tables
+from benchmarks.harness.report import tables
 from benchmarks.lib.serving_bench import VARIANTS
 
 SECTIONS = ("capacity", "kernel", "decode", "profile", "latent")

@@ -46,38 +46,6 @@ def options(p) -> None:
                    help="the quick size: 512 tokens, batch 1 and 2, 4 rounds: a few minutes")
 
 
-def markdown(run, rows) -> str:
-    head = ("| dtype | context | batch | door | method | prefill s | ×full | decode ms/token | ×full (CPU) | ×full (wall) "
-            "| cache MiB | prefill peak RSS MiB |")
-    lines = ["# SmolLM2-135M-Instruct: decode speed of compressed caches\n", head, "|" + "---|" * 12]
-    for r in rows:
-        lines.append(f"| {r['dtype']} | {r['context']} | {r['batch']} | {r['door']} | {r['method']} | "
-                     f"{r['prefill_s']:.2f} | {r['prefill_vs_full']:.2f} | {r['decode_ms']:.1f} | "
-                     f"**{r['decode_vs_full']:.2f}** | {r['decode_wall_vs_full']:.2f} | "
-                     f"{r['cache_bytes'] / 2**20:.1f} | {r['prefill_peak_rss_bytes'] / 2**20:.0f} |")
-    return "\n".join(lines)
-
-
-def figure(run, rows):
-    import matplotlib.pyplot as plt
-
-    groups = sorted({(r["dtype"], r["door"], r["batch"]) for r in rows})
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4), squeeze=False, dpi=110)
-    for ax, (dt, door, b) in zip(axes[0], groups):
-        rs = [r for r in rows if (r["dtype"], r["door"], r["batch"]) == (dt, door, b)]
-        for m in dict.fromkeys(r["method"] for r in rs):
-            pts = sorted((r["context"], r["decode_vs_full"]) for r in rs if r["method"] == m)
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=m)
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{door}, batch {b}, {dt}", fontsize=9)
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("decode per token / full cache")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    return fig
-
-
 def rows(run):
     from kvsplice.loading import load_model
     from benchmarks.lib.speed import measure, method_factories, prompt_ids
@@ -101,7 +69,7 @@ def rows(run):
                     yield {**r, "dtype": dt}
 
 
-STUDY = Study("smollm2_speed", __doc__, rows, options=options, markdown=markdown, figure=figure,
+STUDY = Study("smollm2_speed", __doc__, rows, options=options,
               summary=lambda run, rows: {"picks": {k: (getattr(run.args, "plan" + k[4]) or v) for k, v in PICKS.items()},
                                          "pick_scores": run.args.pick_scores},
               bounds={"contexts": (2, 1 << 17), "batch": (1, 256), "rounds": (1, 1000)})

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from benchmarks.harness import header as _header
-from benchmarks.harness import studies, timing
+from benchmarks.harness import report, studies, timing
 from benchmarks.harness.options import Parser, UsageError, add_threads, parser
 from benchmarks.harness.paths import RESULTS, portable
 
@@ -80,8 +80,13 @@ class Study:
 
     def files(self, stem: Path) -> list[Path]:
         """The files a run with ``stem`` writes."""
-        return [stem.with_name(stem.name + s) for s, on in ((".json", self.json), (".md", self.markdown),
-                                                             (".png", self.figure)) if on]
+        md, png = self.markdown or self.spec("report"), self.figure or self.spec("figure")
+        return [stem.with_name(stem.name + s) for s, on in ((".json", self.json), (".md", md), (".png", png)) if on]
+
+    def spec(self, key: str) -> Optional[dict]:
+        """The ``key`` section of the study's YAML (``report`` / ``figure``: :mod:`benchmarks.harness.report`)."""
+        path = studies.STUDIES / f"{self.name}.yaml"
+        return studies.load(self.name).get(key) if path.exists() else None
 
 
 @dataclass
@@ -269,17 +274,18 @@ def _run(study: Study, argv: Optional[Sequence[str]]) -> int:
     extra = study.summary(run, run.rows) if study.summary else {}
     if js:
         write_json(True, extra)
-    if study.markdown:
-        text = study.markdown(run, run.rows).rstrip("\n")
+    if study.markdown or study.spec("report"):
+        text = (study.markdown(run, run.rows) if study.markdown
+                else report.markdown(study.spec("report"), run.rows, {**settings, **run.notes})).rstrip("\n")
         text += f"\n\n*Made by `{head['command']}` (revision {head['revision']}; {_header.machine_line(threads)}).*\n"
         write_atomic(stem.with_name(stem.name + ".md"), lambda tmp: tmp.write_text(portable(text)))
-    if study.figure:
+    if study.figure or study.spec("figure"):
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig = study.figure(run, run.rows)
+        fig = study.figure(run, run.rows) if study.figure else report.figure(study.spec("figure"), run.rows)
         write_atomic(stem.with_name(stem.name + ".png"), lambda tmp: fig.savefig(tmp, format="png"))
         plt.close(fig)
     for f in files:

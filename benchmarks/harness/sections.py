@@ -1,12 +1,10 @@
 """Sections of a study, each in its own process under a time budget (``benchmarks/gpu_check.py``): the plan (which
 sections fit the budget, each stopped at its own limit), a section run as a study's command (or pytest) in a process
-group ended at the limit, on Ctrl-C or SIGTERM, its rows and status rows, and the markdown tables of rows that carry
-their ``section``."""
+group ended at the limit, on Ctrl-C or SIGTERM, its rows and status rows."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -15,12 +13,12 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 from benchmarks.harness.paths import ROOT
 
-__all__ = ["Terminated", "by_section", "child_rows", "decide", "fmt", "on_sigterm", "plan", "print_plan", "run_process",
-           "run_section", "table", "tables"]
+__all__ = ["Terminated", "by_section", "child_rows", "decide", "on_sigterm", "plan", "print_plan", "run_process",
+           "run_section"]
 
 
 def decide(estimate_s: float, limit_s: float, remaining_s: float) -> tuple[bool, float, Optional[str]]:
@@ -138,45 +136,6 @@ def run_section(prog: str, step: dict, spec: dict, left_s: float, smoke: bool, c
     yield from ({"section": name, **r} for r in got)
     yield dict(head, **end, elapsed_s=round(time.monotonic() - s0, 1))
     print(f"{prog}: {name} {end['status']} in {time.monotonic() - s0:.0f} s", file=sys.stderr, flush=True)
-
-
-def fmt(v: Any) -> str:
-    """One markdown cell."""
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, int):
-        return f"{v:,}"
-    if isinstance(v, float):
-        a = abs(v)
-        if a == 0:
-            return "0"
-        if a < 1e-2:
-            return f"{v:.1e}"
-        if a < 10:
-            return f"{v:.3f}"
-        return f"{v:.1f}" if a < 1000 else f"{v:,.0f}"
-    return str(v).replace("|", "\\|").replace("\n", " ")
-
-
-def table(rows: list[dict], columns: list[str]) -> list[str]:
-    """A markdown table of ``rows``: the ``columns`` some row has (every field but ``section`` when none)."""
-    if not rows:
-        return []
-    cols = [c for c in columns if any(c in r for r in rows)]
-    cols = cols or [c for c in dict.fromkeys(c for r in rows for c in r) if c != "section"]
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    return out + ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows] + [""]
-
-
-def tables(rows: list[dict], columns: dict[str, list[str]], titles: dict[str, str], key: str = "section") -> list[str]:
-    """A :func:`table` per part of ``titles`` that has rows (their ``key`` field: the section), under ``## TITLE``."""
-    out = []
-    for name, title in titles.items():
-        got = [r for r in rows if r.get(key) == name]
-        out += [f"## {title}", "", *table(got, columns.get(name, []))] if got else []
-    return out
 
 
 def run_process(cmd: list[str], timeout_s: float, env: dict, tail_lines: int = 40,

@@ -15,6 +15,7 @@ from tiny_models import load_benchmark, tiny_family  # noqa: E402
 from test_kvzip import _ids, _Tok  # noqa: E402
 
 from kvsplice.core.build import build_method  # noqa: E402
+from benchmarks.harness import report, studies  # noqa: E402
 from benchmarks.lib.speed import PeakRSS, measure  # noqa: E402
 
 
@@ -43,8 +44,8 @@ def test_speed_benchmark_runs_every_method_in_both_doors(tmp_path, batch) -> Non
         assert got[2]["cache_bytes"] < got[0]["cache_bytes"]  # KIVI holds fewer bytes than the full cache
         rows += [{**r, "dtype": "fp32"} for r in got]
     assert len(rows) == 2 * len(methods)
-    assert "| fp32 | 40 |" in bench.markdown(None, rows)
-    fig = bench.figure(None, rows)
+    assert "| fp32 | 40 |" in report.markdown(studies.load("smollm2_speed")["report"], rows)
+    fig = report.figure(studies.load("smollm2_speed")["figure"], rows)
     assert len(fig.axes) == 2  # one panel per (dtype, door, batch)
 
 

@@ -1,0 +1,132 @@
+"""A study's report as data: the ``report:`` and ``figure:`` sections of its YAML, rendered from its rows by the runner.
+
+``report: {title, intro, columns, by, titles}`` — a markdown table whose ``columns`` map a header to a cell template
+(``"{decode_ms:.1f}"``, ``"**{ratio:.2f}**"``, ``"{cache_bytes!M:.1f}"``: ``!M`` is bytes in MiB; a bare key is
+formatted by :func:`fmt`); a cell whose field is missing or None reads ``-``. With ``by``, one table per value of that
+field that ``titles`` names (``## TITLE`` above each). ``title`` and ``intro`` are templates over the run's settings
+and notes. ``figure: {x, y, series, panels, xlog, ylog, hline, xlabel, ylabel}`` — one line plot per panel (the
+distinct values of the ``panels`` fields), a line per ``series`` value.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+from typing import Any, Mapping, Optional, Sequence, Union
+
+__all__ = ["cell", "figure", "fmt", "markdown", "table", "tables"]
+
+Columns = Union[Sequence[str], Mapping[str, str]]
+
+
+def fmt(v: Any) -> str:
+    """One markdown cell of a value with no template: ``-`` for none, ``yes``/``no``, grouped ints, 3-4 digits."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        a = abs(v)
+        if a == 0:
+            return "0"
+        if a < 1e-2:
+            return f"{v:.1e}"
+        if a < 10:
+            return f"{v:.3f}"
+        return f"{v:.1f}" if a < 1000 else f"{v:,.0f}"
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+class _Missing(KeyError):
+    pass
+
+
+class _Cells(string.Formatter):
+    """``str.format`` over a row where ``!M`` divides by 2**20 and a missing or None field raises :class:`_Missing`."""
+
+    def get_value(self, key, args, kwargs):
+        value = kwargs.get(key) if isinstance(key, str) else args[key]
+        if value is None:
+            raise _Missing(key)
+        return value
+
+    def convert_field(self, value, conversion):
+        return value / 2**20 if conversion == "M" else super().convert_field(value, conversion)
+
+
+_CELLS = _Cells()
+
+
+def cell(template: str, row: Mapping[str, Any]) -> str:
+    """``template`` filled from ``row`` (``-`` where a field it names is missing or None)."""
+    try:
+        return _CELLS.vformat(template, (), row).replace("|", "\\|")
+    except _Missing:
+        return "-"
+
+
+def table(rows: Sequence[dict], columns: Columns) -> list[str]:
+    """A markdown table of ``rows``: ``columns`` as header -> template, or as keys (those some row has; every field
+    but ``section`` when none is given)."""
+    if not rows:
+        return []
+    if isinstance(columns, Mapping):
+        heads, cells = list(columns), [lambda r, t=t: cell(t, r) for t in columns.values()]
+    else:
+        heads = [c for c in columns if any(c in r for r in rows)]
+        heads = heads or [c for c in dict.fromkeys(c for r in rows for c in r) if c != "section"]
+        cells = [lambda r, c=c: fmt(r.get(c)) for c in heads]
+    out = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    return out + ["| " + " | ".join(f(r) for f in cells) + " |" for r in rows] + [""]
+
+
+def tables(rows: Sequence[dict], columns: Mapping[str, Columns], titles: Mapping[str, str],
+           key: str = "section") -> list[str]:
+    """A :func:`table` per part of ``titles`` that has rows (their ``key`` field), under ``## TITLE``; ``columns``
+    per part (a part without its own uses ``columns["*"]`` if given)."""
+    out = []
+    for name, title in titles.items():
+        got = [r for r in rows if r.get(key) == name]
+        cols = columns.get(name, columns.get("*", []))
+        out += [f"## {title}", "", *table(got, cols)] if got else []
+    return out
+
+
+def markdown(spec: Mapping[str, Any], rows: Sequence[dict], values: Optional[Mapping[str, Any]] = None) -> str:
+    """The report ``spec`` (a study's ``report:``) of ``rows``; ``values`` fill its title and intro."""
+    values = values or {}
+    lines = [f"# {spec['title'].format_map(values)}", ""] if spec.get("title") else []
+    lines += [spec["intro"].format_map(values).strip(), ""] if spec.get("intro") else []
+    if spec.get("by"):
+        lines += tables(rows, {"*": spec["columns"]}, spec["titles"], spec["by"])
+    else:
+        lines += table(rows, spec["columns"])
+    return "\n".join(lines)
+
+
+def figure(spec: Mapping[str, Any], rows: Sequence[dict]):
+    """The line plots ``spec`` (a study's ``figure:``) of ``rows``: one panel per value of its ``panels`` fields."""
+    import matplotlib.pyplot as plt
+
+    keys = list(spec.get("panels", []))
+    panels = list(dict.fromkeys(tuple(r.get(k) for k in keys) for r in rows)) or [()]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False, dpi=110)
+    for ax, panel in zip(axes[0], panels):
+        got = [r for r in rows if tuple(r.get(k) for k in keys) == panel]
+        for name in dict.fromkeys(r.get(spec["series"]) for r in got):
+            pts = sorted((r[spec["x"]], r[spec["y"]]) for r in got if r.get(spec["series"]) == name)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=str(name))
+        if spec.get("hline") is not None:
+            ax.axhline(spec["hline"], color="grey", lw=0.8)
+        if spec.get("xlog"):
+            ax.set_xscale("log", base=spec["xlog"])
+        if spec.get("ylog"):
+            ax.set_yscale("log", base=spec["ylog"])
+        ax.set_title(", ".join(f"{k} {v}" for k, v in zip(keys, panel)), fontsize=9)
+        ax.set_xlabel(spec.get("xlabel", spec["x"]))
+        ax.set_ylabel(spec.get("ylabel", spec["y"]))
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    return fig

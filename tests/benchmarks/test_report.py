@@ -1,0 +1,72 @@
+"""The declarative report (``benchmarks.harness.report``): cell templates, tables by part, a study's ``report:`` /
+``figure:`` written by the runner."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.harness import report, studies
+from benchmarks.harness.runner import Study
+
+
+def test_cell_fills_formats_and_marks_missing_fields():
+    row = {"ms": 1.23456, "nbytes": 3 * 2**20, "name": "a|b", "none": None}
+    assert report.cell("**{ms:.2f}**", row) == "**1.23**"
+    assert report.cell("{nbytes!M:.1f}", row) == "3.0"
+    assert report.cell("{name}", row) == "a\\|b"
+    assert report.cell("{none:.1f}", row) == "-"
+    assert report.cell("{absent} x", row) == "-"
+
+
+def test_fmt_reads_each_kind_of_value():
+    assert [report.fmt(v) for v in (None, float("nan"), True, 12345, 0.0, 0.001, 1.5, 123.45, 12345.6, "x")] == [
+        "-", "-", "yes", "12,345", "0", "1.0e-03", "1.500", "123.5", "12,346", "x"]
+
+
+def test_table_takes_templates_or_keys():
+    rows = [{"a": 1, "b": 2.5, "section": "s"}, {"a": 2}]
+    assert report.table(rows, {"A": "{a}", "B": "{b:.1f}"}) == ["| A | B |", "|---|---|", "| 1 | 2.5 |", "| 2 | - |", ""]
+    assert report.table(rows, ["b", "zzz"]) == ["| b |", "|---|", "| 2.500 |", "| - |", ""]
+    assert report.table(rows, [])[0] == "| a | b |"
+    assert report.table([], ["a"]) == []
+
+
+def test_markdown_splits_rows_by_part_with_titles_and_fills_the_intro():
+    spec = {"title": "T {n}", "intro": "on {n} windows", "columns": {"x": "{x}"}, "by": "part",
+            "titles": {"p2": "Second", "p1": "First", "p3": "None here"}}
+    rows = [{"part": "p1", "x": 1}, {"part": "p2", "x": 2}, {"part": "p1", "x": 3}]
+    assert report.markdown(spec, rows, {"n": 4}).split("\n") == [
+        "# T 4", "", "on 4 windows", "", "## Second", "", "| x |", "|---|", "| 2 |", "", "## First", "", "| x |",
+        "|---|", "| 1 |", "| 3 |", ""]
+
+
+def test_a_study_with_a_report_and_figure_in_its_yaml_writes_both(tmp_path, monkeypatch):
+    (tmp_path / "toy.yaml").write_text(
+        "sizes: {default: {n: 3}}\nreport: {title: 'Toy of {n}', columns: {k: '{k}', y: '{y:.2f}'}}\n"
+        "figure: {x: k, y: y, series: s, panels: [p], xlog: 2, hline: 1.0}\n")
+    monkeypatch.setattr(studies, "STUDIES", tmp_path)
+    studies._read.cache_clear()
+
+    def rows(run):
+        for k in range(1, run["n"] + 1):
+            yield {"k": k, "y": k / 3, "s": "a", "p": 1}
+
+    out = tmp_path / "out" / "toy"
+    (tmp_path / "out").mkdir()
+    assert Study("toy", "A toy.", rows).main(["--out", str(out)]) == 0
+    md = (tmp_path / "out" / "toy.md").read_text().split("\n")
+    assert md[:6] == ["# Toy of 3", "", "| k | y |", "|---|---|", "| 1 | 0.33 |", "| 2 | 0.67 |"]
+    assert (tmp_path / "out" / "toy.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(json.loads((tmp_path / "out" / "toy.json").read_text())["rows"]) == 3
+    studies._read.cache_clear()
+
+
+@pytest.mark.parametrize("result", ["smollm2_speed_2k_b1", "smollm2_speed_8k_b8_hf"])
+def test_smollm2_speed_report_reads_its_committed_rows(result):
+    rows = json.loads((studies.STUDIES.parents[1] / "results" / f"{result}.json").read_text())["rows"]
+    text = report.markdown(studies.load("smollm2_speed")["report"], rows)
+    assert text.split("\n")[0] == "# SmolLM2-135M-Instruct: decode speed of compressed caches"
+    assert text.count("\n| ") == len(rows) + 1
+    assert f"**{rows[0]['decode_vs_full']:.2f}**" in text

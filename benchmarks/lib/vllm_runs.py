@@ -33,20 +33,27 @@ def ppl(lp: Sequence[float]) -> float:
 
 
 @torch.no_grad()
+def reference(folder: Path, ids: Sequence[int], prompt: Sequence[int], new: int):
+    """transformers on ``folder`` (fp32): its log-probabilities of ``ids`` and its greedy ``new`` tokens after
+    ``prompt`` (none for ``new`` 0)."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    lp = logprobs_of(ref(torch.tensor([list(ids)])).logits[0], ids)
+    if not new:
+        return lp, []
+    g = ref.generate(torch.tensor([list(prompt)]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    return lp, g[0, len(prompt):].tolist()  # (prompt + new,) -> the new tokens
+
+
+@torch.no_grad()
 def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int, max_model_len: int,
             ours_logits: Optional[torch.Tensor] = None, ours_greedy: Optional[list[int]] = None,
             ref_dir: Optional[Path] = None, kernel_rope: bool = True) -> dict[str, Any]:
     """vLLM on the (padded) export ``hf_dir`` against transformers on ``ref_dir`` (the unpadded export; default
     ``hf_dir``) and ours (``ours_logits`` (T, V) on ``ids``, ``ours_greedy`` after ``prompt``), on ``ids``."""
-    ref = transformers.AutoModelForCausalLM.from_pretrained(ref_dir or hf_dir, dtype=torch.float32).eval()
-    x = torch.tensor([list(ids)])  # (1, T)
-    lp = {"transformers": logprobs_of(ref(x).logits[0], ids)}
+    ref_lp, ref_greedy = reference(ref_dir or hf_dir, ids, prompt, new)
+    lp, greedy = {"transformers": ref_lp}, {"transformers": ref_greedy}
     if ref_dir is not None:
-        padded = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-        lp["transformers_padded"] = logprobs_of(padded(x).logits[0], ids)
-    p = torch.tensor([list(prompt)])
-    g_ref = ref.generate(p, max_new_tokens=new, min_new_tokens=new, do_sample=False)  # (1, prompt + new)
-    greedy = {"transformers": g_ref[0, len(prompt):].tolist()}
+        lp["transformers_padded"] = reference(hf_dir, ids, prompt, 0)[0]
     if ours_logits is not None:
         lp["ours"] = logprobs_of(ours_logits, ids)
     if ours_greedy is not None:

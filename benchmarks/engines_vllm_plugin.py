@@ -6,17 +6,14 @@ model's largest batch in one KV budget; the padded 512 + 64 route (vLLM without 
     python -m benchmarks.engines_vllm_plugin --skip-124m --context 128 --trained RUNS/tiny_ds_mha/last.ckpt ...
     python -m benchmarks.engines_vllm_plugin --join A.json B.json --out results/engines_vllm_plugin
 
-Models: the 124M shapes of ``ds_mha`` (standard attention in the DeepSeek layout, exported as a Llama), ``ds_mla``,
-``ds_mla_kvsplice_50`` / ``_90`` with random weights (seed 0: exactness and speed do not depend on training), and
-the ``--trained`` tiny checkpoints; KVSplice-90 also padded to 512 + 64 and run without the plugin (what vLLM
-serves today). Per model one vLLM engine (fp32, eager): greedy ``--new`` tokens after 8 and the log-probability of
-each of 96 tokens, batched with three other prompts, against transformers on the unpadded export; its cache-token
-count for the budget (what ``--mha-seqs`` full sequences of the group's standard attention need); then as many
-random ``--context``-token sequences as that cache holds, stepped by hand: decode tokens/s after the last prefill.
-``--repeats N``: each ratio's median and spread (min–max) at the median decode step and over all decode steps, and
-the 1-minute load average sampled during each run; the table shows the run nearest the median. ``--join``: the rows
-of earlier runs' JSON files in one report (no vLLM run). Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON`` or
-``build/vllm-venv``; docs/vllm.md).
+Models: the 124M shapes of ``ds_mha`` (standard attention, exported as a Llama), ``ds_mla``, ``ds_mla_kvsplice_50``
+/ ``_90`` with random weights (seed 0: exactness and speed do not depend on training) and the ``--trained`` tiny
+checkpoints; KVSplice-90 also padded to 512 + 64 without the plugin (what vLLM serves today). Per model one vLLM
+engine (fp32, eager): greedy ``--new`` tokens after 8 and the log-probabilities of 96 tokens against transformers;
+its cache tokens for the budget (``--mha-seqs`` full sequences of the group's standard attention); as many random
+``--context``-token sequences as that holds, stepped by hand: decode tokens/s after the last prefill. ``--repeats``:
+each ratio's median and spread, the load average during each run; the table shows the run nearest the median.
+``--join``: earlier runs' JSON files in one report. Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON``; docs/vllm.md).
 """
 
 from __future__ import annotations

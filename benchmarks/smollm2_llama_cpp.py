@@ -8,7 +8,7 @@ figures from ``results/`` (the same windows and seeds).
     python -m benchmarks.smollm2_llama_cpp --ours k8v4h int4h    # + our stacks on protocol P (loads the model)
     python -m benchmarks.smollm2_llama_cpp --types --tasks --exact-bytes --cross-check q8_0 f16
                       # bytes at 2^15 cells (exact in llama.cpp's log); llama-perplexity itself beside our API path
-    python -m benchmarks.smollm2_llama_cpp --resume --force --types   # the report again from what is finished
+    python -m benchmarks.smollm2_llama_cpp --report-only --resume --force   # the report from what is finished
 
 ``--resume`` keeps every finished row (a type's protocol P, an instance's answer, ...) and measures the rest. Our
 extra task rows (``k8v4h``, ``int4`` at llama.cpp's bytes) come from ``OURS_TASKS_CMD`` (``eval-tasks``), read when
@@ -45,6 +45,7 @@ def options(ap) -> None:
                     help="run llama-perplexity itself with these types beside our API path (2 chunks of 1,024)")
     ap.add_argument("--exact-bytes", action="store_true",
                     help="read each type's cache per token at 2^15 cells (exact MiB in llama.cpp's log)")
+    ap.add_argument("--report-only", action="store_true", help="the report from --resume's JSON; measure nothing")
 
 
 def rows(run):
@@ -62,7 +63,7 @@ def rows(run):
     except ValueError as e:
         raise UsageError(str(e)) from None
     yield from run.done
-    if not (a.types or a.cross_check or a.ours):
+    if a.report_only or not (a.types or a.cross_check or a.ours):
         return
     why = missing(converter=False, bindings=True) if a.types or a.cross_check else None
     if not next(MODEL.glob("*.gguf"), None) or why:

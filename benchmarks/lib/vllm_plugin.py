@@ -105,26 +105,25 @@ def one_run(shapes, trained, *, mha_seqs: int, context: int, new: int, previous=
         shutil.rmtree(work, ignore_errors=True)
 
 
-class LoadSampler:
+class LoadSampler(threading.Thread):
     """The 1-minute load average every ``every`` seconds while in its ``with`` block (the CPU is shared: the
     conditions a run was measured under)."""
 
     def __init__(self, every: float = 5.0) -> None:
-        self.every, self.samples = every, [os.getloadavg()[0]]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
+        super().__init__(daemon=True)
+        self.every, self.samples, self.done = every, [os.getloadavg()[0]], threading.Event()
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.every):
+    def run(self) -> None:
+        while not self.done.wait(self.every):
             self.samples.append(os.getloadavg()[0])
 
     def __enter__(self) -> "LoadSampler":
-        self._thread.start()
+        self.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2 * self.every)
+        self.done.set()
+        self.join(timeout=2 * self.every)
         self.samples.append(os.getloadavg()[0])
 
     def summary(self) -> dict[str, float]:

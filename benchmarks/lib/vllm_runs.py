@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 import torch
 import transformers
 
-from benchmarks.lib.engines import export
+from benchmarks.lib.engines import export, trained as trained_export
 from kvsplice.convert.engines import vllm as vllm_engine
 
 PAD = (512, 64)
@@ -87,15 +87,8 @@ def trained(ckpt: Path, text: str, *, tokens: int = 96, new: int = 32, work: Opt
             kernel_rope: bool = True) -> dict[str, Any]:
     """A trained DS-layout checkpoint: ours, transformers (unpadded export), vLLM (export padded to 512 + 64;
     ``kernel_rope``: also with vLLM's CPU RoPE op)."""
-    from models.checkpoint import load_gpt_checkpoint
-
-    model, cfg, meta = load_gpt_checkpoint(ckpt)
-    model.eval()
-    work = Path(work or tempfile.mkdtemp(prefix="engines_vllm_"))
-    export(ckpt, work / "hf", "deepseek_v3")
+    model, cfg, meta, work, ids = trained_export(ckpt, text, tokens, work, "engines_vllm_")
     export(ckpt, work / "hf_padded", "deepseek_v3", PAD)
-    tok = transformers.AutoTokenizer.from_pretrained(work / "hf")
-    ids = tok(text)["input_ids"][: min(tokens, cfg.block_size)]
     prompt = ids[:8]
     g_ours = model.generate(torch.tensor([prompt]), new, temperature=0.0)[0, 8:].tolist()
     out = compare(work / "hf_padded", ids, prompt, new=new, max_model_len=cfg.block_size,

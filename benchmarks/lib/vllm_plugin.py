@@ -19,6 +19,7 @@ import torch
 from benchmarks.lib.engines import export_model
 from benchmarks.lib.vllm_runs import PAD, reference
 from kvsplice.convert.engines import vllm as vllm_engine
+from kvsplice.report.memory import cache_bytes_formula
 
 SHAPES = ("ds_mha", "ds_mla", "ds_mla_kvsplice_50", "ds_mla_kvsplice_90")
 SCORED, PROMPT = 96, 8
@@ -35,10 +36,9 @@ SLACK = 2 * BLOCK
 null block and counts whole blocks."""
 
 
-def bytes_per_token(cfg, dtype_bytes: int = 4) -> int:
-    """The formula: MHA caches K and V (2 · d_model per layer), MLA its latent + RoPE key row."""
-    row = 2 * cfg.n_head * cfg.head_size if cfg.attention == "mha" else cfg.d_cached_latent + cfg.qk_rope_head_dim
-    return cfg.n_layer * row * dtype_bytes
+def bytes_per_token(cfg) -> int:
+    """The formula in fp32: MHA caches K and V (2 · d_model per layer), MLA its latent + RoPE key row."""
+    return cache_bytes_formula(cfg, 1, torch.float32)
 
 
 def measure(name: str, folder: Path, ref_dir: Path, cfg, *, budget: int, context: int, new: int, plugin: bool,

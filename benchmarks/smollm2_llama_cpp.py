@@ -11,17 +11,14 @@ figures from ``results/`` (the same windows and seeds).
     python -m benchmarks.smollm2_llama_cpp --report-only --resume --force   # the report from what is finished
 
 ``--resume`` keeps every finished row (a type's protocol P, an instance's answer, ...) and measures the rest. Our
-extra task rows (``k8v4h``, ``int4`` at llama.cpp's bytes) come from ``OURS_TASKS_CMD`` (``eval-tasks``), read when
-its output exists; our other rows from ``results/smollm2_frontier.json``, ``smollm2_tasks.json`` and
-``smollm2_tasks_goals.json``.
+rows come from ``results/smollm2_frontier.json``, ``smollm2_tasks.json``, ``smollm2_tasks_goals.json`` and, when its
+output exists, ``OURS_TASKS_CMD`` (``k8v4h``, ``int4`` at llama.cpp's bytes on the same instances).
 
-llama.cpp runs through its C API (:mod:`kvsplice.convert.engines.llama_cpp`, ``$KVSPLICE_LLAMA_CPP``; docs/conversion.md
-builds it) on the shared GGUF itself (its Q4_1 weights: what our loader dequantises to fp32), fed our tokenizer's ids.
-K and V both in the type, flash attention on for every type (llama.cpp quantises V only with it). Protocol P
-(:mod:`benchmarks.lib.llama_cpp_eval`): the 4 validation windows of 1,024 tokens of ``benchmarks.lib.smollm2_windows``,
-768 prefilled, 256 decoded in chunks of 64 and scored. Tasks: ``make_instances`` with the suite's seeds 0..n-1 and the
-validation stories, greedy, scored by the instance. Bytes per token: llama.cpp's log line at context creation
-(``llama_kv_cache: size = ... K (q8_0): ... MiB, V (q8_0): ... MiB``) over its cells, beside ggml's closed form
+llama.cpp runs through its C API (:mod:`kvsplice.convert.engines.llama_cpp`, ``$KVSPLICE_LLAMA_CPP``) on the shared
+GGUF itself (its Q4_1 weights: what our loader dequantises to fp32), fed our tokenizer's ids; K and V in the type,
+flash attention on (llama.cpp quantises V only with it). Protocol P and the tasks: :mod:`benchmarks.lib.llama_cpp_eval`
+on the windows of ``benchmarks.lib.smollm2_windows`` and the suite's instances (seeds 0..n-1, validation stories).
+Bytes per token: llama.cpp's log line at context creation (K and V MiB) over its cells, beside ggml's closed form
 (:mod:`kvsplice.convert.engines.kv_types`).
 """
 

@@ -28,10 +28,6 @@ def logprobs_of(logits: torch.Tensor, ids: Sequence[int]) -> list[float]:
     return torch.log_softmax(logits[:-1].double(), -1).gather(1, t[1:, None])[:, 0].tolist()  # (T-1,)
 
 
-def ppl(lp: Sequence[float]) -> float:
-    return math.exp(-sum(lp) / len(lp))
-
-
 @torch.no_grad()
 def reference(folder: Path, ids: Sequence[int], prompt: Sequence[int], new: int):
     """transformers on ``folder`` (fp32): its log-probabilities of ``ids`` and its greedy ``new`` tokens after
@@ -70,7 +66,7 @@ def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int
     d_lp = {k: max(abs(a - b) for a, b in zip(lp[k], lp["transformers"])) for k in lp if k != "transformers"}
     first_bad = {k: next((i for i, (a, b) in enumerate(zip(lp[k], lp["transformers"])) if abs(a - b) > 1e-3), None)
                  for k in lp if k != "transformers"}
-    return {"tokens": len(ids), "new": new, "perplexity": {k: ppl(x) for k, x in lp.items()},
+    return {"tokens": len(ids), "new": new, "perplexity": {k: math.exp(-sum(x) / len(x)) for k, x in lp.items()},
             "max_abs_logprob_diff_vs_transformers": d_lp,
             "first_position_off_by_1e-3": first_bad,  # 0-based position whose next-token prediction is off
             "greedy": greedy,

@@ -1,18 +1,14 @@
 """The seed's capacity claim ("KVSplice 90 %: ~11,700 parallel sequences in 24 GB at 1,024 tokens, 18x throughput")
 measured in llama.cpp on this CPU, for DeepSeek-V3-layout models at GPT-2-124M shapes (12 layers, d 768, 12 heads of
-64, SwiGLU 3072, GPT-2's tokenizer) with RANDOM weights (speed and memory do not depend on them):
+64, SwiGLU 3072, GPT-2's tokenizer) with RANDOM weights (speed and memory do not depend on them): standard attention
+(a Llama export: K and V, 2 x 768 numbers per token and layer) and MLA with a latent of 256, 128 (KVSplice-50) or 26
+(KVSplice-90) + one 64-dim RoPE key, each a DeepSeek-V3 folder through llama.cpp's converter + ``to_gguf``'s post-step.
 
-* standard attention (exported as a Llama: K and V per head, 2 x 768 numbers per token and layer);
-* MLA, latent 256 + one 64-dim RoPE key; KVSplice-50 = latent 128 + 64; KVSplice-90 = latent 26 + 64 (
-  "26 + 64"), each a DeepSeek-V3 folder through llama.cpp's own converter + ``kvsplice.to_gguf``'s post-step.
-
-Per model and context (``--ctx``, default 1k and 4k): llama.cpp's own KV cache size per token (f16, from its log),
-the largest number of parallel sequences of that many tokens its cache holds in ``--budget-gib``, and decode
-tokens/s from ``llama-batched-bench`` at that batch -- capped at ``LLAMA_MAX_SEQ`` (256), the most sequences one
-llama.cpp context decodes at once -- with flash attention on and off (``-fa``), interleaved repeats, medians; each
-model's figure is its faster setting. The prompt is prefilled once and copied into every sequence's own cache stream
-(``-pps``, a non-unified cache): each sequence holds ``ctx`` real cells and every decode step attends over all of
-them, at the cost of one prefill instead of thousands. What bounds decode on a CPU: docs/conversion.md.
+Per model and context (``--ctx``): llama.cpp's own f16 KV bytes per token (its log), the most parallel sequences of
+that many tokens in ``--budget-gib``, and decode tokens/s from ``llama-batched-bench`` at that batch (capped at
+``LLAMA_MAX_SEQ``, 256: the most one context decodes at once), ``-fa`` on and off, interleaved repeats, medians; each
+model at its faster setting. The prompt is prefilled once and copied into every sequence's own cache stream (``-pps``):
+every decode step attends over ``ctx`` real cells per sequence. What bounds decode on a CPU: docs/conversion.md.
 
     KVSPLICE_LLAMA_CPP=... python -m benchmarks.engine_serving [--smoke]
 """

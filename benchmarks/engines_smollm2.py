@@ -11,7 +11,6 @@ the plugin when ``build/vllm-venv`` has it), and a real latent RMSNorm (``--late
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 
 from benchmarks.harness.paths import DATA
 from benchmarks.harness.runner import Study
+from benchmarks.lib.engines import in_llama_cpp, ppl
 
 
 def options(p) -> None:
@@ -40,7 +40,7 @@ def rows(run):
     from kvsplice.convert.deepseek_v3 import save_deepseek_v3
     from kvsplice.convert.engines import vllm
     from kvsplice.convert.engines.gguf_convert import hf_to_gguf
-    from kvsplice.convert.engines.llama_cpp import LlamaCppModel, missing
+    from kvsplice.convert.engines.llama_cpp import missing
     from kvsplice.convert.llama_mla import calibrate_layers, convert_llama
     from kvsplice.loading import iter_texts, load_model, token_stream
     from kvsplice.lowrank.calibrate import calibration_batches
@@ -59,10 +59,6 @@ def rows(run):
     cal, _ = token_stream(iter_texts(args.calib), tok, run["calib_tokens"])
     prompt = list(tok.encode("Once upon a time"))
 
-    def nll_ppl(logits) -> float:
-        lg = torch.as_tensor(logits).float()
-        return math.exp(torch.nn.functional.cross_entropy(lg[:-1], ev[1:]).item())
-
     @torch.no_grad()
     def torch_row(name, m, kv_bytes=None):
         out = m(ev[None])
@@ -72,7 +68,7 @@ def rows(run):
             o = m(g)
             g = torch.cat([g, (o.logits if hasattr(o, "logits") else o)[:, -1:].argmax(-1)], 1)
         new = g[0, len(prompt):].tolist()
-        row = {"name": name, "ppl": nll_ppl(lg), "greedy": new, "kv_bytes_per_token": kv_bytes,
+        row = {"name": name, "ppl": ppl(lg, ev), "greedy": new, "kv_bytes_per_token": kv_bytes,
                "greedy_text": tok.backend.decode(new)}
         log(name, f"ppl {row['ppl']:.3f}")
         return row
@@ -97,12 +93,9 @@ def rows(run):
             g = work / f"dsv3-{outtype}.gguf"
             added = hf_to_gguf(ds_dir, g, outtype=outtype)
             log("gguf", outtype, added)
-            with LlamaCppModel(g, n_ctx=run["eval_tokens"], cache_type="f16") as lm:
-                greedy = lm.greedy(prompt, n_greedy)
-                row = {"name": f"same export in llama.cpp ({outtype} GGUF, f16 KV cache)",
-                       "ppl": nll_ppl(lm.logits(ev.tolist())), "greedy": greedy,
-                       "kv_bytes_per_token": lm.kv_bytes_per_token, "kv_cache": lm.kv_cache(),
-                       "post_step_added": added, "greedy_text": tok.backend.decode(greedy)}
+            row = {"name": f"same export in llama.cpp ({outtype} GGUF, f16 KV cache)",
+                   **in_llama_cpp(g, ev.tolist(), prompt, n_greedy, n_ctx=run["eval_tokens"]), "post_step_added": added}
+            row["greedy_text"] = tok.backend.decode(row["greedy"])
             log(row["name"], f"ppl {row['ppl']:.3f}", row["kv_bytes_per_token"])
             yield row
     if vllm.missing() is None:  # the plugin's latent cache, fp32 (4 bytes a number)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -24,53 +22,39 @@ import transformers
 
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.runner import Study
-from benchmarks.lib.engines import export
+from benchmarks.lib.engines import in_llama_cpp, ppl, trained
 from kvsplice.convert.engines import gguf_convert, llama_cpp
 from kvsplice.report.memory import cache_bytes_formula, measure_cache
-from models.checkpoint import load_gpt_checkpoint
 
 
 BYTES_CELLS = 65536
 """Cells of the cache whose size llama.cpp reports (in MiB to 2 decimals: ± 0.005 MiB / 65,536 = ± 0.08 B a token)."""
 
 
-def _ppl(logits: torch.Tensor, ids: torch.Tensor) -> float:
-    """Perplexity of ``ids`` (T,) under next-token ``logits`` (T, V)."""
-    return math.exp(torch.nn.functional.cross_entropy(logits[:-1].float(), ids[1:]).item())
-
-
 @torch.no_grad()
 def compare(ckpt: Path, text: str, *, tokens: int = 128, new: int = 64, work: Optional[Path] = None) -> dict[str, Any]:
     """Export + convert ``ckpt`` under ``work`` and compare the three engines on ``text`` (see the module)."""
-    model, cfg, _ = load_gpt_checkpoint(ckpt)
-    model.eval()
-    work = Path(work or tempfile.mkdtemp(prefix="engines_trained_"))
-    fmt = "llama" if cfg.attention == "mha" else "deepseek_v3"
-    export(ckpt, work / "hf", fmt)
+    from training.export import export_kind
+
+    model, cfg, _, work, ids = trained(ckpt, text, tokens, work, "engines_trained_")
     gguf_convert.hf_to_gguf(work / "hf", work / "model.gguf")
-    tok = transformers.AutoTokenizer.from_pretrained(work / "hf")
-    ids = torch.tensor(tok(text)["input_ids"][:tokens])  # (T,)
     hf = transformers.AutoModelForCausalLM.from_pretrained(work / "hf", dtype=torch.float32).eval()
-    logits_ours = model(ids[None])[0]  # (T, V)
-    prompt = ids[:8]
-    g_ours = model.generate(prompt[None], new, temperature=0.0)[0, 8:].tolist()  # our decode cache
-    g_hf = hf.generate(prompt[None], max_new_tokens=new, do_sample=False, min_new_tokens=new)[0, 8:].tolist()
-    with llama_cpp.LlamaCppModel(work / "model.gguf", n_ctx=max(tokens, 8 + new) + 8, cache_type="f16") as lm:
-        p_cpp = _ppl(torch.as_tensor(lm.logits(ids.tolist())), ids)
-        g_cpp = lm.greedy(prompt.tolist(), new)
+    x, prompt = torch.tensor([ids]), torch.tensor([ids[:8]])  # (1, T), (1, 8)
+    g_ours = model.generate(prompt, new, temperature=0.0)[0, 8:].tolist()  # our decode cache
+    g_hf = hf.generate(prompt, max_new_tokens=new, do_sample=False, min_new_tokens=new)[0, 8:].tolist()
+    cpp = in_llama_cpp(work / "model.gguf", ids, ids[:8], new, n_ctx=max(len(ids), 8 + new) + 8)
     # llama.cpp reports its cache in MiB to 2 decimals: the bytes per token read off many cells
     with llama_cpp.LlamaCppModel(work / "model.gguf", n_ctx=BYTES_CELLS, cache_type="f16") as lm:
         cpp_bytes = lm.kv_bytes_per_token
     half = copy.deepcopy(model).half()
-    cache = half.new_cache(1, capacity=tokens)
-    half(ids[None], cache=cache)
-    ours_bytes = measure_cache(cache).live_bytes / tokens
-    p = {"ours": _ppl(logits_ours, ids), "transformers": _ppl(hf(ids[None]).logits[0], ids), "llama.cpp": p_cpp}
-    return {"ckpt": str(ckpt), "variant": cfg.variant, "format": fmt, "tokens": int(ids.numel()), "perplexity": p,
-            "max_rel_ppl_diff": max(abs(v / p["ours"] - 1) for v in p.values()),
-            "greedy": {"ours": g_ours, "transformers": g_hf, "llama.cpp": g_cpp},
-            "greedy_equal": g_ours == g_hf == g_cpp,
-            "kv_bytes_per_token": {"ours_f16": ours_bytes, "llama.cpp_f16": cpp_bytes,
+    cache = half.new_cache(1, capacity=len(ids))
+    half(x, cache=cache)
+    p = {"ours": ppl(model(x)[0], ids), "transformers": ppl(hf(x).logits[0], ids), "llama.cpp": cpp["ppl"]}
+    return {"ckpt": str(ckpt), "variant": cfg.variant, "format": export_kind(cfg), "tokens": len(ids),
+            "perplexity": p, "max_rel_ppl_diff": max(abs(v / p["ours"] - 1) for v in p.values()),
+            "greedy": {"ours": g_ours, "transformers": g_hf, "llama.cpp": cpp["greedy"]},
+            "greedy_equal": g_ours == g_hf == cpp["greedy"],
+            "kv_bytes_per_token": {"ours_f16": measure_cache(cache).live_bytes / len(ids), "llama.cpp_f16": cpp_bytes,
                                    "formula_f16": cache_bytes_formula(cfg, 1, torch.float16),
                                    "llama.cpp_rounding": 0.005 * 2 ** 20 / BYTES_CELLS}}
 

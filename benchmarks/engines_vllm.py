@@ -6,14 +6,12 @@ per-token log-probabilities, perplexity, the backend vLLM picked and the KV cach
     python -m benchmarks.engines_vllm --smollm2 --resume --force   # a row beside the earlier one
     python -m benchmarks.engines_vllm --resume --force              # only results/engines_vllm.md again
 
-``--ckpt``: a trained ``deepseek_v3``-layout MLA / KVSplice checkpoint, exported twice with ``training.export``:
-unpadded (transformers' reference) and padded to 512 + 64 (``--pad-latent 512 --pad-rope 64``, the only row vLLM's
-CPU MLA kernel takes). ``--smollm2``: the shared SmolLM2-135M GGUF converted (``to_mla``, latent 128 + 64 shared RoPE,
-8,192 calibration tokens of TinyStoriesV2) and exported unpadded (transformers' reference) and padded to 512 + 64.
-Each export runs in vLLM twice: with vLLM's RoPE as PyTorch code (the runner's default) and with its CPU C++ RoPE op
-(``native_rope=False``), which mis-indexes MLA's strided query / key slices (:mod:`kvsplice.convert.engines.vllm_worker`).
-One row per model (by its ``name``; ``--resume`` keeps the others) in results/engines_vllm.{json,md}, written by the
-runner. Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON`` or ``build/vllm-venv``; docs/conversion.md).
+``--ckpt``: a trained ``deepseek_v3``-layout MLA / KVSplice checkpoint; ``--smollm2``: the shared SmolLM2-135M GGUF
+converted (``to_mla``, latent 128 + 64 shared RoPE, 8,192 calibration tokens of TinyStoriesV2). Each is exported
+unpadded (transformers' reference) and padded to 512 + 64 (the only row vLLM's CPU MLA kernel takes), which runs in
+vLLM with its RoPE as PyTorch code (the default) and with its CPU C++ RoPE op (``native_rope=False``: it mis-indexes
+MLA's strided query / key slices, :mod:`kvsplice.convert.engines.vllm_worker`). One row per model (by ``name``;
+``--resume`` keeps the others). Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON`` or ``build/vllm-venv``).
 """
 
 from __future__ import annotations

@@ -4,46 +4,36 @@ the task suite's answers on the same instances, and the cache bytes per token ll
 figures from ``results/`` (the same windows and seeds).
 
     python -m benchmarks.smollm2_llama_cpp                       # perplexity + the reduced task set, every type
-    python -m benchmarks.smollm2_llama_cpp --types q8_0 q4_0     # some types (another process can run the others)
+    python -m benchmarks.smollm2_llama_cpp --types q8_0 q4_0     # some types
     python -m benchmarks.smollm2_llama_cpp --ours k8v4h int4h    # + our stacks on protocol P (loads the model)
     python -m benchmarks.smollm2_llama_cpp --types --tasks --exact-bytes --cross-check q8_0 f16
                       # bytes at 2^15 cells (exact in llama.cpp's log); llama-perplexity itself beside our API path
-    python -m benchmarks.smollm2_llama_cpp --report-only         # write results/ from what is finished
+    python -m benchmarks.smollm2_llama_cpp --report-only --resume --force   # the report from what is finished
 
-Our extra task rows (``k8v4h``, ``int4`` at llama.cpp's bytes) come from ``OURS_TASKS_CMD`` (``eval_tasks``), read
-when its output exists; our other rows from ``results/smollm2_frontier.json``, ``smollm2_tasks.json`` and
-``smollm2_tasks_goals.json``.
+``--resume`` keeps every finished row (a type's protocol P, an instance's answer, ...) and measures the rest. Our
+rows come from ``results/smollm2_frontier.json``, ``smollm2_tasks.json``, ``smollm2_tasks_goals.json`` and, when its
+output exists, ``OURS_TASKS_CMD`` (``k8v4h``, ``int4`` at llama.cpp's bytes on the same instances).
 
-llama.cpp runs through its C API (:mod:`kvsplice.convert.engines.llama_cpp`, ``$KVSPLICE_LLAMA_CPP``; docs/conversion.md
-builds it) on the shared GGUF itself (its Q4_1 weights: what our loader dequantises to fp32), fed our tokenizer's ids.
-K and V both in the type, flash attention on for every type (llama.cpp quantises V only with it). Protocol P
-(:mod:`benchmarks.lib.llama_cpp_eval`): the 4 validation windows of 1,024 tokens of ``benchmarks.lib.smollm2_windows``,
-768 prefilled, 256 decoded in chunks of 64 and scored. Tasks: ``make_instances`` with the suite's seeds 0..n-1 and the
-validation stories, greedy, scored by the instance. Bytes per token: llama.cpp's log line at context creation
-(``llama_kv_cache: size = ... K (q8_0): ... MiB, V (q8_0): ... MiB``) over its cells, beside ggml's closed form
-(:mod:`kvsplice.convert.engines.kv_types`). Resumable: finished windows and instances are kept in
-``checkpoints/smollm2_llama_cpp/<type>.json``; writes ``results/smollm2_llama_cpp.{json,md}``.
+llama.cpp runs through its C API (:mod:`kvsplice.convert.engines.llama_cpp`, ``$KVSPLICE_LLAMA_CPP``) on the shared
+GGUF itself (its Q4_1 weights: what our loader dequantises to fp32), fed our tokenizer's ids; K and V in the type,
+flash attention on (llama.cpp quantises V only with it). Protocol P and the tasks: :mod:`benchmarks.lib.llama_cpp_eval`
+on the windows of ``benchmarks.lib.smollm2_windows`` and the suite's instances (seeds 0..n-1, validation stories).
+Bytes per token: llama.cpp's log line at context creation (K and V MiB) over its cells, beside ggml's closed form
+(:mod:`kvsplice.convert.engines.kv_types`).
 """
 
 from __future__ import annotations
 
-import sys
-import time
-from pathlib import Path
-from typing import Optional
-
-from benchmarks.harness.options import add_progress, add_threads, command, parser
-from benchmarks.harness.paths import EVAL as STORIES, RESULTS, SMOLLM2 as MODEL
-from benchmarks.lib.smollm2_llama_cpp_runs import TASKS, TYPES, _windows, cross_check, exact_bytes, run_ours, run_type
+from benchmarks.harness.options import UsageError
+from benchmarks.harness.paths import EVAL as STORIES, SMOLLM2 as MODEL
+from benchmarks.harness.runner import Study
+from benchmarks.lib import smollm2_llama_cpp as lib
 
 
-@command
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = parser(__file__, __doc__, raw=True)
-    ap.add_argument("--types", nargs="*", default=TYPES,
-                    help="llama.cpp cache types, K and V both (default: %(default)s)")
+def options(ap) -> None:
+    ap.add_argument("--types", nargs="*", default=lib.TYPES, help="llama.cpp cache types, K and V both (default: all)")
     ap.add_argument("--no-perplexity", dest="perplexity", action="store_false", help="skip protocol P")
-    ap.add_argument("--tasks", nargs="*", default=TASKS, help="suite tasks (none: no task rows)")
+    ap.add_argument("--tasks", nargs="*", default=lib.TASKS, help="suite tasks (none: no task rows)")
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024])
     ap.add_argument("--n", type=int, default=8, help="instances per task and length, seeds 0..n-1 (default 8)")
     ap.add_argument("--settings", nargs="+", default=["agnostic"], choices=("agnostic", "aware"))
@@ -52,49 +42,94 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="run llama-perplexity itself with these types beside our API path (2 chunks of 1,024)")
     ap.add_argument("--exact-bytes", action="store_true",
                     help="read each type's cache per token at 2^15 cells (exact MiB in llama.cpp's log)")
-    add_threads(ap)
-    ap.add_argument("--results", default=str(RESULTS))
-    ap.add_argument("--report-only", action="store_true")
-    add_progress(ap)
-    a = ap.parse_args(argv)
+    ap.add_argument("--report-only", action="store_true", help="the report from --resume's JSON; measure nothing")
+
+
+def rows(run):
+    """The resumed rows, then per type its cache, protocol P and answers; the exact bytes, the cross-checks, ours."""
+    from types import SimpleNamespace
+
+    import benchmarks.lib.smollm2_windows as C
     from kvsplice.convert.engines.kv_types import kv_type
     from kvsplice.convert.engines.llama_cpp import missing
 
+    a = run.args
     try:
-        for t in a.types:
+        for t in a.types + a.cross_check:
             kv_type(t)
     except ValueError as e:
-        ap.error(str(e))
-    if not a.report_only:
-        why = missing(converter=False, bindings=True)
-        if why and a.types:
-            print(f"smollm2_llama_cpp: {why}", file=sys.stderr)
-            return 2
-        if not next(MODEL.glob("*.gguf"), None):
-            print(f"smollm2_llama_cpp: no GGUF under {MODEL}", file=sys.stderr)
-            return 2
-        from kvsplice.loading import load_tokenizer
-        from kvsplice.tasks.suite import make_instances
+        raise UsageError(str(e)) from None
+    yield from run.done
+    if a.report_only or not (a.types or a.cross_check or a.ours):
+        return
+    why = missing(converter=False, bindings=True) if a.types or a.cross_check else None
+    if not next(MODEL.glob("*.gguf"), None) or why:
+        raise UsageError(why or f"no GGUF under {MODEL}")
+    from kvsplice.loading import load_tokenizer
+    from kvsplice.tasks.suite import make_instances
 
-        t0 = time.perf_counter()
-        tok = load_tokenizer(MODEL)
-        windows = _windows(tok)
-        insts = make_instances(a.tasks, tok, a.lengths, a.n, stories=str(STORIES)) if a.tasks else []
-        print(f"windows {tuple(windows.shape)}, {len(insts)} instances ({time.perf_counter() - t0:.0f} s)", flush=True)
-        for kv in a.types:
-            run_type(kv, a, tok, windows, insts)
-        if a.exact_bytes:
-            exact_bytes(a.types)
-        for kv in a.cross_check:
-            cross_check(kv, a)
-        if a.ours:
-            run_ours(a.ours, a)
-    from benchmarks.lib.smollm2_llama_cpp_report import write_report
+    tok = load_tokenizer(MODEL)
+    windows = C.eval_windows(SimpleNamespace(tokenizer=tok))  # protocol P's (4, 1024) ids: only the tokenizer
+    insts = make_instances(a.tasks, tok, a.lengths, a.n, stories=str(STORIES)) if a.tasks and a.types else []
+    run.say(f"windows {tuple(windows.shape)}, {len(insts)} instances")
+    for kv in a.types:
+        yield from lib.type_rows(kv, run, tok, windows, insts)
+    for kv in a.types if a.exact_bytes else []:
+        if not run.previous(kind="cache", type=kv, cells=32768):
+            yield lib.exact_bytes(kv)
+    for kv in a.cross_check:
+        if not run.previous(kind="cross_check", type=kv):
+            yield lib.cross_check(kv, a.threads)
+    yield from lib.ours_rows([s for s in a.ours if not run.previous(kind="ours", spec=s)], windows)
 
-    write_report(TYPES, Path(a.results))
-    print(f"wrote {a.results}/smollm2_llama_cpp.{{json,md}}")
-    return 0
 
+def summary(run, rows) -> dict:
+    cache = lib.caches(rows)
+    run.notes.update(p=lib.p_table(rows, cache), tasks=lib.task_tables(rows, cache))
+    return {"protocol_P": run.notes["p"], "tasks": run.notes["tasks"]}
+
+
+def markdown(run, rows) -> str:
+    p = run.notes["p"]
+    f16 = next((r["ppl"] for r in p if r["label"] == "llama.cpp `f16` K+V"), None)
+    full = next((r["ppl"] for r in p if r["label"].startswith("ours: full")), None)
+    md = ["# llama.cpp's KV cache types beside our stacks (SmolLM2-135M-Instruct)", "",
+          "llama.cpp 0.3.36 (llama-cpp-python's vendored tree) through its C API on the shared Q4_1 GGUF, our tokenizer's "
+          "ids, K and V in the type, flash attention on; protocol P (4 validation windows of 1,024 tokens, 768 "
+          "prefilled, 256 decoded in chunks of 64 and scored). Bytes per token: llama.cpp's own log line at context "
+          "creation (K + V MiB over its cells) and ggml's closed form beside it; ours: each method's closed form at "
+          "fp16 storage per prompt token (results/).", "", "## Protocol P", "",
+          "| engine / cache | bytes / token | × smaller than fp16 | ppl | vs llama.cpp f16 | vs our full (fp32) |",
+          "|---|---:|---:|---:|---:|---:|"]
+    for r in p:
+        b = f"{r['bytes_per_token']:,.0f}"
+        if "formula" in r:  # llama.cpp's log over its cells, against ggml's closed form
+            b = f"{b} (= formula)" if r["bytes_per_token"] == r["formula"] else \
+                f"{r['bytes_per_token']:,.1f} (log at {r['cells']:,} cells; formula {r['formula']:,})"
+        md.append(f"| {r['label']} | {b} | {lib.FULL / r['bytes_per_token']:.2f} | {r['ppl']:.4f} | "
+                  + " | ".join(f"{100 * (r['ppl'] / ref - 1):+.2f} %" if ref else "" for ref in (f16, full)) + " |")
+    cc = [r for r in rows if r["kind"] == "cross_check"]
+    if cc:
+        md += ["", "Cross-check, llama.cpp's own tool against the C API path above (its protocol: chunks of 1,024 "
+               "tokens of llama.cpp's tokenisation, the second half scored):", "",
+               "| cache | `llama-perplexity` | C API, same chunks | command |", "|---|---:|---:|---|"]
+        md += [f"| `{r['type']}` | {r['llama_perplexity']:.4f} ± {r['pm']:.4f} | {r['api']:.4f} | `llama-perplexity "
+               f"-m GGUF -f VAL -c {r['n_ctx']} -b {r['n_ctx']} --chunks {r['chunks']} -fa on -ctk {r['type']} -ctv "
+               f"{r['type']} --no-repack` |" for r in cc]
+    for s, summ in run.notes["tasks"].items():
+        cells = sorted({c for v in summ.values() for c in v["cells"]})
+        names = sorted(summ, key=lambda k: -summ[k].get("bytes_per_token", 0))
+        md += ["", f"## Tasks, query-{s} (accuracy %, n per cell in brackets)", "",
+               "| task | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        md += [f"| {c} | " + " | ".join(f"{summ[n]['cells'][c][0]:.0f} ({summ[n]['cells'][c][1]})"
+                                       if c in summ[n]["cells"] else "" for n in names) + " |" for c in cells]
+        md.append("| **mean** | " + " | ".join(f"**{summ[n]['acc']:.1f}**" for n in names) + " |")
+        md.append("| bytes / token | " + " | ".join(f"{summ[n].get('bytes_per_token', 0):,.0f}" for n in names) + " |")
+    return "\n".join(md)
+
+
+STUDY = Study("smollm2_llama_cpp", __doc__, rows, options=options, summary=summary, markdown=markdown)
+main = STUDY.main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

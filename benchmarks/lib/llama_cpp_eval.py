@@ -1,19 +1,13 @@
-"""Our two measurements — protocol P's perplexity and the task suite's answers — run inside llama.cpp, so that its
-own KV cache types (``q8_0``, ``q4_0``, ...) stand in the same tables as our methods, on the same token ids.
+"""Protocol P's perplexity and the task suite's answers run inside llama.cpp, so that its own KV cache types
+(``q8_0``, ``q4_0``, ...) stand in the same tables as our methods, on the same token ids (ours, fed as ids).
 
-* :func:`protocol_p`: the windows our tables score (``benchmarks.lib.smollm2_windows``), each as
-  :func:`kvsplice.evaluation.protocol.evaluate` scores it: the first ``prompt_len`` tokens prefilled in one batch,
-  the rest decoded teacher-forced in chunks of 64, the continuation scored (:meth:`LlamaCppModel.continuation_nll`).
-  The ids are ours (our tokenizer's), fed to llama.cpp as ids: no second tokenisation.
-* :func:`answer`: a :class:`~kvsplice.tasks.instance.TaskInstance` answered greedily by llama.cpp with the suite's
-  ids (``[bos] + context + question``, :func:`kvsplice.tasks.instance.prompt_ids`), settings and stop rule (the
-  tokenizer's EOS or the instance's ``max_new_tokens``), scored by the instance's own ``score`` (RULER's
-  ``string_match_all``) on the text our tokenizer decodes — as :func:`kvsplice.tasks.runner.answer` does.
+* :func:`protocol_p`: each window as :func:`kvsplice.evaluation.protocol.evaluate` scores it: ``prompt_len`` tokens
+  prefilled in one batch, the rest decoded teacher-forced in chunks, the continuation scored.
+* :func:`answer`: a task instance answered greedily with the suite's ids, settings and stop rule, scored by the
+  instance's own ``score`` on the text our tokenizer decodes, as :func:`kvsplice.tasks.runner.answer` does.
 
-What llama.cpp's quantised cache is, against ours: every K and V row of every token — prompt, question and answer
-alike — is stored in the cache type as it enters, and every attention (the prompt's own prefill included) reads the
-cache as stored. Our storage methods (``int8``, ``k8v4h``) do the same; KIVI keeps the last tokens at full precision,
-and our token selections run an exact prefill and compress after it. So for the quantised rows the settings differ
+llama.cpp stores every K and V row in the cache type as it enters and every attention (the prompt's prefill
+included) reads it as stored, as our storage methods (``int8``, ``k8v4h``) do: for these rows the settings differ
 only in how the ids are split into batches (aware: one prefill; agnostic: the context, then the question).
 """
 

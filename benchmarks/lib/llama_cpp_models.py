@@ -17,22 +17,8 @@ SHAPES = {"124m": dict(d=768, layers=12, heads=12, head_dim=64, ff=3072, vocab=5
           "tiny": dict(d=128, layers=2, heads=2, head_dim=64, ff=256, vocab=50257)}  # the tests' smoke run
 
 
-def tokenizer():
-    """GPT-2's BPE from the shared data (a vocabulary llama.cpp's DeepSeek converter recognises)."""
-    import transformers
-
-    from tokenizers import ByteLevelBPETokenizer
-
-    enc = json.loads((GPT2 / "encoder.json").read_text())
-    vocab_json = Path("/tmp/kvsplice_gpt2_vocab.json")
-    vocab_json.write_text(json.dumps(enc))
-    bpe = ByteLevelBPETokenizer(str(vocab_json), str(GPT2 / "vocab.bpe"))
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>",
-                                               bos_token="<|endoftext|>", unk_token="<|endoftext|>")
-    return tok
-
-
 def build(folder: Path, latent, s: dict) -> None:
+    """A random-weight model of shape ``s`` (seed 0) in ``folder``: a Llama, or with ``latent`` a DeepSeek-V3."""
     import transformers
 
     torch.manual_seed(0)
@@ -56,9 +42,11 @@ def build(folder: Path, latent, s: dict) -> None:
         c = json.loads((folder / "config.json").read_text())
         c["rope_theta"] = (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         (folder / "config.json").write_text(json.dumps(c, indent=2))
-    tokenizer().save_pretrained(folder)
+    from data.tokenizer import load_bpe_tokenizer
     from kvsplice.convert.deepseek_v3 import portable_tokenizer_config
+    from training.export import save_tokenizer
 
+    save_tokenizer(load_bpe_tokenizer(GPT2), folder)  # GPT-2's BPE: a vocabulary llama.cpp's converter recognises
     portable_tokenizer_config(folder)
 
 

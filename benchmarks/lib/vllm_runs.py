@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 import torch
 import transformers
 
-from benchmarks.lib.engines import export
+from benchmarks.lib.engines import export, trained as trained_export
 from kvsplice.convert.engines import vllm as vllm_engine
 
 PAD = (512, 64)
@@ -28,8 +28,16 @@ def logprobs_of(logits: torch.Tensor, ids: Sequence[int]) -> list[float]:
     return torch.log_softmax(logits[:-1].double(), -1).gather(1, t[1:, None])[:, 0].tolist()  # (T-1,)
 
 
-def ppl(lp: Sequence[float]) -> float:
-    return math.exp(-sum(lp) / len(lp))
+@torch.no_grad()
+def reference(folder: Path, ids: Sequence[int], prompt: Sequence[int], new: int):
+    """transformers on ``folder`` (fp32): its log-probabilities of ``ids`` and its greedy ``new`` tokens after
+    ``prompt`` (none for ``new`` 0)."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    lp = logprobs_of(ref(torch.tensor([list(ids)])).logits[0], ids)
+    if not new:
+        return lp, []
+    g = ref.generate(torch.tensor([list(prompt)]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    return lp, g[0, len(prompt):].tolist()  # (prompt + new,) -> the new tokens
 
 
 @torch.no_grad()
@@ -38,15 +46,10 @@ def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int
             ref_dir: Optional[Path] = None, kernel_rope: bool = True) -> dict[str, Any]:
     """vLLM on the (padded) export ``hf_dir`` against transformers on ``ref_dir`` (the unpadded export; default
     ``hf_dir``) and ours (``ours_logits`` (T, V) on ``ids``, ``ours_greedy`` after ``prompt``), on ``ids``."""
-    ref = transformers.AutoModelForCausalLM.from_pretrained(ref_dir or hf_dir, dtype=torch.float32).eval()
-    x = torch.tensor([list(ids)])  # (1, T)
-    lp = {"transformers": logprobs_of(ref(x).logits[0], ids)}
+    ref_lp, ref_greedy = reference(ref_dir or hf_dir, ids, prompt, new)
+    lp, greedy = {"transformers": ref_lp}, {"transformers": ref_greedy}
     if ref_dir is not None:
-        padded = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-        lp["transformers_padded"] = logprobs_of(padded(x).logits[0], ids)
-    p = torch.tensor([list(prompt)])
-    g_ref = ref.generate(p, max_new_tokens=new, min_new_tokens=new, do_sample=False)  # (1, prompt + new)
-    greedy = {"transformers": g_ref[0, len(prompt):].tolist()}
+        lp["transformers_padded"] = reference(hf_dir, ids, prompt, 0)[0]
     if ours_logits is not None:
         lp["ours"] = logprobs_of(ours_logits, ids)
     if ours_greedy is not None:
@@ -63,7 +66,7 @@ def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int
     d_lp = {k: max(abs(a - b) for a, b in zip(lp[k], lp["transformers"])) for k in lp if k != "transformers"}
     first_bad = {k: next((i for i, (a, b) in enumerate(zip(lp[k], lp["transformers"])) if abs(a - b) > 1e-3), None)
                  for k in lp if k != "transformers"}
-    return {"tokens": len(ids), "new": new, "perplexity": {k: ppl(x) for k, x in lp.items()},
+    return {"tokens": len(ids), "new": new, "perplexity": {k: math.exp(-sum(x) / len(x)) for k, x in lp.items()},
             "max_abs_logprob_diff_vs_transformers": d_lp,
             "first_position_off_by_1e-3": first_bad,  # 0-based position whose next-token prediction is off
             "greedy": greedy,
@@ -80,15 +83,8 @@ def trained(ckpt: Path, text: str, *, tokens: int = 96, new: int = 32, work: Opt
             kernel_rope: bool = True) -> dict[str, Any]:
     """A trained DS-layout checkpoint: ours, transformers (unpadded export), vLLM (export padded to 512 + 64;
     ``kernel_rope``: also with vLLM's CPU RoPE op)."""
-    from models.checkpoint import load_gpt_checkpoint
-
-    model, cfg, meta = load_gpt_checkpoint(ckpt)
-    model.eval()
-    work = Path(work or tempfile.mkdtemp(prefix="engines_vllm_"))
-    export(ckpt, work / "hf", "deepseek_v3")
+    model, cfg, meta, work, ids = trained_export(ckpt, text, tokens, work, "engines_vllm_")
     export(ckpt, work / "hf_padded", "deepseek_v3", PAD)
-    tok = transformers.AutoTokenizer.from_pretrained(work / "hf")
-    ids = tok(text)["input_ids"][: min(tokens, cfg.block_size)]
     prompt = ids[:8]
     g_ours = model.generate(torch.tensor([prompt]), new, temperature=0.0)[0, 8:].tolist()
     out = compare(work / "hf_padded", ids, prompt, new=new, max_model_len=cfg.block_size,

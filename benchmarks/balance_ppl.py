@@ -4,16 +4,11 @@
     python -m benchmarks.balance_ppl --model DIR|CKPT --data PATH [--prompt 384] [--cont 128] [--windows 64]
         [--ratios 2 4 8] [--seeds 3] [--out results/balance_ppl]
 
-Per window of ``prompt + cont`` real-text tokens: the prompt is prefilled exactly, every layer's K/V (post-RoPE keys
-for Llama) is compressed per KV head to ``budget = prompt // ratio`` tokens and the continuation is decoded
-teacher-forced over that cache and scored (:func:`kvsplice.select.method.run_token_selection`). Perplexity =
-exp(total NLL / tokens) over all windows; random methods: mean ± std over ``--seeds``.
-
-Methods (``n_sink = 4``, ``n_recent = 16``, ``block_size = 64``, walk threshold ``c = median κ``): ``full`` (no
-compression: the reference, checked against the HF model's own logits); ``balancekv`` (sinks + recent intact, the
-middle halved by the self-balancing walk, ``balance_plan``); ``uniform`` (sinks + recent intact, the rest sampled
-uniformly from the middle, weight n/k); ``streamingllm`` (the first 4 tokens + the most recent ``budget − 4``);
-``coinflip`` (ablation: BalanceKV's plan, each halving a uniformly random exact half: ``c_scale = inf``).
+Per window the prompt is prefilled, every layer's K/V compressed per KV head to ``prompt // ratio`` tokens and the
+continuation decoded teacher-forced over it and scored (:func:`kvsplice.select.method.run_token_selection`);
+ppl = exp(total NLL / tokens), random methods mean ± std over ``--seeds``. Methods: ``full`` (checked against the
+model's own logits), ``balancekv`` (sinks + recent intact, the middle halved by the self-balancing walk),
+``uniform``, ``streamingllm`` and ``coinflip`` (BalanceKV's plan, each halving a random half: ``c_scale = inf``).
 """
 
 from __future__ import annotations

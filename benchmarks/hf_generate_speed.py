@@ -1,15 +1,11 @@
 """Per-token decode time inside HF ``generate()``: kvsplice coefficient caches vs transformers' ``DynamicCache``.
 
-::
-
     python -m benchmarks.hf_generate_speed --model /tmp/stories260K --bases-post r4_post.safetensors \
         --bases-pre r4_pre.safetensors              # -> results/hf_generate_speed.json
 
-One greedy ``generate()`` per cache and repeat, interleaved (default cache, post-RoPE, pre-RoPE, default, ...), on
-one prompt of ``--prompt-tokens`` validation-text tokens, ``--new-tokens`` tokens each (EOS suppressed). A decode
-step's time is the interval between two stamps of a stopping criterion (the prefill excluded); a row per cache: the
-median over ``--repeats`` runs of each run's median step, thread-CPU (robust on a shared machine) and wall, and the
-ratio to the default cache (on its own copy of the model, transformers' default ``sdpa`` attention).
+Greedy ``generate()`` runs, the caches interleaved, on one validation-text prompt; a decode step is the interval
+between two stamps of a stopping criterion (prefill excluded). A row per cache: the median over ``--repeats`` of each
+run's median step, thread-CPU and wall, and the ratio to the default cache (its own copy of the model, ``sdpa``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
-"""SmolLM2-135M-Instruct on generated long-context tasks: accuracy vs cache bytes for every method family and stack of
-the perplexity frontier (results/smollm2_frontier.*), the planner's picks and KVzip, in both settings, beside the full
-cache's accuracy (the ceiling).
+"""SmolLM2-135M-Instruct on generated long-context tasks: accuracy vs cache bytes for the perplexity frontier's
+methods and stacks, the planner's picks and KVzip, in both settings, beside the full cache's accuracy (the ceiling).
 
     python -m benchmarks.smollm2_tasks [--size NAME]      # the sizes of benchmarks/studies/smollm2_tasks.yaml
     python -m benchmarks.smollm2_tasks --report-only      # write results/ from the finished instances
 
-Sizes (each described in the YAML): ``reduced`` (the default: what docs/tasks.md reports), ``passkey``, ``goals`` /
-``goals2k`` / ``goalsfast`` / ``fastpick`` (the planner's picks), ``ceiling``, ``long``, ``full``, ``smoke`` (seconds).
-
-The planner's picks (``planned`` in the YAML: ``kvsplice plan``, the mixed objective tuned on seeds >= 1,000,000)
-are made once into ``WORK/plans/`` and kept; the perplexity-only stacks (``ppl_planner``) are rebuilt by spec. Each
-length is one resumable ``kvsplice eval-tasks`` run into ``WORK/<size>_<L>.json`` (seeds 0 .. n-1); the report is
-``results/smollm2_tasks[_<size>].{json,md,png}``. Low-rank rows are cut (off the perplexity frontier).
+The planner's picks (``planned``: ``kvsplice plan``) are made once into ``WORK/plans/`` and kept; each length is one
+resumable ``kvsplice eval-tasks`` run into ``WORK/<size>_<L>.json``; the report is
+``results/smollm2_tasks[_<size>].{json,md,png}``.
 """
 
 from __future__ import annotations

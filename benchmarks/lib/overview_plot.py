@@ -3,23 +3,14 @@ post-training panel, from the points :mod:`benchmarks.readme_figure` reads out o
 
 from __future__ import annotations
 
+from benchmarks.harness.studies import load as load_study
+
 PPL_PLAN = "planner, --objective ppl (perplexity only)"
 MIXED_PLAN = "planner, default --objective mixed (perplexity + tasks)"
 PLAN_NAMES = {"mixed": "default plan", "exact": "exact-prefill plan", "plan": "ppl-only plan"}
 Y_MAX = 25.0  # post-training panel: rows above +25 % perplexity are left out (listed in the figure's note)
 
-STYLE = {  # family -> marker, colour
-    "MHA / GQA / MQA": ("s", "#7f7f7f"),
-    "MLA": ("o", "#1f77b4"),
-    "MLA-128 + KVSplice, from scratch": ("^", "#ff7f0e"),
-    "KVSplice inserted into MLA-128 (PCA) + fine-tuned": ("*", "#d62728"),
-    "quantisation": ("s", "#7f7f7f"),
-    "token selection alone": ("v", "#9467bd"),
-    "token selection + quantisation": ("o", "#1f77b4"),
-    "low rank (bases)": ("x", "#8c564b"),
-    PPL_PLAN: ("D", "#ff7f0e"),
-    MIXED_PLAN: ("*", "#d62728"),
-}
+STYLE, WHERE = (load_study("readme_figure")[k] for k in ("style", "where"))  # family → [marker, colour]
 
 
 def figure(trained: list[dict], post: list[dict]):
@@ -59,8 +50,6 @@ def figure(trained: list[dict], post: list[dict]):
         marker, colour = STYLE[family]
         b.scatter([p["ratio"] for p in pts], [p["delta"] for p in pts], marker=marker, color=colour,
                   s=180 if marker == "*" else 40, label=family, zorder=3 if marker == "*" else 2)
-    where = {"mixed_4x": (4.5, -1.9), "exact_4x": (4.6, 4.2), "exact_8x": (9.2, 7.0), "plan_4x": (1.45, 6.8),
-             "plan_8x": (9.2, 2.0), "plan_16x": (9.5, 12.0)}  # text positions (ratio, Δ %) of the plans' labels
     for p in shown:
         if p["family"] in (MIXED_PLAN, PPL_PLAN):
             name = PLAN_NAMES[p["id"].split("_")[0]]
@@ -68,7 +57,7 @@ def figure(trained: list[dict], post: list[dict]):
             text = f"{name} {x}: {p['delta']:+.2f} %"
             if "tasks" in p:
                 text += f", tasks {p['tasks']:.0f} %" + ("" if p["tasks_n"] >= 150 else f" (n={p['tasks_n']})")
-            b.annotate(text, (p["ratio"], p["delta"]), xytext=where.get(p["id"], (p["ratio"] * 1.1, p["delta"] + 1)),
+            b.annotate(text, (p["ratio"], p["delta"]), xytext=WHERE.get(p["id"], (p["ratio"] * 1.1, p["delta"] + 1)),
                        fontsize=8, color=STYLE[p["family"]][1], ha="left", va="center",
                        fontweight="bold" if p["family"] == MIXED_PLAN else "normal",
                        arrowprops={"arrowstyle": "-", "color": STYLE[p["family"]][1], "lw": 0.6, "shrinkB": 6})

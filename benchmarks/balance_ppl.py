@@ -86,17 +86,6 @@ def figure(run, rows):
     return fig
 
 
-def markdown(run, rows) -> str:
-    at, names = _columns(run, rows)
-    lines = ["| method | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
-             f"| full cache ({run['prompt']}) | " + " | ".join(f"{rows[0]['ppl']:.3f}" for _ in names) + " |"]
-    for m in COMPRESSED:
-        cells = [f"{x['ppl_mean']:.3f} ± {x['ppl_std']:.3f}" if x["seeds"] > 1 else f"{x['ppl_mean']:.3f}"
-                 for x in (at[r, m] for r in run["ratios"])]
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def options(p) -> None:
     add_model(p, help="HF model dir or .ckpt (default: stories260K, converted to a temp dir)")
     add_windows(p)
@@ -113,7 +102,8 @@ def rows(run):
     full = evaluate(model, windows, prompt, "full", prompt, 0, batch)
     hf = hf_reference_nll(model, windows, prompt, batch)
     run.say(f"full cache: ppl {full['ppl']:.4f} (HF model {math.exp(hf):.4f})")
-    yield {"ratio": 1, "method": "full", **full, "hf_model_nll": hf, "matches_hf_model": abs(full["nll"] - hf) < 1e-4,
+    yield {"ratio": 1, "method": "full", "budget": prompt, **full, "ppl_mean": full["ppl"], "ppl_std": 0.0, "seeds": 1,
+           "hf_model_nll": hf, "matches_hf_model": abs(full["nll"] - hf) < 1e-4,
            "windows": windows.shape[0], "stories": n_stories, "scored_tokens": windows.shape[0] * run["cont"],
            "model": loaded.describe()}
     for r in run["ratios"]:
@@ -134,7 +124,7 @@ def rows(run):
             yield row
 
 
-STUDY = Study("balance_ppl", __doc__, rows, options=options, figure=figure, markdown=markdown,
+STUDY = Study("balance_ppl", __doc__, rows, options=options, figure=figure,
               summary=lambda run, rows: {"n_sink": N_SINK, "n_recent": N_RECENT, "block_size": BLOCK,
                                          "walk_threshold": "c = 1.0 * median kappa per block"},
               bounds={"windows": (1, 100000), "prompt": (8, 1 << 16), "cont": (1, 1 << 16), "ratios": (1, 1024),

@@ -23,14 +23,14 @@ from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study
 from benchmarks.lib import smollm2_report as report
 
-KVPRESS = {  # kvpress 0.5.5's numbers on protocol S (ppl increase vs the full cache, %): quoted
-    ("KVzip", 2): 1.0, ("ObservedAttention", 4): 6.0, ("ObservedAttention", 8): 13.3}
-ISSUE = {"full_W": 8.2672, "kq_pre_r32_W_pct": 35.5, "kq_pre_r16_W_pct": 214, "uniform_8x_S_pct": 36.9}
+SETTINGS = load_study("smollm2_frontier")
+KVPRESS = {(n, x): v for n, x, v in SETTINGS["kvpress"]}  # (press, ratio) → ppl increase %, quoted
+ISSUE = SETTINGS["issue"]
 
 
 def stack_rows() -> list[tuple[str, str, dict]]:
     """``(id, protocol, spec)`` in the order they run (``benchmarks/studies/smollm2_frontier.yaml``)."""
-    return [(rid, proto, dict(spec)) for rid, proto, spec in load_study("smollm2_frontier")["rows"]]
+    return [(rid, proto, dict(spec)) for rid, proto, spec in SETTINGS["rows"]]
 
 
 class _List(argparse.Action):  # --list: the rows' ids and protocols, then exit

@@ -47,18 +47,15 @@ def load_post_training(results: Path) -> list[dict]:
     """Protocol-P rows of the SmolLM2 frontier plus the planner's default (--objective mixed) picks."""
     rows = {r["id"]: r for r in json.loads((results / "smollm2_frontier.json").read_text())["rows"]}
     full = rows["full"]["ppl"]
+    tasks = json.loads((results / "smollm2_tasks.json").read_text())["by_length"]["1024"]["summary"]["agnostic"]
     points = []
     for key, row in rows.items():
-        fam = family(row)
+        fam, got = family(row), tasks.get(PPL_PLANS.get(key.removeprefix("plan_")))  # the ppl-only picks' tasks
         if row.get("protocol") != "P" or fam == "full":
             continue
         points.append({"id": key, "label": row["label"], "family": PPL_PLAN if fam == "planner" else fam,
-                       "ratio": row["ratio_vs_fp16_full"], "delta": 100 * (row["ppl"] / full - 1)})
-    tasks = json.loads((results / "smollm2_tasks.json").read_text())["by_length"]["1024"]["summary"]["agnostic"]
-    for p in points:
-        got = tasks.get(PPL_PLANS.get(p["id"].removeprefix("plan_")))
-        if got:
-            p["tasks"], p["tasks_n"] = got["acc"], got["n"]
+                       "ratio": row["ratio_vs_fp16_full"], "delta": 100 * (row["ppl"] / full - 1),
+                       **({"tasks": got["acc"], "tasks_n": got["n"]} if got else {})})
     # the default command's pick (fast prefill: goalsfast) and the exact-prefill picks (--prefill any: goals)
     for study, kind in (("smollm2_tasks_goalsfast.json", "mixed"), ("smollm2_tasks_goals.json", "exact")):
         goals = json.loads((results / study).read_text())

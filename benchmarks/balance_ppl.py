@@ -4,16 +4,11 @@
     python -m benchmarks.balance_ppl --model DIR|CKPT --data PATH [--prompt 384] [--cont 128] [--windows 64]
         [--ratios 2 4 8] [--seeds 3] [--out results/balance_ppl]
 
-Per window of ``prompt + cont`` real-text tokens: the prompt is prefilled exactly, every layer's K/V (post-RoPE keys
-for Llama) is compressed per KV head to ``budget = prompt // ratio`` tokens and the continuation is decoded
-teacher-forced over that cache and scored (:func:`kvsplice.select.method.run_token_selection`). Perplexity =
-exp(total NLL / tokens) over all windows; random methods: mean ± std over ``--seeds``.
-
-Methods (``n_sink = 4``, ``n_recent = 16``, ``block_size = 64``, walk threshold ``c = median κ``): ``full`` (no
-compression: the reference, checked against the HF model's own logits); ``balancekv`` (sinks + recent intact, the
-middle halved by the self-balancing walk, ``balance_plan``); ``uniform`` (sinks + recent intact, the rest sampled
-uniformly from the middle, weight n/k); ``streamingllm`` (the first 4 tokens + the most recent ``budget − 4``);
-``coinflip`` (ablation: BalanceKV's plan, each halving a uniformly random exact half: ``c_scale = inf``).
+Per window the prompt is prefilled, every layer's K/V compressed per KV head to ``prompt // ratio`` tokens and the
+continuation decoded teacher-forced over it and scored (:func:`kvsplice.select.method.run_token_selection`);
+ppl = exp(total NLL / tokens), random methods mean ± std over ``--seeds``. Methods: ``full`` (checked against the
+model's own logits), ``balancekv`` (sinks + recent intact, the middle halved by the self-balancing walk),
+``uniform``, ``streamingllm`` and ``coinflip`` (BalanceKV's plan, each halving a random half: ``c_scale = inf``).
 """
 
 from __future__ import annotations
@@ -91,17 +86,6 @@ def figure(run, rows):
     return fig
 
 
-def markdown(run, rows) -> str:
-    at, names = _columns(run, rows)
-    lines = ["| method | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
-             f"| full cache ({run['prompt']}) | " + " | ".join(f"{rows[0]['ppl']:.3f}" for _ in names) + " |"]
-    for m in COMPRESSED:
-        cells = [f"{x['ppl_mean']:.3f} ± {x['ppl_std']:.3f}" if x["seeds"] > 1 else f"{x['ppl_mean']:.3f}"
-                 for x in (at[r, m] for r in run["ratios"])]
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def options(p) -> None:
     add_model(p, help="HF model dir or .ckpt (default: stories260K, converted to a temp dir)")
     add_windows(p)
@@ -118,7 +102,8 @@ def rows(run):
     full = evaluate(model, windows, prompt, "full", prompt, 0, batch)
     hf = hf_reference_nll(model, windows, prompt, batch)
     run.say(f"full cache: ppl {full['ppl']:.4f} (HF model {math.exp(hf):.4f})")
-    yield {"ratio": 1, "method": "full", **full, "hf_model_nll": hf, "matches_hf_model": abs(full["nll"] - hf) < 1e-4,
+    yield {"ratio": 1, "method": "full", "budget": prompt, **full, "ppl_mean": full["ppl"], "ppl_std": 0.0, "seeds": 1,
+           "hf_model_nll": hf, "matches_hf_model": abs(full["nll"] - hf) < 1e-4,
            "windows": windows.shape[0], "stories": n_stories, "scored_tokens": windows.shape[0] * run["cont"],
            "model": loaded.describe()}
     for r in run["ratios"]:
@@ -139,7 +124,7 @@ def rows(run):
             yield row
 
 
-STUDY = Study("balance_ppl", __doc__, rows, options=options, figure=figure, markdown=markdown,
+STUDY = Study("balance_ppl", __doc__, rows, options=options, figure=figure,
               summary=lambda run, rows: {"n_sink": N_SINK, "n_recent": N_RECENT, "block_size": BLOCK,
                                          "walk_threshold": "c = 1.0 * median kappa per block"},
               bounds={"windows": (1, 100000), "prompt": (8, 1 << 16), "cont": (1, 1 << 16), "ratios": (1, 1024),

@@ -2,20 +2,12 @@
 
     python -m benchmarks.fd_online_stories260k     # → results/fd_online_stories260k.json + .md (≈ 5–8 min, 1 CPU)
 
-* Model and text: stories260K (:mod:`benchmarks.lib.stories`); the first ``--windows`` × 512 tokens (the model's
-  context) of the TinyStories **validation** sample (the first windows of ``benchmarks/stories260k_bases.py``).
-* Global bases: post-RoPE Grams of the first ``--calib-tokens`` of the **train** sample, fitted
-  (:func:`kvsplice.lowrank.fits.fit_bases`) for ``kq`` and ``gqa-sum`` at rank R = 2/4/6 (value rank = key rank);
-  ``ksvd`` post and ``kq`` pre-RoPE at the same ranks for reference; decoded with ``Decoder(model, LowRank(bases))``.
-* fd-online: :class:`kvsplice.online.method.OnlineDecoder` (no calibration), the ``configs`` of its YAML per budget.
-  Bytes per sequence = coefficients + every basis the cache holds, measured from the cache's tensors after a whole
-  window (:meth:`ChunkedCache.nbytes_breakdown`); the FD sketches (``2·2ℓ·(d + d_v)`` floats per layer and KV head)
-  are reported separately. *Matched*: bytes (without sketches) ≤ the global method's ``(R_k + R_v)·T·L·H_kv·4`` at
-  T = 512. Without merges a window is decoded in one prefill call (identical to token by token:
-  ``tests/kvsplice/online/test_online.py``); with ``max_chunks`` (J_max merges re-project old tokens) token by token.
-* Attention error (teacher-forced on the exact model's q/k/v of the first window, every layer, every method alike):
-  ``rel_out`` = ``(Σ‖o − ô‖²/Σ‖o‖²)^½`` of the head outputs, mean over layers; the largest logit error ``ε``; whether
-  every bound held on every layer, and the slack (bound / observed, worst layer) — :mod:`kvsplice.online.diagnostics`.
+Text: the first ``--windows`` × 512 tokens of the TinyStories validation sample; global bases (``kq``, ``gqa-sum``
+post-RoPE at R = 2/4/6, ``ksvd`` post and ``kq`` pre for reference) fitted on the first ``--calib-tokens`` of the
+train sample. fd-online: :class:`kvsplice.online.method.OnlineDecoder` (no calibration), the YAML's ``configs`` per
+budget; bytes = coefficients + bases measured from the cache after a window (FD sketches apart); *matched*: ≤ the
+global rank-R cache's bytes. Teacher-forced attention errors and bound slack on the first window
+(:mod:`kvsplice.online.diagnostics`); with ``max_chunks`` a window is decoded token by token, else in one prefill.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Per-token decode time inside HF ``generate()``: kvsplice coefficient caches vs transformers' ``DynamicCache``.
 
-::
-
     python -m benchmarks.hf_generate_speed --model /tmp/stories260K --bases-post r4_post.safetensors \
         --bases-pre r4_pre.safetensors              # -> results/hf_generate_speed.json
 
-One greedy ``generate()`` per cache and repeat, interleaved (default cache, post-RoPE, pre-RoPE, default, ...), on
-one prompt of ``--prompt-tokens`` validation-text tokens, ``--new-tokens`` tokens each (EOS suppressed). A decode
-step's time is the interval between two stamps of a stopping criterion (the prefill excluded); a row per cache: the
-median over ``--repeats`` runs of each run's median step, thread-CPU (robust on a shared machine) and wall, and the
-ratio to the default cache (on its own copy of the model, transformers' default ``sdpa`` attention).
+Greedy ``generate()`` runs, the caches interleaved, on one validation-text prompt; a decode step is the interval
+between two stamps of a stopping criterion (prefill excluded). A row per cache: the median over ``--repeats`` of each
+run's median step, thread-CPU and wall, and the ratio to the default cache (its own copy of the model, ``sdpa``).
 """
 
 from __future__ import annotations
@@ -73,22 +69,19 @@ def rows(run):
               "coeff_pre": (ours, lambda: CoefficientHFCache(ours, bases["pre"]))}
     for model, make in makers.values():  # warm-up
         one_run(model, ids, make(), 8)
-    runs: dict[str, dict[str, list[float]]] = {k: {"cpu": [], "wall": []} for k in makers}
+    runs: dict[str, list[tuple[float, float]]] = {k: [] for k in makers}  # (CPU, wall) per run
     for _ in range(run["repeats"]):
         for name, (model, make) in makers.items():
-            for clock, t in zip(("cpu", "wall"), one_run(model, ids, make(), run["new_tokens"])):
-                runs[name][clock].append(t)
-    med = {k: {m: statistics.median(v[m]) for m in ("cpu", "wall")} for k, v in runs.items()}
-    for name in makers:
-        row = {"cache": name, "ms_per_token_cpu": 1e3 * med[name]["cpu"], "ms_per_token_wall": 1e3 * med[name]["wall"],
-               "ratio_cpu": med[name]["cpu"] / med["hf_dynamic"]["cpu"],
-               "ratio_wall": med[name]["wall"] / med["hf_dynamic"]["wall"],
+            runs[name].append(one_run(model, ids, make(), run["new_tokens"]))
+    med = {k: [statistics.median(c) for c in zip(*v)] for k, v in runs.items()}  # [CPU, wall]
+    for name, (cpu, wall) in med.items():
+        row = {"cache": name, "ms_per_token_cpu": 1e3 * cpu, "ms_per_token_wall": 1e3 * wall,
+               "ratio_cpu": cpu / med["hf_dynamic"][0], "ratio_wall": wall / med["hf_dynamic"][1],
                "ranks": bases[name[6:]].ranks() if name.startswith("coeff_") else None,
-               "runs_ms_cpu": [1e3 * x for x in runs[name]["cpu"]]}
+               "runs_ms_cpu": [1e3 * c for c, _ in runs[name]]}
         run.say(f"{name:11s} {row['ms_per_token_cpu']:.3f} ms/token CPU ({row['ratio_cpu']:.3f}x), "
                 f"{row['ms_per_token_wall']:.3f} ms wall ({row['ratio_wall']:.3f}x)")
         yield row
-
 
 STUDY = Study("hf_generate_speed", __doc__, rows, options=options, summary=lambda run, rows: {
     "transformers": transformers.__version__},

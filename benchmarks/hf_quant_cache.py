@@ -2,12 +2,10 @@
 
     python -m benchmarks.hf_quant_cache --model /tmp/stories260K [--windows 16 --prompt 384 --cont 128 | --smoke]
 
-Each window of real validation text: the prompt is prefilled, then the continuation is decoded token by token
-(teacher-forced) and scored (the first continuation token is predicted by the prefill). Caches: the full fp32 K/V
-cache (ours and HF's ``DynamicCache``, which must agree), our int8 cache (int8 rows + one fp16 scale per token and
-head, ``Decoder(model, DenseKV(cache_quant="int8"))``), and transformers' ``QuantizedCache(backend="fp8")`` (float8
-e4m3, one per-tensor scale frozen at the prefill; the only backend that needs no extra package). Bytes: measured
-from each cache's tensors after the last token. A row per cache in ``results/hf_quant_cache.json``.
+Per window of validation text the prompt is prefilled, the continuation decoded token by token (teacher-forced) and
+scored. Caches: the full fp32 cache (ours and HF's ``DynamicCache``: they must agree), our int8 rows + fp16 scales
+and transformers' ``QuantizedCache("fp8")`` (per-tensor scale frozen at the prefill; no extra package). Bytes:
+measured from each cache's tensors after the last token.
 """
 
 from __future__ import annotations
@@ -22,16 +20,6 @@ from kvsplice.decode import Decoder, DenseKV, score_continuation
 from kvsplice.hf.measure import cache_nbytes
 
 
-def score_hf(model, windows, prompt: int, cache) -> tuple[float, int]:
-    return hf_nll(model, cache, windows, prompt, decode_chunk=1), cache_nbytes(cache)
-
-
-def score_ours(model, windows, prompt: int, cache_quant) -> tuple[float, int]:
-    dec = Decoder(model, DenseKV(cache_quant=cache_quant))
-    nll, _, cache = score_continuation(dec, windows, prompt, decode_chunk=1)
-    return nll, cache.nbytes()
-
-
 def options(p) -> None:
     add_model(p, help="stories260K converted with kvsplice convert-llama2c", required=True)
     add_windows(p)
@@ -43,14 +31,19 @@ def rows(run):
     loaded = load_stories(run.args.model)
     model, prompt = loaded.model.eval(), run["prompt"]
     windows, _ = text_windows(loaded, run.args.data, prompt + run["cont"], run["windows"], split="validation")
+
+    def ours(quant):
+        nll, _, cache = score_continuation(Decoder(model, DenseKV(cache_quant=quant)), windows, prompt, decode_chunk=1)
+        return nll, cache.nbytes()
+
+    def hf(cache):
+        return hf_nll(model, cache, windows, prompt, decode_chunk=1), cache_nbytes(cache)
+
     full = None
-    for name, fn in (
-        ("full K/V (ours, fp32)", lambda: score_ours(model, windows, prompt, None)),
-        ("HF DynamicCache (fp32)", lambda: score_hf(model, windows, prompt, DynamicCache(config=model.config))),
-        ("int8 rows + fp16 scales (ours)", lambda: score_ours(model, windows, prompt, "int8")),
-        ("HF QuantizedCache fp8 (per-tensor)", lambda: score_hf(model, windows, prompt,
-                                                                QuantizedCache("fp8", model.config))),
-    ):
+    for name, fn in (("full K/V (ours, fp32)", lambda: ours(None)),
+                     ("HF DynamicCache (fp32)", lambda: hf(DynamicCache(config=model.config))),
+                     ("int8 rows + fp16 scales (ours)", lambda: ours("int8")),
+                     ("HF QuantizedCache fp8 (per-tensor)", lambda: hf(QuantizedCache("fp8", model.config)))):
         nll, nbytes = fn()
         full = full or (math.exp(nll), nbytes)
         run.say(f"{name:38s} ppl {math.exp(nll):.4f}  cache {nbytes:,} B")

@@ -2,13 +2,10 @@
 
     python -m benchmarks.readme_figure --force    # -> docs/figures/overview.png (replaced: --force)
 
-Left: the models trained from scratch (``results/frontier_gpu.json`` and ``results/kvsplice_recipe_recipe_gpu.json``,
-made by ``benchmarks/frontier.py`` / ``benchmarks/kvsplice_recipe.py`` on an H100): validation loss (mean ± std over
-seeds) against the bytes their decode cache holds per token (fp16). Right: post-training compression of
-SmolLM2-135M-Instruct (``results/smollm2_frontier.json``, protocol P, and the budget planner's picks: the default
-command's from ``results/smollm2_tasks_goalsfast.json``, exact prefill from ``results/smollm2_tasks_goals.json``;
-made by ``benchmarks/smollm2_frontier.py`` / ``benchmarks/smollm2_tasks.py`` on the CPU): perplexity change against
-how many times smaller the cache is than the fp16 full K/V cache.
+Left: the models trained from scratch (``results/frontier_gpu.json``, ``results/kvsplice_recipe_recipe_gpu.json``):
+validation loss against fp16 cache bytes per token. Right: post-training compression of SmolLM2-135M-Instruct
+(``results/smollm2_frontier.json``, protocol P; the planner's picks from ``results/smollm2_tasks_goals*.json``):
+perplexity change against how many times smaller the cache is than the fp16 full K/V cache.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ from benchmarks.lib.smollm2_report import family
 
 OUT = ROOT / "docs" / "figures" / "overview.png"
 TRAINED = load_study("readme_figure")["trained"]  # variant → [label, family, label offset]
+PPL_PLANS = load_study("smollm2_tasks")["ppl_planner"]  # the frontier's plan_<x> as smollm2_tasks.py names them
 
 
 def load_trained(results: Path) -> list[dict]:
@@ -45,25 +43,19 @@ def load_trained(results: Path) -> list[dict]:
     return sorted(points, key=lambda p: -p["bytes"])
 
 
-# the perplexity-only planner's picks (smollm2_frontier.json plan_4x / plan_8x) as smollm2_tasks.py names them
-PPL_PLAN_TASKS = {"plan_4x": "select:observed_attention@x2.09+int8", "plan_8x": "select:observed_attention@x4.19+int8"}
-
-
 def load_post_training(results: Path) -> list[dict]:
     """Protocol-P rows of the SmolLM2 frontier plus the planner's default (--objective mixed) picks."""
     rows = {r["id"]: r for r in json.loads((results / "smollm2_frontier.json").read_text())["rows"]}
     full = rows["full"]["ppl"]
+    tasks = json.loads((results / "smollm2_tasks.json").read_text())["by_length"]["1024"]["summary"]["agnostic"]
     points = []
     for key, row in rows.items():
-        fam = family(row)
+        fam, got = family(row), tasks.get(PPL_PLANS.get(key.removeprefix("plan_")))  # the ppl-only picks' tasks
         if row.get("protocol") != "P" or fam == "full":
             continue
         points.append({"id": key, "label": row["label"], "family": PPL_PLAN if fam == "planner" else fam,
-                       "ratio": row["ratio_vs_fp16_full"], "delta": 100 * (row["ppl"] / full - 1)})
-    tasks = json.loads((results / "smollm2_tasks.json").read_text())["by_length"]["1024"]["summary"]["agnostic"]
-    for p in points:
-        if p["id"] in PPL_PLAN_TASKS:
-            p["tasks"], p["tasks_n"] = tasks[PPL_PLAN_TASKS[p["id"]]]["acc"], tasks[PPL_PLAN_TASKS[p["id"]]]["n"]
+                       "ratio": row["ratio_vs_fp16_full"], "delta": 100 * (row["ppl"] / full - 1),
+                       **({"tasks": got["acc"], "tasks_n": got["n"]} if got else {})})
     # the default command's pick (fast prefill: goalsfast) and the exact-prefill picks (--prefill any: goals)
     for study, kind in (("smollm2_tasks_goalsfast.json", "mixed"), ("smollm2_tasks_goals.json", "exact")):
         goals = json.loads((results / study).read_text())

@@ -5,20 +5,13 @@ evaluation windows; the Pareto front; the budget planner's stacks at 4x / 8x / 1
     python -m benchmarks.smollm2_frontier --resume --force --only kivi4  # rows whose id contains kivi4; --list
     python -m benchmarks.smollm2_frontier --resume --force --only        # no row run: the report from the JSON
 
-Protocols (kvsplice.evaluation.protocol; ``benchmarks/lib/smollm2_windows.py`` for the text):
-
-* ``P`` (the frontier): the 4 evaluation windows of 1,024 tokens; the first 768 of each are the prompt (a token
-  selection compresses them at prefill; a storage method stores every token compressed), the last 256 are decoded
-  teacher-forced over the cache and scored. Bytes per token: the method's closed form at fp16 storage for the
-  tokens held after the prefill, per prompt token (measured == formula checked in every batch); the ratio is
-  against the fp16 full K/V cache (2·30·3·64·2 = 23,040 B per token).
-* ``W`` (the low-rank protocol): every token of the 4 windows attends over the compressed cache (chunks of 64).
-* ``S`` (kvpress's protocol): 5 windows of 832 validation tokens (768-token prompt compressed, 64 tokens scored):
-  our selectors beside kvpress 0.5.5's published numbers (quoted, not re-run: kvpress needs transformers <= 5.2).
-
-Calibration: 32,768 train-sample tokens, one pass for every method (both RoPE modes, loss gradients), statistics
-reused from WORK. Every choice (the planner's stacks, allocation) is made on calibration text or the tuning slice,
-never on the evaluation windows. Writes results/smollm2_frontier.{json,md,png} (the runner).
+Protocols (kvsplice.evaluation.protocol; text: ``benchmarks/lib/smollm2_windows.py``): ``P`` (the frontier), 4
+validation windows of 1,024 tokens, the first 768 the prompt (compressed at prefill, or stored compressed), the last
+256 decoded teacher-forced and scored; bytes per token: the closed form at fp16 for the tokens held after the
+prefill, per prompt token (measured == formula in every batch), vs the fp16 full cache's 23,040 B. ``W`` (low
+rank): every token of the 4 windows over the compressed cache (chunks of 64). ``S`` (kvpress's): 5 windows of 832,
+768 compressed, 64 scored, beside kvpress 0.5.5's published numbers (quoted). Calibration: 32,768 train-sample
+tokens, one pass (both RoPE modes); every choice is made on calibration text or the tuning slice.
 """
 
 from __future__ import annotations
@@ -30,14 +23,14 @@ from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study
 from benchmarks.lib import smollm2_report as report
 
-KVPRESS = {  # kvpress 0.5.5's numbers on protocol S (ppl increase vs the full cache, %): quoted
-    ("KVzip", 2): 1.0, ("ObservedAttention", 4): 6.0, ("ObservedAttention", 8): 13.3}
-ISSUE = {"full_W": 8.2672, "kq_pre_r32_W_pct": 35.5, "kq_pre_r16_W_pct": 214, "uniform_8x_S_pct": 36.9}
+SETTINGS = load_study("smollm2_frontier")
+KVPRESS = {(n, x): v for n, x, v in SETTINGS["kvpress"]}  # (press, ratio) → ppl increase %, quoted
+ISSUE = SETTINGS["issue"]
 
 
 def stack_rows() -> list[tuple[str, str, dict]]:
     """``(id, protocol, spec)`` in the order they run (``benchmarks/studies/smollm2_frontier.yaml``)."""
-    return [(rid, proto, dict(spec)) for rid, proto, spec in load_study("smollm2_frontier")["rows"]]
+    return [(rid, proto, dict(spec)) for rid, proto, spec in SETTINGS["rows"]]
 
 
 class _List(argparse.Action):  # --list: the rows' ids and protocols, then exit

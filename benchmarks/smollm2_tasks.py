@@ -1,17 +1,12 @@
-"""SmolLM2-135M-Instruct on generated long-context tasks: accuracy vs cache bytes for every method family and stack of
-the perplexity frontier (results/smollm2_frontier.*), the planner's picks and KVzip, in both settings, beside the full
-cache's accuracy (the ceiling).
+"""SmolLM2-135M-Instruct on generated long-context tasks: accuracy vs cache bytes for the perplexity frontier's
+methods and stacks, the planner's picks and KVzip, in both settings, beside the full cache's accuracy (the ceiling).
 
     python -m benchmarks.smollm2_tasks [--size NAME]      # the sizes of benchmarks/studies/smollm2_tasks.yaml
     python -m benchmarks.smollm2_tasks --report-only      # write results/ from the finished instances
 
-Sizes (each described in the YAML): ``reduced`` (the default: what docs/tasks.md reports), ``passkey``, ``goals`` /
-``goals2k`` / ``goalsfast`` / ``fastpick`` (the planner's picks), ``ceiling``, ``long``, ``full``, ``smoke`` (seconds).
-
-The planner's picks (``planned`` in the YAML: ``kvsplice plan``, the mixed objective tuned on seeds >= 1,000,000)
-are made once into ``WORK/plans/`` and kept; the perplexity-only stacks (``ppl_planner``) are rebuilt by spec. Each
-length is one resumable ``kvsplice eval-tasks`` run into ``WORK/<size>_<L>.json`` (seeds 0 .. n-1); the report is
-``results/smollm2_tasks[_<size>].{json,md,png}``. Low-rank rows are cut (off the perplexity frontier).
+The planner's picks (``planned``: ``kvsplice plan``) are made once into ``WORK/plans/`` and kept; each length is one
+resumable ``kvsplice eval-tasks`` run into ``WORK/<size>_<L>.json``; the report is
+``results/smollm2_tasks[_<size>].{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -30,8 +25,7 @@ def plot(report: dict):
     from matplotlib.figure import Figure
 
     lengths = sorted(report["by_length"], key=int)
-    settings = [s for s in ("agnostic", "aware") if any(s in report["by_length"][L]["summary"] for L in report[
-        "by_length"])]
+    settings = [s for s in ("agnostic", "aware") if any(s in v["summary"] for v in report["by_length"].values())]
     fig = Figure(figsize=(5.0 * max(1, len(settings)), 3.8 * max(1, len(lengths))), dpi=110)
     for i, L in enumerate(lengths):
         for j, s in enumerate(settings):
@@ -39,16 +33,13 @@ def plot(report: dict):
             per = report["by_length"][L]["summary"].get(s, {})
             for m, r in per.items():
                 name = Path(m[5:]).stem if m.startswith("plan:") else report["labels"].get(m, m)  # plan4x8k
-                label = f"{name} (n={r['n']})"
                 if m == "full":
                     ax.axhline(r["acc"], color="k", ls="--", lw=1, label=f"full cache ({r['acc']:.0f} %)")
-                    continue
-                marker = "s" if m.startswith("kvzip") else ("^" if m.startswith("select") else "o")
-                ax.scatter(r["ratio"], r["acc"], marker=marker, label=label)
+                else:
+                    ax.scatter(r["ratio"], r["acc"], marker="s" if m.startswith("kvzip") else (
+                        "^" if m.startswith("select") else "o"), label=f"{name} (n={r['n']})")
             ax.set_xscale("log", base=2)
-            ax.set_xlabel("× smaller than the fp16 full cache")
-            ax.set_ylabel("accuracy % (exact match)")
-            ax.set_ylim(-5, 105)
+            ax.set(xlabel="× smaller than the fp16 full cache", ylabel="accuracy % (exact match)", ylim=(-5, 105))
             ax.set_title(f"SmolLM2-135M, {L} tokens, query-{s}", fontsize=9)
             ax.grid(True, alpha=0.3)
             if per:

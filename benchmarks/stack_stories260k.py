@@ -2,18 +2,11 @@
 
     python -m benchmarks.stack_stories260k      # → results/stack_stories260k.json + .md (a few minutes, 1 CPU thread)
 
-1. stories260K (:mod:`benchmarks.lib.stories`); post-RoPE Grams calibrated on the TinyStories **train** sample
-   (``--calib-tokens``, windows of 512), ``gqa-concat`` bases fitted at every ``--ranks`` (value rank = key rank).
-2. ``--windows`` windows of ``--prompt + --cont`` tokens of the **validation** sample: the prompt prefilled into a
-   fresh cache, the continuation fed teacher-forced in one call and scored
-   (:func:`kvsplice.decode.score_continuation`), for every method alike.
-3. Methods: the full cache (fp32) and full int8; low rank alone (fp32, int8); token selection alone (BalanceKV)
-   at every ``--budgets``; the stack ``TokenSelection(balancekv, budget, store=LowRank(bases, cache_quant="int8"))``
-   at every budget × rank. Each through the package's ``Decoder`` and through transformers' forward with
-   ``KVSpliceHFCache`` (the HF door): both perplexities are reported and must agree (they run the same ``attend``).
-4. Bytes: the last window's cache measured from its tensors (:func:`kvsplice.report.memory.measure_cache`) ==
-   the method's formula, in both doors; per token seen and as a ratio to the full fp16 K/V cache (int8 rows: 1 byte
-   + a 2-byte scale per row; a kept token's log-weight is fp32).
+``gqa-concat`` post-RoPE bases (calibrated on the train sample) at every ``--ranks``; per validation window the
+prompt prefilled, the continuation fed teacher-forced and scored. Methods: the full cache (fp32, int8), low rank
+alone (fp32, int8), BalanceKV alone at every ``--budgets`` and the stack ``TokenSelection(balancekv, budget,
+store=LowRank(bases, cache_quant="int8"))`` at every budget × rank, each through the ``Decoder`` and through
+transformers' forward (the HF door): both perplexities must agree, and the measured bytes equal the formula.
 """
 
 from __future__ import annotations
@@ -46,30 +39,9 @@ def methods(bases: dict[int, object], budgets: list[int], selector: str) -> dict
     return {name: (desc, build_method(spec)) for name, (desc, spec) in specs.items()}
 
 
-def summary(run, rows) -> dict:
-    return {"calibration": {"source": CALIB.name, "tokens": run.notes["calib_tokens"]},
-            "checks": {"bytes_match_all": all(r["bytes_match"] for r in rows),
-                       "ppl_door_max_rel": max(abs(r["ppl_hf"] / r["ppl"] - 1) for r in rows)}}
-
-
-def markdown(run, rows) -> str:
-    res = {r["name"]: r for r in rows}
-    full, checks = res["full"]["ppl"], summary(run, rows)["checks"]
-    lines = [f"stories260K (5 layers, 8 query / 4 KV heads, head_dim 8), {run['windows']} TinyStories validation "
-             f"windows: prompt {run['prompt']} tokens prefilled, the next {run['cont']} scored (teacher-forced, one "
-             f"call). Bases: gqa-concat post-RoPE, calibrated on {run.notes['calib_tokens']:,} train-sample "
-             f"tokens. Stack = `TokenSelection({run.args.selector}, budget, store=LowRank(bases, "
-             f"cache_quant=\"int8\"))`. Bytes: the cache after the last window ({rows[0]['tokens_seen']} tokens seen), "
-             f"measured == formula in both doors: **{checks['bytes_match_all']}**; ppl through the Decoder vs "
-             f"through transformers' forward (HF door), max relative difference {checks['ppl_door_max_rel']:.1e}.",
-             "", "| method | budget | rank | ppl (Decoder) | ppl (HF door) | Δ vs full | bytes / token seen | "
-             "× smaller than full fp32 | × smaller than full fp16 |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        d = r["config"]
-        lines.append(f"| {r['name']} | {d.get('budget', '—')} | {d.get('rank', '—')} | {r['ppl']:.4f} | "
-                     f"{r['ppl_hf']:.4f} | {100 * (r['ppl'] / full - 1):+.2f} % | {r['bytes_per_token']:.1f} | "
-                     f"{res['full']['bytes'] / r['bytes']:.2f} | {r['ratio_vs_fp16_full']:.2f} |")
-    return "\n".join(lines)
+def checks(rows) -> dict:
+    return {"bytes_match_all": all(r["bytes_match"] for r in rows),
+            "ppl_door_max_rel": max(abs(r["ppl_hf"] / r["ppl"] - 1) for r in rows)}
 
 
 def options(p) -> None:
@@ -88,17 +60,21 @@ def rows(run):
     run.notes["calib_tokens"] = stats.n_tokens
     bases = {r: fit_bases(stats, "gqa-concat", rank=r) for r in run["ranks"]}
     windows, _ = text_windows(loaded, EVAL, run["prompt"] + run["cont"], run["windows"], split="validation")
+    full = None
     for name, (desc, method) in methods(bases, run["budgets"], run.args.selector).items():
-        row = {**evaluate(model, windows, run["prompt"], name, method), "config": desc}
+        row = {**evaluate(model, windows, run["prompt"], name, method), **desc}
+        full = full or row
+        row.update(delta_pct=100 * (row["ppl"] / full["ppl"] - 1), x_full_fp32=full["bytes"] / row["bytes"])
         run.say(f"{name:24s} ppl {row['ppl']:.4f} (hf {row['ppl_hf']:.4f})  {row['bytes_per_token']:7.1f} B/token "
                 f"({row['ratio_vs_fp16_full']:.2f}x vs fp16)  bytes==formula {row['bytes_match']}")
         yield row
-    checks = summary(run, run.rows)["checks"]
-    if not checks["bytes_match_all"] or checks["ppl_door_max_rel"] >= 1e-4:
-        run.fail(f"the doors disagree: {checks}")
+    run.notes.update(checks(run.rows), selector=run.args.selector, tokens_seen=full["tokens_seen"])
+    if not run.notes["bytes_match_all"] or run.notes["ppl_door_max_rel"] >= 1e-4:
+        run.fail(f"the doors disagree: {checks(run.rows)}")
 
-
-STUDY = Study("stack_stories260k", __doc__, rows, options=options, summary=summary, markdown=markdown,
+STUDY = Study("stack_stories260k", __doc__, rows, options=options,
+              summary=lambda run, rows: {"calibration": {"source": CALIB.name, "tokens": run.notes["calib_tokens"]},
+                                         "checks": checks(rows)},
               bounds={"calib_tokens": (512, 1 << 22), "windows": (1, 4096), "prompt": (1, 512), "cont": (1, 512),
                       "ranks": (1, 8), "budgets": (1, 512)})
 main = STUDY.main

@@ -2,17 +2,10 @@
 
     python -m benchmarks.stories260k_bases                # → results/stories260k_bases.json + .md (≈ 5 min, 1 CPU)
 
-Steps (through the CLIs' own code: :mod:`kvsplice.fit_bases` / :mod:`kvsplice.eval_bases`):
-
-1. stories260K (:mod:`benchmarks.lib.stories`); calibrate on the first ``--calib-tokens`` of the TinyStories **train**
-   sample (windows of 512 = the model's context), once per RoPE mode, timing one plain forward over the same windows;
-2. fit every method at every rank (of head_dim 8; value rank = key rank) from those Grams;
-3. evaluate each on the first ``--eval-tokens`` of the **validation** sample: perplexity through the coefficient
-   cache vs the full K/V cache (chunks of 64 tokens; checked equal to token-by-token decoding on two windows),
-   per-layer held-out errors, Lesens' gap, measured cache bytes vs the formula;
-4. checks: attention-aware score error ≤ K-only score error for every layer, KV head and rank (held-out Grams, and
-   calibration Grams where it is a theorem); measured bytes == formula; full rank reproduces the full cache;
-   calibration statistics' size with the calibration text doubled.
+Through the CLIs' own code (:mod:`kvsplice.cli.fit_bases`, :mod:`kvsplice.evaluation.lowrank`): calibrate on the
+train sample once per RoPE mode, fit every method at every rank, evaluate each on the validation sample (perplexity
+through the coefficient cache, held-out errors, Lesens' gap, bytes vs formula). Checks: attention-aware ≤ K-only
+score error per layer, KV head and rank; bytes == formula; full rank == full cache; chunked == token by token.
 """
 
 from __future__ import annotations

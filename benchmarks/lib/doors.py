@@ -30,13 +30,12 @@ def hf_nll(model, cache, ids: torch.Tensor, p: int, **kw) -> float:
 def evaluate(model, windows: torch.Tensor, p: int, name: str, method) -> dict:
     """``method`` on every window (prompt ``p`` prefilled, the rest scored) in both doors."""
     nll = {"decoder": 0.0, "hf": 0.0}
+    reseed = method.selector.reseed if isinstance(method, TokenSelection) else lambda: None  # the same picks in both
     for w in windows:
         ids = w[None]
-        if isinstance(method, TokenSelection):
-            method.selector.reseed()
+        reseed()
         n_dec, _, c_dec = score_continuation(Decoder(model, method), ids, p)
-        if isinstance(method, TokenSelection):
-            method.selector.reseed()
+        reseed()
         c_hf = KVSpliceHFCache(model, method, capacity=method.capacity(p, ids.shape[1] - p))
         nll["decoder"] += n_dec / len(windows)
         nll["hf"] += hf_nll(model, c_hf, ids, p) / len(windows)

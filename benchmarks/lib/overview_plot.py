@@ -3,30 +3,39 @@ post-training panel, from the points :mod:`benchmarks.readme_figure` reads out o
 
 from __future__ import annotations
 
+from benchmarks.harness.studies import load as load_study
+
 PPL_PLAN = "planner, --objective ppl (perplexity only)"
 MIXED_PLAN = "planner, default --objective mixed (perplexity + tasks)"
 PLAN_NAMES = {"mixed": "default plan", "exact": "exact-prefill plan", "plan": "ppl-only plan"}
-Y_MAX = 25.0  # post-training panel: rows above +25 % perplexity are left out (listed in the figure's note)
+Y_MAX = 25.0  # post-training panel: rows above +25 % are left out (the figure's note lists them; ylim to +28)
 
-STYLE = {  # family -> marker, colour
-    "MHA / GQA / MQA": ("s", "#7f7f7f"),
-    "MLA": ("o", "#1f77b4"),
-    "MLA-128 + KVSplice, from scratch": ("^", "#ff7f0e"),
-    "KVSplice inserted into MLA-128 (PCA) + fine-tuned": ("*", "#d62728"),
-    "quantisation": ("s", "#7f7f7f"),
-    "token selection alone": ("v", "#9467bd"),
-    "token selection + quantisation": ("o", "#1f77b4"),
-    "low rank (bases)": ("x", "#8c564b"),
-    PPL_PLAN: ("D", "#ff7f0e"),
-    MIXED_PLAN: ("*", "#d62728"),
-}
+STYLE, WHERE, PANELS = (load_study("readme_figure")[k] for k in ("style", "where", "panels"))  # (the YAML's)
+
+
+def frame(ax, spec: dict) -> None:
+    """A panel's log-2 x axis with fixed ticks, its limits, labels and title (``spec``: a YAML ``panels`` entry),
+    the grid and the legend below."""
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(spec["ticks"]))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([spec["tick"].format(t) for t in spec["ticks"]])
+    ax.set_xlim(*spec["xlim"])  # (the trained panel's inverted: smaller caches to the right)
+    if "ylim" in spec:
+        ax.set_ylim(*spec["ylim"])
+    ax.set_xlabel(spec["xlabel"])
+    ax.set_ylabel(spec["ylabel"])
+    ax.set_title(spec["title"], fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
 
 
 def figure(trained: list[dict], post: list[dict]):
     """The two panels: trained variants (loss against bytes), post-training methods (perplexity change against
     times smaller); returns the matplotlib figure."""
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FixedLocator, NullLocator
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 6.2), dpi=110)
 
@@ -40,17 +49,7 @@ def figure(trained: list[dict], post: list[dict]):
         dx, dy = p["offset"]
         a.annotate(p["label"], (p["bytes"], p["loss"]), xytext=(dx, dy), textcoords="offset points", fontsize=8,
                    ha="right" if dx < 0 else "center" if dx == 0 else "left", va="center")
-    a.set_xscale("log", base=2)
-    ticks = [2048, 1024, 512, 256, 104]
-    a.xaxis.set_major_locator(FixedLocator(ticks))
-    a.xaxis.set_minor_locator(NullLocator())
-    a.set_xticklabels([f"{t:g}" for t in ticks])
-    a.set_xlim(2900, 70)  # inverted: smaller caches to the right
-    a.set_xlabel("cache bytes per token (fp16, measured; log scale) — smaller to the right")
-    a.set_ylabel("validation loss (mean ± SE over 3 seeds) — lower is better")
-    a.set_title("Trained from scratch: attention variants, 32.8M TinyStories tokens each, H100", fontsize=10)
-    a.grid(alpha=0.3)
-    a.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
+    frame(a, PANELS[0])
 
     hidden = [p for p in post if p["delta"] > Y_MAX]
     shown = [p for p in post if p["delta"] <= Y_MAX]
@@ -59,8 +58,6 @@ def figure(trained: list[dict], post: list[dict]):
         marker, colour = STYLE[family]
         b.scatter([p["ratio"] for p in pts], [p["delta"] for p in pts], marker=marker, color=colour,
                   s=180 if marker == "*" else 40, label=family, zorder=3 if marker == "*" else 2)
-    where = {"mixed_4x": (4.5, -1.9), "exact_4x": (4.6, 4.2), "exact_8x": (9.2, 7.0), "plan_4x": (1.45, 6.8),
-             "plan_8x": (9.2, 2.0), "plan_16x": (9.5, 12.0)}  # text positions (ratio, Δ %) of the plans' labels
     for p in shown:
         if p["family"] in (MIXED_PLAN, PPL_PLAN):
             name = PLAN_NAMES[p["id"].split("_")[0]]
@@ -68,7 +65,7 @@ def figure(trained: list[dict], post: list[dict]):
             text = f"{name} {x}: {p['delta']:+.2f} %"
             if "tasks" in p:
                 text += f", tasks {p['tasks']:.0f} %" + ("" if p["tasks_n"] >= 150 else f" (n={p['tasks_n']})")
-            b.annotate(text, (p["ratio"], p["delta"]), xytext=where.get(p["id"], (p["ratio"] * 1.1, p["delta"] + 1)),
+            b.annotate(text, (p["ratio"], p["delta"]), xytext=WHERE.get(p["id"], (p["ratio"] * 1.1, p["delta"] + 1)),
                        fontsize=8, color=STYLE[p["family"]][1], ha="left", va="center",
                        fontweight="bold" if p["family"] == MIXED_PLAN else "normal",
                        arrowprops={"arrowstyle": "-", "color": STYLE[p["family"]][1], "lw": 0.6, "shrinkB": 6})
@@ -76,18 +73,7 @@ def figure(trained: list[dict], post: list[dict]):
             b.annotate({"kivi4_r128": "KIVI-4", "int8": "int8"}[p["id"]], (p["ratio"], p["delta"]), xytext=(0, -12),
                        textcoords="offset points", fontsize=8, ha="center")
     b.axhline(0, color="black", lw=0.8)
-    b.set_xscale("log", base=2)
-    xt = [1.5, 2, 4, 8, 16]
-    b.xaxis.set_major_locator(FixedLocator(xt))
-    b.xaxis.set_minor_locator(NullLocator())
-    b.set_xticklabels([f"{t:g}×" for t in xt])
-    b.set_xlim(1.3, 24)
-    b.set_ylim(-3, Y_MAX + 3)
-    b.set_xlabel("× smaller than the fp16 full K/V cache (measured bytes; log scale)")
-    b.set_ylabel("perplexity change vs the full cache, % — lower is better")
-    b.set_title("Post-training: SmolLM2-135M-Instruct, perplexity (protocol P) and tasks, CPU", fontsize=10)
-    b.grid(alpha=0.3)
-    b.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
+    frame(b, PANELS[1])
     note = "tasks: query-agnostic accuracy, passkey + number in stories + word in facts at 1k tokens (full cache 98 %)"
     if hidden:
         note += f"\n{len(hidden)} rows above +{Y_MAX:g} % not shown (results/smollm2_frontier.md)"

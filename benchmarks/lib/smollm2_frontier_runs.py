@@ -20,6 +20,13 @@ from kvsplice.planning.spec import spec_label
 PROMPT = 768
 
 
+def _ranks(r: dict, heads: int = 1) -> dict:
+    """Mean key / value ranks of ``ranks()`` (per layer and head, or per layer over ``heads`` KV heads) and them."""
+    flat = {s: [x for row in r[s] for x in (row if isinstance(row, list) else [row])] for s in "kv"}
+    return {"mean_k": sum(flat["k"]) / len(flat["k"]) / heads, "mean_v": sum(flat["v"]) / len(flat["v"]) / heads,
+            "k": r["k"], "v": r["v"]}
+
+
 class Bench:
     def __init__(self, threads: int) -> None:
         torch.set_num_threads(threads)
@@ -60,16 +67,15 @@ class Bench:
         return ms if spec.get("selector") is None else selection(ms, spec["selector"], 1.0 if x is None else 1 / x)
 
     def plan(self, ratio: float) -> tuple[dict, dict]:
-        from kvsplice.evaluation.protocol import full_bytes_per_token
+        """The frontier's plan at ``ratio``: the perplexity objective over the attention selectors (what results/
+        holds; the planner's default since then is measured by smollm2_tasks.py)."""
         from kvsplice.adapters import adapter_for
-        from kvsplice.planning.search import search
+        from kvsplice.evaluation.protocol import full_bytes_per_token
+        from kvsplice.planning.search import SearchOptions, search
 
-        budget = full_bytes_per_token(adapter_for(self.model)) / ratio
-        # the frontier's plans: the perplexity objective over the attention selectors (what results/ holds; the
-        # planner's default since then — mixed objective, KVzip selectors — is measured by smollm2_tasks.py)
-        found = search(self.model, self.stats, self.tune, prompt_len=PROMPT, budget=budget, batch_size=2,
-                       log=lambda s: print(s, flush=True), objective="ppl",
-                       selectors=("snapkv", "observed_attention"))
+        opts = SearchOptions(prompt_len=PROMPT, budget=full_bytes_per_token(adapter_for(self.model)) / ratio,
+                             batch_size=2, objective="ppl", prefill="any", selectors=("snapkv", "observed_attention"))
+        found = search(self.model, self.stats, self.tune, opts, log=lambda s: print(s, flush=True))
         return found["best"], {"candidates": found["candidates"], "selector": found["selector"],
                                 "tuning_full_ppl": found["full"]["tuning_ppl"]}
 
@@ -95,25 +101,20 @@ class Bench:
         if "hf_quant" in spec:
             return self.hf_quantized(rid, spec)
         windows = self.s_windows if proto == "S" else self.eval
-        prompt, extra, ranks = 0 if proto == "W" else PROMPT, {}, None
+        prompt, extra = 0 if proto == "W" else PROMPT, {}
         if spec.get("store") == "joint":  # grouped-head joint latents: a method of its own, not a planner store
             from kvsplice.lowrank.joint import JointLowRank, allocate_joint
 
             s = self.stats[spec.get("rope", "pre")]
             n = round(2 * s.n_layer * s.n_kv_head * s.head_dim / spec["alloc"])
             jb = allocate_joint(s, n, spec.get("method", "fisher"))
-            method, r = JointLowRank(jb), jb.ranks()
-            ranks = {"mean_k": sum(r["k"]) / len(r["k"]) / s.n_kv_head,
-                     "mean_v": sum(r["v"]) / len(r["v"]) / s.n_kv_head, "k": r["k"], "v": r["v"],
-                     "note": "per layer, all KV heads jointly; mean_k/v per KV head"}
+            method = JointLowRank(jb)
+            ranks = {**_ranks(jb.ranks(), s.n_kv_head), "note": "per layer, all KV heads jointly; mean_k/v per KV head"}
         else:
             ms, extra = self.plan(spec["plan"]) if "plan" in spec else (self.method_spec(spec) if spec else None, {})
             method = None if ms is None else build_method(ms, prompt_len=prompt or windows.shape[1])
             label = "full K/V" if ms is None else spec_label(ms)
-            if spec.get("store") == "lowrank":
-                r = ms["bases"].ranks()
-                k, v = [x for row in r["k"] for x in row], [x for row in r["v"] for x in row]
-                ranks = {"mean_k": sum(k) / len(k), "mean_v": sum(v) / len(v), "k": r["k"], "v": r["v"]}
+            ranks = _ranks(ms["bases"].ranks()) if spec.get("store") == "lowrank" else None
         if spec.get("store") in ("lowrank", "joint"):
             what = f"r{spec['rank']}" if "rank" in spec else f"allocated ×{spec['alloc']:g}"
             label = f"{spec['store']} {spec.get('method', 'fisher')} {spec.get('rope', 'pre')}-RoPE {what}" + \

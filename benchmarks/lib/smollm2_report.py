@@ -126,9 +126,9 @@ def figure(rows: list[dict]):
     ax.plot([r["bytes_per_token"] for r in fr], [_pct(r["ppl"], base) for r in fr], "k--", lw=1, label="Pareto front")
     ax.set_xscale("log")
     ax.set_yscale("symlog", linthresh=1)
-    ax.set_xlabel("cache bytes per token (fp16 storage; full K/V = 23,040)")
-    ax.set_ylabel("perplexity increase vs full cache (%)")
-    ax.set_title("SmolLM2-135M-Instruct: 768-token prompt compressed, 256 tokens scored (4 windows)")
+    ax.set(xlabel="cache bytes per token (fp16 storage; full K/V = 23,040)",
+           ylabel="perplexity increase vs full cache (%)",
+           title="SmolLM2-135M-Instruct: 768-token prompt compressed, 256 tokens scored (4 windows)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.set_dpi(120)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.harness.paths import CALIB, EVAL as VAL, ROOT, SMOLLM2 as MODEL  # noqa: F401  (read as C.VAL)
+from benchmarks.lib.stories import windows
 
 WORK = ROOT / "checkpoints" / "smollm2"
 CALIB_TOKENS, SEQ, EVAL_TOKENS = 32768, 1024, 4096
@@ -21,13 +22,8 @@ def load():
 
 
 def token_windows(loaded, spec, n_tokens: int, seq: int = SEQ, skip: int = 0) -> torch.Tensor:
-    """``(n_tokens // seq, seq)`` windows of ``spec``'s token stream (stories joined by the tokenizer's separator)
-    after its first ``skip`` tokens."""
-    from kvsplice.loading import iter_texts, token_stream
-
-    ids = token_stream(iter_texts(str(spec)), loaded.tokenizer, skip + n_tokens)[0][skip:]
-    n = ids.numel() // seq
-    return ids[: n * seq].view(n, seq)
+    """``(n_tokens // seq, seq)`` windows of ``spec``'s token stream after its first ``skip`` tokens."""
+    return windows(loaded, spec, seq, n_tokens // seq, skip=skip)[0]
 
 
 def eval_windows(loaded) -> torch.Tensor:

@@ -48,15 +48,17 @@ def calibration_ids(loaded, tokens: int):
     return token_stream(iter_texts(str(CALIB)), loaded.tokenizer, tokens)[0]
 
 
-def windows(loaded, text, length: int, n: int, split=None):
-    """``(windows (N, length), stories)``: up to ``n`` windows of ``length`` tokens of ``text`` (at least one, and
-    no longer than the model's positions: else a :class:`UsageError`)."""
+def windows(loaded, text, length: int, n: int, split=None, skip: int = 0):
+    """``(windows (N, length), stories)``: up to ``n`` windows of ``length`` tokens of ``text`` after its first
+    ``skip`` tokens (at least one, and no longer than the model's positions: else a :class:`UsageError`)."""
     from kvsplice.loading import iter_texts, token_stream
 
-    if loaded.max_positions is not None and length > loaded.max_positions:
-        raise UsageError(f"a window of {length} tokens exceeds the model's {loaded.max_positions} positions")
+    limit = getattr(loaded, "max_positions", None)  # (a tokenizer alone: no limit)
+    if limit is not None and length > limit:
+        raise UsageError(f"a window of {length} tokens exceeds the model's {limit} positions")
     ids, stories = token_stream(iter_texts(str(text), **({"split": split} if split else {})), loaded.tokenizer,
-                                max_tokens=length * n)
+                                max_tokens=skip + length * n)
+    ids = ids[skip:]
     count = min(n, ids.numel() // length)
     if count < 1:
         raise UsageError(f"{text} has {ids.numel()} tokens, fewer than one window of {length}")

@@ -61,3 +61,22 @@ def test_method_family_of_a_row():
     for (rid, label), fam in cases.items():
         assert family({"id": rid, "label": label}) == fam, rid
     assert set(cases.values()) == set(FAMILIES)
+
+
+def test_a_plan_row_searches_with_the_planners_options(monkeypatch):
+    """A ``plan`` row (``Bench.plan``) runs the planner's search as the package declares it now (its options, the
+    perplexity objective over the attention selectors) and returns its pick and evidence: here on a tiny Llama."""
+    import torch
+    from tiny_models import tiny_family
+
+    import benchmarks.lib.smollm2_frontier_runs as runs
+    from kvsplice.lowrank.sensitivity import stats_for
+
+    bench = runs.Bench.__new__(runs.Bench)  # (no SmolLM2: the model, statistics and tuning slice set here)
+    bench.model = tiny_family("llama", n_layer=2)
+    bench.tune = torch.randint(3, 96, (2, 48), generator=torch.Generator().manual_seed(0))
+    bench.stats = stats_for(bench.model, lambda: list(bench.tune.split(1)), progress=False)[0]
+    monkeypatch.setattr(runs, "PROMPT", 32)
+    best, evidence = bench.plan(2.0)
+    assert evidence["selector"] in ("snapkv", "observed_attention") and evidence["candidates"]
+    assert best["name"] and evidence["tuning_full_ppl"] > 1

@@ -1,11 +1,11 @@
 """A study's report as data: the ``report:`` and ``figure:`` sections of its YAML, rendered from its rows by the runner.
 
-``report: {title, intro, columns, by, titles}`` — a markdown table whose ``columns`` map a header to a cell template
-(``"{decode_ms:.1f}"``, ``"**{ratio:.2f}**"``, ``"{cache_bytes!M:.1f}"``: ``!M`` is bytes in MiB; a bare key is
-formatted by :func:`fmt`); a cell whose field is missing or None reads ``-``. With ``by``, one table per value of that
-field that ``titles`` names (``## TITLE`` above each). ``title`` and ``intro`` are templates over the run's settings
-and notes. ``figure: {x, y, series, panels, xlog, ylog, hline, xlabel, ylabel}`` — one line plot per panel (the
-distinct values of the ``panels`` fields), a line per ``series`` value.
+``report: {title, intro, columns, by, titles, missing}`` — a markdown table whose ``columns`` map a header to a cell
+template (``"{decode_ms:.1f}"``, ``"**{ratio:.2f}**"``, ``"{cache_bytes!M:.1f}"``: ``!M`` is bytes in MiB; a bare key
+is formatted by :func:`fmt`); a cell whose field is missing or None reads ``missing`` (default ``-``). With ``by``, one
+table per value of that field that ``titles`` names (``## TITLE`` above each). ``title`` and ``intro`` are templates
+over the run's settings and notes. ``figure: {x, y, series, panels, xlog, ylog, hline, xlabel, ylabel}`` — one line
+plot per panel (the distinct values of the ``panels`` fields), a line per ``series`` value.
 """
 
 from __future__ import annotations
@@ -59,15 +59,15 @@ class _Cells(string.Formatter):
 _CELLS = _Cells()
 
 
-def cell(template: str, row: Mapping[str, Any]) -> str:
-    """``template`` filled from ``row`` (``-`` where a field it names is missing or None)."""
+def cell(template: str, row: Mapping[str, Any], missing: str = "-") -> str:
+    """``template`` filled from ``row`` (``missing`` where a field it names is missing or None)."""
     try:
         return _CELLS.vformat(template, (), row).replace("|", "\\|")
     except _Missing:
-        return "-"
+        return missing
 
 
-def table(rows: Sequence[dict], columns: Columns) -> list[str]:
+def table(rows: Sequence[dict], columns: Columns, missing: str = "-") -> list[str]:
     """A markdown table of ``rows``: ``columns`` as header -> template, or as keys (those some row has; every field
     but ``section`` when none is given)."""
     if not rows:
@@ -83,14 +83,14 @@ def table(rows: Sequence[dict], columns: Columns) -> list[str]:
 
 
 def tables(rows: Sequence[dict], columns: Mapping[str, Columns], titles: Mapping[str, str],
-           key: str = "section") -> list[str]:
+           key: str = "section", missing: str = "-") -> list[str]:
     """A :func:`table` per part of ``titles`` that has rows (their ``key`` field), under ``## TITLE``; ``columns``
     per part (a part without its own uses ``columns["*"]`` if given)."""
     out = []
     for name, title in titles.items():
         got = [r for r in rows if r.get(key) == name]
         cols = columns.get(name, columns.get("*", []))
-        out += [f"## {title}", "", *table(got, cols)] if got else []
+        out += [f"## {title}", "", *table(got, cols, missing)] if got else []
     return out
 
 
@@ -100,9 +100,9 @@ def markdown(spec: Mapping[str, Any], rows: Sequence[dict], values: Optional[Map
     lines = [f"# {spec['title'].format_map(values)}", ""] if spec.get("title") else []
     lines += [spec["intro"].format_map(values).strip(), ""] if spec.get("intro") else []
     if spec.get("by"):
-        lines += tables(rows, {"*": spec["columns"]}, spec["titles"], spec["by"])
+        lines += tables(rows, {"*": spec["columns"]}, spec["titles"], spec["by"], spec.get("missing", "-"))
     else:
-        lines += table(rows, spec["columns"])
+        lines += table(rows, spec["columns"], spec.get("missing", "-"))
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ def test_cell_fills_formats_and_marks_missing_fields():
     assert report.cell("{name}", row) == "a\\|b"
     assert report.cell("{none:.1f}", row) == "-"
     assert report.cell("{absent} x", row) == "-"
+    assert report.cell("{absent}", row, missing="—") == "—"
 
 
 def test_fmt_reads_each_kind_of_value():

@@ -103,24 +103,7 @@ def summary(run, rows) -> dict:
             "load_average_at_end": os.getloadavg()}
 
 
-def ratio(x, digits: int) -> str:
-    return "—" if x is None else f"{x:.{digits}f}"
-
-
-def markdown(run, rows) -> str:
-    fas = run["flash_attn"]
-    lines = [f"| model | context | KV bytes / token (f16, llama.cpp) | sequences in {run['budget_gib']:g} GiB | "
-             f"× standard | batch run (≤ {run.notes['llama_max_seq']}) | "
-             + " | ".join(f"decode t/s at that batch, -fa {fa}" for fa in fas) + " | × standard (faster -fa) |",
-             "|" + "---|" * (7 + len(fas))]
-    lines += [f"| {r['name']} | {r['ctx']:,} | {r['kv_bytes_per_token_f16']:,.0f} | {r['max_parallel_sequences']:,} | "
-              f"{ratio(r['capacity_vs_standard'], 1)} | {r['batch']} | "
-              + " | ".join(f"{r['decode_tps'][fa]:.1f}" for fa in fas) + f" | {ratio(r['decode_vs_standard'], 2)} |"
-              for r in rows]
-    return "\n".join(lines)
-
-
-STUDY = Study("engine_serving", __doc__, rows, options=options, markdown=markdown, summary=summary,
+STUDY = Study("engine_serving", __doc__, rows, options=options, summary=summary,
               bounds={"ctx": (1, 1 << 20), "budget_gib": (1e-9, 1e6), "ntg": (1, 10_000), "repeats": (1, 1000)})
 main = STUDY.main
 

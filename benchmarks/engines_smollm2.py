@@ -121,21 +121,7 @@ def summary(run, rows) -> dict:
     return {"llama_cpp": why} if why else {}
 
 
-def markdown(run, rows) -> str:
-    lines = [f"| model | ppl ({run['eval_tokens']:,} tokens) | greedy {run['greedy']} == ours "
-             "| KV bytes / token (f16 unless named) | = formula |", "|---|---|---|---|---|"]
-    for r in rows:
-        kb = r.get("kv_bytes_per_token")
-        lines.append(f"| {r['name']} | {r['ppl']:.3f} | {'yes' if r['greedy_equal_to_ours'] else 'no'} | "
-                     f"{'' if kb is None else f'{kb:,.0f}'} | {_yes(r.get('kv_bytes_equal_formula'))} |")
-    return "\n".join(lines)
-
-
-def _yes(v) -> str:
-    return "" if v is None else "yes" if v else "no"
-
-
-STUDY = Study("engines_smollm2", __doc__, rows, options=options, summary=summary, markdown=markdown,
+STUDY = Study("engines_smollm2", __doc__, rows, options=options, summary=summary,
               bounds={"calib_tokens": (1024, 1 << 20), "eval_tokens": (2, 8192), "d_latent": (1, 576),
                       "greedy": (1, 1024)})
 main = STUDY.main

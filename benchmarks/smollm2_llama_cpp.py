@@ -16,7 +16,7 @@ output exists, ``OURS_TASKS_CMD`` (``k8v4h``, ``int4`` at llama.cpp's bytes on t
 
 llama.cpp runs through its C API (:mod:`kvsplice.convert.engines.llama_cpp`, ``$KVSPLICE_LLAMA_CPP``) on the shared
 GGUF itself (its Q4_1 weights: what our loader dequantises to fp32), fed our tokenizer's ids; K and V in the type,
-flash attention on (llama.cpp quantises V only with it). Protocol P and the tasks: :mod:`benchmarks.lib.llama_cpp_eval`
+flash attention on (llama.cpp quantises V only with it). Protocol P and the tasks: :mod:`benchmarks.lib.smollm2_llama_cpp`
 on the windows of ``benchmarks.lib.smollm2_windows`` and the suite's instances (seeds 0..n-1, validation stories).
 Bytes per token: llama.cpp's log line at context creation (K and V MiB) over its cells, beside ggml's closed form
 (:mod:`kvsplice.convert.engines.kv_types`).

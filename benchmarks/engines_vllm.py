@@ -6,12 +6,10 @@ per-token log-probabilities, perplexity, the backend vLLM picked and the KV cach
     python -m benchmarks.engines_vllm --smollm2 --resume --force   # a row beside the earlier one
     python -m benchmarks.engines_vllm --resume --force              # only results/engines_vllm.md again
 
-``--ckpt``: a trained ``deepseek_v3``-layout MLA / KVSplice checkpoint; ``--smollm2``: the shared SmolLM2-135M GGUF
-converted (``to_mla``, latent 128 + 64 shared RoPE, 8,192 calibration tokens of TinyStoriesV2). Each is exported
-unpadded (transformers' reference) and padded to 512 + 64 (the only row vLLM's CPU MLA kernel takes), which runs in
-vLLM with its RoPE as PyTorch code (the default) and with its CPU C++ RoPE op (``native_rope=False``: it mis-indexes
-MLA's strided query / key slices, :mod:`kvsplice.convert.engines.vllm_worker`). One row per model (by ``name``;
-``--resume`` keeps the others). Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON`` or ``build/vllm-venv``).
+``--ckpt``: a trained ``deepseek_v3``-layout checkpoint; ``--smollm2``: the shared SmolLM2 GGUF converted (latent
+128 + 64 shared RoPE). Each is exported unpadded (transformers' reference) and padded to 512 + 64 (vLLM's CPU MLA
+kernel), run in vLLM with its RoPE as PyTorch code and with its CPU RoPE op (which mis-indexes MLA's strided slices).
+One row per model (by ``name``; ``--resume`` keeps the others). Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON``).
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from typing import Any
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import CALIB, EVAL, SMOLLM2, TINYSTORIES
 from benchmarks.harness.runner import Study
-from benchmarks.lib.vllm_runs import PAD, compare, smollm2, trained  # noqa: F401  (the tests call them here)
+from benchmarks.lib.vllm_plugin import PAD, compare, smollm2, trained  # noqa: F401  (the tests call them here)
 
 ROWS = (("ours", "ours (cached decode / full forward)"), ("transformers", "transformers, unpadded export"),
         ("transformers_padded", "transformers, padded export"), ("vllm", "vLLM, padded export (PyTorch RoPE)"),

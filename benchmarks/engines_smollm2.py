@@ -2,11 +2,10 @@
 transformers, llama.cpp (its converter + our q_lora_rank post-step) and vLLM: perplexity, greedy tokens, cache bytes.
 ``python -m benchmarks.engines_smollm2 [--model RUN/model --tag tuned]`` (results/engines_smollm2[_tuned].*).
 
-Calibration: the first ``--calib-tokens`` of TinyStoriesV2 (``mines-opt-ml...10k.txt``); evaluation: the first 2,048
-tokens of the TinyStories train sample (``gusjengis...sample.txt``, one window, no BOS). Rows: the source
-(transformers, fp32), the norm-free conversion (ours; ``--model DIR``: a converted native folder instead), the export
-with the latent RMSNorm in its linear regime (transformers; llama.cpp f32 / bf16 / f16 GGUF, f16 KV cache; vLLM with
-the plugin when ``build/vllm-venv`` has it), and a real latent RMSNorm (``--latent-norm``; the unusable export).
+Rows (calibration: TinyStoriesV2's first ``--calib-tokens``; evaluation: one window of the TinyStories train sample,
+no BOS): the source (transformers, fp32), the norm-free conversion (or ``--model DIR``, a converted folder), its export
+in transformers, llama.cpp (f32 / bf16 / f16 GGUF, f16 KV cache) and vLLM's plugin when there, and a real latent
+RMSNorm (``--latent-norm``: the unusable export).
 """
 
 from __future__ import annotations

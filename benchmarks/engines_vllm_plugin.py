@@ -74,12 +74,10 @@ def rows(run):
 
 def summary(run, rows) -> dict:
     """Per part (a joined file): the repeats' spread and the run nearest the median (the table's rows); the ratios."""
-    table, repeats = [], []
-    for part in dict.fromkeys(r.get("part", 0) for r in rows):
-        runs = {}
-        for r in rows:
-            if r.get("part", 0) == part:
-                runs.setdefault(r.get("run", 0), []).append(r)
+    table, repeats, parts = [], [], {}
+    for r in rows:
+        parts.setdefault(r.get("part", 0), {}).setdefault(r.get("run", 0), []).append(r)
+    for runs in parts.values():
         done = [dict(rows=x, load=x[0].get("load")) for x in runs.values()]
         rep = lib.repeat_summary(done) if len(done) > 1 else []
         table += lib.median_run(done, rep)["rows"]

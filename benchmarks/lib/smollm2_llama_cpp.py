@@ -1,11 +1,8 @@
 """The rows and report of ``benchmarks/smollm2_llama_cpp.py``: llama.cpp's cache types on protocol P and the task
-instances, on our token ids (:func:`protocol_p`, :func:`answer`: as :func:`kvsplice.evaluation.protocol.evaluate` and
-:func:`kvsplice.tasks.runner.answer` score them), the cache it allocates per token, llama-perplexity itself beside the
-C API path and our stacks on protocol P; the tables beside our rows from ``results/`` (the study's YAML names them).
-
-llama.cpp stores every K and V row in the cache type as it enters and every attention (the prompt's prefill
-included) reads it as stored, as our storage methods (``int8``, ``k8v4h``) do: for these rows the task settings differ
-only in how the ids are split into batches (aware: one prefill; agnostic: the context, then the question)."""
+instances, fed our token ids (:func:`protocol_p`, :func:`answer`: scored as ``kvsplice.evaluation.protocol`` and
+``kvsplice.tasks.runner`` score ours; llama.cpp reads every K / V row as stored, as our storage methods do, so the task
+settings differ only in how the ids are batched), its cache per token, llama-perplexity itself beside the C API path,
+our stacks on protocol P, and the tables beside our rows from ``results/`` (the study's YAML names them)."""
 
 from __future__ import annotations
 

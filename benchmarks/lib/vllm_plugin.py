@@ -42,8 +42,7 @@ def logprobs_of(logits: torch.Tensor, ids: Sequence[int]) -> list[float]:
 
 @torch.no_grad()
 def reference(folder: Path, ids: Sequence[int], prompt: Sequence[int], new: int):
-    """transformers on ``folder`` (fp32): its log-probabilities of ``ids`` and its greedy ``new`` tokens after
-    ``prompt`` (none for ``new`` 0)."""
+    """transformers on ``folder`` (fp32): log-probabilities of ``ids``, greedy ``new`` tokens after ``prompt``."""
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     lp = logprobs_of(ref(torch.tensor([list(ids)])).logits[0], ids)
     if not new:
@@ -90,8 +89,7 @@ def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int
 @torch.no_grad()
 def trained(ckpt: Path, text: str, *, tokens: int = 96, new: int = 32, work: Optional[Path] = None,
             kernel_rope: bool = True) -> dict[str, Any]:
-    """A trained DS-layout checkpoint: ours, transformers (unpadded export), vLLM (export padded to 512 + 64;
-    ``kernel_rope``: also with vLLM's CPU RoPE op)."""
+    """A trained checkpoint: ours, transformers (unpadded export), vLLM (padded; ``kernel_rope``: its RoPE op too)."""
     model, cfg, meta, work, ids = trained_export(ckpt, text, tokens, work, "engines_vllm_")
     export(ckpt, work / "hf_padded", "deepseek_v3", PAD)
     prompt = ids[:8]
@@ -147,8 +145,7 @@ def bytes_per_token(cfg) -> int:
 
 def measure(name: str, folder: Path, ref_dir: Path, cfg, *, budget: int, context: int, new: int, plugin: bool,
             row_bytes: int) -> dict[str, Any]:
-    """One vLLM engine on ``folder`` against transformers on ``ref_dir``: a row (an ``error`` row when ``budget``
-    holds less than one sequence)."""
+    """One vLLM engine on ``folder`` against transformers on ``ref_dir`` (``error``: a budget under one sequence)."""
     ids = torch.randint(0, cfg.vocab_size, (SCORED,), generator=torch.Generator().manual_seed(1)).tolist()
     lp, greedy = reference(ref_dir, ids, ids[:PROMPT], new)
     t0 = time.perf_counter()

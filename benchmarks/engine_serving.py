@@ -1,28 +1,30 @@
 """The seed's capacity claim ("KVSplice 90 %: ~11,700 parallel sequences in 24 GB at 1,024 tokens, 18x throughput")
-measured in llama.cpp on this CPU, for DeepSeek-V3-layout models at GPT-2-124M shapes (12 layers, d 768, 12 heads of
-64, SwiGLU 3072, GPT-2's tokenizer) with RANDOM weights (speed and memory do not depend on them): standard attention
-(a Llama export: K and V, 2 x 768 numbers per token and layer) and MLA with a latent of 256, 128 (KVSplice-50) or 26
-(KVSplice-90) + one 64-dim RoPE key, each a DeepSeek-V3 folder through llama.cpp's converter + ``to_gguf``'s post-step.
-
-Per model and context (``--ctx``): llama.cpp's own f16 KV bytes per token (its log), the most parallel sequences of
-that many tokens in ``--budget-gib``, and decode tokens/s from ``llama-batched-bench`` at that batch (capped at
-``LLAMA_MAX_SEQ``, 256: the most one context decodes at once), ``-fa`` on and off, interleaved repeats, medians; each
-model at its faster setting. The prompt is prefilled once and copied into every sequence's own cache stream (``-pps``):
-every decode step attends over ``ctx`` real cells per sequence. What bounds decode on a CPU: docs/conversion.md.
+in llama.cpp on this CPU: random-weight models (speed and memory do not depend on weights) at GPT-2-124M shapes,
+standard attention (a Llama export) and MLA with a latent of 256, 128 (KVSplice-50) or 26 (KVSplice-90) + one 64-dim
+RoPE key (DeepSeek-V3 exports, llama.cpp's converter + ``to_gguf``'s post-step). Per model and ``--ctx``: llama.cpp's
+f16 KV bytes per token, the most sequences in ``--budget-gib`` and ``llama-batched-bench``'s decode tokens/s at that
+batch (≤ LLAMA_MAX_SEQ), ``-fa`` on and off, interleaved repeats, medians, each model at its faster setting.
 
     KVSPLICE_LLAMA_CPP=... python -m benchmarks.engine_serving [--smoke]
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
+import torch
+
 from benchmarks.harness.options import UsageError
+from benchmarks.harness.paths import DATA
 from benchmarks.harness.runner import Study
-from benchmarks.lib.llama_cpp_models import SHAPES
+
+SHAPES = {"124m": dict(d=768, layers=12, heads=12, head_dim=64, ff=3072, vocab=50257),
+          "tiny": dict(d=128, layers=2, heads=2, head_dim=64, ff=256, vocab=50257)}  # the tests' smoke run
 
 NAMES = {"std": "standard attention (Llama export)", "256": "MLA 256 + 64", "128": "KVSplice-50: 128 + 64",
          "26": "KVSplice-90: 26 + 64"}
@@ -35,16 +37,55 @@ def options(p) -> None:
     p.add_argument("--budget-gib", type=float, help="the KV cache budget")
     p.add_argument("--ntg", type=int, help="decode steps timed per batch")
     p.add_argument("--flash-attn", nargs="+", choices=("auto", "on", "off"),
-                   help="llama.cpp's -fa settings, each timed (on this CPU its flash-attention kernel is slow for "
-                        "MLA's odd head sizes); a model's figure is its faster setting, as a user would pick")
+                   help="llama.cpp's -fa settings, each timed; a model's figure is its faster one (a user's pick)")
     p.add_argument("--repeats", type=int, help="interleaved repeats (model by model), medians reported")
     p.add_argument("--latents", nargs="+", metavar="std|R",
                    help="the models: std (standard attention) and MLA latent sizes R (each + a 64-dim RoPE key)")
 
 
+def build(folder: Path, latent, s: dict) -> None:
+    """A random-weight model of shape ``s`` (seed 0) in ``folder``: a Llama, or with ``latent`` a DeepSeek-V3."""
+    import transformers
+
+    from data.tokenizer import load_bpe_tokenizer
+    from kvsplice.convert.deepseek_v3 import portable_tokenizer_config
+    from training.export import save_tokenizer
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=s["vocab"], hidden_size=s["d"], intermediate_size=s["ff"], num_hidden_layers=s["layers"],
+                  num_attention_heads=s["heads"], num_key_value_heads=s["heads"], max_position_embeddings=8192,
+                  tie_word_embeddings=False)
+    if latent is None:
+        m = transformers.LlamaForCausalLM(transformers.LlamaConfig(head_dim=s["head_dim"], **common))
+    else:
+        m = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            moe_intermediate_size=s["ff"], q_lora_rank=None, kv_lora_rank=latent, qk_rope_head_dim=64,
+            qk_nope_head_dim=s["head_dim"], v_head_dim=s["head_dim"], first_k_dense_replace=s["layers"],
+            n_routed_experts=1, num_experts_per_tok=1, n_group=None, topk_group=None, rope_interleave=True, **common))
+    m.save_pretrained(folder)
+    if latent is not None:  # what kvsplice.convert.deepseek_v3 writes for transformers 4.x readers
+        c = json.loads((folder / "config.json").read_text())
+        c["rope_theta"] = (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        (folder / "config.json").write_text(json.dumps(c, indent=2))
+    save_tokenizer(load_bpe_tokenizer(DATA / "gpt2_tokenizer"), folder)  # a BPE llama.cpp's converter recognises
+    portable_tokenizer_config(folder)
+
+
+def bench(gguf: Path, ctx: int, batch: int, ntg: int, threads: int, flash_attn: str = "auto") -> list[dict]:
+    """``llama-batched-bench``: a ``ctx``-token prompt prefilled once, copied to ``batch`` sequences, ``ntg`` steps."""
+    from kvsplice.convert.engines.llama_cpp import binary
+
+    cmd = [str(binary("llama-batched-bench")), "-m", str(gguf), "-c", str(batch * (ctx + ntg + 1)),
+           "-b", "2048", "-ub", "512", "-npp", str(ctx), "-ntg", str(ntg), "-npl", str(batch), "-pps",
+           "-fa", flash_attn, "-t", str(threads), "--output-format", "jsonl"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={"LD_LIBRARY_PATH": str(binary("x").parent)})
+    if r.returncode != 0:
+        raise RuntimeError(f"llama-batched-bench failed: {r.stderr.strip().splitlines()[-1:]}")
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
 def models(run, work: Path, cap: int) -> list[dict]:
     """A row per model and context: its GGUF (built when missing), llama.cpp's KV bytes and the sequences that fit."""
-    from benchmarks.lib.llama_cpp_models import build
     from kvsplice.convert.engines.gguf_convert import hf_to_gguf
     from kvsplice.convert.engines.llama_cpp import LlamaCppModel
 
@@ -66,7 +107,6 @@ def models(run, work: Path, cap: int) -> list[dict]:
 
 
 def rows(run):
-    from benchmarks.lib.llama_cpp_models import bench
     from kvsplice.convert.engines.llama_cpp import max_sequences, missing
 
     why = missing(bindings=True, programs=("llama-batched-bench",))
@@ -98,29 +138,11 @@ def rows(run):
 
 
 def summary(run, rows) -> dict:
-    return {"weights": "random (speed and memory do not depend on them)",
-            "shape": {"name": run["shape"], **SHAPES[run["shape"]]}, **run.notes,
-            "load_average_at_end": os.getloadavg()}
+    return {"weights": "random (speed and memory do not depend on them)", "shape": {"name": run["shape"],
+            **SHAPES[run["shape"]]}, **run.notes, "load_average_at_end": os.getloadavg()}
 
 
-def ratio(x, digits: int) -> str:
-    return "—" if x is None else f"{x:.{digits}f}"
-
-
-def markdown(run, rows) -> str:
-    fas = run["flash_attn"]
-    lines = [f"| model | context | KV bytes / token (f16, llama.cpp) | sequences in {run['budget_gib']:g} GiB | "
-             f"× standard | batch run (≤ {run.notes['llama_max_seq']}) | "
-             + " | ".join(f"decode t/s at that batch, -fa {fa}" for fa in fas) + " | × standard (faster -fa) |",
-             "|" + "---|" * (7 + len(fas))]
-    lines += [f"| {r['name']} | {r['ctx']:,} | {r['kv_bytes_per_token_f16']:,.0f} | {r['max_parallel_sequences']:,} | "
-              f"{ratio(r['capacity_vs_standard'], 1)} | {r['batch']} | "
-              + " | ".join(f"{r['decode_tps'][fa]:.1f}" for fa in fas) + f" | {ratio(r['decode_vs_standard'], 2)} |"
-              for r in rows]
-    return "\n".join(lines)
-
-
-STUDY = Study("engine_serving", __doc__, rows, options=options, markdown=markdown, summary=summary,
+STUDY = Study("engine_serving", __doc__, rows, options=options, summary=summary,
               bounds={"ctx": (1, 1 << 20), "budget_gib": (1e-9, 1e6), "ntg": (1, 10_000), "repeats": (1, 1000)})
 main = STUDY.main
 

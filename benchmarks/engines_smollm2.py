@@ -2,11 +2,10 @@
 transformers, llama.cpp (its converter + our q_lora_rank post-step) and vLLM: perplexity, greedy tokens, cache bytes.
 ``python -m benchmarks.engines_smollm2 [--model RUN/model --tag tuned]`` (results/engines_smollm2[_tuned].*).
 
-Calibration: the first ``--calib-tokens`` of TinyStoriesV2 (``mines-opt-ml...10k.txt``); evaluation: the first 2,048
-tokens of the TinyStories train sample (``gusjengis...sample.txt``, one window, no BOS). Rows: the source
-(transformers, fp32), the norm-free conversion (ours; ``--model DIR``: a converted native folder instead), the export
-with the latent RMSNorm in its linear regime (transformers; llama.cpp f32 / bf16 / f16 GGUF, f16 KV cache; vLLM with
-the plugin when ``build/vllm-venv`` has it), and a real latent RMSNorm (``--latent-norm``; the unusable export).
+Rows (calibration: TinyStoriesV2's first ``--calib-tokens``; evaluation: one window of the TinyStories train sample,
+no BOS): the source (transformers, fp32), the norm-free conversion (or ``--model DIR``, a converted folder), its export
+in transformers, llama.cpp (f32 / bf16 / f16 GGUF, f16 KV cache) and vLLM's plugin when there, and a real latent
+RMSNorm (``--latent-norm``: the unusable export).
 """
 
 from __future__ import annotations
@@ -121,21 +120,7 @@ def summary(run, rows) -> dict:
     return {"llama_cpp": why} if why else {}
 
 
-def markdown(run, rows) -> str:
-    lines = [f"| model | ppl ({run['eval_tokens']:,} tokens) | greedy {run['greedy']} == ours "
-             "| KV bytes / token (f16 unless named) | = formula |", "|---|---|---|---|---|"]
-    for r in rows:
-        kb = r.get("kv_bytes_per_token")
-        lines.append(f"| {r['name']} | {r['ppl']:.3f} | {'yes' if r['greedy_equal_to_ours'] else 'no'} | "
-                     f"{'' if kb is None else f'{kb:,.0f}'} | {_yes(r.get('kv_bytes_equal_formula'))} |")
-    return "\n".join(lines)
-
-
-def _yes(v) -> str:
-    return "" if v is None else "yes" if v else "no"
-
-
-STUDY = Study("engines_smollm2", __doc__, rows, options=options, summary=summary, markdown=markdown,
+STUDY = Study("engines_smollm2", __doc__, rows, options=options, summary=summary,
               bounds={"calib_tokens": (1024, 1 << 20), "eval_tokens": (2, 8192), "d_latent": (1, 576),
                       "greedy": (1, 1024)})
 main = STUDY.main

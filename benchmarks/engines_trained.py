@@ -3,11 +3,10 @@
     python -m benchmarks.engines_trained --ckpt checkpoints/tiny_ds_mla_kvsplice_90/last.ckpt \\
         --text ../shared/data/tinystories/yuninxia_moe-routing-bench__tinystories_val.txt
 
-Exports the checkpoint (``training.export --format deepseek_v3``, or ``llama`` for standard attention), converts it
-with llama.cpp's own converter (``kvsplice.to_gguf``), then on ``--tokens`` tokens of ``--text`` reports each
-engine's perplexity, whether the greedy ``--new`` tokens after an 8-token prompt agree, and the KV cache bytes per
-token: llama.cpp's (f16 cache) against our f16 cache, measured from its tensors. One row, printed and written to
-``results/engines_trained.json`` (``--out``). Needs llama.cpp (``$KVSPLICE_LLAMA_CPP`` or ``build/engines/llama.cpp``; docs/conversion.md).
+The checkpoint exported (``deepseek_v3``, or ``llama`` for standard attention) and converted by llama.cpp's own
+converter (``to_gguf``); on ``--tokens`` of ``--text``: each engine's perplexity, whether the greedy ``--new`` tokens
+after an 8-token prompt agree, and llama.cpp's f16 KV bytes per token against our f16 cache's, measured. Needs
+llama.cpp (``$KVSPLICE_LLAMA_CPP`` or ``build/engines/llama.cpp``; docs/conversion.md).
 """
 
 from __future__ import annotations
@@ -26,9 +25,7 @@ from benchmarks.lib.engines import in_llama_cpp, ppl, trained
 from kvsplice.convert.engines import gguf_convert, llama_cpp
 from kvsplice.report.memory import cache_bytes_formula, measure_cache
 
-
-BYTES_CELLS = 65536
-"""Cells of the cache whose size llama.cpp reports (in MiB to 2 decimals: ± 0.005 MiB / 65,536 = ± 0.08 B a token)."""
+BYTES_CELLS = 65536  # the cells llama.cpp's MiB (2 decimals) are read at: ± 0.005 MiB / 65,536 = ± 0.08 B a token
 
 
 @torch.no_grad()
@@ -43,7 +40,6 @@ def compare(ckpt: Path, text: str, *, tokens: int = 128, new: int = 64, work: Op
     g_ours = model.generate(prompt, new, temperature=0.0)[0, 8:].tolist()  # our decode cache
     g_hf = hf.generate(prompt, max_new_tokens=new, do_sample=False, min_new_tokens=new)[0, 8:].tolist()
     cpp = in_llama_cpp(work / "model.gguf", ids, ids[:8], new, n_ctx=max(len(ids), 8 + new) + 8)
-    # llama.cpp reports its cache in MiB to 2 decimals: the bytes per token read off many cells
     with llama_cpp.LlamaCppModel(work / "model.gguf", n_ctx=BYTES_CELLS, cache_type="f16") as lm:
         cpp_bytes = lm.kv_bytes_per_token
     half = copy.deepcopy(model).half()
@@ -80,7 +76,6 @@ def rows(run):
 
 
 STUDY = Study("engines_trained", __doc__, rows, options=options, threads=None,
-              sizes={"default": {"tokens": 128, "new": 64}, "smoke": {"tokens": 32, "new": 8}},
               bounds={"tokens": (2, 1 << 16), "new": (1, 4096)})
 main = STUDY.main
 

@@ -6,12 +6,10 @@ per-token log-probabilities, perplexity, the backend vLLM picked and the KV cach
     python -m benchmarks.engines_vllm --smollm2 --resume --force   # a row beside the earlier one
     python -m benchmarks.engines_vllm --resume --force              # only results/engines_vllm.md again
 
-``--ckpt``: a trained ``deepseek_v3``-layout MLA / KVSplice checkpoint; ``--smollm2``: the shared SmolLM2-135M GGUF
-converted (``to_mla``, latent 128 + 64 shared RoPE, 8,192 calibration tokens of TinyStoriesV2). Each is exported
-unpadded (transformers' reference) and padded to 512 + 64 (the only row vLLM's CPU MLA kernel takes), which runs in
-vLLM with its RoPE as PyTorch code (the default) and with its CPU C++ RoPE op (``native_rope=False``: it mis-indexes
-MLA's strided query / key slices, :mod:`kvsplice.convert.engines.vllm_worker`). One row per model (by ``name``;
-``--resume`` keeps the others). Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON`` or ``build/vllm-venv``).
+``--ckpt``: a trained ``deepseek_v3``-layout checkpoint; ``--smollm2``: the shared SmolLM2 GGUF converted (latent
+128 + 64 shared RoPE). Each is exported unpadded (transformers' reference) and padded to 512 + 64 (vLLM's CPU MLA
+kernel), run in vLLM with its RoPE as PyTorch code and with its CPU RoPE op (which mis-indexes MLA's strided slices).
+One row per model (by ``name``; ``--resume`` keeps the others). Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON``).
 """
 
 from __future__ import annotations
@@ -20,10 +18,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import report
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import CALIB, EVAL, SMOLLM2, TINYSTORIES
 from benchmarks.harness.runner import Study
-from benchmarks.lib.vllm_runs import PAD, compare, smollm2, trained  # noqa: F401  (the tests call them here)
+from benchmarks.lib.vllm_plugin import compare, smollm2, trained  # noqa: F401  (the tests call compare here)
 
 ROWS = (("ours", "ours (cached decode / full forward)"), ("transformers", "transformers, unpadded export"),
         ("transformers_padded", "transformers, padded export"), ("vllm", "vLLM, padded export (PyTorch RoPE)"),
@@ -44,20 +43,16 @@ def markdown(run, rows: list[dict[str, Any]]) -> str:
                 f"{v['kv_cache_row']} ({v['kv_cache_dtype']}, blocks of {v['block_size']}) × {v['layers']} layers = "
                 f"**{v['kv_bytes_per_token']:,} B per token** (the unpadded row would be "
                 f"{m['kv_bytes_per_token_unpadded_fp32']:,} B in fp32); {v['kv_cache_tokens']:,} tokens in 1 GiB; "
-                f"engine start + runs: " + ", ".join(f"{k} {t:.0f} s" for k, t in v["seconds"].items()) + ".", "",
-                f"| engine | perplexity ({r['tokens']} tokens) | max abs Δ log-prob vs transformers | first position "
-                f"(0-based) whose prediction is off by > 1e-3 | greedy {r['new']} == transformers |",
-                "|---|---|---|---|---|"]
-        for key, label in ROWS:
-            if key not in r["perplexity"]:
-                continue
-            d = r["max_abs_logprob_diff_vs_transformers"].get(key)
-            first = r["first_position_off_by_1e-3"].get(key)
-            same = r["greedy_equal_to_transformers"].get(key)
-            out.append(f"| {label} | {r['perplexity'][key]:.4f} | {'—' if d is None else f'{d:.2e}'} | "
-                       f"{'—' if first is None else first} | {'—' if same is None else 'yes' if same else 'no'} |")
+                f"engine start + runs: " + ", ".join(f"{k} {t:.0f} s" for k, t in v["seconds"].items()) + ".", ""]
+        cells = [dict(engine=label, ppl=r["perplexity"][key], d=r["max_abs_logprob_diff_vs_transformers"].get(key),
+                      first=r["first_position_off_by_1e-3"].get(key), same=r["greedy_equal_to_transformers"].get(key))
+                 for key, label in ROWS if key in r["perplexity"]]
+        out += report.table(cells, {"engine": "{engine}", f"perplexity ({r['tokens']} tokens)": "{ppl:.4f}",
+                                    "max abs Δ log-prob vs transformers": "{d:.2e}",
+                                    "first position (0-based) whose prediction is off by > 1e-3": "{first}",
+                                    f"greedy {r['new']} == transformers": "{same!y}"}, "—")
         g = r["greedy"]
-        out += ["", f"Greedy tokens: transformers {g['transformers']}" + (
+        out += [f"Greedy tokens: transformers {g['transformers']}" + (
             f"; vLLM with its CPU RoPE op {g['vllm_cpu_rope_op']}" if "vllm_cpu_rope_op" in g else ""), ""]
         if "greedy_text" in m:
             out += [f"transformers' text: \"{m['greedy_text']['transformers']}\"", ""]
@@ -82,16 +77,15 @@ def rows(run):
            or (f"--text {a.text}: no such file" if not a.text.is_file() else None)) if a.ckpt or a.smollm2 else None
     if why:
         raise UsageError(why)
-    jobs = []
+    new = []
     if a.ckpt:
-        jobs.append(lambda: trained(a.ckpt, a.text.read_text(encoding="utf-8"), tokens=a.tokens or 96, new=a.new,
-                                    work=a.work))
+        new.append(trained(a.ckpt, a.text.read_text(encoding="utf-8"), tokens=a.tokens or 96, new=a.new, work=a.work))
     if a.smollm2:
-        jobs.append(lambda: dict(smollm2(gguf=SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf", text=CALIB,
-                                         calib=TINYSTORIES / "mines-opt-ml_decoding-gpt__tinystories_10k.txt",
-                                         tokens=a.tokens or 256, new=a.new, work=a.work), name=SMOLLM2_NAME))
+        new.append(dict(smollm2(gguf=SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf", text=CALIB,
+                                calib=TINYSTORIES / "mines-opt-ml_decoding-gpt__tinystories_10k.txt",
+                                tokens=a.tokens or 256, new=a.new, work=a.work), name=SMOLLM2_NAME))
     new = [dict(name=r.pop("name", None) or f"trained {r['model']['variant']}", command=run.header["command"], **r)
-           for r in (job() for job in jobs)]
+           for r in new]
     yield from [r for r in run.done if r.get("name") not in {n["name"] for n in new}] + new
 
 

@@ -6,14 +6,10 @@ model's largest batch in one KV budget; the padded 512 + 64 route (vLLM without 
     python -m benchmarks.engines_vllm_plugin --skip-124m --context 128 --trained RUNS/tiny_ds_mha/last.ckpt ...
     python -m benchmarks.engines_vllm_plugin --join A.json B.json --out results/engines_vllm_plugin
 
-Models: the 124M shapes of ``ds_mha`` (standard attention, exported as a Llama), ``ds_mla``, ``ds_mla_kvsplice_50``
-/ ``_90`` with random weights (seed 0: exactness and speed do not depend on training) and the ``--trained`` tiny
-checkpoints; KVSplice-90 also padded to 512 + 64 without the plugin (what vLLM serves today). Per model one vLLM
-engine (fp32, eager): greedy ``--new`` tokens after 8 and the log-probabilities of 96 tokens against transformers;
-its cache tokens for the budget (``--mha-seqs`` full sequences of the group's standard attention); as many random
-``--context``-token sequences as that holds, stepped by hand: decode tokens/s after the last prefill. ``--repeats``:
-each ratio's median and spread, the load average during each run; the table shows the run nearest the median.
-``--join``: earlier runs' JSON files in one report. Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON``; docs/vllm.md).
+Models: the 124M shapes with random weights (seed 0: exactness and speed do not depend on training) and the
+``--trained`` tiny checkpoints, one vLLM engine each (fp32, eager), its budget ``--mha-seqs`` full sequences of its
+group's standard attention. ``--repeats``: each ratio's median and spread and the load average (the table: the run
+nearest the median); ``--join``: earlier runs' JSON files in one report. Needs vLLM's venv (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -38,7 +34,7 @@ def options(ap) -> None:
 
 
 def joined(paths: list[Path]):
-    """The rows of earlier results files, each file a ``part`` (a file from before the runner: its ``runs``)."""
+    """The rows of earlier results files, each a ``part`` (a file from before the runner: its ``runs``)."""
     for j, path in enumerate(paths):
         data = json.loads(path.read_text(encoding="utf-8"))
         if "study" in data:
@@ -78,12 +74,10 @@ def rows(run):
 
 def summary(run, rows) -> dict:
     """Per part (a joined file): the repeats' spread and the run nearest the median (the table's rows); the ratios."""
-    table, repeats = [], []
-    for part in dict.fromkeys(r.get("part", 0) for r in rows):
-        runs = {}
-        for r in rows:
-            if r.get("part", 0) == part:
-                runs.setdefault(r.get("run", 0), []).append(r)
+    table, repeats, parts = [], [], {}
+    for r in rows:
+        parts.setdefault(r.get("part", 0), {}).setdefault(r.get("run", 0), []).append(r)
+    for runs in parts.values():
         done = [dict(rows=x, load=x[0].get("load")) for x in runs.values()]
         rep = lib.repeat_summary(done) if len(done) > 1 else []
         table += lib.median_run(done, rep)["rows"]

@@ -10,16 +10,10 @@ figures from ``results/`` (the same windows and seeds).
                       # bytes at 2^15 cells (exact in llama.cpp's log); llama-perplexity itself beside our API path
     python -m benchmarks.smollm2_llama_cpp --report-only --resume --force   # the report from what is finished
 
-``--resume`` keeps every finished row (a type's protocol P, an instance's answer, ...) and measures the rest. Our
-rows come from ``results/smollm2_frontier.json``, ``smollm2_tasks.json``, ``smollm2_tasks_goals.json`` and, when its
-output exists, ``OURS_TASKS_CMD`` (``k8v4h``, ``int4`` at llama.cpp's bytes on the same instances).
-
-llama.cpp runs through its C API (:mod:`kvsplice.convert.engines.llama_cpp`, ``$KVSPLICE_LLAMA_CPP``) on the shared
-GGUF itself (its Q4_1 weights: what our loader dequantises to fp32), fed our tokenizer's ids; K and V in the type,
-flash attention on (llama.cpp quantises V only with it). Protocol P and the tasks: :mod:`benchmarks.lib.llama_cpp_eval`
-on the windows of ``benchmarks.lib.smollm2_windows`` and the suite's instances (seeds 0..n-1, validation stories).
-Bytes per token: llama.cpp's log line at context creation (K and V MiB) over its cells, beside ggml's closed form
-(:mod:`kvsplice.convert.engines.kv_types`).
+``--resume`` keeps every finished row and measures the rest; our rows come from ``results/`` (the study's YAML).
+llama.cpp runs through its C API (``$KVSPLICE_LLAMA_CPP``) on the shared Q4_1 GGUF itself, fed our tokenizer's ids, K
+and V in the type, flash attention on (llama.cpp quantises V only with it); bytes per token: its log line at context
+creation over its cells, beside ggml's closed form (:mod:`kvsplice.convert.engines.kv_types`).
 """
 
 from __future__ import annotations

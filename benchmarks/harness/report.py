@@ -1,11 +1,12 @@
 """A study's report as data: the ``report:`` and ``figure:`` sections of its YAML, rendered from its rows by the runner.
 
-``report: {title, intro, columns, by, titles, missing}`` — a markdown table whose ``columns`` map a header to a cell
-template (``"{decode_ms:.1f}"``, ``"**{ratio:.2f}**"``, ``"{cache_bytes!M:.1f}"``: ``!M`` is bytes in MiB; a bare key
-is formatted by :func:`fmt`); a cell whose field is missing or None reads ``missing`` (default ``-``). With ``by``, one
-table per value of that field that ``titles`` names (``## TITLE`` above each). ``title`` and ``intro`` are templates
-over the run's settings and notes. ``figure: {x, y, series, panels, xlog, ylog, hline, xlabel, ylabel}`` — one line
-plot per panel (the distinct values of the ``panels`` fields), a line per ``series`` value.
+``report: {title, intro, columns, by, titles, missing, drop_empty}`` — a markdown table whose ``columns`` map a
+header to a cell template (``"{decode_ms:.1f}"``, ``"**{ratio:.2f}**"``, ``"{cache_bytes!M:.1f}"``: ``!M`` is bytes in
+MiB, ``!y`` a flag as yes/no; a bare key is formatted by :func:`fmt`); a cell whose field is missing or None reads
+``missing`` (default ``-``); ``drop_empty``: a column no row fills is left out. With ``by``, one table per value of
+that field that ``titles`` names (``## TITLE`` above each). ``title``, ``intro`` and the headers are templates over the
+run's settings and notes. ``figure: {x, y, series, panels, xlog, ylog, hline, xlabel, ylabel}`` — one line plot per
+panel (the distinct values of the ``panels`` fields), a line per ``series`` value.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 import string
 from typing import Any, Mapping, Optional, Sequence, Union
 
-__all__ = ["cell", "figure", "fmt", "markdown", "table", "tables"]
+__all__ = ["cell", "columns", "figure", "fmt", "markdown", "table", "tables"]
 
 Columns = Union[Sequence[str], Mapping[str, str]]
 
@@ -53,6 +54,8 @@ class _Cells(string.Formatter):
         return value
 
     def convert_field(self, value, conversion):
+        if conversion == "y":  # a flag as yes / no
+            return "yes" if value else "no"
         return value / 2**20 if conversion == "M" else super().convert_field(value, conversion)
 
 
@@ -60,10 +63,10 @@ _CELLS = _Cells()
 
 
 def cell(template: str, row: Mapping[str, Any], missing: str = "-") -> str:
-    """``template`` filled from ``row`` (``missing`` where a field it names is missing or None)."""
+    """``template`` filled from ``row`` (``missing`` where a field it names, or an item of one, is missing or None)."""
     try:
         return _CELLS.vformat(template, (), row).replace("|", "\\|")
-    except _Missing:
+    except KeyError:
         return missing
 
 
@@ -73,7 +76,7 @@ def table(rows: Sequence[dict], columns: Columns, missing: str = "-") -> list[st
     if not rows:
         return []
     if isinstance(columns, Mapping):
-        heads, cells = list(columns), [lambda r, t=t: cell(t, r) for t in columns.values()]
+        heads, cells = list(columns), [lambda r, t=t: cell(t, r, missing) for t in columns.values()]
     else:
         heads = [c for c in columns if any(c in r for r in rows)]
         heads = heads or [c for c in dict.fromkeys(c for r in rows for c in r) if c != "section"]
@@ -94,15 +97,21 @@ def tables(rows: Sequence[dict], columns: Mapping[str, Columns], titles: Mapping
     return out
 
 
+def columns(spec: Mapping[str, Any], rows: Sequence[dict], values: Mapping[str, Any]) -> dict[str, str]:
+    """``spec``'s columns, their headers filled from ``values``; with ``drop_empty``, those some row fills only."""
+    cols = spec["columns"]
+    keep = [h for h, t in cols.items() if not spec.get("drop_empty") or any(cell(t, r, "") for r in rows)]
+    return {h.format_map(values): cols[h] for h in keep}
+
+
 def markdown(spec: Mapping[str, Any], rows: Sequence[dict], values: Optional[Mapping[str, Any]] = None) -> str:
     """The report ``spec`` (a study's ``report:``) of ``rows``; ``values`` fill its title and intro."""
     values = values or {}
     lines = [f"# {spec['title'].format_map(values)}", ""] if spec.get("title") else []
     lines += [spec["intro"].format_map(values).strip(), ""] if spec.get("intro") else []
-    if spec.get("by"):
-        lines += tables(rows, {"*": spec["columns"]}, spec["titles"], spec["by"], spec.get("missing", "-"))
-    else:
-        lines += table(rows, spec["columns"], spec.get("missing", "-"))
+    cols, missing = columns(spec, rows, values), spec.get("missing", "-")
+    by = spec.get("by")
+    lines += tables(rows, {"*": cols}, spec["titles"], by, missing) if by else table(rows, cols, missing)
     return "\n".join(lines)
 
 

@@ -1,6 +1,5 @@
-"""What the engine studies (``engines_trained``, ``engines_smollm2``, ``engines_vllm``, ``engines_vllm_plugin``)
-share: a checkpoint or an in-memory model exported as a transformers folder (:func:`training.export.export`), a
-trained checkpoint beside its export, perplexity from logits, and one model's row in llama.cpp."""
+"""What the engine studies share: a checkpoint or an in-memory model exported as a transformers folder, a trained
+checkpoint beside its export, perplexity from logits, and one model's row in llama.cpp."""
 
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ __all__ = ["export", "export_model", "in_llama_cpp", "ppl", "trained"]
 
 def export(ckpt: Path, out: Path, fmt: str = "auto", pad: Optional[tuple[int, int]] = None,
            tokenizer: bool = True) -> Path:
-    """``ckpt`` exported into ``out`` (replaced) in ``fmt``; ``pad``: the DeepSeek-V3 export's (latent, RoPE) padded
-    to these widths. Its report goes to stderr (stdout is the study's)."""
+    """``ckpt`` exported into ``out`` (replaced) by :func:`training.export.export`; ``pad``: the DeepSeek-V3 export's
+    (latent, RoPE) widths. Its report goes to stderr (stdout is the study's)."""
     from training import export as ex
 
     with contextlib.redirect_stdout(sys.stderr):
@@ -41,8 +40,8 @@ def export_model(model, out: Path, pad: Optional[tuple[int, int]] = None) -> Pat
 
 @torch.no_grad()
 def trained(ckpt: Path, text: str, tokens: int, work: Optional[Path], prefix: str):
-    """``ckpt`` loaded (eval) and exported into ``work/hf`` (default: a new temporary folder): ``(model, cfg, meta,
-    work, ids)``, ``ids`` the first ``tokens`` of ``text`` (at most the model's context) in the run's tokenizer."""
+    """``(model, cfg, meta, work, ids)``: ``ckpt`` loaded and exported into ``work/hf`` (default: a new temporary
+    folder), ``ids`` the first ``tokens`` of ``text`` (at most the model's context) in the run's tokenizer."""
     import transformers
 
     from models.checkpoint import load_gpt_checkpoint
@@ -61,8 +60,8 @@ def ppl(logits, ids: Sequence[int]) -> float:
 
 
 def in_llama_cpp(gguf: Path, ids: Sequence[int], prompt: Sequence[int], new: int, n_ctx: int) -> dict[str, Any]:
-    """``gguf`` in llama.cpp (f16 KV cache): perplexity of ``ids``, greedy ``new`` tokens after ``prompt``, its
-    cache (log) and bytes per token."""
+    """``gguf`` in llama.cpp (f16 KV cache): perplexity of ``ids``, greedy ``new`` tokens after ``prompt``, its cache
+    (log) and bytes per token."""
     from kvsplice.convert.engines.llama_cpp import LlamaCppModel
 
     with LlamaCppModel(gguf, n_ctx=n_ctx, cache_type="f16") as lm:

@@ -1,6 +1,8 @@
 """The rows and report of ``benchmarks/smollm2_llama_cpp.py``: llama.cpp's cache types on protocol P and the task
-instances, the cache it allocates per token, llama-perplexity itself beside the C API path and our stacks on protocol
-P; the tables beside our rows from ``results/``."""
+instances, fed our token ids (:func:`protocol_p`, :func:`answer`: scored as ``kvsplice.evaluation.protocol`` and
+``kvsplice.tasks.runner`` score ours; llama.cpp reads every K / V row as stored, as our storage methods do, so the task
+settings differ only in how the ids are batched), its cache per token, llama-perplexity itself beside the C API path,
+our stacks on protocol P, and the tables beside our rows from ``results/`` (the study's YAML names them)."""
 
 from __future__ import annotations
 
@@ -10,38 +12,59 @@ import re
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from benchmarks.harness.paths import EVAL as STORIES, RESULTS, ROOT, SMOLLM2 as MODEL
-from benchmarks.lib.llama_cpp_eval import answer, protocol_p
+from benchmarks.harness.studies import load as load_study
 from kvsplice.convert.engines.kv_types import kv_bytes_per_token
 from kvsplice.convert.engines.llama_cpp import LlamaCppModel, binary
 
 TYPES = ["f16", "q8_0", "q4_0", "q4_1", "iq4_nl"]
 TASKS = ["passkey", "niah_number_stories", "niah_word_facts"]  # the reduced table's (results/smollm2_tasks.md)
 PROMPT, N_CTX_SLACK, FULL = 768, 64, 23040
-# our rows on protocol P, read from the results files (the same 4 windows): (results file, row id, label)
-OURS_P = [("smollm2_frontier.json", "full", "ours: full K/V, fp32 model"),
-          ("smollm2_frontier.json", "int8", "ours: int8 rows"),
-          ("smollm2_frontier.json", "kivi4_r128", "ours: KIVI-4 (g32, last 128 fp16)"),
-          ("smollm2_frontier.json", "kivi4_r32", "ours: KIVI-4 (g32, last 32 fp16)"),
-          ("smollm2_frontier.json", "hf_quanto_int4", "transformers QuantizedCache quanto int4"),
-          ("smollm2_frontier.json", "obs_x1.55_kivi4_r32", "ours: ObservedAttention ×1.55 + KIVI-4 (r32)"),
-          ("smollm2_frontier.json", "plan_4x", "ours: perplexity planner 4× (ObservedAttention ×2.1 + int8)"),
-          ("smollm2_tasks_goals.json", "4x", "ours: planner 4× pick (KVzip band ×1.69 + k8v4h)"),
-          ("smollm2_frontier.json", "plan_8x", "ours: perplexity planner 8× (ObservedAttention ×4.2 + int8)"),
-          ("smollm2_tasks_goals.json", "8x", "ours: planner 8× pick (KVzip pooled ×3.38 + k8v4h)")]
-OURS_TASKS_RUN = ROOT / "checkpoints" / "smollm2_llama_cpp" / "ours_tasks_1024.json"
-OURS_TASKS_CMD = ("kvsplice eval-tasks --model ../shared/data/smollm2-135m-instruct --stories "
-                  "../shared/data/tinystories/yuninxia_moe-routing-bench__tinystories_val.txt --method k8v4h int4 "
-                  "--tasks passkey niah_number_stories niah_word_facts --lengths 1024 --n 8 --setting agnostic "
-                  "--threads 1 --out checkpoints/smollm2_llama_cpp/ours_tasks_1024.json")
-OURS_TASKS = {"full": "ours: full K/V", "int8": "ours: int8 rows", "kivi4": "ours: KIVI-4 (r128)",
-              "plan4x.json": "ours: planner 4× pick", "plan8x.json": "ours: planner 8× pick"}  # a plan: by file name
+OURS = load_study("smollm2_llama_cpp")
+OURS_TASKS_RUN = ROOT / OURS["ours_tasks_cmd"].split()[-1]  # our stacks at llama.cpp's bytes (its --out)
 
 
 def _load(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def protocol_p(lm: LlamaCppModel, windows: Sequence[Sequence[int]], *, prompt_len: int = 768,
+               chunk: int = 64) -> dict[str, Any]:
+    """Perplexity of the continuations of ``windows`` (``(N, T)`` ids) after ``prompt_len`` prompt tokens, pooled
+    over the windows, in ``lm``'s cache types."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    per = [lm.continuation_nll([int(t) for t in w], prompt_len, chunk) for w in windows]  # (nll, scored) a window
+    scored = sum(n for _, n in per)
+    nll = sum(x for x, _ in per) / max(scored, 1)
+    return {"ppl": math.exp(nll), "nll": nll, "scored_tokens": scored, "windows": len(per),
+            "window": len(windows[0]) if len(windows) else 0, "prompt_len": prompt_len,
+            "ppl_per_window": [math.exp(x / n) for x, n in per], "seconds": time.perf_counter() - t0,
+            "cpu_seconds": time.process_time() - c0}
+
+
+def answer(lm: LlamaCppModel, tokenizer, inst, *, setting: str = "agnostic") -> dict[str, Any]:
+    """``inst`` answered greedily by ``lm`` in ``setting`` and scored as the suite scores it."""
+    from kvsplice.tasks.instance import SETTINGS, prompt_ids
+    from kvsplice.tasks.runner import decode_text
+
+    if setting not in SETTINGS:
+        raise ValueError(f"setting must be one of {SETTINGS}, got {setting!r}")
+    ctx, q = prompt_ids(tokenizer, inst)
+    first, then = (ctx + q, []) if setting == "aware" else (ctx, q)
+    if len(ctx) + len(q) + inst.max_new_tokens > lm.n_ctx:
+        raise ValueError(f"{inst.key}: {len(ctx) + len(q)} prompt + {inst.max_new_tokens} new tokens exceed "
+                         f"n_ctx = {lm.n_ctx}")
+    t0, c0 = time.perf_counter(), time.process_time()
+    tokens = lm.greedy(first, inst.max_new_tokens, then=then, eos=tokenizer.eos_id)
+    if tokens and tokens[-1] == tokenizer.eos_id:
+        tokens = tokens[:-1]
+    text = decode_text(tokenizer, tokens)
+    return {"key": inst.key, "task": inst.task, "length": inst.length, "setting": setting,
+            "type_k": lm.type_k, "type_v": lm.type_v, "score": inst.score(text), "output": text, "tokens": tokens,
+            "n_prompt": len(ctx) + len(q), "seconds": time.perf_counter() - t0,
+            "cpu_seconds": time.process_time() - c0}
 
 
 def cache_row(lm: LlamaCppModel, kv: str) -> dict[str, Any]:
@@ -129,7 +152,7 @@ def p_table(rows: list[dict], cache: dict) -> list[dict]:
     out = [{"label": f"llama.cpp `{r['type']}` K+V", "ppl": r["ppl"], "bytes_per_token": c["bytes_per_token"],
             "formula": c["formula_bytes_per_token"], "cells": c["cells"]}
            for r in rows if r["kind"] == "P" for c in [cache[r["type"]]]]
-    for fname, rid, label in OURS_P:
+    for fname, rid, label in OURS["ours_p"]:
         doc = _load(RESULTS / fname)
         r = next((x for x in doc["rows"] if x["id"] == rid), None) if "rows" in doc else \
             doc.get("plans", {}).get(rid, {}).get("protocol_P")
@@ -151,14 +174,14 @@ def task_tables(rows: list[dict], cache: dict) -> dict[str, dict]:
             e["scores"].setdefault(f"{r['task']}/{r['length']}", []).append(r["score"])
             e["bytes_per_token"] = cache[r["type"]]["bytes_per_token"]
     ours = _load(RESULTS / "smollm2_tasks.json").get("by_length", {}).get("1024", {}).get("summary", {})
-    extra = _load(OURS_TASKS_RUN)  # our stacks at llama.cpp's bytes, run by OURS_TASKS_CMD on the same instances
+    extra = _load(OURS_TASKS_RUN)  # run by the YAML's ours_tasks_cmd on the same instances
     extra = summarize(extra["results"], list(extra["methods"])) if extra else {}
     for s, summ in out.items():
         for e in summ.values():
             e["cells"] = {c: (100 * sum(v) / len(v), len(v)) for c, v in sorted(e.pop("scores").items())}
             e["n"] = sum(n for _, n in e["cells"].values())
             e["acc"] = sum(a * n for a, n in e["cells"].values()) / e["n"]
-        labelled = [(OURS_TASKS.get(Path(m).name if m.startswith("plan:") else m), r)
+        labelled = [(OURS["ours_tasks"].get(Path(m).name if m.startswith("plan:") else m), r)
                     for m, r in ours.get(s, {}).items()]
         labelled += [(f"ours: {m}", r) for m, r in extra.get(s, {}).items() if m != "full"]
         for label, r in labelled:

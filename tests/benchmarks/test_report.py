@@ -21,6 +21,17 @@ def test_cell_fills_formats_and_marks_missing_fields():
     assert report.cell("{absent}", row, missing="—") == "—"
 
 
+def test_flags_items_missing_text_header_templates_and_empty_columns():
+    """``!y`` writes a flag as yes/no, ``{d[k]}`` an item (missing: the spec's ``missing``); headers are templates
+    over the values; ``drop_empty`` leaves out a column no row fills."""
+    spec = {"missing": "", "drop_empty": True, "columns": {"ok": "{ok!y}", "on": "{t[on]:.1f}", "auto": "{t[auto]}",
+                                                           "n ({n:,})": "{x:.1f}"}}
+    rows = [{"ok": True, "t": {"on": 1.25}, "x": 2.0}, {"ok": False, "t": {}, "x": None}]
+    assert report.markdown(spec, rows, {"n": 2048}).split("\n") == [
+        "| ok | on | n (2,048) |", "|---|---|---|", "| yes | 1.2 | 2.0 |", "| no |  |  |", ""]
+    assert report.cell("{t[zz]}", rows[0]) == "-" and report.cell("{t[zz]}", rows[0], "—") == "—"
+
+
 def test_fmt_reads_each_kind_of_value():
     assert [report.fmt(v) for v in (None, float("nan"), True, 12345, 0.0, 0.001, 1.5, 123.45, 12345.6, "x")] == [
         "-", "-", "yes", "12,345", "0", "1.0e-03", "1.500", "123.5", "12,346", "x"]

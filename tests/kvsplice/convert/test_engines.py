@@ -233,6 +233,20 @@ def test_to_gguf_never_writes_a_file_of_its_input_folder(tmp_path, capsys):
                                                                                              "model.safetensors"]
 
 
+@pytest.mark.parametrize("study, stem, values", [
+    ("engine_serving", "engine_serving", {"budget_gib": 4.0, "llama_max_seq": 256}),
+    ("engines_smollm2", "engines_smollm2_tuned2x", {"eval_tokens": 2048, "greedy": 32})])
+def test_engine_reports_in_yaml_render_the_committed_tables(study, stem, values):
+    """The ``report:`` of engine_serving's and engines_smollm2's YAML renders their committed rows as the committed
+    tables (the flags as yes / no, a missing cell empty or ``—``, only the ``-fa`` columns that were run)."""
+    from benchmarks.harness import report, studies
+
+    results = Path(__file__).resolve().parents[3] / "results"
+    rows = json.loads((results / f"{stem}.json").read_text())["rows"]
+    md = report.markdown(studies.load(study)["report"], rows, values).rstrip("\n")
+    assert (results / f"{stem}.md").read_text().startswith(md + "\n") and md.count("\n") == len(rows) + 1
+
+
 @pytest.mark.engines
 def test_engine_serving_capacity_is_llama_cpps_own_bytes(tmp_path):
     """``benchmarks/engine_serving.py`` in miniature (2-layer random models, 64-token sequences, a 16 MiB budget):

@@ -139,7 +139,7 @@ def test_k_and_v_types_apart(tiny):
 
 @pytest.mark.engines
 def test_perplexity_f16_matches_transformers_and_q8_0_matches_f16(tiny):
-    from benchmarks.lib.llama_cpp_eval import protocol_p
+    from benchmarks.lib.smollm2_llama_cpp import protocol_p
 
     path, hf = tiny
     gen = torch.Generator().manual_seed(1)
@@ -174,7 +174,7 @@ class _CharTokenizer:
 
 @pytest.mark.engines
 def test_answer_is_the_greedy_answer_in_both_settings(tiny):
-    from benchmarks.lib.llama_cpp_eval import answer
+    from benchmarks.lib.smollm2_llama_cpp import answer
     from kvsplice.tasks.instance import TaskInstance
 
     path, hf = tiny

@@ -19,9 +19,7 @@ import torch
 from benchmarks.harness.options import add_model
 from benchmarks.harness.paths import SMOLLM2
 from benchmarks.harness.runner import Study
-from benchmarks.harness.report import tables
-from benchmarks.lib.kivi_profile import (D, HKV, HQ, kivi_layer, median_us, scores_fused as _scores_fused,  # noqa: F401
-                                         weighted_fused as _weighted_fused)
+from benchmarks.lib.kivi_profile import D, HKV, HQ, kivi_layer, median_us, scores_fused, weighted_fused
 
 @torch.no_grad()
 def layer_rows(n: int, compile_: bool) -> list[dict]:
@@ -49,8 +47,8 @@ def layer_rows(n: int, compile_: bool) -> list[dict]:
         rows.append((f"  the keys' product at {name} (per token group)", median_us(
             lambda: x.view(1, HKV, -1, 32, D) @ w.transpose(-1, -2))))
     if compile_:
-        cs = torch.compile(_scores_fused, dynamic=False)
-        cw = torch.compile(_weighted_fused, dynamic=False)
+        cs = torch.compile(scores_fused, dynamic=False)
+        cw = torch.compile(weighted_fused, dynamic=False)
         cs(rows_q, keys.data, keys.scale, keys.mn)
         cw(p, vals.data, vals.scale, vals.mn)
         rows.append(("kivi4 keys, fused by torch.compile", median_us(lambda: cs(rows_q, keys.data, keys.scale,
@@ -95,16 +93,6 @@ def step_rows(model, n: int, spec: str = "kivi4") -> list[dict]:
     return out
 
 
-TITLES = {"layer": "One layer's attention (SmolLM2 shapes, batch 1): µs, median",
-          "step": "One decode step of SmolLM2-135M (Decoder door, self-CPU ms per step, torch.profiler)"}
-COLUMNS = {"layer": ["context", "op", "us"], "step": ["context", "method", "group", "ms"]}
-
-
-def markdown(run, rows) -> str:
-    return "\n".join(["# Where a compressed cache's decode step spends its time", ""] +
-                     tables(rows, COLUMNS, TITLES, key="view"))
-
-
 def options(p) -> None:
     p.add_argument("--contexts", nargs="+", type=int, help="held tokens")
     add_model(p, SMOLLM2)
@@ -126,9 +114,7 @@ def rows(run):
             yield from ({"view": "step", **r} for r in step_rows(model, n))
 
 
-STUDY = Study("decode_profile", __doc__, rows, options=options, markdown=markdown,
-              sizes={"default": {"contexts": [2048]}, "smoke": {"contexts": [256]}},
-              bounds={"contexts": (160, 1 << 17)})
+STUDY = Study("decode_profile", __doc__, rows, options=options, bounds={"contexts": (160, 1 << 17)})
 main = STUDY.main
 
 if __name__ == "__main__":

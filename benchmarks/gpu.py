@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import platform
 
-from benchmarks.harness import studies
 from benchmarks.harness.header import version
 from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
-from benchmarks.harness.report import tables
 
 SECTIONS = ("sdpa", "train", "decode", "flash4")
 
@@ -72,7 +70,8 @@ def rows(run):
     bw = copy_bandwidth(torch.device("cuda"), 2**31)  # 2 GiB read + written
     run.notes.update(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
                      torch=torch.__version__, cuda=torch.version.cuda, transformers=version("transformers"),
-                     python=platform.python_version(), flash_impl=None if impl is None else impl.name,
+                     python=platform.python_version(),
+                     flash_impl="none (PyTorch SDPA kernels)" if impl is None else impl.name,
                      peak_bf16_flops=g.peak_flops(), bandwidth_gbs=bw / 1e9)
     parts = {"sdpa": lambda: g.bench_sdpa(run["keys"], run["sdpa_batch"], run["sdpa_calls"]),
              "train": lambda: g.bench_train(run["train_batch"], run["train_t"], run["rounds"], run["train_steps"],
@@ -88,17 +87,7 @@ def rows(run):
         yield from ({"section": name, **r} for r in parts[name]())
 
 
-def markdown(run, rows) -> str:
-    """A table per section from its rows, under the run's device facts."""
-    n, cfg = run.notes, studies.load("gpu")
-    out = [f"# GPU benchmark — {n['device']}", "",
-           f"torch {n['torch']}, CUDA {n['cuda']}, transformers {n.get('transformers')}, FlashAttention package: "
-           f"{n['flash_impl'] or 'none (PyTorch SDPA kernels)'}; copy bandwidth {n['bandwidth_gbs']:.0f} GB/s.", ""]
-    out += [f"{name}: {n[name]}" for name in SECTIONS if isinstance(n.get(name), str)]
-    return "\n".join(out + tables(rows, cfg["columns"], cfg["titles"]))
-
-
-STUDY = Study("gpu", __doc__, rows, options=options, markdown=markdown, summary=lambda run, rows: run.notes,
+STUDY = Study("gpu", __doc__, rows, options=options, summary=lambda run, rows: run.notes,
               out=out_stem, threads=None,
               bounds={"batch": (1, 1 << 16), "ctx": (1, 1 << 20), "decode_steps": (1, 10000), "rounds": (1, 1000),
                       "train_batch": (1, 4096), "train_steps": (1, 10000)})

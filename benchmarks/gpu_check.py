@@ -119,7 +119,7 @@ def markdown(run, rows) -> str:
         out += [f"## {name}: {s['status']}{took}", "", s.get("what", ""), ""]
         out += [f"**{s['status']}**: {fmt(s['reason'])}", ""] if s.get("reason") else []
         out += ["; ".join(f"{k}: {fmt(v)}" for k, v in s["summary"].items()), ""] if s.get("summary") else []
-        cols = SECTIONS[name].get("columns") or studies.load(SECTIONS[name]["study"])["columns"][name]
+        cols = SECTIONS[name].get("columns") or studies.load(SECTIONS[name]["study"])["report"]["columns"][name]
         out += table([r for r in s["rows"] if r.get("outcome") != "passed"], cols)  # passed tests: the JSON only
     return "\n".join(out)
 

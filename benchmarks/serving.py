@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import platform
 
-from benchmarks.harness import studies
 from benchmarks.harness.header import device_tag, version
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
-from benchmarks.harness.report import tables
 from benchmarks.lib.serving_bench import VARIANTS
 
 SECTIONS = ("capacity", "kernel", "decode", "profile", "latent")
@@ -74,9 +72,10 @@ def rows(run):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     bw = sb.copy_bandwidth(device, 2**21 if smoke else 2**31)
     reason = sb.kernel_runs_here(device)
-    run.notes.update(device=device_name(), torch=torch.__version__, triton=version("triton"), smoke=smoke,
-                     bandwidth_gbs=bw / 1e9, dtype=str(dtype), kernel_status="runs" if reason is None else
-                     f"not run ({reason})")
+    run.notes.update(device=device_name(), torch=torch.__version__, triton=version("triton"), bandwidth_gbs=bw / 1e9,
+                     dtype=str(dtype), kernel_status="runs" if reason is None else f"not run ({reason})")
+    if smoke:
+        run.notes["smoke_run"] = "tiny shapes and eager steps"
     peak = 0.0
     if "capacity" in run["sections"]:  # the compute floor's peak, and the claim the capacity rows answer
         peak = sb.matmul_peak(device, dtype, run["matmul_n"])
@@ -91,19 +90,7 @@ def rows(run):
             yield {"section": name, **row}
 
 
-def markdown(run, rows) -> str:
-    n, cfg = run.notes, studies.load("serving")
-    out = [f"# Serving benchmark — {n['device']}", "",
-           f"torch {n['torch']}, triton {n['triton']}; copy bandwidth {n['bandwidth_gbs']:.0f} GB/s"
-           + (f", matmul peak {n['matmul_tflops']:.1f} TFLOP/s" if "matmul_tflops" in n else "") + " (measured in "
-           f"this run). Split-KV kernel: {n['kernel_status']}. KV budget {run['budget_gb']:g} GB, at most "
-           f"{run['max_batch']:,} sequences run.", ""] + ([f"Claim: {n['claim']}.", ""] if "claim" in n else [])
-    if n["smoke"]:
-        out += ["**Smoke run**: tiny shapes and eager steps; the numbers say nothing about speed.", ""]
-    return "\n".join(out + tables(rows, cfg["columns"], cfg["titles"]))
-
-
-STUDY = Study("serving", __doc__, rows, options=options, markdown=markdown, summary=lambda run, rows: run.notes,
+STUDY = Study("serving", __doc__, rows, options=options, summary=lambda run, rows: run.notes,
               out=out_stem, bounds={"budget_gb": (1e-9, 1e6), "ctx": (1, 1 << 20), "max_batch": (1, 1 << 24),
                                     "steps": (1, 10_000), "kernel_splits": (1, 4096), "kernel_batch": (1, 1 << 16),
                                     "kernel_keys": (1, 1 << 22), "decode_batch": (1, 1 << 16),

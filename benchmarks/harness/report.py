@@ -3,9 +3,10 @@
 ``report: {title, intro, columns, by, titles}`` — a markdown table whose ``columns`` map a header to a cell template
 (``"{decode_ms:.1f}"``, ``"**{ratio:.2f}**"``, ``"{cache_bytes!M:.1f}"``: ``!M`` is bytes in MiB; a bare key is
 formatted by :func:`fmt`); a cell whose field is missing or None reads ``-``. With ``by``, one table per value of that
-field that ``titles`` names (``## TITLE`` above each). ``title`` and ``intro`` are templates over the run's settings
-and notes. ``figure: {x, y, series, panels, xlog, ylog, hline, xlabel, ylabel}`` — one line plot per panel (the
-distinct values of the ``panels`` fields), a line per ``series`` value.
+field that ``titles`` names (``## TITLE`` above each); ``columns`` may then map each part to its own. ``title`` and
+``intro`` (a template, or a list: the paragraphs whose fields are there) are templates over the settings and notes.
+``figure: {x, y, series, panels, xlog, ylog, hline, xlabel, ylabel}`` — one line plot per panel (the distinct values
+of the ``panels`` fields), a line per ``series`` value.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 import string
 from typing import Any, Mapping, Optional, Sequence, Union
 
-__all__ = ["cell", "figure", "fmt", "markdown", "table", "tables"]
+__all__ = ["cell", "figure", "fmt", "intro", "markdown", "table", "tables"]
 
 Columns = Union[Sequence[str], Mapping[str, str]]
 
@@ -98,12 +99,27 @@ def markdown(spec: Mapping[str, Any], rows: Sequence[dict], values: Optional[Map
     """The report ``spec`` (a study's ``report:``) of ``rows``; ``values`` fill its title and intro."""
     values = values or {}
     lines = [f"# {spec['title'].format_map(values)}", ""] if spec.get("title") else []
-    lines += [spec["intro"].format_map(values).strip(), ""] if spec.get("intro") else []
+    lines += intro(spec.get("intro"), values)
     if spec.get("by"):
-        lines += tables(rows, {"*": spec["columns"]}, spec["titles"], spec["by"])
+        cols = spec["columns"]
+        part = isinstance(cols, Mapping) and not any(isinstance(c, str) for c in cols.values())  # part -> columns
+        lines += tables(rows, cols if part else {"*": cols}, spec["titles"], spec["by"])
     else:
         lines += table(rows, spec["columns"])
     return "\n".join(lines)
+
+
+def intro(text: Union[None, str, Sequence[str]], values: Mapping[str, Any]) -> list[str]:
+    """``text`` filled from ``values``, a paragraph; a list of templates: a paragraph each, left out where a field it
+    names is missing."""
+    out = []
+    for t in [text] if isinstance(text, str) else text or []:
+        try:
+            out += [t.format_map(values).strip(), ""]
+        except KeyError:
+            if isinstance(text, str):
+                raise
+    return out
 
 
 def figure(spec: Mapping[str, Any], rows: Sequence[dict]):

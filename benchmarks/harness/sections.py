@@ -79,7 +79,7 @@ def child_rows(stem: Path) -> tuple[list[dict], dict]:
     except (OSError, ValueError):
         return [], {}
     skip = {"rows", "command", "machine", "revision", "study", "size", "settings", "complete", "device", "torch",
-            "triton", "cuda", "python", "transformers", "capability", "smoke", "dtype"}
+            "triton", "cuda", "python", "transformers", "capability", "smoke_run", "dtype"}
     return data.get("rows", []), {k: v for k, v in data.items() if k not in skip}
 
 

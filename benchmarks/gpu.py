@@ -1,22 +1,17 @@
-"""The package on whatever GPU is present, side by side in one run: SDPA kernels for decode, the training step
-(ours vs a nanoGPT-style reference, eager and compiled, MFU), the decode step (ours, eager and CUDA-graph, vs
-transformers' GPT-2 with DynamicCache / StaticCache) and FlashAttention-4.
+"""The package on whatever GPU is present, side by side in one run (sizes in ``benchmarks/studies/gpu.yaml``; bf16,
+CUDA events; medians of interleaved rounds):
 
     python -m benchmarks.gpu                       # everything; results/gpu_<device>.json and .md
     python -m benchmarks.gpu --sections decode --batch 8 --ctx 1024 4096
     python -m benchmarks.gpu --quick               # tiny shapes, a smoke run (seconds): gpu_<device>_smoke
 
-Sections (``--sections``; sizes in ``benchmarks/studies/gpu.yaml``), bf16, CUDA events:
-
-* ``sdpa`` — one decode-shaped SDPA call (batch 8, 12 heads, one query, head dim 64), the key length growing by one
-  per call, for torch's default kernel choice, each kernel first in SDPA's priority, and the package's order.
-* ``train`` — one optimizer step of the 124M models (batch 16 x 1024, autocast, AdamW, clip 1.0): the reference
-  (:mod:`benchmarks.lib.reference_gpt`) and our MHA / MLA / KVSplice-90, eager and ``torch.compile``-d, fused AdamW
-  (ours also foreach; ``ours mha sdpa`` beside an installed FlashAttention). Median of interleaved rounds; MFU =
-  (6·params + 12·L·d·T) · tokens / time / the device's peak.
-* ``decode`` — one token per sequence at a fixed context (rolled back), random 124M weights: ours eager and
-  ``+graph`` (the split-KV kernel where triton is installed), transformers' GPT-2 with DynamicCache and StaticCache;
-  each against its bytes floor (cache + weights / the measured copy bandwidth).
+* ``sdpa`` — one decode-shaped SDPA call (batch 8, 12 heads, head dim 64), the key length growing by one per call:
+  torch's default kernel choice, each kernel first in SDPA's priority, and the package's order.
+* ``train`` — one step (fused AdamW, clip 1.0; ours MHA also foreach) of the 124M models, batch 16 x 1024: the
+  nanoGPT-style reference (:mod:`benchmarks.lib.reference_gpt`) and ours (MHA / MLA / KVSplice-90), eager and
+  compiled; MFU = (6·params + 12·L·d·T) · tokens / time / the device's peak.
+* ``decode`` — one token per sequence at a fixed context, random 124M weights: ours eager and ``+graph`` (the
+  split-KV kernel with triton), transformers' GPT-2 with DynamicCache / StaticCache; each against its bytes floor.
 * ``flash4`` — FlashAttention-4 (``flash_attn.cute``) against SDPA on training-shaped calls, else the reason.
 """
 

@@ -7,14 +7,12 @@ step and FlashAttention-4.
     python -m benchmarks.gpu_check --sections kernel decode --budget-s 200
     python -m benchmarks.gpu_check --smoke --out-dir /tmp/g  # tiny sizes on CPU (or GPU): proves the script runs
 
-Sections (``benchmarks/studies/gpu_check.yaml``): ``tests`` (``pytest -m gpu`` on the files with CUDA tests: each
-test's outcome, the one running at a timeout), then ``kernel``, ``decode``, ``capacity``, ``profile`` of
-``benchmarks/serving.py`` and ``train``, ``flash4`` of ``benchmarks/gpu.py`` at their ``check`` size, each that
-study's command in its own process: a hang is cut off at the section's limit, a CUDA error cannot spoil the next,
-and a section whose estimate no longer fits ``--budget-s`` is skipped with the reason. Rows: each section's status
-(``pending``, ``running``, then its end; the last counts) and its measurements, written as each section ends (the
-running one's process writes its own as they come, beside the report). ``--dry-run`` prints the plan and ends, as
-``--help`` does; ``--resume`` keeps an earlier run's sections this run does not redo. No jsonargparse, wandb, datasets.
+Sections (``studies/gpu_check.yaml``): ``tests`` (``pytest -m gpu`` on the files with CUDA tests), then ``serving``'s
+and ``gpu``'s sections at their ``check`` size, each study's command in its own process: a hang is cut off at the
+section's limit, a CUDA error cannot spoil the next, a section whose estimate no longer fits ``--budget-s`` is
+skipped with the reason. Rows: each section's status (``pending``, ``running``, then its end; the last counts) and
+its measurements. ``--resume`` keeps an earlier run's sections this run does not redo. No jsonargparse, wandb,
+datasets.
 """
 
 from __future__ import annotations

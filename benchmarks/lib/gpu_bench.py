@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.harness.options import UsageError
-from benchmarks.harness.timing import cuda_time
+from benchmarks.harness.timing import cuda_time, median_of
 from benchmarks.lib.reference_gpt import ReferenceGPT
 from benchmarks.lib.serving_bench import err, filled_cache, weight_bytes
 from kvsplice.report.decode_timing import time_steps
@@ -71,9 +71,7 @@ def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> list[dict]:
                 with _sdpa_priority(sdpa_order(1, k.shape[-2]) if order == "ours" else order):
                     return F.scaled_dot_product_attention(q, k, k)
 
-            call()
-            ts = cuda_time(call, calls)
-            row[name] = statistics.median(ts)
+            row[name] = median_of(cuda_time, call, calls, warmup=1)
         rows.append(row)
         del q, kv
     return rows

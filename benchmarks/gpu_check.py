@@ -63,9 +63,9 @@ def out(args) -> Path:
         return args.out_dir / "gpu_check_plan"  # never written: the plan ends the command
     import torch
 
-    if not torch.cuda.is_available() and args.size != "smoke":
-        raise UsageError("no CUDA device (--dry-run prints the plan, --smoke runs tiny sizes on CPU)")
     cuda = torch.cuda.is_available()
+    if not cuda and args.size != "smoke":
+        raise UsageError("no CUDA device (--dry-run prints the plan, --smoke runs tiny sizes on CPU)")
     return args.out_dir / f"gpu_check_{device_tag(torch.cuda.get_device_name()) if cuda else 'cpu'}"
 
 

@@ -113,7 +113,7 @@ def intro(text: Union[None, str, Sequence[str]], values: Mapping[str, Any]) -> l
     """``text`` filled from ``values``, a paragraph; a list of templates: a paragraph each, left out where a field it
     names is missing."""
     out = []
-    for t in [text] if isinstance(text, str) else text or []:
+    for t in ([text] if isinstance(text, str) else text) if text else []:
         try:
             out += [t.format_map(values).strip(), ""]
         except KeyError:

@@ -31,7 +31,8 @@ def rss() -> int:
 def peak_rss(interval: float = 0.002) -> Iterator[dict]:
     """``{start, peak, grown}``: this process's peak resident set size (bytes) while the ``with`` block runs, sampled
     every ``interval`` seconds (``grown = peak - start``, what the block added, set as it ends)."""
-    got = dict(start=rss(), peak=rss(), grown=0)
+    start = rss()
+    got = dict(start=start, peak=start, grown=0)
     stop = threading.Event()
 
     def sample() -> None:

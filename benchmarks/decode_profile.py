@@ -15,13 +15,12 @@ into matrix products, SDPA, conversions / copies and the rest.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from benchmarks.harness.options import add_model
 from benchmarks.harness.paths import SMOLLM2
 from benchmarks.harness.runner import Study
-from benchmarks.harness.report import tables
-from benchmarks.lib.kivi_profile import (D, HKV, HQ, kivi_layer, median_us, scores_fused as _scores_fused,  # noqa: F401
-                                         weighted_fused as _weighted_fused)
+from benchmarks.lib.kivi_profile import D, HKV, HQ, kivi_layer, median_us, scores_fused, weighted_fused
 
 @torch.no_grad()
 def layer_rows(n: int, compile_: bool) -> list[dict]:
@@ -30,34 +29,31 @@ def layer_rows(n: int, compile_: bool) -> list[dict]:
 
     cache, k, v, q = kivi_layer(n)
     scale = D ** -0.5
-    kn, vn, qn = k[:, :, -1:], v[:, :, -1:], q
-    rows = [("full cache: SDPA over fp32 K, V", median_us(
-        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)))]
-
-    segs = cache.append_segments(0, kn, vn)  # a decode step's segments: the codes as stored + the fp32 window
-    rows.append(("kivi4: coded_attend (all segments, softmax)", median_us(
-        lambda: coded_attend(qn, segs, scale=scale))))
+    segs = cache.append_segments(0, k[:, :, -1:], v[:, :, -1:])  # a decode step's: the codes as stored + the window
     keys, vals = segs[0].keys, segs[0].values
-    rows_q = (qn.float() * scale).reshape(1, HKV, HQ // HKV, D)  # (B, Hkv, g, D)
+    rows_q = (q.float() * scale).reshape(1, HKV, HQ // HKV, D)  # (B, Hkv, g, D)
     p = torch.softmax(keys.scores(rows_q), -1)  # (B, Hkv, g, n_q)
-    rows.append(("kivi4: keys' scores (ChannelGroupKeys.scores)", median_us(lambda: keys.scores(rows_q))))
-    rows.append(("kivi4: values' weighted sum (Rows.weighted)", median_us(lambda: vals.weighted(p))))
+    calls = {"full cache: SDPA over fp32 K, V": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+             "kivi4: coded_attend (all segments, softmax)": lambda: coded_attend(q, segs, scale=scale),
+             "kivi4: keys' scores (ChannelGroupKeys.scores)": lambda: keys.scores(rows_q),
+             "kivi4: values' weighted sum (Rows.weighted)": lambda: vals.weighted(p)}
     for dt, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         x = nibbles(keys.data, dt)  # (B, Hkv, n_q, D)
         w = torch.randn(1, HKV, x.shape[2] // 32, HQ // HKV, D).to(dt)
-        rows.append((f"  one pass over the key codes: conversion to {name}", median_us(lambda: nibbles(keys.data, dt))))
-        rows.append((f"  the keys' product at {name} (per token group)", median_us(
-            lambda: x.view(1, HKV, -1, 32, D) @ w.transpose(-1, -2))))
-    if compile_:
-        cs = torch.compile(_scores_fused, dynamic=False)
-        cw = torch.compile(_weighted_fused, dynamic=False)
+        calls[f"  one pass over the key codes: conversion to {name}"] = lambda dt=dt: nibbles(keys.data, dt)
+        calls[f"  the keys' product at {name} (per token group)"] = lambda x=x, w=w: (
+            x.view(1, HKV, -1, 32, D) @ w.transpose(-1, -2))
+    rows = [{"context": n, "op": name, "us": median_us(fn)} for name, fn in calls.items()]
+    if compile_:  # compiled after the other timings (its warm-up compiles)
+        cs = torch.compile(scores_fused, dynamic=False)
+        cw = torch.compile(weighted_fused, dynamic=False)
         cs(rows_q, keys.data, keys.scale, keys.mn)
         cw(p, vals.data, vals.scale, vals.mn)
-        rows.append(("kivi4 keys, fused by torch.compile", median_us(lambda: cs(rows_q, keys.data, keys.scale,
-                                                                                keys.mn))))
-        rows.append(("kivi4 values, fused by torch.compile", median_us(lambda: cw(p, vals.data, vals.scale,
-                                                                                  vals.mn))))
-    return [{"context": n, "op": name, "us": us} for name, us in rows]
+        rows += [{"context": n, "op": "kivi4 keys, fused by torch.compile",
+                  "us": median_us(lambda: cs(rows_q, keys.data, keys.scale, keys.mn))},
+                 {"context": n, "op": "kivi4 values, fused by torch.compile",
+                  "us": median_us(lambda: cw(p, vals.data, vals.scale, vals.mn))}]
+    return rows
 
 
 GROUPS = (("matrix products (aten::mm / bmm / linear)", ("aten::mm", "aten::bmm", "aten::addmm")),
@@ -95,16 +91,6 @@ def step_rows(model, n: int, spec: str = "kivi4") -> list[dict]:
     return out
 
 
-TITLES = {"layer": "One layer's attention (SmolLM2 shapes, batch 1): µs, median",
-          "step": "One decode step of SmolLM2-135M (Decoder door, self-CPU ms per step, torch.profiler)"}
-COLUMNS = {"layer": ["context", "op", "us"], "step": ["context", "method", "group", "ms"]}
-
-
-def markdown(run, rows) -> str:
-    return "\n".join(["# Where a compressed cache's decode step spends its time", ""] +
-                     tables(rows, COLUMNS, TITLES, key="view"))
-
-
 def options(p) -> None:
     p.add_argument("--contexts", nargs="+", type=int, help="held tokens")
     add_model(p, SMOLLM2)
@@ -126,9 +112,7 @@ def rows(run):
             yield from ({"view": "step", **r} for r in step_rows(model, n))
 
 
-STUDY = Study("decode_profile", __doc__, rows, options=options, markdown=markdown,
-              sizes={"default": {"contexts": [2048]}, "smoke": {"contexts": [256]}},
-              bounds={"contexts": (160, 1 << 17)})
+STUDY = Study("decode_profile", __doc__, rows, options=options, bounds={"contexts": (160, 1 << 17)})
 main = STUDY.main
 
 if __name__ == "__main__":

@@ -1,22 +1,17 @@
-"""The package on whatever GPU is present, side by side in one run: SDPA kernels for decode, the training step
-(ours vs a nanoGPT-style reference, eager and compiled, MFU), the decode step (ours, eager and CUDA-graph, vs
-transformers' GPT-2 with DynamicCache / StaticCache) and FlashAttention-4.
+"""The package on whatever GPU is present, side by side in one run (sizes in ``benchmarks/studies/gpu.yaml``; bf16,
+CUDA events; medians of interleaved rounds):
 
     python -m benchmarks.gpu                       # everything; results/gpu_<device>.json and .md
     python -m benchmarks.gpu --sections decode --batch 8 --ctx 1024 4096
     python -m benchmarks.gpu --quick               # tiny shapes, a smoke run (seconds): gpu_<device>_smoke
 
-Sections (``--sections``; sizes in ``benchmarks/studies/gpu.yaml``), bf16, CUDA events:
-
-* ``sdpa`` — one decode-shaped SDPA call (batch 8, 12 heads, one query, head dim 64), the key length growing by one
-  per call, for torch's default kernel choice, each kernel first in SDPA's priority, and the package's order.
-* ``train`` — one optimizer step of the 124M models (batch 16 x 1024, autocast, AdamW, clip 1.0): the reference
-  (:mod:`benchmarks.lib.reference_gpt`) and our MHA / MLA / KVSplice-90, eager and ``torch.compile``-d, fused AdamW
-  (ours also foreach; ``ours mha sdpa`` beside an installed FlashAttention). Median of interleaved rounds; MFU =
-  (6·params + 12·L·d·T) · tokens / time / the device's peak.
-* ``decode`` — one token per sequence at a fixed context (rolled back), random 124M weights: ours eager and
-  ``+graph`` (the split-KV kernel where triton is installed), transformers' GPT-2 with DynamicCache and StaticCache;
-  each against its bytes floor (cache + weights / the measured copy bandwidth).
+* ``sdpa`` — one decode-shaped SDPA call (batch 8, 12 heads, head dim 64), the key length growing by one per call:
+  torch's default kernel choice, each kernel first in SDPA's priority, and the package's order.
+* ``train`` — one step (fused AdamW, clip 1.0; ours MHA also foreach) of the 124M models, batch 16 x 1024: the
+  nanoGPT-style reference (:mod:`benchmarks.lib.reference_gpt`) and ours (MHA / MLA / KVSplice-90), eager and
+  compiled; MFU = (6·params + 12·L·d·T) · tokens / time / the device's peak.
+* ``decode`` — one token per sequence at a fixed context, random 124M weights: ours eager and ``+graph`` (the
+  split-KV kernel with triton), transformers' GPT-2 with DynamicCache / StaticCache; each against its bytes floor.
 * ``flash4`` — FlashAttention-4 (``flash_attn.cute``) against SDPA on training-shaped calls, else the reason.
 """
 
@@ -24,11 +19,9 @@ from __future__ import annotations
 
 import platform
 
-from benchmarks.harness import studies
 from benchmarks.harness.header import version
 from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
-from benchmarks.harness.report import tables
 
 SECTIONS = ("sdpa", "train", "decode", "flash4")
 
@@ -72,7 +65,8 @@ def rows(run):
     bw = copy_bandwidth(torch.device("cuda"), 2**31)  # 2 GiB read + written
     run.notes.update(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
                      torch=torch.__version__, cuda=torch.version.cuda, transformers=version("transformers"),
-                     python=platform.python_version(), flash_impl=None if impl is None else impl.name,
+                     python=platform.python_version(),
+                     flash_impl="none (PyTorch SDPA kernels)" if impl is None else impl.name,
                      peak_bf16_flops=g.peak_flops(), bandwidth_gbs=bw / 1e9)
     parts = {"sdpa": lambda: g.bench_sdpa(run["keys"], run["sdpa_batch"], run["sdpa_calls"]),
              "train": lambda: g.bench_train(run["train_batch"], run["train_t"], run["rounds"], run["train_steps"],
@@ -88,17 +82,7 @@ def rows(run):
         yield from ({"section": name, **r} for r in parts[name]())
 
 
-def markdown(run, rows) -> str:
-    """A table per section from its rows, under the run's device facts."""
-    n, cfg = run.notes, studies.load("gpu")
-    out = [f"# GPU benchmark — {n['device']}", "",
-           f"torch {n['torch']}, CUDA {n['cuda']}, transformers {n.get('transformers')}, FlashAttention package: "
-           f"{n['flash_impl'] or 'none (PyTorch SDPA kernels)'}; copy bandwidth {n['bandwidth_gbs']:.0f} GB/s.", ""]
-    out += [f"{name}: {n[name]}" for name in SECTIONS if isinstance(n.get(name), str)]
-    return "\n".join(out + tables(rows, cfg["columns"], cfg["titles"]))
-
-
-STUDY = Study("gpu", __doc__, rows, options=options, markdown=markdown, summary=lambda run, rows: run.notes,
+STUDY = Study("gpu", __doc__, rows, options=options, summary=lambda run, rows: run.notes,
               out=out_stem, threads=None,
               bounds={"batch": (1, 1 << 16), "ctx": (1, 1 << 20), "decode_steps": (1, 10000), "rounds": (1, 1000),
                       "train_batch": (1, 4096), "train_steps": (1, 10000)})

@@ -7,14 +7,12 @@ step and FlashAttention-4.
     python -m benchmarks.gpu_check --sections kernel decode --budget-s 200
     python -m benchmarks.gpu_check --smoke --out-dir /tmp/g  # tiny sizes on CPU (or GPU): proves the script runs
 
-Sections (``benchmarks/studies/gpu_check.yaml``): ``tests`` (``pytest -m gpu`` on the files with CUDA tests: each
-test's outcome, the one running at a timeout), then ``kernel``, ``decode``, ``capacity``, ``profile`` of
-``benchmarks/serving.py`` and ``train``, ``flash4`` of ``benchmarks/gpu.py`` at their ``check`` size, each that
-study's command in its own process: a hang is cut off at the section's limit, a CUDA error cannot spoil the next,
-and a section whose estimate no longer fits ``--budget-s`` is skipped with the reason. Rows: each section's status
-(``pending``, ``running``, then its end; the last counts) and its measurements, written as each section ends (the
-running one's process writes its own as they come, beside the report). ``--dry-run`` prints the plan and ends, as
-``--help`` does; ``--resume`` keeps an earlier run's sections this run does not redo. No jsonargparse, wandb, datasets.
+Sections (``studies/gpu_check.yaml``): ``tests`` (``pytest -m gpu`` on the files with CUDA tests), then ``serving``'s
+and ``gpu``'s sections at their ``check`` size, each study's command in its own process: a hang is cut off at the
+section's limit, a CUDA error cannot spoil the next, a section whose estimate no longer fits ``--budget-s`` is
+skipped with the reason. Rows: each section's status (``pending``, ``running``, then its end; the last counts) and
+its measurements. ``--resume`` keeps an earlier run's sections this run does not redo. No jsonargparse, wandb,
+datasets.
 """
 
 from __future__ import annotations
@@ -65,9 +63,9 @@ def out(args) -> Path:
         return args.out_dir / "gpu_check_plan"  # never written: the plan ends the command
     import torch
 
-    if not torch.cuda.is_available() and args.size != "smoke":
-        raise UsageError("no CUDA device (--dry-run prints the plan, --smoke runs tiny sizes on CPU)")
     cuda = torch.cuda.is_available()
+    if not cuda and args.size != "smoke":
+        raise UsageError("no CUDA device (--dry-run prints the plan, --smoke runs tiny sizes on CPU)")
     return args.out_dir / f"gpu_check_{device_tag(torch.cuda.get_device_name()) if cuda else 'cpu'}"
 
 
@@ -119,7 +117,7 @@ def markdown(run, rows) -> str:
         out += [f"## {name}: {s['status']}{took}", "", s.get("what", ""), ""]
         out += [f"**{s['status']}**: {fmt(s['reason'])}", ""] if s.get("reason") else []
         out += ["; ".join(f"{k}: {fmt(v)}" for k, v in s["summary"].items()), ""] if s.get("summary") else []
-        cols = SECTIONS[name].get("columns") or studies.load(SECTIONS[name]["study"])["columns"][name]
+        cols = SECTIONS[name].get("columns") or studies.load(SECTIONS[name]["study"])["report"]["columns"][name]
         out += table([r for r in s["rows"] if r.get("outcome") != "passed"], cols)  # passed tests: the JSON only
     return "\n".join(out)
 

@@ -1,40 +1,33 @@
-"""Serving capacity and decode throughput of every cache, side by side: how many sequences fit a memory budget, how
-fast a CUDA-graph decode step runs at that batch with SDPA and with the split-KV Triton kernel (models.kernels), and
-how close each step comes to its bytes and compute floors; the kernel alone, the step at a fixed batch, a profiled
-step and latent attention's formulations (``gpu_check`` runs the first four at ``--size check``).
+"""Serving capacity and decode throughput of every cache (124M presets, random weights), side by side: how many
+sequences fit a memory budget, a CUDA-graph decode step at that batch with SDPA and with the split-KV Triton kernel
+(models.kernels) against its bytes and compute floors (measured in the run); sizes in ``studies/serving.yaml``.
 
     python -m benchmarks.serving                           # CUDA: results/serving_<device>.json and .md
     python -m benchmarks.serving --budget-gb 24 --ctx 1024 4096 16384 --sections capacity kernel
     python -m benchmarks.serving --smoke --out /tmp/s     # tiny shapes on CPU (or GPU): a smoke run, seconds
 
-Sections (``--sections``; sizes in ``benchmarks/studies/serving.yaml``):
-
-* ``capacity`` — MHA, GQA-4, MQA, MLA, KVSplice-50 / -90 (124M presets, random weights), rows at bf16 and int8 +
-  fp16 scales, per context: one sequence's cache bytes, the largest batch within ``--budget-gb`` (and the free GPU
-  memory), one decode step at that batch (capped by ``--max-batch``) from a CUDA graph with SDPA and with the
-  kernel: ms, tokens/s, the bytes floor (cache + weights / copy bandwidth) and the compute floor (FLOPs / the matmul
-  peak), both measured in the run.
-* ``kernel`` — the attention call alone, batch 64 over 16k keys: latents of 26 / 77 / 128 / 256 under 12 heads, int8
+* ``capacity`` — MHA, GQA-4, MQA, MLA, KVSplice-50 / -90, bf16 and int8 rows, per context: one sequence's bytes, the
+  largest batch within ``--budget-gb`` (and free memory), one step at that batch (at most ``--max-batch``).
+* ``kernel`` — the attention call alone, batch 64 x 16k keys: latents 26 / 77 / 128 / 256 under 12 heads, int8
   latents, MHA and GQA-4 rows; SDPA vs the kernel (and at ``--kernel-splits``), % of copy bandwidth, max |diff|.
 * ``decode`` — the CUDA-graph step at batch 8 / 16k: MHA, MLA, KVSplice-90 (and int8), SDPA rows first.
 * ``profile`` — one eager step at the batch that fits (at most 16,384) at 1k under ``torch.profiler``.
-* ``latent`` — absorbed MLA over the one shared latent head (12 query heads as rows): SDPA's default, three ops, each
-  fused kernel on the latent padded to a multiple of 8, a split over the keys; batch 8 / 64, latents of 26 / 128.
+* ``latent`` — absorbed MLA over the one shared latent head: SDPA's default, three ops, each fused kernel on the
+  latent padded to a multiple of 8, a split over the keys; batch 8 / 64, latents of 26 / 128.
 
-``--smoke``: two-layer shapes, a few-MB budget, eager steps; the kernel runs only on CUDA or Triton's interpreter
-(``TRITON_INTERPRET=1``). FlashAttention-4 does not take the fixed-capacity view's key mask: not timed here.
+``gpu_check`` runs the first four at ``--size check``. ``--smoke``: two-layer shapes, a few-MB budget, eager steps;
+the kernel runs only on CUDA or Triton's interpreter (``TRITON_INTERPRET=1``). FlashAttention-4 does not take the
+fixed-capacity view's key mask: not timed here.
 """
 
 from __future__ import annotations
 
 import platform
 
-from benchmarks.harness import studies
 from benchmarks.harness.header import device_tag, version
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
-from benchmarks.harness.report import tables
 from benchmarks.lib.serving_bench import VARIANTS
 
 SECTIONS = ("capacity", "kernel", "decode", "profile", "latent")
@@ -74,9 +67,10 @@ def rows(run):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     bw = sb.copy_bandwidth(device, 2**21 if smoke else 2**31)
     reason = sb.kernel_runs_here(device)
-    run.notes.update(device=device_name(), torch=torch.__version__, triton=version("triton"), smoke=smoke,
-                     bandwidth_gbs=bw / 1e9, dtype=str(dtype), kernel_status="runs" if reason is None else
-                     f"not run ({reason})")
+    run.notes.update(device=device_name(), torch=torch.__version__, triton=version("triton"), bandwidth_gbs=bw / 1e9,
+                     dtype=str(dtype), kernel_status="runs" if reason is None else f"not run ({reason})")
+    if smoke:
+        run.notes["smoke_run"] = "tiny shapes and eager steps"
     peak = 0.0
     if "capacity" in run["sections"]:  # the compute floor's peak, and the claim the capacity rows answer
         peak = sb.matmul_peak(device, dtype, run["matmul_n"])
@@ -91,25 +85,9 @@ def rows(run):
             yield {"section": name, **row}
 
 
-def markdown(run, rows) -> str:
-    n, cfg = run.notes, studies.load("serving")
-    out = [f"# Serving benchmark — {n['device']}", "",
-           f"torch {n['torch']}, triton {n['triton']}; copy bandwidth {n['bandwidth_gbs']:.0f} GB/s"
-           + (f", matmul peak {n['matmul_tflops']:.1f} TFLOP/s" if "matmul_tflops" in n else "") + " (measured in "
-           f"this run). Split-KV kernel: {n['kernel_status']}. KV budget {run['budget_gb']:g} GB, at most "
-           f"{run['max_batch']:,} sequences run.", ""] + ([f"Claim: {n['claim']}.", ""] if "claim" in n else [])
-    if n["smoke"]:
-        out += ["**Smoke run**: tiny shapes and eager steps; the numbers say nothing about speed.", ""]
-    return "\n".join(out + tables(rows, cfg["columns"], cfg["titles"]))
-
-
-STUDY = Study("serving", __doc__, rows, options=options, markdown=markdown, summary=lambda run, rows: run.notes,
-              out=out_stem, bounds={"budget_gb": (1e-9, 1e6), "ctx": (1, 1 << 20), "max_batch": (1, 1 << 24),
-                                    "steps": (1, 10_000), "kernel_splits": (1, 4096), "kernel_batch": (1, 1 << 16),
-                                    "kernel_keys": (1, 1 << 22), "decode_batch": (1, 1 << 16),
-                                    "decode_ctx": (1, 1 << 20), "decode_steps": (1, 10_000), "matmul_n": (1, 1 << 16),
-                                    "profile_ctx": (1, 1 << 20), "profile_batch": (1, 1 << 24),
-                                    "latent_batch": (1, 4096), "ranks": (1, 1024), "latent_calls": (1, 10_000)})
+STUDY = Study("serving", __doc__, rows, options=options, summary=lambda run, rows: run.notes, out=out_stem,
+              bounds={"budget_gb": (1e-9, 1e6), "ctx": (1, 1 << 20), "max_batch": (1, 1 << 24), "steps": (1, 10_000),
+                      "kernel_splits": (1, 4096)})  # the options' (the YAML's other sizes are the study's own)
 main = STUDY.main
 
 if __name__ == "__main__":

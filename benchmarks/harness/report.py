@@ -4,9 +4,10 @@
 header to a cell template (``"{decode_ms:.1f}"``, ``"**{ratio:.2f}**"``, ``"{cache_bytes!M:.1f}"``: ``!M`` is bytes in
 MiB, ``!y`` a flag as yes/no; a bare key is formatted by :func:`fmt`); a cell whose field is missing or None reads
 ``missing`` (default ``-``); ``drop_empty``: a column no row fills is left out. With ``by``, one table per value of
-that field that ``titles`` names (``## TITLE`` above each). ``title``, ``intro`` and the headers are templates over the
-run's settings and notes. ``figure: {x, y, series, panels, xlog, ylog, hline, xlabel, ylabel}`` — one line plot per
-panel (the distinct values of the ``panels`` fields), a line per ``series`` value.
+that field that ``titles`` names (``## TITLE`` above each); ``columns`` may then map each part to its own. ``title``,
+``intro`` (a template, or a list: the paragraphs whose fields are there) and the headers are templates over the run's
+settings and notes. ``figure: {x, y, series, panels, xlog, ylog, hline, xlabel, ylabel}`` — one line plot per panel
+(the distinct values of the ``panels`` fields), a line per ``series`` value.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 import string
 from typing import Any, Mapping, Optional, Sequence, Union
 
-__all__ = ["cell", "columns", "figure", "fmt", "markdown", "table", "tables"]
+__all__ = ["cell", "columns", "figure", "fmt", "intro", "markdown", "table", "tables"]
 
 Columns = Union[Sequence[str], Mapping[str, str]]
 
@@ -97,9 +98,11 @@ def tables(rows: Sequence[dict], columns: Mapping[str, Columns], titles: Mapping
     return out
 
 
-def columns(spec: Mapping[str, Any], rows: Sequence[dict], values: Mapping[str, Any]) -> dict[str, str]:
+def columns(spec: Mapping[str, Any], rows: Sequence[dict], values: Mapping[str, Any]) -> Columns:
     """``spec``'s columns, their headers filled from ``values``; with ``drop_empty``, those some row fills only."""
     cols = spec["columns"]
+    if not isinstance(cols, Mapping):
+        return cols
     keep = [h for h, t in cols.items() if not spec.get("drop_empty") or any(cell(t, r, "") for r in rows)]
     return {h.format_map(values): cols[h] for h in keep}
 
@@ -108,11 +111,27 @@ def markdown(spec: Mapping[str, Any], rows: Sequence[dict], values: Optional[Map
     """The report ``spec`` (a study's ``report:``) of ``rows``; ``values`` fill its title and intro."""
     values = values or {}
     lines = [f"# {spec['title'].format_map(values)}", ""] if spec.get("title") else []
-    lines += [spec["intro"].format_map(values).strip(), ""] if spec.get("intro") else []
-    cols, missing = columns(spec, rows, values), spec.get("missing", "-")
-    by = spec.get("by")
-    lines += tables(rows, {"*": cols}, spec["titles"], by, missing) if by else table(rows, cols, missing)
+    lines += intro(spec.get("intro"), values)
+    cols, missing = spec["columns"], spec.get("missing", "-")
+    if spec.get("by"):
+        part = isinstance(cols, Mapping) and not any(isinstance(c, str) for c in cols.values())  # part -> columns
+        lines += tables(rows, cols if part else {"*": columns(spec, rows, values)}, spec["titles"], spec["by"], missing)
+    else:
+        lines += table(rows, columns(spec, rows, values), missing)
     return "\n".join(lines)
+
+
+def intro(text: Union[None, str, Sequence[str]], values: Mapping[str, Any]) -> list[str]:
+    """``text`` filled from ``values``, a paragraph; a list of templates: a paragraph each, left out where a field it
+    names is missing."""
+    out = []
+    for t in ([text] if isinstance(text, str) else text) if text else []:
+        try:
+            out += [t.format_map(values).strip(), ""]
+        except KeyError:
+            if isinstance(text, str):
+                raise
+    return out
 
 
 def figure(spec: Mapping[str, Any], rows: Sequence[dict]):

@@ -79,7 +79,7 @@ def child_rows(stem: Path) -> tuple[list[dict], dict]:
     except (OSError, ValueError):
         return [], {}
     skip = {"rows", "command", "machine", "revision", "study", "size", "settings", "complete", "device", "torch",
-            "triton", "cuda", "python", "transformers", "capability", "smoke", "dtype"}
+            "triton", "cuda", "python", "transformers", "capability", "smoke_run", "dtype"}
     return data.get("rows", []), {k: v for k, v in data.items() if k not in skip}
 
 
@@ -89,7 +89,7 @@ def run_section(prog: str, step: dict, spec: dict, left_s: float, smoke: bool, c
     and its end (``ok``, ``failed``, ``error``, ``timeout``; ``stopped`` before a stop from outside goes on up).
     ``spec["study"]``: ``python -m benchmarks.STUDY --size check --sections NAME --out folder/NAME`` (its ``args``
     added on a full run; ``--smoke`` size on a smoke run) in its own process, or ``pytest`` on ``spec["files"]``."""
-    from benchmarks.harness.testlog import cuda_test_split, run_tests
+    from benchmarks.harness.testlog import cuda_test_split, gpu_test_command, read_testlog, tests_end
 
     name = step["section"]
     head = dict(section=name, what=("smoke sizes; full run: " if smoke else "") + spec["what"],
@@ -108,31 +108,36 @@ def run_section(prog: str, step: dict, spec: dict, left_s: float, smoke: bool, c
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1")
     if smoke and not cuda:
         env.setdefault("TRITON_INTERPRET", "1")  # the kernel on CPU tensors: Triton's interpreter
-    got: list = []
-    s0, stem = time.monotonic(), folder / name
+    s0, stem, log = time.monotonic(), folder / name, folder / f"{name}.tests.jsonl"
+    tests = spec["study"] == "pytest"
+    if tests:
+        cmd = gpu_test_command(spec["smoke_files" if smoke else "files"])
+        env["GPU_CHECK_TESTLOG"] = str(log)
+    else:
+        cmd = [sys.executable, "-m", f"benchmarks.{spec['study']}", "--size", "smoke" if smoke else "check",
+               "--sections", name, "--out", str(stem), "--force", *([] if smoke else spec.get("args", []))]
     try:
-        if spec["study"] == "pytest":
-            got, end = run_tests(spec["smoke_files" if smoke else "files"], timeout, env, on_stop=got.extend)
-            end["summary"]["left_unrun"] = f"{len(cuda_test_split()[1])} CPU-suite files (no CUDA test in them)"
-        else:
-            cmd = [sys.executable, "-m", f"benchmarks.{spec['study']}", "--size", "smoke" if smoke else "check",
-                   "--sections", name, "--out", str(stem), "--force", *([] if smoke else spec.get("args", []))]
-            rc, tail = run_process(cmd, timeout, env)
-            got, notes = child_rows(stem)
-            if rc is None:
-                end = dict(status="timeout", reason=f"stopped at its limit, {timeout:.0f} s")
-            elif rc:
-                end = dict(status="error", reason=f"exit code {rc}: " + " / ".join(tail.splitlines()[-3:]))
-            elif isinstance(notes.get(name), str) and not got:  # the study says why it cannot run here
-                end = dict(status="skipped", reason=notes.pop(name))
-            else:
-                end = dict(status="ok")
-            end["summary"] = notes
+        rc, tail = run_process(cmd, timeout, env)
     except BaseException as e:  # stopped from outside: the rows so far and the section marked, then the stop
-        yield from ({"section": name, **r} for r in (got or child_rows(stem)[0]))
+        yield from ({"section": name, **r} for r in (read_testlog(log)[0] if tests else child_rows(stem)[0]))
         yield dict(head, status="stopped", reason=f"the run was stopped ({type(e).__name__})",
                    elapsed_s=round(time.monotonic() - s0, 1))
         raise
+    if tests:
+        got, end = tests_end(rc, tail, log, timeout)
+        end.update(command=" ".join(cmd[1:]))
+        end["summary"]["left_unrun"] = f"{len(cuda_test_split()[1])} CPU-suite files (no CUDA test in them)"
+    else:
+        got, notes = child_rows(stem)
+        if rc is None:
+            end = dict(status="timeout", reason=f"stopped at its limit, {timeout:.0f} s")
+        elif rc:
+            end = dict(status="error", reason=f"exit code {rc}: " + " / ".join(tail.splitlines()[-3:]))
+        elif isinstance(notes.get(name), str) and not got:  # the study says why it cannot run here
+            end = dict(status="skipped", reason=notes.pop(name))
+        else:
+            end = dict(status="ok")
+        end["summary"] = notes
     yield from ({"section": name, **r} for r in got)
     yield dict(head, **end, elapsed_s=round(time.monotonic() - s0, 1))
     print(f"{prog}: {name} {end['status']} in {time.monotonic() - s0:.0f} s", file=sys.stderr, flush=True)

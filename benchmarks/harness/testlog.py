@@ -1,17 +1,16 @@
 """A pytest plugin (``pytest -p benchmarks.harness.testlog``): every test's outcome appended to $GPU_CHECK_TESTLOG as
 it ends (so a run stopped at its timeout still has its counts), and each test's start (the one that hung is named);
-:func:`read_testlog` reads it back, :func:`run_tests` runs ``pytest -m gpu`` under a time limit with it."""
+:func:`read_testlog` reads it back, :func:`tests_end` makes a section's status of it."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["cuda_test_split", "read_testlog", "run_tests"]
+__all__ = ["cuda_test_split", "gpu_test_command", "read_testlog", "tests_end"]
 
 
 def pytest_runtest_logstart(nodeid, location):  # noqa: ARG001 - pytest hook signature
@@ -58,11 +57,8 @@ def read_testlog(path: Path) -> tuple[list[dict], dict, Optional[str]]:
     return rows, counts, hung
 
 
-def run_tests(files: list[str], timeout_s: float, env: dict, on_stop) -> tuple[list[dict], dict]:
-    """``pytest -m gpu -x`` on ``files`` in a process stopped at ``timeout_s``: ``(a row per test, {status, reason,
-    summary, command})``; stopped from outside, ``on_stop(rows so far)`` is called before the stop goes on up."""
-    from benchmarks.harness.sections import run_process
-
+def gpu_test_command(files: list[str]) -> list[str]:
+    """``pytest -m gpu -x`` on ``files`` with this plugin (and a per-test timeout where pytest-timeout is there)."""
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-x", "-q", "-p", "no:cacheprovider", "-p",
            "benchmarks.harness.testlog"]
     try:
@@ -71,15 +67,13 @@ def run_tests(files: list[str], timeout_s: float, env: dict, on_stop) -> tuple[l
         cmd += ["--timeout", "120"]
     except ImportError:
         pass
-    cmd += files
-    with tempfile.TemporaryDirectory() as tmp:
-        log = Path(tmp) / "tests.jsonl"
-        try:
-            rc, tail = run_process(cmd, timeout_s, dict(env, GPU_CHECK_TESTLOG=str(log)))
-        except BaseException:  # stopped from outside: keep the outcomes so far
-            on_stop(read_testlog(log)[0])
-            raise
-        rows, counts, hung = read_testlog(log)
+    return cmd + files
+
+
+def tests_end(rc: Optional[int], tail: str, log: Path, timeout_s: float) -> tuple[list[dict], dict]:
+    """``(a row per test, {status, reason, summary})`` of a :func:`gpu_test_command` that ended with ``rc`` (None:
+    stopped at ``timeout_s``) and wrote ``log``."""
+    rows, counts, hung = read_testlog(log)
     bad = [r["test"] for r in rows if r["outcome"] in ("failed", "error")]
     if rc is None:
         status, reason = "timeout", f"stopped at {timeout_s:.0f} s" + (f" while running {hung}" if hung else "")
@@ -91,7 +85,7 @@ def run_tests(files: list[str], timeout_s: float, env: dict, on_stop) -> tuple[l
         status, reason = ("ok", None) if rc == 0 else ("error", f"pytest exit code {rc}: " + " / ".join(
             tail.splitlines()[-3:]))
     summary = dict(counts, seconds=round(sum(r["seconds"] or 0 for r in rows), 1), exit_code=rc)
-    return rows, dict(status=status, reason=reason, summary=summary, command=" ".join(cmd[1:]))
+    return rows, dict(status=status, reason=reason, summary=summary)
 
 
 def cuda_test_split(root: Optional[Path] = None) -> tuple[list[str], list[str]]:

@@ -4,7 +4,6 @@ with DynamicCache / StaticCache) and FlashAttention-4 against SDPA, each a list 
 
 from __future__ import annotations
 
-import gc
 import statistics
 import sys
 import time
@@ -14,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.harness.options import UsageError
-from benchmarks.harness.timing import cuda_time
+from benchmarks.harness.timing import cuda_time, median_of
 from benchmarks.lib.reference_gpt import ReferenceGPT
-from benchmarks.lib.serving_bench import err, filled_cache, weight_bytes
+from benchmarks.lib.serving_bench import err, filled_cache, free, weight_bytes
 from kvsplice.report.decode_timing import time_steps
 from models import GPT, preset
 from models.attention import flash_impl, sdpa_order
@@ -71,9 +70,7 @@ def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> list[dict]:
                 with _sdpa_priority(sdpa_order(1, k.shape[-2]) if order == "ours" else order):
                     return F.scaled_dot_product_attention(q, k, k)
 
-            call()
-            ts = cuda_time(call, calls)
-            row[name] = statistics.median(ts)
+            row[name] = median_of(cuda_time, call, calls, warmup=1)
         rows.append(row)
         del q, kv
     return rows
@@ -156,8 +153,7 @@ def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, qui
         r["vs_reference_same_mode"] = r["median_ms"] / ref[r["mode"]] if r["mode"] in ref else None
         r["vs_ours_mha_same_mode"] = r["median_ms"] / ours_mha[r["mode"]] if r["mode"] in ours_mha else None
     del state
-    gc.collect()
-    torch.cuda.empty_cache()
+    free(torch.device("cuda"))
     return rows
 
 
@@ -247,8 +243,7 @@ def bench_decode(batches: list[int], ctxs: list[int], steps: int, rounds: int, q
                     except Exception as e:  # noqa: BLE001 - one variant's failure must not end the section
                         info[lab] = dict(error=err(e))
                         times[lab] = []
-                    gc.collect()
-                    torch.cuda.empty_cache()
+                    free(torch.device("cuda"))
             cell = {}
             for lab in labels:
                 row = dict(variant=lab, batch=batch, ctx=ctx, **info.get(lab, {}))

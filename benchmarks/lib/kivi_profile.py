@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.harness.timing import median_of, wall_time
+from models.quant import unpack_codes
 
 __all__ = ["D", "HKV", "HQ", "kivi_layer", "median_us", "scores_fused", "weighted_fused"]
 
@@ -29,16 +30,11 @@ def kivi_layer(n: int, seed: int = 0):
     return cache, k, v, torch.randn(1, HQ, 1, D, generator=g)
 
 
-def _codes(packed: torch.Tensor) -> torch.Tensor:
-    """Packed 4-bit codes ``(B, Hkv, n, D/2)`` (channel ``2j`` in the low nibble) → floats ``(B, Hkv, n, D)``."""
-    return torch.stack(((packed & 15).float(), (packed >> 4).float()), -1).flatten(-2)
-
-
 def scores_fused(qs, codes, s, m):
     """KIVI keys, dequantised and reduced in one expression (for torch.compile): ``qs (B, Hkv, g, D)``, packed
     ``codes (B, Hkv, n, D/2)``, per-channel ``s, m (B, Hkv, n/G, D)`` → ``(B, Hkv, g, n)``."""
     b, h, r, d = qs.shape
-    x = _codes(codes)  # (B, Hkv, n, D)
+    x = unpack_codes(codes, 4).float()  # (B, Hkv, n, D)
     x = x.view(b, h, s.shape[2], -1, d) * s.float()[:, :, :, None] + m.float()[:, :, :, None]  # (B,Hkv,n/G,G,D)
     return (qs[:, :, :, None, :] * x.view(b, h, 1, -1, d)).sum(-1)
 
@@ -46,7 +42,7 @@ def scores_fused(qs, codes, s, m):
 def weighted_fused(p, codes, s, m):
     """KIVI values: ``p (B, Hkv, g, n)``, packed ``codes (B, Hkv, n, D/2)``, per-token ``s, m (B, Hkv, n, D/G)`` →
     ``(B, Hkv, g, D)``."""
-    x = _codes(codes)  # (B, Hkv, n, D)
+    x = unpack_codes(codes, 4).float()  # (B, Hkv, n, D)
     b, h, n, d = x.shape
     x = (x.view(b, h, n, s.shape[-1], -1) * s.float()[..., None] + m.float()[..., None]).view(b, h, 1, n, d)
     return (p[..., None] * x).sum(-2)

@@ -48,8 +48,7 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Bytes/s of a device-to-device copy of ``nbytes`` (read + written), median of 10."""
     x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     y = torch.empty_like(x)
-    y.copy_(x)
-    ms = statistics.median(timer(device)(lambda: y.copy_(x), 10))
+    ms = median_of(timer(device), lambda: y.copy_(x), 10, warmup=1)
     return 2 * x.numel() * 2 / (ms / 1e3)
 
 
@@ -57,8 +56,7 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int) -> float:
     """FLOP/s of an ``n``×``n``×``n`` matmul in ``dtype`` (median of 10)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b
-    ms = statistics.median(timer(device)(lambda: a @ b, 10))
+    ms = median_of(timer(device), lambda: a @ b, 10, warmup=1)
     return 2 * n ** 3 / (ms / 1e3)
 
 
@@ -156,13 +154,11 @@ def add_floors(row: dict, flops: float, peak: float) -> dict:
     FLOP/s); ``bound`` names the larger; each path's ``*_pct_larger_floor`` is that floor over its time."""
     row["flops_per_step"] = flops
     row["compute_floor_ms"] = flops / peak * 1e3 if peak else None
-    floors = [f for f in (row.get("floor_ms"), row["compute_floor_ms"]) if f]
-    if not floors:
+    floors = {"compute": row["compute_floor_ms"] or 0, "bytes": row.get("floor_ms") or 0}  # a tie: compute
+    if not any(floors.values()):
         return row
-    larger = max(floors)
-    row["bound"] = "compute" if row["compute_floor_ms"] and row["compute_floor_ms"] >= (row.get("floor_ms") or 0) \
-        else "bytes"
-    row["larger_floor_ms"] = larger
+    row["bound"] = max(floors, key=floors.get)
+    larger = row["larger_floor_ms"] = floors[row["bound"]]
     for label in ("sdpa", "split_kv"):
         if row.get(f"{label}_ms"):
             row[f"{label}_pct_larger_floor"] = 100 * larger / row[f"{label}_ms"]

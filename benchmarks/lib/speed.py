@@ -9,68 +9,50 @@ Doors: ``hf`` (transformers' forward with ``KVSpliceHFCache``; ``DynamicCache`` 
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
-__all__ = ["MethodRun", "PeakRSS", "measure", "method_factories", "prefill_and_steps", "prompt_ids"]
+__all__ = ["measure", "method_factories", "peak_rss", "prefill_and_steps", "prompt_ids", "rss"]
 
 
-class PeakRSS:
-    """The peak resident set size (bytes) of this process while the ``with`` block runs, sampled every
-    ``interval`` seconds (``peak - start``: what the block added)."""
-
-    def __init__(self, interval: float = 0.002) -> None:
-        self.interval, self.start, self.peak = interval, 0, 0
-        self._stop = threading.Event()
-
-    @staticmethod
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.rss())
-            time.sleep(self.interval)
-
-    def __enter__(self) -> "PeakRSS":
-        self.start = self.peak = self.rss()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.rss())
-
-    @property
-    def grown(self) -> int:
-        return self.peak - self.start
+def rss() -> int:
+    """This process's resident set size (bytes)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
 
 
-@dataclass
-class MethodRun:
-    """One method in one door: its step function (``ids (B, 1) → logits (B, 1, V)``), cache and timings."""
+@contextlib.contextmanager
+def peak_rss(interval: float = 0.002) -> Iterator[dict]:
+    """``{start, peak, grown}``: this process's peak resident set size (bytes) while the ``with`` block runs, sampled
+    every ``interval`` seconds (``grown = peak - start``, what the block added, set as it ends)."""
+    start = rss()
+    got = dict(start=start, peak=start, grown=0)
+    stop = threading.Event()
 
-    label: str
-    step: Callable[[torch.Tensor], torch.Tensor]
-    cache: Any
-    prefill_cpu: float = 0.0
-    prefill_wall: float = 0.0
-    prefill_rss: int = 0
-    next_ids: Optional[torch.Tensor] = None
-    cpu: list[float] = field(default_factory=list)
-    wall: list[float] = field(default_factory=list)
+    def sample() -> None:
+        while not stop.is_set():
+            got["peak"] = max(got["peak"], rss())
+            time.sleep(interval)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield got
+    finally:
+        stop.set()
+        thread.join()
+        got["peak"] = max(got["peak"], rss())
+        got["grown"] = got["peak"] - got["start"]
 
 
-def _clock() -> tuple[float, float]:
+def _clocks() -> tuple[float, float]:
+    """(thread-CPU, wall) seconds now."""
     return time.thread_time(), time.perf_counter()
 
 
@@ -105,39 +87,38 @@ def measure(model, door: str, methods: Sequence[tuple[str, Any]], ids: torch.Ten
     one row per method (the first is the reference of the ratios)."""
     from kvsplice.hf.measure import cache_nbytes
 
-    runs: list[MethodRun] = []
+    runs = []  # per method: its step, cache, prefill times, next ids and decode step times
     capacity = ids.shape[1] + warmup + rounds + 1
     for label, method in methods:
         if callable(method) and not hasattr(method, "attend"):
             method = method(ids)
         prefill, step, cache = prefill_and_steps(model, door, method, ids, capacity)
-        with PeakRSS() as rss:
-            c0, w0 = _clock()
+        with peak_rss() as mem:
+            c0, w0 = _clocks()
             logits = prefill()
-            c1, w1 = _clock()
-        run = MethodRun(label, step, cache, c1 - c0, w1 - w0, rss.grown, logits[:, -1:].argmax(-1))
-        runs.append(run)
+            c1, w1 = _clocks()
+        runs.append(dict(label=label, step=step, cache=cache, prefill_cpu=c1 - c0, prefill_wall=w1 - w0, mem=mem,
+                         next_ids=logits[:, -1:].argmax(-1), cpu=[], wall=[]))
     for r in range(warmup + rounds):
         for run in runs:
-            c0, w0 = _clock()
-            logits = run.step(run.next_ids)
-            c1, w1 = _clock()
-            run.next_ids = logits[:, -1:].argmax(-1)
+            c0, w0 = _clocks()
+            logits = run["step"](run["next_ids"])
+            c1, w1 = _clocks()
+            run["next_ids"] = logits[:, -1:].argmax(-1)
             if r >= warmup:
-                run.cpu.append(c1 - c0)
-                run.wall.append(w1 - w0)
-    ref_cpu, ref_wall = statistics.median(runs[0].cpu), statistics.median(runs[0].wall)
+                run["cpu"].append(c1 - c0)
+                run["wall"].append(w1 - w0)
+    ref_cpu, ref_wall = statistics.median(runs[0]["cpu"]), statistics.median(runs[0]["wall"])
     rows = []
     for run in runs:
-        cpu, wall = statistics.median(run.cpu), statistics.median(run.wall)
-        nbytes = run.cache.nbytes() if hasattr(run.cache, "nbytes") else cache_nbytes(run.cache)  # transformers'
-
-        rows.append({"method": run.label, "door": door, "batch": ids.shape[0], "context": ids.shape[1],
-                     "prefill_s": run.prefill_cpu, "prefill_wall_s": run.prefill_wall,
-                     "prefill_vs_full": run.prefill_cpu / runs[0].prefill_cpu,
+        cpu, wall, cache = statistics.median(run["cpu"]), statistics.median(run["wall"]), run["cache"]
+        rows.append({"method": run["label"], "door": door, "batch": ids.shape[0], "context": ids.shape[1],
+                     "prefill_s": run["prefill_cpu"], "prefill_wall_s": run["prefill_wall"],
+                     "prefill_vs_full": run["prefill_cpu"] / runs[0]["prefill_cpu"],
                      "decode_ms": 1e3 * cpu, "decode_wall_ms": 1e3 * wall, "decode_vs_full": cpu / ref_cpu,
-                     "decode_wall_vs_full": wall / ref_wall, "steps": len(run.cpu),
-                     "cache_bytes": nbytes, "prefill_peak_rss_bytes": run.prefill_rss})
+                     "decode_wall_vs_full": wall / ref_wall, "steps": len(run["cpu"]),
+                     "cache_bytes": cache.nbytes() if hasattr(cache, "nbytes") else cache_nbytes(cache),  # HF's
+                     "prefill_peak_rss_bytes": run["mem"]["grown"]})
     return rows
 
 
@@ -145,7 +126,7 @@ def method_factories(args, model, tok, picks: dict):
     """``[(label, method | None | ids → method)]`` of ``args.methods`` (``picks``: name → spec, or a plan file from
     ``args.plan4`` / ``args.plan8``): the full cache is ``None``; a plan or a KVzip spec is built per prompt (it
     re-reads it); ``args.pick_scores == "random"`` gives the KVzip stacks random token scores."""
-    from kvsplice.core.registry import build_method, needs_prompt
+    from kvsplice.core.build import build_method, needs_prompt
     from kvsplice.planning.spec import Plan
 
     out = []

@@ -7,6 +7,7 @@ import json
 
 import torch
 
+from benchmarks.harness import report, studies
 from tiny_models import load_benchmark, tiny_family
 
 
@@ -25,7 +26,7 @@ def test_decode_profile_layer_and_step_rows(tmp_path) -> None:
     assert {r["method"] for r in step} == {"full", "kivi4(group=8,residual=16)"}
     assert {r["group"] for r in step} >= {"SDPA", "everything else"} and sum(r["ms"] for r in step) > 0
     rows = [{"view": "layer", **r} for r in layer] + [{"view": "step", **r} for r in step]
-    md = bench.markdown(None, rows)
+    md = report.markdown(studies.load("decode_profile")["report"], rows)
     assert "| 256 | full cache: SDPA" in md and "| 48 | full | SDPA |" in md
 
 
@@ -48,6 +49,6 @@ def test_fused_formulation_equals_coded_attend_parts() -> None:
     keys, vals = segs[0].keys, segs[0].values
     rows_q = q.reshape(1, bench.HKV, bench.HQ // bench.HKV, bench.D) * 0.125
     s = keys.scores(rows_q)
-    assert torch.allclose(bench._scores_fused(rows_q, keys.data, keys.scale, keys.mn), s, atol=1e-4)
+    assert torch.allclose(bench.scores_fused(rows_q, keys.data, keys.scale, keys.mn), s, atol=1e-4)
     p = torch.softmax(s, -1)
-    assert torch.allclose(bench._weighted_fused(p, vals.data, vals.scale, vals.mn), vals.weighted(p), atol=1e-4)
+    assert torch.allclose(bench.weighted_fused(p, vals.data, vals.scale, vals.mn), vals.weighted(p), atol=1e-4)

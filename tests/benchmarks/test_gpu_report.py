@@ -3,11 +3,10 @@ three tables come from the rows of each section (the rows themselves need a GPU:
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
+from benchmarks.harness import report, studies
 from tiny_models import load_benchmark
 
 
@@ -22,8 +21,7 @@ def test_no_cuda_is_one_line_and_nothing_written(tmp_path, capsys, monkeypatch):
 
 
 def test_the_report_tables_come_from_each_sections_rows():
-    gpu = load_benchmark("gpu")
-    notes = dict(device="NVIDIA H200", torch="2.13", cuda="12.8", transformers="5.2", flash_impl=None,
+    notes = dict(device="NVIDIA H200", torch="2.13", cuda="12.8", transformers="5.2", flash_impl="none (PyTorch SDPA kernels)",
                  bandwidth_gbs=4000.0, flash4="FlashAttention-4 is not importable")
     rows = [dict(section="sdpa", keys=256, default=0.01, flash=0.02),
             dict(section="train", model="ours mha", mode="eager", optimizer="fused", median_ms=100.0,
@@ -31,7 +29,7 @@ def test_the_report_tables_come_from_each_sections_rows():
             dict(section="decode", batch=8, ctx=1024, variant="ours mha", median_ms=1.5, vs_ours_mha=1.0,
                  vs_hf_static=0.5, floor_ms=0.5, vs_floor=3.0),
             dict(section="decode", batch=8, ctx=1024, variant="hf dynamic", error="out of memory")]
-    md = gpu.markdown(types.SimpleNamespace(notes=notes), rows)
+    md = report.markdown(studies.load("gpu")["report"], rows, notes)
     assert md.startswith("# GPU benchmark — NVIDIA H200") and "copy bandwidth 4000 GB/s" in md
     assert "| keys | default | flash |" in md and "| 256 | 0.010 | 0.020 |" in md
     assert "| ours mha | eager | fused | 100.0 | 163,840 | 0.400 | 0.900 | 1.000 |" in md

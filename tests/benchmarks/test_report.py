@@ -54,6 +54,18 @@ def test_markdown_splits_rows_by_part_with_titles_and_fills_the_intro():
         "|---|", "| 1 |", "| 3 |", ""]
 
 
+def test_markdown_takes_columns_per_part_and_intro_paragraphs_whose_fields_are_there():
+    spec = {"intro": ["on {n} windows", "skipped: {why}", "{n} again"], "by": "part",
+            "columns": {"p1": ["x"], "p2": {"Y": "{y:.1f}"}}, "titles": {"p1": "First", "p2": "Second"}}
+    rows = [{"part": "p1", "x": 1, "y": 2.0}, {"part": "p2", "x": 2, "y": 3.0}]
+    assert report.markdown(spec, rows, {"n": 4}).split("\n") == [
+        "on 4 windows", "", "4 again", "", "## First", "", "| x |", "|---|", "| 1 |", "", "## Second", "", "| Y |",
+        "|---|", "| 3.0 |", ""]
+    assert "skipped: no GPU" in report.markdown(spec, rows, {"n": 4, "why": "no GPU"})
+    with pytest.raises(KeyError):  # one template: every field it names is needed
+        report.markdown({"intro": "skipped: {why}", "columns": ["x"]}, rows, {})
+
+
 def test_a_study_with_a_report_and_figure_in_its_yaml_writes_both(tmp_path, monkeypatch):
     (tmp_path / "toy.yaml").write_text(
         "sizes: {default: {n: 3}}\nreport: {title: 'Toy of {n}', columns: {k: '{k}', y: '{y:.2f}'}}\n"

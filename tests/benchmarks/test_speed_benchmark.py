@@ -16,7 +16,7 @@ from test_kvzip import _ids, _Tok  # noqa: E402
 
 from kvsplice.core.build import build_method  # noqa: E402
 from benchmarks.harness import report, studies  # noqa: E402
-from benchmarks.lib.speed import PeakRSS, measure  # noqa: E402
+from benchmarks.lib.speed import measure, method_factories, peak_rss  # noqa: E402
 
 
 def _bench():
@@ -49,6 +49,22 @@ def test_speed_benchmark_runs_every_method_in_both_doors(tmp_path, batch) -> Non
     assert len(fig.axes) == 2  # one panel per (dtype, door, batch)
 
 
+def test_method_factories_build_the_studys_methods() -> None:
+    """``--methods``' names as the study builds them: the full cache, a spec, a pick's KVzip stack per prompt (with
+    ``--pick-scores random``: random token scores, no reconstruction pass)."""
+    import types
+
+    model, tok = tiny_family("llama", n_layer=3), _Tok(_ids(5, 3))
+    args = types.SimpleNamespace(methods=["full", "int8", "pick4x"], plan4=None, plan8=None, pick_scores="random")
+    got = method_factories(args, model, tok, _bench().PICKS)
+    assert [m for m, _ in got] == ["full", "int8", "pick4x"] and got[0][1] is None and hasattr(got[1][1], "attend")
+    ids = _ids(6, 40)
+    pick = got[2][1](ids)
+    assert set(pick.shared_scores) == set(range(3)) and pick.shared_scores[0].shape[-1] == 40
+    rows = measure(model, "decoder", got, ids, rounds=1)
+    assert [r["method"] for r in rows] == ["full", "int8", "pick4x"] and rows[2]["cache_bytes"] < rows[0]["cache_bytes"]
+
+
 def test_quick_size_and_peak_rss(tmp_path, monkeypatch, capsys) -> None:
     """``--quick`` is the study's quick size: 512 tokens and 4 rounds (+ 2 steps) reach the check on positions."""
     import types
@@ -60,10 +76,10 @@ def test_quick_size_and_peak_rss(tmp_path, monkeypatch, capsys) -> None:
     assert _bench().main(["--quick", "--out", str(tmp_path / "q")]) == 2
     assert "--contexts [512] + 6 decode steps exceed" in capsys.readouterr().err
     assert _bench().STUDY.size_table()["quick"] == {"contexts": [512], "batch": [1, 2], "rounds": 4}
-    with PeakRSS() as rss:
+    with peak_rss() as rss:
         x = torch.ones(4 << 20)  # 16 MiB held while sampled
         x += 1
-    assert rss.peak >= rss.start and rss.grown >= 0
+    assert rss["peak"] >= rss["start"] and rss["grown"] == rss["peak"] - rss["start"] >= 0
 
 
 def test_contexts_past_the_models_positions_are_refused_before_any_work(tmp_path, monkeypatch, capsys) -> None:

@@ -3,9 +3,9 @@
 ``report: {title, intro, columns, by, titles}`` — a markdown table whose ``columns`` map a header to a cell template
 (``"{decode_ms:.1f}"``, ``"**{ratio:.2f}**"``, ``"{cache_bytes!M:.1f}"``: ``!M`` is bytes in MiB; a bare key is
 formatted by :func:`fmt`); a cell whose field is missing or None reads ``-``. With ``by``, one table per value of that
-field that ``titles`` names (``## TITLE`` above each). ``title`` and ``intro`` are templates over the run's settings
-and notes. ``figure: {x, y, series, panels, xlog, ylog, hline, xlabel, ylabel}`` — one line plot per panel (the
-distinct values of the ``panels`` fields), a line per ``series`` value.
+field that ``titles`` names (``## TITLE`` above each). ``title``, ``intro`` and ``footer`` (below the tables) are
+templates over the run's settings, notes and summary. ``figure: {x, y, series, panels, xlog, ylog, hline, xlabel,
+ylabel}`` — one line plot per panel (the distinct values of the ``panels`` fields), a line per ``series`` value.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def tables(rows: Sequence[dict], columns: Mapping[str, Columns], titles: Mapping
 
 
 def markdown(spec: Mapping[str, Any], rows: Sequence[dict], values: Optional[Mapping[str, Any]] = None) -> str:
-    """The report ``spec`` (a study's ``report:``) of ``rows``; ``values`` fill its title and intro."""
+    """The report ``spec`` (a study's ``report:``) of ``rows``; ``values`` fill its title, intro and footer."""
     values = values or {}
     lines = [f"# {spec['title'].format_map(values)}", ""] if spec.get("title") else []
     lines += [spec["intro"].format_map(values).strip(), ""] if spec.get("intro") else []
@@ -103,6 +103,7 @@ def markdown(spec: Mapping[str, Any], rows: Sequence[dict], values: Optional[Map
         lines += tables(rows, {"*": spec["columns"]}, spec["titles"], spec["by"])
     else:
         lines += table(rows, spec["columns"])
+    lines += [spec["footer"].format_map(values).strip()] if spec.get("footer") else []
     return "\n".join(lines)
 
 

@@ -42,9 +42,15 @@ def test_markdown_splits_rows_by_part_with_titles_and_fills_the_intro():
         "|---|", "| 1 |", "| 3 |", ""]
 
 
+def test_the_footer_follows_the_tables_filled_from_the_values():
+    spec = {"intro": "on {n}", "columns": {"x": "{x}"}, "footer": "best: {best}\n"}
+    assert report.markdown(spec, [{"x": 1}], {"n": 2, "best": "a"}).split("\n") == [
+        "on 2", "", "| x |", "|---|", "| 1 |", "", "best: a"]
+
+
 def test_a_study_with_a_report_and_figure_in_its_yaml_writes_both(tmp_path, monkeypatch):
     (tmp_path / "toy.yaml").write_text(
-        "sizes: {default: {n: 3}}\nreport: {title: 'Toy of {n}', columns: {k: '{k}', y: '{y:.2f}'}}\n"
+        "sizes: {default: {n: 3}}\nreport: {title: 'Toy of {n}', columns: {k: '{k}', y: '{y:.2f}'}, footer: 'm {m}'}\n"
         "figure: {x: k, y: y, series: s, panels: [p], xlog: 2, hline: 1.0}\n")
     monkeypatch.setattr(studies, "STUDIES", tmp_path)
     studies._read.cache_clear()
@@ -55,9 +61,10 @@ def test_a_study_with_a_report_and_figure_in_its_yaml_writes_both(tmp_path, monk
 
     out = tmp_path / "out" / "toy"
     (tmp_path / "out").mkdir()
-    assert Study("toy", "A toy.", rows).main(["--out", str(out)]) == 0
+    assert Study("toy", "A toy.", rows, summary=lambda run, rows: {"m": len(rows)}).main(["--out", str(out)]) == 0
     md = (tmp_path / "out" / "toy.md").read_text().split("\n")
-    assert md[:6] == ["# Toy of 3", "", "| k | y |", "|---|---|", "| 1 | 0.33 |", "| 2 | 0.67 |"]
+    assert md[:8] == ["# Toy of 3", "", "| k | y |", "|---|---|", "| 1 | 0.33 |", "| 2 | 0.67 |", "| 3 | 1.00 |", ""]
+    assert md[8] == "m 3"  # the footer, from the summary
     assert (tmp_path / "out" / "toy.png").read_bytes()[:4] == b"\x89PNG"
     assert len(json.loads((tmp_path / "out" / "toy.json").read_text())["rows"]) == 3
     studies._read.cache_clear()

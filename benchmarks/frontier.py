@@ -20,7 +20,7 @@ from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import variants
 from benchmarks.lib.seed_report import figure, markdown
-from benchmarks.lib.study import gpu, options as study_options, run_one, train_rows
+from benchmarks.lib.study import BOUNDS, gpu, options as study_options, run_one, train_rows
 
 FRONTIER = variants("frontier", "frontier")  # variant -> (config, overrides): benchmarks/studies/frontier.yaml
 ABLATION = variants("frontier", "ablation")  # MLA options, on the tuning split
@@ -67,9 +67,7 @@ def rows(run):
 
 STUDY = Study("frontier", __doc__, rows, options=options, markdown=markdown, figure=figure,
               out=lambda a: RESULTS / f"frontier{'' if a.study == 'frontier' else '_ablation'}{gpu(a)}",
-              summary=lambda run, rows: run.notes,
-              sizes={"default": {"steps": 500, "batch": 8, "jobs": 2, "cache_tokens": 256}},
-              bounds={"steps": (1, 10 ** 7), "batch": (1, 65536), "jobs": (1, 256), "cache_tokens": (1, 1 << 16)})
+              summary=lambda run, rows: run.notes, bounds=BOUNDS)
 main = STUDY.main
 
 if __name__ == "__main__":

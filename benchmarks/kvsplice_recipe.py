@@ -24,8 +24,8 @@ from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study, variants
 from benchmarks.lib.seed_report import markdown
-from benchmarks.lib.study import TRAIN_FILES, gpu, last_val, options as study_options, run_args, run_one, to_mla, \
-    train, train_rows
+from benchmarks.lib.study import (BOUNDS, TRAIN_FILES, gpu, last_val, options as study_options, run_args, run_one,
+                                  to_mla, train, train_rows)
 
 ABLATION = variants("kvsplice_recipe", "ablation")  # variant -> (config, overrides): studies/kvsplice_recipe.yaml
 RECIPE = variants("kvsplice_recipe", "recipe")
@@ -69,8 +69,7 @@ STUDY = Study("kvsplice_recipe", __doc__,
               lambda run: train_rows(run, SECTIONS, {"ablation": [0], "recipe": [1, 2, 3]}, run_variant),
               options=options, out=lambda a: RESULTS / f"kvsplice_recipe_{a.study}{gpu(a)}",
               markdown=lambda run, rows: markdown(run, rows, "mla_64"), summary=lambda run, rows: run.notes,
-              sizes={"default": {"steps": 500, "batch": 8, "jobs": 2, "cache_tokens": 256}},
-              bounds={"steps": (2, 10 ** 7), "batch": (1, 65536), "jobs": (1, 256), "cache_tokens": (1, 1 << 16)})
+              bounds={**BOUNDS, "steps": (2, 10 ** 7)})  # two stages of steps / 2
 main = STUDY.main
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
-"""The repository, its ``results/`` folder and the reference data files the benchmarks and tests read, beside the
-checkout (``../shared/data``; never copied into the repository): TinyStories text, stories260K (llama2.c),
-SmolLM2-135M-Instruct (GGUF). Absent files make a benchmark stop with a message and a test skip with a reason."""
+"""The repository, its ``results/`` and the reference data beside the checkout (``../shared/data``, never copied in):
+TinyStories text, stories260K, SmolLM2-135M-Instruct. Absent files stop a benchmark (a message) and skip a test."""
 
 from __future__ import annotations
 
@@ -22,9 +21,8 @@ TINYSTORIES = DATA / "tinystories"  # the local TinyStories folder the small_* t
 
 
 def portable(value):
-    """``value`` (a string, or lists / dicts of them, keys included) with this machine's paths named as a reader of
-    the repository names them: ``../shared/data/...`` for the reference data, repository-relative for the rest of
-    the checkout — what a results file records (the same command runs from any clone)."""
+    """``value`` (strings, lists / dicts of them) with this machine's paths as a results file records them:
+    ``../shared/data/...`` for the reference data, repository-relative for the checkout (any clone reruns it)."""
     if isinstance(value, str):
         end = r"(?![\w.-])"  # the whole folder name: /work/main, not /work/main2
         value = re.sub(re.escape(str(DATA)) + end, "../shared/data", value)

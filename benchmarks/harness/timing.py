@@ -1,6 +1,5 @@
-"""Median timers for the benchmarks: thread-CPU seconds (with one torch thread, robust to other processes on a shared
-machine), wall seconds (calls too short for the CPU clock) and CUDA-event milliseconds (each call started on an idle
-GPU, so that one call's time is not hidden behind another's queue)."""
+"""Median timers: thread-CPU seconds (robust on a shared machine with one torch thread), wall seconds and CUDA-event
+milliseconds (each call started on an idle GPU)."""
 
 from __future__ import annotations
 

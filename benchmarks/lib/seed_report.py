@@ -76,25 +76,15 @@ def table(summary: list[dict], ref: str = "mha") -> str:
 
 def comparisons(summary: list[dict], ref: str = "mha") -> list[dict]:
     """Each pair at equal cache bytes, each ``ds_X`` against its GPT-2 twin ``X``, each variant against ``ref``."""
-    out, seen = [], set()
     by = {s["variant"]: s for s in summary}
-
-    def add(a: dict, b: dict) -> None:
+    pairs = [(b, a) for i, a in enumerate(summary) for b in summary[i + 1:] if a["bytes"] == b["bytes"]]
+    pairs += [(s, by[s["variant"][3:]]) for s in summary if s["variant"].startswith("ds_") and s["variant"][3:] in by]
+    pairs += [(s, by[ref]) for s in summary if ref in by and s["variant"] != ref]
+    out, seen = [], set()
+    for a, b in pairs:
         if frozenset((a["variant"], b["variant"])) not in seen:
             seen.add(frozenset((a["variant"], b["variant"])))
             out.append(compare(a, b))
-
-    for i, a in enumerate(summary):
-        for b in summary[i + 1:]:
-            if a["bytes"] == b["bytes"]:
-                add(b, a)
-    for s in summary:
-        if s["variant"].startswith("ds_") and s["variant"][3:] in by:
-            add(s, by[s["variant"][3:]])
-    if ref in by:
-        for s in summary:
-            if s["variant"] != ref:
-                add(s, by[ref])
     return out
 
 

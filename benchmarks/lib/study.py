@@ -20,14 +20,15 @@ from typing import Callable, Iterator, Optional
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import ROOT as REPO, TINYSTORIES as DATA
 
-__all__ = ["DATA", "DATA_CACHE", "REPO", "RUN_KEY", "TRAIN_FILES", "cache_bytes", "data_args", "final_train_loss",
-           "gpu", "last_val", "options", "resume_key", "run_args", "run_jobs", "run_key", "run_module", "run_one",
-           "to_mla", "train", "train_curve", "train_rows", "trained"]
+__all__ = ["BOUNDS", "DATA", "DATA_CACHE", "REPO", "RUN_KEY", "TRAIN_FILES", "cache_bytes", "data_args",
+           "final_train_loss", "gpu", "last_val", "options", "resume_key", "run_args", "run_jobs", "run_key",
+           "run_module", "run_one", "to_mla", "train", "train_curve", "train_rows", "trained"]
 
 DATA_CACHE = REPO / ".cache" / "data"  # the runs' token shards and tokenizers
 TRAIN_FILES = ("gusjengis_toy-RNN__tinystories_sample.txt", "maxme1_tiny-stories__tiny-stories.json",
                "mines-opt-ml_decoding-gpt__tinystories_10k.txt")  # DATA's other file (*val*) is the validation text
 RUN_KEY = "frontier_key.json"  # in a finished run's folder: the resume key it was trained with
+BOUNDS = {"steps": (1, 10 ** 7), "batch": (1, 65536), "jobs": (1, 256), "cache_tokens": (1, 1 << 16)}
 
 
 def last_val(metrics: Path) -> tuple[int, float, float | None, float | None]:
@@ -59,20 +60,17 @@ def train_curve(metrics: Path) -> list[list[float]]:
 
 
 def cache_bytes(ckpt: Path, tokens: int) -> dict:
-    """Prefill ``tokens`` random ids through the checkpoint's model and its real decode cache (fp16 and fp32)."""
+    """``tokens`` random ids through the checkpoint's model and its real decode cache, fp16 and fp32 (the package's
+    :func:`training.evaluate.measure_cache_per_token`)."""
     import torch
 
     from models.checkpoint import load_gpt_checkpoint
+    from training.evaluate import measure_cache_per_token
 
     model = load_gpt_checkpoint(ckpt)[0]
     out = {"cache_dim": model.cfg.cache_dim, "params": model.num_params(), "variant_name": model.cfg.variant}
-    ids = torch.randint(0, model.cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     for dtype, key in ((torch.float16, "cache_bytes_per_token"), (torch.float32, "cache_bytes_per_token_fp32")):
-        m = model.to(dtype)
-        cache = m.new_cache(1, capacity=tokens)
-        with torch.no_grad():
-            m(ids, cache=cache)
-        out[key] = cache.nbytes() / tokens
+        out[key] = measure_cache_per_token(model, model.cfg, tokens, dtype)["bytes_per_token"]
     return out
 
 

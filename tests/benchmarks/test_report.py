@@ -42,15 +42,9 @@ def test_markdown_splits_rows_by_part_with_titles_and_fills_the_intro():
         "|---|", "| 1 |", "| 3 |", ""]
 
 
-def test_the_footer_follows_the_tables_filled_from_the_values():
-    spec = {"intro": "on {n}", "columns": {"x": "{x}"}, "footer": "best: {best}\n"}
-    assert report.markdown(spec, [{"x": 1}], {"n": 2, "best": "a"}).split("\n") == [
-        "on 2", "", "| x |", "|---|", "| 1 |", "", "best: a"]
-
-
 def test_a_study_with_a_report_and_figure_in_its_yaml_writes_both(tmp_path, monkeypatch):
     (tmp_path / "toy.yaml").write_text(
-        "sizes: {default: {n: 3}}\nreport: {title: 'Toy of {n}', columns: {k: '{k}', y: '{y:.2f}'}, footer: 'm {m}'}\n"
+        "sizes: {default: {n: 3}}\nreport: {title: 'Toy of {n}', columns: {k: '{k}', y: '{y:.2f}'}}\n"
         "figure: {x: k, y: y, series: s, panels: [p], xlog: 2, hline: 1.0}\n")
     monkeypatch.setattr(studies, "STUDIES", tmp_path)
     studies._read.cache_clear()
@@ -61,10 +55,9 @@ def test_a_study_with_a_report_and_figure_in_its_yaml_writes_both(tmp_path, monk
 
     out = tmp_path / "out" / "toy"
     (tmp_path / "out").mkdir()
-    assert Study("toy", "A toy.", rows, summary=lambda run, rows: {"m": len(rows)}).main(["--out", str(out)]) == 0
+    assert Study("toy", "A toy.", rows).main(["--out", str(out)]) == 0
     md = (tmp_path / "out" / "toy.md").read_text().split("\n")
-    assert md[:8] == ["# Toy of 3", "", "| k | y |", "|---|---|", "| 1 | 0.33 |", "| 2 | 0.67 |", "| 3 | 1.00 |", ""]
-    assert md[8] == "m 3"  # the footer, from the summary
+    assert md[:6] == ["# Toy of 3", "", "| k | y |", "|---|---|", "| 1 | 0.33 |", "| 2 | 0.67 |"]
     assert (tmp_path / "out" / "toy.png").read_bytes()[:4] == b"\x89PNG"
     assert len(json.loads((tmp_path / "out" / "toy.json").read_text())["rows"]) == 3
     studies._read.cache_clear()
@@ -77,3 +70,20 @@ def test_smollm2_speed_report_reads_its_committed_rows(result):
     assert text.split("\n")[0] == "# SmolLM2-135M-Instruct: decode speed of compressed caches"
     assert text.count("\n| ") == len(rows) + 1
     assert f"**{rows[0]['decode_vs_full']:.2f}**" in text
+
+
+def test_the_footer_follows_the_tables_filled_from_the_values():
+    spec = {"intro": "on {n}", "columns": {"x": "{x}"}, "footer": "best: {best}\n"}
+    assert report.markdown(spec, [{"x": 1}], {"n": 2, "best": "a"}).split("\n") == [
+        "on 2", "", "| x |", "|---|", "| 1 |", "", "best: a"]
+
+
+def test_the_runner_fills_a_footer_from_the_summary(tmp_path, monkeypatch):
+    (tmp_path / "toy.yaml").write_text("sizes: {default: {n: 2}}\nreport: {columns: {k: '{k}'}, footer: '{m} of {n}'}\n")
+    monkeypatch.setattr(studies, "STUDIES", tmp_path)
+    studies._read.cache_clear()
+    study = Study("toy", "A toy.", lambda run: ({"k": k} for k in range(run["n"])),
+                  summary=lambda run, rows: {"m": len(rows)})
+    assert study.main(["--out", str(tmp_path / "toy")]) == 0
+    assert (tmp_path / "toy.md").read_text().split("\n")[:6] == ["| k |", "|---|", "| 0 |", "| 1 |", "", "2 of 2"]
+    studies._read.cache_clear()

@@ -8,10 +8,8 @@ from pathlib import Path
 
 __all__ = ["CALIB", "DATA", "EVAL", "RESULTS", "ROOT", "SMOLLM2", "STORIES", "TINYSTORIES", "portable"]
 
-ROOT = Path(__file__).resolve().parents[2]
-"""The repository."""
-RESULTS = ROOT / "results"
-"""Where the studies write their results (:mod:`benchmarks.harness.runner`)."""
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+RESULTS = ROOT / "results"  # where the studies write their results
 DATA = ROOT.parent / "shared" / "data"
 STORIES = DATA / "stories260K"  # stories260K.bin + tok512.bin
 CALIB = DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"  # calibration: the train sample

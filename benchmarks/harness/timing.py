@@ -21,10 +21,8 @@ def _timed(clock: Callable[[], float], fn: Callable[[], object], n: int) -> list
     return out
 
 
-cpu_time = functools.partial(_timed, time.thread_time)
-"""``cpu_time(fn, n)``: thread-CPU seconds of each of ``n`` calls of ``fn``."""
-wall_time = functools.partial(_timed, time.perf_counter)
-"""``wall_time(fn, n)``: wall seconds of each of ``n`` calls of ``fn``."""
+cpu_time = functools.partial(_timed, time.thread_time)  # cpu_time(fn, n): thread-CPU seconds of each call
+wall_time = functools.partial(_timed, time.perf_counter)  # wall_time(fn, n): wall seconds of each call
 
 
 def cuda_time(fn: Callable[[], object], n: int) -> list[float]:

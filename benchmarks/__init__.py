@@ -1,4 +1,3 @@
-"""The benchmarks: one script per study (``python -m benchmarks.<study>``, from the repository root), each a
-:class:`~benchmarks.harness.runner.Study` on one runner (:mod:`benchmarks.harness`: options, sizes, outputs, the
-result header, timers, atomic writing), the study helpers in :mod:`benchmarks.lib` and each study's settings in
-``benchmarks/studies/*.yaml``. Not part of the installed package."""
+"""The benchmarks: one script per study (``python -m benchmarks.<study>``), each a ``Study`` on one runner
+(:mod:`benchmarks.harness`), helpers in :mod:`benchmarks.lib`, settings in ``benchmarks/studies/*.yaml``. Not part of
+the installed package."""

@@ -2,13 +2,10 @@
 correction, then fine-tuned by ``kvsplice distill --minutes M``): what the converted model keeps of its source.
 ``python -m benchmarks.convert_fit [--size smoke] [--work DIR] [--ratios 2 4] [--keep F] [--minutes 60]``.
 
-Per ratio and ``--refine`` value: ``kvsplice to-mla --model SRC --calib TEXT... --ratio N --refine-steps K``
-(``--calib`` default: the stories train sample; ``--keep F`` inserts KVSplice keeping F of the latent, ``--ratio``
-then the cache after it), then a row of :mod:`benchmarks.lib.model_quality` (perplexity on held-out stories and on
-prose never calibrated on, KL to the source, passkey and needle accuracy). The source is the first row. With
-``--minutes M`` (> 0) each conversion at the last ``--refine`` value is fine-tuned (``kvsplice distill --teacher SRC
---snapshot-minutes S...``, the source's own text) and every snapshot and the final model is a row. Folders in
-``--work`` are reused. ``--size smoke``: stories260K (llama2.c) and tiny counts.
+Per ratio and ``--refine`` value: ``kvsplice to-mla --model SRC --calib TEXT... --ratio N --refine-steps K`` (``--keep
+F``: KVSplice keeping F of the latent), then a row of :mod:`benchmarks.lib.model_quality`; the source is the first
+row. With ``--minutes M`` > 0 each conversion at the last ``--refine`` value is fine-tuned (``kvsplice distill``) and
+each snapshot and the final model is a row. ``--work``'s folders are reused; ``--size smoke``: stories260K.
 """
 
 from __future__ import annotations

@@ -4,23 +4,15 @@
     python -m benchmarks.convert_mla --seeds 1       # one source model per experiment instead of three
     python -m benchmarks.convert_mla --report-only --resume   # the report again from results/convert_mla.json
 
-Sources: the frontier study's trained ``small_mha`` and ``small_mla`` (d_latent 128) of each seed
-(``checkpoints/frontier/frontier/{mha,mla_128}-s<seed>``, 1,024,000 tokens; a missing one is trained here). For each:
-
-1. MHA → MLA at R = 8 / 16 / 32 / 64 / 128 (32× ... 2× smaller cache than MHA), weights-only and activation-aware
-   (``kvsplice to-mla``, 65,536 calibration tokens from the training text), validation loss before any
-   fine-tuning;
-2. the R = 32 conversions fine-tuned with ``training.fit --config small_mla_32 --model.init_from ...`` for 1 %, 5 %
-   and 10 % of the source's training tokens (5 / 25 / 50 steps; fresh AdamW, 10 % warmup, cosine to 10 %) at two
-   peak learning rates (:data:`FT_LRS`: the one fixed in advance, and the source's final one);
-3. KVSplice 50 % and 90 % inserted into the trained MLA-128 with PCA vs random-orthogonal init, before and after
-   50 steps (10 %) of the same fine-tune (both learning rates).
-
-References: the MHA model, and ``results/frontier.json``'s MLA-32 / KVSplice from scratch (1,024,000 tokens).
-Validation loss: the study's 48 × 8 × 256 = 98,304 tokens of the real validation text. Writes
-``results/convert_mla.{json,md,png}``; ``--resume`` keeps the rows already in the JSON (not measured again).
+Sources: the frontier study's ``small_mha`` and ``small_mla`` of each seed (``checkpoints/frontier/frontier/``,
+1,024,000 tokens; a missing one is trained here). For each: 1. MHA → MLA at R = 8 ... 128 (32× ... 2× smaller cache),
+weights-only and activation-aware (``kvsplice to-mla``, 65,536 calibration tokens of training text); 2. the R = 32
+conversions fine-tuned (``training.fit --config small_mla_32 --model.init_from ...``, fresh AdamW, 10 % warmup) for
+1 / 5 / 10 % of the source's tokens at two peak learning rates (``FT_LRS``: fixed in advance, and the source's
+final one); 3. KVSplice 50 % and 90 % inserted into MLA-128 (PCA vs random-orthogonal init), before and after 10 %.
+References: the MHA model, ``results/frontier.json``'s from-scratch rows. Validation loss: 98,304 tokens of the real
+validation text. Writes ``results/convert_mla.{json,md,png}``; ``--resume`` keeps the rows already in the JSON.
 """
-
 from __future__ import annotations
 
 from pathlib import Path

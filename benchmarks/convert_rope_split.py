@@ -2,11 +2,10 @@
 
     python -m benchmarks.convert_rope_split [--ratios 2 4 8] [--rope-dims 16 32 64]
 
-At each cache ratio the cache ``R + Dr`` is fixed (``R = 2·Hkv·D / ratio − Dr``); the RoPE key's width ``Dr`` trades
-against the latent. Calibration: the first ``--calib-tokens`` of the TinyStories train sample; selection text:
-``--windows`` × 1,024 tokens of the same train sample starting at token ``--skip`` (300k: past the calibration and
-every fine-tune's tokens, so nothing scored here is trained on), scored as protocol P (768-token prompt in the cache,
-256 scored). Writes ``results/convert_rope_split.json`` and ``.md``.
+At each ratio the cache ``R + Dr`` is fixed (``R = 2·Hkv·D / ratio − Dr``): the RoPE key's width trades against the
+latent. Calibration: the first ``--calib-tokens`` of the TinyStories train sample; selection: ``--windows`` × 1,024
+of its tokens from ``--skip`` (past every fine-tune's tokens), protocol P (768 prompt, 256 scored). Writes
+``results/convert_rope_split.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -57,21 +56,14 @@ def best(rows) -> dict:
 
 
 def summary(run, rows) -> dict:
-    return {"model": str(SMOLLM2), "selection_text": str(CALIB), "skip_tokens": run["skip"], **run.notes,
-            "best_rope_dims": best(rows)}
+    """The JSON's fields beside the rows; the report's footer (``best``) in the notes."""
+    out = {"model": str(SMOLLM2), "selection_text": str(CALIB), "skip_tokens": run["skip"], **run.notes,
+           "best_rope_dims": best(rows)}
+    run.notes["best"] = ", ".join(f"{k}x: {v}" for k, v in out["best_rope_dims"].items())
+    return out
 
 
-def markdown(run, rows) -> str:
-    n = run.notes
-    lines = [f"Selection on {n['windows']} × 1,024 tokens of the fine-tune text from token {run['skip']} "
-             f"(protocol P scoring; source ppl {n['source_ppl']:.3f})", "",
-             "| × smaller | latent R | RoPE dims | ppl (fine-tune text) | Δ |", "|---|---|---|---|---|"]
-    lines += [f"| {x['ratio_measured']:.2f} | {x['d_latent']} | {x['rope_dims']} | {x['ppl']:.3f} | "
-              f"{x['delta_pct']:+.1f} % |" for x in rows]
-    return "\n".join(lines + ["", "best RoPE dims per ratio: " + ", ".join(f"{k}x: {v}" for k, v in best(rows).items())])
-
-
-STUDY = Study("convert_rope_split", __doc__, rows, options=options, markdown=markdown, summary=summary,
+STUDY = Study("convert_rope_split", __doc__, rows, options=options, summary=summary,
               bounds={"ratios": (1, 1024), "rope_dims": (1, 1024), "calib_tokens": (512, 1 << 24),
                       "skip": (0, 1 << 30), "windows": (1, 10_000)})
 main = STUDY.main

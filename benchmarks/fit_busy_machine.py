@@ -2,10 +2,9 @@
 steps, idle and beside one CPU-bound process, for each thread setting.
 
 Run:    python -m benchmarks.fit_busy_machine [--steps 60] [--repeats 1] [--threads default 1 2]
-Writes: results/fit_busy_machine.json and .md (the load average before each run, wall seconds, the busy / idle ratio
-        per setting). ``default`` is the command as the README gives it (``training.fit`` picks its threads); a
-        number adds ``--torch_threads N``. "Beside one CPU-bound process": a child spinning ``while True: pass`` for
-        the whole run. Each run is a fresh process (start-up, data loading and the final validation included).
+Writes: results/fit_busy_machine.json and .md (load average before each run, wall seconds, busy / idle ratio).
+        ``default``: the README's command (``training.fit`` picks its threads); a number adds ``--torch_threads N``.
+        "Busy": a child spinning ``while True: pass`` for the whole run. Each run a fresh process, start-up included.
 """
 
 from __future__ import annotations
@@ -51,33 +50,20 @@ def rows(run):
                 row[f"{cond}_median_s"] = statistics.median(r["wall_s"] for r in runs)
                 run.say(f"{threads} {cond} {[r['wall_s'] for r in runs]} {runs[-1]['loadavg_before']}")
             row["busy_over_idle"] = round(row["busy_median_s"] / row["idle_median_s"], 2)
-            yield row
+            yield {**row, "picked": picked(row)}
+
+
+def picked(row: dict) -> str:
+    """The threads the default picked in the first idle and busy runs (``training.fit``'s note)."""
+    notes = [(row[cond][0]["threads_note"] or "").split(" (")[0] for cond in ("idle", "busy")]
+    return ", ".join(n.replace("note: torch threads: ", "") or "-" for n in notes)
 
 
 def summary(run, rows) -> dict:
     return {"config": CONFIG, "steps": run["steps"], "cpus": len(os.sched_getaffinity(0)), "loadavg_end": loadavg()}
 
 
-def markdown(run, rows) -> str:
-    """The table (``results/fit_busy_machine.md``)."""
-    lines = [f"# training.fit on a busy machine ({CONFIG}, {run['steps']} steps, {len(os.sched_getaffinity(0))} "
-             "CPUs)", "", "| threads | idle s | beside 1 CPU-bound process s | busy / idle | load avg (1 min) before "
-             "idle, busy | threads the default picked (idle, busy) |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        picked = [(x["threads_note"] or "").split(" (")[0].replace("note: torch threads: ", "") or "-"
-                  for x in (r["idle"][0], r["busy"][0])]
-        lines.append(f"| {r['threads']} | {r['idle_median_s']:.1f} | {r['busy_median_s']:.1f} | "
-                     f"{r['busy_over_idle']:.2f} | {r['idle'][0]['loadavg_before'][0]:.2f}, "
-                     f"{r['busy'][0]['loadavg_before'][0]:.2f} | {', '.join(picked)} |")
-    lines += ["", f"Medians of {run['repeats']} run(s) each; wall time of the whole command, start-up and the final "
-              "validation included. `default` is `python -m training.fit --config tiny_mla_kvsplice_90` as the README "
-              "gives it; a number adds `--torch_threads N`. \"Idle\" means without the spinning process this script "
-              "starts; the load average is the machine's, other users' jobs included, so figures taken on a shared "
-              "machine are noisy (compare rows taken at similar load)."]
-    return "\n".join(lines) + "\n"
-
-
-STUDY = Study("fit_busy_machine", __doc__, rows, options=options, markdown=markdown, summary=summary, threads=None,
+STUDY = Study("fit_busy_machine", __doc__, rows, options=options, summary=summary, threads=None,
               bounds={"steps": (1, 100000), "repeats": (1, 100)})
 main = STUDY.main
 

@@ -1,24 +1,17 @@
-"""The loss-vs-cache-bytes frontier: MHA, GQA, MQA, MLA at three latent sizes and KVSplice 50/70/90, and the
-DeepSeek-V3 layout's MHA / MLA / KVSplice 50/90 (``ds_*``), trained at equal tokens on real TinyStories text, several
-seeds each.
+"""The loss-vs-cache-bytes frontier: MHA, GQA, MQA, MLA at three latent sizes, KVSplice 50/70/90 and the DeepSeek-V3
+layout's variants (``ds_*``), trained at equal tokens on real TinyStories text, several seeds each.
 
     python -m benchmarks.frontier                    # the study: every variant x seeds 1 2 3 (--resume continues)
     python -m benchmarks.frontier --study ablation   # MLA options on a tuning split (seed 0), run before the study
     python -m benchmarks.frontier --plot-only --resume   # redraw the plot / table from the JSON
 
 Every run is ``python -m training.fit --config small_<variant> --seed_everything S --trainer.max_steps N`` (fp32,
-one torch thread per run, ``--jobs`` side by side; :mod:`benchmarks.lib.study`); its last checkpoint then prefills a
-validation block through the model's real decode cache: cache bytes per token (fp16, fp32). Data: the local
-TinyStories folder (``configs/small_*.yaml``: its ``*val*`` file is the validation text, the others the training
-text, a 4096-entry BPE trained on them). ``--study ablation`` trains and validates on the training files only (a
-held-out 5 % tail), so the option it picks for MLA is not tuned on the text the frontier reports.
-
-On a GPU: ``--device cuda --batch 64 --steps 2000 --jobs 9`` (the README's study, 32.8M tokens per run) writes
-``results/frontier_gpu.*``. Outputs: ``results/frontier.json`` (a row per run: variant, seed, steps, tokens,
-val_loss, measured cache bytes, params, times, the training-loss curve), ``.png`` (loss vs bytes, mean ± std per
-variant, Pareto front) and ``.md``.
+one thread per run, ``--jobs`` side by side); its last checkpoint then prefills a block through the model's real
+decode cache (bytes per token, fp16 and fp32). ``--study ablation`` trains and validates on the training files only
+(a held-out 5 % tail): the MLA option it picks is not tuned on the text the frontier reports. On a GPU: ``--device
+cuda --batch 64 --steps 2000 --jobs 9`` (32.8M tokens per run) writes ``results/frontier_gpu.*``. Outputs:
+``results/frontier.json`` (a row per run), ``.png`` (loss vs bytes, mean ± std, Pareto front) and ``.md``.
 """
-
 from __future__ import annotations
 
 import json
@@ -27,7 +20,7 @@ from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import variants
 from benchmarks.lib.seed_report import figure, markdown
-from benchmarks.lib.study import gpu, options as study_options, run_one, train_rows
+from benchmarks.lib.study import BOUNDS, gpu, options as study_options, run_one, train_rows
 
 FRONTIER = variants("frontier", "frontier")  # variant -> (config, overrides): benchmarks/studies/frontier.yaml
 ABLATION = variants("frontier", "ablation")  # MLA options, on the tuning split
@@ -35,9 +28,8 @@ SECTIONS = {"frontier": FRONTIER, "ablation": ABLATION}
 
 
 def init_kv_rms() -> dict:
-    """RMS of layer 0's queries, keys and values at initialisation for unit-RMS inputs (what ``ln_1`` gives): MLA's
-    keys/values are a product of two N(0, 0.02) maps, so they start several times smaller than MHA's unless the
-    latent is normalised."""
+    """RMS of layer 0's queries, keys and values at init for unit-RMS inputs: MLA's keys/values (a product of two
+    N(0, 0.02) maps) start several times smaller than MHA's unless the latent is normalised."""
     import torch
 
     from models.config import GPTConfig
@@ -75,9 +67,7 @@ def rows(run):
 
 STUDY = Study("frontier", __doc__, rows, options=options, markdown=markdown, figure=figure,
               out=lambda a: RESULTS / f"frontier{'' if a.study == 'frontier' else '_ablation'}{gpu(a)}",
-              summary=lambda run, rows: run.notes,
-              sizes={"default": {"steps": 500, "batch": 8, "jobs": 2, "cache_tokens": 256}},
-              bounds={"steps": (1, 10 ** 7), "batch": (1, 65536), "jobs": (1, 256), "cache_tokens": (1, 1 << 16)})
+              summary=lambda run, rows: run.notes, bounds=BOUNDS)
 main = STUDY.main
 
 if __name__ == "__main__":

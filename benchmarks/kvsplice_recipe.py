@@ -3,22 +3,17 @@
     python -m benchmarks.kvsplice_recipe --study ablation --device cuda --batch 64 --steps 2000 --jobs 8
     python -m benchmarks.kvsplice_recipe --study recipe --device cuda --batch 64 --steps 2000 --jobs 3
 
-Every variant trains the small_* shapes for ``--steps`` x ``--batch`` x 256 tokens, as the frontier study
-(``benchmarks/frontier.py``: the same options, runs and report).
+The small_* shapes, the frontier study's options, runs and report (``benchmarks/frontier.py``).
 
-* ``--study ablation`` — seed 0 on a **tuning split** (the training files only, a 5 % tail of them held out; never the
-  validation text the frontier reports): MLA-64 and KVSplice-50 from scratch as references, then KVSplice-50 with
-  the splice kept orthogonal (``kvsplice_orthogonal``), with a 10x learning rate for the splice
-  (``splice_lr_mult``), with the latent norm after the compress instead of before it (``kvsplice_norm``), and the
-  two-stage recipe ``insert``: MLA-128 for half the steps, KVSplice-50 inserted with PCA initialisation
-  (``kvsplice to-mla --kvsplice-ratio 0.5``, 65,536 calibration tokens of training text), fine-tuned for
-  the other half (fresh AdamW, 5 % warmup).
-* ``--study recipe`` — the two-stage ``insert`` recipe on the real validation text, seeds 1 2 3, next to the
-  frontier's MLA-64 and KVSplice-50 rows (``results/frontier_gpu.json``) at equal total tokens.
+* ``--study ablation`` — seed 0 on the **tuning split** (never the frontier's validation text): MLA-64 and
+  KVSplice-50 from scratch, then KVSplice-50 with an orthogonal splice, a 10x splice learning rate, the latent norm
+  after the compress, and the two-stage ``insert``: MLA-128 for half the steps, KVSplice-50 inserted with PCA
+  (``kvsplice to-mla --kvsplice-ratio 0.5``, 65,536 calibration tokens), fine-tuned the other half (5 % warmup).
+* ``--study recipe`` — ``insert`` on the real validation text, seeds 1 2 3, beside the frontier's MLA-64 and
+  KVSplice-50 (``results/frontier_gpu.json``) at equal total tokens.
 
 Writes ``results/kvsplice_recipe_<study>[_gpu].{json,md}``; ``--resume`` continues a stopped study.
 """
-
 from __future__ import annotations
 
 import threading
@@ -29,21 +24,19 @@ from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study, variants
 from benchmarks.lib.seed_report import markdown
-from benchmarks.lib.study import TRAIN_FILES, gpu, last_val, options as study_options, run_args, run_one, to_mla, \
-    train, train_rows
+from benchmarks.lib.study import (BOUNDS, TRAIN_FILES, gpu, last_val, options as study_options, run_args, run_one,
+                                  to_mla, train, train_rows)
 
 ABLATION = variants("kvsplice_recipe", "ablation")  # variant -> (config, overrides): studies/kvsplice_recipe.yaml
 RECIPE = variants("kvsplice_recipe", "recipe")
 SECTIONS = {"ablation": ABLATION, "recipe": RECIPE}
-INSERT_RATIO: dict[str, float] = load_study("kvsplice_recipe")["insert_ratio"]
-"""The two-stage recipes: the KVSplice ratio inserted (``insert90``: the same recipe at 90 %, 104 B/token; run on
-the validation text as chosen for 50 % on the tuning split, nothing re-tuned)."""
+INSERT_RATIO: dict[str, float] = load_study("kvsplice_recipe")["insert_ratio"]  # the two-stage recipes' ratios
 _STAGE1_LOCKS: defaultdict[Path, threading.Lock] = defaultdict(threading.Lock)  # one per shared MLA-128 stage
 
 
 def insert_recipe(variant: str, seed: int, args, runs_dir: Path) -> float:
-    """MLA-128 for steps/2, KVSplice inserted (PCA) at ``INSERT_RATIO[variant]``, fine-tuned steps/2 into
-    ``runs_dir/<variant>-s<seed>`` (its wall seconds returned). The MLA-128 stage is shared by every ratio of a seed."""
+    """MLA-128 for steps/2 (shared by every ratio of a seed), KVSplice inserted (PCA) at ``INSERT_RATIO[variant]``,
+    fine-tuned steps/2 into ``runs_dir/<variant>-s<seed>``; the wall seconds."""
     half = args.steps // 2
     stage1 = runs_dir / f"insert-s{seed}-mla128"
     stage_args = run_args(args, half)
@@ -59,8 +52,7 @@ def insert_recipe(variant: str, seed: int, args, runs_dir: Path) -> float:
 
 
 def run_variant(variant: str, seed: int, args, runs_dir: Path) -> dict:
-    """A from-scratch variant's row (:func:`~benchmarks.lib.study.run_one`), or a two-stage recipe's: its steps and
-    tokens both stages', its MLA-128 stage's validation loss beside."""
+    """A variant's row; a two-stage recipe's steps and tokens are both stages', its MLA-128 stage's loss beside."""
     config, extra = SECTIONS[args.study][variant]
     if variant not in INSERT_RATIO:
         return {**run_one(variant, seed, args, runs_dir, config, extra), "stage1_val_loss": None}
@@ -77,8 +69,7 @@ STUDY = Study("kvsplice_recipe", __doc__,
               lambda run: train_rows(run, SECTIONS, {"ablation": [0], "recipe": [1, 2, 3]}, run_variant),
               options=options, out=lambda a: RESULTS / f"kvsplice_recipe_{a.study}{gpu(a)}",
               markdown=lambda run, rows: markdown(run, rows, "mla_64"), summary=lambda run, rows: run.notes,
-              sizes={"default": {"steps": 500, "batch": 8, "jobs": 2, "cache_tokens": 256}},
-              bounds={"steps": (2, 10 ** 7), "batch": (1, 65536), "jobs": (1, 256), "cache_tokens": (1, 1 << 16)})
+              bounds={**BOUNDS, "steps": (2, 10 ** 7)})  # two stages of steps / 2
 main = STUDY.main
 
 if __name__ == "__main__":

@@ -1,5 +1,4 @@
-"""The header every result records: the exact command that made it, the machine and the code's revision, so that a
-results file says how to make it again and where its numbers come from."""
+"""The header every result records: the exact command that made it, the machine and the code's revision."""
 
 from __future__ import annotations
 
@@ -19,8 +18,8 @@ __all__ = ["command", "device_tag", "header", "machine", "machine_line", "revisi
 
 
 def command(script: str, argv: Optional[Sequence[str]] = None) -> str:
-    """``python -m benchmarks.<study> ARGS``: the command that ran ``script`` (its ``__file__``) with ``argv``
-    (default: this process's arguments), quoted as a shell reads it (a file outside the repository: by its path)."""
+    """``python -m benchmarks.<study> ARGS``: the command that ran ``script`` with ``argv`` (default: this process's),
+    shell-quoted (a file outside the repository: by its path)."""
     path = Path(script).resolve()
     args = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -31,8 +30,7 @@ def command(script: str, argv: Optional[Sequence[str]] = None) -> str:
 
 
 def device_tag(name: str) -> str:
-    """A file-name-safe tag for a device name: ``NVIDIA H100 80GB HBM3`` -> ``h100``, ``NVIDIA H200`` -> ``h200``;
-    other names lower-cased with every run of other characters as one ``_``."""
+    """A file-name-safe device tag: ``NVIDIA H100 80GB HBM3`` -> ``h100``; others lower-cased, ``_``-joined."""
     m = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", name.upper().replace("NVIDIA", " "))
     if m:
         return m.group(1).lower()
@@ -41,8 +39,7 @@ def device_tag(name: str) -> str:
 
 
 def machine(threads: Optional[int] = None) -> dict:
-    """The processor, core count, Python / torch versions, torch threads, CUDA device and load average (a shared
-    machine's times are noisy: ratios measured side by side are what to compare)."""
+    """The processor, cores, Python / torch versions, torch threads, CUDA device and load average."""
     out: dict = {"processor": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                  "python": platform.python_version()}
     torch = sys.modules.get("torch")

@@ -1,6 +1,5 @@
-"""The benchmarks' parser (:func:`parser`) and the options they share (``add_*``: each keeps a script's own default
-and help), on :mod:`kvsplice.io.cli`'s plumbing; :func:`command` wraps a hand-written ``main(argv)``: a bad argument
-is one ``PROG: error: ...`` line and exit status 2, Ctrl-C one ``PROG: interrupted`` line and exit 130."""
+"""The benchmarks' parser and shared options (``add_*``) on :mod:`kvsplice.io.cli`'s plumbing; :func:`command` wraps
+a hand-written ``main(argv)``: a bad argument is one ``PROG: error: ...`` line and exit 2, Ctrl-C exit 130."""
 
 from __future__ import annotations
 
@@ -14,26 +13,19 @@ from kvsplice.io import cli
 from kvsplice.io.cli import Parser, UsageError, add_device_dtype, device_dtype, pos_int, run_cli
 
 __all__ = ["Parser", "UsageError", "add_device_dtype", "add_model", "add_out",
-           "add_progress", "add_threads", "add_windows", "command", "device_dtype", "parser", "pos_int", "prog_of"]
-
-
-def prog_of(script: str) -> str:
-    """A script's program name in its error lines: its file's stem (``readme_figure``)."""
-    return Path(script).stem
+           "add_progress", "add_threads", "add_windows", "command", "device_dtype", "parser", "pos_int"]
 
 
 def parser(script: str, doc: Optional[str] = None, *, raw: bool = False, **kw: Any) -> Parser:
-    """The parser of the benchmark ``script`` (its ``__file__``), described by the first paragraph of ``doc`` (its
-    ``__doc__``); ``raw`` keeps the help's line breaks. Errors raise :class:`~kvsplice.io.cli.UsageError`."""
+    """The parser of ``script`` (its ``__file__``), described by ``doc``'s first paragraph (``raw``: lines kept)."""
     if raw:
         kw.setdefault("formatter_class", argparse.RawTextHelpFormatter)
     description = doc.strip().split("\n\n")[0] if doc else None
-    return Parser(prog=prog_of(script), description=description, **kw)
+    return Parser(prog=Path(script).stem, description=description, **kw)
 
 
 def add_threads(p: argparse.ArgumentParser, default: Optional[int] = 1, help: Optional[str] = None) -> None:
-    """``--threads`` (:func:`kvsplice.io.cli.add_threads`): torch's intra-op threads, one by default (ratios measured
-    side by side, robust to a shared machine)."""
+    """``--threads``: torch's intra-op threads, one by default (ratios side by side, robust on a shared machine)."""
     cli.add_threads(p, help=help or f"torch intra-op threads (default {default})")
     p.set_defaults(threads=default)
 
@@ -47,8 +39,7 @@ def add_out(p: argparse.ArgumentParser, default: Any = None, help: Optional[str]
 
 def add_model(p: argparse.ArgumentParser, default: Any = None, help: Optional[str] = None,
               required: bool = False) -> None:
-    """``--model`` (:func:`kvsplice.io.cli.add_model_option`): a model folder, checkpoint, GGUF file or Hub id
-    (:func:`kvsplice.loading.load_model`), ``default`` when not given."""
+    """``--model``: a model folder, checkpoint, GGUF file or Hub id (:func:`kvsplice.loading.load_model`)."""
     cli.add_model_option(p, required=required, help=help or f"the model (folder, checkpoint, GGUF file or Hub id; "
                                                             f"default {default})")
     if default is not None:
@@ -56,9 +47,8 @@ def add_model(p: argparse.ArgumentParser, default: Any = None, help: Optional[st
 
 
 def add_windows(p: argparse.ArgumentParser, windows: Optional[int] = None, *, data: bool = True) -> None:
-    """The windows of real text a continuation study scores: ``--windows`` (``windows`` by default) of ``--prompt``
-    (384) + ``--cont`` (128) tokens, and with ``data`` the text, ``--data`` (default: the stories evaluation text).
-    With ``windows`` None the three default to None: a study's settings (its YAML sizes) give them."""
+    """``--windows`` of ``--prompt`` (384) + ``--cont`` (128) tokens of ``--data`` (with ``data``; the stories
+    evaluation text); with ``windows`` None the three default to None (the study's YAML sizes give them)."""
     if data:
         p.add_argument("--data", default=str(EVAL))
     given = windows is not None
@@ -73,9 +63,8 @@ def add_progress(p: argparse.ArgumentParser) -> None:
 
 
 def command(main: Callable[..., int]) -> Callable[..., int]:
-    """``main(argv=None) -> int`` run as a command (:func:`kvsplice.io.cli.run_cli`, the program named after the
-    script's file)."""
-    prog = prog_of(main.__code__.co_filename)
+    """``main(argv=None) -> int`` run as a command named after its script (:func:`kvsplice.io.cli.run_cli`)."""
+    prog = Path(main.__code__.co_filename).stem
 
     @functools.wraps(main)
     def run(argv: Optional[Sequence[str]] = None, *rest: Any, **kw: Any) -> int:

@@ -1,6 +1,5 @@
-"""The repository, its ``results/`` folder and the reference data files the benchmarks and tests read, beside the
-checkout (``../shared/data``; never copied into the repository): TinyStories text, stories260K (llama2.c),
-SmolLM2-135M-Instruct (GGUF). Absent files make a benchmark stop with a message and a test skip with a reason."""
+"""The repository, its ``results/`` and the reference data beside the checkout (``../shared/data``, never copied in):
+TinyStories text, stories260K, SmolLM2-135M-Instruct. Absent files stop a benchmark (a message) and skip a test."""
 
 from __future__ import annotations
 
@@ -9,10 +8,8 @@ from pathlib import Path
 
 __all__ = ["CALIB", "DATA", "EVAL", "RESULTS", "ROOT", "SMOLLM2", "STORIES", "TINYSTORIES", "portable"]
 
-ROOT = Path(__file__).resolve().parents[2]
-"""The repository."""
-RESULTS = ROOT / "results"
-"""Where the studies write their results (:mod:`benchmarks.harness.runner`)."""
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+RESULTS = ROOT / "results"  # where the studies write their results
 DATA = ROOT.parent / "shared" / "data"
 STORIES = DATA / "stories260K"  # stories260K.bin + tok512.bin
 CALIB = DATA / "tinystories" / "gusjengis_toy-RNN__tinystories_sample.txt"  # calibration: the train sample
@@ -22,9 +19,8 @@ TINYSTORIES = DATA / "tinystories"  # the local TinyStories folder the small_* t
 
 
 def portable(value):
-    """``value`` (a string, or lists / dicts of them, keys included) with this machine's paths named as a reader of
-    the repository names them: ``../shared/data/...`` for the reference data, repository-relative for the rest of
-    the checkout — what a results file records (the same command runs from any clone)."""
+    """``value`` (strings, lists / dicts of them) with this machine's paths as a results file records them:
+    ``../shared/data/...`` for the reference data, repository-relative for the checkout (any clone reruns it)."""
     if isinstance(value, str):
         end = r"(?![\w.-])"  # the whole folder name: /work/main, not /work/main2
         value = re.sub(re.escape(str(DATA)) + end, "../shared/data", value)

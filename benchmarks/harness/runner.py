@@ -1,9 +1,7 @@
-"""The one study runner. A study is settings (``benchmarks/studies/<name>.yaml``: named sizes, ``default`` and
-``smoke`` among them) plus a function that yields rows; the runner owns the rest: argv (the study's options and
-``--size`` / ``--smoke``, ``--out``, ``--force``, ``--resume``, ``--threads``; one error line, exit 2), the checks
-before anything runs (sizes within :attr:`Study.bounds`, outputs new files in writable folders unless ``--force`` /
-``--resume``), the header, timers (:meth:`Run.time`), resume (:meth:`Run.previous`) and the atomic writing of
-``<stem>.json`` (after every row: a killed study resumes), ``.md`` and ``.png``. A script::
+"""The one study runner. A study is settings (``benchmarks/studies/<name>.yaml``: named sizes) plus a function
+yielding rows; the runner owns argv (``--size`` / ``--smoke``, ``--out``, ``--force``, ``--resume``, ``--threads``;
+one error line, exit 2), the checks before anything runs (bounds, outputs), the header, timers, resume and the atomic
+writing of ``<stem>.json`` (after every row), ``.md`` and ``.png``. A script::
 
     STUDY = Study("prefill_speed", __doc__, rows, options=options, bounds={"lengths": (1, 1 << 17)})
     main = STUDY.main
@@ -37,34 +35,20 @@ MAX_THREADS = 4 * (os.cpu_count() or 1)
 class Study:
     """What a benchmark script declares; :meth:`main` runs it as a command."""
 
-    name: str
-    """Its results stem (``results/<name>[_<size>].*``), settings file and program name."""
-    doc: Optional[str]
-    """The script's ``__doc__``: its help."""
-    rows: Callable[["Run"], Iterable[dict]]
-    """Yields the study's rows, one measurement each (written to the JSON as they come)."""
-    options: Optional[Callable[[Parser], None]] = None
-    """Adds the study's own options; one whose ``dest`` names a setting overrides it when given."""
-    markdown: Optional[Callable[["Run", list], str]] = None
-    """The report ``<stem>.md`` (the runner adds the line saying how it was made)."""
-    figure: Optional[Callable[["Run", list], Any]] = None
-    """A matplotlib figure for ``<stem>.png``."""
-    summary: Optional[Callable[["Run", list], dict]] = None
-    """Fields the JSON carries beside the rows (ratios, fits, ...)."""
-    bounds: dict = field(default_factory=dict)
-    """``setting -> (low, high)``: every number of the setting (or its list) within, checked before anything runs."""
-    sizes: Optional[dict] = None
-    """Named sizes (default: the ``sizes`` of ``benchmarks/studies/<name>.yaml``, or one empty ``default``)."""
-    out: Any = None
-    """The default stem (default ``results/<name>``, ``_<size>`` added), or a function of the parsed options."""
-    json: bool = True
-    """Write ``<stem>.json`` (a figure-only study: False)."""
-    threads: Optional[int] = 1
-    """``--threads``' default (None: no such option)."""
-    default_size: str = "default"
-    """The size run without ``--size`` (its results file has no ``_<size>``)."""
-    inherit: bool = True
-    """A named size overrides the default size's settings (False: each size is complete in itself)."""
+    name: str  # the results stem (results/<name>[_<size>].*), settings file and program name
+    doc: Optional[str]  # the script's __doc__: its help
+    rows: Callable[["Run"], Iterable[dict]]  # yields the rows, each written to the JSON as it comes
+    options: Optional[Callable[[Parser], None]] = None  # a dest naming a setting overrides it when given
+    markdown: Optional[Callable[["Run", list], str]] = None  # <stem>.md (default: the YAML's report:)
+    figure: Optional[Callable[["Run", list], Any]] = None  # a matplotlib figure (default: the YAML's figure:)
+    summary: Optional[Callable[["Run", list], dict]] = None  # fields the JSON carries beside the rows
+    bounds: dict = field(default_factory=dict)  # setting -> (low, high), every number of it checked first
+    sizes: Optional[dict] = None  # named sizes (default: the YAML's sizes, or one empty default)
+    out: Any = None  # the stem (default results/<name>, _<size> added), or a function of the options
+    json: bool = True  # write <stem>.json (a figure-only study: False)
+    threads: Optional[int] = 1  # --threads' default (None: no such option)
+    default_size: str = "default"  # the size run without --size (its files have no _<size>)
+    inherit: bool = True  # a named size overrides the default size's settings (False: complete in itself)
 
     def main(self, argv: Optional[Sequence[str]] = None) -> int:
         """Run the study as a command with ``argv`` (default: this process's arguments)."""
@@ -74,9 +58,9 @@ class Study:
 
     def size_table(self) -> dict:
         """:attr:`sizes`, else the ``sizes`` of the study's YAML, else one empty ``default``."""
-        if self.sizes is None and (studies.STUDIES / f"{self.name}.yaml").exists():
-            return studies.load(self.name).get("sizes") or {"default": {}}
-        return {"default": {}} if self.sizes is None else self.sizes
+        if self.sizes is None:
+            return self.spec("sizes") or {"default": {}}
+        return self.sizes
 
     def files(self, stem: Path) -> list[Path]:
         """The files a run with ``stem`` writes."""
@@ -101,12 +85,10 @@ class Run:
     header: dict
     done: list = field(default_factory=list)
     rows: list = field(default_factory=list)
-    notes: dict = field(default_factory=dict)
-    """What the rows function found that the summary and report need (calibration tokens, ...)."""
+    notes: dict = field(default_factory=dict)  # what the rows found that the summary and report need
     _lock: Any = field(default_factory=threading.Lock, repr=False)
     _write: Optional[Callable[[bool], None]] = field(default=None, repr=False)
-    failed: Optional[str] = None
-    """Set by :meth:`fail`: the study's own checks failed (everything is written, the exit status is 1)."""
+    failed: Optional[str] = None  # set by fail(): all is written, then exit status 1
 
     def emit(self, row: dict) -> None:
         """Add ``row`` now (thread-safe; the JSON rewritten), for a study whose rows come from jobs side by side."""
@@ -162,8 +144,8 @@ def _writable_folder(path: Path) -> Path:
 
 
 def check_outputs(files: Iterable[Path], force: bool, keep: Iterable[Path] = ()) -> None:
-    """Each output a file in a writable folder: not a folder, not something else than a regular file, and not
-    there already unless ``force`` (or among ``keep``: the files of a resumed run)."""
+    """Each output a regular file (or none yet) in a writable folder, not there already unless ``force`` or among
+    ``keep`` (a resumed run's)."""
     keep = set(keep)
     for path in files:
         if path.name in ("", ".", "..") or path.is_dir():
@@ -276,7 +258,7 @@ def _run(study: Study, argv: Optional[Sequence[str]]) -> int:
         write_json(True, extra)
     if study.markdown or study.spec("report"):
         text = (study.markdown(run, run.rows) if study.markdown
-                else report.markdown(study.spec("report"), run.rows, {**settings, **run.notes})).rstrip("\n")
+                else report.markdown(study.spec("report"), run.rows, {**settings, **extra, **run.notes})).rstrip("\n")
         text += f"\n\n*Made by `{head['command']}` (revision {head['revision']}; {_header.machine_line(threads)}).*\n"
         write_atomic(stem.with_name(stem.name + ".md"), lambda tmp: tmp.write_text(portable(text)))
     if study.figure or study.spec("figure"):

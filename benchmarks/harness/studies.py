@@ -1,5 +1,4 @@
-"""A study's settings, kept in ``benchmarks/studies/<study>.yaml`` beside the scripts (what a study runs is data,
-not code): read once per study by :func:`load`."""
+"""A study's settings: ``benchmarks/studies/<study>.yaml`` beside the scripts (data, not code), read once."""
 
 from __future__ import annotations
 
@@ -29,6 +28,6 @@ def load(study: str) -> dict:
 
 
 def variants(study: str, key: str) -> dict[str, tuple[str, list[str]]]:
-    """``variant -> (config, overrides)`` of a training study's ``key`` section (``{config, overrides}`` each): the
-    training config (``configs/<config>.yaml``) and the ``python -m training.fit`` options added to it."""
+    """``variant -> (config, overrides)`` of a training study's ``key`` section: ``configs/<config>.yaml`` and the
+    ``training.fit`` options added to it."""
     return {name: (v["config"], list(v["overrides"])) for name, v in load(study)[key].items()}

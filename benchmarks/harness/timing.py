@@ -1,6 +1,5 @@
-"""Median timers for the benchmarks: thread-CPU seconds (with one torch thread, robust to other processes on a shared
-machine), wall seconds (calls too short for the CPU clock) and CUDA-event milliseconds (each call started on an idle
-GPU, so that one call's time is not hidden behind another's queue)."""
+"""Median timers: thread-CPU seconds (robust on a shared machine with one torch thread), wall seconds and CUDA-event
+milliseconds (each call started on an idle GPU)."""
 
 from __future__ import annotations
 
@@ -22,10 +21,8 @@ def _timed(clock: Callable[[], float], fn: Callable[[], object], n: int) -> list
     return out
 
 
-cpu_time = functools.partial(_timed, time.thread_time)
-"""``cpu_time(fn, n)``: thread-CPU seconds of each of ``n`` calls of ``fn``."""
-wall_time = functools.partial(_timed, time.perf_counter)
-"""``wall_time(fn, n)``: wall seconds of each of ``n`` calls of ``fn``."""
+cpu_time = functools.partial(_timed, time.thread_time)  # cpu_time(fn, n): thread-CPU seconds of each call
+wall_time = functools.partial(_timed, time.perf_counter)  # wall_time(fn, n): wall seconds of each call
 
 
 def cuda_time(fn: Callable[[], object], n: int) -> list[float]:

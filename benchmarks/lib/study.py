@@ -1,7 +1,6 @@
 """A training study (``frontier.py``, ``kvsplice_recipe.py``, ``convert_mla.py``): ``training.fit`` runs as subprocesses
-(several side by side, ended with the study on Ctrl-C, SIGTERM or its death), each finished run read back into a row
-(validation loss, tokens trained, the decode cache's measured bytes per token, the training curve), the rows kept in
-a resumable JSON (a run already in it, with the same resume key, is not trained again)."""
+side by side (ended with the study), each finished run read back into a row (validation loss, tokens, the decode
+cache's measured bytes per token, the training curve); a run already in the resumed JSON is not trained again."""
 
 from __future__ import annotations
 
@@ -21,24 +20,20 @@ from typing import Callable, Iterator, Optional
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import ROOT as REPO, TINYSTORIES as DATA
 
-__all__ = ["DATA", "DATA_CACHE", "REPO", "RUN_KEY", "TRAIN_FILES", "cache_bytes", "data_args", "final_train_loss",
-           "gpu", "last_val", "options", "resume_key", "run_args", "run_jobs", "run_key", "run_module", "run_one",
-           "to_mla", "train", "train_curve", "train_rows", "trained"]
+__all__ = ["BOUNDS", "DATA", "DATA_CACHE", "REPO", "RUN_KEY", "TRAIN_FILES", "cache_bytes", "data_args",
+           "final_train_loss", "gpu", "last_val", "options", "resume_key", "run_args", "run_jobs", "run_key",
+           "run_module", "run_one", "to_mla", "train", "train_curve", "train_rows", "trained"]
 
-DATA_CACHE = REPO / ".cache" / "data"
-"""Where the studies' runs cache token shards and tokenizers (shared by every run of a study)."""
+DATA_CACHE = REPO / ".cache" / "data"  # the runs' token shards and tokenizers
 TRAIN_FILES = ("gusjengis_toy-RNN__tinystories_sample.txt", "maxme1_tiny-stories__tiny-stories.json",
-               "mines-opt-ml_decoding-gpt__tinystories_10k.txt")
-"""The training files of :data:`DATA` (its other file, ``*val*``, is the validation text the studies report)."""
-RUN_KEY = "frontier_key.json"
-"""Written into a finished run's folder: the resume key it was trained with."""
+               "mines-opt-ml_decoding-gpt__tinystories_10k.txt")  # DATA's other file (*val*) is the validation text
+RUN_KEY = "frontier_key.json"  # in a finished run's folder: the resume key it was trained with
+BOUNDS = {"steps": (1, 10 ** 7), "batch": (1, 65536), "jobs": (1, 256), "cache_tokens": (1, 1 << 16)}
 
 
-# ---------------------------------------------------------------------------------------------------- one run's results
 def last_val(metrics: Path) -> tuple[int, float, float | None, float | None]:
-    """(step, val_loss, tokens, train_time_s) of the last validation in a run's metrics.csv (``step`` counts from 0:
-    the validation after N optimizer steps is logged at step N - 1). ``tokens`` / ``train_time_s`` are those of the
-    last *logged* step (None for a run shorter than the logging interval): :func:`trained` has the run's totals."""
+    """(step, val_loss, tokens, train_time_s) of the last validation in a run's metrics.csv (``step`` from 0); the
+    last *logged* step's tokens and seconds (None: a run shorter than the logging interval; :func:`trained`: totals)."""
     rows = list(csv.DictReader(metrics.open()))
     vals = [r for r in rows if r.get("val_loss")]
     if not vals:
@@ -49,8 +44,7 @@ def last_val(metrics: Path) -> tuple[int, float, float | None, float | None]:
 
 
 def trained(ckpt: Path) -> tuple[int, float]:
-    """(tokens, train_time_s) a run trained in all, as its final checkpoint records them (``kvsplice_train_stats``:
-    every optimizer step's tokens, not only the logged steps')."""
+    """(tokens, train_time_s) a run trained in all, as its final checkpoint's ``kvsplice_train_stats`` records them."""
     from models.checkpoint import load_checkpoint
 
     stats = load_checkpoint(ckpt).get("kvsplice_train_stats") or {}
@@ -66,20 +60,17 @@ def train_curve(metrics: Path) -> list[list[float]]:
 
 
 def cache_bytes(ckpt: Path, tokens: int) -> dict:
-    """Prefill ``tokens`` random ids through the checkpoint's model and its real decode cache (fp16 and fp32)."""
+    """``tokens`` random ids through the checkpoint's model and its real decode cache, fp16 and fp32 (the package's
+    :func:`training.evaluate.measure_cache_per_token`)."""
     import torch
 
     from models.checkpoint import load_gpt_checkpoint
+    from training.evaluate import measure_cache_per_token
 
     model = load_gpt_checkpoint(ckpt)[0]
     out = {"cache_dim": model.cfg.cache_dim, "params": model.num_params(), "variant_name": model.cfg.variant}
-    ids = torch.randint(0, model.cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     for dtype, key in ((torch.float16, "cache_bytes_per_token"), (torch.float32, "cache_bytes_per_token_fp32")):
-        m = model.to(dtype)
-        cache = m.new_cache(1, capacity=tokens)
-        with torch.no_grad():
-            m(ids, cache=cache)
-        out[key] = cache.nbytes() / tokens
+        out[key] = measure_cache_per_token(model, model.cfg, tokens, dtype)["bytes_per_token"]
     return out
 
 
@@ -92,7 +83,6 @@ def final_train_loss(curve: list[list[float]], frac: float = 0.05) -> float | No
     return statistics.fmean(tail)
 
 
-# ---------------------------------------------------------------------------------------------------- runs as subprocesses
 _CHILDREN: set[subprocess.Popen] = set()
 _CHILDREN_LOCK = threading.Lock()
 
@@ -107,9 +97,9 @@ def _die_with_parent() -> None:  # runs in the child before exec (Linux): SIGTER
 
 
 def run_module(module: str, argv: list[str], threads: int) -> float:
-    """``python -m MODULE ARGV`` in the repository with ``threads`` torch threads; returns the wall seconds. The child
-    ends with the study: on Linux it gets SIGTERM when this process dies (even by SIGKILL), and :func:`run_jobs`
-    terminates it on an interrupt. A non-zero exit raises ``RuntimeError`` with the last lines of its output."""
+    """``python -m MODULE ARGV`` in the repository with ``threads`` threads; returns the wall seconds. The child ends
+    with the study (SIGTERM when this process dies, even by SIGKILL; :func:`run_jobs` on an interrupt). A non-zero
+    exit raises ``RuntimeError`` with the last lines of its output."""
     path = os.environ.get("PYTHONPATH")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO) + (os.pathsep + path if path else ""))
     t0 = time.perf_counter()
@@ -139,18 +129,15 @@ def to_mla(src: Path, out: Path, args: list[str], threads: int) -> Path:
 
 
 def train(config: str, runs_dir: Path, name: str, seed: int, steps: int, threads: int, extra: list[str]) -> float:
-    """One ``training.fit`` run of ``steps`` optimizer steps into ``runs_dir/name`` (replacing an earlier one), one
-    validation at the end, W&B off; returns the wall seconds."""
+    """One ``training.fit`` run of ``steps`` steps into ``runs_dir/name`` (replaced), validated at the end; wall s."""
     return run_module("training.fit", ["--config", config, "--runs_dir", str(runs_dir), "--run_name", name,
                                        "--overwrite", "--seed_everything", str(seed), "--torch_threads", str(threads),
                                        "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps),
                                        "--wandb.mode", "disabled", *extra], threads)
 
 
-# ---------------------------------------------------------------------------------------------------- the resumable study
 def resume_key(row: dict) -> tuple:
-    """What makes two runs the same: variant, seed, optimizer steps, batch and device (rows written before batch /
-    device were recorded are the CPU study's: batch 8, CPU)."""
+    """What makes two runs the same: variant, seed, steps, batch and device (older rows: batch 8, CPU)."""
     return row["variant"], row["seed"], row["steps"], row.get("batch", 8), row.get("device", "cpu")
 
 
@@ -160,8 +147,7 @@ def run_key(variant: str, seed: int, args) -> tuple:
 
 
 def run_args(args, steps: int | None = None) -> list[str]:
-    """The ``training.fit`` options every run of this study shares: data, batch, device (an epoch = the run's
-    ``steps``, default ``args.steps``)."""
+    """The ``training.fit`` options every run shares: data, batch, device (an epoch = ``steps``, or ``args.steps``)."""
     out = [*args.data_args, "--data.batch_size", str(args.batch), "--data.train_batches_per_epoch",
            str(steps or args.steps)]
     if args.device == "cuda":
@@ -170,9 +156,8 @@ def run_args(args, steps: int | None = None) -> list[str]:
 
 
 def data_args(data: Path, runs_dir: Path, *, tuning: bool, cache: Path = DATA_CACHE) -> list[str]:
-    """``training.fit``'s data options for a study: ``data`` itself, or with ``tuning`` a folder of links to its
-    training files only (the data module holds out a 5 % tail of them for validation: a tuning split that never
-    sees the validation text the studies report); the token shards and tokenizer are cached in ``cache``."""
+    """``training.fit``'s data options: ``data``, or with ``tuning`` a folder of links to its training files only (a
+    5 % tail of them validates: the tuning split never sees the reported validation text); shards go to ``cache``."""
     cached = ["--data.cache_dir", str(cache)]
     if not tuning:
         return ["--data.path", str(data), *cached]
@@ -186,8 +171,8 @@ def data_args(data: Path, runs_dir: Path, *, tuning: bool, cache: Path = DATA_CA
 
 def run_one(variant: str, seed: int, args, runs_dir: Path, config: str, extra: list[str],
             train_it: Optional[Callable[[], float]] = None) -> dict:
-    """The row of run ``runs_dir/<variant>-s<seed>``: trained by ``train_it()`` (default: ``training.fit --config
-    config`` with ``extra``) unless a finished run of the same resume key is there."""
+    """The row of run ``runs_dir/<variant>-s<seed>``, trained by ``train_it()`` (default: :func:`train` of ``config``
+    with ``extra``) unless a finished run of the same resume key is there."""
     run = runs_dir / f"{variant}-s{seed}"
     key = list(run_key(variant, seed, args))
     try:  # trained before the results were written, with the same resume key
@@ -217,9 +202,8 @@ def _row(variant: str, config: str, extra: list[str], seed: int, run: Path, args
 
 
 def run_jobs(todo: list, job: Callable, jobs: int, say: Callable[[str], None]) -> list | None:
-    """``job(item)`` for every ``(variant, seed)`` item, ``jobs`` side by side; a failed run is reported and the
-    others go on. Ctrl-C or SIGTERM cancels what has not started and ends the running ``training.fit`` children.
-    Returns the failed items, or None when interrupted."""
+    """``job(item)`` for every ``(variant, seed)``, ``jobs`` side by side (a failure reported, the others go on);
+    Ctrl-C or SIGTERM cancels the rest and ends the children. Returns the failed items, None when interrupted."""
     def stop(signum, frame):  # SIGTERM: end the children, then leave like Ctrl-C
         raise KeyboardInterrupt
 
@@ -259,8 +243,7 @@ def gpu(args) -> str:
 
 
 def options(p, studies: tuple[str, ...], seeds: str, report: str = "--report-only") -> None:
-    """A training study's options: which study (``studies[0]`` by default), seeds (``seeds`` says the defaults) and
-    variants, the runs' size, where the data and runs go, and ``report``: no training, the report of the JSON."""
+    """A training study's options: which study, seeds, variants, the runs' size, where data and runs go, ``report``."""
     p.add_argument("--study", choices=studies, default=studies[0])
     p.add_argument("--seeds", type=int, nargs="+", help=f"default: {seeds}")
     p.add_argument("--variants", nargs="+", help="a subset of the study's variants")
@@ -278,9 +261,8 @@ def options(p, studies: tuple[str, ...], seeds: str, report: str = "--report-onl
 
 
 def train_rows(run, sections: dict, seeds: dict, one: Callable[..., dict]) -> Iterator[dict]:
-    """A training study's rows: the resumed ones, then ``one(variant, seed, args, runs_dir)`` for each run of the
-    ``--study`` section (``sections[study]``: variant -> (config, overrides); seeds ``seeds[study]``) not among
-    them, ``--jobs`` side by side, each written as it ends. A failed run fails the study; ``--resume`` retries it."""
+    """The resumed rows, then ``one(variant, seed, args, runs_dir)`` for each other run of ``sections[--study]``
+    (seeds ``seeds[study]``), ``--jobs`` side by side. A failed run fails the study; ``--resume`` retries it."""
     a = run.args
     a.steps, a.batch, a.jobs, a.cache_tokens = run["steps"], run["batch"], run["jobs"], run["cache_tokens"]
     section, train_now = sections[a.study], not a.report_only

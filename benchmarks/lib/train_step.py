@@ -1,7 +1,5 @@
 """What the training-speed studies (``train_tiny_all.py``, ``fit_busy_machine.py``) measure: a ``training.fit`` run
-as a user starts it, timed (wall seconds, the load average before); the unigram entropy of a config's training
-tokens (the loss of the best context-free predictor); each config's training step timed round-robin with the others
-(a change in machine load hits all of them alike)."""
+as a user starts it, timed; a config's unigram entropy; each config's training step timed round-robin."""
 
 from __future__ import annotations
 
@@ -31,9 +29,8 @@ def fit_command(config: str, *args: str) -> list[str]:
 
 
 def timed_fit(cmd: list[str], busy: bool = False) -> dict:
-    """One run of ``cmd`` in the repository: wall seconds, the load average before it and the ``note: torch threads``
-    line it printed; with ``busy`` a spinning child (``while True: pass``) runs from before its start to after its
-    end. A failed run raises ``ValueError`` with its last line."""
+    """One run of ``cmd`` in the repository: wall seconds, the load average before and its ``note: torch threads``
+    line; with ``busy`` beside a spinning child (``while True: pass``). A failure raises ``ValueError``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:

@@ -94,3 +94,20 @@ def test_smollm2_speed_report_reads_its_committed_rows(result):
     assert text.split("\n")[0] == "# SmolLM2-135M-Instruct: decode speed of compressed caches"
     assert text.count("\n| ") == len(rows) + 1
     assert f"**{rows[0]['decode_vs_full']:.2f}**" in text
+
+
+def test_the_footer_follows_the_tables_filled_from_the_values():
+    spec = {"intro": "on {n}", "columns": {"x": "{x}"}, "footer": "best: {best}\n"}
+    assert report.markdown(spec, [{"x": 1}], {"n": 2, "best": "a"}).split("\n") == [
+        "on 2", "", "| x |", "|---|", "| 1 |", "", "best: a"]
+
+
+def test_the_runner_fills_a_footer_from_the_summary(tmp_path, monkeypatch):
+    (tmp_path / "toy.yaml").write_text("sizes: {default: {n: 2}}\nreport: {columns: {k: '{k}'}, footer: '{m} of {n}'}\n")
+    monkeypatch.setattr(studies, "STUDIES", tmp_path)
+    studies._read.cache_clear()
+    study = Study("toy", "A toy.", lambda run: ({"k": k} for k in range(run["n"])),
+                  summary=lambda run, rows: {"m": len(rows)})
+    assert study.main(["--out", str(tmp_path / "toy")]) == 0
+    assert (tmp_path / "toy.md").read_text().split("\n")[:6] == ["| k |", "|---|", "| 0 |", "| 1 |", "", "2 of 2"]
+    studies._read.cache_clear()

@@ -19,4 +19,6 @@ def test_a_run_shorter_than_the_log_interval_is_reported(tmp_path, data_cache, o
     (row,) = data["rows"]
     assert row["config"] == "tiny_gpt2" and row["steps"] == 3 and row["tokens"] > 0
     assert math.isclose(row["val_ppl"], math.exp(row["val_loss"])) and row["interleaved_step_ms"] > 0
-    assert data["unigram_entropy"] > 0 and "| tiny_gpt2 | 3 |" in (tmp_path / "t.md").read_text()
+    md = (tmp_path / "t.md").read_text()
+    assert data["unigram_entropy"] > 0 and "| tiny_gpt2 | 3 |" in md and "| 1.00x |" in md
+    assert "Unigram entropy of the training tokens:" in md and "torch threads: 1" in md

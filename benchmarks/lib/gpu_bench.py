@@ -40,7 +40,6 @@ def peak_flops() -> float | None:
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
-# ---------------------------------------------------------------------------------------------------- sdpa
 def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> list[dict]:
     """Median ms of one decode-shaped SDPA call per kernel choice (a row per key length, a column per choice), the key
     length growing by one per call. A named kernel is put first in SDPA's priority (the others stay enabled as
@@ -74,12 +73,6 @@ def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> list[dict]:
         rows.append(row)
         del q, kv
     return rows
-
-
-# ---------------------------------------------------------------------------------------------------- train
-def train_flops_per_token(model: torch.nn.Module, n_layer: int, d_model: int, t: int) -> float:
-    n = sum(p.numel() for p in model.parameters())
-    return 6 * n + 12 * n_layer * d_model * t
 
 
 def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, quick: bool,
@@ -131,10 +124,9 @@ def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, qui
             step()
         torch.cuda.synchronize()
         key = f"{label} | {'compiled' if compiled else 'eager'} | {opt_impl} AdamW"
-        n_layer = getattr(model, "cfg", None).n_layer if hasattr(model, "cfg") else len(model.h)
-        d_model = model.lm_head.weight.shape[1]
-        state[key] = dict(step=step, times=[], warmup_s=time.perf_counter() - t0,
-                          flops=train_flops_per_token(model, n_layer, d_model, t) * batch * t)
+        n_layer = model.cfg.n_layer if hasattr(model, "cfg") else len(model.h)
+        per_token = 6 * sum(p.numel() for p in model.parameters()) + 12 * n_layer * model.lm_head.weight.shape[1] * t
+        state[key] = dict(step=step, times=[], warmup_s=time.perf_counter() - t0, flops=per_token * batch * t)
     for r in range(rounds):  # interleaved: every case sees the same stretches of clock / thermal state
         keys = list(state)
         for key in keys[r % len(keys):] + keys[: r % len(keys)]:
@@ -157,7 +149,6 @@ def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, qui
     return rows
 
 
-# ---------------------------------------------------------------------------------------------------- decode
 def _hf_model(max_ctx: int, dtype):
     from transformers import GPT2Config, GPT2LMHeadModel
 

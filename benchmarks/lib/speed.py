@@ -51,11 +51,6 @@ def peak_rss(interval: float = 0.002) -> Iterator[dict]:
         got["grown"] = got["peak"] - got["start"]
 
 
-def _clocks() -> tuple[float, float]:
-    """(thread-CPU, wall) seconds now."""
-    return time.thread_time(), time.perf_counter()
-
-
 def prefill_and_steps(model, door: str, method, ids: torch.Tensor, capacity: int):
     """``(prefill, step, cache)`` of ``method`` (a bound-able method, or ``None`` for the full cache) in ``door``:
     ``prefill()`` and ``step(ids)`` return the last position's logits ``(B, 1, V)``."""
@@ -94,16 +89,16 @@ def measure(model, door: str, methods: Sequence[tuple[str, Any]], ids: torch.Ten
             method = method(ids)
         prefill, step, cache = prefill_and_steps(model, door, method, ids, capacity)
         with peak_rss() as mem:
-            c0, w0 = _clocks()
+            c0, w0 = time.thread_time(), time.perf_counter()
             logits = prefill()
-            c1, w1 = _clocks()
+            c1, w1 = time.thread_time(), time.perf_counter()
         runs.append(dict(label=label, step=step, cache=cache, prefill_cpu=c1 - c0, prefill_wall=w1 - w0, mem=mem,
                          next_ids=logits[:, -1:].argmax(-1), cpu=[], wall=[]))
     for r in range(warmup + rounds):
         for run in runs:
-            c0, w0 = _clocks()
+            c0, w0 = time.thread_time(), time.perf_counter()
             logits = run["step"](run["next_ids"])
-            c1, w1 = _clocks()
+            c1, w1 = time.thread_time(), time.perf_counter()
             run["next_ids"] = logits[:, -1:].argmax(-1)
             if r >= warmup:
                 run["cpu"].append(c1 - c0)
@@ -163,7 +158,4 @@ def _scored(method, model, ids: torch.Tensor, scores: str):
 def prompt_ids(tok, path: str, t: int, b: int) -> torch.Tensor:
     """``(b, t)`` token ids: consecutive ``t``-token slices of the text."""
     ids = tok.encode(Path(path).read_text())
-    need = t * b
-    while len(ids) < need:
-        ids = ids + ids
-    return torch.tensor(ids[:need]).view(b, t)
+    return torch.tensor((ids * -(-t * b // len(ids)))[: t * b]).view(b, t)  # the text repeated as needed

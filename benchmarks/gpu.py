@@ -3,7 +3,7 @@ CUDA events; medians of interleaved rounds):
 
     python -m benchmarks.gpu                       # everything; results/gpu_<device>.json and .md
     python -m benchmarks.gpu --sections decode --batch 8 --ctx 1024 4096
-    python -m benchmarks.gpu --quick               # tiny shapes, a smoke run (seconds): gpu_<device>_smoke
+    python -m benchmarks.gpu --smoke               # tiny shapes, a smoke run (seconds): gpu_<device>_smoke
 
 ``sdpa``: one decode-shaped SDPA call (batch 8, 12 heads of 64, the key length growing by one per call) per kernel
 choice: torch's default, each kernel first in SDPA's priority, the package's order. ``train``: one step of the 124M
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import platform
 
-from benchmarks.harness.header import version
+from benchmarks.harness.header import device_tag, version
 from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
 
@@ -34,15 +34,12 @@ def options(p) -> None:
     p.add_argument("--train-steps", dest="train_steps", type=int, help="timed training steps per case and round")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile training cases")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' GPT-2 in the decode section")
-    p.add_argument("--quick", dest="size", action="store_const", const="smoke", default="default",
-                   help="the smoke size (as --smoke)")
 
 
 def out_stem(args):
     """``results/gpu_<device>``: the device's family names the file (CUDA is checked first)."""
     import torch
 
-    from benchmarks.harness.header import device_tag
     from benchmarks.lib.gpu_bench import need_cuda
 
     need_cuda()

@@ -1,7 +1,7 @@
 """The sections of ``benchmarks/serving.py`` (``gpu_check`` runs each in its own process), each a generator of rows:
-serving capacity at a KV budget with its bytes and compute floors, the attention call alone (SDPA against the
-split-KV kernel, :mod:`models.kernels`; the formulations of latent attention), the CUDA-graph decode step and a
-profiled eager step; 124M presets, random weights. A case that fails is a row with its error: the cases after it still run."""
+serving capacity at a KV budget with its bytes and compute floors, the attention call alone (SDPA against the split-KV
+kernel, :mod:`models.kernels`; the formulations of latent attention), the CUDA-graph decode step and a profiled eager
+step; 124M presets, random weights. A case that fails is a row with its error: the cases after it still run."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import statistics
 from typing import Callable, Iterator, Optional
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.harness.timing import cuda_time, median_of, wall_time
 from kvsplice.report.decode_timing import time_steps
@@ -268,8 +270,8 @@ def profile_rows(events, variant: str, batch: int, n_ctx: int, top: int, cuda: b
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
 
     def t(e) -> float:
-        return float(getattr(e, key, 0) or getattr(e, "self_cuda_time_total", 0) or 0) if cuda else \
-            float(e.self_cpu_time_total)
+        got = (getattr(e, key, 0) or getattr(e, "self_cuda_time_total", 0) or 0) if cuda else e.self_cpu_time_total
+        return float(got)
 
     evs = [e for e in events if t(e) > 0]
     total = sum(t(e) for e in evs) or 1.0
@@ -310,9 +312,6 @@ def formulations(q: torch.Tensor, s: torch.Tensor, scale: float, splits: int = 1
     """``name -> call`` of the absorbed-MLA attention ``softmax(q s^T * scale) s`` over the one shared latent head:
     ``q (B, 1, H, r)`` query rows (the heads folded in) over ``s (B, 1, T, r)`` — SDPA's default, three ops, each
     fused SDPA kernel on the latent zero-padded to a multiple of 8, and a split over the keys."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     b, _, t, r = s.shape
     dt = q.dtype
 

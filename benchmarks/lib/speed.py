@@ -36,9 +36,8 @@ def peak_rss(interval: float = 0.002) -> Iterator[dict]:
     stop = threading.Event()
 
     def sample() -> None:
-        while not stop.is_set():
+        while not stop.wait(interval):
             got["peak"] = max(got["peak"], rss())
-            time.sleep(interval)
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
@@ -126,16 +125,13 @@ def method_factories(args, model, tok, picks: dict):
 
     out = []
     for name in args.methods:
+        plan_path, spec = {"pick4x": args.plan4, "pick8x": args.plan8}.get(name), picks.get(name, name)
         if name == "full":
             out.append(("full", None))
-            continue
-        plan_path = {"pick4x": args.plan4, "pick8x": args.plan8}.get(name)
-        if plan_path:
+        elif plan_path:
             plan = Plan.load(plan_path, model)
             out.append((name, lambda ids, plan=plan: plan.method(ids.shape[1], prompt_ids=ids, tokenizer=tok)))
-            continue
-        spec = picks.get(name, name)
-        if needs_prompt(spec) or spec.startswith("select:"):
+        elif needs_prompt(spec) or spec.startswith("select:"):
             out.append((name, lambda ids, spec=spec: _scored(build_method(spec, prompt_len=ids.shape[1],
                                                                           prompt_ids=ids, tokenizer=tok),
                                                              model, ids, args.pick_scores)))

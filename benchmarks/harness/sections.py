@@ -159,10 +159,8 @@ def run_process(cmd: list[str], timeout_s: float, env: dict, tail_lines: int = 4
                             errors="replace", start_new_session=True)
 
     def pump():
-        assert proc.stdout is not None
         for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
+            print(line, end="", flush=True)
             tail.append(line.rstrip("\n"))
 
     reader = threading.Thread(target=pump, daemon=True)
@@ -181,16 +179,15 @@ def run_process(cmd: list[str], timeout_s: float, env: dict, tail_lines: int = 4
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+    for sig in (signal.SIGTERM, signal.SIGKILL):  # each given 5 s to end the group
         try:
             os.killpg(proc.pid, sig)
+            proc.wait(timeout=5)
+            return
         except ProcessLookupError:
             return
-        try:
-            proc.wait(timeout=wait)
-            return
         except subprocess.TimeoutExpired:
-            continue
+            pass
 
 
 class Terminated(SystemExit):

@@ -1,15 +1,12 @@
-"""Where a compressed cache's decode step spends its time, beside the full cache's → ``results/decode_profile.{json,md}``.
+"""Where a compressed cache's decode step spends its time, beside the full cache's → ``results/decode_profile.*``.
 
     python -m benchmarks.decode_profile                       # SmolLM2 shapes at 2k, one thread, + the model's step
     python -m benchmarks.decode_profile --contexts 2048 8192 --no-model
     python -m benchmarks.decode_profile --compile             # + torch.compile of the fused formulation (~30 s more)
 
-Two views, one torch thread, medians: **one layer's attention** (SmolLM2-135M's shapes, batch 1) — SDPA over fp32
-keys and values against :func:`kvsplice.core.coded.coded_attend` over a real KIVI-4 cache (group 32, residual 128)
-and its parts (the pass converting the codes, the two products) at fp32 and bf16; with ``--compile`` a fused
-dequantise-and-reduce formulation by ``torch.compile`` (no float copy of the codes). **One decode step of the
-model** (``--model``, the Decoder door): torch.profiler's self-CPU time for the full cache and ``kivi4``, summed
-into matrix products, SDPA, conversions / copies and the rest.
+Two views, one torch thread, medians: one layer's attention (SmolLM2-135M's shapes): SDPA over fp32 K, V against
+:func:`kvsplice.core.coded.coded_attend` over a real KIVI-4 cache and its parts at fp32 / bf16 (``--compile``: fused
+by torch.compile); one decode step of the model (Decoder door): torch.profiler's self-CPU ms by op group.
 """
 
 from __future__ import annotations
@@ -20,7 +17,46 @@ import torch.nn.functional as F
 from benchmarks.harness.options import add_model
 from benchmarks.harness.paths import SMOLLM2
 from benchmarks.harness.runner import Study
-from benchmarks.lib.kivi_profile import D, HKV, HQ, kivi_layer, median_us, scores_fused, weighted_fused
+from benchmarks.harness.timing import median_of, wall_time
+from models.quant import unpack_codes
+
+HQ, HKV, D = 9, 3, 64  # SmolLM2-135M's attention
+
+
+def median_us(fn, reps: int = 40, warmup: int = 5) -> float:
+    return 1e6 * median_of(wall_time, fn, reps, warmup)
+
+
+def kivi_layer(n: int, seed: int = 0):
+    """A one-layer KIVI-4 cache (group 32, residual 128) holding ``n`` random post-RoPE tokens, its keys and values,
+    and a decode query ``(1, Hq, 1, D)``."""
+    from kvsplice.quant.cache import KIVICache
+
+    g = torch.Generator().manual_seed(seed)
+    cache = KIVICache(1, HKV, D, 1, bits=4, group=32, residual=128, capacity=n + 8)
+    k, v = torch.randn(1, HKV, n, D, generator=g), torch.randn(1, HKV, n, D, generator=g)
+    cache.append(0, k, v)
+    return cache, k, v, torch.randn(1, HQ, 1, D, generator=g)
+
+
+def scores_fused(qs, codes, s, m):
+    """KIVI keys dequantised and reduced in one expression (what torch.compile fuses: no float copy of the codes):
+    ``qs (B, Hkv, g, D)``, packed ``codes (B, Hkv, n, D/2)``, per-channel ``s, m (B, Hkv, n/G, D)`` →
+    ``(B, Hkv, g, n)``."""
+    b, h, r, d = qs.shape
+    x = unpack_codes(codes, 4).float()  # (B, Hkv, n, D)
+    x = x.view(b, h, s.shape[2], -1, d) * s.float()[:, :, :, None] + m.float()[:, :, :, None]  # (B,Hkv,n/G,G,D)
+    return (qs[:, :, :, None, :] * x.view(b, h, 1, -1, d)).sum(-1)
+
+
+def weighted_fused(p, codes, s, m):
+    """KIVI values, the same way: ``p (B, Hkv, g, n)``, packed ``codes (B, Hkv, n, D/2)``, per-token
+    ``s, m (B, Hkv, n, D/G)`` → ``(B, Hkv, g, D)``."""
+    x = unpack_codes(codes, 4).float()  # (B, Hkv, n, D)
+    b, h, n, d = x.shape
+    x = (x.view(b, h, n, s.shape[-1], -1) * s.float()[..., None] + m.float()[..., None]).view(b, h, 1, n, d)
+    return (p[..., None] * x).sum(-2)
+
 
 @torch.no_grad()
 def layer_rows(n: int, compile_: bool) -> list[dict]:
@@ -45,14 +81,13 @@ def layer_rows(n: int, compile_: bool) -> list[dict]:
             x.view(1, HKV, -1, 32, D) @ w.transpose(-1, -2))
     rows = [{"context": n, "op": name, "us": median_us(fn)} for name, fn in calls.items()]
     if compile_:  # compiled after the other timings (its warm-up compiles)
-        cs = torch.compile(scores_fused, dynamic=False)
-        cw = torch.compile(weighted_fused, dynamic=False)
-        cs(rows_q, keys.data, keys.scale, keys.mn)
-        cw(p, vals.data, vals.scale, vals.mn)
-        rows += [{"context": n, "op": "kivi4 keys, fused by torch.compile",
-                  "us": median_us(lambda: cs(rows_q, keys.data, keys.scale, keys.mn))},
-                 {"context": n, "op": "kivi4 values, fused by torch.compile",
-                  "us": median_us(lambda: cw(p, vals.data, vals.scale, vals.mn))}]
+        fused = {"keys": (scores_fused, (rows_q, keys.data, keys.scale, keys.mn)),
+                 "values": (weighted_fused, (p, vals.data, vals.scale, vals.mn))}
+        for name, (fn, args) in fused.items():
+            c = torch.compile(fn, dynamic=False)
+            c(*args)
+            us = median_us(lambda: c(*args))
+            rows.append({"context": n, "op": f"kivi4 {name}, fused by torch.compile", "us": us})
     return rows
 
 
@@ -64,8 +99,7 @@ GROUPS = (("matrix products (aten::mm / bmm / linear)", ("aten::mm", "aten::bmm"
 
 @torch.no_grad()
 def step_rows(model, n: int, spec: str = "kivi4") -> list[dict]:
-    """Self-CPU ms per decode step of ``model`` at ``n`` tokens by op group: the full cache and ``spec`` in the
-    Decoder door."""
+    """Self-CPU ms per decode step of ``model`` at ``n`` tokens by op group: the full cache and ``spec`` (Decoder)."""
     from torch.profiler import ProfilerActivity, profile
 
     from kvsplice.core.build import build_method
@@ -82,8 +116,7 @@ def step_rows(model, n: int, spec: str = "kivi4") -> list[dict]:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 nxt = step(nxt)[:, -1:].argmax(-1)
-        tot = {g: 0.0 for g, _ in GROUPS}
-        tot["everything else"] = 0.0
+        tot = dict.fromkeys([g for g, _ in GROUPS] + ["everything else"], 0.0)
         for e in prof.key_averages():
             g = next((g for g, ops in GROUPS if e.key in ops), "everything else")
             tot[g] += e.self_cpu_time_total / 1e3 / steps
@@ -99,11 +132,9 @@ def options(p) -> None:
 
 
 def rows(run):
-    model = None
-    if not run.args.no_model:
-        from kvsplice.loading import load_model
+    from kvsplice.loading import load_model
 
-        model = load_model(run.args.model, dtype=torch.float32).model
+    model = None if run.args.no_model else load_model(run.args.model, dtype=torch.float32).model
     for n in run["contexts"]:
         for r in layer_rows(n, run.args.compile):
             run.say(f"T={n} {r['op']}: {r['us']:.0f} µs")

@@ -3,23 +3,21 @@ CUDA events; medians of interleaved rounds):
 
     python -m benchmarks.gpu                       # everything; results/gpu_<device>.json and .md
     python -m benchmarks.gpu --sections decode --batch 8 --ctx 1024 4096
-    python -m benchmarks.gpu --quick               # tiny shapes, a smoke run (seconds): gpu_<device>_smoke
+    python -m benchmarks.gpu --smoke               # tiny shapes, a smoke run (seconds): gpu_<device>_smoke
 
-* ``sdpa`` — one decode-shaped SDPA call (batch 8, 12 heads, head dim 64), the key length growing by one per call:
-  torch's default kernel choice, each kernel first in SDPA's priority, and the package's order.
-* ``train`` — one step (fused AdamW, clip 1.0; ours MHA also foreach) of the 124M models, batch 16 x 1024: the
-  nanoGPT-style reference (:mod:`benchmarks.lib.reference_gpt`) and ours (MHA / MLA / KVSplice-90), eager and
-  compiled; MFU = (6·params + 12·L·d·T) · tokens / time / the device's peak.
-* ``decode`` — one token per sequence at a fixed context, random 124M weights: ours eager and ``+graph`` (the
-  split-KV kernel with triton), transformers' GPT-2 with DynamicCache / StaticCache; each against its bytes floor.
-* ``flash4`` — FlashAttention-4 (``flash_attn.cute``) against SDPA on training-shaped calls, else the reason.
+``sdpa``: one decode-shaped SDPA call (batch 8, 12 heads of 64, the key length growing by one per call) per kernel
+choice: torch's default, each kernel first in SDPA's priority, the package's order. ``train``: one step of the 124M
+models (batch 16 x 1024, fused AdamW, clip 1.0), the nanoGPT-style reference (:mod:`benchmarks.lib.reference_gpt`)
+and ours (MHA / MLA / KVSplice-90), eager and compiled; MFU = (6·params + 12·L·d·T) · tokens / time / peak.
+``decode``: one token per sequence, random 124M weights: ours eager and ``+graph`` (the split-KV kernel), transformers'
+GPT-2 with DynamicCache / StaticCache, each against its bytes floor. ``flash4``: FlashAttention-4 against SDPA.
 """
 
 from __future__ import annotations
 
 import platform
 
-from benchmarks.harness.header import version
+from benchmarks.harness.header import device_tag, version
 from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
 
@@ -36,15 +34,12 @@ def options(p) -> None:
     p.add_argument("--train-steps", dest="train_steps", type=int, help="timed training steps per case and round")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile training cases")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' GPT-2 in the decode section")
-    p.add_argument("--quick", dest="size", action="store_const", const="smoke", default="default",
-                   help="the smoke size (as --smoke)")
 
 
 def out_stem(args):
     """``results/gpu_<device>``: the device's family names the file (CUDA is checked first)."""
     import torch
 
-    from benchmarks.harness.header import device_tag
     from benchmarks.lib.gpu_bench import need_cuda
 
     need_cuda()

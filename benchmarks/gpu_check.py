@@ -8,11 +8,10 @@ step and FlashAttention-4.
     python -m benchmarks.gpu_check --smoke --out-dir /tmp/g  # tiny sizes on CPU (or GPU): proves the script runs
 
 Sections (``studies/gpu_check.yaml``): ``tests`` (``pytest -m gpu`` on the files with CUDA tests), then ``serving``'s
-and ``gpu``'s sections at their ``check`` size, each study's command in its own process: a hang is cut off at the
-section's limit, a CUDA error cannot spoil the next, a section whose estimate no longer fits ``--budget-s`` is
-skipped with the reason. Rows: each section's status (``pending``, ``running``, then its end; the last counts) and
-its measurements. ``--resume`` keeps an earlier run's sections this run does not redo. No jsonargparse, wandb,
-datasets.
+and ``gpu``'s sections at their ``check`` size, each in its own process: a hang is cut off at the section's limit, a
+CUDA error cannot spoil the next, a section whose estimate no longer fits ``--budget-s`` is skipped with the reason.
+Rows: each section's status (the last counts) and measurements; ``--resume`` keeps the sections this run does not
+redo. No jsonargparse, wandb, datasets.
 """
 
 from __future__ import annotations

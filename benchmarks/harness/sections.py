@@ -1,9 +1,11 @@
-"""Sections of a study, each in its own process under a time budget (``benchmarks/gpu_check.py``): the plan (which
-sections fit the budget, each stopped at its own limit), a section run as a study's command (or pytest) in a process
-group ended at the limit, on Ctrl-C or SIGTERM, its rows and status rows."""
+"""Sections of a study, each a study's command (or pytest) in its own process group under a time budget
+(``benchmarks/gpu_check.py``): the plan, and a section run, ended at its limit, on Ctrl-C or SIGTERM. Also a pytest
+plugin (``pytest -p benchmarks.harness.sections``): each test's start and outcome appended to $GPU_CHECK_TESTLOG as
+it comes, so a run stopped at its limit still has its counts and names the test that hung."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -17,13 +19,13 @@ from typing import Iterator, Optional
 
 from benchmarks.harness.paths import ROOT
 
-__all__ = ["Terminated", "by_section", "child_rows", "decide", "on_sigterm", "plan", "print_plan", "run_process",
-           "run_section"]
+__all__ = ["Terminated", "by_section", "child_rows", "cuda_test_split", "decide", "gpu_test_command", "on_sigterm",
+           "plan", "print_plan", "read_testlog", "run_process", "run_section"]
 
 
 def decide(estimate_s: float, limit_s: float, remaining_s: float) -> tuple[bool, float, Optional[str]]:
-    """``(run, timeout_s, skip reason)``: a section runs when its estimate fits what is left of the global budget,
-    and is stopped at its own limit or the end of the budget, whichever comes first."""
+    """``(run, timeout_s, skip reason)``: a section runs when its estimate fits what is left of the budget, and is
+    stopped at its own limit or the budget's end, whichever comes first."""
     if remaining_s < estimate_s:
         return False, 0.0, f"{remaining_s:.0f} s of the budget left, the section's estimate is {estimate_s:.0f} s"
     return True, min(limit_s, remaining_s), None
@@ -58,8 +60,8 @@ def print_plan(prog: str, rows: list[dict], budget_s: float, startup_s: float, s
 
 
 def by_section(rows: list[dict], names: list[str]) -> dict[str, dict]:
-    """``section -> its last status row (``pending``, ``running``, then its end), with ``rows``: its measurements``
-    for each of ``names`` that has a status row, in that order (a row with a ``status`` is a status row)."""
+    """``section -> its last status row (a row with a ``status``), with ``rows``: its measurements`` for each of
+    ``names`` that has one, in that order."""
     out = {k: dict(rows=[]) for k in names if any(r.get("section") == k and "status" in r for r in rows)}
     for r in rows:
         if r.get("section") not in out:
@@ -85,12 +87,9 @@ def child_rows(stem: Path) -> tuple[list[dict], dict]:
 
 def run_section(prog: str, step: dict, spec: dict, left_s: float, smoke: bool, cuda: bool,
                 folder: Path) -> Iterator[dict]:
-    """One planned section's rows: its status (``skipped`` with the reason, or ``running``), then its measurements
-    and its end (``ok``, ``failed``, ``error``, ``timeout``; ``stopped`` before a stop from outside goes on up).
-    ``spec["study"]``: ``python -m benchmarks.STUDY --size check --sections NAME --out folder/NAME`` (its ``args``
-    added on a full run; ``--smoke`` size on a smoke run) in its own process, or ``pytest`` on ``spec["files"]``."""
-    from benchmarks.harness.testlog import cuda_test_split, gpu_test_command, read_testlog, tests_end
-
+    """One planned section's rows: ``skipped`` with the reason, or ``running``, its measurements and its end (``ok``,
+    ``failed``, ``error``, ``timeout``; ``stopped`` before a stop from outside goes on up). ``spec["study"]``: its
+    command ``python -m benchmarks.STUDY --size check|smoke --sections NAME`` (+ ``args`` on a full run), or pytest."""
     name = step["section"]
     head = dict(section=name, what=("smoke sizes; full run: " if smoke else "") + spec["what"],
                 estimate_s=step["estimate_s"])
@@ -124,20 +123,28 @@ def run_section(prog: str, step: dict, spec: dict, left_s: float, smoke: bool, c
                    elapsed_s=round(time.monotonic() - s0, 1))
         raise
     if tests:
-        got, end = tests_end(rc, tail, log, timeout)
-        end.update(command=" ".join(cmd[1:]))
-        end["summary"]["left_unrun"] = f"{len(cuda_test_split()[1])} CPU-suite files (no CUDA test in them)"
+        got, counts, hung = read_testlog(log)
+        notes = dict(counts, seconds=round(sum(r["seconds"] or 0 for r in got), 1), exit_code=rc,
+                     left_unrun=f"{len(cuda_test_split()[1])} CPU-suite files (no CUDA test in them)")
     else:
-        got, notes = child_rows(stem)
-        if rc is None:
-            end = dict(status="timeout", reason=f"stopped at its limit, {timeout:.0f} s")
-        elif rc:
-            end = dict(status="error", reason=f"exit code {rc}: " + " / ".join(tail.splitlines()[-3:]))
-        elif isinstance(notes.get(name), str) and not got:  # the study says why it cannot run here
-            end = dict(status="skipped", reason=notes.pop(name))
-        else:
-            end = dict(status="ok")
-        end["summary"] = notes
+        (got, notes), hung = child_rows(stem), None
+    bad = [r["test"] for r in got if r.get("outcome") in ("failed", "error")]
+    if rc is None:
+        reason = f"stopped at its limit, {timeout:.0f} s" + (f" while running {hung}" if hung else "")
+        end = dict(status="timeout", reason=reason)
+    elif bad:
+        end = dict(status="failed", reason="failed: " + ", ".join(bad))
+    elif tests and (rc == 5 or (rc == 0 and not got)):
+        end = dict(status="ok", reason="no test selected (-m gpu needs CUDA)")
+    elif rc:
+        end = dict(status="error", reason=f"exit code {rc}: " + " / ".join(tail.splitlines()[-3:]))
+    elif isinstance(notes.get(name), str) and not got:  # the study says why it cannot run here
+        end = dict(status="skipped", reason=notes.pop(name))
+    else:
+        end = dict(status="ok")
+    end["summary"] = notes
+    if tests:
+        end["command"] = " ".join(cmd[1:])
     yield from ({"section": name, **r} for r in got)
     yield dict(head, **end, elapsed_s=round(time.monotonic() - s0, 1))
     print(f"{prog}: {name} {end['status']} in {time.monotonic() - s0:.0f} s", file=sys.stderr, flush=True)
@@ -145,17 +152,15 @@ def run_section(prog: str, step: dict, spec: dict, left_s: float, smoke: bool, c
 
 def run_process(cmd: list[str], timeout_s: float, env: dict, tail_lines: int = 40,
                 cwd: Path = ROOT) -> tuple[Optional[int], str]:
-    """Runs ``cmd`` in its own process group, its output passed through; ``(exit code or None if it was stopped at
-    ``timeout_s``, the last lines of its output)``. A stopped process is ended with its children (compile workers)."""
+    """``(exit code, or None when stopped at ``timeout_s``; the last lines of its output)`` of ``cmd`` run in its own
+    process group (ended with its children, e.g. compile workers), its output passed through."""
     tail: deque[str] = deque(maxlen=tail_lines)
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace", start_new_session=True)
 
     def pump():
-        assert proc.stdout is not None
         for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
+            print(line, end="", flush=True)
             tail.append(line.rstrip("\n"))
 
     reader = threading.Thread(target=pump, daemon=True)
@@ -174,16 +179,15 @@ def run_process(cmd: list[str], timeout_s: float, env: dict, tail_lines: int = 4
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+    for sig in (signal.SIGTERM, signal.SIGKILL):  # each given 5 s to end the group
         try:
             os.killpg(proc.pid, sig)
+            proc.wait(timeout=5)
+            return
         except ProcessLookupError:
             return
-        try:
-            proc.wait(timeout=wait)
-            return
         except subprocess.TimeoutExpired:
-            continue
+            pass
 
 
 class Terminated(SystemExit):
@@ -192,3 +196,63 @@ class Terminated(SystemExit):
 
 def on_sigterm(signum, frame):  # noqa: ARG001 - signal handler signature
     raise Terminated(128 + signal.SIGTERM)
+
+
+def pytest_runtest_logstart(nodeid, location):  # noqa: ARG001 - pytest hook signature
+    _testlog(dict(event="start", test=nodeid))
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" or report.failed or report.skipped:  # a setup / teardown only when it failed or skipped
+        outcome = report.outcome if report.when == "call" or not report.failed else "error"
+        msg = ""
+        if report.failed:
+            lines = [ln for ln in str(report.longrepr).strip().splitlines() if ln.strip()]
+            errs = [ln for ln in lines if ln.startswith("E ")]
+            msg = (errs[0] if errs else lines[-1] if lines else "")[:300]
+        elif report.skipped and isinstance(report.longrepr, tuple):
+            msg = str(report.longrepr[2])[:300]
+        _testlog(dict(event="end", test=report.nodeid, outcome=outcome, when=report.when,
+                      seconds=round(report.duration, 2), message=msg))
+
+
+def _testlog(entry: dict) -> None:
+    path = os.environ.get("GPU_CHECK_TESTLOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+def read_testlog(path: Path) -> tuple[list[dict], dict, Optional[str]]:
+    """``(rows, counts, the test started last and never ended)`` from the plugin's log."""
+    rows, started = [], []
+    if Path(path).exists():
+        for line in Path(path).read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut off by the stop
+            if e.get("event") == "start":
+                started.append(e["test"])
+            elif e.get("event") == "end":
+                rows.append({k: e.get(k) for k in ("test", "outcome", "seconds", "message")})
+    counts = {k: sum(r["outcome"] == k for r in rows) for k in ("passed", "failed", "error", "skipped")}
+    ended = {r["test"] for r in rows}
+    hung = next((t for t in reversed(started) if t not in ended), None)
+    return rows, counts, hung
+
+
+def gpu_test_command(files: list[str]) -> list[str]:
+    """``pytest -m gpu -x`` on ``files`` with this plugin (and a per-test timeout where pytest-timeout is there)."""
+    timeout = ["--timeout", "120"] if importlib.util.find_spec("pytest_timeout") else []
+    return [sys.executable, "-m", "pytest", "-m", "gpu", "-x", "-q", "-p", "no:cacheprovider", "-p",
+            "benchmarks.harness.sections", *timeout, *files]
+
+
+def cuda_test_split(root: Optional[Path] = None) -> tuple[list[str], list[str]]:
+    """The test files with CUDA tests (``pytest.mark.gpu``: what a device runs) and every other test file (the CPU
+    suite, which CI runs; left unrun on the device)."""
+    root = root or ROOT
+    files = sorted(p.relative_to(root).as_posix() for p in (root / "tests").rglob("test_*.py"))
+    cuda = [f for f in files if "mark.gpu" in (root / f).read_text(encoding="utf-8", errors="replace")]
+    return cuda, [f for f in files if f not in cuda]

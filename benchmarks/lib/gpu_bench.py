@@ -40,7 +40,6 @@ def peak_flops() -> float | None:
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
-# ---------------------------------------------------------------------------------------------------- sdpa
 def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> list[dict]:
     """Median ms of one decode-shaped SDPA call per kernel choice (a row per key length, a column per choice), the key
     length growing by one per call. A named kernel is put first in SDPA's priority (the others stay enabled as
@@ -74,12 +73,6 @@ def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> list[dict]:
         rows.append(row)
         del q, kv
     return rows
-
-
-# ---------------------------------------------------------------------------------------------------- train
-def train_flops_per_token(model: torch.nn.Module, n_layer: int, d_model: int, t: int) -> float:
-    n = sum(p.numel() for p in model.parameters())
-    return 6 * n + 12 * n_layer * d_model * t
 
 
 def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, quick: bool,
@@ -130,41 +123,29 @@ def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, qui
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-        key = f"{label} | {'compiled' if compiled else 'eager'} | {opt_impl} AdamW"
-        n_layer = getattr(model, "cfg", None).n_layer if hasattr(model, "cfg") else len(model.h)
-        d_model = model.lm_head.weight.shape[1]
-        state[key] = dict(step=step, times=[], warmup_s=time.perf_counter() - t0,
-                          flops=train_flops_per_token(model, n_layer, d_model, t) * batch * t)
+        key = (label, "compiled" if compiled else "eager", f"{opt_impl} AdamW")
+        n_layer = model.cfg.n_layer if hasattr(model, "cfg") else len(model.h)
+        per_token = 6 * sum(p.numel() for p in model.parameters()) + 12 * n_layer * model.lm_head.weight.shape[1] * t
+        state[key] = dict(step=step, times=[], warmup_s=time.perf_counter() - t0, flops=per_token * batch * t)
     for r in range(rounds):  # interleaved: every case sees the same stretches of clock / thermal state
         keys = list(state)
         for key in keys[r % len(keys):] + keys[: r % len(keys)]:
             state[key]["times"] += cuda_time(state[key]["step"], steps)
     rows = []
-    for key, s in state.items():
+    for (label, mode, opt), s in state.items():
         ms = statistics.median(s["times"])
-        label, mode, opt = key.split(" | ")
         rows.append(dict(model=label, mode=mode, optimizer=opt, median_ms=ms, tokens_per_s=batch * t / (ms / 1e3),
                          tflops=s["flops"] / (ms / 1e3) / 1e12,
                          mfu=None if peak is None else s["flops"] / (ms / 1e3) / peak,
                          first_steps_s=round(s["warmup_s"], 1), n=len(s["times"])))
     ref = {r["mode"]: r["median_ms"] for r in rows if r["model"].startswith("reference")}
-    ours_mha = {r["mode"]: r["median_ms"] for r in rows if r["model"] == "ours mha" and r["optimizer"].startswith("fused")}
+    ours_mha = {r["mode"]: r["median_ms"] for r in rows if r["model"] == "ours mha" and r["optimizer"] == "fused AdamW"}
     for r in rows:
         r["vs_reference_same_mode"] = r["median_ms"] / ref[r["mode"]] if r["mode"] in ref else None
         r["vs_ours_mha_same_mode"] = r["median_ms"] / ours_mha[r["mode"]] if r["mode"] in ours_mha else None
     del state
     free(torch.device("cuda"))
     return rows
-
-
-# ---------------------------------------------------------------------------------------------------- decode
-def _hf_model(max_ctx: int, dtype):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(vocab_size=50304, n_positions=max_ctx + 1, n_embd=768, n_layer=12, n_head=12,
-                     attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(cfg).to("cuda", dtype).eval()
 
 
 def _hf_case(model, kind: str, batch: int, ctx: int, dtype):
@@ -224,8 +205,13 @@ def bench_decode(batches: list[int], ctxs: list[int], steps: int, rounds: int, q
         torch.manual_seed(0)
         models[f"ours {name}"] = GPT(preset(name, block_size=max(ctxs) + 1, **shapes)).to("cuda", dtype).eval()
     models.update({f"{k}+graph": m for k, m in models.items()})
-    if hf and not quick:
-        models["hf gpt2 DynamicCache"] = models["hf gpt2 StaticCache"] = _hf_model(max(ctxs), dtype)
+    if hf and not quick:  # transformers' GPT-2 at the same shapes, one model for both caches
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(vocab_size=50304, n_positions=max(ctxs) + 1, n_embd=768, n_layer=12, n_head=12,
+                         attn_implementation="sdpa")
+        torch.manual_seed(0)
+        models["hf gpt2 DynamicCache"] = models["hf gpt2 StaticCache"] = GPT2LMHeadModel(cfg).to("cuda", dtype).eval()
     labels = list(models)
     rows = []
     for batch in batches:

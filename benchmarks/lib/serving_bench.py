@@ -1,7 +1,7 @@
 """The sections of ``benchmarks/serving.py`` (``gpu_check`` runs each in its own process), each a generator of rows:
-serving capacity at a KV budget with its bytes and compute floors, the attention call alone (SDPA against the
-split-KV kernel, :mod:`models.kernels`; the formulations of latent attention), the CUDA-graph decode step and a
-profiled eager step; 124M presets, random weights. A case that fails is a row with its error: the cases after it still run."""
+serving capacity at a KV budget with its bytes and compute floors, the attention call alone (SDPA against the split-KV
+kernel, :mod:`models.kernels`; the formulations of latent attention), the CUDA-graph decode step and a profiled eager
+step; 124M presets, random weights. A case that fails is a row with its error: the cases after it still run."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import statistics
 from typing import Callable, Iterator, Optional
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.harness.timing import cuda_time, median_of, wall_time
 from kvsplice.report.decode_timing import time_steps
@@ -108,26 +110,23 @@ def filled_cache(model: GPT, batch: int, ctx: int, quant: Optional[str]):
     return cache
 
 
-def step_ms(model: GPT, batch: int, ctx: int, quant: Optional[str], steps: int, graph: bool, warmup: int) -> float:
-    """Median ms of one decode step at ``ctx`` tokens (rolled back after each; from a CUDA graph if ``graph``):
-    :func:`kvsplice.report.decode_timing.time_steps` over a :func:`filled_cache`."""
-    cache = filled_cache(model, batch, ctx, quant)
-    tok = torch.randint(0, model.cfg.vocab_size, (batch, 1), device=cache.device)
-    return 1e3 * statistics.median(time_steps(model, cache, ctx, tok, warmup, steps, graph=graph))
-
-
 def time_into(row: dict, prefix: str, model: GPT, ctx: int, quant: Optional[str], steps: int, smoke: bool) -> None:
-    """``prefix`` + ``ms``, ``tokens_per_s``, ``pct_floor`` (of ``row["floor_ms"]``) of one decode step at
-    ``row["batch"]`` (a CUDA graph on a GPU) into ``row``, or ``prefix`` + ``error``."""
+    """``prefix`` + ``ms``, ``tokens_per_s``, ``pct_floor`` (of ``row["floor_ms"]``) into ``row``: the median decode
+    step at ``row["batch"]`` over a :func:`filled_cache` of ``ctx`` tokens (rolled back after each; a CUDA graph on a
+    GPU) by :func:`kvsplice.report.decode_timing.time_steps`; or ``prefix`` + ``error``."""
     device = next(model.parameters()).device
     try:
-        ms = step_ms(model, row["batch"], ctx, quant, steps, device.type == "cuda", warmup=1 if smoke else 2)
+        cache = filled_cache(model, row["batch"], ctx, quant)
+        tok = torch.randint(0, model.cfg.vocab_size, (row["batch"], 1), device=cache.device)
+        times = time_steps(model, cache, ctx, tok, 1 if smoke else 2, steps, graph=device.type == "cuda")
+        ms = 1e3 * statistics.median(times)
         row.update({f"{prefix}ms": ms, f"{prefix}tokens_per_s": row["batch"] / (ms / 1e3),
                     f"{prefix}pct_floor": 100 * row["floor_ms"] / ms})
     except torch.cuda.OutOfMemoryError:
         row[f"{prefix}error"] = "out of memory"
     except Exception as e:  # noqa: BLE001 - one case's failure must not end the section
         row[f"{prefix}error"] = err(e)
+    cache = tok = None
     free(device)
 
 
@@ -142,11 +141,8 @@ def step_flops(name: str, batch: int, n_ctx: int, smoke: bool) -> float:
                   and "wpe" not in n)
     if cfg.tie_embeddings:
         weights += cfg.vocab_size * cfg.d_model  # the tied lm_head is a matmul too
-    if cfg.attention == "mha":
-        attn = 2 * cfg.n_head * n_ctx * (cfg.head_size + cfg.head_size)
-    else:
-        attn = 2 * cfg.n_head * n_ctx * (2 * cfg.d_cached_latent + cfg.qk_rope_head_dim)
-    return float(batch) * (2 * weights + cfg.n_layer * attn)
+    width = 2 * cfg.head_size if cfg.attention == "mha" else 2 * cfg.d_cached_latent + cfg.qk_rope_head_dim
+    return float(batch) * (2 * weights + cfg.n_layer * 2 * cfg.n_head * n_ctx * width)
 
 
 def add_floors(row: dict, flops: float, peak: float) -> dict:
@@ -274,8 +270,8 @@ def profile_rows(events, variant: str, batch: int, n_ctx: int, top: int, cuda: b
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
 
     def t(e) -> float:
-        return float(getattr(e, key, 0) or getattr(e, "self_cuda_time_total", 0) or 0) if cuda else \
-            float(e.self_cpu_time_total)
+        got = (getattr(e, key, 0) or getattr(e, "self_cuda_time_total", 0) or 0) if cuda else e.self_cpu_time_total
+        return float(got)
 
     evs = [e for e in events if t(e) > 0]
     total = sum(t(e) for e in evs) or 1.0
@@ -316,9 +312,6 @@ def formulations(q: torch.Tensor, s: torch.Tensor, scale: float, splits: int = 1
     """``name -> call`` of the absorbed-MLA attention ``softmax(q s^T * scale) s`` over the one shared latent head:
     ``q (B, 1, H, r)`` query rows (the heads folded in) over ``s (B, 1, T, r)`` — SDPA's default, three ops, each
     fused SDPA kernel on the latent zero-padded to a multiple of 8, and a split over the keys."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     b, _, t, r = s.shape
     dt = q.dtype
 

@@ -36,9 +36,8 @@ def peak_rss(interval: float = 0.002) -> Iterator[dict]:
     stop = threading.Event()
 
     def sample() -> None:
-        while not stop.is_set():
+        while not stop.wait(interval):
             got["peak"] = max(got["peak"], rss())
-            time.sleep(interval)
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
@@ -49,11 +48,6 @@ def peak_rss(interval: float = 0.002) -> Iterator[dict]:
         thread.join()
         got["peak"] = max(got["peak"], rss())
         got["grown"] = got["peak"] - got["start"]
-
-
-def _clocks() -> tuple[float, float]:
-    """(thread-CPU, wall) seconds now."""
-    return time.thread_time(), time.perf_counter()
 
 
 def prefill_and_steps(model, door: str, method, ids: torch.Tensor, capacity: int):
@@ -94,16 +88,16 @@ def measure(model, door: str, methods: Sequence[tuple[str, Any]], ids: torch.Ten
             method = method(ids)
         prefill, step, cache = prefill_and_steps(model, door, method, ids, capacity)
         with peak_rss() as mem:
-            c0, w0 = _clocks()
+            c0, w0 = time.thread_time(), time.perf_counter()
             logits = prefill()
-            c1, w1 = _clocks()
+            c1, w1 = time.thread_time(), time.perf_counter()
         runs.append(dict(label=label, step=step, cache=cache, prefill_cpu=c1 - c0, prefill_wall=w1 - w0, mem=mem,
                          next_ids=logits[:, -1:].argmax(-1), cpu=[], wall=[]))
     for r in range(warmup + rounds):
         for run in runs:
-            c0, w0 = _clocks()
+            c0, w0 = time.thread_time(), time.perf_counter()
             logits = run["step"](run["next_ids"])
-            c1, w1 = _clocks()
+            c1, w1 = time.thread_time(), time.perf_counter()
             run["next_ids"] = logits[:, -1:].argmax(-1)
             if r >= warmup:
                 run["cpu"].append(c1 - c0)
@@ -131,16 +125,13 @@ def method_factories(args, model, tok, picks: dict):
 
     out = []
     for name in args.methods:
+        plan_path, spec = {"pick4x": args.plan4, "pick8x": args.plan8}.get(name), picks.get(name, name)
         if name == "full":
             out.append(("full", None))
-            continue
-        plan_path = {"pick4x": args.plan4, "pick8x": args.plan8}.get(name)
-        if plan_path:
+        elif plan_path:
             plan = Plan.load(plan_path, model)
             out.append((name, lambda ids, plan=plan: plan.method(ids.shape[1], prompt_ids=ids, tokenizer=tok)))
-            continue
-        spec = picks.get(name, name)
-        if needs_prompt(spec) or spec.startswith("select:"):
+        elif needs_prompt(spec) or spec.startswith("select:"):
             out.append((name, lambda ids, spec=spec: _scored(build_method(spec, prompt_len=ids.shape[1],
                                                                           prompt_ids=ids, tokenizer=tok),
                                                              model, ids, args.pick_scores)))
@@ -163,7 +154,4 @@ def _scored(method, model, ids: torch.Tensor, scores: str):
 def prompt_ids(tok, path: str, t: int, b: int) -> torch.Tensor:
     """``(b, t)`` token ids: consecutive ``t``-token slices of the text."""
     ids = tok.encode(Path(path).read_text())
-    need = t * b
-    while len(ids) < need:
-        ids = ids + ids
-    return torch.tensor(ids[:need]).view(b, t)
+    return torch.tensor((ids * -(-t * b // len(ids)))[: t * b]).view(b, t)  # the text repeated as needed

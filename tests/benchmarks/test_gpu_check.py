@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.harness import sections
-from benchmarks.harness.testlog import cuda_test_split, read_testlog
+from benchmarks.harness.sections import cuda_test_split, read_testlog
 from processes import wait_ended, watch
 from tiny_models import load_benchmark
 

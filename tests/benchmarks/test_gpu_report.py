@@ -13,10 +13,10 @@ from tiny_models import load_benchmark
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_no_cuda_is_one_line_and_nothing_written(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert load_benchmark("gpu").main(["--quick"]) == 2
+    assert load_benchmark("gpu").main(["--smoke"]) == 2
     assert load_benchmark("gpu").main(["--size", "check", "--sections", "train"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == ["gpu: error: no CUDA device (this benchmark measures a GPU)"] * 2
-    assert load_benchmark("gpu").main(["--quick", "--out", str(tmp_path / "g")]) == 2  # --out: the same check
+    assert load_benchmark("gpu").main(["--smoke", "--out", str(tmp_path / "g")]) == 2  # --out: the same check
     assert not list(tmp_path.iterdir())
 
 

@@ -74,7 +74,8 @@ def summary(run, rows) -> dict:
 
 
 STUDY = Study("smollm2_frontier", __doc__, rows, options=options, threads=2, summary=summary,
-              markdown=lambda run, rows: report.markdown(rows, KVPRESS, ISSUE, run.notes["claims"]),
+              markdown=lambda run, rows: report.markdown(STUDY.spec("report"), rows, KVPRESS, ISSUE,
+                                                         run.notes["claims"]),
               figure=lambda run, rows: report.figure(rows))
 main = STUDY.main
 

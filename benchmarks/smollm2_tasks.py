@@ -19,37 +19,6 @@ from benchmarks.lib import smollm2_tasks_runs as R
 from benchmarks.lib.smollm2_tasks_runs import PLANNED, SIZES, plan_argv, plans_of  # noqa: F401  (the tests read them)
 
 
-def plot(report: dict):
-    """Accuracy against how many times smaller the cache is, a panel per length and setting (query-agnostic /
-    aware), the full cache's accuracy as the line to reach."""
-    from matplotlib.figure import Figure
-
-    lengths = sorted(report["by_length"], key=int)
-    settings = [s for s in ("agnostic", "aware") if any(s in v["summary"] for v in report["by_length"].values())]
-    fig = Figure(figsize=(5.0 * max(1, len(settings)), 3.8 * max(1, len(lengths))), dpi=110)
-    for i, L in enumerate(lengths):
-        for j, s in enumerate(settings):
-            ax = fig.add_subplot(len(lengths), len(settings), i * len(settings) + j + 1)
-            per = report["by_length"][L]["summary"].get(s, {})
-            for m, r in per.items():
-                name = Path(m[5:]).stem if m.startswith("plan:") else report["labels"].get(m, m)  # plan4x8k
-                if m == "full":
-                    ax.axhline(r["acc"], color="k", ls="--", lw=1, label=f"full cache ({r['acc']:.0f} %)")
-                else:
-                    ax.scatter(r["ratio"], r["acc"], marker="s" if m.startswith("kvzip") else (
-                        "^" if m.startswith("select") else "o"), label=f"{name} (n={r['n']})")
-            ax.set_xscale("log", base=2)
-            ax.set(xlabel="× smaller than the fp16 full cache", ylabel="accuracy % (exact match)", ylim=(-5, 105))
-            ax.set_title(f"SmolLM2-135M, {L} tokens, query-{s}", fontsize=9)
-            ax.grid(True, alpha=0.3)
-            if per:
-                ax.legend(fontsize=6, loc="best")
-            else:
-                ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
-    fig.tight_layout()
-    return fig
-
-
 def options(p) -> None:
     p.add_argument("--work", default=str(R.WORK), help="folder of the runs and plans (default checkpoints/smollm2_tasks)")
     p.add_argument("--report-only", action="store_true", help="the report from the finished instances")
@@ -81,12 +50,16 @@ def rows(run):
                 break
     report, md = R.build_report(size, cfg)
     run.notes.update(report=report, markdown=md)
-    yield from ({"length": int(L), **v} for L, v in report["by_length"].items())
+    for L, v in report["by_length"].items():  # a row per length, setting and method (the figure's points)
+        for setting, per in v["summary"].items():
+            for m, r in per.items():
+                label = Path(m[5:]).stem if m.startswith("plan:") else report["labels"].get(m, m)  # plan4x8k
+                yield {"length": int(L), "setting": setting, "method": m, "label": label, **r}
 
 
 STUDY = Study("smollm2_tasks", __doc__, rows, options=options, threads=2, default_size="reduced", inherit=False,
               sizes=SIZES, summary=lambda run, rows: run.notes["report"],
-              markdown=lambda run, rows: run.notes["markdown"], figure=lambda run, rows: plot(run.notes["report"]),
+              markdown=lambda run, rows: run.notes["markdown"],
               bounds={"lengths": (16, 1 << 17), "n": (1, 100000)})
 main = STUDY.main
 

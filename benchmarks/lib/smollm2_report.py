@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["FAMILIES", "energy_claims", "family", "figure", "markdown", "pareto", "report_rows"]
+__all__ = ["FAMILIES", "energy_claims", "family", "figure", "markdown", "report_rows"]
 
 FAMILIES = {"full": "s", "quantisation": "o", "low rank (bases)": "^", "token selection alone": "v",
             "token selection + quantisation": "D", "planner": "*"}
@@ -43,28 +43,21 @@ def energy_claims(stats_path: Path) -> dict:
     return out
 
 
-def pareto(rows: list[dict]) -> set[str]:
-    """Ids of the rows no other row beats on both bytes per token (≤) and perplexity (<)."""
-    return {r["id"] for r in rows if not any(o is not r and o["bytes_per_token"] <= r["bytes_per_token"] and
-                                             o["ppl"] < r["ppl"] for o in rows)}
-
-
-def _pct(ppl: float, base: float) -> float:
-    return 100 * (ppl / base - 1)
-
-
 def report_rows(rows: list[dict], kvpress: dict, claims: dict) -> list[dict]:
     """The report's rows (``report:`` of the study's YAML): each row with its ``part`` (protocol), Δ % vs its
     protocol's full cache, ★ on P's Pareto front, S's selector, ratio and kvpress's quoted best press; the planner's
     P rows again (part ``plan``: tuning Δ %, candidates); the energy ranks. Largest caches first."""
     base = {r["protocol"]: r["ppl"] for r in rows if r["id"] in ("full", "S_full", "W_full")}
-    front = pareto([r for r in rows if r.get("protocol") == "P"])
+    p = [r for r in rows if r["protocol"] == "P"]  # ★: no other row of P both ≤ in bytes per token and < in ppl
+    front = {r["id"] for r in p if not any(o["bytes_per_token"] <= r["bytes_per_token"] and o["ppl"] < r["ppl"]
+                                           for o in p)}
     kv_best = {x: f"{n} {v:+.1f} %" for (n, x), v in kvpress.items()}  # ratio → kvpress's best press
     out = []
     for r in sorted(rows, key=lambda r: (-r["bytes_per_token"], r["ppl"])):
         x = r["spec"].get("x") or 1
         row = {**r, "part": r["protocol"], "star": "★" if r["id"] in front else "", "x": x, "kvpress": kv_best.get(x),
-               "delta_pct": _pct(r["ppl"], base[r["protocol"]]), "selector": r["spec"].get("selector", "full K/V")}
+               "delta_pct": 100 * (r["ppl"] / base[r["protocol"]] - 1),
+               "selector": r["spec"].get("selector", "full K/V")}
         out.append(row)
         if r["id"].startswith("plan_"):
             tuned = min(r["candidates"], key=lambda c: c["tuning_ppl"])
@@ -85,17 +78,15 @@ def figure(rows: list[dict]):
     """Protocol P's rows: perplexity increase against bytes per token, by method family, the Pareto front dashed."""
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if r.get("protocol") == "P"]
-    base = next((r["ppl"] for r in rows if r["id"] == "full"), None)
-    front = pareto(rows)
+    rows = [r for r in report_rows(rows, {}, {}) if r["part"] == "P"]
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for name, marker in FAMILIES.items():
         pts = [r for r in rows if family(r) == name]
         if pts:
-            ax.scatter([r["bytes_per_token"] for r in pts], [_pct(r["ppl"], base) for r in pts], marker=marker,
+            ax.scatter([r["bytes_per_token"] for r in pts], [r["delta_pct"] for r in pts], marker=marker,
                        s=90 if name == "planner" else 40, label=name)
-    fr = sorted((r for r in rows if r["id"] in front), key=lambda r: r["bytes_per_token"])
-    ax.plot([r["bytes_per_token"] for r in fr], [_pct(r["ppl"], base) for r in fr], "k--", lw=1, label="Pareto front")
+    fr = sorted((r for r in rows if r["star"]), key=lambda r: r["bytes_per_token"])
+    ax.plot([r["bytes_per_token"] for r in fr], [r["delta_pct"] for r in fr], "k--", lw=1, label="Pareto front")
     ax.set_xscale("log")
     ax.set_yscale("symlog", linthresh=1)
     ax.set(xlabel="cache bytes per token (fp16 storage; full K/V = 23,040)",

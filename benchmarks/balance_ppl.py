@@ -1,8 +1,7 @@
 """Perplexity of a continuation decoded over a token-selected (compressed) prompt cache: BalanceKV vs baselines.
 
     python -m benchmarks.balance_ppl           # stories260K → results/balance_ppl.{json,md,png} (≈ 2 min)
-    python -m benchmarks.balance_ppl --model DIR|CKPT --data PATH [--prompt 384] [--cont 128] [--windows 64]
-        [--ratios 2 4 8] [--seeds 3] [--out results/balance_ppl]
+    python -m benchmarks.balance_ppl --model DIR|CKPT --data PATH [--prompt 384 --ratios 2 4 8 --seeds 3 ...]
 
 Per window the prompt is prefilled, every layer's K/V compressed per KV head to ``prompt // ratio`` tokens and the
 continuation decoded teacher-forced over it and scored (:func:`kvsplice.select.method.run_token_selection`);

@@ -101,7 +101,8 @@ def rows(run):
             yield row
 
 
-STUDY = Study("fd_online_stories260k", __doc__, rows, options=options, summary=lambda run, rows: fd_summary(run.notes, rows),
+STUDY = Study("fd_online_stories260k", __doc__, rows, options=options,
+              summary=lambda run, rows: fd_summary(run.notes, rows),
               markdown=lambda run, rows: fd_markdown(STUDY.spec("report"), rows, run.notes),
               bounds={"windows": (1, 4096), "calib_tokens": (512, 1 << 22)})
 main = STUDY.main

@@ -71,9 +71,7 @@ def rows(run):
     full_cal = next(iter(next(iter(calib_cache.values()))["stats"].values()))  # (a calibration run: mode → stats)
     fr = next(iter(fit_reports.values()))
     run.notes.update(
-        config={"ranks": ranks, "methods": methods, "ropes": ropes, "chunk_size": run["chunk_size"],
-                "batch_size": run["batch_size"], "seq_len": run["seq_len"]},
-        model={"source": str(STORIES / "stories260K.bin"), "shapes": fr["shapes"],
+        methods=methods, model={"source": str(STORIES / "stories260K.bin"), "shapes": fr["shapes"],
                "fingerprint": fr["model_fingerprint"]},
         calibration={**fr["calibration"], "source": CALIB.name}, eval={**eval_info, "source": EVAL.name}, full=full,
         checks=checks(ctx, run.rows, fits_all, calib_cache, ranks, ropes, methods, full),

@@ -99,9 +99,8 @@ def summary(diag: list[dict]) -> dict:
 
 
 def fd_summary(notes: dict, rows: list[dict]) -> dict:
-    """The fd-online study's summary: per budget R each row's ``x_budget`` (bytes / the global rank-R cache's) and
-    ``best`` (the lowest-ppl attention-aware global row and matched fd-online row); ``notes``, given the full
-    cache's numbers per token."""
+    """``notes`` with the full cache's numbers per token; per budget R each row's ``x_budget`` (bytes / the global
+    rank-R cache's) and ``best`` (the lowest-ppl attention-aware global row and matched fd-online row)."""
     for r in dict.fromkeys(x["budget_rank"] for x in rows):
         rs = [x for x in rows if x["budget_rank"] == r]
         glob = [x for x in rs if x["kind"] == "global"]

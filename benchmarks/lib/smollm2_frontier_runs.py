@@ -80,9 +80,8 @@ class Bench:
                                 "tuning_full_ppl": found["full"]["tuning_ppl"]}
 
     def hf_quantized(self, rid: str, spec: dict) -> dict:
-        """transformers' own ``QuantizedCache`` (its defaults: group 64, residual 128, axis 0) in the model's
-        forward on protocol P: prefill the prompt, decode the continuation one token at a time, score it. Bytes:
-        measured from the cache's tensors (quanto's packed data, scales and shifts) right after the prefill."""
+        """transformers' ``QuantizedCache`` (its defaults: group 64, residual 128, axis 0) on protocol P, token by
+        token; bytes measured from the cache's tensors (quanto's packed data, scales, shifts) after the prefill."""
         from transformers.cache_utils import QuantizedCache
 
         t0, held = time.perf_counter(), []

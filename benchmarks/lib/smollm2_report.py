@@ -1,11 +1,11 @@
-"""The SmolLM2 frontier report from the rows of ``benchmarks/smollm2_frontier.py`` (the runner writes it): the
-frontier table (Pareto front marked), the goals, the planner's stacks, the paper's claims, the kvpress comparison."""
+"""The SmolLM2 frontier report's rows and figure from the rows of ``benchmarks/smollm2_frontier.py``: a table per
+protocol (Pareto front marked), the planner's stacks, the energy ranks, the kvpress comparison."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["FAMILIES", "energy_claims", "family", "figure", "markdown", "report_rows"]
+__all__ = ["FAMILIES", "energy_claims", "family", "figure", "report_rows"]
 
 FAMILIES = {"full": "s", "quantisation": "o", "low rank (bases)": "^", "token selection alone": "v",
             "token selection + quantisation": "D", "planner": "*"}
@@ -44,9 +44,8 @@ def energy_claims(stats_path: Path) -> dict:
 
 
 def report_rows(rows: list[dict], kvpress: dict, claims: dict) -> list[dict]:
-    """The report's rows (``report:`` of the study's YAML): each row with its ``part`` (protocol), Δ % vs its
-    protocol's full cache, ★ on P's Pareto front, S's selector, ratio and kvpress's quoted best press; the planner's
-    P rows again (part ``plan``: tuning Δ %, candidates); the energy ranks. Largest caches first."""
+    """The YAML ``report:``'s rows, largest caches first: each with its ``part`` (protocol), Δ %, ★ (P's Pareto
+    front), S's ratio and kvpress's quoted best press; the planner's rows again (part ``plan``); the energy ranks."""
     base = {r["protocol"]: r["ppl"] for r in rows if r["id"] in ("full", "S_full", "W_full")}
     p = [r for r in rows if r["protocol"] == "P"]  # ★: no other row of P both ≤ in bytes per token and < in ppl
     front = {r["id"] for r in p if not any(o["bytes_per_token"] <= r["bytes_per_token"] and o["ppl"] < r["ppl"]
@@ -65,13 +64,6 @@ def report_rows(rows: list[dict], kvpress: dict, claims: dict) -> list[dict]:
                         "n_candidates": len(r["candidates"])})
     return out + [{"part": "energy", "stream": k, **v, "share_le_d4_pct": 100 * v["share_le_d4"]}
                   for k, v in claims.items()]
-
-
-def markdown(spec: dict, rows: list[dict], kvpress: dict, issue: dict, claims: dict) -> str:
-    """results/smollm2_frontier.md: the YAML's ``report:`` of :func:`report_rows`."""
-    from benchmarks.harness import report
-
-    return report.markdown(spec, report_rows(rows, kvpress, claims), {"issue": issue})
 
 
 def figure(rows: list[dict]):

@@ -89,13 +89,11 @@ def build_report(size: str, cfg: dict) -> tuple[dict, str]:
         md += [f"## {L} tokens", "", markdown(summary, doc["methods"])]
     for name in plans_of(cfg):  # the planner's evidence: its pick and every candidate, both metrics
         if plan_path(name).is_file():
-            doc = json.loads(plan_path(name).read_text())
-            report.setdefault("plans", {})[name] = {k: doc.get(k) for k in (
+            doc, ppl_p = json.loads(plan_path(name).read_text()), PLANS / f"plan{name}_P.json"
+            got = report.setdefault("plans", {})[name] = {k: doc.get(k) for k in (
                 "label", "spec", "budget", "objective", "tasks", "full", "chosen", "selector", "candidates")}
-            report["plans"][name]["command"] = "kvsplice plan " + shlex.join(plan_argv(name))
-            ppl_p = PLANS / f"plan{name}_P.json"
+            got["command"] = "kvsplice plan " + shlex.join(plan_argv(name))
             if ppl_p.is_file():
-                report["plans"][name]["protocol_P"] = json.loads(ppl_p.read_text())["results"][0]
-                report["plans"][name]["protocol_P_command"] = "kvsplice eval-bases " + shlex.join(
-                    protocol_p_argv(name))
+                got["protocol_P"] = json.loads(ppl_p.read_text())["results"][0]
+                got["protocol_P_command"] = "kvsplice eval-bases " + shlex.join(protocol_p_argv(name))
     return report, "\n".join(md)

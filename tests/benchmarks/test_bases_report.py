@@ -29,8 +29,8 @@ def test_fd_online_report_marks_the_best_rows_and_renders_every_row():
 
 def test_stories260k_bases_report_renders_the_checks_and_every_fit():
     notes = json.loads((ROOT / "results" / "stories260k_bases.json").read_text())
-    rows = notes.pop("results")  # (made before the runner: its rows under "results")
-    md = report.markdown(studies.load("stories260k_bases")["report"], rows, notes)
+    rows = notes.pop("results")  # (made before the runner: its rows under "results", its settings under "config")
+    md = report.markdown(studies.load("stories260k_bases")["report"], rows, {**notes["config"], **notes})
     for r in rows:
         assert f"| {r['method']} | {r['rope']} | {r['rank']} | {r['elements_per_token']} | {r['ppl']:.3f} |" in md
     for text in ("Full K/V cache: **4.0775**", "**0 violations / 480**", "**0 / 480** on the held-out",

@@ -1,8 +1,7 @@
 """Perplexity of a continuation decoded over a token-selected (compressed) prompt cache: BalanceKV vs baselines.
 
     python -m benchmarks.balance_ppl           # stories260K → results/balance_ppl.{json,md,png} (≈ 2 min)
-    python -m benchmarks.balance_ppl --model DIR|CKPT --data PATH [--prompt 384] [--cont 128] [--windows 64]
-        [--ratios 2 4 8] [--seeds 3] [--out results/balance_ppl]
+    python -m benchmarks.balance_ppl --model DIR|CKPT --data PATH [--prompt 384 --ratios 2 4 8 --seeds 3 ...]
 
 Per window the prompt is prefilled, every layer's K/V compressed per KV head to ``prompt // ratio`` tokens and the
 continuation decoded teacher-forced over it and scored (:func:`kvsplice.select.method.run_token_selection`);
@@ -56,36 +55,6 @@ def hf_reference_nll(model, windows: torch.Tensor, prompt: int, batch: int) -> f
     return total / windows[:, prompt:].numel()
 
 
-def _columns(run, rows) -> tuple[dict, list[str]]:
-    at = {(r["ratio"], r["method"]): r for r in rows[1:]}
-    return at, [f"{r}× (budget {at[r, 'balancekv']['budget']})" for r in run["ratios"]]
-
-
-def figure(run, rows):
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6.4, 4.0), dpi=120)
-    ax = fig.add_subplot()
-    (at, names), ratios, full = _columns(run, rows), run["ratios"], rows[0]["ppl"]
-    width = 0.8 / len(COMPRESSED)
-    for j, m in enumerate(COMPRESSED):
-        ys = [at[r, m]["ppl_mean"] for r in ratios]
-        xs = [i + (j - (len(COMPRESSED) - 1) / 2) * width for i in range(len(ratios))]
-        ax.bar(xs, ys, width, yerr=[at[r, m]["ppl_std"] for r in ratios], capsize=3, label=m)
-        for x, y in zip(xs, ys):
-            ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
-    ax.axhline(full, color="k", ls="--", lw=1, label=f"full cache {full:.2f}")
-    ax.set_xticks(range(len(ratios)), names)
-    ax.set_ylabel("continuation perplexity")
-    ax.set_ylim(bottom=max(0.0, min(full, *(r["ppl_mean"] for r in rows[1:])) * 0.9))
-    ax.set_title(f"{run.args.model or 'stories260K'}: prompt {run['prompt']} compressed, {run['cont']} decoded, "
-                 f"{rows[0]['windows']} windows", fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    return fig
-
-
 def options(p) -> None:
     add_model(p, help="HF model dir or .ckpt (default: stories260K, converted to a temp dir)")
     add_windows(p)
@@ -124,7 +93,7 @@ def rows(run):
             yield row
 
 
-STUDY = Study("balance_ppl", __doc__, rows, options=options, figure=figure,
+STUDY = Study("balance_ppl", __doc__, rows, options=options,
               summary=lambda run, rows: {"n_sink": N_SINK, "n_recent": N_RECENT, "block_size": BLOCK,
                                          "walk_threshold": "c = 1.0 * median kappa per block"},
               bounds={"windows": (1, 100000), "prompt": (8, 1 << 16), "cont": (1, 1 << 16), "ratios": (1, 1024),

@@ -17,7 +17,7 @@ from pathlib import Path
 from benchmarks.harness.paths import RESULTS, ROOT
 from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study
-from benchmarks.lib.overview_plot import MIXED_PLAN, PLAN_NAMES, PPL_PLAN
+from benchmarks.lib.overview_plot import MIXED_PLAN, PLAN_NAMES, PPL_PLAN, figure
 from benchmarks.lib.smollm2_report import family
 
 OUT = ROOT / "docs" / "figures" / "overview.png"
@@ -84,13 +84,8 @@ def rows(run):
     yield from ({"panel": "post", **p} for p in post)
 
 
-def figure(run, points):
-    from benchmarks.lib.overview_plot import figure as draw
-
-    return draw([p for p in points if p["panel"] == "trained"], [p for p in points if p["panel"] == "post"])
-
-
-STUDY = Study("readme_figure", __doc__, rows, options=options, figure=figure, json=False, out=OUT, threads=None)
+STUDY = Study("readme_figure", __doc__, rows, options=options, figure=lambda run, points: figure(points),
+              json=False, out=OUT, threads=None)
 main = STUDY.main
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from benchmarks.harness.report import markdown
 from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study
 from benchmarks.lib import smollm2_report as report
@@ -74,7 +75,8 @@ def summary(run, rows) -> dict:
 
 
 STUDY = Study("smollm2_frontier", __doc__, rows, options=options, threads=2, summary=summary,
-              markdown=lambda run, rows: report.markdown(rows, KVPRESS, ISSUE, run.notes["claims"]),
+              markdown=lambda run, rows: markdown(STUDY.spec("report"), report.report_rows(
+                  rows, KVPRESS, run.notes["claims"]), {"issue": ISSUE}),
               figure=lambda run, rows: report.figure(rows))
 main = STUDY.main
 

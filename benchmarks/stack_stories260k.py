@@ -39,11 +39,6 @@ def methods(bases: dict[int, object], budgets: list[int], selector: str) -> dict
     return {name: (desc, build_method(spec)) for name, (desc, spec) in specs.items()}
 
 
-def checks(rows) -> dict:
-    return {"bytes_match_all": all(r["bytes_match"] for r in rows),
-            "ppl_door_max_rel": max(abs(r["ppl_hf"] / r["ppl"] - 1) for r in rows)}
-
-
 def options(p) -> None:
     p.add_argument("--calib-tokens", dest="calib_tokens", type=int, help="calibration tokens")
     add_windows(p, data=False)
@@ -68,13 +63,15 @@ def rows(run):
         run.say(f"{name:24s} ppl {row['ppl']:.4f} (hf {row['ppl_hf']:.4f})  {row['bytes_per_token']:7.1f} B/token "
                 f"({row['ratio_vs_fp16_full']:.2f}x vs fp16)  bytes==formula {row['bytes_match']}")
         yield row
-    run.notes.update(checks(run.rows), selector=run.args.selector, tokens_seen=full["tokens_seen"])
-    if not run.notes["bytes_match_all"] or run.notes["ppl_door_max_rel"] >= 1e-4:
-        run.fail(f"the doors disagree: {checks(run.rows)}")
+    checks = {"bytes_match_all": all(r["bytes_match"] for r in run.rows),
+              "ppl_door_max_rel": max(abs(r["ppl_hf"] / r["ppl"] - 1) for r in run.rows)}
+    run.notes.update(checks, checks=checks, selector=run.args.selector, tokens_seen=full["tokens_seen"])
+    if not checks["bytes_match_all"] or checks["ppl_door_max_rel"] >= 1e-4:
+        run.fail(f"the doors disagree: {checks}")
 
 STUDY = Study("stack_stories260k", __doc__, rows, options=options,
               summary=lambda run, rows: {"calibration": {"source": CALIB.name, "tokens": run.notes["calib_tokens"]},
-                                         "checks": checks(rows)},
+                                         "checks": run.notes["checks"]},
               bounds={"calib_tokens": (512, 1 << 22), "windows": (1, 4096), "prompt": (1, 512), "cont": (1, 512),
                       "ranks": (1, 8), "budgets": (1, 512)})
 main = STUDY.main

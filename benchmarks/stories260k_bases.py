@@ -15,7 +15,7 @@ import itertools
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import CALIB, EVAL, STORIES
 from benchmarks.harness.runner import Study
-from benchmarks.lib.bases_report import checks, fmt_md, timing
+from benchmarks.lib.bases_report import checks, timing
 from benchmarks.lib.stories import calibration_ids, load_stories
 from kvsplice.evaluation.context import EvalContext, load_windows
 from kvsplice.evaluation.lowrank import evaluate_bases
@@ -71,18 +71,15 @@ def rows(run):
     full_cal = next(iter(next(iter(calib_cache.values()))["stats"].values()))  # (a calibration run: mode → stats)
     fr = next(iter(fit_reports.values()))
     run.notes.update(
-        config={"ranks": ranks, "methods": methods, "ropes": ropes, "chunk_size": run["chunk_size"],
-                "batch_size": run["batch_size"], "seq_len": run["seq_len"]},
-        model={"source": str(STORIES / "stories260K.bin"), "shapes": fr["shapes"],
+        methods=methods, model={"source": str(STORIES / "stories260K.bin"), "shapes": fr["shapes"],
                "fingerprint": fr["model_fingerprint"]},
         calibration={**fr["calibration"], "source": CALIB.name}, eval={**eval_info, "source": EVAL.name}, full=full,
         checks=checks(ctx, run.rows, fits_all, calib_cache, ranks, ropes, methods, full),
         timing=timing(calib_cache, fit_reports, ropes),
-        memory={"stats_nbytes": {half.n_tokens: half.nbytes(), full_cal.n_tokens: full_cal.nbytes()}})
+        memory={"tokens": [half.n_tokens, full_cal.n_tokens], "stats_nbytes": [half.nbytes(), full_cal.nbytes()]})
 
 
 STUDY = Study("stories260k_bases", __doc__, rows, options=options, summary=lambda run, rows: run.notes,
-              markdown=lambda run, rows: fmt_md({**run.notes, "results": rows}),
               bounds={"calib_tokens": (512, 1 << 22), "eval_tokens": (512, 1 << 22), "seq_len": (2, 512),
                       "batch_size": (1, 1024), "chunk_size": (1, 512), "ranks": (1, 8)})
 main = STUDY.main

@@ -1,4 +1,4 @@
-"""The checks and reports of the stories260K bases studies: ``benchmarks/stories260k_bases.py`` and
+"""The checks of ``benchmarks/stories260k_bases.py`` and the summary and report of
 ``benchmarks/fd_online_stories260k.py`` (online frequent-directions bases against global bases per rank budget)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvsplice.core.diagnostics import format_diagnostics
 from kvsplice.lowrank.fit_errors import score_error
 
-__all__ = ["TOL", "best", "checks", "chunk_check", "compare_scores", "fd_markdown", "fmt_md", "summary", "timing"]
+__all__ = ["TOL", "checks", "chunk_check", "compare_scores", "fd_markdown", "fd_summary", "summary", "timing"]
 
 TOL = 1e-6  # slack on the score errors: at full rank the fp32 oblique pair reconstructs to ~3e-7, K-only's to ~0
 
@@ -38,60 +38,6 @@ def chunk_check(ctx, bases, n_windows: int = 2) -> dict:
     a, b = perplexity(dec, ids, ctx.chunk_size), perplexity(dec, ids, 1)
     return {"windows": n_windows, f"ppl_chunk_{ctx.chunk_size}": a, "ppl_token_by_token": b,
             "rel_diff": abs(a - b) / b}
-
-
-def setting(shapes: dict, ev: dict, calibration: dict) -> str:
-    """The model, its held-out text and its calibration text, in words."""
-    return (f"stories260K ({shapes['n_layer']} layers, {shapes['n_head']} query / {shapes['n_kv_head']} KV heads, "
-            f"head_dim {shapes['head_dim']}) on {ev['tokens']:,} held-out TinyStories validation tokens "
-            f"({ev['windows']} windows × {ev['seq_len']}), bases calibrated on {calibration['tokens']:,} train-sample "
-            "tokens")
-
-
-def fmt_md(report: dict) -> str:
-    ranks, ropes, methods = report["config"]["ranks"], report["config"]["ropes"], report["config"]["methods"]
-    full = report["full"]
-    res = {(r["method"], r["rope"], r["rank"]): r for r in report["results"]}
-    d = report["model"]["shapes"]
-
-    def grid(cols, name, cell) -> list[str]:  # a row per method and RoPE mode, a column per rank
-        return ["| method | RoPE | " + " | ".join(map(name, cols)) + " |", "|---|---|" + "---|" * len(cols),
-                *(f"| {m} | {rope} | " + " | ".join(cell(res[(m, rope, r)]) for r in cols) + " |"
-                  for m in methods for rope in ropes)]
-
-    per_tok = {r: 2 * d["n_layer"] * d["n_kv_head"] * r for r in ranks}
-    full_tok = 2 * d["n_layer"] * d["n_kv_head"] * d["head_dim"]
-    lines = [f"Perplexity of {setting(d, report['eval'], report['calibration'])}. Every token attends over the "
-             f"cache (chunks of {report['config']['chunk_size']} tokens appended, then attended); value rank = key "
-             f"rank. Full K/V cache: **{full['ppl']:.4f}** (model's own forward: {full['model_forward_ppl']:.4f}).", "",
-             *grid(ranks, lambda r: f"R={r} ({per_tok[r]}/{full_tok} numbers/token)", lambda x: f"{x['ppl']:.3f}"),
-             "", "Held-out attention-score error ‖KQᵀ − K A BᵀQᵀ‖/‖KQᵀ‖ (per-head queries; mean over layers) / "
-             "attention-output error after W_O (mean over layers):", "",
-             *grid(ranks[:-1], "R={}".format, lambda x: f"{x['score_err_mean']:.3f} / {x['attn_out_err_mean']:.3f}")]
-    c = report["checks"]
-    lines += ["", f"* Attention-aware ≤ K-only score error (+{TOL:g}), every layer × KV head × rank × RoPE mode × "
-              f"objective (gqa-concat and kq on per-head scores, gqa-sum on group-summed scores): "
-              f"**{c['aa_le_konly']['calibration']['violations']} violations / "
-              f"{c['aa_le_konly']['calibration']['comparisons']}** on the calibration Grams (a theorem), "
-              f"**{c['aa_le_konly']['held_out']['violations']} / {c['aa_le_konly']['held_out']['comparisons']}** "
-              f"on the held-out Grams.",
-              f"* Lesens' gap ε ≥ 0 on held-out Grams for every layer/head/rank: {c['lesens_nonneg']}; layer-mean "
-              f"ε/‖KQᵀ‖² at R=4: " + ", ".join(f"{rope} {c['lesens_r4_mean'].get(rope, float('nan')):.3f}" for rope in ropes) + ".",
-              f"* Measured cache bytes == formula for all {c['bytes']['n']} compressed caches and the full cache: "
-              f"{c['bytes']['all_match']} (e.g. R=4: {c['bytes']['example_r4']:,} B vs full K/V "
-              f"{c['bytes']['full']:,} B for {c['bytes']['batch']} × {c['bytes']['seq_len']} tokens, fp32).",
-              f"* Full rank (R=8) reproduces the full cache: max |ppl/ppl_full − 1| = {c['full_rank_max_rel']:.1e}.",
-              "* Chunked (64) vs token-by-token decode: " + ", ".join(
-                  f"{k} rel. diff {v['rel_diff']:.1e}" for k, v in c["chunk_vs_token"].items()) + ".",
-              f"* Calibration + fit time / one plain forward pass over the same {report['calibration']['tokens']:,} "
-              f"tokens: " + ", ".join(f"{rope}: calibration {t['calibrate_s']:.2f} s, forward {t['forward_s']:.2f} s, "
-                                      f"fit {t['fit_s_min'] * 1e3:.0f}–{t['fit_s_max'] * 1e3:.0f} ms → ratio "
-                                      f"{t['ratio_min']:.2f}–{t['ratio_max']:.2f}"
-                                      for rope, t in report["timing"].items()) + ".",
-              "* Calibration statistics with the calibration text doubled: "
-              + ", ".join(f"{int(k):,} tokens → {v:,} bytes" for k, v in report["memory"]["stats_nbytes"].items())
-              + " (flat: the Grams are d×d per head).", ""]
-    return "\n".join(lines)
 
 
 def checks(ctx, results, fits_all, calib_cache, ranks, ropes, methods, full) -> dict:
@@ -152,55 +98,29 @@ def summary(diag: list[dict]) -> dict:
                 "chunks_mean": sum(d["chunks_mean"] for d in diag) / len(diag)} if "chunks_max" in diag[0] else {})}
 
 
-def best(rows: list[dict]) -> tuple[dict, dict | None]:
-    """The best attention-aware global row and the best matched fd-online row (None: none matched)."""
-    return (min((x for x in rows if x["kind"] == "global" and not x["reference_only"]), key=lambda x: x["ppl"]),
-            min((x for x in rows if x["kind"] == "fd-online" and x["matched"]), key=lambda x: x["ppl"], default=None))
-
-
-def fd_markdown(rep: dict, ranks=(2, 4, 6)) -> str:
-    """The report of a run: ``rep`` holds the header, the model, eval and calibration, ``full_ppl`` and the rows."""
-    L = rep["model"]
-    per_tok = 2 * L["n_layer"] * L["n_kv_head"] * L["head_dim"]
-    lines = [f"{setting(L, rep['eval'], rep['calibration'])} (global bases). Full K/V cache: ppl "
-             f"**{rep['full_ppl']:.3f}** ({per_tok} numbers/token). Bytes are per 512-token sequence, fp32, "
-             "coefficients + bases (fd-online: FD sketches listed separately); '×budget' = bytes / the global rank-R "
-             "cache's bytes. rel_out: teacher-forced head-output error (Σ‖o−ô‖²/Σ‖o‖²)^½, mean over layers; ε: max "
-             "logit error; J: chunks per stream at T = 512 (max / mean over layers and KV heads).", ""]
-    lines += ["| R (budget) | method | config | ppl | bytes | ×budget | sketch bytes | J max / mean | rel_out | ε max "
-              "| bounds hold |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    by = {r: [x for x in rep["rows"] if x["budget_rank"] == r] for r in ranks}
-    for r, rs in by.items():
+def fd_summary(notes: dict, rows: list[dict]) -> dict:
+    """``notes`` with the full cache's numbers per token; per budget R each row's ``x_budget`` (bytes / the global
+    rank-R cache's) and ``best`` (the lowest-ppl attention-aware global row and matched fd-online row)."""
+    for r in dict.fromkeys(x["budget_rank"] for x in rows):
+        rs = [x for x in rows if x["budget_rank"] == r]
         glob = [x for x in rs if x["kind"] == "global"]
-        budget, winners = glob[0]["bytes"], best(rs)
-        for x in glob + sorted((x for x in rs if x["kind"] == "fd-online"), key=lambda x: x["ppl"]):
-            fd, name = x["kind"] == "fd-online", x["method"] + (" (reference)" if x.get("reference_only") else "")
-            j = f"{x['chunks_max']} / {x['chunks_mean']:.1f}" if "chunks_max" in x else "—"
-            sk = f"{x['sketch_bytes']:,}" if fd else "—"
-            lines.append(f"| {r} ({2 * r}/token) | {f'**{name}**' if any(x is w for w in winners) else name} | "
-                         f"{x.get('label', f'R={r}')} | {x['ppl']:.3f} | {x['bytes']:,} | {x['bytes'] / budget:.3f}"
-                         f"{' (over)' if fd and not x['matched'] else ''} | {sk} | {j} | {x['rel_out_mean']:.3f} | "
-                         f"{x['logit_err_max']:.1f} | {'yes' if x['bounds_hold'] else 'NO'} |")
-    lines += ["", "Best matched fd-online vs best global attention-aware post-RoPE method (ppl):", ""]
-    for r, rs in by.items():
-        (g, f), k = best(rs), next(x for x in rs if x["method"].startswith("ksvd"))
-        if f is not None:
-            lines.append(f"* R={r}: fd-online {f['ppl']:.2f} ({f['label']}, {f['bytes'] / g['bytes']:.3f}× bytes, "
-                         f"J={f['chunks_max']}) vs {g['method']} {g['ppl']:.2f}; K-only global (ksvd post) "
-                         f"{k['ppl']:.2f}.")
-    lines += ["", "Bound slack on every row (bound / observed, ratio of the maxima over queries and heads, worst "
-              "layer): logit ‖q‖·max ρ_k · s, softmax 2 tanh(δ̄/4) and 2 sinh(δ̄/2) (δ̄ = 2 × logit bound), output "
-              "‖Δα‖₁ max‖v‖ + max‖Δv‖:", "",
-              "| R | method | config | logit | softmax tanh | softmax sinh | output |", "|---|---|---|---|---|---|---|"]
-    for x in rep["rows"]:
-        lines.append(f"| {x['budget_rank']} | {x['method']} | {x.get('label', '')} | {x['slack_logit']:.2f} | "
-                     f"{x['slack_softmax_tanh']:.2f} | {x['slack_softmax_sinh']:.3g} | {x['slack_output']:.2f} |")
-    r4 = [x for x in rep["rows"] if x["budget_rank"] == 4]
-    if not r4:
-        return "\n".join(lines)
-    best_g, best_fd = best(r4)
-    lines += ["", "Per-layer diagnostics at R = 4 (first window, teacher-forced; max over queries and heads; "
-              "slack = the tightest per-query bound/observed):", "",
-              format_diagnostics(best_fd["layers"], f"fd-online {best_fd['label']}"), "",
-              format_diagnostics(best_g["layers"], best_g["method"]), ""]
+        g = min((x for x in glob if not x["reference_only"]), key=lambda x: x["ppl"])
+        f = min((x for x in rs if x["kind"] == "fd-online" and x["matched"]), key=lambda x: x["ppl"], default=None)
+        for x in rs:
+            x.update(x_budget=x["bytes"] / glob[0]["bytes"], best=x is g or x is f)
+    m = notes["model"]
+    notes["full_numbers"] = 2 * m["n_layer"] * m["n_kv_head"] * m["head_dim"]
+    return notes
+
+
+def fd_markdown(spec: dict, rows: list[dict], values: dict) -> str:
+    """The YAML's table of every row (``values``: :func:`fd_summary`'s), then R = 4's best rows layer by layer."""
+    from benchmarks.harness import report
+
+    best = [x for x in rows if x["budget_rank"] == 4 and x.get("best")]
+    lines = [report.markdown(spec, rows, values)]
+    if best:
+        lines += ["Per-layer diagnostics at R = 4 (first window, teacher-forced; max over queries and heads; slack = "
+                  "the tightest per-query bound/observed):", ""]
+        lines += [format_diagnostics(x["layers"], f"{x['method']} {x.get('label', '')}".strip()) + "\n" for x in best]
     return "\n".join(lines)

@@ -32,10 +32,12 @@ def frame(ax, spec: dict) -> None:
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
 
 
-def figure(trained: list[dict], post: list[dict]):
-    """The two panels: trained variants (loss against bytes), post-training methods (perplexity change against
-    times smaller); returns the matplotlib figure."""
+def figure(points: list[dict]):
+    """The two panels (the points' ``panel``): trained variants (loss against bytes), post-training methods
+    (perplexity change against times smaller); returns the matplotlib figure."""
     import matplotlib.pyplot as plt
+
+    trained, post = ([p for p in points if p["panel"] == k] for k in ("trained", "post"))
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 6.2), dpi=110)
 

@@ -34,7 +34,7 @@ class Bench:
         self.loaded = C.load()
         self.model = self.loaded.model
         self.eval = C.eval_windows(self.loaded)  # (4, 1024)
-        self.tune = C.tune_windows(self.loaded, 2)  # (2, 1024) of the train sample after the calibration tokens
+        self.tune = C.token_windows(self.loaded, C.CALIB, 2 * C.SEQ, skip=C.CALIB_TOKENS)  # (2, 1024): tuning slice
         self.s_windows = C.token_windows(self.loaded, C.VAL, 5 * 832, seq=832)  # (5, 832)
         print(f"loaded in {time.perf_counter() - t0:.0f} s; eval {tuple(self.eval.shape)}, tune "
               f"{tuple(self.tune.shape)}, S {tuple(self.s_windows.shape)}", flush=True)
@@ -80,9 +80,8 @@ class Bench:
                                 "tuning_full_ppl": found["full"]["tuning_ppl"]}
 
     def hf_quantized(self, rid: str, spec: dict) -> dict:
-        """transformers' own ``QuantizedCache`` (its defaults: group 64, residual 128, axis 0) in the model's
-        forward on protocol P: prefill the prompt, decode the continuation one token at a time, score it. Bytes:
-        measured from the cache's tensors (quanto's packed data, scales and shifts) right after the prefill."""
+        """transformers' ``QuantizedCache`` (its defaults: group 64, residual 128, axis 0) on protocol P, token by
+        token; bytes measured from the cache's tensors (quanto's packed data, scales, shifts) after the prefill."""
         from transformers.cache_utils import QuantizedCache
 
         t0, held = time.perf_counter(), []

@@ -1,11 +1,11 @@
-"""The SmolLM2 frontier report from the rows of ``benchmarks/smollm2_frontier.py`` (the runner writes it): the
-frontier table (Pareto front marked), the goals, the planner's stacks, the paper's claims, the kvpress comparison."""
+"""The SmolLM2 frontier report's rows and figure from the rows of ``benchmarks/smollm2_frontier.py``: a table per
+protocol (Pareto front marked), the planner's stacks, the energy ranks, the kvpress comparison."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["FAMILIES", "energy_claims", "family", "figure", "markdown", "pareto"]
+__all__ = ["FAMILIES", "energy_claims", "family", "figure", "report_rows"]
 
 FAMILIES = {"full": "s", "quantisation": "o", "low rank (bases)": "^", "token selection alone": "v",
             "token selection + quantisation": "D", "planner": "*"}
@@ -43,87 +43,42 @@ def energy_claims(stats_path: Path) -> dict:
     return out
 
 
-def pareto(rows: list[dict]) -> set[str]:
-    """Ids of the rows no other row beats on both bytes per token (≤) and perplexity (<)."""
-    return {r["id"] for r in rows if not any(o is not r and o["bytes_per_token"] <= r["bytes_per_token"] and
-                                             o["ppl"] < r["ppl"] for o in rows)}
-
-
-def _pct(ppl: float, base: float) -> float:
-    return 100 * (ppl / base - 1)
-
-
-def _section(title: str, header: str, rows: list[str]) -> list[str]:
-    """A markdown section of the report: ``## title``, the table (``header``, its rule, ``rows``) and a blank line."""
-    return [f"## {title}", "", header, "|" + "---|" * (header.count("|") - 1), *rows, ""]
-
-
-def markdown(rows: list[dict], kvpress: dict, issue: dict, claims: dict) -> str:
-    """results/smollm2_frontier.md: a table per protocol, the planner's stacks and the energy ranks."""
-    by = {p: [r for r in rows if r.get("protocol") == p] for p in "PSW"}
-    base = {p: next((r["ppl"] for r in rows if r["id"] in ("full", "S_full", "W_full")), None) for p, rows in by.items()}
-    md = ["# SmolLM2-135M-Instruct: perplexity vs KV-cache bytes, every method family", "",
-          "Made by `python -m benchmarks.smollm2_frontier` (protocols and text in its docstring). Bytes per token: "
-          "each method's closed form at fp16 storage for the tokens held after the 768-token prompt, per prompt "
-          "token; measured == formula in every batch of every row. Ratio: vs the fp16 full K/V cache (23,040 B per "
-          "token). Δ: vs the full cache on the same windows and protocol. ★ = on the Pareto front (no other row is "
-          "both smaller and better).", ""]
-    if by["P"]:
-        front = pareto(by["P"])
-        md += _section(
-            f"Protocol P: 4 windows × 1,024 of the validation text, 768-token prompt compressed, 256 tokens scored "
-            f"(full cache ppl {base['P']:.4f})",
-            "| | method / stack | ppl | Δ % | bytes / token | × smaller than fp16 full |",
-            [f"| {'★' if r['id'] in front else ''} | {r['label']} | {r['ppl']:.4f} | {_pct(r['ppl'], base['P']):+.2f} | "
-             f"{r['bytes_per_token']:,.0f} | {r['ratio_vs_fp16_full']:.2f} |"
-             for r in sorted(by["P"], key=lambda r: -r["bytes_per_token"])])
-    if by["W"]:
-        md += _section(
-            f"Protocol W (the low-rank protocol): every token of the 4 windows over the compressed cache (full cache "
-            f"ppl {base['W']:.4f}; reference {issue['full_W']})",
-            "| method | ppl | Δ % | × smaller than fp16 full | mean R_k / R_v |",
-            [f"| {r['label']} | {r['ppl']:.4f} | {_pct(r['ppl'], base['W']):+.2f} | {r['ratio_vs_fp16_full']:.2f} | "
-             f"{_ranks(r.get('ranks'))} |" for r in sorted(by["W"], key=lambda r: -r["bytes_per_token"])])
-    if by["S"]:
-        kv_best = {x: f"{n} {v:+.1f} %" for (n, x), v in kvpress.items()}  # ratio → kvpress's best press
-        md += _section(
-            f"Protocol S (kvpress's protocol): 5 windows of 832, 768-token prompt compressed 2/4/8×, 64 tokens "
-            f"scored (full cache ppl {base['S']:.4f})",
-            "| selector | ratio | ppl | Δ % | kvpress's best press at this ratio (kvpress 0.5.5, quoted) |",
-            [f"| {r['spec'].get('selector', 'full K/V')} | {r['spec'].get('x') or 1}× | {r['ppl']:.4f} | "
-             f"{_pct(r['ppl'], base['S']):+.2f} | {kv_best.get(r['spec'].get('x'), '')} |"
-             for r in sorted(by["S"], key=lambda r: (r["spec"].get("x", 1), r["ppl"]))])
-    plans = [r for r in by["P"] if r["id"].startswith("plan_")]
-    if plans:
-        md += _section(
-            "The planner's stacks (chosen on the tuning slice, then measured here)",
-            "| budget | chosen stack | tuning Δ % | eval ppl | eval Δ % | × smaller | candidates measured |",
-            [f"| {r['spec']['plan']}× | {r['label']} | "
-             f"{min(r['candidates'], key=lambda c: c['tuning_ppl'])['delta_pct']:+.2f} | {r['ppl']:.4f} | {_pct(r['ppl'], base['P']):+.2f} | {r['ratio_vs_fp16_full']:.2f} | {len(r['candidates'])} |"
-             for r in sorted(plans, key=lambda r: r["spec"]["plan"])])
-    if claims:
-        md += _section(
-            "Energy ranks (90 % of the K-only / V-only spectrum, calibration Grams)",
-            "| stream | mean rank of 64 | heads with rank ≤ d/4 = 16 |",
-            [f"| {k} | {v['mean_rank_90']:.1f} | {100 * v['share_le_d4']:.0f} % |" for k, v in claims.items()])
-    return "\n".join(md)
+def report_rows(rows: list[dict], kvpress: dict, claims: dict) -> list[dict]:
+    """The YAML ``report:``'s rows, largest caches first: each with its ``part`` (protocol), Δ %, ★ (P's Pareto
+    front), S's ratio and kvpress's quoted best press; the planner's rows again (part ``plan``); the energy ranks."""
+    base = {r["protocol"]: r["ppl"] for r in rows if r["id"] in ("full", "S_full", "W_full")}
+    p = [r for r in rows if r["protocol"] == "P"]  # ★: no other row of P both ≤ in bytes per token and < in ppl
+    front = {r["id"] for r in p if not any(o["bytes_per_token"] <= r["bytes_per_token"] and o["ppl"] < r["ppl"]
+                                           for o in p)}
+    kv_best = {x: f"{n} {v:+.1f} %" for (n, x), v in kvpress.items()}  # ratio → kvpress's best press
+    out = []
+    for r in sorted(rows, key=lambda r: (-r["bytes_per_token"], r["ppl"])):
+        x = r["spec"].get("x") or 1
+        row = {**r, "part": r["protocol"], "star": "★" if r["id"] in front else "", "x": x, "kvpress": kv_best.get(x),
+               "delta_pct": 100 * (r["ppl"] / base[r["protocol"]] - 1),
+               "selector": r["spec"].get("selector", "full K/V")}
+        out.append(row)
+        if r["id"].startswith("plan_"):
+            tuned = min(r["candidates"], key=lambda c: c["tuning_ppl"])
+            out.append({**row, "part": "plan", "tuning_delta_pct": tuned["delta_pct"],
+                        "n_candidates": len(r["candidates"])})
+    return out + [{"part": "energy", "stream": k, **v, "share_le_d4_pct": 100 * v["share_le_d4"]}
+                  for k, v in claims.items()]
 
 
 def figure(rows: list[dict]):
     """Protocol P's rows: perplexity increase against bytes per token, by method family, the Pareto front dashed."""
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if r.get("protocol") == "P"]
-    base = next((r["ppl"] for r in rows if r["id"] == "full"), None)
-    front = pareto(rows)
+    rows = [r for r in report_rows(rows, {}, {}) if r["part"] == "P"]
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for name, marker in FAMILIES.items():
         pts = [r for r in rows if family(r) == name]
         if pts:
-            ax.scatter([r["bytes_per_token"] for r in pts], [_pct(r["ppl"], base) for r in pts], marker=marker,
+            ax.scatter([r["bytes_per_token"] for r in pts], [r["delta_pct"] for r in pts], marker=marker,
                        s=90 if name == "planner" else 40, label=name)
-    fr = sorted((r for r in rows if r["id"] in front), key=lambda r: r["bytes_per_token"])
-    ax.plot([r["bytes_per_token"] for r in fr], [_pct(r["ppl"], base) for r in fr], "k--", lw=1, label="Pareto front")
+    fr = sorted((r for r in rows if r["star"]), key=lambda r: r["bytes_per_token"])
+    ax.plot([r["bytes_per_token"] for r in fr], [r["delta_pct"] for r in fr], "k--", lw=1, label="Pareto front")
     ax.set_xscale("log")
     ax.set_yscale("symlog", linthresh=1)
     ax.set(xlabel="cache bytes per token (fp16 storage; full K/V = 23,040)",
@@ -135,6 +90,3 @@ def figure(rows: list[dict]):
     fig.tight_layout()
     return fig
 
-
-def _ranks(rk) -> str:
-    return "" if rk is None else f"{rk['mean_k']:.1f} / {rk['mean_v']:.1f}"

@@ -30,11 +30,6 @@ def eval_windows(loaded) -> torch.Tensor:
     return token_windows(loaded, VAL, EVAL_TOKENS)
 
 
-def tune_windows(loaded, n: int = 4) -> torch.Tensor:
-    """A tuning slice of the train sample, after the calibration tokens (never the evaluation windows)."""
-    return token_windows(loaded, CALIB, n * SEQ, skip=CALIB_TOKENS)
-
-
 def stats(loaded, progress: bool = True):
     from kvsplice.lowrank.sensitivity import stats_for
 

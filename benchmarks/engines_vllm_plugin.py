@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmarks.harness import report
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.runner import Study
 from benchmarks.lib import vllm_plugin as lib
@@ -84,12 +85,30 @@ def summary(run, rows) -> dict:
         repeats += rep
     res = {"vllm": next((r["vllm"] for r in rows if r.get("vllm")), "?"), "ratios": lib.ratios(table),
            "repeats": repeats, "table": [rows.index(r) for r in table]}
-    run.notes["report"] = dict(res, rows=table)
+    budgets = {("124M shapes" if "124M" in r["model"] else "tiny"): r.get("kv_budget") for r in table}
+    run.notes.update(vllm=res["vllm"], slack=lib.SLACK, report=report_rows(table, res),
+                     budgets="; ".join(f"{g} {b:,} B" for g, b in budgets.items() if b))
     return res
 
 
+def report_rows(table: list[dict], res: dict) -> list[dict]:
+    """The report's rows (``section``: runs, ratios, repeats) with the cells a template cannot compute."""
+    out = []
+    for r in table:
+        t = r.get("throughput") or {}
+        out.append(dict(r, section="runs", route="plugin" if r["plugin"] else "padded 512+64, vLLM alone",
+                        tokens=t.get("prompt", 0) + t.get("new", 0),
+                        same="=" if r.get("bytes_per_token") == r["bytes_per_token_formula"] else "≠"))
+    out += [dict(section="ratios", ratio=k, value=v) for k, v in res["ratios"].items()]
+    for r in res["repeats"]:
+        each = zip(r["median_step"]["values"], r["all_steps"]["values"])
+        out.append(dict(r, section="repeats", each=", ".join(f"{x:.2f} / {y:.2f}" for x, y in each),
+                        loads=", ".join(f"{x['mean']:.1f} ({x['max']:.1f})" if x else "—" for x in r["load"])))
+    return out
+
+
 STUDY = Study("engines_vllm_plugin", __doc__, rows, options=options, summary=summary, threads=None,
-              markdown=lambda run, rows: lib.markdown(run.notes["report"]),
+              markdown=lambda run, rows: report.markdown(STUDY.spec("report"), run.notes["report"], run.notes),
               bounds={"context": (32, 1 << 17), "new": (1, 4096), "mha_seqs": (1, 1 << 20),
                       "repeats": (1, lib.MAX_REPEATS)})
 main = STUDY.main

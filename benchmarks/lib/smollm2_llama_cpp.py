@@ -2,7 +2,7 @@
 instances, fed our token ids (:func:`protocol_p`, :func:`answer`: scored as ``kvsplice.evaluation.protocol`` and
 ``kvsplice.tasks.runner`` score ours; llama.cpp reads every K / V row as stored, as our storage methods do, so the task
 settings differ only in how the ids are batched), its cache per token, llama-perplexity itself beside the C API path,
-our stacks on protocol P, and the tables beside our rows from ``results/`` (the study's YAML names them)."""
+our stacks on protocol P, and the report's figures beside our rows from ``results/`` (the study's YAML names them)."""
 
 from __future__ import annotations
 
@@ -148,7 +148,8 @@ def caches(rows: list[dict]) -> dict[str, dict]:
 
 
 def p_table(rows: list[dict], cache: dict) -> list[dict]:
-    """Protocol P: llama.cpp's types, our rows from ``results/`` and ours (``--ours``), most bytes first."""
+    """Protocol P: llama.cpp's types, our rows from ``results/`` and ours (``--ours``), most bytes first; each with
+    its ratio to fp16's bytes and its perplexity against llama.cpp's f16 and our full cache."""
     out = [{"label": f"llama.cpp `{r['type']}` K+V", "ppl": r["ppl"], "bytes_per_token": c["bytes_per_token"],
             "formula": c["formula_bytes_per_token"], "cells": c["cells"]}
            for r in rows if r["kind"] == "P" for c in [cache[r["type"]]]]
@@ -160,6 +161,13 @@ def p_table(rows: list[dict], cache: dict) -> list[dict]:
             out.append({"label": label, "ppl": r["ppl"], "bytes_per_token": r["bytes_per_token"]})
     out += [{"label": f"ours: {r['spec']}", "ppl": r["ppl"], "bytes_per_token": r["bytes_per_token"]}
             for r in rows if r["kind"] == "ours"]
+    f16 = next((r["ppl"] for r in out if r["label"] == "llama.cpp `f16` K+V"), None)
+    full = next((r["ppl"] for r in out if r["label"].startswith("ours: full")), None)
+    for r in out:  # the fp16 cache over its bytes; perplexity against llama.cpp's f16 and our full cache, in %
+        r.update(smaller=FULL / r["bytes_per_token"], vs_f16=f16 and 100 * (r["ppl"] / f16 - 1),
+                 vs_full=full and 100 * (r["ppl"] / full - 1))
+        if "formula" in r:
+            r["exact"] = r["bytes_per_token"] == r["formula"]
     return sorted(out, key=lambda r: -r["bytes_per_token"])
 
 

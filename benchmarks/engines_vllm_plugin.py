@@ -62,15 +62,15 @@ def rows(run):
         raise UsageError(why)
     for i in range(run["repeats"]):
         done = []
-        with lib.LoadSampler() as load:
+        with lib.sampled_load() as load:
             for row in lib.one_run([] if a.skip_124m else run["shapes"], a.trained, mha_seqs=run["mha_seqs"],
                                    context=run["context"], new=run["new"],
                                    previous=lambda **key: run.previous(run=i, part=0, **key)):
                 done.append(dict(row, run=i, part=0))
                 yield done[-1]
         for r in done:  # the conditions of the whole run, in each of its rows
-            r["load"] = load.summary()
-        run.say(f"engines_vllm_plugin: run {i + 1} of {run['repeats']} done; load {load.summary()}")
+            r["load"] = dict(load)
+        run.say(f"engines_vllm_plugin: run {i + 1} of {run['repeats']} done; load {load}")
 
 
 def summary(run, rows) -> dict:

@@ -1,8 +1,6 @@
-"""The vLLM runs (CPU) of ``benchmarks/engines_vllm.py`` and ``engines_vllm_plugin.py``: a DeepSeek-V3 export against
-transformers and ours on the same tokens (log-probabilities, perplexity, greedy tokens, the backend and KV row vLLM
-picked: :func:`compare`), and the plugin study's models in one KV budget (exactness, cache tokens, decode tokens/s at
-the largest batch), the load average sampled meanwhile, the ratios to standard attention, their spread over repeated
-runs."""
+"""The vLLM runs (CPU) of ``benchmarks/engines_vllm.py`` (an export against transformers and ours: :func:`compare`)
+and ``engines_vllm_plugin.py`` (models in one KV budget: :func:`one_run`; the load meanwhile, ratios to standard
+attention and their spread over repeated runs)."""
 
 from __future__ import annotations
 
@@ -69,14 +67,12 @@ def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int
                                      native_rope=native)
         seconds[name] = time.perf_counter() - t0
         lp[name], greedy[name] = [float(v) for v in runs[name].logprobs[1:]], runs[name].greedy
-    v = runs["vllm"]
-    la = v.layers[0]
-    d_lp = {k: max(abs(a - b) for a, b in zip(lp[k], lp["transformers"])) for k in lp if k != "transformers"}
-    first_bad = {k: next((i for i, (a, b) in enumerate(zip(lp[k], lp["transformers"])) if abs(a - b) > 1e-3), None)
-                 for k in lp if k != "transformers"}
+    v, la = runs["vllm"], runs["vllm"].layers[0]
+    diff = {k: [abs(a - b) for a, b in zip(x, lp["transformers"])] for k, x in lp.items() if k != "transformers"}
+    first = {k: next((i for i, e in enumerate(d) if e > 1e-3), None) for k, d in diff.items()}  # 0-based position
     return {"tokens": len(ids), "new": new, "perplexity": {k: math.exp(-sum(x) / len(x)) for k, x in lp.items()},
-            "max_abs_logprob_diff_vs_transformers": d_lp,
-            "first_position_off_by_1e-3": first_bad,  # 0-based position whose next-token prediction is off
+            "max_abs_logprob_diff_vs_transformers": {k: max(d) for k, d in diff.items()},
+            "first_position_off_by_1e-3": first,  # whose next-token prediction is off
             "greedy": greedy,
             "greedy_equal_to_transformers": {k: g == greedy["transformers"] for k, g in greedy.items()},
             "vllm": {"version": v.version, "backend": v.backend, "prefill_backend": la["prefill_backend"],
@@ -206,30 +202,25 @@ def one_run(shapes, trained, *, mha_seqs: int, context: int, new: int, previous=
         shutil.rmtree(work, ignore_errors=True)
 
 
-class LoadSampler(threading.Thread):
-    """The 1-minute load average every ``every`` seconds while in its ``with`` block (the CPU is shared: the
-    conditions a run was measured under)."""
+@contextlib.contextmanager
+def sampled_load(every: float = 5.0):
+    """The 1-minute load average every ``every`` seconds in the ``with`` block (the CPU is shared: the conditions a
+    run was measured under): yields a dict that holds their mean, min, max and count when the block ends."""
+    x, done, out = [os.getloadavg()[0]], threading.Event(), {}
 
-    def __init__(self, every: float = 5.0) -> None:
-        super().__init__(daemon=True)
-        self.every, self.samples, self.done = every, [os.getloadavg()[0]], threading.Event()
+    def sample() -> None:
+        while not done.wait(every):
+            x.append(os.getloadavg()[0])
 
-    def run(self) -> None:
-        while not self.done.wait(self.every):
-            self.samples.append(os.getloadavg()[0])
-
-    def __enter__(self) -> "LoadSampler":
-        self.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.done.set()
-        self.join(timeout=2 * self.every)
-        self.samples.append(os.getloadavg()[0])
-
-    def summary(self) -> dict[str, float]:
-        x = self.samples
-        return {"mean": round(statistics.fmean(x), 2), "min": round(min(x), 2), "max": round(max(x), 2), "n": len(x)}
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield out
+    finally:
+        done.set()
+        thread.join(timeout=2 * every)
+        x.append(os.getloadavg()[0])
+        out.update(mean=round(statistics.fmean(x), 2), min=round(min(x), 2), max=round(max(x), 2), n=len(x))
 
 
 def ratios(rows: list[dict[str, Any]], key: str = KEY) -> dict[str, float]:

@@ -22,7 +22,7 @@ from benchmarks.harness import report
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import CALIB, EVAL, SMOLLM2, TINYSTORIES
 from benchmarks.harness.runner import Study
-from benchmarks.lib.vllm_plugin import compare, smollm2, trained  # noqa: F401  (the tests call compare here)
+from benchmarks.lib.engines import compare, smollm2, trained  # noqa: F401  (the tests call compare here)
 
 ENGINES = {"ours": "ours (cached decode / full forward)", "transformers": "transformers, unpadded export",
            "transformers_padded": "transformers, padded export", "vllm": "vLLM, padded export (PyTorch RoPE)",

@@ -1,15 +1,14 @@
-"""Our DeepSeek-V3 exports in vLLM (CPU) through the package's plugin, side by side in one run: exactness against
-transformers, vLLM's own count of cache tokens against the bytes-per-token formula, and decode tokens/s at each
-model's largest batch in one KV budget; the padded 512 + 64 route (vLLM without the plugin) beside it.
+"""Our DeepSeek-V3 exports in vLLM (CPU) through the package's plugin, in one KV budget: exactness against
+transformers, vLLM's cache tokens against the bytes-per-token formula, decode tokens/s at each model's largest batch;
+the padded 512 + 64 route (vLLM without the plugin) beside it. Needs vLLM's venv (docs/vllm.md).
 
     python -m benchmarks.engines_vllm_plugin --context 1024 --new 16 --shapes ds_mha ds_mla_kvsplice_90 --repeats 3
     python -m benchmarks.engines_vllm_plugin --skip-124m --context 128 --trained RUNS/tiny_ds_mha/last.ckpt ...
     python -m benchmarks.engines_vllm_plugin --join A.json B.json --out results/engines_vllm_plugin
 
-Models: the 124M shapes with random weights (seed 0: exactness and speed do not depend on training) and the
-``--trained`` tiny checkpoints, one vLLM engine each (fp32, eager), its budget ``--mha-seqs`` full sequences of its
-group's standard attention. ``--repeats``: each ratio's median and spread and the load average (the table: the run
-nearest the median); ``--join``: earlier runs' JSON files in one report. Needs vLLM's venv (docs/vllm.md).
+Models: the 124M shapes, random weights (seed 0), and ``--trained`` tiny checkpoints; a group's budget: ``--mha-seqs``
+sequences of its standard attention. ``--repeats``: each ratio's median and spread (the table: the run nearest the
+median); ``--join``: earlier runs' JSON files in one report.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from pathlib import Path
 from benchmarks.harness import report
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.runner import Study
-from benchmarks.lib import vllm_plugin as lib
+from benchmarks.lib import engines as lib
 
 
 def options(ap) -> None:

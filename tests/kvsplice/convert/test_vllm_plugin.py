@@ -155,7 +155,7 @@ def test_benchmark_formula_ratios_and_report(monkeypatch, tmp_path, capsys):
     from tiny_models import load_benchmark
 
     from benchmarks.harness import report
-    from benchmarks.lib import vllm_plugin as lib
+    from benchmarks.lib import engines as lib
 
     bench = load_benchmark("engines_vllm_plugin")
     assert lib.bytes_per_token(GPTConfig.from_name("ds_mha")) == 12 * 2 * 768 * 4

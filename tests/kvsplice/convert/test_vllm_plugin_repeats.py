@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from benchmarks.lib import vllm_plugin as lib
+from benchmarks.lib import engines as lib
 from tiny_models import load_benchmark
 
 MHA, KV90 = "ds_mha (124M shapes, random)", "ds_mla_kvsplice_90 (124M shapes, random)"

@@ -34,10 +34,8 @@ def report_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The report's rows: each model's (``section`` models), then one per engine it ran in (engines)."""
     out = []
     for r in rows:
-        m = r["model"]
-        out.append(dict(r, section="models", spec=json.dumps({k: m[k] for k in m if k != "greedy_text"}),
-                        text=m.get("greedy_text", {}).get("transformers"),
-                        seconds=", ".join(f"{k} {t:.0f} s" for k, t in r["vllm"]["seconds"].items())))
+        spec = {k: v for k, v in r["model"].items() if k != "greedy_text"}  # the text: a column of its own
+        out.append(dict(r, section="models", spec=json.dumps(spec)))
         out += [dict(section="engines", name=r["name"], engine=label, tokens=r["tokens"], new=r["new"],
                      ppl=r["perplexity"][key], d=r["max_abs_logprob_diff_vs_transformers"].get(key),
                      first=r["first_position_off_by_1e-3"].get(key), same=r["greedy_equal_to_transformers"].get(key))

@@ -11,9 +11,7 @@ figures from ``results/`` (the same windows and seeds).
     python -m benchmarks.smollm2_llama_cpp --report-only --resume --force   # the report from what is finished
 
 ``--resume`` keeps every finished row and measures the rest; our rows come from ``results/`` (the study's YAML).
-llama.cpp runs through its C API (``$KVSPLICE_LLAMA_CPP``) on the shared Q4_1 GGUF itself, fed our tokenizer's ids, K
-and V in the type, flash attention on (llama.cpp quantises V only with it); bytes per token: its log line at context
-creation over its cells, beside ggml's closed form (:mod:`kvsplice.convert.engines.kv_types`).
+llama.cpp: its C API (``$KVSPLICE_LLAMA_CPP``), flash attention on (it quantises V only with it).
 """
 
 from __future__ import annotations

@@ -59,8 +59,6 @@ def export_model(model, out: Path, pad: Optional[tuple[int, int]] = None) -> Pat
 def load_trained(ckpt: Path, text: str, tokens: int, work: Optional[Path], prefix: str):
     """``(model, cfg, meta, work, ids)``: ``ckpt`` loaded and exported into ``work/hf`` (default: a new temporary
     folder), ``ids`` the first ``tokens`` of ``text`` (at most the model's context) in the run's tokenizer."""
-    import transformers
-
     from models.checkpoint import load_gpt_checkpoint
 
     model, cfg, meta = load_gpt_checkpoint(ckpt)
@@ -198,20 +196,19 @@ def measure(name: str, folder: Path, ref_dir: Path, cfg, *, budget: int, context
     """One vLLM engine on ``folder`` against transformers on ``ref_dir`` (``error``: a budget under one sequence)."""
     ids = torch.randint(0, cfg.vocab_size, (SCORED,), generator=torch.Generator().manual_seed(1)).tolist()
     lp, greedy = reference(ref_dir, ids, ids[:PROMPT], new)
-    t0 = time.perf_counter()
-    formula = budget // row_bytes
+    t0, formula = time.perf_counter(), budget // row_bytes
+    row = {"model": name, "plugin": plugin, "kv_budget": budget, "bytes_per_token_formula": row_bytes,
+           "cache_tokens_formula": formula}
     if formula < context + 16:  # less than one full-length sequence (and vLLM's null block): vLLM refuses to start
-        return {"model": name, "plugin": plugin, "kv_budget": budget, "row": None, "bytes_per_token_formula": row_bytes,
-                "cache_tokens_formula": formula, "error": f"the budget holds {formula} tokens, under one {context}-"
-                f"token sequence: vLLM does not start"}
+        return dict(row, row=None, error=f"the budget holds {formula} tokens, under one {context}-token sequence: "
+                    "vLLM does not start")
     run = vllm_engine.run(folder, prompt=ids[:PROMPT], new=new, score=ids, others=[ids[40:90], ids[3:20], ids[:5]],
                           max_model_len=context, kv_cache_bytes=budget, plugin=plugin, max_num_seqs=1024,
                           block_size=BLOCK, throughput={"seqs": 0, "prompt": context - new, "new": new}, timeout=3600)
     la = run.layers[0]
-    return {"model": name, "plugin": plugin, "kv_budget": budget, "backend": la["backend"], "decode_kernel": la["kernel"],
-            "row": la["kv_cache_shape"][-1], "bytes_per_token": run.kv_bytes_per_token,
-            "bytes_per_token_formula": row_bytes, "cache_tokens_vllm": run.cache_tokens,
-            "cache_tokens_formula": formula, "greedy_equal": run.greedy == greedy,
+    return {**row, "backend": la["backend"], "decode_kernel": la["kernel"], "row": la["kv_cache_shape"][-1],
+            "bytes_per_token": run.kv_bytes_per_token, "cache_tokens_vllm": run.cache_tokens,
+            "greedy_equal": run.greedy == greedy,
             "max_abs_logprob_diff": max(abs(a - b) for a, b in zip(run.logprobs[1:], lp)),
             "throughput": run.throughput, "seconds": time.perf_counter() - t0, "vllm": run.version}
 

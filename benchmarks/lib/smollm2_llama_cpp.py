@@ -1,8 +1,6 @@
-"""The rows and report of ``benchmarks/smollm2_llama_cpp.py``: llama.cpp's cache types on protocol P and the task
-instances, fed our token ids (:func:`protocol_p`, :func:`answer`: scored as ``kvsplice.evaluation.protocol`` and
-``kvsplice.tasks.runner`` score ours; llama.cpp reads every K / V row as stored, as our storage methods do, so the task
-settings differ only in how the ids are batched), its cache per token, llama-perplexity itself beside the C API path,
-our stacks on protocol P, and the report's figures beside our rows from ``results/`` (the study's YAML names them)."""
+"""The rows of ``benchmarks/smollm2_llama_cpp.py``: llama.cpp's cache types on protocol P and the task instances, fed
+our token ids and scored as ours are (:func:`protocol_p`, :func:`answer`), its cache per token, llama-perplexity beside
+the C API path, our stacks on protocol P, and the tables' figures beside our rows from ``results/``."""
 
 from __future__ import annotations
 
@@ -45,7 +43,8 @@ def protocol_p(lm: LlamaCppModel, windows: Sequence[Sequence[int]], *, prompt_le
 
 
 def answer(lm: LlamaCppModel, tokenizer, inst, *, setting: str = "agnostic") -> dict[str, Any]:
-    """``inst`` answered greedily by ``lm`` in ``setting`` and scored as the suite scores it."""
+    """``inst`` answered greedily by ``lm`` in ``setting`` and scored as the suite scores it (llama.cpp reads every
+    K / V row as stored, as our storage methods do: the settings differ only in how the ids are batched)."""
     from kvsplice.tasks.instance import SETTINGS, prompt_ids
     from kvsplice.tasks.runner import decode_text
 

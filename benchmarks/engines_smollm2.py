@@ -10,7 +10,6 @@ RMSNorm (``--latent-norm``: the unusable export).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -47,11 +46,6 @@ def rows(run):
     args, d_latent, n_greedy = run.args, run["d_latent"], run["greedy"]
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-
-    def log(*a):
-        run.say(" ".join(map(str, [f"[{time.time() - t0:7.1f}s]", *a])))
-
     loaded = load_model(args.gguf)
     src, tok = loaded.model.float().eval(), loaded.tokenizer
     ev, _ = token_stream(iter_texts(args.eval), tok, run["eval_tokens"])
@@ -69,7 +63,7 @@ def rows(run):
         new = g[0, len(prompt):].tolist()
         row = {"name": name, "ppl": ppl(lg, ev), "greedy": new, "kv_bytes_per_token": kv_bytes,
                "greedy_text": tok.backend.decode(new)}
-        log(name, f"ppl {row['ppl']:.3f}")
+        run.say(f"{name}: ppl {row['ppl']:.3f}")
         return row
 
     yield torch_row("source (transformers, fp32)", src, kv_bytes=30 * 2 * 3 * 64 * 2)  # 30 layers x (K, V) x 3 x 64 x f16
@@ -78,7 +72,6 @@ def rows(run):
         name = f"ours: {Path(args.model).name} (R={mla.cfg.d_latent} + {mla.cfg.rope_dims} RoPE)"
     else:
         stats = calibrate_layers(src, calibration_batches(cal, 1024, 4))
-        log("calibrated")
         mla = convert_llama(src, stats, d_latent=d_latent, rope_dims=64, layout="shared")
         name = f"ours: MLA R={d_latent} + 64 RoPE, norm-free"
     yield torch_row(name, mla, kv_bytes=mla.cache_bytes_formula(1, 1, torch.float16))
@@ -91,11 +84,10 @@ def rows(run):
         for outtype in ("f32", "bf16", "f16"):
             g = work / f"dsv3-{outtype}.gguf"
             added = hf_to_gguf(ds_dir, g, outtype=outtype)
-            log("gguf", outtype, added)
             row = {"name": f"same export in llama.cpp ({outtype} GGUF, f16 KV cache)",
                    **in_llama_cpp(g, ev.tolist(), prompt, n_greedy, n_ctx=run["eval_tokens"]), "post_step_added": added}
             row["greedy_text"] = tok.backend.decode(row["greedy"])
-            log(row["name"], f"ppl {row['ppl']:.3f}", row["kv_bytes_per_token"])
+            run.say(f"{row['name']}: ppl {row['ppl']:.3f}, {row['kv_bytes_per_token']} B / token, added {added}")
             yield row
     if vllm.missing() is None:  # the plugin's latent cache, fp32 (4 bytes a number)
         v = vllm.run(ds_dir, prompt=prompt, new=n_greedy, score=ev.tolist(), max_model_len=len(ev) + 8)

@@ -21,7 +21,7 @@ import transformers
 
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.runner import Study
-from benchmarks.lib.engines import in_llama_cpp, ppl, trained
+from benchmarks.lib.engines import in_llama_cpp, load_trained, ppl
 from kvsplice.convert.engines import gguf_convert, llama_cpp
 from kvsplice.report.memory import cache_bytes_formula, measure_cache
 
@@ -33,7 +33,7 @@ def compare(ckpt: Path, text: str, *, tokens: int = 128, new: int = 64, work: Op
     """Export + convert ``ckpt`` under ``work`` and compare the three engines on ``text`` (see the module)."""
     from training.export import export_kind
 
-    model, cfg, _, work, ids = trained(ckpt, text, tokens, work, "engines_trained_")
+    model, cfg, _, work, ids = load_trained(ckpt, text, tokens, work, "engines_trained_")
     gguf_convert.hf_to_gguf(work / "hf", work / "model.gguf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(work / "hf", dtype=torch.float32).eval()
     x, prompt = torch.tensor([ids]), torch.tensor([ids[:8]])  # (1, T), (1, 8)
@@ -64,10 +64,8 @@ def options(p) -> None:
 
 def rows(run):
     a = run.args
-    why = llama_cpp.missing(bindings=True)
-    for path, what in ((a.ckpt, "--ckpt"), (a.text, "--text")):
-        if not path.is_file():
-            why = why or f"{what} {path}: no such file"
+    why = llama_cpp.missing(bindings=True) or next((f"{what} {path}: no such file" for path, what in
+                                                    ((a.ckpt, "--ckpt"), (a.text, "--text")) if not path.is_file()), None)
     if why:
         raise UsageError(why)
     row = compare(a.ckpt, a.text.read_text(encoding="utf-8"), tokens=run["tokens"], new=run["new"])

@@ -22,41 +22,25 @@ from benchmarks.harness import report
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import CALIB, EVAL, SMOLLM2, TINYSTORIES
 from benchmarks.harness.runner import Study
-from benchmarks.lib.vllm_plugin import compare, smollm2, trained  # noqa: F401  (the tests call compare here)
+from benchmarks.lib.engines import compare, smollm2, trained  # noqa: F401  (the tests call compare here)
 
-ROWS = (("ours", "ours (cached decode / full forward)"), ("transformers", "transformers, unpadded export"),
-        ("transformers_padded", "transformers, padded export"), ("vllm", "vLLM, padded export (PyTorch RoPE)"),
-        ("vllm_cpu_rope_op", "vLLM, padded export (its CPU RoPE op)"))
+ENGINES = {"ours": "ours (cached decode / full forward)", "transformers": "transformers, unpadded export",
+           "transformers_padded": "transformers, padded export", "vllm": "vLLM, padded export (PyTorch RoPE)",
+           "vllm_cpu_rope_op": "vLLM, padded export (its CPU RoPE op)"}
 SMOLLM2_NAME = "SmolLM2-135M converted"
 
 
-def markdown(run, rows: list[dict[str, Any]]) -> str:
-    """results/engines_vllm.md: a section per model's row."""
-    out = ["# DeepSeek-V3 exports in vLLM (CPU) beside ours and transformers", "",
-           "Made by `benchmarks/engines_vllm.py` (commands below); fp32 weights and KV cache, greedy decoding, "
-           "2-core CPU shared with other jobs. Per-token log-probabilities are compared position by position.", ""]
+def report_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The report's rows: each model's (``section`` models), then one per engine it ran in (engines)."""
+    out = []
     for r in rows:
-        m, v = r["model"], r["vllm"]
-        out += [f"## {r['name']}", "", f"`{r['command']}`", "",
-                f"Model: {json.dumps({k: m[k] for k in m if k != 'greedy_text'})}", "",
-                f"vLLM {v['version']}: backend **{v['backend']}** (prefill {v['prefill_backend']}), KV cache row "
-                f"{v['kv_cache_row']} ({v['kv_cache_dtype']}, blocks of {v['block_size']}) × {v['layers']} layers = "
-                f"**{v['kv_bytes_per_token']:,} B per token** (the unpadded row would be "
-                f"{m['kv_bytes_per_token_unpadded_fp32']:,} B in fp32); {v['kv_cache_tokens']:,} tokens in 1 GiB; "
-                f"engine start + runs: " + ", ".join(f"{k} {t:.0f} s" for k, t in v["seconds"].items()) + ".", ""]
-        cells = [dict(engine=label, ppl=r["perplexity"][key], d=r["max_abs_logprob_diff_vs_transformers"].get(key),
-                      first=r["first_position_off_by_1e-3"].get(key), same=r["greedy_equal_to_transformers"].get(key))
-                 for key, label in ROWS if key in r["perplexity"]]
-        out += report.table(cells, {"engine": "{engine}", f"perplexity ({r['tokens']} tokens)": "{ppl:.4f}",
-                                    "max abs Δ log-prob vs transformers": "{d:.2e}",
-                                    "first position (0-based) whose prediction is off by > 1e-3": "{first}",
-                                    f"greedy {r['new']} == transformers": "{same!y}"}, "—")
-        g = r["greedy"]
-        out += [f"Greedy tokens: transformers {g['transformers']}" + (
-            f"; vLLM with its CPU RoPE op {g['vllm_cpu_rope_op']}" if "vllm_cpu_rope_op" in g else ""), ""]
-        if "greedy_text" in m:
-            out += [f"transformers' text: \"{m['greedy_text']['transformers']}\"", ""]
-    return "\n".join(out)
+        spec = {k: v for k, v in r["model"].items() if k != "greedy_text"}  # the text: a column of its own
+        out.append(dict(r, section="models", spec=json.dumps(spec)))
+        out += [dict(section="engines", name=r["name"], engine=label, tokens=r["tokens"], new=r["new"],
+                     ppl=r["perplexity"][key], d=r["max_abs_logprob_diff_vs_transformers"].get(key),
+                     first=r["first_position_off_by_1e-3"].get(key), same=r["greedy_equal_to_transformers"].get(key))
+                for key, label in ENGINES.items() if key in r["perplexity"]]
+    return out
 
 
 def options(ap) -> None:
@@ -89,7 +73,8 @@ def rows(run):
     yield from [r for r in run.done if r.get("name") not in {n["name"] for n in new}] + new
 
 
-STUDY = Study("engines_vllm", __doc__, rows, options=options, markdown=markdown, threads=None)
+STUDY = Study("engines_vllm", __doc__, rows, options=options, threads=None,
+              markdown=lambda run, rows: report.markdown(STUDY.spec("report"), report_rows(rows)))
 main = STUDY.main
 
 if __name__ == "__main__":

@@ -1,15 +1,14 @@
-"""Our DeepSeek-V3 exports in vLLM (CPU) through the package's plugin, side by side in one run: exactness against
-transformers, vLLM's own count of cache tokens against the bytes-per-token formula, and decode tokens/s at each
-model's largest batch in one KV budget; the padded 512 + 64 route (vLLM without the plugin) beside it.
+"""Our DeepSeek-V3 exports in vLLM (CPU) through the package's plugin, in one KV budget: exactness against
+transformers, vLLM's cache tokens against the bytes-per-token formula, decode tokens/s at each model's largest batch;
+the padded 512 + 64 route (vLLM without the plugin) beside it. Needs vLLM's venv (docs/vllm.md).
 
     python -m benchmarks.engines_vllm_plugin --context 1024 --new 16 --shapes ds_mha ds_mla_kvsplice_90 --repeats 3
     python -m benchmarks.engines_vllm_plugin --skip-124m --context 128 --trained RUNS/tiny_ds_mha/last.ckpt ...
     python -m benchmarks.engines_vllm_plugin --join A.json B.json --out results/engines_vllm_plugin
 
-Models: the 124M shapes with random weights (seed 0: exactness and speed do not depend on training) and the
-``--trained`` tiny checkpoints, one vLLM engine each (fp32, eager), its budget ``--mha-seqs`` full sequences of its
-group's standard attention. ``--repeats``: each ratio's median and spread and the load average (the table: the run
-nearest the median); ``--join``: earlier runs' JSON files in one report. Needs vLLM's venv (docs/vllm.md).
+Models: the 124M shapes, random weights (seed 0), and ``--trained`` tiny checkpoints; a group's budget: ``--mha-seqs``
+sequences of its standard attention. ``--repeats``: each ratio's median and spread (the table: the run nearest the
+median); ``--join``: earlier runs' JSON files in one report.
 """
 
 from __future__ import annotations
@@ -17,9 +16,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmarks.harness import report
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.runner import Study
-from benchmarks.lib import vllm_plugin as lib
+from benchmarks.lib import engines as lib
 
 
 def options(ap) -> None:
@@ -61,15 +61,15 @@ def rows(run):
         raise UsageError(why)
     for i in range(run["repeats"]):
         done = []
-        with lib.LoadSampler() as load:
+        with lib.sampled_load() as load:
             for row in lib.one_run([] if a.skip_124m else run["shapes"], a.trained, mha_seqs=run["mha_seqs"],
                                    context=run["context"], new=run["new"],
                                    previous=lambda **key: run.previous(run=i, part=0, **key)):
                 done.append(dict(row, run=i, part=0))
                 yield done[-1]
         for r in done:  # the conditions of the whole run, in each of its rows
-            r["load"] = load.summary()
-        run.say(f"engines_vllm_plugin: run {i + 1} of {run['repeats']} done; load {load.summary()}")
+            r["load"] = dict(load)
+        run.say(f"engines_vllm_plugin: run {i + 1} of {run['repeats']} done; load {load}")
 
 
 def summary(run, rows) -> dict:
@@ -84,12 +84,30 @@ def summary(run, rows) -> dict:
         repeats += rep
     res = {"vllm": next((r["vllm"] for r in rows if r.get("vllm")), "?"), "ratios": lib.ratios(table),
            "repeats": repeats, "table": [rows.index(r) for r in table]}
-    run.notes["report"] = dict(res, rows=table)
+    budgets = {("124M shapes" if "124M" in r["model"] else "tiny"): r.get("kv_budget") for r in table}
+    run.notes.update(vllm=res["vllm"], slack=lib.SLACK, report=report_rows(table, res),
+                     budgets="; ".join(f"{g} {b:,} B" for g, b in budgets.items() if b))
     return res
 
 
+def report_rows(table: list[dict], res: dict) -> list[dict]:
+    """The report's rows (``section``: runs, ratios, repeats) with the cells a template cannot compute."""
+    out = []
+    for r in table:
+        t = r.get("throughput") or {}
+        out.append(dict(r, section="runs", route="plugin" if r["plugin"] else "padded 512+64, vLLM alone",
+                        tokens=t.get("prompt", 0) + t.get("new", 0),
+                        same="=" if r.get("bytes_per_token") == r["bytes_per_token_formula"] else "≠"))
+    out += [dict(section="ratios", ratio=k, value=v) for k, v in res["ratios"].items()]
+    for r in res["repeats"]:
+        each = zip(r["median_step"]["values"], r["all_steps"]["values"])
+        out.append(dict(r, section="repeats", each=", ".join(f"{x:.2f} / {y:.2f}" for x, y in each),
+                        loads=", ".join(f"{x['mean']:.1f} ({x['max']:.1f})" if x else "—" for x in r["load"])))
+    return out
+
+
 STUDY = Study("engines_vllm_plugin", __doc__, rows, options=options, summary=summary, threads=None,
-              markdown=lambda run, rows: lib.markdown(run.notes["report"]),
+              markdown=lambda run, rows: report.markdown(STUDY.spec("report"), run.notes["report"], run.notes),
               bounds={"context": (32, 1 << 17), "new": (1, 4096), "mha_seqs": (1, 1 << 20),
                       "repeats": (1, lib.MAX_REPEATS)})
 main = STUDY.main

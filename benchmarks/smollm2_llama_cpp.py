@@ -11,13 +11,12 @@ figures from ``results/`` (the same windows and seeds).
     python -m benchmarks.smollm2_llama_cpp --report-only --resume --force   # the report from what is finished
 
 ``--resume`` keeps every finished row and measures the rest; our rows come from ``results/`` (the study's YAML).
-llama.cpp runs through its C API (``$KVSPLICE_LLAMA_CPP``) on the shared Q4_1 GGUF itself, fed our tokenizer's ids, K
-and V in the type, flash attention on (llama.cpp quantises V only with it); bytes per token: its log line at context
-creation over its cells, beside ggml's closed form (:mod:`kvsplice.convert.engines.kv_types`).
+llama.cpp: its C API (``$KVSPLICE_LLAMA_CPP``), flash attention on (it quantises V only with it).
 """
 
 from __future__ import annotations
 
+from benchmarks.harness import report
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import EVAL as STORIES, SMOLLM2 as MODEL
 from benchmarks.harness.runner import Study
@@ -78,51 +77,20 @@ def rows(run):
 
 
 def summary(run, rows) -> dict:
+    """Protocol P's table and each setting's task accuracy; the report's rows (``section``: P, cross_check, tasks)."""
     cache = lib.caches(rows)
-    run.notes.update(p=lib.p_table(rows, cache), tasks=lib.task_tables(rows, cache))
-    return {"protocol_P": run.notes["p"], "tasks": run.notes["tasks"]}
+    p, tasks = lib.p_table(rows, cache), lib.task_tables(rows, cache)
+    run.notes["report"] = [dict(r, section="P") for r in p]
+    run.notes["report"] += [dict(r, section="cross_check") for r in rows if r["kind"] == "cross_check"]
+    for s, engines in tasks.items():  # a row per setting and engine / method, most bytes first
+        for name, e in sorted(engines.items(), key=lambda x: -x[1].get("bytes_per_token", 0)):
+            each = ", ".join(f"{c}: {a:.0f} ({n})" for c, (a, n) in sorted(e["cells"].items()))
+            run.notes["report"].append(dict(e, section="tasks", setting=s, engine=name, each=each))
+    return {"protocol_P": p, "tasks": tasks}
 
 
-def markdown(run, rows) -> str:
-    p = run.notes["p"]
-    f16 = next((r["ppl"] for r in p if r["label"] == "llama.cpp `f16` K+V"), None)
-    full = next((r["ppl"] for r in p if r["label"].startswith("ours: full")), None)
-    md = ["# llama.cpp's KV cache types beside our stacks (SmolLM2-135M-Instruct)", "",
-          "llama.cpp 0.3.36 (llama-cpp-python's vendored tree) through its C API on the shared Q4_1 GGUF, our tokenizer's "
-          "ids, K and V in the type, flash attention on; protocol P (4 validation windows of 1,024 tokens, 768 "
-          "prefilled, 256 decoded in chunks of 64 and scored). Bytes per token: llama.cpp's own log line at context "
-          "creation (K + V MiB over its cells) and ggml's closed form beside it; ours: each method's closed form at "
-          "fp16 storage per prompt token (results/).", "", "## Protocol P", "",
-          "| engine / cache | bytes / token | × smaller than fp16 | ppl | vs llama.cpp f16 | vs our full (fp32) |",
-          "|---|---:|---:|---:|---:|---:|"]
-    for r in p:
-        b = f"{r['bytes_per_token']:,.0f}"
-        if "formula" in r:  # llama.cpp's log over its cells, against ggml's closed form
-            b = f"{b} (= formula)" if r["bytes_per_token"] == r["formula"] else \
-                f"{r['bytes_per_token']:,.1f} (log at {r['cells']:,} cells; formula {r['formula']:,})"
-        md.append(f"| {r['label']} | {b} | {lib.FULL / r['bytes_per_token']:.2f} | {r['ppl']:.4f} | "
-                  + " | ".join(f"{100 * (r['ppl'] / ref - 1):+.2f} %" if ref else "" for ref in (f16, full)) + " |")
-    cc = [r for r in rows if r["kind"] == "cross_check"]
-    if cc:
-        md += ["", "Cross-check, llama.cpp's own tool against the C API path above (its protocol: chunks of 1,024 "
-               "tokens of llama.cpp's tokenisation, the second half scored):", "",
-               "| cache | `llama-perplexity` | C API, same chunks | command |", "|---|---:|---:|---|"]
-        md += [f"| `{r['type']}` | {r['llama_perplexity']:.4f} ± {r['pm']:.4f} | {r['api']:.4f} | `llama-perplexity "
-               f"-m GGUF -f VAL -c {r['n_ctx']} -b {r['n_ctx']} --chunks {r['chunks']} -fa on -ctk {r['type']} -ctv "
-               f"{r['type']} --no-repack` |" for r in cc]
-    for s, summ in run.notes["tasks"].items():
-        cells = sorted({c for v in summ.values() for c in v["cells"]})
-        names = sorted(summ, key=lambda k: -summ[k].get("bytes_per_token", 0))
-        md += ["", f"## Tasks, query-{s} (accuracy %, n per cell in brackets)", "",
-               "| task | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-        md += [f"| {c} | " + " | ".join(f"{summ[n]['cells'][c][0]:.0f} ({summ[n]['cells'][c][1]})"
-                                       if c in summ[n]["cells"] else "" for n in names) + " |" for c in cells]
-        md.append("| **mean** | " + " | ".join(f"**{summ[n]['acc']:.1f}**" for n in names) + " |")
-        md.append("| bytes / token | " + " | ".join(f"{summ[n].get('bytes_per_token', 0):,.0f}" for n in names) + " |")
-    return "\n".join(md)
-
-
-STUDY = Study("smollm2_llama_cpp", __doc__, rows, options=options, summary=summary, markdown=markdown)
+STUDY = Study("smollm2_llama_cpp", __doc__, rows, options=options, summary=summary,
+              markdown=lambda run, rows: report.markdown(STUDY.spec("report"), run.notes["report"]))
 main = STUDY.main
 
 if __name__ == "__main__":

@@ -1,18 +1,35 @@
-"""What the engine studies share: a checkpoint or an in-memory model exported as a transformers folder, a trained
-checkpoint beside its export, perplexity from logits, and one model's row in llama.cpp."""
+"""What the engine studies share: exports of a checkpoint or an in-memory model, perplexity, a model's row in
+llama.cpp; the vLLM runs of ``engines_vllm.py`` (an export against transformers and ours: :func:`compare`) and
+``engines_vllm_plugin.py`` (models in one KV budget: :func:`one_run`; the load meanwhile, ratios to standard attention
+and their spread over repeated runs)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
+import shutil
+import statistics
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+import transformers
 
-__all__ = ["export", "export_model", "in_llama_cpp", "ppl", "trained"]
+from kvsplice.convert.engines import vllm as vllm_engine
+from kvsplice.report.memory import cache_bytes_formula
+
+PAD = (512, 64)  # (kv_lora_rank, qk_rope_head_dim) of the padded export: the row vLLM's CPU MLA kernel takes
+SHAPES = ("ds_mha", "ds_mla", "ds_mla_kvsplice_50", "ds_mla_kvsplice_90")
+SCORED, PROMPT, MAX_REPEATS = 96, 8, 20
+KEY = "median_decode_tok_s"  # the rate compared: the full batch over the median decode step (robust to bursts)
+ALL_STEPS = "decode_tok_s"  # the other: tokens over the seconds of every decode step (any batch)
+BLOCK = 32  # cache block of standard attention (vLLM's CPU attention takes multiples of 32; MLA gets 16)
+SLACK = 2 * BLOCK  # tokens over --mha-seqs sequences in the budget: vLLM's null block, whole blocks
 
 
 def export(ckpt: Path, out: Path, fmt: str = "auto", pad: Optional[tuple[int, int]] = None,
@@ -39,11 +56,9 @@ def export_model(model, out: Path, pad: Optional[tuple[int, int]] = None) -> Pat
 
 
 @torch.no_grad()
-def trained(ckpt: Path, text: str, tokens: int, work: Optional[Path], prefix: str):
+def load_trained(ckpt: Path, text: str, tokens: int, work: Optional[Path], prefix: str):
     """``(model, cfg, meta, work, ids)``: ``ckpt`` loaded and exported into ``work/hf`` (default: a new temporary
     folder), ``ids`` the first ``tokens`` of ``text`` (at most the model's context) in the run's tokenizer."""
-    import transformers
-
     from models.checkpoint import load_gpt_checkpoint
 
     model, cfg, meta = load_gpt_checkpoint(ckpt)
@@ -67,3 +82,234 @@ def in_llama_cpp(gguf: Path, ids: Sequence[int], prompt: Sequence[int], new: int
     with LlamaCppModel(gguf, n_ctx=n_ctx, cache_type="f16") as lm:
         return {"ppl": ppl(lm.logits(list(ids)), ids), "greedy": lm.greedy(list(prompt), new),
                 "kv_bytes_per_token": lm.kv_bytes_per_token, "kv_cache": lm.kv_cache()}
+
+
+def logprobs_of(logits: torch.Tensor, ids: Sequence[int]) -> list[float]:
+    """``log p(ids[i] | ids[:i])`` for i ≥ 1 from next-token ``logits`` (T, V)."""
+    t = torch.as_tensor(list(ids))
+    return torch.log_softmax(logits[:-1].double(), -1).gather(1, t[1:, None])[:, 0].tolist()  # (T-1,)
+
+
+@torch.no_grad()
+def reference(folder: Path, ids: Sequence[int], prompt: Sequence[int], new: int):
+    """transformers on ``folder`` (fp32): log-probabilities of ``ids``, greedy ``new`` tokens after ``prompt``."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    lp = logprobs_of(ref(torch.tensor([list(ids)])).logits[0], ids)
+    if not new:
+        return lp, []
+    g = ref.generate(torch.tensor([list(prompt)]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    return lp, g[0, len(prompt):].tolist()  # (prompt + new,) -> the new tokens
+
+
+@torch.no_grad()
+def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int, max_model_len: int,
+            ours_logits: torch.Tensor, ours_greedy: list[int], ref_dir: Optional[Path] = None,
+            kernel_rope: bool = True) -> dict[str, Any]:
+    """vLLM on the (padded) export ``hf_dir`` against transformers on ``ref_dir`` (the unpadded export; default
+    ``hf_dir``) and ours (``ours_logits`` (T, V) on ``ids``, ``ours_greedy`` after ``prompt``), on ``ids``."""
+    ref_lp, ref_greedy = reference(ref_dir or hf_dir, ids, prompt, new)
+    lp, greedy = {"transformers": ref_lp}, {"transformers": ref_greedy, "ours": list(ours_greedy)}
+    if ref_dir is not None:
+        lp["transformers_padded"] = reference(hf_dir, ids, prompt, 0)[0]
+    lp["ours"] = logprobs_of(ours_logits, ids)
+    runs, seconds = {}, {}
+    for name, native in (("vllm", True), ("vllm_cpu_rope_op", False))[: 2 if kernel_rope else 1]:
+        t0 = time.perf_counter()
+        runs[name] = vllm_engine.run(hf_dir, prompt=prompt, new=new, score=ids, max_model_len=max_model_len,
+                                     native_rope=native)
+        seconds[name] = time.perf_counter() - t0
+        lp[name], greedy[name] = [float(v) for v in runs[name].logprobs[1:]], runs[name].greedy
+    v, la = runs["vllm"], runs["vllm"].layers[0]
+    diff = {k: [abs(a - b) for a, b in zip(x, lp["transformers"])] for k, x in lp.items() if k != "transformers"}
+    first = {k: next((i for i, e in enumerate(d) if e > 1e-3), None) for k, d in diff.items()}  # 0-based position
+    return {"tokens": len(ids), "new": new, "perplexity": {k: math.exp(-sum(x) / len(x)) for k, x in lp.items()},
+            "max_abs_logprob_diff_vs_transformers": {k: max(d) for k, d in diff.items()},
+            "first_position_off_by_1e-3": first,  # whose next-token prediction is off
+            "greedy": greedy,
+            "greedy_equal_to_transformers": {k: g == greedy["transformers"] for k, g in greedy.items()},
+            "vllm": {"version": v.version, "backend": v.backend, "prefill_backend": la["prefill_backend"],
+                     "kv_cache_row": la["kv_cache_shape"][-1], "kv_cache_dtype": la["kv_cache_dtype"],
+                     "block_size": la["kv_cache_shape"][1], "layers": len(v.layers),
+                     "kv_bytes_per_token": v.kv_bytes_per_token, "kv_cache_tokens": v.kv_cache_tokens,
+                     "seconds": seconds}}
+
+
+@torch.no_grad()
+def trained(ckpt: Path, text: str, *, tokens: int = 96, new: int = 32, work: Optional[Path] = None,
+            kernel_rope: bool = True) -> dict[str, Any]:
+    """A trained checkpoint: ours, transformers (unpadded export), vLLM (padded; ``kernel_rope``: its RoPE op too)."""
+    model, cfg, meta, work, ids = load_trained(ckpt, text, tokens, work, "engines_vllm_")
+    export(ckpt, work / "hf_padded", "deepseek_v3", PAD)
+    prompt = ids[:8]
+    g_ours = model.generate(torch.tensor([prompt]), new, temperature=0.0)[0, 8:].tolist()
+    out = compare(work / "hf_padded", ids, prompt, new=new, max_model_len=cfg.block_size,
+                  ours_logits=model(torch.tensor([ids]))[0], ours_greedy=g_ours, ref_dir=work / "hf",
+                  kernel_rope=kernel_rope)
+    return {"model": {"ckpt": str(ckpt), "variant": cfg.variant, "trained_steps": meta.get("global_step"),
+                      "cached_latent": cfg.d_cached_latent, "rope": cfg.qk_rope_head_dim, "layers": cfg.n_layer,
+                      "padded_to": list(PAD),
+                      "kv_bytes_per_token_unpadded_fp32": cfg.n_layer * cfg.cache_dim * 4}, **out}
+
+
+@torch.no_grad()
+def smollm2(*, gguf: Path, calib: Path, text: Path, calib_tokens: int = 8192, d_latent: int = 128, tokens: int = 256,
+            new: int = 32, work: Optional[Path] = None) -> dict[str, Any]:
+    """SmolLM2 converted (shared RoPE, every frequency) and exported padded to 512 + 64."""
+    from kvsplice.cli import to_mla
+    from kvsplice.decode import Decoder
+    from kvsplice.loading import load_model
+
+    work = Path(work or tempfile.mkdtemp(prefix="engines_vllm_smol_"))
+    native, unpadded, padded = work / "mla", work / "ds", work / "ds_padded"
+    t0 = time.perf_counter()
+    common = ["--model", str(gguf), "--calib", str(calib), "--calib-tokens", str(calib_tokens), "--d-latent",
+              str(d_latent), "--rope-layout", "shared", "--rope-dims", "all", "--no-progress", "--force"]
+    with contextlib.redirect_stdout(sys.stderr):  # the conversions' own reports: not this command's JSON
+        if to_mla.main(common + ["--out", str(native)]) != 0:
+            raise RuntimeError("to_mla failed")
+        for out, pad in ((unpadded, []), (padded, ["--pad-latent", str(PAD[0]), "--pad-rope", str(PAD[1])])):
+            if to_mla.main(["--model", str(native), "--format", "deepseek_v3", *pad, "--out", str(out), "--force"]):
+                raise RuntimeError(f"to_mla --format deepseek_v3 {' '.join(pad)} failed")
+    convert_s = time.perf_counter() - t0
+    mla = load_model(str(native)).model.eval()
+    tok = transformers.AutoTokenizer.from_pretrained(padded)
+    ids = tok(text.read_text(encoding="utf-8")[:20000])["input_ids"][:tokens]
+    prompt = tok("Once upon a time")["input_ids"]
+    g_ours = Decoder(mla).generate(torch.tensor([prompt]), new)[0, len(prompt):].tolist()
+    out = compare(padded, ids, prompt, new=new, max_model_len=512, ours_logits=mla(torch.tensor([ids]))[0],
+                  ours_greedy=g_ours, ref_dir=unpadded)
+    c = mla.cfg
+    return {"model": {"source": str(gguf), "d_latent": c.d_latent, "rope": c.rope_dims, "layers": c.n_layer,
+                      "padded_to": list(PAD), "calibration": f"{calib_tokens} tokens of {calib.name}",
+                      "text": f"first {tokens} tokens of {text.name}", "convert_seconds": convert_s,
+                      "kv_bytes_per_token_unpadded_fp32": c.n_layer * c.cache_dim * 4,
+                      "greedy_text": {"transformers": tok.decode(out["greedy"]["transformers"])}}, **out}
+
+
+def bytes_per_token(cfg) -> int:
+    """The formula in fp32: MHA caches K and V (2 · d_model per layer), MLA its latent + RoPE key row."""
+    return cache_bytes_formula(cfg, 1, torch.float32)
+
+
+def measure(name: str, folder: Path, ref_dir: Path, cfg, *, budget: int, context: int, new: int, plugin: bool,
+            row_bytes: int) -> dict[str, Any]:
+    """One vLLM engine on ``folder`` against transformers on ``ref_dir`` (``error``: a budget under one sequence)."""
+    ids = torch.randint(0, cfg.vocab_size, (SCORED,), generator=torch.Generator().manual_seed(1)).tolist()
+    lp, greedy = reference(ref_dir, ids, ids[:PROMPT], new)
+    t0, formula = time.perf_counter(), budget // row_bytes
+    row = {"model": name, "plugin": plugin, "kv_budget": budget, "bytes_per_token_formula": row_bytes,
+           "cache_tokens_formula": formula}
+    if formula < context + 16:  # less than one full-length sequence (and vLLM's null block): vLLM refuses to start
+        return dict(row, row=None, error=f"the budget holds {formula} tokens, under one {context}-token sequence: "
+                    "vLLM does not start")
+    run = vllm_engine.run(folder, prompt=ids[:PROMPT], new=new, score=ids, others=[ids[40:90], ids[3:20], ids[:5]],
+                          max_model_len=context, kv_cache_bytes=budget, plugin=plugin, max_num_seqs=1024,
+                          block_size=BLOCK, throughput={"seqs": 0, "prompt": context - new, "new": new}, timeout=3600)
+    la = run.layers[0]
+    return {**row, "backend": la["backend"], "decode_kernel": la["kernel"], "row": la["kv_cache_shape"][-1],
+            "bytes_per_token": run.kv_bytes_per_token, "cache_tokens_vllm": run.cache_tokens,
+            "greedy_equal": run.greedy == greedy,
+            "max_abs_logprob_diff": max(abs(a - b) for a, b in zip(run.logprobs[1:], lp)),
+            "throughput": run.throughput, "seconds": time.perf_counter() - t0, "vllm": run.version}
+
+
+def models(shapes: Sequence[str], trained: Sequence[Path], mha_seqs: int, context: int):
+    """``(name, cfg, model, budget)`` per model: the 124M ``shapes`` (seed 0), then the ``trained`` checkpoints, each
+    group's budget ``mha_seqs`` full-length sequences of its standard attention (+ :data:`SLACK` tokens)."""
+    from models import GPT
+    from models.checkpoint import load_gpt_checkpoint
+    from models.config import GPTConfig
+
+    budget = (mha_seqs * context + SLACK) * bytes_per_token(GPTConfig.from_name("ds_mha"))
+    for name in shapes:
+        torch.manual_seed(0)
+        cfg = GPTConfig.from_name(name)
+        yield f"{name} (124M shapes, random)", cfg, GPT(cfg).eval(), budget
+    for ckpt in trained:
+        model, cfg, meta = load_gpt_checkpoint(ckpt)
+        mha_bytes = cfg.n_layer * 2 * cfg.d_model * 4  # the same shapes' standard attention: K and V of d_model
+        yield (f"{cfg.variant} (tiny, {meta.get('global_step')} steps)", cfg, model.eval(),
+               (mha_seqs * min(context, cfg.block_size) + SLACK) * mha_bytes)
+
+
+def one_run(shapes, trained, *, mha_seqs: int, context: int, new: int, previous=lambda **key: None):
+    """Every model once in vLLM (fresh exports; KVSplice-90 also padded to 512 + 64 without the plugin): its rows;
+    ``previous(model=, plugin=)``: a row kept from a resumed run instead."""
+    work = Path(tempfile.mkdtemp(prefix="vllm_plugin_bench_"))
+    try:
+        for name, cfg, model, budget in models(shapes, trained, mha_seqs, context):
+            padded, ref = cfg.attention == "mla" and "kvsplice_90" in cfg.variant, None
+            for plugin, pad in ((True, None), (False, PAD))[: 1 + padded]:
+                row = previous(model=name, plugin=plugin)
+                if row is None:
+                    ref = ref or export_model(model, work / "x")
+                    folder = export_model(model, work / "x_padded", pad) if pad else ref
+                    row_bytes = bytes_per_token(cfg) if plugin else cfg.n_layer * sum(PAD) * 4
+                    row = measure(name, folder, ref, cfg, budget=budget, context=min(context, cfg.block_size),
+                                  new=new, plugin=plugin, row_bytes=row_bytes)
+                yield row
+            del model
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def sampled_load(every: float = 5.0):
+    """The 1-minute load average every ``every`` seconds in the ``with`` block (the CPU is shared: the conditions a
+    run was measured under): yields a dict that holds their mean, min, max and count when the block ends."""
+    x, done, out = [os.getloadavg()[0]], threading.Event(), {}
+
+    def sample() -> None:
+        while not done.wait(every):
+            x.append(os.getloadavg()[0])
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield out
+    finally:
+        done.set()
+        thread.join(timeout=2 * every)
+        x.append(os.getloadavg()[0])
+        out.update(mean=round(statistics.fmean(x), 2), min=round(min(x), 2), max=round(max(x), 2), n=len(x))
+
+
+def ratios(rows: list[dict[str, Any]], key: str = KEY) -> dict[str, float]:
+    """Each model's decode tokens/s (``key``) over its group's (124M, tiny) standard attention."""
+    def tok_s(r) -> Optional[float]:
+        return (r.get("throughput") or {}).get(key)
+
+    out = {}
+    for group in ("124M", "tiny"):
+        base = next((tok_s(r) for r in rows if group in r["model"] and r["model"].startswith(("ds_mha", "mha"))), None)
+        for r in rows:
+            if group in r["model"] and base and tok_s(r) and not r["model"].startswith(("ds_mha", "mha")):
+                out[f"{r['model']}{'' if r['plugin'] else ', padded'} vs standard attention"] = tok_s(r) / base
+    return out
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """Median, min and max of repeated measurements (and the values, in run order)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values),
+            "values": list(values)}
+
+
+def repeat_summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per ratio: its median and spread at the median decode step and over all decode steps, over the runs that
+    measured it (``runs``: their indices; a run cut short lacks the models it did not reach)."""
+    per = [(ratios(r["rows"]), ratios(r["rows"], ALL_STEPS)) for r in runs]
+    out = []
+    for k in dict.fromkeys(k for m, _ in per for k in m):
+        idx = [i for i, (m, s) in enumerate(per) if k in m and k in s]
+        out.append({"ratio": k, "runs": idx, "median_step": spread([per[i][0][k] for i in idx]),
+                    "all_steps": spread([per[i][1][k] for i in idx]), "load": [runs[i]["load"] for i in idx]})
+    return out
+
+
+def median_run(done: list[dict[str, Any]], summary: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run nearest the median of the first ratio (the earlier on a tie); the last run without repeats."""
+    if not summary:
+        return done[-1]
+    m = summary[0]["median_step"]
+    near = min(range(m["n"]), key=lambda i: abs(m["values"][i] - m["median"]))
+    return done[summary[0]["runs"][near]]

@@ -1,8 +1,6 @@
-"""The rows and report of ``benchmarks/smollm2_llama_cpp.py``: llama.cpp's cache types on protocol P and the task
-instances, fed our token ids (:func:`protocol_p`, :func:`answer`: scored as ``kvsplice.evaluation.protocol`` and
-``kvsplice.tasks.runner`` score ours; llama.cpp reads every K / V row as stored, as our storage methods do, so the task
-settings differ only in how the ids are batched), its cache per token, llama-perplexity itself beside the C API path,
-our stacks on protocol P, and the tables beside our rows from ``results/`` (the study's YAML names them)."""
+"""The rows of ``benchmarks/smollm2_llama_cpp.py``: llama.cpp's cache types on protocol P and the task instances, fed
+our token ids and scored as ours are (:func:`protocol_p`, :func:`answer`), its cache per token, llama-perplexity beside
+the C API path, our stacks on protocol P, and the tables' figures beside our rows from ``results/``."""
 
 from __future__ import annotations
 
@@ -45,7 +43,8 @@ def protocol_p(lm: LlamaCppModel, windows: Sequence[Sequence[int]], *, prompt_le
 
 
 def answer(lm: LlamaCppModel, tokenizer, inst, *, setting: str = "agnostic") -> dict[str, Any]:
-    """``inst`` answered greedily by ``lm`` in ``setting`` and scored as the suite scores it."""
+    """``inst`` answered greedily by ``lm`` in ``setting`` and scored as the suite scores it (llama.cpp reads every
+    K / V row as stored, as our storage methods do: the settings differ only in how the ids are batched)."""
     from kvsplice.tasks.instance import SETTINGS, prompt_ids
     from kvsplice.tasks.runner import decode_text
 
@@ -148,7 +147,8 @@ def caches(rows: list[dict]) -> dict[str, dict]:
 
 
 def p_table(rows: list[dict], cache: dict) -> list[dict]:
-    """Protocol P: llama.cpp's types, our rows from ``results/`` and ours (``--ours``), most bytes first."""
+    """Protocol P: llama.cpp's types, our rows from ``results/`` and ours (``--ours``), most bytes first; each with
+    its ratio to fp16's bytes and its perplexity against llama.cpp's f16 and our full cache."""
     out = [{"label": f"llama.cpp `{r['type']}` K+V", "ppl": r["ppl"], "bytes_per_token": c["bytes_per_token"],
             "formula": c["formula_bytes_per_token"], "cells": c["cells"]}
            for r in rows if r["kind"] == "P" for c in [cache[r["type"]]]]
@@ -160,6 +160,13 @@ def p_table(rows: list[dict], cache: dict) -> list[dict]:
             out.append({"label": label, "ppl": r["ppl"], "bytes_per_token": r["bytes_per_token"]})
     out += [{"label": f"ours: {r['spec']}", "ppl": r["ppl"], "bytes_per_token": r["bytes_per_token"]}
             for r in rows if r["kind"] == "ours"]
+    f16 = next((r["ppl"] for r in out if r["label"] == "llama.cpp `f16` K+V"), None)
+    full = next((r["ppl"] for r in out if r["label"].startswith("ours: full")), None)
+    for r in out:  # the fp16 cache over its bytes; perplexity against llama.cpp's f16 and our full cache, in %
+        r.update(smaller=FULL / r["bytes_per_token"], vs_f16=f16 and 100 * (r["ppl"] / f16 - 1),
+                 vs_full=full and 100 * (r["ppl"] / full - 1))
+        if "formula" in r:
+            r["exact"] = r["bytes_per_token"] == r["formula"]
     return sorted(out, key=lambda r: -r["bytes_per_token"])
 
 

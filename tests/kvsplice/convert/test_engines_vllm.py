@@ -129,7 +129,10 @@ def test_report_renders_the_runs_and_never_replaces_one(tmp_path, capsys):
     assert bench.main(["--out", str(tmp_path / "r"), "--resume", "--force"]) == 0
     assert json.loads((tmp_path / "r.json").read_text())["rows"] == committed["rows"]
     md = (tmp_path / "r.md").read_text()
-    assert "SmolLM2" in md and md.startswith((results / "engines_vllm.md").read_text().rstrip("\n"))
+    for r in committed["rows"]:  # every engine's perplexity, vLLM's backend and bytes per token, in the report
+        assert all(f" {v:.4f} |" in md for v in r["perplexity"].values()) and r["name"] in md
+        assert f"| **{r['vllm']['backend']}** ({r['vllm']['prefill_backend']}) |" in md
+        assert f"| **{r['vllm']['kv_bytes_per_token']:,}** |" in md
     capsys.readouterr()
     before = (tmp_path / "r.json").read_text()
     assert bench.main(["--out", str(tmp_path / "r")]) == 2

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -153,7 +154,8 @@ def test_benchmark_formula_ratios_and_report(monkeypatch, tmp_path, capsys):
     from models.config import GPTConfig
     from tiny_models import load_benchmark
 
-    from benchmarks.lib import vllm_plugin as lib
+    from benchmarks.harness import report
+    from benchmarks.lib import engines as lib
 
     bench = load_benchmark("engines_vllm_plugin")
     assert lib.bytes_per_token(GPTConfig.from_name("ds_mha")) == 12 * 2 * 768 * 4
@@ -177,8 +179,10 @@ def test_benchmark_formula_ratios_and_report(monkeypatch, tmp_path, capsys):
                  "ds_mla_kvsplice_90 (tiny, 20 steps) vs standard attention": 0.5}
     for x in rows:
         x["kv_budget"] = 786432 if "tiny" in x["model"] else 23592960
-    md = lib.markdown(dict(vllm="0.32.0", rows=rows, ratios=r))
-    assert md.count("\n| ds_") == 6 and "under one 128-token sequence" in md and "padded 512+64, vLLM alone" in md and "2.50×" in md
+    run = SimpleNamespace(notes={})
+    assert bench.summary(run, [dict(x, vllm="0.32.0") for x in rows])["ratios"] == r
+    md = report.markdown(bench.STUDY.spec("report"), run.notes["report"], run.notes)
+    assert md.count("\n| ds_") == 6 + len(r) and "| plugin | CPU_MLA / torch | 42 | 2,016 (=) |" in md and "under one 128-token sequence" in md and "padded 512+64, vLLM alone" in md and "2.50×" in md
     assert "124M shapes 23,592,960 B; tiny 786,432 B" in md
     monkeypatch.setenv(vllm_engine.ENV, str(tmp_path / "none" / "python"))
     assert bench.main(["--out", str(tmp_path / "o")]) == 2

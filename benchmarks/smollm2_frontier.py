@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from benchmarks.harness.report import markdown
+from benchmarks.harness.report import figure, markdown
 from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study
 from benchmarks.lib import smollm2_report as report
@@ -77,7 +77,7 @@ def summary(run, rows) -> dict:
 STUDY = Study("smollm2_frontier", __doc__, rows, options=options, threads=2, summary=summary,
               markdown=lambda run, rows: markdown(STUDY.spec("report"), report.report_rows(
                   rows, KVPRESS, run.notes["claims"]), {"issue": ISSUE}),
-              figure=lambda run, rows: report.figure(rows))
+              figure=lambda run, rows: figure(STUDY.spec("figure"), report.report_rows(rows, {}, {})))
 main = STUDY.main
 
 if __name__ == "__main__":

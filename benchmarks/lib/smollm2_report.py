@@ -1,15 +1,11 @@
-"""The SmolLM2 frontier report's rows and figure from the rows of ``benchmarks/smollm2_frontier.py``: a table per
-protocol (Pareto front marked), the planner's stacks, the energy ranks, the kvpress comparison."""
+"""The SmolLM2 frontier report's rows (and its YAML ``figure:``'s) from the rows of ``benchmarks/smollm2_frontier.py``:
+a table per protocol (Pareto front marked), the planner's stacks, the energy ranks, the kvpress comparison."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["FAMILIES", "energy_claims", "family", "figure", "report_rows"]
-
-FAMILIES = {"full": "s", "quantisation": "o", "low rank (bases)": "^", "token selection alone": "v",
-            "token selection + quantisation": "D", "planner": "*"}
-"""A frontier row's method family → its marker."""
+__all__ = ["energy_claims", "family", "report_rows"]
 
 
 def family(row: dict) -> str:
@@ -44,8 +40,9 @@ def energy_claims(stats_path: Path) -> dict:
 
 
 def report_rows(rows: list[dict], kvpress: dict, claims: dict) -> list[dict]:
-    """The YAML ``report:``'s rows, largest caches first: each with its ``part`` (protocol), Δ %, ★ (P's Pareto
-    front), S's ratio and kvpress's quoted best press; the planner's rows again (part ``plan``); the energy ranks."""
+    """The YAML ``report:``'s rows, largest caches first: each with its ``part`` (protocol), ``family``, Δ %, ★ (P's
+    Pareto front), S's ratio and kvpress's quoted best press; the planner's rows again (part ``plan``); the energy
+    ranks."""
     base = {r["protocol"]: r["ppl"] for r in rows if r["id"] in ("full", "S_full", "W_full")}
     p = [r for r in rows if r["protocol"] == "P"]  # ★: no other row of P both ≤ in bytes per token and < in ppl
     front = {r["id"] for r in p if not any(o["bytes_per_token"] <= r["bytes_per_token"] and o["ppl"] < r["ppl"]
@@ -54,8 +51,8 @@ def report_rows(rows: list[dict], kvpress: dict, claims: dict) -> list[dict]:
     out = []
     for r in sorted(rows, key=lambda r: (-r["bytes_per_token"], r["ppl"])):
         x = r["spec"].get("x") or 1
-        row = {**r, "part": r["protocol"], "star": "★" if r["id"] in front else "", "x": x, "kvpress": kv_best.get(x),
-               "delta_pct": 100 * (r["ppl"] / base[r["protocol"]] - 1),
+        row = {**r, "part": r["protocol"], "family": family(r), "star": "★" if r["id"] in front else "", "x": x,
+               "kvpress": kv_best.get(x), "delta_pct": 100 * (r["ppl"] / base[r["protocol"]] - 1),
                "selector": r["spec"].get("selector", "full K/V")}
         out.append(row)
         if r["id"].startswith("plan_"):
@@ -64,29 +61,3 @@ def report_rows(rows: list[dict], kvpress: dict, claims: dict) -> list[dict]:
                         "n_candidates": len(r["candidates"])})
     return out + [{"part": "energy", "stream": k, **v, "share_le_d4_pct": 100 * v["share_le_d4"]}
                   for k, v in claims.items()]
-
-
-def figure(rows: list[dict]):
-    """Protocol P's rows: perplexity increase against bytes per token, by method family, the Pareto front dashed."""
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in report_rows(rows, {}, {}) if r["part"] == "P"]
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for name, marker in FAMILIES.items():
-        pts = [r for r in rows if family(r) == name]
-        if pts:
-            ax.scatter([r["bytes_per_token"] for r in pts], [r["delta_pct"] for r in pts], marker=marker,
-                       s=90 if name == "planner" else 40, label=name)
-    fr = sorted((r for r in rows if r["star"]), key=lambda r: r["bytes_per_token"])
-    ax.plot([r["bytes_per_token"] for r in fr], [r["delta_pct"] for r in fr], "k--", lw=1, label="Pareto front")
-    ax.set_xscale("log")
-    ax.set_yscale("symlog", linthresh=1)
-    ax.set(xlabel="cache bytes per token (fp16 storage; full K/V = 23,040)",
-           ylabel="perplexity increase vs full cache (%)",
-           title="SmolLM2-135M-Instruct: 768-token prompt compressed, 256 tokens scored (4 windows)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.set_dpi(120)
-    fig.tight_layout()
-    return fig
-

@@ -18,7 +18,7 @@ from benchmarks.harness.paths import RESULTS, ROOT
 from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study
 from benchmarks.lib.overview_plot import MIXED_PLAN, PLAN_NAMES, PPL_PLAN, figure
-from benchmarks.lib.smollm2_report import family
+from benchmarks.smollm2_frontier import family
 
 OUT = ROOT / "docs" / "figures" / "overview.png"
 TRAINED = load_study("readme_figure")["trained"]  # variant → [label, family, label offset]

@@ -1,10 +1,8 @@
-"""Prefill and per-token decode time of compression methods in both doors, side by side
-(``benchmarks/smollm2_speed.py``): every method's cache prefilled once (timed; a token selection's compression and
-KVzip's reconstruction pass included), then its decode steps timed **round-robin** with the others', so a shared
-machine's load falls on all alike; a method's time is its median step, its ratio that over the full cache's (the
-first method). Thread-CPU and wall seconds; memory: the cache's bytes and the peak RSS growth during its prefill.
-Doors: ``hf`` (transformers' forward with ``KVSpliceHFCache``; ``DynamicCache`` for the full cache) and ``decoder``
-(:class:`kvsplice.decode.Decoder`, capacity preallocated). Steps feed the argmax token, last position's logits only.
+"""Prefill and per-token decode time of compression methods in both doors (``benchmarks/smollm2_speed.py``): every
+cache prefilled once (timed, compression included), then the decode steps (argmax token, last logits only) timed
+round-robin (:func:`interleaved`): a method's time is its median step, its ratio that over the first method's (the
+full cache); thread-CPU and wall seconds, the cache's bytes and its prefill's peak RSS growth. Doors: ``hf``
+(transformers' forward with ``KVSpliceHFCache``; ``DynamicCache`` for the full cache) and ``decoder`` (``Decoder``).
 """
 
 from __future__ import annotations

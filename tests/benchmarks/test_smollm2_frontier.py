@@ -53,7 +53,7 @@ def test_method_family_of_a_row():
     """One classification serves the frontier figure and the front page: by id for plans and low rank (joint
     latents included), by label for token selections with or without a quantised store."""
     from benchmarks.harness.studies import load
-    from benchmarks.lib.smollm2_report import family
+    from benchmarks.smollm2_frontier import family
 
     cases = {("full", "full K/V"): "full", ("plan_4x", "observed_attention×2.1 + int8"): "planner",
              ("joint_fisher_pre_x2", "joint fisher pre-RoPE allocated ×2"): "low rank (bases)",

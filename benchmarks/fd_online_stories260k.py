@@ -17,7 +17,7 @@ import time
 from benchmarks.harness.paths import CALIB, EVAL, STORIES
 from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study
-from benchmarks.lib.bases_report import fd_markdown, fd_summary, summary
+from benchmarks.lib.bases_report import fd_summary, summary
 from benchmarks.lib.stories import calibration_ids, load_stories, windows as text_windows
 
 from kvsplice.decode import Decoder, DenseKV, perplexity
@@ -103,7 +103,6 @@ def rows(run):
 
 STUDY = Study("fd_online_stories260k", __doc__, rows, options=options,
               summary=lambda run, rows: fd_summary(run.notes, rows),
-              markdown=lambda run, rows: fd_markdown(STUDY.spec("report"), rows, run.notes),
               bounds={"windows": (1, 4096), "calib_tokens": (512, 1 << 22)})
 main = STUDY.main
 

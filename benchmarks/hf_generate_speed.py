@@ -20,6 +20,7 @@ import transformers
 from benchmarks.harness.options import add_model
 from benchmarks.harness.paths import EVAL
 from benchmarks.harness.runner import Study
+from benchmarks.lib.speed import interleaved
 
 from kvsplice.hf import CoefficientHFCache
 from kvsplice.lowrank.bases import KVBases
@@ -69,11 +70,8 @@ def rows(run):
               "coeff_pre": (ours, lambda: CoefficientHFCache(ours, bases["pre"]))}
     for model, make in makers.values():  # warm-up
         one_run(model, ids, make(), 8)
-    runs: dict[str, list[tuple[float, float]]] = {k: [] for k in makers}  # (CPU, wall) per run
-    for _ in range(run["repeats"]):
-        for name, (model, make) in makers.items():
-            runs[name].append(one_run(model, ids, make(), run["new_tokens"]))
-    med = {k: [statistics.median(c) for c in zip(*v)] for k, v in runs.items()}  # [CPU, wall]
+    runs, med = interleaved(makers, run["repeats"], lambda k: one_run(makers[k][0], ids, makers[k][1](),
+                                                                       run["new_tokens"]))  # med[k]: [CPU, wall]
     for name, (cpu, wall) in med.items():
         row = {"cache": name, "ms_per_token_cpu": 1e3 * cpu, "ms_per_token_wall": 1e3 * wall,
                "ratio_cpu": cpu / med["hf_dynamic"][0], "ratio_wall": wall / med["hf_dynamic"][1],

@@ -10,25 +10,11 @@ One ``model(prompt, past_key_values=cache)`` per method and repeat (``DynamicCac
 
 from __future__ import annotations
 
-import statistics
 import time
 
 from benchmarks.harness.options import add_model
 from benchmarks.harness.paths import EVAL, SMOLLM2
 from benchmarks.harness.runner import Study
-
-
-def one_prefill(model, factory, ids) -> tuple[float, float]:
-    """``(wall, process CPU)`` seconds of one prefill (+ compression) of ``ids`` with the cache ``factory`` builds
-    for them (:func:`kvsplice.tasks.methods.parse_method`: None for the full cache)."""
-    import torch
-
-    from benchmarks.lib.speed import prefill_and_steps
-
-    t0, c0 = time.perf_counter(), time.process_time()
-    with torch.no_grad():
-        prefill_and_steps(model, "hf", factory(ids), ids, ids.shape[1])[0]()
-    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def options(p) -> None:
@@ -40,8 +26,11 @@ def options(p) -> None:
 
 
 def rows(run):
+    import torch
+
     from kvsplice.loading import iter_texts, load_model, token_stream
     from kvsplice.tasks.methods import parse_method
+    from benchmarks.lib.speed import interleaved, prefill_and_steps
 
     loaded = load_model(run.args.model)
     model, tok = loaded.model.eval(), loaded.tokenizer
@@ -53,12 +42,16 @@ def rows(run):
             yield from (run.previous(length=length, method=m) for m in methods)
             continue
         ids = stream[:length].reshape(1, -1)
-        runs: dict[str, list[tuple[float, float]]] = {m: [] for m in methods}
-        for r in range(run["repeats"]):
-            for m in methods:
-                runs[m].append(one_prefill(model, factories[m], ids))
-                run.say(f"L={length} repeat {r} {m}: {runs[m][-1][0]:.2f} s wall, {runs[m][-1][1]:.2f} s CPU")
-        med = {m: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for m, v in runs.items()}
+
+        def one(m: str) -> tuple[float, float]:  # (wall, process CPU) seconds of a prefill (+ compression)
+            t0, c0 = time.perf_counter(), time.process_time()
+            with torch.no_grad():
+                prefill_and_steps(model, "hf", factories[m](ids), ids, length)[0]()
+            w, c = time.perf_counter() - t0, time.process_time() - c0
+            run.say(f"L={length} {m}: {w:.2f} s wall, {c:.2f} s CPU")
+            return w, c
+
+        runs, med = interleaved(methods, run["repeats"], one)  # med[m]: [wall, CPU]
         for m, (w, c) in med.items():
             row = {"length": length, "method": m, "wall_s": w, "cpu_s": c, "ratio_wall": w / med["full"][0],
                    "ratio_cpu": c / med["full"][1], "runs": runs[m]}

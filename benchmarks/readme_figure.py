@@ -18,7 +18,7 @@ from benchmarks.harness.paths import RESULTS, ROOT
 from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study
 from benchmarks.lib.overview_plot import MIXED_PLAN, PLAN_NAMES, PPL_PLAN, figure
-from benchmarks.lib.smollm2_report import family
+from benchmarks.smollm2_frontier import family
 
 OUT = ROOT / "docs" / "figures" / "overview.png"
 TRAINED = load_study("readme_figure")["trained"]  # variant → [label, family, label offset]
@@ -35,11 +35,9 @@ def load_trained(results: Path) -> list[dict]:
     for variant, rows in groups.items():
         losses = [r["val_loss"] for r in rows]
         label, fam, offset = TRAINED.get(variant, (variant, "MHA / GQA / MQA", (8, 0)))
-        points.append({
-            "variant": variant, "label": label, "family": fam, "offset": offset,
-            "bytes": rows[0]["cache_bytes_per_token"], "loss": statistics.mean(losses),
-            "se": statistics.stdev(losses) / len(losses) ** 0.5 if len(losses) > 1 else 0.0, "seeds": len(losses),
-        })
+        points.append({"variant": variant, "label": label, "family": fam, "offset": offset, "seeds": len(losses),
+                       "bytes": rows[0]["cache_bytes_per_token"], "loss": statistics.mean(losses),
+                       "se": statistics.stdev(losses) / len(losses) ** 0.5 if len(losses) > 1 else 0.0})
     return sorted(points, key=lambda p: -p["bytes"])
 
 

@@ -7,7 +7,8 @@ in MiB, ``!y`` a flag as yes/no; a bare key is formatted by :func:`fmt`); a cell
 that field that ``titles`` names (``## TITLE`` above each); ``columns`` may then map each part to its own. ``title``,
 ``intro`` (a template, or a list: the paragraphs whose fields are there), the headers and ``footer`` (below the
 tables) are templates over the run's settings, notes and summary. ``figure: {x, y, series, panels, xlog, ylog, hline,
-xlabel, ylabel}`` — one line plot per panel (the distinct values of the ``panels`` fields), a line per ``series``.
+xlabel, ylabel, title, size, where, kind, markers, front}`` — one line plot per panel (the distinct values of the
+``panels`` fields), a line per ``series``, over the rows matching ``where``; ``kind: scatter``: see :func:`scatter`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import math
 import string
 from typing import Any, Mapping, Optional, Sequence, Union
 
-__all__ = ["cell", "columns", "figure", "fmt", "intro", "markdown", "table", "tables"]
+__all__ = ["cell", "columns", "figure", "fmt", "intro", "markdown", "scatter", "table", "tables"]
 
 Columns = Union[Sequence[str], Mapping[str, str]]
 
@@ -136,26 +137,48 @@ def intro(text: Union[None, str, Sequence[str]], values: Mapping[str, Any]) -> l
 
 
 def figure(spec: Mapping[str, Any], rows: Sequence[dict]):
-    """The line plots ``spec`` (a study's ``figure:``) of ``rows``: one panel per value of its ``panels`` fields."""
+    """The line plots ``spec`` (a study's ``figure:``) of ``rows``: one panel per value of its ``panels`` fields
+    (``size``: a panel's inches; ``ylog: symlog``: linear within ±1, log beyond)."""
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if all(r.get(k) == v for k, v in spec.get("where", {}).items())]
     keys = list(spec.get("panels", []))
     panels = list(dict.fromkeys(tuple(r.get(k) for k in keys) for r in rows)) or [()]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False, dpi=110)
+    w, h = spec.get("size", (4.5, 4))
+    fig, axes = plt.subplots(1, len(panels), figsize=(w * len(panels), h), squeeze=False, dpi=110)
     for ax, panel in zip(axes[0], panels):
         got = [r for r in rows if tuple(r.get(k) for k in keys) == panel]
-        for name in dict.fromkeys(r.get(spec["series"]) for r in got):
-            pts = sorted((r[spec["x"]], r[spec["y"]]) for r in got if r.get(spec["series"]) == name)
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=str(name))
+        if spec.get("kind") == "scatter":
+            scatter(ax, spec, got)
+        else:
+            for name in dict.fromkeys(r.get(spec["series"]) for r in got):
+                pts = sorted((r[spec["x"]], r[spec["y"]]) for r in got if r.get(spec["series"]) == name)
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=str(name))
         if spec.get("hline") is not None:
             ax.axhline(spec["hline"], color="grey", lw=0.8)
         if spec.get("xlog"):
             ax.set_xscale("log", base=spec["xlog"])
-        if spec.get("ylog"):
+        if spec.get("ylog") == "symlog":
+            ax.set_yscale("symlog", linthresh=1)
+        elif spec.get("ylog"):
             ax.set_yscale("log", base=spec["ylog"])
-        ax.set_title(", ".join(f"{k} {v}" for k, v in zip(keys, panel)), fontsize=9)
+        ax.set_title(spec.get("title") or ", ".join(f"{k} {v}" for k, v in zip(keys, panel)), fontsize=9)
         ax.set_xlabel(spec.get("xlabel", spec["x"]))
         ax.set_ylabel(spec.get("ylabel", spec["y"]))
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def scatter(ax, spec: Mapping[str, Any], rows: Sequence[dict]) -> None:
+    """``kind: scatter``: the rows as points, a marker per ``series`` (``markers``: series → marker, in that order
+    first); ``front: {field, label}``: a dashed line through the rows whose ``field`` is set (a Pareto front)."""
+    marks = spec.get("markers") or {}
+    for name in dict.fromkeys([*marks, *(r.get(spec["series"]) for r in rows)]):
+        pts = [(r[spec["x"]], r[spec["y"]]) for r in rows if r.get(spec["series"]) == name]
+        if pts:
+            ax.scatter([x for x, _ in pts], [y for _, y in pts], marker=marks.get(name, "o"), label=str(name))
+    if spec.get("front"):
+        pts = sorted((r[spec["x"]], r[spec["y"]]) for r in rows if r.get(spec["front"]["field"]))
+        ax.plot([x for x, _ in pts], [y for _, y in pts], "k--", lw=1, label=spec["front"]["label"])
+    ax.grid(True, which="both", alpha=0.3)

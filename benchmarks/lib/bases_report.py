@@ -1,4 +1,4 @@
-"""The checks of ``benchmarks/stories260k_bases.py`` and the summary and report of
+"""The checks of ``benchmarks/stories260k_bases.py`` and the summary (with its report's per-layer tables) of
 ``benchmarks/fd_online_stories260k.py`` (online frequent-directions bases against global bases per rank budget)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvsplice.core.diagnostics import format_diagnostics
 from kvsplice.lowrank.fit_errors import score_error
 
-__all__ = ["TOL", "checks", "chunk_check", "compare_scores", "fd_markdown", "fd_summary", "summary", "timing"]
+__all__ = ["TOL", "checks", "chunk_check", "compare_scores", "fd_summary", "summary", "timing"]
 
 TOL = 1e-6  # slack on the score errors: at full rank the fp32 oblique pair reconstructs to ~3e-7, K-only's to ~0
 
@@ -99,8 +99,9 @@ def summary(diag: list[dict]) -> dict:
 
 
 def fd_summary(notes: dict, rows: list[dict]) -> dict:
-    """``notes`` with the full cache's numbers per token; per budget R each row's ``x_budget`` (bytes / the global
-    rank-R cache's) and ``best`` (the lowest-ppl attention-aware global row and matched fd-online row)."""
+    """The summary: ``notes`` with the full cache's numbers per token (and in ``notes`` only, ``per_layer``: the
+    report's per-layer tables); per budget R each row's ``x_budget`` (bytes / the global rank-R cache's) and ``best``
+    (the lowest-ppl attention-aware global row and matched fd-online row)."""
     for r in dict.fromkeys(x["budget_rank"] for x in rows):
         rs = [x for x in rows if x["budget_rank"] == r]
         glob = [x for x in rs if x["kind"] == "global"]
@@ -110,17 +111,9 @@ def fd_summary(notes: dict, rows: list[dict]) -> dict:
             x.update(x_budget=x["bytes"] / glob[0]["bytes"], best=x is g or x is f)
     m = notes["model"]
     notes["full_numbers"] = 2 * m["n_layer"] * m["n_kv_head"] * m["head_dim"]
-    return notes
-
-
-def fd_markdown(spec: dict, rows: list[dict], values: dict) -> str:
-    """The YAML's table of every row (``values``: :func:`fd_summary`'s), then R = 4's best rows layer by layer."""
-    from benchmarks.harness import report
-
     best = [x for x in rows if x["budget_rank"] == 4 and x.get("best")]
-    lines = [report.markdown(spec, rows, values)]
-    if best:
-        lines += ["Per-layer diagnostics at R = 4 (first window, teacher-forced; max over queries and heads; slack = "
-                  "the tightest per-query bound/observed):", ""]
-        lines += [format_diagnostics(x["layers"], f"{x['method']} {x.get('label', '')}".strip()) + "\n" for x in best]
-    return "\n".join(lines)
+    tables = [format_diagnostics(x["layers"], f"{x['method']} {x.get('label', '')}".strip()) + "\n" for x in best]
+    head = ["Per-layer diagnostics at R = 4 (first window, teacher-forced; max over queries and heads; slack = the "
+            "tightest per-query bound/observed):", ""] if best else []
+    notes["per_layer"] = "\n".join(head + tables)  # the report's footer
+    return {k: v for k, v in notes.items() if k != "per_layer"}

@@ -13,34 +13,14 @@ Y_MAX = 25.0  # post-training panel: rows above +25 % are left out (the figure's
 STYLE, WHERE, PANELS = (load_study("readme_figure")[k] for k in ("style", "where", "panels"))  # (the YAML's)
 
 
-def frame(ax, spec: dict) -> None:
-    """A panel's log-2 x axis with fixed ticks, its limits, labels and title (``spec``: a YAML ``panels`` entry),
-    the grid and the legend below."""
-    from matplotlib.ticker import FixedLocator, NullLocator
-
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_locator(FixedLocator(spec["ticks"]))
-    ax.xaxis.set_minor_locator(NullLocator())
-    ax.set_xticklabels([spec["tick"].format(t) for t in spec["ticks"]])
-    ax.set_xlim(*spec["xlim"])  # (the trained panel's inverted: smaller caches to the right)
-    if "ylim" in spec:
-        ax.set_ylim(*spec["ylim"])
-    ax.set_xlabel(spec["xlabel"])
-    ax.set_ylabel(spec["ylabel"])
-    ax.set_title(spec["title"], fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
-
-
 def figure(points: list[dict]):
     """The two panels (the points' ``panel``): trained variants (loss against bytes), post-training methods
-    (perplexity change against times smaller); returns the matplotlib figure."""
+    (perplexity change against times smaller), each framed by its YAML ``panels`` entry."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator
 
     trained, post = ([p for p in points if p["panel"] == k] for k in ("trained", "post"))
-
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 6.2), dpi=110)
-
     for family in dict.fromkeys(p["family"] for p in trained):
         pts = [p for p in trained if p["family"] == family]
         marker, colour = STYLE[family]
@@ -51,8 +31,6 @@ def figure(points: list[dict]):
         dx, dy = p["offset"]
         a.annotate(p["label"], (p["bytes"], p["loss"]), xytext=(dx, dy), textcoords="offset points", fontsize=8,
                    ha="right" if dx < 0 else "center" if dx == 0 else "left", va="center")
-    frame(a, PANELS[0])
-
     hidden = [p for p in post if p["delta"] > Y_MAX]
     shown = [p for p in post if p["delta"] <= Y_MAX]
     for family in dict.fromkeys(p["family"] for p in shown):
@@ -75,7 +53,17 @@ def figure(points: list[dict]):
             b.annotate({"kivi4_r128": "KIVI-4", "int8": "int8"}[p["id"]], (p["ratio"], p["delta"]), xytext=(0, -12),
                        textcoords="offset points", fontsize=8, ha="center")
     b.axhline(0, color="black", lw=0.8)
-    frame(b, PANELS[1])
+    for ax, spec in zip((a, b), PANELS):  # log-2 x axis, fixed ticks, limits, labels, grid, the legend below
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(spec["ticks"]))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels([spec["tick"].format(t) for t in spec["ticks"]])
+        ax.set_xlim(*spec["xlim"])  # (the trained panel's inverted: smaller caches to the right)
+        ax.set_ylim(*spec.get("ylim", ax.get_ylim()))
+        ax.set(xlabel=spec["xlabel"], ylabel=spec["ylabel"])
+        ax.set_title(spec["title"], fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
     note = "tasks: query-agnostic accuracy, passkey + number in stories + word in facts at 1k tokens (full cache 98 %)"
     if hidden:
         note += f"\n{len(hidden)} rows above +{Y_MAX:g} % not shown (results/smollm2_frontier.md)"

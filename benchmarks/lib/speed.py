@@ -1,10 +1,8 @@
-"""Prefill and per-token decode time of compression methods in both doors, side by side
-(``benchmarks/smollm2_speed.py``): every method's cache prefilled once (timed; a token selection's compression and
-KVzip's reconstruction pass included), then its decode steps timed **round-robin** with the others', so a shared
-machine's load falls on all alike; a method's time is its median step, its ratio that over the full cache's (the
-first method). Thread-CPU and wall seconds; memory: the cache's bytes and the peak RSS growth during its prefill.
-Doors: ``hf`` (transformers' forward with ``KVSpliceHFCache``; ``DynamicCache`` for the full cache) and ``decoder``
-(:class:`kvsplice.decode.Decoder`, capacity preallocated). Steps feed the argmax token, last position's logits only.
+"""Prefill and per-token decode time of compression methods in both doors (``benchmarks/smollm2_speed.py``): every
+cache prefilled once (timed, compression included), then the decode steps (argmax token, last logits only) timed
+round-robin (:func:`interleaved`): a method's time is its median step, its ratio that over the first method's (the
+full cache); thread-CPU and wall seconds, the cache's bytes and its prefill's peak RSS growth. Doors: ``hf``
+(transformers' forward with ``KVSpliceHFCache``; ``DynamicCache`` for the full cache) and ``decoder`` (``Decoder``).
 """
 
 from __future__ import annotations
@@ -14,11 +12,11 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["measure", "method_factories", "peak_rss", "prefill_and_steps", "prompt_ids", "rss"]
+__all__ = ["interleaved", "measure", "method_factories", "peak_rss", "prefill_and_steps", "prompt_ids", "rss"]
 
 
 def rss() -> int:
@@ -73,6 +71,16 @@ def prefill_and_steps(model, door: str, method, ids: torch.Tensor, capacity: int
     raise ValueError(f"door must be 'hf' or 'decoder', got {door!r}")
 
 
+def interleaved(names: Sequence, repeats: int, one: Callable[[Any], Sequence[float]]) -> tuple[dict, dict]:
+    """``(runs, medians)``: ``runs[name]``, ``repeats`` results of ``one(name)`` (a tuple of timings), the names
+    interleaved within each repeat so a shared machine's load falls on all alike; ``medians[name]``: each timing's."""
+    runs: dict = {n: [] for n in names}
+    for _ in range(repeats):
+        for n in names:
+            runs[n].append(one(n))
+    return runs, {n: [statistics.median(t) for t in zip(*v)] for n, v in runs.items()}
+
+
 @torch.no_grad()
 def measure(model, door: str, methods: Sequence[tuple[str, Any]], ids: torch.Tensor, *, rounds: int,
             warmup: int = 1) -> list[dict]:
@@ -81,7 +89,7 @@ def measure(model, door: str, methods: Sequence[tuple[str, Any]], ids: torch.Ten
     one row per method (the first is the reference of the ratios)."""
     from kvsplice.hf.measure import cache_nbytes
 
-    runs = []  # per method: its step, cache, prefill times, next ids and decode step times
+    runs = []  # per method: its step, cache, prefill times and next ids
     capacity = ids.shape[1] + warmup + rounds + 1
     for label, method in methods:
         if callable(method) and not hasattr(method, "attend"):
@@ -92,25 +100,25 @@ def measure(model, door: str, methods: Sequence[tuple[str, Any]], ids: torch.Ten
             logits = prefill()
             c1, w1 = time.thread_time(), time.perf_counter()
         runs.append(dict(label=label, step=step, cache=cache, prefill_cpu=c1 - c0, prefill_wall=w1 - w0, mem=mem,
-                         next_ids=logits[:, -1:].argmax(-1), cpu=[], wall=[]))
-    for r in range(warmup + rounds):
-        for run in runs:
-            c0, w0 = time.thread_time(), time.perf_counter()
-            logits = run["step"](run["next_ids"])
-            c1, w1 = time.thread_time(), time.perf_counter()
-            run["next_ids"] = logits[:, -1:].argmax(-1)
-            if r >= warmup:
-                run["cpu"].append(c1 - c0)
-                run["wall"].append(w1 - w0)
-    ref_cpu, ref_wall = statistics.median(runs[0]["cpu"]), statistics.median(runs[0]["wall"])
+                         next_ids=logits[:, -1:].argmax(-1)))
+
+    def one_step(i: int) -> tuple[float, float]:
+        c0, w0 = time.thread_time(), time.perf_counter()
+        logits = runs[i]["step"](runs[i]["next_ids"])
+        c1, w1 = time.thread_time(), time.perf_counter()
+        runs[i]["next_ids"] = logits[:, -1:].argmax(-1)
+        return c1 - c0, w1 - w0
+
+    interleaved(range(len(runs)), warmup, one_step)
+    steps, med = interleaved(range(len(runs)), rounds, one_step)  # med[i]: [CPU, wall] seconds
     rows = []
-    for run in runs:
-        cpu, wall, cache = statistics.median(run["cpu"]), statistics.median(run["wall"]), run["cache"]
+    for i, run in enumerate(runs):
+        (cpu, wall), (ref_cpu, ref_wall), cache = med[i], med[0], run["cache"]
         rows.append({"method": run["label"], "door": door, "batch": ids.shape[0], "context": ids.shape[1],
                      "prefill_s": run["prefill_cpu"], "prefill_wall_s": run["prefill_wall"],
                      "prefill_vs_full": run["prefill_cpu"] / runs[0]["prefill_cpu"],
                      "decode_ms": 1e3 * cpu, "decode_wall_ms": 1e3 * wall, "decode_vs_full": cpu / ref_cpu,
-                     "decode_wall_vs_full": wall / ref_wall, "steps": len(run["cpu"]),
+                     "decode_wall_vs_full": wall / ref_wall, "steps": len(steps[i]),
                      "cache_bytes": cache.nbytes() if hasattr(cache, "nbytes") else cache_nbytes(cache),  # HF's
                      "prefill_peak_rss_bytes": run["mem"]["grown"]})
     return rows

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from benchmarks.harness import report, studies
-from benchmarks.lib.bases_report import fd_markdown, fd_summary
+from benchmarks.lib.bases_report import fd_summary
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_fd_online_report_marks_the_best_rows_and_renders_every_row():
     notes = json.loads((ROOT / "results" / "fd_online_stories260k.json").read_text())
     rows = notes.pop("rows")
-    md = fd_markdown(studies.load("fd_online_stories260k")["report"], rows, fd_summary(notes, rows))
+    assert "per_layer" not in fd_summary(notes, rows)  # (the per-layer tables: in the notes, not the JSON)
+    md = report.markdown(studies.load("fd_online_stories260k")["report"], rows, notes)
     main, layers = md.split("Per-layer diagnostics")
     table = [line.split(" | ") for line in main.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(table) == len(rows) and all(f"{r['ppl']:.3f}" in line for r, line in zip(rows, table))

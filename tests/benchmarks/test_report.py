@@ -111,3 +111,19 @@ def test_the_runner_fills_a_footer_from_the_summary(tmp_path, monkeypatch):
     assert study.main(["--out", str(tmp_path / "toy")]) == 0
     assert (tmp_path / "toy.md").read_text().split("\n")[:6] == ["| k |", "|---|", "| 0 |", "| 1 |", "", "2 of 2"]
     studies._read.cache_clear()
+
+
+def test_a_scatter_figure_marks_each_series_draws_the_front_and_keeps_the_rows_where_asks():
+    """``kind: scatter``: a marker per series in ``markers``' order, a dashed line through the ``front`` rows (sorted
+    by x), only the rows matching ``where``; ``ylog: symlog``, ``size`` and ``title`` set the axes."""
+    rows = [{"x": 4, "y": 0.5, "s": "b", "f": "★", "p": "P"}, {"x": 1, "y": 30.0, "s": "a", "f": "", "p": "P"},
+            {"x": 2, "y": 2.0, "s": "a", "f": "★", "p": "P"}, {"x": 8, "y": 9.0, "s": "a", "f": "★", "p": "W"}]
+    spec = {"kind": "scatter", "where": {"p": "P"}, "x": "x", "y": "y", "series": "s", "markers": {"b": "D", "a": "^"},
+            "front": {"field": "f", "label": "front"}, "ylog": "symlog", "xlog": 10, "size": [9, 5], "title": "T"}
+    ax = report.figure(spec, rows).axes[0]
+    assert [c.get_label() for c in ax.collections] == ["b", "a"]
+    assert [c.get_offsets().tolist() for c in ax.collections] == [[[4, 0.5]], [[1, 30.0], [2, 2.0]]]
+    (front,) = ax.get_lines()
+    assert front.get_label() == "front" and front.get_xdata().tolist() == [2, 4] and front.get_linestyle() == "--"
+    assert ax.get_yscale() == "symlog" and ax.get_xscale() == "log" and ax.get_title() == "T"
+    assert ax.figure.get_size_inches().tolist() == [9, 5]

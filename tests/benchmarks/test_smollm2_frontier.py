@@ -52,7 +52,8 @@ def test_the_rows_are_study_data_each_measurable_once():
 def test_method_family_of_a_row():
     """One classification serves the frontier figure and the front page: by id for plans and low rank (joint
     latents included), by label for token selections with or without a quantised store."""
-    from benchmarks.lib.smollm2_report import FAMILIES, family
+    from benchmarks.harness.studies import load
+    from benchmarks.smollm2_frontier import family
 
     cases = {("full", "full K/V"): "full", ("plan_4x", "observed_attention×2.1 + int8"): "planner",
              ("joint_fisher_pre_x2", "joint fisher pre-RoPE allocated ×2"): "low rank (bases)",
@@ -64,7 +65,7 @@ def test_method_family_of_a_row():
              "quantisation"}
     for (rid, label), fam in cases.items():
         assert family({"id": rid, "label": label}) == fam, rid
-    assert set(cases.values()) == set(FAMILIES)
+    assert set(cases.values()) == set(load("smollm2_frontier")["figure"]["markers"])  # a marker each
 
 
 def test_a_plan_row_searches_with_the_planners_options(monkeypatch):

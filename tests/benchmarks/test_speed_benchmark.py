@@ -16,7 +16,7 @@ from test_kvzip import _ids, _Tok  # noqa: E402
 
 from kvsplice.core.build import build_method  # noqa: E402
 from benchmarks.harness import report, studies  # noqa: E402
-from benchmarks.lib.speed import measure, method_factories, peak_rss  # noqa: E402
+from benchmarks.lib.speed import interleaved, measure, method_factories, peak_rss  # noqa: E402
 
 
 def _bench():
@@ -94,3 +94,16 @@ def test_contexts_past_the_models_positions_are_refused_before_any_work(tmp_path
     assert _bench().main(["--contexts", "16", str(limit), "--rounds", "2", "--out", str(tmp_path / "s")]) == 2
     assert f"exceed the model's {limit} positions" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_interleaved_runs_the_names_in_turn_and_takes_each_timings_median() -> None:
+    calls = []
+
+    def one(name):
+        calls.append(name)
+        return len(calls), -len(calls)
+
+    runs, med = interleaved(["a", "b"], 3, one)
+    assert calls == ["a", "b"] * 3  # every repeat runs each name once, in turn
+    assert runs == {"a": [(1, -1), (3, -3), (5, -5)], "b": [(2, -2), (4, -4), (6, -6)]}
+    assert med == {"a": [3, -3], "b": [4, -4]}

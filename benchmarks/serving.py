@@ -6,14 +6,11 @@ sequences fit a memory budget, a CUDA-graph decode step at that batch with SDPA 
     python -m benchmarks.serving --budget-gb 24 --ctx 1024 4096 16384 --sections capacity kernel
     python -m benchmarks.serving --smoke --out /tmp/s     # tiny shapes on CPU (or GPU): a smoke run, seconds
 
-``capacity``: MHA, GQA-4, MQA, MLA, KVSplice-50 / -90, bf16 and int8 rows, per context: one sequence's bytes, the
-largest batch within ``--budget-gb`` (and free memory), one step at that batch (at most ``--max-batch``). ``kernel``:
-the attention call alone (batch 64 x 16k keys; latents, int8 latents, MHA / GQA-4 rows), SDPA vs the kernel (and at
-``--kernel-splits``), % of copy bandwidth, max |diff|. ``decode``: the CUDA-graph step at batch 8 / 16k. ``profile``:
-one eager step under ``torch.profiler``. ``latent``: absorbed MLA over the shared latent head, SDPA's default, three
-ops, each fused kernel on the padded latent, a split over the keys. ``gpu_check`` runs the first four at ``--size
-check``. ``--smoke``: tiny shapes, eager steps; the kernel runs on CUDA or Triton's interpreter (TRITON_INTERPRET=1).
-FlashAttention-4 does not take the fixed-capacity view's key mask: not timed here.
+``capacity``: per cache, row format and context: one sequence's bytes, the batch within ``--budget-gb`` (and free
+memory), one step at it (at most ``--max-batch``). ``kernel``: the attention call alone, SDPA vs the kernel (and at
+``--kernel-splits``). ``decode``: the CUDA-graph step at batch 8 / 16k. ``profile``: one eager step by kernel.
+``latent``: absorbed MLA's formulations. ``gpu_check`` runs the first four at ``--size check``. ``--smoke``: tiny
+shapes, eager steps, the kernel on Triton's interpreter on CPU. FlashAttention-4 (no key mask) is not timed here.
 """
 
 from __future__ import annotations

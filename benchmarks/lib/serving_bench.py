@@ -1,7 +1,6 @@
-"""The sections of ``benchmarks/serving.py`` (``gpu_check`` runs each in its own process), each a generator of rows:
-serving capacity at a KV budget with its bytes and compute floors, the attention call alone (SDPA against the split-KV
-kernel, :mod:`models.kernels`; the formulations of latent attention), the CUDA-graph decode step and a profiled eager
-step; 124M presets, random weights. A case that fails is a row with its error: the cases after it still run."""
+"""The sections of ``benchmarks/serving.py``, each a generator of rows (124M presets, random weights): capacity at a
+KV budget with its floors, the attention call alone (SDPA against :mod:`models.kernels`' split-KV kernel; latent
+attention's formulations), the CUDA-graph decode step, a profiled step. A failed case is a row with its error."""
 
 from __future__ import annotations
 
@@ -50,16 +49,13 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Bytes/s of a device-to-device copy of ``nbytes`` (read + written), median of 10."""
     x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     y = torch.empty_like(x)
-    ms = median_of(timer(device), lambda: y.copy_(x), 10, warmup=1)
-    return 2 * x.numel() * 2 / (ms / 1e3)
+    return 2 * x.numel() * 2 / median_of(timer(device), lambda: y.copy_(x), 10, warmup=1) * 1e3
 
 
 def matmul_peak(device: torch.device, dtype: torch.dtype, n: int) -> float:
     """FLOP/s of an ``n``×``n``×``n`` matmul in ``dtype`` (median of 10)."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    ms = median_of(timer(device), lambda: a @ b, 10, warmup=1)
-    return 2 * n ** 3 / (ms / 1e3)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    return 2 * n ** 3 / median_of(timer(device), lambda: a @ b, 10, warmup=1) * 1e3
 
 
 def kernel_runs_here(device: torch.device) -> Optional[str]:
@@ -83,8 +79,7 @@ def seq_bytes(model: GPT, ctx: int, quant: Optional[str]) -> int:
 
 
 def fits(budget_gb: float, per_seq: int, device: torch.device) -> int:
-    """Sequences of ``per_seq`` bytes within ``budget_gb`` (and, on a GPU, the free memory less a reserve: the
-    models are loaded already, so it excludes their weights)."""
+    """Sequences of ``per_seq`` bytes within ``budget_gb`` (on a GPU also within the free memory less a reserve)."""
     budget = budget_gb * 1e9
     if device.type == "cuda":
         budget = min(budget, torch.cuda.mem_get_info()[0] - RESERVE_BYTES)
@@ -111,9 +106,8 @@ def filled_cache(model: GPT, batch: int, ctx: int, quant: Optional[str]):
 
 
 def time_into(row: dict, prefix: str, model: GPT, ctx: int, quant: Optional[str], steps: int, smoke: bool) -> None:
-    """``prefix`` + ``ms``, ``tokens_per_s``, ``pct_floor`` (of ``row["floor_ms"]``) into ``row``: the median decode
-    step at ``row["batch"]`` over a :func:`filled_cache` of ``ctx`` tokens (rolled back after each; a CUDA graph on a
-    GPU) by :func:`kvsplice.report.decode_timing.time_steps`; or ``prefix`` + ``error``."""
+    """``prefix`` + ``ms``, ``tokens_per_s``, ``pct_floor`` (of ``row["floor_ms"]``), or ``error``, into ``row``:
+    the median decode step at ``row["batch"]`` over a :func:`filled_cache` of ``ctx`` tokens (:func:`time_steps`)."""
     device = next(model.parameters()).device
     try:
         cache = filled_cache(model, row["batch"], ctx, quant)
@@ -131,9 +125,8 @@ def time_into(row: dict, prefix: str, model: GPT, ctx: int, quant: Optional[str]
 
 
 def step_flops(name: str, batch: int, n_ctx: int, smoke: bool) -> float:
-    """FLOPs of one decode step of ``batch`` tokens at ``n_ctx`` cached tokens: 2 per weight of every matmul
-    (attention projections, MLP, lm_head; the embedding lookup is free) per token, plus attention — MHA: q·k and
-    p·v over ``head_size`` per head; MLA (absorbed): q·row over ``latent + rope`` and p·latent per head."""
+    """FLOPs of one decode step of ``batch`` tokens at ``n_ctx`` cached: 2 per matmul weight (lm_head too) per token,
+    plus attention per head: MHA q·k and p·v over ``head_size``; absorbed MLA q·row over latent + rope, p·latent."""
     cfg = preset(VARIANTS[name], **(SMOKE_SHAPES if smoke else {}))
     with torch.device("meta"):
         model = GPT(cfg.replace(block_size=max(n_ctx + 2, 2)))
@@ -146,8 +139,8 @@ def step_flops(name: str, batch: int, n_ctx: int, smoke: bool) -> float:
 
 
 def add_floors(row: dict, flops: float, peak: float) -> dict:
-    """Both floors of a capacity row: bytes (``floor_ms``, already there) and compute (``flops`` over ``peak``
-    FLOP/s); ``bound`` names the larger; each path's ``*_pct_larger_floor`` is that floor over its time."""
+    """A capacity row's compute floor (``flops`` / ``peak``) beside its bytes floor, ``bound``: the larger, and each
+    path's ``*_pct_larger_floor``."""
     row["flops_per_step"] = flops
     row["compute_floor_ms"] = flops / peak * 1e3 if peak else None
     floors = {"compute": row["compute_floor_ms"] or 0, "bytes": row.get("floor_ms") or 0}  # a tie: compute
@@ -163,9 +156,8 @@ def add_floors(row: dict, flops: float, peak: float) -> dict:
 
 def capacity(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, peak: float,
              smoke: bool) -> Iterator[dict]:
-    """Per variant, context and row format (bf16, int8): the bytes one sequence holds, the batch whose caches fit
-    ``budget_gb`` (and the free memory on a GPU), one decode step at that batch (capped at ``max_batch``) with
-    SDPA and with the kernel, both floors, and the batch and tokens/s against MHA's row (MHA comes first)."""
+    """Per variant, context and row format: one sequence's bytes, the batch that :func:`fits`, a decode step at it
+    (at most ``max_batch``) with SDPA and the kernel, both floors, batch and tokens/s against MHA's (first) row."""
     kernels = ["eager"] + (["triton"] if kernel_runs_here(device) is None else [])
     mha: dict = {}
     for name in s["variants"]:
@@ -202,8 +194,7 @@ def capacity(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float
 
 def kernel(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, smoke: bool) -> Iterator[dict]:
     """The attention call alone, ``kernel_batch`` × ``kernel_keys``, one query per head, per ``kernel_cases``
-    ``[label, query heads, row heads, row width, int8]``: SDPA (the eager path) against the kernel (its own split
-    count, then each of ``kernel_splits``)."""
+    ``[label, query heads, row heads, row width, int8]``: SDPA against the kernel (own splits, ``kernel_splits``)."""
     batch, keys = s["kernel_batch"], s["kernel_keys"]
     run_kernel = kernel_runs_here(device) is None
     for label, hq, hkv, d, int8 in s["kernel_cases"]:
@@ -241,9 +232,8 @@ def kernel(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, 
 
 
 def decode(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, smoke: bool) -> Iterator[dict]:
-    """One decode step at ``decode_batch`` × ``decode_ctx`` (a CUDA graph on a GPU) per ``(variant, quant)`` of
-    ``decode_variants``: every SDPA row first (a kernel fault, a sticky CUDA error, cannot cost the baselines),
-    then the kernel's; ms, tokens/s, % of the bytes floor, and the time against MHA's SDPA row."""
+    """One decode step at ``decode_batch`` × ``decode_ctx`` per ``decode_variants``: every SDPA row first (a sticky
+    CUDA error of the kernel cannot cost the baselines), then the kernel's; against MHA's SDPA row."""
     batch, n_ctx, graph = s["decode_batch"], s["decode_ctx"], device.type == "cuda"
     base: dict = {}
     for kernel in ["eager"] + (["triton"] if kernel_runs_here(device) is None else []):
@@ -267,11 +257,9 @@ def decode(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, 
 
 def profile_rows(events, variant: str, batch: int, n_ctx: int, top: int, cuda: bool) -> list[dict]:
     """The ``top`` kernels of a profiled step by self device time (self CPU time on CPU), with their share."""
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-
-    def t(e) -> float:
-        got = (getattr(e, key, 0) or getattr(e, "self_cuda_time_total", 0) or 0) if cuda else e.self_cpu_time_total
-        return float(got)
+    def t(e) -> float:  # older torch: self_cuda_time_total
+        dev = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) if cuda else 0
+        return float(dev or 0) if cuda else float(e.self_cpu_time_total)
 
     evs = [e for e in events if t(e) > 0]
     total = sum(t(e) for e in evs) or 1.0
@@ -283,8 +271,8 @@ def profile_rows(events, variant: str, batch: int, n_ctx: int, top: int, cuda: b
 
 
 def profile(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, smoke: bool) -> Iterator[dict]:
-    """One eager decode step under ``torch.profiler`` at ``profile_ctx``, the batch that fits ``budget_gb`` (at
-    most ``profile_batch``), per ``profile_variants``: its top kernels by self device time."""
+    """Per ``profile_variants``: one eager step under ``torch.profiler`` at ``profile_ctx`` and the batch that
+    :func:`fits` (at most ``profile_batch``): its top kernels."""
     from torch.profiler import ProfilerActivity, profile as profiler
 
     n_ctx, cuda = s["profile_ctx"], device.type == "cuda"
@@ -309,9 +297,8 @@ def profile(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float,
 
 
 def formulations(q: torch.Tensor, s: torch.Tensor, scale: float, splits: int = 16) -> dict:
-    """``name -> call`` of the absorbed-MLA attention ``softmax(q s^T * scale) s`` over the one shared latent head:
-    ``q (B, 1, H, r)`` query rows (the heads folded in) over ``s (B, 1, T, r)`` — SDPA's default, three ops, each
-    fused SDPA kernel on the latent zero-padded to a multiple of 8, and a split over the keys."""
+    """``name -> call`` of absorbed-MLA attention ``softmax(q s^T * scale) s``, ``q (B, 1, H, r)`` over the shared
+    latent ``s (B, 1, T, r)``: SDPA's default, three ops, each fused SDPA kernel (latent padded to 8s), split-k."""
     b, _, t, r = s.shape
     dt = q.dtype
 
@@ -349,8 +336,8 @@ def formulations(q: torch.Tensor, s: torch.Tensor, scale: float, splits: int = 1
 
 
 def latent(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, smoke: bool) -> Iterator[dict]:
-    """Median ms of each :func:`formulations` per ``latent_batch`` × ``ctx`` × ``ranks``, 12 query heads (GPT-2
-    small's; the scale of its head size 64), after 5 untimed calls; a kernel that cannot take the inputs: None."""
+    """Median ms of each :func:`formulations` per ``latent_batch`` × ``ctx`` × ``ranks``, 12 query heads of GPT-2
+    small (scale 64^-0.5), after 5 untimed calls; None where a kernel cannot take the inputs."""
     for b in s["latent_batch"]:
         for t in s["ctx"]:
             for r in s["ranks"]:

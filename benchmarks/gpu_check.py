@@ -35,13 +35,6 @@ TEST_FILES: list = SECTIONS["tests"]["files"]
 STARTUP_S: float = SETTINGS["startup_s"]
 
 
-def planned(names: list[str], budget_s: float, smoke: bool) -> list[dict]:
-    """:func:`benchmarks.harness.sections.plan` of ``names`` in the sections' order (smoke: their smoke estimates)."""
-    secs = {k: dict(s, estimate_s=s["smoke_s"], limit_s=SETTINGS["smoke_limit_s"]) if smoke else s
-            for k, s in SECTIONS.items()}
-    return plan(secs, [k for k in SECTIONS if k in names], budget_s, STARTUP_S)
-
-
 def options(p) -> None:
     p.add_argument("--sections", nargs="+", choices=list(SECTIONS), metavar="NAME",
                    help=f"sections to run, in this order whatever the order given (default all: {' '.join(SECTIONS)})")
@@ -68,7 +61,7 @@ def out(args) -> Path:
 
 def rows(run):
     smoke, names = run.size == "smoke", [k for k in SECTIONS if k in run["sections"]]
-    steps = planned(names, run["budget_s"], smoke)
+    steps = plan(SETTINGS, names, run["budget_s"], smoke)
     print_plan(PROG, steps, run["budget_s"], STARTUP_S, smoke, file=None if run.args.dry_run else sys.stderr)
     if run.args.dry_run:
         raise SystemExit(0)  # as --help: nothing written

@@ -30,18 +30,20 @@ def decide(estimate_s: float, limit_s: float, remaining_s: float) -> tuple[bool,
     return True, min(limit_s, remaining_s), None
 
 
-def plan(sections: dict, names: list[str], budget_s: float, startup_s: float) -> list[dict]:
-    """Each of ``names`` (``sections``: name -> ``{what, estimate_s, limit_s}``) with whether it would run if every
-    section before it took its estimate (``startup_s`` first) and the time it would be stopped at."""
-    left = budget_s - startup_s
+def plan(settings: dict, names: list[str], budget_s: float, smoke: bool) -> list[dict]:
+    """Each of ``names`` in the order of ``settings["sections"]`` (name -> ``{what, estimate_s, limit_s, smoke_s}``;
+    smoke: ``smoke_s`` and ``smoke_limit_s``) with whether it would run if every section before it took its estimate
+    (``startup_s`` first) and the time it would be stopped at."""
+    left = budget_s - settings["startup_s"]
     out = []
-    for name in names:
-        s = sections[name]
-        run, timeout, reason = decide(s["estimate_s"], s["limit_s"], left)
-        out.append(dict(section=name, what=s["what"], estimate_s=s["estimate_s"], limit_s=s["limit_s"], runs=run,
+    for name in (k for k in settings["sections"] if k in names):
+        s = settings["sections"][name]
+        est, limit = (s["smoke_s"], settings["smoke_limit_s"]) if smoke else (s["estimate_s"], s["limit_s"])
+        run, timeout, reason = decide(est, limit, left)
+        out.append(dict(section=name, what=s["what"], estimate_s=est, limit_s=limit, runs=run,
                         timeout_s=round(timeout), skip_reason=reason))
         if run:
-            left -= s["estimate_s"]
+            left -= est
     return out
 
 

@@ -40,9 +40,7 @@ def free(device: torch.device) -> None:
 
 def timer(device: torch.device) -> Callable[[Callable[[], object], int], list[float]]:
     """``time(fn, n)``: ms of each of ``n`` calls (CUDA events on an idle GPU; wall clock on CPU)."""
-    if device.type == "cuda":
-        return cuda_time
-    return lambda fn, n: [1e3 * s for s in wall_time(fn, n)]
+    return cuda_time if device.type == "cuda" else lambda fn, n: [1e3 * s for s in wall_time(fn, n)]
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -50,12 +48,6 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     y = torch.empty_like(x)
     return 2 * x.numel() * 2 / median_of(timer(device), lambda: y.copy_(x), 10, warmup=1) * 1e3
-
-
-def matmul_peak(device: torch.device, dtype: torch.dtype, n: int) -> float:
-    """FLOP/s of an ``n``×``n``×``n`` matmul in ``dtype`` (median of 10)."""
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    return 2 * n ** 3 / median_of(timer(device), lambda: a @ b, 10, warmup=1) * 1e3
 
 
 def kernel_runs_here(device: torch.device) -> Optional[str]:

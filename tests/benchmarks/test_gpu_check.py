@@ -85,11 +85,11 @@ def test_budget_logic(gc):
     assert sections.decide(50, 80, 60) == (True, 60, None)  # stopped at the end of the budget, before its own limit
     run, _, reason = sections.decide(50, 80, 49)
     assert not run and "49 s" in reason and "50 s" in reason
-    steps = gc.planned(list(gc.SECTIONS), 480, smoke=False)
+    steps = sections.plan(gc.SETTINGS, list(gc.SECTIONS), 480, smoke=False)
     assert all(p["runs"] for p in steps)
     assert gc.STARTUP_S + sum(p["estimate_s"] for p in steps) <= 480
     assert all(p["limit_s"] >= p["estimate_s"] for p in steps)
-    small = gc.planned(list(gc.SECTIONS), 200, smoke=False)  # 190 s after the start: tests (120), kernel (45), flash4
+    small = sections.plan(gc.SETTINGS, list(gc.SECTIONS), 200, smoke=False)  # 190 s after the start: tests (120), kernel (45), flash4
     assert [p["section"] for p in small if p["runs"]] == ["tests", "kernel", "flash4"]
     assert all(p["skip_reason"] for p in small if not p["runs"])
 

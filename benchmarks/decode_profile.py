@@ -4,9 +4,8 @@
     python -m benchmarks.decode_profile --contexts 2048 8192 --no-model
     python -m benchmarks.decode_profile --compile             # + torch.compile of the fused formulation (~30 s more)
 
-Two views, one torch thread, medians: one layer's attention (SmolLM2-135M's shapes): SDPA over fp32 K, V against
-:func:`kvsplice.core.coded.coded_attend` over a real KIVI-4 cache and its parts at fp32 / bf16 (``--compile``: fused
-by torch.compile); one decode step of the model (Decoder door): torch.profiler's self-CPU ms by op group.
+Two views, one torch thread: one layer's attention (SmolLM2-135M's shapes), SDPA over fp32 K, V against
+:func:`kvsplice.core.coded.coded_attend` over a KIVI-4 cache and its parts; one decode step's self-CPU ms by op group.
 """
 
 from __future__ import annotations

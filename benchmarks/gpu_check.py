@@ -1,6 +1,5 @@
-"""Every open GPU question in one command of at most 8 minutes on one H100 / H200: the CUDA tests, the split-KV kernel
-against SDPA, the CUDA-graph decode step, serving capacity at a 24 GB budget, a profiled step, the compiled training
-step and FlashAttention-4.
+"""Every open GPU question in one command of at most 8 minutes on one H100 / H200: the CUDA tests, the split-KV kernel,
+the CUDA-graph decode step, capacity at 24 GB, a profiled step, the compiled training step and FlashAttention-4.
 
     python -m benchmarks.gpu_check --out-dir "$OUT"      # all sections: gpu_check_<device>.json and .md there
     python -m benchmarks.gpu_check --dry-run             # the plan and its time estimate (no CUDA touched)
@@ -38,10 +37,8 @@ STARTUP_S: float = SETTINGS["startup_s"]
 def options(p) -> None:
     p.add_argument("--sections", nargs="+", choices=list(SECTIONS), metavar="NAME",
                    help=f"sections to run, in this order whatever the order given (default all: {' '.join(SECTIONS)})")
-    p.add_argument("--budget-s", type=float, help="seconds for the whole run (default 480): a section whose "
-                                                  "estimate no longer fits is skipped")
-    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where gpu_check_<device>[_smoke].json and .md go "
-                                                                 "(default results/; on the device tool: \"$OUT\")")
+    p.add_argument("--budget-s", type=float, help="seconds for the run (default 480): a section past it is skipped")
+    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where the .json and .md go (default results/)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its time estimate; touch no GPU")
 
 

@@ -1,6 +1,5 @@
-"""Serving capacity and decode throughput of every cache (124M presets, random weights), side by side: how many
-sequences fit a memory budget, a CUDA-graph decode step at that batch with SDPA and with the split-KV Triton kernel
-(models.kernels) against its bytes and compute floors (measured in the run); sizes in ``studies/serving.yaml``.
+"""Serving capacity and decode throughput of every cache (124M presets, random weights) with SDPA and the split-KV
+Triton kernel (models.kernels), against bytes and compute floors measured in the run (``studies/serving.yaml``).
 
     python -m benchmarks.serving                           # CUDA: results/serving_<device>.json and .md
     python -m benchmarks.serving --budget-gb 24 --ctx 1024 4096 16384 --sections capacity kernel

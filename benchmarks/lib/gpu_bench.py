@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ def peak_flops() -> float | None:
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
-def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> list[dict]:
+def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> Iterator[dict]:
     """Median ms of one decode-shaped SDPA call (key length growing by one per call) per kernel choice, a row per key
     length: a named kernel first in SDPA's priority (the others as fallbacks) by the package's ~1 µs switch."""
     from torch.nn.attention import SDPBackend
@@ -40,7 +40,6 @@ def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> list[dict]:
              "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
     rest = tuple(named.values())
     choices = {"default": None, **{k: (b, *[x for x in rest if x != b]) for k, b in named.items()}, "ours": "ours"}
-    rows = []
     for t_k in key_lens:
         row = dict(keys=t_k)
         q = torch.randn(batch, 12, 1, 64, device="cuda", dtype=torch.bfloat16)
@@ -57,9 +56,8 @@ def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> list[dict]:
                     return F.scaled_dot_product_attention(q, k, k)
 
             row[name] = median_of(cuda_time, call, calls, warmup=1)
-        rows.append(row)
+        yield row
         del q, kv
-    return rows
 
 
 def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, quick: bool,
@@ -94,8 +92,7 @@ def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, qui
                                 foreach=None if opt_impl == "fused" else True)
         fwd = torch.compile(model) if compiled else model
         vocab = model.lm_head.weight.shape[0]
-        x = torch.randint(0, vocab, (batch, t), device="cuda", generator=g)
-        y = torch.randint(0, vocab, (batch, t), device="cuda", generator=g)
+        x, y = (torch.randint(0, vocab, (batch, t), device="cuda", generator=g) for _ in range(2))
 
         def step(fwd=fwd, opt=opt, model=model, x=x, y=y, vocab=vocab):
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -177,7 +174,7 @@ def _case_ms(model, label: str, batch: int, ctx: int, steps: int, dtype) -> tupl
 
 @torch.inference_mode()
 def bench_decode(batches: list[int], ctxs: list[int], steps: int, rounds: int, quick: bool, bandwidth: float,
-                 hf: bool) -> list[dict]:
+                 hf: bool) -> Iterator[dict]:
     """Per batch and context, ``rounds`` interleaved rounds of every case (each starting from a fresh cache): the
     median ms, its bytes floor, and the ratios to our eager MHA step and to transformers' StaticCache step."""
     dtype = torch.bfloat16
@@ -195,7 +192,6 @@ def bench_decode(batches: list[int], ctxs: list[int], steps: int, rounds: int, q
         torch.manual_seed(0)
         models["hf gpt2 DynamicCache"] = models["hf gpt2 StaticCache"] = GPT2LMHeadModel(cfg).to("cuda", dtype).eval()
     labels = list(models)
-    rows = []
     for batch in batches:
         for ctx in ctxs:
             times: dict = {lab: [] for lab in labels}
@@ -220,10 +216,9 @@ def bench_decode(batches: list[int], ctxs: list[int], steps: int, rounds: int, q
                     ms, floor_ms = cell[lab], (row["cache_bytes"] + row["weight_bytes"]) / bandwidth * 1e3
                     row.update(median_ms=ms, n=len(times[lab]), floor_ms=floor_ms, vs_floor=ms / floor_ms,
                                vs_ours_mha=ms / mha if mha else None, vs_hf_static=ms / static if static else None)
-                rows.append(row)
+                yield row
             print(f"decode batch {batch} ctx {ctx}: " + ", ".join(f"{k} {v:.3f}" for k, v in cell.items()),
                   file=sys.stderr, flush=True)
-    return rows
 
 
 def flash4_reason() -> Optional[str]:
@@ -238,7 +233,7 @@ def flash4_reason() -> Optional[str]:
     return None
 
 
-def bench_flash4(shape: Sequence[int], calls: int) -> list[dict]:
+def bench_flash4(shape: Sequence[int], calls: int) -> Iterator[dict]:
     """FlashAttention-4 against SDPA on causal prefill calls of ``shape`` (B, H, T, D), MHA and GQA-4, bf16."""
     from flash_attn.cute import flash_attn_func  # type: ignore[import-not-found]
 
@@ -248,7 +243,6 @@ def bench_flash4(shape: Sequence[int], calls: int) -> list[dict]:
     b, h, t, d = shape
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    rows = []
     for call, (qq, kk, vv) in {f"MHA prefill {b}x{h}x{t}x{d}": (q, k, v),
                                f"GQA-4 prefill {b}x{h}x{t}x{d}": (q, k[:, :h // 4], v[:, :h // 4])}.items():
         row = dict(call=call, impl=impl.name)
@@ -261,5 +255,4 @@ def bench_flash4(shape: Sequence[int], calls: int) -> list[dict]:
             row["speedup"] = row["sdpa_ms"] / row["flash_ms"]
         except Exception as e:  # noqa: BLE001
             row["error"] = err(e)
-        rows.append(row)
-    return rows
+        yield row

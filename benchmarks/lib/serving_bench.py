@@ -5,6 +5,7 @@ attention's formulations), the CUDA-graph decode step, a profiled step. A failed
 from __future__ import annotations
 
 import gc
+import itertools
 import statistics
 from typing import Callable, Iterator, Optional
 
@@ -330,15 +331,13 @@ def formulations(q: torch.Tensor, s: torch.Tensor, scale: float, splits: int = 1
 def latent(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, smoke: bool) -> Iterator[dict]:
     """Median ms of each :func:`formulations` per ``latent_batch`` × ``ctx`` × ``ranks``, 12 query heads of GPT-2
     small (scale 64^-0.5), after 5 untimed calls; None where a kernel cannot take the inputs."""
-    for b in s["latent_batch"]:
-        for t in s["ctx"]:
-            for r in s["ranks"]:
-                q = torch.randn(b, 1, 12, r, device=device, dtype=dtype)
-                lat = torch.randn(b, 1, t, r, device=device, dtype=dtype)
-                row = dict(batch=b, ctx=t, rank=r)
-                for name, fn in formulations(q, lat, 64 ** -0.5).items():
-                    try:
-                        row[name] = median_of(timer(device), fn, s["latent_calls"], warmup=5)
-                    except RuntimeError:  # a kernel that cannot take these inputs
-                        row[name] = None
-                yield row
+    for b, t, r in itertools.product(s["latent_batch"], s["ctx"], s["ranks"]):
+        q = torch.randn(b, 1, 12, r, device=device, dtype=dtype)
+        lat = torch.randn(b, 1, t, r, device=device, dtype=dtype)
+        row = dict(batch=b, ctx=t, rank=r)
+        for name, fn in formulations(q, lat, 64 ** -0.5).items():
+            try:
+                row[name] = median_of(timer(device), fn, s["latent_calls"], warmup=5)
+            except RuntimeError:  # a kernel that cannot take these inputs
+                row[name] = None
+        yield row

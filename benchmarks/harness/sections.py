@@ -31,9 +31,8 @@ def decide(estimate_s: float, limit_s: float, remaining_s: float) -> tuple[bool,
 
 
 def plan(settings: dict, names: list[str], budget_s: float, smoke: bool) -> list[dict]:
-    """Each of ``names`` in the order of ``settings["sections"]`` (name -> ``{what, estimate_s, limit_s, smoke_s}``;
-    smoke: ``smoke_s`` and ``smoke_limit_s``) with whether it would run if every section before it took its estimate
-    (``startup_s`` first) and the time it would be stopped at."""
+    """Each of ``names`` in ``settings["sections"]``' order (smoke: ``smoke_s`` and ``smoke_limit_s``) with whether it
+    would run if every one before it took its estimate (``startup_s`` first) and the time it would be stopped at."""
     left = budget_s - settings["startup_s"]
     out = []
     for name in (k for k in settings["sections"] if k in names):
@@ -61,8 +60,7 @@ def print_plan(prog: str, rows: list[dict], budget_s: float, startup_s: float, s
 
 
 def by_section(rows: list[dict], names: list[str]) -> dict[str, dict]:
-    """``section -> its last status row (a row with a ``status``), with ``rows``: its measurements`` for each of
-    ``names`` that has one, in that order."""
+    """``section -> its last status row, with ``rows``: its measurements`` for each of ``names`` that has one."""
     out = {k: dict(rows=[]) for k in names if any(r.get("section") == k and "status" in r for r in rows)}
     for r in rows:
         if "status" in r and r.get("section") in out:
@@ -73,8 +71,8 @@ def by_section(rows: list[dict], names: list[str]) -> dict[str, dict]:
 
 
 def child_rows(stem: Path) -> tuple[list[dict], dict]:
-    """The rows a section's process wrote (the runner's JSON, rewritten after every row) and its notes (the fields
-    beside them, less the header and the run's facts)."""
+    """The rows a section's process wrote (its JSON, rewritten after every row) and its notes (the fields beside them
+    less the header and the run's facts)."""
     try:
         data = json.loads(stem.with_suffix(".json").read_text())
     except (OSError, ValueError):

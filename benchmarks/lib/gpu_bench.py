@@ -25,8 +25,7 @@ PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}
 
 
 def peak_flops() -> float | None:
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+    return next((v for k, v in PEAK_BF16.items() if k in torch.cuda.get_device_name()), None)
 
 
 def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> Iterator[dict]:

@@ -23,8 +23,7 @@ from models.quant import SCALE, quantize_int8
 VARIANTS = {"MHA": "gpt2", "GQA-4": "gpt2_gqa4", "MQA": "gpt2_mqa", "MLA": "mla", "KVSplice-50": "mla_kvsplice_50",
             "KVSplice-90": "mla_kvsplice_90"}
 SMOKE_SHAPES = dict(n_layer=2, n_head=4, d_model=64, d_latent=32)
-CLAIM = ("KVSplice 90 %: ~11,700 parallel sequences in 24 GB at 1,024 tokens, 18x throughput (the seed's claim, "
-         "against MHA)")
+CLAIM = "KVSplice 90 %: ~11,700 parallel sequences in 24 GB at 1,024 tokens, 18x throughput (the seed's claim, vs MHA)"
 RESERVE_BYTES = 4 * 2**30
 """GPU memory kept free beside the caches and weights (activations, logits, the CUDA graph's pool)."""
 
@@ -53,10 +52,8 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
 
 def kernel_runs_here(device: torch.device) -> Optional[str]:
     """Why the split-KV kernel cannot run on ``device`` here, or None."""
-    reason = triton_missing_reason()
-    if reason is None and device.type != "cuda" and not interpreting():
-        reason = "CPU without Triton's interpreter (TRITON_INTERPRET=1)"
-    return reason
+    cpu = device.type != "cuda" and not interpreting()
+    return triton_missing_reason() or ("CPU without Triton's interpreter (TRITON_INTERPRET=1)" if cpu else None)
 
 
 def build(name: str, kernel: str, ctx: int, smoke: bool, device: torch.device, dtype: torch.dtype) -> GPT:
@@ -160,27 +157,26 @@ def capacity(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float
             yield dict(variant=name, rows="-", ctx=0, bytes_per_seq=0, max_batch=0, sdpa_error=err(e))
             continue
         m = models["eager"]
-        for ctx in s["ctx"]:
-            for quant in (None, "int8"):
-                per_seq, weights = seq_bytes(m, ctx, quant), weight_bytes(m)
-                n = fits(s["budget_gb"], per_seq, device)
-                row = dict(variant=name, rows="int8" if quant else str(dtype).split(".")[-1], ctx=ctx,
-                           bytes_per_seq=per_seq, budget_gb=s["budget_gb"], max_batch=n,
-                           batch=min(n, s["max_batch"]), weight_bytes=weights)
-                row["bytes_per_step"] = row["batch"] * per_seq + weights
-                row["floor_ms"] = row["bytes_per_step"] / bandwidth * 1e3
-                for k, model in models.items():
-                    label = "sdpa_" if k == "eager" else "split_kv_"
-                    if row["batch"] < 1:
-                        row[f"{label}error"] = "no sequence fits the budget"
-                    else:
-                        time_into(row, label, model, ctx, quant, s["steps"], smoke)
-                base = mha.setdefault((ctx, row["rows"]), row) if name == "MHA" else mha.get((ctx, row["rows"]))
-                for label in ("sdpa", "split_kv"):
-                    tps, ref = row.get(f"{label}_tokens_per_s"), base and base.get("sdpa_tokens_per_s")
-                    row[f"{label}_vs_mha_sdpa"] = tps / ref if tps and ref else None
-                row["batch_vs_mha"] = n / base["max_batch"] if base and base["max_batch"] else None
-                yield add_floors(row, step_flops(name, row["batch"], ctx, smoke), peak)
+        for ctx, quant in itertools.product(s["ctx"], (None, "int8")):
+            per_seq, weights = seq_bytes(m, ctx, quant), weight_bytes(m)
+            n = fits(s["budget_gb"], per_seq, device)
+            row = dict(variant=name, rows="int8" if quant else str(dtype).split(".")[-1], ctx=ctx,
+                       bytes_per_seq=per_seq, budget_gb=s["budget_gb"], max_batch=n,
+                       batch=min(n, s["max_batch"]), weight_bytes=weights)
+            row["bytes_per_step"] = row["batch"] * per_seq + weights
+            row["floor_ms"] = row["bytes_per_step"] / bandwidth * 1e3
+            for k, model in models.items():
+                label = "sdpa_" if k == "eager" else "split_kv_"
+                if row["batch"] < 1:
+                    row[f"{label}error"] = "no sequence fits the budget"
+                else:
+                    time_into(row, label, model, ctx, quant, s["steps"], smoke)
+            base = mha.setdefault((ctx, row["rows"]), row) if name == "MHA" else mha.get((ctx, row["rows"]))
+            for label in ("sdpa", "split_kv"):
+                tps, ref = row.get(f"{label}_tokens_per_s"), base and base.get("sdpa_tokens_per_s")
+                row[f"{label}_vs_mha_sdpa"] = tps / ref if tps and ref else None
+            row["batch_vs_mha"] = n / base["max_batch"] if base and base["max_batch"] else None
+            yield add_floors(row, step_flops(name, row["batch"], ctx, smoke), peak)
         models = m = None
         free(device)
 
@@ -229,23 +225,23 @@ def decode(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, 
     CUDA error of the kernel cannot cost the baselines), then the kernel's; against MHA's SDPA row."""
     batch, n_ctx, graph = s["decode_batch"], s["decode_ctx"], device.type == "cuda"
     base: dict = {}
-    for kernel in ["eager"] + (["triton"] if kernel_runs_here(device) is None else []):
-        for name, quant in s["decode_variants"]:
-            row = dict(variant=name, rows=quant or str(dtype).split(".")[-1],
-                       path="sdpa" if kernel == "eager" else "split_kv", batch=batch, ctx=n_ctx, graph=graph)
-            try:
-                model = build(name, kernel, n_ctx, smoke, device, dtype)
-                row["bytes_per_step"] = batch * seq_bytes(model, n_ctx, quant) + weight_bytes(model)
-                row["floor_ms"] = row["bytes_per_step"] / bandwidth * 1e3
-                time_into(row, "", model, n_ctx, quant, s["decode_steps"], smoke)
-            except Exception as e:  # noqa: BLE001 - the model did not build
-                row["error"] = err(e)
-            if name == "MHA" and kernel == "eager" and "ms" in row:
-                base[row["rows"]] = row["ms"]
-            row["vs_mha_sdpa"] = row["ms"] / base[row["rows"]] if "ms" in row and row["rows"] in base else None
-            model = None
-            free(device)
-            yield row
+    kernels = ["eager"] + (["triton"] if kernel_runs_here(device) is None else [])
+    for kernel, (name, quant) in itertools.product(kernels, s["decode_variants"]):
+        row = dict(variant=name, rows=quant or str(dtype).split(".")[-1],
+                   path="sdpa" if kernel == "eager" else "split_kv", batch=batch, ctx=n_ctx, graph=graph)
+        try:
+            model = build(name, kernel, n_ctx, smoke, device, dtype)
+            row["bytes_per_step"] = batch * seq_bytes(model, n_ctx, quant) + weight_bytes(model)
+            row["floor_ms"] = row["bytes_per_step"] / bandwidth * 1e3
+            time_into(row, "", model, n_ctx, quant, s["decode_steps"], smoke)
+        except Exception as e:  # noqa: BLE001 - the model did not build
+            row["error"] = err(e)
+        if name == "MHA" and kernel == "eager" and "ms" in row:
+            base[row["rows"]] = row["ms"]
+        row["vs_mha_sdpa"] = row["ms"] / base[row["rows"]] if "ms" in row and row["rows"] in base else None
+        model = None
+        free(device)
+        yield row
 
 
 def profile_rows(events, variant: str, batch: int, n_ctx: int, top: int, cuda: bool) -> list[dict]:

@@ -75,8 +75,7 @@ def rows(run):
         yield from ({"section": name, **r} for r in parts[name]())
 
 
-STUDY = Study("gpu", __doc__, rows, options=options, summary=lambda run, rows: run.notes,
-              out=out_stem, threads=None,
+STUDY = Study("gpu", __doc__, rows, options=options, summary=lambda run, rows: run.notes, out=out_stem, threads=None,
               bounds={"batch": (1, 1 << 16), "ctx": (1, 1 << 20), "decode_steps": (1, 10000), "rounds": (1, 1000),
                       "train_batch": (1, 4096), "train_steps": (1, 10000)})
 main = STUDY.main

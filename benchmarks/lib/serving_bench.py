@@ -196,8 +196,7 @@ def kernel(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, 
             v = k if shared else torch.randn_like(k)
             kq, ks = quantize_int8(k) if int8 else (k, None)
             vq, vs = (kq, ks) if shared else quantize_int8(v) if int8 else (v, None)
-            el = 1 if int8 else k.element_size()
-            row["bytes_read"] = batch * hkv * keys * (d * el + (2 if int8 else 0)) * (1 if shared else 2)
+            row["bytes_read"] = batch * hkv * keys * (d + 2 if int8 else d * k.element_size()) * (1 if shared else 2)
             kf = kq.to(dtype) * ks.to(dtype) if int8 else k  # the eager path attends over dequantised rows
             vf = kf if shared else (vq.to(dtype) * vs.to(dtype) if int8 else v)
             calls = {"sdpa": lambda: attend(q, kf, vf, scale=d ** -0.5)}

@@ -4,9 +4,8 @@
     python -m benchmarks.decode_profile --contexts 2048 8192 --no-model
     python -m benchmarks.decode_profile --compile             # + torch.compile of the fused formulation (~30 s more)
 
-Two views, one torch thread, medians: one layer's attention (SmolLM2-135M's shapes): SDPA over fp32 K, V against
-:func:`kvsplice.core.coded.coded_attend` over a real KIVI-4 cache and its parts at fp32 / bf16 (``--compile``: fused
-by torch.compile); one decode step of the model (Decoder door): torch.profiler's self-CPU ms by op group.
+Two views, one torch thread: one layer's attention (SmolLM2-135M's shapes), SDPA over fp32 K, V against
+:func:`kvsplice.core.coded.coded_attend` over a KIVI-4 cache and its parts; one decode step's self-CPU ms by op group.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness import studies
 from benchmarks.harness.options import add_model
 from benchmarks.harness.paths import SMOLLM2
 from benchmarks.harness.runner import Study
@@ -21,10 +21,7 @@ from benchmarks.harness.timing import median_of, wall_time
 from models.quant import unpack_codes
 
 HQ, HKV, D = 9, 3, 64  # SmolLM2-135M's attention
-
-
-def median_us(fn, reps: int = 40, warmup: int = 5) -> float:
-    return 1e6 * median_of(wall_time, fn, reps, warmup)
+GROUPS: dict = studies.load("decode_profile")["groups"]  # the step view's op groups: name -> its ops
 
 
 def kivi_layer(n: int, seed: int = 0):
@@ -79,22 +76,15 @@ def layer_rows(n: int, compile_: bool) -> list[dict]:
         calls[f"  one pass over the key codes: conversion to {name}"] = lambda dt=dt: nibbles(keys.data, dt)
         calls[f"  the keys' product at {name} (per token group)"] = lambda x=x, w=w: (
             x.view(1, HKV, -1, 32, D) @ w.transpose(-1, -2))
-    rows = [{"context": n, "op": name, "us": median_us(fn)} for name, fn in calls.items()]
+    rows = [{"context": n, "op": name, "us": 1e6 * median_of(wall_time, fn, 40, 5)} for name, fn in calls.items()]
     if compile_:  # compiled after the other timings (its warm-up compiles)
         fused = {"keys": (scores_fused, (rows_q, keys.data, keys.scale, keys.mn)),
                  "values": (weighted_fused, (p, vals.data, vals.scale, vals.mn))}
         for name, (fn, args) in fused.items():
-            c = torch.compile(fn, dynamic=False)
-            c(*args)
-            us = median_us(lambda: c(*args))
+            c = torch.compile(fn, dynamic=False)  # compiled by the first warm-up call
+            us = 1e6 * median_of(wall_time, lambda: c(*args), 40, 5)
             rows.append({"context": n, "op": f"kivi4 {name}, fused by torch.compile", "us": us})
     return rows
-
-
-GROUPS = (("matrix products (aten::mm / bmm / linear)", ("aten::mm", "aten::bmm", "aten::addmm")),
-          ("SDPA", ("aten::_scaled_dot_product_flash_attention_for_cpu",)),
-          ("conversions and copies", ("aten::copy_", "aten::_to_copy", "aten::cat", "aten::__rshift__",
-                                      "aten::contiguous")))
 
 
 @torch.no_grad()
@@ -116,9 +106,9 @@ def step_rows(model, n: int, spec: str = "kivi4") -> list[dict]:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 nxt = step(nxt)[:, -1:].argmax(-1)
-        tot = dict.fromkeys([g for g, _ in GROUPS] + ["everything else"], 0.0)
+        tot = dict.fromkeys([*GROUPS, "everything else"], 0.0)
         for e in prof.key_averages():
-            g = next((g for g, ops in GROUPS if e.key in ops), "everything else")
+            g = next((g for g, ops in GROUPS.items() if e.key in ops), "everything else")
             tot[g] += e.self_cpu_time_total / 1e3 / steps
         out += [{"context": n, "method": label, "group": g, "ms": ms} for g, ms in tot.items()]
     return out

@@ -5,12 +5,10 @@ CUDA events; medians of interleaved rounds):
     python -m benchmarks.gpu --sections decode --batch 8 --ctx 1024 4096
     python -m benchmarks.gpu --smoke               # tiny shapes, a smoke run (seconds): gpu_<device>_smoke
 
-``sdpa``: one decode-shaped SDPA call (batch 8, 12 heads of 64, the key length growing by one per call) per kernel
-choice: torch's default, each kernel first in SDPA's priority, the package's order. ``train``: one step of the 124M
-models (batch 16 x 1024, fused AdamW, clip 1.0), the nanoGPT-style reference (:mod:`benchmarks.lib.reference_gpt`)
-and ours (MHA / MLA / KVSplice-90), eager and compiled; MFU = (6·params + 12·L·d·T) · tokens / time / peak.
-``decode``: one token per sequence, random 124M weights: ours eager and ``+graph`` (the split-KV kernel), transformers'
-GPT-2 with DynamicCache / StaticCache, each against its bytes floor. ``flash4``: FlashAttention-4 against SDPA.
+``sdpa``: one decode-shaped SDPA call per kernel choice (torch's default, each kernel first, the package's order).
+``train``: one 124M step, the nanoGPT-style reference (:mod:`benchmarks.lib.reference_gpt`) and ours (MHA / MLA /
+KVSplice-90), eager and compiled; MFU = (6·params + 12·L·d·T) · tokens / time / peak. ``decode``: ours eager and
+``+graph`` against transformers' GPT-2 (DynamicCache / StaticCache) and the bytes floor. ``flash4``: vs SDPA.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from __future__ import annotations
 import platform
 
 from benchmarks.harness.header import device_tag, version
+from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
 
@@ -37,12 +36,11 @@ def options(p) -> None:
 
 
 def out_stem(args):
-    """``results/gpu_<device>``: the device's family names the file (CUDA is checked first)."""
+    """``results/gpu_<device>``: the device's family names the file; no CUDA device: a one-line error (exit 2)."""
     import torch
 
-    from benchmarks.lib.gpu_bench import need_cuda
-
-    need_cuda()
+    if not torch.cuda.is_available():
+        raise UsageError("no CUDA device (this benchmark measures a GPU)")
     return RESULTS / f"gpu_{device_tag(torch.cuda.get_device_name())}"
 
 
@@ -53,7 +51,7 @@ def rows(run):
     from benchmarks.lib.serving_bench import copy_bandwidth
     from models.attention import flash_impl
 
-    g.need_cuda()
+    out_stem(run.args)  # no CUDA: its one-line error, with --out too
     a, smoke = run.args, run.size == "smoke"
     torch.backends.cuda.matmul.allow_tf32 = True
     impl = flash_impl()
@@ -77,8 +75,7 @@ def rows(run):
         yield from ({"section": name, **r} for r in parts[name]())
 
 
-STUDY = Study("gpu", __doc__, rows, options=options, summary=lambda run, rows: run.notes,
-              out=out_stem, threads=None,
+STUDY = Study("gpu", __doc__, rows, options=options, summary=lambda run, rows: run.notes, out=out_stem, threads=None,
               bounds={"batch": (1, 1 << 16), "ctx": (1, 1 << 20), "decode_steps": (1, 10000), "rounds": (1, 1000),
                       "train_batch": (1, 4096), "train_steps": (1, 10000)})
 main = STUDY.main

@@ -1,17 +1,15 @@
-"""Every open GPU question in one command of at most 8 minutes on one H100 / H200: the CUDA tests, the split-KV kernel
-against SDPA, the CUDA-graph decode step, serving capacity at a 24 GB budget, a profiled step, the compiled training
-step and FlashAttention-4.
+"""Every open GPU question in one command of at most 8 minutes on one H100 / H200: the CUDA tests, the split-KV kernel,
+the CUDA-graph decode step, capacity at 24 GB, a profiled step, the compiled training step and FlashAttention-4.
 
     python -m benchmarks.gpu_check --out-dir "$OUT"      # all sections: gpu_check_<device>.json and .md there
     python -m benchmarks.gpu_check --dry-run             # the plan and its time estimate (no CUDA touched)
     python -m benchmarks.gpu_check --sections kernel decode --budget-s 200
     python -m benchmarks.gpu_check --smoke --out-dir /tmp/g  # tiny sizes on CPU (or GPU): proves the script runs
 
-Sections (``studies/gpu_check.yaml``): ``tests`` (``pytest -m gpu`` on the files with CUDA tests), then ``serving``'s
-and ``gpu``'s sections at their ``check`` size, each in its own process: a hang is cut off at the section's limit, a
-CUDA error cannot spoil the next, a section whose estimate no longer fits ``--budget-s`` is skipped with the reason.
-Rows: each section's status (the last counts) and measurements; ``--resume`` keeps the sections this run does not
-redo. No jsonargparse, wandb, datasets.
+Sections (``studies/gpu_check.yaml``): ``tests`` (``pytest -m gpu``), then ``serving``'s and ``gpu``'s at their
+``check`` size, each in its own process: a hang is cut off at its limit, a CUDA error cannot spoil the next, one whose
+estimate no longer fits ``--budget-s`` is skipped. Rows: each section's status (the last counts) and measurements.
+``--resume`` keeps the sections this run does not redo. No jsonargparse, wandb, datasets.
 """
 
 from __future__ import annotations
@@ -22,12 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import studies
+from benchmarks.harness import report, studies
 from benchmarks.harness.header import device_tag, version
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
-from benchmarks.harness.report import fmt, table
 from benchmarks.harness.sections import by_section, on_sigterm, plan, print_plan, run_section
 
 PROG = "gpu_check.py"
@@ -37,20 +34,11 @@ TEST_FILES: list = SECTIONS["tests"]["files"]
 STARTUP_S: float = SETTINGS["startup_s"]
 
 
-def planned(names: list[str], budget_s: float, smoke: bool) -> list[dict]:
-    """:func:`benchmarks.harness.sections.plan` of ``names`` in the sections' order (smoke: their smoke estimates)."""
-    secs = {k: dict(s, estimate_s=s["smoke_s"], limit_s=SETTINGS["smoke_limit_s"]) if smoke else s
-            for k, s in SECTIONS.items()}
-    return plan(secs, [k for k in SECTIONS if k in names], budget_s, STARTUP_S)
-
-
 def options(p) -> None:
     p.add_argument("--sections", nargs="+", choices=list(SECTIONS), metavar="NAME",
                    help=f"sections to run, in this order whatever the order given (default all: {' '.join(SECTIONS)})")
-    p.add_argument("--budget-s", type=float, help="seconds for the whole run (default 480): a section whose "
-                                                  "estimate no longer fits is skipped")
-    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where gpu_check_<device>[_smoke].json and .md go "
-                                                                 "(default results/; on the device tool: \"$OUT\")")
+    p.add_argument("--budget-s", type=float, help="seconds for the run (default 480): a section past it is skipped")
+    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where the .json and .md go (default results/)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its time estimate; touch no GPU")
 
 
@@ -70,7 +58,7 @@ def out(args) -> Path:
 
 def rows(run):
     smoke, names = run.size == "smoke", [k for k in SECTIONS if k in run["sections"]]
-    steps = planned(names, run["budget_s"], smoke)
+    steps = plan(SETTINGS, names, run["budget_s"], smoke)
     print_plan(PROG, steps, run["budget_s"], STARTUP_S, smoke, file=None if run.args.dry_run else sys.stderr)
     if run.args.dry_run:
         raise SystemExit(0)  # as --help: nothing written
@@ -79,6 +67,8 @@ def rows(run):
     from models.kernels import DEFAULT_DECODE_KERNEL
 
     cuda, t0 = torch.cuda.is_available(), time.monotonic()
+    if smoke:
+        run.notes["smoke_run"] = "tiny sizes"
     run.notes.update(device=torch.cuda.get_device_name() if cuda else "CPU",
                      decode_kernel_default=DEFAULT_DECODE_KERNEL,
                      capability=list(torch.cuda.get_device_capability()) if cuda else None, cuda=torch.version.cuda,
@@ -104,21 +94,16 @@ def rows(run):
 
 
 def markdown(run, rows) -> str:
-    n = run.notes
-    facts = [f"{k} {n[k]}" for k in ("torch", "cuda", "triton", "transformers") if n.get(k)]
-    facts += [f"compute capability {'.'.join(map(str, n['capability']))}"] if n.get("capability") else []
-    out = [f"# GPU check — {n['device']}", "", ", ".join(facts) + f", decode_kernel default "
-           f"{n['decode_kernel_default']!r}. Budget {run['budget_s']:.0f} s; started {n['started']}, took "
-           f"{n['elapsed_s']:.0f} s.", ""] + (["**Smoke run**: tiny sizes; the numbers say nothing about speed.", ""]
-                                               if run.size == "smoke" else [])
-    for name, s in by_section(rows, list(SECTIONS)).items():
-        took = f" ({s['elapsed_s']:.0f} s of ~{s['estimate_s']:.0f} s estimated)" if s.get("elapsed_s") else ""
-        out += [f"## {name}: {s['status']}{took}", "", s.get("what", ""), ""]
-        out += [f"**{s['status']}**: {fmt(s['reason'])}", ""] if s.get("reason") else []
-        out += ["; ".join(f"{k}: {fmt(v)}" for k, v in s["summary"].items()), ""] if s.get("summary") else []
-        cols = SECTIONS[name].get("columns") or studies.load(SECTIONS[name]["study"])["report"]["columns"][name]
-        out += table([r for r in s["rows"] if r.get("outcome") != "passed"], cols)  # passed tests: the JSON only
-    return "\n".join(out)
+    """The YAML's ``report:`` of a table of each section's last status and a table per section of its measurements
+    (passed tests: the JSON only), under the columns of the study that measures it."""
+    secs = by_section(rows, list(SECTIONS))
+    got = [dict(s, part="sections", summary="; ".join(f"{k}: {report.fmt(v)}" for k, v in s.get("summary", {}).items()))
+           for s in secs.values()]
+    got += [dict(r, part=k) for k, s in secs.items() for r in s["rows"] if r.get("outcome") != "passed"]
+    spec = STUDY.spec("report")
+    cols = {k: s.get("columns") or studies.load(s["study"])["report"]["columns"][k] for k, s in SECTIONS.items()}
+    values = {**run.settings, **{k: v for k, v in run.notes.items() if v is not None}}
+    return report.markdown(dict(spec, columns={**spec["columns"], **cols}), got, values)
 
 
 STUDY = Study("gpu_check", __doc__, rows, options=options, markdown=markdown, summary=lambda run, rows: run.notes,

@@ -1,7 +1,6 @@
-"""Sections of a study, each a study's command (or pytest) in its own process group under a time budget
-(``benchmarks/gpu_check.py``): the plan, and a section run, ended at its limit, on Ctrl-C or SIGTERM. Also a pytest
-plugin (``pytest -p benchmarks.harness.sections``): each test's start and outcome appended to $GPU_CHECK_TESTLOG as
-it comes, so a run stopped at its limit still has its counts and names the test that hung."""
+"""Sections of ``benchmarks/gpu_check.py``, each a study's command (or pytest) in its own process group under a time
+budget: the plan, and a section run, ended at its limit, on Ctrl-C or SIGTERM. Also a pytest plugin (``-p
+benchmarks.harness.sections``) logging each test's start and end to $GPU_CHECK_TESTLOG: a stopped run names the hang."""
 
 from __future__ import annotations
 
@@ -19,8 +18,8 @@ from typing import Iterator, Optional
 
 from benchmarks.harness.paths import ROOT
 
-__all__ = ["Terminated", "by_section", "child_rows", "cuda_test_split", "decide", "gpu_test_command", "on_sigterm",
-           "plan", "print_plan", "read_testlog", "run_process", "run_section"]
+__all__ = ["Terminated", "by_section", "child_rows", "cuda_test_split", "decide", "on_sigterm", "plan", "print_plan",
+           "read_testlog", "run_process", "run_section"]
 
 
 def decide(estimate_s: float, limit_s: float, remaining_s: float) -> tuple[bool, float, Optional[str]]:
@@ -31,18 +30,19 @@ def decide(estimate_s: float, limit_s: float, remaining_s: float) -> tuple[bool,
     return True, min(limit_s, remaining_s), None
 
 
-def plan(sections: dict, names: list[str], budget_s: float, startup_s: float) -> list[dict]:
-    """Each of ``names`` (``sections``: name -> ``{what, estimate_s, limit_s}``) with whether it would run if every
-    section before it took its estimate (``startup_s`` first) and the time it would be stopped at."""
-    left = budget_s - startup_s
+def plan(settings: dict, names: list[str], budget_s: float, smoke: bool) -> list[dict]:
+    """Each of ``names`` in ``settings["sections"]``' order (smoke: ``smoke_s`` and ``smoke_limit_s``) with whether it
+    would run if every one before it took its estimate (``startup_s`` first) and the time it would be stopped at."""
+    left = budget_s - settings["startup_s"]
     out = []
-    for name in names:
-        s = sections[name]
-        run, timeout, reason = decide(s["estimate_s"], s["limit_s"], left)
-        out.append(dict(section=name, what=s["what"], estimate_s=s["estimate_s"], limit_s=s["limit_s"], runs=run,
+    for name in (k for k in settings["sections"] if k in names):
+        s = settings["sections"][name]
+        est, limit = (s["smoke_s"], settings["smoke_limit_s"]) if smoke else (s["estimate_s"], s["limit_s"])
+        run, timeout, reason = decide(est, limit, left)
+        out.append(dict(section=name, what=s["what"], estimate_s=est, limit_s=limit, runs=run,
                         timeout_s=round(timeout), skip_reason=reason))
         if run:
-            left -= s["estimate_s"]
+            left -= est
     return out
 
 
@@ -60,22 +60,19 @@ def print_plan(prog: str, rows: list[dict], budget_s: float, startup_s: float, s
 
 
 def by_section(rows: list[dict], names: list[str]) -> dict[str, dict]:
-    """``section -> its last status row (a row with a ``status``), with ``rows``: its measurements`` for each of
-    ``names`` that has one, in that order."""
+    """``section -> its last status row, with ``rows``: its measurements`` for each of ``names`` that has one."""
     out = {k: dict(rows=[]) for k in names if any(r.get("section") == k and "status" in r for r in rows)}
     for r in rows:
-        if r.get("section") not in out:
-            continue
-        if "status" in r:
+        if "status" in r and r.get("section") in out:
             out[r["section"]].update(r)
-        else:
+        elif r.get("section") in out:
             out[r["section"]]["rows"].append(r)
     return out
 
 
 def child_rows(stem: Path) -> tuple[list[dict], dict]:
-    """The rows a section's process wrote (the runner's JSON, rewritten after every row) and its notes (the fields
-    beside them, less the header and the run's facts)."""
+    """The rows a section's process wrote (its JSON, rewritten after every row) and its notes (the fields beside them
+    less the header and the run's facts)."""
     try:
         data = json.loads(stem.with_suffix(".json").read_text())
     except (OSError, ValueError):
@@ -109,8 +106,10 @@ def run_section(prog: str, step: dict, spec: dict, left_s: float, smoke: bool, c
         env.setdefault("TRITON_INTERPRET", "1")  # the kernel on CPU tensors: Triton's interpreter
     s0, stem, log = time.monotonic(), folder / name, folder / f"{name}.tests.jsonl"
     tests = spec["study"] == "pytest"
-    if tests:
-        cmd = gpu_test_command(spec["smoke_files" if smoke else "files"])
+    if tests:  # pytest -m gpu -x with the plugin below (and a per-test timeout where pytest-timeout is there)
+        timeout_opt = ["--timeout", "120"] if importlib.util.find_spec("pytest_timeout") else []
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-x", "-q", "-p", "no:cacheprovider", "-p",
+               "benchmarks.harness.sections", *timeout_opt, *spec["smoke_files" if smoke else "files"]]
         env["GPU_CHECK_TESTLOG"] = str(log)
     else:
         cmd = [sys.executable, "-m", f"benchmarks.{spec['study']}", "--size", "smoke" if smoke else "check",
@@ -169,11 +168,9 @@ def run_process(cmd: list[str], timeout_s: float, env: dict, tail_lines: int = 4
         rc: Optional[int] = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         rc = None
-    except BaseException:  # Ctrl-C: end the section's processes too
-        _stop(proc)
-        raise
-    if rc is None:
-        _stop(proc)
+    finally:  # past its limit, or Ctrl-C: end the section's processes too
+        if proc.poll() is None:
+            _stop(proc)
     reader.join(timeout=5)
     return rc, "\n".join(tail)
 
@@ -206,10 +203,9 @@ def pytest_runtest_logreport(report):
     if report.when == "call" or report.failed or report.skipped:  # a setup / teardown only when it failed or skipped
         outcome = report.outcome if report.when == "call" or not report.failed else "error"
         msg = ""
-        if report.failed:
+        if report.failed:  # the first "E " line, else the last
             lines = [ln for ln in str(report.longrepr).strip().splitlines() if ln.strip()]
-            errs = [ln for ln in lines if ln.startswith("E ")]
-            msg = (errs[0] if errs else lines[-1] if lines else "")[:300]
+            msg = ([ln for ln in lines if ln.startswith("E ")] or lines[-1:] or [""])[0][:300]
         elif report.skipped and isinstance(report.longrepr, tuple):
             msg = str(report.longrepr[2])[:300]
         _testlog(dict(event="end", test=report.nodeid, outcome=outcome, when=report.when,
@@ -242,17 +238,9 @@ def read_testlog(path: Path) -> tuple[list[dict], dict, Optional[str]]:
     return rows, counts, hung
 
 
-def gpu_test_command(files: list[str]) -> list[str]:
-    """``pytest -m gpu -x`` on ``files`` with this plugin (and a per-test timeout where pytest-timeout is there)."""
-    timeout = ["--timeout", "120"] if importlib.util.find_spec("pytest_timeout") else []
-    return [sys.executable, "-m", "pytest", "-m", "gpu", "-x", "-q", "-p", "no:cacheprovider", "-p",
-            "benchmarks.harness.sections", *timeout, *files]
-
-
-def cuda_test_split(root: Optional[Path] = None) -> tuple[list[str], list[str]]:
+def cuda_test_split(root: Path = ROOT) -> tuple[list[str], list[str]]:
     """The test files with CUDA tests (``pytest.mark.gpu``: what a device runs) and every other test file (the CPU
     suite, which CI runs; left unrun on the device)."""
-    root = root or ROOT
     files = sorted(p.relative_to(root).as_posix() for p in (root / "tests").rglob("test_*.py"))
     cuda = [f for f in files if "mark.gpu" in (root / f).read_text(encoding="utf-8", errors="replace")]
     return cuda, [f for f in files if f not in cuda]

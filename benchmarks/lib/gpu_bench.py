@@ -1,18 +1,16 @@
-"""What ``benchmarks/gpu.py`` measures on a GPU: SDPA kernels for one decode call, the 124M training step (ours vs a
-nanoGPT-style reference, eager and compiled, MFU), the decode step (ours eager and CUDA-graph vs transformers' GPT-2
-with DynamicCache / StaticCache) and FlashAttention-4 against SDPA, each a list of rows."""
+"""What ``benchmarks/gpu.py`` measures on a GPU, each a list of rows: SDPA kernels for one decode call, the 124M
+training step (ours vs a nanoGPT-style reference, MFU), the decode step (vs transformers' GPT-2), FlashAttention-4."""
 
 from __future__ import annotations
 
 import statistics
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness.options import UsageError
 from benchmarks.harness.timing import cuda_time, median_of
 from benchmarks.lib.reference_gpt import ReferenceGPT
 from benchmarks.lib.serving_bench import err, filled_cache, free, weight_bytes
@@ -20,31 +18,19 @@ from kvsplice.report.decode_timing import time_steps
 from models import GPT, preset
 from models.attention import flash_impl, sdpa_order
 
-__all__ = ["PEAK_BF16", "bench_decode", "bench_flash4", "bench_sdpa", "bench_train", "flash4_reason", "need_cuda",
-           "peak_flops"]
+__all__ = ["PEAK_BF16", "bench_decode", "bench_flash4", "bench_sdpa", "bench_train", "flash4_reason", "peak_flops"]
 
-FLASH4_REASON = ("its wheels with the CUTLASS-DSL runtime (flash-attn-4 + nvidia-cutlass-dsl) are > 90 MB, more than "
-                 "the 64 MiB one device call can carry")
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}
 """Dense bf16 tensor-core peak FLOP/s by device family (datasheet), for MFU."""
 
 
-def need_cuda() -> None:
-    """A :class:`UsageError` (one line, exit 2) where there is no CUDA device."""
-    if not torch.cuda.is_available():
-        raise UsageError("no CUDA device (this benchmark measures a GPU)")
-
-
 def peak_flops() -> float | None:
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+    return next((v for k, v in PEAK_BF16.items() if k in torch.cuda.get_device_name()), None)
 
 
-def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> list[dict]:
-    """Median ms of one decode-shaped SDPA call per kernel choice (a row per key length, a column per choice), the key
-    length growing by one per call. A named kernel is put first in SDPA's priority (the others stay enabled as
-    fallbacks) with the package's ~1 µs switch (:func:`models.attention._sdpa_priority`), so every column pays the
-    same host overhead."""
+def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> Iterator[dict]:
+    """Median ms of one decode-shaped SDPA call (key length growing by one per call) per kernel choice, a row per key
+    length: a named kernel first in SDPA's priority (the others as fallbacks) by the package's ~1 µs switch."""
     from torch.nn.attention import SDPBackend
 
     from models.attention import _sdpa_priority
@@ -53,7 +39,6 @@ def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> list[dict]:
              "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
     rest = tuple(named.values())
     choices = {"default": None, **{k: (b, *[x for x in rest if x != b]) for k, b in named.items()}, "ours": "ours"}
-    rows = []
     for t_k in key_lens:
         row = dict(keys=t_k)
         q = torch.randn(batch, 12, 1, 64, device="cuda", dtype=torch.bfloat16)
@@ -70,9 +55,8 @@ def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> list[dict]:
                     return F.scaled_dot_product_attention(q, k, k)
 
             row[name] = median_of(cuda_time, call, calls, warmup=1)
-        rows.append(row)
+        yield row
         del q, kv
-    return rows
 
 
 def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, quick: bool,
@@ -107,8 +91,7 @@ def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, qui
                                 foreach=None if opt_impl == "fused" else True)
         fwd = torch.compile(model) if compiled else model
         vocab = model.lm_head.weight.shape[0]
-        x = torch.randint(0, vocab, (batch, t), device="cuda", generator=g)
-        y = torch.randint(0, vocab, (batch, t), device="cuda", generator=g)
+        x, y = (torch.randint(0, vocab, (batch, t), device="cuda", generator=g) for _ in range(2))
 
         def step(fwd=fwd, opt=opt, model=model, x=x, y=y, vocab=vocab):
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -148,10 +131,17 @@ def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, qui
     return rows
 
 
-def _hf_case(model, kind: str, batch: int, ctx: int, dtype):
+def _case_ms(model, label: str, batch: int, ctx: int, steps: int, dtype) -> tuple[list[float], int]:
+    """ms of ``steps`` decode steps (after 2 untimed) of one case at ``ctx`` (rolled back after each), and the bytes
+    of its cache: ours (``+graph``: replayed from a CUDA graph) through :func:`time_steps`, or transformers'."""
+    tok = torch.randint(0, 50304, (batch, 1), device="cuda")
+    if label.startswith("ours"):
+        cache = filled_cache(model, batch, ctx, None)
+        nbytes = cache.nbytes() * (ctx + 1) // ctx if ctx else 0
+        return [1e3 * t for t in time_steps(model, cache, ctx, tok, 2, steps, graph=label.endswith("+graph"))], nbytes
     from transformers import DynamicCache, StaticCache
 
-    cfg = model.config
+    cfg, kind = model.config, "static" if "Static" in label else "dynamic"
     hs = cfg.n_embd // cfg.n_head
     if kind == "static":
         cache = StaticCache(config=cfg, max_cache_len=ctx + 1)
@@ -176,18 +166,6 @@ def _hf_case(model, kind: str, batch: int, ctx: int, dtype):
                     layer.cumulative_length.fill_(ctx)
         return out.logits
 
-    return cache, step
-
-
-def _case_ms(model, label: str, batch: int, ctx: int, steps: int, dtype) -> tuple[list[float], int]:
-    """ms of ``steps`` decode steps (after 2 untimed) of one case at ``ctx`` (rolled back after each), and the bytes
-    of its cache: ours (``+graph``: replayed from a CUDA graph) through :func:`time_steps`, or transformers'."""
-    tok = torch.randint(0, 50304, (batch, 1), device="cuda")
-    if label.startswith("ours"):
-        cache = filled_cache(model, batch, ctx, None)
-        nbytes = cache.nbytes() * (ctx + 1) // ctx if ctx else 0
-        return [1e3 * t for t in time_steps(model, cache, ctx, tok, 2, steps, graph=label.endswith("+graph"))], nbytes
-    cache, step = _hf_case(model, "static" if "Static" in label else "dynamic", batch, ctx, dtype)
     for _ in range(2):
         step(tok)
     return cuda_time(lambda: step(tok), steps), 2 * 12 * batch * (ctx + 1) * 768 * 2
@@ -195,7 +173,7 @@ def _case_ms(model, label: str, batch: int, ctx: int, steps: int, dtype) -> tupl
 
 @torch.inference_mode()
 def bench_decode(batches: list[int], ctxs: list[int], steps: int, rounds: int, quick: bool, bandwidth: float,
-                 hf: bool) -> list[dict]:
+                 hf: bool) -> Iterator[dict]:
     """Per batch and context, ``rounds`` interleaved rounds of every case (each starting from a fresh cache): the
     median ms, its bytes floor, and the ratios to our eager MHA step and to transformers' StaticCache step."""
     dtype = torch.bfloat16
@@ -213,7 +191,6 @@ def bench_decode(batches: list[int], ctxs: list[int], steps: int, rounds: int, q
         torch.manual_seed(0)
         models["hf gpt2 DynamicCache"] = models["hf gpt2 StaticCache"] = GPT2LMHeadModel(cfg).to("cuda", dtype).eval()
     labels = list(models)
-    rows = []
     for batch in batches:
         for ctx in ctxs:
             times: dict = {lab: [] for lab in labels}
@@ -230,22 +207,17 @@ def bench_decode(batches: list[int], ctxs: list[int], steps: int, rounds: int, q
                         info[lab] = dict(error=err(e))
                         times[lab] = []
                     free(torch.device("cuda"))
-            cell = {}
+            cell = {lab: statistics.median(t) for lab, t in times.items() if t}
+            mha, static = cell.get("ours gpt2"), cell.get("hf gpt2 StaticCache")
             for lab in labels:
                 row = dict(variant=lab, batch=batch, ctx=ctx, **info.get(lab, {}))
-                if times[lab]:
-                    ms = cell[lab] = statistics.median(times[lab])
-                    floor_ms = (row["cache_bytes"] + row["weight_bytes"]) / bandwidth * 1e3
-                    row.update(median_ms=ms, n=len(times[lab]), floor_ms=floor_ms, vs_floor=ms / floor_ms)
-                rows.append(row)
-            mha, static = cell.get("ours gpt2"), cell.get("hf gpt2 StaticCache")
-            for r in rows[-len(labels):]:
-                if r.get("median_ms"):
-                    r["vs_ours_mha"] = r["median_ms"] / mha if mha else None
-                    r["vs_hf_static"] = r["median_ms"] / static if static else None
+                if lab in cell:
+                    ms, floor_ms = cell[lab], (row["cache_bytes"] + row["weight_bytes"]) / bandwidth * 1e3
+                    row.update(median_ms=ms, n=len(times[lab]), floor_ms=floor_ms, vs_floor=ms / floor_ms,
+                               vs_ours_mha=ms / mha if mha else None, vs_hf_static=ms / static if static else None)
+                yield row
             print(f"decode batch {batch} ctx {ctx}: " + ", ".join(f"{k} {v:.3f}" for k, v in cell.items()),
                   file=sys.stderr, flush=True)
-    return rows
 
 
 def flash4_reason() -> Optional[str]:
@@ -253,13 +225,14 @@ def flash4_reason() -> Optional[str]:
     try:
         from flash_attn.cute import flash_attn_func  # noqa: F401  # type: ignore[import-not-found]
     except Exception as e:  # noqa: BLE001 - ImportError, or a broken install
-        return f"FlashAttention-4 is not importable ({err(e)}): {FLASH4_REASON}"
+        return (f"FlashAttention-4 is not importable ({err(e)}): its wheels with the CUTLASS-DSL runtime (flash-attn-4 "
+                "+ nvidia-cutlass-dsl) are > 90 MB, more than the 64 MiB one device call can carry")
     if torch.cuda.get_device_capability() < (9, 0):
         return f"FlashAttention-4 needs compute capability >= 9.0, this is {torch.cuda.get_device_capability()}"
     return None
 
 
-def bench_flash4(shape: Sequence[int], calls: int) -> list[dict]:
+def bench_flash4(shape: Sequence[int], calls: int) -> Iterator[dict]:
     """FlashAttention-4 against SDPA on causal prefill calls of ``shape`` (B, H, T, D), MHA and GQA-4, bf16."""
     from flash_attn.cute import flash_attn_func  # type: ignore[import-not-found]
 
@@ -269,7 +242,6 @@ def bench_flash4(shape: Sequence[int], calls: int) -> list[dict]:
     b, h, t, d = shape
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    rows = []
     for call, (qq, kk, vv) in {f"MHA prefill {b}x{h}x{t}x{d}": (q, k, v),
                                f"GQA-4 prefill {b}x{h}x{t}x{d}": (q, k[:, :h // 4], v[:, :h // 4])}.items():
         row = dict(call=call, impl=impl.name)
@@ -282,5 +254,4 @@ def bench_flash4(shape: Sequence[int], calls: int) -> list[dict]:
             row["speedup"] = row["sdpa_ms"] / row["flash_ms"]
         except Exception as e:  # noqa: BLE001
             row["error"] = err(e)
-        rows.append(row)
-    return rows
+        yield row

@@ -1,8 +1,6 @@
-"""A minimal GPT-2 written the way nanoGPT's ``model.py`` is (fused ``c_attn``, SDPA with ``is_causal``, tied head):
-the independent reference ``benchmarks/gpu.py``'s training step is compared with. Plain on purpose (no cache, no
-variants, nothing imported from the package's models); given :class:`models.gpt.GPT`'s MHA weights it computes the
-same logits (tests/models/test_reference_gpt.py), so the benchmark times the same function.
-"""
+"""A minimal GPT-2 the way nanoGPT's ``model.py`` is (fused ``c_attn``, SDPA ``is_causal``, tied head): the independent
+reference of ``benchmarks/gpu.py``'s training step, nothing imported from the package's models; given
+:class:`models.gpt.GPT`'s MHA weights it computes the same logits (tests/models/test_reference_gpt.py)."""
 
 from __future__ import annotations
 

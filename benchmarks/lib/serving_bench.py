@@ -1,11 +1,11 @@
-"""The sections of ``benchmarks/serving.py`` (``gpu_check`` runs each in its own process), each a generator of rows:
-serving capacity at a KV budget with its bytes and compute floors, the attention call alone (SDPA against the split-KV
-kernel, :mod:`models.kernels`; the formulations of latent attention), the CUDA-graph decode step and a profiled eager
-step; 124M presets, random weights. A case that fails is a row with its error: the cases after it still run."""
+"""The sections of ``benchmarks/serving.py``, each a generator of rows (124M presets, random weights): capacity at a
+KV budget with its floors, the attention call alone (SDPA against :mod:`models.kernels`' split-KV kernel; latent
+attention's formulations), the CUDA-graph decode step, a profiled step. A failed case is a row with its error."""
 
 from __future__ import annotations
 
 import gc
+import itertools
 import statistics
 from typing import Callable, Iterator, Optional
 
@@ -23,8 +23,7 @@ from models.quant import SCALE, quantize_int8
 VARIANTS = {"MHA": "gpt2", "GQA-4": "gpt2_gqa4", "MQA": "gpt2_mqa", "MLA": "mla", "KVSplice-50": "mla_kvsplice_50",
             "KVSplice-90": "mla_kvsplice_90"}
 SMOKE_SHAPES = dict(n_layer=2, n_head=4, d_model=64, d_latent=32)
-CLAIM = ("KVSplice 90 %: ~11,700 parallel sequences in 24 GB at 1,024 tokens, 18x throughput (the seed's claim, "
-         "against MHA)")
+CLAIM = "KVSplice 90 %: ~11,700 parallel sequences in 24 GB at 1,024 tokens, 18x throughput (the seed's claim, vs MHA)"
 RESERVE_BYTES = 4 * 2**30
 """GPU memory kept free beside the caches and weights (activations, logits, the CUDA graph's pool)."""
 
@@ -41,33 +40,20 @@ def free(device: torch.device) -> None:
 
 def timer(device: torch.device) -> Callable[[Callable[[], object], int], list[float]]:
     """``time(fn, n)``: ms of each of ``n`` calls (CUDA events on an idle GPU; wall clock on CPU)."""
-    if device.type == "cuda":
-        return cuda_time
-    return lambda fn, n: [1e3 * s for s in wall_time(fn, n)]
+    return cuda_time if device.type == "cuda" else lambda fn, n: [1e3 * s for s in wall_time(fn, n)]
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Bytes/s of a device-to-device copy of ``nbytes`` (read + written), median of 10."""
     x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     y = torch.empty_like(x)
-    ms = median_of(timer(device), lambda: y.copy_(x), 10, warmup=1)
-    return 2 * x.numel() * 2 / (ms / 1e3)
-
-
-def matmul_peak(device: torch.device, dtype: torch.dtype, n: int) -> float:
-    """FLOP/s of an ``n``×``n``×``n`` matmul in ``dtype`` (median of 10)."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    ms = median_of(timer(device), lambda: a @ b, 10, warmup=1)
-    return 2 * n ** 3 / (ms / 1e3)
+    return 2 * x.numel() * 2 / median_of(timer(device), lambda: y.copy_(x), 10, warmup=1) * 1e3
 
 
 def kernel_runs_here(device: torch.device) -> Optional[str]:
     """Why the split-KV kernel cannot run on ``device`` here, or None."""
-    reason = triton_missing_reason()
-    if reason is None and device.type != "cuda" and not interpreting():
-        reason = "CPU without Triton's interpreter (TRITON_INTERPRET=1)"
-    return reason
+    cpu = device.type != "cuda" and not interpreting()
+    return triton_missing_reason() or ("CPU without Triton's interpreter (TRITON_INTERPRET=1)" if cpu else None)
 
 
 def build(name: str, kernel: str, ctx: int, smoke: bool, device: torch.device, dtype: torch.dtype) -> GPT:
@@ -83,8 +69,7 @@ def seq_bytes(model: GPT, ctx: int, quant: Optional[str]) -> int:
 
 
 def fits(budget_gb: float, per_seq: int, device: torch.device) -> int:
-    """Sequences of ``per_seq`` bytes within ``budget_gb`` (and, on a GPU, the free memory less a reserve: the
-    models are loaded already, so it excludes their weights)."""
+    """Sequences of ``per_seq`` bytes within ``budget_gb`` (on a GPU also within the free memory less a reserve)."""
     budget = budget_gb * 1e9
     if device.type == "cuda":
         budget = min(budget, torch.cuda.mem_get_info()[0] - RESERVE_BYTES)
@@ -111,9 +96,8 @@ def filled_cache(model: GPT, batch: int, ctx: int, quant: Optional[str]):
 
 
 def time_into(row: dict, prefix: str, model: GPT, ctx: int, quant: Optional[str], steps: int, smoke: bool) -> None:
-    """``prefix`` + ``ms``, ``tokens_per_s``, ``pct_floor`` (of ``row["floor_ms"]``) into ``row``: the median decode
-    step at ``row["batch"]`` over a :func:`filled_cache` of ``ctx`` tokens (rolled back after each; a CUDA graph on a
-    GPU) by :func:`kvsplice.report.decode_timing.time_steps`; or ``prefix`` + ``error``."""
+    """``prefix`` + ``ms``, ``tokens_per_s``, ``pct_floor`` (of ``row["floor_ms"]``), or ``error``, into ``row``:
+    the median decode step at ``row["batch"]`` over a :func:`filled_cache` of ``ctx`` tokens (:func:`time_steps`)."""
     device = next(model.parameters()).device
     try:
         cache = filled_cache(model, row["batch"], ctx, quant)
@@ -131,9 +115,8 @@ def time_into(row: dict, prefix: str, model: GPT, ctx: int, quant: Optional[str]
 
 
 def step_flops(name: str, batch: int, n_ctx: int, smoke: bool) -> float:
-    """FLOPs of one decode step of ``batch`` tokens at ``n_ctx`` cached tokens: 2 per weight of every matmul
-    (attention projections, MLP, lm_head; the embedding lookup is free) per token, plus attention — MHA: q·k and
-    p·v over ``head_size`` per head; MLA (absorbed): q·row over ``latent + rope`` and p·latent per head."""
+    """FLOPs of one decode step of ``batch`` tokens at ``n_ctx`` cached: 2 per matmul weight (lm_head too) per token,
+    plus attention per head: MHA q·k and p·v over ``head_size``; absorbed MLA q·row over latent + rope, p·latent."""
     cfg = preset(VARIANTS[name], **(SMOKE_SHAPES if smoke else {}))
     with torch.device("meta"):
         model = GPT(cfg.replace(block_size=max(n_ctx + 2, 2)))
@@ -146,8 +129,8 @@ def step_flops(name: str, batch: int, n_ctx: int, smoke: bool) -> float:
 
 
 def add_floors(row: dict, flops: float, peak: float) -> dict:
-    """Both floors of a capacity row: bytes (``floor_ms``, already there) and compute (``flops`` over ``peak``
-    FLOP/s); ``bound`` names the larger; each path's ``*_pct_larger_floor`` is that floor over its time."""
+    """A capacity row's compute floor (``flops`` / ``peak``) beside its bytes floor, ``bound``: the larger, and each
+    path's ``*_pct_larger_floor``."""
     row["flops_per_step"] = flops
     row["compute_floor_ms"] = flops / peak * 1e3 if peak else None
     floors = {"compute": row["compute_floor_ms"] or 0, "bytes": row.get("floor_ms") or 0}  # a tie: compute
@@ -163,9 +146,8 @@ def add_floors(row: dict, flops: float, peak: float) -> dict:
 
 def capacity(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, peak: float,
              smoke: bool) -> Iterator[dict]:
-    """Per variant, context and row format (bf16, int8): the bytes one sequence holds, the batch whose caches fit
-    ``budget_gb`` (and the free memory on a GPU), one decode step at that batch (capped at ``max_batch``) with
-    SDPA and with the kernel, both floors, and the batch and tokens/s against MHA's row (MHA comes first)."""
+    """Per variant, context and row format: one sequence's bytes, the batch that :func:`fits`, a decode step at it
+    (at most ``max_batch``) with SDPA and the kernel, both floors, batch and tokens/s against MHA's (first) row."""
     kernels = ["eager"] + (["triton"] if kernel_runs_here(device) is None else [])
     mha: dict = {}
     for name in s["variants"]:
@@ -175,35 +157,33 @@ def capacity(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float
             yield dict(variant=name, rows="-", ctx=0, bytes_per_seq=0, max_batch=0, sdpa_error=err(e))
             continue
         m = models["eager"]
-        for ctx in s["ctx"]:
-            for quant in (None, "int8"):
-                per_seq, weights = seq_bytes(m, ctx, quant), weight_bytes(m)
-                n = fits(s["budget_gb"], per_seq, device)
-                row = dict(variant=name, rows="int8" if quant else str(dtype).split(".")[-1], ctx=ctx,
-                           bytes_per_seq=per_seq, budget_gb=s["budget_gb"], max_batch=n,
-                           batch=min(n, s["max_batch"]), weight_bytes=weights)
-                row["bytes_per_step"] = row["batch"] * per_seq + weights
-                row["floor_ms"] = row["bytes_per_step"] / bandwidth * 1e3
-                for k, model in models.items():
-                    label = "sdpa_" if k == "eager" else "split_kv_"
-                    if row["batch"] < 1:
-                        row[f"{label}error"] = "no sequence fits the budget"
-                    else:
-                        time_into(row, label, model, ctx, quant, s["steps"], smoke)
-                base = mha.setdefault((ctx, row["rows"]), row) if name == "MHA" else mha.get((ctx, row["rows"]))
-                for label in ("sdpa", "split_kv"):
-                    tps, ref = row.get(f"{label}_tokens_per_s"), base and base.get("sdpa_tokens_per_s")
-                    row[f"{label}_vs_mha_sdpa"] = tps / ref if tps and ref else None
-                row["batch_vs_mha"] = n / base["max_batch"] if base and base["max_batch"] else None
-                yield add_floors(row, step_flops(name, row["batch"], ctx, smoke), peak)
+        for ctx, quant in itertools.product(s["ctx"], (None, "int8")):
+            per_seq, weights = seq_bytes(m, ctx, quant), weight_bytes(m)
+            n = fits(s["budget_gb"], per_seq, device)
+            row = dict(variant=name, rows="int8" if quant else str(dtype).split(".")[-1], ctx=ctx,
+                       bytes_per_seq=per_seq, budget_gb=s["budget_gb"], max_batch=n,
+                       batch=min(n, s["max_batch"]), weight_bytes=weights)
+            row["bytes_per_step"] = row["batch"] * per_seq + weights
+            row["floor_ms"] = row["bytes_per_step"] / bandwidth * 1e3
+            for k, model in models.items():
+                label = "sdpa_" if k == "eager" else "split_kv_"
+                if row["batch"] < 1:
+                    row[f"{label}error"] = "no sequence fits the budget"
+                else:
+                    time_into(row, label, model, ctx, quant, s["steps"], smoke)
+            base = mha.setdefault((ctx, row["rows"]), row) if name == "MHA" else mha.get((ctx, row["rows"]))
+            for label in ("sdpa", "split_kv"):
+                tps, ref = row.get(f"{label}_tokens_per_s"), base and base.get("sdpa_tokens_per_s")
+                row[f"{label}_vs_mha_sdpa"] = tps / ref if tps and ref else None
+            row["batch_vs_mha"] = n / base["max_batch"] if base and base["max_batch"] else None
+            yield add_floors(row, step_flops(name, row["batch"], ctx, smoke), peak)
         models = m = None
         free(device)
 
 
 def kernel(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, smoke: bool) -> Iterator[dict]:
     """The attention call alone, ``kernel_batch`` × ``kernel_keys``, one query per head, per ``kernel_cases``
-    ``[label, query heads, row heads, row width, int8]``: SDPA (the eager path) against the kernel (its own split
-    count, then each of ``kernel_splits``)."""
+    ``[label, query heads, row heads, row width, int8]``: SDPA against the kernel (own splits, ``kernel_splits``)."""
     batch, keys = s["kernel_batch"], s["kernel_keys"]
     run_kernel = kernel_runs_here(device) is None
     for label, hq, hkv, d, int8 in s["kernel_cases"]:
@@ -216,8 +196,7 @@ def kernel(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, 
             v = k if shared else torch.randn_like(k)
             kq, ks = quantize_int8(k) if int8 else (k, None)
             vq, vs = (kq, ks) if shared else quantize_int8(v) if int8 else (v, None)
-            el = 1 if int8 else k.element_size()
-            row["bytes_read"] = batch * hkv * keys * (d * el + (2 if int8 else 0)) * (1 if shared else 2)
+            row["bytes_read"] = batch * hkv * keys * (d + 2 if int8 else d * k.element_size()) * (1 if shared else 2)
             kf = kq.to(dtype) * ks.to(dtype) if int8 else k  # the eager path attends over dequantised rows
             vf = kf if shared else (vq.to(dtype) * vs.to(dtype) if int8 else v)
             calls = {"sdpa": lambda: attend(q, kf, vf, scale=d ** -0.5)}
@@ -241,37 +220,34 @@ def kernel(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, 
 
 
 def decode(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, smoke: bool) -> Iterator[dict]:
-    """One decode step at ``decode_batch`` × ``decode_ctx`` (a CUDA graph on a GPU) per ``(variant, quant)`` of
-    ``decode_variants``: every SDPA row first (a kernel fault, a sticky CUDA error, cannot cost the baselines),
-    then the kernel's; ms, tokens/s, % of the bytes floor, and the time against MHA's SDPA row."""
+    """One decode step at ``decode_batch`` × ``decode_ctx`` per ``decode_variants``: every SDPA row first (a sticky
+    CUDA error of the kernel cannot cost the baselines), then the kernel's; against MHA's SDPA row."""
     batch, n_ctx, graph = s["decode_batch"], s["decode_ctx"], device.type == "cuda"
     base: dict = {}
-    for kernel in ["eager"] + (["triton"] if kernel_runs_here(device) is None else []):
-        for name, quant in s["decode_variants"]:
-            row = dict(variant=name, rows=quant or str(dtype).split(".")[-1],
-                       path="sdpa" if kernel == "eager" else "split_kv", batch=batch, ctx=n_ctx, graph=graph)
-            try:
-                model = build(name, kernel, n_ctx, smoke, device, dtype)
-                row["bytes_per_step"] = batch * seq_bytes(model, n_ctx, quant) + weight_bytes(model)
-                row["floor_ms"] = row["bytes_per_step"] / bandwidth * 1e3
-                time_into(row, "", model, n_ctx, quant, s["decode_steps"], smoke)
-            except Exception as e:  # noqa: BLE001 - the model did not build
-                row["error"] = err(e)
-            if name == "MHA" and kernel == "eager" and "ms" in row:
-                base[row["rows"]] = row["ms"]
-            row["vs_mha_sdpa"] = row["ms"] / base[row["rows"]] if "ms" in row and row["rows"] in base else None
-            model = None
-            free(device)
-            yield row
+    kernels = ["eager"] + (["triton"] if kernel_runs_here(device) is None else [])
+    for kernel, (name, quant) in itertools.product(kernels, s["decode_variants"]):
+        row = dict(variant=name, rows=quant or str(dtype).split(".")[-1],
+                   path="sdpa" if kernel == "eager" else "split_kv", batch=batch, ctx=n_ctx, graph=graph)
+        try:
+            model = build(name, kernel, n_ctx, smoke, device, dtype)
+            row["bytes_per_step"] = batch * seq_bytes(model, n_ctx, quant) + weight_bytes(model)
+            row["floor_ms"] = row["bytes_per_step"] / bandwidth * 1e3
+            time_into(row, "", model, n_ctx, quant, s["decode_steps"], smoke)
+        except Exception as e:  # noqa: BLE001 - the model did not build
+            row["error"] = err(e)
+        if name == "MHA" and kernel == "eager" and "ms" in row:
+            base[row["rows"]] = row["ms"]
+        row["vs_mha_sdpa"] = row["ms"] / base[row["rows"]] if "ms" in row and row["rows"] in base else None
+        model = None
+        free(device)
+        yield row
 
 
 def profile_rows(events, variant: str, batch: int, n_ctx: int, top: int, cuda: bool) -> list[dict]:
     """The ``top`` kernels of a profiled step by self device time (self CPU time on CPU), with their share."""
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-
-    def t(e) -> float:
-        got = (getattr(e, key, 0) or getattr(e, "self_cuda_time_total", 0) or 0) if cuda else e.self_cpu_time_total
-        return float(got)
+    def t(e) -> float:  # older torch: self_cuda_time_total
+        dev = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) if cuda else 0
+        return float(dev or 0) if cuda else float(e.self_cpu_time_total)
 
     evs = [e for e in events if t(e) > 0]
     total = sum(t(e) for e in evs) or 1.0
@@ -283,8 +259,8 @@ def profile_rows(events, variant: str, batch: int, n_ctx: int, top: int, cuda: b
 
 
 def profile(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, smoke: bool) -> Iterator[dict]:
-    """One eager decode step under ``torch.profiler`` at ``profile_ctx``, the batch that fits ``budget_gb`` (at
-    most ``profile_batch``), per ``profile_variants``: its top kernels by self device time."""
+    """Per ``profile_variants``: one eager step under ``torch.profiler`` at ``profile_ctx`` and the batch that
+    :func:`fits` (at most ``profile_batch``): its top kernels."""
     from torch.profiler import ProfilerActivity, profile as profiler
 
     n_ctx, cuda = s["profile_ctx"], device.type == "cuda"
@@ -309,9 +285,8 @@ def profile(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float,
 
 
 def formulations(q: torch.Tensor, s: torch.Tensor, scale: float, splits: int = 16) -> dict:
-    """``name -> call`` of the absorbed-MLA attention ``softmax(q s^T * scale) s`` over the one shared latent head:
-    ``q (B, 1, H, r)`` query rows (the heads folded in) over ``s (B, 1, T, r)`` — SDPA's default, three ops, each
-    fused SDPA kernel on the latent zero-padded to a multiple of 8, and a split over the keys."""
+    """``name -> call`` of absorbed-MLA attention ``softmax(q s^T * scale) s``, ``q (B, 1, H, r)`` over the shared
+    latent ``s (B, 1, T, r)``: SDPA's default, three ops, each fused SDPA kernel (latent padded to 8s), split-k."""
     b, _, t, r = s.shape
     dt = q.dtype
 
@@ -349,17 +324,15 @@ def formulations(q: torch.Tensor, s: torch.Tensor, scale: float, splits: int = 1
 
 
 def latent(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, smoke: bool) -> Iterator[dict]:
-    """Median ms of each :func:`formulations` per ``latent_batch`` × ``ctx`` × ``ranks``, 12 query heads (GPT-2
-    small's; the scale of its head size 64), after 5 untimed calls; a kernel that cannot take the inputs: None."""
-    for b in s["latent_batch"]:
-        for t in s["ctx"]:
-            for r in s["ranks"]:
-                q = torch.randn(b, 1, 12, r, device=device, dtype=dtype)
-                lat = torch.randn(b, 1, t, r, device=device, dtype=dtype)
-                row = dict(batch=b, ctx=t, rank=r)
-                for name, fn in formulations(q, lat, 64 ** -0.5).items():
-                    try:
-                        row[name] = median_of(timer(device), fn, s["latent_calls"], warmup=5)
-                    except RuntimeError:  # a kernel that cannot take these inputs
-                        row[name] = None
-                yield row
+    """Median ms of each :func:`formulations` per ``latent_batch`` × ``ctx`` × ``ranks``, 12 query heads of GPT-2
+    small (scale 64^-0.5), after 5 untimed calls; None where a kernel cannot take the inputs."""
+    for b, t, r in itertools.product(s["latent_batch"], s["ctx"], s["ranks"]):
+        q = torch.randn(b, 1, 12, r, device=device, dtype=dtype)
+        lat = torch.randn(b, 1, t, r, device=device, dtype=dtype)
+        row = dict(batch=b, ctx=t, rank=r)
+        for name, fn in formulations(q, lat, 64 ** -0.5).items():
+            try:
+                row[name] = median_of(timer(device), fn, s["latent_calls"], warmup=5)
+            except RuntimeError:  # a kernel that cannot take these inputs
+                row[name] = None
+        yield row

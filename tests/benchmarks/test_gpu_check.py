@@ -85,11 +85,11 @@ def test_budget_logic(gc):
     assert sections.decide(50, 80, 60) == (True, 60, None)  # stopped at the end of the budget, before its own limit
     run, _, reason = sections.decide(50, 80, 49)
     assert not run and "49 s" in reason and "50 s" in reason
-    steps = gc.planned(list(gc.SECTIONS), 480, smoke=False)
+    steps = sections.plan(gc.SETTINGS, list(gc.SECTIONS), 480, smoke=False)
     assert all(p["runs"] for p in steps)
     assert gc.STARTUP_S + sum(p["estimate_s"] for p in steps) <= 480
     assert all(p["limit_s"] >= p["estimate_s"] for p in steps)
-    small = gc.planned(list(gc.SECTIONS), 200, smoke=False)  # 190 s after the start: tests (120), kernel (45), flash4
+    small = sections.plan(gc.SETTINGS, list(gc.SECTIONS), 200, smoke=False)  # 190 s after the start: tests (120), kernel (45), flash4
     assert [p["section"] for p in small if p["runs"]] == ["tests", "kernel", "flash4"]
     assert all(p["skip_reason"] for p in small if not p["runs"])
 
@@ -118,11 +118,12 @@ def test_the_report_comes_from_the_rows_the_last_status_counting(gc):
         "failed", "running", "pending"]
     assert [r["test"] for r in state["tests"]["rows"]] == ["t::a", "t::b"] and len(state["kernel"]["rows"]) == 1
     md = gc.markdown(_Run(dict(device="X", torch="2.13", decode_kernel_default="auto", started="now",
-                               elapsed_s=31.0)), rows)
-    assert md.startswith("# GPU check — X") and "## tests: failed (30 s of ~120 s estimated)" in md
-    assert "## kernel: running" in md and "| latent 26 | 0.300 | 0.050 | - |" in md and "## flash4: pending" in md
+                               elapsed_s=31.0, cuda="13.0", capability=[9, 0], triton=None)), rows)
+    assert md.startswith("# GPU check — X") and "| latent 26 | 0.300 | 0.050 | - |" in md
+    assert "| tests | **failed** | 30 | 120 | failed: t::b | passed: 1; failed: 1 |" in md
+    assert "| kernel | **running** |" in md and "| flash4 | **pending** |" in md
     assert "t::b" in md and "t::a" not in md and "assert 1 == 2 \\| x" in md
-    assert "passed: 1; failed: 1" in md and "**failed**: failed: t::b" in md
+    assert "CUDA 13.0, compute capability 9.0." in md and "triton" not in md and "took 31 s" in md
 
 
 class _Run(dict):
@@ -130,7 +131,7 @@ class _Run(dict):
 
     def __init__(self, notes: dict) -> None:
         super().__init__(budget_s=480.0)
-        self.notes, self.size = notes, "default"
+        self.notes, self.size, self.settings = notes, "default", dict(self)
 
 
 def test_a_failed_section_is_an_error_and_one_past_the_budget_skipped(tmp_path):
@@ -215,7 +216,7 @@ def test_smoke_run_writes_every_section_in_processes_without_jsonargparse_wandb_
     assert all(s["elapsed_s"] is not None for s in sec.values() if s["status"] != "skipped")
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check_cpu_smoke.json", "gpu_check_cpu_smoke.md"]
     md = (out / "gpu_check_cpu_smoke.md").read_text()
-    assert "Smoke run" in md and "## decode: ok" in md and "## flash4" in md
+    assert "Smoke run" in md and "| decode | **ok** |" in md and "## decode" in md and "| flash4 | **" in md
 
 
 def test_resume_keeps_the_sections_this_run_does_not_redo(gc, tmp_path, capsys):

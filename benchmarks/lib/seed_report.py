@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import statistics
 
+from benchmarks.harness import report
 from benchmarks.lib.study import resume_key
 
-__all__ = ["compare", "comparison_table", "comparisons", "figure", "late_drop", "markdown", "summarise", "table"]
+__all__ = ["COMPARE", "TABLE", "compare", "comparisons", "figure", "late_drop", "markdown", "summarise", "table"]
 
 
 def late_drop(curve: list[list[float]]) -> float | None:
@@ -50,28 +51,21 @@ def compare(a: dict, b: dict) -> dict:
             "verdict": verdict}
 
 
-def comparison_table(cmps: list[dict]) -> str:
-    lines = ["| a | b | a − b (val loss) | SE | a − b / SE | verdict (tie if < 2 SE) |", "|---|---|---|---|---|---|"]
-    for c in cmps:
-        z = "" if c["z"] is None else f"{c['z']:+.1f}"
-        lines.append(f"| {c['a']} | {c['b']} | {c['diff']:+.4f} | {c['se']:.4f} | {z} | {c['verdict']} |")
-    return "\n".join(lines)
+COMPARE = {"a": "{a}", "b": "{b}", "a − b (val loss)": "{diff:+.4f}", "SE": "{se:.4f}", "a − b / SE": "{z:+.1f}",
+           "verdict (tie if < 2 SE)": "{verdict}"}
+TABLE = {"variant": "{variant}", "cache B/token (fp16)": "{bytes:.0f}", "vs {ref}": "{bytes_vs:.3f}×",
+         "val loss (mean ± std)": "{val_loss:.4f} ± {std:.4f}", "seeds": "{n}", "loss vs {ref}": "{loss_vs:.4f}×",
+         "train-loss drop, last 20 % of steps": "{late_drop:.3f}", "val − train loss": "{gap:.3f}",
+         "Pareto": "{pareto!y}"}
+"""The per-variant table's and the comparisons' columns (header -> template, :mod:`benchmarks.harness.report`)."""
 
 
 def table(summary: list[dict], ref: str = "mha") -> str:
+    """:data:`TABLE` of the :func:`summarise` rows, bytes and loss relative to ``ref`` (a column none fills left out)."""
     base = next((s for s in summary if s["variant"] == ref), summary[0])
-    gap = any(s.get("gap") is not None for s in summary)
-    lines = [f"| variant | cache B/token (fp16) | vs {base['variant']} | val loss (mean ± std) | seeds | "
-             f"loss vs {base['variant']} | train-loss drop, last 20 % of steps |"
-             + (" val − train loss |" if gap else "") + " Pareto |",
-             "|---|---|---|---|---|---|---|" + ("---|" if gap else "") + "---|"]
-    for s in summary:
-        drop = "" if s["late_drop"] is None else f"{s['late_drop']:.3f}"
-        g = ("" if s.get("gap") is None else f" {s['gap']:.3f} |") if gap else ""
-        lines.append(f"| {s['variant']} | {s['bytes']:.0f} | {s['bytes'] / base['bytes']:.3f}× | "
-                     f"{s['val_loss']:.4f} ± {s['std']:.4f} | {s['n']} | {s['val_loss'] / base['val_loss']:.4f}× | "
-                     f"{drop} |{g} {'yes' if s['pareto'] else ''} |")
-    return "\n".join(lines)
+    rows = [{**s, "bytes_vs": s["bytes"] / base["bytes"], "loss_vs": s["val_loss"] / base["val_loss"]} for s in summary]
+    cols = report.columns({"columns": TABLE, "drop_empty": True}, rows, {"ref": base["variant"]})
+    return "\n".join(report.table(rows, cols)).rstrip("\n")
 
 
 def comparisons(summary: list[dict], ref: str = "mha") -> list[dict]:
@@ -144,6 +138,6 @@ def markdown(run, rows, ref: str = "mha") -> str:
     if not rows:
         return "no results yet"
     summary = summarise(rows)
+    cmps = "\n".join(report.table(comparisons(summary, ref), COMPARE)).rstrip()
     return (f"{_title(run, rows)}\n\n{table(summary, ref)}\n\nDifferences at equal cache bytes, and against "
-            f"{ref.upper()} (SE of the difference of seed means):\n\n{comparison_table(comparisons(summary, ref))}")
-
+            f"{ref.upper()} (SE of the difference of seed means):\n\n{cmps}")

@@ -61,7 +61,7 @@ TABLE = {"variant": "{variant}", "cache B/token (fp16)": "{bytes:.0f}", "vs {ref
 
 
 def table(summary: list[dict], ref: str = "mha") -> str:
-    """:data:`TABLE` of the :func:`summarise` rows, bytes and loss relative to ``ref`` (a column none fills left out)."""
+    """:data:`TABLE` of the :func:`summarise` rows, bytes and loss relative to ``ref`` (empty columns left out)."""
     base = next((s for s in summary if s["variant"] == ref), summary[0])
     rows = [{**s, "bytes_vs": s["bytes"] / base["bytes"], "loss_vs": s["val_loss"] / base["val_loss"]} for s in summary]
     cols = report.columns({"columns": TABLE, "drop_empty": True}, rows, {"ref": base["variant"]})

@@ -111,3 +111,10 @@ def test_the_runner_fills_a_footer_from_the_summary(tmp_path, monkeypatch):
     assert study.main(["--out", str(tmp_path / "toy")]) == 0
     assert (tmp_path / "toy.md").read_text().split("\n")[:6] == ["| k |", "|---|", "| 0 |", "| 1 |", "", "2 of 2"]
     studies._read.cache_clear()
+
+
+def test_a_report_may_tabulate_the_summarys_statistics_rows():
+    spec = {"rows": "stats", "columns": {"variant": "{variant}", "mean": "{mean:.1f}"}}
+    runs = [{"variant": "a", "loss": 1.0}, {"variant": "a", "loss": 2.0}]
+    assert report.markdown(spec, runs, {"stats": [{"variant": "a", "mean": 1.5}]}).split("\n") == [
+        "| variant | mean |", "|---|---|", "| a | 1.5 |", ""]

@@ -1,14 +1,14 @@
 """The report of a training study (``frontier.py``, ``kvsplice_recipe.py``): per variant the mean ± std validation
-loss over seeds, cache bytes, the Pareto front and ``a − b`` in standard errors; the table and loss-vs-bytes figure."""
+loss over seeds, cache bytes, the Pareto front and ``a − b`` in standard errors (the rows of the YAML's tables), and
+the loss-vs-bytes figure."""
 
 from __future__ import annotations
 
 import statistics
 
-from benchmarks.harness import report
 from benchmarks.lib.study import resume_key
 
-__all__ = ["COMPARE", "TABLE", "compare", "comparisons", "figure", "late_drop", "markdown", "summarise", "table"]
+__all__ = ["compare", "comparisons", "figure", "late_drop", "report_rows", "summarise"]
 
 
 def late_drop(curve: list[list[float]]) -> float | None:
@@ -49,23 +49,6 @@ def compare(a: dict, b: dict) -> dict:
         verdict = "tie" if abs(d) < 2 * se else f"{a['variant'] if d < 0 else b['variant']} better"
     return {"a": a["variant"], "b": b["variant"], "diff": d, "se": se, "z": d / se if se else None,
             "verdict": verdict}
-
-
-COMPARE = {"a": "{a}", "b": "{b}", "a − b (val loss)": "{diff:+.4f}", "SE": "{se:.4f}", "a − b / SE": "{z:+.1f}",
-           "verdict (tie if < 2 SE)": "{verdict}"}
-TABLE = {"variant": "{variant}", "cache B/token (fp16)": "{bytes:.0f}", "vs {ref}": "{bytes_vs:.3f}×",
-         "val loss (mean ± std)": "{val_loss:.4f} ± {std:.4f}", "seeds": "{n}", "loss vs {ref}": "{loss_vs:.4f}×",
-         "train-loss drop, last 20 % of steps": "{late_drop:.3f}", "val − train loss": "{gap:.3f}",
-         "Pareto": "{pareto!y}"}
-"""The per-variant table's and the comparisons' columns (header -> template, :mod:`benchmarks.harness.report`)."""
-
-
-def table(summary: list[dict], ref: str = "mha") -> str:
-    """:data:`TABLE` of the :func:`summarise` rows, bytes and loss relative to ``ref`` (empty columns left out)."""
-    base = next((s for s in summary if s["variant"] == ref), summary[0])
-    rows = [{**s, "bytes_vs": s["bytes"] / base["bytes"], "loss_vs": s["val_loss"] / base["val_loss"]} for s in summary]
-    cols = report.columns({"columns": TABLE, "drop_empty": True}, rows, {"ref": base["variant"]})
-    return "\n".join(report.table(rows, cols)).rstrip("\n")
 
 
 def comparisons(summary: list[dict], ref: str = "mha") -> list[dict]:
@@ -132,12 +115,16 @@ def _title(run, rows) -> str:
             f"seeds {sorted({r['seed'] for r in rows})}, {m['processor']}, {m['cores']} cores{gpu}")
 
 
-def markdown(run, rows, ref: str = "mha") -> str:
-    """The title, :func:`table` and the :func:`comparisons` against ``ref`` of this invocation's rows."""
+def report_rows(run, rows: list[dict], ref: str = "mha") -> dict:
+    """The report's fields (the studies' YAML ``report:``): the title, ``ref``, ``base`` (``ref``, or the first variant
+    without it) and ``stats``: the rows of the variant table (bytes and loss relative to ``base``) and of the
+    :func:`comparisons` (``part``) of this invocation's rows."""
     rows = _now(run, rows)
     if not rows:
-        return "no results yet"
+        return {"title": "no results yet", "ref": ref, "base": ref, "stats": []}
     summary = summarise(rows)
-    cmps = "\n".join(report.table(comparisons(summary, ref), COMPARE)).rstrip()
-    return (f"{_title(run, rows)}\n\n{table(summary, ref)}\n\nDifferences at equal cache bytes, and against "
-            f"{ref.upper()} (SE of the difference of seed means):\n\n{cmps}")
+    base = next((s for s in summary if s["variant"] == ref), summary[0])
+    stats = [{**s, "part": "variants", "bytes_vs": s["bytes"] / base["bytes"],
+              "loss_vs": s["val_loss"] / base["val_loss"]} for s in summary]
+    return {"title": _title(run, rows), "ref": ref, "base": base["variant"],
+            "stats": stats + [{**c, "part": "comparisons"} for c in comparisons(summary, ref)]}

@@ -118,3 +118,8 @@ def test_a_report_may_tabulate_the_summarys_statistics_rows():
     runs = [{"variant": "a", "loss": 1.0}, {"variant": "a", "loss": 2.0}]
     assert report.markdown(spec, runs, {"stats": [{"variant": "a", "mean": 1.5}]}).split("\n") == [
         "| variant | mean |", "|---|---|", "| a | 1.5 |", ""]
+
+
+def test_part_titles_are_templates_over_the_values():
+    spec = {"by": "part", "titles": {"a": "against {ref}"}, "columns": {"x": "{x}"}}
+    assert report.markdown(spec, [{"part": "a", "x": 1}], {"ref": "mha"}).split("\n")[0] == "## against mha"

@@ -61,13 +61,10 @@ def run_variant(variant: str, seed: int, args, runs_dir: Path) -> dict:
             "stage1_val_loss": last_val(runs_dir / f"insert-s{seed}-mla128" / "metrics.csv")[1]}
 
 
-def options(p) -> None:
-    study_options(p, ("ablation", "recipe"), "0 (ablation), 1 2 3 (recipe)")
-
-
 STUDY = Study("kvsplice_recipe", __doc__,
               lambda run: train_rows(run, SECTIONS, {"ablation": [0], "recipe": [1, 2, 3]}, run_variant),
-              options=options, out=lambda a: RESULTS / f"kvsplice_recipe_{a.study}{gpu(a)}",
+              options=lambda p: study_options(p, ("ablation", "recipe"), "0 (ablation), 1 2 3 (recipe)"),
+              out=lambda a: RESULTS / f"kvsplice_recipe_{a.study}{gpu(a)}",
               summary=lambda run, rows: {**run.notes, **report_rows(run, rows, "mla_64")},
               bounds={**BOUNDS, "steps": (2, 10 ** 7)})  # two stages of steps / 2
 main = STUDY.main

@@ -23,8 +23,8 @@ from benchmarks.harness import header as _header
 from benchmarks.harness import report, studies, timing
 from benchmarks.harness.options import Parser, UsageError, add_threads, parser
 from benchmarks.harness.paths import RESULTS, portable
+from kvsplice.io.cli import run_cli
 from kvsplice.io.write import check_writable
-from models.checkpoint import atomic_write as write_atomic
 
 __all__ = ["Run", "Study", "check_bounds", "check_outputs", "write_atomic"]
 
@@ -53,15 +53,11 @@ class Study:
 
     def main(self, argv: Optional[Sequence[str]] = None) -> int:
         """Run the study as a command with ``argv`` (default: this process's arguments)."""
-        from kvsplice.io.cli import run_cli
-
         return run_cli(self.name, lambda: _run(self, argv))
 
     def size_table(self) -> dict:
         """:attr:`sizes`, else the ``sizes`` of the study's YAML, else one empty ``default``."""
-        if self.sizes is None:
-            return self.spec("sizes") or {"default": {}}
-        return self.sizes
+        return self.sizes if self.sizes is not None else self.spec("sizes") or {"default": {}}
 
     def files(self, stem: Path) -> list[Path]:
         """The files a run with ``stem`` writes."""
@@ -143,6 +139,20 @@ def check_outputs(files: Iterable[Path], force: bool, keep: Iterable[Path] = ())
             if not force and path not in keep:
                 raise UsageError(f"{path}: exists (--force replaces it)")
         check_writable(path.parent, "--out", path)
+
+
+def write_atomic(path: Path, write: Callable[[Path], None]) -> Path:
+    """``write(tmp)`` into a temporary sibling renamed over ``path``: the old file or the whole new one (no torch
+    imported, unlike :func:`models.checkpoint.atomic_write`: ``gpu_check --dry-run`` runs without it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
 
 
 def _parser(study: Study, sizes: dict) -> Parser:

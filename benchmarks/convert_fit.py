@@ -120,21 +120,14 @@ def rows(run):
                 yield row
 
 
-def markdown(run, rows) -> str:
-    tasks = [k for k in rows[0] if k.startswith(("passkey_", "niah_"))]
-    head = ["model", "cache (R + Dr)", "min", "ppl P", "Δ P", "ppl prose", "Δ prose", "KL P", *tasks]
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+def summary(run, rows) -> dict:
+    """Each row's cache (``R + Dr``; the source's: K/V) and the commands that made the models, for the report."""
     for r in rows:
-        cache = "K/V" if r["cache_dim"] is None else f"{r['d_latent']} + {r['rope_dims']}"
-        d = lambda k: "" if k not in r else f"{r[k]:+.1f} %"  # noqa: E731
-        cells = [r["model"], cache, f"{r.get('minutes', 0):g}", f"{r['ppl_P']:.3f}", d("d_ppl_P_pct"),
-                 f"{r['ppl_prose']:.2f}", d("d_ppl_prose_pct"), f"{r['kl_P']:.4f}", *(f"{r[t]:.0f}" for t in tasks)]
-        out.append("| " + " | ".join(cells) + " |")
-    cmds = list(dict.fromkeys(f"- `{r['command']}`" for r in rows if r["command"]))
-    return "\n".join(out + ["", "Commands:", *cmds]) + "\n"
+        r["cache"] = "K/V" if r["cache_dim"] is None else f"{r['d_latent']} + {r['rope_dims']}"
+    return {"commands": "\n".join(dict.fromkeys(f"- `{r['command']}`" for r in rows if r["command"]))}
 
 
-STUDY = Study("convert_fit", __doc__, rows, options=options, markdown=markdown, threads=2,
+STUDY = Study("convert_fit", __doc__, rows, options=options, summary=summary, threads=2,
               bounds={"ratios": (1.01, 64), "refine": (0, 10000), "minutes": (0, 10000), "snapshots": (0.01, 10000),
                       "self_tokens": (1024, 1 << 24), "calib_tokens": (64, 1 << 22), "seq_len": (16, 1 << 15),
                       "task_lengths": (64, 1 << 15), "task_n": (1, 1000), "p_windows": (1, 1000),

@@ -21,7 +21,7 @@ from benchmarks.harness.options import UsageError
 from benchmarks.harness.runner import Study
 from benchmarks.harness.paths import CALIB
 from benchmarks.lib.convert_mla_report import (CONVERT_RANKS, FT_FRACTIONS, FT_LRS, STEPS_SOURCE, TOKENS_PER_STEP,
-                                               figure, markdown)
+                                               figure, stat_rows)
 from benchmarks.lib.study import DATA, REPO, last_val, to_mla, train
 
 
@@ -106,9 +106,9 @@ def rows(run):
             yield row
 
 
-STUDY = Study("convert_mla", __doc__, rows, options=options, threads=2, markdown=lambda run, rows: markdown(rows),
-              figure=lambda run, rows: figure(rows),
-              summary=lambda run, rows: {"ft_lrs": FT_LRS, "source_tokens": STEPS_SOURCE * TOKENS_PER_STEP})
+STUDY = Study("convert_mla", __doc__, rows, options=options, threads=2, figure=lambda run, rows: figure(rows),
+              summary=lambda run, rows: {"ft_lrs": FT_LRS, "source_tokens": STEPS_SOURCE * TOKENS_PER_STEP,
+                                         "stats": stat_rows(rows)})
 main = STUDY.main
 
 if __name__ == "__main__":

@@ -49,17 +49,14 @@ def rows(run):
             yield row
 
 
-def best(rows) -> dict:
-    """The RoPE width of the lowest perplexity at each ratio."""
-    return {str(x): min((r for r in rows if r["ratio"] == x), key=lambda r: r["ppl"])["rope_dims"]
-            for x in dict.fromkeys(r["ratio"] for r in rows)}
-
-
 def summary(run, rows) -> dict:
-    """The JSON's fields beside the rows; the report's footer (``best``) in the notes."""
+    """The JSON's fields beside the rows: the RoPE width of the lowest perplexity at each ratio (``best_rope_dims``;
+    the report's footer, ``best``, in the notes)."""
+    best = {str(x): min((r for r in rows if r["ratio"] == x), key=lambda r: r["ppl"])["rope_dims"]
+            for x in dict.fromkeys(r["ratio"] for r in rows)}
     out = {"model": str(SMOLLM2), "selection_text": str(CALIB), "skip_tokens": run["skip"], **run.notes,
-           "best_rope_dims": best(rows)}
-    run.notes["best"] = ", ".join(f"{k}x: {v}" for k, v in out["best_rope_dims"].items())
+           "best_rope_dims": best}
+    run.notes["best"] = ", ".join(f"{k}x: {v}" for k, v in best.items())
     return out
 
 

@@ -19,7 +19,7 @@ import json
 from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import variants
-from benchmarks.lib.seed_report import figure, markdown
+from benchmarks.lib.seed_report import figure, report_rows
 from benchmarks.lib.study import BOUNDS, gpu, options as study_options, run_one, train_rows
 
 FRONTIER = variants("frontier", "frontier")  # variant -> (config, overrides): benchmarks/studies/frontier.yaml
@@ -53,10 +53,6 @@ def init_kv_rms() -> dict:
     return out
 
 
-def options(p) -> None:
-    study_options(p, ("frontier", "ablation"), "1 2 3 (frontier), 0 (ablation)", report="--plot-only")
-
-
 def rows(run):
     if run.args.study == "ablation":
         rms = run.notes.setdefault("meta", {})["init_kv_rms"] = init_kv_rms()
@@ -65,9 +61,11 @@ def rows(run):
                           lambda v, seed, a, runs: run_one(v, seed, a, runs, *SECTIONS[a.study][v]))
 
 
-STUDY = Study("frontier", __doc__, rows, options=options, markdown=markdown, figure=figure,
+STUDY = Study("frontier", __doc__, rows, figure=figure, bounds=BOUNDS,
+              options=lambda p: study_options(p, ("frontier", "ablation"), "1 2 3 (frontier), 0 (ablation)",
+                                              report="--plot-only"),
               out=lambda a: RESULTS / f"frontier{'' if a.study == 'frontier' else '_ablation'}{gpu(a)}",
-              summary=lambda run, rows: run.notes, bounds=BOUNDS)
+              summary=lambda run, rows: {**run.notes, **report_rows(run, rows)})
 main = STUDY.main
 
 if __name__ == "__main__":

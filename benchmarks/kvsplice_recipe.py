@@ -23,7 +23,7 @@ from pathlib import Path
 from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study, variants
-from benchmarks.lib.seed_report import markdown
+from benchmarks.lib.seed_report import report_rows
 from benchmarks.lib.study import (BOUNDS, TRAIN_FILES, gpu, last_val, options as study_options, run_args, run_one,
                                   to_mla, train, train_rows)
 
@@ -61,14 +61,11 @@ def run_variant(variant: str, seed: int, args, runs_dir: Path) -> dict:
             "stage1_val_loss": last_val(runs_dir / f"insert-s{seed}-mla128" / "metrics.csv")[1]}
 
 
-def options(p) -> None:
-    study_options(p, ("ablation", "recipe"), "0 (ablation), 1 2 3 (recipe)")
-
-
 STUDY = Study("kvsplice_recipe", __doc__,
               lambda run: train_rows(run, SECTIONS, {"ablation": [0], "recipe": [1, 2, 3]}, run_variant),
-              options=options, out=lambda a: RESULTS / f"kvsplice_recipe_{a.study}{gpu(a)}",
-              markdown=lambda run, rows: markdown(run, rows, "mla_64"), summary=lambda run, rows: run.notes,
+              options=lambda p: study_options(p, ("ablation", "recipe"), "0 (ablation), 1 2 3 (recipe)"),
+              out=lambda a: RESULTS / f"kvsplice_recipe_{a.study}{gpu(a)}",
+              summary=lambda run, rows: {**run.notes, **report_rows(run, rows, "mla_64")},
               bounds={**BOUNDS, "steps": (2, 10 ** 7)})  # two stages of steps / 2
 main = STUDY.main
 

@@ -1,14 +1,15 @@
 """A study's report as data: the ``report:`` and ``figure:`` sections of its YAML, rendered from its rows by the runner.
 
-``report: {title, intro, columns, by, titles, missing, drop_empty, footer}`` — a markdown table whose ``columns`` map
-a header to a cell template (``"{decode_ms:.1f}"``, ``"**{ratio:.2f}**"``, ``"{cache_bytes!M:.1f}"``: ``!M`` is bytes
-in MiB, ``!y`` a flag as yes/no; a bare key is formatted by :func:`fmt`); a cell whose field is missing or None reads
-``missing`` (default ``-``); ``drop_empty``: a column no row fills is left out. With ``by``, one table per value of
-that field that ``titles`` names (``## TITLE`` above each); ``columns`` may then map each part to its own. ``title``,
-``intro`` (a template, or a list: the paragraphs whose fields are there), the headers and ``footer`` (below the
-tables) are templates over the run's settings, notes and summary. ``figure: {x, y, series, panels, xlog, ylog, hline,
-xlabel, ylabel, title, size, where, kind, markers, front}`` — one line plot per panel (the distinct values of the
-``panels`` fields), a line per ``series``, over the rows matching ``where``; ``kind: scatter``: see :func:`scatter`.
+``report: {title, intro, columns, by, titles, missing, drop_empty, footer, rows}`` — a markdown table (of the rows, or
+of the summary's field ``rows`` names: per-variant statistics) whose ``columns`` map a header to a cell template
+(``"{decode_ms:.1f}"``, ``"**{ratio:.2f}**"``, ``"{cache_bytes!M:.1f}"``: ``!M`` is bytes in MiB, ``!y`` a flag as
+yes/no; a bare key is formatted by :func:`fmt`); a cell whose field is missing or None reads ``missing`` (default
+``-``); ``drop_empty``: a column no row fills is left out. With ``by``, one table per value of that field that
+``titles`` names (``## TITLE`` above each, a template); ``columns`` may then map each part to its own. ``title``,
+``intro`` (a template, or a list: the paragraphs whose fields are there), the headers and ``footer`` (below the tables)
+are templates over the run's settings, notes and summary. ``figure: {x, y, series, panels, xlog, ylog, hline, xlabel,
+ylabel, title, size, where, kind, markers, front}`` — one line plot per panel (the distinct values of the ``panels``
+fields), a line per ``series``, over the rows matching ``where``; ``kind: scatter``: see :func:`scatter`.
 """
 
 from __future__ import annotations
@@ -111,12 +112,14 @@ def columns(spec: Mapping[str, Any], rows: Sequence[dict], values: Mapping[str, 
 def markdown(spec: Mapping[str, Any], rows: Sequence[dict], values: Optional[Mapping[str, Any]] = None) -> str:
     """The report ``spec`` (a study's ``report:``) of ``rows``; ``values`` fill its title, intro and footer."""
     values = values or {}
+    rows = values[spec["rows"]] if spec.get("rows") else rows  # a table of the summary's rows (statistics)
     lines = [f"# {spec['title'].format_map(values)}", ""] if spec.get("title") else []
     lines += intro(spec.get("intro"), values)
     cols, missing = spec["columns"], spec.get("missing", "-")
     if spec.get("by"):
         part = isinstance(cols, Mapping) and not any(isinstance(c, str) for c in cols.values())  # part -> columns
-        lines += tables(rows, cols if part else {"*": columns(spec, rows, values)}, spec["titles"], spec["by"], missing)
+        titles = {k: t.format_map(values) for k, t in spec["titles"].items()}  # templates, as the title
+        lines += tables(rows, cols if part else {"*": columns(spec, rows, values)}, titles, spec["by"], missing)
     else:
         lines += table(rows, columns(spec, rows, values), missing)
     lines += [spec["footer"].format_map(values).strip()] if spec.get("footer") else []

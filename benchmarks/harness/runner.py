@@ -14,7 +14,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,8 @@ from benchmarks.harness import header as _header
 from benchmarks.harness import report, studies, timing
 from benchmarks.harness.options import Parser, UsageError, add_threads, parser
 from benchmarks.harness.paths import RESULTS, portable
+from kvsplice.io.cli import run_cli
+from kvsplice.io.write import check_writable
 
 __all__ = ["Run", "Study", "check_bounds", "check_outputs", "write_atomic"]
 
@@ -52,15 +53,11 @@ class Study:
 
     def main(self, argv: Optional[Sequence[str]] = None) -> int:
         """Run the study as a command with ``argv`` (default: this process's arguments)."""
-        from kvsplice.io.cli import run_cli
-
         return run_cli(self.name, lambda: _run(self, argv))
 
     def size_table(self) -> dict:
         """:attr:`sizes`, else the ``sizes`` of the study's YAML, else one empty ``default``."""
-        if self.sizes is None:
-            return self.spec("sizes") or {"default": {}}
-        return self.sizes
+        return self.sizes if self.sizes is not None else self.spec("sizes") or {"default": {}}
 
     def files(self, stem: Path) -> list[Path]:
         """The files a run with ``stem`` writes."""
@@ -129,20 +126,6 @@ def check_bounds(settings: dict, bounds: dict) -> None:
                 raise UsageError(f"--{key.replace('_', '-')}: must be in [{lo:g}, {hi:g}], got {v!r}")
 
 
-def _writable_folder(path: Path) -> Path:
-    """The nearest existing parent of ``path`` (missing ones are made later), which must be a writable folder."""
-    parent = path.parent
-    while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
-        parent = parent.parent
-    try:
-        if not parent.is_dir():
-            raise OSError
-        tempfile.TemporaryFile(dir=parent).close()  # a real probe (root passes os.access everywhere)
-    except OSError:
-        raise UsageError(f"{path}: {parent} is not a writable folder") from None
-    return parent
-
-
 def check_outputs(files: Iterable[Path], force: bool, keep: Iterable[Path] = ()) -> None:
     """Each output a regular file (or none yet) in a writable folder, not there already unless ``force`` or among
     ``keep`` (a resumed run's)."""
@@ -155,11 +138,12 @@ def check_outputs(files: Iterable[Path], force: bool, keep: Iterable[Path] = ())
                 raise UsageError(f"{path}: exists and is not a regular file")
             if not force and path not in keep:
                 raise UsageError(f"{path}: exists (--force replaces it)")
-        _writable_folder(path)
+        check_writable(path.parent, "--out", path)
 
 
 def write_atomic(path: Path, write: Callable[[Path], None]) -> Path:
-    """``write(tmp)`` into a temporary sibling renamed over ``path``: the old file or the whole new one."""
+    """``write(tmp)`` into a temporary sibling renamed over ``path``: the old file or the whole new one (no torch
+    imported, unlike :func:`models.checkpoint.atomic_write`: ``gpu_check --dry-run`` runs without it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:

@@ -32,43 +32,33 @@ def frontier_ref(variant: str) -> tuple[float, float, int]:
     return _mean_std([r["val_loss"] for r in rows if r["variant"] == variant])
 
 
-def _fmt(m: float, s: float, k: int) -> str:
-    return f"{m:.4f} ± {s:.4f} ({k})"
+PARTS = {"mha": [("mha", "MHA source", "1×")]
+         + [(f"convert r{r} {m}", f"MLA-{r} {m}", f"{256 // r}× smaller") for r in CONVERT_RANKS
+            for m in ("weights-only", "activation-aware")]
+         + [(f"frontier {v}", f"MLA-{v[4:]} from scratch (frontier)", f"{256 // int(v[4:])}× smaller")
+            for v in ("mla_32", "mla_128")],
+         "mla_128": [("mla_128", "MLA-128 source", None)]
+         + [(e, f"KVSplice-{pct} {how}", None) for pct in (50, 90)
+            for e, how in ((f"kvsplice{pct} pca", "pca"), (f"kvsplice{pct} random", "random"),
+                           (f"frontier mla_128_kvsplice_{pct}", "from scratch (frontier)"))]}
+"""Each part of the report (named by its source's experiment): (experiment or ``frontier VARIANT``, label, cache)."""
 
 
-def _lines(rows: list[dict], exp: str, label: str, ref: float) -> list[str]:
-    """Table rows of one experiment: before fine-tuning, then each fine-tune LR and length."""
-    tokens = sorted({x["ft_tokens"] for x in rows if x["experiment"] == exp and x["ft_tokens"]})
+def stat_rows(rows: list[dict]) -> list[dict]:
+    """The report's rows: mean ± std (n) validation loss of each experiment before fine-tuning and per fine-tune LR
+    and length, and of the frontier's from-scratch variants, relative to the part's source."""
     out = []
-    for t, lr in [(0, None), *((t, lr) for lr in FT_LRS for t in tokens)]:
-        m, s, k = stats(rows, exp, t, lr)
-        ft = f"{t:,} ({t / (STEPS_SOURCE * TOKENS_PER_STEP):.0%}) | {lr}" if t else "0 | —"
-        if k:
-            out.append(f"| {label} | {ft} | {_fmt(m, s, k)} | {m / ref:.4f}× |")
+    for part, entries in PARTS.items():
+        ref = stats(rows, part, 0)[0]
+        for exp, label, cache in entries:
+            tokens = sorted({x["ft_tokens"] for x in rows if x["experiment"] == exp and x["ft_tokens"]})
+            for t, lr in [(0, None), *((t, lr) for lr in FT_LRS for t in tokens)]:
+                m, s, k = frontier_ref(exp[9:]) if exp.startswith("frontier ") else stats(rows, exp, t, lr)
+                if k:
+                    out.append({"part": part, "model": label, "cache": cache, "ft_tokens": t, "ft_lr": lr,
+                                "ft_share": t / (STEPS_SOURCE * TOKENS_PER_STEP), "val_loss": m, "std": s, "n": k,
+                                "vs_source": m / ref})
     return out
-
-
-def markdown(rows: list[dict]) -> str:
-    mha, mha_sd, n = stats(rows, "mha", 0)
-    lines = [f"MHA source: {_fmt(mha, mha_sd, n)} (mean ± std over source seeds (n))", "",
-             "| model | cache vs MHA | fine-tune tokens | fine-tune LR | val loss | vs MHA |", "|---|---|---|---|---|---|"]
-    for r in CONVERT_RANKS:
-        for method in ("weights-only", "activation-aware"):
-            lines += _lines(rows, f"convert r{r} {method}", f"MLA-{r} {method} | {256 // r}× smaller", mha)
-    for variant, label in (("mla_32", "MLA-32 from scratch (frontier)"), ("mla_128", "MLA-128 from scratch (frontier)")):
-        m, s, k = frontier_ref(variant)
-        lines.append(f"| {label} | {256 // int(variant.split('_')[1])}× smaller | 0 | — | {_fmt(m, s, k)} | "
-                     f"{m / mha:.4f}× |")
-    mla, mla_sd, n = stats(rows, "mla_128", 0)
-    lines += ["", f"MLA-128 source: {_fmt(mla, mla_sd, n)}", "",
-              "| KVSplice into trained MLA-128 | init | fine-tune tokens | fine-tune LR | val loss | vs MLA-128 |",
-              "|---|---|---|---|---|---|"]
-    for pct in (50, 90):
-        for init in ("pca", "random"):
-            lines += _lines(rows, f"kvsplice{pct} {init}", f"KVSplice-{pct} | {init}", mla)
-        m, s, k = frontier_ref(f"mla_128_kvsplice_{pct}")
-        lines.append(f"| KVSplice-{pct} from scratch (frontier) | — | 0 | — | {_fmt(m, s, k)} | {m / mla:.4f}× |")
-    return "\n".join(lines)
 
 
 def _curves(ax, rows: list[dict], exp: str, label: str, color: str, marker: str = "o") -> None:

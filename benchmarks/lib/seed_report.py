@@ -1,5 +1,6 @@
 """The report of a training study (``frontier.py``, ``kvsplice_recipe.py``): per variant the mean ± std validation
-loss over seeds, cache bytes, the Pareto front and ``a − b`` in standard errors; the table and loss-vs-bytes figure."""
+loss over seeds, cache bytes, the Pareto front and ``a − b`` in standard errors (the rows of the YAML's tables), and
+the loss-vs-bytes figure."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import statistics
 
 from benchmarks.lib.study import resume_key
 
-__all__ = ["compare", "comparison_table", "comparisons", "figure", "late_drop", "markdown", "summarise", "table"]
+__all__ = ["compare", "comparisons", "figure", "late_drop", "report_rows", "summarise"]
 
 
 def late_drop(curve: list[list[float]]) -> float | None:
@@ -48,30 +49,6 @@ def compare(a: dict, b: dict) -> dict:
         verdict = "tie" if abs(d) < 2 * se else f"{a['variant'] if d < 0 else b['variant']} better"
     return {"a": a["variant"], "b": b["variant"], "diff": d, "se": se, "z": d / se if se else None,
             "verdict": verdict}
-
-
-def comparison_table(cmps: list[dict]) -> str:
-    lines = ["| a | b | a − b (val loss) | SE | a − b / SE | verdict (tie if < 2 SE) |", "|---|---|---|---|---|---|"]
-    for c in cmps:
-        z = "" if c["z"] is None else f"{c['z']:+.1f}"
-        lines.append(f"| {c['a']} | {c['b']} | {c['diff']:+.4f} | {c['se']:.4f} | {z} | {c['verdict']} |")
-    return "\n".join(lines)
-
-
-def table(summary: list[dict], ref: str = "mha") -> str:
-    base = next((s for s in summary if s["variant"] == ref), summary[0])
-    gap = any(s.get("gap") is not None for s in summary)
-    lines = [f"| variant | cache B/token (fp16) | vs {base['variant']} | val loss (mean ± std) | seeds | "
-             f"loss vs {base['variant']} | train-loss drop, last 20 % of steps |"
-             + (" val − train loss |" if gap else "") + " Pareto |",
-             "|---|---|---|---|---|---|---|" + ("---|" if gap else "") + "---|"]
-    for s in summary:
-        drop = "" if s["late_drop"] is None else f"{s['late_drop']:.3f}"
-        g = ("" if s.get("gap") is None else f" {s['gap']:.3f} |") if gap else ""
-        lines.append(f"| {s['variant']} | {s['bytes']:.0f} | {s['bytes'] / base['bytes']:.3f}× | "
-                     f"{s['val_loss']:.4f} ± {s['std']:.4f} | {s['n']} | {s['val_loss'] / base['val_loss']:.4f}× | "
-                     f"{drop} |{g} {'yes' if s['pareto'] else ''} |")
-    return "\n".join(lines)
 
 
 def comparisons(summary: list[dict], ref: str = "mha") -> list[dict]:
@@ -138,12 +115,16 @@ def _title(run, rows) -> str:
             f"seeds {sorted({r['seed'] for r in rows})}, {m['processor']}, {m['cores']} cores{gpu}")
 
 
-def markdown(run, rows, ref: str = "mha") -> str:
-    """The title, :func:`table` and the :func:`comparisons` against ``ref`` of this invocation's rows."""
+def report_rows(run, rows: list[dict], ref: str = "mha") -> dict:
+    """The report's fields (the studies' YAML ``report:``): the title, ``ref``, ``base`` (``ref``, or the first variant
+    without it) and ``stats``: the rows of the variant table (bytes and loss relative to ``base``) and of the
+    :func:`comparisons` (``part``) of this invocation's rows."""
     rows = _now(run, rows)
     if not rows:
-        return "no results yet"
+        return {"title": "no results yet", "ref": ref, "base": ref, "stats": []}
     summary = summarise(rows)
-    return (f"{_title(run, rows)}\n\n{table(summary, ref)}\n\nDifferences at equal cache bytes, and against "
-            f"{ref.upper()} (SE of the difference of seed means):\n\n{comparison_table(comparisons(summary, ref))}")
-
+    base = next((s for s in summary if s["variant"] == ref), summary[0])
+    stats = [{**s, "part": "variants", "bytes_vs": s["bytes"] / base["bytes"],
+              "loss_vs": s["val_loss"] / base["val_loss"]} for s in summary]
+    return {"title": _title(run, rows), "ref": ref, "base": base["variant"],
+            "stats": stats + [{**c, "part": "comparisons"} for c in comparisons(summary, ref)]}

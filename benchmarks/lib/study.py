@@ -20,9 +20,9 @@ from typing import Callable, Iterator, Optional
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import ROOT as REPO, TINYSTORIES as DATA
 
-__all__ = ["BOUNDS", "DATA", "DATA_CACHE", "REPO", "RUN_KEY", "TRAIN_FILES", "cache_bytes", "data_args",
-           "final_train_loss", "gpu", "last_val", "options", "resume_key", "run_args", "run_jobs", "run_key",
-           "run_module", "run_one", "to_mla", "train", "train_curve", "train_rows", "trained"]
+__all__ = ["BOUNDS", "DATA", "DATA_CACHE", "REPO", "RUN_KEY", "TRAIN_FILES", "cache_bytes", "data_args", "gpu",
+           "last_val", "options", "resume_key", "run_args", "run_jobs", "run_key", "run_module", "run_one", "to_mla",
+           "train", "train_curve", "train_rows", "trained"]
 
 DATA_CACHE = REPO / ".cache" / "data"  # the runs' token shards and tokenizers
 TRAIN_FILES = ("gusjengis_toy-RNN__tinystories_sample.txt", "maxme1_tiny-stories__tiny-stories.json",
@@ -72,15 +72,6 @@ def cache_bytes(ckpt: Path, tokens: int) -> dict:
     for dtype, key in ((torch.float16, "cache_bytes_per_token"), (torch.float32, "cache_bytes_per_token_fp32")):
         out[key] = measure_cache_per_token(model, model.cfg, tokens, dtype)["bytes_per_token"]
     return out
-
-
-def final_train_loss(curve: list[list[float]], frac: float = 0.05) -> float | None:
-    """Mean logged training loss over the last ``frac`` of the steps (at least the last logged value)."""
-    if not curve:
-        return None
-    n = curve[-1][0]
-    tail = [l for s, l in curve if s > (1 - frac) * n] or [curve[-1][1]]
-    return statistics.fmean(tail)
 
 
 _CHILDREN: set[subprocess.Popen] = set()
@@ -190,10 +181,11 @@ def _row(variant: str, config: str, extra: list[str], seed: int, run: Path, args
     step, val_loss, _, _ = last_val(run / "metrics.csv")
     tokens, train_time = trained(run / "last.ckpt")
     curve = train_curve(run / "metrics.csv")
-    train_final = final_train_loss(curve)
+    tail = [loss for s, loss in curve if s > 0.95 * curve[-1][0]]  # the last 5 % of the steps: the final train loss
+    train_final = statistics.fmean(tail) if tail else None
     return {"variant": variant, "config": config, "overrides": extra, "seed": seed, "steps": step + 1,
-            "batch": args.batch, "device": args.device,
-            "tokens": tokens, "val_loss": val_loss, **cache_bytes(run / "last.ckpt", args.cache_tokens),
+            "batch": args.batch, "device": args.device, "tokens": tokens, "val_loss": val_loss,
+            **cache_bytes(run / "last.ckpt", args.cache_tokens),
             "wall_s": None if wall is None else round(wall, 1), "train_time_s": round(train_time, 1),
             "tokens_per_s": round(tokens / train_time, 1) if train_time else None,
             "train_loss_final": None if train_final is None else round(train_final, 4),

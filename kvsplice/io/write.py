@@ -16,7 +16,6 @@ from typing import Any
 
 from kvsplice.io.cli import UsageError
 from kvsplice.io.inputs import PathArg
-from models.checkpoint import atomic_write
 
 __all__ = ["check_writable", "disk_errors", "existing_folder", "write_json"]
 
@@ -78,5 +77,7 @@ def existing_folder(path: Path) -> Path:
 def write_json(obj: Any, path: PathArg) -> Path:
     """Write ``obj`` as indented JSON (objects JSON does not know as their ``str``) atomically
     (:func:`models.checkpoint.atomic_write`)."""
+    from models.checkpoint import atomic_write  # (torch with it: the module stays light for parsers and checks)
+
     text = json.dumps(obj, indent=2, default=str) + "\n"
     return atomic_write(Path(path), lambda tmp: tmp.write_text(text))

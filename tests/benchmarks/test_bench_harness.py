@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.harness.runner import Study
+from kvsplice.io.cli import run_cli
 from tiny_models import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -221,34 +223,24 @@ def test_options_share_one_declaration_and_one_line_errors(capsys):
 
     p = o.parser(str(BENCH / "study.py"), "First paragraph\nstill first.\n\nSecond.")
     o.add_threads(p)
-    o.add_out(p, Path("r.json"))
     o.add_model(p, Path("m"))
     o.add_progress(p)
     o.add_device_dtype(p)
     a = p.parse_args([])
-    assert (a.threads, a.out, a.model, a.progress, a.device, a.dtype) == (1, Path("r.json"), "m", True, None, "fp32")
+    assert (a.threads, a.model, a.progress, a.device, a.dtype) == (1, "m", True, None, "fp32")
     assert p.prog == "study" and p.description == "First paragraph\nstill first."
     assert p.parse_args(["--threads", "3", "--no-progress"]).progress is False
-
-    @o.command
-    def main(argv=None) -> int:
-        p.parse_args(argv)
-        return 0
-
-    assert main(["--threads", "0"]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == [
-        "test_bench_harness: error: argument --threads: must be >= 1, got 0"]
+    assert run_cli("study", lambda: p.parse_args(["--threads", "0"]) and 0) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["study: error: argument --threads: must be >= 1, got 0"]
 
 
-def test_a_command_interrupted_is_one_line_and_exit_130(capsys):
-    from benchmarks.harness.options import command
-
-    @command
-    def main(argv=None) -> int:
+def test_a_command_interrupted_is_one_line_and_exit_130(tmp_path, capsys):
+    def rows(run):
         raise KeyboardInterrupt
+        yield {}
 
-    assert main([]) == 130
-    assert capsys.readouterr().err == "test_bench_harness: interrupted\n"
+    assert Study("toy", "A toy.", rows).main(["--out", str(tmp_path / "toy")]) == 130
+    assert capsys.readouterr().err == "toy: interrupted\n"
 
 
 def test_the_header_names_the_command_machine_and_revision():
@@ -367,9 +359,10 @@ def test_the_harness_options_import_no_torch(tmp_path):
         "sys.meta_path.insert(0, _Block())\n")
     env = {**__import__("os").environ, "PYTHONPATH": f"{site}{__import__('os').pathsep}{ROOT}"}
     code = ("from benchmarks.harness import options as o, header, paths, studies\n"
-            "p = o.parser('x.py', 'doc'); o.add_threads(p); o.add_model(p, 'm'); o.add_out(p)\n"
+            "from kvsplice.io.cli import run_cli\n"
+            "p = o.parser('x.py', 'doc'); o.add_threads(p); o.add_model(p, 'm')\n"
             "o.add_progress(p); o.add_device_dtype(p)\n"
-            "main = o.command(lambda argv=None: p.parse_args(argv) and 0)\n"
+            "main = lambda argv: run_cli('x', lambda: p.parse_args(argv) and 0)\n"
             "print(p.parse_args(['--threads', '2']).threads, main(['--bad']), header.machine()['cores'] > 0)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                          timeout=120)

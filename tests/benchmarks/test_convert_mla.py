@@ -4,6 +4,7 @@ learning rate a run of its own), and what the resumed rows hold is neither train
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from tiny_models import load_benchmark
@@ -30,3 +31,23 @@ def test_experiments_measure_each_model_and_fine_tune_and_skip_the_done(monkeypa
     assert ("small_mla_32", "ft", "mha-s1-r32-weights-only-ft25-lr2e-4") in trained
     assert ("small_mla_kvsplice_90", "ft", "mla-s1-ks90-random-ft50-lr1e-3") in trained
     assert all(r["val_loss"] == 2.0 and r["ft_tokens"] == r["ft_steps"] * m.TOKENS_PER_STEP for r in tuned)
+
+
+def test_stat_rows_average_seeds_per_fine_tune_relative_to_each_source(monkeypatch):
+    from benchmarks.lib import convert_mla_report as rep
+
+    monkeypatch.setattr(rep, "frontier_ref", lambda variant: (4.4, 0.0, 3) if variant == "mla_32" else (0.0, 0.0, 0))
+    rows = [{"experiment": "mha", "ft_tokens": 0, "val_loss": v} for v in (3.9, 4.1)]
+    rows += [{"experiment": "convert r32 weights-only", "ft_tokens": 0, "val_loss": 4.2}]
+    rows += [{"experiment": "convert r32 weights-only", "ft_tokens": 51200, "ft_lr": "2e-4", "val_loss": v}
+             for v in (4.1, 4.3)]
+    rows += [{"experiment": "mla_128", "ft_tokens": 0, "val_loss": 5.0}]
+    got = [(r["part"], r["model"], r["ft_tokens"], r["ft_lr"], round(r["val_loss"], 4), r["n"],
+            round(r["vs_source"], 4)) for r in rep.stat_rows(rows)]
+    assert got == [("mha", "MHA source", 0, None, 4.0, 2, 1.0),
+                   ("mha", "MLA-32 weights-only", 0, None, 4.2, 1, 1.05),
+                   ("mha", "MLA-32 weights-only", 51200, "2e-4", 4.2, 2, 1.05),
+                   ("mha", "MLA-32 from scratch (frontier)", 0, None, 4.4, 3, 1.1),
+                   ("mla_128", "MLA-128 source", 0, None, 5.0, 1, 1.0)]
+    assert math.isclose(rep.stat_rows(rows)[2]["std"], 0.1414, abs_tol=1e-4)
+    assert rep.stat_rows(rows)[2]["ft_share"] == 51200 / (rep.STEPS_SOURCE * rep.TOKENS_PER_STEP)

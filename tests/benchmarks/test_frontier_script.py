@@ -11,12 +11,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from models.checkpoint import save_model
 from models.config import GPTConfig
 from models.gpt import GPT
+from benchmarks.harness import report, studies
 from benchmarks.harness.paths import TINYSTORIES
 from benchmarks.lib import seed_report, study
 from processes import wait_ended, watch
@@ -45,7 +47,17 @@ def test_cache_bytes_from_a_checkpoint(tmp_path: Path, frontier, kw, per_layer) 
 def _row(variant: str, seed: int, loss: float, nbytes: float) -> dict:
     curve = [[s, 5.0 - s / 100] for s in range(20, 101, 20)]  # falls 0.2 per 20 steps
     return {"variant": variant, "seed": seed, "val_loss": loss, "cache_bytes_per_token": nbytes, "tokens": 1000,
-            "train_loss_curve": curve}
+            "steps": 500, "train_loss_curve": curve}
+
+
+class _Run:
+    """What the report reads of a run: its steps and batch, device, study and machine."""
+
+    args = SimpleNamespace(device="cpu", study="frontier")
+    header = {"machine": {"processor": "x86_64", "cores": 2}}
+
+    def __getitem__(self, key: str) -> int:
+        return {"steps": 500, "batch": 8}[key]
 
 
 def test_summary_pareto_and_spread(frontier) -> None:
@@ -58,8 +70,9 @@ def test_summary_pareto_and_spread(frontier) -> None:
     assert summary["mla"]["std"] == 0.0 and summary["tiny"]["n"] == 2
     assert [v for v, s in summary.items() if s["pareto"]] == ["mla", "tiny"]  # mha: mla is smaller and better
     assert math.isclose(summary["mla"]["late_drop"], 0.2)  # mean of step 80 minus mean of step 100
-    table = seed_report.table(list(summary.values()))
-    assert "| mla | 512 | 0.250× | 3.0500 ± 0.0000 | 3 |" in table
+    md = report.markdown(studies.load("frontier")["report"], rows, seed_report.report_rows(_Run(), rows))
+    assert "| mla | 512 | 0.250× | 3.0500 ± 0.0000 | 3 |" in md and "ratios against mha" in md
+    assert "| mqa | mla | +0.2500 | 0.0000 | - | no SE (one seed each) |" in md  # equal bytes, no spread
 
 
 def test_late_drop_flat_and_short_curves(frontier) -> None:

@@ -39,7 +39,8 @@ def test_fmt_reads_each_kind_of_value():
 
 def test_table_takes_templates_or_keys():
     rows = [{"a": 1, "b": 2.5, "section": "s"}, {"a": 2}]
-    assert report.table(rows, {"A": "{a}", "B": "{b:.1f}"}) == ["| A | B |", "|---|---|", "| 1 | 2.5 |", "| 2 | - |", ""]
+    assert report.table(rows, {"A": "{a}", "B": "{b:.1f}"}) == [
+        "| A | B |", "|---|---|", "| 1 | 2.5 |", "| 2 | - |", ""]
     assert report.table(rows, ["b", "zzz"]) == ["| b |", "|---|", "| 2.500 |", "| - |", ""]
     assert report.table(rows, [])[0] == "| a | b |"
     assert report.table([], ["a"]) == []
@@ -103,7 +104,8 @@ def test_the_footer_follows_the_tables_filled_from_the_values():
 
 
 def test_the_runner_fills_a_footer_from_the_summary(tmp_path, monkeypatch):
-    (tmp_path / "toy.yaml").write_text("sizes: {default: {n: 2}}\nreport: {columns: {k: '{k}'}, footer: '{m} of {n}'}\n")
+    (tmp_path / "toy.yaml").write_text(
+        "sizes: {default: {n: 2}}\nreport: {columns: {k: '{k}'}, footer: '{m} of {n}'}\n")
     monkeypatch.setattr(studies, "STUDIES", tmp_path)
     studies._read.cache_clear()
     study = Study("toy", "A toy.", lambda run: ({"k": k} for k in range(run["n"])),
@@ -127,3 +129,15 @@ def test_a_scatter_figure_marks_each_series_draws_the_front_and_keeps_the_rows_w
     assert front.get_label() == "front" and front.get_xdata().tolist() == [2, 4] and front.get_linestyle() == "--"
     assert ax.get_yscale() == "symlog" and ax.get_xscale() == "log" and ax.get_title() == "T"
     assert ax.figure.get_size_inches().tolist() == [9, 5]
+
+
+def test_a_report_may_tabulate_the_summarys_statistics_rows():
+    spec = {"rows": "stats", "columns": {"variant": "{variant}", "mean": "{mean:.1f}"}}
+    runs = [{"variant": "a", "loss": 1.0}, {"variant": "a", "loss": 2.0}]
+    assert report.markdown(spec, runs, {"stats": [{"variant": "a", "mean": 1.5}]}).split("\n") == [
+        "| variant | mean |", "|---|---|", "| a | 1.5 |", ""]
+
+
+def test_part_titles_are_templates_over_the_values():
+    spec = {"by": "part", "titles": {"a": "against {ref}"}, "columns": {"x": "{x}"}}
+    assert report.markdown(spec, [{"part": "a", "x": 1}], {"ref": "mha"}).split("\n")[0] == "## against mha"

@@ -78,8 +78,8 @@ def test_outputs_are_refused_before_anything_runs(tmp_path, capsys):
     (tmp_path / "dir").mkdir()
     (tmp_path / "file").write_text("x")
     for out, why in [(tmp_path / "old.json", "exists (--force replaces it)"), (tmp_path / "dir", "is a folder"),
-                     (Path("/"), "is a folder"), (tmp_path / "file" / "r", "is not a writable folder"),
-                     (Path("/proc/none/r"), "is not a writable folder")]:
+                     (Path("/"), "is a folder"), (tmp_path / "file" / "r", "is a file, not a folder"),
+                     (Path("/proc/none/r"), "cannot write in /proc")]:
         assert _study(calls).main(["--out", str(out)]) == 2, out
         err = _err(capsys)
         assert len(err) == 1 and err[0].startswith("toy: error: ") and why in err[0], (out, err)

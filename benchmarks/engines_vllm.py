@@ -75,7 +75,8 @@ def rows(run):
     if a.ckpt:
         r = trained(a.ckpt, a.text.read_text(encoding="utf-8"), tokens=a.tokens or 96, new=a.new, work=a.work,
                     engines=engines)
-        new.append(dict(r, name=f"trained {r['model']['variant']}" + ("" if engines == ["vllm"] else f" in {' + '.join(engines)}")))
+        name = f"trained {r['model']['variant']}" + ("" if engines == ["vllm"] else f" in {' + '.join(engines)}")
+        new.append(dict(r, name=name))
     if a.smollm2:
         new.append(dict(smollm2(gguf=SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf", text=CALIB,
                                 calib=TINYSTORIES / "mines-opt-ml_decoding-gpt__tinystories_10k.txt",

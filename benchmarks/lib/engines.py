@@ -48,11 +48,10 @@ def export_model(model, out: Path, pad: tuple = (None, None)) -> Path:
     """A :class:`models.GPT` (random weights: no tokenizer) exported into ``out`` through a checkpoint beside it."""
     from models.checkpoint import save_model
 
-    ckpt = save_model(model, out.with_suffix(".ckpt"))
-    try:
-        return export(ckpt, out, pad=pad, tokenizer=False)
-    finally:
-        ckpt.unlink()
+    ckpt = save_model(model, out.with_suffix(".ckpt"))  # beside it: in the caller's temporary folder
+    export(ckpt, out, pad=pad, tokenizer=False)
+    ckpt.unlink()
+    return out
 
 
 def ppl(logits, ids: Sequence[int]) -> float:
@@ -88,24 +87,6 @@ def reference(folder: Path, ids: Sequence[int], prompt: Sequence[int], new: int)
     return lp, g[0, len(prompt):].tolist()  # (prompt + new,) -> the new tokens
 
 
-def in_vllm(folder: Path, ids: Sequence[int], prompt: Sequence[int], new: int, max_model_len: int,
-            kernel_rope: bool, lp: dict, greedy: dict) -> dict[str, Any]:
-    """vLLM on ``folder`` (and with its CPU RoPE op: ``kernel_rope``), its log-probabilities of ``ids`` and greedy
-    ``new`` tokens after ``prompt`` put into ``lp`` and ``greedy``: its backend and cache."""
-    runs, seconds = {}, {}
-    for name, native in (("vllm", True), ("vllm_cpu_rope_op", False))[: 2 if kernel_rope else 1]:
-        t0 = time.perf_counter()
-        runs[name] = vllm_engine.run(folder, prompt=prompt, new=new, score=ids, max_model_len=max_model_len,
-                                     native_rope=native)
-        seconds[name] = time.perf_counter() - t0
-        lp[name], greedy[name] = [float(v) for v in runs[name].logprobs[1:]], runs[name].greedy
-    v, la = runs["vllm"], runs["vllm"].layers[0]
-    return {"version": v.version, "backend": v.backend, "prefill_backend": la["prefill_backend"],
-            "kv_cache_row": la["kv_cache_shape"][-1], "kv_cache_dtype": la["kv_cache_dtype"],
-            "block_size": la["kv_cache_shape"][1], "layers": len(v.layers), "kv_bytes_per_token": v.kv_bytes_per_token,
-            "kv_cache_tokens": v.kv_cache_tokens, "seconds": seconds}
-
-
 @torch.no_grad()
 def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int, max_model_len: int,
             ours_logits: torch.Tensor, ours_greedy: list[int], ref_dir: Optional[Path] = None,
@@ -125,8 +106,21 @@ def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int
             lp["llama.cpp"] = logprobs_of(torch.as_tensor(lm.logits(list(ids))), ids)
             greedy["llama.cpp"] = lm.greedy(list(prompt), new)
             out["llama_cpp"] = {"kv_bytes_per_token_f16": lm.kv_bytes_per_token, "rounding": 0.005 * 2**20 / CELLS}
-    if "vllm" in engines:
-        out["vllm"] = in_vllm(hf_dir, ids, prompt, new, max_model_len, kernel_rope, lp, greedy)
+    runs, seconds = {}, {}
+    ropes = [("vllm", True), ("vllm_cpu_rope_op", False)][: 1 + kernel_rope] if "vllm" in engines else []
+    for name, native in ropes:  # vLLM with its RoPE as PyTorch code, then with its CPU RoPE op
+        t0 = time.perf_counter()
+        runs[name] = vllm_engine.run(hf_dir, prompt=prompt, new=new, score=ids, max_model_len=max_model_len,
+                                     native_rope=native)
+        seconds[name] = time.perf_counter() - t0
+        lp[name], greedy[name] = [float(v) for v in runs[name].logprobs[1:]], runs[name].greedy
+    if runs:
+        v, la = runs["vllm"], runs["vllm"].layers[0]
+        out["vllm"] = {"version": v.version, "backend": v.backend, "prefill_backend": la["prefill_backend"],
+                       "kv_cache_row": la["kv_cache_shape"][-1], "kv_cache_dtype": la["kv_cache_dtype"],
+                       "block_size": la["kv_cache_shape"][1], "layers": len(v.layers),
+                       "kv_bytes_per_token": v.kv_bytes_per_token, "kv_cache_tokens": v.kv_cache_tokens,
+                       "seconds": seconds}
     diff = {k: [abs(a - b) for a, b in zip(x, lp["transformers"])] for k, x in lp.items() if k != "transformers"}
     first = {k: next((i for i, e in enumerate(d) if e > 1e-3), None) for k, d in diff.items()}  # 0-based position
     return {"tokens": len(ids), "new": new, "perplexity": {k: math.exp(-sum(x) / len(x)) for k, x in lp.items()},
@@ -200,11 +194,6 @@ def smollm2(*, gguf: Path, calib: Path, text: Path, calib_tokens: int = 8192, d_
                       "greedy_text": {"transformers": tok.decode(out["greedy"]["transformers"])}}, **out}
 
 
-def bytes_per_token(cfg) -> int:
-    """The formula in fp32: MHA caches K and V (2 · d_model per layer), MLA its latent + RoPE key row."""
-    return cache_bytes_formula(cfg, 1, torch.float32)
-
-
 def measure(name: str, folder: Path, ref_dir: Path, cfg, *, budget: int, context: int, new: int, plugin: bool,
             row_bytes: int) -> dict[str, Any]:
     """One vLLM engine on ``folder`` against transformers on ``ref_dir`` (``error``: a budget under one sequence)."""
@@ -234,7 +223,7 @@ def models(shapes: Sequence[str], trained: Sequence[Path], mha_seqs: int, contex
     from models.checkpoint import load_gpt_checkpoint
     from models.config import GPTConfig
 
-    budget = (mha_seqs * context + SLACK) * bytes_per_token(GPTConfig.from_name("ds_mha"))
+    budget = (mha_seqs * context + SLACK) * cache_bytes_formula(GPTConfig.from_name("ds_mha"), 1, torch.float32)
     for name in shapes:
         torch.manual_seed(0)
         cfg = GPTConfig.from_name(name)
@@ -258,7 +247,7 @@ def one_run(shapes, trained, *, mha_seqs: int, context: int, new: int, previous=
                 if row is None:
                     ref = ref or export_model(model, work / "x")
                     folder = export_model(model, work / "x_padded", pad) if pad else ref
-                    row_bytes = bytes_per_token(cfg) if plugin else cfg.n_layer * sum(PAD) * 4
+                    row_bytes = cache_bytes_formula(cfg, 1, torch.float32) if plugin else cfg.n_layer * sum(PAD) * 4
                     row = measure(name, folder, ref, cfg, budget=budget, context=min(context, cfg.block_size),
                                   new=new, plugin=plugin, row_bytes=row_bytes)
                 yield row

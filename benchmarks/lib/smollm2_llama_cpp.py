@@ -139,11 +139,6 @@ def ours_rows(specs: list[str], windows_ids):
         yield {"kind": "ours", "spec": spec, **r, "windows_equal_llama_cpp_ids": bool((windows == windows_ids).all())}
 
 
-def caches(rows: list[dict]) -> dict[str, dict]:
-    """Each type's cache row of most cells (2^15 with ``--exact-bytes``: exact; else the run's, log rounding)."""
-    return {r["type"]: r for r in sorted((r for r in rows if r["kind"] == "cache"), key=lambda r: r["cells"])}
-
-
 def p_table(rows: list[dict], cache: dict) -> list[dict]:
     """Protocol P: llama.cpp's types, our rows from ``results/`` and ours (``--ours``), most bytes first; each with
     its ratio to fp16's bytes and its perplexity against llama.cpp's f16 and our full cache."""

@@ -63,9 +63,7 @@ def ppl(logits, ids: Sequence[int]) -> float:
 def in_llama_cpp(gguf: Path, ids: Sequence[int], prompt: Sequence[int], new: int, n_ctx: int) -> dict[str, Any]:
     """``gguf`` in llama.cpp (f16 KV cache): perplexity of ``ids``, greedy ``new`` tokens after ``prompt``, its cache
     (log) and bytes per token."""
-    from kvsplice.convert.engines.llama_cpp import LlamaCppModel
-
-    with LlamaCppModel(gguf, n_ctx=n_ctx, cache_type="f16") as lm:
+    with llama_cpp.LlamaCppModel(gguf, n_ctx=n_ctx, cache_type="f16") as lm:
         return {"ppl": ppl(lm.logits(list(ids)), ids), "greedy": lm.greedy(list(prompt), new),
                 "kv_bytes_per_token": lm.kv_bytes_per_token, "kv_cache": lm.kv_cache()}
 

@@ -22,6 +22,7 @@ import torch
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import DATA
 from benchmarks.harness.runner import Study
+from kvsplice.convert.engines.llama_cpp import LlamaCppModel, binary, max_sequences, missing
 
 SHAPES = {"124m": dict(d=768, layers=12, heads=12, head_dim=64, ff=3072, vocab=50257),
           "tiny": dict(d=128, layers=2, heads=2, head_dim=64, ff=256, vocab=50257)}  # the tests' smoke run
@@ -73,8 +74,6 @@ def build(folder: Path, latent, s: dict) -> None:
 
 def bench(gguf: Path, ctx: int, batch: int, ntg: int, threads: int, flash_attn: str = "auto") -> list[dict]:
     """``llama-batched-bench``: a ``ctx``-token prompt prefilled once, copied to ``batch`` sequences, ``ntg`` steps."""
-    from kvsplice.convert.engines.llama_cpp import binary
-
     cmd = [str(binary("llama-batched-bench")), "-m", str(gguf), "-c", str(batch * (ctx + ntg + 1)),
            "-b", "2048", "-ub", "512", "-npp", str(ctx), "-ntg", str(ntg), "-npl", str(batch), "-pps",
            "-fa", flash_attn, "-t", str(threads), "--output-format", "jsonl"]
@@ -87,7 +86,6 @@ def bench(gguf: Path, ctx: int, batch: int, ntg: int, threads: int, flash_attn: 
 def models(run, work: Path, cap: int) -> list[dict]:
     """A row per model and context: its GGUF (built when missing), llama.cpp's KV bytes and the sequences that fit."""
     from kvsplice.convert.engines.gguf_convert import hf_to_gguf
-    from kvsplice.convert.engines.llama_cpp import LlamaCppModel
 
     rows, shape = [], run["shape"]
     for key in map(str, run["latents"]):
@@ -107,8 +105,6 @@ def models(run, work: Path, cap: int) -> list[dict]:
 
 
 def rows(run):
-    from kvsplice.convert.engines.llama_cpp import max_sequences, missing
-
     why = missing(bindings=True, programs=("llama-batched-bench",))
     if why:
         raise UsageError(why)

@@ -17,6 +17,7 @@ import torch
 from benchmarks.harness.paths import DATA
 from benchmarks.harness.runner import Study
 from benchmarks.lib.engines import in_llama_cpp, ppl
+from kvsplice.convert.engines.llama_cpp import missing
 
 
 def options(p) -> None:
@@ -38,7 +39,6 @@ def rows(run):
     from kvsplice.convert.deepseek_v3 import save_deepseek_v3
     from kvsplice.convert.engines import vllm
     from kvsplice.convert.engines.gguf_convert import hf_to_gguf
-    from kvsplice.convert.engines.llama_cpp import missing
     from kvsplice.convert.llama_mla import calibrate_layers, convert_llama
     from kvsplice.loading import iter_texts, load_model, token_stream
     from kvsplice.lowrank.calibrate import calibration_batches
@@ -101,8 +101,6 @@ def rows(run):
 
 def summary(run, rows) -> dict:
     """Each row's greedy tokens against ours (the second row); llama.cpp's absence, when absent."""
-    from kvsplice.convert.engines.llama_cpp import missing
-
     for r in rows:
         r["greedy_equal_to_ours"] = r["greedy"] == rows[1]["greedy"]
         if "kv_cache" in r:  # an engine's measured cache against our formula (f16: 2 bytes a number)

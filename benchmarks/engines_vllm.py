@@ -1,15 +1,18 @@
-"""DeepSeek-V3 exports in vLLM (CPU, its CPU_MLA backend) beside our model and transformers: greedy tokens,
-per-token log-probabilities, perplexity, the backend vLLM picked and the KV cache row it allocated.
+"""DeepSeek-V3 exports in vLLM (CPU, its CPU_MLA backend) and llama.cpp beside our model and transformers: greedy
+tokens, per-token log-probabilities, perplexity, the backend vLLM picked and the KV cache row it allocated.
 
     python -m benchmarks.engines_vllm --ckpt checkpoints/tiny_ds_mla_kvsplice_90/last.ckpt \\
         --text ../shared/data/tinystories/yuninxia_moe-routing-bench__tinystories_val.txt
     python -m benchmarks.engines_vllm --smollm2 --resume --force   # a row beside the earlier one
     python -m benchmarks.engines_vllm --resume --force              # only results/engines_vllm.md again
+    python -m benchmarks.engines_vllm --ckpt CKPT --text TEXT --engines llama.cpp --tokens 128 --new 64
 
 ``--ckpt``: a trained ``deepseek_v3``-layout checkpoint; ``--smollm2``: the shared SmolLM2 GGUF converted (latent
 128 + 64 shared RoPE). Each is exported unpadded (transformers' reference) and padded to 512 + 64 (vLLM's CPU MLA
 kernel), run in vLLM with its RoPE as PyTorch code and with its CPU RoPE op (which mis-indexes MLA's strided slices).
-One row per model (by ``name``; ``--resume`` keeps the others). Needs vLLM's venv (``$KVSPLICE_VLLM_PYTHON``).
+``--engines llama.cpp`` (a checkpoint, ``llama`` export for standard attention): its own converter, f16 KV bytes per
+token against our f16 cache's. One row per model (by ``name``; ``--resume`` keeps the others). Needs vLLM's venv
+(``$KVSPLICE_VLLM_PYTHON``) / llama.cpp (``$KVSPLICE_LLAMA_CPP``); an engine missing is skipped with its reason.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import CALIB, EVAL, SMOLLM2, TINYSTORIES
 from benchmarks.harness.runner import Study
 from benchmarks.lib.engines import compare, smollm2, trained  # noqa: F401  (the tests call compare here)
+from kvsplice.convert.engines import llama_cpp
+from kvsplice.convert.engines import vllm as vllm_engine
 
 ENGINES = {"ours": "ours (cached decode / full forward)", "transformers": "transformers, unpadded export",
            "transformers_padded": "transformers, padded export", "vllm": "vLLM, padded export (PyTorch RoPE)",
-           "vllm_cpu_rope_op": "vLLM, padded export (its CPU RoPE op)"}
+           "vllm_cpu_rope_op": "vLLM, padded export (its CPU RoPE op)", "llama.cpp": "llama.cpp, unpadded (f16 cache)"}
+MISSING = {"vllm": vllm_engine.missing, "llama.cpp": lambda: llama_cpp.missing(bindings=True)}
 SMOLLM2_NAME = "SmolLM2-135M converted"
 
 
@@ -50,26 +56,32 @@ def options(ap) -> None:
     ap.add_argument("--tokens", type=int, default=None, help="scored tokens (default: 96 trained, 256 SmolLM2)")
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--engines", nargs="+", choices=tuple(MISSING), default=["vllm"], help="for --ckpt")
 
 
 def rows(run):
     """The resumed rows of the models not run again, then a row per model asked for (``--ckpt``, ``--smollm2``)."""
-    from kvsplice.convert.engines import vllm as vllm_engine
-
     a = run.args
-    why = (vllm_engine.missing() or (f"--ckpt {a.ckpt}: no such file" if a.ckpt and not a.ckpt.is_file() else None)
-           or (f"--text {a.text}: no such file" if not a.text.is_file() else None)) if a.ckpt or a.smollm2 else None
-    if why:
-        raise UsageError(why)
+    why = {e: MISSING[e]() for e in (a.engines if a.ckpt else []) + (["vllm"] if a.smollm2 else [])}
+    engines = [e for e in a.engines if not why.get(e)]
+    for e in filter(why.get, why):
+        run.say(f"{e} skipped: {why[e]}")
+    stop = ((why.get("vllm") if a.smollm2 else None) or (None if engines or not a.ckpt else why[a.engines[0]])
+            or (f"--ckpt {a.ckpt}: no such file" if a.ckpt and not a.ckpt.is_file() else None)
+            or (f"--text {a.text}: no such file" if (a.ckpt or a.smollm2) and not a.text.is_file() else None))
+    if stop:
+        raise UsageError(stop)
     new = []
     if a.ckpt:
-        new.append(trained(a.ckpt, a.text.read_text(encoding="utf-8"), tokens=a.tokens or 96, new=a.new, work=a.work))
+        r = trained(a.ckpt, a.text.read_text(encoding="utf-8"), tokens=a.tokens or 96, new=a.new, work=a.work,
+                    engines=engines)
+        name = f"trained {r['model']['variant']}" + ("" if engines == ["vllm"] else f" in {' + '.join(engines)}")
+        new.append(dict(r, name=name))
     if a.smollm2:
         new.append(dict(smollm2(gguf=SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf", text=CALIB,
                                 calib=TINYSTORIES / "mines-opt-ml_decoding-gpt__tinystories_10k.txt",
                                 tokens=a.tokens or 256, new=a.new, work=a.work), name=SMOLLM2_NAME))
-    new = [dict(name=r.pop("name", None) or f"trained {r['model']['variant']}", command=run.header["command"], **r)
-           for r in new]
+    new = [dict(name=r.pop("name"), command=run.header["command"], **r) for r in new]
     yield from [r for r in run.done if r.get("name") not in {n["name"] for n in new}] + new
 
 

@@ -78,7 +78,8 @@ def rows(run):
 
 def summary(run, rows) -> dict:
     """Protocol P's table and each setting's task accuracy; the report's rows (``section``: P, cross_check, tasks)."""
-    cache = lib.caches(rows)
+    cache = sorted((r for r in rows if r["kind"] == "cache"), key=lambda r: r["cells"])
+    cache = {r["type"]: r for r in cache}  # each type's of most cells (2^15 with --exact-bytes: exact)
     p, tasks = lib.p_table(rows, cache), lib.task_tables(rows, cache)
     run.notes["report"] = [dict(r, section="P") for r in p]
     run.notes["report"] += [dict(r, section="cross_check") for r in rows if r["kind"] == "cross_check"]

@@ -1,11 +1,11 @@
-"""What the engine studies share: exports of a checkpoint or an in-memory model, perplexity, a model's row in
-llama.cpp; the vLLM runs of ``engines_vllm.py`` (an export against transformers and ours: :func:`compare`) and
-``engines_vllm_plugin.py`` (models in one KV budget: :func:`one_run`; the load meanwhile, ratios to standard attention
-and their spread over repeated runs)."""
+"""What the engine studies share: exports, perplexity; ``engines_vllm.py``'s runs (an export in vLLM / llama.cpp against
+transformers and ours: :func:`compare`) and ``engines_vllm_plugin.py``'s (models in one KV budget: :func:`one_run`;
+the load meanwhile, ratios to standard attention and their spread over repeated runs)."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import shutil
@@ -20,52 +20,38 @@ from typing import Any, Optional, Sequence
 import torch
 import transformers
 
+from kvsplice.convert.engines import gguf_convert, llama_cpp
 from kvsplice.convert.engines import vllm as vllm_engine
-from kvsplice.report.memory import cache_bytes_formula
+from kvsplice.report.memory import cache_bytes_formula, measure_cache
 
 PAD = (512, 64)  # (kv_lora_rank, qk_rope_head_dim) of the padded export: the row vLLM's CPU MLA kernel takes
 SHAPES = ("ds_mha", "ds_mla", "ds_mla_kvsplice_50", "ds_mla_kvsplice_90")
 SCORED, PROMPT, MAX_REPEATS = 96, 8, 20
+CELLS = 65536  # llama.cpp's cells when its KV B / token is read: its MiB (2 decimals) ± 0.005 MiB / CELLS = ± 0.08 B
 KEY = "median_decode_tok_s"  # the rate compared: the full batch over the median decode step (robust to bursts)
 ALL_STEPS = "decode_tok_s"  # the other: tokens over the seconds of every decode step (any batch)
 BLOCK = 32  # cache block of standard attention (vLLM's CPU attention takes multiples of 32; MLA gets 16)
 SLACK = 2 * BLOCK  # tokens over --mha-seqs sequences in the budget: vLLM's null block, whole blocks
 
 
-def export(ckpt: Path, out: Path, fmt: str = "auto", pad: Optional[tuple[int, int]] = None,
-           tokenizer: bool = True) -> Path:
+def export(ckpt: Path, out: Path, fmt: str = "auto", pad: tuple = (None, None), tokenizer: bool = True) -> Path:
     """``ckpt`` exported into ``out`` (replaced) by :func:`training.export.export`; ``pad``: the DeepSeek-V3 export's
     (latent, RoPE) widths. Its report goes to stderr (stdout is the study's)."""
     from training import export as ex
 
     with contextlib.redirect_stdout(sys.stderr):
-        ex.export(ckpt, out, force=True, tokenizer=tokenizer, fmt=fmt, pad_latent=pad[0] if pad else None,
-                  pad_rope=pad[1] if pad else None)
+        ex.export(ckpt, out, force=True, tokenizer=tokenizer, fmt=fmt, pad_latent=pad[0], pad_rope=pad[1])
     return out
 
 
-def export_model(model, out: Path, pad: Optional[tuple[int, int]] = None) -> Path:
+def export_model(model, out: Path, pad: tuple = (None, None)) -> Path:
     """A :class:`models.GPT` (random weights: no tokenizer) exported into ``out`` through a checkpoint beside it."""
     from models.checkpoint import save_model
 
-    ckpt = save_model(model, out.with_suffix(".ckpt"))
-    try:
-        return export(ckpt, out, pad=pad, tokenizer=False)
-    finally:
-        ckpt.unlink()
-
-
-@torch.no_grad()
-def load_trained(ckpt: Path, text: str, tokens: int, work: Optional[Path], prefix: str):
-    """``(model, cfg, meta, work, ids)``: ``ckpt`` loaded and exported into ``work/hf`` (default: a new temporary
-    folder), ``ids`` the first ``tokens`` of ``text`` (at most the model's context) in the run's tokenizer."""
-    from models.checkpoint import load_gpt_checkpoint
-
-    model, cfg, meta = load_gpt_checkpoint(ckpt)
-    work = Path(work or tempfile.mkdtemp(prefix=prefix))
-    export(ckpt, work / "hf")
-    ids = transformers.AutoTokenizer.from_pretrained(work / "hf")(text)["input_ids"]
-    return model.eval(), cfg, meta, work, ids[: min(tokens, cfg.block_size)]
+    ckpt = save_model(model, out.with_suffix(".ckpt"))  # beside it: in the caller's temporary folder
+    export(ckpt, out, pad=pad, tokenizer=False)
+    ckpt.unlink()
+    return out
 
 
 def ppl(logits, ids: Sequence[int]) -> float:
@@ -77,9 +63,7 @@ def ppl(logits, ids: Sequence[int]) -> float:
 def in_llama_cpp(gguf: Path, ids: Sequence[int], prompt: Sequence[int], new: int, n_ctx: int) -> dict[str, Any]:
     """``gguf`` in llama.cpp (f16 KV cache): perplexity of ``ids``, greedy ``new`` tokens after ``prompt``, its cache
     (log) and bytes per token."""
-    from kvsplice.convert.engines.llama_cpp import LlamaCppModel
-
-    with LlamaCppModel(gguf, n_ctx=n_ctx, cache_type="f16") as lm:
+    with llama_cpp.LlamaCppModel(gguf, n_ctx=n_ctx, cache_type="f16") as lm:
         return {"ppl": ppl(lm.logits(list(ids)), ids), "greedy": lm.greedy(list(prompt), new),
                 "kv_bytes_per_token": lm.kv_bytes_per_token, "kv_cache": lm.kv_cache()}
 
@@ -104,51 +88,73 @@ def reference(folder: Path, ids: Sequence[int], prompt: Sequence[int], new: int)
 @torch.no_grad()
 def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int, max_model_len: int,
             ours_logits: torch.Tensor, ours_greedy: list[int], ref_dir: Optional[Path] = None,
-            kernel_rope: bool = True) -> dict[str, Any]:
-    """vLLM on the (padded) export ``hf_dir`` against transformers on ``ref_dir`` (the unpadded export; default
-    ``hf_dir``) and ours (``ours_logits`` (T, V) on ``ids``, ``ours_greedy`` after ``prompt``), on ``ids``."""
-    ref_lp, ref_greedy = reference(ref_dir or hf_dir, ids, prompt, new)
-    lp, greedy = {"transformers": ref_lp}, {"transformers": ref_greedy, "ours": list(ours_greedy)}
-    if ref_dir is not None:
+            kernel_rope: bool = True, engines: Sequence[str] = ("vllm",)) -> dict[str, Any]:
+    """``engines`` against transformers on ``ref_dir`` (the unpadded export; default ``hf_dir``) and ours
+    (``ours_logits`` (T, V) on ``ids``, ``ours_greedy`` after ``prompt``), on ``ids``: vLLM on the (padded) export
+    ``hf_dir``, llama.cpp (f16 KV cache) on ``ref_dir`` converted by its own converter."""
+    ref_dir = ref_dir or hf_dir
+    ref_lp, ref_greedy = reference(ref_dir, ids, prompt, new)
+    lp, greedy, out = {"transformers": ref_lp}, {"transformers": ref_greedy, "ours": list(ours_greedy)}, {}
+    if ref_dir != hf_dir and "vllm" in engines:
         lp["transformers_padded"] = reference(hf_dir, ids, prompt, 0)[0]
     lp["ours"] = logprobs_of(ours_logits, ids)
+    if "llama.cpp" in engines:
+        gguf_convert.hf_to_gguf(ref_dir, ref_dir.parent / "model.gguf")
+        with llama_cpp.LlamaCppModel(ref_dir.parent / "model.gguf", n_ctx=CELLS, n_batch=len(ids) + new + 8) as lm:
+            lp["llama.cpp"] = logprobs_of(torch.as_tensor(lm.logits(list(ids))), ids)
+            greedy["llama.cpp"] = lm.greedy(list(prompt), new)
+            out["llama_cpp"] = {"kv_bytes_per_token_f16": lm.kv_bytes_per_token, "rounding": 0.005 * 2**20 / CELLS}
     runs, seconds = {}, {}
-    for name, native in (("vllm", True), ("vllm_cpu_rope_op", False))[: 2 if kernel_rope else 1]:
+    ropes = [("vllm", True), ("vllm_cpu_rope_op", False)][: 1 + kernel_rope] if "vllm" in engines else []
+    for name, native in ropes:  # vLLM with its RoPE as PyTorch code, then with its CPU RoPE op
         t0 = time.perf_counter()
         runs[name] = vllm_engine.run(hf_dir, prompt=prompt, new=new, score=ids, max_model_len=max_model_len,
                                      native_rope=native)
         seconds[name] = time.perf_counter() - t0
         lp[name], greedy[name] = [float(v) for v in runs[name].logprobs[1:]], runs[name].greedy
-    v, la = runs["vllm"], runs["vllm"].layers[0]
+    if runs:
+        v, la = runs["vllm"], runs["vllm"].layers[0]
+        out["vllm"] = {"version": v.version, "backend": v.backend, "prefill_backend": la["prefill_backend"],
+                       "kv_cache_row": la["kv_cache_shape"][-1], "kv_cache_dtype": la["kv_cache_dtype"],
+                       "block_size": la["kv_cache_shape"][1], "layers": len(v.layers),
+                       "kv_bytes_per_token": v.kv_bytes_per_token, "kv_cache_tokens": v.kv_cache_tokens,
+                       "seconds": seconds}
     diff = {k: [abs(a - b) for a, b in zip(x, lp["transformers"])] for k, x in lp.items() if k != "transformers"}
     first = {k: next((i for i, e in enumerate(d) if e > 1e-3), None) for k, d in diff.items()}  # 0-based position
     return {"tokens": len(ids), "new": new, "perplexity": {k: math.exp(-sum(x) / len(x)) for k, x in lp.items()},
             "max_abs_logprob_diff_vs_transformers": {k: max(d) for k, d in diff.items()},
             "first_position_off_by_1e-3": first,  # whose next-token prediction is off
             "greedy": greedy,
-            "greedy_equal_to_transformers": {k: g == greedy["transformers"] for k, g in greedy.items()},
-            "vllm": {"version": v.version, "backend": v.backend, "prefill_backend": la["prefill_backend"],
-                     "kv_cache_row": la["kv_cache_shape"][-1], "kv_cache_dtype": la["kv_cache_dtype"],
-                     "block_size": la["kv_cache_shape"][1], "layers": len(v.layers),
-                     "kv_bytes_per_token": v.kv_bytes_per_token, "kv_cache_tokens": v.kv_cache_tokens,
-                     "seconds": seconds}}
+            "greedy_equal_to_transformers": {k: g == greedy["transformers"] for k, g in greedy.items()}, **out}
 
 
 @torch.no_grad()
 def trained(ckpt: Path, text: str, *, tokens: int = 96, new: int = 32, work: Optional[Path] = None,
-            kernel_rope: bool = True) -> dict[str, Any]:
-    """A trained checkpoint: ours, transformers (unpadded export), vLLM (padded; ``kernel_rope``: its RoPE op too)."""
-    model, cfg, meta, work, ids = load_trained(ckpt, text, tokens, work, "engines_vllm_")
-    export(ckpt, work / "hf_padded", "deepseek_v3", PAD)
+            kernel_rope: bool = True, engines: Sequence[str] = ("vllm",)) -> dict[str, Any]:
+    """A trained checkpoint: ours (and our f16 cache's bytes, measured), transformers (its export), ``engines``: vLLM
+    (the export padded; ``kernel_rope``: its RoPE op too), llama.cpp (f16 KV cache)."""
+    from models.checkpoint import load_gpt_checkpoint
+    from training.export import export_kind
+
+    model, cfg, meta = load_gpt_checkpoint(ckpt)
+    model.eval()
+    work = Path(work or tempfile.mkdtemp(prefix="engines_vllm_"))
+    ids = transformers.AutoTokenizer.from_pretrained(export(ckpt, work / "hf"))(text)["input_ids"]
+    ids = ids[: min(tokens, cfg.block_size)]
+    padded = export(ckpt, work / "hf_padded", "deepseek_v3", PAD) if "vllm" in engines else work / "hf"
     prompt = ids[:8]
     g_ours = model.generate(torch.tensor([prompt]), new, temperature=0.0)[0, 8:].tolist()
-    out = compare(work / "hf_padded", ids, prompt, new=new, max_model_len=cfg.block_size,
-                  ours_logits=model(torch.tensor([ids]))[0], ours_greedy=g_ours, ref_dir=work / "hf",
-                  kernel_rope=kernel_rope)
+    out = compare(padded, ids, prompt, new=new, max_model_len=cfg.block_size, ours_logits=model(torch.tensor([ids]))[0],
+                  ours_greedy=g_ours, ref_dir=work / "hf", kernel_rope=kernel_rope, engines=engines)
+    half = copy.deepcopy(model).half()
+    cache = half.new_cache(1, capacity=len(ids))
+    half(torch.tensor([ids]), cache=cache)
+    f16 = {"ours": measure_cache(cache).live_bytes / len(ids), "formula": cache_bytes_formula(cfg, 1, torch.float16)}
     return {"model": {"ckpt": str(ckpt), "variant": cfg.variant, "trained_steps": meta.get("global_step"),
-                      "cached_latent": cfg.d_cached_latent, "rope": cfg.qk_rope_head_dim, "layers": cfg.n_layer,
-                      "padded_to": list(PAD),
-                      "kv_bytes_per_token_unpadded_fp32": cfg.n_layer * cfg.cache_dim * 4}, **out}
+                      "format": export_kind(cfg), "cached_latent": cfg.d_cached_latent, "rope": cfg.qk_rope_head_dim,
+                      "layers": cfg.n_layer, "padded_to": list(PAD) if "vllm" in engines else None,
+                      "kv_bytes_per_token_unpadded_fp32": cfg.n_layer * cfg.cache_dim * 4,
+                      "kv_bytes_per_token_f16": f16}, **out}
 
 
 @torch.no_grad()
@@ -162,14 +168,14 @@ def smollm2(*, gguf: Path, calib: Path, text: Path, calib_tokens: int = 8192, d_
     work = Path(work or tempfile.mkdtemp(prefix="engines_vllm_smol_"))
     native, unpadded, padded = work / "mla", work / "ds", work / "ds_padded"
     t0 = time.perf_counter()
-    common = ["--model", str(gguf), "--calib", str(calib), "--calib-tokens", str(calib_tokens), "--d-latent",
-              str(d_latent), "--rope-layout", "shared", "--rope-dims", "all", "--no-progress", "--force"]
+    ds = ["--model", str(native), "--format", "deepseek_v3", "--force", "--out"]
     with contextlib.redirect_stdout(sys.stderr):  # the conversions' own reports: not this command's JSON
-        if to_mla.main(common + ["--out", str(native)]) != 0:
-            raise RuntimeError("to_mla failed")
-        for out, pad in ((unpadded, []), (padded, ["--pad-latent", str(PAD[0]), "--pad-rope", str(PAD[1])])):
-            if to_mla.main(["--model", str(native), "--format", "deepseek_v3", *pad, "--out", str(out), "--force"]):
-                raise RuntimeError(f"to_mla --format deepseek_v3 {' '.join(pad)} failed")
+        for argv in (["--model", str(gguf), "--calib", str(calib), "--calib-tokens", str(calib_tokens), "--d-latent",
+                      str(d_latent), "--rope-layout", "shared", "--rope-dims", "all", "--no-progress", "--force",
+                      "--out", str(native)], ds + [str(unpadded)],
+                     ds + [str(padded), "--pad-latent", str(PAD[0]), "--pad-rope", str(PAD[1])]):
+            if to_mla.main(argv) != 0:
+                raise RuntimeError(f"to_mla {' '.join(argv)} failed")
     convert_s = time.perf_counter() - t0
     mla = load_model(str(native)).model.eval()
     tok = transformers.AutoTokenizer.from_pretrained(padded)
@@ -184,11 +190,6 @@ def smollm2(*, gguf: Path, calib: Path, text: Path, calib_tokens: int = 8192, d_
                       "text": f"first {tokens} tokens of {text.name}", "convert_seconds": convert_s,
                       "kv_bytes_per_token_unpadded_fp32": c.n_layer * c.cache_dim * 4,
                       "greedy_text": {"transformers": tok.decode(out["greedy"]["transformers"])}}, **out}
-
-
-def bytes_per_token(cfg) -> int:
-    """The formula in fp32: MHA caches K and V (2 · d_model per layer), MLA its latent + RoPE key row."""
-    return cache_bytes_formula(cfg, 1, torch.float32)
 
 
 def measure(name: str, folder: Path, ref_dir: Path, cfg, *, budget: int, context: int, new: int, plugin: bool,
@@ -220,7 +221,7 @@ def models(shapes: Sequence[str], trained: Sequence[Path], mha_seqs: int, contex
     from models.checkpoint import load_gpt_checkpoint
     from models.config import GPTConfig
 
-    budget = (mha_seqs * context + SLACK) * bytes_per_token(GPTConfig.from_name("ds_mha"))
+    budget = (mha_seqs * context + SLACK) * cache_bytes_formula(GPTConfig.from_name("ds_mha"), 1, torch.float32)
     for name in shapes:
         torch.manual_seed(0)
         cfg = GPTConfig.from_name(name)
@@ -244,7 +245,7 @@ def one_run(shapes, trained, *, mha_seqs: int, context: int, new: int, previous=
                 if row is None:
                     ref = ref or export_model(model, work / "x")
                     folder = export_model(model, work / "x_padded", pad) if pad else ref
-                    row_bytes = bytes_per_token(cfg) if plugin else cfg.n_layer * sum(PAD) * 4
+                    row_bytes = cache_bytes_formula(cfg, 1, torch.float32) if plugin else cfg.n_layer * sum(PAD) * 4
                     row = measure(name, folder, ref, cfg, budget=budget, context=min(context, cfg.block_size),
                                   new=new, plugin=plugin, row_bytes=row_bytes)
                 yield row
@@ -276,15 +277,13 @@ def sampled_load(every: float = 5.0):
 
 def ratios(rows: list[dict[str, Any]], key: str = KEY) -> dict[str, float]:
     """Each model's decode tokens/s (``key``) over its group's (124M, tiny) standard attention."""
-    def tok_s(r) -> Optional[float]:
-        return (r.get("throughput") or {}).get(key)
-
     out = {}
     for group in ("124M", "tiny"):
-        base = next((tok_s(r) for r in rows if group in r["model"] and r["model"].startswith(("ds_mha", "mha"))), None)
-        for r in rows:
-            if group in r["model"] and base and tok_s(r) and not r["model"].startswith(("ds_mha", "mha")):
-                out[f"{r['model']}{'' if r['plugin'] else ', padded'} vs standard attention"] = tok_s(r) / base
+        tok_s = {r["model"] + ("" if r["plugin"] else ", padded"): (r.get("throughput") or {}).get(key)
+                 for r in rows if group in r["model"]}
+        mha = {m: v for m, v in tok_s.items() if m.startswith(("ds_mha", "mha"))}
+        base = next(iter(mha.values()), None)
+        out.update({f"{m} vs standard attention": v / base for m, v in tok_s.items() if base and v and m not in mha})
     return out
 
 

@@ -45,11 +45,9 @@ def protocol_p(lm: LlamaCppModel, windows: Sequence[Sequence[int]], *, prompt_le
 def answer(lm: LlamaCppModel, tokenizer, inst, *, setting: str = "agnostic") -> dict[str, Any]:
     """``inst`` answered greedily by ``lm`` in ``setting`` and scored as the suite scores it (llama.cpp reads every
     K / V row as stored, as our storage methods do: the settings differ only in how the ids are batched)."""
-    from kvsplice.tasks.instance import SETTINGS, prompt_ids
+    from kvsplice.tasks.instance import prompt_ids
     from kvsplice.tasks.runner import decode_text
 
-    if setting not in SETTINGS:
-        raise ValueError(f"setting must be one of {SETTINGS}, got {setting!r}")
     ctx, q = prompt_ids(tokenizer, inst)
     first, then = (ctx + q, []) if setting == "aware" else (ctx, q)
     if len(ctx) + len(q) + inst.max_new_tokens > lm.n_ctx:
@@ -139,11 +137,6 @@ def ours_rows(specs: list[str], windows_ids):
                               windows, prompt_len=PROMPT)
         r.pop("measured", None)
         yield {"kind": "ours", "spec": spec, **r, "windows_equal_llama_cpp_ids": bool((windows == windows_ids).all())}
-
-
-def caches(rows: list[dict]) -> dict[str, dict]:
-    """Each type's cache row of most cells (2^15 with ``--exact-bytes``: exact; else the run's, log rounding)."""
-    return {r["type"]: r for r in sorted((r for r in rows if r["kind"] == "cache"), key=lambda r: r["cells"])}
 
 
 def p_table(rows: list[dict], cache: dict) -> list[dict]:

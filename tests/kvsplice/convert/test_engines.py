@@ -195,7 +195,8 @@ def test_trained_deepseek_layout_runs_unchanged_in_llama_cpp(tmp_path, data_cach
     its own trained BPE tokenizer), ``training.export --format deepseek_v3``, llama.cpp's converter (``to_gguf``) —
     no edits — then our cached decode, transformers and llama.cpp give the same 64 greedy tokens, perplexity within
     0.5 %, and llama.cpp's f16 KV bytes per token equal ours (latent 6 + RoPE key 8, 4 layers). The same for the
-    standard-attention baseline, exported as a Llama (K and V, 2 x 128 numbers per layer)."""
+    standard-attention baseline, exported as a Llama (K and V, 2 x 128 numbers per layer). (``engines_vllm
+    --engines llama.cpp``.)"""
     why = llama_cpp.missing(bindings=True)
     if why:
         pytest.skip(why)
@@ -206,15 +207,17 @@ def test_trained_deepseek_layout_runs_unchanged_in_llama_cpp(tmp_path, data_cach
               "--data.val_batches", "2", "--data.cache_dir", str(data_cache), "--runs_dir", str(tmp_path),
               "--wandb.mode", "disabled", "--trainer.enable_progress_bar", "false"])
     assert rc == 0, capsys.readouterr().err[-3000:]
-    bench = load_benchmark("engines_trained")
+    bench = load_benchmark("engines_vllm")
     text = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. " * 4
-    out = bench.compare(tmp_path / config / "last.ckpt", text, tokens=96, work=tmp_path / "eng")
-    assert out["format"] == fmt and out["tokens"] == 96
-    assert out["greedy_equal"], out["greedy"]
-    assert out["max_rel_ppl_diff"] <= 0.005, out["perplexity"]
-    kv = out["kv_bytes_per_token"]
-    assert kv["ours_f16"] == kv["formula_f16"] == 4 * numbers * 2
-    assert abs(kv["llama.cpp_f16"] - kv["ours_f16"]) <= kv["llama.cpp_rounding"]
+    out = bench.trained(tmp_path / config / "last.ckpt", text, tokens=96, new=64, work=tmp_path / "eng",
+                        engines=["llama.cpp"])
+    assert out["model"]["format"] == fmt and out["tokens"] == 96 and "vllm" not in out
+    assert out["greedy"]["llama.cpp"] == out["greedy"]["ours"] == out["greedy"]["transformers"], out["greedy"]
+    p = out["perplexity"]
+    assert max(abs(v / p["ours"] - 1) for v in p.values()) <= 0.005, p
+    kv = out["model"]["kv_bytes_per_token_f16"]
+    assert kv["ours"] == kv["formula"] == 4 * numbers * 2
+    assert abs(out["llama_cpp"]["kv_bytes_per_token_f16"] - kv["ours"]) <= out["llama_cpp"]["rounding"]
 
 
 def test_to_gguf_never_writes_a_file_of_its_input_folder(tmp_path, capsys):

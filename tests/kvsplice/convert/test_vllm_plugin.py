@@ -158,8 +158,10 @@ def test_benchmark_formula_ratios_and_report(monkeypatch, tmp_path, capsys):
     from benchmarks.lib import engines as lib
 
     bench = load_benchmark("engines_vllm_plugin")
-    assert lib.bytes_per_token(GPTConfig.from_name("ds_mha")) == 12 * 2 * 768 * 4
-    assert lib.bytes_per_token(GPTConfig.from_name("ds_mla_kvsplice_90")) == 12 * (26 + 16) * 4
+    from kvsplice.report.memory import cache_bytes_formula  # the formula the study's budgets and rows use
+
+    assert cache_bytes_formula(GPTConfig.from_name("ds_mha"), 1, torch.float32) == 12 * 2 * 768 * 4
+    assert cache_bytes_formula(GPTConfig.from_name("ds_mla_kvsplice_90"), 1, torch.float32) == 12 * (26 + 16) * 4
 
     def row(model, tok_s, plugin=True):
         return dict(model=model, plugin=plugin, backend="CPU_MLA", decode_kernel="torch", row=42,

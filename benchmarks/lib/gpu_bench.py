@@ -3,6 +3,7 @@ training step (ours vs a nanoGPT-style reference, MFU), the decode step (vs tran
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 import time
@@ -60,7 +61,7 @@ def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> Iterator[dict]:
 
 
 def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, quick: bool,
-                only: Optional[Sequence[str]] = None) -> list[dict]:
+                only: Optional[Sequence[str]] = None) -> Iterator[dict]:
     """Rows of the training step; ``only``: the model labels to run (default all, e.g. ``["ours mha"]``)."""
     shapes = dict(n_layer=2, n_head=4, d_model=128, block_size=t) if quick else {}
     latent = dict(d_latent=64) if quick else {}
@@ -74,13 +75,10 @@ def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, qui
         builders["ours mha sdpa"] = lambda: GPT(preset("gpt2", attn_backend="sdpa", **shapes))
     if only is not None:
         builders = {k: b for k, b in builders.items() if k in only}
-    cases = []  # (label, model builder, compiled, optimizer impl)
+    cases = []  # (label, model builder, compiled, optimizer impl): ours mha with foreach AdamW too
     for label, build in builders.items():
-        cases.append((label, build, False, "fused"))
-        if label == "ours mha":
-            cases.append((label, build, False, "foreach"))
-        if compile_:
-            cases.append((label, build, True, "fused"))
+        modes = [(False, "fused")] + [(False, "foreach")] * (label == "ours mha") + [(True, "fused")] * compile_
+        cases += [(label, build, compiled, opt) for compiled, opt in modes]
     peak = peak_flops()
     g = torch.Generator(device="cuda").manual_seed(0)
     state = {}
@@ -114,21 +112,18 @@ def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, qui
         keys = list(state)
         for key in keys[r % len(keys):] + keys[: r % len(keys)]:
             state[key]["times"] += cuda_time(state[key]["step"], steps)
-    rows = []
+    ms = {key: statistics.median(s["times"]) for key, s in state.items()}  # (label, mode, optimizer) -> median
+    ref = {mode: v for (label, mode, _), v in ms.items() if label.startswith("reference")}
+    mha = {mode: v for (label, mode, opt), v in ms.items() if label == "ours mha" and opt == "fused AdamW"}
     for (label, mode, opt), s in state.items():
-        ms = statistics.median(s["times"])
-        rows.append(dict(model=label, mode=mode, optimizer=opt, median_ms=ms, tokens_per_s=batch * t / (ms / 1e3),
-                         tflops=s["flops"] / (ms / 1e3) / 1e12,
-                         mfu=None if peak is None else s["flops"] / (ms / 1e3) / peak,
-                         first_steps_s=round(s["warmup_s"], 1), n=len(s["times"])))
-    ref = {r["mode"]: r["median_ms"] for r in rows if r["model"].startswith("reference")}
-    ours_mha = {r["mode"]: r["median_ms"] for r in rows if r["model"] == "ours mha" and r["optimizer"] == "fused AdamW"}
-    for r in rows:
-        r["vs_reference_same_mode"] = r["median_ms"] / ref[r["mode"]] if r["mode"] in ref else None
-        r["vs_ours_mha_same_mode"] = r["median_ms"] / ours_mha[r["mode"]] if r["mode"] in ours_mha else None
+        v = ms[label, mode, opt]
+        yield dict(model=label, mode=mode, optimizer=opt, median_ms=v, tokens_per_s=batch * t / (v / 1e3),
+                   tflops=s["flops"] / (v / 1e3) / 1e12, mfu=None if peak is None else s["flops"] / (v / 1e3) / peak,
+                   first_steps_s=round(s["warmup_s"], 1), n=len(s["times"]),
+                   vs_reference_same_mode=v / ref[mode] if mode in ref else None,
+                   vs_ours_mha_same_mode=v / mha[mode] if mode in mha else None)
     del state
     free(torch.device("cuda"))
-    return rows
 
 
 def _case_ms(model, label: str, batch: int, ctx: int, steps: int, dtype) -> tuple[list[float], int]:
@@ -191,33 +186,30 @@ def bench_decode(batches: list[int], ctxs: list[int], steps: int, rounds: int, q
         torch.manual_seed(0)
         models["hf gpt2 DynamicCache"] = models["hf gpt2 StaticCache"] = GPT2LMHeadModel(cfg).to("cuda", dtype).eval()
     labels = list(models)
-    for batch in batches:
-        for ctx in ctxs:
-            times: dict = {lab: [] for lab in labels}
-            info: dict = {}
-            for r in range(rounds):
-                for lab in labels[r % len(labels):] + labels[: r % len(labels)]:
-                    try:
-                        ms, nbytes = _case_ms(models[lab], lab, batch, ctx, steps, dtype)
-                        times[lab] += ms
-                        info[lab] = dict(cache_bytes=nbytes, weight_bytes=weight_bytes(models[lab]))
-                    except torch.cuda.OutOfMemoryError:
-                        info[lab] = dict(error="out of memory")
-                    except Exception as e:  # noqa: BLE001 - one variant's failure must not end the section
-                        info[lab] = dict(error=err(e))
-                        times[lab] = []
-                    free(torch.device("cuda"))
-            cell = {lab: statistics.median(t) for lab, t in times.items() if t}
-            mha, static = cell.get("ours gpt2"), cell.get("hf gpt2 StaticCache")
-            for lab in labels:
-                row = dict(variant=lab, batch=batch, ctx=ctx, **info.get(lab, {}))
-                if lab in cell:
-                    ms, floor_ms = cell[lab], (row["cache_bytes"] + row["weight_bytes"]) / bandwidth * 1e3
-                    row.update(median_ms=ms, n=len(times[lab]), floor_ms=floor_ms, vs_floor=ms / floor_ms,
-                               vs_ours_mha=ms / mha if mha else None, vs_hf_static=ms / static if static else None)
-                yield row
-            print(f"decode batch {batch} ctx {ctx}: " + ", ".join(f"{k} {v:.3f}" for k, v in cell.items()),
-                  file=sys.stderr, flush=True)
+    for batch, ctx in itertools.product(batches, ctxs):
+        times: dict = {lab: [] for lab in labels}
+        info: dict = {}
+        for r in range(rounds):
+            for lab in labels[r % len(labels):] + labels[: r % len(labels)]:
+                try:
+                    ms, nbytes = _case_ms(models[lab], lab, batch, ctx, steps, dtype)
+                    times[lab] += ms
+                    info[lab] = dict(cache_bytes=nbytes, weight_bytes=weight_bytes(models[lab]))
+                except Exception as e:  # noqa: BLE001 - out of memory too: one variant must not end it
+                    info[lab] = dict(error=err(e))
+                    times[lab] = []
+                free(torch.device("cuda"))
+        cell = {lab: statistics.median(t) for lab, t in times.items() if t}
+        mha, static = cell.get("ours gpt2"), cell.get("hf gpt2 StaticCache")
+        for lab in labels:
+            row = dict(variant=lab, batch=batch, ctx=ctx, **info.get(lab, {}))
+            if lab in cell:
+                ms, floor_ms = cell[lab], (row["cache_bytes"] + row["weight_bytes"]) / bandwidth * 1e3
+                row.update(median_ms=ms, n=len(times[lab]), floor_ms=floor_ms, vs_floor=ms / floor_ms,
+                           vs_ours_mha=ms / mha if mha else None, vs_hf_static=ms / static if static else None)
+            yield row
+        print(f"decode batch {batch} ctx {ctx}: " + ", ".join(f"{k} {v:.3f}" for k, v in cell.items()),
+              file=sys.stderr, flush=True)
 
 
 def flash4_reason() -> Optional[str]:

@@ -29,6 +29,9 @@ RESERVE_BYTES = 4 * 2**30
 
 
 def err(e: BaseException) -> str:
+    """A failed case's error in one line (its first line, at most 200 characters)."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return "out of memory"
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
 
 
@@ -106,9 +109,7 @@ def time_into(row: dict, prefix: str, model: GPT, ctx: int, quant: Optional[str]
         ms = 1e3 * statistics.median(times)
         row.update({f"{prefix}ms": ms, f"{prefix}tokens_per_s": row["batch"] / (ms / 1e3),
                     f"{prefix}pct_floor": 100 * row["floor_ms"] / ms})
-    except torch.cuda.OutOfMemoryError:
-        row[f"{prefix}error"] = "out of memory"
-    except Exception as e:  # noqa: BLE001 - one case's failure must not end the section
+    except Exception as e:  # noqa: BLE001 - one case's failure (out of memory too) must not end the section
         row[f"{prefix}error"] = err(e)
     cache = tok = None
     free(device)
@@ -251,11 +252,9 @@ def profile_rows(events, variant: str, batch: int, n_ctx: int, top: int, cuda: b
 
     evs = [e for e in events if t(e) > 0]
     total = sum(t(e) for e in evs) or 1.0
-    rows = [dict(variant=variant, batch=batch, ctx=n_ctx, kernel=e.key[:80], calls=e.count, ms=t(e) / 1e3,
-                 pct_step=100 * t(e) / total) for e in sorted(evs, key=t, reverse=True)[:top]]
-    rows.append(dict(variant=variant, batch=batch, ctx=n_ctx, kernel="(step total)", calls=None, ms=total / 1e3,
-                     pct_step=100.0))
-    return rows
+    kernels = [(e.key[:80], e.count, t(e)) for e in sorted(evs, key=t, reverse=True)[:top]]
+    return [dict(variant=variant, batch=batch, ctx=n_ctx, kernel=k, calls=n, ms=us / 1e3, pct_step=100 * (us / total))
+            for k, n, us in kernels + [("(step total)", None, total)]]
 
 
 def profile(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, smoke: bool) -> Iterator[dict]:

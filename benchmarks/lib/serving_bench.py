@@ -145,10 +145,9 @@ def add_floors(row: dict, flops: float, peak: float) -> dict:
     return row
 
 
-def capacity(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, peak: float,
-             smoke: bool) -> Iterator[dict]:
+def capacity(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, smoke: bool) -> Iterator[dict]:
     """Per variant, context and row format: one sequence's bytes, the batch that :func:`fits`, a decode step at it
-    (at most ``max_batch``) with SDPA and the kernel, both floors, batch and tokens/s against MHA's (first) row."""
+    (at most ``max_batch``) with SDPA and the kernel, both floors (``peak``), batch and tokens/s against MHA's row."""
     kernels = ["eager"] + (["triton"] if kernel_runs_here(device) is None else [])
     mha: dict = {}
     for name in s["variants"]:
@@ -177,7 +176,7 @@ def capacity(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float
                 tps, ref = row.get(f"{label}_tokens_per_s"), base and base.get("sdpa_tokens_per_s")
                 row[f"{label}_vs_mha_sdpa"] = tps / ref if tps and ref else None
             row["batch_vs_mha"] = n / base["max_batch"] if base and base["max_batch"] else None
-            yield add_floors(row, step_flops(name, row["batch"], ctx, smoke), peak)
+            yield add_floors(row, step_flops(name, row["batch"], ctx, smoke), s["peak"])
         models = m = None
         free(device)
 

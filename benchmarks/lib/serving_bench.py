@@ -121,10 +121,8 @@ def step_flops(name: str, batch: int, n_ctx: int, smoke: bool) -> float:
     cfg = preset(VARIANTS[name], **(SMOKE_SHAPES if smoke else {}))
     with torch.device("meta"):
         model = GPT(cfg.replace(block_size=max(n_ctx + 2, 2)))
-    weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "wte" not in n
-                  and "wpe" not in n)
-    if cfg.tie_embeddings:
-        weights += cfg.vocab_size * cfg.d_model  # the tied lm_head is a matmul too
+    weights = sum(p.numel() for n, p in model.named_parameters(remove_duplicate=False)  # a tied lm_head too
+                  if p.dim() == 2 and "wte" not in n and "wpe" not in n)
     width = 2 * cfg.head_size if cfg.attention == "mha" else 2 * cfg.d_cached_latent + cfg.qk_rope_head_dim
     return float(batch) * (2 * weights + cfg.n_layer * 2 * cfg.n_head * n_ctx * width)
 

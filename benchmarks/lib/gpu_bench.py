@@ -1,4 +1,4 @@
-"""What ``benchmarks/gpu.py`` measures on a GPU, each a list of rows: SDPA kernels for one decode call, the 124M
+"""What ``benchmarks/gpu.py`` measures on a GPU, rows from its settings: SDPA kernels for one decode call, the 124M
 training step (ours vs a nanoGPT-style reference, MFU), the decode step (vs transformers' GPT-2), FlashAttention-4."""
 
 from __future__ import annotations

@@ -100,6 +100,7 @@ def test_a_failed_case_is_one_line_and_out_of_memory_says_so():
     ``out of memory`` wherever it happens (a capacity step, a kernel call, a model that does not fit)."""
     from benchmarks.lib import serving_bench as sb
 
-    assert sb.err(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")) == "out of memory"
+    oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+    assert sb.err(oom) == "out of memory"
     assert sb.err(ValueError("bad shape\nthe traceback's rest")) == "ValueError: bad shape"
     assert sb.err(RuntimeError("x" * 500)) == "RuntimeError: " + "x" * 200

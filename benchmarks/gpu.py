@@ -52,7 +52,6 @@ def rows(run):
     from models.attention import flash_impl
 
     out_stem(run.args)  # no CUDA: its one-line error, with --out too
-    a, smoke = run.args, run.size == "smoke"
     torch.backends.cuda.matmul.allow_tf32 = True
     impl = flash_impl()
     bw = copy_bandwidth(torch.device("cuda"), 2**31)  # 2 GiB read + written
@@ -61,18 +60,14 @@ def rows(run):
                      python=platform.python_version(),
                      flash_impl="none (PyTorch SDPA kernels)" if impl is None else impl.name,
                      peak_bf16_flops=g.peak_flops(), bandwidth_gbs=bw / 1e9)
-    parts = {"sdpa": lambda: g.bench_sdpa(run["keys"], run["sdpa_batch"], run["sdpa_calls"]),
-             "train": lambda: g.bench_train(run["train_batch"], run["train_t"], run["rounds"], run["train_steps"],
-                                            not a.no_compile, smoke, only=run["train_models"] or None),
-             "decode": lambda: g.bench_decode(run["batch"], run["ctx"], run["decode_steps"], run["rounds"], smoke,
-                                              bw, not a.no_hf),
-             "flash4": lambda: g.bench_flash4(run["flash_shape"], run["flash_calls"])}
+    s = dict(run.settings, quick=run.size == "smoke", bandwidth=bw, compile=not run.args.no_compile,
+             hf=not run.args.no_hf)  # what the benches read
     for name in run["sections"]:
         reason = g.flash4_reason() if name == "flash4" else None
         if reason:  # a section that cannot run here: its reason in the report (gpu_check: the section skipped)
             run.notes[name] = reason
             continue
-        yield from ({"section": name, **r} for r in parts[name]())
+        yield from ({"section": name, **r} for r in getattr(g, f"bench_{name}")(s))
 
 
 STUDY = Study("gpu", __doc__, rows, options=options, summary=lambda run, rows: run.notes, out=out_stem, threads=None,

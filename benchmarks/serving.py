@@ -70,9 +70,7 @@ def rows(run):
         peak = 2 * run["matmul_n"] ** 3 / median_of(sb.timer(device), lambda: a @ b, 10, warmup=1) * 1e3
         run.notes.update(matmul_tflops=peak / 1e12, claim=sb.CLAIM)
     for name in run["sections"]:
-        part = sb.capacity(run.settings, device, dtype, bw, peak, smoke) if name == "capacity" else \
-            getattr(sb, name)(run.settings, device, dtype, bw, smoke)
-        for row in part:
+        for row in getattr(sb, name)(dict(run.settings, peak=peak), device, dtype, bw, smoke):
             if row.get("kernel", "(step total)") == "(step total)":  # a line per case (per profile, not kernel)
                 run.say(f"{name}: " + ", ".join(f"{k} {row[k]}" for k in ("variant", "case", "rows", "path", "batch",
                                                                            "ctx", "rank") if k in row))

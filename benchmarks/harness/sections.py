@@ -168,23 +168,17 @@ def run_process(cmd: list[str], timeout_s: float, env: dict, tail_lines: int = 4
         rc: Optional[int] = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         rc = None
-    finally:  # past its limit, or Ctrl-C: end the section's processes too
-        if proc.poll() is None:
-            _stop(proc)
+    finally:  # past its limit, or Ctrl-C: end the section's processes too, each signal given 5 s
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if proc.poll() is not None:
+                break
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=5)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
     reader.join(timeout=5)
     return rc, "\n".join(tail)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):  # each given 5 s to end the group
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=5)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            pass
 
 
 class Terminated(SystemExit):

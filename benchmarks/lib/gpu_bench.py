@@ -1,12 +1,13 @@
-"""What ``benchmarks/gpu.py`` measures on a GPU, each a list of rows: SDPA kernels for one decode call, the 124M
+"""What ``benchmarks/gpu.py`` measures on a GPU, rows from its settings: SDPA kernels for one decode call, the 124M
 training step (ours vs a nanoGPT-style reference, MFU), the decode step (vs transformers' GPT-2), FlashAttention-4."""
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 import time
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,21 +29,21 @@ def peak_flops() -> float | None:
     return next((v for k, v in PEAK_BF16.items() if k in torch.cuda.get_device_name()), None)
 
 
-def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> Iterator[dict]:
-    """Median ms of one decode-shaped SDPA call (key length growing by one per call) per kernel choice, a row per key
-    length: a named kernel first in SDPA's priority (the others as fallbacks) by the package's ~1 µs switch."""
+def bench_sdpa(s: dict) -> Iterator[dict]:
+    """Median ms of one decode-shaped SDPA call (key length growing by one per call) per kernel choice, a row per
+    ``keys``: a named kernel first in SDPA's priority (the others as fallbacks) by the package's ~1 µs switch."""
     from torch.nn.attention import SDPBackend
 
     from models.attention import _sdpa_priority
 
     named = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
              "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
-    rest = tuple(named.values())
-    choices = {"default": None, **{k: (b, *[x for x in rest if x != b]) for k, b in named.items()}, "ours": "ours"}
-    for t_k in key_lens:
+    choices = {"default": None, **{k: (b, *[x for x in named.values() if x != b]) for k, b in named.items()},
+               "ours": "ours"}
+    for t_k in s["keys"]:
         row = dict(keys=t_k)
-        q = torch.randn(batch, 12, 1, 64, device="cuda", dtype=torch.bfloat16)
-        kv = torch.randn(batch, 12, t_k + 2 * calls + 4, 64, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(s["sdpa_batch"], 12, 1, 64, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(s["sdpa_batch"], 12, t_k + 2 * s["sdpa_calls"] + 4, 64, device="cuda", dtype=torch.bfloat16)
         for name, order in choices.items():
             n = [t_k]
 
@@ -54,14 +55,14 @@ def bench_sdpa(key_lens: list[int], batch: int, calls: int) -> Iterator[dict]:
                 with _sdpa_priority(sdpa_order(1, k.shape[-2]) if order == "ours" else order):
                     return F.scaled_dot_product_attention(q, k, k)
 
-            row[name] = median_of(cuda_time, call, calls, warmup=1)
+            row[name] = median_of(cuda_time, call, s["sdpa_calls"], warmup=1)
         yield row
         del q, kv
 
 
-def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, quick: bool,
-                only: Optional[Sequence[str]] = None) -> list[dict]:
-    """Rows of the training step; ``only``: the model labels to run (default all, e.g. ``["ours mha"]``)."""
+def bench_train(s: dict) -> Iterator[dict]:
+    """Rows of the training step of ``train_models`` (empty: all), ``compile``: + the torch.compile'd step."""
+    batch, t, quick = s["train_batch"], s["train_t"], s["quick"]
     shapes = dict(n_layer=2, n_head=4, d_model=128, block_size=t) if quick else {}
     latent = dict(d_latent=64) if quick else {}
     builders = {
@@ -72,15 +73,12 @@ def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, qui
     }
     if flash_impl() is not None:  # "ours mha" runs the installed FlashAttention (attn_backend auto): SDPA beside it
         builders["ours mha sdpa"] = lambda: GPT(preset("gpt2", attn_backend="sdpa", **shapes))
-    if only is not None:
-        builders = {k: b for k, b in builders.items() if k in only}
-    cases = []  # (label, model builder, compiled, optimizer impl)
+    if s["train_models"]:
+        builders = {k: b for k, b in builders.items() if k in s["train_models"]}
+    cases = []  # (label, model builder, compiled, optimizer impl): ours mha with foreach AdamW too
     for label, build in builders.items():
-        cases.append((label, build, False, "fused"))
-        if label == "ours mha":
-            cases.append((label, build, False, "foreach"))
-        if compile_:
-            cases.append((label, build, True, "fused"))
+        modes = [(False, "fused")] + [(False, "foreach")] * (label == "ours mha") + [(True, "fused")] * s["compile"]
+        cases += [(label, build, compiled, opt) for compiled, opt in modes]
     peak = peak_flops()
     g = torch.Generator(device="cuda").manual_seed(0)
     state = {}
@@ -110,25 +108,22 @@ def bench_train(batch: int, t: int, rounds: int, steps: int, compile_: bool, qui
         n_layer = model.cfg.n_layer if hasattr(model, "cfg") else len(model.h)
         per_token = 6 * sum(p.numel() for p in model.parameters()) + 12 * n_layer * model.lm_head.weight.shape[1] * t
         state[key] = dict(step=step, times=[], warmup_s=time.perf_counter() - t0, flops=per_token * batch * t)
-    for r in range(rounds):  # interleaved: every case sees the same stretches of clock / thermal state
+    for r in range(s["rounds"]):  # interleaved: every case sees the same stretches of clock / thermal state
         keys = list(state)
         for key in keys[r % len(keys):] + keys[: r % len(keys)]:
-            state[key]["times"] += cuda_time(state[key]["step"], steps)
-    rows = []
-    for (label, mode, opt), s in state.items():
-        ms = statistics.median(s["times"])
-        rows.append(dict(model=label, mode=mode, optimizer=opt, median_ms=ms, tokens_per_s=batch * t / (ms / 1e3),
-                         tflops=s["flops"] / (ms / 1e3) / 1e12,
-                         mfu=None if peak is None else s["flops"] / (ms / 1e3) / peak,
-                         first_steps_s=round(s["warmup_s"], 1), n=len(s["times"])))
-    ref = {r["mode"]: r["median_ms"] for r in rows if r["model"].startswith("reference")}
-    ours_mha = {r["mode"]: r["median_ms"] for r in rows if r["model"] == "ours mha" and r["optimizer"] == "fused AdamW"}
-    for r in rows:
-        r["vs_reference_same_mode"] = r["median_ms"] / ref[r["mode"]] if r["mode"] in ref else None
-        r["vs_ours_mha_same_mode"] = r["median_ms"] / ours_mha[r["mode"]] if r["mode"] in ours_mha else None
+            state[key]["times"] += cuda_time(state[key]["step"], s["train_steps"])
+    ms = {key: statistics.median(c["times"]) for key, c in state.items()}  # (label, mode, optimizer) -> median
+    ref = {mode: v for (label, mode, _), v in ms.items() if label.startswith("reference")}
+    mha = {mode: v for (label, mode, opt), v in ms.items() if label == "ours mha" and opt == "fused AdamW"}
+    for (label, mode, opt), c in state.items():
+        v = ms[label, mode, opt]
+        yield dict(model=label, mode=mode, optimizer=opt, median_ms=v, tokens_per_s=batch * t / (v / 1e3),
+                   tflops=c["flops"] / (v / 1e3) / 1e12, mfu=None if peak is None else c["flops"] / (v / 1e3) / peak,
+                   first_steps_s=round(c["warmup_s"], 1), n=len(c["times"]),
+                   vs_reference_same_mode=v / ref[mode] if mode in ref else None,
+                   vs_ours_mha_same_mode=v / mha[mode] if mode in mha else None)
     del state
     free(torch.device("cuda"))
-    return rows
 
 
 def _case_ms(model, label: str, batch: int, ctx: int, steps: int, dtype) -> tuple[list[float], int]:
@@ -172,52 +167,48 @@ def _case_ms(model, label: str, batch: int, ctx: int, steps: int, dtype) -> tupl
 
 
 @torch.inference_mode()
-def bench_decode(batches: list[int], ctxs: list[int], steps: int, rounds: int, quick: bool, bandwidth: float,
-                 hf: bool) -> Iterator[dict]:
-    """Per batch and context, ``rounds`` interleaved rounds of every case (each starting from a fresh cache): the
+def bench_decode(s: dict) -> Iterator[dict]:
+    """Per ``batch`` and ``ctx``, ``rounds`` interleaved rounds of every case (each starting from a fresh cache): the
     median ms, its bytes floor, and the ratios to our eager MHA step and to transformers' StaticCache step."""
     dtype = torch.bfloat16
-    shapes = dict(n_layer=2, n_head=4, d_model=128, d_latent=64) if quick else {}
+    shapes = dict(n_layer=2, n_head=4, d_model=128, d_latent=64) if s["quick"] else {}
     models = {}
     for name in ("gpt2", "mla", "mla_kvsplice_90"):
         torch.manual_seed(0)
-        models[f"ours {name}"] = GPT(preset(name, block_size=max(ctxs) + 1, **shapes)).to("cuda", dtype).eval()
+        models[f"ours {name}"] = GPT(preset(name, block_size=max(s["ctx"]) + 1, **shapes)).to("cuda", dtype).eval()
     models.update({f"{k}+graph": m for k, m in models.items()})
-    if hf and not quick:  # transformers' GPT-2 at the same shapes, one model for both caches
+    if s["hf"] and not s["quick"]:  # transformers' GPT-2 at the same shapes, one model for both caches
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        cfg = GPT2Config(vocab_size=50304, n_positions=max(ctxs) + 1, n_embd=768, n_layer=12, n_head=12,
+        cfg = GPT2Config(vocab_size=50304, n_positions=max(s["ctx"]) + 1, n_embd=768, n_layer=12, n_head=12,
                          attn_implementation="sdpa")
         torch.manual_seed(0)
         models["hf gpt2 DynamicCache"] = models["hf gpt2 StaticCache"] = GPT2LMHeadModel(cfg).to("cuda", dtype).eval()
     labels = list(models)
-    for batch in batches:
-        for ctx in ctxs:
-            times: dict = {lab: [] for lab in labels}
-            info: dict = {}
-            for r in range(rounds):
-                for lab in labels[r % len(labels):] + labels[: r % len(labels)]:
-                    try:
-                        ms, nbytes = _case_ms(models[lab], lab, batch, ctx, steps, dtype)
-                        times[lab] += ms
-                        info[lab] = dict(cache_bytes=nbytes, weight_bytes=weight_bytes(models[lab]))
-                    except torch.cuda.OutOfMemoryError:
-                        info[lab] = dict(error="out of memory")
-                    except Exception as e:  # noqa: BLE001 - one variant's failure must not end the section
-                        info[lab] = dict(error=err(e))
-                        times[lab] = []
-                    free(torch.device("cuda"))
-            cell = {lab: statistics.median(t) for lab, t in times.items() if t}
-            mha, static = cell.get("ours gpt2"), cell.get("hf gpt2 StaticCache")
-            for lab in labels:
-                row = dict(variant=lab, batch=batch, ctx=ctx, **info.get(lab, {}))
-                if lab in cell:
-                    ms, floor_ms = cell[lab], (row["cache_bytes"] + row["weight_bytes"]) / bandwidth * 1e3
-                    row.update(median_ms=ms, n=len(times[lab]), floor_ms=floor_ms, vs_floor=ms / floor_ms,
-                               vs_ours_mha=ms / mha if mha else None, vs_hf_static=ms / static if static else None)
-                yield row
-            print(f"decode batch {batch} ctx {ctx}: " + ", ".join(f"{k} {v:.3f}" for k, v in cell.items()),
-                  file=sys.stderr, flush=True)
+    for batch, ctx in itertools.product(s["batch"], s["ctx"]):
+        times: dict = {lab: [] for lab in labels}
+        info: dict = {}
+        for r in range(s["rounds"]):
+            for lab in labels[r % len(labels):] + labels[: r % len(labels)]:
+                try:
+                    ms, nbytes = _case_ms(models[lab], lab, batch, ctx, s["decode_steps"], dtype)
+                    times[lab] += ms
+                    info[lab] = dict(cache_bytes=nbytes, weight_bytes=weight_bytes(models[lab]))
+                except Exception as e:  # noqa: BLE001 - out of memory too: one variant must not end it
+                    info[lab] = dict(error=err(e))
+                    times[lab] = []
+                free(torch.device("cuda"))
+        cell = {lab: statistics.median(t) for lab, t in times.items() if t}
+        mha, static = cell.get("ours gpt2"), cell.get("hf gpt2 StaticCache")
+        for lab in labels:
+            row = dict(variant=lab, batch=batch, ctx=ctx, **info.get(lab, {}))
+            if lab in cell:
+                ms, floor_ms = cell[lab], (row["cache_bytes"] + row["weight_bytes"]) / s["bandwidth"] * 1e3
+                row.update(median_ms=ms, n=len(times[lab]), floor_ms=floor_ms, vs_floor=ms / floor_ms,
+                           vs_ours_mha=ms / mha if mha else None, vs_hf_static=ms / static if static else None)
+            yield row
+        print(f"decode batch {batch} ctx {ctx}: " + ", ".join(f"{k} {v:.3f}" for k, v in cell.items()),
+              file=sys.stderr, flush=True)
 
 
 def flash4_reason() -> Optional[str]:
@@ -232,14 +223,14 @@ def flash4_reason() -> Optional[str]:
     return None
 
 
-def bench_flash4(shape: Sequence[int], calls: int) -> Iterator[dict]:
-    """FlashAttention-4 against SDPA on causal prefill calls of ``shape`` (B, H, T, D), MHA and GQA-4, bf16."""
+def bench_flash4(s: dict) -> Iterator[dict]:
+    """FlashAttention-4 against SDPA on causal prefill calls of ``flash_shape`` (B, H, T, D), MHA and GQA-4, bf16."""
     from flash_attn.cute import flash_attn_func  # type: ignore[import-not-found]
 
     from models.attention import FlashImpl, attend
 
     impl = FlashImpl("flash-attn-4", flash_attn_func, (9, 0), returns_lse=True)
-    b, h, t, d = shape
+    (b, h, t, d), calls = s["flash_shape"], s["flash_calls"]
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     for call, (qq, kk, vv) in {f"MHA prefill {b}x{h}x{t}x{d}": (q, k, v),

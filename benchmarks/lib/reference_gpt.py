@@ -42,9 +42,8 @@ class ReferenceGPT(nn.Module):
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
         for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("proj.weight") else 0.02
-                nn.init.normal_(p, std=std)
+            if p.dim() >= 2:  # the residual projections scaled down by the depth
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer) if name.endswith("proj.weight") else 0.02)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 

@@ -29,6 +29,9 @@ RESERVE_BYTES = 4 * 2**30
 
 
 def err(e: BaseException) -> str:
+    """A failed case's error in one line (its first line, at most 200 characters)."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return "out of memory"
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
 
 
@@ -106,9 +109,7 @@ def time_into(row: dict, prefix: str, model: GPT, ctx: int, quant: Optional[str]
         ms = 1e3 * statistics.median(times)
         row.update({f"{prefix}ms": ms, f"{prefix}tokens_per_s": row["batch"] / (ms / 1e3),
                     f"{prefix}pct_floor": 100 * row["floor_ms"] / ms})
-    except torch.cuda.OutOfMemoryError:
-        row[f"{prefix}error"] = "out of memory"
-    except Exception as e:  # noqa: BLE001 - one case's failure must not end the section
+    except Exception as e:  # noqa: BLE001 - one case's failure (out of memory too) must not end the section
         row[f"{prefix}error"] = err(e)
     cache = tok = None
     free(device)
@@ -120,10 +121,8 @@ def step_flops(name: str, batch: int, n_ctx: int, smoke: bool) -> float:
     cfg = preset(VARIANTS[name], **(SMOKE_SHAPES if smoke else {}))
     with torch.device("meta"):
         model = GPT(cfg.replace(block_size=max(n_ctx + 2, 2)))
-    weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "wte" not in n
-                  and "wpe" not in n)
-    if cfg.tie_embeddings:
-        weights += cfg.vocab_size * cfg.d_model  # the tied lm_head is a matmul too
+    weights = sum(p.numel() for n, p in model.named_parameters(remove_duplicate=False)  # a tied lm_head too
+                  if p.dim() == 2 and "wte" not in n and "wpe" not in n)
     width = 2 * cfg.head_size if cfg.attention == "mha" else 2 * cfg.d_cached_latent + cfg.qk_rope_head_dim
     return float(batch) * (2 * weights + cfg.n_layer * 2 * cfg.n_head * n_ctx * width)
 
@@ -144,10 +143,9 @@ def add_floors(row: dict, flops: float, peak: float) -> dict:
     return row
 
 
-def capacity(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, peak: float,
-             smoke: bool) -> Iterator[dict]:
+def capacity(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, smoke: bool) -> Iterator[dict]:
     """Per variant, context and row format: one sequence's bytes, the batch that :func:`fits`, a decode step at it
-    (at most ``max_batch``) with SDPA and the kernel, both floors, batch and tokens/s against MHA's (first) row."""
+    (at most ``max_batch``) with SDPA and the kernel, both floors (``peak``), batch and tokens/s against MHA's row."""
     kernels = ["eager"] + (["triton"] if kernel_runs_here(device) is None else [])
     mha: dict = {}
     for name in s["variants"]:
@@ -176,7 +174,7 @@ def capacity(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float
                 tps, ref = row.get(f"{label}_tokens_per_s"), base and base.get("sdpa_tokens_per_s")
                 row[f"{label}_vs_mha_sdpa"] = tps / ref if tps and ref else None
             row["batch_vs_mha"] = n / base["max_batch"] if base and base["max_batch"] else None
-            yield add_floors(row, step_flops(name, row["batch"], ctx, smoke), peak)
+            yield add_floors(row, step_flops(name, row["batch"], ctx, smoke), s["peak"])
         models = m = None
         free(device)
 
@@ -251,11 +249,9 @@ def profile_rows(events, variant: str, batch: int, n_ctx: int, top: int, cuda: b
 
     evs = [e for e in events if t(e) > 0]
     total = sum(t(e) for e in evs) or 1.0
-    rows = [dict(variant=variant, batch=batch, ctx=n_ctx, kernel=e.key[:80], calls=e.count, ms=t(e) / 1e3,
-                 pct_step=100 * t(e) / total) for e in sorted(evs, key=t, reverse=True)[:top]]
-    rows.append(dict(variant=variant, batch=batch, ctx=n_ctx, kernel="(step total)", calls=None, ms=total / 1e3,
-                     pct_step=100.0))
-    return rows
+    kernels = [(e.key[:80], e.count, t(e)) for e in sorted(evs, key=t, reverse=True)[:top]]
+    return [dict(variant=variant, batch=batch, ctx=n_ctx, kernel=k, calls=n, ms=us / 1e3, pct_step=100 * (us / total))
+            for k, n, us in kernels + [("(step total)", None, total)]]
 
 
 def profile(s: dict, device: torch.device, dtype: torch.dtype, bandwidth: float, smoke: bool) -> Iterator[dict]:

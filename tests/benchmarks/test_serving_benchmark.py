@@ -93,3 +93,14 @@ def test_latent_sdpa_formulations_agree():
         got = got[:, 0] if got.dim() == 4 else got
         assert torch.allclose(got, ref, atol=1e-5), name
     assert not math.isnan(ref.sum().item())
+
+
+def test_a_failed_case_is_one_line_and_out_of_memory_says_so():
+    """A case's error (serving's and gpu's rows) is its first line with its type; running out of GPU memory reads
+    ``out of memory`` wherever it happens (a capacity step, a kernel call, a model that does not fit)."""
+    from benchmarks.lib import serving_bench as sb
+
+    oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+    assert sb.err(oom) == "out of memory"
+    assert sb.err(ValueError("bad shape\nthe traceback's rest")) == "ValueError: bad shape"
+    assert sb.err(RuntimeError("x" * 500)) == "RuntimeError: " + "x" * 200

@@ -23,14 +23,14 @@ from benchmarks.harness.paths import EVAL, SMOLLM2
 from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study
 
-PICKS = load_study("smollm2_speed")["picks"]  # the planner's default picks (docs/tasks.md) when no plan file is given
-DEFAULT_METHODS = ["full", "int8", "kivi4", "k8v4h", "pick4x", "pick8x"]
+# the planner's default picks (docs/tasks.md) when no plan file is given; --methods' default
+PICKS, METHODS = (load_study("smollm2_speed")[k] for k in ("picks", "methods"))
 
 
 def options(p) -> None:
     add_model(p, SMOLLM2)
     p.add_argument("--data", default=str(EVAL), help="prompt text")
-    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS)
+    p.add_argument("--methods", nargs="+", default=METHODS)
     p.add_argument("--plan4", help="the 4x plan (JSON); default: the pick's spec (pick4x)")
     p.add_argument("--plan8", help="the 8x plan (JSON); default: the pick's spec (pick8x)")
     p.add_argument("--contexts", nargs="+", type=int, help="prompt tokens (+ the decode steps: within the model's "

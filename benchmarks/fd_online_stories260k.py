@@ -31,9 +31,8 @@ from kvsplice.online.method import OnlineDecoder
 RANKS = (2, 4, 6)
 FD_CONFIGS: dict[int, list[dict]] = load_study("fd_online_stories260k")["configs"]  # per global rank R
 
-
+# an fd-online option shown in a configuration's label → (its short name, the default left out)
 SHORT = {"tau_k": ("τ_k", None), "min_chunk_len": ("m", 1), "max_chunks": ("J_max", None), "fd_decay": ("γ", 1.0)}
-"""An fd-online option shown in a configuration's label → (its short name, the default left out)."""
 
 
 def label(kw: dict) -> str:

@@ -5,11 +5,10 @@ cache, in both doors, at long contexts → ``results/smollm2_speed[_<tag>].{json
     python -m benchmarks.smollm2_speed --quick            # 512 tokens, batch 1 and 2, fp32, both doors: minutes
     python -m benchmarks.smollm2_speed --model M --smoke --out /tmp/x/speed      # any model
 
-Methods (``--methods``: ``kvsplice.build_method`` specs, ``full`` = the uncompressed cache): by default the full
-cache, ``int8``, ``kivi4``, ``k8v4h`` and the planner's default 4× and 8× picks (``--plan4`` / ``--plan8``, or
-their specs ``pick4x`` / ``pick8x`` in the YAML). Per (dtype, context, batch, door) every method is prefilled once
-(TinyStories validation text, a different slice per sequence) and its decode steps are timed round-robin with the
-others (:mod:`benchmarks.lib.speed`). One torch thread by default: thread-CPU seconds, robust on a shared machine.
+Methods (``--methods``: ``kvsplice.build_method`` specs, ``full`` = the uncompressed cache; the default and the
+planner's 4× / 8× picks ``pick4x`` / ``pick8x`` in the YAML, or ``--plan4`` / ``--plan8``): per (dtype, context,
+batch, door) each prefilled once (TinyStories validation text, a slice per sequence), then its decode steps timed
+round-robin (:mod:`benchmarks.lib.speed`); one torch thread by default (thread-CPU seconds: robust when shared).
 """
 
 from __future__ import annotations

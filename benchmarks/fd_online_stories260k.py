@@ -72,9 +72,8 @@ def rows(run):
             ppl = perplexity(Decoder(model, LowRank(bases)), windows)
             diag = bases_diagnostics(model, bases, diag_ids)
             row = {"budget_rank": r, "kind": "global", "method": f"{method} ({rope}-RoPE)", "rope": rope,
-                   "config": {"method": method, "rank": r}, "ppl": ppl,
-                   "bytes": bases.elements_per_token() * t * 4, "sketch_bytes": 0,
-                   "reference_only": (method, rope) not in (("kq", "post"), ("gqa-sum", "post")),
+                   "config": {"method": method, "rank": r}, "ppl": ppl, "bytes": bases.elements_per_token() * t * 4,
+                   "sketch_bytes": 0, "reference_only": (method, rope) not in (("kq", "post"), ("gqa-sum", "post")),
                    "seconds": time.perf_counter() - t0, **summary(diag), "layers": diag}
             run.say(f"R={r} {row['method']:<18} ppl {ppl:8.3f}  rel_out {row['rel_out_mean']:.3f}")
             yield row

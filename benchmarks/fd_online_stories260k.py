@@ -31,9 +31,8 @@ from kvsplice.online.method import OnlineDecoder
 RANKS = (2, 4, 6)
 FD_CONFIGS: dict[int, list[dict]] = load_study("fd_online_stories260k")["configs"]  # per global rank R
 
-
+# an fd-online option shown in a configuration's label → (its short name, the default left out)
 SHORT = {"tau_k": ("τ_k", None), "min_chunk_len": ("m", 1), "max_chunks": ("J_max", None), "fd_decay": ("γ", 1.0)}
-"""An fd-online option shown in a configuration's label → (its short name, the default left out)."""
 
 
 def label(kw: dict) -> str:
@@ -73,9 +72,8 @@ def rows(run):
             ppl = perplexity(Decoder(model, LowRank(bases)), windows)
             diag = bases_diagnostics(model, bases, diag_ids)
             row = {"budget_rank": r, "kind": "global", "method": f"{method} ({rope}-RoPE)", "rope": rope,
-                   "config": {"method": method, "rank": r}, "ppl": ppl,
-                   "bytes": bases.elements_per_token() * t * 4, "sketch_bytes": 0,
-                   "reference_only": (method, rope) not in (("kq", "post"), ("gqa-sum", "post")),
+                   "config": {"method": method, "rank": r}, "ppl": ppl, "bytes": bases.elements_per_token() * t * 4,
+                   "sketch_bytes": 0, "reference_only": (method, rope) not in (("kq", "post"), ("gqa-sum", "post")),
                    "seconds": time.perf_counter() - t0, **summary(diag), "layers": diag}
             run.say(f"R={r} {row['method']:<18} ppl {ppl:8.3f}  rel_out {row['rel_out_mean']:.3f}")
             yield row

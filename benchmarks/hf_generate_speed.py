@@ -66,8 +66,7 @@ def rows(run):
     ids = torch.tensor([[tok.bos_token_id] + tok.encode(text, add_special_tokens=False)[:run["prompt_tokens"] - 1]])
     bases = {"post": KVBases.load(args.bases_post), "pre": KVBases.load(args.bases_pre)}
     makers = {"hf_dynamic": (base, lambda: transformers.DynamicCache(config=base.config)),
-              "coeff_post": (ours, lambda: CoefficientHFCache(ours, bases["post"])),
-              "coeff_pre": (ours, lambda: CoefficientHFCache(ours, bases["pre"]))}
+              **{f"coeff_{r}": (ours, lambda b=b: CoefficientHFCache(ours, b)) for r, b in bases.items()}}
     for model, make in makers.values():  # warm-up
         one_run(model, ids, make(), 8)
     runs, med = interleaved(makers, run["repeats"], lambda k: one_run(makers[k][0], ids, makers[k][1](),

@@ -27,16 +27,12 @@ from benchmarks.harness.studies import load as load_study
 SETTINGS = load_study("smollm2_frontier")
 KVPRESS = {(n, x): v for n, x, v in SETTINGS["kvpress"]}  # (press, ratio) → ppl increase %, quoted
 ISSUE = SETTINGS["issue"]
-
-
-def stack_rows() -> list[tuple[str, str, dict]]:
-    """``(id, protocol, spec)`` in the order they run (``benchmarks/studies/smollm2_frontier.yaml``)."""
-    return [(rid, proto, dict(spec)) for rid, proto, spec in SETTINGS["rows"]]
+ROWS: list[tuple[str, str, dict]] = SETTINGS["rows"]  # (id, protocol, spec) in the order they run
 
 
 class _List(argparse.Action):  # --list: the rows' ids and protocols, then exit
     def __call__(self, parser, namespace, values, option_string=None):
-        print("\n".join(f"{r[0]} ({r[1]})" for r in stack_rows()))
+        print("\n".join(f"{r[0]} ({r[1]})" for r in ROWS))
         parser.exit(0)
 
 
@@ -46,11 +42,11 @@ def options(p) -> None:
 
 
 def rows(run):
-    """Each row of :func:`stack_rows`: the resumed one, or measured."""
+    """Each row of :data:`ROWS`: the resumed one, or measured."""
     from benchmarks.lib.smollm2_frontier_runs import Bench
 
     only, bench = run.args.only, None
-    for rid, proto, spec in stack_rows():
+    for rid, proto, spec in ROWS:
         row = run.previous(id=rid)
         if row is None and (only is None or any(o in rid for o in only)):
             bench = bench or Bench(run.args.threads)

@@ -5,11 +5,10 @@ cache, in both doors, at long contexts → ``results/smollm2_speed[_<tag>].{json
     python -m benchmarks.smollm2_speed --quick            # 512 tokens, batch 1 and 2, fp32, both doors: minutes
     python -m benchmarks.smollm2_speed --model M --smoke --out /tmp/x/speed      # any model
 
-Methods (``--methods``: ``kvsplice.build_method`` specs, ``full`` = the uncompressed cache): by default the full
-cache, ``int8``, ``kivi4``, ``k8v4h`` and the planner's default 4× and 8× picks (``--plan4`` / ``--plan8``, or
-their specs ``pick4x`` / ``pick8x`` in the YAML). Per (dtype, context, batch, door) every method is prefilled once
-(TinyStories validation text, a different slice per sequence) and its decode steps are timed round-robin with the
-others (:mod:`benchmarks.lib.speed`). One torch thread by default: thread-CPU seconds, robust on a shared machine.
+Methods (``--methods``: ``kvsplice.build_method`` specs, ``full`` = the uncompressed cache; the default and the
+planner's 4× / 8× picks ``pick4x`` / ``pick8x`` in the YAML, or ``--plan4`` / ``--plan8``): per (dtype, context,
+batch, door) each prefilled once (TinyStories validation text, a slice per sequence), then its decode steps timed
+round-robin (:mod:`benchmarks.lib.speed`); one torch thread by default (thread-CPU seconds: robust when shared).
 """
 
 from __future__ import annotations
@@ -23,14 +22,14 @@ from benchmarks.harness.paths import EVAL, SMOLLM2
 from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study
 
-PICKS = load_study("smollm2_speed")["picks"]  # the planner's default picks (docs/tasks.md) when no plan file is given
-DEFAULT_METHODS = ["full", "int8", "kivi4", "k8v4h", "pick4x", "pick8x"]
+# the planner's default picks (docs/tasks.md) when no plan file is given; --methods' default
+PICKS, METHODS = (load_study("smollm2_speed")[k] for k in ("picks", "methods"))
 
 
 def options(p) -> None:
     add_model(p, SMOLLM2)
     p.add_argument("--data", default=str(EVAL), help="prompt text")
-    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS)
+    p.add_argument("--methods", nargs="+", default=METHODS)
     p.add_argument("--plan4", help="the 4x plan (JSON); default: the pick's spec (pick4x)")
     p.add_argument("--plan8", help="the 8x plan (JSON); default: the pick's spec (pick8x)")
     p.add_argument("--contexts", nargs="+", type=int, help="prompt tokens (+ the decode steps: within the model's "

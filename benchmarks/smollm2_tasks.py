@@ -25,8 +25,8 @@ from kvsplice.planning.options import PLAN_CALIB_TOKENS
 WORK = ROOT / "checkpoints" / "smollm2_tasks"
 PLANS = WORK / "plans"
 
-PLANNED: dict[str, list[str]] = load_study("smollm2_tasks")["planned"]  # the planner's picks: PLANS/plan<name>.json
-SIZES: dict[str, dict] = load_study("smollm2_tasks")["sizes"]  # --size NAME: methods, plans, tasks, lengths, n
+# the planner's picks (PLANS/plan<name>.json: its options); --size NAME: methods, plans, tasks, lengths, n
+PLANNED, SIZES = (load_study("smollm2_tasks")[k] for k in ("planned", "sizes"))
 
 
 def plan_path(name: str) -> Path:

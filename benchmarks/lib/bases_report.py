@@ -84,8 +84,7 @@ def timing(calib_cache, fit_reports, ropes) -> dict:
 
 SLACKS = {"slack_logit": "logit_slack", "slack_softmax_tanh": "softmax_slack", "slack_softmax_sinh":
           "softmax_sinh_slack", "slack_output": "output_slack", "tightest_logit": "logit_tightest",
-          "tightest_output": "output_tightest"}
-"""A row's slack field → the per-layer diagnostic it is the minimum of."""
+          "tightest_output": "output_tightest"}  # a row's slack field → the per-layer diagnostic it is the min of
 
 
 def summary(diag: list[dict]) -> dict:

@@ -1,6 +1,5 @@
-"""The bench that measures a row of ``benchmarks/smollm2_frontier.py`` (:class:`Bench`: SmolLM2-135M-Instruct, its
-evaluation / tuning / kvpress windows and calibration statistics; every method family and stack, the planner's picks,
-transformers' own quantized caches)."""
+""":class:`Bench` measures a row of ``benchmarks/smollm2_frontier.py`` on SmolLM2-135M-Instruct (its windows and
+calibration statistics): every method family and stack, the planner's picks, transformers' own quantized caches."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Prefill and per-token decode time of compression methods in both doors (``benchmarks/smollm2_speed.py``): every
-cache prefilled once (timed, compression included), then the decode steps (argmax token, last logits only) timed
-round-robin (:func:`interleaved`): a method's time is its median step, its ratio that over the first method's (the
-full cache); thread-CPU and wall seconds, the cache's bytes and its prefill's peak RSS growth. Doors: ``hf``
-(transformers' forward with ``KVSpliceHFCache``; ``DynamicCache`` for the full cache) and ``decoder`` (``Decoder``).
+"""Prefill and per-token decode time of compression methods in both doors (``hf``: transformers' forward with
+``KVSpliceHFCache`` or ``DynamicCache``; ``decoder``: ``Decoder``), the timings interleaved across methods
+(:func:`interleaved`), and the cache's bytes and its prefill's peak RSS growth (``benchmarks/smollm2_speed.py``).
 """
 
 from __future__ import annotations
@@ -57,10 +55,7 @@ def prefill_and_steps(model, door: str, method, ids: torch.Tensor, capacity: int
         from kvsplice.hf import KVSpliceHFCache
 
         cache = DynamicCache() if method is None else KVSpliceHFCache(model, method)
-
-        def run(x):
-            return model(x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-
+        run = lambda x: model(x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits  # noqa: E731
         return (lambda: run(ids)), run, cache
     if door == "decoder":
         from kvsplice.decode import Decoder
@@ -84,9 +79,9 @@ def interleaved(names: Sequence, repeats: int, one: Callable[[Any], Sequence[flo
 @torch.no_grad()
 def measure(model, door: str, methods: Sequence[tuple[str, Any]], ids: torch.Tensor, *, rounds: int,
             warmup: int = 1) -> list[dict]:
-    """Prefill every ``(label, method)`` (``method``: a method, or a callable ``ids → method`` for one built per
-    prompt; ``None``: the full cache) on ``ids (B, T)``, then ``warmup + rounds`` round-robin decode steps →
-    one row per method (the first is the reference of the ratios)."""
+    """Prefill every ``(label, method)`` (``method``: a method, a callable ``ids → method``, or ``None``: the full
+    cache) on ``ids (B, T)`` once (timed), then ``warmup + rounds`` round-robin decode steps (argmax token, last
+    logits only) → a row per method: median step, its ratio to the first method's, thread-CPU and wall."""
     from kvsplice.hf.measure import cache_nbytes
 
     runs = []  # per method: its step, cache, prefill times and next ids

@@ -37,7 +37,7 @@ def test_the_rows_are_study_data_each_measurable_once():
     """The rows (``benchmarks/studies/smollm2_frontier.yaml``): unique ids, one protocol each, and every spec of a
     kind the bench measures; the committed results hold a row for every one of them."""
     bench = load_benchmark("smollm2_frontier")
-    rows = bench.stack_rows()
+    rows = bench.ROWS
     ids = [rid for rid, _, _ in rows]
     assert len(ids) == len(set(ids)) and {p for _, p, _ in rows} == {"P", "S", "W"}
     known = {"store", "selector", "x", "bits", "residual", "alloc", "rope", "method", "rank", "cache_quant", "plan",

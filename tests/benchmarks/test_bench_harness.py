@@ -345,7 +345,7 @@ def test_training_studies_name_existing_configs(study, sections):
         assert vs and all((ROOT / "configs" / f"{config}.yaml").is_file() for config, _ in vs.values()), section
         assert all(all(isinstance(o, str) for o in opts) and all(o.startswith("--model.") for o in opts[::2])
                    for _, opts in vs.values()), section
-    assert bench.ABLATION == variants(study, "ablation")
+    assert bench.SECTIONS["ablation"] == variants(study, "ablation")
 
 
 def test_the_harness_options_import_no_torch(tmp_path):

@@ -1,6 +1,6 @@
 """The one study runner. A study is settings (``benchmarks/studies/<name>.yaml``: named sizes) plus a function
 yielding rows; the runner owns argv (``--size`` / ``--smoke``, ``--out``, ``--force``, ``--resume``, ``--threads``;
-one error line, exit 2), the checks before anything runs (bounds, outputs), the header, timers, resume and the atomic
+one error line, exit 2), the checks before anything runs (bounds, outputs), the header, resume and the atomic
 writing of ``<stem>.json`` (after every row), ``.md`` and ``.png``. A script::
 
     STUDY = Study("prefill_speed", __doc__, rows, options=options, bounds={"lengths": (1, 1 << 17)})

@@ -13,8 +13,9 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from benchmarks.harness.paths import CALIB, EVAL, SMOLLM2, STORIES, portable
+from benchmarks.harness.paths import CALIB, EVAL, SMOLLM2, portable
 from benchmarks.harness.runner import Study
+from benchmarks.lib.stories import convert_stories
 from benchmarks.lib.study import run_module
 
 
@@ -27,17 +28,6 @@ def options(p) -> None:
     p.add_argument("--snapshots", type=float, nargs="+", default=None, help="distill snapshot minutes")
     p.add_argument("--self-tokens", type=int, default=None, help="distill --self-tokens")
     p.add_argument("--calib", nargs="+", default=None, help="to-mla --calib (default: the TinyStories train sample)")
-
-
-def _source(run, work: Path) -> str:
-    if run.size != "smoke":
-        return str(SMOLLM2)
-    from kvsplice.convert.llama2c import convert_llama2c
-
-    src = work / "src"
-    if not (src / "config.json").is_file():
-        convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", src)
-    return str(src)
 
 
 def _kvsplice(run, cmd: list[str], done: Path) -> str:
@@ -78,7 +68,7 @@ def rows(run):
     work = Path(run.args.work) if run.args.work else Path(tempfile.mkdtemp(prefix="convert_fit-"))
     work.mkdir(parents=True, exist_ok=True)
     run.notes["work"], run.header["command"] = str(work), run.header["command"].replace(str(work), "WORK")
-    src = _source(run, work)
+    src = str(convert_stories(work / "src") if run.size == "smoke" else SMOLLM2)
     loaded = load_model(src)
     tok, seq = loaded.tokenizer, run["seq_len"] // 2
     p_wins = windows(tok, iter_texts(str(EVAL)), run["p_windows"], seq)

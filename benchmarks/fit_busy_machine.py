@@ -13,10 +13,11 @@ import os
 import statistics
 import tempfile
 
+from benchmarks.harness.header import machine
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import ROOT as REPO
 from benchmarks.harness.runner import Study
-from benchmarks.lib.train_step import fit_command, loadavg, timed_fit
+from benchmarks.lib.train_step import fit_command, timed_fit
 
 CONFIG = "tiny_mla_kvsplice_90"
 
@@ -60,7 +61,8 @@ def picked(row: dict) -> str:
 
 
 def summary(run, rows) -> dict:
-    return {"config": CONFIG, "steps": run["steps"], "cpus": len(os.sched_getaffinity(0)), "loadavg_end": loadavg()}
+    return {"config": CONFIG, "steps": run["steps"], "cpus": len(os.sched_getaffinity(0)),
+            "loadavg_end": machine()["load_average"]}
 
 
 STUDY = Study("fit_busy_machine", __doc__, rows, options=options, summary=summary, threads=None,

@@ -22,9 +22,7 @@ from benchmarks.harness.studies import variants
 from benchmarks.lib.seed_report import figure, report_rows
 from benchmarks.lib.study import BOUNDS, gpu, options as study_options, run_one, train_rows
 
-FRONTIER = variants("frontier", "frontier")  # variant -> (config, overrides): benchmarks/studies/frontier.yaml
-ABLATION = variants("frontier", "ablation")  # MLA options, on the tuning split
-SECTIONS = {"frontier": FRONTIER, "ablation": ABLATION}
+SECTIONS = {s: variants("frontier", s) for s in ("frontier", "ablation")}  # variant -> (config, overrides) (YAML)
 
 
 def init_kv_rms() -> dict:

@@ -27,9 +27,7 @@ from benchmarks.lib.seed_report import report_rows
 from benchmarks.lib.study import (BOUNDS, TRAIN_FILES, gpu, last_val, options as study_options, run_args, run_one,
                                   to_mla, train, train_rows)
 
-ABLATION = variants("kvsplice_recipe", "ablation")  # variant -> (config, overrides): studies/kvsplice_recipe.yaml
-RECIPE = variants("kvsplice_recipe", "recipe")
-SECTIONS = {"ablation": ABLATION, "recipe": RECIPE}
+SECTIONS = {s: variants("kvsplice_recipe", s) for s in ("ablation", "recipe")}  # variant -> (config, overrides)
 INSERT_RATIO: dict[str, float] = load_study("kvsplice_recipe")["insert_ratio"]  # the two-stage recipes' ratios
 _STAGE1_LOCKS: defaultdict[Path, threading.Lock] = defaultdict(threading.Lock)  # one per shared MLA-128 stage
 

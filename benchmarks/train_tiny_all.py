@@ -60,11 +60,9 @@ def summary(run, rows) -> dict:
     step_ms = interleaved_step_ms([REPO / "configs" / f"{n}.yaml" for n in run.args.variants], vocab, run["rounds"],
                                   int(threads) if threads else None)
     ref = next((r for r in rows if r["config"] == "tiny_gpt2"), rows[0])
+    ref_ms = step_ms[rows.index(ref)]
     for r, ms in zip(rows, step_ms):
-        r["interleaved_step_ms"] = ms
-    for r in rows:
-        r["vs_gpt2"] = r["tokens_per_sec"] / ref["tokens_per_sec"]
-        r["step_vs_gpt2"] = ref["interleaved_step_ms"] / r["interleaved_step_ms"]
+        r.update(interleaved_step_ms=ms, vs_gpt2=r["tokens_per_sec"] / ref["tokens_per_sec"], step_vs_gpt2=ref_ms / ms)
     m = run.header["machine"]
     run.notes.update(unigram_entropy=h, data=desc, torch_threads=threads or "default", processor=m["processor"],
                      cpus=m["cores"])

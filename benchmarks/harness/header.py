@@ -60,12 +60,9 @@ def machine_line(threads: Optional[int] = None) -> str:
     parts = [str(m["processor"]), f"{m['cores']} cores"]
     if "torch" in m:
         parts += [f"torch {m['torch']}", f"{m['threads']} torch thread(s)"]
-    if "cuda_device" in m:
-        parts.append(m["cuda_device"])
-    line = ", ".join(parts)
-    if "load_average" in m:
-        line += "; load average " + " / ".join(f"{x:.1f}" for x in m["load_average"])
-    return line
+    parts += [m["cuda_device"]] if "cuda_device" in m else []
+    load = " / ".join(f"{x:.1f}" for x in m.get("load_average", []))
+    return ", ".join(parts) + (f"; load average {load}" if load else "")
 
 
 def revision() -> Optional[str]:

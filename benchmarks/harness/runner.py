@@ -1,6 +1,6 @@
 """The one study runner. A study is settings (``benchmarks/studies/<name>.yaml``: named sizes) plus a function
 yielding rows; the runner owns argv (``--size`` / ``--smoke``, ``--out``, ``--force``, ``--resume``, ``--threads``;
-one error line, exit 2), the checks before anything runs (bounds, outputs), the header, timers, resume and the atomic
+one error line, exit 2), the checks before anything runs (bounds, outputs), the header, resume and the atomic
 writing of ``<stem>.json`` (after every row), ``.md`` and ``.png``. A script::
 
     STUDY = Study("prefill_speed", __doc__, rows, options=options, bounds={"lengths": (1, 1 << 17)})
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from benchmarks.harness import header as _header
-from benchmarks.harness import report, studies, timing
+from benchmarks.harness import report, studies
 from benchmarks.harness.options import Parser, UsageError, add_threads, parser
 from benchmarks.harness.paths import RESULTS, portable
 from kvsplice.io.cli import run_cli
@@ -105,11 +105,6 @@ class Run:
     def previous(self, **key: Any) -> Optional[dict]:
         """The row of the resumed JSON whose fields equal ``key`` (None: measure it)."""
         return next((row for row in self.done if all(row.get(k) == v for k, v in key.items())), None)
-
-    def time(self, fn: Callable[[], object], n: int, warmup: int = 0, clock: str = "wall") -> float:
-        """Median of ``n`` calls of ``fn`` after ``warmup``: ``wall`` / ``cpu`` (thread) seconds, ``cuda`` ms."""
-        timer = {"wall": timing.wall_time, "cpu": timing.cpu_time, "cuda": timing.cuda_time}[clock]
-        return timing.median_of(timer, fn, n, warmup)
 
     @staticmethod
     def say(text: str) -> None:

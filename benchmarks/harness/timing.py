@@ -1,28 +1,22 @@
-"""Median timers: thread-CPU seconds (robust on a shared machine with one torch thread), wall seconds and CUDA-event
-milliseconds (each call started on an idle GPU)."""
+"""Median timers: wall seconds and CUDA-event milliseconds (each call started on an idle GPU)."""
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 from typing import Callable
 
-__all__ = ["cpu_time", "cuda_time", "median_of", "wall_time"]
+__all__ = ["cuda_time", "median_of", "wall_time"]
 
 
-def _timed(clock: Callable[[], float], fn: Callable[[], object], n: int) -> list[float]:
-    """``clock`` seconds of each of ``n`` calls of ``fn``."""
+def wall_time(fn: Callable[[], object], n: int) -> list[float]:
+    """Wall seconds of each of ``n`` calls of ``fn``."""
     out = []
     for _ in range(n):
-        t0 = clock()
+        t0 = time.perf_counter()
         fn()
-        out.append(clock() - t0)
+        out.append(time.perf_counter() - t0)
     return out
-
-
-cpu_time = functools.partial(_timed, time.thread_time)  # cpu_time(fn, n): thread-CPU seconds of each call
-wall_time = functools.partial(_timed, time.perf_counter)  # wall_time(fn, n): wall seconds of each call
 
 
 def cuda_time(fn: Callable[[], object], n: int) -> list[float]:

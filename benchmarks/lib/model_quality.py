@@ -44,25 +44,18 @@ def _ppl_kl(model, wins: torch.Tensor, start: int, ref: Sequence[torch.Tensor] |
     return math.exp(nll / n), (kl / (len(wins) * (wins.shape[1] - start)) if ref is not None else 0.0)
 
 
-def _tasks(model, tok, task: str, lengths: Sequence[int], n: int) -> dict:
-    """Accuracy (%) per length: query-agnostic, the model's own cache, the package's decoder (eval-tasks' path)."""
+def quality(model, tok, p_wins: torch.Tensor, d_wins: torch.Tensor, ref_p, lengths: Sequence[int], n: int) -> dict:
+    """The row's measurements (``ref_p``: the source's logits on ``p_wins``, None for the source itself); the tasks'
+    accuracy (%) per length: query-agnostic, the model's own cache, the package's decoder (eval-tasks' path)."""
     from kvsplice.tasks import make_instance
     from kvsplice.tasks.runner import answer
 
-    out = {}
-    for length in lengths:
-        insts = [make_instance(task, tok, length, seed, stories=str(EVAL)) for seed in range(n)]
-        out[length] = 100 * sum(answer(model, tok, i, lambda ids: None).score for i in insts) / n
-    return out
-
-
-def quality(model, tok, p_wins: torch.Tensor, d_wins: torch.Tensor, ref_p, lengths: Sequence[int], n: int) -> dict:
-    """The row's measurements (``ref_p``: the source's logits on ``p_wins``, None for the source itself)."""
     start = p_wins.shape[1] * 3 // 4
     ppl_p, kl = _ppl_kl(model, p_wins, start, ref_p)
     ppl_d, _ = _ppl_kl(model, d_wins, 0, None)
     row = {"ppl_P": ppl_p, "kl_P": kl, "ppl_prose": ppl_d}
     for task in ("passkey", "niah_number_stories"):
-        for length, acc in _tasks(model, tok, task, lengths, n).items():
-            row[f"{task}_{length}"] = acc
+        for length in lengths:
+            insts = [make_instance(task, tok, length, seed, stories=str(EVAL)) for seed in range(n)]
+            row[f"{task}_{length}"] = 100 * sum(answer(model, tok, i, lambda ids: None).score for i in insts) / n
     return row

@@ -57,12 +57,10 @@ def comparisons(summary: list[dict], ref: str = "mha") -> list[dict]:
     pairs = [(b, a) for i, a in enumerate(summary) for b in summary[i + 1:] if a["bytes"] == b["bytes"]]
     pairs += [(s, by[s["variant"][3:]]) for s in summary if s["variant"].startswith("ds_") and s["variant"][3:] in by]
     pairs += [(s, by[ref]) for s in summary if ref in by and s["variant"] != ref]
-    out, seen = [], set()
+    unique: dict = {}  # each pair once, in the order first met
     for a, b in pairs:
-        if frozenset((a["variant"], b["variant"])) not in seen:
-            seen.add(frozenset((a["variant"], b["variant"])))
-            out.append(compare(a, b))
-    return out
+        unique.setdefault(frozenset((a["variant"], b["variant"])), (a, b))
+    return [compare(a, b) for a, b in unique.values()]
 
 
 def figure(run, rows):

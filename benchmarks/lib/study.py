@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from benchmarks.harness.options import UsageError
+from benchmarks.harness.options import UsageError, device_dtype
 from benchmarks.harness.paths import ROOT as REPO, TINYSTORIES as DATA
 
 __all__ = ["BOUNDS", "DATA", "DATA_CACHE", "REPO", "RUN_KEY", "TRAIN_FILES", "cache_bytes", "data_args", "gpu",
@@ -264,11 +264,8 @@ def train_rows(run, sections: dict, seeds: dict, one: Callable[..., dict]) -> It
     if train_now and not a.data.is_dir():
         raise UsageError(f"{a.data} not found: the study reads the local TinyStories text (default ../shared/data/"
                          "tinystories; --data to name another folder)")
-    if train_now and a.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda: no CUDA device here")
+    if train_now:
+        device_dtype(a)  # --device cuda where there is none: one line
     run.notes.setdefault("meta", {}).update(study=a.study, device=a.device, dtype_train="fp32", batch=a.batch,
                                             steps=a.steps, threads_per_run=a.threads, jobs=a.jobs)
     yield from run.done  # the resumed rows (--resume)

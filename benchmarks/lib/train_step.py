@@ -11,15 +11,11 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.harness.header import machine
 from benchmarks.harness.paths import ROOT
 from benchmarks.harness.timing import wall_time
 
-__all__ = ["fit_command", "interleaved_step_ms", "loadavg", "timed_fit", "unigram_entropy_of"]
-
-
-def loadavg() -> list[float]:
-    """The 1, 5 and 15-minute load averages."""
-    return [round(x, 2) for x in os.getloadavg()]
+__all__ = ["fit_command", "interleaved_step_ms", "timed_fit", "unigram_entropy_of"]
 
 
 def fit_command(config: str, *args: str) -> list[str]:
@@ -36,7 +32,7 @@ def timed_fit(cmd: list[str], busy: bool = False) -> dict:
     try:
         if spinner is not None:
             time.sleep(1.0)  # the spinner holds its core before training starts
-        load = loadavg()
+        load = machine()["load_average"]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - t0

@@ -180,6 +180,15 @@ def test_a_run_shorter_than_the_log_interval_reports_and_resumes(tmp_path: Path,
     assert "failed" not in capsys.readouterr().err
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal where CUDA is absent")
+def test_device_cuda_without_a_gpu_is_one_line_before_any_run(tmp_path: Path, frontier, capsys) -> None:
+    argv = ["--device", "cuda", "--steps", "2", "--out", str(tmp_path / "f"), "--runs-dir", str(tmp_path / "runs")]
+    assert frontier.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("frontier: error: --device cuda: "), err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "f.json").exists()
+
+
 @pytest.mark.skipif(not DATA.is_dir(), reason="needs ../shared/data/tinystories")
 def test_recipe_study_inserts_each_ratio_into_one_shared_mla_stage(tmp_path: Path, frontier, study_cache) -> None:
     """``kvsplice_recipe.py --study recipe``: ``insert`` (KVSplice-50) and ``insert90`` (KVSplice-90) of one seed

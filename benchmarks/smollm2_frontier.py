@@ -82,10 +82,9 @@ def energy_claims(stats_path: Path) -> dict:
 
     if not stats_path.is_file():
         return {}
-    sets = load_stats(stats_path)
-    out = {}
-    for name, mode, gram in (("keys_pre", "pre", "kk"), ("keys_post", "post", "kk"), ("values", "pre", "vv")):
-        s = sets[mode]
+    sets, out = load_stats(stats_path), {}
+    for name, s, gram in (("keys_pre", sets["pre"], "kk"), ("keys_post", sets["post"], "kk"),
+                          ("values", sets["pre"], "vv")):
         ranks = [ksvd_basis(getattr(s, gram)[l, j], energy=0.9).rank for l in range(s.n_layer)
                  for j in range(s.n_kv_head)]
         out[name] = {"mean_rank_90": sum(ranks) / len(ranks), "share_le_d4": sum(r <= s.head_dim // 4 for r in ranks)

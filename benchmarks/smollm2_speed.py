@@ -32,8 +32,7 @@ def options(p) -> None:
     p.add_argument("--methods", nargs="+", default=METHODS)
     p.add_argument("--plan4", help="the 4x plan (JSON); default: the pick's spec (pick4x)")
     p.add_argument("--plan8", help="the 8x plan (JSON); default: the pick's spec (pick8x)")
-    p.add_argument("--contexts", nargs="+", type=int, help="prompt tokens (+ the decode steps: within the model's "
-                                                             "positions)")
+    p.add_argument("--contexts", nargs="+", type=int, help="prompt tokens (+ decode steps ≤ the model's positions)")
     p.add_argument("--batch", nargs="+", type=int, help="sequences per batch")
     p.add_argument("--dtype", nargs="+", choices=["fp32", "bf16"], default=["fp32"])
     p.add_argument("--doors", nargs="+", choices=["hf", "decoder"], default=["hf", "decoder"])

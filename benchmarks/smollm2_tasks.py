@@ -126,8 +126,7 @@ def rows(run):
         steps += [("kvsplice eval-tasks", lambda L=L: eval_tasks.main(
             eval_argv(size, cfg, L, WORK / f"{size}_{L}.json", a.threads, a.progress))) for L in cfg["lengths"]]
         for what, step in steps:
-            rc = step()
-            if rc:
+            if rc := step():
                 run.fail(f"{what} exited {rc}")
                 break
     report, md = build_report(size, cfg)

@@ -53,8 +53,7 @@ def rows(run):
         opts = FitBasesOptions(model="stories260K", fit=(m,), rank=(r,), rope=(rope,), calib=str(CALIB),
                                calib_tokens=run["calib_tokens"], seq_len=run["seq_len"],
                                batch_size=run["batch_size"], out="unused", progress=False)
-        bases, rep = fit_one(opts, loaded=loaded, calib_cache=calib_cache)
-        fits_all[(rope, r, m)], fit_reports[(rope, r, m)] = bases, rep
+        fits_all[(rope, r, m)], fit_reports[(rope, r, m)] = bases, rep = fit_one(opts, loaded, calib_cache=calib_cache)
         res = {**evaluate_bases(ctx, bases, label=f"{m}-{rope}-r{r}"), "rank": r}
         for key, part in (("score_err_mean", "scores"), ("score_sum_err_mean", "scores_sum"),
                           ("value_err_mean", "values"), ("attn_out_err_mean", "attn_out")):

@@ -35,8 +35,7 @@ def plan_path(name: str) -> Path:
 
 def plans_of(cfg: dict, length: Optional[int] = None) -> list[str]:
     """The plans ``cfg`` runs at ``length`` (every length's, then that length's own; every plan with None)."""
-    at = cfg.get("plans_at", {})
-    extra = [p for L, ps in at.items() if length is None or L == length for p in ps]
+    extra = [p for L, ps in cfg.get("plans_at", {}).items() if length is None or L == length for p in ps]
     return [*cfg.get("plans", ()), *dict.fromkeys(extra)]
 
 

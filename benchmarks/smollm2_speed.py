@@ -21,6 +21,7 @@ from benchmarks.harness.options import UsageError, add_model
 from benchmarks.harness.paths import EVAL, SMOLLM2
 from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study
+from benchmarks.lib.speed import measure, method_factories, prompt_ids
 
 # the planner's default picks (docs/tasks.md) when no plan file is given; --methods' default
 PICKS, METHODS = (load_study("smollm2_speed")[k] for k in ("picks", "methods"))
@@ -45,8 +46,7 @@ def options(p) -> None:
 
 
 def rows(run):
-    from kvsplice.loading import load_model
-    from benchmarks.lib.speed import measure, method_factories, prompt_ids
+    from kvsplice.loading import load_model  # (looked up at run time: the tests replace it)
 
     args = run.args
     for dt in args.dtype:

@@ -20,6 +20,7 @@ from benchmarks.lib.stories import calibration_ids, load_stories
 from kvsplice.evaluation.context import EvalContext, load_windows
 from kvsplice.evaluation.lowrank import evaluate_bases
 from kvsplice.cli.fit_bases import fit_one
+from kvsplice.lowrank.calibrate import calibrate, calibration_batches
 from kvsplice.lowrank.options import FitBasesOptions
 from kvsplice.lowrank.fits import FITS
 
@@ -36,8 +37,6 @@ def options(p) -> None:
 
 
 def rows(run):
-    from kvsplice.lowrank.calibrate import calibrate, calibration_batches
-
     ranks, ropes = run["ranks"], run["ropes"]
     methods = run["methods"] if "ksvd" in run["methods"] else ["ksvd", *run["methods"]]
     if 4 not in ranks or "gqa-concat" not in methods:

@@ -21,6 +21,7 @@ from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study
 from benchmarks.lib.stories import convert_stories
 from kvsplice.planning.options import PLAN_CALIB_TOKENS
+from kvsplice.tasks.report import markdown, summarize
 
 WORK = ROOT / "checkpoints" / "smollm2_tasks"
 PLANS = WORK / "plans"
@@ -70,8 +71,6 @@ def eval_argv(size: str, cfg: dict, length: int, out: Path, threads: int, progre
 
 def build_report(size: str, cfg: dict) -> tuple[dict, str]:
     """The report of the finished lengths and the plans' evidence, and its Markdown."""
-    from kvsplice.tasks.report import markdown, summarize
-
     report = {"size": size, "config": cfg, "model": model_for(size), "by_length": {}, "labels": {}}
     md = [f"# Long-context tasks on {'stories260K (smoke)' if size == 'smoke' else 'SmolLM2-135M-Instruct'}", "",
           f"`python -m benchmarks.smollm2_tasks --size {size}` — tasks {', '.join(cfg['tasks'])}; n = {cfg['n']} per "

@@ -54,7 +54,6 @@ def rows(run):
     cal = calibration_ids(loaded, run["calib_tokens"])
     n_win, t = windows.shape
     L, hkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-    diag_ids = windows[:1]
     run.notes.update(model={"source": str(STORIES / "stories260K.bin"), "n_layer": L, "n_head": cfg.num_attention_heads,
                             "n_kv_head": hkv, "head_dim": d},
                      eval={"source": str(EVAL), "windows": n_win, "seq_len": t, "tokens": n_win * t,
@@ -70,7 +69,7 @@ def rows(run):
             bases = fit_bases(stats[rope], method, rank=r)
             t0 = time.perf_counter()
             ppl = perplexity(Decoder(model, LowRank(bases)), windows)
-            diag = bases_diagnostics(model, bases, diag_ids)
+            diag = bases_diagnostics(model, bases, windows[:1])
             row = {"budget_rank": r, "kind": "global", "method": f"{method} ({rope}-RoPE)", "rope": rope,
                    "config": {"method": method, "rank": r}, "ppl": ppl, "bytes": bases.elements_per_token() * t * 4,
                    "sketch_bytes": 0, "reference_only": (method, rope) not in (("kq", "post"), ("gqa-sum", "post")),
@@ -88,7 +87,7 @@ def rows(run):
             dec(windows[:1], cache)
             br = cache.nbytes_breakdown()
             nbytes = sum(br.values()) - br["sketch"]
-            diag = online_qkv_diagnostics(model, diag_ids, **kw)
+            diag = online_qkv_diagnostics(model, windows[:1], **kw)
             row = {"budget_rank": r, "kind": "fd-online", "method": "fd-online", "rope": "post", "config": kw,
                    "label": label(kw), "ppl": ppl, "bytes": nbytes, "sketch_bytes": br["sketch"],
                    "bytes_breakdown": br, "budget_bytes": budget, "matched": nbytes <= budget,

@@ -31,13 +31,11 @@ def rows(run):
     loaded = load_stories(run.args.model)
     model, prompt = loaded.model.eval(), run["prompt"]
     windows, _ = text_windows(loaded, run.args.data, prompt + run["cont"], run["windows"], split="validation")
+    hf = lambda cache: (hf_nll(model, cache, windows, prompt, decode_chunk=1), cache_nbytes(cache))  # noqa: E731
 
     def ours(quant):
         nll, _, cache = score_continuation(Decoder(model, DenseKV(cache_quant=quant)), windows, prompt, decode_chunk=1)
         return nll, cache.nbytes()
-
-    def hf(cache):
-        return hf_nll(model, cache, windows, prompt, decode_chunk=1), cache_nbytes(cache)
 
     full = None
     for name, fn in (("full K/V (ours, fp32)", lambda: ours(None)),

@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from benchmarks.harness.options import add_model
 from benchmarks.harness.paths import EVAL, SMOLLM2
 from benchmarks.harness.runner import Study
+from benchmarks.lib.speed import interleaved, prefill_and_steps
+from kvsplice.loading import iter_texts, load_model, token_stream
+from kvsplice.tasks.methods import parse_method
 
 
 def options(p) -> None:
@@ -26,12 +31,6 @@ def options(p) -> None:
 
 
 def rows(run):
-    import torch
-
-    from kvsplice.loading import iter_texts, load_model, token_stream
-    from kvsplice.tasks.methods import parse_method
-    from benchmarks.lib.speed import interleaved, prefill_and_steps
-
     loaded = load_model(run.args.model)
     model, tok = loaded.model.eval(), loaded.tokenizer
     stream, _ = token_stream(iter_texts(run.args.text), tok, max(run["lengths"]))

@@ -138,8 +138,7 @@ def rows(run):
         trained, post = load_trained(run.args.results), load_post_training(run.args.results)
     except KeyError as e:
         raise ValueError(f"a results file lacks {e}") from None
-    yield from ({"panel": "trained", **p} for p in trained)
-    yield from ({"panel": "post", **p} for p in post)
+    yield from ({"panel": k, **p} for k, points in (("trained", trained), ("post", post)) for p in points)
 
 
 STUDY = Study("readme_figure", __doc__, rows, options=options, figure=lambda run, points: figure(points),

@@ -23,6 +23,9 @@ from pathlib import Path
 from benchmarks.harness.report import figure, markdown
 from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study
+from benchmarks.lib.smollm2_windows import WORK
+from kvsplice.lowrank.calibrate import load_stats
+from kvsplice.lowrank.fits import ksvd_basis
 
 SETTINGS = load_study("smollm2_frontier")
 KVPRESS = {(n, x): v for n, x, v in SETTINGS["kvpress"]}  # (press, ratio) → ppl increase %, quoted
@@ -77,15 +80,11 @@ def family(row: dict) -> str:
 def energy_claims(stats_path: Path) -> dict:
     """90 %-energy ranks (K-only / V-only spectra) of pre- and post-RoPE keys and of values, from the calibration
     stats: mean over layers and KV heads, and the share of heads at or below d/4."""
-    from kvsplice.lowrank.calibrate import load_stats
-    from kvsplice.lowrank.fits import ksvd_basis
-
     if not stats_path.is_file():
         return {}
-    sets = load_stats(stats_path)
-    out = {}
-    for name, mode, gram in (("keys_pre", "pre", "kk"), ("keys_post", "post", "kk"), ("values", "pre", "vv")):
-        s = sets[mode]
+    sets, out = load_stats(stats_path), {}
+    for name, s, gram in (("keys_pre", sets["pre"], "kk"), ("keys_post", sets["post"], "kk"),
+                          ("values", sets["pre"], "vv")):
         ranks = [ksvd_basis(getattr(s, gram)[l, j], energy=0.9).rank for l in range(s.n_layer)
                  for j in range(s.n_kv_head)]
         out[name] = {"mean_rank_90": sum(ranks) / len(ranks), "share_le_d4": sum(r <= s.head_dim // 4 for r in ranks)
@@ -118,8 +117,6 @@ def report_rows(rows: list[dict], kvpress: dict, claims: dict) -> list[dict]:
 
 
 def summary(run, rows) -> dict:
-    from benchmarks.lib.smollm2_windows import WORK
-
     run.notes["claims"] = energy_claims(WORK / "calib_stats.safetensors")  # (the report's last table)
     return {"claims": run.notes["claims"],
             "kvpress_quoted": {f"{n} {x}x": v for (n, x), v in KVPRESS.items()}, "issue": ISSUE}

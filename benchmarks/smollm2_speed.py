@@ -21,6 +21,7 @@ from benchmarks.harness.options import UsageError, add_model
 from benchmarks.harness.paths import EVAL, SMOLLM2
 from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study
+from benchmarks.lib.speed import measure, method_factories, prompt_ids
 
 # the planner's default picks (docs/tasks.md) when no plan file is given; --methods' default
 PICKS, METHODS = (load_study("smollm2_speed")[k] for k in ("picks", "methods"))
@@ -32,8 +33,7 @@ def options(p) -> None:
     p.add_argument("--methods", nargs="+", default=METHODS)
     p.add_argument("--plan4", help="the 4x plan (JSON); default: the pick's spec (pick4x)")
     p.add_argument("--plan8", help="the 8x plan (JSON); default: the pick's spec (pick8x)")
-    p.add_argument("--contexts", nargs="+", type=int, help="prompt tokens (+ the decode steps: within the model's "
-                                                             "positions)")
+    p.add_argument("--contexts", nargs="+", type=int, help="prompt tokens (+ decode steps ≤ the model's positions)")
     p.add_argument("--batch", nargs="+", type=int, help="sequences per batch")
     p.add_argument("--dtype", nargs="+", choices=["fp32", "bf16"], default=["fp32"])
     p.add_argument("--doors", nargs="+", choices=["hf", "decoder"], default=["hf", "decoder"])
@@ -46,8 +46,7 @@ def options(p) -> None:
 
 
 def rows(run):
-    from kvsplice.loading import load_model
-    from benchmarks.lib.speed import measure, method_factories, prompt_ids
+    from kvsplice.loading import load_model  # (looked up at run time: the tests replace it)
 
     args = run.args
     for dt in args.dtype:

@@ -21,6 +21,7 @@ from benchmarks.harness.runner import Study
 from benchmarks.harness.studies import load as load_study
 from benchmarks.lib.stories import convert_stories
 from kvsplice.planning.options import PLAN_CALIB_TOKENS
+from kvsplice.tasks.report import markdown, summarize
 
 WORK = ROOT / "checkpoints" / "smollm2_tasks"
 PLANS = WORK / "plans"
@@ -35,8 +36,7 @@ def plan_path(name: str) -> Path:
 
 def plans_of(cfg: dict, length: Optional[int] = None) -> list[str]:
     """The plans ``cfg`` runs at ``length`` (every length's, then that length's own; every plan with None)."""
-    at = cfg.get("plans_at", {})
-    extra = [p for L, ps in at.items() if length is None or L == length for p in ps]
+    extra = [p for L, ps in cfg.get("plans_at", {}).items() if length is None or L == length for p in ps]
     return [*cfg.get("plans", ()), *dict.fromkeys(extra)]
 
 
@@ -71,8 +71,6 @@ def eval_argv(size: str, cfg: dict, length: int, out: Path, threads: int, progre
 
 def build_report(size: str, cfg: dict) -> tuple[dict, str]:
     """The report of the finished lengths and the plans' evidence, and its Markdown."""
-    from kvsplice.tasks.report import markdown, summarize
-
     report = {"size": size, "config": cfg, "model": model_for(size), "by_length": {}, "labels": {}}
     md = [f"# Long-context tasks on {'stories260K (smoke)' if size == 'smoke' else 'SmolLM2-135M-Instruct'}", "",
           f"`python -m benchmarks.smollm2_tasks --size {size}` — tasks {', '.join(cfg['tasks'])}; n = {cfg['n']} per "
@@ -126,8 +124,7 @@ def rows(run):
         steps += [("kvsplice eval-tasks", lambda L=L: eval_tasks.main(
             eval_argv(size, cfg, L, WORK / f"{size}_{L}.json", a.threads, a.progress))) for L in cfg["lengths"]]
         for what, step in steps:
-            rc = step()
-            if rc:
+            if rc := step():
                 run.fail(f"{what} exited {rc}")
                 break
     report, md = build_report(size, cfg)

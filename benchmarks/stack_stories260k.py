@@ -49,15 +49,14 @@ def options(p) -> None:
 
 def rows(run):
     loaded = load_stories(need=(CALIB, EVAL))
-    model = loaded.model
-    stats = calibrate(model, calibration_batches(calibration_ids(loaded, run["calib_tokens"]), 512, 8), rope="post",
-                      progress=False)
+    stats = calibrate(loaded.model, calibration_batches(calibration_ids(loaded, run["calib_tokens"]), 512, 8),
+                      rope="post", progress=False)
     run.notes["calib_tokens"] = stats.n_tokens
     bases = {r: fit_bases(stats, "gqa-concat", rank=r) for r in run["ranks"]}
     windows, _ = text_windows(loaded, EVAL, run["prompt"] + run["cont"], run["windows"], split="validation")
     full = None
     for name, (desc, method) in methods(bases, run["budgets"], run.args.selector).items():
-        row = {**evaluate(model, windows, run["prompt"], name, method), **desc}
+        row = {**evaluate(loaded.model, windows, run["prompt"], name, method), **desc}
         full = full or row
         row.update(delta_pct=100 * (row["ppl"] / full["ppl"] - 1), x_full_fp32=full["bytes"] / row["bytes"])
         run.say(f"{name:24s} ppl {row['ppl']:.4f} (hf {row['ppl_hf']:.4f})  {row['bytes_per_token']:7.1f} B/token "

@@ -20,6 +20,7 @@ from benchmarks.lib.stories import calibration_ids, load_stories
 from kvsplice.evaluation.context import EvalContext, load_windows
 from kvsplice.evaluation.lowrank import evaluate_bases
 from kvsplice.cli.fit_bases import fit_one
+from kvsplice.lowrank.calibrate import calibrate, calibration_batches
 from kvsplice.lowrank.options import FitBasesOptions
 from kvsplice.lowrank.fits import FITS
 
@@ -36,8 +37,6 @@ def options(p) -> None:
 
 
 def rows(run):
-    from kvsplice.lowrank.calibrate import calibrate, calibration_batches
-
     ranks, ropes = run["ranks"], run["ropes"]
     methods = run["methods"] if "ksvd" in run["methods"] else ["ksvd", *run["methods"]]
     if 4 not in ranks or "gqa-concat" not in methods:
@@ -53,8 +52,7 @@ def rows(run):
         opts = FitBasesOptions(model="stories260K", fit=(m,), rank=(r,), rope=(rope,), calib=str(CALIB),
                                calib_tokens=run["calib_tokens"], seq_len=run["seq_len"],
                                batch_size=run["batch_size"], out="unused", progress=False)
-        bases, rep = fit_one(opts, loaded=loaded, calib_cache=calib_cache)
-        fits_all[(rope, r, m)], fit_reports[(rope, r, m)] = bases, rep
+        fits_all[(rope, r, m)], fit_reports[(rope, r, m)] = bases, rep = fit_one(opts, loaded, calib_cache=calib_cache)
         res = {**evaluate_bases(ctx, bases, label=f"{m}-{rope}-r{r}"), "rank": r}
         for key, part in (("score_err_mean", "scores"), ("score_sum_err_mean", "scores_sum"),
                           ("value_err_mean", "values"), ("attn_out_err_mean", "attn_out")):

@@ -7,13 +7,17 @@ import math
 import time
 
 import torch
+from transformers.cache_utils import QuantizedCache
 
 import benchmarks.lib.smollm2_windows as C
 from benchmarks.lib.doors import hf_nll
 from kvsplice import build_method
-from kvsplice.evaluation.protocol import evaluate
+from kvsplice.adapters import adapter_for
+from kvsplice.evaluation.protocol import evaluate, full_bytes_per_token
 from kvsplice.hf.measure import cache_nbytes
-from kvsplice.planning.search import lowrank_bases, selection
+from kvsplice.lowrank.fits import fit_bases
+from kvsplice.lowrank.joint import JointLowRank, allocate_joint
+from kvsplice.planning.search import SearchOptions, lowrank_bases, search, selection
 from kvsplice.planning.spec import spec_label
 
 PROMPT = 768
@@ -22,8 +26,7 @@ PROMPT = 768
 def _ranks(r: dict, heads: int = 1) -> dict:
     """Mean key / value ranks of ``ranks()`` (per layer and head, or per layer over ``heads`` KV heads) and them."""
     flat = {s: [x for row in r[s] for x in (row if isinstance(row, list) else [row])] for s in "kv"}
-    return {"mean_k": sum(flat["k"]) / len(flat["k"]) / heads, "mean_v": sum(flat["v"]) / len(flat["v"]) / heads,
-            "k": r["k"], "v": r["v"]}
+    return {**{f"mean_{s}": sum(f) / len(f) / heads for s, f in flat.items()}, "k": r["k"], "v": r["v"]}
 
 
 class Bench:
@@ -42,8 +45,6 @@ class Bench:
 
     def lowrank_bases(self, spec: dict):
         """Fisher bases allocated ``×alloc`` smaller (the planner's), or ``method``'s bases at one ``rank``."""
-        from kvsplice.lowrank.fits import fit_bases
-
         rope = spec.get("rope", "pre")
         if "alloc" in spec:
             return lowrank_bases(self.stats, spec["alloc"], rope, self.bases)
@@ -68,10 +69,6 @@ class Bench:
     def plan(self, ratio: float) -> tuple[dict, dict]:
         """The frontier's plan at ``ratio``: the perplexity objective over the attention selectors (what results/
         holds; the planner's default since then is measured by smollm2_tasks.py)."""
-        from kvsplice.adapters import adapter_for
-        from kvsplice.evaluation.protocol import full_bytes_per_token
-        from kvsplice.planning.search import SearchOptions, search
-
         opts = SearchOptions(prompt_len=PROMPT, budget=full_bytes_per_token(adapter_for(self.model)) / ratio,
                              batch_size=2, objective="ppl", prefill="any", selectors=("snapkv", "observed_attention"))
         found = search(self.model, self.stats, self.tune, opts, log=lambda s: print(s, flush=True))
@@ -81,8 +78,6 @@ class Bench:
     def hf_quantized(self, rid: str, spec: dict) -> dict:
         """transformers' ``QuantizedCache`` (its defaults: group 64, residual 128, axis 0) on protocol P, token by
         token; bytes measured from the cache's tensors (quanto's packed data, scales, shifts) after the prefill."""
-        from transformers.cache_utils import QuantizedCache
-
         t0, held = time.perf_counter(), []
         kw = {} if spec["hf_quant"] == "fp8" else {"nbits": spec["nbits"]}  # fp8: per tensor, no nbits
         cache = QuantizedCache(spec["hf_quant"], config=self.model.config, **kw)
@@ -101,8 +96,6 @@ class Bench:
         windows = self.s_windows if proto == "S" else self.eval
         prompt, extra = 0 if proto == "W" else PROMPT, {}
         if spec.get("store") == "joint":  # grouped-head joint latents: a method of its own, not a planner store
-            from kvsplice.lowrank.joint import JointLowRank, allocate_joint
-
             s = self.stats[spec.get("rope", "pre")]
             n = round(2 * s.n_layer * s.n_kv_head * s.head_dim / spec["alloc"])
             jb = allocate_joint(s, n, spec.get("method", "fisher"))

@@ -13,6 +13,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from transformers import DynamicCache
+
+from kvsplice.core.build import build_method, needs_prompt
+from kvsplice.decode import Decoder
+from kvsplice.hf import KVSpliceHFCache
+from kvsplice.hf.measure import cache_nbytes
+from kvsplice.planning.spec import Plan
 
 __all__ = ["interleaved", "measure", "method_factories", "peak_rss", "prefill_and_steps", "prompt_ids", "rss"]
 
@@ -50,16 +57,10 @@ def prefill_and_steps(model, door: str, method, ids: torch.Tensor, capacity: int
     """``(prefill, step, cache)`` of ``method`` (a bound-able method, or ``None`` for the full cache) in ``door``:
     ``prefill()`` and ``step(ids)`` return the last position's logits ``(B, 1, V)``."""
     if door == "hf":
-        from transformers import DynamicCache
-
-        from kvsplice.hf import KVSpliceHFCache
-
         cache = DynamicCache() if method is None else KVSpliceHFCache(model, method)
         run = lambda x: model(x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits  # noqa: E731
         return (lambda: run(ids)), run, cache
     if door == "decoder":
-        from kvsplice.decode import Decoder
-
         dec = Decoder(model, method)
         cache = dec.new_cache(ids.shape[0], capacity=capacity)
         return (lambda: dec(ids, cache, last_only=True)), (lambda x: dec(x, cache, last_only=True)), cache
@@ -82,8 +83,6 @@ def measure(model, door: str, methods: Sequence[tuple[str, Any]], ids: torch.Ten
     """Prefill every ``(label, method)`` (``method``: a method, a callable ``ids → method``, or ``None``: the full
     cache) on ``ids (B, T)`` once (timed), then ``warmup + rounds`` round-robin decode steps (argmax token, last
     logits only) → a row per method: median step, its ratio to the first method's, thread-CPU and wall."""
-    from kvsplice.hf.measure import cache_nbytes
-
     runs = []  # per method: its step, cache, prefill times and next ids
     capacity = ids.shape[1] + warmup + rounds + 1
     for label, method in methods:
@@ -123,9 +122,6 @@ def method_factories(args, model, tok, picks: dict):
     """``[(label, method | None | ids → method)]`` of ``args.methods`` (``picks``: name → spec, or a plan file from
     ``args.plan4`` / ``args.plan8``): the full cache is ``None``; a plan or a KVzip spec is built per prompt (it
     re-reads it); ``args.pick_scores == "random"`` gives the KVzip stacks random token scores."""
-    from kvsplice.core.build import build_method, needs_prompt
-    from kvsplice.planning.spec import Plan
-
     out = []
     for name in args.methods:
         plan_path, spec = {"pick4x": args.plan4, "pick8x": args.plan8}.get(name), picks.get(name, name)

@@ -8,14 +8,14 @@ from pathlib import Path
 
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import CALIB, STORIES
+from kvsplice.convert.llama2c import convert_llama2c
+from kvsplice.loading import LoadError, first_line, iter_texts, load_model, token_stream
 
 __all__ = ["calibration_ids", "convert_stories", "load_stories", "windows"]
 
 
 def convert_stories(dest: Path) -> Path:
     """stories260K (llama2.c) as the transformers folder ``dest``, converted unless it is there already."""
-    from kvsplice.convert.llama2c import convert_llama2c
-
     for f in (STORIES / "stories260K.bin", STORIES / "tok512.bin"):
         if not f.is_file():
             raise UsageError(f"stories260K not found: {f} (pass --model)")
@@ -27,8 +27,6 @@ def convert_stories(dest: Path) -> Path:
 def load_stories(spec=None, need=()):
     """``spec`` loaded (:func:`kvsplice.loading.load_model`), or with None stories260K converted into a temporary
     folder first; a missing checkpoint, or a missing file of ``need``, is a :class:`UsageError`."""
-    from kvsplice.loading import LoadError, first_line, load_model
-
     for f in need:
         if not f.is_file():
             raise UsageError(f"missing reference data: {f}")
@@ -43,16 +41,12 @@ def load_stories(spec=None, need=()):
 
 def calibration_ids(loaded, tokens: int):
     """The first ``tokens`` token ids ``(tokens,)`` of the TinyStories train sample (the calibration text)."""
-    from kvsplice.loading import iter_texts, token_stream
-
     return token_stream(iter_texts(str(CALIB)), loaded.tokenizer, tokens)[0]
 
 
 def windows(loaded, text, length: int, n: int, split=None, skip: int = 0):
     """``(windows (N, length), stories)``: up to ``n`` windows of ``length`` tokens of ``text`` after its first
     ``skip`` tokens (at least one, and no longer than the model's positions: else a :class:`UsageError`)."""
-    from kvsplice.loading import iter_texts, token_stream
-
     limit = getattr(loaded, "max_positions", None)  # (a tokenizer alone: no limit)
     if limit is not None and length > limit:
         raise UsageError(f"a window of {length} tokens exceeds the model's {limit} positions")

@@ -1,9 +1,7 @@
 """The seed's capacity claim ("KVSplice 90 %: ~11,700 parallel sequences in 24 GB at 1,024 tokens, 18x throughput")
-in llama.cpp on this CPU: random-weight models (speed and memory do not depend on weights) at GPT-2-124M shapes,
-standard attention (a Llama export) and MLA with a latent of 256, 128 (KVSplice-50) or 26 (KVSplice-90) + one 64-dim
-RoPE key (DeepSeek-V3 exports, llama.cpp's converter + ``to_gguf``'s post-step). Per model and ``--ctx``: llama.cpp's
-f16 KV bytes per token, the most sequences in ``--budget-gib`` and ``llama-batched-bench``'s decode tokens/s at that
-batch (≤ LLAMA_MAX_SEQ), ``-fa`` on and off, interleaved repeats, medians, each model at its faster setting.
+in llama.cpp on this CPU, random weights at GPT-2-124M shapes: a Llama export and DeepSeek-V3 exports of latent 256,
+128 or 26 + a 64-dim RoPE key. Per model and ``--ctx``: llama.cpp's f16 KV bytes per token, the sequences that fit
+``--budget-gib``, ``llama-batched-bench``'s decode tokens/s at that batch (medians, the faster ``-fa`` setting).
 
     KVSPLICE_LLAMA_CPP=... python -m benchmarks.engine_serving [--smoke]
 """

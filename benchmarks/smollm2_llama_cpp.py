@@ -1,7 +1,6 @@
-"""SmolLM2-135M-Instruct with llama.cpp's own KV cache quantisation (``-ctk`` / ``-ctv``: ``q8_0``, ``q4_0``,
-``q4_1``, ``iq4_nl``, and ``f16`` as its baseline) as rows of our tables: protocol P's perplexity on the same windows,
-the task suite's answers on the same instances, and the cache bytes per token llama.cpp reports — beside our stacks'
-figures from ``results/`` (the same windows and seeds).
+"""SmolLM2-135M-Instruct with llama.cpp's KV cache types (``-ctk`` / ``-ctv``: ``q8_0``, ``q4_0``, ``q4_1``,
+``iq4_nl``; ``f16`` the baseline) as rows of our tables: protocol P, the task suite, its cache bytes per token —
+beside our stacks' figures from ``results/`` (the same windows and seeds).
 
     python -m benchmarks.smollm2_llama_cpp                       # perplexity + the reduced task set, every type
     python -m benchmarks.smollm2_llama_cpp --types q8_0 q4_0     # some types
@@ -10,8 +9,8 @@ figures from ``results/`` (the same windows and seeds).
                       # bytes at 2^15 cells (exact in llama.cpp's log); llama-perplexity itself beside our API path
     python -m benchmarks.smollm2_llama_cpp --report-only --resume --force   # the report from what is finished
 
-``--resume`` keeps every finished row and measures the rest; our rows come from ``results/`` (the study's YAML).
-llama.cpp: its C API (``$KVSPLICE_LLAMA_CPP``), flash attention on (it quantises V only with it).
+``--resume`` keeps the finished rows. llama.cpp: its C API (``$KVSPLICE_LLAMA_CPP``), flash attention on (V is
+quantised only with it).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""What the engine studies share: exports, perplexity; ``engines_vllm.py``'s runs (an export in vLLM / llama.cpp against
-transformers and ours: :func:`compare`) and ``engines_vllm_plugin.py``'s (models in one KV budget: :func:`one_run`;
-the load meanwhile, ratios to standard attention and their spread over repeated runs)."""
+"""The engine studies' exports and perplexity; ``engines_vllm``'s runs (:func:`compare`: vLLM / llama.cpp against
+transformers and ours), ``engines_vllm_plugin``'s (:func:`one_run`: one KV budget; load, ratios, their spread)."""
 
 from __future__ import annotations
 
@@ -60,14 +59,6 @@ def ppl(logits, ids: Sequence[int]) -> float:
     return math.exp(torch.nn.functional.cross_entropy(lg[:-1], t[1:]).item())
 
 
-def in_llama_cpp(gguf: Path, ids: Sequence[int], prompt: Sequence[int], new: int, n_ctx: int) -> dict[str, Any]:
-    """``gguf`` in llama.cpp (f16 KV cache): perplexity of ``ids``, greedy ``new`` tokens after ``prompt``, its cache
-    (log) and bytes per token."""
-    with llama_cpp.LlamaCppModel(gguf, n_ctx=n_ctx, cache_type="f16") as lm:
-        return {"ppl": ppl(lm.logits(list(ids)), ids), "greedy": lm.greedy(list(prompt), new),
-                "kv_bytes_per_token": lm.kv_bytes_per_token, "kv_cache": lm.kv_cache()}
-
-
 def logprobs_of(logits: torch.Tensor, ids: Sequence[int]) -> list[float]:
     """``log p(ids[i] | ids[:i])`` for i ≥ 1 from next-token ``logits`` (T, V)."""
     t = torch.as_tensor(list(ids))
@@ -89,9 +80,8 @@ def reference(folder: Path, ids: Sequence[int], prompt: Sequence[int], new: int)
 def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int, max_model_len: int,
             ours_logits: torch.Tensor, ours_greedy: list[int], ref_dir: Optional[Path] = None,
             kernel_rope: bool = True, engines: Sequence[str] = ("vllm",)) -> dict[str, Any]:
-    """``engines`` against transformers on ``ref_dir`` (the unpadded export; default ``hf_dir``) and ours
-    (``ours_logits`` (T, V) on ``ids``, ``ours_greedy`` after ``prompt``), on ``ids``: vLLM on the (padded) export
-    ``hf_dir``, llama.cpp (f16 KV cache) on ``ref_dir`` converted by its own converter."""
+    """``engines`` (vLLM on the padded export ``hf_dir``, llama.cpp (f16 KV) on ``ref_dir`` by its converter) against
+    transformers on ``ref_dir`` (unpadded; default ``hf_dir``) and ours (``ours_logits`` (T, V), ``ours_greedy``)."""
     ref_dir = ref_dir or hf_dir
     ref_lp, ref_greedy = reference(ref_dir, ids, prompt, new)
     lp, greedy, out = {"transformers": ref_lp}, {"transformers": ref_greedy, "ours": list(ours_greedy)}, {}
@@ -131,8 +121,7 @@ def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int
 @torch.no_grad()
 def trained(ckpt: Path, text: str, *, tokens: int = 96, new: int = 32, work: Optional[Path] = None,
             kernel_rope: bool = True, engines: Sequence[str] = ("vllm",)) -> dict[str, Any]:
-    """A trained checkpoint: ours (and our f16 cache's bytes, measured), transformers (its export), ``engines``: vLLM
-    (the export padded; ``kernel_rope``: its RoPE op too), llama.cpp (f16 KV cache)."""
+    """A trained checkpoint in :func:`compare` (``kernel_rope``: vLLM's RoPE op too), with our f16 cache's bytes."""
     from models.checkpoint import load_gpt_checkpoint
     from training.export import export_kind
 
@@ -215,8 +204,8 @@ def measure(name: str, folder: Path, ref_dir: Path, cfg, *, budget: int, context
 
 
 def models(shapes: Sequence[str], trained: Sequence[Path], mha_seqs: int, context: int):
-    """``(name, cfg, model, budget)`` per model: the 124M ``shapes`` (seed 0), then the ``trained`` checkpoints, each
-    group's budget ``mha_seqs`` full-length sequences of its standard attention (+ :data:`SLACK` tokens)."""
+    """``(name, cfg, model, budget)``: the 124M ``shapes`` (seed 0), the ``trained``; a group's budget ``mha_seqs``
+    full-length sequences of its standard attention (+ :data:`SLACK` tokens)."""
     from models import GPT
     from models.checkpoint import load_gpt_checkpoint
     from models.config import GPTConfig
@@ -234,8 +223,7 @@ def models(shapes: Sequence[str], trained: Sequence[Path], mha_seqs: int, contex
 
 
 def one_run(shapes, trained, *, mha_seqs: int, context: int, new: int, previous=lambda **key: None):
-    """Every model once in vLLM (fresh exports; KVSplice-90 also padded to 512 + 64 without the plugin): its rows;
-    ``previous(model=, plugin=)``: a row kept from a resumed run instead."""
+    """Every model once in vLLM (KVSplice-90 also padded, no plugin); ``previous(model=, plugin=)``: a kept row."""
     work = Path(tempfile.mkdtemp(prefix="vllm_plugin_bench_"))
     try:
         for name, cfg, model, budget in models(shapes, trained, mha_seqs, context):
@@ -256,8 +244,8 @@ def one_run(shapes, trained, *, mha_seqs: int, context: int, new: int, previous=
 
 @contextlib.contextmanager
 def sampled_load(every: float = 5.0):
-    """The 1-minute load average every ``every`` seconds in the ``with`` block (the CPU is shared: the conditions a
-    run was measured under): yields a dict that holds their mean, min, max and count when the block ends."""
+    """The 1-minute load average every ``every`` seconds in the block (the CPU is shared): a dict of its mean, min,
+    max and count when the block ends."""
     x, done, out = [os.getloadavg()[0]], threading.Event(), {}
 
     def sample() -> None:
@@ -294,8 +282,7 @@ def spread(values: Sequence[float]) -> dict[str, Any]:
 
 
 def repeat_summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per ratio: its median and spread at the median decode step and over all decode steps, over the runs that
-    measured it (``runs``: their indices; a run cut short lacks the models it did not reach)."""
+    """Per ratio: its spread at the median decode step and over all steps, over the runs (``runs``) that have it."""
     per = [(ratios(r["rows"]), ratios(r["rows"], ALL_STEPS)) for r in runs]
     out = []
     for k in dict.fromkeys(k for m, _ in per for k in m):

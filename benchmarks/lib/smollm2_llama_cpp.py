@@ -1,6 +1,5 @@
-"""The rows of ``benchmarks/smollm2_llama_cpp.py``: llama.cpp's cache types on protocol P and the task instances, fed
-our token ids and scored as ours are (:func:`protocol_p`, :func:`answer`), its cache per token, llama-perplexity beside
-the C API path, our stacks on protocol P, and the tables' figures beside our rows from ``results/``."""
+"""``smollm2_llama_cpp``'s rows: llama.cpp's cache types on protocol P and the tasks (our ids, our scoring), its cache
+per token, llama-perplexity beside the C API path, our stacks; the tables beside our rows from ``results/``."""
 
 from __future__ import annotations
 
@@ -95,9 +94,8 @@ def exact_bytes(kv: str, cells: int = 32768) -> dict[str, Any]:
 
 
 def cross_check(kv: str, threads: int, chunks: int = 2, n_ctx: int = 1024) -> dict[str, Any]:
-    """``llama-perplexity -ctk KV -ctv KV -fa on`` on the validation text (its own protocol: chunks of ``n_ctx``
-    tokens of llama.cpp's tokenisation, the second half scored) beside the same chunks scored through our C API path
-    (:meth:`LlamaCppModel.continuation_nll`, the first ``n_ctx / 2 + 1`` tokens as the prompt): they should agree."""
+    """``llama-perplexity -ctk KV -ctv KV -fa on`` on the validation text (chunks of ``n_ctx`` tokens, the second
+    half scored) beside the same chunks through :meth:`LlamaCppModel.continuation_nll`: they should agree."""
     gguf = next(MODEL.glob("*.gguf"))
     cmd = [str(binary("llama-perplexity")), "-m", str(gguf), "-f", str(STORIES), "-c", str(n_ctx), "-b", str(n_ctx),
            "--chunks", str(chunks), "-t", str(threads), "-fa", "on", "-ctk", kv, "-ctv", kv, "--no-repack"]

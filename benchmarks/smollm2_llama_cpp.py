@@ -43,7 +43,7 @@ def rows(run):
 
     import benchmarks.lib.smollm2_windows as C
     from kvsplice.convert.engines.kv_types import kv_type
-    from kvsplice.convert.engines.llama_cpp import missing
+    from kvsplice.convert.engines.llama_cpp import LlamaCppModel, missing
 
     a = run.args
     try:
@@ -55,7 +55,8 @@ def rows(run):
     if a.report_only or not (a.types or a.cross_check or a.ours):
         return
     why = missing(converter=False, bindings=True) if a.types or a.cross_check else None
-    if not next(MODEL.glob("*.gguf"), None) or why:
+    gguf = next(MODEL.glob("*.gguf"), None)
+    if not gguf or why:
         raise UsageError(why or f"no GGUF under {MODEL}")
     from kvsplice.loading import load_tokenizer
     from kvsplice.tasks.suite import make_instances
@@ -66,9 +67,10 @@ def rows(run):
     run.say(f"windows {tuple(windows.shape)}, {len(insts)} instances")
     for kv in a.types:
         yield from lib.type_rows(kv, run, tok, windows, insts)
-    for kv in a.types if a.exact_bytes else []:
+    for kv in a.types if a.exact_bytes else []:  # at 2^15 cells llama.cpp's MiB (2 decimals) are exact for SmolLM2
         if not run.previous(kind="cache", type=kv, cells=32768):
-            yield lib.exact_bytes(kv)
+            with LlamaCppModel(gguf, n_ctx=32768, n_batch=32, cache_type=kv, flash_attn=True) as lm:
+                yield lib.cache_row(lm, kv)
     for kv in a.cross_check:
         if not run.previous(kind="cross_check", type=kv):
             yield lib.cross_check(kv, a.threads)

@@ -43,16 +43,6 @@ def export(ckpt: Path, out: Path, fmt: str = "auto", pad: tuple = (None, None), 
     return out
 
 
-def export_model(model, out: Path, pad: tuple = (None, None)) -> Path:
-    """A :class:`models.GPT` (random weights: no tokenizer) exported into ``out`` through a checkpoint beside it."""
-    from models.checkpoint import save_model
-
-    ckpt = save_model(model, out.with_suffix(".ckpt"))  # beside it: in the caller's temporary folder
-    export(ckpt, out, pad=pad, tokenizer=False)
-    ckpt.unlink()
-    return out
-
-
 def ppl(logits, ids: Sequence[int]) -> float:
     """Perplexity of ``ids`` (T,) under next-token ``logits`` (T, V)."""
     lg, t = torch.as_tensor(logits).float(), torch.as_tensor(list(ids))
@@ -224,15 +214,18 @@ def models(shapes: Sequence[str], trained: Sequence[Path], mha_seqs: int, contex
 
 def one_run(shapes, trained, *, mha_seqs: int, context: int, new: int, previous=lambda **key: None):
     """Every model once in vLLM (KVSplice-90 also padded, no plugin); ``previous(model=, plugin=)``: a kept row."""
+    from models.checkpoint import save_model
+
     work = Path(tempfile.mkdtemp(prefix="vllm_plugin_bench_"))
     try:
         for name, cfg, model, budget in models(shapes, trained, mha_seqs, context):
-            padded, ref = cfg.attention == "mla" and "kvsplice_90" in cfg.variant, None
+            padded, ckpt, ref = cfg.attention == "mla" and "kvsplice_90" in cfg.variant, None, None
             for plugin, pad in ((True, None), (False, PAD))[: 1 + padded]:
                 row = previous(model=name, plugin=plugin)
                 if row is None:
-                    ref = ref or export_model(model, work / "x")
-                    folder = export_model(model, work / "x_padded", pad) if pad else ref
+                    ckpt = ckpt or save_model(model, work / "x.ckpt")  # random weights: exported without a tokenizer
+                    ref = ref or export(ckpt, work / "x", tokenizer=False)
+                    folder = export(ckpt, work / "x_padded", pad=pad, tokenizer=False) if pad else ref
                     row_bytes = cache_bytes_formula(cfg, 1, torch.float32) if plugin else cfg.n_layer * sum(PAD) * 4
                     row = measure(name, folder, ref, cfg, budget=budget, context=min(context, cfg.block_size),
                                   new=new, plugin=plugin, row_bytes=row_bytes)

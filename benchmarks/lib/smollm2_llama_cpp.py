@@ -87,12 +87,6 @@ def type_rows(kv: str, run, tokenizer, windows, insts):
                    "type": kv}
 
 
-def exact_bytes(kv: str, cells: int = 32768) -> dict[str, Any]:
-    """The cache row at ``cells`` cells (2^15: llama.cpp's MiB, printed to 2 decimals, are exact for SmolLM2)."""
-    with LlamaCppModel(next(MODEL.glob("*.gguf")), n_ctx=cells, n_batch=32, cache_type=kv, flash_attn=True) as lm:
-        return cache_row(lm, kv)
-
-
 def cross_check(kv: str, threads: int, chunks: int = 2, n_ctx: int = 1024) -> dict[str, Any]:
     """``llama-perplexity -ctk KV -ctv KV -fa on`` on the validation text (chunks of ``n_ctx`` tokens, the second
     half scored) beside the same chunks through :meth:`LlamaCppModel.continuation_nll`: they should agree."""

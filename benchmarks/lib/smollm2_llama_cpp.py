@@ -98,16 +98,14 @@ def cross_check(kv: str, threads: int, chunks: int = 2, n_ctx: int = 1024) -> di
     m = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", r.stdout + r.stderr)
     if m is None:
         raise RuntimeError(f"llama-perplexity failed (exit {r.returncode}): {(r.stderr or r.stdout)[-400:]}")
-    tool_s, nll, n = time.perf_counter() - t0, 0.0, 0
+    tool_s = time.perf_counter() - t0
     with LlamaCppModel(gguf, n_ctx=n_ctx, cache_type=kv, flash_attn=True, threads=threads) as lm:
-        ids = lm.tokenize(STORIES.read_text(encoding="utf-8"), add_special=True)  # as the tool
-        bos = lm.ll.llama_vocab_bos(lm.vocab) if lm.ll.llama_vocab_get_add_bos(lm.vocab) else None
-        for c in range(chunks):
-            w = ids[c * n_ctx:(c + 1) * n_ctx]
-            x, k = lm.continuation_nll(w if bos is None else [bos] + w[1:], n_ctx // 2 + 1, chunk=n_ctx)
-            nll, n = nll + x, n + k
+        ids = lm.tokenize(STORIES.read_text(encoding="utf-8"), add_special=True)  # as the tool, each chunk from BOS
+        bos = [lm.ll.llama_vocab_bos(lm.vocab)] if lm.ll.llama_vocab_get_add_bos(lm.vocab) else []
+        api = protocol_p(lm, [bos + ids[c * n_ctx + len(bos):(c + 1) * n_ctx] for c in range(chunks)],
+                         prompt_len=n_ctx // 2 + 1, chunk=n_ctx)
     return {"kind": "cross_check", "type": kv, "command": " ".join(cmd), "llama_perplexity": float(m[1]),
-            "pm": float(m[2]), "tool_seconds": tool_s, "api": math.exp(nll / n), "scored_tokens": n,
+            "pm": float(m[2]), "tool_seconds": tool_s, "api": api["ppl"], "scored_tokens": api["scored_tokens"],
             "chunks": chunks, "n_ctx": n_ctx}
 
 

@@ -35,11 +35,9 @@ def options(p) -> None:
     p.add_argument("--ctx", type=int, nargs="+", help="tokens per sequence")
     p.add_argument("--budget-gib", type=float, help="the KV cache budget")
     p.add_argument("--ntg", type=int, help="decode steps timed per batch")
-    p.add_argument("--flash-attn", nargs="+", choices=("auto", "on", "off"),
-                   help="llama.cpp's -fa settings, each timed; a model's figure is its faster one (a user's pick)")
+    p.add_argument("--flash-attn", nargs="+", choices=("auto", "on", "off"), help="-fa settings (a model: its faster)")
     p.add_argument("--repeats", type=int, help="interleaved repeats (model by model), medians reported")
-    p.add_argument("--latents", nargs="+", metavar="std|R",
-                   help="the models: std (standard attention) and MLA latent sizes R (each + a 64-dim RoPE key)")
+    p.add_argument("--latents", nargs="+", metavar="std|R", help="std (standard attention) or MLA latent R (+ 64 RoPE)")
 
 
 def build(folder: Path, latent, s: dict) -> None:

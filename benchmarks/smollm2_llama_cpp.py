@@ -30,10 +30,8 @@ def options(ap) -> None:
     ap.add_argument("--n", type=int, default=8, help="instances per task and length, seeds 0..n-1 (default 8)")
     ap.add_argument("--settings", nargs="+", default=["agnostic"], choices=("agnostic", "aware"))
     ap.add_argument("--ours", nargs="*", default=[], help="our method specs to run on protocol P too (loads the model)")
-    ap.add_argument("--cross-check", nargs="*", default=[], metavar="TYPE",
-                    help="run llama-perplexity itself with these types beside our API path (2 chunks of 1,024)")
-    ap.add_argument("--exact-bytes", action="store_true",
-                    help="read each type's cache per token at 2^15 cells (exact MiB in llama.cpp's log)")
+    ap.add_argument("--cross-check", nargs="*", default=[], metavar="TYPE", help="llama-perplexity beside our API path")
+    ap.add_argument("--exact-bytes", action="store_true", help="cache bytes at 2^15 cells (exact in its log)")
     ap.add_argument("--report-only", action="store_true", help="the report from --resume's JSON; measure nothing")
 
 

@@ -34,8 +34,7 @@ SLACK = 2 * BLOCK  # tokens over --mha-seqs sequences in the budget: vLLM's null
 
 
 def export(ckpt: Path, out: Path, fmt: str = "auto", pad: tuple = (None, None), tokenizer: bool = True) -> Path:
-    """``ckpt`` exported into ``out`` (replaced) by :func:`training.export.export`; ``pad``: the DeepSeek-V3 export's
-    (latent, RoPE) widths. Its report goes to stderr (stdout is the study's)."""
+    """``ckpt`` exported into ``out`` (replaced; ``pad``: DeepSeek-V3 latent, RoPE widths), its report to stderr."""
     from training import export as ex
 
     with contextlib.redirect_stdout(sys.stderr):
@@ -237,8 +236,7 @@ def one_run(shapes, trained, *, mha_seqs: int, context: int, new: int, previous=
 
 @contextlib.contextmanager
 def sampled_load(every: float = 5.0):
-    """The 1-minute load average every ``every`` seconds in the block (the CPU is shared): a dict of its mean, min,
-    max and count when the block ends."""
+    """The 1-minute load average every ``every`` s in the block (a shared CPU): a dict of its mean, min, max, count."""
     x, done, out = [os.getloadavg()[0]], threading.Event(), {}
 
     def sample() -> None:

@@ -29,8 +29,7 @@ def _load(path: Path) -> dict[str, Any]:
 
 def protocol_p(lm: LlamaCppModel, windows: Sequence[Sequence[int]], *, prompt_len: int = 768,
                chunk: int = 64) -> dict[str, Any]:
-    """Perplexity of the continuations of ``windows`` (``(N, T)`` ids) after ``prompt_len`` prompt tokens, pooled
-    over the windows, in ``lm``'s cache types."""
+    """Pooled perplexity of the continuations of ``windows`` (N, T) after ``prompt_len`` tokens, in ``lm``'s cache."""
     t0, c0 = time.perf_counter(), time.process_time()
     per = [lm.continuation_nll([int(t) for t in w], prompt_len, chunk) for w in windows]  # (nll, scored) a window
     scored = sum(n for _, n in per)

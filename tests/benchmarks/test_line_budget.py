@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT_LINES, FOLDER_LINES = 150, 6000
 OVER: dict[str, int] = {}
 """Scripts not yet within :data:`SCRIPT_LINES`: their length now (the most they may have)."""
-FOLDER_NOW = 6058
+FOLDER_NOW = 6051
 """The folder's lines now (the most it may have until it is within :data:`FOLDER_LINES`)."""
 
 

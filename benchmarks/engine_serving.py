@@ -1,9 +1,7 @@
 """The seed's capacity claim ("KVSplice 90 %: ~11,700 parallel sequences in 24 GB at 1,024 tokens, 18x throughput")
-in llama.cpp on this CPU: random-weight models (speed and memory do not depend on weights) at GPT-2-124M shapes,
-standard attention (a Llama export) and MLA with a latent of 256, 128 (KVSplice-50) or 26 (KVSplice-90) + one 64-dim
-RoPE key (DeepSeek-V3 exports, llama.cpp's converter + ``to_gguf``'s post-step). Per model and ``--ctx``: llama.cpp's
-f16 KV bytes per token, the most sequences in ``--budget-gib`` and ``llama-batched-bench``'s decode tokens/s at that
-batch (≤ LLAMA_MAX_SEQ), ``-fa`` on and off, interleaved repeats, medians, each model at its faster setting.
+in llama.cpp on this CPU, random weights at GPT-2-124M shapes: a Llama export and DeepSeek-V3 exports of latent 256,
+128 or 26 + a 64-dim RoPE key. Per model and ``--ctx``: llama.cpp's f16 KV bytes per token, the sequences that fit
+``--budget-gib``, ``llama-batched-bench``'s decode tokens/s at that batch (medians, the faster ``-fa`` setting).
 
     KVSPLICE_LLAMA_CPP=... python -m benchmarks.engine_serving [--smoke]
 """
@@ -37,11 +35,9 @@ def options(p) -> None:
     p.add_argument("--ctx", type=int, nargs="+", help="tokens per sequence")
     p.add_argument("--budget-gib", type=float, help="the KV cache budget")
     p.add_argument("--ntg", type=int, help="decode steps timed per batch")
-    p.add_argument("--flash-attn", nargs="+", choices=("auto", "on", "off"),
-                   help="llama.cpp's -fa settings, each timed; a model's figure is its faster one (a user's pick)")
+    p.add_argument("--flash-attn", nargs="+", choices=("auto", "on", "off"), help="-fa settings (a model: its faster)")
     p.add_argument("--repeats", type=int, help="interleaved repeats (model by model), medians reported")
-    p.add_argument("--latents", nargs="+", metavar="std|R",
-                   help="the models: std (standard attention) and MLA latent sizes R (each + a 64-dim RoPE key)")
+    p.add_argument("--latents", nargs="+", metavar="std|R", help="std (standard attention) or MLA latent R (+ 64 RoPE)")
 
 
 def build(folder: Path, latent, s: dict) -> None:

@@ -2,10 +2,9 @@
 transformers, llama.cpp (its converter + our q_lora_rank post-step) and vLLM: perplexity, greedy tokens, cache bytes.
 ``python -m benchmarks.engines_smollm2 [--model RUN/model --tag tuned]`` (results/engines_smollm2[_tuned].*).
 
-Rows (calibration: TinyStoriesV2's first ``--calib-tokens``; evaluation: one window of the TinyStories train sample,
-no BOS): the source (transformers, fp32), the norm-free conversion (or ``--model DIR``, a converted folder), its export
-in transformers, llama.cpp (f32 / bf16 / f16 GGUF, f16 KV cache) and vLLM's plugin when there, and a real latent
-RMSNorm (``--latent-norm``: the unusable export).
+Rows: the source (transformers, fp32), the norm-free conversion (or ``--model DIR``), its export in transformers,
+llama.cpp (f32 / bf16 / f16 GGUF, f16 KV cache), vLLM's plugin, a real latent RMSNorm (``--latent-norm``: unusable).
+Calibration: TinyStoriesV2's first ``--calib-tokens``; evaluation: one window of the TinyStories train sample, no BOS.
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ import torch
 
 from benchmarks.harness.paths import DATA
 from benchmarks.harness.runner import Study
-from benchmarks.lib.engines import in_llama_cpp, ppl
-from kvsplice.convert.engines.llama_cpp import missing
+from benchmarks.lib.engines import ppl
+from kvsplice.convert.engines.llama_cpp import LlamaCppModel, missing
 
 
 def options(p) -> None:
@@ -84,9 +83,11 @@ def rows(run):
         for outtype in ("f32", "bf16", "f16"):
             g = work / f"dsv3-{outtype}.gguf"
             added = hf_to_gguf(ds_dir, g, outtype=outtype)
-            row = {"name": f"same export in llama.cpp ({outtype} GGUF, f16 KV cache)",
-                   **in_llama_cpp(g, ev.tolist(), prompt, n_greedy, n_ctx=run["eval_tokens"]), "post_step_added": added}
-            row["greedy_text"] = tok.backend.decode(row["greedy"])
+            with LlamaCppModel(g, n_ctx=run["eval_tokens"], cache_type="f16") as lm:
+                lp, new = ppl(lm.logits(ev.tolist()), ev), lm.greedy(prompt, n_greedy)
+                row = {"name": f"same export in llama.cpp ({outtype} GGUF, f16 KV cache)", "ppl": lp, "greedy": new,
+                       "kv_bytes_per_token": lm.kv_bytes_per_token, "kv_cache": lm.kv_cache(),
+                       "post_step_added": added, "greedy_text": tok.backend.decode(new)}
             run.say(f"{row['name']}: ppl {row['ppl']:.3f}, {row['kv_bytes_per_token']} B / token, added {added}")
             yield row
     if vllm.missing() is None:  # the plugin's latent cache, fp32 (4 bytes a number)

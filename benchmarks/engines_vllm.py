@@ -7,12 +7,10 @@ tokens, per-token log-probabilities, perplexity, the backend vLLM picked and the
     python -m benchmarks.engines_vllm --resume --force              # only results/engines_vllm.md again
     python -m benchmarks.engines_vllm --ckpt CKPT --text TEXT --engines llama.cpp --tokens 128 --new 64
 
-``--ckpt``: a trained ``deepseek_v3``-layout checkpoint; ``--smollm2``: the shared SmolLM2 GGUF converted (latent
-128 + 64 shared RoPE). Each is exported unpadded (transformers' reference) and padded to 512 + 64 (vLLM's CPU MLA
-kernel), run in vLLM with its RoPE as PyTorch code and with its CPU RoPE op (which mis-indexes MLA's strided slices).
-``--engines llama.cpp`` (a checkpoint, ``llama`` export for standard attention): its own converter, f16 KV bytes per
-token against our f16 cache's. One row per model (by ``name``; ``--resume`` keeps the others). Needs vLLM's venv
-(``$KVSPLICE_VLLM_PYTHON``) / llama.cpp (``$KVSPLICE_LLAMA_CPP``); an engine missing is skipped with its reason.
+``--ckpt``: a trained ``deepseek_v3``-layout checkpoint; ``--smollm2``: the SmolLM2 GGUF converted (128 + 64 shared
+RoPE). Exported unpadded (transformers) and padded to 512 + 64 (vLLM's CPU MLA kernel, with its RoPE as PyTorch code
+and as its CPU op, which mis-indexes MLA's strided slices); ``--engines llama.cpp``: its converter, f16 KV bytes. One
+row per model (``--resume`` keeps the others). An engine missing ($KVSPLICE_VLLM_PYTHON, $KVSPLICE_LLAMA_CPP): skipped.
 """
 
 from __future__ import annotations

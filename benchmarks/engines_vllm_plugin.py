@@ -6,9 +6,8 @@ the padded 512 + 64 route (vLLM without the plugin) beside it. Needs vLLM's venv
     python -m benchmarks.engines_vllm_plugin --skip-124m --context 128 --trained RUNS/tiny_ds_mha/last.ckpt ...
     python -m benchmarks.engines_vllm_plugin --join A.json B.json --out results/engines_vllm_plugin
 
-Models: the 124M shapes, random weights (seed 0), and ``--trained`` tiny checkpoints; a group's budget: ``--mha-seqs``
-sequences of its standard attention. ``--repeats``: each ratio's median and spread (the table: the run nearest the
-median); ``--join``: earlier runs' JSON files in one report.
+Models: the 124M shapes (random weights, seed 0) and ``--trained`` tiny checkpoints, a group's budget ``--mha-seqs``
+sequences of its standard attention; ``--repeats``: each ratio's spread, the table the run nearest the median.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""SmolLM2-135M-Instruct with llama.cpp's own KV cache quantisation (``-ctk`` / ``-ctv``: ``q8_0``, ``q4_0``,
-``q4_1``, ``iq4_nl``, and ``f16`` as its baseline) as rows of our tables: protocol P's perplexity on the same windows,
-the task suite's answers on the same instances, and the cache bytes per token llama.cpp reports — beside our stacks'
-figures from ``results/`` (the same windows and seeds).
+"""SmolLM2-135M-Instruct with llama.cpp's KV cache types (``-ctk`` / ``-ctv``: ``q8_0``, ``q4_0``, ``q4_1``,
+``iq4_nl``; ``f16`` the baseline) as rows of our tables: protocol P, the task suite, its cache bytes per token —
+beside our stacks' figures from ``results/`` (the same windows and seeds).
 
     python -m benchmarks.smollm2_llama_cpp                       # perplexity + the reduced task set, every type
     python -m benchmarks.smollm2_llama_cpp --types q8_0 q4_0     # some types
@@ -10,8 +9,8 @@ figures from ``results/`` (the same windows and seeds).
                       # bytes at 2^15 cells (exact in llama.cpp's log); llama-perplexity itself beside our API path
     python -m benchmarks.smollm2_llama_cpp --report-only --resume --force   # the report from what is finished
 
-``--resume`` keeps every finished row and measures the rest; our rows come from ``results/`` (the study's YAML).
-llama.cpp: its C API (``$KVSPLICE_LLAMA_CPP``), flash attention on (it quantises V only with it).
+``--resume`` keeps the finished rows. llama.cpp: its C API (``$KVSPLICE_LLAMA_CPP``), flash attention on (V is
+quantised only with it).
 """
 
 from __future__ import annotations
@@ -31,10 +30,8 @@ def options(ap) -> None:
     ap.add_argument("--n", type=int, default=8, help="instances per task and length, seeds 0..n-1 (default 8)")
     ap.add_argument("--settings", nargs="+", default=["agnostic"], choices=("agnostic", "aware"))
     ap.add_argument("--ours", nargs="*", default=[], help="our method specs to run on protocol P too (loads the model)")
-    ap.add_argument("--cross-check", nargs="*", default=[], metavar="TYPE",
-                    help="run llama-perplexity itself with these types beside our API path (2 chunks of 1,024)")
-    ap.add_argument("--exact-bytes", action="store_true",
-                    help="read each type's cache per token at 2^15 cells (exact MiB in llama.cpp's log)")
+    ap.add_argument("--cross-check", nargs="*", default=[], metavar="TYPE", help="llama-perplexity beside our API path")
+    ap.add_argument("--exact-bytes", action="store_true", help="cache bytes at 2^15 cells (exact in its log)")
     ap.add_argument("--report-only", action="store_true", help="the report from --resume's JSON; measure nothing")
 
 
@@ -44,7 +41,7 @@ def rows(run):
 
     import benchmarks.lib.smollm2_windows as C
     from kvsplice.convert.engines.kv_types import kv_type
-    from kvsplice.convert.engines.llama_cpp import missing
+    from kvsplice.convert.engines.llama_cpp import LlamaCppModel, missing
 
     a = run.args
     try:
@@ -56,7 +53,8 @@ def rows(run):
     if a.report_only or not (a.types or a.cross_check or a.ours):
         return
     why = missing(converter=False, bindings=True) if a.types or a.cross_check else None
-    if not next(MODEL.glob("*.gguf"), None) or why:
+    gguf = next(MODEL.glob("*.gguf"), None)
+    if not gguf or why:
         raise UsageError(why or f"no GGUF under {MODEL}")
     from kvsplice.loading import load_tokenizer
     from kvsplice.tasks.suite import make_instances
@@ -67,9 +65,10 @@ def rows(run):
     run.say(f"windows {tuple(windows.shape)}, {len(insts)} instances")
     for kv in a.types:
         yield from lib.type_rows(kv, run, tok, windows, insts)
-    for kv in a.types if a.exact_bytes else []:
+    for kv in a.types if a.exact_bytes else []:  # at 2^15 cells llama.cpp's MiB (2 decimals) are exact for SmolLM2
         if not run.previous(kind="cache", type=kv, cells=32768):
-            yield lib.exact_bytes(kv)
+            with LlamaCppModel(gguf, n_ctx=32768, n_batch=32, cache_type=kv, flash_attn=True) as lm:
+                yield lib.cache_row(lm, kv)
     for kv in a.cross_check:
         if not run.previous(kind="cross_check", type=kv):
             yield lib.cross_check(kv, a.threads)

@@ -1,6 +1,5 @@
-"""What the engine studies share: exports, perplexity; ``engines_vllm.py``'s runs (an export in vLLM / llama.cpp against
-transformers and ours: :func:`compare`) and ``engines_vllm_plugin.py``'s (models in one KV budget: :func:`one_run`;
-the load meanwhile, ratios to standard attention and their spread over repeated runs)."""
+"""The engine studies' exports and perplexity; ``engines_vllm``'s runs (:func:`compare`: vLLM / llama.cpp against
+transformers and ours), ``engines_vllm_plugin``'s (:func:`one_run`: one KV budget; load, ratios, their spread)."""
 
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ SLACK = 2 * BLOCK  # tokens over --mha-seqs sequences in the budget: vLLM's null
 
 
 def export(ckpt: Path, out: Path, fmt: str = "auto", pad: tuple = (None, None), tokenizer: bool = True) -> Path:
-    """``ckpt`` exported into ``out`` (replaced) by :func:`training.export.export`; ``pad``: the DeepSeek-V3 export's
-    (latent, RoPE) widths. Its report goes to stderr (stdout is the study's)."""
+    """``ckpt`` exported into ``out`` (replaced; ``pad``: DeepSeek-V3 latent, RoPE widths), its report to stderr."""
     from training import export as ex
 
     with contextlib.redirect_stdout(sys.stderr):
@@ -44,28 +42,10 @@ def export(ckpt: Path, out: Path, fmt: str = "auto", pad: tuple = (None, None), 
     return out
 
 
-def export_model(model, out: Path, pad: tuple = (None, None)) -> Path:
-    """A :class:`models.GPT` (random weights: no tokenizer) exported into ``out`` through a checkpoint beside it."""
-    from models.checkpoint import save_model
-
-    ckpt = save_model(model, out.with_suffix(".ckpt"))  # beside it: in the caller's temporary folder
-    export(ckpt, out, pad=pad, tokenizer=False)
-    ckpt.unlink()
-    return out
-
-
 def ppl(logits, ids: Sequence[int]) -> float:
     """Perplexity of ``ids`` (T,) under next-token ``logits`` (T, V)."""
     lg, t = torch.as_tensor(logits).float(), torch.as_tensor(list(ids))
     return math.exp(torch.nn.functional.cross_entropy(lg[:-1], t[1:]).item())
-
-
-def in_llama_cpp(gguf: Path, ids: Sequence[int], prompt: Sequence[int], new: int, n_ctx: int) -> dict[str, Any]:
-    """``gguf`` in llama.cpp (f16 KV cache): perplexity of ``ids``, greedy ``new`` tokens after ``prompt``, its cache
-    (log) and bytes per token."""
-    with llama_cpp.LlamaCppModel(gguf, n_ctx=n_ctx, cache_type="f16") as lm:
-        return {"ppl": ppl(lm.logits(list(ids)), ids), "greedy": lm.greedy(list(prompt), new),
-                "kv_bytes_per_token": lm.kv_bytes_per_token, "kv_cache": lm.kv_cache()}
 
 
 def logprobs_of(logits: torch.Tensor, ids: Sequence[int]) -> list[float]:
@@ -89,9 +69,8 @@ def reference(folder: Path, ids: Sequence[int], prompt: Sequence[int], new: int)
 def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int, max_model_len: int,
             ours_logits: torch.Tensor, ours_greedy: list[int], ref_dir: Optional[Path] = None,
             kernel_rope: bool = True, engines: Sequence[str] = ("vllm",)) -> dict[str, Any]:
-    """``engines`` against transformers on ``ref_dir`` (the unpadded export; default ``hf_dir``) and ours
-    (``ours_logits`` (T, V) on ``ids``, ``ours_greedy`` after ``prompt``), on ``ids``: vLLM on the (padded) export
-    ``hf_dir``, llama.cpp (f16 KV cache) on ``ref_dir`` converted by its own converter."""
+    """``engines`` (vLLM on the padded export ``hf_dir``, llama.cpp (f16 KV) on ``ref_dir`` by its converter) against
+    transformers on ``ref_dir`` (unpadded; default ``hf_dir``) and ours (``ours_logits`` (T, V), ``ours_greedy``)."""
     ref_dir = ref_dir or hf_dir
     ref_lp, ref_greedy = reference(ref_dir, ids, prompt, new)
     lp, greedy, out = {"transformers": ref_lp}, {"transformers": ref_greedy, "ours": list(ours_greedy)}, {}
@@ -131,8 +110,7 @@ def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int
 @torch.no_grad()
 def trained(ckpt: Path, text: str, *, tokens: int = 96, new: int = 32, work: Optional[Path] = None,
             kernel_rope: bool = True, engines: Sequence[str] = ("vllm",)) -> dict[str, Any]:
-    """A trained checkpoint: ours (and our f16 cache's bytes, measured), transformers (its export), ``engines``: vLLM
-    (the export padded; ``kernel_rope``: its RoPE op too), llama.cpp (f16 KV cache)."""
+    """A trained checkpoint in :func:`compare` (``kernel_rope``: vLLM's RoPE op too), with our f16 cache's bytes."""
     from models.checkpoint import load_gpt_checkpoint
     from training.export import export_kind
 
@@ -215,8 +193,8 @@ def measure(name: str, folder: Path, ref_dir: Path, cfg, *, budget: int, context
 
 
 def models(shapes: Sequence[str], trained: Sequence[Path], mha_seqs: int, context: int):
-    """``(name, cfg, model, budget)`` per model: the 124M ``shapes`` (seed 0), then the ``trained`` checkpoints, each
-    group's budget ``mha_seqs`` full-length sequences of its standard attention (+ :data:`SLACK` tokens)."""
+    """``(name, cfg, model, budget)``: the 124M ``shapes`` (seed 0), the ``trained``; a group's budget ``mha_seqs``
+    full-length sequences of its standard attention (+ :data:`SLACK` tokens)."""
     from models import GPT
     from models.checkpoint import load_gpt_checkpoint
     from models.config import GPTConfig
@@ -234,17 +212,19 @@ def models(shapes: Sequence[str], trained: Sequence[Path], mha_seqs: int, contex
 
 
 def one_run(shapes, trained, *, mha_seqs: int, context: int, new: int, previous=lambda **key: None):
-    """Every model once in vLLM (fresh exports; KVSplice-90 also padded to 512 + 64 without the plugin): its rows;
-    ``previous(model=, plugin=)``: a row kept from a resumed run instead."""
+    """Every model once in vLLM (KVSplice-90 also padded, no plugin); ``previous(model=, plugin=)``: a kept row."""
+    from models.checkpoint import save_model
+
     work = Path(tempfile.mkdtemp(prefix="vllm_plugin_bench_"))
     try:
         for name, cfg, model, budget in models(shapes, trained, mha_seqs, context):
-            padded, ref = cfg.attention == "mla" and "kvsplice_90" in cfg.variant, None
+            padded, ckpt, ref = cfg.attention == "mla" and "kvsplice_90" in cfg.variant, None, None
             for plugin, pad in ((True, None), (False, PAD))[: 1 + padded]:
                 row = previous(model=name, plugin=plugin)
                 if row is None:
-                    ref = ref or export_model(model, work / "x")
-                    folder = export_model(model, work / "x_padded", pad) if pad else ref
+                    ckpt = ckpt or save_model(model, work / "x.ckpt")  # random weights: exported without a tokenizer
+                    ref = ref or export(ckpt, work / "x", tokenizer=False)
+                    folder = export(ckpt, work / "x_padded", pad=pad, tokenizer=False) if pad else ref
                     row_bytes = cache_bytes_formula(cfg, 1, torch.float32) if plugin else cfg.n_layer * sum(PAD) * 4
                     row = measure(name, folder, ref, cfg, budget=budget, context=min(context, cfg.block_size),
                                   new=new, plugin=plugin, row_bytes=row_bytes)
@@ -256,8 +236,7 @@ def one_run(shapes, trained, *, mha_seqs: int, context: int, new: int, previous=
 
 @contextlib.contextmanager
 def sampled_load(every: float = 5.0):
-    """The 1-minute load average every ``every`` seconds in the ``with`` block (the CPU is shared: the conditions a
-    run was measured under): yields a dict that holds their mean, min, max and count when the block ends."""
+    """The 1-minute load average every ``every`` s in the block (a shared CPU): a dict of its mean, min, max, count."""
     x, done, out = [os.getloadavg()[0]], threading.Event(), {}
 
     def sample() -> None:
@@ -294,8 +273,7 @@ def spread(values: Sequence[float]) -> dict[str, Any]:
 
 
 def repeat_summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per ratio: its median and spread at the median decode step and over all decode steps, over the runs that
-    measured it (``runs``: their indices; a run cut short lacks the models it did not reach)."""
+    """Per ratio: its spread at the median decode step and over all steps, over the runs (``runs``) that have it."""
     per = [(ratios(r["rows"]), ratios(r["rows"], ALL_STEPS)) for r in runs]
     out = []
     for k in dict.fromkeys(k for m, _ in per for k in m):

@@ -1,6 +1,5 @@
-"""The rows of ``benchmarks/smollm2_llama_cpp.py``: llama.cpp's cache types on protocol P and the task instances, fed
-our token ids and scored as ours are (:func:`protocol_p`, :func:`answer`), its cache per token, llama-perplexity beside
-the C API path, our stacks on protocol P, and the tables' figures beside our rows from ``results/``."""
+"""``smollm2_llama_cpp``'s rows: llama.cpp's cache types on protocol P and the tasks (our ids, our scoring), its cache
+per token, llama-perplexity beside the C API path, our stacks; the tables beside our rows from ``results/``."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ def _load(path: Path) -> dict[str, Any]:
 
 def protocol_p(lm: LlamaCppModel, windows: Sequence[Sequence[int]], *, prompt_len: int = 768,
                chunk: int = 64) -> dict[str, Any]:
-    """Perplexity of the continuations of ``windows`` (``(N, T)`` ids) after ``prompt_len`` prompt tokens, pooled
-    over the windows, in ``lm``'s cache types."""
+    """Pooled perplexity of the continuations of ``windows`` (N, T) after ``prompt_len`` tokens, in ``lm``'s cache."""
     t0, c0 = time.perf_counter(), time.process_time()
     per = [lm.continuation_nll([int(t) for t in w], prompt_len, chunk) for w in windows]  # (nll, scored) a window
     scored = sum(n for _, n in per)
@@ -88,16 +86,9 @@ def type_rows(kv: str, run, tokenizer, windows, insts):
                    "type": kv}
 
 
-def exact_bytes(kv: str, cells: int = 32768) -> dict[str, Any]:
-    """The cache row at ``cells`` cells (2^15: llama.cpp's MiB, printed to 2 decimals, are exact for SmolLM2)."""
-    with LlamaCppModel(next(MODEL.glob("*.gguf")), n_ctx=cells, n_batch=32, cache_type=kv, flash_attn=True) as lm:
-        return cache_row(lm, kv)
-
-
 def cross_check(kv: str, threads: int, chunks: int = 2, n_ctx: int = 1024) -> dict[str, Any]:
-    """``llama-perplexity -ctk KV -ctv KV -fa on`` on the validation text (its own protocol: chunks of ``n_ctx``
-    tokens of llama.cpp's tokenisation, the second half scored) beside the same chunks scored through our C API path
-    (:meth:`LlamaCppModel.continuation_nll`, the first ``n_ctx / 2 + 1`` tokens as the prompt): they should agree."""
+    """``llama-perplexity -ctk KV -ctv KV -fa on`` on the validation text (chunks of ``n_ctx`` tokens, the second
+    half scored) beside the same chunks through :meth:`LlamaCppModel.continuation_nll`: they should agree."""
     gguf = next(MODEL.glob("*.gguf"))
     cmd = [str(binary("llama-perplexity")), "-m", str(gguf), "-f", str(STORIES), "-c", str(n_ctx), "-b", str(n_ctx),
            "--chunks", str(chunks), "-t", str(threads), "-fa", "on", "-ctk", kv, "-ctv", kv, "--no-repack"]
@@ -106,16 +97,14 @@ def cross_check(kv: str, threads: int, chunks: int = 2, n_ctx: int = 1024) -> di
     m = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", r.stdout + r.stderr)
     if m is None:
         raise RuntimeError(f"llama-perplexity failed (exit {r.returncode}): {(r.stderr or r.stdout)[-400:]}")
-    tool_s, nll, n = time.perf_counter() - t0, 0.0, 0
+    tool_s = time.perf_counter() - t0
     with LlamaCppModel(gguf, n_ctx=n_ctx, cache_type=kv, flash_attn=True, threads=threads) as lm:
-        ids = lm.tokenize(STORIES.read_text(encoding="utf-8"), add_special=True)  # as the tool
-        bos = lm.ll.llama_vocab_bos(lm.vocab) if lm.ll.llama_vocab_get_add_bos(lm.vocab) else None
-        for c in range(chunks):
-            w = ids[c * n_ctx:(c + 1) * n_ctx]
-            x, k = lm.continuation_nll(w if bos is None else [bos] + w[1:], n_ctx // 2 + 1, chunk=n_ctx)
-            nll, n = nll + x, n + k
+        ids = lm.tokenize(STORIES.read_text(encoding="utf-8"), add_special=True)  # as the tool, each chunk from BOS
+        bos = [lm.ll.llama_vocab_bos(lm.vocab)] if lm.ll.llama_vocab_get_add_bos(lm.vocab) else []
+        api = protocol_p(lm, [bos + ids[c * n_ctx + len(bos):(c + 1) * n_ctx] for c in range(chunks)],
+                         prompt_len=n_ctx // 2 + 1, chunk=n_ctx)
     return {"kind": "cross_check", "type": kv, "command": " ".join(cmd), "llama_perplexity": float(m[1]),
-            "pm": float(m[2]), "tool_seconds": tool_s, "api": math.exp(nll / n), "scored_tokens": n,
+            "pm": float(m[2]), "tool_seconds": tool_s, "api": api["ppl"], "scored_tokens": api["scored_tokens"],
             "chunks": chunks, "n_ctx": n_ctx}
 
 

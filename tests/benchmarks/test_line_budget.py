@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT_LINES, FOLDER_LINES = 150, 6000
 OVER: dict[str, int] = {}
 """Scripts not yet within :data:`SCRIPT_LINES`: their length now (the most they may have)."""
-FOLDER_NOW = 5982
-"""The folder's lines now (the most it may have until it is within :data:`FOLDER_LINES`)."""
+FOLDER_NOW = 0
+"""A ceiling above the budget while the folder was over it (it only shrank); 0: the folder is within the budget."""
 
 
 def lines(path: Path) -> int:

@@ -1,12 +1,14 @@
-"""Median timers: wall seconds and CUDA-event milliseconds (each call started on an idle GPU)."""
+"""Median timers: wall seconds and CUDA-event milliseconds (each call started on an idle GPU); a background sampler."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
-__all__ = ["cuda_time", "median_of", "wall_time"]
+__all__ = ["cuda_time", "median_of", "sampled", "wall_time"]
 
 
 def wall_time(fn: Callable[[], object], n: int) -> list[float]:
@@ -41,3 +43,22 @@ def median_of(timer: Callable[[Callable[[], object], int], list[float]], fn: Cal
     for _ in range(warmup):
         fn()
     return statistics.median(timer(fn, n))
+
+
+@contextlib.contextmanager
+def sampled(read: Callable[[], float], every: float) -> Iterator[list[float]]:
+    """``read()`` at the block's start, every ``every`` s while it runs and at its end: the samples, in order."""
+    got, stop = [read()], threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(every):
+            got.append(read())
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield got
+    finally:
+        stop.set()
+        thread.join(timeout=2 * every + 1)
+        got.append(read())

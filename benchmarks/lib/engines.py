@@ -11,7 +11,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -19,6 +18,7 @@ from typing import Any, Optional, Sequence
 import torch
 import transformers
 
+from benchmarks.harness.timing import sampled
 from kvsplice.convert.engines import gguf_convert, llama_cpp
 from kvsplice.convert.engines import vllm as vllm_engine
 from kvsplice.report.memory import cache_bytes_formula, measure_cache
@@ -237,21 +237,10 @@ def one_run(shapes, trained, *, mha_seqs: int, context: int, new: int, previous=
 @contextlib.contextmanager
 def sampled_load(every: float = 5.0):
     """The 1-minute load average every ``every`` s in the block (a shared CPU): a dict of its mean, min, max, count."""
-    x, done, out = [os.getloadavg()[0]], threading.Event(), {}
-
-    def sample() -> None:
-        while not done.wait(every):
-            x.append(os.getloadavg()[0])
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    try:
+    out = {}
+    with sampled(lambda: os.getloadavg()[0], every) as x:
         yield out
-    finally:
-        done.set()
-        thread.join(timeout=2 * every)
-        x.append(os.getloadavg()[0])
-        out.update(mean=round(statistics.fmean(x), 2), min=round(min(x), 2), max=round(max(x), 2), n=len(x))
+    out.update(mean=round(statistics.fmean(x), 2), min=round(min(x), 2), max=round(max(x), 2), n=len(x))
 
 
 def ratios(rows: list[dict[str, Any]], key: str = KEY) -> dict[str, float]:

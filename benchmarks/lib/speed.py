@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -15,6 +14,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from transformers import DynamicCache
 
+from benchmarks.harness.timing import sampled
 from kvsplice.core.build import build_method, needs_prompt
 from kvsplice.decode import Decoder
 from kvsplice.hf import KVSpliceHFCache
@@ -33,24 +33,12 @@ def rss() -> int:
 @contextlib.contextmanager
 def peak_rss(interval: float = 0.002) -> Iterator[dict]:
     """``{start, peak, grown}``: this process's peak resident set size (bytes) while the ``with`` block runs, sampled
-    every ``interval`` seconds (``grown = peak - start``, what the block added, set as it ends)."""
-    start = rss()
-    got = dict(start=start, peak=start, grown=0)
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.wait(interval):
-            got["peak"] = max(got["peak"], rss())
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    try:
+    every ``interval`` seconds (``grown = peak - start``, what the block added; set as it ends)."""
+    got = {}
+    with sampled(rss, interval) as x:
+        got.update(start=x[0], peak=x[0], grown=0)
         yield got
-    finally:
-        stop.set()
-        thread.join()
-        got["peak"] = max(got["peak"], rss())
-        got["grown"] = got["peak"] - got["start"]
+    got.update(peak=max(x), grown=max(x) - x[0])
 
 
 def prefill_and_steps(model, door: str, method, ids: torch.Tensor, capacity: int):

@@ -276,6 +276,18 @@ def test_timers_take_the_median_after_the_warmup():
     assert statistics.median(wall) == timing.median_of(lambda fn, n: wall, lambda: None, 4)
 
 
+def test_sampled_reads_at_the_start_while_running_and_at_the_end():
+    import time
+
+    from benchmarks.harness import timing
+
+    count = iter(range(10_000))
+    with timing.sampled(lambda: next(count), 0.02) as got:
+        assert got == [0]  # the start, before the block's work
+        time.sleep(0.2)
+    assert len(got) >= 4 and got == list(range(len(got)))  # in order, the last one read as the block ended
+
+
 def test_portable_names_paths_as_the_repository_does():
     from benchmarks.harness.paths import DATA, ROOT, portable
 

@@ -283,9 +283,10 @@ def test_sampled_reads_at_the_start_while_running_and_at_the_end():
 
     count = iter(range(10_000))
     with timing.sampled(lambda: next(count), 0.02) as got:
-        assert got == [0]  # the start, before the block's work
         time.sleep(0.2)
-    assert len(got) >= 4 and got == list(range(len(got)))  # in order, the last one read as the block ended
+        seen = len(got)
+    assert seen >= 2 and len(got) > seen  # the start, some while running, one more as the block ended
+    assert got == list(range(len(got)))  # in order
 
 
 def test_portable_names_paths_as_the_repository_does():

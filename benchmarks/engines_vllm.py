@@ -23,7 +23,7 @@ from benchmarks.harness import report
 from benchmarks.harness.options import UsageError
 from benchmarks.harness.paths import CALIB, EVAL, SMOLLM2, TINYSTORIES
 from benchmarks.harness.runner import Study
-from benchmarks.lib.engines import compare, smollm2, trained  # noqa: F401  (the tests call compare here)
+from benchmarks.lib.engines import compare, smollm2, trained_in_engines  # noqa: F401  (the tests call compare here)
 from kvsplice.convert.engines import llama_cpp
 from kvsplice.convert.engines import vllm as vllm_engine
 
@@ -71,8 +71,8 @@ def rows(run):
         raise UsageError(stop)
     new = []
     if a.ckpt:
-        r = trained(a.ckpt, a.text.read_text(encoding="utf-8"), tokens=a.tokens or 96, new=a.new, work=a.work,
-                    engines=engines)
+        r = trained_in_engines(a.ckpt, a.text.read_text(encoding="utf-8"), tokens=a.tokens or 96, new=a.new,
+                               work=a.work, engines=engines)
         name = f"trained {r['model']['variant']}" + ("" if engines == ["vllm"] else f" in {' + '.join(engines)}")
         new.append(dict(r, name=name))
     if a.smollm2:

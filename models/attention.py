@@ -73,12 +73,6 @@ def flash_impl() -> Optional[FlashImpl]:
         return None
 
 
-def flash_attn_func_or_none():
-    """``flash_attn_func`` of the installed FlashAttention (:func:`flash_impl`), or None."""
-    impl = flash_impl()
-    return None if impl is None else impl.fn
-
-
 def flash_unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int, dv: Optional[int] = None,
                              *, installed: Optional[bool] = None,
                              impl: Optional[FlashImpl] = None) -> Optional[str]:

@@ -43,17 +43,14 @@ def fmt(v: Any) -> str:
     return str(v).replace("|", "\\|").replace("\n", " ")
 
 
-class _Missing(KeyError):
-    pass
-
-
 class _Cells(string.Formatter):
-    """``str.format`` over a row where ``!M`` divides by 2**20 and a missing or None field raises :class:`_Missing`."""
+    """``str.format`` over a row where ``!M`` divides by 2**20, ``!y`` reads yes / no and a None field is missing
+    (a ``KeyError``, as an absent one)."""
 
     def get_value(self, key, args, kwargs):
         value = kwargs.get(key) if isinstance(key, str) else args[key]
         if value is None:
-            raise _Missing(key)
+            raise KeyError(key)
         return value
 
     def convert_field(self, value, conversion):

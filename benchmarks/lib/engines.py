@@ -108,7 +108,7 @@ def compare(hf_dir: Path, ids: Sequence[int], prompt: Sequence[int], *, new: int
 
 
 @torch.no_grad()
-def trained(ckpt: Path, text: str, *, tokens: int = 96, new: int = 32, work: Optional[Path] = None,
+def trained_in_engines(ckpt: Path, text: str, *, tokens: int = 96, new: int = 32, work: Optional[Path] = None,
             kernel_rope: bool = True, engines: Sequence[str] = ("vllm",)) -> dict[str, Any]:
     """A trained checkpoint in :func:`compare` (``kernel_rope``: vLLM's RoPE op too), with our f16 cache's bytes."""
     from models.checkpoint import load_gpt_checkpoint

@@ -209,7 +209,7 @@ def test_trained_deepseek_layout_runs_unchanged_in_llama_cpp(tmp_path, data_cach
     assert rc == 0, capsys.readouterr().err[-3000:]
     bench = load_benchmark("engines_vllm")
     text = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. " * 4
-    out = bench.trained(tmp_path / config / "last.ckpt", text, tokens=96, new=64, work=tmp_path / "eng",
+    out = bench.trained_in_engines(tmp_path / config / "last.ckpt", text, tokens=96, new=64, work=tmp_path / "eng",
                         engines=["llama.cpp"])
     assert out["model"]["format"] == fmt and out["tokens"] == 96 and "vllm" not in out
     assert out["greedy"]["llama.cpp"] == out["greedy"]["ours"] == out["greedy"]["transformers"], out["greedy"]

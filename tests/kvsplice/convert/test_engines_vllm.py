@@ -161,7 +161,7 @@ def test_trained_kvsplice_90_in_vllm_equals_transformers(need_vllm, tmp_path, da
               "--wandb.mode", "disabled", "--trainer.enable_progress_bar", "false"])
     assert rc == 0, capsys.readouterr().err[-3000:]
     bench = load_benchmark("engines_vllm")
-    out = bench.trained(tmp_path / "tiny_ds_mla_kvsplice_90" / "last.ckpt", TEXT, tokens=96, new=32,
+    out = bench.trained_in_engines(tmp_path / "tiny_ds_mla_kvsplice_90" / "last.ckpt", TEXT, tokens=96, new=32,
                         work=tmp_path / "eng", kernel_rope=False)  # the CPU RoPE op: the converted model's test
     p = out["perplexity"]
     assert out["tokens"] == 96 and abs(p["vllm"] / p["transformers"] - 1) <= 0.005
